@@ -1,0 +1,1 @@
+"""Kopf operator for SpecModelPair (no torch here)."""
