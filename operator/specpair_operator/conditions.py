@@ -1,0 +1,73 @@
+"""Status conditions in the kstatus convention (Ready, Reconciling, Stalled) plus our own.
+
+kstatus readers (Flux, `kubectl wait --for=condition=Ready`) trust a condition only when its
+observedGeneration equals metadata.generation, so every write stamps it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+READY = "Ready"
+RECONCILING = "Reconciling"
+STALLED = "Stalled"
+GATED = "Gated"
+TOKENIZER_COMPATIBLE = "TokenizerCompatible"
+DRIFTED = "Drifted"
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def get_condition(conditions: list[dict[str, Any]] | None, type_: str) -> dict[str, Any] | None:
+    for c in conditions or []:
+        if c.get("type") == type_:
+            return c
+    return None
+
+
+def set_condition(
+    conditions: list[dict[str, Any]] | None,
+    type_: str,
+    status: bool | str,
+    reason: str,
+    message: str,
+    generation: int | None,
+    now: str | None = None,
+) -> list[dict[str, Any]]:
+    """A new list with `type_` set; lastTransitionTime moves only when the status flips."""
+    status_str = status if isinstance(status, str) else ("True" if status else "False")
+    old = get_condition(conditions, type_)
+    moved = old is None or old.get("status") != status_str
+    new = {
+        "type": type_,
+        "status": status_str,
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+        "lastTransitionTime": (now or now_iso()) if moved else old.get("lastTransitionTime"),
+    }
+    out = [c for c in (conditions or []) if c.get("type") != type_]
+    out.append(new)
+    return sorted(out, key=lambda c: _ORDER.get(c["type"], 99))
+
+
+_ORDER = {READY: 0, RECONCILING: 1, STALLED: 2, GATED: 3, TOKENIZER_COMPATIBLE: 4, DRIFTED: 5}
+
+
+def summary(
+    conditions: list[dict[str, Any]] | None,
+    generation: int | None,
+    *,
+    ready: tuple[bool, str, str],
+    reconciling: tuple[bool, str, str],
+    stalled: tuple[bool, str, str],
+    now: str | None = None,
+) -> list[dict[str, Any]]:
+    """Set the three kstatus conditions at once from (status, reason, message) triples."""
+    out = conditions
+    for type_, (st, reason, msg) in ((READY, ready), (RECONCILING, reconciling), (STALLED, stalled)):
+        out = set_condition(out, type_, st, reason, msg, generation, now)
+    return out or []

@@ -1,0 +1,225 @@
+"""Kubernetes objects the operator owns, as pure functions of the pair and its release.
+
+The release JSON reaches engine and gate pods through a pod annotation projected into a file
+by the downward API: no ConfigMap to create, update or garbage-collect, and the pod template
+changes (so the Deployment rolls) exactly when the release does. Owner references are added
+by the adapter (kopf.adopt), not here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+GROUP = "specpair.io"
+LABEL_PAIR = f"{GROUP}/pair"
+LABEL_VERSION = f"{GROUP}/release-version"
+LABEL_ROLE = f"{GROUP}/role"
+ANN_RELEASE = f"{GROUP}/release"
+ANN_HASH = f"{GROUP}/content-hash"
+RELEASE_DIR = "/etc/specpair"
+RELEASE_FILE = f"{RELEASE_DIR}/release.json"
+CACHE_DIR = "/var/cache/specpair"
+NONROOT_UID = 10001
+
+
+def _dns_name(*parts: str, limit: int = 63) -> str:
+    name = "-".join(p for p in parts if p)
+    return name[:limit].rstrip("-")
+
+
+def engine_name(pair: str) -> str:
+    return _dns_name(pair[:50], "engine")
+
+
+def gate_job_name(pair: str, digest: str) -> str:
+    # Job names end up in a pod label (63 chars max) together with a pod suffix.
+    return _dns_name(pair[:40], "gate", digest[:10])
+
+
+def _labels(pair: str, role: str, version: str | None = None) -> dict[str, str]:
+    labels = {
+        "app.kubernetes.io/name": "specpair-engine",
+        "app.kubernetes.io/instance": pair[:63],
+        "app.kubernetes.io/managed-by": "specpair-operator",
+        LABEL_PAIR: pair[:63],
+        LABEL_ROLE: role,
+    }
+    if version is not None:
+        labels[LABEL_VERSION] = str(version)
+    return labels
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": NONROOT_UID,
+        "runAsGroup": NONROOT_UID,
+        "fsGroup": NONROOT_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _volumes() -> list[dict[str, Any]]:
+    return [
+        {"name": "release", "downwardAPI": {"items": [
+            {"path": "release.json", "fieldRef": {"fieldPath": f"metadata.annotations['{ANN_RELEASE}']"}}]}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+    ]
+
+
+def _mounts() -> list[dict[str, Any]]:
+    return [
+        {"name": "release", "mountPath": RELEASE_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": CACHE_DIR},
+    ]
+
+
+def _env(tracking_uri: str) -> list[dict[str, Any]]:
+    return [
+        {"name": "MLFLOW_TRACKING_URI", "value": tracking_uri},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"},
+        {"name": "SPECPAIR_CACHE_DIR", "value": CACHE_DIR},
+    ]
+
+
+def _placement(rollout: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if rollout.get("nodeSelector"):
+        out["nodeSelector"] = dict(rollout["nodeSelector"])
+    if rollout.get("tolerations"):
+        out["tolerations"] = list(rollout["tolerations"])
+    return out
+
+
+def _release_annotations(release: dict[str, Any], digest: str) -> dict[str, str]:
+    return {ANN_RELEASE: json.dumps(release, sort_keys=True), ANN_HASH: digest}
+
+
+def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
+             rollout: dict[str, Any], tracking_uri: str, deadline_seconds: int = 3600) -> dict[str, Any]:
+    """The Job that gates one release. Never retried by Kubernetes: a failed gate is a result."""
+    labels = _labels(pair, "gate", version)
+    container = {
+        "name": "gate",
+        "image": rollout.get("image", "ghcr.io/specpair/engine:0.1.0"),
+        "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
+        "command": ["python", "-m", "specpair_operator.gate_runner", "--release", RELEASE_FILE],
+        "env": _env(tracking_uri),
+        "volumeMounts": _mounts(),
+        "securityContext": _container_security(),
+    }
+    if rollout.get("resources"):
+        container["resources"] = rollout["resources"]
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": gate_job_name(pair, digest), "namespace": namespace, "labels": labels,
+                     "annotations": {ANN_HASH: digest}},
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": int(deadline_seconds),
+            "template": {
+                "metadata": {"labels": labels, "annotations": _release_annotations(release, digest)},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,
+                    "securityContext": _pod_security(),
+                    "containers": [container],
+                    "volumes": _volumes(),
+                    **_placement(rollout),
+                },
+            },
+        },
+    }
+
+
+def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
+                      rollout: dict[str, Any], tracking_uri: str) -> dict[str, Any]:
+    """The engine Deployment serving one release; the selector is stable across releases."""
+    port = int(rollout.get("port", 50051))
+    selector = {LABEL_PAIR: pair[:63], LABEL_ROLE: "engine"}
+    labels = _labels(pair, "engine", version)
+    container = {
+        "name": "engine",
+        "image": rollout.get("image", "ghcr.io/specpair/engine:0.1.0"),
+        "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
+        "command": ["specpair", "serve", "--release", RELEASE_FILE, "--port", str(port)],
+        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
+        "env": _env(tracking_uri),
+        "volumeMounts": _mounts(),
+        "securityContext": _container_security(),
+        # Model loading takes a while; the gRPC health service says SERVING only once loaded.
+        "startupProbe": {"grpc": {"port": port}, "periodSeconds": 10, "failureThreshold": 60},
+        "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 5},
+        "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 20, "failureThreshold": 3},
+    }
+    if rollout.get("resources"):
+        container["resources"] = rollout["resources"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": engine_name(pair), "namespace": namespace, "labels": labels,
+                     "annotations": {ANN_HASH: digest}},
+        "spec": {
+            "replicas": int(rollout.get("replicas", 1)),
+            "selector": {"matchLabels": selector},
+            "progressDeadlineSeconds": int(rollout.get("progressDeadlineSeconds", 600)),
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": labels, "annotations": _release_annotations(release, digest)},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "securityContext": _pod_security(),
+                    "containers": [container],
+                    "volumes": _volumes(),
+                    **_placement(rollout),
+                },
+            },
+        },
+    }
+
+
+def engine_service(pair: str, namespace: str, rollout: dict[str, Any]) -> dict[str, Any]:
+    port = int(rollout.get("port", 50051))
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": engine_name(pair), "namespace": namespace, "labels": _labels(pair, "engine")},
+        "spec": {
+            "selector": {LABEL_PAIR: pair[:63], LABEL_ROLE: "engine"},
+            "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}],
+        },
+    }
+
+
+def deployment_rollout_state(deployment: dict[str, Any] | None, digest: str) -> tuple[str, str]:
+    """('absent'|'progressing'|'available'|'failed', message) for the Deployment serving `digest`."""
+    if not deployment:
+        return "absent", "engine Deployment not created yet"
+    meta, spec, status = deployment.get("metadata", {}), deployment.get("spec", {}), deployment.get("status") or {}
+    if (meta.get("annotations") or {}).get(ANN_HASH) != digest:
+        return "progressing", "engine Deployment not yet updated to this release"
+    if status.get("observedGeneration", 0) < meta.get("generation", 1):
+        return "progressing", "Deployment controller has not observed the new template yet"
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+            return "failed", f"rollout failed: {cond.get('message') or 'progress deadline exceeded'}"
+    want = int(spec.get("replicas", 1))
+    updated = int(status.get("updatedReplicas", 0))
+    available = int(status.get("availableReplicas", 0))
+    total = int(status.get("replicas", 0))
+    if updated >= want and available >= want and total <= want:
+        return "available", f"{available}/{want} engine pods available"
+    return "progressing", f"{updated}/{want} updated, {available}/{want} available"

@@ -1,0 +1,150 @@
+"""A release: the immutable content of one SpecModelPair spec, and its content hash.
+
+The release is what the gate Job is handed (the JSON contract in TEAM.md) and what the MLflow
+registry stores as one model version. Only fields that change what the engine computes or how
+it is judged go into the hash: rollout (replicas, image) and drift policy do not, so scaling a
+pair never creates a new release.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any
+
+HASH_PREFIX_LEN = 12
+
+SPECULATION_DEFAULTS = {"k": 4, "dynamicK": True, "fallbackThreshold": 0.5, "batchSizeThreshold": 8}
+THRESHOLD_DEFAULTS = {
+    "requireGreedyIdentity": True,
+    "minAcceptance": 0.0,
+    "minCategoryAcceptance": {},
+    "minSpeedup": 0.0,
+}
+DEFAULT_MAX_NEW_TOKENS = 32
+
+
+def effective_model_name(name: str, namespace: str, spec: dict[str, Any]) -> str:
+    """The registered model name: spec.mlflow.modelName, or NAMESPACE-NAME (unique per pair)."""
+    given = ((spec.get("mlflow") or {}).get("modelName") or "").strip()
+    return given or f"{namespace}-{name}"
+
+
+def _model_ref(ref: dict[str, Any] | None) -> dict[str, Any]:
+    ref = dict(ref or {})
+    if ref.get("drafter"):
+        return {"drafter": ref["drafter"]}
+    return {"source": ref.get("source"), "revision": ref.get("revision")}
+
+
+def build_release(
+    name: str,
+    namespace: str,
+    spec: dict[str, Any],
+    prompts: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The release JSON for a spec, with defaults filled the same way the CRD fills them.
+
+    `prompts` are the golden prompts already resolved (inline or read from the ConfigMap);
+    an empty list means the gate's built-in set.
+    """
+    gating = spec.get("gating") or {}
+    thresholds = {**THRESHOLD_DEFAULTS, **(gating.get("thresholds") or {})}
+    thresholds["minCategoryAcceptance"] = dict(sorted((thresholds.get("minCategoryAcceptance") or {}).items()))
+    return {
+        "pair": name,
+        "namespace": namespace,
+        "target": _model_ref(spec.get("target")),
+        "draft": _model_ref(spec.get("draft")),
+        "speculation": {**SPECULATION_DEFAULTS, **(spec.get("speculation") or {})},
+        "gating": {
+            "prompts": [
+                {"prompt": p["prompt"], "category": p.get("category") or "general"} for p in prompts
+            ],
+            "maxNewTokens": int(gating.get("maxNewTokens") or DEFAULT_MAX_NEW_TOKENS),
+            "thresholds": thresholds,
+        },
+    }
+
+
+def content_hash(release: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of everything in the release except where it is deployed.
+
+    pair/namespace and the mlflow block are excluded: they say where the release lives, not
+    what it is.
+    """
+    content = {k: v for k, v in release.items() if k not in ("pair", "namespace", "mlflow")}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def with_mlflow(release: dict[str, Any], tracking_uri: str, model_name: str, version: str) -> dict[str, Any]:
+    """The release as handed to the gate: plus where to log and which version it is."""
+    out = copy.deepcopy(release)
+    out["mlflow"] = {"trackingUri": tracking_uri, "modelName": model_name, "version": str(version)}
+    return out
+
+
+def parse_prompt_lines(text: str) -> list[dict[str, Any]]:
+    """Golden prompts from a ConfigMap value: JSON lines, or one JSON array."""
+    text = text.strip()
+    if not text:
+        return []
+    if text.startswith("["):
+        items = json.loads(text)
+    else:
+        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    prompts = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
+            raise ValueError(f"golden prompt #{i} has no 'prompt' string")
+        prompts.append({"prompt": item["prompt"], "category": item.get("category") or "general"})
+    return prompts
+
+
+def describe_release(release: dict[str, Any], digest: str) -> str:
+    """A model-version description a person can read in the MLflow UI (markdown)."""
+    def ref(r: dict[str, Any]) -> str:
+        if r.get("drafter"):
+            return f"model-free drafter `{r['drafter']}`"
+        rev = f" @ `{r['revision']}`" if r.get("revision") else ""
+        return f"`{r.get('source')}`{rev}"
+
+    spec = release["speculation"]
+    gating = release["gating"]
+    th = gating["thresholds"]
+    cats = ", ".join(f"{c} >= {v}" for c, v in th["minCategoryAcceptance"].items()) or "none"
+    prompts = f"{len(gating['prompts'])} inline" if gating["prompts"] else "built-in set"
+    return "\n".join(
+        [
+            f"Speculative-decoding release of pair `{release['namespace']}/{release['pair']}`.",
+            "",
+            f"- target: {ref(release['target'])}",
+            f"- draft: {ref(release['draft'])}",
+            f"- speculation: k={spec['k']}, dynamic k={spec['dynamicK']}, "
+            f"fallback below {spec['fallbackThreshold']}, off at batch >= {spec['batchSizeThreshold']}",
+            f"- golden prompts: {prompts}, {gating['maxNewTokens']} new tokens each",
+            f"- thresholds: greedy identity {'required' if th['requireGreedyIdentity'] else 'not required'}, "
+            f"acceptance >= {th['minAcceptance']}, per category: {cats}, speedup >= {th['minSpeedup']}",
+            f"- content hash: `{digest}`",
+        ]
+    )
+
+
+def release_tags(release: dict[str, Any], digest: str) -> dict[str, str]:
+    """Model-version tags (strings only, as MLflow stores them)."""
+    tags = {
+        "specpair.content_hash": digest,
+        "specpair.pair": f"{release['namespace']}/{release['pair']}",
+        "specpair.target.source": str(release["target"].get("source")),
+        "specpair.target.revision": str(release["target"].get("revision") or ""),
+        "specpair.speculation": json.dumps(release["speculation"], sort_keys=True),
+        "specpair.gate.status": "pending",
+    }
+    if release["draft"].get("drafter"):
+        tags["specpair.draft.drafter"] = release["draft"]["drafter"]
+    else:
+        tags["specpair.draft.source"] = str(release["draft"].get("source"))
+        tags["specpair.draft.revision"] = str(release["draft"].get("revision") or "")
+    return tags

@@ -1,0 +1,203 @@
+"""Pure decisions of the operator: releases, verdicts, aliases, drift, conditions, manifests."""
+
+import json
+
+import kubernetes_validate
+import pytest
+
+from specpair_operator import aliases, conditions, drift, gate_verdict, manifests, release
+
+SPEC = {
+    "target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "abc123"},
+    "draft": {"drafter": "ngram"},
+    "speculation": {"k": 5},
+    "gating": {"thresholds": {"minAcceptance": 0.3, "minCategoryAcceptance": {"code": 0.4}}},
+    "rollout": {"replicas": 2},
+}
+PROMPTS = [{"prompt": "def f(x):", "category": "code"}, {"prompt": "Hello"}]
+
+
+def test_same_spec_same_hash_and_rollout_changes_do_not_make_a_release():
+    a = release.build_release("p", "ns", SPEC, PROMPTS)
+    b = release.build_release("other", "ns2", {**SPEC, "rollout": {"replicas": 7, "image": "x"},
+                                               "drift": {"tolerance": 0.3}}, PROMPTS)
+    assert release.content_hash(a) == release.content_hash(b)
+    assert a["speculation"] == {"k": 5, "dynamicK": True, "fallbackThreshold": 0.5, "batchSizeThreshold": 8}
+    assert a["gating"]["prompts"][1]["category"] == "general"
+    assert a["draft"] == {"drafter": "ngram"}
+
+
+@pytest.mark.parametrize("change", [
+    {"speculation": {"k": 6}},
+    {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "def456"}},
+    {"draft": {"source": "some/draft"}},
+    {"gating": {"thresholds": {"minAcceptance": 0.31}}},
+])
+def test_changed_content_changes_the_hash(change):
+    base = release.content_hash(release.build_release("p", "ns", SPEC, PROMPTS))
+    assert release.content_hash(release.build_release("p", "ns", {**SPEC, **change}, PROMPTS)) != base
+    assert release.content_hash(release.build_release("p", "ns", SPEC, PROMPTS[:1])) != base
+
+
+def test_model_name_defaults_and_tags_and_description():
+    assert release.effective_model_name("p", "ns", SPEC) == "ns-p"
+    assert release.effective_model_name("p", "ns", {"mlflow": {"modelName": "m"}}) == "m"
+    rel = release.build_release("p", "ns", SPEC, PROMPTS)
+    digest = release.content_hash(rel)
+    tags = release.release_tags(rel, digest)
+    assert tags["specpair.content_hash"] == digest and tags["specpair.draft.drafter"] == "ngram"
+    assert all(isinstance(v, str) for v in tags.values())
+    text = release.describe_release(rel, digest)
+    assert "abc123" in text and "n-gram" not in text and "ngram" in text and "code >= 0.4" in text
+    gated = release.with_mlflow(rel, "http://m", "ns-p", 3)
+    assert gated["mlflow"]["version"] == "3" and release.content_hash(gated) == digest
+
+
+def test_prompt_lines_parse_jsonl_and_array_and_reject_garbage():
+    assert release.parse_prompt_lines('{"prompt": "a", "category": "c"}\n\n{"prompt": "b"}\n') == [
+        {"prompt": "a", "category": "c"}, {"prompt": "b", "category": "general"}]
+    assert release.parse_prompt_lines('[{"prompt": "a"}]') == [{"prompt": "a", "category": "general"}]
+    with pytest.raises(ValueError):
+        release.parse_prompt_lines('{"text": "a"}')
+
+
+GOOD = {"passed": True, "reasons": [], "tokenizer": {"compatible": True, "differences": []},
+        "greedyIdentity": 1.0, "acceptanceRate": 0.7, "speedup": 1.4,
+        "categories": {"code": {"acceptanceRate": 0.8}, "chat": {"acceptanceRate": 0.5}}}
+TH = {"requireGreedyIdentity": True, "minAcceptance": 0.5, "minCategoryAcceptance": {"code": 0.6}, "minSpeedup": 1.1}
+
+
+def test_passing_verdict():
+    out = gate_verdict.evaluate_verdict(GOOD, TH)
+    assert out.passed and out.reason == "GatePassed" and "speedup 1.40x" in out.message
+    assert gate_verdict.baseline_from_verdict(GOOD) == {"*": 0.7, "code": 0.8, "chat": 0.5}
+
+
+def test_operator_rechecks_thresholds_even_if_gate_said_pass():
+    lax = {**GOOD, "acceptanceRate": 0.42, "speedup": 0.9, "categories": {"code": {"acceptanceRate": 0.55}}}
+    out = gate_verdict.evaluate_verdict(lax, TH)
+    assert not out.passed and out.reason == "ThresholdsNotMet"
+    assert "acceptance 0.420 < minAcceptance 0.500 (short by 0.080)" in out.message
+    assert "category 'code' acceptance 0.550 < 0.600 (short by 0.050)" in out.message
+    assert "speedup 0.900x < minSpeedup 1.100x (short by 0.200x)" in out.message
+
+
+def test_identity_failure_and_tokenizer_mismatch_and_garbage():
+    out = gate_verdict.evaluate_verdict({**GOOD, "passed": False, "greedyIdentity": 0.9, "reasons": ["identity 0.9"]}, TH)
+    assert not out.passed and "identity 0.9" in out.failures and any("greedy identity 0.900" in f for f in out.failures)
+    tok = {**GOOD, "passed": False, "tokenizer": {"compatible": False, "differences": ["vocab size 49152 != 32000"]}}
+    out = gate_verdict.evaluate_verdict(tok, TH)
+    assert out.reason == "TokenizerMismatch" and out.tokenizer_compatible is False and "49152 != 32000" in out.message
+    assert gate_verdict.evaluate_verdict({"passed": "yes"}, TH).reason == "VerdictInvalid"
+
+
+def test_promotion_moves_previous_before_champion_and_is_idempotent():
+    assert aliases.plan_promotion({}, "1") == [aliases.AliasMove("champion", "1")]
+    moves = aliases.plan_promotion({"champion": "1", "candidate": "2"}, "2")
+    assert moves == [aliases.AliasMove("previous", "1"), aliases.AliasMove("champion", "2")]
+    # killed after the first move: redoing finishes the job without touching previous again
+    assert aliases.plan_promotion({"champion": "1", "previous": "1"}, "2") == [aliases.AliasMove("champion", "2")]
+    assert aliases.plan_promotion({"champion": "2", "previous": "1"}, "2") == []
+
+
+def test_rollback_goes_to_previous_once():
+    assert aliases.plan_rollback({"champion": "2", "previous": "1"}) == [aliases.AliasMove("champion", "1")]
+    assert aliases.plan_rollback({"champion": "1", "previous": "1"}) == []
+    assert aliases.rollback_target({"champion": "1"}) is None
+
+
+def samples(*points):
+    return [{"t": t, "cats": {c: list(v) for c, v in cats.items()}} for t, cats in points]
+
+
+def test_windowed_counts_take_differences_over_the_window_and_survive_restarts():
+    s = samples((0, {"code": (100, 80)}), (50, {"code": (300, 200)}), (100, {"code": (500, 260)}))
+    assert drift.windowed_counts(s, 60) == {"code": (400, 180)}  # newest - sample at t=0 (>= 60s older)
+    assert drift.windowed_counts(s, 40) == {"code": (200, 60)}
+    restarted = s + samples((110, {"code": (10, 9)}), (120, {"code": (60, 50)}))
+    assert drift.windowed_counts(restarted, 60) == {"code": (50, 41)}
+    assert drift.windowed_counts(s[:1], 60) == {}
+
+
+POLICY = drift.DriftPolicy(tolerance=0.1, noise_allowance=0.05, min_drafted=100, consecutive=2)
+
+
+def test_judge_window_uses_tolerance_noise_and_minimum_sample():
+    base = {"*": 0.7, "code": 0.8, "chat": 0.5}
+    breaches, judged = drift.judge_window(base, {"code": (200, 130), "chat": (50, 0)}, POLICY)
+    # code 0.65 is inside 0.8 - 0.15; chat has too few tokens; overall 130/250=0.52 < 0.55
+    assert judged == ["*", "code"] and [b.category for b in breaches] == ["*"]
+    breaches, _ = drift.judge_window(base, {"code": (200, 100)}, POLICY)
+    assert {b.category for b in breaches} == {"*", "code"}
+    assert "category 'code' acceptance 0.500 over 200 drafted tokens < 0.650" in breaches[1].message(POLICY)
+
+
+def test_ladder_needs_consecutive_breaches_then_escalates():
+    b = [drift.Breach("code", 0.1, 0.8, 500)]
+    st = drift.DriftState()
+    st, act = drift.next_step(st, b, ["code"], POLICY)
+    assert act is None and st.breaches_in_row == 1
+    st, act = drift.next_step(st, [], ["code"], POLICY)  # one good window resets the streak
+    assert act is None and st.breaches_in_row == 0
+    st, _ = drift.next_step(st, b, ["code"], POLICY)
+    st, act = drift.next_step(st, b, ["code"], POLICY)
+    assert act == drift.SPECULATION_OFF and st == drift.DriftState(0, 1)
+    # speculation off: nothing drafted, nothing judged -> the drift counts as persisting
+    st, act = drift.next_step(st, [], [], POLICY)
+    st, act = drift.next_step(st, [], [], POLICY)
+    assert act == drift.ROLLBACK
+    st, act = drift.next_step(st, b, ["code"], POLICY)
+    st, act = drift.next_step(st, b, ["code"], POLICY)
+    assert act is None  # ladder exhausted
+    # no traffic before any step is neither breach nor recovery
+    assert drift.next_step(drift.DriftState(1, 0), [], [], POLICY) == (drift.DriftState(1, 0), None)
+
+
+def test_fingerprint_mismatch_ignores_unknown_sides():
+    assert drift.fingerprint_mismatch({"target": "a" * 64, "draft": None}, {"target": "a" * 64, "draft": "b" * 64}) == []
+    msg = drift.fingerprint_mismatch({"target": "a" * 64, "draft": "c" * 64}, {"target": "a" * 64, "draft": "b" * 64})
+    assert msg == ["draft tokenizer fingerprint bbbbbbbbbbbb != released cccccccccccc"]
+
+
+def test_conditions_keep_transition_time_unless_status_flips():
+    c = conditions.set_condition([], "Ready", False, "Gating", "m", 1, now="t1")
+    c = conditions.set_condition(c, "Ready", False, "Gating", "m2", 2, now="t2")
+    assert c[0]["lastTransitionTime"] == "t1" and c[0]["observedGeneration"] == 2 and c[0]["message"] == "m2"
+    c = conditions.set_condition(c, "Ready", True, "Serving", "ok", 2, now="t3")
+    assert c[0]["lastTransitionTime"] == "t3" and c[0]["status"] == "True"
+    c = conditions.summary(c, 2, ready=(True, "A", ""), reconciling=(False, "B", ""), stalled=(False, "C", ""))
+    assert [x["type"] for x in c] == ["Ready", "Reconciling", "Stalled"]
+
+
+def test_manifests_validate_against_kubernetes_schemas_and_run_unprivileged():
+    rel = release.build_release("p", "ns", SPEC, PROMPTS)
+    digest = release.content_hash(rel)
+    rollout = {"replicas": 2, "image": "img:1", "resources": {"limits": {"nvidia.com/gpu": 1}},
+               "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}], "port": 6000}
+    job = manifests.gate_job("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000")
+    dep = manifests.engine_deployment("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000")
+    svc = manifests.engine_service("p", "ns", rollout)
+    for obj in (job, dep, svc):
+        kubernetes_validate.validate(obj, "1.33.0", strict=True)
+    for obj in (job, dep):
+        pod = obj["spec"]["template"]
+        assert json.loads(pod["metadata"]["annotations"][manifests.ANN_RELEASE]) == rel
+        c = pod["spec"]["containers"][0]
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] and c["securityContext"]["readOnlyRootFilesystem"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and pod["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert job["spec"]["backoffLimit"] == 0 and len(job["metadata"]["name"]) <= 63
+    assert manifests.gate_job_name("x" * 80, digest) == "x" * 40 + "-gate-" + digest[:10]
+    assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
+    assert set(dep["spec"]["selector"]["matchLabels"].items()) <= set(dep["spec"]["template"]["metadata"]["labels"].items())
+
+
+def test_deployment_rollout_state():
+    dep = {"metadata": {"generation": 2, "annotations": {manifests.ANN_HASH: "h"}}, "spec": {"replicas": 2},
+           "status": {"observedGeneration": 1}}
+    assert manifests.deployment_rollout_state(None, "h")[0] == "absent"
+    assert manifests.deployment_rollout_state(dep, "other")[0] == "progressing"
+    assert manifests.deployment_rollout_state(dep, "h")[0] == "progressing"
+    dep["status"] = {"observedGeneration": 2, "replicas": 2, "updatedReplicas": 2, "availableReplicas": 2}
+    assert manifests.deployment_rollout_state(dep, "h")[0] == "available"
+    dep["status"]["conditions"] = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}]
+    assert manifests.deployment_rollout_state(dep, "h")[0] == "failed"
