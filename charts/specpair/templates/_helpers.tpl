@@ -1,0 +1,100 @@
+{{/* Names and labels shared by every template. */}}
+
+{{- define "specpair.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "specpair.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specpair.metaLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: specpair
+{{- end -}}
+
+{{- define "specpair.labels" -}}
+app.kubernetes.io/name: {{ include "specpair.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{ include "specpair.metaLabels" . }}
+{{- end -}}
+
+{{- define "specpair.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specpair.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "specpair.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "specpair.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A digest pins the exact bytes; otherwise the tag (defaulting to the app version). */}}
+{{- define "specpair.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The namespaced rules, exactly those of operator/rbac.yaml (the operator's own list of what it
+calls). Used both by the ClusterRole (all namespaces) and by each per-namespace Role.
+*/}}
+{{- define "specpair.namespacedRules" -}}
+# The pairs: watch them, annotate them (Kopf's progress state), write status. Never spec.
+- apiGroups: [specpair.io]
+  resources: [specmodelpairs]
+  verbs: [get, list, watch, patch]
+- apiGroups: [specpair.io]
+  resources: [specmodelpairs/status]
+  verbs: [get, patch, update]
+# Engine Deployments it rolls (owner references let the garbage collector delete them).
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch]
+# The engine Service in front of each Deployment.
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, patch]
+# Gate Jobs: one per release, never deleted by the operator.
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create]
+# Engine pods: readiness and IPs, to call GetModelInfo / GetStats over gRPC. Read only.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+# Golden prompts given as gating.configMapRef.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get]
+# Every promotion, rollback and drift action is an Event on the pair.
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}
+
+{{/* The MLflow credentials Secret, readable only by name and only when asked for. */}}
+{{- define "specpair.secretRule" -}}
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+  resourceNames: [{{ .Values.mlflow.credentialsSecret.name | quote }}]
+{{- end -}}
