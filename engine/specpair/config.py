@@ -1,0 +1,66 @@
+"""Settings shared by the engine, the gRPC server, the gate and the operator. Torch-free on purpose."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from specpair.errors import SpecpairError
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """How the engine speculates. Part of a release: the gate tunes k and the batch threshold."""
+
+    k: int = 4                       # draft tokens per round (starting value when dynamic)
+    dynamic_k: bool = True           # grow k on full acceptance, shrink on rejection
+    k_min: int = 1
+    k_max: int = 8
+    fallback_threshold: float = 0.5  # windowed acceptance below this -> target-only decoding
+    fallback_window: int = 200       # draft tokens in the acceptance window
+    probe_interval: int = 64         # target-only tokens before speculation is probed again
+    batch_size_threshold: int = 8    # speculation off when the running batch is larger
+    enabled: bool = True
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise SpecpairError(f"speculation k must be >= 1, got {self.k}")
+        if not 1 <= self.k_min <= self.k_max:
+            raise SpecpairError(f"need 1 <= k_min <= k_max, got {self.k_min}, {self.k_max}")
+        if not 0.0 <= self.fallback_threshold <= 1.0:
+            raise SpecpairError(f"fallback_threshold must be in [0, 1], got {self.fallback_threshold}")
+        if self.fallback_window < 1 or self.probe_interval < 1:
+            raise SpecpairError("fallback_window and probe_interval must be >= 1")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """One request's decoding settings. temperature 0 means greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0          # 0: no top-k filter
+    top_p: float = 1.0      # 1.0: no nucleus filter
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    speculation_k: int | None = None   # per-request override: None = engine's k, 0 = off
+    category: str = ""
+
+    def __post_init__(self):
+        if self.max_new_tokens <= 0:
+            raise SpecpairError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise SpecpairError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SpecpairError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SpecpairError(f"top_k must be >= 0, got {self.top_k}")
+        if self.speculation_k is not None and self.speculation_k < 0:
+            raise SpecpairError(f"speculation k must be >= 0 (0 = off), got {self.speculation_k}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

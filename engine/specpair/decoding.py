@@ -1,0 +1,425 @@
+"""The speculative decoding loop: draft k tokens, verify them in one target pass, keep what matches.
+
+A `Batch` holds the running sequences; `step()` advances every row by one verification round
+(each row accepts its own number of drafts) and reports what each row emitted. Rows join and
+leave at step boundaries, which is all continuous batching needs. `SpeculativeEngine.generate`
+runs a batch to completion for the CLI, the bench and the gate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specpair.config import GenerationParams, SpeculationConfig
+from specpair.drafters import Drafter, ModelDrafter, RowSampling
+from specpair.errors import SpecpairError, TokenizerMismatch
+from specpair.kv_cache import BatchedKVModel
+from specpair.rejection_sampler import greedy_verify, process_logits, rejection_sample
+from specpair.stats import AcceptanceStats, AcceptanceWindow
+from specpair.tokenizer_identity import compare, fingerprint
+
+
+class DynamicK:
+    """Grow k after a fully accepted round, shrink after a rejection (transformers' heuristic)."""
+
+    def __init__(self, config: SpeculationConfig):
+        self.config = config
+        self.k = config.k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not self.config.dynamic_k or drafted == 0:
+            return
+        if accepted == drafted:
+            self.k = min(self.config.k_max, self.k + 2)
+        else:
+            self.k = max(self.config.k_min, self.k - 1)
+
+
+class SpeculationController:
+    """Engine-wide switch: fall back to target-only when windowed acceptance is too low.
+
+    While speculating, acceptance over the last `fallback_window` draft tokens is tracked; once the
+    window is full and below `fallback_threshold`, speculation stops. After `probe_interval`
+    target-only tokens it is probed again with a fresh window, so speculation resumes when the
+    traffic changes back.
+    """
+
+    def __init__(self, config: SpeculationConfig):
+        self.config = config
+        self.window = AcceptanceWindow(config.fallback_window)
+        self.falling_back = False
+        self.target_only_tokens = 0
+        self.fallback_events = 0
+        self.enabled = config.enabled
+        self.k_override: int | None = None      # SetSpeculation at run time
+
+    def should_speculate(self) -> bool:
+        return self.enabled and not self.falling_back
+
+    def record(self, drafted: int, accepted: int, emitted_target_only: int) -> bool:
+        """Feed one round; returns True when this round triggered a fallback."""
+        if self.falling_back:
+            self.target_only_tokens += emitted_target_only
+            if self.target_only_tokens >= self.config.probe_interval:
+                self.falling_back = False
+                self.window.clear()
+            return False
+        self.window.add(drafted, accepted)
+        if self.window.full and (self.window.rate or 0.0) < self.config.fallback_threshold:
+            self.falling_back = True
+            self.target_only_tokens = 0
+            self.fallback_events += 1
+            return True
+        return False
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class Sequence:
+    """One request's row in the batch."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: GenerationParams
+    generator: torch.Generator | None
+    dynamic_k: DynamicK
+    tokens: list[int] = field(default_factory=list)      # prompt + generated
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    finished: bool = False
+    finish_reason: str | None = None
+    emitted_text: str = ""
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids):]
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    stats: AcceptanceStats
+    seconds: float
+    time_to_first_token: float
+
+    def to_dict(self) -> dict:
+        return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": len(self.token_ids), "seconds": round(self.seconds, 6),
+                "time_to_first_token": round(self.time_to_first_token, 6),
+                **self.stats.to_dict()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SpeculativeEngine:
+    """A target model, an optional drafter, and the settings that pair them."""
+
+    def __init__(self, target, drafter: Drafter | None = None, draft=None,
+                 speculation: SpeculationConfig | None = None, *,
+                 on_mismatch: str = "error", check_tokenizers: bool = True):
+        """target/draft: LoadedModel. drafter: a Drafter; built from `draft` when not given.
+
+        on_mismatch: "error" refuses an incompatible draft; "target-only" serves without
+        speculation and says so in `self.warnings`.
+        """
+        self.target = target
+        self.config = speculation or SpeculationConfig()
+        self.controller = SpeculationController(self.config)
+        self.warnings: list[str] = []
+        self.vocab_size = len(target.tokenizer)
+        self.target_fingerprint = fingerprint(target.tokenizer, embedding_rows=target.embedding_rows)
+        self.draft_fingerprint = None
+        self.tokenizer_check = None
+        if drafter is None and draft is not None:
+            if check_tokenizers:
+                self.draft_fingerprint = fingerprint(draft.tokenizer,
+                                                     embedding_rows=draft.embedding_rows)
+                self.tokenizer_check = compare(self.draft_fingerprint, self.target_fingerprint)
+                if not self.tokenizer_check.compatible:
+                    if on_mismatch != "target-only":
+                        raise TokenizerMismatch(self.tokenizer_check.differences)
+                    self.warnings.append("draft tokenizer differs from the target's; serving "
+                                         "target-only: " + "; ".join(self.tokenizer_check.differences))
+                    draft = None
+            if draft is not None:
+                drafter = ModelDrafter(draft, vocab_size=self.vocab_size)
+        self.drafter = drafter
+        self.draft = draft
+        eos = target.model.generation_config.eos_token_id if getattr(
+            target.model, "generation_config", None) is not None else None
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if target.tokenizer.eos_token_id is not None:
+            ids.add(target.tokenizer.eos_token_id)
+        self.eos_ids = ids
+        self._ids = itertools.count()
+
+    # -- prompts -----------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
+        tok = self.target.tokenizer
+        if isinstance(prompt, list) or chat:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            if not messages:
+                raise SpecpairError("empty prompt: at least one chat message is needed")
+            for m in messages:
+                if m.get("role") not in ("system", "user", "assistant", "tool"):
+                    raise SpecpairError(f"unknown chat role {m.get('role')!r}")
+            if not getattr(tok, "chat_template", None):
+                raise SpecpairError("this tokenizer has no chat template; send plain text")
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            ids = list(ids)
+        else:
+            if not prompt or not prompt.strip():
+                raise SpecpairError("empty prompt")
+            ids = tok(prompt, add_special_tokens=True)["input_ids"]
+        if not ids:
+            raise SpecpairError("prompt encodes to no tokens")
+        return ids
+
+    def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
+        limit = self.target.context_length
+        if len(prompt_ids) >= limit:
+            raise SpecpairError(f"prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
+        if len(prompt_ids) + params.max_new_tokens > limit:
+            raise SpecpairError(
+                f"max_new_tokens {params.max_new_tokens} + prompt {len(prompt_ids)} tokens exceeds "
+                f"the model's context of {limit}")
+
+    # -- running ------------------------------------------------------------------------------
+
+    def new_batch(self) -> "Batch":
+        return Batch(self)
+
+    def generate(self, prompts: list, params: GenerationParams | list[GenerationParams] | None = None,
+                 *, chat: bool = False, speculate: bool = True) -> list[GenerationResult]:
+        """Run prompts as one batch to completion (greedy unless params say otherwise)."""
+        params = params or GenerationParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        batch = self.new_batch()
+        batch.speculate = speculate
+        for prompt, p in zip(prompts, plist):
+            batch.add(self.encode(prompt, chat=chat), p)
+        while batch.active:
+            batch.step()
+        return [batch.result(seq) for seq in batch.admitted]
+
+
+class Batch:
+    """The running rows of one engine. Not thread-safe: one owner calls add/cancel/step."""
+
+    def __init__(self, engine: SpeculativeEngine):
+        self.engine = engine
+        self.target = BatchedKVModel(engine.target.model, vocab_size=engine.vocab_size)
+        self.drafter = engine.drafter
+        if isinstance(self.drafter, ModelDrafter):
+            # Each batch needs its own draft cache; share the weights.
+            self.drafter = ModelDrafter(self.drafter.loaded, engine.vocab_size)
+        self.rows: list[Sequence] = []
+        self.done: list[Sequence] = []
+        self.admitted: list[Sequence] = []    # every row ever added, in order
+        self.speculate = True
+        self.device = engine.target.device
+        self.last_k = 0
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    def add(self, prompt_ids: list[int], params: GenerationParams, request_id: str | None = None
+            ) -> Sequence:
+        self.engine.validate(prompt_ids, params)
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed if params.seed is not None
+                                  else int(torch.randint(0, 2**62, (1,))))
+        seq = Sequence(request_id=request_id or f"req-{next(self.engine._ids)}",
+                       prompt_ids=list(prompt_ids), params=params, generator=generator,
+                       dynamic_k=DynamicK(self.engine.config), tokens=list(prompt_ids))
+        self.rows.append(seq)
+        self.admitted.append(seq)
+        self.target.add_rows(1)
+        if self.drafter is not None:
+            self.drafter.add_rows(1)
+        return seq
+
+    def cancel(self, request_id: str) -> None:
+        for seq in self.rows:
+            if seq.request_id == request_id:
+                seq.finished, seq.finish_reason = True, "cancelled"
+        self._drop_finished()
+
+    # -- one round -----------------------------------------------------------------------------
+
+    def _ks(self) -> list[int]:
+        eng = self.engine
+        on = (self.speculate and self.drafter is not None and eng.controller.should_speculate()
+              and self.active <= eng.config.batch_size_threshold)
+        ks = []
+        for seq in self.rows:
+            k = seq.dynamic_k.k
+            if eng.controller.k_override is not None:
+                k = eng.controller.k_override
+            if seq.params.speculation_k is not None:
+                k = seq.params.speculation_k
+            remaining = seq.params.max_new_tokens - len(seq.generated) - 1
+            ks.append(max(0, min(k, remaining)) if on else 0)
+        return ks
+
+    def step(self) -> list[StepOutput]:
+        if not self.rows:
+            return []
+        eng = self.engine
+        B = self.active
+        sampling = RowSampling(
+            temperature=torch.tensor([s.params.temperature for s in self.rows], device=self.device),
+            top_k=torch.tensor([s.params.top_k for s in self.rows], device=self.device),
+            top_p=torch.tensor([s.params.top_p for s in self.rows], device=self.device),
+            generators=[s.generator for s in self.rows])
+        ks = self._ks()
+        self.last_k = max(ks, default=0)
+        sequences = [s.tokens for s in self.rows]
+
+        # Draft.
+        t0 = time.perf_counter()
+        if self.drafter is not None and any(ks):
+            proposal = self.drafter.propose(sequences, ks, sampling)
+            drafts, num, q = proposal.tokens, proposal.num, proposal.probs
+        else:
+            drafts = torch.zeros(B, 0, dtype=torch.long, device=self.device)
+            num = torch.zeros(B, dtype=torch.long, device=self.device)
+            q = None
+        _sync(self.device)
+        t1 = time.perf_counter()
+
+        # Verify: each row feeds what the target has not cached plus its drafts.
+        committed = [len(s.tokens) for s in self.rows]
+        nums = num.tolist()
+        feed = [s.tokens[self.target.lengths[i]:] + drafts[i, :nums[i]].tolist()
+                for i, s in enumerate(self.rows)]
+        K = max(nums, default=0)
+        logits = self.target.extend(feed, last=K + 1)                       # [B, K+1, V] right-aligned
+        # Left-align each row's K_i + 1 verification logits.
+        offset = (K - num).view(B, 1) + torch.arange(K + 1, device=self.device).view(1, K + 1)
+        offset = offset.clamp(max=K)
+        logits = logits.gather(1, offset.unsqueeze(-1).expand(B, K + 1, logits.shape[-1]))
+        drafts = drafts[:, :K]
+
+        greedy_rows = sampling.temperature <= 0
+        accepted, next_token = greedy_verify(logits, drafts, num)
+        if not bool(greedy_rows.all()):
+            p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            if q is None:   # deterministic drafter: point masses on its tokens
+                q = torch.zeros(B, K, p.shape[-1], device=self.device, dtype=p.dtype)
+                if K:
+                    q.scatter_(-1, drafts.unsqueeze(-1), 1.0)
+            q = q[:, :K].to(p.dtype)
+            s_acc, s_next = rejection_sample(p, q, drafts, num, sampling.generators)
+            accepted = torch.where(greedy_rows, accepted, s_acc)
+            next_token = torch.where(greedy_rows, next_token, s_next)
+        _sync(self.device)
+        t2 = time.perf_counter()
+
+        accepted_l, next_l = accepted.tolist(), next_token.tolist()
+        drafts_l = drafts.tolist()
+        outputs = []
+        for i, seq in enumerate(self.rows):
+            a = accepted_l[i]
+            self.target.rollback(i, committed[i] + a)
+            if self.drafter is not None:
+                self.drafter.accepted(i, committed[i], a)
+            new = drafts_l[i][:a] + [next_l[i]]
+            seq.stats.record_round(nums[i], a)
+            seq.stats.num_target_steps += 1
+            seq.stats.draft_seconds += (t1 - t0) if nums[i] else 0.0
+            seq.stats.target_seconds += t2 - t1
+            seq.dynamic_k.update(nums[i], a)
+            if eng.controller.record(nums[i], a, emitted_target_only=len(new) if not nums[i] else 0):
+                seq.stats.fallback_events += 1
+            outputs.append(self._emit(seq, new))
+        self.target.trim()
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.trim()
+        self._drop_finished()
+        return outputs
+
+    def _emit(self, seq: Sequence, new: list[int]) -> StepOutput:
+        """Append tokens, apply stop rules, and return the text that is now final."""
+        params = seq.params
+        kept = []
+        for tok in new:
+            kept.append(tok)
+            if tok in self.engine.eos_ids:
+                seq.finish_reason = "stop"
+                break
+            if len(seq.generated) + len(kept) >= params.max_new_tokens:
+                seq.finish_reason = "length"
+                break
+        seq.tokens.extend(kept)
+        seq.stats.num_emitted_tokens += len(kept)
+        if seq.first_token_at is None and kept:
+            seq.first_token_at = time.perf_counter()
+        tok = self.engine.target.tokenizer
+        gen = seq.generated
+        if gen and gen[-1] in self.engine.eos_ids:
+            gen = gen[:-1]
+        text = tok.decode(gen, skip_special_tokens=True)
+        if params.stop:
+            lookback = max(0, len(seq.emitted_text) - max(len(s) for s in params.stop))
+            hits = [i for i in (text.find(s, lookback) for s in params.stop) if i >= 0]
+            if hits:
+                text = text[:min(hits)]
+                seq.finish_reason = "stop"
+        if seq.finish_reason is None and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")   # half a UTF-8 character: hold it back until complete
+        delta = ""
+        if text.startswith(seq.emitted_text):
+            delta = text[len(seq.emitted_text):]
+            seq.emitted_text = text
+        if seq.finish_reason is not None:
+            seq.finished = True
+            seq.finished_at = time.perf_counter()
+        return StepOutput(request_id=seq.request_id, token_ids=kept, text=delta,
+                          finished=seq.finished, finish_reason=seq.finish_reason)
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, s in enumerate(self.rows) if not s.finished]
+        if len(keep) == len(self.rows):
+            return
+        self.done.extend(s for s in self.rows if s.finished)
+        self.rows = [self.rows[i] for i in keep]
+        self.target.select(keep)
+        if self.drafter is not None:
+            self.drafter.select(keep)
+
+    def result(self, seq: Sequence) -> GenerationResult:
+        end = seq.finished_at or time.perf_counter()
+        return GenerationResult(
+            request_id=seq.request_id, text=seq.emitted_text, token_ids=seq.generated,
+            finish_reason=seq.finish_reason or "cancelled", prompt_tokens=len(seq.prompt_ids),
+            stats=seq.stats, seconds=end - seq.started,
+            time_to_first_token=(seq.first_token_at or end) - seq.started)

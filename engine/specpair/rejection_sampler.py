@@ -1,0 +1,117 @@
+"""Verification of draft tokens: greedy matching and the lossless rejection sampler.
+
+Sampling (Leviathan et al. 2023, Chen et al. 2023). For draft position j with draft token x_j
+drawn from the draft distribution q_j, the target distribution p_j accepts it with probability
+min(1, p_j(x_j) / q_j(x_j)). At the first rejection j, a token is drawn from the residual
+normalize(max(0, p_j - q_j)); if every draft token is accepted, a bonus token is drawn from
+p_{k}. The emitted tokens are then distributed exactly as if drawn from p one at a time.
+A deterministic drafter (n-gram lookup) is the special case where q_j is a point mass on x_j.
+
+Greedy: accept the longest prefix where x_j == argmax p_j, then emit argmax p at the first
+mismatch (or after the last draft token): the target's own choice, so output equals target-only.
+
+All functions are vectorised over rows and draft positions; rows carry their own number of draft
+tokens (padded to K) and their own random generator so a row's draws do not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """Logits -> probabilities with temperature, top-k and top-p, per row.
+
+    logits: [B, T, V]; temperature, top_p: [B] float; top_k: [B] long (0 = off).
+    Applied identically to target and draft logits, so p and q live on the same support rules.
+    Rows with temperature 0 get a one-hot on the argmax (greedy as a distribution).
+    Returns probabilities [B, T, V] in float32.
+    """
+    logits = logits.float()
+    B, T, V = logits.shape
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    scaled = logits / temp.view(B, 1, 1)
+    # top-k: keep logits >= the k-th largest value (rows with k == 0 keep everything).
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
+        kth = torch.topk(scaled, int(k.max()), dim=-1).values                    # [B, T, kmax]
+        idx = (k - 1).view(B, 1, 1).expand(B, T, 1)
+        threshold = kth.gather(-1, idx)                                          # [B, T, 1]
+        scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
+    # top-p: smallest prefix of the sorted distribution whose mass reaches p (always >= 1 token).
+    if bool((top_p < 1).any()):
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs                    # [B, T, V]
+        drop_sorted = mass_before >= top_p.view(B, 1, 1).float()
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    probs = scaled.softmax(-1)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.view(B, 1, 1), onehot, probs)
+    return probs
+
+
+def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                  num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance.
+
+    target_logits: [B, K+1, V] (position j scores the token after draft prefix of length j)
+    draft_tokens:  [B, K] long; num_draft: [B] long, row i uses the first num_draft[i] drafts.
+    Returns (num_accepted [B], next_token [B]): accepted drafts then the target's own token.
+    """
+    B, K = draft_tokens.shape
+    target_choice = target_logits.argmax(-1)                                      # [B, K+1]
+    positions = torch.arange(K, device=draft_tokens.device).view(1, K)
+    matches = (target_choice[:, :K] == draft_tokens) & (positions < num_draft.view(B, 1))
+    # Leading run of matches: cumprod stays 1 until the first mismatch.
+    num_accepted = matches.long().cumprod(-1).sum(-1)                             # [B]
+    next_token = target_choice.gather(1, num_accepted.view(B, 1)).squeeze(1)
+    return num_accepted, next_token
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor,
+                     num_draft: torch.Tensor, generators: list[torch.Generator | None]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless rejection sampling.
+
+    p: [B, K+1, V] target probabilities; q: [B, K, V] draft probabilities (point masses for a
+    deterministic drafter); draft_tokens: [B, K]; num_draft: [B]; generators: one per row.
+    Returns (num_accepted [B], next_token [B]).
+    """
+    B, K = draft_tokens.shape
+    device = p.device
+    p_draft = p[:, :K].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)         # [B, K]
+    q_draft = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)                # [B, K]
+    # u < p/q  <=>  u * q < p, which also handles q == 0 (never proposed) safely.
+    uniforms = torch.stack([torch.rand(K, generator=g, device=device) if K else
+                            torch.empty(0, device=device) for g in generators])   # [B, K]
+    accept = (uniforms * q_draft < p_draft)
+    positions = torch.arange(K, device=device).view(1, K)
+    accept &= positions < num_draft.view(B, 1)
+    num_accepted = accept.long().cumprod(-1).sum(-1)                              # [B]
+
+    # Distribution of the next token: residual at the first rejection, p itself after full accept.
+    residual = (p[:, :K] - q).clamp_min(0.0)                                      # [B, K, V]
+    residual = torch.cat([residual, p[:, K:K + 1]], dim=1)                        # [B, K+1, V]
+    full = num_accepted >= num_draft
+    pick = torch.where(full, num_draft, num_accepted)                             # [B]
+    chosen = residual.gather(1, pick.view(B, 1, 1).expand(B, 1, residual.shape[-1])).squeeze(1)
+    bonus = p.gather(1, num_draft.view(B, 1, 1).expand(B, 1, p.shape[-1])).squeeze(1)
+    chosen = torch.where(full.view(B, 1), bonus, chosen)                          # [B, V]
+    mass = chosen.sum(-1, keepdim=True)
+    # p == q exactly leaves no residual mass; then p itself is the right distribution to draw from.
+    fallback = p.gather(1, pick.view(B, 1, 1).expand(B, 1, p.shape[-1])).squeeze(1)
+    chosen = torch.where(mass > 0, chosen / mass.clamp_min(1e-30), fallback)
+    next_token = torch.stack([torch.multinomial(chosen[i], 1, generator=generators[i]).squeeze(0)
+                              for i in range(B)])
+    return num_accepted, next_token
+
+
+def sample_next(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row from probs [B, V] with each row's generator."""
+    return torch.stack([torch.multinomial(probs[i], 1, generator=generators[i]).squeeze(0)
+                        for i in range(probs.shape[0])])

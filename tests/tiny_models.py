@@ -1,0 +1,84 @@
+"""Tiny, seeded, randomly initialised models and a tiny real BPE tokenizer for fast tests.
+
+The tokenizer is trained in-process on text from the Python standard library, so tests need no
+hub and no download. Draft and target are different random models sharing that tokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specpair.models import wrap_model
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def corpus_text(limit: int = 200) -> list[str]:
+    import json as j, collections, textwrap, string, pathlib
+    texts = []
+    for mod in (j, collections, textwrap, string, pathlib, inspect, functools):
+        texts.append(inspect.getsource(mod))
+    return texts[:limit]
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_json(vocab_size: int) -> str:
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus_text(), trainer=trainer)
+    return tok.to_str()
+
+
+def make_tokenizer(vocab_size: int = 400, chat_template: str | None = CHAT_TEMPLATE):
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
+                                  eos_token="<|im_end|>", bos_token="<|endoftext|>",
+                                  pad_token="<|endoftext|>")
+    if chat_template:
+        tok.chat_template = chat_template
+    return tok
+
+
+def make_model(tokenizer, seed: int, layers: int = 2, hidden: int = 64, heads: int = 4,
+               dtype=torch.float32, init_std: float = 0.3, extra_rows: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer) + extra_rows, hidden_size=hidden,
+                         intermediate_size=hidden * 2, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=512, initializer_range=init_std,
+                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return wrap_model(model, tokenizer, source=f"tiny-seed{seed}")
+
+
+def save_tiny(loaded, path) -> str:
+    loaded.model.save_pretrained(path)
+    loaded.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def perturbed_copy(loaded, seed: int, noise: float = 0.05, layers: int | None = None):
+    """A draft that agrees with the target often but not always: the target's weights plus noise
+    (optionally fewer layers). Gives partial acceptance, so cache cut-backs are exercised."""
+    import copy
+    model = copy.deepcopy(loaded.model)
+    if layers is not None:
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * noise * p.std())
+    return wrap_model(model, loaded.tokenizer, source=f"{loaded.source}-perturbed{seed}")
