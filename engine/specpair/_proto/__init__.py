@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for protos/ (scripts/gen-protos.sh). Do not edit."""
