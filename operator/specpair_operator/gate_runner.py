@@ -1,0 +1,61 @@
+"""Entry point of the gate Job: run `specpair gate` on the release, record the verdict in MLflow.
+
+The operator reads the verdict from the model version's tags, so the Job needs no write access
+to Kubernetes. A gate that fails its thresholds is a result (exit 0, status `failed`); a gate
+that crashes without a verdict is an error (status `error`, exit 1).
+
+    python -m specpair_operator.gate_runner --release /etc/specpair/release.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+
+from .registry import ReleaseRegistry
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specpair_operator.gate_runner")
+    ap.add_argument("--release", required=True, help="release JSON (with its mlflow block)")
+    ap.add_argument("--gate-command", default=os.environ.get("SPECPAIR_GATE_COMMAND", "specpair gate"),
+                    help="command that takes --release FILE --out VERDICT.json")
+    args = ap.parse_args(argv)
+    with open(args.release) as f:
+        rel = json.load(f)
+    ml = rel.get("mlflow") or {}
+    tracking_uri = ml.get("trackingUri") or os.environ.get("MLFLOW_TRACKING_URI")
+    if not (tracking_uri and ml.get("modelName") and ml.get("version")):
+        print("release has no mlflow block (trackingUri, modelName, version)", file=sys.stderr)
+        return 2
+    registry = ReleaseRegistry(tracking_uri, attempts=6, backoff_s=1.0)
+    workdir = tempfile.mkdtemp(prefix="specpair-gate-")
+    out = os.path.join(workdir, "verdict.json")
+    cmd = [*shlex.split(args.gate_command), "--release", args.release, "--out", out]
+    proc = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.PIPE, text=True)
+    sys.stderr.write(proc.stderr)
+    verdict = None
+    if os.path.exists(out):
+        try:
+            with open(out) as f:
+                verdict = json.load(f)
+        except ValueError:
+            verdict = None
+    if not isinstance(verdict, dict) or not isinstance(verdict.get("passed"), bool):
+        tail = (proc.stderr or "").strip().splitlines()[-5:]
+        registry.record_gate_error(ml["modelName"], str(ml["version"]),
+                                   f"gate exited {proc.returncode} without a verdict: " + " | ".join(tail))
+        return 1
+    extras = [os.path.join(workdir, n) for n in os.listdir(workdir) if n != "verdict.json"]
+    run_id = registry.record_gate(ml["modelName"], str(ml["version"]), verdict, extras)
+    print(json.dumps({"passed": verdict["passed"], "mlflowRunId": run_id}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

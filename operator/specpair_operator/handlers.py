@@ -1,0 +1,487 @@
+"""Kopf handlers: one level-triggered reconcile for SpecModelPair, run on changes and on a timer.
+
+Each pass reads the world (the pair, MLflow, the gate Job, the engine Deployment and pods),
+decides with the pure modules, and takes at most the next step. Every step is idempotent, so
+an operator killed anywhere converges when restarted: releases are found by content hash,
+Jobs and Deployments by name, aliases are moved in a crash-safe order (see aliases.py).
+The operator writes status, annotations (Kopf's bookkeeping) and Events, never spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from . import aliases as aliases_mod
+from . import conditions as c
+from . import drift as drift_mod
+from . import gate_verdict, manifests
+from . import release as release_mod
+from .engine_probe import EngineProbe, EngineUnreachable, GrpcEngineProbe
+from .kube import Kube, KubeError
+from .registry import (TAG_GATE_RUN, TAG_HASH, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET,
+                       RegistryUnavailable, ReleaseRegistry)
+
+GROUP, VERSION, PLURAL = "specpair.io", "v1alpha1", "specmodelpairs"
+TAG_RELEASE = "specpair.release"
+ANN_MANIFEST = "specpair.io/manifest-hash"
+HISTORY_LIMIT = 20
+
+
+@dataclass
+class Runtime:
+    """Process-wide clients and per-pair memory (locks, backoff, drift samples)."""
+    tracking_uri: str = ""
+    gate_tracking_uri: str = ""
+    kube: Kube | None = None
+    registry: ReleaseRegistry | None = None
+    probe: EngineProbe | None = None
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    retry_at: dict[str, float] = field(default_factory=dict)
+    backoff: dict[str, float] = field(default_factory=dict)
+    samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    last_drift_check: dict[str, float] = field(default_factory=dict)
+
+
+RUNTIME = Runtime()
+# Tests stand in the engine pods by setting this before the operator starts.
+PROBE_OVERRIDE: EngineProbe | None = None
+
+
+def reconcile_interval() -> float:
+    return float(os.environ.get("SPECPAIR_RECONCILE_INTERVAL", "10"))
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Annotations, not status: status belongs to the CRD's documented fields.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="specpair.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="specpair.io", key="last-handled-configuration")
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = int(os.environ.get("SPECPAIR_WATCH_TIMEOUT", "300"))
+    settings.networking.error_backoffs = [0.5, 1, 2, 5]
+    RUNTIME.tracking_uri = os.environ.get("SPECPAIR_MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not RUNTIME.tracking_uri:
+        raise kopf.PermanentError("set SPECPAIR_MLFLOW_TRACKING_URI (or MLFLOW_TRACKING_URI)")
+    RUNTIME.gate_tracking_uri = os.environ.get("SPECPAIR_GATE_MLFLOW_TRACKING_URI", RUNTIME.tracking_uri)
+    RUNTIME.registry = ReleaseRegistry(RUNTIME.tracking_uri)
+    RUNTIME.probe = PROBE_OVERRIDE or GrpcEngineProbe()
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """Kopf's own credential discovery, shared with the operator's client for child objects."""
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is not None:
+        RUNTIME.kube = Kube.from_connection_info(info)
+    return info
+
+
+@kopf.on.cleanup()
+async def close(**_: Any) -> None:
+    if RUNTIME.kube is not None:
+        await RUNTIME.kube.close()
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def on_change(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    await reconcile(body, patch, logger, force=True)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=reconcile_interval(), sharp=False)
+async def on_timer(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    await reconcile(body, patch, logger)
+
+
+async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, force: bool = False) -> None:
+    uid = body.metadata.uid
+    lock = RUNTIME.locks.setdefault(uid, asyncio.Lock())
+    if lock.locked():
+        return  # the other trigger is on it; level-triggered, so nothing is lost
+    async with lock:
+        if not force and time.monotonic() < RUNTIME.retry_at.get(uid, 0.0):
+            return
+        await Pass(body, patch, logger).run()
+
+
+class Pass:
+    """One reconcile pass over one pair; collects status changes and writes them once."""
+
+    def __init__(self, body: kopf.Body, patch: kopf.Patch, logger: logging.Logger):
+        self.body, self.patch, self.logger = body, patch, logger
+        self.name, self.namespace = body.metadata.name, body.metadata.namespace
+        self.uid = body.metadata.uid
+        self.spec: dict[str, Any] = json.loads(json.dumps(dict(body.spec)))
+        self.status: dict[str, Any] = json.loads(json.dumps(dict(body.status)))
+        self.gen = body.metadata.get("generation")
+        self.conds: list[dict[str, Any]] = list(self.status.get("conditions") or [])
+        self.history: list[dict[str, Any]] = list(self.status.get("history") or [])
+        self.out: dict[str, Any] = {}
+        self.rt = RUNTIME
+        self.rollout = self.spec.get("rollout") or {}
+
+    # -- small helpers -------------------------------------------------------------------
+
+    def cond(self, type_: str, status: bool | str, reason: str, message: str) -> None:
+        self.conds = c.set_condition(self.conds, type_, status, reason, message, self.gen)
+
+    def finish(self, phase: str, ready: tuple[bool, str, str], reconciling: tuple[bool, str, str],
+               stalled: tuple[bool, str, str]) -> None:
+        self.conds = c.summary(self.conds, self.gen, ready=ready, reconciling=reconciling, stalled=stalled)
+        message = next(m for ok, _, m in (stalled, reconciling, ready) if ok) if (stalled[0] or reconciling[0]) else ready[2]
+        self.out.update(phase=phase, message=message, observedGeneration=self.gen, conditions=self.conds,
+                        history=self.history[-HISTORY_LIMIT:])
+        for k, v in self.out.items():
+            if self.status.get(k) != v:
+                self.patch.status[k] = v
+
+    def record(self, action: str, reason: str, from_version: str | None, to_version: str | None,
+               warning: bool = False) -> None:
+        self.history.append({"time": c.now_iso(), "action": action, "fromVersion": from_version or "",
+                             "toVersion": to_version or "", "reason": reason})
+        (kopf.warn if warning else kopf.info)(self.body, reason=action, message=reason)
+        self.logger.info(f"{action}: {reason}")
+
+    async def registry(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args)
+
+    # -- the pass --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            await self._run()
+        except RegistryUnavailable as exc:
+            delay = min(60.0, self.rt.backoff.get(self.uid, 1.0) * 2)
+            self.rt.backoff[self.uid] = delay
+            self.rt.retry_at[self.uid] = time.monotonic() + delay
+            self.cond(c.RECONCILING, True, "MLflowUnavailable", f"{exc}; retrying in {delay:.0f}s")
+            self.out.update(conditions=self.conds, observedGeneration=self.gen,
+                            message=f"MLflow unreachable, retrying in {delay:.0f}s (nothing was promoted)")
+            for k, v in self.out.items():
+                self.patch.status[k] = v
+            self.logger.warning(f"MLflow unreachable, retry in {delay:.0f}s: {exc}")
+            return
+        self.rt.backoff.pop(self.uid, None)
+        self.rt.retry_at.pop(self.uid, None)
+
+    async def _resolve_prompts(self) -> list[dict[str, Any]]:
+        gating = self.spec.get("gating") or {}
+        prompts = list(gating.get("prompts") or [])
+        ref = gating.get("configMapRef")
+        if ref:
+            cm = await self.rt.kube.get("v1", "configmaps", self.namespace, ref["name"])
+            key = ref.get("key") or "prompts.jsonl"
+            if cm is None or key not in (cm.get("data") or {}):
+                raise ValueError(f"ConfigMap {ref['name']} (key {key}) with golden prompts not found")
+            prompts += release_mod.parse_prompt_lines(cm["data"][key])
+        return prompts
+
+    async def _run(self) -> None:
+        try:
+            prompts = await self._resolve_prompts()
+        except ValueError as exc:
+            self.finish("Failed", (False, "PromptsUnavailable", str(exc)), (False, "PromptsUnavailable", str(exc)),
+                        (True, "PromptsUnavailable", str(exc)))
+            return
+        rel = release_mod.build_release(self.name, self.namespace, self.spec, prompts)
+        digest = release_mod.content_hash(rel)
+        model = release_mod.effective_model_name(self.name, self.namespace, self.spec)
+        reg = self.rt.registry
+        await self.registry(reg.ensure_model, model, f"{self.namespace}/{self.name}")
+        version = await self.registry(self._ensure_release, reg, model, rel, digest)
+        al = await self.registry(reg.aliases, model)
+        tags = await self.registry(reg.version_tags, model, version)
+        self.out.update(candidateVersion=version, contentHash=digest)
+
+        if tags.get(TAG_ROLLED_BACK):
+            # This release was rolled back; it stays out of service until the spec changes.
+            await self._serve(model, al, desired=None, desired_reason=f"v{version} was rolled back: {tags[TAG_ROLLED_BACK]}")
+            return
+        if al.get(aliases_mod.CHAMPION) != version:
+            gate_status, verdict, gate_msg = await self.registry(reg.gate_result, model, version)
+            if gate_status == "pending":
+                await self._gate(model, version, rel, digest, al)
+                return
+            if gate_status == "error":
+                msg = f"gate of v{version} errored: {gate_msg}"
+                self.cond(c.GATED, False, "GateError", msg)
+                await self._serve(model, al, desired=None, desired_reason=msg)
+                return
+            outcome = gate_verdict.evaluate_verdict(verdict or {}, rel["gating"]["thresholds"])
+            self._record_gate(version, outcome, verdict or {}, tags)
+            if not outcome.passed:
+                await self._serve(model, al, desired=None, desired_reason=f"gate of v{version} failed: {outcome.message}")
+                return
+            moves = aliases_mod.plan_promotion(al, version)
+            for move in moves:
+                await self.registry(reg.set_alias, model, move.alias, move.version)
+            if moves:
+                await self.registry(reg.set_tags, model, version, {"specpair.promoted_at": c.now_iso()})
+                self.record("Promoted", f"v{version} passed the gate ({outcome.message}) and is champion",
+                            al.get(aliases_mod.CHAMPION), version)
+            al = await self.registry(reg.aliases, model)
+        else:
+            _, verdict, _ = await self.registry(reg.gate_result, model, version)
+            if verdict is not None:
+                self._record_gate(version, gate_verdict.evaluate_verdict(verdict, rel["gating"]["thresholds"]), verdict, tags)
+        await self._serve(model, al, desired=version, desired_reason="")
+
+    def _ensure_release(self, reg: ReleaseRegistry, model: str, rel: dict[str, Any], digest: str) -> str:
+        version = reg.ensure_release(model, rel, digest)
+        # The full release JSON rides along as a tag so a rollback can rebuild the Deployment
+        # of any version without the spec that made it.
+        if TAG_RELEASE not in reg.version_tags(model, version):
+            reg.set_tags(model, version, {TAG_RELEASE: json.dumps(rel, sort_keys=True, separators=(",", ":"))})
+        return version
+
+    def _record_gate(self, version: str, outcome: gate_verdict.GateOutcome, verdict: dict[str, Any],
+                     tags: dict[str, str]) -> None:
+        self.cond(c.GATED, outcome.passed, outcome.reason, f"v{version}: {outcome.message}")
+        if outcome.tokenizer_compatible is not None:
+            self.cond(c.TOKENIZER_COMPATIBLE, outcome.tokenizer_compatible,
+                      "Identical" if outcome.tokenizer_compatible else "Mismatch", outcome.tokenizer_message)
+        self.out["lastGate"] = {
+            "version": version, "passed": outcome.passed, "message": outcome.message,
+            "acceptanceRate": verdict.get("acceptanceRate"), "speedup": verdict.get("speedup"),
+            "greedyIdentity": verdict.get("greedyIdentity"),
+            "categories": {k: (v or {}).get("acceptanceRate") for k, v in (verdict.get("categories") or {}).items()},
+            "bestSpeculation": verdict.get("bestSpeculation"), "runId": tags.get(TAG_GATE_RUN, verdict.get("mlflowRunId")),
+        }
+
+    async def _gate(self, model: str, version: str, rel: dict[str, Any], digest: str, al: dict[str, str]) -> None:
+        reg = self.rt.registry
+        if al.get(aliases_mod.CANDIDATE) != version:
+            await self.registry(reg.set_alias, model, aliases_mod.CANDIDATE, version)
+        gating = self.spec.get("gating") or {}
+        job = manifests.gate_job(self.name, self.namespace,
+                                 release_mod.with_mlflow(rel, self.rt.gate_tracking_uri, model, version),
+                                 digest, version, self.rollout, self.rt.gate_tracking_uri,
+                                 int(gating.get("activeDeadlineSeconds", 3600)))
+        kopf.adopt(job, owner=self.body)
+        live = await self.rt.kube.get("batch/v1", "jobs", self.namespace, job["metadata"]["name"])
+        if live is None:
+            await self.rt.kube.create(job)
+            self.record("GateStarted", f"gating v{version} ({digest[:12]}) in Job {job['metadata']['name']}", None, version)
+        elif any(cd.get("type") == "Failed" and cd.get("status") == "True"
+                 for cd in (live.get("status") or {}).get("conditions") or []):
+            reason = next(cd.get("message") or cd.get("reason") for cd in live["status"]["conditions"] if cd.get("type") == "Failed")
+            await self.registry(reg.record_gate_error, model, version, f"gate Job failed: {reason}")
+            self.cond(c.GATED, False, "GateError", f"v{version}: gate Job failed: {reason}")
+            self.finish("Failed", (False, "GateError", f"gate Job failed: {reason}"), (False, "GateError", ""),
+                        (True, "GateError", f"gate Job for v{version} failed: {reason}"))
+            return
+        self.cond(c.GATED, "Unknown", "Gating", f"v{version} is being gated by Job {job['metadata']['name']}")
+        serving = al.get(aliases_mod.CHAMPION)
+        self._versions(al)
+        self.finish("Gating", (False, "Gating", f"gating v{version}" + (f"; v{serving} keeps serving" if serving else "")),
+                    (True, "Gating", f"gate Job {job['metadata']['name']} running for v{version}"),
+                    (False, "Gating", ""))
+
+    def _versions(self, al: dict[str, str]) -> None:
+        self.out["servingVersion"] = al.get(aliases_mod.CHAMPION, "")
+        self.out["previousVersion"] = al.get(aliases_mod.PREVIOUS, "")
+
+    async def _serve(self, model: str, al: dict[str, str], desired: str | None, desired_reason: str) -> None:
+        """Roll the engine to the champion and judge its health; `desired` None means the
+        spec's release is not servable (failed gate, rolled back) and the champion carries on."""
+        reg = self.rt.registry
+        champion = al.get(aliases_mod.CHAMPION)
+        self._versions(al)
+        if champion is None:
+            self.finish("Failed", (False, "NoRelease", desired_reason or "no release has passed the gate"),
+                        (False, "NoRelease", ""), (True, "NoRelease", desired_reason or "no release has passed the gate"))
+            return
+        tags = await self.registry(reg.version_tags, model, champion)
+        rel = json.loads(tags[TAG_RELEASE])
+        digest = tags[TAG_HASH]
+        _, verdict, _ = await self.registry(reg.gate_result, model, champion)
+        verdict = verdict or {}
+        served = json.loads(json.dumps(rel))
+        best = verdict.get("bestSpeculation") or {}
+        # The gate tuned k and the batch threshold on real hardware: serve with what it found.
+        served["speculation"].update({k: v for k, v in best.items() if k in ("k", "batchSizeThreshold")})
+        served = release_mod.with_mlflow(served, self.rt.gate_tracking_uri, model, champion)
+        if isinstance(verdict.get("speedup"), (int, float)):
+            self.out["speedup"] = float(verdict["speedup"])
+        state, msg = await self._ensure_engine(served, digest, champion)
+        if state == "failed":
+            await self._rollback(model, al, champion, f"rollout of v{champion} failed: {msg}")
+            return
+        if state != "available":
+            self.finish("RollingOut", (False, "RollingOut", msg), (True, "RollingOut", f"rolling out v{champion}: {msg}"),
+                        (False, "RollingOut", ""))
+            return
+        pods = await self._engine_pods()
+        ok, why, infos = await self._verify_identity(pods, digest, tags)
+        if why.startswith("tokenizer"):
+            await self._rollback(model, al, champion, why)
+            return
+        if not ok:
+            self.finish("RollingOut", (False, "IdentityUnverified", why), (True, "IdentityUnverified", why),
+                        (False, "IdentityUnverified", ""))
+            return
+        if desired is None:
+            self.finish("Degraded", (False, "ChampionKeepsServing", f"{desired_reason}; v{champion} keeps serving"),
+                        (False, "ChampionKeepsServing", ""), (True, "ReleaseNotServable", f"{desired_reason}; v{champion} keeps serving"))
+            return
+        drifted = await self._drift(model, al, champion, verdict, pods, infos)
+        if drifted:
+            return
+        self.finish("Serving", (True, "Serving", f"v{champion} serving on {len(pods)} pod(s), identity verified"),
+                    (False, "Serving", ""), (False, "Serving", ""))
+
+    async def _ensure_engine(self, served: dict[str, Any], digest: str, version: str) -> tuple[str, str]:
+        kube = self.rt.kube
+        dep = manifests.engine_deployment(self.name, self.namespace, served, digest, version, self.rollout,
+                                          self.rt.gate_tracking_uri)
+        svc = manifests.engine_service(self.name, self.namespace, self.rollout)
+        fingerprint = hashlib.sha256(json.dumps(dep, sort_keys=True).encode()).hexdigest()[:16]
+        dep["metadata"]["annotations"][ANN_MANIFEST] = fingerprint
+        kopf.adopt(dep, owner=self.body)
+        kopf.adopt(svc, owner=self.body)
+        live = await kube.get("apps/v1", "deployments", self.namespace, dep["metadata"]["name"])
+        if live is None:
+            live = await kube.create(dep)
+            self.record("RolloutStarted", f"engine Deployment created for v{version}", None, version)
+        elif (live["metadata"].get("annotations") or {}).get(ANN_MANIFEST) != fingerprint:
+            live = await kube.merge_patch("apps/v1", "deployments", self.namespace, dep["metadata"]["name"],
+                                          {"metadata": {"labels": dep["metadata"]["labels"],
+                                                        "annotations": dep["metadata"]["annotations"]},
+                                           "spec": dep["spec"]})
+            self.record("RolloutStarted", f"engine Deployment rolled to v{version}", None, version)
+        if await kube.get("v1", "services", self.namespace, svc["metadata"]["name"]) is None:
+            await kube.create(svc)
+        return manifests.deployment_rollout_state(live, digest)
+
+    async def _engine_pods(self) -> list[dict[str, Any]]:
+        selector = f"{manifests.LABEL_PAIR}={self.name[:63]},{manifests.LABEL_ROLE}=engine"
+        pods = await self.rt.kube.list("v1", "pods", self.namespace, selector)
+
+        def ready(p: dict[str, Any]) -> bool:
+            st = p.get("status") or {}
+            return st.get("phase") == "Running" and bool(st.get("podIP")) and not p["metadata"].get("deletionTimestamp") \
+                and any(cd.get("type") == "Ready" and cd.get("status") == "True" for cd in st.get("conditions") or [])
+        return [p for p in pods if ready(p)]
+
+    def _address(self, pod: dict[str, Any]) -> str:
+        return f"{pod['status']['podIP']}:{int(self.rollout.get('port', 50051))}"
+
+    async def _verify_identity(self, pods: list[dict[str, Any]], digest: str, tags: dict[str, str]
+                               ) -> tuple[bool, str, list[dict[str, Any]]]:
+        if not pods:
+            return False, "no ready engine pods", []
+        infos = []
+        expected = {"target": tags.get(TAG_TOKENIZER_TARGET), "draft": tags.get(TAG_TOKENIZER_DRAFT)}
+        for pod in pods:
+            try:
+                info = await self.rt.probe.model_info(self._address(pod))
+            except EngineUnreachable as exc:
+                return False, f"pod {pod['metadata']['name']}: model identity not verified: {exc}", infos
+            if info.get("contentHash") != digest:
+                return False, (f"pod {pod['metadata']['name']} serves {str(info.get('contentHash'))[:12]}, "
+                               f"release is {digest[:12]}"), infos
+            mismatch = drift_mod.fingerprint_mismatch(expected, info.get("tokenizer") or {})
+            if mismatch:
+                return False, f"tokenizer mismatch on pod {pod['metadata']['name']}: " + "; ".join(mismatch), infos
+            infos.append(info)
+        return True, "", infos
+
+    async def _rollback(self, model: str, al: dict[str, str], champion: str, reason: str) -> None:
+        reg = self.rt.registry
+        target = aliases_mod.rollback_target(al)
+        self.cond(c.DRIFTED, True, "RolledBack" if target else "NoPreviousRelease", reason)
+        if target is None:
+            self.finish("Failed", (False, "NoPreviousRelease", f"{reason}; no previous release to roll back to"),
+                        (False, "NoPreviousRelease", ""), (True, "NoPreviousRelease", f"{reason}; no previous release"))
+            return
+        # The tag first: it is what keeps a restarted operator from re-promoting this version.
+        await self.registry(reg.set_tags, model, champion, {TAG_ROLLED_BACK: reason[:4000]})
+        for move in aliases_mod.plan_rollback(al):
+            await self.registry(reg.set_alias, model, move.alias, move.version)
+        self.record("RolledBack", reason, champion, target, warning=True)
+        self.rt.samples.pop(self.uid, None)
+        self.out["drift"] = drift_mod.DriftState().as_dict()
+        self.out["speculationEnabled"] = True
+        self._versions({**al, aliases_mod.CHAMPION: target})
+        self.finish("RollingOut", (False, "RolledBack", reason), (True, "RolledBack", f"rolling back to v{target}"),
+                    (False, "RolledBack", ""))
+
+    async def _drift(self, model: str, al: dict[str, str], champion: str, verdict: dict[str, Any],
+                     pods: list[dict[str, Any]], infos: list[dict[str, Any]]) -> bool:
+        """Read live acceptance, advance the ladder; True when this pass took a drift action."""
+        policy_spec = self.spec.get("drift") or {}
+        if not policy_spec.get("enabled", True):
+            return False
+        now = time.monotonic()
+        previous = drift_mod.DriftState.from_dict(self.status.get("drift"))
+        if self.status.get("servingVersion") != champion:
+            previous = drift_mod.DriftState()
+        if now - self.rt.last_drift_check.get(self.uid, 0.0) < float(policy_spec.get("intervalSeconds", 30)):
+            if previous.steps_taken > 0:
+                self.finish("Degraded", (True, "SpeculationOff", f"v{champion} serving target-only after drift"),
+                            (False, "SpeculationOff", ""), (False, "SpeculationOff", ""))
+                return True
+            return False
+        self.rt.last_drift_check[self.uid] = now
+        policy = drift_mod.DriftPolicy.from_spec(policy_spec)
+        totals: dict[str, list[int]] = {}
+        try:
+            for pod in pods:
+                stats = await self.rt.probe.stats(self._address(pod))
+                for cat, v in (stats.get("categories") or {}).items():
+                    t = totals.setdefault(cat, [0, 0])
+                    t[0] += int(v.get("drafted", 0))
+                    t[1] += int(v.get("accepted", 0))
+        except EngineUnreachable as exc:
+            self.logger.warning(f"drift check skipped: {exc}")
+            return False
+        samples = self.rt.samples.setdefault(self.uid, [])
+        samples.append({"t": time.time(), "cats": totals})
+        samples[:] = drift_mod.prune_samples(samples, time.time(), policy.window_seconds)
+        window = drift_mod.windowed_counts(samples, policy.window_seconds)
+        baseline = gate_verdict.baseline_from_verdict(verdict)
+        breaches, judged = drift_mod.judge_window(baseline, window, policy)
+        state, action = drift_mod.next_step(previous, breaches, judged, policy)
+        self.out["drift"] = state.as_dict()
+        live = {cat: round(a / d, 4) for cat, (d, a) in window.items() if d}
+        if window:
+            d_all = sum(d for d, _ in window.values())
+            a_all = sum(a for _, a in window.values())
+            self.out["acceptance"] = round(a_all / d_all, 4)
+        self.out["live"] = {"acceptance": live, "draftedTokens": {cat: d for cat, (d, _) in window.items()}}
+        messages = [b.message(policy) for b in breaches]
+        if breaches:
+            self.cond(c.DRIFTED, True, "AcceptanceBelowBaseline", "; ".join(messages))
+        elif judged:
+            self.cond(c.DRIFTED, False, "WithinBaseline", "live acceptance within the gated baseline")
+        if action == drift_mod.SPECULATION_OFF:
+            reason = "sustained drift: " + ("; ".join(messages) or "acceptance below baseline")
+            for pod in pods:
+                await self.rt.probe.set_speculation(self._address(pod), False)
+            await self.registry(self.rt.registry.set_tags, model, champion, {"specpair.drift.speculation_off": reason[:4000]})
+            self.out["speculationEnabled"] = False
+            self.cond(c.DRIFTED, True, "SpeculationOff", reason)
+            self.record("SpeculationOff", reason, champion, champion, warning=True)
+            self.finish("Degraded", (True, "SpeculationOff", f"v{champion} serving target-only: {reason}"),
+                        (False, "SpeculationOff", ""), (False, "SpeculationOff", ""))
+            return True
+        if action == drift_mod.ROLLBACK:
+            await self._rollback(model, al, champion, "drift persisted after speculation off"
+                                 + (": " + "; ".join(messages) if messages else ""))
+            return True
+        if state.steps_taken > 0:
+            self.finish("Degraded", (True, "SpeculationOff", f"v{champion} serving target-only after drift"),
+                        (False, "SpeculationOff", ""), (False, "SpeculationOff", ""))
+            return True
+        return False

@@ -1,0 +1,109 @@
+"""A thin async Kubernetes client for the objects the operator owns (Jobs, Deployments, ...).
+
+Kopf has no public client for arbitrary resources; this one uses the same credentials Kopf
+logged in with (see handlers.login), so the operator has one identity and one RBAC story.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, body: Any):
+        super().__init__(f"HTTP {status}: {body}")
+        self.status, self.body = status, body
+
+
+def _path(api_version: str, plural: str, namespace: str | None, name: str | None = None,
+          subresource: str | None = None) -> str:
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    if namespace:
+        base += f"/namespaces/{quote(namespace)}"
+    base += f"/{plural}"
+    if name:
+        base += f"/{quote(name)}"
+    if subresource:
+        base += f"/{subresource}"
+    return base
+
+
+class Kube:
+    def __init__(self, server: str, token: str | None = None, ca_path: str | None = None,
+                 ca_data: bytes | None = None, insecure: bool = False,
+                 cert_path: str | None = None, key_path: str | None = None, timeout_s: float = 30.0):
+        self.server = server.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.ssl: ssl.SSLContext | bool | None = None
+        if self.server.startswith("https"):
+            if insecure:
+                self.ssl = False
+            else:
+                ctx = ssl.create_default_context(cafile=ca_path, cadata=ca_data.decode() if ca_data else None)
+                if cert_path:
+                    ctx.load_cert_chain(cert_path, key_path)
+                self.ssl = ctx
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_connection_info(cls, info: Any) -> "Kube":
+        return cls(info.server, token=info.token, ca_path=info.ca_path, ca_data=info.ca_data,
+                   insecure=bool(info.insecure), cert_path=info.certificate_path, key_path=info.private_key_path)
+
+    async def _request(self, method: str, path: str, *, json: Any = None, params: dict[str, str] | None = None,
+                       content_type: str = "application/json") -> Any:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        headers = {**self.headers, "Content-Type": content_type, "Accept": "application/json"}
+        async with self._session.request(method, self.server + path, json=json, params=params,
+                                         headers=headers, ssl=self.ssl) as resp:
+            body = await resp.json(content_type=None) if resp.content_length != 0 else None
+            if resp.status >= 400:
+                raise KubeError(resp.status, body)
+            return body
+
+    async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._request("GET", _path(api_version, plural, namespace, name))
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list(self, api_version: str, plural: str, namespace: str | None,
+                   label_selector: str | None = None) -> list[dict[str, Any]]:
+        params = {"labelSelector": label_selector} if label_selector else None
+        body = await self._request("GET", _path(api_version, plural, namespace), params=params)
+        return list(body.get("items") or [])
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Create, or return the existing object of that name (409): creation is idempotent."""
+        meta = obj["metadata"]
+        plural = PLURALS[obj["kind"]]
+        try:
+            return await self._request("POST", _path(obj["apiVersion"], plural, meta.get("namespace")), json=obj)
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+            existing = await self.get(obj["apiVersion"], plural, meta.get("namespace"), meta["name"])
+            if existing is None:
+                raise
+            return existing
+
+    async def merge_patch(self, api_version: str, plural: str, namespace: str | None, name: str,
+                          patch: dict[str, Any], subresource: str | None = None) -> dict[str, Any]:
+        return await self._request("PATCH", _path(api_version, plural, namespace, name, subresource), json=patch,
+                                   content_type="application/merge-patch+json")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+PLURALS = {"Job": "jobs", "Deployment": "deployments", "Service": "services", "Pod": "pods",
+           "ConfigMap": "configmaps", "Event": "events"}

@@ -1,0 +1,240 @@
+"""The release registry: one MLflow registered model per pair, one model version per release.
+
+A thin adapter over MlflowClient. Every write is idempotent (find before create, aliases and
+tags are overwritten with the same value), nothing is ever deleted. MLflow's own HTTP retries
+would block for minutes when the server is down; they are turned off here in favour of a short
+in-call retry, and the caller (the reconcile loop) backs off between attempts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Any, Callable, TypeVar
+
+from . import release as release_mod
+
+# Must be set before mlflow builds its HTTP session.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+from mlflow import MlflowClient  # noqa: E402
+from mlflow.exceptions import MlflowException, RestException  # noqa: E402
+
+T = TypeVar("T")
+
+TAG_HASH = "specpair.content_hash"
+TAG_GATE_STATUS = "specpair.gate.status"  # pending | passed | failed | error
+TAG_GATE_VERDICT = "specpair.gate.verdict"
+TAG_GATE_RUN = "specpair.gate.run_id"
+TAG_GATE_MESSAGE = "specpair.gate.message"
+TAG_ROLLED_BACK = "specpair.rolled_back"
+TAG_TOKENIZER_TARGET = "specpair.tokenizer.target_fingerprint"
+TAG_TOKENIZER_DRAFT = "specpair.tokenizer.draft_fingerprint"
+TAG_BEST_SPECULATION = "specpair.gate.best_speculation"
+
+
+class RegistryUnavailable(Exception):
+    """MLflow could not be reached (or answered 5xx) after the in-call retries."""
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, RestException):
+        code = getattr(exc, "get_http_status_code", lambda: 500)()
+        return code >= 500 or code == 429
+    if isinstance(exc, MlflowException):
+        text = str(exc)
+        return any(s in text for s in ("Max retries", "Connection", "API request", "timed out", "503", "502"))
+    return isinstance(exc, (ConnectionError, TimeoutError, OSError))
+
+
+class ReleaseRegistry:
+    def __init__(self, tracking_uri: str, attempts: int = 3, backoff_s: float = 0.3):
+        self.tracking_uri = tracking_uri
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        delay = self.backoff_s
+        for attempt in range(self.attempts):
+            try:
+                return fn()
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if not _is_transient(exc):
+                    raise
+                if attempt == self.attempts - 1:
+                    raise RegistryUnavailable(f"MLflow at {self.tracking_uri} unreachable: {exc}") from exc
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    # -- registered model and versions ---------------------------------------------------
+
+    def ensure_model(self, model_name: str, pair_ref: str) -> None:
+        def run() -> None:
+            try:
+                self.client.get_registered_model(model_name)
+            except RestException as exc:
+                if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                try:
+                    self.client.create_registered_model(
+                        model_name, tags={"specpair.pair": pair_ref},
+                        description=f"Speculative-decoding releases of SpecModelPair `{pair_ref}`. "
+                                    "Aliases: candidate (being gated), champion (serving), previous (rollback target).")
+                except RestException as exc2:
+                    if exc2.error_code != "RESOURCE_ALREADY_EXISTS":
+                        raise
+        self._call(run)
+
+    def find_version(self, model_name: str, digest: str) -> Any | None:
+        found = self._call(lambda: self.client.search_model_versions(
+            f"name='{model_name}' and tags.`{TAG_HASH}`='{digest}'"))
+        # Oldest first: if a race ever made two, everyone agrees on the same one.
+        return min(found, key=lambda v: int(v.version)) if found else None
+
+    def ensure_release(self, model_name: str, rel: dict[str, Any], digest: str) -> str:
+        """The model version holding this release, created with its release run if missing."""
+        existing = self.find_version(model_name, digest)
+        if existing is not None:
+            return str(existing.version)
+        exp_id = self._experiment(model_name)
+
+        def create() -> str:
+            run = self.client.create_run(exp_id, tags={"mlflow.runName": f"release-{digest[:12]}", TAG_HASH: digest})
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "release.json")
+                with open(path, "w") as f:
+                    json.dump(rel, f, indent=2, sort_keys=True)
+                self.client.log_artifact(run.info.run_id, path, "release")
+            self.client.set_terminated(run.info.run_id)
+            mv = self.client.create_model_version(
+                model_name, source=f"{run.info.artifact_uri}/release", run_id=run.info.run_id,
+                tags=release_mod.release_tags(rel, digest),
+                description=release_mod.describe_release(rel, digest))
+            return str(mv.version)
+
+        # Search again right before creating: a retried call must not create a second version.
+        again = self.find_version(model_name, digest)
+        return str(again.version) if again is not None else self._call(create)
+
+    def _experiment(self, model_name: str) -> str:
+        name = f"specpair/{model_name}"
+
+        def run() -> str:
+            exp = self.client.get_experiment_by_name(name)
+            if exp is not None:
+                return exp.experiment_id
+            try:
+                return self.client.create_experiment(name)
+            except RestException:
+                exp = self.client.get_experiment_by_name(name)
+                if exp is None:
+                    raise
+                return exp.experiment_id
+        return self._call(run)
+
+    def version_tags(self, model_name: str, version: str) -> dict[str, str]:
+        return dict(self._call(lambda: self.client.get_model_version(model_name, version)).tags)
+
+    def set_tags(self, model_name: str, version: str, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self._call(lambda k=k, v=v: self.client.set_model_version_tag(model_name, version, k, v))
+
+    def count_versions(self, model_name: str) -> int:
+        return len(self._call(lambda: self.client.search_model_versions(f"name='{model_name}'")))
+
+    # -- aliases -----------------------------------------------------------------------
+
+    def aliases(self, model_name: str) -> dict[str, str]:
+        return {k: str(v) for k, v in self._call(lambda: self.client.get_registered_model(model_name)).aliases.items()}
+
+    def set_alias(self, model_name: str, alias: str, version: str) -> None:
+        self._call(lambda: self.client.set_registered_model_alias(model_name, alias, version))
+
+    # -- gating ------------------------------------------------------------------------
+
+    def gate_result(self, model_name: str, version: str) -> tuple[str, dict[str, Any] | None, str]:
+        """(status, verdict or None, message) as the gate runner recorded them on the version."""
+        tags = self.version_tags(model_name, version)
+        verdict = None
+        if tags.get(TAG_GATE_VERDICT):
+            try:
+                verdict = json.loads(tags[TAG_GATE_VERDICT])
+            except ValueError:
+                verdict = None
+        return tags.get(TAG_GATE_STATUS, "pending"), verdict, tags.get(TAG_GATE_MESSAGE, "")
+
+    def record_gate(self, model_name: str, version: str, verdict: dict[str, Any],
+                    extra_artifacts: list[str] = ()) -> str:
+        """Log the gating run (metrics + verdict artifact) and link it to the version by tags.
+
+        Reuses the run the gate itself opened (verdict.mlflowRunId) when there is one.
+        """
+        run_id = verdict.get("mlflowRunId")
+        if not run_id:
+            exp_id = self._experiment(model_name)
+            run_id = self._call(lambda: self.client.create_run(
+                exp_id, tags={"mlflow.runName": f"gate-v{version}", "specpair.model_version": str(version)})).info.run_id
+        metrics = gate_metrics(verdict)
+        ts = int(time.time() * 1000)
+        from mlflow.entities import Metric
+
+        batch = [Metric(k, v, ts, step) for (k, step), v in metrics.items()]
+        self._call(lambda: self.client.log_batch(run_id, metrics=batch))
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "verdict.json")
+            with open(path, "w") as f:
+                json.dump(verdict, f, indent=2, sort_keys=True)
+            self._call(lambda: self.client.log_artifact(run_id, path, "gate"))
+            for extra in extra_artifacts:
+                if os.path.exists(extra):
+                    self._call(lambda extra=extra: self.client.log_artifact(run_id, extra, "gate"))
+        self._call(lambda: self.client.set_terminated(run_id))
+        tok = verdict.get("tokenizer") or {}
+        tags = {
+            TAG_GATE_RUN: run_id,
+            TAG_GATE_VERDICT: json.dumps({**verdict, "mlflowRunId": run_id}, sort_keys=True, separators=(",", ":")),
+            TAG_GATE_MESSAGE: "; ".join(verdict.get("reasons") or []) or "passed",
+        }
+        if tok.get("targetFingerprint"):
+            tags[TAG_TOKENIZER_TARGET] = str(tok["targetFingerprint"])
+        if tok.get("draftFingerprint"):
+            tags[TAG_TOKENIZER_DRAFT] = str(tok["draftFingerprint"])
+        if verdict.get("bestSpeculation"):
+            tags[TAG_BEST_SPECULATION] = json.dumps(verdict["bestSpeculation"], sort_keys=True)
+        # Status last: the operator acts on it, so everything it points at must already exist.
+        tags[TAG_GATE_STATUS] = "passed" if verdict.get("passed") is True else "failed"
+        self.set_tags(model_name, version, tags)
+        return run_id
+
+    def record_gate_error(self, model_name: str, version: str, message: str) -> None:
+        self.set_tags(model_name, version, {TAG_GATE_MESSAGE: message[-4000:], TAG_GATE_STATUS: "error"})
+
+
+def gate_metrics(verdict: dict[str, Any]) -> dict[tuple[str, int], float]:
+    """MLflow metrics from a verdict: overall, per category, per draft position, k sweep."""
+    out: dict[tuple[str, int], float] = {}
+
+    def put(name: str, value: Any, step: int = 0) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[(name, step)] = float(value)
+
+    for key, name in (("acceptanceRate", "acceptance_rate"), ("meanAcceptanceLength", "mean_acceptance_length"),
+                      ("speedup", "speedup"), ("greedyIdentity", "greedy_identity")):
+        put(name, verdict.get(key))
+    for cat, vals in (verdict.get("categories") or {}).items():
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(cat))
+        for key, name in (("acceptanceRate", "acceptance_rate"), ("speedup", "speedup"),
+                          ("greedyIdentity", "greedy_identity"), ("meanAcceptanceLength", "mean_acceptance_length")):
+            put(f"{name}.{safe}", (vals or {}).get(key))
+    for pos, v in enumerate(verdict.get("acceptancePerPosition") or []):
+        put("acceptance_per_position", v, pos)
+    for row in verdict.get("kSweep") or []:
+        if isinstance(row, dict) and isinstance(row.get("k"), int):
+            put("speedup_by_k", row.get("speedup"), row["k"])
+    out[("passed", 0)] = 1.0 if verdict.get("passed") is True else 0.0
+    return out

@@ -1,0 +1,104 @@
+"""The MLflow release registry against a real `mlflow server` (sqlite, loopback)."""
+
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from specpair_operator import aliases, registry as registry_mod, release
+from specpair_operator.registry import RegistryUnavailable, ReleaseRegistry
+
+SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "r1"}, "draft": {"drafter": "ngram"}}
+PROMPTS = [{"prompt": "def add(a, b):", "category": "code"}]
+VERDICT = {"passed": True, "reasons": [], "greedyIdentity": 1.0, "acceptanceRate": 0.62, "speedup": 1.3,
+           "meanAcceptanceLength": 2.1, "categories": {"code": {"acceptanceRate": 0.7, "speedup": 1.4}},
+           "acceptancePerPosition": [0.8, 0.6, 0.4], "kSweep": [{"k": 2, "speedup": 1.2}, {"k": 4, "speedup": 1.3}],
+           "bestSpeculation": {"k": 4, "batchSizeThreshold": 8},
+           "tokenizer": {"compatible": True, "differences": [], "targetFingerprint": "a" * 64, "draftFingerprint": None},
+           "mlflowRunId": None, "device": "cpu"}
+
+
+@pytest.fixture
+def reg(mlflow_server):
+    return ReleaseRegistry(mlflow_server.url)
+
+
+def test_same_release_same_version_new_content_new_version(reg):
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    reg.ensure_model(model, "ns/p")
+    reg.ensure_model(model, "ns/p")  # idempotent
+    rel = release.build_release("p", "ns", SPEC, PROMPTS)
+    digest = release.content_hash(rel)
+    v1 = reg.ensure_release(model, rel, digest)
+    assert reg.ensure_release(model, rel, digest) == v1
+    assert ReleaseRegistry(reg.tracking_uri).ensure_release(model, rel, digest) == v1  # a "restarted operator"
+    rel2 = release.build_release("p", "ns", {**SPEC, "speculation": {"k": 6}}, PROMPTS)
+    v2 = reg.ensure_release(model, rel2, release.content_hash(rel2))
+    assert v2 != v1 and reg.count_versions(model) == 2
+    mv = reg.client.get_model_version(model, v1)
+    assert mv.tags["specpair.content_hash"] == digest and mv.tags["specpair.target.revision"] == "r1"
+    assert "HuggingFaceTB/SmolLM2-135M" in mv.description and digest in mv.description
+    # the release JSON is stored as an artifact of the release run
+    path = reg.client.download_artifacts(mv.run_id, "release/release.json")
+    assert json.load(open(path)) == rel
+
+
+def test_aliases_follow_the_promotion_plan(reg):
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    reg.ensure_model(model, "ns/p")
+    versions = []
+    for k in (2, 3):
+        rel = release.build_release("p", "ns", {**SPEC, "speculation": {"k": k}}, PROMPTS)
+        versions.append(reg.ensure_release(model, rel, release.content_hash(rel)))
+    for v in versions:
+        for move in aliases.plan_promotion(reg.aliases(model), v):
+            reg.set_alias(model, move.alias, move.version)
+    assert reg.aliases(model) == {"champion": versions[1], "previous": versions[0]}
+    for move in aliases.plan_rollback(reg.aliases(model)):
+        reg.set_alias(model, move.alias, move.version)
+    assert reg.aliases(model)["champion"] == versions[0]
+
+
+def test_gate_runner_records_the_run_metrics_and_verdict_on_the_version(reg, tmp_path):
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    reg.ensure_model(model, "ns/p")
+    rel = release.build_release("p", "ns", SPEC, PROMPTS)
+    version = reg.ensure_release(model, rel, release.content_hash(rel))
+    assert reg.gate_result(model, version)[0] == "pending"
+    rel_file = tmp_path / "release.json"
+    rel_file.write_text(json.dumps(release.with_mlflow(rel, reg.tracking_uri, model, version)))
+    # A gate command that writes a given verdict: the runner's job is recording, tested here.
+    verdict_file = tmp_path / "given.json"
+    verdict_file.write_text(json.dumps(VERDICT))
+    gate = f"{sys.executable} -c \"import shutil,sys; shutil.copy('{verdict_file}', sys.argv[sys.argv.index('--out')+1])\""
+    out = subprocess.run([sys.executable, "-m", "specpair_operator.gate_runner", "--release", str(rel_file),
+                          "--gate-command", gate], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    status, verdict, _ = reg.gate_result(model, version)
+    assert status == "passed" and verdict["acceptanceRate"] == 0.62
+    tags = reg.version_tags(model, version)
+    assert tags[registry_mod.TAG_TOKENIZER_TARGET] == "a" * 64
+    run = reg.client.get_run(tags[registry_mod.TAG_GATE_RUN])
+    assert run.data.metrics["acceptance_rate.code"] == 0.7 and run.data.metrics["speedup"] == 1.3
+    history = reg.client.get_metric_history(run.info.run_id, "acceptance_per_position")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(0, 0.8), (1, 0.6), (2, 0.4)]
+    assert "gate" in [a.path for a in reg.client.list_artifacts(run.info.run_id)]
+
+    # A crashing gate leaves an error status with its stderr, and a non-zero exit.
+    crash = f"{sys.executable} -c \"import sys; sys.exit('model download failed: 404')\""
+    out = subprocess.run([sys.executable, "-m", "specpair_operator.gate_runner", "--release", str(rel_file),
+                          "--gate-command", crash], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    status, _, message = reg.gate_result(model, version)
+    assert status == "error" and "model download failed: 404" in message
+
+
+def test_unreachable_mlflow_raises_registry_unavailable_quickly():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(RegistryUnavailable):
+        ReleaseRegistry("http://127.0.0.1:9", attempts=2, backoff_s=0.05).aliases("x")
+    assert time.monotonic() - t0 < 15
