@@ -24,5 +24,6 @@ WORKDIR /tmp
 # Kopf's liveness endpoint (the chart's probes call it).
 EXPOSE 8080
 HEALTHCHECK NONE
-ENTRYPOINT ["kopf", "run"]
-CMD ["--standalone", "--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz", "-m", "specpair_operator.handlers"]
+# Watches all namespaces unless given --namespace NS (repeatable); see charts/specpair.
+ENTRYPOINT ["python", "-m", "specpair_operator"]
+CMD ["--liveness=http://0.0.0.0:8080/healthz"]

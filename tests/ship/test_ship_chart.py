@@ -41,13 +41,12 @@ def test_default_render_has_exactly_the_operator_parts(render):
     assert deployment["metadata"]["namespace"] == RELEASE_NAMESPACE
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "ghcr.io/specpair/operator:0.1.0"
-    assert container["command"] == ["kopf", "run"]
-    assert "--all-namespaces" in container["args"]
-    assert container["args"][-2:] == ["-m", "specpair_operator.handlers"]
+    assert container["command"] == ["python", "-m", "specpair_operator"]
+    # No --namespace flag: the entry point then watches all namespaces.
+    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz"]
     env = {e["name"]: e for e in container["env"]}
     assert env["MLFLOW_TRACKING_URI"]["value"].startswith("http://")
     assert not any(name.startswith("MLFLOW_TRACKING_") and name != "MLFLOW_TRACKING_URI" for name in env)
-    assert json.loads(env["SPECPAIR_ENGINE_RESOURCES"]["value"]) == {}
 
 
 def test_non_default_render_wires_every_value(render):
@@ -61,17 +60,13 @@ def test_non_default_render_wires_every_value(render):
     assert container["image"] == "registry.example.com/specpair/operator@sha256:" + "ab" * 32
     assert container["imagePullPolicy"] == "Always"
     assert [a for a in container["args"] if a.startswith("--namespace=")] == ["--namespace=team-a", "--namespace=team-b"]
-    assert "--all-namespaces" not in container["args"]
-    assert {"--verbose", "--priority=100"} <= set(container["args"])
+    assert {"--verbose", "--mlflow-tracking-uri=https://mlflow.example.com"} <= set(container["args"])
     env = {e["name"]: e for e in container["env"]}
     assert env["MLFLOW_TRACKING_URI"]["value"] == "https://mlflow.example.com"
     assert env["MLFLOW_TRACKING_USERNAME"]["valueFrom"]["secretKeyRef"] == {"name": "mlflow-credentials", "key": "user"}
     assert env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "mlflow-credentials", "key": "pass"}
     assert "MLFLOW_TRACKING_TOKEN" not in env  # empty key: not set
     assert env["SPECPAIR_MLFLOW_CREDENTIALS_SECRET"]["value"] == "mlflow-credentials"
-    assert env["SPECPAIR_WATCH_NAMESPACES"]["value"] == "team-a,team-b"
-    assert json.loads(env["SPECPAIR_ENGINE_RESOURCES"]["value"])["limits"]["nvidia.com/gpu"] == 1
-    assert env["SPECPAIR_ENGINE_IMAGE"]["value"] == "registry.example.com/specpair/engine:0.1.0-rc1"
     assert container["resources"]["limits"] == {"cpu": "2", "memory": "2Gi"}
     assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
     assert pod["tolerations"][0]["key"] == "dedicated"
@@ -129,8 +124,9 @@ BAD_VALUES = [
     ({"image": {"repository": "r", "digest": "latest"}}, "/image/digest"),
     ({"image": {"repository": "r", "pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     ({"resources": {"limits": {"memory": "lots"}}}, "/resources/limits/memory"),
-    ({"engine": {"resources": {"limits": {"nvidia.com/gpu": -1}}}}, "/engine/resources/limits/nvidia.com~1gpu"),
+    ({"resources": {"limits": {"nvidia.com/gpu": -1}}}, "/resources/limits/nvidia.com~1gpu"),
     ({"operator": {"logLevel": "chatty"}}, "/operator/logLevel"),
+    ({"engine": {"image": "x"}}, "engine"),
     ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "/metrics/serviceMonitor/interval"),
     ({"imag": {"tag": "typo"}}, "imag"),
 ]
