@@ -5,7 +5,7 @@ GetStats, SetSpeculation). Its generated stubs live in the `specpair` package; t
 imported lazily and are torch-free. The operator only needs the plain-dict shapes below, so
 tests can stand an engine in with any object that has these three coroutines.
 
-    model_info(address) -> {"contentHash": str, "releaseVersion": str,
+    model_info(address) -> {"pair": str, "releaseVersion": str, "contentHash": str (optional),
                             "tokenizer": {"target": fp, "draft": fp | None}, "speculationEnabled": bool}
     stats(address)      -> {"categories": {category: {"drafted": int, "accepted": int}}}  (cumulative)
     set_speculation(address, enabled: bool) -> None
@@ -19,7 +19,7 @@ from typing import Any, Protocol
 class EngineProbe(Protocol):
     async def model_info(self, address: str) -> dict[str, Any]: ...
     async def stats(self, address: str) -> dict[str, Any]: ...
-    async def set_speculation(self, address: str, enabled: bool) -> None: ...
+    async def set_speculation(self, address: str, enabled: bool, reason: str = "") -> None: ...
 
 
 class EngineUnreachable(Exception):
@@ -53,10 +53,20 @@ class GrpcEngineProbe:
         return MessageToDict(reply, preserving_proto_field_name=False)
 
     async def model_info(self, address: str) -> dict[str, Any]:
-        return await self._call(address, "GetModelInfo", "GetModelInfoRequest")
+        info = await self._call(address, "GetModelInfo", "GetModelInfoRequest")
+        tok = info.get("tokenizer") or {}
+        return {"pair": info.get("pair", ""), "releaseVersion": info.get("version", ""),
+                "tokenizer": {"target": tok.get("targetFingerprint") or None, "draft": tok.get("draftFingerprint") or None},
+                "speculationEnabled": bool((info.get("speculation") or {}).get("enabled", False))}
 
     async def stats(self, address: str) -> dict[str, Any]:
-        return await self._call(address, "GetStats", "GetStatsRequest")
+        stats = await self._call(address, "GetStats", "GetStatsRequest")
+        cats = {}
+        for name, cat in (stats.get("categories") or {}).items():
+            cum = cat.get("cumulative") or {}
+            # uint64 fields arrive as strings from MessageToDict
+            cats[name] = {"drafted": int(cum.get("numDraftTokens", 0)), "accepted": int(cum.get("numAcceptedTokens", 0))}
+        return {"categories": cats, "speculating": bool(stats.get("speculating", False))}
 
-    async def set_speculation(self, address: str, enabled: bool) -> None:
-        await self._call(address, "SetSpeculation", "SetSpeculationRequest", enabled=enabled)
+    async def set_speculation(self, address: str, enabled: bool, reason: str = "") -> None:
+        await self._call(address, "SetSpeculation", "SetSpeculationRequest", enabled=enabled, reason=reason)

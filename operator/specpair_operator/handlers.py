@@ -74,6 +74,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         raise kopf.PermanentError("set SPECPAIR_MLFLOW_TRACKING_URI (or MLFLOW_TRACKING_URI)")
     RUNTIME.gate_tracking_uri = os.environ.get("SPECPAIR_GATE_MLFLOW_TRACKING_URI", RUNTIME.tracking_uri)
     RUNTIME.registry = ReleaseRegistry(RUNTIME.tracking_uri)
+    # A (re)started operator remembers nothing: all it needs is in the cluster and MLflow.
+    for memory in (RUNTIME.locks, RUNTIME.retry_at, RUNTIME.backoff, RUNTIME.samples, RUNTIME.last_drift_check):
+        memory.clear()
     RUNTIME.probe = PROBE_OVERRIDE or GrpcEngineProbe()
 
 
@@ -323,7 +326,7 @@ class Pass:
                         (False, "RollingOut", ""))
             return
         pods = await self._engine_pods()
-        ok, why, infos = await self._verify_identity(pods, digest, tags)
+        ok, why, infos = await self._verify_identity(pods, champion, digest, tags)
         if why.startswith("tokenizer"):
             await self._rollback(model, al, champion, why)
             return
@@ -377,7 +380,7 @@ class Pass:
     def _address(self, pod: dict[str, Any]) -> str:
         return f"{pod['status']['podIP']}:{int(self.rollout.get('port', 50051))}"
 
-    async def _verify_identity(self, pods: list[dict[str, Any]], digest: str, tags: dict[str, str]
+    async def _verify_identity(self, pods: list[dict[str, Any]], version: str, digest: str, tags: dict[str, str]
                                ) -> tuple[bool, str, list[dict[str, Any]]]:
         if not pods:
             return False, "no ready engine pods", []
@@ -388,9 +391,10 @@ class Pass:
                 info = await self.rt.probe.model_info(self._address(pod))
             except EngineUnreachable as exc:
                 return False, f"pod {pod['metadata']['name']}: model identity not verified: {exc}", infos
-            if info.get("contentHash") != digest:
-                return False, (f"pod {pod['metadata']['name']} serves {str(info.get('contentHash'))[:12]}, "
-                               f"release is {digest[:12]}"), infos
+            served = (info.get("pair"), str(info.get("releaseVersion")), info.get("contentHash") or digest)
+            if served != (self.name, version, digest):
+                return False, (f"pod {pod['metadata']['name']} serves {served[0]} v{served[1]}, "
+                               f"release is {self.name} v{version}"), infos
             mismatch = drift_mod.fingerprint_mismatch(expected, info.get("tokenizer") or {})
             if mismatch:
                 return False, f"tokenizer mismatch on pod {pod['metadata']['name']}: " + "; ".join(mismatch), infos
@@ -468,7 +472,7 @@ class Pass:
         if action == drift_mod.SPECULATION_OFF:
             reason = "sustained drift: " + ("; ".join(messages) or "acceptance below baseline")
             for pod in pods:
-                await self.rt.probe.set_speculation(self._address(pod), False)
+                await self.rt.probe.set_speculation(self._address(pod), False, reason[:500])
             await self.registry(self.rt.registry.set_tags, model, champion, {"specpair.drift.speculation_off": reason[:4000]})
             self.out["speculationEnabled"] = False
             self.cond(c.DRIFTED, True, "SpeculationOff", reason)

@@ -18,6 +18,10 @@ from typing import Any, Callable
 
 import pytest
 
+# Before the handlers module is imported: its timer interval is fixed at decoration time.
+os.environ.setdefault("SPECPAIR_RECONCILE_INTERVAL", "0.4")
+os.environ.setdefault("SPECPAIR_WATCH_TIMEOUT", "30")
+
 from kube_emulator import KubeEmulator  # noqa: E402  (tests/operator is on sys.path via rootdir conftest)
 
 REPO = Path(__file__).resolve().parents[2]

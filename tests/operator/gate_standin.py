@@ -1,0 +1,63 @@
+"""Stand-in for `specpair gate` while the engine's gate is not installed (tests only).
+
+Same CLI and verdict contract (TEAM.md); instead of running models it reads the candidate's
+numbers from the test's declared model world (SPECPAIR_STANDIN_WORLD: draft -> rates) and
+applies the release's thresholds itself, as the real gate does.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+
+def fingerprint(source):
+    return hashlib.sha256(f"tokenizer-of:{source}".encode()).hexdigest()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--release", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    rel = json.load(open(a.release))
+    world = json.load(open(os.environ["SPECPAIR_STANDIN_WORLD"]))
+    draft = rel["draft"].get("source") or rel["draft"].get("drafter")
+    if draft not in world:
+        sys.exit(f"cannot load draft {draft!r}")
+    w = world[draft]
+    target = rel["target"]["source"]
+    tok_of = w.get("tokenizerOf", target if rel["draft"].get("drafter") else draft)
+    compatible = rel["draft"].get("drafter") is not None or tok_of == target or "tokenizerOf" not in w
+    th = rel["gating"]["thresholds"]
+    reasons = []
+    verdict = {
+        "tokenizer": {"compatible": compatible, "notes": [],
+                      "differences": [] if compatible else [f"vocab of {draft} differs from {target} (49152 vs 32000 ids)"],
+                      "targetFingerprint": fingerprint(target),
+                      "draftFingerprint": fingerprint(tok_of) if rel["draft"].get("source") else None},
+        "mlflowRunId": None, "device": "cpu",
+    }
+    if not compatible:
+        reasons.append("tokenizer mismatch: " + verdict["tokenizer"]["differences"][0])
+    else:
+        verdict.update(greedyIdentity=1.0, acceptanceRate=w["acceptanceRate"], speedup=w["speedup"],
+                       meanAcceptanceLength=1 + w["acceptanceRate"] * rel["speculation"]["k"],
+                       categories={c: {"acceptanceRate": r} for c, r in w["categories"].items()},
+                       acceptancePerPosition=[w["acceptanceRate"] ** (i + 1) for i in range(rel["speculation"]["k"])],
+                       kSweep=[{"k": k, "speedup": w["speedup"] * (0.9 + 0.05 * k)} for k in (2, 3, 4)],
+                       bestSpeculation={"k": 4, "batchSizeThreshold": rel["speculation"]["batchSizeThreshold"]})
+        if w["acceptanceRate"] < th["minAcceptance"]:
+            reasons.append(f"acceptance {w['acceptanceRate']:.3f} < {th['minAcceptance']:.3f}")
+        for c, floor in th["minCategoryAcceptance"].items():
+            if w["categories"].get(c, 0.0) < floor:
+                reasons.append(f"category {c} acceptance {w['categories'].get(c, 0.0):.3f} < {floor:.3f}")
+        if w["speedup"] < th["minSpeedup"]:
+            reasons.append(f"speedup {w['speedup']:.2f}x < {th['minSpeedup']:.2f}x")
+    verdict.update(passed=not reasons, reasons=reasons)
+    json.dump(verdict, open(a.out, "w"))
+
+
+if __name__ == "__main__":
+    main()
