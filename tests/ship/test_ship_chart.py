@@ -4,6 +4,7 @@ Kubernetes schema validation, least-privilege RBAC, pod hardening, CRDs in sync,
 from __future__ import annotations
 
 import json
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -254,7 +255,21 @@ def test_chart_crds_are_byte_identical_to_top_level_crds():
     assert top, "no CRDs in crds/"
     assert chart.keys() == top.keys(), "charts/specpair/crds/ must hold the same files as crds/"
     stale = [name for name in top if chart[name] != top[name]]
-    assert not stale, f"{stale} differ: run `cp crds/*.yaml charts/specpair/crds/`"
+    assert not stale, (f"{stale} differ: the chart's crds/ holds symlinks to crds/; restore them with "
+                       "`ln -sf ../../../crds/NAME.yaml charts/specpair/crds/NAME.yaml`")
+
+
+def test_packaged_chart_carries_the_crd_bytes_not_a_link(helm, tmp_path):
+    """charts/specpair/crds/* are symlinks (in sync by construction); `helm package` must inline
+    them, so a chart pushed to a registry is complete on its own."""
+    run([helm, "package", CHART_DIR, "--destination", tmp_path])
+    (archive,) = tmp_path.glob("specpair-*.tgz")
+    with tarfile.open(archive) as tar:
+        member = tar.getmember("specpair/crds/specmodelpair.yaml")
+        assert member.isfile()
+        packaged = tar.extractfile(member).read()
+    assert packaged == (REPO_ROOT / "crds" / "specmodelpair.yaml").read_bytes()
+    assert "values.schema.json" in "".join(tarfile.open(archive).getnames())
 
 
 def _checkov(checkov: Path, directory: Path, *extra: str) -> dict[str, Any]:
