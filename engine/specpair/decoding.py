@@ -51,11 +51,15 @@ class SpeculationController:
     def __init__(self, config: SpeculationConfig):
         self.config = config
         self.window = AcceptanceWindow(config.fallback_window)
+        self.enabled = config.enabled
+        self.k_override: int | None = None      # SetSpeculation at run time
+        self.reset()
+
+    def reset(self) -> None:
+        self.window.clear()
         self.falling_back = False
         self.target_only_tokens = 0
         self.fallback_events = 0
-        self.enabled = config.enabled
-        self.k_override: int | None = None      # SetSpeculation at run time
 
     def should_speculate(self) -> bool:
         return self.enabled and not self.falling_back

@@ -1,0 +1,1 @@
+from specpair.cli import main; import sys; sys.exit(main())

@@ -1,0 +1,283 @@
+"""`specpair bench`: speculative vs target-only decoding, measured, with the bound it should reach.
+
+For each prompt (after a warm-up) it times target-only and speculative greedy decoding (median
+of several runs), checks the outputs are token-identical, and measures the three costs the
+speedup bound needs on this hardware: one target decode step T1, one verification of k+1 tokens
+Tv(k+1) (not one step on a CPU), and one draft step Td. The bound is Leviathan's expected
+tokens per round, (1 - a^(k+1)) / (1 - a), times T1, over the cost of the round, k*Td + Tv(k+1),
+mixed with the rounds in which the drafter had nothing to propose (one token per T1).
+Efficiency = measured speedup / bound. Hugging Face assisted generation runs the same pair as the
+peer, so both speedups come from one run on one machine.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from specpair.config import GenerationParams
+from specpair.decoding import SpeculativeEngine, _sync
+from specpair.drafters import ModelDrafter, NgramDrafter
+from specpair.errors import SpecpairError
+from specpair.kv_cache import BatchedKVModel
+from specpair.stats import AcceptanceStats
+
+
+def load_prompts(path: str | None) -> list[dict]:
+    """JSON Lines of {"prompt": ..., "category": ...}; the shipped set when no path is given."""
+    if path is None:
+        text = resources.files("specpair").joinpath("prompts/default.jsonl").read_text()
+        where = "the default prompt set"
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise SpecpairError(f"prompts file not found: {path}")
+        text, where = p.read_text(), path
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SpecpairError(f"{where} line {n}: not JSON ({exc.msg})") from exc
+        if not isinstance(row, dict) or not str(row.get("prompt", "")).strip():
+            raise SpecpairError(f"{where} line {n}: needs a non-empty \"prompt\"")
+        prompts.append({"prompt": row["prompt"], "category": str(row.get("category") or "default")})
+    if not prompts:
+        raise SpecpairError(f"{where} holds no prompts")
+    return prompts
+
+
+def _timed(fn, device) -> tuple[float, object]:
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - start, out
+
+
+@torch.no_grad()
+def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: list[int],
+                       repeats: int = 5) -> dict:
+    """Median seconds: T1 (target, 1 token), Tv[k] (target, k+1 tokens), Td (one draft step)."""
+    device = engine.target.device
+
+    def median_extend(model, n_tokens: int) -> float:
+        kv = BatchedKVModel(model, vocab_size=engine.vocab_size)
+        kv.add_rows(1)
+        kv.extend([prompt_ids])
+        base = kv.lengths[0]
+        times = []
+        for _ in range(repeats + 1):
+            seconds, _ = _timed(lambda: kv.extend([prompt_ids[:n_tokens] or [0]], last=n_tokens), device)
+            times.append(seconds)
+            kv.rollback(0, base)
+            kv.trim()
+        return statistics.median(times[1:])
+
+    costs = {"target_step": median_extend(engine.target.model, 1),
+             "verify": {k: median_extend(engine.target.model, k + 1) for k in ks}}
+    drafter = engine.drafter
+    if isinstance(drafter, ModelDrafter):
+        costs["draft_step"] = median_extend(drafter.loaded.model, 1)
+    elif drafter is not None:
+        seq = list(prompt_ids) * 2
+        times = [_timed(lambda: drafter.lookup(seq, max(ks)) if hasattr(drafter, "lookup") else None,
+                        device)[0] for _ in range(repeats)]
+        costs["draft_step"] = statistics.median(times)
+    else:
+        costs["draft_step"] = 0.0
+    return costs
+
+
+def speedup_bound(stats: AcceptanceStats, rounds_without_draft: int, costs: dict) -> float:
+    """Expected speedup from measured acceptance and measured costs (see module docstring)."""
+    t1 = costs["target_step"]
+    if stats.num_drafts == 0:
+        return 1.0
+    k_mean = stats.num_draft_tokens / stats.num_drafts
+    k = max(1, round(k_mean))
+    a = min(stats.acceptance_rate, 0.999999)
+    tokens_per_round = (1 - a ** (k_mean + 1)) / (1 - a)
+    verify = costs["verify"].get(k) or costs["verify"][min(costs["verify"], key=lambda x: abs(x - k))]
+    round_cost = k_mean * costs["draft_step"] + verify
+    tokens = stats.num_drafts * tokens_per_round + rounds_without_draft
+    seconds = stats.num_drafts * round_cost + rounds_without_draft * t1
+    return tokens * t1 / seconds
+
+
+@dataclass
+class PromptResult:
+    category: str
+    target_seconds: float
+    spec_seconds: float
+    tokens: int
+    identical: bool
+    stats: AcceptanceStats
+    rounds_without_draft: int
+    hf_target_seconds: float | None = None
+    hf_assisted_seconds: float | None = None
+
+
+@dataclass
+class BenchReport:
+    pair: dict
+    device: str
+    k: int
+    runs: int
+    costs: dict
+    prompts: list[PromptResult] = field(default_factory=list)
+
+    def summarise(self, rows: list[PromptResult]) -> dict:
+        stats = AcceptanceStats()
+        for r in rows:
+            stats.merge(r.stats)
+        tokens = sum(r.tokens for r in rows)
+        t_target = sum(r.target_seconds for r in rows)
+        t_spec = sum(r.spec_seconds for r in rows)
+        no_draft = sum(r.rounds_without_draft for r in rows)
+        speedup = t_target / t_spec if t_spec else 0.0
+        bound = speedup_bound(stats, no_draft, self.costs)
+        hf = [r for r in rows if r.hf_assisted_seconds]
+        hf_speedup = (sum(r.hf_target_seconds for r in hf) / sum(r.hf_assisted_seconds for r in hf)
+                      if hf else None)
+        cost_ratio = self.costs["draft_step"] / self.costs["target_step"]
+        return {
+            "prompts": len(rows),
+            "tokens": tokens,
+            "target_tokens_per_s": round(tokens / t_target, 3) if t_target else 0.0,
+            "spec_tokens_per_s": round(tokens / t_spec, 3) if t_spec else 0.0,
+            "speedup": round(speedup, 4),
+            "acceptance_rate": round(stats.acceptance_rate, 4),
+            "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
+            "acceptance_per_position": [round(x, 4) for x in stats.acceptance_per_position],
+            "cost_ratio": round(cost_ratio, 4),
+            "bound": round(bound, 4),
+            "efficiency": round(speedup / bound, 4) if bound else 0.0,
+            "greedy_identity": round(sum(r.identical for r in rows) / len(rows), 4),
+            "hf_assisted_speedup": round(hf_speedup, 4) if hf_speedup else None,
+            "speedup_vs_hf": round(speedup / hf_speedup, 4) if hf_speedup else None,
+            "rounds_without_draft": no_draft,
+            "draft_seconds": round(stats.draft_seconds, 4),
+            "target_seconds": round(stats.target_seconds, 4),
+        }
+
+    def to_dict(self) -> dict:
+        categories = {}
+        for name in dict.fromkeys(r.category for r in self.prompts):
+            categories[name] = self.summarise([r for r in self.prompts if r.category == name])
+        overall = self.summarise(self.prompts)
+        # gpt-fast style: how close target-only decoding is to streaming the weights once per token.
+        if self.pair.get("target_bytes"):
+            overall["target_bandwidth_gb_s"] = round(
+                self.pair["target_bytes"] / self.costs["target_step"] / 1e9, 3)
+        return {"pair": self.pair, "device": self.device, "k": self.k, "runs": self.runs,
+                "costs_seconds": {"target_step": round(self.costs["target_step"], 6),
+                                  "draft_step": round(self.costs["draft_step"], 6),
+                                  "verify": {str(k): round(v, 6) for k, v in self.costs["verify"].items()}},
+                "categories": categories, "overall": overall}
+
+
+def _hf_generate(engine: SpeculativeEngine, prompt_ids: list[int], max_new_tokens: int, k: int,
+                 assisted: bool) -> None:
+    """The same pair through transformers' own assisted generation (the peer)."""
+    model = engine.target.model
+    ids = torch.tensor([prompt_ids], device=engine.target.device)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens,
+                  attention_mask=torch.ones_like(ids), pad_token_id=engine.target.tokenizer.pad_token_id
+                  or engine.target.tokenizer.eos_token_id)
+    if assisted:
+        if isinstance(engine.drafter, ModelDrafter):
+            assistant = engine.drafter.loaded.model
+            assistant.generation_config.num_assistant_tokens = k
+            kwargs["assistant_model"] = assistant
+        else:
+            kwargs["prompt_lookup_num_tokens"] = k
+    model.generate(ids, **kwargs)
+
+
+def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens: int = 64,
+              runs: int = 3, chat: bool = True, hf_peer: bool = True, progress=None) -> BenchReport:
+    k = engine.config.k
+    encoded = [(p["category"], engine.encode(p["prompt"], chat=chat)) for p in prompts]
+    # Warm-up: first calls allocate and pick kernels; never time them.
+    warm = GenerationParams(max_new_tokens=4)
+    engine.generate([prompts[0]["prompt"]], warm, chat=chat, speculate=False)
+    engine.generate([prompts[0]["prompt"]], warm, chat=chat)
+    ks = sorted({max(1, k - 2), k, min(engine.config.k_max, k + 2)} | set(range(1, engine.config.k_max + 1)))
+    costs = measure_step_costs(engine, encoded[0][1], ks)
+    target = engine.target
+    report = BenchReport(pair={"target": target.source,
+                               "drafter": engine.drafter.describe() if engine.drafter else None,
+                               "target_parameters": target.num_parameters,
+                               "target_bytes": target.weight_bytes},
+                         device=str(target.device), k=k, runs=runs, costs=costs)
+    # Pin generation length: EOS early would make runs incomparable across modes.
+    params = GenerationParams(max_new_tokens=max_new_tokens)
+    for n, (category, ids) in enumerate(encoded):
+        t_times, s_times, hf_t, hf_a = [], [], [], []
+        spec_result = base_result = None
+        for _ in range(runs):
+            seconds, base = _timed(lambda: _run_one(engine, ids, params, speculate=False), target.device)
+            t_times.append(seconds)
+            engine.controller.reset()   # each run starts from the same fallback state
+            seconds, spec = _timed(lambda: _run_one(engine, ids, params, speculate=True), target.device)
+            s_times.append(seconds)
+            base_result, spec_result = base, spec
+            if hf_peer:
+                hf_t.append(_timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, False),
+                                   target.device)[0])
+                hf_a.append(_timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, True),
+                                   target.device)[0])
+        rounds = spec_result.stats.num_target_steps
+        report.prompts.append(PromptResult(
+            category=category, target_seconds=statistics.median(t_times),
+            spec_seconds=statistics.median(s_times), tokens=len(spec_result.token_ids),
+            identical=spec_result.token_ids == base_result.token_ids, stats=spec_result.stats,
+            rounds_without_draft=rounds - spec_result.stats.num_drafts,
+            hf_target_seconds=statistics.median(hf_t) if hf_t else None,
+            hf_assisted_seconds=statistics.median(hf_a) if hf_a else None))
+        if progress:
+            progress(n + 1, len(encoded), category)
+    return report
+
+
+def _run_one(engine: SpeculativeEngine, ids: list[int], params: GenerationParams, speculate: bool):
+    batch = engine.new_batch()
+    batch.speculate = speculate
+    seq = batch.add(ids, params)
+    while batch.active:
+        batch.step()
+    return batch.result(seq)
+
+
+def format_table(report: dict) -> str:
+    cols = ["target_tokens_per_s", "spec_tokens_per_s", "speedup", "acceptance_rate",
+            "mean_acceptance_length", "cost_ratio", "bound", "efficiency", "greedy_identity",
+            "hf_assisted_speedup", "speedup_vs_hf"]
+    short = ["tgt tok/s", "spec tok/s", "speedup", "accept", "mean len", "c", "bound", "eff",
+             "identity", "HF spdup", "vs HF"]
+    lines = [f"{'category':<15}" + "".join(f"{h:>11}" for h in short)]
+    rows = list(report["categories"].items()) + [("OVERALL", report["overall"])]
+    for name, row in rows:
+        cells = []
+        for c in cols:
+            v = row.get(c)
+            cells.append(f"{'-' if v is None else (f'{v:.3f}' if isinstance(v, float) else v):>11}")
+        lines.append(f"{name:<15}" + "".join(cells))
+    costs = report["costs_seconds"]
+    verify = ", ".join(f"k={k}: {v * 1e3:.1f}" for k, v in costs["verify"].items())
+    lines.append(f"\ndevice {report['device']}; target step {costs['target_step'] * 1e3:.1f} ms; "
+                 f"draft step {costs['draft_step'] * 1e3:.2f} ms; verify (ms) {verify}")
+    per_pos = report["overall"]["acceptance_per_position"]
+    lines.append("acceptance per position: " + " ".join(f"{x:.2f}" for x in per_pos))
+    if "target_bandwidth_gb_s" in report["overall"]:
+        lines.append(f"target-only weight bandwidth: {report['overall']['target_bandwidth_gb_s']} GB/s")
+    return "\n".join(lines)

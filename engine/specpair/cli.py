@@ -1,0 +1,223 @@
+"""`specpair` command line. Subcommand names and flags are a contract scripts rely on.
+
+Heavy imports (torch, transformers) happen inside the handlers so `specpair --help` stays fast
+and torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from specpair.errors import SpecpairError
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def add_pair_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None,
+                   help="target model: local directory, .gguf file, hub id, MLflow model URI "
+                        "(models:/...), or 'default' (embedded SmolLM2-135M-Instruct)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--draft", default=None, help="draft model (same forms as --target)")
+    group.add_argument("--drafter", choices=["ngram"], default=None,
+                       help="model-free drafter (prompt lookup)")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument("--no-dynamic-k", action="store_true", help="keep k fixed")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on "
+                                                 "CPU, bf16 on CUDA)")
+    p.add_argument("--on-mismatch", choices=["error", "target-only"], default="error",
+                   help="what to do when the draft's tokenizer differs from the target's")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+
+
+def build_engine(args, *, speculate: bool = True):
+    """Load the pair named by CLI flags. No target and no draft: the embedded default pair."""
+    import torch
+
+    from specpair.config import SpeculationConfig
+    from specpair.decoding import SpeculativeEngine
+    from specpair.drafters import NgramDrafter
+    from specpair.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.k <= 0:
+        raise SpecpairError(f"--k must be >= 1, got {args.k} (use --no-spec to turn speculation off)")
+    drafter_name = args.drafter
+    if args.target is None and args.draft is None and drafter_name is None:
+        drafter_name = "ngram"   # the default pair: the best draft measured for SmolLM2 on CPU
+    target = load_model(args.target, device=args.device, dtype=args.dtype, progress=_progress)
+    draft = drafter = None
+    if speculate and args.draft:
+        draft = load_model(args.draft, device=args.device, dtype=args.dtype, progress=_progress)
+    elif speculate and drafter_name == "ngram":
+        drafter = NgramDrafter(device=target.device)
+    spec = SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k,
+                             k_max=max(8, args.k), enabled=speculate)
+    engine = SpeculativeEngine(target, drafter=drafter, draft=draft, speculation=spec,
+                               on_mismatch=args.on_mismatch)
+    for warning in engine.warnings:
+        _progress(f"warning: {warning}")
+    return engine
+
+
+def cmd_generate(args) -> int:
+    from specpair.config import GenerationParams
+
+    if args.prompt is None or not args.prompt.strip():
+        raise SpecpairError("--prompt is empty")
+    engine = build_engine(args, speculate=not args.no_spec)
+    params = GenerationParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              stop=tuple(args.stop or ()))
+    result = engine.generate([args.prompt], params, chat=args.chat, speculate=not args.no_spec)[0]
+    if args.json:
+        out = result.to_dict()
+        out["speculation"] = {"drafter": engine.drafter.describe() if engine.drafter else None,
+                              "k": engine.config.k, "dynamic_k": engine.config.dynamic_k,
+                              "enabled": not args.no_spec}
+        print(json.dumps(out))
+    else:
+        print(result.text)
+        s = result.stats
+        _progress(f"[{len(result.token_ids)} tokens in {result.seconds:.2f} s; drafts {s.num_drafts}, "
+                  f"acceptance {s.acceptance_rate:.2f}, mean acceptance length "
+                  f"{s.mean_acceptance_length:.2f}, fallbacks {s.fallback_events}]")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    from specpair.bench import format_table, load_prompts, run_bench
+
+    prompts = load_prompts(args.prompts)
+    if args.limit:
+        prompts = prompts[: args.limit]
+    engine = build_engine(args)
+    if engine.drafter is None:
+        raise SpecpairError("bench needs a draft: --draft MODEL or --drafter ngram")
+    bar = tqdm(total=len(prompts), desc="bench", file=sys.stderr, disable=args.json and not sys.stderr.isatty())
+
+    def progress(done, total, category):
+        bar.update(1)
+        bar.set_postfix_str(category)
+
+    report = run_bench(engine, prompts, max_new_tokens=args.max_new_tokens, runs=args.runs,
+                       chat=not args.raw, hf_peer=not args.no_hf, progress=progress).to_dict()
+    bar.close()
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=2)
+    print(json.dumps(report) if args.json else format_table(report))
+    return 0
+
+
+def cmd_distill(args) -> int:
+    from specpair.distill import DistillConfig, distill
+
+    config = DistillConfig(target=args.target, out=args.out, steps=args.steps,
+                           batch_size=args.batch_size, seq_len=args.seq_len, layers=args.layers,
+                           hidden=args.hidden, heads=args.heads, lr=args.lr, seed=args.seed,
+                           checkpoint_every=args.checkpoint_every, device=args.device,
+                           corpus=args.corpus, generated_fraction=args.generated_fraction,
+                           eval_prompts=args.eval_prompts)
+    summary = distill(config, progress=_progress)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_gate(args) -> int:
+    from specpair.gate import run_gate_file
+
+    verdict = run_gate_file(args.release, args.out, device=args.device, progress=_progress)
+    print(json.dumps({k: verdict[k] for k in ("passed", "reasons")}))
+    return 0 if verdict["passed"] or not args.fail_exit_code else 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specpair", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with speculative decoding")
+    add_pair_arguments(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--no-spec", action="store_true", help="target-only decoding")
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="measure speculative vs target-only decoding")
+    add_pair_arguments(b)
+    b.add_argument("--prompts", default=None, help="JSON Lines file of {prompt, category}")
+    b.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--runs", type=int, default=3, help="runs per prompt; the median is reported")
+    b.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
+    b.add_argument("--no-hf", action="store_true", help="skip the Hugging Face assisted peer")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--out", default=None, help="also write the JSON report here")
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("distill", help="train a small draft against the target's distributions")
+    d.add_argument("--target", default=None)
+    d.add_argument("--out", required=True, help="output model directory (also holds checkpoints)")
+    d.add_argument("--steps", type=int, default=300)
+    d.add_argument("--batch-size", type=int, default=4)
+    d.add_argument("--seq-len", type=int, default=128)
+    d.add_argument("--layers", type=int, default=2)
+    d.add_argument("--hidden", type=int, default=256)
+    d.add_argument("--heads", type=int, default=4)
+    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--checkpoint-every", type=int, default=50)
+    d.add_argument("--device", default=None)
+    d.add_argument("--corpus", default="stdlib", help="'stdlib' or a directory/file of text")
+    d.add_argument("--generated-fraction", type=float, default=0.0,
+                   help="share of batches made of target-generated continuations")
+    d.add_argument("--eval-prompts", type=int, default=4)
+    d.set_defaults(func=cmd_distill)
+
+    gt = sub.add_parser("gate", help="golden-prompt gate for a release (writes a verdict JSON)")
+    gt.add_argument("--release", required=True, help="release JSON (see docs)")
+    gt.add_argument("--out", required=True, help="where to write the verdict JSON")
+    gt.add_argument("--device", default=None)
+    gt.add_argument("--fail-exit-code", action="store_true",
+                    help="exit 3 when the gate fails (default: 0, the verdict says it)")
+    gt.set_defaults(func=cmd_gate)
+
+    try:
+        from specpair.server.cli import add_engine_parser
+    except ImportError:
+        pass
+    else:
+        add_engine_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except SpecpairError as exc:
+        print(f"specpair: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""The gRPC engine server (issue 3): one pod serves one draft+target pair version.
+
+- requests.py  checks a GenerateRequest (pure functions: field + reason for every refusal)
+- worker.py    the thread that owns the running batch (continuous batching, cancel, drain)
+- service.py   the gRPC adapter (specpair.engine.v1.Engine on grpc.aio)
+- metrics.py   Prometheus metrics, vLLM names with a specpair_ prefix
+- app.py       EngineServer: ports, health, reflection, TLS, loading, warm-up, shutdown
+- client.py    a small blocking client (CLI `engine generate`, load benchmark, tests)
+- cli.py       `specpair engine serve` and `specpair engine generate`
+"""

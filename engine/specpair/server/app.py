@@ -1,0 +1,299 @@
+"""EngineServer: the life of one engine pod's server, from loading to draining.
+
+    starting -> loading (gRPC up, health NOT_SERVING) -> serving (models loaded, warm-up step ran,
+    health SERVING) -> draining (health NOT_SERVING, new Generate refused, in-flight streams run
+    on up to the drain timeout, then end with UNAVAILABLE) -> stopped
+
+The gRPC server (grpc.aio) runs on its own event loop in its own thread, the engine in the
+worker thread, the metrics HTTP server in prometheus-client's thread: `start()` and `stop()` are
+plain blocking calls, usable from the CLI, tests and benchmarks alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from specpair._proto import engine_pb2 as pb
+from specpair.server.metrics import EngineMetrics
+from specpair.server.requests import Limits
+from specpair.server.service import (SERVICE_NAME, EngineService, category_message, model_info_message,
+                                     speculation_message)
+from specpair.server.worker import EngineWorker
+
+log = logging.getLogger("specpair.server")
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    cert: str
+    key: str
+    client_ca: str | None = None     # set: clients must present a certificate it signed (mTLS)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        def read(path):
+            with open(path, "rb") as f:
+                return f.read()
+        return grpc.ssl_server_credentials(
+            [(read(self.key), read(self.cert))],
+            root_certificates=read(self.client_ca) if self.client_ca else None,
+            require_client_auth=bool(self.client_ca))
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051                  # 0: pick a free port (see EngineServer.port)
+    metrics_port: int | None = None    # None: no metrics HTTP server; 0: a free port
+    pair: str = "default"
+    version: str = "0"
+    max_batch_size: int = 8
+    max_queue: int = 32
+    drain_timeout: float = 30.0
+    tls: TLSFiles | None = None        # None: plaintext (the CLI asks for --insecure explicitly)
+    limits: Limits = Limits()
+    warm_up_prompt: str = "Hello"
+
+
+class EngineServer:
+    def __init__(self, load_engine: Callable[[], object], options: ServerOptions | None = None,
+                 progress: Callable[[str], None] = print):
+        """load_engine: builds the SpeculativeEngine (loads the models); runs after gRPC is up."""
+        self.options = options or ServerOptions()
+        self.limits = self.options.limits
+        self.load_engine = load_engine
+        self.progress = progress
+        self.phase = "starting"
+        self.error: str | None = None
+        self.engine = None
+        self.worker: EngineWorker | None = None
+        self.metrics = EngineMetrics(self.options.pair, self.options.version)
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.started_at = time.time()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._service: EngineService | None = None
+        self._bound = threading.Event()
+        self._ready = threading.Event()
+        self._stopped = threading.Event()
+        self._metrics_httpd = None
+        self._stop_lock = threading.Lock()
+
+    # -- lifecycle (blocking, thread-safe) -------------------------------------------------------
+
+    def start(self, wait_ready: bool = False, timeout: float = 600.0) -> "EngineServer":
+        """Bind the ports and start loading the models in the background."""
+        if self.options.metrics_port is not None:
+            self._metrics_httpd, _ = start_http_server(self.options.metrics_port, addr=self.options.host,
+                                                       registry=self.metrics.registry)
+            self.metrics_port = self._metrics_httpd.server_address[1]
+        self._thread = threading.Thread(target=self._run_loop, name="specpair-grpc", daemon=True)
+        self._thread.start()
+        if not self._bound.wait(60):
+            raise RuntimeError("gRPC server did not start")
+        if self.error:
+            raise RuntimeError(self.error)
+        threading.Thread(target=self._load, name="specpair-load", daemon=True).start()
+        if wait_ready:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"engine not ready after {timeout} s (phase {self.phase})")
+        if self.phase != "serving":
+            raise RuntimeError(self.error or f"engine failed to start (phase {self.phase})")
+
+    def stop(self, drain_timeout: float | None = None) -> dict:
+        """Drain in-flight requests (up to drain_timeout), then stop. Returns what happened."""
+        with self._stop_lock:
+            if self.phase == "stopped" or self._loop is None:
+                return {"aborted": 0}
+            timeout = self.options.drain_timeout if drain_timeout is None else drain_timeout
+            future = asyncio.run_coroutine_threadsafe(self._shutdown(timeout), self._loop)
+            result = future.result(timeout + 60)
+            self._thread.join(30)
+            return result
+
+    def serve_forever(self) -> None:
+        self._stopped.wait()
+
+    # -- what the service asks ----------------------------------------------------------------------
+
+    def unavailable_reason(self) -> str:
+        if self.phase in ("starting", "loading"):
+            return "models are still loading; retry when health reports SERVING"
+        if self.phase == "failed":
+            return f"engine failed to start: {self.error}"
+        return "server is shutting down"
+
+    def count_rejected(self, category: str, status: str) -> None:
+        self.metrics.record_finished(self.metrics.category(category), status)
+
+    def model_info(self) -> pb.ModelInfo:
+        return model_info_message(self.engine, pair=self.options.pair, version=self.options.version,
+                                  limits=self.limits, max_batch_size=self.options.max_batch_size,
+                                  max_queue=self.options.max_queue)
+
+    def stats(self) -> pb.Stats:
+        engine, worker = self.engine, self.worker
+        snap = worker.stats_snapshot()
+        controller = engine.controller
+        msg = pb.Stats(pair=self.options.pair, version=self.options.version,
+                       overall=category_message(snap["overall"]),
+                       speculating=bool(controller.should_speculate() and engine.drafter is not None),
+                       falling_back=controller.falling_back, fallback_events=controller.fallback_events,
+                       current_k=worker.batch.last_k,
+                       speculation=speculation_message(engine, self.options.max_batch_size),
+                       num_requests_running=worker.running, num_requests_waiting=worker.waiting,
+                       uptime_seconds=time.time() - self.started_at)
+        for name, cat in snap["categories"].items():
+            msg.categories[name].CopyFrom(category_message(cat))
+        return msg
+
+    def set_speculation(self, enabled: bool | None, k: int | None, reason: str = "") -> pb.SpeculationSettings:
+        """Applied in the worker thread between steps, so no step sees half a change."""
+        engine = self.engine
+
+        def apply():
+            controller = engine.controller
+            if enabled is not None:
+                if enabled and not controller.enabled:
+                    # Turned back on by an operator: start from a fresh window, not the old verdict.
+                    controller.falling_back = False
+                    controller.window.clear()
+                controller.enabled = enabled
+            if k is not None:
+                controller.k_override = k or None
+            return speculation_message(engine, self.options.max_batch_size)
+
+        settings = self.worker.call(apply)
+        log.warning("speculation set to enabled=%s k_override=%s%s", settings.enabled,
+                    settings.k_override if settings.HasField("k_override") else None,
+                    f" ({reason})" if reason else "")
+        return settings
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        except Exception as exc:   # a port in use, bad TLS files: report to start()
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.phase = "failed"
+            self._bound.set()
+            self._ready.set()
+            self._stopped.set()
+            self._loop.close()
+            return
+        try:
+            # Until _shutdown stops it: the loop outlives the gRPC server so the shutdown
+            # coroutine can finish its clean-up after server.stop().
+            self._loop.run_forever()
+        finally:
+            self._stopped.set()
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        opts = self.options
+        # Above this gRPC itself refuses (RESOURCE_EXHAUSTED); between max_request_bytes and it, the
+        # service answers INVALID_ARGUMENT naming the limit.
+        grpc_limit = max(4 * self.limits.max_request_bytes, 4 << 20)
+        self._server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", grpc_limit),
+            ("grpc.max_send_message_length", grpc_limit),
+            ("grpc.so_reuseport", 0),
+        ])
+        self._service = EngineService(self)
+        self._server.add_generic_rpc_handlers((self._service.handler(),))
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        address = f"{opts.host}:{opts.port}"
+        if opts.tls is not None:
+            self.port = self._server.add_secure_port(address, opts.tls.credentials())
+        else:
+            self.port = self._server.add_insecure_port(address)
+        await self._server.start()
+        self.phase = "loading"
+        self._bound.set()
+
+    def _load(self) -> None:
+        """Load the models, start the worker, warm up; then report SERVING."""
+        try:
+            self.progress(f"loading models for pair {self.options.pair} version {self.options.version}")
+            started = time.perf_counter()
+            engine = self.load_engine()
+            worker = EngineWorker(engine, max_batch_size=self.options.max_batch_size,
+                                  max_queue=self.options.max_queue, metrics=self.metrics)
+            self.progress("warm-up step")
+            worker.warm_up(engine.encode(self.options.warm_up_prompt))
+            for warning in engine.warnings:
+                self.progress(f"warning: {warning}")
+            self.engine, self.worker = engine, worker
+            worker.start()
+            if self.phase != "loading":       # stop() arrived while loading
+                worker.stop()
+                return
+            self.phase = "serving"
+            self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            self.progress(f"serving on {self.options.host}:{self.port} "
+                          f"({time.perf_counter() - started:.1f} s to ready)")
+        except Exception as exc:
+            log.exception("engine failed to load")
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.phase = "failed"
+            self.progress(f"error: {self.error}")
+        finally:
+            self._ready.set()
+
+    def _set_health(self, status) -> None:
+        async def set_all():
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, status)
+        asyncio.run_coroutine_threadsafe(set_all(), self._loop).result(10)
+
+    async def _shutdown(self, drain_timeout: float) -> dict:
+        self.phase = "draining"
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        aborted = 0
+        worker = self.worker
+        if worker is not None:
+            worker.stop_accepting()
+            deadline = time.monotonic() + drain_timeout
+            while worker.busy and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if worker.busy:
+                aborted = await asyncio.get_running_loop().run_in_executor(
+                    None, worker.abort_all,
+                    f"server shutting down: drain timeout of {drain_timeout:g} s expired")
+            # Let the handlers send the final messages / statuses before the transport closes.
+            await asyncio.sleep(0.1)
+        await self._server.stop(grace=5)
+        if worker is not None:
+            await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+        self._service.close()
+        if self._metrics_httpd is not None:
+            self._metrics_httpd.shutdown()
+            self._metrics_httpd.server_close()
+        self.phase = "stopped"
+        asyncio.get_running_loop().call_soon(asyncio.get_running_loop().stop)
+        return {"aborted": aborted}

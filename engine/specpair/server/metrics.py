@@ -1,0 +1,126 @@
+"""Prometheus metrics, named the way vLLM names its speculative-decoding metrics, prefixed specpair_.
+
+Each server owns its CollectorRegistry (tests run several servers in one process). Counters are
+fed per engine step, so they move while a long request is still streaming. Category labels come
+from clients, so their number is capped: categories beyond `max_categories` count as "other".
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from specpair.stats import AcceptanceStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+OTHER_CATEGORY = "other"
+
+
+class EngineMetrics:
+    def __init__(self, pair: str, version: str, max_categories: int = 32,
+                 registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.pair, self.version = pair, version
+        self.max_categories = max_categories
+        self._categories: set[str] = set()
+        self._lock = threading.Lock()
+        r = self.registry
+        base = ["pair", "version"]
+        cat = base + ["category"]
+        self.num_drafts = Counter("specpair_num_drafts", "Verification rounds that had draft tokens.",
+                                  cat, registry=r)
+        self.num_draft_tokens = Counter("specpair_num_draft_tokens", "Draft tokens proposed.", cat, registry=r)
+        self.num_accepted_tokens = Counter("specpair_num_accepted_tokens",
+                                           "Draft tokens the target accepted.", cat, registry=r)
+        self.num_accepted_tokens_per_pos = Counter(
+            "specpair_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position (0-based).",
+            cat + ["position"], registry=r)
+        self.num_emitted_tokens = Counter("specpair_num_emitted_tokens", "Tokens streamed to clients.",
+                                          cat, registry=r)
+        self.acceptance_rate = Gauge("specpair_acceptance_rate",
+                                     "Acceptance over the last fallback-window draft tokens, all categories.",
+                                     base, registry=r)
+        self.category_acceptance_rate = Gauge(
+            "specpair_category_acceptance_rate",
+            "Acceptance over the last fallback-window draft tokens of one category.", cat, registry=r)
+        self.speculation_k = Gauge("specpair_speculation_k",
+                                   "Largest k used in the last engine step (0 = target-only).", base, registry=r)
+        self.speculation_enabled = Gauge("specpair_speculation_enabled",
+                                         "1 while speculation is allowed and not in fallback.", base, registry=r)
+        self.fallback_events = Counter("specpair_fallback_events",
+                                       "Times windowed acceptance fell below the threshold.", base, registry=r)
+        self.requests = Counter("specpair_requests", "Finished requests by status.", cat + ["status"], registry=r)
+        self.time_to_first_token = Histogram("specpair_time_to_first_token_seconds",
+                                             "Arrival to first streamed token.", cat, buckets=LATENCY_BUCKETS,
+                                             registry=r)
+        self.time_per_output_token = Histogram("specpair_time_per_output_token_seconds",
+                                               "Mean time between output tokens after the first.", cat,
+                                               buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram("specpair_e2e_request_latency_seconds",
+                                             "Arrival to last token.", cat, buckets=LATENCY_BUCKETS, registry=r)
+        self.request_queue_time = Histogram("specpair_request_queue_time_seconds",
+                                            "Arrival to joining the running batch.", cat,
+                                            buckets=LATENCY_BUCKETS, registry=r)
+        self.num_requests_waiting = Gauge("specpair_num_requests_waiting", "Requests queued for a batch slot.",
+                                          base, registry=r)
+        self.num_requests_running = Gauge("specpair_num_requests_running", "Requests in the running batch.",
+                                          base, registry=r)
+        self.speculation_enabled.labels(pair, version).set(0)
+        self.speculation_k.labels(pair, version).set(0)
+
+    def category(self, name: str) -> str:
+        """The label value for a client's category (bounded cardinality)."""
+        with self._lock:
+            if name in self._categories:
+                return name
+            if len(self._categories) < self.max_categories:
+                self._categories.add(name)
+                return name
+        return OTHER_CATEGORY
+
+    def _l(self, category: str) -> tuple[str, str, str]:
+        return self.pair, self.version, category
+
+    def record_step(self, category: str, delta: AcceptanceStats) -> None:
+        labels = self._l(category)
+        if delta.num_drafts:
+            self.num_drafts.labels(*labels).inc(delta.num_drafts)
+            self.num_draft_tokens.labels(*labels).inc(delta.num_draft_tokens)
+            self.num_accepted_tokens.labels(*labels).inc(delta.num_accepted_tokens)
+            for pos, n in enumerate(delta.num_accepted_tokens_per_pos):
+                # Touch every drafted position so a dashboard sees zeros, not gaps.
+                if pos < len(delta.num_draft_tokens_per_pos) and delta.num_draft_tokens_per_pos[pos]:
+                    self.num_accepted_tokens_per_pos.labels(*labels, str(pos)).inc(n)
+        if delta.num_emitted_tokens:
+            self.num_emitted_tokens.labels(*labels).inc(delta.num_emitted_tokens)
+        if delta.fallback_events:
+            self.fallback_events.labels(self.pair, self.version).inc(delta.fallback_events)
+
+    def record_finished(self, category: str, status: str, *, queue: float | None = None,
+                        ttft: float | None = None, e2e: float | None = None,
+                        tpot: float | None = None) -> None:
+        labels = self._l(category)
+        self.requests.labels(*labels, status).inc()
+        if queue is not None:
+            self.request_queue_time.labels(*labels).observe(queue)
+        if ttft is not None:
+            self.time_to_first_token.labels(*labels).observe(ttft)
+        if e2e is not None:
+            self.e2e_request_latency.labels(*labels).observe(e2e)
+        if tpot is not None:
+            self.time_per_output_token.labels(*labels).observe(tpot)
+
+    def set_state(self, *, running: int, waiting: int, k: int, speculating: bool,
+                  window_rate: float | None, category_rates: dict[str, float | None]) -> None:
+        base = (self.pair, self.version)
+        self.num_requests_running.labels(*base).set(running)
+        self.num_requests_waiting.labels(*base).set(waiting)
+        self.speculation_k.labels(*base).set(k)
+        self.speculation_enabled.labels(*base).set(1 if speculating else 0)
+        if window_rate is not None:
+            self.acceptance_rate.labels(*base).set(window_rate)
+        for category, rate in category_rates.items():
+            if rate is not None:
+                self.category_acceptance_rate.labels(*self._l(category)).set(rate)

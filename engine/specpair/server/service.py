@@ -1,0 +1,220 @@
+"""The gRPC adapter: specpair.engine.v1.Engine on grpc.aio, in front of an EngineWorker.
+
+Generate is registered with raw bytes in (no request deserializer) so that a request protobuf
+refuses to parse, such as one with malformed UTF-8 in a string field, still gets INVALID_ARGUMENT
+naming the field instead of gRPC's generic INTERNAL "exception deserializing request".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from specpair import __version__
+from specpair._proto import engine_pb2 as pb
+from specpair.errors import SpecpairError
+from specpair.server.requests import InvalidField, Limits, check_context, check_generate, find_invalid_utf8
+from specpair.server.worker import Failed, Finished, Job, NotAccepting, QueueFull, Tokens
+from specpair.stats import AcceptanceStats
+
+log = logging.getLogger("specpair.server")
+
+SERVICE_NAME = "specpair.engine.v1.Engine"
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+FAILURE_CODES = {"unavailable": grpc.StatusCode.UNAVAILABLE, "internal": grpc.StatusCode.INTERNAL,
+                 "invalid": grpc.StatusCode.INVALID_ARGUMENT}
+
+
+def stats_message(stats: AcceptanceStats) -> pb.AcceptanceStats:
+    return pb.AcceptanceStats(
+        num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        num_accepted_tokens_per_pos=stats.num_accepted_tokens_per_pos,
+        num_draft_tokens_per_pos=stats.num_draft_tokens_per_pos,
+        acceptance_rate=stats.acceptance_rate, mean_acceptance_length=stats.mean_acceptance_length,
+        acceptance_per_position=stats.acceptance_per_position, fallback_events=stats.fallback_events,
+        num_emitted_tokens=stats.num_emitted_tokens, num_target_steps=stats.num_target_steps)
+
+
+def speculation_message(engine, max_batch_size: int) -> pb.SpeculationSettings:
+    config, controller = engine.config, engine.controller
+    msg = pb.SpeculationSettings(
+        enabled=bool(controller.enabled and engine.drafter is not None), k=config.k,
+        dynamic_k=config.dynamic_k, k_min=config.k_min, k_max=config.k_max,
+        fallback_threshold=config.fallback_threshold, fallback_window=config.fallback_window,
+        batch_size_threshold=config.batch_size_threshold, max_batch_size=max_batch_size)
+    if controller.k_override is not None:
+        msg.k_override = controller.k_override
+    return msg
+
+
+def model_identity(engine, which: str) -> pb.ModelIdentity:
+    if which == "target":
+        return pb.ModelIdentity(kind="model", **engine.target.identity())
+    if engine.draft is not None:
+        return pb.ModelIdentity(kind="model", **engine.draft.identity())
+    if engine.drafter is not None:
+        return pb.ModelIdentity(kind=engine.drafter.name, source=engine.drafter.name)
+    return pb.ModelIdentity(kind="none")
+
+
+def model_info_message(engine, *, pair: str, version: str, limits: Limits, max_batch_size: int,
+                       max_queue: int) -> pb.ModelInfo:
+    check = engine.tokenizer_check
+    tokenizer = pb.TokenizerInfo(
+        target_fingerprint=engine.target_fingerprint["sha256"],
+        draft_fingerprint=(engine.draft_fingerprint or {}).get("sha256", ""),
+        # A model-free drafter proposes target tokens: compatible by construction.
+        compatible=check.compatible if check is not None else engine.drafter is not None,
+        differences=check.differences if check is not None else [],
+        notes=check.notes if check is not None else [])
+    return pb.ModelInfo(
+        pair=pair, version=version, target=model_identity(engine, "target"),
+        draft=model_identity(engine, "draft"), tokenizer=tokenizer,
+        speculation=speculation_message(engine, max_batch_size),
+        context_length=engine.target.context_length, max_new_tokens_limit=limits.max_new_tokens,
+        max_queue=max_queue, engine_version=__version__, warnings=list(engine.warnings))
+
+
+def category_message(snapshot: dict) -> pb.CategoryStats:
+    msg = pb.CategoryStats(window_draft_tokens=snapshot["window_draft_tokens"],
+                           cumulative=stats_message(snapshot["cumulative"]), requests=snapshot["requests"])
+    if snapshot["window_rate"] is not None:
+        msg.window_acceptance_rate = snapshot["window_rate"]
+    return msg
+
+
+class EngineService:
+    """Handlers for one server. `state` is the owning EngineServer (engine, worker, limits, ...)."""
+
+    def __init__(self, state):
+        self.state = state
+        # One thread for tokenizing: keeps long prompts off the event loop.
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="specpair-tokenize")
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.generate, request_deserializer=None,
+                response_serializer=pb.GenerateResponse.SerializeToString),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                self.get_model_info, request_deserializer=pb.GetModelInfoRequest.FromString,
+                response_serializer=pb.ModelInfo.SerializeToString),
+            "GetStats": grpc.unary_unary_rpc_method_handler(
+                self.get_stats, request_deserializer=pb.GetStatsRequest.FromString,
+                response_serializer=pb.Stats.SerializeToString),
+            "SetSpeculation": grpc.unary_unary_rpc_method_handler(
+                self.set_speculation, request_deserializer=pb.SetSpeculationRequest.FromString,
+                response_serializer=pb.SpeculationSettings.SerializeToString),
+        })
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _require_ready(self, context) -> None:
+        if self.state.phase != "serving":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.state.unavailable_reason())
+
+    async def _invalid(self, context, field: str, reason: str, category: str = "none"):
+        self.state.count_rejected(category, "invalid")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {reason}",
+                            trailing_metadata=(("specpair-invalid-field", field),))
+
+    # -- Generate ------------------------------------------------------------------------------
+
+    async def generate(self, raw: bytes, context):
+        arrived = time.perf_counter()
+        await self._require_ready(context)
+        state = self.state
+        limits = state.limits
+        if len(raw) > limits.max_request_bytes:
+            await self._invalid(context, "request", f"{len(raw)} bytes is more than the limit of "
+                                                    f"{limits.max_request_bytes} bytes")
+        try:
+            request = pb.GenerateRequest.FromString(raw)
+        except DecodeError:
+            field = find_invalid_utf8(raw, pb.GenerateRequest.DESCRIPTOR)
+            if field:
+                await self._invalid(context, field, "malformed UTF-8 in a string field")
+            await self._invalid(context, "request", "not a valid GenerateRequest protobuf")
+        engine = state.engine
+        checked = None
+        try:
+            checked = check_generate(request, limits)
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self._tokenize_pool, engine.encode, checked.prompt, checked.chat)
+            check_context(len(ids), checked.params.max_new_tokens, engine.target.context_length,
+                          checked.prompt_field)
+        except InvalidField as exc:
+            await self._invalid(context, exc.field, exc.reason)
+        except SpecpairError as exc:
+            await self._invalid(context, checked.prompt_field if checked else "prompt", str(exc))
+
+        category = state.metrics.category(checked.params.category) if state.metrics else checked.params.category
+        events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        job = Job(prompt_ids=ids, params=checked.params, category=category, client_id=request.request_id,
+                  arrived=arrived, sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        try:
+            state.worker.submit(job)
+        except QueueFull as exc:
+            state.count_rejected(category, "rejected")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except NotAccepting as exc:
+            state.count_rejected(category, "unavailable")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        request_id = request.request_id or job.request_id
+        finished = False
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, Tokens):
+                    yield pb.GenerateResponse(request_id=request_id, text=event.text, token_ids=event.token_ids)
+                elif isinstance(event, Finished):
+                    finished = True
+                    yield pb.GenerateResponse(
+                        request_id=request_id, text=event.text, token_ids=event.token_ids,
+                        finish_reason=FINISH_REASONS.get(event.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+                        usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+                        timings=pb.Timings(queue_seconds=event.queue_seconds,
+                                           time_to_first_token_seconds=event.time_to_first_token,
+                                           total_seconds=event.total_seconds),
+                        stats=stats_message(event.stats))
+                    return
+                elif isinstance(event, Failed):
+                    finished = True
+                    await context.abort(FAILURE_CODES.get(event.kind, grpc.StatusCode.INTERNAL), event.message)
+        finally:
+            if not finished:
+                # Client cancelled, deadline passed, or the stream broke: free the batch slot.
+                remaining = context.time_remaining()
+                status = "deadline" if remaining is not None and remaining <= 0 else "cancelled"
+                state.worker.cancel(job, status)
+
+    # -- unary ----------------------------------------------------------------------------------
+
+    async def get_model_info(self, request, context):
+        await self._require_ready(context)
+        return self.state.model_info()
+
+    async def get_stats(self, request, context):
+        await self._require_ready(context)
+        return self.state.stats()
+
+    async def set_speculation(self, request, context):
+        await self._require_ready(context)
+        if request.HasField("k") and request.k > 32:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"k: must be <= 32 (0 clears), got {request.k}")
+        if request.HasField("enabled") and request.enabled and self.state.engine.drafter is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "enabled: this server has no draft (or its tokenizer differs from the "
+                                "target's); speculation cannot be turned on")
+        loop = asyncio.get_running_loop()
+        enabled = request.enabled if request.HasField("enabled") else None
+        k = request.k if request.HasField("k") else None
+        return await loop.run_in_executor(None, self.state.set_speculation, enabled, k, request.reason)

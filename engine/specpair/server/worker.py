@@ -1,0 +1,374 @@
+"""The engine worker: one thread owns the running Batch and is the only one to touch it.
+
+The decoding loop is synchronous torch code, so it runs in a dedicated thread. Requests wait in a
+bounded queue and join the batch at step boundaries (continuous batching); commands from other
+threads (cancel, SetSpeculation, abort on shutdown) are applied at step boundaries too, so the
+batch never changes under a running step. Results go back through each job's `sink`, a callable
+that must be thread-safe (the gRPC layer hands events to its event loop).
+
+Nothing here knows about gRPC: events carry plain values and a failure kind the service maps to
+a status code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specpair.config import GenerationParams
+from specpair.errors import SpecpairError
+from specpair.stats import AcceptanceStats, AcceptanceWindow
+
+log = logging.getLogger("specpair.server")
+
+
+class QueueFull(Exception):
+    """No room in the waiting queue: the client should retry later (RESOURCE_EXHAUSTED)."""
+
+
+class NotAccepting(Exception):
+    """The worker is draining or stopped (UNAVAILABLE)."""
+
+
+# -- events sent to a job's sink ------------------------------------------------------------------
+
+@dataclass
+class Tokens:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Finished:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: AcceptanceStats
+    queue_seconds: float
+    time_to_first_token: float
+    total_seconds: float
+
+
+@dataclass
+class Failed:
+    kind: str          # "unavailable" (shutdown), "internal" (engine error), "invalid" (rejected on add)
+    message: str
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    params: GenerationParams
+    sink: Callable[[object], None]
+    category: str = "none"               # metric label (already bounded)
+    client_id: str = ""
+    arrived: float = field(default_factory=time.perf_counter)
+    request_id: str = ""                 # unique inside the worker, set on submit
+    admitted: float | None = None
+    first_token: float | None = None
+    cancel_status: str | None = None     # "cancelled" / "deadline" once the client is gone
+    seen: AcceptanceStats = field(default_factory=AcceptanceStats)   # stats already counted
+    done: bool = False
+
+
+def stats_delta(seen: AcceptanceStats, now: AcceptanceStats) -> AcceptanceStats:
+    """What a sequence's stats gained since `seen` (per-step metric increments)."""
+    d = AcceptanceStats()
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
+                 "num_target_steps", "fallback_events"):
+        setattr(d, name, getattr(now, name) - getattr(seen, name))
+    for name in ("num_accepted_tokens_per_pos", "num_draft_tokens_per_pos"):
+        old, new = getattr(seen, name), getattr(now, name)
+        setattr(d, name, [v - (old[i] if i < len(old) else 0) for i, v in enumerate(new)])
+    return d
+
+
+class Aggregate:
+    """Acceptance of one category (or all): a sliding window and totals since start."""
+
+    def __init__(self, window: int):
+        self.window = AcceptanceWindow(window)
+        self.cumulative = AcceptanceStats()
+        self.requests = 0
+
+    def add(self, delta: AcceptanceStats) -> None:
+        self.cumulative.merge(delta)
+        if delta.num_draft_tokens:
+            self.window.add(delta.num_draft_tokens, delta.num_accepted_tokens)
+
+    def snapshot(self) -> dict:
+        stats = AcceptanceStats()
+        stats.merge(self.cumulative)
+        return {"window_rate": self.window.rate, "window_draft_tokens": self.window.drafted,
+                "cumulative": stats, "requests": self.requests}
+
+
+class EngineWorker:
+    """Owns a SpeculativeEngine's Batch in one thread; see the module docstring."""
+
+    def __init__(self, engine, *, max_batch_size: int = 8, max_queue: int = 32, metrics=None):
+        if max_batch_size < 1 or max_queue < 0:
+            raise SpecpairError("max_batch_size must be >= 1 and max_queue >= 0")
+        self.engine = engine
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.batch = engine.new_batch()
+        self._pending: deque[Job] = deque()
+        self._jobs: dict[str, Job] = {}          # in the batch, by request id
+        self._commands: deque[tuple[Callable, Future]] = deque()
+        self._cond = threading.Condition()
+        self._ids = itertools.count(1)
+        self._accepting = True
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        window = engine.config.fallback_window
+        self._window_size = window
+        self._stats_lock = threading.Lock()
+        self.overall = Aggregate(window)
+        self.categories: dict[str, Aggregate] = {}
+        self.steps = 0
+
+    # -- called from other threads ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="specpair-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> Job:
+        with self._cond:
+            if not self._accepting:
+                raise NotAccepting("the server is shutting down")
+            room = self.max_batch_size - len(self._jobs) + self.max_queue
+            if len(self._pending) >= room:
+                raise QueueFull(f"request queue is full ({len(self._pending)} waiting, "
+                                f"{len(self._jobs)} running); retry later")
+            job.request_id = f"r{next(self._ids)}"
+            self._pending.append(job)
+            self._cond.notify_all()
+        return job
+
+    def cancel(self, job: Job, status: str = "cancelled") -> None:
+        """The client is gone: drop the job from the queue now, or from the batch at the next step."""
+        with self._cond:
+            if job.done:
+                return
+            job.cancel_status = status
+            if job in self._pending:
+                self._pending.remove(job)
+                self._finish_cancelled(job)
+            self._cond.notify_all()
+
+    def call(self, fn: Callable[[], object], timeout: float = 30.0):
+        """Run fn in the worker thread at a step boundary and return its result."""
+        future: Future = Future()
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                return fn()   # not started (or stopped): nothing else touches the engine
+            self._commands.append((fn, future))
+            self._cond.notify_all()
+        return future.result(timeout)
+
+    def stop_accepting(self) -> None:
+        with self._cond:
+            self._accepting = False
+
+    @property
+    def busy(self) -> int:
+        with self._cond:
+            return len(self._pending) + len(self._jobs)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        return len(self._jobs)
+
+    def abort_all(self, message: str) -> int:
+        """Fail every queued and running job (drain timeout). Returns how many were ended."""
+        def abort():
+            jobs = list(self._jobs.values())
+            for job in jobs:
+                self.batch.cancel(job.request_id)
+                self._fail(job, "unavailable", message, status="aborted")
+            self.batch.done.clear()
+            return len(jobs)
+        with self._cond:
+            queued = list(self._pending)
+            self._pending.clear()
+        for job in queued:
+            self._fail(job, "unavailable", message, status="aborted")
+        return len(queued) + self.call(abort)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._accepting = False
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stats_snapshot(self) -> dict:
+        with self._stats_lock:
+            return {"overall": self.overall.snapshot(),
+                    "categories": {name: agg.snapshot() for name, agg in self.categories.items()}}
+
+    # -- the worker thread --------------------------------------------------------------------
+
+    def warm_up(self, prompt_ids: list[int], max_new_tokens: int = 2) -> None:
+        """One short request through the speculative path before the server reports SERVING."""
+        controller = self.engine.controller
+        events_before = controller.fallback_events
+        batch = self.engine.new_batch()
+        batch.add(prompt_ids, GenerationParams(max_new_tokens=max_new_tokens,
+                                               speculation_k=self.engine.config.k),
+                  request_id="warm-up")
+        while batch.active:
+            batch.step()
+        # Warm-up rounds are not traffic: keep them out of the acceptance window.
+        controller.window.clear()
+        controller.fallback_events = events_before
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    self._apply_commands_locked()
+                    if self._stop and not self._jobs and not self._pending:
+                        break
+                    self._admit_locked()
+                    if not self._jobs:
+                        self._publish_state()
+                        self._cond.wait(timeout=0.5)
+                        continue
+                self._step()
+        finally:
+            with self._cond:
+                self._apply_commands_locked()
+
+    def _apply_commands_locked(self) -> None:
+        while self._commands:
+            fn, future = self._commands.popleft()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:   # hand it to the caller, keep serving
+                future.set_exception(exc)
+        # Cancellations requested since the last step.
+        for job in [j for j in self._jobs.values() if j.cancel_status]:
+            self.batch.cancel(job.request_id)
+            self._finish_cancelled(job)
+        self.batch.done.clear()
+
+    def _admit_locked(self) -> None:
+        while self._pending and len(self._jobs) < self.max_batch_size:
+            job = self._pending.popleft()
+            try:
+                self.batch.add(job.prompt_ids, job.params, request_id=job.request_id)
+            except SpecpairError as exc:
+                self._fail(job, "invalid", str(exc), status="invalid")
+                continue
+            job.admitted = time.perf_counter()
+            self._jobs[job.request_id] = job
+
+    def _step(self) -> None:
+        try:
+            outputs = self.batch.step()
+        except Exception as exc:   # an engine bug or device error: fail this batch, keep serving
+            log.exception("engine step failed; failing %d running requests", len(self._jobs))
+            with self._cond:
+                for job in list(self._jobs.values()):
+                    self._fail(job, "internal", f"engine step failed: {type(exc).__name__}: {exc}",
+                               status="error")
+                self.batch = self.engine.new_batch()
+            return
+        self.steps += 1
+        now = time.perf_counter()
+        done = {seq.request_id: seq for seq in self.batch.done}
+        live = {seq.request_id: seq for seq in self.batch.rows}
+        for out in outputs:
+            job = self._jobs.get(out.request_id)
+            if job is None:
+                continue
+            seq = done.get(out.request_id) or live.get(out.request_id)
+            if seq is not None:
+                self._count(job, seq.stats)
+            if out.token_ids and job.first_token is None:
+                job.first_token = now
+            if out.finished and seq is not None:
+                self._finish(job, self.batch.result(seq), out)
+            elif out.text or out.token_ids:
+                job.sink(Tokens(text=out.text, token_ids=list(out.token_ids)))
+        self.batch.done.clear()
+        self._publish_state()
+
+    def _count(self, job: Job, stats: AcceptanceStats) -> None:
+        delta = stats_delta(job.seen, stats)
+        job.seen.merge(delta)
+        with self._stats_lock:
+            self.overall.add(delta)
+            self._category(job.category).add(delta)
+        if self.metrics is not None:
+            self.metrics.record_step(job.category, delta)
+
+    def _category(self, name: str) -> Aggregate:
+        agg = self.categories.get(name)
+        if agg is None:
+            agg = self.categories[name] = Aggregate(self._window_size)
+        return agg
+
+    def _finish(self, job: Job, result, out) -> None:
+        self._jobs.pop(job.request_id, None)
+        job.done = True
+        end = time.perf_counter()
+        first = job.first_token or end
+        admitted = job.admitted or job.arrived
+        completion = len(result.token_ids)
+        with self._stats_lock:
+            self.overall.requests += 1
+            self._category(job.category).requests += 1
+        if self.metrics is not None:
+            tpot = (end - first) / (completion - 1) if completion > 1 else None
+            self.metrics.record_finished(job.category, "ok", queue=admitted - job.arrived,
+                                         ttft=first - job.arrived, e2e=end - job.arrived, tpot=tpot)
+        job.sink(Finished(text=out.text, token_ids=list(out.token_ids), finish_reason=result.finish_reason,
+                          prompt_tokens=result.prompt_tokens, completion_tokens=completion,
+                          stats=result.stats, queue_seconds=admitted - job.arrived,
+                          time_to_first_token=first - job.arrived, total_seconds=end - job.arrived))
+
+    def _finish_cancelled(self, job: Job) -> None:
+        self._jobs.pop(job.request_id, None)
+        if job.done:
+            return
+        job.done = True
+        if self.metrics is not None:
+            self.metrics.record_finished(job.category, job.cancel_status or "cancelled")
+
+    def _fail(self, job: Job, kind: str, message: str, status: str) -> None:
+        self._jobs.pop(job.request_id, None)
+        if job.done:
+            return
+        job.done = True
+        if self.metrics is not None:
+            self.metrics.record_finished(job.category, status)
+        job.sink(Failed(kind=kind, message=message))
+
+    def _publish_state(self) -> None:
+        if self.metrics is None:
+            return
+        controller = self.engine.controller
+        with self._stats_lock:
+            rates = {name: agg.window.rate for name, agg in self.categories.items()}
+            overall = self.overall.window.rate
+        self.metrics.set_state(running=len(self._jobs), waiting=len(self._pending), k=self.batch.last_k,
+                               speculating=controller.should_speculate() and self.engine.drafter is not None,
+                               window_rate=overall, category_rates=rates)
