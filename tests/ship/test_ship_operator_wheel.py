@@ -1,0 +1,88 @@
+"""The operator image's install, reproduced without Docker: build the repository's wheel, install
+it with the `operator` extra into a fresh venv that has no torch, and run what the chart runs.
+
+Slowest ship test (~1 min with a warm pip cache: mlflow is large); pip's own cache is reused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ship_helpers import NON_DEFAULT_VALUES, REPO_ROOT, run
+
+# What the wheel is built from, exactly as deploy/operator.Dockerfile copies it.
+BUILD_INPUTS = ["pyproject.toml", "README.md", "engine", "operator"]
+
+
+@pytest.fixture(scope="module")
+def operator_venv(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("operator-wheel")
+    source = work / "src"
+    source.mkdir()
+    for name in BUILD_INPUTS:
+        path = REPO_ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        elif path.exists():
+            shutil.copy2(path, source / name)
+    # No build isolation: the test venv's setuptools builds it, so no index round trip for it.
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+         "--wheel-dir", work / "dist", source], timeout=120)
+    (wheel,) = (work / "dist").glob("specpair-*.whl")
+    venv = work / "venv"
+    run([sys.executable, "-m", "venv", venv])
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    run([venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-compile", f"{wheel}[operator]"], timeout=300, env=env)
+    return venv
+
+
+def _python(venv: Path, code: str) -> str:
+    # -I: isolated, so neither the repo checkout nor PYTHONPATH can leak modules in.
+    return run([venv / "bin" / "python", "-I", "-c", code], cwd=venv).stdout
+
+
+def test_torch_is_not_installed(operator_venv):
+    assert _python(operator_venv, "import importlib.util; print(importlib.util.find_spec('torch'))").strip() == "None"
+
+
+def test_entry_point_help_runs(operator_venv):
+    result = run([operator_venv / "bin" / "python", "-I", "-m", "specpair_operator", "--help"], cwd=operator_venv)
+    assert "usage:" in result.stdout
+
+
+def test_every_flag_the_chart_passes_is_accepted(operator_venv, render):
+    """The chart's args (all options switched on) are flags the installed entry point knows."""
+    help_text = run([operator_venv / "bin" / "python", "-I", "-m", "specpair_operator", "--help"],
+                    cwd=operator_venv).stdout
+    for values in (None, NON_DEFAULT_VALUES):
+        (deployment,) = [m for m in render(values) if m["kind"] == "Deployment"]
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert container["command"] == ["python", "-m", "specpair_operator"]
+        for arg in container["args"]:
+            flag = re.match(r"--?[A-Za-z][-\w]*", arg)
+            assert flag and flag.group(0) in help_text, f"chart passes {arg!r}; --help lists no such flag"
+
+
+def test_handlers_import_and_register_for_the_crd_without_torch(operator_venv):
+    """Importing the handlers (what `python -m specpair_operator` does) registers handlers for the
+    resource the shipped CRD defines, and pulls in no torch."""
+    crd = yaml.safe_load((REPO_ROOT / "crds" / "specmodelpair.yaml").read_text())["spec"]
+    version = next(v["name"] for v in crd["versions"] if v.get("storage"))
+    out = _python(operator_venv, f"""
+import sys
+import kopf
+import specpair_operator.handlers
+assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))
+resource = kopf.Resource({crd['group']!r}, {version!r}, {crd['names']['plural']!r},
+                         kind={crd['names']['kind']!r}, namespaced=True)
+registry = kopf.get_default_registry()
+print(sum(1 for h in registry._changing.get_all_handlers() if h.selector and h.selector.check(resource)))
+""")
+    assert int(out.strip()) >= 1, "no Kopf change handler matches the CRD's resource"
