@@ -1,0 +1,233 @@
+"""`specpair engine serve` and `specpair engine generate`.
+
+The lead's specpair/cli.py calls add_engine_parser(subparsers); `python -m specpair.server engine ...`
+runs the same commands standalone. Each command is `func(args) -> exit code` set as a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from specpair.errors import SpecpairError
+
+
+def add_engine_parser(subparsers) -> argparse.ArgumentParser:
+    engine = subparsers.add_parser("engine", help="the gRPC engine server and its client")
+    commands = engine.add_subparsers(dest="engine_command", metavar="{serve,generate}")
+    commands.required = True
+
+    serve = commands.add_parser("serve", help="serve one draft+target pair over gRPC",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("--target", default="default",
+                       help="target model: directory, .gguf, hub id, MLflow model URI or 'default'")
+    draft = serve.add_mutually_exclusive_group()
+    draft.add_argument("--draft", help="draft model (same kinds of source as --target)")
+    draft.add_argument("--drafter", choices=["ngram"], help="a model-free drafter (default when no --draft)")
+    draft.add_argument("--no-spec", action="store_true", help="serve target-only")
+    serve.add_argument("--pair", default="default", help="pair name (metrics label, GetModelInfo)")
+    serve.add_argument("--version", default="0", help="release version (metrics label, GetModelInfo)")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    serve.add_argument("--metrics-port", type=int, default=9400,
+                       help="Prometheus /metrics port (0: any free port, -1: none)")
+    tls = serve.add_argument_group("transport security (one of --tls-cert/--tls-key or --insecure)")
+    tls.add_argument("--tls-cert", help="server certificate chain (PEM)")
+    tls.add_argument("--tls-key", help="server private key (PEM)")
+    tls.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
+    tls.add_argument("--insecure", action="store_true", help="plaintext gRPC (only inside a trusted network)")
+    spec = serve.add_argument_group("speculation")
+    spec.add_argument("--k", type=int, default=4, help="draft tokens per round (start value when dynamic)")
+    spec.add_argument("--no-dynamic-k", action="store_true", help="keep k fixed")
+    spec.add_argument("--fallback-threshold", type=float, default=0.5,
+                      help="windowed acceptance below this switches to target-only decoding")
+    spec.add_argument("--batch-size-threshold", type=int, default=8,
+                      help="speculation off while more requests than this run at once "
+                           "(measured on CPU: see docs/server.md)")
+    spec.add_argument("--on-mismatch", choices=["error", "target-only"], default="error",
+                      help="a draft whose tokenizer differs: refuse to start, or serve target-only")
+    limits = serve.add_argument_group("limits")
+    limits.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
+    limits.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch")
+    limits.add_argument("--max-new-tokens-limit", type=int, default=1024)
+    limits.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    limits.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds in-flight streams may run on after SIGTERM")
+    serve.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
+    serve.add_argument("--dtype", help="float32, bfloat16, ... (default: fp32 on CPU, bf16 on CUDA)")
+    serve.set_defaults(func=serve_command)
+
+    gen = commands.add_parser("generate", help="stream a reply from an engine server",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("prompt", help="prompt text ('-' reads stdin)")
+    gen.add_argument("--address", default="127.0.0.1:50051", help="host:port of the engine")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as one user chat message")
+    gen.add_argument("--max-new-tokens", type=int)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--k", type=int, help="speculation k for this request (0: off)")
+    gen.add_argument("--category", default="")
+    gen.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    ctls = gen.add_argument_group("transport security (TLS unless --insecure)")
+    ctls.add_argument("--insecure", action="store_true", help="plaintext gRPC")
+    ctls.add_argument("--ca", help="CA that signed the server certificate (default: system roots)")
+    ctls.add_argument("--cert", help="client certificate (mutual TLS)")
+    ctls.add_argument("--key", help="client private key (mutual TLS)")
+    ctls.add_argument("--server-name", help="expected name in the server certificate")
+    gen.set_defaults(func=generate_command)
+    return engine
+
+
+# -- serve -----------------------------------------------------------------------------------------
+
+def build_engine(args, progress=print):
+    """Load the models named on the command line into a SpeculativeEngine (imports torch)."""
+    from specpair.config import SpeculationConfig
+    from specpair.decoding import SpeculativeEngine
+    from specpair.drafters import NgramDrafter
+    from specpair.models import load_model
+
+    speculation = SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k,
+                                    k_max=max(8, args.k),
+                                    fallback_threshold=args.fallback_threshold,
+                                    batch_size_threshold=args.batch_size_threshold,
+                                    enabled=not args.no_spec)
+    progress(f"loading target {args.target}")
+    target = load_model(args.target, device=args.device, dtype=args.dtype, progress=progress)
+    progress(f"target loaded: {target.num_parameters / 1e6:.1f} M parameters on {target.device} "
+             f"in {target.load_seconds:.1f} s")
+    if args.no_spec:
+        return SpeculativeEngine(target, speculation=speculation)
+    if args.draft:
+        progress(f"loading draft {args.draft}")
+        draft = load_model(args.draft, device=args.device, dtype=args.dtype, progress=progress)
+        progress(f"draft loaded: {draft.num_parameters / 1e6:.1f} M parameters in {draft.load_seconds:.1f} s")
+        return SpeculativeEngine(target, draft=draft, speculation=speculation, on_mismatch=args.on_mismatch)
+    return SpeculativeEngine(target, drafter=NgramDrafter(device=target.device), speculation=speculation)
+
+
+def server_options(args):
+    from specpair.server.app import ServerOptions, TLSFiles
+    from specpair.server.requests import Limits
+
+    if args.insecure and (args.tls_cert or args.tls_key or args.tls_client_ca):
+        raise SpecpairError("--insecure contradicts --tls-cert/--tls-key/--tls-client-ca")
+    tls = None
+    if not args.insecure:
+        if not (args.tls_cert and args.tls_key):
+            raise SpecpairError("give --tls-cert and --tls-key (optionally --tls-client-ca), "
+                                "or --insecure for plaintext gRPC")
+        tls = TLSFiles(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca)
+    for name in ("max_batch_size", "max_new_tokens_limit", "max_request_bytes"):
+        if getattr(args, name) < 1:
+            raise SpecpairError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_queue < 0:
+        raise SpecpairError("--max-queue must be >= 0")
+    return ServerOptions(host=args.host, port=args.port,
+                         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                         pair=args.pair, version=args.version, max_batch_size=args.max_batch_size,
+                         max_queue=args.max_queue, drain_timeout=args.drain_timeout, tls=tls,
+                         limits=Limits(max_request_bytes=args.max_request_bytes,
+                                       max_new_tokens=args.max_new_tokens_limit))
+
+
+def serve_command(args) -> int:
+    from specpair.server.app import EngineServer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    options = server_options(args)
+    server = EngineServer(lambda: build_engine(args, progress), options, progress=progress)
+    server.start()
+    progress(f"gRPC listening on {options.host}:{server.port} ({'TLS' if options.tls else 'plaintext'}), "
+             f"health NOT_SERVING until the models are loaded"
+             + (f"; metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""))
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        progress(f"{signal.Signals(signum).name}: draining (up to {options.drain_timeout:g} s)")
+        stop.set()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server._ready.wait()
+    while not stop.is_set() and server.phase == "serving":
+        stop.wait(0.5)
+    if server.phase == "failed":
+        server.stop(0)
+        progress(f"error: {server.error}")
+        return 2
+    result = server.stop()
+    progress(f"stopped ({result['aborted']} requests ended by the drain timeout)")
+    return 0
+
+
+# -- generate --------------------------------------------------------------------------------------
+
+def generate_command(args) -> int:
+    import grpc
+
+    from specpair._proto import engine_pb2 as pb
+    from specpair.server.client import EngineClient, request
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat:
+        prompt = [{"role": "user", "content": prompt}]
+    req = request(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed, stop=args.stop, speculation_k=args.k,
+                  category=args.category)
+    client = EngineClient(args.address, insecure=args.insecure, ca=args.ca, cert=args.cert, key=args.key,
+                          server_name=args.server_name)
+    text, token_ids, last = [], [], None
+    try:
+        for msg in client.stream(req, timeout=args.timeout):
+            text.append(msg.text)
+            token_ids.extend(msg.token_ids)
+            last = msg
+            if not args.json:
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+    except grpc.RpcError as exc:
+        if not args.json:
+            sys.stdout.write("\n")
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    stats, timings = last.stats, last.timings
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+        print(json.dumps({"text": "".join(text), "token_ids": token_ids,
+                          "finish_reason": pb.FinishReason.Name(last.finish_reason),
+                          "usage": MessageToDict(last.usage, preserving_proto_field_name=True),
+                          "timings": MessageToDict(timings, preserving_proto_field_name=True),
+                          "stats": MessageToDict(stats, preserving_proto_field_name=True)}))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{last.usage.completion_tokens} tokens in {timings.total_seconds:.2f} s, first after "
+              f"{timings.time_to_first_token_seconds:.2f} s; acceptance {stats.acceptance_rate:.2f}, "
+              f"mean acceptance length {stats.mean_acceptance_length:.2f}]", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="specpair")
+    subparsers = parser.add_subparsers(dest="command", metavar="{engine}")
+    subparsers.required = True
+    add_engine_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecpairError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

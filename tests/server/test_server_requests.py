@@ -1,0 +1,93 @@
+"""Request checking without a server: every refusal names its field and reason."""
+
+import pytest
+
+from specpair._proto import engine_pb2 as pb
+from specpair.server.client import request
+from specpair.server.requests import (InvalidField, Limits, check_context, check_generate,
+                                      find_invalid_utf8)
+
+LIMITS = Limits(max_new_tokens=100)
+
+
+def refused(req) -> InvalidField:
+    with pytest.raises(InvalidField) as info:
+        check_generate(req, LIMITS)
+    return info.value
+
+
+@pytest.mark.parametrize("req, field, words", [
+    (pb.GenerateRequest(), "prompt", "empty prompt"),
+    (request("   \n"), "prompt", "empty prompt"),
+    (pb.GenerateRequest(prompt_utf8=b""), "prompt_utf8", "empty prompt"),
+    (request([]), "chat.messages", "empty prompt"),
+    (request("hi", max_new_tokens=0), "max_new_tokens", ">= 1, got 0"),
+    (request("hi", max_new_tokens=-5), "max_new_tokens", ">= 1, got -5"),
+    (request("hi", max_new_tokens=101), "max_new_tokens", "limit of 100"),
+    (request("hi", temperature=-0.5), "temperature", ">= 0"),
+    (request("hi", temperature=float("nan")), "temperature", "finite"),
+    (request("hi", temperature=1e-6), "temperature", "greedy"),
+    (request("hi", top_p=0.0), "top_p", "(0, 1]"),
+    (request("hi", top_p=1.5), "top_p", "(0, 1]"),
+    (request("hi", top_p=float("nan")), "top_p", "(0, 1]"),
+    (request("hi", top_k=-1), "top_k", ">= 0"),
+    (request([{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]),
+     "chat.messages[1].role", "unknown chat role 'wizard'"),
+    (request([{"role": "user", "content": " "}]), "chat.messages", "empty"),
+    (request("hi", stop=[""]), "stop[0]", "empty stop string"),
+    (request("hi", stop=["x"] * 17), "stop", "at most 16"),
+    (request("hi", stop=["x" * 300]), "stop[0]", "at most 256"),
+    (request("hi", category="bad label!"), "category", "A-Z"),
+    (request("hi", speculation_k=99), "speculation.k", "<= 32"),
+    (pb.GenerateRequest(prompt_utf8=b"ok \xff\xfe"), "prompt_utf8", "malformed UTF-8: byte 0xff at offset 3"),
+])
+def test_bad_request_names_field_and_reason(req, field, words):
+    err = refused(req)
+    assert err.field == field
+    assert words in err.reason
+    assert str(err).startswith(f"{field}: ")
+
+
+def test_good_request_maps_to_generation_params():
+    checked = check_generate(request([{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "hi"}],
+                                     max_new_tokens=7, temperature=0.7, top_k=5, top_p=0.9, seed=3,
+                                     stop=["\n"], speculation_k=0, category="code"), LIMITS)
+    assert checked.chat and checked.prompt[1] == {"role": "user", "content": "hi"}
+    p = checked.params
+    assert (p.max_new_tokens, p.top_k, p.seed, p.stop, p.speculation_k, p.category) == (7, 5, 3, ("\n",), 0, "code")
+    assert p.temperature == pytest.approx(0.7) and p.top_p == pytest.approx(0.9)
+    defaults = check_generate(request("hi"), LIMITS).params
+    assert (defaults.max_new_tokens, defaults.temperature, defaults.speculation_k, defaults.category) == \
+        (64, 0.0, None, "none")
+    assert check_generate(pb.GenerateRequest(prompt_utf8="héllo".encode()), LIMITS).prompt == "héllo"
+
+
+def test_context_checks_blame_the_right_field():
+    check_context(10, 20, 64, "prompt")
+    with pytest.raises(InvalidField, match="^prompt: prompt has 64 tokens; the model's context is 64"):
+        check_context(64, 1, 64, "prompt")
+    with pytest.raises(InvalidField, match="^max_new_tokens: 60 new tokens after a 10-token prompt"):
+        check_context(10, 60, 64, "chat")
+
+
+def _with_raw_string(message: bytes, field_number: int, payload: bytes) -> bytes:
+    """Append a length-delimited field carrying bytes protobuf would refuse as a string."""
+    return message + bytes([field_number << 3 | 2, len(payload)]) + payload
+
+
+def test_find_invalid_utf8_names_top_level_and_nested_fields():
+    bad = b"caf\xc3"   # truncated 2-byte sequence
+    raw = _with_raw_string(request("hi", max_new_tokens=3).SerializeToString(), 12, bad)   # category
+    assert find_invalid_utf8(raw, pb.GenerateRequest.DESCRIPTOR) == "category"
+
+    good = pb.ChatMessage(role="user", content="fine").SerializeToString()
+    broken = _with_raw_string(b"", 1, b"user") + _with_raw_string(b"", 2, bad)
+    messages = _with_raw_string(_with_raw_string(b"", 1, good), 1, broken)   # ChatMessages
+    raw = _with_raw_string(b"", 3, messages)                                   # GenerateRequest.chat
+    assert find_invalid_utf8(raw, pb.GenerateRequest.DESCRIPTOR) == "chat.messages[1].content"
+
+    raw = _with_raw_string(b"", 10, b"ok") + _with_raw_string(b"", 10, b"\xff")   # stop[1]
+    assert find_invalid_utf8(raw, pb.GenerateRequest.DESCRIPTOR) == "stop[1]"
+    assert find_invalid_utf8(request("fine").SerializeToString(), pb.GenerateRequest.DESCRIPTOR) is None
+    assert find_invalid_utf8(b"\x12\x7f", pb.GenerateRequest.DESCRIPTOR) is None   # truncated, not UTF-8
