@@ -159,7 +159,7 @@ class ControllerStandIn:
             "conditions": [{"type": "Available", "status": "True"}]}}, "status")
 
     def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float = 60.0,
-                 during: Callable[[], None] | None = None) -> Any:
+                 during: Callable[[], None] | None = None, show: Callable[[], Any] | None = None) -> Any:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.step()
@@ -169,4 +169,5 @@ class ControllerStandIn:
             if got:
                 return got
             time.sleep(0.25)
-        raise AssertionError(f"timed out waiting for {what}")
+        state = show() if show else [o.get("status") for o in self.kube.list("specpair.io/v1alpha1", "SpecModelPair", self.ns)]
+        raise AssertionError(f"timed out waiting for {what}; state: {json.dumps(state, indent=1)[-3000:]}")

@@ -155,9 +155,15 @@ def test_live_drift_turns_speculation_off_then_rolls_back(cluster, mlflow_server
         assert ctl.engine.speculation is False
         assert cond(obj, "Drifted")["status"] == "True" and "category 'code' acceptance" in cond(obj, "Drifted")["message"]
         assert obj["status"]["phase"] == "Degraded" and obj["status"]["live"]["acceptance"]["code"] < 0.2
-        obj = ctl.wait_for("rolled back to v1", lambda: serving(ctl, name, "1"), timeout=60, during=traffic)
+        # v1 serves again; the spec still names the rolled-back release, so the pair is not Ready
+        # (kstatus: Stalled until a person changes the spec), but v1 is verified serving.
+        obj = ctl.wait_for("rolled back to v1", lambda: (o := smp(ctl, name)) and o["status"].get("servingVersion") == "1"
+                           and cond(o, "Stalled").get("reason") == "ReleaseNotServable" and o, timeout=60, during=traffic)
+        assert obj["status"]["phase"] == "Degraded" and cond(obj, "Ready")["status"] == "False"
+        assert "v2 was rolled back: drift persisted after speculation off" in cond(obj, "Stalled")["message"]
+        assert obj["status"]["previousVersion"] == "1"  # nothing older to fall back to
         actions = [h["action"] for h in obj["status"]["history"]]
-        assert actions[-4:-1] == ["SpeculationOff", "RolledBack", "RolloutStarted"] or "RolledBack" in actions
+        assert actions[-3:] == ["SpeculationOff", "RolledBack", "RolloutStarted"]
         assert ctl.engine.release["mlflow"]["version"] == "1" and ctl.engine.speculation is True
         tags = MlflowClient(mlflow_server.url).get_model_version(model, "2").tags
         assert "specpair.rolled_back" in tags and "specpair.drift.speculation_off" in tags
