@@ -127,7 +127,7 @@ def cmd_distill(args) -> int:
                            hidden=args.hidden, heads=args.heads, lr=args.lr, seed=args.seed,
                            checkpoint_every=args.checkpoint_every, device=args.device,
                            corpus=args.corpus, generated_fraction=args.generated_fraction,
-                           eval_prompts=args.eval_prompts)
+                           eval_prompts=args.eval_prompts, init=args.init)
     summary = distill(config, progress=_progress)
     print(json.dumps(summary))
     return 0
@@ -188,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--generated-fraction", type=float, default=0.0,
                    help="share of batches made of target-generated continuations")
     d.add_argument("--eval-prompts", type=int, default=4)
+    d.add_argument("--init", choices=["projection", "truncate"], default="projection",
+                   help="fresh student with projected embeddings, or the target's first layers")
     d.set_defaults(func=cmd_distill)
 
     gt = sub.add_parser("gate", help="golden-prompt gate for a release (writes a verdict JSON)")

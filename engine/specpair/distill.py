@@ -1,0 +1,320 @@
+"""`specpair distill`: train a small draft on the target's own distributions.
+
+A draft pays only if it is both far cheaper than the target and well aligned with it. Layer
+truncation keeps the cost high and the alignment low, so we train a small student from scratch
+(embeddings initialised from a random projection of the target's, which gives it the target's
+token geometry for free) to minimise KL(target || student) over every position of real text:
+code and docstrings of the Python standard library on this machine, plus instruction prompts
+built from them in the target's chat format, and optionally continuations the target generated
+itself (what a draft must predict at serving time).
+
+Seeded and reproducible; checkpoints (model, optimiser, data position) let a killed run resume
+exactly where it stopped. The output directory loads as a draft with `--draft DIR`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specpair.errors import SpecpairError
+
+
+@dataclass
+class DistillConfig:
+    out: str
+    target: str | None = None
+    steps: int = 300
+    batch_size: int = 4
+    seq_len: int = 128
+    layers: int = 2
+    hidden: int = 256
+    heads: int = 4
+    lr: float = 1e-3
+    seed: int = 0
+    checkpoint_every: int = 50
+    device: str | None = None
+    corpus: str = "stdlib"
+    corpus_chars: int = 3_000_000
+    generated_fraction: float = 0.0
+    eval_prompts: int = 4
+    eval_tokens: int = 32
+    init: str = "projection"   # "projection": fresh student, projected embeddings;
+                               # "truncate": the target's first `layers` layers (hidden = target's)
+
+    def __post_init__(self):
+        if self.steps <= 0 or self.batch_size <= 0 or self.seq_len < 8:
+            raise SpecpairError("steps and batch size must be > 0 and seq_len >= 8")
+        if self.hidden % self.heads:
+            raise SpecpairError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if not 0.0 <= self.generated_fraction <= 1.0:
+            raise SpecpairError("generated_fraction must be in [0, 1]")
+        if self.init not in ("projection", "truncate"):
+            raise SpecpairError(f"init must be 'projection' or 'truncate', got {self.init!r}")
+
+
+def corpus_texts(corpus: str, max_chars: int, seed: int) -> list[str]:
+    """Real, varied text without a hub: stdlib sources and instruction prompts built from them."""
+    if corpus == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(p for p in root.glob("*.py"))
+    else:
+        root = Path(corpus)
+        if not root.exists():
+            raise SpecpairError(f"corpus not found: {corpus}")
+        files = sorted(root.rglob("*")) if root.is_dir() else [root]
+        files = [f for f in files if f.is_file()]
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    texts, total = [], 0
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts.append(text)
+        total += len(text)
+        if total >= max_chars:
+            break
+    if not texts:
+        raise SpecpairError(f"corpus {corpus} holds no readable text")
+    return texts
+
+
+def instruction_prompts(texts: list[str], tokenizer, limit: int = 400) -> list[str]:
+    """Chat-formatted requests about real code, so the student also sees the chat format."""
+    import ast
+
+    prompts = []
+    asks = ["Explain what this Python function does:\n\n{}", "Write a docstring for:\n\n{}",
+            "Summarise this code in one sentence:\n\n{}", "Find a bug in this function:\n\n{}"]
+    for text in texts:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node):
+                src = ast.get_source_segment(text, node) or ""
+                ask = asks[len(prompts) % len(asks)].format(src[:600])
+                messages = [{"role": "user", "content": ask},
+                            {"role": "assistant", "content": ast.get_docstring(node)[:400]}]
+                if getattr(tokenizer, "chat_template", None):
+                    prompts.append(tokenizer.apply_chat_template(messages, tokenize=False))
+                else:
+                    prompts.append(ask + "\n" + messages[1]["content"])
+                if len(prompts) >= limit:
+                    return prompts
+    return prompts
+
+
+def build_student(teacher, config: DistillConfig):
+    """A small Llama sharing the teacher's vocabulary; embeddings projected from the teacher's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if config.init == "truncate":
+        import copy
+        student = copy.deepcopy(teacher.model).float().cpu()
+        student.model.layers = student.model.layers[: config.layers]
+        student.config.num_hidden_layers = config.layers
+        if hasattr(student.config, "layer_types") and student.config.layer_types:
+            student.config.layer_types = student.config.layer_types[: config.layers]
+        return student
+
+    vocab = teacher.model.get_input_embeddings().weight.shape[0]
+    tcfg = teacher.model.config
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=config.hidden, intermediate_size=config.hidden * 3,
+                      num_hidden_layers=config.layers, num_attention_heads=config.heads,
+                      num_key_value_heads=config.heads,
+                      max_position_embeddings=getattr(tcfg, "max_position_embeddings", 2048),
+                      rope_theta=getattr(tcfg, "rope_theta", 10000.0), tie_word_embeddings=True,
+                      bos_token_id=getattr(tcfg, "bos_token_id", None),
+                      eos_token_id=getattr(tcfg, "eos_token_id", None),
+                      pad_token_id=getattr(tcfg, "pad_token_id", None))
+    torch.manual_seed(config.seed)
+    student = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        t_emb = teacher.model.get_input_embeddings().weight.float().cpu()
+        projection = torch.linalg.qr(torch.randn(t_emb.shape[1], config.hidden))[0]
+        emb = t_emb @ projection
+        emb *= 0.02 / emb.std().clamp_min(1e-8)     # the scale a fresh embedding would have
+        student.get_input_embeddings().weight.copy_(emb)
+    if getattr(teacher.model, "generation_config", None) is not None:
+        student.generation_config.eos_token_id = teacher.model.generation_config.eos_token_id
+    return student
+
+
+class TokenStream:
+    """Seeded random windows over the tokenised corpus; its position is part of a checkpoint."""
+
+    def __init__(self, ids: torch.Tensor, seq_len: int, seed: int):
+        if ids.numel() <= seq_len + 1:
+            raise SpecpairError(f"corpus too small: {ids.numel()} tokens for windows of {seq_len}")
+        self.ids, self.seq_len = ids, seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def batch(self, size: int) -> torch.Tensor:
+        starts = torch.randint(0, self.ids.numel() - self.seq_len, (size,), generator=self.generator)
+        return torch.stack([self.ids[s:s + self.seq_len] for s in starts.tolist()])
+
+
+def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(teacher || student) on the full vocabulary."""
+    V = min(student_logits.shape[-1], teacher_logits.shape[-1])
+    s = F.log_softmax(student_logits[..., :V].float(), dim=-1)
+    t = F.log_softmax(teacher_logits[..., :V].float(), dim=-1)
+    return F.kl_div(s.flatten(0, 1), t.flatten(0, 1), log_target=True, reduction="batchmean")
+
+
+def greedy_acceptance(teacher, student_model, prompts: list[str], max_new_tokens: int) -> float:
+    """Acceptance of the student as a draft for the teacher (greedy, k=4) on held-out prompts."""
+    from specpair.config import GenerationParams, SpeculationConfig
+    from specpair.decoding import SpeculativeEngine
+    from specpair.models import wrap_model
+
+    student_model.eval()
+    draft = wrap_model(student_model, teacher.tokenizer, source="student")
+    engine = SpeculativeEngine(teacher, draft=draft, speculation=SpeculationConfig(
+        k=4, dynamic_k=False, fallback_threshold=0.0), check_tokenizers=False)
+    results = engine.generate(prompts, GenerationParams(max_new_tokens=max_new_tokens))
+    drafted = sum(r.stats.num_draft_tokens for r in results)
+    accepted = sum(r.stats.num_accepted_tokens for r in results)
+    student_model.train()
+    return accepted / drafted if drafted else 0.0
+
+
+def _checkpoints(out: Path) -> list[Path]:
+    return sorted((out / "checkpoints").glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+
+
+def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int | None = None) -> dict:
+    """Train (or resume) and save the draft. stop_after simulates a killed run (tests)."""
+    from tqdm import tqdm
+
+    from specpair.models import load_model
+
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    if teacher is None:
+        teacher = load_model(config.target, device=config.device, dtype="float32", progress=progress)
+    device = teacher.device
+    tok = teacher.tokenizer
+    texts = corpus_texts(config.corpus, config.corpus_chars, config.seed)
+    prompts = instruction_prompts(texts, tok)
+    docs = texts + prompts
+    eval_docs = docs[-config.eval_prompts:] if config.eval_prompts else []
+    train_docs = docs[:-config.eval_prompts] if config.eval_prompts else docs
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    ids = []
+    for doc in train_docs:
+        ids.extend(tok(doc, add_special_tokens=False)["input_ids"] + [eos])
+    stream = TokenStream(torch.tensor(ids, dtype=torch.long), config.seq_len, config.seed)
+    eval_prompts = [tok.decode(tok(d, add_special_tokens=False)["input_ids"][:48]) for d in eval_docs]
+
+    student = build_student(teacher, config).to(device)
+    optimiser = torch.optim.AdamW(student.parameters(), lr=config.lr, weight_decay=0.01)
+
+    def lr_at(step: int) -> float:     # linear warm-up then cosine decay
+        warm = max(1, config.steps // 20)
+        if step < warm:
+            return config.lr * (step + 1) / warm
+        return config.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, config.steps - warm)))
+
+    start_step, history = 0, []
+    checkpoints = _checkpoints(out)
+    if checkpoints:
+        state = torch.load(checkpoints[-1], map_location=device, weights_only=False)
+        if state["config"] != asdict(config) | {"steps": state["config"]["steps"]}:
+            raise SpecpairError(f"checkpoint {checkpoints[-1]} was made with other settings; "
+                                "use a new --out directory")
+        student.load_state_dict(state["model"])
+        optimiser.load_state_dict(state["optimiser"])
+        stream.generator.set_state(state["data_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        start_step, history = state["step"], state["history"]
+        progress(f"resuming from {checkpoints[-1].name}")
+    acceptance_before = None
+    if start_step == 0 and eval_prompts:
+        acceptance_before = greedy_acceptance(teacher, student, eval_prompts, config.eval_tokens)
+    elif history:
+        acceptance_before = history[0].get("acceptance_before")
+
+    student.train()
+    teacher.model.eval()
+    started = time.perf_counter()
+    bar = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps,
+               desc="distill", unit="step")
+    for step in bar:
+        if stop_after is not None and step >= stop_after:
+            bar.close()
+            return {"stopped_at": step}
+        batch = stream.batch(config.batch_size)
+        if config.generated_fraction and torch.rand(1, generator=stream.generator).item() < \
+                config.generated_fraction:
+            batch = _teacher_continuations(teacher, batch, config.seq_len)
+        batch = batch.to(device)
+        with torch.no_grad():
+            teacher_logits = teacher.model(input_ids=batch).logits
+        for group in optimiser.param_groups:
+            group["lr"] = lr_at(step)
+        loss = kl_loss(student(input_ids=batch).logits, teacher_logits)
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        optimiser.step()
+        history.append({"step": step + 1, "loss": round(loss.item(), 5)})
+        if step == 0 and acceptance_before is not None:
+            history[0]["acceptance_before"] = acceptance_before
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            _save_checkpoint(out, step + 1, student, optimiser, stream, history, config)
+    bar.close()
+
+    acceptance_after = (greedy_acceptance(teacher, student, eval_prompts, config.eval_tokens)
+                        if eval_prompts else None)
+    student.eval()
+    student.save_pretrained(out)
+    tok.save_pretrained(out)
+    first = [h["loss"] for h in history[:10]]
+    last = [h["loss"] for h in history[-10:]]
+    summary = {"out": str(out), "steps": config.steps, "parameters": sum(p.numel() for p in student.parameters()),
+               "loss_first10": round(sum(first) / len(first), 5) if first else None,
+               "loss_last10": round(sum(last) / len(last), 5) if last else None,
+               "acceptance_before": acceptance_before, "acceptance_after": acceptance_after,
+               "seconds": round(time.perf_counter() - started, 2), "device": str(device),
+               "config": asdict(config)}
+    (out / "distill_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+@torch.no_grad()
+def _teacher_continuations(teacher, batch: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Half a window of real text, then what the teacher itself would write next (sampled)."""
+    half = seq_len // 2
+    out = teacher.model.generate(batch[:, :half].to(teacher.device), max_new_tokens=seq_len - half,
+                                 min_new_tokens=seq_len - half, do_sample=True, temperature=0.8,
+                                 attention_mask=torch.ones_like(batch[:, :half]).to(teacher.device),
+                                 pad_token_id=teacher.tokenizer.pad_token_id or 0)
+    return out[:, :seq_len].cpu()
+
+
+def _save_checkpoint(out: Path, step: int, student, optimiser, stream, history, config) -> None:
+    folder = out / "checkpoints"
+    folder.mkdir(exist_ok=True)
+    tmp = folder / f".step-{step}.pt.tmp"
+    torch.save({"step": step, "model": student.state_dict(), "optimiser": optimiser.state_dict(),
+                "data_rng": stream.generator.get_state(), "torch_rng": torch.get_rng_state(),
+                "history": history, "config": asdict(config)}, tmp)
+    tmp.replace(folder / f"step-{step}.pt")
+    for old in _checkpoints(out)[:-2]:     # keep the last two: enough to resume, bounded disk
+        old.unlink()
