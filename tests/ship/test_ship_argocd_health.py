@@ -109,7 +109,9 @@ def test_lua_is_5_1_like_argo_cd(lua):
 def test_docs_show_the_argo_cd_customization_with_this_exact_script():
     """docs/install.md carries the argocd-cm snippet; its Lua must be the tested file verbatim."""
     text = (REPO_ROOT / "docs" / "install.md").read_text()
-    start = text.index("```yaml\n", text.index("resource.customizations")) + len("```yaml\n")
-    snippet = yaml.safe_load(text[start:text.index("```", start)])
+    blocks = [b.split("```", 1)[0] for b in text.split("```yaml\n")[1:]]
+    (block,) = [b for b in blocks if "resource.customizations.health." in b]
+    snippet = yaml.safe_load(block)
+    assert snippet["metadata"]["name"] == "argocd-cm"
     script = snippet["data"]["resource.customizations.health.specpair.io_SpecModelPair"]
     assert script.strip() == HEALTH_LUA.read_text().strip()
