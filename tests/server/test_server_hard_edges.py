@@ -1,0 +1,131 @@
+"""Hard edges over real gRPC: bad input, oversized and malformed messages, queue full, cancel, deadline."""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from specpair._proto import engine_pb2 as pb
+from specpair.server.client import request
+
+from conftest import client_for, make_engine, reference, rpc_error, wait_for
+
+LONG = 400   # tokens: a request that keeps running while a paced test acts
+
+
+@pytest.mark.parametrize("req, field", [
+    (pb.GenerateRequest(), "prompt"),
+    (request(" "), "prompt"),
+    (request("x " * 600), "prompt"),                           # beyond the tiny model's 512 context
+    (request("hi", max_new_tokens=0), "max_new_tokens"),
+    (request("hi", max_new_tokens=-1), "max_new_tokens"),
+    (request("hi", max_new_tokens=257), "max_new_tokens"),     # the server's limit is 256
+    (request("x " * 200, max_new_tokens=256), "max_new_tokens"),   # fits, but not with the reply
+    (request("hi", temperature=-1.0), "temperature"),
+    (request("hi", top_p=0.0), "top_p"),
+    (request("hi", top_p=1.01), "top_p"),
+    (request([{"role": "robot", "content": "hi"}]), "chat.messages[0].role"),
+    (pb.GenerateRequest(prompt_utf8=b"\xc3\x28 bad"), "prompt_utf8"),
+])
+def test_bad_input_is_invalid_argument_with_field_and_reason(client, req, field):
+    err = rpc_error(lambda: list(client.stream(req, timeout=10)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith(f"{field}: "), err.details()
+    assert len(err.details()) > len(field) + 5
+    assert dict(err.trailing_metadata())["specpair-invalid-field"] == field
+
+
+def _raw_generate(server):
+    """A Generate call that sends bytes as they are, past the client's own protobuf checks."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    call = channel.unary_stream("/specpair.engine.v1.Engine/Generate", request_serializer=lambda b: b,
+                                response_deserializer=pb.GenerateResponse.FromString)
+    return channel, call
+
+
+def test_malformed_utf8_in_a_string_field_names_the_field(shared_server, client):
+    good = request([{"role": "user", "content": "hello"}], max_new_tokens=4).SerializeToString()
+    # Same request with the message content replaced by bytes that are not UTF-8.
+    bad = good.replace(b"hello", b"hel\xff\xfe")
+    channel, call = _raw_generate(shared_server)
+    with channel:
+        assert len(list(call(good, timeout=10))) >= 1
+        err = rpc_error(lambda: list(call(bad, timeout=10)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details() == "chat.messages[0].content: malformed UTF-8 in a string field"
+        err = rpc_error(lambda: list(call(b"\x0a\xff\xff\xff", timeout=10)))     # not a protobuf at all
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details().startswith("request: not a valid GenerateRequest")
+    # The server is unharmed.
+    assert client.generate("import os", max_new_tokens=3).last.usage.completion_tokens == 3
+
+
+def test_oversized_message_is_refused_with_the_limit(shared_server, client):
+    limit = shared_server.limits.max_request_bytes
+    err = rpc_error(lambda: list(client.stream(request("a" * (limit + 10)), timeout=10)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith("request: ") and str(limit) in err.details()
+    # Far beyond it gRPC itself refuses before the service sees the bytes.
+    err = rpc_error(lambda: list(client.stream(request("a" * (8 << 20)), timeout=30)))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_nothing_a_client_sends_disturbs_another_request(tiny_pair, shared_server):
+    """Bad requests fired while a good one streams: the good reply is exactly the reference."""
+    with client_for(shared_server) as c:
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=c.generate("for i in range(10):", max_new_tokens=40)))
+        t.start()
+        for req in (request("hi", temperature=float("inf")), request("hi", top_k=-3),
+                    request("", max_new_tokens=10), request("x " * 600)):
+            with pytest.raises(grpc.RpcError):
+                list(c.stream(req, timeout=10))
+        t.join(60)
+    assert result["r"].token_ids == reference(tiny_pair, "for i in range(10):", 40).token_ids
+
+
+def test_queue_full_is_resource_exhausted_at_once(tiny_pair, start_server):
+    server = start_server(engine=make_engine(tiny_pair, delay=0.02), max_batch_size=1, max_queue=1)
+    with client_for(server) as c:
+        running = c.stream(request("def foo(x):", max_new_tokens=LONG))
+        next(running)                                     # in the batch
+        waiting = c.stream(request("import os", max_new_tokens=LONG))
+        assert wait_for(lambda: server.worker.waiting == 1)
+        started = time.monotonic()
+        err = rpc_error(lambda: list(c.stream(request("hello", max_new_tokens=4), timeout=30)))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - started < 1.0, "a full queue must answer at once, not hang"
+        assert "queue is full" in err.details()
+        running.cancel()
+        waiting.cancel()
+
+
+def test_cancelled_stream_frees_its_slot_at_the_next_step(tiny_pair, start_server):
+    server = start_server(engine=make_engine(tiny_pair, delay=0.02), max_batch_size=1, max_queue=0)
+    with client_for(server) as c:
+        stream = c.stream(request("def foo(x):", max_new_tokens=LONG))
+        next(stream)
+        assert server.worker.running == 1
+        stream.cancel()
+        assert wait_for(lambda: server.worker.running == 0, timeout=2), "slot not freed after cancel"
+        # With batch 1 and no queue, this only fits because the cancelled request left.
+        assert c.generate("import os", max_new_tokens=3, timeout=10).last.usage.completion_tokens == 3
+    assert wait_for(lambda: _requests(server, "cancelled") == 1)
+
+
+def test_deadline_is_honoured_and_frees_the_slot(tiny_pair, start_server):
+    server = start_server(engine=make_engine(tiny_pair, delay=0.02), max_batch_size=2)
+    with client_for(server) as c:
+        started = time.monotonic()
+        err = rpc_error(lambda: list(c.stream(request("def foo(x):", max_new_tokens=LONG), timeout=0.5)))
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 2.0
+        assert wait_for(lambda: server.worker.running == 0, timeout=2)
+    assert wait_for(lambda: _requests(server, "deadline") == 1)
+
+
+def _requests(server, status: str) -> float:
+    value = server.metrics.registry.get_sample_value(
+        "specpair_requests_total", {"pair": "tiny", "version": "1", "category": "none", "status": status})
+    return value or 0.0
