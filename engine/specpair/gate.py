@@ -1,0 +1,240 @@
+"""`specpair gate`: golden-prompt gating of one pair release, ending in a machine-readable verdict.
+
+Order matters: the tokenizers are compared first, from tokenizer files alone, so a mismatched
+draft fails before any model weights are loaded (no GPU time spent). Then the golden prompts run
+target-only and speculative (greedy): outputs must be identical, and acceptance, mean acceptance
+length and speedup are measured per category. A small sweep over k and over batch sizes finds the
+settings that pay on *this* hardware; the release records them.
+
+The verdict (JSON, contract in docs) is written to --out; the golden outputs go beside it as
+golden_outputs.json. Recording in MLflow is the gate runner's job (operator side).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from specpair.config import GenerationParams, SpeculationConfig
+from specpair.errors import SpecpairError
+
+
+def _check_release(release: dict) -> None:
+    if not isinstance(release, dict):
+        raise SpecpairError("release must be a JSON object")
+    if not isinstance(release.get("target"), dict):
+        raise SpecpairError("release.target is missing (an object with 'source')")
+    draft = release.get("draft")
+    if not isinstance(draft, dict) or not (draft.get("source") or draft.get("drafter")):
+        raise SpecpairError("release.draft needs 'source' (a model) or 'drafter' (e.g. 'ngram')")
+    prompts = (release.get("gating") or {}).get("prompts") or []
+    if not prompts:
+        raise SpecpairError("release.gating.prompts is empty: the gate needs golden prompts")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, dict) or not str(p.get("prompt", "")).strip():
+            raise SpecpairError(f"release.gating.prompts[{i}] needs a non-empty 'prompt'")
+
+
+def _speculation(release: dict) -> SpeculationConfig:
+    s = release.get("speculation") or {}
+    k = int(s.get("k", 4))
+    return SpeculationConfig(k=k, dynamic_k=bool(s.get("dynamicK", True)), k_max=max(8, k),
+                             fallback_threshold=float(s.get("fallbackThreshold", 0.5)),
+                             batch_size_threshold=int(s.get("batchSizeThreshold", 8)))
+
+
+def tokenizer_check(release: dict, progress=print) -> dict:
+    """Compare draft and target tokenizers without loading either model's weights."""
+    from transformers import AutoTokenizer
+
+    from specpair.models import resolve_source
+    from specpair.tokenizer_identity import compare, fingerprint
+
+    def load_tok(side: dict):
+        where, _ = resolve_source(side.get("source") or "default", progress)
+        try:
+            return AutoTokenizer.from_pretrained(str(where), revision=side.get("revision"))
+        except OSError as exc:
+            raise SpecpairError(f"cannot load tokenizer for {side.get('source')!r}: {exc}") from exc
+
+    target_fp = fingerprint(load_tok(release["target"]))
+    draft = release["draft"]
+    if draft.get("drafter"):
+        # Model-free drafters propose the target's own tokens: nothing to compare.
+        return {"compatible": True, "differences": [], "notes": [f"{draft['drafter']} drafter: no draft tokenizer"],
+                "draftFingerprint": None, "targetFingerprint": target_fp["sha256"]}
+    draft_fp = fingerprint(load_tok(draft))
+    result = compare(draft_fp, target_fp)
+    return {**result.to_dict(), "draftFingerprint": draft_fp["sha256"],
+            "targetFingerprint": target_fp["sha256"]}
+
+
+def _timed_generate(engine, prompts, params, *, speculate: bool, chat: bool):
+    from specpair.decoding import _sync
+
+    engine.controller.reset()
+    _sync(engine.target.device)
+    start = time.perf_counter()
+    results = engine.generate(prompts, params, chat=chat, speculate=speculate)
+    _sync(engine.target.device)
+    return time.perf_counter() - start, results
+
+
+def run_gate(release: dict, *, device: str | None = None, progress=print,
+             k_sweep: list[int] | None = None, batch_sizes: list[int] | None = None,
+             runs: int = 1) -> tuple[dict, list[dict]]:
+    """Returns (verdict, golden outputs)."""
+    from specpair.decoding import SpeculativeEngine
+    from specpair.drafters import NgramDrafter
+    from specpair.models import load_model
+    from specpair.stats import AcceptanceStats
+
+    _check_release(release)
+    gating = release.get("gating") or {}
+    thresholds = gating.get("thresholds") or {}
+    prompts = gating["prompts"]
+    chat = bool(gating.get("chat", True))
+    max_new = int(gating.get("maxNewTokens", 32))
+    verdict = {"passed": False, "reasons": [], "tokenizer": None, "greedyIdentity": None,
+               "acceptanceRate": None, "meanAcceptanceLength": None, "speedup": None,
+               "categories": {}, "acceptancePerPosition": [], "bestSpeculation": None,
+               "kSweep": [], "batchSweep": [], "mlflowRunId": None, "device": None}
+
+    progress("checking tokenizers before loading any model")
+    tok = tokenizer_check(release, progress)
+    verdict["tokenizer"] = tok
+    if not tok["compatible"]:
+        verdict["reasons"] = ["tokenizer mismatch: " + "; ".join(tok["differences"])]
+        return verdict, []
+
+    spec = _speculation(release)
+    progress("loading target")
+    target = load_model(release["target"].get("source") or "default", device=device,
+                        revision=release["target"].get("revision"), progress=progress)
+    draft = drafter = None
+    if release["draft"].get("drafter"):
+        if release["draft"]["drafter"] != "ngram":
+            raise SpecpairError(f"unknown drafter {release['draft']['drafter']!r} (known: ngram)")
+        drafter = NgramDrafter(device=target.device)
+    else:
+        progress("loading draft")
+        draft = load_model(release["draft"]["source"], device=device,
+                           revision=release["draft"].get("revision"), progress=progress)
+    engine = SpeculativeEngine(target, drafter=drafter, draft=draft, speculation=spec)
+    verdict["device"] = str(target.device)
+    texts = [p["prompt"] for p in prompts]
+    categories = [str(p.get("category") or "default") for p in prompts]
+    params = GenerationParams(max_new_tokens=max_new)
+
+    # Warm-up, then one prompt at a time (batch 1: the latency case speculation is for).
+    engine.generate(texts[:1], GenerationParams(max_new_tokens=2), chat=chat)
+    engine.generate(texts[:1], GenerationParams(max_new_tokens=2), chat=chat, speculate=False)
+    golden, per_prompt = [], []
+    for text, category in zip(texts, categories):
+        t_base = statistics.median(_timed_generate(engine, [text], params, speculate=False, chat=chat)[0]
+                                   for _ in range(runs))
+        base = engine.generate([text], params, chat=chat, speculate=False)[0]
+        spec_times, spec_res = [], None
+        for _ in range(runs):
+            seconds, res = _timed_generate(engine, [text], params, speculate=True, chat=chat)
+            spec_times.append(seconds)
+            spec_res = res[0]
+        identical = spec_res.token_ids == base.token_ids
+        per_prompt.append((category, t_base, statistics.median(spec_times), spec_res.stats, identical))
+        golden.append({"prompt": text, "category": category, "target_only": base.text,
+                       "speculative": spec_res.text, "identical": identical,
+                       "token_ids": base.token_ids, **{k: v for k, v in spec_res.stats.to_dict().items()
+                                                      if k in ("acceptance_rate", "mean_acceptance_length")}})
+
+    def summarise(rows):
+        stats = AcceptanceStats()
+        for r in rows:
+            stats.merge(r[3])
+        t_base, t_spec = sum(r[1] for r in rows), sum(r[2] for r in rows)
+        return stats, {"acceptanceRate": round(stats.acceptance_rate, 4),
+                       "meanAcceptanceLength": round(stats.mean_acceptance_length, 4),
+                       "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
+                       "greedyIdentity": round(sum(r[4] for r in rows) / len(rows), 4)}
+
+    overall_stats, overall = summarise(per_prompt)
+    verdict.update(overall)
+    verdict["acceptancePerPosition"] = [round(x, 4) for x in overall_stats.acceptance_per_position]
+    for cat in dict.fromkeys(categories):
+        verdict["categories"][cat] = summarise([r for r in per_prompt if r[0] == cat])[1]
+
+    # Tune on this hardware: k (batch 1, fixed k) and the batch size where speculation stops paying.
+    sweep = sorted(set(k_sweep or [1, 2, 4, 6]) | {spec.k})
+    best_k, best_speed = spec.k, -1.0
+    base_time = sum(r[1] for r in per_prompt)
+    for k in sweep:
+        engine.config = SpeculationConfig(**{**spec.to_dict(), "k": k, "dynamic_k": False,
+                                             "k_max": max(spec.k_max, k)})
+        t = sum(_timed_generate(engine, [text], params, speculate=True, chat=chat)[0] for text in texts)
+        speed = base_time / t if t else 0.0
+        verdict["kSweep"].append({"k": k, "speedup": round(speed, 4)})
+        if speed > best_speed:
+            best_k, best_speed = k, speed
+    engine.config = SpeculationConfig(**{**spec.to_dict(), "k": best_k, "batch_size_threshold": 10_000})
+    threshold, paying = 0, True
+    for size in batch_sizes or [1, 2, 4]:
+        batch = (texts * size)[:size]
+        t_off = _timed_generate(engine, batch, params, speculate=False, chat=chat)[0]
+        t_on = _timed_generate(engine, batch, params, speculate=True, chat=chat)[0]
+        speed = t_off / t_on if t_on else 0.0
+        verdict["batchSweep"].append({"batchSize": size, "speedup": round(speed, 4)})
+        # Speculation stays on up to the largest batch size of an unbroken run that pays.
+        paying = paying and speed > 1.0
+        if paying:
+            threshold = size
+    engine.config = spec
+    verdict["bestSpeculation"] = {"k": best_k, "batchSizeThreshold": threshold}
+
+    verdict["reasons"] = threshold_failures(verdict, thresholds)
+    verdict["passed"] = not verdict["reasons"]
+    return verdict, golden
+
+
+def threshold_failures(verdict: dict, thresholds: dict) -> list[str]:
+    """Each failed threshold, said with by how much."""
+    reasons = []
+    if thresholds.get("requireGreedyIdentity", True) and verdict["greedyIdentity"] < 1.0:
+        reasons.append(f"greedy identity {verdict['greedyIdentity']:.2%} < required 100% "
+                       "(speculative output differs from target-only)")
+    minimum = float(thresholds.get("minAcceptance", 0.0) or 0.0)
+    if verdict["acceptanceRate"] < minimum:
+        reasons.append(f"acceptance {verdict['acceptanceRate']:.3f} < minimum {minimum:.3f} "
+                       f"by {minimum - verdict['acceptanceRate']:.3f}")
+    for cat, need in (thresholds.get("minCategoryAcceptance") or {}).items():
+        got = (verdict["categories"].get(cat) or {}).get("acceptanceRate")
+        if got is None:
+            reasons.append(f"category {cat!r} has a minimum acceptance but no golden prompt")
+        elif got < float(need):
+            reasons.append(f"acceptance for category {cat} {got:.3f} < minimum {float(need):.3f} "
+                           f"by {float(need) - got:.3f}")
+    min_speedup = float(thresholds.get("minSpeedup", 0.0) or 0.0)
+    if verdict["speedup"] < min_speedup:
+        reasons.append(f"speedup {verdict['speedup']:.3f}x < minimum {min_speedup:.3f}x "
+                       f"by {min_speedup - verdict['speedup']:.3f}")
+    return reasons
+
+
+def run_gate_file(release_path: str, out_path: str, *, device: str | None = None,
+                  progress=print) -> dict:
+    path = Path(release_path)
+    if not path.is_file():
+        raise SpecpairError(f"release file not found: {release_path}")
+    try:
+        release = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SpecpairError(f"release file {release_path} is not JSON: {exc.msg} (line {exc.lineno})") from exc
+    verdict, golden = run_gate(release, device=device, progress=progress)
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if golden:
+        (out.parent / "golden_outputs.json").write_text(json.dumps(golden, indent=2))
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(verdict, indent=2))
+    tmp.replace(out)       # the runner never reads half a verdict
+    return verdict
