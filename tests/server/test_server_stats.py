@@ -1,0 +1,157 @@
+"""What the operator and Prometheus read: GetModelInfo, GetStats, SetSpeculation, /metrics."""
+
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specpair.config import SpeculationConfig
+from specpair.decoding import SpeculativeEngine
+
+from conftest import client_for, make_engine, reference, rpc_error
+
+
+def scrape(server) -> dict:
+    """/metrics over HTTP, parsed: {(name, frozenset(labels)): value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return samples
+
+
+def value(samples, name, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def test_model_info_reports_pair_models_tokenizers_and_settings(tiny_pair, start_server):
+    target, draft = tiny_pair
+    server = start_server(engine=make_engine(tiny_pair), pair="chat-pair", version="7", max_batch_size=6,
+                          max_queue=3)
+    with client_for(server) as c:
+        info = c.model_info()
+    assert (info.pair, info.version) == ("chat-pair", "7")
+    assert info.target.kind == "model" and info.target.parameters == target.num_parameters
+    assert info.draft.kind == "model" and info.draft.parameters == draft.num_parameters
+    assert info.target.dtype == "float32" and info.target.device == "cpu"
+    engine = server.engine
+    assert info.tokenizer.target_fingerprint == engine.target_fingerprint["sha256"]
+    assert info.tokenizer.draft_fingerprint == info.tokenizer.target_fingerprint
+    assert info.tokenizer.compatible and not info.tokenizer.differences
+    assert info.speculation.enabled and info.speculation.k == 4 and info.speculation.max_batch_size == 6
+    assert info.context_length == 512 and info.max_queue == 3
+
+
+def test_mismatched_draft_served_target_only_says_so(tiny_pair, start_server):
+    from tiny_models import make_model, make_tokenizer
+    target, _ = tiny_pair
+    other_tok = make_tokenizer(vocab_size=380)
+    other_draft = make_model(other_tok, seed=5)
+    engine = SpeculativeEngine(target, draft=other_draft, on_mismatch="target-only")
+    server = start_server(engine=engine)
+    with client_for(server) as c:
+        info = c.model_info()
+        reply = c.generate("def foo(x):", max_new_tokens=8)
+    assert not info.tokenizer.compatible and info.tokenizer.differences
+    assert info.tokenizer.draft_fingerprint and info.tokenizer.draft_fingerprint != info.tokenizer.target_fingerprint
+    assert info.warnings and "target-only" in info.warnings[0]
+    assert not info.speculation.enabled
+    assert reply.last.stats.num_draft_tokens == 0
+    assert reply.token_ids == reference(tiny_pair, "def foo(x):", 8).token_ids
+
+
+def test_stats_and_metrics_move_as_requests_complete(tiny_pair, start_server):
+    server = start_server(engine=make_engine(tiny_pair))
+    labels = dict(pair="tiny", version="1")
+    before = scrape(server)
+    with client_for(server) as c:
+        code = c.generate("def foo(x):", max_new_tokens=20, category="code")
+        chat = c.generate("hello world", max_new_tokens=12, category="chat")
+        err = rpc_error(lambda: c.generate("", max_new_tokens=3, category="code"))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        stats = c.stats()
+    after = scrape(server)
+
+    # Counters moved by exactly what the replies report.
+    for reply, category in ((code, "code"), (chat, "chat")):
+        s = reply.last.stats
+        cat = dict(labels, category=category)
+        assert value(after, "specpair_num_drafts_total", **cat) == s.num_drafts
+        assert value(after, "specpair_num_draft_tokens_total", **cat) == s.num_draft_tokens
+        assert value(after, "specpair_num_accepted_tokens_total", **cat) == s.num_accepted_tokens
+        for pos, accepted in enumerate(s.num_accepted_tokens_per_pos):
+            assert value(after, "specpair_num_accepted_tokens_per_pos_total", position=str(pos), **cat) == accepted
+        assert value(after, "specpair_requests_total", status="ok", **cat) == 1
+        assert value(after, "specpair_e2e_request_latency_seconds_count", **cat) == 1
+        assert value(after, "specpair_time_to_first_token_seconds_count", **cat) == 1
+        assert value(after, "specpair_request_queue_time_seconds_count", **cat) == 1
+        assert value(after, "specpair_time_per_output_token_seconds_count", **cat) == 1
+        assert value(after, "specpair_e2e_request_latency_seconds_sum", **cat) == \
+            pytest.approx(reply.last.timings.total_seconds, rel=1e-6)
+    assert value(before, "specpair_requests_total", status="ok", pair="tiny", version="1", category="code") == 0
+    assert value(after, "specpair_requests_total", status="invalid", pair="tiny", version="1", category="none") == 1
+    assert value(after, "specpair_num_requests_running", **labels) == 0
+    assert value(after, "specpair_num_requests_waiting", **labels) == 0
+    assert value(after, "specpair_speculation_enabled", **labels) == 1
+
+    # GetStats agrees with the replies, overall and per category.
+    drafted = code.last.stats.num_draft_tokens + chat.last.stats.num_draft_tokens
+    accepted = code.last.stats.num_accepted_tokens + chat.last.stats.num_accepted_tokens
+    assert stats.overall.cumulative.num_draft_tokens == drafted
+    assert stats.overall.cumulative.num_accepted_tokens == accepted
+    assert stats.overall.requests == 2
+    assert stats.overall.window_acceptance_rate == pytest.approx(accepted / drafted)
+    assert value(after, "specpair_acceptance_rate", **labels) == pytest.approx(accepted / drafted)
+    assert stats.categories["code"].cumulative.num_draft_tokens == code.last.stats.num_draft_tokens
+    assert stats.categories["chat"].window_acceptance_rate == pytest.approx(chat.last.stats.acceptance_rate)
+    assert value(after, "specpair_category_acceptance_rate", category="chat", **labels) == \
+        pytest.approx(chat.last.stats.acceptance_rate)
+    assert stats.speculating and not stats.falling_back and (stats.pair, stats.version) == ("tiny", "1")
+
+
+def test_category_labels_are_capped(tiny_pair, start_server):
+    server = start_server(engine=make_engine(tiny_pair))
+    server.metrics.max_categories = 2
+    with client_for(server) as c:
+        for name in ("a", "b", "c", "d"):
+            c.generate("hi", max_new_tokens=2, category=name)
+    after = scrape(server)
+    seen = {dict(k[1]).get("category") for k in after if k[0] == "specpair_requests_total"}
+    assert seen == {"a", "b", "other"}
+
+
+def test_set_speculation_off_on_and_k_override(tiny_pair, start_server):
+    server = start_server(engine=make_engine(tiny_pair, speculation=SpeculationConfig(k=4, dynamic_k=False)))
+    with client_for(server) as c:
+        baseline = c.generate("def foo(x):", max_new_tokens=16)
+        assert baseline.last.stats.num_draft_tokens > 0
+
+        settings = c.set_speculation(enabled=False, reason="acceptance drift")
+        assert not settings.enabled
+        off = c.generate("def foo(x):", max_new_tokens=16)
+        assert off.last.stats.num_draft_tokens == 0
+        assert off.token_ids == baseline.token_ids
+        stats = c.stats()
+        assert not stats.speculating and not stats.speculation.enabled
+        assert value(scrape(server), "specpair_speculation_enabled", pair="tiny", version="1") == 0
+
+        settings = c.set_speculation(enabled=True, k=2)
+        assert settings.enabled and settings.k_override == 2
+        two = c.generate("def foo(x):", max_new_tokens=16)
+        assert 0 < len(two.last.stats.num_draft_tokens_per_pos) <= 2
+        assert two.token_ids == baseline.token_ids
+        assert c.stats().current_k in (0, 1, 2)
+
+        settings = c.set_speculation(k=0)                     # clear the override
+        assert not settings.HasField("k_override") and c.model_info().speculation.enabled
+        err = rpc_error(lambda: c.set_speculation(k=99))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("k: ")
+
+
+def test_set_speculation_on_without_a_draft_is_refused(tiny_pair, start_server):
+    server = start_server(engine=make_engine(tiny_pair, draft=False))
+    with client_for(server) as c:
+        err = rpc_error(lambda: c.set_speculation(enabled=True))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
