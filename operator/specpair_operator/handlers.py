@@ -188,12 +188,12 @@ class Pass:
             if cm is None or key not in (cm.get("data") or {}):
                 raise ValueError(f"ConfigMap {ref['name']} (key {key}) with golden prompts not found")
             prompts += release_mod.parse_prompt_lines(cm["data"][key])
-        return prompts
+        return prompts or release_mod.builtin_prompts()
 
     async def _run(self) -> None:
         try:
             prompts = await self._resolve_prompts()
-        except ValueError as exc:
+        except (ValueError, OSError) as exc:
             self.finish("Failed", (False, "PromptsUnavailable", str(exc)), (False, "PromptsUnavailable", str(exc)),
                         (True, "PromptsUnavailable", str(exc)))
             return

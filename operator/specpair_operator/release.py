@@ -46,8 +46,8 @@ def build_release(
 ) -> dict[str, Any]:
     """The release JSON for a spec, with defaults filled the same way the CRD fills them.
 
-    `prompts` are the golden prompts already resolved (inline or read from the ConfigMap);
-    an empty list means the gate's built-in set.
+    `prompts` are the golden prompts already resolved (inline, from the ConfigMap, or the
+    engine's built-in set), so the hash changes when the prompts do.
     """
     gating = spec.get("gating") or {}
     thresholds = {**THRESHOLD_DEFAULTS, **(gating.get("thresholds") or {})}
@@ -101,6 +101,15 @@ def parse_prompt_lines(text: str) -> list[dict[str, Any]]:
             raise ValueError(f"golden prompt #{i} has no 'prompt' string")
         prompts.append({"prompt": item["prompt"], "category": item.get("category") or "general"})
     return prompts
+
+
+def builtin_prompts() -> list[dict[str, Any]]:
+    """The engine's default golden prompts (package data of `specpair`; reading them imports
+    only `specpair/__init__`, which is torch-free). Used when a pair names no prompts."""
+    from importlib import resources
+
+    text = (resources.files("specpair") / "prompts" / "default.jsonl").read_text(encoding="utf-8")
+    return parse_prompt_lines(text)
 
 
 def describe_release(release: dict[str, Any], digest: str) -> str:

@@ -7,8 +7,9 @@
 - `EngineStandIn`: an engine pod speaking the real gRPC API (specpair.engine.v1.Engine, the
   generated stubs) on loopback, so the operator's gRPC probe is exercised for real. Its
   acceptance counters are driven by the test (traffic simulation).
-- `gate_standin.py`: used only while `specpair gate` (the engine's gate) is not installed; it
-  looks the candidate's numbers up in a small "model world" the test declares.
+- `gate_standin.py`: for scenarios that need chosen numbers (drift, thresholds): it looks the
+  candidate's numbers up in a small "model world" the test declares. test_operator_real_gate
+  runs the engine's real `specpair gate` on tiny models instead.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -38,8 +38,10 @@ def fingerprint(source: str | None) -> str:
 
 
 class EngineStandIn(engine_pb2_grpc.EngineServicer):
-    def __init__(self, world: dict[str, Any]):
+    def __init__(self, world: dict[str, Any], fingerprints: dict[str, str] | None = None):
         self.world = world
+        # source -> real tokenizer fingerprint, for pods loading real (tiny) models
+        self.fingerprints = fingerprints or {}
         self.release: dict[str, Any] | None = None
         self.speculation = True
         self.counters: dict[str, list[int]] = {}
@@ -72,9 +74,12 @@ class EngineStandIn(engine_pb2_grpc.EngineServicer):
         return engine_pb2.ModelInfo(
             pair=rel.get("pair", ""), version=str((rel.get("mlflow") or {}).get("version", "")),
             tokenizer=engine_pb2.TokenizerInfo(
-                target_fingerprint=fingerprint(rel.get("target", {}).get("source")),
-                draft_fingerprint=fingerprint(tok_draft) if draft.get("source") else "", compatible=True),
+                target_fingerprint=self._fp(rel.get("target", {}).get("source")),
+                draft_fingerprint=self._fp(tok_draft) if draft.get("source") else "", compatible=True),
             speculation=engine_pb2.SpeculationSettings(enabled=self.speculation))
+
+    def _fp(self, source: str | None) -> str:
+        return self.fingerprints.get(source) or fingerprint(source)
 
     def GetStats(self, request: Any, context: Any) -> Any:
         with self.lock:
@@ -91,16 +96,14 @@ class EngineStandIn(engine_pb2_grpc.EngineServicer):
         self.server.stop(0)
 
 
-def gate_command() -> str:
-    """The real gate when the engine ships it, else the stand-in."""
-    if shutil.which("specpair") and subprocess.run(["specpair", "gate", "--help"], capture_output=True).returncode == 0:
-        return "specpair gate"
-    return f"{sys.executable} {HERE / 'gate_standin.py'}"
+STANDIN_GATE = f"{sys.executable} {HERE / 'gate_standin.py'}"
+REAL_GATE = f"{sys.executable} -m specpair gate --device cpu"
 
 
 class ControllerStandIn:
-    def __init__(self, kube: Any, engine: EngineStandIn, workdir: Path, world_file: Path, namespace: str = "default"):
-        self.kube, self.engine, self.workdir, self.ns = kube, engine, workdir, namespace
+    def __init__(self, kube: Any, engine: EngineStandIn, workdir: Path, world_file: Path, namespace: str = "default",
+                 gate: str = STANDIN_GATE):
+        self.kube, self.engine, self.workdir, self.ns, self.gate = kube, engine, workdir, namespace, gate
         self.env = {**os.environ, "SPECPAIR_STANDIN_WORLD": str(world_file)}
         self.gates_run: list[str] = []
         self.pod_counter = 0
@@ -123,7 +126,7 @@ class ControllerStandIn:
         cmd[cmd.index(manifests.RELEASE_FILE)] = str(rel_file)
         cmd[0] = sys.executable if cmd[0] == "python" else cmd[0]
         env = {**self.env, **{e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]},
-               "SPECPAIR_GATE_COMMAND": gate_command()}
+               "SPECPAIR_GATE_COMMAND": self.gate}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         self.gates_run.append(job["metadata"]["name"])
         ok = proc.returncode == 0
