@@ -1,0 +1,69 @@
+"""The operator's entry point, its torch-free imports, and the CRD agreeing with the code."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import yaml
+
+from specpair_operator import drift, release
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_operator_modules_import_without_torch():
+    code = ("import sys, specpair_operator.handlers, specpair_operator.gate_runner, specpair_operator.__main__;"
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_entry_point_help():
+    out = subprocess.run([sys.executable, "-m", "specpair_operator", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--namespace" in out.stdout
+
+
+def _schema():
+    crd = yaml.safe_load((REPO / "crds" / "specmodelpair.yaml").read_text())
+    return crd, crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+
+
+def test_crd_is_valid_and_names_what_the_issue_asks():
+    crd, _ = _schema()
+    kubernetes_validate.validate(crd, "1.33.0", strict=True)
+    names = crd["spec"]["names"]
+    assert (crd["spec"]["group"], names["kind"], names["plural"], names["shortNames"], crd["spec"]["scope"]) == \
+        ("specpair.io", "SpecModelPair", "specmodelpairs", ["smp"], "Namespaced")
+    v = crd["spec"]["versions"][0]
+    assert v["name"] == "v1alpha1" and v["subresources"] == {"status": {}}
+    assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Phase", "Serving", "Acceptance", "Speedup", "Age"]
+
+
+def test_crd_defaults_are_the_defaults_the_operator_hashes_with():
+    _, spec = _schema()
+    sp = {k: v["default"] for k, v in spec["speculation"]["properties"].items()}
+    assert sp == release.SPECULATION_DEFAULTS
+    th = spec["gating"]["properties"]["thresholds"]["properties"]
+    assert {k: v["default"] for k, v in th.items() if "default" in v} == \
+        {k: v for k, v in release.THRESHOLD_DEFAULTS.items() if k != "minCategoryAcceptance"}
+    assert spec["gating"]["properties"]["maxNewTokens"]["default"] == release.DEFAULT_MAX_NEW_TOKENS
+    d = spec["drift"]["properties"]
+    policy = drift.DriftPolicy()
+    assert (d["tolerance"]["default"], d["noiseAllowance"]["default"], d["minDraftedTokens"]["default"],
+            d["consecutiveBreaches"]["default"], d["windowSeconds"]["default"], tuple(d["ladder"]["default"])) == \
+        (policy.tolerance, policy.noise_allowance, policy.min_drafted, policy.consecutive, policy.window_seconds,
+         policy.ladder)
+
+
+def test_rbac_covers_every_resource_the_operator_touches():
+    role = next(d for d in yaml.safe_load_all((REPO / "operator" / "rbac.yaml").read_text()) if d)
+    kubernetes_validate.validate(role, "1.33.0", strict=True)
+    granted = {(g, r, verb) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+               for verb in rule["verbs"]}
+    needed = {("specpair.io", "specmodelpairs", v) for v in ("get", "list", "watch", "patch")} | \
+             {("specpair.io", "specmodelpairs/status", "patch"), ("batch", "jobs", "create"), ("batch", "jobs", "get"),
+              ("apps", "deployments", "create"), ("apps", "deployments", "patch"), ("", "services", "create"),
+              ("", "pods", "list"), ("", "configmaps", "get"), ("", "events", "create")}
+    assert needed <= granted
+    assert not any(r == "secrets" for _, r, _ in granted) and not any(v in ("delete", "*") for _, _, v in granted)
