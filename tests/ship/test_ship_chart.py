@@ -308,3 +308,10 @@ def test_checkov_finds_nothing_in_the_dockerfiles(checkov):
     report = _checkov(checkov, REPO_ROOT / "deploy", "--framework", "dockerfile", "--skip-download", "--quiet")
     assert report["passed"] > 20
     assert report["failed"] == [], report["failed"]
+
+
+def test_chart_refuses_clusters_older_than_the_crd_needs(helm):
+    """The CRD's CEL rules need Kubernetes 1.29; Chart.yaml's kubeVersion says so to helm."""
+    result = run([helm, "template", "ship", CHART_DIR, "--kube-version", "1.28.9"], check=False)
+    assert result.returncode != 0 and "kubeVersion" in result.stderr, result.stderr
+    run([helm, "template", "ship", CHART_DIR, "--kube-version", "1.29.0"])
