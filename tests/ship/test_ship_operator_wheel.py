@@ -86,3 +86,26 @@ registry = kopf.get_default_registry()
 print(sum(1 for h in registry._changing.get_all_handlers() if h.selector and h.selector.check(resource)))
 """)
     assert int(out.strip()) >= 1, "no Kopf change handler matches the CRD's resource"
+
+
+def _dockerfile(name: str) -> str:
+    return (REPO_ROOT / "deploy" / name).read_text()
+
+
+@pytest.mark.parametrize("image,extra", [("operator", "operator"), ("engine", "engine")])
+def test_dockerfiles_install_what_this_test_installs(image, extra):
+    """No Docker engine here: check the Dockerfiles copy the same inputs, let them through their
+    .dockerignore, install the wheel with the right extra, and run as the non-root UID."""
+    text = _dockerfile(f"{image}.Dockerfile")
+    copied = [part for line in re.findall(r"^COPY (?!--from)(.+)$", text, flags=re.M)
+              for part in line.split()[:-1]]
+    assert sorted(copied) == sorted(BUILD_INPUTS)
+    ignore = _dockerfile(f"{image}.Dockerfile.dockerignore").splitlines()
+    assert ignore[ignore.index("*")] == "*"
+    for name in BUILD_INPUTS:
+        assert f"!{name}" in ignore or f"!{name}/" in ignore, name
+    assert re.search(rf'pip install "\$\(ls /wheels/specpair-\*\.whl\)\[{extra}\]"', text)
+    assert "USER 10001:10001" in text
+    if image == "operator":
+        assert "torch" not in text
+        assert 'ENTRYPOINT ["python", "-m", "specpair_operator"]' in text
