@@ -71,7 +71,7 @@ def cmd_generate(args) -> int:
     from specpair.config import GenerationParams
 
     if args.prompt is None or not args.prompt.strip():
-        raise SpecpairError("--prompt is empty")
+        raise SpecpairError("empty prompt: --prompt has no text")
     engine = build_engine(args, speculate=not args.no_spec)
     params = GenerationParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed,
