@@ -206,18 +206,22 @@ def generate_command(args) -> int:
         client.close()
     stats, timings = last.stats, last.timings
     if args.json:
-        from google.protobuf.json_format import MessageToDict
         print(json.dumps({"text": "".join(text), "token_ids": token_ids,
                           "finish_reason": pb.FinishReason.Name(last.finish_reason),
-                          "usage": MessageToDict(last.usage, preserving_proto_field_name=True),
-                          "timings": MessageToDict(timings, preserving_proto_field_name=True),
-                          "stats": MessageToDict(stats, preserving_proto_field_name=True)}))
+                          "usage": plain(last.usage), "timings": plain(timings), "stats": plain(stats)}))
     else:
         sys.stdout.write("\n")
         print(f"[{last.usage.completion_tokens} tokens in {timings.total_seconds:.2f} s, first after "
               f"{timings.time_to_first_token_seconds:.2f} s; acceptance {stats.acceptance_rate:.2f}, "
               f"mean acceptance length {stats.mean_acceptance_length:.2f}]", file=sys.stderr)
     return 0
+
+
+def plain(message) -> dict:
+    """A flat protobuf message as JSON-ready values (json_format would quote 64-bit ints)."""
+    from specpair.server.requests import is_repeated
+    return {f.name: list(getattr(message, f.name)) if is_repeated(f) else getattr(message, f.name)
+            for f in message.DESCRIPTOR.fields}
 
 
 def main(argv=None) -> int:

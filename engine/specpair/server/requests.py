@@ -186,7 +186,7 @@ def find_invalid_utf8(data: bytes, descriptor, prefix: str = "") -> str | None:
             if field is None:
                 continue
             name = prefix + field.name
-            if _is_repeated(field):
+            if is_repeated(field):
                 index = counts.get(field.name, 0)
                 counts[field.name] = index + 1
                 name = f"{name}[{index}]"
@@ -204,7 +204,7 @@ def find_invalid_utf8(data: bytes, descriptor, prefix: str = "") -> str | None:
     return None
 
 
-def _is_repeated(field) -> bool:
+def is_repeated(field) -> bool:
     # protobuf 5+ exposes is_repeated; older releases only the label.
     flag = getattr(field, "is_repeated", None)
     return bool(flag) if flag is not None else field.label == FieldDescriptor.LABEL_REPEATED

@@ -1,0 +1,108 @@
+"""The committed stubs are current and torch-free; `engine serve` / `engine generate` as a user runs them."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tiny_models import save_tiny
+
+from conftest import reference, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+STUBS = ROOT / "engine" / "specpair" / "_proto"
+
+
+def _normalised(text: str) -> list[str]:
+    # Version stamps change with the grpcio-tools release; the content must not.
+    return [line for line in text.splitlines()
+            if "Protobuf Python Version" not in line and "GRPC_GENERATED_VERSION =" not in line
+            and not line.strip().startswith(("_runtime_version.ValidateProtobufRuntimeVersion", "_runtime_version.Domain"))
+            and not (line.strip().rstrip(",").isdigit() or line.strip() in ("'',", "''"))]
+
+
+def test_committed_stubs_match_the_proto(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable)
+    subprocess.run(["bash", str(ROOT / "scripts" / "gen-protos.sh"), str(tmp_path)], check=True, env=env,
+                   capture_output=True, timeout=120)
+    for name in ("engine_pb2.py", "engine_pb2_grpc.py", "engine_pb2.pyi"):
+        fresh, committed = (tmp_path / name).read_text(), (STUBS / name).read_text()
+        assert _normalised(fresh) == _normalised(committed), \
+            f"{name} is stale: run scripts/gen-protos.sh and commit engine/specpair/_proto/"
+
+
+def test_stubs_import_without_torch():
+    code = ("import sys; from specpair._proto import engine_pb2, engine_pb2_grpc; "
+            "from specpair.server import client, requests; "
+            "assert 'torch' not in sys.modules; print(engine_pb2.GenerateRequest.DESCRIPTOR.full_name)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "specpair.engine.v1.GenerateRequest"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_and_generate_commands(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    target_dir = save_tiny(target, tmp_path / "target")
+    draft_dir = save_tiny(draft, tmp_path / "draft")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "specpair.server", "engine", "serve", "--target", target_dir, "--draft", draft_dir,
+           "--pair", "cli-pair", "--version", "3", "--host", "127.0.0.1", "--port", str(port),
+           "--metrics-port", "-1", "--insecure", "--device", "cpu"]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+
+            def serving():
+                try:
+                    return stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:
+                    return server.poll() is not None
+            assert wait_for(serving, timeout=90, interval=0.2)
+            assert server.poll() is None, server.stdout.read()
+
+        gen = [sys.executable, "-m", "specpair.server", "engine", "generate", "--address", f"127.0.0.1:{port}",
+               "--insecure", "--max-new-tokens", "10"]
+        out = subprocess.run(gen + ["--json", "def foo(x):"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        reply = json.loads(out.stdout)
+        assert reply["token_ids"] == reference(tiny_pair, "def foo(x):", 10).token_ids
+        assert reply["finish_reason"] == "FINISH_REASON_LENGTH"
+        assert reply["stats"]["num_draft_tokens"] > 0
+
+        streamed = subprocess.run(gen + ["import os"], capture_output=True, text=True, timeout=60)
+        assert streamed.returncode == 0
+        assert streamed.stdout.rstrip("\n") == reference(tiny_pair, "import os", 10).text.rstrip("\n")
+        assert "10 tokens in" in streamed.stderr and "acceptance" in streamed.stderr
+
+        bad = subprocess.run(gen[:-2] + ["--max-new-tokens", "0", "hi"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1
+        assert "INVALID_ARGUMENT: max_new_tokens: must be >= 1, got 0" in bad.stderr
+
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(30) == 0
+        log = server.stdout.read()
+        assert "loading target" in log and "warm-up step" in log and "serving on" in log and "draining" in log
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def test_serve_refuses_plaintext_unless_asked():
+    out = subprocess.run([sys.executable, "-m", "specpair.server", "engine", "serve", "--port", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--insecure" in out.stderr and "Traceback" not in out.stderr
