@@ -30,8 +30,10 @@ USER 10001:10001
 WORKDIR /tmp
 # Model caches live on a volume (the operator mounts one at /var/cache/specpair).
 VOLUME ["/var/cache/specpair"]
-# gRPC (specpair.engine.v1.Engine + grpc.health.v1); Kubernetes probes it with its gRPC probe.
-EXPOSE 50051
+# gRPC (specpair.engine.v1.Engine + grpc.health.v1; Kubernetes probes it with its gRPC probe)
+# and the Prometheus /metrics endpoint.
+EXPOSE 50051 9400
 HEALTHCHECK NONE
+# The operator sets each engine's and gate's command; on its own the image serves the default pair.
 ENTRYPOINT ["specpair"]
-CMD ["serve", "--release", "/etc/specpair/release.json", "--port", "50051"]
+CMD ["engine", "serve", "--insecure", "--port", "50051", "--metrics-port", "9400"]
