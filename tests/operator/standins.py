@@ -100,6 +100,10 @@ STANDIN_GATE = f"{sys.executable} {HERE / 'gate_standin.py'}"
 REAL_GATE = f"{sys.executable} -m specpair gate --device cpu"
 
 
+def template_version(dep: dict[str, Any]) -> str:
+    return dep["spec"]["template"]["metadata"]["labels"].get(manifests.LABEL_VERSION, "")
+
+
 class ControllerStandIn:
     def __init__(self, kube: Any, engine: EngineStandIn, workdir: Path, world_file: Path, namespace: str = "default",
                  gate: str = STANDIN_GATE):
@@ -107,7 +111,7 @@ class ControllerStandIn:
         self.env = {**os.environ, "SPECPAIR_STANDIN_WORLD": str(world_file)}
         self.gates_run: list[str] = []
         self.pod_counter = 0
-        self.break_rollouts = False
+        self.failing_versions: set[str] = set()  # releases whose pods crash-loop
 
     def step(self) -> None:
         for job in self.kube.list("batch/v1", "Job", self.ns):
@@ -138,7 +142,8 @@ class ControllerStandIn:
     def _roll(self, dep: dict[str, Any]) -> None:
         name = dep["metadata"]["name"]
         gen = dep["metadata"]["generation"]
-        if self.break_rollouts:
+        template = dep["spec"]["template"]
+        if template_version(dep) in self.failing_versions:
             self.kube.patch("apps/v1", "Deployment", self.ns, name, {"status": {
                 "observedGeneration": gen, "replicas": 1, "updatedReplicas": 1, "availableReplicas": 0,
                 "conditions": [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",

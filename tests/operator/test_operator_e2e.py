@@ -16,6 +16,8 @@ import pytest
 from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
+from specpair_operator import release
+from specpair_operator.registry import ReleaseRegistry
 from standins import ControllerStandIn, EngineStandIn
 
 NS = "default"
@@ -204,4 +206,68 @@ def test_restarted_operator_makes_no_duplicates_and_mlflow_outage_recovers(clust
         ctl.wait_for("v2 serving after the outage", lambda: serving(ctl, name, "2"), timeout=120)
         assert len(mlflow.search_model_versions(f"name='{model}'")) == 2
         assert mlflow.get_registered_model(model).aliases["previous"] == "1"
+    assert runner.exception is None
+
+    # Killed mid-promotion: v3 gated and passed, `previous` already moved, `champion` not yet.
+    # This is the state the operator's own steps leave when it dies between the two alias writes.
+    set_spec(ctl, name, {"speculation": {"k": 6}})
+    body = smp(ctl, name)
+    rel = release.build_release(name, NS, body["spec"], body["spec"]["gating"]["prompts"])
+    reg = ReleaseRegistry(mlflow_server.url)
+    v3 = reg.ensure_release(model, rel, release.content_hash(rel))
+    reg.set_tags(model, v3, {"specpair.release": json.dumps(rel, sort_keys=True, separators=(",", ":"))})
+    reg.record_gate(model, v3, {"passed": True, "reasons": [], "greedyIdentity": 1.0, "acceptanceRate": 0.7,
+                                "speedup": 1.6, "categories": {"code": {"acceptanceRate": 0.8}},
+                                "tokenizer": {"compatible": True, "differences": []}})
+    reg.set_alias(model, "candidate", v3)
+    reg.set_alias(model, "previous", "2")
+    assert reg.aliases(model) == {"candidate": "3", "champion": "2", "previous": "2"}
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ctl.wait_for("v3 serving after restart mid-promotion", lambda: serving(ctl, name, "3"), timeout=90)
+        assert reg.aliases(model) == {"candidate": "3", "champion": "3", "previous": "2"}
+        assert len(mlflow.search_model_versions(f"name='{model}'")) == 3
+        assert len(ctl.kube.list("batch/v1", "Job", NS)) == 2  # v1's and v2's; v3 already had its verdict
+    assert runner.exception is None
+
+
+def test_configmap_prompts_tokenizer_mismatch_on_a_pod_and_failed_rollout_roll_back(cluster, mlflow_server):
+    ctl = cluster
+    name = f"guard-{uuid.uuid4().hex[:5]}"
+    model = f"{NS}-{name}"
+    mlflow = MlflowClient(mlflow_server.url)
+    prompts = [{"prompt": "class Stack:", "category": "code"}, {"prompt": "Tell me a joke", "category": "chat"},
+               {"prompt": "import os", "category": "code"}]
+    ctl.kube.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "golden", "namespace": NS},
+                     "data": {"prompts.jsonl": "\n".join(json.dumps(p) for p in prompts)}})
+    spec = pair(name, "good-draft", ctl.engine.port)
+    spec["spec"]["gating"] = {"configMapRef": {"name": "golden"}, "thresholds": {"minAcceptance": 0.5}}
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ctl.kube.create(spec)
+        ctl.wait_for("v1 serving", lambda: serving(ctl, name, "1"), timeout=90)
+        released = json.loads(mlflow.get_model_version(model, "1").tags["specpair.release"])
+        assert released["gating"]["prompts"] == prompts
+
+        set_spec(ctl, name, {"draft": {"source": "faster-draft"}})
+        ctl.wait_for("v2 serving", lambda: serving(ctl, name, "2"), timeout=90)
+        # The pod now reports a draft tokenizer that is not the one the release was gated with.
+        ctl.engine.fingerprints["faster-draft"] = "f" * 64
+        obj = ctl.wait_for("rolled back on tokenizer mismatch",
+                           lambda: (o := smp(ctl, name)) and o["status"].get("servingVersion") == "1"
+                           and cond(o, "Stalled").get("status") == "True" and o)
+        last = [h for h in obj["status"]["history"] if h["action"] == "RolledBack"][-1]
+        assert "tokenizer mismatch" in last["reason"] and (last["fromVersion"], last["toVersion"]) == ("2", "1")
+        assert "specpair.rolled_back" in mlflow.get_model_version(model, "2").tags
+
+        # A release whose pods never become available is rolled back too.
+        ctl.failing_versions.add("3")
+        set_spec(ctl, name, {"draft": {"source": "good-draft"}, "speculation": {"k": 5}})
+        obj = ctl.wait_for("rolled back after failed rollout",
+                           lambda: (o := smp(ctl, name)) and any(h["action"] == "RolledBack" and h["fromVersion"] == "3"
+                                                                 for h in o["status"].get("history", [])) and o)
+        assert "rollout of v3 failed: engine pods crash-looping" in obj["status"]["history"][-1]["reason"] or \
+            any("crash-looping" in h["reason"] for h in obj["status"]["history"])
+        ctl.wait_for("v1 serving again", lambda: (o := smp(ctl, name)) and o["status"].get("servingVersion") == "1"
+                     and o["status"].get("phase") == "Degraded" and ctl.engine.release["mlflow"]["version"] == "1")
+        assert mlflow.get_registered_model(model).aliases["champion"] == "1"
+        assert len(mlflow.search_model_versions(f"name='{model}'")) == 3
     assert runner.exception is None
