@@ -129,3 +129,26 @@ def _requests(server, status: str) -> float:
     value = server.metrics.registry.get_sample_value(
         "specpair_requests_total", {"pair": "tiny", "version": "1", "category": "none", "status": status})
     return value or 0.0
+
+
+def test_an_engine_failure_fails_that_batch_and_the_server_keeps_serving(tiny_pair, start_server):
+    from specpair.decoding import Batch
+    engine = make_engine(tiny_pair)
+    failures = []
+
+    class FailingOnce(Batch):
+        def step(self):
+            if failures and self.active:
+                failures.pop()
+                raise RuntimeError("device fell over")
+            return super().step()
+    engine.new_batch = lambda: FailingOnce(engine)
+    server = start_server(engine=engine)
+    failures.append(1)          # after the warm-up step
+    with client_for(server) as c:
+        err = rpc_error(lambda: c.generate("def foo(x):", max_new_tokens=8, timeout=10))
+        assert err.code() == grpc.StatusCode.INTERNAL
+        assert "engine step failed: RuntimeError: device fell over" in err.details()
+        reply = c.generate("def foo(x):", max_new_tokens=8, timeout=10)
+    assert reply.token_ids == reference(tiny_pair, "def foo(x):", 8).token_ids
+    assert _requests(server, "error") == 1

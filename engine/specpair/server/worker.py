@@ -277,6 +277,11 @@ class EngineWorker:
             except SpecpairError as exc:
                 self._fail(job, "invalid", str(exc), status="invalid")
                 continue
+            except Exception as exc:   # never let one request stop the worker thread
+                log.exception("could not add request %s to the batch", job.request_id)
+                self._fail(job, "internal", f"could not start decoding: {type(exc).__name__}: {exc}",
+                           status="error")
+                continue
             job.admitted = time.perf_counter()
             self._jobs[job.request_id] = job
 
@@ -307,7 +312,7 @@ class EngineWorker:
             if out.finished and seq is not None:
                 self._finish(job, self.batch.result(seq), out)
             elif out.text or out.token_ids:
-                job.sink(Tokens(text=out.text, token_ids=list(out.token_ids)))
+                self._send(job, Tokens(text=out.text, token_ids=list(out.token_ids)))
         self.batch.done.clear()
         self._publish_state()
 
@@ -340,7 +345,7 @@ class EngineWorker:
             tpot = (end - first) / (completion - 1) if completion > 1 else None
             self.metrics.record_finished(job.category, "ok", queue=admitted - job.arrived,
                                          ttft=first - job.arrived, e2e=end - job.arrived, tpot=tpot)
-        job.sink(Finished(text=out.text, token_ids=list(out.token_ids), finish_reason=result.finish_reason,
+        self._send(job, Finished(text=out.text, token_ids=list(out.token_ids), finish_reason=result.finish_reason,
                           prompt_tokens=result.prompt_tokens, completion_tokens=completion,
                           stats=result.stats, queue_seconds=admitted - job.arrived,
                           time_to_first_token=first - job.arrived, total_seconds=end - job.arrived))
@@ -360,7 +365,14 @@ class EngineWorker:
         job.done = True
         if self.metrics is not None:
             self.metrics.record_finished(job.category, status)
-        job.sink(Failed(kind=kind, message=message))
+        self._send(job, Failed(kind=kind, message=message))
+
+    @staticmethod
+    def _send(job: Job, event) -> None:
+        try:
+            job.sink(event)
+        except Exception:   # the client's side is gone (e.g. its event loop closed): drop the event
+            log.debug("could not deliver %s for %s", type(event).__name__, job.request_id, exc_info=True)
 
     def _publish_state(self) -> None:
         if self.metrics is None:
