@@ -21,6 +21,7 @@ RELEASE_DIR = "/etc/specpair"
 RELEASE_FILE = f"{RELEASE_DIR}/release.json"
 CACHE_DIR = "/var/cache/specpair"
 NONROOT_UID = 10001
+METRICS_PORT = 9400
 
 
 def _dns_name(*parts: str, limit: int = 63) -> str:
@@ -145,6 +146,24 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
     }
 
 
+def engine_command(release: dict[str, Any], port: int) -> list[str]:
+    """`specpair engine serve` flags for a release (the server takes flags, not a release file;
+    the file is mounted as well, for the record and for tools in the pod)."""
+    spec = release["speculation"]
+    cmd = ["specpair", "engine", "serve", "--target", str(release["target"]["source"])]
+    draft = release["draft"]
+    cmd += ["--drafter", draft["drafter"]] if draft.get("drafter") else ["--draft", str(draft["source"])]
+    cmd += ["--pair", str(release["pair"]), "--version", str((release.get("mlflow") or {}).get("version", "0")),
+            "--port", str(port), "--metrics-port", str(METRICS_PORT),
+            # Plaintext inside the cluster; the chart's NetworkPolicy limits who can connect.
+            "--insecure",
+            "--k", str(spec["k"]), "--fallback-threshold", str(spec["fallbackThreshold"]),
+            "--batch-size-threshold", str(spec["batchSizeThreshold"])]
+    if not spec.get("dynamicK", True):
+        cmd.append("--no-dynamic-k")
+    return cmd
+
+
 def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
                       rollout: dict[str, Any], tracking_uri: str) -> dict[str, Any]:
     """The engine Deployment serving one release; the selector is stable across releases."""
@@ -155,8 +174,9 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
         "name": "engine",
         "image": rollout.get("image", "ghcr.io/specpair/engine:0.1.0"),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
-        "command": ["specpair", "serve", "--release", RELEASE_FILE, "--port", str(port)],
-        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
+        "command": engine_command(release, port),
+        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         "env": _env(tracking_uri),
         "volumeMounts": _mounts(),
         "securityContext": _container_security(),

@@ -188,6 +188,14 @@ def test_manifests_validate_against_kubernetes_schemas_and_run_unprivileged():
     assert job["spec"]["backoffLimit"] == 0 and len(job["metadata"]["name"]) <= 63
     assert manifests.gate_job_name("x" * 80, digest) == "x" * 40 + "-gate-" + digest[:10]
     assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
+    cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[:3] == ["specpair", "engine", "serve"] and cmd[cmd.index("--drafter") + 1] == "ngram"
+    assert cmd[cmd.index("--k") + 1] == "5" and cmd[cmd.index("--port") + 1] == "6000"
+    model_draft = release.with_mlflow(release.build_release("p", "ns", {**SPEC, "draft": {"source": "d/x"},
+                                                                        "speculation": {"dynamicK": False}}, PROMPTS),
+                                      "http://m", "ns-p", "7")
+    cmd = manifests.engine_command(model_draft, 50051)
+    assert cmd[cmd.index("--draft") + 1] == "d/x" and cmd[cmd.index("--version") + 1] == "7" and "--no-dynamic-k" in cmd
     assert set(dep["spec"]["selector"]["matchLabels"].items()) <= set(dep["spec"]["template"]["metadata"]["labels"].items())
 
 

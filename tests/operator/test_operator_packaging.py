@@ -67,3 +67,19 @@ def test_rbac_covers_every_resource_the_operator_touches():
               ("", "pods", "list"), ("", "configmaps", "get"), ("", "events", "create")}
     assert needed <= granted
     assert not any(r == "secrets" for _, r, _ in granted) and not any(v in ("delete", "*") for _, _, v in granted)
+
+
+def test_engine_command_parses_with_the_engine_cli():
+    """The Deployment's command line must be one the engine's own parser accepts."""
+    from specpair.cli import build_parser
+
+    from specpair_operator import manifests
+
+    for draft in ({"drafter": "ngram"}, {"source": "HuggingFaceTB/SmolLM2-135M"}):
+        rel = release.with_mlflow(release.build_release(
+            "p", "ns", {"target": {"source": "default"}, "draft": draft, "speculation": {"dynamicK": False, "k": 3}},
+            [{"prompt": "x"}]), "http://m", "ns-p", "4")
+        args = build_parser().parse_args(manifests.engine_command(rel, 50051)[1:])
+        assert (args.pair, args.version, args.port, args.k, args.no_dynamic_k, args.insecure) == \
+            ("p", "4", 50051, 3, True, True)
+        assert (args.drafter == "ngram") if "drafter" in draft else (args.draft == draft["source"])
