@@ -41,6 +41,7 @@ class Runtime:
     """Process-wide clients and per-pair memory (locks, backoff, drift samples)."""
     tracking_uri: str = ""
     gate_tracking_uri: str = ""
+    credentials_secret: str | None = None
     kube: Kube | None = None
     registry: ReleaseRegistry | None = None
     probe: EngineProbe | None = None
@@ -73,6 +74,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     if not RUNTIME.tracking_uri:
         raise kopf.PermanentError("set SPECPAIR_MLFLOW_TRACKING_URI (or MLFLOW_TRACKING_URI)")
     RUNTIME.gate_tracking_uri = os.environ.get("SPECPAIR_GATE_MLFLOW_TRACKING_URI", RUNTIME.tracking_uri)
+    # Name of a Secret (in each pair's namespace) with MLflow credentials for gate and engine pods.
+    RUNTIME.credentials_secret = os.environ.get("SPECPAIR_MLFLOW_CREDENTIALS_SECRET") or None
     RUNTIME.registry = ReleaseRegistry(RUNTIME.tracking_uri)
     # A (re)started operator remembers nothing: all it needs is in the cluster and MLflow.
     for memory in (RUNTIME.locks, RUNTIME.retry_at, RUNTIME.backoff, RUNTIME.samples, RUNTIME.last_drift_check):
@@ -270,7 +273,7 @@ class Pass:
         job = manifests.gate_job(self.name, self.namespace,
                                  release_mod.with_mlflow(rel, self.rt.gate_tracking_uri, model, version),
                                  digest, version, self.rollout, self.rt.gate_tracking_uri,
-                                 int(gating.get("activeDeadlineSeconds", 3600)))
+                                 int(gating.get("activeDeadlineSeconds", 3600)), self.rt.credentials_secret)
         kopf.adopt(job, owner=self.body)
         live = await self.rt.kube.get("batch/v1", "jobs", self.namespace, job["metadata"]["name"])
         if live is None:
@@ -347,7 +350,7 @@ class Pass:
     async def _ensure_engine(self, served: dict[str, Any], digest: str, version: str) -> tuple[str, str]:
         kube = self.rt.kube
         dep = manifests.engine_deployment(self.name, self.namespace, served, digest, version, self.rollout,
-                                          self.rt.gate_tracking_uri)
+                                          self.rt.gate_tracking_uri, self.rt.credentials_secret)
         svc = manifests.engine_service(self.name, self.namespace, self.rollout)
         fingerprint = hashlib.sha256(json.dumps(dep, sort_keys=True).encode()).hexdigest()[:16]
         dep["metadata"]["annotations"][ANN_MANIFEST] = fingerprint

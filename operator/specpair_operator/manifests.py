@@ -87,12 +87,26 @@ def _mounts() -> list[dict[str, Any]]:
     ]
 
 
-def _env(tracking_uri: str) -> list[dict[str, Any]]:
-    return [
+# MLflow's client reads these; values come from a Secret in the pair's namespace, by reference.
+CREDENTIAL_VARS = {"MLFLOW_TRACKING_USERNAME": "username", "MLFLOW_TRACKING_PASSWORD": "password",
+                   "MLFLOW_TRACKING_TOKEN": "token"}
+
+
+def _env(tracking_uri: str, credentials_secret: str | None = None,
+         credential_keys: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
         {"name": "MLFLOW_TRACKING_URI", "value": tracking_uri},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"},
         {"name": "SPECPAIR_CACHE_DIR", "value": CACHE_DIR},
+        # Read-only root filesystem: anything that writes to $HOME writes to the /tmp emptyDir.
+        {"name": "HOME", "value": "/tmp"},
     ]
+    if credentials_secret:
+        keys = {**CREDENTIAL_VARS, **(credential_keys or {})}
+        for var, key in keys.items():
+            env.append({"name": var, "valueFrom": {"secretKeyRef": {"name": credentials_secret, "key": key,
+                                                                     "optional": True}}})
+    return env
 
 
 def _placement(rollout: dict[str, Any]) -> dict[str, Any]:
@@ -109,7 +123,8 @@ def _release_annotations(release: dict[str, Any], digest: str) -> dict[str, str]
 
 
 def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
-             rollout: dict[str, Any], tracking_uri: str, deadline_seconds: int = 3600) -> dict[str, Any]:
+             rollout: dict[str, Any], tracking_uri: str, deadline_seconds: int = 3600,
+             credentials_secret: str | None = None) -> dict[str, Any]:
     """The Job that gates one release. Never retried by Kubernetes: a failed gate is a result."""
     labels = _labels(pair, "gate", version)
     container = {
@@ -117,7 +132,7 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
         "image": rollout.get("image", "ghcr.io/specpair/engine:0.1.0"),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
         "command": ["python", "-m", "specpair_operator.gate_runner", "--release", RELEASE_FILE],
-        "env": _env(tracking_uri),
+        "env": _env(tracking_uri, credentials_secret),
         "volumeMounts": _mounts(),
         "securityContext": _container_security(),
     }
@@ -165,7 +180,8 @@ def engine_command(release: dict[str, Any], port: int) -> list[str]:
 
 
 def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
-                      rollout: dict[str, Any], tracking_uri: str) -> dict[str, Any]:
+                      rollout: dict[str, Any], tracking_uri: str,
+                      credentials_secret: str | None = None) -> dict[str, Any]:
     """The engine Deployment serving one release; the selector is stable across releases."""
     port = int(rollout.get("port", 50051))
     selector = {LABEL_PAIR: pair[:63], LABEL_ROLE: "engine"}
@@ -177,7 +193,7 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
         "command": engine_command(release, port),
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
-        "env": _env(tracking_uri),
+        "env": _env(tracking_uri, credentials_secret),
         "volumeMounts": _mounts(),
         "securityContext": _container_security(),
         # Model loading takes a while; the gRPC health service says SERVING only once loaded.

@@ -177,6 +177,11 @@ def test_manifests_validate_against_kubernetes_schemas_and_run_unprivileged():
     job = manifests.gate_job("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000")
     dep = manifests.engine_deployment("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000")
     svc = manifests.engine_service("p", "ns", rollout)
+    with_secret = manifests.gate_job("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000", credentials_secret="mlflow-creds")
+    kubernetes_validate.validate(with_secret, "1.33.0", strict=True)
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in with_secret["spec"]["template"]["spec"]["containers"][0]["env"]
+            if "valueFrom" in e}
+    assert refs["MLFLOW_TRACKING_PASSWORD"] == {"name": "mlflow-creds", "key": "password", "optional": True}
     for obj in (job, dep, svc):
         kubernetes_validate.validate(obj, "1.33.0", strict=True)
     for obj in (job, dep):
