@@ -106,3 +106,12 @@ def test_serve_refuses_plaintext_unless_asked():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "--insecure" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_serve_exits_with_the_reason_when_the_model_cannot_load(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "specpair.server", "engine", "serve", "--insecure",
+                          "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
+                          "--target", str(tmp_path / "missing-model")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "model path not found" in out.stderr and "Traceback" not in out.stderr

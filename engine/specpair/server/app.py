@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from specpair._proto import engine_pb2 as pb
+from specpair.errors import SpecpairError
 from specpair.server.metrics import EngineMetrics
 from specpair.server.requests import Limits
 from specpair.server.service import (SERVICE_NAME, EngineService, category_message, model_info_message,
@@ -256,6 +257,10 @@ class EngineServer:
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
             self.progress(f"serving on {self.options.host}:{self.port} "
                           f"({time.perf_counter() - started:.1f} s to ready)")
+        except SpecpairError as exc:    # the user's to fix: one line, no traceback
+            self.error = str(exc)
+            self.phase = "failed"
+            self.progress(f"error: {self.error}")
         except Exception as exc:
             log.exception("engine failed to load")
             self.error = f"{type(exc).__name__}: {exc}"

@@ -160,12 +160,11 @@ def serve_command(args) -> int:
         stop.set()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server._ready.wait()
-    while not stop.is_set() and server.phase == "serving":
-        stop.wait(0.5)
-    if server.phase == "failed":
+    # Until a signal, or until loading fails (then the pod should restart, not sit NOT_SERVING).
+    while not stop.wait(0.5) and server.phase != "failed":
+        pass
+    if server.phase == "failed":     # the reason is already printed by the loader
         server.stop(0)
-        progress(f"error: {server.error}")
         return 2
     result = server.stop()
     progress(f"stopped ({result['aborted']} requests ended by the drain timeout)")
