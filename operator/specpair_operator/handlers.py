@@ -167,16 +167,18 @@ class Pass:
     async def run(self) -> None:
         try:
             await self._run()
-        except RegistryUnavailable as exc:
-            delay = min(60.0, self.rt.backoff.get(self.uid, 1.0) * 2)
+        except (RegistryUnavailable, KubeError) as exc:
+            # Transient: back off (1 s doubling to 60 s) and let a later pass redo the steps.
+            reason = "MLflowUnavailable" if isinstance(exc, RegistryUnavailable) else "KubernetesAPIError"
+            delay = min(60.0, self.rt.backoff.get(self.uid, 0.5) * 2)
             self.rt.backoff[self.uid] = delay
             self.rt.retry_at[self.uid] = time.monotonic() + delay
-            self.cond(c.RECONCILING, True, "MLflowUnavailable", f"{exc}; retrying in {delay:.0f}s")
+            self.cond(c.RECONCILING, True, reason, f"{exc}; retrying in {delay:.0f}s")
             self.out.update(conditions=self.conds, observedGeneration=self.gen,
-                            message=f"MLflow unreachable, retrying in {delay:.0f}s (nothing was promoted)")
+                            message=f"{reason}, retrying in {delay:.0f}s (nothing half-promoted: steps are redone)")
             for k, v in self.out.items():
                 self.patch.status[k] = v
-            self.logger.warning(f"MLflow unreachable, retry in {delay:.0f}s: {exc}")
+            self.logger.warning(f"{reason}, retry in {delay:.0f}s: {exc}")
             return
         self.rt.backoff.pop(self.uid, None)
         self.rt.retry_at.pop(self.uid, None)

@@ -1,6 +1,5 @@
 """The API emulator's own behaviour, over HTTP, where it differs from plain kmock."""
 
-import asyncio
 import json
 
 import aiohttp
