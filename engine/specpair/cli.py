@@ -127,7 +127,8 @@ def cmd_distill(args) -> int:
                            hidden=args.hidden, heads=args.heads, lr=args.lr, seed=args.seed,
                            checkpoint_every=args.checkpoint_every, device=args.device,
                            corpus=args.corpus, generated_fraction=args.generated_fraction,
-                           eval_prompts=args.eval_prompts, init=args.init)
+                           eval_prompts=args.eval_prompts, init=args.init,
+                           max_seconds=args.max_seconds, corpus_chars=args.corpus_chars)
     summary = distill(config, progress=_progress)
     print(json.dumps(summary))
     return 0
@@ -188,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--generated-fraction", type=float, default=0.0,
                    help="share of batches made of target-generated continuations")
     d.add_argument("--eval-prompts", type=int, default=4)
+    d.add_argument("--max-seconds", type=float, default=None, help="training time budget")
+    d.add_argument("--corpus-chars", type=int, default=3_000_000, help="corpus size in characters")
     d.add_argument("--init", choices=["projection", "truncate"], default="projection",
                    help="fresh student with projected embeddings, or the target's first layers")
     d.set_defaults(func=cmd_distill)

@@ -47,6 +47,7 @@ class DistillConfig:
     generated_fraction: float = 0.0
     eval_prompts: int = 4
     eval_tokens: int = 32
+    max_seconds: float | None = None   # stop early (and save) when training takes longer
     init: str = "projection"   # "projection": fresh student, projected embeddings;
                                # "truncate": the target's first `layers` layers (hidden = target's)
 
@@ -258,6 +259,10 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
         if stop_after is not None and step >= stop_after:
             bar.close()
             return {"stopped_at": step}
+        if config.max_seconds and time.perf_counter() - started > config.max_seconds:
+            progress(f"time budget of {config.max_seconds:.0f} s reached at step {step}")
+            _save_checkpoint(out, step, student, optimiser, stream, history, config)
+            break
         batch = stream.batch(config.batch_size)
         if config.generated_fraction and torch.rand(1, generator=stream.generator).item() < \
                 config.generated_fraction:
@@ -287,7 +292,7 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
     tok.save_pretrained(out)
     first = [h["loss"] for h in history[:10]]
     last = [h["loss"] for h in history[-10:]]
-    summary = {"out": str(out), "steps": config.steps, "parameters": sum(p.numel() for p in student.parameters()),
+    summary = {"out": str(out), "steps": len(history), "parameters": sum(p.numel() for p in student.parameters()),
                "loss_first10": round(sum(first) / len(first), 5) if first else None,
                "loss_last10": round(sum(last) / len(last), 5) if last else None,
                "acceptance_before": acceptance_before, "acceptance_after": acceptance_after,
