@@ -42,7 +42,7 @@ def test_thresholds_say_by_how_much():
     reasons = threshold_failures(verdict, {"minAcceptance": 0.4, "minCategoryAcceptance": {"code": 0.5, "qa": 0.1},
                                            "minSpeedup": 1.2})
     assert reasons == [
-        "greedy identity 50.00% < required 100% (speculative output differs from target-only)",
+        "greedy identity 50.00% < required 100% (speculative output differs from target-only beyond numerical ties)",
         "acceptance 0.300 < minimum 0.400 by 0.100",
         "acceptance for category code 0.200 < minimum 0.500 by 0.300",
         "category 'qa' has a minimum acceptance but no golden prompt",

@@ -25,6 +25,7 @@ from specpair.config import GenerationParams
 from specpair.decoding import SpeculativeEngine, _sync
 from specpair.drafters import ModelDrafter, NgramDrafter
 from specpair.errors import SpecpairError
+from specpair.identity import first_divergence
 from specpair.kv_cache import BatchedKVModel
 from specpair.stats import AcceptanceStats
 
@@ -124,6 +125,7 @@ class PromptResult:
     rounds_without_draft: int
     hf_target_seconds: float | None = None
     hf_assisted_seconds: float | None = None
+    divergence: dict | None = None       # first mismatch vs target-only, with the logit margin
 
 
 @dataclass
@@ -162,6 +164,10 @@ class BenchReport:
             "bound": round(bound, 4),
             "efficiency": round(speedup / bound, 4) if bound else 0.0,
             "greedy_identity": round(sum(r.identical for r in rows) / len(rows), 4),
+            # Mismatches whose target logit margin is within the dtype's rounding count as ties.
+            "greedy_identity_within_ties": round(sum(
+                r.identical or bool(r.divergence and r.divergence.get("tie")) for r in rows) / len(rows), 4),
+            "mismatches": [r.divergence for r in rows if r.divergence],
             "hf_assisted_speedup": round(hf_speedup, 4) if hf_speedup else None,
             "speedup_vs_hf": round(speedup / hf_speedup, 4) if hf_speedup else None,
             "rounds_without_draft": no_draft,
@@ -237,13 +243,14 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
                 hf_a.append(_timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, True),
                                    target.device)[0])
         rounds = spec_result.stats.num_target_steps
+        divergence = first_divergence(engine.target, ids, base_result.token_ids, spec_result.token_ids)
         report.prompts.append(PromptResult(
             category=category, target_seconds=statistics.median(t_times),
             spec_seconds=statistics.median(s_times), tokens=len(spec_result.token_ids),
             identical=spec_result.token_ids == base_result.token_ids, stats=spec_result.stats,
             rounds_without_draft=rounds - spec_result.stats.num_drafts,
             hf_target_seconds=statistics.median(hf_t) if hf_t else None,
-            hf_assisted_seconds=statistics.median(hf_a) if hf_a else None))
+            hf_assisted_seconds=statistics.median(hf_a) if hf_a else None, divergence=divergence))
         if progress:
             progress(n + 1, len(encoded), category)
     return report
@@ -276,6 +283,9 @@ def format_table(report: dict) -> str:
     verify = ", ".join(f"k={k}: {v * 1e3:.1f}" for k, v in costs["verify"].items())
     lines.append(f"\ndevice {report['device']}; target step {costs['target_step'] * 1e3:.1f} ms; "
                  f"draft step {costs['draft_step'] * 1e3:.2f} ms; verify (ms) {verify}")
+    for m in report["overall"]["mismatches"]:
+        lines.append(f"mismatch at token {m['index']}: target margin {m['margin']} "
+                     f"(tolerance {m.get('tolerance')}) -> {'numerical tie' if m['tie'] else 'REAL DIFFERENCE'}")
     per_pos = report["overall"]["acceptance_per_position"]
     lines.append("acceptance per position: " + " ".join(f"{x:.2f}" for x in per_pos))
     if "target_bandwidth_gb_s" in report["overall"]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.errors import SpecpairError
+from specpair.identity import first_divergence
 
 
 def _check_release(release: dict) -> None:
@@ -141,10 +142,13 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
             seconds, res = _timed_generate(engine, [text], params, speculate=True, chat=chat)
             spec_times.append(seconds)
             spec_res = res[0]
-        identical = spec_res.token_ids == base.token_ids
-        per_prompt.append((category, t_base, statistics.median(spec_times), spec_res.stats, identical))
+        divergence = first_divergence(target, engine.encode(text, chat=chat), base.token_ids,
+                                      spec_res.token_ids)
+        identical = divergence is None
+        per_prompt.append((category, t_base, statistics.median(spec_times), spec_res.stats, identical,
+                           identical or bool(divergence and divergence["tie"])))
         golden.append({"prompt": text, "category": category, "target_only": base.text,
-                       "speculative": spec_res.text, "identical": identical,
+                       "speculative": spec_res.text, "identical": identical, "divergence": divergence,
                        "token_ids": base.token_ids, **{k: v for k, v in spec_res.stats.to_dict().items()
                                                       if k in ("acceptance_rate", "mean_acceptance_length")}})
 
@@ -156,7 +160,8 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
         return stats, {"acceptanceRate": round(stats.acceptance_rate, 4),
                        "meanAcceptanceLength": round(stats.mean_acceptance_length, 4),
                        "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
-                       "greedyIdentity": round(sum(r[4] for r in rows) / len(rows), 4)}
+                       "greedyIdentity": round(sum(r[4] for r in rows) / len(rows), 4),
+                       "greedyIdentityWithinTies": round(sum(r[5] for r in rows) / len(rows), 4)}
 
     overall_stats, overall = summarise(per_prompt)
     verdict.update(overall)
@@ -199,9 +204,12 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
 def threshold_failures(verdict: dict, thresholds: dict) -> list[str]:
     """Each failed threshold, said with by how much."""
     reasons = []
-    if thresholds.get("requireGreedyIdentity", True) and verdict["greedyIdentity"] < 1.0:
-        reasons.append(f"greedy identity {verdict['greedyIdentity']:.2%} < required 100% "
-                       "(speculative output differs from target-only)")
+    # bf16/fp16 verification may flip exact logit ties (see specpair.identity); those are reported
+    # in the golden outputs but do not fail the gate. A mismatch with a clear margin does.
+    identity = verdict.get("greedyIdentityWithinTies", verdict["greedyIdentity"])
+    if thresholds.get("requireGreedyIdentity", True) and identity < 1.0:
+        reasons.append(f"greedy identity {identity:.2%} < required 100% "
+                       "(speculative output differs from target-only beyond numerical ties)")
     minimum = float(thresholds.get("minAcceptance", 0.0) or 0.0)
     if verdict["acceptanceRate"] < minimum:
         reasons.append(f"acceptance {verdict['acceptanceRate']:.3f} < minimum {minimum:.3f} "
