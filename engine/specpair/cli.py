@@ -26,6 +26,8 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--draft", default=None, help="draft model (same forms as --target)")
     group.add_argument("--drafter", choices=["ngram"], default=None,
                        help="model-free drafter (prompt lookup)")
+    p.add_argument("--ngram-max", type=int, default=3, help="longest n-gram the lookup drafter matches")
+    p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the lookup drafter matches")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
     p.add_argument("--no-dynamic-k", action="store_true", help="keep k fixed")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
@@ -57,7 +59,9 @@ def build_engine(args, *, speculate: bool = True):
     if speculate and args.draft:
         draft = load_model(args.draft, device=args.device, dtype=args.dtype, progress=_progress)
     elif speculate and drafter_name == "ngram":
-        drafter = NgramDrafter(device=target.device)
+        if not 1 <= args.ngram_min <= args.ngram_max:
+            raise SpecpairError("need 1 <= --ngram-min <= --ngram-max")
+        drafter = NgramDrafter(max_ngram=args.ngram_max, min_ngram=args.ngram_min, device=target.device)
     spec = SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k,
                              k_max=max(8, args.k), enabled=speculate)
     engine = SpeculativeEngine(target, drafter=drafter, draft=draft, speculation=spec,
