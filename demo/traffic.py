@@ -1,0 +1,114 @@
+"""Client traffic for the demo: streamed answers over the engine's gRPC API, each also decoded
+target-only (per-request speculation off) so its speedup is measured, not assumed."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+
+from specpair.server.client import EngineClient, request
+
+# Where n-gram prompt lookup pays: the answer copies spans of the prompt.
+COPYING = [
+    ("extraction", "List every person named in this text, one per line.\n\nAlice Johnson met Bob Smith at the "
+                   "station. Later, Alice Johnson and Bob Smith had lunch with Carol White. Carol White told "
+                   "Alice Johnson about David Brown."),
+    ("extraction", "Extract the dates from this text as a list.\n\nThe project started on 3 March 2021. The first "
+                   "release was on 14 June 2021. The second release was on 2 February 2022, and the project ended "
+                   "on 30 September 2022."),
+    ("summarisation", "Summarise the following text in one sentence.\n\nThe city council met on Tuesday to discuss "
+                      "the new bicycle lanes. The council approved the bicycle lanes on Main Street and on Oak Avenue. "
+                      "The bicycle lanes on Main Street will open in May, and the bicycle lanes on Oak Avenue will "
+                      "open in June."),
+    ("code", "Rename the variable x to total in this Python code and return the code.\n\ndef add(values):\n"
+             "    x = 0\n    for v in values:\n        x = x + v\n    return x"),
+]
+# Where it does not: nothing in the prompt to copy from.
+CREATIVE = [
+    ("creative", "Write a short poem about the sea at night."),
+    ("creative", "Tell a two-sentence story about a robot who learns to paint."),
+    ("creative", "Invent a name and a motto for a bakery on the moon."),
+    ("creative", "Describe a sunrise to someone who has never seen one."),
+    ("creative", "Write a limerick about a cat who hates Mondays."),
+    ("creative", "Describe the smell of rain in a forest."),
+]
+
+
+@dataclass
+class Answer:
+    category: str
+    prompt: str
+    text: str = ""
+    tokens: int = 0
+    seconds: float = 0.0
+    target_only_seconds: float | None = None
+    drafted: int = 0
+    accepted: int = 0
+    mean_acceptance_length: float = 0.0
+    finished_at: float = field(default_factory=time.time)
+    error: str = ""
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.target_only_seconds and self.seconds:
+            return self.target_only_seconds / self.seconds
+        return None
+
+
+def ask(address: str, category: str, prompt: str, max_new_tokens: int, *, compare: bool = True,
+        on_text: Callable[[str], None] | None = None, timeout: float = 300.0) -> Answer:
+    """One chat request, streamed; then (compare) the same request target-only for the speedup.
+    Errors (a pod being replaced) come back in Answer.error rather than raising."""
+    answer = Answer(category, prompt)
+    messages = [{"role": "user", "content": prompt}]
+    try:
+        with EngineClient(address, insecure=True) as client:
+            started = time.perf_counter()
+            last = None
+            for msg in client.stream(request(messages, max_new_tokens=max_new_tokens, category=category),
+                                     timeout=timeout):
+                answer.text += msg.text
+                answer.tokens += len(msg.token_ids)
+                if on_text and msg.text:
+                    on_text(msg.text)
+                last = msg
+            answer.seconds = time.perf_counter() - started
+            if last is not None and last.HasField("stats"):
+                answer.drafted = int(last.stats.num_draft_tokens)
+                answer.accepted = int(last.stats.num_accepted_tokens)
+                answer.mean_acceptance_length = float(last.stats.mean_acceptance_length)
+            if compare:
+                # Same prompt, same greedy decoding, no drafts: the baseline a user would get.
+                # Its category is kept apart so it does not dilute the live acceptance the operator reads.
+                started = time.perf_counter()
+                for _ in client.stream(request(messages, max_new_tokens=max_new_tokens, speculation_k=0,
+                                               category="baseline"), timeout=timeout):
+                    pass
+                answer.target_only_seconds = time.perf_counter() - started
+    except grpc.RpcError as exc:
+        answer.error = f"{exc.code().name}: {exc.details()}"
+    answer.finished_at = time.time()
+    return answer
+
+
+def describe(answer: Answer) -> str:
+    if answer.error:
+        return f"  [{answer.category}] request failed: {answer.error}"
+    acc = f"{answer.acceptance:.0%}" if answer.acceptance is not None else "n/a (target-only)"
+    speed = f", {answer.speedup:.2f}x vs target-only" if answer.speedup else ""
+    rate = answer.tokens / answer.seconds if answer.seconds else 0.0
+    return (f"  [{answer.category}] {answer.tokens} tokens, {rate:.1f} tok/s, acceptance {acc}, "
+            f"{answer.mean_acceptance_length:.2f} tokens per target step{speed}")
+
+
+def stream_to_terminal(text: str) -> None:
+    sys.stdout.write(text.replace("\n", " "))
+    sys.stdout.flush()
