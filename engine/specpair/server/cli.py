@@ -45,9 +45,9 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     spec.add_argument("--no-dynamic-k", action="store_true", help="keep k fixed")
     spec.add_argument("--fallback-threshold", type=float, default=0.5,
                       help="windowed acceptance below this switches to target-only decoding")
-    spec.add_argument("--batch-size-threshold", type=int, default=8,
+    spec.add_argument("--batch-size-threshold", type=int, default=None,
                       help="speculation off while more requests than this run at once "
-                           "(measured on CPU: see docs/server.md)")
+                           "(default: 1 on CPU, 16 on GPU, as measured in docs/server.md)")
     spec.add_argument("--on-mismatch", choices=["error", "target-only"], default="error",
                       help="a draft whose tokenizer differs: refuse to start, or serve target-only")
     limits = serve.add_argument_group("limits")
@@ -88,18 +88,35 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
 
 # -- serve -----------------------------------------------------------------------------------------
 
+def default_batch_size_threshold(device_type: str) -> int:
+    """Largest batch that still speculates, from scripts/load_bench.py (docs/server.md).
+
+    SmolLM2-135M + n-gram lookup: on 2 CPU cores speculation paid only at batch 1 (1.36x; 0.93x at
+    2, 0.94x at 4, 0.89x at 16: verifying k+1 tokens per row is compute the CPU does not have
+    spare); on an H100 it paid at every size measured (1.81x at 1, 1.60x at 4, 1.38x at 16: the
+    GPU is bound by launches and memory, not arithmetic). A release gated on its hardware
+    overrides this with its own measured threshold.
+    """
+    return 1 if device_type == "cpu" else 16
+
+
 def build_engine(args, progress=print):
     """Load the models named on the command line into a SpeculativeEngine (imports torch)."""
     from specpair.config import SpeculationConfig
     from specpair.decoding import SpeculativeEngine
     from specpair.drafters import NgramDrafter
-    from specpair.models import load_model
+    from specpair.models import load_model, pick_device
 
+    threshold = args.batch_size_threshold
+    if threshold is None:
+        threshold = default_batch_size_threshold(pick_device(args.device).type)
     speculation = SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k,
                                     k_max=max(8, args.k),
                                     fallback_threshold=args.fallback_threshold,
-                                    batch_size_threshold=args.batch_size_threshold,
+                                    batch_size_threshold=threshold,
                                     enabled=not args.no_spec)
+    progress(f"speculation k={args.k}{' (dynamic)' if not args.no_dynamic_k else ''}, "
+             f"off above {threshold} concurrent requests")
     progress(f"loading target {args.target}")
     target = load_model(args.target, device=args.device, dtype=args.dtype, progress=progress)
     progress(f"target loaded: {target.num_parameters / 1e6:.1f} M parameters on {target.device} "
