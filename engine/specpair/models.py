@@ -160,15 +160,18 @@ def _download_mlflow_model(uri: str, progress=print) -> Path:
         raise SpecpairError("MLflow model URIs need the mlflow package") from exc
     uri = uri.removeprefix("mlflow:")
     target = cache_root() / "mlflow" / uri.replace(":/", "_").replace("/", "_")
-    if not (target / "config.json").is_file():
+    # Logged transformers models may keep their files under a sub-folder; find the config.
+    configs = sorted(target.rglob("config.json")) if target.is_dir() else []
+    if not configs:
         progress(f"downloading {uri} from MLflow")
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(target)))
-        # Logged transformers models keep weights under a sub-folder; find the config.
+        try:
+            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(target)))
+        except Exception as exc:   # MLflow raises its own exception types for missing models
+            raise SpecpairError(f"cannot download {uri} from MLflow: {exc}") from exc
         configs = sorted(local.rglob("config.json"))
         if not configs:
             raise SpecpairError(f"MLflow artifact {uri} holds no config.json (not a transformers model)")
-        return configs[0].parent
-    return target
+    return configs[0].parent
 
 
 def load_model(source: str | None, *, device: str | None = None, dtype: str | None = None,
