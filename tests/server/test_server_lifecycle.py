@@ -112,6 +112,10 @@ def test_reflection_lists_the_engine_and_health_services(shared_server):
 
 def _certificates(tmp_path):
     """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, all PEM files."""
+    try:
+        import cryptography  # noqa: F401  (mlflow depends on it, so it is normally there)
+    except ImportError:
+        return _certificates_openssl(tmp_path)
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -147,8 +151,30 @@ def _certificates(tmp_path):
     return ca_file, (server_crt, server_key), (client_crt, client_key)
 
 
-def test_tls_and_mutual_tls(tiny_pair, start_server, tmp_path):
-    ca, (server_crt, server_key), (client_crt, client_key) = _certificates(tmp_path)
+def _certificates_openssl(tmp_path):
+    import shutil
+    import subprocess
+    if not shutil.which("openssl"):
+        pytest.skip("neither the cryptography package nor the openssl CLI is available")
+
+    def sh(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp_path)
+    sh("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+       "-subj", "/CN=specpair-test-ca", "-keyout", "ca.key", "-out", "ca.crt")
+    for name, ext in (("engine", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth"),
+                      ("operator", "extendedKeyUsage=clientAuth")):
+        (tmp_path / f"{name}.ext").write_text(ext + "\n")
+        sh("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", f"/CN={name}",
+           "-keyout", f"{name}.key", "-out", f"{name}.csr")
+        sh("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+           "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.crt")
+    path = lambda name: str(tmp_path / name)  # noqa: E731
+    return path("ca.crt"), (path("engine.crt"), path("engine.key")), (path("operator.crt"), path("operator.key"))
+
+
+@pytest.mark.parametrize("make_certificates", [_certificates, _certificates_openssl], ids=["cryptography", "openssl"])
+def test_tls_and_mutual_tls(tiny_pair, start_server, tmp_path, make_certificates):
+    ca, (server_crt, server_key), (client_crt, client_key) = make_certificates(tmp_path)
     tls_server = start_server(engine=make_engine(tiny_pair), tls=TLSFiles(cert=server_crt, key=server_key))
     with client_for(tls_server, insecure=False, ca=ca) as c:
         assert c.generate("hi", max_new_tokens=3, timeout=10).last.usage.completion_tokens == 3
