@@ -189,3 +189,13 @@ def test_tls_and_mutual_tls(tiny_pair, start_server, tmp_path, make_certificates
     with client_for(mtls_server, insecure=False, ca=ca) as anonymous:    # no client certificate
         assert rpc_error(lambda: anonymous.generate("hi", max_new_tokens=2, timeout=3)).code() == \
             grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_port_in_use_is_a_clear_start_error(tiny_pair, shared_server):
+    from specpair.server.app import EngineServer, ServerOptions
+    server = EngineServer(lambda: make_engine(tiny_pair), ServerOptions(port=shared_server.port, metrics_port=0),
+                          progress=lambda _m: None)
+    with pytest.raises(RuntimeError, match=f"did not start on 127.0.0.1:{shared_server.port}"):
+        server.start()
+    assert server._metrics_httpd is None      # nothing left listening
+    assert server.stop() == {"aborted": 0}

@@ -102,10 +102,10 @@ class EngineServer:
             self.metrics_port = self._metrics_httpd.server_address[1]
         self._thread = threading.Thread(target=self._run_loop, name="specpair-grpc", daemon=True)
         self._thread.start()
-        if not self._bound.wait(60):
-            raise RuntimeError("gRPC server did not start")
-        if self.error:
-            raise RuntimeError(self.error)
+        if not self._bound.wait(60) or self.error:
+            self._close_metrics()
+            raise RuntimeError(f"gRPC server did not start on {self.options.host}:{self.options.port}: "
+                               f"{self.error or 'timed out'}")
         threading.Thread(target=self._load, name="specpair-load", daemon=True).start()
         if wait_ready:
             self.wait_ready(timeout)
@@ -120,7 +120,8 @@ class EngineServer:
     def stop(self, drain_timeout: float | None = None) -> dict:
         """Drain in-flight requests (up to drain_timeout), then stop. Returns what happened."""
         with self._stop_lock:
-            if self.phase == "stopped" or self._loop is None:
+            if self.phase == "stopped" or self._loop is None or self._stopped.is_set():
+                self._close_metrics()
                 return {"aborted": 0}
             timeout = self.options.drain_timeout if drain_timeout is None else drain_timeout
             future = asyncio.run_coroutine_threadsafe(self._shutdown(timeout), self._loop)
@@ -128,8 +129,11 @@ class EngineServer:
             self._thread.join(30)
             return result
 
-    def serve_forever(self) -> None:
-        self._stopped.wait()
+    def _close_metrics(self) -> None:
+        if self._metrics_httpd is not None:
+            self._metrics_httpd.shutdown()
+            self._metrics_httpd.server_close()
+            self._metrics_httpd = None
 
     # -- what the service asks ----------------------------------------------------------------------
 
@@ -296,9 +300,7 @@ class EngineServer:
         if worker is not None:
             await asyncio.get_running_loop().run_in_executor(None, worker.stop)
         self._service.close()
-        if self._metrics_httpd is not None:
-            self._metrics_httpd.shutdown()
-            self._metrics_httpd.server_close()
+        self._close_metrics()
         self.phase = "stopped"
         asyncio.get_running_loop().call_soon(asyncio.get_running_loop().stop)
         return {"aborted": aborted}
