@@ -114,3 +114,36 @@ def test_chat_prompt_uses_template(tiny_target):
     ids = engine.encode([{"role": "user", "content": "hi"}])
     text = tiny_target.tokenizer.decode(ids)
     assert text.startswith("<|im_start|>user\nhi<|im_end|>") and text.endswith("assistant\n")
+
+
+def test_cost_aware_k_follows_acceptance_and_costs():
+    from specpair.decoding import CostModel, DynamicK
+    config = SpeculationConfig(k=4, k_max=8)
+    cheap = CostModel(draft=0.01, verify={k: 1.0 + 0.01 * k for k in range(1, 9)})
+    dear = CostModel(draft=0.2, verify={k: 1.0 + 0.2 * k for k in range(1, 9)})
+    good, bad = DynamicK(config, cheap), DynamicK(config, dear)
+    for _ in range(20):
+        good.update(good.k, good.k)          # everything accepted
+        bad.update(bad.k, 0)                 # nothing accepted
+    assert good.k == 8
+    assert bad.k == 1
+    # Cheap drafts with middling acceptance still speculate deeper than dear ones.
+    import random
+    rng = random.Random(0)
+    mid_cheap, mid_dear = DynamicK(config, cheap), DynamicK(config, dear)
+    for _ in range(60):
+        for d in (mid_cheap, mid_dear):
+            accepted = 0
+            while accepted < d.k and rng.random() < 0.6:    # i.i.d. acceptance 0.6
+                accepted += 1
+            d.update(d.k, accepted)
+    assert mid_cheap.k >= 4 and mid_dear.k <= 2, (mid_cheap.k, mid_dear.k)
+
+
+def test_calibrated_engine_stays_exact(tiny_target, tiny_draft, reference):
+    engine = SpeculativeEngine(tiny_target, draft=tiny_draft,
+                               speculation=SpeculationConfig(k=4, fallback_threshold=0))
+    costs = engine.calibrate()
+    assert costs["target_step"] > 0 and set(costs["verify"]) == set(range(1, 9))
+    assert engine.cost_model is not None
+    assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == reference

@@ -23,20 +23,76 @@ from specpair.stats import AcceptanceStats, AcceptanceWindow
 from specpair.tokenizer_identity import compare, fingerprint
 
 
-class DynamicK:
-    """Grow k after a fully accepted round, shrink after a rejection (transformers' heuristic)."""
+@dataclass
+class CostModel:
+    """Costs of one round relative to one target decode step, measured on this hardware.
 
-    def __init__(self, config: SpeculationConfig):
+    draft: one draft step; verify[k]: one target pass over k+1 tokens. On a GPU verify[k] is close
+    to 1 for small k; on a CPU it grows with k (the issue measured 1.64 for k=4), which is why a
+    fixed k that pays on a GPU can lose on a CPU.
+    """
+
+    draft: float
+    verify: dict[int, float]
+
+    @classmethod
+    def from_seconds(cls, costs: dict) -> "CostModel":
+        t1 = costs["target_step"]
+        return cls(draft=costs["draft_step"] / t1, verify={k: v / t1 for k, v in costs["verify"].items()})
+
+    def round_cost(self, k: int) -> float:
+        if k in self.verify:
+            v = self.verify[k]
+        else:
+            near = min(self.verify, key=lambda x: abs(x - k))
+            v = self.verify[near] * (k + 1) / (near + 1) if k > near else self.verify[near]
+        return k * self.draft + v
+
+
+class DynamicK:
+    """Chooses k for a sequence's next round.
+
+    Without a cost model: transformers' heuristic (grow by 2 after a fully accepted round, shrink by
+    1 after a rejection). With one: keep a moving estimate of the acceptance at each draft position
+    (given the previous ones were accepted) and pick the k that maximises expected tokens per unit
+    of time, (1 + sum_j prod_{i<=j} a_i) / (k * c + verify(k)), Leviathan's objective with the
+    measured costs instead of the assumption that verification costs one step.
+    """
+
+    EMA = 0.3
+
+    def __init__(self, config: SpeculationConfig, cost_model: CostModel | None = None):
         self.config = config
         self.k = config.k
+        self.cost_model = cost_model
+        # Prior: the acceptance a fresh pair is assumed to have until it shows otherwise.
+        self.position_acceptance = [0.7] * config.k_max
 
     def update(self, drafted: int, accepted: int) -> None:
         if not self.config.dynamic_k or drafted == 0:
             return
-        if accepted == drafted:
-            self.k = min(self.config.k_max, self.k + 2)
-        else:
-            self.k = max(self.config.k_min, self.k - 1)
+        if self.cost_model is None:
+            if accepted == drafted:
+                self.k = min(self.config.k_max, self.k + 2)
+            else:
+                self.k = max(self.config.k_min, self.k - 1)
+            return
+        # Positions before the first rejection were accepted; the first rejected one was not;
+        # later positions were never judged.
+        for j in range(min(drafted, accepted + 1)):
+            hit = 1.0 if j < accepted else 0.0
+            self.position_acceptance[j] += self.EMA * (hit - self.position_acceptance[j])
+        self.k = self.best_k()
+
+    def best_k(self) -> int:
+        best, best_rate, expected, survive = self.config.k_min, -1.0, 1.0, 1.0
+        for k in range(1, self.config.k_max + 1):
+            survive *= self.position_acceptance[k - 1]
+            expected += survive
+            rate = expected / self.cost_model.round_cost(k)
+            if k >= self.config.k_min and rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
 
 class SpeculationController:
@@ -178,6 +234,16 @@ class SpeculativeEngine:
             ids.add(target.tokenizer.eos_token_id)
         self.eos_ids = ids
         self._ids = itertools.count()
+        self.cost_model: CostModel | None = None   # set by calibrate(); enables cost-aware k
+
+    def calibrate(self, prompt: str = "The quick brown fox jumps over the lazy dog. " * 4) -> dict:
+        """Measure draft and verification costs here and choose k by them from now on."""
+        from specpair.bench import measure_step_costs
+
+        ids = self.encode(prompt)
+        costs = measure_step_costs(self, ids, list(range(1, self.config.k_max + 1)), repeats=3)
+        self.cost_model = CostModel.from_seconds(costs)
+        return costs
 
     # -- prompts -----------------------------------------------------------------------------
 
@@ -263,7 +329,8 @@ class Batch:
                                   else int(torch.randint(0, 2**62, (1,))))
         seq = Sequence(request_id=request_id or f"req-{next(self.engine._ids)}",
                        prompt_ids=list(prompt_ids), params=params, generator=generator,
-                       dynamic_k=DynamicK(self.engine.config), tokens=list(prompt_ids))
+                       dynamic_k=DynamicK(self.engine.config, self.engine.cost_model),
+                       tokens=list(prompt_ids))
         self.rows.append(seq)
         self.admitted.append(seq)
         self.target.add_rows(1)

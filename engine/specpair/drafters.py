@@ -142,8 +142,12 @@ class ModelDrafter(Drafter):
             if sampling.all_greedy:
                 chosen = logits.argmax(-1)
             else:
-                chosen = torch.where(sampling.temperature.to(device) <= 0, logits.argmax(-1),
-                                     sample_next(q, sampling.generators))
+                # Only rows still drafting draw from their generator: a seeded row's random stream
+                # must not depend on the other rows' k (batch-independent sampling).
+                gens = [g if j < k else None for g, k in zip(sampling.generators, ks)]
+                drafting = torch.tensor([j < k for k in ks], device=device)
+                sampled = torch.where(drafting, sample_next(q, gens), logits.argmax(-1))
+                chosen = torch.where(sampling.temperature.to(device) <= 0, logits.argmax(-1), sampled)
             tokens[:, j] = chosen
             probs_steps.append(q)
             if j + 1 == K:

@@ -87,8 +87,12 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tenso
     p_draft = p[:, :K].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)         # [B, K]
     q_draft = q.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)                # [B, K]
     # u < p/q  <=>  u * q < p, which also handles q == 0 (never proposed) safely.
-    uniforms = torch.stack([torch.rand(K, generator=g, device=device) if K else
-                            torch.empty(0, device=device) for g in generators])   # [B, K]
+    # Each row draws only as many uniforms as it has drafts, so a seeded row's random stream does
+    # not depend on how many drafts the other rows of its batch have (padding is masked below).
+    uniforms = torch.ones(B, K, device=device)                                    # [B, K]
+    for i, (g, n) in enumerate(zip(generators, num_draft.tolist())):
+        if n:
+            uniforms[i, :n] = torch.rand(n, generator=g, device=device)
     accept = (uniforms * q_draft < p_draft)
     positions = torch.arange(K, device=device).view(1, K)
     accept &= positions < num_draft.view(B, 1)
