@@ -3,6 +3,7 @@
 import pytest
 
 from specpair._proto import engine_pb2 as pb
+from specpair.config import SpeculationConfig
 from specpair.server.client import collect, request
 
 from conftest import client_for, make_engine, reference, run_threads
@@ -103,14 +104,23 @@ def test_ngram_drafter_serves_target_identical_output(tiny_pair, start_server):
     assert info.draft.kind == "ngram" and info.tokenizer.compatible
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(shared_server):
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_pair, start_server):
+    # No engine-wide fallback: this test is about what the batch does, not the acceptance window.
+    server = start_server(engine=make_engine(tiny_pair, delay=0.005,
+                                             speculation=SpeculationConfig(fallback_threshold=0.0)))
     options = dict(max_new_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
-    with client_for(shared_server) as c:
+    with client_for(server) as c:
         alone = c.generate("def foo(x):", **options)
+        # Neighbours with other lengths, seeds and k: rows draft different numbers of tokens.
         together = run_threads([lambda: c.generate("def foo(x):", **options),
-                                lambda: c.generate("import os", max_new_tokens=16, temperature=1.0, seed=9)])
+                                lambda: c.generate("import os", max_new_tokens=24, temperature=1.0, seed=9),
+                                lambda: c.generate("class Path:", max_new_tokens=24, temperature=0.7, seed=3,
+                                                   speculation_k=8),
+                                lambda: c.generate("hello world", max_new_tokens=20)])
         other_seed = c.generate("def foo(x):", **{**options, "seed": 4321})
+    assert not any(isinstance(r, Exception) for r in together), together
     assert together[0].token_ids == alone.token_ids
+    assert together[0].last.stats.num_draft_tokens > 0
     assert other_seed.token_ids != alone.token_ids
 
 
