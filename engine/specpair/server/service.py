@@ -155,7 +155,7 @@ class EngineService:
         except SpecpairError as exc:
             await self._invalid(context, checked.prompt_field if checked else "prompt", str(exc))
 
-        category = state.metrics.category(checked.params.category) if state.metrics else checked.params.category
+        category = state.metrics.category(checked.params.category)     # bounded label set
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         job = Job(prompt_ids=ids, params=checked.params, category=category, client_id=request.request_id,
