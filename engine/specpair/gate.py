@@ -124,8 +124,8 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
         draft = load_model(release["draft"]["source"], device=device,
                            revision=release["draft"].get("revision"), progress=progress)
     engine = SpeculativeEngine(target, drafter=drafter, draft=draft, speculation=spec)
-    if spec.dynamic_k:
-        engine.calibrate()     # cost-aware k, as the engine pods will run it
+    if spec.dynamic_k and draft is not None:
+        engine.calibrate()     # cost-aware k for model drafts, as `specpair` runs them by default
     verdict["device"] = str(target.device)
     texts = [p["prompt"] for p in prompts]
     categories = [str(p.get("category") or "default") for p in prompts]
