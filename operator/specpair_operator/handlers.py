@@ -317,8 +317,10 @@ class Pass:
         verdict = verdict or {}
         served = json.loads(json.dumps(rel))
         best = verdict.get("bestSpeculation") or {}
-        # The gate tuned k and the batch threshold on real hardware: serve with what it found.
-        served["speculation"].update({k: v for k, v in best.items() if k in ("k", "batchSizeThreshold")})
+        # The gate tuned k and the batch threshold on real hardware: serve with what it found
+        # (a threshold of 0 means speculation did not pay at any batch size there).
+        if self.rollout.get("applyGateTuning", True):
+            served["speculation"].update({k: v for k, v in best.items() if k in ("k", "batchSizeThreshold")})
         served = release_mod.with_mlflow(served, self.rt.gate_tracking_uri, model, champion)
         if isinstance(verdict.get("speedup"), (int, float)):
             self.out["speedup"] = float(verdict["speedup"])

@@ -104,10 +104,74 @@ def template_version(dep: dict[str, Any]) -> str:
     return dep["spec"]["template"]["metadata"]["labels"].get(manifests.LABEL_VERSION, "")
 
 
+class EngineProcesses:
+    """Engine pods as local processes: the pod's own container command, as a kubelet would run it.
+
+    There is one network namespace here, so the stand-in binds loopback, turns the metrics port
+    off (pods would all use 9400), forces CPU, and maps the cache volume to a temp dir.
+    """
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.procs: dict[str, tuple[subprocess.Popen, list[str], dict[str, str], int]] = {}
+
+    def start(self, pod: str, command: list[str], env: dict[str, str], timeout: float = 120) -> None:
+        cmd = [sys.executable, "-m", "specpair", *command[1:]] if command[0] == "specpair" else list(command)
+        cmd[cmd.index("--metrics-port") + 1] = "-1"
+        cmd += ["--host", "127.0.0.1", "--device", "cpu"]
+        port = int(cmd[cmd.index("--port") + 1])
+        env = {**os.environ, **{k: v.replace(manifests.CACHE_DIR, str(self.workdir / "cache")) for k, v in env.items()}}
+        log = open(self.workdir / f"{pod}.log", "ab")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[pod] = (proc, command, env, port)
+        t0 = time.monotonic()
+        self._wait_serving(pod, timeout)
+        print(f"[stand-in] engine pod {pod} SERVING after {time.monotonic() - t0:.1f}s", file=sys.__stderr__)
+
+    def _wait_serving(self, pod: str, timeout: float) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        proc, _, _, port = self.procs[pod]
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"engine pod {pod} exited: {(self.workdir / f'{pod}.log').read_text()[-2000:]}")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise RuntimeError(f"engine pod {pod} never became SERVING")
+
+    def stop(self, pod: str) -> None:
+        entry = self.procs.pop(pod, None)
+        if entry is not None and entry[0].poll() is None:
+            os.killpg(entry[0].pid, 15)
+            try:
+                entry[0].wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(entry[0].pid, 9)
+                entry[0].wait(5)
+
+    def restart(self, pod: str) -> None:
+        _, command, env, _ = self.procs[pod]
+        self.stop(pod)
+        self.start(pod, command, env)
+
+    def stop_all(self) -> None:
+        for pod in list(self.procs):
+            self.stop(pod)
+
+
 class ControllerStandIn:
-    def __init__(self, kube: Any, engine: EngineStandIn, workdir: Path, world_file: Path, namespace: str = "default",
-                 gate: str = STANDIN_GATE):
+    def __init__(self, kube: Any, engine: EngineStandIn | None, workdir: Path, world_file: Path,
+                 namespace: str = "default", gate: str = STANDIN_GATE, processes: EngineProcesses | None = None):
+        """`engine`: one in-test engine the pods "are"; or `processes`: real engine processes."""
         self.kube, self.engine, self.workdir, self.ns, self.gate = kube, engine, workdir, namespace, gate
+        self.processes = processes
         self.env = {**os.environ, "SPECPAIR_STANDIN_WORLD": str(world_file)}
         self.gates_run: list[str] = []
         self.pod_counter = 0
@@ -131,8 +195,10 @@ class ControllerStandIn:
         cmd[0] = sys.executable if cmd[0] == "python" else cmd[0]
         env = {**self.env, **{e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]},
                "SPECPAIR_GATE_COMMAND": self.gate}
+        t0 = time.monotonic()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         self.gates_run.append(job["metadata"]["name"])
+        print(f"[stand-in] gate Job {job['metadata']['name']} ran in {time.monotonic() - t0:.1f}s", file=sys.__stderr__)
         ok = proc.returncode == 0
         cond = {"type": "Complete" if ok else "Failed", "status": "True",
                 "reason": "Completed" if ok else "BackoffLimitExceeded", "message": proc.stderr[-300:] if not ok else ""}
@@ -151,9 +217,16 @@ class ControllerStandIn:
             return
         template = dep["spec"]["template"]
         for pod in self.kube.list("v1", "Pod", self.ns, f"{manifests.LABEL_PAIR}={template['metadata']['labels'][manifests.LABEL_PAIR]}"):
+            if self.processes is not None:
+                self.processes.stop(pod["metadata"]["name"])
             self.kube.call(self.kube.emu.delete(self.kube.rt("v1", "Pod"), self.ns, pod["metadata"]["name"]))
-        self.engine.load(json.loads(template["metadata"]["annotations"][manifests.ANN_RELEASE]))
         self.pod_counter += 1
+        if self.processes is not None:
+            container = template["spec"]["containers"][0]
+            self.processes.start(f"{name}-{self.pod_counter}", container["command"],
+                                 {e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+        else:
+            self.engine.load(json.loads(template["metadata"]["annotations"][manifests.ANN_RELEASE]))
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": f"{name}-{self.pod_counter}", "namespace": self.ns, "labels": template["metadata"]["labels"]},
                "spec": template["spec"]}
