@@ -44,7 +44,8 @@ def say(text: str = "") -> None:
 
 
 def step(n: int, total: int, title: str) -> None:
-    say(f"\n\033[1m[{n}/{total}] {title}\033[0m")
+    bold, plain = ("\033[1m", "\033[0m") if sys.stdout.isatty() else ("", "")
+    say(f"\n{bold}[{n}/{total}] {title}{plain}")
 
 
 # -- the pair -----------------------------------------------------------------------------------
@@ -58,9 +59,10 @@ def demo_pair(args: argparse.Namespace, port: int) -> dict[str, Any]:
         spec["target"] = {"source": args.target}
     if args.draft:
         spec["draft"] = {"source": args.draft}
-    # Golden prompts: two that copy from the prompt (where n-gram drafts pay) and one that
-    # does not, so the release's baseline says what acceptance to expect on both kinds.
-    prompts = traffic.COPYING[:2] + traffic.CREATIVE[:1]
+    # Golden prompts: one that copies from the prompt (where n-gram drafts pay) and one that
+    # does not, so the release's baseline says what acceptance to expect on both kinds. Two
+    # prompts keep the gate (with its k and batch sweeps) to a few minutes on 2 CPU cores.
+    prompts = traffic.COPYING[:1] + traffic.CREATIVE[:1]
     spec["gating"] = {"prompts": [{"prompt": p, "category": c} for c, p in prompts],
                       "maxNewTokens": args.gate_tokens, "thresholds": {"requireGreedyIdentity": True}}
     spec["rollout"] = {"port": port, "progressDeadlineSeconds": 1200}
@@ -80,7 +82,7 @@ def second_release(pair: dict[str, Any], args: argparse.Namespace, workdir: Path
         spec["draft"] = {"source": str(new_draft)}
         return spec, f"the draft moves to {new_draft} (a re-trained draft)"
     # The team's traffic is document work: they re-gate on it alone, with a floor per category.
-    spec["gating"]["prompts"] = [{"prompt": p, "category": c} for c, p in traffic.COPYING[:3]]
+    spec["gating"]["prompts"] = [{"prompt": p, "category": c} for c, p in (traffic.COPYING[0], traffic.COPYING[2])]
     spec["gating"]["thresholds"] = {"requireGreedyIdentity": True, "minCategoryAcceptance": {"extraction": 0.2}}
     return spec, "golden prompts become the team's document work only (extraction, summarisation)"
 
@@ -98,6 +100,12 @@ ROLLOUT_STAGES = ["registered in MLflow", "gate Job running", "gate passed", "pr
 def rollout_stage(obj: dict[str, Any] | None, version: str) -> int:
     """How far release `version` got along ROLLOUT_STAGES (its index + 1)."""
     st = (obj or {}).get("status") or {}
+    for h in st.get("history") or []:
+        if h.get("action") == "RolledBack" and h.get("fromVersion") == version:
+            raise DemoFailed(f"v{version} was rolled back while rolling out: {h.get('reason')}")
+    gated = condition(obj or {}, "Gated")
+    if st.get("candidateVersion") == version and gated.get("status") == "False":
+        raise DemoFailed(f"v{version} failed its gate: {gated.get('message')}")
     if st.get("candidateVersion") != version:
         return 0
     stage = 1
@@ -155,8 +163,10 @@ class Demo:
         """Wait until progress(pair) reaches len(stages), with a bar over the stages."""
         deadline = time.monotonic() + timeout
         started = time.monotonic()
-        bar = tqdm(total=len(stages), desc=f"  {what}", bar_format="{desc}: {bar:20} {n}/{total} [{elapsed}] {postfix}",
-                   file=sys.stdout, dynamic_ncols=True)
+        # A live bar on a terminal; in a log (CI, tests) one line per stage instead of redraws.
+        live = sys.stdout.isatty()
+        bar = tqdm(total=len(stages), desc=f"  {what}", bar_format="{desc}: {bar:20} {n}/{total} [{elapsed}]{postfix}",
+                   file=sys.stdout, dynamic_ncols=True, disable=not live)
         done = 0
         try:
             while True:
@@ -166,8 +176,11 @@ class Demo:
                 reached = progress(obj)
                 if reached > done:
                     bar.update(reached - done)
+                    for i in range(done, reached):
+                        self.facts["steps"].append((what, stages[i], round(time.monotonic() - started, 1)))
+                        if not live:
+                            say(f"  {what}: {stages[i]} ({i + 1}/{len(stages)}, {time.monotonic() - started:.0f} s)")
                     done = reached
-                    self.facts["steps"].append((what, stages[reached - 1], round(time.monotonic() - started, 1)))
                 activity = "; ".join(v for v in (self.runtime.activity.values() if self.runtime else []) if v)
                 bar.set_postfix_str((stages[done - 1] if done else "waiting for the operator")
                                     + (f" | {activity}" if activity else ""), refresh=True)
@@ -219,7 +232,9 @@ class Demo:
         self.show_release(obj, "1")
 
         step(3, total, "Streaming answers from the engine over gRPC (each also decoded target-only for the speedup)")
-        self.converse("v1", traffic.COPYING[:a.answers] + traffic.CREATIVE[:1])
+        # Document work only: the drift policy also judges overall acceptance over a 20 s window,
+        # and a lone creative answer in that window would (rightly) read as drift.
+        self.converse("v1", traffic.COPYING[:a.answers])
 
         v2_spec, what = second_release(pair, a, self.workdir)
         step(4, total, f"Shipping a second release: {what}")
@@ -235,7 +250,7 @@ class Demo:
         self.drift()
 
         step(6, total, "After the rollback: v1 serves again, with speculation on")
-        self.converse("after rollback", traffic.COPYING[:1] + traffic.CREATIVE[1:2])
+        self.converse("after rollback", traffic.COPYING[1:2])
 
         step(7, total, "Report")
         self.sampler.stop()
@@ -272,7 +287,8 @@ class Demo:
         address = f"127.0.0.1:{self.port}"
         for category, prompt in prompts:
             self.deadline_check()
-            say(f"  \033[2m> {prompt.splitlines()[0][:90]}\033[0m")
+            dim, plain = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "")
+            say(f"  {dim}> {prompt.splitlines()[0][:90]}{plain}")
             sys.stdout.write("    ")
             answer = traffic.ask(address, category, prompt, self.args.max_new_tokens,
                                  on_text=traffic.stream_to_terminal)
@@ -324,8 +340,16 @@ class Demo:
                     n = 4
             return n
 
+        def stop_traffic_after_rollback(obj: dict[str, Any] | None) -> int:
+            reached = ladder(obj)
+            if reached >= 3:
+                # v1 was gated on mixed traffic; the demo stops the creative flood here so what
+                # follows shows v1 serving, not a second drift.
+                stop.set()
+            return reached
+
         try:
-            self.wait("drift", stages, ladder, a.step_timeout)
+            self.wait("drift", stages, stop_traffic_after_rollback, a.step_timeout)
         finally:
             stop.set()
             sender.join(130)
@@ -391,8 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drift", choices=["creative", "degraded-draft"], default=None,
                     help="how drift is driven (default: creative traffic for n-gram, degraded-draft for a draft model)")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens per streamed answer")
-    ap.add_argument("--gate-tokens", type=int, default=24, help="tokens per golden prompt at the gate")
-    ap.add_argument("--answers", type=int, default=3, help="document-work answers streamed after v1 serves")
+    ap.add_argument("--gate-tokens", type=int, default=16, help="tokens per golden prompt at the gate")
+    ap.add_argument("--answers", type=int, default=2, help="document-work answers streamed after v1 serves")
     ap.add_argument("--out", default=str(REPO / "out" / "demo"), help="where runs (logs, MLflow store, report) go")
     ap.add_argument("--timeout", type=float, default=1800, help="the whole demo's time limit, seconds")
     ap.add_argument("--step-timeout", type=float, default=900, help="one step's time limit, seconds")
@@ -407,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         args.drift = "degraded-draft" if args.draft else "creative"
     if args.drift == "degraded-draft" and not args.draft:
         build_parser().error("--drift degraded-draft needs --draft DIR")
-    os.environ.setdefault("OMP_NUM_THREADS", str(min(os.cpu_count() or 2, 4)))
+    # One thread per process: the demo runs several torch processes side by side, and OpenMP
+    # threads that outnumber free cores spin-wait (measured here: 3.5x slower decoding with 2).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     demo = Demo(args)
 
     def interrupted(signum: int, _frame: Any) -> None:
