@@ -324,6 +324,10 @@ class Pass:
         served = release_mod.with_mlflow(served, self.rt.gate_tracking_uri, model, champion)
         if isinstance(verdict.get("speedup"), (int, float)):
             self.out["speedup"] = float(verdict["speedup"])
+        # Until live traffic has been measured, the printer column shows the gated acceptance.
+        if isinstance(verdict.get("acceptanceRate"), (int, float)) and \
+                (self.status.get("servingVersion") != champion or "acceptance" not in self.status):
+            self.out["acceptance"] = float(verdict["acceptanceRate"])
         state, msg = await self._ensure_engine(served, digest, champion)
         if state == "failed":
             await self._rollback(model, al, champion, f"rollout of v{champion} failed: {msg}")

@@ -88,6 +88,7 @@ def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champi
         obj = ctl.wait_for("v1 serving", lambda: serving(ctl, name, "1"), timeout=90)
         st = obj["status"]
         assert st["lastGate"]["passed"] and st["lastGate"]["acceptanceRate"] == 0.7 and st["speedup"] == 1.6
+        assert st["acceptance"] == 0.7  # gated value until live traffic is measured
         assert cond(obj, "Gated")["status"] == "True" and cond(obj, "TokenizerCompatible")["status"] == "True"
         assert cond(obj, "Reconciling")["status"] == "False" and cond(obj, "Stalled")["status"] == "False"
         assert [h["action"] for h in st["history"]] == ["GateStarted", "Promoted", "RolloutStarted"]
