@@ -47,23 +47,30 @@ def acceptance_plot(timeline: Timeline, verdicts: dict[str, dict[str, Any]]) -> 
         seg_v.append(base if base is not None else float("nan"))
     if seg_t:
         ax.plot(seg_t, seg_v, color="#555", linestyle="--", linewidth=1.2, label="gated acceptance of the serving release")
+    shown = 0
     for t, action, h in timeline.history_events():
         if action in ACTION_STYLE:
             c, word = ACTION_STYLE[action]
             ax.axvline(t - t0, color=c, linewidth=2, alpha=0.9)
-            ax.text(t - t0, 1.02, f"{word} v{h.get('toVersion') if action != 'SpeculationOff' else h.get('fromVersion')}",
-                    rotation=0, fontsize=8, color=c, ha="center", va="bottom", transform=ax.get_xaxis_transform())
+            # Staggered heights: actions seconds apart would print over each other.
+            ax.text(t - t0, 1.01 + 0.06 * (shown % 2),
+                    f"{word} v{h.get('toVersion') if action != 'SpeculationOff' else h.get('fromVersion')}",
+                    fontsize=8, color=c, ha="center", va="bottom", transform=ax.get_xaxis_transform())
+            shown += 1
+    rollbacks = [t for t, action, _ in timeline.history_events() if action == "RolledBack"]
     for t, label in timeline.marks:
-        if label == "drift starts":
-            ax.axvspan(t - t0, max(seg_t or [t - t0]), color="#e63946", alpha=0.06)
-            ax.text(t - t0, 0.02, " creative traffic / degraded draft from here", fontsize=8, color="#a4161a",
+        if label.startswith("drift:"):
+            # Shaded from the first drifting request to the rollback, when the demo stops it.
+            end = min([r for r in rollbacks if r >= t] or [t0 + max(seg_t or [t - t0])])
+            ax.axvspan(t - t0, end - t0, color="#e63946", alpha=0.07)
+            ax.text(t - t0, 0.02, " " + label[len("drift:"):].strip(), fontsize=8, color="#a4161a",
                     transform=ax.get_xaxis_transform())
-    ax.set_ylim(0, 1.0)
+    ax.set_ylim(-0.02, 1.05)
     ax.set_xlabel("seconds since the pair was applied")
     ax.set_ylabel("accepted / drafted tokens")
-    ax.set_title("Live acceptance vs the gated baseline, with the operator's actions", pad=18)
+    ax.set_title("Live acceptance vs the gated baseline, with the operator's actions", pad=26)
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8, framealpha=0.9)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8, frameon=False)
     out = _png(fig)
     plt.close(fig)
     return out
@@ -160,6 +167,9 @@ draft <code>{html.escape(str((pair.get('spec') or {}).get('draft')))}</code> —
 <h2>Acceptance over time</h2><img src="data:image/png;base64,{acceptance_plot(timeline, verdicts)}" alt="acceptance over time">
 {drift_note}
 <h2>Speedup per category</h2><img src="data:image/png;base64,{speedup_plot(answers, verdicts)}" alt="speedup per category">
+<p>Gate bars: golden prompts of that release, target-only vs speculative on this machine. Live bars: each streamed
+answer timed against the same request decoded target-only (requests during the drift are not compared).
+A missing bar means that release had no golden prompt, or no answer was compared, in that category.</p>
 <h2>What the operator did</h2>{_table(hist_rows, ['time (UTC)', 'action', 'versions', 'reason'])}
 <h2>Gate results (one MLflow model version each)</h2>{_table(gates, ['release', 'greedy identity', 'acceptance', 'per category', 'speedup', 'best settings', 'verdict'])}
 <h2>Streamed answers</h2>{_table(ans_rows, ['when', 'category', 'prompt', 'answer', 'acceptance', 'speedup', 'error'])}

@@ -305,7 +305,8 @@ class Demo:
             prompts = traffic.COPYING
         else:
             prompts = traffic.CREATIVE
-        self.timeline.mark("drift starts")
+        self.timeline.mark("drift: " + ("v2's draft overwritten, pod restarted" if a.drift == "degraded-draft"
+                                        else "creative traffic"))
         stop = threading.Event()
         sent = [0]
 
