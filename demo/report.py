@@ -118,6 +118,11 @@ def _table(rows: list[list[str]], head: list[str]) -> str:
     return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _ref(ref: dict[str, Any] | None) -> str:
+    ref = ref or {}
+    return f"{ref['drafter']} drafter" if ref.get("drafter") else str(ref.get("source"))
+
+
 def _fmt(v: Any, pattern: str = "{:.2f}") -> str:
     return pattern.format(v) if isinstance(v, (int, float)) else "–"
 
@@ -158,8 +163,8 @@ td,th{{border-bottom:1px solid #ddd;padding:4px 6px;text-align:left;vertical-ali
 .card b{{font-size:1.4em;display:block}} img{{max-width:100%}}</style></head><body>
 <h1>specpair: the whole loop on one machine</h1>
 <p class="sub">pair <code>{html.escape(pair.get('metadata', {}).get('namespace', ''))}/{html.escape(pair.get('metadata', {}).get('name', ''))}</code>,
-target <code>{html.escape(str((pair.get('spec') or {}).get('target')))}</code>,
-draft <code>{html.escape(str((pair.get('spec') or {}).get('draft')))}</code> — run took {seconds:.0f} s —
+target <code>{html.escape(_ref((pair.get('spec') or {}).get('target')))}</code>,
+draft <code>{html.escape(_ref((pair.get('spec') or {}).get('draft')))}</code> — run took {seconds:.0f} s —
 <a href="{mlflow_url}/#/models/{model}">releases in MLflow</a></p>
 <div class="cards"><div class="card">serving now<b>v{html.escape(str(st.get('servingVersion', '?')))}</b>{html.escape(st.get('phase', ''))}</div>
 <div class="card">releases<b>{len(verdicts)}</b>gated in MLflow</div>

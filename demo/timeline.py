@@ -55,6 +55,8 @@ class Timeline:
                 if drafted:
                     points.append(((bin_start + cur.t) / 2, accepted / drafted, drafted, version))
                 bin_start, drafted, accepted = cur.t, 0, 0
+        if drafted and bin_start is not None:     # the last, partial bin (the final answers)
+            points.append(((bin_start + self.samples[-1].t) / 2, accepted / drafted, drafted, version))
         return points
 
     def history_events(self) -> list[tuple[float, str, dict[str, Any]]]:
