@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -24,15 +23,7 @@ os.environ.setdefault("SPECPAIR_WATCH_TIMEOUT", "30")
 
 from kube_emulator import KubeEmulator  # noqa: E402  (tests/operator is on sys.path via rootdir conftest)
 
-REPO = Path(__file__).resolve().parents[2]
-CRD = REPO / "crds" / "specmodelpair.yaml"
-HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from standins import CRD, free_port  # noqa: E402
 
 
 class MlflowServer:

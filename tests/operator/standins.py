@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +32,13 @@ from specpair._proto import engine_pb2, engine_pb2_grpc
 from specpair_operator import manifests
 
 HERE = Path(__file__).resolve().parent
+CRD = HERE.parents[1] / "crds" / "specmodelpair.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def fingerprint(source: str | None) -> str:
@@ -124,9 +132,7 @@ class EngineProcesses:
         log = open(self.workdir / f"{pod}.log", "ab")
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[pod] = (proc, command, env, port)
-        t0 = time.monotonic()
         self._wait_serving(pod, timeout)
-        print(f"[stand-in] engine pod {pod} SERVING after {time.monotonic() - t0:.1f}s", file=sys.__stderr__)
 
     def _wait_serving(self, pod: str, timeout: float) -> None:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -195,10 +201,8 @@ class ControllerStandIn:
         cmd[0] = sys.executable if cmd[0] == "python" else cmd[0]
         env = {**self.env, **{e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]},
                "SPECPAIR_GATE_COMMAND": self.gate}
-        t0 = time.monotonic()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         self.gates_run.append(job["metadata"]["name"])
-        print(f"[stand-in] gate Job {job['metadata']['name']} ran in {time.monotonic() - t0:.1f}s", file=sys.__stderr__)
         ok = proc.returncode == 0
         cond = {"type": "Complete" if ok else "Failed", "status": "True",
                 "reason": "Completed" if ok else "BackoffLimitExceeded", "message": proc.stderr[-300:] if not ok else ""}

@@ -6,8 +6,8 @@ import aiohttp
 import pytest
 
 from kube_emulator import KubeEmulator, json_patch, labels_match, parse_label_selector
+from standins import CRD
 
-from conftest import CRD
 
 PAIR = {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair",
         "metadata": {"name": "p", "namespace": "ns", "labels": {"team": "a"}},
