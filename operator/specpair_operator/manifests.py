@@ -168,6 +168,11 @@ def engine_command(release: dict[str, Any], port: int) -> list[str]:
     cmd = ["specpair", "engine", "serve", "--target", str(release["target"]["source"])]
     draft = release["draft"]
     cmd += ["--drafter", draft["drafter"]] if draft.get("drafter") else ["--draft", str(draft["source"])]
+    # Serve exactly what was gated: pinned hub revisions travel with the release.
+    if release["target"].get("revision"):
+        cmd += ["--target-revision", str(release["target"]["revision"])]
+    if not draft.get("drafter") and draft.get("revision"):
+        cmd += ["--draft-revision", str(draft["revision"])]
     cmd += ["--pair", str(release["pair"]), "--version", str((release.get("mlflow") or {}).get("version", "0")),
             "--port", str(port), "--metrics-port", str(METRICS_PORT),
             # Plaintext inside the cluster; the chart's NetworkPolicy limits who can connect.

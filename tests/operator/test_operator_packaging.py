@@ -75,11 +75,15 @@ def test_engine_command_parses_with_the_engine_cli():
 
     from specpair_operator import manifests
 
-    for draft in ({"drafter": "ngram"}, {"source": "HuggingFaceTB/SmolLM2-135M"}):
+    for draft in ({"drafter": "ngram"}, {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "12fd25f"}):
         rel = release.with_mlflow(release.build_release(
-            "p", "ns", {"target": {"source": "default"}, "draft": draft, "speculation": {"dynamicK": False, "k": 3}},
+            "p", "ns", {"target": {"source": "HuggingFaceTB/SmolLM2-360M", "revision": "abc123"}, "draft": draft,
+                        "speculation": {"dynamicK": False, "k": 3}},
             [{"prompt": "x"}]), "http://m", "ns-p", "4")
         args = build_parser().parse_args(manifests.engine_command(rel, 50051)[1:])
         assert (args.pair, args.version, args.port, args.k, args.no_dynamic_k, args.insecure) == \
             ("p", "4", 50051, 3, True, True)
         assert (args.drafter == "ngram") if "drafter" in draft else (args.draft == draft["source"])
+        # Serving loads the same pinned revisions the gate measured.
+        assert args.target_revision == "abc123"
+        assert args.draft_revision == (None if "drafter" in draft else "12fd25f")

@@ -25,6 +25,9 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("--target", default="default",
                        help="target model: directory, .gguf, hub id, MLflow model URI or 'default'")
+    serve.add_argument("--target-revision", default=None,
+                       help="pinned revision of a hub target (a release pins it)")
+    serve.add_argument("--draft-revision", default=None, help="pinned revision of a hub draft")
     draft = serve.add_mutually_exclusive_group()
     draft.add_argument("--draft", help="draft model (same kinds of source as --target)")
     draft.add_argument("--drafter", choices=["ngram"], help="a model-free drafter (default when no --draft)")
@@ -118,14 +121,16 @@ def build_engine(args, progress=print):
     progress(f"speculation k={args.k}{' (dynamic)' if not args.no_dynamic_k else ''}, "
              f"off above {threshold} concurrent requests")
     progress(f"loading target {args.target}")
-    target = load_model(args.target, device=args.device, dtype=args.dtype, progress=progress)
+    target = load_model(args.target, device=args.device, dtype=args.dtype, progress=progress,
+                        revision=getattr(args, "target_revision", None))
     progress(f"target loaded: {target.num_parameters / 1e6:.1f} M parameters on {target.device} "
              f"in {target.load_seconds:.1f} s")
     if args.no_spec:
         return SpeculativeEngine(target, speculation=speculation)
     if args.draft:
         progress(f"loading draft {args.draft}")
-        draft = load_model(args.draft, device=args.device, dtype=args.dtype, progress=progress)
+        draft = load_model(args.draft, device=args.device, dtype=args.dtype, progress=progress,
+                           revision=getattr(args, "draft_revision", None))
         progress(f"draft loaded: {draft.num_parameters / 1e6:.1f} M parameters in {draft.load_seconds:.1f} s")
         engine = SpeculativeEngine(target, draft=draft, speculation=speculation, on_mismatch=args.on_mismatch)
         if speculation.dynamic_k and engine.draft is not None:
