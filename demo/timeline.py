@@ -41,6 +41,10 @@ class Timeline:
         bin_start, drafted, accepted, version = None, 0, 0, ""
         for prev, cur in zip(self.samples, self.samples[1:]):
             if not cur.version or prev.version != cur.version:
+                # Another pod (or none): a bin never mixes two releases.
+                if drafted:
+                    points.append(((bin_start + prev.t) / 2, accepted / drafted, drafted, version))
+                bin_start, drafted, accepted = None, 0, 0
                 continue
             d = a = 0
             for cat, (cd, ca) in cur.counters.items():
