@@ -18,8 +18,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/tmp \
     HF_HOME=/var/cache/specpair/hf \
-    SPECPAIR_CACHE=/var/cache/specpair \
-    SPECPAIR_CACHE_DIR=/var/cache/specpair
+    SPECPAIR_CACHE=/var/cache/specpair
 RUN groupadd --gid 10001 specpair \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin specpair \
  && mkdir -p /var/cache/specpair \

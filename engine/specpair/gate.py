@@ -201,7 +201,9 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
         if paying:
             threshold = size
     engine.config = spec
-    verdict["bestSpeculation"] = {"k": best_k, "batchSizeThreshold": threshold}
+    # Batch 1 is what speculation is for: whether it pays there is the minSpeedup threshold's
+    # call, so tuning never switches speculation off for good (a threshold of 0 would).
+    verdict["bestSpeculation"] = {"k": best_k, "batchSizeThreshold": max(1, threshold)}
 
     verdict["reasons"] = threshold_failures(verdict, thresholds)
     verdict["passed"] = not verdict["reasons"]

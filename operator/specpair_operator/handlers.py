@@ -439,8 +439,11 @@ class Pass:
         if not policy_spec.get("enabled", True):
             return False
         now = time.monotonic()
-        previous = drift_mod.DriftState.from_dict(self.status.get("drift"))
-        if self.status.get("servingVersion") != champion:
+        # The ladder belongs to one release: a state recorded for another version (the pass that
+        # promoted a new champion may have returned before reaching here) starts fresh.
+        stored = self.status.get("drift") or {}
+        previous = drift_mod.DriftState.from_dict(stored)
+        if str(stored.get("version", "")) != str(champion):
             previous = drift_mod.DriftState()
         if now - self.rt.last_drift_check.get(self.uid, 0.0) < float(policy_spec.get("intervalSeconds", 30)):
             if previous.steps_taken > 0:
@@ -468,7 +471,7 @@ class Pass:
         baseline = gate_verdict.baseline_from_verdict(verdict)
         breaches, judged = drift_mod.judge_window(baseline, window, policy)
         state, action = drift_mod.next_step(previous, breaches, judged, policy)
-        self.out["drift"] = state.as_dict()
+        self.out["drift"] = {**state.as_dict(), "version": str(champion)}
         live = {cat: round(a / d, 4) for cat, (d, a) in window.items() if d}
         if window:
             d_all = sum(d for d, _ in window.values())

@@ -97,7 +97,7 @@ def _env(tracking_uri: str, credentials_secret: str | None = None,
     env: list[dict[str, Any]] = [
         {"name": "MLFLOW_TRACKING_URI", "value": tracking_uri},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"},
-        {"name": "SPECPAIR_CACHE_DIR", "value": CACHE_DIR},
+        {"name": "SPECPAIR_CACHE", "value": CACHE_DIR},
         # Read-only root filesystem: anything that writes to $HOME writes to the /tmp emptyDir.
         {"name": "HOME", "value": "/tmp"},
     ]
@@ -240,7 +240,9 @@ def engine_service(pair: str, namespace: str, rollout: dict[str, Any]) -> dict[s
         "metadata": {"name": engine_name(pair), "namespace": namespace, "labels": _labels(pair, "engine")},
         "spec": {
             "selector": {LABEL_PAIR: pair[:63], LABEL_ROLE: "engine"},
-            "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}],
+            # `metrics` is what the chart's ServiceMonitor scrapes.
+            "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"},
+                      {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],
         },
     }
 

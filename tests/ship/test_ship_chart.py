@@ -102,8 +102,6 @@ def test_service_monitor_selects_the_engine_services_the_operator_creates(render
     assert {k: labels.get(k) for k in selector} == selector
 
 
-@pytest.mark.xfail(strict=True, reason="the operator's engine Service exposes only `grpc` so far; the engine's "
-                   "Prometheus endpoint needs a Service port named `metrics` (then drop this xfail)")
 def test_service_monitor_port_exists_on_the_engine_service(render):
     monitor = one(render({"metrics": {"serviceMonitor": {"enabled": True}}}), "ServiceMonitor")
     port_names = {p.get("name") for p in _operator_engine_service()["spec"]["ports"]}
