@@ -68,6 +68,18 @@ class DriftState:
         return cls(int(d.get("breachesInRow", 0)), int(d.get("stepsTaken", 0)))
 
 
+def state_for_release(stored: dict[str, Any] | None, champion: str) -> DriftState:
+    """The ladder belongs to one release: a state recorded for another version starts fresh.
+
+    (The pass that promotes a new champion can return before the drift check runs, so the old
+    release's steps would otherwise be charged to the new one.)
+    """
+    stored = stored or {}
+    if str(stored.get("version", "")) != str(champion):
+        return DriftState()
+    return DriftState.from_dict(stored)
+
+
 Counters = dict[str, tuple[int, int]]  # category -> (drafted, accepted), cumulative
 
 

@@ -439,12 +439,7 @@ class Pass:
         if not policy_spec.get("enabled", True):
             return False
         now = time.monotonic()
-        # The ladder belongs to one release: a state recorded for another version (the pass that
-        # promoted a new champion may have returned before reaching here) starts fresh.
-        stored = self.status.get("drift") or {}
-        previous = drift_mod.DriftState.from_dict(stored)
-        if str(stored.get("version", "")) != str(champion):
-            previous = drift_mod.DriftState()
+        previous = drift_mod.state_for_release(self.status.get("drift"), champion)
         if now - self.rt.last_drift_check.get(self.uid, 0.0) < float(policy_spec.get("intervalSeconds", 30)):
             if previous.steps_taken > 0:
                 self.finish("Degraded", (True, "SpeculationOff", f"v{champion} serving target-only after drift"),

@@ -214,3 +214,13 @@ def test_deployment_rollout_state():
     assert manifests.deployment_rollout_state(dep, "h")[0] == "available"
     dep["status"]["conditions"] = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}]
     assert manifests.deployment_rollout_state(dep, "h")[0] == "failed"
+
+
+def test_drift_state_belongs_to_one_release():
+    from specpair_operator import drift
+    stored = {"breachesInRow": 2, "stepsTaken": 1, "version": "3"}
+    assert drift.state_for_release(stored, "3") == drift.DriftState(2, 1)
+    # A newly promoted champion never inherits the previous release's ladder.
+    assert drift.state_for_release(stored, "4") == drift.DriftState()
+    assert drift.state_for_release({"breachesInRow": 2, "stepsTaken": 1}, "4") == drift.DriftState()
+    assert drift.state_for_release(None, "1") == drift.DriftState()
