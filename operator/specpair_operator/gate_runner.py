@@ -10,6 +10,7 @@ that crashes without a verdict is an error (status `error`, exit 1).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shlex
@@ -37,8 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="specpair-gate-")
     out = os.path.join(workdir, "verdict.json")
     cmd = [*shlex.split(args.gate_command), "--release", args.release, "--out", out]
-    proc = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.PIPE, text=True)
-    sys.stderr.write(proc.stderr)
+    # Stream the gate's progress as it happens (`kubectl logs -f` on the Job shows it live) and
+    # keep the last lines for the error message if it ends without a verdict.
+    tail: collections.deque[str] = collections.deque(maxlen=20)
+    proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=subprocess.PIPE, text=True, bufsize=1)
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        tail.append(line.rstrip("\n"))
+    proc.wait()
     verdict = None
     if os.path.exists(out):
         try:
@@ -47,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             verdict = None
     if not isinstance(verdict, dict) or not isinstance(verdict.get("passed"), bool):
-        tail = (proc.stderr or "").strip().splitlines()[-5:]
+        last = [line for line in tail if line.strip()][-5:]
         registry.record_gate_error(ml["modelName"], str(ml["version"]),
-                                   f"gate exited {proc.returncode} without a verdict: " + " | ".join(tail))
+                                   f"gate exited {proc.returncode} without a verdict: " + " | ".join(last))
         return 1
     extras = [os.path.join(workdir, n) for n in os.listdir(workdir) if n != "verdict.json"]
     run_id = registry.record_gate(ml["modelName"], str(ml["version"]), verdict, extras)

@@ -93,6 +93,8 @@ def test_gate_runner_records_the_run_metrics_and_verdict_on_the_version(reg, tmp
     assert out.returncode == 1
     status, _, message = reg.gate_result(model, version)
     assert status == "error" and "model download failed: 404" in message
+    # The gate's own progress reaches the Job's log (streamed, not swallowed).
+    assert "model download failed: 404" in out.stderr
 
 
 def test_unreachable_mlflow_raises_registry_unavailable_quickly():
