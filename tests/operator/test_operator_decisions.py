@@ -224,3 +224,20 @@ def test_drift_state_belongs_to_one_release():
     assert drift.state_for_release(stored, "4") == drift.DriftState()
     assert drift.state_for_release({"breachesInRow": 2, "stepsTaken": 1}, "4") == drift.DriftState()
     assert drift.state_for_release(None, "1") == drift.DriftState()
+
+
+def test_overall_drift_is_judged_against_the_traffic_mix():
+    from specpair_operator import drift
+    policy = drift.DriftPolicy.from_spec({"tolerance": 0.05, "noiseAllowance": 0.0, "minDraftedTokens": 10})
+    baseline = {drift.OVERALL: 0.5, "extraction": 0.7, "creative": 0.3}
+    # Mostly creative traffic at its gated level: not drift, though below the overall average.
+    window = {"creative": (300, 90), "extraction": (100, 70)}
+    breaches, judged = drift.judge_window(baseline, window, policy)
+    assert drift.OVERALL in judged and breaches == []
+    assert drift.mix_baseline(baseline, window) == pytest.approx(0.4)
+    # A category the gate never saw is held to the overall baseline, so it can still drift.
+    breaches, _ = drift.judge_window(baseline, {"poetry": (200, 20)}, policy)
+    assert [b.category for b in breaches] == [drift.OVERALL]
+    # Real drift inside a category is caught on that category and overall.
+    breaches, _ = drift.judge_window(baseline, {"extraction": (200, 60)}, policy)
+    assert {b.category for b in breaches} == {"extraction", drift.OVERALL}
