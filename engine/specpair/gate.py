@@ -54,7 +54,7 @@ def tokenizer_check(release: dict, progress=print) -> dict:
     from specpair.tokenizer_identity import compare, fingerprint
 
     def load_tok(side: dict):
-        where, _ = resolve_source(side.get("source") or "default", progress)
+        where = resolve_source(side.get("source") or "default", progress)
         try:
             return AutoTokenizer.from_pretrained(str(where), revision=side.get("revision"))
         except OSError as exc:
@@ -124,8 +124,7 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
         draft = load_model(release["draft"]["source"], device=device,
                            revision=release["draft"].get("revision"), progress=progress)
     engine = SpeculativeEngine(target, drafter=drafter, draft=draft, speculation=spec)
-    if spec.dynamic_k and draft is not None:
-        engine.calibrate()     # cost-aware k for model drafts, as `specpair` runs them by default
+    engine.apply_k_policy("auto")    # as the engine pods will run it
     verdict["device"] = str(target.device)
     texts = [p["prompt"] for p in prompts]
     categories = [str(p.get("category") or "default") for p in prompts]

@@ -129,27 +129,27 @@ def convert_gguf(gguf: Path, out_dir: Path, progress=print) -> Path:
     return out_dir
 
 
-def resolve_source(source: str, progress=print) -> tuple[Path | str, str | None]:
-    """Map a model source to something from_pretrained reads: (path or hub id, gguf file name)."""
+def resolve_source(source: str, progress=print) -> Path | str:
+    """Map a model source to something from_pretrained reads: a local directory or a hub id."""
     if source in (None, "", DEFAULT_TARGET):
         gguf = smollm2_gguf_path()
-        return convert_gguf(gguf, cache_root() / "smollm2-135m-instruct-f32", progress), None
+        return convert_gguf(gguf, cache_root() / "smollm2-135m-instruct-f32", progress)
     if source.startswith(("models:/", "runs:/", "mlflow:")):
-        return _download_mlflow_model(source, progress), None
+        return _download_mlflow_model(source, progress)
     path = Path(source).expanduser()
     if source.endswith(".gguf"):
         if not path.is_file():
             raise SpecpairError(f"GGUF file not found: {source}")
         target = cache_root() / (path.stem.lower() + f"-{path.stat().st_size}-f32")
-        return convert_gguf(path, target, progress), None
+        return convert_gguf(path, target, progress)
     if path.exists():
         if not (path / "config.json").is_file():
             raise SpecpairError(f"model directory {source} has no config.json")
-        return path, None
+        return path
     if source.startswith(("/", ".", "~")) or os.sep in source.strip("/").split("/", 1)[-1]:
         raise SpecpairError(f"model path not found: {source}")
     # Anything else is treated as a Hugging Face hub id (needs network; clusters usually have it).
-    return source, None
+    return source
 
 
 def _download_mlflow_model(uri: str, progress=print) -> Path:
@@ -181,7 +181,7 @@ def load_model(source: str | None, *, device: str | None = None, dtype: str | No
 
     started = time.perf_counter()
     source = source or DEFAULT_TARGET
-    where, _ = resolve_source(source, progress)
+    where = resolve_source(source, progress)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     try:

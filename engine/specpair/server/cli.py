@@ -133,10 +133,8 @@ def build_engine(args, progress=print):
                            revision=getattr(args, "draft_revision", None))
         progress(f"draft loaded: {draft.num_parameters / 1e6:.1f} M parameters in {draft.load_seconds:.1f} s")
         engine = SpeculativeEngine(target, draft=draft, speculation=speculation, on_mismatch=args.on_mismatch)
-        if speculation.dynamic_k and engine.draft is not None:
-            # Model drafts choose k by this machine's measured draft and verification costs
-            # (the default `auto` policy of `specpair generate/bench`; see README measurements).
-            costs = engine.calibrate()
+        costs = engine.apply_k_policy("auto")   # cost-aware k for model drafts, as the CLI
+        if costs:
             progress(f"calibrated: target step {costs['target_step'] * 1e3:.1f} ms, "
                      f"draft step {costs['draft_step'] * 1e3:.2f} ms")
         return engine
