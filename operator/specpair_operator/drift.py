@@ -1,30 +1,81 @@
-"""Drift policy: is live acceptance sustainedly below what the release was gated at?
+"""Drift policy: does the serving release, on traffic its gate measured, accept fewer draft
+tokens than it was gated at, and would the previous release do better on that traffic?
 
-Engines report cumulative counters (drafted and accepted tokens per category); the operator
-keeps a few timestamped samples and takes differences, so a window is judged on the tokens
-drafted inside it. Acceptance varies between identical runs (batch composition, kernels), so a
-category breaches only when it falls below baseline - tolerance - noiseAllowance, and only with
-enough drafted tokens to mean anything. One bad window is noise; `consecutive` in a row take
-the next step of the ladder (speculation off, then roll back).
+One pure function, `decide`, turns what the engine pods report into the ladder's next action.
+The numbers behind its defaults are in docs/drift.md (scripts/drift_simulation.py).
+
+Observing
+    Each pod reports cumulative counters per category (`Counts`) since its process started.
+    They are differenced per pod, keyed by pod name and uid: a counter going backwards or a
+    later process start means the pod restarted, and everything it reports is new. Lifetime
+    counters are never summed across pods, so one pod restarting cannot hide another.
+
+Windows
+    Deltas accumulate per gated category (and pooled over all gated categories, '*') in
+    disjoint windows: every drafted token is judged once. A window closes once it is at least
+    `window_seconds` old and holds evidence (`min_drafted` tokens and `min_requests` requests);
+    one that gathers no evidence within `max_window_factor` windows is dropped as "no evidence".
+    A burst is thus one window, and an idle pair, or a pair whose speculation is off, never
+    produces a breach.
+
+Judging (the request is the unit)
+    live = accepted / drafted over the window (token-weighted, like the gate's number).
+    Its standard error treats requests as the sampled units: with per-request sums from the
+    engine (Σd², Σa², Σd·a) it is the ratio estimator's
+        se² = Σ(a_i - live·d_i)² / (n (n-1) d̄²);
+    without them it is bounded by live(1-live)·design_effect / n (per-request acceptance lies in
+    [0, 1]), and without a request count n is taken as drafted / max_drafted_per_request.
+    A window breaches when even live + z·se is below the floor
+        baseline · (1 - tolerance) - noise_allowance,
+    a relative tolerance, so a category gated at 0.20 that falls to 0.06 is caught as surely as
+    one falling from 0.8 to 0.25. It is fine when live >= floor, and inconclusive otherwise.
+    One long request or one client cannot close a window on its own (min_requests) nor narrow
+    the bound (its weight enters se), and no burst decides: a breach must also hold without
+    the window's busiest quarter of observations.
+
+Traffic shift
+    Categories the gate did not measure are reported (`Decision.shift`), never judged: the
+    release was never promised to do well on them.
+
+Ladder
+    `consecutive` breaching windows of one category take the next step.
+    SpeculationOff: the evidence starts afresh. While off, windows without drafts are "no
+    evidence"; drafts (the engine probing with the drafter, or the operator turning it on for a
+    probe when nothing was drafted for `probe_after_windows` windows) keep measuring.
+    `consecutive` fine windows turn speculation back on (SpeculationOn).
+    Rollback: only on `consecutive` fresh breaching windows, and only when the previous
+    release's gated baseline on the same categories (weighted as the fresh drafts) would itself
+    not be breached by what the current release does now: rolling back must help on this
+    traffic. When both releases serve the same target and draft, it must also have been gated
+    better than the current one, since a drop that is the traffic's would hit it the same way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
 SPECULATION_OFF = "SpeculationOff"
 ROLLBACK = "Rollback"
+SPECULATION_ON = "SpeculationOn"
 OVERALL = "*"
+BREACH, FINE, INCONCLUSIVE, NO_EVIDENCE = "breach", "fine", "inconclusive", "no evidence"
 
 
 @dataclass(frozen=True)
 class DriftPolicy:
-    tolerance: float = 0.1
-    noise_allowance: float = 0.05
-    min_drafted: int = 200
-    consecutive: int = 3
+    tolerance: float = 0.2                # relative drop below the gated acceptance allowed
+    noise_allowance: float = 0.02         # absolute, on top (run-to-run variation of the gate)
+    min_drafted: int = 200                # drafted tokens a window needs to be judged
+    min_requests: int = 20                # requests (effective) a window needs to be judged
+    consecutive: int = 2                  # breaching windows of one category per ladder step
     window_seconds: float = 300.0
+    max_window_factor: float = 4.0        # a window without evidence by then is dropped
+    z: float = 2.33                       # one-sided confidence of the bound (99%)
+    design_effect: float = 3.0            # variance inflation without per-request sums
+    max_drafted_per_request: int = 256    # requests assumed without a request count
+    probe_after_windows: int = 3          # speculation off and nothing drafted this long: probe
     ladder: tuple[str, ...] = (SPECULATION_OFF, ROLLBACK)
 
     @classmethod
@@ -34,38 +85,201 @@ class DriftPolicy:
             tolerance=float(d.get("tolerance", cls.tolerance)),
             noise_allowance=float(d.get("noiseAllowance", cls.noise_allowance)),
             min_drafted=int(d.get("minDraftedTokens", cls.min_drafted)),
+            min_requests=int(d.get("minRequests", cls.min_requests)),
             consecutive=int(d.get("consecutiveBreaches", cls.consecutive)),
             window_seconds=float(d.get("windowSeconds", cls.window_seconds)),
+            z=float(d.get("confidenceZ", cls.z)),
+            probe_after_windows=int(d.get("probeAfterWindows", cls.probe_after_windows)),
             ladder=tuple(d.get("ladder", cls.ladder)),
         )
 
+    def floor(self, baseline: float) -> float:
+        return baseline * (1.0 - self.tolerance) - self.noise_allowance
+
+
+# -- counters ---------------------------------------------------------------------------------
+
+def _add(a: float | None, b: float | None, sign: int = 1) -> float | None:
+    return None if a is None or b is None else a + sign * b
+
 
 @dataclass(frozen=True)
-class Breach:
+class Counts:
+    """Cumulative (or windowed) counters of one category. Optional fields are None when the
+    engine does not export them: requests that drafted, and per-request sums of squares."""
+    drafted: int = 0
+    accepted: int = 0
+    requests: int | None = None
+    drafted_sq: float | None = None        # Σ d_i²
+    accepted_sq: float | None = None       # Σ a_i²
+    drafted_accepted: float | None = None  # Σ d_i·a_i
+
+    @classmethod
+    def from_stats(cls, d: Mapping[str, Any]) -> "Counts":
+        def opt(key: str, kind: type) -> Any:
+            return kind(d[key]) if d.get(key) is not None else None
+        return cls(int(d.get("drafted", 0)), int(d.get("accepted", 0)), opt("requests", int),
+                   opt("draftedSq", float), opt("acceptedSq", float), opt("draftedAccepted", float))
+
+    def plus(self, o: "Counts", sign: int = 1) -> "Counts":
+        return Counts(self.drafted + sign * o.drafted, self.accepted + sign * o.accepted,
+                      _add(self.requests, o.requests, sign), _add(self.drafted_sq, o.drafted_sq, sign),
+                      _add(self.accepted_sq, o.accepted_sq, sign), _add(self.drafted_accepted, o.drafted_accepted, sign))
+
+    def minus(self, o: "Counts") -> "Counts":
+        return self.plus(o, -1)
+
+    def below(self, o: "Counts") -> bool:
+        """Some counter is lower than in `o`: the process behind it started again."""
+        pairs = [(self.drafted, o.drafted), (self.accepted, o.accepted), (self.requests, o.requests)]
+        return any(a is not None and b is not None and a < b for a, b in pairs)
+
+    @property
+    def has_moments(self) -> bool:
+        return None not in (self.requests, self.drafted_sq, self.accepted_sq, self.drafted_accepted)
+
+
+@dataclass(frozen=True)
+class PodStats:
+    """One pod's report: `pod` is its name and uid (a replaced pod is another series);
+    `started` is when its serving process started (now - uptime), None if unknown."""
+    pod: str
+    categories: Mapping[str, Counts]
+    started: float | None = None
+
+
+def pod_deltas(previous: Mapping[str, PodStats], at: float | None, pods: list[PodStats]) -> dict[str, Counts]:
+    """What all pods drafted since the previous observation, per category.
+
+    A pod seen for the first time contributes only its counters' growth from now on, unless its
+    process started after the previous observation (then all it reports is new). A pod whose
+    counters went backwards or whose process start moved restarted: all it reports is new."""
+    out: dict[str, Counts] = {}
+    for p in pods:
+        old = previous.get(p.pod)
+        if old is None:
+            fresh = at is not None and p.started is not None and p.started > at
+            if not fresh:
+                continue
+            base: Mapping[str, Counts] = {}
+        else:
+            restarted = (p.started is not None and old.started is not None and p.started > old.started + 1.0) or \
+                any(p.categories.get(c, Counts()).below(v) for c, v in old.categories.items())
+            base = {} if restarted else old.categories
+        for cat, now in p.categories.items():
+            d = now.minus(base[cat]) if cat in base else now
+            if d.drafted > 0 or (d.requests or 0) > 0:
+                out[cat] = out[cat].plus(d) if cat in out else d
+    return out
+
+
+# -- windows and judgements ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Window:
+    counts: Counts
+    expected: float      # accepted tokens the gate predicts for these drafts: Σ drafted_c · baseline_c
+    opened_at: float
+    parts: tuple[tuple[Counts, float], ...] = ()   # (counts, expected) of each observation in it
+
+    def add(self, d: Counts, expected: float) -> "Window":
+        return Window(self.counts.plus(d), self.expected + expected, self.opened_at, self.parts + ((d, expected),))
+
+    def without_busiest(self) -> "Window | None":
+        """The window without its busiest quarter of observations (by drafted tokens)."""
+        drop = math.ceil(len(self.parts) / 4)
+        rest = sorted(self.parts, key=lambda p: p[0].drafted)[:len(self.parts) - drop]
+        if not rest:
+            return None
+        counts, expected = rest[0]
+        for c, e in rest[1:]:
+            counts, expected = counts.plus(c), expected + e
+        return Window(counts, expected, self.opened_at, tuple(rest))
+
+    @property
+    def baseline(self) -> float:
+        return self.expected / self.counts.drafted if self.counts.drafted else 0.0
+
+
+@dataclass(frozen=True)
+class Judgement:
     category: str
+    verdict: str
     live: float
+    upper: float
     baseline: float
+    floor: float
     drafted: int
+    requests: float
 
-    def message(self, policy: DriftPolicy) -> str:
-        floor = self.baseline - policy.tolerance - policy.noise_allowance
-        name = "overall" if self.category == OVERALL else f"category '{self.category}'"
-        return (f"{name} acceptance {self.live:.3f} over {self.drafted} drafted tokens < "
-                f"{floor:.3f} (gated {self.baseline:.3f} - tolerance {policy.tolerance} - noise {policy.noise_allowance})")
+    def message(self) -> str:
+        name = "overall (gated categories)" if self.category == OVERALL else f"category '{self.category}'"
+        rel = "<" if self.verdict == BREACH else ">=" if self.verdict == FINE else "~"
+        return (f"{name} acceptance {self.live:.3f} (upper bound {self.upper:.3f}) over {self.requests:.0f} "
+                f"requests / {self.drafted} drafted tokens {rel} floor {self.floor:.3f} (gated {self.baseline:.3f})")
 
+
+def standard_error(c: Counts, policy: DriftPolicy) -> tuple[float, float]:
+    """(live acceptance's standard error, requests it rests on), requests as the unit."""
+    live = c.accepted / c.drafted
+    if c.has_moments and c.requests and c.requests >= 2:
+        n = float(c.requests)
+        dbar = c.drafted / n
+        resid = c.accepted_sq - 2 * live * c.drafted_accepted + live * live * c.drafted_sq
+        return math.sqrt(max(resid, 0.0) / (n * (n - 1) * dbar * dbar)), n
+    if c.requests is not None:
+        n = min(float(c.requests), float(c.drafted)) / policy.design_effect
+    else:
+        n = c.drafted / policy.max_drafted_per_request
+    n = max(n, 1e-9)
+    return math.sqrt(max(live * (1 - live), 0.25 / max(n, 1.0)) / n), n
+
+
+def judge(key: str, w: Window, policy: DriftPolicy, final: bool) -> Judgement | None:
+    """A closed window's verdict; None while it is still gathering evidence."""
+    c = w.counts
+    if c.drafted <= 0:
+        return Judgement(key, NO_EVIDENCE, 0.0, 0.0, w.baseline, policy.floor(w.baseline), 0, 0) if final else None
+    se, n = standard_error(c, policy)
+    live = c.accepted / c.drafted
+    if c.drafted < policy.min_drafted or n < policy.min_requests:
+        return Judgement(key, NO_EVIDENCE, live, 1.0, w.baseline, policy.floor(w.baseline), c.drafted, n) if final else None
+    upper = live + policy.z * se
+    floor = policy.floor(w.baseline)
+    verdict = BREACH if upper < floor else FINE if live >= floor else INCONCLUSIVE
+    if verdict == BREACH:
+        # No burst decides: the breach must hold without the window's busiest quarter too.
+        rest = w.without_busiest()
+        if rest is None or rest.counts.drafted <= 0 or \
+                rest.counts.accepted / rest.counts.drafted + policy.z * standard_error(rest.counts, policy)[0] \
+                >= policy.floor(rest.baseline):
+            verdict = INCONCLUSIVE
+    return Judgement(key, verdict, live, upper, w.baseline, floor, c.drafted, n)
+
+
+# -- the ladder ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class DriftState:
-    breaches_in_row: int = 0
+    """What persists (in status.drift) for the serving release."""
     steps_taken: int = 0
+    streaks: Mapping[str, int] = field(default_factory=dict)   # breaching windows in a row per category
+    fine_in_row: int = 0                                       # passes with fine windows and no breach
+    since: float = 0.0                                         # when the last ladder step was taken
 
-    def as_dict(self) -> dict[str, int]:
-        return {"breachesInRow": self.breaches_in_row, "stepsTaken": self.steps_taken}
+    @property
+    def breaches_in_row(self) -> int:
+        return max(self.streaks.values(), default=0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"breachesInRow": self.breaches_in_row, "stepsTaken": self.steps_taken,
+                "streaks": dict(self.streaks), "fineInRow": self.fine_in_row, "since": self.since}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "DriftState":
         d = d or {}
-        return cls(int(d.get("breachesInRow", 0)), int(d.get("stepsTaken", 0)))
+        streaks = {str(k): int(v) for k, v in (d.get("streaks") or {}).items()}
+        return cls(int(d.get("stepsTaken", 0)), streaks, int(d.get("fineInRow", 0)), float(d.get("since", 0.0)))
 
 
 def state_for_release(stored: dict[str, Any] | None, champion: str) -> DriftState:
@@ -80,96 +294,161 @@ def state_for_release(stored: dict[str, Any] | None, champion: str) -> DriftStat
     return DriftState.from_dict(stored)
 
 
-Counters = dict[str, tuple[int, int]]  # category -> (drafted, accepted), cumulative
+@dataclass(frozen=True)
+class Memory:
+    """What the operator remembers between observations (in process; lost on restart, which
+    only costs the evidence gathered so far)."""
+    at: float | None = None
+    pods: Mapping[str, PodStats] = field(default_factory=dict)
+    windows: Mapping[str, Window] = field(default_factory=dict)
+    last_draft_at: float | None = None
+    probe_started: float | None = None
+    probe_judged: int = 0
+    last: Mapping[str, Judgement] = field(default_factory=dict)   # newest closed window per category
 
 
-def windowed_counts(samples: list[dict[str, Any]], window_seconds: float) -> Counters:
-    """Tokens drafted/accepted per category between the newest sample and the one a window ago.
+@dataclass(frozen=True)
+class Decision:
+    state: DriftState
+    memory: Memory
+    action: str | None               # SpeculationOff, SpeculationOn, Rollback or None
+    speculation: bool                # what the pods should be set to now (probes included)
+    judged: tuple[Judgement, ...]    # windows closed by this observation
+    shift: Mapping[str, int]         # drafted tokens of categories the gate did not measure
+    reason: str                      # why the action (or why no rollback although asked for)
 
-    samples: [{"t": seconds, "cats": {cat: [drafted, accepted]}}], oldest first. A counter that
-    went backwards means an engine restarted; only samples after the restart count.
-    """
-    if len(samples) < 2:
-        return {}
-    newest = samples[-1]
-    start = 0
-    for i in range(len(samples) - 1, 0, -1):
-        if any(samples[i]["cats"].get(c, [0, 0])[0] < v[0] for c, v in samples[i - 1]["cats"].items()):
-            start = i
-            break
-    usable = samples[start:]
-    if len(usable) < 2:
-        return {}
-    base = usable[0]
-    for s in usable[:-1]:
-        if newest["t"] - s["t"] >= window_seconds:
-            base = s
-    out: Counters = {}
-    for cat, (drafted, accepted) in newest["cats"].items():
-        d0, a0 = base["cats"].get(cat, [0, 0])
-        if drafted - d0 > 0:
-            out[cat] = (drafted - d0, accepted - a0)
-    return out
+    @property
+    def breaches(self) -> list[Judgement]:
+        return [j for j in self.judged if j.verdict == BREACH]
 
 
-def prune_samples(samples: list[dict[str, Any]], now: float, window_seconds: float, keep: int = 64) -> list[dict[str, Any]]:
-    """Keep what the next window needs: everything newer than 2 windows, at most `keep`."""
-    kept = [s for s in samples if now - s["t"] <= 2 * window_seconds]
-    return kept[-keep:]
+def _off(state: DriftState, policy: DriftPolicy) -> bool:
+    return SPECULATION_OFF in policy.ladder[:state.steps_taken]
 
 
-def judge_window(baseline: dict[str, float], window: Counters, policy: DriftPolicy) -> tuple[list[Breach], list[str]]:
-    """(breaches, categories judged). Categories without a gated baseline or with too few
-    drafted tokens are not judged; the overall rate is judged against the overall baseline."""
-    judged: list[str] = []
-    breaches: list[Breach] = []
-    allowance = policy.tolerance + policy.noise_allowance
-    rows = dict(window)
-    if window:
-        rows[OVERALL] = (sum(d for d, _ in window.values()), sum(a for _, a in window.values()))
-    expected = dict(baseline)
-    if OVERALL in baseline and window:
-        expected[OVERALL] = mix_baseline(baseline, window)
-    for cat, (drafted, accepted) in sorted(rows.items()):
-        if cat not in expected or drafted < policy.min_drafted:
+def gated_categories(baseline: Mapping[str, float]) -> dict[str, float]:
+    return {c: v for c, v in baseline.items() if c != OVERALL}
+
+
+def decide(policy: DriftPolicy, state: DriftState, memory: Memory, now: float, pods: list[PodStats],
+           baseline: Mapping[str, float], previous_baseline: Mapping[str, float] | None = None,
+           same_models: bool = False) -> Decision:
+    """One observation of all ready pods -> the ladder's next action.
+
+    baseline / previous_baseline: gated acceptance per category ('*' overall) of the serving
+    release and of the release a rollback would go to (None: there is none). same_models: both
+    releases serve the same target and draft."""
+    gated = gated_categories(baseline)
+    if not gated and OVERALL in baseline:
+        gated = None   # an old verdict without categories: judge everything against the overall
+    deltas = pod_deltas(memory.pods, memory.at, pods)
+    opened = memory.at if memory.at is not None else now
+    windows = dict(memory.windows)
+    shift: dict[str, int] = {}
+    drafted_now = 0
+    for cat, d in deltas.items():
+        drafted_now += d.drafted
+        if gated is not None and cat not in gated:
+            shift[cat] = d.drafted
             continue
-        judged.append(cat)
-        live = accepted / drafted
-        if live < expected[cat] - allowance:
-            breaches.append(Breach(cat, live, expected[cat], drafted))
-    return breaches, judged
+        rate = gated[cat] if gated is not None else baseline[OVERALL]
+        for key in ((cat, OVERALL) if gated is not None else (OVERALL,)):
+            w = windows.get(key)
+            windows[key] = Window(d, d.drafted * rate, opened, ((d, d.drafted * rate),)) if w is None else \
+                w.add(d, d.drafted * rate)
+    judged: list[Judgement] = []
+    for key, w in sorted(windows.items()):
+        age = now - w.opened_at
+        if age < policy.window_seconds:
+            continue
+        j = judge(key, w, policy, final=age >= policy.window_seconds * policy.max_window_factor)
+        if j is not None:
+            judged.append(j)
+            del windows[key]
+    last = {**memory.last, **{j.category: j for j in judged if j.verdict != NO_EVIDENCE}}
+    memory = replace(memory, at=now, pods={p.pod: p for p in pods}, windows=windows, last=last,
+                     last_draft_at=now if drafted_now > 0 else memory.last_draft_at)
+
+    counted = [j for j in judged if j.verdict in (BREACH, FINE)]
+    streaks = dict(state.streaks)
+    for j in judged:
+        if j.verdict == BREACH:
+            streaks[j.category] = streaks.get(j.category, 0) + 1
+        elif j.verdict in (FINE, NO_EVIDENCE):
+            streaks.pop(j.category, None)   # fine, or too little traffic since: not sustained
+    breaches = [j for j in judged if j.verdict == BREACH]
+    fine_in_row = 0 if breaches else state.fine_in_row + (1 if counted else 0)
+    state = replace(state, streaks=streaks, fine_in_row=fine_in_row)
+    if memory.probe_started is not None and counted:
+        memory = replace(memory, probe_judged=memory.probe_judged + 1)
+
+    action, reason = None, ""
+    sustained = [j for j in breaches if streaks.get(j.category, 0) >= policy.consecutive]
+    step = policy.ladder[state.steps_taken] if state.steps_taken < len(policy.ladder) else None
+    if sustained and step == SPECULATION_OFF:
+        action, reason = SPECULATION_OFF, "; ".join(j.message() for j in sustained)
+    elif sustained and step == ROLLBACK:
+        helps, why = rollback_helps(sustained, previous_baseline, baseline, policy, same_models)
+        if helps:
+            action, reason = ROLLBACK, "; ".join(j.message() for j in sustained) + "; " + why
+        else:
+            reason = "no rollback: " + why
+    elif _off(state, policy) and fine_in_row >= policy.consecutive:
+        action, reason = SPECULATION_ON, "acceptance back within the gated baseline: " + \
+            "; ".join(j.message() for j in counted)
+    if action is not None:
+        # Each step starts the evidence afresh: what comes next must be measured after it.
+        steps = 0 if action == SPECULATION_ON else state.steps_taken + 1
+        state = DriftState(steps_taken=steps, since=now)
+        memory = replace(memory, windows={}, probe_started=None, probe_judged=0, last_draft_at=None)
+    speculation = True
+    if _off(state, policy) and action != ROLLBACK:
+        memory, speculation = _probe(policy, state, memory, now)
+    return Decision(state, memory, action, speculation, tuple(judged), shift, reason)
 
 
-def mix_baseline(baseline: dict[str, float], window: Counters) -> float:
-    """What the gate predicts for this window's traffic mix: each category's gated acceptance
-    weighted by its share of drafted tokens (categories the gate did not see: the overall value).
+def _probe(policy: DriftPolicy, state: DriftState, memory: Memory, now: float) -> tuple[Memory, bool]:
+    """Speculation is off: turn it on for a probe when nothing was drafted for a while (an
+    engine that probes by itself keeps drafting, so this never fires for it); end the probe
+    once it gave `consecutive` judged windows or ran out of time."""
+    if memory.probe_started is not None:
+        long = now - memory.probe_started >= policy.consecutive * policy.window_seconds * policy.max_window_factor
+        if memory.probe_judged >= policy.consecutive or long:
+            return replace(memory, probe_started=None, probe_judged=0, last_draft_at=now), False
+        return memory, True
+    quiet_since = max(state.since, memory.last_draft_at or 0.0)
+    if now - quiet_since >= policy.probe_after_windows * policy.window_seconds:
+        return replace(memory, probe_started=now, probe_judged=0), True
+    return memory, False
 
-    Acceptance differs a lot between categories (extraction ~0.6, creative ~0.2 for n-gram
-    lookup), so comparing a window that happens to hold more of a hard category with the
-    golden set's overall average would call a change of traffic mix drift.
-    """
-    total = sum(d for d, _ in window.values())
-    if not total:
-        return baseline[OVERALL]
-    return sum(d * baseline.get(cat, baseline[OVERALL]) for cat, (d, _) in window.items()) / total
 
+def rollback_helps(breaches: list[Judgement], previous: Mapping[str, float] | None, current: Mapping[str, float],
+                   policy: DriftPolicy, same_models: bool) -> tuple[bool, str]:
+    """Would the previous release do better on the traffic that breaches?
 
-def next_step(state: DriftState, breaches: list[Breach], judged: list[str], policy: DriftPolicy) -> tuple[DriftState, str | None]:
-    """Advance the breach streak; return the ladder action to take now, if any.
-
-    Once speculation is off nothing is drafted, so nothing can be judged: with a later ladder
-    step configured, an unjudged window then counts as the drift persisting (no evidence it
-    went away). With no traffic before any step, nothing is counted either way.
-    """
-    if breaches or (not judged and state.steps_taken > 0):
-        in_row = state.breaches_in_row + 1
-    elif not judged:
-        return state, None
-    else:
-        return DriftState(0, state.steps_taken), None
-    if in_row >= policy.consecutive and state.steps_taken < len(policy.ladder):
-        return DriftState(0, state.steps_taken + 1), policy.ladder[state.steps_taken]
-    return DriftState(in_row, state.steps_taken), None
+    Per breaching category, on the previous release's gated acceptance for it: what the current
+    release does now must breach that release's floor too (upper bound below it). Rollback
+    helps when that holds for most of the breaching drafts the previous release was gated on.
+    The pooled '*' window decides only when no single category breached."""
+    if not previous:
+        return False, "no previous release with a gate verdict"
+    cats = [j for j in breaches if j.category != OVERALL] or breaches
+    known = [j for j in cats if j.category in previous]
+    if not known:
+        return False, "the previous release was not gated on " + ", ".join(sorted(j.category for j in cats))
+    helped, words = 0, []
+    for j in known:
+        floor = policy.floor(previous[j.category])
+        helps = j.upper < floor
+        if helps and same_models and floor <= current.get(j.category, j.baseline):
+            helps = False   # same target and draft, gated no better: the drop is the traffic's
+        helped += j.drafted if helps else 0
+        name = "overall" if j.category == OVERALL else j.category
+        words.append(f"{name}: previous gated {previous[j.category]:.3f} (floor {floor:.3f}) "
+                     f"{'>' if helps else 'not above'} this release now (upper bound {j.upper:.3f})")
+    ok = helped * 2 > sum(j.drafted for j in known)
+    head = "the previous release does better" if ok else "the previous release would not do better"
+    return ok, head + (" (same target and draft)" if same_models else "") + ": " + "; ".join(words)
 
 
 def fingerprint_mismatch(expected: dict[str, str | None], reported: dict[str, str | None]) -> list[str]:

@@ -7,7 +7,9 @@ tests can stand an engine in with any object that has these three coroutines.
 
     model_info(address) -> {"pair": str, "releaseVersion": str, "contentHash": str (optional),
                             "tokenizer": {"target": fp, "draft": fp | None}, "speculationEnabled": bool}
-    stats(address)      -> {"categories": {category: {"drafted": int, "accepted": int}}}  (cumulative)
+    stats(address)      -> {"categories": {category: {"drafted": int, "accepted": int, "requests": int | None,
+                                                     "draftedSq", "acceptedSq", "draftedAccepted": float (optional)}},
+                            "uptimeSeconds": float | None}  (cumulative since the engine process started)
     set_speculation(address, enabled: bool) -> None
 """
 
@@ -64,9 +66,17 @@ class GrpcEngineProbe:
         cats = {}
         for name, cat in (stats.get("categories") or {}).items():
             cum = cat.get("cumulative") or {}
-            # uint64 fields arrive as strings from MessageToDict
-            cats[name] = {"drafted": int(cum.get("numDraftTokens", 0)), "accepted": int(cum.get("numAcceptedTokens", 0))}
-        return {"categories": cats, "speculating": bool(stats.get("speculating", False))}
+            # uint64 fields arrive as strings from MessageToDict; fields at their default are left out
+            cats[name] = {"drafted": int(cum.get("numDraftTokens", 0)), "accepted": int(cum.get("numAcceptedTokens", 0)),
+                          "requests": int(cat["requests"]) if "requests" in cat else None}
+            # Per-request sums over finished requests that drafted (docs/drift.md), when the engine has them.
+            fin = cat.get("finished") or {}
+            if fin:
+                cats[name].update(requests=int(fin.get("requests", 0)), draftedSq=float(fin.get("draftTokensSq", 0.0)),
+                                  acceptedSq=float(fin.get("acceptedTokensSq", 0.0)),
+                                  draftedAccepted=float(fin.get("draftAcceptedTokens", 0.0)))
+        return {"categories": cats, "speculating": bool(stats.get("speculating", False)),
+                "uptimeSeconds": float(stats["uptimeSeconds"]) if "uptimeSeconds" in stats else None}
 
     async def set_speculation(self, address: str, enabled: bool, reason: str = "") -> None:
         await self._call(address, "SetSpeculation", "SetSpeculationRequest", enabled=enabled, reason=reason)

@@ -48,7 +48,8 @@ class Runtime:
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     retry_at: dict[str, float] = field(default_factory=dict)
     backoff: dict[str, float] = field(default_factory=dict)
-    samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # per pair: (champion version, drift.Memory: per-pod counters and open windows)
+    samples: dict[str, tuple[str, drift_mod.Memory]] = field(default_factory=dict)
     last_drift_check: dict[str, float] = field(default_factory=dict)
 
 
@@ -434,54 +435,83 @@ class Pass:
 
     async def _drift(self, model: str, al: dict[str, str], champion: str, verdict: dict[str, Any],
                      pods: list[dict[str, Any]], infos: list[dict[str, Any]]) -> bool:
-        """Read live acceptance, advance the ladder; True when this pass took a drift action."""
+        """Observe each pod's counters, let drift.decide pick the ladder's step, apply it.
+        True when this pass took a drift action or the champion serves target-only after one."""
         policy_spec = self.spec.get("drift") or {}
         if not policy_spec.get("enabled", True):
             return False
+        policy = drift_mod.DriftPolicy.from_spec(policy_spec)
         now = time.monotonic()
         previous = drift_mod.state_for_release(self.status.get("drift"), champion)
+        off = drift_mod.SPECULATION_OFF in policy.ladder[:previous.steps_taken]
+
+        def degraded(extra: str = "") -> bool:
+            self.finish("Degraded", (True, "SpeculationOff", f"v{champion} serving target-only after drift{extra}"),
+                        (False, "SpeculationOff", ""), (False, "SpeculationOff", ""))
+            return True
         if now - self.rt.last_drift_check.get(self.uid, 0.0) < float(policy_spec.get("intervalSeconds", 30)):
-            if previous.steps_taken > 0:
-                self.finish("Degraded", (True, "SpeculationOff", f"v{champion} serving target-only after drift"),
-                            (False, "SpeculationOff", ""), (False, "SpeculationOff", ""))
-                return True
-            return False
+            return degraded() if off else False
         self.rt.last_drift_check[self.uid] = now
-        policy = drift_mod.DriftPolicy.from_spec(policy_spec)
-        totals: dict[str, list[int]] = {}
+        observed = []
         try:
             for pod in pods:
                 stats = await self.rt.probe.stats(self._address(pod))
-                for cat, v in (stats.get("categories") or {}).items():
-                    t = totals.setdefault(cat, [0, 0])
-                    t[0] += int(v.get("drafted", 0))
-                    t[1] += int(v.get("accepted", 0))
+                uptime = stats.get("uptimeSeconds")
+                meta = pod["metadata"]
+                observed.append(drift_mod.PodStats(
+                    f"{meta['name']}/{meta.get('uid', '')}",
+                    {cat: drift_mod.Counts.from_stats(v) for cat, v in (stats.get("categories") or {}).items()},
+                    time.time() - float(uptime) if uptime else None))
         except EngineUnreachable as exc:
             self.logger.warning(f"drift check skipped: {exc}")
-            return False
-        samples = self.rt.samples.setdefault(self.uid, [])
-        samples.append({"t": time.time(), "cats": totals})
-        samples[:] = drift_mod.prune_samples(samples, time.time(), policy.window_seconds)
-        window = drift_mod.windowed_counts(samples, policy.window_seconds)
+            return degraded() if off else False
+        version, memory = self.rt.samples.get(self.uid, ("", drift_mod.Memory()))
+        if version != champion:
+            memory = drift_mod.Memory()
+        previous_baseline, same_models = None, False
+        next_step = policy.ladder[previous.steps_taken] if previous.steps_taken < len(policy.ladder) else None
+        target = al.get(aliases_mod.PREVIOUS)
+        if next_step == drift_mod.ROLLBACK and target and target != champion:
+            # Rolling back only helps if the previous release does better on this traffic: its
+            # gated baseline per category, and whether it serves the very same models.
+            reg = self.rt.registry
+            _, prev_verdict, _ = await self.registry(reg.gate_result, model, target)
+            previous_baseline = gate_verdict.baseline_from_verdict(prev_verdict) if prev_verdict else None
+            tags_prev = await self.registry(reg.version_tags, model, target)
+            tags_cur = await self.registry(reg.version_tags, model, champion)
+
+            def models(tags: dict[str, str]) -> Any:
+                rel = json.loads(tags.get(TAG_RELEASE) or "{}")
+                return rel.get("target"), rel.get("draft"), tags.get(TAG_TOKENIZER_DRAFT)
+            same_models = TAG_RELEASE in tags_prev and models(tags_prev) == models(tags_cur)
         baseline = gate_verdict.baseline_from_verdict(verdict)
-        breaches, judged = drift_mod.judge_window(baseline, window, policy)
-        state, action = drift_mod.next_step(previous, breaches, judged, policy)
-        self.out["drift"] = {**state.as_dict(), "version": str(champion)}
-        live = {cat: round(a / d, 4) for cat, (d, a) in window.items() if d}
-        if window:
-            d_all = sum(d for d, _ in window.values())
-            a_all = sum(a for _, a in window.values())
-            self.out["acceptance"] = round(a_all / d_all, 4)
-        self.out["live"] = {"acceptance": live, "draftedTokens": {cat: d for cat, (d, _) in window.items()}}
-        messages = [b.message(policy) for b in breaches]
-        if breaches:
+        decision = drift_mod.decide(policy, previous, memory, time.time(), observed, baseline,
+                                    previous_baseline, same_models)
+        self.rt.samples[self.uid] = (champion, decision.memory)
+        state = decision.state
+        probing = decision.memory.probe_started is not None
+        self.out["drift"] = {**state.as_dict(), "version": str(champion), "probing": probing}
+        last = decision.memory.last
+        live = {cat: round(j.live, 4) for cat, j in last.items() if cat != drift_mod.OVERALL}
+        if drift_mod.OVERALL in last:
+            self.out["acceptance"] = round(last[drift_mod.OVERALL].live, 4)
+        shift = dict((self.status.get("live") or {}).get("trafficShift") or {})
+        for cat, n in decision.shift.items():
+            shift[cat] = int(shift.get(cat, 0)) + n
+        self.out["live"] = {"acceptance": live, "draftedTokens": {cat: j.drafted for cat, j in last.items()
+                                                                  if cat != drift_mod.OVERALL},
+                            "trafficShift": shift}
+        messages = [j.message() for j in decision.breaches]
+        if messages:
             self.cond(c.DRIFTED, True, "AcceptanceBelowBaseline", "; ".join(messages))
-        elif judged:
-            self.cond(c.DRIFTED, False, "WithinBaseline", "live acceptance within the gated baseline")
-        if action == drift_mod.SPECULATION_OFF:
-            reason = "sustained drift: " + ("; ".join(messages) or "acceptance below baseline")
-            for pod in pods:
-                await self.rt.probe.set_speculation(self._address(pod), False, reason[:500])
+        elif any(j.verdict == drift_mod.FINE for j in decision.judged) and not off:
+            self.cond(c.DRIFTED, False, "WithinBaseline", "live acceptance within the gated baseline"
+                      + (f"; traffic shift, not judged: {', '.join(sorted(shift))}" if shift else ""))
+        addresses = [self._address(pod) for pod in pods]
+        if decision.action == drift_mod.SPECULATION_OFF:
+            reason = "sustained drift: " + decision.reason
+            for address in addresses:
+                await self.rt.probe.set_speculation(address, False, reason[:500])
             await self.registry(self.rt.registry.set_tags, model, champion, {"specpair.drift.speculation_off": reason[:4000]})
             self.out["speculationEnabled"] = False
             self.cond(c.DRIFTED, True, "SpeculationOff", reason)
@@ -489,12 +519,26 @@ class Pass:
             self.finish("Degraded", (True, "SpeculationOff", f"v{champion} serving target-only: {reason}"),
                         (False, "SpeculationOff", ""), (False, "SpeculationOff", ""))
             return True
-        if action == drift_mod.ROLLBACK:
-            await self._rollback(model, al, champion, "drift persisted after speculation off"
-                                 + (": " + "; ".join(messages) if messages else ""))
+        if decision.action == drift_mod.ROLLBACK:
+            await self._rollback(model, al, champion, "drift persisted after speculation off: " + decision.reason)
             return True
-        if state.steps_taken > 0:
-            self.finish("Degraded", (True, "SpeculationOff", f"v{champion} serving target-only after drift"),
-                        (False, "SpeculationOff", ""), (False, "SpeculationOff", ""))
-            return True
+        if decision.action == drift_mod.SPECULATION_ON:
+            for address in addresses:
+                await self.rt.probe.set_speculation(address, True, decision.reason[:500])
+            self.out["speculationEnabled"] = True
+            self.cond(c.DRIFTED, False, "Recovered", decision.reason)
+            self.record("SpeculationOn", decision.reason, champion, champion)
+            return False
+        if decision.reason:
+            self.cond(c.DRIFTED, True, "RollbackWouldNotHelp", decision.reason)
+        if off:
+            # Speculation stays off but keeps being measured: probes turn it on for a while
+            # when the engine drafted nothing since.
+            if self.status.get("speculationEnabled", True) != decision.speculation:
+                for address in addresses:
+                    await self.rt.probe.set_speculation(address, decision.speculation,
+                                                        "drift probe" if decision.speculation else "drift probe over")
+                self.logger.info(f"drift probe {'started' if decision.speculation else 'over'} for v{champion}")
+            self.out["speculationEnabled"] = decision.speculation
+            return degraded(" (probing with the draft)" if probing else "")
         return False
