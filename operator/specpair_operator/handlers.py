@@ -273,12 +273,16 @@ class Pass:
         if al.get(aliases_mod.CANDIDATE) != version:
             await self.registry(reg.set_alias, model, aliases_mod.CANDIDATE, version)
         gating = self.spec.get("gating") or {}
+        placement = {**self.rollout, **({"resources": gating["resources"]} if "resources" in gating else {})}
         job = manifests.gate_job(self.name, self.namespace,
                                  release_mod.with_mlflow(rel, self.rt.gate_tracking_uri, model, version),
-                                 digest, version, self.rollout, self.rt.gate_tracking_uri,
+                                 digest, version, placement, self.rt.gate_tracking_uri,
                                  int(gating.get("activeDeadlineSeconds", 3600)), self.rt.credentials_secret)
         kopf.adopt(job, owner=self.body)
         live = await self.rt.kube.get("batch/v1", "jobs", self.namespace, job["metadata"]["name"])
+        if live is not None and not self._owns(live):
+            self._name_conflict("Job", job["metadata"]["name"])
+            return
         if live is None:
             await self.rt.kube.create(job)
             self.record("GateStarted", f"gating v{version} ({digest[:12]}) in Job {job['metadata']['name']}", None, version)
@@ -290,12 +294,36 @@ class Pass:
             self.finish("Failed", (False, "GateError", f"gate Job failed: {reason}"), (False, "GateError", ""),
                         (True, "GateError", f"gate Job for v{version} failed: {reason}"))
             return
-        self.cond(c.GATED, "Unknown", "Gating", f"v{version} is being gated by Job {job['metadata']['name']}")
+        waiting = await self._unschedulable(f"job-name={job['metadata']['name']}")
+        reason = "GatePending" if waiting else "Gating"
+        self.cond(c.GATED, "Unknown", reason, f"v{version} is being gated by Job {job['metadata']['name']}"
+                  + (f" ({waiting})" if waiting else ""))
         serving = al.get(aliases_mod.CHAMPION)
         self._versions(al)
-        self.finish("Gating", (False, "Gating", f"gating v{version}" + (f"; v{serving} keeps serving" if serving else "")),
-                    (True, "Gating", f"gate Job {job['metadata']['name']} running for v{version}"),
-                    (False, "Gating", ""))
+        self.finish("Gating", (False, reason, f"gating v{version}" + (f"; v{serving} keeps serving" if serving else "")),
+                    (True, reason, f"gate Job {job['metadata']['name']} "
+                     + (f"waiting: {waiting}" if waiting else "running") + f" for v{version}"),
+                    (False, reason, ""))
+
+    def _owns(self, obj: dict[str, Any]) -> bool:
+        return any(ref.get("uid") == self.uid and ref.get("controller")
+                   for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+    def _name_conflict(self, kind: str, name: str) -> None:
+        """An object with our child's name that this pair does not own: never touch it."""
+        msg = (f"{kind} {self.namespace}/{name} exists and is not owned by SpecModelPair {self.name}; "
+               f"rename or delete it (the operator never changes objects it does not own)")
+        if self.status.get("message") != msg:
+            kopf.warn(self.body, reason="NameConflict", message=msg)
+        self.finish("Failed", (False, "NameConflict", msg), (False, "NameConflict", ""), (True, "NameConflict", msg))
+
+    async def _unschedulable(self, selector: str) -> str:
+        """The scheduler's reason when pods matching `selector` cannot be placed ('' otherwise)."""
+        for pod in await self.rt.kube.list("v1", "pods", self.namespace, selector):
+            for cd in (pod.get("status") or {}).get("conditions") or []:
+                if cd.get("type") == "PodScheduled" and cd.get("status") == "False":
+                    return f"pod {pod['metadata']['name']} is Pending: {cd.get('reason')}: {cd.get('message', '')}"
+        return ""
 
     def _versions(self, al: dict[str, str]) -> None:
         self.out["servingVersion"] = al.get(aliases_mod.CHAMPION, "")
@@ -330,6 +358,10 @@ class Pass:
                 (self.status.get("servingVersion") != champion or "acceptance" not in self.status):
             self.out["acceptance"] = float(verdict["acceptanceRate"])
         state, msg = await self._ensure_engine(served, digest, champion)
+        if state == "conflict":
+            kind, name = msg.split(" ", 1)
+            self._name_conflict(kind, name)
+            return
         if state == "failed":
             await self._rollback(model, al, champion, f"rollout of v{champion} failed: {msg}")
             return
@@ -366,6 +398,11 @@ class Pass:
         kopf.adopt(dep, owner=self.body)
         kopf.adopt(svc, owner=self.body)
         live = await kube.get("apps/v1", "deployments", self.namespace, dep["metadata"]["name"])
+        if live is not None and not self._owns(live):
+            return "conflict", f"Deployment {dep['metadata']['name']}"
+        live_svc = await kube.get("v1", "services", self.namespace, svc["metadata"]["name"])
+        if live_svc is not None and not self._owns(live_svc):
+            return "conflict", f"Service {svc['metadata']['name']}"
         if live is None:
             live = await kube.create(dep)
             self.record("RolloutStarted", f"engine Deployment created for v{version}", None, version)
@@ -375,12 +412,17 @@ class Pass:
                                                         "annotations": dep["metadata"]["annotations"]},
                                            "spec": dep["spec"]})
             self.record("RolloutStarted", f"engine Deployment rolled to v{version}", None, version)
-        if await kube.get("v1", "services", self.namespace, svc["metadata"]["name"]) is None:
+        if live_svc is None:
             await kube.create(svc)
-        return manifests.deployment_rollout_state(live, digest)
+        state, msg = manifests.deployment_rollout_state(live, digest)
+        if state == "progressing":
+            waiting = await self._unschedulable(",".join(f"{k}={v}" for k, v in manifests.engine_selector(self.name).items()))
+            if waiting:
+                msg = f"{msg}; {waiting}"
+        return state, msg
 
     async def _engine_pods(self) -> list[dict[str, Any]]:
-        selector = f"{manifests.LABEL_PAIR}={self.name[:63]},{manifests.LABEL_ROLE}=engine"
+        selector = ",".join(f"{k}={v}" for k, v in manifests.engine_selector(self.name).items())
         pods = await self.rt.kube.list("v1", "pods", self.namespace, selector)
 
         def ready(p: dict[str, Any]) -> bool:

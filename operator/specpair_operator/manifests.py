@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from . import names
+
 GROUP = "specpair.io"
 LABEL_PAIR = f"{GROUP}/pair"
 LABEL_VERSION = f"{GROUP}/release-version"
@@ -24,26 +26,26 @@ NONROOT_UID = 10001
 METRICS_PORT = 9400
 
 
-def _dns_name(*parts: str, limit: int = 63) -> str:
-    name = "-".join(p for p in parts if p)
-    return name[:limit].rstrip("-")
-
-
 def engine_name(pair: str) -> str:
-    return _dns_name(pair[:50], "engine")
+    return names.object_name(pair, "engine")
 
 
 def gate_job_name(pair: str, digest: str) -> str:
-    # Job names end up in a pod label (63 chars max) together with a pod suffix.
-    return _dns_name(pair[:40], "gate", digest[:10])
+    # A Job's name becomes its pods' job-name label: 63 characters at most.
+    return names.object_name(pair, "gate", digest[:10])
+
+
+def engine_selector(pair: str) -> dict[str, str]:
+    """The engine pods of one pair, across releases (a Deployment's selector never changes)."""
+    return {LABEL_PAIR: names.label_value(pair), LABEL_ROLE: "engine"}
 
 
 def _labels(pair: str, role: str, version: str | None = None) -> dict[str, str]:
     labels = {
         "app.kubernetes.io/name": "specpair-engine",
-        "app.kubernetes.io/instance": pair[:63],
+        "app.kubernetes.io/instance": names.label_value(pair),
         "app.kubernetes.io/managed-by": "specpair-operator",
-        LABEL_PAIR: pair[:63],
+        LABEL_PAIR: names.label_value(pair),
         LABEL_ROLE: role,
     }
     if version is not None:
@@ -189,7 +191,7 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
                       credentials_secret: str | None = None) -> dict[str, Any]:
     """The engine Deployment serving one release; the selector is stable across releases."""
     port = int(rollout.get("port", 50051))
-    selector = {LABEL_PAIR: pair[:63], LABEL_ROLE: "engine"}
+    selector = engine_selector(pair)
     labels = _labels(pair, "engine", version)
     container = {
         "name": "engine",
@@ -217,7 +219,7 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
             "replicas": int(rollout.get("replicas", 1)),
             "selector": {"matchLabels": selector},
             "progressDeadlineSeconds": int(rollout.get("progressDeadlineSeconds", 600)),
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "strategy": rollout_strategy(rollout),
             "template": {
                 "metadata": {"labels": labels, "annotations": _release_annotations(release, digest)},
                 "spec": {
@@ -232,6 +234,18 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
     }
 
 
+def rollout_strategy(rollout: dict[str, Any]) -> dict[str, Any]:
+    """Surge a new pod before the old one goes, unless the engine holds accelerators: a GPU
+    node pool rarely has a spare device, and a surge pod that cannot be scheduled would stall
+    the rollout until its progress deadline. Then the old pod goes first (a short gap in
+    serving per replica instead of a stuck rollout)."""
+    limits = {**((rollout.get("resources") or {}).get("requests") or {}),
+              **((rollout.get("resources") or {}).get("limits") or {})}
+    if any(name.endswith("/gpu") and str(v) not in ("0", "") for name, v in limits.items()):
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+
+
 def engine_service(pair: str, namespace: str, rollout: dict[str, Any]) -> dict[str, Any]:
     port = int(rollout.get("port", 50051))
     return {
@@ -239,7 +253,7 @@ def engine_service(pair: str, namespace: str, rollout: dict[str, Any]) -> dict[s
         "kind": "Service",
         "metadata": {"name": engine_name(pair), "namespace": namespace, "labels": _labels(pair, "engine")},
         "spec": {
-            "selector": {LABEL_PAIR: pair[:63], LABEL_ROLE: "engine"},
+            "selector": engine_selector(pair),
             # `metrics` is what the chart's ServiceMonitor scrapes.
             "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"},
                       {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],

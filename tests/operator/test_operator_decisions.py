@@ -147,7 +147,12 @@ def test_manifests_validate_against_kubernetes_schemas_and_run_unprivileged():
         assert pod["spec"]["securityContext"]["runAsNonRoot"] and c["securityContext"]["readOnlyRootFilesystem"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and pod["spec"]["nodeSelector"] == {"gpu": "h100"}
     assert job["spec"]["backoffLimit"] == 0 and len(job["metadata"]["name"]) <= 63
-    assert manifests.gate_job_name("x" * 80, digest) == "x" * 40 + "-gate-" + digest[:10]
+    long_a, long_b = "a" * 60 + "-one", "a" * 60 + "-two"
+    for make in (lambda p: manifests.gate_job_name(p, digest), manifests.engine_name,
+                 lambda p: manifests.engine_selector(p)[manifests.LABEL_PAIR]):
+        made = {make(long_a), make(long_b)}
+        assert len(made) == 2 and all(len(n) <= 63 and n[-1].isalnum() for n in made)
+    assert manifests.engine_name("a.b") == "a-b-engine" and manifests.engine_name("9x") == "p-9x-engine"
     assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
     cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
     assert cmd[:3] == ["specpair", "engine", "serve"] and cmd[cmd.index("--drafter") + 1] == "ngram"

@@ -1,0 +1,186 @@
+"""etcd, kube-apiserver, kube-controller-manager and kube-scheduler on 127.0.0.1.
+
+Every component talks TLS to the others with certificates from one generated CA; the
+controllers log in with their own identities and `--use-service-account-credentials`, so each
+controller is held to its built-in RBAC role as on any cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+import yaml
+
+from .certs import CertificateAuthority, KeyPair, service_account_keys
+from .processes import Child, free_port, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = REPO / "scripts" / "build-control-plane.sh"
+PROGRAMS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+SERVICE_CIDR = "10.96.0.0/16"
+
+
+def control_plane_binaries() -> Path:
+    """The folder with the four binaries: $SPECPAIR_CONTROL_PLANE_BIN, or the build script's cache
+    (which builds them on first use and only checks its stamp afterwards)."""
+    given = os.environ.get("SPECPAIR_CONTROL_PLANE_BIN")
+    if given:
+        folder = Path(given)
+    else:
+        done = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{BUILD_SCRIPT} failed (exit {done.returncode}); its messages are above")
+        folder = Path(done.stdout.strip().splitlines()[-1])
+    missing = [p for p in PROGRAMS if not os.access(folder / p, os.X_OK)]
+    if missing:
+        raise RuntimeError(f"{folder} lacks {', '.join(missing)}; run scripts/build-control-plane.sh")
+    return folder
+
+
+def write_kubeconfig(path: Path, server: str, ca: Path, user: str, *, cert: KeyPair | None = None,
+                     token: str | None = None, namespace: str = "default") -> Path:
+    creds: dict[str, str] = {}
+    if cert is not None:
+        creds = {"client-certificate": str(cert.cert), "client-key": str(cert.key)}
+    if token is not None:
+        creds["token"] = token
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": user, "preferences": {},
+        "clusters": [{"name": "devcluster", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+        "users": [{"name": user, "user": creds}],
+        "contexts": [{"name": user, "context": {"cluster": "devcluster", "user": user, "namespace": namespace}}],
+    }))
+    path.chmod(0o600)
+    return path
+
+
+@dataclass
+class ControlPlane:
+    workdir: Path
+    binaries: Path
+    children: list[Child] = field(default_factory=list)
+    server: str = ""
+    admin_kubeconfig: Path | None = None
+    ca: CertificateAuthority | None = None
+
+    def start(self, timeout: float = 120.0) -> None:
+        started = time.monotonic()
+        pki = self.workdir / "pki"
+        logs = self.workdir / "logs"
+        if pki.exists():
+            shutil.rmtree(pki)
+        self.ca = ca = CertificateAuthority(pki)
+        loopback = ("127.0.0.1", "localhost")
+        etcd_port, etcd_peer, api_port = free_port(), free_port(), free_port()
+        etcd_server = ca.issue("etcd", "etcd", server=True, hosts=loopback)
+        etcd_client = ca.issue("apiserver-etcd-client", "kube-apiserver-etcd-client", client=True)
+        api_serving = ca.issue("apiserver", "kube-apiserver", server=True,
+                               hosts=loopback + ("10.96.0.1", "kubernetes", "kubernetes.default",
+                                                 "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"))
+        admin = ca.issue("admin", "devcluster-admin", groups=("system:masters",), client=True)
+        kcm = ca.issue("controller-manager", "system:kube-controller-manager", client=True)
+        sched = ca.issue("scheduler", "system:kube-scheduler", client=True)
+        sa = service_account_keys(pki)
+        self.server = f"https://127.0.0.1:{api_port}"
+
+        etcd_url = f"https://127.0.0.1:{etcd_port}"
+        peer_url = f"http://127.0.0.1:{etcd_peer}"
+        self._spawn("etcd", [
+            str(self.binaries / "etcd"), "--name", "devcluster", "--data-dir", str(self.workdir / "etcd"),
+            "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
+            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"devcluster={peer_url}", "--initial-cluster-state", "new",
+            "--cert-file", str(etcd_server.cert), "--key-file", str(etcd_server.key),
+            "--client-cert-auth", "--trusted-ca-file", str(ca.cert),
+            # A throwaway cluster: losing the last writes on a power cut costs nothing, fsync costs seconds.
+            "--unsafe-no-fsync", "--log-level", "warn"], logs)
+        self._spawn("kube-apiserver", [
+            str(self.binaries / "kube-apiserver"),
+            "--etcd-servers", etcd_url, "--etcd-cafile", str(ca.cert),
+            "--etcd-certfile", str(etcd_client.cert), "--etcd-keyfile", str(etcd_client.key),
+            "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1", "--secure-port", str(api_port),
+            "--tls-cert-file", str(api_serving.cert), "--tls-private-key-file", str(api_serving.key),
+            "--client-ca-file", str(ca.cert),
+            "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
+            "--service-account-key-file", str(sa.cert), "--service-account-signing-key-file", str(sa.key),
+            "--service-cluster-ip-range", SERVICE_CIDR,
+            "--authorization-mode", "Node,RBAC",
+            # On top of the default plugins (NamespaceLifecycle, ServiceAccount, PodSecurity,
+            # ResourceQuota, LimitRanger, the webhooks, ...), as kubeadm enables it.
+            "--enable-admission-plugins", "NodeRestriction",
+            "--allow-privileged=false",
+            # The `kubernetes` Service would get 127.0.0.1 as its endpoint, which Endpoints refuse.
+            "--endpoint-reconciler-type", "none",
+            "--profiling=false", "--v", "1"], logs)
+        self.admin_kubeconfig = write_kubeconfig(self.workdir / "kubeconfig", self.server, ca.cert,
+                                                 "devcluster-admin", cert=admin)
+        session = requests.Session()
+        # Not the environment's CA bundle (REQUESTS_CA_BUNDLE would win over `verify`) or proxies.
+        session.trust_env = False
+        session.verify, session.cert = str(ca.cert), (str(admin.cert), str(admin.key))
+
+        def ready() -> bool:
+            try:
+                return session.get(self.server + "/readyz", timeout=2).status_code == 200
+            except requests.RequestException:
+                return False
+
+        wait_until(ready, max(5.0, timeout - (time.monotonic() - started)), what="kube-apiserver /readyz",
+                   abort=self._dead_child)
+        kcm_config = write_kubeconfig(pki / "controller-manager.kubeconfig", self.server, ca.cert,
+                                      "system:kube-controller-manager", cert=kcm)
+        sched_config = write_kubeconfig(pki / "scheduler.kubeconfig", self.server, ca.cert,
+                                        "system:kube-scheduler", cert=sched)
+        self._spawn("kube-controller-manager", [
+            str(self.binaries / "kube-controller-manager"),
+            "--kubeconfig", str(kcm_config), "--authentication-kubeconfig", str(kcm_config),
+            "--authorization-kubeconfig", str(kcm_config),
+            "--bind-address", "127.0.0.1", "--secure-port", str(free_port()),
+            "--cert-dir", str(pki / "controller-manager-serving"),
+            "--use-service-account-credentials", "--service-account-private-key-file", str(sa.key),
+            "--root-ca-file", str(ca.cert),
+            "--cluster-signing-cert-file", str(ca.cert), "--cluster-signing-key-file", str(ca.key),
+            "--service-cluster-ip-range", SERVICE_CIDR,
+            "--leader-elect=false", "--controllers", "*",
+            # Garbage collection and Job/Deployment status within a second or two, not minutes.
+            "--concurrent-gc-syncs", "5", "--v", "1"], logs)
+        self._spawn("kube-scheduler", [
+            str(self.binaries / "kube-scheduler"),
+            "--kubeconfig", str(sched_config), "--authentication-kubeconfig", str(sched_config),
+            "--authorization-kubeconfig", str(sched_config),
+            "--bind-address", "127.0.0.1", "--secure-port", str(free_port()),
+            "--cert-dir", str(pki / "scheduler-serving"),
+            "--leader-elect=false", "--v", "1"], logs)
+
+        def default_service_account() -> bool:
+            # The ServiceAccount controller has run once the default namespace has its account:
+            # before that, the ServiceAccount admission plugin refuses every pod.
+            try:
+                return session.get(self.server + "/api/v1/namespaces/default/serviceaccounts/default",
+                                   timeout=2).status_code == 200
+            except requests.RequestException:
+                return False
+
+        wait_until(default_service_account, max(5.0, timeout - (time.monotonic() - started)),
+                   what="kube-controller-manager (default ServiceAccount)", abort=self._dead_child)
+        session.close()
+
+    def _spawn(self, name: str, argv: list[str], logs: Path) -> None:
+        self.children.append(Child(name, argv, logs / f"{name}.log", env={"PATH": os.environ.get("PATH", "")}))
+
+    def _dead_child(self) -> str | None:
+        for child in self.children:
+            if not child.alive():
+                return child.describe_exit()
+        return None
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            child.stop(grace=10)
+        self.children.clear()

@@ -1,0 +1,82 @@
+"""Child processes the cluster owns: started in their own process group, logged to a file,
+stopped with SIGTERM then SIGKILL, so nothing outlives the cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, chars: int = 2000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - chars))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None):
+        self.name, self.argv, self.log = name, argv, log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, cwd=cwd, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """SIGTERM the whole process group, SIGKILL after `grace` seconds; returns the exit code."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        # Grandchildren left in the group (a shell's children) go too.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            return self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def describe_exit(self) -> str:
+        return f"{self.name} exited with {self.proc.returncode}: {tail(self.log, 1500)}"
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "condition",
+               abort=None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if abort is not None:
+            reason = abort()
+            if reason:
+                raise RuntimeError(reason)
+        if predicate():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
