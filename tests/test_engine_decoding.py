@@ -147,3 +147,37 @@ def test_calibrated_engine_stays_exact(tiny_target, tiny_draft, reference):
     assert costs["target_step"] > 0 and set(costs["verify"]) == set(range(1, 9))
     assert engine.cost_model is not None
     assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == reference
+
+
+def test_a_long_lived_batch_keeps_no_finished_rows(tiny_target):
+    """The server's batch lives for the whole process: finished and cancelled rows must go."""
+    import gc
+    import weakref
+    engine = SpeculativeEngine(tiny_target, speculation=SpeculationConfig(enabled=False))
+    batch = engine.new_batch()
+    refs = []
+    for i in range(40):
+        seq = batch.add(engine.encode(PROMPTS[i % len(PROMPTS)]), GenerationParams(max_new_tokens=3),
+                        request_id=f"r{i}")
+        refs.append(weakref.ref(seq))
+        del seq
+        if i % 4 == 3:
+            batch.cancel(f"r{i}")
+        while batch.active:
+            batch.step()
+    batch.step()      # an idle step: what finished before it is no longer the batch's business
+    gc.collect()
+    assert [r() for r in refs if r() is not None] == []
+
+
+def test_empty_prompt_is_refused_at_add(tiny_target):
+    from specpair.errors import SpecpairError
+    engine = SpeculativeEngine(tiny_target)
+    batch = engine.new_batch()
+    with pytest.raises(SpecpairError, match="empty prompt"):
+        batch.add([], GenerationParams(max_new_tokens=4))
+    assert batch.active == 0
+    seq = batch.add(engine.encode(PROMPTS[0]), GenerationParams(max_new_tokens=4))
+    while batch.active:
+        batch.step()
+    assert len(seq.generated) == 4

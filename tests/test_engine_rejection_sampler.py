@@ -127,3 +127,22 @@ def test_end_to_end_sampled_sequences_follow_target(tiny_target, tiny_draft):
     expected = np.array([joint[k] for k in keys]) * n
     assert chisquare(observed, f_exp=expected * observed.sum() / expected.sum()).pvalue > 1e-3
     assert sum(s.stats.num_drafts for s in seqs) > 0
+
+
+def test_a_rows_distribution_does_not_depend_on_its_neighbours():
+    """top_p = 1.0 next to top_p < 1 (and every other mix): each row as if it were alone."""
+    torch.manual_seed(0)
+    V = 4096
+    # A confident head and a long tail of tiny probabilities: float32 cumulative sums reach 1.0
+    # before the tail ends.
+    logits = torch.randn(6, 2, V) * 2
+    logits[:, :, :3] += torch.tensor([14.0, 12.0, 10.0])
+    temperature = torch.tensor([1.0, 1.0, 0.7, 1.3, 0.0, 1.0])
+    top_k = torch.tensor([0, 0, 50, 0, 0, 7])
+    top_p = torch.tensor([1.0, 0.5, 1.0, 0.95, 1.0, 0.3])
+    batched = process_logits(logits, temperature, top_k, top_p)
+    for i in range(6):
+        alone = process_logits(logits[i:i + 1], temperature[i:i + 1], top_k[i:i + 1], top_p[i:i + 1])
+        assert torch.equal(batched[i], alone[0]), (i, int((batched[i] > 0).sum()), int((alone[0] > 0).sum()))
+    # The unfiltered row keeps its whole tail.
+    assert bool((batched[0] > 0).all())

@@ -188,6 +188,17 @@ class GenerationResult:
                 **self.stats.to_dict()}
 
 
+def stop_prefix_length(text: str, stops) -> int:
+    """Length of the longest end of `text` that is the beginning of a stop string (0: none)."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -289,6 +300,8 @@ class SpeculativeEngine:
         return ids
 
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
+        if not prompt_ids:
+            raise SpecpairError("empty prompt: at least one token is needed")
         limit = self.target.context_length
         if len(prompt_ids) >= limit:
             raise SpecpairError(f"prompt has {len(prompt_ids)} tokens; the model's context is {limit}")
@@ -309,15 +322,19 @@ class SpeculativeEngine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         batch = self.new_batch()
         batch.speculate = speculate
-        for prompt, p in zip(prompts, plist):
-            batch.add(self.encode(prompt, chat=chat), p)
+        seqs = [batch.add(self.encode(prompt, chat=chat), p) for prompt, p in zip(prompts, plist)]
         while batch.active:
             batch.step()
-        return [batch.result(seq) for seq in batch.admitted]
+        return [batch.result(seq) for seq in seqs]
 
 
 class Batch:
-    """The running rows of one engine. Not thread-safe: one owner calls add/cancel/step."""
+    """The running rows of one engine. Not thread-safe: one owner calls add/cancel/step.
+
+    A batch may live as long as its server: it keeps no row after the row is done. `done` holds
+    the rows that finished in the last `step()` (and those cancelled since), for the caller to read
+    their results; the next step forgets them.
+    """
 
     def __init__(self, engine: SpeculativeEngine):
         self.engine = engine
@@ -327,8 +344,7 @@ class Batch:
             # Each batch needs its own draft cache; share the weights.
             self.drafter = ModelDrafter(self.drafter.loaded, engine.vocab_size)
         self.rows: list[Sequence] = []
-        self.done: list[Sequence] = []
-        self.admitted: list[Sequence] = []    # every row ever added, in order
+        self.done: list[Sequence] = []        # finished in the last step or cancelled since
         self.speculate = True
         self.device = engine.target.device
         self.last_k = 0
@@ -350,7 +366,6 @@ class Batch:
                        dynamic_k=DynamicK(self.engine.config, self.engine.cost_model),
                        tokens=list(prompt_ids))
         self.rows.append(seq)
-        self.admitted.append(seq)
         self.target.add_rows(1)
         if self.drafter is not None:
             self.drafter.add_rows(1)
@@ -380,6 +395,7 @@ class Batch:
         return ks
 
     def step(self) -> list[StepOutput]:
+        self.done = []
         if not self.rows:
             return []
         eng = self.engine
@@ -457,7 +473,13 @@ class Batch:
         return outputs
 
     def _emit(self, seq: Sequence, new: list[int]) -> StepOutput:
-        """Append tokens, apply stop rules, and return the text that is now final."""
+        """Append tokens, apply stop rules, and return the text that is now final.
+
+        Text that could still be the start of a stop string is held back until the next tokens
+        settle it (as vLLM's detokenizer does), so streamed pieces always concatenate to the final
+        text. A stop string ends the reply where it starts; the token ids end with the token that
+        completed it, as if the tokens had been decoded one at a time, whatever this step emitted.
+        """
         params = seq.params
         kept = []
         for tok in new:
@@ -468,23 +490,23 @@ class Batch:
             if len(seq.generated) + len(kept) >= params.max_new_tokens:
                 seq.finish_reason = "length"
                 break
+        before = len(seq.generated)
         seq.tokens.extend(kept)
+        text = self._text(seq.generated)
+        if params.stop:
+            stopped = self._find_stop(seq, text, before)
+            if stopped is not None:
+                count, text = stopped
+                del seq.tokens[len(seq.prompt_ids) + count:]
+                kept = kept[:count - before]
+                seq.finish_reason = "stop"
         seq.stats.num_emitted_tokens += len(kept)
         if seq.first_token_at is None and kept:
             seq.first_token_at = time.perf_counter()
-        tok = self.engine.target.tokenizer
-        gen = seq.generated
-        if gen and gen[-1] in self.engine.eos_ids:
-            gen = gen[:-1]
-        text = tok.decode(gen, skip_special_tokens=True)
-        if params.stop:
-            lookback = max(0, len(seq.emitted_text) - max(len(s) for s in params.stop))
-            hits = [i for i in (text.find(s, lookback) for s in params.stop) if i >= 0]
-            if hits:
-                text = text[:min(hits)]
-                seq.finish_reason = "stop"
-        if seq.finish_reason is None and text.endswith("\ufffd"):
+        if seq.finish_reason is None:
             text = text.rstrip("\ufffd")   # half a UTF-8 character: hold it back until complete
+            if params.stop:
+                text = text[:len(text) - stop_prefix_length(text, params.stop)]
         delta = ""
         if text.startswith(seq.emitted_text):
             delta = text[len(seq.emitted_text):]
@@ -494,6 +516,30 @@ class Batch:
             seq.finished_at = time.perf_counter()
         return StepOutput(request_id=seq.request_id, token_ids=kept, text=delta,
                           finished=seq.finished, finish_reason=seq.finish_reason)
+
+    def _text(self, generated: list[int]) -> str:
+        if generated and generated[-1] in self.engine.eos_ids:
+            generated = generated[:-1]
+        return self.engine.target.tokenizer.decode(generated, skip_special_tokens=True)
+
+    def _find_stop(self, seq: Sequence, text: str, before: int) -> tuple[int, str] | None:
+        """(tokens to keep, text up to the stop) when a stop string appeared in this step's tokens.
+
+        Nothing streamed so far can begin a stop string (it would have been held back), so the
+        search starts after it. Several tokens may have arrived at once: the first of them after
+        which a stop string is complete ends the reply.
+        """
+        stops = seq.params.stop
+        start = len(seq.emitted_text) if text.startswith(seq.emitted_text) else 0
+        if not any(s in text[start:] for s in stops):
+            return None
+        generated = seq.generated
+        for count in range(before + 1, len(generated) + 1):
+            prefix = text if count == len(generated) else self._text(generated[:count])
+            hits = [i for i in (prefix.find(s, start) for s in stops) if i >= 0]
+            if hits:
+                return count, prefix[:min(hits)]
+        return None
 
     def _drop_finished(self) -> None:
         keep = [i for i, s in enumerate(self.rows) if not s.finished]

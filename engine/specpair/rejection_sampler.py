@@ -41,11 +41,14 @@ def process_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         threshold = kth.gather(-1, idx)                                          # [B, T, 1]
         scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
     # top-p: smallest prefix of the sorted distribution whose mass reaches p (always >= 1 token).
-    if bool((top_p < 1).any()):
+    # Only rows with top_p < 1 are filtered: float32 cumulative sums can reach 1.0 before the
+    # tail ends, and a row that asked for no filter must not lose its tail to a neighbour's.
+    nucleus = top_p < 1                                                          # [B]
+    if bool(nucleus.any()):
         sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs                    # [B, T, V]
-        drop_sorted = mass_before >= top_p.view(B, 1, 1).float()
+        drop_sorted = (mass_before >= top_p.view(B, 1, 1).float()) & nucleus.view(B, 1, 1)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     probs = scaled.softmax(-1)

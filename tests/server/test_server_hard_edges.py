@@ -152,3 +152,44 @@ def test_an_engine_failure_fails_that_batch_and_the_server_keeps_serving(tiny_pa
         reply = c.generate("def foo(x):", max_new_tokens=8, timeout=10)
     assert reply.token_ids == reference(tiny_pair, "def foo(x):", 8).token_ids
     assert _requests(server, "error") == 1
+
+
+@pytest.mark.parametrize("method, good", [
+    ("GetModelInfo", pb.GetModelInfoRequest()),
+    ("GetStats", pb.GetStatsRequest()),
+    ("SetSpeculation", pb.SetSpeculationRequest(reason="ok")),
+])
+def test_undecodable_bytes_are_invalid_argument_on_every_rpc(shared_server, method, good):
+    channel = grpc.insecure_channel(f"127.0.0.1:{shared_server.port}")
+    call = channel.unary_unary(f"/specpair.engine.v1.Engine/{method}", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+    with channel:
+        call(good.SerializeToString(), timeout=10)                  # the same call, well formed
+        err = rpc_error(lambda: call(b"\x0a\xff\xff\xff", timeout=10))          # not a protobuf
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.code(), err.details())
+        assert err.details().startswith(f"request: not a valid {good.DESCRIPTOR.name}")
+        if method == "SetSpeculation":
+            bad = pb.SetSpeculationRequest(reason="dropped").SerializeToString().replace(b"dropped", b"drop\xffed")
+            err = rpc_error(lambda: call(bad, timeout=10))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.details() == "reason: malformed UTF-8 in a string field"
+
+
+def test_every_deadline_expiry_is_counted_as_deadline(tiny_pair, start_server):
+    """Deadlines of several lengths, a few at once: none may be counted as a cancellation."""
+    server = start_server(engine=make_engine(tiny_pair, delay=0.01), max_batch_size=4)
+    timeouts = [0.05, 0.1, 0.2, 0.3, 0.4] * 6
+    with client_for(server) as c:
+        def expire(timeout):
+            err = rpc_error(lambda: list(c.stream(request("def foo(x):", max_new_tokens=LONG), timeout=timeout)))
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for start in range(0, len(timeouts), 3):
+            threads = [threading.Thread(target=expire, args=(t,)) for t in timeouts[start:start + 3]]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+        assert wait_for(lambda: server.worker.running == 0 and server.worker.waiting == 0, timeout=5)
+    assert wait_for(lambda: _requests(server, "deadline") == len(timeouts)), \
+        (_requests(server, "deadline"), _requests(server, "cancelled"))
+    assert _requests(server, "cancelled") == 0

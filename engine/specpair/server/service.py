@@ -1,8 +1,8 @@
 """The gRPC adapter: specpair.engine.v1.Engine on grpc.aio, in front of an EngineWorker.
 
-Generate is registered with raw bytes in (no request deserializer) so that a request protobuf
+Every RPC is registered with raw bytes in (no request deserializer) so that a request protobuf
 refuses to parse, such as one with malformed UTF-8 in a string field, still gets INVALID_ARGUMENT
-naming the field instead of gRPC's generic INTERNAL "exception deserializing request".
+naming the field instead of gRPC's generic UNKNOWN/INTERNAL "exception deserializing request".
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ SERVICE_NAME = "specpair.engine.v1.Engine"
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 FAILURE_CODES = {"unavailable": grpc.StatusCode.UNAVAILABLE, "internal": grpc.StatusCode.INTERNAL,
                  "invalid": grpc.StatusCode.INVALID_ARGUMENT}
+# A client's deadline passes on the client first: it cancels the call, and the server sees a
+# cancellation a transit time before its own copy of the deadline. A cancellation this close to
+# the deadline is counted as the deadline.
+DEADLINE_SLACK_SECONDS = 0.25
 
 
 def stats_message(stats: AcceptanceStats) -> pb.AcceptanceStats:
@@ -103,13 +107,13 @@ class EngineService:
                 self.generate, request_deserializer=None,
                 response_serializer=pb.GenerateResponse.SerializeToString),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-                self.get_model_info, request_deserializer=pb.GetModelInfoRequest.FromString,
+                self.get_model_info, request_deserializer=None,
                 response_serializer=pb.ModelInfo.SerializeToString),
             "GetStats": grpc.unary_unary_rpc_method_handler(
-                self.get_stats, request_deserializer=pb.GetStatsRequest.FromString,
+                self.get_stats, request_deserializer=None,
                 response_serializer=pb.Stats.SerializeToString),
             "SetSpeculation": grpc.unary_unary_rpc_method_handler(
-                self.set_speculation, request_deserializer=pb.SetSpeculationRequest.FromString,
+                self.set_speculation, request_deserializer=None,
                 response_serializer=pb.SpeculationSettings.SerializeToString),
         })
 
@@ -120,10 +124,22 @@ class EngineService:
         if self.state.phase != "serving":
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.state.unavailable_reason())
 
-    async def _invalid(self, context, field: str, reason: str, category: str = "none"):
-        self.state.count_rejected(category, "invalid")
+    async def _invalid(self, context, field: str, reason: str, category: str = "none", count: bool = True):
+        if count:    # specpair_requests_total counts Generate requests only
+            self.state.count_rejected(category, "invalid")
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {reason}",
                             trailing_metadata=(("specpair-invalid-field", field),))
+
+    async def _parse(self, raw: bytes, message_type, context, count: bool = True):
+        """Request bytes -> message, or INVALID_ARGUMENT naming the malformed field."""
+        try:
+            return message_type.FromString(raw)
+        except DecodeError:
+            field = find_invalid_utf8(raw, message_type.DESCRIPTOR)
+            if field:
+                await self._invalid(context, field, "malformed UTF-8 in a string field", count=count)
+            await self._invalid(context, "request", f"not a valid {message_type.DESCRIPTOR.name} protobuf",
+                                count=count)
 
     # -- Generate ------------------------------------------------------------------------------
 
@@ -135,13 +151,7 @@ class EngineService:
         if len(raw) > limits.max_request_bytes:
             await self._invalid(context, "request", f"{len(raw)} bytes is more than the limit of "
                                                     f"{limits.max_request_bytes} bytes")
-        try:
-            request = pb.GenerateRequest.FromString(raw)
-        except DecodeError:
-            field = find_invalid_utf8(raw, pb.GenerateRequest.DESCRIPTOR)
-            if field:
-                await self._invalid(context, field, "malformed UTF-8 in a string field")
-            await self._invalid(context, "request", "not a valid GenerateRequest protobuf")
+        request = await self._parse(raw, pb.GenerateRequest, context)
         engine = state.engine
         checked = None
         try:
@@ -193,21 +203,25 @@ class EngineService:
             if not finished:
                 # Client cancelled, deadline passed, or the stream broke: free the batch slot.
                 remaining = context.time_remaining()
-                status = "deadline" if remaining is not None and remaining <= 0 else "cancelled"
+                expired = remaining is not None and remaining <= DEADLINE_SLACK_SECONDS
+                status = "deadline" if expired else "cancelled"
                 state.worker.cancel(job, status)
 
     # -- unary ----------------------------------------------------------------------------------
 
-    async def get_model_info(self, request, context):
+    async def get_model_info(self, raw: bytes, context):
         await self._require_ready(context)
+        await self._parse(raw, pb.GetModelInfoRequest, context, count=False)
         return self.state.model_info()
 
-    async def get_stats(self, request, context):
+    async def get_stats(self, raw: bytes, context):
         await self._require_ready(context)
+        await self._parse(raw, pb.GetStatsRequest, context, count=False)
         return self.state.stats()
 
-    async def set_speculation(self, request, context):
+    async def set_speculation(self, raw: bytes, context):
         await self._require_ready(context)
+        request = await self._parse(raw, pb.SetSpeculationRequest, context, count=False)
         if request.HasField("k") and request.k > 32:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"k: must be <= 32 (0 clears), got {request.k}")
         if request.HasField("enabled") and request.enabled and self.state.engine.drafter is None:
