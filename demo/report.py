@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import statistics
 import time
 from pathlib import Path
@@ -127,8 +128,31 @@ def _fmt(v: Any, pattern: str = "{:.2f}") -> str:
     return pattern.format(v) if isinstance(v, (int, float)) else "–"
 
 
+def drift_section(drift: dict[str, Any]) -> str:
+    """The drift chapter's numbers: the policy the demo set and what each part of it measured."""
+    if not drift:
+        return ""
+    policy = ", ".join(f"{k} {v}" for k, v in (drift.get("policy") or {}).items())
+    out = [f"<h2>Drift chapter</h2><p>Drift policy of the pair (spec.drift): {html.escape(policy)}.</p>"]
+    shift = drift.get("trafficShift")
+    if shift:
+        out.append(f"<p><b>Traffic shift</b>: {shift.get('requests')} requests in {shift.get('seconds')} s, "
+                   f"'{html.escape(str(shift.get('category')))}' never gated. status.live.trafficShift (drafted "
+                   f"tokens, not judged): <code>{html.escape(json.dumps(shift.get('trafficShift')))}</code>; "
+                   f"gated categories' live acceptance: <code>{html.escape(json.dumps(shift.get('liveAcceptance')))}</code>; "
+                   f"operator actions: {html.escape(', '.join(shift.get('actions') or []) or 'none')}.</p>")
+    bad = drift.get("badDraft")
+    if bad:
+        seconds = ", ".join(f"{html.escape(k)} after {v} s" for k, v in (bad.get("secondsTo") or {}).items())
+        out.append(f"<p><b>Bad draft</b>: {bad.get('requests')} requests, acceptance "
+                   f"{_fmt(bad.get('acceptance'), '{:.0%}')} over {bad.get('drafted')} drafted tokens; "
+                   f"from the pod's deletion: {seconds}.</p>")
+    return "".join(out)
+
+
 def write_report(path: Path, pair: dict[str, Any], timeline: Timeline, answers: list[tuple[str, Answer]],
-                 verdicts: dict[str, dict[str, Any]], mlflow_url: str, model: str, seconds: float) -> Path:
+                 verdicts: dict[str, dict[str, Any]], mlflow_url: str, model: str, seconds: float,
+                 drift: dict[str, Any] | None = None) -> Path:
     st = pair.get("status") or {}
     history = st.get("history") or []
     outcome = ("rolled back" if any(h.get("action") == "RolledBack" for h in history) else st.get("phase", "?"))
@@ -143,7 +167,7 @@ def write_report(path: Path, pair: dict[str, Any], timeline: Timeline, answers: 
                  for h in history]
     ans_rows = []
     for label, a in answers:
-        if label == "drift":
+        if label in ("drift", "traffic shift"):
             continue
         ans_rows.append([html.escape(label), html.escape(a.category), html.escape(a.prompt.splitlines()[0][:70]),
                          html.escape(a.text[:160]) + ("…" if len(a.text) > 160 else ""),
@@ -155,6 +179,7 @@ def write_report(path: Path, pair: dict[str, Any], timeline: Timeline, answers: 
         acc = sum(a.accepted for a in drift_answers) / d if d else None
         drift_note = (f"<p>{len(drift_answers)} requests during the drift; acceptance over their drafted tokens: "
                       f"{_fmt(acc, '{:.0%}')} ({d} drafted).</p>")
+    drift_note += drift_section(drift or {})
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>specpair demo report</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:1080px;margin:2em auto;color:#222;padding:0 1em}}
 h1{{margin-bottom:.2em}} .sub{{color:#666;margin-top:0}} table{{border-collapse:collapse;width:100%;font-size:13px;margin:.5em 0 1.5em}}

@@ -75,8 +75,11 @@ class Timeline:
 
 
 class Sampler:
-    def __init__(self, timeline: Timeline, address: str, read_pair: Callable[[], dict[str, Any] | None],
-                 period: float = 1.0):
+    """Samples the pair's status and the serving pod's counters once a period. `address` is
+    asked every time: a restarted or rolled pod has another pod IP."""
+
+    def __init__(self, timeline: Timeline, address: Callable[[], str | None],
+                 read_pair: Callable[[], dict[str, Any] | None], period: float = 1.0):
         self.timeline, self.address, self.read_pair, self.period = timeline, address, read_pair, period
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="timeline", daemon=True)
@@ -89,26 +92,39 @@ class Sampler:
         self.thread.join(5)
 
     def _loop(self) -> None:
-        channel = grpc.insecure_channel(self.address)
-        stub = engine_pb2_grpc.EngineStub(channel)
+        channel, at = None, None
         try:
             while not self.stop_event.is_set():
-                self.take(stub)
+                try:
+                    address = self.address()
+                except Exception:  # noqa: BLE001 - the API may be busy; sample without the engine
+                    address = None
+                if address != at:
+                    if channel is not None:
+                        channel.close()
+                    channel = grpc.insecure_channel(address) if address else None
+                    at = address
+                self.take(engine_pb2_grpc.EngineStub(channel) if channel is not None else None)
                 self.stop_event.wait(self.period)
         finally:
-            channel.close()
+            if channel is not None:
+                channel.close()
 
     def take(self, stub: Any) -> None:
-        obj = self.read_pair() or {}
+        try:
+            obj = self.read_pair() or {}
+        except Exception:  # noqa: BLE001
+            obj = {}
         status = obj.get("status") or {}
         version, speculating, counters = "", None, {}
-        try:
-            stats = stub.GetStats(engine_pb2.GetStatsRequest(), timeout=2)
-            version, speculating = stats.version, stats.speculating
-            counters = {cat: (int(c.cumulative.num_draft_tokens), int(c.cumulative.num_accepted_tokens))
-                        for cat, c in stats.categories.items()}
-        except grpc.RpcError:
-            pass  # no pod yet, or one being replaced
+        if stub is not None:
+            try:
+                stats = stub.GetStats(engine_pb2.GetStatsRequest(), timeout=2)
+                version, speculating = stats.version, stats.speculating
+                counters = {cat: (int(c.cumulative.num_draft_tokens), int(c.cumulative.num_accepted_tokens))
+                            for cat, c in stats.categories.items()}
+            except grpc.RpcError:
+                pass  # no pod yet, or one being replaced
         self.timeline.samples.append(Sample(time.time(), version, speculating, counters, status.get("phase", ""),
                                             str(status.get("servingVersion", "")), status.get("acceptance")))
         if status.get("history"):
