@@ -178,7 +178,7 @@ def test_undecodable_bytes_are_invalid_argument_on_every_rpc(shared_server, meth
 def test_every_deadline_expiry_is_counted_as_deadline(tiny_pair, start_server):
     """Deadlines of several lengths, a few at once: none may be counted as a cancellation."""
     server = start_server(engine=make_engine(tiny_pair, delay=0.01), max_batch_size=4)
-    timeouts = [0.05, 0.1, 0.2, 0.3, 0.4] * 6
+    timeouts = [0.1, 0.15, 0.2, 0.3, 0.4] * 6
     with client_for(server) as c:
         def expire(timeout):
             err = rpc_error(lambda: list(c.stream(request("def foo(x):", max_new_tokens=LONG), timeout=timeout)))
@@ -193,3 +193,15 @@ def test_every_deadline_expiry_is_counted_as_deadline(tiny_pair, start_server):
     assert wait_for(lambda: _requests(server, "deadline") == len(timeouts)), \
         (_requests(server, "deadline"), _requests(server, "cancelled"))
     assert _requests(server, "cancelled") == 0
+
+
+def test_a_deadline_passing_while_the_prompt_is_tokenized_is_counted(start_server):
+    server = start_server()
+    # The server's one tokenizer thread is busy for a second: the request waits there.
+    busy = server._service._tokenize_pool.submit(time.sleep, 1.0)
+    with client_for(server) as c:
+        err = rpc_error(lambda: list(c.stream(request("def foo(x):", max_new_tokens=4), timeout=0.3)))
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    busy.result(5)
+    assert wait_for(lambda: _requests(server, "deadline") == 1)
+    assert _requests(server, "ok") == 0 and server.worker.busy == 0

@@ -34,6 +34,12 @@ FAILURE_CODES = {"unavailable": grpc.StatusCode.UNAVAILABLE, "internal": grpc.St
 DEADLINE_SLACK_SECONDS = 0.25
 
 
+def gone_status(context) -> str:
+    """Why a call ended before its reply: "deadline" or "cancelled" (the metric's status)."""
+    remaining = context.time_remaining()
+    return "deadline" if remaining is not None and remaining <= DEADLINE_SLACK_SECONDS else "cancelled"
+
+
 def stats_message(stats: AcceptanceStats) -> pb.AcceptanceStats:
     return pb.AcceptanceStats(
         num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
@@ -164,6 +170,9 @@ class EngineService:
             await self._invalid(context, exc.field, exc.reason)
         except SpecpairError as exc:
             await self._invalid(context, checked.prompt_field if checked else "prompt", str(exc))
+        except asyncio.CancelledError:   # gone while its prompt was tokenized: still counted
+            state.count_rejected(state.metrics.category(checked.params.category), gone_status(context))
+            raise
 
         category = state.metrics.category(checked.params.category)     # bounded label set
         events: asyncio.Queue = asyncio.Queue()
@@ -202,10 +211,7 @@ class EngineService:
         finally:
             if not finished:
                 # Client cancelled, deadline passed, or the stream broke: free the batch slot.
-                remaining = context.time_remaining()
-                expired = remaining is not None and remaining <= DEADLINE_SLACK_SECONDS
-                status = "deadline" if expired else "cancelled"
-                state.worker.cancel(job, status)
+                state.worker.cancel(job, gone_status(context))
 
     # -- unary ----------------------------------------------------------------------------------
 
