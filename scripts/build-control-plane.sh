@@ -5,7 +5,7 @@
 #
 #   ${SPECPAIR_CACHE:-~/.cache/specpair}/controlplane/<stamp>/bin/{etcd,kube-apiserver,...}
 #
-# <stamp> hashes go.mod, go.sum and the Go version: a warm run only checks the stamp (well
+# <stamp> hashes go.mod, go.sum, this script and the Go version: a warm run only checks the stamp (well
 # under a second); a cold run downloads the modules from the Go module proxy and compiles
 # (measured on 2 cores: see docs/devcluster.md). Nothing is downloaded from anywhere else.
 set -euo pipefail
@@ -27,7 +27,7 @@ case "$GO_VERSION" in
   *) die "Go $GO_VERSION is too old: Kubernetes v1.37 needs Go >= 1.26." ;;
 esac
 
-STAMP="$(cat "$MODULE_DIR/go.mod" "$MODULE_DIR/go.sum" <(echo "$GO_VERSION") | sha256sum | cut -c1-16)"
+STAMP="$(cat "$MODULE_DIR/go.mod" "$MODULE_DIR/go.sum" "${BASH_SOURCE[0]}" <(echo "$GO_VERSION") | sha256sum | cut -c1-16)"
 OUT="$CACHE_ROOT/$STAMP"
 BIN="$OUT/bin"
 if [[ -f "$OUT/stamp" ]] && [[ "$(cat "$OUT/stamp")" == "$STAMP" ]]; then
@@ -53,7 +53,16 @@ rm -rf "$OUT.partial"
 mkdir -p "$OUT.partial/bin"
 # -v names each package as it is compiled; count them so a long build shows it is alive.
 set +e
-go build -v -trimpath -ldflags='-s -w' -o "$OUT.partial/bin/" "${PACKAGES[@]}" 2>&1 | {
+# The version the binaries report (kubectl version, helm's kubeVersion check): what Kubernetes'
+# own build stamps in with -X, taken from go.mod.
+K8S_VERSION="$(awk '$1 == "k8s.io/kubernetes" {print $2; exit}' go.mod)"
+K8S_MINOR="$(echo "$K8S_VERSION" | cut -d. -f2)"
+LDFLAGS="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  LDFLAGS+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$K8S_MINOR"
+  LDFLAGS+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+done
+go build -v -trimpath -ldflags="$LDFLAGS" -o "$OUT.partial/bin/" "${PACKAGES[@]}" 2>&1 | {
   n=0
   while IFS= read -r line; do
     case "$line" in

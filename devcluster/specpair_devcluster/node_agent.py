@@ -137,7 +137,9 @@ class LocalImages:
                 return entry
         return None
 
-    def argv(self, container: dict[str, Any]) -> list[str] | None:
+    def argv(self, container: dict[str, Any], rewrite=lambda a: a) -> list[str] | None:
+        """The local command line; `rewrite` maps the pod's own words (mount paths, addresses),
+        not the host paths of the programs that run them."""
         image = self.find(container.get("image", ""))
         if image is None:
             return None
@@ -146,7 +148,7 @@ class LocalImages:
             args = list(container["args"])
         else:
             args = [] if container.get("command") else list(image.cmd)
-        argv = command + args
+        argv = [rewrite(a) for a in command + args]
         prefix = image.programs.get(argv[0])
         return [*prefix, *argv[1:]] if prefix else argv
 
@@ -575,8 +577,7 @@ class PodWorker:
     _env_cache: dict[str, str] = {}
 
     def _prepare(self, container: dict[str, Any]) -> tuple[list[str], dict[str, str], str | None]:
-        argv = self.agent.images.argv(container)
-        if argv is None:
+        if self.agent.images.find(container.get("image", "")) is None:
             raise ContainerError("ErrImagePull", f"image {container.get('image')!r} is not available on "
                                  f"{self.agent.spec.name}: devcluster nodes hold only the project's own images "
                                  f"({', '.join(self.agent.images.entrypoints)})")
@@ -584,7 +585,7 @@ class PodWorker:
         env = self._environment(container, mounts)
         self._env_cache = env
         rewrite = _path_rewriter(mounts)
-        argv = [a.replace("0.0.0.0", self.ip) for a in (rewrite(a) for a in argv)]
+        argv = self.agent.images.argv(container, lambda a: rewrite(a).replace("0.0.0.0", self.ip))
         if "engine" in argv and "serve" in argv and "--host" not in argv:
             argv += ["--host", self.ip]
         cwd = rewrite(container["workingDir"]) if container.get("workingDir") else str(self.dir)
@@ -715,11 +716,12 @@ class PodWorker:
                 if key in src:
                     data = self._keyed_files(kind, {"name": src[key]["name"], "optional": src[key].get("optional")}, ns)
                     env.update({prefix + k: v.decode() for k, v in data.items()})
+        rewrite = _path_rewriter(mounts)
         for item in container.get("env") or []:
             name = item["name"]
             if "value" in item:
-                env[name] = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)),
-                                   item["value"])
+                env[name] = rewrite(re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                                           lambda m: env.get(m.group(1), m.group(0)), item["value"]))
                 continue
             ref = item.get("valueFrom") or {}
             if "fieldRef" in ref:
@@ -734,8 +736,6 @@ class PodWorker:
                                          f"couldn't find key {r['key']} in {kind} {ns}/{r['name']}")
             elif "resourceFieldRef" in ref:
                 env[name] = "0"
-        rewrite = _path_rewriter(mounts)
-        env = {k: rewrite(v) for k, v in env.items()}
         if SA_MOUNT in mounts:
             env["KUBECONFIG"] = self._service_account_kubeconfig(Path(mounts[SA_MOUNT]))
         return env

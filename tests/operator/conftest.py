@@ -1,5 +1,5 @@
-"""Fixtures for the operator tests: a real MLflow server, the API emulator, and stand-ins for
-what a cluster would run (kubelet, Deployment/Job controllers, engine pods).
+"""Fixtures for the operator tests: a real MLflow server, the real control plane (the session's
+devcluster, tests/conftest.py) with the chart installed by helm, and a namespace per test.
 """
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -21,9 +22,14 @@ import pytest
 os.environ.setdefault("SPECPAIR_RECONCILE_INTERVAL", "0.4")
 os.environ.setdefault("SPECPAIR_WATCH_TIMEOUT", "30")
 
-from kube_emulator import KubeEmulator  # noqa: E402  (tests/operator is on sys.path via rootdir conftest)
+from cluster_env import Namespace, apply_env, install_chart  # noqa: E402  (tests/operator is on sys.path)
+from cluster_env import operator_env as operator_env_for  # noqa: E402
 
-from standins import CRD, free_port  # noqa: E402
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class MlflowServer:
@@ -73,72 +79,22 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
-class EmulatorThread:
-    """The emulator on its own event loop thread, so sync tests and Kopf's thread can use it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.emu: KubeEmulator = self.call_sync(self._make)
-        self.url = self.call(self.emu.start())
-
-    @staticmethod
-    def _make() -> KubeEmulator:
-        emu = KubeEmulator()
-        emu.load_crd(str(CRD))
-        return emu
-
-    def call(self, coro: Any, timeout: float = 30) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def call_sync(self, fn: Callable[[], Any]) -> Any:
-        async def wrap() -> Any:
-            return fn()
-        return self.call(wrap())
-
-    # shorthand for tests: (apiVersion, kind-or-plural)
-    def rt(self, api_version: str, kind: str) -> Any:
-        return self.emu.find_type(api_version, kind)
-
-    def get(self, api_version: str, kind: str, ns: str | None, name: str) -> dict[str, Any] | None:
-        try:
-            return self.call_sync(lambda: json.loads(json.dumps(self.emu.get(self.rt(api_version, kind), ns, name))))
-        except Exception:  # noqa: BLE001 - ApiError 404
-            return None
-
-    def list(self, api_version: str, kind: str, ns: str | None = None, selector: str | None = None) -> list[dict]:
-        return self.call_sync(lambda: self.emu.list(self.rt(api_version, kind), ns, selector))
-
-    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
-        return self.call(self.emu.create(self.rt(obj["apiVersion"], obj["kind"]), obj["metadata"].get("namespace"), obj))
-
-    def patch(self, api_version: str, kind: str, ns: str | None, name: str, patch: dict[str, Any],
-              subresource: str | None = None) -> dict[str, Any]:
-        return self.call(self.emu.patch(self.rt(api_version, kind), ns, name, patch, "application/merge-patch+json",
-                                        subresource))
-
-    def stop(self) -> None:
-        self.call(self.emu.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+@pytest.fixture(scope="session")
+def operator_kubeconfig(devcluster, mlflow_server, tmp_path_factory) -> Path:
+    """The chart installed by helm on the real control plane; a kubeconfig with the token of the
+    chart's ServiceAccount: the in-test operator has exactly the chart's RBAC."""
+    return install_chart(devcluster, mlflow_server.url, tmp_path_factory.mktemp("operator"))
 
 
 @pytest.fixture
-def kube():
-    emu = EmulatorThread()
-    yield emu
-    emu.stop()
+def operator_env(operator_kubeconfig, mlflow_server, monkeypatch) -> dict[str, str]:
+    env = operator_env_for(operator_kubeconfig, mlflow_server.url)
+    apply_env(env, monkeypatch)
+    return env
 
 
 @pytest.fixture
-def kubeconfig(kube: EmulatorThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-        "clusters": [{"name": "emu", "cluster": {"server": kube.url}}],
-        "users": [{"name": "emu", "user": {"token": "test"}}],
-        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": "default"}}],
-    }))
-    monkeypatch.setenv("KUBECONFIG", str(path))
-    return path
+def ns(devcluster) -> Namespace:
+    space = Namespace(devcluster)
+    yield space
+    space.delete()

@@ -1,27 +1,30 @@
-"""End to end: real Kopf running the operator against the API emulator and a real MLflow server.
+"""End to end on the real control plane: real Kopf running the operator with the chart's RBAC
+(helm-installed, ServiceAccount token), a real MLflow server, the real Deployment/Job
+controllers and scheduler, and pods run by the devcluster node.
 
-The gate Job runs the operator's own gate runner as a subprocess (with the engine's
-`specpair gate` when installed, the stand-in otherwise); the engine pod is a real gRPC server
-on loopback; Deployments and Jobs are progressed by the controller stand-in.
+The pods use the stand-in engine image (tests/operator/engine_standin.py, gate_standin.py): the
+gate Job runs the operator's own gate runner with a gate that reads the test's model world, and
+the engine pods speak the real gRPC API (probed by the node's real gRPC probes) with numbers from
+that world. test_operator_real_engine.py runs the real gate and engine on tiny models instead.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
+from cluster_env import OPERATOR, STANDIN_IMAGE, Namespace, World, register_standin_image
+from specpair_devcluster.client import ApiError
 from specpair_operator import release
 from specpair_operator.registry import ReleaseRegistry
-from standins import ControllerStandIn, EngineStandIn
 
-NS = "default"
-WORLD = {
+MODELS = {
     # draft -> what the gate measures, and the live acceptance per category under traffic
     "good-draft": {"acceptanceRate": 0.7, "speedup": 1.6, "categories": {"code": 0.8, "chat": 0.6},
                    "live": {"code": 0.78, "chat": 0.6}},
@@ -31,41 +34,39 @@ WORLD = {
     "foreign-draft": {"acceptanceRate": 0.7, "speedup": 1.5, "categories": {"code": 0.8}, "live": {},
                       "tokenizerOf": "meta-llama/Llama-3.2-1B"},
 }
-OPERATOR = ["run", "--all-namespaces", "--standalone", "-m", "specpair_operator.handlers"]
+
+
+@pytest.fixture(scope="session")
+def world(devcluster, tmp_path_factory) -> World:
+    w = World(tmp_path_factory.mktemp("world") / "world.json", MODELS)
+    register_standin_image(devcluster, w.path)
+    return w
 
 
 @pytest.fixture
-def cluster(kube, kubeconfig, mlflow_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    world_file = tmp_path / "world.json"
-    world_file.write_text(json.dumps(WORLD))
-    engine = EngineStandIn(WORLD)
-    monkeypatch.setenv("SPECPAIR_MLFLOW_TRACKING_URI", mlflow_server.url)
-    ctl = ControllerStandIn(kube, engine, tmp_path, world_file, NS)
-    yield ctl
-    engine.stop()
+def env(world, operator_env, ns):
+    world.data = json.loads(json.dumps(MODELS))
+    world.save()
+    return ns
 
 
-def pair(name: str, draft: str, port: int, **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair",
-            "metadata": {"name": name, "namespace": NS},
+def pair(name: str, draft: str, **spec: Any) -> dict[str, Any]:
+    rollout = {"image": STANDIN_IMAGE, **spec.pop("rollout", {})}
+    return {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": name},
             "spec": {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "main"},
                      "draft": {"source": draft},
                      "gating": {"prompts": [{"prompt": "def fib(n):", "category": "code"},
                                             {"prompt": "Hi! How are you?", "category": "chat"}],
                                 "thresholds": {"minAcceptance": 0.5, "minCategoryAcceptance": {"code": 0.6}}},
-                     "rollout": {"port": port}, **spec}}
-
-
-def smp(ctl: ControllerStandIn, name: str) -> dict[str, Any]:
-    return ctl.kube.get("specpair.io/v1alpha1", "SpecModelPair", NS, name) or {}
+                     "rollout": rollout, **spec}}
 
 
 def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
     return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
 
-def serving(ctl: ControllerStandIn, name: str, version: str) -> dict[str, Any] | None:
-    obj = smp(ctl, name)
+def serving(ns: Namespace, name: str, version: str) -> dict[str, Any] | None:
+    obj = ns.pair(name)
     st = obj.get("status") or {}
     ready = cond(obj, "Ready")
     if st.get("phase") == "Serving" and st.get("servingVersion") == version and ready.get("status") == "True" \
@@ -74,18 +75,27 @@ def serving(ctl: ControllerStandIn, name: str, version: str) -> dict[str, Any] |
     return None
 
 
-def set_spec(ctl: ControllerStandIn, name: str, spec_patch: dict[str, Any]) -> None:
-    ctl.kube.patch("specpair.io/v1alpha1", "SpecModelPair", NS, name, {"spec": spec_patch})
+def set_spec(ns: Namespace, name: str, spec_patch: dict[str, Any]) -> None:
+    ns.patch("specpair.io/v1alpha1", "SpecModelPair", name, {"spec": spec_patch})
 
 
-def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champion(cluster, mlflow_server):
-    ctl = cluster
+def engine_pods(ns: Namespace, version: str | None = None) -> list[dict[str, Any]]:
+    sel = "specpair.io/role=engine" + (f",specpair.io/release-version={version}" if version else "")
+    return [p for p in ns.pods(sel) if not p["metadata"].get("deletionTimestamp")]
+
+
+def model_name(ns: Namespace, name: str) -> str:
+    return release.effective_model_name(name, ns.name, {})
+
+
+def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champion(env, mlflow_server):
+    ns = env
     name = f"chat-{uuid.uuid4().hex[:5]}"
-    model = f"{NS}-{name}"
+    model = model_name(ns, name)
     mlflow = MlflowClient(mlflow_server.url)
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        ctl.kube.create(pair(name, "good-draft", ctl.engine.port))
-        obj = ctl.wait_for("v1 serving", lambda: serving(ctl, name, "1"), timeout=90)
+        ns.create(pair(name, "good-draft"))
+        obj = ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
         st = obj["status"]
         assert st["lastGate"]["passed"] and st["lastGate"]["acceptanceRate"] == 0.7 and st["speedup"] == 1.6
         assert st["acceptance"] == 0.7  # gated value until live traffic is measured
@@ -93,87 +103,86 @@ def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champi
         assert cond(obj, "Reconciling")["status"] == "False" and cond(obj, "Stalled")["status"] == "False"
         assert [h["action"] for h in st["history"]] == ["GateStarted", "Promoted", "RolloutStarted"]
         assert mlflow.get_registered_model(model).aliases == {"candidate": "1", "champion": "1"}
-        jobs = ctl.kube.list("batch/v1", "Job", NS)
+        jobs = ns.list("batch/v1", "Job")
         assert len(jobs) == 1 and jobs[0]["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
-        dep = ctl.kube.get("apps/v1", "Deployment", NS, f"{name}-engine")
+        assert any(c["type"] == "Complete" and c["status"] == "True" for c in jobs[0]["status"]["conditions"])
+        dep = ns.get("apps/v1", "Deployment", f"{name}-engine")
         assert dep["metadata"]["ownerReferences"][0]["kind"] == "SpecModelPair"
-        assert ctl.kube.get("v1", "Service", NS, f"{name}-engine") is not None
-        assert ctl.engine.release["mlflow"]["version"] == "1"  # the pod serves what MLflow says
-        events = ctl.kube.list("v1", "Event", NS)
-        assert any(e.get("reason") == "Promoted" for e in events)
+        assert ns.get("v1", "Service", f"{name}-engine") is not None
+        (pod,) = engine_pods(ns)
+        assert pod["metadata"]["labels"]["specpair.io/release-version"] == "1" and pod["spec"]["nodeName"]
+        assert any(e.get("reason") == "Promoted" for e in ns.events())
 
         # A changed spec is a new release, gated and promoted; the old champion becomes previous.
-        set_spec(ctl, name, {"draft": {"source": "faster-draft"}})
-        obj = ctl.wait_for("v2 serving", lambda: serving(ctl, name, "2"), timeout=90)
+        set_spec(ns, name, {"draft": {"source": "faster-draft"}})
+        obj = ns.wait_for("v2 serving", lambda: serving(ns, name, "2"), timeout=120)
         assert obj["status"]["previousVersion"] == "1"
         assert mlflow.get_registered_model(model).aliases == {"candidate": "2", "champion": "2", "previous": "1"}
-        assert ctl.engine.release["draft"]["source"] == "faster-draft"
+        ns.wait_for("v1's pod gone", lambda: [p["metadata"]["labels"]["specpair.io/release-version"]
+                                              for p in engine_pods(ns)] == ["2"])
 
         # A release that fails its gate never serves; the condition says which threshold by how much.
-        set_spec(ctl, name, {"draft": {"source": "bad-draft"}})
-        obj = ctl.wait_for("v3 gate failed", lambda: (o := smp(ctl, name)) and cond(o, "Gated").get("status") == "False"
-                           and o["status"].get("phase") == "Degraded" and o)
+        set_spec(ns, name, {"draft": {"source": "bad-draft"}})
+        obj = ns.wait_for("v3 gate failed", lambda: (o := ns.pair(name)) and cond(o, "Gated").get("status") == "False"
+                          and o["status"].get("phase") == "Degraded" and o)
         msg = cond(obj, "Gated")["message"]
         assert "acceptance 0.200 < minAcceptance 0.500 (short by 0.300)" in msg
         assert "category 'code' acceptance 0.250 < 0.600 (short by 0.350)" in msg
         assert cond(obj, "Ready")["status"] == "False" and cond(obj, "Stalled")["status"] == "True"
         assert obj["status"]["servingVersion"] == "2" and obj["status"]["candidateVersion"] == "3"
         assert mlflow.get_registered_model(model).aliases["champion"] == "2"
-        assert ctl.engine.release["mlflow"]["version"] == "2"
+        assert [p["metadata"]["labels"]["specpair.io/release-version"] for p in engine_pods(ns)] == ["2"]
         assert mlflow.get_model_version(model, "3").tags["specpair.gate.status"] == "failed"
         assert len(mlflow.search_model_versions(f"name='{model}'")) == 3
     assert runner.exception is None
 
 
-def test_tokenizer_mismatched_draft_fails_the_gate_with_the_differences(cluster, mlflow_server):
-    ctl = cluster
+def test_tokenizer_mismatched_draft_fails_the_gate_with_the_differences(env):
+    ns = env
     name = f"foreign-{uuid.uuid4().hex[:5]}"
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        ctl.kube.create(pair(name, "foreign-draft", ctl.engine.port))
-        obj = ctl.wait_for("gate refused", lambda: (o := smp(ctl, name)) and cond(o, "TokenizerCompatible").get("status") == "False" and o)
+        ns.create(pair(name, "foreign-draft"))
+        obj = ns.wait_for("gate refused", lambda: (o := ns.pair(name)) and cond(o, "TokenizerCompatible").get("status") == "False" and o)
         assert "49152 vs 32000" in cond(obj, "TokenizerCompatible")["message"]
         assert cond(obj, "Gated")["reason"] == "TokenizerMismatch"
         assert obj["status"]["phase"] == "Failed" and cond(obj, "Stalled")["status"] == "True"
-        assert ctl.kube.get("apps/v1", "Deployment", NS, f"{name}-engine") is None
+        assert ns.get("apps/v1", "Deployment", f"{name}-engine") is None
     assert runner.exception is None
 
 
-def test_restarted_operator_makes_no_duplicates_and_mlflow_outage_recovers(cluster, mlflow_server):
-    ctl = cluster
+def test_restarted_operator_makes_no_duplicates_and_mlflow_outage_recovers(env, mlflow_server):
+    ns = env
     name = f"restart-{uuid.uuid4().hex[:5]}"
-    model = f"{NS}-{name}"
+    model = model_name(ns, name)
     mlflow = MlflowClient(mlflow_server.url)
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        ctl.kube.create(pair(name, "good-draft", ctl.engine.port))
+        ns.create(pair(name, "good-draft"))
         # Killed while the gate is running: the Job exists, no verdict yet.
-        import time
-        deadline = time.monotonic() + 60
-        while not ctl.kube.list("batch/v1", "Job", NS) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        ns.wait_for("the gate Job", lambda: ns.list("batch/v1", "Job"), timeout=60)
     assert runner.exception is None
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        ctl.wait_for("v1 serving after restart", lambda: serving(ctl, name, "1"), timeout=90)
-        assert len(ctl.kube.list("batch/v1", "Job", NS)) == 1 and len(ctl.gates_run) == 1
+        ns.wait_for("v1 serving after restart", lambda: serving(ns, name, "1"), timeout=120)
+        assert len(ns.list("batch/v1", "Job")) == 1 and len(ns.pods("specpair.io/role=gate")) == 1
         assert len(mlflow.search_model_versions(f"name='{model}'")) == 1
 
         mlflow_server.stop()
         try:
-            set_spec(ctl, name, {"draft": {"source": "faster-draft"}})
-            obj = ctl.wait_for("MLflow outage reported",
-                               lambda: (o := smp(ctl, name)) and cond(o, "Reconciling").get("reason") == "MLflowUnavailable" and o)
-            assert obj["status"]["servingVersion"] == "1" and len(ctl.kube.list("batch/v1", "Job", NS)) == 1
+            set_spec(ns, name, {"draft": {"source": "faster-draft"}})
+            obj = ns.wait_for("MLflow outage reported",
+                              lambda: (o := ns.pair(name)) and cond(o, "Reconciling").get("reason") == "MLflowUnavailable" and o)
+            assert obj["status"]["servingVersion"] == "1" and len(ns.list("batch/v1", "Job")) == 1
         finally:
             mlflow_server.start()
-        ctl.wait_for("v2 serving after the outage", lambda: serving(ctl, name, "2"), timeout=120)
+        ns.wait_for("v2 serving after the outage", lambda: serving(ns, name, "2"), timeout=150)
         assert len(mlflow.search_model_versions(f"name='{model}'")) == 2
         assert mlflow.get_registered_model(model).aliases["previous"] == "1"
     assert runner.exception is None
 
     # Killed mid-promotion: v3 gated and passed, `previous` already moved, `champion` not yet.
     # This is the state the operator's own steps leave when it dies between the two alias writes.
-    set_spec(ctl, name, {"speculation": {"k": 6}})
-    body = smp(ctl, name)
-    rel = release.build_release(name, NS, body["spec"], body["spec"]["gating"]["prompts"])
+    set_spec(ns, name, {"speculation": {"k": 6}})
+    body = ns.pair(name)
+    rel = release.build_release(name, ns.name, body["spec"], body["spec"]["gating"]["prompts"])
     reg = ReleaseRegistry(mlflow_server.url)
     v3 = reg.ensure_release(model, rel, release.content_hash(rel))
     reg.set_tags(model, v3, {"specpair.release": json.dumps(rel, sort_keys=True, separators=(",", ":"))})
@@ -184,51 +193,127 @@ def test_restarted_operator_makes_no_duplicates_and_mlflow_outage_recovers(clust
     reg.set_alias(model, "previous", "2")
     assert reg.aliases(model) == {"candidate": "3", "champion": "2", "previous": "2"}
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        ctl.wait_for("v3 serving after restart mid-promotion", lambda: serving(ctl, name, "3"), timeout=90)
+        ns.wait_for("v3 serving after restart mid-promotion", lambda: serving(ns, name, "3"), timeout=120)
         assert reg.aliases(model) == {"candidate": "3", "champion": "3", "previous": "2"}
         assert len(mlflow.search_model_versions(f"name='{model}'")) == 3
-        assert len(ctl.kube.list("batch/v1", "Job", NS)) == 2  # v1's and v2's; v3 already had its verdict
+        assert len(ns.list("batch/v1", "Job")) == 2  # v1's and v2's; v3 already had its verdict
     assert runner.exception is None
 
 
-def test_configmap_prompts_tokenizer_mismatch_on_a_pod_and_failed_rollout_roll_back(cluster, mlflow_server):
-    ctl = cluster
+def test_configmap_prompts_tokenizer_mismatch_on_a_pod_and_crash_looping_rollout_roll_back(env, world, mlflow_server):
+    ns = env
     name = f"guard-{uuid.uuid4().hex[:5]}"
-    model = f"{NS}-{name}"
+    model = model_name(ns, name)
     mlflow = MlflowClient(mlflow_server.url)
     prompts = [{"prompt": "class Stack:", "category": "code"}, {"prompt": "Tell me a joke", "category": "chat"},
                {"prompt": "import os", "category": "code"}]
-    ctl.kube.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "golden", "namespace": NS},
-                     "data": {"prompts.jsonl": "\n".join(json.dumps(p) for p in prompts)}})
-    spec = pair(name, "good-draft", ctl.engine.port)
+    ns.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "golden"},
+               "data": {"prompts.jsonl": "\n".join(json.dumps(p) for p in prompts)}})
+    spec = pair(name, "good-draft", rollout={"progressDeadlineSeconds": 30})
     spec["spec"]["gating"] = {"configMapRef": {"name": "golden"}, "thresholds": {"minAcceptance": 0.5}}
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        ctl.kube.create(spec)
-        ctl.wait_for("v1 serving", lambda: serving(ctl, name, "1"), timeout=90)
+        ns.create(spec)
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
         released = json.loads(mlflow.get_model_version(model, "1").tags["specpair.release"])
         assert released["gating"]["prompts"] == prompts
 
-        set_spec(ctl, name, {"draft": {"source": "faster-draft"}})
-        ctl.wait_for("v2 serving", lambda: serving(ctl, name, "2"), timeout=90)
+        set_spec(ns, name, {"draft": {"source": "faster-draft"}})
+        ns.wait_for("v2 serving", lambda: serving(ns, name, "2"), timeout=120)
         # The pod now reports a draft tokenizer that is not the one the release was gated with.
-        ctl.engine.fingerprints["faster-draft"] = "f" * 64
-        obj = ctl.wait_for("rolled back on tokenizer mismatch",
-                           lambda: (o := smp(ctl, name)) and o["status"].get("servingVersion") == "1"
-                           and cond(o, "Stalled").get("status") == "True" and o)
+        world.update(_fingerprint_overrides={"faster-draft": "f" * 64})
+        obj = ns.wait_for("rolled back on tokenizer mismatch",
+                          lambda: (o := ns.pair(name)) and o["status"].get("servingVersion") == "1"
+                          and cond(o, "Stalled").get("status") == "True" and o)
         last = [h for h in obj["status"]["history"] if h["action"] == "RolledBack"][-1]
         assert "tokenizer mismatch" in last["reason"] and (last["fromVersion"], last["toVersion"]) == ("2", "1")
         assert "specpair.rolled_back" in mlflow.get_model_version(model, "2").tags
+        world.update(_fingerprint_overrides={})
 
-        # A release whose pods never become available is rolled back too.
-        ctl.failing_versions.add("3")
-        set_spec(ctl, name, {"draft": {"source": "good-draft"}, "speculation": {"k": 5}})
-        obj = ctl.wait_for("rolled back after failed rollout",
-                           lambda: (o := smp(ctl, name)) and any(h["action"] == "RolledBack" and h["fromVersion"] == "3"
-                                                                 for h in o["status"].get("history", [])) and o)
-        assert "rollout of v3 failed: engine pods crash-looping" in obj["status"]["history"][-1]["reason"] or \
-            any("crash-looping" in h["reason"] for h in obj["status"]["history"])
-        ctl.wait_for("v1 serving again", lambda: (o := smp(ctl, name)) and o["status"].get("servingVersion") == "1"
-                     and o["status"].get("phase") == "Degraded" and ctl.engine.release["mlflow"]["version"] == "1")
+        # A release whose pods crash-loop misses the Deployment's progress deadline: rolled back.
+        world.update(_crash_versions=["3"])
+        set_spec(ns, name, {"draft": {"source": "good-draft"}, "speculation": {"k": 5}})
+        obj = ns.wait_for("rolled back after failed rollout",
+                          lambda: (o := ns.pair(name)) and any(h["action"] == "RolledBack" and h["fromVersion"] == "3"
+                                                               for h in o["status"].get("history", [])) and o,
+                          timeout=150)
+        reason = [h for h in obj["status"]["history"] if h["action"] == "RolledBack"][-1]["reason"]
+        assert "rollout of v3 failed" in reason and "timed out progressing" in reason
+        ns.wait_for("v1 serving again", lambda: (o := ns.pair(name)) and o["status"].get("servingVersion") == "1"
+                    and o["status"].get("phase") == "Degraded"
+                    and [p["metadata"]["labels"]["specpair.io/release-version"] for p in engine_pods(ns)
+                         if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))] == ["1"],
+                    timeout=120)
         assert mlflow.get_registered_model(model).aliases["champion"] == "1"
         assert len(mlflow.search_model_versions(f"name='{model}'")) == 3
     assert runner.exception is None
+
+
+# -- failing cases the emulator hid (each failed on the operator before this control plane) --------
+
+def test_a_pair_name_of_70_characters_is_served(env):
+    ns = env
+    # 63 characters then a dash: cut at 63, the name is no valid label value (the API server refuses it).
+    name = f"long-{uuid.uuid4().hex[:8]}".ljust(62, "x") + "-" + "y" * 7
+    assert len(name) == 70
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(pair(name, "good-draft"))
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
+        (dep,) = ns.list("apps/v1", "Deployment")
+        assert len(dep["metadata"]["name"]) <= 63 and dep["metadata"]["labels"]["specpair.io/pair"] != name
+    assert runner.exception is None
+
+
+def test_a_deployment_the_pair_does_not_own_is_never_touched(env):
+    ns = env
+    name = f"taken-{uuid.uuid4().hex[:5]}"
+    theirs = ns.create({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": f"{name}-engine"},
+                        "spec": {"replicas": 0, "selector": {"matchLabels": {"team": "other"}},
+                                 "template": {"metadata": {"labels": {"team": "other"}},
+                                              "spec": {"containers": [{"name": "c", "image": "registry.example.com/theirs:1"}]}}}})
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(pair(name, "good-draft"))
+        obj = ns.wait_for("name conflict reported", lambda: (o := ns.pair(name)) and
+                          cond(o, "Stalled").get("reason") == "NameConflict" and o, timeout=120)
+        assert "not owned by SpecModelPair" in cond(obj, "Stalled")["message"]
+        assert cond(obj, "Ready")["status"] == "False"
+        assert ns.events("NameConflict")
+        time.sleep(2)
+        now = ns.get("apps/v1", "Deployment", f"{name}-engine")
+        # Only the Deployment controller has written to it since (its status), never the operator.
+        assert now["spec"] == theirs["spec"] and not now["metadata"].get("ownerReferences")
+        assert now["metadata"].get("labels") == theirs["metadata"].get("labels")
+        assert not any(k.startswith("specpair.io/") for k in now["metadata"].get("annotations") or {})
+        writers = {f["manager"] for f in now["metadata"]["managedFields"]} - \
+            {f["manager"] for f in theirs["metadata"]["managedFields"]}
+        assert writers <= {"kube-controller-manager"}, writers
+    assert runner.exception is None
+
+
+def test_a_gpu_engine_rolls_from_v1_to_v2_on_a_node_with_one_gpu(env):
+    ns = env
+    name = f"gpu-{uuid.uuid4().hex[:5]}"
+    spec = pair(name, "good-draft", rollout={"resources": {"limits": {"nvidia.com/gpu": 1}},
+                                             "nodeSelector": {"node.specpair.io/pool": "gpu"},
+                                             "progressDeadlineSeconds": 60})
+    spec["spec"]["gating"]["resources"] = {}  # gate on CPU: the engine holds the cluster's one GPU
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(spec)
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
+        set_spec(ns, name, {"draft": {"source": "faster-draft"}})
+        obj = ns.wait_for("v2 serving", lambda: serving(ns, name, "2"), timeout=180)
+        assert not [h for h in obj["status"]["history"] if h["action"] == "RolledBack"]
+        (pod,) = engine_pods(ns)
+        assert pod["spec"]["nodeName"] == "devcluster-gpu-1"
+        assert pod["metadata"]["labels"]["specpair.io/release-version"] == "2"
+    assert runner.exception is None
+
+
+def test_malformed_pairs_are_refused_by_the_api_server_with_the_crds_message(env):
+    ns = env
+    with pytest.raises(ApiError) as err:
+        ns.create(pair("bad-k", "good-draft", speculation={"k": 1000}))
+    assert err.value.status == 422 and "spec.speculation.k" in err.value.message
+    with pytest.raises(ApiError) as err:
+        ns.create({**pair("two-drafts", "good-draft"), "spec": {**pair("x", "y")["spec"],
+                                                                "draft": {"source": "a", "drafter": "ngram"}}})
+    assert err.value.status == 422 and "spec.draft" in err.value.message

@@ -1,0 +1,166 @@
+"""The operator's world in the tests: the real control plane (devcluster), the chart installed
+by the real helm, and the operator logged in with its ServiceAccount's token, so every API call
+it makes is authorised by exactly the RBAC the chart ships."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from specpair_devcluster import DevCluster
+from specpair_devcluster.client import ApiError, Kube
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "specpair"
+OPERATOR_NAMESPACE = "specpair-system"
+RELEASE = "specpair"
+OPERATOR_ACCOUNT = "specpair"  # the chart's fullname for release "specpair"
+# `kopf run` as the chart's Deployment runs it, in the test process (its exceptions fail the test).
+OPERATOR = ["run", "--all-namespaces", "--standalone", "-m", "specpair_operator.handlers"]
+
+
+def helm(*args: str, kubeconfig: Path, input: str | None = None) -> str:
+    tools = REPO / ".tools" / "bin" / "helm"
+    exe = str(tools) if tools.exists() else "helm"
+    done = subprocess.run([exe, "--kubeconfig", str(kubeconfig), *args], input=input, capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed: {done.stderr[-3000:]}")
+    return done.stdout
+
+
+def install_chart(cluster: DevCluster, mlflow_url: str, workdir: Path) -> Path:
+    """`helm upgrade --install` of charts/specpair (CRD included) with no operator replica, then
+    a kubeconfig holding a token of the chart's ServiceAccount for the in-process operator."""
+    values = {"replicaCount": 0, "mlflow": {"trackingUri": mlflow_url}}
+    helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
+         "--wait", "--timeout", "120s", "--values", "-", kubeconfig=cluster.kubeconfig, input=json.dumps(values))
+    wait_until("the SpecModelPair CRD to be served", lambda: _crd_served(cluster.kube), timeout=60)
+    return cluster.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_ACCOUNT, workdir / "operator.kubeconfig")
+
+
+def _crd_served(kube: Kube) -> bool:
+    try:
+        kube.list("specpair.io/v1alpha1", "SpecModelPair", "default")
+        return True
+    except ApiError:
+        return False
+
+
+def wait_until(what: str, predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.25,
+               show: Callable[[], Any] | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(interval)
+    state = show() if show else None
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}"
+                         + (f"; state: {json.dumps(state, indent=1, default=str)[-4000:]}" if state is not None else ""))
+
+
+class Namespace:
+    """One test's namespace on the shared cluster, with the verbs the tests use."""
+
+    def __init__(self, cluster: DevCluster, name: str | None = None):
+        self.cluster = cluster
+        self.kube = cluster.kube
+        self.name = name or f"t-{uuid.uuid4().hex[:8]}"
+        cluster.ensure_namespace(self.name)
+
+    def get(self, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
+        return self.kube.get(api_version, kind, self.name, name)
+
+    def list(self, api_version: str, kind: str, labels: str | None = None) -> list[dict[str, Any]]:
+        return self.kube.list(api_version, kind, self.name, labels=labels)
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        obj = json.loads(json.dumps(obj))
+        obj.setdefault("metadata", {})["namespace"] = self.name
+        return self.kube.create(obj)
+
+    def patch(self, api_version: str, kind: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return self.kube.patch(api_version, kind, self.name, name, patch)
+
+    def pair(self, name: str) -> dict[str, Any]:
+        return self.get("specpair.io/v1alpha1", "SpecModelPair", name) or {}
+
+    def pods(self, labels: str | None = None) -> list[dict[str, Any]]:
+        return self.list("v1", "Pod", labels)
+
+    def events(self, reason: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.list("v1", "Event") if reason is None or e.get("reason") == reason]
+
+    def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float = 90.0) -> Any:
+        return wait_until(what, predicate, timeout, show=lambda: {
+            "pairs": [o.get("status") for o in self.list("specpair.io/v1alpha1", "SpecModelPair")],
+            "pods": [(p["metadata"]["name"], (p.get("status") or {}).get("phase"),
+                      [c.get("state") for c in (p.get("status") or {}).get("containerStatuses") or []])
+                     for p in self.pods()],
+            "node errors": self.cluster.node_errors()[-3:]})
+
+    def delete(self) -> None:
+        try:
+            self.kube.delete("v1", "Namespace", None, self.name)
+        except ApiError:
+            pass
+
+
+def crd_yaml() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "crds" / "specmodelpair.yaml").read_text())
+
+
+def operator_env(kubeconfig: Path, mlflow_url: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {"KUBECONFIG": str(kubeconfig), "SPECPAIR_MLFLOW_TRACKING_URI": mlflow_url, **(extra or {})}
+
+
+def apply_env(env: dict[str, str], monkeypatch: Any) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+
+
+# -- the stand-in engine image -------------------------------------------------------------------
+
+STANDIN_IMAGE = "specpair/engine-standin:test"
+HERE = Path(__file__).resolve().parent
+
+
+class World:
+    """The model world the stand-in gate and engine read (one file per session; tests run one at
+    a time). Keys starting with '_' steer the stand-in engine (see engine_standin.py)."""
+
+    def __init__(self, path: Path, models: dict[str, Any]):
+        self.path = path
+        self.data: dict[str, Any] = json.loads(json.dumps(models))
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data))
+        tmp.replace(self.path)
+
+    def update(self, **changes: Any) -> None:
+        self.data.update(changes)
+        self.save()
+
+
+def register_standin_image(cluster: DevCluster, world_file: Path) -> None:
+    """Puts the stand-in engine image on the cluster's nodes: `specpair` in it is the stand-in
+    engine, `python` runs the operator's gate runner, whose gate command is the stand-in gate."""
+    import sys
+
+    from specpair_devcluster.node_agent import LocalImage, project_programs
+    programs = {**project_programs(sys.executable), "specpair": [sys.executable, str(HERE / "engine_standin.py")]}
+    cluster.images.images["specpair/engine-standin"] = LocalImage(
+        ["specpair"], ["engine", "serve"], programs=programs,
+        env={"SPECPAIR_STANDIN_WORLD": str(world_file),
+             "SPECPAIR_GATE_COMMAND": f"{sys.executable} {HERE / 'gate_standin.py'}"})

@@ -1,0 +1,127 @@
+"""`specpair` as the stand-in engine image runs it: `specpair engine serve ...` with the flags the
+operator writes into the Deployment, speaking the real gRPC API (specpair.engine.v1.Engine and
+grpc.health.v1, so the pod's gRPC probes are real) with numbers from the test's model world.
+
+For scenarios that need chosen numbers (drift, tokenizer changes, crash loops) without models.
+The world file (SPECPAIR_STANDIN_WORLD) maps a draft source to what it measures:
+  {"good-draft": {"acceptanceRate": 0.7, "live": {"code": 0.78}, ...},
+   "_crash_versions": ["3"],                  # pods of these release versions exit at start
+   "_fingerprint_overrides": {"faster-draft": "fff..."}}   # re-read on every GetModelInfo
+A Generate request with category C drafts `max_new_tokens` tokens, accepted at the world's live
+rate for C: traffic is driven over gRPC like real traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from specpair._proto import engine_pb2, engine_pb2_grpc
+
+
+def fingerprint(source: str | None) -> str:
+    return hashlib.sha256(f"tokenizer-of:{source}".encode()).hexdigest()
+
+
+def world() -> dict[str, Any]:
+    with open(os.environ["SPECPAIR_STANDIN_WORLD"]) as f:
+        return json.load(f)
+
+
+class StandInEngine(engine_pb2_grpc.EngineServicer):
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.speculation = True
+        self.counters: dict[str, list[int]] = {}   # category -> [requests, drafted, accepted]
+        self.lock = threading.Lock()
+
+    def _draft(self) -> str:
+        return self.args.draft or self.args.drafter or ""
+
+    def Generate(self, request: Any, context: Any) -> Any:
+        drafted = request.max_new_tokens if request.HasField("max_new_tokens") else 64
+        category = request.category or "none"
+        accepted = 0
+        with self.lock:
+            c = self.counters.setdefault(category, [0, 0, 0])
+            c[0] += 1
+            if self.speculation:
+                w = world().get(self._draft(), {})
+                rate = (w.get("live") or {}).get(category, w.get("acceptanceRate", 0.5))
+                accepted = int(drafted * rate)
+                c[1] += drafted
+                c[2] += accepted
+        yield engine_pb2.GenerateResponse(
+            request_id=request.request_id or "r", text="x" * drafted,
+            stats=engine_pb2.AcceptanceStats(num_draft_tokens=drafted if self.speculation else 0,
+                                             num_accepted_tokens=accepted))
+
+    def GetModelInfo(self, request: Any, context: Any) -> Any:
+        w = world()
+        overrides = w.get("_fingerprint_overrides") or {}
+        draft = self.args.draft
+        tok_of = (w.get(draft) or {}).get("tokenizerOf", draft)
+        return engine_pb2.ModelInfo(
+            pair=self.args.pair, version=self.args.version,
+            tokenizer=engine_pb2.TokenizerInfo(
+                target_fingerprint=overrides.get(self.args.target) or fingerprint(self.args.target),
+                draft_fingerprint=(overrides.get(draft) or fingerprint(tok_of)) if draft else "",
+                compatible=True),
+            speculation=engine_pb2.SpeculationSettings(enabled=self.speculation, k=self.args.k))
+
+    def GetStats(self, request: Any, context: Any) -> Any:
+        with self.lock:
+            cats = {cat: engine_pb2.CategoryStats(requests=r, cumulative=engine_pb2.AcceptanceStats(
+                num_draft_tokens=d, num_accepted_tokens=a)) for cat, (r, d, a) in self.counters.items()}
+        return engine_pb2.Stats(pair=self.args.pair, version=self.args.version, categories=cats,
+                                speculating=self.speculation)
+
+    def SetSpeculation(self, request: Any, context: Any) -> Any:
+        if request.HasField("enabled"):
+            self.speculation = request.enabled
+        return engine_pb2.SpeculationSettings(enabled=self.speculation, k=self.args.k)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:2] != ["engine", "serve"]:
+        print(f"stand-in image: only `specpair engine serve` is here, not {argv[:2]}", file=sys.stderr)
+        return 2
+    ap = argparse.ArgumentParser()
+    for flag in ("--target", "--draft", "--drafter", "--target-revision", "--draft-revision", "--pair",
+                 "--fallback-threshold", "--batch-size-threshold", "--host", "--release"):
+        ap.add_argument(flag)
+    ap.add_argument("--version", default="0")
+    ap.add_argument("--port", type=int, default=50051)
+    ap.add_argument("--metrics-port", type=int, default=9400)
+    ap.add_argument("--k", type=int, default=4)
+    args, _ = ap.parse_known_args(argv[2:])
+    if str(args.version) in {str(v) for v in world().get("_crash_versions", [])}:
+        print(f"stand-in engine: release v{args.version} crashes at start (the test's world says so)", file=sys.stderr)
+        return 1
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    engine_pb2_grpc.add_EngineServicer_to_server(StandInEngine(args), server)
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"{args.host or '127.0.0.1'}:{args.port}")
+    server.start()
+    print(f"stand-in engine {args.pair} v{args.version} on {args.host}:{args.port}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    server.stop(2).wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
