@@ -136,6 +136,18 @@ class DevCluster:
         return write_kubeconfig(path, self.server, self.ca_file, f"system:serviceaccount:{namespace}:{account}",
                                 token=got["status"]["token"], namespace=namespace)
 
+    def audit_events(self, user: str) -> list[dict[str, Any]]:
+        """The API requests `user` (a ServiceAccount's full name) made, as the API server audited
+        them (verb, objectRef, responseStatus, ...)."""
+        assert self.control_plane and self.control_plane.audit_log
+        events = []
+        if self.control_plane.audit_log.exists():
+            for line in self.control_plane.audit_log.read_text().splitlines():
+                event = json.loads(line)
+                if event.get("user", {}).get("username") == user:
+                    events.append(event)
+        return events
+
     def pod_log(self, namespace: str, pod: str, container: str | None = None) -> str:
         """A pod's container log, from the node folder that ran it (no kubelet API here)."""
         texts = []

@@ -69,6 +69,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="specpair.io", key="last-handled-configuration")
     settings.posting.level = logging.INFO
+    # No cluster-wide watching of CRDs and namespaces: the chart installs the CRD before the
+    # operator starts and names the namespaces, so the least-privilege RBAC needs neither.
+    settings.scanning.disabled = True
     settings.watching.server_timeout = int(os.environ.get("SPECPAIR_WATCH_TIMEOUT", "300"))
     settings.networking.error_backoffs = [0.5, 1, 2, 5]
     RUNTIME.tracking_uri = os.environ.get("SPECPAIR_MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI", "")

@@ -107,6 +107,14 @@ class Namespace:
                      for p in self.pods()],
             "node errors": self.cluster.node_errors()[-3:]})
 
+    def wait_for_during(self, what: str, predicate: Callable[[], Any], during: Callable[[], None],
+                        timeout: float = 90.0) -> Any:
+        """wait_for, doing `during` (traffic) between looks."""
+        def look() -> Any:
+            during()
+            return predicate()
+        return self.wait_for(what, look, timeout)
+
     def delete(self) -> None:
         try:
             self.kube.delete("v1", "Namespace", None, self.name)
@@ -164,3 +172,20 @@ def register_standin_image(cluster: DevCluster, world_file: Path) -> None:
         ["specpair"], ["engine", "serve"], programs=programs,
         env={"SPECPAIR_STANDIN_WORLD": str(world_file),
              "SPECPAIR_GATE_COMMAND": f"{sys.executable} {HERE / 'gate_standin.py'}"})
+
+
+def rendered_rbac_rules(values: dict[str, Any] | None = None) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) the chart's Roles/ClusterRoles grant, from `helm template`."""
+    tools = REPO / ".tools" / "bin" / "helm"
+    done = subprocess.run([str(tools) if tools.exists() else "helm", "template", RELEASE, str(CHART),
+                           "--namespace", OPERATOR_NAMESPACE, "--values", "-"], input=json.dumps(values or {}),
+                          capture_output=True, text=True, timeout=120, check=True)
+    granted = set()
+    for doc in yaml.safe_load_all(done.stdout):
+        if doc and doc.get("kind") in ("Role", "ClusterRole"):
+            for rule in doc.get("rules") or []:
+                for group in rule.get("apiGroups") or [""]:
+                    for resource in rule.get("resources") or []:
+                        for verb in rule.get("verbs") or []:
+                            granted.add((group, resource, verb))
+    return granted

@@ -317,3 +317,36 @@ def test_malformed_pairs_are_refused_by_the_api_server_with_the_crds_message(env
         ns.create({**pair("two-drafts", "good-draft"), "spec": {**pair("x", "y")["spec"],
                                                                 "draft": {"source": "a", "drafter": "ngram"}}})
     assert err.value.status == 422 and "spec.draft" in err.value.message
+
+
+def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster):
+    """Least privilege, proven: the operator's requests (audited by the API server) were never
+    refused, and every verb the chart grants was used by it in this session."""
+    from cluster_env import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, rendered_rbac_rules
+
+    user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
+    if not any(e["verb"] == "create" and e["objectRef"].get("resource") == "deployments"
+               for e in devcluster.audit_events(user)):
+        # Run alone: exercise the whole lifecycle once (gate, promote, roll out, ConfigMap prompts).
+        ns = env
+        ns.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "golden"},
+                   "data": {"prompts.jsonl": json.dumps({"prompt": "def f():", "category": "code"})}})
+        spec = pair("rbac", "good-draft")
+        spec["spec"]["gating"] = {"configMapRef": {"name": "golden"}, "thresholds": {"minAcceptance": 0.5}}
+        with KopfRunner(OPERATOR, timeout=60) as runner:
+            ns.create(spec)
+            ns.wait_for("v1 serving", lambda: serving(ns, "rbac", "1"), timeout=120)
+            set_spec(ns, "rbac", {"draft": {"source": "faster-draft"}})
+            ns.wait_for("v2 serving", lambda: serving(ns, "rbac", "2"), timeout=180)
+        assert runner.exception is None
+    events = devcluster.audit_events(user)
+    refused = {(e["verb"], e["requestURI"]) for e in events if e.get("responseStatus", {}).get("code") == 403}
+    assert not refused, f"the chart's RBAC refused the operator: {sorted(refused)}"
+    used = set()
+    for e in events:
+        ref = e.get("objectRef") or {}
+        resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        used.add((ref.get("apiGroup", ""), resource, e["verb"]))
+    granted = rendered_rbac_rules()
+    unused = sorted(g for g in granted if g not in used)
+    assert not unused, f"the chart grants what the operator never used: {unused}; used: {sorted(used)}"

@@ -56,16 +56,13 @@ def test_crd_defaults_are_the_defaults_the_operator_hashes_with():
          policy.ladder)
 
 
-def test_rbac_covers_every_resource_the_operator_touches():
+def test_rbac_is_a_valid_role_without_secrets_deletes_or_wildcards():
+    # Which verbs are needed is proven against a real API server (the audit log check in
+    # test_operator_e2e.py); here only what must never be granted.
     role = next(d for d in yaml.safe_load_all((REPO / "operator" / "rbac.yaml").read_text()) if d)
     kubernetes_validate.validate(role, "1.33.0", strict=True)
     granted = {(g, r, verb) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
                for verb in rule["verbs"]}
-    needed = {("specpair.io", "specmodelpairs", v) for v in ("get", "list", "watch", "patch")} | \
-             {("specpair.io", "specmodelpairs/status", "patch"), ("batch", "jobs", "create"), ("batch", "jobs", "get"),
-              ("apps", "deployments", "create"), ("apps", "deployments", "patch"), ("", "services", "create"),
-              ("", "pods", "list"), ("", "configmaps", "get"), ("", "events", "create")}
-    assert needed <= granted
     assert not any(r == "secrets" for _, r, _ in granted) and not any(v in ("delete", "*") for _, _, v in granted)
 
 

@@ -58,37 +58,40 @@ The namespaced rules, exactly those of operator/rbac.yaml (the operator's own li
 calls). Used both by the ClusterRole (all namespaces) and by each per-namespace Role.
 */}}
 {{- define "specpair.namespacedRules" -}}
-# The pairs: watch them, annotate them (Kopf's progress state), write status. Never spec.
+# Exactly the verbs the operator was seen using against a real API server (the API server's
+# audit log in tests/operator/test_operator_e2e.py fails on any grant left unused).
+# The pairs: list and watch them (Kopf), patch annotations (Kopf's progress state) and status.
 - apiGroups: [specpair.io]
   resources: [specmodelpairs]
-  verbs: [get, list, watch, patch]
+  verbs: [list, watch, patch]
 - apiGroups: [specpair.io]
   resources: [specmodelpairs/status]
-  verbs: [get, patch, update]
+  verbs: [patch]
 # Engine Deployments it rolls (owner references let the garbage collector delete them).
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, create, patch]
 # The engine Service in front of each Deployment.
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, create]
 # Gate Jobs: one per release, never deleted by the operator.
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, list, watch, create]
-# Engine pods: readiness and IPs, to call GetModelInfo / GetStats over gRPC. Read only.
+  verbs: [get, create]
+# Engine and gate pods: readiness, IPs (for GetModelInfo / GetStats over gRPC), the scheduler's
+# reason when one is Pending. Read only.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch]
+  verbs: [list]
 # Golden prompts given as gating.configMapRef.
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get]
 # Every promotion, rollback and drift action is an Event on the pair.
-- apiGroups: ["", events.k8s.io]
+- apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 {{- end -}}
 
 {{/* The MLflow credentials Secret, readable only by name and only when asked for. */}}
