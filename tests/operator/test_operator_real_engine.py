@@ -8,7 +8,6 @@ test_operator_e2e.py.)"""
 
 from __future__ import annotations
 
-import os
 import shutil
 import time as _time
 import uuid
@@ -75,7 +74,7 @@ def serving_address(ns) -> str | None:
 def model_dirs(tiny_pair_dirs):
     """The tiny models where pods can read them: a host folder no pod mount covers (pytest's
     folders are under /tmp, which each pod has as its own emptyDir)."""
-    root = Path(os.environ.get("SPECPAIR_CACHE", Path.home() / ".cache" / "specpair")) / "test-models" / uuid.uuid4().hex[:8]
+    root = Path.home() / ".cache" / "specpair-test-models" / uuid.uuid4().hex[:8]
     out = {k: str(shutil.copytree(v, root / k)) for k, v in tiny_pair_dirs.items()}
     yield out
     shutil.rmtree(root, ignore_errors=True)
