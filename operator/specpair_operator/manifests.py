@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from . import names
+from . import release as release_mod
 
 GROUP = "specpair.io"
 LABEL_PAIR = f"{GROUP}/pair"
@@ -131,7 +132,7 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
     labels = _labels(pair, "gate", version)
     container = {
         "name": "gate",
-        "image": rollout.get("image", "ghcr.io/specpair/engine:0.1.0"),
+        "image": engine_image(release, rollout),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
         "command": ["python", "-m", "specpair_operator.gate_runner", "--release", RELEASE_FILE],
         "env": _env(tracking_uri, credentials_secret),
@@ -161,6 +162,11 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
             },
         },
     }
+
+
+def engine_image(release: dict[str, Any], rollout: dict[str, Any]) -> str:
+    """The image is part of the release: a rolled-back release runs the image it was gated with."""
+    return str((release.get("engine") or {}).get("image") or rollout.get("image") or release_mod.ENGINE_IMAGE)
 
 
 def engine_command(release: dict[str, Any], port: int) -> list[str]:
@@ -195,7 +201,7 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
     labels = _labels(pair, "engine", version)
     container = {
         "name": "engine",
-        "image": rollout.get("image", "ghcr.io/specpair/engine:0.1.0"),
+        "image": engine_image(release, rollout),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
         "command": engine_command(release, port),
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},

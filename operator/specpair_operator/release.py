@@ -1,9 +1,10 @@
 """A release: the immutable content of one SpecModelPair spec, and its content hash.
 
 The release is what the gate Job is handed (the JSON contract in TEAM.md) and what the MLflow
-registry stores as one model version. Only fields that change what the engine computes or how
-it is judged go into the hash: rollout (replicas, image) and drift policy do not, so scaling a
-pair never creates a new release.
+registry stores as one model version. Only fields that change what is served or how it is judged
+go into the hash: the models, speculation, gating and the engine image (a new image is new code:
+it is gated again). Replicas, placement and drift policy do not, so scaling a pair never creates
+a new release.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ THRESHOLD_DEFAULTS = {
     "minSpeedup": 0.0,
 }
 DEFAULT_MAX_NEW_TOKENS = 32
+# The engine image when a pair names none (the CRD's default says the same; a test checks).
+ENGINE_IMAGE = "ghcr.io/specpair/engine:0.1.0"
 
 
 def effective_model_name(name: str, namespace: str, spec: dict[str, Any]) -> str:
@@ -58,6 +61,7 @@ def build_release(
         "target": _model_ref(spec.get("target")),
         "draft": _model_ref(spec.get("draft")),
         "speculation": {**SPECULATION_DEFAULTS, **(spec.get("speculation") or {})},
+        "engine": {"image": str((spec.get("rollout") or {}).get("image") or ENGINE_IMAGE)},
         "gating": {
             "prompts": [
                 {"prompt": p["prompt"], "category": p.get("category") or "general"} for p in prompts

@@ -19,9 +19,10 @@ PROMPTS = [{"prompt": "def f(x):", "category": "code"}, {"prompt": "Hello"}]
 
 def test_same_spec_same_hash_and_rollout_changes_do_not_make_a_release():
     a = release.build_release("p", "ns", SPEC, PROMPTS)
-    b = release.build_release("other", "ns2", {**SPEC, "rollout": {"replicas": 7, "image": "x"},
+    b = release.build_release("other", "ns2", {**SPEC, "rollout": {"replicas": 7, "nodeSelector": {"a": "b"}},
                                                "drift": {"tolerance": 0.3}}, PROMPTS)
     assert release.content_hash(a) == release.content_hash(b)
+    assert a["engine"] == {"image": release.ENGINE_IMAGE}
     assert a["speculation"] == {"k": 5, "dynamicK": True, "fallbackThreshold": 0.5, "batchSizeThreshold": 8}
     assert a["gating"]["prompts"][1]["category"] == "general"
     assert a["draft"] == {"drafter": "ngram"}
@@ -32,6 +33,8 @@ def test_same_spec_same_hash_and_rollout_changes_do_not_make_a_release():
     {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "def456"}},
     {"draft": {"source": "some/draft"}},
     {"gating": {"thresholds": {"minAcceptance": 0.31}}},
+    # A new engine image is new code: it is a new release and is gated again.
+    {"rollout": {"replicas": 2, "image": "registry.example.com/specpair/engine:0.2.0"}},
 ])
 def test_changed_content_changes_the_hash(change):
     base = release.content_hash(release.build_release("p", "ns", SPEC, PROMPTS))
@@ -185,3 +188,13 @@ def test_drift_state_belongs_to_one_release():
     assert drift.state_for_release(stored, "4") == drift.DriftState()
     assert drift.state_for_release({"breachesInRow": 2, "stepsTaken": 1}, "4") == drift.DriftState()
     assert drift.state_for_release(None, "1") == drift.DriftState()
+
+
+def test_a_release_runs_the_image_it_was_gated_with():
+    """A rollback serves the previous release's image even when the spec now names another."""
+    old = release.build_release("p", "ns", {**SPEC, "rollout": {"image": "reg/specpair/engine:1"}}, PROMPTS)
+    now = {"image": "reg/specpair/engine:2"}
+    dep = manifests.engine_deployment("p", "ns", old, "d" * 64, "1", now, "http://mlflow")
+    job = manifests.gate_job("p", "ns", old, "d" * 64, "1", now, "http://mlflow")
+    for obj in (dep, job):
+        assert obj["spec"]["template"]["spec"]["containers"][0]["image"] == "reg/specpair/engine:1"

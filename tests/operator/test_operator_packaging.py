@@ -48,6 +48,7 @@ def test_crd_defaults_are_the_defaults_the_operator_hashes_with():
     assert {k: v["default"] for k, v in th.items() if "default" in v} == \
         {k: v for k, v in release.THRESHOLD_DEFAULTS.items() if k != "minCategoryAcceptance"}
     assert spec["gating"]["properties"]["maxNewTokens"]["default"] == release.DEFAULT_MAX_NEW_TOKENS
+    assert spec["rollout"]["properties"]["image"]["default"] == release.ENGINE_IMAGE
     d = spec["drift"]["properties"]
     policy = drift.DriftPolicy()
     assert (d["tolerance"]["default"], d["noiseAllowance"]["default"], d["minDraftedTokens"]["default"],
