@@ -43,8 +43,7 @@ def tiny_pair_dirs(tmp_path_factory, tiny_target, tiny_draft):
             "draft": save_tiny(tiny_draft, root / "draft")}
 
 
-# A plain Python image for the node tests: any command, run with this interpreter.
-TEST_PYTHON_IMAGE = "devcluster-test/python"
+from devcluster_images import TEST_PYTHON_IMAGE  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -41,12 +41,17 @@ def test_thresholds_say_by_how_much():
                "categories": {"code": {"acceptanceRate": 0.2}}}
     reasons = threshold_failures(verdict, {"minAcceptance": 0.4, "minCategoryAcceptance": {"code": 0.5, "qa": 0.1},
                                            "minSpeedup": 1.2})
+    # One wording, shared with the operator (specpair.contract): each failure is said once.
     assert reasons == [
-        "greedy identity 50.00% < required 100% (speculative output differs from target-only beyond numerical ties)",
-        "acceptance 0.300 < minimum 0.400 by 0.100",
-        "acceptance for category code 0.200 < minimum 0.500 by 0.300",
-        "category 'qa' has a minimum acceptance but no golden prompt",
-        "speedup 0.900x < minimum 1.200x by 0.300"]
+        "greedy identity 0.500 < 1.000 (required: speculative output must equal target-only)",
+        "acceptance 0.300 < minAcceptance 0.400 (short by 0.100)",
+        "category 'code' acceptance 0.200 < 0.500 (short by 0.300)",
+        "category 'qa' acceptance missing (no golden prompt in that category?) < 0.100",
+        "speedup 0.900x < minSpeedup 1.200x (short by 0.300x)"]
+    from specpair_operator.gate_verdict import evaluate_verdict
+    outcome = evaluate_verdict({**verdict, "passed": False, "reasons": reasons},
+                               {"minAcceptance": 0.4, "minCategoryAcceptance": {"code": 0.5, "qa": 0.1}, "minSpeedup": 1.2})
+    assert outcome.failures == reasons
 
 
 def test_gate_cli_refuses_other_tokenizer_before_loading_weights(tmp_path, tiny_pair_dirs):

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from specpair.config import GenerationParams
+from specpair.contract import DEFAULT_CATEGORY
 from specpair.decoding import SpeculativeEngine, _sync
 from specpair.drafters import ModelDrafter, NgramDrafter
 from specpair.errors import SpecpairError
@@ -50,7 +51,7 @@ def load_prompts(path: str | None) -> list[dict]:
             raise SpecpairError(f"{where} line {n}: not JSON ({exc.msg})") from exc
         if not isinstance(row, dict) or not str(row.get("prompt", "")).strip():
             raise SpecpairError(f"{where} line {n}: needs a non-empty \"prompt\"")
-        prompts.append({"prompt": row["prompt"], "category": str(row.get("category") or "default")})
+        prompts.append({"prompt": row["prompt"], "category": str(row.get("category") or DEFAULT_CATEGORY)})
     if not prompts:
         raise SpecpairError(f"{where} holds no prompts")
     return prompts

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from specpair.config import GenerationParams, SpeculationConfig
+from specpair.contract import DEFAULT_CATEGORY, threshold_failures
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
 
@@ -127,7 +128,7 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     engine.apply_k_policy("auto")    # as the engine pods will run it
     verdict["device"] = str(target.device)
     texts = [p["prompt"] for p in prompts]
-    categories = [str(p.get("category") or "default") for p in prompts]
+    categories = [str(p.get("category") or DEFAULT_CATEGORY) for p in prompts]
     params = GenerationParams(max_new_tokens=max_new)
 
     # Warm-up, then one prompt at a time (batch 1: the latency case speculation is for).
@@ -207,33 +208,6 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     verdict["reasons"] = threshold_failures(verdict, thresholds)
     verdict["passed"] = not verdict["reasons"]
     return verdict, golden
-
-
-def threshold_failures(verdict: dict, thresholds: dict) -> list[str]:
-    """Each failed threshold, said with by how much."""
-    reasons = []
-    # bf16/fp16 verification may flip exact logit ties (see specpair.identity); those are reported
-    # in the golden outputs but do not fail the gate. A mismatch with a clear margin does.
-    identity = verdict.get("greedyIdentityWithinTies", verdict["greedyIdentity"])
-    if thresholds.get("requireGreedyIdentity", True) and identity < 1.0:
-        reasons.append(f"greedy identity {identity:.2%} < required 100% "
-                       "(speculative output differs from target-only beyond numerical ties)")
-    minimum = float(thresholds.get("minAcceptance", 0.0) or 0.0)
-    if verdict["acceptanceRate"] < minimum:
-        reasons.append(f"acceptance {verdict['acceptanceRate']:.3f} < minimum {minimum:.3f} "
-                       f"by {minimum - verdict['acceptanceRate']:.3f}")
-    for cat, need in (thresholds.get("minCategoryAcceptance") or {}).items():
-        got = (verdict["categories"].get(cat) or {}).get("acceptanceRate")
-        if got is None:
-            reasons.append(f"category {cat!r} has a minimum acceptance but no golden prompt")
-        elif got < float(need):
-            reasons.append(f"acceptance for category {cat} {got:.3f} < minimum {float(need):.3f} "
-                           f"by {float(need) - got:.3f}")
-    min_speedup = float(thresholds.get("minSpeedup", 0.0) or 0.0)
-    if verdict["speedup"] < min_speedup:
-        reasons.append(f"speedup {verdict['speedup']:.3f}x < minimum {min_speedup:.3f}x "
-                       f"by {min_speedup - verdict['speedup']:.3f}")
-    return reasons
 
 
 def run_gate_file(release_path: str, out_path: str, *, device: str | None = None,

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from specpair.contract import number, threshold_failures
+
+__all__ = ["GateOutcome", "evaluate_verdict", "threshold_failures", "baseline_from_verdict"]
+
 
 @dataclass(frozen=True)
 class GateOutcome:
@@ -19,42 +23,6 @@ class GateOutcome:
     failures: list[str] = field(default_factory=list)
     tokenizer_compatible: bool | None = None
     tokenizer_message: str = ""
-
-
-def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def threshold_failures(verdict: dict[str, Any], thresholds: dict[str, Any]) -> list[str]:
-    """One sentence per threshold the verdict's numbers miss, with the shortfall."""
-    failures: list[str] = []
-    if thresholds.get("requireGreedyIdentity", True):
-        # bf16 verification can flip exact logit ties; the gate reports those separately
-        # (greedyIdentityWithinTies, each mismatch with its margin) and only they are forgiven.
-        identity = _num(verdict.get("greedyIdentityWithinTies", verdict.get("greedyIdentity")))
-        if identity is None or identity < 1.0:
-            shown = "missing" if identity is None else f"{identity:.3f}"
-            failures.append(f"greedy identity {shown} < 1.000 (required: speculative output must equal target-only)")
-    min_acc = _num(thresholds.get("minAcceptance")) or 0.0
-    acc = _num(verdict.get("acceptanceRate"))
-    if min_acc > 0 and (acc is None or acc < min_acc):
-        shown = "missing" if acc is None else f"{acc:.3f}"
-        short = "" if acc is None else f" (short by {min_acc - acc:.3f})"
-        failures.append(f"acceptance {shown} < minAcceptance {min_acc:.3f}{short}")
-    cats = verdict.get("categories") or {}
-    for cat, floor in sorted((thresholds.get("minCategoryAcceptance") or {}).items()):
-        got = _num((cats.get(cat) or {}).get("acceptanceRate"))
-        if got is None:
-            failures.append(f"category '{cat}' acceptance missing (no golden prompt in that category?) < {float(floor):.3f}")
-        elif got < float(floor):
-            failures.append(f"category '{cat}' acceptance {got:.3f} < {float(floor):.3f} (short by {float(floor) - got:.3f})")
-    min_speedup = _num(thresholds.get("minSpeedup")) or 0.0
-    speedup = _num(verdict.get("speedup"))
-    if min_speedup > 0 and (speedup is None or speedup < min_speedup):
-        shown = "missing" if speedup is None else f"{speedup:.3f}x"
-        short = "" if speedup is None else f" (short by {min_speedup - speedup:.3f}x)"
-        failures.append(f"speedup {shown} < minSpeedup {min_speedup:.3f}x{short}")
-    return failures
 
 
 def evaluate_verdict(verdict: dict[str, Any], thresholds: dict[str, Any]) -> GateOutcome:
@@ -78,7 +46,7 @@ def evaluate_verdict(verdict: dict[str, Any], thresholds: dict[str, Any]) -> Gat
     parts = []
     for label, key, fmt in (("acceptance", "acceptanceRate", "{:.3f}"), ("speedup", "speedup", "{:.2f}x"),
                             ("identity", "greedyIdentity", "{:.3f}")):
-        v = _num(verdict.get(key))
+        v = number(verdict.get(key))
         if v is not None:
             parts.append(f"{label} {fmt.format(v)}")
     return GateOutcome(True, "GatePassed", "passed: " + ", ".join(parts), [], tok_ok, tok_msg or tok_note)
@@ -87,11 +55,11 @@ def evaluate_verdict(verdict: dict[str, Any], thresholds: dict[str, Any]) -> Gat
 def baseline_from_verdict(verdict: dict[str, Any]) -> dict[str, float]:
     """Gated acceptance per category plus '*' overall: what drift is measured against."""
     base: dict[str, float] = {}
-    overall = _num(verdict.get("acceptanceRate"))
+    overall = number(verdict.get("acceptanceRate"))
     if overall is not None:
         base["*"] = overall
     for cat, vals in (verdict.get("categories") or {}).items():
-        v = _num((vals or {}).get("acceptanceRate"))
+        v = number((vals or {}).get("acceptanceRate"))
         if v is not None:
             base[cat] = v
     return base

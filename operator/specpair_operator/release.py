@@ -14,6 +14,8 @@ import hashlib
 import json
 from typing import Any
 
+from specpair.contract import DEFAULT_CATEGORY
+
 HASH_PREFIX_LEN = 12
 
 SPECULATION_DEFAULTS = {"k": 4, "dynamicK": True, "fallbackThreshold": 0.5, "batchSizeThreshold": 8}
@@ -64,7 +66,7 @@ def build_release(
         "engine": {"image": str((spec.get("rollout") or {}).get("image") or ENGINE_IMAGE)},
         "gating": {
             "prompts": [
-                {"prompt": p["prompt"], "category": p.get("category") or "general"} for p in prompts
+                {"prompt": p["prompt"], "category": p.get("category") or DEFAULT_CATEGORY} for p in prompts
             ],
             "maxNewTokens": int(gating.get("maxNewTokens") or DEFAULT_MAX_NEW_TOKENS),
             "thresholds": thresholds,
@@ -103,7 +105,7 @@ def parse_prompt_lines(text: str) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
             raise ValueError(f"golden prompt #{i} has no 'prompt' string")
-        prompts.append({"prompt": item["prompt"], "category": item.get("category") or "general"})
+        prompts.append({"prompt": item["prompt"], "category": item.get("category") or DEFAULT_CATEGORY})
     return prompts
 
 

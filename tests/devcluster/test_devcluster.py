@@ -13,7 +13,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from conftest import TEST_PYTHON_IMAGE
+from devcluster_images import TEST_PYTHON_IMAGE
 from specpair_devcluster.client import ApiError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
+from specpair.contract import DEFAULT_CATEGORY
 
 
 def fingerprint(source: str | None) -> str:
@@ -50,7 +51,7 @@ class StandInEngine(engine_pb2_grpc.EngineServicer):
 
     def Generate(self, request: Any, context: Any) -> Any:
         drafted = request.max_new_tokens if request.HasField("max_new_tokens") else 64
-        category = request.category or "none"
+        category = request.category or DEFAULT_CATEGORY
         accepted = 0
         with self.lock:
             c = self.counters.setdefault(category, [0, 0, 0])

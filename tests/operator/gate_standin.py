@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from specpair.contract import threshold_failures
+
 
 def fingerprint(source):
     return hashlib.sha256(f"tokenizer-of:{source}".encode()).hexdigest()
@@ -48,13 +50,8 @@ def main():
                        acceptancePerPosition=[w["acceptanceRate"] ** (i + 1) for i in range(rel["speculation"]["k"])],
                        kSweep=[{"k": k, "speedup": w["speedup"] * (0.9 + 0.05 * k)} for k in (2, 3, 4)],
                        bestSpeculation={"k": 4, "batchSizeThreshold": rel["speculation"]["batchSizeThreshold"]})
-        if w["acceptanceRate"] < th["minAcceptance"]:
-            reasons.append(f"acceptance {w['acceptanceRate']:.3f} < {th['minAcceptance']:.3f}")
-        for c, floor in th["minCategoryAcceptance"].items():
-            if w["categories"].get(c, 0.0) < floor:
-                reasons.append(f"category {c} acceptance {w['categories'].get(c, 0.0):.3f} < {floor:.3f}")
-        if w["speedup"] < th["minSpeedup"]:
-            reasons.append(f"speedup {w['speedup']:.2f}x < {th['minSpeedup']:.2f}x")
+        # The real gate's judgement, in the one wording gate and operator share.
+        reasons += threshold_failures(verdict, th)
     verdict.update(passed=not reasons, reasons=reasons)
     json.dump(verdict, open(a.out, "w"))
 

@@ -59,7 +59,7 @@ def test_good_request_maps_to_generation_params():
     assert p.temperature == pytest.approx(0.7) and p.top_p == pytest.approx(0.9)
     defaults = check_generate(request("hi"), LIMITS).params
     assert (defaults.max_new_tokens, defaults.temperature, defaults.speculation_k, defaults.category) == \
-        (64, 0.0, None, "none")
+        (64, 0.0, None, "general")
     assert check_generate(pb.GenerateRequest(prompt_utf8="héllo".encode()), LIMITS).prompt == "héllo"
 
 

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 from google.protobuf.descriptor import FieldDescriptor
 
+from specpair import contract
 from specpair.config import GenerationParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 CATEGORY_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-DEFAULT_CATEGORY = "none"
+# Requests without a category are counted (and judged by drift) in the gate's default one.
+DEFAULT_CATEGORY = contract.DEFAULT_CATEGORY
 DEFAULT_MAX_NEW_TOKENS = 64
 # Temperatures this close to 0 overflow logits / T to inf (NaN probabilities); 0 means greedy.
 MIN_TEMPERATURE = 1e-2

@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 
 from specpair import __version__
 from specpair._proto import engine_pb2 as pb
+from specpair.contract import DEFAULT_CATEGORY
 from specpair.errors import SpecpairError
 from specpair.server.requests import InvalidField, Limits, check_context, check_generate, find_invalid_utf8
 from specpair.server.worker import Failed, Finished, Job, NotAccepting, QueueFull, Tokens
@@ -130,7 +131,7 @@ class EngineService:
         if self.state.phase != "serving":
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.state.unavailable_reason())
 
-    async def _invalid(self, context, field: str, reason: str, category: str = "none", count: bool = True):
+    async def _invalid(self, context, field: str, reason: str, category: str = DEFAULT_CATEGORY, count: bool = True):
         if count:    # specpair_requests_total counts Generate requests only
             self.state.count_rejected(category, "invalid")
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {reason}",

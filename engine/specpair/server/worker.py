@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from specpair.config import GenerationParams
+from specpair.contract import DEFAULT_CATEGORY
 from specpair.errors import SpecpairError
 from specpair.stats import AcceptanceStats, AcceptanceWindow
 
@@ -68,7 +69,7 @@ class Job:
     prompt_ids: list[int]
     params: GenerationParams
     sink: Callable[[object], None]
-    category: str = "none"               # metric label (already bounded)
+    category: str = DEFAULT_CATEGORY     # metric label (already bounded)
     client_id: str = ""
     arrived: float = field(default_factory=time.perf_counter)
     request_id: str = ""                 # unique inside the worker, set on submit

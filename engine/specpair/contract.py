@@ -1,0 +1,49 @@
+"""The release contract's torch-free pieces that every hop reads: operator, gate, server and CLI.
+
+One home for values that cross a process boundary: the category of a prompt or request that
+names none, and the wording of a failed gate threshold (the gate writes it into the verdict, the
+operator re-judges the numbers with the same words, so each failure is said once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Golden prompts and requests without a category are judged in this one.
+DEFAULT_CATEGORY = "general"
+
+
+def number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def threshold_failures(verdict: dict[str, Any], thresholds: dict[str, Any]) -> list[str]:
+    """One sentence per threshold the verdict's numbers miss, with the shortfall."""
+    failures: list[str] = []
+    if thresholds.get("requireGreedyIdentity", True):
+        # bf16 verification can flip exact logit ties; the gate reports those separately
+        # (greedyIdentityWithinTies, each mismatch with its margin) and only they are forgiven.
+        identity = number(verdict.get("greedyIdentityWithinTies", verdict.get("greedyIdentity")))
+        if identity is None or identity < 1.0:
+            shown = "missing" if identity is None else f"{identity:.3f}"
+            failures.append(f"greedy identity {shown} < 1.000 (required: speculative output must equal target-only)")
+    min_acc = number(thresholds.get("minAcceptance")) or 0.0
+    acc = number(verdict.get("acceptanceRate"))
+    if min_acc > 0 and (acc is None or acc < min_acc):
+        shown = "missing" if acc is None else f"{acc:.3f}"
+        short = "" if acc is None else f" (short by {min_acc - acc:.3f})"
+        failures.append(f"acceptance {shown} < minAcceptance {min_acc:.3f}{short}")
+    cats = verdict.get("categories") or {}
+    for cat, floor in sorted((thresholds.get("minCategoryAcceptance") or {}).items()):
+        got = number((cats.get(cat) or {}).get("acceptanceRate"))
+        if got is None:
+            failures.append(f"category '{cat}' acceptance missing (no golden prompt in that category?) < {float(floor):.3f}")
+        elif got < float(floor):
+            failures.append(f"category '{cat}' acceptance {got:.3f} < {float(floor):.3f} (short by {float(floor) - got:.3f})")
+    min_speedup = number(thresholds.get("minSpeedup")) or 0.0
+    speedup = number(verdict.get("speedup"))
+    if min_speedup > 0 and (speedup is None or speedup < min_speedup):
+        shown = "missing" if speedup is None else f"{speedup:.3f}x"
+        short = "" if speedup is None else f" (short by {min_speedup - speedup:.3f}x)"
+        failures.append(f"speedup {shown} < minSpeedup {min_speedup:.3f}x{short}")
+    return failures
