@@ -386,6 +386,11 @@ class Pass:
                         (False, "ChampionKeepsServing", ""), (True, "ReleaseNotServable", f"{desired_reason}; v{champion} keeps serving"))
             return
         drifted = await self._drift(model, al, champion, verdict, pods, infos)
+        unreconciled = await self._reconcile_speculation(champion, pods, infos)
+        if unreconciled:
+            self.finish("Degraded", (False, "SpeculationNotReconciled", unreconciled),
+                        (True, "SpeculationNotReconciled", unreconciled), (False, "SpeculationNotReconciled", ""))
+            return
         if drifted:
             return
         self.finish("Serving", (True, "Serving", f"v{champion} serving on {len(pods)} pod(s), identity verified"),
@@ -477,6 +482,41 @@ class Pass:
         self._versions({**al, aliases_mod.CHAMPION: target})
         self.finish("RollingOut", (False, "RolledBack", reason), (True, "RolledBack", f"rolling back to v{target}"),
                     (False, "RolledBack", ""))
+
+    async def _reconcile_speculation(self, champion: str, pods: list[dict[str, Any]],
+                                     infos: list[dict[str, Any]]) -> str:
+        """Every pod speculates exactly when the operator wants it to (level-triggered: a pod that
+        restarted after SpeculationOff speculates again until told otherwise). Returns what is
+        still off-target ('' when every pod matches)."""
+        if "speculationEnabled" in self.out:
+            desired = bool(self.out["speculationEnabled"])
+        elif str((self.status.get("drift") or {}).get("version", "")) == str(champion):
+            desired = bool(self.status.get("speculationEnabled", True))
+        else:
+            desired = True  # a release the drift ladder has not acted on speculates
+        stuck = []
+        for pod, info in zip(pods, infos):
+            if bool(info.get("speculationEnabled", True)) == desired:
+                continue
+            name = pod["metadata"]["name"]
+            try:
+                await self.rt.probe.set_speculation(self._address(pod), desired,
+                                                    "operator: reconcile to the desired speculation state")
+                after = await self.rt.probe.model_info(self._address(pod))
+            except EngineUnreachable as exc:
+                stuck.append(f"pod {name}: {exc}")
+                continue
+            if bool(after.get("speculationEnabled", True)) != desired:
+                stuck.append(f"pod {name} still reports speculation {'off' if desired else 'on'}")
+                continue
+            msg = (f"pod {name} of v{champion} had speculation {'off' if desired else 'on'}; turned it "
+                   f"{'on' if desired else 'off'} as the pair's drift state requires")
+            kopf.warn(self.body, reason="SpeculationReconciled", message=msg)
+            self.logger.warning(msg)
+        if not stuck:
+            return ""
+        return (f"speculation should be {'on' if desired else 'off'} on every pod of v{champion}; not yet: "
+                + "; ".join(stuck))
 
     async def _drift(self, model: str, al: dict[str, str], champion: str, verdict: dict[str, Any],
                      pods: list[dict[str, Any]], infos: list[dict[str, Any]]) -> bool:

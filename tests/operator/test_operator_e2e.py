@@ -350,3 +350,57 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster):
     granted = rendered_rbac_rules()
     unused = sorted(g for g in granted if g not in used)
     assert not unused, f"the chart grants what the operator never used: {unused}; used: {sorted(used)}"
+
+
+def test_speculation_off_is_reconciled_on_a_restarted_pod(env, world):
+    """After SpeculationOff a replaced pod starts speculating again: the operator turns it off
+    on the next pass (and says so), instead of reporting Ready with speculation silently on."""
+    import grpc
+
+    from specpair._proto import engine_pb2, engine_pb2_grpc
+
+    ns = env
+    name = f"reconcile-{uuid.uuid4().hex[:5]}"
+    world.update(**{"drifting-draft": {"acceptanceRate": 0.7, "speedup": 1.5, "categories": {"code": 0.8},
+                                       "live": {"code": 0.05}}})
+    spec = pair(name, "drifting-draft", drift={"intervalSeconds": 1, "windowSeconds": 10, "minRequests": 4,
+                                               "minDraftedTokens": 40, "consecutiveBreaches": 1,
+                                               "probeAfterWindows": 1000, "ladder": ["SpeculationOff"]})
+    spec["spec"]["gating"]["thresholds"] = {"minAcceptance": 0.5}
+
+    def address() -> str | None:
+        ready = [p for p in engine_pods(ns) if any(c["type"] == "Ready" and c["status"] == "True"
+                                                   for c in p["status"].get("conditions", []))]
+        return f"{ready[0]['status']['podIP']}:50051" if ready else None
+
+    def traffic() -> None:
+        if (a := address()) is None:
+            return
+        with grpc.insecure_channel(a) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            for _ in range(4):
+                try:
+                    list(stub.Generate(engine_pb2.GenerateRequest(prompt="def f():", max_new_tokens=32, category="code"),
+                                       timeout=5))
+                except grpc.RpcError:
+                    return
+
+    def speculating(a: str) -> bool:
+        with grpc.insecure_channel(a) as channel:
+            return engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(),
+                                                                    timeout=5).speculation.enabled
+
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(spec)
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
+        ns.wait_for_during("speculation off", lambda: (o := ns.pair(name)) and
+                           o["status"].get("speculationEnabled") is False and o, during=traffic, timeout=120)
+        old = address()
+        assert old and not speculating(old)
+        (pod,) = engine_pods(ns)
+        ns.kube.delete("v1", "Pod", ns.name, pod["metadata"]["name"])
+        new = ns.wait_for("a new pod", lambda: (a := address()) and a != old and a, timeout=120)
+        ns.wait_for("the new pod told to stop speculating", lambda: not speculating(new), timeout=60)
+        assert ns.events("SpeculationReconciled")
+        assert ns.pair(name)["status"]["speculationEnabled"] is False
+    assert runner.exception is None
