@@ -7,10 +7,24 @@ operator re-judges the numbers with the same words, so each failure is said once
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 # Golden prompts and requests without a category are judged in this one.
 DEFAULT_CATEGORY = "general"
+
+
+def content_hash(release: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of everything in the release except where it is deployed.
+
+    pair/namespace and the mlflow block are excluded: they say where the release lives, not
+    what it is. The operator names releases by it, and the engine reports it for the release
+    file it serves (GetModelInfo.content_hash), so identity is checked, not assumed.
+    """
+    content = {k: v for k, v in release.items() if k not in ("pair", "namespace", "mlflow")}
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def number(v: Any) -> float | None:

@@ -59,7 +59,8 @@ class GrpcEngineProbe:
         tok = info.get("tokenizer") or {}
         return {"pair": info.get("pair", ""), "releaseVersion": info.get("version", ""),
                 "tokenizer": {"target": tok.get("targetFingerprint") or None, "draft": tok.get("draftFingerprint") or None},
-                "speculationEnabled": bool((info.get("speculation") or {}).get("enabled", False))}
+                "speculationEnabled": bool((info.get("speculation") or {}).get("enabled", False)),
+                "contentHash": info.get("contentHash", "")}
 
     async def stats(self, address: str) -> dict[str, Any]:
         stats = await self._call(address, "GetStats", "GetStatsRequest")

@@ -373,7 +373,7 @@ class Pass:
                         (False, "RollingOut", ""))
             return
         pods = await self._engine_pods()
-        ok, why, infos = await self._verify_identity(pods, champion, digest, tags)
+        ok, why, infos = await self._verify_identity(pods, champion, release_mod.content_hash(served), tags)
         if why.startswith("tokenizer"):
             await self._rollback(model, al, champion, why)
             return
@@ -453,10 +453,13 @@ class Pass:
                 info = await self.rt.probe.model_info(self._address(pod))
             except EngineUnreachable as exc:
                 return False, f"pod {pod['metadata']['name']}: model identity not verified: {exc}", infos
-            served = (info.get("pair"), str(info.get("releaseVersion")), info.get("contentHash") or digest)
+            # `digest` is the hash of the release document this pod was given; the engine hashes
+            # the file it loaded, so a pod serving anything else is caught here.
+            served = (info.get("pair"), str(info.get("releaseVersion")), info.get("contentHash") or "")
             if served != (self.name, version, digest):
-                return False, (f"pod {pod['metadata']['name']} serves {served[0]} v{served[1]}, "
-                               f"release is {self.name} v{version}"), infos
+                return False, (f"pod {pod['metadata']['name']} serves {served[0]} v{served[1]} with content hash "
+                               f"{served[2][:12] or '(none)'}; release is {self.name} v{version} "
+                               f"({digest[:12]})"), infos
             mismatch = drift_mod.fingerprint_mismatch(expected, info.get("tokenizer") or {})
             if mismatch:
                 return False, f"tokenizer mismatch on pod {pod['metadata']['name']}: " + "; ".join(mismatch), infos

@@ -170,26 +170,13 @@ def engine_image(release: dict[str, Any], rollout: dict[str, Any]) -> str:
 
 
 def engine_command(release: dict[str, Any], port: int) -> list[str]:
-    """`specpair engine serve` flags for a release (the server takes flags, not a release file;
-    the file is mounted as well, for the record and for tools in the pod)."""
-    spec = release["speculation"]
-    cmd = ["specpair", "engine", "serve", "--target", str(release["target"]["source"])]
-    draft = release["draft"]
-    cmd += ["--drafter", draft["drafter"]] if draft.get("drafter") else ["--draft", str(draft["source"])]
-    # Serve exactly what was gated: pinned hub revisions travel with the release.
-    if release["target"].get("revision"):
-        cmd += ["--target-revision", str(release["target"]["revision"])]
-    if not draft.get("drafter") and draft.get("revision"):
-        cmd += ["--draft-revision", str(draft["revision"])]
-    cmd += ["--pair", str(release["pair"]), "--version", str((release.get("mlflow") or {}).get("version", "0")),
+    """`specpair engine serve` of the release file the pod mounts: models, revisions, speculation,
+    pair and version come from that one document (the engine reports its content hash, which the
+    operator checks); the command line only says how to listen."""
+    return ["specpair", "engine", "serve", "--release", RELEASE_FILE,
             "--port", str(port), "--metrics-port", str(METRICS_PORT),
             # Plaintext inside the cluster; the chart's NetworkPolicy limits who can connect.
-            "--insecure",
-            "--k", str(spec["k"]), "--fallback-threshold", str(spec["fallbackThreshold"]),
-            "--batch-size-threshold", str(spec["batchSizeThreshold"])]
-    if not spec.get("dynamicK", True):
-        cmd.append("--no-dynamic-k")
-    return cmd
+            "--insecure"]
 
 
 def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,

@@ -10,11 +10,13 @@ a new release.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from typing import Any
 
-from specpair.contract import DEFAULT_CATEGORY
+from specpair.contract import DEFAULT_CATEGORY, content_hash
+
+__all__ = ["build_release", "content_hash", "effective_model_name", "with_mlflow", "parse_prompt_lines",
+           "builtin_prompts", "describe_release", "release_tags"]
 
 HASH_PREFIX_LEN = 12
 
@@ -72,17 +74,6 @@ def build_release(
             "thresholds": thresholds,
         },
     }
-
-
-def content_hash(release: dict[str, Any]) -> str:
-    """sha256 of the canonical JSON of everything in the release except where it is deployed.
-
-    pair/namespace and the mlflow block are excluded: they say where the release lives, not
-    what it is.
-    """
-    content = {k: v for k, v in release.items() if k not in ("pair", "namespace", "mlflow")}
-    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def with_mlflow(release: dict[str, Any], tracking_uri: str, model_name: str, version: str) -> dict[str, Any]:

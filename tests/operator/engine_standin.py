@@ -6,7 +6,8 @@ For scenarios that need chosen numbers (drift, tokenizer changes, crash loops) w
 The world file (SPECPAIR_STANDIN_WORLD) maps a draft source to what it measures:
   {"good-draft": {"acceptanceRate": 0.7, "live": {"code": 0.78}, ...},
    "_crash_versions": ["3"],                  # pods of these release versions exit at start
-   "_fingerprint_overrides": {"faster-draft": "fff..."}}   # re-read on every GetModelInfo
+   "_fingerprint_overrides": {"faster-draft": "fff..."},   # re-read on every GetModelInfo
+   "_wrong_hash_versions": ["2"]}             # pods of these versions report another content hash
 A Generate request with category C drafts `max_new_tokens` tokens, accepted at the world's live
 rate for C: traffic is driven over gRPC like real traffic.
 """
@@ -27,7 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
-from specpair.contract import DEFAULT_CATEGORY
+from specpair.contract import DEFAULT_CATEGORY, content_hash
 
 
 def fingerprint(source: str | None) -> str:
@@ -78,7 +79,8 @@ class StandInEngine(engine_pb2_grpc.EngineServicer):
                 target_fingerprint=overrides.get(self.args.target) or fingerprint(self.args.target),
                 draft_fingerprint=(overrides.get(draft) or fingerprint(tok_of)) if draft else "",
                 compatible=True),
-            speculation=engine_pb2.SpeculationSettings(enabled=self.speculation, k=self.args.k))
+            speculation=engine_pb2.SpeculationSettings(enabled=self.speculation, k=self.args.k),
+            content_hash=self.args.content_hash)
 
     def GetStats(self, request: Any, context: Any) -> Any:
         with self.lock:
@@ -106,6 +108,21 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--metrics-port", type=int, default=9400)
     ap.add_argument("--k", type=int, default=4)
     args, _ = ap.parse_known_args(argv[2:])
+    if args.release:
+        # What the real engine does with --release: everything served comes from the file.
+        with open(args.release) as f:
+            release = json.load(f)
+        args.target = release["target"].get("source")
+        args.draft = release["draft"].get("source")
+        args.drafter = release["draft"].get("drafter")
+        args.pair = release.get("pair", args.pair)
+        args.version = str((release.get("mlflow") or {}).get("version", args.version))
+        args.k = int(release["speculation"].get("k", args.k))
+        args.content_hash = content_hash(release)
+        if str(args.version) in {str(v) for v in world().get("_wrong_hash_versions", [])}:
+            args.content_hash = "0" * 64  # this pod serves something other than its release file says
+    else:
+        args.content_hash = ""
     if str(args.version) in {str(v) for v in world().get("_crash_versions", [])}:
         print(f"stand-in engine: release v{args.version} crashes at start (the test's world says so)", file=sys.stderr)
         return 1

@@ -158,13 +158,9 @@ def test_manifests_validate_against_kubernetes_schemas_and_run_unprivileged():
     assert manifests.engine_name("a.b") == "a-b-engine" and manifests.engine_name("9x") == "p-9x-engine"
     assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
     cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert cmd[:3] == ["specpair", "engine", "serve"] and cmd[cmd.index("--drafter") + 1] == "ngram"
-    assert cmd[cmd.index("--k") + 1] == "5" and cmd[cmd.index("--port") + 1] == "6000"
-    model_draft = release.with_mlflow(release.build_release("p", "ns", {**SPEC, "draft": {"source": "d/x"},
-                                                                        "speculation": {"dynamicK": False}}, PROMPTS),
-                                      "http://m", "ns-p", "7")
-    cmd = manifests.engine_command(model_draft, 50051)
-    assert cmd[cmd.index("--draft") + 1] == "d/x" and cmd[cmd.index("--version") + 1] == "7" and "--no-dynamic-k" in cmd
+    # What is served is the release file the pod mounts (the annotation), not command-line copies.
+    assert cmd == ["specpair", "engine", "serve", "--release", manifests.RELEASE_FILE, "--port", "6000",
+                   "--metrics-port", str(manifests.METRICS_PORT), "--insecure"]
     assert set(dep["spec"]["selector"]["matchLabels"].items()) <= set(dep["spec"]["template"]["metadata"]["labels"].items())
 
 

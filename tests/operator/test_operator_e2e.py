@@ -404,3 +404,23 @@ def test_speculation_off_is_reconciled_on_a_restarted_pod(env, world):
         assert ns.events("SpeculationReconciled")
         assert ns.pair(name)["status"]["speculationEnabled"] is False
     assert runner.exception is None
+
+
+def test_a_pod_serving_another_release_is_caught_by_its_content_hash(env, world):
+    """Identity is checked, not assumed: the engine hashes the release file it serves, and a pod
+    whose hash is not the release's never makes the pair Ready."""
+    ns = env
+    name = f"identity-{uuid.uuid4().hex[:5]}"
+    world.update(_wrong_hash_versions=["2"])
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(pair(name, "good-draft"))
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
+        set_spec(ns, name, {"draft": {"source": "faster-draft"}})
+        obj = ns.wait_for("v2's pod caught", lambda: (o := ns.pair(name)) and
+                          cond(o, "Ready").get("reason") == "IdentityUnverified" and
+                          "content hash" in cond(o, "Ready").get("message", "") and o, timeout=150)
+        assert cond(obj, "Ready")["status"] == "False" and obj["status"]["phase"] == "RollingOut"
+        assert "0" * 12 in cond(obj, "Ready")["message"]
+        time.sleep(3)
+        assert serving(ns, name, "2") is None
+    assert runner.exception is None

@@ -1,5 +1,6 @@
 """The operator's entry point, its torch-free imports, and the CRD agreeing with the code."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -67,9 +68,12 @@ def test_rbac_is_a_valid_role_without_secrets_deletes_or_wildcards():
     assert not any(r == "secrets" for _, r, _ in granted) and not any(v in ("delete", "*") for _, _, v in granted)
 
 
-def test_engine_command_parses_with_the_engine_cli():
-    """The Deployment's command line must be one the engine's own parser accepts."""
+def test_engine_command_serves_the_release_file_with_the_engine_cli(tmp_path):
+    """The Deployment's command line is one the engine's own parser accepts, and what the engine
+    serves (models, pinned revisions, speculation, pair, version) comes from the release file,
+    whose content hash it reports: the hash the operator checks."""
     from specpair.cli import build_parser
+    from specpair.server.cli import apply_release
 
     from specpair_operator import manifests
 
@@ -78,7 +82,12 @@ def test_engine_command_parses_with_the_engine_cli():
             "p", "ns", {"target": {"source": "HuggingFaceTB/SmolLM2-360M", "revision": "abc123"}, "draft": draft,
                         "speculation": {"dynamicK": False, "k": 3}},
             [{"prompt": "x"}]), "http://m", "ns-p", "4")
-        args = build_parser().parse_args(manifests.engine_command(rel, 50051)[1:])
+        cmd = manifests.engine_command(rel, 50051)
+        assert cmd[cmd.index("--release") + 1] == manifests.RELEASE_FILE
+        (tmp_path / "release.json").write_text(json.dumps(rel))
+        cmd[cmd.index("--release") + 1] = str(tmp_path / "release.json")  # where the pod mounts it
+        args = build_parser().parse_args(cmd[1:])
+        assert apply_release(args) == release.content_hash(rel)
         assert (args.pair, args.version, args.port, args.k, args.no_dynamic_k, args.insecure) == \
             ("p", "4", 50051, 3, True, True)
         assert (args.drafter == "ngram") if "drafter" in draft else (args.draft == draft["source"])

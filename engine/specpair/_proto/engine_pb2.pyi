@@ -189,7 +189,7 @@ class SpeculationSettings(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., k: _Optional[int] = ..., dynamic_k: _Optional[bool] = ..., k_min: _Optional[int] = ..., k_max: _Optional[int] = ..., k_override: _Optional[int] = ..., fallback_threshold: _Optional[float] = ..., fallback_window: _Optional[int] = ..., batch_size_threshold: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("pair", "version", "target", "draft", "tokenizer", "speculation", "context_length", "max_new_tokens_limit", "max_queue", "engine_version", "warnings")
+    __slots__ = ("pair", "version", "target", "draft", "tokenizer", "speculation", "context_length", "max_new_tokens_limit", "max_queue", "engine_version", "warnings", "content_hash")
     PAIR_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,7 @@ class ModelInfo(_message.Message):
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     pair: str
     version: str
     target: ModelIdentity
@@ -212,7 +213,8 @@ class ModelInfo(_message.Message):
     max_queue: int
     engine_version: str
     warnings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, pair: _Optional[str] = ..., version: _Optional[str] = ..., target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., draft: _Optional[_Union[ModelIdentity, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerInfo, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationSettings, _Mapping]] = ..., context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_queue: _Optional[int] = ..., engine_version: _Optional[str] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+    content_hash: str
+    def __init__(self, pair: _Optional[str] = ..., version: _Optional[str] = ..., target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., draft: _Optional[_Union[ModelIdentity, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerInfo, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationSettings, _Mapping]] = ..., context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_queue: _Optional[int] = ..., engine_version: _Optional[str] = ..., warnings: _Optional[_Iterable[str]] = ..., content_hash: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -63,6 +63,7 @@ class ServerOptions:
     tls: TLSFiles | None = None        # None: plaintext (the CLI asks for --insecure explicitly)
     limits: Limits = Limits()
     warm_up_prompt: str = "Hello"
+    content_hash: str = ""             # of the release file served (--release), for GetModelInfo
 
 
 class EngineServer:
@@ -150,7 +151,7 @@ class EngineServer:
     def model_info(self) -> pb.ModelInfo:
         return model_info_message(self.engine, pair=self.options.pair, version=self.options.version,
                                   limits=self.limits, max_batch_size=self.options.max_batch_size,
-                                  max_queue=self.options.max_queue)
+                                  max_queue=self.options.max_queue, content_hash=self.options.content_hash)
 
     def stats(self) -> pb.Stats:
         engine, worker = self.engine, self.worker

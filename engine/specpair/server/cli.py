@@ -7,11 +7,13 @@ runs the same commands standalone. Each command is `func(args) -> exit code` set
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from specpair.errors import SpecpairError
 
@@ -32,6 +34,10 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     draft.add_argument("--draft", help="draft model (same kinds of source as --target)")
     draft.add_argument("--drafter", choices=["ngram"], help="a model-free drafter (default when no --draft)")
     draft.add_argument("--no-spec", action="store_true", help="serve target-only")
+    serve.add_argument("--release", metavar="FILE",
+                       help="serve this release file (the operator mounts it at /etc/specpair/release.json): "
+                            "models, revisions, speculation, pair and version come from it, and GetModelInfo "
+                            "reports its content hash")
     serve.add_argument("--pair", default="default", help="pair name (metrics label, GetModelInfo)")
     serve.add_argument("--version", default="0", help="release version (metrics label, GetModelInfo)")
     serve.add_argument("--host", default="0.0.0.0")
@@ -166,6 +172,34 @@ def server_options(args):
                                        max_new_tokens=args.max_new_tokens_limit))
 
 
+def apply_release(args) -> str:
+    """Take what is served from a release file (the one contract operator, gate and engine read):
+    models and revisions, speculation settings, pair and version. Returns its content hash."""
+    from specpair.contract import content_hash
+
+    try:
+        release = json.loads(Path(args.release).read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecpairError(f"--release {args.release}: {exc}") from exc
+    target, draft = release.get("target") or {}, release.get("draft") or {}
+    if not target.get("source"):
+        raise SpecpairError(f"--release {args.release}: no target.source")
+    args.target, args.target_revision = str(target["source"]), target.get("revision")
+    if draft.get("drafter"):
+        args.drafter, args.draft = str(draft["drafter"]), None
+    elif draft.get("source"):
+        args.draft, args.draft_revision, args.drafter = str(draft["source"]), draft.get("revision"), None
+    spec = release.get("speculation") or {}
+    args.k = int(spec.get("k", args.k))
+    args.no_dynamic_k = not spec.get("dynamicK", not args.no_dynamic_k)
+    args.fallback_threshold = float(spec.get("fallbackThreshold", args.fallback_threshold))
+    if spec.get("batchSizeThreshold") is not None:
+        args.batch_size_threshold = int(spec["batchSizeThreshold"])
+    args.pair = str(release.get("pair") or args.pair)
+    args.version = str((release.get("mlflow") or {}).get("version") or args.version)
+    return content_hash(release)
+
+
 def serve_command(args) -> int:
     from specpair.server.app import EngineServer
 
@@ -174,7 +208,10 @@ def serve_command(args) -> int:
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    options = server_options(args)
+    digest = apply_release(args) if args.release else ""
+    options = dataclasses.replace(server_options(args), content_hash=digest)
+    if digest:
+        progress(f"release {options.pair} v{options.version}, content hash {digest[:12]}")
     server = EngineServer(lambda: build_engine(args, progress), options, progress=progress)
     server.start()
     progress(f"gRPC listening on {options.host}:{server.port} ({'TLS' if options.tls else 'plaintext'}), "

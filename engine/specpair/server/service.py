@@ -75,7 +75,7 @@ def model_identity(engine, which: str) -> pb.ModelIdentity:
 
 
 def model_info_message(engine, *, pair: str, version: str, limits: Limits, max_batch_size: int,
-                       max_queue: int) -> pb.ModelInfo:
+                       max_queue: int, content_hash: str = "") -> pb.ModelInfo:
     check = engine.tokenizer_check
     tokenizer = pb.TokenizerInfo(
         target_fingerprint=engine.target_fingerprint["sha256"],
@@ -89,7 +89,8 @@ def model_info_message(engine, *, pair: str, version: str, limits: Limits, max_b
         draft=model_identity(engine, "draft"), tokenizer=tokenizer,
         speculation=speculation_message(engine, max_batch_size),
         context_length=engine.target.context_length, max_new_tokens_limit=limits.max_new_tokens,
-        max_queue=max_queue, engine_version=__version__, warnings=list(engine.warnings))
+        max_queue=max_queue, engine_version=__version__, warnings=list(engine.warnings),
+        content_hash=content_hash)
 
 
 def category_message(snapshot: dict) -> pb.CategoryStats:
