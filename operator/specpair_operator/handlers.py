@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+from mlflow.exceptions import MlflowException
 
 from . import aliases as aliases_mod
 from . import conditions as c
 from . import drift as drift_mod
-from . import gate_verdict, manifests
+from . import gate_verdict, manifests, validation
 from . import release as release_mod
 from .engine_probe import EngineProbe, EngineUnreachable, GrpcEngineProbe
 from .kube import Kube, KubeError
@@ -171,6 +172,14 @@ class Pass:
     async def run(self) -> None:
         try:
             await self._run()
+        except MlflowException as exc:
+            # MLflow answered and refused (bad name, credentials, a value over its limits): retrying
+            # the same request changes nothing, so say so where people look, and retry slowly.
+            self.rt.retry_at[self.uid] = time.monotonic() + 60.0
+            self._stall("MLflowRejected", f"MLflow refused a request: {str(exc)[:800]}")
+            self.out.setdefault("observedGeneration", self.gen)
+            self.logger.error(f"MLflow refused a request: {exc}")
+            return
         except (RegistryUnavailable, KubeError) as exc:
             # Transient: back off (1 s doubling to 60 s) and let a later pass redo the steps.
             reason = "MLflowUnavailable" if isinstance(exc, RegistryUnavailable) else "KubernetesAPIError"
@@ -199,7 +208,18 @@ class Pass:
             prompts += release_mod.parse_prompt_lines(cm["data"][key])
         return prompts or release_mod.builtin_prompts()
 
+    def _stall(self, reason: str, message: str) -> None:
+        """A state no retry fixes until someone changes something: Stalled, with an Event once."""
+        if self.status.get("message") != message:
+            kopf.warn(self.body, reason=reason, message=message[:1000])
+        self.finish("Failed", (False, reason, message), (False, reason, ""), (True, reason, message))
+
     async def _run(self) -> None:
+        invalid = validation.validate_spec(self.spec)
+        if invalid:
+            # The CRD refuses these; a spec that got past it (an older CRD) must not crash-loop.
+            self._stall("InvalidSpec", "the spec is invalid: " + "; ".join(invalid))
+            return
         try:
             prompts = await self._resolve_prompts()
         except (ValueError, OSError) as exc:

@@ -1,6 +1,7 @@
 """Pure decisions of the operator: releases, verdicts, aliases, drift, conditions, manifests."""
 
 import json
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -194,3 +195,23 @@ def test_a_release_runs_the_image_it_was_gated_with():
     job = manifests.gate_job("p", "ns", old, "d" * 64, "1", now, "http://mlflow")
     for obj in (dep, job):
         assert obj["spec"]["template"]["spec"]["containers"][0]["image"] == "reg/specpair/engine:1"
+
+
+def test_the_operators_spec_check_accepts_every_shipped_example_and_refuses_bad_ones():
+    """No false alarm on the specs we ship (a wrong InvalidSpec would stall a good pair); the
+    wording against the real API server is tested in test_operator_e2e.py."""
+    import glob
+
+    import yaml
+
+    from specpair_operator.validation import validate_spec
+
+    shipped = [doc for path in sorted(glob.glob(str(Path(__file__).resolve().parents[2] / "examples" / "*.yaml")))
+               for doc in yaml.safe_load_all(open(path)) if doc and doc.get("kind") == "SpecModelPair"]
+    assert shipped
+    for doc in shipped:
+        assert validate_spec(doc["spec"]) == [], doc["metadata"]["name"]
+    assert validate_spec({**SPEC, "speculation": {"k": 17}}) == [
+        "spec.speculation.k: Invalid value: 17: spec.speculation.k in body should be less than or equal to 16"]
+    assert validate_spec({"draft": {}}) == ["spec.target: Required value",
+                                            "spec.draft: Invalid value: set exactly one of draft.source and draft.drafter"]

@@ -1,0 +1,90 @@
+"""The operator's own check of a pair's spec against the CRD's schema, with the API server's
+wording: the CRD can be bypassed (an old CRD still installed, a spec written before a rule
+existed), and a spec the operator would choke on must become a Stalled condition a person can
+act on, not a crash loop.
+
+It reads the schema from the CRD the package ships (one home for the rules) and checks what
+the CRD declares: required fields, types, minimum/maximum, minLength, enum, pattern, and the
+CEL rules it knows an equivalent for.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Callable
+
+import yaml
+
+# CEL rules of the CRD, as Python (a rule missing here is left to the API server).
+CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "has(self.source) != has(self.drafter)": lambda o: ("source" in o) != ("drafter" in o),
+}
+
+
+@lru_cache(maxsize=1)
+def spec_schema() -> dict[str, Any]:
+    crd = yaml.safe_load((resources.files("specpair_operator") / "specmodelpair.crd.yaml").read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+def _type_ok(kind: str | None, value: Any) -> bool:
+    return {
+        None: True, "object": isinstance(value, dict), "array": isinstance(value, list),
+        "string": isinstance(value, str), "boolean": isinstance(value, bool),
+        "integer": isinstance(value, int) and not isinstance(value, bool),
+        "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+    }.get(kind, True)
+
+
+def validate_spec(spec: Any) -> list[str]:
+    """Every violation, each as the API server words it (empty: valid)."""
+    errors: list[str] = []
+    _check(spec, spec_schema(), "spec", errors)
+    return errors
+
+
+def _check(value: Any, schema: dict[str, Any], path: str, errors: list[str]) -> None:
+    kind = schema.get("type")
+    if not _type_ok(kind, value):
+        got = "object" if isinstance(value, dict) else "array" if isinstance(value, list) else \
+            "boolean" if isinstance(value, bool) else "string" if isinstance(value, str) else \
+            "integer" if isinstance(value, int) else "number" if isinstance(value, float) else "null"
+        errors.append(f'{path}: Invalid value: "{got}": {path} in body must be of type {kind}: "{got}"')
+        return
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: Unsupported value: {_show(value)}: supported values: "
+                      + ", ".join(_show(v) for v in schema["enum"]))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "minimum" in schema and value < schema["minimum"]:
+            errors.append(f"{path}: Invalid value: {_show(value)}: {path} in body should be greater than or equal to "
+                          f"{schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            errors.append(f"{path}: Invalid value: {_show(value)}: {path} in body should be less than or equal to "
+                          f"{schema['maximum']}")
+    if isinstance(value, str):
+        if "minLength" in schema and len(value) < schema["minLength"]:
+            errors.append(f"{path}: Invalid value: {_show(value)}: {path} in body should be at least "
+                          f"{schema['minLength']} chars long")
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            errors.append(f"{path}: Invalid value: {_show(value)}: {path} in body should match '{schema['pattern']}'")
+    if isinstance(value, dict):
+        for name in schema.get("required") or []:
+            if name not in value:
+                errors.append(f"{path}.{name}: Required value")
+        for name, sub in (schema.get("properties") or {}).items():
+            if name in value:
+                _check(value[name], sub, f"{path}.{name}", errors)
+        for rule in schema.get("x-kubernetes-validations") or []:
+            check = CEL_EQUIVALENTS.get(rule["rule"])
+            if check is not None and not check(value):
+                errors.append(f'{path}: Invalid value: {rule.get("message") or rule["rule"]}')
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            _check(item, schema["items"], f"{path}[{i}]", errors)
