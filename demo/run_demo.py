@@ -29,7 +29,7 @@ import yaml
 from tqdm import tqdm
 
 from . import traffic
-from specpair_operator import manifests
+from specpair_operator import manifests, release
 
 from .cluster import OPERATOR_NAMESPACE, REPO, DemoCluster, model_cache
 from .processes import Children, start_mlflow
@@ -343,7 +343,7 @@ class Demo:
 
     def model_name(self, obj: dict[str, Any]) -> str:
         return ((obj.get("status") or {}).get("modelName") or ((obj.get("spec") or {}).get("mlflow") or {}).get("modelName")
-                or f"{NS}-{self.name}")
+                or release.effective_model_name(self.name, NS, obj.get("spec") or {}))
 
     def show_release(self, obj: dict[str, Any], version: str) -> None:
         from mlflow import MlflowClient

@@ -28,7 +28,7 @@ from . import gate_verdict, manifests, validation
 from . import release as release_mod
 from .engine_probe import EngineProbe, EngineUnreachable, GrpcEngineProbe
 from .kube import Kube, KubeError
-from .registry import (TAG_GATE_RUN, TAG_HASH, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET,
+from .registry import (ModelClaimed, TAG_GATE_RUN, TAG_HASH, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET,
                        RegistryUnavailable, ReleaseRegistry)
 
 GROUP, VERSION, PLURAL = "specpair.io", "v1alpha1", "specmodelpairs"
@@ -230,7 +230,12 @@ class Pass:
         digest = release_mod.content_hash(rel)
         model = release_mod.effective_model_name(self.name, self.namespace, self.spec)
         reg = self.rt.registry
-        await self.registry(reg.ensure_model, model, f"{self.namespace}/{self.name}")
+        self.out["modelName"] = model
+        try:
+            await self.registry(reg.ensure_model, model, f"{self.namespace}/{self.name}", self.uid)
+        except ModelClaimed as exc:
+            self._stall("ModelOwnedByAnotherPair", f"{exc}; name another in spec.mlflow.modelName")
+            return
         version = await self.registry(self._ensure_release, reg, model, rel, digest)
         al = await self.registry(reg.aliases, model)
         tags = await self.registry(reg.version_tags, model, version)

@@ -40,6 +40,13 @@ class RegistryUnavailable(Exception):
     """MLflow could not be reached (or answered 5xx) after the in-call retries."""
 
 
+class ModelClaimed(Exception):
+    """The registered model belongs to another pair (or was not made by specpair)."""
+
+
+TAG_OWNER, TAG_OWNER_UID = "specpair.pair", "specpair.pair_uid"
+
+
 def _is_transient(exc: BaseException) -> bool:
     if isinstance(exc, RestException):
         code = getattr(exc, "get_http_status_code", lambda: 500)()
@@ -73,21 +80,34 @@ class ReleaseRegistry:
 
     # -- registered model and versions ---------------------------------------------------
 
-    def ensure_model(self, model_name: str, pair_ref: str) -> None:
+    def ensure_model(self, model_name: str, pair_ref: str, pair_uid: str = "") -> None:
+        """The pair's registered model, created and owned by it. A model is owned by one pair
+        (NAMESPACE/NAME, whatever its uid: a pair deleted and made again takes its model back);
+        another pair naming it gets ModelClaimed, so two pairs never move one model's aliases."""
+        def check(model: Any) -> None:
+            owner = (model.tags or {}).get(TAG_OWNER)
+            if owner != pair_ref:
+                raise ModelClaimed(
+                    f"registered model {model_name!r} belongs to SpecModelPair {owner}" if owner else
+                    f"registered model {model_name!r} exists and was not made by specpair")
+            if pair_uid and (model.tags or {}).get(TAG_OWNER_UID) != pair_uid:
+                self.client.set_registered_model_tag(model_name, TAG_OWNER_UID, pair_uid)
+
         def run() -> None:
             try:
-                self.client.get_registered_model(model_name)
+                check(self.client.get_registered_model(model_name))
             except RestException as exc:
                 if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
                 try:
                     self.client.create_registered_model(
-                        model_name, tags={"specpair.pair": pair_ref},
+                        model_name, tags={TAG_OWNER: pair_ref, TAG_OWNER_UID: pair_uid},
                         description=f"Speculative-decoding releases of SpecModelPair `{pair_ref}`. "
                                     "Aliases: candidate (being gated), champion (serving), previous (rollback target).")
                 except RestException as exc2:
                     if exc2.error_code != "RESOURCE_ALREADY_EXISTS":
                         raise
+                    check(self.client.get_registered_model(model_name))  # someone else won the race
         self._call(run)
 
     def find_version(self, model_name: str, digest: str) -> Any | None:

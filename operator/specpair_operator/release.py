@@ -33,9 +33,11 @@ ENGINE_IMAGE = "ghcr.io/specpair/engine:0.1.0"
 
 
 def effective_model_name(name: str, namespace: str, spec: dict[str, Any]) -> str:
-    """The registered model name: spec.mlflow.modelName, or NAMESPACE-NAME (unique per pair)."""
+    """The registered model name: spec.mlflow.modelName, or NAMESPACE.NAME. A namespace has no
+    dots, so the first dot splits it off and two pairs never share a default name (with a dash,
+    `a-b/c` and `a/b-c` would both be `a-b-c`)."""
     given = ((spec.get("mlflow") or {}).get("modelName") or "").strip()
-    return given or f"{namespace}-{name}"
+    return given or f"{namespace}.{name}"
 
 
 def _model_ref(ref: dict[str, Any] | None) -> dict[str, Any]:

@@ -44,7 +44,7 @@ def test_changed_content_changes_the_hash(change):
 
 
 def test_model_name_defaults_and_tags_and_description():
-    assert release.effective_model_name("p", "ns", SPEC) == "ns-p"
+    assert release.effective_model_name("p", "ns", SPEC) == "ns.p"
     assert release.effective_model_name("p", "ns", {"mlflow": {"modelName": "m"}}) == "m"
     rel = release.build_release("p", "ns", SPEC, PROMPTS)
     digest = release.content_hash(rel)
@@ -53,7 +53,7 @@ def test_model_name_defaults_and_tags_and_description():
     assert all(isinstance(v, str) for v in tags.values())
     text = release.describe_release(rel, digest)
     assert "abc123" in text and "n-gram" not in text and "ngram" in text and "code >= 0.4" in text
-    gated = release.with_mlflow(rel, "http://m", "ns-p", 3)
+    gated = release.with_mlflow(rel, "http://m", "ns.p", 3)
     assert gated["mlflow"]["version"] == "3" and release.content_hash(gated) == digest
 
 

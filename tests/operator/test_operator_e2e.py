@@ -460,3 +460,23 @@ def test_a_pod_serving_another_release_is_caught_by_its_content_hash(env, world)
         time.sleep(3)
         assert serving(ns, name, "2") is None
     assert runner.exception is None
+
+
+def test_a_registered_model_belongs_to_one_pair(env, mlflow_server):
+    """Two pairs naming the same registered model would move each other's aliases: the second
+    is Stalled, saying whose the model is, and the first keeps serving undisturbed."""
+    ns = env
+    first, second = f"owner-{uuid.uuid4().hex[:5]}", f"claimer-{uuid.uuid4().hex[:5]}"
+    shared = f"shared-{uuid.uuid4().hex[:6]}"
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(pair(first, "good-draft", mlflow={"modelName": shared}))
+        ns.wait_for("the first pair serving", lambda: serving(ns, first, "1"), timeout=120)
+        ns.create(pair(second, "faster-draft", mlflow={"modelName": shared}))
+        obj = ns.wait_for("the second pair stalled", lambda: (o := ns.pair(second)) and
+                          cond(o, "Stalled").get("reason") == "ModelOwnedByAnotherPair" and o, timeout=60)
+        assert f"belongs to SpecModelPair {ns.name}/{first}" in cond(obj, "Stalled")["message"]
+        assert ns.events("ModelOwnedByAnotherPair")
+        aliases = MlflowClient(mlflow_server.url).get_registered_model(shared).aliases
+        assert aliases == {"candidate": "1", "champion": "1"}
+        assert serving(ns, first, "1") and not ns.get("apps/v1", "Deployment", f"{second}-engine")
+    assert runner.exception is None
