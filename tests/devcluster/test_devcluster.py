@@ -154,9 +154,11 @@ def test_liveness_failure_restarts_and_a_missing_image_never_runs(devcluster, ns
                                [{}])[0].get("restartCount", 0) >= 1, timeout=30)
     devcluster.kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "elsewhere", "namespace": ns},
                             "spec": {"containers": [{"name": "c", "image": "registry.example.com/private/thing:1"}]}})
-    st = wait("ErrImagePull", lambda: ((pod(devcluster, ns, "elsewhere").get("status") or {}).get("containerStatuses")
-                                      or [{}])[0].get("state", {}).get("waiting"))
-    assert st["reason"] == "ErrImagePull" and "private/thing" in st["message"]
+    # ContainerCreating first, then the pull fails.
+    st = wait("ErrImagePull", lambda: (w := ((pod(devcluster, ns, "elsewhere").get("status") or {}).get("containerStatuses")
+                                            or [{}])[0].get("state", {}).get("waiting")) and
+              w.get("reason") == "ErrImagePull" and w)
+    assert "private/thing" in st["message"]
 
 
 def test_gpu_capacity_is_scheduled_for_real(devcluster, ns):
