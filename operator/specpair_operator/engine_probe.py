@@ -70,10 +70,13 @@ class GrpcEngineProbe:
             # uint64 fields arrive as strings from MessageToDict; fields at their default are left out
             cats[name] = {"drafted": int(cum.get("numDraftTokens", 0)), "accepted": int(cum.get("numAcceptedTokens", 0)),
                           "requests": int(cat["requests"]) if "requests" in cat else None}
-            # Per-request sums over finished requests that drafted (docs/drift.md), when the engine has them.
-            fin = cat.get("finished") or {}
-            if fin:
-                cats[name].update(requests=int(fin.get("requests", 0)), draftedSq=float(fin.get("draftTokensSq", 0.0)),
+            # Per-request sums over finished requests that drafted (docs/drift.md), when the engine
+            # has them. Tokens then count once their request finishes, so the ratio and its
+            # variance rest on the same requests.
+            fin = cat.get("finished")
+            if fin is not None:
+                cats[name].update(drafted=int(fin.get("draftTokens", 0)), accepted=int(fin.get("acceptedTokens", 0)),
+                                  requests=int(fin.get("requests", 0)), draftedSq=float(fin.get("draftTokensSq", 0.0)),
                                   acceptedSq=float(fin.get("acceptedTokensSq", 0.0)),
                                   draftedAccepted=float(fin.get("draftAcceptedTokens", 0.0)))
         return {"categories": cats, "speculating": bool(stats.get("speculating", False)),

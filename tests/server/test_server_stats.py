@@ -155,3 +155,30 @@ def test_set_speculation_on_without_a_draft_is_refused(tiny_pair, start_server):
     with client_for(server) as c:
         err = rpc_error(lambda: c.set_speculation(enabled=True))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_per_request_sums_reach_the_operator_probe(tiny_pair, start_server):
+    """Drift treats the request as the unit (docs/drift.md): the engine exports Σd, Σa, Σd², Σa²,
+    Σd·a over finished requests that drafted, and the operator's gRPC probe reads them as such."""
+    import asyncio
+
+    from specpair_operator.engine_probe import GrpcEngineProbe
+
+    server = start_server(engine=make_engine(tiny_pair))
+    with client_for(server) as c:
+        replies = [c.generate(p, max_new_tokens=n, category="code")
+                   for p, n in (("def foo(x):", 24), ("for i in range(", 9), ("class A:", 16))]
+        c.set_speculation(False)
+        plain = c.generate("hello world", max_new_tokens=8, category="code")
+    per_request = [(r.last.stats.num_draft_tokens, r.last.stats.num_accepted_tokens) for r in replies]
+    assert all(d > 0 for d, _ in per_request) and plain.last.stats.num_draft_tokens == 0
+    assert len({d for d, _ in per_request}) > 1  # unequal requests, so the sums are not trivial
+
+    stats = asyncio.run(GrpcEngineProbe().stats(f"127.0.0.1:{server.port}"))
+    code = stats["categories"]["code"]
+    assert code["requests"] == 3  # the request that drafted nothing is no unit of acceptance
+    assert code["drafted"] == sum(d for d, _ in per_request)
+    assert code["accepted"] == sum(a for _, a in per_request)
+    assert code["draftedSq"] == pytest.approx(sum(d * d for d, _ in per_request))
+    assert code["acceptedSq"] == pytest.approx(sum(a * a for _, a in per_request))
+    assert code["draftedAccepted"] == pytest.approx(sum(d * a for d, a in per_request))

@@ -221,16 +221,34 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CategoryStats(_message.Message):
-    __slots__ = ("window_acceptance_rate", "window_draft_tokens", "cumulative", "requests")
+    __slots__ = ("window_acceptance_rate", "window_draft_tokens", "cumulative", "requests", "finished")
     WINDOW_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CUMULATIVE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     window_acceptance_rate: float
     window_draft_tokens: int
     cumulative: AcceptanceStats
     requests: int
-    def __init__(self, window_acceptance_rate: _Optional[float] = ..., window_draft_tokens: _Optional[int] = ..., cumulative: _Optional[_Union[AcceptanceStats, _Mapping]] = ..., requests: _Optional[int] = ...) -> None: ...
+    finished: FinishedRequestSums
+    def __init__(self, window_acceptance_rate: _Optional[float] = ..., window_draft_tokens: _Optional[int] = ..., cumulative: _Optional[_Union[AcceptanceStats, _Mapping]] = ..., requests: _Optional[int] = ..., finished: _Optional[_Union[FinishedRequestSums, _Mapping]] = ...) -> None: ...
+
+class FinishedRequestSums(_message.Message):
+    __slots__ = ("requests", "draft_tokens", "accepted_tokens", "draft_tokens_sq", "accepted_tokens_sq", "draft_accepted_tokens")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_SQ_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_SQ_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    draft_tokens: int
+    accepted_tokens: int
+    draft_tokens_sq: float
+    accepted_tokens_sq: float
+    draft_accepted_tokens: float
+    def __init__(self, requests: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_tokens_sq: _Optional[float] = ..., accepted_tokens_sq: _Optional[float] = ..., draft_accepted_tokens: _Optional[float] = ...) -> None: ...
 
 class Stats(_message.Message):
     __slots__ = ("pair", "version", "overall", "categories", "speculating", "falling_back", "fallback_events", "current_k", "speculation", "num_requests_running", "num_requests_waiting", "uptime_seconds")

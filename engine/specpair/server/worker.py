@@ -99,6 +99,19 @@ class Aggregate:
         self.window = AcceptanceWindow(window)
         self.cumulative = AcceptanceStats()
         self.requests = 0
+        # Σd, Σa, Σd², Σa², Σd·a and their count over finished requests that drafted (drift's unit).
+        self.finished = [0, 0, 0, 0.0, 0.0, 0.0]
+
+    def add_finished(self, drafted: int, accepted: int) -> None:
+        self.requests += 1
+        if drafted > 0:
+            f = self.finished
+            f[0] += 1
+            f[1] += drafted
+            f[2] += accepted
+            f[3] += float(drafted) ** 2
+            f[4] += float(accepted) ** 2
+            f[5] += float(drafted) * accepted
 
     def add(self, delta: AcceptanceStats) -> None:
         self.cumulative.merge(delta)
@@ -109,7 +122,7 @@ class Aggregate:
         stats = AcceptanceStats()
         stats.merge(self.cumulative)
         return {"window_rate": self.window.rate, "window_draft_tokens": self.window.drafted,
-                "cumulative": stats, "requests": self.requests}
+                "cumulative": stats, "requests": self.requests, "finished": tuple(self.finished)}
 
 
 class EngineWorker:
@@ -339,9 +352,11 @@ class EngineWorker:
         first = job.first_token or end
         admitted = job.admitted or job.arrived
         completion = len(result.token_ids)
+        drafted = int(getattr(result.stats, "num_draft_tokens", 0) or 0)
+        accepted = int(getattr(result.stats, "num_accepted_tokens", 0) or 0)
         with self._stats_lock:
-            self.overall.requests += 1
-            self._category(job.category).requests += 1
+            self.overall.add_finished(drafted, accepted)
+            self._category(job.category).add_finished(drafted, accepted)
         if self.metrics is not None:
             tpot = (end - first) / (completion - 1) if completion > 1 else None
             self.metrics.record_finished(job.category, "ok", queue=admitted - job.arrived,
