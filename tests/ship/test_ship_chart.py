@@ -117,6 +117,22 @@ BAD_VALUES = [
     ({"securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
                           "allowPrivilegeEscalation": True}}, "/securityContext/allowPrivilegeEscalation"),
     ({"podSecurityContext": {"runAsNonRoot": False}}, "/podSecurityContext/runAsNonRoot"),
+    ({"podSecurityContext": {"foo": "bar"}}, "additional properties 'foo' not allowed"),
+    ({"podSecurityContext": {"sysctls": [{"name": "kernel.msgmax", "value": "1"}]}},
+     "additional properties 'sysctls' not allowed"),
+    ({"podSecurityContext": {"seccompProfile": {"type": "Unconfined"}}}, "/podSecurityContext/seccompProfile/type"),
+    ({"podSecurityContext": {"runAsUser": 0}}, "/podSecurityContext/runAsUser"),
+    ({"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}, "/securityContext/capabilities/add"),
+    ({"securityContext": {"capabilities": {"add": ["NET_BIND_SERVICE"]}}}, "/securityContext/capabilities/add"),
+    ({"securityContext": {"capabilities": {"drop": ["NET_RAW"]}}}, "/securityContext/capabilities/drop"),
+    ({"securityContext": {"capabilities": {"drop": ["ALL"], "ambient": ["X"]}}},
+     "additional properties 'ambient' not allowed"),
+    ({"securityContext": {"privileged": True}}, "/securityContext/privileged"),
+    ({"securityContext": {"procMount": "Unmasked"}}, "/securityContext/procMount"),
+    ({"securityContext": {"seccompProfile": {"type": "Unconfined"}}}, "/securityContext/seccompProfile/type"),
+    ({"securityContext": {"appArmorProfile": {"type": "Unconfined"}}}, "/securityContext/appArmorProfile/type"),
+    ({"securityContext": {"readOnlyRootFilesystem": True, "runAsNonRoot": True, "allowPrivilegeEscalation": False,
+                          "windowsOptions": {"hostProcess": True}}}, "additional properties 'windowsOptions' not allowed"),
     ({"mlflow": {"trackingUri": "mlflow:5000"}}, "/mlflow/trackingUri"),
     ({"mlflow": {"trackingUri": "http://m:5000", "credentialsSecret": {"name": "Not_A_Name"}}},
      "/mlflow/credentialsSecret/name"),
@@ -138,6 +154,38 @@ def test_schema_rejects_bad_values(helm, values, where):
     assert result.returncode != 0, f"helm accepted {values}"
     assert "values don't meet the specifications of the schema" in result.stderr or "schema" in result.stderr
     assert where in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("command", ["template", "install"])
+@pytest.mark.parametrize("setting,where", [
+    ("podSecurityContext.foo=bar", "additional properties 'foo' not allowed"),
+    ("securityContext.capabilities.add={SYS_ADMIN}", "/securityContext/capabilities/add"),
+])
+def test_schema_refuses_weakened_security_contexts_as_users_type_them(helm, command, setting, where):
+    """`--set` as a user types it, for `helm template` and a client-side `helm install --dry-run`."""
+    argv = [helm, command, "ship", CHART_DIR, "--set", setting]
+    result = run(argv + (["--dry-run=client"] if command == "install" else []), check=False)
+    assert result.returncode != 0, f"helm {command} accepted {setting}"
+    assert "schema" in result.stderr and where in result.stderr, result.stderr
+
+
+def test_schema_accepts_every_hardening_field_it_allows(render):
+    """The closed schema still takes the stricter settings a platform may require, and the pod
+    they render is valid Kubernetes."""
+    values = {
+        "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 20001, "runAsGroup": 20001, "fsGroup": 20001,
+                               "fsGroupChangePolicy": "OnRootMismatch", "supplementalGroups": [20002],
+                               "seccompProfile": {"type": "Localhost", "localhostProfile": "profiles/specpair.json"},
+                               "appArmorProfile": {"type": "RuntimeDefault"},
+                               "seLinuxOptions": {"level": "s0:c123,c456"}},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 20001, "runAsGroup": 20001,
+                            "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False, "privileged": False,
+                            "procMount": "Default", "capabilities": {"drop": ["ALL", "NET_RAW"], "add": []},
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+    deployment = one(render(values), "Deployment")
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["seccompProfile"]["type"] == "Localhost"
+    assert _validate_all([deployment]) == []
 
 
 def _validate_all(manifests: list[dict[str, Any]]) -> list[str]:
