@@ -45,7 +45,7 @@ def test_default_render_has_exactly_the_operator_parts(render):
     assert container["image"] == "ghcr.io/specpair/operator:0.1.0"
     assert container["command"] == ["python", "-m", "specpair_operator"]
     # No --namespace flag: the entry point then watches all namespaces.
-    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz"]
+    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--log-format=full"]
     env = {e["name"]: e for e in container["env"]}
     assert env["MLFLOW_TRACKING_URI"]["value"].startswith("http://")
     assert not any(name.startswith("MLFLOW_TRACKING_") and name != "MLFLOW_TRACKING_URI" for name in env)
@@ -62,7 +62,8 @@ def test_non_default_render_wires_every_value(render):
     assert container["image"] == "registry.example.com/specpair/operator@sha256:" + "ab" * 32
     assert container["imagePullPolicy"] == "Always"
     assert [a for a in container["args"] if a.startswith("--namespace=")] == ["--namespace=team-a", "--namespace=team-b"]
-    assert {"--verbose", "--mlflow-tracking-uri=https://mlflow.example.com"} <= set(container["args"])
+    assert {"--verbose", "--log-format=json", "--log-refkey=k8s",
+            "--mlflow-tracking-uri=https://mlflow.example.com"} <= set(container["args"])
     env = {e["name"]: e for e in container["env"]}
     assert env["MLFLOW_TRACKING_URI"]["value"] == "https://mlflow.example.com"
     assert env["MLFLOW_TRACKING_USERNAME"]["valueFrom"]["secretKeyRef"] == {"name": "mlflow-credentials", "key": "user"}
@@ -142,6 +143,7 @@ BAD_VALUES = [
     ({"resources": {"limits": {"memory": "lots"}}}, "/resources/limits/memory"),
     ({"resources": {"limits": {"nvidia.com/gpu": -1}}}, "/resources/limits/nvidia.com~1gpu"),
     ({"operator": {"logLevel": "chatty"}}, "/operator/logLevel"),
+    ({"operator": {"logFormat": "yaml"}}, "/operator/logFormat"),
     ({"engine": {"image": "x"}}, "engine"),
     ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "/metrics/serviceMonitor/interval"),
     ({"imag": {"tag": "typo"}}, "imag"),
