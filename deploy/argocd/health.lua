@@ -1,11 +1,13 @@
 -- Argo CD health check for specpair.io/SpecModelPair.
--- Install under argocd-cm `resource.customizations.health.specpair.io_SpecModelPair` (see
+-- Installed as argocd-cm `resource.customizations.health.specpair.io_SpecModelPair` by the
+-- kustomize component in this folder, or with the Argo CD Helm chart's --set-file (see
 -- docs/install.md). Argo CD runs it with the live object as the global `obj` (gopher-lua, Lua 5.1
 -- syntax only) and reads back {status, message}.
 --
 -- The operator follows kstatus: conditions Ready / Reconciling / Stalled, each stamped with the
 -- generation it describes, plus Gated, TokenizerCompatible and Drifted.
---   Stalled=True, Gated=False, TokenizerCompatible=False  -> Degraded (the spec in Git did not land)
+--   Stalled=True, Gated=False, TokenizerCompatible=False,
+--   Ready=False for a failed rollout (RolloutFailed)      -> Degraded (the spec in Git did not land)
 --   not yet observed, Reconciling=True, Ready not True    -> Progressing
 --   Ready=True for the current generation                 -> Healthy
 
@@ -60,6 +62,11 @@ local function healthOf(object)
   local gated = conditionOf(status.conditions, "Gated")
   if gated ~= nil and gated.status == "False" then
     return "Degraded", "Gate failed: " .. describe(gated, "")
+  end
+  -- A failed rollout is final for that release whether or not Stalled is set: waiting on it as
+  -- Progressing would never end.
+  if ready ~= nil and ready.status == "False" and ready.reason == "RolloutFailed" then
+    return "Degraded", "Rollout failed: " .. describe(ready, "")
   end
 
   local reconciling = conditionOf(status.conditions, "Reconciling")

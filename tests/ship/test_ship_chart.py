@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -391,3 +392,23 @@ def test_chart_refuses_clusters_older_than_the_crd_needs(helm):
     result = run([helm, "template", "ship", CHART_DIR, "--kube-version", "1.28.9"], check=False)
     assert result.returncode != 0 and "kubeVersion" in result.stderr, result.stderr
     run([helm, "template", "ship", CHART_DIR, "--kube-version", "1.29.0"])
+
+
+def _notes(helm: Path, *flags: str) -> str:
+    out = run([helm, "install", "ship", CHART_DIR, "--dry-run=client", "--namespace", RELEASE_NAMESPACE, *flags]).stdout
+    return out[out.index("NOTES:"):]
+
+
+@pytest.mark.parametrize("flags", [[], ["--set", "watchNamespaces={team-a,team-b}"]], ids=["all", "listed"])
+def test_notes_declare_the_example_pair_they_wait_for(helm, flags):
+    """NOTES.txt applies examples/default-pair.yaml (inline: the chart does not carry examples/)
+    and waits for that pair by its name, in a namespace the operator watches."""
+    notes = _notes(helm, *flags)
+    (inline,) = re.findall(r"echo '(\{.*\})'", notes)
+    example = yaml.safe_load((REPO_ROOT / "examples" / "default-pair.yaml").read_text())
+    assert json.loads(inline) == example
+    waited = re.findall(r"smp/([a-z0-9-]+)", notes)
+    assert waited == [example["metadata"]["name"]]
+    assert "kubectl get smp -A" in notes
+    if flags:
+        assert "kubectl apply -n team-a -f -" in notes and "kubectl wait -n team-a " in notes
