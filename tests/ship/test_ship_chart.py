@@ -279,6 +279,14 @@ def test_rbac_grants_exactly_what_the_operator_uses(render, variant):
                                         "namespace": RELEASE_NAMESPACE}]
 
 
+@pytest.mark.parametrize("values", [None, {"watchNamespaces": ["team-a"]}], ids=["cluster", "namespaced"])
+def test_rbac_lets_children_block_their_pairs_deletion(render, values):
+    """kopf.adopt sets blockOwnerDeletion on every child; with OwnerReferencesPermissionEnforcement
+    (OpenShift) creating one needs `update` on the owner's finalizers, else 403 on every child."""
+    for role in by_kind(render(values), "ClusterRole") + by_kind(render(values), "Role"):
+        assert ("specpair.io", "specmodelpairs/finalizers", "update", ()) in _normalise(role["rules"])
+
+
 def test_rbac_has_no_wildcards_no_secrets_and_never_writes_spec_of_other_kinds(render):
     for values in (None, NON_DEFAULT_VALUES):
         for role in by_kind(render(values), "ClusterRole") + by_kind(render(values), "Role"):
@@ -412,3 +420,20 @@ def test_notes_declare_the_example_pair_they_wait_for(helm, flags):
     assert "kubectl get smp -A" in notes
     if flags:
         assert "kubectl apply -n team-a -f -" in notes and "kubectl wait -n team-a " in notes
+
+
+def test_documented_finalizer_removal_empties_the_finalizers(kubectl, tmp_path):
+    """docs/install.md's patch for pairs left Terminating with no operator, applied by kubectl
+    (--local: the same patch machinery, no API server) to a pair carrying Kopf's finalizer."""
+    text = (REPO_ROOT / "docs" / "install.md").read_text()
+    (patch_type, body), = re.findall(r"kubectl -n \"\$ns\" patch smp \"\$name\" --type (\w+) -p '([^']+)'", text)
+    pair = tmp_path / "pair.yaml"
+    pair.write_text(yaml.safe_dump({
+        "apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair",
+        "metadata": {"name": "default", "namespace": "team-a", "deletionTimestamp": "2026-01-01T00:00:00Z",
+                     "finalizers": ["kopf.zalando.org/KopfFinalizerMarker"]},
+        "spec": {"target": {"source": "default"}, "draft": {"drafter": "ngram"}}}))
+    out = run([kubectl, "patch", "--local", "-f", pair, "--type", patch_type, "-p", body, "-o", "yaml"]).stdout
+    patched = yaml.safe_load(out)
+    assert "finalizers" not in patched["metadata"]
+    assert patched["spec"] == {"target": {"source": "default"}, "draft": {"drafter": "ngram"}}
