@@ -127,7 +127,8 @@ def test_deadline_is_honoured_and_frees_the_slot(tiny_pair, start_server):
 
 def _requests(server, status: str) -> float:
     value = server.metrics.registry.get_sample_value(
-        "specpair_requests_total", {"pair": "tiny", "version": "1", "category": "general", "status": status})
+        "specpair_requests_total", {"pair": "tiny", "version": "1", "category": "general", "protocol": "grpc",
+                                    "status": status})
     return value or 0.0
 
 

@@ -83,15 +83,18 @@ def test_stats_and_metrics_move_as_requests_complete(tiny_pair, start_server):
         assert value(after, "specpair_num_accepted_tokens_total", **cat) == s.num_accepted_tokens
         for pos, accepted in enumerate(s.num_accepted_tokens_per_pos):
             assert value(after, "specpair_num_accepted_tokens_per_pos_total", position=str(pos), **cat) == accepted
-        assert value(after, "specpair_requests_total", status="ok", **cat) == 1
-        assert value(after, "specpair_e2e_request_latency_seconds_count", **cat) == 1
-        assert value(after, "specpair_time_to_first_token_seconds_count", **cat) == 1
-        assert value(after, "specpair_request_queue_time_seconds_count", **cat) == 1
-        assert value(after, "specpair_time_per_output_token_seconds_count", **cat) == 1
-        assert value(after, "specpair_e2e_request_latency_seconds_sum", **cat) == \
+        req = dict(cat, protocol="grpc")    # per-request series are labelled by protocol
+        assert value(after, "specpair_requests_total", status="ok", **req) == 1
+        assert value(after, "specpair_e2e_request_latency_seconds_count", **req) == 1
+        assert value(after, "specpair_time_to_first_token_seconds_count", **req) == 1
+        assert value(after, "specpair_request_queue_time_seconds_count", **req) == 1
+        assert value(after, "specpair_time_per_output_token_seconds_count", **req) == 1
+        assert value(after, "specpair_e2e_request_latency_seconds_sum", **req) == \
             pytest.approx(reply.last.timings.total_seconds, rel=1e-6)
-    assert value(before, "specpair_requests_total", status="ok", pair="tiny", version="1", category="code") == 0
-    assert value(after, "specpair_requests_total", status="invalid", pair="tiny", version="1", category="general") == 1
+    assert value(before, "specpair_requests_total", status="ok", pair="tiny", version="1", category="code",
+                 protocol="grpc") == 0
+    assert value(after, "specpair_requests_total", status="invalid", pair="tiny", version="1",
+                 category="general", protocol="grpc") == 1
     assert value(after, "specpair_num_requests_running", **labels) == 0
     assert value(after, "specpair_num_requests_waiting", **labels) == 0
     assert value(after, "specpair_speculation_enabled", **labels) == 1

@@ -5,8 +5,10 @@
     on up to the drain timeout, then end with UNAVAILABLE) -> stopped
 
 The gRPC server (grpc.aio) runs on its own event loop in its own thread, the engine in the
-worker thread, the metrics HTTP server in prometheus-client's thread: `start()` and `stop()` are
-plain blocking calls, usable from the CLI, tests and benchmarks alike.
+worker thread, the metrics HTTP server in prometheus-client's thread, the OpenAI-compatible HTTP
+front (openai_api.py, when `http_port` is set) in uvicorn's: `start()` and `stop()` are plain
+blocking calls, usable from the CLI, tests and benchmarks alike. Both fronts feed the one worker;
+the HTTP front answers 503 while loading and draining and stops after the drain.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class ServerOptions:
     limits: Limits = Limits()
     warm_up_prompt: str = "Hello"
     content_hash: str = ""             # of the release file served (--release), for GetModelInfo
+    http_port: int | None = None       # OpenAI-compatible HTTP API (openai_api.py); None: off, 0: a free port
+    http_token: str | None = None      # set: HTTP clients must send "Authorization: Bearer <token>"
 
 
 class EngineServer:
@@ -81,6 +85,8 @@ class EngineServer:
         self.metrics = EngineMetrics(self.options.pair, self.options.version)
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self._http = None                  # the OpenAI-compatible front, when http_port is set
         self.started_at = time.time()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -107,6 +113,16 @@ class EngineServer:
             self._close_metrics()
             raise RuntimeError(f"gRPC server did not start on {self.options.host}:{self.options.port}: "
                                f"{self.error or 'timed out'}")
+        if self.options.http_port is not None:
+            from specpair.server.openai_api import OpenAIFront
+            try:
+                self._http = OpenAIFront(self, host=self.options.host, port=self.options.http_port,
+                                         token=self.options.http_token).start()
+            except OSError as exc:
+                self.stop(0)
+                raise RuntimeError(f"HTTP server did not start on {self.options.host}:"
+                                   f"{self.options.http_port}: {exc}") from exc
+            self.http_port = self._http.port
         threading.Thread(target=self._load, name="specpair-load", daemon=True).start()
         if wait_ready:
             self.wait_ready(timeout)
@@ -145,8 +161,8 @@ class EngineServer:
             return f"engine failed to start: {self.error}"
         return "server is shutting down"
 
-    def count_rejected(self, category: str, status: str) -> None:
-        self.metrics.record_finished(self.metrics.category(category), status)
+    def count_rejected(self, category: str, status: str, protocol: str = "grpc") -> None:
+        self.metrics.record_finished(self.metrics.category(category), status, protocol=protocol)
 
     def model_info(self) -> pb.ModelInfo:
         return model_info_message(self.engine, pair=self.options.pair, version=self.options.version,
@@ -297,6 +313,8 @@ class EngineServer:
                     f"server shutting down: drain timeout of {drain_timeout:g} s expired")
             # Let the handlers send the final messages / statuses before the transport closes.
             await asyncio.sleep(0.1)
+        if self._http is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._http.stop)
         await self._server.stop(grace=5)
         if worker is not None:
             await asyncio.get_running_loop().run_in_executor(None, worker.stop)

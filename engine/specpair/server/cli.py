@@ -44,6 +44,12 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     serve.add_argument("--metrics-port", type=int, default=9400,
                        help="Prometheus /metrics port (0: any free port, -1: none)")
+    http = serve.add_argument_group("OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                                    "/v1/models, /health), same batch as gRPC")
+    http.add_argument("--http-port", type=int, default=0, help="HTTP port (0: off)")
+    http.add_argument("--http-token-file",
+                      help="require 'Authorization: Bearer <token>' with the token in this file (e.g. a "
+                           "mounted Secret); default: no authentication")
     tls = serve.add_argument_group("transport security (one of --tls-cert/--tls-key or --insecure)")
     tls.add_argument("--tls-cert", help="server certificate chain (PEM)")
     tls.add_argument("--tls-key", help="server private key (PEM)")
@@ -164,12 +170,23 @@ def server_options(args):
             raise SpecpairError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_queue < 0:
         raise SpecpairError("--max-queue must be >= 0")
+    if not 0 <= args.http_port <= 65535:
+        raise SpecpairError("--http-port must be in [0, 65535] (0: off)")
+    token = None
+    if args.http_token_file:
+        try:
+            token = Path(args.http_token_file).read_text().strip()
+        except OSError as exc:
+            raise SpecpairError(f"--http-token-file: {exc}") from exc
+        if not token:
+            raise SpecpairError(f"--http-token-file {args.http_token_file} is empty")
     return ServerOptions(host=args.host, port=args.port,
                          metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                          pair=args.pair, version=args.version, max_batch_size=args.max_batch_size,
                          max_queue=args.max_queue, drain_timeout=args.drain_timeout, tls=tls,
                          limits=Limits(max_request_bytes=args.max_request_bytes,
-                                       max_new_tokens=args.max_new_tokens_limit))
+                                       max_new_tokens=args.max_new_tokens_limit),
+                         http_port=args.http_port or None, http_token=token)
 
 
 def apply_release(args) -> str:
@@ -216,7 +233,9 @@ def serve_command(args) -> int:
     server.start()
     progress(f"gRPC listening on {options.host}:{server.port} ({'TLS' if options.tls else 'plaintext'}), "
              f"health NOT_SERVING until the models are loaded"
-             + (f"; metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""))
+             + (f"; metrics on :{server.metrics_port}/metrics" if server.metrics_port else "")
+             + (f"; OpenAI-compatible HTTP on :{server.http_port}/v1"
+                f"{' (bearer token required)' if options.http_token else ''}" if server.http_port else ""))
     stop = threading.Event()
 
     def on_signal(signum, _frame):

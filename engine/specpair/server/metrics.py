@@ -3,6 +3,8 @@
 Each server owns its CollectorRegistry (tests run several servers in one process). Counters are
 fed per engine step, so they move while a long request is still streaming. Category labels come
 from clients, so their number is capped: categories beyond `max_categories` count as "other".
+Per-request series (requests by status, the latency histograms) are also labelled `protocol`
+(`grpc` or `http`, the OpenAI-compatible front); acceptance counters are the pair's, per category.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class EngineMetrics:
         r = self.registry
         base = ["pair", "version"]
         cat = base + ["category"]
+        req = cat + ["protocol"]
         self.num_drafts = Counter("specpair_num_drafts", "Verification rounds that had draft tokens.",
                                   cat, registry=r)
         self.num_draft_tokens = Counter("specpair_num_draft_tokens", "Draft tokens proposed.", cat, registry=r)
@@ -51,17 +54,17 @@ class EngineMetrics:
                                          "1 while speculation is allowed and not in fallback.", base, registry=r)
         self.fallback_events = Counter("specpair_fallback_events",
                                        "Times windowed acceptance fell below the threshold.", base, registry=r)
-        self.requests = Counter("specpair_requests", "Finished requests by status.", cat + ["status"], registry=r)
+        self.requests = Counter("specpair_requests", "Finished requests by status.", req + ["status"], registry=r)
         self.time_to_first_token = Histogram("specpair_time_to_first_token_seconds",
-                                             "Arrival to first streamed token.", cat, buckets=LATENCY_BUCKETS,
+                                             "Arrival to first streamed token.", req, buckets=LATENCY_BUCKETS,
                                              registry=r)
         self.time_per_output_token = Histogram("specpair_time_per_output_token_seconds",
-                                               "Mean time between output tokens after the first.", cat,
+                                               "Mean time between output tokens after the first.", req,
                                                buckets=TOKEN_BUCKETS, registry=r)
         self.e2e_request_latency = Histogram("specpair_e2e_request_latency_seconds",
-                                             "Arrival to last token.", cat, buckets=LATENCY_BUCKETS, registry=r)
+                                             "Arrival to last token.", req, buckets=LATENCY_BUCKETS, registry=r)
         self.request_queue_time = Histogram("specpair_request_queue_time_seconds",
-                                            "Arrival to joining the running batch.", cat,
+                                            "Arrival to joining the running batch.", req,
                                             buckets=LATENCY_BUCKETS, registry=r)
         self.num_requests_waiting = Gauge("specpair_num_requests_waiting", "Requests queued for a batch slot.",
                                           base, registry=r)
@@ -98,10 +101,10 @@ class EngineMetrics:
         if delta.fallback_events:
             self.fallback_events.labels(self.pair, self.version).inc(delta.fallback_events)
 
-    def record_finished(self, category: str, status: str, *, queue: float | None = None,
-                        ttft: float | None = None, e2e: float | None = None,
+    def record_finished(self, category: str, status: str, *, protocol: str = "grpc",
+                        queue: float | None = None, ttft: float | None = None, e2e: float | None = None,
                         tpot: float | None = None) -> None:
-        labels = self._l(category)
+        labels = (*self._l(category), protocol)
         self.requests.labels(*labels, status).inc()
         if queue is not None:
             self.request_queue_time.labels(*labels).observe(queue)

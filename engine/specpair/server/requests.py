@@ -8,6 +8,7 @@ checked here too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -28,11 +29,15 @@ MAX_TEMPERATURE = 100.0
 
 
 class InvalidField(Exception):
-    """A request field the server refuses; becomes INVALID_ARGUMENT "field: reason"."""
+    """A request field the server refuses; becomes INVALID_ARGUMENT "field: reason" (HTTP 400)."""
 
     def __init__(self, field: str, reason: str):
         self.field, self.reason = field, reason
         super().__init__(f"{field}: {reason}")
+
+
+class TooLarge(InvalidField):
+    """A request or prompt beyond a size limit: INVALID_ARGUMENT over gRPC, 413 over HTTP."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,28 @@ class Limits:
 
 
 @dataclass
+class RequestFields:
+    """One generation request as plain values, whichever protocol carried it (None: not set).
+
+    Field names in refusals are the gRPC ones (`max_new_tokens`, `chat.messages[1].role`); the HTTP
+    front translates them to its own (`max_tokens`, `messages[1].role`).
+    """
+
+    prompt: str | None = None
+    prompt_field: str = "prompt"                  # which field held the text prompt
+    messages: list[tuple[str, str]] | None = None   # chat (role, content): the server applies the template
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    speculation_k: int | None = None              # None: the engine's k; 0: off
+    category: str = ""
+    request_id: str = ""
+
+
+@dataclass
 class CheckedRequest:
     """What the engine needs: a prompt (text or chat messages) and validated decoding params."""
 
@@ -53,34 +80,72 @@ class CheckedRequest:
     chat: bool
     params: GenerationParams
     prompt_field: str          # the field to blame when the prompt is too long for the context
+    fill_context: bool = False  # no max_new_tokens given and no default: as many as limit and context allow
+
+
+def check_size(num_bytes: int, limits: Limits) -> None:
+    if num_bytes > limits.max_request_bytes:
+        raise TooLarge("request", f"{num_bytes} bytes is more than the limit of {limits.max_request_bytes} bytes")
 
 
 def check_generate(request, limits: Limits) -> CheckedRequest:
     """GenerateRequest (protobuf) -> CheckedRequest, or InvalidField."""
+    which = request.WhichOneof("input")
+    fields = RequestFields(
+        max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
+        temperature=request.temperature if request.HasField("temperature") else None,
+        top_p=request.top_p if request.HasField("top_p") else None,
+        top_k=request.top_k if request.HasField("top_k") else None,
+        seed=request.seed if request.HasField("seed") else None,
+        stop=tuple(request.stop), category=request.category, request_id=request.request_id)
     if len(request.request_id) > limits.max_request_id_chars:
         raise InvalidField("request_id", f"at most {limits.max_request_id_chars} characters")
-    which = request.WhichOneof("input")
     if which is None:
         raise InvalidField("prompt", "empty prompt: set prompt, prompt_utf8 or chat")
     if which == "prompt_utf8":
         try:
-            text = request.prompt_utf8.decode("utf-8")
+            fields.prompt = request.prompt_utf8.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InvalidField("prompt_utf8", f"malformed UTF-8: byte 0x{request.prompt_utf8[exc.start]:02x} "
                                               f"at offset {exc.start} ({exc.reason})") from None
-        prompt, chat = _check_text("prompt_utf8", text), False
+        fields.prompt_field = "prompt_utf8"
     elif which == "prompt":
-        prompt, chat = _check_text("prompt", request.prompt), False
+        fields.prompt = request.prompt
     else:
-        prompt, chat = _check_chat(request.chat.messages, limits), True
+        fields.messages = [(m.role, m.content) for m in request.chat.messages]
+    if request.HasField("speculation"):
+        if request.speculation.off:
+            fields.speculation_k = 0
+        elif request.speculation.k:
+            fields.speculation_k = request.speculation.k
+    return check_fields(fields, limits)
 
-    max_new = request.max_new_tokens if request.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+
+def check_fields(fields: RequestFields, limits: Limits,
+                 default_max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS) -> CheckedRequest:
+    """The one check of a generation request, for every protocol: RequestFields -> CheckedRequest.
+
+    default_max_new_tokens=None: a request without max_new_tokens gets as many tokens as the
+    server's limit and the model's context allow (see fit_context), as OpenAI's API does.
+    """
+    if len(fields.request_id) > limits.max_request_id_chars:
+        raise InvalidField("request_id", f"at most {limits.max_request_id_chars} characters")
+    if fields.messages is not None:
+        prompt, chat = _check_chat(fields.messages, limits), True
+    elif fields.prompt is not None:
+        prompt, chat = _check_text(fields.prompt_field, fields.prompt), False
+    else:
+        raise InvalidField("prompt", "empty prompt: set prompt, prompt_utf8 or chat")
+
+    fill = fields.max_new_tokens is None and default_max_new_tokens is None
+    max_new = fields.max_new_tokens if fields.max_new_tokens is not None else \
+        (default_max_new_tokens or limits.max_new_tokens)
     if max_new <= 0:
         raise InvalidField("max_new_tokens", f"must be >= 1, got {max_new}")
     if max_new > limits.max_new_tokens:
         raise InvalidField("max_new_tokens", f"{max_new} is beyond this server's limit of {limits.max_new_tokens}")
 
-    temperature = request.temperature if request.HasField("temperature") else 0.0
+    temperature = fields.temperature if fields.temperature is not None else 0.0
     if not math.isfinite(temperature):
         raise InvalidField("temperature", f"must be a finite number, got {temperature}")
     if temperature < 0:
@@ -89,39 +154,38 @@ def check_generate(request, limits: Limits) -> CheckedRequest:
         raise InvalidField("temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, "
                                           f"{MAX_TEMPERATURE:g}], got {temperature:g}")
 
-    top_p = request.top_p if request.HasField("top_p") else 1.0
+    top_p = fields.top_p if fields.top_p is not None else 1.0
     if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
         raise InvalidField("top_p", f"must be in (0, 1], got {top_p:g}")
-    top_k = request.top_k if request.HasField("top_k") else 0
+    top_k = fields.top_k if fields.top_k is not None else 0
     if top_k < 0:
         raise InvalidField("top_k", f"must be >= 0 (0 = off), got {top_k}")
+    if fields.seed is not None and not 0 <= fields.seed < 1 << 64:
+        raise InvalidField("seed", f"must be in [0, 2**64), got {fields.seed}")
 
-    if len(request.stop) > limits.max_stop_strings:
-        raise InvalidField("stop", f"at most {limits.max_stop_strings} stop strings, got {len(request.stop)}")
-    for i, s in enumerate(request.stop):
+    if len(fields.stop) > limits.max_stop_strings:
+        raise InvalidField("stop", f"at most {limits.max_stop_strings} stop strings, got {len(fields.stop)}")
+    for i, s in enumerate(fields.stop):
         if not s:
             raise InvalidField(f"stop[{i}]", "empty stop string")
         if len(s) > limits.max_stop_chars:
             raise InvalidField(f"stop[{i}]", f"at most {limits.max_stop_chars} characters")
 
-    speculation_k = None
-    if request.HasField("speculation"):
-        if request.speculation.off:
-            speculation_k = 0
-        elif request.speculation.k:
-            speculation_k = request.speculation.k
-            if speculation_k > 32:
-                raise InvalidField("speculation.k", f"must be <= 32, got {speculation_k}")
+    speculation_k = fields.speculation_k
+    if speculation_k is not None and speculation_k < 0:
+        raise InvalidField("speculation.k", f"must be >= 0 (0 = off), got {speculation_k}")
+    if speculation_k is not None and speculation_k > 32:
+        raise InvalidField("speculation.k", f"must be <= 32, got {speculation_k}")
 
-    category = request.category or DEFAULT_CATEGORY
+    category = fields.category or DEFAULT_CATEGORY
     if not CATEGORY_PATTERN.fullmatch(category):
         raise InvalidField("category", "1-64 characters from A-Z a-z 0-9 _ . -")
 
     params = GenerationParams(max_new_tokens=max_new, temperature=float(temperature), top_k=top_k,
-                              top_p=float(top_p), seed=request.seed if request.HasField("seed") else None,
-                              stop=tuple(request.stop), speculation_k=speculation_k, category=category)
+                              top_p=float(top_p), seed=fields.seed, stop=tuple(fields.stop),
+                              speculation_k=speculation_k, category=category)
     return CheckedRequest(prompt=prompt, chat=chat, params=params,
-                          prompt_field="chat" if chat else which)
+                          prompt_field="chat" if chat else fields.prompt_field, fill_context=fill)
 
 
 def _check_text(field: str, text: str) -> str:
@@ -136,20 +200,29 @@ def _check_chat(messages, limits: Limits) -> list[dict]:
     if len(messages) > limits.max_chat_messages:
         raise InvalidField("chat.messages", f"at most {limits.max_chat_messages} messages, got {len(messages)}")
     out = []
-    for i, m in enumerate(messages):
-        if m.role not in CHAT_ROLES:
+    for i, (role, content) in enumerate(messages):
+        if role not in CHAT_ROLES:
             raise InvalidField(f"chat.messages[{i}].role",
-                               f"unknown chat role {m.role!r}; use one of {', '.join(CHAT_ROLES)}")
-        out.append({"role": m.role, "content": m.content})
+                               f"unknown chat role {role!r}; use one of {', '.join(CHAT_ROLES)}")
+        out.append({"role": role, "content": content})
     if not any(m["content"].strip() for m in out):
         raise InvalidField("chat.messages", "empty prompt: every message is empty")
     return out
 
 
+def fit_context(checked: CheckedRequest, prompt_tokens: int, context_length: int) -> None:
+    """After tokenizing: the prompt and the reply must fit the context (an open-ended request is
+    cut to what fits)."""
+    if checked.fill_context and prompt_tokens < context_length:
+        checked.params = dataclasses.replace(
+            checked.params, max_new_tokens=min(checked.params.max_new_tokens, context_length - prompt_tokens))
+    check_context(prompt_tokens, checked.params.max_new_tokens, context_length, checked.prompt_field)
+
+
 def check_context(prompt_tokens: int, max_new_tokens: int, context_length: int, prompt_field: str) -> None:
     """The prompt and the reply must fit the target's context window."""
     if prompt_tokens >= context_length:
-        raise InvalidField(prompt_field, f"prompt has {prompt_tokens} tokens; the model's context "
+        raise TooLarge(prompt_field, f"prompt has {prompt_tokens} tokens; the model's context "
                                          f"is {context_length}")
     if prompt_tokens + max_new_tokens > context_length:
         raise InvalidField("max_new_tokens", f"{max_new_tokens} new tokens after a {prompt_tokens}-token "

@@ -19,7 +19,8 @@ from specpair import __version__
 from specpair._proto import engine_pb2 as pb
 from specpair.contract import DEFAULT_CATEGORY
 from specpair.errors import SpecpairError
-from specpair.server.requests import InvalidField, Limits, check_context, check_generate, find_invalid_utf8
+from specpair.server.requests import (InvalidField, Limits, check_generate, check_size, find_invalid_utf8,
+                                      fit_context)
 from specpair.server.worker import Failed, Finished, Job, NotAccepting, QueueFull, Tokens
 from specpair.stats import AcceptanceStats
 
@@ -159,9 +160,10 @@ class EngineService:
         await self._require_ready(context)
         state = self.state
         limits = state.limits
-        if len(raw) > limits.max_request_bytes:
-            await self._invalid(context, "request", f"{len(raw)} bytes is more than the limit of "
-                                                    f"{limits.max_request_bytes} bytes")
+        try:
+            check_size(len(raw), limits)
+        except InvalidField as exc:
+            await self._invalid(context, exc.field, exc.reason)
         request = await self._parse(raw, pb.GenerateRequest, context)
         engine = state.engine
         checked = None
@@ -169,8 +171,7 @@ class EngineService:
             checked = check_generate(request, limits)
             loop = asyncio.get_running_loop()
             ids = await loop.run_in_executor(self._tokenize_pool, engine.encode, checked.prompt, checked.chat)
-            check_context(len(ids), checked.params.max_new_tokens, engine.target.context_length,
-                          checked.prompt_field)
+            fit_context(checked, len(ids), engine.target.context_length)
         except InvalidField as exc:
             await self._invalid(context, exc.field, exc.reason)
         except SpecpairError as exc:

@@ -71,6 +71,7 @@ class Job:
     sink: Callable[[object], None]
     category: str = DEFAULT_CATEGORY     # metric label (already bounded)
     client_id: str = ""
+    protocol: str = "grpc"               # metric label: "grpc" or "http"
     arrived: float = field(default_factory=time.perf_counter)
     request_id: str = ""                 # unique inside the worker, set on submit
     admitted: float | None = None
@@ -359,7 +360,7 @@ class EngineWorker:
             self._category(job.category).add_finished(drafted, accepted)
         if self.metrics is not None:
             tpot = (end - first) / (completion - 1) if completion > 1 else None
-            self.metrics.record_finished(job.category, "ok", queue=admitted - job.arrived,
+            self.metrics.record_finished(job.category, "ok", protocol=job.protocol, queue=admitted - job.arrived,
                                          ttft=first - job.arrived, e2e=end - job.arrived, tpot=tpot)
         self._send(job, Finished(text=out.text, token_ids=list(out.token_ids), finish_reason=result.finish_reason,
                           prompt_tokens=result.prompt_tokens, completion_tokens=completion,
@@ -372,7 +373,7 @@ class EngineWorker:
             return
         job.done = True
         if self.metrics is not None:
-            self.metrics.record_finished(job.category, job.cancel_status or "cancelled")
+            self.metrics.record_finished(job.category, job.cancel_status or "cancelled", protocol=job.protocol)
 
     def _fail(self, job: Job, kind: str, message: str, status: str) -> None:
         self._jobs.pop(job.request_id, None)
@@ -380,7 +381,7 @@ class EngineWorker:
             return
         job.done = True
         if self.metrics is not None:
-            self.metrics.record_finished(job.category, status)
+            self.metrics.record_finished(job.category, status, protocol=job.protocol)
         self._send(job, Failed(kind=kind, message=message))
 
     @staticmethod

@@ -1,0 +1,527 @@
+"""The OpenAI-compatible HTTP front: /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+Starlette on uvicorn, in its own thread and event loop, in front of the same EngineWorker (so the
+same continuous batch) as the gRPC service. A request is read into `RequestFields` and checked by
+`requests.check_fields`, the one implementation of the limits both protocols enforce; refusals
+come back in OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`:
+
+    400 bad input (the field in `param`, in OpenAI's names: `max_tokens`, `messages[1].role`)
+    401 a bearer token is required and missing or wrong (--http-token-file)
+    404 a `model` this server does not serve
+    413 a body over --max-request-bytes, or a prompt the model's context cannot hold
+    429 the request queue is full (Retry-After: 1)
+    503 models still loading, or the server draining
+
+`stream: true` answers server-sent events (`data: {chunk}` ... `data: [DONE]`); a client that goes
+away mid-reply is cancelled and its batch slot freed at the next engine step. The final chunk (or
+the response) carries this request's speculation figures in the extension field `specpair`.
+Extension request fields: `top_k`, and `specpair: {"k": 0 (off) .. 32, "category": "code"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import uvicorn
+from google.protobuf.json_format import MessageToDict
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from specpair.contract import DEFAULT_CATEGORY
+from specpair.errors import SpecpairError
+from specpair.server.requests import (InvalidField, RequestFields, TooLarge, check_fields, check_size,
+                                      fit_context)
+from specpair.server.worker import Failed, Finished, Job, NotAccepting, QueueFull, Tokens
+
+log = logging.getLogger("specpair.server.http")
+
+PROTOCOL = "http"
+# Roles OpenAI accepts that the chat template knows under another name.
+ROLE_ALIASES = {"developer": "system"}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape. `count`: a generation request refused (metrics)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None, count: str | None = "invalid"):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers, self.count = headers, count
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+
+
+def bad_request(param: str | None, reason: str, code: str | None = None) -> APIError:
+    return APIError(400, f"{param}: {reason}" if param else reason, param=param, code=code)
+
+
+def from_invalid(exc: InvalidField, max_tokens_name: str) -> APIError:
+    """The shared checker names gRPC fields; say them as an OpenAI client wrote them."""
+    field = exc.field
+    if field == "request":
+        param = None
+    elif field.startswith("chat.messages"):
+        param = "messages" + field[len("chat.messages"):]
+    elif field == "chat":
+        param = "messages"
+    elif field == "max_new_tokens":
+        param = max_tokens_name
+    elif field in ("speculation.k", "category"):
+        param = "specpair." + field.split(".")[-1]
+    else:
+        param = field
+    if isinstance(exc, TooLarge):
+        code = "context_length_exceeded" if field != "request" else "request_too_large"
+        return APIError(413, f"{param}: {exc.reason}" if param else exc.reason, param=param, code=code)
+    return bad_request(param, exc.reason)
+
+
+# -- reading a request body ------------------------------------------------------------------------
+
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "an array",
+          dict: "an object"}
+
+
+def _get(body: dict, name: str, kind, default=None):
+    """body[name] if it has the JSON type asked for (a number may be an integer; a boolean is never
+    a number), None/absent -> default, anything else a 400 naming the field."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise bad_request(name, f"must be {_KINDS[kind]}, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    n = _get(body, "n", int, 1)
+    if n != 1:
+        raise bad_request("n", f"only n=1 is supported, got {n}")
+    if chat and (_get(body, "logprobs", bool, False) or body.get("top_logprobs") is not None):
+        raise bad_request("logprobs", "log probabilities are not supported by this server")
+    if not chat and body.get("logprobs") is not None:
+        raise bad_request("logprobs", "log probabilities are not supported by this server")
+    if not chat:
+        if _get(body, "echo", bool, False):
+            raise bad_request("echo", "echo is not supported by this server")
+        if _get(body, "best_of", int, 1) != 1:
+            raise bad_request("best_of", "only best_of=1 is supported")
+        if body.get("suffix"):
+            raise bad_request("suffix", "suffix is not supported by this server")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _get(body, name, float, 0.0) != 0.0:
+            raise bad_request(name, "penalties are not supported by this server (0 only)")
+    if _get(body, "logit_bias", dict, {}):
+        raise bad_request("logit_bias", "logit_bias is not supported by this server")
+    for name in ("tools", "functions"):
+        if _get(body, name, list, []):
+            raise bad_request(name, "tool calling is not supported by this server")
+    fmt = _get(body, "response_format", dict, {})
+    if fmt.get("type", "text") != "text":
+        raise bad_request("response_format", "only type 'text' is supported by this server")
+
+
+def _messages(body: dict) -> list[tuple[str, str]]:
+    messages = _get(body, "messages", list)
+    if messages is None:
+        raise bad_request("messages", "required")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}]", "must be an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str):
+            raise bad_request(f"messages[{i}].role", "must be a string")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):     # content parts: text only
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise bad_request(f"messages[{i}].content[{j}]", "only text content parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content", "must be a string or an array of text parts")
+        out.append((ROLE_ALIASES.get(role, role), content))
+    return out
+
+
+def _prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        raise bad_request("prompt", f"one prompt per request, got {len(prompt)}")
+    if prompt is None:
+        raise bad_request("prompt", "required")
+    if not isinstance(prompt, str):
+        raise bad_request("prompt", "must be a string (token arrays are not supported)")
+    return prompt
+
+
+def request_fields(body: dict, chat: bool) -> tuple[RequestFields, str]:
+    """A chat or completion request body -> RequestFields, and the name its client used for max tokens."""
+    _refuse_unsupported(body, chat)
+    fields = RequestFields()
+    if chat:
+        fields.messages = _messages(body)
+    else:
+        fields.prompt = _prompt(body)
+    max_tokens_name = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens_name = "max_completion_tokens"
+    fields.max_new_tokens = _get(body, max_tokens_name, int)
+    fields.temperature = _get(body, "temperature", float)
+    fields.top_p = _get(body, "top_p", float)
+    fields.top_k = _get(body, "top_k", int)
+    if fields.top_k == -1:     # vLLM's spelling of "no top-k filter"
+        fields.top_k = 0
+    fields.seed = _get(body, "seed", int)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise bad_request("stop", "must be a string or an array of strings")
+    fields.stop = tuple(stop or ())
+    ext = _get(body, "specpair", dict, {})
+    k = ext.get("k")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+        raise bad_request("specpair.k", "must be an integer (0: speculation off for this request)")
+    fields.speculation_k = k
+    category = ext.get("category", "")
+    if not isinstance(category, str):
+        raise bad_request("specpair.category", "must be a string")
+    fields.category = category
+    return fields, max_tokens_name
+
+
+def speculation_figures(event: Finished) -> dict:
+    """This request's speculation, for the final chunk / response's `specpair` field."""
+    s = event.stats
+    return {"drafts": s.num_drafts, "drafted_tokens": s.num_draft_tokens, "accepted_tokens": s.num_accepted_tokens,
+            "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
+            "accepted_per_position": list(s.num_accepted_tokens_per_pos), "target_steps": s.num_target_steps,
+            "queue_seconds": event.queue_seconds, "time_to_first_token_seconds": event.time_to_first_token,
+            "total_seconds": event.total_seconds}
+
+
+def usage(event: Finished) -> dict:
+    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+            "total_tokens": event.prompt_tokens + event.completion_tokens}
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose generator is always closed, however the client leaves: its
+    `finally` cancels the request in the engine."""
+
+    def __init__(self, content):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIFront:
+    """The HTTP server of one EngineServer (`state`: engine, worker, limits, metrics, phase)."""
+
+    def __init__(self, state, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+        self.state = state
+        self.host, self.port = host, port
+        self._token = token.encode() if token else None
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="specpair-http-tokenize")
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.app = Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ])
+
+    # -- life ------------------------------------------------------------------------------------
+
+    def start(self, timeout: float = 30.0) -> "OpenAIFront":
+        """Bind (an OSError if the port is taken) and serve in a thread of its own."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError:
+            sock.close()
+            raise
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5, timeout_keep_alive=30, backlog=1024)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])),
+                                        name="specpair-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._server.started:
+            self.stop()
+            raise OSError(f"HTTP server did not start on {self.host}:{self.port}")
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- handlers --------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        state = self.state
+        body = {"status": state.phase, "pair": state.options.pair, "version": state.options.version}
+        if state.phase != "serving":
+            body["message"] = state.unavailable_reason()
+        return JSONResponse(body, status_code=200 if state.phase == "serving" else 503)
+
+    def _model_card(self) -> dict:
+        state = self.state
+        card = {"id": state.options.pair, "object": "model", "created": int(state.started_at),
+                "owned_by": "specpair", "specpair": {"pair": state.options.pair, "version": state.options.version}}
+        if state.phase == "serving":
+            card["specpair"] = MessageToDict(state.model_info(), preserving_proto_field_name=True)
+            card["max_model_len"] = state.engine.target.context_length
+        return card
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except APIError as err:
+            return err.response()
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._check_model(request.path_params["model"])
+        except APIError as err:
+            return err.response()
+        return JSONResponse(self._model_card())
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    # -- generation --------------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        if self._token is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+            raise APIError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                           "authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"}, count=None)
+
+    def _check_model(self, model) -> None:
+        pair = self.state.options.pair
+        if model is not None and model != pair:
+            raise APIError(404, f"model {model!r} is not served here; this server serves {pair!r}",
+                           param="model", code="model_not_found")
+
+    async def _read_json(self, request: Request) -> dict:
+        limits = self.state.limits
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit():
+            check_size(int(declared), limits)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            check_size(len(body), limits)
+        try:
+            parsed = json.loads(body)
+        except ValueError as exc:
+            raise bad_request(None, f"the body is not valid JSON: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise bad_request(None, "the body must be a JSON object")
+        return parsed
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        arrived = time.perf_counter()
+        state = self.state
+        category = DEFAULT_CATEGORY
+        try:
+            self._authorize(request)
+            if state.phase != "serving":
+                raise APIError(503, state.unavailable_reason(), "server_error", code="unavailable", count=None)
+            max_tokens_name = "max_tokens"
+            try:
+                body = await self._read_json(request)
+                fields, max_tokens_name = request_fields(body, chat)
+                model = body.get("model")
+                self._check_model(model)
+                stream = _get(body, "stream", bool, False)
+                include_usage = bool(_get(body, "stream_options", dict, {}).get("include_usage"))
+                checked = check_fields(fields, state.limits, default_max_new_tokens=None)
+                category = checked.params.category
+                loop = asyncio.get_running_loop()
+                ids = await loop.run_in_executor(self._tokenize_pool, state.engine.encode, checked.prompt,
+                                                 checked.chat)
+                fit_context(checked, len(ids), state.engine.target.context_length)
+            except InvalidField as exc:
+                raise from_invalid(exc, max_tokens_name) from None
+            except SpecpairError as exc:      # the tokenizer refused the prompt
+                raise bad_request("messages" if chat else "prompt", str(exc)) from None
+            except asyncio.CancelledError:    # the client left while its prompt was tokenized
+                state.count_rejected(category, "cancelled", PROTOCOL)
+                raise
+            category = state.metrics.category(category)
+            events: asyncio.Queue = asyncio.Queue()
+            job = Job(prompt_ids=ids, params=checked.params, category=category, protocol=PROTOCOL, arrived=arrived,
+                      sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+            try:
+                state.worker.submit(job)
+            except QueueFull as exc:
+                raise APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
+                               count="rejected") from None
+            except NotAccepting as exc:
+                raise APIError(503, str(exc), "server_error", code="unavailable", count="unavailable") from None
+        except APIError as err:
+            if err.count:
+                state.count_rejected(category, err.count, PROTOCOL)
+            return err.response()
+        reply = Reply(chat=chat, model=model or state.options.pair, include_usage=include_usage)
+        job.client_id = reply.id
+        if stream:
+            return EventStream(self._stream(job, events, reply))
+        return await self._complete(request, job, events, reply)
+
+    async def _stream(self, job: Job, events: asyncio.Queue, reply: "Reply"):
+        finished = False
+        try:
+            if reply.chat:
+                yield sse(reply.chunk({"role": "assistant", "content": ""}))
+            while True:
+                event = await events.get()
+                if isinstance(event, Tokens):
+                    if event.text:
+                        yield sse(reply.chunk(event.text))
+                elif isinstance(event, Finished):
+                    finished = True
+                    if event.text:
+                        yield sse(reply.chunk(event.text))
+                    final = reply.chunk(None, finish_reason=event.finish_reason)
+                    final["specpair"] = speculation_figures(event)
+                    yield sse(final)
+                    if reply.include_usage:
+                        yield sse({**reply.chunk(None), "choices": [], "usage": usage(event)})
+                    yield "data: [DONE]\n\n"
+                    return
+                elif isinstance(event, Failed):
+                    finished = True
+                    err = failure(event)
+                    yield sse({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}})
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            if not finished:    # the client went away (or the stream broke): free the batch slot
+                self.state.worker.cancel(job, "cancelled")
+
+    async def _complete(self, request: Request, job: Job, events: asyncio.Queue, reply: "Reply") -> Response:
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        finished = False
+        text = []
+        try:
+            while True:
+                get = asyncio.ensure_future(events.get())
+                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    return Response(status_code=499)    # nobody reads it
+                event = get.result()
+                if isinstance(event, Tokens):
+                    text.append(event.text)
+                elif isinstance(event, Finished):
+                    finished = True
+                    text.append(event.text)
+                    return JSONResponse(reply.whole("".join(text), event))
+                elif isinstance(event, Failed):
+                    finished = True
+                    return failure(event).response()
+        finally:
+            gone.cancel()
+            if not finished:
+                self.state.worker.cancel(job, "cancelled")
+
+
+def failure(event: Failed) -> APIError:
+    if event.kind == "unavailable":
+        return APIError(503, event.message, "server_error", code="unavailable", count=None)
+    if event.kind == "invalid":
+        return APIError(400, event.message, count=None)
+    return APIError(500, event.message, "server_error", code="internal_error", count=None)
+
+
+class Reply:
+    """The OpenAI objects of one reply: chunks while streaming, or the whole response."""
+
+    def __init__(self, *, chat: bool, model: str, include_usage: bool):
+        self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, content, finish_reason: str | None = None) -> dict:
+        """content: text, a chat delta dict, or None (no new text)."""
+        if self.chat:
+            delta = content if isinstance(content, dict) else ({"content": content} if content else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish_reason}
+            out = {**self._head("text_completion"), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def whole(self, text: str, event: Finished) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": event.finish_reason}
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": event.finish_reason}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": usage(event), "specpair": speculation_figures(event)}
