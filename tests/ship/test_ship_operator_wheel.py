@@ -1,7 +1,8 @@
 """The operator image's install, reproduced without Docker: build the repository's wheel, install
-it with the `operator` extra into a fresh venv that has no torch, and run what the chart runs.
+the image's hash-locked dependencies (deploy/requirements/operator.txt) and the wheel with the
+`operator` extra into a fresh venv that has no torch, and run what the chart runs.
 
-Slowest ship test (~1 min with a warm pip cache: mlflow is large); pip's own cache is reused.
+Slowest ship test (downloads the locked wheels; pip's own cache is reused).
 """
 
 from __future__ import annotations
@@ -39,7 +40,13 @@ def operator_venv(tmp_path_factory) -> Path:
     venv = work / "venv"
     run([sys.executable, "-m", "venv", venv])
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    run([venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-compile", f"{wheel}[operator]"], timeout=300, env=env)
+    pip = [venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-compile"]
+    # As deploy/operator.Dockerfile does: the hash-locked dependencies, nothing resolved, then the
+    # wheel with --no-index (it installs only if the lock satisfies its `operator` extra).
+    run(pip + ["--require-hashes", "--no-deps", "--requirement", REPO_ROOT / "deploy" / "requirements" / "operator.txt"],
+        timeout=300, env=env)
+    run(pip + ["--no-index", f"{wheel}[operator]"], timeout=120, env=env)
+    run([venv / "bin" / "python", "-m", "pip", "check"], env=env)
     return venv
 
 
@@ -50,6 +57,20 @@ def _python(venv: Path, code: str) -> str:
 
 def test_torch_is_not_installed(operator_venv):
     assert _python(operator_venv, "import importlib.util; print(importlib.util.find_spec('torch'))").strip() == "None"
+
+
+def test_the_mlflow_client_is_mlflow_skinny(operator_venv):
+    """The operator imports MlflowClient, mlflow.entities and mlflow.exceptions: mlflow-skinny
+    has them all, and the full mlflow (server, pandas, pyarrow, scipy) is not installed."""
+    code = ("import importlib.metadata as m, importlib.util as u\n"
+            "import specpair_operator.handlers, specpair_operator.registry\n"
+            "from mlflow import MlflowClient; from mlflow.entities import Metric\n"
+            "from mlflow.exceptions import MlflowException, RestException\n"
+            "def has(d):\n"
+            "    try: m.version(d); return True\n"
+            "    except m.PackageNotFoundError: return False\n"
+            "print(has('mlflow-skinny'), [d for d in ('mlflow', 'pandas', 'pyarrow', 'scipy') if has(d)])")
+    assert _python(operator_venv, code).strip() == "True []"
 
 
 def test_entry_point_help_runs(operator_venv):
@@ -99,12 +120,14 @@ def test_dockerfiles_install_what_this_test_installs(image, extra):
     text = _dockerfile(f"{image}.Dockerfile")
     copied = [part for line in re.findall(r"^COPY (?!--from)(.+)$", text, flags=re.M)
               for part in line.split()[:-1]]
-    assert sorted(copied) == sorted(BUILD_INPUTS)
+    lock = {"operator": "deploy/requirements/operator.txt", "engine": "deploy/requirements/"}[image]
+    assert sorted(copied) == sorted(BUILD_INPUTS + [lock])
     ignore = _dockerfile(f"{image}.Dockerfile.dockerignore").splitlines()
     assert ignore[ignore.index("*")] == "*"
-    for name in BUILD_INPUTS:
+    for name in BUILD_INPUTS + ["deploy/requirements"]:
         assert f"!{name}" in ignore or f"!{name}/" in ignore, name
-    assert re.search(rf'pip install "\$\(ls /wheels/specpair-\*\.whl\)\[{extra}\]"', text)
+    assert "--require-hashes --no-deps --requirement" in text
+    assert re.search(rf'pip install --no-cache-dir --no-index "\$\(ls /wheels/specpair-\*\.whl\)\[{extra}\]"', text)
     assert "USER 10001:10001" in text
     if image == "operator":
         instructions = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
