@@ -25,6 +25,7 @@ RELEASE_FILE = f"{RELEASE_DIR}/release.json"
 CACHE_DIR = "/var/cache/specpair"
 NONROOT_UID = 10001
 METRICS_PORT = 9400
+HTTP_PORT = 8000        # the engine's OpenAI-compatible HTTP API (rollout.httpPort; 0: off)
 
 
 def engine_name(pair: str) -> str:
@@ -169,12 +170,14 @@ def engine_image(release: dict[str, Any], rollout: dict[str, Any]) -> str:
     return str((release.get("engine") or {}).get("image") or rollout.get("image") or release_mod.ENGINE_IMAGE)
 
 
-def engine_command(release: dict[str, Any], port: int) -> list[str]:
+def engine_command(release: dict[str, Any], port: int, http_port: int = HTTP_PORT) -> list[str]:
     """`specpair engine serve` of the release file the pod mounts: models, revisions, speculation,
     pair and version come from that one document (the engine reports its content hash, which the
-    operator checks); the command line only says how to listen."""
+    operator checks); the command line only says how to listen (gRPC, metrics, and the
+    OpenAI-compatible HTTP API on the same batch unless http_port is 0)."""
     return ["specpair", "engine", "serve", "--release", RELEASE_FILE,
             "--port", str(port), "--metrics-port", str(METRICS_PORT),
+            *(["--http-port", str(http_port)] if http_port else []),
             # Plaintext inside the cluster; the chart's NetworkPolicy limits who can connect.
             "--insecure"]
 
@@ -184,15 +187,17 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
                       credentials_secret: str | None = None) -> dict[str, Any]:
     """The engine Deployment serving one release; the selector is stable across releases."""
     port = int(rollout.get("port", 50051))
+    http_port = int(rollout.get("httpPort", HTTP_PORT))
     selector = engine_selector(pair)
     labels = _labels(pair, "engine", version)
     container = {
         "name": "engine",
         "image": engine_image(release, rollout),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
-        "command": engine_command(release, port),
+        "command": engine_command(release, port, http_port),
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+                  *([{"name": "http", "containerPort": http_port, "protocol": "TCP"}] if http_port else [])],
         "env": _env(tracking_uri, credentials_secret),
         "volumeMounts": _mounts(),
         "securityContext": _container_security(),
@@ -241,15 +246,18 @@ def rollout_strategy(rollout: dict[str, Any]) -> dict[str, Any]:
 
 def engine_service(pair: str, namespace: str, rollout: dict[str, Any]) -> dict[str, Any]:
     port = int(rollout.get("port", 50051))
+    http_port = int(rollout.get("httpPort", HTTP_PORT))
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": engine_name(pair), "namespace": namespace, "labels": _labels(pair, "engine")},
         "spec": {
             "selector": engine_selector(pair),
-            # `metrics` is what the chart's ServiceMonitor scrapes.
+            # `metrics` is what the chart's ServiceMonitor scrapes; `http` is the OpenAI-compatible API.
             "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"},
-                      {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],
+                      {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
+                      *([{"name": "http", "port": http_port, "targetPort": "http", "protocol": "TCP",
+                          "appProtocol": "http"}] if http_port else [])],
         },
     }
 

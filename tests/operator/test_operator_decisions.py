@@ -161,7 +161,17 @@ def test_manifests_validate_against_kubernetes_schemas_and_run_unprivileged():
     cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
     # What is served is the release file the pod mounts (the annotation), not command-line copies.
     assert cmd == ["specpair", "engine", "serve", "--release", manifests.RELEASE_FILE, "--port", "6000",
-                   "--metrics-port", str(manifests.METRICS_PORT), "--insecure"]
+                   "--metrics-port", str(manifests.METRICS_PORT), "--http-port", str(manifests.HTTP_PORT), "--insecure"]
+    # The OpenAI-compatible HTTP API: a named container port the Service exposes; httpPort 0 turns it off.
+    ports = {p["name"]: p["containerPort"] for p in dep["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert ports == {"grpc": 6000, "metrics": manifests.METRICS_PORT, "http": manifests.HTTP_PORT}
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == \
+        {"grpc": (6000, "grpc"), "metrics": (manifests.METRICS_PORT, "metrics"), "http": (manifests.HTTP_PORT, "http")}
+    off = {**rollout, "httpPort": 0}
+    dep_off = manifests.engine_deployment("p", "ns", rel, digest, "3", off, "http://mlflow:5000")
+    container = dep_off["spec"]["template"]["spec"]["containers"][0]
+    assert "--http-port" not in container["command"] and "http" not in {p["name"] for p in container["ports"]}
+    assert "http" not in {p["name"] for p in manifests.engine_service("p", "ns", off)["spec"]["ports"]}
     assert set(dep["spec"]["selector"]["matchLabels"].items()) <= set(dep["spec"]["template"]["metadata"]["labels"].items())
 
 
