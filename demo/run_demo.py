@@ -39,6 +39,13 @@ NS = "specpair-demo"
 GROUP_VERSION = "specpair.io/v1alpha1"
 EXAMPLE = REPO / "examples" / "default-pair.yaml"
 ENGINE_PORT = 50051
+
+
+def http_address(grpc_address: str) -> str:
+    """The same pod's OpenAI-compatible HTTP API, where the demo's answers are streamed from."""
+    return f"{grpc_address.rsplit(':', 1)[0]}:{manifests.HTTP_PORT}"
+
+
 # The operator's settings for a demo: reconcile every second, short watches.
 OPERATOR_ENV = {"SPECPAIR_RECONCILE_INTERVAL": "1", "SPECPAIR_WATCH_TIMEOUT": "60"}
 # The drift policy sized for minutes on 2 CPU cores instead of the defaults' hours in production
@@ -373,7 +380,7 @@ class Demo:
             dim, plain = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "")
             say(f"  {dim}> {prompt.splitlines()[0][:90]}{plain}")
             sys.stdout.write("    ")
-            answer = traffic.ask(address, category, prompt, self.args.max_new_tokens,
+            answer = traffic.ask(http_address(address), category, prompt, self.args.max_new_tokens,
                                  on_text=traffic.stream_to_terminal)
             say()
             say(traffic.describe(answer))
@@ -399,7 +406,8 @@ class Demo:
                     time.sleep(0.5)
                     continue
                 category, prompt = prompts[i % len(prompts)]
-                ans = traffic.ask(address, category, prompt, self.args.max_new_tokens, compare=False, timeout=120)
+                ans = traffic.ask(http_address(address), category, prompt, self.args.max_new_tokens, compare=False,
+                                  timeout=120)
                 if not ans.error:
                     self.answers.append((label, ans))
                     sent[0] += 1

@@ -1,5 +1,6 @@
-"""Client traffic for the demo: streamed answers over the engine's gRPC API, each also decoded
-target-only (per-request speculation off) so its speedup is measured, not assumed."""
+"""Client traffic for the demo: streamed answers over the engine's OpenAI-compatible HTTP API
+with the official `openai` client, as any application would ask, each also decoded target-only
+(the request extension `specpair: {"k": 0}`) so its speedup is measured, not assumed."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import grpc
-
-from specpair.server.client import EngineClient, request
+import openai
 
 # Where n-gram prompt lookup pays: the answer copies spans of the prompt.
 COPYING = [
@@ -65,36 +64,45 @@ class Answer:
 
 def ask(address: str, category: str, prompt: str, max_new_tokens: int, *, compare: bool = True,
         on_text: Callable[[str], None] | None = None, timeout: float = 300.0) -> Answer:
-    """One chat request, streamed; then (compare) the same request target-only for the speedup.
-    Errors (a pod being replaced) come back in Answer.error rather than raising."""
+    """One chat request, streamed from the engine's HTTP API at `address` (host:port); then
+    (compare) the same request target-only for the speedup. Errors (a pod being replaced) come
+    back in Answer.error rather than raising."""
     answer = Answer(category, prompt)
     messages = [{"role": "user", "content": prompt}]
     try:
-        with EngineClient(address, insecure=True) as client:
+        with openai.OpenAI(base_url=f"http://{address}/v1", api_key="none", max_retries=0, timeout=timeout) as client:
+            model = client.models.list().data[0].id       # the pair this engine serves
             started = time.perf_counter()
-            last = None
-            for msg in client.stream(request(messages, max_new_tokens=max_new_tokens, category=category),
-                                     timeout=timeout):
-                answer.text += msg.text
-                answer.tokens += len(msg.token_ids)
-                if on_text and msg.text:
-                    on_text(msg.text)
-                last = msg
+            figures: dict = {}
+            for chunk in client.chat.completions.create(
+                    model=model, messages=messages, max_tokens=max_new_tokens, temperature=0, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"specpair": {"category": category}}):
+                text = chunk.choices[0].delta.content if chunk.choices else None
+                if text:
+                    answer.text += text
+                    if on_text:
+                        on_text(text)
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    figures = (chunk.model_extra or {}).get("specpair") or {}
+                if chunk.usage:
+                    answer.tokens = chunk.usage.completion_tokens
             answer.seconds = time.perf_counter() - started
-            if last is not None and last.HasField("stats"):
-                answer.drafted = int(last.stats.num_draft_tokens)
-                answer.accepted = int(last.stats.num_accepted_tokens)
-                answer.mean_acceptance_length = float(last.stats.mean_acceptance_length)
+            answer.drafted = int(figures.get("drafted_tokens", 0))
+            answer.accepted = int(figures.get("accepted_tokens", 0))
+            answer.mean_acceptance_length = float(figures.get("mean_acceptance_length", 0.0))
             if compare:
                 # Same prompt, same greedy decoding, no drafts: the baseline a user would get.
                 # Its category is kept apart so it does not dilute the live acceptance the operator reads.
                 started = time.perf_counter()
-                for _ in client.stream(request(messages, max_new_tokens=max_new_tokens, speculation_k=0,
-                                               category="baseline"), timeout=timeout):
+                for _ in client.chat.completions.create(
+                        model=model, messages=messages, max_tokens=max_new_tokens, temperature=0, stream=True,
+                        extra_body={"specpair": {"k": 0, "category": "baseline"}}):
                     pass
                 answer.target_only_seconds = time.perf_counter() - started
-    except grpc.RpcError as exc:
-        answer.error = f"{exc.code().name}: {exc.details()}"
+    except openai.APIStatusError as exc:
+        answer.error = f"HTTP {exc.status_code}: {exc.message}"
+    except openai.APIError as exc:     # connection refused or dropped: the pod is going away
+        answer.error = f"{type(exc).__name__}: {exc}"
     answer.finished_at = time.time()
     return answer
 

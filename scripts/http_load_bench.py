@@ -1,0 +1,223 @@
+#!/usr/bin/env python
+"""Load benchmark through the OpenAI-compatible HTTP API: throughput, time to first token and
+inter-token latency at several concurrencies, speculation on vs off.
+
+    python scripts/http_load_bench.py                           # default pair (SmolLM2-135M + n-gram)
+    python scripts/http_load_bench.py --concurrency 1 4 --max-new-tokens 64 --json out.json
+    python scripts/http_load_bench.py --base-url http://host:8000/v1   # an engine already running
+
+It starts `specpair engine serve --http-port` as a subprocess (client and server do not share a
+GIL), with speculation allowed at every batch size, then at each concurrency streams the same
+greedy chat requests with the official `openai` client twice: target-only (the extension field
+`specpair: {"k": 0}`) and speculating. Measured at the client: tokens/s (output tokens of all
+requests over the level's wall time), TTFT (request sent to first streamed text), and
+inter-token latency (a request's first to last text over its tokens after the first; a streamed
+chunk may carry several tokens when drafts are accepted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_bench import PROMPTS, ROOT, free_port, percentile  # noqa: E402
+
+
+async def one(client: openai.AsyncOpenAI, model: str, category: str, prompt: str, max_new_tokens: int,
+              speculate: bool) -> dict:
+    started = time.perf_counter()
+    first = last = None
+    text, usage, figures = "", None, {}
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_new_tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+        extra_body={"specpair": {"category": category, **({} if speculate else {"k": 0})}})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            last = time.perf_counter()
+            first = first or last
+            text += chunk.choices[0].delta.content
+        if chunk.choices and chunk.choices[0].finish_reason:
+            figures = chunk.model_extra.get("specpair") or {}
+        if chunk.usage:
+            usage = chunk.usage
+    tokens = usage.completion_tokens
+    return {"latency": time.perf_counter() - started, "ttft": (first or started) - started, "tokens": tokens,
+            "itl": (last - first) / (tokens - 1) if first and tokens > 1 else None, "text": text,
+            "drafted": figures.get("drafted_tokens", 0), "accepted": figures.get("accepted_tokens", 0)}
+
+
+async def run_level(base_url: str, model: str, token: str, concurrency: int, requests: int,
+                    max_new_tokens: int, speculate: bool) -> dict:
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0, timeout=600)
+    queue = list(range(requests))
+    results: dict[int, dict] = {}
+
+    async def worker():
+        while queue:
+            i = queue.pop(0)
+            category, prompt = PROMPTS[i % len(PROMPTS)]
+            results[i] = await one(client, model, category, prompt, max_new_tokens, speculate)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    await client.close()
+    rows = list(results.values())
+    ttfts = [r["ttft"] for r in rows]
+    itls = [r["itl"] for r in rows if r["itl"] is not None]
+    drafted = sum(r["drafted"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    return {
+        "concurrency": concurrency, "speculation": speculate, "requests": len(rows), "output_tokens": tokens,
+        "wall_seconds": round(wall, 3), "tokens_per_second": round(tokens / wall, 2),
+        "ttft_p50": round(percentile(ttfts, 0.5), 3), "ttft_p95": round(percentile(ttfts, 0.95), 3),
+        "itl_p50_ms": round(1e3 * percentile(itls, 0.5), 1), "itl_p95_ms": round(1e3 * percentile(itls, 0.95), 1),
+        "latency_p50": round(percentile([r["latency"] for r in rows], 0.5), 3),
+        "acceptance_rate": round(sum(r["accepted"] for r in rows) / drafted, 3) if drafted else None,
+        "_texts": {i: r["text"] for i, r in results.items()},
+    }
+
+
+def protocol_overhead(base_url: str, model: str, token: str, grpc_address: str, rounds: int,
+                      max_new_tokens: int) -> dict:
+    """One request at a time, alternating gRPC and HTTP (same prompts, speculating): what the HTTP
+    front costs over gRPC, with the machine's noise spread over both."""
+    from specpair.server.client import EngineClient, request
+
+    grpc_client = EngineClient(grpc_address, insecure=True)
+    times: dict[str, list] = {"grpc": [], "http": []}
+    for i in range(rounds):
+        category, prompt = PROMPTS[i % len(PROMPTS)]
+        for protocol in (("grpc", "http") if i % 2 == 0 else ("http", "grpc")):
+            started = time.perf_counter()
+            if protocol == "grpc":
+                first, tokens = None, 0
+                for msg in grpc_client.stream(request([{"role": "user", "content": prompt}],
+                                                      max_new_tokens=max_new_tokens, category=category)):
+                    if msg.text and first is None:
+                        first = time.perf_counter() - started
+                    tokens += len(msg.token_ids)
+            else:
+                client = openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0)
+                r = asyncio.run(one(client, model, category, prompt, max_new_tokens, True))
+                first, tokens = r["ttft"], r["tokens"]
+            times[protocol].append((time.perf_counter() - started, first, tokens))
+    grpc_client.close()
+    out = {}
+    for protocol, rows in times.items():
+        out[protocol] = {"e2e_p50": round(percentile([r[0] for r in rows], 0.5), 3),
+                         "ttft_p50": round(percentile([r[1] for r in rows], 0.5), 3),
+                         "tokens_per_second": round(sum(r[2] for r in rows) / sum(r[0] for r in rows), 2)}
+    return out
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    args.grpc_address = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "specpair.server", "engine", "serve", "--target", args.target,
+           "--host", "127.0.0.1", "--port", args.grpc_address.rsplit(":", 1)[1], "--http-port", str(port), "--metrics-port", "-1", "--insecure",
+           "--max-batch-size", str(max(args.concurrency)), "--max-queue", "64",
+           # Speculation at every batch size, so "on" measures what speculating costs or gains there.
+           "--batch-size-threshold", "1000", "--k", str(args.k)]
+    cmd += ["--draft", args.draft] if args.draft else ["--drafter", "ngram"]
+    if args.device:
+        cmd += ["--device", args.device]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "engine") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    server = subprocess.Popen(cmd, env=env)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit("engine server exited while starting")
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200:
+                return server, f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            pass
+        time.sleep(0.5)
+    server.kill()
+    raise SystemExit("engine server did not become ready in 600 s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="default")
+    parser.add_argument("--draft", help="draft model (default: the n-gram drafter)")
+    parser.add_argument("--base-url", help="use a running engine's HTTP API instead of starting one")
+    parser.add_argument("--token", default="none", help="bearer token, if the engine asks for one")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--requests", type=int, default=0, help="requests per level (default: max(4, concurrency))")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--device")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--vs-grpc", type=int, default=0, metavar="N",
+                        help="then N rounds of one gRPC and one HTTP request, alternating (the front's overhead)")
+    args = parser.parse_args()
+    args.grpc_address = None
+
+    server, base_url = (None, args.base_url) if args.base_url else start_server(args)
+    try:
+        sync = openai.OpenAI(base_url=base_url, api_key=args.token, max_retries=0)
+        card = sync.models.list().data[0]
+        info = card.model_extra.get("specpair") or {}
+        sync.chat.completions.create(model=card.id, messages=[{"role": "user", "content": "Hello"}], max_tokens=8)
+        rows = []
+        for c in args.concurrency:
+            n = args.requests or max(4, c)
+            off = asyncio.run(run_level(base_url, card.id, args.token, c, n, args.max_new_tokens, speculate=False))
+            on = asyncio.run(run_level(base_url, card.id, args.token, c, n, args.max_new_tokens, speculate=True))
+            same = sum(text == off["_texts"].get(i) for i, text in on["_texts"].items())
+            on["greedy_identity"] = f"{same}/{on['requests']}"
+            on["speedup"] = round(on["tokens_per_second"] / off["tokens_per_second"], 3)
+            for row in (off, on):
+                row.pop("_texts")
+                rows.append(row)
+            print(f"concurrency {c:>2}: off {off['tokens_per_second']:6.1f} tok/s TTFT p50 {off['ttft_p50']:.2f} s "
+                  f"ITL p50 {off['itl_p50_ms']:.0f} ms | on {on['tokens_per_second']:6.1f} tok/s TTFT p50 "
+                  f"{on['ttft_p50']:.2f} s ITL p50 {on['itl_p50_ms']:.0f} ms, acceptance {on['acceptance_rate']}, "
+                  f"{on['speedup']}x", flush=True)
+        target, draft = info.get("target") or {}, info.get("draft") or {}
+        result = {"target": target.get("source"), "draft": draft.get("source") or draft.get("kind"),
+                  "device": target.get("device"), "dtype": target.get("dtype"), "k": args.k,
+                  "max_new_tokens": args.max_new_tokens, "cpu_count": os.cpu_count(),
+                  "load_average_after": os.getloadavg(), "rows": rows}
+        print_table(result)
+        if args.vs_grpc and args.grpc_address:
+            result["vs_grpc"] = protocol_overhead(base_url, card.id, args.token, args.grpc_address, args.vs_grpc,
+                                                  args.max_new_tokens)
+            print("one at a time, alternating:", json.dumps(result["vs_grpc"]))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(60)
+    return 0
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['target']} + {result['draft']} on {result['device']} ({result['dtype']}), "
+          f"k={result['k']}, {result['max_new_tokens']} new tokens, greedy, chat prompts, HTTP (openai client)")
+    print("| concurrency | speculation | tokens/s | TTFT p50 s | TTFT p95 s | ITL p50 ms | ITL p95 ms "
+          "| acceptance | speedup | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        print(f"| {r['concurrency']} | {'on' if r['speculation'] else 'off'} | {r['tokens_per_second']} | "
+              f"{r['ttft_p50']} | {r['ttft_p95']} | {r['itl_p50_ms']} | {r['itl_p95_ms']} | "
+              f"{r['acceptance_rate'] if r['acceptance_rate'] is not None else '-'} | "
+              f"{r.get('speedup', '-')} | {r.get('greedy_identity', '-')} |")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
