@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import kopf
@@ -33,8 +33,13 @@ from .registry import (ModelClaimed, TAG_GATE_RUN, TAG_HASH, TAG_ROLLED_BACK, TA
 
 GROUP, VERSION, PLURAL = "specpair.io", "v1alpha1", "specmodelpairs"
 TAG_RELEASE = "specpair.release"
+# Written before the alias moves they stand for, so a pass that dies after the moves leaves
+# the mark behind and the next pass records the action (history, Event) it did not get to.
+TAG_PROMOTED_AT = "specpair.promoted_at"
+TAG_SPECULATION_OFF = "specpair.drift.speculation_off"
 ANN_MANIFEST = "specpair.io/manifest-hash"
 HISTORY_LIMIT = 20
+RECORDED_KEYS = 10  # per action in status.recorded
 
 
 @dataclass
@@ -138,6 +143,9 @@ class Pass:
         self.gen = body.metadata.get("generation")
         self.conds: list[dict[str, Any]] = list(self.status.get("conditions") or [])
         self.history: list[dict[str, Any]] = list(self.status.get("history") or [])
+        # action -> keys of the last ones recorded (history + Event), so a redone step records once
+        self.recorded: dict[str, list[str]] = {k: list(v) for k, v in (self.status.get("recorded") or {}).items()
+                                               if isinstance(v, list)}
         self.out: dict[str, Any] = {}
         self.rt = RUNTIME
         self.rollout = self.spec.get("rollout") or {}
@@ -152,17 +160,27 @@ class Pass:
         self.conds = c.summary(self.conds, self.gen, ready=ready, reconciling=reconciling, stalled=stalled)
         message = next(m for ok, _, m in (stalled, reconciling, ready) if ok) if (stalled[0] or reconciling[0]) else ready[2]
         self.out.update(phase=phase, message=message, observedGeneration=self.gen, conditions=self.conds,
-                        history=self.history[-HISTORY_LIMIT:])
+                        history=self.history[-HISTORY_LIMIT:], recorded=self.recorded)
         for k, v in self.out.items():
             if self.status.get(k) != v:
                 self.patch.status[k] = v
 
     def record(self, action: str, reason: str, from_version: str | None, to_version: str | None,
-               warning: bool = False) -> None:
+               warning: bool = False, key: str | None = None) -> None:
+        if key is not None:
+            self.recorded[action] = (self.recorded.get(action, []) + [key])[-RECORDED_KEYS:]
         self.history.append({"time": c.now_iso(), "action": action, "fromVersion": from_version or "",
                              "toVersion": to_version or "", "reason": reason})
         (kopf.warn if warning else kopf.info)(self.body, reason=action, message=reason)
         self.logger.info(f"{action}: {reason}")
+
+    def was_recorded(self, action: str, key: str, version: str) -> bool:
+        """Whether the action identified by `key` is in the status already. (A status written
+        before `recorded` existed counts the last such history entry for the same version.)"""
+        if "recorded" in self.status:
+            return key in self.recorded.get(action, [])
+        last = next((h for h in reversed(self.history) if h.get("action") == action), None)
+        return last is not None and str(last.get("toVersion")) == str(version)
 
     async def registry(self, fn: Any, *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
@@ -243,6 +261,10 @@ class Pass:
 
         if tags.get(TAG_ROLLED_BACK):
             # This release was rolled back; it stays out of service until the spec changes.
+            champion = al.get(aliases_mod.CHAMPION)
+            if champion and champion != version and not self.was_recorded("RolledBack", version, champion):
+                # The pass that rolled it back died before writing its status.
+                self.record("RolledBack", tags[TAG_ROLLED_BACK], version, champion, warning=True, key=version)
             await self._serve(model, al, desired=None, desired_reason=f"v{version} was rolled back: {tags[TAG_ROLLED_BACK]}")
             return
         if al.get(aliases_mod.CHAMPION) != version:
@@ -250,6 +272,7 @@ class Pass:
             if gate_status == "pending":
                 await self._gate(model, version, rel, digest, al)
                 return
+            await self._record_gate_started_late(version, digest)
             if gate_status == "error":
                 msg = f"gate of v{version} errored: {gate_msg}"
                 self.cond(c.GATED, False, "GateError", msg)
@@ -261,18 +284,45 @@ class Pass:
                 await self._serve(model, al, desired=None, desired_reason=f"gate of v{version} failed: {outcome.message}")
                 return
             moves = aliases_mod.plan_promotion(al, version)
-            for move in moves:
-                await self.registry(reg.set_alias, model, move.alias, move.version)
             if moves:
-                await self.registry(reg.set_tags, model, version, {"specpair.promoted_at": c.now_iso()})
-                self.record("Promoted", f"v{version} passed the gate ({outcome.message}) and is champion",
-                            al.get(aliases_mod.CHAMPION), version)
+                at = tags.get(TAG_PROMOTED_AT)
+                if not at or self.was_recorded("Promoted", f"{version}@{at}", version):
+                    # No mark, or the mark of an earlier promotion: this one gets its own. (A mark
+                    # not yet recorded is this promotion's, left by a pass that died: reuse it.)
+                    tags = {**tags, TAG_PROMOTED_AT: c.now_iso()}
+                    await self.registry(reg.set_tags, model, version, {TAG_PROMOTED_AT: tags[TAG_PROMOTED_AT]})
+                for move in moves:
+                    await self.registry(reg.set_alias, model, move.alias, move.version)
             al = await self.registry(reg.aliases, model)
+            self._record_promotion(version, tags, al, outcome)
         else:
             _, verdict, _ = await self.registry(reg.gate_result, model, version)
             if verdict is not None:
-                self._record_gate(version, gate_verdict.evaluate_verdict(verdict, rel["gating"]["thresholds"]), verdict, tags)
+                outcome = gate_verdict.evaluate_verdict(verdict, rel["gating"]["thresholds"])
+                self._record_gate(version, outcome, verdict, tags)
+                await self._record_gate_started_late(version, digest)
+                self._record_promotion(version, tags, al, outcome)
         await self._serve(model, al, desired=version, desired_reason="")
+
+    async def _record_gate_started_late(self, version: str, digest: str) -> None:
+        """A gate Job can finish while the operator that created it is down (it died right after
+        the create): its GateStarted still belongs in history, once."""
+        if self.was_recorded("GateStarted", version, version):
+            return
+        name = manifests.gate_job_name(self.name, digest)
+        job = await self.rt.kube.get("batch/v1", "jobs", self.namespace, name)
+        if job is not None and self._owns(job):
+            self.record("GateStarted", f"gating v{version} ({digest[:12]}) in Job {name}", None, version, key=version)
+
+    def _record_promotion(self, version: str, tags: dict[str, str], al: dict[str, str],
+                          outcome: gate_verdict.GateOutcome) -> None:
+        """Promoted goes into history and Events once per promotion (keyed by its mark), also
+        when the pass that moved the aliases died before writing its status."""
+        at = tags.get(TAG_PROMOTED_AT)
+        if not at or al.get(aliases_mod.CHAMPION) != version or self.was_recorded("Promoted", f"{version}@{at}", version):
+            return
+        self.record("Promoted", f"v{version} passed the gate ({outcome.message}) and is champion",
+                    al.get(aliases_mod.PREVIOUS), version, key=f"{version}@{at}")
 
     def _ensure_release(self, reg: ReleaseRegistry, model: str, rel: dict[str, Any], digest: str) -> str:
         version = reg.ensure_release(model, rel, digest)
@@ -311,9 +361,12 @@ class Pass:
         if live is not None and not self._owns(live):
             self._name_conflict("Job", job["metadata"]["name"])
             return
+        started = f"gating v{version} ({digest[:12]}) in Job {job['metadata']['name']}"
         if live is None:
             await self.rt.kube.create(job)
-            self.record("GateStarted", f"gating v{version} ({digest[:12]}) in Job {job['metadata']['name']}", None, version)
+            self.record("GateStarted", started, None, version, key=version)
+        elif not self.was_recorded("GateStarted", version, version):
+            self.record("GateStarted", started, None, version, key=version)  # its pass died after the create
         elif any(cd.get("type") == "Failed" and cd.get("status") == "True"
                  for cd in (live.get("status") or {}).get("conditions") or []):
             reason = next(cd.get("message") or cd.get("reason") for cd in live["status"]["conditions"] if cd.get("type") == "Failed")
@@ -368,6 +421,10 @@ class Pass:
                         (False, "NoRelease", ""), (True, "NoRelease", desired_reason or "no release has passed the gate"))
             return
         tags = await self.registry(reg.version_tags, model, champion)
+        if tags.get(TAG_ROLLED_BACK):
+            # Rolled back, but the pass that tagged it died before moving the alias: finish it.
+            await self._rollback(model, al, champion, tags[TAG_ROLLED_BACK], marked=True)
+            return
         rel = json.loads(tags[TAG_RELEASE])
         digest = tags[TAG_HASH]
         _, verdict, _ = await self.registry(reg.gate_result, model, champion)
@@ -410,7 +467,7 @@ class Pass:
             self.finish("Degraded", (False, "ChampionKeepsServing", f"{desired_reason}; v{champion} keeps serving"),
                         (False, "ChampionKeepsServing", ""), (True, "ReleaseNotServable", f"{desired_reason}; v{champion} keeps serving"))
             return
-        drifted = await self._drift(model, al, champion, verdict, pods, infos)
+        drifted = await self._drift(model, al, champion, verdict, tags, pods, infos)
         unreconciled = await self._reconcile_speculation(champion, pods, infos)
         if unreconciled:
             self.finish("Degraded", (False, "SpeculationNotReconciled", unreconciled),
@@ -436,15 +493,19 @@ class Pass:
         live_svc = await kube.get("v1", "services", self.namespace, svc["metadata"]["name"])
         if live_svc is not None and not self._owns(live_svc):
             return "conflict", f"Service {svc['metadata']['name']}"
+        key = f"{version}@{fingerprint}"
         if live is None:
             live = await kube.create(dep)
-            self.record("RolloutStarted", f"engine Deployment created for v{version}", None, version)
+            self.record("RolloutStarted", f"engine Deployment created for v{version}", None, version, key=key)
         elif (live["metadata"].get("annotations") or {}).get(ANN_MANIFEST) != fingerprint:
             live = await kube.merge_patch("apps/v1", "deployments", self.namespace, dep["metadata"]["name"],
                                           {"metadata": {"labels": dep["metadata"]["labels"],
                                                         "annotations": dep["metadata"]["annotations"]},
                                            "spec": dep["spec"]})
-            self.record("RolloutStarted", f"engine Deployment rolled to v{version}", None, version)
+            self.record("RolloutStarted", f"engine Deployment rolled to v{version}", None, version, key=key)
+        elif not self.was_recorded("RolloutStarted", key, version):
+            # The pass that created or rolled the Deployment died before writing its status.
+            self.record("RolloutStarted", f"engine Deployment rolled to v{version}", None, version, key=key)
         if live_svc is None:
             await kube.create(svc)
         state, msg = manifests.deployment_rollout_state(live, digest)
@@ -491,7 +552,8 @@ class Pass:
             infos.append(info)
         return True, "", infos
 
-    async def _rollback(self, model: str, al: dict[str, str], champion: str, reason: str) -> None:
+    async def _rollback(self, model: str, al: dict[str, str], champion: str, reason: str,
+                        marked: bool = False) -> None:
         reg = self.rt.registry
         target = aliases_mod.rollback_target(al)
         self.cond(c.DRIFTED, True, "RolledBack" if target else "NoPreviousRelease", reason)
@@ -499,11 +561,13 @@ class Pass:
             self.finish("Failed", (False, "NoPreviousRelease", f"{reason}; no previous release to roll back to"),
                         (False, "NoPreviousRelease", ""), (True, "NoPreviousRelease", f"{reason}; no previous release"))
             return
-        # The tag first: it is what keeps a restarted operator from re-promoting this version.
-        await self.registry(reg.set_tags, model, champion, {TAG_ROLLED_BACK: reason[:4000]})
+        # The tag first: it is what keeps a restarted operator from re-promoting this version,
+        # and what makes the next pass finish the alias move if this one dies before it.
+        if not marked:
+            await self.registry(reg.set_tags, model, champion, {TAG_ROLLED_BACK: reason[:4000]})
         for move in aliases_mod.plan_rollback(al):
             await self.registry(reg.set_alias, model, move.alias, move.version)
-        self.record("RolledBack", reason, champion, target, warning=True)
+        self.record("RolledBack", reason, champion, target, warning=True, key=champion)
         self.rt.samples.pop(self.uid, None)
         self.out["drift"] = drift_mod.DriftState().as_dict()
         self.out["speculationEnabled"] = True
@@ -547,7 +611,7 @@ class Pass:
                 + "; ".join(stuck))
 
     async def _drift(self, model: str, al: dict[str, str], champion: str, verdict: dict[str, Any],
-                     pods: list[dict[str, Any]], infos: list[dict[str, Any]]) -> bool:
+                     tags: dict[str, str], pods: list[dict[str, Any]], infos: list[dict[str, Any]]) -> bool:
         """Observe each pod's counters, let drift.decide pick the ladder's step, apply it.
         True when this pass took a drift action or the champion serves target-only after one."""
         policy_spec = self.spec.get("drift") or {}
@@ -557,6 +621,14 @@ class Pass:
         now = time.monotonic()
         previous = drift_mod.state_for_release(self.status.get("drift"), champion)
         off = drift_mod.SPECULATION_OFF in policy.ladder[:previous.steps_taken]
+        if tags.get(TAG_SPECULATION_OFF) and not off and drift_mod.SPECULATION_OFF in policy.ladder:
+            # The pass that turned speculation off died before writing its status: adopt its step.
+            previous = replace(previous, steps_taken=policy.ladder.index(drift_mod.SPECULATION_OFF) + 1,
+                               since=time.time())
+            off = True
+            self.out["speculationEnabled"] = False
+            self.out["drift"] = {**previous.as_dict(), "version": str(champion), "probing": False}
+            self.record("SpeculationOff", tags[TAG_SPECULATION_OFF], champion, champion, warning=True)
 
         def degraded(extra: str = "") -> bool:
             self.finish("Degraded", (True, "SpeculationOff", f"v{champion} serving target-only after drift{extra}"),
@@ -623,9 +695,10 @@ class Pass:
         addresses = [self._address(pod) for pod in pods]
         if decision.action == drift_mod.SPECULATION_OFF:
             reason = "sustained drift: " + decision.reason
+            # The mark first (see TAG_SPECULATION_OFF), then the pods.
+            await self.registry(self.rt.registry.set_tags, model, champion, {TAG_SPECULATION_OFF: reason[:4000]})
             for address in addresses:
                 await self.rt.probe.set_speculation(address, False, reason[:500])
-            await self.registry(self.rt.registry.set_tags, model, champion, {"specpair.drift.speculation_off": reason[:4000]})
             self.out["speculationEnabled"] = False
             self.cond(c.DRIFTED, True, "SpeculationOff", reason)
             self.record("SpeculationOff", reason, champion, champion, warning=True)
@@ -636,6 +709,7 @@ class Pass:
             await self._rollback(model, al, champion, "drift persisted after speculation off: " + decision.reason)
             return True
         if decision.action == drift_mod.SPECULATION_ON:
+            await self.registry(self.rt.registry.set_tags, model, champion, {TAG_SPECULATION_OFF: ""})
             for address in addresses:
                 await self.rt.probe.set_speculation(address, True, decision.reason[:500])
             self.out["speculationEnabled"] = True

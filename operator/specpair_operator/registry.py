@@ -110,11 +110,13 @@ class ReleaseRegistry:
                     check(self.client.get_registered_model(model_name))  # someone else won the race
         self._call(run)
 
-    def find_version(self, model_name: str, digest: str) -> Any | None:
-        found = self._call(lambda: self.client.search_model_versions(
-            f"name='{model_name}' and tags.`{TAG_HASH}`='{digest}'"))
+    def _find(self, model_name: str, digest: str) -> Any | None:
+        found = self.client.search_model_versions(f"name='{model_name}' and tags.`{TAG_HASH}`='{digest}'")
         # Oldest first: if a race ever made two, everyone agrees on the same one.
         return min(found, key=lambda v: int(v.version)) if found else None
+
+    def find_version(self, model_name: str, digest: str) -> Any | None:
+        return self._call(lambda: self._find(model_name, digest))
 
     def ensure_release(self, model_name: str, rel: dict[str, Any], digest: str) -> str:
         """The model version holding this release, created with its release run if missing."""
@@ -123,23 +125,34 @@ class ReleaseRegistry:
             return str(existing.version)
         exp_id = self._experiment(model_name)
 
-        def create() -> str:
-            run = self.client.create_run(exp_id, tags={"mlflow.runName": f"release-{digest[:12]}", TAG_HASH: digest})
-            with tempfile.TemporaryDirectory() as d:
-                path = os.path.join(d, "release.json")
-                with open(path, "w") as f:
-                    json.dump(rel, f, indent=2, sort_keys=True)
-                self.client.log_artifact(run.info.run_id, path, "release")
-            self.client.set_terminated(run.info.run_id)
+        def find_or_create() -> str:
+            # Every attempt looks first: when MLflow committed a create whose reply was lost (a
+            # timeout, a dropped connection), the retry finds that version instead of making a
+            # second one with the same hash.
+            again = self._find(model_name, digest)
+            if again is not None:
+                return str(again.version)
+            # The release run is resumed the same way: each of its steps is done once, so an
+            # operator killed between them gets one step further every time.
+            runs = self.client.search_runs([exp_id], filter_string=f"tags.`{TAG_HASH}` = '{digest}'",
+                                           max_results=1, order_by=["attributes.start_time ASC"])
+            run = runs[0] if runs else self.client.create_run(
+                exp_id, tags={"mlflow.runName": f"release-{digest[:12]}", TAG_HASH: digest})
+            if not self.client.list_artifacts(run.info.run_id, "release"):
+                with tempfile.TemporaryDirectory() as d:
+                    path = os.path.join(d, "release.json")
+                    with open(path, "w") as f:
+                        json.dump(rel, f, indent=2, sort_keys=True)
+                    self.client.log_artifact(run.info.run_id, path, "release")
+            if run.info.status != "FINISHED":
+                self.client.set_terminated(run.info.run_id)
             mv = self.client.create_model_version(
                 model_name, source=f"{run.info.artifact_uri}/release", run_id=run.info.run_id,
                 tags=release_mod.release_tags(rel, digest),
                 description=release_mod.describe_release(rel, digest))
             return str(mv.version)
 
-        # Search again right before creating: a retried call must not create a second version.
-        again = self.find_version(model_name, digest)
-        return str(again.version) if again is not None else self._call(create)
+        return self._call(find_or_create)
 
     def _experiment(self, model_name: str) -> str:
         name = f"specpair/{model_name}"

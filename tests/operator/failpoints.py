@@ -1,0 +1,101 @@
+"""The real operator with failpoints on its writes, run by `kopf run -m failpoints` in a child
+process (test_operator_convergence.py).
+
+Every write the operator makes goes through two adapters: MlflowClient (registry.py) and the
+Kubernetes client (kube.py). Wrapping their write methods here, outside the operator's code,
+gives two ways to fail that a real deployment meets:
+
+    SPECPAIR_FAILPOINT=crash-after-first-write
+        the process performs its first write and dies at once (os._exit, like SIGKILL or an
+        OOM kill): no status patch, no handler bookkeeping, nothing in memory survives. Run
+        again and again, each life gets one write further, so every write of a reconcile is
+        followed by a crash once.
+    SPECPAIR_FAILPOINT=lose-first-reply
+        the first call of each write method is performed and then answered with a lost reply
+        (a connection error), as when a timeout fires after the server committed.
+
+Each write is appended to SPECPAIR_FAILPOINT_LOG as one JSON line: {"write", "pid", "failed"}.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+from typing import Any
+
+from mlflow import MlflowClient
+
+from specpair_operator import handlers  # noqa: F401 - registers the operator's handlers with Kopf
+from specpair_operator.kube import Kube, KubeError
+
+MODE = os.environ.get("SPECPAIR_FAILPOINT", "")
+LOG = os.environ.get("SPECPAIR_FAILPOINT_LOG", "")
+MLFLOW_WRITES = ("create_registered_model", "set_registered_model_tag", "create_experiment", "create_run",
+                 "log_artifact", "set_terminated", "create_model_version", "set_model_version_tag",
+                 "set_registered_model_alias", "delete_registered_model_alias", "delete_model_version_tag")
+KUBE_WRITES = ("create", "merge_patch")
+
+_lock = threading.Lock()
+_writes = 0
+_lost: set[str] = set()
+
+
+def _describe(name: str, args: tuple[Any, ...]) -> str:
+    if name == "create":
+        return f"kube.create {args[0].get('kind')}"
+    if name == "merge_patch":
+        return f"kube.merge_patch {args[1]}"
+    detail = {"set_model_version_tag": 2, "set_registered_model_alias": 1}.get(name)  # the tag key, the alias
+    return f"mlflow.{name}" + (f" {args[detail]}" if detail is not None and len(args) > detail else "")
+
+
+def _after_write(name: str, args: tuple[Any, ...]) -> bool:
+    """Log the write that just happened; die or report a lost reply as the mode says."""
+    global _writes
+    what = _describe(name, args)
+    with _lock:
+        _writes += 1
+        lose = MODE == "lose-first-reply" and name not in _lost
+        if lose:
+            _lost.add(name)
+        crash = MODE == "crash-after-first-write" and _writes == 1
+        if LOG:
+            with open(LOG, "a") as f:
+                f.write(json.dumps({"write": what, "pid": os.getpid(), "failed": "crash" if crash else
+                                    "reply lost" if lose else ""}) + "\n")
+    if crash:
+        os._exit(137)
+    return lose
+
+
+def _wrap_mlflow(name: str) -> None:
+    original = getattr(MlflowClient, name)
+
+    @functools.wraps(original)
+    def write(self: MlflowClient, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if _after_write(name, args):
+            raise ConnectionError(f"failpoint: the reply to {name} was lost")
+        return result
+    setattr(MlflowClient, name, write)
+
+
+def _wrap_kube(name: str) -> None:
+    original = getattr(Kube, name)
+
+    @functools.wraps(original)
+    async def write(self: Kube, *args: Any, **kwargs: Any) -> Any:
+        result = await original(self, *args, **kwargs)
+        if _after_write(name, args):
+            raise KubeError(504, f"failpoint: the reply to {name} was lost")
+        return result
+    setattr(Kube, name, write)
+
+
+if MODE:
+    for _name in MLFLOW_WRITES:
+        _wrap_mlflow(_name)
+    for _name in KUBE_WRITES:
+        _wrap_kube(_name)

@@ -1,0 +1,185 @@
+"""The operator converges from every crash point and every lost reply (issue: states that never
+converge), on the real control plane with a real MLflow server and real Kopf.
+
+The operator runs as a child process with failpoints on its writes (failpoints.py). In the
+crash test every life of the process makes one write and is killed right after it, then
+started again; each write of the reconcile from "pair applied" to "v1 serving" and on to "v2
+serving" is thus followed by a kill once. In the lost-reply test the first call of every write
+method is committed and then answered with a connection error. Either way the end state must
+be the one an undisturbed operator reaches: one model version per release, aliases in place,
+each GateStarted / Promoted / RolloutStarted recorded exactly once, one gate Job per release.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kopf.testing import KopfRunner
+from mlflow import MlflowClient
+
+from cluster_env import HERE, OPERATOR, Namespace
+from specpair_operator import release
+from specpair_operator.registry import ReleaseRegistry
+from test_operator_e2e import MODELS, engine_pods, model_name, pair, serving, set_spec  # noqa: F401 - fixtures below
+from test_operator_e2e import env, world  # noqa: F401 - pytest fixtures
+
+KILLS_AT_MOST = 60
+
+
+class FailingOperator:
+    """`kopf run -m failpoints` in a child process, its writes logged to one file."""
+
+    def __init__(self, log: Path):
+        self.log = log
+
+    def start(self, mode: str) -> subprocess.Popen:
+        env = {**os.environ, "SPECPAIR_FAILPOINT": mode, "SPECPAIR_FAILPOINT_LOG": str(self.log),
+               "SPECPAIR_RECONCILE_INTERVAL": "1",
+               "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        return subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR[:-2], "-m", "failpoints"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def writes(self) -> list[dict[str, Any]]:
+        if not self.log.exists():
+            return []
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
+
+    def crash_until(self, done: Any, timeout: float = 240.0) -> int:
+        """Start, let it make one write and die, again and again, until `done()` holds.
+        Returns how many times it was killed."""
+        deadline = time.monotonic() + timeout
+        kills = 0
+        while time.monotonic() < deadline:
+            proc = self.start("crash-after-first-write")
+            try:
+                while proc.poll() is None and not done() and time.monotonic() < deadline:
+                    time.sleep(0.2)
+            finally:
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait(timeout=30)
+            if proc.returncode == 137:
+                kills += 1
+                assert kills <= KILLS_AT_MOST, "the operator redoes a write every life: it never converges"
+            elif done():
+                return kills
+        raise AssertionError(f"did not converge within {timeout:.0f}s after {kills} kills; writes: {self.writes()[-10:]}")
+
+
+def history(obj: dict[str, Any]) -> Counter:
+    return Counter((h["action"], str(h["toVersion"])) for h in (obj.get("status") or {}).get("history") or [])
+
+
+def test_killed_after_every_write_the_operator_still_promotes_once(env, mlflow_server, tmp_path):
+    ns = env
+    name = f"crash-{uuid.uuid4().hex[:5]}"
+    model = model_name(ns, name)
+    mlflow = MlflowClient(mlflow_server.url)
+    operator = FailingOperator(tmp_path / "writes.jsonl")
+    ns.create(pair(name, "good-draft"))
+    kills = operator.crash_until(lambda: serving(ns, name, "1"))
+    obj = ns.pair(name)
+    crashed = {w["write"] for w in operator.writes() if w["failed"] == "crash"}
+    # Every kind of write was followed by a kill at least once on the way to v1.
+    for write in ("mlflow.create_registered_model", "mlflow.create_model_version", "mlflow.set_registered_model_alias candidate",
+                  "mlflow.set_model_version_tag specpair.promoted_at", "mlflow.set_registered_model_alias champion",
+                  "kube.create Job", "kube.create Deployment", "kube.create Service"):
+        assert write in crashed, (write, sorted(crashed))
+    assert kills >= 10
+    assert len(mlflow.search_model_versions(f"name='{model}'")) == 1
+    assert mlflow.get_registered_model(model).aliases == {"candidate": "1", "champion": "1"}
+    counts = history(obj)
+    assert counts[("GateStarted", "1")] == 1 and counts[("Promoted", "1")] == 1, counts
+    assert counts[("RolloutStarted", "1")] == 1, counts
+    assert [e for e in ns.events("Promoted")], "the promotion's Event is posted even when its pass was killed"
+    assert len(ns.list("batch/v1", "Job")) == 1
+
+    # A new release, killed after every write again: v2 promoted once, v1 is previous.
+    set_spec(ns, name, {"draft": {"source": "faster-draft"}})
+    operator.crash_until(lambda: serving(ns, name, "2"))
+    obj = ns.pair(name)
+    assert len(mlflow.search_model_versions(f"name='{model}'")) == 2
+    assert mlflow.get_registered_model(model).aliases == {"candidate": "2", "champion": "2", "previous": "1"}
+    counts = history(obj)
+    assert counts[("Promoted", "2")] == 1 and counts[("GateStarted", "2")] == 1, counts
+    assert obj["status"]["previousVersion"] == "1"
+    assert len(ns.list("batch/v1", "Job")) == 2
+    ns.wait_for("only v2's pods", lambda: [p["metadata"]["labels"]["specpair.io/release-version"]
+                                           for p in engine_pods(ns)] == ["2"])
+
+
+def test_lost_replies_make_no_duplicate_versions_and_no_stuck_gate(env, mlflow_server, tmp_path):
+    """MLflow commits the version but the reply is lost: the retry finds that version instead
+    of creating a second one with the same hash (whose verdict the operator would never see)."""
+    ns = env
+    name = f"lost-{uuid.uuid4().hex[:5]}"
+    model = model_name(ns, name)
+    mlflow = MlflowClient(mlflow_server.url)
+    operator = FailingOperator(tmp_path / "writes.jsonl")
+    ns.create(pair(name, "good-draft"))
+    proc = operator.start("lose-first-reply")
+    try:
+        ns.wait_for("v1 serving despite lost replies", lambda: serving(ns, name, "1"), timeout=150)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    lost = {w["write"].split(" ")[0] for w in operator.writes() if w["failed"] == "reply lost"}
+    for write in ("mlflow.create_model_version", "mlflow.set_registered_model_alias", "mlflow.create_run",
+                  "kube.create"):
+        assert write in lost, (write, sorted(lost))
+    assert len(mlflow.search_model_versions(f"name='{model}'")) == 1
+    counts = history(ns.pair(name))
+    assert counts[("GateStarted", "1")] == 1 and counts[("Promoted", "1")] == 1, counts
+    assert len(ns.list("batch/v1", "Job")) == 1
+
+
+def test_a_rollback_killed_between_its_tag_and_its_alias_move_is_finished(env, mlflow_server):
+    """The rolled-back tag is written first; an operator killed before the alias move finds a
+    champion tagged rolled back and finishes the rollback, instead of serving it forever. The
+    same holds for SpeculationOff: a champion marked off whose status never said so is turned
+    off and recorded."""
+    ns = env
+    name = f"rb-{uuid.uuid4().hex[:5]}"
+    model = model_name(ns, name)
+    reg = ReleaseRegistry(mlflow_server.url)
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(pair(name, "good-draft"))
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
+        set_spec(ns, name, {"draft": {"source": "faster-draft"}})
+        ns.wait_for("v2 serving", lambda: serving(ns, name, "2"), timeout=150)
+    assert runner.exception is None
+
+    # What a pass that died after its first rollback write leaves: the tag, aliases unmoved.
+    reg.set_tags(model, "2", {"specpair.rolled_back": "drift persisted after speculation off: (staged by the test)"})
+    assert reg.aliases(model)["champion"] == "2"
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        obj = ns.wait_for("the rollback finished", lambda: (o := ns.pair(name)) and
+                          o["status"].get("servingVersion") == "1" and o["status"].get("phase") == "Degraded" and o,
+                          timeout=150)
+        ns.wait_for("only v1's pods", lambda: [p["metadata"]["labels"]["specpair.io/release-version"]
+                                               for p in engine_pods(ns)] == ["1"], timeout=120)
+        assert reg.aliases(model)["champion"] == "1"
+        counts = history(ns.pair(name))
+        assert counts[("RolledBack", "1")] == 1, counts
+        assert ns.events("RolledBack")
+
+        # SpeculationOff marked on the champion by a pass that died before its status (the spec
+        # goes back to v1's release first: a rolled-back spec release leaves drift unwatched).
+        set_spec(ns, name, {"draft": {"source": "good-draft"}})
+        ns.wait_for("v1 serving as the spec's release", lambda: serving(ns, name, "1"), timeout=60)
+        reg.set_tags(model, "1", {"specpair.drift.speculation_off": "sustained drift: (staged by the test)"})
+        obj = ns.wait_for("speculation off adopted", lambda: (o := ns.pair(name)) and
+                          o["status"].get("speculationEnabled") is False and o, timeout=60)
+        counts = history(obj)
+        assert counts[("SpeculationOff", "1")] == 1 and counts[("Promoted", "1")] == 1, counts
+        assert ns.events("SpeculationOff")
+    assert runner.exception is None
