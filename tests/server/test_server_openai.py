@@ -338,3 +338,15 @@ def test_serve_command_with_http_and_a_bearer_token(tiny_pair, tmp_path):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_unknown_routes_and_a_taken_port(tiny_pair, http_server, start_server):
+    status, body = get(http_server, "/v1/nothing")
+    assert status == 404 and body["error"]["code"] == "not_found"
+    got, body, _ = post(http_server, "/v1/models", {})
+    assert got == 405 and set(body["error"]) == {"message", "type", "param", "code"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="HTTP server did not start"):
+            start_server(engine=make_engine(tiny_pair), http_port=taken.getsockname()[1])

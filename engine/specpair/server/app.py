@@ -117,7 +117,8 @@ class EngineServer:
             from specpair.server.openai_api import OpenAIFront
             try:
                 self._http = OpenAIFront(self, host=self.options.host, port=self.options.http_port,
-                                         token=self.options.http_token).start()
+                                         token=self.options.http_token,
+                                         tokenize_pool=self._service._tokenize_pool).start()
             except OSError as exc:
                 self.stop(0)
                 raise RuntimeError(f"HTTP server did not start on {self.options.host}:"

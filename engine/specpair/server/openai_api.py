@@ -33,7 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 import uvicorn
 from google.protobuf.json_format import MessageToDict
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -246,6 +247,18 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (no such route, wrong method) in OpenAI's shape too."""
+    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                    code="not_found" if exc.status_code == 404 else None, count=None).response()
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("HTTP handler failed", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error",
+                    count=None).response()
+
+
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -254,14 +267,18 @@ async def _wait_disconnect(request: Request) -> None:
 class OpenAIFront:
     """The HTTP server of one EngineServer (`state`: engine, worker, limits, metrics, phase)."""
 
-    def __init__(self, state, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+    def __init__(self, state, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 tokenize_pool: ThreadPoolExecutor | None = None):
+        """tokenize_pool: the gRPC service's, so one thread tokenizes for both protocols (a
+        tokenizer is not safe to use from two threads at once)."""
         self.state = state
         self.host, self.port = host, port
         self._token = token.encode() if token else None
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="specpair-http-tokenize")
+        self._own_pool = tokenize_pool is None
+        self._tokenize_pool = tokenize_pool or ThreadPoolExecutor(1, thread_name_prefix="specpair-http-tokenize")
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
-        self.app = Starlette(routes=[
+        self.app = Starlette(exception_handlers={HTTPException: _http_error, Exception: _server_error}, routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
@@ -282,7 +299,7 @@ class OpenAIFront:
             sock.close()
             raise
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+        config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, timeout_keep_alive=30, backlog=1024)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])),
@@ -301,7 +318,8 @@ class OpenAIFront:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_pool:
+            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- handlers --------------------------------------------------------------------------------
 
@@ -405,6 +423,9 @@ class OpenAIFront:
             except asyncio.CancelledError:    # the client left while its prompt was tokenized
                 state.count_rejected(category, "cancelled", PROTOCOL)
                 raise
+            except ClientDisconnect:          # ... or while its body was read
+                state.count_rejected(category, "cancelled", PROTOCOL)
+                return Response(status_code=499)
             category = state.metrics.category(category)
             events: asyncio.Queue = asyncio.Queue()
             job = Job(prompt_ids=ids, params=checked.params, category=category, protocol=PROTOCOL, arrived=arrived,
