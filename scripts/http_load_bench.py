@@ -91,33 +91,44 @@ async def run_level(base_url: str, model: str, token: str, concurrency: int, req
 
 def protocol_overhead(base_url: str, model: str, token: str, grpc_address: str, rounds: int,
                       max_new_tokens: int) -> dict:
-    """One request at a time, alternating gRPC and HTTP (same prompts, speculating): what the HTTP
-    front costs over gRPC, with the machine's noise spread over both."""
+    """One request at a time, alternating gRPC and HTTP (same prompts, speculating; one client of
+    each, connections kept): what the HTTP front costs over gRPC, the machine's noise spread over both."""
     from specpair.server.client import EngineClient, request
 
     grpc_client = EngineClient(grpc_address, insecure=True)
     times: dict[str, list] = {"grpc": [], "http": []}
-    for i in range(rounds):
-        category, prompt = PROMPTS[i % len(PROMPTS)]
-        for protocol in (("grpc", "http") if i % 2 == 0 else ("http", "grpc")):
-            started = time.perf_counter()
-            if protocol == "grpc":
-                first, tokens = None, 0
-                for msg in grpc_client.stream(request([{"role": "user", "content": prompt}],
-                                                      max_new_tokens=max_new_tokens, category=category)):
-                    if msg.text and first is None:
-                        first = time.perf_counter() - started
-                    tokens += len(msg.token_ids)
-            else:
-                client = openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0)
-                r = asyncio.run(one(client, model, category, prompt, max_new_tokens, True))
-                first, tokens = r["ttft"], r["tokens"]
-            times[protocol].append((time.perf_counter() - started, first, tokens))
+
+    def grpc_one(category: str, prompt: str) -> tuple[float, int]:
+        started, first, tokens = time.perf_counter(), None, 0
+        for msg in grpc_client.stream(request([{"role": "user", "content": prompt}],
+                                              max_new_tokens=max_new_tokens, category=category)):
+            if msg.text and first is None:
+                first = time.perf_counter() - started
+            tokens += len(msg.token_ids)
+        return first or 0.0, tokens
+
+    async def alternate() -> None:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=token, max_retries=0, timeout=600)
+        try:
+            for i in range(rounds):
+                category, prompt = PROMPTS[i % len(PROMPTS)]
+                for protocol in (("grpc", "http") if i % 2 == 0 else ("http", "grpc")):
+                    started = time.perf_counter()
+                    if protocol == "grpc":     # blocking: nothing else runs meanwhile
+                        first, tokens = grpc_one(category, prompt)
+                    else:
+                        r = await one(client, model, category, prompt, max_new_tokens, True)
+                        first, tokens = r["ttft"], r["tokens"]
+                    times[protocol].append((time.perf_counter() - started, first, tokens))
+        finally:
+            await client.close()
+
+    asyncio.run(alternate())
     grpc_client.close()
     out = {}
     for protocol, rows in times.items():
-        out[protocol] = {"e2e_p50": round(percentile([r[0] for r in rows], 0.5), 3),
-                         "ttft_p50": round(percentile([r[1] for r in rows], 0.5), 3),
+        out[protocol] = {"e2e_p50": round(percentile([r[0] for r in rows], 0.5), 4),
+                         "ttft_p50": round(percentile([r[1] for r in rows], 0.5), 4),
                          "tokens_per_second": round(sum(r[2] for r in rows) / sum(r[0] for r in rows), 2)}
     return out
 

@@ -233,18 +233,20 @@ def sse(obj) -> str:
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events whose generator is always closed, however the client leaves: its
-    `finally` cancels the request in the engine."""
+    """Server-sent events whose generator is always closed and `on_close` always called, however
+    the client leaves (even before the first chunk): it cancels the request in the engine."""
 
-    def __init__(self, content):
+    def __init__(self, content, on_close):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            self.on_close()
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -444,7 +446,8 @@ class OpenAIFront:
         reply = Reply(chat=chat, model=model or state.options.pair, include_usage=include_usage)
         job.client_id = reply.id
         if stream:
-            return EventStream(self._stream(job, events, reply))
+            # Cancelling a finished job does nothing: on_close only matters for a reply cut short.
+            return EventStream(self._stream(job, events, reply), lambda: state.worker.cancel(job, "cancelled"))
         return await self._complete(request, job, events, reply)
 
     async def _stream(self, job: Job, events: asyncio.Queue, reply: "Reply"):
