@@ -17,6 +17,11 @@ TOKENIZER_COMPATIBLE = "TokenizerCompatible"
 DRIFTED = "Drifted"
 
 
+def parse_iso(text: str) -> datetime.datetime:
+    """A Kubernetes timestamp (RFC 3339, 'Z' for UTC) as an aware datetime."""
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
 def now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 

@@ -25,6 +25,7 @@ from . import aliases as aliases_mod
 from . import conditions as c
 from . import drift as drift_mod
 from . import gate_verdict, manifests, validation
+from . import metrics
 from . import release as release_mod
 from .engine_probe import EngineProbe, EngineUnreachable, GrpcEngineProbe
 from .kube import Kube, KubeError
@@ -57,6 +58,8 @@ class Runtime:
     # per pair: (champion version, drift.Memory: per-pod counters and open windows)
     samples: dict[str, tuple[str, drift_mod.Memory]] = field(default_factory=dict)
     last_drift_check: dict[str, float] = field(default_factory=dict)
+    # per pair: the (version, categories) its specpair_release_speedup series carry
+    speedup_series: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
 
 
 RUNTIME = Runtime()
@@ -88,9 +91,11 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     RUNTIME.credentials_secret = os.environ.get("SPECPAIR_MLFLOW_CREDENTIALS_SECRET") or None
     RUNTIME.registry = ReleaseRegistry(RUNTIME.tracking_uri)
     # A (re)started operator remembers nothing: all it needs is in the cluster and MLflow.
-    for memory in (RUNTIME.locks, RUNTIME.retry_at, RUNTIME.backoff, RUNTIME.samples, RUNTIME.last_drift_check):
+    for memory in (RUNTIME.locks, RUNTIME.retry_at, RUNTIME.backoff, RUNTIME.samples, RUNTIME.last_drift_check,
+                   RUNTIME.speedup_series):
         memory.clear()
     RUNTIME.probe = PROBE_OVERRIDE or GrpcEngineProbe()
+    metrics.serve_from_env()
 
 
 @kopf.on.login()
@@ -149,6 +154,7 @@ class Pass:
         self.out: dict[str, Any] = {}
         self.rt = RUNTIME
         self.rollout = self.spec.get("rollout") or {}
+        self.watching = False  # the champion is watched while the spec's release is elsewhere
 
     # -- small helpers -------------------------------------------------------------------
 
@@ -164,6 +170,8 @@ class Pass:
         for k, v in self.out.items():
             if self.status.get(k) != v:
                 self.patch.status[k] = v
+        if isinstance(self.out.get("drift"), dict):
+            metrics.DRIFT_STEP.labels(self.namespace, self.name).set(int(self.out["drift"].get("stepsTaken", 0)))
 
     def record(self, action: str, reason: str, from_version: str | None, to_version: str | None,
                warning: bool = False, key: str | None = None) -> None:
@@ -173,6 +181,13 @@ class Pass:
                              "toVersion": to_version or "", "reason": reason})
         (kopf.warn if warning else kopf.info)(self.body, reason=action, message=reason)
         self.logger.info(f"{action}: {reason}")
+        labels = (self.namespace, self.name)
+        if action == "Promoted":
+            metrics.PROMOTIONS.labels(*labels).inc()
+        elif action == "RolledBack":
+            metrics.ROLLBACKS.labels(*labels, metrics.rollback_cause(reason)).inc()
+        elif action == "SpeculationOff":
+            metrics.SPECULATION_OFF.labels(*labels).inc()
 
     def was_recorded(self, action: str, key: str, version: str) -> bool:
         """Whether the action identified by `key` is in the status already. (A status written
@@ -194,6 +209,7 @@ class Pass:
             # MLflow answered and refused (bad name, credentials, a value over its limits): retrying
             # the same request changes nothing, so say so where people look, and retry slowly.
             self.rt.retry_at[self.uid] = time.monotonic() + 60.0
+            metrics.RECONCILE_ERRORS.labels(self.namespace, self.name, "MLflowRejected").inc()
             self._stall("MLflowRejected", f"MLflow refused a request: {str(exc)[:800]}")
             self.out.setdefault("observedGeneration", self.gen)
             self.logger.error(f"MLflow refused a request: {exc}")
@@ -203,6 +219,7 @@ class Pass:
             reason = "MLflowUnavailable" if isinstance(exc, RegistryUnavailable) else "KubernetesAPIError"
             delay = min(60.0, self.rt.backoff.get(self.uid, 0.5) * 2)
             self.rt.backoff[self.uid] = delay
+            metrics.RECONCILE_ERRORS.labels(self.namespace, self.name, reason).inc()
             self.rt.retry_at[self.uid] = time.monotonic() + delay
             self.cond(c.RECONCILING, True, reason, f"{exc}; retrying in {delay:.0f}s")
             self.out.update(conditions=self.conds, observedGeneration=self.gen,
@@ -271,15 +288,20 @@ class Pass:
             gate_status, verdict, gate_msg = await self.registry(reg.gate_result, model, version)
             if gate_status == "pending":
                 await self._gate(model, version, rel, digest, al)
+                if self.out.get("phase") == "Gating":
+                    await self._serve(model, al, desired=None, desired_reason="", watch_only=True)
                 return
             await self._record_gate_started_late(version, digest)
             if gate_status == "error":
                 msg = f"gate of v{version} errored: {gate_msg}"
                 self.cond(c.GATED, False, "GateError", msg)
+                if not self.was_recorded("GateError", version, version):
+                    self.record("GateError", msg, None, version, warning=True, key=version)
                 await self._serve(model, al, desired=None, desired_reason=msg)
                 return
             outcome = gate_verdict.evaluate_verdict(verdict or {}, rel["gating"]["thresholds"])
             self._record_gate(version, outcome, verdict or {}, tags)
+            await self._record_gate_result(version, digest, outcome)
             if not outcome.passed:
                 await self._serve(model, al, desired=None, desired_reason=f"gate of v{version} failed: {outcome.message}")
                 return
@@ -303,6 +325,22 @@ class Pass:
                 await self._record_gate_started_late(version, digest)
                 self._record_promotion(version, tags, al, outcome)
         await self._serve(model, al, desired=version, desired_reason="")
+
+    async def _record_gate_result(self, version: str, digest: str, outcome: gate_verdict.GateOutcome) -> None:
+        """A gate's result is an Event and a history entry, once per release, and its Job's run
+        time goes to specpair_gate_duration_seconds."""
+        action = "GatePassed" if outcome.passed else "GateFailed"
+        if self.was_recorded(action, version, version):
+            return
+        job = await self.rt.kube.get("batch/v1", "jobs", self.namespace, manifests.gate_job_name(self.name, digest))
+        st = (job or {}).get("status") or {}
+        if job is not None and self._owns(job) and st.get("startTime"):
+            # The verdict lands just before the gate pod exits: without a completion time yet, now
+            # is when the gate finished.
+            end = c.parse_iso(st["completionTime"]) if st.get("completionTime") else c.parse_iso(c.now_iso())
+            seconds = (end - c.parse_iso(st["startTime"])).total_seconds()
+            metrics.GATE_DURATION.labels(self.namespace, self.name, "passed" if outcome.passed else "failed").observe(seconds)
+        self.record(action, f"v{version}: {outcome.message}", None, version, warning=not outcome.passed, key=version)
 
     async def _record_gate_started_late(self, version: str, digest: str) -> None:
         """A gate Job can finish while the operator that created it is down (it died right after
@@ -410,13 +448,18 @@ class Pass:
         self.out["servingVersion"] = al.get(aliases_mod.CHAMPION, "")
         self.out["previousVersion"] = al.get(aliases_mod.PREVIOUS, "")
 
-    async def _serve(self, model: str, al: dict[str, str], desired: str | None, desired_reason: str) -> None:
+    async def _serve(self, model: str, al: dict[str, str], desired: str | None, desired_reason: str,
+                     watch_only: bool = False) -> None:
         """Roll the engine to the champion and judge its health; `desired` None means the
-        spec's release is not servable (failed gate, rolled back) and the champion carries on."""
+        spec's release is not servable (failed gate, rolled back) and the champion carries on.
+        The champion's drift is watched either way. `watch_only` (while a new release is being
+        gated) leaves the pass's status alone unless the champion needs an action."""
         reg = self.rt.registry
         champion = al.get(aliases_mod.CHAMPION)
         self._versions(al)
         if champion is None:
+            if watch_only:
+                return
             self.finish("Failed", (False, "NoRelease", desired_reason or "no release has passed the gate"),
                         (False, "NoRelease", ""), (True, "NoRelease", desired_reason or "no release has passed the gate"))
             return
@@ -438,6 +481,7 @@ class Pass:
         served = release_mod.with_mlflow(served, self.rt.gate_tracking_uri, model, champion)
         if isinstance(verdict.get("speedup"), (int, float)):
             self.out["speedup"] = float(verdict["speedup"])
+        self._export_speedup(champion, verdict)
         # Until live traffic has been measured, the printer column shows the gated acceptance.
         if isinstance(verdict.get("acceptanceRate"), (int, float)) and \
                 (self.status.get("servingVersion") != champion or "acceptance" not in self.status):
@@ -451,6 +495,8 @@ class Pass:
             await self._rollback(model, al, champion, f"rollout of v{champion} failed: {msg}")
             return
         if state != "available":
+            if watch_only:
+                return
             self.finish("RollingOut", (False, "RollingOut", msg), (True, "RollingOut", f"rolling out v{champion}: {msg}"),
                         (False, "RollingOut", ""))
             return
@@ -460,15 +506,21 @@ class Pass:
             await self._rollback(model, al, champion, why)
             return
         if not ok:
+            if watch_only:
+                return
             self.finish("RollingOut", (False, "IdentityUnverified", why), (True, "IdentityUnverified", why),
                         (False, "IdentityUnverified", ""))
+            return
+        # The champion is watched whatever the spec's release is doing (gated, failed, rolled back).
+        self.watching = watch_only or desired is None
+        drifted = await self._drift(model, al, champion, verdict, tags, pods, infos)
+        unreconciled = await self._reconcile_speculation(champion, pods, infos)
+        if watch_only or drifted and desired is None:
             return
         if desired is None:
             self.finish("Degraded", (False, "ChampionKeepsServing", f"{desired_reason}; v{champion} keeps serving"),
                         (False, "ChampionKeepsServing", ""), (True, "ReleaseNotServable", f"{desired_reason}; v{champion} keeps serving"))
             return
-        drifted = await self._drift(model, al, champion, verdict, tags, pods, infos)
-        unreconciled = await self._reconcile_speculation(champion, pods, infos)
         if unreconciled:
             self.finish("Degraded", (False, "SpeculationNotReconciled", unreconciled),
                         (True, "SpeculationNotReconciled", unreconciled), (False, "SpeculationNotReconciled", ""))
@@ -477,6 +529,23 @@ class Pass:
             return
         self.finish("Serving", (True, "Serving", f"v{champion} serving on {len(pods)} pod(s), identity verified"),
                     (False, "Serving", ""), (False, "Serving", ""))
+
+    def _export_speedup(self, champion: str, verdict: dict[str, Any]) -> None:
+        """specpair_release_speedup for the serving release only (the last one's series go)."""
+        speedups = {"all": verdict.get("speedup")}
+        speedups.update({cat: (v or {}).get("speedup") for cat, v in (verdict.get("categories") or {}).items()})
+        speedups = {cat: float(v) for cat, v in speedups.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        series = (str(champion), tuple(sorted(speedups)))
+        old = self.rt.speedup_series.get(self.uid)
+        if old is not None and old != series:
+            for cat in old[1]:
+                try:
+                    metrics.RELEASE_SPEEDUP.remove(self.name, old[0], cat, self.namespace)
+                except KeyError:
+                    pass
+        for cat, value in speedups.items():
+            metrics.RELEASE_SPEEDUP.labels(self.name, str(champion), cat, self.namespace).set(value)
+        self.rt.speedup_series[self.uid] = series
 
     async def _ensure_engine(self, served: dict[str, Any], digest: str, version: str) -> tuple[str, str]:
         kube = self.rt.kube
@@ -631,6 +700,8 @@ class Pass:
             self.record("SpeculationOff", tags[TAG_SPECULATION_OFF], champion, champion, warning=True)
 
         def degraded(extra: str = "") -> bool:
+            if self.watching:  # the pass reports the spec's release; the Drifted condition says the rest
+                return True
             self.finish("Degraded", (True, "SpeculationOff", f"v{champion} serving target-only after drift{extra}"),
                         (False, "SpeculationOff", ""), (False, "SpeculationOff", ""))
             return True

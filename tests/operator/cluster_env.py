@@ -197,3 +197,16 @@ def rendered_rbac_rules(values: dict[str, Any] | None = None) -> set[tuple[str, 
                         for verb in rule.get("verbs") or []:
                             granted.add((group, resource, verb))
     return granted - ADMISSION_ONLY_GRANTS
+
+
+def operator_metrics() -> dict[tuple[str, frozenset], float]:
+    """The in-test operator's /metrics (SPECPAIR_METRICS_PORT), parsed: {(name, labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = os.environ["SPECPAIR_METRICS_PORT"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+

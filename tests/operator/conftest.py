@@ -86,9 +86,14 @@ def operator_kubeconfig(devcluster, mlflow_server, tmp_path_factory) -> Path:
     return install_chart(devcluster, mlflow_server.url, tmp_path_factory.mktemp("operator"))
 
 
+# The in-test operator serves its Prometheus metrics here (once per test process).
+OPERATOR_METRICS_PORT = free_port()
+
+
 @pytest.fixture
 def operator_env(operator_kubeconfig, mlflow_server, monkeypatch) -> dict[str, str]:
-    env = operator_env_for(operator_kubeconfig, mlflow_server.url)
+    env = operator_env_for(operator_kubeconfig, mlflow_server.url,
+                           {"SPECPAIR_METRICS_PORT": str(OPERATOR_METRICS_PORT), "SPECPAIR_METRICS_ADDRESS": "127.0.0.1"})
     apply_env(env, monkeypatch)
     return env
 

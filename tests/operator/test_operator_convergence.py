@@ -26,7 +26,7 @@ import pytest
 from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
-from cluster_env import HERE, OPERATOR, Namespace
+from cluster_env import HERE, OPERATOR, operator_metrics
 from specpair_operator import release
 from specpair_operator.registry import ReleaseRegistry
 from test_operator_e2e import MODELS, engine_pods, model_name, pair, serving, set_spec  # noqa: F401 - fixtures below
@@ -44,7 +44,8 @@ class FailingOperator:
     def start(self, mode: str) -> subprocess.Popen:
         env = {**os.environ, "SPECPAIR_FAILPOINT": mode, "SPECPAIR_FAILPOINT_LOG": str(self.log),
                "SPECPAIR_RECONCILE_INTERVAL": "1",
-               "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+               "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+               "SPECPAIR_METRICS_PORT": "0"}  # the test process's own operator may hold that port
         return subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR[:-2], "-m", "failpoints"], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -171,6 +172,8 @@ def test_a_rollback_killed_between_its_tag_and_its_alias_move_is_finished(env, m
         counts = history(ns.pair(name))
         assert counts[("RolledBack", "1")] == 1, counts
         assert ns.events("RolledBack")
+        who = {("namespace", ns.name), ("pair", name)}
+        assert operator_metrics().get(("specpair_rollbacks_total", frozenset(who | {("reason", "drift")}))) == 1
 
         # SpeculationOff marked on the champion by a pass that died before its status (the spec
         # goes back to v1's release first: a rolled-back spec release leaves drift unwatched).
@@ -182,4 +185,6 @@ def test_a_rollback_killed_between_its_tag_and_its_alias_move_is_finished(env, m
         counts = history(obj)
         assert counts[("SpeculationOff", "1")] == 1 and counts[("Promoted", "1")] == 1, counts
         assert ns.events("SpeculationOff")
+        assert operator_metrics().get(("specpair_speculation_off_total", frozenset(who))) == 1
+        assert operator_metrics().get(("specpair_drift_ladder_step", frozenset(who))) == 1
     assert runner.exception is None

@@ -19,7 +19,7 @@ import pytest
 from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
-from cluster_env import OPERATOR, STANDIN_IMAGE, Namespace, World, register_standin_image
+from cluster_env import OPERATOR, STANDIN_IMAGE, Namespace, World, operator_metrics, register_standin_image
 from specpair_devcluster.client import ApiError
 from specpair_operator import release
 from specpair_operator.registry import ReleaseRegistry
@@ -101,11 +101,14 @@ def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champi
         assert st["acceptance"] == 0.7  # gated value until live traffic is measured
         assert cond(obj, "Gated")["status"] == "True" and cond(obj, "TokenizerCompatible")["status"] == "True"
         assert cond(obj, "Reconciling")["status"] == "False" and cond(obj, "Stalled")["status"] == "False"
-        assert [h["action"] for h in st["history"]] == ["GateStarted", "Promoted", "RolloutStarted"]
+        assert [h["action"] for h in st["history"]] == ["GateStarted", "GatePassed", "Promoted", "RolloutStarted"]
         assert mlflow.get_registered_model(model).aliases == {"candidate": "1", "champion": "1"}
         jobs = ns.list("batch/v1", "Job")
         assert len(jobs) == 1 and jobs[0]["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
-        assert any(c["type"] == "Complete" and c["status"] == "True" for c in jobs[0]["status"]["conditions"])
+        # The verdict is in MLflow before the gate pod exits, so the Job may complete a little later.
+        ns.wait_for("the gate Job complete", lambda: any(
+            c["type"] == "Complete" and c["status"] == "True"
+            for c in (ns.list("batch/v1", "Job")[0].get("status") or {}).get("conditions") or []), timeout=60)
         dep = ns.get("apps/v1", "Deployment", f"{name}-engine")
         assert dep["metadata"]["ownerReferences"][0]["kind"] == "SpecModelPair"
         assert ns.get("v1", "Service", f"{name}-engine") is not None
@@ -134,6 +137,22 @@ def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champi
         assert [p["metadata"]["labels"]["specpair.io/release-version"] for p in engine_pods(ns)] == ["2"]
         assert mlflow.get_model_version(model, "3").tags["specpair.gate.status"] == "failed"
         assert len(mlflow.search_model_versions(f"name='{model}'")) == 3
+        assert ns.events("GateFailed") and len(ns.events("GatePassed")) >= 1
+
+        # What the operator did, in its Prometheus metrics (the dashboard's promotions panel,
+        # gate duration and the serving release's gated speedup).
+        metrics = operator_metrics()
+        who = {"namespace": ns.name, "pair": name}
+
+        def value(metric: str, **labels: str) -> float | None:
+            return metrics.get((metric, frozenset({**who, **labels}.items())))
+        assert value("specpair_promotions_total") == 2
+        assert value("specpair_gate_duration_seconds_count", result="passed") == 2
+        assert value("specpair_gate_duration_seconds_count", result="failed") == 1
+        assert 0 < value("specpair_gate_duration_seconds_sum", result="passed") < 600
+        assert value("specpair_release_speedup", version="2", category="all") == 1.8
+        assert not [k for k in metrics if k[0] == "specpair_release_speedup" and ("pair", name) in k[1]
+                    and ("version", "2") not in k[1]], "the previous release's speedup series is gone"
     assert runner.exception is None
 
 
@@ -388,6 +407,60 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster):
     assert not unused, f"the chart grants what the operator never used: {unused}; used: {sorted(used)}"
 
 
+def ready_engine_address(ns: Namespace) -> str | None:
+    ready = [p for p in engine_pods(ns) if any(c["type"] == "Ready" and c["status"] == "True"
+                                               for c in p["status"].get("conditions", []))]
+    return f"{ready[0]['status']['podIP']}:50051" if ready else None
+
+
+def code_traffic(ns: Namespace, requests: int = 4) -> None:
+    """A few 'code' requests to the first ready engine pod (the stand-in answers from the world)."""
+    import grpc
+
+    from specpair._proto import engine_pb2, engine_pb2_grpc
+
+    if (a := ready_engine_address(ns)) is None:
+        return
+    with grpc.insecure_channel(a) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        for _ in range(requests):
+            try:
+                list(stub.Generate(engine_pb2.GenerateRequest(prompt="def f():", max_new_tokens=32, category="code"),
+                                   timeout=5))
+            except grpc.RpcError:
+                return
+
+
+FAST_DRIFT = {"intervalSeconds": 1, "windowSeconds": 10, "minRequests": 4, "minDraftedTokens": 40,
+              "consecutiveBreaches": 1, "probeAfterWindows": 1000, "ladder": ["SpeculationOff"]}
+
+
+def test_the_champion_is_watched_while_the_specs_release_cannot_serve(env, world):
+    """A new release that fails its gate leaves the champion serving, and drifting: the operator
+    keeps watching it (SpeculationOff) instead of looking only at the release it cannot serve."""
+    ns = env
+    name = f"watch-{uuid.uuid4().hex[:5]}"
+    world.update(**{"drifting-draft": {"acceptanceRate": 0.7, "speedup": 1.5, "categories": {"code": 0.8},
+                                       "live": {"code": 0.05}}})
+    spec = pair(name, "drifting-draft", drift=FAST_DRIFT)
+    spec["spec"]["gating"]["thresholds"] = {"minAcceptance": 0.5}
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(spec)
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
+        set_spec(ns, name, {"draft": {"source": "bad-draft"}})
+        ns.wait_for("v2's gate failed", lambda: (o := ns.pair(name)) and cond(o, "Gated").get("status") == "False"
+                    and o["status"].get("candidateVersion") == "2" and o, timeout=120)
+        obj = ns.wait_for_during("the champion's drift acted on", lambda: (o := ns.pair(name)) and
+                                 o["status"].get("speculationEnabled") is False and o,
+                                 during=lambda: code_traffic(ns), timeout=120)
+        assert obj["status"]["servingVersion"] == "1" and cond(obj, "Drifted")["status"] == "True"
+        assert [h for h in obj["status"]["history"] if h["action"] == "SpeculationOff" and h["toVersion"] == "1"]
+        # The pair still says why v2 does not serve.
+        obj = ns.wait_for("v2 not servable, v1 serving target-only", lambda: (o := ns.pair(name)) and
+                          cond(o, "Stalled").get("reason") == "ReleaseNotServable" and o, timeout=30)
+    assert runner.exception is None
+
+
 def test_speculation_off_is_reconciled_on_a_restarted_pod(env, world):
     """After SpeculationOff a replaced pod starts speculating again: the operator turns it off
     on the next pass (and says so), instead of reporting Ready with speculation silently on."""
@@ -405,21 +478,10 @@ def test_speculation_off_is_reconciled_on_a_restarted_pod(env, world):
     spec["spec"]["gating"]["thresholds"] = {"minAcceptance": 0.5}
 
     def address() -> str | None:
-        ready = [p for p in engine_pods(ns) if any(c["type"] == "Ready" and c["status"] == "True"
-                                                   for c in p["status"].get("conditions", []))]
-        return f"{ready[0]['status']['podIP']}:50051" if ready else None
+        return ready_engine_address(ns)
 
     def traffic() -> None:
-        if (a := address()) is None:
-            return
-        with grpc.insecure_channel(a) as channel:
-            stub = engine_pb2_grpc.EngineStub(channel)
-            for _ in range(4):
-                try:
-                    list(stub.Generate(engine_pb2.GenerateRequest(prompt="def f():", max_new_tokens=32, category="code"),
-                                       timeout=5))
-                except grpc.RpcError:
-                    return
+        code_traffic(ns)
 
     def speculating(a: str) -> bool:
         with grpc.insecure_channel(a) as channel:
