@@ -49,6 +49,8 @@ class Runtime:
     tracking_uri: str = ""
     gate_tracking_uri: str = ""
     credentials_secret: str | None = None
+    # The installation's settings for child pods (pull secrets, cache limit, ingress peers, gate TTL).
+    pods: manifests.PodDefaults = field(default_factory=manifests.PodDefaults)
     kube: Kube | None = None
     registry: ReleaseRegistry | None = None
     probe: EngineProbe | None = None
@@ -89,6 +91,13 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     RUNTIME.gate_tracking_uri = os.environ.get("SPECPAIR_GATE_MLFLOW_TRACKING_URI", RUNTIME.tracking_uri)
     # Name of a Secret (in each pair's namespace) with MLflow credentials for gate and engine pods.
     RUNTIME.credentials_secret = os.environ.get("SPECPAIR_MLFLOW_CREDENTIALS_SECRET") or None
+    # The chart's engine.* and gate.* values: the image for pairs that name none (it goes into
+    # their releases), pull secrets, the model cache limit, who may reach engine pods.
+    release_mod.set_default_engine_image(os.environ.get("SPECPAIR_ENGINE_IMAGE"))
+    try:
+        RUNTIME.pods = manifests.PodDefaults.from_env(os.environ)
+    except ValueError as exc:
+        raise kopf.PermanentError(str(exc)) from exc
     RUNTIME.registry = ReleaseRegistry(RUNTIME.tracking_uri)
     # A (re)started operator remembers nothing: all it needs is in the cluster and MLflow.
     for memory in (RUNTIME.locks, RUNTIME.retry_at, RUNTIME.backoff, RUNTIME.samples, RUNTIME.last_drift_check,
@@ -393,8 +402,14 @@ class Pass:
         job = manifests.gate_job(self.name, self.namespace,
                                  release_mod.with_mlflow(rel, self.rt.gate_tracking_uri, model, version),
                                  digest, version, placement, self.rt.gate_tracking_uri,
-                                 int(gating.get("activeDeadlineSeconds", 3600)), self.rt.credentials_secret)
+                                 int(gating.get("activeDeadlineSeconds", 3600)), self.rt.credentials_secret,
+                                 self.rt.pods)
         kopf.adopt(job, owner=self.body)
+        # Gate pods take no ingress; the policy exists before the first gate pod does.
+        conflict = await self._ensure_policy(manifests.gate_network_policy(self.name, self.namespace))
+        if conflict:
+            self._name_conflict("NetworkPolicy", conflict)
+            return
         live = await self.rt.kube.get("batch/v1", "jobs", self.namespace, job["metadata"]["name"])
         if live is not None and not self._owns(live):
             self._name_conflict("Job", job["metadata"]["name"])
@@ -550,7 +565,7 @@ class Pass:
     async def _ensure_engine(self, served: dict[str, Any], digest: str, version: str) -> tuple[str, str]:
         kube = self.rt.kube
         dep = manifests.engine_deployment(self.name, self.namespace, served, digest, version, self.rollout,
-                                          self.rt.gate_tracking_uri, self.rt.credentials_secret)
+                                          self.rt.gate_tracking_uri, self.rt.credentials_secret, self.rt.pods)
         svc = manifests.engine_service(self.name, self.namespace, self.rollout)
         fingerprint = hashlib.sha256(json.dumps(dep, sort_keys=True).encode()).hexdigest()[:16]
         dep["metadata"]["annotations"][ANN_MANIFEST] = fingerprint
@@ -562,6 +577,10 @@ class Pass:
         live_svc = await kube.get("v1", "services", self.namespace, svc["metadata"]["name"])
         if live_svc is not None and not self._owns(live_svc):
             return "conflict", f"Service {svc['metadata']['name']}"
+        # Ingress to engine pods on their ports only; in place before the first engine pod is.
+        conflict = await self._ensure_policy(manifests.engine_network_policy(self.name, self.namespace, self.rt.pods))
+        if conflict:
+            return "conflict", f"NetworkPolicy {conflict}"
         key = f"{version}@{fingerprint}"
         if live is None:
             live = await kube.create(dep)
@@ -583,6 +602,25 @@ class Pass:
             if waiting:
                 msg = f"{msg}; {waiting}"
         return state, msg
+
+    async def _ensure_policy(self, policy: dict[str, Any]) -> str:
+        """Create the NetworkPolicy, or patch it when the operator's settings changed (the chart's
+        engine.networkPolicy.from); the name of one this pair does not own ('' otherwise).
+        Part of _gate and _ensure_engine."""
+        kube, name = self.rt.kube, policy["metadata"]["name"]
+        fingerprint = hashlib.sha256(json.dumps(policy, sort_keys=True).encode()).hexdigest()[:16]
+        policy["metadata"]["annotations"] = {ANN_MANIFEST: fingerprint}
+        kopf.adopt(policy, owner=self.body)
+        live = await kube.get("networking.k8s.io/v1", "networkpolicies", self.namespace, name)
+        if live is not None and not self._owns(live):
+            return name
+        if live is None:
+            await kube.create(policy)
+        elif (live["metadata"].get("annotations") or {}).get(ANN_MANIFEST) != fingerprint:
+            await kube.merge_patch("networking.k8s.io/v1", "networkpolicies", self.namespace, name,
+                                   {"metadata": {"annotations": policy["metadata"]["annotations"]},
+                                    "spec": policy["spec"]})
+        return ""
 
     async def _engine_pods(self) -> list[dict[str, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in manifests.engine_selector(self.name).items())

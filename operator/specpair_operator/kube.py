@@ -106,4 +106,4 @@ class Kube:
 
 
 PLURALS = {"Job": "jobs", "Deployment": "deployments", "Service": "services", "Pod": "pods",
-           "ConfigMap": "configmaps", "Event": "events"}
+           "ConfigMap": "configmaps", "Event": "events", "NetworkPolicy": "networkpolicies"}

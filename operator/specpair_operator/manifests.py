@@ -9,7 +9,9 @@ by the adapter (kopf.adopt), not here.
 from __future__ import annotations
 
 import json
-from typing import Any
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 from . import names
 from . import release as release_mod
@@ -26,10 +28,49 @@ CACHE_DIR = "/var/cache/specpair"
 NONROOT_UID = 10001
 METRICS_PORT = 9400
 HTTP_PORT = 8000        # the engine's OpenAI-compatible HTTP API (rollout.httpPort; 0: off)
+# A pre-filled Hugging Face hub cache (rollout.modelCache.persistentVolumeClaim), read-only.
+HUB_CACHE_DIR = "/var/cache/specpair-hub"
+# The model cache emptyDir's limit when neither the pair nor the chart says (a pod whose cache
+# outgrows it is evicted, instead of filling the node's disk).
+CACHE_SIZE_LIMIT = "64Gi"
+# A finished gate Job (and its pod, with the gate's log) is kept a day. The operator needs it
+# only until it has recorded the gate (its Failed condition, GateStarted, the gate's duration:
+# seconds after it finishes, while the operator runs); the verdict itself is in MLflow.
+GATE_TTL_SECONDS = 86400
+
+
+@dataclass(frozen=True)
+class PodDefaults:
+    """What the installation says about every pod the operator creates: the chart's `engine.*`
+    and `gate.*` values, handed to the operator as environment variables (from_env)."""
+    image_pull_secrets: tuple[str, ...] = ()
+    cache_size_limit: str = CACHE_SIZE_LIMIT
+    # NetworkPolicyPeers allowed to reach the engine's ports; empty: any source (ports only).
+    ingress_from: tuple[dict[str, Any], ...] = ()
+    gate_ttl_seconds: int = GATE_TTL_SECONDS
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "PodDefaults":
+        """SPECPAIR_IMAGE_PULL_SECRETS (comma list of Secret names), SPECPAIR_MODEL_CACHE_SIZE_LIMIT,
+        SPECPAIR_ENGINE_INGRESS_FROM (a JSON list of NetworkPolicyPeers), SPECPAIR_GATE_TTL_SECONDS."""
+        peers = json.loads(env.get("SPECPAIR_ENGINE_INGRESS_FROM") or "[]")
+        if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
+            raise ValueError("SPECPAIR_ENGINE_INGRESS_FROM must be a JSON list of NetworkPolicyPeer objects")
+        return cls(
+            image_pull_secrets=tuple(s.strip() for s in (env.get("SPECPAIR_IMAGE_PULL_SECRETS") or "").split(",")
+                                     if s.strip()),
+            cache_size_limit=env.get("SPECPAIR_MODEL_CACHE_SIZE_LIMIT") or CACHE_SIZE_LIMIT,
+            ingress_from=tuple(peers),
+            gate_ttl_seconds=int(env.get("SPECPAIR_GATE_TTL_SECONDS") or GATE_TTL_SECONDS),
+        )
 
 
 def engine_name(pair: str) -> str:
     return names.object_name(pair, "engine")
+
+
+def gate_policy_name(pair: str) -> str:
+    return names.object_name(pair, "gate")
 
 
 def gate_job_name(pair: str, digest: str) -> str:
@@ -74,21 +115,45 @@ def _container_security() -> dict[str, Any]:
     }
 
 
-def _volumes() -> list[dict[str, Any]]:
-    return [
+def _model_cache(rollout: dict[str, Any]) -> dict[str, Any]:
+    return dict(rollout.get("modelCache") or {})
+
+
+def _volumes(rollout: dict[str, Any], defaults: PodDefaults) -> list[dict[str, Any]]:
+    cache = _model_cache(rollout)
+    volumes = [
         {"name": "release", "downwardAPI": {"items": [
             {"path": "release.json", "fieldRef": {"fieldPath": f"metadata.annotations['{ANN_RELEASE}']"}}]}},
         {"name": "tmp", "emptyDir": {}},
-        {"name": "cache", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {"sizeLimit": str(cache.get("sizeLimit") or defaults.cache_size_limit)}},
     ]
+    if cache.get("persistentVolumeClaim"):
+        volumes.append({"name": "hub", "persistentVolumeClaim": {"claimName": cache["persistentVolumeClaim"],
+                                                                "readOnly": True}})
+    return volumes
 
 
-def _mounts() -> list[dict[str, Any]]:
-    return [
+def _mounts(rollout: dict[str, Any]) -> list[dict[str, Any]]:
+    mounts = [
         {"name": "release", "mountPath": RELEASE_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "cache", "mountPath": CACHE_DIR},
     ]
+    if _model_cache(rollout).get("persistentVolumeClaim"):
+        mounts.append({"name": "hub", "mountPath": HUB_CACHE_DIR, "readOnly": True})
+    return mounts
+
+
+def _pod_spec(rollout: dict[str, Any], defaults: PodDefaults) -> dict[str, Any]:
+    """What engine and gate pods share: no API token, unprivileged, pull secrets, volumes, placement."""
+    return {
+        "automountServiceAccountToken": False,
+        "securityContext": _pod_security(),
+        **({"imagePullSecrets": [{"name": n} for n in defaults.image_pull_secrets]}
+           if defaults.image_pull_secrets else {}),
+        "volumes": _volumes(rollout, defaults),
+        **_placement(rollout),
+    }
 
 
 # MLflow's client reads these; values come from a Secret in the pair's namespace, by reference.
@@ -97,7 +162,7 @@ CREDENTIAL_VARS = {"MLFLOW_TRACKING_USERNAME": "username", "MLFLOW_TRACKING_PASS
 
 
 def _env(tracking_uri: str, credentials_secret: str | None = None,
-         credential_keys: dict[str, str] | None = None) -> list[dict[str, Any]]:
+         credential_keys: dict[str, str] | None = None, rollout: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "MLFLOW_TRACKING_URI", "value": tracking_uri},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"},
@@ -105,6 +170,9 @@ def _env(tracking_uri: str, credentials_secret: str | None = None,
         # Read-only root filesystem: anything that writes to $HOME writes to the /tmp emptyDir.
         {"name": "HOME", "value": "/tmp"},
     ]
+    if _model_cache(rollout or {}).get("persistentVolumeClaim"):
+        # Weights come from the pre-filled, read-only hub cache; nothing is downloaded.
+        env += [{"name": "HF_HUB_CACHE", "value": HUB_CACHE_DIR}, {"name": "HF_HUB_OFFLINE", "value": "1"}]
     if credentials_secret:
         keys = {**CREDENTIAL_VARS, **(credential_keys or {})}
         for var, key in keys.items():
@@ -128,16 +196,17 @@ def _release_annotations(release: dict[str, Any], digest: str) -> dict[str, str]
 
 def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
              rollout: dict[str, Any], tracking_uri: str, deadline_seconds: int = 3600,
-             credentials_secret: str | None = None) -> dict[str, Any]:
-    """The Job that gates one release. Never retried by Kubernetes: a failed gate is a result."""
+             credentials_secret: str | None = None, defaults: PodDefaults = PodDefaults()) -> dict[str, Any]:
+    """The Job that gates one release. Never retried by Kubernetes: a failed gate is a result.
+    Deleted defaults.gate_ttl_seconds after it finishes (its verdict lives in MLflow)."""
     labels = _labels(pair, "gate", version)
     container = {
         "name": "gate",
         "image": engine_image(release, rollout),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
         "command": ["python", "-m", "specpair_operator.gate_runner", "--release", RELEASE_FILE],
-        "env": _env(tracking_uri, credentials_secret),
-        "volumeMounts": _mounts(),
+        "env": _env(tracking_uri, credentials_secret, rollout=rollout),
+        "volumeMounts": _mounts(rollout),
         "securityContext": _container_security(),
     }
     if rollout.get("resources"):
@@ -150,15 +219,13 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
         "spec": {
             "backoffLimit": 0,
             "activeDeadlineSeconds": int(deadline_seconds),
+            "ttlSecondsAfterFinished": int(defaults.gate_ttl_seconds),
             "template": {
                 "metadata": {"labels": labels, "annotations": _release_annotations(release, digest)},
                 "spec": {
                     "restartPolicy": "Never",
-                    "automountServiceAccountToken": False,
-                    "securityContext": _pod_security(),
                     "containers": [container],
-                    "volumes": _volumes(),
-                    **_placement(rollout),
+                    **_pod_spec(rollout, defaults),
                 },
             },
         },
@@ -167,7 +234,7 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
 
 def engine_image(release: dict[str, Any], rollout: dict[str, Any]) -> str:
     """The image is part of the release: a rolled-back release runs the image it was gated with."""
-    return str((release.get("engine") or {}).get("image") or rollout.get("image") or release_mod.ENGINE_IMAGE)
+    return str((release.get("engine") or {}).get("image") or rollout.get("image") or release_mod.default_engine_image())
 
 
 def engine_command(release: dict[str, Any], port: int, http_port: int = HTTP_PORT) -> list[str]:
@@ -184,7 +251,7 @@ def engine_command(release: dict[str, Any], port: int, http_port: int = HTTP_POR
 
 def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
                       rollout: dict[str, Any], tracking_uri: str,
-                      credentials_secret: str | None = None) -> dict[str, Any]:
+                      credentials_secret: str | None = None, defaults: PodDefaults = PodDefaults()) -> dict[str, Any]:
     """The engine Deployment serving one release; the selector is stable across releases."""
     port = int(rollout.get("port", 50051))
     http_port = int(rollout.get("httpPort", HTTP_PORT))
@@ -198,8 +265,8 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
                   *([{"name": "http", "containerPort": http_port, "protocol": "TCP"}] if http_port else [])],
-        "env": _env(tracking_uri, credentials_secret),
-        "volumeMounts": _mounts(),
+        "env": _env(tracking_uri, credentials_secret, rollout=rollout),
+        "volumeMounts": _mounts(rollout),
         "securityContext": _container_security(),
         # Model loading takes a while; the gRPC health service says SERVING only once loaded.
         "startupProbe": {"grpc": {"port": port}, "periodSeconds": 10, "failureThreshold": 60},
@@ -221,11 +288,8 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
             "template": {
                 "metadata": {"labels": labels, "annotations": _release_annotations(release, digest)},
                 "spec": {
-                    "automountServiceAccountToken": False,
-                    "securityContext": _pod_security(),
                     "containers": [container],
-                    "volumes": _volumes(),
-                    **_placement(rollout),
+                    **_pod_spec(rollout, defaults),
                 },
             },
         },
@@ -259,6 +323,36 @@ def engine_service(pair: str, namespace: str, rollout: dict[str, Any]) -> dict[s
                       *([{"name": "http", "port": http_port, "targetPort": "http", "protocol": "TCP",
                           "appProtocol": "http"}] if http_port else [])],
         },
+    }
+
+
+# The engine's named container ports; a NetworkPolicy naming them follows rollout.port/httpPort.
+ENGINE_PORT_NAMES = ("grpc", "http", "metrics")
+
+
+def engine_network_policy(pair: str, namespace: str, defaults: PodDefaults = PodDefaults()) -> dict[str, Any]:
+    """Ingress to the engine pods on their ports only (gRPC, HTTP, metrics), from the peers the
+    chart names (engine.networkPolicy.from) or, when it names none, from anywhere."""
+    rule: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": name} for name in ENGINE_PORT_NAMES]}
+    if defaults.ingress_from:
+        rule["from"] = [dict(peer) for peer in defaults.ingress_from]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": engine_name(pair), "namespace": namespace, "labels": _labels(pair, "engine")},
+        "spec": {"podSelector": {"matchLabels": engine_selector(pair)}, "policyTypes": ["Ingress"],
+                 "ingress": [rule]},
+    }
+
+
+def gate_network_policy(pair: str, namespace: str) -> dict[str, Any]:
+    """Gate pods listen on nothing: no ingress at all (they still reach MLflow and the hub)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": gate_policy_name(pair), "namespace": namespace, "labels": _labels(pair, "gate")},
+        "spec": {"podSelector": {"matchLabels": {LABEL_PAIR: names.label_value(pair), LABEL_ROLE: "gate"}},
+                 "policyTypes": ["Ingress"], "ingress": []},
     }
 
 

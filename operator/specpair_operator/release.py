@@ -28,8 +28,22 @@ THRESHOLD_DEFAULTS = {
     "minSpeedup": 0.0,
 }
 DEFAULT_MAX_NEW_TOKENS = 32
-# The engine image when a pair names none (the CRD's default says the same; a test checks).
+# The engine image when a pair names none and the installation names none either. The CRD has
+# no default (a persisted default would pin every pair to one registry): the operator resolves
+# an absent spec.rollout.image here, into the release and so into its content hash.
 ENGINE_IMAGE = "ghcr.io/specpair/engine:0.1.0"
+_default_image = ENGINE_IMAGE
+
+
+def set_default_engine_image(image: str | None) -> None:
+    """The installation's engine image (the chart's engine.image, SPECPAIR_ENGINE_IMAGE), set once
+    at operator startup. Changing it is a new release for every pair that names no image."""
+    global _default_image
+    _default_image = (image or "").strip() or ENGINE_IMAGE
+
+
+def default_engine_image() -> str:
+    return _default_image
 
 
 def effective_model_name(name: str, namespace: str, spec: dict[str, Any]) -> str:
@@ -52,11 +66,13 @@ def build_release(
     namespace: str,
     spec: dict[str, Any],
     prompts: list[dict[str, Any]],
+    default_image: str | None = None,
 ) -> dict[str, Any]:
     """The release JSON for a spec, with defaults filled the same way the CRD fills them.
 
     `prompts` are the golden prompts already resolved (inline, from the ConfigMap, or the
-    engine's built-in set), so the hash changes when the prompts do.
+    engine's built-in set), so the hash changes when the prompts do. The image is the spec's,
+    else `default_image`, else the installation's (default_engine_image()).
     """
     gating = spec.get("gating") or {}
     thresholds = {**THRESHOLD_DEFAULTS, **(gating.get("thresholds") or {})}
@@ -67,7 +83,7 @@ def build_release(
         "target": _model_ref(spec.get("target")),
         "draft": _model_ref(spec.get("draft")),
         "speculation": {**SPECULATION_DEFAULTS, **(spec.get("speculation") or {})},
-        "engine": {"image": str((spec.get("rollout") or {}).get("image") or ENGINE_IMAGE)},
+        "engine": {"image": str((spec.get("rollout") or {}).get("image") or default_image or _default_image)},
         "gating": {
             "prompts": [
                 {"prompt": p["prompt"], "category": p.get("category") or DEFAULT_CATEGORY} for p in prompts

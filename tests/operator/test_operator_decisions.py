@@ -225,3 +225,110 @@ def test_the_operators_spec_check_accepts_every_shipped_example_and_refuses_bad_
         "spec.speculation.k: Invalid value: 17: spec.speculation.k in body should be less than or equal to 16"]
     assert validate_spec({"draft": {}}) == ["spec.target: Required value",
                                             "spec.draft: Invalid value: set exactly one of draft.source and draft.drafter"]
+
+
+@pytest.fixture
+def installation_image():
+    """The operator's default engine image, as the chart's engine.image sets it at startup."""
+    release.set_default_engine_image("registry.example.com/mirror/engine:0.1.0")
+    yield "registry.example.com/mirror/engine:0.1.0"
+    release.set_default_engine_image(None)
+
+
+def test_an_absent_image_is_the_installations_and_part_of_the_release_hash(installation_image):
+    """Behind a private registry: pairs that name no image run the chart's engine.image, pulled
+    with its pull secrets; the image is in the release (a new default is gated again)."""
+    mirrored = release.build_release("p", "ns", SPEC, PROMPTS)
+    assert mirrored["engine"] == {"image": installation_image}
+    release.set_default_engine_image(None)
+    plain = release.build_release("p", "ns", SPEC, PROMPTS)
+    assert plain["engine"] == {"image": release.ENGINE_IMAGE}
+    assert release.content_hash(plain) != release.content_hash(mirrored)
+    # The spec's own image wins over any default.
+    named = release.build_release("p", "ns", {**SPEC, "rollout": {"image": "reg/own:1"}}, PROMPTS,
+                                  default_image=installation_image)
+    assert named["engine"] == {"image": "reg/own:1"}
+    defaults = manifests.PodDefaults.from_env({"SPECPAIR_IMAGE_PULL_SECRETS": " regcred, mirror-creds ,"})
+    digest = release.content_hash(mirrored)
+    for obj in (manifests.engine_deployment("p", "ns", mirrored, digest, "1", {}, "http://m", defaults=defaults),
+                manifests.gate_job("p", "ns", mirrored, digest, "1", {}, "http://m", defaults=defaults)):
+        kubernetes_validate.validate(obj, "1.33.0", strict=True)
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["containers"][0]["image"] == installation_image
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror-creds"}]
+        assert pod["automountServiceAccountToken"] is False
+    assert "imagePullSecrets" not in manifests.gate_job("p", "ns", mirrored, digest, "1", {}, "http://m")[
+        "spec"]["template"]["spec"]
+
+
+def test_finished_gate_jobs_are_deleted_after_a_day_unless_the_chart_says():
+    rel = release.build_release("p", "ns", SPEC, PROMPTS)
+    digest = release.content_hash(rel)
+    job = manifests.gate_job("p", "ns", rel, digest, "1", {}, "http://m")
+    assert job["spec"]["ttlSecondsAfterFinished"] == manifests.GATE_TTL_SECONDS == 86400
+    short = manifests.gate_job("p", "ns", rel, digest, "1", {}, "http://m",
+                               defaults=manifests.PodDefaults.from_env({"SPECPAIR_GATE_TTL_SECONDS": "600"}))
+    assert short["spec"]["ttlSecondsAfterFinished"] == 600
+    kubernetes_validate.validate(short, "1.33.0", strict=True)
+
+
+def test_engine_pods_take_ingress_on_their_ports_only_and_gate_pods_none():
+    rel = release.build_release("p", "ns", SPEC, PROMPTS)
+    digest = release.content_hash(rel)
+    rollout = {"port": 6000}
+    dep = manifests.engine_deployment("p", "ns", rel, digest, "1", rollout, "http://m")
+    job = manifests.gate_job("p", "ns", rel, digest, "1", rollout, "http://m")
+    policy = manifests.engine_network_policy("p", "ns")
+    gate = manifests.gate_network_policy("p", "ns")
+    for obj in (policy, gate):
+        kubernetes_validate.validate(obj, "1.33.0", strict=True)
+    # Each selects exactly its pods: every engine pod (any release), every gate pod of this pair.
+    engine_labels = dep["spec"]["template"]["metadata"]["labels"]
+    gate_labels = job["spec"]["template"]["metadata"]["labels"]
+    assert set(policy["spec"]["podSelector"]["matchLabels"].items()) <= set(engine_labels.items())
+    assert not set(policy["spec"]["podSelector"]["matchLabels"].items()) <= set(gate_labels.items())
+    assert set(gate["spec"]["podSelector"]["matchLabels"].items()) <= set(gate_labels.items())
+    assert not set(gate["spec"]["podSelector"]["matchLabels"].items()) <= set(engine_labels.items())
+    assert gate["spec"]["policyTypes"] == ["Ingress"] and gate["spec"]["ingress"] == []
+    # Named ports: the policy follows rollout.port and httpPort without naming numbers.
+    (rule,) = policy["spec"]["ingress"]
+    assert "from" not in rule  # out of the box: any source, on these ports only
+    container_ports = {p["name"] for p in dep["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert {p["port"] for p in rule["ports"]} == container_ports == {"grpc", "http", "metrics"}
+    assert policy["metadata"]["name"] == manifests.engine_name("p") and gate["metadata"]["name"] == "p-gate"
+    assert gate["metadata"]["name"] != manifests.gate_job_name("p", digest)
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "web"}}}]
+    narrowed = manifests.engine_network_policy(
+        "p", "ns", manifests.PodDefaults.from_env({"SPECPAIR_ENGINE_INGRESS_FROM": json.dumps(peers)}))
+    kubernetes_validate.validate(narrowed, "1.33.0", strict=True)
+    assert narrowed["spec"]["ingress"][0]["from"] == peers
+    with pytest.raises(ValueError):
+        manifests.PodDefaults.from_env({"SPECPAIR_ENGINE_INGRESS_FROM": '{"podSelector": {}}'})
+
+
+def test_the_model_cache_has_a_size_limit_and_can_be_a_read_only_volume_claim():
+    rel = release.build_release("p", "ns", SPEC, PROMPTS)
+    digest = release.content_hash(rel)
+
+    def cache(obj):
+        pod = obj["spec"]["template"]["spec"]
+        return ({v["name"]: v for v in pod["volumes"]}, {m["name"]: m for m in pod["containers"][0]["volumeMounts"]},
+                {e["name"]: e.get("value") for e in pod["containers"][0]["env"]})
+
+    volumes, mounts, env = cache(manifests.engine_deployment("p", "ns", rel, digest, "1", {}, "http://m"))
+    assert volumes["cache"]["emptyDir"] == {"sizeLimit": manifests.CACHE_SIZE_LIMIT}
+    assert "hub" not in volumes and "HF_HUB_OFFLINE" not in env
+    chart = manifests.PodDefaults.from_env({"SPECPAIR_MODEL_CACHE_SIZE_LIMIT": "200Gi"})
+    volumes, _, _ = cache(manifests.engine_deployment("p", "ns", rel, digest, "1", {}, "http://m", defaults=chart))
+    assert volumes["cache"]["emptyDir"] == {"sizeLimit": "200Gi"}
+    rollout = {"modelCache": {"sizeLimit": "20Gi", "persistentVolumeClaim": "smollm2-abc123"}}
+    for obj in (manifests.engine_deployment("p", "ns", rel, digest, "1", rollout, "http://m", defaults=chart),
+                manifests.gate_job("p", "ns", rel, digest, "1", rollout, "http://m", defaults=chart)):
+        kubernetes_validate.validate(obj, "1.33.0", strict=True)
+        volumes, mounts, env = cache(obj)
+        assert volumes["cache"]["emptyDir"] == {"sizeLimit": "20Gi"}
+        assert volumes["hub"]["persistentVolumeClaim"] == {"claimName": "smollm2-abc123", "readOnly": True}
+        assert mounts["hub"] == {"name": "hub", "mountPath": manifests.HUB_CACHE_DIR, "readOnly": True}
+        assert env["HF_HUB_CACHE"] == manifests.HUB_CACHE_DIR and env["HF_HUB_OFFLINE"] == "1"
+    # The claim is placement, not content: it never makes a new release.
+    assert release.content_hash(release.build_release("p", "ns", {**SPEC, "rollout": rollout}, PROMPTS)) == digest

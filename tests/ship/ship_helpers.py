@@ -83,4 +83,8 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
     "metrics": {"serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "kube-prometheus-stack"}}},
     "grafana": {"dashboard": {"enabled": True, "namespace": "monitoring"}},
     "networkPolicy": {"enabled": True, "egress": [{"ports": [{"port": 443, "protocol": "TCP"}]}]},
+    "engine": {"image": "registry.example.com/specpair/engine:0.1.0", "imagePullSecrets": [{"name": "regcred"}],
+               "modelCache": {"sizeLimit": "200Gi"},
+               "networkPolicy": {"from": [{"namespaceSelector": {"matchLabels": {"team": "web"}}}]}},
+    "gate": {"ttlSecondsAfterFinished": 3600},
 }

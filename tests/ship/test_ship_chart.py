@@ -59,6 +59,7 @@ def test_non_default_render_wires_every_value(render):
     assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "Role", "Role", "Role", "RoleBinding",
                      "RoleBinding", "RoleBinding", "ServiceAccount", "ServiceMonitor"]
     pod = one(manifests, "Deployment")["spec"]["template"]["spec"]
+    pod_labels = one(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
     container = pod["containers"][0]
     assert container["image"] == "registry.example.com/specpair/operator@sha256:" + "ab" * 32
     assert container["imagePullPolicy"] == "Always"
@@ -71,6 +72,15 @@ def test_non_default_render_wires_every_value(render):
     assert env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "mlflow-credentials", "key": "pass"}
     assert "MLFLOW_TRACKING_TOKEN" not in env  # empty key: not set
     assert env["SPECPAIR_MLFLOW_CREDENTIALS_SECRET"]["value"] == "mlflow-credentials"
+    # engine.* and gate.* reach the operator, which reads them as its defaults for child pods.
+    from specpair_operator.manifests import PodDefaults
+    assert env["SPECPAIR_ENGINE_IMAGE"]["value"] == "registry.example.com/specpair/engine:0.1.0"
+    pods = PodDefaults.from_env({k: v["value"] for k, v in env.items() if "value" in v})
+    assert (pods.image_pull_secrets, pods.cache_size_limit, pods.gate_ttl_seconds) == (("regcred",), "200Gi", 3600)
+    # The operator's own pods are added to the peers allowed to reach engine pods (its gRPC calls).
+    assert pods.ingress_from[0] == {"namespaceSelector": {"matchLabels": {"team": "web"}}}
+    assert pods.ingress_from[1]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": RELEASE_NAMESPACE}}
+    assert pods.ingress_from[1]["podSelector"]["matchLabels"].items() <= pod_labels.items()
     assert container["resources"]["limits"] == {"cpu": "2", "memory": "2Gi"}
     assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
     assert pod["tolerations"][0]["key"] == "dedicated"
@@ -145,7 +155,11 @@ BAD_VALUES = [
     ({"resources": {"limits": {"nvidia.com/gpu": -1}}}, "/resources/limits/nvidia.com~1gpu"),
     ({"operator": {"logLevel": "chatty"}}, "/operator/logLevel"),
     ({"operator": {"logFormat": "yaml"}}, "/operator/logFormat"),
-    ({"engine": {"image": "x"}}, "engine"),
+    ({"engine": {"imag": "x"}}, "imag"),
+    ({"engine": {"image": ""}}, "/engine/image"),
+    ({"engine": {"modelCache": {"sizeLimit": "lots"}}}, "/engine/modelCache/sizeLimit"),
+    ({"engine": {"networkPolicy": {"from": [{"pods": {}}]}}}, "pods"),
+    ({"gate": {"ttlSecondsAfterFinished": -1}}, "/gate/ttlSecondsAfterFinished"),
     ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "/metrics/serviceMonitor/interval"),
     ({"imag": {"tag": "typo"}}, "imag"),
 ]

@@ -53,6 +53,29 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
+{{/* engine.imagePullSecrets as a comma list of names. */}}
+{{- define "specpair.enginePullSecrets" -}}
+{{- $names := list -}}
+{{- range .Values.engine.imagePullSecrets -}}
+{{- $names = append $names .name -}}
+{{- end -}}
+{{- join "," $names -}}
+{{- end -}}
+
+{{/*
+Peers allowed to reach engine pods, as JSON: engine.networkPolicy.from plus the operator's own
+pods (it calls the engines' gRPC port); empty (any source) when engine.networkPolicy.from is.
+*/}}
+{{- define "specpair.engineIngressFrom" -}}
+{{- $from := .Values.engine.networkPolicy.from | default list -}}
+{{- if $from -}}
+{{- $operator := dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" (include "specpair.selectorLabels" . | fromYaml)) -}}
+{{- append $from $operator | toJson -}}
+{{- else -}}
+[]
+{{- end -}}
+{{- end -}}
+
 {{/*
 The namespaced rules, exactly those of operator/rbac.yaml (the operator's own list of what it
 calls). Used both by the ClusterRole (all namespaces) and by each per-namespace Role.
@@ -82,6 +105,11 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
 - apiGroups: [""]
   resources: [services]
   verbs: [get, create]
+# Per pair: ingress to engine pods on their ports only, none to gate pods; patched when the
+# chart's engine.networkPolicy.from changes.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch]
 # Gate Jobs: one per release, never deleted by the operator.
 - apiGroups: [batch]
   resources: [jobs]
