@@ -530,8 +530,8 @@ class Pass:
         self.watching = watch_only or desired is None
         drifted = await self._drift(model, al, champion, verdict, tags, pods, infos)
         unreconciled = await self._reconcile_speculation(champion, pods, infos)
-        if watch_only or drifted and desired is None:
-            return
+        if watch_only or (desired is None and drifted and "phase" in self.out):
+            return  # nothing to say beyond what a drift action this pass already said
         if desired is None:
             self.finish("Degraded", (False, "ChampionKeepsServing", f"{desired_reason}; v{champion} keeps serving"),
                         (False, "ChampionKeepsServing", ""), (True, "ReleaseNotServable", f"{desired_reason}; v{champion} keeps serving"))

@@ -327,6 +327,49 @@ def test_a_gpu_engine_rolls_from_v1_to_v2_on_a_node_with_one_gpu(env):
     assert runner.exception is None
 
 
+def narrow_engine_ingress(ns: Namespace, name: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """An operator restarted with the chart's engine.networkPolicy.from set patches the pair's
+    engine NetworkPolicy to those peers (and only its own)."""
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "web"}}}]
+    monkeypatch.setenv("SPECPAIR_ENGINE_INGRESS_FROM", json.dumps(peers))
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        policy = ns.wait_for("engine NetworkPolicy narrowed", lambda: (p := ns.get(
+            "networking.k8s.io/v1", "networkpolicies", f"{name}-engine")) and p["spec"]["ingress"][0].get("from") == peers
+            and p, timeout=60)
+    assert runner.exception is None
+    return policy
+
+
+def test_a_pair_without_an_image_runs_the_installations_behind_network_policies(env, monkeypatch):
+    """Behind a private registry: the chart's engine.image and pull secrets reach the pods of a pair
+    that names no image (and no default is persisted into the pair); each pair's engine pods take
+    ingress on their ports only, its gate pods none, and finished gate Jobs have a TTL."""
+    ns = env
+    name = f"mirror-{uuid.uuid4().hex[:5]}"
+    monkeypatch.setenv("SPECPAIR_ENGINE_IMAGE", STANDIN_IMAGE)
+    monkeypatch.setenv("SPECPAIR_IMAGE_PULL_SECRETS", "regcred")
+    spec = pair(name, "good-draft")
+    del spec["spec"]["rollout"]["image"]
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(spec)
+        obj = ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
+        assert "image" not in obj["spec"]["rollout"]
+        (pod,) = engine_pods(ns)
+        assert pod["spec"]["containers"][0]["image"] == STANDIN_IMAGE
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+        assert pod["spec"]["automountServiceAccountToken"] is False
+        (job,) = ns.list("batch/v1", "Job")
+        assert job["spec"]["ttlSecondsAfterFinished"] == 86400
+        assert job["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+        policies = {p["metadata"]["name"]: p for p in ns.list("networking.k8s.io/v1", "networkpolicies")}
+        assert set(policies) == {f"{name}-engine", f"{name}-gate"}
+        assert all(p["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"] for p in policies.values())
+        assert policies[f"{name}-gate"]["spec"].get("ingress", []) == []
+        assert {p["port"] for p in policies[f"{name}-engine"]["spec"]["ingress"][0]["ports"]} == {"grpc", "http", "metrics"}
+    assert runner.exception is None
+    narrow_engine_ingress(ns, name, monkeypatch)
+
+
 @pytest.mark.parametrize("change", [
     {"speculation": {"k": 1000}},
     {"speculation": {"k": 0, "fallbackThreshold": 2}},
@@ -371,7 +414,7 @@ def test_a_release_mlflow_refuses_is_stalled_with_mlflows_reason(env, mlflow_ser
     assert runner.exception is None
 
 
-def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster):
+def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, monkeypatch):
     """Least privilege, proven: the operator's requests (audited by the API server) were never
     refused, and every verb the chart grants was used by it in this session."""
     from cluster_env import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, rendered_rbac_rules
@@ -391,6 +434,15 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster):
             set_spec(ns, "rbac", {"draft": {"source": "faster-draft"}})
             ns.wait_for("v2 serving", lambda: serving(ns, "rbac", "2"), timeout=180)
         assert runner.exception is None
+    if not any(e["verb"] == "patch" and e["objectRef"].get("resource") == "networkpolicies"
+               for e in devcluster.audit_events(user)):
+        # A NetworkPolicy is patched only when the chart's engine.networkPolicy.from changes.
+        if ns.get("specpair.io/v1alpha1", "SpecModelPair", "rbac") is None:
+            ns.create(pair("rbac", "good-draft"))
+            with KopfRunner(OPERATOR, timeout=60) as runner:
+                ns.wait_for("v1 serving", lambda: serving(ns, "rbac", "1"), timeout=120)
+            assert runner.exception is None
+        narrow_engine_ingress(ns, "rbac", monkeypatch)
     events = devcluster.audit_events(user)
     # 403 also answers a create in a namespace being deleted (admission, not RBAC): earlier tests'
     # namespaces terminate while later operators still see their pairs.
