@@ -420,10 +420,10 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, monkey
     from cluster_env import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, rendered_rbac_rules
 
     user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
+    ns = env
     if not any(e["verb"] == "create" and e["objectRef"].get("resource") == "deployments"
                for e in devcluster.audit_events(user)):
         # Run alone: exercise the whole lifecycle once (gate, promote, roll out, ConfigMap prompts).
-        ns = env
         ns.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "golden"},
                    "data": {"prompts.jsonl": json.dumps({"prompt": "def f():", "category": "code"})}})
         spec = pair("rbac", "good-draft")
