@@ -80,7 +80,7 @@ def test_bench_json_on_tiny_pair(tmp_path, tiny_pair_dirs):
     assert set(report["categories"]) == {"code", "qa"}
     for row in [*report["categories"].values(), report["overall"]]:
         for key in ("speedup", "acceptance_rate", "mean_acceptance_length", "cost_ratio", "bound",
-                    "efficiency", "greedy_identity", "hf_assisted_speedup"):
+                    "efficiency", "greedy_identity", "hf_assisted_speedup", "prompts_above_bound"):
             assert key in row, key
         assert row["greedy_identity"] == 1.0
         assert row["bound"] > 0 and row["cost_ratio"] > 0

@@ -1,13 +1,20 @@
 """`specpair bench`: speculative vs target-only decoding, measured, with the bound it should reach.
 
 For each prompt (after a warm-up) it times target-only and speculative greedy decoding (median
-of several runs), checks the outputs are token-identical, and measures the three costs the
-speedup bound needs on this hardware: one target decode step T1, one verification of k+1 tokens
-Tv(k+1) (not one step on a CPU), and one draft step Td. The bound is Leviathan's expected
-tokens per round, (1 - a^(k+1)) / (1 - a), times T1, over the cost of the round, k*Td + Tv(k+1),
-mixed with the rounds in which the drafter had nothing to propose (one token per T1).
-Efficiency = measured speedup / bound. Hugging Face assisted generation runs the same pair as the
-peer, so both speedups come from one run on one machine.
+of several runs), checks the outputs are token-identical, and measures on this hardware what the
+speculative run's work costs at the least: the prompt's prefill P (target, and draft model if
+any), one target decode step T1, one verification of k+1 tokens Tv(k+1) for every k (not one
+step on a CPU), and one draft step Td (per token for a draft model, per round for n-gram lookup).
+
+The bound is the speedup the speculative run would have had if it cost nothing beyond those
+kernels, for the rounds it really ran: each round with k drafted tokens (k as used, from the
+per-position counts) costs k*Td + Tv(k+1), each round where the drafter proposed nothing costs
+T1, plus P; the baseline is target-only as measured. Overheads only add to the speculative run,
+so the measured speedup stays at or below the bound (up to the noise of the cost medians), and
+the report says on how many prompts it does. (Leviathan's i.i.d. formula from the acceptance
+rate is not a bound: n-gram acceptance comes in runs, so real rounds yield more than it
+predicts.) Efficiency = measured speedup / bound. Hugging Face assisted generation runs the same
+pair as the peer, so both speedups come from one run on one machine.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
     costs = {"target_step": median_extend(engine.target.model, 1),
              "verify": {k: median_extend(engine.target.model, k + 1) for k in ks}}
     drafter = engine.drafter
+    costs["draft_per_token"] = isinstance(drafter, ModelDrafter)  # n-gram: one lookup per round
     if isinstance(drafter, ModelDrafter):
         costs["draft_step"] = median_extend(drafter.loaded.model, 1)
     elif drafter is not None:
@@ -99,20 +107,49 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
     return costs
 
 
-def speedup_bound(stats: AcceptanceStats, rounds_without_draft: int, costs: dict) -> float:
-    """Expected speedup from measured acceptance and measured costs (see module docstring)."""
-    t1 = costs["target_step"]
-    if stats.num_drafts == 0:
-        return 1.0
-    k_mean = stats.num_draft_tokens / stats.num_drafts
-    k = max(1, round(k_mean))
-    a = min(stats.acceptance_rate, 0.999999)
-    tokens_per_round = (1 - a ** (k_mean + 1)) / (1 - a)
-    verify = costs["verify"].get(k) or costs["verify"][min(costs["verify"], key=lambda x: abs(x - k))]
-    round_cost = k_mean * costs["draft_step"] + verify
-    tokens = stats.num_drafts * tokens_per_round + rounds_without_draft
-    seconds = stats.num_drafts * round_cost + rounds_without_draft * t1
-    return tokens * t1 / seconds
+@torch.no_grad()
+def measure_prefill(engine: SpeculativeEngine, prompt_ids: list[int], repeats: int = 3) -> float:
+    """Median seconds to prefill the prompt: the target's, plus the draft model's when there is one."""
+    device = engine.target.device
+    models = [engine.target.model] + ([engine.drafter.loaded.model] if isinstance(engine.drafter, ModelDrafter) else [])
+    total = 0.0
+    for model in models:
+        times = []
+        for _ in range(repeats):
+            kv = BatchedKVModel(model, vocab_size=engine.vocab_size)
+            kv.add_rows(1)
+            times.append(_timed(lambda: kv.extend([prompt_ids]), device)[0])
+        total += statistics.median(times)
+    return total
+
+
+def rounds_by_k(stats: AcceptanceStats) -> dict[int, int]:
+    """How many rounds drafted exactly k tokens: the per-position draft count at position j-1 is
+    how many drafted at least j."""
+    per_pos = stats.num_draft_tokens_per_pos
+    counts = {k: per_pos[k - 1] - (per_pos[k] if k < len(per_pos) else 0) for k in range(1, len(per_pos) + 1)}
+    return {k: n for k, n in counts.items() if n}
+
+
+def ideal_spec_seconds(stats: AcceptanceStats, rounds_without_draft: int, costs: dict,
+                       prefill_seconds: float = 0.0) -> float:
+    """What the speculative run's rounds cost at their measured kernels alone (module docstring)."""
+    verify = costs["verify"]
+
+    def verify_cost(k: int) -> float:
+        return verify[k] if k in verify else verify[min(verify, key=lambda x: abs(x - k))]
+    per_token = costs.get("draft_per_token", True)
+    seconds = prefill_seconds + rounds_without_draft * costs["target_step"]
+    for k, n in rounds_by_k(stats).items():
+        seconds += n * ((k if per_token else 1) * costs["draft_step"] + verify_cost(k))
+    return seconds
+
+
+def speedup_bound(stats: AcceptanceStats, rounds_without_draft: int, costs: dict,
+                  target_seconds: float, prefill_seconds: float = 0.0) -> float:
+    """Target-only as measured over the speculative run at its kernels' cost: an upper bound."""
+    ideal = ideal_spec_seconds(stats, rounds_without_draft, costs, prefill_seconds)
+    return target_seconds / ideal if ideal > 0 else 0.0
 
 
 @dataclass
@@ -124,6 +161,7 @@ class PromptResult:
     identical: bool
     stats: AcceptanceStats
     rounds_without_draft: int
+    prefill_seconds: float = 0.0
     hf_target_seconds: float | None = None
     hf_assisted_seconds: float | None = None
     divergence: dict | None = None       # first mismatch vs target-only, with the logit margin
@@ -147,7 +185,13 @@ class BenchReport:
         t_spec = sum(r.spec_seconds for r in rows)
         no_draft = sum(r.rounds_without_draft for r in rows)
         speedup = t_target / t_spec if t_spec else 0.0
-        bound = speedup_bound(stats, no_draft, self.costs)
+        ideal = sum(ideal_spec_seconds(r.stats, r.rounds_without_draft, self.costs, r.prefill_seconds) for r in rows)
+        bound = t_target / ideal if ideal else 0.0
+        # The bound holds per prompt too; where the noise of the cost medians puts a measured
+        # speedup above it, the report says so rather than hide it.
+        above = [i for i, r in enumerate(rows) if r.spec_seconds and
+                 r.target_seconds / r.spec_seconds > speedup_bound(r.stats, r.rounds_without_draft, self.costs,
+                                                                   r.target_seconds, r.prefill_seconds) * 1.02]
         hf = [r for r in rows if r.hf_assisted_seconds]
         hf_speedup = (sum(r.hf_target_seconds for r in hf) / sum(r.hf_assisted_seconds for r in hf)
                       if hf else None)
@@ -164,6 +208,7 @@ class BenchReport:
             "cost_ratio": round(cost_ratio, 4),
             "bound": round(bound, 4),
             "efficiency": round(speedup / bound, 4) if bound else 0.0,
+            "prompts_above_bound": len(above),
             "greedy_identity": round(sum(r.identical for r in rows) / len(rows), 4),
             # Mismatches whose target logit margin is within the dtype's rounding count as ties.
             "greedy_identity_within_ties": round(sum(
@@ -244,12 +289,13 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
                 hf_a.append(_timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, True),
                                    target.device)[0])
         rounds = spec_result.stats.num_target_steps
+        prefill = measure_prefill(engine, ids)
         divergence = first_divergence(engine.target, ids, base_result.token_ids, spec_result.token_ids)
         report.prompts.append(PromptResult(
             category=category, target_seconds=statistics.median(t_times),
             spec_seconds=statistics.median(s_times), tokens=len(spec_result.token_ids),
             identical=spec_result.token_ids == base_result.token_ids, stats=spec_result.stats,
-            rounds_without_draft=rounds - spec_result.stats.num_drafts,
+            rounds_without_draft=rounds - spec_result.stats.num_drafts, prefill_seconds=prefill,
             hf_target_seconds=statistics.median(hf_t) if hf_t else None,
             hf_assisted_seconds=statistics.median(hf_a) if hf_a else None, divergence=divergence))
         if progress:
@@ -287,6 +333,9 @@ def format_table(report: dict) -> str:
     for m in report["overall"]["mismatches"]:
         lines.append(f"mismatch at token {m['index']}: target margin {m['margin']} "
                      f"(tolerance {m.get('tolerance')}) -> {'numerical tie' if m['tie'] else 'REAL DIFFERENCE'}")
+    overall = report["overall"]
+    lines.append(f"bound >= measured speedup on {overall['prompts'] - overall.get('prompts_above_bound', 0)}"
+                 f"/{overall['prompts']} prompts (2% allowed for the noise of the cost medians)")
     per_pos = report["overall"]["acceptance_per_position"]
     lines.append("acceptance per position: " + " ".join(f"{x:.2f}" for x in per_pos))
     if "target_bandwidth_gb_s" in report["overall"]:

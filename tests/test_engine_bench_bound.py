@@ -1,0 +1,56 @@
+"""The bench's speedup bound is an upper bound built from the rounds a run really had.
+
+Pure functions, no timing: the costs are given, the rounds are recorded as the engine records
+them (AcceptanceStats.record_round)."""
+
+import pytest
+
+from specpair.bench import ideal_spec_seconds, rounds_by_k, speedup_bound
+from specpair.stats import AcceptanceStats
+
+COSTS = {"target_step": 0.040, "verify": {1: 0.044, 2: 0.048, 3: 0.052, 4: 0.060}, "draft_step": 0.001,
+         "draft_per_token": False}
+
+
+def stats_of(rounds: list[tuple[int, int]]) -> AcceptanceStats:
+    s = AcceptanceStats()
+    for drafted, accepted in rounds:
+        s.record_round(drafted, accepted)
+    return s
+
+
+def test_rounds_are_counted_by_the_k_they_really_drafted():
+    s = stats_of([(4, 4), (4, 0), (2, 1), (1, 1), (4, 2)])
+    assert rounds_by_k(s) == {1: 1, 2: 1, 4: 3}
+
+
+def test_bursty_acceptance_is_not_underestimated():
+    """n-gram acceptance comes in runs: all four drafts or none. Leviathan's i.i.d. formula at
+    a = 0.5 expects 1.94 tokens a round; these rounds yield 3. The bound counts what they
+    yielded, through what they cost, so a loop that ran them cannot beat it."""
+    rounds = [(4, 4), (4, 0)] * 10
+    s = stats_of(rounds)
+    tokens = sum(a + 1 for _, a in rounds)
+    ideal = ideal_spec_seconds(s, 0, COSTS)
+    assert ideal == pytest.approx(20 * (0.001 + 0.060))
+    target_seconds = tokens * COSTS["target_step"]          # target-only at exactly one step a token
+    bound = speedup_bound(s, 0, COSTS, target_seconds)
+    # A real speculative run of the same rounds costs at least `ideal`, so its speedup is at most
+    # the bound; the old formula gave less than the speedup such a run can reach.
+    leviathan_tokens = 20 * (1 - 0.5 ** 5) / (1 - 0.5)
+    old = leviathan_tokens * 0.040 / ideal
+    assert bound == pytest.approx(tokens * 0.040 / ideal) and old < bound
+
+
+def test_rounds_without_drafts_prefill_and_model_drafts_cost_what_they_cost():
+    s = stats_of([(3, 3), (3, 1)])
+    model = {**COSTS, "draft_per_token": True, "draft_step": 0.005}
+    ideal = ideal_spec_seconds(s, 5, model, prefill_seconds=0.2)
+    assert ideal == pytest.approx(0.2 + 5 * 0.040 + 2 * (3 * 0.005 + 0.052))
+    # An unmeasured k uses the nearest measured verification.
+    assert ideal_spec_seconds(stats_of([(6, 0)]), 0, COSTS) == pytest.approx(0.001 + 0.060)
+
+
+def test_a_run_that_never_drafts_is_bounded_by_its_target_only_time():
+    s = AcceptanceStats()
+    assert speedup_bound(s, 10, COSTS, target_seconds=10 * 0.040) == pytest.approx(1.0)
