@@ -15,6 +15,9 @@ from typing import Any
 DEFAULT_CATEGORY = "general"
 
 
+# Model sources the engine downloads from MLflow (and so needs MLflow credentials for).
+MLFLOW_SOURCE_PREFIXES = ("models:/", "runs:/", "mlflow:")
+
 def content_hash(release: dict[str, Any]) -> str:
     """sha256 of the canonical JSON of everything in the release except where it is deployed.
 

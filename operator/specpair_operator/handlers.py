@@ -41,6 +41,8 @@ TAG_SPECULATION_OFF = "specpair.drift.speculation_off"
 ANN_MANIFEST = "specpair.io/manifest-hash"
 HISTORY_LIMIT = 20
 RECORDED_KEYS = 10  # per action in status.recorded
+# Container states that wait on a person (a Secret, a key, an image), not on time.
+STUCK_CONTAINER_REASONS = ("CreateContainerConfigError", "ErrImagePull", "ImagePullBackOff", "InvalidImageName")
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Runtime:
     """Process-wide clients and per-pair memory (locks, backoff, drift samples)."""
     tracking_uri: str = ""
     gate_tracking_uri: str = ""
-    credentials_secret: str | None = None
+    credentials: manifests.MlflowCredentials | None = None   # the installation's; a pair may name its own
     # The installation's settings for child pods (pull secrets, cache limit, ingress peers, gate TTL).
     pods: manifests.PodDefaults = field(default_factory=manifests.PodDefaults)
     kube: Kube | None = None
@@ -89,8 +91,12 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     if not RUNTIME.tracking_uri:
         raise kopf.PermanentError("set SPECPAIR_MLFLOW_TRACKING_URI (or MLFLOW_TRACKING_URI)")
     RUNTIME.gate_tracking_uri = os.environ.get("SPECPAIR_GATE_MLFLOW_TRACKING_URI", RUNTIME.tracking_uri)
-    # Name of a Secret (in each pair's namespace) with MLflow credentials for gate and engine pods.
-    RUNTIME.credentials_secret = os.environ.get("SPECPAIR_MLFLOW_CREDENTIALS_SECRET") or None
+    # A Secret (expected in each pair's namespace) with MLflow credentials for gate and engine
+    # pods, and its keys; a pair's spec.mlflow.credentialsSecretRef takes precedence.
+    try:
+        RUNTIME.credentials = manifests.MlflowCredentials.from_env(os.environ)
+    except ValueError as exc:
+        raise kopf.PermanentError(str(exc)) from exc
     # The chart's engine.* and gate.* values: the image for pairs that name none (it goes into
     # their releases), pull secrets, the model cache limit, who may reach engine pods.
     release_mod.set_default_engine_image(os.environ.get("SPECPAIR_ENGINE_IMAGE"))
@@ -197,6 +203,9 @@ class Pass:
             metrics.ROLLBACKS.labels(*labels, metrics.rollback_cause(reason)).inc()
         elif action == "SpeculationOff":
             metrics.SPECULATION_OFF.labels(*labels).inc()
+
+    def credentials(self) -> manifests.MlflowCredentials | None:
+        return manifests.MlflowCredentials.for_pair(self.spec.get("mlflow"), self.rt.credentials)
 
     def was_recorded(self, action: str, key: str, version: str) -> bool:
         """Whether the action identified by `key` is in the status already. (A status written
@@ -402,7 +411,7 @@ class Pass:
         job = manifests.gate_job(self.name, self.namespace,
                                  release_mod.with_mlflow(rel, self.rt.gate_tracking_uri, model, version),
                                  digest, version, placement, self.rt.gate_tracking_uri,
-                                 int(gating.get("activeDeadlineSeconds", 3600)), self.rt.credentials_secret,
+                                 int(gating.get("activeDeadlineSeconds", 3600)), self.credentials(),
                                  self.rt.pods)
         kopf.adopt(job, owner=self.body)
         # Gate pods take no ingress; the policy exists before the first gate pod does.
@@ -452,11 +461,19 @@ class Pass:
         self.finish("Failed", (False, "NameConflict", msg), (False, "NameConflict", ""), (True, "NameConflict", msg))
 
     async def _unschedulable(self, selector: str) -> str:
-        """The scheduler's reason when pods matching `selector` cannot be placed ('' otherwise)."""
+        """Why pods matching `selector` cannot start ('' when nothing stops them): the
+        scheduler's reason, or the kubelet's for a container it cannot create (a missing
+        credentials Secret or key, an image it cannot pull)."""
         for pod in await self.rt.kube.list("v1", "pods", self.namespace, selector):
-            for cd in (pod.get("status") or {}).get("conditions") or []:
+            st = pod.get("status") or {}
+            for cd in st.get("conditions") or []:
                 if cd.get("type") == "PodScheduled" and cd.get("status") == "False":
                     return f"pod {pod['metadata']['name']} is Pending: {cd.get('reason')}: {cd.get('message', '')}"
+            for cs in st.get("containerStatuses") or []:
+                waiting = (cs.get("state") or {}).get("waiting") or {}
+                if waiting.get("reason") in STUCK_CONTAINER_REASONS:
+                    return (f"pod {pod['metadata']['name']} cannot start: {waiting['reason']}: "
+                            f"{waiting.get('message', '')}")
         return ""
 
     def _versions(self, al: dict[str, str]) -> None:
@@ -565,7 +582,10 @@ class Pass:
     async def _ensure_engine(self, served: dict[str, Any], digest: str, version: str) -> tuple[str, str]:
         kube = self.rt.kube
         dep = manifests.engine_deployment(self.name, self.namespace, served, digest, version, self.rollout,
-                                          self.rt.gate_tracking_uri, self.rt.credentials_secret, self.rt.pods)
+                                          self.rt.gate_tracking_uri,
+                                          # Engine pods need MLflow only to download a model from it.
+                                          self.credentials() if release_mod.reads_from_mlflow(served) else None,
+                                          self.rt.pods)
         svc = manifests.engine_service(self.name, self.namespace, self.rollout)
         fingerprint = hashlib.sha256(json.dumps(dep, sort_keys=True).encode()).hexdigest()[:16]
         dep["metadata"]["annotations"][ANN_MANIFEST] = fingerprint

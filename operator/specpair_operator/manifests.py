@@ -157,12 +157,46 @@ def _pod_spec(rollout: dict[str, Any], defaults: PodDefaults) -> dict[str, Any]:
 
 
 # MLflow's client reads these; values come from a Secret in the pair's namespace, by reference.
-CREDENTIAL_VARS = {"MLFLOW_TRACKING_USERNAME": "username", "MLFLOW_TRACKING_PASSWORD": "password",
-                   "MLFLOW_TRACKING_TOKEN": "token"}
+# The MLflow client's variables and their keys in a credentials Secret, unless told otherwise.
+CREDENTIAL_KEYS = {"MLFLOW_TRACKING_USERNAME": "username", "MLFLOW_TRACKING_PASSWORD": "password"}
 
 
-def _env(tracking_uri: str, credentials_secret: str | None = None,
-         credential_keys: dict[str, str] | None = None, rollout: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class MlflowCredentials:
+    """A Secret in the pair's namespace holding MLflow credentials, and the key of each variable.
+
+    References are not optional: a missing Secret or key keeps the pod from starting with the
+    kubelet's reason (reported on the pair), instead of a gate that silently runs unauthenticated."""
+    secret: str
+    keys: tuple[tuple[str, str], ...] = tuple(CREDENTIAL_KEYS.items())   # (variable, key)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "MlflowCredentials | None":
+        """The installation's: SPECPAIR_MLFLOW_CREDENTIALS_SECRET and SPECPAIR_MLFLOW_CREDENTIALS_KEYS
+        (a JSON object variable -> key; the chart's mlflow.credentialsSecret.*Key values)."""
+        name = (env.get("SPECPAIR_MLFLOW_CREDENTIALS_SECRET") or "").strip()
+        if not name:
+            return None
+        keys = json.loads(env.get("SPECPAIR_MLFLOW_CREDENTIALS_KEYS") or "null") or CREDENTIAL_KEYS
+        if not isinstance(keys, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items()):
+            raise ValueError("SPECPAIR_MLFLOW_CREDENTIALS_KEYS must be a JSON object of variable -> key")
+        return cls(name, tuple((var, key) for var, key in keys.items() if key))
+
+    @classmethod
+    def for_pair(cls, spec_mlflow: Mapping[str, Any] | None,
+                 installation: "MlflowCredentials | None") -> "MlflowCredentials | None":
+        """The pair's own spec.mlflow.credentialsSecretRef, else the installation's."""
+        ref = (spec_mlflow or {}).get("credentialsSecretRef")
+        if not ref:
+            return installation
+        keys = {"MLFLOW_TRACKING_USERNAME": ref.get("usernameKey", "username"),
+                "MLFLOW_TRACKING_PASSWORD": ref.get("passwordKey", "password"),
+                "MLFLOW_TRACKING_TOKEN": ref.get("tokenKey", "")}
+        return cls(str(ref["name"]), tuple((var, key) for var, key in keys.items() if key))
+
+
+def _env(tracking_uri: str, credentials: MlflowCredentials | None = None,
+         rollout: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "MLFLOW_TRACKING_URI", "value": tracking_uri},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"},
@@ -173,11 +207,9 @@ def _env(tracking_uri: str, credentials_secret: str | None = None,
     if _model_cache(rollout or {}).get("persistentVolumeClaim"):
         # Weights come from the pre-filled, read-only hub cache; nothing is downloaded.
         env += [{"name": "HF_HUB_CACHE", "value": HUB_CACHE_DIR}, {"name": "HF_HUB_OFFLINE", "value": "1"}]
-    if credentials_secret:
-        keys = {**CREDENTIAL_VARS, **(credential_keys or {})}
-        for var, key in keys.items():
-            env.append({"name": var, "valueFrom": {"secretKeyRef": {"name": credentials_secret, "key": key,
-                                                                     "optional": True}}})
+    if credentials is not None:
+        for var, key in credentials.keys:
+            env.append({"name": var, "valueFrom": {"secretKeyRef": {"name": credentials.secret, "key": key}}})
     return env
 
 
@@ -196,7 +228,7 @@ def _release_annotations(release: dict[str, Any], digest: str) -> dict[str, str]
 
 def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
              rollout: dict[str, Any], tracking_uri: str, deadline_seconds: int = 3600,
-             credentials_secret: str | None = None, defaults: PodDefaults = PodDefaults()) -> dict[str, Any]:
+             credentials: MlflowCredentials | None = None, defaults: PodDefaults = PodDefaults()) -> dict[str, Any]:
     """The Job that gates one release. Never retried by Kubernetes: a failed gate is a result.
     Deleted defaults.gate_ttl_seconds after it finishes (its verdict lives in MLflow)."""
     labels = _labels(pair, "gate", version)
@@ -205,7 +237,7 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
         "image": engine_image(release, rollout),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
         "command": ["python", "-m", "specpair_operator.gate_runner", "--release", RELEASE_FILE],
-        "env": _env(tracking_uri, credentials_secret, rollout=rollout),
+        "env": _env(tracking_uri, credentials, rollout=rollout),
         "volumeMounts": _mounts(rollout),
         "securityContext": _container_security(),
     }
@@ -251,7 +283,7 @@ def engine_command(release: dict[str, Any], port: int, http_port: int = HTTP_POR
 
 def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
                       rollout: dict[str, Any], tracking_uri: str,
-                      credentials_secret: str | None = None, defaults: PodDefaults = PodDefaults()) -> dict[str, Any]:
+                      credentials: MlflowCredentials | None = None, defaults: PodDefaults = PodDefaults()) -> dict[str, Any]:
     """The engine Deployment serving one release; the selector is stable across releases."""
     port = int(rollout.get("port", 50051))
     http_port = int(rollout.get("httpPort", HTTP_PORT))
@@ -265,7 +297,7 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
                   *([{"name": "http", "containerPort": http_port, "protocol": "TCP"}] if http_port else [])],
-        "env": _env(tracking_uri, credentials_secret, rollout=rollout),
+        "env": _env(tracking_uri, credentials, rollout=rollout),
         "volumeMounts": _mounts(rollout),
         "securityContext": _container_security(),
         # Model loading takes a while; the gRPC health service says SERVING only once loaded.

@@ -13,7 +13,7 @@ import copy
 import json
 from typing import Any
 
-from specpair.contract import DEFAULT_CATEGORY, content_hash
+from specpair.contract import DEFAULT_CATEGORY, MLFLOW_SOURCE_PREFIXES, content_hash
 
 __all__ = ["build_release", "content_hash", "effective_model_name", "with_mlflow", "parse_prompt_lines",
            "builtin_prompts", "describe_release", "release_tags"]
@@ -92,6 +92,12 @@ def build_release(
             "thresholds": thresholds,
         },
     }
+
+
+def reads_from_mlflow(release: dict[str, Any]) -> bool:
+    """Whether serving the release downloads a model from MLflow (and so needs its credentials)."""
+    sources = [str((release.get(side) or {}).get("source") or "") for side in ("target", "draft")]
+    return any(s.startswith(MLFLOW_SOURCE_PREFIXES) for s in sources)
 
 
 def with_mlflow(release: dict[str, Any], tracking_uri: str, model_name: str, version: str) -> dict[str, Any]:

@@ -35,18 +35,19 @@ def free_port() -> int:
 class MlflowServer:
     """`mlflow server` with a sqlite store on loopback; stop()/start() keep the same data."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.root = root
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.args, self.env = tuple(args), dict(env or {})
 
     def start(self, timeout: float = 90) -> None:
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **self.env}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db",
              "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1"],
+             "--port", str(self.port), "--workers", "1", *self.args],
             stdout=open(self.root / "server.log", "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

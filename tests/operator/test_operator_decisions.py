@@ -137,11 +137,14 @@ def test_manifests_validate_against_kubernetes_schemas_and_run_unprivileged():
     job = manifests.gate_job("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000")
     dep = manifests.engine_deployment("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000")
     svc = manifests.engine_service("p", "ns", rollout)
-    with_secret = manifests.gate_job("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000", credentials_secret="mlflow-creds")
+    installation = manifests.MlflowCredentials.from_env({"SPECPAIR_MLFLOW_CREDENTIALS_SECRET": "mlflow-creds"})
+    with_secret = manifests.gate_job("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000", credentials=installation)
     kubernetes_validate.validate(with_secret, "1.33.0", strict=True)
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in with_secret["spec"]["template"]["spec"]["containers"][0]["env"]
             if "valueFrom" in e}
-    assert refs["MLFLOW_TRACKING_PASSWORD"] == {"name": "mlflow-creds", "key": "password", "optional": True}
+    # Not optional: a missing Secret stops the pod with a reason instead of an unauthenticated gate.
+    assert refs == {"MLFLOW_TRACKING_USERNAME": {"name": "mlflow-creds", "key": "username"},
+                    "MLFLOW_TRACKING_PASSWORD": {"name": "mlflow-creds", "key": "password"}}
     for obj in (job, dep, svc):
         kubernetes_validate.validate(obj, "1.33.0", strict=True)
     for obj in (job, dep):
@@ -332,3 +335,28 @@ def test_the_model_cache_has_a_size_limit_and_can_be_a_read_only_volume_claim():
         assert env["HF_HUB_CACHE"] == manifests.HUB_CACHE_DIR and env["HF_HUB_OFFLINE"] == "1"
     # The claim is placement, not content: it never makes a new release.
     assert release.content_hash(release.build_release("p", "ns", {**SPEC, "rollout": rollout}, PROMPTS)) == digest
+
+
+def test_mlflow_credentials_come_from_the_pair_or_the_installation_with_their_keys():
+    chart = manifests.MlflowCredentials.from_env({
+        "SPECPAIR_MLFLOW_CREDENTIALS_SECRET": "shared",
+        "SPECPAIR_MLFLOW_CREDENTIALS_KEYS": json.dumps({"MLFLOW_TRACKING_USERNAME": "user",
+                                                        "MLFLOW_TRACKING_PASSWORD": "",
+                                                        "MLFLOW_TRACKING_TOKEN": "api-token"})})
+    assert chart == manifests.MlflowCredentials("shared", (("MLFLOW_TRACKING_USERNAME", "user"),
+                                                           ("MLFLOW_TRACKING_TOKEN", "api-token")))
+    assert manifests.MlflowCredentials.from_env({}) is None
+    with pytest.raises(ValueError, match="JSON object"):
+        manifests.MlflowCredentials.from_env({"SPECPAIR_MLFLOW_CREDENTIALS_SECRET": "s",
+                                              "SPECPAIR_MLFLOW_CREDENTIALS_KEYS": "[1]"})
+    own = manifests.MlflowCredentials.for_pair({"credentialsSecretRef": {"name": "team-mlflow", "passwordKey": "pw"}}, chart)
+    assert own == manifests.MlflowCredentials("team-mlflow", (("MLFLOW_TRACKING_USERNAME", "username"),
+                                                              ("MLFLOW_TRACKING_PASSWORD", "pw")))
+    assert manifests.MlflowCredentials.for_pair({"modelName": "m"}, chart) is chart
+
+
+def test_engine_pods_get_mlflow_credentials_only_to_download_a_model_from_mlflow():
+    assert not release.reads_from_mlflow(release.build_release("p", "ns", SPEC, PROMPTS))
+    from_mlflow = {**SPEC, "draft": {"source": "models:/team-draft/3"}}
+    assert release.reads_from_mlflow(release.build_release("p", "ns", from_mlflow, PROMPTS))
+

@@ -1,0 +1,79 @@
+"""A pair in its own namespace gates against an MLflow that requires credentials (issue: MLflow
+credentials), on the real control plane with a real `mlflow server --app-name basic-auth`.
+
+The operator logs in as MLflow's admin (its own environment, as the chart hands it the
+installation's Secret). The pair names a Secret in its namespace (spec.mlflow.credentialsSecretRef)
+holding another user's credentials: the gate Job writes its verdict with those, or not at all.
+Until the Secret exists the gate pod cannot start, and the pair says why instead of gating
+unauthenticated.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+
+import pytest
+from kopf.testing import KopfRunner
+from mlflow import MlflowClient
+
+from cluster_env import OPERATOR
+from conftest import MlflowServer  # noqa: E402 - tests/operator is on sys.path
+from test_operator_e2e import cond, engine_pods, model_name, pair, serving
+from test_operator_e2e import env, world  # noqa: F401 - pytest fixtures
+
+ADMIN = ("admin", "admin-pw-" + uuid.uuid4().hex[:8])
+TEAM = ("team", "team-pw-" + uuid.uuid4().hex[:8])
+
+
+@pytest.fixture(scope="module")
+def auth_mlflow(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow-auth")
+    ini = root / "basic_auth.ini"
+    # Authenticated users may edit (the gate writes tags on the pair's model); anonymous: nothing.
+    ini.write_text("[mlflow]\ndefault_permission = EDIT\n"
+                   f"database_uri = sqlite:///{root}/auth.db\nadmin_username = {ADMIN[0]}\nadmin_password = {ADMIN[1]}\n"
+                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    server = MlflowServer(root, args=("--app-name", "basic-auth"),
+                          env={"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": uuid.uuid4().hex})
+    server.start()
+    import os
+
+    from mlflow.server.auth.client import AuthServiceClient
+
+    os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"] = ADMIN
+    try:
+        AuthServiceClient(server.url).create_user(*TEAM)
+    finally:
+        del os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]
+    yield server
+    server.stop()
+
+
+def test_a_pair_gates_with_its_own_credentials_secret_against_an_authenticated_mlflow(env, auth_mlflow, monkeypatch):
+    ns = env
+    with pytest.raises(Exception, match="401|Unauthorized|credentials"):
+        MlflowClient(auth_mlflow.url).search_registered_models()  # noqa: B017 - the anonymous refusal
+    monkeypatch.setenv("SPECPAIR_MLFLOW_TRACKING_URI", auth_mlflow.url)
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", ADMIN[0])
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", ADMIN[1])
+    name = f"auth-{uuid.uuid4().hex[:5]}"
+    spec = pair(name, "good-draft")
+    spec["spec"]["mlflow"] = {"credentialsSecretRef": {"name": "team-mlflow"}}
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(spec)
+        obj = ns.wait_for("the gate waiting for its Secret", lambda: (o := ns.pair(name)) and
+                          cond(o, "Gated").get("reason") == "GatePending" and
+                          "team-mlflow" in cond(o, "Gated").get("message", "") and o, timeout=90)
+        assert "CreateContainerConfigError" in cond(obj, "Gated")["message"]
+        ns.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "team-mlflow"}, "type": "Opaque",
+                   "data": {"username": base64.b64encode(TEAM[0].encode()).decode(),
+                            "password": base64.b64encode(TEAM[1].encode()).decode()}})
+        ns.wait_for("v1 serving, gated with the team's credentials", lambda: serving(ns, name, "1"), timeout=180)
+        client = MlflowClient(auth_mlflow.url)
+        assert client.get_model_version(model_name(ns, name), "1").tags["specpair.gate.status"] == "passed"
+        # The engine serves a release with no MLflow model source: it gets no MLflow credentials.
+        (pod,) = engine_pods(ns)
+        assert not [e for e in pod["spec"]["containers"][0].get("env", []) if e["name"].startswith("MLFLOW_TRACKING_")
+                    and e["name"] != "MLFLOW_TRACKING_URI"]
+    assert runner.exception is None
