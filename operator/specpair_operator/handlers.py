@@ -64,6 +64,10 @@ class Runtime:
     last_drift_check: dict[str, float] = field(default_factory=dict)
     # per pair: the (version, categories) its specpair_release_speedup series carry
     speedup_series: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    # per pair: what the last pass that verified the champion read from MLflow, so its drift is
+    # still judged while MLflow is down: (model, aliases, champion, tags, verdict, served hash)
+    watch_cache: dict[str, tuple[str, dict[str, str], str, dict[str, str], dict[str, Any], str]] = \
+        field(default_factory=dict)
 
 
 RUNTIME = Runtime()
@@ -107,7 +111,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     RUNTIME.registry = ReleaseRegistry(RUNTIME.tracking_uri)
     # A (re)started operator remembers nothing: all it needs is in the cluster and MLflow.
     for memory in (RUNTIME.locks, RUNTIME.retry_at, RUNTIME.backoff, RUNTIME.samples, RUNTIME.last_drift_check,
-                   RUNTIME.speedup_series):
+                   RUNTIME.speedup_series, RUNTIME.watch_cache):
         memory.clear()
     RUNTIME.probe = PROBE_OVERRIDE or GrpcEngineProbe()
     metrics.serve_from_env()
@@ -170,6 +174,7 @@ class Pass:
         self.rt = RUNTIME
         self.rollout = self.spec.get("rollout") or {}
         self.watching = False  # the champion is watched while the spec's release is elsewhere
+        self.registry_down = False  # judging drift from the last MLflow facts while MLflow is down
 
     # -- small helpers -------------------------------------------------------------------
 
@@ -239,7 +244,11 @@ class Pass:
             self.rt.backoff[self.uid] = delay
             metrics.RECONCILE_ERRORS.labels(self.namespace, self.name, reason).inc()
             self.rt.retry_at[self.uid] = time.monotonic() + delay
+            if isinstance(exc, RegistryUnavailable):
+                await self._watch_while_registry_down()
             self.cond(c.RECONCILING, True, reason, f"{exc}; retrying in {delay:.0f}s")
+            if self.history != list(self.status.get("history") or []):
+                self.out.update(history=self.history[-HISTORY_LIMIT:], recorded=self.recorded)
             self.out.update(conditions=self.conds, observedGeneration=self.gen,
                             message=f"{reason}, retrying in {delay:.0f}s (nothing half-promoted: steps are redone)")
             for k, v in self.out.items():
@@ -248,6 +257,24 @@ class Pass:
             return
         self.rt.backoff.pop(self.uid, None)
         self.rt.retry_at.pop(self.uid, None)
+
+    async def _watch_while_registry_down(self) -> None:
+        """MLflow is down, serving is not: keep judging the champion's drift on what MLflow said
+        last. Only the protective first step (SpeculationOff) can be taken; promotion, rollback
+        and SpeculationOn wait for MLflow."""
+        cached = self.rt.watch_cache.get(self.uid)
+        if cached is None:
+            return
+        model, al, champion, tags, verdict, served_hash = cached
+        self.registry_down = True
+        try:
+            pods = await self._engine_pods()
+            ok, _, infos = await self._verify_identity(pods, champion, served_hash, tags)
+            if ok:
+                await self._drift(model, al, champion, verdict, tags, pods, infos)
+                await self._reconcile_speculation(champion, pods, infos)
+        except (KubeError, EngineUnreachable) as exc:
+            self.logger.warning(f"drift check while MLflow is down skipped: {exc}")
 
     async def _resolve_prompts(self) -> list[dict[str, Any]]:
         gating = self.spec.get("gating") or {}
@@ -534,6 +561,9 @@ class Pass:
             return
         pods = await self._engine_pods()
         ok, why, infos = await self._verify_identity(pods, champion, release_mod.content_hash(served), tags)
+        if ok:
+            self.rt.watch_cache[self.uid] = (model, dict(al), champion, dict(tags), verdict,
+                                             release_mod.content_hash(served))
         if why.startswith("tokenizer"):
             await self._rollback(model, al, champion, why)
             return
@@ -784,6 +814,8 @@ class Pass:
             memory = drift_mod.Memory()
         previous_baseline, same_models = None, False
         next_step = policy.ladder[previous.steps_taken] if previous.steps_taken < len(policy.ladder) else None
+        if self.registry_down and next_step != drift_mod.SPECULATION_OFF:
+            return off  # without MLflow only the protective first step is taken
         target = al.get(aliases_mod.PREVIOUS)
         if next_step == drift_mod.ROLLBACK and target and target != champion:
             # Rolling back only helps if the previous release does better on this traffic: its
@@ -801,6 +833,8 @@ class Pass:
         baseline = gate_verdict.baseline_from_verdict(verdict)
         decision = drift_mod.decide(policy, previous, memory, time.time(), observed, baseline,
                                     previous_baseline, same_models)
+        if self.registry_down and decision.action and decision.action != drift_mod.SPECULATION_OFF:
+            return off
         self.rt.samples[self.uid] = (champion, decision.memory)
         state = decision.state
         probing = decision.memory.probe_started is not None
@@ -824,8 +858,10 @@ class Pass:
         addresses = [self._address(pod) for pod in pods]
         if decision.action == drift_mod.SPECULATION_OFF:
             reason = "sustained drift: " + decision.reason
-            # The mark first (see TAG_SPECULATION_OFF), then the pods.
-            await self.registry(self.rt.registry.set_tags, model, champion, {TAG_SPECULATION_OFF: reason[:4000]})
+            # The mark first (see TAG_SPECULATION_OFF), then the pods. With MLflow down the status
+            # alone carries the step (a crash before it is written loses it; the pods turn back on).
+            if not self.registry_down:
+                await self.registry(self.rt.registry.set_tags, model, champion, {TAG_SPECULATION_OFF: reason[:4000]})
             for address in addresses:
                 await self.rt.probe.set_speculation(address, False, reason[:500])
             self.out["speculationEnabled"] = False

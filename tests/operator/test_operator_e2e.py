@@ -513,6 +513,35 @@ def test_the_champion_is_watched_while_the_specs_release_cannot_serve(env, world
     assert runner.exception is None
 
 
+def test_drift_is_still_judged_while_mlflow_is_down(env, world, mlflow_server):
+    """MLflow down does not stop serving, so it must not stop watching: the champion's drift is
+    judged on what MLflow said last, and the protective first step (SpeculationOff) is taken;
+    anything that needs MLflow (promotion, rollback) waits for it."""
+    ns = env
+    name = f"down-{uuid.uuid4().hex[:5]}"
+    world.update(**{"drifting-draft": {"acceptanceRate": 0.7, "speedup": 1.5, "categories": {"code": 0.8},
+                                       "live": {"code": 0.05}}})
+    spec = pair(name, "drifting-draft", drift=FAST_DRIFT)
+    spec["spec"]["gating"]["thresholds"] = {"minAcceptance": 0.5}
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(spec)
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
+        mlflow_server.stop()
+        try:
+            obj = ns.wait_for_during("speculation off with MLflow down", lambda: (o := ns.pair(name)) and
+                                     o["status"].get("speculationEnabled") is False and o,
+                                     during=lambda: code_traffic(ns), timeout=120)
+            assert cond(obj, "Reconciling")["reason"] == "MLflowUnavailable"
+            assert cond(obj, "Drifted")["status"] == "True"
+            assert [h for h in obj["status"]["history"] if h["action"] == "SpeculationOff"]
+        finally:
+            mlflow_server.start()
+        ns.wait_for("back to normal passes, still off", lambda: (o := ns.pair(name)) and
+                    cond(o, "Reconciling").get("reason") != "MLflowUnavailable" and
+                    o["status"].get("speculationEnabled") is False and o, timeout=120)
+    assert runner.exception is None
+
+
 def test_speculation_off_is_reconciled_on_a_restarted_pod(env, world):
     """After SpeculationOff a replaced pod starts speculating again: the operator turns it off
     on the next pass (and says so), instead of reporting Ready with speculation silently on."""
