@@ -175,6 +175,7 @@ class Pass:
         self.rollout = self.spec.get("rollout") or {}
         self.watching = False  # the champion is watched while the spec's release is elsewhere
         self.registry_down = False  # judging drift from the last MLflow facts while MLflow is down
+        self.gate_jobs: dict[str, dict[str, Any] | None] = {}
 
     # -- small helpers -------------------------------------------------------------------
 
@@ -371,13 +372,20 @@ class Pass:
                 self._record_promotion(version, tags, al, outcome)
         await self._serve(model, al, desired=version, desired_reason="")
 
+    async def _finished_gate_job(self, digest: str) -> dict[str, Any] | None:
+        """The release's gate Job, read once per pass by the records that need it."""
+        if digest not in self.gate_jobs:
+            self.gate_jobs[digest] = await self.rt.kube.get("batch/v1", "jobs", self.namespace,
+                                                            manifests.gate_job_name(self.name, digest))
+        return self.gate_jobs[digest]
+
     async def _record_gate_result(self, version: str, digest: str, outcome: gate_verdict.GateOutcome) -> None:
         """A gate's result is an Event and a history entry, once per release, and its Job's run
         time goes to specpair_gate_duration_seconds."""
         action = "GatePassed" if outcome.passed else "GateFailed"
         if self.was_recorded(action, version, version):
             return
-        job = await self.rt.kube.get("batch/v1", "jobs", self.namespace, manifests.gate_job_name(self.name, digest))
+        job = await self._finished_gate_job(digest)
         st = (job or {}).get("status") or {}
         if job is not None and self._owns(job) and st.get("startTime"):
             # The verdict lands just before the gate pod exits: without a completion time yet, now
@@ -393,7 +401,7 @@ class Pass:
         if self.was_recorded("GateStarted", version, version):
             return
         name = manifests.gate_job_name(self.name, digest)
-        job = await self.rt.kube.get("batch/v1", "jobs", self.namespace, name)
+        job = await self._finished_gate_job(digest)
         if job is not None and self._owns(job):
             self.record("GateStarted", f"gating v{version} ({digest[:12]}) in Job {name}", None, version, key=version)
 
@@ -560,10 +568,10 @@ class Pass:
                         (False, "RollingOut", ""))
             return
         pods = await self._engine_pods()
-        ok, why, infos = await self._verify_identity(pods, champion, release_mod.content_hash(served), tags)
+        served_hash = release_mod.content_hash(served)
+        ok, why, infos = await self._verify_identity(pods, champion, served_hash, tags)
         if ok:
-            self.rt.watch_cache[self.uid] = (model, dict(al), champion, dict(tags), verdict,
-                                             release_mod.content_hash(served))
+            self.rt.watch_cache[self.uid] = (model, dict(al), champion, dict(tags), verdict, served_hash)
         if why.startswith("tokenizer"):
             await self._rollback(model, al, champion, why)
             return

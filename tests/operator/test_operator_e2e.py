@@ -487,15 +487,21 @@ FAST_DRIFT = {"intervalSeconds": 1, "windowSeconds": 10, "minRequests": 4, "minD
               "consecutiveBreaches": 1, "probeAfterWindows": 1000, "ladder": ["SpeculationOff"]}
 
 
+def drifting_pair(world: World, name: str) -> dict[str, Any]:
+    """A pair whose draft passes its gate (0.8 on code) and accepts 0.05 live, judged fast."""
+    world.update(**{"drifting-draft": {"acceptanceRate": 0.7, "speedup": 1.5, "categories": {"code": 0.8},
+                                       "live": {"code": 0.05}}})
+    spec = pair(name, "drifting-draft", drift=FAST_DRIFT)
+    spec["spec"]["gating"]["thresholds"] = {"minAcceptance": 0.5}
+    return spec
+
+
 def test_the_champion_is_watched_while_the_specs_release_cannot_serve(env, world):
     """A new release that fails its gate leaves the champion serving, and drifting: the operator
     keeps watching it (SpeculationOff) instead of looking only at the release it cannot serve."""
     ns = env
     name = f"watch-{uuid.uuid4().hex[:5]}"
-    world.update(**{"drifting-draft": {"acceptanceRate": 0.7, "speedup": 1.5, "categories": {"code": 0.8},
-                                       "live": {"code": 0.05}}})
-    spec = pair(name, "drifting-draft", drift=FAST_DRIFT)
-    spec["spec"]["gating"]["thresholds"] = {"minAcceptance": 0.5}
+    spec = drifting_pair(world, name)
     with KopfRunner(OPERATOR, timeout=60) as runner:
         ns.create(spec)
         ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
@@ -519,10 +525,7 @@ def test_drift_is_still_judged_while_mlflow_is_down(env, world, mlflow_server):
     anything that needs MLflow (promotion, rollback) waits for it."""
     ns = env
     name = f"down-{uuid.uuid4().hex[:5]}"
-    world.update(**{"drifting-draft": {"acceptanceRate": 0.7, "speedup": 1.5, "categories": {"code": 0.8},
-                                       "live": {"code": 0.05}}})
-    spec = pair(name, "drifting-draft", drift=FAST_DRIFT)
-    spec["spec"]["gating"]["thresholds"] = {"minAcceptance": 0.5}
+    spec = drifting_pair(world, name)
     with KopfRunner(OPERATOR, timeout=60) as runner:
         ns.create(spec)
         ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
@@ -551,12 +554,7 @@ def test_speculation_off_is_reconciled_on_a_restarted_pod(env, world):
 
     ns = env
     name = f"reconcile-{uuid.uuid4().hex[:5]}"
-    world.update(**{"drifting-draft": {"acceptanceRate": 0.7, "speedup": 1.5, "categories": {"code": 0.8},
-                                       "live": {"code": 0.05}}})
-    spec = pair(name, "drifting-draft", drift={"intervalSeconds": 1, "windowSeconds": 10, "minRequests": 4,
-                                               "minDraftedTokens": 40, "consecutiveBreaches": 1,
-                                               "probeAfterWindows": 1000, "ladder": ["SpeculationOff"]})
-    spec["spec"]["gating"]["thresholds"] = {"minAcceptance": 0.5}
+    spec = drifting_pair(world, name)
 
     def address() -> str | None:
         return ready_engine_address(ns)
