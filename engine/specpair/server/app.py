@@ -9,6 +9,10 @@ worker thread, the metrics HTTP server in prometheus-client's thread, the OpenAI
 front (openai_api.py, when `http_port` is set) in uvicorn's: `start()` and `stop()` are plain
 blocking calls, usable from the CLI, tests and benchmarks alike. Both fronts feed the one worker;
 the HTTP front answers 503 while loading and draining and stops after the drain.
+
+The gRPC server may listen twice: the main port (plaintext or TLS) and a control port (mutual TLS,
+certificates re-read on rotation, tls.py) serving the same services. Once any listener verifies
+client certificates, SetSpeculation is the operator's alone (`control_client_names`).
 """
 
 from __future__ import annotations
@@ -31,25 +35,10 @@ from specpair.server.metrics import EngineMetrics
 from specpair.server.requests import Limits
 from specpair.server.service import (SERVICE_NAME, EngineService, category_message, model_info_message,
                                      speculation_message)
+from specpair.server.tls import DEFAULT_CONTROL_CLIENT_NAMES, ReloadingTLS, TLSFiles, peer_common_names
 from specpair.server.worker import EngineWorker
 
 log = logging.getLogger("specpair.server")
-
-
-@dataclass(frozen=True)
-class TLSFiles:
-    cert: str
-    key: str
-    client_ca: str | None = None     # set: clients must present a certificate it signed (mTLS)
-
-    def credentials(self) -> grpc.ServerCredentials:
-        def read(path):
-            with open(path, "rb") as f:
-                return f.read()
-        return grpc.ssl_server_credentials(
-            [(read(self.key), read(self.cert))],
-            root_certificates=read(self.client_ca) if self.client_ca else None,
-            require_client_auth=bool(self.client_ca))
 
 
 @dataclass
@@ -68,6 +57,13 @@ class ServerOptions:
     content_hash: str = ""             # of the release file served (--release), for GetModelInfo
     http_port: int | None = None       # OpenAI-compatible HTTP API (openai_api.py); None: off, 0: a free port
     http_token: str | None = None      # set: HTTP clients must send "Authorization: Bearer <token>"
+    # A second gRPC listener, same services, mutual TLS required, its files re-read on rotation
+    # (tls.py). None: no control listener; 0: a free port (see EngineServer.control_port).
+    control_port: int | None = None
+    control_tls: TLSFiles | None = None   # cert, key and client CA: all three required
+    # Client-certificate common names allowed to call SetSpeculation, once any listener verifies
+    # client certificates (a control listener, or a client CA on the main port).
+    control_client_names: tuple[str, ...] = DEFAULT_CONTROL_CLIENT_NAMES
 
 
 class EngineServer:
@@ -75,6 +71,9 @@ class EngineServer:
                  progress: Callable[[str], None] = print):
         """load_engine: builds the SpeculativeEngine (loads the models); runs after gRPC is up."""
         self.options = options or ServerOptions()
+        if self.options.control_port is not None and not (self.options.control_tls
+                                                          and self.options.control_tls.client_ca):
+            raise ValueError("a control port needs control_tls with cert, key and client_ca (mutual TLS)")
         self.limits = self.options.limits
         self.load_engine = load_engine
         self.progress = progress
@@ -84,6 +83,8 @@ class EngineServer:
         self.worker: EngineWorker | None = None
         self.metrics = EngineMetrics(self.options.pair, self.options.version)
         self.port: int | None = None
+        self.control_port: int | None = None
+        self.control_tls: ReloadingTLS | None = None
         self.metrics_port: int | None = None
         self.http_port: int | None = None
         self._http = None                  # the OpenAI-compatible front, when http_port is set
@@ -111,7 +112,9 @@ class EngineServer:
         self._thread.start()
         if not self._bound.wait(60) or self.error:
             self._close_metrics()
-            raise RuntimeError(f"gRPC server did not start on {self.options.host}:{self.options.port}: "
+            control = (f" (control port {self.options.control_port})"
+                       if self.options.control_port is not None else "")
+            raise RuntimeError(f"gRPC server did not start on {self.options.host}:{self.options.port}{control}: "
                                f"{self.error or 'timed out'}")
         if self.options.http_port is not None:
             from specpair.server.openai_api import OpenAIFront
@@ -161,6 +164,30 @@ class EngineServer:
         if self.phase == "failed":
             return f"engine failed to start: {self.error}"
         return "server is shutting down"
+
+    @property
+    def control_restricted(self) -> bool:
+        """SetSpeculation needs an allowed client certificate: true once any listener verifies them.
+
+        A server with neither (plaintext or server-only TLS, no control port: a laptop) has no
+        way to tell the operator from anyone else, and keeps SetSpeculation open.
+        """
+        return self.options.control_port is not None or bool(self.options.tls and self.options.tls.client_ca)
+
+    def control_refusal(self, context, method: str) -> str | None:
+        """Why this caller may not call a control method (None: it may), counted and logged."""
+        if not self.control_restricted:
+            return None
+        names = peer_common_names(context)
+        if any(name in self.options.control_client_names for name in names):
+            return None
+        self.metrics.record_control_denied(method)
+        presented = (f"its client certificate's common name {names[0]!r} is not allowed" if names
+                     else "it presented no client certificate")
+        log.warning("%s refused for %s: %s (allowed: %s)", method, context.peer(), presented,
+                    ", ".join(self.options.control_client_names))
+        return (f"{method} needs the operator's client certificate on the control port (mutual TLS); "
+                f"{presented}")
 
     def count_rejected(self, category: str, status: str, protocol: str = "grpc") -> None:
         self.metrics.record_finished(self.metrics.category(category), status, protocol=protocol)
@@ -254,6 +281,11 @@ class EngineServer:
             self.port = self._server.add_secure_port(address, opts.tls.credentials())
         else:
             self.port = self._server.add_insecure_port(address)
+        if opts.control_port is not None:
+            # Same server, same services (health and reflection included), its own credentials.
+            self.control_tls = ReloadingTLS(opts.control_tls)
+            self.control_port = self._server.add_secure_port(f"{opts.host}:{opts.control_port}",
+                                                             self.control_tls.credentials())
         await self._server.start()
         self.phase = "loading"
         self._bound.set()

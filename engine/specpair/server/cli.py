@@ -18,6 +18,15 @@ from pathlib import Path
 from specpair.errors import SpecpairError
 
 
+class ReplaceDefaultThenAppend(argparse.Action):
+    """A repeatable option whose default list is replaced, not extended, by the first use
+    (argparse's "append" would add the given values to the default)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, (current if current is not self.default else []) + [values])
+
+
 def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     engine = subparsers.add_parser("engine", help="the gRPC engine server and its client")
     commands = engine.add_subparsers(dest="engine_command", metavar="{serve,generate}")
@@ -55,6 +64,21 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     tls.add_argument("--tls-key", help="server private key (PEM)")
     tls.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
     tls.add_argument("--insecure", action="store_true", help="plaintext gRPC (only inside a trusted network)")
+    control = serve.add_argument_group(
+        "control listener (the operator's port: mutual TLS; SetSpeculation is accepted only from an "
+        "allowed client certificate once this port, or --tls-client-ca, is set; a server with neither "
+        "keeps SetSpeculation open to any caller, for development)")
+    control.add_argument("--control-port", type=int, default=None,
+                         help="a second gRPC port, same services, mutual TLS required (0: any free port); "
+                              "needs the three --control-tls-* files, re-read when they change")
+    control.add_argument("--control-tls-cert", help="control port's server certificate chain (PEM)")
+    control.add_argument("--control-tls-key", help="control port's server private key (PEM)")
+    control.add_argument("--control-tls-client-ca", help="CA that signs the control port's client certificates")
+    control.add_argument("--control-client-name", action=ReplaceDefaultThenAppend, metavar="NAME",
+                         # tls.DEFAULT_CONTROL_CLIENT_NAMES, the operator's certificate (not
+                         # imported: building the parser must not import grpc).
+                         default=["specpair-operator"],
+                         help="client-certificate common name allowed to call SetSpeculation (repeatable)")
     spec = serve.add_argument_group("speculation")
     spec.add_argument("--k", type=int, default=4, help="draft tokens per round (start value when dynamic)")
     spec.add_argument("--no-dynamic-k", action="store_true", help="keep k fixed")
@@ -156,6 +180,7 @@ def build_engine(args, progress=print):
 def server_options(args):
     from specpair.server.app import ServerOptions, TLSFiles
     from specpair.server.requests import Limits
+    from specpair.server.tls import DEFAULT_CONTROL_CLIENT_NAMES
 
     if args.insecure and (args.tls_cert or args.tls_key or args.tls_client_ca):
         raise SpecpairError("--insecure contradicts --tls-cert/--tls-key/--tls-client-ca")
@@ -165,6 +190,28 @@ def server_options(args):
             raise SpecpairError("give --tls-cert and --tls-key (optionally --tls-client-ca), "
                                 "or --insecure for plaintext gRPC")
         tls = TLSFiles(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca)
+    control_files = (args.control_tls_cert, args.control_tls_key, args.control_tls_client_ca)
+    control_tls = None
+    if args.control_port is None:
+        if any(control_files):
+            raise SpecpairError("--control-tls-cert/--control-tls-key/--control-tls-client-ca need "
+                                "--control-port (they are the control listener's)")
+        if tuple(args.control_client_name) != DEFAULT_CONTROL_CLIENT_NAMES and not args.tls_client_ca:
+            raise SpecpairError("--control-client-name needs --control-port or --tls-client-ca: without "
+                                "client certificates no caller can be told from another")
+    else:
+        if not all(control_files):
+            raise SpecpairError("--control-port needs --control-tls-cert, --control-tls-key and "
+                                "--control-tls-client-ca (the control port requires mutual TLS)")
+        if not 0 <= args.control_port <= 65535:
+            raise SpecpairError("--control-port must be in [0, 65535] (0: any free port)")
+        if args.control_port and args.control_port == args.port:
+            raise SpecpairError(f"--control-port {args.control_port} is also --port")
+        control_tls = TLSFiles(cert=args.control_tls_cert, key=args.control_tls_key,
+                               client_ca=args.control_tls_client_ca)
+    client_names = tuple(args.control_client_name)
+    if not all(name.strip() for name in client_names):
+        raise SpecpairError("--control-client-name must not be empty")
     for name in ("max_batch_size", "max_new_tokens_limit", "max_request_bytes"):
         if getattr(args, name) < 1:
             raise SpecpairError(f"--{name.replace('_', '-')} must be >= 1")
@@ -186,7 +233,9 @@ def server_options(args):
                          max_queue=args.max_queue, drain_timeout=args.drain_timeout, tls=tls,
                          limits=Limits(max_request_bytes=args.max_request_bytes,
                                        max_new_tokens=args.max_new_tokens_limit),
-                         http_port=args.http_port or None, http_token=token)
+                         http_port=args.http_port or None, http_token=token,
+                         control_port=args.control_port, control_tls=control_tls,
+                         control_client_names=client_names)
 
 
 def apply_release(args) -> str:
@@ -223,7 +272,10 @@ def serve_command(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def progress(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        # One write: the loader thread reports while the main thread does (print writes the
+        # message and its newline separately, and two threads' lines could run together).
+        sys.stderr.write(f"{message}\n")
+        sys.stderr.flush()
 
     digest = apply_release(args) if args.release else ""
     options = dataclasses.replace(server_options(args), content_hash=digest)
@@ -231,8 +283,10 @@ def serve_command(args) -> int:
         progress(f"release {options.pair} v{options.version}, content hash {digest[:12]}")
     server = EngineServer(lambda: build_engine(args, progress), options, progress=progress)
     server.start()
-    progress(f"gRPC listening on {options.host}:{server.port} ({'TLS' if options.tls else 'plaintext'}), "
-             f"health NOT_SERVING until the models are loaded"
+    progress(f"gRPC listening on {options.host}:{server.port} ({'TLS' if options.tls else 'plaintext'})"
+             + (f" and on {options.host}:{server.control_port} (control: mutual TLS, SetSpeculation for "
+                f"{', '.join(options.control_client_names)})" if server.control_port else "")
+             + ", health NOT_SERVING until the models are loaded"
              + (f"; metrics on :{server.metrics_port}/metrics" if server.metrics_port else "")
              + (f"; OpenAI-compatible HTTP on :{server.http_port}/v1"
                 f"{' (bearer token required)' if options.http_token else ''}" if server.http_port else ""))

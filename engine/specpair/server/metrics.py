@@ -70,7 +70,11 @@ class EngineMetrics:
                                           base, registry=r)
         self.num_requests_running = Gauge("specpair_num_requests_running", "Requests in the running batch.",
                                           base, registry=r)
+        self.control_denied = Counter("specpair_control_denied",
+                                      "Control calls refused for want of an allowed client certificate.",
+                                      base + ["method"], registry=r)
         self.speculation_enabled.labels(pair, version).set(0)
+        self.control_denied.labels(pair, version, "SetSpeculation")     # 0 from the start, not a gap
         self.speculation_k.labels(pair, version).set(0)
 
     def category(self, name: str) -> str:
@@ -114,6 +118,9 @@ class EngineMetrics:
             self.e2e_request_latency.labels(*labels).observe(e2e)
         if tpot is not None:
             self.time_per_output_token.labels(*labels).observe(tpot)
+
+    def record_control_denied(self, method: str) -> None:
+        self.control_denied.labels(self.pair, self.version, method).inc()
 
     def set_state(self, *, running: int, waiting: int, k: int, speculating: bool,
                   window_rate: float | None, category_rates: dict[str, float | None]) -> None:

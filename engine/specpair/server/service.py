@@ -232,6 +232,10 @@ class EngineService:
         return self.state.stats()
 
     async def set_speculation(self, raw: bytes, context):
+        # First: a caller without the operator's certificate learns nothing and changes nothing.
+        refusal = self.state.control_refusal(context, "SetSpeculation")
+        if refusal:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         await self._require_ready(context)
         request = await self._parse(raw, pb.SetSpeculationRequest, context, count=False)
         if request.HasField("k") and request.k > 32:

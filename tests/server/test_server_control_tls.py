@@ -1,0 +1,384 @@
+"""The control listener: a second gRPC port with mutual TLS, certificates rotated in place, and
+SetSpeculation only for the operator's client certificate. Real gRPC over 127.0.0.1, real
+certificates (cryptography), a Secret volume laid out as the kubelet lays it out."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tiny_models import save_tiny
+
+from conftest import client_for, make_engine, rpc_error
+from specpair.server.app import EngineServer, ServerOptions
+from specpair.server.cli import main as engine_main
+from specpair.server.client import EngineClient
+from specpair.server.tls import TLSFiles
+
+x509 = pytest.importorskip("cryptography.x509")
+from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: E402
+
+SERVER_NAME = "engine.test.svc"
+OPERATOR = "specpair-operator"
+RPC_TIMEOUT = 10.0
+# A refused handshake fails the call at once (UNAVAILABLE); the deadline only bounds a hang.
+REFUSED_TIMEOUT = 5.0
+
+
+# -- certificates -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Issued:
+    cert: bytes
+    key: bytes
+
+
+class CA:
+    def __init__(self, name: str):
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        self._name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        self._cert = self._build(self._name, self._key.public_key(), ca=True)
+        self.cert = self._cert.public_bytes(serialization.Encoding.PEM)
+
+    def _build(self, subject, public_key, *, ca=False, usage=None, hosts=()):
+        now = dt.datetime.now(dt.timezone.utc)
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(self._name)
+                   .public_key(public_key).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if usage:
+            builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        if hosts:
+            sans = [x509.IPAddress(ipaddress.ip_address(h)) if h[0].isdigit() else x509.DNSName(h) for h in hosts]
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        return builder.sign(self._key, hashes.SHA256())
+
+    def issue(self, common_name: str, *, server: bool = False) -> Issued:
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+        cert = self._build(subject, key.public_key(),
+                           usage=ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH,
+                           hosts=(SERVER_NAME, "127.0.0.1") if server else ())
+        return Issued(cert.public_bytes(serialization.Encoding.PEM),
+                      key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption()))
+
+
+@dataclass(frozen=True)
+class Authority:
+    """One CA with what it issued: the engine's serving certificate and clients' certificates."""
+    ca: CA
+    server: Issued
+    operator: Issued
+    someone_else: Issued
+
+    @classmethod
+    def new(cls, name: str) -> "Authority":
+        ca = CA(name)
+        return cls(ca, ca.issue("engine", server=True), ca.issue(OPERATOR), ca.issue("someone-else"))
+
+    def secret(self) -> dict[str, bytes]:
+        """The engine's Secret: what the operator mounts at /etc/specpair/tls."""
+        return {"tls.crt": self.server.cert, "tls.key": self.server.key, "ca.crt": self.ca.cert}
+
+
+class SecretVolume:
+    """A Secret volume as the kubelet writes it: files are symlinks into `..data`, itself a symlink
+    to a timestamped directory; an update writes a new directory and renames a new `..data` over
+    the old one (one atomic step for all files), then removes the old directory."""
+
+    def __init__(self, root: Path, files: dict[str, bytes]):
+        self.root, self.revision = root, 0
+        root.mkdir(parents=True)
+        self.update(files)
+        for name in files:
+            (root / name).symlink_to(f"..data/{name}")
+
+    def update(self, files: dict[str, bytes]) -> None:
+        old = (self.root / "..data").resolve() if (self.root / "..data").exists() else None
+        self.revision += 1
+        version = self.root / f"..2026_01_01_00_00_00.{self.revision:04d}"
+        version.mkdir()
+        for name, data in files.items():
+            (version / name).write_bytes(data)
+        (self.root / "..data_tmp").symlink_to(version.name)
+        os.replace(self.root / "..data_tmp", self.root / "..data")
+        if old is not None:
+            shutil.rmtree(old)
+
+    def tls_files(self) -> TLSFiles:
+        return TLSFiles(cert=str(self.root / "tls.crt"), key=str(self.root / "tls.key"),
+                        client_ca=str(self.root / "ca.crt"))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """Two authorities: the engine's, and another whose certificates the engine must refuse."""
+    root = tmp_path_factory.mktemp("pki")
+    first, other = Authority.new("specpair-ca-1"), Authority.new("specpair-ca-2")
+    return root, first, other
+
+
+def write(folder: Path, name: str, data: bytes) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_bytes(data)
+    return str(folder / name)
+
+
+def control_client(server: EngineServer, folder: Path, trust: CA, identity: Issued | None) -> EngineClient:
+    """A client of the control port that trusts `trust` and shows `identity` (None: no certificate)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    options = dict(insecure=False, ca=write(folder, "ca.crt", trust.cert), server_name=SERVER_NAME)
+    if identity is not None:
+        options.update(cert=write(folder, "client.crt", identity.cert), key=write(folder, "client.key", identity.key))
+    return EngineClient(f"127.0.0.1:{server.control_port}", **options)
+
+
+def speculation_enabled(c: EngineClient) -> bool:
+    return c.model_info(timeout=RPC_TIMEOUT).speculation.enabled
+
+
+def denied_total(server) -> float:
+    return server.metrics.control_denied.labels("tiny", "1", "SetSpeculation")._value.get()
+
+
+@pytest.fixture
+def control_server(tiny_pair, start_server, pki, tmp_path):
+    root, first, _ = pki
+    volume = SecretVolume(tmp_path / "tls", first.secret())
+    server = start_server(engine=make_engine(tiny_pair), host="127.0.0.1", control_port=0,
+                          control_tls=volume.tls_files())
+    assert server.control_port and server.control_port != server.port
+    return server, volume
+
+
+# -- who may connect --------------------------------------------------------------------------------
+
+def test_control_port_requires_a_client_certificate_from_its_ca(control_server, pki, tmp_path):
+    server, _ = control_server
+    _, first, other = pki
+    with grpc.insecure_channel(f"127.0.0.1:{server.control_port}") as plain:     # plaintext
+        stub = health_pb2_grpc.HealthStub(plain)
+        err = rpc_error(lambda: stub.Check(health_pb2.HealthCheckRequest(), timeout=REFUSED_TIMEOUT))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+    with control_client(server, tmp_path / "anonymous", first.ca, None) as anonymous:    # TLS, no certificate
+        assert rpc_error(lambda: anonymous.model_info(timeout=REFUSED_TIMEOUT)).code() == \
+            grpc.StatusCode.UNAVAILABLE
+    # The operator's name, but signed by another CA (the client trusts the engine's CA, so only
+    # the server's check of the client certificate can refuse it).
+    with control_client(server, tmp_path / "foreign", first.ca, other.operator) as foreign:
+        assert rpc_error(lambda: foreign.model_info(timeout=REFUSED_TIMEOUT)).code() == \
+            grpc.StatusCode.UNAVAILABLE
+    with control_client(server, tmp_path / "operator", first.ca, first.operator) as operator:
+        assert operator.model_info(timeout=RPC_TIMEOUT).pair == "tiny"
+        health = health_pb2_grpc.HealthStub(operator.channel).Check(
+            health_pb2.HealthCheckRequest(service="specpair.engine.v1.Engine"), timeout=RPC_TIMEOUT)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# -- who may call SetSpeculation ----------------------------------------------------------------------
+
+def test_the_operator_turns_speculation_off_over_the_control_port(control_server, pki, tmp_path):
+    server, _ = control_server
+    _, first, _ = pki
+    with control_client(server, tmp_path / "operator", first.ca, first.operator) as operator, \
+            client_for(server) as main:
+        assert speculation_enabled(operator) and speculation_enabled(main)
+        assert operator.stats(timeout=RPC_TIMEOUT).speculation.enabled
+        # Generate is open on both listeners.
+        assert operator.generate("def foo(x):", max_new_tokens=6, timeout=RPC_TIMEOUT).last.stats.num_draft_tokens > 0
+        settings = operator.set_speculation(enabled=False, reason="acceptance drift", timeout=RPC_TIMEOUT)
+        assert not settings.enabled
+        stats = operator.stats(timeout=RPC_TIMEOUT)
+        assert not stats.speculation.enabled and not stats.speculating
+        assert not speculation_enabled(operator) and not speculation_enabled(main)
+        off = main.generate("def foo(x):", max_new_tokens=6, timeout=RPC_TIMEOUT)
+        assert off.last.stats.num_draft_tokens == 0
+    assert denied_total(server) == 0
+
+
+def test_set_speculation_is_refused_without_the_operator_certificate(control_server, pki, tmp_path):
+    server, _ = control_server
+    _, first, _ = pki
+    with client_for(server) as main, \
+            control_client(server, tmp_path / "someone-else", first.ca, first.someone_else) as someone_else:
+        # The main (plaintext) port: no certificate at all.
+        err = rpc_error(lambda: main.set_speculation(enabled=False, k=3, timeout=RPC_TIMEOUT))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "client certificate on the control port" in err.details()
+        # Refused before the request is read: bytes that are no request get the same answer.
+        raw = main.channel.unary_unary("/specpair.engine.v1.Engine/SetSpeculation")
+        assert rpc_error(lambda: raw(b"\xff\xff\xff", timeout=RPC_TIMEOUT)).code() == \
+            grpc.StatusCode.PERMISSION_DENIED
+        # The right CA, so the connection is accepted, but not the operator's name.
+        assert someone_else.model_info(timeout=RPC_TIMEOUT).speculation.enabled      # reads are open
+        err = rpc_error(lambda: someone_else.set_speculation(enabled=False, timeout=RPC_TIMEOUT))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "'someone-else'" in err.details()
+        info = main.model_info(timeout=RPC_TIMEOUT)
+    assert info.speculation.enabled and not info.speculation.HasField("k_override")     # nothing changed
+    assert denied_total(server) == 3
+
+
+def test_a_client_ca_on_the_main_port_restricts_set_speculation_too(tiny_pair, start_server, pki, tmp_path):
+    _, first, _ = pki
+    folder = tmp_path / "main-tls"
+    server = start_server(engine=make_engine(tiny_pair), host="127.0.0.1", tls=TLSFiles(
+        cert=write(folder, "tls.crt", first.server.cert), key=write(folder, "tls.key", first.server.key),
+        client_ca=write(folder, "ca.crt", first.ca.cert)))
+    assert server.control_port is None
+
+    def client(name, identity):
+        return client_for(server, insecure=False, ca=str(folder / "ca.crt"), server_name=SERVER_NAME,
+                          cert=write(tmp_path / name, "c.crt", identity.cert),
+                          key=write(tmp_path / name, "c.key", identity.key))
+    with client("other", first.someone_else) as someone_else, client("operator", first.operator) as operator:
+        assert rpc_error(lambda: someone_else.set_speculation(enabled=False, timeout=RPC_TIMEOUT)).code() == \
+            grpc.StatusCode.PERMISSION_DENIED
+        assert speculation_enabled(operator)
+        assert not operator.set_speculation(enabled=False, timeout=RPC_TIMEOUT).enabled
+        assert not speculation_enabled(someone_else)
+
+
+def test_named_clients_replace_the_default(tiny_pair, start_server, pki, tmp_path):
+    _, first, _ = pki
+    volume = SecretVolume(tmp_path / "tls", first.secret())
+    server = start_server(engine=make_engine(tiny_pair), host="127.0.0.1", control_port=0,
+                          control_tls=volume.tls_files(), control_client_names=("someone-else",))
+    with control_client(server, tmp_path / "op", first.ca, first.operator) as operator, \
+            control_client(server, tmp_path / "se", first.ca, first.someone_else) as someone_else:
+        assert rpc_error(lambda: operator.set_speculation(enabled=False, timeout=RPC_TIMEOUT)).code() == \
+            grpc.StatusCode.PERMISSION_DENIED
+        assert not someone_else.set_speculation(enabled=False, timeout=RPC_TIMEOUT).enabled
+
+
+# -- rotation -------------------------------------------------------------------------------------------
+
+def test_rotated_certificates_are_used_without_a_restart(control_server, pki, tmp_path):
+    server, volume = control_server
+    _, first, _ = pki
+    second = Authority.new("specpair-ca-rotated")
+
+    def works(trust, identity, name) -> bool:
+        with control_client(server, tmp_path / name, trust, identity) as c:
+            try:
+                return c.model_info(timeout=REFUSED_TIMEOUT).pair == "tiny"
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                return False
+
+    assert works(first.ca, first.operator, "before")
+
+    # Half an update: the new certificate with the old key. Kept out; the old files serve on.
+    volume.update(dict(first.secret(), **{"tls.crt": second.server.cert}))
+    assert works(first.ca, first.operator, "half-written")
+    # A moment with a file missing (its symlink dangles): the same.
+    volume.update({"tls.crt": first.server.cert, "tls.key": first.server.key})
+    assert works(first.ca, first.operator, "unreadable")
+    assert server.control_tls.reloads == 0
+
+    volume.update(second.secret())
+    assert works(second.ca, second.operator, "after")
+    assert server.control_tls.reloads == 1
+    assert not works(first.ca, first.operator, "old-client")          # trusts the old server certificate
+    assert not works(second.ca, first.operator, "old-certificate")   # the server no longer trusts the old CA
+    with control_client(server, tmp_path / "after-set", second.ca, second.operator) as operator:
+        assert not operator.set_speculation(enabled=False, timeout=RPC_TIMEOUT).enabled
+    assert server.phase == "serving"
+
+
+# -- starting it ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, message", [
+    (["--control-port", "0"], "--control-port needs --control-tls-cert, --control-tls-key and --control-tls-client-ca"),
+    (["--control-port", "0", "--control-tls-cert", "c", "--control-tls-key", "k"], "--control-port needs"),
+    (["--control-tls-cert", "c", "--control-tls-key", "k", "--control-tls-client-ca", "a"],
+     "need --control-port"),
+    (["--control-tls-client-ca", "a"], "need --control-port"),
+    (["--control-client-name", "ops"], "--control-client-name needs --control-port or --tls-client-ca"),
+    (["--port", "50061", "--control-port", "50061", "--control-tls-cert", "c", "--control-tls-key", "k",
+      "--control-tls-client-ca", "a"], "--control-port 50061 is also --port"),
+])
+def test_bad_control_flags_are_clear_errors(capsys, extra, message):
+    argv = ["engine", "serve", "--insecure", "--host", "127.0.0.1", "--metrics-port", "-1", "--target",
+            "/nonexistent-model"] + extra
+    assert engine_main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_unusable_control_files_stop_the_start(tiny_pair, pki, tmp_path):
+    _, first, other = pki
+    folder = tmp_path / "tls"
+    files = TLSFiles(cert=write(folder, "tls.crt", first.server.cert), key=write(folder, "tls.key", other.server.key),
+                     client_ca=write(folder, "ca.crt", first.ca.cert))
+    server = EngineServer(lambda: make_engine(tiny_pair), ServerOptions(port=0, metrics_port=None, control_port=0,
+                                                                       control_tls=files),
+                          progress=lambda _m: None)
+    with pytest.raises(RuntimeError, match=r"\(control port 0\): ValueError: control TLS .*tls.crt"):
+        server.start()
+    with pytest.raises(ValueError, match="client_ca"):       # a control port without a client CA
+        EngineServer(lambda: None, ServerOptions(control_port=0, control_tls=TLSFiles("c", "k")))
+
+
+def test_serve_command_as_the_operator_starts_it(tiny_pair, pki, tmp_path):
+    """`engine serve` with the operator's flags: the control port is reported, and answers the
+    operator's certificate."""
+    target, _ = tiny_pair
+    _, first, _ = pki
+    volume = SecretVolume(tmp_path / "tls", first.secret())
+    cmd = [sys.executable, "-m", "specpair.server", "engine", "serve", "--target", save_tiny(target, tmp_path / "t"),
+           "--drafter", "ngram", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--insecure",
+           "--device", "cpu", "--control-port", "0", "--control-tls-cert", str(volume.root / "tls.crt"),
+           "--control-tls-key", str(volume.root / "tls.key"), "--control-tls-client-ca", str(volume.root / "ca.crt"),
+           "--control-client-name", OPERATOR]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
+
+    def wait_line(pattern: str, timeout: float = 90.0) -> re.Match:
+        seen = []
+        while True:
+            try:
+                line = lines.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} in: {''.join(seen)}") from None
+            seen.append(line)
+            match = re.search(pattern, line)
+            if match:
+                return match
+    try:
+        listening = wait_line(r"gRPC listening on 127\.0\.0\.1:(\d+) \(plaintext\) and on 127\.0\.0\.1:(\d+) "
+                              r"\(control: mutual TLS, SetSpeculation for specpair-operator\)")
+        wait_line(r"serving on")
+        port, control_port = int(listening.group(1)), int(listening.group(2))
+        assert control_port not in (0, port)
+        server = type("Ports", (), {"port": port, "control_port": control_port})()
+        with control_client(server, tmp_path / "operator", first.ca, first.operator) as operator, \
+                client_for(server) as main:
+            assert rpc_error(lambda: main.set_speculation(enabled=False, timeout=RPC_TIMEOUT)).code() == \
+                grpc.StatusCode.PERMISSION_DENIED
+            assert speculation_enabled(main)
+            assert not operator.set_speculation(enabled=False, timeout=RPC_TIMEOUT).enabled
+            assert not speculation_enabled(main)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
