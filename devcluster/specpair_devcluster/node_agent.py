@@ -21,6 +21,11 @@ How a pod runs here, and where that differs from a kubelet with a container runt
   same projected token (programs read /var/run/secrets/... only inside containers). Paths
   listed in `NodeSpec.preseeded` (the model cache) map to one folder shared by all pods, like
   a node image that ships them.
+- Termination messages: the file at terminationMessagePath is a file under the pod's directory
+  (the path is rewritten like a mount); what the program wrote there becomes the terminated
+  state's message. A failed container that wrote nothing gets its log's tail instead.
+- Volumes are materialised when a container starts; a Secret changed later is not projected
+  into running pods (a kubelet updates it within a minute or so).
 - Probes: startup, readiness and liveness (grpc, httpGet, tcpSocket, exec) with their delays,
   periods and thresholds; a failed liveness or startup probe restarts the container.
 - Restarts follow restartPolicy with a doubling back-off (1 s to 60 s; a kubelet uses 10 s to
@@ -496,9 +501,12 @@ class PodWorker:
             if code is None:
                 code = 137
             status["lastState"] = {}
+            written = self._termination_file(container).read_bytes()[:4096].decode(errors="replace") \
+                if self._termination_file(container).exists() else ""
             status["state"] = {"terminated": {"exitCode": code, "startedAt": started, "finishedAt": now_iso(),
                                               "reason": "Completed" if code == 0 else ("Error" if not reason else reason),
-                                              "message": tail(log, 400).strip()[-400:] if code else ""}}
+                                              # the file's content; a failure without one, the log's tail
+                                              "message": written or (tail(log, 400).strip()[-400:] if code else "")}}
             self._push_status()
             if self.deleting.is_set():
                 return
@@ -582,6 +590,11 @@ class PodWorker:
                                  f"{self.agent.spec.name}: devcluster nodes hold only the project's own images "
                                  f"({', '.join(self.agent.images.entrypoints)})")
         mounts = self._volumes(container)
+        # The termination message file, as the kubelet provides it: empty at each start, read
+        # into the terminated state's message when the container exits.
+        termination = self._termination_file(container)
+        termination.write_bytes(b"")
+        mounts[container.get("terminationMessagePath") or "/dev/termination-log"] = str(termination)
         env = self._environment(container, mounts)
         self._env_cache = env
         rewrite = _path_rewriter(mounts)
@@ -590,6 +603,9 @@ class PodWorker:
             argv += ["--host", self.ip]
         cwd = rewrite(container["workingDir"]) if container.get("workingDir") else str(self.dir)
         return argv, env, cwd
+
+    def _termination_file(self, container: dict[str, Any]) -> Path:
+        return self.dir / f"{container['name']}.termination-log"
 
     def _volumes(self, container: dict[str, Any]) -> dict[str, str]:
         """mountPath -> host folder for this container's mounts, materialising each volume."""

@@ -15,13 +15,23 @@ tests can stand an engine in with any object that has these three coroutines.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 
 class EngineProbe(Protocol):
-    async def model_info(self, address: str) -> dict[str, Any]: ...
-    async def stats(self, address: str) -> dict[str, Any]: ...
-    async def set_speculation(self, address: str, enabled: bool, reason: str = "") -> None: ...
+    # server_name: the name the engine's certificate must carry (the operator dials pod IPs).
+    async def model_info(self, address: str, server_name: str = "") -> dict[str, Any]: ...
+    async def stats(self, address: str, server_name: str = "") -> dict[str, Any]: ...
+    async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None: ...
+
+
+@dataclass
+class ClientTLS:
+    """The operator's side of the control listener's mutual TLS (PEM bytes)."""
+    ca: bytes
+    cert: bytes
+    key: bytes
 
 
 class EngineUnreachable(Exception):
@@ -29,10 +39,15 @@ class EngineUnreachable(Exception):
 
 
 class GrpcEngineProbe:
-    """gRPC client for engine pods. Needs specpair._proto (generated from protos/engine.proto)."""
+    """gRPC client for engine pods. Needs specpair._proto (generated from protos/engine.proto).
 
-    def __init__(self, timeout_s: float = 5.0):
+    With `tls` set (the operator sets it once it holds its CA), every call is mutual TLS to the
+    engine's control listener, checked against `server_name`; without, plaintext (tests that
+    call an engine's serving port directly)."""
+
+    def __init__(self, timeout_s: float = 5.0, tls: ClientTLS | None = None):
         self.timeout_s = timeout_s
+        self.tls = tls
 
     def _stubs(self) -> tuple[Any, Any]:
         try:
@@ -41,29 +56,40 @@ class GrpcEngineProbe:
             raise EngineUnreachable(f"engine gRPC stubs not available: {exc}") from exc
         return engine_pb2, engine_pb2_grpc
 
-    async def _call(self, address: str, method: str, request_name: str, **fields: Any) -> dict[str, Any]:
+    def _channel(self, address: str, server_name: str) -> Any:
+        import grpc
+
+        tls = self.tls
+        if tls is None:
+            return grpc.aio.insecure_channel(address)
+        creds = grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert)
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        return grpc.aio.secure_channel(address, creds, options=options)
+
+    async def _call(self, address: str, method: str, request_name: str, server_name: str = "",
+                    **fields: Any) -> dict[str, Any]:
         import grpc
         from google.protobuf.json_format import MessageToDict
 
         pb2, pb2_grpc = self._stubs()
         try:
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with self._channel(address, server_name) as channel:
                 stub = pb2_grpc.EngineStub(channel)
                 reply = await getattr(stub, method)(getattr(pb2, request_name)(**fields), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise EngineUnreachable(f"{method} on {address}: {exc.code().name} {exc.details()}") from exc
         return MessageToDict(reply, preserving_proto_field_name=False)
 
-    async def model_info(self, address: str) -> dict[str, Any]:
-        info = await self._call(address, "GetModelInfo", "GetModelInfoRequest")
+    async def model_info(self, address: str, server_name: str = "") -> dict[str, Any]:
+        info = await self._call(address, "GetModelInfo", "GetModelInfoRequest", server_name)
         tok = info.get("tokenizer") or {}
         return {"pair": info.get("pair", ""), "releaseVersion": info.get("version", ""),
                 "tokenizer": {"target": tok.get("targetFingerprint") or None, "draft": tok.get("draftFingerprint") or None},
                 "speculationEnabled": bool((info.get("speculation") or {}).get("enabled", False)),
                 "contentHash": info.get("contentHash", "")}
 
-    async def stats(self, address: str) -> dict[str, Any]:
-        stats = await self._call(address, "GetStats", "GetStatsRequest")
+    async def stats(self, address: str, server_name: str = "") -> dict[str, Any]:
+        stats = await self._call(address, "GetStats", "GetStatsRequest", server_name)
         cats = {}
         for name, cat in (stats.get("categories") or {}).items():
             cum = cat.get("cumulative") or {}
@@ -82,5 +108,6 @@ class GrpcEngineProbe:
         return {"categories": cats, "speculating": bool(stats.get("speculating", False)),
                 "uptimeSeconds": float(stats["uptimeSeconds"]) if "uptimeSeconds" in stats else None}
 
-    async def set_speculation(self, address: str, enabled: bool, reason: str = "") -> None:
-        await self._call(address, "SetSpeculation", "SetSpeculationRequest", enabled=enabled, reason=reason)
+    async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None:
+        await self._call(address, "SetSpeculation", "SetSpeculationRequest", server_name,
+                         enabled=enabled, reason=reason)

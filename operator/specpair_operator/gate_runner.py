@@ -4,7 +4,13 @@ The operator reads the verdict from the model version's tags, so the Job needs n
 to Kubernetes. A gate that fails its thresholds is a result (exit 0, status `failed`); a gate
 that crashes without a verdict is an error (status `error`, exit 1).
 
-    python -m specpair_operator.gate_runner --release /etc/specpair/release.json
+MLflow is not where the operator's trust ends: anyone who may write a model version's tags could
+write a passing verdict. So the runner also writes the verdict's digest to its termination
+message, which only the kubelet puts into the pod's status, and the operator promotes a release
+only when the verdict in MLflow has that digest (gate_verdict.verdict_digest).
+
+    python -m specpair_operator.gate_runner --release /etc/specpair/release.json \
+        --termination-log /dev/termination-log
 """
 
 from __future__ import annotations
@@ -18,7 +24,16 @@ import subprocess
 import sys
 import tempfile
 
+from .gate_verdict import verdict_digest
 from .registry import ReleaseRegistry
+
+
+def write_termination_message(path: str | None, message: dict) -> None:
+    """The kubelet creates the file before the container starts; elsewhere (a developer running
+    the gate by hand) there is none, and nothing is written."""
+    if path and os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(json.dumps(message, sort_keys=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--release", required=True, help="release JSON (with its mlflow block)")
     ap.add_argument("--gate-command", default=os.environ.get("SPECPAIR_GATE_COMMAND", "specpair gate"),
                     help="command that takes --release FILE --out VERDICT.json")
+    ap.add_argument("--termination-log", default=os.environ.get("SPECPAIR_TERMINATION_LOG", "/dev/termination-log"),
+                    help="the container's terminationMessagePath: the verdict's digest goes there")
     args = ap.parse_args(argv)
     with open(args.release) as f:
         rel = json.load(f)
@@ -61,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     extras = [os.path.join(workdir, n) for n in os.listdir(workdir) if n != "verdict.json"]
     run_id = registry.record_gate(ml["modelName"], str(ml["version"]), verdict, extras)
-    print(json.dumps({"passed": verdict["passed"], "mlflowRunId": run_id}))
+    digest = verdict_digest(verdict)
+    write_termination_message(args.termination_log, {"version": str(ml["version"]), "passed": verdict["passed"],
+                                                     "verdictSha256": digest})
+    print(json.dumps({"passed": verdict["passed"], "mlflowRunId": run_id, "verdictSha256": digest}))
     return 0
 
 

@@ -7,12 +7,15 @@ failed threshold with how far off it was.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from specpair.contract import number, threshold_failures
 
-__all__ = ["GateOutcome", "evaluate_verdict", "threshold_failures", "baseline_from_verdict"]
+__all__ = ["GateOutcome", "evaluate_verdict", "threshold_failures", "baseline_from_verdict", "verdict_digest",
+           "verify_verdict"]
 
 
 @dataclass(frozen=True)
@@ -63,3 +66,26 @@ def baseline_from_verdict(verdict: dict[str, Any]) -> dict[str, float]:
         if v is not None:
             base[cat] = v
     return base
+
+
+def verdict_digest(verdict: dict[str, Any]) -> str:
+    """sha256 of the verdict as JSON with sorted keys, less the MLflow run id (which the registry
+    adds when it records the verdict): the same digest before and after MLflow."""
+    body = {k: v for k, v in verdict.items() if k != "mlflowRunId"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def verify_verdict(verdict: dict[str, Any], version: str, reported: str | None) -> GateOutcome | None:
+    """None when the verdict read from MLflow is the one the gate Job reported (`reported`: the
+    digest from its pod's termination message, or from the pair's status where it was kept);
+    otherwise the failed outcome to record. reported None: the Job's report is gone (see
+    handlers: the release is gated again)."""
+    if reported is None:
+        return GateOutcome(False, "VerdictUnverified", f"the verdict of v{version} in MLflow cannot be checked "
+                           "against its gate Job's report", ["verdict unverified"])
+    actual = verdict_digest(verdict)
+    if actual != reported:
+        msg = (f"the verdict of v{version} in MLflow (sha256 {actual[:12]}) is not the one its gate Job reported "
+               f"({reported[:12]}): it was changed after the gate; not promoted")
+        return GateOutcome(False, "VerdictMismatch", msg, [msg])
+    return None

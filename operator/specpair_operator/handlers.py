@@ -1,4 +1,4 @@
-"""Kopf handlers: one level-triggered reconcile for SpecModelPair, run on changes and on a timer.
+"""Kopf handlers: one level-triggered reconcile for SpecModelPair, run on changes and periodically.
 
 Each pass reads the world (the pair, MLflow, the gate Job, the engine Deployment and pods),
 decides with the pure modules, and takes at most the next step. Every step is idempotent, so
@@ -10,6 +10,7 @@ The operator writes status, annotations (Kopf's bookkeeping) and Events, never s
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import json
 import logging
@@ -27,7 +28,8 @@ from . import drift as drift_mod
 from . import gate_verdict, manifests, validation
 from . import metrics
 from . import release as release_mod
-from .engine_probe import EngineProbe, EngineUnreachable, GrpcEngineProbe
+from . import tls as tls_mod
+from .engine_probe import ClientTLS, EngineProbe, EngineUnreachable, GrpcEngineProbe
 from .kube import Kube, KubeError
 from .registry import (ModelClaimed, TAG_GATE_RUN, TAG_HASH, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET,
                        RegistryUnavailable, ReleaseRegistry)
@@ -64,6 +66,17 @@ class Runtime:
     last_drift_check: dict[str, float] = field(default_factory=dict)
     # per pair: the (version, categories) its specpair_release_speedup series carry
     speedup_series: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    # Mutual TLS to engine control listeners (tls.py): the CA (re-read every CA_REFRESH_S) and
+    # the operator's client certificate.
+    operator_namespace: str = ""
+    ca: tls_mod.KeyPair | None = None
+    ca_read_at: float = 0.0
+    client_cert: tls_mod.KeyPair | None = None
+    ca_lock: asyncio.Lock | None = None
+    tls_checked_at: dict[str, float] = field(default_factory=dict)  # per pair: its Secret last seen
+    # per pair (uid): the latest body the watch delivered, for the periodic passes
+    bodies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    periodic: asyncio.Task | None = None
     # per pair: what the last pass that verified the champion read from MLflow, so its drift is
     # still judged while MLflow is down: (model, aliases, champion, tags, verdict, served hash)
     watch_cache: dict[str, tuple[str, dict[str, str], str, dict[str, str], dict[str, Any], str]] = \
@@ -71,6 +84,58 @@ class Runtime:
 
 
 RUNTIME = Runtime()
+CA_REFRESH_S = 300.0
+SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+class ControlTLSError(Exception):
+    """The CA Secret exists but cannot sign (not a CA, a key that does not match, expired)."""
+
+
+def operator_namespace(env: dict[str, str] | None = None) -> str:
+    env = dict(os.environ) if env is None else env
+    if env.get("SPECPAIR_OPERATOR_NAMESPACE"):
+        return env["SPECPAIR_OPERATOR_NAMESPACE"].strip()
+    try:
+        with open(SA_NAMESPACE_FILE) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+async def control_ca(rt: Runtime) -> tls_mod.KeyPair:
+    """The CA engine certificates are issued from, and the operator's client certificate: read
+    from (or first written to) the CA Secret in the operator's namespace, re-read now and then so
+    a CA rotated by cert-manager (or by hand) is picked up."""
+    import base64
+
+    if rt.ca_lock is None:
+        rt.ca_lock = asyncio.Lock()
+    async with rt.ca_lock:
+        if rt.ca is not None and time.monotonic() - rt.ca_read_at < CA_REFRESH_S:
+            return rt.ca
+        secret = await rt.kube.get("v1", "secrets", rt.operator_namespace, tls_mod.CA_SECRET)
+        if secret is None:
+            ca = tls_mod.new_ca()
+            secret = await rt.kube.create({
+                "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                "metadata": {"name": tls_mod.CA_SECRET, "namespace": rt.operator_namespace,
+                             "labels": {"app.kubernetes.io/managed-by": "specpair-operator"}},
+                "data": {"tls.crt": base64.b64encode(ca.cert_pem).decode(),
+                         "tls.key": base64.b64encode(ca.key_pem).decode()}})  # a racing replica's wins (409)
+        data = secret.get("data") or {}
+        ca = tls_mod.KeyPair(base64.b64decode(data.get("tls.crt", "")), base64.b64decode(data.get("tls.key", "")))
+        why = tls_mod.check_ca(ca)
+        if why:
+            raise ControlTLSError(f"Secret {rt.operator_namespace}/{tls_mod.CA_SECRET} cannot issue engine "
+                                  f"certificates: {why}")
+        rt.ca, rt.ca_read_at = ca, time.monotonic()
+        client = rt.client_cert
+        if client is None or tls_mod.reissue_reason(client.cert_pem, ca.cert_pem, ca, (), renew_days=tls_mod.CLIENT_RENEW_DAYS):
+            client = rt.client_cert = tls_mod.issue(ca, tls_mod.OPERATOR_NAME, server=False, days=tls_mod.CLIENT_DAYS)
+        if isinstance(rt.probe, GrpcEngineProbe):
+            rt.probe.tls = ClientTLS(ca=ca.cert_pem, cert=client.cert_pem, key=client.key_pem)
+        return ca
 # Tests stand in the engine pods by setting this before the operator starts.
 PROBE_OVERRIDE: EngineProbe | None = None
 
@@ -111,10 +176,16 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     RUNTIME.registry = ReleaseRegistry(RUNTIME.tracking_uri)
     # A (re)started operator remembers nothing: all it needs is in the cluster and MLflow.
     for memory in (RUNTIME.locks, RUNTIME.retry_at, RUNTIME.backoff, RUNTIME.samples, RUNTIME.last_drift_check,
-                   RUNTIME.speedup_series, RUNTIME.watch_cache):
+                   RUNTIME.speedup_series, RUNTIME.watch_cache, RUNTIME.bodies, RUNTIME.tls_checked_at):
         memory.clear()
     RUNTIME.probe = PROBE_OVERRIDE or GrpcEngineProbe()
+    RUNTIME.operator_namespace = operator_namespace()
+    if not RUNTIME.operator_namespace:
+        raise kopf.PermanentError("set SPECPAIR_OPERATOR_NAMESPACE: the namespace of the operator's CA Secret "
+                                  f"({tls_mod.CA_SECRET}); in a pod it is read from the service account")
+    RUNTIME.ca, RUNTIME.client_cert, RUNTIME.ca_lock = None, None, None
     metrics.serve_from_env()
+    RUNTIME.periodic = asyncio.create_task(periodic_passes(reconcile_interval()))
 
 
 @kopf.on.login()
@@ -128,6 +199,13 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.cleanup()
 async def close(**_: Any) -> None:
+    if RUNTIME.periodic is not None:
+        RUNTIME.periodic.cancel()
+        try:
+            await RUNTIME.periodic
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001  (stopping; it logged its own errors)
+            pass
+        RUNTIME.periodic = None
     if RUNTIME.kube is not None:
         await RUNTIME.kube.close()
 
@@ -139,9 +217,56 @@ async def on_change(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, 
     await reconcile(body, patch, logger, force=True)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=reconcile_interval(), sharp=False)
-async def on_timer(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-    await reconcile(body, patch, logger)
+# The periodic pass. Not a Kopf timer: Kopf puts a finalizer on every object a timer watches,
+# so with the operator uninstalled or scaled to zero, deleting a pair (or its namespace) would
+# hang in Terminating. Instead the watch keeps the latest body of each pair (on.event needs no
+# finalizer) and one operator-level loop reconciles them all; deleting a pair never waits for us,
+# and the garbage collector removes its children through their owner references.
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def on_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa: A002  (Kopf's kwarg name)
+    uid = body.metadata.uid
+    if type == "DELETED":
+        RUNTIME.bodies.pop(uid, None)
+        for memory in (RUNTIME.locks, RUNTIME.retry_at, RUNTIME.backoff, RUNTIME.samples,
+                       RUNTIME.last_drift_check, RUNTIME.speedup_series, RUNTIME.watch_cache,
+                       RUNTIME.tls_checked_at):
+            memory.pop(uid, None)
+    else:
+        RUNTIME.bodies[uid] = json.loads(json.dumps(dict(body)))
+
+
+class _PairLogger(logging.LoggerAdapter):
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"[{self.extra['pair']}] {msg}", kwargs
+
+
+async def periodic_passes(interval: float) -> None:
+    """Every `interval` seconds, a pass over each known pair, a few at a time. A pass that fails
+    unexpectedly is logged; the loop goes on (the next tick tries again)."""
+    log = logging.getLogger("specpair.operator.periodic")
+    limit = asyncio.Semaphore(int(os.environ.get("SPECPAIR_CONCURRENT_PASSES", "8")))
+
+    async def one(raw: dict[str, Any]) -> None:
+        async with limit:
+            if raw["metadata"].get("deletionTimestamp") or RUNTIME.kube is None:
+                return
+            body, patch = kopf.Body(raw), kopf.Patch()
+            meta = raw["metadata"]
+            logger = _PairLogger(log, {"pair": f"{meta['namespace']}/{meta['name']}"})
+            try:
+                await reconcile(body, patch, logger)  # type: ignore[arg-type]
+                if patch.status:
+                    await RUNTIME.kube.merge_patch(f"{GROUP}/{VERSION}", PLURAL, meta["namespace"], meta["name"],
+                                                   {"status": dict(patch.status)}, subresource="status")
+            except KubeError as exc:
+                if exc.status != 404:  # deleted meanwhile: its DELETED event is on its way
+                    log.warning(f"periodic pass over {meta['namespace']}/{meta['name']}: {exc}")
+            except Exception:  # noqa: BLE001  (a bug must not stop every pair's passes)
+                log.exception(f"periodic pass over {meta['namespace']}/{meta['name']} failed")
+
+    while True:
+        await asyncio.sleep(interval)
+        await asyncio.gather(*(one(raw) for raw in list(RUNTIME.bodies.values())))
 
 
 async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, force: bool = False) -> None:
@@ -176,6 +301,22 @@ class Pass:
         self.watching = False  # the champion is watched while the spec's release is elsewhere
         self.registry_down = False  # judging drift from the last MLflow facts while MLflow is down
         self.gate_jobs: dict[str, dict[str, Any] | None] = {}
+        self.events: list[tuple[str, str, str]] = []  # (type, reason, message), posted when the pass ends
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        self.events.append((type_, reason, message))
+
+    async def _post_events(self) -> None:
+        """Events go out after the pass, like Kopf's own queue: a pass that dies posts none, and
+        the status's `recorded` keys make the redone step post its Event once."""
+        involved = {"apiVersion": self.body.get("apiVersion", f"{GROUP}/{VERSION}"),
+                    "kind": self.body.get("kind", "SpecModelPair"), "metadata": dict(self.body.metadata)}
+        for type_, reason, message in self.events:
+            try:
+                await self.rt.kube.event(involved, type_, reason, message)
+            except (KubeError, OSError, asyncio.TimeoutError) as exc:
+                self.logger.warning(f"Event {reason} not posted: {exc}")
+        self.events.clear()
 
     # -- small helpers -------------------------------------------------------------------
 
@@ -200,7 +341,7 @@ class Pass:
             self.recorded[action] = (self.recorded.get(action, []) + [key])[-RECORDED_KEYS:]
         self.history.append({"time": c.now_iso(), "action": action, "fromVersion": from_version or "",
                              "toVersion": to_version or "", "reason": reason})
-        (kopf.warn if warning else kopf.info)(self.body, reason=action, message=reason)
+        self.event("Warning" if warning else "Normal", action, reason)
         self.logger.info(f"{action}: {reason}")
         labels = (self.namespace, self.name)
         if action == "Promoted":
@@ -227,6 +368,12 @@ class Pass:
     # -- the pass --------------------------------------------------------------------------
 
     async def run(self) -> None:
+        try:
+            await self._pass()
+        finally:
+            await self._post_events()
+
+    async def _pass(self) -> None:
         try:
             await self._run()
         except MlflowException as exc:
@@ -292,7 +439,7 @@ class Pass:
     def _stall(self, reason: str, message: str) -> None:
         """A state no retry fixes until someone changes something: Stalled, with an Event once."""
         if self.status.get("message") != message:
-            kopf.warn(self.body, reason=reason, message=message[:1000])
+            self.event("Warning", reason, message[:1000])
         self.finish("Failed", (False, reason, message), (False, reason, ""), (True, reason, message))
 
     async def _run(self) -> None:
@@ -346,6 +493,21 @@ class Pass:
                 await self._serve(model, al, desired=None, desired_reason=msg)
                 return
             outcome = gate_verdict.evaluate_verdict(verdict or {}, rel["gating"]["thresholds"])
+            if outcome.passed:
+                # A pass is promoted only if it is the verdict the gate Job reported (MLflow tags
+                # can be written by anyone with MLflow access); a failure promotes nothing.
+                reported = await self._reported_digest(version, digest)
+                unverified = gate_verdict.verify_verdict(verdict or {}, version, reported)
+                if unverified is not None and reported is None:
+                    if await self._regate(model, version, rel, digest, al):
+                        return
+                    job = manifests.gate_job_name(self.name, digest)
+                    unverified = replace(unverified, message=f"{unverified.message}: Job {job} finished without "
+                                         f"a report (its pod is gone); delete the Job to gate v{version} again")
+                if unverified is not None:
+                    if not self.was_recorded(unverified.reason, version, version):
+                        self.record(unverified.reason, unverified.message, None, version, warning=True, key=version)
+                    outcome = unverified
             self._record_gate(version, outcome, verdict or {}, tags)
             await self._record_gate_result(version, digest, outcome)
             if not outcome.passed:
@@ -371,6 +533,54 @@ class Pass:
                 await self._record_gate_started_late(version, digest)
                 self._record_promotion(version, tags, al, outcome)
         await self._serve(model, al, desired=version, desired_reason="")
+
+    async def _reported_digest(self, version: str, digest: str) -> str | None:
+        """The digest of the verdict the release's gate Job reported: kept in status once seen,
+        read from the gate pod's termination message (written by the kubelet) before that."""
+        kept = (self.status.get("verifiedVerdicts") or {}).get(str(version))
+        if kept:
+            return str(kept)
+        job = manifests.gate_job_name(self.name, digest)
+        for pod in await self.rt.kube.list("v1", "pods", self.namespace, f"job-name={job}"):
+            if not self._owns_via_job(pod, job):
+                continue
+            for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+                message = ((cs.get("state") or {}).get("terminated") or {}).get("message") or ""
+                try:
+                    report = json.loads(message)
+                except ValueError:
+                    continue
+                if isinstance(report, dict) and str(report.get("version")) == str(version) \
+                        and isinstance(report.get("verdictSha256"), str):
+                    kept_all = dict(self.status.get("verifiedVerdicts") or {})
+                    kept_all[str(version)] = report["verdictSha256"]
+                    # The last few versions; written whatever else the pass says.
+                    kept_all = dict(sorted(kept_all.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0)[-10:])
+                    self.out["verifiedVerdicts"] = self.patch.status["verifiedVerdicts"] = kept_all
+                    return report["verdictSha256"]
+        return None
+
+    @staticmethod
+    def _owns_via_job(pod: dict[str, Any], job: str) -> bool:
+        return any(ref.get("kind") == "Job" and ref.get("name") == job and ref.get("controller")
+                   for ref in (pod.get("metadata") or {}).get("ownerReferences") or [])
+
+    async def _regate(self, model: str, version: str, rel: dict[str, Any], digest: str, al: dict[str, str]) -> bool:
+        """A passing verdict whose gate Job left no report (the Job is gone: its TTL ran out, or
+        the verdict was written into MLflow by hand): gate the release again. False when the Job
+        is still there but finished without a report (then the verdict stays unverified)."""
+        live = await self._finished_gate_job(digest)
+        finished = live is not None and any(cd.get("type") in ("Complete", "Failed") and cd.get("status") == "True"
+                                            for cd in (live.get("status") or {}).get("conditions") or [])
+        if finished:
+            return False
+        if live is None:
+            self.event("Warning", "Regating", f"v{version}: MLflow says it passed, but no gate Job reported that "
+                       "verdict; gating it again")
+        await self._gate(model, version, rel, digest, al)
+        if self.out.get("phase") == "Gating":
+            await self._serve(model, al, desired=None, desired_reason="", watch_only=True)
+        return True
 
     async def _finished_gate_job(self, digest: str) -> dict[str, Any] | None:
         """The release's gate Job, read once per pass by the records that need it."""
@@ -492,7 +702,7 @@ class Pass:
         msg = (f"{kind} {self.namespace}/{name} exists and is not owned by SpecModelPair {self.name}; "
                f"rename or delete it (the operator never changes objects it does not own)")
         if self.status.get("message") != msg:
-            kopf.warn(self.body, reason="NameConflict", message=msg)
+            self.event("Warning", "NameConflict", msg)
         self.finish("Failed", (False, "NameConflict", msg), (False, "NameConflict", ""), (True, "NameConflict", msg))
 
     async def _unschedulable(self, selector: str) -> str:
@@ -635,6 +845,10 @@ class Pass:
         live_svc = await kube.get("v1", "services", self.namespace, svc["metadata"]["name"])
         if live_svc is not None and not self._owns(live_svc):
             return "conflict", f"Service {svc['metadata']['name']}"
+        # The control listener's certificate, before the first engine pod needs it.
+        conflict = await self._ensure_engine_tls()
+        if conflict:
+            return "conflict", f"Secret {conflict}"
         # Ingress to engine pods on their ports only; in place before the first engine pod is.
         conflict = await self._ensure_policy(manifests.engine_network_policy(self.name, self.namespace, self.rt.pods))
         if conflict:
@@ -660,6 +874,72 @@ class Pass:
             if waiting:
                 msg = f"{msg}; {waiting}"
         return state, msg
+
+    async def _ensure_engine_tls(self) -> str:
+        """Issue the engine's control-listener certificate when it has none, was issued by another
+        CA or for other names, or nears its end; '' or the name of a Secret this pair does not own.
+
+        What was issued is kept in status.engineTLS, so the operator never reads a Secret in the
+        pair's namespace (RBAC: create and patch, no get); a patch only goes through if the Secret
+        is owned by this pair (a JSON-patch test on its owner's uid). Engine pods pick a renewed
+        certificate up from their volume without restarting."""
+        ca = await control_ca(self.rt)
+        secret_name = manifests.engine_tls_secret_name(self.name)
+        dns = tls_mod.engine_dns_names(manifests.engine_name(self.name), self.namespace)
+        have = self.status.get("engineTLS") or {}
+        reason = ""
+        if have.get("secret") != secret_name or have.get("caFingerprint") != tls_mod.fingerprint(ca.cert_pem):
+            reason = "no certificate from this CA yet"
+        elif list(have.get("names") or []) != list(dns):
+            reason = "the Service's names changed"
+        elif c.parse_iso(have.get("notAfter") or "1970-01-01T00:00:00Z") - c.parse_iso(c.now_iso()) \
+                < datetime.timedelta(days=tls_mod.RENEW_DAYS):
+            reason = f"it expires {have.get('notAfter')}"
+        elif await self._tls_secret_missing(secret_name):
+            reason = f"engine pods cannot find Secret {secret_name}"
+        if not reason:
+            self.out["engineTLS"] = have
+            return ""
+        leaf = tls_mod.issue(ca, manifests.engine_name(self.name), dns, server=True, days=tls_mod.SERVER_DAYS)
+        secret = manifests.engine_tls_secret(self.name, self.namespace, leaf.cert_pem, leaf.key_pem, ca.cert_pem)
+        kopf.adopt(secret, owner=self.body)
+        try:
+            await self.rt.kube.create(secret, read_existing=False)
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+            try:
+                await self.rt.kube.json_patch("v1", "secrets", self.namespace, secret_name, [
+                    {"op": "test", "path": "/metadata/ownerReferences/0/uid", "value": self.uid},
+                    {"op": "replace", "path": "/data", "value": secret["data"]}])
+            except KubeError as patch_exc:
+                if patch_exc.status in (400, 409, 422):  # the test failed: not ours
+                    return secret_name
+                raise
+        until = tls_mod.not_after(leaf.cert_pem).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self.out["engineTLS"] = {"secret": secret_name, "caFingerprint": tls_mod.fingerprint(ca.cert_pem),
+                                 "names": list(dns), "notAfter": until}
+        # Written whatever else the pass says: without it the next pass would issue another.
+        self.patch.status["engineTLS"] = self.out["engineTLS"]
+        self.event("Normal", "CertificateIssued",
+                   f"engine control-listener certificate in Secret {secret_name} ({reason}), valid until {until}")
+        return ""
+
+    async def _tls_secret_missing(self, secret_name: str) -> bool:
+        """Whether the Secret is gone (deleted by hand), asked every CA_REFRESH_S by trying to
+        create it: the operator may not read Secrets, and engine pods cannot start without it."""
+        if time.monotonic() - self.rt.tls_checked_at.get(self.uid, 0.0) < CA_REFRESH_S:
+            return False
+        probe = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret_name, "namespace": self.namespace}}
+        try:
+            # dryRun: nothing is written; 409 means it is there.
+            await self.rt.kube.create(probe, read_existing=False, dry_run=True)
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+            self.rt.tls_checked_at[self.uid] = time.monotonic()
+            return False
+        return True
 
     async def _ensure_policy(self, policy: dict[str, Any]) -> str:
         """Create the NetworkPolicy, or patch it when the operator's settings changed (the chart's
@@ -691,7 +971,11 @@ class Pass:
         return [p for p in pods if ready(p)]
 
     def _address(self, pod: dict[str, Any]) -> str:
-        return f"{pod['status']['podIP']}:{int(self.rollout.get('port', 50051))}"
+        """The pod's control listener (mutual TLS): the operator never uses the serving port."""
+        return f"{pod['status']['podIP']}:{int(self.rollout.get('controlPort', manifests.CONTROL_PORT))}"
+
+    def _server_name(self) -> str:
+        return tls_mod.server_name(manifests.engine_name(self.name), self.namespace)
 
     async def _verify_identity(self, pods: list[dict[str, Any]], version: str, digest: str, tags: dict[str, str]
                                ) -> tuple[bool, str, list[dict[str, Any]]]:
@@ -701,7 +985,7 @@ class Pass:
         expected = {"target": tags.get(TAG_TOKENIZER_TARGET), "draft": tags.get(TAG_TOKENIZER_DRAFT)}
         for pod in pods:
             try:
-                info = await self.rt.probe.model_info(self._address(pod))
+                info = await self.rt.probe.model_info(self._address(pod), server_name=self._server_name())
             except EngineUnreachable as exc:
                 return False, f"pod {pod['metadata']['name']}: model identity not verified: {exc}", infos
             # `digest` is the hash of the release document this pod was given; the engine hashes
@@ -758,8 +1042,9 @@ class Pass:
             name = pod["metadata"]["name"]
             try:
                 await self.rt.probe.set_speculation(self._address(pod), desired,
-                                                    "operator: reconcile to the desired speculation state")
-                after = await self.rt.probe.model_info(self._address(pod))
+                                                    "operator: reconcile to the desired speculation state",
+                                                    server_name=self._server_name())
+                after = await self.rt.probe.model_info(self._address(pod), server_name=self._server_name())
             except EngineUnreachable as exc:
                 stuck.append(f"pod {name}: {exc}")
                 continue
@@ -768,7 +1053,7 @@ class Pass:
                 continue
             msg = (f"pod {name} of v{champion} had speculation {'off' if desired else 'on'}; turned it "
                    f"{'on' if desired else 'off'} as the pair's drift state requires")
-            kopf.warn(self.body, reason="SpeculationReconciled", message=msg)
+            self.event("Warning", "SpeculationReconciled", msg)
             self.logger.warning(msg)
         if not stuck:
             return ""
@@ -807,7 +1092,7 @@ class Pass:
         observed = []
         try:
             for pod in pods:
-                stats = await self.rt.probe.stats(self._address(pod))
+                stats = await self.rt.probe.stats(self._address(pod), server_name=self._server_name())
                 uptime = stats.get("uptimeSeconds")
                 meta = pod["metadata"]
                 observed.append(drift_mod.PodStats(
@@ -871,7 +1156,7 @@ class Pass:
             if not self.registry_down:
                 await self.registry(self.rt.registry.set_tags, model, champion, {TAG_SPECULATION_OFF: reason[:4000]})
             for address in addresses:
-                await self.rt.probe.set_speculation(address, False, reason[:500])
+                await self.rt.probe.set_speculation(address, False, reason[:500], server_name=self._server_name())
             self.out["speculationEnabled"] = False
             self.cond(c.DRIFTED, True, "SpeculationOff", reason)
             self.record("SpeculationOff", reason, champion, champion, warning=True)
@@ -884,7 +1169,7 @@ class Pass:
         if decision.action == drift_mod.SPECULATION_ON:
             await self.registry(self.rt.registry.set_tags, model, champion, {TAG_SPECULATION_OFF: ""})
             for address in addresses:
-                await self.rt.probe.set_speculation(address, True, decision.reason[:500])
+                await self.rt.probe.set_speculation(address, True, decision.reason[:500], server_name=self._server_name())
             self.out["speculationEnabled"] = True
             self.cond(c.DRIFTED, False, "Recovered", decision.reason)
             self.record("SpeculationOn", decision.reason, champion, champion)
@@ -897,7 +1182,8 @@ class Pass:
             if self.status.get("speculationEnabled", True) != decision.speculation:
                 for address in addresses:
                     await self.rt.probe.set_speculation(address, decision.speculation,
-                                                        "drift probe" if decision.speculation else "drift probe over")
+                                                        "drift probe" if decision.speculation else "drift probe over",
+                                                        server_name=self._server_name())
                 self.logger.info(f"drift probe {'started' if decision.speculation else 'over'} for v{champion}")
             self.out["speculationEnabled"] = decision.speculation
             return degraded(" (probing with the draft)" if probing else "")

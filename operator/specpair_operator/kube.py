@@ -6,6 +6,7 @@ logged in with (see handlers.login), so the operator has one identity and one RB
 
 from __future__ import annotations
 
+import datetime
 import ssl
 from typing import Any
 from urllib.parse import quote
@@ -81,14 +82,16 @@ class Kube:
         body = await self._request("GET", _path(api_version, plural, namespace), params=params)
         return list(body.get("items") or [])
 
-    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Create, or return the existing object of that name (409): creation is idempotent."""
+    async def create(self, obj: dict[str, Any], read_existing: bool = True, dry_run: bool = False) -> dict[str, Any]:
+        """Create, or return the existing object of that name (409): creation is idempotent.
+        read_existing=False raises the 409 instead (for kinds the operator may not read)."""
         meta = obj["metadata"]
         plural = PLURALS[obj["kind"]]
         try:
-            return await self._request("POST", _path(obj["apiVersion"], plural, meta.get("namespace")), json=obj)
+            return await self._request("POST", _path(obj["apiVersion"], plural, meta.get("namespace")), json=obj,
+                                       params={"dryRun": "All"} if dry_run else None)
         except KubeError as exc:
-            if exc.status != 409:
+            if exc.status != 409 or not read_existing:
                 raise
             existing = await self.get(obj["apiVersion"], plural, meta.get("namespace"), meta["name"])
             if existing is None:
@@ -100,10 +103,33 @@ class Kube:
         return await self._request("PATCH", _path(api_version, plural, namespace, name, subresource), json=patch,
                                    content_type="application/merge-patch+json")
 
+    async def json_patch(self, api_version: str, plural: str, namespace: str | None, name: str,
+                         operations: list[dict[str, Any]]) -> dict[str, Any]:
+        """RFC 6902: a `test` operation makes the whole patch conditional (the API server
+        refuses it, 422, when the test fails)."""
+        return await self._request("PATCH", _path(api_version, plural, namespace, name), json=operations,
+                                   content_type="application/json-patch+json")
+
+    async def event(self, involved: dict[str, Any], type_: str, reason: str, message: str,
+                    component: str = "specpair-operator") -> None:
+        """A core/v1 Event on `involved` (a full object: apiVersion, kind, metadata)."""
+        meta = involved["metadata"]
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        await self._request("POST", _path("v1", "events", meta["namespace"]), json={
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": involved["apiVersion"], "kind": involved["kind"], "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta.get("uid", ""),
+                               "resourceVersion": meta.get("resourceVersion", "")},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "source": {"component": component},
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1})
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
 
 
 PLURALS = {"Job": "jobs", "Deployment": "deployments", "Service": "services", "Pod": "pods",
-           "ConfigMap": "configmaps", "Event": "events", "NetworkPolicy": "networkpolicies"}
+           "ConfigMap": "configmaps", "Event": "events", "NetworkPolicy": "networkpolicies",
+           "Secret": "secrets"}

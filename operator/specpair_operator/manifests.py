@@ -28,6 +28,10 @@ CACHE_DIR = "/var/cache/specpair"
 NONROOT_UID = 10001
 METRICS_PORT = 9400
 HTTP_PORT = 8000        # the engine's OpenAI-compatible HTTP API (rollout.httpPort; 0: off)
+# The engine's control listener: gRPC with mutual TLS, the operator its only client (tls.py).
+CONTROL_PORT = 50052
+TLS_DIR = "/var/run/specpair/tls"
+TERMINATION_LOG = "/dev/termination-log"
 # A pre-filled Hugging Face hub cache (rollout.modelCache.persistentVolumeClaim), read-only.
 HUB_CACHE_DIR = "/var/cache/specpair-hub"
 # The model cache emptyDir's limit when neither the pair nor the chart says (a pod whose cache
@@ -48,25 +52,55 @@ class PodDefaults:
     # NetworkPolicyPeers allowed to reach the engine's ports; empty: any source (ports only).
     ingress_from: tuple[dict[str, Any], ...] = ()
     gate_ttl_seconds: int = GATE_TTL_SECONDS
+    # Where the operator runs (namespace, pod labels): the only peer allowed on the control port.
+    # Unknown (an operator outside the cluster): the port is open to any source, mTLS still holds.
+    operator_namespace: str = ""
+    operator_pod_labels: tuple[tuple[str, str], ...] = ()
+    # (Secret, key) with a Hugging Face hub token for pairs that name none (chart engine.hubTokenSecret).
+    hub_token: tuple[str, str] | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "PodDefaults":
         """SPECPAIR_IMAGE_PULL_SECRETS (comma list of Secret names), SPECPAIR_MODEL_CACHE_SIZE_LIMIT,
-        SPECPAIR_ENGINE_INGRESS_FROM (a JSON list of NetworkPolicyPeers), SPECPAIR_GATE_TTL_SECONDS."""
+        SPECPAIR_ENGINE_INGRESS_FROM (a JSON list of NetworkPolicyPeers), SPECPAIR_GATE_TTL_SECONDS,
+        SPECPAIR_OPERATOR_NAMESPACE and SPECPAIR_OPERATOR_POD_LABELS (a JSON object),
+        SPECPAIR_HUB_TOKEN_SECRET and SPECPAIR_HUB_TOKEN_KEY."""
         peers = json.loads(env.get("SPECPAIR_ENGINE_INGRESS_FROM") or "[]")
         if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
             raise ValueError("SPECPAIR_ENGINE_INGRESS_FROM must be a JSON list of NetworkPolicyPeer objects")
+        labels = json.loads(env.get("SPECPAIR_OPERATOR_POD_LABELS") or "{}")
+        if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+            raise ValueError("SPECPAIR_OPERATOR_POD_LABELS must be a JSON object of label -> value")
         return cls(
             image_pull_secrets=tuple(s.strip() for s in (env.get("SPECPAIR_IMAGE_PULL_SECRETS") or "").split(",")
                                      if s.strip()),
             cache_size_limit=env.get("SPECPAIR_MODEL_CACHE_SIZE_LIMIT") or CACHE_SIZE_LIMIT,
             ingress_from=tuple(peers),
             gate_ttl_seconds=int(env.get("SPECPAIR_GATE_TTL_SECONDS") or GATE_TTL_SECONDS),
+            operator_namespace=(env.get("SPECPAIR_OPERATOR_NAMESPACE") or "").strip(),
+            operator_pod_labels=tuple(sorted(labels.items())),
+            hub_token=((env["SPECPAIR_HUB_TOKEN_SECRET"].strip(), (env.get("SPECPAIR_HUB_TOKEN_KEY") or "token").strip())
+                       if (env.get("SPECPAIR_HUB_TOKEN_SECRET") or "").strip() else None),
         )
 
 
 def engine_name(pair: str) -> str:
     return names.object_name(pair, "engine")
+
+
+def engine_tls_secret_name(pair: str) -> str:
+    return names.object_name(pair, "engine-tls")
+
+
+def engine_tls_secret(pair: str, namespace: str, cert_pem: bytes, key_pem: bytes, ca_pem: bytes) -> dict[str, Any]:
+    """The engine's control-listener certificate, its key, and the CA its clients must show."""
+    import base64
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+    return {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+            "metadata": {"name": engine_tls_secret_name(pair), "namespace": namespace, "labels": _labels(pair, "engine")},
+            "data": {"tls.crt": b64(cert_pem), "tls.key": b64(key_pem), "ca.crt": b64(ca_pem)}}
 
 
 def gate_policy_name(pair: str) -> str:
@@ -144,14 +178,15 @@ def _mounts(rollout: dict[str, Any]) -> list[dict[str, Any]]:
     return mounts
 
 
-def _pod_spec(rollout: dict[str, Any], defaults: PodDefaults) -> dict[str, Any]:
+def _pod_spec(rollout: dict[str, Any], defaults: PodDefaults,
+              extra_volumes: list[dict[str, Any]] = ()) -> dict[str, Any]:  # type: ignore[assignment]
     """What engine and gate pods share: no API token, unprivileged, pull secrets, volumes, placement."""
     return {
         "automountServiceAccountToken": False,
         "securityContext": _pod_security(),
         **({"imagePullSecrets": [{"name": n} for n in defaults.image_pull_secrets]}
            if defaults.image_pull_secrets else {}),
-        "volumes": _volumes(rollout, defaults),
+        "volumes": [*_volumes(rollout, defaults), *extra_volumes],
         **_placement(rollout),
     }
 
@@ -196,7 +231,7 @@ class MlflowCredentials:
 
 
 def _env(tracking_uri: str, credentials: MlflowCredentials | None = None,
-         rollout: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+         rollout: dict[str, Any] | None = None, defaults: PodDefaults = PodDefaults()) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "MLFLOW_TRACKING_URI", "value": tracking_uri},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"},
@@ -210,6 +245,12 @@ def _env(tracking_uri: str, credentials: MlflowCredentials | None = None,
     if credentials is not None:
         for var, key in credentials.keys:
             env.append({"name": var, "valueFrom": {"secretKeyRef": {"name": credentials.secret, "key": key}}})
+    ref = _model_cache(rollout or {}).get("hubTokenSecretRef")
+    token = (str(ref["name"]), str(ref.get("key") or "token")) if ref else defaults.hub_token
+    if token is not None:
+        # By reference, not optional: a missing Secret or key keeps the pod from starting, with
+        # the kubelet's reason on the pair, instead of a download that fails as "not found".
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token[0], "key": token[1]}}})
     return env
 
 
@@ -236,8 +277,13 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
         "name": "gate",
         "image": engine_image(release, rollout),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
-        "command": ["python", "-m", "specpair_operator.gate_runner", "--release", RELEASE_FILE],
-        "env": _env(tracking_uri, credentials, rollout=rollout),
+        "command": ["python", "-m", "specpair_operator.gate_runner", "--release", RELEASE_FILE,
+                    "--termination-log", TERMINATION_LOG],
+        # The verdict's digest, written by the gate runner: the operator checks MLflow's verdict
+        # against it (gate_verdict.verify_verdict).
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "File",
+        "env": _env(tracking_uri, credentials, rollout=rollout, defaults=defaults),
         "volumeMounts": _mounts(rollout),
         "securityContext": _container_security(),
     }
@@ -269,16 +315,21 @@ def engine_image(release: dict[str, Any], rollout: dict[str, Any]) -> str:
     return str((release.get("engine") or {}).get("image") or rollout.get("image") or release_mod.default_engine_image())
 
 
-def engine_command(release: dict[str, Any], port: int, http_port: int = HTTP_PORT) -> list[str]:
+def engine_command(release: dict[str, Any], port: int, http_port: int = HTTP_PORT,
+                   control_port: int = CONTROL_PORT) -> list[str]:
     """`specpair engine serve` of the release file the pod mounts: models, revisions, speculation,
     pair and version come from that one document (the engine reports its content hash, which the
-    operator checks); the command line only says how to listen (gRPC, metrics, and the
-    OpenAI-compatible HTTP API on the same batch unless http_port is 0)."""
+    operator checks); the command line only says how to listen (gRPC, metrics, the
+    OpenAI-compatible HTTP API on the same batch unless http_port is 0, and the control listener)."""
     return ["specpair", "engine", "serve", "--release", RELEASE_FILE,
             "--port", str(port), "--metrics-port", str(METRICS_PORT),
             *(["--http-port", str(http_port)] if http_port else []),
-            # Plaintext inside the cluster; the chart's NetworkPolicy limits who can connect.
-            "--insecure"]
+            # The serving ports speak plaintext to the pair's clients (the NetworkPolicy names who
+            # may connect); the operator's calls, SetSpeculation among them, go to the control
+            # listener, which takes only the operator's client certificate (mutual TLS).
+            "--insecure",
+            "--control-port", str(control_port), "--control-tls-cert", f"{TLS_DIR}/tls.crt",
+            "--control-tls-key", f"{TLS_DIR}/tls.key", "--control-tls-client-ca", f"{TLS_DIR}/ca.crt"]
 
 
 def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
@@ -287,18 +338,20 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
     """The engine Deployment serving one release; the selector is stable across releases."""
     port = int(rollout.get("port", 50051))
     http_port = int(rollout.get("httpPort", HTTP_PORT))
+    control_port = int(rollout.get("controlPort", CONTROL_PORT))
     selector = engine_selector(pair)
     labels = _labels(pair, "engine", version)
     container = {
         "name": "engine",
         "image": engine_image(release, rollout),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
-        "command": engine_command(release, port, http_port),
+        "command": engine_command(release, port, http_port, control_port),
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+                  {"name": "control", "containerPort": control_port, "protocol": "TCP"},
                   *([{"name": "http", "containerPort": http_port, "protocol": "TCP"}] if http_port else [])],
-        "env": _env(tracking_uri, credentials, rollout=rollout),
-        "volumeMounts": _mounts(rollout),
+        "env": _env(tracking_uri, credentials, rollout=rollout, defaults=defaults),
+        "volumeMounts": [*_mounts(rollout), {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}],
         "securityContext": _container_security(),
         # Model loading takes a while; the gRPC health service says SERVING only once loaded.
         "startupProbe": {"grpc": {"port": port}, "periodSeconds": 10, "failureThreshold": 60},
@@ -321,7 +374,8 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
                 "metadata": {"labels": labels, "annotations": _release_annotations(release, digest)},
                 "spec": {
                     "containers": [container],
-                    **_pod_spec(rollout, defaults),
+                    **_pod_spec(rollout, defaults, extra_volumes=[
+                        {"name": "tls", "secret": {"secretName": engine_tls_secret_name(pair), "defaultMode": 0o440}}]),
                 },
             },
         },
@@ -364,16 +418,23 @@ ENGINE_PORT_NAMES = ("grpc", "http", "metrics")
 
 def engine_network_policy(pair: str, namespace: str, defaults: PodDefaults = PodDefaults()) -> dict[str, Any]:
     """Ingress to the engine pods on their ports only (gRPC, HTTP, metrics), from the peers the
-    chart names (engine.networkPolicy.from) or, when it names none, from anywhere."""
+    chart names (engine.networkPolicy.from) or, when it names none, from anywhere; the control
+    port from the operator's pods only (when the operator knows where it runs)."""
     rule: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": name} for name in ENGINE_PORT_NAMES]}
     if defaults.ingress_from:
         rule["from"] = [dict(peer) for peer in defaults.ingress_from]
+    control: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": "control"}]}
+    if defaults.operator_namespace:
+        control["from"] = [{"namespaceSelector": {"matchLabels": {
+                               "kubernetes.io/metadata.name": defaults.operator_namespace}},
+                            **({"podSelector": {"matchLabels": dict(defaults.operator_pod_labels)}}
+                               if defaults.operator_pod_labels else {})}]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": {"name": engine_name(pair), "namespace": namespace, "labels": _labels(pair, "engine")},
         "spec": {"podSelector": {"matchLabels": engine_selector(pair)}, "policyTypes": ["Ingress"],
-                 "ingress": [rule]},
+                 "ingress": [rule, control]},
     }
 
 

@@ -127,7 +127,9 @@ def crd_yaml() -> dict[str, Any]:
 
 
 def operator_env(kubeconfig: Path, mlflow_url: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-    return {"KUBECONFIG": str(kubeconfig), "SPECPAIR_MLFLOW_TRACKING_URI": mlflow_url, **(extra or {})}
+    # The operator runs outside the cluster here, so it is told where its CA Secret lives.
+    return {"KUBECONFIG": str(kubeconfig), "SPECPAIR_MLFLOW_TRACKING_URI": mlflow_url,
+            "SPECPAIR_OPERATOR_NAMESPACE": OPERATOR_NAMESPACE, **(extra or {})}
 
 
 def apply_env(env: dict[str, str], monkeypatch: Any) -> None:

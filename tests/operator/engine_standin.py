@@ -90,6 +90,11 @@ class StandInEngine(engine_pb2_grpc.EngineServicer):
                                 speculating=self.speculation)
 
     def SetSpeculation(self, request: Any, context: Any) -> Any:
+        # As the real engine: with a control listener, only the operator's certificate may switch.
+        if self.args.control_port and \
+                b"specpair-operator" not in (context.auth_context().get("x509_common_name") or []):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          "SetSpeculation needs the operator's client certificate on the control port")
         if request.HasField("enabled"):
             self.speculation = request.enabled
         return engine_pb2.SpeculationSettings(enabled=self.speculation, k=self.args.k)
@@ -107,6 +112,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, default=50051)
     ap.add_argument("--metrics-port", type=int, default=9400)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--control-port", type=int, default=0)
+    for flag in ("--control-tls-cert", "--control-tls-key", "--control-tls-client-ca"):
+        ap.add_argument(flag)
     args, _ = ap.parse_known_args(argv[2:])
     if args.release:
         # What the real engine does with --release: everything served comes from the file.
@@ -132,6 +140,14 @@ def main(argv: list[str]) -> int:
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"{args.host or '127.0.0.1'}:{args.port}")
+    if args.control_port:
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+        creds = grpc.ssl_server_credentials([(read(args.control_tls_key), read(args.control_tls_cert))],
+                                            root_certificates=read(args.control_tls_client_ca),
+                                            require_client_auth=True)
+        server.add_secure_port(f"{args.host or '127.0.0.1'}:{args.control_port}", creds)
     server.start()
     print(f"stand-in engine {args.pair} v{args.version} on {args.host}:{args.port}", flush=True)
     stop = threading.Event()

@@ -163,11 +163,21 @@ def test_manifests_validate_against_kubernetes_schemas_and_run_unprivileged():
     assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
     cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
     # What is served is the release file the pod mounts (the annotation), not command-line copies.
+    tls_dir = manifests.TLS_DIR
     assert cmd == ["specpair", "engine", "serve", "--release", manifests.RELEASE_FILE, "--port", "6000",
-                   "--metrics-port", str(manifests.METRICS_PORT), "--http-port", str(manifests.HTTP_PORT), "--insecure"]
+                   "--metrics-port", str(manifests.METRICS_PORT), "--http-port", str(manifests.HTTP_PORT), "--insecure",
+                   "--control-port", str(manifests.CONTROL_PORT), "--control-tls-cert", f"{tls_dir}/tls.crt",
+                   "--control-tls-key", f"{tls_dir}/tls.key", "--control-tls-client-ca", f"{tls_dir}/ca.crt"]
+    # The control listener's certificate comes from the pair's TLS Secret, mounted read-only.
+    pod_spec = dep["spec"]["template"]["spec"]
+    (tls_volume,) = [v for v in pod_spec["volumes"] if v["name"] == "tls"]
+    assert tls_volume["secret"]["secretName"] == manifests.engine_tls_secret_name("p") == "p-engine-tls"
+    assert {"name": "tls", "mountPath": tls_dir, "readOnly": True} in pod_spec["containers"][0]["volumeMounts"]
     # The OpenAI-compatible HTTP API: a named container port the Service exposes; httpPort 0 turns it off.
+    # The control port is not in the Service: the operator dials each pod.
     ports = {p["name"]: p["containerPort"] for p in dep["spec"]["template"]["spec"]["containers"][0]["ports"]}
-    assert ports == {"grpc": 6000, "metrics": manifests.METRICS_PORT, "http": manifests.HTTP_PORT}
+    assert ports == {"grpc": 6000, "metrics": manifests.METRICS_PORT, "http": manifests.HTTP_PORT,
+                     "control": manifests.CONTROL_PORT}
     assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == \
         {"grpc": (6000, "grpc"), "metrics": (manifests.METRICS_PORT, "metrics"), "http": (manifests.HTTP_PORT, "http")}
     off = {**rollout, "httpPort": 0}
@@ -294,10 +304,21 @@ def test_engine_pods_take_ingress_on_their_ports_only_and_gate_pods_none():
     assert not set(gate["spec"]["podSelector"]["matchLabels"].items()) <= set(engine_labels.items())
     assert gate["spec"]["policyTypes"] == ["Ingress"] and gate["spec"]["ingress"] == []
     # Named ports: the policy follows rollout.port and httpPort without naming numbers.
-    (rule,) = policy["spec"]["ingress"]
+    rule, control = policy["spec"]["ingress"]
     assert "from" not in rule  # out of the box: any source, on these ports only
     container_ports = {p["name"] for p in dep["spec"]["template"]["spec"]["containers"][0]["ports"]}
-    assert {p["port"] for p in rule["ports"]} == container_ports == {"grpc", "http", "metrics"}
+    assert {p["port"] for p in rule["ports"] + control["ports"]} == container_ports == {"grpc", "http", "metrics",
+                                                                                       "control"}
+    # The control port: from the operator's pods only, when the operator knows where it runs.
+    assert control["ports"] == [{"protocol": "TCP", "port": "control"}] and "from" not in control
+    located = manifests.engine_network_policy("p", "ns", manifests.PodDefaults.from_env({
+        "SPECPAIR_OPERATOR_NAMESPACE": "specpair-system",
+        "SPECPAIR_OPERATOR_POD_LABELS": json.dumps({"app.kubernetes.io/component": "operator"})}))
+    kubernetes_validate.validate(located, "1.33.0", strict=True)
+    assert located["spec"]["ingress"][1]["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "specpair-system"}},
+         "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}}}]
+    assert "from" not in located["spec"]["ingress"][0]
     assert policy["metadata"]["name"] == manifests.engine_name("p") and gate["metadata"]["name"] == "p-gate"
     assert gate["metadata"]["name"] != manifests.gate_job_name("p", digest)
     peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "web"}}}]
@@ -360,3 +381,62 @@ def test_engine_pods_get_mlflow_credentials_only_to_download_a_model_from_mlflow
     from_mlflow = {**SPEC, "draft": {"source": "models:/team-draft/3"}}
     assert release.reads_from_mlflow(release.build_release("p", "ns", from_mlflow, PROMPTS))
 
+
+
+def test_engine_certificates_are_issued_checked_and_renewed_by_the_operators_ca():
+    import datetime as dt
+
+    from cryptography import x509
+
+    from specpair_operator import tls
+    ca, other = tls.new_ca(), tls.new_ca()
+    assert tls.check_ca(ca) == "" and "does not belong" in tls.check_ca(tls.KeyPair(ca.cert_pem, other.key_pem))
+    names = tls.engine_dns_names("p-engine", "ns")
+    leaf = tls.issue(ca, "p-engine", names, server=True, days=tls.SERVER_DAYS)
+    assert "not a CA" in tls.check_ca(leaf)
+    assert tls.reissue_reason(leaf.cert_pem, ca.cert_pem, ca, names) == ""
+    assert tls.reissue_reason(None, None, ca, names) == "no certificate yet"
+    assert tls.reissue_reason(leaf.cert_pem, ca.cert_pem, other, names) == "issued by another CA"
+    assert "needs" in tls.reissue_reason(leaf.cert_pem, ca.cert_pem, ca, tls.engine_dns_names("q-engine", "ns"))
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=tls.SERVER_DAYS - tls.RENEW_DAYS + 1)
+    assert "days left" in tls.reissue_reason(leaf.cert_pem, ca.cert_pem, ca, names, now=later)
+    cert = x509.load_pem_x509_certificate(leaf.cert_pem)
+    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(usage) == [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]
+    client = x509.load_pem_x509_certificate(tls.issue(ca, tls.OPERATOR_NAME, server=False, days=1).cert_pem)
+    assert client.subject.rfc4514_string() == "CN=specpair-operator"
+    assert tls.server_name("p-engine", "ns") == "p-engine.ns.svc" in names
+
+
+def test_a_verdict_is_promoted_only_if_it_is_the_one_the_gate_job_reported():
+    verdict = {**GOOD, "mlflowRunId": "abc"}
+    digest = gate_verdict.verdict_digest(GOOD)
+    # The run id MLflow adds does not change the digest; any number changed after the gate does.
+    assert gate_verdict.verdict_digest(verdict) == digest
+    assert gate_verdict.verify_verdict(verdict, "3", digest) is None
+    forged = gate_verdict.verify_verdict({**verdict, "acceptanceRate": 0.99}, "3", digest)
+    assert forged.reason == "VerdictMismatch" and not forged.passed and "changed after the gate" in forged.message
+    assert gate_verdict.verify_verdict(verdict, "3", None).reason == "VerdictUnverified"
+
+
+def test_a_hub_token_reaches_engine_and_gate_pods_by_reference_only():
+    rel = release.build_release("p", "ns", SPEC, PROMPTS)
+    digest = release.content_hash(rel)
+
+    def token(obj):
+        env = obj["spec"]["template"]["spec"]["containers"][0]["env"]
+        return [e for e in env if e["name"] == "HF_TOKEN"]
+    installation = manifests.PodDefaults.from_env({"SPECPAIR_HUB_TOKEN_SECRET": "hf", "SPECPAIR_HUB_TOKEN_KEY": "t"})
+    own = {"modelCache": {"hubTokenSecretRef": {"name": "team-hf"}}}
+    for rollout, defaults, expected in (({}, manifests.PodDefaults(), None), ({}, installation, ("hf", "t")),
+                                        (own, installation, ("team-hf", "token"))):
+        for obj in (manifests.engine_deployment("p", "ns", rel, digest, "1", rollout, "http://m", defaults=defaults),
+                    manifests.gate_job("p", "ns", rel, digest, "1", rollout, "http://m", defaults=defaults)):
+            if expected is None:
+                assert token(obj) == []
+            else:
+                (ref,) = token(obj)
+                assert ref == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": expected[0], "key": expected[1]}}}
+    # A token reference is how a pod downloads, not what it serves: the release is the same.
+    assert release.content_hash(release.build_release("p", "ns", {**SPEC, "rollout": own}, PROMPTS)) == \
+        release.content_hash(release.build_release("p", "ns", SPEC, PROMPTS))

@@ -115,6 +115,9 @@ def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champi
         (pod,) = engine_pods(ns)
         assert pod["metadata"]["labels"]["specpair.io/release-version"] == "1" and pod["spec"]["nodeName"]
         assert any(e.get("reason") == "Promoted" for e in ns.events())
+        # No finalizer: deleting the pair never waits for the operator (test_deleting_a_pair_...).
+        assert not obj["metadata"].get("finalizers")
+        the_control_listener_takes_only_the_operator(ns, name, obj, pod)
 
         # A changed spec is a new release, gated and promoted; the old champion becomes previous.
         set_spec(ns, name, {"draft": {"source": "faster-draft"}})
@@ -138,6 +141,20 @@ def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champi
         assert mlflow.get_model_version(model, "3").tags["specpair.gate.status"] == "failed"
         assert len(mlflow.search_model_versions(f"name='{model}'")) == 3
         assert ns.events("GateFailed") and len(ns.events("GatePassed")) >= 1
+
+        # Someone with MLflow write access turns v3's failed verdict into a pass: the verdict is
+        # not the one v3's gate Job reported (its pod's termination message), so nothing moves.
+        forged = {"passed": True, "reasons": [], "greedyIdentity": 1.0, "acceptanceRate": 0.9, "speedup": 2.0,
+                  "categories": {"code": {"acceptanceRate": 0.9}}, "tokenizer": {"compatible": True, "differences": []}}
+        ReleaseRegistry(mlflow_server.url).record_gate(model, "3", forged)
+        obj = ns.wait_for("the forged verdict refused", lambda: (o := ns.pair(name)) and
+                          cond(o, "Gated").get("reason") == "VerdictMismatch" and o, timeout=60)
+        assert "changed after the gate" in cond(obj, "Gated")["message"] and ns.events("VerdictMismatch")
+        time.sleep(3)  # several passes
+        assert mlflow.get_registered_model(model).aliases["champion"] == "2"
+        assert ns.pair(name)["status"]["servingVersion"] == "2"
+        assert [p["metadata"]["labels"]["specpair.io/release-version"] for p in engine_pods(ns)] == ["2"]
+        assert set(ns.pair(name)["status"]["verifiedVerdicts"]) >= {"1", "2"}
 
         # What the operator did, in its Prometheus metrics (the dashboard's promotions panel,
         # gate duration and the serving release's gated speedup).
@@ -215,7 +232,9 @@ def test_restarted_operator_makes_no_duplicates_and_mlflow_outage_recovers(env, 
         ns.wait_for("v3 serving after restart mid-promotion", lambda: serving(ns, name, "3"), timeout=120)
         assert reg.aliases(model) == {"candidate": "3", "champion": "3", "previous": "2"}
         assert len(mlflow.search_model_versions(f"name='{model}'")) == 3
-        assert len(ns.list("batch/v1", "Job")) == 2  # v1's and v2's; v3 already had its verdict
+        # v3's verdict was written into MLflow with no gate Job behind it: the operator does not
+        # take MLflow's word for it and gates v3 itself before finishing the promotion.
+        assert len(ns.list("batch/v1", "Job")) == 3 and ns.events("Regating")
     assert runner.exception is None
 
 
@@ -457,6 +476,70 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, monkey
     granted = rendered_rbac_rules()
     unused = sorted(g for g in granted if g not in used)
     assert not unused, f"the chart grants what the operator never used: {unused}; used: {sorted(used)}"
+
+
+def the_control_listener_takes_only_the_operator(ns: Namespace, name: str, obj: dict[str, Any],
+                                                 pod: dict[str, Any]) -> None:
+    """Engine pods answer the operator over mutual TLS on their control port, with a certificate
+    from the operator's CA for the Service's name; SetSpeculation takes only the operator's
+    client certificate, and the serving port refuses it."""
+    import base64
+
+    import grpc
+    from cluster_env import OPERATOR_NAMESPACE
+    from specpair._proto import engine_pb2, engine_pb2_grpc
+    from specpair_operator import tls
+
+    st = obj["status"]["engineTLS"]
+    assert st["secret"] == f"{name}-engine-tls" and f"{name}-engine.{ns.name}.svc" in st["names"]
+    secret = ns.get("v1", "Secret", st["secret"])
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+    ca_data = ns.kube.get("v1", "Secret", OPERATOR_NAMESPACE, tls.CA_SECRET)["data"]
+    ca = tls.KeyPair(base64.b64decode(ca_data["tls.crt"]), base64.b64decode(ca_data["tls.key"]))
+    assert base64.b64decode(secret["data"]["ca.crt"]) == ca.cert_pem and st["caFingerprint"] == tls.fingerprint(ca.cert_pem)
+    control, serving_port = f"{pod['status']['podIP']}:50052", f"{pod['status']['podIP']}:50051"
+    target = [("grpc.ssl_target_name_override", f"{name}-engine.{ns.name}.svc")]
+
+    def call(channel: grpc.Channel, method: str, request: Any) -> Any:
+        with channel:
+            return getattr(engine_pb2_grpc.EngineStub(channel), method)(request, timeout=10)
+
+    def mtls(cn: str) -> grpc.Channel:
+        client = tls.issue(ca, cn, server=False, days=1)
+        return grpc.secure_channel(control, grpc.ssl_channel_credentials(ca.cert_pem, client.key_pem, client.cert_pem),
+                                   options=target)
+
+    with pytest.raises(grpc.RpcError):  # plaintext to the control port
+        call(grpc.insecure_channel(control), "GetModelInfo", engine_pb2.GetModelInfoRequest())
+    with pytest.raises(grpc.RpcError):  # TLS without a client certificate
+        call(grpc.secure_channel(control, grpc.ssl_channel_credentials(ca.cert_pem), options=target),
+             "GetModelInfo", engine_pb2.GetModelInfoRequest())
+    assert call(mtls("specpair-operator"), "GetModelInfo", engine_pb2.GetModelInfoRequest()).pair == name
+    assert call(mtls("specpair-operator"), "SetSpeculation", engine_pb2.SetSpeculationRequest(enabled=True)).enabled
+    for channel in (mtls("someone-else"), grpc.insecure_channel(serving_port)):
+        with pytest.raises(grpc.RpcError) as refused:
+            call(channel, "SetSpeculation", engine_pb2.SetSpeculationRequest(enabled=False))
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_deleting_a_pair_never_waits_for_the_operator(env):
+    """No finalizer on pairs: with the operator stopped (uninstalled, scaled to zero), a deleted
+    pair goes at once and the garbage collector takes its children."""
+    ns = env
+    name = f"bye-{uuid.uuid4().hex[:5]}"
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(pair(name, "good-draft"))
+        obj = ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
+        time.sleep(1.5)  # several periodic passes: none adds a finalizer
+        assert not ns.pair(name)["metadata"].get("finalizers")
+    assert runner.exception is None
+    ns.kube.delete("specpair.io/v1alpha1", "SpecModelPair", ns.name, name)
+    ns.wait_for("the pair gone", lambda: ns.get("specpair.io/v1alpha1", "SpecModelPair", name) is None, timeout=15)
+    ns.wait_for("its Deployment, Service and TLS Secret collected", lambda: all(
+        ns.get(api, kind, n) is None for api, kind, n in (("apps/v1", "Deployment", f"{name}-engine"),
+                                                          ("v1", "Service", f"{name}-engine"),
+                                                          ("v1", "Secret", f"{name}-engine-tls"))), timeout=60)
+    assert obj["metadata"]["uid"]
 
 
 def ready_engine_address(ns: Namespace) -> str | None:

@@ -62,14 +62,20 @@ def test_crd_defaults_are_the_defaults_the_operator_hashes_with():
          policy.ladder)
 
 
-def test_rbac_is_a_valid_role_without_secrets_deletes_or_wildcards():
+def test_rbac_is_a_valid_role_that_reads_no_secret_but_its_ca_and_never_deletes():
     # Which verbs are needed is proven against a real API server (the audit log check in
     # test_operator_e2e.py); here only what must never be granted.
-    role = next(d for d in yaml.safe_load_all((REPO / "operator" / "rbac.yaml").read_text()) if d)
-    kubernetes_validate.validate(role, "1.33.0", strict=True)
+    docs = [d for d in yaml.safe_load_all((REPO / "operator" / "rbac.yaml").read_text()) if d]
+    role, ca_role = docs[0], next(d for d in docs if d["metadata"]["name"] == "specpair-operator-ca")
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33.0", strict=True)
     granted = {(g, r, verb) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
                for verb in rule["verbs"]}
-    assert not any(r == "secrets" for _, r, _ in granted) and not any(v in ("delete", "*") for _, _, v in granted)
+    # Secrets in pairs' namespaces: written (TLS certificates), never read or listed.
+    assert {v for _, r, v in granted if r == "secrets"} == {"create", "patch"}
+    assert not any(v in ("delete", "*") for _, _, v in granted)
+    reads = [rule for rule in ca_role["rules"] if "get" in rule["verbs"]]
+    assert reads and all(rule.get("resourceNames") == ["specpair-operator-ca"] for rule in reads)
 
 
 def test_engine_command_serves_the_release_file_with_the_engine_cli(tmp_path):

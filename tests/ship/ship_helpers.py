@@ -84,6 +84,7 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
     "grafana": {"dashboard": {"enabled": True, "namespace": "monitoring"}},
     "networkPolicy": {"enabled": True, "egress": [{"ports": [{"port": 443, "protocol": "TCP"}]}]},
     "engine": {"image": "registry.example.com/specpair/engine:0.1.0", "imagePullSecrets": [{"name": "regcred"}],
+               "hubTokenSecret": {"name": "hf-token", "key": "hf"},
                "modelCache": {"sizeLimit": "200Gi"},
                "networkPolicy": {"from": [{"namespaceSelector": {"matchLabels": {"team": "web"}}}]}},
     "gate": {"ttlSecondsAfterFinished": 3600},

@@ -39,7 +39,9 @@ def test_helm_lint_strict_with_non_default_values(helm, tmp_path):
 
 def test_default_render_has_exactly_the_operator_parts(render):
     kinds = sorted(m["kind"] for m in render())
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "ServiceAccount"]
+    # The Role (and binding): the control listeners' CA Secret in the operator's namespace.
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "Role", "RoleBinding",
+                     "ServiceAccount"]
     deployment = one(render(), "Deployment")
     assert deployment["metadata"]["namespace"] == RELEASE_NAMESPACE
     container = deployment["spec"]["template"]["spec"]["containers"][0]
@@ -55,9 +57,10 @@ def test_default_render_has_exactly_the_operator_parts(render):
 def test_non_default_render_wires_every_value(render):
     manifests = render(NON_DEFAULT_VALUES)
     kinds = sorted(m["kind"] for m in manifests)
-    # A Role+RoleBinding per watched namespace, one pair for the MLflow Secret, nothing cluster-wide.
-    assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "Role", "Role", "Role", "RoleBinding",
-                     "RoleBinding", "RoleBinding", "ServiceAccount", "ServiceMonitor"]
+    # A Role+RoleBinding per watched namespace, one pair for the MLflow Secret, one for the CA
+    # Secret, nothing cluster-wide.
+    assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "Role", "Role", "Role", "Role", "RoleBinding",
+                     "RoleBinding", "RoleBinding", "RoleBinding", "ServiceAccount", "ServiceMonitor"]
     pod = one(manifests, "Deployment")["spec"]["template"]["spec"]
     pod_labels = one(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
     container = pod["containers"][0]
@@ -77,10 +80,14 @@ def test_non_default_render_wires_every_value(render):
     assert env["SPECPAIR_ENGINE_IMAGE"]["value"] == "registry.example.com/specpair/engine:0.1.0"
     pods = PodDefaults.from_env({k: v["value"] for k, v in env.items() if "value" in v})
     assert (pods.image_pull_secrets, pods.cache_size_limit, pods.gate_ttl_seconds) == (("regcred",), "200Gi", 3600)
+    assert pods.hub_token == ("hf-token", "hf")
     # The operator's own pods are added to the peers allowed to reach engine pods (its gRPC calls).
     assert pods.ingress_from[0] == {"namespaceSelector": {"matchLabels": {"team": "web"}}}
     assert pods.ingress_from[1]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": RELEASE_NAMESPACE}}
     assert pods.ingress_from[1]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    # The control port of engine pods admits the operator's pods only (their labels, namespace).
+    assert env["SPECPAIR_OPERATOR_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert pods.operator_pod_labels and dict(pods.operator_pod_labels).items() <= pod_labels.items()
     assert container["resources"]["limits"] == {"cpu": "2", "memory": "2Gi"}
     assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
     assert pod["tolerations"][0]["key"] == "dedicated"
@@ -254,10 +261,16 @@ def test_pods_are_non_root_read_only_and_unprivileged(render, variant):
         assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
 
 
-def _operator_rules() -> list[dict[str, Any]]:
-    """The rules the operator says it uses (operator/rbac.yaml, its ClusterRole)."""
+def _operator_rules(kind: str = "ClusterRole") -> list[dict[str, Any]]:
+    """The rules the operator says it uses (operator/rbac.yaml): its ClusterRole, or (Role) the
+    one for its CA Secret in its own namespace."""
     documents = [d for d in yaml.safe_load_all((REPO_ROOT / "operator" / "rbac.yaml").read_text()) if d]
-    return [r for d in documents if d.get("kind") == "ClusterRole" for r in d["rules"]]
+    return [r for d in documents if d.get("kind") == kind for r in d["rules"]]
+
+
+def _side_roles(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Roles in the operator's namespace for one Secret each (the CA's, the MLflow credentials')."""
+    return [r for r in by_kind(manifests, "Role") if r["metadata"]["name"].endswith(("-ca", "-mlflow-credentials"))]
 
 
 def _normalise(rules: list[dict[str, Any]]) -> set[tuple]:
@@ -276,7 +289,11 @@ NOT_NEEDED_BY_THE_CHART = {("", "namespaces", verb, ()) for verb in ("get", "lis
 def test_rbac_grants_exactly_what_the_operator_uses(render, variant):
     values = None if variant == "all-namespaces" else {"watchNamespaces": ["team-a", "team-b"]}
     manifests = render(values)
-    roles = by_kind(manifests, "ClusterRole") + by_kind(manifests, "Role")
+    side = _side_roles(manifests)
+    roles = [r for r in by_kind(manifests, "ClusterRole") + by_kind(manifests, "Role") if r not in side]
+    (ca_role,) = [r for r in side if r["metadata"]["name"].endswith("-ca")]
+    assert _normalise(ca_role["rules"]) == _normalise(_operator_rules("Role"))
+    assert ca_role["metadata"]["namespace"] == RELEASE_NAMESPACE
     expected = _normalise(_operator_rules()) - NOT_NEEDED_BY_THE_CHART
     assert expected, "operator/rbac.yaml has no rules"
     for role in roles:
@@ -297,28 +314,38 @@ def test_rbac_grants_exactly_what_the_operator_uses(render, variant):
 def test_rbac_lets_children_block_their_pairs_deletion(render, values):
     """kopf.adopt sets blockOwnerDeletion on every child; with OwnerReferencesPermissionEnforcement
     (OpenShift) creating one needs `update` on the owner's finalizers, else 403 on every child."""
-    for role in by_kind(render(values), "ClusterRole") + by_kind(render(values), "Role"):
-        assert ("specpair.io", "specmodelpairs/finalizers", "update", ()) in _normalise(role["rules"])
+    manifests = render(values)
+    for role in by_kind(manifests, "ClusterRole") + by_kind(manifests, "Role"):
+        if role not in _side_roles(manifests):
+            assert ("specpair.io", "specmodelpairs/finalizers", "update", ()) in _normalise(role["rules"])
 
 
-def test_rbac_has_no_wildcards_no_secrets_and_never_writes_spec_of_other_kinds(render):
+def test_rbac_has_no_wildcards_reads_secrets_only_by_name_and_never_deletes(render):
+    """Secrets: engine TLS Secrets are created and patched in pairs' namespaces, never read; the
+    only Secrets read are the CA's and (when asked) the MLflow credentials, by name, in the
+    operator's own namespace."""
     for values in (None, NON_DEFAULT_VALUES):
         for role in by_kind(render(values), "ClusterRole") + by_kind(render(values), "Role"):
             for rule in role["rules"]:
                 assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
                 assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"])
-                if "secrets" in rule["resources"]:
-                    assert values is NON_DEFAULT_VALUES and rule["verbs"] == ["get"]
-                    assert rule["resourceNames"] == ["mlflow-credentials"]
-                    assert role["metadata"]["namespace"] == RELEASE_NAMESPACE
+                if "secrets" not in rule["resources"]:
+                    continue
+                assert not {"list", "watch"} & set(rule["verbs"]), rule
+                if "get" in rule["verbs"]:
+                    assert rule["verbs"] == ["get"] and role["metadata"]["namespace"] == RELEASE_NAMESPACE
+                    assert rule["resourceNames"] in (["specpair-operator-ca"], ["mlflow-credentials"])
 
 
-def test_secret_access_only_when_configured(render):
-    assert not any("secrets" in rule["resources"] for role in by_kind(render(), "ClusterRole")
-                   for rule in role["rules"])
+def test_mlflow_secret_access_only_when_configured(render):
+    def named_reads(manifests: list[dict[str, Any]]) -> set[str]:
+        return {name for role in by_kind(manifests, "ClusterRole") + by_kind(manifests, "Role")
+                for rule in role["rules"] if "secrets" in rule["resources"] and "get" in rule["verbs"]
+                for name in rule.get("resourceNames", ["<any>"])}
+    assert named_reads(render()) == {"specpair-operator-ca"}
     named_only = {"mlflow": {"trackingUri": "http://m:5000", "credentialsSecret": {"name": "mlflow-credentials"}}}
-    assert not any("secrets" in rule["resources"] for role in by_kind(render(named_only), "Role")
-                   for rule in role["rules"])
+    assert named_reads(render(named_only)) == {"specpair-operator-ca"}
+    assert named_reads(render(NON_DEFAULT_VALUES)) == {"specpair-operator-ca", "mlflow-credentials"}
 
 
 def test_chart_crds_are_byte_identical_to_top_level_crds():

@@ -1,6 +1,6 @@
 """checkov on the objects the operator creates for a pair (not in the chart: rendered by
 operator/specpair_operator/manifests.py): the engine Deployment, Service and NetworkPolicy, the
-gate Job and its NetworkPolicy."""
+gate Job and its NetworkPolicy, the engine's TLS Secret."""
 
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ SKIPS = {
 }
 
 
+def _tls_secret() -> dict[str, Any]:
+    from specpair_operator import manifests, tls
+    ca = tls.new_ca()
+    leaf = tls.issue(ca, "chat-engine", tls.engine_dns_names("chat-engine", "team"), server=True, days=1)
+    return manifests.engine_tls_secret("chat", "team", leaf.cert_pem, leaf.key_pem, ca.cert_pem)
+
+
 def _objects(with_policies: bool = True) -> dict[str, dict[str, Any]]:
     """A pair as docs/operator.md writes one: models, and resources for its GPU pool. (A pair with
     no spec.rollout.resources also fails CKV_K8S_10..13: the operator cannot size models it has
@@ -40,6 +47,8 @@ def _objects(with_policies: bool = True) -> dict[str, dict[str, Any]]:
                                                          defaults=defaults),
         "engine-service": manifests.engine_service("chat", "team", rollout),
         "gate-job": manifests.gate_job("chat", "team", rel, digest, "1", rollout, "http://m", defaults=defaults),
+        # The engine's control-listener certificate Secret, with a real certificate and key.
+        "engine-tls-secret": _tls_secret(),
     }
     if with_policies:
         objects["engine-networkpolicy"] = manifests.engine_network_policy("chat", "team", defaults)

@@ -127,6 +127,24 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# Each pair's engine control-listener certificate (mutual TLS with the operator): created, and
+# patched on renewal only while the pair owns it. Never read: what was issued is in the pair's
+# status, so the operator cannot read any Secret in a pair's namespace.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create, patch]
+{{- end -}}
+
+{{/* The CA Secret of the engines' control listeners, in the operator's own namespace: read by
+name, created on first start unless cert-manager (tls.certManager) writes it. */}}
+{{- define "specpair.caRules" -}}
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+  resourceNames: [specpair-operator-ca]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
 {{- end -}}
 
 {{/* The MLflow credentials Secret, readable only by name and only when asked for. */}}
