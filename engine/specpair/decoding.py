@@ -277,27 +277,7 @@ class SpeculativeEngine:
     # -- prompts -----------------------------------------------------------------------------
 
     def encode(self, prompt: str | list[dict], chat: bool = False) -> list[int]:
-        tok = self.target.tokenizer
-        if isinstance(prompt, list) or chat:
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            if not messages:
-                raise SpecpairError("empty prompt: at least one chat message is needed")
-            for m in messages:
-                if m.get("role") not in ("system", "user", "assistant", "tool"):
-                    raise SpecpairError(f"unknown chat role {m.get('role')!r}")
-            if not getattr(tok, "chat_template", None):
-                raise SpecpairError("this tokenizer has no chat template; send plain text")
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            ids = list(ids)
-        else:
-            if not prompt or not prompt.strip():
-                raise SpecpairError("empty prompt")
-            ids = tok(prompt, add_special_tokens=True)["input_ids"]
-        if not ids:
-            raise SpecpairError("prompt encodes to no tokens")
-        return ids
+        return encode_prompt(self.target.tokenizer, prompt, chat)
 
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
         if not prompt_ids:
@@ -558,3 +538,28 @@ class Batch:
             finish_reason=seq.finish_reason or "cancelled", prompt_tokens=len(seq.prompt_ids),
             stats=seq.stats, seconds=end - seq.started,
             time_to_first_token=(seq.first_token_at or end) - seq.started)
+
+
+def encode_prompt(tok, prompt: str | list[dict], chat: bool = False) -> list[int]:
+    """Prompt token ids as our engine decodes them (chat template when asked or given messages).
+    One home: the engine, and the vLLM gate that sends vLLM the same ids (gate_vllm.py)."""
+    if isinstance(prompt, list) or chat:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if not messages:
+            raise SpecpairError("empty prompt: at least one chat message is needed")
+        for m in messages:
+            if m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise SpecpairError(f"unknown chat role {m.get('role')!r}")
+        if not getattr(tok, "chat_template", None):
+            raise SpecpairError("this tokenizer has no chat template; send plain text")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        ids = list(ids)
+    else:
+        if not prompt or not prompt.strip():
+            raise SpecpairError("empty prompt")
+        ids = tok(prompt, add_special_tokens=True)["input_ids"]
+    if not ids:
+        raise SpecpairError("prompt encodes to no tokens")
+    return ids

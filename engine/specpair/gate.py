@@ -88,6 +88,9 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
              k_sweep: list[int] | None = None, batch_sizes: list[int] | None = None,
              runs: int = 1) -> tuple[dict, list[dict]]:
     """Returns (verdict, golden outputs)."""
+    if (release.get("engine") or {}).get("kind", "specpair") == "vllm":
+        from specpair.gate_vllm import run_gate_vllm  # the same verdict, from real vLLM servers
+        return run_gate_vllm(release, progress=progress)
     from specpair.decoding import SpeculativeEngine
     from specpair.drafters import NgramDrafter
     from specpair.models import load_model

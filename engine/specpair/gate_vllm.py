@@ -1,0 +1,129 @@
+"""`specpair gate` for a release that vLLM serves (release.engine.kind == "vllm").
+
+The verdict has the same contract as for our engine (gate.py), so the operator judges and
+promotes both alike; what differs is who decodes. The tokenizers are compared first, from their
+files, exactly as gate.py does. Then the golden prompts are run greedy through two real vLLM
+servers, one after the other: target-only, then with the release's speculative config. The
+prompts are tokenized by us (chat template included) and sent as token ids, so both servers and
+our engine see the same prompt tokens; the generated ids must be identical. Acceptance comes
+from vLLM's own spec-decode counters (read before and after each prompt, so each category gets
+its own), speedup from the requests' wall times.
+
+Not measured here: the k and batch-size sweeps (vLLM drafts a fixed k; the release's k is what
+gets served), and identity "within ties" (that needs the target's logits: it equals identity).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from specpair.contract import DEFAULT_CATEGORY, threshold_failures
+from specpair.errors import SpecpairError
+
+ENGINE_KIND = "vllm"
+
+
+def vllm_python() -> str:
+    """The python that runs vLLM: SPECPAIR_VLLM_PYTHON, else scripts/setup-vllm.sh's virtualenv
+    when it exists, else this one (an image with vLLM and specpair in one environment)."""
+    from specpair.vllm_peer import default_python
+
+    explicit = os.environ.get("SPECPAIR_VLLM_PYTHON")
+    if explicit:
+        return explicit
+    venv = default_python()
+    return str(venv) if venv.exists() else sys.executable
+
+
+def dtype_of(release: dict) -> str:
+    return str((release.get("engine") or {}).get("dtype") or "float32")
+
+
+def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
+                  start_timeout: float | None = None) -> tuple[dict, list[dict]]:
+    """Returns (verdict, golden outputs), as gate.run_gate."""
+    from transformers import AutoTokenizer
+
+    from specpair.decoding import encode_prompt
+    from specpair.gate import _check_release, tokenizer_check
+    from specpair.models import resolve_source
+    from specpair.vllm_peer import DEFAULT_START_TIMEOUT, SpecDecodeCounters, VllmServer, speculative_config
+
+    _check_release(release)
+    gating = release.get("gating") or {}
+    prompts = gating["prompts"]
+    chat = bool(gating.get("chat", True))
+    max_new = int(gating.get("maxNewTokens", 32))
+    verdict = {"passed": False, "reasons": [], "tokenizer": None, "greedyIdentity": None,
+               "acceptanceRate": None, "meanAcceptanceLength": None, "speedup": None,
+               "categories": {}, "acceptancePerPosition": [], "bestSpeculation": None,
+               "kSweep": [], "batchSweep": [], "mlflowRunId": None, "device": None, "engine": ENGINE_KIND}
+
+    progress("checking tokenizers before starting vLLM")
+    tok = tokenizer_check(release, progress)
+    verdict["tokenizer"] = tok
+    if not tok["compatible"]:
+        verdict["reasons"] = ["tokenizer mismatch: " + "; ".join(tok["differences"])]
+        return verdict, []
+
+    target_dir = resolve_source(release["target"].get("source") or "default", progress)
+    if not Path(str(target_dir)).is_dir():
+        raise SpecpairError(f"vLLM needs the target as a local model directory; {target_dir!r} is not one")
+    draft = dict(release["draft"])
+    if draft.get("source"):
+        draft["source"] = str(resolve_source(draft["source"], progress))
+    speculative = speculative_config({**release, "draft": draft, "speculation": {
+        **(release.get("speculation") or {}), "enabled": True}})
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    texts = [p["prompt"] for p in prompts]
+    categories = [str(p.get("category") or DEFAULT_CATEGORY) for p in prompts]
+    ids = [encode_prompt(tokenizer, text, chat) for text in texts]
+    python = python or vllm_python()
+    timeout = start_timeout or DEFAULT_START_TIMEOUT
+    dtype = dtype_of(release)
+    verdict["device"] = f"vllm ({dtype})"
+
+    progress(f"vLLM target-only: {len(ids)} golden prompts")
+    with VllmServer(python, target_dir, dtype=dtype, start_timeout=timeout) as base_server:
+        base_server.complete_greedy(ids[0], 2)   # warm-up
+        base = [base_server.complete_greedy(p, max_new) for p in ids]
+    progress(f"vLLM speculative ({speculative.get('method') or 'draft model'}, "
+             f"k={speculative['num_speculative_tokens']})")
+    spec_runs, deltas = [], []
+    with VllmServer(python, target_dir, dtype=dtype, speculative=speculative, start_timeout=timeout) as spec_server:
+        spec_server.complete_greedy(ids[0], 2)
+        for p in ids:
+            before = spec_server.spec_decode_counters()
+            spec_runs.append(spec_server.complete_greedy(p, max_new))
+            deltas.append(spec_server.spec_decode_counters() - before)
+
+    golden, rows = [], []
+    for text, category, b, s, d in zip(texts, categories, base, spec_runs, deltas):
+        identical = b.token_ids == s.token_ids
+        rows.append((category, b.seconds, s.seconds, d, identical))
+        golden.append({"prompt": text, "category": category, "target_only": b.text, "speculative": s.text,
+                       "identical": identical, "token_ids": b.token_ids, "draft_tokens": d.draft_tokens,
+                       "acceptance_rate": round(d.acceptance_rate, 4),
+                       "mean_acceptance_length": round(d.mean_acceptance_length, 4)})
+
+    def summarise(part: list) -> tuple[SpecDecodeCounters, dict]:
+        total = SpecDecodeCounters()
+        for r in part:
+            total = total + r[3]
+        t_base, t_spec = sum(r[1] for r in part), sum(r[2] for r in part)
+        identity = round(sum(r[4] for r in part) / len(part), 4)
+        return total, {"acceptanceRate": round(total.acceptance_rate, 4),
+                       "meanAcceptanceLength": round(total.mean_acceptance_length, 4),
+                       "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
+                       "greedyIdentity": identity, "greedyIdentityWithinTies": identity}
+
+    total, overall = summarise(rows)
+    verdict.update(overall)
+    verdict["acceptancePerPosition"] = [round(x, 4) for x in total.acceptance_per_position]
+    for cat in dict.fromkeys(categories):
+        verdict["categories"][cat] = summarise([r for r in rows if r[0] == cat])[1]
+    verdict["reasons"] = threshold_failures(verdict, gating.get("thresholds") or {})
+    verdict["passed"] = not verdict["reasons"]
+    return verdict, golden
