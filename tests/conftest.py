@@ -15,6 +15,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+def pytest_runtest_setup(item):
+    """Tests marked `vllm` need the vLLM virtualenv (bash scripts/setup-vllm.sh): skipped where it
+    is absent, unless SPECPAIR_REQUIRE_VLLM is set (CI), where they fail instead. Skip them on
+    purpose with `-m "not vllm"`."""
+    if item.get_closest_marker("vllm") is None:
+        return
+    from specpair.vllm_peer import default_python
+    if not default_python().exists():
+        why = f"no vLLM virtualenv at {default_python()} (bash scripts/setup-vllm.sh)"
+        if os.environ.get("SPECPAIR_REQUIRE_VLLM"):
+            pytest.fail(why + "; SPECPAIR_REQUIRE_VLLM is set, so this is a failure, not a skip",
+                        pytrace=False)
+        pytest.skip(why)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from tiny_models import make_tokenizer

@@ -15,6 +15,14 @@ the report says on how many prompts it does. (Leviathan's i.i.d. formula from th
 rate is not a bound: n-gram acceptance comes in runs, so real rounds yield more than it
 predicts.) Efficiency = measured speedup / bound. Hugging Face assisted generation runs the same
 pair as the peer, so both speedups come from one run on one machine.
+
+`--peer vllm` also runs the same prompts (as token ids: our chat template applied), the same
+model directory and the same greedy max_new_tokens through a real vLLM server, target-only and
+speculative with the same drafter and k (specpair.vllm_peer), after our own timings so the two
+never share the CPU: vLLM's tokens/s (request wall time, prefill included, as ours), its
+acceptance from its own counters, on how many prompts its greedy ids equal our target-only ids,
+and ours/vLLM. vLLM drafts a fixed k and its n-gram lookup takes the earliest longest match
+(ours: the latest), so acceptances may differ while outputs must not.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
 from specpair.kv_cache import BatchedKVModel
 from specpair.stats import AcceptanceStats
+from specpair.vllm_peer import (DEFAULT_START_TIMEOUT, VLLM_VERSION, SpecDecodeCounters, VllmServer,
+                                speculative_config)
 
 
 def load_prompts(path: str | None) -> list[dict]:
@@ -165,6 +175,8 @@ class PromptResult:
     hf_target_seconds: float | None = None
     hf_assisted_seconds: float | None = None
     divergence: dict | None = None       # first mismatch vs target-only, with the logit margin
+    target_ids: list[int] | None = None  # our target-only greedy ids (what vLLM's must equal)
+    vllm: dict | None = None             # {"target"|"spec": {seconds, tokens, identical[, counters]}}
 
 
 @dataclass
@@ -175,6 +187,7 @@ class BenchReport:
     runs: int
     costs: dict
     prompts: list[PromptResult] = field(default_factory=list)
+    vllm: dict | None = None             # the vLLM peer's setup: python, model, configs, start times
 
     def summarise(self, rows: list[PromptResult]) -> dict:
         stats = AcceptanceStats()
@@ -219,6 +232,7 @@ class BenchReport:
             "rounds_without_draft": no_draft,
             "draft_seconds": round(stats.draft_seconds, 4),
             "target_seconds": round(stats.target_seconds, 4),
+            **summarise_vllm(rows, tokens / t_target if t_target else 0.0, tokens / t_spec if t_spec else 0.0),
         }
 
     def to_dict(self) -> dict:
@@ -230,11 +244,37 @@ class BenchReport:
         if self.pair.get("target_bytes"):
             overall["target_bandwidth_gb_s"] = round(
                 self.pair["target_bytes"] / self.costs["target_step"] / 1e9, 3)
-        return {"pair": self.pair, "device": self.device, "k": self.k, "runs": self.runs,
-                "costs_seconds": {"target_step": round(self.costs["target_step"], 6),
-                                  "draft_step": round(self.costs["draft_step"], 6),
-                                  "verify": {str(k): round(v, 6) for k, v in self.costs["verify"].items()}},
-                "categories": categories, "overall": overall}
+        out = {"pair": self.pair, "device": self.device, "k": self.k, "runs": self.runs,
+               "costs_seconds": {"target_step": round(self.costs["target_step"], 6),
+                                 "draft_step": round(self.costs["draft_step"], 6),
+                                 "verify": {str(k): round(v, 6) for k, v in self.costs["verify"].items()}},
+               "categories": categories, "overall": overall}
+        if self.vllm is not None:
+            out["vllm"] = self.vllm
+            out["vllm_prompts"] = [r.vllm for r in self.prompts]
+        return out
+
+
+def summarise_vllm(rows: list[PromptResult], ours_target_tps: float, ours_spec_tps: float) -> dict:
+    """The vLLM peer's columns for these prompts (empty when it did not run)."""
+    if not rows or any(r.vllm is None for r in rows):
+        return {}
+    out = {}
+    for mode, ours in (("target", ours_target_tps), ("spec", ours_spec_tps)):
+        seconds = sum(r.vllm[mode]["seconds"] for r in rows)
+        tps = sum(r.vllm[mode]["tokens"] for r in rows) / seconds if seconds else 0.0
+        out[f"vllm_{mode}_tokens_per_s"] = round(tps, 3)
+        # Prompts whose vLLM greedy ids equal our target-only ids.
+        out[f"vllm_{mode}_identical"] = sum(bool(r.vllm[mode]["identical"]) for r in rows)
+        out[f"{mode}_vs_vllm"] = round(ours / tps, 4) if tps else None
+    out["vllm_speedup"] = (round(out["vllm_spec_tokens_per_s"] / out["vllm_target_tokens_per_s"], 4)
+                           if out["vllm_target_tokens_per_s"] else None)
+    counters = sum((SpecDecodeCounters.from_dict(r.vllm["spec"]["counters"]) for r in rows),
+                   SpecDecodeCounters())
+    out["vllm_acceptance_rate"] = round(counters.acceptance_rate, 4)
+    out["vllm_mean_acceptance_length"] = round(counters.mean_acceptance_length, 4)
+    out["vllm_acceptance_per_position"] = [round(x, 4) for x in counters.acceptance_per_position]
+    return out
 
 
 def _hf_generate(engine: SpeculativeEngine, prompt_ids: list[int], max_new_tokens: int, k: int,
@@ -256,7 +296,9 @@ def _hf_generate(engine: SpeculativeEngine, prompt_ids: list[int], max_new_token
 
 
 def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens: int = 64,
-              runs: int = 3, chat: bool = True, hf_peer: bool = True, progress=None) -> BenchReport:
+              runs: int = 3, chat: bool = True, hf_peer: bool = True, progress=None,
+              vllm_python: str | None = None, vllm_start_timeout: float | None = None,
+              note=None) -> BenchReport:
     k = engine.config.k
     encoded = [(p["category"], engine.encode(p["prompt"], chat=chat)) for p in prompts]
     # Warm-up: first calls allocate and pick kernels; never time them.
@@ -297,10 +339,56 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
             identical=spec_result.token_ids == base_result.token_ids, stats=spec_result.stats,
             rounds_without_draft=rounds - spec_result.stats.num_drafts, prefill_seconds=prefill,
             hf_target_seconds=statistics.median(hf_t) if hf_t else None,
-            hf_assisted_seconds=statistics.median(hf_a) if hf_a else None, divergence=divergence))
+            hf_assisted_seconds=statistics.median(hf_a) if hf_a else None, divergence=divergence,
+            target_ids=list(base_result.token_ids)))
         if progress:
             progress(n + 1, len(encoded), category)
+    if vllm_python:
+        report.vllm = run_vllm_peer(engine, [ids for _, ids in encoded], report.prompts,
+                                    python=vllm_python, max_new_tokens=max_new_tokens, runs=runs,
+                                    start_timeout=vllm_start_timeout, note=note)
     return report
+
+
+def run_vllm_peer(engine: SpeculativeEngine, encoded: list[list[int]], rows: list[PromptResult], *,
+                  python: str, max_new_tokens: int, runs: int, start_timeout: float | None = None,
+                  note=None) -> dict:
+    """The same prompts through vLLM, target-only then speculative (one server each, started
+    after our timings); fills each row's `vllm` and returns the setup for the report."""
+    note = note or (lambda msg: None)
+    target = engine.target
+    model_dir = target.resolved_path or target.source
+    if not (Path(model_dir) / "config.json").is_file():
+        raise SpecpairError(f"--peer vllm needs the target as a local model directory; {target.source!r} "
+                            f"resolved to {model_dir!r}")
+    spec = speculative_config(engine.drafter.describe() if engine.drafter else None, k=engine.config.k)
+    dtype = str(target.dtype).replace("torch.", "")
+    setup = {"version": VLLM_VERSION, "python": str(python), "model": str(model_dir), "dtype": dtype,
+             "speculative_config": spec, "threads": 1, "ours_threads": torch.get_num_threads(),
+             "start_seconds": {}}
+    for mode, config in (("target", None), ("spec", spec)):
+        note(f"starting vLLM ({'target-only' if config is None else 'speculative ' + json.dumps(config)})")
+        with VllmServer(python, model_dir, speculative=config, dtype=dtype,
+                        start_timeout=start_timeout or DEFAULT_START_TIMEOUT) as server:
+            setup["start_seconds"][mode] = round(server.start_seconds, 1)
+            note(f"vLLM {mode} server healthy in {server.start_seconds:.1f} s; timing {len(encoded)} prompts")
+            server.complete_greedy(encoded[0], 4)                     # warm-up, never timed
+            for ids, row in zip(encoded, rows):
+                before = server.spec_decode_counters()
+                times, out = [], None
+                for _ in range(runs):
+                    out = server.complete_greedy(ids, max_new_tokens)
+                    times.append(out.seconds)
+                result = {"seconds": round(statistics.median(times), 4), "tokens": len(out.token_ids),
+                          "identical": out.token_ids == row.target_ids}
+                if not result["identical"]:
+                    at = next((i for i, (a, b) in enumerate(zip(out.token_ids, row.target_ids)) if a != b),
+                              min(len(out.token_ids), len(row.target_ids)))
+                    result["first_difference"] = at
+                if config is not None:   # over all `runs` runs of the prompt (rates unchanged)
+                    result["counters"] = (server.spec_decode_counters() - before).to_dict()
+                row.vllm = {**(row.vllm or {}), mode: result}
+    return setup
 
 
 def _run_one(engine: SpeculativeEngine, ids: list[int], params: GenerationParams, speculate: bool):
@@ -318,12 +406,20 @@ def format_table(report: dict) -> str:
             "hf_assisted_speedup", "speedup_vs_hf"]
     short = ["tgt tok/s", "spec tok/s", "speedup", "accept", "mean len", "c", "bound", "eff",
              "identity", "HF spdup", "vs HF"]
+    if "vllm" in report:
+        # vLLM's tokens/s and acceptance, prompts whose greedy ids equal our target-only ids,
+        # and ours / vLLM's tokens/s.
+        cols += ["vllm_target_tokens_per_s", "vllm_spec_tokens_per_s", "vllm_acceptance_rate",
+                 "vllm_target_identical", "vllm_spec_identical", "target_vs_vllm", "spec_vs_vllm"]
+        short += ["vLLM tgt", "vLLM spec", "vLLM acc", "=vLLM tgt", "=vLLM spec", "tgt/vLLM", "spec/vLLM"]
     lines = [f"{'category':<15}" + "".join(f"{h:>11}" for h in short)]
     rows = list(report["categories"].items()) + [("OVERALL", report["overall"])]
     for name, row in rows:
         cells = []
         for c in cols:
             v = row.get(c)
+            if c.endswith("_identical") and v is not None:
+                v = f"{v}/{row['prompts']}"
             cells.append(f"{'-' if v is None else (f'{v:.3f}' if isinstance(v, float) else v):>11}")
         lines.append(f"{name:<15}" + "".join(cells))
     costs = report["costs_seconds"]
@@ -340,4 +436,12 @@ def format_table(report: dict) -> str:
     lines.append("acceptance per position: " + " ".join(f"{x:.2f}" for x in per_pos))
     if "target_bandwidth_gb_s" in report["overall"]:
         lines.append(f"target-only weight bandwidth: {report['overall']['target_bandwidth_gb_s']} GB/s")
+    if "vllm" in report:
+        v = report["vllm"]
+        lines.append(f"vLLM {v['version']} peer ({v['dtype']}, {v['threads']} thread; ours "
+                     f"{v['ours_threads']}): speculative config {json.dumps(v['speculative_config'])}; "
+                     f"servers healthy in " + ", ".join(f"{m} {s} s" for m, s in v["start_seconds"].items()))
+        per_pos = overall.get("vllm_acceptance_per_position") or []
+        lines.append("vLLM acceptance per position: " + " ".join(f"{x:.2f}" for x in per_pos)
+                     + f"; vLLM speculative speedup {overall.get('vllm_speedup')}")
     return "\n".join(lines)

@@ -122,8 +122,19 @@ def cmd_bench(args) -> int:
         bar.update(1)
         bar.set_postfix_str(category)
 
+    vllm_python = None
+    if "vllm" in (args.peer or []):
+        from specpair.vllm_peer import default_python
+
+        vllm_python = args.vllm_python or str(default_python())
+        if not os.path.exists(vllm_python):
+            raise SpecpairError(f"--peer vllm: no vLLM python at {vllm_python}; run "
+                                f"`bash scripts/setup-vllm.sh` or pass --vllm-python")
+
     report = run_bench(engine, prompts, max_new_tokens=args.max_new_tokens, runs=args.runs,
-                       chat=not args.raw, hf_peer=not args.no_hf, progress=progress).to_dict()
+                       chat=not args.raw, hf_peer=not args.no_hf, progress=progress,
+                       vllm_python=vllm_python, vllm_start_timeout=args.vllm_start_timeout,
+                       note=_progress).to_dict()
     bar.close()
     if args.out:
         with open(args.out, "w") as fh:
@@ -181,6 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runs", type=int, default=3, help="runs per prompt; the median is reported")
     b.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
     b.add_argument("--no-hf", action="store_true", help="skip the Hugging Face assisted peer")
+    b.add_argument("--peer", action="append", choices=["vllm"], default=None,
+                   help="also run the prompts through this peer: 'vllm' starts a vLLM server "
+                        "(target-only, then speculative with the same drafter and k) and adds its "
+                        "tokens/s, acceptance and greedy identity beside ours")
+    b.add_argument("--vllm-python", default=None,
+                   help="python of the vLLM virtualenv (default: what scripts/setup-vllm.sh "
+                        "prints, $SPECPAIR_VLLM_VENV/bin/python or "
+                        "~/.cache/specpair/vllm-venv-0.32.0/bin/python)")
+    b.add_argument("--vllm-start-timeout", type=float, default=None,
+                   help="seconds to wait for each vLLM server to be healthy (default 180)")
     b.add_argument("--json", action="store_true")
     b.add_argument("--out", default=None, help="also write the JSON report here")
     b.set_defaults(func=cmd_bench)
