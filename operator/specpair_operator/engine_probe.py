@@ -111,3 +111,64 @@ class GrpcEngineProbe:
     async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None:
         await self._call(address, "SetSpeculation", "SetSpeculationRequest", server_name,
                          enabled=enabled, reason=reason)
+
+
+class VllmProbe:
+    """Reads vLLM engine pods over their HTTP port: /v1/models (the identity name the release
+    file put there: pair, version, content hash, speculation; specpair.vllm_serve) and /metrics
+    (vLLM's spec-decode counters, as one category "all": vLLM does not count by category). vLLM
+    has no runtime switch, so set_speculation changes nothing; the operator re-rolls the
+    Deployment instead. Both formats are read with the engine package's own torch-free parsers."""
+
+    def __init__(self, timeout_s: float = 5.0):
+        self.timeout_s = timeout_s
+
+    async def _get(self, address: str, path: str) -> str:
+        import aiohttp
+
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
+                async with session.get(f"http://{address}{path}") as resp:
+                    if resp.status != 200:
+                        raise EngineUnreachable(f"GET {path} on {address}: HTTP {resp.status}")
+                    return await resp.text()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise EngineUnreachable(f"GET {path} on {address}: {exc}") from exc
+
+    async def model_info(self, address: str, server_name: str = "") -> dict[str, Any]:
+        import json
+
+        from specpair.vllm_serve import parse_identity_name
+
+        for m in json.loads(await self._get(address, "/v1/models")).get("data") or []:
+            identity = parse_identity_name(str(m.get("id", "")))
+            if identity is not None:
+                return {"pair": identity["pair"], "releaseVersion": identity["version"],
+                        "contentHash": identity["digest"], "tokenizer": {},
+                        "speculationEnabled": identity["speculating"]}
+        return {"pair": "", "releaseVersion": "", "contentHash": "", "tokenizer": {}, "speculationEnabled": False}
+
+    async def stats(self, address: str, server_name: str = "") -> dict[str, Any]:
+        from specpair.vllm_peer import parse_spec_decode_metrics
+
+        text = await self._get(address, "/metrics")
+        counters = parse_spec_decode_metrics(text)
+        return {"categories": {"all": {"drafted": counters.draft_tokens, "accepted": counters.accepted_tokens,
+                                       "requests": finished_requests(text)}},
+                "speculating": counters.draft_tokens > 0, "uptimeSeconds": None}
+
+    async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None:
+        return None
+
+
+def finished_requests(metrics_text: str) -> int:
+    """vLLM's finished requests (vllm:request_success_total, every finish reason): the sampled
+    units drift's statistics count (a window needs enough of them)."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:request_success_total"):
+            try:
+                total += float(line.rsplit(None, 1)[-1])
+            except ValueError:
+                continue
+    return int(total)

@@ -29,7 +29,7 @@ from . import gate_verdict, manifests, validation
 from . import metrics
 from . import release as release_mod
 from . import tls as tls_mod
-from .engine_probe import ClientTLS, EngineProbe, EngineUnreachable, GrpcEngineProbe
+from .engine_probe import ClientTLS, EngineProbe, EngineUnreachable, GrpcEngineProbe, VllmProbe
 from .kube import Kube, KubeError
 from .registry import (ModelClaimed, TAG_GATE_RUN, TAG_HASH, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET,
                        RegistryUnavailable, ReleaseRegistry)
@@ -58,6 +58,7 @@ class Runtime:
     kube: Kube | None = None
     registry: ReleaseRegistry | None = None
     probe: EngineProbe | None = None
+    vllm_probe: EngineProbe = field(default_factory=VllmProbe)
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     retry_at: dict[str, float] = field(default_factory=dict)
     backoff: dict[str, float] = field(default_factory=dict)
@@ -302,6 +303,7 @@ class Pass:
         self.registry_down = False  # judging drift from the last MLflow facts while MLflow is down
         self.gate_jobs: dict[str, dict[str, Any] | None] = {}
         self.events: list[tuple[str, str, str]] = []  # (type, reason, message), posted when the pass ends
+        self.kind = "specpair"  # the serving release's engine (set by _serve from the champion's release)
 
     def event(self, type_: str, reason: str, message: str) -> None:
         self.events.append((type_, reason, message))
@@ -415,6 +417,7 @@ class Pass:
             return
         model, al, champion, tags, verdict, served_hash = cached
         self.registry_down = True
+        self.kind = release_mod.engine_kind(json.loads(tags.get(TAG_RELEASE) or "{}"))
         try:
             pods = await self._engine_pods()
             ok, _, infos = await self._verify_identity(pods, champion, served_hash, tags)
@@ -747,6 +750,7 @@ class Pass:
             return
         rel = json.loads(tags[TAG_RELEASE])
         digest = tags[TAG_HASH]
+        self.kind = release_mod.engine_kind(rel)
         _, verdict, _ = await self.registry(reg.gate_result, model, champion)
         verdict = verdict or {}
         served = json.loads(json.dumps(rel))
@@ -833,8 +837,8 @@ class Pass:
                                           self.rt.gate_tracking_uri,
                                           # Engine pods need MLflow only to download a model from it.
                                           self.credentials() if release_mod.reads_from_mlflow(served) else None,
-                                          self.rt.pods)
-        svc = manifests.engine_service(self.name, self.namespace, self.rollout)
+                                          self.rt.pods, speculation=self._desired_speculation(version))
+        svc = manifests.engine_service(self.name, self.namespace, self.rollout, self.kind)
         fingerprint = hashlib.sha256(json.dumps(dep, sort_keys=True).encode()).hexdigest()[:16]
         dep["metadata"]["annotations"][ANN_MANIFEST] = fingerprint
         kopf.adopt(dep, owner=self.body)
@@ -845,8 +849,9 @@ class Pass:
         live_svc = await kube.get("v1", "services", self.namespace, svc["metadata"]["name"])
         if live_svc is not None and not self._owns(live_svc):
             return "conflict", f"Service {svc['metadata']['name']}"
-        # The control listener's certificate, before the first engine pod needs it.
-        conflict = await self._ensure_engine_tls()
+        # The control listener's certificate, before the first engine pod needs it (vLLM pods
+        # have no control listener).
+        conflict = await self._ensure_engine_tls() if self.kind != "vllm" else ""
         if conflict:
             return "conflict", f"Secret {conflict}"
         # Ingress to engine pods on their ports only; in place before the first engine pod is.
@@ -971,7 +976,10 @@ class Pass:
         return [p for p in pods if ready(p)]
 
     def _address(self, pod: dict[str, Any]) -> str:
-        """The pod's control listener (mutual TLS): the operator never uses the serving port."""
+        """The pod's control listener (mutual TLS): the operator never uses the serving port. A
+        vLLM pod has none: its HTTP port, read only (/v1/models, /metrics)."""
+        if self.kind == "vllm":
+            return f"{pod['status']['podIP']}:{int(self.rollout.get('httpPort') or manifests.HTTP_PORT)}"
         return f"{pod['status']['podIP']}:{int(self.rollout.get('controlPort', manifests.CONTROL_PORT))}"
 
     def _server_name(self) -> str:
@@ -985,7 +993,7 @@ class Pass:
         expected = {"target": tags.get(TAG_TOKENIZER_TARGET), "draft": tags.get(TAG_TOKENIZER_DRAFT)}
         for pod in pods:
             try:
-                info = await self.rt.probe.model_info(self._address(pod), server_name=self._server_name())
+                info = await self._probe().model_info(self._address(pod), server_name=self._server_name())
             except EngineUnreachable as exc:
                 return False, f"pod {pod['metadata']['name']}: model identity not verified: {exc}", infos
             # `digest` is the hash of the release document this pod was given; the engine hashes
@@ -1024,27 +1032,37 @@ class Pass:
         self.finish("RollingOut", (False, "RolledBack", reason), (True, "RolledBack", f"rolling back to v{target}"),
                     (False, "RolledBack", ""))
 
+    def _desired_speculation(self, champion: str) -> bool:
+        if "speculationEnabled" in self.out:
+            return bool(self.out["speculationEnabled"])
+        if str((self.status.get("drift") or {}).get("version", "")) == str(champion):
+            return bool(self.status.get("speculationEnabled", True))
+        return True  # a release the drift ladder has not acted on speculates
+
+    def _probe(self) -> EngineProbe:
+        return self.rt.vllm_probe if self.kind == "vllm" else self.rt.probe
+
     async def _reconcile_speculation(self, champion: str, pods: list[dict[str, Any]],
                                      infos: list[dict[str, Any]]) -> str:
         """Every pod speculates exactly when the operator wants it to (level-triggered: a pod that
         restarted after SpeculationOff speculates again until told otherwise). Returns what is
         still off-target ('' when every pod matches)."""
-        if "speculationEnabled" in self.out:
-            desired = bool(self.out["speculationEnabled"])
-        elif str((self.status.get("drift") or {}).get("version", "")) == str(champion):
-            desired = bool(self.status.get("speculationEnabled", True))
-        else:
-            desired = True  # a release the drift ladder has not acted on speculates
+        desired = self._desired_speculation(champion)
         stuck = []
         for pod, info in zip(pods, infos):
             if bool(info.get("speculationEnabled", True)) == desired:
                 continue
             name = pod["metadata"]["name"]
+            if self.kind == "vllm":
+                # No runtime switch: the Deployment is rendered with the desired state and rolls.
+                stuck.append(f"pod {name} is replaced by one {'with' if desired else 'without'} speculation "
+                             "(vLLM cannot switch it at run time)")
+                continue
             try:
-                await self.rt.probe.set_speculation(self._address(pod), desired,
+                await self._probe().set_speculation(self._address(pod), desired,
                                                     "operator: reconcile to the desired speculation state",
                                                     server_name=self._server_name())
-                after = await self.rt.probe.model_info(self._address(pod), server_name=self._server_name())
+                after = await self._probe().model_info(self._address(pod), server_name=self._server_name())
             except EngineUnreachable as exc:
                 stuck.append(f"pod {name}: {exc}")
                 continue
@@ -1092,7 +1110,7 @@ class Pass:
         observed = []
         try:
             for pod in pods:
-                stats = await self.rt.probe.stats(self._address(pod), server_name=self._server_name())
+                stats = await self._probe().stats(self._address(pod), server_name=self._server_name())
                 uptime = stats.get("uptimeSeconds")
                 meta = pod["metadata"]
                 observed.append(drift_mod.PodStats(
@@ -1124,6 +1142,11 @@ class Pass:
                 return rel.get("target"), rel.get("draft"), tags.get(TAG_TOKENIZER_DRAFT)
             same_models = TAG_RELEASE in tags_prev and models(tags_prev) == models(tags_cur)
         baseline = gate_verdict.baseline_from_verdict(verdict)
+        if self.kind == "vllm":
+            # vLLM counts drafts for the whole server, not per category: judge them against the
+            # gated overall acceptance (and the previous release's, likewise).
+            baseline = {k: v for k, v in baseline.items() if k == "*"}
+            previous_baseline = {k: v for k, v in (previous_baseline or {}).items() if k == "*"} or None
         decision = drift_mod.decide(policy, previous, memory, time.time(), observed, baseline,
                                     previous_baseline, same_models)
         if self.registry_down and decision.action and decision.action != drift_mod.SPECULATION_OFF:
@@ -1156,7 +1179,7 @@ class Pass:
             if not self.registry_down:
                 await self.registry(self.rt.registry.set_tags, model, champion, {TAG_SPECULATION_OFF: reason[:4000]})
             for address in addresses:
-                await self.rt.probe.set_speculation(address, False, reason[:500], server_name=self._server_name())
+                await self._probe().set_speculation(address, False, reason[:500], server_name=self._server_name())
             self.out["speculationEnabled"] = False
             self.cond(c.DRIFTED, True, "SpeculationOff", reason)
             self.record("SpeculationOff", reason, champion, champion, warning=True)
@@ -1169,7 +1192,7 @@ class Pass:
         if decision.action == drift_mod.SPECULATION_ON:
             await self.registry(self.rt.registry.set_tags, model, champion, {TAG_SPECULATION_OFF: ""})
             for address in addresses:
-                await self.rt.probe.set_speculation(address, True, decision.reason[:500], server_name=self._server_name())
+                await self._probe().set_speculation(address, True, decision.reason[:500], server_name=self._server_name())
             self.out["speculationEnabled"] = True
             self.cond(c.DRIFTED, False, "Recovered", decision.reason)
             self.record("SpeculationOn", decision.reason, champion, champion)
@@ -1181,7 +1204,7 @@ class Pass:
             # when the engine drafted nothing since.
             if self.status.get("speculationEnabled", True) != decision.speculation:
                 for address in addresses:
-                    await self.rt.probe.set_speculation(address, decision.speculation,
+                    await self._probe().set_speculation(address, decision.speculation,
                                                         "drift probe" if decision.speculation else "drift probe over",
                                                         server_name=self._server_name())
                 self.logger.info(f"drift probe {'started' if decision.speculation else 'over'} for v{champion}")

@@ -332,10 +332,31 @@ def engine_command(release: dict[str, Any], port: int, http_port: int = HTTP_POR
             "--control-tls-key", f"{TLS_DIR}/tls.key", "--control-tls-client-ca", f"{TLS_DIR}/ca.crt"]
 
 
+def _has_gpu(rollout: dict[str, Any]) -> bool:
+    limits = {**((rollout.get("resources") or {}).get("requests") or {}),
+              **((rollout.get("resources") or {}).get("limits") or {})}
+    return any(name.endswith("/gpu") and str(v) not in ("0", "") for name, v in limits.items())
+
+
+def vllm_command(http_port: int, rollout: dict[str, Any], speculation: bool = True) -> list[str]:
+    """vLLM's OpenAI server for the release file the pod mounts (specpair.vllm_serve resolves the
+    models and builds vLLM's flags from the release). No GPU: eager mode (compiling for the CPU
+    takes minutes at every start)."""
+    return ["python", "-m", "specpair.vllm_serve", "--release", RELEASE_FILE, "--host", "0.0.0.0",
+            "--port", str(http_port), *([] if speculation else ["--no-speculation"]),
+            *([] if _has_gpu(rollout) else ["--enforce-eager"])]
+
+
 def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
                       rollout: dict[str, Any], tracking_uri: str,
-                      credentials: MlflowCredentials | None = None, defaults: PodDefaults = PodDefaults()) -> dict[str, Any]:
-    """The engine Deployment serving one release; the selector is stable across releases."""
+                      credentials: MlflowCredentials | None = None, defaults: PodDefaults = PodDefaults(),
+                      speculation: bool = True) -> dict[str, Any]:
+    """The engine Deployment serving one release; the selector is stable across releases.
+    `speculation` matters only for vLLM, which cannot switch it at run time: its SpeculationOff
+    is this Deployment rendered without it (a rollout of the same release)."""
+    if release_mod.engine_kind(release) == "vllm":
+        return _vllm_deployment(pair, namespace, release, digest, version, rollout, tracking_uri, credentials,
+                                defaults, speculation)
     port = int(rollout.get("port", 50051))
     http_port = int(rollout.get("httpPort", HTTP_PORT))
     control_port = int(rollout.get("controlPort", CONTROL_PORT))
@@ -382,21 +403,71 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
     }
 
 
+def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
+                     rollout: dict[str, Any], tracking_uri: str, credentials: MlflowCredentials | None,
+                     defaults: PodDefaults, speculation: bool) -> dict[str, Any]:
+    """vLLM's OpenAI server: one HTTP port for the API, /health (the probes) and /metrics (drift
+    and Prometheus). The operator only reads from these pods (/v1/models for identity, /metrics
+    for acceptance); there is no call that changes them, so no control listener."""
+    http_port = int(rollout.get("httpPort") or HTTP_PORT)
+    labels = _labels(pair, "engine", version)
+    container = {
+        "name": "engine",
+        "image": engine_image(release, rollout),
+        "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
+        "command": vllm_command(http_port, rollout, speculation),
+        "ports": [{"name": "http", "containerPort": http_port, "protocol": "TCP"}],
+        "env": _env(tracking_uri, credentials, rollout=rollout, defaults=defaults),
+        "volumeMounts": _mounts(rollout),
+        "securityContext": _container_security(),
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 60},
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 20, "failureThreshold": 3},
+    }
+    if rollout.get("resources"):
+        container["resources"] = rollout["resources"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": engine_name(pair), "namespace": namespace, "labels": labels,
+                     "annotations": {ANN_HASH: digest}},
+        "spec": {
+            "replicas": int(rollout.get("replicas", 1)),
+            "selector": {"matchLabels": engine_selector(pair)},
+            "progressDeadlineSeconds": int(rollout.get("progressDeadlineSeconds", 600)),
+            "strategy": rollout_strategy(rollout),
+            "template": {
+                "metadata": {"labels": labels, "annotations": _release_annotations(release, digest)},
+                "spec": {"containers": [container], **_pod_spec(rollout, defaults)},
+            },
+        },
+    }
+
+
 def rollout_strategy(rollout: dict[str, Any]) -> dict[str, Any]:
     """Surge a new pod before the old one goes, unless the engine holds accelerators: a GPU
     node pool rarely has a spare device, and a surge pod that cannot be scheduled would stall
     the rollout until its progress deadline. Then the old pod goes first (a short gap in
     serving per replica instead of a stuck rollout)."""
-    limits = {**((rollout.get("resources") or {}).get("requests") or {}),
-              **((rollout.get("resources") or {}).get("limits") or {})}
-    if any(name.endswith("/gpu") and str(v) not in ("0", "") for name, v in limits.items()):
+    if _has_gpu(rollout):
         return {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
     return {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
 
 
-def engine_service(pair: str, namespace: str, rollout: dict[str, Any]) -> dict[str, Any]:
+def engine_service(pair: str, namespace: str, rollout: dict[str, Any], kind: str = "specpair") -> dict[str, Any]:
     port = int(rollout.get("port", 50051))
     http_port = int(rollout.get("httpPort", HTTP_PORT))
+    if kind == "vllm":
+        # vLLM serves its API and /metrics on one port; `metrics` keeps the ServiceMonitor's name.
+        http_port = http_port or HTTP_PORT
+        return {
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": engine_name(pair), "namespace": namespace, "labels": _labels(pair, "engine")},
+            "spec": {"selector": engine_selector(pair),
+                     "ports": [{"name": "http", "port": http_port, "targetPort": "http", "protocol": "TCP",
+                                "appProtocol": "http"},
+                               {"name": "metrics", "port": METRICS_PORT, "targetPort": "http", "protocol": "TCP"}]},
+        }
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -83,7 +83,7 @@ def build_release(
         "target": _model_ref(spec.get("target")),
         "draft": _model_ref(spec.get("draft")),
         "speculation": {**SPECULATION_DEFAULTS, **(spec.get("speculation") or {})},
-        "engine": {"image": str((spec.get("rollout") or {}).get("image") or default_image or _default_image)},
+        "engine": _engine(spec, default_image),
         "gating": {
             "prompts": [
                 {"prompt": p["prompt"], "category": p.get("category") or DEFAULT_CATEGORY} for p in prompts
@@ -92,6 +92,19 @@ def build_release(
             "thresholds": thresholds,
         },
     }
+
+
+def _engine(spec: dict[str, Any], default_image: str | None) -> dict[str, Any]:
+    """The engine block: image, and for vLLM its kind and dtype. A specpair release carries no
+    kind, so releases made before vLLM existed keep their content hash (and are not re-gated)."""
+    engine: dict[str, Any] = {"image": str((spec.get("rollout") or {}).get("image") or default_image or _default_image)}
+    if spec.get("engine", "specpair") == "vllm":
+        engine.update(kind="vllm", dtype=str((spec.get("vllm") or {}).get("dtype") or "auto"))
+    return engine
+
+
+def engine_kind(release: dict[str, Any]) -> str:
+    return str((release.get("engine") or {}).get("kind") or "specpair")
 
 
 def reads_from_mlflow(release: dict[str, Any]) -> bool:

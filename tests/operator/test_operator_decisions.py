@@ -440,3 +440,35 @@ def test_a_hub_token_reaches_engine_and_gate_pods_by_reference_only():
     # A token reference is how a pod downloads, not what it serves: the release is the same.
     assert release.content_hash(release.build_release("p", "ns", {**SPEC, "rollout": own}, PROMPTS)) == \
         release.content_hash(release.build_release("p", "ns", SPEC, PROMPTS))
+
+
+def test_a_vllm_release_is_its_own_release_and_renders_vllms_server():
+    # Releases of our engine keep their hash (no kind written), so nothing is gated again.
+    plain = release.build_release("p", "ns", SPEC, PROMPTS)
+    assert release.build_release("p", "ns", {**SPEC, "engine": "specpair"}, PROMPTS) == plain
+    assert "kind" not in plain["engine"] and release.engine_kind(plain) == "specpair"
+    rel = release.build_release("p", "ns", {**SPEC, "engine": "vllm", "vllm": {"dtype": "float32"}}, PROMPTS)
+    assert rel["engine"]["kind"] == "vllm" and rel["engine"]["dtype"] == "float32"
+    assert release.content_hash(rel) != release.content_hash(plain)
+    digest = release.content_hash(rel)
+    rollout = {"httpPort": 8000}
+    dep = manifests.engine_deployment("p", "ns", rel, digest, "2", rollout, "http://m")
+    kubernetes_validate.validate(dep, "1.33.0", strict=True)
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["python", "-m", "specpair.vllm_serve", "--release", manifests.RELEASE_FILE,
+                            "--host", "0.0.0.0", "--port", "8000", "--enforce-eager"]
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert json.loads(dep["spec"]["template"]["metadata"]["annotations"][manifests.ANN_RELEASE]) == rel
+    assert pod["securityContext"]["runAsNonRoot"] and not any(v["name"] == "tls" for v in pod["volumes"])
+    # SpeculationOff for vLLM: the same release rendered without speculation (a rollout).
+    off = manifests.engine_deployment("p", "ns", rel, digest, "2", rollout, "http://m", speculation=False)
+    assert "--no-speculation" in off["spec"]["template"]["spec"]["containers"][0]["command"]
+    # On a GPU, vLLM compiles and captures graphs: no eager mode.
+    gpu = manifests.engine_deployment("p", "ns", rel, digest, "2", {**rollout, "resources": {
+        "limits": {"nvidia.com/gpu": 1}}}, "http://m")
+    assert "--enforce-eager" not in gpu["spec"]["template"]["spec"]["containers"][0]["command"]
+    svc = manifests.engine_service("p", "ns", rollout, "vllm")
+    kubernetes_validate.validate(svc, "1.33.0", strict=True)
+    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {"http": "http", "metrics": "http"}

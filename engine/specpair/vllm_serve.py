@@ -1,0 +1,103 @@
+"""`python -m specpair.vllm_serve --release FILE`: an engine pod of a vLLM release.
+
+The operator starts vLLM pods through this, as it starts ours through `specpair engine serve
+--release`: the release file (mounted from the pod's annotation) is the one description of what
+is served. Model sources are resolved by our loader (hub ids, local directories, our embedded
+default, MLflow models), the speculative config comes from the release by the one mapping
+(vllm_peer.speculative_config), and then this process becomes vLLM's OpenAI server (exec), so
+signals and the exit code are vLLM's own.
+
+Identity: vLLM answers /v1/models with the names it serves. Besides the pair's name (what
+clients send as "model"), it serves `identity_name(...)`: pair, release version, the release
+file's content hash and whether speculation is on. The operator reads it back from each pod
+(engine_probe.VllmProbe), as it reads GetModelInfo from ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from specpair.contract import content_hash
+from specpair.errors import SpecpairError
+
+IDENTITY_PREFIX = "specpair"
+
+
+def identity_name(pair: str, version: str, digest: str, speculating: bool) -> str:
+    return f"{IDENTITY_PREFIX}:{pair}:v{version}:{digest}:{'spec' if speculating else 'nospec'}"
+
+
+def parse_identity_name(name: str) -> dict | None:
+    """identity_name's fields (the operator reads them from /v1/models), or None for other names."""
+    parts = name.split(":")
+    if len(parts) != 5 or parts[0] != IDENTITY_PREFIX or not parts[2].startswith("v") or parts[4] not in ("spec", "nospec"):
+        return None
+    return {"pair": parts[1], "version": parts[2][1:], "digest": parts[3], "speculating": parts[4] == "spec"}
+
+
+def command(release: dict, *, python: str, host: str, port: int, speculation: bool, enforce_eager: bool,
+            progress=print) -> list[str]:
+    from specpair.gate_vllm import dtype_of
+    from specpair.models import resolve_source
+    from specpair.vllm_peer import speculative_config
+
+    target = str(resolve_source(release["target"].get("source") or "default", progress))
+    draft = dict(release.get("draft") or {})
+    if draft.get("source"):
+        draft["source"] = str(resolve_source(draft["source"], progress))
+    spec = speculative_config({**release, "draft": draft}) if speculation else None
+    version = str((release.get("mlflow") or {}).get("version") or "0")
+    pair = str(release.get("pair") or "specpair")
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--dtype", dtype_of(release),
+           "--host", host, "--port", str(port), "--generation-config", "vllm",
+           "--served-model-name", pair, identity_name(pair, version, content_hash(release), spec is not None)]
+    if enforce_eager:
+        cmd.append("--enforce-eager")
+    if spec is not None:
+        cmd += ["--speculative-config", json.dumps(spec, sort_keys=True)]
+    return cmd
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specpair.gate_vllm import vllm_python
+
+    ap = argparse.ArgumentParser(prog="python -m specpair.vllm_serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--release", required=True, help="the release JSON (engine.kind vllm)")
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=8000, help="vLLM's OpenAI API, /health and /metrics")
+    ap.add_argument("--no-speculation", action="store_true",
+                    help="serve target-only (the operator's SpeculationOff for vLLM: a re-rollout)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no compilation or graphs (CPU nodes)")
+    ap.add_argument("--dry-run", action="store_true", help="print the vLLM command line and exit")
+    args = ap.parse_args(argv)
+    try:
+        with open(args.release) as f:
+            release = json.load(f)
+        if (release.get("engine") or {}).get("kind") != "vllm":
+            raise SpecpairError(f"{args.release} is not a vLLM release (engine.kind is "
+                                f"{(release.get('engine') or {}).get('kind', 'specpair')!r})")
+        progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+        python = vllm_python()
+        cmd = command(release, python=python, host=args.host, port=args.port, speculation=not args.no_speculation,
+                      enforce_eager=args.enforce_eager, progress=progress)
+    except (OSError, ValueError, KeyError, SpecpairError) as exc:
+        print(f"specpair.vllm_serve: error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(json.dumps(cmd))
+        return 0
+    from specpair.vllm_peer import VllmServer
+
+    # The same environment as every vLLM we start (sources are local directories by now).
+    env = VllmServer(python, ".").environment()
+    print(f"exec: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    os.execve(cmd[0], cmd, env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

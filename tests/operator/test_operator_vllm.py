@@ -1,0 +1,114 @@
+"""A vLLM release end to end on the real control plane: the operator (real Kopf, the chart's
+RBAC) gates it in a Job that runs the golden prompts through real vLLM servers, promotes it,
+rolls out pods that run real vLLM (specpair.vllm_serve, exec'd into vLLM's own virtualenv by the
+devcluster node), verifies each pod's identity from /v1/models and reads its drift from vLLM's
+own counters; a draft with another tokenizer still fails at the gate, before any vLLM starts.
+
+Marked `vllm`: skipped where scripts/setup-vllm.sh has not run, unless SPECPAIR_REQUIRE_VLLM is
+set (CI). Several minutes: two vLLM servers in the gate, one per engine pod (~4 GB each).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from typing import Any
+
+import pytest
+from kopf.testing import KopfRunner
+
+from cluster_env import OPERATOR
+
+VLLM_IMAGE = "specpair/engine-vllm:test"
+PROMPTS = [{"prompt": "one two three one two three one two", "category": "extraction"},
+           {"prompt": "abc abc abc abc abc", "category": "extraction"}]
+
+
+@pytest.fixture(scope="module")
+def vllm_image(devcluster) -> None:
+    """The vLLM engine image on the nodes: our package (python -m specpair.vllm_serve, the gate
+    runner and `specpair gate`) beside vLLM (its own virtualenv here; one environment in the
+    real image)."""
+    from specpair.vllm_peer import default_python
+    from specpair_devcluster.node_agent import LocalImage, project_programs
+
+    devcluster.images.images["specpair/engine-vllm"] = LocalImage(
+        ["python"], programs=project_programs(sys.executable),
+        env={"SPECPAIR_VLLM_PYTHON": str(default_python()),
+             "SPECPAIR_GATE_COMMAND": f"{sys.executable} -m specpair gate"})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    """A tiny random Llama vLLM's CPU attention runs (head_dim 64), and a draft with another tokenizer."""
+    from tiny_models import make_model, make_tokenizer, save_tiny
+    root = tmp_path_factory.mktemp("vllm-models")
+    return {"target": save_tiny(make_model(make_tokenizer(), seed=1, hidden=128, heads=2), root / "target"),
+            "foreign": save_tiny(make_model(make_tokenizer(vocab_size=300), seed=2, hidden=128, heads=2),
+                                 root / "foreign")}
+
+
+def vllm_pair(name: str, target: str, draft: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": name},
+            "spec": {"engine": "vllm", "vllm": {"dtype": "float32"}, "target": {"source": target}, "draft": draft,
+                     "speculation": {"k": 3},
+                     "gating": {"prompts": PROMPTS, "maxNewTokens": 8,
+                                "thresholds": {"minAcceptance": 0.0, "minSpeedup": 0.0}},
+                     "rollout": {"image": VLLM_IMAGE, "httpPort": 8000, "progressDeadlineSeconds": 900},
+                     "drift": {"intervalSeconds": 1, "windowSeconds": 10, "minRequests": 2, "minDraftedTokens": 5,
+                               "probeAfterWindows": 1000, "ladder": ["SpeculationOff"]}}}
+
+
+def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+@pytest.mark.vllm
+def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm_image, models, operator_env, ns):
+    import openai
+
+    from specpair.vllm_serve import parse_identity_name
+
+    name = f"vl-{uuid.uuid4().hex[:5]}"
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(vllm_pair(name, models["target"], {"drafter": "ngram"}))
+        obj = ns.wait_for("v1 serving on vLLM", lambda: (o := ns.pair(name)) and
+                          (o.get("status") or {}).get("phase") == "Serving" and o, timeout=900)
+        st = obj["status"]
+        assert st["servingVersion"] == "1" and st["lastGate"]["passed"] and st["lastGate"]["greedyIdentity"] == 1.0
+        assert "identity verified" in cond(obj, "Ready")["message"]
+        (pod,) = [p for p in ns.pods("specpair.io/role=engine") if not p["metadata"].get("deletionTimestamp")]
+        command = pod["spec"]["containers"][0]["command"]
+        assert command[:3] == ["python", "-m", "specpair.vllm_serve"]
+        # The pod is vLLM's OpenAI server: the official client, greedy, against the pod's port.
+        client = openai.OpenAI(base_url=f"http://{pod['status']['podIP']}:8000/v1", api_key="unused", timeout=120)
+        served = [m.id for m in client.models.list().data]
+        identity = next(parse_identity_name(m) for m in served if parse_identity_name(m))
+        assert name in served and identity["pair"] == name and identity["version"] == "1" and identity["speculating"]
+        for i in range(16):
+            # Long outputs (a tiny random model ends early otherwise), so n-gram lookup drafts.
+            out = client.completions.create(model=name, prompt=PROMPTS[i % 2]["prompt"], max_tokens=48, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert out.usage.completion_tokens == 48
+        import urllib.request
+
+        from specpair.vllm_peer import parse_spec_decode_metrics
+        with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30) as r:
+            counters = parse_spec_decode_metrics(r.read().decode())
+        assert counters.draft_tokens > 0, counters
+        # Drift is judged on vLLM's own counters: a window of these drafts closes and is judged
+        # against the gated overall acceptance (vLLM counts no categories).
+        obj = ns.wait_for("a drift window judged on vLLM's counters", lambda: (o := ns.pair(name)) and
+                          cond(o, "Drifted").get("reason") == "WithinBaseline" and
+                          o["status"]["drift"].get("fineInRow", 0) >= 1 and o, timeout=120)
+        assert 0.0 <= obj["status"]["acceptance"] <= 1.0 and obj["status"]["phase"] == "Serving"
+
+        # A draft whose tokenizer differs fails at the gate, from the tokenizer files alone.
+        other = f"vx-{uuid.uuid4().hex[:5]}"
+        ns.create(vllm_pair(other, models["target"], {"source": models["foreign"]}))
+        obj = ns.wait_for("the foreign draft refused", lambda: (o := ns.pair(other)) and
+                          cond(o, "TokenizerCompatible").get("status") == "False" and o, timeout=300)
+        assert cond(obj, "Gated")["reason"] == "TokenizerMismatch" and not obj["status"].get("servingVersion")
+    assert runner.exception is None
+    print(json.dumps(st.get("lastGate")))
