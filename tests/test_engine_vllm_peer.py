@@ -70,7 +70,8 @@ vllm:generation_tokens_total{engine="0",model_name="smol"} 60.0
 
 def test_ngram_release_maps_to_vllm_ngram_with_the_engines_defaults():
     max_n, min_n = ngram_defaults()
-    assert (max_n, min_n) == (3, 1)      # NgramDrafter's declared defaults, read without torch
+    from specpair.drafters import NgramDrafter
+    assert (max_n, min_n) == (NgramDrafter().max_ngram, NgramDrafter().min_ngram)  # the drafter's own
     release = {"target": {"source": "default"}, "draft": {"drafter": "ngram"}, "speculation": {"k": 5}}
     assert speculative_config(release) == {"method": "ngram", "num_speculative_tokens": 5,
                                            "prompt_lookup_max": max_n, "prompt_lookup_min": min_n}

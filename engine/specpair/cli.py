@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+from specpair.config import NGRAM_MAX, NGRAM_MIN
 from specpair.errors import SpecpairError
 
 
@@ -26,8 +27,8 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--draft", default=None, help="draft model (same forms as --target)")
     group.add_argument("--drafter", choices=["ngram"], default=None,
                        help="model-free drafter (prompt lookup)")
-    p.add_argument("--ngram-max", type=int, default=3, help="longest n-gram the lookup drafter matches")
-    p.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the lookup drafter matches")
+    p.add_argument("--ngram-max", type=int, default=NGRAM_MAX, help="longest n-gram the lookup drafter matches")
+    p.add_argument("--ngram-min", type=int, default=NGRAM_MIN, help="shortest n-gram the lookup drafter matches")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
     p.add_argument("--no-dynamic-k", action="store_true", help="keep k fixed")
     p.add_argument("--k-policy", choices=["auto", "cost", "heuristic"], default="auto",

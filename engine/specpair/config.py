@@ -7,6 +7,12 @@ from dataclasses import asdict, dataclass, field
 from specpair.errors import SpecpairError
 
 
+# The n-gram (prompt lookup) drafter's longest and shortest match: NgramDrafter, the CLI and
+# the vLLM peer's --speculative-config all start from these.
+NGRAM_MAX = 3
+NGRAM_MIN = 1
+
+
 @dataclass(frozen=True)
 class SpeculationConfig:
     """How the engine speculates. Part of a release: the gate tunes k and the batch threshold."""

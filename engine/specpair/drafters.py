@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specpair.config import NGRAM_MAX, NGRAM_MIN
 from specpair.kv_cache import BatchedKVModel
 from specpair.rejection_sampler import process_logits, sample_next
 
@@ -69,7 +70,7 @@ class NgramDrafter(Drafter):
     name = "ngram"
     deterministic = True
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, device="cpu"):
+    def __init__(self, max_ngram: int = NGRAM_MAX, min_ngram: int = NGRAM_MIN, device="cpu"):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

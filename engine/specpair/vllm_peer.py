@@ -20,8 +20,6 @@ all in one process group that `stop` ends together.
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import json
 import os
 import re
@@ -34,11 +32,10 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from specpair.config import SpeculationConfig
+from specpair.config import NGRAM_MAX, NGRAM_MIN, SpeculationConfig
 from specpair.errors import SpecpairError
 
 VLLM_VERSION = "0.32.0"
@@ -59,20 +56,9 @@ def default_python() -> Path:
 # -- speculation settings -> --speculative-config --------------------------------------------
 
 
-@lru_cache(maxsize=None)
 def ngram_defaults() -> tuple[int, int]:
-    """(max_ngram, min_ngram) as NgramDrafter.__init__ declares them: the engine's defaults,
-    read from its source so this module stays torch-free (drafters.py imports torch)."""
-    spec = importlib.util.find_spec("specpair.drafters")
-    tree = ast.parse(Path(spec.origin).read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.name == "NgramDrafter":
-            for fn in node.body:
-                if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
-                    args = fn.args.args[-len(fn.args.defaults):]
-                    values = {a.arg: ast.literal_eval(d) for a, d in zip(args, fn.args.defaults)}
-                    return int(values["max_ngram"]), int(values["min_ngram"])
-    raise SpecpairError("specpair.drafters.NgramDrafter.__init__ declares no n-gram defaults")
+    """(max_ngram, min_ngram): the engine's n-gram drafter defaults (specpair.config)."""
+    return NGRAM_MAX, NGRAM_MIN
 
 
 def speculative_config(release_or_settings: dict | None, *, k: int | None = None) -> dict | None:
