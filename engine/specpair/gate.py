@@ -39,6 +39,14 @@ def _check_release(release: dict) -> None:
             raise SpecpairError(f"release.gating.prompts[{i}] needs a non-empty 'prompt'")
 
 
+def new_verdict(**extra) -> dict:
+    """The verdict before anything is measured: every key of the contract, nothing passed."""
+    return {"passed": False, "reasons": [], "tokenizer": None, "greedyIdentity": None,
+            "acceptanceRate": None, "meanAcceptanceLength": None, "speedup": None,
+            "categories": {}, "acceptancePerPosition": [], "bestSpeculation": None,
+            "kSweep": [], "batchSweep": [], "mlflowRunId": None, "device": None, **extra}
+
+
 def _speculation(release: dict) -> SpeculationConfig:
     s = release.get("speculation") or {}
     k = int(s.get("k", 4))
@@ -102,10 +110,7 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     prompts = gating["prompts"]
     chat = bool(gating.get("chat", True))
     max_new = int(gating.get("maxNewTokens", 32))
-    verdict = {"passed": False, "reasons": [], "tokenizer": None, "greedyIdentity": None,
-               "acceptanceRate": None, "meanAcceptanceLength": None, "speedup": None,
-               "categories": {}, "acceptancePerPosition": [], "bestSpeculation": None,
-               "kSweep": [], "batchSweep": [], "mlflowRunId": None, "device": None}
+    verdict = new_verdict()
 
     progress("checking tokenizers before loading any model")
     tok = tokenizer_check(release, progress)

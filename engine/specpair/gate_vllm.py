@@ -47,7 +47,7 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     from transformers import AutoTokenizer
 
     from specpair.decoding import encode_prompt
-    from specpair.gate import _check_release, tokenizer_check
+    from specpair.gate import _check_release, new_verdict, tokenizer_check
     from specpair.models import resolve_source
     from specpair.vllm_peer import DEFAULT_START_TIMEOUT, SpecDecodeCounters, VllmServer, speculative_config
 
@@ -56,10 +56,7 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     prompts = gating["prompts"]
     chat = bool(gating.get("chat", True))
     max_new = int(gating.get("maxNewTokens", 32))
-    verdict = {"passed": False, "reasons": [], "tokenizer": None, "greedyIdentity": None,
-               "acceptanceRate": None, "meanAcceptanceLength": None, "speedup": None,
-               "categories": {}, "acceptancePerPosition": [], "bestSpeculation": None,
-               "kSweep": [], "batchSweep": [], "mlflowRunId": None, "device": None, "engine": ENGINE_KIND}
+    verdict = new_verdict(engine=ENGINE_KIND)
 
     progress("checking tokenizers before starting vLLM")
     tok = tokenizer_check(release, progress)

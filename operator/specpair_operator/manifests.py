@@ -360,8 +360,6 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
     port = int(rollout.get("port", 50051))
     http_port = int(rollout.get("httpPort", HTTP_PORT))
     control_port = int(rollout.get("controlPort", CONTROL_PORT))
-    selector = engine_selector(pair)
-    labels = _labels(pair, "engine", version)
     container = {
         "name": "engine",
         "image": engine_image(release, rollout),
@@ -379,8 +377,17 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
         "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 5},
         "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 20, "failureThreshold": 3},
     }
+    return _engine_deployment_of(pair, namespace, release, digest, version, rollout, container, defaults, [
+        {"name": "tls", "secret": {"secretName": engine_tls_secret_name(pair), "defaultMode": 0o440}}])
+
+
+def _engine_deployment_of(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
+                          rollout: dict[str, Any], container: dict[str, Any], defaults: PodDefaults,
+                          extra_volumes: list[dict[str, Any]] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+    """The Deployment around an engine container (ours or vLLM's): what both engines share."""
     if rollout.get("resources"):
         container["resources"] = rollout["resources"]
+    labels = _labels(pair, "engine", version)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -388,16 +395,12 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
                      "annotations": {ANN_HASH: digest}},
         "spec": {
             "replicas": int(rollout.get("replicas", 1)),
-            "selector": {"matchLabels": selector},
+            "selector": {"matchLabels": engine_selector(pair)},
             "progressDeadlineSeconds": int(rollout.get("progressDeadlineSeconds", 600)),
             "strategy": rollout_strategy(rollout),
             "template": {
                 "metadata": {"labels": labels, "annotations": _release_annotations(release, digest)},
-                "spec": {
-                    "containers": [container],
-                    **_pod_spec(rollout, defaults, extra_volumes=[
-                        {"name": "tls", "secret": {"secretName": engine_tls_secret_name(pair), "defaultMode": 0o440}}]),
-                },
+                "spec": {"containers": [container], **_pod_spec(rollout, defaults, extra_volumes=list(extra_volumes))},
             },
         },
     }
@@ -410,7 +413,6 @@ def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest:
     and Prometheus). The operator only reads from these pods (/v1/models for identity, /metrics
     for acceptance); there is no call that changes them, so no control listener."""
     http_port = int(rollout.get("httpPort") or HTTP_PORT)
-    labels = _labels(pair, "engine", version)
     container = {
         "name": "engine",
         "image": engine_image(release, rollout),
@@ -424,24 +426,7 @@ def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest:
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 20, "failureThreshold": 3},
     }
-    if rollout.get("resources"):
-        container["resources"] = rollout["resources"]
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": engine_name(pair), "namespace": namespace, "labels": labels,
-                     "annotations": {ANN_HASH: digest}},
-        "spec": {
-            "replicas": int(rollout.get("replicas", 1)),
-            "selector": {"matchLabels": engine_selector(pair)},
-            "progressDeadlineSeconds": int(rollout.get("progressDeadlineSeconds", 600)),
-            "strategy": rollout_strategy(rollout),
-            "template": {
-                "metadata": {"labels": labels, "annotations": _release_annotations(release, digest)},
-                "spec": {"containers": [container], **_pod_spec(rollout, defaults)},
-            },
-        },
-    }
+    return _engine_deployment_of(pair, namespace, release, digest, version, rollout, container, defaults)
 
 
 def rollout_strategy(rollout: dict[str, Any]) -> dict[str, Any]:
