@@ -42,7 +42,6 @@ from specpair.decoding import SpeculativeEngine, _sync
 from specpair.drafters import ModelDrafter, NgramDrafter
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
-from specpair.kv_cache import BatchedKVModel
 from specpair.stats import AcceptanceStats
 from specpair.vllm_peer import (DEFAULT_START_TIMEOUT, VLLM_VERSION, SpecDecodeCounters, VllmServer,
                                 speculative_config)
@@ -89,7 +88,7 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
     device = engine.target.device
 
     def median_extend(model, n_tokens: int) -> float:
-        kv = BatchedKVModel(model, vocab_size=engine.vocab_size)
+        kv = engine.kv_model(model)
         kv.add_rows(1)
         kv.extend([prompt_ids])
         base = kv.lengths[0]
@@ -118,6 +117,41 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
 
 
 @torch.no_grad()
+def measure_memory_bandwidth(device, megabytes: int = 256, repeats: int = 5) -> float:
+    """GB/s of a large tensor copy here (bytes read + bytes written over the median time): the
+    yardstick for how close a step comes to the memory-bandwidth limit, measured in the same run."""
+    src = torch.empty(megabytes * (1 << 20) // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = [_timed(lambda: dst.copy_(src), device)[0] for _ in range(repeats)]
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def step_bytes(model, context: int) -> int:
+    """Bytes one decode step must read at least: every weight except the input embedding table
+    (a step reads one row of it; a tied LM head reads it whole, counted once as the LM head's), and
+    the keys and values of `context` cached tokens."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embedding.data_ptr()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not tied:
+        weights -= embedding.numel() * embedding.element_size()
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * context * embedding.element_size()
+    return int(weights + kv)
+
+
+def step_figures(seconds: float, nbytes: int, bandwidth: float) -> dict:
+    achieved = nbytes / seconds / 1e9 if seconds else 0.0
+    return {"step_ms": round(seconds * 1e3, 3), "bytes": nbytes, "gb_s": round(achieved, 3),
+            "fraction_of_bandwidth": round(achieved / bandwidth, 4) if bandwidth else None}
+
+
+@torch.no_grad()
 def measure_prefill(engine: SpeculativeEngine, prompt_ids: list[int], repeats: int = 3) -> float:
     """Median seconds to prefill the prompt: the target's, plus the draft model's when there is one."""
     device = engine.target.device
@@ -126,7 +160,7 @@ def measure_prefill(engine: SpeculativeEngine, prompt_ids: list[int], repeats: i
     for model in models:
         times = []
         for _ in range(repeats):
-            kv = BatchedKVModel(model, vocab_size=engine.vocab_size)
+            kv = engine.kv_model(model)
             kv.add_rows(1)
             times.append(_timed(lambda: kv.extend([prompt_ids]), device)[0])
         total += statistics.median(times)
@@ -188,6 +222,8 @@ class BenchReport:
     costs: dict
     prompts: list[PromptResult] = field(default_factory=list)
     vllm: dict | None = None             # the vLLM peer's setup: python, model, configs, start times
+    bandwidth: dict | None = None        # memory bandwidth here and each model's step against it
+    step: dict | None = None             # which cache and step ran (engine.describe_step())
 
     def summarise(self, rows: list[PromptResult]) -> dict:
         stats = AcceptanceStats()
@@ -208,6 +244,9 @@ class BenchReport:
         hf = [r for r in rows if r.hf_assisted_seconds]
         hf_speedup = (sum(r.hf_target_seconds for r in hf) / sum(r.hf_assisted_seconds for r in hf)
                       if hf else None)
+        hf_tokens = sum(r.tokens for r in hf)
+        hf_target_tps = hf_tokens / sum(r.hf_target_seconds for r in hf) if hf else None
+        hf_assisted_tps = hf_tokens / sum(r.hf_assisted_seconds for r in hf) if hf else None
         cost_ratio = self.costs["draft_step"] / self.costs["target_step"]
         return {
             "prompts": len(rows),
@@ -229,6 +268,11 @@ class BenchReport:
             "mismatches": [r.divergence for r in rows if r.divergence],
             "hf_assisted_speedup": round(hf_speedup, 4) if hf_speedup else None,
             "speedup_vs_hf": round(speedup / hf_speedup, 4) if hf_speedup else None,
+            # Tokens/s side by side: the ratio users feel, not only the ratio of speedups.
+            "hf_target_tokens_per_s": round(hf_target_tps, 3) if hf else None,
+            "hf_assisted_tokens_per_s": round(hf_assisted_tps, 3) if hf else None,
+            "target_vs_hf": round(tokens / t_target / hf_target_tps, 4) if hf and t_target else None,
+            "spec_vs_hf": round(tokens / t_spec / hf_assisted_tps, 4) if hf and t_spec else None,
             "rounds_without_draft": no_draft,
             "draft_seconds": round(stats.draft_seconds, 4),
             "target_seconds": round(stats.target_seconds, 4),
@@ -240,14 +284,15 @@ class BenchReport:
         for name in dict.fromkeys(r.category for r in self.prompts):
             categories[name] = self.summarise([r for r in self.prompts if r.category == name])
         overall = self.summarise(self.prompts)
-        # gpt-fast style: how close target-only decoding is to streaming the weights once per token.
-        if self.pair.get("target_bytes"):
-            overall["target_bandwidth_gb_s"] = round(
-                self.pair["target_bytes"] / self.costs["target_step"] / 1e9, 3)
+        t1 = self.costs["target_step"]
         out = {"pair": self.pair, "device": self.device, "k": self.k, "runs": self.runs,
-               "costs_seconds": {"target_step": round(self.costs["target_step"], 6),
+               "step": self.step,
+               "costs_seconds": {"target_step": round(t1, 6),
                                  "draft_step": round(self.costs["draft_step"], 6),
                                  "verify": {str(k): round(v, 6) for k, v in self.costs["verify"].items()}},
+               # Verifying k drafts against one decode step: near 1 when a step is bandwidth-bound.
+               "verify_ratio": {str(k): round(v / t1, 4) for k, v in self.costs["verify"].items()},
+               "bandwidth": self.bandwidth,
                "categories": categories, "overall": overall}
         if self.vllm is not None:
             out["vllm"] = self.vllm
@@ -308,11 +353,19 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
     ks = sorted({max(1, k - 2), k, min(engine.config.k_max, k + 2)} | set(range(1, engine.config.k_max + 1)))
     costs = measure_step_costs(engine, encoded[0][1], ks)
     target = engine.target
+    bandwidth = measure_memory_bandwidth(target.device)
+    context = len(encoded[0][1])     # the cost prompt's length: the cache each timed step read
+    figures = {"memory_gb_s": round(bandwidth, 3), "context": context,
+               "target": step_figures(costs["target_step"], step_bytes(target.model, context), bandwidth)}
+    if isinstance(engine.drafter, ModelDrafter):
+        figures["draft"] = step_figures(costs["draft_step"],
+                                        step_bytes(engine.drafter.loaded.model, context), bandwidth)
     report = BenchReport(pair={"target": target.source,
                                "drafter": engine.drafter.describe() if engine.drafter else None,
                                "target_parameters": target.num_parameters,
                                "target_bytes": target.weight_bytes},
-                         device=str(target.device), k=k, runs=runs, costs=costs)
+                         device=str(target.device), k=k, runs=runs, costs=costs,
+                         bandwidth=figures, step=engine.describe_step())
     # Pin generation length: EOS early would make runs incomparable across modes.
     params = GenerationParams(max_new_tokens=max_new_tokens)
     for n, (category, ids) in enumerate(encoded):
@@ -403,9 +456,10 @@ def _run_one(engine: SpeculativeEngine, ids: list[int], params: GenerationParams
 def format_table(report: dict) -> str:
     cols = ["target_tokens_per_s", "spec_tokens_per_s", "speedup", "acceptance_rate",
             "mean_acceptance_length", "cost_ratio", "bound", "efficiency", "greedy_identity",
-            "hf_assisted_speedup", "speedup_vs_hf"]
+            "hf_assisted_speedup", "speedup_vs_hf", "hf_target_tokens_per_s", "hf_assisted_tokens_per_s",
+            "target_vs_hf", "spec_vs_hf"]
     short = ["tgt tok/s", "spec tok/s", "speedup", "accept", "mean len", "c", "bound", "eff",
-             "identity", "HF spdup", "vs HF"]
+             "identity", "HF spdup", "vs HF", "HF tgt", "HF asst", "tgt/HF", "spec/HF"]
     if "vllm" in report:
         # vLLM's tokens/s and acceptance, prompts whose greedy ids equal our target-only ids,
         # and ours / vLLM's tokens/s.
@@ -424,8 +478,18 @@ def format_table(report: dict) -> str:
         lines.append(f"{name:<15}" + "".join(cells))
     costs = report["costs_seconds"]
     verify = ", ".join(f"k={k}: {v * 1e3:.1f}" for k, v in costs["verify"].items())
-    lines.append(f"\ndevice {report['device']}; target step {costs['target_step'] * 1e3:.1f} ms; "
-                 f"draft step {costs['draft_step'] * 1e3:.2f} ms; verify (ms) {verify}")
+    lines.append(f"\ndevice {report['device']}; step {json.dumps(report.get('step'))}; target step "
+                 f"{costs['target_step'] * 1e3:.1f} ms; draft step {costs['draft_step'] * 1e3:.2f} ms; "
+                 f"verify (ms) {verify}")
+    lines.append("verify(k+1)/step: " + ", ".join(f"k={k}: {v:.2f}" for k, v in report["verify_ratio"].items()))
+    bw = report.get("bandwidth")
+    if bw:
+        for name in ("target", "draft"):
+            if name in bw:
+                f = bw[name]
+                lines.append(f"{name} step: {f['bytes'] / 1e6:.0f} MB read in {f['step_ms']:.1f} ms = "
+                             f"{f['gb_s']:.1f} GB/s, {f['fraction_of_bandwidth']:.0%} of the {bw['memory_gb_s']:.1f} "
+                             f"GB/s measured here (large copy) at a {bw['context']}-token context")
     for m in report["overall"]["mismatches"]:
         lines.append(f"mismatch at token {m['index']}: target margin {m['margin']} "
                      f"(tolerance {m.get('tolerance')}) -> {'numerical tie' if m['tie'] else 'REAL DIFFERENCE'}")
@@ -434,8 +498,6 @@ def format_table(report: dict) -> str:
                  f"/{overall['prompts']} prompts (2% allowed for the noise of the cost medians)")
     per_pos = report["overall"]["acceptance_per_position"]
     lines.append("acceptance per position: " + " ".join(f"{x:.2f}" for x in per_pos))
-    if "target_bandwidth_gb_s" in report["overall"]:
-        lines.append(f"target-only weight bandwidth: {report['overall']['target_bandwidth_gb_s']} GB/s")
     if "vllm" in report:
         v = report["vllm"]
         lines.append(f"vLLM {v['version']} peer ({v['dtype']}, {v['threads']} thread; ours "

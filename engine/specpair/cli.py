@@ -42,6 +42,12 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-mismatch", choices=["error", "target-only"], default="error",
                    help="what to do when the draft's tokenizer differs from the target's")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--kv", choices=["static", "dynamic"], default=None,
+                   help="KV cache: static (preallocated, written in place; Llama-family models) or "
+                        "dynamic (Hugging Face's forward, any model). Default: SPECPAIR_KV, else static")
+    p.add_argument("--compile", choices=["off", "on"], default=None,
+                   help="compile the static step with torch.compile (warmed at start). "
+                        "Default: SPECPAIR_COMPILE, else off")
 
 
 def build_engine(args, *, speculate: bool = True):
@@ -71,7 +77,7 @@ def build_engine(args, *, speculate: bool = True):
     spec = SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k,
                              k_max=max(8, args.k), enabled=speculate)
     engine = SpeculativeEngine(target, drafter=drafter, draft=draft, speculation=spec,
-                               on_mismatch=args.on_mismatch)
+                               on_mismatch=args.on_mismatch, kv=args.kv, compile=args.compile)
     for warning in engine.warnings:
         _progress(f"warning: {warning}")
     costs = engine.apply_k_policy(args.k_policy)

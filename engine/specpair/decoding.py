@@ -17,7 +17,7 @@ import torch
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.drafters import Drafter, ModelDrafter, RowSampling
 from specpair.errors import SpecpairError, TokenizerMismatch
-from specpair.kv_cache import BatchedKVModel
+from specpair.static_cache import kv_model, resolve_compile, resolve_kv_kind, step_description
 from specpair.rejection_sampler import greedy_verify, process_logits, rejection_sample
 from specpair.stats import AcceptanceStats, AcceptanceWindow
 from specpair.tokenizer_identity import compare, fingerprint
@@ -209,12 +209,18 @@ class SpeculativeEngine:
 
     def __init__(self, target, drafter: Drafter | None = None, draft=None,
                  speculation: SpeculationConfig | None = None, *,
-                 on_mismatch: str = "error", check_tokenizers: bool = True):
+                 on_mismatch: str = "error", check_tokenizers: bool = True,
+                 kv: str | None = None, compile: str | None = None):
         """target/draft: LoadedModel. drafter: a Drafter; built from `draft` when not given.
 
         on_mismatch: "error" refuses an incompatible draft; "target-only" serves without
-        speculation and says so in `self.warnings`.
+        speculation and says so in `self.warnings`. kv: "static" (preallocated, written in place;
+        where the model is supported) or "dynamic" (the hole-masking cache); compile: "on" compiles
+        the static step with torch.compile and warms it here. Defaults: SPECPAIR_KV,
+        SPECPAIR_COMPILE (static_cache.py).
         """
+        self.kv_kind = resolve_kv_kind(kv)
+        self.compile_mode = resolve_compile(compile)
         self.target = target
         self.config = speculation or SpeculationConfig()
         self.controller = SpeculationController(self.config)
@@ -235,7 +241,8 @@ class SpeculativeEngine:
                                          "target-only: " + "; ".join(self.tokenizer_check.differences))
                     draft = None
             if draft is not None:
-                drafter = ModelDrafter(draft, vocab_size=self.vocab_size)
+                drafter = ModelDrafter(draft, vocab_size=self.vocab_size, kv=self.kv_kind,
+                                       compile=self.compile_mode)
         self.drafter = drafter
         self.draft = draft
         eos = target.model.generation_config.eos_token_id if getattr(
@@ -246,6 +253,31 @@ class SpeculativeEngine:
         self.eos_ids = ids
         self._ids = itertools.count()
         self.cost_model: CostModel | None = None   # set by calibrate(); enables cost-aware k
+        if self.compile_mode == "on":
+            self.warm_up()
+
+    def kv_model(self, model):
+        """A fresh cache for one of this engine's models, of the engine's kind."""
+        return kv_model(model, vocab_size=self.vocab_size, kind=self.kv_kind, compile=self.compile_mode)
+
+    def describe_step(self) -> dict:
+        """Which cache and step the target runs (GetModelInfo, the bench): what a figure measured."""
+        return step_description(self.target.model, self.kv_kind, self.compile_mode)
+
+    @torch.no_grad()
+    def warm_up(self) -> float:
+        """Run each model's step once per shape class torch.compile specialises (1 and more than 1
+        rows, 1 and several tokens), so no request pays a compile. Returns the seconds it took."""
+        start = time.perf_counter()
+        models = [self.target.model] + ([self.draft.model] if self.draft is not None else [])
+        for model in models:
+            for rows in (1, 2):
+                for width in (1, 2, self.config.k_max + 1):
+                    kv = self.kv_model(model)
+                    kv.add_rows(rows)
+                    kv.extend([[0] * 3] * rows)
+                    kv.extend([[0] * width] * rows, last=width)
+        return time.perf_counter() - start
 
     def apply_k_policy(self, policy: str = "auto") -> dict | None:
         """Set how dynamic k is chosen; returns the measured costs when it calibrated.
@@ -318,11 +350,12 @@ class Batch:
 
     def __init__(self, engine: SpeculativeEngine):
         self.engine = engine
-        self.target = BatchedKVModel(engine.target.model, vocab_size=engine.vocab_size)
+        self.target = engine.kv_model(engine.target.model)
         self.drafter = engine.drafter
         if isinstance(self.drafter, ModelDrafter):
             # Each batch needs its own draft cache; share the weights.
-            self.drafter = ModelDrafter(self.drafter.loaded, engine.vocab_size)
+            self.drafter = ModelDrafter(self.drafter.loaded, engine.vocab_size, kv=engine.kv_kind,
+                                        compile=engine.compile_mode)
         self.rows: list[Sequence] = []
         self.done: list[Sequence] = []        # finished in the last step or cancelled since
         self.speculate = True

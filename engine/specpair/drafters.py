@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from specpair.config import NGRAM_MAX, NGRAM_MIN
-from specpair.kv_cache import BatchedKVModel
+from specpair.static_cache import kv_model
 from specpair.rejection_sampler import process_logits, sample_next
 
 
@@ -109,9 +109,9 @@ class ModelDrafter(Drafter):
     name = "model"
     deterministic = False
 
-    def __init__(self, loaded, vocab_size: int):
+    def __init__(self, loaded, vocab_size: int, kv: str | None = None, compile: str | None = None):
         self.loaded = loaded
-        self.kv = BatchedKVModel(loaded.model, vocab_size=vocab_size)
+        self.kv = kv_model(loaded.model, vocab_size=vocab_size, kind=kv, compile=compile)
         self.fed_drafts: list[int] = []     # drafts fed into the cache during the last propose
 
     def add_rows(self, count: int) -> None:

@@ -1,0 +1,141 @@
+"""The CPU's small-batch linear layer (cpu_kernels.c), built on first use, with a fallback.
+
+The C source is compiled here, for this CPU (-march=native), into the model cache the first time
+an engine needs it (about a second), keyed by the source's hash and the compiler flags, so an
+image can warm it at build time (`python -m specpair.cpu_kernels`). It is registered as a torch
+custom op so `torch.compile` keeps it as one opaque call inside a compiled step.
+
+Where it does not apply (CUDA, a dtype other than float32, more than 8 rows: prefill and large
+batches, where BLAS is good) or cannot be built (no C compiler, SPECPAIR_CPU_KERNELS=0), linear()
+is torch's own. `status()` says which, for the bench and GetModelInfo.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off"]
+MAX_ROWS = 8
+_build_error: str | None = None
+
+
+def _enabled() -> bool:
+    return os.environ.get("SPECPAIR_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+
+
+def _cpu_signature() -> bytes:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    features = next((ln for ln in lines if ln.split(":")[0].strip() in ("flags", "Features")), "")
+    return (os.uname().machine + features).encode()
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The built kernel library, or None (disabled or no compiler: the reason is in status())."""
+    global _build_error
+    if not _enabled():
+        _build_error = "disabled by SPECPAIR_CPU_KERNELS=0"
+        return None
+    from specpair.models import cache_root
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        _build_error = "no C compiler (cc/gcc) on PATH"
+        return None
+    source = SOURCE.read_bytes()
+    # -march=native: a library built on one CPU may not run on another sharing the cache volume.
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            _build_error = f"{compiler} failed: {proc.stderr.strip()[-500:]}"
+            tmp.unlink(missing_ok=True)
+            return None
+        os.replace(tmp, out)      # atomic: concurrent first uses never load half a file
+    lib = ctypes.CDLL(str(out))
+    lib.specpair_small_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_long,
+                                                                  ctypes.c_long, ctypes.c_int]
+    lib.specpair_small_linear.restype = ctypes.c_int
+    return lib
+
+
+def status() -> str:
+    lib = library()
+    return "built" if lib is not None else f"fallback to torch ({_build_error})"
+
+
+def _small_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    x = x.contiguous()
+    n, (M, I) = len(weights), x.shape
+    outs = [x.new_empty(M, w.shape[0]) for w in weights]
+    rc = _LIB.specpair_small_linear(
+        x.data_ptr(), (ctypes.c_void_p * n)(*[w.data_ptr() for w in weights]),
+        (ctypes.c_void_p * n)(*[y.data_ptr() for y in outs]),
+        (ctypes.c_long * n)(*[w.shape[0] for w in weights]), n, M, I, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"specpair_small_linear refused {tuple(x.shape)} x {len(weights)} weights")
+    return outs
+
+
+@torch.library.custom_op("specpair::small_linear", mutates_args=())
+def small_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[x [M, I] @ w.T for w in weights] (each w [O, I]) for 1 <= M <= 8, float32 on CPU."""
+    return _small_linear(x, weights)
+
+
+@small_linear.register_fake
+def _(x, weights):
+    return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+
+
+_LIB = None      # set by available(); read on every call, so kept out of the lru_cache
+
+
+def available() -> bool:
+    """Build (once) and say whether the kernel can be used. Call before stepping or compiling."""
+    global _LIB
+    _LIB = library()
+    return _LIB is not None
+
+
+def linears(x: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tensor]:
+    """[F.linear(x, w) for w in weights] (no bias); one small-batch kernel call where it applies
+    (see available()).
+
+    Eager calls go straight to the kernel: the custom-op dispatcher costs ~20 us a call, as much
+    as a small layer's work. Under torch.compile the op is what keeps the call in the graph."""
+    rows = x.numel() // x.shape[-1]
+    if (_LIB is None or rows > MAX_ROWS or len(weights) > 8 or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or any(w.dtype != torch.float32 or not w.is_contiguous() for w in weights)):
+        return [F.linear(x, w) for w in weights]
+    x2 = x.reshape(rows, x.shape[-1])
+    ys = small_linear(x2, list(weights)) if torch.compiler.is_compiling() else _small_linear(x2, weights)
+    return [y.view(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, weights)]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return linears(x, weight)[0]
+
+
+if __name__ == "__main__":     # warm the build (e.g. in an image) and say what happened
+    print(f"cpu kernels: {status()}")
+    sys.exit(0 if library() is not None else 1)

@@ -1,0 +1,303 @@
+"""A preallocated KV cache written in place, and the Llama step that reads and writes it.
+
+Each batch row owns a row of the cache and a length. A step writes its tokens' keys and values
+at positions length..length+n of that row and attends, under a causal mask over positions, to
+everything before them; rejecting drafts only moves the length back, so whatever was written past
+it is never seen again and is overwritten by the next step (gpt-fast's design). Nothing is
+gathered, cropped or compacted, and the step's shapes depend only on (rows, tokens per row, cache
+length), which is what lets `torch.compile` specialise it.
+
+Rows are left-aligned: row i's n_i new tokens fill slots 0..n_i-1 and its pad slots continue the
+row's positions past its end (harmless writes past the length, invisible to every real query).
+
+The forward is written here over the Hugging Face model's own parameters (nothing is copied) for
+the Llama family (SmolLM2, Llama 2/3, TinyLlama, the test models); `supports()` says why another
+architecture is not, and the engine then uses kv_cache.BatchedKVModel. Linear layers go through
+cpu_kernels.linear (the bandwidth-bound small-batch kernel on CPU; torch's own elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from specpair import cpu_kernels
+from specpair.errors import SpecpairError
+
+KV_KINDS = ("static", "dynamic")
+COMPILE_MODES = ("off", "on")
+INITIAL_POSITIONS = 256
+
+
+def resolve_kv_kind(kind: str | None = None) -> str:
+    """The cache kind asked for, else SPECPAIR_KV, else static. "dynamic" is the eager fallback
+    switch: the hole-masking cache and Hugging Face's own forward, as before this module."""
+    kind = kind or os.environ.get("SPECPAIR_KV") or "static"
+    if kind not in KV_KINDS:
+        raise SpecpairError(f"KV cache kind {kind!r}: choose one of {', '.join(KV_KINDS)}")
+    return kind
+
+
+def resolve_compile(mode: str | None = None) -> str:
+    """Whether the static step is compiled: asked for, else SPECPAIR_COMPILE, else off (on this
+    2-core CPU the compiled step measured slower than the eager one; README)."""
+    mode = mode or os.environ.get("SPECPAIR_COMPILE") or "off"
+    if mode not in COMPILE_MODES:
+        raise SpecpairError(f"compile mode {mode!r}: choose one of {', '.join(COMPILE_MODES)}")
+    return mode
+
+
+def supports(model) -> str | None:
+    """None when the static step can run this model; otherwise why not."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) != "llama":
+        return f"model_type {getattr(cfg, 'model_type', None)!r} (static step: llama only)"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return "attention or MLP biases"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    if not hasattr(getattr(model, "model", None), "rotary_emb"):
+        return "no rotary embedding module"
+    return None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As Hugging Face's LlamaRMSNorm: statistics in float32, scaled in the input dtype.
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _layer_step(h, cos, sin, mask, rows, positions, kc, vc, wq, wk, wv, wo, wg, wu, wd, n1, n2,
+                eps: float, heads: int, kv_heads: int, head_dim: int):
+    """One decoder layer over [B, W] tokens; writes their keys/values into kc/vc [B*, Hkv, S, D]."""
+    B, W, _ = h.shape
+    x = _rms_norm(h, n1, eps)
+    q, k, v = cpu_kernels.linears(x, wq, wk, wv)
+    q = q.view(B, W, heads, head_dim).transpose(1, 2)
+    k = k.view(B, W, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(B, W, kv_heads, head_dim)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    kc[rows, :, positions] = k.transpose(1, 2)
+    vc[rows, :, positions] = v
+    L = mask.shape[-1]
+    att = F.scaled_dot_product_attention(q, kc[:B, :, :L], vc[:B, :, :L], attn_mask=mask,
+                                         enable_gqa=heads != kv_heads)
+    h = h + cpu_kernels.linear(att.transpose(1, 2).reshape(B, W, heads * head_dim), wo)
+    x = _rms_norm(h, n2, eps)
+    gate, up = cpu_kernels.linears(x, wg, wu)
+    return h + cpu_kernels.linear(F.silu(gate) * up, wd)
+
+
+_compiled_layer_step = None
+
+
+def _compiled_step():
+    """The layer step compiled once for every layer (same shapes, different weights) and every
+    (rows, tokens, cache length) (dynamic shapes): one compile, not one per k and batch size."""
+    global _compiled_layer_step
+    if _compiled_layer_step is None:
+        _compiled_layer_step = torch.compile(_layer_step, dynamic=True)
+    return _compiled_layer_step
+
+
+class StaticLlama:
+    """The step function over one Llama model's weights (shared by every batch of that model)."""
+
+    _by_model: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, model) -> "StaticLlama":
+        runner = cls._by_model.get(model)
+        if runner is None or runner.layer_count != len(model.model.layers):
+            runner = cls._by_model[model] = cls(model)
+        return runner
+
+    def __init__(self, model):
+        why = supports(model)
+        if why:
+            raise SpecpairError(f"static KV cache unsupported: {why}")
+        cfg = model.config
+        self.model = model
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.eps = float(cfg.rms_norm_eps)
+        self.layer_count = len(model.model.layers)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        if self.device.type == "cpu":
+            cpu_kernels.available()
+
+    def layer_weights(self, layer):
+        a, m = layer.self_attn, layer.mlp
+        return (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+                m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+
+    @torch.no_grad()
+    def forward(self, ids, positions, gather, caches, attend: int, compiled: bool) -> torch.Tensor:
+        """ids/positions [B, W]; gather [B, G] slots whose logits to return; -> [B, G, V]."""
+        body = self.model.model
+        B, W = ids.shape
+        h = body.embed_tokens(ids)
+        cos, sin = body.rotary_emb(h, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                          # [B, 1, W, D]
+        keys = torch.arange(attend, device=self.device).view(1, 1, 1, attend)
+        mask = keys <= positions.view(B, 1, W, 1)                             # causal, by position
+        rows = torch.arange(B, device=self.device).view(B, 1).expand(B, W)
+        step = _compiled_step() if compiled else _layer_step
+        for layer, (kc, vc) in zip(body.layers, caches):
+            h = step(h, cos, sin, mask, rows, positions, kc, vc, *self.layer_weights(layer),
+                     eps=self.eps, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+        h = h.gather(1, gather.unsqueeze(-1).expand(B, gather.shape[1], h.shape[-1]))
+        h = body.norm(h)
+        return cpu_kernels.linear(h, self.model.lm_head.weight)
+
+
+class StaticKVModel:
+    """A causal LM plus its preallocated per-row cache; the interface of kv_cache.BatchedKVModel.
+
+    Capacity (rows, positions) doubles when exceeded (one copy, amortised), so memory follows the
+    longest live row rather than the model's whole context.
+    """
+
+    def __init__(self, model, vocab_size: int | None = None, compile: str | None = None):
+        self.model = model
+        self.runner = StaticLlama.of(model)
+        self.device = self.runner.device
+        self.vocab_size = vocab_size
+        self.compiled = resolve_compile(compile) == "on"
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+        self.lengths: list[int] = []
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._allocate(rows=1, positions=min(INITIAL_POSITIONS, self.max_positions))
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def columns(self) -> int:
+        return max(self.lengths, default=0)
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        kc = self.caches[0][0]
+        return int(kc.shape[0]), int(kc.shape[2])
+
+    def _allocate(self, rows: int, positions: int) -> None:
+        r = self.runner
+        shape = (rows, r.kv_heads, positions, r.head_dim)
+        new = [(torch.zeros(shape, dtype=r.dtype, device=self.device),
+                torch.zeros(shape, dtype=r.dtype, device=self.device)) for _ in range(r.layer_count)]
+        if self.caches:
+            old_rows, old_pos = self.capacity
+            keep_rows, keep_pos = min(old_rows, rows), min(old_pos, positions)
+            for (nk, nv), (ok, ov) in zip(new, self.caches):
+                nk[:keep_rows, :, :keep_pos] = ok[:keep_rows, :, :keep_pos]
+                nv[:keep_rows, :, :keep_pos] = ov[:keep_rows, :, :keep_pos]
+        self.caches = new
+
+    def _reserve(self, rows: int, positions: int) -> None:
+        have_rows, have_pos = self.capacity
+        if rows <= have_rows and positions <= have_pos:
+            return
+        if positions > have_pos:
+            need = max(positions, have_pos * 2)
+            # Pad slots may run past the context; the cache may too (they are never attended).
+            have_pos = need
+        while have_rows < rows:
+            have_rows *= 2
+        self._allocate(have_rows, have_pos)
+
+    @torch.no_grad()
+    def extend(self, rows: list[list[int]], last: int | list[int] = 1) -> torch.Tensor:
+        """Feed each row its new tokens; return the logits of each row's last `last` tokens,
+        [B, L, V] right-aligned (as BatchedKVModel.extend)."""
+        B = len(rows)
+        assert B == self.batch_size, (B, self.batch_size)
+        width = max(len(r) for r in rows)
+        if width == 0:
+            raise ValueError("extend() called with no tokens")
+        n_last = max(last) if isinstance(last, list) else last
+        ids = torch.zeros(B, width, dtype=torch.long)
+        positions = torch.zeros(B, width, dtype=torch.long)
+        gather = torch.zeros(B, n_last, dtype=torch.long)
+        for i, toks in enumerate(rows):
+            n = len(toks)
+            if n:
+                ids[i, :n] = torch.tensor(toks, dtype=torch.long)
+            positions[i] = torch.arange(self.lengths[i], self.lengths[i] + width)
+            gather[i] = (torch.arange(n_last) + (n - n_last)).clamp(min=0)
+            self.lengths[i] += n
+        attend = int(positions.max()) + 1
+        self._reserve(B, attend)
+        ids, positions, gather = (t.to(self.device) for t in (ids, positions, gather))
+        logits = self.runner.forward(ids, positions, gather, self.caches, attend, self.compiled)
+        if self.vocab_size is not None and logits.shape[-1] > self.vocab_size:
+            logits = logits[..., : self.vocab_size]   # padded embedding rows are never real tokens
+        return logits
+
+    def rollback(self, row: int, keep: int) -> None:
+        """Forget row's tokens beyond its first `keep`: the length moves back, nothing else."""
+        if keep < self.lengths[row]:
+            self.lengths[row] = keep
+
+    def trim(self) -> None:
+        """Nothing to crop: positions past a row's length are simply overwritten later."""
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows, moved to the front of the cache (rows leave at step boundaries)."""
+        if rows == list(range(len(rows))):
+            self.lengths = self.lengths[:len(rows)]
+            return
+        used = max((self.lengths[i] for i in rows), default=0)
+        if used:
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            for kc, vc in self.caches:
+                kc[:len(rows), :, :used] = kc[index, :, :used]
+                vc[:len(rows), :, :used] = vc[index, :, :used]
+        self.lengths = [self.lengths[i] for i in rows]
+
+    def add_rows(self, count: int) -> None:
+        if count <= 0:
+            return
+        self.lengths += [0] * count
+        self._reserve(len(self.lengths), self.capacity[1])
+
+
+def kv_model(model, vocab_size: int | None = None, kind: str | None = None,
+             compile: str | None = None):
+    """The cache for this model: static where supported (unless asked for dynamic), else the
+    hole-masking BatchedKVModel over Hugging Face's forward."""
+    from specpair.kv_cache import BatchedKVModel
+
+    if resolve_kv_kind(kind) == "static" and supports(model) is None:
+        return StaticKVModel(model, vocab_size=vocab_size, compile=resolve_compile(compile))
+    return BatchedKVModel(model, vocab_size=vocab_size)
+
+
+def step_description(model, kind: str, compile: str) -> dict:
+    """What runs a step of this model: the cache, whether compiled, the CPU kernel's state."""
+    why = supports(model) if kind == "static" else None
+    static = kind == "static" and why is None
+    device = next(model.parameters()).device
+    out = {"kv_cache": "static" if static else "dynamic",
+           "compiled": static and compile == "on"}
+    if why:
+        out["static_unsupported"] = why
+    if static and device.type == "cpu":
+        out["cpu_kernels"] = cpu_kernels.status()
+    return out

@@ -1,0 +1,185 @@
+"""The static KV cache and its step: the same logits as Hugging Face's forward over the dynamic
+cache through every cache operation, the CPU kernel against torch's linear, and greedy identity of
+whole generations (eager and compiled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specpair import cpu_kernels, static_cache
+from specpair.config import GenerationParams, SpeculationConfig
+from specpair.decoding import SpeculativeEngine
+from specpair.drafters import NgramDrafter
+from specpair.errors import SpecpairError
+from specpair.kv_cache import BatchedKVModel
+from specpair.static_cache import StaticKVModel, kv_model
+
+
+# -- the CPU kernel ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("in_features", [576, 37, 8, 1536])
+def test_small_linear_matches_torch_for_every_row_count(in_features):
+    assert cpu_kernels.available(), cpu_kernels.status()
+    gen = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(203, in_features, generator=gen)
+    for rows in range(1, cpu_kernels.MAX_ROWS + 1):
+        x = torch.randn(rows, in_features, generator=gen)
+        ours = cpu_kernels.linear(x, weight)
+        torch.testing.assert_close(ours, F.linear(x, weight), rtol=1e-4, atol=1e-4)
+
+
+def test_a_rows_output_does_not_depend_on_how_many_rows_came_with_it():
+    """Bitwise: a token's logits in a 1-token step equal its logits inside a 5-token verification,
+    so rounding cannot make speculative greedy output differ from target-only output."""
+    cpu_kernels.available()
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(300, 576, generator=gen), torch.randn(5, 576, generator=gen)
+    together = cpu_kernels.linear(x, weight)
+    for i in range(5):
+        assert torch.equal(cpu_kernels.linear(x[i:i + 1], weight)[0], together[i])
+
+
+def test_linear_falls_back_to_torch_where_the_kernel_does_not_apply():
+    cpu_kernels.available()
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 32, generator=gen)
+    for x in (torch.randn(9, 32, generator=gen),                       # more rows than the kernel
+              torch.randn(2, 32, generator=gen).to(torch.float64)):    # not float32
+        w = weight.to(x.dtype)
+        assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
+    # A transposed (non-contiguous) weight is legal input and still correct.
+    wt = torch.randn(64, 16, generator=gen).t()        # [16, 64], columns contiguous
+    x = torch.randn(3, 64, generator=gen)
+    assert torch.equal(cpu_kernels.linear(x, wt), F.linear(x, wt))
+
+
+def test_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("SPECPAIR_CPU_KERNELS", "0")
+    cpu_kernels.library.cache_clear()
+    try:
+        assert not cpu_kernels.available()
+        assert "SPECPAIR_CPU_KERNELS=0" in cpu_kernels.status()
+        x, w = torch.randn(2, 16), torch.randn(8, 16)
+        assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
+    finally:
+        monkeypatch.delenv("SPECPAIR_CPU_KERNELS")
+        cpu_kernels.library.cache_clear()
+        assert cpu_kernels.available()
+
+
+# -- the cache --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=[4, 2], ids=["mha", "gqa"])
+def model(request, tiny_tokenizer):
+    from tiny_models import make_model
+    loaded = make_model(tiny_tokenizer, seed=3, hidden=64, heads=4)
+    if request.param != 4:      # grouped-query attention: fewer key/value heads than query heads
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(**{**loaded.model.config.to_dict(), "num_key_value_heads": request.param})
+        torch.manual_seed(3)
+        return LlamaForCausalLM(cfg).eval()
+    return loaded.model.eval()
+
+
+def test_static_cache_matches_the_dynamic_cache_through_every_operation(model, monkeypatch):
+    # A tiny first allocation so rows and positions both have to grow on the way.
+    monkeypatch.setattr(static_cache, "INITIAL_POSITIONS", 8)
+    ref, ours = BatchedKVModel(model), StaticKVModel(model)
+    assert ours.capacity == (1, 8)
+
+    def both(rows, last):
+        expected, got = ref.extend(rows, last), ours.extend(rows, last)
+        assert got.shape == expected.shape
+        for i, r in enumerate(rows):
+            n = min(len(r), last)
+            if n:
+                torch.testing.assert_close(got[i, -n:], expected[i, -n:], rtol=1e-4, atol=1e-4)
+        assert ours.lengths == ref.lengths
+
+    def each(op, *args):
+        getattr(ref, op)(*args)
+        getattr(ours, op)(*args)
+        ref.trim()
+        ours.trim()
+
+    each("add_rows", 2)
+    both([[5, 6, 7, 8, 9], [3, 4]], 5)                   # prefills of different lengths
+    both([[1, 2, 3], [4]], 3)                            # a verification next to a decode step
+    each("rollback", 0, 6)                               # row 0 rejects two drafts
+    both([[9, 9], [7, 7, 7, 7]], 4)
+    each("add_rows", 1)                                  # a request joins mid-flight
+    both([[1], [2], list(range(10, 40))], 1)
+    each("select", [2, 0])                               # row 1 finished; rows reorder
+    both([[3, 4], [5]], 2)
+    each("rollback", 1, 3)
+    both([[3], [5, 6, 7]], 3)
+    both([[], [8, 8]], 2)                                # a row with nothing to add this step
+    each("select", [])
+    each("add_rows", 1)
+    both([[11, 12, 13]], 1)
+    assert ours.capacity[0] >= 3 and ours.capacity[1] >= 33
+
+
+def test_rejection_costs_nothing_and_keeps_the_survivors(tiny_target):
+    kv = StaticKVModel(tiny_target.model)
+    kv.add_rows(1)
+    kv.extend([[1, 2, 3, 4]])
+    before = [k.clone() for k, _ in kv.caches]
+    kv.rollback(0, 2)
+    assert kv.lengths == [2]
+    assert all(torch.equal(a, k) for a, (k, _) in zip(before, kv.caches))   # nothing moved
+    fresh = StaticKVModel(tiny_target.model)
+    fresh.add_rows(1)
+    fresh.extend([[1, 2]])
+    torch.testing.assert_close(kv.extend([[7]]), fresh.extend([[7]]), rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_models_get_the_dynamic_cache_and_bad_kinds_are_refused(tiny_target, monkeypatch):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    assert "gpt2" in static_cache.supports(gpt2)
+    assert isinstance(kv_model(gpt2), BatchedKVModel)
+    assert isinstance(kv_model(tiny_target.model), StaticKVModel)
+    assert isinstance(kv_model(tiny_target.model, kind="dynamic"), BatchedKVModel)
+    monkeypatch.setenv("SPECPAIR_KV", "dynamic")
+    assert isinstance(kv_model(tiny_target.model), BatchedKVModel)
+    monkeypatch.setenv("SPECPAIR_KV", "holes")
+    with pytest.raises(SpecpairError, match="static, dynamic"):
+        kv_model(tiny_target.model)
+    with pytest.raises(SpecpairError, match="off, on"):
+        static_cache.resolve_compile("max")
+
+
+# -- whole generations ------------------------------------------------------------------------
+
+PROMPTS = ["def foo(x):\n    return", "Hello world, hello world, hello", "import os\nimport sys\n"]
+PARAMS = GenerationParams(max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def dynamic_reference(tiny_target):
+    engine = SpeculativeEngine(tiny_target, speculation=SpeculationConfig(enabled=False), kv="dynamic")
+    return [engine.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
+
+
+def test_static_engine_equals_the_dynamic_engine(tiny_target, tiny_draft, dynamic_reference):
+    target_only = SpeculativeEngine(tiny_target, speculation=SpeculationConfig(enabled=False))
+    assert target_only.describe_step()["kv_cache"] == "static"
+    assert [r.token_ids for r in target_only.generate(PROMPTS, PARAMS)] == dynamic_reference
+    for drafter, draft in ((None, tiny_draft), (NgramDrafter(), None)):
+        engine = SpeculativeEngine(tiny_target, drafter=drafter, draft=draft,
+                                   speculation=SpeculationConfig(k=4, fallback_threshold=0))
+        results = engine.generate(PROMPTS, PARAMS)
+        assert [r.token_ids for r in results] == dynamic_reference
+        assert sum(r.stats.num_draft_tokens - r.stats.num_accepted_tokens for r in results) > 0
+
+
+def test_compiled_step_is_warmed_and_exact(tiny_target, tiny_draft, dynamic_reference):
+    engine = SpeculativeEngine(tiny_target, draft=tiny_draft, compile="on",
+                               speculation=SpeculationConfig(k=3, fallback_threshold=0))
+    assert engine.describe_step() == {"kv_cache": "static", "compiled": True,
+                                      "cpu_kernels": cpu_kernels.status()}
+    results = engine.generate(PROMPTS, PARAMS)
+    assert [r.token_ids for r in results] == dynamic_reference
