@@ -43,6 +43,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp \
     HF_HOME=/var/cache/specpair/hf \
     SPECPAIR_CACHE=/var/cache/specpair
+# A C compiler: the engine builds its small-batch CPU kernel (specpair/cpu_kernels.c) on first use
+# for the node's own CPU (-march=native) into the cache volume; without one it falls back to torch.
+# libc6-dev must match the base image's libc6 exactly, so it is pinned to that.
+RUN apt-get update \
+ && apt-get install --yes --no-install-recommends gcc=4:12.2.0-3 \
+      "libc6-dev=$(dpkg-query --showformat='${Version}' --show libc6)" \
+ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 specpair \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin specpair \
  && mkdir -p /var/cache/specpair \

@@ -183,3 +183,21 @@ def test_compiled_step_is_warmed_and_exact(tiny_target, tiny_draft, dynamic_refe
                                       "cpu_kernels": cpu_kernels.status()}
     results = engine.generate(PROMPTS, PARAMS)
     assert [r.token_ids for r in results] == dynamic_reference
+
+
+def test_a_verified_tokens_logits_are_bitwise_its_decode_step_logits(tiny_target):
+    """Through the C layer (CPU, float32, <= 8 tokens) a token's arithmetic does not depend on the
+    tokens verified with it: decoding five tokens one by one and verifying them at once give
+    identical logits, so speculation cannot flip a greedy choice by rounding."""
+    assert cpu_kernels.layer_applies(5, torch.float32, torch.device("cpu"))
+    prompt, tokens = list(range(5, 25)), [31, 7, 99, 4, 250]
+    one_by_one, at_once = StaticKVModel(tiny_target.model), StaticKVModel(tiny_target.model)
+    for kv in (one_by_one, at_once):
+        kv.add_rows(1)
+        kv.extend([prompt])
+    singles = torch.cat([one_by_one.extend([[t]]) for t in tokens], dim=1)
+    verified = at_once.extend([tokens], last=len(tokens))
+    assert torch.equal(singles, verified)
+    # And both agree with Hugging Face's forward to float32 rounding.
+    ref = tiny_target.model(torch.tensor([prompt + tokens])).logits[:, -len(tokens):]
+    torch.testing.assert_close(verified, ref, rtol=1e-4, atol=1e-4)

@@ -74,6 +74,10 @@ def library() -> ctypes.CDLL | None:
     lib.specpair_small_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_long,
                                                                   ctypes.c_long, ctypes.c_int]
     lib.specpair_small_linear.restype = ctypes.c_int
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.specpair_llama_layer.argtypes = [p, p, p, ctypes.c_long, ctypes.c_long, i, i, i, ctypes.c_long,
+                                         f, p, p, p, p, ctypes.c_long] + [p] * 10 + [i]
+    lib.specpair_llama_layer.restype = ctypes.c_int
     return lib
 
 
@@ -134,6 +138,32 @@ def linears(x: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tensor]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linears(x, weight)[0]
+
+
+def layer_applies(tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether llama_layer can run a step of this many tokens (eager, CPU, float32)."""
+    return _LIB is not None and tokens <= MAX_ROWS and dtype == torch.float32 and device.type == "cpu"
+
+
+def llama_layer(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, weights, eps: float,
+                heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """One decoder layer through cpu_kernels.c (see specpair_llama_layer there); h [T, D] is
+    updated in place and returned. Tensors: contiguous; rows/positions int64 [T]; cos/sin [T, hd]."""
+    wq, wk, wv, wo, wg, wu, wd, n1, n2 = weights
+    T, D = h.shape
+    F_ = wg.shape[0]
+    attend = int(positions.max()) + 1
+    scratch = torch.empty(T * (2 * D + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * F_)
+                          + T * heads * attend + F_, dtype=torch.float32)
+    ptr = lambda t: t.data_ptr()   # noqa: E731
+    rc = _LIB.specpair_llama_layer(
+        ptr(h), ptr(rows), ptr(positions), T, D, heads, kv_heads, head_dim, F_, eps, ptr(cos),
+        ptr(sin), ptr(kc), ptr(vc), kc.shape[2], ptr(wq), ptr(wk), ptr(wv), ptr(wo), ptr(wg),
+        ptr(wu), ptr(wd), ptr(n1), ptr(n2), ptr(scratch), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"specpair_llama_layer refused a step of {T} tokens (code {rc})")
+    return h
 
 
 if __name__ == "__main__":     # warm the build (e.g. in an image) and say what happened

@@ -12,8 +12,13 @@ row's positions past its end (harmless writes past the length, invisible to ever
 
 The forward is written here over the Hugging Face model's own parameters (nothing is copied) for
 the Llama family (SmolLM2, Llama 2/3, TinyLlama, the test models); `supports()` says why another
-architecture is not, and the engine then uses kv_cache.BatchedKVModel. Linear layers go through
-cpu_kernels.linear (the bandwidth-bound small-batch kernel on CPU; torch's own elsewhere).
+architecture is not, and the engine then uses kv_cache.BatchedKVModel. Two ways through a layer:
+- on the CPU in float32, a step of at most 8 tokens (decode, verify, draft at small batch): one
+  call per layer into cpu_kernels.c, whose per-token arithmetic does not depend on the other
+  tokens, so a token's logits are bitwise the same in a decode step and in a verification;
+- otherwise (CUDA, prefill, large batches, or compiled): the torch operations of `_layer_step`,
+  which `torch.compile` can compile (SPECPAIR_COMPILE=on; on this 2-core CPU it measured slower
+  than the C layer, see README).
 """
 
 from __future__ import annotations
@@ -154,13 +159,25 @@ class StaticLlama:
         h = body.embed_tokens(ids)
         cos, sin = body.rotary_emb(h, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                          # [B, 1, W, D]
-        keys = torch.arange(attend, device=self.device).view(1, 1, 1, attend)
-        mask = keys <= positions.view(B, 1, W, 1)                             # causal, by position
         rows = torch.arange(B, device=self.device).view(B, 1).expand(B, W)
-        step = _compiled_step() if compiled else _layer_step
-        for layer, (kc, vc) in zip(body.layers, caches):
-            h = step(h, cos, sin, mask, rows, positions, kc, vc, *self.layer_weights(layer),
-                     eps=self.eps, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+        if not compiled and cpu_kernels.layer_applies(B * W, h.dtype, self.device):
+            # A few tokens on the CPU: one C call per layer (cpu_kernels.c says why).
+            flat = h.reshape(B * W, -1).contiguous()
+            cos_t, sin_t = (c.reshape(B * W, -1).contiguous() for c in (cos, sin))
+            rows_t, pos_t = rows.reshape(-1).contiguous(), positions.reshape(-1).contiguous()
+            for layer, (kc, vc) in zip(body.layers, caches):
+                cpu_kernels.llama_layer(flat, rows_t, pos_t, cos_t, sin_t, kc, vc,
+                                        self.layer_weights(layer), self.eps, self.heads,
+                                        self.kv_heads, self.head_dim)
+            h = flat.view(B, W, -1)
+        else:
+            keys = torch.arange(attend, device=self.device).view(1, 1, 1, attend)
+            mask = keys <= positions.view(B, 1, W, 1)                         # causal, by position
+            step = _compiled_step() if compiled else _layer_step
+            for layer, (kc, vc) in zip(body.layers, caches):
+                h = step(h, cos, sin, mask, rows, positions, kc, vc, *self.layer_weights(layer),
+                         eps=self.eps, heads=self.heads, kv_heads=self.kv_heads,
+                         head_dim=self.head_dim)
         h = h.gather(1, gather.unsqueeze(-1).expand(B, gather.shape[1], h.shape[-1]))
         h = body.norm(h)
         return cpu_kernels.linear(h, self.model.lm_head.weight)
