@@ -4,6 +4,7 @@ Pure functions, no timing: the costs are given, the rounds are recorded as the e
 them (AcceptanceStats.record_round)."""
 
 import pytest
+import torch
 
 from specpair.bench import ideal_spec_seconds, rounds_by_k, speedup_bound
 from specpair.stats import AcceptanceStats
@@ -54,3 +55,25 @@ def test_rounds_without_drafts_prefill_and_model_drafts_cost_what_they_cost():
 def test_a_run_that_never_drafts_is_bounded_by_its_target_only_time():
     s = AcceptanceStats()
     assert speedup_bound(s, 10, COSTS, target_seconds=10 * 0.040) == pytest.approx(1.0)
+
+
+def test_step_bytes_count_each_weight_once_and_the_cache_read():
+    """A step reads every weight but the input embedding table (one row of it); a tied LM head is
+    the table itself, read once as the head. Plus keys and values of the cached tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from specpair.bench import step_bytes, step_figures
+
+    def model(tied: bool):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, tie_word_embeddings=tied))
+    untied, tied = model(False), model(True)
+    table = 100 * 32 * 4
+    total = lambda m: sum(p.numel() * 4 for p in m.parameters())       # noqa: E731
+    assert step_bytes(untied, 0) == total(untied) - table
+    assert step_bytes(tied, 0) == total(tied)                 # parameters() lists the tied table once
+    kv = 2 * 2 * 2 * 8 * 10 * 4                               # K and V, 2 layers, 2 heads, dim 8, 10 tokens
+    assert step_bytes(untied, 10) - step_bytes(untied, 0) == kv
+    figures = step_figures(0.02, 500_000_000, 40.0)
+    assert figures == {"step_ms": 20.0, "bytes": 500_000_000, "gb_s": 25.0, "fraction_of_bandwidth": 0.625}

@@ -84,6 +84,19 @@ def test_bench_json_on_tiny_pair(tmp_path, tiny_pair_dirs):
             assert key in row, key
         assert row["greedy_identity"] == 1.0
         assert row["bound"] > 0 and row["cost_ratio"] > 0
+        # Peers side by side in tokens/s, and ours over theirs.
+        assert row["hf_target_tokens_per_s"] > 0 and row["hf_assisted_tokens_per_s"] > 0
+        assert row["spec_vs_hf"] == pytest.approx(
+            row["spec_tokens_per_s"] / row["hf_assisted_tokens_per_s"], rel=1e-2)
+    # The step against this machine's memory bandwidth, measured in the same run.
+    assert report["step"] == {"kv_cache": "static", "compiled": False, "cpu_kernels": "built"}
+    bw = report["bandwidth"]
+    assert bw["memory_gb_s"] == max(bw["read_gb_s"], bw["copy_gb_s"]) > 0
+    for name in ("target", "draft"):
+        f = bw[name]
+        assert f["gb_s"] == pytest.approx(f["bytes"] / (f["step_ms"] / 1e3) / 1e9, rel=1e-2)
+        assert f["fraction_of_bandwidth"] == pytest.approx(f["gb_s"] / bw["memory_gb_s"], rel=1e-2)
+    assert set(report["verify_ratio"]) == set(report["costs_seconds"]["verify"])
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json}\n")
     proc = specpair("bench", "--target", tiny_pair_dirs["target"], "--drafter", "ngram", "--prompts", str(bad))

@@ -24,9 +24,10 @@ def test_small_linear_matches_torch_for_every_row_count(in_features):
     assert cpu_kernels.available(), cpu_kernels.status()
     gen = torch.Generator().manual_seed(in_features)
     weight = torch.randn(203, in_features, generator=gen)
-    for rows in range(1, cpu_kernels.MAX_ROWS + 1):
+    for rows in range(1, cpu_kernels.MAX_TOKENS + 1):
         x = torch.randn(rows, in_features, generator=gen)
         ours = cpu_kernels.linear(x, weight)
+        assert cpu_kernels.layer_applies(rows, torch.float32, torch.device("cpu"))
         torch.testing.assert_close(ours, F.linear(x, weight), rtol=1e-4, atol=1e-4)
 
 
@@ -35,9 +36,9 @@ def test_a_rows_output_does_not_depend_on_how_many_rows_came_with_it():
     so rounding cannot make speculative greedy output differ from target-only output."""
     cpu_kernels.available()
     gen = torch.Generator().manual_seed(0)
-    weight, x = torch.randn(300, 576, generator=gen), torch.randn(5, 576, generator=gen)
-    together = cpu_kernels.linear(x, weight)
-    for i in range(5):
+    weight, x = torch.randn(300, 576, generator=gen), torch.randn(13, 576, generator=gen)
+    together = cpu_kernels.linear(x, weight)          # 13 rows: two passes of 7 and 6
+    for i in range(13):
         assert torch.equal(cpu_kernels.linear(x[i:i + 1], weight)[0], together[i])
 
 
@@ -45,7 +46,7 @@ def test_linear_falls_back_to_torch_where_the_kernel_does_not_apply():
     cpu_kernels.available()
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(64, 32, generator=gen)
-    for x in (torch.randn(9, 32, generator=gen),                       # more rows than the kernel
+    for x in (torch.randn(17, 32, generator=gen),                      # more rows than the kernel
               torch.randn(2, 32, generator=gen).to(torch.float64)):    # not float32
         w = weight.to(x.dtype)
         assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
@@ -186,7 +187,7 @@ def test_compiled_step_is_warmed_and_exact(tiny_target, tiny_draft, dynamic_refe
 
 
 def test_a_verified_tokens_logits_are_bitwise_its_decode_step_logits(tiny_target):
-    """Through the C layer (CPU, float32, <= 8 tokens) a token's arithmetic does not depend on the
+    """Through the C layer (CPU, float32, <= 16 tokens) a token's arithmetic does not depend on the
     tokens verified with it: decoding five tokens one by one and verifying them at once give
     identical logits, so speculation cannot flip a greedy choice by rounding."""
     assert cpu_kernels.layer_applies(5, torch.float32, torch.device("cpu"))

@@ -60,27 +60,35 @@ ROWS_KERNEL(5) ROWS_KERNEL(6) ROWS_KERNEL(7) ROWS_KERNEL(8)
 typedef void (*rows_fn)(const float *, const float *, float *, long, long, long, long);
 static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
 
-int specpair_max_rows(void) { return 8; }
+#define MAX_TOKENS 16   /* rows of x per call: k+1 <= 9 at batch 1, more rows at small batches */
+
+int specpair_max_tokens(void) { return MAX_TOKENS; }
 
 #define BLOCK 16   /* output rows per task: small enough that a 192-row matrix splits evenly */
 
 /* x: [M, I]; for each of n weights W[j]: [O[j], I] -> y[j]: [M, O[j]]; all contiguous float32,
-   1 <= M <= 8. Several weights that read the same x (q, k and v; gate and up) go in one call, so
-   the threads share out all their rows at once: one fork-join instead of three, no idle thread
-   on a small matrix, and no concatenated copy of the weights. */
+   1 <= M <= 16. Several weights that read the same x (q, k and v; gate and up) go in one call,
+   so the threads share out all their rows at once: one fork-join instead of three, no idle
+   thread on a small matrix, and no concatenated copy of the weights. More than 8 rows go in
+   even passes of at most 8 (each reads the weights once more); a row's arithmetic is the same
+   in any pass. */
 int specpair_small_linear(const float *x, const float *const *W, float *const *y, const long *O,
                           int n, long M, long I, int threads) {
-    if (M < 1 || M > 8 || n < 1 || n > 8) return -1;
-    rows_fn f = ROWS[M];
+    if (M < 1 || M > MAX_TOKENS || n < 1 || n > 8) return -1;
     long first[9];
     first[0] = 0;
     for (int j = 0; j < n; j++) first[j + 1] = first[j] + (O[j] + BLOCK - 1) / BLOCK;
+    long passes = (M + 7) / 8;
+    for (long c = 0; c < passes; c++) {
+        long m0 = M * c / passes, m1 = M * (c + 1) / passes;
+        rows_fn f = ROWS[m1 - m0];
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long b = 0; b < first[n]; b++) {
-        int j = 0;
-        while (b >= first[j + 1]) j++;
-        long o0 = (b - first[j]) * BLOCK, o1 = o0 + BLOCK < O[j] ? o0 + BLOCK : O[j];
-        f(x, W[j], y[j], I, O[j], o0, o1);
+        for (long b = 0; b < first[n]; b++) {
+            int j = 0;
+            while (b >= first[j + 1]) j++;
+            long o0 = (b - first[j]) * BLOCK, o1 = o0 + BLOCK < O[j] ? o0 + BLOCK : O[j];
+            f(x + m0 * I, W[j], y[j] + m0 * O[j], I, O[j], o0, o1);
+        }
     }
     return 0;
 }
@@ -214,6 +222,77 @@ static void run_linear(const float *x, const float *const *W, float *const *y, c
 
 #define MAX_HEAD_DIM 256
 
+/* out = inv * sum_p s[p] * v_p over n value rows of hd = 8 * chunks floats, keys ascending. */
+static void weighted_sum(const float *s, const float *v, long n, int chunks, float inv,
+                             float *out) {
+    v8 acc[MAX_HEAD_DIM / 8];
+    for (int c = 0; c < chunks; c++) acc[c] = (v8){0};
+    for (long p = 0; p < n; p++) {
+        v8 w = (v8){0} + s[p];
+        for (int c = 0; c < chunks; c++) {
+            v8 x;
+            __builtin_memcpy(&x, v + p * chunks * 8 + c * 8, sizeof x);
+            acc[c] = fma8(w, x, acc[c]);
+        }
+    }
+    for (int c = 0; c < chunks; c++) {
+        v8 r = acc[c] * inv;
+        __builtin_memcpy(out + c * 8, &r, sizeof r);
+    }
+}
+
+/* Causal attention for query head hh of tokens a..b-1, all of one cache row: token t sees keys
+   at positions 0..pos[t]. Every (token, key) score and every token's weighted sum is computed in
+   the same order as for that token alone (eight lanes, keys ascending), whatever the run's
+   length: the run shares loads, never arithmetic. */
+static void attend_run(const float *q, const float *kc, const float *vc, float *att, float *scores,
+                       const long *pos, long row, long a, long b, int hh, int H, int Hkv, int hd,
+                       long S, long L) {
+    int j = hh / (H / Hkv), chunks = hd / 8;
+    long qd = (long)H * hd, nmax = 0;
+    const float *kbase = kc + (row * Hkv + j) * S * hd, *vbase = vc + (row * Hkv + j) * S * hd;
+    float scale = 1.0f / __builtin_sqrtf((float)hd);
+    for (long t = a; t < b; t++) if (pos[t] + 1 > nmax) nmax = pos[t] + 1;
+    /* Scores: four keys at a time (four independent chains), each block for every token. */
+    for (long p = 0; p < nmax; p += 4) {
+        for (long t = a; t < b; t++) {
+            long n = pos[t] + 1;
+            const float *qv = q + t * qd + (long)hh * hd;
+            float *s = scores + (t * H + hh) * L;
+            if (p + 4 <= n) dot4(qv, kbase + p * hd, hd, s + p);
+            else for (long k = p; k < n; k++) s[k] = dot(qv, kbase + k * hd, hd);
+        }
+    }
+    /* Softmax per token over its own keys. */
+    float inv[MAX_TOKENS];
+    for (long t = a; t < b; t++) {
+        long n = pos[t] + 1, p;
+        float *s = scores + (t * H + hh) * L, mx = -__builtin_inff();
+        for (p = 0; p < n; p++) {
+            s[p] *= scale;
+            if (s[p] > mx) mx = s[p];
+        }
+        for (p = 0; p < n; p++) s[p] -= mx;
+        exp_inplace(s, n);
+        v8 sum8 = (v8){0};
+        for (p = 0; p + 8 <= n; p += 8) {
+            v8 e;
+            __builtin_memcpy(&e, s + p, sizeof e);
+            sum8 += e;
+        }
+        float sum = hsum(sum8);
+        for (; p < n; p++) sum += s[p];
+        inv[t - a] = 1.0f / sum;
+    }
+    /* Weighted sums of values, token by token (the values are in the core's caches by now). */
+    for (long t = a; t < b; t++) {
+        const float *s = scores + (t * H + hh) * L;
+        float *out = att + t * qd + (long)hh * hd;
+        weighted_sum(s, vbase, pos[t] + 1, chunks, inv[t - a], out);
+    }
+}
+
+
 int specpair_max_head_dim(void) { return MAX_HEAD_DIM; }
 
 int specpair_llama_layer(float *h, const long *rows, const long *pos, long T, long D, int H,
@@ -222,7 +301,7 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, long T, lo
                          const float *wv, const float *wo, const float *wg, const float *wu,
                          const float *wd, const float *n1, const float *n2, float *scratch,
                          int threads) {
-    if (T < 1 || T > 8 || hd % 8 || hd > MAX_HEAD_DIM || H % Hkv) return -1;
+    if (T < 1 || T > MAX_TOKENS || hd % 8 || hd > MAX_HEAD_DIM || H % Hkv) return -1;
     long qd = (long)H * hd, kd = (long)Hkv * hd, L = 0;
     for (long t = 0; t < T; t++) if (pos[t] + 1 > L) L = pos[t] + 1;
     if (L > S) return -2;
@@ -245,59 +324,19 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, long T, lo
             __builtin_memcpy(vc + at, v + t * kd + (long)j * hd, hd * sizeof(float));
         }
     }
-    /* Attention: every (token, head) pair on its own, keys at positions 0..pos[t] of its row.
-       Numbered key/value head first, then token, then query head in the group, so the pairs
-       that read the same keys run one after another on one thread, from its caches. */
-    int group = H / Hkv;
-    float scale = 1.0f / __builtin_sqrtf((float)hd);
+    /* Attention, one task per (run, query head): a run is the consecutive tokens of one row (a
+       verification's k+1 tokens), which read the same keys and values, so each key and value is
+       loaded once for all of them rather than once per token. */
+    long run_start[MAX_TOKENS + 1], runs = 0;
+    for (long t = 0; t < T; t++)
+        if (t == 0 || rows[t] != rows[t - 1]) run_start[runs++] = t;
+    run_start[runs] = T;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long task = 0; task < T * H; task++) {
-        int j = (int)(task / (T * group));
-        long t = (task / group) % T;
-        int hh = j * group + (int)(task % group);
-        long th = t * H + hh;
-        const float *qv = q + t * qd + (long)hh * hd;
-        const float *kbase = kc + (rows[t] * Hkv + j) * S * hd;
-        const float *vbase = vc + (rows[t] * Hkv + j) * S * hd;
-        float *s = scores + th * L, *out = att + t * qd + (long)hh * hd;
-        long n = pos[t] + 1;
-        float mx = -__builtin_inff();
-        long p = 0;
-        for (; p + 4 <= n; p += 4)   /* four keys at a time: four independent chains */
-            dot4(qv, kbase + p * hd, hd, s + p);
-        for (; p < n; p++) s[p] = dot(qv, kbase + p * hd, hd);
-        for (p = 0; p < n; p++) {
-            s[p] *= scale;
-            if (s[p] > mx) mx = s[p];
-        }
-        for (p = 0; p < n; p++) s[p] -= mx;
-        exp_inplace(s, n);
-        v8 sum8 = (v8){0};
-        for (p = 0; p + 8 <= n; p += 8) {
-            v8 e;
-            __builtin_memcpy(&e, s + p, sizeof e);
-            sum8 += e;
-        }
-        float sum = hsum(sum8);
-        for (; p < n; p++) sum += s[p];
-        /* The weighted sum of values in registers: hd / 8 lanes-of-eight accumulators. */
-        v8 acc[MAX_HEAD_DIM / 8];
-        int chunks = hd / 8;
-        for (int c = 0; c < chunks; c++) acc[c] = (v8){0};
-        for (p = 0; p < n; p++) {
-            const float *vv = vbase + p * hd;
-            v8 w = (v8){0} + s[p];
-            for (int c = 0; c < chunks; c++) {
-                v8 x;
-                __builtin_memcpy(&x, vv + c * 8, sizeof x);
-                acc[c] = fma8(w, x, acc[c]);
-            }
-        }
-        float inv = 1.0f / sum;
-        for (int c = 0; c < chunks; c++) {
-            v8 r = acc[c] * inv;
-            __builtin_memcpy(out + c * 8, &r, sizeof r);
-        }
+    for (long task = 0; task < runs * H; task++) {
+        long r = task / H;
+        int hh = (int)(task % H);
+        attend_run(q, kc, vc, att, scores, pos, rows[run_start[r]], run_start[r], run_start[r + 1],
+                   hh, H, Hkv, hd, S, L);
     }
     {
         const float *Ws[1] = {wo};

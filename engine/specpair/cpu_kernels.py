@@ -1,13 +1,14 @@
-"""The CPU's small-batch linear layer (cpu_kernels.c), built on first use, with a fallback.
+"""The CPU's decode kernels (cpu_kernels.c): built on first use, loaded with ctypes, with a fallback.
 
 The C source is compiled here, for this CPU (-march=native), into the model cache the first time
-an engine needs it (about a second), keyed by the source's hash and the compiler flags, so an
-image can warm it at build time (`python -m specpair.cpu_kernels`). It is registered as a torch
-custom op so `torch.compile` keeps it as one opaque call inside a compiled step.
+an engine needs it (about a second), keyed by the source's hash, the compiler flags and the CPU's
+features (a cache volume shared by different nodes never hands one a library for another);
+`python -m specpair.cpu_kernels` builds it ahead and says whether it could. The small-batch
+linear is also a torch custom op, so `torch.compile` keeps it as one opaque call in a compiled step.
 
-Where it does not apply (CUDA, a dtype other than float32, more than 8 rows: prefill and large
+Where it does not apply (CUDA, a dtype other than float32, more than 16 rows: prefill and large
 batches, where BLAS is good) or cannot be built (no C compiler, SPECPAIR_CPU_KERNELS=0), linear()
-is torch's own. `status()` says which, for the bench and GetModelInfo.
+is torch's own. `status()` says which, for the bench and the server's start-up log.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off"]
-MAX_ROWS = 8
+MAX_TOKENS = 16    # rows per call (cpu_kernels.c: MAX_TOKENS)
 _build_error: str | None = None
 
 
@@ -101,7 +102,7 @@ def _small_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Te
 
 @torch.library.custom_op("specpair::small_linear", mutates_args=())
 def small_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[x [M, I] @ w.T for w in weights] (each w [O, I]) for 1 <= M <= 8, float32 on CPU."""
+    """[x [M, I] @ w.T for w in weights] (each w [O, I]) for 1 <= M <= 16, float32 on CPU."""
     return _small_linear(x, weights)
 
 
@@ -127,7 +128,7 @@ def linears(x: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tensor]:
     Eager calls go straight to the kernel: the custom-op dispatcher costs ~20 us a call, as much
     as a small layer's work. Under torch.compile the op is what keeps the call in the graph."""
     rows = x.numel() // x.shape[-1]
-    if (_LIB is None or rows > MAX_ROWS or len(weights) > 8 or x.dtype != torch.float32
+    if (_LIB is None or rows > MAX_TOKENS or len(weights) > 8 or x.dtype != torch.float32
             or x.device.type != "cpu"
             or any(w.dtype != torch.float32 or not w.is_contiguous() for w in weights)):
         return [F.linear(x, w) for w in weights]
@@ -142,7 +143,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def layer_applies(tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether llama_layer can run a step of this many tokens (eager, CPU, float32)."""
-    return _LIB is not None and tokens <= MAX_ROWS and dtype == torch.float32 and device.type == "cpu"
+    return _LIB is not None and tokens <= MAX_TOKENS and dtype == torch.float32 and device.type == "cpu"
 
 
 def llama_layer(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

@@ -13,7 +13,7 @@ row's positions past its end (harmless writes past the length, invisible to ever
 The forward is written here over the Hugging Face model's own parameters (nothing is copied) for
 the Llama family (SmolLM2, Llama 2/3, TinyLlama, the test models); `supports()` says why another
 architecture is not, and the engine then uses kv_cache.BatchedKVModel. Two ways through a layer:
-- on the CPU in float32, a step of at most 8 tokens (decode, verify, draft at small batch): one
+- on the CPU in float32, a step of at most 16 tokens (decode, verify, draft at small batch): one
   call per layer into cpu_kernels.c, whose per-token arithmetic does not depend on the other
   tokens, so a token's logits are bitwise the same in a decode step and in a verification;
 - otherwise (CUDA, prefill, large batches, or compiled): the torch operations of `_layer_step`,

@@ -281,7 +281,13 @@ def serve_command(args) -> int:
     options = dataclasses.replace(server_options(args), content_hash=digest)
     if digest:
         progress(f"release {options.pair} v{options.version}, content hash {digest[:12]}")
-    server = EngineServer(lambda: build_engine(args, progress), options, progress=progress)
+    def load():
+        engine = build_engine(args, progress)
+        # Which cache and step serve (SPECPAIR_KV, SPECPAIR_COMPILE, the CPU kernel's build).
+        progress(f"step: {json.dumps(engine.describe_step())}")
+        return engine
+
+    server = EngineServer(load, options, progress=progress)
     server.start()
     progress(f"gRPC listening on {options.host}:{server.port} ({'TLS' if options.tls else 'plaintext'})"
              + (f" and on {options.host}:{server.control_port} (control: mutual TLS, SetSpeculation for "
