@@ -4,6 +4,8 @@ whole generations (eager and compiled)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -202,3 +204,26 @@ def test_a_verified_tokens_logits_are_bitwise_its_decode_step_logits(tiny_target
     # And both agree with Hugging Face's forward to float32 rounding.
     ref = tiny_target.model(torch.tensor([prompt + tokens])).logits[:, -len(tokens):]
     torch.testing.assert_close(verified, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_an_unwritable_cache_or_a_broken_compiler_falls_back_and_says_why(tmp_path, monkeypatch):
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    readonly.chmod(0o500)
+    monkeypatch.setenv("SPECPAIR_CACHE", str(readonly / "cache"))
+    cpu_kernels.library.cache_clear()
+    try:
+        if os.geteuid() != 0:     # root writes anywhere; the compiler case below still runs
+            assert not cpu_kernels.available()
+            assert "PermissionError" in cpu_kernels.status()
+        monkeypatch.setenv("SPECPAIR_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setenv("CC", "false")          # a compiler that fails
+        cpu_kernels.library.cache_clear()
+        assert not cpu_kernels.available()
+        assert "false failed" in cpu_kernels.status()
+        x, w = torch.randn(2, 16), torch.randn(8, 16)
+        assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.library.cache_clear()
+        assert cpu_kernels.available()

@@ -57,21 +57,26 @@ def library() -> ctypes.CDLL | None:
     if not compiler:
         _build_error = "no C compiler (cc/gcc) on PATH"
         return None
-    source = SOURCE.read_bytes()
-    # -march=native: a library built on one CPU may not run on another sharing the cache volume.
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            _build_error = f"{compiler} failed: {proc.stderr.strip()[-500:]}"
-            tmp.unlink(missing_ok=True)
-            return None
-        os.replace(tmp, out)      # atomic: concurrent first uses never load half a file
-    lib = ctypes.CDLL(str(out))
+    try:
+        source = SOURCE.read_bytes()
+        # -march=native: a library built on one CPU may not run on another sharing a cache volume.
+        key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
+        out = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_suffix(f".{os.getpid()}.tmp")
+            proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                _build_error = f"{compiler} failed: {proc.stderr.strip()[-500:]}"
+                tmp.unlink(missing_ok=True)
+                return None
+            os.replace(tmp, out)      # atomic: concurrent first uses never load half a file
+        lib = ctypes.CDLL(str(out))
+    except (OSError, subprocess.SubprocessError) as exc:
+        # A read-only cache, a compiler that hangs, a library that will not load: serve anyway.
+        _build_error = f"{type(exc).__name__}: {exc}"
+        return None
     lib.specpair_small_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_long,
                                                                   ctypes.c_long, ctypes.c_int]
     lib.specpair_small_linear.restype = ctypes.c_int
