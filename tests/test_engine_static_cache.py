@@ -227,3 +227,18 @@ def test_an_unwritable_cache_or_a_broken_compiler_falls_back_and_says_why(tmp_pa
         monkeypatch.undo()
         cpu_kernels.library.cache_clear()
         assert cpu_kernels.available()
+
+
+def test_a_model_with_a_strided_weight_takes_the_torch_step(tiny_tokenizer):
+    """The C layer reads raw pointers; a transposed-in-place weight must not reach it."""
+    from tiny_models import make_model
+    model = make_model(tiny_tokenizer, seed=9, hidden=64, heads=4).model.eval()
+    proj = model.model.layers[0].self_attn.o_proj
+    proj.weight = torch.nn.Parameter(proj.weight.detach().t().contiguous().t())   # same values, strided
+    assert not proj.weight.is_contiguous()
+    static_cache.StaticLlama._by_model.pop(model, None)
+    ours, ref = StaticKVModel(model), BatchedKVModel(model)
+    assert not ours.runner.dense
+    for kv in (ours, ref):
+        kv.add_rows(1)
+    torch.testing.assert_close(ours.extend([[5, 6, 7]], 3), ref.extend([[5, 6, 7]], 3), rtol=1e-4, atol=1e-4)

@@ -144,6 +144,9 @@ class StaticLlama:
         self.device, self.dtype = param.device, param.dtype
         if self.device.type == "cpu":
             cpu_kernels.available()
+        # The C layer reads raw pointers: every weight it is handed must be dense.
+        self.dense = all(w.is_contiguous() for layer in model.model.layers
+                         for w in self.layer_weights(layer))
 
     def layer_weights(self, layer):
         a, m = layer.self_attn, layer.mlp
@@ -160,7 +163,7 @@ class StaticLlama:
         cos, sin = body.rotary_emb(h, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                          # [B, 1, W, D]
         rows = torch.arange(B, device=self.device).view(B, 1).expand(B, W)
-        if not compiled and cpu_kernels.layer_applies(B * W, h.dtype, self.device):
+        if not compiled and self.dense and cpu_kernels.layer_applies(B * W, h.dtype, self.device):
             # A few tokens on the CPU: one C call per layer (cpu_kernels.c says why).
             flat = h.reshape(B * W, -1).contiguous()
             cos_t, sin_t = (c.reshape(B * W, -1).contiguous() for c in (cos, sin))
