@@ -10,11 +10,12 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
-# Downloads (torch is 2.7 GB): one failed attempt (a dropped connection) is retried before giving up.
+# Downloads (torch is 2.7 GB): a dropped connection is resumed by pip, and a failed attempt is
+# retried before giving up.
 pip_install() {
   local attempt
   for attempt in 1 2 3; do
-    if "$PY" -m pip install -q "$@"; then
+    if "$PY" -m pip install -q --resume-retries 20 "$@"; then
       return 0
     fi
     echo "==> pip install $* failed (attempt $attempt of 3)" >&2
@@ -25,6 +26,16 @@ pip_install() {
 }
 # torch first and pinned: an unpinned torch would pull GBs of CUDA wheels on a CPU machine.
 if ! "$PY" -c "import torch" 2>/dev/null; then
+  # torch with its CUDA wheels takes ~6 GB installed plus ~3 GB while pip unpacks: say so up front
+  # rather than fail half-way with "No space left on device" (how a full disk shows up otherwise).
+  need_gb=10
+  for dir in "$VENV" "${TMPDIR:-/tmp}"; do
+    free_gb=$(python3 -c 'import shutil, sys; print(shutil.disk_usage(sys.argv[1]).free // 2**30)' "$dir")
+    if [ "$free_gb" -lt "$need_gb" ]; then
+      echo "==> $dir has $free_gb GB free; installing torch needs about $need_gb GB (free some space, or set TMPDIR / SPECPAIR_VENV elsewhere)" >&2
+      exit 1
+    fi
+  done
   echo "==> installing torch 2.13.0 (CPU)"
   pip_install torch==2.13.0
 fi
