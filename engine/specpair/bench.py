@@ -39,7 +39,7 @@ import torch
 from specpair.config import GenerationParams
 from specpair.contract import DEFAULT_CATEGORY
 from specpair.decoding import SpeculativeEngine, _sync
-from specpair.drafters import ModelDrafter, NgramDrafter
+from specpair.drafters import EagleDrafter, ModelDrafter, NgramDrafter
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
 from specpair.stats import AcceptanceStats
@@ -103,9 +103,12 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
     costs = {"target_step": median_extend(engine.target.model, 1),
              "verify": {k: median_extend(engine.target.model, k + 1) for k in ks}}
     drafter = engine.drafter
-    costs["draft_per_token"] = isinstance(drafter, ModelDrafter)  # n-gram: one lookup per round
+    # n-gram: one lookup per round; models and heads: one step per draft token
+    costs["draft_per_token"] = isinstance(drafter, (ModelDrafter, EagleDrafter))
     if isinstance(drafter, ModelDrafter):
         costs["draft_step"] = median_extend(drafter.loaded.model, 1)
+    elif isinstance(drafter, EagleDrafter):
+        costs["draft_step"] = drafter.step_seconds(len(prompt_ids), repeats)
     elif drafter is not None:
         seq = list(prompt_ids) * 2
         times = [_timed(lambda: drafter.lookup(seq, max(ks)) if hasattr(drafter, "lookup") else None,
@@ -136,18 +139,20 @@ def measure_memory_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> 
 def step_bytes(model, context: int) -> int:
     """Bytes one decode step must read at least: every weight except the input embedding table
     (a step reads one row of it; a tied LM head reads it whole, counted once as the LM head's), and
-    the keys and values of `context` cached tokens."""
-    embedding = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    tied = head is not None and head.weight.data_ptr() == embedding.data_ptr()
+    the keys and values of `context` cached tokens. A drafting head has no table of its own."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not tied:
-        weights -= embedding.numel() * embedding.element_size()
+    element = next(model.parameters()).element_size()
+    if not getattr(model, "is_drafting_head", False):
+        embedding = model.get_input_embeddings().weight
+        head = model.get_output_embeddings()
+        tied = head is not None and head.weight.data_ptr() == embedding.data_ptr()
+        if not tied:
+            weights -= embedding.numel() * embedding.element_size()
     cfg = model.config
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * context * embedding.element_size()
+    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * context * element
     return int(weights + kv)
 
 
@@ -364,7 +369,7 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
     context = len(encoded[0][1])     # the cost prompt's length: the cache each timed step read
     figures = {**memory, "context": context,
                "target": step_figures(costs["target_step"], step_bytes(target.model, context), bandwidth)}
-    if isinstance(engine.drafter, ModelDrafter):
+    if isinstance(engine.drafter, (ModelDrafter, EagleDrafter)):
         figures["draft"] = step_figures(costs["draft_step"],
                                         step_bytes(engine.drafter.loaded.model, context), bandwidth)
     report = BenchReport(pair={"target": target.source,
@@ -388,8 +393,9 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
             if hf_peer:
                 hf_t.append(_timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, False),
                                    target.device)[0])
-                hf_a.append(_timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, True),
-                                   target.device)[0])
+                if not isinstance(engine.drafter, EagleDrafter):   # transformers has no EAGLE
+                    hf_a.append(_timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, True),
+                                       target.device)[0])
         rounds = spec_result.stats.num_target_steps
         prefill = measure_prefill(engine, ids)
         divergence = first_divergence(engine.target, ids, base_result.token_ids, spec_result.token_ids)

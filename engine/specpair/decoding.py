@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specpair.config import GenerationParams, SpeculationConfig
-from specpair.drafters import Drafter, ModelDrafter, RowSampling
+from specpair.drafters import Drafter, EagleDrafter, ModelDrafter, RowSampling
 from specpair.errors import SpecpairError, TokenizerMismatch
 from specpair.static_cache import kv_model, resolve_compile, resolve_kv_kind, step_description
 from specpair.rejection_sampler import greedy_verify, process_logits, rejection_sample
@@ -240,7 +240,13 @@ class SpeculativeEngine:
                     self.warnings.append("draft tokenizer differs from the target's; serving "
                                          "target-only: " + "; ".join(self.tokenizer_check.differences))
                     draft = None
-            if draft is not None:
+            if draft is not None and getattr(draft.model, "is_drafting_head", False):
+                if self.kv_kind != "static":
+                    raise SpecpairError("an EAGLE head drafts from the static KV cache's features; "
+                                        "it cannot run with --kv dynamic")
+                drafter = EagleDrafter(draft, target.model, vocab_size=self.vocab_size,
+                                       compile=self.compile_mode)
+            elif draft is not None:
                 drafter = ModelDrafter(draft, vocab_size=self.vocab_size, kv=self.kv_kind,
                                        compile=self.compile_mode)
         self.drafter = drafter
@@ -269,7 +275,9 @@ class SpeculativeEngine:
         """Run each model's step once per shape class torch.compile specialises (1 and more than 1
         rows, 1 and several tokens), so no request pays a compile. Returns the seconds it took."""
         start = time.perf_counter()
-        models = [self.target.model] + ([self.draft.model] if self.draft is not None else [])
+        models = [self.target.model]
+        if self.draft is not None and not getattr(self.draft.model, "is_drafting_head", False):
+            models.append(self.draft.model)
         for model in models:
             for rows in (1, 2):
                 for width in (1, 2, self.config.k_max + 1):
@@ -351,11 +359,7 @@ class Batch:
     def __init__(self, engine: SpeculativeEngine):
         self.engine = engine
         self.target = engine.kv_model(engine.target.model)
-        self.drafter = engine.drafter
-        if isinstance(self.drafter, ModelDrafter):
-            # Each batch needs its own draft cache; share the weights.
-            self.drafter = ModelDrafter(self.drafter.loaded, engine.vocab_size, kv=engine.kv_kind,
-                                        compile=engine.compile_mode)
+        self.drafter = engine.drafter.for_batch() if engine.drafter is not None else None
         self.rows: list[Sequence] = []
         self.done: list[Sequence] = []        # finished in the last step or cancelled since
         self.speculate = True
@@ -440,7 +444,12 @@ class Batch:
         feed = [s.tokens[self.target.lengths[i]:] + drafts[i, :nums[i]].tolist()
                 for i, s in enumerate(self.rows)]
         K = max(nums, default=0)
-        logits = self.target.extend(feed, last=K + 1)                       # [B, K+1, V] right-aligned
+        wants_features = self.drafter is not None and self.drafter.wants_features
+        cached_before = list(self.target.lengths)
+        if wants_features:   # the head drafts from the target's features of what it verified
+            logits, features = self.target.extend(feed, last=K + 1, hidden=True)
+        else:
+            logits = self.target.extend(feed, last=K + 1)                   # [B, K+1, V] right-aligned
         # Left-align each row's K_i + 1 verification logits.
         offset = (K - num).view(B, 1) + torch.arange(K + 1, device=self.device).view(1, K + 1)
         offset = offset.clamp(max=K)
@@ -470,6 +479,9 @@ class Batch:
             self.target.rollback(i, committed[i] + a)
             if self.drafter is not None:
                 self.drafter.accepted(i, committed[i], a)
+                if wants_features:   # features of the tokens now committed (the fed ones accepted)
+                    valid = committed[i] + a - cached_before[i]
+                    self.drafter.observe(i, cached_before[i], features[i, :valid])
             new = drafts_l[i][:a] + [next_l[i]]
             seq.stats.record_round(nums[i], a)
             seq.stats.num_target_steps += 1
@@ -480,7 +492,7 @@ class Batch:
                 seq.stats.fallback_events += 1
             outputs.append(self._emit(seq, new))
         self.target.trim()
-        if isinstance(self.drafter, ModelDrafter):
+        if self.drafter is not None:
             self.drafter.trim()
         self._drop_finished()
         return outputs

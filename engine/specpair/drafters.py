@@ -7,7 +7,9 @@ verification, `accepted` so it can cut back what it cached for rejected tokens.
 - ModelDrafter: a separate small causal LM with its own batched KV cache.
 - NgramDrafter: prompt lookup; no model, proposes the continuation of the latest earlier match
   of the sequence's trailing n-gram. Deterministic, so its q is a point mass.
-Room for more (self-speculative layer skip, EAGLE-style heads): implement the same methods.
+- EagleDrafter: a head (heads.py) drafting from the target's own features, which the engine hands
+  it after each verification (`observe`); it has no trunk of its own.
+Room for more (self-speculative layer skip, Medusa heads): implement the same methods.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specpair.config import NGRAM_MAX, NGRAM_MIN
+from specpair.errors import SpecpairError
 from specpair.static_cache import kv_model
 from specpair.rejection_sampler import process_logits, sample_next
 
@@ -43,10 +46,22 @@ class RowSampling:
 
 
 class Drafter:
-    """Interface. `deterministic` drafters propose point masses (q = one-hot)."""
+    """Interface. `deterministic` drafters propose point masses (q = one-hot). Drafters that
+    `wants_features` are handed the target's features of every committed token (`observe`)."""
 
     name = "drafter"
     deterministic = True
+    wants_features = False
+
+    def for_batch(self) -> "Drafter":
+        """The drafter a new batch uses: itself when it keeps no per-row state."""
+        return self
+
+    def trim(self) -> None:
+        """End of a round: release what rejected drafts left behind."""
+
+    def observe(self, row: int, start: int, features: torch.Tensor) -> None:
+        """The target's features [n, D] of row's committed tokens at positions start..start+n-1."""
 
     def add_rows(self, count: int) -> None:
         pass
@@ -111,8 +126,14 @@ class ModelDrafter(Drafter):
 
     def __init__(self, loaded, vocab_size: int, kv: str | None = None, compile: str | None = None):
         self.loaded = loaded
+        self.settings = (vocab_size, kv, compile)
         self.kv = kv_model(loaded.model, vocab_size=vocab_size, kind=kv, compile=compile)
         self.fed_drafts: list[int] = []     # drafts fed into the cache during the last propose
+
+    def for_batch(self) -> "ModelDrafter":
+        # Each batch needs its own draft cache; the weights are shared.
+        vocab_size, kv, compile = self.settings
+        return ModelDrafter(self.loaded, vocab_size, kv=kv, compile=compile)
 
     def add_rows(self, count: int) -> None:
         self.kv.add_rows(count)
@@ -138,17 +159,7 @@ class ModelDrafter(Drafter):
         feed = [seq[self.kv.lengths[i]:] for i, seq in enumerate(sequences)]
         for j in range(K):
             logits = self.kv.extend(feed, last=1)[:, -1]                      # [B, V]
-            q = process_logits(logits.unsqueeze(1), sampling.temperature, sampling.top_k,
-                               sampling.top_p).squeeze(1)                    # [B, V]
-            if sampling.all_greedy:
-                chosen = logits.argmax(-1)
-            else:
-                # Only rows still drafting draw from their generator: a seeded row's random stream
-                # must not depend on the other rows' k (batch-independent sampling).
-                gens = [g if j < k else None for g, k in zip(sampling.generators, ks)]
-                drafting = torch.tensor([j < k for k in ks], device=device)
-                sampled = torch.where(drafting, sample_next(q, gens), logits.argmax(-1))
-                chosen = torch.where(sampling.temperature.to(device) <= 0, logits.argmax(-1), sampled)
+            chosen, q = choose_draft_tokens(logits, j, ks, sampling)
             tokens[:, j] = chosen
             probs_steps.append(q)
             if j + 1 == K:
@@ -162,10 +173,7 @@ class ModelDrafter(Drafter):
                     feed.append([])
             if not any(feed):
                 break
-        probs = torch.stack(probs_steps, dim=1)                               # [B, K', V]
-        if probs.shape[1] < K:
-            probs = torch.cat([probs, probs[:, -1:].expand(B, K - probs.shape[1], -1)], dim=1)
-        return Proposal(tokens=tokens, num=num, probs=probs)
+        return Proposal(tokens=tokens, num=num, probs=stack_draft_probs(probs_steps, K))
 
     def accepted(self, row: int, committed_before: int, num_accepted: int) -> None:
         # The cache holds the old sequence plus the drafts fed; keep those that were accepted.
@@ -176,3 +184,174 @@ class ModelDrafter(Drafter):
 
     def describe(self) -> dict:
         return {"kind": self.name, **self.loaded.identity()}
+
+
+def choose_draft_tokens(logits: torch.Tensor, j: int, ks: list[int], sampling: RowSampling
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft position j's tokens from logits [B, V] and their distributions q (None when every
+    row is greedy: greedy verification never reads q). Greedy rows take the argmax; the others
+    draw from q with their own generator, and only while still drafting, so a seeded row's random
+    stream does not depend on the other rows' k (batch-independent sampling)."""
+    if sampling.all_greedy:
+        return logits.argmax(-1), None
+    q = process_logits(logits.unsqueeze(1), sampling.temperature, sampling.top_k,
+                       sampling.top_p).squeeze(1)
+    gens = [g if j < k else None for g, k in zip(sampling.generators, ks)]
+    drafting = torch.tensor([j < k for k in ks], device=logits.device)
+    sampled = torch.where(drafting, sample_next(q, gens), logits.argmax(-1))
+    greedy = sampling.temperature.to(logits.device) <= 0
+    return torch.where(greedy, logits.argmax(-1), sampled), q
+
+
+def stack_draft_probs(steps: list, K: int) -> torch.Tensor | None:
+    """q of each drafted position [B, K, V]; positions a row never reached repeat the last one
+    (the verifier reads only each row's first num[i]). None when all rows were greedy."""
+    if not steps or steps[0] is None:
+        return None
+    probs = torch.stack(steps, dim=1)
+    if probs.shape[1] < K:
+        probs = torch.cat([probs, probs[:, -1:].expand(probs.shape[0], K - probs.shape[1], -1)], dim=1)
+    return probs
+
+
+class EagleDrafter(Drafter):
+    """Drafts with an EAGLE head (heads.py) from the features the target computed while verifying.
+
+    Per row the head's cache holds the pairs (embedding of x[j+1], feature f[j]) for every j whose
+    target feature is known; a round first feeds the pairs observed since the last round, then
+    drafts by feeding the head its own predicted features. Those predicted pairs are dropped after
+    verification (the target's real features replace them), so rejection costs nothing.
+    A row drafts nothing until the target has processed its prompt once (no features yet).
+
+    q lives on the draft vocabulary (zero elsewhere); the rejection sampler is exact for any q,
+    so sampling stays lossless. The last draft token is never fed: verifying it is the target's job.
+    """
+
+    name = "eagle"
+    deterministic = False
+    wants_features = True
+
+    def __init__(self, loaded, target_model, vocab_size: int, compile: str | None = None):
+        from specpair.static_cache import StaticKVModel, supports
+
+        why = supports(target_model)
+        if why:
+            raise SpecpairError(f"an EAGLE head drafts from the static cache's features: {why}")
+        self.loaded, self.head = loaded, loaded.model
+        if self.head.config.hidden_size != target_model.config.hidden_size:
+            raise SpecpairError(f"head hidden size {self.head.config.hidden_size} does not match "
+                                f"the target's {target_model.config.hidden_size}")
+        self.target_model, self.vocab_size, self.compile = target_model, vocab_size, compile
+        self.embed = target_model.get_input_embeddings()
+        self.kv = StaticKVModel(self.head, compile=compile)
+        ids = self.head.draft_token_ids.to(self.kv.device)
+        if int(ids.max()) >= vocab_size:
+            raise SpecpairError(f"head drafts token {int(ids.max())}; the target has {vocab_size}")
+        self.draft_ids = ids
+        self.pending: list[list[torch.Tensor]] = []   # per row: observed features not yet fed
+        self.known: list[int] = []                     # per row: positions with an observed feature
+
+    def for_batch(self) -> "EagleDrafter":
+        return EagleDrafter(self.loaded, self.target_model, self.vocab_size, compile=self.compile)
+
+    def add_rows(self, count: int) -> None:
+        self.kv.add_rows(count)
+        self.pending += [[] for _ in range(count)]
+        self.known += [0] * count
+
+    def select(self, rows: list[int]) -> None:
+        self.kv.select(rows)
+        self.pending = [self.pending[i] for i in rows]
+        self.known = [self.known[i] for i in rows]
+
+    def observe(self, row: int, start: int, features: torch.Tensor) -> None:
+        if start != self.known[row]:
+            raise SpecpairError(f"row {row}: features from position {start}, expected {self.known[row]}")
+        if features.shape[0]:
+            self.pending[row].append(features.to(self.kv.runner.dtype))
+            self.known[row] += int(features.shape[0])
+
+    def _logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Target-vocabulary logits [B, V] from predicted features: -inf off the draft vocabulary."""
+        from specpair import cpu_kernels
+
+        small = cpu_kernels.linear(g.unsqueeze(1), self.head.lm_head.weight).squeeze(1)
+        full = torch.full((g.shape[0], self.vocab_size), float("-inf"), dtype=small.dtype,
+                          device=small.device)
+        full[:, self.draft_ids] = small
+        return full
+
+    @torch.no_grad()
+    def propose(self, sequences, ks, sampling) -> Proposal:
+        B = len(sequences)
+        K = max(ks, default=0)
+        device = self.kv.device
+        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        # Catch every row up on the pairs observed since its last round (drafting or not).
+        feeds, drafting = [], []
+        for i, seq in enumerate(sequences):
+            start, known = self.kv.lengths[i], self.known[i]
+            if self.pending[i]:
+                features = torch.cat(self.pending[i]).to(device)
+                nxt = torch.tensor(seq[start + 1:known + 1], dtype=torch.long, device=device)
+                feeds.append(self.head.inputs(self.embed(nxt).to(features.dtype), features))
+                self.pending[i] = []
+            else:
+                feeds.append(torch.zeros(0, self.head.config.hidden_size, device=device))
+            # A row drafts when its last pair is fed now (known == its cache length after this).
+            drafting.append(ks[i] > 0 and known > 0 and feeds[-1].shape[0] > 0)
+        num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long,
+                           device=device)
+        if K == 0 or not any(drafting):
+            if any(f.shape[0] for f in feeds):
+                self.kv.extend_vectors(feeds)
+            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+        out = self.kv.extend_vectors(feeds)
+        last = torch.tensor([max(int(f.shape[0]) - 1, 0) for f in feeds], device=device)
+        g = self.head.model.norm(out[torch.arange(B, device=device), last])      # [B, D]
+        row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
+        probs_steps = []
+        for j in range(K):
+            chosen, q = choose_draft_tokens(self._logits(g), j, row_ks, sampling)
+            tokens[:, j] = chosen
+            probs_steps.append(q)
+            if j + 1 == K or not any(j + 1 < k for k in row_ks):
+                break
+            step = []
+            for i in range(B):
+                if j + 1 < row_ks[i]:
+                    step.append(self.head.inputs(self.embed(chosen[i:i + 1]).to(g.dtype), g[i:i + 1]))
+                else:
+                    step.append(g.new_zeros(0, g.shape[1]))
+            g = self.head.model.norm(self.kv.extend_vectors(step)[:, 0])
+        return Proposal(tokens=tokens, num=num, probs=stack_draft_probs(probs_steps, K))
+
+    def accepted(self, row: int, committed_before: int, num_accepted: int) -> None:
+        # Drop the pairs built on predicted features; the target's own replace them (observe).
+        self.kv.rollback(row, self.known[row])
+
+    @torch.no_grad()
+    def step_seconds(self, context: int, repeats: int = 5) -> float:
+        """Median seconds of one draft step (a head layer step and the draft-vocabulary logits)
+        after `context` pairs: what the cost model charges per draft token."""
+        import statistics
+        import time
+
+        from specpair.static_cache import StaticKVModel
+
+        dim = self.head.config.hidden_size
+        kv = StaticKVModel(self.head, compile=self.compile)
+        kv.add_rows(1)
+        kv.extend_vectors([torch.zeros(context, dim, device=kv.device)])
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            g = self.head.model.norm(kv.extend_vectors([torch.zeros(1, dim, device=kv.device)])[:, 0])
+            self._logits(g).argmax(-1).tolist()
+            times.append(time.perf_counter() - started)
+            kv.rollback(0, context)
+        return statistics.median(times[1:])
+
+    def describe(self) -> dict:
+        return {"kind": self.name, "draft_vocab_size": int(len(self.draft_ids)),
+                **self.loaded.identity()}

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from specpair.errors import SpecpairError
+from specpair.heads import is_head_dir, load_head
 from specpair.contract import MLFLOW_SOURCE_PREFIXES
 
 DEFAULT_TARGET = "default"
@@ -69,6 +70,8 @@ class LoadedModel:
 
     @property
     def embedding_rows(self) -> int:
+        if getattr(self.model, "is_drafting_head", False):
+            return int(self.model.config.vocab_size)   # a head embeds with its target's table
         return int(self.model.get_input_embeddings().weight.shape[0])
 
     @property
@@ -187,7 +190,10 @@ def load_model(source: str | None, *, device: str | None = None, dtype: str | No
     dt = pick_dtype(dtype, dev)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(where), revision=revision)
-        model = AutoModelForCausalLM.from_pretrained(str(where), revision=revision, dtype=dt)
+        if is_head_dir(where):     # a drafting head (heads.py): loads beside its target
+            model = load_head(where, dev, dt)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(where), revision=revision, dtype=dt)
     except OSError as exc:
         raise SpecpairError(f"cannot load model {source!r}: {exc}") from exc
     model.to(dev).eval()

@@ -155,11 +155,11 @@ class StaticLlama:
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
 
     @torch.no_grad()
-    def forward(self, ids, positions, gather, caches, attend: int, compiled: bool) -> torch.Tensor:
-        """ids/positions [B, W]; gather [B, G] slots whose logits to return; -> [B, G, V]."""
+    def run_layers(self, h, positions, caches, attend: int, compiled: bool) -> torch.Tensor:
+        """The decoder layers over input vectors h [B, W, D] at `positions` [B, W], writing their
+        keys and values into `caches`; -> the last layer's output [B, W, D] (before the norm)."""
         body = self.model.model
-        B, W = ids.shape
-        h = body.embed_tokens(ids)
+        B, W = positions.shape
         cos, sin = body.rotary_emb(h, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                          # [B, 1, W, D]
         rows = torch.arange(B, device=self.device).view(B, 1).expand(B, W)
@@ -172,18 +172,27 @@ class StaticLlama:
                 cpu_kernels.llama_layer(flat, rows_t, pos_t, cos_t, sin_t, kc, vc,
                                         self.layer_weights(layer), self.eps, self.heads,
                                         self.kv_heads, self.head_dim)
-            h = flat.view(B, W, -1)
-        else:
-            keys = torch.arange(attend, device=self.device).view(1, 1, 1, attend)
-            mask = keys <= positions.view(B, 1, W, 1)                         # causal, by position
-            step = _compiled_step() if compiled else _layer_step
-            for layer, (kc, vc) in zip(body.layers, caches):
-                h = step(h, cos, sin, mask, rows, positions, kc, vc, *self.layer_weights(layer),
-                         eps=self.eps, heads=self.heads, kv_heads=self.kv_heads,
-                         head_dim=self.head_dim)
-        h = h.gather(1, gather.unsqueeze(-1).expand(B, gather.shape[1], h.shape[-1]))
-        h = body.norm(h)
-        return cpu_kernels.linear(h, self.model.lm_head.weight)
+            return flat.view(B, W, -1)
+        keys = torch.arange(attend, device=self.device).view(1, 1, 1, attend)
+        mask = keys <= positions.view(B, 1, W, 1)                             # causal, by position
+        step = _compiled_step() if compiled else _layer_step
+        for layer, (kc, vc) in zip(body.layers, caches):
+            h = step(h, cos, sin, mask, rows, positions, kc, vc, *self.layer_weights(layer),
+                     eps=self.eps, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+        return h
+
+    @torch.no_grad()
+    def forward(self, ids, positions, gather, caches, attend: int, compiled: bool,
+                hidden: bool = False):
+        """ids/positions [B, W]; gather [B, G] slots whose logits to return; -> [B, G, V], and with
+        `hidden` also the normed last hidden state of every slot [B, W, D] (what a head drafts
+        from; the LM head reads exactly these vectors)."""
+        body = self.model.model
+        B = ids.shape[0]
+        h = body.norm(self.run_layers(body.embed_tokens(ids), positions, caches, attend, compiled))
+        picked = h.gather(1, gather.unsqueeze(-1).expand(B, gather.shape[1], h.shape[-1]))
+        logits = cpu_kernels.linear(picked, self.model.lm_head.weight)
+        return (logits, h) if hidden else logits
 
 
 class StaticKVModel:
@@ -242,33 +251,60 @@ class StaticKVModel:
             have_rows *= 2
         self._allocate(have_rows, have_pos)
 
-    @torch.no_grad()
-    def extend(self, rows: list[list[int]], last: int | list[int] = 1) -> torch.Tensor:
-        """Feed each row its new tokens; return the logits of each row's last `last` tokens,
-        [B, L, V] right-aligned (as BatchedKVModel.extend)."""
-        B = len(rows)
+    def _advance(self, counts: list[int]) -> tuple[torch.Tensor, int]:
+        """Positions [B, W] for rows feeding `counts` new tokens (pads continue each row's
+        positions), the rows' lengths moved on, and the cache grown to hold them."""
+        B = len(counts)
         assert B == self.batch_size, (B, self.batch_size)
-        width = max(len(r) for r in rows)
+        width = max(counts, default=0)
         if width == 0:
             raise ValueError("extend() called with no tokens")
+        start = torch.tensor(self.lengths, dtype=torch.long).view(B, 1)
+        positions = start + torch.arange(width, dtype=torch.long).view(1, width)
+        for i, n in enumerate(counts):
+            self.lengths[i] += n
+        attend = int(positions.max()) + 1
+        self._reserve(B, attend)
+        return positions.to(self.device), attend
+
+    @torch.no_grad()
+    def extend(self, rows: list[list[int]], last: int | list[int] = 1, hidden: bool = False):
+        """Feed each row its new tokens; return the logits of each row's last `last` tokens,
+        [B, L, V] right-aligned (as BatchedKVModel.extend). With `hidden`, also the normed last
+        hidden state of every fed token, [B, W, D] left-aligned (row i's first len(rows[i]))."""
+        B = len(rows)
+        width = max((len(r) for r in rows), default=0)
         n_last = max(last) if isinstance(last, list) else last
         ids = torch.zeros(B, width, dtype=torch.long)
-        positions = torch.zeros(B, width, dtype=torch.long)
         gather = torch.zeros(B, n_last, dtype=torch.long)
         for i, toks in enumerate(rows):
             n = len(toks)
             if n:
                 ids[i, :n] = torch.tensor(toks, dtype=torch.long)
-            positions[i] = torch.arange(self.lengths[i], self.lengths[i] + width)
             gather[i] = (torch.arange(n_last) + (n - n_last)).clamp(min=0)
-            self.lengths[i] += n
-        attend = int(positions.max()) + 1
-        self._reserve(B, attend)
-        ids, positions, gather = (t.to(self.device) for t in (ids, positions, gather))
-        logits = self.runner.forward(ids, positions, gather, self.caches, attend, self.compiled)
+        positions, attend = self._advance([len(r) for r in rows])
+        ids, gather = ids.to(self.device), gather.to(self.device)
+        out = self.runner.forward(ids, positions, gather, self.caches, attend, self.compiled,
+                                  hidden=hidden)
+        logits, states = out if hidden else (out, None)
         if self.vocab_size is not None and logits.shape[-1] > self.vocab_size:
             logits = logits[..., : self.vocab_size]   # padded embedding rows are never real tokens
-        return logits
+        return (logits, states) if hidden else logits
+
+    @torch.no_grad()
+    def extend_vectors(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """Feed each row new input vectors [n_i, D] instead of token ids (a drafting head's
+        inputs); -> the last layer's output for every slot, [B, W, D] left-aligned."""
+        B = len(rows)
+        width = max((int(r.shape[0]) for r in rows), default=0)
+        r = self.runner
+        dim = self.model.config.hidden_size
+        h = torch.zeros(B, max(width, 1), dim, dtype=r.dtype, device=self.device)
+        for i, vectors in enumerate(rows):
+            if vectors.shape[0]:
+                h[i, :vectors.shape[0]] = vectors
+        positions, attend = self._advance([int(v.shape[0]) for v in rows])
+        return r.run_layers(h, positions, self.caches, attend, self.compiled)
 
     def rollback(self, row: int, keep: int) -> None:
         """Forget row's tokens beyond its first `keep`: the length moves back, nothing else."""

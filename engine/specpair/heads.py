@@ -1,0 +1,192 @@
+"""A drafting head that learns from the target: EAGLE-style, one decoder layer over its features.
+
+The target already computes, for every token it verifies, the vector its LM head reads (the
+normed last hidden state, the "feature"). An EAGLE head predicts the target's *next* feature
+from the current one and the embedding of the token that follows it:
+
+    f_hat[j+1] = norm(layer(fc([embed(x[j+1]), f[j]])))        (pair j sits at position j)
+
+and drafts the token its LM head gives for f_hat. Drafting more than one token feeds the head its
+own predictions (f_hat, drafted token). A head step is one small decoder layer plus a
+projection onto a *draft vocabulary*: the target's most frequent tokens, whose LM-head rows are
+copied from the target. On a CPU that matters: SmolLM2's full vocabulary projection is 113 MB of
+a 540 MB target step, so a full-vocabulary head would cost a fifth of a target step per token.
+
+On disk a head is a model directory kept close to what vLLM loads for its EAGLE methods:
+`config.json` (a Llama config with one layer, `architectures: ["EagleLlamaForCausalLM"]`,
+`draft_vocab_size`), `model.safetensors` with `fc.weight`, `layers.0.*`, `norm.weight`,
+`lm_head.weight` and `d2t` (draft id -> target id offsets, as EAGLE-3 checkpoints store them), plus the target's
+tokenizer, so a release registers and fingerprints it like any draft. One deviation: layer 0
+keeps its input norm (vLLM's EAGLE-1 Llama drops it); specpair's layer step always has one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specpair.errors import SpecpairError
+
+HEAD_KEY = "specpair_head"                  # config.json: marks a directory as a drafting head
+ARCHITECTURE = "EagleLlamaForCausalLM"      # vLLM's architecture name for an EAGLE Llama head
+
+
+class EagleHead(nn.Module):
+    """fc over [embedding, feature] -> decoder layer(s) -> next feature; LM head on a draft
+    vocabulary. Shaped like a Llama model (config, model.layers, model.rotary_emb) so the static
+    cache runs its layer with the same step (and C layer) as the target's."""
+
+    is_drafting_head = True
+
+    def __init__(self, config, draft_token_ids: torch.Tensor):
+        from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm,
+                                                              LlamaRotaryEmbedding)
+
+        super().__init__()
+        config._attn_implementation = "sdpa"    # a standalone layer: name its attention kernel
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.model.rotary_emb = LlamaRotaryEmbedding(config)
+        # The target's features are normed (its LM head reads them after its final norm): the
+        # head's predictions pass through a norm of their own, as EAGLE-3 heads do.
+        self.model.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        ids = torch.as_tensor(draft_token_ids, dtype=torch.long)
+        if ids.ndim != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()):
+            raise SpecpairError("draft vocabulary: a non-empty, strictly increasing list of token ids")
+        self.lm_head = nn.Linear(hidden, len(ids), bias=False)
+        # Stored as EAGLE-3 does: target id = draft id + d2t[draft id].
+        self.register_buffer("d2t", ids - torch.arange(len(ids)))
+
+    @property
+    def draft_token_ids(self) -> torch.Tensor:
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def inputs(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The layer's input for pairs (embedding of x[j+1], feature f[j])."""
+        return self.fc(torch.cat([embeds, features], dim=-1))
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Training forward over whole windows [B, L, D] (causal): predicted next features."""
+        x = self.inputs(embeds, features)
+        L = x.shape[1]
+        positions = torch.arange(L, device=x.device).unsqueeze(0)
+        cos_sin = self.model.rotary_emb(x, positions)
+        # An explicit causal mask: whatever attention implementation the config names.
+        mask = torch.full((L, L), float("-inf"), device=x.device, dtype=x.dtype).triu(1)
+        for layer in self.model.layers:
+            x = layer(x, attention_mask=mask.view(1, 1, L, L), position_ids=positions,
+                      position_embeddings=cos_sin)
+        return self.model.norm(x)
+
+
+def build_eagle_head(target_model, draft_token_ids: torch.Tensor, seed: int = 0) -> EagleHead:
+    """A fresh head for this target: its dimensions, one layer and the norm initialised from the
+    target's last layer and final norm (they work in the same feature space), fc starting as
+    "the next feature is the current one", and LM-head rows copied from the target's for the
+    draft vocabulary."""
+    from transformers import LlamaConfig
+
+    tcfg = target_model.config
+    if getattr(tcfg, "model_type", None) != "llama":
+        raise SpecpairError(f"EAGLE heads need a Llama-family target, not {tcfg.model_type!r}")
+    config = LlamaConfig(**{**tcfg.to_dict(), "num_hidden_layers": 1, "layer_types": None,
+                            "architectures": [ARCHITECTURE], "tie_word_embeddings": False})
+    config.draft_vocab_size = int(len(draft_token_ids))
+    torch.manual_seed(seed)
+    head = EagleHead(config, draft_token_ids)
+    hidden = config.hidden_size
+    with torch.no_grad():
+        head.model.layers[0].load_state_dict(target_model.model.layers[-1].state_dict())
+        head.model.norm.load_state_dict(target_model.model.norm.state_dict())
+        head.fc.weight.zero_()
+        head.fc.weight[:, hidden:] = torch.eye(hidden)
+        head.fc.weight[:, :hidden].normal_(0.0, 0.02)
+        rows = target_model.lm_head.weight.detach()[draft_token_ids.to(target_model.lm_head.weight.device)]
+        head.lm_head.weight.copy_(rows.float().cpu())
+    head.lm_head.weight.requires_grad_(False)   # the target's own rows: the head's logits are its
+    return head
+
+
+def is_head_dir(path) -> bool:
+    config = Path(path) / "config.json"
+    try:
+        return config.is_file() and HEAD_KEY in json.loads(config.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def save_head(head: EagleHead, out, tokenizer, about: dict) -> None:
+    """config.json + model.safetensors (vLLM's names) + the target's tokenizer."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = head.config.to_dict()
+    config["architectures"] = [ARCHITECTURE]
+    config["draft_vocab_size"] = len(head.d2t)
+    config[HEAD_KEY] = {"method": "eagle", **about}
+    weights = {}
+    for name, tensor in head.state_dict().items():
+        if name.startswith("model.rotary_emb"):
+            continue                                   # recomputed from the config
+        weights[name.removeprefix("model.")] = tensor.detach().contiguous().cpu()
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    tokenizer.save_pretrained(out)
+
+
+def load_head(path, device: torch.device, dtype: torch.dtype) -> EagleHead:
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    method = raw.get(HEAD_KEY, {}).get("method")
+    if method != "eagle":
+        raise SpecpairError(f"{path}: unknown drafting head method {method!r} (known: eagle)")
+    config = LlamaConfig(**{k: v for k, v in raw.items() if k != HEAD_KEY})
+    from safetensors import SafetensorError
+
+    try:
+        weights = load_file(str(path / "model.safetensors"))
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        raise SpecpairError(f"cannot read the head's weights in {path}: {exc}") from exc
+    if "d2t" not in weights:
+        raise SpecpairError(f"{path}/model.safetensors has no d2t (draft vocabulary)")
+    d2t = weights["d2t"].long()
+    head = EagleHead(config, torch.arange(len(d2t)) + d2t)
+    state = {("" if k.startswith(("fc.", "lm_head.", "d2t")) else "model.") + k: v
+             for k, v in weights.items()}
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("model.rotary_emb")]
+    if missing or unexpected:
+        raise SpecpairError(f"{path}: head weights do not match its config "
+                            f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    head.lm_head.weight.requires_grad_(False)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def draft_vocabulary(samples: list[torch.Tensor], size: int, always: list[int]) -> torch.Tensor:
+    """The `size` tokens most frequent across `samples` (each weighed as a whole, whatever its
+    length: e.g. the corpus, and the target's own greedy predictions over it), plus `always`
+    (e.g. end-of-sequence ids), as increasing ids."""
+    rows = max([int(s.max()) + 1 for s in samples if s.numel()] + [max(always, default=0) + 1])
+    weight = torch.zeros(rows, dtype=torch.float64)
+    for sample in samples:
+        if sample.numel():
+            counts = torch.bincount(sample.flatten(), minlength=rows).double()
+            weight += counts / counts.sum()
+    chosen = set(int(i) for i in always)
+    seen = int((weight > 0).sum())
+    for i in torch.argsort(weight, descending=True, stable=True)[:seen].tolist():
+        if len(chosen) >= size:
+            break
+        chosen.add(i)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
