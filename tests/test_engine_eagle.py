@@ -1,6 +1,6 @@
-"""EAGLE heads: the head's cached step is its training forward; drafting from the target's own
-features keeps greedy output identical and sampled output distributed as the target's; a trained
-head is a model directory that loads like any draft and drafts better than it did untrained."""
+"""EAGLE and Medusa heads: the EAGLE head's cached step is its training forward; drafting from
+the target's own features keeps greedy output identical and sampled output distributed as the
+target's; a trained head is a model directory that loads like any draft."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.distill import DistillConfig, distill
 from specpair.errors import SpecpairError
-from specpair.heads import build_eagle_head, draft_vocabulary, is_head_dir, save_head
+from specpair.heads import (build_eagle_head, build_medusa_heads, draft_vocabulary, is_head_dir,
+                            save_head)
 from specpair.models import load_model, wrap_model
 from specpair.rejection_sampler import process_logits
 from specpair.static_cache import StaticKVModel
@@ -43,6 +44,27 @@ def _mirror_head(target, vocab_every: int = 1):
         head.model.fc.weight.zero_()
         head.model.fc.weight[:, :hidden] = torch.eye(hidden)
     return head
+
+
+def _medusa(target, vocab_every: int = 1, heads: int = 3, scramble: float = 0.0):
+    """Untrained Medusa heads. Blocks at zero: every head drafts what the target predicted for
+    the token just committed, i.e. a repeat of it, kept where the target repeats itself. With
+    `scramble`, random blocks: each head proposes its own distribution."""
+    ids = torch.arange(0, target.embedding_rows, vocab_every)
+    heads = build_medusa_heads(target.model, ids, heads)
+    if scramble:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for block in heads.blocks:
+                block.layers[0].weight.normal_(0.0, scramble)
+    return wrap_model(heads, target.tokenizer, "medusa")
+
+
+@pytest.fixture(scope="module")
+def smooth_target(tiny_tokenizer):
+    """A one-layer target with small weights: its greedy text repeats tokens now and then."""
+    from tiny_models import make_model
+    return make_model(tiny_tokenizer, seed=11, layers=1, init_std=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +120,22 @@ def test_verification_hands_over_the_targets_own_features(tiny_target):
     torch.testing.assert_close(torch.cat([first[0], rest[0]]), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_trained_medusa_heads_are_a_draft_directory(tmp_path, tiny_target):
+    config = DistillConfig(out=str(tmp_path / "m"), method="medusa", medusa_heads=3, steps=100,
+                           batch_size=4, seq_len=48, lr=3e-3, seed=3, checkpoint_every=20,
+                           corpus_chars=120_000, eval_prompts=2, eval_tokens=16, draft_vocab=0)
+    summary = distill(config, teacher=tiny_target, progress=lambda *_: None)
+    assert summary["method"] == "medusa"
+    assert summary["loss_last10"] < 0.9 * summary["loss_first10"], summary
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["MedusaModel"] and config["medusa_num_heads"] == 3
+    from safetensors.torch import load_file
+    names = set(load_file(str(tmp_path / "m" / "model.safetensors")))
+    assert {f"blocks.{m}.layers.0.weight" for m in range(3)} | {"lm_head.weight", "d2t"} == names
+    heads = load_model(str(tmp_path / "m"), device="cpu")
+    assert heads.model.num_heads == 3 and len(heads.model.draft_token_ids) == tiny_target.embedding_rows
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_eagle_greedy_identity_batched_and_joining(one_layer_target, reference, k):
     engine = SpeculativeEngine(one_layer_target, draft=_mirror_head(one_layer_target, vocab_every=2),
@@ -120,12 +158,18 @@ def test_eagle_greedy_identity_batched_and_joining(one_layer_target, reference, 
     assert first.generated == reference[0] and later.generated == reference[2]
 
 
-def test_eagle_sampling_follows_the_target_distribution(one_layer_target):
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_head_sampling_follows_the_target_distribution(one_layer_target, smooth_target, method):
     """Tokens 1-3 of sampled replies against the target's exact joint distribution. Token 1 comes
     from the target alone (no features yet); tokens 2-3 from one round of two head drafts whose q
-    lives on half the vocabulary (zero elsewhere): the sampler must still be exact."""
-    tiny_target = one_layer_target
-    engine = SpeculativeEngine(tiny_target, draft=_mirror_head(tiny_target, vocab_every=2),
+    lives on half the vocabulary (zero elsewhere): the sampler must still be exact. (Medusa runs
+    on the smoother target with random heads: on the chaotic one its top-3 never meets the
+    target's, and nothing would be accepted.)"""
+    if method == "eagle":
+        tiny_target, head = one_layer_target, _mirror_head(one_layer_target, vocab_every=2)
+    else:
+        tiny_target, head = smooth_target, _medusa(smooth_target, vocab_every=2, scramble=0.3)
+    engine = SpeculativeEngine(tiny_target, draft=head,
                                speculation=SpeculationConfig(k=2, dynamic_k=False, fallback_threshold=0,
                                                              batch_size_threshold=100_000))
     prompt = engine.encode("def foo(x):")
@@ -159,6 +203,38 @@ def test_eagle_sampling_follows_the_target_distribution(one_layer_target):
     assert chisquare(observed, f_exp=expected * observed.sum() / expected.sum()).pvalue > 1e-3
     assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
     assert sum(s.stats.num_draft_tokens - s.stats.num_accepted_tokens for s in seqs) > 0
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_medusa_greedy_identity_and_partial_acceptance(smooth_target, k):
+    reference = SpeculativeEngine(smooth_target, speculation=SpeculationConfig(enabled=False))
+    expected = [reference.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
+    engine = SpeculativeEngine(smooth_target, draft=_medusa(smooth_target), speculation=SpeculationConfig(
+        k=k, dynamic_k=False, fallback_threshold=0))
+    results = engine.generate(PROMPTS, PARAMS)
+    assert [r.token_ids for r in results] == expected
+    accepted = sum(r.stats.num_accepted_tokens for r in results)
+    assert 0 < accepted < sum(r.stats.num_draft_tokens for r in results)
+    # Never more drafts a round than heads (k=5 asks for more than the 3 heads have).
+    assert all(len(r.stats.num_draft_tokens_per_pos) <= 3 for r in results)
+
+
+def test_medusa_drafts_from_the_feature_before_the_last_token(tiny_target):
+    heads = _medusa(tiny_target, heads=2, scramble=0.2)   # not the identity: no position confusion
+    engine = SpeculativeEngine(tiny_target, draft=heads, speculation=SpeculationConfig(
+        k=2, dynamic_k=False, fallback_threshold=0))
+    batch = engine.new_batch()
+    seq = batch.add(engine.encode(PROMPTS[0]), GenerationParams(max_new_tokens=8))
+    batch.step()            # the target's first pass: features observed, one token committed
+    from specpair.drafters import RowSampling
+    greedy = RowSampling(temperature=torch.zeros(1), top_k=torch.zeros(1, dtype=torch.long),
+                         top_p=torch.ones(1), generators=[None])
+    proposal = batch.drafter.propose([seq.tokens], [2], greedy)
+    with torch.no_grad():
+        feature = tiny_target.model.model(input_ids=torch.tensor([seq.tokens])).last_hidden_state[0, -2]
+        expected = heads.model.lm_head(heads.model(feature)).argmax(-1)
+    assert proposal.num.tolist() == [2]
+    assert proposal.tokens[0].tolist() == expected.tolist()
 
 
 def test_trained_head_drafts_better_and_is_a_draft_directory(tiny_target, trained_head_dir):
@@ -202,6 +278,8 @@ def test_eagle_run_is_reproducible_and_resumes_exactly(tmp_path, tiny_target):
 def test_bad_heads_and_settings_are_refused(tmp_path, tiny_target):
     with pytest.raises(SpecpairError, match="method"):
         DistillConfig(out=str(tmp_path), method="medusa-ish")
+    with pytest.raises(SpecpairError, match="at least one head"):
+        build_medusa_heads(tiny_target.model, torch.arange(10), 0)
     with pytest.raises(SpecpairError, match="increasing"):
         build_eagle_head(tiny_target.model, torch.tensor([5, 3, 9]))
     head = _head(tiny_target)
@@ -220,3 +298,34 @@ def test_draft_vocabulary_takes_the_most_frequent_tokens():
     assert draft_vocabulary([ids], 99, always=[]).tolist() == [2, 5, 7, 9]
     # A short sample (the target's predictions) weighs as much as the whole corpus.
     assert draft_vocabulary([ids, torch.tensor([3, 3])], 2, always=[]).tolist() == [3, 7]
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_the_gate_measures_a_head_like_any_draft(tmp_path, tiny_target, tiny_pair_dirs, method):
+    from specpair.gate import run_gate
+
+    head = _head(tiny_target) if method == "eagle" else _medusa(tiny_target)
+    save_head(head.model, tmp_path / "head", tiny_target.tokenizer, {"target": "tiny"})
+    release = {"pair": "tiny-head", "target": {"source": tiny_pair_dirs["target"]},
+               "draft": {"source": str(tmp_path / "head")},
+               "speculation": {"k": 3, "dynamicK": False},
+               "gating": {"prompts": [{"prompt": p, "category": "code"} for p in PROMPTS[:3]],
+                          "maxNewTokens": 12, "chat": False,
+                          "thresholds": {"requireGreedyIdentity": True}}}
+    verdict, golden = run_gate(release, device="cpu", progress=lambda *_: None, k_sweep=[1],
+                               batch_sizes=[1])
+    assert verdict["tokenizer"]["compatible"], verdict["tokenizer"]
+    assert verdict["greedyIdentity"] == 1.0 and verdict["passed"], verdict["reasons"]
+    assert len(golden) == 3 and all(g["identical"] for g in golden)
+
+
+def test_a_once_per_round_draft_is_charged_once_per_round():
+    """Medusa drafts a whole round in one pass: the cost model must not charge it k times."""
+    from specpair.decoding import CostModel
+
+    costs = {"target_step": 1.0, "draft_step": 0.2, "verify": {1: 1.1, 3: 1.2}}
+    per_token = CostModel.from_seconds({**costs, "draft_per_token": True})
+    per_round = CostModel.from_seconds({**costs, "draft_per_token": False})
+    assert per_token.round_cost(3) == pytest.approx(3 * 0.2 + 1.2)
+    assert per_round.round_cost(3) == pytest.approx(0.2 + 1.2)
+    assert per_round.round_cost(0) == pytest.approx(1.1)    # no drafts, no draft pass

@@ -29,8 +29,14 @@ def test_small_linear_matches_torch_for_every_row_count(in_features):
     for rows in range(1, cpu_kernels.MAX_TOKENS + 1):
         x = torch.randn(rows, in_features, generator=gen)
         ours = cpu_kernels.linear(x, weight)
-        assert cpu_kernels.layer_applies(rows, torch.float32, torch.device("cpu"))
+        assert cpu_kernels.layer_applies(rows, torch.float32, torch.device("cpu"), head_dim=64)
         torch.testing.assert_close(ours, F.linear(x, weight), rtol=1e-4, atol=1e-4)
+    # The limits are the library's own (cpu_kernels.c), and beyond them torch takes the step.
+    assert cpu_kernels.MAX_TOKENS == 16 and cpu_kernels.MAX_HEAD_DIM == 256
+    cpu = torch.device("cpu")
+    assert not cpu_kernels.layer_applies(cpu_kernels.MAX_TOKENS + 1, torch.float32, cpu, 64)
+    assert not cpu_kernels.layer_applies(4, torch.float32, cpu, head_dim=36)    # not 8-wide
+    assert not cpu_kernels.layer_applies(4, torch.float32, cpu, head_dim=512)
 
 
 def test_a_rows_output_does_not_depend_on_how_many_rows_came_with_it():
@@ -192,7 +198,7 @@ def test_a_verified_tokens_logits_are_bitwise_its_decode_step_logits(tiny_target
     """Through the C layer (CPU, float32, <= 16 tokens) a token's arithmetic does not depend on the
     tokens verified with it: decoding five tokens one by one and verifying them at once give
     identical logits, so speculation cannot flip a greedy choice by rounding."""
-    assert cpu_kernels.layer_applies(5, torch.float32, torch.device("cpu"))
+    assert cpu_kernels.layer_applies(5, torch.float32, torch.device("cpu"), head_dim=16)
     prompt, tokens = list(range(5, 25)), [31, 7, 99, 4, 250]
     one_by_one, at_once = StaticKVModel(tiny_target.model), StaticKVModel(tiny_target.model)
     for kv in (one_by_one, at_once):

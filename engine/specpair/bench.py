@@ -39,7 +39,7 @@ import torch
 from specpair.config import GenerationParams
 from specpair.contract import DEFAULT_CATEGORY
 from specpair.decoding import SpeculativeEngine, _sync
-from specpair.drafters import EagleDrafter, ModelDrafter, NgramDrafter
+from specpair.drafters import EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
 from specpair.stats import AcceptanceStats
@@ -107,7 +107,7 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
     costs["draft_per_token"] = isinstance(drafter, (ModelDrafter, EagleDrafter))
     if isinstance(drafter, ModelDrafter):
         costs["draft_step"] = median_extend(drafter.loaded.model, 1)
-    elif isinstance(drafter, EagleDrafter):
+    elif hasattr(drafter, "step_seconds"):     # heads: their own step (per token or per round)
         costs["draft_step"] = drafter.step_seconds(len(prompt_ids), repeats)
     elif drafter is not None:
         seq = list(prompt_ids) * 2
@@ -369,7 +369,7 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
     context = len(encoded[0][1])     # the cost prompt's length: the cache each timed step read
     figures = {**memory, "context": context,
                "target": step_figures(costs["target_step"], step_bytes(target.model, context), bandwidth)}
-    if isinstance(engine.drafter, (ModelDrafter, EagleDrafter)):
+    if isinstance(engine.drafter, (ModelDrafter, EagleDrafter, MedusaDrafter)):
         figures["draft"] = step_figures(costs["draft_step"],
                                         step_bytes(engine.drafter.loaded.model, context), bandwidth)
     report = BenchReport(pair={"target": target.source,
@@ -393,7 +393,7 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
             if hf_peer:
                 hf_t.append(_timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, False),
                                    target.device)[0])
-                if not isinstance(engine.drafter, EagleDrafter):   # transformers has no EAGLE
+                if not engine.drafter.wants_features:   # transformers has no EAGLE or Medusa
                     hf_a.append(_timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, True),
                                        target.device)[0])
         rounds = spec_result.stats.num_target_steps

@@ -160,7 +160,8 @@ def cmd_distill(args) -> int:
                            corpus=args.corpus, generated_fraction=args.generated_fraction,
                            eval_prompts=args.eval_prompts, init=args.init,
                            max_seconds=args.max_seconds, corpus_chars=args.corpus_chars,
-                           method=args.method, draft_vocab=args.draft_vocab)
+                           method=args.method, draft_vocab=args.draft_vocab,
+                           medusa_heads=args.medusa_heads)
     summary = distill(config, progress=_progress)
     print(json.dumps(summary))
     return 0
@@ -216,12 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("distill", help="train a small draft (or an EAGLE head) against the target")
     d.add_argument("--target", default=None)
-    d.add_argument("--method", choices=["draft", "eagle"], default="draft",
+    d.add_argument("--method", choices=["draft", "eagle", "medusa"], default="draft",
                    help="'draft': a small causal LM; 'eagle': a one-layer head drafting from the "
-                        "target's own features (loads with --draft DIR like any draft)")
+                        "target's own features; 'medusa': independent heads on the last feature "
+                        "(heads load with --draft DIR like any draft)")
     d.add_argument("--draft-vocab", type=int, default=8192,
-                   help="eagle: the head's vocabulary size, the corpus's and the target's most "
+                   help="heads: their vocabulary size, the corpus's and the target's most "
                         "frequent tokens (0: the whole vocabulary)")
+    d.add_argument("--medusa-heads", type=int, default=4, help="medusa: number of heads")
     d.add_argument("--out", required=True, help="output model directory (also holds checkpoints)")
     d.add_argument("--steps", type=int, default=300)
     d.add_argument("--batch-size", type=int, default=4)

@@ -27,7 +27,10 @@ import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off"]
-MAX_TOKENS = 16    # rows per call (cpu_kernels.c: MAX_TOKENS)
+# The library's limits, read from it when it loads (cpu_kernels.c is their one home): token rows
+# per call and the largest head dimension of the layer kernel. 0 while nothing is loaded.
+MAX_TOKENS = 0
+MAX_HEAD_DIM = 0
 _build_error: str | None = None
 
 
@@ -84,6 +87,8 @@ def library() -> ctypes.CDLL | None:
     lib.specpair_llama_layer.argtypes = [p, p, p, ctypes.c_long, ctypes.c_long, i, i, i, ctypes.c_long,
                                          f, p, p, p, p, ctypes.c_long] + [p] * 10 + [i]
     lib.specpair_llama_layer.restype = ctypes.c_int
+    lib.specpair_max_tokens.restype = ctypes.c_int
+    lib.specpair_max_head_dim.restype = ctypes.c_int
     return lib
 
 
@@ -121,8 +126,10 @@ _LIB = None      # set by available(); read on every call, so kept out of the lr
 
 def available() -> bool:
     """Build (once) and say whether the kernel can be used. Call before stepping or compiling."""
-    global _LIB
+    global _LIB, MAX_TOKENS, MAX_HEAD_DIM
     _LIB = library()
+    if _LIB is not None:
+        MAX_TOKENS, MAX_HEAD_DIM = _LIB.specpair_max_tokens(), _LIB.specpair_max_head_dim()
     return _LIB is not None
 
 
@@ -146,22 +153,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linears(x, weight)[0]
 
 
-def layer_applies(tokens: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether llama_layer can run a step of this many tokens (eager, CPU, float32)."""
-    return _LIB is not None and tokens <= MAX_TOKENS and dtype == torch.float32 and device.type == "cpu"
+def layer_applies(tokens: int, dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether llama_layer can run a step of this many tokens (eager, CPU, float32, a head
+    dimension the kernel's vectors divide)."""
+    return (_LIB is not None and tokens <= MAX_TOKENS and dtype == torch.float32
+            and device.type == "cpu" and head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM)
+
+
+def layer_scratch(tokens: int, dim: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
+                  attend: int) -> torch.Tensor:
+    """Working memory for llama_layer: one allocation a step serves every layer of it."""
+    return torch.empty(tokens * (2 * dim + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * ffn)
+                       + tokens * heads * attend + ffn, dtype=torch.float32)
 
 
 def llama_layer(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, weights, eps: float,
-                heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+                heads: int, kv_heads: int, head_dim: int, attend: int | None = None,
+                scratch: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer through cpu_kernels.c (see specpair_llama_layer there); h [T, D] is
     updated in place and returned. Tensors: contiguous; rows/positions int64 [T]; cos/sin [T, hd]."""
     wq, wk, wv, wo, wg, wu, wd, n1, n2 = weights
     T, D = h.shape
     F_ = wg.shape[0]
-    attend = int(positions.max()) + 1
-    scratch = torch.empty(T * (2 * D + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * F_)
-                          + T * heads * attend + F_, dtype=torch.float32)
+    if attend is None:
+        attend = int(positions.max()) + 1
+    if scratch is None:
+        scratch = layer_scratch(T, D, heads, kv_heads, head_dim, F_, attend)
     ptr = lambda t: t.data_ptr()   # noqa: E731
     rc = _LIB.specpair_llama_layer(
         ptr(h), ptr(rows), ptr(positions), T, D, heads, kv_heads, head_dim, F_, eps, ptr(cos),

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from specpair.config import GenerationParams, SpeculationConfig
-from specpair.drafters import Drafter, EagleDrafter, ModelDrafter, RowSampling
+from specpair.drafters import Drafter, EagleDrafter, MedusaDrafter, ModelDrafter, RowSampling
 from specpair.errors import SpecpairError, TokenizerMismatch
-from specpair.static_cache import kv_model, resolve_compile, resolve_kv_kind, step_description
+from specpair.static_cache import (kv_model, resolve_compile, resolve_kv_kind, step_description,
+                                   supports)
 from specpair.rejection_sampler import greedy_verify, process_logits, rejection_sample
 from specpair.stats import AcceptanceStats, AcceptanceWindow
 from specpair.tokenizer_identity import compare, fingerprint
@@ -34,11 +35,13 @@ class CostModel:
 
     draft: float
     verify: dict[int, float]
+    draft_per_token: bool = True      # False: one draft pass per round whatever k (Medusa, n-gram)
 
     @classmethod
     def from_seconds(cls, costs: dict) -> "CostModel":
         t1 = costs["target_step"]
-        return cls(draft=costs["draft_step"] / t1, verify={k: v / t1 for k, v in costs["verify"].items()})
+        return cls(draft=costs["draft_step"] / t1, verify={k: v / t1 for k, v in costs["verify"].items()},
+                   draft_per_token=costs.get("draft_per_token", True))
 
     def round_cost(self, k: int) -> float:
         if k in self.verify:
@@ -46,7 +49,7 @@ class CostModel:
         else:
             near = min(self.verify, key=lambda x: abs(x - k))
             v = self.verify[near] * (k + 1) / (near + 1) if k > near else self.verify[near]
-        return k * self.draft + v
+        return (k if self.draft_per_token else min(k, 1)) * self.draft + v
 
 
 class DynamicK:
@@ -241,11 +244,15 @@ class SpeculativeEngine:
                                          "target-only: " + "; ".join(self.tokenizer_check.differences))
                     draft = None
             if draft is not None and getattr(draft.model, "is_drafting_head", False):
-                if self.kv_kind != "static":
-                    raise SpecpairError("an EAGLE head drafts from the static KV cache's features; "
-                                        "it cannot run with --kv dynamic")
-                drafter = EagleDrafter(draft, target.model, vocab_size=self.vocab_size,
-                                       compile=self.compile_mode)
+                why = supports(target.model) if self.kv_kind == "static" else "--kv dynamic"
+                if why:
+                    raise SpecpairError(f"{draft.model.method} heads draft from the features the "
+                                        f"static KV cache hands over; not available here: {why}")
+                if draft.model.method == "medusa":
+                    drafter = MedusaDrafter(draft, target.model, vocab_size=self.vocab_size)
+                else:
+                    drafter = EagleDrafter(draft, target.model, vocab_size=self.vocab_size,
+                                           compile=self.compile_mode)
             elif draft is not None:
                 drafter = ModelDrafter(draft, vocab_size=self.vocab_size, kv=self.kv_kind,
                                        compile=self.compile_mode)
@@ -267,7 +274,8 @@ class SpeculativeEngine:
         return kv_model(model, vocab_size=self.vocab_size, kind=self.kv_kind, compile=self.compile_mode)
 
     def describe_step(self) -> dict:
-        """Which cache and step the target runs (GetModelInfo, the bench): what a figure measured."""
+        """Which cache and step the target runs (the server's start-up log, the bench): what a
+        figure measured."""
         return step_description(self.target.model, self.kv_kind, self.compile_mode)
 
     @torch.no_grad()
@@ -276,8 +284,8 @@ class SpeculativeEngine:
         rows, 1 and several tokens), so no request pays a compile. Returns the seconds it took."""
         start = time.perf_counter()
         models = [self.target.model]
-        if self.draft is not None and not getattr(self.draft.model, "is_drafting_head", False):
-            models.append(self.draft.model)
+        if isinstance(self.drafter, ModelDrafter):     # from draft= or handed in as drafter=
+            models.append(self.drafter.loaded.model)
         for model in models:
             for rows in (1, 2):
                 for width in (1, 2, self.config.k_max + 1):

@@ -50,9 +50,10 @@ class DistillConfig:
     max_seconds: float | None = None   # stop early (and save) when training takes longer
     init: str = "projection"   # "projection": fresh student, projected embeddings;
                                # "truncate": the target's first `layers` layers (hidden = target's)
-    method: str = "draft"      # "draft": a small causal LM; "eagle": a head over the target's
-                               # features (heads.py; layers/hidden/heads/init do not apply)
-    draft_vocab: int = 8192    # eagle: the head's vocabulary, the corpus's most frequent tokens
+    method: str = "draft"      # "draft": a small causal LM; "eagle" / "medusa": heads over the
+                               # target's features (heads.py; layers/hidden/heads/init do not apply)
+    medusa_heads: int = 4      # medusa: how many heads (the most tokens a round drafts)
+    draft_vocab: int = 8192    # heads: their vocabulary, the corpus's most frequent tokens
                                # (0: the target's whole vocabulary)
 
     def __post_init__(self):
@@ -64,8 +65,10 @@ class DistillConfig:
             raise SpecpairError("generated_fraction must be in [0, 1]")
         if self.init not in ("projection", "truncate"):
             raise SpecpairError(f"init must be 'projection' or 'truncate', got {self.init!r}")
-        if self.method not in ("draft", "eagle"):
-            raise SpecpairError(f"method must be 'draft' or 'eagle', got {self.method!r}")
+        if self.method not in ("draft", "eagle", "medusa"):
+            raise SpecpairError(f"method must be 'draft', 'eagle' or 'medusa', got {self.method!r}")
+        if self.medusa_heads < 1:
+            raise SpecpairError("medusa_heads must be >= 1")
         if self.draft_vocab < 0:
             raise SpecpairError("draft_vocab must be >= 0 (0: the whole vocabulary)")
 
@@ -193,12 +196,15 @@ CLASSIFICATION_WEIGHT = 1.0   # the token loss against the feature loss: EAGLE-1
 VOCAB_SAMPLE_WINDOWS = 32   # windows the target predicts over to choose the draft vocabulary
 
 
+MEDUSA_DECAY = 0.8   # Medusa's weighting of head m's loss (0.8^m): later heads are weaker anyway
+
+
 @torch.no_grad()
 def build_head(teacher, train_ids: torch.Tensor, config: DistillConfig):
-    """An EAGLE head for this teacher. Its vocabulary: the tokens most frequent in the corpus
-    and in the target's own greedy predictions over it, weighed equally (what the head must
-    draft is what the target would say)."""
-    from specpair.heads import build_eagle_head, draft_vocabulary
+    """An EAGLE head or Medusa heads for this teacher. The vocabulary: the tokens most frequent
+    in the corpus and in the target's own greedy predictions over it, weighed equally (what a
+    head must draft is what the target would say)."""
+    from specpair.heads import build_eagle_head, build_medusa_heads, draft_vocabulary
 
     rows = teacher.embedding_rows
     if config.draft_vocab == 0 or config.draft_vocab >= rows:
@@ -210,7 +216,24 @@ def build_head(teacher, train_ids: torch.Tensor, config: DistillConfig):
         predicted = torch.cat([teacher.model(input_ids=w.unsqueeze(0).to(teacher.device)).logits[0]
                                .argmax(-1).cpu() for w in windows])
         vocab = draft_vocabulary([train_ids, predicted], config.draft_vocab, always)
+    if config.method == "medusa":
+        return build_medusa_heads(teacher.model, vocab, config.medusa_heads, seed=config.seed)
     return build_eagle_head(teacher.model, vocab, seed=config.seed)
+
+
+def medusa_loss(heads, features: torch.Tensor) -> torch.Tensor:
+    """Head m, from feature f[j], learns the target's distribution for the token at j+m+2 (its
+    LM-head rows applied to f[j+m+1]), weighed 0.8^m."""
+    L = features.shape[1]
+    total = features.new_zeros(())
+    for m, block in enumerate(heads.blocks):
+        if L - m - 1 < 1:
+            break
+        with torch.no_grad():
+            target_logits = heads.lm_head(features[:, m + 1:])
+        total = total + MEDUSA_DECAY ** m * kl_loss(heads.lm_head(block(features[:, :L - m - 1])),
+                                                    target_logits)
+    return total
 
 
 def eagle_loss(head, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -277,8 +300,8 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
     progress(f"corpus: {ids.numel()} tokens")
     eval_prompts = [tok.decode(tok(d, add_special_tokens=False)["input_ids"][:48]) for d in eval_docs]
 
-    eagle = config.method == "eagle"
-    student = (build_head(teacher, ids, config) if eagle else build_student(teacher, config)).to(device)
+    is_head = config.method in ("eagle", "medusa")
+    student = (build_head(teacher, ids, config) if is_head else build_student(teacher, config)).to(device)
     trainable = [p for p in student.parameters() if p.requires_grad]
     optimiser = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.01)
 
@@ -328,13 +351,15 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
         for group in optimiser.param_groups:
             group["lr"] = lr_at(step)
         with torch.no_grad():
-            if eagle:   # the target's features (what its LM head reads) and token embeddings
+            if is_head:   # the target's features (what its LM head reads) and token embeddings
                 features = teacher.model.model(input_ids=batch).last_hidden_state
                 embeds = teacher.model.get_input_embeddings()(batch)
             else:
                 teacher_logits = teacher.model(input_ids=batch).logits
-        if eagle:
+        if config.method == "eagle":
             loss = eagle_loss(student, embeds, features)
+        elif config.method == "medusa":
+            loss = medusa_loss(student, features)
         else:
             loss = kl_loss(student(input_ids=batch).logits, teacher_logits)
         optimiser.zero_grad(set_to_none=True)
@@ -352,7 +377,7 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
     acceptance_after = (greedy_acceptance(teacher, student, eval_prompts, config.eval_tokens)
                         if eval_prompts else None)
     student.eval()
-    if eagle:
+    if is_head:
         from specpair.heads import save_head
         save_head(student, out, tok, {"target": config.target or teacher.source or "default",
                                       "steps": len(history), "seed": config.seed})

@@ -9,7 +9,8 @@ verification, `accepted` so it can cut back what it cached for rejected tokens.
   of the sequence's trailing n-gram. Deterministic, so its q is a point mass.
 - EagleDrafter: a head (heads.py) drafting from the target's own features, which the engine hands
   it after each verification (`observe`); it has no trunk of its own.
-Room for more (self-speculative layer skip, Medusa heads): implement the same methods.
+- MedusaDrafter: Medusa heads (heads.py) drafting all k tokens at once from the last feature.
+Room for more (self-speculative layer skip): implement the same methods.
 """
 
 from __future__ import annotations
@@ -214,6 +215,104 @@ def stack_draft_probs(steps: list, K: int) -> torch.Tensor | None:
     return probs
 
 
+def head_logits(head, vectors: torch.Tensor, vocab_size: int, draft_ids: torch.Tensor) -> torch.Tensor:
+    """Target-vocabulary logits [..., V] of a head's vectors [..., D]: the draft vocabulary's
+    rows, -inf elsewhere (q is zero off the draft vocabulary)."""
+    from specpair import cpu_kernels
+
+    small = cpu_kernels.linear(vectors.reshape(-1, 1, vectors.shape[-1]),
+                               head.lm_head.weight).reshape(*vectors.shape[:-1], -1)
+    full = torch.full((*vectors.shape[:-1], vocab_size), float("-inf"), dtype=small.dtype,
+                      device=small.device)
+    full[..., draft_ids] = small
+    return full
+
+
+class MedusaDrafter(Drafter):
+    """Medusa heads: from the target's feature of the token before the last committed one, head
+    m drafts the token m+1 places past the last one. No cache, no recurrence: one pass over the
+    heads per round, whatever k (capped at the number of heads). Each head's distribution is a
+    valid proposal whatever it conditions on, so the rejection sampler stays exact."""
+
+    name = "medusa"
+    deterministic = False
+    wants_features = True
+
+    def __init__(self, loaded, target_model, vocab_size: int):
+        self.loaded, self.heads = loaded, loaded.model
+        if self.heads.config.hidden_size != target_model.config.hidden_size:
+            raise SpecpairError(f"head hidden size {self.heads.config.hidden_size} does not match "
+                                f"the target's {target_model.config.hidden_size}")
+        self.target_model, self.vocab_size = target_model, vocab_size
+        self.draft_ids = self.heads.draft_token_ids
+        if int(self.draft_ids.max()) >= vocab_size:
+            raise SpecpairError(f"heads draft token {int(self.draft_ids.max())}; the target has {vocab_size}")
+        self.last: list[torch.Tensor | None] = []   # per row: feature of the newest observed token
+        self.known: list[int] = []
+
+    def for_batch(self) -> "MedusaDrafter":
+        return MedusaDrafter(self.loaded, self.target_model, self.vocab_size)
+
+    def add_rows(self, count: int) -> None:
+        self.last += [None] * count
+        self.known += [0] * count
+
+    def select(self, rows: list[int]) -> None:
+        self.last = [self.last[i] for i in rows]
+        self.known = [self.known[i] for i in rows]
+
+    def observe(self, row: int, start: int, features: torch.Tensor) -> None:
+        if start != self.known[row]:
+            raise SpecpairError(f"row {row}: features from position {start}, expected {self.known[row]}")
+        if features.shape[0]:
+            self.last[row] = features[-1]
+            self.known[row] += int(features.shape[0])
+
+    @torch.no_grad()
+    def propose(self, sequences, ks, sampling) -> Proposal:
+        B = len(sequences)
+        device = self.draft_ids.device
+        # A row drafts when its newest feature is of the token before its last (always, after the
+        # target's first pass over it).
+        row_ks = [min(k, self.heads.num_heads) if self.last[i] is not None
+                  and self.known[i] == len(sequences[i]) - 1 else 0 for i, k in enumerate(ks)]
+        K = max(row_ks, default=0)
+        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        num = torch.tensor(row_ks, dtype=torch.long, device=device)
+        if K == 0:
+            return Proposal(tokens=tokens, num=num, probs=None)
+        dim = self.heads.config.hidden_size
+        features = torch.stack([f if f is not None else torch.zeros(dim, device=device)
+                                for f in self.last]).to(self.heads.lm_head.weight.dtype)
+        vectors = self.heads(features, K)                                       # [B, K, D]
+        logits = head_logits(self.heads, vectors, self.vocab_size, self.draft_ids)
+        probs_steps = []
+        for j in range(K):
+            chosen, q = choose_draft_tokens(logits[:, j], j, row_ks, sampling)
+            tokens[:, j] = chosen
+            probs_steps.append(q)
+        return Proposal(tokens=tokens, num=num, probs=stack_draft_probs(probs_steps, K))
+
+    @torch.no_grad()
+    def step_seconds(self, context: int, repeats: int = 5) -> float:
+        """Median seconds of one round's heads (all of them; the bench charges it per round)."""
+        import statistics
+        import time
+
+        dim = self.heads.config.hidden_size
+        feature = torch.zeros(1, dim, device=self.draft_ids.device)
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            head_logits(self.heads, self.heads(feature), self.vocab_size, self.draft_ids).argmax(-1).tolist()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[1:])
+
+    def describe(self) -> dict:
+        return {"kind": self.name, "heads": self.heads.num_heads,
+                "draft_vocab_size": int(len(self.draft_ids)), **self.loaded.identity()}
+
+
 class EagleDrafter(Drafter):
     """Drafts with an EAGLE head (heads.py) from the features the target computed while verifying.
 
@@ -272,14 +371,7 @@ class EagleDrafter(Drafter):
             self.known[row] += int(features.shape[0])
 
     def _logits(self, g: torch.Tensor) -> torch.Tensor:
-        """Target-vocabulary logits [B, V] from predicted features: -inf off the draft vocabulary."""
-        from specpair import cpu_kernels
-
-        small = cpu_kernels.linear(g.unsqueeze(1), self.head.lm_head.weight).squeeze(1)
-        full = torch.full((g.shape[0], self.vocab_size), float("-inf"), dtype=small.dtype,
-                          device=small.device)
-        full[:, self.draft_ids] = small
-        return full
+        return head_logits(self.head, g, self.vocab_size, self.draft_ids)
 
     @torch.no_grad()
     def propose(self, sequences, ks, sampling) -> Proposal:

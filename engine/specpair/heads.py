@@ -1,4 +1,5 @@
-"""A drafting head that learns from the target: EAGLE-style, one decoder layer over its features.
+"""Drafting heads that learn from the target: EAGLE-style (one decoder layer over its features)
+and Medusa (independent heads on the last feature).
 
 The target already computes, for every token it verifies, the vector its LM head reads (the
 normed last hidden state, the "feature"). An EAGLE head predicts the target's *next* feature
@@ -18,6 +19,13 @@ On disk a head is a model directory kept close to what vLLM loads for its EAGLE 
 `lm_head.weight` and `d2t` (draft id -> target id offsets, as EAGLE-3 checkpoints store them), plus the target's
 tokenizer, so a release registers and fingerprints it like any draft. One deviation: layer 0
 keeps its input norm (vLLM's EAGLE-1 Llama drops it); specpair's layer step always has one.
+
+Medusa heads draft all k tokens at once from the feature of the token before the last one:
+head m maps it through a residual block (x + SiLU(W x)) to a vector the shared LM head reads as
+the token m+1 places past the last committed one. No recurrence and no cache: cheaper per round
+than EAGLE, weaker after the first position (head m never sees the drafts before it). Saved as
+`architectures: ["MedusaModel"]` with `blocks.{m}.layers.0.weight` as vLLM names them; one
+shared draft-vocabulary `lm_head` and `d2t` instead of vLLM's per-head LM heads.
 """
 
 from __future__ import annotations
@@ -31,23 +39,45 @@ from torch import nn
 from specpair.errors import SpecpairError
 
 HEAD_KEY = "specpair_head"                  # config.json: marks a directory as a drafting head
-ARCHITECTURE = "EagleLlamaForCausalLM"      # vLLM's architecture name for an EAGLE Llama head
+ARCHITECTURES = {"eagle": "EagleLlamaForCausalLM", "medusa": "MedusaModel"}   # vLLM's names
+METHODS = tuple(ARCHITECTURES)
 
 
-class EagleHead(nn.Module):
+class DraftVocabHead(nn.Module):
+    """What every head shares: a frozen LM head over a draft vocabulary (rows of the target's)
+    and the map from draft ids to target ids."""
+
+    is_drafting_head = True
+    method = "head"
+
+    def __init__(self, config, draft_token_ids: torch.Tensor):
+        super().__init__()
+        self.config = config
+        ids = torch.as_tensor(draft_token_ids, dtype=torch.long)
+        if ids.ndim != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()):
+            raise SpecpairError("draft vocabulary: a non-empty, strictly increasing list of token ids")
+        self.lm_head = nn.Linear(config.hidden_size, len(ids), bias=False)
+        # Stored as EAGLE-3 does: target id = draft id + d2t[draft id].
+        self.register_buffer("d2t", ids - torch.arange(len(ids)))
+
+    @property
+    def draft_token_ids(self) -> torch.Tensor:
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+
+class EagleHead(DraftVocabHead):
     """fc over [embedding, feature] -> decoder layer(s) -> next feature; LM head on a draft
     vocabulary. Shaped like a Llama model (config, model.layers, model.rotary_emb) so the static
     cache runs its layer with the same step (and C layer) as the target's."""
 
-    is_drafting_head = True
+    method = "eagle"
 
     def __init__(self, config, draft_token_ids: torch.Tensor):
         from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm,
                                                               LlamaRotaryEmbedding)
 
-        super().__init__()
         config._attn_implementation = "sdpa"    # a standalone layer: name its attention kernel
-        self.config = config
+        super().__init__(config, draft_token_ids)
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.model = nn.Module()
@@ -57,16 +87,6 @@ class EagleHead(nn.Module):
         # The target's features are normed (its LM head reads them after its final norm): the
         # head's predictions pass through a norm of their own, as EAGLE-3 heads do.
         self.model.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
-        ids = torch.as_tensor(draft_token_ids, dtype=torch.long)
-        if ids.ndim != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()):
-            raise SpecpairError("draft vocabulary: a non-empty, strictly increasing list of token ids")
-        self.lm_head = nn.Linear(hidden, len(ids), bias=False)
-        # Stored as EAGLE-3 does: target id = draft id + d2t[draft id].
-        self.register_buffer("d2t", ids - torch.arange(len(ids)))
-
-    @property
-    def draft_token_ids(self) -> torch.Tensor:
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def inputs(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The layer's input for pairs (embedding of x[j+1], feature f[j])."""
@@ -86,19 +106,85 @@ class EagleHead(nn.Module):
         return self.model.norm(x)
 
 
+class ResidualBlock(nn.Module):
+    """Medusa's block: x + SiLU(W x), W starting at zero (the head starts as the identity)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(hidden, hidden, bias=False)])
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + self.act(layer(x))
+        return x
+
+
+class MedusaHeads(DraftVocabHead):
+    """`medusa_num_heads` residual blocks over one feature; head m drafts the token m+1 places
+    past the last committed one."""
+
+    method = "medusa"
+
+    def __init__(self, config, draft_token_ids: torch.Tensor):
+        super().__init__(config, draft_token_ids)
+        self.blocks = nn.ModuleList(ResidualBlock(config.hidden_size)
+                                    for _ in range(int(config.medusa_num_heads)))
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.blocks)
+
+    def forward(self, features: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        """[..., D] -> [..., count, D]: the first `count` heads' vectors for the LM head."""
+        return torch.stack([block(features) for block in self.blocks[:count]], dim=-2)
+
+
+def _head_config(target_model, method: str, draft_token_ids: torch.Tensor, **extra):
+    from transformers import LlamaConfig
+
+    tcfg = target_model.config
+    if getattr(tcfg, "model_type", None) != "llama":
+        raise SpecpairError(f"drafting heads need a Llama-family target, not {tcfg.model_type!r}")
+    config = LlamaConfig(**{**tcfg.to_dict(), "num_hidden_layers": 1, "layer_types": None,
+                            "architectures": [ARCHITECTURES[method]], "tie_word_embeddings": False})
+    config.draft_vocab_size = int(len(draft_token_ids))
+    for key, value in extra.items():
+        setattr(config, key, value)
+    return config
+
+
+def _copy_target_rows(head: DraftVocabHead, target_model, draft_token_ids: torch.Tensor) -> None:
+    with torch.no_grad():
+        weight = target_model.lm_head.weight.detach()
+        head.lm_head.weight.copy_(weight[draft_token_ids.to(weight.device)].float().cpu())
+    head.lm_head.weight.requires_grad_(False)   # the target's own rows: the head's logits are its
+
+
+def build_medusa_heads(target_model, draft_token_ids: torch.Tensor, num_heads: int,
+                       seed: int = 0) -> MedusaHeads:
+    """Fresh Medusa heads: blocks at zero (each head starts predicting what the target's own
+    next-token distribution says), LM-head rows copied from the target's."""
+    if num_heads < 1:
+        raise SpecpairError("Medusa needs at least one head")
+    config = _head_config(target_model, "medusa", draft_token_ids, medusa_num_heads=num_heads,
+                          num_hidden_layers=0)
+    torch.manual_seed(seed)
+    heads = MedusaHeads(config, draft_token_ids)
+    with torch.no_grad():
+        for block in heads.blocks:
+            for layer in block.layers:
+                layer.weight.zero_()
+    _copy_target_rows(heads, target_model, draft_token_ids)
+    return heads
+
+
 def build_eagle_head(target_model, draft_token_ids: torch.Tensor, seed: int = 0) -> EagleHead:
     """A fresh head for this target: its dimensions, one layer and the norm initialised from the
     target's last layer and final norm (they work in the same feature space), fc starting as
     "the next feature is the current one", and LM-head rows copied from the target's for the
     draft vocabulary."""
-    from transformers import LlamaConfig
-
-    tcfg = target_model.config
-    if getattr(tcfg, "model_type", None) != "llama":
-        raise SpecpairError(f"EAGLE heads need a Llama-family target, not {tcfg.model_type!r}")
-    config = LlamaConfig(**{**tcfg.to_dict(), "num_hidden_layers": 1, "layer_types": None,
-                            "architectures": [ARCHITECTURE], "tie_word_embeddings": False})
-    config.draft_vocab_size = int(len(draft_token_ids))
+    config = _head_config(target_model, "eagle", draft_token_ids)
     torch.manual_seed(seed)
     head = EagleHead(config, draft_token_ids)
     hidden = config.hidden_size
@@ -108,9 +194,7 @@ def build_eagle_head(target_model, draft_token_ids: torch.Tensor, seed: int = 0)
         head.fc.weight.zero_()
         head.fc.weight[:, hidden:] = torch.eye(hidden)
         head.fc.weight[:, :hidden].normal_(0.0, 0.02)
-        rows = target_model.lm_head.weight.detach()[draft_token_ids.to(target_model.lm_head.weight.device)]
-        head.lm_head.weight.copy_(rows.float().cpu())
-    head.lm_head.weight.requires_grad_(False)   # the target's own rows: the head's logits are its
+    _copy_target_rows(head, target_model, draft_token_ids)
     return head
 
 
@@ -122,16 +206,16 @@ def is_head_dir(path) -> bool:
         return False
 
 
-def save_head(head: EagleHead, out, tokenizer, about: dict) -> None:
+def save_head(head: DraftVocabHead, out, tokenizer, about: dict) -> None:
     """config.json + model.safetensors (vLLM's names) + the target's tokenizer."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = head.config.to_dict()
-    config["architectures"] = [ARCHITECTURE]
+    config["architectures"] = [ARCHITECTURES[head.method]]
     config["draft_vocab_size"] = len(head.d2t)
-    config[HEAD_KEY] = {"method": "eagle", **about}
+    config[HEAD_KEY] = {"method": head.method, **about}
     weights = {}
     for name, tensor in head.state_dict().items():
         if name.startswith("model.rotary_emb"):
@@ -142,15 +226,16 @@ def save_head(head: EagleHead, out, tokenizer, about: dict) -> None:
     tokenizer.save_pretrained(out)
 
 
-def load_head(path, device: torch.device, dtype: torch.dtype) -> EagleHead:
+def load_head(path, device: torch.device, dtype: torch.dtype) -> DraftVocabHead:
     from safetensors.torch import load_file
     from transformers import LlamaConfig
 
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     method = raw.get(HEAD_KEY, {}).get("method")
-    if method != "eagle":
-        raise SpecpairError(f"{path}: unknown drafting head method {method!r} (known: eagle)")
+    if method not in METHODS:
+        raise SpecpairError(f"{path}: unknown drafting head method {method!r} "
+                            f"(known: {', '.join(METHODS)})")
     config = LlamaConfig(**{k: v for k, v in raw.items() if k != HEAD_KEY})
     from safetensors import SafetensorError
 
@@ -161,9 +246,9 @@ def load_head(path, device: torch.device, dtype: torch.dtype) -> EagleHead:
     if "d2t" not in weights:
         raise SpecpairError(f"{path}/model.safetensors has no d2t (draft vocabulary)")
     d2t = weights["d2t"].long()
-    head = EagleHead(config, torch.arange(len(d2t)) + d2t)
-    state = {("" if k.startswith(("fc.", "lm_head.", "d2t")) else "model.") + k: v
-             for k, v in weights.items()}
+    kind = EagleHead if method == "eagle" else MedusaHeads
+    head = kind(config, torch.arange(len(d2t)) + d2t)
+    state = {("model." if k.startswith(("layers.", "norm.")) else "") + k: v for k, v in weights.items()}
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.startswith("model.rotary_emb")]
     if missing or unexpected:

@@ -163,15 +163,20 @@ class StaticLlama:
         cos, sin = body.rotary_emb(h, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                          # [B, 1, W, D]
         rows = torch.arange(B, device=self.device).view(B, 1).expand(B, W)
-        if not compiled and self.dense and cpu_kernels.layer_applies(B * W, h.dtype, self.device):
+        if not compiled and self.dense and cpu_kernels.layer_applies(B * W, h.dtype, self.device,
+                                                                     self.head_dim):
             # A few tokens on the CPU: one C call per layer (cpu_kernels.c says why).
             flat = h.reshape(B * W, -1).contiguous()
             cos_t, sin_t = (c.reshape(B * W, -1).contiguous() for c in (cos, sin))
             rows_t, pos_t = rows.reshape(-1).contiguous(), positions.reshape(-1).contiguous()
+            reach = int(pos_t.max()) + 1
+            scratch = cpu_kernels.layer_scratch(
+                B * W, flat.shape[1], self.heads, self.kv_heads, self.head_dim,
+                body.layers[0].mlp.gate_proj.weight.shape[0], reach)
             for layer, (kc, vc) in zip(body.layers, caches):
                 cpu_kernels.llama_layer(flat, rows_t, pos_t, cos_t, sin_t, kc, vc,
                                         self.layer_weights(layer), self.eps, self.heads,
-                                        self.kv_heads, self.head_dim)
+                                        self.kv_heads, self.head_dim, reach, scratch)
             return flat.view(B, W, -1)
         keys = torch.arange(attend, device=self.device).view(1, 1, 1, attend)
         mask = keys <= positions.view(B, 1, W, 1)                             # causal, by position
