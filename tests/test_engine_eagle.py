@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
+from tiny_models import sample_and_compare
 
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
@@ -189,18 +188,8 @@ def test_head_sampling_follows_the_target_distribution(one_layer_target, smooth_
             p3 = dist(prompt + [a, b])
             for c in p3.nonzero().squeeze(1).tolist():
                 joint[(a, b, c)] = p1[a].item() * p2[b].item() * p3[c].item()
-    batch = engine.new_batch()
-    seqs = [batch.add(prompt, GenerationParams(max_new_tokens=4, temperature=temperature,
-                                               top_k=top_k, seed=i)) for i in range(n)]
-    while batch.active:
-        batch.step()
-    keys = sorted(joint)
-    counts = {key: 0 for key in keys}
-    for s in seqs:
-        counts[tuple(s.generated[:3])] += 1       # KeyError = a token outside the target's support
-    observed = np.array([counts[key] for key in keys])
-    expected = np.array([joint[key] for key in keys]) * n
-    assert chisquare(observed, f_exp=expected * observed.sum() / expected.sum()).pvalue > 1e-3
+    seqs = sample_and_compare(engine, prompt, joint, temperature=temperature, top_k=top_k,
+                              max_new_tokens=4, n=n)
     assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
     assert sum(s.stats.num_draft_tokens - s.stats.num_accepted_tokens for s in seqs) > 0
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare as _chisquare
+from tiny_models import sample_and_compare
 
 
 def chisquare(observed, f_exp):
@@ -114,18 +115,8 @@ def test_end_to_end_sampled_sequences_follow_target(tiny_target, tiny_draft):
                                  torch.tensor([1.0]))[0, 0]
             for b in nxt.nonzero().squeeze(1).tolist():
                 joint[(a, b)] = first[a].item() * nxt[b].item()
-    batch = engine.new_batch()
-    seqs = [batch.add(prompt, GenerationParams(max_new_tokens=3, temperature=temperature,
-                                               top_k=top_k, seed=i)) for i in range(n)]
-    while batch.active:
-        batch.step()
-    keys = sorted(joint)
-    counts = {k: 0 for k in keys}
-    for s in seqs:
-        counts[tuple(s.generated[:2])] += 1          # KeyError = token outside the target's support
-    observed = np.array([counts[k] for k in keys])
-    expected = np.array([joint[k] for k in keys]) * n
-    assert chisquare(observed, f_exp=expected * observed.sum() / expected.sum()).pvalue > 1e-3
+    seqs = sample_and_compare(engine, prompt, joint, temperature=temperature, top_k=top_k,
+                              max_new_tokens=3, n=n)
     assert sum(s.stats.num_drafts for s in seqs) > 0
 
 

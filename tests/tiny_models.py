@@ -82,3 +82,29 @@ def perturbed_copy(loaded, seed: int, noise: float = 0.05, layers: int | None = 
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * noise * p.std())
     return wrap_model(model, loaded.tokenizer, source=f"{loaded.source}-perturbed{seed}")
+
+
+def sample_and_compare(engine, prompt: list[int], joint: dict, *, temperature: float, top_k: int,
+                       max_new_tokens: int, n: int) -> list:
+    """Run n seeded sampled requests as one batch and test (chi-square, p > 1e-3) that their first
+    tokens follow `joint`, the target's exact distribution over token tuples. A token outside the
+    target's support fails at once (KeyError). Returns the sequences for further checks."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    from specpair.config import GenerationParams
+
+    batch = engine.new_batch()
+    seqs = [batch.add(prompt, GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                               top_k=top_k, seed=i)) for i in range(n)]
+    while batch.active:
+        batch.step()
+    keys = sorted(joint)
+    width = len(keys[0])
+    counts = dict.fromkeys(keys, 0)
+    for seq in seqs:
+        counts[tuple(seq.generated[:width])] += 1
+    observed = np.array([counts[key] for key in keys])
+    expected = np.array([joint[key] for key in keys]) * n
+    assert chisquare(observed, f_exp=expected * observed.sum() / expected.sum()).pvalue > 1e-3
+    return seqs

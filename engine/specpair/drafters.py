@@ -228,45 +228,80 @@ def head_logits(head, vectors: torch.Tensor, vocab_size: int, draft_ids: torch.T
     return full
 
 
-class MedusaDrafter(Drafter):
+class HeadDrafter(Drafter):
+    """What heads share: they draft from the target's features of committed tokens (`observe`),
+    through a draft vocabulary. Subclasses keep what they need of the features (`_keep`) and
+    their per-row state (`_add_rows`, `_select`)."""
+
+    deterministic = False
+    wants_features = True
+
+    def __init__(self, loaded, target_model, vocab_size: int):
+        self.loaded, self.head = loaded, loaded.model
+        if self.head.config.hidden_size != target_model.config.hidden_size:
+            raise SpecpairError(f"head hidden size {self.head.config.hidden_size} does not match "
+                                f"the target's {target_model.config.hidden_size}")
+        self.target_model, self.vocab_size = target_model, vocab_size
+        self.draft_ids = self.head.draft_token_ids.to(next(self.head.parameters()).device)
+        if int(self.draft_ids.max()) >= vocab_size:
+            raise SpecpairError(f"head drafts token {int(self.draft_ids.max())}; the target has {vocab_size}")
+        self.known: list[int] = []          # per row: positions with an observed feature
+
+    def add_rows(self, count: int) -> None:
+        self.known += [0] * count
+        self._add_rows(count)
+
+    def select(self, rows: list[int]) -> None:
+        self.known = [self.known[i] for i in rows]
+        self._select(rows)
+
+    def observe(self, row: int, start: int, features: torch.Tensor) -> None:
+        if start != self.known[row]:
+            raise SpecpairError(f"row {row}: features from position {start}, expected {self.known[row]}")
+        if features.shape[0]:
+            self._keep(row, features)
+            self.known[row] += int(features.shape[0])
+
+    def _add_rows(self, count: int) -> None:
+        raise NotImplementedError
+
+    def _select(self, rows: list[int]) -> None:
+        raise NotImplementedError
+
+    def _keep(self, row: int, features: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _logits(self, vectors: torch.Tensor) -> torch.Tensor:
+        return head_logits(self.head, vectors, self.vocab_size, self.draft_ids)
+
+    def describe(self) -> dict:
+        return {"kind": self.name, "draft_vocab_size": int(len(self.draft_ids)),
+                **self.loaded.identity()}
+
+
+class MedusaDrafter(HeadDrafter):
     """Medusa heads: from the target's feature of the token before the last committed one, head
     m drafts the token m+1 places past the last one. No cache, no recurrence: one pass over the
     heads per round, whatever k (capped at the number of heads). Each head's distribution is a
     valid proposal whatever it conditions on, so the rejection sampler stays exact."""
 
     name = "medusa"
-    deterministic = False
-    wants_features = True
 
     def __init__(self, loaded, target_model, vocab_size: int):
-        self.loaded, self.heads = loaded, loaded.model
-        if self.heads.config.hidden_size != target_model.config.hidden_size:
-            raise SpecpairError(f"head hidden size {self.heads.config.hidden_size} does not match "
-                                f"the target's {target_model.config.hidden_size}")
-        self.target_model, self.vocab_size = target_model, vocab_size
-        self.draft_ids = self.heads.draft_token_ids
-        if int(self.draft_ids.max()) >= vocab_size:
-            raise SpecpairError(f"heads draft token {int(self.draft_ids.max())}; the target has {vocab_size}")
+        super().__init__(loaded, target_model, vocab_size)
         self.last: list[torch.Tensor | None] = []   # per row: feature of the newest observed token
-        self.known: list[int] = []
 
     def for_batch(self) -> "MedusaDrafter":
         return MedusaDrafter(self.loaded, self.target_model, self.vocab_size)
 
-    def add_rows(self, count: int) -> None:
+    def _add_rows(self, count: int) -> None:
         self.last += [None] * count
-        self.known += [0] * count
 
-    def select(self, rows: list[int]) -> None:
+    def _select(self, rows: list[int]) -> None:
         self.last = [self.last[i] for i in rows]
-        self.known = [self.known[i] for i in rows]
 
-    def observe(self, row: int, start: int, features: torch.Tensor) -> None:
-        if start != self.known[row]:
-            raise SpecpairError(f"row {row}: features from position {start}, expected {self.known[row]}")
-        if features.shape[0]:
-            self.last[row] = features[-1]
-            self.known[row] += int(features.shape[0])
+    def _keep(self, row: int, features: torch.Tensor) -> None:
+        self.last[row] = features[-1]
 
     @torch.no_grad()
     def propose(self, sequences, ks, sampling) -> Proposal:
@@ -274,18 +309,18 @@ class MedusaDrafter(Drafter):
         device = self.draft_ids.device
         # A row drafts when its newest feature is of the token before its last (always, after the
         # target's first pass over it).
-        row_ks = [min(k, self.heads.num_heads) if self.last[i] is not None
+        row_ks = [min(k, self.head.num_heads) if self.last[i] is not None
                   and self.known[i] == len(sequences[i]) - 1 else 0 for i, k in enumerate(ks)]
         K = max(row_ks, default=0)
         tokens = torch.zeros(B, K, dtype=torch.long, device=device)
         num = torch.tensor(row_ks, dtype=torch.long, device=device)
         if K == 0:
             return Proposal(tokens=tokens, num=num, probs=None)
-        dim = self.heads.config.hidden_size
+        dim = self.head.config.hidden_size
         features = torch.stack([f if f is not None else torch.zeros(dim, device=device)
-                                for f in self.last]).to(self.heads.lm_head.weight.dtype)
-        vectors = self.heads(features, K)                                       # [B, K, D]
-        logits = head_logits(self.heads, vectors, self.vocab_size, self.draft_ids)
+                                for f in self.last]).to(self.head.lm_head.weight.dtype)
+        vectors = self.head(features, K)                                       # [B, K, D]
+        logits = self._logits(vectors)
         probs_steps = []
         for j in range(K):
             chosen, q = choose_draft_tokens(logits[:, j], j, row_ks, sampling)
@@ -299,21 +334,21 @@ class MedusaDrafter(Drafter):
         import statistics
         import time
 
-        dim = self.heads.config.hidden_size
+        dim = self.head.config.hidden_size
         feature = torch.zeros(1, dim, device=self.draft_ids.device)
         times = []
         for _ in range(repeats + 1):
             started = time.perf_counter()
-            head_logits(self.heads, self.heads(feature), self.vocab_size, self.draft_ids).argmax(-1).tolist()
+            self._logits(self.head(feature)).argmax(-1).tolist()
             times.append(time.perf_counter() - started)
         return statistics.median(times[1:])
 
     def describe(self) -> dict:
-        return {"kind": self.name, "heads": self.heads.num_heads,
+        return {"kind": self.name, "heads": self.head.num_heads,
                 "draft_vocab_size": int(len(self.draft_ids)), **self.loaded.identity()}
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(HeadDrafter):
     """Drafts with an EAGLE head (heads.py) from the features the target computed while verifying.
 
     Per row the head's cache holds the pairs (embedding of x[j+1], feature f[j]) for every j whose
@@ -327,8 +362,6 @@ class EagleDrafter(Drafter):
     """
 
     name = "eagle"
-    deterministic = False
-    wants_features = True
 
     def __init__(self, loaded, target_model, vocab_size: int, compile: str | None = None):
         from specpair.static_cache import StaticKVModel, supports
@@ -336,42 +369,25 @@ class EagleDrafter(Drafter):
         why = supports(target_model)
         if why:
             raise SpecpairError(f"an EAGLE head drafts from the static cache's features: {why}")
-        self.loaded, self.head = loaded, loaded.model
-        if self.head.config.hidden_size != target_model.config.hidden_size:
-            raise SpecpairError(f"head hidden size {self.head.config.hidden_size} does not match "
-                                f"the target's {target_model.config.hidden_size}")
-        self.target_model, self.vocab_size, self.compile = target_model, vocab_size, compile
+        super().__init__(loaded, target_model, vocab_size)
+        self.compile = compile
         self.embed = target_model.get_input_embeddings()
         self.kv = StaticKVModel(self.head, compile=compile)
-        ids = self.head.draft_token_ids.to(self.kv.device)
-        if int(ids.max()) >= vocab_size:
-            raise SpecpairError(f"head drafts token {int(ids.max())}; the target has {vocab_size}")
-        self.draft_ids = ids
         self.pending: list[list[torch.Tensor]] = []   # per row: observed features not yet fed
-        self.known: list[int] = []                     # per row: positions with an observed feature
 
     def for_batch(self) -> "EagleDrafter":
         return EagleDrafter(self.loaded, self.target_model, self.vocab_size, compile=self.compile)
 
-    def add_rows(self, count: int) -> None:
+    def _add_rows(self, count: int) -> None:
         self.kv.add_rows(count)
         self.pending += [[] for _ in range(count)]
-        self.known += [0] * count
 
-    def select(self, rows: list[int]) -> None:
+    def _select(self, rows: list[int]) -> None:
         self.kv.select(rows)
         self.pending = [self.pending[i] for i in rows]
-        self.known = [self.known[i] for i in rows]
 
-    def observe(self, row: int, start: int, features: torch.Tensor) -> None:
-        if start != self.known[row]:
-            raise SpecpairError(f"row {row}: features from position {start}, expected {self.known[row]}")
-        if features.shape[0]:
-            self.pending[row].append(features.to(self.kv.runner.dtype))
-            self.known[row] += int(features.shape[0])
-
-    def _logits(self, g: torch.Tensor) -> torch.Tensor:
-        return head_logits(self.head, g, self.vocab_size, self.draft_ids)
+    def _keep(self, row: int, features: torch.Tensor) -> None:
+        self.pending[row].append(features.to(self.kv.runner.dtype))
 
     @torch.no_grad()
     def propose(self, sequences, ks, sampling) -> Proposal:
@@ -444,6 +460,3 @@ class EagleDrafter(Drafter):
             kv.rollback(0, context)
         return statistics.median(times[1:])
 
-    def describe(self) -> dict:
-        return {"kind": self.name, "draft_vocab_size": int(len(self.draft_ids)),
-                **self.loaded.identity()}
