@@ -256,7 +256,10 @@ class BenchReport:
         hf_speedup = (sum(r.hf_target_seconds for r in hf) / sum(r.hf_assisted_seconds for r in hf)
                       if hf else None)
         hf_tokens = sum(r.tokens for r in hf)
-        hf_target_tps = hf_tokens / sum(r.hf_target_seconds for r in hf) if hf else None
+        # Target-only is measured for every drafter; assisted only where transformers has one.
+        hf_t = [r for r in rows if r.hf_target_seconds]
+        hf_target_tps = (sum(r.tokens for r in hf_t) / sum(r.hf_target_seconds for r in hf_t)
+                         if hf_t else None)
         hf_assisted_tps = hf_tokens / sum(r.hf_assisted_seconds for r in hf) if hf else None
         cost_ratio = self.costs["draft_step"] / self.costs["target_step"]
         return {
@@ -280,9 +283,9 @@ class BenchReport:
             "hf_assisted_speedup": round(hf_speedup, 4) if hf_speedup else None,
             "speedup_vs_hf": round(speedup / hf_speedup, 4) if hf_speedup else None,
             # Tokens/s side by side: the ratio users feel, not only the ratio of speedups.
-            "hf_target_tokens_per_s": round(hf_target_tps, 3) if hf else None,
+            "hf_target_tokens_per_s": round(hf_target_tps, 3) if hf_t else None,
             "hf_assisted_tokens_per_s": round(hf_assisted_tps, 3) if hf else None,
-            "target_vs_hf": round(tokens / t_target / hf_target_tps, 4) if hf and t_target else None,
+            "target_vs_hf": round(tokens / t_target / hf_target_tps, 4) if hf_t and t_target else None,
             "spec_vs_hf": round(tokens / t_spec / hf_assisted_tps, 4) if hf and t_spec else None,
             "rounds_without_draft": no_draft,
             "draft_seconds": round(stats.draft_seconds, 4),
