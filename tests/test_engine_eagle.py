@@ -226,7 +226,7 @@ def test_medusa_drafts_from_the_feature_before_the_last_token(tiny_target):
     assert proposal.tokens[0].tolist() == expected.tolist()
 
 
-def test_trained_head_drafts_better_and_is_a_draft_directory(tiny_target, trained_head_dir):
+def test_trained_eagle_head_is_a_draft_directory(tiny_target, trained_head_dir):
     out, summary = trained_head_dir
     assert summary["method"] == "eagle"
     assert summary["loss_last10"] < 0.7 * summary["loss_first10"], summary
