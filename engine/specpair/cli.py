@@ -31,6 +31,9 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=int, default=NGRAM_MIN, help="shortest n-gram the lookup drafter matches")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
     p.add_argument("--no-dynamic-k", action="store_true", help="keep k fixed")
+    p.add_argument("--tree-width", type=int, default=1,
+                   help="drafting heads: candidates per draft position, verified as a token tree "
+                        "in one pass (1: a chain)")
     p.add_argument("--k-policy", choices=["auto", "cost", "heuristic"], default="auto",
                    help="dynamic k: 'cost' measures draft/verify costs here at start-up and picks the "
                         "k with most tokens per second; 'heuristic' grows on full acceptance, "
@@ -75,7 +78,8 @@ def build_engine(args, *, speculate: bool = True):
             raise SpecpairError("need 1 <= --ngram-min <= --ngram-max")
         drafter = NgramDrafter(max_ngram=args.ngram_max, min_ngram=args.ngram_min, device=target.device)
     spec = SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k,
-                             k_max=max(8, args.k), enabled=speculate)
+                             k_max=max(8, args.k), enabled=speculate,
+                             tree_width=args.tree_width)
     engine = SpeculativeEngine(target, drafter=drafter, draft=draft, speculation=spec,
                                on_mismatch=args.on_mismatch, kv=args.kv, compile=args.compile)
     for warning in engine.warnings:
@@ -161,7 +165,8 @@ def cmd_distill(args) -> int:
                            eval_prompts=args.eval_prompts, init=args.init,
                            max_seconds=args.max_seconds, corpus_chars=args.corpus_chars,
                            method=args.method, draft_vocab=args.draft_vocab,
-                           medusa_heads=args.medusa_heads)
+                           medusa_heads=args.medusa_heads, replies=args.replies,
+                           reply_tokens=args.reply_tokens)
     summary = distill(config, progress=_progress)
     print(json.dumps(summary))
     return 0
@@ -225,6 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heads: their vocabulary size, the corpus's and the target's most "
                         "frequent tokens (0: the whole vocabulary)")
     d.add_argument("--medusa-heads", type=int, default=4, help="medusa: number of heads")
+    d.add_argument("--replies", type=int, default=0,
+                   help="first let the target answer this many chat requests built from the "
+                        "corpus (greedy), and train on those conversations too: self-distillation "
+                        "(kept in OUT/replies.jsonl; a resumed run does not generate them again)")
+    d.add_argument("--reply-tokens", type=int, default=160, help="the longest generated reply")
     d.add_argument("--out", required=True, help="output model directory (also holds checkpoints)")
     d.add_argument("--steps", type=int, default=300)
     d.add_argument("--batch-size", type=int, default=4)

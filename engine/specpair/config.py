@@ -13,6 +13,10 @@ NGRAM_MAX = 3
 NGRAM_MIN = 1
 
 
+MAX_TREE_WIDTH = 4   # candidates per position: 1 + k * width tokens a verification, and the CPU
+                     # layer takes 16 tokens a call (k=3 at width 4 fits)
+
+
 @dataclass(frozen=True)
 class SpeculationConfig:
     """How the engine speculates. Part of a release: the gate tunes k and the batch threshold."""
@@ -26,6 +30,8 @@ class SpeculationConfig:
     probe_interval: int = 64         # target-only tokens before speculation is probed again
     batch_size_threshold: int = 8    # speculation off when the running batch is larger
     enabled: bool = True
+    tree_width: int = 1              # candidates per draft position (heads): 1 drafts a chain,
+                                     # more add siblings verified in the same pass (a token tree)
 
     def __post_init__(self):
         if self.k < 1:
@@ -36,6 +42,8 @@ class SpeculationConfig:
             raise SpecpairError(f"fallback_threshold must be in [0, 1], got {self.fallback_threshold}")
         if self.fallback_window < 1 or self.probe_interval < 1:
             raise SpecpairError("fallback_window and probe_interval must be >= 1")
+        if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise SpecpairError(f"tree_width must be in 1..{MAX_TREE_WIDTH}, got {self.tree_width}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -104,6 +104,9 @@ int specpair_small_linear(const float *x, const float *const *W, float *const *y
    whatever the other tokens are, as above.
 
    h: [T, D] residual stream, updated in place; rows/pos: [T] each token's cache row and position;
+   slot: [T] the cache slot its key and value go to (NULL: its position); parent: [T] for a token
+   tree, the index of the token's parent in this call, -1 where the token continues the row's
+   cache contiguously (NULL: every token does: a chain);
    cos/sin: [T, hd]; kc/vc: [rows, Hkv, S, hd]; all contiguous float32 (rows, pos: int64);
    scratch: >= T*(2*D + 2*H*hd + 2*Hkv*hd + 2*F) + T*H*(max pos + 1) + F floats. */
 
@@ -222,16 +225,19 @@ static void run_linear(const float *x, const float *const *W, float *const *y, c
 
 #define MAX_HEAD_DIM 256
 
-/* out = inv * sum_p s[p] * v_p over n value rows of hd = 8 * chunks floats, keys ascending. */
-static void weighted_sum(const float *s, const float *v, long n, int chunks, float inv,
-                             float *out) {
+/* out = inv * sum_p s[p] * v_p, keys ascending: the n0 value rows of the contiguous prefix,
+   then (a token tree) the m rows at slots anc[m-1], ..., anc[0], whose scores are s[n0..n0+m-1].
+   hd = 8 * chunks floats. The same accumulations in the same order either way. */
+static void weighted_sum(const float *s, const float *v, long n0, const long *anc, int m,
+                         int chunks, float inv, float *out) {
     v8 acc[MAX_HEAD_DIM / 8];
     for (int c = 0; c < chunks; c++) acc[c] = (v8){0};
-    for (long p = 0; p < n; p++) {
+    for (long p = 0; p < n0 + m; p++) {
         v8 w = (v8){0} + s[p];
+        const float *vp = v + (p < n0 ? p : anc[m - 1 - (p - n0)]) * chunks * 8;
         for (int c = 0; c < chunks; c++) {
             v8 x;
-            __builtin_memcpy(&x, v + p * chunks * 8 + c * 8, sizeof x);
+            __builtin_memcpy(&x, vp + c * 8, sizeof x);
             acc[c] = fma8(w, x, acc[c]);
         }
     }
@@ -241,27 +247,58 @@ static void weighted_sum(const float *s, const float *v, long n, int chunks, flo
     }
 }
 
+/* Token t's keys past the contiguous prefix: the cache slots of t and of its ancestors within
+   this call (anc[0] = t's own slot, then its parent's, ...), and the prefix length n0 (keys
+   0..n0-1 at slots 0..n0-1). Without a tree (parent NULL) that is t alone, n0 = pos[t]. */
+static int tree_keys(const long *pos, const long *slot, const long *parent, long t, long *anc,
+                     long *n0) {
+    int m = 0;
+    long a = t;
+    for (;;) {
+        anc[m++] = slot ? slot[a] : pos[a];
+        if (!parent || parent[a] < 0) break;
+        a = parent[a];
+    }
+    *n0 = pos[a];
+    return m;
+}
+
 /* Causal attention for query head hh of tokens a..b-1, all of one cache row: token t sees keys
    at positions 0..pos[t]. Every (token, key) score and every token's weighted sum is computed in
    the same order as for that token alone (eight lanes, keys ascending), whatever the run's
-   length: the run shares loads, never arithmetic. */
+   length: the run shares loads, never arithmetic. In a token tree (parent given) a token's keys
+   at positions past its prefix are its ancestors' slots, not the slots that follow: its scores
+   and sums are the very ones it would get with those ancestors as a plain chain (dot4 rounds
+   each key as dot does), which keeps a tree's verification bitwise equal to decoding. */
 static void attend_run(const float *q, const float *kc, const float *vc, float *att, float *scores,
-                       const long *pos, long row, long a, long b, int hh, int H, int Hkv, int hd,
-                       long S, long L) {
+                       const long *pos, const long *slot, const long *parent, long row, long a,
+                       long b, int hh, int H, int Hkv, int hd, long S, long L) {
     int j = hh / (H / Hkv), chunks = hd / 8;
     long qd = (long)H * hd, nmax = 0;
     const float *kbase = kc + (row * Hkv + j) * S * hd, *vbase = vc + (row * Hkv + j) * S * hd;
     float scale = 1.0f / __builtin_sqrtf((float)hd);
-    for (long t = a; t < b; t++) if (pos[t] + 1 > nmax) nmax = pos[t] + 1;
-    /* Scores: four keys at a time (four independent chains), each block for every token. */
+    long anc[MAX_TOKENS][MAX_TOKENS], n0[MAX_TOKENS];
+    int m[MAX_TOKENS];
+    for (long t = a; t < b; t++) {
+        m[t - a] = tree_keys(pos, slot, parent, t, anc[t - a], &n0[t - a]);
+        if (n0[t - a] > nmax) nmax = n0[t - a];
+    }
+    /* Prefix scores: four keys at a time (four independent chains), each block for every token. */
     for (long p = 0; p < nmax; p += 4) {
         for (long t = a; t < b; t++) {
-            long n = pos[t] + 1;
+            long n = n0[t - a];
             const float *qv = q + t * qd + (long)hh * hd;
             float *s = scores + (t * H + hh) * L;
             if (p + 4 <= n) dot4(qv, kbase + p * hd, hd, s + p);
-            else for (long k = p; k < n; k++) s[k] = dot(qv, kbase + k * hd, hd);
+            else for (long k = p; k < n && k < p + 4; k++) s[k] = dot(qv, kbase + k * hd, hd);
         }
+    }
+    /* The rest: the token itself and its ancestors in this call, in position order. */
+    for (long t = a; t < b; t++) {
+        const float *qv = q + t * qd + (long)hh * hd;
+        float *s = scores + (t * H + hh) * L;
+        for (int i = 0; i < m[t - a]; i++)
+            s[n0[t - a] + i] = dot(qv, kbase + anc[t - a][m[t - a] - 1 - i] * hd, hd);
     }
     /* Softmax per token over its own keys. */
     float inv[MAX_TOKENS];
@@ -288,23 +325,31 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
     for (long t = a; t < b; t++) {
         const float *s = scores + (t * H + hh) * L;
         float *out = att + t * qd + (long)hh * hd;
-        weighted_sum(s, vbase, pos[t] + 1, chunks, inv[t - a], out);
+        weighted_sum(s, vbase, n0[t - a], anc[t - a], m[t - a], chunks, inv[t - a], out);
     }
 }
 
 
 int specpair_max_head_dim(void) { return MAX_HEAD_DIM; }
 
-int specpair_llama_layer(float *h, const long *rows, const long *pos, long T, long D, int H,
+int specpair_llama_layer(float *h, const long *rows, const long *pos, const long *slot,
+                         const long *parent, long T, long D, int H,
                          int Hkv, int hd, long F, float eps, const float *cos, const float *sin,
                          float *kc, float *vc, long S, const float *wq, const float *wk,
                          const float *wv, const float *wo, const float *wg, const float *wu,
                          const float *wd, const float *n1, const float *n2, float *scratch,
                          int threads) {
     if (T < 1 || T > MAX_TOKENS || hd % 8 || hd > MAX_HEAD_DIM || H % Hkv) return -1;
-    long qd = (long)H * hd, kd = (long)Hkv * hd, L = 0;
-    for (long t = 0; t < T; t++) if (pos[t] + 1 > L) L = pos[t] + 1;
-    if (L > S) return -2;
+    long qd = (long)H * hd, kd = (long)Hkv * hd, L = 0, reach = 0;
+    for (long t = 0; t < T; t++) {
+        long at = slot ? slot[t] : pos[t];
+        if (pos[t] + 1 > L) L = pos[t] + 1;
+        if (at + 1 > reach) reach = at + 1;
+        /* a tree's parent is an earlier token of the same row, one position before */
+        if (parent && parent[t] >= 0 && (parent[t] >= t || rows[parent[t]] != rows[t]
+                                         || pos[parent[t]] != pos[t] - 1)) return -3;
+    }
+    if (L > S || reach > S) return -2;
     float *x = scratch, *q = x + T * D, *k = q + T * qd, *v = k + T * kd, *att = v + T * kd;
     float *g = att + T * qd, *u = g + T * F, *o = u + T * F, *scores = o + T * D;
 
@@ -319,7 +364,7 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, long T, lo
         rope(q + t * qd, cos + t * hd, sin + t * hd, H, hd);
         rope(k + t * kd, cos + t * hd, sin + t * hd, Hkv, hd);
         for (int j = 0; j < Hkv; j++) {
-            long at = ((rows[t] * Hkv + j) * S + pos[t]) * hd;
+            long at = ((rows[t] * Hkv + j) * S + (slot ? slot[t] : pos[t])) * hd;
             __builtin_memcpy(kc + at, k + t * kd + (long)j * hd, hd * sizeof(float));
             __builtin_memcpy(vc + at, v + t * kd + (long)j * hd, hd * sizeof(float));
         }
@@ -335,8 +380,8 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, long T, lo
     for (long task = 0; task < runs * H; task++) {
         long r = task / H;
         int hh = (int)(task % H);
-        attend_run(q, kc, vc, att, scores, pos, rows[run_start[r]], run_start[r], run_start[r + 1],
-                   hh, H, Hkv, hd, S, L);
+        attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[run_start[r]], run_start[r],
+                   run_start[r + 1], hh, H, Hkv, hd, S, L);
     }
     {
         const float *Ws[1] = {wo};

@@ -84,7 +84,7 @@ def library() -> ctypes.CDLL | None:
                                                                   ctypes.c_long, ctypes.c_int]
     lib.specpair_small_linear.restype = ctypes.c_int
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.specpair_llama_layer.argtypes = [p, p, p, ctypes.c_long, ctypes.c_long, i, i, i, ctypes.c_long,
+    lib.specpair_llama_layer.argtypes = [p, p, p, p, p, ctypes.c_long, ctypes.c_long, i, i, i, ctypes.c_long,
                                          f, p, p, p, p, ctypes.c_long] + [p] * 10 + [i]
     lib.specpair_llama_layer.restype = ctypes.c_int
     lib.specpair_max_tokens.restype = ctypes.c_int
@@ -170,9 +170,12 @@ def layer_scratch(tokens: int, dim: int, heads: int, kv_heads: int, head_dim: in
 def llama_layer(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, weights, eps: float,
                 heads: int, kv_heads: int, head_dim: int, attend: int | None = None,
-                scratch: torch.Tensor | None = None) -> torch.Tensor:
+                scratch: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                parents: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer through cpu_kernels.c (see specpair_llama_layer there); h [T, D] is
-    updated in place and returned. Tensors: contiguous; rows/positions int64 [T]; cos/sin [T, hd]."""
+    updated in place and returned. Tensors: contiguous; rows/positions int64 [T]; cos/sin [T, hd].
+    A token tree: `slots` (where each token's key/value is written; default its position) and
+    `parents` (int64 [T], the parent's index in this call or -1)."""
     wq, wk, wv, wo, wg, wu, wd, n1, n2 = weights
     T, D = h.shape
     F_ = wg.shape[0]
@@ -182,7 +185,8 @@ def llama_layer(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, co
         scratch = layer_scratch(T, D, heads, kv_heads, head_dim, F_, attend)
     ptr = lambda t: t.data_ptr()   # noqa: E731
     rc = _LIB.specpair_llama_layer(
-        ptr(h), ptr(rows), ptr(positions), T, D, heads, kv_heads, head_dim, F_, eps, ptr(cos),
+        ptr(h), ptr(rows), ptr(positions), None if slots is None else ptr(slots),
+        None if parents is None else ptr(parents), T, D, heads, kv_heads, head_dim, F_, eps, ptr(cos),
         ptr(sin), ptr(kc), ptr(vc), kc.shape[2], ptr(wq), ptr(wk), ptr(wv), ptr(wo), ptr(wg),
         ptr(wu), ptr(wd), ptr(n1), ptr(n2), ptr(scratch), torch.get_num_threads())
     if rc != 0:

@@ -19,7 +19,8 @@ from specpair.drafters import Drafter, EagleDrafter, MedusaDrafter, ModelDrafter
 from specpair.errors import SpecpairError, TokenizerMismatch
 from specpair.static_cache import (kv_model, resolve_compile, resolve_kv_kind, step_description,
                                    supports)
-from specpair.rejection_sampler import greedy_verify, process_logits, rejection_sample
+from specpair.rejection_sampler import (greedy_verify, process_logits, rejection_sample,
+                                        verify_tree)
 from specpair.stats import AcceptanceStats, AcceptanceWindow
 from specpair.tokenizer_identity import compare, fingerprint
 
@@ -436,9 +437,13 @@ class Batch:
 
         # Draft.
         t0 = time.perf_counter()
+        siblings = None
         if self.drafter is not None and any(ks):
+            if self.drafter.tree_capable:
+                self.drafter.tree_width = eng.config.tree_width
             proposal = self.drafter.propose(sequences, ks, sampling)
             drafts, num, q = proposal.tokens, proposal.num, proposal.probs
+            siblings = proposal.siblings
         else:
             drafts = torch.zeros(B, 0, dtype=torch.long, device=self.device)
             num = torch.zeros(B, dtype=torch.long, device=self.device)
@@ -449,11 +454,53 @@ class Batch:
         # Verify: each row feeds what the target has not cached plus its drafts.
         committed = [len(s.tokens) for s in self.rows]
         nums = num.tolist()
+        wants_features = self.drafter is not None and self.drafter.wants_features
+        cached_before = list(self.target.lengths)
+        if siblings is not None:
+            accepted_l, next_l, kept, fed_kept, features = self._verify_tree(
+                drafts, num, siblings, q, sampling, committed, wants_features)
+        else:
+            accepted_l, next_l, features = self._verify_chain(drafts, num, q, sampling,
+                                                              wants_features)
+            drafts_l = drafts.tolist()
+            kept = [drafts_l[i][:a] for i, a in enumerate(accepted_l)]
+            fed_kept = [list(range(committed[i] + a - cached_before[i]))
+                        for i, a in enumerate(accepted_l)]
+        _sync(self.device)
+        t2 = time.perf_counter()
+
+        outputs = []
+        for i, seq in enumerate(self.rows):
+            a = accepted_l[i]
+            self.target.rollback(i, committed[i] + a)
+            if self.drafter is not None:
+                self.drafter.accepted(i, committed[i], a)
+                if wants_features:   # features of the tokens now committed (the fed ones accepted)
+                    self.drafter.observe(i, cached_before[i], features[i, fed_kept[i]])
+            new = kept[i] + [next_l[i]]
+            seq.stats.record_round(nums[i], a)
+            seq.stats.num_target_steps += 1
+            seq.stats.draft_seconds += (t1 - t0) if nums[i] else 0.0
+            seq.stats.target_seconds += t2 - t1
+            seq.dynamic_k.update(nums[i], a)
+            if eng.controller.record(nums[i], a, emitted_target_only=len(new) if not nums[i] else 0):
+                seq.stats.fallback_events += 1
+            outputs.append(self._emit(seq, new))
+        self.target.trim()
+        if self.drafter is not None:
+            self.drafter.trim()
+        self._drop_finished()
+        return outputs
+
+    def _verify_chain(self, drafts, num, q, sampling, wants_features):
+        """One target pass over each row's uncached tokens and drafts; -> per row (accepted,
+        next token), and the features of every fed token when the drafter wants them."""
+        B = self.active
+        nums = num.tolist()
         feed = [s.tokens[self.target.lengths[i]:] + drafts[i, :nums[i]].tolist()
                 for i, s in enumerate(self.rows)]
         K = max(nums, default=0)
-        wants_features = self.drafter is not None and self.drafter.wants_features
-        cached_before = list(self.target.lengths)
+        features = None
         if wants_features:   # the head drafts from the target's features of what it verified
             logits, features = self.target.extend(feed, last=K + 1, hidden=True)
         else:
@@ -476,34 +523,59 @@ class Batch:
             s_acc, s_next = rejection_sample(p, q, drafts, num, sampling.generators)
             accepted = torch.where(greedy_rows, accepted, s_acc)
             next_token = torch.where(greedy_rows, next_token, s_next)
-        _sync(self.device)
-        t2 = time.perf_counter()
+        return accepted.tolist(), next_token.tolist(), features
 
-        accepted_l, next_l = accepted.tolist(), next_token.tolist()
-        drafts_l = drafts.tolist()
-        outputs = []
+    def _verify_tree(self, drafts, num, siblings, q, sampling, committed, wants_features):
+        """One target pass over a chain with alternatives per row (rejection_sampler.verify_tree):
+        the row's uncached tokens and chain are fed as usual, each depth's siblings after them as
+        branches. A kept sibling's keys and values are then moved to where the chain would have
+        put them. -> per row (accepted, next token, kept drafts, fed indices of the committed
+        tokens), and the features of every fed token when the drafter wants them."""
+        B, S = self.active, siblings.shape[2]
+        nums, sib_l, drafts_l = num.tolist(), siblings.tolist(), drafts.tolist()
+        feed, parents, pending = [], [], []
         for i, seq in enumerate(self.rows):
-            a = accepted_l[i]
-            self.target.rollback(i, committed[i] + a)
-            if self.drafter is not None:
-                self.drafter.accepted(i, committed[i], a)
-                if wants_features:   # features of the tokens now committed (the fed ones accepted)
-                    valid = committed[i] + a - cached_before[i]
-                    self.drafter.observe(i, cached_before[i], features[i, :valid])
-            new = drafts_l[i][:a] + [next_l[i]]
-            seq.stats.record_round(nums[i], a)
-            seq.stats.num_target_steps += 1
-            seq.stats.draft_seconds += (t1 - t0) if nums[i] else 0.0
-            seq.stats.target_seconds += t2 - t1
-            seq.dynamic_k.update(nums[i], a)
-            if eng.controller.record(nums[i], a, emitted_target_only=len(new) if not nums[i] else 0):
-                seq.stats.fallback_events += 1
-            outputs.append(self._emit(seq, new))
-        self.target.trim()
-        if self.drafter is not None:
-            self.drafter.trim()
-        self._drop_finished()
-        return outputs
+            m, n = len(seq.tokens) - self.target.lengths[i], nums[i]
+            tokens = seq.tokens[self.target.lengths[i]:] + drafts_l[i][:n]
+            parent = [-1] * len(tokens)
+            for j in range(n):          # depth j's siblings branch off the token before depth j
+                tokens += sib_l[i][j]
+                parent += [m - 1 + j] * S
+            feed.append(tokens), parents.append(parent), pending.append(m)
+        K = max(nums, default=0)
+        tail = [1 + n * (S + 1) for n in nums]      # the last uncached token, chain, siblings
+        last = max(tail)
+        out = self.target.extend(feed, last=last, hidden=wants_features, parents=parents)
+        logits, features = out if wants_features else (out, None)
+        chain_at = torch.zeros(B, K + 1, dtype=torch.long)
+        sibling_at = torch.zeros(B, max(K, 1), S, dtype=torch.long)
+        for i, n in enumerate(nums):
+            base = last - tail[i]
+            chain_at[i] = base + torch.arange(K + 1).clamp(max=n)
+            for j in range(n):
+                sibling_at[i, j] = base + 1 + n + j * S + torch.arange(S)
+        V = logits.shape[-1]
+        rows = torch.arange(B).view(B, 1)
+        chain_logits = logits[rows, chain_at.to(self.device)]                    # [B, K+1, V]
+        sibling_logits = logits[rows.view(B, 1, 1), sibling_at.to(self.device)]  # [B, K, S, V]
+        accepted, branches, nexts = verify_tree(
+            chain_logits, sibling_logits.view(B, -1, S, V)[:, :K], drafts[:, :K], siblings[:, :K],
+            num, sampling.temperature, sampling.top_k, sampling.top_p,
+            None if q is None else q[:, :K], sampling.generators)
+        kept, fed_kept, moves = [], [], []
+        for i, (a, b) in enumerate(zip(accepted, branches)):
+            m, n = pending[i], nums[i]
+            fed = list(range(m + a))
+            tokens = drafts_l[i][:a]
+            if b >= 0:                  # the path ends in sibling b of depth a-1
+                at = m + n + (a - 1) * S + b
+                tokens = tokens[:a - 1] + [sib_l[i][a - 1][b]]
+                fed[-1] = at
+                start = committed[i] - m
+                moves.append((i, start + at, committed[i] + a - 1))
+            kept.append(tokens), fed_kept.append(fed)
+        self.target.move(moves)
+        return accepted, nexts, kept, fed_kept, features
 
     def _emit(self, seq: Sequence, new: list[int]) -> StepOutput:
         """Append tokens, apply stop rules, and return the text that is now final.

@@ -55,6 +55,9 @@ class DistillConfig:
     medusa_heads: int = 4      # medusa: how many heads (the most tokens a round drafts)
     draft_vocab: int = 8192    # heads: their vocabulary, the corpus's most frequent tokens
                                # (0: the target's whole vocabulary)
+    replies: int = 0           # chat requests the target answers itself before training
+                               # (self_distill.py); their conversations join the corpus
+    reply_tokens: int = 160    # the longest reply generated
 
     def __post_init__(self):
         if self.steps <= 0 or self.batch_size <= 0 or self.seq_len < 8:
@@ -71,6 +74,8 @@ class DistillConfig:
             raise SpecpairError("medusa_heads must be >= 1")
         if self.draft_vocab < 0:
             raise SpecpairError("draft_vocab must be >= 0 (0: the whole vocabulary)")
+        if self.replies < 0 or self.reply_tokens <= 0:
+            raise SpecpairError("replies must be >= 0 and reply_tokens > 0")
 
 
 def corpus_texts(corpus: str, max_chars: int, seed: int) -> list[str]:
@@ -295,6 +300,15 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
     ids = []
     for doc in train_docs:
         ids.extend(tok(doc, add_special_tokens=False)["input_ids"] + [eos])
+    reply_seconds = 0.0
+    if config.replies:     # the target's own answers: what a drafter meets when serving
+        from specpair.self_distill import chat_replies, chat_requests
+
+        started = time.perf_counter()
+        requests = chat_requests(texts, tok, config.replies, config.seed)
+        for conversation in chat_replies(teacher, requests, out, config.reply_tokens, progress):
+            ids.extend(conversation)
+        reply_seconds = time.perf_counter() - started
     ids = torch.tensor(ids, dtype=torch.long)
     stream = TokenStream(ids, config.seq_len, config.seed)
     progress(f"corpus: {ids.numel()} tokens")
@@ -390,7 +404,8 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
                "loss_first10": round(sum(first) / len(first), 5) if first else None,
                "loss_last10": round(sum(last) / len(last), 5) if last else None,
                "acceptance_before": acceptance_before, "acceptance_after": acceptance_after,
-               "seconds": round(time.perf_counter() - started, 2), "device": str(device),
+               "seconds": round(time.perf_counter() - started, 2),
+               "reply_seconds": round(reply_seconds, 2), "device": str(device),
                "config": asdict(config)}
     (out / "distill_summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -30,6 +30,8 @@ class Proposal:
     tokens: torch.Tensor            # [B, K] long, row i valid up to num[i]
     num: torch.Tensor               # [B] long
     probs: torch.Tensor | None      # [B, K, V] draft distributions q, None when deterministic
+    siblings: torch.Tensor | None = None   # [B, K, S] alternatives to tokens[:, j] (a token tree,
+                                           # rejection_sampler.verify_tree); None: a chain
 
 
 @dataclass
@@ -53,6 +55,7 @@ class Drafter:
     name = "drafter"
     deterministic = True
     wants_features = False
+    tree_capable = False     # proposes alternatives per position (siblings) when tree_width > 1
 
     def for_batch(self) -> "Drafter":
         """The drafter a new batch uses: itself when it keeps no per-row state."""
@@ -204,6 +207,26 @@ def choose_draft_tokens(logits: torch.Tensor, j: int, ks: list[int], sampling: R
     return torch.where(greedy, logits.argmax(-1), sampled), q
 
 
+def choose_siblings(logits: torch.Tensor, chosen: torch.Tensor, q: torch.Tensor | None, j: int,
+                    ks: list[int], sampling: RowSampling, count: int) -> torch.Tensor:
+    """`count` alternatives [B, count] to position j's chosen tokens, for a token tree: a greedy
+    row's next most likely tokens; a sampled row's further independent draws from q (what keeps
+    the tree's sampler exact, rejection_sampler.verify_tree), with its own generator and only
+    while it drafts. Rows past their k get zeros (never verified)."""
+    B = logits.shape[0]
+    out = torch.zeros(B, count, dtype=torch.long, device=logits.device)
+    greedy = (sampling.temperature <= 0).tolist()
+    if any(greedy):
+        masked = logits.scatter(-1, chosen.view(B, 1), float("-inf"))
+        top = masked.topk(count, dim=-1).indices
+        rows = torch.tensor(greedy, device=logits.device).view(B, 1)
+        out = torch.where(rows, top, out)
+    for i, g in enumerate(sampling.generators):
+        if not greedy[i] and j < ks[i]:
+            out[i] = torch.multinomial(q[i], count, replacement=True, generator=g)
+    return out
+
+
 def stack_draft_probs(steps: list, K: int) -> torch.Tensor | None:
     """q of each drafted position [B, K, V]; positions a row never reached repeat the last one
     (the verifier reads only each row's first num[i]). None when all rows were greedy."""
@@ -235,6 +258,7 @@ class HeadDrafter(Drafter):
 
     deterministic = False
     wants_features = True
+    tree_capable = True
 
     def __init__(self, loaded, target_model, vocab_size: int):
         self.loaded, self.head = loaded, loaded.model
@@ -246,6 +270,7 @@ class HeadDrafter(Drafter):
         if int(self.draft_ids.max()) >= vocab_size:
             raise SpecpairError(f"head drafts token {int(self.draft_ids.max())}; the target has {vocab_size}")
         self.known: list[int] = []          # per row: positions with an observed feature
+        self.tree_width = 1                 # candidates per position (1: a chain; engine sets it)
 
     def add_rows(self, count: int) -> None:
         self.known += [0] * count
@@ -273,6 +298,28 @@ class HeadDrafter(Drafter):
 
     def _logits(self, vectors: torch.Tensor) -> torch.Tensor:
         return head_logits(self.head, vectors, self.vocab_size, self.draft_ids)
+
+    def _choose(self, logits, j, row_ks, sampling, chosen_steps, q_steps, sibling_steps):
+        """Position j's tokens (and, for a tree, their alternatives) from logits [B, V]."""
+        chosen, q = choose_draft_tokens(logits, j, row_ks, sampling)
+        chosen_steps.append(chosen)
+        q_steps.append(q)
+        if self.tree_width > 1:
+            sibling_steps.append(choose_siblings(logits, chosen, q, j, row_ks, sampling,
+                                                 self.tree_width - 1))
+        return chosen
+
+    def _proposal(self, chosen_steps, q_steps, sibling_steps, num, K) -> Proposal:
+        B = num.shape[0]
+        tokens = torch.zeros(B, K, dtype=torch.long, device=num.device)
+        if chosen_steps:
+            tokens[:, :len(chosen_steps)] = torch.stack(chosen_steps, dim=1)
+        siblings = None
+        if sibling_steps:
+            siblings = torch.zeros(B, K, self.tree_width - 1, dtype=torch.long, device=num.device)
+            siblings[:, :len(sibling_steps)] = torch.stack(sibling_steps, dim=1)
+        return Proposal(tokens=tokens, num=num, probs=stack_draft_probs(q_steps, K),
+                        siblings=siblings)
 
     def describe(self) -> dict:
         return {"kind": self.name, "draft_vocab_size": int(len(self.draft_ids)),
@@ -321,12 +368,10 @@ class MedusaDrafter(HeadDrafter):
                                 for f in self.last]).to(self.head.lm_head.weight.dtype)
         vectors = self.head(features, K)                                       # [B, K, D]
         logits = self._logits(vectors)
-        probs_steps = []
+        chosen, qs, sibs = [], [], []
         for j in range(K):
-            chosen, q = choose_draft_tokens(logits[:, j], j, row_ks, sampling)
-            tokens[:, j] = chosen
-            probs_steps.append(q)
-        return Proposal(tokens=tokens, num=num, probs=stack_draft_probs(probs_steps, K))
+            self._choose(logits[:, j], j, row_ks, sampling, chosen, qs, sibs)
+        return self._proposal(chosen, qs, sibs, num, K)
 
     @torch.no_grad()
     def step_seconds(self, context: int, repeats: int = 5) -> float:
@@ -418,11 +463,9 @@ class EagleDrafter(HeadDrafter):
         last = torch.tensor([max(int(f.shape[0]) - 1, 0) for f in feeds], device=device)
         g = self.head.model.norm(out[torch.arange(B, device=device), last])      # [B, D]
         row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
-        probs_steps = []
+        chosen_steps, qs, sibs = [], [], []
         for j in range(K):
-            chosen, q = choose_draft_tokens(self._logits(g), j, row_ks, sampling)
-            tokens[:, j] = chosen
-            probs_steps.append(q)
+            chosen = self._choose(self._logits(g), j, row_ks, sampling, chosen_steps, qs, sibs)
             if j + 1 == K or not any(j + 1 < k for k in row_ks):
                 break
             step = []
@@ -432,7 +475,7 @@ class EagleDrafter(HeadDrafter):
                 else:
                     step.append(g.new_zeros(0, g.shape[1]))
             g = self.head.model.norm(self.kv.extend_vectors(step)[:, 0])
-        return Proposal(tokens=tokens, num=num, probs=stack_draft_probs(probs_steps, K))
+        return self._proposal(chosen_steps, qs, sibs, num, K)
 
     def accepted(self, row: int, committed_before: int, num_accepted: int) -> None:
         # Drop the pairs built on predicted features; the target's own replace them (observe).

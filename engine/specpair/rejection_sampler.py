@@ -122,3 +122,81 @@ def sample_next(probs: torch.Tensor, generators: list[torch.Generator | None]) -
     """Draw one token per row from probs [B, V] with each row's generator."""
     return torch.stack([torch.multinomial(probs[i], 1, generator=generators[i]).squeeze(0)
                         for i in range(probs.shape[0])])
+
+
+# -- token trees ----------------------------------------------------------------------------------
+#
+# The tree a drafter proposes here is a chain with alternatives: at each depth j, the chain's
+# token x_j and C-1 siblings, which are leaves (their parent is the chain's token j-1). The
+# target scores every node in one pass. A row keeps the chain while it matches; at the first
+# depth where the chain's token fails, one sibling may still be taken, and the target's token
+# at that sibling ends the round. Drafting a sibling costs nothing (it is read off the same
+# draft distribution), verifying it one more token in the target's pass.
+#
+# Greedy: the candidates at depth j are the draft's top C tokens; the target's argmax at the
+# parent is taken if it is among them. Output equals target-only, as for chains.
+#
+# Sampling stays exact by SpecInfer's multi-candidate rule (Miao et al. 2024): the C candidates
+# at depth j are drawn independently from the same q_j; they are tried in turn, candidate m
+# accepted with probability min(1, r_m(x_m) / q_j(x_m)) where r_1 = p_j and, after each
+# rejection, r_{m+1} = normalise(max(r_m - q_j, 0)). If all are rejected the token is drawn from
+# the last residual. Each step emits min(q, r_m) and passes on exactly r_m's unmatched mass, so
+# by induction the token at depth j is distributed as p_j (the chain's proof, applied C times).
+# After an accepted sibling the next token is drawn from p at that sibling, the target's own
+# distribution given the accepted path.
+
+
+def verify_tree(chain_logits: torch.Tensor, sibling_logits: torch.Tensor, drafts: torch.Tensor,
+                siblings: torch.Tensor, num_draft: torch.Tensor, temperature: torch.Tensor,
+                top_k: torch.Tensor, top_p: torch.Tensor, q: torch.Tensor | None,
+                generators: list) -> tuple[list[int], list[int], list[int]]:
+    """Verify a chain with alternatives (see above), row by row.
+
+    chain_logits: [B, K+1, V] the target's logits at the parent of each depth and after the last
+    draft; sibling_logits: [B, K, S, V] its logits at each sibling; drafts: [B, K]; siblings:
+    [B, K, S]; num_draft: [B] depths row i drafted; q: [B, K, V] (None when every row is greedy).
+    Returns per row (accepted, branch, next_token): `accepted` drafted tokens are kept, the last
+    of them sibling `branch` of its depth (-1: all from the chain), then next_token.
+    """
+    B, K = drafts.shape
+    accepted, branches, nexts = [], [], []
+    greedy_rows = (temperature <= 0).tolist()
+    choice = chain_logits.argmax(-1).tolist()                                     # [B, K+1]
+    drafts_l, sib_l, num_l = drafts.tolist(), siblings.tolist(), num_draft.tolist()
+    for i in range(B):
+        n = num_l[i]
+        if greedy_rows[i]:
+            a, branch = 0, -1
+            while a < n and drafts_l[i][a] == choice[i][a]:
+                a += 1
+            nxt = choice[i][a]
+            if a < n and nxt in sib_l[i][a]:
+                branch = sib_l[i][a].index(nxt)
+                nxt = int(sibling_logits[i, a, branch].argmax())
+                a += 1
+            accepted.append(a), branches.append(branch), nexts.append(nxt)
+            continue
+        row = lambda logits: process_logits(logits.view(1, 1, -1), temperature[i:i + 1],  # noqa: E731
+                                            top_k[i:i + 1], top_p[i:i + 1])[0, 0]
+        g = generators[i]
+        a, branch, nxt = 0, -1, None
+        while a < n and nxt is None:
+            r, qj = row(chain_logits[i, a]), q[i, a].float()
+            for m, x in enumerate([drafts_l[i][a]] + sib_l[i][a]):
+                u = float(torch.rand(1, generator=g, device=qj.device))
+                if u * float(qj[x]) < float(r[x]):
+                    if m:      # a sibling: the path ends there, the target's token follows
+                        branch = m - 1
+                        nxt = int(sample_next(row(sibling_logits[i, a, branch]).unsqueeze(0), [g]))
+                    break
+                residual = (r - qj).clamp_min(0.0)
+                mass = float(residual.sum())
+                r = residual / mass if mass > 0 else r     # r == q exactly: nothing is left over
+            else:
+                nxt = int(sample_next(r.unsqueeze(0), [g]))   # every candidate rejected
+                break
+            a += 1
+        if nxt is None:                                          # the whole chain kept
+            nxt = int(sample_next(row(chain_logits[i, n]).unsqueeze(0), [g]))
+        accepted.append(a), branches.append(branch), nexts.append(nxt)
+    return accepted, branches, nexts

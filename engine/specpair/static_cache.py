@@ -155,11 +155,16 @@ class StaticLlama:
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
 
     @torch.no_grad()
-    def run_layers(self, h, positions, caches, attend: int, compiled: bool) -> torch.Tensor:
+    def run_layers(self, h, positions, caches, attend: int, compiled: bool,
+                   tree: "TreeLayout | None" = None) -> torch.Tensor:
         """The decoder layers over input vectors h [B, W, D] at `positions` [B, W], writing their
-        keys and values into `caches`; -> the last layer's output [B, W, D] (before the norm)."""
+        keys and values into `caches`; -> the last layer's output [B, W, D] (before the norm).
+        A token tree (`tree`) gives each token its own position apart from the slot it is
+        written to, and its ancestors as the keys past its prefix."""
         body = self.model.model
         B, W = positions.shape
+        slots = positions if tree is None else tree.slots
+        positions = positions if tree is None else tree.positions
         cos, sin = body.rotary_emb(h, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                          # [B, 1, W, D]
         rows = torch.arange(B, device=self.device).view(B, 1).expand(B, W)
@@ -169,35 +174,92 @@ class StaticLlama:
             flat = h.reshape(B * W, -1).contiguous()
             cos_t, sin_t = (c.reshape(B * W, -1).contiguous() for c in (cos, sin))
             rows_t, pos_t = rows.reshape(-1).contiguous(), positions.reshape(-1).contiguous()
-            reach = int(pos_t.max()) + 1
+            slots_t = parents_t = None
+            if tree is not None:
+                slots_t = slots.reshape(-1).contiguous()
+                parents_t = tree.flat_parents().to(self.device)
+            reach = int(slots.max()) + 1
             scratch = cpu_kernels.layer_scratch(
                 B * W, flat.shape[1], self.heads, self.kv_heads, self.head_dim,
                 body.layers[0].mlp.gate_proj.weight.shape[0], reach)
             for layer, (kc, vc) in zip(body.layers, caches):
                 cpu_kernels.llama_layer(flat, rows_t, pos_t, cos_t, sin_t, kc, vc,
                                         self.layer_weights(layer), self.eps, self.heads,
-                                        self.kv_heads, self.head_dim, reach, scratch)
+                                        self.kv_heads, self.head_dim, reach, scratch,
+                                        slots=slots_t, parents=parents_t)
             return flat.view(B, W, -1)
         keys = torch.arange(attend, device=self.device).view(1, 1, 1, attend)
-        mask = keys <= positions.view(B, 1, W, 1)                             # causal, by position
+        if tree is None:
+            mask = keys <= positions.view(B, 1, W, 1)                         # causal, by position
+        else:
+            mask = tree.mask(attend).to(self.device)
         step = _compiled_step() if compiled else _layer_step
         for layer, (kc, vc) in zip(body.layers, caches):
-            h = step(h, cos, sin, mask, rows, positions, kc, vc, *self.layer_weights(layer),
+            h = step(h, cos, sin, mask, rows, slots, kc, vc, *self.layer_weights(layer),
                      eps=self.eps, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
         return h
 
     @torch.no_grad()
     def forward(self, ids, positions, gather, caches, attend: int, compiled: bool,
-                hidden: bool = False):
+                hidden: bool = False, tree: "TreeLayout | None" = None):
         """ids/positions [B, W]; gather [B, G] slots whose logits to return; -> [B, G, V], and with
         `hidden` also the normed last hidden state of every slot [B, W, D] (what a head drafts
         from; the LM head reads exactly these vectors)."""
         body = self.model.model
         B = ids.shape[0]
-        h = body.norm(self.run_layers(body.embed_tokens(ids), positions, caches, attend, compiled))
+        h = body.norm(self.run_layers(body.embed_tokens(ids), positions, caches, attend, compiled,
+                                      tree))
         picked = h.gather(1, gather.unsqueeze(-1).expand(B, gather.shape[1], h.shape[-1]))
         logits = cpu_kernels.linear(picked, self.model.lm_head.weight)
         return (logits, h) if hidden else logits
+
+
+class TreeLayout:
+    """Where a step's tokens sit when some form a token tree (rejection_sampler.verify_tree).
+
+    Tokens are written to consecutive slots past each row's length, in the order fed, as in a
+    chain; a token whose parent is -1 continues the row contiguously (its position is its slot),
+    any other takes its parent's position + 1 and attends to its prefix and its ancestors only.
+    So a chain fed first keeps position == slot, and only the tokens after it branch.
+    """
+
+    def __init__(self, slots: torch.Tensor, parents: list[list[int]]):
+        B, W = slots.shape
+        self.slots = slots                                                   # [B, W]
+        self.parents = torch.full((B, W), -1, dtype=torch.long)
+        positions = slots.clone().cpu()
+        for i, row in enumerate(parents):
+            for w, parent in enumerate(row):
+                if parent >= 0:
+                    if parent >= w:
+                        raise SpecpairError(f"tree row {i}: token {w}'s parent {parent} is not "
+                                            "before it")
+                    self.parents[i, w] = parent
+                    positions[i, w] = positions[i, parent] + 1
+        self.positions = positions.to(slots.device)
+
+    def flat_parents(self) -> torch.Tensor:
+        """Parents as indices into the step's flattened [B*W] tokens (the C layer's form)."""
+        B, W = self.parents.shape
+        base = torch.arange(B, dtype=torch.long).view(B, 1) * W
+        return torch.where(self.parents >= 0, self.parents + base, self.parents).reshape(-1).contiguous()
+
+    def mask(self, attend: int) -> torch.Tensor:
+        """[B, 1, W, attend] which cache slots each token attends to: its contiguous prefix, its
+        ancestors in this step and itself."""
+        B, W = self.parents.shape
+        slots, positions = self.slots.cpu(), self.positions.cpu()
+        mask = torch.zeros(B, 1, W, attend, dtype=torch.bool)
+        for i in range(B):
+            for w in range(W):
+                a = w
+                while True:
+                    mask[i, 0, w, int(slots[i, a])] = True
+                    if self.parents[i, a] < 0:
+                        break
+                    a = int(self.parents[i, a])
+                mask[i, 0, w, :int(positions[i, a])] = True
+        return mask
 
 
 class StaticKVModel:
@@ -273,10 +335,13 @@ class StaticKVModel:
         return positions.to(self.device), attend
 
     @torch.no_grad()
-    def extend(self, rows: list[list[int]], last: int | list[int] = 1, hidden: bool = False):
+    def extend(self, rows: list[list[int]], last: int | list[int] = 1, hidden: bool = False,
+               parents: list[list[int]] | None = None):
         """Feed each row its new tokens; return the logits of each row's last `last` tokens,
         [B, L, V] right-aligned (as BatchedKVModel.extend). With `hidden`, also the normed last
-        hidden state of every fed token, [B, W, D] left-aligned (row i's first len(rows[i]))."""
+        hidden state of every fed token, [B, W, D] left-aligned (row i's first len(rows[i])).
+        `parents` makes the tokens a tree (TreeLayout): per row, each token's parent index among
+        the row's fed tokens, or -1; after verification `move` puts the kept branch in place."""
         B = len(rows)
         width = max((len(r) for r in rows), default=0)
         n_last = max(last) if isinstance(last, list) else last
@@ -288,9 +353,10 @@ class StaticKVModel:
                 ids[i, :n] = torch.tensor(toks, dtype=torch.long)
             gather[i] = (torch.arange(n_last) + (n - n_last)).clamp(min=0)
         positions, attend = self._advance([len(r) for r in rows])
+        tree = TreeLayout(positions, parents) if parents is not None else None
         ids, gather = ids.to(self.device), gather.to(self.device)
         out = self.runner.forward(ids, positions, gather, self.caches, attend, self.compiled,
-                                  hidden=hidden)
+                                  hidden=hidden, tree=tree)
         logits, states = out if hidden else (out, None)
         if self.vocab_size is not None and logits.shape[-1] > self.vocab_size:
             logits = logits[..., : self.vocab_size]   # padded embedding rows are never real tokens
@@ -310,6 +376,16 @@ class StaticKVModel:
                 h[i, :vectors.shape[0]] = vectors
         positions, attend = self._advance([int(v.shape[0]) for v in rows])
         return r.run_layers(h, positions, self.caches, attend, self.compiled)
+
+    def move(self, moves: list[tuple[int, int, int]]) -> None:
+        """Copy keys and values (row, from slot, to slot) in every layer: a tree's kept branch
+        goes where a chain would have written it, so later steps see plain positions."""
+        if not moves:
+            return
+        rows, src, dst = (torch.tensor(c, dtype=torch.long, device=self.device) for c in zip(*moves))
+        for kc, vc in self.caches:
+            kc[rows, :, dst] = kc[rows, :, src]
+            vc[rows, :, dst] = vc[rows, :, src]
 
     def rollback(self, row: int, keep: int) -> None:
         """Forget row's tokens beyond its first `keep`: the length moves back, nothing else."""

@@ -82,6 +82,9 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     spec = serve.add_argument_group("speculation")
     spec.add_argument("--k", type=int, default=4, help="draft tokens per round (start value when dynamic)")
     spec.add_argument("--no-dynamic-k", action="store_true", help="keep k fixed")
+    spec.add_argument("--tree-width", type=int, default=1,
+                      help="drafting heads: candidates per draft position, verified as a token "
+                           "tree in one pass (1: a chain)")
     spec.add_argument("--fallback-threshold", type=float, default=0.5,
                       help="windowed acceptance below this switches to target-only decoding")
     spec.add_argument("--batch-size-threshold", type=int, default=None,
@@ -153,7 +156,7 @@ def build_engine(args, progress=print):
                                     k_max=max(8, args.k),
                                     fallback_threshold=args.fallback_threshold,
                                     batch_size_threshold=threshold,
-                                    enabled=not args.no_spec)
+                                    enabled=not args.no_spec, tree_width=args.tree_width)
     progress(f"speculation k={args.k}{' (dynamic)' if not args.no_dynamic_k else ''}, "
              f"off above {threshold} concurrent requests")
     progress(f"loading target {args.target}")
