@@ -113,9 +113,14 @@ def chat_requests(texts: list[str], tokenizer, count: int, seed: int) -> list[di
                             "requests from (use --corpus stdlib or a folder of Python sources)")
     if not words:
         raise SpecpairError("the tokenizer's vocabulary has no whole English words to ask about")
+    # Whole counts per kind summing to `count`: floors, then the largest remainders.
+    quota = {kind: int(count * share) for kind, share in KIND_SHARES.items()}
+    by_remainder = sorted(KIND_SHARES, key=lambda k: count * KIND_SHARES[k] - quota[k], reverse=True)
+    for kind in by_remainder[:count - sum(quota.values())]:
+        quota[kind] += 1
     requests = []
-    for kind, share in KIND_SHARES.items():
-        for _ in range(round(count * share)):
+    for kind in KIND_SHARES:
+        for _ in range(quota[kind]):
             if kind == "code":
                 ask = rng.choice(CODE_ASKS).format(**rng.choice(functions))
             elif kind in PROSE_ASKS:
@@ -124,7 +129,7 @@ def chat_requests(texts: list[str], tokenizer, count: int, seed: int) -> list[di
                 ask = rng.choice(TOPIC_ASKS[kind]).format(w=rng.choice(words))
             requests.append({"kind": kind, "prompt": ask})
     rng.shuffle(requests)
-    return requests[:count]
+    return requests
 
 
 def chat_replies(teacher, requests: list[dict], out: Path, max_new_tokens: int,
