@@ -195,3 +195,31 @@ def test_tree_width_is_bounded():
         SpeculationConfig(tree_width=0)
     with pytest.raises(SpecpairError, match="tree_width"):
         SpeculationConfig(tree_width=5)
+
+
+def test_a_tree_width_for_a_chain_drafter_is_said_not_silently_dropped(tiny_target, tiny_draft):
+    engine = SpeculativeEngine(tiny_target, draft=tiny_draft,
+                               speculation=SpeculationConfig(tree_width=2))
+    assert any("tree_width 2 applies to drafting heads" in w for w in engine.warnings)
+
+
+def test_a_release_asks_the_gate_and_the_server_for_a_tree(tmp_path):
+    """speculation.treeWidth reaches the gate's engine and the served engine's flags."""
+    import argparse
+    import json
+
+    from specpair.gate import _speculation
+    from specpair.server.cli import add_engine_parser, apply_release
+
+    assert _speculation({"speculation": {"k": 3, "treeWidth": 3}}).tree_width == 3
+    assert _speculation({"speculation": {"k": 3}}).tree_width == 1
+    parser = argparse.ArgumentParser()
+    add_engine_parser(parser.add_subparsers())
+    for speculation, width in (({"k": 3, "treeWidth": 2}, 2), ({"k": 3}, 1)):
+        release = tmp_path / "release.json"
+        release.write_text(json.dumps({"pair": "p", "target": {"source": "default"},
+                                       "draft": {"source": "/models/head"},
+                                       "speculation": speculation}))
+        args = parser.parse_args(["engine", "serve", "--release", str(release)])
+        apply_release(args)
+        assert args.tree_width == width

@@ -104,6 +104,8 @@ def test_target_only_and_bad_settings():
         speculative_config({"kind": "ngram", "max_ngram": 1, "min_ngram": 2})
     with pytest.raises(SpecpairError, match="'source'"):
         speculative_config({"draft": {}})
+    with pytest.raises(SpecpairError, match="treeWidth"):    # token trees: our engine's only
+        speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"treeWidth": 2}})
 
 
 # -- /metrics ---------------------------------------------------------------------------------

@@ -84,7 +84,8 @@ def _timed(fn, device) -> tuple[float, object]:
 @torch.no_grad()
 def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: list[int],
                        repeats: int = 5) -> dict:
-    """Median seconds: T1 (target, 1 token), Tv[k] (target, k+1 tokens), Td (one draft step)."""
+    """Median seconds: T1 (target, 1 token), Tv[k] (target, k+1 tokens; 1 + k*width when a
+    head drafts a tree of `width` candidates per position), Td (one draft step)."""
     device = engine.target.device
 
     def median_extend(model, n_tokens: int) -> float:
@@ -100,9 +101,10 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
             kv.trim()
         return statistics.median(times[1:])
 
-    costs = {"target_step": median_extend(engine.target.model, 1),
-             "verify": {k: median_extend(engine.target.model, k + 1) for k in ks}}
     drafter = engine.drafter
+    width = engine.config.tree_width if drafter is not None and drafter.tree_capable else 1
+    costs = {"target_step": median_extend(engine.target.model, 1), "tree_width": width,
+             "verify": {k: median_extend(engine.target.model, 1 + k * width) for k in ks}}
     # n-gram: one lookup per round; models and heads: one step per draft token
     costs["draft_per_token"] = isinstance(drafter, (ModelDrafter, EagleDrafter))
     if isinstance(drafter, ModelDrafter):
@@ -300,7 +302,7 @@ class BenchReport:
         overall = self.summarise(self.prompts)
         t1 = self.costs["target_step"]
         out = {"pair": self.pair, "device": self.device, "k": self.k, "runs": self.runs,
-               "step": self.step,
+               "tree_width": self.costs.get("tree_width", 1), "step": self.step,
                "costs_seconds": {"target_step": round(t1, 6),
                                  "draft_step": round(self.costs["draft_step"], 6),
                                  "verify": {str(k): round(v, 6) for k, v in self.costs["verify"].items()}},
@@ -494,6 +496,10 @@ def format_table(report: dict) -> str:
         lines.append(f"{name:<15}" + "".join(cells))
     costs = report["costs_seconds"]
     verify = ", ".join(f"k={k}: {v * 1e3:.1f}" for k, v in costs["verify"].items())
+    width = report.get("tree_width", 1)
+    if width > 1:
+        lines.append(f"\ntoken tree: {width} candidates per draft position, 1 + k*{width} tokens "
+                     "a verification (the verify costs below)")
     lines.append(f"\ndevice {report['device']}; step {json.dumps(report.get('step'))}; target step "
                  f"{costs['target_step'] * 1e3:.1f} ms; draft step {costs['draft_step'] * 1e3:.2f} ms; "
                  f"verify (ms) {verify}")

@@ -259,6 +259,9 @@ class SpeculativeEngine:
                                        compile=self.compile_mode)
         self.drafter = drafter
         self.draft = draft
+        if self.config.tree_width > 1 and drafter is not None and not drafter.tree_capable:
+            self.warnings.append(f"tree_width {self.config.tree_width} applies to drafting heads "
+                                 f"(EAGLE, Medusa); the {drafter.name} drafter verifies chains")
         eos = target.model.generation_config.eos_token_id if getattr(
             target.model, "generation_config", None) is not None else None
         ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -82,6 +82,10 @@ def speculative_config(release_or_settings: dict | None, *, k: int | None = None
         spec = settings.get("speculation") or {}
         if spec.get("enabled") is False:
             return None
+        if int(spec.get("treeWidth", 1)) > 1:
+            raise SpecpairError("speculation.treeWidth is the specpair engine's token tree for "
+                                "drafting heads; the vLLM backend verifies chains (leave treeWidth "
+                                "out, or serve with engine: specpair)")
         draft = settings.get("draft") or {}
         if k is None and spec.get("k") is not None:
             k = int(spec["k"])

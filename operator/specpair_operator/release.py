@@ -166,7 +166,8 @@ def describe_release(release: dict[str, Any], digest: str) -> str:
             f"- target: {ref(release['target'])}",
             f"- draft: {ref(release['draft'])}",
             f"- speculation: k={spec['k']}, dynamic k={spec['dynamicK']}, "
-            f"fallback below {spec['fallbackThreshold']}, off at batch >= {spec['batchSizeThreshold']}",
+            f"fallback below {spec['fallbackThreshold']}, off at batch >= {spec['batchSizeThreshold']}"
+            + (f", token tree of {spec['treeWidth']} candidates a position" if spec.get("treeWidth", 1) > 1 else ""),
             f"- golden prompts: {prompts}, {gating['maxNewTokens']} new tokens each",
             f"- thresholds: greedy identity {'required' if th['requireGreedyIdentity'] else 'not required'}, "
             f"acceptance >= {th['minAcceptance']}, per category: {cats}, speedup >= {th['minSpeedup']}",

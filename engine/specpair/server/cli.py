@@ -264,6 +264,7 @@ def apply_release(args) -> str:
     args.fallback_threshold = float(spec.get("fallbackThreshold", args.fallback_threshold))
     if spec.get("batchSizeThreshold") is not None:
         args.batch_size_threshold = int(spec["batchSizeThreshold"])
+    args.tree_width = int(spec.get("treeWidth", args.tree_width))
     args.pair = str(release.get("pair") or args.pair)
     args.version = str((release.get("mlflow") or {}).get("version") or args.version)
     return content_hash(release)
