@@ -109,8 +109,9 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
     costs["draft_per_token"] = isinstance(drafter, (ModelDrafter, EagleDrafter))
     if isinstance(drafter, ModelDrafter):
         costs["draft_step"] = median_extend(drafter.loaded.model, 1)
-    elif hasattr(drafter, "step_seconds"):     # heads: their own step (per token or per round)
-        costs["draft_step"] = drafter.step_seconds(len(prompt_ids), repeats)
+    elif hasattr(drafter, "timing_step"):     # heads: their own step (per token or per round)
+        step = drafter.timing_step(len(prompt_ids))
+        costs["draft_step"] = statistics.median([_timed(step, device)[0] for _ in range(repeats + 1)][1:])
     elif drafter is not None:
         seq = list(prompt_ids) * 2
         times = [_timed(lambda: drafter.lookup(seq, max(ks)) if hasattr(drafter, "lookup") else None,

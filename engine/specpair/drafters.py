@@ -299,14 +299,26 @@ class HeadDrafter(Drafter):
     def _logits(self, vectors: torch.Tensor) -> torch.Tensor:
         return head_logits(self.head, vectors, self.vocab_size, self.draft_ids)
 
-    def _choose(self, logits, j, row_ks, sampling, chosen_steps, q_steps, sibling_steps):
-        """Position j's tokens (and, for a tree, their alternatives) from logits [B, V]."""
-        chosen, q = choose_draft_tokens(logits, j, row_ks, sampling)
+    def _choose(self, vectors, j, row_ks, sampling, chosen_steps, q_steps, sibling_steps):
+        """Position j's tokens (and, for a tree, their alternatives) from the head's vectors
+        [B, D]. All rows greedy: the top of the draft vocabulary's logits, mapped to the target's
+        ids (no distribution over the whole vocabulary is needed: greedy verification reads no q)."""
+        if sampling.all_greedy:
+            from specpair import cpu_kernels
+
+            small = cpu_kernels.linear(vectors.unsqueeze(1), self.head.lm_head.weight)[:, 0]
+            top = self.draft_ids[small.topk(self.tree_width, dim=-1).indices]       # [B, C]
+            chosen, q = top[:, 0], None
+            if self.tree_width > 1:
+                sibling_steps.append(top[:, 1:])
+        else:
+            logits = self._logits(vectors)
+            chosen, q = choose_draft_tokens(logits, j, row_ks, sampling)
+            if self.tree_width > 1:
+                sibling_steps.append(choose_siblings(logits, chosen, q, j, row_ks, sampling,
+                                                     self.tree_width - 1))
         chosen_steps.append(chosen)
         q_steps.append(q)
-        if self.tree_width > 1:
-            sibling_steps.append(choose_siblings(logits, chosen, q, j, row_ks, sampling,
-                                                 self.tree_width - 1))
         return chosen
 
     def _proposal(self, chosen_steps, q_steps, sibling_steps, num, K) -> Proposal:
@@ -367,26 +379,15 @@ class MedusaDrafter(HeadDrafter):
         features = torch.stack([f if f is not None else torch.zeros(dim, device=device)
                                 for f in self.last]).to(self.head.lm_head.weight.dtype)
         vectors = self.head(features, K)                                       # [B, K, D]
-        logits = self._logits(vectors)
         chosen, qs, sibs = [], [], []
         for j in range(K):
-            self._choose(logits[:, j], j, row_ks, sampling, chosen, qs, sibs)
+            self._choose(vectors[:, j], j, row_ks, sampling, chosen, qs, sibs)
         return self._proposal(chosen, qs, sibs, num, K)
 
-    @torch.no_grad()
-    def step_seconds(self, context: int, repeats: int = 5) -> float:
-        """Median seconds of one round's heads (all of them; the bench charges it per round)."""
-        import statistics
-        import time
-
-        dim = self.head.config.hidden_size
-        feature = torch.zeros(1, dim, device=self.draft_ids.device)
-        times = []
-        for _ in range(repeats + 1):
-            started = time.perf_counter()
-            self._logits(self.head(feature)).argmax(-1).tolist()
-            times.append(time.perf_counter() - started)
-        return statistics.median(times[1:])
+    def timing_step(self, context: int):
+        """One round's heads (all of them; the bench times it and charges it per round)."""
+        feature = torch.zeros(1, self.head.config.hidden_size, device=self.draft_ids.device)
+        return torch.no_grad()(lambda: self._logits(self.head(feature)).argmax(-1).tolist())
 
     def describe(self) -> dict:
         return {"kind": self.name, "heads": self.head.num_heads,
@@ -465,15 +466,16 @@ class EagleDrafter(HeadDrafter):
         row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
         chosen_steps, qs, sibs = [], [], []
         for j in range(K):
-            chosen = self._choose(self._logits(g), j, row_ks, sampling, chosen_steps, qs, sibs)
+            chosen = self._choose(g, j, row_ks, sampling, chosen_steps, qs, sibs)
             if j + 1 == K or not any(j + 1 < k for k in row_ks):
                 break
-            step = []
-            for i in range(B):
-                if j + 1 < row_ks[i]:
-                    step.append(self.head.inputs(self.embed(chosen[i:i + 1]).to(g.dtype), g[i:i + 1]))
-                else:
-                    step.append(g.new_zeros(0, g.shape[1]))
+            # The rows still drafting feed (embedding of their token, their predicted feature).
+            going = [i for i in range(B) if j + 1 < row_ks[i]]
+            index = torch.tensor(going, device=device)
+            pairs = self.head.inputs(self.embed(chosen[index]).to(g.dtype), g[index])
+            step = [g.new_zeros(0, g.shape[1])] * B
+            for n, i in enumerate(going):
+                step[i] = pairs[n:n + 1]
             g = self.head.model.norm(self.kv.extend_vectors(step)[:, 0])
         return self._proposal(chosen_steps, qs, sibs, num, K)
 
@@ -481,25 +483,19 @@ class EagleDrafter(HeadDrafter):
         # Drop the pairs built on predicted features; the target's own replace them (observe).
         self.kv.rollback(row, self.known[row])
 
-    @torch.no_grad()
-    def step_seconds(self, context: int, repeats: int = 5) -> float:
-        """Median seconds of one draft step (a head layer step and the draft-vocabulary logits)
-        after `context` pairs: what the cost model charges per draft token."""
-        import statistics
-        import time
-
+    def timing_step(self, context: int):
+        """One draft step (a head layer step and the draft-vocabulary logits) after `context`
+        pairs, undone after each call: what the bench times and charges per draft token."""
         from specpair.static_cache import StaticKVModel
 
         dim = self.head.config.hidden_size
         kv = StaticKVModel(self.head, compile=self.compile)
         kv.add_rows(1)
         kv.extend_vectors([torch.zeros(context, dim, device=kv.device)])
-        times = []
-        for _ in range(repeats + 1):
-            started = time.perf_counter()
+
+        @torch.no_grad()
+        def step():
             g = self.head.model.norm(kv.extend_vectors([torch.zeros(1, dim, device=kv.device)])[:, 0])
             self._logits(g).argmax(-1).tolist()
-            times.append(time.perf_counter() - started)
             kv.rollback(0, context)
-        return statistics.median(times[1:])
-
+        return step
