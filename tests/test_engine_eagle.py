@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import sample_and_compare
+from tiny_models import exact_joint, sample_and_compare
 
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
@@ -17,7 +17,6 @@ from specpair.errors import SpecpairError
 from specpair.heads import (build_eagle_head, build_medusa_heads, draft_vocabulary, is_head_dir,
                             save_head)
 from specpair.models import load_model, wrap_model
-from specpair.rejection_sampler import process_logits
 from specpair.static_cache import StaticKVModel
 from specpair.tokenizer_identity import fingerprint
 
@@ -173,21 +172,7 @@ def test_head_sampling_follows_the_target_distribution(one_layer_target, smooth_
                                                              batch_size_threshold=100_000))
     prompt = engine.encode("def foo(x):")
     top_k, temperature, n = 3, 1.5, 4000
-
-    def dist(ids):
-        with torch.no_grad():
-            logits = tiny_target.model(torch.tensor([ids])).logits[:, -1:]
-        return process_logits(logits, torch.tensor([temperature]), torch.tensor([top_k]),
-                              torch.tensor([1.0]))[0, 0]
-
-    joint = {}
-    p1 = dist(prompt)
-    for a in p1.nonzero().squeeze(1).tolist():
-        p2 = dist(prompt + [a])
-        for b in p2.nonzero().squeeze(1).tolist():
-            p3 = dist(prompt + [a, b])
-            for c in p3.nonzero().squeeze(1).tolist():
-                joint[(a, b, c)] = p1[a].item() * p2[b].item() * p3[c].item()
+    joint = exact_joint(tiny_target.model, prompt, temperature=temperature, top_k=top_k)
     seqs = sample_and_compare(engine, prompt, joint, temperature=temperature, top_k=top_k,
                               max_new_tokens=4, n=n)
     assert sum(s.stats.num_accepted_tokens for s in seqs) > 0

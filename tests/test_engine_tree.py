@@ -9,13 +9,13 @@ import pytest
 import torch
 from test_engine_eagle import (PARAMS, PROMPTS, _medusa, _mirror_head, one_layer_target,  # noqa: F401
                                reference, smooth_target)
-from tiny_models import sample_and_compare
+from tiny_models import exact_joint, sample_and_compare
 
 from specpair import cpu_kernels
 from specpair.config import SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.errors import SpecpairError
-from specpair.rejection_sampler import process_logits, verify_tree
+from specpair.rejection_sampler import verify_tree
 from specpair.static_cache import StaticKVModel
 
 PROMPT = [5, 17, 23, 42, 8, 99, 3, 61, 7, 12, 30]
@@ -170,21 +170,7 @@ def test_eagle_tree_sampling_follows_the_target_distribution(one_layer_target):
                                                              tree_width=3))
     prompt = engine.encode("def foo(x):")
     top_k, temperature, n = 3, 1.5, 4000
-
-    def dist(ids):
-        with torch.no_grad():
-            logits = one_layer_target.model(torch.tensor([ids])).logits[:, -1:]
-        return process_logits(logits, torch.tensor([temperature]), torch.tensor([top_k]),
-                              torch.tensor([1.0]))[0, 0]
-
-    joint = {}
-    p1 = dist(prompt)
-    for a in p1.nonzero().squeeze(1).tolist():
-        p2 = dist(prompt + [a])
-        for b in p2.nonzero().squeeze(1).tolist():
-            p3 = dist(prompt + [a, b])
-            for c in p3.nonzero().squeeze(1).tolist():
-                joint[(a, b, c)] = p1[a].item() * p2[b].item() * p3[c].item()
+    joint = exact_joint(one_layer_target.model, prompt, temperature=temperature, top_k=top_k)
     seqs = sample_and_compare(engine, prompt, joint, temperature=temperature, top_k=top_k,
                               max_new_tokens=4, n=n)
     assert sum(s.stats.num_accepted_tokens for s in seqs) > 0

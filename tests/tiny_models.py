@@ -84,6 +84,28 @@ def perturbed_copy(loaded, seed: int, noise: float = 0.05, layers: int | None = 
     return wrap_model(model, loaded.tokenizer, source=f"{loaded.source}-perturbed{seed}")
 
 
+def exact_joint(model, prompt: list[int], *, temperature: float, top_k: int, depth: int = 3) -> dict:
+    """The target's exact distribution over its first `depth` sampled tokens after `prompt`
+    (token tuple -> probability), from one forward per prefix under the request's settings."""
+    from specpair.rejection_sampler import process_logits
+
+    def dist(ids):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[:, -1:]
+        return process_logits(logits, torch.tensor([temperature]), torch.tensor([top_k]),
+                              torch.tensor([1.0]))[0, 0]
+
+    joint = {(): 1.0}
+    for _ in range(depth):
+        grown = {}
+        for prefix, mass in joint.items():
+            p = dist(prompt + list(prefix))
+            for t in p.nonzero().squeeze(1).tolist():
+                grown[prefix + (t,)] = mass * p[t].item()
+        joint = grown
+    return joint
+
+
 def sample_and_compare(engine, prompt: list[int], joint: dict, *, temperature: float, top_k: int,
                        max_new_tokens: int, n: int) -> list:
     """Run n seeded sampled requests as one batch and test (chi-square, p > 1e-3) that their first

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ast
 import json
 import random
-import re
 import time
 from pathlib import Path
 
@@ -47,48 +46,45 @@ KIND_SHARES = {"code": 0.35, "qa": 0.3, "summarisation": 0.12, "extraction": 0.0
 GENERATION_BATCH = 16    # rows decoded together: the engine's continuous batch amortises weights
 
 
-def _functions(texts: list[str]) -> list[dict]:
-    found = []
+def _documented(texts: list[str]):
+    """(source text, node, docstring) for every module, class and function with a docstring."""
     for text in texts:
         try:
             tree = ast.parse(text)
         except (SyntaxError, ValueError):
             continue
         for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            src = ast.get_source_segment(text, node) or ""
-            if not doc or not 80 <= len(src) <= 900:
-                continue
-            first = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
-            if not 15 <= len(first) <= 200:
-                continue
-            summary = first[0].lower() + first[1:]
-            summary = re.sub(r"^(returns?|gets?|makes?|creates?|computes?)\b",
-                             lambda m: m.group(1).lower(), summary)
-            args = ", ".join(a.arg for a in node.args.args if a.arg != "self")
-            found.append({"name": node.name, "args": args, "summary": summary.rstrip(".") + ".",
-                          "src": src})
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    yield text, node, doc
+
+
+def _functions(texts: list[str]) -> list[dict]:
+    """Public functions small enough to quote, with a one-sentence summary from their docstring."""
+    found = []
+    for text, node, doc in _documented(texts):
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+            continue
+        src = ast.get_source_segment(text, node) or ""
+        first = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
+        if not 80 <= len(src) <= 900 or not 15 <= len(first) <= 200:
+            continue
+        summary = first[0].lower() + first[1:]
+        args = ", ".join(a.arg for a in node.args.args if a.arg != "self")
+        found.append({"name": node.name, "args": args, "summary": summary.rstrip(".") + ".",
+                      "src": src})
     return found
 
 
 def _paragraphs(texts: list[str]) -> list[str]:
     """Prose paragraphs of docstrings: several sentences, little code."""
     found = []
-    for text in texts:
-        try:
-            tree = ast.parse(text)
-        except (SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
-                continue
-            doc = ast.get_docstring(node)
-            for para in (doc or "").split("\n\n"):
-                para = " ".join(para.split())
-                if 200 <= len(para) <= 900 and para.count(". ") >= 2 and ">>>" not in para:
-                    found.append(para)
+    for _, _, doc in _documented(texts):
+        for para in doc.split("\n\n"):
+            para = " ".join(para.split())
+            if 200 <= len(para) <= 900 and para.count(". ") >= 2 and ">>>" not in para:
+                found.append(para)
     return found
 
 
