@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""How often a drafting head's first guess is the target's own next token, teacher-forced.
+
+    python scripts/head_agreement.py --target TARGET_DIR --head HEAD_DIR [--prompts FILE.jsonl]
+        [--replies OUT/replies.jsonl --kinds qa code] [--max-new-tokens 64]
+
+The first draft position of a round is exactly this setting (the head reads the target's real
+features), so this number is what bench acceptance at position 1 can reach; the gap between it
+on the head's training conversations and on new requests measures generalisation. Replies to
+`--prompts` (default: the bench's golden prompts) are the target's greedy chat answers,
+generated here; `--replies` takes conversations already made (distill's replies.jsonl).
+Agreement counts reply tokens only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+@torch.no_grad()
+def agreement(target, head, conversations: list[tuple[list[int], int]]) -> dict:
+    """conversations: (token ids, index of the first reply token). -> agreed, total, rate."""
+    draft_ids = head.draft_token_ids
+    agreed = total = 0
+    for ids, start in conversations:
+        x = torch.tensor([ids])
+        features = target.model.model(input_ids=x).last_hidden_state
+        embeds = target.model.get_input_embeddings()(x)
+        predicted = head(embeds[:, 1:], features[:, :-1])            # f[j+1] from pair j
+        guess = draft_ids[head.lm_head(predicted).argmax(-1)][0]      # token j+2
+        truth = target.model.lm_head(features[:, 1:]).argmax(-1)[0]   # the target's token j+2
+        # pair j predicts token j+2; reply tokens start at `start`
+        positions = torch.arange(len(ids) - 1) + 2
+        keep = (positions >= start) & (positions < len(ids))
+        agreed += int((guess == truth)[keep].sum())
+        total += int(keep.sum())
+    return {"agreed": agreed, "tokens": total, "rate": round(agreed / total, 4) if total else None}
+
+
+def main(argv=None) -> int:
+    from specpair.bench import load_prompts
+    from specpair.config import GenerationParams, SpeculationConfig
+    from specpair.decoding import SpeculativeEngine
+    from specpair.models import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--head", required=True)
+    ap.add_argument("--prompts", default=None, help="JSON Lines of {prompt, category}")
+    ap.add_argument("--replies", default=None, help="a replies.jsonl of `specpair distill --replies`")
+    ap.add_argument("--kinds", nargs="*", default=None, help="with --replies: only these kinds")
+    ap.add_argument("--limit", type=int, default=40, help="with --replies: the first N")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    target = load_model(args.target, dtype="float32")
+    head = load_model(args.head, dtype="float32").model
+    engine = SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False))
+    conversations = []
+    if args.replies:
+        with open(args.replies) as f:
+            rows = [json.loads(line) for line in f]
+        rows = [r for r in rows if not args.kinds or r["kind"] in args.kinds][:args.limit]
+        for r in rows:
+            conversations.append((r["ids"], len(engine.encode(r["prompt"], chat=True))))
+    else:
+        for p in load_prompts(args.prompts):
+            prompt = engine.encode(p["prompt"], chat=True)
+            batch = engine.new_batch()
+            seq = batch.add(prompt, GenerationParams(max_new_tokens=args.max_new_tokens))
+            while batch.active:
+                batch.step()
+            conversations.append((prompt + seq.generated, len(prompt)))
+    print(json.dumps(agreement(target, head, conversations)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
