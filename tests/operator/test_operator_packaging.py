@@ -43,8 +43,10 @@ def test_crd_is_valid_and_names_what_the_issue_asks():
 
 def test_crd_defaults_are_the_defaults_the_operator_hashes_with():
     _, spec = _schema()
-    sp = {k: v["default"] for k, v in spec["speculation"]["properties"].items()}
+    sp = {k: v["default"] for k, v in spec["speculation"]["properties"].items() if "default" in v}
     assert sp == release.SPECULATION_DEFAULTS
+    # A token tree is opt-in and has no default, so releases written before it keep their hashes.
+    assert "default" not in spec["speculation"]["properties"]["treeWidth"]
     th = spec["gating"]["properties"]["thresholds"]["properties"]
     assert {k: v["default"] for k, v in th.items() if "default" in v} == \
         {k: v for k, v in release.THRESHOLD_DEFAULTS.items() if k != "minCategoryAcceptance"}
