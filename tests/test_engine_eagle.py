@@ -58,6 +58,20 @@ def _medusa(target, vocab_every: int = 1, heads: int = 3, scramble: float = 0.0)
     return wrap_model(heads, target.tokenizer, "medusa")
 
 
+def assert_rows_joining_and_leaving_match(engine, reference):
+    """Rows joining a running batch (and one leaving it) draft from their own state only."""
+    batch = engine.new_batch()
+    first = batch.add(engine.encode(PROMPTS[0]), PARAMS)
+    doomed = batch.add(engine.encode(PROMPTS[1]), PARAMS)
+    batch.step(); batch.step()
+    later = batch.add(engine.encode(PROMPTS[2]), PARAMS)
+    batch.step()
+    batch.cancel(doomed.request_id)
+    while batch.active:
+        batch.step()
+    assert first.generated == reference[0] and later.generated == reference[2]
+
+
 @pytest.fixture(scope="module")
 def smooth_target(tiny_tokenizer):
     """A one-layer target with small weights: its greedy text repeats tokens now and then."""
@@ -143,33 +157,25 @@ def test_eagle_greedy_identity_batched_and_joining(one_layer_target, reference, 
     drafted = sum(r.stats.num_draft_tokens for r in results)
     accepted = sum(r.stats.num_accepted_tokens for r in results)
     assert 0 < accepted < drafted          # both paths: kept drafts and rejected ones
-    # Rows joining a running batch (and leaving it) draft from their own features only.
-    batch = engine.new_batch()
-    first = batch.add(engine.encode(PROMPTS[0]), PARAMS)
-    doomed = batch.add(engine.encode(PROMPTS[1]), PARAMS)
-    batch.step(); batch.step()
-    later = batch.add(engine.encode(PROMPTS[2]), PARAMS)
-    batch.step()
-    batch.cancel(doomed.request_id)
-    while batch.active:
-        batch.step()
-    assert first.generated == reference[0] and later.generated == reference[2]
+    assert_rows_joining_and_leaving_match(engine, reference)
 
 
-@pytest.mark.parametrize("method", ["eagle", "medusa"])
-def test_head_sampling_follows_the_target_distribution(one_layer_target, smooth_target, method):
+@pytest.mark.parametrize("method,width", [("eagle", 1), ("medusa", 1), ("eagle", 3)])
+def test_head_sampling_follows_the_target_distribution(one_layer_target, smooth_target, method, width):
     """Tokens 1-3 of sampled replies against the target's exact joint distribution. Token 1 comes
     from the target alone (no features yet); tokens 2-3 from one round of two head drafts whose q
     lives on half the vocabulary (zero elsewhere): the sampler must still be exact. (Medusa runs
     on the smoother target with random heads: on the chaotic one its top-3 never meets the
-    target's, and nothing would be accepted.)"""
+    target's, and nothing would be accepted.) Width 3: a token tree, two more candidates per
+    position drawn from q, verified by the multi-candidate rule (test_engine_tree.py)."""
     if method == "eagle":
         tiny_target, head = one_layer_target, _mirror_head(one_layer_target, vocab_every=2)
     else:
         tiny_target, head = smooth_target, _medusa(smooth_target, vocab_every=2, scramble=0.3)
     engine = SpeculativeEngine(tiny_target, draft=head,
                                speculation=SpeculationConfig(k=2, dynamic_k=False, fallback_threshold=0,
-                                                             batch_size_threshold=100_000))
+                                                             batch_size_threshold=100_000,
+                                                             tree_width=width))
     prompt = engine.encode("def foo(x):")
     top_k, temperature, n = 3, 1.5, 4000
     joint = exact_joint(tiny_target.model, prompt, temperature=temperature, top_k=top_k)

@@ -1,15 +1,15 @@
 """Token trees (a chain with alternatives per position, verified in one target pass): the tree's
 logits are bitwise the ones its paths get as chains; a kept branch moves into place; greedy output
-stays identical to target-only; sampled output follows the target's exact distribution, both in
-the verifier alone and end to end."""
+stays identical to target-only; sampled output follows the target's exact distribution in the
+verifier alone (end to end: test_engine_eagle.py's sampling test at width 3)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_eagle import (PARAMS, PROMPTS, _medusa, _mirror_head, one_layer_target,  # noqa: F401
+from test_engine_eagle import (PARAMS, PROMPTS, _medusa, _mirror_head,  # noqa: F401
+                               assert_rows_joining_and_leaving_match, one_layer_target,
                                reference, smooth_target)
-from tiny_models import exact_joint, sample_and_compare
 
 from specpair import cpu_kernels
 from specpair.config import SpeculationConfig
@@ -138,17 +138,7 @@ def test_eagle_tree_keeps_greedy_identity_and_accepts_more(one_layer_target, ref
     assert [r.token_ids for r in tree_results] == reference
     steps = lambda results: sum(r.stats.num_target_steps for r in results)   # noqa: E731
     assert steps(tree_results) < steps(chain_results)   # more tokens a target pass
-    # Rows joining and leaving a running batch.
-    batch = tree.new_batch()
-    first = batch.add(tree.encode(PROMPTS[0]), PARAMS)
-    doomed = batch.add(tree.encode(PROMPTS[1]), PARAMS)
-    batch.step(); batch.step()
-    later = batch.add(tree.encode(PROMPTS[2]), PARAMS)
-    batch.step()
-    batch.cancel(doomed.request_id)
-    while batch.active:
-        batch.step()
-    assert first.generated == reference[0] and later.generated == reference[2]
+    assert_rows_joining_and_leaving_match(tree, reference)
 
 
 def test_medusa_tree_keeps_greedy_identity(smooth_target):
@@ -158,22 +148,6 @@ def test_medusa_tree_keeps_greedy_identity(smooth_target):
                                speculation=SpeculationConfig(k=3, dynamic_k=False,
                                                              fallback_threshold=0, tree_width=3))
     assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == expected
-
-
-def test_eagle_tree_sampling_follows_the_target_distribution(one_layer_target):
-    """As the chain's test (test_engine_eagle): tokens 1-3 of sampled replies against the
-    target's exact joint distribution, now with two extra candidates per position drawn from a
-    q that lives on half the vocabulary."""
-    engine = SpeculativeEngine(one_layer_target, draft=_mirror_head(one_layer_target, vocab_every=2),
-                               speculation=SpeculationConfig(k=2, dynamic_k=False, fallback_threshold=0,
-                                                             batch_size_threshold=100_000,
-                                                             tree_width=3))
-    prompt = engine.encode("def foo(x):")
-    top_k, temperature, n = 3, 1.5, 4000
-    joint = exact_joint(one_layer_target.model, prompt, temperature=temperature, top_k=top_k)
-    seqs = sample_and_compare(engine, prompt, joint, temperature=temperature, top_k=top_k,
-                              max_new_tokens=4, n=n)
-    assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
 
 
 def test_tree_width_is_bounded():
