@@ -238,13 +238,18 @@ def stack_draft_probs(steps: list, K: int) -> torch.Tensor | None:
     return probs
 
 
+def draft_vocab_logits(head, vectors: torch.Tensor) -> torch.Tensor:
+    """Logits over the head's draft vocabulary [..., Vd] of its vectors [..., D]."""
+    from specpair import cpu_kernels
+
+    return cpu_kernels.linear(vectors.reshape(-1, 1, vectors.shape[-1]),
+                              head.lm_head.weight).reshape(*vectors.shape[:-1], -1)
+
+
 def head_logits(head, vectors: torch.Tensor, vocab_size: int, draft_ids: torch.Tensor) -> torch.Tensor:
     """Target-vocabulary logits [..., V] of a head's vectors [..., D]: the draft vocabulary's
     rows, -inf elsewhere (q is zero off the draft vocabulary)."""
-    from specpair import cpu_kernels
-
-    small = cpu_kernels.linear(vectors.reshape(-1, 1, vectors.shape[-1]),
-                               head.lm_head.weight).reshape(*vectors.shape[:-1], -1)
+    small = draft_vocab_logits(head, vectors)
     full = torch.full((*vectors.shape[:-1], vocab_size), float("-inf"), dtype=small.dtype,
                       device=small.device)
     full[..., draft_ids] = small
@@ -304,9 +309,7 @@ class HeadDrafter(Drafter):
         [B, D]. All rows greedy: the top of the draft vocabulary's logits, mapped to the target's
         ids (no distribution over the whole vocabulary is needed: greedy verification reads no q)."""
         if sampling.all_greedy:
-            from specpair import cpu_kernels
-
-            small = cpu_kernels.linear(vectors.unsqueeze(1), self.head.lm_head.weight)[:, 0]
+            small = draft_vocab_logits(self.head, vectors)
             top = self.draft_ids[small.topk(self.tree_width, dim=-1).indices]       # [B, C]
             chosen, q = top[:, 0], None
             if self.tree_width > 1:
