@@ -21,6 +21,9 @@ import yaml
 # CEL rules of the CRD, as Python (a rule missing here is left to the API server).
 CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "has(self.source) != has(self.drafter)": lambda o: ("source" in o) != ("drafter" in o),
+    "!has(self.engine) || self.engine != 'vllm' || !has(self.speculation) || "
+    "!has(self.speculation.treeWidth) || self.speculation.treeWidth == 1":
+        lambda o: o.get("engine") != "vllm" or (o.get("speculation") or {}).get("treeWidth", 1) == 1,
 }
 
 

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from ship_helpers import KUBERNETES_VERSION, REPO_ROOT
+from specpair_operator.validation import CEL_EQUIVALENTS
 
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 CRD = yaml.safe_load((REPO_ROOT / "crds" / "specmodelpair.yaml").read_text())
@@ -32,11 +33,10 @@ def _served_schema() -> dict[str, Any]:
     return version["schema"]["openAPIV3Schema"]
 
 
-# The CEL rules (x-kubernetes-validations) the API server would run, as Python predicates. A rule
-# not listed here fails the test, so a new rule in the CRD cannot slip past the examples unchecked.
-CEL_RULES: dict[str, Callable[[dict[str, Any]], bool]] = {
-    "has(self.source) != has(self.drafter)": lambda obj: ("source" in obj) != ("drafter" in obj),
-}
+# The CEL rules (x-kubernetes-validations) the API server would run, as the Python predicates the
+# operator checks specs with (their one home). A rule without one fails the test, so a new rule in
+# the CRD cannot slip past the examples unchecked.
+CEL_RULES: dict[str, Callable[[dict[str, Any]], bool]] = CEL_EQUIVALENTS
 
 
 def _cel_violations(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
@@ -111,6 +111,8 @@ BROKEN = [
     ("acceptance above 1", lambda s: s.update(gating={"thresholds": {"minCategoryAcceptance": {"code": 1.5}}}),
      "/spec/gating/thresholds/minCategoryAcceptance/code"),
     ("no target", lambda s: s.pop("target"), "'target' is a required property"),
+    ("token tree on vLLM", lambda s: s.update(engine="vllm", speculation={"treeWidth": 2}),
+     "speculation.treeWidth above 1 needs engine specpair"),
 ]
 
 
