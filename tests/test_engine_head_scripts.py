@@ -1,6 +1,7 @@
-"""The measuring scripts of the heads' work: teacher-forced agreement (scripts/head_agreement.py)
+"""The measuring scripts of the drafters' work: teacher-forced agreement (scripts/head_agreement.py)
 tells a head that predicts the target from one that does not; the drafters' table
-(scripts/bench_drafters.py) reads bench reports as `specpair bench` writes them."""
+(scripts/bench_drafters.py) reads bench reports as `specpair bench` writes them; the n-gram
+replay (scripts/ngram_ceiling.py) counts greedy rounds as the engine runs them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from bench_drafters import main as bench_drafters_main, table  # noqa: E402
 from head_agreement import agreement  # noqa: E402
+from ngram_ceiling import main as ngram_ceiling_main, replay  # noqa: E402
 
 
 def test_agreement_tells_a_predicting_head_from_a_random_one(one_layer_target):
@@ -42,3 +44,55 @@ def test_the_table_has_a_row_per_drafter_and_a_column_per_category():
 def test_a_config_without_a_name_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         bench_drafters_main(["--out", str(tmp_path), "--config=--drafter ngram"])
+
+
+def test_replayed_rounds_follow_the_engine_and_the_ceiling_takes_the_best_match():
+    from specpair.drafters import NgramDrafter
+
+    # prompt 7 1 2 8 1 3 | reply 1 2 8 5. Round 1: "3" never occurred: no match, one token.
+    # Round 2 (context ends "1"): the latest "1" is followed by 3 (wrong, 1 token kept by the
+    # engine's lookup); the earlier one by 2 8 (right: 2 kept + 1). Round 3 ("1 2"): one match.
+    ids, start = [7, 1, 2, 8, 1, 3, 1, 2, 8, 5], 6
+    rounds = replay(NgramDrafter(), ids, start, k=4)
+    assert rounds == {"rounds": 3, "no_match": 1, "lookup": 4, "ceiling": 6}
+    assert rounds["lookup"] == len(ids) - start        # the engine's rounds write the reply once
+
+
+def test_a_real_greedy_run_accepts_what_the_replay_says(tiny_target):
+    """The replay's acceptance equals the engine's own count on the same reply (greedy)."""
+    from specpair.config import GenerationParams, SpeculationConfig
+    from specpair.decoding import SpeculativeEngine
+    from specpair.drafters import NgramDrafter
+
+    engine = SpeculativeEngine(tiny_target, drafter=NgramDrafter(),
+                               speculation=SpeculationConfig(k=3, dynamic_k=False, fallback_threshold=0))
+    prompt = engine.encode("the cat sat on the mat and the cat sat on the hat", chat=False)
+    batch = engine.new_batch()
+    seq = batch.add(prompt, GenerationParams(max_new_tokens=40))
+    while batch.active:
+        batch.step()
+    assert seq.stats.num_accepted_tokens > 0           # drafts were kept: rounds differ from steps
+    rounds = replay(NgramDrafter(), prompt + seq.generated, len(prompt), k=3)
+    assert rounds["lookup"] == len(seq.generated)
+    assert rounds["rounds"] == seq.stats.num_target_steps
+
+
+def test_the_ceiling_script_reads_distills_replies(tmp_path, tiny_pair_dirs, tiny_target, capsys):
+    import json
+
+    from specpair.decoding import encode_prompt
+
+    prompt = "repeat after me: red green blue red green blue"
+    ids = encode_prompt(tiny_target.tokenizer, prompt, chat=True)
+    reply = ids[-6:] * 2                      # a reply that copies from its prompt
+    path = tmp_path / "replies.jsonl"
+    path.write_text(json.dumps({"kind": "extraction", "prompt": prompt, "ids": ids + reply}) + "\n")
+    assert ngram_ceiling_main(["--target", str(tiny_pair_dirs["target"]), "--replies", str(path),
+                               "--k", "2", "4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    row = out["kinds"]["extraction"]
+    assert out["replies"] == 1 and set(row) == {"k=2", "k=4"}
+    assert row["k=4"]["lookup_length"] > 1 and row["k=4"]["ceiling_length"] >= row["k=4"]["lookup_length"]
+    with pytest.raises(SystemExit):
+        ngram_ceiling_main(["--target", str(tiny_pair_dirs["target"]), "--replies", str(path),
+                            "--kinds", "code"])

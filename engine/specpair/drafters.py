@@ -95,8 +95,10 @@ class NgramDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.device = torch.device(device)
 
-    def lookup(self, sequence: list[int], k: int) -> list[int]:
-        if k <= 0 or len(sequence) < 2:
+    def matches(self, sequence: list[int]) -> list[int]:
+        """Where the continuations of the trailing n-gram's earlier occurrences start, latest
+        first, for the longest n that occurs earlier at all (empty: none does)."""
+        if len(sequence) < 2:
             return []
         seq = torch.tensor(sequence, dtype=torch.long)
         for n in range(min(self.max_ngram, len(sequence) - 1), self.min_ngram - 1, -1):
@@ -104,9 +106,15 @@ class NgramDrafter(Drafter):
             windows = seq[:-1].unfold(0, n, 1)                     # [L-n, n]: excludes the tail itself
             hits = (windows == tail).all(1).nonzero().squeeze(1)
             if hits.numel():
-                start = int(hits[-1]) + n                          # latest match: most local context
-                return sequence[start:start + k]
+                return (hits.flip(0) + n).tolist()
         return []
+
+    def lookup(self, sequence: list[int], k: int) -> list[int]:
+        """The k tokens after the latest match (the most local context), or none."""
+        if k <= 0:
+            return []
+        found = self.matches(sequence)
+        return sequence[found[0]:found[0] + k] if found else []
 
     def propose(self, sequences, ks, sampling) -> Proposal:
         found = [self.lookup(seq, k) for seq, k in zip(sequences, ks)]
