@@ -32,8 +32,9 @@ static inline float hsum(v8 v) {
 /* REGISTER(v): keep v in a register. Without it GCC folds the weight load into each of the MM
    multiply-adds for MM = 2 and 3 (it reads the weight MM times, the x rows once), which made a
    3-row product cost more than a 4-row one (1.29x against 1.13x a 1-row product, all weights of
-   SmolLM2, 2-core Zen 3). It changes which operand is loaded, not the arithmetic. */
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+   SmolLM2, 2-core Zen 3). It changes which operand is loaded, not the arithmetic. Only where
+   a v8 fits one register ("x": a ymm register, so AVX); elsewhere the compiler decides. */
+#if defined(__GNUC__) && defined(__AVX__)
 #define REGISTER(v) __asm__("" : "+x"(v))
 #else
 #define REGISTER(v) (void)0
