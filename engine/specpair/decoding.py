@@ -442,9 +442,8 @@ class Batch:
         t0 = time.perf_counter()
         siblings = None
         if self.drafter is not None and any(ks):
-            if self.drafter.tree_capable:
-                self.drafter.tree_width = eng.config.tree_width
-            proposal = self.drafter.propose(sequences, ks, sampling)
+            width = eng.config.tree_width if self.drafter.tree_capable else 1
+            proposal = self.drafter.propose(sequences, ks, sampling, width)
             drafts, num, q = proposal.tokens, proposal.num, proposal.probs
             siblings = proposal.siblings
         else:

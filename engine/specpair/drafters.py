@@ -55,7 +55,7 @@ class Drafter:
     name = "drafter"
     deterministic = True
     wants_features = False
-    tree_capable = False     # proposes alternatives per position (siblings) when tree_width > 1
+    tree_capable = False     # proposes alternatives per position (siblings) when width > 1
 
     def for_batch(self) -> "Drafter":
         """The drafter a new batch uses: itself when it keeps no per-row state."""
@@ -73,7 +73,10 @@ class Drafter:
     def select(self, rows: list[int]) -> None:
         pass
 
-    def propose(self, sequences: list[list[int]], ks: list[int], sampling: RowSampling) -> Proposal:
+    def propose(self, sequences: list[list[int]], ks: list[int], sampling: RowSampling,
+                width: int = 1) -> Proposal:
+        """Up to ks[i] draft tokens for each row. `width`: candidates per position for a
+        `tree_capable` drafter (the release's tree width; 1 is a chain); others draft chains."""
         raise NotImplementedError
 
     def accepted(self, row: int, committed_before: int, num_accepted: int) -> None:
@@ -116,7 +119,7 @@ class NgramDrafter(Drafter):
         found = self.matches(sequence)
         return sequence[found[0]:found[0] + k] if found else []
 
-    def propose(self, sequences, ks, sampling) -> Proposal:
+    def propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
         found = [self.lookup(seq, k) for seq, k in zip(sequences, ks)]
         K = max((len(f) for f in found), default=0)
         tokens = torch.zeros(len(found), K, dtype=torch.long)
@@ -155,7 +158,7 @@ class ModelDrafter(Drafter):
         self.kv.select(rows)
         self.fed_drafts = [self.fed_drafts[i] for i in rows]
 
-    def propose(self, sequences, ks, sampling) -> Proposal:
+    def propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
         B = len(sequences)
         K = max(ks, default=0)
         device = self.kv.device
@@ -283,7 +286,6 @@ class HeadDrafter(Drafter):
         if int(self.draft_ids.max()) >= vocab_size:
             raise SpecpairError(f"head drafts token {int(self.draft_ids.max())}; the target has {vocab_size}")
         self.known: list[int] = []          # per row: positions with an observed feature
-        self.tree_width = 1                 # candidates per position (1: a chain; engine sets it)
 
     def add_rows(self, count: int) -> None:
         self.known += [0] * count
@@ -312,34 +314,33 @@ class HeadDrafter(Drafter):
     def _logits(self, vectors: torch.Tensor) -> torch.Tensor:
         return head_logits(self.head, vectors, self.vocab_size, self.draft_ids)
 
-    def _choose(self, vectors, j, row_ks, sampling, chosen_steps, q_steps, sibling_steps):
+    def _choose(self, vectors, j, row_ks, sampling, width, chosen_steps, q_steps, sibling_steps):
         """Position j's tokens (and, for a tree, their alternatives) from the head's vectors
         [B, D]. All rows greedy: the top of the draft vocabulary's logits, mapped to the target's
         ids (no distribution over the whole vocabulary is needed: greedy verification reads no q)."""
         if sampling.all_greedy:
             small = draft_vocab_logits(self.head, vectors)
-            top = self.draft_ids[small.topk(self.tree_width, dim=-1).indices]       # [B, C]
+            top = self.draft_ids[small.topk(width, dim=-1).indices]       # [B, C]
             chosen, q = top[:, 0], None
-            if self.tree_width > 1:
+            if width > 1:
                 sibling_steps.append(top[:, 1:])
         else:
             logits = self._logits(vectors)
             chosen, q = choose_draft_tokens(logits, j, row_ks, sampling)
-            if self.tree_width > 1:
-                sibling_steps.append(choose_siblings(logits, chosen, q, j, row_ks, sampling,
-                                                     self.tree_width - 1))
+            if width > 1:
+                sibling_steps.append(choose_siblings(logits, chosen, q, j, row_ks, sampling, width - 1))
         chosen_steps.append(chosen)
         q_steps.append(q)
         return chosen
 
-    def _proposal(self, chosen_steps, q_steps, sibling_steps, num, K) -> Proposal:
+    def _proposal(self, chosen_steps, q_steps, sibling_steps, num, K, width) -> Proposal:
         B = num.shape[0]
         tokens = torch.zeros(B, K, dtype=torch.long, device=num.device)
         if chosen_steps:
             tokens[:, :len(chosen_steps)] = torch.stack(chosen_steps, dim=1)
         siblings = None
         if sibling_steps:
-            siblings = torch.zeros(B, K, self.tree_width - 1, dtype=torch.long, device=num.device)
+            siblings = torch.zeros(B, K, width - 1, dtype=torch.long, device=num.device)
             siblings[:, :len(sibling_steps)] = torch.stack(sibling_steps, dim=1)
         return Proposal(tokens=tokens, num=num, probs=stack_draft_probs(q_steps, K),
                         siblings=siblings)
@@ -374,7 +375,7 @@ class MedusaDrafter(HeadDrafter):
         self.last[row] = features[-1]
 
     @torch.no_grad()
-    def propose(self, sequences, ks, sampling) -> Proposal:
+    def propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
         B = len(sequences)
         device = self.draft_ids.device
         # A row drafts when its newest feature is of the token before its last (always, after the
@@ -392,8 +393,8 @@ class MedusaDrafter(HeadDrafter):
         vectors = self.head(features, K)                                       # [B, K, D]
         chosen, qs, sibs = [], [], []
         for j in range(K):
-            self._choose(vectors[:, j], j, row_ks, sampling, chosen, qs, sibs)
-        return self._proposal(chosen, qs, sibs, num, K)
+            self._choose(vectors[:, j], j, row_ks, sampling, width, chosen, qs, sibs)
+        return self._proposal(chosen, qs, sibs, num, K, width)
 
     def timing_step(self, context: int):
         """One round's heads (all of them; the bench times it and charges it per round)."""
@@ -447,7 +448,7 @@ class EagleDrafter(HeadDrafter):
         self.pending[row].append(features.to(self.kv.runner.dtype))
 
     @torch.no_grad()
-    def propose(self, sequences, ks, sampling) -> Proposal:
+    def propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
         B = len(sequences)
         K = max(ks, default=0)
         device = self.kv.device
@@ -477,7 +478,7 @@ class EagleDrafter(HeadDrafter):
         row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
         chosen_steps, qs, sibs = [], [], []
         for j in range(K):
-            chosen = self._choose(g, j, row_ks, sampling, chosen_steps, qs, sibs)
+            chosen = self._choose(g, j, row_ks, sampling, width, chosen_steps, qs, sibs)
             if j + 1 == K or not any(j + 1 < k for k in row_ks):
                 break
             # The rows still drafting feed (embedding of their token, their predicted feature).
@@ -488,7 +489,7 @@ class EagleDrafter(HeadDrafter):
             for n, i in enumerate(going):
                 step[i] = pairs[n:n + 1]
             g = self.head.model.norm(self.kv.extend_vectors(step)[:, 0])
-        return self._proposal(chosen_steps, qs, sibs, num, K)
+        return self._proposal(chosen_steps, qs, sibs, num, K, width)
 
     def accepted(self, row: int, committed_before: int, num_accepted: int) -> None:
         # Drop the pairs built on predicted features; the target's own replace them (observe).
