@@ -13,9 +13,9 @@ T1, plus P; the baseline is target-only as measured. Overheads only add to the s
 so the measured speedup stays at or below the bound, and the report says on how many prompts it
 does. Each kernel cost is the fastest of several timings (after a warm-up), not their median: on
 a shared machine a median picks up whatever else ran then, which priced the kernels above what
-the speculative run paid and put measured speedups over the bound. (Leviathan's i.i.d. formula from the acceptance
-rate is not a bound: n-gram acceptance comes in runs, so real rounds yield more than it
-predicts.) Efficiency = measured speedup / bound. Hugging Face assisted generation runs the same
+the speculative run paid and put measured speedups over the bound. (Leviathan's i.i.d. formula
+from the acceptance rate is not a bound: n-gram acceptance comes in runs, so real rounds yield
+more than it predicts.) Efficiency = measured speedup / bound. Hugging Face assisted generation runs the same
 pair as the peer, so both speedups come from one run on one machine.
 
 `--peer vllm` also runs the same prompts (as token ids: our chat template applied), the same
@@ -86,8 +86,9 @@ def _timed(fn, device) -> tuple[float, object]:
 @torch.no_grad()
 def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: list[int],
                        repeats: int = 5) -> dict:
-    """Seconds, the fastest of `repeats` after a warm-up: T1 (target, 1 token), Tv[k] (target, k+1 tokens; 1 + k*width when a
-    head drafts a tree of `width` candidates per position), Td (one draft step)."""
+    """Seconds, the fastest of `repeats` after a warm-up: T1 (target, 1 token), Tv[k] (target,
+    k+1 tokens; 1 + k*width when a head drafts a tree of `width` candidates per position), Td
+    (one draft step)."""
     device = engine.target.device
 
     def fastest_extend(model, n_tokens: int) -> float:
@@ -127,8 +128,9 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
 @torch.no_grad()
 def measure_memory_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> dict:
     """GB/s here, measured in the same run: a large tensor copy (bytes read + written over the
-    fastest time, as for the step it is the yardstick of) and a large sum (bytes read). A decode step only reads, and reading measured
-    faster than copying on this CPU, so the yardstick is the faster of the two."""
+    fastest time, as for the step it is the yardstick of) and a large sum (bytes read). A decode
+    step only reads, and reading measured faster than copying on this CPU, so the yardstick is
+    the faster of the two."""
     src = torch.empty(megabytes * (1 << 20) // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     dst.copy_(src)
