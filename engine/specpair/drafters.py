@@ -98,26 +98,32 @@ class NgramDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.device = torch.device(device)
 
-    def matches(self, sequence: list[int]) -> list[int]:
-        """Where the continuations of the trailing n-gram's earlier occurrences start, latest
-        first, for the longest n that occurs earlier at all (empty: none does)."""
+    def _continuations(self, sequence: list[int]) -> torch.Tensor | None:
+        """Where the continuations of the trailing n-gram's earlier occurrences start, in
+        sequence order, for the longest n that occurs earlier at all (None: none does)."""
         if len(sequence) < 2:
-            return []
+            return None
         seq = torch.tensor(sequence, dtype=torch.long)
         for n in range(min(self.max_ngram, len(sequence) - 1), self.min_ngram - 1, -1):
             tail = seq[-n:]
             windows = seq[:-1].unfold(0, n, 1)                     # [L-n, n]: excludes the tail itself
             hits = (windows == tail).all(1).nonzero().squeeze(1)
             if hits.numel():
-                return (hits.flip(0) + n).tolist()
-        return []
+                return hits + n
+        return None
+
+    def matches(self, sequence: list[int]) -> list[int]:
+        """Every continuation's start (see _continuations), latest first; for measuring."""
+        found = self._continuations(sequence)
+        return [] if found is None else found.flip(0).tolist()
 
     def lookup(self, sequence: list[int], k: int) -> list[int]:
         """The k tokens after the latest match (the most local context), or none."""
-        if k <= 0:
+        found = self._continuations(sequence) if k > 0 else None
+        if found is None:
             return []
-        found = self.matches(sequence)
-        return sequence[found[0]:found[0] + k] if found else []
+        start = int(found[-1])
+        return sequence[start:start + k]
 
     def propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
         found = [self.lookup(seq, k) for seq, k in zip(sequences, ks)]
