@@ -5,9 +5,11 @@ never leak into training."""
 from __future__ import annotations
 
 import json
+import shutil
 from importlib import resources
 
 import pytest
+import torch
 
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
@@ -41,16 +43,28 @@ def test_a_corpus_without_python_is_refused(tmp_path, tiny_tokenizer):
         chat_requests(corpus_texts(str(tmp_path), 10_000, 0), tiny_tokenizer, 10, seed=0)
 
 
+def _target_features(target, ids):
+    with torch.no_grad():
+        return target.model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+
+
 def test_replies_are_the_targets_greedy_answers_and_survive_a_kill(tmp_path, tiny_target,
                                                                     stdlib_texts, monkeypatch):
     requests = chat_requests(stdlib_texts, tiny_target.tokenizer, 5, seed=0)
     conversations = chat_replies(tiny_target, requests, tmp_path, max_new_tokens=6,
                                  progress=lambda _: None)
     engine = SpeculativeEngine(tiny_target, speculation=SpeculationConfig(enabled=False))
-    for request, ids in zip(requests, conversations):
-        prompt = engine.encode(request["prompt"], chat=True)
-        reply = engine.generate([request["prompt"]], GenerationParams(max_new_tokens=6), chat=True)
-        assert ids == prompt + reply[0].token_ids
+    # Every request answered once, shortest prompts first (a batch pads to its longest).
+    assert sorted(c["prompt"] for c in conversations) == sorted(r["prompt"] for r in requests)
+    lengths = [len(engine.encode(c["prompt"], chat=True)) for c in conversations]
+    assert lengths == sorted(lengths) and len(set(lengths)) > 1
+    for c in conversations:
+        prompt = engine.encode(c["prompt"], chat=True)
+        reply = engine.generate([c["prompt"]], GenerationParams(max_new_tokens=6), chat=True)
+        assert c["ids"] == prompt + reply[0].token_ids
+        # The features recorded while writing are the target's over the whole conversation.
+        torch.testing.assert_close(c["features"], _target_features(tiny_target, c["ids"][:-1]),
+                                   atol=1e-4, rtol=1e-4)
     # A run killed while writing its third reply: the rerun keeps two and generates three.
     lines = (tmp_path / "replies.jsonl").read_text().splitlines()
     (tmp_path / "replies.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][:17])
@@ -63,11 +77,28 @@ def test_replies_are_the_targets_greedy_answers_and_survive_a_kill(tmp_path, tin
 
     monkeypatch.setattr(SpeculativeEngine, "generate", generate)
     again = chat_replies(tiny_target, requests, tmp_path, max_new_tokens=6, progress=lambda _: None)
-    assert again == conversations
-    assert asked == [r["prompt"] for r in requests[2:]]
+    assert [c["ids"] for c in again] == [c["ids"] for c in conversations]
+    assert asked == [c["prompt"] for c in conversations[2:]]
+    assert torch.equal(again[0]["features"], conversations[0]["features"])   # kept on disk
+    for a, c in zip(again, conversations):
+        torch.testing.assert_close(a["features"], c["features"], atol=1e-4, rtol=1e-4)
     # Replies made for other requests are not mixed in.
     with pytest.raises(SpecpairError, match="other requests"):
         chat_replies(tiny_target, requests[1:], tmp_path, max_new_tokens=6, progress=lambda _: None)
+
+
+def test_replies_without_saved_features_get_them_from_a_target_pass(tmp_path, tiny_target):
+    """A run whose reply features are gone (made before they were kept, or deleted) trains on
+    features computed by one target pass per conversation, and says how long that took."""
+    config = DistillConfig(out=str(tmp_path / "head"), method="eagle", steps=1, seq_len=16,
+                           corpus_chars=50_000, replies=3, reply_tokens=6, eval_prompts=0,
+                           draft_vocab=0)
+    distill(config, teacher=tiny_target, progress=lambda _: None)
+    shutil.rmtree(tmp_path / "head" / "checkpoints")
+    log = []
+    summary = distill(config, teacher=tiny_target, progress=log.append)
+    assert summary["steps"] == 1 and summary["feature_seconds"] > 0
+    assert not any(line.startswith("replies:") for line in log)    # none generated again
 
 
 def test_distill_trains_a_head_on_the_targets_replies(tmp_path, tiny_target):
@@ -76,6 +107,6 @@ def test_distill_trains_a_head_on_the_targets_replies(tmp_path, tiny_target):
                                     eval_prompts=0, draft_vocab=0),
                       teacher=tiny_target, progress=lambda _: None)
     replies = (tmp_path / "head" / "replies.jsonl").read_text().splitlines()
-    assert len(replies) == 4 and summary["reply_seconds"] > 0
+    assert len(replies) == 4 and summary["reply_seconds"] > 0 and summary["feature_seconds"] > 0
     with pytest.raises(SpecpairError, match="replies"):
         DistillConfig(out="x", replies=-1)

@@ -23,6 +23,9 @@ import random
 import time
 from pathlib import Path
 
+import torch
+
+from specpair.drafters import NgramDrafter
 from specpair.errors import SpecpairError
 
 CODE_ASKS = ["Write a Python function `{name}({args})` that {summary}",
@@ -128,16 +131,78 @@ def chat_requests(texts: list[str], tokenizer, count: int, seed: int) -> list[di
     return requests
 
 
+class FeatureRecorder(NgramDrafter):
+    """Prompt lookup that also keeps the target's features of every token it commits, per row in
+    the order rows were added. A head trains on exactly these vectors (what the target's LM head
+    read while it wrote the reply), so training needs no second target pass over the
+    conversations: on this CPU that pass would cost about as much as generating them."""
+
+    wants_features = True
+
+    def __init__(self):
+        super().__init__()
+        self.recorded: list[list[torch.Tensor]] = []   # every row added since for_batch
+        self._live: list[int] = []                      # index into `recorded` of each live row
+        self._count: list[int] = []                     # positions recorded per added row
+
+    def for_batch(self) -> "FeatureRecorder":
+        self.recorded, self._live, self._count = [], [], []
+        return self
+
+    def add_rows(self, count: int) -> None:
+        for _ in range(count):
+            self._live.append(len(self.recorded))
+            self.recorded.append([])
+            self._count.append(0)
+
+    def select(self, rows: list[int]) -> None:
+        self._live = [self._live[i] for i in rows]
+
+    def observe(self, row: int, start: int, features: torch.Tensor) -> None:
+        index = self._live[row]
+        if start != self._count[index]:
+            raise SpecpairError(f"row {row}: features from position {start}, expected "
+                                f"{self._count[index]}")
+        self.recorded[index].append(features.detach().to("cpu", torch.float32))
+        self._count[index] += int(features.shape[0])
+
+    def features(self) -> list[torch.Tensor]:
+        """[n_i, D] per added row: the features of its prompt and of all generated tokens but
+        the last (which was never fed back)."""
+        return [torch.cat(parts) for parts in self.recorded]
+
+
+def _load_features(folder: Path, count: int) -> list[torch.Tensor | None]:
+    """Features saved by earlier runs for the first `count` replies (None where there are none:
+    replies of a run from before features were kept, or cut by a kill)."""
+    found: list[torch.Tensor | None] = [None] * count
+    for path in sorted(folder.glob("*.pt")) if folder.exists() else []:
+        first = int(path.stem)
+        for j, tensor in enumerate(torch.load(path, weights_only=True)):
+            if first + j < count:
+                found[first + j] = tensor
+    return found
+
+
 def chat_replies(teacher, requests: list[dict], out: Path, max_new_tokens: int,
-                 progress=print) -> list[list[int]]:
-    """Token ids of each conversation (the chat-formatted request, then the target's greedy
-    reply), generated with our engine (n-gram drafting: greedy output identical to target-only,
-    faster). Finished replies are kept in out/replies.jsonl; a rerun generates only the rest."""
+                 progress=print) -> list[dict]:
+    """The conversations, as {"kind", "prompt", "ids", "features"}: ids are the chat-formatted
+    request then the target's greedy reply; features [len(ids) - 1, D] are the target's for every
+    token but the last, recorded as it wrote them. Generated with our engine (n-gram drafting:
+    greedy output identical to target-only) in batches of requests of similar length, since a
+    batch's prefill pads every prompt to its longest; so they come back in that order, not in
+    `requests`'. Finished replies are kept in out/replies.jsonl and their features in
+    out/checkpoints/reply-features/; a rerun generates only the rest."""
     from specpair.config import GenerationParams, SpeculationConfig
     from specpair.decoding import SpeculativeEngine
-    from specpair.drafters import NgramDrafter
 
     path = out / "replies.jsonl"
+    feature_dir = out / "checkpoints" / "reply-features"
+    recorder = FeatureRecorder()
+    engine = SpeculativeEngine(teacher, drafter=recorder,
+                               speculation=SpeculationConfig(k=4), check_tokenizers=False)
+    prompts = {r["prompt"]: engine.encode(r["prompt"], chat=True) for r in requests}
+    requests = sorted(requests, key=lambda r: len(prompts[r["prompt"]]))   # stable: seeded order
     done = []
     if path.exists():
         for line in path.read_text().splitlines():
@@ -147,23 +212,33 @@ def chat_replies(teacher, requests: list[dict], out: Path, max_new_tokens: int,
                 break
         if [d["prompt"] for d in done] != [r["prompt"] for r in requests[:len(done)]]:
             raise SpecpairError(f"{path} holds replies to other requests; use a new --out")
-    engine = SpeculativeEngine(teacher, drafter=NgramDrafter(),
-                               speculation=SpeculationConfig(k=4), check_tokenizers=False)
+    for d, features in zip(done, _load_features(feature_dir, len(done))):
+        d["features"] = features
+    feature_dir.mkdir(parents=True, exist_ok=True)
     params = GenerationParams(max_new_tokens=max_new_tokens)
     started, tokens = time.perf_counter(), 0
     with path.open("w") as f:
         for d in done:
-            f.write(json.dumps(d) + "\n")
+            f.write(json.dumps({k: v for k, v in d.items() if k != "features"}) + "\n")
         for i in range(len(done), len(requests), GENERATION_BATCH):
             chunk = requests[i:i + GENERATION_BATCH]
             results = engine.generate([r["prompt"] for r in chunk], params, chat=True)
-            for r, res in zip(chunk, results):
+            features = recorder.features()
+            # Features first, then the lines: a line on disk always has its features.
+            tmp = feature_dir / f".{i:06d}.pt.tmp"
+            torch.save(features, tmp)
+            tmp.replace(feature_dir / f"{i:06d}.pt")
+            for r, res, feats in zip(chunk, results, features):
                 # the reply's ids end with the target's end-of-turn token when it finished
-                done.append({**r, "ids": engine.encode(r["prompt"], chat=True) + res.token_ids})
-                f.write(json.dumps(done[-1]) + "\n")
+                record = {**r, "ids": prompts[r["prompt"]] + res.token_ids}
+                if feats.shape[0] != len(record["ids"]) - 1:
+                    raise SpecpairError(f"recorded {feats.shape[0]} features for a conversation "
+                                        f"of {len(record['ids'])} tokens")
+                f.write(json.dumps(record) + "\n")
+                done.append({**record, "features": feats})
                 tokens += len(res.token_ids)
             f.flush()
             elapsed = time.perf_counter() - started
             progress(f"replies: {len(done)}/{len(requests)} ({tokens / max(elapsed, 1e-9):.0f} "
                      f"tokens/s)")
-    return [d["ids"] for d in done]
+    return done
