@@ -172,6 +172,15 @@ class FeatureRecorder(NgramDrafter):
         return [torch.cat(parts) for parts in self.recorded]
 
 
+def _own_features(features: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """A conversation's features: one per token but the last. A round can accept drafts past the
+    end-of-turn token; the reply stops there, and so do its features."""
+    if features.shape[0] < len(ids) - 1:
+        raise SpecpairError(f"recorded {features.shape[0]} features for a conversation of "
+                            f"{len(ids)} tokens")
+    return features[:len(ids) - 1]
+
+
 def _load_features(folder: Path, count: int) -> list[torch.Tensor | None]:
     """Features saved by earlier runs for the first `count` replies (None where there are none:
     replies of a run from before features were kept, or cut by a kill)."""
@@ -213,7 +222,7 @@ def chat_replies(teacher, requests: list[dict], out: Path, max_new_tokens: int,
         if [d["prompt"] for d in done] != [r["prompt"] for r in requests[:len(done)]]:
             raise SpecpairError(f"{path} holds replies to other requests; use a new --out")
     for d, features in zip(done, _load_features(feature_dir, len(done))):
-        d["features"] = features
+        d["features"] = None if features is None else _own_features(features, d["ids"])
     feature_dir.mkdir(parents=True, exist_ok=True)
     params = GenerationParams(max_new_tokens=max_new_tokens)
     started, tokens = time.perf_counter(), 0
@@ -223,20 +232,19 @@ def chat_replies(teacher, requests: list[dict], out: Path, max_new_tokens: int,
         for i in range(len(done), len(requests), GENERATION_BATCH):
             chunk = requests[i:i + GENERATION_BATCH]
             results = engine.generate([r["prompt"] for r in chunk], params, chat=True)
-            features = recorder.features()
+            records, features = [], []
+            for r, res, feats in zip(chunk, results, recorder.features()):
+                # the reply's ids end with the target's end-of-turn token when it finished
+                records.append({**r, "ids": prompts[r["prompt"]] + res.token_ids})
+                features.append(_own_features(feats, records[-1]["ids"]))
+                tokens += len(res.token_ids)
             # Features first, then the lines: a line on disk always has its features.
             tmp = feature_dir / f".{i:06d}.pt.tmp"
             torch.save(features, tmp)
             tmp.replace(feature_dir / f"{i:06d}.pt")
-            for r, res, feats in zip(chunk, results, features):
-                # the reply's ids end with the target's end-of-turn token when it finished
-                record = {**r, "ids": prompts[r["prompt"]] + res.token_ids}
-                if feats.shape[0] != len(record["ids"]) - 1:
-                    raise SpecpairError(f"recorded {feats.shape[0]} features for a conversation "
-                                        f"of {len(record['ids'])} tokens")
+            for record, feats in zip(records, features):
                 f.write(json.dumps(record) + "\n")
                 done.append({**record, "features": feats})
-                tokens += len(res.token_ids)
             f.flush()
             elapsed = time.perf_counter() - started
             progress(f"replies: {len(done)}/{len(requests)} ({tokens / max(elapsed, 1e-9):.0f} "
