@@ -110,3 +110,14 @@ def test_distill_trains_a_head_on_the_targets_replies(tmp_path, tiny_target):
     assert len(replies) == 4 and summary["reply_seconds"] > 0 and summary["feature_seconds"] > 0
     with pytest.raises(SpecpairError, match="replies"):
         DistillConfig(out="x", replies=-1)
+
+
+def test_a_conversations_features_stop_where_its_reply_does():
+    """A round may accept drafts past the end-of-turn token: the reply ends there, and its
+    features keep one vector per token but the last; fewer than that is refused."""
+    from specpair.self_distill import _own_features
+
+    recorded = torch.arange(7 * 3, dtype=torch.float32).view(7, 3)
+    assert torch.equal(_own_features(recorded, [1, 2, 3, 4, 5]), recorded[:4])
+    with pytest.raises(SpecpairError, match="recorded 7 features for a conversation of 9"):
+        _own_features(recorded, list(range(9)))

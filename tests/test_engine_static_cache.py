@@ -131,6 +131,59 @@ def test_static_cache_matches_the_dynamic_cache_through_every_operation(model, m
     assert ours.capacity[0] >= 3 and ours.capacity[1] >= 33
 
 
+def test_rows_of_very_different_widths_run_apart():
+    """A prompt joining running rows is not padded into them: the cut is where the padding saved
+    pays for another forward, and rows of similar widths stay together."""
+    from specpair.static_cache import GROUP_CALL_TOKENS, width_groups
+
+    assert width_groups([1, 1, 300, 1]) == [[2], [0, 1, 3]]
+    assert width_groups([5, 5, 5, 5]) == [[0, 1, 2, 3]]
+    assert width_groups([3, 2, 5]) == [[0, 1, 2]]              # 6 tokens of padding: not worth it
+    assert width_groups([200, 1, 190, 2, 1]) == [[0, 2], [1, 3, 4]]
+    assert width_groups([200, 1, 180, 2, 1]) == [[0], [2], [1, 3, 4]]   # 20 padded > 16
+    assert width_groups([0, 0, 40]) == [[2], [0, 1]]
+    assert width_groups([]) == []
+    # Exactly at the price of a call: stay together.
+    assert width_groups([1 + GROUP_CALL_TOKENS, 1]) == [[0, 1]]
+    assert width_groups([2 + GROUP_CALL_TOKENS, 1]) == [[0], [1]]
+
+
+def test_a_step_run_apart_gives_what_one_padded_step_gives(tiny_target, monkeypatch):
+    """Logits and features of a step whose rows run apart (a prefill beside decode and verify
+    rows, in a batch whose rows were reordered) equal those of the same step padded into one
+    forward; the cache afterwards serves the next step the same way."""
+    def run(apart: bool):
+        monkeypatch.setattr(static_cache, "GROUP_CALL_TOKENS", 16 if apart else 10**9)
+        kv = StaticKVModel(tiny_target.model)
+        kv.add_rows(3)
+        kv.extend([[5, 6, 7], [8, 9], [10]])
+        kv.select([2, 0, 1])
+        kv.add_rows(1)
+        seen = [kv.extend([[1], [2, 3, 4], list(range(20, 60)), [11]], last=3, hidden=True)]
+        seen.append(kv.extend([[12], [13], [14], [15]], last=1, hidden=True))
+        return seen
+
+    calls = []
+    original = static_cache.StaticLlama.forward
+
+    def counted(self, ids, *args, **kwargs):
+        calls.append(tuple(ids.shape))
+        return original(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(static_cache.StaticLlama, "forward", counted)
+    padded = run(apart=False)
+    assert calls == [(3, 3), (4, 40), (4, 1)]
+    calls.clear()
+    apart = run(apart=True)
+    assert calls == [(3, 3), (1, 40), (3, 3), (4, 1)]
+    counts = [1, 3, 40, 1]
+    # Within rounding: the short rows now take the C layer, which padded to 40 they could not.
+    for (pl, ps), (al, as_) in zip(padded, apart):
+        torch.testing.assert_close(al, pl, rtol=1e-4, atol=1e-4)
+        for i, n in enumerate(counts if pl.shape[1] == 3 else [1] * 4):
+            torch.testing.assert_close(as_[i, :n], ps[i, :n], rtol=1e-4, atol=1e-4)
+
+
 def test_rejection_costs_nothing_and_keeps_the_survivors(tiny_target):
     kv = StaticKVModel(tiny_target.model)
     kv.add_rows(1)
