@@ -9,6 +9,8 @@ length), which is what lets `torch.compile` specialise it.
 
 Rows are left-aligned: row i's n_i new tokens fill slots 0..n_i-1 and its pad slots continue the
 row's positions past its end (harmless writes past the length, invisible to every real query).
+Rows of very different widths (a request joining running rows with its whole prompt) run as
+separate forwards, each padded only to its own widest row (`width_groups`).
 
 The forward is written here over the Hugging Face model's own parameters (nothing is copied) for
 the Llama family (SmolLM2, Llama 2/3, TinyLlama, the test models); `supports()` says why another
