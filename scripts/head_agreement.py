@@ -2,7 +2,7 @@
 """How often a drafting head's first guess is the target's own next token, teacher-forced.
 
     python scripts/head_agreement.py --target TARGET_DIR --head HEAD_DIR [--prompts FILE.jsonl]
-        [--replies OUT/replies.jsonl --kinds qa code] [--max-new-tokens 64]
+        [--replies OUT/replies.jsonl --kinds qa code --limit 40 --stride 1] [--max-new-tokens 64]
 
 The first draft position of a round is exactly this setting (the head reads the target's real
 features), so this number is what bench acceptance at position 1 can reach; the gap between it
@@ -54,6 +54,9 @@ def main(argv=None) -> int:
     ap.add_argument("--replies", default=None, help="a replies.jsonl of `specpair distill --replies`")
     ap.add_argument("--kinds", nargs="*", default=None, help="with --replies: only these kinds")
     ap.add_argument("--limit", type=int, default=40, help="with --replies: the first N")
+    ap.add_argument("--stride", type=int, default=1,
+                    help="with --replies: every Nth conversation (a spread over a file whose "
+                         "replies are ordered by prompt length)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args(argv)
     target = load_model(args.target, dtype="float32")
@@ -63,7 +66,10 @@ def main(argv=None) -> int:
     if args.replies:
         with open(args.replies) as f:
             rows = [json.loads(line) for line in f]
-        rows = [r for r in rows if not args.kinds or r["kind"] in args.kinds][:args.limit]
+        if args.stride < 1:
+            ap.error("--stride must be >= 1")
+        rows = [r for r in rows if not args.kinds or r["kind"] in args.kinds]
+        rows = rows[::args.stride][:args.limit]
         for r in rows:
             conversations.append((r["ids"], len(engine.encode(r["prompt"], chat=True))))
     else:

@@ -15,7 +15,7 @@ from test_engine_eagle import _head, _mirror_head, one_layer_target  # noqa: F40
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from bench_drafters import main as bench_drafters_main, table  # noqa: E402
-from head_agreement import agreement  # noqa: E402
+from head_agreement import agreement, main as head_agreement_main  # noqa: E402
 from ngram_ceiling import main as ngram_ceiling_main, replay  # noqa: E402
 
 
@@ -96,3 +96,29 @@ def test_the_ceiling_script_reads_distills_replies(tmp_path, tiny_pair_dirs, tin
     with pytest.raises(SystemExit):
         ngram_ceiling_main(["--target", str(tiny_pair_dirs["target"]), "--replies", str(path),
                             "--kinds", "code"])
+
+
+def test_the_agreement_script_spreads_over_distills_replies(tmp_path, tiny_pair_dirs, tiny_target,
+                                                            capsys):
+    """--stride takes every Nth conversation of a replies file (they are ordered by prompt
+    length), --limit the first N of those; agreement counts their reply tokens only."""
+    import json
+
+    from specpair.decoding import encode_prompt
+    from specpair.heads import save_head
+
+    head_dir = tmp_path / "head"
+    save_head(_head(tiny_target, seed=1).model, head_dir, tiny_target.tokenizer, {"target": "tiny"})
+    rows = []
+    for i in range(6):
+        prompt = f"question number {i}: " + "why " * i
+        ids = encode_prompt(tiny_target.tokenizer, prompt, chat=True)
+        rows.append({"kind": "qa", "prompt": prompt, "ids": ids + list(range(10, 13 + i))})
+    path = tmp_path / "replies.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--target", str(tiny_pair_dirs["target"]), "--head", str(head_dir),
+            "--replies", str(path)]
+    assert head_agreement_main(args + ["--stride", "2", "--limit", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 3 + 5    # conversations 0 and 2
+    with pytest.raises(SystemExit):
+        head_agreement_main(args + ["--stride", "0"])
