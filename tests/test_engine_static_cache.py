@@ -301,3 +301,24 @@ def test_a_model_with_a_strided_weight_takes_the_torch_step(tiny_tokenizer):
     for kv in (ours, ref):
         kv.add_rows(1)
     torch.testing.assert_close(ours.extend([[5, 6, 7]], 3), ref.extend([[5, 6, 7]], 3), rtol=1e-4, atol=1e-4)
+
+
+def test_the_join_step_script_times_both_ways(tiny_pair_dirs, capsys):
+    """scripts/join_step.py: one figure per prompt length and way (timings are benchmark
+    figures, printed, never asserted), and bad sizes are refused."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from join_step import main
+
+    assert main(["--target", str(tiny_pair_dirs["target"]), "--rows", "3", "--context", "5",
+                 "--prompt-tokens", "4", "30", "--repeats", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["prompts"]) == {"4", "30"}
+    assert all(set(v) == {"padded_ms", "apart_ms", "prefill_alone_ms"} and min(v.values()) > 0
+               for v in out["prompts"].values())
+    assert static_cache.GROUP_CALL_TOKENS == 16          # put back after the padded runs
+    with pytest.raises(SystemExit):
+        main(["--target", str(tiny_pair_dirs["target"]), "--rows", "0"])
