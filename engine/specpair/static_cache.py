@@ -239,6 +239,8 @@ def width_groups(counts: list[int]) -> list[list[int]]:
     order = sorted(range(len(counts)), key=lambda i: -counts[i])
     widths = [max(1, counts[i]) for i in order]     # a row feeding nothing still takes a slot
     n = len(widths)
+    if n * (widths[0] if n else 0) - sum(widths) <= GROUP_CALL_TOKENS:
+        return [list(range(n))] if n else []     # all the padding would not pay for one cut
     # best[j]: least cost of the first j rows (sorted); a group order[i:j] costs (j-i)*widths[i].
     best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
     for j in range(1, n + 1):
