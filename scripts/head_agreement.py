@@ -22,23 +22,45 @@ import torch
 
 
 @torch.no_grad()
-def agreement(target, head, conversations: list[tuple[list[int], int]]) -> dict:
-    """conversations: (token ids, index of the first reply token). -> agreed, total, rate."""
+def agreement(target, head, conversations: list[tuple[list[int], int]], depth: int = 1) -> dict:
+    """conversations: (token ids, index of the first reply token). A chain starts after every
+    pair j whose first draft (token j+2) is a reply token; its step d drafts token j+d+1 from the
+    head's own step d-1 (`EagleHead.unroll`), as a greedy round of `depth` drafts would.
+    -> per step: chains right up to it / chains reaching it, and the mean accepted run + 1
+    (tokens per target pass of such rounds, ignoring the drafter's cost)."""
     draft_ids = head.draft_token_ids
-    agreed = total = 0
+    right = [0] * depth
+    reached = [0] * depth
+    runs = starts = 0
     for ids, start in conversations:
         x = torch.tensor([ids])
         features = target.model.model(input_ids=x).last_hidden_state
         embeds = target.model.get_input_embeddings()(x)
-        predicted = head(embeds[:, 1:], features[:, :-1])            # f[j+1] from pair j
-        guess = draft_ids[head.lm_head(predicted).argmax(-1)][0]      # token j+2
-        truth = target.model.lm_head(features[:, 1:]).argmax(-1)[0]   # the target's token j+2
-        # pair j predicts token j+2; reply tokens start at `start`
-        positions = torch.arange(len(ids) - 1) + 2
-        keep = (positions >= start) & (positions < len(ids))
-        agreed += int((guess == truth)[keep].sum())
-        total += int(keep.sum())
-    return {"agreed": agreed, "tokens": total, "rate": round(agreed / total, 4) if total else None}
+        steps = [head(embeds[:, 1:], features[:, :-1])] if depth == 1 else \
+            head.unroll(embeds, features, min(depth, len(ids) - 1))
+        truth = target.model.lm_head(features).argmax(-1)[0]           # the target's token j+1
+        n = len(ids) - 1
+        alive = torch.ones(n, dtype=torch.bool)
+        first = torch.arange(n) + 2 >= start                            # first draft is a reply token
+        run = torch.zeros(n, dtype=torch.long)
+        for d, predicted in enumerate(steps, start=1):
+            m = predicted.shape[1] - 1          # chains whose step d drafts a token of the text
+            guess = draft_ids[head.lm_head(predicted[:, :m]).argmax(-1)][0]   # token j+d+1
+            ok = (guess == truth[d:d + m]) & alive[:m]
+            keep = first[:m]
+            reached[d - 1] += int(keep.sum())
+            right[d - 1] += int((ok & keep).sum())
+            run[:m] += ok.long()
+            alive = torch.zeros(n, dtype=torch.bool)
+            alive[:m] = ok
+        runs += int(run[first].sum())
+        starts += int(first.sum())
+    rate = [round(r / t, 4) if t else None for r, t in zip(right, reached)]
+    out = {"agreed": right[0], "tokens": reached[0], "rate": rate[0]}
+    if depth > 1:
+        out |= {"depth": depth, "rate_per_step": rate,
+                "tokens_per_pass": round(1 + runs / starts, 4) if starts else None}
+    return out
 
 
 def main(argv=None) -> int:
@@ -58,7 +80,12 @@ def main(argv=None) -> int:
                     help="with --replies: every Nth conversation (a spread over a file whose "
                          "replies are ordered by prompt length)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=1,
+                    help="draft chains this long: agreement per step (the head drafting from its "
+                         "own predictions after the first) and tokens per target pass")
     args = ap.parse_args(argv)
+    if args.depth < 1:
+        ap.error("--depth must be >= 1")
     target = load_model(args.target, dtype="float32")
     head = load_model(args.head, dtype="float32").model
     engine = SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False))
@@ -80,7 +107,7 @@ def main(argv=None) -> int:
             while batch.active:
                 batch.step()
             conversations.append((prompt + seq.generated, len(prompt)))
-    print(json.dumps(agreement(target, head, conversations)))
+    print(json.dumps(agreement(target, head, conversations, args.depth)))
     return 0
 
 

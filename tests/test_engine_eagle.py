@@ -121,6 +121,68 @@ def test_cached_head_step_equals_its_training_forward(tiny_target):
     torch.testing.assert_close(norm(out1[1, :L]), whole[1], rtol=1e-4, atol=1e-4)
 
 
+def test_unrolled_training_steps_are_the_heads_own_drafting_steps(tiny_target):
+    """EAGLE-3's training-time test: step d of `unroll` at index j is what the head computes
+    while drafting the d-th token of a round after pair j, through the same cached step the
+    drafter runs (pairs 0..j on real features, then its own predicted features)."""
+    head = _head(tiny_target, seed=2).model
+    torch.manual_seed(1)
+    L, D, depth = 12, head.config.hidden_size, 3
+    embeds, features = torch.randn(1, L, D), torch.randn(1, L, D)
+    with torch.no_grad():
+        steps = head.unroll(embeds, features, depth)
+        torch.testing.assert_close(steps[0], head(embeds[:, 1:], features[:, :-1]),
+                                   rtol=1e-4, atol=1e-4)
+        assert [s.shape[1] for s in steps] == [L - 1, L - 2, L - 3]
+        for j in (0, 4, L - 1 - depth):
+            kv = StaticKVModel(head)
+            kv.add_rows(1)
+            out = kv.extend_vectors([head.inputs(embeds[0, 1:j + 2], features[0, :j + 1])])
+            g = head.model.norm(out[0, j])
+            torch.testing.assert_close(g, steps[0][0, j], rtol=1e-4, atol=1e-4)
+            for d in range(2, depth + 1):
+                pair = head.inputs(embeds[0, j + d:j + d + 1], g[None])
+                g = head.model.norm(kv.extend_vectors([pair])[0, 0])
+                torch.testing.assert_close(g, steps[d - 1][0, j], rtol=1e-4, atol=1e-4)
+    with pytest.raises(SpecpairError, match="cannot be unrolled"):
+        head.unroll(embeds[:, :3], features[:, :3], 3)
+
+
+def test_training_time_test_adds_the_later_steps_loss(tiny_target):
+    from specpair.distill import eagle_loss
+
+    head = _head(tiny_target, seed=2).model
+    torch.manual_seed(1)
+    embeds, features = torch.randn(2, 10, head.config.hidden_size), torch.randn(2, 10, head.config.hidden_size)
+    losses = []
+    for depth in (1, 2):
+        torch.manual_seed(5)                       # the same feature noise for both
+        losses.append(eagle_loss(head, embeds, features, depth))
+    assert losses[1] > losses[0] + 1e-3
+    head.zero_grad()
+    losses[1].backward()
+    assert head.fc.weight.grad is not None and bool(head.fc.weight.grad.abs().sum() > 0)
+
+
+def test_an_unrolled_eagle_run_trains_and_resumes_exactly(tmp_path, tiny_target):
+    quiet = lambda *_: None  # noqa: E731
+
+    def config(out):
+        return DistillConfig(out=str(out), method="eagle", steps=30, batch_size=2, seq_len=24,
+                             lr=3e-3, seed=7, checkpoint_every=8, corpus_chars=40_000,
+                             eval_prompts=0, draft_vocab=150, ttt_depth=3)
+
+    full = distill(config(tmp_path / "a"), teacher=tiny_target, progress=quiet)
+    assert full["config"]["ttt_depth"] == 3 and full["loss_first10"] > full["loss_last10"]
+    distill(config(tmp_path / "b"), teacher=tiny_target, progress=quiet, stop_after=17)
+    assert distill(config(tmp_path / "b"), teacher=tiny_target, progress=quiet)["loss_last10"] \
+        == full["loss_last10"]
+    with pytest.raises(SpecpairError, match="ttt_depth"):
+        DistillConfig(out=str(tmp_path), method="medusa", ttt_depth=2)
+    with pytest.raises(SpecpairError, match="ttt_depth"):
+        DistillConfig(out=str(tmp_path), method="eagle", ttt_depth=0)
+
+
 def test_verification_hands_over_the_targets_own_features(tiny_target):
     ids = tiny_target.tokenizer("def foo(x):\n    return x + 1", add_special_tokens=False)["input_ids"]
     kv = StaticKVModel(tiny_target.model)

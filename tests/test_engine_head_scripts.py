@@ -28,6 +28,22 @@ def test_agreement_tells_a_predicting_head_from_a_random_one(one_layer_target):
     assert mirror["rate"] > 0.5 > noise["rate"]
 
 
+def test_chain_agreement_counts_runs_of_right_drafts(one_layer_target):
+    """--depth: step d counts chains right at every step up to d; tokens per pass is one plus
+    the mean run. A head that nearly is the target keeps long runs; a random one does not."""
+    torch.manual_seed(0)
+    conversations = [(torch.randint(3, 300, (40,)).tolist(), 10) for _ in range(4)]
+    mirror = _mirror_head(one_layer_target).model
+    one = agreement(one_layer_target, mirror, conversations)
+    chain = agreement(one_layer_target, mirror, conversations, depth=3)
+    assert chain["rate_per_step"][0] == one["rate"] and chain["tokens"] == one["tokens"]
+    rates = chain["rate_per_step"]
+    # the mean run counts step 1's right drafts and, at most, every later step's too
+    assert len(rates) == 3 and rates[0] <= chain["tokens_per_pass"] - 1 <= sum(rates) + 1e-9
+    noise = agreement(one_layer_target, _head(one_layer_target, seed=3).model, conversations, depth=3)
+    assert chain["tokens_per_pass"] > 1.5 > noise["tokens_per_pass"] >= 1.0
+
+
 def _report(speedup: float) -> dict:
     row = {"speedup": speedup, "mean_acceptance_length": 1.5, "acceptance_per_position": [0.4, 0.2],
            "cost_ratio": 0.08, "greedy_identity": 1.0, "prompts": 2}

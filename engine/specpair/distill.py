@@ -58,6 +58,8 @@ class DistillConfig:
     replies: int = 0           # chat requests the target answers itself before training
                                # (self_distill.py); their conversations join the corpus
     reply_tokens: int = 160    # the longest reply generated
+    ttt_depth: int = 1         # eagle: draft steps unrolled in training (EAGLE-3's training-time
+                               # test); 1 trains on the target's real features only
 
     def __post_init__(self):
         if self.steps <= 0 or self.batch_size <= 0 or self.seq_len < 8:
@@ -79,6 +81,10 @@ class DistillConfig:
                                 "on features computed once, up front)")
         if self.replies < 0 or self.reply_tokens <= 0:
             raise SpecpairError("replies must be >= 0 and reply_tokens > 0")
+        if self.ttt_depth < 1 or self.ttt_depth >= self.seq_len:
+            raise SpecpairError(f"ttt_depth must be in [1, seq_len), got {self.ttt_depth}")
+        if self.ttt_depth > 1 and self.method != "eagle":
+            raise SpecpairError("ttt_depth applies to --method eagle only")
 
 
 def corpus_texts(corpus: str, max_chars: int, seed: int) -> list[str]:
@@ -290,19 +296,31 @@ def medusa_loss(heads, features: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def eagle_loss(head, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+TTT_DECAY = 0.8   # the weight of unrolled step d's loss: 0.8^(d-1), as EAGLE-3 weighs them
+
+
+def eagle_loss(head, embeds: torch.Tensor, features: torch.Tensor, depth: int = 1) -> torch.Tensor:
     """Pairs (embedding of x[j+1], feature f[j]) predict f[j+1]: a feature loss (smooth L1) plus
     the KL between the target's and the head's distributions on the draft vocabulary (the
-    target's, restricted: its LM-head rows applied to its own next feature)."""
+    target's, restricted: its LM-head rows applied to its own next feature). With depth > 1 the
+    head also drafts on from its own predictions (`EagleHead.unroll`), and step d is scored
+    against f[j+d]: what it meets when drafting the 2nd..depth-th token of a round."""
     inputs = features[:, :-1]
     scale = inputs.pow(2).mean().sqrt()
-    inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * FEATURE_NOISE * scale
-    predicted = head(embeds[:, 1:], inputs)
-    target = features[:, 1:]
+    noisy = inputs + (torch.rand_like(inputs) * 2 - 1) * FEATURE_NOISE * scale
     with torch.no_grad():
-        target_logits = head.lm_head(target)
-    return (F.smooth_l1_loss(predicted, target)
-            + CLASSIFICATION_WEIGHT * kl_loss(head.lm_head(predicted), target_logits))
+        target_logits = head.lm_head(features[:, 1:])
+    if depth == 1:
+        steps = [head(embeds[:, 1:], noisy)]
+    else:
+        steps = head.unroll(embeds, torch.cat([noisy, features[:, -1:]], dim=1), depth)
+    total = features.new_zeros(())
+    for d, predicted in enumerate(steps, start=1):
+        n = predicted.shape[1]
+        total = total + TTT_DECAY ** (d - 1) * (
+            F.smooth_l1_loss(predicted, features[:, d:d + n])
+            + CLASSIFICATION_WEIGHT * kl_loss(head.lm_head(predicted), target_logits[:, d - 1:d - 1 + n]))
+    return total
 
 
 def greedy_acceptance(teacher, student_model, prompts: list[str], max_new_tokens: int) -> float:
@@ -438,7 +456,7 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
             with torch.no_grad():
                 teacher_logits = teacher.model(input_ids=batch).logits
         if config.method == "eagle":
-            loss = eagle_loss(student, embeds, features)
+            loss = eagle_loss(student, embeds, features, config.ttt_depth)
         elif config.method == "medusa":
             loss = medusa_loss(student, features)
         else:

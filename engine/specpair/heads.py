@@ -105,6 +105,69 @@ class EagleHead(DraftVocabHead):
                       position_embeddings=cos_sin)
         return self.model.norm(x)
 
+    def unroll(self, embeds: torch.Tensor, features: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """Drafting `depth` tokens from every position of a window at once, as a round does:
+        EAGLE-3's "training-time test". embeds/features: [B, L, D] of x[0..L-1] and f[0..L-1].
+
+        Step 1 is `forward`: pair j (x[j+1], f[j]) predicts f[j+1]. Step d feeds, at position
+        j+d-1, the pair (x[j+d], step d-1's prediction for it) and predicts f[j+d]. It attends,
+        as it would while drafting after pair j, to step 1's keys at positions 0..j (the pairs
+        built on real features) and to its own chain: steps 2..d at index j. The real token
+        x[j+d] stands for the drafted one: a chain counts only while its drafts were right, and
+        then they are equal. Returns [B, L-d, D] per step d (index j: the chain after pair j).
+        """
+        if depth < 1:
+            raise SpecpairError("depth must be >= 1")
+        L = embeds.shape[1]
+        if L - depth < 1:
+            raise SpecpairError(f"a window of {L} tokens cannot be unrolled {depth} steps")
+        layer = self._only_layer()
+        keys, values, out = [], [], []
+        previous = features[:, :-1]
+        for d in range(1, depth + 1):
+            n = L - d
+            x = self.inputs(embeds[:, d:], previous[:, :n])
+            positions = torch.arange(d - 1, d - 1 + n, device=x.device).unsqueeze(0)
+            blocks = [torch.arange(L - 1, device=x.device).unsqueeze(0)
+                      <= torch.arange(n, device=x.device).unsqueeze(1)]      # step 1: causal
+            blocks += [torch.eye(n, L - e, dtype=torch.bool, device=x.device)
+                       for e in range(2, d + 1)]                                # own chain: diagonal
+            previous = self.model.norm(_layer_with_keys(layer, x, positions, self.model.rotary_emb,
+                                                        keys, values, torch.cat(blocks, dim=1)))
+            out.append(previous)
+        return out
+
+    def _only_layer(self):
+        if len(self.model.layers) != 1:
+            raise SpecpairError("unrolled drafting needs a one-layer head")
+        return self.model.layers[0]
+
+
+def _layer_with_keys(layer, x: torch.Tensor, positions: torch.Tensor, rotary, keys: list,
+                     values: list, allowed: torch.Tensor) -> torch.Tensor:
+    """A Llama decoder layer whose attention also reads the keys/values of earlier calls (kept
+    in `keys`/`values`, this call's appended). allowed: [n, all keys] which keys each query may
+    read. Same weights and arithmetic as the layer's own forward."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    attn = layer.self_attn
+    B, n, _ = x.shape
+    hd = attn.head_dim
+    cos, sin = rotary(x, positions)
+    h = layer.input_layernorm(x)
+    q = attn.q_proj(h).view(B, n, -1, hd).transpose(1, 2)
+    k = attn.k_proj(h).view(B, n, -1, hd).transpose(1, 2)
+    v = attn.v_proj(h).view(B, n, -1, hd).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    keys.append(k)
+    values.append(v)
+    k_all, v_all = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+    mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
+    a = torch.nn.functional.scaled_dot_product_attention(
+        q, k_all, v_all, attn_mask=mask, enable_gqa=q.shape[1] != k_all.shape[1])
+    x = x + attn.o_proj(a.transpose(1, 2).reshape(B, n, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
 
 class ResidualBlock(nn.Module):
     """Medusa's block: x + SiLU(W x), W starting at zero (the head starts as the identity)."""
