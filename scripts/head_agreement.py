@@ -3,6 +3,7 @@
 
     python scripts/head_agreement.py --target TARGET_DIR --head HEAD_DIR [--prompts FILE.jsonl]
         [--replies OUT/replies.jsonl --kinds qa code --limit 40 --stride 1] [--max-new-tokens 64]
+        [--depth 4]
 
 The first draft position of a round is exactly this setting (the head reads the target's real
 features), so this number is what bench acceptance at position 1 can reach; the gap between it
@@ -10,6 +11,11 @@ on the head's training conversations and on new requests measures generalisation
 `--prompts` (default: the bench's golden prompts) are the target's greedy chat answers,
 generated here; `--replies` takes conversations already made (distill's replies.jsonl).
 Agreement counts reply tokens only.
+
+`--depth K` follows each chain on for K drafts, the head reading its own predicted features after
+the first (as a greedy round of K drafts does): agreement per step counts chains right at every
+step so far, and `tokens_per_pass` is what such rounds would commit per target pass, before
+the drafter's cost. An EAGLE head only (Medusa heads draft all positions from one feature).
 """
 
 from __future__ import annotations
@@ -88,6 +94,8 @@ def main(argv=None) -> int:
         ap.error("--depth must be >= 1")
     target = load_model(args.target, dtype="float32")
     head = load_model(args.head, dtype="float32").model
+    if getattr(head, "method", None) != "eagle":
+        ap.error(f"{args.head} is not an EAGLE head")
     engine = SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False))
     conversations = []
     if args.replies:
