@@ -45,9 +45,9 @@ def agreement(target, head, conversations: list[tuple[list[int], int]], depth: i
         steps = [head(embeds[:, 1:], features[:, :-1])] if depth == 1 else \
             head.unroll(embeds, features, min(depth, len(ids) - 1))
         truth = target.model.lm_head(features).argmax(-1)[0]           # the target's token j+1
-        n = len(ids) - 1
+        n = len(ids) - 2                        # chains whose first draft (token j+2) is in the text
         alive = torch.ones(n, dtype=torch.bool)
-        first = torch.arange(n) + 2 >= start                            # first draft is a reply token
+        first = torch.arange(n) + 2 >= start                            # ... and a reply token
         run = torch.zeros(n, dtype=torch.long)
         for d, predicted in enumerate(steps, start=1):
             m = predicted.shape[1] - 1          # chains whose step d drafts a token of the text
