@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from bench_drafters import main as bench_drafters_main, table  # noqa: E402
 from head_agreement import agreement, main as head_agreement_main  # noqa: E402
+from head_probe import FeatureReader, columns, first_draft_agreement, fused_head, parse_variant  # noqa: E402
 from ngram_ceiling import main as ngram_ceiling_main, replay  # noqa: E402
 
 
@@ -46,6 +47,45 @@ def test_chain_agreement_counts_runs_of_right_drafts(one_layer_target):
     assert len(rates) == 3 and chain["tokens_per_pass"] == pytest.approx(1 + runs / reached[0], abs=1e-3)
     noise = agreement(one_layer_target, _head(one_layer_target, seed=3).model, conversations, depth=3)
     assert chain["tokens_per_pass"] > 1.5 > noise["tokens_per_pass"] >= 1.0
+
+
+def test_the_probe_counts_first_drafts_as_head_agreement_does(one_layer_target):
+    """The probe's own count (it reads fused features too) against head_agreement's, on the same
+    conversations: they must agree exactly, or the probe's figures mean something else."""
+    torch.manual_seed(0)
+    conversations = [(torch.randint(3, 300, (40,)).tolist(), 10) for _ in range(4)]
+    mirror = _mirror_head(one_layer_target).model
+    reader = FeatureReader(one_layer_target, [0])
+    D = one_layer_target.model.config.hidden_size
+    try:
+        assert reader(conversations[0][0]).shape == (40, 2 * D)     # the last feature, then layer 0's
+        probe = first_draft_agreement(one_layer_target, mirror, reader, columns(reader, [], D),
+                                      conversations)
+    finally:
+        reader.close()
+    reference = agreement(one_layer_target, mirror, conversations)
+    assert probe == {"rate": reference["rate"], "tokens": reference["tokens"]}
+
+
+def test_a_fused_head_starts_as_the_plain_head(one_layer_target):
+    """fc is zero on the other layers' columns: whatever those features hold, step 0 of a fused
+    probe is the plain head, so a difference after training is the fusion's."""
+    head = _mirror_head(one_layer_target).model
+    torch.manual_seed(1)
+    embeds, features = torch.randn(2, 9, head.config.hidden_size), torch.randn(2, 9, head.config.hidden_size)
+    plain = head(embeds, features)
+    fused = fused_head(head, 2)
+    other = torch.randn(2, 9, 2 * head.config.hidden_size) * 50
+    assert torch.allclose(fused(embeds, torch.cat([features, other], dim=-1)), plain, atol=1e-5)
+
+
+def test_probe_variants_are_parsed_and_unknown_settings_refused():
+    name, settings = parse_variant("fused:aux=2+15,noise=0.3")
+    assert name == "fused" and settings["aux"] == [2, 15] and settings["noise"] == 0.3
+    assert parse_variant("base")[1] == {"aux": [], "noise": None, "wd": 0.01, "freeze": "",
+                                           "steps": None}
+    with pytest.raises(ValueError, match="unknown setting"):
+        parse_variant("x:dropout=0.1")
 
 
 def _report(speedup: float) -> dict:
