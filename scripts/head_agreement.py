@@ -69,9 +69,34 @@ def agreement(target, head, conversations: list[tuple[list[int], int]], depth: i
     return out
 
 
-def main(argv=None) -> int:
+def reply_conversations(engine, path, kinds=None, stride: int = 1, limit: int | None = None
+                        ) -> list[tuple[list[int], int]]:
+    """Conversations of a replies.jsonl (`specpair distill --replies`): only `kinds`, every
+    `stride`-th, the first `limit`; each as (token ids, index of the first reply token)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in rows if not kinds or r["kind"] in kinds][::stride][:limit]
+    return [(r["ids"], len(engine.encode(r["prompt"], chat=True))) for r in rows]
+
+
+def prompt_conversations(engine, prompts_path, max_new_tokens: int) -> list[tuple[list[int], int]]:
+    """The target's greedy chat replies to a prompt file (None: the bench's golden prompts)."""
     from specpair.bench import load_prompts
-    from specpair.config import GenerationParams, SpeculationConfig
+    from specpair.config import GenerationParams
+
+    conversations = []
+    for p in load_prompts(prompts_path):
+        prompt = engine.encode(p["prompt"], chat=True)
+        batch = engine.new_batch()
+        seq = batch.add(prompt, GenerationParams(max_new_tokens=max_new_tokens))
+        while batch.active:
+            batch.step()
+        conversations.append((prompt + seq.generated, len(prompt)))
+    return conversations
+
+
+def main(argv=None) -> int:
+    from specpair.config import SpeculationConfig
     from specpair.decoding import SpeculativeEngine
     from specpair.models import load_model
 
@@ -97,24 +122,12 @@ def main(argv=None) -> int:
     if getattr(head, "method", None) != "eagle":
         ap.error(f"{args.head} is not an EAGLE head")
     engine = SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False))
-    conversations = []
     if args.replies:
-        with open(args.replies) as f:
-            rows = [json.loads(line) for line in f]
         if args.stride < 1:
             ap.error("--stride must be >= 1")
-        rows = [r for r in rows if not args.kinds or r["kind"] in args.kinds]
-        rows = rows[::args.stride][:args.limit]
-        for r in rows:
-            conversations.append((r["ids"], len(engine.encode(r["prompt"], chat=True))))
+        conversations = reply_conversations(engine, args.replies, args.kinds, args.stride, args.limit)
     else:
-        for p in load_prompts(args.prompts):
-            prompt = engine.encode(p["prompt"], chat=True)
-            batch = engine.new_batch()
-            seq = batch.add(prompt, GenerationParams(max_new_tokens=args.max_new_tokens))
-            while batch.active:
-                batch.step()
-            conversations.append((prompt + seq.generated, len(prompt)))
+        conversations = prompt_conversations(engine, args.prompts, args.max_new_tokens)
     print(json.dumps(agreement(target, head, conversations, args.depth)))
     return 0
 

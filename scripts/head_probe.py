@@ -174,8 +174,8 @@ def first_draft_agreement(target, head, reader, cols, conversations) -> dict:
 
 
 def main(argv=None) -> int:
-    from specpair.bench import load_prompts
-    from specpair.config import GenerationParams, SpeculationConfig
+    from head_agreement import prompt_conversations, reply_conversations
+    from specpair.config import SpeculationConfig
     from specpair.decoding import SpeculativeEngine
     from specpair.distill import FEATURE_CHUNK, corpus_texts, instruction_prompts
     from specpair.models import load_model
@@ -208,29 +208,15 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     parts = [reader(chunk.tolist()) for chunk in torch.tensor(ids).split(FEATURE_CHUNK)]
     engine = SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False))
-
-    def conversations(path, kinds=None, stride=1, limit=None):
-        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        rows = [r for r in rows if not kinds or r["kind"] in kinds][::stride][:limit]
-        return [(r["ids"], len(engine.encode(r["prompt"], chat=True))) for r in rows]
-
-    for conv, _ in conversations(args.replies):
+    for conv, _ in reply_conversations(engine, args.replies):
         ids.extend(conv[:-1])
         parts.append(reader(conv[:-1]))
     ids, features = torch.tensor(ids), torch.cat(parts)
     log(f"features of {ids.numel()} tokens in {time.perf_counter() - started:.0f} s")
-    bench = []
-    for p in load_prompts(None):
-        prompt = engine.encode(p["prompt"], chat=True)
-        batch = engine.new_batch()
-        seq = batch.add(prompt, GenerationParams(max_new_tokens=64))
-        while batch.active:
-            batch.step()
-        bench.append((prompt + seq.generated, len(prompt)))
-    sets = {"training replies (every 10th)": conversations(args.replies, stride=10, limit=40),
-            "held-out": conversations(args.heldout),
-            "held-out, QA and code": conversations(args.heldout, kinds=["qa", "code"]),
-            "bench prompts' replies": bench}
+    sets = {"training replies (every 10th)": reply_conversations(engine, args.replies, stride=10, limit=40),
+            "held-out": reply_conversations(engine, args.heldout),
+            "held-out, QA and code": reply_conversations(engine, args.heldout, kinds=["qa", "code"]),
+            "bench prompts' replies": prompt_conversations(engine, None, 64)}
     result = {"target": args.target, "replies": args.replies, "heldout": args.heldout,
               "corpus_chars": args.corpus_chars, "steps": args.steps, "tokens": ids.numel(),
               "variants": {}}
