@@ -52,6 +52,18 @@ def test_rounds_without_drafts_prefill_and_model_drafts_cost_what_they_cost():
     assert ideal_spec_seconds(stats_of([(6, 0)]), 0, COSTS) == pytest.approx(0.001 + 0.060)
 
 
+def test_lookup_first_rounds_are_priced_at_the_cheaper_copy():
+    """Lookup first, then a head: k is chosen at the head's costs (a tree's verification, a head
+    step a token), but a copied round costs a lookup and a chain. The bound prices every round
+    the cheaper way, so copied rounds never cost more in it than they did."""
+    s = stats_of([(3, 3), (3, 1)])
+    head = {**COSTS, "draft_per_token": True, "draft_step": 0.005,
+            "verify": {1: 0.050, 2: 0.060, 3: 0.070, 4: 0.090}}
+    both = {**head, "bound": {"verify": COSTS["verify"], "draft_step": 0.001, "draft_per_token": False}}
+    assert ideal_spec_seconds(s, 0, head) == pytest.approx(2 * (3 * 0.005 + 0.070))
+    assert ideal_spec_seconds(s, 0, both) == pytest.approx(2 * (0.001 + 0.052))
+
+
 def test_a_run_that_never_drafts_is_bounded_by_its_target_only_time():
     s = AcceptanceStats()
     assert speedup_bound(s, 10, COSTS, target_seconds=10 * 0.040) == pytest.approx(1.0)

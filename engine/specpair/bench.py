@@ -41,7 +41,7 @@ import torch
 from specpair.config import GenerationParams
 from specpair.contract import DEFAULT_CATEGORY
 from specpair.decoding import SpeculativeEngine, _sync
-from specpair.drafters import EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
+from specpair.drafters import EagleDrafter, LookupFirstDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
 from specpair.stats import AcceptanceStats
@@ -104,7 +104,14 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
             kv.trim()
         return min(times[1:])
 
-    drafter = engine.drafter
+    def fastest_lookup(drafter) -> float:
+        seq = list(prompt_ids) * 2
+        return min(_timed(lambda: drafter.lookup(seq, max(ks)) if hasattr(drafter, "lookup") else None,
+                          device)[0] for _ in range(repeats))
+
+    lookup_first = isinstance(engine.drafter, LookupFirstDrafter)
+    # Lookup first, then a head: priced as its head (what k is chosen by, dynamic_k's cost model)
+    drafter = engine.drafter.head if lookup_first else engine.drafter
     width = engine.config.tree_width if drafter is not None and drafter.tree_capable else 1
     costs = {"target_step": fastest_extend(engine.target.model, 1), "tree_width": width,
              "verify": {k: fastest_extend(engine.target.model, 1 + k * width) for k in ks}}
@@ -116,12 +123,14 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
         step = drafter.timing_step(len(prompt_ids))
         costs["draft_step"] = min([_timed(step, device)[0] for _ in range(repeats + 1)][1:])
     elif drafter is not None:
-        seq = list(prompt_ids) * 2
-        times = [_timed(lambda: drafter.lookup(seq, max(ks)) if hasattr(drafter, "lookup") else None,
-                        device)[0] for _ in range(repeats)]
-        costs["draft_step"] = min(times)
+        costs["draft_step"] = fastest_lookup(drafter)
     else:
         costs["draft_step"] = 0.0
+    if lookup_first:
+        # ... but its copied rounds cost a lookup and a chain's verification, less than a head
+        # round. The bound prices every round so: it stays a bound, only looser on head rounds.
+        costs["bound"] = {"verify": {k: fastest_extend(engine.target.model, 1 + k) for k in ks},
+                          "draft_step": fastest_lookup(engine.drafter), "draft_per_token": False}
     return costs
 
 
@@ -197,6 +206,7 @@ def rounds_by_k(stats: AcceptanceStats) -> dict[int, int]:
 def ideal_spec_seconds(stats: AcceptanceStats, rounds_without_draft: int, costs: dict,
                        prefill_seconds: float = 0.0) -> float:
     """What the speculative run's rounds cost at their measured kernels alone (module docstring)."""
+    costs = {**costs, **costs.get("bound", {})}     # where the bound prices rounds apart from k's choice
     verify = costs["verify"]
 
     def verify_cost(k: int) -> float:
@@ -420,6 +430,8 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
             target_ids=list(base_result.token_ids)))
         if progress:
             progress(n + 1, len(encoded), category)
+    if engine.drafter is not None:     # again, with what it counted while drafting (lookup first)
+        report.pair["drafter"] = engine.drafter.describe()
     if vllm_python:
         report.vllm = run_vllm_peer(engine, [ids for _, ids in encoded], report.prompts,
                                     python=vllm_python, max_new_tokens=max_new_tokens, runs=runs,

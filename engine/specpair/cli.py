@@ -34,6 +34,10 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-width", type=int, default=1,
                    help="drafting heads: candidates per draft position, verified as a token tree "
                         "in one pass (1: a chain)")
+    p.add_argument("--lookup-min-match", type=int, default=0,
+                   help=f"drafting heads: where a request's last N tokens (this <= N <= "
+                        f"{NGRAM_MAX}) occurred earlier, copy what followed them (prompt lookup) "
+                        f"instead of asking the head (0: the head alone)")
     p.add_argument("--k-policy", choices=["auto", "cost", "heuristic"], default="auto",
                    help="dynamic k: 'cost' measures draft/verify costs here at start-up and picks the "
                         "k with most tokens per second; 'heuristic' grows on full acceptance, "
@@ -79,7 +83,7 @@ def build_engine(args, *, speculate: bool = True):
         drafter = NgramDrafter(max_ngram=args.ngram_max, min_ngram=args.ngram_min, device=target.device)
     spec = SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k,
                              k_max=max(8, args.k), enabled=speculate,
-                             tree_width=args.tree_width)
+                             tree_width=args.tree_width, lookup_min_match=args.lookup_min_match)
     engine = SpeculativeEngine(target, drafter=drafter, draft=draft, speculation=spec,
                                on_mismatch=args.on_mismatch, kv=args.kv, compile=args.compile)
     for warning in engine.warnings:

@@ -32,6 +32,9 @@ class SpeculationConfig:
     enabled: bool = True
     tree_width: int = 1              # candidates per draft position (heads): 1 drafts a chain,
                                      # more add siblings verified in the same pass (a token tree)
+    lookup_min_match: int = 0        # heads: a row whose trailing n tokens (n >= this) occurred
+                                     # earlier copies what followed them instead (prompt lookup);
+                                     # 0: the head drafts every round
 
     def __post_init__(self):
         if self.k < 1:
@@ -44,6 +47,9 @@ class SpeculationConfig:
             raise SpecpairError("fallback_window and probe_interval must be >= 1")
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             raise SpecpairError(f"tree_width must be in 1..{MAX_TREE_WIDTH}, got {self.tree_width}")
+        if not 0 <= self.lookup_min_match <= NGRAM_MAX:
+            raise SpecpairError(f"lookup_min_match must be in 0..{NGRAM_MAX} (0: off; the lookup "
+                                f"matches at most {NGRAM_MAX} tokens), got {self.lookup_min_match}")
 
     def to_dict(self) -> dict:
         return asdict(self)

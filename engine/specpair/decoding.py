@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specpair.config import GenerationParams, SpeculationConfig
-from specpair.drafters import Drafter, EagleDrafter, MedusaDrafter, ModelDrafter, RowSampling
+from specpair.drafters import (Drafter, EagleDrafter, HeadDrafter, LookupFirstDrafter, MedusaDrafter,
+                               ModelDrafter, NgramDrafter, RowSampling)
 from specpair.errors import SpecpairError, TokenizerMismatch
 from specpair.static_cache import (kv_model, resolve_compile, resolve_kv_kind, step_description,
                                    supports)
@@ -159,6 +160,9 @@ class Sequence:
     params: GenerationParams
     generator: torch.Generator | None
     dynamic_k: DynamicK
+    # k for rounds that copy (LookupFirstDrafter): grown on runs as n-gram lookup's k is, apart
+    # from the head's k, which its cost model keeps small
+    copy_k: DynamicK | None = None
     tokens: list[int] = field(default_factory=list)      # prompt + generated
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     finished: bool = False
@@ -257,6 +261,13 @@ class SpeculativeEngine:
             elif draft is not None:
                 drafter = ModelDrafter(draft, vocab_size=self.vocab_size, kv=self.kv_kind,
                                        compile=self.compile_mode)
+        if self.config.lookup_min_match:
+            if isinstance(drafter, HeadDrafter):
+                drafter = LookupFirstDrafter(NgramDrafter(device=target.device), drafter,
+                                             self.config.lookup_min_match)
+            else:
+                self.warnings.append(f"lookup_min_match applies to drafting heads (EAGLE, Medusa); "
+                                     f"the {drafter.name if drafter else 'target-only'} engine ignores it")
         self.drafter = drafter
         self.draft = draft
         if self.config.tree_width > 1 and drafter is not None and not drafter.tree_capable:
@@ -372,6 +383,7 @@ class Batch:
         self.engine = engine
         self.target = engine.kv_model(engine.target.model)
         self.drafter = engine.drafter.for_batch() if engine.drafter is not None else None
+        self.copies = isinstance(self.drafter, LookupFirstDrafter)   # two kinds of rounds, two ks
         self.rows: list[Sequence] = []
         self.done: list[Sequence] = []        # finished in the last step or cancelled since
         self.speculate = True
@@ -393,6 +405,7 @@ class Batch:
         seq = Sequence(request_id=request_id or f"req-{next(self.engine._ids)}",
                        prompt_ids=list(prompt_ids), params=params, generator=generator,
                        dynamic_k=DynamicK(self.engine.config, self.engine.cost_model),
+                       copy_k=DynamicK(self.engine.config) if self.copies else None,
                        tokens=list(prompt_ids))
         self.rows.append(seq)
         self.target.add_rows(1)
@@ -408,13 +421,14 @@ class Batch:
 
     # -- one round -----------------------------------------------------------------------------
 
-    def _ks(self) -> list[int]:
+    def _ks(self, copying: bool = False) -> list[int]:
+        """Each row's k this round (for rounds that copy, with `copying`)."""
         eng = self.engine
         on = (self.speculate and self.drafter is not None and eng.controller.should_speculate()
               and self.active <= eng.config.batch_size_threshold)
         ks = []
         for seq in self.rows:
-            k = seq.dynamic_k.k
+            k = (seq.copy_k if copying else seq.dynamic_k).k
             if eng.controller.k_override is not None:
                 k = eng.controller.k_override
             if seq.params.speculation_k is not None:
@@ -443,13 +457,14 @@ class Batch:
         siblings = None
         if self.drafter is not None and any(ks):
             width = eng.config.tree_width if self.drafter.tree_capable else 1
-            proposal = self.drafter.propose(sequences, ks, sampling, width)
+            extra = {"copy_ks": self._ks(copying=True)} if self.copies else {}
+            proposal = self.drafter.propose(sequences, ks, sampling, width, **extra)
             drafts, num, q = proposal.tokens, proposal.num, proposal.probs
-            siblings = proposal.siblings
+            siblings, copied = proposal.siblings, proposal.copied
         else:
             drafts = torch.zeros(B, 0, dtype=torch.long, device=self.device)
             num = torch.zeros(B, dtype=torch.long, device=self.device)
-            q = None
+            q = copied = None
         _sync(self.device)
         t1 = time.perf_counter()
 
@@ -484,7 +499,7 @@ class Batch:
             seq.stats.num_target_steps += 1
             seq.stats.draft_seconds += (t1 - t0) if nums[i] else 0.0
             seq.stats.target_seconds += t2 - t1
-            seq.dynamic_k.update(nums[i], a)
+            (seq.copy_k if copied and copied[i] else seq.dynamic_k).update(nums[i], a)
             if eng.controller.record(nums[i], a, emitted_target_only=len(new) if not nums[i] else 0):
                 seq.stats.fallback_events += 1
             outputs.append(self._emit(seq, new))

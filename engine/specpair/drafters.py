@@ -10,6 +10,8 @@ verification, `accepted` so it can cut back what it cached for rejected tokens.
 - EagleDrafter: a head (heads.py) drafting from the target's own features, which the engine hands
   it after each verification (`observe`); it has no trunk of its own.
 - MedusaDrafter: Medusa heads (heads.py) drafting all k tokens at once from the last feature.
+- LookupFirstDrafter: prompt lookup where the sequence repeats itself, a head elsewhere
+  (`speculation.lookup_min_match`).
 Room for more (self-speculative layer skip): implement the same methods.
 """
 
@@ -32,6 +34,7 @@ class Proposal:
     probs: torch.Tensor | None      # [B, K, V] draft distributions q, None when deterministic
     siblings: torch.Tensor | None = None   # [B, K, S] alternatives to tokens[:, j] (a token tree,
                                            # rejection_sampler.verify_tree); None: a chain
+    copied: list[bool] | None = None       # per row: drafted by copying (LookupFirstDrafter)
 
 
 @dataclass
@@ -98,9 +101,9 @@ class NgramDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.device = torch.device(device)
 
-    def _continuations(self, sequence: list[int]) -> torch.Tensor | None:
-        """Where the continuations of the trailing n-gram's earlier occurrences start, in
-        sequence order, for the longest n that occurs earlier at all (None: none does)."""
+    def _continuations(self, sequence: list[int]) -> tuple[int, torch.Tensor] | None:
+        """(n, where the continuations of the trailing n-gram's earlier occurrences start, in
+        sequence order) for the longest n that occurs earlier at all (None: none does)."""
         if len(sequence) < 2:
             return None
         seq = torch.tensor(sequence, dtype=torch.long)
@@ -109,21 +112,26 @@ class NgramDrafter(Drafter):
             windows = seq[:-1].unfold(0, n, 1)                     # [L-n, n]: excludes the tail itself
             hits = (windows == tail).all(1).nonzero().squeeze(1)
             if hits.numel():
-                return hits + n
+                return n, hits + n
         return None
 
     def matches(self, sequence: list[int]) -> list[int]:
         """Every continuation's start (see _continuations), latest first; for measuring."""
         found = self._continuations(sequence)
-        return [] if found is None else found.flip(0).tolist()
+        return [] if found is None else found[1].flip(0).tolist()
 
-    def lookup(self, sequence: list[int], k: int) -> list[int]:
-        """The k tokens after the latest match (the most local context), or none."""
+    def match(self, sequence: list[int], k: int) -> tuple[int, list[int]]:
+        """(the matched n-gram's length, the k tokens after its latest occurrence, the most local
+        context); (0, []) when nothing matches."""
         found = self._continuations(sequence) if k > 0 else None
         if found is None:
-            return []
-        start = int(found[-1])
-        return sequence[start:start + k]
+            return 0, []
+        start = int(found[1][-1])
+        return found[0], sequence[start:start + k]
+
+    def lookup(self, sequence: list[int], k: int) -> list[int]:
+        """The k tokens after the latest match, or none."""
+        return self.match(sequence, k)[1]
 
     def propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
         found = [self.lookup(seq, k) for seq, k in zip(sequences, ks)]
@@ -517,3 +525,102 @@ class EagleDrafter(HeadDrafter):
             self._logits(g).argmax(-1).tolist()
             kv.rollback(0, context)
         return step
+
+
+class LookupFirstDrafter(Drafter):
+    """Prompt lookup where the text repeats itself, a head everywhere else: per row and round,
+    when the trailing `min_match` tokens (or more) occurred earlier in the sequence, the row
+    copies what followed them (NgramDrafter); otherwise the head drafts. Copying wins where a
+    reply quotes its prompt (extraction, summaries, code that reuses names), a head where it does
+    not; Arctic Inference pairs suffix decoding with a model drafter for the same reason.
+
+    The head sees every round either way: it is handed the committed tokens' features (`observe`)
+    and its propose catches its cache up for rows that copy (they draft 0 head tokens), so it
+    drafts from the right state the next time a row needs it.
+
+    Exactness: a copied row's q is a point mass. In a token tree (width > 1) a copied row's
+    siblings repeat its chain token: for a point-mass q, further independent draws from q are that
+    token again, which is what the multi-candidate rule (rejection_sampler.verify_tree) assumes, and
+    greedy verification never takes a sibling equal to the rejected chain token. When no row of
+    the batch asks its head, the round verifies plain chains (nothing is spent on siblings).
+    """
+
+    deterministic = False
+    wants_features = True
+    tree_capable = True
+
+    def __init__(self, ngram: NgramDrafter, head: HeadDrafter, min_match: int,
+                 rounds: dict | None = None):
+        if not 1 <= min_match <= ngram.max_ngram:
+            raise SpecpairError(f"lookup_min_match must be in 1..{ngram.max_ngram} (the longest "
+                                f"n-gram the lookup matches), got {min_match}")
+        self.ngram, self.head, self.min_match = ngram, head, min_match
+        self.name = f"ngram+{head.name}"
+        # Row-rounds drafted each way, shared by every batch of the engine (what `describe` tells).
+        self.rounds = rounds if rounds is not None else {"copied": 0, "head": 0}
+
+    def for_batch(self) -> "LookupFirstDrafter":
+        return LookupFirstDrafter(self.ngram, self.head.for_batch(), self.min_match, self.rounds)
+
+    def trim(self) -> None:
+        self.head.trim()
+
+    def observe(self, row: int, start: int, features: torch.Tensor) -> None:
+        self.head.observe(row, start, features)
+
+    def add_rows(self, count: int) -> None:
+        self.head.add_rows(count)
+
+    def select(self, rows: list[int]) -> None:
+        self.head.select(rows)
+
+    def accepted(self, row: int, committed_before: int, num_accepted: int) -> None:
+        self.head.accepted(row, committed_before, num_accepted)
+
+    def lookup(self, sequence: list[int], k: int) -> list[int]:
+        """The copy this drafter would make, or none (what the bench times as its per-round cost)."""
+        n, tokens = self.ngram.match(sequence, k)
+        return tokens if n >= self.min_match else []
+
+    def propose(self, sequences, ks, sampling, width: int = 1, copy_ks: list[int] | None = None
+                ) -> Proposal:
+        """ks: the head's k per row; copy_ks: how many tokens a row that copies may copy (the
+        engine grows it on runs, as for n-gram lookup alone; default: ks)."""
+        copy_ks = ks if copy_ks is None else copy_ks
+        copies = [self.lookup(seq, c) for seq, c in zip(sequences, copy_ks)]
+        drafted = self.head.propose(sequences, [0 if c else k for c, k in zip(copies, ks)],
+                                    sampling, width)
+        copying = [i for i, c in enumerate(copies) if c]
+        self.rounds["copied"] += len(copying)
+        self.rounds["head"] += sum(1 for c, k in zip(copies, ks) if k and not c)
+        if not copying:
+            return drafted
+        copied = [bool(c) for c in copies]
+        B = len(sequences)
+        device = drafted.tokens.device
+        K = max(drafted.tokens.shape[1], max(len(copies[i]) for i in copying))
+        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        tokens[:, :drafted.tokens.shape[1]] = drafted.tokens
+        num = drafted.num.clone()
+        for i in copying:
+            tokens[i] = 0
+            tokens[i, :len(copies[i])] = torch.tensor(copies[i], device=device)
+            num[i] = len(copies[i])
+        probs = drafted.probs
+        if probs is not None:             # sampled rows drafted by the head: copies are point masses
+            probs = torch.cat([probs, probs[:, -1:].expand(B, K - probs.shape[1], -1)], dim=1)
+            for i in copying:
+                probs[i] = 0
+                probs[i].scatter_(-1, tokens[i].unsqueeze(-1), 1.0)
+        siblings = None
+        if drafted.siblings is not None and bool((drafted.num > 0).any()):
+            S = drafted.siblings.shape[2]
+            siblings = torch.zeros(B, K, S, dtype=torch.long, device=device)
+            siblings[:, :drafted.siblings.shape[1]] = drafted.siblings
+            for i in copying:
+                siblings[i] = tokens[i].unsqueeze(-1).expand(K, S)
+        return Proposal(tokens=tokens, num=num, probs=probs, siblings=siblings, copied=copied)
+
+    def describe(self) -> dict:
+        return {**self.head.describe(), "kind": self.name, "lookup_min_match": self.min_match,
+                "lookup": self.ngram.describe(), "rounds": dict(self.rounds)}

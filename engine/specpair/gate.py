@@ -53,7 +53,8 @@ def _speculation(release: dict) -> SpeculationConfig:
     return SpeculationConfig(k=k, dynamic_k=bool(s.get("dynamicK", True)), k_max=max(8, k),
                              fallback_threshold=float(s.get("fallbackThreshold", 0.5)),
                              batch_size_threshold=int(s.get("batchSizeThreshold", 8)),
-                             tree_width=int(s.get("treeWidth", 1)))
+                             tree_width=int(s.get("treeWidth", 1)),
+                             lookup_min_match=int(s.get("lookupMinMatch", 0)))
 
 
 def tokenizer_check(release: dict, progress=print) -> dict:

@@ -86,6 +86,10 @@ def speculative_config(release_or_settings: dict | None, *, k: int | None = None
             raise SpecpairError("speculation.treeWidth is the specpair engine's token tree for "
                                 "drafting heads; the vLLM backend verifies chains (leave treeWidth "
                                 "out, or serve with engine: specpair)")
+        if int(spec.get("lookupMinMatch", 0)) > 0:
+            raise SpecpairError("speculation.lookupMinMatch (prompt lookup before a drafting head) "
+                                "is the specpair engine's; vLLM drafts with one method (leave it "
+                                "out, or serve with engine: specpair)")
         draft = settings.get("draft") or {}
         if k is None and spec.get("k") is not None:
             k = int(spec["k"])

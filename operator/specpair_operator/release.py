@@ -167,7 +167,9 @@ def describe_release(release: dict[str, Any], digest: str) -> str:
             f"- draft: {ref(release['draft'])}",
             f"- speculation: k={spec['k']}, dynamic k={spec['dynamicK']}, "
             f"fallback below {spec['fallbackThreshold']}, off at batch >= {spec['batchSizeThreshold']}"
-            + (f", token tree of {spec['treeWidth']} candidates a position" if spec.get("treeWidth", 1) > 1 else ""),
+            + (f", token tree of {spec['treeWidth']} candidates a position" if spec.get("treeWidth", 1) > 1 else "")
+            + (f", prompt lookup first where the last {spec['lookupMinMatch']}+ tokens repeat"
+               if spec.get("lookupMinMatch", 0) > 0 else ""),
             f"- golden prompts: {prompts}, {gating['maxNewTokens']} new tokens each",
             f"- thresholds: greedy identity {'required' if th['requireGreedyIdentity'] else 'not required'}, "
             f"acceptance >= {th['minAcceptance']}, per category: {cats}, speedup >= {th['minSpeedup']}",

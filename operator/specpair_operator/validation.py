@@ -24,6 +24,9 @@ CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "!has(self.engine) || self.engine != 'vllm' || !has(self.speculation) || "
     "!has(self.speculation.treeWidth) || self.speculation.treeWidth == 1":
         lambda o: o.get("engine") != "vllm" or (o.get("speculation") or {}).get("treeWidth", 1) == 1,
+    "!has(self.engine) || self.engine != 'vllm' || !has(self.speculation) || "
+    "!has(self.speculation.lookupMinMatch) || self.speculation.lookupMinMatch == 0":
+        lambda o: o.get("engine") != "vllm" or (o.get("speculation") or {}).get("lookupMinMatch", 0) == 0,
 }
 
 

@@ -398,6 +398,8 @@ def test_a_pair_without_an_image_runs_the_installations_behind_network_policies(
     {"mlflow": {"modelName": "team/chat"}},
     {"speculation": {"k": "four"}},
     {"engine": "vllm", "speculation": {"treeWidth": 2}},
+    {"engine": "vllm", "speculation": {"lookupMinMatch": 2}},
+    {"speculation": {"lookupMinMatch": 4}},
 ])
 def test_malformed_pairs_are_refused_by_the_api_server_and_the_operator_in_the_same_words(env, change):
     """The API server refuses a malformed pair with the CRD's messages; the operator's own check

@@ -111,6 +111,8 @@ BROKEN = [
     ("no target", lambda s: s.pop("target"), "'target' is a required property"),
     ("token tree on vLLM", lambda s: s.update(engine="vllm", speculation={"treeWidth": 2}),
      "speculation.treeWidth above 1 needs engine specpair"),
+    ("lookup first on vLLM", lambda s: s.update(engine="vllm", speculation={"lookupMinMatch": 2}),
+     "speculation.lookupMinMatch needs engine specpair"),
 ]
 
 

@@ -85,6 +85,9 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     spec.add_argument("--tree-width", type=int, default=1,
                       help="drafting heads: candidates per draft position, verified as a token "
                            "tree in one pass (1: a chain)")
+    spec.add_argument("--lookup-min-match", type=int, default=0,
+                      help="drafting heads: a request whose last N tokens (N >= this) occurred "
+                           "earlier copies what followed them instead of asking the head (0: off)")
     spec.add_argument("--fallback-threshold", type=float, default=0.5,
                       help="windowed acceptance below this switches to target-only decoding")
     spec.add_argument("--batch-size-threshold", type=int, default=None,
@@ -156,7 +159,8 @@ def build_engine(args, progress=print):
                                     k_max=max(8, args.k),
                                     fallback_threshold=args.fallback_threshold,
                                     batch_size_threshold=threshold,
-                                    enabled=not args.no_spec, tree_width=args.tree_width)
+                                    enabled=not args.no_spec, tree_width=args.tree_width,
+                                    lookup_min_match=args.lookup_min_match)
     progress(f"speculation k={args.k}{' (dynamic)' if not args.no_dynamic_k else ''}, "
              f"off above {threshold} concurrent requests")
     progress(f"loading target {args.target}")
@@ -265,6 +269,7 @@ def apply_release(args) -> str:
     if spec.get("batchSizeThreshold") is not None:
         args.batch_size_threshold = int(spec["batchSizeThreshold"])
     args.tree_width = int(spec.get("treeWidth", args.tree_width))
+    args.lookup_min_match = int(spec.get("lookupMinMatch", args.lookup_min_match))
     args.pair = str(release.get("pair") or args.pair)
     args.version = str((release.get("mlflow") or {}).get("version") or args.version)
     return content_hash(release)
