@@ -161,28 +161,3 @@ def test_bad_settings_are_refused_or_said(one_layer_target, tiny_target, tiny_dr
                                speculation=SpeculationConfig(lookup_min_match=2))
     assert any("lookup_min_match applies to drafting heads" in w for w in engine.warnings)
 
-
-def test_a_release_asks_the_gate_the_server_and_vllm_for_lookup_first(tmp_path):
-    """speculation.lookupMinMatch reaches the gate's engine and the served engine's flags; the
-    vLLM backend refuses it (it drafts with one method) rather than serving without it."""
-    import argparse
-    import json
-
-    from specpair.gate import _speculation
-    from specpair.server.cli import add_engine_parser, apply_release
-    from specpair.vllm_peer import speculative_config
-
-    assert _speculation({"speculation": {"k": 3, "lookupMinMatch": 2}}).lookup_min_match == 2
-    assert _speculation({"speculation": {"k": 3}}).lookup_min_match == 0
-    parser = argparse.ArgumentParser()
-    add_engine_parser(parser.add_subparsers())
-    for speculation, expected in (({"k": 3, "lookupMinMatch": 3}, 3), ({"k": 3}, 0)):
-        release = tmp_path / "release.json"
-        release.write_text(json.dumps({"pair": "p", "target": {"source": "default"},
-                                       "draft": {"source": "/models/head"},
-                                       "speculation": speculation}))
-        args = parser.parse_args(["engine", "serve", "--release", str(release)])
-        apply_release(args)
-        assert args.lookup_min_match == expected
-    with pytest.raises(SpecpairError, match="lookupMinMatch"):
-        speculative_config({"draft": {"source": "/models/head"}, "speculation": {"lookupMinMatch": 2}})

@@ -106,6 +106,8 @@ def test_target_only_and_bad_settings():
         speculative_config({"draft": {}})
     with pytest.raises(SpecpairError, match="treeWidth"):    # token trees: our engine's only
         speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"treeWidth": 2}})
+    with pytest.raises(SpecpairError, match="lookupMinMatch"):   # lookup before a head: ours too
+        speculative_config({"draft": {"source": "/models/head"}, "speculation": {"lookupMinMatch": 2}})
 
 
 # -- /metrics ---------------------------------------------------------------------------------
