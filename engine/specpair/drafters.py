@@ -556,7 +556,8 @@ class LookupFirstDrafter(Drafter):
                                 f"n-gram the lookup matches), got {min_match}")
         self.ngram, self.head, self.min_match = ngram, head, min_match
         self.name = f"ngram+{head.name}"
-        # Row-rounds drafted each way, shared by every batch of the engine (what `describe` tells).
+        # Row-rounds that copied and that asked the head (which drafts nothing before a row's
+        # first features), shared by every batch of the engine: what `describe` tells.
         self.rounds = rounds if rounds is not None else {"copied": 0, "head": 0}
 
     def for_batch(self) -> "LookupFirstDrafter":
