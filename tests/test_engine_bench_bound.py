@@ -13,16 +13,17 @@ COSTS = {"target_step": 0.040, "verify": {1: 0.044, 2: 0.048, 3: 0.052, 4: 0.060
          "draft_per_token": False}
 
 
-def stats_of(rounds: list[tuple[int, int]]) -> AcceptanceStats:
+def stats_of(rounds: list[tuple[int, ...]]) -> AcceptanceStats:
+    """(drafted, accepted[, copied]) per round."""
     s = AcceptanceStats()
-    for drafted, accepted in rounds:
-        s.record_round(drafted, accepted)
+    for drafted, accepted, *copied in rounds:
+        s.record_round(drafted, accepted, copied=bool(copied and copied[0]))
     return s
 
 
 def test_rounds_are_counted_by_the_k_they_really_drafted():
     s = stats_of([(4, 4), (4, 0), (2, 1), (1, 1), (4, 2)])
-    assert rounds_by_k(s) == {1: 1, 2: 1, 4: 3}
+    assert rounds_by_k(s.num_draft_tokens_per_pos) == {1: 1, 2: 1, 4: 3}
 
 
 def test_bursty_acceptance_is_not_underestimated():
@@ -52,16 +53,22 @@ def test_rounds_without_drafts_prefill_and_model_drafts_cost_what_they_cost():
     assert ideal_spec_seconds(stats_of([(6, 0)]), 0, COSTS) == pytest.approx(0.001 + 0.060)
 
 
-def test_lookup_first_rounds_are_priced_at_the_cheaper_copy():
-    """Lookup first, then a head: k is chosen at the head's costs (a tree's verification, a head
-    step a token), but a copied round costs a lookup and a chain. The bound prices every round
-    the cheaper way, so copied rounds never cost more in it than they did."""
-    s = stats_of([(3, 3), (3, 1)])
+def test_lookup_first_prices_each_round_as_the_kind_it_was():
+    """Lookup first, then a head: a round that asked the head costs head steps and a tree's
+    verification; a round that copied costs a lookup and a chain's. The stats record which, so
+    the bound prices each as what it was (not every round at the cheaper copy)."""
     head = {**COSTS, "draft_per_token": True, "draft_step": 0.005,
-            "verify": {1: 0.050, 2: 0.060, 3: 0.070, 4: 0.090}}
-    both = {**head, "bound": {"verify": COSTS["verify"], "draft_step": 0.001, "draft_per_token": False}}
-    assert ideal_spec_seconds(s, 0, head) == pytest.approx(2 * (3 * 0.005 + 0.070))
-    assert ideal_spec_seconds(s, 0, both) == pytest.approx(2 * (0.001 + 0.052))
+            "verify": {1: 0.050, 2: 0.060, 3: 0.070, 4: 0.090},
+            "copy": {"verify": COSTS["verify"], "draft_step": 0.001, "draft_per_token": False}}
+    s = stats_of([(3, 3), (3, 1, True), (2, 0, True), (3, 0)])
+    assert rounds_by_k(s.num_copied_draft_tokens_per_pos) == {2: 1, 3: 1}
+    assert ideal_spec_seconds(s, 0, head) == pytest.approx(
+        2 * (3 * 0.005 + 0.070) + (0.001 + 0.052) + (0.001 + 0.048))
+    # Merged stats (a category, the whole run) keep the kinds apart.
+    merged = AcceptanceStats()
+    merged.merge(s)
+    merged.merge(stats_of([(2, 2, True)]))
+    assert rounds_by_k(merged.num_copied_draft_tokens_per_pos) == {2: 2, 3: 1}
 
 
 def test_a_run_that_never_drafts_is_bounded_by_its_target_only_time():

@@ -43,6 +43,8 @@ def test_greedy_output_is_the_targets_with_both_drafters_at_work(one_layer_targe
     assert [r.token_ids for r in results] == reference
     rounds = engine.drafter.describe()["rounds"]
     assert rounds["copied"] > 0 and rounds["head"] > 0, rounds
+    # Each request's stats say which of its rounds copied (what the bench's bound prices apart).
+    assert sum((r.stats.num_copied_draft_tokens_per_pos or [0])[0] for r in results) == rounds["copied"]
     assert_rows_joining_and_leaving_match(engine, reference)
 
 

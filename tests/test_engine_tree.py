@@ -161,29 +161,3 @@ def test_a_tree_width_for_a_chain_drafter_is_said_not_silently_dropped(tiny_targ
     engine = SpeculativeEngine(tiny_target, draft=tiny_draft,
                                speculation=SpeculationConfig(tree_width=2))
     assert any("tree_width 2 applies to drafting heads" in w for w in engine.warnings)
-
-
-@pytest.mark.parametrize("field,setting,value,absent", [("treeWidth", "tree_width", 3, 1),
-                                                         ("lookupMinMatch", "lookup_min_match", 2, 0)])
-def test_a_release_asks_the_gate_and_the_server_for_a_tree_or_lookup_first(tmp_path, field, setting,
-                                                                           value, absent):
-    """speculation.treeWidth and .lookupMinMatch (heads) reach the gate's engine and the served
-    engine's flags; absent, the defaults."""
-    import argparse
-    import json
-
-    from specpair.gate import _speculation
-    from specpair.server.cli import add_engine_parser, apply_release
-
-    assert getattr(_speculation({"speculation": {"k": 3, field: value}}), setting) == value
-    assert getattr(_speculation({"speculation": {"k": 3}}), setting) == absent
-    parser = argparse.ArgumentParser()
-    add_engine_parser(parser.add_subparsers())
-    for speculation, expected in (({"k": 3, field: value}, value), ({"k": 3}, absent)):
-        release = tmp_path / "release.json"
-        release.write_text(json.dumps({"pair": "p", "target": {"source": "default"},
-                                       "draft": {"source": "/models/head"},
-                                       "speculation": speculation}))
-        args = parser.parse_args(["engine", "serve", "--release", str(release)])
-        apply_release(args)
-        assert getattr(args, setting) == expected

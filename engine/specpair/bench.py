@@ -127,10 +127,10 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
     else:
         costs["draft_step"] = 0.0
     if lookup_first:
-        # ... but its copied rounds cost a lookup and a chain's verification, less than a head
-        # round. The bound prices every round so: it stays a bound, only looser on head rounds.
-        costs["bound"] = {"verify": {k: fastest_extend(engine.target.model, 1 + k) for k in ks},
-                          "draft_step": fastest_lookup(engine.drafter), "draft_per_token": False}
+        # ... but its rounds that copy cost a lookup and a chain's verification: the bound prices
+        # those rounds (recorded apart, AcceptanceStats) at these.
+        costs["copy"] = {"verify": {k: fastest_extend(engine.target.model, 1 + k) for k in ks},
+                         "draft_step": fastest_lookup(engine.drafter), "draft_per_token": False}
     return costs
 
 
@@ -195,26 +195,33 @@ def measure_prefill(engine: SpeculativeEngine, prompt_ids: list[int], repeats: i
     return total
 
 
-def rounds_by_k(stats: AcceptanceStats) -> dict[int, int]:
-    """How many rounds drafted exactly k tokens: the per-position draft count at position j-1 is
-    how many drafted at least j."""
-    per_pos = stats.num_draft_tokens_per_pos
+def rounds_by_k(per_pos: list[int]) -> dict[int, int]:
+    """How many rounds drafted exactly k tokens, from a per-position draft count
+    (AcceptanceStats.num_draft_tokens_per_pos): the count at position j-1 is how many rounds
+    drafted at least j."""
     counts = {k: per_pos[k - 1] - (per_pos[k] if k < len(per_pos) else 0) for k in range(1, len(per_pos) + 1)}
     return {k: n for k, n in counts.items() if n}
 
 
+def round_seconds(costs: dict, k: int) -> float:
+    """A round drafting k tokens at these kernels: its draft steps (one a token, or one a round)
+    and one verification (the nearest measured k where this one was not)."""
+    verify = costs["verify"]
+    v = verify[k] if k in verify else verify[min(verify, key=lambda x: abs(x - k))]
+    return (k if costs.get("draft_per_token", True) else 1) * costs["draft_step"] + v
+
+
 def ideal_spec_seconds(stats: AcceptanceStats, rounds_without_draft: int, costs: dict,
                        prefill_seconds: float = 0.0) -> float:
-    """What the speculative run's rounds cost at their measured kernels alone (module docstring)."""
-    costs = {**costs, **costs.get("bound", {})}     # where the bound prices rounds apart from k's choice
-    verify = costs["verify"]
-
-    def verify_cost(k: int) -> float:
-        return verify[k] if k in verify else verify[min(verify, key=lambda x: abs(x - k))]
-    per_token = costs.get("draft_per_token", True)
+    """What the speculative run's rounds cost at their measured kernels alone (module docstring).
+    Rounds that copied (lookup first) are priced at costs["copy"], the others at the drafter's."""
     seconds = prefill_seconds + rounds_without_draft * costs["target_step"]
-    for k, n in rounds_by_k(stats).items():
-        seconds += n * ((k if per_token else 1) * costs["draft_step"] + verify_cost(k))
+    copied = rounds_by_k(stats.num_copied_draft_tokens_per_pos)
+    for k, n in rounds_by_k(stats.num_draft_tokens_per_pos).items():
+        c = copied.get(k, 0)
+        seconds += (n - c) * round_seconds(costs, k)
+        if c:
+            seconds += c * round_seconds(costs["copy"], k)
     return seconds
 
 

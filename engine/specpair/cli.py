@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from specpair.config import NGRAM_MAX, NGRAM_MIN
+from specpair.config import NGRAM_MAX, NGRAM_MIN, SpeculationConfig
 from specpair.errors import SpecpairError
 
 
@@ -29,12 +29,13 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
                        help="model-free drafter (prompt lookup)")
     p.add_argument("--ngram-max", type=int, default=NGRAM_MAX, help="longest n-gram the lookup drafter matches")
     p.add_argument("--ngram-min", type=int, default=NGRAM_MIN, help="shortest n-gram the lookup drafter matches")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument("--k", type=int, default=SpeculationConfig.k,
+                   help=f"draft tokens per round (default {SpeculationConfig.k})")
     p.add_argument("--no-dynamic-k", action="store_true", help="keep k fixed")
-    p.add_argument("--tree-width", type=int, default=1,
+    p.add_argument("--tree-width", type=int, default=SpeculationConfig.tree_width,
                    help="drafting heads: candidates per draft position, verified as a token tree "
                         "in one pass (1: a chain)")
-    p.add_argument("--lookup-min-match", type=int, default=0,
+    p.add_argument("--lookup-min-match", type=int, default=SpeculationConfig.lookup_min_match,
                    help=f"drafting heads: where a request's last N tokens (this <= N <= "
                         f"{NGRAM_MAX}) occurred earlier, copy what followed them (prompt lookup) "
                         f"instead of asking the head (0: the head alone)")
@@ -81,8 +82,7 @@ def build_engine(args, *, speculate: bool = True):
         if not 1 <= args.ngram_min <= args.ngram_max:
             raise SpecpairError("need 1 <= --ngram-min <= --ngram-max")
         drafter = NgramDrafter(max_ngram=args.ngram_max, min_ngram=args.ngram_min, device=target.device)
-    spec = SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k,
-                             k_max=max(8, args.k), enabled=speculate,
+    spec = SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k, enabled=speculate,
                              tree_width=args.tree_width, lookup_min_match=args.lookup_min_match)
     engine = SpeculativeEngine(target, drafter=drafter, draft=draft, speculation=spec,
                                on_mismatch=args.on_mismatch, kv=args.kv, compile=args.compile)

@@ -39,6 +39,9 @@ class SpeculationConfig:
     def __post_init__(self):
         if self.k < 1:
             raise SpecpairError(f"speculation k must be >= 1, got {self.k}")
+        if self.k > self.k_max:
+            # A starting k above the cap would be cut at the first update: the cap rises to it.
+            object.__setattr__(self, "k_max", self.k)
         if not 1 <= self.k_min <= self.k_max:
             raise SpecpairError(f"need 1 <= k_min <= k_max, got {self.k_min}, {self.k_max}")
         if not 0.0 <= self.fallback_threshold <= 1.0:
@@ -53,6 +56,44 @@ class SpeculationConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_release(cls, release: dict) -> "SpeculationConfig":
+        """What a release speculates with: its speculation block over these defaults. The gate
+        measures this and the engine serves it (one reading, so the two cannot differ). A key
+        this engine does not know, or a value of the wrong type, is refused: serving anything
+        other than what was gated would be worse than not serving."""
+        changes = {}
+        for key, value in (release.get("speculation") or {}).items():
+            name = RELEASE_SPECULATION_KEYS.get(key)
+            if name is None:
+                raise SpecpairError(f"release speculation.{key}: not a setting this engine knows "
+                                    f"({', '.join(RELEASE_SPECULATION_KEYS)})")
+            kind = type(getattr(cls, name))
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (isinstance(value, bool) if kind is bool else
+                    number and (kind is float or float(value).is_integer())):
+                raise SpecpairError(f"release speculation.{key}: expected {kind.__name__}, got {value!r}")
+            changes[name] = kind(value)
+        return cls(**changes)
+
+
+# The release's speculation block (the SpecModelPair's spec.speculation, camelCase) and the setting
+# each key sets, read by SpeculationConfig.from_release alone. "enabled" is no CRD field: callers
+# that build a release for one run say with it whether to speculate (the vLLM gate).
+RELEASE_SPECULATION_KEYS = {"k": "k", "dynamicK": "dynamic_k", "fallbackThreshold": "fallback_threshold",
+                            "batchSizeThreshold": "batch_size_threshold", "treeWidth": "tree_width",
+                            "lookupMinMatch": "lookup_min_match", "enabled": "enabled"}
+# Keys every release carries (the operator writes these defaults where a pair leaves them out).
+# The others are written only when set, so releases made before they existed keep their hashes.
+RELEASE_SPECULATION_DEFAULTED = ("k", "dynamicK", "fallbackThreshold", "batchSizeThreshold")
+
+
+def release_speculation_defaults() -> dict:
+    """The speculation block a release gets for what its pair leaves out: SpeculationConfig's
+    defaults (the CRD's defaults equal these; a test holds them together)."""
+    defaults = SpeculationConfig()
+    return {key: getattr(defaults, RELEASE_SPECULATION_KEYS[key]) for key in RELEASE_SPECULATION_DEFAULTED}
 
 
 @dataclass(frozen=True)

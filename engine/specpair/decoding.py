@@ -383,7 +383,7 @@ class Batch:
         self.engine = engine
         self.target = engine.kv_model(engine.target.model)
         self.drafter = engine.drafter.for_batch() if engine.drafter is not None else None
-        self.copies = isinstance(self.drafter, LookupFirstDrafter)   # two kinds of rounds, two ks
+        self.copies = self.drafter is not None and self.drafter.copies   # two kinds of rounds, two ks
         self.rows: list[Sequence] = []
         self.done: list[Sequence] = []        # finished in the last step or cancelled since
         self.speculate = True
@@ -495,7 +495,7 @@ class Batch:
                 if wants_features:   # features of the tokens now committed (the fed ones accepted)
                     self.drafter.observe(i, cached_before[i], features[i, fed_kept[i]])
             new = kept[i] + [next_l[i]]
-            seq.stats.record_round(nums[i], a)
+            seq.stats.record_round(nums[i], a, copied=bool(copied and copied[i]))
             seq.stats.num_target_steps += 1
             seq.stats.draft_seconds += (t1 - t0) if nums[i] else 0.0
             seq.stats.target_seconds += t2 - t1

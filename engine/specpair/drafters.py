@@ -59,6 +59,8 @@ class Drafter:
     deterministic = True
     wants_features = False
     tree_capable = False     # proposes alternatives per position (siblings) when width > 1
+    copies = False           # drafts some rows' rounds by copying, each round saying which
+                             # (Proposal.copied): those rounds keep a k of their own (copy_ks)
 
     def for_batch(self) -> "Drafter":
         """The drafter a new batch uses: itself when it keeps no per-row state."""
@@ -548,6 +550,7 @@ class LookupFirstDrafter(Drafter):
     deterministic = False
     wants_features = True
     tree_capable = True
+    copies = True
 
     def __init__(self, ngram: NgramDrafter, head: HeadDrafter, min_match: int,
                  rounds: dict | None = None):

@@ -47,16 +47,6 @@ def new_verdict(**extra) -> dict:
             "kSweep": [], "batchSweep": [], "mlflowRunId": None, "device": None, **extra}
 
 
-def _speculation(release: dict) -> SpeculationConfig:
-    s = release.get("speculation") or {}
-    k = int(s.get("k", 4))
-    return SpeculationConfig(k=k, dynamic_k=bool(s.get("dynamicK", True)), k_max=max(8, k),
-                             fallback_threshold=float(s.get("fallbackThreshold", 0.5)),
-                             batch_size_threshold=int(s.get("batchSizeThreshold", 8)),
-                             tree_width=int(s.get("treeWidth", 1)),
-                             lookup_min_match=int(s.get("lookupMinMatch", 0)))
-
-
 def tokenizer_check(release: dict, progress=print) -> dict:
     """Compare draft and target tokenizers without loading either model's weights."""
     from transformers import AutoTokenizer
@@ -121,7 +111,7 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
         verdict["reasons"] = ["tokenizer mismatch: " + "; ".join(tok["differences"])]
         return verdict, []
 
-    spec = _speculation(release)
+    spec = SpeculationConfig.from_release(release)
     progress("loading target")
     target = load_model(release["target"].get("source") or "default", device=device,
                         revision=release["target"].get("revision"), progress=progress)

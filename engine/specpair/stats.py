@@ -15,20 +15,24 @@ class AcceptanceStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+    # Of those, the rounds that copied (lookup first, then a head): they cost a lookup and a
+    # chain where the others cost head steps and a tree, and the bench prices them so.
+    num_copied_draft_tokens_per_pos: list[int] = field(default_factory=list)
     num_emitted_tokens: int = 0
     num_target_steps: int = 0           # target forward passes (verification or plain decode)
     fallback_events: int = 0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
 
-    def record_round(self, drafted: int, accepted: int) -> None:
+    def record_round(self, drafted: int, accepted: int, copied: bool = False) -> None:
         if drafted <= 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         for series, upto in ((self.num_draft_tokens_per_pos, drafted),
-                             (self.num_accepted_tokens_per_pos, accepted)):
+                             (self.num_accepted_tokens_per_pos, accepted),
+                             (self.num_copied_draft_tokens_per_pos, drafted if copied else 0)):
             if len(series) < drafted:
                 series.extend([0] * (drafted - len(series)))
             for j in range(upto):
@@ -38,7 +42,8 @@ class AcceptanceStats:
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
                      "num_target_steps", "fallback_events", "draft_seconds", "target_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("num_accepted_tokens_per_pos", "num_draft_tokens_per_pos"):
+        for name in ("num_accepted_tokens_per_pos", "num_draft_tokens_per_pos",
+                     "num_copied_draft_tokens_per_pos"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if len(mine) < len(theirs):
                 mine.extend([0] * (len(theirs) - len(mine)))

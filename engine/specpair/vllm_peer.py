@@ -79,20 +79,19 @@ def speculative_config(release_or_settings: dict | None, *, k: int | None = None
         return None
     settings = dict(release_or_settings)
     if "draft" in settings or "speculation" in settings:       # a release
-        spec = settings.get("speculation") or {}
-        if spec.get("enabled") is False:
+        spec = SpeculationConfig.from_release(settings)
+        if not spec.enabled:
             return None
-        if int(spec.get("treeWidth", 1)) > 1:
+        if spec.tree_width > 1:
             raise SpecpairError("speculation.treeWidth is the specpair engine's token tree for "
                                 "drafting heads; the vLLM backend verifies chains (leave treeWidth "
                                 "out, or serve with engine: specpair)")
-        if int(spec.get("lookupMinMatch", 0)) > 0:
+        if spec.lookup_min_match > 0:
             raise SpecpairError("speculation.lookupMinMatch (prompt lookup before a drafting head) "
                                 "is the specpair engine's; vLLM drafts with one method (leave it "
                                 "out, or serve with engine: specpair)")
         draft = settings.get("draft") or {}
-        if k is None and spec.get("k") is not None:
-            k = int(spec["k"])
+        k = spec.k if k is None else k
         if draft.get("drafter"):
             kind = str(draft["drafter"])
             settings = {"kind": kind, "max_ngram": draft.get("maxNgram"), "min_ngram": draft.get("minNgram")}

@@ -13,6 +13,7 @@ import copy
 import json
 from typing import Any
 
+from specpair.config import release_speculation_defaults
 from specpair.contract import DEFAULT_CATEGORY, MLFLOW_SOURCE_PREFIXES, content_hash
 
 __all__ = ["build_release", "content_hash", "effective_model_name", "with_mlflow", "parse_prompt_lines",
@@ -20,7 +21,7 @@ __all__ = ["build_release", "content_hash", "effective_model_name", "with_mlflow
 
 HASH_PREFIX_LEN = 12
 
-SPECULATION_DEFAULTS = {"k": 4, "dynamicK": True, "fallbackThreshold": 0.5, "batchSizeThreshold": 8}
+SPECULATION_DEFAULTS = release_speculation_defaults()
 THRESHOLD_DEFAULTS = {
     "requireGreedyIdentity": True,
     "minAcceptance": 0.0,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import kubernetes_validate
 import yaml
+from specpair.config import RELEASE_SPECULATION_KEYS
 
 from specpair_operator import drift, release
 
@@ -45,6 +46,8 @@ def test_crd_defaults_are_the_defaults_the_operator_hashes_with():
     _, spec = _schema()
     sp = {k: v["default"] for k, v in spec["speculation"]["properties"].items() if "default" in v}
     assert sp == release.SPECULATION_DEFAULTS
+    # Every setting the CRD admits is one the engine reads (SpeculationConfig.with_release).
+    assert set(spec["speculation"]["properties"]) <= set(RELEASE_SPECULATION_KEYS)
     # A token tree is opt-in and has no default, so releases written before it keep their hashes.
     assert "default" not in spec["speculation"]["properties"]["treeWidth"]
     th = spec["gating"]["properties"]["thresholds"]["properties"]
@@ -85,7 +88,7 @@ def test_engine_command_serves_the_release_file_with_the_engine_cli(tmp_path):
     serves (models, pinned revisions, speculation, pair, version) comes from the release file,
     whose content hash it reports: the hash the operator checks."""
     from specpair.cli import build_parser
-    from specpair.server.cli import apply_release
+    from specpair.server.cli import apply_release, speculation_config
 
     from specpair_operator import manifests
 
@@ -100,8 +103,9 @@ def test_engine_command_serves_the_release_file_with_the_engine_cli(tmp_path):
         cmd[cmd.index("--release") + 1] = str(tmp_path / "release.json")  # where the pod mounts it
         args = build_parser().parse_args(cmd[1:])
         assert apply_release(args) == release.content_hash(rel)
-        assert (args.pair, args.version, args.port, args.k, args.no_dynamic_k, args.insecure) == \
-            ("p", "4", 50051, 3, True, True)
+        served = speculation_config(args, "cpu")
+        assert (args.pair, args.version, args.port, served.k, served.dynamic_k, args.insecure) == \
+            ("p", "4", 50051, 3, False, True)
         assert (args.drafter == "ngram") if "drafter" in draft else (args.draft == draft["source"])
         # Serving loads the same pinned revisions the gate measured.
         assert args.target_revision == "abc123"

@@ -15,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
+from specpair.config import SpeculationConfig
 from specpair.errors import SpecpairError
 
 
@@ -45,8 +46,9 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     draft.add_argument("--no-spec", action="store_true", help="serve target-only")
     serve.add_argument("--release", metavar="FILE",
                        help="serve this release file (the operator mounts it at /etc/specpair/release.json): "
-                            "models, revisions, speculation, pair and version come from it, and GetModelInfo "
-                            "reports its content hash")
+                            "models, revisions, speculation (in place of the speculation flags but "
+                            "--no-spec), pair and version come from it, and GetModelInfo reports its "
+                            "content hash")
     serve.add_argument("--pair", default="default", help="pair name (metrics label, GetModelInfo)")
     serve.add_argument("--version", default="0", help="release version (metrics label, GetModelInfo)")
     serve.add_argument("--host", default="0.0.0.0")
@@ -80,15 +82,16 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
                          default=["specpair-operator"],
                          help="client-certificate common name allowed to call SetSpeculation (repeatable)")
     spec = serve.add_argument_group("speculation")
-    spec.add_argument("--k", type=int, default=4, help="draft tokens per round (start value when dynamic)")
+    spec.add_argument("--k", type=int, default=SpeculationConfig.k,
+                      help="draft tokens per round (start value when dynamic)")
     spec.add_argument("--no-dynamic-k", action="store_true", help="keep k fixed")
-    spec.add_argument("--tree-width", type=int, default=1,
+    spec.add_argument("--tree-width", type=int, default=SpeculationConfig.tree_width,
                       help="drafting heads: candidates per draft position, verified as a token "
                            "tree in one pass (1: a chain)")
-    spec.add_argument("--lookup-min-match", type=int, default=0,
+    spec.add_argument("--lookup-min-match", type=int, default=SpeculationConfig.lookup_min_match,
                       help="drafting heads: a request whose last N tokens (N >= this) occurred "
                            "earlier copies what followed them instead of asking the head (0: off)")
-    spec.add_argument("--fallback-threshold", type=float, default=0.5,
+    spec.add_argument("--fallback-threshold", type=float, default=SpeculationConfig.fallback_threshold,
                       help="windowed acceptance below this switches to target-only decoding")
     spec.add_argument("--batch-size-threshold", type=int, default=None,
                       help="speculation off while more requests than this run at once "
@@ -145,24 +148,30 @@ def default_batch_size_threshold(device_type: str) -> int:
     return 1 if device_type == "cpu" else 16
 
 
+def speculation_config(args, device_type: str):
+    """What the engine serves: a release's speculation settings when it serves one (read as the
+    gate read them for its verdict; of the flags only --no-spec applies), else the flags."""
+    released = getattr(args, "release_speculation", None)
+    if released is not None:
+        return dataclasses.replace(released, enabled=released.enabled and not args.no_spec)
+    threshold = args.batch_size_threshold
+    if threshold is None:
+        threshold = default_batch_size_threshold(device_type)
+    return SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k,
+                             fallback_threshold=args.fallback_threshold,
+                             batch_size_threshold=threshold, enabled=not args.no_spec,
+                             tree_width=args.tree_width, lookup_min_match=args.lookup_min_match)
+
+
 def build_engine(args, progress=print):
     """Load the models named on the command line into a SpeculativeEngine (imports torch)."""
-    from specpair.config import SpeculationConfig
     from specpair.decoding import SpeculativeEngine
     from specpair.drafters import NgramDrafter
     from specpair.models import load_model, pick_device
 
-    threshold = args.batch_size_threshold
-    if threshold is None:
-        threshold = default_batch_size_threshold(pick_device(args.device).type)
-    speculation = SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k,
-                                    k_max=max(8, args.k),
-                                    fallback_threshold=args.fallback_threshold,
-                                    batch_size_threshold=threshold,
-                                    enabled=not args.no_spec, tree_width=args.tree_width,
-                                    lookup_min_match=args.lookup_min_match)
-    progress(f"speculation k={args.k}{' (dynamic)' if not args.no_dynamic_k else ''}, "
-             f"off above {threshold} concurrent requests")
+    speculation = speculation_config(args, pick_device(args.device).type)
+    progress(f"speculation k={speculation.k}{' (dynamic)' if speculation.dynamic_k else ''}, "
+             f"off above {speculation.batch_size_threshold} concurrent requests")
     progress(f"loading target {args.target}")
     target = load_model(args.target, device=args.device, dtype=args.dtype, progress=progress,
                         revision=getattr(args, "target_revision", None))
@@ -262,14 +271,7 @@ def apply_release(args) -> str:
         args.drafter, args.draft = str(draft["drafter"]), None
     elif draft.get("source"):
         args.draft, args.draft_revision, args.drafter = str(draft["source"]), draft.get("revision"), None
-    spec = release.get("speculation") or {}
-    args.k = int(spec.get("k", args.k))
-    args.no_dynamic_k = not spec.get("dynamicK", not args.no_dynamic_k)
-    args.fallback_threshold = float(spec.get("fallbackThreshold", args.fallback_threshold))
-    if spec.get("batchSizeThreshold") is not None:
-        args.batch_size_threshold = int(spec["batchSizeThreshold"])
-    args.tree_width = int(spec.get("treeWidth", args.tree_width))
-    args.lookup_min_match = int(spec.get("lookupMinMatch", args.lookup_min_match))
+    args.release_speculation = SpeculationConfig.from_release(release)   # refused here if unservable
     args.pair = str(release.get("pair") or args.pair)
     args.version = str((release.get("mlflow") or {}).get("version") or args.version)
     return content_hash(release)
