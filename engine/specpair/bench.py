@@ -88,21 +88,25 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
                        repeats: int = 5) -> dict:
     """Seconds, the fastest of `repeats` after a warm-up: T1 (target, 1 token), Tv[k] (target,
     k+1 tokens; 1 + k*width when a head drafts a tree of `width` candidates per position), Td
-    (one draft step)."""
+    (one draft step). The target's passes are timed in turns (T1, Tv[1], ..., T1, ...), not one
+    size after another: a burst of other work on a shared machine then slows one turn of every
+    size rather than all the timings of one size, which priced a single k at twice its cost."""
     device = engine.target.device
 
-    def fastest_extend(model, n_tokens: int) -> float:
+    def fastest_extends(model, token_counts: list[int]) -> dict[int, float]:
         kv = engine.kv_model(model)
         kv.add_rows(1)
         kv.extend([prompt_ids])
         base = kv.lengths[0]
-        times = []
-        for _ in range(repeats + 1):
-            seconds, _ = _timed(lambda: kv.extend([prompt_ids[:n_tokens] or [0]], last=n_tokens), device)
-            times.append(seconds)
-            kv.rollback(0, base)
-            kv.trim()
-        return min(times[1:])
+        best = {n: float("inf") for n in token_counts}
+        for turn in range(repeats + 1):
+            for n in token_counts:
+                seconds, _ = _timed(lambda: kv.extend([prompt_ids[:n] or [0]], last=n), device)
+                kv.rollback(0, base)
+                kv.trim()
+                if turn:          # the first turn warms up
+                    best[n] = min(best[n], seconds)
+        return best
 
     def fastest_lookup(drafter) -> float:
         seq = list(prompt_ids) * 2
@@ -113,12 +117,16 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
     # Lookup first, then a head: priced as its head (what k is chosen by, dynamic_k's cost model)
     drafter = engine.drafter.head if lookup_first else engine.drafter
     width = engine.config.tree_width if drafter is not None and drafter.tree_capable else 1
-    costs = {"target_step": fastest_extend(engine.target.model, 1), "tree_width": width,
-             "verify": {k: fastest_extend(engine.target.model, 1 + k * width) for k in ks}}
+    sizes = {1, *(1 + k * width for k in ks)}
+    if lookup_first:      # ... which verifies a chain in the rounds that copy
+        sizes |= {1 + k for k in ks}
+    passes = fastest_extends(engine.target.model, sorted(sizes))
+    costs = {"target_step": passes[1], "tree_width": width,
+             "verify": {k: passes[1 + k * width] for k in ks}}
     # n-gram: one lookup per round; models and heads: one step per draft token
     costs["draft_per_token"] = isinstance(drafter, (ModelDrafter, EagleDrafter))
     if isinstance(drafter, ModelDrafter):
-        costs["draft_step"] = fastest_extend(drafter.loaded.model, 1)
+        costs["draft_step"] = fastest_extends(drafter.loaded.model, [1])[1]
     elif hasattr(drafter, "timing_step"):     # heads: their own step (per token or per round)
         step = drafter.timing_step(len(prompt_ids))
         costs["draft_step"] = min([_timed(step, device)[0] for _ in range(repeats + 1)][1:])
@@ -129,7 +137,7 @@ def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: lis
     if lookup_first:
         # ... but its rounds that copy cost a lookup and a chain's verification: the bound prices
         # those rounds (recorded apart, AcceptanceStats) at these.
-        costs["copy"] = {"verify": {k: fastest_extend(engine.target.model, 1 + k) for k in ks},
+        costs["copy"] = {"verify": {k: passes[1 + k] for k in ks},
                          "draft_step": fastest_lookup(engine.drafter), "draft_per_token": False}
     return costs
 
