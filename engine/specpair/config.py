@@ -46,6 +46,9 @@ class SpeculationConfig:
             raise SpecpairError(f"need 1 <= k_min <= k_max, got {self.k_min}, {self.k_max}")
         if not 0.0 <= self.fallback_threshold <= 1.0:
             raise SpecpairError(f"fallback_threshold must be in [0, 1], got {self.fallback_threshold}")
+        if self.batch_size_threshold < 0:
+            raise SpecpairError(f"batch_size_threshold must be >= 0 (0: speculation never runs), "
+                                f"got {self.batch_size_threshold}")
         if self.fallback_window < 1 or self.probe_interval < 1:
             raise SpecpairError("fallback_window and probe_interval must be >= 1")
         if not 1 <= self.tree_width <= MAX_TREE_WIDTH:
