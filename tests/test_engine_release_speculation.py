@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -52,7 +53,7 @@ def test_every_key_sets_its_setting_and_absent_keys_keep_the_defaults():
     ({"batchSizeThreshold": -1}, "batch_size_threshold must be >= 0"),
 ])
 def test_a_block_the_engine_cannot_serve_is_refused_with_the_key(block, words):
-    with pytest.raises(SpecpairError, match=words.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(SpecpairError, match=re.escape(words)):
         SpeculationConfig.from_release({"speculation": block})
 
 
@@ -75,7 +76,7 @@ def test_the_server_serves_what_the_gate_measured_whatever_its_flags(tmp_path):
     served = speculation_config(args, "cpu")
     assert served == SpeculationConfig.from_release({"speculation": block})
     assert (served.k, served.tree_width, served.batch_size_threshold) == (3, 1, 2)
-    # --no-spec still turns it off (the operator's target-only rollout).
+    # --no-spec still turns it off (serving a release target-only by hand).
     args = _release_args(tmp_path, block, "--no-spec")
     apply_release(args)
     assert not speculation_config(args, "cpu").enabled
