@@ -28,23 +28,27 @@ import torch
 
 
 @torch.no_grad()
-def agreement(target, head, conversations: list[tuple[list[int], int]], depth: int = 1) -> dict:
+def agreement(target, head, conversations: list[tuple[list[int], int]], depth: int = 1,
+              read=None) -> dict:
     """conversations: (token ids, index of the first reply token). A chain starts after every
     pair j whose first draft (token j+2) is a reply token; its step d drafts token j+d+1 from the
     head's own step d-1 (`EagleHead.unroll`), as a greedy round of `depth` drafts would.
+    `read(ids)` -> [1, n, F]: the features the head reads, the target's last feature in the first
+    D columns (default: that feature alone; scripts/head_probe.py adds fused layers, depth 1).
     -> per step: chains right up to it / chains reaching it, and the mean accepted run + 1
     (tokens per target pass of such rounds, ignoring the drafter's cost)."""
     draft_ids = head.draft_token_ids
+    D = target.model.config.hidden_size
     right = [0] * depth
     reached = [0] * depth
     runs = starts = 0
     for ids, start in conversations:
         x = torch.tensor([ids])
-        features = target.model.model(input_ids=x).last_hidden_state
+        features = read(ids) if read else target.model.model(input_ids=x).last_hidden_state
         embeds = target.model.get_input_embeddings()(x)
         steps = [head(embeds[:, 1:], features[:, :-1])] if depth == 1 else \
             head.unroll(embeds, features, min(depth, len(ids) - 1))
-        truth = target.model.lm_head(features).argmax(-1)[0]           # the target's token j+1
+        truth = target.model.lm_head(features[..., :D]).argmax(-1)[0]  # the target's token j+1
         n = len(ids) - 2                        # chains whose first draft (token j+2) is in the text
         alive = torch.ones(n, dtype=torch.bool)
         first = torch.arange(n) + 2 >= start                            # ... and a reply token

@@ -154,27 +154,8 @@ def train(target, ids: torch.Tensor, features: torch.Tensor, settings: dict, ste
     return head.eval()
 
 
-@torch.no_grad()
-def first_draft_agreement(target, head, reader, cols, conversations) -> dict:
-    """Teacher-forced: pair j (x[j+1], f[j]) drafts token j+2; right when it is the target's
-    greedy token there. Counts reply tokens only (as head_agreement.agreement at depth 1)."""
-    right = total = 0
-    draft_ids = head.draft_token_ids
-    D = target.model.config.hidden_size
-    for ids, start in conversations:
-        f = reader(ids)[:, cols]
-        embeds = target.model.get_input_embeddings()(torch.tensor([ids]))
-        predicted = head(embeds[:, 1:], f[None, :-1])[0, :-1]
-        guess = draft_ids[head.lm_head(predicted).argmax(-1)]
-        truth = target.model.lm_head(f[:, :D]).argmax(-1)[1:-1]
-        keep = torch.arange(len(ids) - 2) + 2 >= start
-        right += int(((guess == truth) & keep).sum())
-        total += int(keep.sum())
-    return {"rate": round(right / total, 4) if total else None, "tokens": total}
-
-
 def main(argv=None) -> int:
-    from head_agreement import prompt_conversations, reply_conversations
+    from head_agreement import agreement, prompt_conversations, reply_conversations
     from specpair.config import SpeculationConfig
     from specpair.decoding import SpeculativeEngine
     from specpair.distill import FEATURE_CHUNK, corpus_texts, instruction_prompts
@@ -223,12 +204,12 @@ def main(argv=None) -> int:
     for name, settings in variants:
         log(f"variant {name}: {settings}")
         cols = columns(reader, settings["aux"], D)
+        read = lambda ids, cols=cols: reader(ids)[None, :, cols]  # noqa: E731
         t0 = time.perf_counter()
         head = train(target, ids, features[:, cols], settings, settings["steps"] or args.steps, log)
         result["variants"][name] = {
             "settings": settings, "train_seconds": round(time.perf_counter() - t0, 1),
-            "first_draft_agreement": {k: first_draft_agreement(target, head, reader, cols, v)
-                                      for k, v in sets.items()}}
+            "first_draft_agreement": {k: agreement(target, head, v, read=read) for k, v in sets.items()}}
         Path(args.out).write_text(json.dumps(result, indent=1))
         log(json.dumps(result["variants"][name]["first_draft_agreement"]))
     return 0

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from bench_drafters import main as bench_drafters_main, table  # noqa: E402
 from head_agreement import agreement, main as head_agreement_main  # noqa: E402
-from head_probe import FeatureReader, columns, first_draft_agreement, fused_head, parse_variant  # noqa: E402
+from head_probe import FeatureReader, columns, fused_head, parse_variant  # noqa: E402
 from ngram_ceiling import main as ngram_ceiling_main, replay  # noqa: E402
 
 
@@ -49,9 +49,9 @@ def test_chain_agreement_counts_runs_of_right_drafts(one_layer_target):
     assert chain["tokens_per_pass"] > 1.5 > noise["tokens_per_pass"] >= 1.0
 
 
-def test_the_probe_counts_first_drafts_as_head_agreement_does(one_layer_target):
-    """The probe's own count (it reads fused features too) against head_agreement's, on the same
-    conversations: they must agree exactly, or the probe's figures mean something else."""
+def test_the_probe_reads_the_last_feature_as_head_agreement_does(one_layer_target):
+    """The probe's reader (it reads fused layers too) gives agreement the same first columns and
+    the same count as the target's own last feature: the probe's figures mean the same thing."""
     torch.manual_seed(0)
     conversations = [(torch.randint(3, 300, (40,)).tolist(), 10) for _ in range(4)]
     mirror = _mirror_head(one_layer_target).model
@@ -59,12 +59,16 @@ def test_the_probe_counts_first_drafts_as_head_agreement_does(one_layer_target):
     D = one_layer_target.model.config.hidden_size
     try:
         assert reader(conversations[0][0]).shape == (40, 2 * D)     # the last feature, then layer 0's
-        probe = first_draft_agreement(one_layer_target, mirror, reader, columns(reader, [], D),
-                                      conversations)
+        cols = columns(reader, [], D)
+        probe = agreement(one_layer_target, mirror, conversations,
+                          read=lambda ids: reader(ids)[None, :, cols])
+        reference = agreement(one_layer_target, mirror, conversations)
+        # a fused head at its start reads layer 0's columns too, and drafts as the plain one
+        fused = agreement(one_layer_target, fused_head(mirror, 1), conversations,
+                          read=lambda ids: reader(ids)[None])
     finally:
         reader.close()
-    reference = agreement(one_layer_target, mirror, conversations)
-    assert probe == {"rate": reference["rate"], "tokens": reference["tokens"]}
+    assert probe == fused == reference
 
 
 def test_a_fused_head_starts_as_the_plain_head(one_layer_target):
