@@ -48,6 +48,40 @@ def test_greedy_output_is_the_targets_with_both_drafters_at_work(one_layer_targe
     assert_rows_joining_and_leaving_match(engine, reference)
 
 
+def test_a_copied_row_in_a_tree_batch_feeds_its_chain_alone(one_layer_target, reference, monkeypatch):
+    """In a round where some rows copy and others ask the head for a tree, the copied rows'
+    repeated siblings are never kept, so they are not fed: a copied row's tokens form a plain
+    chain (no token has a parent) while a head row's depths each carry their siblings."""
+    from specpair.static_cache import StaticKVModel
+
+    rounds, trees = [], []
+    propose, extend = LookupFirstDrafter.propose, StaticKVModel.extend
+
+    def recording_propose(self, *args, **kwargs):
+        out = propose(self, *args, **kwargs)
+        if out.siblings is not None:
+            rounds.append((out.copied, out.num.tolist(), out.siblings.shape[2]))
+        return out
+
+    def recording_extend(self, rows, *args, parents=None, **kwargs):
+        if parents is not None:
+            trees.append(parents)
+        return extend(self, rows, *args, parents=parents, **kwargs)
+
+    monkeypatch.setattr(LookupFirstDrafter, "propose", recording_propose)
+    monkeypatch.setattr(StaticKVModel, "extend", recording_extend)
+    engine = _engine(one_layer_target, 1, 2)
+    assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == reference
+    assert len(rounds) == len(trees)
+    mixed = 0
+    for (copied, nums, S), parents in zip(rounds, trees):
+        for i, row in enumerate(parents):
+            branches = sum(1 for p in row if p >= 0)
+            assert branches == (0 if copied and copied[i] else nums[i] * S), (copied, nums, parents)
+        mixed += bool(copied) and any(copied) and not all(copied)
+    assert mixed > 0, "no round had copied rows beside head rows"
+
+
 def test_copy_rounds_leave_the_head_where_drafting_every_round_would(one_layer_target):
     """Two heads on one script of rounds: one drafts every round, the other sits behind the
     lookup. Rounds play out as the lookup-first drafter's proposals are accepted by a scripted

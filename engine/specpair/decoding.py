@@ -475,7 +475,7 @@ class Batch:
         cached_before = list(self.target.lengths)
         if siblings is not None:
             accepted_l, next_l, kept, fed_kept, features = self._verify_tree(
-                drafts, num, siblings, q, sampling, committed, wants_features)
+                drafts, num, siblings, q, sampling, committed, wants_features, copied)
         else:
             accepted_l, next_l, features = self._verify_chain(drafts, num, q, sampling,
                                                               wants_features)
@@ -542,25 +542,33 @@ class Batch:
             next_token = torch.where(greedy_rows, next_token, s_next)
         return accepted.tolist(), next_token.tolist(), features
 
-    def _verify_tree(self, drafts, num, siblings, q, sampling, committed, wants_features):
+    def _verify_tree(self, drafts, num, siblings, q, sampling, committed, wants_features,
+                     copied=None):
         """One target pass over a chain with alternatives per row (rejection_sampler.verify_tree):
         the row's uncached tokens and chain are fed as usual, each depth's siblings after them as
         branches. A kept sibling's keys and values are then moved to where the chain would have
         put them. -> per row (accepted, next token, kept drafts, fed indices of the committed
-        tokens), and the features of every fed token when the drafter wants them."""
+        tokens), and the features of every fed token when the drafter wants them.
+
+        A copied row (`copied[i]`) feeds its chain alone. Its siblings repeat its chain token
+        under a point-mass q, so verify_tree never keeps one (greedy: the target's token there
+        differs from the rejected chain token; sampled: the residual after that token is zero on
+        it) and never reads their logits. Feeding them only widened the batch's one padded
+        pass: a copy of 8 with one sibling a depth was 17 tokens, past the C layer's 16."""
         B, S = self.active, siblings.shape[2]
         nums, sib_l, drafts_l = num.tolist(), siblings.tolist(), drafts.tolist()
+        fed_siblings = [0 if copied and copied[i] else S for i in range(B)]
         feed, parents, pending = [], [], []
         for i, seq in enumerate(self.rows):
             m, n = len(seq.tokens) - self.target.lengths[i], nums[i]
             tokens = seq.tokens[self.target.lengths[i]:] + drafts_l[i][:n]
             parent = [-1] * len(tokens)
-            for j in range(n):          # depth j's siblings branch off the token before depth j
+            for j in range(n if fed_siblings[i] else 0):   # depth j's branch off the token before it
                 tokens += sib_l[i][j]
                 parent += [m - 1 + j] * S
             feed.append(tokens), parents.append(parent), pending.append(m)
         K = max(nums, default=0)
-        tail = [1 + n * (S + 1) for n in nums]      # the last uncached token, chain, siblings
+        tail = [1 + n * (f + 1) for n, f in zip(nums, fed_siblings)]   # last uncached, chain, siblings
         last = max(tail)
         out = self.target.extend(feed, last=last, hidden=wants_features, parents=parents)
         logits, features = out if wants_features else (out, None)
@@ -569,7 +577,7 @@ class Batch:
         for i, n in enumerate(nums):
             base = last - tail[i]
             chain_at[i] = base + torch.arange(K + 1).clamp(max=n)
-            for j in range(n):
+            for j in range(n if fed_siblings[i] else 0):   # a copied row's stay 0: never read
                 sibling_at[i, j] = base + 1 + n + j * S + torch.arange(S)
         V = logits.shape[-1]
         rows = torch.arange(B).view(B, 1)

@@ -543,8 +543,9 @@ class LookupFirstDrafter(Drafter):
     Exactness: a copied row's q is a point mass. In a token tree (width > 1) a copied row's
     siblings repeat its chain token: for a point-mass q, further independent draws from q are that
     token again, which is what the multi-candidate rule (rejection_sampler.verify_tree) assumes, and
-    greedy verification never takes a sibling equal to the rejected chain token. When no row of
-    the batch asks its head, the round verifies plain chains (nothing is spent on siblings).
+    greedy verification never takes a sibling equal to the rejected chain token. Since one is never
+    kept, the engine does not feed them (Batch._verify_tree); when no row of the batch asks its
+    head, the round verifies plain chains.
     """
 
     deterministic = False
