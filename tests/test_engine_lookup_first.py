@@ -78,7 +78,7 @@ def test_a_copied_row_in_a_tree_batch_feeds_its_chain_alone(one_layer_target, re
         for i, row in enumerate(parents):
             branches = sum(1 for p in row if p >= 0)
             assert branches == (0 if copied and copied[i] else nums[i] * S), (copied, nums, parents)
-        mixed += bool(copied) and any(copied) and not all(copied)
+        mixed += bool(copied and any(copied) and not all(copied))
     assert mixed > 0, "no round had copied rows beside head rows"
 
 
