@@ -121,3 +121,68 @@ def test_a_conversations_features_stop_where_its_reply_does():
     assert torch.equal(_own_features(recorded, [1, 2, 3, 4, 5]), recorded[:4])
     with pytest.raises(SpecpairError, match="recorded 7 features for a conversation of 9"):
         _own_features(recorded, list(range(9)))
+
+
+def _requests_file(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_requests_from_a_file_are_read_once_each_in_order(tmp_path):
+    """--requests: a platform's own traffic, in the bench's prompt format. Kinds are the
+    categories; a repeated prompt is answered once; --replies N takes the first N."""
+    from specpair.self_distill import file_requests
+
+    path = _requests_file(tmp_path / "traffic.jsonl", [
+        {"prompt": "How do I reverse a list in Python?", "category": "code"},
+        {"prompt": "What does HTTP 404 mean?"},
+        {"prompt": "How do I reverse a list in Python?", "category": "code"},
+        {"prompt": "Summarise: the build broke twice.", "category": "summarisation"}])
+    rows = file_requests(path)
+    assert [r["prompt"][:8] for r in rows] == ["How do I", "What doe", "Summaris"]
+    assert [r["kind"] for r in rows] == ["code", "general", "summarisation"]
+    assert file_requests(path, 2) == rows[:2]
+    with pytest.raises(SpecpairError, match="holds 3 distinct requests"):
+        file_requests(path, 4)
+
+
+def test_a_requests_file_with_golden_prompts_or_bad_lines_is_refused_before_loading(tmp_path):
+    golden = resources.files("specpair").joinpath("prompts/default.jsonl").read_text().splitlines()[3]
+    leaky = _requests_file(tmp_path / "leaky.jsonl", [{"prompt": "Hello there"}, json.loads(golden)])
+    with pytest.raises(SpecpairError, match="1 of the shipped golden prompts"):
+        DistillConfig(out=str(tmp_path / "x"), method="eagle", requests=leaky)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n{"prompt": ""}\n')
+    with pytest.raises(SpecpairError, match="line 2"):
+        DistillConfig(out=str(tmp_path / "x"), method="eagle", requests=str(tmp_path / "bad.jsonl"))
+    with pytest.raises(SpecpairError, match="not found"):
+        DistillConfig(out=str(tmp_path / "x"), method="eagle", requests=str(tmp_path / "none.jsonl"))
+    assert not (tmp_path / "x").exists()
+
+
+def test_distill_answers_the_requests_file_and_resumes_a_checkpoint_from_before_it(tmp_path, tiny_target):
+    prompts = ["Explain what a mutex is.", "Write a haiku about rain.", "List three prime numbers."]
+    path = _requests_file(tmp_path / "traffic.jsonl",
+                          [{"prompt": p, "category": c} for p, c in zip(prompts, ("qa", "creative", "qa"))])
+    config = DistillConfig(out=str(tmp_path / "head"), method="eagle", steps=1, seq_len=16,
+                           corpus_chars=50_000, requests=path, reply_tokens=6, eval_prompts=0,
+                           draft_vocab=0, checkpoint_every=1)
+    summary = distill(config, teacher=tiny_target, progress=lambda _: None)
+    replies = [json.loads(line) for line in (tmp_path / "head" / "replies.jsonl").read_text().splitlines()]
+    assert sorted(r["prompt"] for r in replies) == sorted(prompts)
+    assert {r["prompt"]: r["kind"] for r in replies}["Write a haiku about rain."] == "creative"
+    assert summary["reply_seconds"] > 0
+    # A checkpoint saved before a setting existed resumes: the setting counts as its default.
+    from specpair.distill import _checkpoints
+
+    plain = DistillConfig(out=str(tmp_path / "plain"), method="eagle", steps=1, seq_len=16,
+                          corpus_chars=50_000, eval_prompts=0, draft_vocab=0, checkpoint_every=1)
+    distill(plain, teacher=tiny_target, progress=lambda _: None)
+    last = _checkpoints(tmp_path / "plain")[-1]
+    state = torch.load(last, weights_only=False)
+    del state["config"]["requests"]
+    torch.save(state, last)
+    longer = DistillConfig(**{**plain.__dict__, "steps": 2})
+    assert distill(longer, teacher=tiny_target, progress=lambda _: None)["steps"] == 2
+    with pytest.raises(SpecpairError, match="other settings"):
+        distill(DistillConfig(**{**plain.__dict__, "steps": 3, "seed": 1}), teacher=tiny_target,
+                progress=lambda _: None)

@@ -170,7 +170,8 @@ def cmd_distill(args) -> int:
                            max_seconds=args.max_seconds, corpus_chars=args.corpus_chars,
                            method=args.method, draft_vocab=args.draft_vocab,
                            medusa_heads=args.medusa_heads, replies=args.replies,
-                           reply_tokens=args.reply_tokens, ttt_depth=args.ttt_depth)
+                           reply_tokens=args.reply_tokens, ttt_depth=args.ttt_depth,
+                           requests=args.requests)
     summary = distill(config, progress=_progress)
     print(json.dumps(summary))
     return 0
@@ -239,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "corpus (greedy), and train on those conversations too: self-distillation "
                         "(kept in OUT/replies.jsonl; a resumed run does not generate them again)")
     d.add_argument("--reply-tokens", type=int, default=160, help="the longest generated reply")
+    d.add_argument("--requests", default=None,
+                   help="JSON Lines of chat requests ({\"prompt\", \"category\"}, as bench --prompts) "
+                        "for the target to answer instead of requests built from the corpus, e.g. "
+                        "your own traffic; with --replies N, the first N")
     d.add_argument("--ttt-depth", type=int, default=1,
                    help="eagle: train this many draft steps unrolled, each on the head's own "
                         "predictions (EAGLE-3's training-time test; 1: real features only)")

@@ -19,7 +19,7 @@ import math
 import random
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -58,6 +58,9 @@ class DistillConfig:
     replies: int = 0           # chat requests the target answers itself before training
                                # (self_distill.py); their conversations join the corpus
     reply_tokens: int = 160    # the longest reply generated
+    requests: str | None = None   # JSON Lines of chat requests ({"prompt", "category"}, the bench's
+                                  # format) the target answers instead of ones built from the
+                                  # corpus: a platform's own traffic; `replies` > 0 takes the first N
     ttt_depth: int = 1         # eagle: draft steps unrolled in training (EAGLE-3's training-time
                                # test); 1 trains on the target's real features only
 
@@ -85,6 +88,9 @@ class DistillConfig:
             raise SpecpairError(f"ttt_depth must be in [1, seq_len), got {self.ttt_depth}")
         if self.ttt_depth > 1 and self.method != "eagle":
             raise SpecpairError("ttt_depth applies to --method eagle only")
+        if self.requests:   # refused before the target loads, not after
+            from specpair.self_distill import file_requests
+            file_requests(self.requests, self.replies)
 
 
 def corpus_texts(corpus: str, max_chars: int, seed: int) -> list[str]:
@@ -369,11 +375,12 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
         ids.extend(tok(doc, add_special_tokens=False)["input_ids"] + [eos])
     is_head = config.method in ("eagle", "medusa")
     conversations, reply_seconds = [], 0.0
-    if config.replies:     # the target's own answers: what a drafter meets when serving
-        from specpair.self_distill import chat_replies, chat_requests
+    if config.replies or config.requests:   # the target's own answers: what a drafter meets serving
+        from specpair.self_distill import chat_replies, chat_requests, file_requests
 
         started = time.perf_counter()
-        requests = chat_requests(texts, tok, config.replies, config.seed)
+        requests = (file_requests(config.requests, config.replies) if config.requests else
+                    chat_requests(texts, tok, config.replies, config.seed))
         conversations = chat_replies(teacher, requests, out, config.reply_tokens, progress)
         reply_seconds = time.perf_counter() - started
     feature_seconds = 0.0
@@ -412,7 +419,9 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
     checkpoints = _checkpoints(out)
     if checkpoints:
         state = torch.load(checkpoints[-1], map_location=device, weights_only=False)
-        if state["config"] != asdict(config) | {"steps": state["config"]["steps"]}:
+        # A setting added since the checkpoint was made counts as its default.
+        saved = {f.name: f.default for f in fields(DistillConfig) if f.default is not MISSING}
+        if saved | state["config"] != asdict(config) | {"steps": state["config"]["steps"]}:
             raise SpecpairError(f"checkpoint {checkpoints[-1]} was made with other settings; "
                                 "use a new --out directory")
         student.load_state_dict(state["model"])

@@ -11,6 +11,11 @@ the Python standard library (code, summarisation, extraction), and the target's 
 for open topics (questions, explanations, short creative pieces). They are ours, not the bench's
 prompts; the bench's golden prompts are never used for training.
 
+`--requests FILE` (`file_requests`) takes the requests from a file instead, in the bench's prompt
+format: a platform's own traffic, which a head should learn to answer like the target. The
+shipped golden prompts are refused there too; a release's own golden prompts should be kept out
+of that file as well, or the gate measures the head on its training data.
+
 Replies are written to `replies.jsonl` in the output directory as they finish, so a killed run
 resumes without generating them again.
 """
@@ -129,6 +134,28 @@ def chat_requests(texts: list[str], tokenizer, count: int, seed: int) -> list[di
             requests.append({"kind": kind, "prompt": ask})
     rng.shuffle(requests)
     return requests
+
+
+def file_requests(path: str, count: int = 0) -> list[dict]:
+    """Requests ({"kind", "prompt"}) from a JSON Lines file in the bench's prompt format (kind: its
+    category), in file order, each prompt once; the first `count` (0: all). The shipped golden
+    prompts are refused: the bench and the default gate measure a head on them."""
+    from specpair.bench import load_prompts
+
+    rows, seen = [], set()
+    for row in load_prompts(path):
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            rows.append({"kind": row["category"], "prompt": row["prompt"]})
+    golden = {row["prompt"] for row in load_prompts(None)}
+    leaked = [r["prompt"] for r in rows if r["prompt"] in golden]
+    if leaked:
+        raise SpecpairError(f"{path} holds {len(leaked)} of the shipped golden prompts (first: "
+                            f"{leaked[0][:60]!r}); a head trained on them would be measured on its "
+                            f"own training data by the bench and the default gate")
+    if count > len(rows):
+        raise SpecpairError(f"--replies {count}: {path} holds {len(rows)} distinct requests")
+    return rows[:count] if count else rows
 
 
 class FeatureRecorder(NgramDrafter):
