@@ -542,8 +542,7 @@ class Batch:
             next_token = torch.where(greedy_rows, next_token, s_next)
         return accepted.tolist(), next_token.tolist(), features
 
-    def _verify_tree(self, drafts, num, siblings, q, sampling, committed, wants_features,
-                     copied=None):
+    def _verify_tree(self, drafts, num, siblings, q, sampling, committed, wants_features, copied):
         """One target pass over a chain with alternatives per row (rejection_sampler.verify_tree):
         the row's uncached tokens and chain are fed as usual, each depth's siblings after them as
         branches. A kept sibling's keys and values are then moved to where the chain would have
