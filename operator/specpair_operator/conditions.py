@@ -7,6 +7,7 @@ observedGeneration equals metadata.generation, so every write stamps it.
 from __future__ import annotations
 
 import datetime
+import math
 from typing import Any
 
 READY = "Ready"
@@ -15,6 +16,20 @@ STALLED = "Stalled"
 GATED = "Gated"
 TOKENIZER_COMPATIBLE = "TokenizerCompatible"
 DRIFTED = "Drifted"
+
+
+def finite(value: Any) -> Any:
+    """`value` with each NaN and Infinity in it replaced by None (null), the very object when it
+    holds none: JSON has no such numbers, and the API server refuses a whole patch over one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        safe = {k: finite(v) for k, v in value.items()}
+        return value if all(safe[k] is v for k, v in value.items()) else safe
+    if isinstance(value, list):
+        items = [finite(v) for v in value]
+        return value if all(a is b for a, b in zip(items, value)) else items
+    return value
 
 
 def parse_iso(text: str) -> datetime.datetime:

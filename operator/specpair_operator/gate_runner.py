@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-from .gate_verdict import verdict_digest
+from .gate_verdict import unusable_message, verdict_digest, verdict_problems
 from .registry import ReleaseRegistry
 
 
@@ -76,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         registry.record_gate_error(ml["modelName"], str(ml["version"]),
                                    f"gate exited {proc.returncode} without a verdict: " + " | ".join(last))
         return 1
+    problems = verdict_problems(verdict)
+    if problems:
+        # A verdict that is not one (a NaN passes every threshold, a string where a mapping
+        # belongs) is the gate's error, recorded as such and never as a verdict. Exit 0: the
+        # Job is done, since running the same gate again writes the same verdict.
+        registry.record_gate_error(ml["modelName"], str(ml["version"]), unusable_message(problems))
+        return 0
     extras = [os.path.join(workdir, n) for n in os.listdir(workdir) if n != "verdict.json"]
     run_id = registry.record_gate(ml["modelName"], str(ml["version"]), verdict, extras)
     digest = verdict_digest(verdict)

@@ -373,6 +373,13 @@ class Pass:
         try:
             await self._pass()
         finally:
+            # The API server refuses a whole status patch over one NaN or Infinity (JSON has
+            # neither): such a number becomes null, and the rest of the status is written.
+            for key, value in list(self.patch.status.items()):
+                safe = c.finite(value)
+                if safe is not value:
+                    self.logger.warning(f"status.{key} held a number JSON cannot carry; written as null")
+                    self.patch.status[key] = safe
             await self._post_events()
 
     async def _pass(self) -> None:
@@ -388,6 +395,9 @@ class Pass:
             self.logger.error(f"MLflow refused a request: {exc}")
             return
         except (RegistryUnavailable, KubeError) as exc:
+            if isinstance(exc, KubeError) and exc.permanent:
+                self._refused(exc)
+                return
             # Transient: back off (1 s doubling to 60 s) and let a later pass redo the steps.
             reason = "MLflowUnavailable" if isinstance(exc, RegistryUnavailable) else "KubernetesAPIError"
             delay = min(60.0, self.rt.backoff.get(self.uid, 0.5) * 2)
@@ -407,6 +417,17 @@ class Pass:
             return
         self.rt.backoff.pop(self.uid, None)
         self.rt.retry_at.pop(self.uid, None)
+
+    def _refused(self, exc: KubeError) -> None:
+        """The API server refused a request for good (400, 403, 422: an invalid quantity, a name
+        it does not accept, a policy): Stalled with its words, retried slowly (a changed spec
+        is reconciled at once)."""
+        self.rt.retry_at[self.uid] = time.monotonic() + 60.0
+        self.rt.backoff.pop(self.uid, None)
+        metrics.RECONCILE_ERRORS.labels(self.namespace, self.name, "KubernetesAPIRefused").inc()
+        self._stall("KubernetesAPIRefused", f"the Kubernetes API refused a request (HTTP {exc.status}): "
+                    f"{exc.message[:800]}")
+        self.logger.error(f"the Kubernetes API refused a request: {exc}")
 
     async def _watch_while_registry_down(self) -> None:
         """MLflow is down, serving is not: keep judging the champion's drift on what MLflow said
@@ -595,7 +616,8 @@ class Pass:
     async def _record_gate_result(self, version: str, digest: str, outcome: gate_verdict.GateOutcome) -> None:
         """A gate's result is an Event and a history entry, once per release, and its Job's run
         time goes to specpair_gate_duration_seconds."""
-        action = "GatePassed" if outcome.passed else "GateFailed"
+        action = "GatePassed" if outcome.passed else \
+            gate_verdict.GATE_ERROR if outcome.reason == gate_verdict.GATE_ERROR else "GateFailed"
         if self.was_recorded(action, version, version):
             return
         job = await self._finished_gate_job(digest)
@@ -638,6 +660,7 @@ class Pass:
 
     def _record_gate(self, version: str, outcome: gate_verdict.GateOutcome, verdict: dict[str, Any],
                      tags: dict[str, str]) -> None:
+        verdict = gate_verdict.usable_verdict(verdict)  # an unusable one reports no numbers
         self.cond(c.GATED, outcome.passed, outcome.reason, f"v{version}: {outcome.message}")
         if outcome.tokenizer_compatible is not None:
             self.cond(c.TOKENIZER_COMPATIBLE, outcome.tokenizer_compatible,
@@ -752,7 +775,9 @@ class Pass:
         digest = tags[TAG_HASH]
         self.kind = release_mod.engine_kind(rel)
         _, verdict, _ = await self.registry(reg.gate_result, model, champion)
-        verdict = verdict or {}
+        # A champion's verdict edited in MLflow after its promotion serves with the spec's
+        # speculation and no gated numbers, rather than with whatever the tag now says.
+        verdict = gate_verdict.usable_verdict(verdict)
         served = json.loads(json.dumps(rel))
         best = verdict.get("bestSpeculation") or {}
         # The gate tuned k and the batch threshold on real hardware: serve with what it found

@@ -6,30 +6,61 @@ logged in with (see handlers.login), so the operator has one identity and one RB
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ssl
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+from yarl import URL
+
+
+# The API server refused the request itself (malformed, forbidden, invalid): sending it again
+# gets the same answer until a person changes the spec, the RBAC or the cluster's policy.
+PERMANENT_STATUSES = frozenset({400, 403, 422})
 
 
 class KubeError(Exception):
+    """An answer of the API server (status >= 400), or status 0: no answer (connection refused
+    or reset, a timeout), which is always worth retrying."""
+
     def __init__(self, status: int, body: Any):
-        super().__init__(f"HTTP {status}: {body}")
+        super().__init__(f"HTTP {status}: {body}" if status else f"no answer from the API server: {body}")
         self.status, self.body = status, body
+
+    @property
+    def permanent(self) -> bool:
+        return self.status in PERMANENT_STATUSES
+
+    @property
+    def message(self) -> str:
+        """The API server's own words (a Status object's message), else the whole body."""
+        if isinstance(self.body, dict) and isinstance(self.body.get("message"), str):
+            return self.body["message"]
+        return str(self.body)
+
+
+def _segment(text: str) -> str:
+    """One path segment, every reserved character escaped: a name with '/' in it stays one
+    segment (which the API server then refuses), never a path into another namespace. '', '.'
+    and '..' are refused here: no escaping keeps them from meaning "here" or "up"."""
+    if text in ("", ".", ".."):
+        raise KubeError(400, {"message": f"{text!r} is not a valid name for a Kubernetes request path"})
+    return quote(text, safe="")
 
 
 def _path(api_version: str, plural: str, namespace: str | None, name: str | None = None,
           subresource: str | None = None) -> str:
-    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    group, _, version = api_version.rpartition("/")
+    base = f"/apis/{_segment(group)}/{_segment(version)}" if group else f"/api/{_segment(version)}"
     if namespace:
-        base += f"/namespaces/{quote(namespace)}"
-    base += f"/{plural}"
-    if name:
-        base += f"/{quote(name)}"
+        base += f"/namespaces/{_segment(namespace)}"
+    base += f"/{_segment(plural)}"
+    if name is not None:
+        base += f"/{_segment(name)}"
     if subresource:
-        base += f"/{subresource}"
+        base += f"/{_segment(subresource)}"
     return base
 
 
@@ -61,12 +92,17 @@ class Kube:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         headers = {**self.headers, "Content-Type": content_type, "Accept": "application/json"}
-        async with self._session.request(method, self.server + path, json=json, params=params,
-                                         headers=headers, ssl=self.ssl) as resp:
-            body = await resp.json(content_type=None) if resp.content_length != 0 else None
-            if resp.status >= 400:
-                raise KubeError(resp.status, body)
-            return body
+        try:
+            # encoded=True: the path is sent as _path quoted it (yarl would otherwise decode
+            # %2F back into a separator).
+            async with self._session.request(method, URL(self.server + path, encoded=True), json=json,
+                                             params=params, headers=headers, ssl=self.ssl) as resp:
+                body = await resp.json(content_type=None) if resp.content_length != 0 else None
+                if resp.status >= 400:
+                    raise KubeError(resp.status, body)
+                return body
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise KubeError(0, f"{type(exc).__name__}: {exc}") from exc
 
     async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:

@@ -2,14 +2,19 @@
 
 A SpecModelPair's name may be up to 253 characters with dots; a label value or a Service name
 may not (63, and no dots for a Service). Cutting a long name short would make two pairs that
-share a prefix fight over one Deployment, so a shortened name keeps a hash of the full one.
+share a prefix fight over one Deployment, so a shortened name keeps a hash of the full one; so
+does a name that had to be changed to be a label at all (`a.b` is `a-b-<hash of a.b>`, never
+the `a-b` of a pair named so). A name that is a label already is kept as it is.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 
 LABEL_LIMIT = 63
+# A DNS-1035 label: what a Service's name must be (and so every child's, for one rule).
+DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
 def _hash(text: str) -> str:
@@ -28,12 +33,16 @@ def label_value(name: str) -> str:
 
 
 def object_name(pair: str, *suffix: str) -> str:
-    """A DNS-1035 label (valid for Services, Jobs, Deployments and their pods' labels):
-    the pair name with dots as dashes, shortened with a hash when pair + suffix exceed 63."""
+    """A DNS-1035 label (valid for Services, Jobs, Deployments and their pods' labels): the
+    pair's name when it is such a label, else the name with dots as dashes (and a leading
+    letter) plus a hash of the real name; shortened with a hash when pair + suffix exceed 63."""
     tail = "-".join(s for s in suffix if s)
-    base = pair.replace(".", "-")
-    if not base[:1].isalpha():
-        base = "p-" + base
     room = LABEL_LIMIT - (len(tail) + 1 if tail else 0)
-    base = _shorten(base, room, pair)
+    if DNS_LABEL.fullmatch(pair):
+        base = _shorten(pair, room, pair)
+    else:
+        sanitized = pair.replace(".", "-")
+        if not sanitized[:1].isalpha():
+            sanitized = "p-" + sanitized
+        base = sanitized[: room - 9].rstrip("-") + "-" + _hash(pair)
     return f"{base}-{tail}" if tail else base

@@ -4,8 +4,8 @@ existed), and a spec the operator would choke on must become a Stalled condition
 act on, not a crash loop.
 
 It reads the schema from the CRD the package ships (one home for the rules) and checks what
-the CRD declares: required fields, types, minimum/maximum, minLength, enum, pattern, and the
-CEL rules it knows an equivalent for.
+the CRD declares: required fields, types, minimum/maximum, minLength/maxLength, enum, pattern,
+and the CEL rules it knows an equivalent for.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import yaml
 
+from .manifests import METRICS_PORT
+
 # CEL rules of the CRD, as Python (a rule missing here is left to the API server).
 CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "has(self.source) != has(self.drafter)": lambda o: ("source" in o) != ("drafter" in o),
@@ -27,7 +29,20 @@ CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "!has(self.engine) || self.engine != 'vllm' || !has(self.speculation) || "
     "!has(self.speculation.lookupMinMatch) || self.speculation.lookupMinMatch == 0":
         lambda o: o.get("engine") != "vllm" or (o.get("speculation") or {}).get("lookupMinMatch", 0) == 0,
+    # rollout: no two of the serving, control and metrics ports are one port
+    "!has(self.controlPort) || ((!has(self.port) || self.controlPort != self.port) && "
+    "(!has(self.httpPort) || self.controlPort != self.httpPort) && self.controlPort != 9400)":
+        lambda o: _ports(o)["controlPort"] not in (_ports(o)["port"], _ports(o)["httpPort"], METRICS_PORT),
+    "!has(self.port) || ((!has(self.httpPort) || self.port != self.httpPort) && self.port != 9400)":
+        lambda o: _ports(o)["port"] not in (_ports(o)["httpPort"], METRICS_PORT),
+    "!has(self.httpPort) || self.httpPort != 9400": lambda o: _ports(o)["httpPort"] != METRICS_PORT,
 }
+
+
+def _ports(rollout: dict[str, Any]) -> dict[str, Any]:
+    """The rollout's ports as the API server's CEL rules see them: defaults applied first."""
+    props = spec_schema()["properties"]["rollout"]["properties"]
+    return {k: rollout.get(k, props[k]["default"]) for k in ("port", "httpPort", "controlPort")}
 
 
 @lru_cache(maxsize=1)
@@ -78,6 +93,8 @@ def _check(value: Any, schema: dict[str, Any], path: str, errors: list[str]) -> 
         if "minLength" in schema and len(value) < schema["minLength"]:
             errors.append(f"{path}: Invalid value: {_show(value)}: {path} in body should be at least "
                           f"{schema['minLength']} chars long")
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            errors.append(f"{path}: Too long: may not be more than {schema['maxLength']} bytes")
         if "pattern" in schema and not re.search(schema["pattern"], value):
             errors.append(f"{path}: Invalid value: {_show(value)}: {path} in body should match '{schema['pattern']}'")
     if isinstance(value, dict):

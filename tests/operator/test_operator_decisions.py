@@ -92,7 +92,7 @@ def test_identity_failure_and_tokenizer_mismatch_and_garbage():
     tok = {**GOOD, "passed": False, "tokenizer": {"compatible": False, "differences": ["vocab size 49152 != 32000"]}}
     out = gate_verdict.evaluate_verdict(tok, TH)
     assert out.reason == "TokenizerMismatch" and out.tokenizer_compatible is False and "49152 != 32000" in out.message
-    assert gate_verdict.evaluate_verdict({"passed": "yes"}, TH).reason == "VerdictInvalid"
+    assert gate_verdict.evaluate_verdict({"passed": "yes"}, TH).reason == "GateError"
 
 
 def test_promotion_moves_previous_before_champion_and_is_idempotent():
@@ -159,7 +159,8 @@ def test_manifests_validate_against_kubernetes_schemas_and_run_unprivileged():
                  lambda p: manifests.engine_selector(p)[manifests.LABEL_PAIR]):
         made = {make(long_a), make(long_b)}
         assert len(made) == 2 and all(len(n) <= 63 and n[-1].isalnum() for n in made)
-    assert manifests.engine_name("a.b") == "a-b-engine" and manifests.engine_name("9x") == "p-9x-engine"
+    assert manifests.engine_name("a.b") != manifests.engine_name("a-b") == "a-b-engine"
+    assert manifests.engine_name("9x").startswith("p-9x-") and manifests.engine_name("9x") != "p-9x-engine"
     assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
     cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
     # What is served is the release file the pod mounts (the annotation), not command-line copies.
