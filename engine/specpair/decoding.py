@@ -18,8 +18,8 @@ from specpair.config import GenerationParams, SpeculationConfig
 from specpair.drafters import (Drafter, EagleDrafter, HeadDrafter, LookupFirstDrafter, MedusaDrafter,
                                ModelDrafter, NgramDrafter, RowSampling)
 from specpair.errors import SpecpairError, TokenizerMismatch
-from specpair.static_cache import (kv_model, resolve_compile, resolve_kv_kind, step_description,
-                                   supports)
+from specpair.static_cache import (bucket, kv_model, resolve_compile, resolve_kv_kind,
+                                   step_description, supports)
 from specpair.rejection_sampler import (greedy_verify, process_logits, rejection_sample,
                                         verify_tree)
 from specpair.stats import AcceptanceStats, AcceptanceWindow
@@ -284,14 +284,26 @@ class SpeculativeEngine:
         if self.compile_mode == "on":
             self.warm_up()
 
-    def kv_model(self, model):
+    def kv_model(self, model, token_bucket: int | None = None):
         """A fresh cache for one of this engine's models, of the engine's kind."""
-        return kv_model(model, vocab_size=self.vocab_size, kind=self.kv_kind, compile=self.compile_mode)
+        return kv_model(model, vocab_size=self.vocab_size, kind=self.kv_kind, compile=self.compile_mode,
+                        token_bucket=token_bucket)
+
+    @property
+    def token_bucket(self) -> int:
+        """Tokens per row of every target step after a prompt (a fixed-step cache pads each step
+        to it, static_cache.py): a bonus token and k_max drafts, with their siblings in a tree;
+        1 with nothing to verify."""
+        if self.drafter is None or not self.config.enabled:
+            return 1
+        return bucket(1 + self.config.k_max * (self.config.tree_width if self.drafter.tree_capable
+                                               else 1))
 
     def describe_step(self) -> dict:
         """Which cache and step the target runs (the server's start-up log, the bench): what a
         figure measured."""
-        return step_description(self.target.model, self.kv_kind, self.compile_mode)
+        return step_description(self.target.model, self.kv_kind, self.compile_mode,
+                                self.token_bucket)
 
     @torch.no_grad()
     def warm_up(self) -> float:
@@ -301,7 +313,14 @@ class SpeculativeEngine:
         models = [self.target.model]
         if isinstance(self.drafter, ModelDrafter):     # from draft= or handed in as drafter=
             models.append(self.drafter.loaded.model)
+        self.captures = {}
         for model in models:
+            kv = self.kv_model(model, self.token_bucket if model is self.target.model else None)
+            if getattr(kv, "fixed", False):     # every (rows, capacity) bucket, captured once
+                name = "target" if model is self.target.model else "draft"
+                self.captures[name] = kv.warm_up(bucket(self.config.batch_size_threshold),
+                                                 self.target.context_length)
+                continue
             for rows in (1, 2):
                 for width in (1, 2, self.config.k_max + 1):
                     kv = self.kv_model(model)
@@ -381,7 +400,7 @@ class Batch:
 
     def __init__(self, engine: SpeculativeEngine):
         self.engine = engine
-        self.target = engine.kv_model(engine.target.model)
+        self.target = engine.kv_model(engine.target.model, engine.token_bucket)
         self.drafter = engine.drafter.for_batch() if engine.drafter is not None else None
         self.copies = self.drafter is not None and self.drafter.copies   # two kinds of rounds, two ks
         self.rows: list[Sequence] = []
@@ -450,6 +469,8 @@ class Batch:
             generators=[s.generator for s in self.rows])
         ks = self._ks()
         self.last_k = max(ks, default=0)
+        if getattr(self.target, "fixed", False):
+            self._prefill_apart()
         sequences = [s.tokens for s in self.rows]
 
         # Draft.
@@ -508,6 +529,21 @@ class Batch:
             self.drafter.trim()
         self._drop_finished()
         return outputs
+
+    def _prefill_apart(self) -> None:
+        """A fixed-step target (static_cache.py) takes each new row's prompt but its last token
+        in a forward of its own, so every verification feeds only a bonus token and drafts, at
+        the token bucket, and the prompt's keys are the same whether the round speculates or
+        not: greedy speculation then equals target-only bitwise."""
+        feed = [s.tokens[self.target.lengths[i]:-1] for i, s in enumerate(self.rows)]
+        if not any(feed):
+            return
+        starts = list(self.target.lengths)
+        wants = self.drafter is not None and self.drafter.wants_features
+        out = self.target.extend(feed, hidden=wants)
+        for i, tokens in enumerate(feed if wants else []):
+            if tokens:
+                self.drafter.observe(i, starts[i], out[1][i, :len(tokens)])
 
     def _verify_chain(self, drafts, num, q, sampling, wants_features):
         """One target pass over each row's uncached tokens and drafts; -> per row (accepted,

