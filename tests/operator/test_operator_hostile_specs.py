@@ -42,6 +42,8 @@ MODELS = {
     ("chat", "chat-engine"),                         # a DNS label: kept as it is (no rollout churn)
     ("a-b", "a-b-engine"),
     ("chat-2", "chat-2-engine"),
+    # A long label: shortened as before the hash of non-labels existed (the same children).
+    ("chat-" + "x" * 60, "chat-" + "x" * 42 + "-11234507-engine"),
     ("a.b", "a-b-2e7336dc-engine"),                  # not a label: sanitized + hash of the real name
     ("1abc", "p-1abc-57cb980e-engine"),              # a label must start with a letter
 ])
@@ -123,6 +125,52 @@ def test_every_cel_rule_of_the_crd_has_the_operators_equivalent():
 def test_port_collisions_are_refused_by_the_operators_check(rollout, refused):
     errors = validate_spec({"target": {"source": "default"}, "draft": {"drafter": "ngram"}, "rollout": rollout})
     assert bool(errors) is refused and all(e.startswith("spec.rollout: Invalid value: rollout.") for e in errors)
+
+
+def _one_pass(monkeypatch, spec: dict[str, Any]) -> dict[str, Any]:
+    """One reconcile pass over a pair with `spec`, the operator's client pointed at a port where
+    nothing listens (every request fails: a read would show in the outcome); the conditions."""
+    import logging
+    import socket
+
+    import kopf
+
+    from specpair_operator import handlers
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    body = {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair",
+            "metadata": {"name": "p", "namespace": "ns", "uid": f"u-{uuid.uuid4().hex}", "generation": 1},
+            "spec": spec, "status": {}}
+    patch = kopf.Patch()
+
+    async def run() -> None:
+        kube = Kube(f"http://127.0.0.1:{port}", timeout_s=5)
+        monkeypatch.setattr(handlers.RUNTIME, "kube", kube)
+        try:
+            await handlers.Pass(kopf.Body(body), patch, logging.getLogger("test")).run()
+        finally:
+            await kube.close()
+    asyncio.run(run())
+    return {c["type"]: c for c in patch.status["conditions"]}
+
+
+def test_a_bad_reference_past_an_older_crd_is_stalled_before_anything_is_read(monkeypatch):
+    conds = _one_pass(monkeypatch, {"target": {"source": "default"}, "draft": {"drafter": "ngram"},
+                                    "gating": {"configMapRef": {"name": "../../kube-system/configmaps/coredns"}}})
+    assert conds["Stalled"]["status"] == "True" and conds["Stalled"]["reason"] == "InvalidSpec"
+    assert 'spec.gating.configMapRef.name: Invalid value: "../../kube-system/configmaps/coredns"' \
+        in conds["Stalled"]["message"]
+    assert conds["Reconciling"]["status"] == "False"
+
+
+def test_an_api_server_that_does_not_answer_is_retried_not_stalled(monkeypatch):
+    conds = _one_pass(monkeypatch, {"target": {"source": "default"}, "draft": {"drafter": "ngram"},
+                                    "gating": {"configMapRef": {"name": "golden"}}})
+    assert conds["Reconciling"]["status"] == "True" and conds["Reconciling"]["reason"] == "KubernetesAPIError"
+    assert "no answer from the API server" in conds["Reconciling"]["message"]
+    assert "Stalled" not in conds or conds["Stalled"]["status"] == "False"
 
 
 # -- on the real control plane --------------------------------------------------------------------
