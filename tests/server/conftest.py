@@ -114,13 +114,24 @@ def reference(tiny_pair, prompt, max_new_tokens: int, chat: bool = False):
 
 
 def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):
+    """The first truthy value of predicate(); fails the test when none comes within timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    return predicate()
+    value = predicate()
+    if not value:
+        pytest.fail(f"timed out after {timeout:g} s waiting for {getattr(predicate, '__qualname__', predicate)}")
+    return value
+
+
+def openai_client(server, **options):
+    """The official `openai` client for a server's HTTP front (no retries: a refusal is the answer)."""
+    import openai
+    options.setdefault("api_key", "none")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", max_retries=0, timeout=60, **options)
 
 
 def rpc_error(fn) -> grpc.RpcError:

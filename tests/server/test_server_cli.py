@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiny_models import save_tiny
@@ -115,3 +116,29 @@ def test_serve_exits_with_the_reason_when_the_model_cannot_load(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "model path not found" in out.stderr and "Traceback" not in out.stderr
+
+
+def _serve_options(*flags):
+    import argparse
+
+    from specpair.server.cli import add_engine_parser, server_options
+    parser = argparse.ArgumentParser()
+    add_engine_parser(parser.add_subparsers())
+    return server_options(parser.parse_args(["engine", "serve", "--insecure", *flags]))
+
+
+def test_the_token_flag_and_its_old_name_and_the_read_timeout(tmp_path):
+    from specpair.errors import SpecpairError
+    token = tmp_path / "token"
+    token.write_text("  s3cret\n")
+    for flag in ("--auth-token-file", "--http-token-file"):    # the old name keeps working
+        assert _serve_options(flag, str(token)).auth_token == "s3cret"
+    assert _serve_options().auth_token is None
+    assert (_serve_options().http_read_timeout, _serve_options("--http-read-timeout", "2.5").http_read_timeout) == \
+        (30.0, 2.5)
+    (tmp_path / "empty").write_text("\n")
+    for flags, words in ((("--auth-token-file", str(tmp_path / "empty")), "is empty"),
+                         (("--auth-token-file", str(tmp_path / "missing")), "No such file"),
+                         (("--http-read-timeout", "0"), "must be > 0")):
+        with pytest.raises(SpecpairError, match=words):
+            _serve_options(*flags)

@@ -382,3 +382,38 @@ def test_serve_command_as_the_operator_starts_it(tiny_pair, pki, tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+# -- the serving ports' bearer token ---------------------------------------------------------------------
+
+def test_a_token_guards_the_grpc_serving_port_and_the_operator_certificate_passes(tiny_pair, start_server, pki,
+                                                                                  tmp_path):
+    _, first, _ = pki
+    volume = SecretVolume(tmp_path / "tls", first.secret())
+    server = start_server(engine=make_engine(tiny_pair), host="127.0.0.1", control_port=0,
+                          control_tls=volume.tls_files(), auth_token="s3cret")
+    calls = {"Generate": lambda c: c.generate("def foo(x):", max_new_tokens=3, timeout=RPC_TIMEOUT).text,
+             "GetModelInfo": lambda c: c.model_info(timeout=RPC_TIMEOUT).pair,
+             "GetStats": lambda c: c.stats(timeout=RPC_TIMEOUT).pair,
+             "SetSpeculation": lambda c: c.set_speculation(k=2, timeout=RPC_TIMEOUT).k_override}
+    with client_for(server) as anonymous, client_for(server, token="nope") as wrong:
+        for name, call in calls.items():
+            for c in (anonymous, wrong):
+                err = rpc_error(lambda: call(c))
+                assert err.code() == grpc.StatusCode.UNAUTHENTICATED, name
+                assert "bearer token" in err.details()
+        # Health stays open: kubelet probes carry no token.
+        health = health_pb2_grpc.HealthStub(anonymous.channel).Check(health_pb2.HealthCheckRequest(),
+                                                                     timeout=RPC_TIMEOUT)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    with client_for(server, token="s3cret") as main:
+        assert main.model_info(timeout=RPC_TIMEOUT).pair == "tiny" and main.stats(timeout=RPC_TIMEOUT).pair == "tiny"
+        assert main.generate("def foo(x):", max_new_tokens=3, timeout=RPC_TIMEOUT).token_ids
+        # The token lets a client in; only the operator's certificate may control the server.
+        assert rpc_error(lambda: main.set_speculation(k=2, timeout=RPC_TIMEOUT)).code() == \
+            grpc.StatusCode.PERMISSION_DENIED
+    with control_client(server, tmp_path / "operator", first.ca, first.operator) as operator:
+        assert operator.set_speculation(k=2, timeout=RPC_TIMEOUT).k_override == 2
+        assert operator.stats(timeout=RPC_TIMEOUT).pair == "tiny"
+    with control_client(server, tmp_path / "other", first.ca, first.someone_else) as other:
+        assert rpc_error(lambda: other.stats(timeout=RPC_TIMEOUT)).code() == grpc.StatusCode.UNAUTHENTICATED

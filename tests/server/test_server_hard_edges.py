@@ -199,7 +199,7 @@ def test_every_deadline_expiry_is_counted_as_deadline(tiny_pair, start_server):
 def test_a_deadline_passing_while_the_prompt_is_tokenized_is_counted(start_server):
     server = start_server()
     # The server's one tokenizer thread is busy for a second: the request waits there.
-    busy = server._service._tokenize_pool.submit(time.sleep, 1.0)
+    busy = server._service.admission.tokenize_pool.submit(time.sleep, 1.0)
     with client_for(server) as c:
         err = rpc_error(lambda: list(c.stream(request("def foo(x):", max_new_tokens=4), timeout=0.3)))
         assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED

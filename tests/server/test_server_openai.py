@@ -11,12 +11,13 @@ import time
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 
 from tiny_models import save_tiny
 
-from conftest import client_for, make_engine, reference, wait_for
+from conftest import client_for, make_engine, reference, rpc_error, wait_for
 
 CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
 LONG = 400
@@ -293,17 +294,21 @@ def test_draining_lets_streams_finish_and_refuses_new_requests(tiny_pair, start_
     assert results["chunks"][-1].choices[0].finish_reason in ("stop", "length")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_serve_command_with_http_and_a_bearer_token(tiny_pair, tmp_path):
     target, draft = tiny_pair
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        http_port = s.getsockname()[1]
+    http_port, grpc_port = _free_port(), _free_port()
     cmd = [sys.executable, "-m", "specpair.server", "engine", "serve", "--target", save_tiny(target, tmp_path / "t"),
            "--draft", save_tiny(draft, tmp_path / "d"), "--pair", "cli-pair", "--version", "3",
-           "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--insecure", "--device", "cpu",
-           "--http-port", str(http_port), "--http-token-file", str(token)]
+           "--host", "127.0.0.1", "--port", str(grpc_port), "--metrics-port", "-1", "--insecure", "--device", "cpu",
+           "--http-port", str(http_port), "--auth-token-file", str(token), "--http-read-timeout", "5"]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{http_port}"
 
@@ -331,6 +336,14 @@ def test_serve_command_with_http_and_a_bearer_token(tiny_pair, tmp_path):
         text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model="cli-pair", messages=CHAT, max_tokens=8, temperature=0, stream=True))
         assert text == reference(tiny_pair, CHAT, 8, chat=True).text
+        # The same token guards the gRPC serving port.
+        from specpair.server.client import EngineClient
+        with EngineClient(f"127.0.0.1:{grpc_port}", insecure=True) as anonymous:
+            err = rpc_error(lambda: anonymous.generate("def foo(x):", max_new_tokens=4, timeout=30))
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+        with EngineClient(f"127.0.0.1:{grpc_port}", token="s3cret", insecure=True) as c:
+            assert c.generate("def foo(x):", max_new_tokens=4, timeout=30).token_ids == \
+                reference(tiny_pair, "def foo(x):", 4).token_ids
         server.send_signal(signal.SIGTERM)
         assert server.wait(30) == 0
         assert "OpenAI-compatible HTTP on" in server.stdout.read()

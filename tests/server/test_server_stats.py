@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specpair.config import SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 
-from conftest import client_for, make_engine, reference, rpc_error
+from conftest import client_for, make_engine, reference, rpc_error, wait_for
 
 
 def scrape(server) -> dict:
@@ -72,6 +72,8 @@ def test_stats_and_metrics_move_as_requests_complete(tiny_pair, start_server):
         err = rpc_error(lambda: c.generate("", max_new_tokens=3, category="code"))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         stats = c.stats()
+    # The worker publishes its gauges after the step that sent the last reply: wait for them.
+    wait_for(lambda: value(scrape(server), "specpair_num_requests_running", **labels) == 0)
     after = scrape(server)
 
     # Counters moved by exactly what the replies report.

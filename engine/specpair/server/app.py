@@ -56,7 +56,10 @@ class ServerOptions:
     warm_up_prompt: str = "Hello"
     content_hash: str = ""             # of the release file served (--release), for GetModelInfo
     http_port: int | None = None       # OpenAI-compatible HTTP API (openai_api.py); None: off, 0: a free port
-    http_token: str | None = None      # set: HTTP clients must send "Authorization: Bearer <token>"
+    # Set: every call to the serving ports needs "authorization: Bearer <token>" (HTTP header,
+    # gRPC metadata); a client certificate allowed to control the server also passes on gRPC.
+    auth_token: str | None = None
+    http_read_timeout: float = 30.0    # seconds an HTTP request may take to arrive in full
     # A second gRPC listener, same services, mutual TLS required, its files re-read on rotation
     # (tls.py). None: no control listener; 0: a free port (see EngineServer.control_port).
     control_port: int | None = None
@@ -119,9 +122,9 @@ class EngineServer:
         if self.options.http_port is not None:
             from specpair.server.openai_api import OpenAIFront
             try:
-                self._http = OpenAIFront(self, host=self.options.host, port=self.options.http_port,
-                                         token=self.options.http_token,
-                                         tokenize_pool=self._service._tokenize_pool).start()
+                self._http = OpenAIFront(self, self._service.admission, host=self.options.host,
+                                         port=self.options.http_port, token=self.options.auth_token,
+                                         read_timeout=self.options.http_read_timeout).start()
             except OSError as exc:
                 self.stop(0)
                 raise RuntimeError(f"HTTP server did not start on {self.options.host}:"
@@ -174,12 +177,16 @@ class EngineServer:
         """
         return self.options.control_port is not None or bool(self.options.tls and self.options.tls.client_ca)
 
+    def control_client_allowed(self, context) -> bool:
+        """The caller presented a verified client certificate whose name may control the server."""
+        return any(name in self.options.control_client_names for name in peer_common_names(context))
+
     def control_refusal(self, context, method: str) -> str | None:
         """Why this caller may not call a control method (None: it may), counted and logged."""
         if not self.control_restricted:
             return None
         names = peer_common_names(context)
-        if any(name in self.options.control_client_names for name in names):
+        if self.control_client_allowed(context):
             return None
         self.metrics.record_control_denied(method)
         presented = (f"its client certificate's common name {names[0]!r} is not allowed" if names

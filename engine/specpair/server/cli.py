@@ -58,14 +58,19 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     http = serve.add_argument_group("OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                                     "/v1/models, /health), same batch as gRPC")
     http.add_argument("--http-port", type=int, default=0, help="HTTP port (0: off)")
-    http.add_argument("--http-token-file",
-                      help="require 'Authorization: Bearer <token>' with the token in this file (e.g. a "
-                           "mounted Secret); default: no authentication")
+    http.add_argument("--http-read-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="a request must arrive in full (headers and body) within this time, or it is "
+                           "answered 408 and its connection closed")
     tls = serve.add_argument_group("transport security (one of --tls-cert/--tls-key or --insecure)")
     tls.add_argument("--tls-cert", help="server certificate chain (PEM)")
     tls.add_argument("--tls-key", help="server private key (PEM)")
     tls.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
     tls.add_argument("--insecure", action="store_true", help="plaintext gRPC (only inside a trusted network)")
+    tls.add_argument("--auth-token-file", "--http-token-file", dest="auth_token_file", metavar="FILE",
+                     help="require a bearer token, the text of this file (e.g. a mounted Secret), on the "
+                          "serving ports: HTTP 'Authorization: Bearer <token>', gRPC metadata "
+                          "'authorization: Bearer <token>' (or the operator's client certificate); "
+                          "default: no authentication")
     control = serve.add_argument_group(
         "control listener (the operator's port: mutual TLS; SetSpeculation is accepted only from an "
         "allowed client certificate once this port, or --tls-client-ca, is set; a server with neither "
@@ -129,6 +134,8 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     ctls.add_argument("--ca", help="CA that signed the server certificate (default: system roots)")
     ctls.add_argument("--cert", help="client certificate (mutual TLS)")
     ctls.add_argument("--key", help="client private key (mutual TLS)")
+    ctls.add_argument("--auth-token-file", metavar="FILE",
+                      help="send 'authorization: Bearer <token>' with the token in this file")
     ctls.add_argument("--server-name", help="expected name in the server certificate")
     gen.set_defaults(func=generate_command)
     return engine
@@ -195,6 +202,7 @@ def build_engine(args, progress=print):
 
 def server_options(args):
     from specpair.server.app import ServerOptions, TLSFiles
+    from specpair.server.auth import read_token_file
     from specpair.server.requests import Limits
     from specpair.server.tls import DEFAULT_CONTROL_CLIENT_NAMES
 
@@ -235,21 +243,17 @@ def server_options(args):
         raise SpecpairError("--max-queue must be >= 0")
     if not 0 <= args.http_port <= 65535:
         raise SpecpairError("--http-port must be in [0, 65535] (0: off)")
-    token = None
-    if args.http_token_file:
-        try:
-            token = Path(args.http_token_file).read_text().strip()
-        except OSError as exc:
-            raise SpecpairError(f"--http-token-file: {exc}") from exc
-        if not token:
-            raise SpecpairError(f"--http-token-file {args.http_token_file} is empty")
+    if not args.http_read_timeout > 0:
+        raise SpecpairError("--http-read-timeout must be > 0 seconds")
+    token = read_token_file(args.auth_token_file) if args.auth_token_file else None
     return ServerOptions(host=args.host, port=args.port,
                          metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                          pair=args.pair, version=args.version, max_batch_size=args.max_batch_size,
                          max_queue=args.max_queue, drain_timeout=args.drain_timeout, tls=tls,
                          limits=Limits(max_request_bytes=args.max_request_bytes,
                                        max_new_tokens=args.max_new_tokens_limit),
-                         http_port=args.http_port or None, http_token=token,
+                         http_port=args.http_port or None, auth_token=token,
+                         http_read_timeout=args.http_read_timeout,
                          control_port=args.control_port, control_tls=control_tls,
                          control_client_names=client_names)
 
@@ -306,7 +310,8 @@ def serve_command(args) -> int:
              + ", health NOT_SERVING until the models are loaded"
              + (f"; metrics on :{server.metrics_port}/metrics" if server.metrics_port else "")
              + (f"; OpenAI-compatible HTTP on :{server.http_port}/v1"
-                f"{' (bearer token required)' if options.http_token else ''}" if server.http_port else ""))
+                if server.http_port else "")
+             + ("; bearer token required on the serving ports" if options.auth_token else ""))
     stop = threading.Event()
 
     def on_signal(signum, _frame):
@@ -339,8 +344,11 @@ def generate_command(args) -> int:
     req = request(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop, speculation_k=args.k,
                   category=args.category)
-    client = EngineClient(args.address, insecure=args.insecure, ca=args.ca, cert=args.cert, key=args.key,
-                          server_name=args.server_name)
+    from specpair.server.auth import read_token_file
+
+    token = read_token_file(args.auth_token_file) if args.auth_token_file else None
+    client = EngineClient(args.address, token=token, insecure=args.insecure, ca=args.ca, cert=args.cert,
+                          key=args.key, server_name=args.server_name)
     text, token_ids, last = [], [], None
     try:
         for msg in client.stream(req, timeout=args.timeout):

@@ -74,21 +74,23 @@ def collect(stream) -> Reply:
 
 
 class EngineClient:
-    def __init__(self, address: str, **channel_options):
+    def __init__(self, address: str, token: str | None = None, **channel_options):
+        """token: sent as "authorization: Bearer <token>" (servers started with --auth-token-file)."""
         self.channel = channel(address, **channel_options)
         self.stub = pb_grpc.EngineStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     def stream(self, req: pb.GenerateRequest, timeout: float | None = None):
-        return self.stub.Generate(req, timeout=timeout)
+        return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
     def generate(self, prompt, timeout: float | None = None, **options) -> Reply:
         return collect(self.stream(request(prompt, **options), timeout=timeout))
 
     def model_info(self, timeout: float = 10.0) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout, metadata=self.metadata)
 
     def stats(self, timeout: float = 10.0) -> pb.Stats:
-        return self.stub.GetStats(pb.GetStatsRequest(), timeout=timeout)
+        return self.stub.GetStats(pb.GetStatsRequest(), timeout=timeout, metadata=self.metadata)
 
     def set_speculation(self, enabled: bool | None = None, k: int | None = None, reason: str = "",
                         timeout: float = 10.0) -> pb.SpeculationSettings:
@@ -97,7 +99,7 @@ class EngineClient:
             req.enabled = enabled
         if k is not None:
             req.k = k
-        return self.stub.SetSpeculation(req, timeout=timeout)
+        return self.stub.SetSpeculation(req, timeout=timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

@@ -6,7 +6,8 @@ same continuous batch) as the gRPC service. A request is read into `RequestField
 come back in OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`:
 
     400 bad input (the field in `param`, in OpenAI's names: `max_tokens`, `messages[1].role`)
-    401 a bearer token is required and missing or wrong (--http-token-file)
+    401 a bearer token is required and missing or wrong (--auth-token-file)
+    408 a request that did not arrive in full within --http-read-timeout (the connection closes)
     404 a `model` this server does not serve
     413 a body over --max-request-bytes, or a prompt the model's context cannot hold
     429 the request queue is full (Retry-After: 1)
@@ -21,16 +22,16 @@ Extension request fields: `top_k`, and `specpair: {"k": 0 (off) .. 32, "category
 from __future__ import annotations
 
 import asyncio
-import hmac
+import functools
 import json
 import logging
 import socket
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from google.protobuf.json_format import MessageToDict
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -39,9 +40,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from specpair.contract import DEFAULT_CATEGORY
-from specpair.errors import SpecpairError
-from specpair.server.requests import (InvalidField, RequestFields, TooLarge, check_fields, check_size,
-                                      fit_context)
+from specpair.server.admission import Admission
+from specpair.server.auth import bearer_token_matches
+from specpair.server.requests import InvalidField, RequestFields, TooLarge, check_size
 from specpair.server.worker import Failed, Finished, Job, NotAccepting, QueueFull, Tokens
 
 log = logging.getLogger("specpair.server.http")
@@ -59,6 +60,10 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers, self.count = headers, count
+
+    def uncounted(self) -> "APIError":
+        self.count = None
+        return self
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -104,7 +109,10 @@ def _get(body: dict, name: str, kind, default=None):
         return default
     ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:     # an integer beyond any float
+            raise bad_request(name, f"must be a finite number, got {str(value)[:40]}...") from None
     if not ok:
         raise bad_request(name, f"must be {_KINDS[kind]}, got {json.dumps(value)[:40]}")
     return value
@@ -266,18 +274,69 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+class ReadTimeoutH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a read timeout: a request, headers and body, must arrive in
+    full within `read_timeout` seconds of its first byte (of the connection, for the first one), or
+    it is answered 408 and the connection closed. uvicorn times out only idle keep-alive
+    connections: without this a client sending a byte a minute holds a connection for ever."""
+
+    def __init__(self, *args, read_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read_timeout = read_timeout
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._before = None       # the cycle (request) before the one being read
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self._read_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._arm()           # the first bytes of the next request on a kept-alive connection
+        super().data_received(data)
+        if self._read_timer is not None and self.cycle is not self._before and not self.cycle.more_body:
+            self._disarm()        # read in full
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._before = self.cycle
+        self._read_timer = self.loop.call_later(self.read_timeout, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _timed_out(self) -> None:
+        self._read_timer = None
+        if self.transport.is_closing():
+            return
+        reading = self.cycle is not self._before
+        if not (reading and self.cycle.response_started):
+            body = json.dumps({"error": {
+                "message": f"the request did not arrive in full within {self.read_timeout:g} s",
+                "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 b"connection: close\r\ncontent-length: " + str(len(body)).encode() +
+                                 b"\r\n\r\n" + body)
+        self.transport.close()     # a handler still reading the body sees the client gone
+
+
 class OpenAIFront:
     """The HTTP server of one EngineServer (`state`: engine, worker, limits, metrics, phase)."""
 
-    def __init__(self, state, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 tokenize_pool: ThreadPoolExecutor | None = None):
-        """tokenize_pool: the gRPC service's, so one thread tokenizes for both protocols (a
-        tokenizer is not safe to use from two threads at once)."""
+    def __init__(self, state, admission: Admission, *, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None, read_timeout: float = 30.0):
+        """admission: the gRPC service's, so both protocols enter the worker one way (and one
+        thread tokenizes for both). read_timeout: seconds a request may take to arrive in full."""
         self.state = state
+        self.admission = admission
         self.host, self.port = host, port
-        self._token = token.encode() if token else None
-        self._own_pool = tokenize_pool is None
-        self._tokenize_pool = tokenize_pool or ThreadPoolExecutor(1, thread_name_prefix="specpair-http-tokenize")
+        self._token = token or None
+        self.read_timeout = read_timeout
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.app = Starlette(exception_handlers={HTTPException: _http_error, Exception: _server_error}, routes=[
@@ -302,7 +361,8 @@ class OpenAIFront:
             raise
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, timeout_keep_alive=30, backlog=1024)
+                                timeout_graceful_shutdown=5, timeout_keep_alive=30, backlog=1024,
+                                http=functools.partial(ReadTimeoutH11Protocol, read_timeout=self.read_timeout))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])),
                                         name="specpair-http", daemon=True)
@@ -320,8 +380,6 @@ class OpenAIFront:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
-        if self._own_pool:
-            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- handlers --------------------------------------------------------------------------------
 
@@ -367,8 +425,7 @@ class OpenAIFront:
     def _authorize(self, request: Request) -> None:
         if self._token is None:
             return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+        if not bearer_token_matches(request.headers.get("authorization", ""), self._token):
             raise APIError(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
                            "authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"}, count=None)
@@ -392,6 +449,8 @@ class OpenAIFront:
             parsed = json.loads(body)
         except ValueError as exc:
             raise bad_request(None, f"the body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise bad_request(None, "the body is nested too deeply") from None
         if not isinstance(parsed, dict):
             raise bad_request(None, "the body must be a JSON object")
         return parsed
@@ -399,7 +458,6 @@ class OpenAIFront:
     async def _generate(self, request: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
         state = self.state
-        category = DEFAULT_CATEGORY
         try:
             self._authorize(request)
             if state.phase != "serving":
@@ -412,37 +470,28 @@ class OpenAIFront:
                 self._check_model(model)
                 stream = _get(body, "stream", bool, False)
                 include_usage = bool(_get(body, "stream_options", dict, {}).get("include_usage"))
-                checked = check_fields(fields, state.limits, default_max_new_tokens=None)
-                category = checked.params.category
-                loop = asyncio.get_running_loop()
-                ids = await loop.run_in_executor(self._tokenize_pool, state.engine.encode, checked.prompt,
-                                                 checked.chat)
-                fit_context(checked, len(ids), state.engine.target.context_length)
             except InvalidField as exc:
                 raise from_invalid(exc, max_tokens_name) from None
-            except SpecpairError as exc:      # the tokenizer refused the prompt
-                raise bad_request("messages" if chat else "prompt", str(exc)) from None
-            except asyncio.CancelledError:    # the client left while its prompt was tokenized
-                state.count_rejected(category, "cancelled", PROTOCOL)
-                raise
-            except ClientDisconnect:          # ... or while its body was read
-                state.count_rejected(category, "cancelled", PROTOCOL)
+            except RecursionError:            # a value nested too deeply to describe
+                raise bad_request(None, "the body is nested too deeply") from None
+            except ClientDisconnect:          # the client left while its body was read
+                self.admission.refused(DEFAULT_CATEGORY, "cancelled", PROTOCOL)
                 return Response(status_code=499)
-            category = state.metrics.category(category)
-            events: asyncio.Queue = asyncio.Queue()
-            job = Job(prompt_ids=ids, params=checked.params, category=category, protocol=PROTOCOL, arrived=arrived,
-                      sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
             try:
-                state.worker.submit(job)
+                admitted = await self.admission.admit(fields, protocol=PROTOCOL, arrived=arrived,
+                                                      default_max_new_tokens=None)
+            except InvalidField as exc:       # counted by admit
+                raise from_invalid(exc, max_tokens_name).uncounted() from None
             except QueueFull as exc:
                 raise APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
-                               count="rejected") from None
+                               count=None) from None
             except NotAccepting as exc:
-                raise APIError(503, str(exc), "server_error", code="unavailable", count="unavailable") from None
+                raise APIError(503, str(exc), "server_error", code="unavailable", count=None) from None
         except APIError as err:
             if err.count:
-                state.count_rejected(category, err.count, PROTOCOL)
+                self.admission.refused(DEFAULT_CATEGORY, err.count, PROTOCOL)
             return err.response()
+        job, events = admitted.job, admitted.events
         reply = Reply(chat=chat, model=model or state.options.pair, include_usage=include_usage)
         job.client_id = reply.id
         if stream:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import struct
 from dataclasses import dataclass
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -26,6 +27,8 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # Temperatures this close to 0 overflow logits / T to inf (NaN probabilities); 0 means greedy.
 MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 100.0
+MAX_SPECULATION_K = 32
+SEED_LIMIT = 1 << 64          # a torch.Generator takes seeds in [0, 2**64)
 
 
 class InvalidField(Exception):
@@ -88,20 +91,27 @@ def check_size(num_bytes: int, limits: Limits) -> None:
         raise TooLarge("request", f"{num_bytes} bytes is more than the limit of {limits.max_request_bytes} bytes")
 
 
-def check_generate(request, limits: Limits) -> CheckedRequest:
+def check_generate(request, limits: Limits, vocab_size: int | None = None) -> CheckedRequest:
     """GenerateRequest (protobuf) -> CheckedRequest, or InvalidField."""
+    return check_fields(generate_fields(request, limits), limits, vocab_size=vocab_size)
+
+
+def generate_fields(request, limits: Limits) -> RequestFields:
+    """GenerateRequest (protobuf) -> RequestFields: the values as its client wrote them.
+
+    float fields travel as float32: 0.01 arrives as 0.009999999776; it is read back as the
+    shortest decimal that float32 rounds to the same value, so bounds hold as documented.
+    """
     which = request.WhichOneof("input")
     fields = RequestFields(
         max_new_tokens=request.max_new_tokens if request.HasField("max_new_tokens") else None,
-        temperature=request.temperature if request.HasField("temperature") else None,
-        top_p=request.top_p if request.HasField("top_p") else None,
+        temperature=float32_as_written(request.temperature) if request.HasField("temperature") else None,
+        top_p=float32_as_written(request.top_p) if request.HasField("top_p") else None,
         top_k=request.top_k if request.HasField("top_k") else None,
         seed=request.seed if request.HasField("seed") else None,
         stop=tuple(request.stop), category=request.category, request_id=request.request_id)
     if len(request.request_id) > limits.max_request_id_chars:
         raise InvalidField("request_id", f"at most {limits.max_request_id_chars} characters")
-    if which is None:
-        raise InvalidField("prompt", "empty prompt: set prompt, prompt_utf8 or chat")
     if which == "prompt_utf8":
         try:
             fields.prompt = request.prompt_utf8.decode("utf-8")
@@ -111,25 +121,49 @@ def check_generate(request, limits: Limits) -> CheckedRequest:
         fields.prompt_field = "prompt_utf8"
     elif which == "prompt":
         fields.prompt = request.prompt
-    else:
+    elif which == "chat":
         fields.messages = [(m.role, m.content) for m in request.chat.messages]
     if request.HasField("speculation"):
         if request.speculation.off:
             fields.speculation_k = 0
         elif request.speculation.k:
             fields.speculation_k = request.speculation.k
-    return check_fields(fields, limits)
+    return fields
 
 
-def check_fields(fields: RequestFields, limits: Limits,
+def float32_as_written(value: float) -> float:
+    """The shortest decimal (as a float) that float32 rounds to `value`: what the client wrote."""
+    if not math.isfinite(value):
+        return value
+    packed = struct.pack("<f", value)
+    for digits in range(1, 10):
+        short = float(f"{value:.{digits}g}")
+        if struct.pack("<f", short) == packed:
+            return short
+    return value
+
+
+def check_fields(fields: RequestFields, limits: Limits, *, vocab_size: int | None = None,
                  default_max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS) -> CheckedRequest:
     """The one check of a generation request, for every protocol: RequestFields -> CheckedRequest.
 
+    Every value is checked against the range of what it becomes (a tensor of int64 or float32, a
+    torch.Generator seed, UTF-8 for the tokenizer), so nothing a client sends can make a step
+    raise. vocab_size: the target's vocabulary, top_k's upper bound (None: not checked).
     default_max_new_tokens=None: a request without max_new_tokens gets as many tokens as the
     server's limit and the model's context allow (see fit_context), as OpenAI's API does.
     """
+    for name in ("max_new_tokens", "top_k", "seed", "speculation_k"):
+        value = getattr(fields, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise InvalidField(_FIELD_NAMES.get(name, name), f"must be an integer, got {value!r}")
+    for name in ("temperature", "top_p"):
+        value = getattr(fields, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise InvalidField(name, f"must be a number, got {value!r}")
     if len(fields.request_id) > limits.max_request_id_chars:
         raise InvalidField("request_id", f"at most {limits.max_request_id_chars} characters")
+    _check_encodes("request_id", fields.request_id)
     if fields.messages is not None:
         prompt, chat = _check_chat(fields.messages, limits), True
     elif fields.prompt is not None:
@@ -160,7 +194,9 @@ def check_fields(fields: RequestFields, limits: Limits,
     top_k = fields.top_k if fields.top_k is not None else 0
     if top_k < 0:
         raise InvalidField("top_k", f"must be >= 0 (0 = off), got {top_k}")
-    if fields.seed is not None and not 0 <= fields.seed < 1 << 64:
+    if vocab_size is not None and top_k > vocab_size:
+        raise InvalidField("top_k", f"must be at most the vocabulary size {vocab_size} (0 = off), got {top_k}")
+    if fields.seed is not None and not 0 <= fields.seed < SEED_LIMIT:
         raise InvalidField("seed", f"must be in [0, 2**64), got {fields.seed}")
 
     if len(fields.stop) > limits.max_stop_strings:
@@ -170,12 +206,13 @@ def check_fields(fields: RequestFields, limits: Limits,
             raise InvalidField(f"stop[{i}]", "empty stop string")
         if len(s) > limits.max_stop_chars:
             raise InvalidField(f"stop[{i}]", f"at most {limits.max_stop_chars} characters")
+        _check_encodes(f"stop[{i}]", s)
 
     speculation_k = fields.speculation_k
     if speculation_k is not None and speculation_k < 0:
         raise InvalidField("speculation.k", f"must be >= 0 (0 = off), got {speculation_k}")
-    if speculation_k is not None and speculation_k > 32:
-        raise InvalidField("speculation.k", f"must be <= 32, got {speculation_k}")
+    if speculation_k is not None and speculation_k > MAX_SPECULATION_K:
+        raise InvalidField("speculation.k", f"must be <= {MAX_SPECULATION_K}, got {speculation_k}")
 
     category = fields.category or DEFAULT_CATEGORY
     if not CATEGORY_PATTERN.fullmatch(category):
@@ -188,9 +225,25 @@ def check_fields(fields: RequestFields, limits: Limits,
                           prompt_field="chat" if chat else fields.prompt_field, fill_context=fill)
 
 
+# RequestFields attribute -> the field a refusal names
+_FIELD_NAMES = {"speculation_k": "speculation.k"}
+
+
+def _check_encodes(field: str, text: str) -> None:
+    """Text the tokenizer can take: UTF-8-encodable (JSON's "\\ud800", a lone surrogate, is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidField(field, f"not valid Unicode: U+{ord(text[exc.start]):04X} at character "
+                                  f"{exc.start} ({exc.reason})") from None
+
+
 def _check_text(field: str, text: str) -> str:
+    if not isinstance(text, str):
+        raise InvalidField(field, "must be a string")
     if not text.strip():
         raise InvalidField(field, "empty prompt")
+    _check_encodes(field, text)
     return text
 
 
@@ -204,6 +257,7 @@ def _check_chat(messages, limits: Limits) -> list[dict]:
         if role not in CHAT_ROLES:
             raise InvalidField(f"chat.messages[{i}].role",
                                f"unknown chat role {role!r}; use one of {', '.join(CHAT_ROLES)}")
+        _check_encodes(f"chat.messages[{i}].content", content)
         out.append({"role": role, "content": content})
     if not any(m["content"].strip() for m in out):
         raise InvalidField("chat.messages", "empty prompt: every message is empty")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -18,15 +17,16 @@ from google.protobuf.message import DecodeError
 from specpair import __version__
 from specpair._proto import engine_pb2 as pb
 from specpair.contract import DEFAULT_CATEGORY
-from specpair.errors import SpecpairError
-from specpair.server.requests import (InvalidField, Limits, check_generate, check_size, find_invalid_utf8,
-                                      fit_context)
-from specpair.server.worker import Failed, Finished, Job, NotAccepting, QueueFull, Tokens
+from specpair.server.admission import Admission
+from specpair.server.auth import bearer_token_matches
+from specpair.server.requests import InvalidField, Limits, check_size, find_invalid_utf8, generate_fields
+from specpair.server.worker import Failed, Finished, NotAccepting, QueueFull, Tokens
 from specpair.stats import AcceptanceStats
 
 log = logging.getLogger("specpair.server")
 
 SERVICE_NAME = "specpair.engine.v1.Engine"
+PROTOCOL = "grpc"
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 FAILURE_CODES = {"unavailable": grpc.StatusCode.UNAVAILABLE, "internal": grpc.StatusCode.INTERNAL,
                  "invalid": grpc.StatusCode.INVALID_ARGUMENT}
@@ -110,8 +110,7 @@ class EngineService:
 
     def __init__(self, state):
         self.state = state
-        # One thread for tokenizing: keeps long prompts off the event loop.
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="specpair-tokenize")
+        self.admission = Admission(state)     # shared with the HTTP front
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
@@ -130,7 +129,19 @@ class EngineService:
         })
 
     def close(self) -> None:
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.admission.close()
+
+    async def _authorize(self, context) -> None:
+        """With a token configured (--auth-token-file): "authorization: Bearer <token>" metadata, or
+        a client certificate allowed to control the server (the operator on the control port)."""
+        token = self.state.options.auth_token
+        if token is None:
+            return
+        given = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if bearer_token_matches(given, token) or self.state.control_client_allowed(context):
+            return
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or wrong bearer token (metadata authorization: Bearer <token>)")
 
     async def _require_ready(self, context) -> None:
         if self.state.phase != "serving":
@@ -157,42 +168,28 @@ class EngineService:
 
     async def generate(self, raw: bytes, context):
         arrived = time.perf_counter()
+        await self._authorize(context)
         await self._require_ready(context)
         state = self.state
-        limits = state.limits
         try:
-            check_size(len(raw), limits)
+            check_size(len(raw), state.limits)
         except InvalidField as exc:
             await self._invalid(context, exc.field, exc.reason)
         request = await self._parse(raw, pb.GenerateRequest, context)
-        engine = state.engine
-        checked = None
         try:
-            checked = check_generate(request, limits)
-            loop = asyncio.get_running_loop()
-            ids = await loop.run_in_executor(self._tokenize_pool, engine.encode, checked.prompt, checked.chat)
-            fit_context(checked, len(ids), engine.target.context_length)
+            fields = generate_fields(request, state.limits)
         except InvalidField as exc:
             await self._invalid(context, exc.field, exc.reason)
-        except SpecpairError as exc:
-            await self._invalid(context, checked.prompt_field if checked else "prompt", str(exc))
-        except asyncio.CancelledError:   # gone while its prompt was tokenized: still counted
-            state.count_rejected(state.metrics.category(checked.params.category), gone_status(context))
-            raise
-
-        category = state.metrics.category(checked.params.category)     # bounded label set
-        events: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        job = Job(prompt_ids=ids, params=checked.params, category=category, client_id=request.request_id,
-                  arrived=arrived, sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
         try:
-            state.worker.submit(job)
+            admitted = await self.admission.admit(fields, protocol=PROTOCOL, arrived=arrived,
+                                                  client_id=request.request_id, gone=lambda: gone_status(context))
+        except InvalidField as exc:      # counted by admit
+            await self._invalid(context, exc.field, exc.reason, count=False)
         except QueueFull as exc:
-            state.count_rejected(category, "rejected")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except NotAccepting as exc:
-            state.count_rejected(category, "unavailable")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        job, events = admitted.job, admitted.events
         request_id = request.request_id or job.request_id
         finished = False
         try:
@@ -222,16 +219,19 @@ class EngineService:
     # -- unary ----------------------------------------------------------------------------------
 
     async def get_model_info(self, raw: bytes, context):
+        await self._authorize(context)
         await self._require_ready(context)
         await self._parse(raw, pb.GetModelInfoRequest, context, count=False)
         return self.state.model_info()
 
     async def get_stats(self, raw: bytes, context):
+        await self._authorize(context)
         await self._require_ready(context)
         await self._parse(raw, pb.GetStatsRequest, context, count=False)
         return self.state.stats()
 
     async def set_speculation(self, raw: bytes, context):
+        await self._authorize(context)
         # First: a caller without the operator's certificate learns nothing and changes nothing.
         refusal = self.state.control_refusal(context, "SetSpeculation")
         if refusal:

@@ -12,6 +12,8 @@ a status code.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import logging
 import threading
@@ -303,13 +305,8 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             outputs = self.batch.step()
-        except Exception as exc:   # an engine bug or device error: fail this batch, keep serving
-            log.exception("engine step failed; failing %d running requests", len(self._jobs))
-            with self._cond:
-                for job in list(self._jobs.values()):
-                    self._fail(job, "internal", f"engine step failed: {type(exc).__name__}: {exc}",
-                               status="error")
-                self.batch = self.engine.new_batch()
+        except Exception as exc:   # a request the checks let through, an engine bug, a device error
+            self._recover(exc)
             return
         self.steps += 1
         now = time.perf_counter()
@@ -330,6 +327,70 @@ class EngineWorker:
                 self._send(job, Tokens(text=out.text, token_ids=list(out.token_ids)))
         self.batch.done.clear()
         self._publish_state()
+
+    def _recover(self, exc: Exception) -> None:
+        """After a step raised: fail the rows that raise on their own, carry the others on.
+
+        Each row is stepped alone in a batch of its own (its tokens so far as the prompt, its
+        params, a generator of its own, the speculation controller put back afterwards), so the
+        probe changes nothing the running rows read. The blameless rows move to a fresh batch that
+        reads their committed tokens again, since the step that raised may have left the old one's
+        caches half-written; their Sequences (tokens, generators, stats, text so far) move with
+        them. When no row raises alone, nothing can be blamed and every row fails.
+        """
+        rows = list(self.batch.rows)
+        # Outside the lock: submit and cancel go on while the rows are probed.
+        blamed = {seq.request_id: error for seq in rows if (error := self._fails_alone(seq)) is not None}
+        with self._cond:
+            self._carry_on(exc, rows, blamed)
+
+    def _carry_on(self, exc: Exception, rows: list, blamed: dict[str, Exception]) -> None:
+        if not blamed:
+            log.error("engine step failed; failing %d running requests", len(rows), exc_info=exc)
+            for job in list(self._jobs.values()):
+                self._fail(job, "internal", f"engine step failed: {type(exc).__name__}: {exc}", status="error")
+            self.batch = self.engine.new_batch()
+            return
+        log.error("engine step failed; %d of %d requests fail alone and are ended: %s", len(blamed),
+                  len(rows), ", ".join(blamed), exc_info=exc)
+        fresh = self.engine.new_batch()
+        fresh.speculate = self.batch.speculate
+        for seq in rows:
+            job = self._jobs.get(seq.request_id)
+            error = blamed.get(seq.request_id)
+            if error is not None:
+                if job is not None:
+                    self._fail(job, "internal", f"this request makes the engine step fail: "
+                                                f"{type(error).__name__}: {error}", status="error")
+                continue
+            # add() sizes the caches for one more row; the row itself is the running Sequence.
+            try:
+                fresh.add(seq.tokens, dataclasses.replace(seq.params, max_new_tokens=1, temperature=0.0),
+                          request_id=seq.request_id)
+            except Exception as error:
+                if job is not None:
+                    self._fail(job, "internal", f"could not carry on after a failed engine step: "
+                                                f"{type(error).__name__}: {error}", status="error")
+                continue
+            fresh.rows[-1] = seq
+        self.batch = fresh
+
+    def _fails_alone(self, seq) -> Exception | None:
+        """The exception one step of this row raises in a batch of its own (None: it steps)."""
+        controller = self.engine.controller
+        saved = {name: copy.deepcopy(value) for name, value in vars(controller).items() if name != "config"}
+        probe = self.engine.new_batch()
+        probe.speculate = self.batch.speculate
+        try:
+            remaining = max(1, seq.params.max_new_tokens - len(seq.generated))
+            probe.add(seq.tokens, dataclasses.replace(seq.params, max_new_tokens=remaining),
+                      request_id=seq.request_id)
+            probe.step()
+            return None
+        except Exception as error:
+            return error
+        finally:
+            vars(controller).update(saved)
 
     def _count(self, job: Job, stats: AcceptanceStats) -> None:
         delta = stats_delta(job.seen, stats)

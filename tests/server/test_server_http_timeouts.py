@@ -1,0 +1,107 @@
+"""Incomplete HTTP requests time out (--http-read-timeout): raw sockets over 127.0.0.1 holding
+connections open the way slow or stalled clients do, while real requests go on."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from conftest import make_engine, openai_client, reference, wait_for
+
+READ_TIMEOUT = 0.5
+HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 60\r\n\r\n")
+
+
+def _until_closed(sock: socket.socket, limit: float = 10.0) -> bytes:
+    """Everything the server sends until it closes the connection (at most `limit` seconds)."""
+    sock.settimeout(limit)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def _response(sock: socket.socket) -> bytes:
+    """One whole response (head and its Content-Length body) from a kept-alive connection."""
+    sock.settimeout(10)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def _slow_client(port: int, sends: list[bytes], gap: float, result: list, i: int) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        started = time.monotonic()
+        try:
+            for piece in sends:
+                sock.sendall(piece)
+                time.sleep(gap)
+        except OSError:      # closed by the server while still sending: what is being tested
+            pass
+        try:
+            answer = _until_closed(sock)
+        except OSError:
+            answer = b""
+        result[i] = (time.monotonic() - started, answer)
+
+
+def test_incomplete_requests_are_answered_408_and_closed_while_service_goes_on(tiny_pair, start_server):
+    server = start_server(engine=make_engine(tiny_pair, delay=0.05), http_port=0, http_read_timeout=READ_TIMEOUT)
+    port = server.http_port
+    stalls = {
+        "silent": ([], 0.0),
+        "half a head": ([HEAD[:30]], 0.0),
+        "head, no body": ([HEAD], 0.0),
+        "half a body": ([HEAD + b'{"prompt": "def foo(x):"'], 0.0),
+        "a byte at a time": ([bytes([b]) for b in HEAD], 0.1),
+    }
+    kinds = [kind for kind in stalls for _ in range(8)]
+    results: list = [None] * len(kinds)
+    threads = [threading.Thread(target=_slow_client, args=(port, *stalls[kind], results, i))
+               for i, kind in enumerate(kinds)]
+    for t in threads:
+        t.start()
+    # Meanwhile: a stream that lasts longer than the read timeout runs to its end (the timeout is
+    # for reading a request, not for answering it).
+    stream = openai_client(server).completions.create(model="tiny", prompt="def foo(x):", max_tokens=48,
+                                                     temperature=0, stream=True)
+    started = time.monotonic()
+    text = "".join(chunk.choices[0].text for chunk in stream)
+    assert time.monotonic() - started > 2 * READ_TIMEOUT
+    assert text == reference(tiny_pair, "def foo(x):", 48).text
+    for t in threads:
+        t.join(30)
+    for kind, (seconds, answer) in zip(kinds, results):
+        assert answer.startswith(b"HTTP/1.1 408 "), (kind, answer[:200])
+        assert b'"code": "request_timeout"' in answer, kind
+        assert READ_TIMEOUT * 0.9 < seconds < READ_TIMEOUT + 3, (kind, seconds)
+    assert server.worker.busy == 0
+
+
+def test_a_kept_alive_connection_gets_the_timeout_again_for_its_next_request(tiny_pair, start_server):
+    server = start_server(engine=make_engine(tiny_pair), http_port=0, http_read_timeout=READ_TIMEOUT)
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        # A whole request, slower than nothing but within the timeout: answered, connection kept.
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(READ_TIMEOUT / 3)
+        sock.sendall(b"\r\n")
+        first = _response(sock)
+        assert first.startswith(b"HTTP/1.1 200 ") and b'"serving"' in first
+        # Idle between requests is the keep-alive's business (30 s), not the read timeout's.
+        time.sleep(READ_TIMEOUT * 2)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _response(sock).startswith(b"HTTP/1.1 200 ")
+        # The next request stalls half-way: it gets the timeout.
+        started = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\n")
+        answer = _until_closed(sock)
+        assert answer.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < READ_TIMEOUT + 3
+    wait_for(lambda: server.phase == "serving")
