@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specpair.config import GenerationParams, SpeculationConfig
+from specpair.detokenize import IncrementalDetokenizer
 from specpair.drafters import (Drafter, EagleDrafter, HeadDrafter, LookupFirstDrafter, MedusaDrafter,
                                ModelDrafter, NgramDrafter, RowSampling)
 from specpair.errors import SpecpairError, TokenizerMismatch
@@ -167,7 +168,9 @@ class Sequence:
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     finished: bool = False
     finish_reason: str | None = None
-    emitted_text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None   # the text not yet streamed
+    # Streamed pieces, joined once at the end: appending to one string copies it every step.
+    pieces: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -175,6 +178,15 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt_ids):]
+
+    @property
+    def num_generated(self) -> int:
+        """len(generated), without copying the reply (the step loop asks every step)."""
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def emitted_text(self) -> str:
+        return "".join(self.pieces)
 
 
 @dataclass
@@ -425,7 +437,9 @@ class Batch:
                        prompt_ids=list(prompt_ids), params=params, generator=generator,
                        dynamic_k=DynamicK(self.engine.config, self.engine.cost_model),
                        copy_k=DynamicK(self.engine.config) if self.copies else None,
-                       tokens=list(prompt_ids))
+                       tokens=list(prompt_ids),
+                       detokenizer=IncrementalDetokenizer(self.engine.target.tokenizer,
+                                                          self.engine.eos_ids, len(prompt_ids)))
         self.rows.append(seq)
         self.target.add_rows(1)
         if self.drafter is not None:
@@ -452,7 +466,7 @@ class Batch:
                 k = eng.controller.k_override
             if seq.params.speculation_k is not None:
                 k = seq.params.speculation_k
-            remaining = seq.params.max_new_tokens - len(seq.generated) - 1
+            remaining = seq.params.max_new_tokens - seq.num_generated - 1
             ks.append(max(0, min(k, remaining)) if on else 0)
         return ks
 
@@ -644,6 +658,8 @@ class Batch:
         settle it (as vLLM's detokenizer does), so streamed pieces always concatenate to the final
         text. A stop string ends the reply where it starts; the token ids end with the token that
         completed it, as if the tokens had been decoded one at a time, whatever this step emitted.
+        Only the text after what was streamed is decoded (IncrementalDetokenizer): a step's work
+        does not grow with the reply.
         """
         params = seq.params
         kept = []
@@ -652,12 +668,12 @@ class Batch:
             if tok in self.engine.eos_ids:
                 seq.finish_reason = "stop"
                 break
-            if len(seq.generated) + len(kept) >= params.max_new_tokens:
+            if seq.num_generated + len(kept) >= params.max_new_tokens:
                 seq.finish_reason = "length"
                 break
-        before = len(seq.generated)
+        before = seq.num_generated
         seq.tokens.extend(kept)
-        text = self._text(seq.generated)
+        text = seq.detokenizer.unstreamed(seq.tokens, seq.num_generated)
         if params.stop:
             stopped = self._find_stop(seq, text, before)
             if stopped is not None:
@@ -672,36 +688,30 @@ class Batch:
             text = text.rstrip("\ufffd")   # half a UTF-8 character: hold it back until complete
             if params.stop:
                 text = text[:len(text) - stop_prefix_length(text, params.stop)]
-        delta = ""
-        if text.startswith(seq.emitted_text):
-            delta = text[len(seq.emitted_text):]
-            seq.emitted_text = text
+            seq.detokenizer.streamed(seq.tokens, seq.num_generated, len(text))
+        if text:
+            seq.pieces.append(text)
         if seq.finish_reason is not None:
             seq.finished = True
             seq.finished_at = time.perf_counter()
-        return StepOutput(request_id=seq.request_id, token_ids=kept, text=delta,
+        return StepOutput(request_id=seq.request_id, token_ids=kept, text=text,
                           finished=seq.finished, finish_reason=seq.finish_reason)
-
-    def _text(self, generated: list[int]) -> str:
-        if generated and generated[-1] in self.engine.eos_ids:
-            generated = generated[:-1]
-        return self.engine.target.tokenizer.decode(generated, skip_special_tokens=True)
 
     def _find_stop(self, seq: Sequence, text: str, before: int) -> tuple[int, str] | None:
         """(tokens to keep, text up to the stop) when a stop string appeared in this step's tokens.
 
-        Nothing streamed so far can begin a stop string (it would have been held back), so the
-        search starts after it. Several tokens may have arrived at once: the first of them after
-        which a stop string is complete ends the reply.
+        `text` is what follows the streamed text after all of them. Nothing streamed can begin a
+        stop string (it would have been held back), so the search looks only after it. Several
+        tokens may have arrived at once: the first of them after which a stop string is complete
+        ends the reply.
         """
         stops = seq.params.stop
-        start = len(seq.emitted_text) if text.startswith(seq.emitted_text) else 0
-        if not any(s in text[start:] for s in stops):
+        if not any(s in text for s in stops):
             return None
-        generated = seq.generated
-        for count in range(before + 1, len(generated) + 1):
-            prefix = text if count == len(generated) else self._text(generated[:count])
-            hits = [i for i in (prefix.find(s, start) for s in stops) if i >= 0]
+        generated = seq.num_generated
+        for count in range(before + 1, generated + 1):
+            prefix = text if count == generated else seq.detokenizer.unstreamed(seq.tokens, count)
+            hits = [i for i in (prefix.find(s) for s in stops) if i >= 0]
             if hits:
                 return count, prefix[:min(hits)]
         return None
