@@ -45,7 +45,10 @@ _SWEEP_SPEEDUP = (lambda v: v >= 0.0, "a finite number >= 0")
 def _show(value: Any) -> str:
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    text = json.dumps(value, default=str)
+    try:
+        text = json.dumps(value, default=str)
+    except RecursionError:
+        return f"a {type(value).__name__} nested too deeply to show"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -162,7 +165,10 @@ def verdict_problems(verdict: Any) -> list[str]:
                 check.number(f"{key}[{i}].speedup", row.get("speedup"), _SWEEP_SPEEDUP, optional=False)
     for key in ("mlflowRunId", "device", "engine"):
         check.optional_string(key, verdict.get(key))
-    check.finite_everywhere("", verdict)
+    try:
+        check.finite_everywhere("", verdict)
+    except RecursionError:
+        check.fail("the verdict", "...", "nested less deeply than Python's recursion limit")
     return check.problems
 
 

@@ -197,7 +197,7 @@ class ReleaseRegistry:
         if tags.get(TAG_GATE_VERDICT):
             try:
                 verdict = json.loads(tags[TAG_GATE_VERDICT])
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested deeper than a verdict is
                 verdict = None
         return tags.get(TAG_GATE_STATUS, "pending"), verdict, tags.get(TAG_GATE_MESSAGE, "")
 

@@ -96,6 +96,16 @@ def test_an_unusable_verdict_is_a_gate_error_that_says_what_is_wrong(path, value
     assert gate_verdict.usable_verdict(verdict) == {} and gate_verdict.baseline_from_verdict(verdict) == {}
 
 
+def test_a_verdict_nested_past_the_recursion_limit_is_a_gate_error_not_an_exception():
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    for verdict in ({**GOOD, "extra": deep}, {**GOOD, "categories": deep}):
+        out = gate_verdict.evaluate_verdict(verdict, TH)
+        assert out.reason == "GateError" and "nested" in out.message, out.message
+        assert gate_verdict.baseline_from_verdict(verdict) == {}
+
+
 @pytest.mark.parametrize("verdict", [None, "passed", [GOOD], 1.0])
 def test_a_verdict_that_is_no_object_is_a_gate_error(verdict):
     out = gate_verdict.evaluate_verdict(verdict, TH)
