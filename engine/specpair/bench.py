@@ -40,7 +40,7 @@ import torch
 
 from specpair.config import GenerationParams
 from specpair.contract import DEFAULT_CATEGORY
-from specpair.decoding import SpeculativeEngine, _sync
+from specpair.decoding import SpeculativeEngine, StepTiming, _sync
 from specpair.drafters import EagleDrafter, LookupFirstDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
@@ -254,6 +254,9 @@ class PromptResult:
     hf_assisted_seconds: float | None = None
     divergence: dict | None = None       # first mismatch vs target-only, with the logit margin
     target_ids: list[int] | None = None  # our target-only greedy ids (what vLLM's must equal)
+    timing: dict | None = None           # {"target"|"spec": StepTiming} over all runs
+    hf_compiled_seconds: float | None = None   # the hf-compiled peer, target-only (median)
+    hf_compiled_identical: bool | None = None  # its greedy ids equal our target-only ids
     vllm: dict | None = None             # {"target"|"spec": {seconds, tokens, identical[, counters]}}
 
 
@@ -268,6 +271,7 @@ class BenchReport:
     vllm: dict | None = None             # the vLLM peer's setup: python, model, configs, start times
     bandwidth: dict | None = None        # memory bandwidth here and each model's step against it
     step: dict | None = None             # which cache and step ran (engine.describe_step())
+    hf_compiled: dict | None = None      # the hf-compiled peer's setup (HfCompiledPeer.describe)
 
     def summarise(self, rows: list[PromptResult]) -> dict:
         stats = AcceptanceStats()
@@ -321,6 +325,10 @@ class BenchReport:
             "target_vs_hf": round(tokens / t_target / hf_target_tps, 4) if hf_t and t_target else None,
             "spec_vs_hf": round(tokens / t_spec / hf_assisted_tps, 4) if hf and t_spec else None,
             "rounds_without_draft": no_draft,
+            "host": {mode: host_figures(merged_timing(rows, mode), self.device)
+                     for mode in ("target", "spec") if all(r.timing for r in rows)},
+            **summarise_hf_compiled(rows, tokens / t_target if t_target else 0.0,
+                                    tokens / t_spec if t_spec else 0.0),
             "draft_seconds": round(stats.draft_seconds, 4),
             "target_seconds": round(stats.target_seconds, 4),
             **summarise_vllm(rows, tokens / t_target if t_target else 0.0, tokens / t_spec if t_spec else 0.0),
@@ -339,12 +347,55 @@ class BenchReport:
                                  "verify": {str(k): round(v, 6) for k, v in self.costs["verify"].items()}},
                # Verifying k drafts against one decode step: near 1 when a step is bandwidth-bound.
                "verify_ratio": {str(k): round(v / t1, 4) for k, v in self.costs["verify"].items()},
-               "bandwidth": self.bandwidth,
+               "bandwidth": self.bandwidth, "host_time": host_time_basis(self.device),
                "categories": categories, "overall": overall}
+        if self.hf_compiled is not None:
+            out["hf_compiled"] = self.hf_compiled
         if self.vllm is not None:
             out["vllm"] = self.vllm
             out["vllm_prompts"] = [r.vllm for r in self.prompts]
         return out
+
+
+def host_time_basis(device: str) -> str:
+    """What `host_ms` means on this device (StepTiming)."""
+    if device.startswith("cuda"):
+        return ("wall time of a step less the time blocked waiting on the device after each model "
+                "call: the host's Python and kernel launches")
+    return ("wall time of a step less the time inside the model calls: the Python around them "
+            "(on a CPU the model calls run on the host too, so this is not all the host's time)")
+
+
+def host_figures(timing: StepTiming, device: str) -> dict | None:
+    """Per step: its wall time, the model calls', the device wait's and the host's (host_time_basis)."""
+    if not timing.steps:
+        return None
+    per = 1e3 / timing.steps
+    device_ms = timing.wait_seconds if device.startswith("cuda") else timing.model_seconds
+    host = timing.seconds - device_ms
+    return {"steps": timing.steps, "step_ms": round(timing.seconds * per, 4),
+            "model_ms": round(timing.model_seconds * per, 4),
+            "device_wait_ms": round(timing.wait_seconds * per, 4),
+            "host_ms": round(host * per, 4),
+            "host_fraction": round(host / timing.seconds, 4) if timing.seconds else None}
+
+
+def merged_timing(rows: list[PromptResult], mode: str) -> StepTiming:
+    total = StepTiming()
+    for r in rows:
+        total.merge(r.timing[mode])
+    return total
+
+
+def summarise_hf_compiled(rows: list[PromptResult], ours_target_tps: float, ours_spec_tps: float) -> dict:
+    """The hf-compiled peer's columns for these prompts (empty when it did not run)."""
+    if not rows or any(r.hf_compiled_seconds is None for r in rows):
+        return {}
+    tps = sum(r.tokens for r in rows) / sum(r.hf_compiled_seconds for r in rows)
+    return {"hf_compiled_tokens_per_s": round(tps, 3),
+            "hf_compiled_identical": sum(bool(r.hf_compiled_identical) for r in rows),
+            "target_vs_hf_compiled": round(ours_target_tps / tps, 4) if tps else None,
+            "spec_vs_hf_compiled": round(ours_spec_tps / tps, 4) if tps else None}
 
 
 def summarise_vllm(rows: list[PromptResult], ours_target_tps: float, ours_spec_tps: float) -> dict:
@@ -387,10 +438,80 @@ def _hf_generate(engine: SpeculativeEngine, prompt_ids: list[int], max_new_token
     model.generate(ids, **kwargs)
 
 
+def hf_compile_mode(device: torch.device) -> str:
+    """torch.compile's mode for the hf-compiled peer: "reduce-overhead" (CUDA graphs) on CUDA;
+    elsewhere there are no graphs to capture, so inductor's "default"."""
+    return "reduce-overhead" if device.type == "cuda" else "default"
+
+
+class HfCompiledPeer:
+    """Hugging Face's StaticCache and torch.compile, target-only greedy (gpt-fast's recipe): the
+    prompt in one eager forward, then each token in one compiled forward of fixed shape over a
+    cache allocated once at `max_cache_len` (reset between prompts, so nothing recompiles)."""
+
+    def __init__(self, model, max_cache_len: int, mode: str | None = None):
+        from transformers import StaticCache
+
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.mode = mode or hf_compile_mode(self.device)
+        self.max_cache_len = max_cache_len
+        self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        # transformers renamed the forward's past_key_values to cache; either names the cache
+        import inspect
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.step = torch.compile(self._decode_one, mode=self.mode, fullgraph=True)
+        self.used = False
+        self.warm_seconds: float | None = None
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids, cache_position=positions, position_ids=positions.view(1, -1),
+                         use_cache=True, **{self.cache_arg: self.cache})
+        return out.logits[:, -1].argmax(-1, keepdim=True)                 # [1, 1]
+
+    def _decode_one(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return self._forward(token, position)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy ids, exactly max_new_tokens of them (EOS does not stop it, as the bench pins)."""
+        n = len(prompt_ids)
+        if n + max_new_tokens > self.max_cache_len:
+            raise SpecpairError(f"hf-compiled peer: {n} + {max_new_tokens} tokens exceed its cache "
+                                f"of {self.max_cache_len}")
+        if self.used:
+            self.cache.reset()
+        self.used = True
+        token = self._forward(torch.tensor([prompt_ids], device=self.device),
+                              torch.arange(n, device=self.device))
+        position = torch.tensor([n], device=self.device)
+        tokens = [token]
+        for _ in range(max_new_tokens - 1):
+            # clone: a CUDA graph's output is overwritten by its next replay
+            token = self.step(token, position).clone()
+            tokens.append(token)
+            position = position + 1
+        return torch.cat(tokens, dim=1)[0].tolist()
+
+    def warm_up(self, prompt_ids: list[int]) -> float:
+        """Compile (and on CUDA capture) the step; returns the seconds it took."""
+        start = time.perf_counter()
+        self.generate(prompt_ids, 4)
+        _sync(self.device)
+        self.warm_seconds = time.perf_counter() - start
+        return self.warm_seconds
+
+    def describe(self) -> dict:
+        return {"recipe": "transformers StaticCache + torch.compile, target-only greedy",
+                "mode": self.mode, "fullgraph": True, "max_cache_len": self.max_cache_len,
+                "compile_seconds": round(self.warm_seconds, 3) if self.warm_seconds is not None else None}
+
+
 def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens: int = 64,
               runs: int = 3, chat: bool = True, hf_peer: bool = True, progress=None,
               vllm_python: str | None = None, vllm_start_timeout: float | None = None,
-              note=None) -> BenchReport:
+              note=None, hf_compiled: bool = False) -> BenchReport:
     k = engine.config.k
     encoded = [(p["category"], engine.encode(p["prompt"], chat=chat)) for p in prompts]
     # Warm-up: first calls allocate and pick kernels; never time them.
@@ -416,14 +537,25 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
                          bandwidth=figures, step=engine.describe_step())
     # Pin generation length: EOS early would make runs incomparable across modes.
     params = GenerationParams(max_new_tokens=max_new_tokens)
+    compiled = None
+    if hf_compiled:
+        compiled = HfCompiledPeer(target.model, max(len(ids) for _, ids in encoded) + max_new_tokens)
+        if note:
+            note(f"hf-compiled peer: compiling the step (torch.compile mode={compiled.mode!r})")
+        compiled.warm_up(encoded[0][1])
+        report.hf_compiled = compiled.describe()
     for n, (category, ids) in enumerate(encoded):
-        t_times, s_times, hf_t, hf_a = [], [], [], []
+        t_times, s_times, hf_t, hf_a, hf_c = [], [], [], [], []
+        compiled_ids = None
+        timing = {"target": StepTiming(), "spec": StepTiming()}
         spec_result = base_result = None
         for _ in range(runs):
-            seconds, base = _timed(lambda: _run_one(engine, ids, params, speculate=False), target.device)
+            seconds, base = _timed(lambda: _run_one(engine, ids, params, speculate=False,
+                                                    timing=timing["target"]), target.device)
             t_times.append(seconds)
             engine.controller.reset()   # each run starts from the same fallback state
-            seconds, spec = _timed(lambda: _run_one(engine, ids, params, speculate=True), target.device)
+            seconds, spec = _timed(lambda: _run_one(engine, ids, params, speculate=True,
+                                                    timing=timing["spec"]), target.device)
             s_times.append(seconds)
             base_result, spec_result = base, spec
             if hf_peer:
@@ -432,6 +564,10 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
                 if not engine.drafter.wants_features:   # transformers has no EAGLE or Medusa
                     hf_a.append(_timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, True),
                                        target.device)[0])
+            if compiled is not None:
+                seconds, compiled_ids = _timed(lambda: compiled.generate(ids, len(base.token_ids)),
+                                               target.device)
+                hf_c.append(seconds)
         rounds = spec_result.stats.num_target_steps
         prefill = measure_prefill(engine, ids)
         divergence = first_divergence(engine.target, ids, base_result.token_ids, spec_result.token_ids)
@@ -442,7 +578,10 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
             rounds_without_draft=rounds - spec_result.stats.num_drafts, prefill_seconds=prefill,
             hf_target_seconds=statistics.median(hf_t) if hf_t else None,
             hf_assisted_seconds=statistics.median(hf_a) if hf_a else None, divergence=divergence,
-            target_ids=list(base_result.token_ids)))
+            target_ids=list(base_result.token_ids), timing=timing,
+            hf_compiled_seconds=statistics.median(hf_c) if hf_c else None,
+            hf_compiled_identical=(compiled_ids == list(base_result.token_ids)
+                                   if compiled_ids is not None else None)))
         if progress:
             progress(n + 1, len(encoded), category)
     if engine.drafter is not None:     # again, with what it counted while drafting (lookup first)
@@ -495,12 +634,16 @@ def run_vllm_peer(engine: SpeculativeEngine, encoded: list[list[int]], rows: lis
     return setup
 
 
-def _run_one(engine: SpeculativeEngine, ids: list[int], params: GenerationParams, speculate: bool):
+def _run_one(engine: SpeculativeEngine, ids: list[int], params: GenerationParams, speculate: bool,
+             timing: StepTiming | None = None):
+    """One request to completion; its steps' timing is added to `timing` when given."""
     batch = engine.new_batch()
     batch.speculate = speculate
     seq = batch.add(ids, params)
     while batch.active:
         batch.step()
+    if timing is not None:
+        timing.merge(batch.timing)
     return batch.result(seq)
 
 
@@ -511,6 +654,10 @@ def format_table(report: dict) -> str:
             "target_vs_hf", "spec_vs_hf"]
     short = ["tgt tok/s", "spec tok/s", "speedup", "accept", "mean len", "c", "bound", "eff",
              "identity", "HF spdup", "vs HF", "HF tgt", "HF asst", "tgt/HF", "spec/HF"]
+    if "hf_compiled" in report:
+        cols += ["hf_compiled_tokens_per_s", "hf_compiled_identical", "target_vs_hf_compiled",
+                 "spec_vs_hf_compiled"]
+        short += ["HFc tgt", "=HFc", "tgt/HFc", "spec/HFc"]
     if "vllm" in report:
         # vLLM's tokens/s and acceptance, prompts whose greedy ids equal our target-only ids,
         # and ours / vLLM's tokens/s.
@@ -537,6 +684,18 @@ def format_table(report: dict) -> str:
                  f"{costs['target_step'] * 1e3:.1f} ms; draft step {costs['draft_step'] * 1e3:.2f} ms; "
                  f"verify (ms) {verify}")
     lines.append("verify(k+1)/step: " + ", ".join(f"k={k}: {v:.2f}" for k, v in report["verify_ratio"].items()))
+    for mode, name in (("target", "target-only"), ("spec", "speculative")):
+        h = report["overall"].get("host", {}).get(mode)
+        if h:
+            lines.append(f"{name} step {h['step_ms']:.2f} ms: host {h['host_ms']:.2f} ms, model calls "
+                         f"{h['model_ms']:.2f} ms, device wait {h['device_wait_ms']:.2f} ms "
+                         f"({h['steps']} steps)")
+    if report.get("host_time"):
+        lines.append(f"host time: {report['host_time']}")
+    if "hf_compiled" in report:
+        c = report["hf_compiled"]
+        lines.append(f"hf-compiled peer: {c['recipe']}, torch.compile mode={c['mode']!r}, cache "
+                     f"{c['max_cache_len']} tokens, compiled in {c['compile_seconds']} s")
     bw = report.get("bandwidth")
     if bw:
         for name in ("target", "draft"):

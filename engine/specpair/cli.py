@@ -149,7 +149,7 @@ def cmd_bench(args) -> int:
     report = run_bench(engine, prompts, max_new_tokens=args.max_new_tokens, runs=args.runs,
                        chat=not args.raw, hf_peer=not args.no_hf, progress=progress,
                        vllm_python=vllm_python, vllm_start_timeout=args.vllm_start_timeout,
-                       note=_progress).to_dict()
+                       note=_progress, hf_compiled="hf-compiled" in (args.peer or [])).to_dict()
     bar.close()
     if args.out:
         with open(args.out, "w") as fh:
@@ -211,10 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--runs", type=int, default=3, help="runs per prompt; the median is reported")
     b.add_argument("--raw", action="store_true", help="prompts as plain text, no chat template")
     b.add_argument("--no-hf", action="store_true", help="skip the Hugging Face assisted peer")
-    b.add_argument("--peer", action="append", choices=["vllm"], default=None,
-                   help="also run the prompts through this peer: 'vllm' starts a vLLM server "
-                        "(target-only, then speculative with the same drafter and k) and adds its "
-                        "tokens/s, acceptance and greedy identity beside ours")
+    b.add_argument("--peer", action="append", choices=["vllm", "hf-compiled"], default=None,
+                   help="also run the prompts through this peer (repeatable): 'vllm' starts a vLLM "
+                        "server (target-only, then speculative with the same drafter and k) and adds "
+                        "its tokens/s, acceptance and greedy identity beside ours; 'hf-compiled' "
+                        "decodes target-only with Hugging Face's StaticCache and torch.compile "
+                        "(mode reduce-overhead on CUDA, default elsewhere), gpt-fast's recipe")
     b.add_argument("--vllm-python", default=None,
                    help="python of the vLLM virtualenv (default: what scripts/setup-vllm.sh "
                         "prints, $SPECPAIR_VLLM_VENV/bin/python or "

@@ -224,6 +224,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class StepTiming:
+    """Where a batch's steps spent their time (the bench's host time per step).
+
+    model_seconds: inside the model calls (draft proposals, target forwards), each waited for;
+    wait_seconds: of that, blocked on the device after the call returned. On an asynchronous
+    device the host's time is the steps' time less the waiting; on a CPU the model calls run on
+    the host and nothing is waited for, so the host's own share is the time outside the calls.
+    """
+
+    steps: int = 0
+    seconds: float = 0.0
+    model_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+    def merge(self, other: "StepTiming") -> None:
+        for name in ("steps", "seconds", "model_seconds", "wait_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
 class SpeculativeEngine:
     """A target model, an optional drafter, and the settings that pair them."""
 
@@ -420,6 +440,7 @@ class Batch:
         self.speculate = True
         self.device = engine.target.device
         self.last_k = 0
+        self.timing = StepTiming()
 
     @property
     def active(self) -> int:
@@ -474,6 +495,7 @@ class Batch:
         self.done = []
         if not self.rows:
             return []
+        started = time.perf_counter()
         eng = self.engine
         B = self.active
         sampling = RowSampling(
@@ -493,7 +515,7 @@ class Batch:
         if self.drafter is not None and any(ks):
             width = eng.config.tree_width if self.drafter.tree_capable else 1
             extra = {"copy_ks": self._ks(copying=True)} if self.copies else {}
-            proposal = self.drafter.propose(sequences, ks, sampling, width, **extra)
+            proposal = self._on_device(self.drafter.propose, sequences, ks, sampling, width, **extra)
             drafts, num, q = proposal.tokens, proposal.num, proposal.probs
             siblings, copied = proposal.siblings, proposal.copied
         else:
@@ -542,7 +564,20 @@ class Batch:
         if self.drafter is not None:
             self.drafter.trim()
         self._drop_finished()
+        self.timing.steps += 1
+        self.timing.seconds += time.perf_counter() - started
         return outputs
+
+    def _on_device(self, call, *args, **kwargs):
+        """A model call, waited for, its time counted as the model's (StepTiming)."""
+        start = time.perf_counter()
+        out = call(*args, **kwargs)
+        returned = time.perf_counter()
+        _sync(self.device)
+        end = time.perf_counter()
+        self.timing.model_seconds += end - start
+        self.timing.wait_seconds += end - returned
+        return out
 
     def _prefill_apart(self) -> None:
         """A fixed-step target (static_cache.py) takes each new row's prompt but its last token
@@ -554,7 +589,7 @@ class Batch:
             return
         starts = list(self.target.lengths)
         wants = self.drafter is not None and self.drafter.wants_features
-        out = self.target.extend(feed, hidden=wants)
+        out = self._on_device(self.target.extend, feed, hidden=wants)
         for i, tokens in enumerate(feed if wants else []):
             if tokens:
                 self.drafter.observe(i, starts[i], out[1][i, :len(tokens)])
@@ -569,9 +604,9 @@ class Batch:
         K = max(nums, default=0)
         features = None
         if wants_features:   # the head drafts from the target's features of what it verified
-            logits, features = self.target.extend(feed, last=K + 1, hidden=True)
+            logits, features = self._on_device(self.target.extend, feed, last=K + 1, hidden=True)
         else:
-            logits = self.target.extend(feed, last=K + 1)                   # [B, K+1, V] right-aligned
+            logits = self._on_device(self.target.extend, feed, last=K + 1)  # [B, K+1, V] right-aligned
         # Left-align each row's K_i + 1 verification logits.
         offset = (K - num).view(B, 1) + torch.arange(K + 1, device=self.device).view(1, K + 1)
         offset = offset.clamp(max=K)
@@ -619,7 +654,8 @@ class Batch:
         K = max(nums, default=0)
         tail = [1 + n * (f + 1) for n, f in zip(nums, fed_siblings)]   # last uncached, chain, siblings
         last = max(tail)
-        out = self.target.extend(feed, last=last, hidden=wants_features, parents=parents)
+        out = self._on_device(self.target.extend, feed, last=last, hidden=wants_features,
+                              parents=parents)
         logits, features = out if wants_features else (out, None)
         chain_at = torch.zeros(B, K + 1, dtype=torch.long)
         sibling_at = torch.zeros(B, max(K, 1), S, dtype=torch.long)
