@@ -1,11 +1,13 @@
 """Request checking without a server: every refusal names its field and reason."""
 
+import math
+
 import pytest
 
 from specpair._proto import engine_pb2 as pb
 from specpair.server.client import request
-from specpair.server.requests import (InvalidField, Limits, check_context, check_generate,
-                                      find_invalid_utf8)
+from specpair.server.requests import (InvalidField, Limits, RequestFields, check_context, check_fields,
+                                      check_generate, find_invalid_utf8, float32_as_written)
 
 LIMITS = Limits(max_new_tokens=100)
 
@@ -91,3 +93,44 @@ def test_find_invalid_utf8_names_top_level_and_nested_fields():
     assert find_invalid_utf8(raw, pb.GenerateRequest.DESCRIPTOR) == "stop[1]"
     assert find_invalid_utf8(request("fine").SerializeToString(), pb.GenerateRequest.DESCRIPTOR) is None
     assert find_invalid_utf8(b"\x12\x7f", pb.GenerateRequest.DESCRIPTOR) is None   # truncated, not UTF-8
+
+
+def test_float32_fields_are_read_as_their_client_wrote_them():
+    # 0.01 travels as float32 0.0099999998: the documented lower bound must still be accepted.
+    wire = pb.GenerateRequest(prompt="hi", temperature=0.01, top_p=0.9)
+    assert wire.temperature != 0.01
+    assert float32_as_written(wire.temperature) == 0.01
+    params = check_generate(wire, LIMITS).params
+    assert (params.temperature, params.top_p) == (0.01, 0.9)
+    for value in (1.0, 100.0, 0.7, 1e-6, 3.4e38, float("inf")):
+        wire.temperature = value
+        assert float32_as_written(wire.temperature) == value
+    assert math.isnan(float32_as_written(float("nan")))
+    assert "temperature" in str(refused(request("hi", temperature=0.00999)))
+
+
+@pytest.mark.parametrize("fields, field, words", [
+    (RequestFields(prompt="hi", top_k=401), "top_k", "vocabulary size 400"),
+    (RequestFields(prompt="hi", top_k=2 ** 63), "top_k", "vocabulary size 400"),
+    (RequestFields(prompt="hi", seed=2 ** 64), "seed", "[0, 2**64)"),
+    (RequestFields(prompt="hi", seed=-1), "seed", "[0, 2**64)"),
+    (RequestFields(prompt="hi", max_new_tokens=2 ** 63), "max_new_tokens", "limit of 100"),
+    (RequestFields(prompt="hi", max_new_tokens=True), "max_new_tokens", "must be an integer"),
+    (RequestFields(prompt="hi", top_k=1.5), "top_k", "must be an integer"),
+    (RequestFields(prompt="hi", speculation_k="3"), "speculation.k", "must be an integer"),
+    (RequestFields(prompt="hi", temperature="hot"), "temperature", "must be a number"),
+    (RequestFields(prompt="ab\ud800"), "prompt", "U+D800 at character 2"),
+    (RequestFields(messages=[("user", "fine"), ("user", "\udfff")]), "chat.messages[1].content", "not valid Unicode"),
+    (RequestFields(prompt="hi", stop=("ok", "\ud83d")), "stop[1]", "not valid Unicode"),
+    (RequestFields(prompt="hi", request_id="\ud800"), "request_id", "not valid Unicode"),
+])
+def test_every_field_is_checked_against_the_range_it_becomes(fields, field, words):
+    with pytest.raises(InvalidField) as info:
+        check_fields(fields, LIMITS, vocab_size=400)
+    assert info.value.field == field and words in info.value.reason, info.value
+
+
+def test_the_top_k_and_surrogate_bounds_admit_what_is_valid():
+    assert check_fields(RequestFields(prompt="hi", top_k=400), LIMITS, vocab_size=400).params.top_k == 400
+    text = "h\U0001F600 \u00e9"     # outside the BMP and accented: valid, however it is written
+    assert check_fields(RequestFields(prompt=text), LIMITS, vocab_size=400).prompt == text

@@ -13,15 +13,13 @@ client gone while its prompt was tokenized (the front says whether "cancelled" o
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
 from specpair.contract import DEFAULT_CATEGORY
 from specpair.errors import SpecpairError
-from specpair.server.requests import (DEFAULT_MAX_NEW_TOKENS, CheckedRequest, InvalidField, RequestFields,
-                                      check_fields, fit_context)
+from specpair.server.requests import DEFAULT_MAX_NEW_TOKENS, InvalidField, RequestFields, check_fields, fit_context
 from specpair.server.worker import Job, NotAccepting, QueueFull
 
 
@@ -31,7 +29,6 @@ class Admitted:
 
     job: Job
     events: asyncio.Queue
-    checked: CheckedRequest
 
 
 class Admission:
@@ -48,18 +45,17 @@ class Admission:
         """Count a Generate request that never reached the worker."""
         self.state.count_rejected(category, status, protocol)
 
-    async def admit(self, fields: RequestFields, *, protocol: str, arrived: float | None = None,
+    async def admit(self, fields: RequestFields, *, protocol: str, arrived: float,
                     client_id: str = "", default_max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS,
                     gone: Callable[[], str] = lambda: "cancelled") -> Admitted:
         """Check, tokenize and submit; raises InvalidField, QueueFull or NotAccepting (counted).
 
-        gone: why the client left, asked if it leaves while its prompt is tokenized.
+        arrived: when the request arrived (time.perf_counter()); gone: why the client left, asked
+        if it leaves while its prompt is tokenized.
         """
         state = self.state
         engine = state.engine
-        arrived = time.perf_counter() if arrived is None else arrived
         category = DEFAULT_CATEGORY
-        checked = None
         try:
             checked = check_fields(fields, state.limits, vocab_size=engine.vocab_size,
                                    default_max_new_tokens=default_max_new_tokens)
@@ -89,4 +85,4 @@ class Admission:
         except NotAccepting:
             self.refused(category, "unavailable", protocol)
             raise
-        return Admitted(job=job, events=events, checked=checked)
+        return Admitted(job=job, events=events)

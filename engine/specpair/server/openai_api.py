@@ -1,14 +1,15 @@
 """The OpenAI-compatible HTTP front: /v1/chat/completions, /v1/completions, /v1/models, /health.
 
 Starlette on uvicorn, in its own thread and event loop, in front of the same EngineWorker (so the
-same continuous batch) as the gRPC service. A request is read into `RequestFields` and checked by
-`requests.check_fields`, the one implementation of the limits both protocols enforce; refusals
-come back in OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`:
+same continuous batch) as the gRPC service. A request is read into `RequestFields` and enters
+through the gRPC service's `Admission` (admission.py): the one check of the limits both protocols
+enforce, tokenizing, the context fit, the queue; refusals come back in OpenAI's error shape
+`{"error": {"message", "type", "param", "code"}}`:
 
     400 bad input (the field in `param`, in OpenAI's names: `max_tokens`, `messages[1].role`)
     401 a bearer token is required and missing or wrong (--auth-token-file)
-    408 a request that did not arrive in full within --http-read-timeout (the connection closes)
     404 a `model` this server does not serve
+    408 a request that did not arrive in full within --http-read-timeout (the connection closes)
     413 a body over --max-request-bytes, or a prompt the model's context cannot hold
     429 the request queue is full (Retry-After: 1)
     503 models still loading, or the server draining

@@ -93,10 +93,10 @@ def check_size(num_bytes: int, limits: Limits) -> None:
 
 def check_generate(request, limits: Limits, vocab_size: int | None = None) -> CheckedRequest:
     """GenerateRequest (protobuf) -> CheckedRequest, or InvalidField."""
-    return check_fields(generate_fields(request, limits), limits, vocab_size=vocab_size)
+    return check_fields(generate_fields(request), limits, vocab_size=vocab_size)
 
 
-def generate_fields(request, limits: Limits) -> RequestFields:
+def generate_fields(request) -> RequestFields:
     """GenerateRequest (protobuf) -> RequestFields: the values as its client wrote them.
 
     float fields travel as float32: 0.01 arrives as 0.009999999776; it is read back as the
@@ -110,8 +110,6 @@ def generate_fields(request, limits: Limits) -> RequestFields:
         top_k=request.top_k if request.HasField("top_k") else None,
         seed=request.seed if request.HasField("seed") else None,
         stop=tuple(request.stop), category=request.category, request_id=request.request_id)
-    if len(request.request_id) > limits.max_request_id_chars:
-        raise InvalidField("request_id", f"at most {limits.max_request_id_chars} characters")
     if which == "prompt_utf8":
         try:
             fields.prompt = request.prompt_utf8.decode("utf-8")

@@ -19,7 +19,8 @@ from specpair._proto import engine_pb2 as pb
 from specpair.contract import DEFAULT_CATEGORY
 from specpair.server.admission import Admission
 from specpair.server.auth import bearer_token_matches
-from specpair.server.requests import InvalidField, Limits, check_size, find_invalid_utf8, generate_fields
+from specpair.server.requests import (MAX_SPECULATION_K, InvalidField, Limits, check_size, find_invalid_utf8,
+                                      generate_fields)
 from specpair.server.worker import Failed, Finished, NotAccepting, QueueFull, Tokens
 from specpair.stats import AcceptanceStats
 
@@ -177,7 +178,7 @@ class EngineService:
             await self._invalid(context, exc.field, exc.reason)
         request = await self._parse(raw, pb.GenerateRequest, context)
         try:
-            fields = generate_fields(request, state.limits)
+            fields = generate_fields(request)
         except InvalidField as exc:
             await self._invalid(context, exc.field, exc.reason)
         try:
@@ -238,8 +239,9 @@ class EngineService:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         await self._require_ready(context)
         request = await self._parse(raw, pb.SetSpeculationRequest, context, count=False)
-        if request.HasField("k") and request.k > 32:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"k: must be <= 32 (0 clears), got {request.k}")
+        if request.HasField("k") and request.k > MAX_SPECULATION_K:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"k: must be <= {MAX_SPECULATION_K} (0 clears), got {request.k}")
         if request.HasField("enabled") and request.enabled and self.state.engine.drafter is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "enabled: this server has no draft (or its tokenizer differs from the "
