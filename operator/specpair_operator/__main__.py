@@ -4,16 +4,23 @@ Every flag of `kopf run` is accepted and handed to Kopf as it is (`--log-format=
 `--quiet`, `--log-refkey`, `--peering`, ...). On top, the operator brings its own defaults: Kopf
 runs standalone (unless `--peering` names a peering object), all namespaces when no `--namespace`
 is given, its liveness endpoint where the chart's probes call it, and `--mlflow-tracking-uri`.
+
+With `--leader-election` (the chart's default) any number of replicas may run: each waits for the
+Lease (leadership.py) before Kopf starts, so one operator acts; the leader renews it, hands it over
+on a clean shutdown, and exits at once when it cannot renew in time.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+from dataclasses import dataclass
 
 HANDLERS_MODULE = "specpair_operator.handlers"
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+DEFAULT_LEASE = "specpair-operator"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +36,16 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"Kopf liveness endpoint (default {DEFAULT_LIVENESS}; empty: none)")
     ap.add_argument("-P", "--peering", default=None,
                     help="Kopf peering object; without it Kopf runs standalone (one replica)")
+    le = ap.add_argument_group("leader election (a coordination.k8s.io Lease)")
+    le.add_argument("--leader-election", action="store_true",
+                    help="start Kopf only while this process holds the Lease (for more than one replica)")
+    le.add_argument("--leader-election-lease", default=DEFAULT_LEASE, help=f"the Lease's name (default {DEFAULT_LEASE})")
+    le.add_argument("--leader-election-namespace", default="",
+                    help="the Lease's namespace (default: the operator's, SPECPAIR_OPERATOR_NAMESPACE or its pod's)")
+    le.add_argument("--leader-election-id", default="", help="this candidate's holderIdentity (default: host_random)")
+    le.add_argument("--lease-duration", type=float, default=15.0, help="seconds of silence before a takeover (15)")
+    le.add_argument("--renew-deadline", type=float, default=10.0, help="seconds a leader acts without renewing (10)")
+    le.add_argument("--retry-period", type=float, default=2.0, help="seconds between renewals and attempts (2)")
     return ap
 
 
@@ -45,6 +62,57 @@ def kopf_run_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
         args.append(f"--liveness={ours.liveness}")
     env = {"SPECPAIR_MLFLOW_TRACKING_URI": ours.mlflow_tracking_uri} if ours.mlflow_tracking_uri else {}
     return args + kopf_flags, env
+
+
+@dataclass(frozen=True)
+class Election:
+    namespace: str
+    lease: str
+    identity: str
+    timing: "leadership.Timing"
+
+
+def election(argv: list[str], env: dict[str, str] | None = None) -> Election | None:
+    """Our command line -> the leader election to run before Kopf (None: none, Kopf starts at once)."""
+    from . import leadership
+    from .handlers import operator_namespace
+
+    ours, _ = _parser().parse_known_args(argv)
+    if not ours.leader_election:
+        return None
+    try:
+        timing = leadership.Timing(ours.lease_duration, ours.renew_deadline, ours.retry_period)
+    except ValueError as exc:
+        raise SystemExit(f"specpair-operator: {exc}") from exc
+    namespace = ours.leader_election_namespace or operator_namespace(env)
+    if not namespace:
+        raise SystemExit("specpair-operator: --leader-election needs the Lease's namespace: "
+                         "--leader-election-namespace or SPECPAIR_OPERATOR_NAMESPACE")
+    return Election(namespace, ours.leader_election_lease, ours.leader_election_id or leadership.default_identity(),
+                    timing)
+
+
+def _lead(chosen: Election) -> "leadership.Leadership":
+    """Log in as Kopf will (service account, else kubeconfig) and block until this process leads."""
+    import kopf
+
+    from . import leadership
+    from .kube import Kube
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(name)s [%(levelname)s] %(message)s"))
+    leadership.log.addHandler(handler)
+    leadership.log.setLevel(logging.INFO)
+    leadership.log.propagate = False
+    settings = kopf.OperatorSettings()
+    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+    if info is None:
+        raise SystemExit("specpair-operator: --leader-election found no credentials (service account or KUBECONFIG)")
+    elector = leadership.Elector(Kube.from_connection_info(info), chosen.namespace, chosen.lease, chosen.identity,
+                                 chosen.timing)
+    leader = leadership.Leadership(elector)
+    leader.acquire()
+    return leader
 
 
 def _help() -> str:
@@ -65,9 +133,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     args, env = kopf_run_args(argv)
     os.environ.update(env)
+    chosen = election(argv)
+    leader = _lead(chosen) if chosen else None
     from kopf.cli import main as kopf_cli
 
-    kopf_cli.main(args=args, prog_name="specpair-operator")
+    try:
+        kopf_cli.main(args=args, prog_name="specpair-operator")
+    finally:
+        if leader is not None:
+            leader.release()
 
 
 if __name__ == "__main__":

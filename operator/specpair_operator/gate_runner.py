@@ -1,8 +1,11 @@
 """Entry point of the gate Job: run `specpair gate` on the release, record the verdict in MLflow.
 
 The operator reads the verdict from the model version's tags, so the Job needs no write access
-to Kubernetes. A gate that fails its thresholds is a result (exit 0, status `failed`); a gate
-that crashes without a verdict is an error (status `error`, exit 1).
+to Kubernetes. A gate that fails its thresholds is a result (exit 0, status `failed`). A gate
+that ends without a verdict, or MLflow unreachable until the runner's deadline (it retries with
+backoff until then, so an outage shorter than that costs nothing), is no result: exit 1 with the
+cause in the termination message, and the operator runs the gate again a bounded number of times
+(gate_attempts.py); only a verdict fails a release.
 
 MLflow is not where the operator's trust ends: anyone who may write a model version's tags could
 write a passing verdict. So the runner also writes the verdict's digest to its termination
@@ -23,9 +26,18 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
+from typing import Callable, TypeVar
 
+from . import gate_attempts
 from .gate_verdict import unusable_message, verdict_digest, verdict_problems
-from .registry import ReleaseRegistry
+from .registry import RegistryUnavailable, ReleaseRegistry
+
+T = TypeVar("T")
+# Room left before the Job's activeDeadlineSeconds to write the termination message: Kubernetes
+# kills the pod at the deadline, and a killed runner reports nothing.
+DEADLINE_MARGIN_S = 15.0
+BACKOFF_CAP_S = 15.0
 
 
 def write_termination_message(path: str | None, message: dict) -> None:
@@ -36,6 +48,30 @@ def write_termination_message(path: str | None, message: dict) -> None:
             f.write(json.dumps(message, sort_keys=True))
 
 
+def until_deadline(call: Callable[[], T], deadline: float, what: str,
+                   sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> T:
+    """`call`, again after each RegistryUnavailable (1 s doubling to BACKOFF_CAP_S) until the
+    monotonic `deadline`; then the last RegistryUnavailable, saying how long MLflow was tried."""
+    started, delay = clock(), 1.0
+    while True:
+        try:
+            return call()
+        except RegistryUnavailable as exc:
+            left = deadline - clock()
+            if left <= 0:
+                raise RegistryUnavailable(f"{exc} (tried for {clock() - started:.0f}s to {what})") from exc
+            print(f"MLflow unreachable ({exc}); {what}: again in {min(delay, left):.0f}s", file=sys.stderr)
+            sleep(min(delay, left))
+            delay = min(delay * 2, BACKOFF_CAP_S)
+
+
+def report_failure(path: str | None, version: str, cause: str, message: str) -> int:
+    """No verdict: the cause goes to the operator (termination message); exit 1."""
+    print(f"{cause}: {message}", file=sys.stderr)
+    write_termination_message(path, gate_attempts.failure_report(version, cause, message))
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specpair_operator.gate_runner")
     ap.add_argument("--release", required=True, help="release JSON (with its mlflow block)")
@@ -43,7 +79,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="command that takes --release FILE --out VERDICT.json")
     ap.add_argument("--termination-log", default=os.environ.get("SPECPAIR_TERMINATION_LOG", "/dev/termination-log"),
                     help="the container's terminationMessagePath: the verdict's digest goes there")
+    ap.add_argument("--deadline-seconds", type=float, default=3600.0,
+                    help="the Job's activeDeadlineSeconds: MLflow is retried until shortly before it")
     args = ap.parse_args(argv)
+    deadline = time.monotonic() + max(args.deadline_seconds - DEADLINE_MARGIN_S, args.deadline_seconds / 2)
+    # One bounded HTTP try per call: backoff and deadline are until_deadline's.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     with open(args.release) as f:
         rel = json.load(f)
     ml = rel.get("mlflow") or {}
@@ -51,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (tracking_uri and ml.get("modelName") and ml.get("version")):
         print("release has no mlflow block (trackingUri, modelName, version)", file=sys.stderr)
         return 2
-    registry = ReleaseRegistry(tracking_uri, attempts=6, backoff_s=1.0)
+    registry = ReleaseRegistry(tracking_uri, attempts=1)
+    version = str(ml["version"])
     workdir = tempfile.mkdtemp(prefix="specpair-gate-")
     out = os.path.join(workdir, "verdict.json")
     cmd = [*shlex.split(args.gate_command), "--release", args.release, "--out", out]
@@ -73,18 +116,27 @@ def main(argv: list[str] | None = None) -> int:
             verdict = None
     if not isinstance(verdict, dict) or not isinstance(verdict.get("passed"), bool):
         last = [line for line in tail if line.strip()][-5:]
-        registry.record_gate_error(ml["modelName"], str(ml["version"]),
-                                   f"gate exited {proc.returncode} without a verdict: " + " | ".join(last))
-        return 1
+        return report_failure(args.termination_log, version, gate_attempts.GATE_CRASHED,
+                              f"gate exited {proc.returncode} without a verdict: " + " | ".join(last))
     problems = verdict_problems(verdict)
     if problems:
         # A verdict that is not one (a NaN passes every threshold, a string where a mapping
         # belongs) is the gate's error, recorded as such and never as a verdict. Exit 0: the
         # Job is done, since running the same gate again writes the same verdict.
-        registry.record_gate_error(ml["modelName"], str(ml["version"]), unusable_message(problems))
+        try:
+            until_deadline(lambda: registry.record_gate_error(ml["modelName"], version, unusable_message(problems)),
+                           deadline, f"record the gate error of v{version}")
+        except RegistryUnavailable as exc:
+            return report_failure(args.termination_log, version, gate_attempts.MLFLOW_UNREACHABLE,
+                                  f"gate error not recorded: {exc}")
         return 0
     extras = [os.path.join(workdir, n) for n in os.listdir(workdir) if n != "verdict.json"]
-    run_id = registry.record_gate(ml["modelName"], str(ml["version"]), verdict, extras)
+    try:
+        run_id = until_deadline(lambda: registry.record_gate(ml["modelName"], version, verdict, extras), deadline,
+                                f"record the verdict of v{version}")
+    except RegistryUnavailable as exc:
+        return report_failure(args.termination_log, version, gate_attempts.MLFLOW_UNREACHABLE,
+                              f"verdict not recorded: {exc}")
     digest = verdict_digest(verdict)
     write_termination_message(args.termination_log, {"version": str(ml["version"]), "passed": verdict["passed"],
                                                      "verdictSha256": digest})

@@ -25,7 +25,7 @@ from mlflow.exceptions import MlflowException
 from . import aliases as aliases_mod
 from . import conditions as c
 from . import drift as drift_mod
-from . import gate_verdict, manifests, validation
+from . import gate_attempts, gate_verdict, leadership, manifests, validation
 from . import metrics
 from . import release as release_mod
 from . import tls as tls_mod
@@ -172,6 +172,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     release_mod.set_default_engine_image(os.environ.get("SPECPAIR_ENGINE_IMAGE"))
     try:
         RUNTIME.pods = manifests.PodDefaults.from_env(os.environ)
+        gate_attempts.Policy.from_env(os.environ)  # read again where used; refused here when malformed
     except ValueError as exc:
         raise kopf.PermanentError(str(exc)) from exc
     RUNTIME.registry = ReleaseRegistry(RUNTIME.tracking_uri)
@@ -278,6 +279,8 @@ async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, 
     async with lock:
         if not force and time.monotonic() < RUNTIME.retry_at.get(uid, 0.0):
             return
+        if not leadership.acting():
+            return  # an elected operator whose Lease lapsed: it is about to exit, the next leader acts
         await Pass(body, patch, logger).run()
 
 
@@ -301,7 +304,7 @@ class Pass:
         self.rollout = self.spec.get("rollout") or {}
         self.watching = False  # the champion is watched while the spec's release is elsewhere
         self.registry_down = False  # judging drift from the last MLflow facts while MLflow is down
-        self.gate_jobs: dict[str, dict[str, Any] | None] = {}
+        self.gate_jobs: dict[str, list[dict[str, Any]]] = {}  # per release: its gate Jobs, one per attempt
         self.events: list[tuple[str, str, str]] = []  # (type, reason, message), posted when the pass ends
         self.kind = "specpair"  # the serving release's engine (set by _serve from the champion's release)
 
@@ -564,9 +567,11 @@ class Pass:
         kept = (self.status.get("verifiedVerdicts") or {}).get(str(version))
         if kept:
             return str(kept)
-        job = manifests.gate_job_name(self.name, digest)
-        for pod in await self.rt.kube.list("v1", "pods", self.namespace, f"job-name={job}"):
-            if not self._owns_via_job(pod, job):
+        jobs = [j["metadata"]["name"] for j in await self._gate_attempts(digest)]
+        if not jobs:
+            return None
+        for pod in await self.rt.kube.list("v1", "pods", self.namespace, f"job-name in ({','.join(jobs)})"):
+            if not any(self._owns_via_job(pod, job) for job in jobs):
                 continue
             for cs in (pod.get("status") or {}).get("containerStatuses") or []:
                 message = ((cs.get("state") or {}).get("terminated") or {}).get("message") or ""
@@ -606,12 +611,32 @@ class Pass:
             await self._serve(model, al, desired=None, desired_reason="", watch_only=True)
         return True
 
-    async def _finished_gate_job(self, digest: str) -> dict[str, Any] | None:
-        """The release's gate Job, read once per pass by the records that need it."""
+    async def _gate_attempts(self, digest: str) -> list[dict[str, Any]]:
+        """The release's gate Jobs, one per attempt in order, read once per pass."""
         if digest not in self.gate_jobs:
-            self.gate_jobs[digest] = await self.rt.kube.get("batch/v1", "jobs", self.namespace,
-                                                            manifests.gate_job_name(self.name, digest))
+            chain: list[dict[str, Any]] = []
+            for attempt in range(1, gate_attempts.Policy.from_env().attempts + 1):
+                job = await self.rt.kube.get("batch/v1", "jobs", self.namespace,
+                                             manifests.gate_job_name(self.name, digest, attempt))
+                if job is None:
+                    break
+                chain.append(job)
+            self.gate_jobs[digest] = chain
         return self.gate_jobs[digest]
+
+    async def _finished_gate_job(self, digest: str) -> dict[str, Any] | None:
+        """The release's latest gate Job (the one a verdict comes from), for the records that need it."""
+        chain = await self._gate_attempts(digest)
+        return chain[-1] if chain else None
+
+    async def _gate_failure(self, job: dict[str, Any], version: str, job_message: str) -> gate_attempts.Failure:
+        """Why a gate attempt ended without a verdict: its runner's report (termination message)."""
+        name = job["metadata"]["name"]
+        messages = [((cs.get("state") or {}).get("terminated") or {}).get("message") or ""
+                    for pod in await self.rt.kube.list("v1", "pods", self.namespace, f"job-name={name}")
+                    if self._owns_via_job(pod, name)
+                    for cs in (pod.get("status") or {}).get("containerStatuses") or []]
+        return gate_attempts.failure_of(messages, version, job_message)
 
     async def _record_gate_result(self, version: str, digest: str, outcome: gate_verdict.GateOutcome) -> None:
         """A gate's result is an Event and a history entry, once per release, and its Job's run
@@ -679,18 +704,24 @@ class Pass:
             await self.registry(reg.set_alias, model, aliases_mod.CANDIDATE, version)
         gating = self.spec.get("gating") or {}
         placement = {**self.rollout, **({"resources": gating["resources"]} if "resources" in gating else {})}
-        job = manifests.gate_job(self.name, self.namespace,
-                                 release_mod.with_mlflow(rel, self.rt.gate_tracking_uri, model, version),
-                                 digest, version, placement, self.rt.gate_tracking_uri,
-                                 int(gating.get("activeDeadlineSeconds", 3600)), self.credentials(),
-                                 self.rt.pods)
-        kopf.adopt(job, owner=self.body)
+
+        def gate_job(attempt: int) -> dict[str, Any]:
+            job = manifests.gate_job(self.name, self.namespace,
+                                     release_mod.with_mlflow(rel, self.rt.gate_tracking_uri, model, version),
+                                     digest, version, placement, self.rt.gate_tracking_uri,
+                                     int(gating.get("activeDeadlineSeconds", 3600)), self.credentials(),
+                                     self.rt.pods, attempt=attempt)
+            kopf.adopt(job, owner=self.body)
+            return job
+        attempts = await self._gate_attempts(digest)
+        attempt = max(1, len(attempts))
+        job = gate_job(attempt)
         # Gate pods take no ingress; the policy exists before the first gate pod does.
         conflict = await self._ensure_policy(manifests.gate_network_policy(self.name, self.namespace))
         if conflict:
             self._name_conflict("NetworkPolicy", conflict)
             return
-        live = await self.rt.kube.get("batch/v1", "jobs", self.namespace, job["metadata"]["name"])
+        live = attempts[-1] if attempts else None
         if live is not None and not self._owns(live):
             self._name_conflict("Job", job["metadata"]["name"])
             return
@@ -700,14 +731,38 @@ class Pass:
             self.record("GateStarted", started, None, version, key=version)
         elif not self.was_recorded("GateStarted", version, version):
             self.record("GateStarted", started, None, version, key=version)  # its pass died after the create
-        elif any(cd.get("type") == "Failed" and cd.get("status") == "True"
-                 for cd in (live.get("status") or {}).get("conditions") or []):
-            reason = next(cd.get("message") or cd.get("reason") for cd in live["status"]["conditions"] if cd.get("type") == "Failed")
-            await self.registry(reg.record_gate_error, model, version, f"gate Job failed: {reason}")
-            self.cond(c.GATED, False, "GateError", f"v{version}: gate Job failed: {reason}")
-            self.finish("Failed", (False, "GateError", f"gate Job failed: {reason}"), (False, "GateError", ""),
-                        (True, "GateError", f"gate Job for v{version} failed: {reason}"))
-            return
+        elif attempt > 1 and not self.was_recorded("GateRetrying", f"{version}#{attempt}", version):
+            # The pass that started this attempt died before recording it.
+            job_message = gate_attempts.job_failed(attempts[-2])[1]
+            self._record_retry(version, attempt, await self._gate_failure(attempts[-2], version, job_message),
+                               job["metadata"]["name"])
+        elif gate_attempts.job_failed(live)[0]:
+            # No verdict (the gate crashed, MLflow stayed unreachable, the pod was killed): not a
+            # result. The release is gated again, a bounded number of times.
+            _, job_message, failed_at = gate_attempts.job_failed(live)
+            failure = await self._gate_failure(live, version, job_message)
+            policy = gate_attempts.Policy.from_env()
+            since = (c.parse_iso(c.now_iso()) - c.parse_iso(failed_at)).total_seconds() if failed_at else float("inf")
+            step, wait = gate_attempts.next_step(policy, attempt, since)
+            why = failure.describe()
+            if step == gate_attempts.GIVE_UP:
+                reason = f"{attempt} gate attempt(s) ended without a verdict; the last: {why}"
+                await self.registry(reg.record_gate_error, model, version, reason)
+                self.cond(c.GATED, False, "GateError", f"v{version}: {reason}")
+                self.finish("Failed", (False, "GateError", reason), (False, "GateError", ""),
+                            (True, "GateError", f"gate of v{version}: {reason}"))
+                return
+            if step == gate_attempts.WAIT:
+                msg = (f"v{version}: gate attempt {attempt} of {policy.attempts} ended without a verdict: {why}; "
+                       f"attempt {attempt + 1} in {wait:.0f}s")
+                self.cond(c.GATED, "Unknown", "GateRetrying", msg)
+                self._versions(al)
+                self.finish("Gating", (False, "GateRetrying", msg), (True, "GateRetrying", msg),
+                            (False, "GateRetrying", ""))
+                return
+            job = gate_job(attempt + 1)
+            await self.rt.kube.create(job)
+            self._record_retry(version, attempt + 1, failure, job["metadata"]["name"])
         waiting = await self._unschedulable(f"job-name={job['metadata']['name']}")
         reason = "GatePending" if waiting else "Gating"
         self.cond(c.GATED, "Unknown", reason, f"v{version} is being gated by Job {job['metadata']['name']}"
@@ -718,6 +773,12 @@ class Pass:
                     (True, reason, f"gate Job {job['metadata']['name']} "
                      + (f"waiting: {waiting}" if waiting else "running") + f" for v{version}"),
                     (False, reason, ""))
+
+    def _record_retry(self, version: str, attempt: int, failure: gate_attempts.Failure, job: str) -> None:
+        policy = gate_attempts.Policy.from_env()
+        self.record("GateRetrying", f"v{version}: gate attempt {attempt - 1} of {policy.attempts} ended without a "
+                    f"verdict: {failure.describe()}; attempt {attempt} in Job {job}", None, version, warning=True,
+                    key=f"{version}#{attempt}")
 
     def _owns(self, obj: dict[str, Any]) -> bool:
         return any(ref.get("uid") == self.uid and ref.get("controller")

@@ -168,4 +168,4 @@ class Kube:
 
 PLURALS = {"Job": "jobs", "Deployment": "deployments", "Service": "services", "Pod": "pods",
            "ConfigMap": "configmaps", "Event": "events", "NetworkPolicy": "networkpolicies",
-           "Secret": "secrets"}
+           "Secret": "secrets", "Lease": "leases"}

@@ -107,9 +107,10 @@ def gate_policy_name(pair: str) -> str:
     return names.object_name(pair, "gate")
 
 
-def gate_job_name(pair: str, digest: str) -> str:
-    # A Job's name becomes its pods' job-name label: 63 characters at most.
-    return names.object_name(pair, "gate", digest[:10])
+def gate_job_name(pair: str, digest: str, attempt: int = 1) -> str:
+    # A Job's name becomes its pods' job-name label: 63 characters at most. Each attempt at gating
+    # a release (gate_attempts.py) is a Job of its own; the first keeps the name it always had.
+    return names.object_name(pair, "gate", digest[:10], f"a{attempt}" if attempt > 1 else "")
 
 
 def engine_selector(pair: str) -> dict[str, str]:
@@ -269,16 +270,19 @@ def _release_annotations(release: dict[str, Any], digest: str) -> dict[str, str]
 
 def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
              rollout: dict[str, Any], tracking_uri: str, deadline_seconds: int = 3600,
-             credentials: MlflowCredentials | None = None, defaults: PodDefaults = PodDefaults()) -> dict[str, Any]:
-    """The Job that gates one release. Never retried by Kubernetes: a failed gate is a result.
+             credentials: MlflowCredentials | None = None, defaults: PodDefaults = PodDefaults(),
+             attempt: int = 1) -> dict[str, Any]:
+    """The Job that gates one release. Never retried by Kubernetes: the operator starts the next
+    attempt when one ends without a verdict (gate_attempts.py).
     Deleted defaults.gate_ttl_seconds after it finishes (its verdict lives in MLflow)."""
     labels = _labels(pair, "gate", version)
     container = {
         "name": "gate",
         "image": engine_image(release, rollout),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
+        # The runner retries MLflow until shortly before the Job's deadline.
         "command": ["python", "-m", "specpair_operator.gate_runner", "--release", RELEASE_FILE,
-                    "--termination-log", TERMINATION_LOG],
+                    "--termination-log", TERMINATION_LOG, "--deadline-seconds", str(int(deadline_seconds))],
         # The verdict's digest, written by the gate runner: the operator checks MLflow's verdict
         # against it (gate_verdict.verify_verdict).
         "terminationMessagePath": TERMINATION_LOG,
@@ -292,7 +296,7 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": gate_job_name(pair, digest), "namespace": namespace, "labels": labels,
+        "metadata": {"name": gate_job_name(pair, digest, attempt), "namespace": namespace, "labels": labels,
                      "annotations": {ANN_HASH: digest}},
         "spec": {
             "backoffLimit": 0,

@@ -13,6 +13,11 @@ gives two ways to fail that a real deployment meets:
     SPECPAIR_FAILPOINT=lose-first-reply
         the first call of each write method is performed and then answered with a lost reply
         (a connection error), as when a timeout fires after the server committed.
+    SPECPAIR_FAILPOINT=crash-after:WRITE
+        the process dies right after its first write described as WRITE (a prefix of the
+        descriptions below, e.g. `mlflow.set_model_version_tag specpair.promoted_at`).
+    SPECPAIR_FAILPOINT=log
+        nothing fails; every write is logged.
 
 Each write is appended to SPECPAIR_FAILPOINT_LOG as one JSON line: {"write", "pid", "failed"}.
 """
@@ -60,7 +65,8 @@ def _after_write(name: str, args: tuple[Any, ...]) -> bool:
         lose = MODE == "lose-first-reply" and name not in _lost
         if lose:
             _lost.add(name)
-        crash = MODE == "crash-after-first-write" and _writes == 1
+        crash = (MODE == "crash-after-first-write" and _writes == 1) or \
+            (MODE.startswith("crash-after:") and what.startswith(MODE.split(":", 1)[1]))
         if LOG:
             with open(LOG, "a") as f:
                 f.write(json.dumps({"write": what, "pid": os.getpid(), "failed": "crash" if crash else

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 from specpair.contract import threshold_failures
 
@@ -29,6 +30,8 @@ def main():
     if draft not in world:
         sys.exit(f"cannot load draft {draft!r}")
     w = world[draft]
+    # A gate that takes its time, for tests that act while it runs.
+    time.sleep(float(world.get("_gateSeconds", 0)))
     target = rel["target"]["source"]
     tok_of = w.get("tokenizerOf", target if rel["draft"].get("drafter") else draft)
     compatible = rel["draft"].get("drafter") is not None or tok_of == target or "tokenizerOf" not in w

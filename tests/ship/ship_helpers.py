@@ -71,6 +71,9 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
               "digest": "sha256:" + "ab" * 32, "pullPolicy": "Always"},
     "imagePullSecrets": [{"name": "regcred"}],
     "watchNamespaces": ["team-a", "team-b"],
+    "replicaCount": 2,
+    "leaderElection": {"enabled": True, "leaseDurationSeconds": 30, "renewDeadlineSeconds": 20, "retryPeriodSeconds": 4},
+    "gate": {"ttlSecondsAfterFinished": 3600, "attempts": 5, "retryDelaySeconds": 60},
     "mlflow": {"trackingUri": "https://mlflow.example.com",
                "credentialsSecret": {"name": "mlflow-credentials", "usernameKey": "user",
                                      "passwordKey": "pass", "tokenKey": "", "grantOperatorRead": True}},
@@ -87,5 +90,4 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
                "hubTokenSecret": {"name": "hf-token", "key": "hf"},
                "modelCache": {"sizeLimit": "200Gi"},
                "networkPolicy": {"from": [{"namespaceSelector": {"matchLabels": {"team": "web"}}}]}},
-    "gate": {"ttlSecondsAfterFinished": 3600},
 }

@@ -39,16 +39,19 @@ def test_helm_lint_strict_with_non_default_values(helm, tmp_path):
 
 def test_default_render_has_exactly_the_operator_parts(render):
     kinds = sorted(m["kind"] for m in render())
-    # The Role (and binding): the control listeners' CA Secret in the operator's namespace.
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "Role", "RoleBinding",
-                     "ServiceAccount"]
+    # The Roles (and bindings) in the operator's namespace: the control listeners' CA Secret, the
+    # leader-election Lease.
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "Role", "Role",
+                     "RoleBinding", "RoleBinding", "ServiceAccount"]
     deployment = one(render(), "Deployment")
     assert deployment["metadata"]["namespace"] == RELEASE_NAMESPACE
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "ghcr.io/specpair/operator:0.1.0"
     assert container["command"] == ["python", "-m", "specpair_operator"]
-    # No --namespace flag: the entry point then watches all namespaces.
-    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--log-format=full"]
+    # No --namespace flag: the entry point then watches all namespaces. Leader election is on.
+    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--log-format=full", "--leader-election",
+                                 "--leader-election-lease=ship-specpair", "--lease-duration=15",
+                                 "--renew-deadline=10", "--retry-period=2"]
     env = {e["name"]: e for e in container["env"]}
     assert env["MLFLOW_TRACKING_URI"]["value"].startswith("http://")
     assert not any(name.startswith("MLFLOW_TRACKING_") and name != "MLFLOW_TRACKING_URI" for name in env)
@@ -58,9 +61,10 @@ def test_non_default_render_wires_every_value(render):
     manifests = render(NON_DEFAULT_VALUES)
     kinds = sorted(m["kind"] for m in manifests)
     # A Role+RoleBinding per watched namespace, one pair for the MLflow Secret, one for the CA
-    # Secret, nothing cluster-wide.
-    assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "Role", "Role", "Role", "Role", "RoleBinding",
-                     "RoleBinding", "RoleBinding", "RoleBinding", "ServiceAccount", "ServiceMonitor"]
+    # Secret, one for the leader-election Lease, nothing cluster-wide.
+    assert kinds == ["ConfigMap", "Deployment", "NetworkPolicy", "Role", "Role", "Role", "Role", "Role",
+                     "RoleBinding", "RoleBinding", "RoleBinding", "RoleBinding", "RoleBinding", "ServiceAccount",
+                     "ServiceMonitor"]
     pod = one(manifests, "Deployment")["spec"]["template"]["spec"]
     pod_labels = one(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
     container = pod["containers"][0]
@@ -80,6 +84,10 @@ def test_non_default_render_wires_every_value(render):
     assert env["SPECPAIR_ENGINE_IMAGE"]["value"] == "registry.example.com/specpair/engine:0.1.0"
     pods = PodDefaults.from_env({k: v["value"] for k, v in env.items() if "value" in v})
     assert (pods.image_pull_secrets, pods.cache_size_limit, pods.gate_ttl_seconds) == (("regcred",), "200Gi", 3600)
+    from specpair_operator.gate_attempts import Policy
+    assert Policy.from_env({k: v["value"] for k, v in env.items() if "value" in v}) == Policy(5, 60.0)
+    assert one(manifests, "Deployment")["spec"]["replicas"] == 2
+    assert one(manifests, "Deployment")["spec"]["strategy"] == {"type": "RollingUpdate"}
     assert pods.hub_token == ("hf-token", "hf")
     # The operator's own pods are added to the peers allowed to reach engine pods (its gRPC calls).
     assert pods.ingress_from[0] == {"namespaceSelector": {"matchLabels": {"team": "web"}}}
@@ -130,7 +138,6 @@ def test_service_monitor_port_exists_on_the_engine_service(render):
 
 # Each bad value and the schema path helm must name when refusing it.
 BAD_VALUES = [
-    ({"replicaCount": 2}, "/replicaCount"),
     ({"securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": False,
                           "allowPrivilegeEscalation": False}}, "/securityContext/readOnlyRootFilesystem"),
     ({"securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
@@ -167,6 +174,9 @@ BAD_VALUES = [
     ({"engine": {"modelCache": {"sizeLimit": "lots"}}}, "/engine/modelCache/sizeLimit"),
     ({"engine": {"networkPolicy": {"from": [{"pods": {}}]}}}, "pods"),
     ({"gate": {"ttlSecondsAfterFinished": -1}}, "/gate/ttlSecondsAfterFinished"),
+    ({"gate": {"attempts": 0}}, "/gate/attempts"),
+    ({"replicaCount": 2, "leaderElection": {"enabled": False}}, "/leaderElection/enabled"),
+    ({"leaderElection": {"leaseDurationSeconds": 0}}, "/leaderElection/leaseDurationSeconds"),
     ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "/metrics/serviceMonitor/interval"),
     ({"imag": {"tag": "typo"}}, "imag"),
 ]
@@ -261,16 +271,19 @@ def test_pods_are_non_root_read_only_and_unprivileged(render, variant):
         assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
 
 
-def _operator_rules(kind: str = "ClusterRole") -> list[dict[str, Any]]:
-    """The rules the operator says it uses (operator/rbac.yaml): its ClusterRole, or (Role) the
-    one for its CA Secret in its own namespace."""
+def _operator_rules(kind: str = "ClusterRole", name: str = "") -> list[dict[str, Any]]:
+    """The rules the operator says it uses (operator/rbac.yaml): its ClusterRole, or (Role) one of
+    those in its own namespace, by name."""
     documents = [d for d in yaml.safe_load_all((REPO_ROOT / "operator" / "rbac.yaml").read_text()) if d]
-    return [r for d in documents if d.get("kind") == kind for r in d["rules"]]
+    return [r for d in documents if d.get("kind") == kind and (not name or d["metadata"]["name"] == name)
+            for r in d["rules"]]
 
 
 def _side_roles(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Roles in the operator's namespace for one Secret each (the CA's, the MLflow credentials')."""
-    return [r for r in by_kind(manifests, "Role") if r["metadata"]["name"].endswith(("-ca", "-mlflow-credentials"))]
+    """Roles in the operator's namespace for one object each (the CA's and the MLflow credentials'
+    Secrets, the leader-election Lease)."""
+    return [r for r in by_kind(manifests, "Role")
+            if r["metadata"]["name"].endswith(("-ca", "-mlflow-credentials", "-leader-election"))]
 
 
 def _normalise(rules: list[dict[str, Any]]) -> set[tuple]:
@@ -292,8 +305,15 @@ def test_rbac_grants_exactly_what_the_operator_uses(render, variant):
     side = _side_roles(manifests)
     roles = [r for r in by_kind(manifests, "ClusterRole") + by_kind(manifests, "Role") if r not in side]
     (ca_role,) = [r for r in side if r["metadata"]["name"].endswith("-ca")]
-    assert _normalise(ca_role["rules"]) == _normalise(_operator_rules("Role"))
+    assert _normalise(ca_role["rules"]) == _normalise(_operator_rules("Role", "specpair-operator-ca"))
     assert ca_role["metadata"]["namespace"] == RELEASE_NAMESPACE
+    # The Lease, by the name the chart passes to --leader-election-lease (operator/rbac.yaml says
+    # specpair-operator, the entry point's default).
+    (lease_role,) = [r for r in side if r["metadata"]["name"].endswith("-leader-election")]
+    assert lease_role["metadata"]["namespace"] == RELEASE_NAMESPACE
+    assert _normalise(lease_role["rules"]) == {
+        (g, r, v, ("ship-specpair",) if names else ())
+        for g, r, v, names in _normalise(_operator_rules("Role", "specpair-operator-leader-election"))}
     expected = _normalise(_operator_rules()) - NOT_NEEDED_BY_THE_CHART
     assert expected, "operator/rbac.yaml has no rules"
     for role in roles:

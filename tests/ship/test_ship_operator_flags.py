@@ -68,3 +68,29 @@ def test_chart_log_format_reaches_the_entry_point(render, log_format):
     container = one(render({"operator": {"logFormat": log_format}}), "Deployment")["spec"]["template"]["spec"]["containers"][0]
     args, _ = kopf_run_args(container["args"])
     assert f"--log-format={log_format}" in args
+
+
+def test_chart_leader_election_reaches_the_entry_point_and_not_kopf(render):
+    """The chart's leaderElection values are the entry point's own flags: parsed into the election
+    it runs before Kopf starts, never handed to Kopf (which would refuse them)."""
+    from specpair_operator.__main__ import election
+    from specpair_operator.leadership import Timing
+
+    values = {"replicaCount": 2, "leaderElection": {"leaseDurationSeconds": 30, "renewDeadlineSeconds": 20,
+                                                    "retryPeriodSeconds": 4}}
+    container = one(render(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    args, _ = kopf_run_args(container["args"])
+    assert not [a for a in args if "lease" in a or "leader" in a or "renew" in a or "retry" in a], args
+    chosen = election(container["args"], {"SPECPAIR_OPERATOR_NAMESPACE": "specpair-system"})
+    assert (chosen.namespace, chosen.lease, chosen.timing) == ("specpair-system", "ship-specpair", Timing(30, 20, 4))
+    off = one(render({"leaderElection": {"enabled": False}}), "Deployment")
+    assert election(off["spec"]["template"]["spec"]["containers"][0]["args"], {"SPECPAIR_OPERATOR_NAMESPACE": "x"}) is None
+    assert off["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_chart_refuses_timings_that_let_a_leader_act_after_a_takeover(render):
+    values = {"leaderElection": {"leaseDurationSeconds": 10, "renewDeadlineSeconds": 10, "retryPeriodSeconds": 2}}
+    container = one(render(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    from specpair_operator.__main__ import election
+    with pytest.raises(SystemExit, match="renew deadline .* < lease duration"):
+        election(container["args"], {"SPECPAIR_OPERATOR_NAMESPACE": "specpair-system"})

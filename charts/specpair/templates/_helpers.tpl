@@ -147,6 +147,18 @@ name, created on first start unless cert-manager (tls.certManager) writes it. */
   verbs: [create]
 {{- end -}}
 
+{{/* Leader election: the Lease in the operator's own namespace, read and renewed by name
+(create cannot be limited to a name). */}}
+{{- define "specpair.leaseRules" -}}
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [get, patch]
+  resourceNames: [{{ include "specpair.fullname" . | quote }}]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [create]
+{{- end -}}
+
 {{/* The MLflow credentials Secret, readable only by name and only when asked for. */}}
 {{- define "specpair.secretRule" -}}
 - apiGroups: [""]
