@@ -336,7 +336,8 @@ class EngineWorker:
         probe changes nothing the running rows read. The blameless rows move to a fresh batch that
         reads their committed tokens again, since the step that raised may have left the old one's
         caches half-written; their Sequences (tokens, generators, stats, text so far) move with
-        them. When no row raises alone, nothing can be blamed and every row fails.
+        them. When no row raises alone, or every one of several does (the device, not a request),
+        nothing can be blamed and every row fails.
         """
         rows = list(self.batch.rows)
         # Outside the lock: submit and cancel go on while the rows are probed.
@@ -345,7 +346,7 @@ class EngineWorker:
             self._carry_on(exc, rows, blamed)
 
     def _carry_on(self, exc: Exception, rows: list, blamed: dict[str, Exception]) -> None:
-        if not blamed:
+        if not blamed or (len(blamed) == len(rows) > 1):
             log.error("engine step failed; failing %d running requests", len(rows), exc_info=exc)
             for job in list(self._jobs.values()):
                 self._fail(job, "internal", f"engine step failed: {type(exc).__name__}: {exc}", status="error")
