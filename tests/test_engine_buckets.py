@@ -100,11 +100,13 @@ PROMPTS = ["def foo(x):\n    return", "Hello world, hello world, hello", "import
 
 def test_greedy_speculation_equals_target_only_bitwise_in_bf16(tiny_tokenizer):
     """bf16 on the CPU takes the fixed step: speculative greedy output equals the same engine's
-    target-only output token for token, with drafts rejected on the way."""
+    target-only output token for token, with drafts rejected on the way. The model's logits are
+    close enough (init 0.05) for rounding to matter: over the dynamic cache (Hugging Face's
+    forward, a verification's shape unlike a decode step's) one of these prompts diverges."""
     from tiny_models import make_model, perturbed_copy
-    target = make_model(tiny_tokenizer, seed=1, dtype=torch.bfloat16)
+    target = make_model(tiny_tokenizer, seed=1, dtype=torch.bfloat16, init_std=0.05)
     draft = perturbed_copy(target, seed=5, noise=0.03)
-    params = GenerationParams(max_new_tokens=24)
+    params = GenerationParams(max_new_tokens=32)
     for drafter, drafted in ((NgramDrafter(), None), (None, draft)):
         engine = SpeculativeEngine(target, drafter=drafter, draft=drafted,
                                    speculation=SpeculationConfig(k=4, k_max=4, fallback_threshold=0))
@@ -181,27 +183,27 @@ def test_the_compiled_step_does_not_recompile_over_a_generation(tiny_tokenizer, 
         if op == "extend":
             assert torch.equal(out[0], out[1])
 
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    both("add_rows", 1)
-    both("extend", [[rng.randrange(3, 300) for _ in range(30)]])
-    for step in range(40):
-        if step == 5:                                   # a request joins with its prompt
-            both("add_rows", 1)
-            both("extend", [[7], [rng.randrange(3, 300) for _ in range(20)]])
-        if step == 20:                                  # the first row leaves
-            both("select", [1])
-        if step == 25:                                  # another joins
-            both("add_rows", 1)
-            both("extend", [[7], [rng.randrange(3, 300) for _ in range(3)]])
-        k = rng.randrange(0, 5)
-        feed = [[rng.randrange(3, 300) for _ in range(1 + k)] for _ in compiled.lengths]
-        both("extend", feed, last=1 + k)
-        keep = [n - rng.randrange(0, len(f)) for n, f in zip(compiled.lengths, feed)]
-        for i, n in enumerate(keep):                    # rejected drafts: lengths move back
-            both("rollback", i, n)
-        if step == 30:                                  # a long answer crosses into 512 positions
-            both("extend", [[5] * 8 for _ in compiled.lengths])
-            both("extend", [[5] * 200 if i == 0 else [5] for i in range(len(compiled.lengths))])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        both("add_rows", 1)
+        both("extend", [[rng.randrange(3, 300) for _ in range(30)]])
+        for step in range(40):
+            if step == 5:                                   # a request joins with its prompt
+                both("add_rows", 1)
+                both("extend", [[7], [rng.randrange(3, 300) for _ in range(20)]])
+            if step == 20:                                  # the first row leaves
+                both("select", [1])
+            if step == 25:                                  # another joins
+                both("add_rows", 1)
+                both("extend", [[7], [rng.randrange(3, 300) for _ in range(3)]])
+            k = rng.randrange(0, 5)
+            feed = [[rng.randrange(3, 300) for _ in range(1 + k)] for _ in compiled.lengths]
+            both("extend", feed, last=1 + k)
+            keep = [n - rng.randrange(0, len(f)) for n, f in zip(compiled.lengths, feed)]
+            for i, n in enumerate(keep):                    # rejected drafts: lengths move back
+                both("rollback", i, n)
+            if step == 30:                                  # a long answer crosses into 512 positions
+                both("extend", [[5] * 8 for _ in compiled.lengths])
+                both("extend", [[5] * 200 if i == 0 else [5] for i in range(len(compiled.lengths))])
     assert compiled.capacity[1] == 512
     assert counters["stats"]["unique_graphs"] == graphs
 
@@ -226,3 +228,14 @@ def test_the_gpu_step_bench_runs_on_the_cpu(tmp_path):
     assert set(tiny["specpair"]["verify_over_step"]) == {"0", "1", "2"}
     assert min(tiny["specpair"]["launches"].values()) > 0 and tiny["hf_static"]["step_ms"] > 0
     assert tiny["bandwidth_limit_ms"] > 0
+
+
+def test_a_tree_whose_branch_branches_takes_the_general_step(tiny_target):
+    """A branch off a branch has an ancestor away from its position: the fixed step's attention
+    does not take it, the general step does, to rounding."""
+    prompt, feed = [5, 6, 7, 8], [11, 12, 13, 14, 15]
+    parents = [[-1, -1, -1, 1, 3]]          # 14 branches off 12; 15 off 14
+    kv = _prefilled(tiny_target.model, [prompt])
+    logits = kv.extend([feed], last=5, parents=parents)
+    ref = tiny_target.model(torch.tensor([prompt + [11, 12, 14, 15]])).logits[0, -1]
+    torch.testing.assert_close(logits[0, -1], ref, rtol=1e-4, atol=1e-4)

@@ -578,8 +578,10 @@ class StaticKVModel:
         hidden state of every fed token, [B, W, D] left-aligned (row i's first len(rows[i])).
         `parents` makes the tokens a tree (TreeLayout): per row, each token's parent index among
         the row's fed tokens, or -1; after verification `move` puts the kept branch in place."""
-        if self.fixed and (parents is None or _chain_parented(parents)):
+        if self.fixed and (parents is None or (_chain_parented(parents) and
+                                               max(map(len, rows)) <= self.token_bucket)):
             return self._extend_fixed(rows, last, hidden, parents)
+        # Any other tree: the general step below (exact to rounding, not bitwise).
         B = len(rows)
         width = max((len(r) for r in rows), default=0)
         n_last = max(last) if isinstance(last, list) else last
@@ -617,8 +619,6 @@ class StaticKVModel:
         assert B == self.batch_size, (B, self.batch_size)
         starts = list(self.lengths)
         wide = [i for i in range(B) if counts[i] > W]
-        if wide and parents is not None:
-            raise SpecpairError(f"a token tree of more than {W} tokens a row: widen the token bucket")
         wide_width = bucket(max((counts[i] for i in wide), default=1))
         for i, n in enumerate(counts):
             self.lengths[i] += n
