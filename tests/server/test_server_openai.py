@@ -17,7 +17,7 @@ import pytest
 
 from tiny_models import save_tiny
 
-from conftest import client_for, make_engine, reference, rpc_error, wait_for
+from conftest import client_for, make_engine, openai_client, reference, rpc_error, wait_for
 
 CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
 LONG = 400
@@ -36,11 +36,6 @@ def http_server(tiny_pair):
     server.start(wait_ready=True, timeout=60)
     yield server
     server.stop(drain_timeout=1.0)
-
-
-def oai(server, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key=kw.pop("api_key", "none"),
-                         max_retries=0, timeout=60, **kw)
 
 
 def post(server, path: str, body, headers: dict | None = None, timeout: float = 60) -> tuple[int, dict, dict]:
@@ -76,7 +71,7 @@ def sample(server, name: str, **labels) -> float:
 
 
 def test_openai_client_streams_a_chat_completion_equal_to_grpc_and_generate(tiny_pair, http_server):
-    client = oai(http_server)
+    client = openai_client(http_server)
     stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=24, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     chunks = list(stream)
@@ -101,7 +96,7 @@ def test_openai_client_streams_a_chat_completion_equal_to_grpc_and_generate(tiny
 
 
 def test_completions_and_models(tiny_pair, http_server):
-    client = oai(http_server)
+    client = openai_client(http_server)
     ref = reference(tiny_pair, "def foo(x):", 12)
     done = client.completions.create(model="tiny", prompt="def foo(x):", max_tokens=12, temperature=0)
     assert done.choices[0].text == ref.text and done.choices[0].finish_reason == "length"
@@ -172,7 +167,7 @@ def test_bad_bodies_and_the_openai_client_raising(http_server):
     got, reply, _ = post(http_server, "/v1/completions", {"prompt": ["a", "b"]})
     assert got == 400 and reply["error"]["param"] == "prompt"
     with pytest.raises(openai.BadRequestError) as info:
-        oai(http_server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=-5)
+        openai_client(http_server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=-5)
     assert info.value.status_code == 400 and info.value.body["param"] == "max_tokens"
 
 
@@ -180,7 +175,7 @@ def test_stop_strings_end_the_reply_before_the_stop(tiny_pair, http_server):
     ref = reference(tiny_pair, CHAT, 40, chat=True).text
     stop = ref[len(ref) // 2: len(ref) // 2 + 3]
     expected = ref[:ref.index(stop)]
-    client = oai(http_server)
+    client = openai_client(http_server)
     chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0,
                                                  stop=stop, stream=True))
     pieces = [c.choices[0].delta.content or "" for c in chunks]
@@ -246,7 +241,8 @@ def test_a_client_that_disconnects_frees_its_slot(tiny_pair, start_server, strea
     assert wait_for(lambda: sample(server, "specpair_requests_total", category="general", protocol="http",
                                    status="cancelled") == 1)
     # The slot is free: the next request runs at once.
-    assert oai(server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=4).usage.completion_tokens == 4
+    reply = openai_client(server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=4)
+    assert reply.usage.completion_tokens == 4
 
 
 def test_queue_full_is_429_and_loading_is_503(tiny_pair, start_server):
@@ -279,8 +275,8 @@ def test_draining_lets_streams_finish_and_refuses_new_requests(tiny_pair, start_
     results = {}
 
     def consume():
-        results["chunks"] = list(oai(server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=60,
-                                                                     stream=True))
+        results["chunks"] = list(openai_client(server).chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=60, stream=True))
     reader = threading.Thread(target=consume)
     reader.start()
     assert wait_for(lambda: server.worker.running == 1, timeout=5)
