@@ -239,3 +239,28 @@ def test_a_tree_whose_branch_branches_takes_the_general_step(tiny_target):
     logits = kv.extend([feed], last=5, parents=parents)
     ref = tiny_target.model(torch.tensor([prompt + [11, 12, 14, 15]])).logits[0, -1]
     torch.testing.assert_close(logits[0, -1], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_compiled_engine_warms_every_bucket_and_then_compiles_nothing(tiny_tokenizer, monkeypatch):
+    """SpeculativeEngine(compile="on") on the fixed step warms each (rows, capacity) bucket up to
+    the speculation threshold and the context at start-up (the report says which), and a
+    speculative generation afterwards compiles nothing and equals the eager engine's."""
+    import torch._dynamo
+
+    from tiny_models import make_model
+
+    monkeypatch.setenv("SPECPAIR_COMPILE_BACKEND", "aot_eager")
+    target = make_model(tiny_tokenizer, seed=1, dtype=torch.bfloat16, init_std=0.05)
+    config = SpeculationConfig(k=3, k_max=3, fallback_threshold=0, batch_size_threshold=2)
+    torch._dynamo.reset()
+    compiled = SpeculativeEngine(target, drafter=NgramDrafter(), speculation=config, compile="on")
+    report = compiled.captures["target"]
+    assert report["token_bucket"] == 4 and report["seconds"] > 0
+    assert report["buckets"] == [(r, c) for r in (1, 2) for c in (256, 512, 1024)]
+    assert compiled.describe_step()["compile"] == {"backend": "aot_eager"}
+    eager = SpeculativeEngine(target, drafter=NgramDrafter(), speculation=config)
+    params = GenerationParams(max_new_tokens=20)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = compiled.generate(PROMPTS[:2], params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in eager.generate(PROMPTS[:2], params)]
+    assert sum(r.stats.num_draft_tokens for r in got) > 0
