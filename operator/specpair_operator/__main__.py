@@ -92,7 +92,41 @@ def election(argv: list[str], env: dict[str, str] | None = None) -> Election | N
                     timing)
 
 
-def _lead(chosen: Election) -> "leadership.Leadership":
+class _WaitingHealth:
+    """The liveness endpoint while this process waits for the Lease (Kopf serves it once it
+    leads): a waiting replica is alive, and its probes must not restart it."""
+
+    def __init__(self, url: str):
+        self.server = None
+        if not url:
+            return
+        import http.server
+        import threading
+        from urllib.parse import urlsplit
+
+        where = urlsplit(url)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802  (the stdlib's name)
+                body = b'{"leading": false}'
+                self.send_response(200 if self.path == (where.path or "/") else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_: object) -> None:
+                pass
+        self.server = http.server.ThreadingHTTPServer((where.hostname or "0.0.0.0", where.port or 80), Handler)
+        threading.Thread(target=self.server.serve_forever, name="waiting-health", daemon=True).start()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+def _lead(chosen: Election, liveness: str) -> "leadership.Leadership":
     """Log in as Kopf will (service account, else kubeconfig) and block until this process leads."""
     import kopf
 
@@ -111,7 +145,11 @@ def _lead(chosen: Election) -> "leadership.Leadership":
     elector = leadership.Elector(Kube.from_connection_info(info), chosen.namespace, chosen.lease, chosen.identity,
                                  chosen.timing)
     leader = leadership.Leadership(elector)
-    leader.acquire()
+    health = _WaitingHealth(liveness)
+    try:
+        leader.acquire()
+    finally:
+        health.close()  # Kopf binds the same address next
     return leader
 
 
@@ -134,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     args, env = kopf_run_args(argv)
     os.environ.update(env)
     chosen = election(argv)
-    leader = _lead(chosen) if chosen else None
+    leader = _lead(chosen, _parser().parse_known_args(argv)[0].liveness) if chosen else None
     from kopf.cli import main as kopf_cli
 
     try:

@@ -478,6 +478,30 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, monkey
                           subresource="status")
             ns.wait_for("the certificate issued again", lambda: ns.pair("rbac")["status"].get("engineTLS"), timeout=60)
         assert runner.exception is None
+    if not any(e["verb"] == "create" and e["objectRef"].get("resource") == "leases"
+               for e in devcluster.audit_events(user)):
+        # Leader election (the chart's default, outside Kopf): a candidate creates the Lease, then
+        # hands it back on shutdown (a read and a patch).
+        import asyncio
+
+        import kopf
+
+        from specpair_operator import leadership
+        from specpair_operator.kube import Kube
+        try:
+            devcluster.kube.delete("coordination.k8s.io/v1", "leases", OPERATOR_NAMESPACE, OPERATOR_ACCOUNT)
+        except ApiError:
+            pass
+
+        async def elect() -> None:
+            kube = Kube.from_connection_info(kopf.login_with_kubeconfig(settings=kopf.OperatorSettings()))
+            elector = leadership.Elector(kube, OPERATOR_NAMESPACE, OPERATOR_ACCOUNT, "audit", leadership.Timing())
+            try:
+                assert (await elector.try_once()).action == leadership.CREATE
+                await elector.release()
+            finally:
+                await kube.close()
+        asyncio.run(elect())
     events = devcluster.audit_events(user)
     # 403 also answers a create in a namespace being deleted (admission, not RBAC): earlier tests'
     # namespaces terminate while later operators still see their pairs.

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -26,6 +27,7 @@ import kopf
 import pytest
 from mlflow import MlflowClient
 
+from conftest import free_port
 from cluster_env import HERE, OPERATOR_NAMESPACE, RELEASE, wait_until
 from specpair_operator import leadership
 from specpair_operator.__main__ import election
@@ -156,14 +158,14 @@ class Operators:
         self.tmp = tmp
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, identity: str, failpoint: str) -> subprocess.Popen:
+    def start(self, identity: str, failpoint: str, liveness: str = "") -> subprocess.Popen:
         env = {**os.environ, "SPECPAIR_FAILPOINT": failpoint, "SPECPAIR_FAILPOINT_LOG": str(self.log),
                "SPECPAIR_RECONCILE_INTERVAL": "1", "SPECPAIR_METRICS_PORT": "0",
                "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
         proc = subprocess.Popen(
             [sys.executable, "-m", "specpair_operator", "--leader-election", f"--leader-election-lease={LEASE}",
              f"--leader-election-id={identity}", "--lease-duration=4", "--renew-deadline=3", "--retry-period=0.5",
-             "--liveness=", "--module=failpoints"],
+             f"--liveness={liveness}", "--module=failpoints"],
             env=env, stdout=open(self.tmp / f"{identity}.log", "ab"), stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc
@@ -204,8 +206,12 @@ def test_two_operators_the_leader_killed_mid_promotion_one_version_one_record_ea
         # aliases move. B runs beside it all along.
         a = ops.start("op-a", "crash-after:mlflow.set_model_version_tag specpair.promoted_at")
         wait_until("op-a to hold the Lease", lambda: holder(fresh_lease) == "op-a", timeout=60)
-        b = ops.start("op-b", "log")
+        health = f"http://127.0.0.1:{free_port()}/healthz"
+        b = ops.start("op-b", "log", liveness=health)
         wait_until("op-b to wait for the Lease", lambda: "not leading: held by op-a" in ops.output("op-b"), timeout=60)
+        # Waiting, it is alive for its liveness probe (Kopf serves the endpoint once it leads).
+        with urllib.request.urlopen(health, timeout=5) as answer:
+            assert answer.status == 200 and json.load(answer) == {"leading": False}
         ns.create(pair(name, "good-draft"))
         wait_until("op-a killed mid-promotion", lambda: a.poll() is not None, timeout=180,
                    show=lambda: {"pair": ns.pair(name).get("status"), "writes": ops.writes()[-5:]})
@@ -214,6 +220,8 @@ def test_two_operators_the_leader_killed_mid_promotion_one_version_one_record_ea
         obj = ns.wait_for("v1 serving, promoted by op-b", lambda: serving(ns, name, "1"), timeout=180)
         assert holder(fresh_lease) == "op-b"
         assert int(fresh_lease()["spec"]["leaseTransitions"]) == 1
+        with urllib.request.urlopen(health, timeout=5) as answer:  # Kopf's own, on the same address
+            assert answer.status == 200 and json.load(answer) != {"leading": False}
     finally:
         ops.stop()
 

@@ -163,6 +163,7 @@ BAD_VALUES = [
     ({"mlflow": {"trackingUri": "http://m:5000", "credentialsSecret": {"name": "Not_A_Name"}}},
      "/mlflow/credentialsSecret/name"),
     ({"watchNamespaces": ["team-a", "*"]}, "/watchNamespaces/1"),
+    ({"watchNamespaces": ["team-a", "kube-system"]}, "/watchNamespaces/1"),
     ({"image": {"repository": "r", "digest": "latest"}}, "/image/digest"),
     ({"image": {"repository": "r", "pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     ({"resources": {"limits": {"memory": "lots"}}}, "/resources/limits/memory"),
