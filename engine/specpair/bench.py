@@ -40,7 +40,7 @@ import torch
 
 from specpair.config import GenerationParams
 from specpair.contract import DEFAULT_CATEGORY
-from specpair.decoding import SpeculativeEngine, StepTiming, _sync
+from specpair.decoding import SpeculativeEngine, StepTiming, _sync, kv_bytes_per_token
 from specpair.drafters import EagleDrafter, LookupFirstDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
@@ -165,19 +165,13 @@ def step_bytes(model, context: int) -> int:
     (a step reads one row of it; a tied LM head reads it whole, counted once as the LM head's), and
     the keys and values of `context` cached tokens. A drafting head has no table of its own."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    element = next(model.parameters()).element_size()
     if not getattr(model, "is_drafting_head", False):
         embedding = model.get_input_embeddings().weight
         head = model.get_output_embeddings()
         tied = head is not None and head.weight.data_ptr() == embedding.data_ptr()
         if not tied:
             weights -= embedding.numel() * embedding.element_size()
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * context * element
-    return int(weights + kv)
+    return int(weights + kv_bytes_per_token(model) * context)
 
 
 def step_figures(seconds: float, nbytes: int, bandwidth: float) -> dict:

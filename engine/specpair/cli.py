@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from specpair.config import NGRAM_MAX, NGRAM_MIN, SpeculationConfig
+from specpair.config import KV_BUDGET_CUDA_FREE_FRACTION, NGRAM_MAX, NGRAM_MIN, SpeculationConfig
 from specpair.errors import SpecpairError
 
 
@@ -56,6 +56,11 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", choices=["off", "on"], default=None,
                    help="compile the static step with torch.compile (warmed at start). "
                         "Default: SPECPAIR_COMPILE, else off")
+    p.add_argument("--kv-budget", default=None,
+                   help="keys and values the engine may hold: target tokens (4096) or bytes with a "
+                        "unit (512MiB); past it, rows stop drafting, newest first. Default: "
+                        f"SPECPAIR_KV_BUDGET, else on CUDA {KV_BUDGET_CUDA_FREE_FRACTION:g} of the memory "
+                        "free at start, else none")
 
 
 def build_engine(args, *, speculate: bool = True):
@@ -85,7 +90,8 @@ def build_engine(args, *, speculate: bool = True):
     spec = SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k, enabled=speculate,
                              tree_width=args.tree_width, lookup_min_match=args.lookup_min_match)
     engine = SpeculativeEngine(target, drafter=drafter, draft=draft, speculation=spec,
-                               on_mismatch=args.on_mismatch, kv=args.kv, compile=args.compile)
+                               on_mismatch=args.on_mismatch, kv=args.kv, compile=args.compile,
+                               kv_budget=args.kv_budget)
     for warning in engine.warnings:
         _progress(f"warning: {warning}")
     costs = engine.apply_k_policy(args.k_policy)

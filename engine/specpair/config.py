@@ -13,6 +13,41 @@ NGRAM_MAX = 3
 NGRAM_MIN = 1
 
 
+# The KV budget: the keys and values the engine may hold, rows' own and speculation's. Set by
+# SpeculativeEngine(kv_budget=...), else SPECPAIR_KV_BUDGET: a count of the target's tokens
+# ("4096") or bytes with a unit ("512MiB", "2GB"). Unset: on CUDA this share of the device
+# memory free at start-up, on a CPU no budget.
+KV_BUDGET_ENV = "SPECPAIR_KV_BUDGET"
+KV_BUDGET_CUDA_FREE_FRACTION = 0.9
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_kv_budget(value: str | int) -> tuple[int, str]:
+    """(amount, "tokens" | "bytes") from a KV budget setting: a plain integer counts the
+    target's tokens, a number with a byte unit (B, KB, MB, GB, KiB, MiB, GiB) counts bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        amount, unit = value, "tokens"
+    else:
+        text = str(value).strip().lower().replace(" ", "")
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        suffix = text[len(digits):]
+        if suffix in ("", "tokens", "token"):
+            unit, scale = "tokens", 1
+        elif suffix in _BYTE_UNITS:
+            unit, scale = "bytes", _BYTE_UNITS[suffix]
+        else:
+            raise SpecpairError(f"KV budget {value!r}: a token count (4096) or bytes with a unit "
+                                f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        try:
+            amount = int(float(digits) * scale)
+        except ValueError:
+            raise SpecpairError(f"KV budget {value!r}: not a number") from None
+    if amount <= 0:
+        raise SpecpairError(f"KV budget must be > 0, got {value!r}")
+    return amount, unit
+
+
 MAX_TREE_WIDTH = 4   # candidates per position: 1 + k * width tokens a verification, and the CPU
                      # layer takes 16 tokens a call (k=3 at width 4 fits)
 

@@ -9,12 +9,15 @@ runs a batch to completion for the CLI, the bench and the gate.
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from specpair.config import GenerationParams, SpeculationConfig
+from specpair.config import (KV_BUDGET_CUDA_FREE_FRACTION, KV_BUDGET_ENV, GenerationParams,
+                             SpeculationConfig, parse_kv_budget)
 from specpair.detokenize import IncrementalDetokenizer
 from specpair.drafters import (Drafter, EagleDrafter, HeadDrafter, LookupFirstDrafter, MedusaDrafter,
                                ModelDrafter, NgramDrafter, RowSampling)
@@ -25,6 +28,8 @@ from specpair.rejection_sampler import (greedy_verify, process_logits, rejection
                                         verify_tree)
 from specpair.stats import AcceptanceStats, AcceptanceWindow
 from specpair.tokenizer_identity import compare, fingerprint
+
+log = logging.getLogger("specpair.engine")
 
 
 @dataclass
@@ -169,6 +174,8 @@ class Sequence:
     finished: bool = False
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None   # the text not yet streamed
+    memory: tuple[int, int] = (0, 0)    # KV bytes: its own, speculation's (engine.row_memory)
+    memory_target_only: bool = False    # not drafting until the KV budget has room for it
     # Streamed pieces, joined once at the end: appending to one string copies it every step.
     pieces: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
@@ -219,6 +226,24 @@ def stop_prefix_length(text: str, stops) -> int:
     return longest
 
 
+def kv_bytes_per_token(model) -> int:
+    """Bytes of keys and values one token takes in a model's cache, every layer."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    element = next(model.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * element
+
+
+def drafter_cache_model(drafter: Drafter | None):
+    """The model whose cache a drafter keeps per row (a draft model's, an EAGLE head's), or None
+    (n-gram lookup, Medusa: nothing cached)."""
+    if isinstance(drafter, LookupFirstDrafter):
+        drafter = drafter.head
+    return getattr(getattr(drafter, "kv", None), "model", None)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -250,14 +275,17 @@ class SpeculativeEngine:
     def __init__(self, target, drafter: Drafter | None = None, draft=None,
                  speculation: SpeculationConfig | None = None, *,
                  on_mismatch: str = "error", check_tokenizers: bool = True,
-                 kv: str | None = None, compile: str | None = None):
+                 kv: str | None = None, compile: str | None = None,
+                 kv_budget: str | int | None = None):
         """target/draft: LoadedModel. drafter: a Drafter; built from `draft` when not given.
 
         on_mismatch: "error" refuses an incompatible draft; "target-only" serves without
         speculation and says so in `self.warnings`. kv: "static" (preallocated, written in place;
         where the model is supported) or "dynamic" (the hole-masking cache); compile: "on" compiles
         the static step with torch.compile and warms it here. Defaults: SPECPAIR_KV,
-        SPECPAIR_COMPILE (static_cache.py).
+        SPECPAIR_COMPILE (static_cache.py). kv_budget: the keys and values the engine may hold
+        (config.parse_kv_budget; default SPECPAIR_KV_BUDGET, else on CUDA a share of the memory
+        free now, else none): past it, rows stop drafting (Batch.add).
         """
         self.kv_kind = resolve_kv_kind(kv)
         self.compile_mode = resolve_compile(compile)
@@ -313,8 +341,42 @@ class SpeculativeEngine:
         self.eos_ids = ids
         self._ids = itertools.count()
         self.cost_model: CostModel | None = None   # set by calibrate(); enables cost-aware k
+        self._target_kv = kv_bytes_per_token(target.model)
+        cache_model = drafter_cache_model(drafter)
+        self._draft_kv = kv_bytes_per_token(cache_model) if cache_model is not None else 0
+        self.kv_budget = self.resolve_kv_budget(kv_budget)    # bytes; None: no budget
+        self.memory_fallbacks = 0     # rows that stopped drafting to fit the budget, ever
+        if self.kv_budget is not None:
+            log.info("KV budget %d bytes (%d target tokens)", self.kv_budget,
+                     self.kv_budget // self._target_kv)
         if self.compile_mode == "on":
             self.warm_up()
+
+    def resolve_kv_budget(self, setting: str | int | None) -> int | None:
+        """The KV budget in bytes: the setting (tokens count the target's), else
+        SPECPAIR_KV_BUDGET, else on CUDA a share of the device memory free now, else None."""
+        if setting is None:
+            setting = os.environ.get(KV_BUDGET_ENV) or None
+        if setting is not None:
+            amount, unit = parse_kv_budget(setting)
+            return amount * self._target_kv if unit == "tokens" else amount
+        if self.target.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.target.device)
+            return int(free * KV_BUDGET_CUDA_FREE_FRACTION)
+        return None
+
+    def row_memory(self, prompt_tokens: int, params: GenerationParams) -> tuple[int, int]:
+        """(bytes of a request's own keys and values, bytes speculation adds for it): its prompt
+        and reply in the target's cache; k drafted positions past them (each with its tree's
+        siblings) and, where the drafter keeps one, its cache of the same tokens. Counted as a
+        paged cache holds them, each row its own; a preallocated cache sizes every row as the
+        longest (static_cache.py)."""
+        tokens = prompt_tokens + params.max_new_tokens
+        k = self.config.k_max if params.speculation_k is None else params.speculation_k
+        if self.drafter is None or not self.config.enabled or k == 0:
+            return tokens * self._target_kv, 0
+        width = self.config.tree_width if self.drafter.tree_capable else 1
+        return tokens * self._target_kv, k * width * self._target_kv + (tokens + k) * self._draft_kv
 
     def kv_model(self, model, token_bucket: int | None = None):
         """A fresh cache for one of this engine's models, of the engine's kind."""
@@ -460,12 +522,56 @@ class Batch:
                        copy_k=DynamicK(self.engine.config) if self.copies else None,
                        tokens=list(prompt_ids),
                        detokenizer=IncrementalDetokenizer(self.engine.target.tokenizer,
-                                                          self.engine.eos_ids, len(prompt_ids)))
+                                                          self.engine.eos_ids, len(prompt_ids)),
+                       memory=self.engine.row_memory(len(prompt_ids), params))
         self.rows.append(seq)
         self.target.add_rows(1)
         if self.drafter is not None:
             self.drafter.add_rows(1)
+        self._fit_kv_budget(seq)
         return seq
+
+    # -- the KV budget -------------------------------------------------------------------------
+
+    def kv_in_use(self) -> int:
+        """KV bytes the rows hold: their own, and speculation's for the rows that draft."""
+        return sum(s.memory[0] + (s.memory[1] if self.speculate and not s.memory_target_only else 0)
+                   for s in self.rows)
+
+    def _fit_kv_budget(self, newcomer: Sequence) -> None:
+        """Speculation's memory goes first: past the budget the newcomer is admitted
+        target-only, then the newest rows that still draft stop drafting, until the rows fit.
+        A request is never refused for memory here: queueing is the server's admission's."""
+        budget = self.engine.kv_budget
+        if budget is None or self.kv_in_use() <= budget:
+            return
+        for seq in [newcomer] + [s for s in reversed(self.rows) if s is not newcomer]:
+            if seq.memory_target_only or not seq.memory[1]:
+                continue
+            seq.memory_target_only = True
+            self.engine.memory_fallbacks += 1
+            log.warning("KV budget: %s %s target-only (%d of %d bytes in use; its drafts "
+                        "would take %d more)", seq.request_id,
+                        "admitted" if seq is newcomer else "continues", self.kv_in_use(), budget,
+                        seq.memory[1])
+            if self.kv_in_use() <= budget:
+                return
+        log.warning("KV budget: %d bytes in use without any drafting, past the budget of %d",
+                    self.kv_in_use(), budget)
+
+    def _resume_drafting(self) -> None:
+        """Rows that stopped drafting for memory draft again, oldest first, once it is there."""
+        budget = self.engine.kv_budget
+        waiting = [s for s in self.rows if s.memory_target_only]
+        if budget is None or not waiting:
+            return
+        used = self.kv_in_use()
+        for seq in waiting:
+            if used + seq.memory[1] <= budget:
+                seq.memory_target_only = False
+                used += seq.memory[1]
+                log.info("KV budget: %s drafts again (%d of %d bytes in use)", seq.request_id,
+                         used, budget)
 
     def cancel(self, request_id: str) -> None:
         for seq in self.rows:
@@ -488,7 +594,7 @@ class Batch:
             if seq.params.speculation_k is not None:
                 k = seq.params.speculation_k
             remaining = seq.params.max_new_tokens - seq.num_generated - 1
-            ks.append(max(0, min(k, remaining)) if on else 0)
+            ks.append(max(0, min(k, remaining)) if on and not seq.memory_target_only else 0)
         return ks
 
     def step(self) -> list[StepOutput]:
@@ -496,6 +602,7 @@ class Batch:
         if not self.rows:
             return []
         started = time.perf_counter()
+        self._resume_drafting()
         eng = self.engine
         B = self.active
         sampling = RowSampling(

@@ -6,8 +6,10 @@ which the text is settled (final, and ending on a whole character), and `prefix_
 the decode window starts. A step decodes only the window twice, without and with the tokens after
 `read_offset`; the difference is the new text. The window starts a step's worth of tokens before
 the read offset so that tokenizers whose text depends on the token before (a SentencePiece word
-start) see it. Text ending in "\ufffd" (half a UTF-8 character, e.g. byte-fallback tokens) does
-not settle: the offsets stay, and the next step decodes those bytes again with what followed.
+start) see it. Text ending in "\ufffd" (half a UTF-8 character) settles up to the step's last
+token before that character, and the next step decodes the character's bytes again with what
+followed; a byte-fallback decoder (SentencePiece's <0xNN> tokens) shows a run of byte tokens as
+"\ufffd"s until the run ends on a whole character, so such a run settles whole.
 
 The decoded text is that of the generated tokens alone, special tokens skipped and a closing EOS
 left out, as a decode of the whole reply gives it. Only the text not yet streamed is kept here;
@@ -24,8 +26,8 @@ class IncrementalDetokenizer:
     """One sequence's text after its streamed part, decoded from a bounded window of tokens.
 
     `unstreamed(tokens, count)` is the text of the reply's first `count` generated tokens that
-    follows what was streamed so far; `streamed(chars, count)` records that `chars` more of it
-    were streamed after a step that ended with `count` generated tokens.
+    follows what was streamed so far; `streamed(tokens, count, chars)` records that `chars` more
+    of it were streamed after a step that ended with `count` generated tokens.
     """
 
     def __init__(self, tokenizer, eos_ids, start: int):

@@ -185,9 +185,10 @@ class ModelDrafter(Drafter):
             return Proposal(tokens=tokens, num=num, probs=None)
         probs_steps = []
         # First step feeds what the draft has not seen yet (the last round's bonus token, or a
-        # whole prompt for a new row); rows not drafting this step still catch up, so they don't
-        # fall far behind.
-        feed = [seq[self.kv.lengths[i]:] for i, seq in enumerate(sequences)]
+        # whole prompt for a new row). A row not drafting this round is not fed: a row kept
+        # target-only for memory (Batch._fit_kv_budget) holds no draft cache, and catches up in
+        # one pass when it drafts again.
+        feed = [seq[self.kv.lengths[i]:] if ks[i] else [] for i, seq in enumerate(sequences)]
         for j in range(K):
             logits = self.kv.extend(feed, last=1)[:, -1]                      # [B, V]
             chosen, q = choose_draft_tokens(logits, j, ks, sampling)

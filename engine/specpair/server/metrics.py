@@ -54,6 +54,10 @@ class EngineMetrics:
                                          "1 while speculation is allowed and not in fallback.", base, registry=r)
         self.fallback_events = Counter("specpair_fallback_events",
                                        "Times windowed acceptance fell below the threshold.", base, registry=r)
+        self.memory_fallback = Counter("specpair_memory_fallback",
+                                       "Rows that stopped drafting (or were admitted target-only) "
+                                       "to fit the KV budget.", base, registry=r)
+        self._memory_fallbacks_seen = 0
         self.requests = Counter("specpair_requests", "Finished requests by status.", req + ["status"], registry=r)
         self.time_to_first_token = Histogram("specpair_time_to_first_token_seconds",
                                              "Arrival to first streamed token.", req, buckets=LATENCY_BUCKETS,
@@ -74,6 +78,7 @@ class EngineMetrics:
                                       "Control calls refused for want of an allowed client certificate.",
                                       base + ["method"], registry=r)
         self.speculation_enabled.labels(pair, version).set(0)
+        self.memory_fallback.labels(pair, version)      # 0 from the start, not a gap
         self.control_denied.labels(pair, version, "SetSpeculation")     # 0 from the start, not a gap
         self.speculation_k.labels(pair, version).set(0)
 
@@ -118,6 +123,13 @@ class EngineMetrics:
             self.e2e_request_latency.labels(*labels).observe(e2e)
         if tpot is not None:
             self.time_per_output_token.labels(*labels).observe(tpot)
+
+    def record_memory_fallbacks(self, total: int) -> None:
+        """Catch the counter up with the engine's running total (engine.memory_fallbacks)."""
+        with self._lock:
+            delta, self._memory_fallbacks_seen = total - self._memory_fallbacks_seen, total
+        if delta > 0:
+            self.memory_fallback.labels(self.pair, self.version).inc(delta)
 
     def record_control_denied(self, method: str) -> None:
         self.control_denied.labels(self.pair, self.version, method).inc()
