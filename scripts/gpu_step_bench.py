@@ -154,7 +154,9 @@ def hf_static(model, device, context: int, repeats: int, compiled: bool) -> dict
     """Hugging Face's StaticCache one-token step, compiled as gpt-fast compiles (reduce-overhead)."""
     from transformers import StaticCache
 
-    cache = StaticCache(config=model.config, max_cache_len=context + 64)
+    # Room for every timed call: newer transformers advance the cache's own length each call
+    # whatever cache_position says, older ones write at cache_position.
+    cache = StaticCache(config=model.config, max_cache_len=context + repeats + 16)
     ids = torch.tensor([[(7 * i) % 500 + 3 for i in range(context)]], device=device)
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True,
@@ -167,7 +169,6 @@ def hf_static(model, device, context: int, repeats: int, compiled: bool) -> dict
 
     @torch.no_grad()
     def step():
-        # The same position each call: the cache slot is overwritten, the shapes never change.
         forward(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position,
                 position_ids=position.view(1, 1))
     started = time.perf_counter()

@@ -662,10 +662,10 @@ class StaticKVModel:
                 for i in narrow:
                     h[i, :counts[i]] = rows[i]
                 h = r.fixed_layers(h, positions, slots, self.caches)
-            else:
-                ids = torch.zeros(R, W, dtype=torch.long)
-                for i in narrow:
-                    ids[i, :counts[i]] = torch.tensor(rows[i], dtype=torch.long)
+            else:   # one host tensor for the step's ids: a step's host work stays small
+                pad = [0] * W
+                ids = torch.tensor([list(rows[i]) + pad[counts[i]:] if fed[i] else pad
+                                    for i in range(B)] + [pad] * (R - B), dtype=torch.long)
                 step = r.compiled_fixed_step() if self.compiled else r.fixed_step
                 h = step(ids.to(self.device), positions, slots, self.caches)
             out, states = self._place(out, states, h, narrow, narrow, counts, n_last, width,
@@ -738,13 +738,16 @@ class StaticKVModel:
                 out[i, :counts[i]] = normed[a, :counts[i]]
             return out, None
         index = torch.tensor(at, dtype=torch.long, device=self.device).view(-1, 1)
-        gather = torch.stack([(torch.arange(n_last) + (counts[i] - n_last)).clamp(min=0)
-                              for i in which]).to(self.device)
+        gather = torch.tensor([[max(0, counts[i] - n_last + t) for t in range(n_last)]
+                               for i in which], dtype=torch.long, device=self.device)
         part = (logits[index, gather] if logits is not None
                 else F.linear(normed[index, gather], self.model.lm_head.weight))
-        if out is None:
-            out = part.new_zeros(B, n_last, part.shape[-1])
-        out[torch.tensor(which, device=self.device)] = part
+        if out is None and len(which) == B:      # every row from this forward, in order
+            out = part
+        else:
+            if out is None:
+                out = part.new_zeros(B, n_last, part.shape[-1])
+            out[torch.tensor(which, device=self.device)] = part
         if hidden:
             if states is None:
                 states = normed.new_zeros(B, width, normed.shape[-1])
