@@ -19,10 +19,20 @@ from specpair.static_cache import StaticKVModel, bucket
 W = 8     # the token bucket of k = 4 (5 tokens a verification) and of a 7-token tree
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.fixture(scope="module", params=[(torch.float32, 4), (torch.bfloat16, 4), (torch.bfloat16, 2)],
+                ids=["fp32", "bf16", "bf16-gqa"])
 def model(request, tiny_tokenizer):
+    """Tiny Llamas; bf16-gqa has 2 key/value heads for 4 query heads (as SmolLM2's 3 for 9)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from tiny_models import make_model
-    return make_model(tiny_tokenizer, seed=4, dtype=request.param).model.eval()
+    dtype, kv_heads = request.param
+    model = make_model(tiny_tokenizer, seed=4, dtype=dtype).model.eval()
+    if kv_heads != model.config.num_attention_heads:
+        config = LlamaConfig(**{**model.config.to_dict(), "num_key_value_heads": kv_heads})
+        torch.manual_seed(4)
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    return model
 
 
 def test_buckets_are_powers_of_two_from_a_floor():
