@@ -237,6 +237,7 @@ def test_the_gpu_step_bench_runs_on_the_cpu(tmp_path):
     assert set(tiny["specpair"]["step_ms"]) == {"1", "2", "4"}      # k+1 for k <= 2, bucketed
     assert set(tiny["specpair"]["verify_over_step"]) == {"0", "1", "2"}
     assert min(tiny["specpair"]["launches"].values()) > 0 and tiny["hf_static"]["step_ms"] > 0
+    assert all(tiny["specpair"]["host_ms"][w] <= tiny["specpair"]["step_ms"][w] for w in ("1", "2"))
     assert tiny["bandwidth_limit_ms"] > 0
 
 
