@@ -111,10 +111,11 @@ def _micro_time() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def default_identity() -> str:
-    """Pod name plus a random part, so a restarted container is a new candidate that waits for
-    its predecessor's Lease to expire instead of renewing it."""
-    return f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+def default_identity(env: dict[str, str] | None = None) -> str:
+    """The pod's name (POD_NAME, else the host's) plus a random part, so a restarted container is
+    a new candidate that waits for its predecessor's Lease to expire instead of renewing it."""
+    env = dict(os.environ) if env is None else env
+    return f"{env.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
 
 
 class Elector:

@@ -28,7 +28,8 @@ import pytest
 from mlflow import MlflowClient
 
 from conftest import free_port
-from cluster_env import HERE, OPERATOR_NAMESPACE, RELEASE, wait_until
+from cluster_env import CHART as CHART_DIR
+from cluster_env import HERE, OPERATOR_NAMESPACE, RELEASE, helm, wait_until
 from specpair_operator import leadership
 from specpair_operator.__main__ import election
 from specpair_operator.kube import Kube
@@ -261,3 +262,45 @@ def test_a_leader_whose_lease_is_taken_stops_at_once(operator_env, devcluster, f
         assert "leadership lost: Lease" in ops.output("op-a") and "intruder" in ops.output("op-a")
     finally:
         ops.stop()
+
+
+def test_the_chart_runs_two_replicas_one_acts_and_a_deleted_leader_hands_over(env, devcluster, mlflow_server):
+    """The chart's own Deployment with two replicas, its pods run by the devcluster node: both
+    Ready, one holds the Lease; deleting the leader's pod hands the Lease to the other, which
+    takes the pair's next release to Serving. Each action is recorded once."""
+    ns = env
+    release, namespace = "specpair-ha", "specpair-ha"
+    values = {"replicaCount": 2, "mlflow": {"trackingUri": mlflow_server.url}, "watchNamespaces": [ns.name],
+              "leaderElection": {"leaseDurationSeconds": 6, "renewDeadlineSeconds": 4, "retryPeriodSeconds": 1},
+              "operator": {"metricsPort": 0, "extraEnv": [{"name": "SPECPAIR_RECONCILE_INTERVAL", "value": "1"}]}}
+    kube = devcluster.kube
+
+    def lease_holder() -> str:
+        obj = kube.get("coordination.k8s.io/v1", "leases", namespace, release) or {}
+        return (obj.get("spec") or {}).get("holderIdentity") or ""
+
+    def pods() -> list[dict[str, Any]]:
+        return [p for p in kube.list("v1", "Pod", namespace, labels=f"app.kubernetes.io/instance={release}")
+                if not p["metadata"].get("deletionTimestamp")]
+    try:
+        # --wait: both pods Ready, the one waiting for the Lease included (its liveness endpoint).
+        helm("upgrade", "--install", release, str(CHART_DIR), "--namespace", namespace, "--create-namespace",
+             "--wait", "--timeout", "180s", "--values", "-", kubeconfig=devcluster.kubeconfig, input=json.dumps(values))
+        first = wait_until("one replica to lead", lambda: lease_holder(), timeout=60)
+        assert len(pods()) == 2 and first.split("_")[0] in {p["metadata"]["name"] for p in pods()}, first
+        name = f"ha-{uuid.uuid4().hex[:5]}"
+        ns.create(pair(name, "good-draft"))
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=180)
+
+        leader_pod = first.split("_")[0]
+        kube.delete("v1", "Pod", namespace, leader_pod)
+        second = wait_until("the other replica to lead", lambda: (h := lease_holder()) and h != first and h, timeout=60)
+        assert second.split("_")[0] != leader_pod
+        ns.patch("specpair.io/v1alpha1", "SpecModelPair", name, {"spec": {"draft": {"source": "faster-draft"}}})
+        obj = ns.wait_for("v2 serving, by the new leader", lambda: serving(ns, name, "2"), timeout=180)
+    finally:
+        helm("uninstall", release, "--namespace", namespace, kubeconfig=devcluster.kubeconfig)
+    counts = Counter((h["action"], str(h["toVersion"])) for h in obj["status"]["history"])
+    for action in ("GateStarted", "GatePassed", "Promoted", "RolloutStarted"):
+        assert counts[(action, "1")] == 1 and counts[(action, "2")] == 1, counts
+    assert len(ns.events("Promoted")) == 2
