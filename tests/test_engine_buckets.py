@@ -275,3 +275,21 @@ def test_a_compiled_engine_warms_every_bucket_and_then_compiles_nothing(tiny_tok
         got = compiled.generate(PROMPTS[:2], params)
     assert [r.token_ids for r in got] == [r.token_ids for r in eager.generate(PROMPTS[:2], params)]
     assert sum(r.stats.num_draft_tokens for r in got) > 0
+
+
+def test_a_heads_vector_steps_through_the_fixed_step_match_the_general_step(tiny_target):
+    """extend_vectors (a drafting head's inputs) on the fixed step: prompts run apart, one-vector
+    steps at the bucket, rows feeding nothing; the same outputs as the C layer's, to rounding."""
+    gen = torch.Generator().manual_seed(2)
+    dim = tiny_target.model.config.hidden_size
+    fixed = StaticKVModel(tiny_target.model, fixed=True)
+    general = StaticKVModel(tiny_target.model, fixed=False)
+    for kv in (fixed, general):
+        kv.add_rows(2)
+    for counts in ([5, 0], [1, 1], [3, 1], [0, 2]):
+        rows = [torch.randn(n, dim, generator=gen) for n in counts]
+        a, b = fixed.extend_vectors(rows), general.extend_vectors(rows)
+        assert a.shape == b.shape == (2, max(counts), dim)
+        for i, n in enumerate(counts):
+            torch.testing.assert_close(a[i, :n], b[i, :n], rtol=1e-4, atol=1e-4)
+        assert fixed.lengths == general.lengths
