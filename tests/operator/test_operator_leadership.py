@@ -71,6 +71,18 @@ def test_fence(renewed_at, now, open_):
     assert Fence(10.0, renewed_at).open(now) is open_
 
 
+def test_a_process_acts_only_within_its_fence(monkeypatch):
+    """What handlers.reconcile asks before every pass, Kopf's and the periodic loop's alike."""
+    assert leadership.acting()  # no election in this process (Kopf run directly): it acts
+    elector = leadership.Elector(None, "ns", "lease", "me", Timing())  # type: ignore[arg-type]  (no I/O here)
+    monkeypatch.setattr(leadership, "_ELECTOR", elector)
+    assert not leadership.acting()  # elected, never renewed
+    elector.fence.renewed_at = time.monotonic()
+    assert leadership.acting()
+    elector.fence.renewed_at = time.monotonic() - elector.timing.renew_deadline_s
+    assert not leadership.acting()
+
+
 @pytest.mark.parametrize("timing", [(15, 15, 2), (15, 10, 10), (15, 10, 0), (10, 15, 2)])
 def test_timing_refuses_a_leader_that_could_act_after_a_takeover(timing):
     with pytest.raises(ValueError, match="retry period .* < renew deadline .* < lease duration"):
