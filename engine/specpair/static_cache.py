@@ -30,8 +30,9 @@ the device from the positions. One shape means one algorithm for every matrix pr
 token's logits in a verification equal, bitwise, its logits in a one-token step at the same
 bucket; attention takes each token's own key apart from the cache's (`_attend`), so a tree's
 sibling, written far from its position, sums its keys in the same order as a chain token there.
-The step compiles (`fullgraph=True`; CUDA graphs on CUDA) to one graph per (rows, tokens,
-capacity) bucket, which `StaticKVModel.warm_up` builds ahead of the first request.
+The step compiles (`fullgraph=True`) once per token bucket, rows and capacity symbolic
+(`_mark_sizes`), and on CUDA records a CUDA graph per (rows, capacity) bucket: what
+`StaticKVModel.warm_up` does ahead of the first request.
 """
 
 from __future__ import annotations
@@ -158,6 +159,18 @@ def _layer_step(h, cos, sin, mask, rows, positions, kc, vc, wq, wk, wv, wo, wg, 
     x = _rms_norm(h, n2, eps)
     gate, up = cpu_kernels.linears(x, wg, wu)
     return h + cpu_kernels.linear(F.silu(gate) * up, wd)
+
+
+def _mark_sizes(rows: int, tensors) -> None:
+    """Compile the fixed step over symbolic capacity (dimension 2 of each cache tensor) and rows
+    (dimension 0 of every input; above one row only, as dynamo specialises a size of 1): one
+    compile then serves every bucket, and CUDA graphs record one graph per bucket's concrete
+    shape (cheap) instead of inductor compiling each (minutes for 28 buckets)."""
+    for t in tensors:
+        if t.dim() == 4:
+            torch._dynamo.maybe_mark_dynamic(t, 2)
+        if rows > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def _attend(q, k_own, v_own, keys, values, positions):
@@ -342,14 +355,11 @@ class StaticLlama:
         if self._compiled_fixed is None:
             import torch._dynamo
 
-            # One graph per (rows, tokens, capacity) bucket and model: more than dynamo's default
-            # of 8 per function, all of them wanted.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-            torch._dynamo.config.accumulated_recompile_limit = max(
-                torch._dynamo.config.accumulated_recompile_limit, 4096)
-            # dynamic=False: one static graph per bucket (what CUDA graphs capture), never the
-            # symbolic sizes dynamo would otherwise switch to on the second bucket it sees.
-            self._compiled_fixed = torch.compile(self.fixed_step, fullgraph=True, dynamic=False,
+            # A few graphs per model and token bucket (one row, several rows: _mark_sizes), each
+            # model one more entry: past dynamo's default of 8 per function in a server with a
+            # target, a draft and a head.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._compiled_fixed = torch.compile(self.fixed_step, fullgraph=True,
                                                  **compile_options(self.device))
         return self._compiled_fixed
 
@@ -511,7 +521,7 @@ class StaticKVModel:
                 torch.zeros(shape, dtype=r.dtype, device=self.device)) for _ in range(r.layer_count)]
         if self.fixed and self.compiled:
             # Written in place inside a CUDA graph: the graph keeps these addresses (no guard on
-            # identity: a new cache of a warmed shape is re-recorded, never recompiled).
+            # identity: a new cache of a warmed bucket is re-recorded, never recompiled).
             for pair in new:
                 for t in pair:
                     torch._dynamo.mark_static_address(t)
@@ -666,8 +676,13 @@ class StaticKVModel:
                 pad = [0] * W
                 ids = torch.tensor([list(rows[i]) + pad[counts[i]:] if fed[i] else pad
                                     for i in range(B)] + [pad] * (R - B), dtype=torch.long)
-                step = r.compiled_fixed_step() if self.compiled else r.fixed_step
-                h = step(ids.to(self.device), positions, slots, self.caches)
+                ids = ids.to(self.device)
+                step = r.fixed_step
+                if self.compiled:
+                    step = r.compiled_fixed_step()
+                    _mark_sizes(R, [ids, positions, slots]
+                                + [t for pair in self.caches for t in pair])
+                h = step(ids, positions, slots, self.caches)
             out, states = self._place(out, states, h, narrow, narrow, counts, n_last, width,
                                       vectors, hidden)
         if vectors:
@@ -706,12 +721,14 @@ class StaticKVModel:
                 torch._dynamo.mark_static_address(t)
             slots = torch.arange(W, device=self.device).view(1, W).expand(rows, W).contiguous()
             ids = torch.zeros(rows, W, dtype=torch.long, device=self.device)
+            positions = slots.clone()                      # two tensors, as in extend()
+            _mark_sizes(rows, [ids, positions, slots] + [t for pair in caches for t in pair])
             for _ in range(3 if cuda and self.compiled else 1):   # CUDA graphs record on the 3rd
-                step(ids, slots.clone(), slots, caches)    # two tensors, as in extend()
+                step(ids, positions, slots, caches)
             del caches
         if cuda:
             torch.cuda.synchronize(self.device)
-        report = {"graphs": len(shapes), "token_bucket": W, "buckets": shapes,
+        report = {"token_bucket": W, "buckets": shapes,
                   "seconds": round(time.perf_counter() - started, 3)}
         if cuda:
             report["graph_memory_bytes"] = torch.cuda.memory_allocated(self.device) - before
