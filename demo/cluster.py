@@ -98,7 +98,8 @@ class DemoCluster:
     def install_operator(self, mlflow_url: str, extra_env: dict[str, str]) -> None:
         """`helm upgrade --install` of charts/specpair: CRD, ServiceAccount, RBAC and the operator
         Deployment, with MLflow at `mlflow_url`."""
-        values = {"mlflow": {"trackingUri": mlflow_url},
+        # The operator watches, and may write in, the demo's namespace only.
+        values = {"mlflow": {"trackingUri": mlflow_url}, "watchNamespaces": [self.namespace],
                   "operator": {"extraEnv": [{"name": k, "value": v} for k, v in extra_env.items()]}}
         self.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE,
                   "--create-namespace", "--values", "-", values=values)

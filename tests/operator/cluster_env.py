@@ -39,7 +39,9 @@ def helm(*args: str, kubeconfig: Path, input: str | None = None) -> str:
 def install_chart(cluster: DevCluster, mlflow_url: str, workdir: Path) -> Path:
     """`helm upgrade --install` of charts/specpair (CRD included) with no operator replica, then
     a kubeconfig holding a token of the chart's ServiceAccount for the in-process operator."""
-    values = {"replicaCount": 0, "mlflow": {"trackingUri": mlflow_url}}
+    # All namespaces (the tests make one per test), so one ClusterRole; test_operator_rbac_scope.py
+    # proves the chart's default, a list of namespaces.
+    values = {"replicaCount": 0, "mlflow": {"trackingUri": mlflow_url}, "watchNamespaces": []}
     helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
          "--wait", "--timeout", "120s", "--values", "-", kubeconfig=cluster.kubeconfig, input=json.dumps(values))
     wait_until("the SpecModelPair CRD to be served", lambda: _crd_served(cluster.kube), timeout=60)

@@ -39,17 +39,21 @@ def test_helm_lint_strict_with_non_default_values(helm, tmp_path):
 
 def test_default_render_has_exactly_the_operator_parts(render):
     kinds = sorted(m["kind"] for m in render())
-    # The Roles (and bindings) in the operator's namespace: the control listeners' CA Secret, the
-    # leader-election Lease.
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "Role", "Role",
-                     "RoleBinding", "RoleBinding", "ServiceAccount"]
+    # Least privilege by default: a Role (and binding) in the one watched namespace, `default`, and
+    # two in the operator's namespace (the control listeners' CA Secret, the leader-election
+    # Lease); nothing cluster-wide.
+    assert kinds == ["Deployment", "NetworkPolicy", "Role", "Role", "Role", "RoleBinding", "RoleBinding",
+                     "RoleBinding", "ServiceAccount"]
+    assert sorted(r["metadata"]["namespace"] for r in by_kind(render(), "Role")) == [
+        "default", RELEASE_NAMESPACE, RELEASE_NAMESPACE]
     deployment = one(render(), "Deployment")
     assert deployment["metadata"]["namespace"] == RELEASE_NAMESPACE
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "ghcr.io/specpair/operator:0.1.0"
     assert container["command"] == ["python", "-m", "specpair_operator"]
-    # No --namespace flag: the entry point then watches all namespaces. Leader election is on.
-    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--log-format=full", "--leader-election",
+    # It watches `default` only. Leader election is on.
+    assert container["args"] == ["--liveness=http://0.0.0.0:8080/healthz", "--log-format=full",
+                                 "--namespace=default", "--leader-election",
                                  "--leader-election-lease=ship-specpair", "--lease-duration=15",
                                  "--renew-deadline=10", "--retry-period=2"]
     env = {e["name"]: e for e in container["env"]}
@@ -124,7 +128,9 @@ def _operator_engine_service() -> dict[str, Any]:
 def test_service_monitor_selects_the_engine_services_the_operator_creates(render):
     """The selector must match the labels operator/specpair_operator/manifests.py puts on Services."""
     monitor = one(render({"metrics": {"serviceMonitor": {"enabled": True}}}), "ServiceMonitor")
-    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["default"]}  # the watched namespaces
+    every = one(render({"metrics": {"serviceMonitor": {"enabled": True}}, "watchNamespaces": []}), "ServiceMonitor")
+    assert every["spec"]["namespaceSelector"] == {"any": True}
     selector = monitor["spec"]["selector"]["matchLabels"]
     labels = _operator_engine_service()["metadata"]["labels"]
     assert {k: labels.get(k) for k in selector} == selector
@@ -301,7 +307,7 @@ NOT_NEEDED_BY_THE_CHART = {("", "namespaces", verb, ()) for verb in ("get", "lis
 
 @pytest.mark.parametrize("variant", ["all-namespaces", "listed-namespaces"])
 def test_rbac_grants_exactly_what_the_operator_uses(render, variant):
-    values = None if variant == "all-namespaces" else {"watchNamespaces": ["team-a", "team-b"]}
+    values = {"watchNamespaces": []} if variant == "all-namespaces" else {"watchNamespaces": ["team-a", "team-b"]}
     manifests = render(values)
     side = _side_roles(manifests)
     roles = [r for r in by_kind(manifests, "ClusterRole") + by_kind(manifests, "Role") if r not in side]
@@ -331,7 +337,7 @@ def test_rbac_grants_exactly_what_the_operator_uses(render, variant):
                                         "namespace": RELEASE_NAMESPACE}]
 
 
-@pytest.mark.parametrize("values", [None, {"watchNamespaces": ["team-a"]}], ids=["cluster", "namespaced"])
+@pytest.mark.parametrize("values", [{"watchNamespaces": []}, None], ids=["cluster", "namespaced"])
 def test_rbac_lets_children_block_their_pairs_deletion(render, values):
     """kopf.adopt sets blockOwnerDeletion on every child; with OwnerReferencesPermissionEnforcement
     (OpenShift) creating one needs `update` on the owner's finalizers, else 403 on every child."""
@@ -469,7 +475,8 @@ def _notes(helm: Path, *flags: str) -> str:
     return out[out.index("NOTES:"):]
 
 
-@pytest.mark.parametrize("flags", [[], ["--set", "watchNamespaces={team-a,team-b}"]], ids=["all", "listed"])
+@pytest.mark.parametrize("flags", [["--set-json", "watchNamespaces=[]"], ["--set", "watchNamespaces={team-a,team-b}"]],
+                         ids=["all", "listed"])
 def test_notes_declare_the_example_pair_they_wait_for(helm, flags):
     """NOTES.txt applies examples/default-pair.yaml (inline: the chart does not carry examples/)
     and waits for that pair by its name, in a namespace the operator watches."""
@@ -480,7 +487,7 @@ def test_notes_declare_the_example_pair_they_wait_for(helm, flags):
     waited = re.findall(r"smp/([a-z0-9-]+)", notes)
     assert waited == [example["metadata"]["name"]]
     assert "kubectl get smp -A" in notes
-    if flags:
+    if "watchNamespaces={team-a,team-b}" in flags:
         assert "kubectl apply -n team-a -f -" in notes and "kubectl wait -n team-a " in notes
 
 
