@@ -216,9 +216,9 @@ def _fixed_layer(h, cos, sin, rows, positions, slots, kc, vc, wq, wk, wv, wo, wg
     k = k * cos + _rotate_half(k) * sin
     kc[rows, :, slots] = k.transpose(1, 2)
     vc[rows, :, slots] = v.transpose(1, 2)
-    keys, values = (kc, vc) if kv_rows is None else (kc[kv_rows], vc[kv_rows])
-    if reach is not None:
-        keys, values = keys[:, :, :reach], values[:, :, :reach]
+    keys, values = (kc, vc) if reach is None else (kc[:, :, :reach], vc[:, :, :reach])
+    if kv_rows is not None:      # a copy of these rows' first `reach` slots, not their capacity
+        keys, values = keys[kv_rows], values[kv_rows]
     att = _attend(q, k, v, keys, values, positions)
     h = h + F.linear(att.transpose(1, 2).reshape(B, W, heads * head_dim), wo)
     x = _rms_norm(h, n2, eps)
