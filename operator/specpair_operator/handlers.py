@@ -25,7 +25,7 @@ from mlflow.exceptions import MlflowException
 from . import aliases as aliases_mod
 from . import conditions as c
 from . import drift as drift_mod
-from . import gate_attempts, gate_verdict, leadership, manifests, validation
+from . import gate_attempts, gate_verdict, leadership, manifests, names, validation
 from . import metrics
 from . import release as release_mod
 from . import tls as tls_mod
@@ -964,7 +964,25 @@ class Pass:
             waiting = await self._unschedulable(",".join(f"{k}={v}" for k, v in manifests.engine_selector(self.name).items()))
             if waiting:
                 msg = f"{msg}; {waiting}"
+        if state == "available":
+            await self._retire_legacy_engine(dep["metadata"]["name"])
         return state, msg
+
+    async def _retire_legacy_engine(self, current: str) -> None:
+        """A pair whose name is not a DNS label had its engine Deployment under another name
+        (names.legacy_object_name). Once the one under `current` is available, that one is
+        scaled to zero (the operator may patch Deployments, not delete them): its pods carry the
+        pair's labels and would serve, and be verified, beside the current ones."""
+        legacy = names.legacy_object_name(self.name, "engine")
+        if legacy == current:
+            return
+        old = await self.rt.kube.get("apps/v1", "deployments", self.namespace, legacy)
+        if old is None or not self._owns(old) or not (old.get("spec") or {}).get("replicas"):
+            return
+        await self.rt.kube.merge_patch("apps/v1", "deployments", self.namespace, legacy, {"spec": {"replicas": 0}})
+        self.event("Normal", "LegacyEngineRetired", f"Deployment {legacy} scaled to 0: the engine is Deployment "
+                   f"{current} now (a pair name that is not a DNS label gets a hash in its objects' names); the "
+                   f"objects named {names.legacy_object_name(self.name)}-* this pair owns are unused and may be deleted")
 
     async def _ensure_engine_tls(self) -> str:
         """Issue the engine's control-listener certificate when it has none, was issued by another

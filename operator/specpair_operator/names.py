@@ -32,6 +32,18 @@ def label_value(name: str) -> str:
     return _shorten(name, LABEL_LIMIT, name)
 
 
+def legacy_object_name(pair: str, *suffix: str) -> str:
+    """The name object_name gave before non-label names got a hash (dots as dashes, 'p-' before
+    a leading digit): where an engine Deployment of such a pair may still run. Equal to
+    object_name for a pair whose name is a label."""
+    tail = "-".join(s for s in suffix if s)
+    base = pair.replace(".", "-")
+    if not base[:1].isalpha():
+        base = "p-" + base
+    base = _shorten(base, LABEL_LIMIT - (len(tail) + 1 if tail else 0), pair)
+    return f"{base}-{tail}" if tail else base
+
+
 def object_name(pair: str, *suffix: str) -> str:
     """A DNS-1035 label (valid for Services, Jobs, Deployments and their pods' labels): the
     pair's name when it is such a label, else the name with dots as dashes (and a leading

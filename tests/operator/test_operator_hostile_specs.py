@@ -51,6 +51,12 @@ def test_child_names_keep_a_label_and_hash_anything_else(pair, engine):
     assert names.object_name(pair, "engine") == engine
 
 
+@pytest.mark.parametrize("pair, legacy", [("a.b", "a-b-engine"), ("1abc", "p-1abc-engine"), ("chat", "chat-engine")])
+def test_the_legacy_name_is_what_a_non_label_pair_had(pair, legacy):
+    assert names.legacy_object_name(pair, "engine") == legacy
+    assert (legacy == names.object_name(pair, "engine")) is bool(names.DNS_LABEL.fullmatch(pair))
+
+
 def test_child_names_are_injective_and_valid():
     """Pairs whose names differ get different children, whatever the sanitizing folds together
     (dots and dashes, a leading digit, a common 200-character prefix)."""
@@ -378,3 +384,38 @@ def test_a_nan_verdict_and_a_string_typed_verdict_are_never_promoted(env, mlflow
         assert not ns.events("Promoted") and not ns.events("RolloutStarted") and ns.events("GateError")
     assert runner.exception is None
     assert "invalid JSON patch" not in runner.stdout
+
+
+def test_a_dotted_pair_serves_from_its_hashed_name_and_retires_its_legacy_engine(env):
+    """`a.b` and `a-b` no longer share children: a dotted pair's engine is `<a-b>-<hash>-engine`.
+    A Deployment it owns under the name it had before (`a-b-engine`) is scaled to zero once the
+    current one is available, so that only the current pods serve; once a person deletes it, a
+    pair named `a-b` is served beside the dotted one."""
+    ns = env
+    dotted = f"chat.{uuid.uuid4().hex[:5]}"
+    dashed = dotted.replace(".", "-")
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        obj = ns.create(pair(dotted, "good-draft"))
+        legacy = names.legacy_object_name(dotted, "engine")
+        ns.create({"apiVersion": "apps/v1", "kind": "Deployment",
+                   "metadata": {"name": legacy, "ownerReferences": [
+                       {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "name": dotted,
+                        "uid": obj["metadata"]["uid"], "controller": True}]},
+                   "spec": {"replicas": 1, "selector": {"matchLabels": {"app": legacy}},
+                            "template": {"metadata": {"labels": {"app": legacy}},
+                                         "spec": {"containers": [{"name": "c", "image": "registry.example.com/old:1"}]}}}})
+        current = names.object_name(dotted, "engine")
+        assert current != legacy == names.object_name(dashed, "engine") and current.startswith(dashed + "-")
+        ns.wait_for("the legacy engine scaled to 0", lambda: (ns.get("apps/v1", "Deployment", legacy) or {})
+                    .get("spec", {}).get("replicas") == 0 and ns.events("LegacyEngineRetired"), timeout=150)
+        ns.wait_for(f"{dotted} ready", lambda: cond(ns.pair(dotted), "Ready").get("status") == "True", timeout=120)
+        assert ns.get("apps/v1", "Deployment", current)["spec"]["replicas"] == 1
+
+        ns.kube.delete("apps/v1", "Deployment", ns.name, legacy)
+        # Other ports: the devcluster's one node runs both pairs' engines as local processes.
+        ns.create(pair(dashed, "good-draft", rollout={"port": 50061, "controlPort": 50062, "httpPort": 8010}))
+        ns.wait_for(f"{dashed} ready", lambda: cond(ns.pair(dashed), "Ready").get("status") == "True", timeout=150)
+        assert {d["metadata"]["name"] for d in ns.list("apps/v1", "Deployment")
+                if not d["metadata"].get("deletionTimestamp")} == {current, legacy}
+        assert cond(ns.pair(dotted), "Ready").get("status") == "True"
+    assert runner.exception is None
