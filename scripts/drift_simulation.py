@@ -37,6 +37,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "operator"))
+from specpair.stats import RequestMoments  # noqa: E402
 from specpair_operator import drift  # noqa: E402
 
 DT = 30.0                       # sampling interval (intervalSeconds)
@@ -183,17 +184,11 @@ class Engine:
                 self.started[p] = max(x for x in tr.restarts[p] if x <= tr.t[r])
                 self.cum[p] = {}
             c = tr.cats[tr.cat[r]]
-            row = self.cum[p].setdefault(c, [0, 0, 0, 0.0, 0.0, 0.0])
             if self.speculating:
-                d, a = int(tr.drafted[r]), int(self.acc[r])
-                row[0] += d
-                row[1] += a
-                row[2] += 1
-                row[3] += d * d
-                row[4] += a * a
-                row[5] += d * a
-            elif not self.moments:
-                row[2] += 1   # today's `requests` counts every finished request
+                done = RequestMoments.of_request(int(tr.drafted[r]), int(self.acc[r]))
+            else:   # served target-only: no unit of acceptance, but today's `requests` counts every finished request
+                done = replace(RequestMoments.zero(), requests=0 if self.moments else 1)
+            self.cum[p][c] = self.cum[p].get(c, RequestMoments.zero()) + done
         for p in range(2):   # restarts between requests
             due = [x for x in tr.restarts[p] if self.started[p] < x <= now]
             if due:
@@ -205,21 +200,19 @@ class Engine:
         out = []
         for p in range(2):
             cats = {}
-            for c, (d, a, n, d2, a2, da) in self.cum[p].items():
-                if self.moments:
-                    cats[c] = drift.Counts(d, a, n, d2, a2, da)
-                else:
-                    cats[c] = drift.Counts(d, a, n if self.requests else None)
+            for c, m in self.cum[p].items():
+                cats[c] = m if self.moments else \
+                    RequestMoments(m.drafted, m.accepted, m.requests if self.requests else None)
             out.append(drift.PodStats(f"engine-{p}/uid-{p}", cats, self.started[p]))
         return out
 
     def totals(self) -> dict:
         tot: dict = {}
         for p in range(2):
-            for c, row in self.cum[p].items():
-                t = tot.setdefault(c, [0, 0])
-                t[0] += row[0]
-                t[1] += row[1]
+            for c, m in self.cum[p].items():
+                t = tot.setdefault(c, [0, 0])   # the old module's [drafted, accepted]
+                t[0] += m.drafted
+                t[1] += m.accepted
         return tot
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 
 @dataclass
@@ -112,3 +113,95 @@ class AcceptanceWindow:
     def clear(self) -> None:
         self._rounds.clear()
         self.drafted = self.accepted = 0
+
+
+def _sum(a: float | None, b: float | None, sign: int = 1) -> float | None:
+    return None if a is None or b is None else a + sign * b
+
+
+@dataclass(frozen=True)
+class RequestMoments:
+    """Sums over the requests of one category, with the request as the sampled unit: drift's
+    ratio estimator needs them so that one long request does not weigh as hundreds of
+    independent tokens (docs/drift.md). d_i and a_i are request i's drafted and accepted draft
+    tokens.
+
+    The engine sums its finished requests that drafted (d_i > 0) and fills every field. A source
+    with token counters only (vLLM, an engine that predates these sums) leaves the second
+    moments None, the request count too where it has none, and its drafted / accepted then count
+    every draft token. Sums and differences of two moments keep a field only where both have it.
+    """
+    drafted: int = 0                         # Σ d_i, tokens
+    accepted: int = 0                        # Σ a_i, tokens
+    requests: int | None = None              # n, requests
+    drafted_sq: float | None = None          # Σ d_i², tokens²
+    accepted_sq: float | None = None         # Σ a_i², tokens²
+    drafted_accepted: float | None = None    # Σ d_i·a_i, tokens²
+
+    @classmethod
+    def zero(cls) -> "RequestMoments":
+        """No request yet, every sum kept."""
+        return cls(0, 0, 0, 0.0, 0.0, 0.0)
+
+    @classmethod
+    def of_request(cls, drafted: int, accepted: int) -> "RequestMoments":
+        """One finished request's terms; one that drafted nothing is no unit of acceptance."""
+        if drafted <= 0:
+            return cls.zero()
+        return cls(drafted, accepted, 1, float(drafted) ** 2, float(accepted) ** 2, float(drafted) * accepted)
+
+    def _combine(self, o: "RequestMoments", sign: int) -> "RequestMoments":
+        return RequestMoments(self.drafted + sign * o.drafted, self.accepted + sign * o.accepted,
+                              _sum(self.requests, o.requests, sign), _sum(self.drafted_sq, o.drafted_sq, sign),
+                              _sum(self.accepted_sq, o.accepted_sq, sign),
+                              _sum(self.drafted_accepted, o.drafted_accepted, sign))
+
+    def __add__(self, o: "RequestMoments") -> "RequestMoments":
+        return self._combine(o, 1)
+
+    def __sub__(self, o: "RequestMoments") -> "RequestMoments":
+        return self._combine(o, -1)
+
+    def below(self, o: "RequestMoments") -> bool:
+        """Some count is lower than in `o`: the process behind these cumulative sums started again."""
+        pairs = [(self.drafted, o.drafted), (self.accepted, o.accepted), (self.requests, o.requests)]
+        return any(a is not None and b is not None and a < b for a, b in pairs)
+
+    @property
+    def has_moments(self) -> bool:
+        """Every sum the ratio estimator's variance needs is here."""
+        return None not in (self.requests, self.drafted_sq, self.accepted_sq, self.drafted_accepted)
+
+    # -- on the wire (specpair.engine.v1.FinishedRequestSums) and in the operator's probe reports
+
+    def to_message(self) -> Any:
+        from specpair._proto import engine_pb2  # torch-free generated code, loaded only by who sends
+
+        if not self.has_moments:
+            # The message has no "unknown": a missing sum would arrive as a measured zero.
+            raise ValueError(f"only complete sums go on the wire: {self}")
+        return engine_pb2.FinishedRequestSums(
+            requests=self.requests, draft_tokens=self.drafted, accepted_tokens=self.accepted,
+            draft_tokens_sq=self.drafted_sq, accepted_tokens_sq=self.accepted_sq,
+            draft_accepted_tokens=self.drafted_accepted)
+
+    @classmethod
+    def from_message(cls, msg: Any) -> "RequestMoments":
+        return cls(int(msg.draft_tokens), int(msg.accepted_tokens), int(msg.requests), float(msg.draft_tokens_sq),
+                   float(msg.accepted_tokens_sq), float(msg.draft_accepted_tokens))
+
+    def as_stats(self) -> dict[str, Any]:
+        """The probe's plain-dict form (specpair_operator.engine_probe): the sums only where known."""
+        out: dict[str, Any] = {"drafted": self.drafted, "accepted": self.accepted, "requests": self.requests}
+        for key, v in (("draftedSq", self.drafted_sq), ("acceptedSq", self.accepted_sq),
+                       ("draftedAccepted", self.drafted_accepted)):
+            if v is not None:
+                out[key] = v
+        return out
+
+    @classmethod
+    def from_stats(cls, d: Mapping[str, Any]) -> "RequestMoments":
+        def opt(key: str, kind: type) -> Any:
+            return kind(d[key]) if d.get(key) is not None else None
+        return cls(int(d.get("drafted", 0)), int(d.get("accepted", 0)), opt("requests", int),
+                   opt("draftedSq", float), opt("acceptedSq", float), opt("draftedAccepted", float))

@@ -5,7 +5,7 @@ One pure function, `decide`, turns what the engine pods report into the ladder's
 The numbers behind its defaults are in docs/drift.md (scripts/drift_simulation.py).
 
 Observing
-    Each pod reports cumulative counters per category (`Counts`) since its process started.
+    Each pod reports cumulative counters per category (`RequestMoments`) since its process started.
     They are differenced per pod, keyed by pod name and uid: a counter going backwards or a
     later process start means the pod restarted, and everything it reports is new. Lifetime
     counters are never summed across pods, so one pod restarting cannot hide another.
@@ -56,6 +56,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from specpair.stats import RequestMoments
+
 SPECULATION_OFF = "SpeculationOff"
 ROLLBACK = "Rollback"
 SPECULATION_ON = "SpeculationOn"
@@ -99,44 +101,8 @@ class DriftPolicy:
 
 # -- counters ---------------------------------------------------------------------------------
 
-def _add(a: float | None, b: float | None, sign: int = 1) -> float | None:
-    return None if a is None or b is None else a + sign * b
-
-
-@dataclass(frozen=True)
-class Counts:
-    """Cumulative (or windowed) counters of one category. Optional fields are None when the
-    engine does not export them: requests that drafted, and per-request sums of squares."""
-    drafted: int = 0
-    accepted: int = 0
-    requests: int | None = None
-    drafted_sq: float | None = None        # Σ d_i²
-    accepted_sq: float | None = None       # Σ a_i²
-    drafted_accepted: float | None = None  # Σ d_i·a_i
-
-    @classmethod
-    def from_stats(cls, d: Mapping[str, Any]) -> "Counts":
-        def opt(key: str, kind: type) -> Any:
-            return kind(d[key]) if d.get(key) is not None else None
-        return cls(int(d.get("drafted", 0)), int(d.get("accepted", 0)), opt("requests", int),
-                   opt("draftedSq", float), opt("acceptedSq", float), opt("draftedAccepted", float))
-
-    def plus(self, o: "Counts", sign: int = 1) -> "Counts":
-        return Counts(self.drafted + sign * o.drafted, self.accepted + sign * o.accepted,
-                      _add(self.requests, o.requests, sign), _add(self.drafted_sq, o.drafted_sq, sign),
-                      _add(self.accepted_sq, o.accepted_sq, sign), _add(self.drafted_accepted, o.drafted_accepted, sign))
-
-    def minus(self, o: "Counts") -> "Counts":
-        return self.plus(o, -1)
-
-    def below(self, o: "Counts") -> bool:
-        """Some counter is lower than in `o`: the process behind it started again."""
-        pairs = [(self.drafted, o.drafted), (self.accepted, o.accepted), (self.requests, o.requests)]
-        return any(a is not None and b is not None and a < b for a, b in pairs)
-
-    @property
-    def has_moments(self) -> bool:
-        return None not in (self.requests, self.drafted_sq, self.accepted_sq, self.drafted_accepted)
+# handlers.py reads each pod's report as drift.Counts.
+Counts = RequestMoments
 
 
 @dataclass(frozen=True)
@@ -144,32 +110,33 @@ class PodStats:
     """One pod's report: `pod` is its name and uid (a replaced pod is another series);
     `started` is when its serving process started (now - uptime), None if unknown."""
     pod: str
-    categories: Mapping[str, Counts]
+    categories: Mapping[str, RequestMoments]
     started: float | None = None
 
 
-def pod_deltas(previous: Mapping[str, PodStats], at: float | None, pods: list[PodStats]) -> dict[str, Counts]:
+def pod_deltas(previous: Mapping[str, PodStats], at: float | None,
+               pods: list[PodStats]) -> dict[str, RequestMoments]:
     """What all pods drafted since the previous observation, per category.
 
     A pod seen for the first time contributes only its counters' growth from now on, unless its
     process started after the previous observation (then all it reports is new). A pod whose
     counters went backwards or whose process start moved restarted: all it reports is new."""
-    out: dict[str, Counts] = {}
+    out: dict[str, RequestMoments] = {}
     for p in pods:
         old = previous.get(p.pod)
         if old is None:
             fresh = at is not None and p.started is not None and p.started > at
             if not fresh:
                 continue
-            base: Mapping[str, Counts] = {}
+            base: Mapping[str, RequestMoments] = {}
         else:
             restarted = (p.started is not None and old.started is not None and p.started > old.started + 1.0) or \
-                any(p.categories.get(c, Counts()).below(v) for c, v in old.categories.items())
+                any(p.categories.get(c, RequestMoments()).below(v) for c, v in old.categories.items())
             base = {} if restarted else old.categories
         for cat, now in p.categories.items():
-            d = now.minus(base[cat]) if cat in base else now
+            d = now - base[cat] if cat in base else now
             if d.drafted > 0 or (d.requests or 0) > 0:
-                out[cat] = out[cat].plus(d) if cat in out else d
+                out[cat] = out[cat] + d if cat in out else d
     return out
 
 
@@ -177,13 +144,13 @@ def pod_deltas(previous: Mapping[str, PodStats], at: float | None, pods: list[Po
 
 @dataclass(frozen=True)
 class Window:
-    counts: Counts
+    counts: RequestMoments
     expected: float      # accepted tokens the gate predicts for these drafts: Σ drafted_c · baseline_c
     opened_at: float
-    parts: tuple[tuple[Counts, float], ...] = ()   # (counts, expected) of each observation in it
+    parts: tuple[tuple[RequestMoments, float], ...] = ()   # (counts, expected) of each observation in it
 
-    def add(self, d: Counts, expected: float) -> "Window":
-        return Window(self.counts.plus(d), self.expected + expected, self.opened_at, self.parts + ((d, expected),))
+    def add(self, d: RequestMoments, expected: float) -> "Window":
+        return Window(self.counts + d, self.expected + expected, self.opened_at, self.parts + ((d, expected),))
 
     def without_busiest(self) -> "Window | None":
         """The window without its busiest quarter of observations (by drafted tokens)."""
@@ -193,7 +160,7 @@ class Window:
             return None
         counts, expected = rest[0]
         for c, e in rest[1:]:
-            counts, expected = counts.plus(c), expected + e
+            counts, expected = counts + c, expected + e
         return Window(counts, expected, self.opened_at, tuple(rest))
 
     @property
@@ -219,7 +186,7 @@ class Judgement:
                 f"requests / {self.drafted} drafted tokens {rel} floor {self.floor:.3f} (gated {self.baseline:.3f})")
 
 
-def standard_error(c: Counts, policy: DriftPolicy) -> tuple[float, float]:
+def standard_error(c: RequestMoments, policy: DriftPolicy) -> tuple[float, float]:
     """(live acceptance's standard error, requests it rests on), requests as the unit."""
     live = c.accepted / c.drafted
     if c.has_moments and c.requests and c.requests >= 2:

@@ -7,8 +7,7 @@ tests can stand an engine in with any object that has these three coroutines.
 
     model_info(address) -> {"pair": str, "releaseVersion": str, "contentHash": str (optional),
                             "tokenizer": {"target": fp, "draft": fp | None}, "speculationEnabled": bool}
-    stats(address)      -> {"categories": {category: {"drafted": int, "accepted": int, "requests": int | None,
-                                                     "draftedSq", "acceptedSq", "draftedAccepted": float (optional)}},
+    stats(address)      -> {"categories": {category: RequestMoments.as_stats() (specpair.stats)},
                             "uptimeSeconds": float | None}  (cumulative since the engine process started)
     set_speculation(address, enabled: bool) -> None
 """
@@ -17,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from specpair.stats import RequestMoments
 
 
 class EngineProbe(Protocol):
@@ -67,9 +68,8 @@ class GrpcEngineProbe:
         return grpc.aio.secure_channel(address, creds, options=options)
 
     async def _call(self, address: str, method: str, request_name: str, server_name: str = "",
-                    **fields: Any) -> dict[str, Any]:
+                    **fields: Any) -> Any:
         import grpc
-        from google.protobuf.json_format import MessageToDict
 
         pb2, pb2_grpc = self._stubs()
         try:
@@ -78,10 +78,12 @@ class GrpcEngineProbe:
                 reply = await getattr(stub, method)(getattr(pb2, request_name)(**fields), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise EngineUnreachable(f"{method} on {address}: {exc.code().name} {exc.details()}") from exc
-        return MessageToDict(reply, preserving_proto_field_name=False)
+        return reply
 
     async def model_info(self, address: str, server_name: str = "") -> dict[str, Any]:
-        info = await self._call(address, "GetModelInfo", "GetModelInfoRequest", server_name)
+        from google.protobuf.json_format import MessageToDict
+
+        info = MessageToDict(await self._call(address, "GetModelInfo", "GetModelInfoRequest", server_name))
         tok = info.get("tokenizer") or {}
         return {"pair": info.get("pair", ""), "releaseVersion": info.get("version", ""),
                 "tokenizer": {"target": tok.get("targetFingerprint") or None, "draft": tok.get("draftFingerprint") or None},
@@ -91,22 +93,19 @@ class GrpcEngineProbe:
     async def stats(self, address: str, server_name: str = "") -> dict[str, Any]:
         stats = await self._call(address, "GetStats", "GetStatsRequest", server_name)
         cats = {}
-        for name, cat in (stats.get("categories") or {}).items():
-            cum = cat.get("cumulative") or {}
-            # uint64 fields arrive as strings from MessageToDict; fields at their default are left out
-            cats[name] = {"drafted": int(cum.get("numDraftTokens", 0)), "accepted": int(cum.get("numAcceptedTokens", 0)),
-                          "requests": int(cat["requests"]) if "requests" in cat else None}
-            # Per-request sums over finished requests that drafted (docs/drift.md), when the engine
-            # has them. Tokens then count once their request finishes, so the ratio and its
-            # variance rest on the same requests.
-            fin = cat.get("finished")
-            if fin is not None:
-                cats[name].update(drafted=int(fin.get("draftTokens", 0)), accepted=int(fin.get("acceptedTokens", 0)),
-                                  requests=int(fin.get("requests", 0)), draftedSq=float(fin.get("draftTokensSq", 0.0)),
-                                  acceptedSq=float(fin.get("acceptedTokensSq", 0.0)),
-                                  draftedAccepted=float(fin.get("draftAcceptedTokens", 0.0)))
-        return {"categories": cats, "speculating": bool(stats.get("speculating", False)),
-                "uptimeSeconds": float(stats["uptimeSeconds"]) if "uptimeSeconds" in stats else None}
+        for name, cat in stats.categories.items():
+            if cat.HasField("finished"):
+                # Per-request sums over finished requests that drafted (docs/drift.md). Tokens then
+                # count once their request finishes, so the ratio and its variance rest on the
+                # same requests.
+                moments = RequestMoments.from_message(cat.finished)
+            else:
+                # An engine without them: its token counters, and no request count where it has 0
+                # (proto3 cannot tell 0 from "not counted").
+                moments = RequestMoments(cat.cumulative.num_draft_tokens, cat.cumulative.num_accepted_tokens,
+                                         cat.requests or None)
+            cats[name] = moments.as_stats()
+        return {"categories": cats, "speculating": stats.speculating, "uptimeSeconds": stats.uptime_seconds or None}
 
     async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None:
         await self._call(address, "SetSpeculation", "SetSpeculationRequest", server_name,
@@ -153,8 +152,8 @@ class VllmProbe:
 
         text = await self._get(address, "/metrics")
         counters = parse_spec_decode_metrics(text)
-        return {"categories": {"all": {"drafted": counters.draft_tokens, "accepted": counters.accepted_tokens,
-                                       "requests": finished_requests(text)}},
+        counts = RequestMoments(counters.draft_tokens, counters.accepted_tokens, finished_requests(text))
+        return {"categories": {"all": counts.as_stats()},
                 "speculating": counters.draft_tokens > 0, "uptimeSeconds": None}
 
     async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None:

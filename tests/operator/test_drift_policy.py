@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from specpair.stats import RequestMoments
 
 from specpair_operator import drift
 
@@ -21,36 +22,26 @@ class Pod:
 
     def __init__(self, name: str, uid: str = "uid-1", started: float = 0.0, moments: bool = True):
         self.name, self.uid, self.started, self.moments = name, uid, started, moments
-        self.cats: dict[str, list[float]] = {}
+        self.cats: dict[str, RequestMoments] = {}
         self.speculating = True
 
     def serve(self, category: str, requests: int, drafted_each: int, acceptance: float, jitter: float = 0.1,
               rng: random.Random | None = None) -> None:
         rng = rng or random.Random(7)
-        c = self.cats.setdefault(category, [0, 0, 0, 0.0, 0.0, 0.0])
+        self.cats.setdefault(category, RequestMoments.zero())
         for _ in range(requests):
             if not self.speculating:
                 continue
             d = drafted_each
             a = round(d * min(1.0, max(0.0, acceptance + rng.uniform(-jitter, jitter))))
-            c[0] += d
-            c[1] += a
-            c[2] += 1
-            c[3] += d * d
-            c[4] += a * a
-            c[5] += d * a
+            self.cats[category] += RequestMoments.of_request(d, a)
 
     def restart(self, at: float) -> None:
         self.started, self.cats = at, {}
 
     def stats(self) -> drift.PodStats:
-        cats = {k: drift.Counts(int(v[0]), int(v[1]), int(v[2]), v[3], v[4], v[5]) if self.moments
-                else drift.Counts(int(v[0]), int(v[1])) for k, v in self.cats.items()}
+        cats = {k: v if self.moments else RequestMoments(v.drafted, v.accepted) for k, v in self.cats.items()}
         return drift.PodStats(f"{self.name}/{self.uid}", cats, self.started)
-
-    def totals(self) -> dict[str, list[int]]:
-        """What the old operator summed: lifetime drafted/accepted per category."""
-        return {k: [int(v[0]), int(v[1])] for k, v in self.cats.items()}
 
 
 class Run:
@@ -230,27 +221,27 @@ def test_a_drifted_pod_is_seen_while_a_healthy_pod_flaps():
         run.observe(run.now_pods)
     assert run.names[:1] == [drift.SPECULATION_OFF]
     # and one restart of a pod never makes a window of its lifetime counters
-    d = drift.pod_deltas({"engine-1/b": drift.PodStats("engine-1/b", {"code": drift.Counts(10, 5)}, 0.0)}, 100.0,
-                         [drift.PodStats("engine-1/b", {"code": drift.Counts(5, 5)}, 0.0)])
-    assert d["code"] == drift.Counts(5, 5)
+    d = drift.pod_deltas({"engine-1/b": drift.PodStats("engine-1/b", {"code": RequestMoments(10, 5)}, 0.0)}, 100.0,
+                         [drift.PodStats("engine-1/b", {"code": RequestMoments(5, 5)}, 0.0)])
+    assert d["code"] == RequestMoments(5, 5)
 
 
 def test_counters_are_per_pod_and_restarts_start_a_series_afresh():
-    a = drift.PodStats("engine-0/a", {"code": drift.Counts(1000, 500, 10)}, started=100.0)
-    b = drift.PodStats("engine-1/b", {"code": drift.Counts(5000, 2500, 50)}, started=100.0)
+    a = drift.PodStats("engine-0/a", {"code": RequestMoments(1000, 500, 10)}, started=100.0)
+    b = drift.PodStats("engine-1/b", {"code": RequestMoments(5000, 2500, 50)}, started=100.0)
     prev = {p.pod: p for p in (a, b)}
     # b restarted (its counters went backwards): everything it reports now is new
-    b2 = drift.PodStats("engine-1/b", {"code": drift.Counts(40, 4, 1)}, started=100.0)
-    a2 = drift.PodStats("engine-0/a", {"code": drift.Counts(1100, 550, 11)}, started=100.0)
-    assert drift.pod_deltas(prev, 200.0, [a2, b2])["code"] == drift.Counts(140, 54, 2)
+    b2 = drift.PodStats("engine-1/b", {"code": RequestMoments(40, 4, 1)}, started=100.0)
+    a2 = drift.PodStats("engine-0/a", {"code": RequestMoments(1100, 550, 11)}, started=100.0)
+    assert drift.pod_deltas(prev, 200.0, [a2, b2])["code"] == RequestMoments(140, 54, 2)
     # a restarted and already passed its old counts: its start time tells
-    a3 = drift.PodStats("engine-0/a", {"code": drift.Counts(1200, 100, 12)}, started=250.0)
-    assert drift.pod_deltas(prev, 200.0, [a3])["code"] == drift.Counts(1200, 100, 12)
+    a3 = drift.PodStats("engine-0/a", {"code": RequestMoments(1200, 100, 12)}, started=250.0)
+    assert drift.pod_deltas(prev, 200.0, [a3])["code"] == RequestMoments(1200, 100, 12)
     # a replaced pod (new uid) started after the last look: all of it is new; one seen for the
     # first time that started earlier only counts from now on
-    c = drift.PodStats("engine-0/c", {"code": drift.Counts(30, 3, 1)}, started=210.0)
-    d = drift.PodStats("engine-2/d", {"code": drift.Counts(900, 90, 9)}, started=50.0)
-    assert drift.pod_deltas(prev, 200.0, [c, d]) == {"code": drift.Counts(30, 3, 1)}
+    c = drift.PodStats("engine-0/c", {"code": RequestMoments(30, 3, 1)}, started=210.0)
+    d = drift.PodStats("engine-2/d", {"code": RequestMoments(900, 90, 9)}, started=50.0)
+    assert drift.pod_deltas(prev, 200.0, [c, d]) == {"code": RequestMoments(30, 3, 1)}
 
 
 # -- rollback only when it helps -------------------------------------------------------------------
@@ -294,10 +285,11 @@ def test_rollback_when_the_previous_release_does_better_on_the_same_traffic():
 # -- statistics and configuration ----------------------------------------------------------------
 
 def test_without_per_request_sums_the_bound_is_wider():
-    full = drift.Counts(4000, 1000, 100, 100 * 40.0 ** 2, 100 * 10.0 ** 2, 100 * 400.0)
+    full = RequestMoments(drafted=4000, accepted=1000, requests=100, drafted_sq=100 * 40.0 ** 2,
+                          accepted_sq=100 * 10.0 ** 2, drafted_accepted=100 * 400.0)
     se_full, n_full = drift.standard_error(full, drift.DriftPolicy())
-    se_req, n_req = drift.standard_error(drift.Counts(4000, 1000, 100), drift.DriftPolicy())
-    se_none, n_none = drift.standard_error(drift.Counts(4000, 1000), drift.DriftPolicy())
+    se_req, n_req = drift.standard_error(RequestMoments(4000, 1000, 100), drift.DriftPolicy())
+    se_none, n_none = drift.standard_error(RequestMoments(4000, 1000), drift.DriftPolicy())
     assert se_full < se_req < se_none and n_full == 100 and n_req < 100 and n_none < n_req
 
 

@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specpair.config import SpeculationConfig
 from specpair.decoding import SpeculativeEngine
+from specpair.stats import RequestMoments
 
 from conftest import client_for, make_engine, reference, rpc_error, wait_for
 
@@ -160,6 +161,26 @@ def test_set_speculation_on_without_a_draft_is_refused(tiny_pair, start_server):
     with client_for(server) as c:
         err = rpc_error(lambda: c.set_speculation(enabled=True))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_request_moments_keep_each_sum_in_its_own_field():
+    """Every field a distinct value, read back by name from the wire message and the probe's report:
+    two sums swapped anywhere on the way would show."""
+    m = RequestMoments.of_request(7, 3) + RequestMoments.of_request(5, 2) + RequestMoments.of_request(0, 4)
+    assert m == RequestMoments(drafted=12, accepted=5, requests=2, drafted_sq=74.0, accepted_sq=13.0,
+                               drafted_accepted=31.0)
+    msg = m.to_message()
+    assert (msg.requests, msg.draft_tokens, msg.accepted_tokens, msg.draft_tokens_sq, msg.accepted_tokens_sq,
+            msg.draft_accepted_tokens) == (2, 12, 5, 74.0, 13.0, 31.0)
+    assert RequestMoments.from_message(type(msg).FromString(msg.SerializeToString())) == m
+    assert m.as_stats() == {"drafted": 12, "accepted": 5, "requests": 2, "draftedSq": 74.0, "acceptedSq": 13.0,
+                            "draftedAccepted": 31.0}
+    assert RequestMoments.from_stats(m.as_stats()) == m
+    assert m - RequestMoments.of_request(5, 2) == RequestMoments.of_request(7, 3)
+    tokens_only = RequestMoments(drafted=12, accepted=5)   # what vLLM reports: no sums, no request count
+    assert RequestMoments.from_stats(tokens_only.as_stats()) == tokens_only and not (m + tokens_only).has_moments
+    with pytest.raises(ValueError):
+        tokens_only.to_message()   # the wire has no "unknown"
 
 
 def test_per_request_sums_reach_the_operator_probe(tiny_pair, start_server):

@@ -98,9 +98,7 @@ def model_info_message(engine, *, pair: str, version: str, limits: Limits, max_b
 def category_message(snapshot: dict) -> pb.CategoryStats:
     msg = pb.CategoryStats(window_draft_tokens=snapshot["window_draft_tokens"],
                            cumulative=stats_message(snapshot["cumulative"]), requests=snapshot["requests"])
-    n, d, a, dd, aa, da = snapshot["finished"]
-    msg.finished.CopyFrom(pb.FinishedRequestSums(requests=n, draft_tokens=d, accepted_tokens=a, draft_tokens_sq=dd,
-                                                 accepted_tokens_sq=aa, draft_accepted_tokens=da))
+    msg.finished.CopyFrom(snapshot["finished"].to_message())
     if snapshot["window_rate"] is not None:
         msg.window_acceptance_rate = snapshot["window_rate"]
     return msg

@@ -26,7 +26,7 @@ from typing import Callable
 from specpair.config import GenerationParams
 from specpair.contract import DEFAULT_CATEGORY
 from specpair.errors import SpecpairError
-from specpair.stats import AcceptanceStats, AcceptanceWindow
+from specpair.stats import AcceptanceStats, AcceptanceWindow, RequestMoments
 
 log = logging.getLogger("specpair.server")
 
@@ -102,19 +102,11 @@ class Aggregate:
         self.window = AcceptanceWindow(window)
         self.cumulative = AcceptanceStats()
         self.requests = 0
-        # Σd, Σa, Σd², Σa², Σd·a and their count over finished requests that drafted (drift's unit).
-        self.finished = [0, 0, 0, 0.0, 0.0, 0.0]
+        self.finished = RequestMoments.zero()   # over finished requests that drafted (drift's unit)
 
     def add_finished(self, drafted: int, accepted: int) -> None:
         self.requests += 1
-        if drafted > 0:
-            f = self.finished
-            f[0] += 1
-            f[1] += drafted
-            f[2] += accepted
-            f[3] += float(drafted) ** 2
-            f[4] += float(accepted) ** 2
-            f[5] += float(drafted) * accepted
+        self.finished += RequestMoments.of_request(drafted, accepted)
 
     def add(self, delta: AcceptanceStats) -> None:
         self.cumulative.merge(delta)
@@ -125,7 +117,7 @@ class Aggregate:
         stats = AcceptanceStats()
         stats.merge(self.cumulative)
         return {"window_rate": self.window.rate, "window_draft_tokens": self.window.drafted,
-                "cumulative": stats, "requests": self.requests, "finished": tuple(self.finished)}
+                "cumulative": stats, "requests": self.requests, "finished": self.finished}
 
 
 class EngineWorker:
