@@ -31,6 +31,8 @@ HTTP_PORT = 8000        # the engine's OpenAI-compatible HTTP API (rollout.httpP
 # The engine's control listener: gRPC with mutual TLS, the operator its only client (tls.py).
 CONTROL_PORT = 50052
 TLS_DIR = "/var/run/specpair/tls"
+# The serving ports' bearer token (spec.rollout.auth), from the pair's Secret.
+AUTH_DIR = "/var/run/specpair/auth"
 TERMINATION_LOG = "/dev/termination-log"
 # A pre-filled Hugging Face hub cache (rollout.modelCache.persistentVolumeClaim), read-only.
 HUB_CACHE_DIR = "/var/cache/specpair-hub"
@@ -381,8 +383,15 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
         "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 5},
         "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 20, "failureThreshold": 3},
     }
-    return _engine_deployment_of(pair, namespace, release, digest, version, rollout, container, defaults, [
-        {"name": "tls", "secret": {"secretName": engine_tls_secret_name(pair), "defaultMode": 0o440}}])
+    volumes = [{"name": "tls", "secret": {"secretName": engine_tls_secret_name(pair), "defaultMode": 0o440}}]
+    ref = (rollout.get("auth") or {}).get("tokenSecretRef")
+    if ref:
+        # By reference: the kubelet mounts the key, the operator never reads it.
+        volumes.append({"name": "auth", "secret": {"secretName": ref["name"], "defaultMode": 0o440,
+                                                   "items": [{"key": ref.get("key") or "token", "path": "token"}]}})
+        container["volumeMounts"].append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
+        container["command"] += ["--auth-token-file", f"{AUTH_DIR}/token"]
+    return _engine_deployment_of(pair, namespace, release, digest, version, rollout, container, defaults, volumes)
 
 
 def _engine_deployment_of(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
