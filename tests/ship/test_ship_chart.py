@@ -506,3 +506,26 @@ def test_documented_finalizer_removal_empties_the_finalizers(kubectl, tmp_path):
     patched = yaml.safe_load(out)
     assert "finalizers" not in patched["metadata"]
     assert patched["spec"] == {"target": {"source": "default"}, "draft": {"drafter": "ngram"}}
+
+
+@pytest.mark.parametrize("values, peers", [
+    (None, [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "default"}}}]),
+    ({"watchNamespaces": ["team-a", "team-b"]},
+     [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}} for ns in ("team-a", "team-b")]),
+    ({"watchNamespaces": [], "engine": {"networkPolicy": {"from": []}}}, None),  # all namespaces: any source
+], ids=["default", "listed", "all-namespaces"])
+def test_engine_ingress_defaults_to_the_watched_namespaces(render, values, peers):
+    """The engine pods' NetworkPolicy, as the operator renders it from the chart's settings: by
+    default only the watched namespaces (and the operator's pods) reach the serving ports."""
+    from specpair_operator.manifests import PodDefaults, engine_network_policy
+
+    container = one(render(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    pods = PodDefaults.from_env({e["name"]: e["value"] for e in container["env"] if "value" in e})
+    serving = engine_network_policy("p", "team-a", pods)["spec"]["ingress"][0]
+    if peers is None:
+        assert "from" not in serving
+    else:
+        assert serving["from"][:-1] == peers
+        operator = serving["from"][-1]
+        assert operator["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": RELEASE_NAMESPACE}}
+        assert operator["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"

@@ -68,6 +68,12 @@ pods (it calls the engines' gRPC port); empty (any source) when engine.networkPo
 */}}
 {{- define "specpair.engineIngressFrom" -}}
 {{- $from := .Values.engine.networkPolicy.from | default list -}}
+{{- if not $from -}}
+{{- /* None named: the watched namespaces, each by name (none when all are watched: any source). */ -}}
+{{- range .Values.watchNamespaces -}}
+{{- $from = append $from (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .))) -}}
+{{- end -}}
+{{- end -}}
 {{- if $from -}}
 {{- $operator := dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" (include "specpair.selectorLabels" . | fromYaml)) -}}
 {{- append $from $operator | toJson -}}
