@@ -6,7 +6,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specpair.config import SpeculationConfig
+from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.stats import RequestMoments
 
@@ -208,3 +208,23 @@ def test_per_request_sums_reach_the_operator_probe(tiny_pair, start_server):
     assert code["draftedSq"] == pytest.approx(sum(d * d for d, _ in per_request))
     assert code["acceptedSq"] == pytest.approx(sum(a * a for _, a in per_request))
     assert code["draftedAccepted"] == pytest.approx(sum(d * a for d, a in per_request))
+
+
+def test_a_request_past_the_kv_budget_is_served_target_only_and_counted(tiny_pair, start_server):
+    """The server's counter follows the engine's memory fallbacks: a budget that holds the row's own
+    keys and values but not its drafts' serves it target-only, same text, counted once."""
+    target, draft = tiny_pair
+    prompt, new_tokens = "def foo(x):", 12
+    speculation = SpeculationConfig(k=3, dynamic_k=False, fallback_threshold=0)
+    probe = SpeculativeEngine(target, draft=draft, speculation=speculation)
+    own, drafts = probe.row_memory(len(probe.encode(prompt)), GenerationParams(max_new_tokens=new_tokens))
+    assert drafts > 0
+    engine = SpeculativeEngine(target, draft=draft, speculation=speculation, kv_budget=f"{own + drafts - 1}B")
+    server = start_server(engine=engine)
+    labels = {"pair": "tiny", "version": "1"}
+    assert value(scrape(server), "specpair_memory_fallback_total", **labels) == 0
+    with client_for(server) as c:
+        reply = c.generate(prompt, max_new_tokens=new_tokens)
+    assert reply.token_ids == reference(tiny_pair, prompt, new_tokens).token_ids
+    assert reply.last.stats.num_drafts == 0
+    assert wait_for(lambda: value(scrape(server), "specpair_memory_fallback_total", **labels) == 1)

@@ -455,3 +455,6 @@ class EngineWorker:
         self.metrics.set_state(running=len(self._jobs), waiting=len(self._pending), k=self.batch.last_k,
                                speculating=controller.should_speculate() and self.engine.drafter is not None,
                                window_rate=overall, category_rates=rates)
+        # Rows admitted target-only (or stopped drafting) for want of KV memory: the engine keeps
+        # the running total, the counter catches up with it here.
+        self.metrics.record_memory_fallbacks(self.engine.memory_fallbacks)
