@@ -101,9 +101,6 @@ class DriftPolicy:
 
 # -- counters ---------------------------------------------------------------------------------
 
-# handlers.py reads each pod's report as drift.Counts.
-Counts = RequestMoments
-
 
 @dataclass(frozen=True)
 class PodStats:

@@ -22,6 +22,8 @@ from typing import Any
 import kopf
 from mlflow.exceptions import MlflowException
 
+from specpair.stats import RequestMoments
+
 from . import aliases as aliases_mod
 from . import conditions as c
 from . import drift as drift_mod
@@ -137,8 +139,6 @@ async def control_ca(rt: Runtime) -> tls_mod.KeyPair:
         if isinstance(rt.probe, GrpcEngineProbe):
             rt.probe.tls = ClientTLS(ca=ca.cert_pem, cert=client.cert_pem, key=client.key_pem)
         return ca
-# Tests stand in the engine pods by setting this before the operator starts.
-PROBE_OVERRIDE: EngineProbe | None = None
 
 
 def reconcile_interval() -> float:
@@ -180,7 +180,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     for memory in (RUNTIME.locks, RUNTIME.retry_at, RUNTIME.backoff, RUNTIME.samples, RUNTIME.last_drift_check,
                    RUNTIME.speedup_series, RUNTIME.watch_cache, RUNTIME.bodies, RUNTIME.tls_checked_at):
         memory.clear()
-    RUNTIME.probe = PROBE_OVERRIDE or GrpcEngineProbe()
+    RUNTIME.probe = GrpcEngineProbe()
     RUNTIME.operator_namespace = operator_namespace()
     if not RUNTIME.operator_namespace:
         raise kopf.PermanentError("set SPECPAIR_OPERATOR_NAMESPACE: the namespace of the operator's CA Secret "
@@ -1219,7 +1219,7 @@ class Pass:
                 meta = pod["metadata"]
                 observed.append(drift_mod.PodStats(
                     f"{meta['name']}/{meta.get('uid', '')}",
-                    {cat: drift_mod.Counts.from_stats(v) for cat, v in (stats.get("categories") or {}).items()},
+                    {cat: RequestMoments.from_stats(v) for cat, v in (stats.get("categories") or {}).items()},
                     time.time() - float(uptime) if uptime else None))
         except EngineUnreachable as exc:
             self.logger.warning(f"drift check skipped: {exc}")
