@@ -7,10 +7,13 @@ default, MLflow models), the speculative config comes from the release by the on
 (vllm_peer.speculative_config), and then this process becomes vLLM's OpenAI server (exec), so
 signals and the exit code are vLLM's own.
 
-Identity: vLLM answers /v1/models with the names it serves. Besides the pair's name (what
-clients send as "model"), it serves `identity_name(...)`: pair, release version, the release
-file's content hash and whether speculation is on. The operator reads it back from each pod
-(engine_probe.VllmProbe), as it reads GetModelInfo from ours.
+Identity: besides the pair's name (what clients send as "model"), vLLM serves
+`identity_name(...)`: pair, release version, the release file's content hash and whether
+speculation is on. It is the first served name, because vLLM labels its /metrics with the first
+one only (`model_name`), and /metrics stays open when `rollout.auth` closes /v1/* behind vLLM's
+API key (VLLM_API_KEY, from the pair's Secret). The operator reads it back from each pod
+(engine_probe.VllmProbe), as it reads GetModelInfo from ours. vLLM also names the first served
+name as the `model` of its replies.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def identity_name(pair: str, version: str, digest: str, speculating: bool) -> st
 
 
 def parse_identity_name(name: str) -> dict | None:
-    """identity_name's fields (the operator reads them from /v1/models), or None for other names."""
+    """identity_name's fields (the operator reads them from /metrics or /v1/models), or None for other names."""
     parts = name.split(":")
     if len(parts) != 5 or parts[0] != IDENTITY_PREFIX or not parts[2].startswith("v") or parts[4] not in ("spec", "nospec"):
         return None
@@ -53,7 +56,7 @@ def command(release: dict, *, python: str, host: str, port: int, speculation: bo
     pair = str(release.get("pair") or "specpair")
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--dtype", dtype_of(release),
            "--host", host, "--port", str(port), "--generation-config", "vllm",
-           "--served-model-name", pair, identity_name(pair, version, content_hash(release), spec is not None)]
+           "--served-model-name", identity_name(pair, version, content_hash(release), spec is not None), pair]
     if enforce_eager:
         cmd.append("--enforce-eager")
     if spec is not None:

@@ -14,6 +14,7 @@ tests can stand an engine in with any object that has these three coroutines.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -113,11 +114,14 @@ class GrpcEngineProbe:
 
 
 class VllmProbe:
-    """Reads vLLM engine pods over their HTTP port: /v1/models (the identity name the release
-    file put there: pair, version, content hash, speculation; specpair.vllm_serve) and /metrics
-    (vLLM's spec-decode counters, as one category "all": vLLM does not count by category). vLLM
-    has no runtime switch, so set_speculation changes nothing; the operator re-rolls the
-    Deployment instead. Both formats are read with the engine package's own torch-free parsers."""
+    """Reads vLLM engine pods over their HTTP port, from what vLLM's API key (rollout.auth) leaves
+    open: /metrics carries the identity name the release file put there (pair, version, content
+    hash, speculation; specpair.vllm_serve) as the `model_name` label of every sample, and vLLM's
+    spec-decode counters (as one category "all": vLLM does not count by category). Pods whose
+    identity is not their first served name (rolled out before it was) are read from /v1/models,
+    which answers there because they have no API key either. vLLM has no runtime switch, so
+    set_speculation changes nothing; the operator re-rolls the Deployment instead. Both formats
+    are read with the engine package's own torch-free parsers."""
 
     def __init__(self, timeout_s: float = 5.0):
         self.timeout_s = timeout_s
@@ -139,8 +143,11 @@ class VllmProbe:
 
         from specpair.vllm_serve import parse_identity_name
 
-        for m in json.loads(await self._get(address, "/v1/models")).get("data") or []:
-            identity = parse_identity_name(str(m.get("id", "")))
+        names = metric_model_names(await self._get(address, "/metrics"))
+        if not any(parse_identity_name(n) for n in names):
+            names = [str(m.get("id", "")) for m in json.loads(await self._get(address, "/v1/models")).get("data") or []]
+        for name in names:
+            identity = parse_identity_name(name)
             if identity is not None:
                 return {"pair": identity["pair"], "releaseVersion": identity["version"],
                         "contentHash": identity["digest"], "tokenizer": {},
@@ -171,3 +178,17 @@ def finished_requests(metrics_text: str) -> int:
             except ValueError:
                 continue
     return int(total)
+
+
+_MODEL_NAME = re.compile(r'[{,]model_name="((?:[^"\\]|\\.)*)"')
+
+
+def metric_model_names(metrics_text: str) -> list[str]:
+    """The `model_name` label values of vLLM's samples (Prometheus text), each once, in order of
+    first appearance; label escapes (backslash, quote, newline) undone."""
+    names: dict[str, None] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:"):
+            for raw in _MODEL_NAME.findall(line):
+                names.setdefault(re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), raw))
+    return list(names)

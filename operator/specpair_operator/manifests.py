@@ -423,8 +423,11 @@ def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest:
                      rollout: dict[str, Any], tracking_uri: str, credentials: MlflowCredentials | None,
                      defaults: PodDefaults, speculation: bool) -> dict[str, Any]:
     """vLLM's OpenAI server: one HTTP port for the API, /health (the probes) and /metrics (drift
-    and Prometheus). The operator only reads from these pods (/v1/models for identity, /metrics
-    for acceptance); there is no call that changes them, so no control listener."""
+    and Prometheus). The operator only reads from these pods (/metrics for identity and
+    acceptance); there is no call that changes them, so no control listener. With rollout.auth,
+    vLLM's API key (VLLM_API_KEY, which vLLM reads as --api-key) comes from the pair's Secret by
+    reference: it guards /v1/* and leaves /health (the probes) and /metrics (the operator,
+    Prometheus) open."""
     http_port = int(rollout.get("httpPort") or HTTP_PORT)
     container = {
         "name": "engine",
@@ -432,7 +435,7 @@ def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest:
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
         "command": vllm_command(http_port, rollout, speculation),
         "ports": [{"name": "http", "containerPort": http_port, "protocol": "TCP"}],
-        "env": _env(tracking_uri, credentials, rollout=rollout, defaults=defaults),
+        "env": _env(tracking_uri, credentials, rollout=rollout, defaults=defaults) + _vllm_api_key(rollout),
         "volumeMounts": _mounts(rollout),
         "securityContext": _container_security(),
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 60},
@@ -440,6 +443,17 @@ def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest:
         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 20, "failureThreshold": 3},
     }
     return _engine_deployment_of(pair, namespace, release, digest, version, rollout, container, defaults)
+
+
+def _vllm_api_key(rollout: dict[str, Any]) -> list[dict[str, Any]]:
+    """VLLM_API_KEY from the token Secret (the kubelet resolves it; the operator never reads it).
+    Not optional: a missing Secret or key keeps the pod from starting, with the kubelet's reason,
+    instead of a pod that serves without a key."""
+    ref = (rollout.get("auth") or {}).get("tokenSecretRef")
+    if not ref:
+        return []
+    return [{"name": "VLLM_API_KEY",
+             "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref.get("key") or "token"}}}]
 
 
 def rollout_strategy(rollout: dict[str, Any]) -> dict[str, Any]:

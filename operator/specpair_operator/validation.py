@@ -29,8 +29,6 @@ CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "!has(self.engine) || self.engine != 'vllm' || !has(self.speculation) || "
     "!has(self.speculation.lookupMinMatch) || self.speculation.lookupMinMatch == 0":
         lambda o: o.get("engine") != "vllm" or (o.get("speculation") or {}).get("lookupMinMatch", 0) == 0,
-    "!has(self.engine) || self.engine != 'vllm' || !has(self.rollout) || !has(self.rollout.auth)":
-        lambda o: o.get("engine") != "vllm" or "auth" not in (o.get("rollout") or {}),
     # rollout: no two of the serving, control and metrics ports are one port
     "!has(self.controlPort) || ((!has(self.port) || self.controlPort != self.port) && "
     "(!has(self.httpPort) || self.controlPort != self.httpPort) && self.controlPort != 9400)":

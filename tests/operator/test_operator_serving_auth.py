@@ -4,7 +4,8 @@ with the real engine (tiny models, the project's engine image run by the devclus
 The operator mounts the Secret's key into the engine pods and passes `--auth-token-file`; the
 pod becomes Ready (the gRPC health service needs no token) and the operator verifies what it
 serves over its mutual-TLS control port. A request without the token is refused on both
-serving ports; with it, it is answered. The CRD refuses rollout.auth for a vLLM engine.
+serving ports; with it, it is answered. A vLLM engine takes the same Secret as vLLM's API key
+(real vLLM behind it: tests/operator/test_operator_vllm.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from kopf.testing import KopfRunner
 
 from cluster_env import OPERATOR
 from specpair._proto import engine_pb2, engine_pb2_grpc
-from specpair_devcluster.client import ApiError
 from specpair_operator import manifests
 from test_operator_e2e import engine_pods, serving  # noqa: F401
 from test_operator_real_engine import CODE_PROMPTS, tiny_pair
@@ -44,12 +44,24 @@ def test_manifest_mounts_the_token_by_reference():
     assert "--auth-token-file" not in plain["spec"]["template"]["spec"]["containers"][0]["command"]
 
 
-def test_the_crd_refuses_auth_for_vllm(operator_env, ns):
-    with pytest.raises(ApiError) as refused:
-        ns.create({"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": "v"},
-                   "spec": {"engine": "vllm", "target": {"source": "t"}, "draft": {"source": "d"},
-                            "rollout": {"auth": {"tokenSecretRef": {"name": "serving-token"}}}}})
-    assert "rollout.auth needs engine specpair" in str(refused.value)
+def test_a_vllm_pair_takes_the_token_as_vllms_api_key(operator_env, ns):
+    """The API server admits rollout.auth for vLLM, and the pods get VLLM_API_KEY from the Secret
+    by reference (vLLM reads it as --api-key); the token never appears in the Deployment."""
+    created = ns.create({"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": "v"},
+                         "spec": {"engine": "vllm", "target": {"source": "t"}, "draft": {"source": "d"},
+                                  "rollout": {"auth": {"tokenSecretRef": {"name": "serving-token"}}}}})
+    rollout = created["spec"]["rollout"]
+    assert rollout["auth"] == {"tokenSecretRef": {"name": "serving-token", "key": "token"}}
+    rel = {"target": {"source": "t"}, "draft": {"source": "d"}, "speculation": {}, "gating": {},
+           "engine": {"kind": "vllm", "image": "x"}}
+    (container,) = manifests.engine_deployment("v", "ns", rel, "d" * 64, "1", rollout,
+                                               "http://m")["spec"]["template"]["spec"]["containers"]
+    assert {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "serving-token", "key": "token"}}} \
+        in container["env"]
+    assert "--api-key" not in container["command"]
+    (plain,) = manifests.engine_deployment("v", "ns", rel, "d" * 64, "1", {},
+                                           "http://m")["spec"]["template"]["spec"]["containers"]
+    assert not any(e["name"] == "VLLM_API_KEY" for e in plain["env"])
 
 
 def test_a_pair_with_a_token_serves_only_requests_that_carry_it(operator_env, ns, mlflow_server, model_dirs):

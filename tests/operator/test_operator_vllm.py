@@ -1,8 +1,10 @@
 """A vLLM release end to end on the real control plane: the operator (real Kopf, the chart's
 RBAC) gates it in a Job that runs the golden prompts through real vLLM servers, promotes it,
 rolls out pods that run real vLLM (specpair.vllm_serve, exec'd into vLLM's own virtualenv by the
-devcluster node), verifies each pod's identity from /v1/models and reads its drift from vLLM's
-own counters; a draft with another tokenizer still fails at the gate, before any vLLM starts.
+devcluster node) behind vLLM's API key from the pair's token Secret (rollout.auth), verifies each
+pod's identity from /metrics (left open by the key) and reads its drift from vLLM's own counters;
+a request without the token is refused (401) and one with it answered; a draft with another
+tokenizer still fails at the gate, before any vLLM starts.
 
 Marked `vllm`: skipped where scripts/setup-vllm.sh has not run, unless SPECPAIR_REQUIRE_VLLM is
 set (CI). Several minutes: two vLLM servers in the gate, one per engine pod (~4 GB each).
@@ -10,8 +12,11 @@ set (CI). Several minutes: two vLLM servers in the gate, one per engine pod (~4 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import urllib.error
+import urllib.request
 import uuid
 from typing import Any
 
@@ -21,6 +26,7 @@ from kopf.testing import KopfRunner
 from cluster_env import OPERATOR
 
 VLLM_IMAGE = "specpair/engine-vllm:test"
+TOKEN = "vllm-s3cret-" + uuid.uuid4().hex
 PROMPTS = [{"prompt": "one two three one two three one two", "category": "extraction"},
            {"prompt": "abc abc abc abc abc", "category": "extraction"}]
 
@@ -70,9 +76,15 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
 
     from specpair.vllm_serve import parse_identity_name
 
+    from specpair_operator.engine_probe import VllmProbe
+
     name = f"vl-{uuid.uuid4().hex[:5]}"
+    ns.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "serving-token"},
+               "stringData": {"token": TOKEN}})
+    pair = vllm_pair(name, models["target"], {"drafter": "ngram"})
+    pair["spec"]["rollout"]["auth"] = {"tokenSecretRef": {"name": "serving-token"}}
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        ns.create(vllm_pair(name, models["target"], {"drafter": "ngram"}))
+        ns.create(pair)
         obj = ns.wait_for("v1 serving on vLLM", lambda: (o := ns.pair(name)) and
                           (o.get("status") or {}).get("phase") == "Serving" and o, timeout=900)
         st = obj["status"]
@@ -81,20 +93,27 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
         (pod,) = [p for p in ns.pods("specpair.io/role=engine") if not p["metadata"].get("deletionTimestamp")]
         command = pod["spec"]["containers"][0]["command"]
         assert command[:3] == ["python", "-m", "specpair.vllm_serve"]
+        ip = pod["status"]["podIP"]
+        # vLLM's API key: /v1/* refused without the token or with another one, answered with it.
+        assert post_completion(ip, name, None) == 401 and post_completion(ip, name, "wrong-" + TOKEN) == 401
+        assert post_completion(ip, name, TOKEN) == 200
         # The pod is vLLM's OpenAI server: the official client, greedy, against the pod's port.
-        client = openai.OpenAI(base_url=f"http://{pod['status']['podIP']}:8000/v1", api_key="unused", timeout=120)
+        client = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key=TOKEN, timeout=120)
         served = [m.id for m in client.models.list().data]
         identity = next(parse_identity_name(m) for m in served if parse_identity_name(m))
         assert name in served and identity["pair"] == name and identity["version"] == "1" and identity["speculating"]
+        # What the operator verified ("identity verified" above) it read from the open /metrics.
+        info = asyncio.run(VllmProbe().model_info(f"{ip}:8000"))
+        assert (info["pair"], info["releaseVersion"], info["speculationEnabled"]) == (name, "1", True)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused").models.list()
         for i in range(16):
             # Long outputs (a tiny random model ends early otherwise), so n-gram lookup drafts.
             out = client.completions.create(model=name, prompt=PROMPTS[i % 2]["prompt"], max_tokens=48, temperature=0,
                                             extra_body={"ignore_eos": True})
             assert out.usage.completion_tokens == 48
-        import urllib.request
-
         from specpair.vllm_peer import parse_spec_decode_metrics
-        with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30) as r:
+        with urllib.request.urlopen(f"http://{ip}:8000/metrics", timeout=30) as r:
             counters = parse_spec_decode_metrics(r.read().decode())
         assert counters.draft_tokens > 0, counters
         # Drift is judged on vLLM's own counters: a window of these drafts closes and is judged
@@ -112,3 +131,15 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
         assert cond(obj, "Gated")["reason"] == "TokenizerMismatch" and not obj["status"].get("servingVersion")
     assert runner.exception is None
     print(json.dumps(st.get("lastGate")))
+
+
+def post_completion(ip: str, model: str, token: str | None) -> int:
+    """The HTTP status vLLM answers a completion with (authorization: Bearer `token`, or none)."""
+    body = json.dumps({"model": model, "prompt": "abc", "max_tokens": 1}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"http://{ip}:8000/v1/completions", body, headers),
+                                    timeout=120) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
