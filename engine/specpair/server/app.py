@@ -10,8 +10,9 @@ front (openai_api.py, when `http_port` is set) in uvicorn's: `start()` and `stop
 blocking calls, usable from the CLI, tests and benchmarks alike. Both fronts feed the one worker;
 the HTTP front answers 503 while loading and draining and stops after the drain.
 
-The gRPC server may listen twice: the main port (plaintext or TLS) and a control port (mutual TLS,
-certificates re-read on rotation, tls.py) serving the same services. Once any listener verifies
+The gRPC server may listen twice: the main port (plaintext or TLS) and a control port (mutual TLS)
+serving the same services; every TLS listener, the HTTP front's included, re-reads its certificate
+files when they change (tls.py), so a certificate renewed in place needs no restart. Once any listener verifies
 client certificates, SetSpeculation is the operator's alone (`control_client_names`).
 """
 
@@ -51,7 +52,9 @@ class ServerOptions:
     max_batch_size: int = 8
     max_queue: int = 32
     drain_timeout: float = 30.0
-    tls: TLSFiles | None = None        # None: plaintext (the CLI asks for --insecure explicitly)
+    # The serving ports' (gRPC and HTTP) certificate, re-read on rotation. None: plaintext (the
+    # CLI asks for --insecure explicitly).
+    tls: TLSFiles | None = None
     limits: Limits = Limits()
     warm_up_prompt: str = "Hello"
     content_hash: str = ""             # of the release file served (--release), for GetModelInfo
@@ -121,10 +124,13 @@ class EngineServer:
                                f"{self.error or 'timed out'}")
         if self.options.http_port is not None:
             from specpair.server.openai_api import OpenAIFront
+            # The gRPC port's files, checked by a watcher of its own: each listener takes a
+            # rotation at its own next handshake.
+            http_tls = ReloadingTLS(self.options.tls, "serving TLS").ssl_context() if self.options.tls else None
             try:
                 self._http = OpenAIFront(self, self._service.admission, host=self.options.host,
                                          port=self.options.http_port, token=self.options.auth_token,
-                                         read_timeout=self.options.http_read_timeout).start()
+                                         read_timeout=self.options.http_read_timeout, tls=http_tls).start()
             except OSError as exc:
                 self.stop(0)
                 raise RuntimeError(f"HTTP server did not start on {self.options.host}:"
@@ -285,7 +291,7 @@ class EngineServer:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         address = f"{opts.host}:{opts.port}"
         if opts.tls is not None:
-            self.port = self._server.add_secure_port(address, opts.tls.credentials())
+            self.port = self._server.add_secure_port(address, ReloadingTLS(opts.tls, "serving TLS").credentials())
         else:
             self.port = self._server.add_insecure_port(address)
         if opts.control_port is not None:

@@ -61,11 +61,15 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     http.add_argument("--http-read-timeout", type=float, default=30.0, metavar="SECONDS",
                       help="a request must arrive in full (headers and body) within this time, or it is "
                            "answered 408 and its connection closed")
-    tls = serve.add_argument_group("transport security (one of --tls-cert/--tls-key or --insecure)")
+    tls = serve.add_argument_group("transport security of the serving ports, gRPC and HTTP alike (one of "
+                                   "--tls-cert/--tls-key or --insecure); the files are re-read when they "
+                                   "change, so a certificate renewed in place needs no restart")
     tls.add_argument("--tls-cert", help="server certificate chain (PEM)")
     tls.add_argument("--tls-key", help="server private key (PEM)")
     tls.add_argument("--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)")
-    tls.add_argument("--insecure", action="store_true", help="plaintext gRPC (only inside a trusted network)")
+    tls.add_argument("--insecure", action="store_true",
+                     help="plaintext gRPC and HTTP (only inside a trusted network, or behind a gateway "
+                          "that terminates TLS)")
     tls.add_argument("--auth-token-file", "--http-token-file", dest="auth_token_file", metavar="FILE",
                      help="require a bearer token, the text of this file (e.g. a mounted Secret), on the "
                           "serving ports: HTTP 'Authorization: Bearer <token>', gRPC metadata "
@@ -212,7 +216,7 @@ def server_options(args):
     if not args.insecure:
         if not (args.tls_cert and args.tls_key):
             raise SpecpairError("give --tls-cert and --tls-key (optionally --tls-client-ca), "
-                                "or --insecure for plaintext gRPC")
+                                "or --insecure for plaintext gRPC and HTTP")
         tls = TLSFiles(cert=args.tls_cert, key=args.tls_key, client_ca=args.tls_client_ca)
     control_files = (args.control_tls_cert, args.control_tls_key, args.control_tls_client_ca)
     control_tls = None
@@ -309,7 +313,7 @@ def serve_command(args) -> int:
                 f"{', '.join(options.control_client_names)})" if server.control_port else "")
              + ", health NOT_SERVING until the models are loaded"
              + (f"; metrics on :{server.metrics_port}/metrics" if server.metrics_port else "")
-             + (f"; OpenAI-compatible HTTP on :{server.http_port}/v1"
+             + (f"; OpenAI-compatible {'HTTPS' if options.tls else 'HTTP'} on :{server.http_port}/v1"
                 if server.http_port else "")
              + ("; bearer token required on the serving ports" if options.auth_token else ""))
     stop = threading.Event()

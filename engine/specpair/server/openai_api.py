@@ -27,6 +27,7 @@ import functools
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -330,14 +331,16 @@ class OpenAIFront:
     """The HTTP server of one EngineServer (`state`: engine, worker, limits, metrics, phase)."""
 
     def __init__(self, state, admission: Admission, *, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, read_timeout: float = 30.0):
+                 token: str | None = None, read_timeout: float = 30.0, tls: ssl.SSLContext | None = None):
         """admission: the gRPC service's, so both protocols enter the worker one way (and one
-        thread tokenizes for both). read_timeout: seconds a request may take to arrive in full."""
+        thread tokenizes for both). read_timeout: seconds a request may take to arrive in full.
+        tls: HTTPS with this server context (tls.ReloadingTLS.ssl_context); None: plaintext."""
         self.state = state
         self.admission = admission
         self.host, self.port = host, port
         self._token = token or None
         self.read_timeout = read_timeout
+        self.tls = tls
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.app = Starlette(exception_handlers={HTTPException: _http_error, Exception: _server_error}, routes=[
@@ -364,6 +367,9 @@ class OpenAIFront:
         config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, timeout_keep_alive=30, backlog=1024,
                                 http=functools.partial(ReadTimeoutH11Protocol, read_timeout=self.read_timeout))
+        config.load()
+        # uvicorn builds its SSLContext from file names, once; this one re-reads them on rotation.
+        config.ssl = self.tls
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])),
                                         name="specpair-http", daemon=True)
