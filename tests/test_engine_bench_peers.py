@@ -8,7 +8,8 @@ import pytest
 from specpair.bench import (HfCompiledPeer, _run_one, format_table, hf_compile_mode, host_figures,
                             run_bench)
 from specpair.config import GenerationParams, SpeculationConfig
-from specpair.decoding import SpeculativeEngine, StepTiming
+from specpair.costs import StepTiming
+from specpair.decoding import SpeculativeEngine
 
 
 def test_host_time_is_the_step_less_the_device_share():

@@ -117,7 +117,7 @@ def test_chat_prompt_uses_template(tiny_target):
 
 
 def test_cost_aware_k_follows_acceptance_and_costs():
-    from specpair.decoding import CostModel, DynamicK
+    from specpair.costs import CostModel, DynamicK
     config = SpeculationConfig(k=4, k_max=8)
     cheap = CostModel(draft=0.01, verify={k: 1.0 + 0.01 * k for k in range(1, 9)})
     dear = CostModel(draft=0.2, verify={k: 1.0 + 0.2 * k for k in range(1, 9)})

@@ -363,7 +363,7 @@ def test_the_gate_measures_a_head_like_any_draft(tmp_path, tiny_target, tiny_pai
 
 def test_a_once_per_round_draft_is_charged_once_per_round():
     """Medusa drafts a whole round in one pass: the cost model must not charge it k times."""
-    from specpair.decoding import CostModel
+    from specpair.costs import CostModel
 
     costs = {"target_step": 1.0, "draft_step": 0.2, "verify": {1: 1.1, 3: 1.2}}
     per_token = CostModel.from_seconds({**costs, "draft_per_token": True})

@@ -90,6 +90,6 @@ def test_vllm_gate_fails_a_mismatched_draft_before_starting_vllm(tiny_pair_dirs,
 def test_vllm_gate_needs_the_target_as_a_model_directory(tmp_path, monkeypatch):
     from specpair.gate_vllm import run_gate_vllm
 
-    monkeypatch.setattr("specpair.gate.tokenizer_check", lambda release, progress: {"compatible": True})
+    monkeypatch.setattr("specpair.gate_vllm.tokenizer_check", lambda release, progress: {"compatible": True})
     with pytest.raises(SpecpairError, match="local model directory"):
         run_gate_vllm(vllm_release("some-org/some-model", {"drafter": "ngram"}), progress=lambda *_: None)

@@ -40,8 +40,9 @@ import torch
 
 from specpair.config import GenerationParams
 from specpair.contract import DEFAULT_CATEGORY
-from specpair.decoding import SpeculativeEngine, StepTiming, _sync, kv_bytes_per_token
-from specpair.drafters import EagleDrafter, LookupFirstDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
+from specpair.costs import StepTiming, measure_step_costs, sync, timed
+from specpair.decoding import SpeculativeEngine, kv_bytes_per_token
+from specpair.drafters import EagleDrafter, MedusaDrafter, ModelDrafter
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
 from specpair.stats import AcceptanceStats
@@ -75,73 +76,6 @@ def load_prompts(path: str | None) -> list[dict]:
     return prompts
 
 
-def _timed(fn, device) -> tuple[float, object]:
-    _sync(device)
-    start = time.perf_counter()
-    out = fn()
-    _sync(device)
-    return time.perf_counter() - start, out
-
-
-@torch.no_grad()
-def measure_step_costs(engine: SpeculativeEngine, prompt_ids: list[int], ks: list[int],
-                       repeats: int = 5) -> dict:
-    """Seconds, the fastest of `repeats` after a warm-up: T1 (target, 1 token), Tv[k] (target,
-    k+1 tokens; 1 + k*width when a head drafts a tree of `width` candidates per position), Td
-    (one draft step). The target's passes are timed in turns (T1, Tv[1], ..., T1, ...), not one
-    size after another: a burst of other work on a shared machine then slows one turn of every
-    size rather than all the timings of one size, which priced a single k at twice its cost."""
-    device = engine.target.device
-
-    def fastest_extends(model, token_counts: list[int]) -> dict[int, float]:
-        kv = engine.kv_model(model)
-        kv.add_rows(1)
-        kv.extend([prompt_ids])
-        base = kv.lengths[0]
-        best = {n: float("inf") for n in token_counts}
-        for turn in range(repeats + 1):
-            for n in token_counts:
-                seconds, _ = _timed(lambda: kv.extend([prompt_ids[:n] or [0]], last=n), device)
-                kv.rollback(0, base)
-                kv.trim()
-                if turn:          # the first turn warms up
-                    best[n] = min(best[n], seconds)
-        return best
-
-    def fastest_lookup(drafter) -> float:
-        seq = list(prompt_ids) * 2
-        return min(_timed(lambda: drafter.lookup(seq, max(ks)) if hasattr(drafter, "lookup") else None,
-                          device)[0] for _ in range(repeats))
-
-    lookup_first = isinstance(engine.drafter, LookupFirstDrafter)
-    # Lookup first, then a head: priced as its head (what k is chosen by, dynamic_k's cost model)
-    drafter = engine.drafter.head if lookup_first else engine.drafter
-    width = engine.config.tree_width if drafter is not None and drafter.tree_capable else 1
-    sizes = {1, *(1 + k * width for k in ks)}
-    if lookup_first:      # ... which verifies a chain in the rounds that copy
-        sizes |= {1 + k for k in ks}
-    passes = fastest_extends(engine.target.model, sorted(sizes))
-    costs = {"target_step": passes[1], "tree_width": width,
-             "verify": {k: passes[1 + k * width] for k in ks}}
-    # n-gram: one lookup per round; models and heads: one step per draft token
-    costs["draft_per_token"] = isinstance(drafter, (ModelDrafter, EagleDrafter))
-    if isinstance(drafter, ModelDrafter):
-        costs["draft_step"] = fastest_extends(drafter.loaded.model, [1])[1]
-    elif hasattr(drafter, "timing_step"):     # heads: their own step (per token or per round)
-        step = drafter.timing_step(len(prompt_ids))
-        costs["draft_step"] = min([_timed(step, device)[0] for _ in range(repeats + 1)][1:])
-    elif drafter is not None:
-        costs["draft_step"] = fastest_lookup(drafter)
-    else:
-        costs["draft_step"] = 0.0
-    if lookup_first:
-        # ... but its rounds that copy cost a lookup and a chain's verification: the bound prices
-        # those rounds (recorded apart, AcceptanceStats) at these.
-        costs["copy"] = {"verify": {k: passes[1 + k] for k in ks},
-                         "draft_step": fastest_lookup(engine.drafter), "draft_per_token": False}
-    return costs
-
-
 @torch.no_grad()
 def measure_memory_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> dict:
     """GB/s here, measured in the same run: a large tensor copy (bytes read + written over the
@@ -151,8 +85,8 @@ def measure_memory_bandwidth(device, megabytes: int = 512, repeats: int = 5) -> 
     src = torch.empty(megabytes * (1 << 20) // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    copy = [_timed(lambda: dst.copy_(src), device)[0] for _ in range(repeats)]
-    read = [_timed(lambda: src.sum(), device)[0] for _ in range(repeats)]
+    copy = [timed(lambda: dst.copy_(src), device)[0] for _ in range(repeats)]
+    read = [timed(lambda: src.sum(), device)[0] for _ in range(repeats)]
     nbytes = src.numel() * 4
     out = {"copy_gb_s": round(2 * nbytes / min(copy) / 1e9, 3),
            "read_gb_s": round(nbytes / min(read) / 1e9, 3)}
@@ -192,7 +126,7 @@ def measure_prefill(engine: SpeculativeEngine, prompt_ids: list[int], repeats: i
         for _ in range(repeats):
             kv = engine.kv_model(model)
             kv.add_rows(1)
-            times.append(_timed(lambda: kv.extend([prompt_ids]), device)[0])
+            times.append(timed(lambda: kv.extend([prompt_ids]), device)[0])
         total += min(times)
     return total
 
@@ -492,7 +426,7 @@ class HfCompiledPeer:
         """Compile (and on CUDA capture) the step; returns the seconds it took."""
         start = time.perf_counter()
         self.generate(prompt_ids, 4)
-        _sync(self.device)
+        sync(self.device)
         self.warm_seconds = time.perf_counter() - start
         return self.warm_seconds
 
@@ -544,22 +478,22 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
         timing = {"target": StepTiming(), "spec": StepTiming()}
         spec_result = base_result = None
         for _ in range(runs):
-            seconds, base = _timed(lambda: _run_one(engine, ids, params, speculate=False,
+            seconds, base = timed(lambda: _run_one(engine, ids, params, speculate=False,
                                                     timing=timing["target"]), target.device)
             t_times.append(seconds)
             engine.controller.reset()   # each run starts from the same fallback state
-            seconds, spec = _timed(lambda: _run_one(engine, ids, params, speculate=True,
+            seconds, spec = timed(lambda: _run_one(engine, ids, params, speculate=True,
                                                     timing=timing["spec"]), target.device)
             s_times.append(seconds)
             base_result, spec_result = base, spec
             if hf_peer:
-                hf_t.append(_timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, False),
+                hf_t.append(timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, False),
                                    target.device)[0])
                 if not engine.drafter.wants_features:   # transformers has no EAGLE or Medusa
-                    hf_a.append(_timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, True),
+                    hf_a.append(timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, True),
                                        target.device)[0])
             if compiled is not None:
-                seconds, compiled_ids = _timed(lambda: compiled.generate(ids, len(base.token_ids)),
+                seconds, compiled_ids = timed(lambda: compiled.generate(ids, len(base.token_ids)),
                                                target.device)
                 hf_c.append(seconds)
         rounds = spec_result.stats.num_target_steps

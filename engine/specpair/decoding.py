@@ -18,6 +18,7 @@ import torch
 
 from specpair.config import (KV_BUDGET_CUDA_FREE_FRACTION, KV_BUDGET_ENV, GenerationParams,
                              SpeculationConfig, parse_kv_budget)
+from specpair.costs import CostModel, DynamicK, StepTiming, measure_step_costs, sync
 from specpair.detokenize import IncrementalDetokenizer
 from specpair.drafters import (Drafter, EagleDrafter, HeadDrafter, LookupFirstDrafter, MedusaDrafter,
                                ModelDrafter, NgramDrafter, RowSampling)
@@ -30,80 +31,6 @@ from specpair.stats import AcceptanceStats, AcceptanceWindow
 from specpair.tokenizer_identity import compare, fingerprint
 
 log = logging.getLogger("specpair.engine")
-
-
-@dataclass
-class CostModel:
-    """Costs of one round relative to one target decode step, measured on this hardware.
-
-    draft: one draft step; verify[k]: one target pass over k+1 tokens. On a GPU verify[k] is close
-    to 1 for small k; on a CPU it grows with k (the issue measured 1.64 for k=4), which is why a
-    fixed k that pays on a GPU can lose on a CPU.
-    """
-
-    draft: float
-    verify: dict[int, float]
-    draft_per_token: bool = True      # False: one draft pass per round whatever k (Medusa, n-gram)
-
-    @classmethod
-    def from_seconds(cls, costs: dict) -> "CostModel":
-        t1 = costs["target_step"]
-        return cls(draft=costs["draft_step"] / t1, verify={k: v / t1 for k, v in costs["verify"].items()},
-                   draft_per_token=costs.get("draft_per_token", True))
-
-    def round_cost(self, k: int) -> float:
-        if k in self.verify:
-            v = self.verify[k]
-        else:
-            near = min(self.verify, key=lambda x: abs(x - k))
-            v = self.verify[near] * (k + 1) / (near + 1) if k > near else self.verify[near]
-        return (k if self.draft_per_token else min(k, 1)) * self.draft + v
-
-
-class DynamicK:
-    """Chooses k for a sequence's next round.
-
-    Without a cost model: transformers' heuristic (grow by 2 after a fully accepted round, shrink by
-    1 after a rejection). With one: keep a moving estimate of the acceptance at each draft position
-    (given the previous ones were accepted) and pick the k that maximises expected tokens per unit
-    of time, (1 + sum_j prod_{i<=j} a_i) / (k * c + verify(k)), Leviathan's objective with the
-    measured costs instead of the assumption that verification costs one step.
-    """
-
-    EMA = 0.3
-
-    def __init__(self, config: SpeculationConfig, cost_model: CostModel | None = None):
-        self.config = config
-        self.k = config.k
-        self.cost_model = cost_model
-        # Prior: the acceptance a fresh pair is assumed to have until it shows otherwise.
-        self.position_acceptance = [0.7] * config.k_max
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if not self.config.dynamic_k or drafted == 0:
-            return
-        if self.cost_model is None:
-            if accepted == drafted:
-                self.k = min(self.config.k_max, self.k + 2)
-            else:
-                self.k = max(self.config.k_min, self.k - 1)
-            return
-        # Positions before the first rejection were accepted; the first rejected one was not;
-        # later positions were never judged.
-        for j in range(min(drafted, accepted + 1)):
-            hit = 1.0 if j < accepted else 0.0
-            self.position_acceptance[j] += self.EMA * (hit - self.position_acceptance[j])
-        self.k = self.best_k()
-
-    def best_k(self) -> int:
-        best, best_rate, expected, survive = self.config.k_min, -1.0, 1.0, 1.0
-        for k in range(1, self.config.k_max + 1):
-            survive *= self.position_acceptance[k - 1]
-            expected += survive
-            rate = expected / self.cost_model.round_cost(k)
-            if k >= self.config.k_min and rate > best_rate:
-                best, best_rate = k, rate
-        return best
 
 
 class SpeculationController:
@@ -242,31 +169,6 @@ def drafter_cache_model(drafter: Drafter | None):
     if isinstance(drafter, LookupFirstDrafter):
         drafter = drafter.head
     return getattr(getattr(drafter, "kv", None), "model", None)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass
-class StepTiming:
-    """Where a batch's steps spent their time (the bench's host time per step).
-
-    model_seconds: inside the model calls (draft proposals, target forwards), each waited for;
-    wait_seconds: of that, blocked on the device after the call returned. On an asynchronous
-    device the host's time is the steps' time less the waiting; on a CPU the model calls run on
-    the host and nothing is waited for, so the host's own share is the time outside the calls.
-    """
-
-    steps: int = 0
-    seconds: float = 0.0
-    model_seconds: float = 0.0
-    wait_seconds: float = 0.0
-
-    def merge(self, other: "StepTiming") -> None:
-        for name in ("steps", "seconds", "model_seconds", "wait_seconds"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 class SpeculativeEngine:
@@ -443,8 +345,6 @@ class SpeculativeEngine:
 
     def calibrate(self, prompt: str = "The quick brown fox jumps over the lazy dog. " * 4) -> dict:
         """Measure draft and verification costs here and choose k by them from now on."""
-        from specpair.bench import measure_step_costs
-
         ids = self.encode(prompt)
         costs = measure_step_costs(self, ids, list(range(1, self.config.k_max + 1)), repeats=3)
         self.cost_model = CostModel.from_seconds(costs)
@@ -629,7 +529,7 @@ class Batch:
             drafts = torch.zeros(B, 0, dtype=torch.long, device=self.device)
             num = torch.zeros(B, dtype=torch.long, device=self.device)
             q = copied = None
-        _sync(self.device)
+        sync(self.device)
         t1 = time.perf_counter()
 
         # Verify: each row feeds what the target has not cached plus its drafts.
@@ -647,7 +547,7 @@ class Batch:
             kept = [drafts_l[i][:a] for i, a in enumerate(accepted_l)]
             fed_kept = [list(range(committed[i] + a - cached_before[i]))
                         for i, a in enumerate(accepted_l)]
-        _sync(self.device)
+        sync(self.device)
         t2 = time.perf_counter()
 
         outputs = []
@@ -680,7 +580,7 @@ class Batch:
         start = time.perf_counter()
         out = call(*args, **kwargs)
         returned = time.perf_counter()
-        _sync(self.device)
+        sync(self.device)
         end = time.perf_counter()
         self.timing.model_seconds += end - start
         self.timing.wait_seconds += end - returned

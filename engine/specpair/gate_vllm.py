@@ -21,6 +21,7 @@ from pathlib import Path
 
 from specpair.contract import DEFAULT_CATEGORY, threshold_failures
 from specpair.errors import SpecpairError
+from specpair.verdict import check_release, new_verdict, tokenizer_check
 
 ENGINE_KIND = "vllm"
 
@@ -47,11 +48,10 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     from transformers import AutoTokenizer
 
     from specpair.decoding import encode_prompt
-    from specpair.gate import _check_release, new_verdict, tokenizer_check
     from specpair.models import resolve_source
     from specpair.vllm_peer import DEFAULT_START_TIMEOUT, SpecDecodeCounters, VllmServer, speculative_config
 
-    _check_release(release)
+    check_release(release)
     gating = release.get("gating") or {}
     prompts = gating["prompts"]
     chat = bool(gating.get("chat", True))

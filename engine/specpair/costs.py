@@ -1,0 +1,184 @@
+"""What speculation costs on this hardware: the step costs dynamic k chooses by, and step timing.
+
+`measure_step_costs` times the kernels a round is made of (a target step, a verification of k+1
+tokens, a draft step); `CostModel` turns those seconds into costs relative to one target step, and
+`DynamicK` picks each round's k by them. The engine calibrates with them at serving time
+(`SpeculativeEngine.calibrate`), the bench prices its bound with them; `StepTiming` is where a
+batch's steps spent their time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specpair.config import SpeculationConfig
+from specpair.drafters import EagleDrafter, LookupFirstDrafter, ModelDrafter
+
+
+@dataclass
+class CostModel:
+    """Costs of one round relative to one target decode step, measured on this hardware.
+
+    draft: one draft step; verify[k]: one target pass over k+1 tokens. On a GPU verify[k] is close
+    to 1 for small k; on a CPU it grows with k (the issue measured 1.64 for k=4), which is why a
+    fixed k that pays on a GPU can lose on a CPU.
+    """
+
+    draft: float
+    verify: dict[int, float]
+    draft_per_token: bool = True      # False: one draft pass per round whatever k (Medusa, n-gram)
+
+    @classmethod
+    def from_seconds(cls, costs: dict) -> "CostModel":
+        t1 = costs["target_step"]
+        return cls(draft=costs["draft_step"] / t1, verify={k: v / t1 for k, v in costs["verify"].items()},
+                   draft_per_token=costs.get("draft_per_token", True))
+
+    def round_cost(self, k: int) -> float:
+        if k in self.verify:
+            v = self.verify[k]
+        else:
+            near = min(self.verify, key=lambda x: abs(x - k))
+            v = self.verify[near] * (k + 1) / (near + 1) if k > near else self.verify[near]
+        return (k if self.draft_per_token else min(k, 1)) * self.draft + v
+
+
+class DynamicK:
+    """Chooses k for a sequence's next round.
+
+    Without a cost model: transformers' heuristic (grow by 2 after a fully accepted round, shrink by
+    1 after a rejection). With one: keep a moving estimate of the acceptance at each draft position
+    (given the previous ones were accepted) and pick the k that maximises expected tokens per unit
+    of time, (1 + sum_j prod_{i<=j} a_i) / (k * c + verify(k)), Leviathan's objective with the
+    measured costs instead of the assumption that verification costs one step.
+    """
+
+    EMA = 0.3
+
+    def __init__(self, config: SpeculationConfig, cost_model: CostModel | None = None):
+        self.config = config
+        self.k = config.k
+        self.cost_model = cost_model
+        # Prior: the acceptance a fresh pair is assumed to have until it shows otherwise.
+        self.position_acceptance = [0.7] * config.k_max
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not self.config.dynamic_k or drafted == 0:
+            return
+        if self.cost_model is None:
+            if accepted == drafted:
+                self.k = min(self.config.k_max, self.k + 2)
+            else:
+                self.k = max(self.config.k_min, self.k - 1)
+            return
+        # Positions before the first rejection were accepted; the first rejected one was not;
+        # later positions were never judged.
+        for j in range(min(drafted, accepted + 1)):
+            hit = 1.0 if j < accepted else 0.0
+            self.position_acceptance[j] += self.EMA * (hit - self.position_acceptance[j])
+        self.k = self.best_k()
+
+    def best_k(self) -> int:
+        best, best_rate, expected, survive = self.config.k_min, -1.0, 1.0, 1.0
+        for k in range(1, self.config.k_max + 1):
+            survive *= self.position_acceptance[k - 1]
+            expected += survive
+            rate = expected / self.cost_model.round_cost(k)
+            if k >= self.config.k_min and rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class StepTiming:
+    """Where a batch's steps spent their time (the bench's host time per step).
+
+    model_seconds: inside the model calls (draft proposals, target forwards), each waited for;
+    wait_seconds: of that, blocked on the device after the call returned. On an asynchronous
+    device the host's time is the steps' time less the waiting; on a CPU the model calls run on
+    the host and nothing is waited for, so the host's own share is the time outside the calls.
+    """
+
+    steps: int = 0
+    seconds: float = 0.0
+    model_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+    def merge(self, other: "StepTiming") -> None:
+        for name in ("steps", "seconds", "model_seconds", "wait_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+def timed(fn, device) -> tuple[float, object]:
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - start, out
+
+
+@torch.no_grad()
+def measure_step_costs(engine, prompt_ids: list[int], ks: list[int],
+                       repeats: int = 5) -> dict:
+    """Seconds a SpeculativeEngine's kernels take, the fastest of `repeats` after a warm-up: T1 (target, 1 token), Tv[k] (target,
+    k+1 tokens; 1 + k*width when a head drafts a tree of `width` candidates per position), Td
+    (one draft step). The target's passes are timed in turns (T1, Tv[1], ..., T1, ...), not one
+    size after another: a burst of other work on a shared machine then slows one turn of every
+    size rather than all the timings of one size, which priced a single k at twice its cost."""
+    device = engine.target.device
+
+    def fastest_extends(model, token_counts: list[int]) -> dict[int, float]:
+        kv = engine.kv_model(model)
+        kv.add_rows(1)
+        kv.extend([prompt_ids])
+        base = kv.lengths[0]
+        best = {n: float("inf") for n in token_counts}
+        for turn in range(repeats + 1):
+            for n in token_counts:
+                seconds, _ = timed(lambda: kv.extend([prompt_ids[:n] or [0]], last=n), device)
+                kv.rollback(0, base)
+                kv.trim()
+                if turn:          # the first turn warms up
+                    best[n] = min(best[n], seconds)
+        return best
+
+    def fastest_lookup(drafter) -> float:
+        seq = list(prompt_ids) * 2
+        return min(timed(lambda: drafter.lookup(seq, max(ks)) if hasattr(drafter, "lookup") else None,
+                          device)[0] for _ in range(repeats))
+
+    lookup_first = isinstance(engine.drafter, LookupFirstDrafter)
+    # Lookup first, then a head: priced as its head (what k is chosen by, dynamic_k's cost model)
+    drafter = engine.drafter.head if lookup_first else engine.drafter
+    width = engine.config.tree_width if drafter is not None and drafter.tree_capable else 1
+    sizes = {1, *(1 + k * width for k in ks)}
+    if lookup_first:      # ... which verifies a chain in the rounds that copy
+        sizes |= {1 + k for k in ks}
+    passes = fastest_extends(engine.target.model, sorted(sizes))
+    costs = {"target_step": passes[1], "tree_width": width,
+             "verify": {k: passes[1 + k * width] for k in ks}}
+    # n-gram: one lookup per round; models and heads: one step per draft token
+    costs["draft_per_token"] = isinstance(drafter, (ModelDrafter, EagleDrafter))
+    if isinstance(drafter, ModelDrafter):
+        costs["draft_step"] = fastest_extends(drafter.loaded.model, [1])[1]
+    elif hasattr(drafter, "timing_step"):     # heads: their own step (per token or per round)
+        step = drafter.timing_step(len(prompt_ids))
+        costs["draft_step"] = min([timed(step, device)[0] for _ in range(repeats + 1)][1:])
+    elif drafter is not None:
+        costs["draft_step"] = fastest_lookup(drafter)
+    else:
+        costs["draft_step"] = 0.0
+    if lookup_first:
+        # ... but its rounds that copy cost a lookup and a chain's verification: the bound prices
+        # those rounds (recorded apart, AcceptanceStats) at these.
+        costs["copy"] = {"verify": {k: passes[1 + k] for k in ks},
+                         "draft_step": fastest_lookup(engine.drafter), "draft_per_token": False}
+    return costs

@@ -1,0 +1,60 @@
+"""The gate's verdict and the checks before any decoding, one home for both gates.
+
+`specpair gate` judges a release with our engine (gate.py) or, for a release that vLLM serves,
+with real vLLM servers (gate_vllm.py); both check the release, compare the tokenizers from their
+files and fill the same verdict, so the operator judges and promotes both alike.
+"""
+
+from __future__ import annotations
+
+from specpair.errors import SpecpairError
+
+
+def check_release(release: dict) -> None:
+    if not isinstance(release, dict):
+        raise SpecpairError("release must be a JSON object")
+    if not isinstance(release.get("target"), dict):
+        raise SpecpairError("release.target is missing (an object with 'source')")
+    draft = release.get("draft")
+    if not isinstance(draft, dict) or not (draft.get("source") or draft.get("drafter")):
+        raise SpecpairError("release.draft needs 'source' (a model) or 'drafter' (e.g. 'ngram')")
+    prompts = (release.get("gating") or {}).get("prompts") or []
+    if not prompts:
+        raise SpecpairError("release.gating.prompts is empty: the gate needs golden prompts")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, dict) or not str(p.get("prompt", "")).strip():
+            raise SpecpairError(f"release.gating.prompts[{i}] needs a non-empty 'prompt'")
+
+
+def new_verdict(**extra) -> dict:
+    """The verdict before anything is measured: every key of the contract, nothing passed."""
+    return {"passed": False, "reasons": [], "tokenizer": None, "greedyIdentity": None,
+            "acceptanceRate": None, "meanAcceptanceLength": None, "speedup": None,
+            "categories": {}, "acceptancePerPosition": [], "bestSpeculation": None,
+            "kSweep": [], "batchSweep": [], "mlflowRunId": None, "device": None, **extra}
+
+
+def tokenizer_check(release: dict, progress=print) -> dict:
+    """Compare draft and target tokenizers without loading either model's weights."""
+    from transformers import AutoTokenizer
+
+    from specpair.models import resolve_source
+    from specpair.tokenizer_identity import compare, fingerprint
+
+    def load_tok(side: dict):
+        where = resolve_source(side.get("source") or "default", progress)
+        try:
+            return AutoTokenizer.from_pretrained(str(where), revision=side.get("revision"))
+        except OSError as exc:
+            raise SpecpairError(f"cannot load tokenizer for {side.get('source')!r}: {exc}") from exc
+
+    target_fp = fingerprint(load_tok(release["target"]))
+    draft = release["draft"]
+    if draft.get("drafter"):
+        # Model-free drafters propose the target's own tokens: nothing to compare.
+        return {"compatible": True, "differences": [], "notes": [f"{draft['drafter']} drafter: no draft tokenizer"],
+                "draftFingerprint": None, "targetFingerprint": target_fp["sha256"]}
+    draft_fp = fingerprint(load_tok(draft))
+    result = compare(draft_fp, target_fp)
+    return {**result.to_dict(), "draftFingerprint": draft_fp["sha256"],
+            "targetFingerprint": target_fp["sha256"]}
