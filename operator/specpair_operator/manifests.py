@@ -321,19 +321,28 @@ def engine_image(release: dict[str, Any], rollout: dict[str, Any]) -> str:
     return str((release.get("engine") or {}).get("image") or rollout.get("image") or release_mod.default_engine_image())
 
 
+def serving_tls(rollout: dict[str, Any]) -> bool:
+    """rollout.tls.enabled: the serving ports speak TLS (engine specpair; the CRD refuses it for vLLM)."""
+    return (rollout.get("tls") or {}).get("enabled") is True
+
+
 def engine_command(release: dict[str, Any], port: int, http_port: int = HTTP_PORT,
-                   control_port: int = CONTROL_PORT) -> list[str]:
+                   control_port: int = CONTROL_PORT, tls: bool = False) -> list[str]:
     """`specpair engine serve` of the release file the pod mounts: models, revisions, speculation,
     pair and version come from that one document (the engine reports its content hash, which the
     operator checks); the command line only says how to listen (gRPC, metrics, the
     OpenAI-compatible HTTP API on the same batch unless http_port is 0, and the control listener)."""
+    # The operator's calls, SetSpeculation among them, go to the control listener, which takes
+    # only the operator's client certificate (mutual TLS). The serving ports speak plaintext to
+    # the pair's clients (the NetworkPolicy names who may connect), or with `tls` TLS from the
+    # pair's engine certificate, the control port's own: the engine re-reads both when the
+    # operator renews it in place.
+    serving = (["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"] if tls
+               else ["--insecure"])
     return ["specpair", "engine", "serve", "--release", RELEASE_FILE,
             "--port", str(port), "--metrics-port", str(METRICS_PORT),
             *(["--http-port", str(http_port)] if http_port else []),
-            # The serving ports speak plaintext to the pair's clients (the NetworkPolicy names who
-            # may connect); the operator's calls, SetSpeculation among them, go to the control
-            # listener, which takes only the operator's client certificate (mutual TLS).
-            "--insecure",
+            *serving,
             "--control-port", str(control_port), "--control-tls-cert", f"{TLS_DIR}/tls.crt",
             "--control-tls-key", f"{TLS_DIR}/tls.key", "--control-tls-client-ca", f"{TLS_DIR}/ca.crt"]
 
@@ -366,11 +375,12 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
     port = int(rollout.get("port", 50051))
     http_port = int(rollout.get("httpPort", HTTP_PORT))
     control_port = int(rollout.get("controlPort", CONTROL_PORT))
+    tls = serving_tls(rollout)
     container = {
         "name": "engine",
         "image": engine_image(release, rollout),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
-        "command": engine_command(release, port, http_port, control_port),
+        "command": engine_command(release, port, http_port, control_port, tls),
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
                   {"name": "control", "containerPort": control_port, "protocol": "TCP"},
@@ -378,10 +388,7 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
         "env": _env(tracking_uri, credentials, rollout=rollout, defaults=defaults),
         "volumeMounts": [*_mounts(rollout), {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}],
         "securityContext": _container_security(),
-        # Model loading takes a while; the gRPC health service says SERVING only once loaded.
-        "startupProbe": {"grpc": {"port": port}, "periodSeconds": 10, "failureThreshold": 60},
-        "readinessProbe": {"grpc": {"port": port}, "periodSeconds": 5},
-        "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 20, "failureThreshold": 3},
+        **_engine_probes(port, tls),
     }
     volumes = [{"name": "tls", "secret": {"secretName": engine_tls_secret_name(pair), "defaultMode": 0o440}}]
     ref = (rollout.get("auth") or {}).get("tokenSecretRef")
@@ -392,6 +399,23 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
         container["volumeMounts"].append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
         container["command"] += ["--auth-token-file", f"{AUTH_DIR}/token"]
     return _engine_deployment_of(pair, namespace, release, digest, version, rollout, container, defaults, volumes)
+
+
+def _engine_probes(port: int, tls: bool) -> dict[str, Any]:
+    """Model loading takes a while; the engine says it serves only once loaded: the gRPC health
+    service SERVING, /health 200 (both say not yet while loading and again while draining).
+
+    Plaintext: the kubelet's gRPC probe on the serving port. With TLS that probe cannot connect
+    (it speaks no TLS), and the control port wants a client certificate the kubelet has none of;
+    the kubelet's HTTPS probe can (it does not verify the certificate), so the probes read the
+    HTTP front's /health, which needs no bearer token. The CRD makes rollout.tls need httpPort,
+    so no plaintext health port is left open beside the TLS ones.
+    """
+    probe = ({"httpGet": {"path": "/health", "port": "http", "scheme": "HTTPS"}} if tls
+             else {"grpc": {"port": port}})
+    return {"startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 60},
+            "readinessProbe": {**probe, "periodSeconds": 5},
+            "livenessProbe": {**probe, "periodSeconds": 20, "failureThreshold": 3}}
 
 
 def _engine_deployment_of(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
@@ -486,11 +510,12 @@ def engine_service(pair: str, namespace: str, rollout: dict[str, Any], kind: str
         "metadata": {"name": engine_name(pair), "namespace": namespace, "labels": _labels(pair, "engine")},
         "spec": {
             "selector": engine_selector(pair),
-            # `metrics` is what the chart's ServiceMonitor scrapes; `http` is the OpenAI-compatible API.
+            # `metrics` is what the chart's ServiceMonitor scrapes; `http` is the OpenAI-compatible
+            # API (appProtocol tells a gateway or mesh in front whether to speak TLS to it).
             "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"},
                       {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
                       *([{"name": "http", "port": http_port, "targetPort": "http", "protocol": "TCP",
-                          "appProtocol": "http"}] if http_port else [])],
+                          "appProtocol": "https" if serving_tls(rollout) else "http"}] if http_port else [])],
         },
     }
 

@@ -4,7 +4,8 @@ the operator's own client certificate.
 Engine pods listen for the operator on a control port (gRPC, mutual TLS) beside their serving
 ports. The operator is its only client, and SetSpeculation is accepted only from a certificate
 with the operator's common name (OPERATOR_NAME), so turning speculation off or on is an
-authenticated call.
+authenticated call. With rollout.tls the serving ports (gRPC and HTTP) present the same pair
+certificate to the pair's clients, who trust the Secret's ca.crt.
 
 - The CA lives in a Secret in the operator's namespace (tls.crt, tls.key). A Secret that exists
   is used as it is: that is how cert-manager plugs in (a CA Certificate writing that Secret, see
@@ -117,8 +118,9 @@ def issue(ca: KeyPair, common_name: str, dns_names: tuple[str, ...] = (), *, ser
 
 
 def engine_dns_names(service: str, namespace: str) -> tuple[str, ...]:
-    """The names an engine's certificate answers to. The operator dials pod IPs and checks the
-    certificate against server_name() (gRPC's target-name override), not the IP."""
+    """The names an engine's certificate answers to: the Service's, as clients in the cluster
+    dial it (rollout.tls serves this certificate on the serving ports). The operator dials pod
+    IPs and checks the certificate against server_name() (gRPC's target-name override), not the IP."""
     return (f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local", f"{service}.{namespace}", service)
 
 

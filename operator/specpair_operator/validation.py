@@ -29,6 +29,9 @@ CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "!has(self.engine) || self.engine != 'vllm' || !has(self.speculation) || "
     "!has(self.speculation.lookupMinMatch) || self.speculation.lookupMinMatch == 0":
         lambda o: o.get("engine") != "vllm" or (o.get("speculation") or {}).get("lookupMinMatch", 0) == 0,
+    "!has(self.engine) || self.engine != 'vllm' || !has(self.rollout) || "
+    "!has(self.rollout.tls) || !has(self.rollout.tls.enabled) || !self.rollout.tls.enabled":
+        lambda o: o.get("engine") != "vllm" or not _tls_enabled(o.get("rollout") or {}),
     # rollout: no two of the serving, control and metrics ports are one port
     "!has(self.controlPort) || ((!has(self.port) || self.controlPort != self.port) && "
     "(!has(self.httpPort) || self.controlPort != self.httpPort) && self.controlPort != 9400)":
@@ -36,7 +39,14 @@ CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "!has(self.port) || ((!has(self.httpPort) || self.port != self.httpPort) && self.port != 9400)":
         lambda o: _ports(o)["port"] not in (_ports(o)["httpPort"], METRICS_PORT),
     "!has(self.httpPort) || self.httpPort != 9400": lambda o: _ports(o)["httpPort"] != METRICS_PORT,
+    "!has(self.tls) || !has(self.tls.enabled) || !self.tls.enabled || "
+    "!has(self.httpPort) || self.httpPort != 0":
+        lambda o: not _tls_enabled(o) or _ports(o)["httpPort"] != 0,
 }
+
+
+def _tls_enabled(rollout: dict[str, Any]) -> bool:
+    return (rollout.get("tls") or {}).get("enabled") is True
 
 
 def _ports(rollout: dict[str, Any]) -> dict[str, Any]:

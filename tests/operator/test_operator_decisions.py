@@ -473,3 +473,56 @@ def test_a_vllm_release_is_its_own_release_and_renders_vllms_server():
     svc = manifests.engine_service("p", "ns", rollout, "vllm")
     kubernetes_validate.validate(svc, "1.33.0", strict=True)
     assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {"http": "http", "metrics": "http"}
+
+
+def test_serving_tls_hands_the_engine_certificate_to_both_serving_ports_and_probes_over_https():
+    from specpair_operator import tls
+    from specpair_operator.validation import validate_spec
+
+    rel = release.build_release("p", "ns", SPEC, PROMPTS)
+    digest = release.content_hash(rel)
+    rollout = {"replicas": 1, "image": "img:1", "tls": {"enabled": True}}
+    dep = manifests.engine_deployment("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000")
+    svc = manifests.engine_service("p", "ns", rollout)
+    for obj in (dep, svc):
+        kubernetes_validate.validate(obj, "1.33.0", strict=True)
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    cmd, tls_dir = container["command"], manifests.TLS_DIR
+    assert "--insecure" not in cmd
+    serving = cmd[cmd.index("--tls-cert"):cmd.index("--tls-cert") + 4]
+    assert serving == ["--tls-cert", f"{tls_dir}/tls.crt", "--tls-key", f"{tls_dir}/tls.key"]
+    assert "--tls-client-ca" not in cmd       # clients are not asked for certificates; the token is theirs
+    assert {"name": "tls", "mountPath": tls_dir, "readOnly": True} in container["volumeMounts"]
+    # The kubelet's gRPC probe speaks no TLS: the probes read /health over HTTPS on the HTTP port.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+        assert "grpc" not in container[probe]
+    assert {p["name"]: p.get("appProtocol") for p in svc["spec"]["ports"]} == \
+        {"grpc": "grpc", "metrics": None, "http": "https"}
+    # The certificate answers to the names clients dial: the Service's.
+    service = svc["metadata"]["name"]
+    assert {service, f"{service}.ns", f"{service}.ns.svc", f"{service}.ns.svc.cluster.local"} <= \
+        set(tls.engine_dns_names(service, "ns"))
+
+    # Off (the default, or an older CRD without the field): plaintext and the gRPC probe, unchanged.
+    for off in ({"replicas": 1, "image": "img:1"}, {"replicas": 1, "image": "img:1", "tls": {"enabled": False}}):
+        (plain,) = manifests.engine_deployment("p", "ns", rel, digest, "3", off,
+                                               "http://mlflow:5000")["spec"]["template"]["spec"]["containers"]
+        assert "--insecure" in plain["command"] and "--tls-cert" not in plain["command"]
+        assert plain["readinessProbe"] == {"grpc": {"port": 50051}, "periodSeconds": 5}
+        assert manifests.engine_service("p", "ns", off)["spec"]["ports"][-1]["appProtocol"] == "http"
+
+    # The operator's twin of the CRD's rules: TLS needs the HTTP port (the probes) and engine specpair.
+    base = {"target": {"source": "t"}, "draft": {"drafter": "ngram"}}
+    assert validate_spec({**base, "rollout": {"tls": {"enabled": True}}}) == []
+    assert validate_spec({**base, "rollout": {"tls": {"enabled": False}, "httpPort": 0}}) == []
+    assert validate_spec({**base, "rollout": {"tls": {"enabled": True}, "httpPort": 0}}) == [
+        "spec.rollout: Invalid value: rollout.tls needs rollout.httpPort (not 0): with TLS on, the probes read "
+        "the engine's /health over HTTPS, as the kubelet's gRPC probe cannot speak TLS"]
+    assert validate_spec({**base, "engine": "vllm", "rollout": {"tls": {"enabled": True}}}) == [
+        "spec: Invalid value: rollout.tls needs engine specpair (vLLM's pods serve plaintext; terminate TLS at "
+        "a gateway in front of them)"]
+    assert validate_spec({**base, "engine": "vllm", "rollout": {"tls": {"enabled": False}}}) == []
+    assert validate_spec({**base, "rollout": {"tls": {"enabled": "yes"}}}) == [
+        'spec.rollout.tls.enabled: Invalid value: "string": spec.rollout.tls.enabled in body must be of type '
+        'boolean: "string"']

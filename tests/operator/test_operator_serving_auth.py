@@ -6,11 +6,18 @@ pod becomes Ready (the gRPC health service needs no token) and the operator veri
 serves over its mutual-TLS control port. A request without the token is refused on both
 serving ports; with it, it is answered. A vLLM engine takes the same Secret as vLLM's API key
 (real vLLM behind it: tests/operator/test_operator_vllm.py).
+
+`spec.rollout.tls.enabled` puts the pair's engine certificate (the operator's Secret, the control
+port's) on both serving ports: the pod becomes Ready through the HTTPS /health probe, clients that
+trust the Secret's ca.crt are answered over HTTPS and gRPC TLS, plaintext is refused.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import socket
+import ssl
 import urllib.error
 import urllib.request
 import uuid
@@ -20,6 +27,9 @@ import pytest
 from kopf.testing import KopfRunner
 
 from cluster_env import OPERATOR
+from specpair_devcluster.client import ApiError
+from specpair_operator import tls as tls_mod
+from specpair_operator.validation import validate_spec
 from specpair._proto import engine_pb2, engine_pb2_grpc
 from specpair_operator import manifests
 from test_operator_e2e import engine_pods, serving  # noqa: F401
@@ -97,3 +107,66 @@ def test_a_pair_with_a_token_serves_only_requests_that_carry_it(operator_env, ns
                                                                    "Authorization": f"Bearer {TOKEN}"}),
                                 timeout=60) as ok:
         assert ok.status == 200 and json.load(ok)["choices"]
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"engine": "vllm", "rollout": {"tls": {"enabled": True}}}, "rollout.tls needs engine specpair"),
+    ({"rollout": {"tls": {"enabled": True}, "httpPort": 0}}, "rollout.tls needs rollout.httpPort (not 0)"),
+])
+def test_tls_is_refused_for_vllm_and_without_the_http_port_in_the_operators_words(operator_env, ns, spec, words):
+    """The CRD's rules, on the real API server, and the operator's twin: same refusal, same words."""
+    body = {"target": {"source": "t"}, "draft": {"source": "d"}, **spec}
+    with pytest.raises(ApiError) as err:
+        ns.create({"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": "refused"},
+                   "spec": body})
+    assert err.value.status == 422 and words in err.value.message
+    (ours,) = validate_spec(body)
+    assert words in ours and ours in err.value.message, (ours, err.value.message)
+    admitted = ns.create({"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": "ok"},
+                          "spec": {"target": {"source": "t"}, "draft": {"source": "d"}, "rollout": {"tls": {}}}})
+    assert admitted["spec"]["rollout"]["tls"] == {"enabled": False}
+
+
+def test_a_pair_with_tls_serves_both_ports_with_its_engine_certificate(operator_env, ns, mlflow_server, model_dirs):
+    name = f"tls-{uuid.uuid4().hex[:5]}"
+    spec = tiny_pair(name, model_dirs["target"], model_dirs["draft"])
+    spec["spec"]["rollout"]["tls"] = {"enabled": True}
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(spec)
+        ns.wait_for("v1 serving over TLS (Ready through the HTTPS /health probe)",
+                    lambda: serving(ns, name, "1"), timeout=300)
+    assert runner.exception is None
+    (pod,) = engine_pods(ns)
+    ip = pod["status"]["podIP"]
+    secret = ns.get("v1", "Secret", manifests.engine_tls_secret_name(name))
+    ca_pem = base64.b64decode(secret["data"]["ca.crt"])
+    service = manifests.engine_name(name)
+    server_name = tls_mod.server_name(service, ns.name)
+
+    # HTTPS, trusting the Secret's ca.crt; the pod is dialled by IP, so the name checked is the Service's.
+    trust = ssl.create_default_context(cadata=ca_pem.decode())
+    with socket.create_connection((ip, manifests.HTTP_PORT), timeout=30) as raw:
+        with trust.wrap_socket(raw, server_hostname=server_name) as conn:
+            served = conn.getpeercert()
+    assert ("DNS", f"{service}.{ns.name}.svc.cluster.local") in served["subjectAltName"]
+    body = json.dumps({"model": name, "prompt": CODE_PROMPTS[0], "max_tokens": 4}).encode()
+    by_ip = ssl.create_default_context(cadata=ca_pem.decode())
+    by_ip.check_hostname = False          # the chain is still verified; the name was checked above
+    with urllib.request.urlopen(urllib.request.Request(f"https://{ip}:{manifests.HTTP_PORT}/v1/completions", body,
+                                                       {"Content-Type": "application/json"}),
+                                context=by_ip, timeout=60) as ok:
+        assert ok.status == 200 and json.load(ok)["choices"]
+    # Plaintext HTTP to the TLS port: the TLS server drops the connection without an HTTP reply.
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(urllib.request.Request(f"http://{ip}:{manifests.HTTP_PORT}/v1/completions", body,
+                                                      {"Content-Type": "application/json"}), timeout=30)
+
+    request = engine_pb2.GenerateRequest(prompt=CODE_PROMPTS[0], max_new_tokens=4, category="code")
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca_pem)
+    with grpc.secure_channel(f"{ip}:50051", credentials,
+                             options=[("grpc.ssl_target_name_override", server_name)]) as channel:
+        assert list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60))
+    with grpc.insecure_channel(f"{ip}:50051") as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=10))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
