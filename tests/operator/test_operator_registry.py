@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from specpair_operator import aliases, registry as registry_mod, release
+from specpair_operator import aliases, gate_attempts, registry as registry_mod, release
 from specpair_operator.registry import RegistryUnavailable, ReleaseRegistry
 
 SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "r1"}, "draft": {"drafter": "ngram"}}
@@ -73,8 +73,11 @@ def test_gate_runner_records_the_run_metrics_and_verdict_on_the_version(reg, tmp
     verdict_file = tmp_path / "given.json"
     verdict_file.write_text(json.dumps(VERDICT))
     gate = f"{sys.executable} -c \"import shutil,sys; shutil.copy('{verdict_file}', sys.argv[sys.argv.index('--out')+1])\""
+    termination = tmp_path / "termination-log"
+    termination.write_text("")        # the kubelet creates it before the container starts
     out = subprocess.run([sys.executable, "-m", "specpair_operator.gate_runner", "--release", str(rel_file),
-                          "--gate-command", gate], capture_output=True, text=True, timeout=120)
+                          "--gate-command", gate, "--termination-log", str(termination)],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     status, verdict, _ = reg.gate_result(model, version)
     assert status == "passed" and verdict["acceptanceRate"] == 0.62
@@ -86,13 +89,17 @@ def test_gate_runner_records_the_run_metrics_and_verdict_on_the_version(reg, tmp
     assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(0, 0.8), (1, 0.6), (2, 0.4)]
     assert "gate" in [a.path for a in reg.client.list_artifacts(run.info.run_id)]
 
-    # A crashing gate leaves an error status with its stderr, and a non-zero exit.
+    # A crashing gate is no verdict: the version keeps what it had, the cause and the gate's stderr
+    # go to the termination message (the operator runs the gate again), and the exit is non-zero.
     crash = f"{sys.executable} -c \"import sys; sys.exit('model download failed: 404')\""
     out = subprocess.run([sys.executable, "-m", "specpair_operator.gate_runner", "--release", str(rel_file),
-                          "--gate-command", crash], capture_output=True, text=True, timeout=120)
+                          "--gate-command", crash, "--termination-log", str(termination)],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
-    status, _, message = reg.gate_result(model, version)
-    assert status == "error" and "model download failed: 404" in message
+    assert reg.gate_result(model, version)[0] == "passed"
+    report = json.loads(termination.read_text())
+    assert report["version"] == str(version) and report["cause"] == gate_attempts.GATE_CRASHED
+    assert "model download failed: 404" in report["error"]
     # The gate's own progress reaches the Job's log (streamed, not swallowed).
     assert "model download failed: 404" in out.stderr
 
