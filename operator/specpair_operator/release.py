@@ -1,6 +1,6 @@
 """A release: the immutable content of one SpecModelPair spec, and its content hash.
 
-The release is what the gate Job is handed (the JSON contract in TEAM.md) and what the MLflow
+The release is what the gate Job is handed (as JSON; docs/operator.md, "Gating") and what the MLflow
 registry stores as one model version. Only fields that change what is served or how it is judged
 go into the hash: the models, speculation, gating and the engine image (a new image is new code:
 it is gated again). Replicas, placement and drift policy do not, so scaling a pair never creates
