@@ -1,8 +1,9 @@
-"""Stand-in for `specpair gate` while the engine's gate is not installed (tests only).
+"""Stand-in for `specpair gate` in the operator tests, so a gate Job judges a release in seconds.
 
-Same CLI and verdict contract (TEAM.md); instead of running models it reads the candidate's
-numbers from the test's declared model world (SPECPAIR_STANDIN_WORLD: draft -> rates) and
-applies the release's thresholds itself, as the real gate does.
+Same CLI and verdict shape as `specpair gate` (engine/specpair/verdict.py); instead of running
+models it reads the candidate's numbers from the test's declared model world
+(SPECPAIR_STANDIN_WORLD: draft -> rates) and applies the release's thresholds itself, as the real
+gate does.
 """
 
 import argparse
