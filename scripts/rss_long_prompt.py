@@ -1,5 +1,6 @@
-"""Does memory taken for one long prompt come back? (issue 34: a 4k-token prompt beside seven short
-ones took a server's RSS from 1.5 GB to 4.3 GB for good.)
+"""Does memory taken for one long prompt come back after it leaves? The static cache grows for a
+4k-token prompt beside seven short ones; this script shows whether the process's RSS returns to its
+short-prompt level afterwards (docs/gpu.md, "Memory follows live rows").
 
 Runs the embedded SmolLM2 pair (n-gram drafts) in one batch: seven short requests, then the
 same seven beside one long prompt, then 40 more short requests after it left, and prints the

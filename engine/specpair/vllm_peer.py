@@ -4,13 +4,14 @@ vLLM lives in its own virtualenv (scripts/setup-vllm.sh; vLLM pins its own torch
 transformers), which can import nothing of ours: this module starts
 `python -P -m vllm.entrypoints.openai.api_server` there (the `vllm` command is broken in the
 CPU package), outside the repository and without PYTHONPATH, and talks to it with the standard
-library only, so the bench, the tests and later the operator can use it.
+library only, so the bench, the vLLM gate (gate_vllm.py), the vLLM engine pods (vllm_serve.py),
+the operator's probe and the tests can use it without vLLM's dependencies.
 
-On the CPU (issue 16's measured recipe): `--dtype float32` (the default downcasts to bf16: slow
-prefill on this CPU and other tokens), `--enforce-eager` (starts in ~40-50 s; compiling takes
-80-300 s and its cache does not reload), VLLM_CPU_KVCACHE_SPACE=1 (GiB) and one OpenMP thread.
-A server holds ~4 GB RSS in 4 processes (API server, engine core, worker, resource tracker),
-all in one process group that `stop` ends together.
+On the CPU (the recipe measured in docs/bench/vllm-peer.md): `--dtype float32` (the default
+downcasts to bf16: slow prefill on this CPU and other tokens), `--enforce-eager` (starts in ~40-50
+s; compiling takes 80-300 s and its cache does not reload), VLLM_CPU_KVCACHE_SPACE=1 (GiB) and one
+OpenMP thread. A server holds ~4 GB RSS in 4 processes (API server, engine core, worker, resource
+tracker), all in one process group that `stop` ends together.
 
 - `speculative_config`: our release's (or engine's) speculation settings as vLLM's
   `--speculative-config` (n-gram prompt lookup or a draft model), None for target-only.

@@ -1,4 +1,5 @@
-"""The gRPC engine server (issue 3): one pod serves one draft+target pair version.
+"""The engine server (gRPC, and OpenAI-compatible HTTP beside it): one pod serves one draft+target
+pair version; docs/server.md describes it.
 
 - requests.py  checks a GenerateRequest (pure functions: field + reason for every refusal)
 - worker.py    the thread that owns the running batch (continuous batching, cancel, drain)
