@@ -84,10 +84,16 @@ class Runtime:
     # still judged while MLflow is down: (model, aliases, champion, tags, verdict, served hash)
     watch_cache: dict[str, tuple[str, dict[str, str], str, dict[str, str], dict[str, Any], str]] = \
         field(default_factory=dict)
+    # per pair: the resourceVersion of the body a pass read before writing status, and until when
+    # a body of that version counts as older than that status
+    status_written: dict[str, tuple[str | None, float]] = field(default_factory=dict)
 
 
 RUNTIME = Runtime()
 CA_REFRESH_S = 300.0
+# How long a body the last status write has overtaken is left alone (a write that failed is not
+# waited on longer than this).
+STALE_BODY_S = 10.0
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 
@@ -178,7 +184,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     RUNTIME.registry = ReleaseRegistry(RUNTIME.tracking_uri)
     # A (re)started operator remembers nothing: all it needs is in the cluster and MLflow.
     for memory in (RUNTIME.locks, RUNTIME.retry_at, RUNTIME.backoff, RUNTIME.samples, RUNTIME.last_drift_check,
-                   RUNTIME.speedup_series, RUNTIME.watch_cache, RUNTIME.bodies, RUNTIME.tls_checked_at):
+                   RUNTIME.speedup_series, RUNTIME.watch_cache, RUNTIME.bodies, RUNTIME.tls_checked_at,
+                   RUNTIME.status_written):
         memory.clear()
     RUNTIME.probe = GrpcEngineProbe()
     RUNTIME.operator_namespace = operator_namespace()
@@ -231,7 +238,7 @@ async def on_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa
         RUNTIME.bodies.pop(uid, None)
         for memory in (RUNTIME.locks, RUNTIME.retry_at, RUNTIME.backoff, RUNTIME.samples,
                        RUNTIME.last_drift_check, RUNTIME.speedup_series, RUNTIME.watch_cache,
-                       RUNTIME.tls_checked_at):
+                       RUNTIME.tls_checked_at, RUNTIME.status_written):
             memory.pop(uid, None)
     else:
         RUNTIME.bodies[uid] = json.loads(json.dumps(dict(body)))
@@ -281,7 +288,15 @@ async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, 
             return
         if not leadership.acting():
             return  # an elected operator whose Lease lapsed: it is about to exit, the next leader acts
+        version = body.metadata.get("resourceVersion")
+        written = RUNTIME.status_written.get(uid)
+        if written is not None and written[0] == version and time.monotonic() < written[1]:
+            # This body predates the status the last pass wrote (the watch has not delivered it
+            # yet): a pass on it would take that status's records for undone and repeat them.
+            return
         await Pass(body, patch, logger).run()
+        if patch.status:
+            RUNTIME.status_written[uid] = (version, time.monotonic() + STALE_BODY_S)
 
 
 class Pass:

@@ -16,6 +16,7 @@ import yaml
 
 from specpair_devcluster import DevCluster
 from specpair_devcluster.client import ApiError, Kube
+from specpair_operator import release
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "specpair"
@@ -214,3 +215,76 @@ def operator_metrics() -> dict[tuple[str, frozenset], float]:
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
+
+
+# -- pairs and what tests read from them ----------------------------------------------------------
+
+# draft -> what the stand-in gate measures, and the live acceptance per category under traffic
+MODELS = {
+    "good-draft": {"acceptanceRate": 0.7, "speedup": 1.6, "categories": {"code": 0.8, "chat": 0.6},
+                   "live": {"code": 0.78, "chat": 0.6}},
+    "faster-draft": {"acceptanceRate": 0.75, "speedup": 1.8, "categories": {"code": 0.85, "chat": 0.65},
+                     "live": {"code": 0.84, "chat": 0.66}},
+    "bad-draft": {"acceptanceRate": 0.2, "speedup": 0.9, "categories": {"code": 0.25, "chat": 0.15}, "live": {}},
+    "foreign-draft": {"acceptanceRate": 0.7, "speedup": 1.5, "categories": {"code": 0.8}, "live": {},
+                      "tokenizerOf": "meta-llama/Llama-3.2-1B"},
+}
+
+
+def pair(name: str, draft: str, **spec: Any) -> dict[str, Any]:
+    """A SpecModelPair on the stand-in image; `spec` keys replace the defaults'."""
+    rollout = {"image": STANDIN_IMAGE, **spec.pop("rollout", {})}
+    return {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": name},
+            "spec": {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "main"},
+                     "draft": {"source": draft},
+                     "gating": {"prompts": [{"prompt": "def fib(n):", "category": "code"},
+                                            {"prompt": "Hi! How are you?", "category": "chat"}],
+                                "thresholds": {"minAcceptance": 0.5, "minCategoryAcceptance": {"code": 0.6}}},
+                     "rollout": rollout, **spec}}
+
+
+CODE_PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print(", "import json\n\ndef load(path):",
+                "class Point:\n    def __init__(self, x, y):"]
+
+
+def tiny_pair(name: str, target: str, draft: str, **spec: Any) -> dict[str, Any]:
+    """A SpecModelPair of the tiny models (tests/tiny_models.py) for the real engine image."""
+    # fallbackThreshold 0: the engine keeps drafting under a bad draft, so the operator sees it.
+    return {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": name},
+            "spec": {"target": {"source": target}, "draft": {"source": draft},
+                     "speculation": {"k": 3, "fallbackThreshold": 0},
+                     "gating": {"prompts": [{"prompt": CODE_PROMPTS[0], "category": "code"},
+                                            {"prompt": CODE_PROMPTS[1], "category": "code"},
+                                            {"prompt": "The weather today is", "category": "chat"}],
+                                "maxNewTokens": 12, "thresholds": {"requireGreedyIdentity": True}},
+                     # Tiny models on CPU: speculation never pays, so the gate's tuning would switch it
+                     # off in serving; these tests need it on to watch acceptance drift.
+                     "rollout": {"applyGateTuning": False}, **spec}}
+
+
+def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def serving(ns: Namespace, name: str, version: str) -> dict[str, Any] | None:
+    """The pair when it is Ready and Serving `version` for its current generation, else None."""
+    obj = ns.pair(name)
+    st = obj.get("status") or {}
+    ready = cond(obj, "Ready")
+    if st.get("phase") == "Serving" and st.get("servingVersion") == version and ready.get("status") == "True" \
+            and ready.get("observedGeneration") == obj["metadata"]["generation"]:
+        return obj
+    return None
+
+
+def set_spec(ns: Namespace, name: str, spec_patch: dict[str, Any]) -> None:
+    ns.patch("specpair.io/v1alpha1", "SpecModelPair", name, {"spec": spec_patch})
+
+
+def engine_pods(ns: Namespace, version: str | None = None) -> list[dict[str, Any]]:
+    sel = "specpair.io/role=engine" + (f",specpair.io/release-version={version}" if version else "")
+    return [p for p in ns.pods(sel) if not p["metadata"].get("deletionTimestamp")]
+
+
+def model_name(ns: Namespace, name: str) -> str:
+    return release.effective_model_name(name, ns.name, {})

@@ -4,17 +4,16 @@ devcluster, tests/conftest.py) with the chart installed by helm, and a namespace
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
+import uuid
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 
@@ -22,7 +21,8 @@ import pytest
 os.environ.setdefault("SPECPAIR_RECONCILE_INTERVAL", "0.4")
 os.environ.setdefault("SPECPAIR_WATCH_TIMEOUT", "30")
 
-from cluster_env import Namespace, apply_env, install_chart  # noqa: E402  (tests/operator is on sys.path)
+from cluster_env import MODELS, Namespace, World, apply_env, install_chart  # noqa: E402  (tests/operator is on sys.path)
+from cluster_env import register_standin_image  # noqa: E402
 from cluster_env import operator_env as operator_env_for  # noqa: E402
 
 
@@ -104,3 +104,29 @@ def ns(devcluster) -> Namespace:
     space = Namespace(devcluster)
     yield space
     space.delete()
+
+
+@pytest.fixture(scope="session")
+def world(devcluster, tmp_path_factory) -> World:
+    """The stand-in gate's and engine's model world, one file per session (cluster_env.World)."""
+    w = World(tmp_path_factory.mktemp("world") / "world.json", MODELS)
+    register_standin_image(devcluster, w.path)
+    return w
+
+
+@pytest.fixture
+def env(world, operator_env, ns) -> Namespace:
+    """A namespace of its own with the operator's environment and the model world as MODELS says."""
+    world.data = json.loads(json.dumps(MODELS))
+    world.save()
+    return ns
+
+
+@pytest.fixture
+def model_dirs(tiny_pair_dirs):
+    """The tiny models where pods can read them: a host folder no pod mount covers (pytest's
+    folders are under /tmp, which each pod has as its own emptyDir)."""
+    root = Path.home() / ".cache" / "specpair-test-models" / uuid.uuid4().hex[:8]
+    out = {k: str(shutil.copytree(v, root / k)) for k, v in tiny_pair_dirs.items()}
+    yield out
+    shutil.rmtree(root, ignore_errors=True)

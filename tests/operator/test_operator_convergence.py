@@ -22,15 +22,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import pytest
 from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
-from cluster_env import HERE, OPERATOR, operator_metrics
-from specpair_operator import release
+from cluster_env import HERE, OPERATOR, engine_pods, model_name, operator_metrics, pair, serving, set_spec
 from specpair_operator.registry import ReleaseRegistry
-from test_operator_e2e import MODELS, engine_pods, model_name, pair, serving, set_spec  # noqa: F401 - fixtures below
-from test_operator_e2e import env, world  # noqa: F401 - pytest fixtures
 
 KILLS_AT_MOST = 60
 

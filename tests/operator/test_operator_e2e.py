@@ -19,74 +19,11 @@ import pytest
 from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
-from cluster_env import OPERATOR, STANDIN_IMAGE, Namespace, World, operator_metrics, register_standin_image
+from cluster_env import OPERATOR, STANDIN_IMAGE, Namespace, World, cond, engine_pods, model_name, operator_metrics
+from cluster_env import pair, serving, set_spec
 from specpair_devcluster.client import ApiError
 from specpair_operator import release
 from specpair_operator.registry import ReleaseRegistry
-
-MODELS = {
-    # draft -> what the gate measures, and the live acceptance per category under traffic
-    "good-draft": {"acceptanceRate": 0.7, "speedup": 1.6, "categories": {"code": 0.8, "chat": 0.6},
-                   "live": {"code": 0.78, "chat": 0.6}},
-    "faster-draft": {"acceptanceRate": 0.75, "speedup": 1.8, "categories": {"code": 0.85, "chat": 0.65},
-                     "live": {"code": 0.84, "chat": 0.66}},
-    "bad-draft": {"acceptanceRate": 0.2, "speedup": 0.9, "categories": {"code": 0.25, "chat": 0.15}, "live": {}},
-    "foreign-draft": {"acceptanceRate": 0.7, "speedup": 1.5, "categories": {"code": 0.8}, "live": {},
-                      "tokenizerOf": "meta-llama/Llama-3.2-1B"},
-}
-
-
-@pytest.fixture(scope="session")
-def world(devcluster, tmp_path_factory) -> World:
-    w = World(tmp_path_factory.mktemp("world") / "world.json", MODELS)
-    register_standin_image(devcluster, w.path)
-    return w
-
-
-@pytest.fixture
-def env(world, operator_env, ns):
-    world.data = json.loads(json.dumps(MODELS))
-    world.save()
-    return ns
-
-
-def pair(name: str, draft: str, **spec: Any) -> dict[str, Any]:
-    rollout = {"image": STANDIN_IMAGE, **spec.pop("rollout", {})}
-    return {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": name},
-            "spec": {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "main"},
-                     "draft": {"source": draft},
-                     "gating": {"prompts": [{"prompt": "def fib(n):", "category": "code"},
-                                            {"prompt": "Hi! How are you?", "category": "chat"}],
-                                "thresholds": {"minAcceptance": 0.5, "minCategoryAcceptance": {"code": 0.6}}},
-                     "rollout": rollout, **spec}}
-
-
-def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
-
-
-def serving(ns: Namespace, name: str, version: str) -> dict[str, Any] | None:
-    obj = ns.pair(name)
-    st = obj.get("status") or {}
-    ready = cond(obj, "Ready")
-    if st.get("phase") == "Serving" and st.get("servingVersion") == version and ready.get("status") == "True" \
-            and ready.get("observedGeneration") == obj["metadata"]["generation"]:
-        return obj
-    return None
-
-
-def set_spec(ns: Namespace, name: str, spec_patch: dict[str, Any]) -> None:
-    ns.patch("specpair.io/v1alpha1", "SpecModelPair", name, {"spec": spec_patch})
-
-
-def engine_pods(ns: Namespace, version: str | None = None) -> list[dict[str, Any]]:
-    sel = "specpair.io/role=engine" + (f",specpair.io/release-version={version}" if version else "")
-    return [p for p in ns.pods(sel) if not p["metadata"].get("deletionTimestamp")]
-
-
-def model_name(ns: Namespace, name: str) -> str:
-    return release.effective_model_name(name, ns.name, {})
-
 
 def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champion(env, mlflow_server):
     ns = env

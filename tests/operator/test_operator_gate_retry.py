@@ -21,13 +21,11 @@ import pytest
 from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
-from cluster_env import HERE, OPERATOR, wait_until
+from cluster_env import HERE, MODELS, OPERATOR, cond, model_name, pair, serving
 from specpair_operator import gate_attempts, release
 from specpair_operator.gate_attempts import GIVE_UP, RETRY, WAIT, Failure, Policy, failure_of, next_step
 from specpair_operator.gate_runner import until_deadline
 from specpair_operator.registry import RegistryUnavailable, ReleaseRegistry
-from test_operator_e2e import MODELS, cond, model_name, pair, serving  # noqa: F401
-from test_operator_e2e import env, world  # noqa: F401 - pytest fixtures
 
 
 @pytest.mark.parametrize("failed, since, expected", [

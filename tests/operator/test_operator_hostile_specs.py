@@ -12,14 +12,13 @@ import asyncio
 import json
 import subprocess
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from kopf.testing import KopfRunner
 
-from cluster_env import OPERATOR, REPO, STANDIN_IMAGE, Namespace, World, register_standin_image
+from cluster_env import OPERATOR, REPO, Namespace, cond, pair
 from specpair_devcluster.client import ApiError
 from specpair_operator import names, release
 from specpair_operator.kube import Kube, KubeError, _path
@@ -200,41 +199,18 @@ def test_a_verdict_tag_nested_too_deeply_for_json_reads_as_no_verdict(mlflow_ser
 
 # -- on the real control plane --------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def world(devcluster, tmp_path_factory):
-    """The stand-in gate's model world. The stand-in image is registered once per session with
-    one world file: when another module registered it first, these models join its file."""
-    image = devcluster.images.images.get(STANDIN_IMAGE.split(":")[0])
-    if image is None:
-        w = World(tmp_path_factory.mktemp("world") / "world.json", MODELS)
-        register_standin_image(devcluster, w.path)
-        yield w
-        return
-    path = Path(image.env["SPECPAIR_STANDIN_WORLD"])
-    before = json.loads(path.read_text())
-    w = World(path, {**before, **MODELS})
-    yield w
-    World(path, before)
-
-
 @pytest.fixture
-def env(world, operator_env, ns):
+def env(env, world):
+    """The shared model world with this module's verdicts that are not verdicts (NaN, strings)."""
     world.update(**MODELS)
-    return ns
+    return env
 
 
-def pair(name: str, draft: str, **spec: Any) -> dict[str, Any]:
-    rollout = {"image": STANDIN_IMAGE, **spec.pop("rollout", {})}
-    return {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": name},
-            "spec": {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "main"},
-                     "draft": {"source": draft},
-                     "gating": {"prompts": [{"prompt": "def fib(n):", "category": "code"}],
-                                "thresholds": {"minAcceptance": 0.5, "minCategoryAcceptance": {"code": 0.6}}},
-                     "rollout": rollout, **spec}}
-
-
-def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+def code_pair(name: str, draft: str, **spec: Any) -> dict[str, Any]:
+    """A pair gated on one code prompt."""
+    gating = {"prompts": [{"prompt": "def fib(n):", "category": "code"}],
+              "thresholds": {"minAcceptance": 0.5, "minCategoryAcceptance": {"code": 0.6}}}
+    return pair(name, draft, **{"gating": gating, **spec})
 
 
 @pytest.mark.parametrize("change", [
@@ -255,7 +231,7 @@ def test_references_and_ports_are_refused_by_the_api_server_and_the_operator_in_
     operator's own check (for a pair that got past an older CRD: InvalidSpec, before any read)
     finds the same violations in the same words."""
     ns = env
-    bad = pair("hostile", "good-draft")
+    bad = code_pair("hostile", "good-draft")
     for key, value in change.items():
         bad["spec"][key] = {**bad["spec"].get(key, {}), **value}
     with pytest.raises(ApiError) as err:
@@ -270,7 +246,7 @@ def test_references_and_ports_are_refused_by_the_api_server_and_the_operator_in_
 
 def test_kubectl_apply_refuses_a_serving_port_on_the_metrics_port(env, devcluster):
     ns = env
-    bad = pair("ports", "good-draft", rollout={"port": METRICS_PORT})
+    bad = code_pair("ports", "good-draft", rollout={"port": METRICS_PORT})
     bad["metadata"]["namespace"] = ns.name
     kubectl = REPO / ".tools" / "bin" / "kubectl"
     done = subprocess.run([str(kubectl) if kubectl.exists() else "kubectl", "--kubeconfig", str(devcluster.kubeconfig),
@@ -321,7 +297,7 @@ def test_an_invalid_quantity_is_stalled_with_the_api_servers_message(env):
     ns = env
     name = f"quantity-{uuid.uuid4().hex[:5]}"
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        ns.create(pair(name, "good-draft", rollout={"resources": {"limits": {"cpu": "lots"}}}))
+        ns.create(code_pair(name, "good-draft", rollout={"resources": {"limits": {"cpu": "lots"}}}))
         obj = ns.wait_for("the refusal reported", lambda: (o := ns.pair(name)) and
                           cond(o, "Stalled").get("reason") == "KubernetesAPIRefused" and o, timeout=90)
         msg = cond(obj, "Stalled")["message"]
@@ -354,8 +330,8 @@ def test_a_nan_verdict_and_a_string_typed_verdict_are_never_promoted(env, mlflow
             and cond(o, "Gated")["message"].startswith(start) and o
 
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        ns.create(pair(nan_pair, "nan-draft"))
-        ns.create(pair(str_pair, "string-draft"))
+        ns.create(code_pair(nan_pair, "nan-draft"))
+        ns.create(code_pair(str_pair, "string-draft"))
         for name, problems in ((nan_pair, ["acceptanceRate is NaN, must be a finite number in [0, 1]",
                                            "speedup is Infinity, must be a finite number > 0"]),
                                (str_pair, ['categories is "code: 0.8, chat: 0.6", must be a mapping',
@@ -395,7 +371,7 @@ def test_a_dotted_pair_serves_from_its_hashed_name_and_retires_its_legacy_engine
     dotted = f"chat.{uuid.uuid4().hex[:5]}"
     dashed = dotted.replace(".", "-")
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        obj = ns.create(pair(dotted, "good-draft"))
+        obj = ns.create(code_pair(dotted, "good-draft"))
         legacy = names.legacy_object_name(dotted, "engine")
         ns.create({"apiVersion": "apps/v1", "kind": "Deployment",
                    "metadata": {"name": legacy, "ownerReferences": [
@@ -413,7 +389,7 @@ def test_a_dotted_pair_serves_from_its_hashed_name_and_retires_its_legacy_engine
 
         ns.kube.delete("apps/v1", "Deployment", ns.name, legacy)
         # Other ports: the devcluster's one node runs both pairs' engines as local processes.
-        ns.create(pair(dashed, "good-draft", rollout={"port": 50061, "controlPort": 50062, "httpPort": 8010}))
+        ns.create(code_pair(dashed, "good-draft", rollout={"port": 50061, "controlPort": 50062, "httpPort": 8010}))
         ns.wait_for(f"{dashed} ready", lambda: cond(ns.pair(dashed), "Ready").get("status") == "True", timeout=150)
         assert {d["metadata"]["name"] for d in ns.list("apps/v1", "Deployment")
                 if not d["metadata"].get("deletionTimestamp")} == {current, legacy}

@@ -17,10 +17,8 @@ import pytest
 from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
-from cluster_env import OPERATOR
+from cluster_env import OPERATOR, cond, engine_pods, model_name, pair, serving
 from conftest import MlflowServer  # noqa: E402 - tests/operator is on sys.path
-from test_operator_e2e import cond, engine_pods, model_name, pair, serving
-from test_operator_e2e import env, world  # noqa: F401 - pytest fixtures
 
 ADMIN = ("admin", "admin-pw-" + uuid.uuid4().hex[:8])
 TEAM = ("team", "team-pw-" + uuid.uuid4().hex[:8])

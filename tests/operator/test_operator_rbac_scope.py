@@ -15,9 +15,7 @@ import uuid
 
 from kopf.testing import KopfRunner
 
-from cluster_env import CHART, REPO, Namespace, helm
-from test_operator_e2e import pair, serving  # noqa: F401
-from test_operator_e2e import env, world  # noqa: F401 - pytest fixtures
+from cluster_env import CHART, REPO, Namespace, helm, pair, serving
 
 RELEASE = "specpair-scoped"          # its fullname too (it contains the chart's name)
 RELEASE_NAMESPACE = "specpair-scoped"

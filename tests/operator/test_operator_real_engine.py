@@ -3,7 +3,7 @@
 node), on tiny models (CPU). A compatible pair is gated, recorded and served with
 its identity checked over gRPC; a served draft swapped on disk for a bad one drifts, loses
 speculation, and is rolled back. (The gate refusing another tokenizer before loading weights is
-tested with the engine, tests/test_engine_gate.py; the operator's side of it in
+tested with the engine, tests/engine/test_engine_gate.py; the operator's side of it in
 test_operator_e2e.py.)"""
 
 from __future__ import annotations
@@ -14,17 +14,11 @@ import uuid
 from pathlib import Path
 
 import grpc
-import pytest
 from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
-from cluster_env import OPERATOR
-from test_operator_e2e import cond, engine_pods, model_name, serving
-
-CODE_PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print(", "import json\n\ndef load(path):",
-                "class Point:\n    def __init__(self, x, y):"]
-
+from cluster_env import CODE_PROMPTS, OPERATOR, cond, engine_pods, model_name, serving, tiny_pair
 
 def real_fingerprint(path: str) -> str:
     from transformers import AutoTokenizer
@@ -32,20 +26,6 @@ def real_fingerprint(path: str) -> str:
     from specpair.tokenizer_identity import fingerprint
 
     return fingerprint(AutoTokenizer.from_pretrained(path))["sha256"]
-
-
-def tiny_pair(name: str, target: str, draft: str, **spec) -> dict:
-    # fallbackThreshold 0: the engine keeps drafting under a bad draft, so the operator sees it.
-    return {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": name},
-            "spec": {"target": {"source": target}, "draft": {"source": draft},
-                     "speculation": {"k": 3, "fallbackThreshold": 0},
-                     "gating": {"prompts": [{"prompt": CODE_PROMPTS[0], "category": "code"},
-                                            {"prompt": CODE_PROMPTS[1], "category": "code"},
-                                            {"prompt": "The weather today is", "category": "chat"}],
-                                "maxNewTokens": 12, "thresholds": {"requireGreedyIdentity": True}},
-                     # Tiny models on CPU: speculation never pays, so the gate's tuning would switch it
-                     # off in serving; this test needs it on to watch acceptance drift.
-                     "rollout": {"applyGateTuning": False}, **spec}}
 
 
 def send_code_traffic(address: str | None, n: int = 2) -> None:
@@ -68,16 +48,6 @@ def serving_address(ns) -> str | None:
         if any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])):
             return f"{pod['status']['podIP']}:50051"
     return None
-
-
-@pytest.fixture
-def model_dirs(tiny_pair_dirs):
-    """The tiny models where pods can read them: a host folder no pod mount covers (pytest's
-    folders are under /tmp, which each pod has as its own emptyDir)."""
-    root = Path.home() / ".cache" / "specpair-test-models" / uuid.uuid4().hex[:8]
-    out = {k: str(shutil.copytree(v, root / k)) for k, v in tiny_pair_dirs.items()}
-    yield out
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def test_real_gate_and_engine_serve_then_roll_back_a_drifting_draft(

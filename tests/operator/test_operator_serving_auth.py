@@ -26,15 +26,12 @@ import grpc
 import pytest
 from kopf.testing import KopfRunner
 
-from cluster_env import OPERATOR
+from cluster_env import CODE_PROMPTS, OPERATOR, engine_pods, serving, tiny_pair
 from specpair_devcluster.client import ApiError
 from specpair_operator import tls as tls_mod
 from specpair_operator.validation import validate_spec
 from specpair._proto import engine_pb2, engine_pb2_grpc
 from specpair_operator import manifests
-from test_operator_e2e import engine_pods, serving  # noqa: F401
-from test_operator_real_engine import CODE_PROMPTS, tiny_pair
-from test_operator_real_engine import model_dirs  # noqa: F401 - pytest fixture
 
 TOKEN = "s3cret-" + uuid.uuid4().hex
 
