@@ -11,6 +11,9 @@ export SPECPAIR_REQUIRE_VLLM=1
 # The real control plane the operator, devcluster and demo tests run on (built once, cached).
 SPECPAIR_CONTROL_PLANE_BIN="$(bash scripts/build-control-plane.sh)"
 export SPECPAIR_CONTROL_PLANE_BIN
+# A real Prometheus for the observability tests (built once, cached; after the control plane: they share the Go build cache).
+SPECPAIR_PROMETHEUS_BIN="$(bash scripts/build-prometheus.sh)"
+export SPECPAIR_PROMETHEUS_BIN
 VENV="${SPECPAIR_VENV:-.venv}"
 export PATH="$PWD/.tools/bin:$PATH"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "$@"
