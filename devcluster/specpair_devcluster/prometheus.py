@@ -1,0 +1,244 @@
+"""A real Prometheus beside the devcluster, scraping what the chart's monitors select.
+
+Prometheus (built from its Go module by scripts/build-prometheus.sh) runs on 127.0.0.1 and finds
+its targets the way it does in any cluster: `kubernetes_sd_configs` watching the devcluster's API
+server, logged in as a ServiceAccount with the read-only RBAC Prometheus needs. The scrape jobs
+are the chart's own PodMonitor and ServiceMonitor objects (rendered by helm) translated as the
+Prometheus Operator translates them: a PodMonitor becomes `role: pod` keeping the pods whose labels
+match its selector and whose container port has the monitor's port name; a ServiceMonitor becomes
+`role: endpointslice` keeping the endpoints of matching Services on the named Service port. So a
+test scraping these jobs proves the chart's selectors really select the pods the operator makes.
+
+Pods here are local processes with their own loopback address as pod IP (node_agent.py), so the
+discovered `podIP:port` is directly reachable from this machine: no address relabelling is needed.
+
+    prom = DevPrometheus(cluster, workdir, monitors, rule_files=[...]).start()
+    prom.query('up')                     # /api/v1/query
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .processes import Child, free_port, wait_until
+
+BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build-prometheus.sh"
+NAMESPACE = "devcluster-monitoring"
+ACCOUNT = "prometheus"
+# What Prometheus' Kubernetes discovery reads for pod, endpoints and endpointslice roles; nothing else.
+CLUSTER_ROLE_RULES = [
+    {"apiGroups": [""], "resources": ["pods", "services", "endpoints", "namespaces", "nodes"],
+     "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+]
+
+
+def prometheus_binaries() -> Path:
+    """The folder with `prometheus` and `promtool`: $SPECPAIR_PROMETHEUS_BIN, or the build
+    script's cache (which builds them on first use and only checks its stamp afterwards)."""
+    given = os.environ.get("SPECPAIR_PROMETHEUS_BIN")
+    if given:
+        folder = Path(given)
+    else:
+        done = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{BUILD_SCRIPT} failed (exit {done.returncode}); its messages are above")
+        folder = Path(done.stdout.strip().splitlines()[-1])
+    missing = [p for p in ("prometheus", "promtool") if not os.access(folder / p, os.X_OK)]
+    if missing:
+        raise RuntimeError(f"{folder} lacks {', '.join(missing)}; run scripts/build-prometheus.sh")
+    return folder
+
+
+def _label_name(key: str) -> str:
+    """A Kubernetes label key as Prometheus' discovery spells it in meta labels."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+def _selector_keeps(selector: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    if set(selector) - {"matchLabels"}:
+        raise ValueError(f"only matchLabels selectors are translated, got {sorted(selector)}")
+    return [{"action": "keep",
+             "source_labels": [f"__meta_kubernetes_{kind}_label_{_label_name(k)}",
+                               f"__meta_kubernetes_{kind}_labelpresent_{_label_name(k)}"],
+             "regex": f"({re.escape(str(v))});true"}
+            for k, v in sorted((selector.get("matchLabels") or {}).items())]
+
+
+def _namespaces(monitor: dict[str, Any]) -> dict[str, Any] | None:
+    """The monitor's namespaceSelector as kubernetes_sd `namespaces` (None: every namespace)."""
+    chosen = monitor["spec"].get("namespaceSelector") or {}
+    if chosen.get("any"):
+        return None
+    return {"names": list(chosen.get("matchNames") or [monitor["metadata"]["namespace"]])}
+
+
+def scrape_configs(monitors: list[dict[str, Any]], api_server: str, ca_file: Path, token_file: Path,
+                   interval: str | None = None) -> list[dict[str, Any]]:
+    """Prometheus scrape jobs for PodMonitor and ServiceMonitor objects (what the Prometheus
+    Operator generates for the fields the chart uses; anything else is refused, not ignored).
+    `interval` overrides the monitors' own (tests scrape every second)."""
+    jobs = []
+    for monitor in monitors:
+        kind, meta, spec = monitor["kind"], monitor["metadata"], monitor["spec"]
+        if kind == "PodMonitor":
+            role, endpoints, port_label = "pod", spec["podMetricsEndpoints"], "__meta_kubernetes_pod_container_port_name"
+        elif kind == "ServiceMonitor":
+            role, endpoints, port_label = "endpointslice", spec["endpoints"], "__meta_kubernetes_endpointslice_port_name"
+        else:
+            continue
+        for i, endpoint in enumerate(endpoints):
+            unknown = set(endpoint) - {"port", "path", "interval", "scheme", "honorLabels"}
+            if unknown:
+                raise ValueError(f"{kind} {meta['name']}: fields not translated: {sorted(unknown)}")
+            sd: dict[str, Any] = {"role": role, "api_server": api_server,
+                                  "tls_config": {"ca_file": str(ca_file)},
+                                  "authorization": {"credentials_file": str(token_file)}}
+            namespaces = _namespaces(monitor)
+            if namespaces is not None:
+                sd["namespaces"] = namespaces
+            relabel = [
+                # Finished pods keep their IP in status but serve nothing (the Prometheus Operator drops them too).
+                {"action": "drop", "source_labels": ["__meta_kubernetes_pod_phase"], "regex": "(Failed|Succeeded)"},
+                *_selector_keeps(spec["selector"], "pod" if role == "pod" else "service"),
+                {"action": "keep", "source_labels": [port_label], "regex": re.escape(endpoint["port"])},
+                {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+                {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+                {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
+            ]
+            if role == "pod":
+                relabel.append({"target_label": "job", "replacement": f"{meta['namespace']}/{meta['name']}"})
+            else:
+                relabel += [{"source_labels": ["__meta_kubernetes_service_name"], "target_label": "service"},
+                            {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "job"}]
+            relabel.append({"target_label": "endpoint", "replacement": endpoint["port"]})
+            jobs.append({
+                "job_name": f"{kind[0].lower()}{kind[1:]}/{meta['namespace']}/{meta['name']}/{i}",
+                "honor_labels": bool(endpoint.get("honorLabels", False)),
+                "scrape_interval": interval or endpoint.get("interval", "30s"),
+                "metrics_path": endpoint.get("path", "/metrics"),
+                "scheme": endpoint.get("scheme", "http"),
+                "kubernetes_sd_configs": [sd],
+                "relabel_configs": relabel,
+            })
+    return jobs
+
+
+class DevPrometheus:
+    """Prometheus scraping the devcluster's pods through the given monitors, evaluating
+    `rule_files` every `interval`."""
+
+    def __init__(self, cluster: Any, workdir: Path, monitors: list[dict[str, Any]],
+                 rule_files: list[Path] = (), interval: str = "1s"):
+        self.cluster, self.workdir = cluster, Path(workdir)
+        self.monitors, self.rule_files, self.interval = monitors, [Path(p) for p in rule_files], interval
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.child: Child | None = None
+
+    def grant(self) -> Path:
+        """A ServiceAccount allowed exactly what discovery reads, and a token file of it."""
+        kube = self.cluster.kube
+        self.cluster.ensure_namespace(NAMESPACE)
+        name = f"{NAMESPACE}-{ACCOUNT}"
+        for obj in ({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": ACCOUNT, "namespace": NAMESPACE}},
+                    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
+                     "rules": CLUSTER_ROLE_RULES},
+                    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+                     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+                     "subjects": [{"kind": "ServiceAccount", "name": ACCOUNT, "namespace": NAMESPACE}]}):
+            if kube.get(obj["apiVersion"], obj["kind"], obj["metadata"].get("namespace"), obj["metadata"]["name"]) is None:
+                kube.create(obj)
+        got = kube.request("POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{ACCOUNT}/token",
+                           body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                                 "spec": {"expirationSeconds": 24 * 3600}})
+        token = self.workdir / "token"
+        token.write_text(got["status"]["token"])
+        token.chmod(0o600)
+        return token
+
+    def config(self, token_file: Path) -> dict[str, Any]:
+        return {"global": {"scrape_interval": self.interval, "evaluation_interval": self.interval},
+                "rule_files": [str(p) for p in self.rule_files],
+                "scrape_configs": scrape_configs(self.monitors, self.cluster.server, self.cluster.ca_file,
+                                                 token_file, interval=self.interval)}
+
+    def start(self, timeout: float = 60.0) -> "DevPrometheus":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / "prometheus.yml"
+        config.write_text(yaml.safe_dump(self.config(self.grant()), sort_keys=False))
+        binary = prometheus_binaries() / "prometheus"
+        self.child = Child("prometheus", [str(binary), f"--config.file={config}",
+                                          f"--storage.tsdb.path={self.workdir / 'data'}",
+                                          f"--web.listen-address=127.0.0.1:{self.port}"],
+                           self.workdir / "prometheus.log")
+        wait_until(self._ready, timeout, what="Prometheus /-/ready",
+                   abort=lambda: None if self.child.alive() else self.child.describe_exit())
+        return self
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop()
+            self.child = None
+
+    def __enter__(self) -> "DevPrometheus":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    # -- the HTTP API ------------------------------------------------------------------------------
+
+    def api(self, path: str, **params: Any) -> Any:
+        """GET /api/v1/<path>; returns `data`, raises with Prometheus' error otherwise."""
+        query = urllib.parse.urlencode([(k, x) for k, v in params.items() for x in (v if isinstance(v, list) else [v])])
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=30) as r:
+                body = json.load(r)
+        except urllib.error.HTTPError as exc:
+            body = json.load(exc)
+        if body.get("status") != "success":
+            raise RuntimeError(f"Prometheus /api/v1/{path} {params}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]
+
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        return self.api("query", query=expr, **({"time": at} if at is not None else {}))["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+        return self.api("query_range", query=expr, start=start, end=end, step=step)["result"]
+
+    def targets(self) -> list[dict[str, Any]]:
+        return self.api("targets", state="active")["activeTargets"]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return self.api("alerts")["alerts"]
+
+    def rules(self) -> list[dict[str, Any]]:
+        return [r for g in self.api("rules")["groups"] for r in g["rules"]]
+
+    def wait_for(self, what: str, predicate: Any, timeout: float = 60.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = predicate()
+            if got:
+                return got
+            time.sleep(0.5)
+        raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")

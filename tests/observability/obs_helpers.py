@@ -1,0 +1,61 @@
+"""Shared pieces of the observability tests: the chart rendered by the real helm, and the shipped
+alert rules and dashboard, read from the chart (never copied)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "specpair"
+# The one home of the alert rules: the chart's PrometheusRule embeds this file.
+RULES = CHART / "rules" / "specpair-alerts.yaml"
+DASHBOARD = CHART / "dashboards" / "specpair.json"
+
+
+def helm_binary() -> str:
+    tools = REPO / ".tools" / "bin" / "helm"
+    found = str(tools) if tools.exists() else shutil.which("helm")
+    if not found:
+        raise AssertionError("helm is not installed: run `bash scripts/install-k8s-tools.sh`")
+    return found
+
+
+def helm(*args: str, values: dict[str, Any] | None = None, kubeconfig: Path | None = None,
+         check: bool = True) -> subprocess.CompletedProcess:
+    argv = [helm_binary(), *(["--kubeconfig", str(kubeconfig)] if kubeconfig else []), *args]
+    if values is not None:
+        argv += ["--values", "-"]
+    done = subprocess.run(argv, input=json.dumps(values) if values is not None else None,
+                          capture_output=True, text=True, timeout=300)
+    if check and done.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args[:2])} failed: {done.stderr[-3000:]}")
+    return done
+
+
+def render(values: dict[str, Any], release: str = "obs", namespace: str = "specpair-obs") -> list[dict[str, Any]]:
+    out = helm("template", release, str(CHART), "--namespace", namespace, values=values).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r]
+
+
+def panel_targets() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every query of every panel the dashboard ships."""
+    def walk(panels: list[dict[str, Any]]):
+        for p in panels:
+            yield p
+            yield from walk(p.get("panels") or [])
+    board = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"]) for p in walk(board["panels"]) for t in p.get("targets") or [] if t.get("expr")]
+
+
+def dashboard_variables() -> list[dict[str, Any]]:
+    return [v for v in json.loads(DASHBOARD.read_text())["templating"]["list"] if v.get("type") == "query"]
