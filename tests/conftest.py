@@ -15,6 +15,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+def pytest_collection_modifyitems(items):
+    """The fast lane (`pytest -m "not slow"`) leaves out what starts real servers beside the test:
+    a Kubernetes control plane (the `devcluster` fixture, direct or through another fixture), a
+    vLLM server, or the real SmolLM2 (marked where it is loaded)."""
+    for item in items:
+        if "devcluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_runtest_setup(item):
     """Tests marked `vllm` need the vLLM virtualenv (bash scripts/setup-vllm.sh): skipped where it
     is absent, unless SPECPAIR_REQUIRE_VLLM is set (CI), where they fail instead. Skip them on

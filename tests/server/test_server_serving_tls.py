@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from conftest import client_for, make_engine, rpc_error
-from test_server_control_tls import CA, SERVER_NAME, Issued, SecretVolume, write
+from pki import CA, SERVER_NAME, Issued, SecretVolume, write
 from specpair.server.app import EngineServer, ServerOptions
 from specpair.server.tls import TLSFiles
 

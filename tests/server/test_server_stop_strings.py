@@ -1,6 +1,6 @@
 """Stop strings over real gRPC: streamed pieces never hold a stop string's first characters.
 
-Cases and reference come from tests/test_engine_stop_strings.py (stop strings of 1-8 characters
+Cases and reference come from tests/engine/test_engine_stop_strings.py (stop strings of 1-8 characters
 ending at, straddling and starting at the reply's token boundaries); here they go through the
 server, several at once, greedy and sampled, and every message of each stream is checked.
 """
@@ -13,7 +13,7 @@ from specpair.server.app import EngineServer, ServerOptions
 from specpair.server.client import request
 
 from conftest import client_for, make_engine, run_threads
-from test_engine_stop_strings import MAX_NEW, PROMPT, SAMPLED, expected_stop, stop_cases
+from stop_string_cases import MAX_NEW, PROMPT, SAMPLED, expected_stop, stop_cases
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,29 @@
+"""Fixtures of the engine's tests: one-layer targets for the head, tree and lookup tests, and the
+target-only reference replies they compare against."""
+
+from __future__ import annotations
+
+import pytest
+from head_builders import PARAMS, PROMPTS
+
+from specpair.config import SpeculationConfig
+from specpair.decoding import SpeculativeEngine
+
+
+@pytest.fixture(scope="module")
+def smooth_target(tiny_tokenizer):
+    """A one-layer target with small weights: its greedy text repeats tokens now and then."""
+    from tiny_models import make_model
+    return make_model(tiny_tokenizer, seed=11, layers=1, init_std=0.05)
+
+
+@pytest.fixture(scope="module")
+def one_layer_target(tiny_tokenizer):
+    from tiny_models import make_model
+    return make_model(tiny_tokenizer, seed=11, layers=1)
+
+
+@pytest.fixture(scope="module")
+def reference(one_layer_target):
+    engine = SpeculativeEngine(one_layer_target, speculation=SpeculationConfig(enabled=False))
+    return [engine.generate([p], PARAMS)[0].token_ids for p in PROMPTS]

@@ -1,0 +1,82 @@
+"""`specpair gate` on tiny models: verdict contract, thresholds, tokenizer refusal before loading."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+from specpair.gate import run_gate, threshold_failures
+
+PROMPTS = [{"prompt": "def foo(x):\n    return", "category": "code"},
+           {"prompt": "import os\nimport sys\n", "category": "code"},
+           {"prompt": "The quick brown fox", "category": "qa"}]
+
+
+def _release(dirs, **gating):
+    return {"pair": "tiny", "target": {"source": dirs["target"]}, "draft": {"source": dirs["draft"]},
+            "speculation": {"k": 3, "dynamicK": False},
+            "gating": {"prompts": PROMPTS, "maxNewTokens": 16, "chat": False,
+                       "thresholds": gating or {"requireGreedyIdentity": True}}}
+
+
+def test_gate_passes_and_reports_everything(tiny_pair_dirs):
+    verdict, golden = run_gate(_release(tiny_pair_dirs), device="cpu", progress=lambda *_: None,
+                               k_sweep=[1, 2], batch_sizes=[1, 2])
+    assert verdict["passed"] and verdict["reasons"] == []
+    assert verdict["greedyIdentity"] == 1.0
+    assert verdict["tokenizer"]["compatible"] and verdict["tokenizer"]["draftFingerprint"]
+    assert set(verdict["categories"]) == {"code", "qa"}
+    assert 0 < verdict["acceptanceRate"] < 1
+    assert verdict["meanAcceptanceLength"] > 1
+    assert [row["k"] for row in verdict["kSweep"]] == [1, 2, 3]
+    assert verdict["bestSpeculation"]["k"] in (1, 2, 3)
+    assert len(golden) == 3 and all(g["identical"] for g in golden)
+
+
+def test_thresholds_say_by_how_much():
+    verdict = {"greedyIdentity": 0.5, "acceptanceRate": 0.3, "speedup": 0.9,
+               "categories": {"code": {"acceptanceRate": 0.2}}}
+    reasons = threshold_failures(verdict, {"minAcceptance": 0.4, "minCategoryAcceptance": {"code": 0.5, "qa": 0.1},
+                                           "minSpeedup": 1.2})
+    # One wording, shared with the operator (specpair.contract): each failure is said once.
+    assert reasons == [
+        "greedy identity 0.500 < 1.000 (required: speculative output must equal target-only)",
+        "acceptance 0.300 < minAcceptance 0.400 (short by 0.100)",
+        "category 'code' acceptance 0.200 < 0.500 (short by 0.300)",
+        "category 'qa' acceptance missing (no golden prompt in that category?) < 0.100",
+        "speedup 0.900x < minSpeedup 1.200x (short by 0.300x)"]
+    from specpair_operator.gate_verdict import evaluate_verdict
+    outcome = evaluate_verdict({**verdict, "passed": False, "reasons": reasons},
+                               {"minAcceptance": 0.4, "minCategoryAcceptance": {"code": 0.5, "qa": 0.1}, "minSpeedup": 1.2})
+    assert outcome.failures == reasons
+
+
+def test_gate_cli_refuses_other_tokenizer_before_loading_weights(tmp_path, tiny_pair_dirs):
+    from tiny_models import make_model, make_tokenizer, save_tiny
+    other = save_tiny(make_model(make_tokenizer(vocab_size=350), seed=4), tmp_path / "other")
+    # Remove the weights: the gate must decide from tokenizer files alone.
+    for f in (tmp_path / "other").glob("*.safetensors"):
+        f.unlink()
+    release = _release(tiny_pair_dirs)
+    release["draft"] = {"source": other}
+    (tmp_path / "release.json").write_text(json.dumps(release))
+    out = tmp_path / "verdict.json"
+    proc = subprocess.run([sys.executable, "-m", "specpair", "gate", "--release",
+                           str(tmp_path / "release.json"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    verdict = json.loads(out.read_text())
+    assert verdict["passed"] is False
+    assert verdict["reasons"][0].startswith("tokenizer mismatch: vocabulary sizes differ: draft 350 vs target 400")
+    assert verdict["tokenizer"]["compatible"] is False
+
+
+def test_gate_cli_bad_release_is_a_clear_error(tmp_path):
+    (tmp_path / "r.json").write_text(json.dumps({"target": {"source": "x"}, "draft": {},
+                                                 "gating": {"prompts": []}}))
+    proc = subprocess.run([sys.executable, "-m", "specpair", "gate", "--release", str(tmp_path / "r.json"),
+                           "--out", str(tmp_path / "v.json")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "release.draft needs 'source'" in proc.stderr and "Traceback" not in proc.stderr

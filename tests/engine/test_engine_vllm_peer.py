@@ -1,0 +1,314 @@
+"""specpair.vllm_peer: our speculation settings as vLLM's, its /metrics counters, and a real vLLM
+server (its own virtualenv, scripts/setup-vllm.sh) whose greedy ids equal our engine's.
+
+The pure tests run everywhere. The `vllm` ones start a real server (~40-50 s on this CPU); they
+skip where the vLLM virtualenv is absent unless SPECPAIR_REQUIRE_VLLM is set (conftest), and
+`-m "not vllm"` leaves them out on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from specpair.config import SpeculationConfig
+from specpair.errors import SpecpairError
+from specpair.vllm_peer import (SpecDecodeCounters, VllmServer, default_python, ngram_defaults,
+                                parse_spec_decode_metrics, speculative_config)
+
+# Captured from vLLM 0.32.0's /metrics (SmolLM2 fp32, ngram k=4, after two requests), cut to
+# the spec-decode block and its neighbours: the `_created` gauges must not count, nor others.
+REAL_METRICS = """\
+# HELP process_open_fds Number of open file descriptors.
+# TYPE process_open_fds gauge
+process_open_fds 34.0
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="smol"} 15.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="smol"} 1.7954755806401868e+09
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="smol"} 57.0
+# HELP vllm:spec_decode_num_draft_tokens_created Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_created gauge
+vllm:spec_decode_num_draft_tokens_created{engine="0",model_name="smol"} 1.7954755806402216e+09
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="smol"} 7.0
+# HELP vllm:spec_decode_num_accepted_tokens_created Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_created gauge
+vllm:spec_decode_num_accepted_tokens_created{engine="0",model_name="smol"} 1.7954755806402452e+09
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smol",position="0"} 2.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smol",position="1"} 2.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smol",position="2"} 2.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smol",position="3"} 1.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_created Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_created gauge
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="smol",position="0"} 1.795475580640279e+09
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="smol",position="1"} 1.7954755806402884e+09
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="smol",position="2"} 1.795475580640296e+09
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="smol",position="3"} 1.7954755806404524e+09
+# HELP vllm:estimated_flops_per_gpu_total Estimated number of floating point operations per GPU (for Model Flops Utilization calculations).
+# TYPE vllm:estimated_flops_per_gpu_total counter
+vllm:estimated_flops_per_gpu_total{engine="0",model_name="smol"} 0.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="smol"} 60.0
+"""
+
+
+# -- speculative_config -----------------------------------------------------------------------
+
+
+def test_ngram_release_maps_to_vllm_ngram_with_the_engines_defaults():
+    max_n, min_n = ngram_defaults()
+    from specpair.drafters import NgramDrafter
+    assert (max_n, min_n) == (NgramDrafter().max_ngram, NgramDrafter().min_ngram)  # the drafter's own
+    release = {"target": {"source": "default"}, "draft": {"drafter": "ngram"}, "speculation": {"k": 5}}
+    assert speculative_config(release) == {"method": "ngram", "num_speculative_tokens": 5,
+                                           "prompt_lookup_max": max_n, "prompt_lookup_min": min_n}
+    # No k in the release: the engine's default k.
+    assert speculative_config({"draft": {"drafter": "ngram"}})["num_speculative_tokens"] == SpeculationConfig().k
+
+
+def test_engine_descriptions_and_draft_models_map_too():
+    # What the bench has: the drafter's describe() and the engine's k.
+    assert speculative_config({"kind": "ngram", "max_ngram": 4, "min_ngram": 2}, k=6) == {
+        "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    assert speculative_config({"kind": "model", "source": "x", "path": "/models/draft"}, k=3) == {
+        "model": "/models/draft", "num_speculative_tokens": 3}
+    assert speculative_config({"draft": {"source": "/models/draft"}, "speculation": {"k": 2}}) == {
+        "model": "/models/draft", "num_speculative_tokens": 2}
+    # An explicit k wins over the release's.
+    assert speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"k": 2}}, k=7)[
+        "num_speculative_tokens"] == 7
+
+
+def test_target_only_and_bad_settings():
+    assert speculative_config(None) is None
+    assert speculative_config({}) is None
+    assert speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"enabled": False}}) is None
+    with pytest.raises(SpecpairError, match="no vLLM speculative config for drafter 'eagle'"):
+        speculative_config({"draft": {"drafter": "eagle"}})
+    with pytest.raises(SpecpairError, match="k must be >= 1"):
+        speculative_config({"kind": "ngram"}, k=0)
+    with pytest.raises(SpecpairError, match="min_ngram <= max_ngram"):
+        speculative_config({"kind": "ngram", "max_ngram": 1, "min_ngram": 2})
+    with pytest.raises(SpecpairError, match="'source'"):
+        speculative_config({"draft": {}})
+    with pytest.raises(SpecpairError, match="treeWidth"):    # token trees: our engine's only
+        speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"treeWidth": 2}})
+    with pytest.raises(SpecpairError, match="lookupMinMatch"):   # lookup before a head: ours too
+        speculative_config({"draft": {"source": "/models/head"}, "speculation": {"lookupMinMatch": 2}})
+
+
+# -- /metrics ---------------------------------------------------------------------------------
+
+
+def test_real_metrics_text_parses_to_ints():
+    c = parse_spec_decode_metrics(REAL_METRICS)
+    assert c == SpecDecodeCounters(drafts=15, draft_tokens=57, accepted_tokens=7,
+                                   accepted_per_position=[2, 2, 2, 1])
+    assert all(isinstance(x, int) for x in (c.drafts, c.draft_tokens, c.accepted_tokens, *c.accepted_per_position))
+    assert c.acceptance_rate == pytest.approx(7 / 57)
+    assert c.mean_acceptance_length == pytest.approx(1 + 7 / 15)
+    assert c.acceptance_per_position == pytest.approx([2 / 15, 2 / 15, 2 / 15, 1 / 15])
+
+
+def test_label_sets_are_summed_and_a_server_without_speculation_reads_zero():
+    # Two engines (data parallel) or two served names: the counters add up, position by position.
+    second = REAL_METRICS.replace('engine="0"', 'engine="1"')
+    c = parse_spec_decode_metrics(REAL_METRICS + second)
+    assert (c.drafts, c.draft_tokens, c.accepted_tokens, c.accepted_per_position) == (30, 114, 14, [4, 4, 4, 2])
+    target_only = "\n".join(line for line in REAL_METRICS.splitlines() if "spec_decode" not in line)
+    assert parse_spec_decode_metrics(target_only) == SpecDecodeCounters()
+    assert parse_spec_decode_metrics("").acceptance_rate == 0.0
+
+
+def test_counter_deltas_between_scrapes():
+    before = SpecDecodeCounters(2, 8, 3, [2, 1])
+    after = parse_spec_decode_metrics(REAL_METRICS)
+    delta = after - before
+    assert delta == SpecDecodeCounters(13, 49, 4, [0, 1, 2, 1])
+    assert delta + before == after
+    assert SpecDecodeCounters.from_dict(delta.to_dict()) == delta
+
+
+# -- the server's lifecycle, without vLLM ------------------------------------------------------
+
+
+def _fake_python(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "python"
+    script.write_text("#!/bin/sh\n" + body + "\n")
+    script.chmod(0o755)
+    return script
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text('{"max_position_embeddings": 512}')
+    return d
+
+
+def test_a_server_that_exits_fails_with_its_log(tmp_path):
+    python = _fake_python(tmp_path, 'echo "no module named vllm (fake)"; exit 3')
+    server = VllmServer(python, _model_dir(tmp_path), start_timeout=30)
+    with pytest.raises(SpecpairError, match=r"(?s)exited with code 3.*no module named vllm \(fake\)"):
+        server.start()
+    assert server.proc is None
+
+
+def test_a_server_that_never_gets_healthy_is_stopped_with_its_group(tmp_path):
+    # The fake leaves a child in its process group, as vLLM's engine core and worker are.
+    pidfile = tmp_path / "child.pid"
+    python = _fake_python(tmp_path, f'sleep 300 & echo $! > {pidfile}; echo "loading (fake)"; wait')
+    server = VllmServer(python, _model_dir(tmp_path), start_timeout=2)
+    started = time.monotonic()
+    with pytest.raises(SpecpairError, match=r"(?s)not healthy after 2 s.*loading \(fake\)"):
+        server.start()
+    assert time.monotonic() - started < 30
+    child = int(pidfile.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+
+
+def test_missing_python_or_model_directory(tmp_path):
+    with pytest.raises(SpecpairError, match="setup-vllm.sh"):
+        VllmServer(tmp_path / "nope" / "python", _model_dir(tmp_path)).start()
+    with pytest.raises(SpecpairError, match="local model directory"):
+        VllmServer(_fake_python(tmp_path, "exit 0"), tmp_path / "hub-id").start()
+
+
+def test_command_and_environment_follow_the_cpu_recipe(tmp_path):
+    server = VllmServer("/venv/bin/python", _model_dir(tmp_path), port=8123,
+                        speculative={"method": "ngram", "num_speculative_tokens": 4})
+    cmd = server.command()
+    assert cmd[:4] == ["/venv/bin/python", "-P", "-m", "vllm.entrypoints.openai.api_server"]
+    for flag, value in (("--dtype", "float32"), ("--port", "8123"), ("--host", "127.0.0.1"),
+                        ("--max-model-len", "512"), ("--generation-config", "vllm"),
+                        ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}')):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--enforce-eager" in cmd
+    env = server.environment()
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["OMP_NUM_THREADS"] == "1"
+    assert "PYTHONPATH" not in env
+
+
+# -- a real vLLM server -------------------------------------------------------------------------
+
+
+def _group_members(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after its ')'.
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm_model(tmp_path_factory, tiny_tokenizer):
+    """The tiny random Llama with head size 32 (vLLM's CPU attention needs 32 or more)."""
+    from tiny_models import make_model, save_tiny
+    loaded = make_model(tiny_tokenizer, seed=3, hidden=64, heads=2)
+    return loaded, save_tiny(loaded, tmp_path_factory.mktemp("vllm-tiny") / "target")
+
+
+@pytest.mark.vllm
+def test_the_vllm_venv_imports_nothing_of_ours(tmp_path):
+    probe = subprocess.run([str(default_python()), "-P", "-c", "import specpair"], cwd=tmp_path,
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+                           capture_output=True, text=True, timeout=60)
+    assert probe.returncode != 0 and "No module named 'specpair'" in probe.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(420)
+def test_vllm_greedy_equals_ours_and_reports_ngram_drafts(tiny_vllm_model):
+    from specpair.bench import _run_one
+    from specpair.config import GenerationParams
+    from specpair.decoding import SpeculativeEngine
+
+    loaded, model_dir = tiny_vllm_model
+    tok = loaded.tokenizer
+    prompts = [tok("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")["input_ids"],
+               tok("import json\nimport os\nimport json\nimport os\nimport")["input_ids"],
+               tok("The quick brown fox")["input_ids"]]
+    max_tokens = 24
+    engine = SpeculativeEngine(loaded, speculation=SpeculationConfig(enabled=False))
+    ours = [_run_one(engine, ids, GenerationParams(max_new_tokens=max_tokens), speculate=False).token_ids
+            for ids in prompts]
+    assert sum(len(ids) for ids in ours) > 2 * max_tokens      # not a comparison of early EOSes
+
+    spec = speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"k": 4}})
+    server = VllmServer(default_python(), model_dir, speculative=spec, start_timeout=180)
+    with server:
+        pgid = server.proc.pid
+        assert len(_group_members(pgid)) >= 3          # API server, engine core, worker
+        before = server.spec_decode_counters()
+        outs = [server.complete_greedy(ids, max_tokens) for ids in prompts]
+        counters = server.spec_decode_counters() - before
+    # fp32 on both sides, greedy: the same ids, prompt by prompt (speculation included).
+    assert [o.token_ids for o in outs] == ours
+    assert all(o.seconds > 0 for o in outs)
+    assert counters.drafts > 0 and counters.draft_tokens > 0
+    assert len(counters.accepted_per_position) == 4
+    # Stopped: nothing of its process group is left.
+    assert _group_members(pgid) == []
+    assert server.proc is None and "Application startup complete" in server.last_log
+
+
+# -- the bench's vLLM columns -------------------------------------------------------------------
+
+
+def test_bench_report_puts_vllm_beside_ours():
+    from specpair.bench import BenchReport, PromptResult, format_table
+    from specpair.stats import AcceptanceStats
+
+    costs = {"target_step": 0.05, "draft_step": 0.0001, "verify": {4: 0.06}, "draft_per_token": False}
+
+    def row(category, vllm_spec_seconds, identical):
+        counters = SpecDecodeCounters(drafts=4, draft_tokens=16, accepted_tokens=8, accepted_per_position=[4, 2, 1, 1])
+        return PromptResult(category=category, target_seconds=2.0, spec_seconds=1.0, tokens=20, identical=True,
+                            stats=AcceptanceStats(), rounds_without_draft=0, target_ids=list(range(20)),
+                            vllm={"target": {"seconds": 4.0, "tokens": 20, "identical": True},
+                                  "spec": {"seconds": vllm_spec_seconds, "tokens": 20, "identical": identical,
+                                           "counters": counters.to_dict()}})
+
+    report = BenchReport(pair={}, device="cpu", k=4, runs=1, costs=costs,
+                         prompts=[row("code", 2.0, True), row("qa", 2.0, False)])
+    report.vllm = {"version": "0.32.0", "dtype": "float32", "threads": 1, "ours_threads": 1,
+                   "speculative_config": {"method": "ngram"}, "start_seconds": {"target": 40.0, "spec": 41.0}}
+    d = report.to_dict()
+    overall = d["overall"]
+    assert overall["vllm_target_tokens_per_s"] == 5.0 and overall["vllm_spec_tokens_per_s"] == 10.0
+    assert overall["target_vs_vllm"] == 2.0 and overall["spec_vs_vllm"] == 2.0   # ours: 10 and 20 tok/s
+    assert overall["vllm_speedup"] == 2.0
+    assert (overall["vllm_target_identical"], overall["vllm_spec_identical"]) == (2, 1)
+    assert overall["vllm_acceptance_rate"] == 0.5 and overall["vllm_mean_acceptance_length"] == 3.0
+    assert overall["vllm_acceptance_per_position"] == [1.0, 0.5, 0.25, 0.25]   # per draft
+    assert d["categories"]["qa"]["vllm_spec_identical"] == 0
+    table = format_table(d)
+    assert "vLLM tgt" in table and "spec/vLLM" in table and "2/2" in table and "1/2" in table
+    # Without the peer, the table and the report are as before.
+    report.vllm = None
+    for r in report.prompts:
+        r.vllm = None
+    plain = report.to_dict()
+    assert "vllm" not in plain and "vllm_target_tokens_per_s" not in plain["overall"]
+    assert "vLLM" not in format_table(plain)
