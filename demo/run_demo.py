@@ -50,8 +50,8 @@ def http_address(grpc_address: str) -> str:
 OPERATOR_ENV = {"SPECPAIR_RECONCILE_INTERVAL": "1", "SPECPAIR_WATCH_TIMEOUT": "60"}
 # The drift policy sized for minutes on 2 CPU cores instead of the defaults' hours in production
 # (docs/drift.md): read every 2 s; disjoint 10 s windows, each judged only with at least 4
-# effective requests (the engine exports no per-request sums yet, so 3 finished requests count
-# as one: 12 requests) and 40 drafted tokens; two breaching windows per ladder step; a probe
+# effective requests (the engine reports per-request sums, so each finished request that drafted
+# counts once) and 40 drafted tokens; two breaching windows per ladder step; a probe
 # after one quiet window while speculation is off. Tolerance, noise allowance and the 99% bound
 # are the defaults.
 DRIFT = {"intervalSeconds": 2, "windowSeconds": 10, "minRequests": 4, "minDraftedTokens": 40,

@@ -276,7 +276,7 @@ BASE = drift.DriftPolicy(tolerance=0.3)
 POLICIES = [
     # name, policy, engine exports per-request sums, engine exports request counts
     ("new: 300 s, z 2.33, tol 0.3, 20 req, 2 in a row", BASE, True, True),
-    ("  same, engine without per-request sums (today)", BASE, False, True),
+    ("  same, engine without per-request sums (as vLLM pods are)", BASE, False, True),
     ("  same, without request counts either", BASE, False, False),
     ("new: 120 s windows, 3 in a row", replace(BASE, window_seconds=120, consecutive=3), True, True),
     ("new: tol 0.2 (the default)", drift.DriftPolicy(), True, True),

@@ -2,7 +2,7 @@
 # Regenerate the Python stubs for protos/ into engine/specpair/_proto/ (or into $1).
 #
 # The stubs are committed so a fresh clone works without grpcio-tools; run this after editing a
-# .proto (tests/server/test_server_protos.py fails while the committed stubs are stale).
+# .proto (tests/server/test_server_cli.py fails while the committed stubs are stale).
 # protoc names modules after the proto path (specpair.engine.v1.engine_pb2); we ship them as
 # specpair._proto.engine_pb2, so the one cross-module import in the gRPC stub is rewritten.
 set -euo pipefail

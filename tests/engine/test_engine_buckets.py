@@ -221,7 +221,7 @@ def test_the_compiled_step_does_not_recompile_over_a_generation(tiny_tokenizer, 
 
 
 def test_the_gpu_step_bench_runs_on_the_cpu(tmp_path):
-    """scripts/gpu_step_bench.py, for a session with a GPU: proven here on the tiny shape (its
+    """scripts/gpu_step_bench.py, for a machine with a GPU: proven here on the tiny shape (its
     figures are benchmark output, never asserted)."""
     import json
     import sys
