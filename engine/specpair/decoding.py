@@ -567,6 +567,9 @@ class Batch:
             if eng.controller.record(nums[i], a, emitted_target_only=len(new) if not nums[i] else 0):
                 seq.stats.fallback_events += 1
             outputs.append(self._emit(seq, new))
+        shadow = getattr(eng, "shadow", None)
+        if shadow is not None:   # a candidate drafter scored on what was just committed; it only reads
+            shadow.observe(self, committed, self.first_logits, sampling, drafts, num, q, accepted_l)
         self.target.trim()
         if self.drafter is not None:
             self.drafter.trim()
@@ -619,6 +622,7 @@ class Batch:
         offset = offset.clamp(max=K)
         logits = logits.gather(1, offset.unsqueeze(-1).expand(B, K + 1, logits.shape[-1]))
         drafts = drafts[:, :K]
+        self.first_logits = logits[:, 0]     # each row's next-token logits: the shadow's p (shadow.py)
 
         greedy_rows = sampling.temperature <= 0
         accepted, next_token = greedy_verify(logits, drafts, num)
@@ -674,6 +678,7 @@ class Batch:
         V = logits.shape[-1]
         rows = torch.arange(B).view(B, 1)
         chain_logits = logits[rows, chain_at.to(self.device)]                    # [B, K+1, V]
+        self.first_logits = chain_logits[:, 0]     # each row's next-token logits: the shadow's p
         sibling_logits = logits[rows.view(B, 1, 1), sibling_at.to(self.device)]  # [B, K, S, V]
         accepted, branches, nexts = verify_tree(
             chain_logits, sibling_logits.view(B, -1, S, V)[:, :K], drafts[:, :K], siblings[:, :K],
