@@ -18,6 +18,17 @@ DEFAULT_CATEGORY = "general"
 # Model sources the engine downloads from MLflow (and so needs MLflow credentials for).
 MLFLOW_SOURCE_PREFIXES = ("models:/", "runs:/", "mlflow:")
 
+# How a release's target is split over devices; a key left out is 1 (one device), and a release
+# that splits nothing carries no parallelism block, so releases made before it existed keep their hashes.
+PARALLELISM_KEYS = ("tensor", "pipeline")
+
+
+def parallelism(release_or_spec: dict[str, Any]) -> dict[str, int]:
+    """{tensor, pipeline} of a release (or of a pair's spec, which has the same block), 1 where absent."""
+    given = release_or_spec.get("parallelism") or {}
+    return {key: int(given.get(key) or 1) for key in PARALLELISM_KEYS}
+
+
 def content_hash(release: dict[str, Any]) -> str:
     """sha256 of the canonical JSON of everything in the release except where it is deployed.
 
