@@ -15,12 +15,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+# Rooms whose every test builds or starts something whole: wheels and checkov scans (ship), a
+# control plane (devcluster, demo), Prometheus over live engines (observability).
+SLOW_ROOMS = ("ship", "devcluster", "demo", "observability")
+
+
 def pytest_collection_modifyitems(items):
-    """The fast lane (`pytest -m "not slow"`) leaves out what starts real servers beside the test:
-    a Kubernetes control plane (the `devcluster` fixture, direct or through another fixture), a
-    vLLM server, or the real SmolLM2 (marked where it is loaded)."""
+    """The fast lane (`pytest -m "not slow"`, a few minutes) leaves out what starts real servers
+    or tools beside the test: a Kubernetes control plane (the `devcluster` fixture, direct or
+    through another fixture), a vLLM server, the slow rooms above, and tests marked slow where
+    they are written (the real SmolLM2, subprocess servers, soaks)."""
+    tests = Path(__file__).resolve().parent
     for item in items:
-        if "devcluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("vllm"):
+        room = Path(str(item.fspath)).resolve().relative_to(tests).parts[0]
+        if (room in SLOW_ROOMS or "devcluster" in getattr(item, "fixturenames", ())
+                or item.get_closest_marker("vllm")):
             item.add_marker(pytest.mark.slow)
 
 

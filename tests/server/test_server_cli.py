@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiny_models import save_tiny
 
-from conftest import reference, wait_for
+from serving_helpers import reference, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 STUBS = ROOT / "engine" / "specpair" / "_proto"

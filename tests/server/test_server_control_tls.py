@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiny_models import save_tiny
 
-from conftest import client_for, make_engine, rpc_error
+from serving_helpers import client_for, make_engine, rpc_error
 from pki import CA, OPERATOR, SERVER_NAME, Authority, Issued, SecretVolume, write
 from specpair.server.app import EngineServer, ServerOptions
 from specpair.server.cli import main as engine_main
@@ -233,6 +233,7 @@ def test_unusable_control_files_stop_the_start(tiny_pair, pki, tmp_path):
         EngineServer(lambda: None, ServerOptions(control_port=0, control_tls=TLSFiles("c", "k")))
 
 
+@pytest.mark.slow
 def test_serve_command_as_the_operator_starts_it(tiny_pair, pki, tmp_path):
     """`engine serve` with the operator's flags: the control port is reported, and answers the
     operator's certificate."""

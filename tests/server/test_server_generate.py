@@ -6,7 +6,7 @@ from specpair._proto import engine_pb2 as pb
 from specpair.config import SpeculationConfig
 from specpair.server.client import collect, request
 
-from conftest import client_for, make_engine, reference, run_threads
+from serving_helpers import client_for, make_engine, reference, run_threads
 
 PROMPTS = ["def foo(x):", "import os", "class Path:", "The quick brown fox", "return self",
            "for i in range(10):", "x = [1, 2, 3]", "hello world"]

@@ -9,7 +9,7 @@ import pytest
 from specpair._proto import engine_pb2 as pb
 from specpair.server.client import request
 
-from conftest import client_for, make_engine, reference, rpc_error, wait_for
+from serving_helpers import client_for, make_engine, reference, rpc_error, wait_for
 
 LONG = 400   # tokens: a request that keeps running while a paced test acts
 

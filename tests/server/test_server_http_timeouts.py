@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 
-from conftest import make_engine, openai_client, reference, wait_for
+from serving_helpers import make_engine, openai_client, reference, wait_for
 
 READ_TIMEOUT = 0.5
 HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

@@ -14,7 +14,7 @@ import grpc
 import openai
 import pytest
 
-from conftest import client_for, make_engine, openai_client, reference, rpc_error, wait_for
+from serving_helpers import client_for, make_engine, openai_client, reference, rpc_error, wait_for
 from specpair.server import admission
 from specpair.server.client import request
 from specpair.server.requests import Limits
@@ -141,6 +141,7 @@ def test_bad_fields_are_refused_while_six_requests_stream_on_untouched(tiny_pair
     assert _requests(server, "error", "http") == _requests(server, "error", "grpc") == 0
 
 
+@pytest.mark.slow
 def test_a_request_that_makes_a_step_raise_fails_alone(tiny_pair, start_server, monkeypatch):
     # The checks refuse every value known to make a step raise; let one through as before them:
     # top_k = 2**63 then overflows the step's int64 top-k tensor and Batch.step() raises.

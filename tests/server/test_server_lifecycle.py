@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specpair.server.app import TLSFiles
 from specpair.server.client import request
 
-from conftest import client_for, make_engine, rpc_error, wait_for
+from serving_helpers import client_for, make_engine, rpc_error, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -17,7 +17,7 @@ import pytest
 
 from tiny_models import save_tiny
 
-from conftest import client_for, make_engine, openai_client, reference, rpc_error, wait_for
+from serving_helpers import client_for, make_engine, openai_client, reference, rpc_error, wait_for
 
 CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
 LONG = 400
@@ -296,6 +296,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_serve_command_with_http_and_a_bearer_token(tiny_pair, tmp_path):
     target, draft = tiny_pair
     token = tmp_path / "token"

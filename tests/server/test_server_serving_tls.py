@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from conftest import client_for, make_engine, rpc_error
+from serving_helpers import client_for, make_engine, rpc_error
 from pki import CA, SERVER_NAME, Issued, SecretVolume, write
 from specpair.server.app import EngineServer, ServerOptions
 from specpair.server.tls import TLSFiles

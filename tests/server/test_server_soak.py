@@ -18,7 +18,7 @@ import torch
 from specpair.decoding import Sequence
 from specpair.server.client import request
 
-from conftest import client_for, make_engine, wait_for
+from serving_helpers import client_for, make_engine, wait_for
 
 WARM_UP = 1000         # requests before the first RSS reading (allocator pools and caches fill)
 SOAK = 2000            # requests measured, in PHASES parts
@@ -89,6 +89,7 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_soak_rss_is_flat_and_finished_requests_are_released(tiny_pair, start_server, one_torch_thread):
     server = start_server(engine=make_engine(tiny_pair), max_batch_size=8, max_queue=64)
     started = time.monotonic()

@@ -10,7 +10,7 @@ from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.stats import RequestMoments
 
-from conftest import client_for, make_engine, reference, rpc_error, wait_for
+from serving_helpers import client_for, make_engine, reference, rpc_error, wait_for
 
 
 def scrape(server) -> dict:

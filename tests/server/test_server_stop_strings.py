@@ -12,7 +12,7 @@ from specpair.config import SpeculationConfig
 from specpair.server.app import EngineServer, ServerOptions
 from specpair.server.client import request
 
-from conftest import client_for, make_engine, run_threads
+from serving_helpers import client_for, make_engine, run_threads
 from stop_string_cases import MAX_NEW, PROMPT, SAMPLED, expected_stop, stop_cases
 
 

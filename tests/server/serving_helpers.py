@@ -1,0 +1,102 @@
+"""What the server tests build and call: engines over the tiny pair (optionally paced so a request
+is still running when a test acts), clients for a running server (gRPC and the official `openai`
+client), the target-only reference reply, and waiting that fails the test on timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from specpair.config import GenerationParams, SpeculationConfig
+from specpair.decoding import Batch, SpeculativeEngine
+from specpair.server.client import EngineClient
+
+
+class PacedBatch(Batch):
+    """A real Batch whose steps take at least `delay` seconds and that records its peak size.
+
+    Timing tests (cancel, deadline, queue full, drain) need a request that is still running when
+    the test acts; tiny models finish hundreds of tokens in well under a second.
+    """
+
+    def __init__(self, engine, delay: float, peaks: list[int]):
+        super().__init__(engine)
+        self.delay, self.peaks = delay, peaks
+
+    def step(self):
+        self.peaks.append(self.active)
+        if self.delay:
+            time.sleep(self.delay)
+        return super().step()
+
+
+def make_engine(tiny_pair, *, draft: bool = True, speculation: SpeculationConfig | None = None,
+                delay: float = 0.0, peaks: list | None = None) -> SpeculativeEngine:
+    target, draft_model = tiny_pair
+    engine = SpeculativeEngine(target, draft=draft_model if draft else None, speculation=speculation)
+    if delay or peaks is not None:
+        recorded = peaks if peaks is not None else []
+        engine.new_batch = lambda: PacedBatch(engine, delay, recorded)
+    return engine
+
+
+def client_for(server, **options) -> EngineClient:
+    options.setdefault("insecure", True)
+    return EngineClient(f"127.0.0.1:{server.port}", **options)
+
+
+def reference(tiny_pair, prompt, max_new_tokens: int, chat: bool = False):
+    """Single-request, target-only greedy decoding: what every served greedy reply must equal."""
+    target, _ = tiny_pair
+    engine = SpeculativeEngine(target)
+    return engine.generate([prompt], GenerationParams(max_new_tokens=max_new_tokens), chat=chat,
+                           speculate=False)[0]
+
+
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):
+    """The first truthy value of predicate(); fails the test when none comes within timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    value = predicate()
+    if not value:
+        pytest.fail(f"timed out after {timeout:g} s waiting for {getattr(predicate, '__qualname__', predicate)}")
+    return value
+
+
+def openai_client(server, **options):
+    """The official `openai` client for a server's HTTP front (no retries: a refusal is the answer)."""
+    import openai
+    options.setdefault("api_key", "none")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", max_retries=0, timeout=60, **options)
+
+
+def rpc_error(fn) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value
+
+
+def run_threads(targets) -> list:
+    """Run callables at once (released together) and return their results or exceptions."""
+    results = [None] * len(targets)
+    barrier = threading.Barrier(len(targets))
+
+    def run(i, fn):
+        barrier.wait()
+        try:
+            results[i] = fn()
+        except Exception as exc:   # returned, so the test can assert on it
+            results[i] = exc
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(targets)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
