@@ -49,7 +49,8 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
 
     from specpair.decoding import encode_prompt
     from specpair.models import resolve_source
-    from specpair.vllm_peer import DEFAULT_START_TIMEOUT, SpecDecodeCounters, VllmServer, speculative_config
+    from specpair.vllm_peer import (DEFAULT_START_TIMEOUT, SpecDecodeCounters, VllmServer, flags_argv, serving_flags,
+                                    speculative_config)
 
     check_release(release)
     gating = release.get("gating") or {}
@@ -80,16 +81,22 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     python = python or vllm_python()
     timeout = start_timeout or DEFAULT_START_TIMEOUT
     dtype = dtype_of(release)
+    # Both servers run the target as the release serves it (parallel sizes, memory, quantization);
+    # without a context length of its own, VllmServer caps the model's to keep start-up small.
+    flags = serving_flags(release)
+    max_len = flags.pop("--max-model-len", None)
+    server_args = {"dtype": dtype, "start_timeout": timeout, "extra_args": flags_argv(flags),
+                   "max_model_len": int(max_len) if max_len else None}
     verdict["device"] = f"vllm ({dtype})"
 
     progress(f"vLLM target-only: {len(ids)} golden prompts")
-    with VllmServer(python, target_dir, dtype=dtype, start_timeout=timeout) as base_server:
+    with VllmServer(python, target_dir, **server_args) as base_server:
         base_server.complete_greedy(ids[0], 2)   # warm-up
         base = [base_server.complete_greedy(p, max_new) for p in ids]
     progress(f"vLLM speculative ({speculative.get('method') or 'draft model'}, "
              f"k={speculative['num_speculative_tokens']})")
     spec_runs, deltas = [], []
-    with VllmServer(python, target_dir, dtype=dtype, speculative=speculative, start_timeout=timeout) as spec_server:
+    with VllmServer(python, target_dir, speculative=speculative, **server_args) as spec_server:
         spec_server.complete_greedy(ids[0], 2)
         for p in ids:
             before = spec_server.spec_decode_counters()

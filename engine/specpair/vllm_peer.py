@@ -14,7 +14,10 @@ OpenMP thread. A server holds ~4 GB RSS in 4 processes (API server, engine core,
 tracker), all in one process group that `stop` ends together.
 
 - `speculative_config`: our release's (or engine's) speculation settings as vLLM's
-  `--speculative-config` (n-gram prompt lookup or a draft model), None for target-only.
+  `--speculative-config` (n-gram prompt lookup, a draft model or a drafting head, with its
+  method and draft tensor-parallel size), None for target-only.
+- `serving_flags`: the rest of a release's serving settings as vLLM's flags (tensor and pipeline
+  parallel sizes, GPU memory share, context length, quantization, KV-cache dtype).
 - `VllmServer`: start, wait for /health, `complete_greedy`, `spec_decode_counters`, stop.
 - `parse_spec_decode_metrics`: the spec-decode counters of a /metrics text, as plain ints.
 """
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from specpair.config import NGRAM_MAX, NGRAM_MIN, SpeculationConfig
+from specpair.contract import parallelism
 from specpair.errors import SpecpairError
 
 VLLM_VERSION = "0.32.0"
@@ -54,7 +58,35 @@ def default_python() -> Path:
     return default_venv() / "bin" / "python"
 
 
+# -- a release's serving settings -> vLLM's flags -------------------------------------------
+
+# The release's engine settings (the SpecModelPair's spec.vllm, camelCase) and vLLM's flag for
+# each; dtype is passed by every caller on its own (gate_vllm.dtype_of). A setting the release
+# leaves out passes no flag: vLLM's default holds.
+VLLM_FLAGS = {"gpuMemoryUtilization": "--gpu-memory-utilization", "maxModelLen": "--max-model-len",
+              "quantization": "--quantization", "kvCacheDtype": "--kv-cache-dtype"}
+# The release's parallelism (contract.parallelism) and vLLM's flag for each.
+PARALLELISM_FLAGS = {"tensor": "--tensor-parallel-size", "pipeline": "--pipeline-parallel-size"}
+
+
+def serving_flags(release: dict) -> dict[str, str]:
+    """vLLM's flags for how a release's target is served, flag -> value: the parallel sizes
+    (always: 1 where the release splits nothing) and the engine settings the release sets."""
+    flags = {PARALLELISM_FLAGS[key]: str(n) for key, n in parallelism(release).items()}
+    engine = release.get("engine") or {}
+    flags.update({flag: str(engine[key]) for key, flag in VLLM_FLAGS.items() if engine.get(key) is not None})
+    return flags
+
+
+def flags_argv(flags: dict[str, str]) -> list[str]:
+    return [part for flag, value in flags.items() for part in (flag, value)]
+
+
 # -- speculation settings -> --speculative-config --------------------------------------------
+
+# The release's draft.method (the CRD's names) and vLLM's name for it (SpeculativeConfig.method).
+VLLM_METHODS = {"draft-model": "draft_model", "ngram": "ngram", "eagle": "eagle", "eagle3": "eagle3",
+                "mtp": "mtp", "medusa": "medusa"}
 
 
 def ngram_defaults() -> tuple[int, int]:
@@ -66,8 +98,10 @@ def speculative_config(release_or_settings: dict | None, *, k: int | None = None
     """vLLM's `--speculative-config` for the same speculation as ours; None: target-only.
 
     The one mapping from our settings to vLLM's. Accepts
-    - a release (or SpecModelPair-like dict) with `draft` ({drafter: ngram} or {source: DIR})
-      and optional `speculation` ({k, enabled}); speculation.enabled false -> None;
+    - a release (or SpecModelPair-like dict) with `draft` ({drafter: ngram} or {source: DIR},
+      optionally with `method` and `draftTensorParallel`) and optional `speculation` ({k,
+      enabled}); speculation.enabled false -> None. A draft model without a method leaves it
+      to vLLM, which tells a draft model from a head by the checkpoint's config;
     - a drafter's `describe()` dict: {kind: ngram, max_ngram, min_ngram} or {kind: model, path}
       (what the bench has), with `k` given here;
     - None or {} -> None.
@@ -97,7 +131,8 @@ def speculative_config(release_or_settings: dict | None, *, k: int | None = None
             kind = str(draft["drafter"])
             settings = {"kind": kind, "max_ngram": draft.get("maxNgram"), "min_ngram": draft.get("minNgram")}
         elif draft.get("source"):
-            settings = {"kind": "model", "path": draft["source"]}
+            settings = {"kind": "model", "path": draft["source"], "method": draft.get("method"),
+                        "draft_tensor_parallel": draft.get("draftTensorParallel")}
         else:
             raise SpecpairError("release.draft needs 'source' (a model) or 'drafter' (e.g. 'ngram')")
     k = SpeculationConfig().k if k is None else int(k)
@@ -110,13 +145,22 @@ def speculative_config(release_or_settings: dict | None, *, k: int | None = None
         min_n = int(settings.get("min_ngram") or default_min)
         if not 1 <= min_n <= max_n:
             raise SpecpairError(f"need 1 <= min_ngram <= max_ngram, got {min_n}, {max_n}")
-        return {"method": "ngram", "num_speculative_tokens": k,
+        return {"method": VLLM_METHODS["ngram"], "num_speculative_tokens": k,
                 "prompt_lookup_max": max_n, "prompt_lookup_min": min_n}
     if kind == "model":
         model = settings.get("path") or settings.get("source")
         if not model:
             raise SpecpairError("a draft model needs 'path' (a local model directory)")
-        return {"model": str(model), "num_speculative_tokens": k}
+        config: dict[str, Any] = {"model": str(model), "num_speculative_tokens": k}
+        method = settings.get("method")
+        if method is not None:
+            if method not in VLLM_METHODS or method == "ngram":
+                raise SpecpairError(f"draft method {method!r} with a draft model: one of "
+                                    f"{', '.join(m for m in VLLM_METHODS if m != 'ngram')}")
+            config["method"] = VLLM_METHODS[method]
+        if settings.get("draft_tensor_parallel") is not None:
+            config["draft_tensor_parallel_size"] = int(settings["draft_tensor_parallel"])
+        return config
     raise SpecpairError(f"no vLLM speculative config for drafter {kind!r} (known: ngram, model)")
 
 

@@ -3,8 +3,9 @@
 The operator starts vLLM pods through this, as it starts ours through `specpair engine serve
 --release`: the release file (mounted from the pod's annotation) is the one description of what
 is served. Model sources are resolved by our loader (hub ids, local directories, our embedded
-default, MLflow models), the speculative config comes from the release by the one mapping
-(vllm_peer.speculative_config), and then this process becomes vLLM's OpenAI server (exec), so
+default, MLflow models), the speculative config and the serving flags (parallel sizes, memory,
+context, quantization) come from the release by the one mapping (vllm_peer.speculative_config,
+vllm_peer.serving_flags), and then this process becomes vLLM's OpenAI server (exec), so
 signals and the exit code are vLLM's own.
 
 Identity: besides the pair's name (what clients send as "model"), vLLM serves
@@ -45,7 +46,7 @@ def command(release: dict, *, python: str, host: str, port: int, speculation: bo
             progress=print) -> list[str]:
     from specpair.gate_vllm import dtype_of
     from specpair.models import resolve_source
-    from specpair.vllm_peer import speculative_config
+    from specpair.vllm_peer import flags_argv, serving_flags, speculative_config
 
     target = str(resolve_source(release["target"].get("source") or "default", progress))
     draft = dict(release.get("draft") or {})
@@ -56,7 +57,8 @@ def command(release: dict, *, python: str, host: str, port: int, speculation: bo
     pair = str(release.get("pair") or "specpair")
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--dtype", dtype_of(release),
            "--host", host, "--port", str(port), "--generation-config", "vllm",
-           "--served-model-name", identity_name(pair, version, content_hash(release), spec is not None), pair]
+           "--served-model-name", identity_name(pair, version, content_hash(release), spec is not None), pair,
+           *flags_argv(serving_flags(release))]
     if enforce_eager:
         cmd.append("--enforce-eager")
     if spec is not None:

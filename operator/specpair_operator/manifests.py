@@ -8,10 +8,13 @@ by the adapter (kopf.adopt), not here.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from specpair.contract import parallelism
 
 from . import names
 from . import release as release_mod
@@ -39,6 +42,11 @@ HUB_CACHE_DIR = "/var/cache/specpair-hub"
 # The model cache emptyDir's limit when neither the pair nor the chart says (a pod whose cache
 # outgrows it is evicted, instead of filling the node's disk).
 CACHE_SIZE_LIMIT = "64Gi"
+# vLLM's workers of a target split over several GPUs exchange tensors through shared memory
+# (NCCL): a pod's own /dev/shm (64 MiB by default) is too small, so such pods get a memory-backed
+# one of this size (vLLM's Kubernetes guide uses the same).
+SHM_DIR = "/dev/shm"
+SHM_SIZE_LIMIT = "2Gi"
 # A finished gate Job (and its pod, with the gate's log) is kept a day. The operator needs it
 # only until it has recorded the gate (its Failed condition, GateStarted, the gate's duration:
 # seconds after it finishes, while the operator runs); the verdict itself is in MLflow.
@@ -294,7 +302,8 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
         "securityContext": _container_security(),
     }
     if rollout.get("resources"):
-        container["resources"] = rollout["resources"]
+        container["resources"] = _resources(release, rollout)
+    container["volumeMounts"] += _shm_mounts(release)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -309,7 +318,7 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
                 "spec": {
                     "restartPolicy": "Never",
                     "containers": [container],
-                    **_pod_spec(rollout, defaults),
+                    **_pod_spec(rollout, defaults, extra_volumes=_shm_volumes(release)),
                 },
             },
         },
@@ -345,6 +354,37 @@ def engine_command(release: dict[str, Any], port: int, http_port: int = HTTP_POR
             *serving,
             "--control-port", str(control_port), "--control-tls-cert", f"{TLS_DIR}/tls.crt",
             "--control-tls-key", f"{TLS_DIR}/tls.key", "--control-tls-client-ca", f"{TLS_DIR}/ca.crt"]
+
+
+def gpus_per_pod(release: dict[str, Any]) -> int:
+    """The GPUs one engine (or gate) pod of the release uses: tensor x pipeline parallel size."""
+    split = parallelism(release)
+    return split["tensor"] * split["pipeline"]
+
+
+def _resources(release: dict[str, Any], rollout: dict[str, Any]) -> dict[str, Any]:
+    """rollout.resources, where the release splits its target over several GPUs with each GPU
+    resource it names (`nvidia.com/gpu`, any `*/gpu`) set to gpus_per_pod: vLLM takes exactly
+    that many, so a pod asking for fewer never starts and one asking for more strands the rest.
+    A release on one device keeps the pair's resources as they are."""
+    resources = copy.deepcopy(rollout.get("resources") or {})
+    count = gpus_per_pod(release)
+    if count > 1:
+        for part in ("requests", "limits"):
+            for name in list((resources.get(part) or {})):
+                if name.endswith("/gpu"):
+                    resources[part][name] = count
+    return resources
+
+
+def _shm_volumes(release: dict[str, Any]) -> list[dict[str, Any]]:
+    if gpus_per_pod(release) == 1:
+        return []
+    return [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE_LIMIT}}]
+
+
+def _shm_mounts(release: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"name": "shm", "mountPath": SHM_DIR}] if _shm_volumes(release) else []
 
 
 def _has_gpu(rollout: dict[str, Any]) -> bool:
@@ -423,7 +463,9 @@ def _engine_deployment_of(pair: str, namespace: str, release: dict[str, Any], di
                           extra_volumes: list[dict[str, Any]] = ()) -> dict[str, Any]:  # type: ignore[assignment]
     """The Deployment around an engine container (ours or vLLM's): what both engines share."""
     if rollout.get("resources"):
-        container["resources"] = rollout["resources"]
+        container["resources"] = _resources(release, rollout)
+    container["volumeMounts"] = [*container["volumeMounts"], *_shm_mounts(release)]
+    extra_volumes = [*extra_volumes, *_shm_volumes(release)]
     labels = _labels(pair, "engine", version)
     return {
         "apiVersion": "apps/v1",

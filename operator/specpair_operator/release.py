@@ -2,9 +2,11 @@
 
 The release is what the gate Job is handed (as JSON; docs/operator.md, "Gating") and what the MLflow
 registry stores as one model version. Only fields that change what is served or how it is judged
-go into the hash: the models, speculation, gating and the engine image (a new image is new code:
-it is gated again). Replicas, placement and drift policy do not, so scaling a pair never creates
-a new release.
+go into the hash: the models (and how the draft drafts), speculation, gating, the engine image (a
+new image is new code: it is gated again) and its settings, and how the target is split over GPUs
+(parallelism). Replicas, placement and drift policy do not, so scaling a pair never creates a new
+release. Settings a pair leaves out are left out of the release too, unless every release carries
+them, so releases made before a setting existed keep their content hashes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import json
 from typing import Any
 
 from specpair.config import release_speculation_defaults
-from specpair.contract import DEFAULT_CATEGORY, MLFLOW_SOURCE_PREFIXES, content_hash
+from specpair.contract import DEFAULT_CATEGORY, MLFLOW_SOURCE_PREFIXES, content_hash, parallelism
+from specpair.vllm_peer import VLLM_FLAGS
 
 __all__ = ["build_release", "content_hash", "effective_model_name", "with_mlflow", "parse_prompt_lines",
            "builtin_prompts", "describe_release", "release_tags"]
@@ -58,8 +61,18 @@ def effective_model_name(name: str, namespace: str, spec: dict[str, Any]) -> str
 def _model_ref(ref: dict[str, Any] | None) -> dict[str, Any]:
     ref = dict(ref or {})
     if ref.get("drafter"):
+        # A drafter names its method (the CRD allows no other): a method that repeats it is dropped.
         return {"drafter": ref["drafter"]}
-    return {"source": ref.get("source"), "revision": ref.get("revision")}
+    out = {"source": ref.get("source"), "revision": ref.get("revision")}
+    out.update({key: ref[key] for key in ("method", "draftTensorParallel") if ref.get(key) is not None})
+    return out
+
+
+def _parallelism(spec: dict[str, Any]) -> dict[str, Any]:
+    """{"parallelism": {tensor, pipeline}} when the target is split over devices, else nothing:
+    a release on one device carries no block (and keeps the hash it had before the field existed)."""
+    split = parallelism(spec)
+    return {"parallelism": split} if any(n != 1 for n in split.values()) else {}
 
 
 def build_release(
@@ -85,6 +98,7 @@ def build_release(
         "draft": _model_ref(spec.get("draft")),
         "speculation": {**SPECULATION_DEFAULTS, **(spec.get("speculation") or {})},
         "engine": _engine(spec, default_image),
+        **_parallelism(spec),
         "gating": {
             "prompts": [
                 {"prompt": p["prompt"], "category": p.get("category") or DEFAULT_CATEGORY} for p in prompts
@@ -96,11 +110,14 @@ def build_release(
 
 
 def _engine(spec: dict[str, Any], default_image: str | None) -> dict[str, Any]:
-    """The engine block: image, and for vLLM its kind and dtype. A specpair release carries no
+    """The engine block: image, and for vLLM its kind, dtype and the spec.vllm settings the pair
+    sets (vllm_peer.serving_flags turns each into vLLM's flag). A specpair release carries no
     kind, so releases made before vLLM existed keep their content hash (and are not re-gated)."""
     engine: dict[str, Any] = {"image": str((spec.get("rollout") or {}).get("image") or default_image or _default_image)}
     if spec.get("engine", "specpair") == "vllm":
-        engine.update(kind="vllm", dtype=str((spec.get("vllm") or {}).get("dtype") or "auto"))
+        settings = spec.get("vllm") or {}
+        engine.update({key: settings[key] for key in VLLM_FLAGS if settings.get(key) is not None})
+        engine.update(kind="vllm", dtype=str(settings.get("dtype") or "auto"))
     return engine
 
 
@@ -153,7 +170,8 @@ def describe_release(release: dict[str, Any], digest: str) -> str:
         if r.get("drafter"):
             return f"model-free drafter `{r['drafter']}`"
         rev = f" @ `{r['revision']}`" if r.get("revision") else ""
-        return f"`{r.get('source')}`{rev}"
+        method = f" ({r['method']})" if r.get("method") else ""
+        return f"`{r.get('source')}`{rev}{method}"
 
     spec = release["speculation"]
     gating = release["gating"]
@@ -171,6 +189,8 @@ def describe_release(release: dict[str, Any], digest: str) -> str:
             + (f", token tree of {spec['treeWidth']} candidates a position" if spec.get("treeWidth", 1) > 1 else "")
             + (f", prompt lookup first where the last {spec['lookupMinMatch']}+ tokens repeat"
                if spec.get("lookupMinMatch", 0) > 0 else ""),
+            *([f"- parallelism: tensor {release['parallelism']['tensor']} x pipeline "
+               f"{release['parallelism']['pipeline']}"] if release.get("parallelism") else []),
             f"- golden prompts: {prompts}, {gating['maxNewTokens']} new tokens each",
             f"- thresholds: greedy identity {'required' if th['requireGreedyIdentity'] else 'not required'}, "
             f"acceptance >= {th['minAcceptance']}, per category: {cats}, speedup >= {th['minSpeedup']}",

@@ -20,6 +20,10 @@ import yaml
 
 from .manifests import METRICS_PORT
 
+# The draft methods the specpair engine serves (n-gram lookup, a draft model, its drafting heads);
+# eagle3 and mtp are vLLM's alone. The CRD's rule names the same list (a test holds them together).
+SPECPAIR_METHODS = ("draft-model", "ngram", "eagle", "medusa")
+
 # CEL rules of the CRD, as Python (a rule missing here is left to the API server).
 CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "has(self.source) != has(self.drafter)": lambda o: ("source" in o) != ("drafter" in o),
@@ -32,6 +36,25 @@ CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "!has(self.engine) || self.engine != 'vllm' || !has(self.rollout) || "
     "!has(self.rollout.tls) || !has(self.rollout.tls.enabled) || !self.rollout.tls.enabled":
         lambda o: o.get("engine") != "vllm" or not _tls_enabled(o.get("rollout") or {}),
+    "(has(self.engine) && self.engine == 'vllm') || !has(self.parallelism) || "
+    "((!has(self.parallelism.tensor) || self.parallelism.tensor == 1) && "
+    "(!has(self.parallelism.pipeline) || self.parallelism.pipeline == 1))":
+        lambda o: o.get("engine") == "vllm" or all(_obj(o, "parallelism").get(k, 1) == 1
+                                                   for k in ("tensor", "pipeline")),
+    "(has(self.engine) && self.engine == 'vllm') || !has(self.draft.method) || "
+    "self.draft.method in ['draft-model', 'ngram', 'eagle', 'medusa']":
+        lambda o: o.get("engine") == "vllm" or _obj(o, "draft").get("method", SPECPAIR_METHODS[0]) in SPECPAIR_METHODS,
+    "!has(self.draft.draftTensorParallel) || self.draft.draftTensorParallel == 1 || "
+    "(has(self.parallelism) && has(self.parallelism.tensor) && "
+    "self.draft.draftTensorParallel == self.parallelism.tensor)":
+        lambda o: _obj(o, "draft").get("draftTensorParallel", 1) in (1, _obj(o, "parallelism").get("tensor")),
+    # draft: a method agrees with the drafter or the source it drafts with
+    "!has(self.method) || (self.method == 'ngram') == has(self.drafter)":
+        lambda o: "method" not in o or (o["method"] == "ngram") == ("drafter" in o),
+    "!has(self.draftTensorParallel) || has(self.source)": lambda o: "draftTensorParallel" not in o or "source" in o,
+    # vllm
+    "!has(self.gpuMemoryUtilization) || self.gpuMemoryUtilization > 0.0":
+        lambda o: not _number(o.get("gpuMemoryUtilization")) or o["gpuMemoryUtilization"] > 0,
     # rollout: no two of the serving, control and metrics ports are one port
     "!has(self.controlPort) || ((!has(self.port) || self.controlPort != self.port) && "
     "(!has(self.httpPort) || self.controlPort != self.httpPort) && self.controlPort != 9400)":
@@ -43,6 +66,16 @@ CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "!has(self.httpPort) || self.httpPort != 0":
         lambda o: not _tls_enabled(o) or _ports(o)["httpPort"] != 0,
 }
+
+
+def _obj(o: dict[str, Any], key: str) -> dict[str, Any]:
+    """o[key] where it is an object, else {} (a wrong type is reported by the type check)."""
+    value = o.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _tls_enabled(rollout: dict[str, Any]) -> bool:
