@@ -1,0 +1,229 @@
+"""Shadow drafting (specpair/shadow.py): a candidate drafter scored beside the serving one.
+
+Proved on tiny seeded models: the serving output is token-identical with the shadow on; the
+shadow's numbers equal what the candidate measures when it serves the same requests itself
+(exactly for greedy requests, within sampling error for sampled ones); the share and the batch
+bound are honoured; a candidate that cannot be shadowed is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from tiny_models import make_model, make_tokenizer, perturbed_copy
+
+from specpair.config import GenerationParams, SpeculationConfig
+from specpair.decoding import SpeculativeEngine
+from specpair.drafters import ModelDrafter, NgramDrafter
+from specpair.errors import SpecpairError
+from specpair.shadow import Candidate, ShadowScorer, attach_shadow, read_candidate
+
+PROMPTS = ["def parse(self, text):\n    return self.parse(text)\n\ndef parse",
+           "import json\nimport os\nimport sys\nimport",
+           "The quick brown fox jumps over the lazy dog. The quick brown",
+           "for i in range(10):\n    print(i)\nfor j in range(10):\n",
+           "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+           "return a + b; return a - b; return a * b; return",
+           "hello world hello world hello",
+           "x = [1, 2, 3]\ny = [1, 2, 3]\nz = ["]
+# Served as its own drafter, the candidate must not fall back to target-only (the shadow replays
+# the drafter, not the engine-wide fallback) nor stop speculating at these batch sizes.
+CANDIDATE = SpeculationConfig(k=3, fallback_threshold=0.0, batch_size_threshold=16)
+
+
+@pytest.fixture(scope="module")
+def models():
+    tok = make_tokenizer()
+    target = make_model(tok, seed=11)
+    return target, perturbed_copy(target, seed=12, noise=0.03), perturbed_copy(target, seed=13, noise=0.3)
+
+
+def candidate(speculation=CANDIDATE, version="7") -> Candidate:
+    return Candidate(version=version, content_hash="c" * 64, target={"source": "tiny-seed11", "revision": None},
+                     draft={"drafter": "ngram"}, speculation=speculation)
+
+
+def shadowed(engine, drafter, share=1.0, seed=0, threshold=None):
+    engine.shadow = ShadowScorer(drafter, candidate(), share=share, seed=seed, batch_size_threshold=threshold)
+    return engine.shadow
+
+
+def params(i: int, sampled: bool, n: int = 24) -> GenerationParams:
+    # One category per request: the shadow's per-category sums are then per request.
+    return GenerationParams(max_new_tokens=n + 3 * (i % 3), temperature=0.9 if sampled else 0.0,
+                            top_k=40 if sampled and i % 2 else 0, seed=100 + i if sampled else None,
+                            category=f"r{i}")
+
+
+def run(engine, plan) -> dict[str, list[int]]:
+    """plan: [(step at which the request joins, prompt, params)]; rows join and leave mid-batch."""
+    batch = engine.new_batch()
+    seqs, step = {}, 0
+    waiting = sorted(plan, key=lambda p: p[0])
+    while waiting or batch.active:
+        while waiting and waiting[0][0] <= step:
+            _, prompt, p = waiting.pop(0)
+            seqs[p.category] = batch.add(engine.encode(prompt), p)
+        batch.step()
+        step += 1
+    return seqs
+
+
+def plan(sampled_rows=(), n=24, prompts=PROMPTS):
+    return [(2 * (i // 3), prompt, params(i, i in sampled_rows, n)) for i, prompt in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("shadow_kind", ["ngram", "model"])
+def test_output_is_identical_with_shadow_on(models, shadow_kind):
+    target, draft, other = models
+    mixed = plan(sampled_rows={1, 4, 5, 7})
+    plain = run(SpeculativeEngine(target, draft=draft), mixed)
+    engine = SpeculativeEngine(target, draft=draft)
+    drafter = NgramDrafter() if shadow_kind == "ngram" else ModelDrafter(other, vocab_size=engine.vocab_size)
+    scorer = shadowed(engine, drafter)
+    with_shadow = run(engine, mixed)
+    assert {c: s.generated for c, s in with_shadow.items()} == {c: s.generated for c, s in plain.items()}
+    assert {c: s.stats.to_dict() | {"draft_seconds": 0, "target_seconds": 0} for c, s in with_shadow.items()} == \
+        {c: s.stats.to_dict() | {"draft_seconds": 0, "target_seconds": 0} for c, s in plain.items()}
+    scores = scorer.snapshot()
+    assert set(scores) == set(plain)       # every request scored (share 1)
+    assert sum(c.candidate_alpha.drafted for c in scores.values()) > 0
+
+
+def served_by_candidate(target, drafter_for, requests):
+    """The candidate as the real drafter on the same requests (its own k and settings)."""
+    engine = SpeculativeEngine(target, drafter=drafter_for(), speculation=CANDIDATE)
+    return run(engine, requests)
+
+
+@pytest.mark.parametrize("champion,candidate_kind", [("model", "ngram"), ("ngram", "model")])
+def test_greedy_replay_equals_the_candidate_serving(models, champion, candidate_kind):
+    target, draft, _other = models
+    greedy = plan(n=40)
+    engine = SpeculativeEngine(target, draft=draft) if champion == "model" else \
+        SpeculativeEngine(target, drafter=NgramDrafter())
+    # The close draft as candidate: most chains are cut back somewhere, not at their start.
+    make = (lambda: NgramDrafter()) if candidate_kind == "ngram" else \
+        (lambda: ModelDrafter(draft, vocab_size=engine.vocab_size))
+    scorer = shadowed(engine, make())
+    champion_run = run(engine, greedy)
+    served = served_by_candidate(target, make, greedy)
+    scores = scorer.snapshot()
+    for category, seq in served.items():
+        assert seq.generated == champion_run[category].generated      # greedy: the drafter never decides
+        s = scores[category]
+        assert (s.candidate_chain.drafted, s.candidate_chain.accepted) == \
+            (seq.stats.num_draft_tokens, seq.stats.num_accepted_tokens), category
+        first = seq.stats.num_accepted_tokens_per_pos[0] if seq.stats.num_drafts else 0
+        assert (s.candidate_alpha.drafted, s.candidate_alpha.accepted) == (seq.stats.num_drafts, first)
+        mine = champion_run[category].stats
+        assert (s.champion_chain.drafted, s.champion_chain.accepted) == \
+            (mine.num_draft_tokens, mine.num_accepted_tokens)
+    total = sum(s.candidate_chain.drafted for s in scores.values())
+    accepted = sum(s.candidate_chain.accepted for s in scores.values())
+    assert 0 < accepted < total      # partial acceptance: the replay's cut-backs ran
+    print(f"\ngreedy {candidate_kind} candidate: shadow {accepted}/{total} = served "
+          f"{sum(s.stats.num_accepted_tokens for s in served.values())}/"
+          f"{sum(s.stats.num_draft_tokens for s in served.values())}")
+
+
+def test_sampled_alpha_matches_the_candidate_serving(models):
+    target, _draft, other = models
+    prompts = PROMPTS * 4
+    sampled = [(0, p, GenerationParams(max_new_tokens=40, temperature=1.0, seed=500 + i, category="s"))
+               for i, p in enumerate(prompts)]
+    engine = SpeculativeEngine(target, drafter=NgramDrafter())
+    scorer = shadowed(engine, ModelDrafter(other, vocab_size=engine.vocab_size))
+    run_batches(engine, sampled)
+    served = run_batches(SpeculativeEngine(target, drafter=ModelDrafter(other, vocab_size=engine.vocab_size),
+                                           speculation=CANDIDATE), sampled)
+    rounds = sum(s.stats.num_drafts for s in served)
+    hits = sum(s.stats.num_accepted_tokens_per_pos[0] for s in served if s.stats.num_drafts)
+    shadow = scorer.snapshot()["s"].candidate_alpha
+    alpha_served, alpha_shadow = hits / rounds, shadow.accepted / shadow.drafted
+    # Served: a Bernoulli mean over `rounds` first positions; shadow: a mean of exact
+    # expectations (variance at most the same). 4 standard errors of their difference.
+    se = math.sqrt(alpha_served * (1 - alpha_served) * (1 / rounds + 1 / shadow.drafted))
+    print(f"\nsampled alpha: shadow {alpha_shadow:.4f} over {shadow.drafted} positions, served "
+          f"{alpha_served:.4f} over {rounds} rounds, tolerance {4 * se:.4f}")
+    assert 0.05 < alpha_served < 0.95
+    assert abs(alpha_shadow - alpha_served) < 4 * se
+
+
+def run_batches(engine, requests, size=8):
+    seqs = []
+    for start in range(0, len(requests), size):
+        batch = engine.new_batch()
+        chunk = [batch.add(engine.encode(p), params) for _, p, params in requests[start:start + size]]
+        while batch.active:
+            batch.step()
+        seqs += chunk
+    return seqs
+
+
+def test_share_is_honoured(models):
+    target, draft, _other = models
+    engine = SpeculativeEngine(target, draft=draft)
+    n, share = 240, 0.25
+    scorer = shadowed(engine, NgramDrafter(), share=share, seed=3)
+    requests = [(0, PROMPTS[i % len(PROMPTS)], GenerationParams(max_new_tokens=2, category="c"))
+                for i in range(n)]
+    run_batches(engine, requests)
+    scored = scorer.snapshot()["c"].requests
+    assert abs(scored - n * share) < 4 * math.sqrt(n * share * (1 - share)), scored
+    none = shadowed(engine, NgramDrafter(), share=0.0)
+    run_batches(engine, requests[:16])
+    assert none.snapshot() == {}
+
+
+def test_no_scoring_above_the_batch_threshold(models):
+    target, draft, _other = models
+    engine = SpeculativeEngine(target, draft=draft)
+    scorer = shadowed(engine, NgramDrafter(), threshold=1)
+    run_batches(engine, [(0, p, GenerationParams(max_new_tokens=8, category="c")) for p in PROMPTS[:2]])
+    scores = scorer.snapshot()["c"]
+    assert scorer.skipped_steps > 0
+    assert scores.candidate_alpha.drafted == 0 and scores.committed_tokens == 0
+    alone = shadowed(engine, NgramDrafter(), threshold=1)
+    run_batches(engine, [(0, PROMPTS[0], GenerationParams(max_new_tokens=8, category="c"))])
+    assert alone.skipped_steps == 0 and alone.snapshot()["c"].committed_tokens == 8
+
+
+def release(tmp_path, target="tiny-seed11", **extra):
+    path = tmp_path / "candidate.json"
+    path.write_text(json.dumps({"target": {"source": target}, "draft": {"drafter": "ngram"},
+                                "speculation": {"k": 3}, "mlflow": {"version": "9"}, **extra}))
+    return path
+
+
+def test_candidate_release_read_and_attached(models, tmp_path):
+    target, draft, _other = models
+    engine = SpeculativeEngine(target, draft=draft)
+    scorer = attach_shadow(engine, release(tmp_path), share=0.5, serving_target=("tiny-seed11", None))
+    assert engine.shadow is scorer and scorer.candidate.version == "9"
+    assert len(scorer.candidate.content_hash) == 64 and scorer.candidate.speculation.k == 3
+    assert isinstance(scorer.drafter, NgramDrafter) and scorer.share == 0.5
+
+
+def test_bad_candidates_are_refused(models, tmp_path):
+    target, draft, _other = models
+    engine = SpeculativeEngine(target, draft=draft)
+    with pytest.raises(SpecpairError, match="must share the serving target"):
+        attach_shadow(engine, release(tmp_path, target="another-target"), serving_target=("tiny-seed11", None))
+    with pytest.raises(SpecpairError, match="must share the serving target"):
+        attach_shadow(engine, release(tmp_path), serving_target=("tiny-seed11", "rev2"))
+    with pytest.raises(SpecpairError, match="No such file"):
+        read_candidate(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(SpecpairError, match="bad.json"):
+        read_candidate(tmp_path / "bad.json")
+    (tmp_path / "nodraft.json").write_text(json.dumps({"target": {"source": "tiny-seed11"}}))
+    with pytest.raises(SpecpairError, match="nothing to score"):
+        read_candidate(tmp_path / "nodraft.json")
+    with pytest.raises(SpecpairError, match="not a setting"):
+        read_candidate(release(tmp_path, speculation={"bogus": 1}))
+    with pytest.raises(SpecpairError, match="share must be in"):
+        ShadowScorer(NgramDrafter(), candidate(), share=1.5)
+    assert getattr(engine, "shadow", None) is None
