@@ -17,6 +17,7 @@ from pathlib import Path
 
 from specpair.config import SpeculationConfig
 from specpair.errors import SpecpairError
+from specpair.shadow_flags import add_shadow_arguments, attach_shadow_from_args
 
 
 class ReplaceDefaultThenAppend(argparse.Action):
@@ -116,6 +117,7 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
                         help="seconds in-flight streams may run on after SIGTERM")
     serve.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
     serve.add_argument("--dtype", help="float32, bfloat16, ... (default: fp32 on CPU, bf16 on CUDA)")
+    add_shadow_arguments(serve)
     serve.set_defaults(func=serve_command)
 
     gen = commands.add_parser("generate", help="stream a reply from an engine server",
@@ -301,7 +303,7 @@ def serve_command(args) -> int:
     if digest:
         progress(f"release {options.pair} v{options.version}, content hash {digest[:12]}")
     def load():
-        engine = build_engine(args, progress)
+        engine = attach_shadow_from_args(build_engine(args, progress), args, progress)
         # Which cache and step serve (SPECPAIR_KV, SPECPAIR_COMPILE, the CPU kernel's build).
         progress(f"step: {json.dumps(engine.describe_step())}")
         return engine
