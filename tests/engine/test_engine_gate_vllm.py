@@ -93,3 +93,33 @@ def test_vllm_gate_needs_the_target_as_a_model_directory(tmp_path, monkeypatch):
     monkeypatch.setattr("specpair.gate_vllm.tokenizer_check", lambda release, progress: {"compatible": True})
     with pytest.raises(SpecpairError, match="local model directory"):
         run_gate_vllm(vllm_release("some-org/some-model", {"drafter": "ngram"}), progress=lambda *_: None)
+
+
+def test_both_gate_servers_run_the_target_as_the_release_serves_it(tiny_pair_dirs, monkeypatch):
+    """Target-only and speculative servers alike get the release's parallel sizes and serving
+    settings (the same flags its engine pods get), and its context length where it names one."""
+    import specpair.vllm_peer as peer
+    from specpair.gate_vllm import run_gate_vllm
+
+    started: list[list[str]] = []
+
+    class Stop(Exception):
+        pass
+
+    class Recording(peer.VllmServer):
+        def start(self):
+            started.append(self.command())
+            raise Stop
+
+    monkeypatch.setattr(peer, "VllmServer", Recording)
+    monkeypatch.setattr("specpair.gate_vllm.tokenizer_check", lambda release, progress: {"compatible": True})
+    rel = vllm_release(tiny_pair_dirs["target"], {"drafter": "ngram"})
+    rel["parallelism"] = {"tensor": 2, "pipeline": 1}
+    rel["engine"].update(gpuMemoryUtilization=0.8, maxModelLen=1024, kvCacheDtype="fp8")
+    with pytest.raises(Stop):
+        run_gate_vllm(rel, progress=lambda *_: None, python="/py")
+    (cmd,) = started
+    flags = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("--")}
+    assert (flags["--tensor-parallel-size"], flags["--pipeline-parallel-size"], flags["--gpu-memory-utilization"],
+            flags["--kv-cache-dtype"], flags["--dtype"]) == ("2", "1", "0.8", "fp8", "float32")
+    assert cmd.count("--max-model-len") == 1 and flags["--max-model-len"] == "1024"

@@ -17,8 +17,8 @@ import pytest
 
 from specpair.config import SpeculationConfig
 from specpair.errors import SpecpairError
-from specpair.vllm_peer import (SpecDecodeCounters, VllmServer, default_python, ngram_defaults,
-                                parse_spec_decode_metrics, speculative_config)
+from specpair.vllm_peer import (VLLM_METHODS, SpecDecodeCounters, VllmServer, default_python, ngram_defaults,
+                                parse_spec_decode_metrics, serving_flags, speculative_config)
 
 # Captured from vLLM 0.32.0's /metrics (SmolLM2 fp32, ngram k=4, after two requests), cut to
 # the spec-decode block and its neighbours: the `_created` gauges must not count, nor others.
@@ -108,6 +108,31 @@ def test_target_only_and_bad_settings():
         speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"treeWidth": 2}})
     with pytest.raises(SpecpairError, match="lookupMinMatch"):   # lookup before a head: ours too
         speculative_config({"draft": {"source": "/models/head"}, "speculation": {"lookupMinMatch": 2}})
+
+
+@pytest.mark.parametrize("method", [m for m in VLLM_METHODS if m != "ngram"])
+def test_a_draft_models_method_and_draft_tensor_parallel_size_reach_the_config(method):
+    release = {"draft": {"source": "/models/head", "method": method, "draftTensorParallel": 2},
+               "speculation": {"k": 3}}
+    assert speculative_config(release) == {"model": "/models/head", "num_speculative_tokens": 3,
+                                           "method": VLLM_METHODS[method], "draft_tensor_parallel_size": 2}
+
+
+def test_a_method_that_is_no_draft_models_is_refused():
+    for method in ("ngram", "lookahead"):
+        with pytest.raises(SpecpairError, match=f"draft method '{method}' with a draft model"):
+            speculative_config({"draft": {"source": "/models/draft", "method": method}})
+
+
+def test_serving_flags_say_the_split_always_and_the_rest_where_set():
+    assert serving_flags({"engine": {"kind": "vllm", "dtype": "auto"}}) == {
+        "--tensor-parallel-size": "1", "--pipeline-parallel-size": "1"}
+    flags = serving_flags({"parallelism": {"tensor": 8, "pipeline": 2},
+                           "engine": {"kind": "vllm", "dtype": "auto", "gpuMemoryUtilization": 0.9,
+                                      "maxModelLen": 32768, "quantization": "awq", "kvCacheDtype": "fp8"}})
+    assert flags == {"--tensor-parallel-size": "8", "--pipeline-parallel-size": "2",
+                     "--gpu-memory-utilization": "0.9", "--max-model-len": "32768", "--quantization": "awq",
+                     "--kv-cache-dtype": "fp8"}
 
 
 # -- /metrics ---------------------------------------------------------------------------------

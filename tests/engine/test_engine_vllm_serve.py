@@ -1,12 +1,14 @@
 """specpair.vllm_serve (the engine pods of vLLM releases) and what the operator reads back from
 them (engine_probe.VllmProbe), without vLLM: the command line a release becomes, and the
 identity name the operator parses from /metrics (or /v1/models, from pods without it there). The
-real vLLM pods run in tests/operator/test_operator_vllm.py."""
+real vLLM pods run in tests/operator/test_operator_vllm.py; that the command line of every release
+setting is one vLLM takes is proven against the installed vLLM's own parser (tests marked vllm)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -15,7 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from specpair.contract import content_hash
-from specpair.vllm_serve import identity_name, parse_identity_name
+from specpair.vllm_peer import VLLM_METHODS, default_python
+from specpair.vllm_serve import command, identity_name, parse_identity_name
 
 
 def release(target: str, draft: dict, **engine) -> dict:
@@ -55,6 +58,138 @@ def test_a_vllm_release_becomes_vllms_command_line_with_its_identity(tiny_pair_d
     code, out, _ = dry_run(tmp_path, release(tiny_pair_dirs["target"], {"source": tiny_pair_dirs["draft"]}))
     cmd = json.loads(out)
     assert json.loads(cmd[cmd.index("--speculative-config") + 1])["model"] == tiny_pair_dirs["draft"]
+
+
+def _flag(cmd: list[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def test_a_split_target_and_its_settings_become_vllms_flags(tiny_pair_dirs):
+    rel = {**release(tiny_pair_dirs["target"], {"source": tiny_pair_dirs["draft"], "method": "eagle3",
+                                                "draftTensorParallel": 1},
+                     gpuMemoryUtilization=0.85, maxModelLen=8192, quantization="fp8", kvCacheDtype="fp8_e4m3"),
+           "parallelism": {"tensor": 4, "pipeline": 2}}
+    cmd = command(rel, python="/py", host="0.0.0.0", port=8000, speculation=True, enforce_eager=False)
+    assert [_flag(cmd, f) for f in ("--tensor-parallel-size", "--pipeline-parallel-size", "--gpu-memory-utilization",
+                                    "--max-model-len", "--quantization", "--kv-cache-dtype")] == \
+        ["4", "2", "0.85", "8192", "fp8", "fp8_e4m3"]
+    spec = json.loads(_flag(cmd, "--speculative-config"))
+    assert spec == {"model": tiny_pair_dirs["draft"], "num_speculative_tokens": 3, "method": "eagle3",
+                    "draft_tensor_parallel_size": 1}
+    # A release that sets none of them: one device, no other flag (vLLM's defaults hold).
+    cmd = command(release(tiny_pair_dirs["target"], {"source": tiny_pair_dirs["draft"]}), python="/py",
+                  host="0.0.0.0", port=8000, speculation=True, enforce_eager=False)
+    assert _flag(cmd, "--tensor-parallel-size") == _flag(cmd, "--pipeline-parallel-size") == "1"
+    assert not {"--gpu-memory-utilization", "--max-model-len", "--quantization", "--kv-cache-dtype"} & set(cmd)
+    assert set(json.loads(_flag(cmd, "--speculative-config"))) == {"model", "num_speculative_tokens"}
+
+
+# Run in the vLLM virtualenv: each command line (JSON on stdin) through what vLLM's server runs
+# first (make_arg_parser, validate_parsed_serve_args), then EngineArgs.from_cli_args; the
+# speculative config's keys and values checked against SpeculativeConfig's own fields and types,
+# quantization against vLLM's methods, the cache settings against CacheConfig's fields. Prints
+# what vLLM understood, or the error, per command line; and vLLM's speculative methods.
+VLLM_PARSE = r"""
+import dataclasses, json, sys, typing
+import pydantic
+from vllm.config.cache import CacheConfig
+from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+def literals(tp):
+    args = typing.get_args(tp)
+    return [tp] if not args and isinstance(tp, str) else [x for a in args for x in literals(a)]
+
+def check(fields, values):
+    for key, value in values.items():
+        if key not in fields:
+            raise ValueError(f"{key} is no field of {sorted(fields)}")
+        pydantic.TypeAdapter(fields[key].type).validate_python(value)
+
+spec_fields = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}
+cache_fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
+parser = make_arg_parser(FlexibleArgumentParser())
+out = []
+for argv in json.load(sys.stdin):
+    try:
+        args = parser.parse_args(argv)
+        validate_parsed_serve_args(args)
+        engine = AsyncEngineArgs.from_cli_args(args)
+        if engine.speculative_config is not None:
+            check(spec_fields, engine.speculative_config)
+        check(cache_fields, {"gpu_memory_utilization": engine.gpu_memory_utilization,
+                             "cache_dtype": engine.kv_cache_dtype})
+        if engine.quantization is not None and engine.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization {engine.quantization!r} is none of {QUANTIZATION_METHODS}")
+        out.append({k: getattr(engine, k) for k in ("model", "dtype", "tensor_parallel_size",
+                    "pipeline_parallel_size", "gpu_memory_utilization", "max_model_len", "quantization",
+                    "kv_cache_dtype", "speculative_config")})
+    except (Exception, SystemExit) as exc:
+        out.append({"error": f"{type(exc).__name__}: {exc}"})
+print("RESULT " + json.dumps({"parsed": out, "methods": literals(SpeculativeMethod)}))
+"""
+
+
+def vllm_parses(argvs: list[list[str]], tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = subprocess.run([str(default_python()), "-P", "-c", VLLM_PARSE], input=json.dumps(argvs), cwd=tmp_path,
+                          env={**env, "VLLM_LOGGING_LEVEL": "ERROR"}, capture_output=True, text=True, timeout=400)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(480)
+def test_vllms_own_parser_takes_every_setting_a_release_renders(tiny_pair_dirs, tmp_path):
+    """The rendered command lines, through the installed vLLM's argument parser and config
+    classes: every method the CRD offers, the parallel sizes and each serving setting arrive in
+    the field vLLM reads them from; a wrong key or method is caught by the same check."""
+    target, draft = tiny_pair_dirs["target"], tiny_pair_dirs["draft"]
+    settings = {"gpuMemoryUtilization": 0.85, "maxModelLen": 4096, "quantization": "fp8", "kvCacheDtype": "fp8_e5m2"}
+    releases = [{**release(target, {"source": target if method == "mtp" else draft, "method": method,
+                                    "draftTensorParallel": 1}, **settings),
+                 "parallelism": {"tensor": 4, "pipeline": 2}}
+                for method in VLLM_METHODS if method != "ngram"]
+    releases += [release(target, {"drafter": "ngram"}), release(target, {"source": draft})]
+
+    def argv(rel: dict) -> list[str]:
+        cmd = command(rel, python="/py", host="127.0.0.1", port=8000, speculation=True, enforce_eager=True)
+        assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        return cmd[3:]
+    rendered = [argv(r) for r in releases]
+    # Controls: the check refuses a key SpeculativeConfig lacks and a method name that is ours, not vLLM's.
+    spec_at = rendered[0].index("--speculative-config") + 1
+    controls = []
+    for bad in ({"draft_tensor_parallel": 1}, {"method": "draft-model"}):
+        broken = list(rendered[0])
+        broken[spec_at] = json.dumps({**json.loads(broken[spec_at]), **bad})
+        controls.append(broken)
+    got = vllm_parses(rendered + controls, tmp_path)
+
+    assert set(VLLM_METHODS.values()) <= set(got["methods"]), got["methods"]
+    for rel, parsed in zip(releases, got["parsed"]):
+        assert "error" not in parsed, parsed
+        split = rel.get("parallelism") or {}
+        engine = rel["engine"]
+        assert (parsed["tensor_parallel_size"], parsed["pipeline_parallel_size"]) == \
+            (split.get("tensor", 1), split.get("pipeline", 1))
+        assert parsed["dtype"] == engine["dtype"] and parsed["model"] == target
+        assert (parsed["gpu_memory_utilization"], parsed["max_model_len"], parsed["quantization"],
+                parsed["kv_cache_dtype"]) == (engine.get("gpuMemoryUtilization", parsed["gpu_memory_utilization"]),
+                                              engine.get("maxModelLen"), engine.get("quantization"),
+                                              engine.get("kvCacheDtype", "auto"))
+        spec = parsed["speculative_config"]
+        method = rel["draft"].get("method") or rel["draft"].get("drafter")
+        assert spec.get("method") == (VLLM_METHODS[method] if method else None)
+        assert spec["num_speculative_tokens"] == rel["speculation"]["k"]
+        assert spec.get("draft_tensor_parallel_size") == rel["draft"].get("draftTensorParallel")
+    bad_key, bad_method = got["parsed"][len(releases):]
+    assert "draft_tensor_parallel is no field" in bad_key["error"], bad_key
+    assert "error" in bad_method and "draft-model" in bad_method["error"], bad_method
 
 
 def test_bad_releases_are_refused_with_a_clear_error(tmp_path):
