@@ -134,6 +134,88 @@ def release_speculation_defaults() -> dict:
     return {key: getattr(defaults, RELEASE_SPECULATION_KEYS[key]) for key in RELEASE_SPECULATION_DEFAULTED}
 
 
+# Model-free drafters, by the name a release (draft.drafter) or the command line (--drafter) gives.
+DRAFTER_NAMES = ("ngram",)
+
+
+def known_drafter(name: str) -> str:
+    if name not in DRAFTER_NAMES:
+        raise SpecpairError(f"unknown drafter {name!r} (known: {', '.join(DRAFTER_NAMES)})")
+    return name
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model by where it comes from: a directory, a .gguf, a hub id (pinned by revision), an
+    MLflow model URI, or 'default'."""
+
+    source: str
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """One draft+target pair and how this process runs it: everything `pair.load_pair` needs.
+
+    A release gives the models and the speculation (Release.from_dict), the command line gives
+    them otherwise, and the running of them (device, dtype, cache, budget) either way. No draft
+    and no drafter: the target alone.
+    """
+
+    target: ModelRef = ModelRef("default")
+    draft: ModelRef | None = None        # a draft model or a drafting head (EAGLE, Medusa)
+    drafter: str | None = None           # a model-free drafter instead (DRAFTER_NAMES)
+    speculation: SpeculationConfig = SpeculationConfig()
+    ngram_max: int = NGRAM_MAX
+    ngram_min: int = NGRAM_MIN
+    on_mismatch: str = "error"           # a draft tokenizer that differs: refuse, or "target-only"
+    k_policy: str = "auto"               # SpeculativeEngine.apply_k_policy
+    device: str | None = None
+    dtype: str | None = None
+    threads: int | None = None
+    kv: str | None = None
+    compile: str | None = None
+    kv_budget: str | None = None
+
+    def __post_init__(self):
+        if self.draft is not None and self.drafter is not None:
+            raise SpecpairError("a pair drafts with a draft model or a model-free drafter, not both")
+        if self.drafter is not None:
+            known_drafter(self.drafter)
+
+    @property
+    def speculates(self) -> bool:
+        return self.draft is not None or self.drafter is not None
+
+
+@dataclass(frozen=True)
+class Release:
+    """A release file read once: the pair it serves and the names it is served under. The gate
+    measures this pair and the engine server serves it, so the two read it the same way."""
+
+    pair: PairSpec
+    name: str | None              # the SpecModelPair's name
+    version: str | None           # the registered model version (mlflow.version)
+    content_hash: str             # contract.content_hash, reported by GetModelInfo
+
+    @classmethod
+    def from_dict(cls, release: dict) -> "Release":
+        """Refuses what cannot be served (an unknown drafter, a speculation block this engine
+        does not know) before anything loads."""
+        from specpair.contract import content_hash
+
+        target, draft = release.get("target") or {}, release.get("draft") or {}
+        pair = PairSpec(
+            target=ModelRef(str(target.get("source") or "default"), target.get("revision")),
+            draft=None if draft.get("drafter") or not draft.get("source") else
+            ModelRef(str(draft["source"]), draft.get("revision")),
+            drafter=str(draft["drafter"]) if draft.get("drafter") else None,
+            speculation=SpeculationConfig.from_release(release))
+        version = (release.get("mlflow") or {}).get("version")
+        return cls(pair=pair, name=str(release["pair"]) if release.get("pair") else None,
+                   version=str(version) if version else None, content_hash=content_hash(release))
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """One request's decoding settings. temperature 0 means greedy."""
