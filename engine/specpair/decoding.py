@@ -16,19 +16,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specpair.config import (KV_BUDGET_CUDA_FREE_FRACTION, KV_BUDGET_ENV, GenerationParams,
-                             SpeculationConfig, parse_kv_budget)
+from specpair.config import (KV_BUDGET_CUDA_FREE_FRACTION, KV_BUDGET_ENV, NGRAM_MAX, NGRAM_MIN,
+                             GenerationParams, SpeculationConfig, parse_kv_budget)
 from specpair.costs import CostModel, DynamicK, StepTiming, measure_step_costs, sync
 from specpair.detokenize import IncrementalDetokenizer
-from specpair.drafters import (Drafter, EagleDrafter, HeadDrafter, LookupFirstDrafter, MedusaDrafter,
-                               ModelDrafter, NgramDrafter, RowSampling)
-from specpair.errors import SpecpairError, TokenizerMismatch
+from specpair.drafter_choice import build_drafter
+from specpair.drafters import Drafter, LookupFirstDrafter, ModelDrafter, RowSampling
+from specpair.errors import SpecpairError
 from specpair.static_cache import (bucket, kv_model, resolve_compile, resolve_kv_kind,
-                                   step_description, supports)
+                                   step_description)
 from specpair.rejection_sampler import (greedy_verify, process_logits, rejection_sample,
                                         verify_tree)
 from specpair.stats import AcceptanceStats, AcceptanceWindow
-from specpair.tokenizer_identity import compare, fingerprint
+from specpair.tokenizer_identity import fingerprint
 
 log = logging.getLogger("specpair.engine")
 
@@ -174,12 +174,15 @@ def drafter_cache_model(drafter: Drafter | None):
 class SpeculativeEngine:
     """A target model, an optional drafter, and the settings that pair them."""
 
-    def __init__(self, target, drafter: Drafter | None = None, draft=None,
+    def __init__(self, target, drafter: Drafter | str | None = None, draft=None,
                  speculation: SpeculationConfig | None = None, *,
                  on_mismatch: str = "error", check_tokenizers: bool = True,
                  kv: str | None = None, compile: str | None = None,
-                 kv_budget: str | int | None = None):
-        """target/draft: LoadedModel. drafter: a Drafter; built from `draft` when not given.
+                 kv_budget: str | int | None = None,
+                 ngram: tuple[int, int] = (NGRAM_MAX, NGRAM_MIN)):
+        """target/draft: LoadedModel. drafter: a Drafter, or a model-free one by name ("ngram",
+        matching `ngram` = (longest, shortest) tokens); built from `draft` when not given
+        (drafter_choice.build_drafter).
 
         on_mismatch: "error" refuses an incompatible draft; "target-only" serves without
         speculation and says so in `self.warnings`. kv: "static" (preallocated, written in place;
@@ -197,44 +200,14 @@ class SpeculativeEngine:
         self.warnings: list[str] = []
         self.vocab_size = len(target.tokenizer)
         self.target_fingerprint = fingerprint(target.tokenizer, embedding_rows=target.embedding_rows)
-        self.draft_fingerprint = None
-        self.tokenizer_check = None
-        if drafter is None and draft is not None:
-            if check_tokenizers:
-                self.draft_fingerprint = fingerprint(draft.tokenizer,
-                                                     embedding_rows=draft.embedding_rows)
-                self.tokenizer_check = compare(self.draft_fingerprint, self.target_fingerprint)
-                if not self.tokenizer_check.compatible:
-                    if on_mismatch != "target-only":
-                        raise TokenizerMismatch(self.tokenizer_check.differences)
-                    self.warnings.append("draft tokenizer differs from the target's; serving "
-                                         "target-only: " + "; ".join(self.tokenizer_check.differences))
-                    draft = None
-            if draft is not None and getattr(draft.model, "is_drafting_head", False):
-                why = supports(target.model) if self.kv_kind == "static" else "--kv dynamic"
-                if why:
-                    raise SpecpairError(f"{draft.model.method} heads draft from the features the "
-                                        f"static KV cache hands over; not available here: {why}")
-                if draft.model.method == "medusa":
-                    drafter = MedusaDrafter(draft, target.model, vocab_size=self.vocab_size)
-                else:
-                    drafter = EagleDrafter(draft, target.model, vocab_size=self.vocab_size,
-                                           compile=self.compile_mode)
-            elif draft is not None:
-                drafter = ModelDrafter(draft, vocab_size=self.vocab_size, kv=self.kv_kind,
-                                       compile=self.compile_mode)
-        if self.config.lookup_min_match:
-            if isinstance(drafter, HeadDrafter):
-                drafter = LookupFirstDrafter(NgramDrafter(device=target.device), drafter,
-                                             self.config.lookup_min_match)
-            else:
-                self.warnings.append(f"lookup_min_match applies to drafting heads (EAGLE, Medusa); "
-                                     f"the {drafter.name if drafter else 'target-only'} engine ignores it")
-        self.drafter = drafter
-        self.draft = draft
-        if self.config.tree_width > 1 and drafter is not None and not drafter.tree_capable:
-            self.warnings.append(f"tree_width {self.config.tree_width} applies to drafting heads "
-                                 f"(EAGLE, Medusa); the {drafter.name} drafter verifies chains")
+        choice = build_drafter(target, draft, drafter, speculation=self.config, kv=self.kv_kind,
+                               compile=self.compile_mode, on_mismatch=on_mismatch,
+                               check_tokenizers=check_tokenizers,
+                               target_fingerprint=self.target_fingerprint, ngram=ngram)
+        drafter = self.drafter = choice.drafter
+        self.draft = choice.draft
+        self.draft_fingerprint, self.tokenizer_check = choice.draft_fingerprint, choice.tokenizer_check
+        self.warnings.extend(choice.warnings)
         eos = target.model.generation_config.eos_token_id if getattr(
             target.model, "generation_config", None) is not None else None
         ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
