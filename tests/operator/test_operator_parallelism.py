@@ -299,3 +299,20 @@ def test_kubectl_apply_of_what_our_engine_cannot_serve_is_refused_with_the_reaso
                           input=yaml.safe_dump(good), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert ns.pair(name)["spec"]["engine"] == "vllm"
+
+
+def test_the_api_server_takes_the_engine_and_gate_pods_of_a_split_target(ns, devcluster):
+    """The rendered Deployment and gate Job (4 GPUs, the memory-backed /dev/shm), as the API
+    server validates them (a server-side dry run: nothing is scheduled)."""
+    rollout = {"image": "img:1", "resources": {"limits": {"nvidia.com/gpu": 1}}}
+    rel = release.build_release("p", ns.name, _with(VLLM_SPEC, parallelism={"tensor": 2, "pipeline": 2},
+                                                    rollout=rollout), PROMPTS)
+    digest = release.content_hash(rel)
+    for obj in (manifests.engine_deployment("p", ns.name, rel, digest, "1", rollout, "http://m"),
+                manifests.gate_job("p", ns.name, rel, digest, "1", rollout, "http://m")):
+        done = subprocess.run([_kubectl(), "--kubeconfig", str(devcluster.kubeconfig), "create", "--dry-run=server",
+                               "-o", "json", "-f", "-"], input=json.dumps(obj), capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        (container,) = json.loads(done.stdout)["spec"]["template"]["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
