@@ -251,7 +251,7 @@ class FinishedRequestSums(_message.Message):
     def __init__(self, requests: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_tokens_sq: _Optional[float] = ..., accepted_tokens_sq: _Optional[float] = ..., draft_accepted_tokens: _Optional[float] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("pair", "version", "overall", "categories", "speculating", "falling_back", "fallback_events", "current_k", "speculation", "num_requests_running", "num_requests_waiting", "uptime_seconds")
+    __slots__ = ("pair", "version", "overall", "categories", "speculating", "falling_back", "fallback_events", "current_k", "speculation", "num_requests_running", "num_requests_waiting", "uptime_seconds", "shadow")
     class CategoriesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +271,7 @@ class Stats(_message.Message):
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_FIELD_NUMBER: _ClassVar[int]
     pair: str
     version: str
     overall: CategoryStats
@@ -283,7 +284,63 @@ class Stats(_message.Message):
     num_requests_running: int
     num_requests_waiting: int
     uptime_seconds: float
-    def __init__(self, pair: _Optional[str] = ..., version: _Optional[str] = ..., overall: _Optional[_Union[CategoryStats, _Mapping]] = ..., categories: _Optional[_Mapping[str, CategoryStats]] = ..., speculating: _Optional[bool] = ..., falling_back: _Optional[bool] = ..., fallback_events: _Optional[int] = ..., current_k: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationSettings, _Mapping]] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+    shadow: ShadowStats
+    def __init__(self, pair: _Optional[str] = ..., version: _Optional[str] = ..., overall: _Optional[_Union[CategoryStats, _Mapping]] = ..., categories: _Optional[_Mapping[str, CategoryStats]] = ..., speculating: _Optional[bool] = ..., falling_back: _Optional[bool] = ..., fallback_events: _Optional[int] = ..., current_k: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationSettings, _Mapping]] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., shadow: _Optional[_Union[ShadowStats, _Mapping]] = ...) -> None: ...
+
+class ShadowStats(_message.Message):
+    __slots__ = ("candidate_version", "candidate_content_hash", "share", "skipped_steps", "categories")
+    class CategoriesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ShadowCategoryStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ShadowCategoryStats, _Mapping]] = ...) -> None: ...
+    CANDIDATE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CATEGORIES_FIELD_NUMBER: _ClassVar[int]
+    candidate_version: str
+    candidate_content_hash: str
+    share: float
+    skipped_steps: int
+    categories: _containers.MessageMap[str, ShadowCategoryStats]
+    def __init__(self, candidate_version: _Optional[str] = ..., candidate_content_hash: _Optional[str] = ..., share: _Optional[float] = ..., skipped_steps: _Optional[int] = ..., categories: _Optional[_Mapping[str, ShadowCategoryStats]] = ...) -> None: ...
+
+class ShadowCategoryStats(_message.Message):
+    __slots__ = ("requests", "candidate_alpha", "champion_alpha", "candidate_chain", "champion_chain", "draft_seconds", "committed_tokens")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    CHAMPION_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    CHAMPION_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    candidate_alpha: AlphaSums
+    champion_alpha: AlphaSums
+    candidate_chain: FinishedRequestSums
+    champion_chain: FinishedRequestSums
+    draft_seconds: float
+    committed_tokens: int
+    def __init__(self, requests: _Optional[int] = ..., candidate_alpha: _Optional[_Union[AlphaSums, _Mapping]] = ..., champion_alpha: _Optional[_Union[AlphaSums, _Mapping]] = ..., candidate_chain: _Optional[_Union[FinishedRequestSums, _Mapping]] = ..., champion_chain: _Optional[_Union[FinishedRequestSums, _Mapping]] = ..., draft_seconds: _Optional[float] = ..., committed_tokens: _Optional[int] = ...) -> None: ...
+
+class AlphaSums(_message.Message):
+    __slots__ = ("requests", "positions", "alpha", "positions_sq", "alpha_sq", "positions_alpha")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_SQ_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_SQ_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    positions: int
+    alpha: float
+    positions_sq: float
+    alpha_sq: float
+    positions_alpha: float
+    def __init__(self, requests: _Optional[int] = ..., positions: _Optional[int] = ..., alpha: _Optional[float] = ..., positions_sq: _Optional[float] = ..., alpha_sq: _Optional[float] = ..., positions_alpha: _Optional[float] = ...) -> None: ...
 
 class SetSpeculationRequest(_message.Message):
     __slots__ = ("enabled", "k", "reason")

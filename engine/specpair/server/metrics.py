@@ -77,6 +77,35 @@ class EngineMetrics:
         self.control_denied = Counter("specpair_control_denied",
                                       "Control calls refused for want of an allowed client certificate.",
                                       base + ["method"], registry=r)
+        # Shadow drafting (specpair/shadow.py): a candidate drafter scored on live requests,
+        # labelled with the candidate's version and content hash; counted per finished request.
+        shadow = cat + ["candidate_version", "candidate_hash"]
+        self.shadow_counters = {
+            "requests": Counter("specpair_shadow_requests", "Finished requests the candidate drafter "
+                                "was scored on.", shadow, registry=r),
+            "positions": Counter("specpair_shadow_num_draft_positions", "First draft positions the "
+                                 "candidate was scored at.", shadow, registry=r),
+            "alpha": Counter("specpair_shadow_alpha_sum", "Sum over scored positions of the candidate's "
+                             "first-position acceptance sum_x min(p(x), q(x)).", shadow, registry=r),
+            "champion_positions": Counter("specpair_shadow_champion_num_draft_positions",
+                                          "First draft positions of the serving drafter in shadowed "
+                                          "requests.", shadow, registry=r),
+            "champion_alpha": Counter("specpair_shadow_champion_alpha_sum", "The serving drafter's "
+                                      "first-position acceptance summed over them.", shadow, registry=r),
+            "drafted": Counter("specpair_shadow_num_draft_tokens", "Greedy requests: draft tokens of the "
+                               "candidate's replayed chains.", shadow, registry=r),
+            "accepted": Counter("specpair_shadow_num_accepted_tokens", "Greedy requests: of those, the "
+                                "tokens the target's committed tokens accept.", shadow, registry=r),
+            "seconds": Counter("specpair_shadow_draft_seconds", "Seconds the candidate spent drafting.",
+                               shadow, registry=r),
+            "committed": Counter("specpair_shadow_num_committed_tokens", "Tokens committed in shadowed "
+                                 "requests (the cost's denominator).", shadow, registry=r),
+        }
+        self.shadow_skipped_steps = Counter("specpair_shadow_skipped_steps", "Steps not scored: batch above "
+                                            "the threshold or KV memory short.",
+                                            base + ["candidate_version", "candidate_hash"], registry=r)
+        self._shadow_seen: dict[str, dict[str, float]] = {}
+        self._shadow_skipped_seen = 0
         self.speculation_enabled.labels(pair, version).set(0)
         self.memory_fallback.labels(pair, version)      # 0 from the start, not a gap
         self.control_denied.labels(pair, version, "SetSpeculation")     # 0 from the start, not a gap
@@ -130,6 +159,29 @@ class EngineMetrics:
             delta, self._memory_fallbacks_seen = total - self._memory_fallbacks_seen, total
         if delta > 0:
             self.memory_fallback.labels(self.pair, self.version).inc(delta)
+
+    def record_shadow(self, version: str, content_hash: str, categories: dict, skipped_steps: int) -> None:
+        """Catch the shadow counters up with the scorer's totals per category (shadow.CategoryShadow)."""
+        bounded = {name: self.category(name) for name in categories}   # before the lock: it takes it
+        with self._lock:
+            for name, c in categories.items():
+                now = {"requests": c.requests, "positions": c.candidate_alpha.drafted,
+                       "alpha": c.candidate_alpha.accepted, "champion_positions": c.champion_alpha.drafted,
+                       "champion_alpha": c.champion_alpha.accepted, "drafted": c.candidate_chain.drafted,
+                       "accepted": c.candidate_chain.accepted, "seconds": c.draft_seconds,
+                       "committed": c.committed_tokens}
+                seen = self._shadow_seen.setdefault(name, dict.fromkeys(now, 0))
+                labels = (*self._l(bounded[name]), version, content_hash)
+                for key, value in now.items():
+                    if value > seen[key]:
+                        self.shadow_counters[key].labels(*labels).inc(value - seen[key])
+                    else:    # a zero from the start, not a gap
+                        self.shadow_counters[key].labels(*labels)
+                    seen[key] = value
+            delta, self._shadow_skipped_seen = skipped_steps - self._shadow_skipped_seen, skipped_steps
+            counter = self.shadow_skipped_steps.labels(self.pair, self.version, version, content_hash)
+            if delta > 0:
+                counter.inc(delta)
 
     def record_control_denied(self, method: str) -> None:
         self.control_denied.labels(self.pair, self.version, method).inc()

@@ -104,6 +104,26 @@ def category_message(snapshot: dict) -> pb.CategoryStats:
     return msg
 
 
+def alpha_sums_message(m) -> pb.AlphaSums:
+    """A RequestMoments of first positions (drafted) and Σ alpha (accepted) on the wire."""
+    return pb.AlphaSums(requests=m.requests, positions=m.drafted, alpha=m.accepted, positions_sq=m.drafted_sq,
+                        alpha_sq=m.accepted_sq, positions_alpha=m.drafted_accepted)
+
+
+def shadow_message(scorer) -> pb.ShadowStats:
+    """What the shadow scorer (specpair/shadow.py) has counted, for GetStats."""
+    msg = pb.ShadowStats(candidate_version=scorer.candidate.version,
+                         candidate_content_hash=scorer.candidate.content_hash, share=scorer.share,
+                         skipped_steps=scorer.skipped_steps)
+    for name, c in scorer.snapshot().items():
+        msg.categories[name].CopyFrom(pb.ShadowCategoryStats(
+            requests=c.requests, candidate_alpha=alpha_sums_message(c.candidate_alpha),
+            champion_alpha=alpha_sums_message(c.champion_alpha),
+            candidate_chain=c.candidate_chain.to_message(), champion_chain=c.champion_chain.to_message(),
+            draft_seconds=c.draft_seconds, committed_tokens=c.committed_tokens))
+    return msg
+
+
 class EngineService:
     """Handlers for one server. `state` is the owning EngineServer (engine, worker, limits, ...)."""
 
@@ -227,7 +247,11 @@ class EngineService:
         await self._authorize(context)
         await self._require_ready(context)
         await self._parse(raw, pb.GetStatsRequest, context, count=False)
-        return self.state.stats()
+        msg = self.state.stats()
+        shadow = getattr(self.state.engine, "shadow", None)
+        if shadow is not None:
+            msg.shadow.CopyFrom(shadow_message(shadow))
+        return msg
 
     async def set_speculation(self, raw: bytes, context):
         await self._authorize(context)

@@ -238,13 +238,19 @@ class EngineWorker:
         """One short request through the speculative path before the server reports SERVING."""
         controller = self.engine.controller
         events_before = controller.fallback_events
-        batch = self.engine.new_batch()
-        batch.add(prompt_ids, GenerationParams(max_new_tokens=max_new_tokens,
-                                               speculation_k=self.engine.config.k),
-                  request_id="warm-up")
-        while batch.active:
-            batch.step()
-        # Warm-up rounds are not traffic: keep them out of the acceptance window.
+        # Warm-up rounds are not traffic: the shadow scorer does not see them either.
+        shadow = getattr(self.engine, "shadow", None)
+        self.engine.shadow = None
+        try:
+            batch = self.engine.new_batch()
+            batch.add(prompt_ids, GenerationParams(max_new_tokens=max_new_tokens,
+                                                   speculation_k=self.engine.config.k),
+                      request_id="warm-up")
+            while batch.active:
+                batch.step()
+        finally:
+            self.engine.shadow = shadow
+        # Keep the warm-up rounds out of the acceptance window.
         controller.window.clear()
         controller.fallback_events = events_before
 
@@ -458,3 +464,7 @@ class EngineWorker:
         # Rows admitted target-only (or stopped drafting) for want of KV memory: the engine keeps
         # the running total, the counter catches up with it here.
         self.metrics.record_memory_fallbacks(self.engine.memory_fallbacks)
+        shadow = getattr(self.engine, "shadow", None)
+        if shadow is not None:   # a candidate drafter scored beside the serving one (specpair/shadow.py)
+            self.metrics.record_shadow(shadow.candidate.version, shadow.candidate.content_hash,
+                                       shadow.snapshot(), shadow.skipped_steps)
