@@ -10,8 +10,10 @@ How a pod runs here, and where that differs from a kubelet with a container runt
 - Images: only the project's own images (see `LocalImages`) exist on these nodes; their
   programs are this machine's `specpair` commands from the running virtualenv. Any other
   image answers ErrImagePull / ImagePullBackOff, as an image missing from a registry would.
-- Network: each pod gets its own loopback address (127.<20+node>.x.y) as its pod IP, so two
-  pods can listen on the same port. Programs bind that address instead of 0.0.0.0 (the
+- Network: each pod gets its own loopback address (127.<n>.x.y) as its pod IP, so two
+  pods can listen on the same port. Each node claims its own n (20-249) for as long as it runs
+  (a lock file), so clusters running side by side on one machine (the demo beside the tests,
+  parallel test workers) never hand out the same address. Programs bind that address instead of 0.0.0.0 (the
   agent rewrites a literal 0.0.0.0 in the command line, and gives `specpair engine serve` a
   `--host`). There is no kube-proxy: Service IPs do not route; clients use pod IPs.
 - Volumes: emptyDir, configMap, secret, downwardAPI, projected (service-account tokens) and
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import fcntl
 import os
 import re
 import shlex
@@ -46,6 +49,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -184,6 +188,7 @@ class NodeAgent:
         self.images = images or LocalImages()
         self.pods: dict[str, PodWorker] = {}        # uid -> worker
         self.next_ip = 2
+        self.network, self._network_lock = claim_pod_network()
         self.stopping = threading.Event()
         self.lock = threading.Lock()
         self.errors: list[str] = []
@@ -315,7 +320,7 @@ class NodeAgent:
         with self.lock:
             n = self.next_ip
             self.next_ip += 1
-        ip = f"127.{20 + self.index}.{n // 250}.{n % 250 + 2}"
+        ip = f"127.{self.network}.{n // 250}.{n % 250 + 2}"
         return PodWorker(self, pod, ip)
 
     def _finalise_deletion(self, pod: dict[str, Any]) -> None:
@@ -357,6 +362,23 @@ class NodeAgent:
             w.join(30)
         for t in self.threads:
             t.join(15)
+        self._network_lock.close()
+
+
+def claim_pod_network() -> tuple[int, Any]:
+    """The second octet of a free 127.<n>.0.0/16 for one node's pods, and the open lock file that
+    holds it (closed by the node's stop, or by the kernel when the process dies)."""
+    folder = Path(tempfile.gettempdir()) / "specpair-devcluster-pod-networks"
+    folder.mkdir(exist_ok=True)
+    for octet in range(20, 250):
+        lock = open(folder / f"127.{octet}.lock", "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        return octet, lock
+    raise RuntimeError(f"every pod network 127.20-249 is claimed by a running node (lock files in {folder})")
 
 
 class Probe:
