@@ -5,12 +5,17 @@ its targets the way it does in any cluster: `kubernetes_sd_configs` watching the
 server, logged in as a ServiceAccount with the read-only RBAC Prometheus needs. The scrape jobs
 are the chart's own PodMonitor and ServiceMonitor objects (rendered by helm) translated as the
 Prometheus Operator translates them: a PodMonitor becomes `role: pod` keeping the pods whose labels
-match its selector and whose container port has the monitor's port name; a ServiceMonitor becomes
-`role: endpointslice` keeping the endpoints of matching Services on the named Service port. So a
-test scraping these jobs proves the chart's selectors really select the pods the operator makes.
+match its selector and whose container port has the monitor's port name. So a test scraping these
+jobs proves the chart's selectors really select the pods the operator makes.
 
 Pods here are local processes with their own loopback address as pod IP (node_agent.py), so the
 discovered `podIP:port` is directly reachable from this machine: no address relabelling is needed.
+The one difference: the API server refuses loopback addresses in Endpoints and EndpointSlices, so
+no Service here has endpoints and the Prometheus Operator's `role: endpointslice` job for a
+ServiceMonitor would find nothing. A ServiceMonitor therefore becomes `role: pod` too, keeping the
+pods that carry the selector's labels (the operator puts the same labels on an engine Service and
+its pods) on the container port of the monitor's port name (the engine Service's `metrics` port
+targets the container port `metrics`; a vLLM pair's targets `http`, which this does not follow).
 
     prom = DevPrometheus(cluster, workdir, monitors, rule_files=[...]).start()
     prom.query('up')                     # /api/v1/query
@@ -36,12 +41,8 @@ from .processes import Child, free_port, wait_until
 BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build-prometheus.sh"
 NAMESPACE = "devcluster-monitoring"
 ACCOUNT = "prometheus"
-# What Prometheus' Kubernetes discovery reads for pod, endpoints and endpointslice roles; nothing else.
-CLUSTER_ROLE_RULES = [
-    {"apiGroups": [""], "resources": ["pods", "services", "endpoints", "namespaces", "nodes"],
-     "verbs": ["get", "list", "watch"]},
-    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
-]
+# What Prometheus' Kubernetes discovery reads for the pod role; nothing else.
+CLUSTER_ROLE_RULES = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
 
 
 def prometheus_binaries() -> Path:
@@ -87,7 +88,8 @@ def _namespaces(monitor: dict[str, Any]) -> dict[str, Any] | None:
 def scrape_configs(monitors: list[dict[str, Any]], api_server: str, ca_file: Path, token_file: Path,
                    interval: str | None = None) -> list[dict[str, Any]]:
     """Prometheus scrape jobs for PodMonitor and ServiceMonitor objects (what the Prometheus
-    Operator generates for the fields the chart uses; anything else is refused, not ignored).
+    Operator generates for the fields the chart uses, ServiceMonitors as pod jobs: see the
+    module docstring; anything else is refused, not ignored).
     `interval` overrides the monitors' own (tests scrape every second)."""
     jobs = []
     for monitor in monitors:
@@ -95,7 +97,8 @@ def scrape_configs(monitors: list[dict[str, Any]], api_server: str, ca_file: Pat
         if kind == "PodMonitor":
             role, endpoints, port_label = "pod", spec["podMetricsEndpoints"], "__meta_kubernetes_pod_container_port_name"
         elif kind == "ServiceMonitor":
-            role, endpoints, port_label = "endpointslice", spec["endpoints"], "__meta_kubernetes_endpointslice_port_name"
+            # role pod, not endpointslice: devcluster Services have no endpoints (module docstring).
+            role, endpoints, port_label = "pod", spec["endpoints"], "__meta_kubernetes_pod_container_port_name"
         else:
             continue
         for i, endpoint in enumerate(endpoints):
@@ -111,18 +114,14 @@ def scrape_configs(monitors: list[dict[str, Any]], api_server: str, ca_file: Pat
             relabel = [
                 # Finished pods keep their IP in status but serve nothing (the Prometheus Operator drops them too).
                 {"action": "drop", "source_labels": ["__meta_kubernetes_pod_phase"], "regex": "(Failed|Succeeded)"},
-                *_selector_keeps(spec["selector"], "pod" if role == "pod" else "service"),
+                *_selector_keeps(spec["selector"], "pod"),
                 {"action": "keep", "source_labels": [port_label], "regex": re.escape(endpoint["port"])},
                 {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
                 {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
                 {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
             ]
-            if role == "pod":
-                relabel.append({"target_label": "job", "replacement": f"{meta['namespace']}/{meta['name']}"})
-            else:
-                relabel += [{"source_labels": ["__meta_kubernetes_service_name"], "target_label": "service"},
-                            {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "job"}]
-            relabel.append({"target_label": "endpoint", "replacement": endpoint["port"]})
+            relabel += [{"target_label": "job", "replacement": f"{meta['namespace']}/{meta['name']}"},
+                        {"target_label": "endpoint", "replacement": endpoint["port"]}]
             jobs.append({
                 "job_name": f"{kind[0].lower()}{kind[1:]}/{meta['namespace']}/{meta['name']}/{i}",
                 "honor_labels": bool(endpoint.get("honorLabels", False)),

@@ -1,0 +1,292 @@
+"""Every Grafana panel query and every alert rule we ship, evaluated by a real Prometheus against
+live engines on the devcluster.
+
+The operator runs as the chart's own Deployment (installed by the real helm); the engines are real
+`specpair engine serve` pods on tiny models, gated by the real `specpair gate`. Prometheus (built
+from its Go module) finds the operator and engine pods through the API server with the jobs the
+chart's PodMonitor and ServiceMonitor become (specpair_devcluster.prometheus), scraping every
+second and evaluating the shipped rule file every second. The scenario, on two pairs:
+
+- `fails`: its gate demands a speedup no release reaches, so its only release fails the gate;
+- `drifts`: v1 and v2 (the same good draft at a new path) pass and serve traffic; then v2's draft
+  files are replaced by an unrelated model and its pod restarted, so live acceptance drifts: the
+  operator turns speculation off, then rolls back to v1.
+
+Then: each panel query returns data for `drifts` over the scenario's time range, the dashboard's
+variables list the pair, and the alerts that fired (Prometheus' own ALERTS series) are exactly
+SpecpairGateFailed for `fails`, SpecpairSpeculationOff and SpecpairRolledBack (drift) for `drifts`,
+each no earlier than the operator's action, and SpeculationOff no longer firing once rolled back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from obs_helpers import CHART, REPO, RULES, alert_rules, dashboard_variables, helm, panel_targets, render
+
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # the demo's process helpers (MLflow)
+
+RELEASE, OPERATOR_NAMESPACE = "obs", "specpair-obs"
+PAIR_API = "specpair.io/v1alpha1"
+SCRAPE = 1.0  # seconds: Prometheus' scrape and rule evaluation interval here
+# The operator reconciles every second (the demo's setting) instead of its production default.
+OPERATOR_ENV = {"SPECPAIR_RECONCILE_INTERVAL": "1", "SPECPAIR_WATCH_TIMEOUT": "30"}
+# The drift policy sized for seconds (docs/drift.md has the production defaults): 10 s windows,
+# two breaching windows per ladder step, a probe after one quiet window while speculation is off.
+DRIFT = {"intervalSeconds": 1, "windowSeconds": 10, "minDraftedTokens": 20, "minRequests": 4,
+         "consecutiveBreaches": 2, "probeAfterWindows": 1}
+CODE_PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print(", "import json\n\ndef load(path):",
+                "class Point:\n    def __init__(self, x, y):"]
+# Speculation stays off for a few drift windows before the rollback here, not the minute a
+# production `for:` asks for: only that duration is shortened when the rules are loaded.
+SHORT_FOR = "2s"
+
+
+def pair_manifest(name: str, target: str, draft: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": PAIR_API, "kind": "SpecModelPair", "metadata": {"name": name},
+            "spec": {"target": {"source": target}, "draft": {"source": draft},
+                     # Below 5% acceptance over 200 draft tokens the engine falls back to target-only
+                     # by itself (the Fallbacks panel); the good tiny draft is accepted far above that.
+                     "speculation": {"k": 3, "fallbackThreshold": 0.05},
+                     "gating": {"prompts": [{"prompt": CODE_PROMPTS[0], "category": "code"},
+                                            {"prompt": CODE_PROMPTS[1], "category": "code"}],
+                                "maxNewTokens": 12, "thresholds": {"requireGreedyIdentity": True}},
+                     # Tiny models on CPU never gain from speculation, so the gate's tuning would turn it
+                     # off in serving; drift needs it on.
+                     "rollout": {"applyGateTuning": False}, "drift": dict(DRIFT), **spec}}
+
+
+def chart_values(namespace: str, mlflow_url: str, monitors: bool) -> dict[str, Any]:
+    return {"mlflow": {"trackingUri": mlflow_url}, "watchNamespaces": [namespace],
+            "operator": {"extraEnv": [{"name": k, "value": v} for k, v in OPERATOR_ENV.items()],
+                         "podMonitor": {"enabled": monitors, "interval": "1s"}},
+            "metrics": {"serviceMonitor": {"enabled": monitors, "interval": "1s"}}}
+
+
+def shortened_rules(path: Path) -> Path:
+    rules = yaml.safe_load(RULES.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if "for" in rule:
+                rule["for"] = SHORT_FOR
+    path.write_text(yaml.safe_dump(rules, sort_keys=False))
+    return path
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+class Scenario:
+    def __init__(self, cluster: Any, namespace: str):
+        self.cluster, self.kube, self.ns = cluster, cluster.kube, namespace
+
+    def pair(self, name: str) -> dict[str, Any]:
+        return self.kube.get(PAIR_API, "SpecModelPair", self.ns, name) or {}
+
+    def engine_pods(self, name: str) -> list[dict[str, Any]]:
+        return [p for p in self.kube.list("v1", "Pod", self.ns, labels=f"specpair.io/pair={name},specpair.io/role=engine")
+                if not p["metadata"].get("deletionTimestamp")]
+
+    def address(self, name: str) -> str | None:
+        pods = sorted((p for p in self.engine_pods(name) if ready(p)), key=lambda p: p["metadata"]["creationTimestamp"])
+        return f"{pods[-1]['status']['podIP']}:50051" if pods else None
+
+    def serving(self, name: str, version: str, phase: str = "Serving") -> dict[str, Any] | None:
+        """The pair when `version` serves from ready pods of its own alone (phase Degraded: a
+        rolled-back release is still what the spec names)."""
+        obj = self.pair(name)
+        st = obj.get("status") or {}
+        ok = st.get("phase") == phase and st.get("servingVersion") == version and \
+            [p["metadata"]["labels"].get("specpair.io/release-version") for p in self.engine_pods(name) if ready(p)] == [version]
+        return obj if ok else None
+
+    def traffic(self, name: str, n: int = 4) -> None:
+        from specpair._proto import engine_pb2, engine_pb2_grpc
+        address = self.address(name)
+        if address is None:
+            time.sleep(0.5)
+            return
+        with grpc.insecure_channel(address) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            for i in range(n):
+                req = engine_pb2.GenerateRequest(prompt=CODE_PROMPTS[i % len(CODE_PROMPTS)], max_new_tokens=12,
+                                                 category="code")
+                try:
+                    for _ in stub.Generate(req, timeout=30):
+                        pass
+                except grpc.RpcError:
+                    return  # a pod being replaced; the next round goes to the new one
+
+    def wait(self, what: str, predicate: Any, timeout: float, traffic_to: str | None = None) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if traffic_to:
+                self.traffic(traffic_to)
+            got = predicate()
+            if got:
+                return got
+            if not traffic_to:
+                time.sleep(0.5)
+        state = {"pairs": {p["metadata"]["name"]: p.get("status") for p in self.kube.list(PAIR_API, "SpecModelPair", self.ns)},
+                 "pods": [(p["metadata"]["name"], (p.get("status") or {}).get("phase")) for p in self.kube.list("v1", "Pod", self.ns)],
+                 "node errors": self.cluster.node_errors()[-3:]}
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}: {json.dumps(state, default=str)[-4000:]}")
+
+    def action_time(self, name: str, action: str) -> float:
+        from datetime import datetime
+        (entry,) = [h for h in self.pair(name)["status"]["history"] if h["action"] == action]
+        return datetime.fromisoformat(entry["time"].replace("Z", "+00:00")).timestamp()
+
+
+def grafana_query(expr: str, pair: str, step: float, range_seconds: float) -> str:
+    """A panel's PromQL as Grafana sends it: $pair set to one pair, $version to its "All" value
+    (the variable's allValue), $__rate_interval as Grafana computes it for a Prometheus scraped
+    every SCRAPE seconds (max(interval + scrape, 4 x scrape)) and $__range the whole range."""
+    (version,) = [v for v in dashboard_variables() if v["name"] == "version"]
+    rate_interval = max(step + SCRAPE, 4 * SCRAPE)
+    return (expr.replace("$__rate_interval", f"{rate_interval:.0f}s").replace("$__range", f"{range_seconds:.0f}s")
+            .replace("$pair", re.escape(pair)).replace("$version", version["allValue"]))
+
+
+def finite_points(result: list[dict[str, Any]]) -> int:
+    return sum(1 for series in result for _, v in series["values"] if math.isfinite(float(v)))
+
+
+@pytest.fixture
+def models(tiny_pair_dirs, tiny_tokenizer):
+    """The tiny models where pods can read them (pytest's folders are under /tmp, which each pod
+    has as its own emptyDir), plus an unrelated model to replace a served draft with."""
+    from tiny_models import make_model, save_tiny
+    root = Path.home() / ".cache" / "specpair-test-models" / f"obs-{uuid.uuid4().hex[:8]}"
+    out = {k: str(shutil.copytree(v, root / k)) for k, v in tiny_pair_dirs.items()}
+    out["draft-v2"] = str(shutil.copytree(tiny_pair_dirs["draft"], root / "draft-v2"))
+    out["unrelated"] = str(save_tiny(make_model(tiny_tokenizer, seed=9), root / "unrelated"))
+    yield out
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path, prometheus_bin):
+    from demo.processes import Children, start_mlflow
+    from specpair_devcluster.prometheus import DevPrometheus
+
+    namespace = f"obs-{uuid.uuid4().hex[:6]}"
+    devcluster.ensure_namespace(namespace)
+    children = Children()
+    prom = None
+    try:
+        mlflow_url = start_mlflow(children, tmp_path / "mlflow")
+        # The operator as users install it: the chart's Deployment. The monitors' kinds are not on
+        # this cluster (no Prometheus Operator), so they are rendered with the same values and
+        # turned into Prometheus' own scrape jobs.
+        helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
+             values=chart_values(namespace, mlflow_url, monitors=False), kubeconfig=devcluster.kubeconfig)
+        monitors = [m for m in render(chart_values(namespace, mlflow_url, monitors=True), RELEASE, OPERATOR_NAMESPACE)
+                    if m["kind"] in ("PodMonitor", "ServiceMonitor")]
+        assert sorted(m["kind"] for m in monitors) == ["PodMonitor", "ServiceMonitor"]
+        prom = DevPrometheus(devcluster, tmp_path / "prometheus", monitors,
+                             rule_files=[shortened_rules(tmp_path / "rules.yaml")], interval=f"{SCRAPE:.0f}s").start()
+        start = time.time()
+        s = Scenario(devcluster, namespace)
+        prom.wait_for("the operator pod scraped", lambda: [t for t in prom.targets() if t["health"] == "up"
+                                                            and t["scrapePool"].startswith("podMonitor/")], timeout=120)
+
+        # Prometheus loaded every shipped alert, and evaluates each without error.
+        loaded = {r["name"]: r for r in prom.rules() if r["type"] == "alerting"}
+        assert sorted(loaded) == sorted(r["alert"] for r in alert_rules())
+
+        kube = devcluster.kube
+        fails = pair_manifest("fails", models["target"], models["draft"])
+        fails["spec"]["gating"]["thresholds"]["minSpeedup"] = 1000  # no release is 1000x faster
+        for pair in (fails, pair_manifest("drifts", models["target"], models["draft"])):
+            kube.create({**pair, "metadata": {**pair["metadata"], "namespace": namespace}})
+
+        s.wait("drifts v1 serving", lambda: s.serving("drifts", "1"), timeout=300)
+        # The engine Service the operator made carries the ServiceMonitor's selector, and its port of
+        # the monitor's name targets the pods' port of that name: what Prometheus scrapes here as a
+        # pod job (devcluster Services have no endpoints; specpair_devcluster.prometheus).
+        (engines,) = [m for m in monitors if m["kind"] == "ServiceMonitor"]
+        selector = engines["spec"]["selector"]["matchLabels"]
+        (service,) = kube.list("v1", "Service", namespace, labels=",".join(f"{k}={v}" for k, v in selector.items())
+                               + ",specpair.io/pair=drifts")
+        assert [p["targetPort"] for p in service["spec"]["ports"] if p["name"] == engines["spec"]["endpoints"][0]["port"]] \
+            == [engines["spec"]["endpoints"][0]["port"]]
+        s.wait("fails' gate to fail", lambda: (s.pair("fails").get("status") or {}).get("lastGate", {}).get("passed") is False,
+               timeout=300, traffic_to="drifts")
+        kube.patch(PAIR_API, "SpecModelPair", namespace, "drifts", {"spec": {"draft": {"source": models["draft-v2"]}}})
+        s.wait("drifts v2 serving", lambda: s.serving("drifts", "2"), timeout=300, traffic_to="drifts")
+        for _ in range(3):
+            s.traffic("drifts")
+
+        # The files behind v2's draft are replaced; the pod restarts and loads them.
+        shutil.rmtree(models["draft-v2"])
+        shutil.copytree(models["unrelated"], models["draft-v2"])
+        (old,) = s.engine_pods("drifts")
+        kube.delete("v1", "Pod", namespace, old["metadata"]["name"])
+        s.wait("a new v2 pod", lambda: (a := s.address("drifts")) and old["status"]["podIP"] not in a, timeout=180)
+        s.wait("speculation off", lambda: (s.pair("drifts").get("status") or {}).get("speculationEnabled") is False,
+               timeout=240, traffic_to="drifts")
+        s.wait("rolled back to v1", lambda: s.serving("drifts", "1", phase="Degraded"), timeout=300, traffic_to="drifts")
+        for _ in range(3):
+            s.traffic("drifts")
+
+        # What fired, from Prometheus' own ALERTS series over the whole scenario.
+        def fired() -> dict[tuple[str, str, str], float]:
+            first: dict[tuple[str, str, str], float] = {}
+            for series in prom.query_range('ALERTS{alertstate="firing"}', start, time.time(), SCRAPE):
+                m = series["metric"]
+                key = (m["alertname"], m.get("pair", ""), m.get("reason", ""))
+                first[key] = min([first.get(key, math.inf)] + [float(t) for t, _ in series["values"]])
+            return first
+        expected = {("SpecpairGateFailed", "fails", ""), ("SpecpairSpeculationOff", "drifts", ""),
+                    ("SpecpairRolledBack", "drifts", "drift")}
+        prom.wait_for("the alerts to fire", lambda: set(fired()) >= expected, timeout=60)
+        # SpeculationOff resolves once the rolled-back release serves (its ladder starts at 0).
+        prom.wait_for("SpeculationOff to resolve",
+                      lambda: not [a for a in prom.alerts() if a["labels"]["alertname"] == "SpecpairSpeculationOff"],
+                      timeout=60)
+        got = fired()
+        assert set(got) == expected, got
+        # Each alert names the pair's namespace (the PodMonitor keeps the operator's label).
+        assert {a["labels"]["namespace"] for a in prom.alerts()} == {namespace}
+        # No alert before its cause: the operator's recorded action (a firing needs a scrape and an
+        # evaluation after it, so the first firing sample is later).
+        assert got[("SpecpairSpeculationOff", "drifts", "")] >= s.action_time("drifts", "SpeculationOff") - 1
+        assert got[("SpecpairRolledBack", "drifts", "drift")] >= s.action_time("drifts", "RolledBack") - 1
+        assert all(r["health"] == "ok" for r in prom.rules()), [(r["name"], r.get("lastError")) for r in prom.rules()]
+
+        # Every panel query returns data for the pair over the scenario's range, as Grafana asks.
+        end, step = time.time(), 2.0
+        empty = []
+        for title, expr in panel_targets():
+            query = grafana_query(expr, "drifts", step, end - start)
+            if not finite_points(prom.query_range(query, start, end, step)):
+                empty.append((title, query))
+        assert not empty, f"panel queries with no data: {json.dumps(empty, indent=1)}"
+        # The dashboard's variables (label_values(metric, label)) list the pair and its versions.
+        for var in dashboard_variables():
+            metric, label = re.fullmatch(r"label_values\((.+), (\w+)\)", var["definition"]).groups()
+            values = prom.api(f"label/{label}/values", **{"match[]": metric.replace("$pair", "drifts")})
+            assert ("drifts" if label == "pair" else "1") in values, (var["name"], values)
+    finally:
+        if prom is not None:
+            prom.stop()
+        helm("uninstall", RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait", kubeconfig=devcluster.kubeconfig, check=False)
+        try:
+            devcluster.kube.delete("v1", "Namespace", None, namespace)
+        except Exception:  # noqa: BLE001 - best effort; the session cluster goes away anyway
+            pass
+        children.stop_all()
