@@ -92,6 +92,32 @@ def test_output_is_identical_with_shadow_on(models, shadow_kind):
     assert sum(c.candidate_alpha.drafted for c in scores.values()) > 0
 
 
+def test_output_is_identical_beside_a_tree_drafting_head(one_layer_target):
+    """A champion verifying token trees (EAGLE head, two candidates a position): the first
+    position's logits come from the tree's chain; the reply is the same with the shadow on."""
+    from head_builders import mirror_head
+
+    head = mirror_head(one_layer_target)
+    mixed = plan(sampled_rows={0, 3, 6}, n=16, prompts=PROMPTS[:7])
+    wide = SpeculationConfig(tree_width=2)
+    plain = run(SpeculativeEngine(one_layer_target, draft=head, speculation=wide), mixed)
+    engine = SpeculativeEngine(one_layer_target, draft=head, speculation=wide)
+    scorer = shadowed(engine, NgramDrafter())
+    with_shadow = run(engine, mixed)
+    assert {c: s.generated for c, s in with_shadow.items()} == {c: s.generated for c, s in plain.items()}
+    assert sum(c.champion_alpha.drafted for c in scorer.snapshot().values()) > 0
+
+
+def test_no_scoring_while_kv_memory_is_short(models):
+    """Past the KV budget rows run target-only; the shadow does not add its drafting then."""
+    target, draft, _other = models
+    engine = SpeculativeEngine(target, draft=draft, kv_budget=40)     # target tokens: one row's own fit
+    scorer = shadowed(engine, NgramDrafter())
+    run_batches(engine, [(0, p, GenerationParams(max_new_tokens=8, category="c")) for p in PROMPTS[:2]])
+    assert engine.memory_fallbacks > 0 and scorer.skipped_steps > 0
+    assert scorer.snapshot()["c"].committed_tokens == 0
+
+
 def served_by_candidate(target, drafter_for, requests):
     """The candidate as the real drafter on the same requests (its own k and settings)."""
     engine = SpeculativeEngine(target, drafter=drafter_for(), speculation=CANDIDATE)
