@@ -1,0 +1,146 @@
+"""The autoscaler a pair gets: read from `rollout.autoscaling` (bad values refused in words), rendered
+as KEDA's ScaledObject or an HPA on the pair's scale subresource, and accepted by the real API
+server against KEDA's own CRD (from the pinned KEDA Go module) and the built-in HPA schema."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from specpair_devcluster.client import ApiError, resource_path
+from specpair_operator.autoscaling import (SIGNALS, Autoscaling, AutoscalingError, desired_autoscaler,
+                                           query)
+from specpair_operator.manifests import engine_name
+
+KEDA_MODULE = "github.com/kedacore/keda/v2@v2.21.0"
+SCALED = {"minReplicas": 1, "maxReplicas": 3, "metric": "queueLength", "target": 4}
+
+
+def spec(**autoscaling):
+    return {"rollout": {"autoscaling": autoscaling}} if autoscaling else {"rollout": {}}
+
+
+def test_absent_autoscaling_is_none():
+    assert Autoscaling.from_spec({}) is None
+    assert Autoscaling.from_spec(spec()) is None
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"minReplicas": 1}, "maxReplicas is required"),
+    ({"minReplicas": 0, "maxReplicas": 2, "target": 1}, "minReplicas must be an integer >= 1, got 0"),
+    ({"minReplicas": 3, "maxReplicas": 2, "target": 1}, "maxReplicas (2) is below minReplicas (3)"),
+    ({"maxReplicas": 2, "metric": "gpuUtilization", "target": 1}, "'gpuUtilization' is not one of queueLength"),
+    ({"maxReplicas": 2, "target": 0}, "target must be a number > 0 (per replica), got 0"),
+    ({"maxReplicas": 2, "target": True}, "target must be a number > 0"),
+    ({"maxReplicas": "3", "target": 1}, "maxReplicas is required (an integer)"),
+])
+def test_bad_autoscaling_is_refused_in_words(fields, words):
+    with pytest.raises(AutoscalingError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        Autoscaling.from_spec(spec(**fields))
+
+
+def test_keda_scales_the_pair_from_a_prometheus_query_over_its_own_pods():
+    scaling = Autoscaling.from_spec(spec(**SCALED))
+    obj = desired_autoscaler("chat", "team-a", scaling, keda=True, default_prometheus="http://prom:9090",
+                             labels={"app": "x"})
+    assert obj["kind"] == "ScaledObject" and obj["metadata"]["name"] == engine_name("chat")
+    assert obj["spec"]["scaleTargetRef"] == {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair",
+                                             "name": "chat"}
+    trigger = obj["spec"]["triggers"][0]
+    assert trigger["metadata"] == {"serverAddress": "http://prom:9090", "threshold": "4",
+                                   "query": 'sum(specpair_num_requests_waiting{namespace="team-a",pair="chat"})'}
+    assert (obj["spec"]["minReplicaCount"], obj["spec"]["maxReplicaCount"]) == (1, 3)
+    # The pair's own address wins over the operator's default; with neither, KEDA has nothing to ask.
+    own = desired_autoscaler("chat", "team-a", Autoscaling.from_spec(spec(**SCALED, prometheusAddress="http://p2")),
+                             keda=True, default_prometheus="http://prom:9090", labels={})
+    assert own["spec"]["triggers"][0]["metadata"]["serverAddress"] == "http://p2"
+    with pytest.raises(AutoscalingError, match="KEDA scales from Prometheus"):
+        desired_autoscaler("chat", "team-a", scaling, keda=True, default_prometheus=None, labels={})
+
+
+def test_without_keda_an_hpa_averages_the_same_signal_per_pod():
+    scaling = Autoscaling.from_spec(spec(**{**SCALED, "metric": "tokensPerSecond", "target": 12.5}))
+    obj = desired_autoscaler("chat", "team-a", scaling, keda=False, default_prometheus=None, labels={})
+    assert obj["kind"] == "HorizontalPodAutoscaler"
+    assert obj["spec"]["metrics"] == [{"type": "Pods", "pods": {
+        "metric": {"name": "specpair_num_emitted_tokens"},
+        "target": {"type": "AverageValue", "averageValue": "12.5"}}}]
+
+
+def test_every_signal_is_a_series_the_engine_exports():
+    """The queries name engine series by their exposed names (a counter with `_total`)."""
+    from prometheus_client import generate_latest
+
+    from specpair.server.metrics import EngineMetrics
+    metrics = EngineMetrics("chat", "1")
+    metrics.num_emitted_tokens.labels(pair="chat", version="1", category="general").inc()
+    metrics.num_requests_waiting.labels(pair="chat", version="1").set(2)
+    metrics.num_requests_running.labels(pair="chat", version="1").set(1)
+    exposed = generate_latest(metrics.registry).decode()
+    for name, signal in SIGNALS.items():
+        series = query("chat", "team-a", name).split("(")[-1].split("{")[0]
+        assert f"\n{series}{{" in exposed, (name, series)
+        assert signal.pod_metric == series.removesuffix("_total"), name
+
+
+def test_every_query_parses_as_promql():
+    """promtool (built from the pinned Prometheus module by scripts/build-prometheus.sh) checks each
+    query as a rule expression."""
+    promtool = shutil.which("promtool", path=os.environ.get("SPECPAIR_PROMETHEUS_BIN"))
+    if promtool is None:
+        pytest.skip("promtool not built here (scripts/build-prometheus.sh; scripts/test.sh builds it)")
+    rules = {"groups": [{"name": "autoscaling", "rules": [
+        {"record": f"specpair:autoscaling:{name}", "expr": query("chat", "team-a", name)} for name in SIGNALS]}]}
+    out = subprocess.run([promtool, "check", "rules", "/dev/stdin"], input=yaml.safe_dump(rules),
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def keda_crd():
+    """KEDA's ScaledObject CRD as KEDA ships it, from its Go module (the module proxy serves it)."""
+    go = shutil.which("go")
+    if go is None:
+        pytest.fail("go is needed to fetch KEDA's CRD from its module", pytrace=False)
+    out = subprocess.run([go, "mod", "download", "-json", KEDA_MODULE], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    folder = json.loads(out.stdout)["Dir"]
+    with open(os.path.join(folder, "config/crd/bases/keda.sh_scaledobjects.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+def test_the_api_server_accepts_both_autoscalers(devcluster, ns, keda_crd):
+    kube = devcluster.kube
+    try:
+        kube.request("POST", resource_path("apiextensions.k8s.io/v1", "customresourcedefinitions"), body=keda_crd)
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+    from cluster_env import wait_until
+    wait_until("ScaledObject served", lambda: _served(kube, ns.name))
+    scaling = Autoscaling.from_spec(spec(**SCALED))
+    for keda, plural in ((True, "scaledobjects"), (False, "horizontalpodautoscalers")):
+        obj = desired_autoscaler("chat", ns.name, scaling, keda=keda, default_prometheus="http://prom:9090",
+                                 labels={"app.kubernetes.io/name": "specpair-engine"})
+        created = kube.request("POST", resource_path(obj["apiVersion"], plural, ns.name), body=obj)
+        assert created["spec"]["scaleTargetRef"]["kind"] == "SpecModelPair"
+    # The server's schema refuses what KEDA would never run (a strict field check, not ours).
+    bad = desired_autoscaler("other", ns.name, scaling, keda=True, default_prometheus="http://prom:9090", labels={})
+    bad["spec"]["minReplicaCount"] = "one"
+    with pytest.raises(ApiError) as refused:
+        kube.request("POST", resource_path(bad["apiVersion"], "scaledobjects", ns.name), body=bad)
+    assert refused.value.status == 422
+
+
+def _served(kube, namespace: str) -> bool:
+    try:
+        kube.request("GET", resource_path("keda.sh/v1alpha1", "scaledobjects", namespace))
+        return True
+    except ApiError:
+        return False
