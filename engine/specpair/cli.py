@@ -63,42 +63,30 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
                         "free at start, else none")
 
 
-def build_engine(args, *, speculate: bool = True):
-    """Load the pair named by CLI flags. No target and no draft: the embedded default pair."""
-    import torch
+def pair_from_flags(args, *, speculate: bool = True):
+    """The pair the flags name. No target and no draft: the embedded default pair."""
+    from specpair.config import ModelRef, PairSpec
 
-    from specpair.config import SpeculationConfig
-    from specpair.decoding import SpeculativeEngine
-    from specpair.drafters import NgramDrafter
-    from specpair.models import load_model
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.k <= 0:
         raise SpecpairError(f"--k must be >= 1, got {args.k} (use --no-spec to turn speculation off)")
-    drafter_name = args.drafter
-    if args.target is None and args.draft is None and drafter_name is None:
-        drafter_name = "ngram"   # the default pair: the best draft measured for SmolLM2 on CPU
-    target = load_model(args.target, device=args.device, dtype=args.dtype, progress=_progress)
-    draft = drafter = None
-    if speculate and args.draft:
-        draft = load_model(args.draft, device=args.device, dtype=args.dtype, progress=_progress)
-    elif speculate and drafter_name == "ngram":
-        if not 1 <= args.ngram_min <= args.ngram_max:
-            raise SpecpairError("need 1 <= --ngram-min <= --ngram-max")
-        drafter = NgramDrafter(max_ngram=args.ngram_max, min_ngram=args.ngram_min, device=target.device)
-    spec = SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k, enabled=speculate,
-                             tree_width=args.tree_width, lookup_min_match=args.lookup_min_match)
-    engine = SpeculativeEngine(target, drafter=drafter, draft=draft, speculation=spec,
-                               on_mismatch=args.on_mismatch, kv=args.kv, compile=args.compile,
-                               kv_budget=args.kv_budget)
-    for warning in engine.warnings:
-        _progress(f"warning: {warning}")
-    costs = engine.apply_k_policy(args.k_policy)
-    if costs:
-        _progress("calibrated: target step {:.1f} ms, draft step {:.2f} ms, verify k=4 {:.1f} ms".format(
-            costs["target_step"] * 1e3, costs["draft_step"] * 1e3, costs["verify"].get(4, 0) * 1e3))
-    return engine
+    drafter = args.drafter
+    if args.target is None and args.draft is None and drafter is None:
+        drafter = "ngram"   # the default pair: the best draft measured for SmolLM2 on CPU
+    return PairSpec(target=ModelRef(args.target or "default"),
+                    draft=ModelRef(args.draft) if speculate and args.draft else None,
+                    drafter=drafter if speculate and not args.draft else None,
+                    speculation=SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k,
+                                                  enabled=speculate, tree_width=args.tree_width,
+                                                  lookup_min_match=args.lookup_min_match),
+                    ngram_max=args.ngram_max, ngram_min=args.ngram_min, on_mismatch=args.on_mismatch,
+                    k_policy=args.k_policy, device=args.device, dtype=args.dtype, threads=args.threads,
+                    kv=args.kv, compile=args.compile, kv_budget=args.kv_budget)
+
+
+def build_engine(args, *, speculate: bool = True):
+    from specpair.pair import load_pair
+
+    return load_pair(pair_from_flags(args, speculate=speculate), progress=_progress)
 
 
 def cmd_generate(args) -> int:

@@ -12,12 +12,13 @@ golden_outputs.json. Recording in MLflow is the gate runner's job (operator side
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
 from pathlib import Path
 
-from specpair.config import GenerationParams, SpeculationConfig
+from specpair.config import GenerationParams, Release, SpeculationConfig
 from specpair.contract import DEFAULT_CATEGORY, threshold_failures
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
@@ -42,12 +43,11 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     if (release.get("engine") or {}).get("kind", "specpair") == "vllm":
         from specpair.gate_vllm import run_gate_vllm  # the same verdict, from real vLLM servers
         return run_gate_vllm(release, progress=progress)
-    from specpair.decoding import SpeculativeEngine
-    from specpair.drafters import NgramDrafter
-    from specpair.models import load_model
+    from specpair.pair import load_pair
     from specpair.stats import AcceptanceStats
 
     check_release(release)
+    pair = dataclasses.replace(Release.from_dict(release).pair, device=device)
     gating = release.get("gating") or {}
     thresholds = gating.get("thresholds") or {}
     prompts = gating["prompts"]
@@ -62,21 +62,9 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
         verdict["reasons"] = ["tokenizer mismatch: " + "; ".join(tok["differences"])]
         return verdict, []
 
-    spec = SpeculationConfig.from_release(release)
-    progress("loading target")
-    target = load_model(release["target"].get("source") or "default", device=device,
-                        revision=release["target"].get("revision"), progress=progress)
-    draft = drafter = None
-    if release["draft"].get("drafter"):
-        if release["draft"]["drafter"] != "ngram":
-            raise SpecpairError(f"unknown drafter {release['draft']['drafter']!r} (known: ngram)")
-        drafter = NgramDrafter(device=target.device)
-    else:
-        progress("loading draft")
-        draft = load_model(release["draft"]["source"], device=device,
-                           revision=release["draft"].get("revision"), progress=progress)
-    engine = SpeculativeEngine(target, drafter=drafter, draft=draft, speculation=spec)
-    engine.apply_k_policy("auto")    # as the engine pods will run it
+    spec = pair.speculation
+    engine = load_pair(pair, progress=progress)     # as the engine pods will run it
+    target = engine.target
     verdict["device"] = str(target.device)
     texts = [p["prompt"] for p in prompts]
     categories = [str(p.get("category") or DEFAULT_CATEGORY) for p in prompts]

@@ -12,7 +12,7 @@ import pytest
 from specpair.config import (RELEASE_SPECULATION_KEYS, SpeculationConfig,
                              release_speculation_defaults)
 from specpair.errors import SpecpairError
-from specpair.server.cli import add_engine_parser, apply_release, speculation_config
+from specpair.server.cli import add_engine_parser, pair_from_flags, read_release
 
 
 def _serve_args(*flags):
@@ -21,11 +21,13 @@ def _serve_args(*flags):
     return parser.parse_args(["engine", "serve", *flags])
 
 
-def _release_args(tmp_path, speculation, *flags):
+def _served(tmp_path, speculation, *flags):
+    """What `engine serve --release FILE FLAGS` would load, on a CPU."""
     release = tmp_path / "release.json"
     release.write_text(json.dumps({"pair": "p", "target": {"source": "default"},
                                    "draft": {"drafter": "ngram"}, "speculation": speculation}))
-    return _serve_args("--release", str(release), *flags)
+    args = _serve_args("--release", str(release), *flags)
+    return pair_from_flags(args, read_release(args.release), "cpu")
 
 
 def test_every_key_sets_its_setting_and_absent_keys_keep_the_defaults():
@@ -71,21 +73,17 @@ def test_a_starting_k_above_the_cap_raises_the_cap():
 
 def test_the_server_serves_what_the_gate_measured_whatever_its_flags(tmp_path):
     block = {"k": 3, "dynamicK": False, "batchSizeThreshold": 2}
-    args = _release_args(tmp_path, block, "--k", "7", "--tree-width", "2", "--batch-size-threshold", "5")
-    apply_release(args)
-    served = speculation_config(args, "cpu")
+    served = _served(tmp_path, block, "--k", "7", "--tree-width", "2", "--batch-size-threshold", "5").speculation
     assert served == SpeculationConfig.from_release({"speculation": block})
     assert (served.k, served.tree_width, served.batch_size_threshold) == (3, 1, 2)
     # --no-spec still turns it off (serving a release target-only by hand).
-    args = _release_args(tmp_path, block, "--no-spec")
-    apply_release(args)
-    assert not speculation_config(args, "cpu").enabled
+    off = _served(tmp_path, block, "--no-spec")
+    assert not off.speculation.enabled and not off.speculates
     # Without a release, the flags (and the device's batch threshold where none is given).
-    flags = speculation_config(_serve_args("--k", "5", "--no-dynamic-k"), "cpu")
+    flags = pair_from_flags(_serve_args("--k", "5", "--no-dynamic-k"), None, "cpu").speculation
     assert (flags.k, flags.dynamic_k, flags.batch_size_threshold) == (5, False, 1)
 
 
 def test_the_server_refuses_an_unservable_release_before_loading(tmp_path):
-    args = _release_args(tmp_path, {"k": 3, "speculativeTokens": 5})
     with pytest.raises(SpecpairError, match="speculation.speculativeTokens: not a setting"):
-        apply_release(args)
+        _served(tmp_path, {"k": 3, "speculativeTokens": 5})

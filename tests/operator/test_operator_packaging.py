@@ -88,7 +88,7 @@ def test_engine_command_serves_the_release_file_with_the_engine_cli(tmp_path):
     serves (models, pinned revisions, speculation, pair, version) comes from the release file,
     whose content hash it reports: the hash the operator checks."""
     from specpair.cli import build_parser
-    from specpair.server.cli import apply_release, speculation_config
+    from specpair.server.cli import pair_from_flags, read_release, server_options
 
     from specpair_operator import manifests
 
@@ -102,11 +102,13 @@ def test_engine_command_serves_the_release_file_with_the_engine_cli(tmp_path):
         (tmp_path / "release.json").write_text(json.dumps(rel))
         cmd[cmd.index("--release") + 1] = str(tmp_path / "release.json")  # where the pod mounts it
         args = build_parser().parse_args(cmd[1:])
-        assert apply_release(args) == release.content_hash(rel)
-        served = speculation_config(args, "cpu")
-        assert (args.pair, args.version, args.port, served.k, served.dynamic_k, args.insecure) == \
-            ("p", "4", 50051, 3, False, True)
-        assert (args.drafter == "ngram") if "drafter" in draft else (args.draft == draft["source"])
+        served = read_release(args.release)
+        options = server_options(args, served)
+        assert options.content_hash == release.content_hash(rel)
+        pair = pair_from_flags(args, served, "cpu")
+        assert (options.pair, options.version, options.port, pair.speculation.k,
+                pair.speculation.dynamic_k, options.tls) == ("p", "4", 50051, 3, False, None)
+        assert (pair.drafter == "ngram") if "drafter" in draft else (pair.draft.source == draft["source"])
         # Serving loads the same pinned revisions the gate measured.
-        assert args.target_revision == "abc123"
-        assert args.draft_revision == (None if "drafter" in draft else "12fd25f")
+        assert pair.target.revision == "abc123"
+        assert (pair.draft and pair.draft.revision) == (None if "drafter" in draft else "12fd25f")

@@ -1,7 +1,7 @@
 """`specpair engine serve` and `specpair engine generate`.
 
-The lead's specpair/cli.py calls add_engine_parser(subparsers); `python -m specpair.server engine ...`
-runs the same commands standalone. Each command is `func(args) -> exit code` set as a default.
+`specpair/cli.py` (the `specpair` command) calls add_engine_parser(subparsers); `python -m
+specpair.server engine ...` runs the same commands standalone. Each command is `func(args) -> exit code` set as a default.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-from specpair.config import SpeculationConfig
+from specpair.config import ModelRef, PairSpec, Release, SpeculationConfig
 from specpair.errors import SpecpairError
 from specpair.shadow_flags import add_shadow_arguments, attach_shadow_from_args
 
@@ -161,52 +161,50 @@ def default_batch_size_threshold(device_type: str) -> int:
     return 1 if device_type == "cpu" else 16
 
 
-def speculation_config(args, device_type: str):
-    """What the engine serves: a release's speculation settings when it serves one (read as the
-    gate read them for its verdict; of the flags only --no-spec applies), else the flags."""
-    released = getattr(args, "release_speculation", None)
-    if released is not None:
-        return dataclasses.replace(released, enabled=released.enabled and not args.no_spec)
-    threshold = args.batch_size_threshold
-    if threshold is None:
-        threshold = default_batch_size_threshold(device_type)
-    return SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k,
-                             fallback_threshold=args.fallback_threshold,
-                             batch_size_threshold=threshold, enabled=not args.no_spec,
-                             tree_width=args.tree_width, lookup_min_match=args.lookup_min_match)
+def pair_from_flags(args, release: Release | None, device_type: str) -> PairSpec:
+    """What the engine serves: a release's pair and speculation settings when it serves one (read
+    as the gate read them for its verdict; of the pair's flags only --no-spec applies), else the
+    flags. Either way the flags say how this process runs it (device, dtype, on a mismatch)."""
+    runtime = {"device": args.device, "dtype": args.dtype, "on_mismatch": args.on_mismatch}
+    if release is not None:
+        pair = dataclasses.replace(release.pair, **runtime)
+    else:
+        threshold = args.batch_size_threshold
+        if threshold is None:
+            threshold = default_batch_size_threshold(device_type)
+        pair = PairSpec(
+            target=ModelRef(args.target, args.target_revision),
+            draft=ModelRef(args.draft, args.draft_revision) if args.draft else None,
+            drafter=None if args.draft else args.drafter or "ngram",
+            speculation=SpeculationConfig(k=args.k, dynamic_k=not args.no_dynamic_k,
+                                          fallback_threshold=args.fallback_threshold,
+                                          batch_size_threshold=threshold, tree_width=args.tree_width,
+                                          lookup_min_match=args.lookup_min_match), **runtime)
+    if args.no_spec:
+        pair = dataclasses.replace(pair, draft=None, drafter=None, speculation=dataclasses.replace(
+            pair.speculation, enabled=False))
+    return pair
 
 
-def build_engine(args, progress=print):
-    """Load the models named on the command line into a SpeculativeEngine (imports torch)."""
-    from specpair.decoding import SpeculativeEngine
-    from specpair.drafters import NgramDrafter
-    from specpair.models import load_model, pick_device
+def load_engine(args, release: Release | None, progress=print):
+    """Load the pair the command line or the release names into a SpeculativeEngine (imports
+    torch), with the shadow candidate of --shadow-release attached."""
+    from specpair.models import pick_device
+    from specpair.pair import load_pair
 
-    speculation = speculation_config(args, pick_device(args.device).type)
+    pair = pair_from_flags(args, release, pick_device(args.device).type)
+    speculation = pair.speculation
     progress(f"speculation k={speculation.k}{' (dynamic)' if speculation.dynamic_k else ''}, "
              f"off above {speculation.batch_size_threshold} concurrent requests")
-    progress(f"loading target {args.target}")
-    target = load_model(args.target, device=args.device, dtype=args.dtype, progress=progress,
-                        revision=getattr(args, "target_revision", None))
-    progress(f"target loaded: {target.num_parameters / 1e6:.1f} M parameters on {target.device} "
-             f"in {target.load_seconds:.1f} s")
-    if args.no_spec:
-        return SpeculativeEngine(target, speculation=speculation)
-    if args.draft:
-        progress(f"loading draft {args.draft}")
-        draft = load_model(args.draft, device=args.device, dtype=args.dtype, progress=progress,
-                           revision=getattr(args, "draft_revision", None))
-        progress(f"draft loaded: {draft.num_parameters / 1e6:.1f} M parameters in {draft.load_seconds:.1f} s")
-        engine = SpeculativeEngine(target, draft=draft, speculation=speculation, on_mismatch=args.on_mismatch)
-        costs = engine.apply_k_policy("auto")   # cost-aware k for model drafts, as the CLI
-        if costs:
-            progress(f"calibrated: target step {costs['target_step'] * 1e3:.1f} ms, "
-                     f"draft step {costs['draft_step'] * 1e3:.2f} ms")
-        return engine
-    return SpeculativeEngine(target, drafter=NgramDrafter(device=target.device), speculation=speculation)
+    engine = load_pair(pair, progress=progress)
+    # The shadow candidate must share the target served, which a release names, not the flags:
+    # its check reads a copy of the flags with the served target in them.
+    served = argparse.Namespace(**{**vars(args), "target": pair.target.source,
+                                   "target_revision": pair.target.revision})
+    return attach_shadow_from_args(engine, served, progress)
 
 
-def server_options(args):
+def server_options(args, release: Release | None = None):
     from specpair.server.app import ServerOptions, TLSFiles
     from specpair.server.auth import read_token_file
     from specpair.server.requests import Limits
@@ -254,7 +252,10 @@ def server_options(args):
     token = read_token_file(args.auth_token_file) if args.auth_token_file else None
     return ServerOptions(host=args.host, port=args.port,
                          metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                         pair=args.pair, version=args.version, max_batch_size=args.max_batch_size,
+                         pair=release and release.name or args.pair,
+                         version=release and release.version or args.version,
+                         content_hash=release.content_hash if release else "",
+                         max_batch_size=args.max_batch_size,
                          max_queue=args.max_queue, drain_timeout=args.drain_timeout, tls=tls,
                          limits=Limits(max_request_bytes=args.max_request_bytes,
                                        max_new_tokens=args.max_new_tokens_limit),
@@ -264,27 +265,16 @@ def server_options(args):
                          control_client_names=client_names)
 
 
-def apply_release(args) -> str:
-    """Take what is served from a release file (the one contract operator, gate and engine read):
-    models and revisions, speculation settings, pair and version. Returns its content hash."""
-    from specpair.contract import content_hash
-
+def read_release(path: str) -> Release:
+    """The release file served (the one contract operator, gate and engine read): models and
+    revisions, speculation settings, pair and version, and its content hash."""
     try:
-        release = json.loads(Path(args.release).read_text())
+        release = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        raise SpecpairError(f"--release {args.release}: {exc}") from exc
-    target, draft = release.get("target") or {}, release.get("draft") or {}
-    if not target.get("source"):
-        raise SpecpairError(f"--release {args.release}: no target.source")
-    args.target, args.target_revision = str(target["source"]), target.get("revision")
-    if draft.get("drafter"):
-        args.drafter, args.draft = str(draft["drafter"]), None
-    elif draft.get("source"):
-        args.draft, args.draft_revision, args.drafter = str(draft["source"]), draft.get("revision"), None
-    args.release_speculation = SpeculationConfig.from_release(release)   # refused here if unservable
-    args.pair = str(release.get("pair") or args.pair)
-    args.version = str((release.get("mlflow") or {}).get("version") or args.version)
-    return content_hash(release)
+        raise SpecpairError(f"--release {path}: {exc}") from exc
+    if not (release.get("target") or {}).get("source"):
+        raise SpecpairError(f"--release {path}: no target.source")
+    return Release.from_dict(release)   # refused here if unservable
 
 
 def serve_command(args) -> int:
@@ -298,12 +288,13 @@ def serve_command(args) -> int:
         sys.stderr.write(f"{message}\n")
         sys.stderr.flush()
 
-    digest = apply_release(args) if args.release else ""
-    options = dataclasses.replace(server_options(args), content_hash=digest)
-    if digest:
-        progress(f"release {options.pair} v{options.version}, content hash {digest[:12]}")
+    release = read_release(args.release) if args.release else None
+    options = server_options(args, release)
+    if release is not None:
+        progress(f"release {options.pair} v{options.version}, content hash {release.content_hash[:12]}")
+
     def load():
-        engine = attach_shadow_from_args(build_engine(args, progress), args, progress)
+        engine = load_engine(args, release, progress)
         # Which cache and step serve (SPECPAIR_KV, SPECPAIR_COMPILE, the CPU kernel's build).
         progress(f"step: {json.dumps(engine.describe_step())}")
         return engine
