@@ -58,14 +58,19 @@ def acceptance_plot(timeline: Timeline, verdicts: dict[str, dict[str, Any]]) -> 
                     f"{word} v{h.get('toVersion') if action != 'SpeculationOff' else h.get('fromVersion')}",
                     fontsize=8, color=c, ha="center", va="bottom", transform=ax.get_xaxis_transform())
             shown += 1
-    rollbacks = [t for t, action, _ in timeline.history_events() if action == "RolledBack"]
+    for start, end in timeline.speculation_off_spans():
+        ax.axvspan(start - t0, end - t0, color="#888", alpha=0.12, hatch="//", fill=False, linewidth=0)
+    ends = [t for t, label in timeline.marks if label in ("rolled back", "no rollback")]
     for t, label in timeline.marks:
         if label.startswith("drift:"):
-            # Shaded from the first drifting request to the rollback, when the demo stops it.
-            end = min([r for r in rollbacks if r >= t] or [t0 + max(seg_t or [t - t0])])
+            # Shaded from the first drifting request to the operator's decision, when the demo stops it.
+            end = min([e for e in ends if e >= t] or [t0 + max(seg_t or [t - t0])])
             ax.axvspan(t - t0, end - t0, color="#e63946", alpha=0.07)
             ax.text(t - t0, 0.02, " " + label[len("drift:"):].strip(), fontsize=8, color="#a4161a",
                     transform=ax.get_xaxis_transform())
+        elif label.startswith("probe:"):
+            ax.axvline(t - t0, color="#e9c46a", linewidth=1.5, linestyle=":")
+            ax.text(t - t0, 0.10, " probe", fontsize=8, color="#b5891b", transform=ax.get_xaxis_transform())
     ax.set_ylim(-0.02, 1.05)
     ax.set_xlabel("seconds since the pair was applied")
     ax.set_ylabel("accepted / drafted tokens")
@@ -141,12 +146,20 @@ def drift_section(drift: dict[str, Any]) -> str:
                    f"tokens, not judged): <code>{html.escape(json.dumps(shift.get('trafficShift')))}</code>; "
                    f"gated categories' live acceptance: <code>{html.escape(json.dumps(shift.get('liveAcceptance')))}</code>; "
                    f"operator actions: {html.escape(', '.join(shift.get('actions') or []) or 'none')}.</p>")
-    bad = drift.get("badDraft")
-    if bad:
-        seconds = ", ".join(f"{html.escape(k)} after {v} s" for k, v in (bad.get("secondsTo") or {}).items())
-        out.append(f"<p><b>Bad draft</b>: {bad.get('requests')} requests, acceptance "
-                   f"{_fmt(bad.get('acceptance'), '{:.0%}')} over {bad.get('drafted')} drafted tokens; "
-                   f"from the pod's deletion: {seconds}.</p>")
+    shift = drift.get("domainShift")
+    if shift:
+        out.append(f"<p><b>Domain shift</b>: requests labelled '{html.escape(str(shift.get('category')))}' (gated at "
+                   f"{_fmt(shift.get('gatedV2'), '{:.0%}')} by v2, {_fmt(shift.get('gatedV1'), '{:.0%}')} by v1) "
+                   f"whose content is free-form writing. Before it started, from the two gates: "
+                   f"{html.escape(str(shift.get('prediction')))}.</p>")
+    ladder = drift.get("ladder")
+    if ladder:
+        rows = [[_fmt(t, "{:.1f} s"), html.escape(stage)] for t, stage in ladder.get("timeline") or []]
+        out.append(f"<p><b>Drift ladder ({html.escape(str(ladder.get('chapter')))})</b>: {ladder.get('requests')} "
+                   f"requests, acceptance {_fmt(ladder.get('acceptance'), '{:.0%}')} over {ladder.get('drafted')} "
+                   f"drafted tokens (none drafted while speculation was off). The operator's decision: "
+                   f"{html.escape(str(ladder.get('decision') or '-'))}</p>"
+                   + _table(rows, ["since the chapter started", "step"]))
     return "".join(out)
 
 

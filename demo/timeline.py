@@ -63,6 +63,25 @@ class Timeline:
             points.append(((bin_start + self.samples[-1].t) / 2, accepted / drafted, drafted, version))
         return points
 
+    def speculation_off_spans(self) -> list[tuple[float, float]]:
+        """(start, end) of each stretch where the serving pod said it was not speculating (the
+        operator's SpeculationOff, between its probes). Unreachable samples neither start nor end
+        a stretch: a pod being replaced says nothing about speculation."""
+        spans: list[tuple[float, float]] = []
+        start = last = None
+        for s in self.samples:
+            if not s.version or s.speculating is None:
+                continue
+            if s.speculating is False:
+                start = s.t if start is None else start
+                last = s.t
+            elif start is not None:
+                spans.append((start, s.t))
+                start = None
+        if start is not None:
+            spans.append((start, last))
+        return spans
+
     def history_events(self) -> list[tuple[float, str, dict[str, Any]]]:
         out = []
         for h in self.history:
