@@ -36,7 +36,9 @@ The math
 
 The unit is the request (stats.RequestMoments, as drift uses): per finished shadowed request
 (d_i, a_i) = (first positions scored, sum of alpha) and, greedy, (chain tokens drafted, accepted),
-summed per category with their squares and cross products for the ratio estimator's variance.
+summed per category with their squares and cross products for the ratio estimator's variance,
+and the cross sums of candidate and champion over the same requests (stats.PairedSums) for the
+variance of their difference.
 
 Cost and bounds: the candidate's draft seconds per committed token of shadowed requests are
 reported. A request is shadowed with probability `share` when it joins; no step is scored while
@@ -67,7 +69,7 @@ from specpair.costs import DynamicK, sync
 from specpair.drafters import Drafter, ModelDrafter, NgramDrafter, RowSampling
 from specpair.errors import SpecpairError
 from specpair.rejection_sampler import process_logits
-from specpair.stats import RequestMoments
+from specpair.stats import PairedSums, RequestMoments
 
 log = logging.getLogger("specpair.shadow")
 
@@ -162,16 +164,22 @@ class CategoryShadow:
     champion_alpha: RequestMoments = field(default_factory=RequestMoments.zero)
     candidate_chain: RequestMoments = field(default_factory=RequestMoments.zero)   # greedy requests
     champion_chain: RequestMoments = field(default_factory=RequestMoments.zero)    # the same requests
+    alpha_paired: PairedSums = field(default_factory=PairedSums)   # candidate x champion, per request
+    chain_paired: PairedSums = field(default_factory=PairedSums)
     draft_seconds: float = 0.0
     committed_tokens: int = 0
 
     def add(self, score: RequestScore, greedy: bool, champion_drafted: int, champion_accepted: int) -> None:
         self.requests += 1
-        self.candidate_alpha += RequestMoments.of_request(score.positions, score.alpha)
-        self.champion_alpha += RequestMoments.of_request(score.champion_positions, score.champion_alpha)
+        mine, theirs = (score.positions, score.alpha), (score.champion_positions, score.champion_alpha)
+        self.candidate_alpha += RequestMoments.of_request(*mine)
+        self.champion_alpha += RequestMoments.of_request(*theirs)
+        self.alpha_paired += PairedSums.of_request(mine, theirs)
         if greedy:
-            self.candidate_chain += RequestMoments.of_request(score.drafted, score.accepted)
-            self.champion_chain += RequestMoments.of_request(champion_drafted, champion_accepted)
+            mine, theirs = (score.drafted, score.accepted), (champion_drafted, champion_accepted)
+            self.candidate_chain += RequestMoments.of_request(*mine)
+            self.champion_chain += RequestMoments.of_request(*theirs)
+            self.chain_paired += PairedSums.of_request(mine, theirs)
         self.draft_seconds += score.draft_seconds
         self.committed_tokens += score.committed
 
@@ -293,6 +301,7 @@ class ShadowScorer:
                     champ = q[i, 0].float() if q is not None else one_hot(drafts[i, 0], p.shape[-1])
                     r.score.champion_alpha += float(torch.minimum(p[n], champ.to(p.device)).sum())
         self._draft_rounds(state, committed, index, p, sampled)
+        state.drafter.trim()      # a draft model's cache gives back what no row needs
         self._finish(state)
 
     def _draft_rounds(self, state: _BatchShadow, committed, index, p, sampled) -> None:

@@ -205,3 +205,40 @@ class RequestMoments:
             return kind(d[key]) if d.get(key) is not None else None
         return cls(int(d.get("drafted", 0)), int(d.get("accepted", 0)), opt("requests", int),
                    opt("draftedSq", float), opt("acceptedSq", float), opt("draftedAccepted", float))
+
+
+@dataclass(frozen=True)
+class PairedSums:
+    """Cross sums over the same requests of two drafters measured side by side (shadow drafting:
+    a candidate's (d_i, a_i) and the champion's (e_i, b_i)). With each side's RequestMoments they
+    give the standard error of the difference of the two ratios with the request as the unit:
+    what makes one request easy or hard moves both, and cancels in the difference.
+    `requests` counts every request summed, also one where a side drafted nothing."""
+    requests: int = 0
+    accepted_both: float = 0.0         # Σ a_i·b_i
+    accepted_drafted: float = 0.0      # Σ a_i·e_i
+    drafted_accepted: float = 0.0      # Σ d_i·b_i
+    drafted_both: float = 0.0          # Σ d_i·e_i
+
+    @classmethod
+    def of_request(cls, first: tuple[float, float], second: tuple[float, float]) -> "PairedSums":
+        """One request's terms from (drafted, accepted) of the first and of the second drafter."""
+        (d, a), (e, b) = first, second
+        return cls(1, float(a) * b, float(a) * e, float(d) * b, float(d) * e)
+
+    def __add__(self, o: "PairedSums") -> "PairedSums":
+        return PairedSums(self.requests + o.requests, self.accepted_both + o.accepted_both,
+                          self.accepted_drafted + o.accepted_drafted, self.drafted_accepted + o.drafted_accepted,
+                          self.drafted_both + o.drafted_both)
+
+    def to_message(self) -> Any:
+        from specpair._proto import engine_pb2
+
+        return engine_pb2.PairedSums(requests=self.requests, accepted_both=self.accepted_both,
+                                     accepted_drafted=self.accepted_drafted,
+                                     drafted_accepted=self.drafted_accepted, drafted_both=self.drafted_both)
+
+    @classmethod
+    def from_message(cls, msg: Any) -> "PairedSums":
+        return cls(int(msg.requests), float(msg.accepted_both), float(msg.accepted_drafted),
+                   float(msg.drafted_accepted), float(msg.drafted_both))

@@ -13,13 +13,15 @@ Evidence
     pod_deltas) since the candidate's shadow started.
 
 Comparing (the request is the unit)
-    rate = Σa / Σd for each, with drift's ratio-estimator standard error
-    (drift.standard_error). The difference diff = candidate - champion gets
-        se = sqrt(se_candidate² + se_champion²),
-    which ignores that both are measured on the same requests: the two rates move together with
-    the traffic, so the true standard error of the difference is smaller and the bound is
-    conservative (a verdict waits longer, it is not wrong more often). With z the one-sided
-    confidence (default 2.33, 99%), lower = diff - z·se and upper = diff + z·se:
+    rate = Σa / Σd for each (R_c candidate, R_k champion). Both are measured on the same requests,
+    so the difference diff = R_c - R_k gets the ratio estimator's standard error of a paired
+    difference: with request i's candidate (d_i, a_i) and champion (e_i, b_i), n requests,
+        u_i = (a_i - R_c d_i) / d̄,   w_i = (b_i - R_k e_i) / ē,   se² = Σ (u_i - w_i)² / (n (n-1)),
+    expanded into the sums the engine reports (each side's RequestMoments and the cross sums
+    Σab, Σae, Σdb, Σde: stats.PairedSums). What makes a request easy or hard for both cancels.
+    Without the cross sums it falls back to sqrt(se_c² + se_k²) from drift.standard_error, which
+    ignores that the two move together: larger, so conservative (a verdict waits longer).
+    With z the one-sided confidence (default 2.33, 99%), lower = diff - z·se, upper = diff + z·se:
         worse         upper < -margin        (the candidate is surely below the champion)
         better        lower > 0
         not worse     lower > -margin
@@ -44,7 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from specpair.stats import RequestMoments
+from specpair.stats import PairedSums, RequestMoments
 
 from specpair_operator.drift import OVERALL, DriftPolicy, standard_error
 
@@ -72,17 +74,21 @@ class ShadowEvidence:
     """One category: the candidate's and the champion's sums over the same shadowed requests."""
     candidate: RequestMoments
     champion: RequestMoments
+    paired: PairedSums | None = None       # cross sums over the same requests (None: not reported)
 
     def __add__(self, other: "ShadowEvidence") -> "ShadowEvidence":
-        return ShadowEvidence(self.candidate + other.candidate, self.champion + other.champion)
+        paired = None if self.paired is None or other.paired is None else self.paired + other.paired
+        return ShadowEvidence(self.candidate + other.candidate, self.champion + other.champion, paired)
 
     @classmethod
     def from_message(cls, msg: Any, measure: str = "alpha") -> "ShadowEvidence":
         """From a specpair.engine.v1.ShadowCategoryStats (GetStats.shadow.categories[...])."""
         if measure == "chain":
             return cls(RequestMoments.from_message(msg.candidate_chain),
-                       RequestMoments.from_message(msg.champion_chain))
-        return cls(alpha_moments(msg.candidate_alpha), alpha_moments(msg.champion_alpha))
+                       RequestMoments.from_message(msg.champion_chain),
+                       PairedSums.from_message(msg.chain_paired) if msg.HasField("chain_paired") else None)
+        return cls(alpha_moments(msg.candidate_alpha), alpha_moments(msg.champion_alpha),
+                   PairedSums.from_message(msg.alpha_paired) if msg.HasField("alpha_paired") else None)
 
 
 def alpha_moments(msg: Any) -> RequestMoments:
@@ -128,14 +134,28 @@ def _rate(m: RequestMoments) -> float:
     return m.accepted / m.drafted if m.drafted else 0.0
 
 
+def difference_se(e: ShadowEvidence, drift: DriftPolicy) -> float:
+    """Standard error of candidate - champion acceptance, requests as the unit (module docstring)."""
+    c, k, x = e.candidate, e.champion, e.paired
+    if x is None or x.requests < 2 or not (c.has_moments and k.has_moments):
+        return math.hypot(standard_error(c, drift)[0], standard_error(k, drift)[0])
+    n = float(x.requests)
+    rc, rk = c.accepted / c.drafted, k.accepted / k.drafted
+    dbar, ebar = c.drafted / n, k.drafted / n
+    uu = (c.accepted_sq - 2 * rc * c.drafted_accepted + rc * rc * c.drafted_sq) / (dbar * dbar)
+    ww = (k.accepted_sq - 2 * rk * k.drafted_accepted + rk * rk * k.drafted_sq) / (ebar * ebar)
+    uw = (x.accepted_both - rk * x.accepted_drafted - rc * x.drafted_accepted
+          + rc * rk * x.drafted_both) / (dbar * ebar)
+    return math.sqrt(max(uu - 2 * uw + ww, 0.0) / (n * (n - 1)))
+
+
 def compare(category: str, e: ShadowEvidence, policy: ShadowPolicy) -> Comparison:
     """One category's candidate - champion difference and what it says (module docstring)."""
     requests = min(e.candidate.requests or 0, e.champion.requests or 0)
     cand, champ = _rate(e.candidate), _rate(e.champion)
     if requests < policy.min_requests or min(e.candidate.drafted, e.champion.drafted) < policy.min_positions:
         return Comparison(category, SHORT, cand, champ, -1.0, 1.0, requests)
-    drift = DriftPolicy(z=policy.z)
-    se = math.hypot(standard_error(e.candidate, drift)[0], standard_error(e.champion, drift)[0])
+    se = difference_se(e, DriftPolicy(z=policy.z))
     diff = cand - champ
     lower, upper = diff - policy.z * se, diff + policy.z * se
     status = WORSE if upper < -policy.margin else BETTER if lower > 0 else \
@@ -182,7 +202,7 @@ def judge_shadow(evidence: Mapping[str, ShadowEvidence], gated: Iterable[str], b
 
 
 def _empty() -> ShadowEvidence:
-    return ShadowEvidence(RequestMoments.zero(), RequestMoments.zero())
+    return ShadowEvidence(RequestMoments.zero(), RequestMoments.zero(), PairedSums())
 
 
 def _names(comparisons: list[Comparison]) -> str:

@@ -63,6 +63,7 @@ def test_shadow_numbers_in_get_stats_and_metrics(tiny_pair, start_server, tmp_pa
     assert code.candidate_chain.draft_tokens == counted["code"].candidate_chain.drafted > 0
     assert code.champion_chain.draft_tokens == stats.categories["code"].finished.draft_tokens
     assert code.committed_tokens == 3 * 16 and code.draft_seconds > 0
+    assert code.alpha_paired.requests == code.chain_paired.requests == 3
     assert chat.candidate_chain.requests == 0 and chat.committed_tokens == 16   # sampled: alpha only
 
     def exported():

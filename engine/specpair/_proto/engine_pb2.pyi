@@ -309,7 +309,7 @@ class ShadowStats(_message.Message):
     def __init__(self, candidate_version: _Optional[str] = ..., candidate_content_hash: _Optional[str] = ..., share: _Optional[float] = ..., skipped_steps: _Optional[int] = ..., categories: _Optional[_Mapping[str, ShadowCategoryStats]] = ...) -> None: ...
 
 class ShadowCategoryStats(_message.Message):
-    __slots__ = ("requests", "candidate_alpha", "champion_alpha", "candidate_chain", "champion_chain", "draft_seconds", "committed_tokens")
+    __slots__ = ("requests", "candidate_alpha", "champion_alpha", "candidate_chain", "champion_chain", "draft_seconds", "committed_tokens", "alpha_paired", "chain_paired")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_ALPHA_FIELD_NUMBER: _ClassVar[int]
     CHAMPION_ALPHA_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +317,8 @@ class ShadowCategoryStats(_message.Message):
     CHAMPION_CHAIN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_PAIRED_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_PAIRED_FIELD_NUMBER: _ClassVar[int]
     requests: int
     candidate_alpha: AlphaSums
     champion_alpha: AlphaSums
@@ -324,7 +326,23 @@ class ShadowCategoryStats(_message.Message):
     champion_chain: FinishedRequestSums
     draft_seconds: float
     committed_tokens: int
-    def __init__(self, requests: _Optional[int] = ..., candidate_alpha: _Optional[_Union[AlphaSums, _Mapping]] = ..., champion_alpha: _Optional[_Union[AlphaSums, _Mapping]] = ..., candidate_chain: _Optional[_Union[FinishedRequestSums, _Mapping]] = ..., champion_chain: _Optional[_Union[FinishedRequestSums, _Mapping]] = ..., draft_seconds: _Optional[float] = ..., committed_tokens: _Optional[int] = ...) -> None: ...
+    alpha_paired: PairedSums
+    chain_paired: PairedSums
+    def __init__(self, requests: _Optional[int] = ..., candidate_alpha: _Optional[_Union[AlphaSums, _Mapping]] = ..., champion_alpha: _Optional[_Union[AlphaSums, _Mapping]] = ..., candidate_chain: _Optional[_Union[FinishedRequestSums, _Mapping]] = ..., champion_chain: _Optional[_Union[FinishedRequestSums, _Mapping]] = ..., draft_seconds: _Optional[float] = ..., committed_tokens: _Optional[int] = ..., alpha_paired: _Optional[_Union[PairedSums, _Mapping]] = ..., chain_paired: _Optional[_Union[PairedSums, _Mapping]] = ...) -> None: ...
+
+class PairedSums(_message.Message):
+    __slots__ = ("requests", "accepted_both", "accepted_drafted", "drafted_accepted", "drafted_both")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_BOTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_BOTH_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    accepted_both: float
+    accepted_drafted: float
+    drafted_accepted: float
+    drafted_both: float
+    def __init__(self, requests: _Optional[int] = ..., accepted_both: _Optional[float] = ..., accepted_drafted: _Optional[float] = ..., drafted_accepted: _Optional[float] = ..., drafted_both: _Optional[float] = ...) -> None: ...
 
 class AlphaSums(_message.Message):
     __slots__ = ("requests", "positions", "alpha", "positions_sq", "alpha_sq", "positions_alpha")

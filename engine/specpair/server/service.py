@@ -120,6 +120,7 @@ def shadow_message(scorer) -> pb.ShadowStats:
             requests=c.requests, candidate_alpha=alpha_sums_message(c.candidate_alpha),
             champion_alpha=alpha_sums_message(c.champion_alpha),
             candidate_chain=c.candidate_chain.to_message(), champion_chain=c.champion_chain.to_message(),
+            alpha_paired=c.alpha_paired.to_message(), chain_paired=c.chain_paired.to_message(),
             draft_seconds=c.draft_seconds, committed_tokens=c.committed_tokens))
     return msg
 
