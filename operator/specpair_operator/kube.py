@@ -140,10 +140,12 @@ class Kube:
                                    content_type="application/merge-patch+json")
 
     async def json_patch(self, api_version: str, plural: str, namespace: str | None, name: str,
-                         operations: list[dict[str, Any]]) -> dict[str, Any]:
+                         operations: list[dict[str, Any]], dry_run: bool = False) -> dict[str, Any]:
         """RFC 6902: a `test` operation makes the whole patch conditional (the API server
-        refuses it, 422, when the test fails)."""
+        refuses it, 422, when the test fails). dry_run: only the tests count, nothing is written
+        (a way to ask about an object the operator may not read)."""
         return await self._request("PATCH", _path(api_version, plural, namespace, name), json=operations,
+                                   params={"dryRun": "All"} if dry_run else None,
                                    content_type="application/json-patch+json")
 
     async def event(self, involved: dict[str, Any], type_: str, reason: str, message: str,

@@ -2,7 +2,8 @@
 process (test_operator_convergence.py).
 
 Every write the operator makes goes through two adapters: MlflowClient (registry.py) and the
-Kubernetes client (kube.py). Wrapping their write methods here, outside the operator's code,
+Kubernetes client (kube.py: create, merge_patch, json_patch; dry runs write nothing and are not
+counted). Wrapping their write methods here, outside the operator's code,
 gives two ways to fail that a real deployment meets:
 
     SPECPAIR_FAILPOINT=crash-after-first-write
@@ -15,7 +16,8 @@ gives two ways to fail that a real deployment meets:
         (a connection error), as when a timeout fires after the server committed.
     SPECPAIR_FAILPOINT=crash-after:WRITE
         the process dies right after its first write described as WRITE (a prefix of the
-        descriptions below, e.g. `mlflow.set_model_version_tag specpair.promoted_at`).
+        descriptions below, e.g. `mlflow.set_model_version_tag specpair.promoted_at` or
+        `kube.json_patch secrets NAME`).
     SPECPAIR_FAILPOINT=log
         nothing fails; every write is logged.
 
@@ -40,7 +42,7 @@ LOG = os.environ.get("SPECPAIR_FAILPOINT_LOG", "")
 MLFLOW_WRITES = ("create_registered_model", "set_registered_model_tag", "create_experiment", "create_run",
                  "log_artifact", "set_terminated", "create_model_version", "set_model_version_tag",
                  "set_registered_model_alias", "delete_registered_model_alias", "delete_model_version_tag")
-KUBE_WRITES = ("create", "merge_patch")
+KUBE_WRITES = ("create", "merge_patch", "json_patch")
 
 _lock = threading.Lock()
 _writes = 0
@@ -48,8 +50,11 @@ _lost: set[str] = set()
 
 
 def _describe(name: str, args: tuple[Any, ...]) -> str:
-    if name == "create":
-        return f"kube.create {args[0].get('kind')}"
+    if name == "create":  # a Secret by its name too: the CA's and an engine's are told apart
+        kind = args[0].get("kind")
+        return f"kube.create {kind}" + (f" {args[0]['metadata']['name']}" if kind == "Secret" else "")
+    if name == "json_patch":
+        return f"kube.json_patch {args[1]} {args[3]}"
     if name == "merge_patch":
         return f"kube.merge_patch {args[1]}"
     detail = {"set_model_version_tag": 2, "set_registered_model_alias": 1}.get(name)  # the tag key, the alias
@@ -94,6 +99,8 @@ def _wrap_kube(name: str) -> None:
     @functools.wraps(original)
     async def write(self: Kube, *args: Any, **kwargs: Any) -> Any:
         result = await original(self, *args, **kwargs)
+        if kwargs.get("dry_run"):
+            return result  # the API server wrote nothing
         if _after_write(name, args):
             raise KubeError(504, f"failpoint: the reply to {name} was lost")
         return result

@@ -26,6 +26,7 @@ from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
 from cluster_env import HERE, OPERATOR, engine_pods, model_name, operator_metrics, pair, serving, set_spec
+from specpair_operator import manifests
 from specpair_operator.registry import ReleaseRegistry
 
 KILLS_AT_MOST = 60
@@ -42,29 +43,35 @@ class FailingOperator:
                "SPECPAIR_RECONCILE_INTERVAL": "1",
                "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
                "SPECPAIR_METRICS_PORT": "0"}  # the test process's own operator may hold that port
-        return subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR[:-2], "-m", "failpoints"], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(self.log.with_suffix(".log"), "ab") as out:  # every life's log, one after another
+            return subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR[:-2], "-m", "failpoints"], env=env,
+                                    stdout=out, stderr=subprocess.STDOUT)
 
     def writes(self) -> list[dict[str, Any]]:
         if not self.log.exists():
             return []
         return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
 
-    def crash_until(self, done: Any, timeout: float = 240.0) -> int:
+    def life(self, mode: str, done: Any, deadline: float) -> int:
+        """One operator in `mode` until it exits, `done()` holds or the deadline passes (then it
+        is stopped); its exit status."""
+        proc = self.start(mode)
+        try:
+            while proc.poll() is None and not done() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        return proc.returncode
+
+    def crash_until(self, done: Any, timeout: float = 480.0) -> int:
         """Start, let it make one write and die, again and again, until `done()` holds.
         Returns how many times it was killed."""
         deadline = time.monotonic() + timeout
         kills = 0
         while time.monotonic() < deadline:
-            proc = self.start("crash-after-first-write")
-            try:
-                while proc.poll() is None and not done() and time.monotonic() < deadline:
-                    time.sleep(0.2)
-            finally:
-                if proc.poll() is None:
-                    proc.terminate()
-                    proc.wait(timeout=30)
-            if proc.returncode == 137:
+            if self.life("crash-after-first-write", done, deadline) == 137:
                 kills += 1
                 assert kills <= KILLS_AT_MOST, "the operator redoes a write every life: it never converges"
             elif done():
@@ -137,6 +144,33 @@ def test_lost_replies_make_no_duplicate_versions_and_no_stuck_gate(env, mlflow_s
     counts = history(ns.pair(name))
     assert counts[("GateStarted", "1")] == 1 and counts[("Promoted", "1")] == 1, counts
     assert len(ns.list("batch/v1", "Job")) == 1
+
+
+def test_a_certificate_replaced_by_a_pass_killed_after_its_json_patch_is_kept(env, mlflow_server, tmp_path):
+    """The engine's TLS Secret is written blind (the operator may not read Secrets): created, or
+    replaced by a JSON patch that tests the owner. Killed right after creating it, the next
+    operator finds it by its mark and keeps it; a Secret whose mark names another CA is replaced,
+    and an operator killed right after that patch leaves one the next keeps: no certificate is
+    issued in a loop, and the pair is served."""
+    ns = env
+    name = f"tls-{uuid.uuid4().hex[:5]}"
+    secret = manifests.engine_tls_secret_name(name)
+    operator = FailingOperator(tmp_path / "writes.jsonl")
+    ns.create(pair(name, "good-draft"))
+
+    def killed(mode: str) -> None:
+        assert operator.life(mode, lambda: False, time.monotonic() + 240) == 137, f"{mode}: no crash"
+    killed(f"crash-after:kube.create Secret {secret}")
+    # The Secret as a certificate from another CA left it.
+    ns.patch("v1", "Secret", secret, {"metadata": {"annotations": {"specpair.io/issued-for": "another-ca/x"}}})
+    killed(f"crash-after:kube.json_patch secrets {secret}")
+    assert not (ns.pair(name).get("status") or {}).get("engineTLS"), "the killed pass wrote its status"
+    operator.life("log", lambda: serving(ns, name, "1"), time.monotonic() + 150)
+    assert serving(ns, name, "1"), ns.pair(name).get("status")
+    secret_writes = [w["write"] for w in operator.writes() if w["write"].endswith(f" {secret}")]
+    assert secret_writes == [f"kube.create Secret {secret}", f"kube.json_patch secrets {secret}"], secret_writes
+    mark = ns.get("v1", "Secret", secret)["metadata"]["annotations"]["specpair.io/issued-for"]
+    assert mark.startswith(ns.pair(name)["status"]["engineTLS"]["caFingerprint"] + "/")
 
 
 def test_a_rollback_killed_between_its_tag_and_its_alias_move_is_finished(env, mlflow_server):

@@ -140,7 +140,8 @@ def _one_pass(monkeypatch, spec: dict[str, Any]) -> dict[str, Any]:
 
     import kopf
 
-    from specpair_operator import handlers
+    from specpair_operator.reconciler import PairReconciler
+    from specpair_operator.state import STATE
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -152,9 +153,9 @@ def _one_pass(monkeypatch, spec: dict[str, Any]) -> dict[str, Any]:
 
     async def run() -> None:
         kube = Kube(f"http://127.0.0.1:{port}", timeout_s=5)
-        monkeypatch.setattr(handlers.RUNTIME, "kube", kube)
+        monkeypatch.setattr(STATE, "kube", kube)
         try:
-            await handlers.Pass(kopf.Body(body), patch, logging.getLogger("test")).run()
+            await PairReconciler(kopf.Body(body), patch, logging.getLogger("test")).reconcile()
         finally:
             await kube.close()
     asyncio.run(run())

@@ -1,0 +1,399 @@
+"""What a pass does about the spec's release, decided from what it observed: pure (no I/O).
+
+`plan_release(world)` returns the ordered steps: the writes to MLflow and the API server (move an
+alias, tag the version, ensure the gate's NetworkPolicy, start a gate Job, record a gate error),
+what goes into the status (history entries with their Events, conditions, fields, the one
+report), and last the champion's serving. The crash marks live here, in one place:
+
+- the `candidate` alias and the gate Job come before `GateStarted` is recorded; a Job found
+  without its record gets it (the pass that created it died);
+- a promotion writes its mark (`specpair.promoted_at`) before the alias moves; a mark not yet
+  recorded is this promotion's and is reused, so `Promoted` is recorded once;
+- a rolled-back spec release whose rollback was never recorded gets its `RolledBack` entry.
+
+Status steps take effect only when the pass ends (one write), so a pass that dies after a write
+leaves the write and loses its records; the next pass finds the write and records it.
+act (reconciler.py) runs the steps in order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from . import aliases as aliases_mod
+from . import conditions as c
+from . import gate_attempts, gate_verdict, manifests
+from .gate_verdict import GateOutcome
+from .registry import TAG_GATE_RUN, TAG_ROLLED_BACK
+from .world import ReleaseWorld
+
+TAG_RELEASE = "specpair.release"
+# Written before the alias moves they stand for, so a pass that dies after the moves leaves
+# the mark behind and the next pass records the action (history, Event) it did not get to.
+TAG_PROMOTED_AT = "specpair.promoted_at"
+TAG_SPECULATION_OFF = "specpair.drift.speculation_off"
+VERIFIED_VERDICTS_KEPT = 10
+
+
+# -- writes ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SetAlias:
+    alias: str
+    version: str
+
+
+@dataclass(frozen=True)
+class TagVersion:
+    version: str
+    tags: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class EnsureGatePolicy:
+    """The gate pods' NetworkPolicy (no ingress), before the first gate pod exists."""
+
+
+@dataclass(frozen=True)
+class StartGateJob:
+    version: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class RecordGateError:
+    """The gate is broken for good: GateError in the version's tags."""
+    version: str
+    reason: str
+
+
+# -- status (written once, when the pass ends) -------------------------------------------------
+
+@dataclass(frozen=True)
+class Record:
+    """A history entry with its Event; `key` makes it once-only (status.recorded)."""
+    action: str
+    reason: str
+    from_version: str | None
+    to_version: str | None
+    warning: bool = False
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: bool | str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class SetStatus:
+    fields: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class PostEvent:
+    type: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Report:
+    """The pass's report through the ledger's named helper `how` (ready, reconciling, stalled or
+    stall) with these arguments."""
+    how: str
+    phase: str
+    reason: str
+    message: str
+    ready_message: str | None = None
+    provisional: bool = False
+
+
+@dataclass(frozen=True)
+class ObserveGateDuration:
+    result: str          # passed or failed
+    seconds: float
+
+
+# -- then --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ServeChampion:
+    """Roll the engine to the champion and judge it. `desired` None: the spec's release is not
+    (yet) servable and the champion carries on; `while_gating`: a gate runs meanwhile, and the
+    champion reports only an action of its own."""
+    aliases: Mapping[str, str]
+    desired: str | None
+    reason: str = ""
+    while_gating: bool = False
+
+
+WRITES = (SetAlias, TagVersion, EnsureGatePolicy, StartGateJob, RecordGateError)
+Step = Any  # one of the dataclasses above
+
+
+@dataclass
+class _Steps:
+    world: ReleaseWorld
+    steps: list[Step] = field(default_factory=list)
+
+    def add(self, *steps: Step) -> None:
+        self.steps.extend(steps)
+
+    def was(self, action: str, key: str, version: str) -> bool:
+        return self.world.records.was(action, key, version)
+
+
+def plan_release(world: ReleaseWorld) -> tuple[Step, ...]:
+    """The steps of one pass for the spec's release `world.version`, in the order act runs them."""
+    out = _Steps(world)
+    version, aliases, tags = world.version, world.aliases, world.tags
+    champion = aliases.get(aliases_mod.CHAMPION)
+    if tags.get(TAG_ROLLED_BACK):
+        # This release was rolled back; it stays out of service until the spec changes.
+        if champion and champion != version and not out.was("RolledBack", version, champion):
+            # The pass that rolled it back died before writing its status.
+            out.add(Record("RolledBack", tags[TAG_ROLLED_BACK], version, champion, warning=True, key=version))
+        out.add(ServeChampion(aliases, None, f"v{version} was rolled back: {tags[TAG_ROLLED_BACK]}"))
+        return tuple(out.steps)
+    if champion == version:
+        if world.verdict is not None:
+            outcome = gate_verdict.evaluate_verdict(dict(world.verdict), dict(world.thresholds))
+            _gate_numbers(out, outcome)
+            _gate_started_late(out)
+            # The pass that promoted may have died before its status: the gate's result and the
+            # promotion are recorded now (each once).
+            _gate_result(out, outcome)
+            _promoted(out, tags, aliases, outcome)
+        out.add(ServeChampion(aliases, version))
+        return tuple(out.steps)
+    if world.gate_status == "pending":
+        _gate(out)
+        return tuple(out.steps)
+    _gate_started_late(out)
+    if world.gate_status == "error":
+        msg = f"gate of v{version} errored: {world.gate_message}"
+        out.add(Condition(c.GATED, False, "GateError", msg))
+        if not out.was("GateError", version, version):
+            out.add(Record("GateError", msg, None, version, warning=True, key=version))
+        out.add(ServeChampion(aliases, None, msg))
+        return tuple(out.steps)
+    outcome = gate_verdict.evaluate_verdict(dict(world.verdict or {}), dict(world.thresholds))
+    if outcome.passed:
+        # A pass is promoted only if it is the verdict the gate Job reported (MLflow tags can be
+        # written by anyone with MLflow access); a failure promotes nothing.
+        reported = _reported_digest(out)
+        unverified = gate_verdict.verify_verdict(dict(world.verdict or {}), version, reported)
+        if unverified is not None and reported is None:
+            latest = world.gate_jobs[-1] if world.gate_jobs else None
+            if latest is None or not latest.finished:
+                # No Job reported this verdict and none is left to (its TTL ran out, or the verdict
+                # was written into MLflow by hand), or the Job still runs: gate it (again).
+                if latest is None:
+                    out.add(PostEvent("Warning", "Regating", f"v{version}: MLflow says it passed, but no gate "
+                                      "Job reported that verdict; gating it again"))
+                _gate(out)
+                return tuple(out.steps)
+            job = manifests.gate_job_name(world.pair, world.digest)
+            unverified = replace(unverified, message=f"{unverified.message}: Job {job} finished without a report "
+                                 f"(its pod is gone); delete the Job to gate v{version} again")
+        if unverified is not None:
+            if not out.was(unverified.reason, version, version):
+                out.add(Record(unverified.reason, unverified.message, None, version, warning=True, key=version))
+            outcome = unverified
+    _gate_numbers(out, outcome)
+    _gate_result(out, outcome)
+    if not outcome.passed:
+        out.add(ServeChampion(aliases, None, f"gate of v{version} failed: {outcome.message}"))
+        return tuple(out.steps)
+    moves = aliases_mod.plan_promotion(dict(aliases), version)
+    tags, after = dict(tags), dict(aliases)
+    if moves:
+        at = tags.get(TAG_PROMOTED_AT)
+        if not at or out.was("Promoted", f"{version}@{at}", version):
+            # No mark, or the mark of an earlier promotion: this one gets its own. (A mark not yet
+            # recorded is this promotion's, left by a pass that died: reuse it.)
+            tags[TAG_PROMOTED_AT] = world.now
+            out.add(TagVersion(version, {TAG_PROMOTED_AT: world.now}))
+        for move in moves:
+            out.add(SetAlias(move.alias, move.version))
+            after[move.alias] = move.version
+    _promoted(out, tags, after, outcome)
+    out.add(ServeChampion(after, version))
+    return tuple(out.steps)
+
+
+def _gate(out: _Steps) -> None:
+    """Gate the release: its Job (a new attempt after one that ended without a verdict), then
+    Gating, reported unless the champion, watched meanwhile, needs an action."""
+    w = out.world
+    version, digest = w.version, w.digest
+    if w.aliases.get(aliases_mod.CANDIDATE) != version:
+        out.add(SetAlias(aliases_mod.CANDIDATE, version))
+    if w.gate_policy_owned is False:
+        _name_conflict(out, "NetworkPolicy", manifests.gate_network_policy(w.pair, w.namespace)["metadata"]["name"])
+        return
+    out.add(EnsureGatePolicy())
+    jobs = w.gate_jobs
+    attempt = max(1, len(jobs))
+    latest = jobs[-1] if jobs else None
+    job = manifests.gate_job_name(w.pair, digest, attempt)
+    if latest is not None and not latest.owned:
+        _name_conflict(out, "Job", job)
+        return
+    started = f"gating v{version} ({digest[:12]}) in Job {job}"
+    waiting = w.gate_pods_waiting
+    if latest is None:
+        out.add(StartGateJob(version, attempt), Record("GateStarted", started, None, version, key=version))
+        waiting = ""
+    elif not out.was("GateStarted", version, version):
+        out.add(Record("GateStarted", started, None, version, key=version))  # its pass died after the create
+    elif attempt > 1 and not out.was("GateRetrying", f"{version}#{attempt}", version):
+        # The pass that started this attempt died before recording it.
+        out.add(_retry(w, attempt, jobs[-2].failure(version), job))
+    elif latest.failed:
+        # No verdict (the gate crashed, MLflow stayed unreachable, the pod was killed): not a
+        # result. The release is gated again, a bounded number of times.
+        failure = latest.failure(version)
+        since = (c.parse_iso(w.now) - c.parse_iso(latest.failed_at)).total_seconds() if latest.failed_at else math.inf
+        step, wait = gate_attempts.next_step(w.attempts, attempt, since)
+        why = failure.describe()
+        if step == gate_attempts.GIVE_UP:
+            reason = f"{attempt} gate attempt(s) ended without a verdict; the last: {why}"
+            out.add(RecordGateError(version, reason), Condition(c.GATED, False, "GateError", f"v{version}: {reason}"),
+                    Report("stalled", "Failed", "GateError", f"gate of v{version}: {reason}", ready_message=reason))
+            return
+        if step == gate_attempts.WAIT:
+            msg = (f"v{version}: gate attempt {attempt} of {w.attempts.attempts} ended without a verdict: {why}; "
+                   f"attempt {attempt + 1} in {wait:.0f}s")
+            out.add(Condition(c.GATED, "Unknown", "GateRetrying", msg), _versions(w.aliases),
+                    Report("reconciling", "Gating", "GateRetrying", msg, provisional=True),
+                    ServeChampion(w.aliases, None, while_gating=True))
+            return
+        job = manifests.gate_job_name(w.pair, digest, attempt + 1)
+        out.add(StartGateJob(version, attempt + 1), _retry(w, attempt + 1, failure, job))
+        waiting = ""
+    reason = "GatePending" if waiting else "Gating"
+    serving = w.aliases.get(aliases_mod.CHAMPION)
+    out.add(Condition(c.GATED, "Unknown", reason, f"v{version} is being gated by Job {job}"
+                      + (f" ({waiting})" if waiting else "")),
+            _versions(w.aliases),
+            Report("reconciling", "Gating", reason,
+                   f"gate Job {job} " + (f"waiting: {waiting}" if waiting else "running") + f" for v{version}",
+                   ready_message=f"gating v{version}" + (f"; v{serving} keeps serving" if serving else ""),
+                   provisional=True),
+            ServeChampion(w.aliases, None, while_gating=True))
+
+
+def _retry(w: ReleaseWorld, attempt: int, failure: gate_attempts.Failure, job: str) -> Record:
+    return Record("GateRetrying", f"v{w.version}: gate attempt {attempt - 1} of {w.attempts.attempts} ended without "
+                  f"a verdict: {failure.describe()}; attempt {attempt} in Job {job}", None, w.version, warning=True,
+                  key=f"{w.version}#{attempt}")
+
+
+def name_conflict_message(namespace: str, pair: str, kind: str, name: str) -> str:
+    return (f"{kind} {namespace}/{name} exists and is not owned by SpecModelPair {pair}; "
+            f"rename or delete it (the operator never changes objects it does not own)")
+
+
+def _name_conflict(out: _Steps, kind: str, name: str) -> None:
+    """An object with our child's name that this pair does not own: never touched."""
+    out.add(Report("stall", "Failed", "NameConflict", name_conflict_message(out.world.namespace, out.world.pair,
+                                                                            kind, name)))
+
+
+def serving_versions(aliases: Mapping[str, str]) -> dict[str, str]:
+    """status.servingVersion and previousVersion as the aliases say."""
+    return {"servingVersion": aliases.get(aliases_mod.CHAMPION, ""), "previousVersion": aliases.get(aliases_mod.PREVIOUS, "")}
+
+
+def _versions(aliases: Mapping[str, str]) -> SetStatus:
+    return SetStatus(serving_versions(aliases))
+
+
+def _reported_digest(out: _Steps) -> str | None:
+    """The digest of the verdict the release's gate Job reported: kept in status once seen, read
+    from the gate pods' termination messages (written by the kubelet) before that."""
+    w = out.world
+    kept = w.verified_verdicts.get(str(w.version))
+    if kept:
+        return str(kept)
+    for job in w.gate_jobs:
+        digest = job.verdict_digest(w.version)
+        if digest is not None:
+            kept_all = {**w.verified_verdicts, str(w.version): digest}
+            # The last few versions; written whatever else the pass says.
+            ordered = sorted(kept_all.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0)
+            out.add(SetStatus({"verifiedVerdicts": dict(ordered[-VERIFIED_VERDICTS_KEPT:])}))
+            return digest
+    return None
+
+
+def _gate_started_late(out: _Steps) -> None:
+    """A gate Job can finish while the operator that created it is down (it died right after the
+    create): its GateStarted, or for a later attempt its GateRetrying, still belongs in history,
+    once."""
+    w = out.world
+    jobs = w.gate_jobs
+    if not jobs or not jobs[-1].owned:
+        return
+    if not out.was("GateStarted", w.version, w.version):
+        out.add(Record("GateStarted", f"gating v{w.version} ({w.digest[:12]}) in Job "
+                       f"{manifests.gate_job_name(w.pair, w.digest)}", None, w.version, key=w.version))
+    attempt = len(jobs)
+    if attempt > 1 and not out.was("GateRetrying", f"{w.version}#{attempt}", w.version):
+        out.add(_retry(w, attempt, jobs[-2].failure(w.version), jobs[-1].name))
+
+
+def _gate_numbers(out: _Steps, outcome: GateOutcome) -> None:
+    """The gate's result in conditions and status.lastGate."""
+    w = out.world
+    verdict = gate_verdict.usable_verdict(dict(w.verdict or {}))  # an unusable one reports no numbers
+    out.add(Condition(c.GATED, outcome.passed, outcome.reason, f"v{w.version}: {outcome.message}"))
+    if outcome.tokenizer_compatible is not None:
+        out.add(Condition(c.TOKENIZER_COMPATIBLE, outcome.tokenizer_compatible,
+                          "Identical" if outcome.tokenizer_compatible else "Mismatch", outcome.tokenizer_message))
+    out.add(SetStatus({"lastGate": {
+        "version": w.version, "passed": outcome.passed, "message": outcome.message,
+        "acceptanceRate": verdict.get("acceptanceRate"), "speedup": verdict.get("speedup"),
+        "greedyIdentity": verdict.get("greedyIdentity"),
+        "categories": {k: (v or {}).get("acceptanceRate") for k, v in (verdict.get("categories") or {}).items()},
+        "bestSpeculation": verdict.get("bestSpeculation"),
+        "runId": w.tags.get(TAG_GATE_RUN, verdict.get("mlflowRunId")),
+    }}))
+
+
+def _gate_result(out: _Steps, outcome: GateOutcome) -> None:
+    """A gate's result is an Event and a history entry, once per release, and its Job's run time
+    goes to specpair_gate_duration_seconds."""
+    w = out.world
+    action = "GatePassed" if outcome.passed else \
+        gate_verdict.GATE_ERROR if outcome.reason == gate_verdict.GATE_ERROR else "GateFailed"
+    if out.was(action, w.version, w.version):
+        return
+    job = w.gate_jobs[-1] if w.gate_jobs else None
+    if job is not None and job.owned and job.started_at:
+        # The verdict lands just before the gate pod exits: without a completion time yet, now is
+        # when the gate finished.
+        end = c.parse_iso(job.completed_at or w.now)
+        out.add(ObserveGateDuration("passed" if outcome.passed else "failed",
+                                    (end - c.parse_iso(job.started_at)).total_seconds()))
+    out.add(Record(action, f"v{w.version}: {outcome.message}", None, w.version, warning=not outcome.passed,
+                   key=w.version))
+
+
+def _promoted(out: _Steps, tags: Mapping[str, str], aliases: Mapping[str, str], outcome: GateOutcome) -> None:
+    """Promoted goes into history and Events once per promotion (keyed by its mark), also when
+    the pass that moved the aliases died before writing its status."""
+    version = out.world.version
+    at = tags.get(TAG_PROMOTED_AT)
+    if not at or aliases.get(aliases_mod.CHAMPION) != version or out.was("Promoted", f"{version}@{at}", version):
+        return
+    out.add(Record("Promoted", f"v{version} passed the gate ({outcome.message}) and is champion",
+                   aliases.get(aliases_mod.PREVIOUS), version, key=f"{version}@{at}"))
+

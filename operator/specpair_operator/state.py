@@ -1,0 +1,114 @@
+"""The operator's process-wide state: its clients (Kubernetes, MLflow, engine probes), the
+installation's settings, per-pair memory (locks, backoff, drift samples) and the CA that issues
+engine certificates. A restarted operator starts with none of it: all it needs is in the cluster
+and MLflow."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import drift as drift_mod
+from . import manifests
+from . import tls as tls_mod
+from .engine_probe import ClientTLS, EngineProbe, GrpcEngineProbe, VllmProbe
+from .kube import Kube
+from .registry import ReleaseRegistry
+
+
+@dataclass
+class OperatorState:
+    """Process-wide clients and per-pair memory (locks, backoff, drift samples)."""
+    tracking_uri: str = ""
+    gate_tracking_uri: str = ""
+    credentials: manifests.MlflowCredentials | None = None   # the installation's; a pair may name its own
+    # The installation's settings for child pods (pull secrets, cache limit, ingress peers, gate TTL).
+    pods: manifests.PodDefaults = field(default_factory=manifests.PodDefaults)
+    kube: Kube | None = None
+    registry: ReleaseRegistry | None = None
+    probe: EngineProbe | None = None
+    vllm_probe: EngineProbe = field(default_factory=VllmProbe)
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    retry_at: dict[str, float] = field(default_factory=dict)
+    backoff: dict[str, float] = field(default_factory=dict)
+    # per pair: (champion version, drift.Memory: per-pod counters and open windows)
+    samples: dict[str, tuple[str, drift_mod.Memory]] = field(default_factory=dict)
+    last_drift_check: dict[str, float] = field(default_factory=dict)
+    # per pair: the (version, categories) its specpair_release_speedup series carry
+    speedup_series: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    # Mutual TLS to engine control listeners (tls.py): the CA (re-read every CA_REFRESH_S) and
+    # the operator's client certificate.
+    operator_namespace: str = ""
+    ca: tls_mod.KeyPair | None = None
+    ca_read_at: float = 0.0
+    client_cert: tls_mod.KeyPair | None = None
+    ca_lock: asyncio.Lock | None = None
+    tls_checked_at: dict[str, float] = field(default_factory=dict)  # per pair: its Secret last seen
+    # per pair (uid): the latest body the watch delivered, for the periodic passes
+    bodies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    periodic: asyncio.Task | None = None
+    # per pair: what the last pass that verified the champion read from MLflow, so its drift is
+    # still judged while MLflow is down: (model, aliases, champion, tags, verdict, served hash)
+    watch_cache: dict[str, tuple[str, dict[str, str], str, dict[str, str], dict[str, Any], str]] = \
+        field(default_factory=dict)
+    # per pair: the records (history, recorded) the last pass wrote, and until when a body that
+    # does not show them is left alone
+    status_written: dict[str, tuple[str, float]] = field(default_factory=dict)
+
+
+STATE = OperatorState()
+CA_REFRESH_S = 300.0
+SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+class ControlTLSError(Exception):
+    """The CA Secret exists but cannot sign (not a CA, a key that does not match, expired)."""
+
+
+def operator_namespace(env: dict[str, str] | None = None) -> str:
+    env = dict(os.environ) if env is None else env
+    if env.get("SPECPAIR_OPERATOR_NAMESPACE"):
+        return env["SPECPAIR_OPERATOR_NAMESPACE"].strip()
+    try:
+        with open(SA_NAMESPACE_FILE) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+async def control_ca(state: OperatorState) -> tls_mod.KeyPair:
+    """The CA engine certificates are issued from, and the operator's client certificate: read
+    from (or first written to) the CA Secret in the operator's namespace, re-read now and then so
+    a CA rotated by cert-manager (or by hand) is picked up."""
+    import base64
+
+    if state.ca_lock is None:
+        state.ca_lock = asyncio.Lock()
+    async with state.ca_lock:
+        if state.ca is not None and time.monotonic() - state.ca_read_at < CA_REFRESH_S:
+            return state.ca
+        secret = await state.kube.get("v1", "secrets", state.operator_namespace, tls_mod.CA_SECRET)
+        if secret is None:
+            ca = tls_mod.new_ca()
+            secret = await state.kube.create({
+                "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                "metadata": {"name": tls_mod.CA_SECRET, "namespace": state.operator_namespace,
+                             "labels": {"app.kubernetes.io/managed-by": "specpair-operator"}},
+                "data": {"tls.crt": base64.b64encode(ca.cert_pem).decode(),
+                         "tls.key": base64.b64encode(ca.key_pem).decode()}})  # a racing replica's wins (409)
+        data = secret.get("data") or {}
+        ca = tls_mod.KeyPair(base64.b64decode(data.get("tls.crt", "")), base64.b64decode(data.get("tls.key", "")))
+        why = tls_mod.check_ca(ca)
+        if why:
+            raise ControlTLSError(f"Secret {state.operator_namespace}/{tls_mod.CA_SECRET} cannot issue engine "
+                                  f"certificates: {why}")
+        state.ca, state.ca_read_at = ca, time.monotonic()
+        client = state.client_cert
+        if client is None or tls_mod.reissue_reason(client.cert_pem, ca.cert_pem, ca, (), renew_days=tls_mod.CLIENT_RENEW_DAYS):
+            client = state.client_cert = tls_mod.issue(ca, tls_mod.OPERATOR_NAME, server=False, days=tls_mod.CLIENT_DAYS)
+        if isinstance(state.probe, GrpcEngineProbe):
+            state.probe.tls = ClientTLS(ca=ca.cert_pem, cert=client.cert_pem, key=client.key_pem)
+        return ca
