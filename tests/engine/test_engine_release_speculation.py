@@ -12,7 +12,7 @@ import pytest
 from specpair.config import (RELEASE_SPECULATION_KEYS, SpeculationConfig,
                              release_speculation_defaults)
 from specpair.errors import SpecpairError
-from specpair.server.cli import add_engine_parser, pair_from_flags, read_release
+from specpair.server.cli import add_engine_parser, read_release, served_pair
 
 
 def _serve_args(*flags):
@@ -27,7 +27,7 @@ def _served(tmp_path, speculation, *flags):
     release.write_text(json.dumps({"pair": "p", "target": {"source": "default"},
                                    "draft": {"drafter": "ngram"}, "speculation": speculation}))
     args = _serve_args("--release", str(release), *flags)
-    return pair_from_flags(args, read_release(args.release), "cpu")
+    return served_pair(args, read_release(args.release), "cpu")
 
 
 def test_every_key_sets_its_setting_and_absent_keys_keep_the_defaults():
@@ -80,7 +80,7 @@ def test_the_server_serves_what_the_gate_measured_whatever_its_flags(tmp_path):
     off = _served(tmp_path, block, "--no-spec")
     assert not off.speculation.enabled and not off.speculates
     # Without a release, the flags (and the device's batch threshold where none is given).
-    flags = pair_from_flags(_serve_args("--k", "5", "--no-dynamic-k"), None, "cpu").speculation
+    flags = served_pair(_serve_args("--k", "5", "--no-dynamic-k"), None, "cpu").speculation
     assert (flags.k, flags.dynamic_k, flags.batch_size_threshold) == (5, False, 1)
 
 

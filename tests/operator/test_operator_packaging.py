@@ -88,7 +88,7 @@ def test_engine_command_serves_the_release_file_with_the_engine_cli(tmp_path):
     serves (models, pinned revisions, speculation, pair, version) comes from the release file,
     whose content hash it reports: the hash the operator checks."""
     from specpair.cli import build_parser
-    from specpair.server.cli import pair_from_flags, read_release, server_options
+    from specpair.server.cli import read_release, served_pair, server_options
 
     from specpair_operator import manifests
 
@@ -105,7 +105,7 @@ def test_engine_command_serves_the_release_file_with_the_engine_cli(tmp_path):
         served = read_release(args.release)
         options = server_options(args, served)
         assert options.content_hash == release.content_hash(rel)
-        pair = pair_from_flags(args, served, "cpu")
+        pair = served_pair(args, served, "cpu")
         assert (options.pair, options.version, options.port, pair.speculation.k,
                 pair.speculation.dynamic_k, options.tls) == ("p", "4", 50051, 3, False, None)
         assert (pair.drafter == "ngram") if "drafter" in draft else (pair.draft.source == draft["source"])

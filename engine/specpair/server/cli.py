@@ -161,7 +161,7 @@ def default_batch_size_threshold(device_type: str) -> int:
     return 1 if device_type == "cpu" else 16
 
 
-def pair_from_flags(args, release: Release | None, device_type: str) -> PairSpec:
+def served_pair(args, release: Release | None, device_type: str) -> PairSpec:
     """What the engine serves: a release's pair and speculation settings when it serves one (read
     as the gate read them for its verdict; of the pair's flags only --no-spec applies), else the
     flags. Either way the flags say how this process runs it (device, dtype, on a mismatch)."""
@@ -192,7 +192,7 @@ def load_engine(args, release: Release | None, progress=print):
     from specpair.models import pick_device
     from specpair.pair import load_pair
 
-    pair = pair_from_flags(args, release, pick_device(args.device).type)
+    pair = served_pair(args, release, pick_device(args.device).type)
     speculation = pair.speculation
     progress(f"speculation k={speculation.k}{' (dynamic)' if speculation.dynamic_k else ''}, "
              f"off above {speculation.batch_size_threshold} concurrent requests")
