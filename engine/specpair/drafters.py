@@ -91,8 +91,49 @@ class Drafter:
         return {"kind": self.name}
 
 
+class NgramIndex:
+    """One row's n-gram lookup kept as its committed sequence grows: for each n-gram (n in
+    min..max) that occurs before the row's tail, where its latest occurrence's continuation
+    starts. Each committed token adds (max - min + 1) entries, so a round's lookup costs the same
+    at 40 tokens as at 16,000 (a scan of the whole sequence per round took 0.4 ms at 100 tokens
+    and 43 ms at 16,000 on one CPU core: more than a GPU step at any length).
+
+    A row's committed sequence only grows; a sequence that is not the indexed one continued
+    (shorter, or another last indexed token) is indexed again from the start."""
+
+    def __init__(self, min_ngram: int, max_ngram: int):
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.tokens: list[int] = []
+        self.latest: dict[tuple[int, ...], int] = {}   # n-gram -> start of its latest continuation
+
+    def sync(self, sequence: list[int]) -> None:
+        known = len(self.tokens)
+        if len(sequence) < known or (known and sequence[known - 1] != self.tokens[-1]):
+            self.tokens, self.latest, known = [], {}, 0
+        for token in sequence[known:]:
+            self.tokens.append(token)
+            length = len(self.tokens)
+            # At this length the n-gram that ended just before the new token is no longer the
+            # tail: it becomes something a later tail can match (its continuation is the new token).
+            for n in range(self.min_ngram, min(self.max_ngram, length - 1) + 1):
+                start = length - 1 - n
+                self.latest[tuple(self.tokens[start:length - 1])] = length - 1
+
+    def match(self, k: int) -> tuple[int, list[int]]:
+        """As NgramDrafter.match on the synced sequence."""
+        tokens = self.tokens
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            start = self.latest.get(tuple(tokens[-n:]))
+            if start is not None:
+                return n, tokens[start:start + k]
+        return 0, []
+
+
 class NgramDrafter(Drafter):
-    """Prompt lookup: match the trailing n-gram (longest first) earlier in the sequence."""
+    """Prompt lookup: match the trailing n-gram (longest first) earlier in the sequence.
+
+    The drafter a batch uses (`for_batch`) keeps an NgramIndex per row, so its rounds cost no
+    more as replies grow; `match`/`lookup` on any other instance scan the sequence given."""
 
     name = "ngram"
     deterministic = True
@@ -102,6 +143,20 @@ class NgramDrafter(Drafter):
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.device = torch.device(device)
+        self.rows: list[NgramIndex] | None = None     # a batch's drafter: one index per row
+
+    def for_batch(self) -> "NgramDrafter":
+        drafter = NgramDrafter(self.max_ngram, self.min_ngram, self.device)
+        drafter.rows = []
+        return drafter
+
+    def add_rows(self, count: int) -> None:
+        if self.rows is not None:
+            self.rows.extend(NgramIndex(self.min_ngram, self.max_ngram) for _ in range(count))
+
+    def select(self, rows: list[int]) -> None:
+        if self.rows is not None:
+            self.rows = [self.rows[r] for r in rows]
 
     def _continuations(self, sequence: list[int]) -> tuple[int, torch.Tensor] | None:
         """(n, where the continuations of the trailing n-gram's earlier occurrences start, in
@@ -135,8 +190,18 @@ class NgramDrafter(Drafter):
         """The k tokens after the latest match, or none."""
         return self.match(sequence, k)[1]
 
+    def match_rows(self, sequences: list[list[int]], ks: list[int]) -> list[tuple[int, list[int]]]:
+        """`match` for every row of a round: from the rows' indexes in a batch's drafter."""
+        if self.rows is None or len(self.rows) != len(sequences):
+            return [self.match(seq, k) for seq, k in zip(sequences, ks)]
+        found = []
+        for index, seq, k in zip(self.rows, sequences, ks):
+            index.sync(seq)
+            found.append(index.match(k) if k > 0 else (0, []))
+        return found
+
     def propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
-        found = [self.lookup(seq, k) for seq, k in zip(sequences, ks)]
+        found = [tokens for _, tokens in self.match_rows(sequences, ks)]
         K = max((len(f) for f in found), default=0)
         tokens = torch.zeros(len(found), K, dtype=torch.long)
         for i, f in enumerate(found):
@@ -566,7 +631,7 @@ class LookupFirstDrafter(Drafter):
         self.rounds = rounds if rounds is not None else {"copied": 0, "head": 0}
 
     def for_batch(self) -> "LookupFirstDrafter":
-        return LookupFirstDrafter(self.ngram, self.head.for_batch(), self.min_match, self.rounds)
+        return LookupFirstDrafter(self.ngram.for_batch(), self.head.for_batch(), self.min_match, self.rounds)
 
     def trim(self) -> None:
         self.head.trim()
@@ -575,9 +640,11 @@ class LookupFirstDrafter(Drafter):
         self.head.observe(row, start, features)
 
     def add_rows(self, count: int) -> None:
+        self.ngram.add_rows(count)
         self.head.add_rows(count)
 
     def select(self, rows: list[int]) -> None:
+        self.ngram.select(rows)
         self.head.select(rows)
 
     def accepted(self, row: int, committed_before: int, num_accepted: int) -> None:
@@ -593,7 +660,8 @@ class LookupFirstDrafter(Drafter):
         """ks: the head's k per row; copy_ks: how many tokens a row that copies may copy (the
         engine grows it on runs, as for n-gram lookup alone; default: ks)."""
         copy_ks = ks if copy_ks is None else copy_ks
-        copies = [self.lookup(seq, c) for seq, c in zip(sequences, copy_ks)]
+        copies = [tokens if n >= self.min_match else []
+                  for n, tokens in self.ngram.match_rows(sequences, copy_ks)]
         drafted = self.head.propose(sequences, [0 if c else k for c, k in zip(copies, ks)],
                                     sampling, width)
         copying = [i for i, c in enumerate(copies) if c]
