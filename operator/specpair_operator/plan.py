@@ -146,7 +146,9 @@ class _Steps:
         self.steps.extend(steps)
 
     def was(self, action: str, key: str, version: str) -> bool:
-        return self.world.records.was(action, key, version)
+        """Recorded already: in the status, or by a step planned earlier in this pass."""
+        return self.world.records.was(action, key, version) or any(
+            isinstance(s, Record) and s.action == action and s.key == key for s in self.steps)
 
 
 def plan_release(world: ReleaseWorld) -> tuple[Step, ...]:

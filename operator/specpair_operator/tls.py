@@ -16,7 +16,7 @@ certificate to the pair's clients, who trust the Secret's ca.crt.
   mounted files when the kubelet updates them, so renewal restarts nothing.
 - The operator's client certificate is kept in memory, issued again when it nears its end.
 
-The functions here are pure (no I/O); handlers.py reads and writes the Secrets.
+The functions here are pure (no I/O); state.py and reconciler.py read and write the Secrets.
 """
 
 from __future__ import annotations

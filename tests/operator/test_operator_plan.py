@@ -138,6 +138,10 @@ SCENARIOS = [
      world(aliases={"candidate": "1"}, gate_status="passed", verdict=GOOD, records=records(GateStarted=["1"])),
      ["PostEvent", "EnsureGatePolicy", "StartGateJob 1", "Record GateStarted", "Condition", "SetStatus",
       "Report reconciling Gating/Gating", "ServeChampion - while gating"]),
+    ("the verdict is in MLflow before its gate pod exits, and GateStarted was never recorded: recorded once",
+     world(aliases={"candidate": "1"}, gate_status="passed", verdict=GOOD, gate_jobs=(GateJob(job_name()),)),
+     ["Record GateStarted", "EnsureGatePolicy", "Condition", "SetStatus", "Report reconciling Gating/Gating",
+      "ServeChampion - while gating"]),
     ("the verdict in MLflow is not the one the Job reported: VerdictMismatch, not promoted",
      world(aliases={"candidate": "1"}, **{**passed_gate(), "verdict": {**GOOD, "speedup": 9.0}}),
      ["SetStatus", "Record VerdictMismatch", "Condition", "SetStatus", "ObserveGateDuration", "Record GateFailed",
@@ -236,16 +240,22 @@ def apply(w: ReleaseWorld, step: Any) -> ReleaseWorld:
 
 
 def gate_runs(w: ReleaseWorld, verdicts: list[dict[str, Any] | None]) -> ReleaseWorld:
-    """The latest gate Job ends: with the next verdict of `verdicts`, or (None) without one."""
-    if not w.gate_jobs or w.gate_jobs[-1].finished or w.gate_status != "pending":
+    """The latest gate Job moves on: its verdict lands in MLflow (the next of `verdicts`) while its
+    pod still runs, and the Job completes with its report the next time; or (None) the Job
+    fails without a verdict."""
+    if not w.gate_jobs or w.gate_jobs[-1].finished:
         return w
-    verdict, latest = verdicts.pop(0), w.gate_jobs[-1]
-    if verdict is None:
-        ended = dataclasses.replace(latest, failed=True, failure_message="BackoffLimitExceeded", failed_at=w.now)
-        return dataclasses.replace(w, gate_jobs=w.gate_jobs[:-1] + (ended,))
-    ended = dataclasses.replace(latest, complete=True, reports=(reported(verdict, w.version),))
-    return dataclasses.replace(w, gate_jobs=w.gate_jobs[:-1] + (ended,), verdict=verdict,
-                               gate_status="passed" if verdict["passed"] else "failed")
+    latest = w.gate_jobs[-1]
+    if w.gate_status == "pending":
+        verdict = verdicts.pop(0)
+        if verdict is None:
+            ended = dataclasses.replace(latest, failed=True, failure_message="BackoffLimitExceeded", failed_at=w.now)
+            return dataclasses.replace(w, gate_jobs=w.gate_jobs[:-1] + (ended,))
+        return dataclasses.replace(w, verdict=verdict, gate_status="passed" if verdict["passed"] else "failed")
+    if w.gate_status == "error":
+        return w
+    ended = dataclasses.replace(latest, complete=True, reports=(reported(dict(w.verdict or {}), w.version),))
+    return dataclasses.replace(w, gate_jobs=w.gate_jobs[:-1] + (ended,))
 
 
 def converge(w: ReleaseWorld, verdicts: list[dict[str, Any] | None],
