@@ -124,7 +124,7 @@ def measure_prefill(engine: SpeculativeEngine, prompt_ids: list[int], repeats: i
     for model in models:
         times = []
         for _ in range(repeats):
-            kv = engine.kv_model(model)
+            kv = engine.serving_cache(model)
             kv.add_rows(1)
             times.append(timed(lambda: kv.extend([prompt_ids]), device)[0])
         total += min(times)

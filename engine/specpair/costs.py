@@ -136,7 +136,7 @@ def measure_step_costs(engine, prompt_ids: list[int], ks: list[int],
     device = engine.target.device
 
     def fastest_extends(model, token_counts: list[int]) -> dict[int, float]:
-        kv = engine.kv_model(model)
+        kv = engine.serving_cache(model)
         kv.add_rows(1)
         kv.extend([prompt_ids])
         base = kv.lengths[0]

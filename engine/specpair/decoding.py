@@ -258,6 +258,12 @@ class SpeculativeEngine:
         return kv_model(model, vocab_size=self.vocab_size, kind=self.kv_kind, compile=self.compile_mode,
                         token_bucket=token_bucket)
 
+    def serving_cache(self, model):
+        """A fresh cache shaped as a batch runs `model`: the target's steps padded to the engine's
+        token bucket, a draft model's one token wide. What warm-up captures and what the cost
+        model times must be this shape, or they price a step the batch never runs."""
+        return self.kv_model(model, self.token_bucket if model is self.target.model else None)
+
     @property
     def token_bucket(self) -> int:
         """Tokens per row of every target step after a prompt (a fixed-step cache pads each step
@@ -284,7 +290,7 @@ class SpeculativeEngine:
             models.append(self.drafter.loaded.model)
         self.captures = {}
         for model in models:
-            kv = self.kv_model(model, self.token_bucket if model is self.target.model else None)
+            kv = self.serving_cache(model)
             if getattr(kv, "fixed", False):     # every (rows, capacity) bucket, captured once
                 name = "target" if model is self.target.model else "draft"
                 self.captures[name] = kv.warm_up(bucket(self.config.batch_size_threshold),
@@ -367,7 +373,7 @@ class Batch:
 
     def __init__(self, engine: SpeculativeEngine):
         self.engine = engine
-        self.target = engine.kv_model(engine.target.model, engine.token_bucket)
+        self.target = engine.serving_cache(engine.target.model)
         self.drafter = engine.drafter.for_batch() if engine.drafter is not None else None
         self.copies = self.drafter is not None and self.drafter.copies   # two kinds of rounds, two ks
         self.rows: list[Sequence] = []

@@ -295,3 +295,25 @@ def test_a_heads_vector_steps_through_the_fixed_step_match_the_general_step(tiny
         for i, n in enumerate(counts):
             torch.testing.assert_close(a[i, :n], b[i, :n], rtol=1e-4, atol=1e-4)
         assert fixed.lengths == general.lengths
+
+
+def test_the_cost_model_times_the_step_a_batch_runs(tiny_tokenizer):
+    """On the fixed step every target pass of a batch is padded to the engine's token bucket: the
+    cost model (dynamic k's prices) must time that cache, or it prices a one-token step no batch
+    runs (and a verification as a prompt, apart)."""
+    from tiny_models import make_model
+
+    from specpair.costs import measure_step_costs
+    target = make_model(tiny_tokenizer, seed=1, dtype=torch.bfloat16)
+    engine = SpeculativeEngine(target, drafter=NgramDrafter(),
+                               speculation=SpeculationConfig(k=4, k_max=4, fallback_threshold=0))
+    made = []
+    build = engine.kv_model
+
+    def recording(model, token_bucket=None):
+        kv = build(model, token_bucket)
+        made.append((model is target.model, kv.token_bucket, kv.fixed))
+        return kv
+    engine.kv_model = recording
+    measure_step_costs(engine, engine.encode("def foo(x):\n    return"), [1, 2, 4], repeats=1)
+    assert made and all(entry == (True, W, True) for entry in made), made
