@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import time
 from pathlib import Path
 
 from specpair.config import GenerationParams, Release, SpeculationConfig
@@ -26,14 +25,11 @@ from specpair.verdict import check_release, new_verdict, tokenizer_check
 
 
 def _timed_generate(engine, prompts, params, *, speculate: bool, chat: bool):
-    from specpair.costs import sync
+    """(seconds, results) of one generation from a fresh controller (each timing starts alike)."""
+    from specpair.costs import timed
 
     engine.controller.reset()
-    sync(engine.target.device)
-    start = time.perf_counter()
-    results = engine.generate(prompts, params, chat=chat, speculate=speculate)
-    sync(engine.target.device)
-    return time.perf_counter() - start, results
+    return timed(lambda: engine.generate(prompts, params, chat=chat, speculate=speculate), engine.target.device)
 
 
 def run_gate(release: dict, *, device: str | None = None, progress=print,
