@@ -192,6 +192,7 @@ class _Row:
     k: DynamicK
     v: int                          # greedy replay: where the candidate's next round starts
     chain: list[int] | None = None  # greedy replay: the chain drafted at v, not yet judged
+    asked: int = 0                  # the longest prefix the drafter was handed (it only grows)
     score: RequestScore = field(default_factory=RequestScore)
 
 
@@ -340,7 +341,12 @@ class ShadowScorer:
     def _propose(self, state: _BatchShadow, due, p, p_row) -> None:
         rows = state.rows
         ks = [due[n][1] if n in due else 0 for n in range(len(rows))]
-        sequences = [r.seq.tokens[:due[n][0]] if n in due else r.seq.tokens for n, r in enumerate(rows)]
+        for n in due:
+            rows[n].asked = due[n][0]
+        # A row not asked this round is handed the prefix it had: a drafter that indexes each
+        # row's sequence as it grows (a batch's NgramDrafter) starts its index again whenever a
+        # row's sequence gets shorter, and the replay's prefixes trail the committed tokens.
+        sequences = [r.seq.tokens[:r.asked] for r in rows]
         sampling = shadow_sampling(rows, state.device)
         start = time.perf_counter()
         proposal = state.drafter.propose(sequences, ks, sampling)
