@@ -57,6 +57,14 @@ def _crd_served(kube: Kube) -> bool:
         return False
 
 
+def kubectl(cluster: DevCluster, *args: str, input: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The real kubectl (scripts/install-k8s-tools.sh puts it in .tools/bin) against the cluster as
+    its admin; the result is returned, not checked (refusals are what some tests look for)."""
+    tools = REPO / ".tools" / "bin" / "kubectl"
+    return subprocess.run([str(tools) if tools.exists() else "kubectl", "--kubeconfig", str(cluster.kubeconfig), *args],
+                          input=input, capture_output=True, text=True, timeout=timeout)
+
+
 def wait_until(what: str, predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.25,
                show: Callable[[], Any] | None = None) -> Any:
     deadline = time.monotonic() + timeout

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import uuid
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 import yaml
 from kopf.testing import KopfRunner
 
-from cluster_env import OPERATOR, REPO, Namespace, cond, pair
+from cluster_env import OPERATOR, REPO, Namespace, cond, kubectl, pair
 from specpair_devcluster.client import ApiError
 from specpair_operator import names, release
 from specpair_operator.kube import Kube, KubeError, _path
@@ -249,9 +248,7 @@ def test_kubectl_apply_refuses_a_serving_port_on_the_metrics_port(env, devcluste
     ns = env
     bad = code_pair("ports", "good-draft", rollout={"port": METRICS_PORT})
     bad["metadata"]["namespace"] = ns.name
-    kubectl = REPO / ".tools" / "bin" / "kubectl"
-    done = subprocess.run([str(kubectl) if kubectl.exists() else "kubectl", "--kubeconfig", str(devcluster.kubeconfig),
-                           "apply", "-f", "-"], input=json.dumps(bad), capture_output=True, text=True, timeout=60)
+    done = kubectl(devcluster, "apply", "-f", "-", input=json.dumps(bad))
     assert done.returncode != 0
     assert f"rollout.port must differ from rollout.httpPort and the metrics port {METRICS_PORT}" in done.stderr
     assert ns.pair("ports") == {}

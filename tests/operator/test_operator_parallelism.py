@@ -13,14 +13,13 @@ from __future__ import annotations
 import copy
 import json
 import re
-import subprocess
 import uuid
 from typing import Any
 
 import pytest
 import yaml
 
-from cluster_env import REPO, wait_until
+from cluster_env import REPO, kubectl, wait_until
 from specpair.contract import PARALLELISM_KEYS
 from specpair.vllm_peer import PARALLELISM_FLAGS, VLLM_FLAGS, VLLM_METHODS
 from specpair_devcluster.client import ApiError
@@ -233,16 +232,10 @@ def test_one_device_or_no_gpu_keeps_the_pairs_resources_as_they_are():
 
 # -- on the real API server ----------------------------------------------------------------------
 
-def _kubectl() -> str:
-    tools = REPO / ".tools" / "bin" / "kubectl"
-    return str(tools) if tools.exists() else "kubectl"
-
-
 @pytest.fixture(scope="module")
 def crd(devcluster):
     """The CRD the chart ships, applied as a platform engineer would (kubectl apply)."""
-    done = subprocess.run([_kubectl(), "--kubeconfig", str(devcluster.kubeconfig), "apply", "-f",
-                           str(REPO / "crds" / "specmodelpair.yaml")], capture_output=True, text=True, timeout=120)
+    done = kubectl(devcluster, "apply", "-f", str(REPO / "crds" / "specmodelpair.yaml"))
     assert done.returncode == 0, done.stderr
 
     def served() -> bool:
@@ -287,16 +280,14 @@ def test_kubectl_apply_of_what_our_engine_cannot_serve_is_refused_with_the_reaso
     name = f"big-{uuid.uuid4().hex[:6]}"
     bad = _pair(name, _with(SPEC, **change))
     bad["metadata"]["namespace"] = ns.name
-    done = subprocess.run([_kubectl(), "--kubeconfig", str(devcluster.kubeconfig), "apply", "-f", "-"],
-                          input=yaml.safe_dump(bad), capture_output=True, text=True, timeout=60)
+    done = kubectl(devcluster, "apply", "-f", "-", input=yaml.safe_dump(bad))
     assert done.returncode != 0
     assert _message(refusal) in " ".join(done.stderr.split()), done.stderr
     assert ns.pair(name) == {}
     # The same pair on vLLM is taken.
     good = copy.deepcopy(bad)
     good["spec"]["engine"] = "vllm"
-    done = subprocess.run([_kubectl(), "--kubeconfig", str(devcluster.kubeconfig), "apply", "-f", "-"],
-                          input=yaml.safe_dump(good), capture_output=True, text=True, timeout=60)
+    done = kubectl(devcluster, "apply", "-f", "-", input=yaml.safe_dump(good))
     assert done.returncode == 0, done.stderr
     assert ns.pair(name)["spec"]["engine"] == "vllm"
 
@@ -310,9 +301,7 @@ def test_the_api_server_takes_the_engine_and_gate_pods_of_a_split_target(ns, dev
     digest = release.content_hash(rel)
     for obj in (manifests.engine_deployment("p", ns.name, rel, digest, "1", rollout, "http://m"),
                 manifests.gate_job("p", ns.name, rel, digest, "1", rollout, "http://m")):
-        done = subprocess.run([_kubectl(), "--kubeconfig", str(devcluster.kubeconfig), "create", "--dry-run=server",
-                               "-o", "json", "-f", "-"], input=json.dumps(obj), capture_output=True, text=True,
-                              timeout=60)
+        done = kubectl(devcluster, "create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(obj))
         assert done.returncode == 0, done.stderr
         (container,) = json.loads(done.stdout)["spec"]["template"]["spec"]["containers"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
