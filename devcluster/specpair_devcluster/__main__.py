@@ -4,6 +4,9 @@ up      start a cluster in the background, print its kubeconfig path, return
 down    stop the cluster `up` started (every process it owns)
 status  print the running cluster's description (JSON), exit 1 when none runs
 serve   run a cluster in the foreground until SIGTERM / Ctrl-C (what `up` starts)
+prometheus  run a real Prometheus in the foreground against the running cluster, scraping what
+        the chart's PodMonitor and ServiceMonitor select for `--release` in `--namespace` (as
+        rendered by helm with `--values`), with the chart's alert rules; prints its URL
 """
 
 from __future__ import annotations
@@ -117,14 +120,51 @@ def down(folder: Path) -> int:
     return 1
 
 
+def prometheus(folder: Path, release: str, namespace: str, values: list[Path], port: int, interval: str) -> int:
+    from types import SimpleNamespace
+
+    import yaml
+
+    from .client import Kube
+    from .prometheus import CHART_RULES, DevPrometheus, chart_monitors
+
+    info = _running(folder)
+    if not info:
+        print("no devcluster is running: scripts/devcluster.sh up", file=sys.stderr)
+        return 1
+    config = yaml.safe_load(Path(info["kubeconfig"]).read_text())["clusters"][0]["cluster"]
+    cluster = SimpleNamespace(kube=Kube.from_kubeconfig(info["kubeconfig"]), server=config["server"],
+                              ca_file=Path(config["certificate-authority"]))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    prom = DevPrometheus(cluster, folder / "prometheus", chart_monitors(release, namespace, values),
+                         rule_files=[CHART_RULES], interval=interval, port=port).start()
+    try:
+        jobs = [j["job_name"] for j in prom.config_file_jobs()]
+        print(f"Prometheus {prom.url} (jobs: {', '.join(jobs)}; rules: {CHART_RULES}); Ctrl-C stops it", flush=True)
+        stop.wait()
+    finally:
+        prom.stop()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="devcluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["up", "down", "status", "serve"])
+    ap.add_argument("command", choices=["up", "down", "status", "serve", "prometheus"])
     ap.add_argument("--dir", type=Path, default=default_dir(), help="state folder (default: %(default)s)")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu capacity of each node")
     ap.add_argument("--timeout", type=float, default=600, help="seconds `up` waits (a cold build takes minutes)")
+    ap.add_argument("--release", default="specpair", help="prometheus: the chart's helm release (default: %(default)s)")
+    ap.add_argument("--namespace", default="specpair-system", help="prometheus: its namespace (default: %(default)s)")
+    ap.add_argument("--values", type=Path, action="append", default=[],
+                    help="prometheus: the release's values file (watchNamespaces decides where engines are scraped)")
+    ap.add_argument("--port", type=int, default=9090, help="prometheus: its HTTP port on 127.0.0.1 (default: %(default)s)")
+    ap.add_argument("--interval", default="15s", help="prometheus: scrape and rule evaluation interval (default: %(default)s)")
     args = ap.parse_args(argv)
+    if args.command == "prometheus":
+        return prometheus(args.dir, args.release, args.namespace, args.values, args.port, args.interval)
     if args.command == "serve":
         return serve(args.dir, args.nodes, args.gpus)
     if args.command == "up":

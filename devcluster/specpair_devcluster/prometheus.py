@@ -39,6 +39,9 @@ import yaml
 from .processes import Child, free_port, wait_until
 
 BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build-prometheus.sh"
+CHART = Path(__file__).resolve().parents[2] / "charts" / "specpair"
+# The chart's alert rules (its PrometheusRule embeds this file).
+CHART_RULES = CHART / "rules" / "specpair-alerts.yaml"
 NAMESPACE = "devcluster-monitoring"
 ACCOUNT = "prometheus"
 # What Prometheus' Kubernetes discovery reads for the pod role; nothing else.
@@ -95,17 +98,17 @@ def scrape_configs(monitors: list[dict[str, Any]], api_server: str, ca_file: Pat
     for monitor in monitors:
         kind, meta, spec = monitor["kind"], monitor["metadata"], monitor["spec"]
         if kind == "PodMonitor":
-            role, endpoints, port_label = "pod", spec["podMetricsEndpoints"], "__meta_kubernetes_pod_container_port_name"
+            endpoints = spec["podMetricsEndpoints"]
         elif kind == "ServiceMonitor":
-            # role pod, not endpointslice: devcluster Services have no endpoints (module docstring).
-            role, endpoints, port_label = "pod", spec["endpoints"], "__meta_kubernetes_pod_container_port_name"
+            # A pod job too, not endpointslice: devcluster Services have no endpoints (module docstring).
+            endpoints = spec["endpoints"]
         else:
             continue
         for i, endpoint in enumerate(endpoints):
             unknown = set(endpoint) - {"port", "path", "interval", "scheme", "honorLabels"}
             if unknown:
                 raise ValueError(f"{kind} {meta['name']}: fields not translated: {sorted(unknown)}")
-            sd: dict[str, Any] = {"role": role, "api_server": api_server,
+            sd: dict[str, Any] = {"role": "pod", "api_server": api_server,
                                   "tls_config": {"ca_file": str(ca_file)},
                                   "authorization": {"credentials_file": str(token_file)}}
             namespaces = _namespaces(monitor)
@@ -115,7 +118,8 @@ def scrape_configs(monitors: list[dict[str, Any]], api_server: str, ca_file: Pat
                 # Finished pods keep their IP in status but serve nothing (the Prometheus Operator drops them too).
                 {"action": "drop", "source_labels": ["__meta_kubernetes_pod_phase"], "regex": "(Failed|Succeeded)"},
                 *_selector_keeps(spec["selector"], "pod"),
-                {"action": "keep", "source_labels": [port_label], "regex": re.escape(endpoint["port"])},
+                {"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"],
+                 "regex": re.escape(endpoint["port"])},
                 {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
                 {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
                 {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
@@ -134,24 +138,39 @@ def scrape_configs(monitors: list[dict[str, Any]], api_server: str, ca_file: Pat
     return jobs
 
 
+def chart_monitors(release: str, namespace: str, values: list[Path] = ()) -> list[dict[str, Any]]:
+    """The PodMonitor and ServiceMonitor charts/specpair renders for a release (`helm template`
+    with both monitors on, plus the given values files)."""
+    helm = CHART.parents[1] / ".tools" / "bin" / "helm"
+    argv = [str(helm) if helm.exists() else "helm", "template", release, str(CHART), "--namespace", namespace,
+            "--set", "operator.podMonitor.enabled=true", "--set", "metrics.serviceMonitor.enabled=true"]
+    for v in values:
+        argv += ["--values", str(v)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"helm template failed: {done.stderr.strip()[-2000:]}")
+    return [d for d in yaml.safe_load_all(done.stdout) if d and d.get("kind") in ("PodMonitor", "ServiceMonitor")]
+
+
 class DevPrometheus:
     """Prometheus scraping the devcluster's pods through the given monitors, evaluating
-    `rule_files` every `interval`."""
+    `rule_files` every `interval`. `cluster` is a DevCluster, or anything with its `kube`,
+    `server` and `ca_file`."""
 
     def __init__(self, cluster: Any, workdir: Path, monitors: list[dict[str, Any]],
-                 rule_files: list[Path] = (), interval: str = "1s"):
+                 rule_files: list[Path] = (), interval: str = "1s", port: int | None = None):
         self.cluster, self.workdir = cluster, Path(workdir)
         self.monitors, self.rule_files, self.interval = monitors, [Path(p) for p in rule_files], interval
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.child: Child | None = None
 
     def grant(self) -> Path:
         """A ServiceAccount allowed exactly what discovery reads, and a token file of it."""
         kube = self.cluster.kube
-        self.cluster.ensure_namespace(NAMESPACE)
         name = f"{NAMESPACE}-{ACCOUNT}"
-        for obj in ({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": ACCOUNT, "namespace": NAMESPACE}},
+        for obj in ({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
+                    {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": ACCOUNT, "namespace": NAMESPACE}},
                     {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
                      "rules": CLUSTER_ROLE_RULES},
                     {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
@@ -172,6 +191,10 @@ class DevPrometheus:
                 "rule_files": [str(p) for p in self.rule_files],
                 "scrape_configs": scrape_configs(self.monitors, self.cluster.server, self.cluster.ca_file,
                                                  token_file, interval=self.interval)}
+
+    def config_file_jobs(self) -> list[dict[str, Any]]:
+        """The scrape jobs of the configuration Prometheus was started with."""
+        return yaml.safe_load((self.workdir / "prometheus.yml").read_text())["scrape_configs"]
 
     def start(self, timeout: float = 60.0) -> "DevPrometheus":
         self.workdir.mkdir(parents=True, exist_ok=True)

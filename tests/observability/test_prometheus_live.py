@@ -44,8 +44,9 @@ PAIR_API = "specpair.io/v1alpha1"
 SCRAPE = 1.0  # seconds: Prometheus' scrape and rule evaluation interval here
 # The operator reconciles every second (the demo's setting) instead of its production default.
 OPERATOR_ENV = {"SPECPAIR_RECONCILE_INTERVAL": "1", "SPECPAIR_WATCH_TIMEOUT": "30"}
-# The drift policy sized for seconds (docs/drift.md has the production defaults): 10 s windows,
-# two breaching windows per ladder step, a probe after one quiet window while speculation is off.
+# The drift policy sized for seconds (docs/drift.md has the production defaults): the shortest
+# windows the CRD admits (10 s), two breaching windows per ladder step, a probe after one quiet
+# window while speculation is off.
 DRIFT = {"intervalSeconds": 1, "windowSeconds": 10, "minDraftedTokens": 20, "minRequests": 4,
          "consecutiveBreaches": 2, "probeAfterWindows": 1}
 CODE_PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print(", "import json\n\ndef load(path):",
@@ -70,8 +71,12 @@ def pair_manifest(name: str, target: str, draft: str, **spec: Any) -> dict[str, 
 
 
 def chart_values(namespace: str, mlflow_url: str, monitors: bool) -> dict[str, Any]:
+    # The operator serves its metrics on 0.0.0.0 unless told otherwise; devcluster pods share this
+    # machine's ports, so another devcluster's operator (a demo beside the tests) would hold 9401
+    # on every address. Its own pod IP is what the PodMonitor scrapes anyway.
+    pod_ip = {"name": "SPECPAIR_METRICS_ADDRESS", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     return {"mlflow": {"trackingUri": mlflow_url}, "watchNamespaces": [namespace],
-            "operator": {"extraEnv": [{"name": k, "value": v} for k, v in OPERATOR_ENV.items()],
+            "operator": {"extraEnv": [{"name": k, "value": v} for k, v in OPERATOR_ENV.items()] + [pod_ip],
                          "podMonitor": {"enabled": monitors, "interval": "1s"}},
             "metrics": {"serviceMonitor": {"enabled": monitors, "interval": "1s"}}}
 
@@ -138,6 +143,7 @@ class Scenario:
                 self.traffic(traffic_to)
             got = predicate()
             if got:
+                print(f"{time.strftime('%H:%M:%S')} {what} after {timeout - (deadline - time.monotonic()):.0f} s")
                 return got
             if not traffic_to:
                 time.sleep(0.5)
@@ -200,6 +206,7 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
         prom = DevPrometheus(devcluster, tmp_path / "prometheus", monitors,
                              rule_files=[shortened_rules(tmp_path / "rules.yaml")], interval=f"{SCRAPE:.0f}s").start()
         start = time.time()
+        print(f"{time.strftime('%H:%M:%S')} Prometheus ready")
         s = Scenario(devcluster, namespace)
         prom.wait_for("the operator pod scraped", lambda: [t for t in prom.targets() if t["health"] == "up"
                                                             and t["scrapePool"].startswith("podMonitor/")], timeout=120)
@@ -214,7 +221,9 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
         for pair in (fails, pair_manifest("drifts", models["target"], models["draft"])):
             kube.create({**pair, "metadata": {**pair["metadata"], "namespace": namespace}})
 
-        s.wait("drifts v1 serving", lambda: s.serving("drifts", "1"), timeout=300)
+        # Generous: the operator's start, two gates side by side and an engine's start, on two cores
+        # that other jobs may share.
+        s.wait("drifts v1 serving", lambda: s.serving("drifts", "1"), timeout=600)
         # The engine Service the operator made carries the ServiceMonitor's selector, and its port of
         # the monitor's name targets the pods' port of that name: what Prometheus scrapes here as a
         # pod job (devcluster Services have no endpoints; specpair_devcluster.prometheus).
@@ -227,7 +236,8 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
         s.wait("fails' gate to fail", lambda: (s.pair("fails").get("status") or {}).get("lastGate", {}).get("passed") is False,
                timeout=300, traffic_to="drifts")
         kube.patch(PAIR_API, "SpecModelPair", namespace, "drifts", {"spec": {"draft": {"source": models["draft-v2"]}}})
-        s.wait("drifts v2 serving", lambda: s.serving("drifts", "2"), timeout=300, traffic_to="drifts")
+        # No traffic while v2 is gated: the gate's timing sweeps would share the two cores with it.
+        s.wait("drifts v2 serving", lambda: s.serving("drifts", "2"), timeout=300)
         for _ in range(3):
             s.traffic("drifts")
 
@@ -243,10 +253,13 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
         for _ in range(3):
             s.traffic("drifts")
 
-        # What fired, from Prometheus' own ALERTS series over the whole scenario.
+        # What fired for this namespace, from Prometheus' own ALERTS series over the whole scenario.
+        # (Only this namespace: a pod IP's port is free while its program starts or restarts, and a
+        # program of another devcluster on this machine listening on 0.0.0.0 answers there, e.g. a
+        # demo's operator with its own pairs.)
         def fired() -> dict[tuple[str, str, str], float]:
             first: dict[tuple[str, str, str], float] = {}
-            for series in prom.query_range('ALERTS{alertstate="firing"}', start, time.time(), SCRAPE):
+            for series in prom.query_range(f'ALERTS{{alertstate="firing", namespace="{namespace}"}}', start, time.time(), SCRAPE):
                 m = series["metric"]
                 key = (m["alertname"], m.get("pair", ""), m.get("reason", ""))
                 first[key] = min([first.get(key, math.inf)] + [float(t) for t, _ in series["values"]])
@@ -254,14 +267,17 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
         expected = {("SpecpairGateFailed", "fails", ""), ("SpecpairSpeculationOff", "drifts", ""),
                     ("SpecpairRolledBack", "drifts", "drift")}
         prom.wait_for("the alerts to fire", lambda: set(fired()) >= expected, timeout=60)
+        print(f"{time.strftime('%H:%M:%S')} the alerts fired")
         # SpeculationOff resolves once the rolled-back release serves (its ladder starts at 0).
         prom.wait_for("SpeculationOff to resolve",
                       lambda: not [a for a in prom.alerts() if a["labels"]["alertname"] == "SpecpairSpeculationOff"],
                       timeout=60)
         got = fired()
         assert set(got) == expected, got
-        # Each alert names the pair's namespace (the PodMonitor keeps the operator's label).
-        assert {a["labels"]["namespace"] for a in prom.alerts()} == {namespace}
+        # The operator's series name the pair's namespace (the PodMonitor keeps the operator's label,
+        # where Prometheus would otherwise put the operator pod's own), so the alerts do.
+        assert {r["metric"]["namespace"] for r in prom.query('specpair_gate_duration_seconds_count{pair=~"fails|drifts"}')} \
+            == {namespace}
         # No alert before its cause: the operator's recorded action (a firing needs a scrape and an
         # evaluation after it, so the first firing sample is later).
         assert got[("SpecpairSpeculationOff", "drifts", "")] >= s.action_time("drifts", "SpeculationOff") - 1
