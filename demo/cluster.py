@@ -99,8 +99,13 @@ class DemoCluster:
         """`helm upgrade --install` of charts/specpair: CRD, ServiceAccount, RBAC and the operator
         Deployment, with MLflow at `mlflow_url`."""
         # The operator watches, and may write in, the demo's namespace only.
+        env = [{"name": k, "value": v} for k, v in extra_env.items()]
+        # The operator's metrics listen on its pod IP, as in a cluster: their default address,
+        # 0.0.0.0, is this whole machine here, where another devcluster's operator (a test run
+        # beside the demo) may hold the same port, and the bind failure restarts the container.
+        env.append({"name": "SPECPAIR_METRICS_ADDRESS", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
         values = {"mlflow": {"trackingUri": mlflow_url}, "watchNamespaces": [self.namespace],
-                  "operator": {"extraEnv": [{"name": k, "value": v} for k, v in extra_env.items()]}}
+                  "operator": {"extraEnv": env}}
         self.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE,
                   "--create-namespace", "--values", "-", values=values)
 

@@ -58,9 +58,13 @@ def acceptance_plot(timeline: Timeline, verdicts: dict[str, dict[str, Any]]) -> 
                     f"{word} v{h.get('toVersion') if action != 'SpeculationOff' else h.get('fromVersion')}",
                     fontsize=8, color=c, ha="center", va="bottom", transform=ax.get_xaxis_transform())
             shown += 1
-    for start, end in timeline.speculation_off_spans():
-        ax.axvspan(start - t0, end - t0, color="#888", alpha=0.12, hatch="//", fill=False, linewidth=0)
-    ends = [t for t, label in timeline.marks if label in ("rolled back", "no rollback")]
+    for i, (start, end) in enumerate(timeline.speculation_off_spans()):
+        ax.axvspan(start - t0, end - t0, color="#888", alpha=0.3, hatch="//", fill=False, linewidth=0,
+                   label="the pod reported speculation off" if i == 0 else None)
+    # The drifting traffic runs until the operator decides: its rollback, or the demo's mark
+    # that it decided against one.
+    ends = [t for t, action, _ in timeline.history_events() if action == "RolledBack"] + \
+        [t for t, label in timeline.marks if label == "no rollback"]
     for t, label in timeline.marks:
         if label.startswith("drift:"):
             # Shaded from the first drifting request to the operator's decision, when the demo stops it.
