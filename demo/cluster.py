@@ -99,11 +99,9 @@ class DemoCluster:
         """`helm upgrade --install` of charts/specpair: CRD, ServiceAccount, RBAC and the operator
         Deployment, with MLflow at `mlflow_url`."""
         # The operator watches, and may write in, the demo's namespace only.
+        # (The operator's metrics bind its pod IP here: the chart says 0.0.0.0, which the
+        # devcluster node rewrites, so a test run's operator beside the demo holds another address.)
         env = [{"name": k, "value": v} for k, v in extra_env.items()]
-        # The operator's metrics listen on its pod IP, as in a cluster: their default address,
-        # 0.0.0.0, is this whole machine here, where another devcluster's operator (a test run
-        # beside the demo) may hold the same port, and the bind failure restarts the container.
-        env.append({"name": "SPECPAIR_METRICS_ADDRESS", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
         values = {"mlflow": {"trackingUri": mlflow_url}, "watchNamespaces": [self.namespace],
                   "operator": {"extraEnv": env}}
         self.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE,

@@ -14,7 +14,7 @@ How a pod runs here, and where that differs from a kubelet with a container runt
   pods can listen on the same port. Each node claims its own n (20-249) for as long as it runs
   (a lock file), so clusters running side by side on one machine (the demo beside the tests,
   parallel test workers) never hand out the same address. Programs bind that address instead of 0.0.0.0 (the
-  agent rewrites a literal 0.0.0.0 in the command line, and gives `specpair engine serve` a
+  agent rewrites a literal 0.0.0.0 in the command line and in environment values, and gives `specpair engine serve` a
   `--host`). There is no kube-proxy: Service IPs do not route; clients use pod IPs.
 - Volumes: emptyDir, configMap, secret, downwardAPI, projected (service-account tokens) and
   hostPath become folders under the pod's directory (hostPath: the real path), and every
@@ -759,7 +759,8 @@ class PodWorker:
             name = item["name"]
             if "value" in item:
                 env[name] = rewrite(re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                                           lambda m: env.get(m.group(1), m.group(0)), item["value"]))
+                                           lambda m: env.get(m.group(1), m.group(0)), item["value"])
+                                    ).replace("0.0.0.0", self.ip)
                 continue
             ref = item.get("valueFrom") or {}
             if "fieldRef" in ref:

@@ -71,12 +71,8 @@ def pair_manifest(name: str, target: str, draft: str, **spec: Any) -> dict[str, 
 
 
 def chart_values(namespace: str, mlflow_url: str, monitors: bool) -> dict[str, Any]:
-    # The operator serves its metrics on 0.0.0.0 unless told otherwise; devcluster pods share this
-    # machine's ports, so another devcluster's operator (a demo beside the tests) would hold 9401
-    # on every address. Its own pod IP is what the PodMonitor scrapes anyway.
-    pod_ip = {"name": "SPECPAIR_METRICS_ADDRESS", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     return {"mlflow": {"trackingUri": mlflow_url}, "watchNamespaces": [namespace],
-            "operator": {"extraEnv": [{"name": k, "value": v} for k, v in OPERATOR_ENV.items()] + [pod_ip],
+            "operator": {"extraEnv": [{"name": k, "value": v} for k, v in OPERATOR_ENV.items()],
                          "podMonitor": {"enabled": monitors, "interval": "1s"}},
             "metrics": {"serviceMonitor": {"enabled": monitors, "interval": "1s"}}}
 

@@ -38,7 +38,7 @@ def test_crd_is_valid_and_names_what_the_issue_asks():
     assert (crd["spec"]["group"], names["kind"], names["plural"], names["shortNames"], crd["spec"]["scope"]) == \
         ("specpair.io", "SpecModelPair", "specmodelpairs", ["smp"], "Namespaced")
     v = crd["spec"]["versions"][0]
-    assert v["name"] == "v1alpha1" and v["subresources"] == {"status": {}}
+    assert v["name"] == "v1alpha1" and v["subresources"] == {"status": {}, "scale": {"specReplicasPath": ".spec.rollout.replicas", "statusReplicasPath": ".status.replicas", "labelSelectorPath": ".status.selector"}}
     assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Phase", "Serving", "Acceptance", "Speedup", "Age"]
 
 
