@@ -45,6 +45,9 @@ from .state import CA_REFRESH_S, STATE, control_ca
 from .world import pods_waiting
 
 GROUP, VERSION = "specpair.io", "v1alpha1"
+# On the engine Deployment: a fingerprint of its spec without the replica count, to tell a
+# rollout (a new pod template) from scaling.
+ANN_TEMPLATE = "specpair.io/template-hash"
 ANN_ISSUED_FOR = "specpair.io/issued-for"  # on the engine's TLS Secret: CA fingerprint / hash of the names
 
 
@@ -395,13 +398,24 @@ class PairReconciler:
         policy = await ensure_owned(kube, self.body, manifests.engine_network_policy(self.name, self.namespace, self.operator.pods))
         if policy.conflict:
             return "conflict", f"{policy.kind} {policy.name}"
+        # A rollout is a new pod template. A new replica count alone (kubectl scale, an
+        # autoscaler: spec.rollout.replicas) is scaling: an Event, no history entry, no rollout.
+        template = owned.manifest_fingerprint({**dep["spec"], "replicas": None})
+        live_template = ((live or {}).get("metadata", {}).get("annotations") or {}).get(ANN_TEMPLATE)
+        dep["metadata"].setdefault("annotations", {})[ANN_TEMPLATE] = template
         engine = await ensure_owned(kube, self.body, dep, live=live)
-        key = f"{version}@{dep['metadata']['annotations'][owned.ANN_MANIFEST]}"
+        key = f"{version}@{template}"
         if engine.outcome == owned.CREATED:
             self.ledger.record("RolloutStarted", f"engine Deployment created for v{version}", None, version, key=key)
-        elif engine.changed or not self.ledger.was_recorded("RolloutStarted", key, version):
+        elif (engine.changed and live_template != template) or not self.ledger.was_recorded("RolloutStarted", key, version):
             # Rolled now, or by a pass that died before writing its status.
             self.ledger.record("RolloutStarted", f"engine Deployment rolled to v{version}", None, version, key=key)
+        elif engine.changed and (live or {}).get("spec", {}).get("replicas") != dep["spec"]["replicas"]:
+            self.ledger.event("Normal", "Scaled", f"engine Deployment of v{version} scaled from "
+                              f"{live['spec'].get('replicas')} to {dep['spec']['replicas']} replicas")
+        # The scale subresource's status: what autoscalers and `kubectl get --subresource=scale` read.
+        self.ledger.set(replicas=int(((engine.live or {}).get("status") or {}).get("replicas") or 0),
+                        selector=",".join(f"{k}={v}" for k, v in manifests.engine_selector(self.name).items()))
         await ensure_owned(kube, self.body, svc, mutable=False, live=live_svc)
         state, msg = manifests.deployment_rollout_state(engine.live, digest)
         if state == "progressing":
