@@ -16,4 +16,8 @@ SPECPAIR_PROMETHEUS_BIN="$(bash scripts/build-prometheus.sh)"
 export SPECPAIR_PROMETHEUS_BIN
 VENV="${SPECPAIR_VENV:-.venv}"
 export PATH="$PWD/.tools/bin:$PATH"
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "$@"
+# Two workers (SPECPAIR_TEST_WORKERS): most tests wait on servers, so two use the two cores; a
+# file's tests stay on one worker (--dist loadfile), so module fixtures are built once. Each
+# worker starts its own control plane; their pod networks and ports never collide.
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
+  -n "${SPECPAIR_TEST_WORKERS:-2}" --dist loadfile "$@"
