@@ -11,8 +11,20 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Tests use 2 CPU threads like CI; more threads on a 2-core box only adds contention.
+# Tests use the machine's 2 CPU threads (and one each under two pytest-xdist workers: see
+# pytest_configure).
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def pytest_configure(config):
+    """A pytest-xdist worker beside others uses one CPU thread (and so do the servers it starts):
+    more threads than cores leaves OpenMP spinning for cores another worker holds (the fast lane
+    on two workers took 4.2 min at 2 threads each, 2.1 min at 1)."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    if workers > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(1)
 
 
 # Rooms whose every test builds or starts something whole: wheels and checkov scans (ship), a

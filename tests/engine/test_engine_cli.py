@@ -14,6 +14,7 @@ def specpair(*args, timeout=240):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_generate_json_contract(tiny_pair_dirs):
     proc = specpair("generate", "--target", tiny_pair_dirs["target"], "--draft", tiny_pair_dirs["draft"],
                     "--prompt", "def foo(x):", "--max-new-tokens", "12", "--k", "3", "--json")
@@ -69,6 +70,7 @@ def test_on_mismatch_target_only_serves_and_says_so(tmp_path, tiny_pair_dirs):
     assert json.loads(proc.stdout)["num_drafts"] == 0
 
 
+@pytest.mark.slow
 def test_bench_json_on_tiny_pair(tmp_path, tiny_pair_dirs):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def foo(x):", "category": "code"}\n'

@@ -144,6 +144,7 @@ def test_a_copy_takes_its_own_k_and_the_head_keeps_its_own(one_layer_target):
     assert out.num.tolist() == [5, 1] and out.tokens[0].tolist() == [7, 8, 9, 10, 11]
 
 
+@pytest.mark.slow
 def test_sampled_output_keeps_the_targets_distribution(one_layer_target):
     """Tokens 1-3 of 4,000 sampled replies against the target's exact joint distribution. After
     the first token, rows whose last token occurs in the prompt copy (a point-mass q), the others

@@ -101,6 +101,7 @@ def test_replies_without_saved_features_get_them_from_a_target_pass(tmp_path, ti
     assert not any(line.startswith("replies:") for line in log)    # none generated again
 
 
+@pytest.mark.slow
 def test_distill_trains_a_head_on_the_targets_replies(tmp_path, tiny_target):
     summary = distill(DistillConfig(out=str(tmp_path / "head"), method="eagle", steps=2,
                                     seq_len=16, corpus_chars=50_000, replies=4, reply_tokens=8,
@@ -159,6 +160,7 @@ def test_a_requests_file_with_golden_prompts_or_bad_lines_is_refused_before_load
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_distill_answers_the_requests_file_and_resumes_a_checkpoint_from_before_it(tmp_path, tiny_target):
     prompts = ["Explain what a mutex is.", "Write a haiku about rain.", "List three prime numbers."]
     path = _requests_file(tmp_path / "traffic.jsonl",

@@ -239,6 +239,7 @@ def test_static_engine_equals_the_dynamic_engine(tiny_target, tiny_draft, dynami
         assert sum(r.stats.num_draft_tokens - r.stats.num_accepted_tokens for r in results) > 0
 
 
+@pytest.mark.slow
 def test_compiled_step_is_warmed_and_exact(tiny_target, tiny_draft, dynamic_reference):
     engine = SpeculativeEngine(tiny_target, draft=tiny_draft, compile="on",
                                speculation=SpeculationConfig(k=3, fallback_threshold=0))

@@ -124,6 +124,7 @@ def gated_release(mlflow_server, tmp_path, monkeypatch):
     return path, term, reg, model, version
 
 
+@pytest.mark.slow
 def test_runner_reports_mlflow_unreachable_at_its_deadline_and_writes_no_verdict(mlflow_server, gated_release):
     path, term, reg, model, version = gated_release
     mlflow_server.stop()
@@ -142,6 +143,7 @@ def test_runner_reports_mlflow_unreachable_at_its_deadline_and_writes_no_verdict
     assert reg.gate_result(model, version)[0] == "pending"  # no verdict, no error: not a result
 
 
+@pytest.mark.slow
 def test_runner_outlasts_an_mlflow_outage_shorter_than_its_deadline(mlflow_server, gated_release):
     path, term, reg, model, version = gated_release
     mlflow_server.stop()

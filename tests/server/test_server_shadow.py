@@ -83,6 +83,7 @@ def test_no_shadow_no_shadow_stats(shared_server, client):
     assert not client.stats().HasField("shadow")
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_candidate_it_cannot_shadow(tiny_pair, tmp_path):
     target, _draft = tiny_pair
     target_dir = save_tiny(target, tmp_path / "target")
