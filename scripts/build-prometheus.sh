@@ -5,9 +5,10 @@
 #   ${SPECPAIR_CACHE:-~/.cache/specpair}/prometheus/<stamp>/bin/{prometheus,promtool}
 #
 # `go install <package>@<version>` builds the module exactly as Prometheus pinned it (its own
-# go.mod; go.sum checked against the checksum database). <stamp> hashes this script (which holds
-# the version) and the Go version: a warm run only checks the stamp. Nothing is downloaded from
-# anywhere but the Go module proxy. Cold build time: docs/devcluster.md.
+# go.mod; go.sum checked against the checksum database). <stamp> hashes the go command (which
+# holds the version) and the Go version (scripts/lib/go-build.sh): a warm run only checks the
+# stamp. Nothing is downloaded from anywhere but the Go module proxy. Cold build time:
+# docs/devcluster.md.
 #
 # Build tags, as Prometheus' own README documents them:
 #   remove_all_sd,enable_kubernetes_sd  only the Kubernetes service discovery (plus file, http and
@@ -19,39 +20,15 @@
 # the UI's pages answer with an error.
 set -euo pipefail
 
+source "$(dirname "${BASH_SOURCE[0]}")/lib/go-build.sh"
 PROMETHEUS_VERSION=v0.316.0
 TAGS=netgo,remove_all_sd,enable_kubernetes_sd
 MODULE=github.com/prometheus/prometheus
+NAME=build-prometheus
 PROGRAMS=(prometheus promtool)
 CACHE_ROOT="${SPECPAIR_CACHE:-$HOME/.cache/specpair}/prometheus"
+go_build_init
 
-say() { printf '[build-prometheus] %s\n' "$*" >&2; }
-die() { printf '[build-prometheus] ERROR: %s\n' "$*" >&2; exit 1; }
-
-command -v go >/dev/null 2>&1 || die "Go is not on PATH. Install Go >= 1.26 ($MODULE $PROMETHEUS_VERSION needs it)."
-GO_VERSION="$(go env GOVERSION)"
-case "$GO_VERSION" in
-  go1.2[6-9]*|go1.[3-9][0-9]*) ;;
-  *) die "Go $GO_VERSION is too old: $MODULE $PROMETHEUS_VERSION needs Go >= 1.26." ;;
-esac
-
-STAMP="$(cat "${BASH_SOURCE[0]}" <(echo "$GO_VERSION") | sha256sum | cut -c1-16)"
-OUT="$CACHE_ROOT/$STAMP"
-BIN="$OUT/bin"
-if [[ -f "$OUT/stamp" ]] && [[ "$(cat "$OUT/stamp")" == "$STAMP" ]]; then
-  missing=0
-  for p in "${PROGRAMS[@]}"; do [[ -x "$BIN/$p" ]] || missing=1; done
-  if [[ $missing == 0 ]]; then
-    say "reusing Prometheus $PROMETHEUS_VERSION built for stamp $STAMP"
-    echo "$BIN"
-    exit 0
-  fi
-fi
-
-started=$SECONDS
-say "building Prometheus $PROMETHEUS_VERSION (module) with $GO_VERSION into $OUT (cold: minutes on 2 cores)"
-rm -rf "$OUT.partial"
-mkdir -p "$OUT.partial/bin"
 # The version `prometheus --version` and /api/v1/status/buildinfo report, as promu stamps it:
 # the release's own number (module v0.3MM.P is Prometheus 3.MM.P, the VERSION file in the module).
 minor="${PROMETHEUS_VERSION#v0.3}"; minor="${minor%%.*}"
@@ -61,24 +38,14 @@ LDFLAGS+=" -X github.com/prometheus/common/version.Revision=$PROMETHEUS_VERSION"
 LDFLAGS+=" -X github.com/prometheus/common/version.Branch=module"
 LDFLAGS+=" -X github.com/prometheus/common/version.BuildUser=specpair"
 LDFLAGS+=" -X github.com/prometheus/common/version.BuildDate=19700101-00:00:00"
-set +e
-# -v names each package as it is compiled; count them so a long build shows it is alive.
 # GOFLAGS from the caller (-mod=vendor, say) would not apply to a module outside any workspace.
-GOFLAGS= GOWORK=off GOBIN="$OUT.partial/bin" go install -v -trimpath -tags "$TAGS" -ldflags="$LDFLAGS" \
-    "$MODULE/cmd/prometheus@$PROMETHEUS_VERSION" "$MODULE/cmd/promtool@$PROMETHEUS_VERSION" 2>&1 | {
-  n=0
-  while IFS= read -r line; do
-    case "$line" in
-      "#"*|"go: "*|*.go:*) printf '%s\n' "$line" >&2 ;;
-      *) n=$((n + 1)); if (( n % 250 == 0 )); then say "$n packages compiled ($((SECONDS - started)) s)"; fi ;;
-    esac
-  done
-}
-status=${PIPESTATUS[0]}
-set -e
-[[ $status == 0 ]] || die "go install failed (exit $status); the lines above say why (is the Go module proxy reachable? GOPROXY=$(go env GOPROXY))"
-for p in "${PROGRAMS[@]}"; do [[ -x "$OUT.partial/bin/$p" ]] || die "the build produced no $p"; done
-echo "$STAMP" > "$OUT.partial/stamp"
-rm -rf "$OUT" && mv "$OUT.partial" "$OUT"
-say "built in $((SECONDS - started)) s: ${PROGRAMS[*]}"
-echo "$BIN"
+GO_ENV=(GOFLAGS= GOWORK=off)
+GO_ARGS=(install -v -trimpath -tags "$TAGS" -ldflags="$LDFLAGS"
+         "$MODULE/cmd/prometheus@$PROMETHEUS_VERSION" "$MODULE/cmd/promtool@$PROMETHEUS_VERSION")
+STAMP_FILES=()
+go_build_reuse "Prometheus $PROMETHEUS_VERSION"
+
+started=$SECONDS
+say "building Prometheus $PROMETHEUS_VERSION (module) with $GO_VERSION into $OUT (cold: minutes on 2 cores)"
+go_build_compile || die "go install failed (exit $?); the lines above say why (is the Go module proxy reachable? GOPROXY=$(go env GOPROXY))"
+go_build_publish

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,29 +17,15 @@ import requests
 import yaml
 
 from .certs import CertificateAuthority, KeyPair, service_account_keys
-from .processes import Child, free_port, wait_until
+from .processes import Child, built_binaries, free_port, wait_until
 
-REPO = Path(__file__).resolve().parents[2]
-BUILD_SCRIPT = REPO / "scripts" / "build-control-plane.sh"
 PROGRAMS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 SERVICE_CIDR = "10.96.0.0/16"
 
 
 def control_plane_binaries() -> Path:
-    """The folder with the four binaries: $SPECPAIR_CONTROL_PLANE_BIN, or the build script's cache
-    (which builds them on first use and only checks its stamp afterwards)."""
-    given = os.environ.get("SPECPAIR_CONTROL_PLANE_BIN")
-    if given:
-        folder = Path(given)
-    else:
-        done = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{BUILD_SCRIPT} failed (exit {done.returncode}); its messages are above")
-        folder = Path(done.stdout.strip().splitlines()[-1])
-    missing = [p for p in PROGRAMS if not os.access(folder / p, os.X_OK)]
-    if missing:
-        raise RuntimeError(f"{folder} lacks {', '.join(missing)}; run scripts/build-control-plane.sh")
-    return folder
+    """The folder with the four binaries ($SPECPAIR_CONTROL_PLANE_BIN or the build script's cache)."""
+    return built_binaries("build-control-plane.sh", "SPECPAIR_CONTROL_PLANE_BIN", PROGRAMS)
 
 
 def write_kubeconfig(path: Path, server: str, ca: Path, user: str, *, cert: KeyPair | None = None,

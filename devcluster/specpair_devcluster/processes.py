@@ -10,6 +10,26 @@ import subprocess
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def built_binaries(script: str, env_var: str, programs: tuple[str, ...]) -> Path:
+    """The folder holding `programs` built by scripts/`script`: $`env_var` when set, else what the
+    script prints on its last line (it builds on first use and only checks its stamp afterwards)."""
+    given = os.environ.get(env_var)
+    if given:
+        folder = Path(given)
+    else:
+        path = REPO / "scripts" / script
+        done = subprocess.run(["bash", str(path)], stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{path} failed (exit {done.returncode}); its messages are above")
+        folder = Path(done.stdout.strip().splitlines()[-1])
+    missing = [p for p in programs if not os.access(folder / p, os.X_OK)]
+    if missing:
+        raise RuntimeError(f"{folder} lacks {', '.join(missing)}; run scripts/{script}")
+    return folder
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:

@@ -24,7 +24,6 @@ targets the container port `metrics`; a vLLM pair's targets `http`, which this d
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import time
@@ -36,9 +35,8 @@ from typing import Any
 
 import yaml
 
-from .processes import Child, free_port, wait_until
+from .processes import Child, built_binaries, free_port, wait_until
 
-BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build-prometheus.sh"
 CHART = Path(__file__).resolve().parents[2] / "charts" / "specpair"
 # The chart's alert rules (its PrometheusRule embeds this file).
 CHART_RULES = CHART / "rules" / "specpair-alerts.yaml"
@@ -49,20 +47,8 @@ CLUSTER_ROLE_RULES = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"
 
 
 def prometheus_binaries() -> Path:
-    """The folder with `prometheus` and `promtool`: $SPECPAIR_PROMETHEUS_BIN, or the build
-    script's cache (which builds them on first use and only checks its stamp afterwards)."""
-    given = os.environ.get("SPECPAIR_PROMETHEUS_BIN")
-    if given:
-        folder = Path(given)
-    else:
-        done = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{BUILD_SCRIPT} failed (exit {done.returncode}); its messages are above")
-        folder = Path(done.stdout.strip().splitlines()[-1])
-    missing = [p for p in ("prometheus", "promtool") if not os.access(folder / p, os.X_OK)]
-    if missing:
-        raise RuntimeError(f"{folder} lacks {', '.join(missing)}; run scripts/build-prometheus.sh")
-    return folder
+    """The folder with `prometheus` and `promtool` ($SPECPAIR_PROMETHEUS_BIN or the build script's cache)."""
+    return built_binaries("build-prometheus.sh", "SPECPAIR_PROMETHEUS_BIN", ("prometheus", "promtool"))
 
 
 def _label_name(key: str) -> str:
