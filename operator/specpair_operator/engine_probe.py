@@ -8,7 +8,12 @@ tests can stand an engine in with any object that has these three coroutines.
     model_info(address) -> {"pair": str, "releaseVersion": str, "contentHash": str (optional),
                             "tokenizer": {"target": fp, "draft": fp | None}, "speculationEnabled": bool}
     stats(address)      -> {"categories": {category: RequestMoments.as_stats() (specpair.stats)},
+                            "serving": {category: {"ttft": histogram, "tpot": histogram,
+                                                   "requests": {status: int}}},
                             "uptimeSeconds": float | None}  (cumulative since the engine process started)
+                           histogram: {"upperBounds": [s], "counts": [int, cumulative], "count": int, "sum": s};
+                           "serving" is absent for an engine that does not report it
+                           (specpair_operator.serving_health reads it)
     set_speculation(address, enabled: bool) -> None
 """
 
@@ -106,11 +111,24 @@ class GrpcEngineProbe:
                 moments = RequestMoments(cat.cumulative.num_draft_tokens, cat.cumulative.num_accepted_tokens,
                                          cat.requests or None)
             cats[name] = moments.as_stats()
-        return {"categories": cats, "speculating": stats.speculating, "uptimeSeconds": stats.uptime_seconds or None}
+        out = {"categories": cats, "speculating": stats.speculating, "uptimeSeconds": stats.uptime_seconds or None}
+        serving = {name: serving_stats(cat.serving) for name, cat in stats.categories.items() if cat.HasField("serving")}
+        if serving:
+            out["serving"] = serving
+        return out
 
     async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None:
         await self._call(address, "SetSpeculation", "SetSpeculationRequest", server_name,
                          enabled=enabled, reason=reason)
+
+
+def serving_stats(msg: Any) -> dict[str, Any]:
+    """A category's ServingStats message -> the probe's plain dict (see the module docstring)."""
+    def histogram(h: Any) -> dict[str, Any]:
+        return {"upperBounds": list(h.upper_bounds), "counts": [int(c) for c in h.counts], "count": int(h.count),
+                "sum": float(h.sum)}
+    return {"ttft": histogram(msg.time_to_first_token), "tpot": histogram(msg.time_per_output_token),
+            "requests": {status: int(n) for status, n in msg.requests.items()}}
 
 
 class VllmProbe:

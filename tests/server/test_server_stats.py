@@ -228,3 +228,62 @@ def test_a_request_past_the_kv_budget_is_served_target_only_and_counted(tiny_pai
     assert reply.token_ids == reference(tiny_pair, prompt, new_tokens).token_ids
     assert reply.last.stats.num_drafts == 0
     assert wait_for(lambda: value(scrape(server), "specpair_memory_fallback_total", **labels) == 1)
+
+
+def test_latency_histograms_and_request_outcomes_reach_the_operator_probe(tiny_pair, start_server):
+    """The serving-health watch (docs/drift.md#latency-and-errors) reads, per category, the TTFT and
+    TPOT histograms /metrics exports (summed over protocols, with their bounds) and the requests
+    by status, over real gRPC, through the operator's probe."""
+    import asyncio
+
+    from specpair.decoding import Batch
+    from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
+    from specpair_operator.engine_probe import GrpcEngineProbe
+
+    engine = make_engine(tiny_pair)
+    failures = []
+
+    class FailingOnce(Batch):
+        def step(self):
+            if failures and self.active:
+                failures.pop()
+                raise RuntimeError("device fell over")
+            return super().step()
+    engine.new_batch = lambda: FailingOnce(engine)
+    server = start_server(engine=engine)
+    with client_for(server) as c:
+        replies = [c.generate(p, max_new_tokens=n, category="code")
+                   for p, n in (("def foo(x):", 12), ("for i in range(", 6), ("class A:", 1))]
+        chat = c.generate("hello world", max_new_tokens=5, category="chat")
+        failures.append(1)
+        assert rpc_error(lambda: c.generate("import os", max_new_tokens=8, category="code")).code() == \
+            grpc.StatusCode.INTERNAL
+        assert rpc_error(lambda: c.generate("", max_new_tokens=3, category="chat")).code() == \
+            grpc.StatusCode.INVALID_ARGUMENT
+    wait_for(lambda: value(scrape(server), "specpair_requests_total", pair="tiny", version="1", category="code",
+                           protocol="grpc", status="error") == 1)
+    stats = asyncio.run(GrpcEngineProbe().stats(f"127.0.0.1:{server.port}"))
+    samples = scrape(server)
+
+    code, chat_serving = stats["serving"]["code"], stats["serving"]["chat"]
+    assert code["requests"] == {"ok": 3, "error": 1}
+    assert chat_serving["requests"]["ok"] == 1
+    assert code["ttft"]["upperBounds"] == list(LATENCY_BUCKETS)
+    assert code["tpot"]["upperBounds"] == list(TOKEN_BUCKETS)
+    assert code["ttft"]["count"] == 3            # every reply has a first token; the failed one none
+    assert code["tpot"]["count"] == 2            # a one-token reply has no time between tokens
+    ttfts = [r.last.timings.time_to_first_token_seconds for r in replies]
+    assert code["ttft"]["sum"] == pytest.approx(sum(ttfts), rel=1e-6)
+    for bound, count in zip(LATENCY_BUCKETS, code["ttft"]["counts"]):
+        assert count == sum(t <= bound for t in ttfts)
+        assert count == value(samples, "specpair_time_to_first_token_seconds_bucket", pair="tiny", version="1",
+                              category="code", protocol="grpc", le=str(bound))
+    counts = code["tpot"]["counts"]
+    assert counts == sorted(counts) and counts[-1] <= code["tpot"]["count"]
+    # The overall message is the categories' sum (read straight from the reply).
+    with client_for(server) as c:
+        overall = c.stats().overall.serving
+    assert overall.time_to_first_token.count == 4
+    assert overall.requests["ok"] == 4 and overall.requests["error"] == 1
+    invalid = sum(s["requests"].get("invalid", 0) for s in stats["serving"].values())
+    assert invalid == overall.requests["invalid"] == 1

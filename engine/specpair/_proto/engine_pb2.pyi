@@ -221,18 +221,49 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CategoryStats(_message.Message):
-    __slots__ = ("window_acceptance_rate", "window_draft_tokens", "cumulative", "requests", "finished")
+    __slots__ = ("window_acceptance_rate", "window_draft_tokens", "cumulative", "requests", "finished", "serving")
     WINDOW_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CUMULATIVE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
     window_acceptance_rate: float
     window_draft_tokens: int
     cumulative: AcceptanceStats
     requests: int
     finished: FinishedRequestSums
-    def __init__(self, window_acceptance_rate: _Optional[float] = ..., window_draft_tokens: _Optional[int] = ..., cumulative: _Optional[_Union[AcceptanceStats, _Mapping]] = ..., requests: _Optional[int] = ..., finished: _Optional[_Union[FinishedRequestSums, _Mapping]] = ...) -> None: ...
+    serving: ServingStats
+    def __init__(self, window_acceptance_rate: _Optional[float] = ..., window_draft_tokens: _Optional[int] = ..., cumulative: _Optional[_Union[AcceptanceStats, _Mapping]] = ..., requests: _Optional[int] = ..., finished: _Optional[_Union[FinishedRequestSums, _Mapping]] = ..., serving: _Optional[_Union[ServingStats, _Mapping]] = ...) -> None: ...
+
+class ServingStats(_message.Message):
+    __slots__ = ("time_to_first_token", "time_per_output_token", "requests")
+    class RequestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TIME_PER_OUTPUT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    time_to_first_token: Histogram
+    time_per_output_token: Histogram
+    requests: _containers.ScalarMap[str, int]
+    def __init__(self, time_to_first_token: _Optional[_Union[Histogram, _Mapping]] = ..., time_per_output_token: _Optional[_Union[Histogram, _Mapping]] = ..., requests: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class Histogram(_message.Message):
+    __slots__ = ("upper_bounds", "counts", "count", "sum")
+    UPPER_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    upper_bounds: _containers.RepeatedScalarFieldContainer[float]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    count: int
+    sum: float
+    def __init__(self, upper_bounds: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., sum: _Optional[float] = ...) -> None: ...
 
 class FinishedRequestSums(_message.Message):
     __slots__ = ("requests", "draft_tokens", "accepted_tokens", "draft_tokens_sq", "accepted_tokens_sq", "draft_accepted_tokens")

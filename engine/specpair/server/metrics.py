@@ -19,6 +19,30 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 OTHER_CATEGORY = "other"
 
+# Shadow drafting (specpair/shadow.py): a candidate drafter scored on live requests, labelled with
+# the candidate's version and content hash, counted per finished request. Each row: key, metric
+# name, help, and what it counts in the scorer's per-category totals (shadow.CategoryShadow).
+SHADOW_COUNTERS = (
+    ("requests", "specpair_shadow_requests", "Finished requests the candidate drafter was scored on.",
+     lambda c: c.requests),
+    ("positions", "specpair_shadow_num_draft_positions", "First draft positions the candidate was scored at.",
+     lambda c: c.candidate_alpha.drafted),
+    ("alpha", "specpair_shadow_alpha_sum", "Sum over scored positions of the candidate's first-position "
+     "acceptance sum_x min(p(x), q(x)).", lambda c: c.candidate_alpha.accepted),
+    ("champion_positions", "specpair_shadow_champion_num_draft_positions", "First draft positions of the "
+     "serving drafter in shadowed requests.", lambda c: c.champion_alpha.drafted),
+    ("champion_alpha", "specpair_shadow_champion_alpha_sum", "The serving drafter's first-position "
+     "acceptance summed over them.", lambda c: c.champion_alpha.accepted),
+    ("drafted", "specpair_shadow_num_draft_tokens", "Greedy requests: draft tokens of the candidate's "
+     "replayed chains.", lambda c: c.candidate_chain.drafted),
+    ("accepted", "specpair_shadow_num_accepted_tokens", "Greedy requests: of those, the tokens the target's "
+     "committed tokens accept.", lambda c: c.candidate_chain.accepted),
+    ("seconds", "specpair_shadow_draft_seconds", "Seconds the candidate spent drafting.",
+     lambda c: c.draft_seconds),
+    ("committed", "specpair_shadow_num_committed_tokens", "Tokens committed in shadowed requests (the "
+     "cost's denominator).", lambda c: c.committed_tokens),
+)
+
 
 class EngineMetrics:
     def __init__(self, pair: str, version: str, max_categories: int = 32,
@@ -77,30 +101,8 @@ class EngineMetrics:
         self.control_denied = Counter("specpair_control_denied",
                                       "Control calls refused for want of an allowed client certificate.",
                                       base + ["method"], registry=r)
-        # Shadow drafting (specpair/shadow.py): a candidate drafter scored on live requests,
-        # labelled with the candidate's version and content hash; counted per finished request.
         shadow = cat + ["candidate_version", "candidate_hash"]
-        self.shadow_counters = {
-            "requests": Counter("specpair_shadow_requests", "Finished requests the candidate drafter "
-                                "was scored on.", shadow, registry=r),
-            "positions": Counter("specpair_shadow_num_draft_positions", "First draft positions the "
-                                 "candidate was scored at.", shadow, registry=r),
-            "alpha": Counter("specpair_shadow_alpha_sum", "Sum over scored positions of the candidate's "
-                             "first-position acceptance sum_x min(p(x), q(x)).", shadow, registry=r),
-            "champion_positions": Counter("specpair_shadow_champion_num_draft_positions",
-                                          "First draft positions of the serving drafter in shadowed "
-                                          "requests.", shadow, registry=r),
-            "champion_alpha": Counter("specpair_shadow_champion_alpha_sum", "The serving drafter's "
-                                      "first-position acceptance summed over them.", shadow, registry=r),
-            "drafted": Counter("specpair_shadow_num_draft_tokens", "Greedy requests: draft tokens of the "
-                               "candidate's replayed chains.", shadow, registry=r),
-            "accepted": Counter("specpair_shadow_num_accepted_tokens", "Greedy requests: of those, the "
-                                "tokens the target's committed tokens accept.", shadow, registry=r),
-            "seconds": Counter("specpair_shadow_draft_seconds", "Seconds the candidate spent drafting.",
-                               shadow, registry=r),
-            "committed": Counter("specpair_shadow_num_committed_tokens", "Tokens committed in shadowed "
-                                 "requests (the cost's denominator).", shadow, registry=r),
-        }
+        self.shadow_counters = {key: Counter(name, doc, shadow, registry=r) for key, name, doc, _ in SHADOW_COUNTERS}
         self.shadow_skipped_steps = Counter("specpair_shadow_skipped_steps", "Steps not scored: batch above "
                                             "the threshold or KV memory short.",
                                             base + ["candidate_version", "candidate_hash"], registry=r)
@@ -153,6 +155,33 @@ class EngineMetrics:
         if tpot is not None:
             self.time_per_output_token.labels(*labels).observe(tpot)
 
+    def serving_counts(self) -> dict[str, dict]:
+        """Per category, cumulative: the time-to-first-token and time-per-output-token histograms
+        summed over protocols ({"upper_bounds", "counts" (cumulative), "count", "sum"}) and the
+        requests by status. What GetStats reports for the operator's serving-health watch, read
+        from the very series /metrics exports."""
+        out: dict[str, dict] = {}
+
+        def entry(category: str) -> dict:
+            return out.setdefault(category, {"ttft": _histogram(LATENCY_BUCKETS), "tpot": _histogram(TOKEN_BUCKETS),
+                                             "requests": {}})
+        for key, histogram in (("ttft", self.time_to_first_token), ("tpot", self.time_per_output_token)):
+            for family in histogram.collect():
+                for s in family.samples:
+                    h = entry(s.labels["category"])[key]
+                    if s.name.endswith("_bucket") and s.labels["le"] != "+Inf":
+                        h["counts"][h["upper_bounds"].index(float(s.labels["le"]))] += int(s.value)
+                    elif s.name.endswith("_count"):
+                        h["count"] += int(s.value)
+                    elif s.name.endswith("_sum"):
+                        h["sum"] += s.value
+        for family in self.requests.collect():
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    statuses = entry(s.labels["category"])["requests"]
+                    statuses[s.labels["status"]] = statuses.get(s.labels["status"], 0) + int(s.value)
+        return out
+
     def record_memory_fallbacks(self, total: int) -> None:
         """Catch the counter up with the engine's running total (engine.memory_fallbacks)."""
         with self._lock:
@@ -165,11 +194,7 @@ class EngineMetrics:
         bounded = {name: self.category(name) for name in categories}   # before the lock: it takes it
         with self._lock:
             for name, c in categories.items():
-                now = {"requests": c.requests, "positions": c.candidate_alpha.drafted,
-                       "alpha": c.candidate_alpha.accepted, "champion_positions": c.champion_alpha.drafted,
-                       "champion_alpha": c.champion_alpha.accepted, "drafted": c.candidate_chain.drafted,
-                       "accepted": c.candidate_chain.accepted, "seconds": c.draft_seconds,
-                       "committed": c.committed_tokens}
+                now = {key: read(c) for key, _, _, read in SHADOW_COUNTERS}
                 seen = self._shadow_seen.setdefault(name, dict.fromkeys(now, 0))
                 labels = (*self._l(bounded[name]), version, content_hash)
                 for key, value in now.items():
@@ -198,3 +223,7 @@ class EngineMetrics:
         for category, rate in category_rates.items():
             if rate is not None:
                 self.category_acceptance_rate.labels(*self._l(category)).set(rate)
+
+
+def _histogram(bounds: tuple[float, ...]) -> dict:
+    return {"upper_bounds": list(bounds), "counts": [0] * len(bounds), "count": 0, "sum": 0.0}

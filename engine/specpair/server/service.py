@@ -104,6 +104,35 @@ def category_message(snapshot: dict) -> pb.CategoryStats:
     return msg
 
 
+def serving_message(counts: dict) -> pb.ServingStats:
+    """One category's latency histograms and requests by status (EngineMetrics.serving_counts)."""
+    return pb.ServingStats(time_to_first_token=pb.Histogram(**counts["ttft"]),
+                           time_per_output_token=pb.Histogram(**counts["tpot"]), requests=counts["requests"])
+
+
+def add_serving(msg: pb.Stats, serving: dict[str, dict]) -> None:
+    """Per category and overall (their sums) into a Stats message."""
+    overall = None
+    for name, counts in serving.items():
+        part = serving_message(counts)
+        msg.categories[name].serving.CopyFrom(part)
+        if overall is None:
+            overall = part
+            continue
+        overall = pb.ServingStats(
+            time_to_first_token=_sum_histograms(overall.time_to_first_token, part.time_to_first_token),
+            time_per_output_token=_sum_histograms(overall.time_per_output_token, part.time_per_output_token),
+            requests={s: overall.requests.get(s, 0) + part.requests.get(s, 0)
+                      for s in {*overall.requests, *part.requests}})
+    if overall is not None:
+        msg.overall.serving.CopyFrom(overall)
+
+
+def _sum_histograms(a: pb.Histogram, b: pb.Histogram) -> pb.Histogram:
+    return pb.Histogram(upper_bounds=a.upper_bounds, counts=[x + y for x, y in zip(a.counts, b.counts)],
+                        count=a.count + b.count, sum=a.sum + b.sum)
+
+
 def alpha_sums_message(m) -> pb.AlphaSums:
     """A RequestMoments of first positions (drafted) and Σ alpha (accepted) on the wire."""
     return pb.AlphaSums(requests=m.requests, positions=m.drafted, alpha=m.accepted, positions_sq=m.drafted_sq,
@@ -249,6 +278,7 @@ class EngineService:
         await self._require_ready(context)
         await self._parse(raw, pb.GetStatsRequest, context, count=False)
         msg = self.state.stats()
+        add_serving(msg, self.state.metrics.serving_counts())
         shadow = getattr(self.state.engine, "shadow", None)
         if shadow is not None:
             msg.shadow.CopyFrom(shadow_message(shadow))
