@@ -16,20 +16,22 @@ from specpair.server.client import EngineClient
 
 
 class PacedBatch(Batch):
-    """A real Batch whose steps take at least `delay` seconds and that records its peak size.
+    """A real Batch whose steps take at least the engine's `step_delay` seconds and that records
+    its peak size.
 
     Timing tests (cancel, deadline, queue full, drain) need a request that is still running when
-    the test acts; tiny models finish hundreds of tokens in well under a second.
+    the test acts; tiny models finish hundreds of tokens in well under a second. The delay is read
+    at every step, so a test may run unpaced (step_delay 0) where it only needs the replies.
     """
 
-    def __init__(self, engine, delay: float, peaks: list[int]):
+    def __init__(self, engine, peaks: list[int]):
         super().__init__(engine)
-        self.delay, self.peaks = delay, peaks
+        self.paced_engine, self.peaks = engine, peaks
 
     def step(self):
         self.peaks.append(self.active)
-        if self.delay:
-            time.sleep(self.delay)
+        if self.paced_engine.step_delay:
+            time.sleep(self.paced_engine.step_delay)
         return super().step()
 
 
@@ -39,7 +41,8 @@ def make_engine(tiny_pair, *, draft: bool = True, speculation: SpeculationConfig
     engine = SpeculativeEngine(target, draft=draft_model if draft else None, speculation=speculation)
     if delay or peaks is not None:
         recorded = peaks if peaks is not None else []
-        engine.new_batch = lambda: PacedBatch(engine, delay, recorded)
+        engine.step_delay = delay
+        engine.new_batch = lambda: PacedBatch(engine, recorded)
     return engine
 
 

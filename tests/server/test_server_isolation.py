@@ -148,11 +148,14 @@ def test_a_request_that_makes_a_step_raise_fails_alone(tiny_pair, start_server, 
     check = admission.check_fields
     monkeypatch.setattr(admission, "check_fields", lambda fields, limits, **kw: check(
         fields, limits, **{**kw, "vocab_size": None}))
-    server = start_server(engine=make_engine(tiny_pair, delay=0.05), http_port=0, max_batch_size=8,
-                          limits=Limits(max_new_tokens=256))
+    engine = make_engine(tiny_pair, delay=0.05)
+    server = start_server(engine=engine, http_port=0, max_batch_size=8, limits=Limits(max_new_tokens=256))
     sampled = dict(temperature=0.9, seed=1234, speculation_k=0)
     jobs = GREEDY_SIX[:4] + [("grpc", PROMPTS[4], sampled), ("http", PROMPTS[5], sampled)]
+    # Each reply alone, unpaced: pacing changes when steps run, never what they compute (29 s paced).
+    engine.step_delay = 0.0
     alone = Streams(server, jobs).run_alone()
+    engine.step_delay = 0.05
     assert alone[:4] == [reference(tiny_pair, p, LONG).text for p in PROMPTS[:4]]
     assert all(isinstance(t, str) and t for t in alone), alone
 
