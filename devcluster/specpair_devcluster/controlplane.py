@@ -73,6 +73,13 @@ class ControlPlane:
         kcm = ca.issue("controller-manager", "system:kube-controller-manager", client=True)
         sched = ca.issue("scheduler", "system:kube-scheduler", client=True)
         sa = service_account_keys(pki)
+        # The aggregation layer (an extension API server such as KEDA's metrics server): the API
+        # server proxies to it as `front-proxy-client`, from a CA of its own as kubeadm sets it up,
+        # and publishes that CA in kube-system/extension-apiserver-authentication, from which the
+        # extension server learns whom to trust for the X-Remote-* headers. Nothing answers for an
+        # APIService until one is created.
+        front_proxy_ca = CertificateAuthority(pki / "front-proxy", name="specpair-devcluster-front-proxy-ca")
+        front_proxy = front_proxy_ca.issue("front-proxy-client", "front-proxy-client", client=True)
         self.server = f"https://127.0.0.1:{api_port}"
 
         etcd_url = f"https://127.0.0.1:{etcd_port}"
@@ -104,6 +111,11 @@ class ControlPlane:
             "--service-account-key-file", str(sa.cert), "--service-account-signing-key-file", str(sa.key),
             "--service-cluster-ip-range", SERVICE_CIDR,
             "--authorization-mode", "Node,RBAC",
+            "--requestheader-client-ca-file", str(front_proxy_ca.cert),
+            "--requestheader-allowed-names", "front-proxy-client",
+            "--requestheader-username-headers", "X-Remote-User", "--requestheader-group-headers", "X-Remote-Group",
+            "--requestheader-extra-headers-prefix", "X-Remote-Extra-",
+            "--proxy-client-cert-file", str(front_proxy.cert), "--proxy-client-key-file", str(front_proxy.key),
             # On top of the default plugins (NamespaceLifecycle, ServiceAccount, PodSecurity,
             # ResourceQuota, LimitRanger, the webhooks, ...), as kubeadm enables it.
             "--enable-admission-plugins", "NodeRestriction",
@@ -144,7 +156,9 @@ class ControlPlane:
             "--service-cluster-ip-range", SERVICE_CIDR,
             "--leader-elect=false", "--controllers", "*",
             # Garbage collection and Job/Deployment status within a second or two, not minutes.
-            "--concurrent-gc-syncs", "5", "--v", "1"], logs)
+            "--concurrent-gc-syncs", "5",
+            # HorizontalPodAutoscalers (KEDA's among them) read their metrics every second, not every 15 s.
+            "--horizontal-pod-autoscaler-sync-period", "1s", "--v", "1"], logs)
         self._spawn("kube-scheduler", [
             str(self.binaries / "kube-scheduler"),
             "--kubeconfig", str(sched_config), "--authentication-kubeconfig", str(sched_config),
