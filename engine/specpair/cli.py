@@ -272,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="exit 3 when the gate fails (default: 0, the verdict says it)")
     gt.set_defaults(func=cmd_gate)
 
+    from specpair import model_fetch
+    model_fetch.add_parser(sub)
+
     try:
         from specpair.server.cli import add_engine_parser
     except ImportError:

@@ -133,27 +133,69 @@ def convert_gguf(gguf: Path, out_dir: Path, progress=print) -> Path:
     return out_dir
 
 
+def source_kind(source: str | None) -> str:
+    """What a model source names: "default" (the embedded target), "mlflow" (a model URI),
+    "gguf" (a local .gguf file), "local" (a directory, present or not) or "hub" (a hub id)."""
+    if source in (None, "", DEFAULT_TARGET):
+        return "default"
+    if source.startswith(MLFLOW_SOURCE_PREFIXES):
+        return "mlflow"
+    if source.endswith(".gguf"):
+        return "gguf"
+    if Path(source).expanduser().exists() or source.startswith(("/", ".", "~")) \
+            or os.sep in source.strip("/").split("/", 1)[-1]:
+        return "local"
+    return "hub"
+
+
 def resolve_source(source: str, progress=print) -> Path | str:
     """Map a model source to something from_pretrained reads: a local directory or a hub id."""
-    if source in (None, "", DEFAULT_TARGET):
+    kind = source_kind(source)
+    if kind == "default":
         gguf = smollm2_gguf_path()
         return convert_gguf(gguf, cache_root() / "smollm2-135m-instruct-f32", progress)
-    if source.startswith(MLFLOW_SOURCE_PREFIXES):
+    if kind == "mlflow":
         return _download_mlflow_model(source, progress)
     path = Path(source).expanduser()
-    if source.endswith(".gguf"):
+    if kind == "gguf":
         if not path.is_file():
             raise SpecpairError(f"GGUF file not found: {source}")
         target = cache_root() / (path.stem.lower() + f"-{path.stat().st_size}-f32")
         return convert_gguf(path, target, progress)
-    if path.exists():
+    if kind == "local":
+        if not path.exists():
+            raise SpecpairError(f"model path not found: {source}")
         if not (path / "config.json").is_file():
             raise SpecpairError(f"model directory {source} has no config.json")
         return path
-    if source.startswith(("/", ".", "~")) or os.sep in source.strip("/").split("/", 1)[-1]:
-        raise SpecpairError(f"model path not found: {source}")
-    # Anything else is treated as a Hugging Face hub id (needs network; clusters usually have it).
+    # A Hugging Face hub id (needs network, or the model in HF_HUB_CACHE with HF_HUB_OFFLINE=1).
     return source
+
+
+# Where `specpair fetch-models` (model_fetch.py) puts MLflow models inside a shared model cache
+# (the hub cache a PersistentVolumeClaim holds, HF_HUB_CACHE in engine and gate pods).
+PREFETCHED_MLFLOW_DIR = "specpair-mlflow"
+
+
+def mlflow_cache_key(uri: str) -> str:
+    """One folder name per MLflow model URI."""
+    return uri.removeprefix("mlflow:").replace(":/", "_").replace("/", "_")
+
+
+def model_config_dir(root: Path) -> Path | None:
+    """The folder holding a model's config.json under root (logged transformers models may keep
+    their files in a sub-folder), or None."""
+    configs = sorted(root.rglob("config.json")) if root.is_dir() else []
+    return configs[0].parent if configs else None
+
+
+def prefetched_mlflow_model(uri: str, hub_cache: str | None = None) -> Path | None:
+    """The model fetch-models put into the shared model cache for this URI (read in place,
+    nothing downloaded), or None. Its folder appears whole, by one rename, or not at all."""
+    root = hub_cache or os.environ.get("HF_HUB_CACHE")
+    if not root:
+        return None
+    return model_config_dir(Path(root) / PREFETCHED_MLFLOW_DIR / mlflow_cache_key(uri))
 
 
 def _download_mlflow_model(uri: str, progress=print) -> Path:
@@ -162,8 +204,11 @@ def _download_mlflow_model(uri: str, progress=print) -> Path:
         import mlflow.artifacts
     except ImportError as exc:
         raise SpecpairError("MLflow model URIs need the mlflow package") from exc
+    prefetched = prefetched_mlflow_model(uri)
+    if prefetched is not None:
+        return prefetched
     uri = uri.removeprefix("mlflow:")
-    target = cache_root() / "mlflow" / uri.replace(":/", "_").replace("/", "_")
+    target = cache_root() / "mlflow" / mlflow_cache_key(uri)
     # Logged transformers models may keep their files under a sub-folder; find the config.
     configs = sorted(target.rglob("config.json")) if target.is_dir() else []
     if not configs:

@@ -7,11 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -26,50 +21,7 @@ from cluster_env import register_standin_image  # noqa: E402
 from cluster_env import operator_env as operator_env_for  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class MlflowServer:
-    """`mlflow server` with a sqlite store on loopback; stop()/start() keep the same data."""
-
-    def __init__(self, root: Path, args: tuple[str, ...] = (), env: dict[str, str] | None = None):
-        self.root = root
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-        self.args, self.env = tuple(args), dict(env or {})
-
-    def start(self, timeout: float = 90) -> None:
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **self.env}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db",
-             "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1", *self.args],
-            stdout=open(self.root / "server.log", "ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        raise RuntimeError("mlflow server did not come up")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)  # our own process group (start_new_session)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait(5)
-        self.proc = None
+from mlflow_server import MlflowServer, free_port  # noqa: E402,F401  (tests/ is on sys.path; test modules import both from here)
 
 
 @pytest.fixture(scope="session")
