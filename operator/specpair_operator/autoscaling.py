@@ -15,9 +15,13 @@ custom metrics API (prometheus-adapter's default rules serve a gauge under its o
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import manifests, names, owned, validation
+from .kube import PLURALS, KubeError
 from .manifests import engine_name
 
 # The CRD's group/version for scaleTargetRef (the scale subresource is served there).
@@ -25,6 +29,15 @@ PAIR_API_VERSION = "specpair.io/v1alpha1"
 PAIR_KIND = "SpecModelPair"
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 HPA_API_VERSION = "autoscaling/v2"
+API_VERSIONS = {"ScaledObject": KEDA_API_VERSION, "HorizontalPodAutoscaler": HPA_API_VERSION}
+# The pair's condition: its autoscaler is in place (reason: the kind), or why it is not.
+AUTOSCALED = "Autoscaled"
+# How long the answer to "is KEDA installed?" stands: KEDA installed (or removed) after the
+# operator started is seen within this long, and the pair's autoscaler switches kind.
+KEDA_RECHECK_S = 60.0
+# The chart's autoscaling.prometheusAddress: where KEDA asks for a pair's signal, unless the
+# pair names its own.
+PROMETHEUS_ENV = "SPECPAIR_PROMETHEUS_ADDRESS"
 
 
 @dataclass(frozen=True)
@@ -44,7 +57,6 @@ SIGNALS: dict[str, Signal] = {
     "tokensPerSecond": Signal("sum(rate(specpair_num_emitted_tokens_total{{{selector}}}[1m]))",
                               "specpair_num_emitted_tokens", "tokens streamed to clients per second"),
 }
-DEFAULT_SIGNAL = "queueLength"
 
 
 class AutoscalingError(ValueError):
@@ -58,6 +70,8 @@ class Autoscaling:
     metric: str
     target: float
     prometheus: str | None     # KEDA's Prometheus address; None: the operator's default
+    scale_down_stabilization_s: int
+    polling_interval_s: int
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> "Autoscaling | None":
@@ -66,8 +80,9 @@ class Autoscaling:
         raw = (spec.get("rollout") or {}).get("autoscaling")
         if not raw:
             return None
-        lo, hi = raw.get("minReplicas", 1), raw.get("maxReplicas")
-        metric, target = raw.get("metric", DEFAULT_SIGNAL), raw.get("target")
+        raw = validation.autoscaling_with_defaults(raw)
+        lo, hi = raw.get("minReplicas"), raw.get("maxReplicas")
+        metric, target = raw.get("metric"), raw.get("target")
         if not isinstance(hi, int) or isinstance(hi, bool):
             raise AutoscalingError("rollout.autoscaling.maxReplicas is required (an integer)")
         if not isinstance(lo, int) or isinstance(lo, bool) or lo < 1:
@@ -78,7 +93,13 @@ class Autoscaling:
             raise AutoscalingError(f"rollout.autoscaling.metric {metric!r} is not one of {', '.join(SIGNALS)}")
         if not isinstance(target, (int, float)) or isinstance(target, bool) or not target > 0:
             raise AutoscalingError(f"rollout.autoscaling.target must be a number > 0 (per replica), got {target!r}")
-        return cls(lo, hi, metric, float(target), raw.get("prometheusAddress"))
+        window, polling = raw.get("scaleDownStabilizationSeconds"), raw.get("pollingIntervalSeconds")
+        if not isinstance(window, int) or isinstance(window, bool) or not 0 <= window <= 3600:
+            raise AutoscalingError("rollout.autoscaling.scaleDownStabilizationSeconds must be an integer "
+                                   f"from 0 to 3600, got {window!r}")
+        if not isinstance(polling, int) or isinstance(polling, bool) or polling < 1:
+            raise AutoscalingError(f"rollout.autoscaling.pollingIntervalSeconds must be an integer >= 1, got {polling!r}")
+        return cls(lo, hi, metric, float(target), raw.get("prometheusAddress"), window, polling)
 
 
 def query(pair: str, namespace: str, metric: str) -> str:
@@ -90,6 +111,11 @@ def query(pair: str, namespace: str, metric: str) -> str:
 
 def _target_value(target: float) -> str:
     return str(int(target)) if float(target).is_integer() else f"{target:g}"
+
+
+def _behavior(scaling: Autoscaling) -> dict[str, Any]:
+    """How long the replica count must have been wanted lower before it is lowered."""
+    return {"scaleDown": {"stabilizationWindowSeconds": scaling.scale_down_stabilization_s}}
 
 
 def desired_autoscaler(pair: str, namespace: str, scaling: Autoscaling, *, keda: bool,
@@ -108,6 +134,9 @@ def desired_autoscaler(pair: str, namespace: str, scaling: Autoscaling, *, keda:
                 "scaleTargetRef": target_ref,
                 "minReplicaCount": scaling.min_replicas,
                 "maxReplicaCount": scaling.max_replicas,
+                "pollingInterval": scaling.polling_interval_s,
+                # KEDA hands this to the HPA it creates for the ScaledObject.
+                "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(scaling)}},
                 "triggers": [{"type": "prometheus", "metadata": {
                     "serverAddress": address,
                     "query": query(pair, namespace, scaling.metric),
@@ -121,9 +150,85 @@ def desired_autoscaler(pair: str, namespace: str, scaling: Autoscaling, *, keda:
             "scaleTargetRef": target_ref,
             "minReplicas": scaling.min_replicas,
             "maxReplicas": scaling.max_replicas,
+            # An HPA is polled at the controller manager's --horizontal-pod-autoscaler-sync-period
+            # (15 s by default): pollingIntervalSeconds is KEDA's alone.
+            "behavior": _behavior(scaling),
             "metrics": [{"type": "Pods", "pods": {
                 "metric": {"name": SIGNALS[scaling.metric].pod_metric},
                 "target": {"type": "AverageValue", "averageValue": _target_value(scaling.target)},
             }}],
         },
     }
+
+
+def describe(scaling: Autoscaling) -> str:
+    return (f"{scaling.min_replicas} to {scaling.max_replicas} replicas on {scaling.metric} "
+            f"(target {_target_value(scaling.target)} per replica)")
+
+
+async def keda_installed(state: Any) -> bool:
+    """Whether the API server serves KEDA's ScaledObject (API discovery), asked again every
+    KEDA_RECHECK_S so that installing or removing KEDA needs no operator restart."""
+    seen, now = state.keda_seen, time.monotonic()
+    if seen is None or now - seen[1] >= KEDA_RECHECK_S:
+        seen = state.keda_seen = ("scaledobjects" in await state.kube.served_resources(KEDA_API_VERSION), now)
+    return seen[0]
+
+
+async def ensure_autoscaler(state: Any, body: Any, ledger: Any) -> None:
+    """The pair's autoscaler as its `rollout.autoscaling` says: a ScaledObject where KEDA is
+    installed, an HPA otherwise, owned by the pair; the other kind, or both when autoscaling is
+    removed, deleted. What it finds is the pair's Autoscaled condition, with an Event for each
+    object written or deleted. A spec it cannot turn into an autoscaler, a name taken, or a
+    refused write leaves the existing autoscaler as it is and serving untouched: Autoscaled is
+    False with the reason, and a Warning Event says it once."""
+    kube, meta = state.kube, body["metadata"]
+    pair, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    keda = await keda_installed(state)
+    try:
+        scaling = Autoscaling.from_spec(dict(body.get("spec") or {}))
+        desired = None if scaling is None else desired_autoscaler(
+            pair, namespace, scaling, keda=keda, default_prometheus=os.environ.get(PROMETHEUS_ENV) or None,
+            labels={"app.kubernetes.io/managed-by": "specpair-operator", manifests.LABEL_PAIR: names.label_value(pair),
+                    manifests.LABEL_ROLE: "autoscaler"})
+    except AutoscalingError as exc:
+        _not_autoscaled(ledger, "InvalidAutoscaling", f"{exc}; the autoscaler, if any, is left as it was")
+        return
+    # Kinds the pair may have an autoscaler of that it no longer wants: KEDA went or came, or
+    # autoscaling was removed. (Without KEDA there are no ScaledObjects to look for.)
+    kinds = ["ScaledObject"] if keda else []
+    for kind in kinds + ["HorizontalPodAutoscaler"]:
+        if desired is not None and desired["kind"] == kind:
+            continue
+        api_version, name = API_VERSIONS[kind], engine_name(pair)
+        live = await kube.get(api_version, PLURALS[kind], namespace, name)
+        if live is not None and owned.owns(uid, live) and \
+                await kube.delete(api_version, PLURALS[kind], namespace, name, live["metadata"]["uid"]):
+            why = "autoscaling removed from the spec" if desired is None else f"replaced by a {desired['kind']}"
+            ledger.event("Normal", "AutoscalerRemoved", f"{kind} {name} deleted: {why}")
+    if desired is None:
+        ledger.conditions = [cond for cond in ledger.conditions if cond.get("type") != AUTOSCALED]
+        return
+    kind, name = desired["kind"], desired["metadata"]["name"]
+    try:
+        done = await owned.ensure_owned(kube, body, desired)
+    except KubeError as exc:
+        if not exc.permanent:
+            raise
+        _not_autoscaled(ledger, "KubernetesAPIRefused", f"the Kubernetes API refused the {kind} "
+                        f"(HTTP {exc.status}): {exc.message[:600]}")
+        return
+    if done.conflict:
+        _not_autoscaled(ledger, "NameConflict", f"{kind} {name} exists and is not this pair's: it is left alone")
+        return
+    what = f"{kind} {name} scales the pair from {describe(scaling)}"
+    if done.changed:
+        ledger.event("Normal", "AutoscalerCreated" if done.outcome == owned.CREATED else "AutoscalerUpdated", what)
+    ledger.cond(AUTOSCALED, True, kind, what)
+
+
+def _not_autoscaled(ledger: Any, reason: str, message: str) -> None:
+    old = next((cond for cond in ledger.conditions if cond.get("type") == AUTOSCALED), None)
+    if old is None or old.get("message") != message:
+        ledger.event("Warning", reason, message[:1000])
+    ledger.cond(AUTOSCALED, False, reason, message)

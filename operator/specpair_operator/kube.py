@@ -97,7 +97,12 @@ class Kube:
             # %2F back into a separator).
             async with self._session.request(method, URL(self.server + path, encoded=True), json=json,
                                              params=params, headers=headers, ssl=self.ssl) as resp:
-                body = await resp.json(content_type=None) if resp.content_length != 0 else None
+                try:
+                    body = await resp.json(content_type=None) if resp.content_length != 0 else None
+                except ValueError:
+                    if resp.status < 400:
+                        raise
+                    body = await resp.text()  # a plain-text refusal ("404 page not found")
                 if resp.status >= 400:
                     raise KubeError(resp.status, body)
                 return body
@@ -163,6 +168,32 @@ class Kube:
             "source": {"component": component},
             "firstTimestamp": now, "lastTimestamp": now, "count": 1})
 
+    async def delete(self, api_version: str, plural: str, namespace: str | None, name: str, uid: str) -> bool:
+        """Delete the object of that name only while it is still the one with `uid` (a
+        precondition: a new object of the same name is left alone); False when already gone."""
+        try:
+            await self._request("DELETE", _path(api_version, plural, namespace, name), json={
+                "apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid},
+                "propagationPolicy": "Background"})
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def served_resources(self, api_version: str) -> set[str]:
+        """The resources the API server serves under a group/version (API discovery; empty when
+        the group/version is not served, e.g. its CRDs are not installed)."""
+        group, _, version = api_version.rpartition("/")
+        path = f"/apis/{_segment(group)}/{_segment(version)}" if group else f"/api/{_segment(version)}"
+        try:
+            body = await self._request("GET", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return set()
+            raise
+        return {r.get("name", "") for r in (body or {}).get("resources") or []}
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -170,4 +201,5 @@ class Kube:
 
 PLURALS = {"Job": "jobs", "Deployment": "deployments", "Service": "services", "Pod": "pods",
            "ConfigMap": "configmaps", "Event": "events", "NetworkPolicy": "networkpolicies",
-           "Secret": "secrets", "Lease": "leases"}
+           "Secret": "secrets", "Lease": "leases", "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+           "ScaledObject": "scaledobjects"}

@@ -25,6 +25,7 @@ from mlflow.exceptions import MlflowException
 from specpair.stats import RequestMoments
 
 from . import aliases as aliases_mod
+from . import autoscaling
 from . import conditions as c
 from . import drift as drift_mod
 from . import gate_verdict, manifests, names, owned, validation
@@ -417,6 +418,7 @@ class PairReconciler:
         self.ledger.set(replicas=int(((engine.live or {}).get("status") or {}).get("replicas") or 0),
                         selector=",".join(f"{k}={v}" for k, v in manifests.engine_selector(self.name).items()))
         await ensure_owned(kube, self.body, svc, mutable=False, live=live_svc)
+        await autoscaling.ensure_autoscaler(self.operator, self.body, self.ledger)  # outside the release
         state, msg = manifests.deployment_rollout_state(engine.live, digest)
         if state == "progressing":
             waiting = await self._unschedulable(",".join(f"{k}={v}" for k, v in manifests.engine_selector(self.name).items()))

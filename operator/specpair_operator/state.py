@@ -57,6 +57,8 @@ class OperatorState:
     # per pair: the records (history, recorded) the last pass wrote, and until when a body that
     # does not show them is left alone
     status_written: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # Whether KEDA's ScaledObject is served, and when that was last asked (autoscaling.py)
+    keda_seen: tuple[bool, float] | None = None
 
 
 STATE = OperatorState()

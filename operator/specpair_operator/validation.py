@@ -55,6 +55,20 @@ CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     # vllm
     "!has(self.gpuMemoryUtilization) || self.gpuMemoryUtilization > 0.0":
         lambda o: not _number(o.get("gpuMemoryUtilization")) or o["gpuMemoryUtilization"] > 0,
+    # rollout.autoscaling (minReplicas as the API server sees it: its default applied first)
+    "self.maxReplicas >= self.minReplicas":
+        lambda o: not _number(o.get("maxReplicas")) or not _number(autoscaling_with_defaults(o)["minReplicas"])
+        or o["maxReplicas"] >= autoscaling_with_defaults(o)["minReplicas"],
+    "self.target > 0.0": lambda o: not _number(o.get("target")) or o["target"] > 0,
+    # drift.latency: bounds of the serving-health thresholds
+    "!has(self.ttftP95Ratio) || (self.ttftP95Ratio > 1.0 && self.ttftP95Ratio <= 100.0)":
+        lambda o: not _number(o.get("ttftP95Ratio")) or 1.0 < o["ttftP95Ratio"] <= 100.0,
+    "!has(self.tpotP95Ratio) || (self.tpotP95Ratio > 1.0 && self.tpotP95Ratio <= 100.0)":
+        lambda o: not _number(o.get("tpotP95Ratio")) or 1.0 < o["tpotP95Ratio"] <= 100.0,
+    "!has(self.maxErrorRate) || (self.maxErrorRate >= 0.0 && self.maxErrorRate < 1.0)":
+        lambda o: not _number(o.get("maxErrorRate")) or 0.0 <= o["maxErrorRate"] < 1.0,
+    "!has(self.minRequests) || (self.minRequests >= 10 && self.minRequests <= 100000)":
+        lambda o: not _number(o.get("minRequests")) or 10 <= o["minRequests"] <= 100000,
     # rollout: no two of the serving, control and metrics ports are one port
     "!has(self.controlPort) || ((!has(self.port) || self.controlPort != self.port) && "
     "(!has(self.httpPort) || self.controlPort != self.httpPort) && self.controlPort != 9400)":
@@ -86,6 +100,19 @@ def _ports(rollout: dict[str, Any]) -> dict[str, Any]:
     """The rollout's ports as the API server's CEL rules see them: defaults applied first."""
     props = spec_schema()["properties"]["rollout"]["properties"]
     return {k: rollout.get(k, props[k]["default"]) for k in ("port", "httpPort", "controlPort")}
+
+
+def autoscaling_with_defaults(autoscaling: dict[str, Any]) -> dict[str, Any]:
+    """rollout.autoscaling with the CRD's defaults applied (their one home), as the API server
+    sees it once it has defaulted the object."""
+    props = spec_schema()["properties"]["rollout"]["properties"]["autoscaling"]["properties"]
+    return {**{k: sub["default"] for k, sub in props.items() if "default" in sub}, **autoscaling}
+
+
+def latency_defaults() -> dict[str, Any]:
+    """spec.drift.latency's defaults as the CRD declares them (their one home)."""
+    props = spec_schema()["properties"]["drift"]["properties"]["latency"]["properties"]
+    return {k: sub["default"] for k, sub in props.items() if "default" in sub}
 
 
 @lru_cache(maxsize=1)

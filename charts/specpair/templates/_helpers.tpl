@@ -139,6 +139,12 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
 - apiGroups: [""]
   resources: [secrets]
   verbs: [create, patch]
+# Each autoscaled pair's autoscaler on its scale subresource (rollout.autoscaling): an HPA, or
+# KEDA's ScaledObject where KEDA is installed; deleted when autoscaling is removed or KEDA comes
+# or goes. Whether KEDA is installed is API discovery, open to every identity.
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get]
 {{- end -}}
 
 {{/* The CA Secret of the engines' control listeners, in the operator's own namespace: read by
