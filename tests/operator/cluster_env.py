@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -17,6 +16,7 @@ import yaml
 from specpair_devcluster import DevCluster
 from specpair_devcluster.client import ApiError, Kube
 from specpair_operator import release
+from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "specpair"
@@ -63,19 +63,6 @@ def kubectl(cluster: DevCluster, *args: str, input: str | None = None, timeout: 
     tools = REPO / ".tools" / "bin" / "kubectl"
     return subprocess.run([str(tools) if tools.exists() else "kubectl", "--kubeconfig", str(cluster.kubeconfig), *args],
                           input=input, capture_output=True, text=True, timeout=timeout)
-
-
-def wait_until(what: str, predicate: Callable[[], Any], timeout: float = 60.0, interval: float = 0.25,
-               show: Callable[[], Any] | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(interval)
-    state = show() if show else None
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}"
-                         + (f"; state: {json.dumps(state, indent=1, default=str)[-4000:]}" if state is not None else ""))
 
 
 class Namespace:

@@ -4,6 +4,7 @@ client), the target-only reference reply, and waiting that fails the test on tim
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 
@@ -13,6 +14,7 @@ import pytest
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import Batch, SpeculativeEngine
 from specpair.server.client import EngineClient
+from waiting import wait_until
 
 
 class PacedBatch(Batch):
@@ -60,17 +62,13 @@ def reference(tiny_pair, prompt, max_new_tokens: int, chat: bool = False):
 
 
 def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):
-    """The first truthy value of predicate(); fails the test when none comes within timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    value = predicate()
-    if not value:
-        pytest.fail(f"timed out after {timeout:g} s waiting for {getattr(predicate, '__qualname__', predicate)}")
-    return value
+    """waiting.wait_until for a server in this process: a short deadline, looked at often, the
+    condition named by its source line (a lambda) or its name."""
+    try:
+        what = inspect.getsource(predicate).strip() if predicate.__name__ == "<lambda>" else predicate.__qualname__
+    except (AttributeError, OSError, TypeError):
+        what = repr(predicate)
+    return wait_until(what, predicate, timeout, interval)
 
 
 def openai_client(server, **options):
