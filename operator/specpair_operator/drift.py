@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from specpair.stats import RequestMoments
 
@@ -113,26 +113,36 @@ class PodStats:
 
 def pod_deltas(previous: Mapping[str, PodStats], at: float | None,
                pods: list[PodStats]) -> dict[str, RequestMoments]:
-    """What all pods drafted since the previous observation, per category.
+    """What all pods drafted since the previous observation, per category (counter_deltas)."""
+    return counter_deltas(previous, at, pods, RequestMoments(), lambda d: d.drafted > 0 or (d.requests or 0) > 0)
+
+
+def counter_deltas(previous: Mapping[str, Any], at: float | None, pods: list[Any], zero: Any,
+                   moved: Callable[[Any], bool]) -> dict[str, Any]:
+    """The growth of all pods' cumulative counters since the previous observation, per category.
+
+    pods: values with `pod`, `categories` (cumulative counters with +, - and `below`) and
+    `started` (PodStats; serving_health's PodServing); zero: a counter with nothing counted;
+    moved: whether a difference counted anything.
 
     A pod seen for the first time contributes only its counters' growth from now on, unless its
     process started after the previous observation (then all it reports is new). A pod whose
     counters went backwards or whose process start moved restarted: all it reports is new."""
-    out: dict[str, RequestMoments] = {}
+    out: dict[str, Any] = {}
     for p in pods:
         old = previous.get(p.pod)
         if old is None:
             fresh = at is not None and p.started is not None and p.started > at
             if not fresh:
                 continue
-            base: Mapping[str, RequestMoments] = {}
+            base: Mapping[str, Any] = {}
         else:
             restarted = (p.started is not None and old.started is not None and p.started > old.started + 1.0) or \
-                any(p.categories.get(c, RequestMoments()).below(v) for c, v in old.categories.items())
+                any(p.categories.get(c, zero).below(v) for c, v in old.categories.items())
             base = {} if restarted else old.categories
         for cat, now in p.categories.items():
             d = now - base[cat] if cat in base else now
-            if d.drafted > 0 or (d.requests or 0) > 0:
+            if moved(d):
                 out[cat] = out[cat] + d if cat in out else d
     return out
 
@@ -272,6 +282,18 @@ class Memory:
 
 
 @dataclass(frozen=True)
+class ServingPressure:
+    """A sustained breach of serving health (latency or errors, judged in serving_health.py) for
+    the ladder. first: the step it asks for (SpeculationOff when speculation is what got slower,
+    Rollback otherwise: an error rate, or latency with speculation not to blame); reason: the
+    numbers; rollback_helps and why: whether the previous release did better on what breaches."""
+    first: str
+    reason: str
+    rollback_helps: bool
+    why: str
+
+
+@dataclass(frozen=True)
 class Decision:
     state: DriftState
     memory: Memory
@@ -296,12 +318,16 @@ def gated_categories(baseline: Mapping[str, float]) -> dict[str, float]:
 
 def decide(policy: DriftPolicy, state: DriftState, memory: Memory, now: float, pods: list[PodStats],
            baseline: Mapping[str, float], previous_baseline: Mapping[str, float] | None = None,
-           same_models: bool = False) -> Decision:
+           same_models: bool = False, serving: ServingPressure | None = None) -> Decision:
     """One observation of all ready pods -> the ladder's next action.
 
     baseline / previous_baseline: gated acceptance per category ('*' overall) of the serving
     release and of the release a rollback would go to (None: there is none). same_models: both
-    releases serve the same target and draft."""
+    releases serve the same target and draft. serving: a sustained breach of latency or errors
+    (serving_health.decide passes it); acceptance goes first, then it climbs the same ladder:
+    SpeculationOff where it asks for it and that is the next step, Rollback where it asks for it
+    (or speculation is off already) and the ladder still has it; while it lasts speculation is
+    not turned back on."""
     gated = gated_categories(baseline)
     if not gated and OVERALL in baseline:
         gated = None   # an old verdict without categories: judge everything against the overall
@@ -357,18 +383,33 @@ def decide(policy: DriftPolicy, state: DriftState, memory: Memory, now: float, p
             action, reason = ROLLBACK, "; ".join(j.message() for j in sustained) + "; " + why
         else:
             reason = "no rollback: " + why
+    elif serving is not None:
+        action, reason = _serving_step(serving, policy, state, step)
     elif _off(state, policy) and fine_in_row >= policy.consecutive:
         action, reason = SPECULATION_ON, "acceptance back within the gated baseline: " + \
             "; ".join(j.message() for j in counted)
     if action is not None:
         # Each step starts the evidence afresh: what comes next must be measured after it.
-        steps = 0 if action == SPECULATION_ON else state.steps_taken + 1
+        # A step skipped to (an error rate rolls back at once) counts the ones before it as taken.
+        steps = 0 if action == SPECULATION_ON else policy.ladder.index(action, state.steps_taken) + 1
         state = DriftState(steps_taken=steps, since=now)
         memory = replace(memory, windows={}, probe_started=None, probe_judged=0, last_draft_at=None)
     speculation = True
     if _off(state, policy) and action != ROLLBACK:
         memory, speculation = _probe(policy, state, memory, now)
     return Decision(state, memory, action, speculation, tuple(judged), shift, reason)
+
+
+def _serving_step(serving: ServingPressure, policy: DriftPolicy, state: DriftState,
+                  step: str | None) -> tuple[str | None, str]:
+    """The ladder's step for a sustained serving-health breach (action or None, reason)."""
+    if serving.first == SPECULATION_OFF and step == SPECULATION_OFF:
+        return SPECULATION_OFF, serving.reason
+    if ROLLBACK in policy.ladder[state.steps_taken:] and (serving.first == ROLLBACK or step == ROLLBACK):
+        if serving.rollback_helps:
+            return ROLLBACK, serving.reason + "; " + serving.why
+        return None, "no rollback: " + serving.why
+    return None, ""
 
 
 def _probe(policy: DriftPolicy, state: DriftState, memory: Memory, now: float) -> tuple[Memory, bool]:
