@@ -40,6 +40,7 @@ RESOURCES: dict[str, tuple[str, bool]] = {
     "ClusterRole": ("clusterroles", False), "ClusterRoleBinding": ("clusterrolebindings", False),
     "CustomResourceDefinition": ("customresourcedefinitions", False),
     "SpecModelPair": ("specmodelpairs", True),
+    "PersistentVolume": ("persistentvolumes", False), "PersistentVolumeClaim": ("persistentvolumeclaims", True),
 }
 
 

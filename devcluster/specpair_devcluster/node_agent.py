@@ -20,7 +20,11 @@ How a pod runs here, and where that differs from a kubelet with a container runt
   hostPath become folders under the pod's directory (hostPath: the real path), and every
   mount path found in the command line, in environment values or as workingDir is rewritten
   to its folder. A service-account mount also yields a kubeconfig in $KUBECONFIG holding the
-  same projected token (programs read /var/run/secrets/... only inside containers). Paths
+  same projected token (programs read /var/run/secrets/... only inside containers). A
+  persistentVolumeClaim is the folder of the PersistentVolume it is bound to, when that is a
+  hostPath or local volume (a local cluster's kind), shared by every pod that mounts it; a
+  read-only mount of it is bound read-only over itself in a mount namespace of the program's own
+  (unshare), so the pod cannot write there while a pod that mounts it read-write can. Paths
   listed in `NodeSpec.preseeded` (the model cache) map to one folder shared by all pods, like
   a node image that ships them.
 - Termination messages: the file at terminationMessagePath is a file under the pod's directory
@@ -42,6 +46,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import fcntl
+import functools
 import os
 import re
 import shlex
@@ -611,7 +616,7 @@ class PodWorker:
             raise ContainerError("ErrImagePull", f"image {container.get('image')!r} is not available on "
                                  f"{self.agent.spec.name}: devcluster nodes hold only the project's own images "
                                  f"({', '.join(self.agent.images.entrypoints)})")
-        mounts = self._volumes(container)
+        mounts, read_only = self._volumes(container)
         # The termination message file, as the kubelet provides it: empty at each start, read
         # into the terminated state's message when the container exits.
         termination = self._termination_file(container)
@@ -623,16 +628,32 @@ class PodWorker:
         argv = self.agent.images.argv(container, lambda a: rewrite(a).replace("0.0.0.0", self.ip))
         if "engine" in argv and "serve" in argv and "--host" not in argv:
             argv += ["--host", self.ip]
+        if read_only:
+            argv = self._read_only_view(argv, read_only)
         cwd = rewrite(container["workingDir"]) if container.get("workingDir") else str(self.dir)
         return argv, env, cwd
+
+    def _read_only_view(self, argv: list[str], folders: set[str]) -> list[str]:
+        """argv in a mount namespace of its own where each read-only claim's folder is bound
+        read-only over itself: the program cannot write there, while other pods (a Job
+        filling the volume) still can."""
+        wrapper = read_only_wrapper()
+        if wrapper is None:
+            self.agent._event(self.pod, "Warning", "ReadOnlyNotEnforced",
+                              "this machine cannot make mount namespaces (unshare); read-only volumes are writable")
+            return argv
+        binds = " && ".join(f"mount --bind -o ro {shlex.quote(p)} {shlex.quote(p)}" for p in sorted(folders))
+        return [*wrapper, "sh", "-c", f'{binds} && exec "$@"', "sh", *argv]
 
     def _termination_file(self, container: dict[str, Any]) -> Path:
         return self.dir / f"{container['name']}.termination-log"
 
-    def _volumes(self, container: dict[str, Any]) -> dict[str, str]:
-        """mountPath -> host folder for this container's mounts, materialising each volume."""
+    def _volumes(self, container: dict[str, Any]) -> tuple[dict[str, str], set[str]]:
+        """mountPath -> host folder for this container's mounts, materialising each volume, and
+        the host folders it may only read (its read-only claims)."""
         volumes = {v["name"]: v for v in self.pod["spec"].get("volumes") or []}
         out: dict[str, str] = {}
+        read_only: set[str] = set()
         for m in container.get("volumeMounts") or []:
             path = m["mountPath"]
             if path in self.agent.spec.preseeded:
@@ -648,8 +669,10 @@ class PodWorker:
                 out[path] = vol["hostPath"]["path"]
                 continue
             if "persistentVolumeClaim" in vol:
-                raise ContainerError("CreateContainerConfigError",
-                                     f"volume {m['name']!r}: persistentVolumeClaim is not supported on devcluster nodes")
+                out[path] = self._claim_folder(vol, m)
+                if m.get("readOnly") or vol["persistentVolumeClaim"].get("readOnly"):
+                    read_only.add(out[path])
+                continue
             files = self._volume_files(vol)
             for rel, data in files.items():
                 target = host / rel
@@ -657,7 +680,34 @@ class PodWorker:
                 target.write_bytes(data)
             base = host / m["subPath"] if m.get("subPath") else host
             out[path] = str(base)
-        return out
+        return out, read_only
+
+    def _claim_folder(self, vol: dict[str, Any], mount: dict[str, Any]) -> str:
+        """The folder of the PersistentVolume a claim is bound to: its hostPath or local path (what
+        a local cluster's volumes are), as a kubelet reads claim and volume (the Node authorizer
+        lets a node read those its pods use)."""
+        claim_name = vol["persistentVolumeClaim"]["claimName"]
+        ns = self.pod["metadata"]["namespace"]
+        claim = self.agent.kube.get("v1", "PersistentVolumeClaim", ns, claim_name)
+        if claim is None:
+            raise ContainerError("CreateContainerConfigError", f'persistentvolumeclaim "{claim_name}" not found')
+        volume_name = (claim.get("spec") or {}).get("volumeName")
+        if (claim.get("status") or {}).get("phase") != "Bound" or not volume_name:
+            raise ContainerError("CreateContainerConfigError",
+                                 f'persistentvolumeclaim "{claim_name}" is not bound to a volume yet')
+        pv = self.agent.kube.get("v1", "PersistentVolume", None, volume_name) or {}
+        source = (pv.get("spec") or {}).get("hostPath") or (pv.get("spec") or {}).get("local")
+        if not source or not source.get("path"):
+            raise ContainerError("CreateContainerConfigError",
+                                 f'volume {mount["name"]!r}: persistentvolume "{volume_name}" is neither hostPath '
+                                 f"nor local; devcluster nodes mount only those")
+        folder = Path(source["path"])
+        if "hostPath" in pv["spec"] and pv["spec"]["hostPath"].get("type") in (None, "", "DirectoryOrCreate"):
+            folder.mkdir(parents=True, exist_ok=True)
+        if not folder.is_dir():
+            raise ContainerError("CreateContainerConfigError",
+                                 f'persistentvolume "{volume_name}": {folder} is not a directory on this node')
+        return str(folder / mount["subPath"]) if mount.get("subPath") else str(folder)
 
     def _volume_files(self, vol: dict[str, Any]) -> dict[str, bytes]:
         meta = self.pod["metadata"]
@@ -829,6 +879,24 @@ class PodWorker:
             return
         self.last_status = status
         self.agent._patch_status(self.pod, status)
+
+
+@functools.lru_cache(maxsize=1)
+def read_only_wrapper() -> list[str] | None:
+    """How this machine runs a program in a mount namespace of its own (as root: unshare --mount;
+    otherwise in a user namespace too), or None when it cannot: tried once, on a folder bound
+    read-only and then written to."""
+    candidates = [["unshare", "--mount"]] if os.geteuid() == 0 else []
+    candidates.append(["unshare", "--user", "--map-root-user", "--mount"])
+    with tempfile.TemporaryDirectory() as folder:
+        script = f"mount --bind -o ro {shlex.quote(folder)} {shlex.quote(folder)} && ! touch {shlex.quote(folder)}/w 2>/dev/null"
+        for wrapper in candidates:
+            try:
+                if subprocess.run([*wrapper, "sh", "-c", script], capture_output=True, timeout=10).returncode == 0:
+                    return wrapper
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+    return None
 
 
 def _path_rewriter(mounts: dict[str, str]):
