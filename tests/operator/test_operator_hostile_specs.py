@@ -225,6 +225,8 @@ def code_pair(name: str, draft: str, **spec: Any) -> dict[str, Any]:
     {"rollout": {"modelCache": {"persistentVolumeClaim": ".."}}},
     {"rollout": {"port": 50052}},
     {"rollout": {"httpPort": METRICS_PORT}},
+    {"drift": {"latency": {"ttftP95Ratio": 1.0, "maxErrorRate": 1.0}}},
+    {"drift": {"latency": {"tpotP95Ratio": 0.5, "minRequests": 5}}},
 ])
 def test_references_and_ports_are_refused_by_the_api_server_and_the_operator_in_the_same_words(env, change):
     """Nothing a pair names can leave its namespace: the API server refuses such a pair, and the
