@@ -1,18 +1,26 @@
-"""Every read a pass needs about the spec's release, into one ReleaseWorld (world.py): its
-aliases, tags and gate result from MLflow, its gate Jobs (one per attempt), what their pods
-reported, and the gate's NetworkPolicy from the API server."""
+"""Every read a pass needs, into values: about the spec's release, one ReleaseWorld (world.py):
+its aliases, tags and gate result from MLflow, its gate Jobs (one per attempt), what their pods
+reported, and the gate's NetworkPolicy from the API server; about the champion's serving, one
+ServingWorld (serving_world.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import replace
 from typing import Any, Mapping
 
 from . import aliases as aliases_mod
 from . import conditions as c
-from . import gate_attempts, manifests
-from .kube import Kube
+from . import drift as drift_mod
+from . import gate_attempts, gate_verdict, manifests, names, owned, serving_plan
+from . import tls as tls_mod
+from .engine_probe import EngineUnreachable
+from .kube import Kube, KubeError
 from .owned import owns
-from .registry import ReleaseRegistry
+from .registry import TAG_ROLLED_BACK, ReleaseRegistry
+from .serving_world import DriftMemory, EnginePod, EngineTLS, Installation, ServingWorld, ready_pods
+from .state import CA_REFRESH_S, OperatorState, control_ca
 from .world import GateJob, Records, ReleaseWorld, pods_waiting
 
 
@@ -69,3 +77,148 @@ async def observe_release(kube: Kube, registry: ReleaseRegistry, body: Mapping[s
         gate_pods_waiting=pods_waiting([p for p in pods if (p["metadata"].get("labels") or {}).get("job-name") == latest]),
         verified_verdicts={str(k): str(v) for k, v in (status.get("verifiedVerdicts") or {}).items()},
         records=Records.from_status(status), attempts=policy, now=c.now_iso())
+
+
+# -- the champion's serving -----------------------------------------------------------------------
+
+async def observe_serving(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str, Any],
+                          status: Mapping[str, Any], model: str, aliases: Mapping[str, str], desired: str | None,
+                          desired_reason: str = "", while_gating: bool = False) -> ServingWorld:
+    """Every read the champion's serving needs, into one ServingWorld. The reads follow the
+    plan's own questions (serving_plan's pure functions): pods are asked who they are only once
+    the rollout is available, counters only when the identity holds and a drift check is due,
+    the previous release only when the ladder's next step is a rollback."""
+    w = _serving_world(op, body, spec, status, model, aliases, desired, desired_reason, while_gating)
+    champion = aliases.get(aliases_mod.CHAMPION)
+    if champion is None:
+        return w
+    tags = await asyncio.to_thread(op.registry.version_tags, model, champion)
+    w = replace(w, tags=dict(tags))
+    if tags.get(TAG_ROLLED_BACK):
+        return w
+    _, verdict, _ = await asyncio.to_thread(op.registry.gate_result, model, champion)
+    # A champion's verdict edited in MLflow after its promotion serves with the spec's speculation
+    # and no gated numbers, rather than with whatever the tag now says.
+    w = replace(w, verdict=gate_verdict.usable_verdict(verdict))
+    w = await _observe_engine(op, w)
+    if serving_plan.rollout_state(w)[0] != "available":
+        return w
+    legacy = names.legacy_object_name(w.pair, "engine")
+    if legacy != manifests.engine_name(w.pair):
+        w = replace(w, legacy_deployment=await op.kube.get("apps/v1", "deployments", w.namespace, legacy))
+    return await _observe_pods(op, w, champion)
+
+
+async def observe_watch(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str, Any],
+                        status: Mapping[str, Any]) -> ServingWorld | None:
+    """While MLflow is down: the champion as the last pass that verified it found it in MLflow,
+    its pods and what they report (None when no pass has verified one)."""
+    cached = op.watch_cache.get(body["metadata"]["uid"])
+    if cached is None:
+        return None
+    model, aliases, champion, tags, verdict, served_hash = cached
+    w = _serving_world(op, body, spec, status, model, aliases, champion, "", False)
+    w = replace(w, registry_down=True, tags=dict(tags), verdict=dict(verdict), served_hash=served_hash,
+                pods=tuple(await op.kube.list("v1", "pods", w.namespace, serving_plan.engine_selector(w.pair))))
+    return await _observe_pods(op, w, champion)
+
+
+def _serving_world(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str, Any], status: Mapping[str, Any],
+                   model: str, aliases: Mapping[str, str], desired: str | None, desired_reason: str,
+                   while_gating: bool) -> ServingWorld:
+    meta = body["metadata"]
+    uid = meta["uid"]
+    version, memory = op.samples.get(uid, ("", drift_mod.Memory()))
+    return ServingWorld(
+        pair=meta["name"], namespace=meta["namespace"], uid=uid, model=model, aliases=dict(aliases), desired=desired,
+        desired_reason=desired_reason, while_gating=while_gating, spec=spec, status=status,
+        records=Records.from_status(status),
+        installation=Installation(op.gate_tracking_uri,
+                                  manifests.MlflowCredentials.for_pair(spec.get("mlflow"), op.credentials), op.pods),
+        now=c.now_iso(),
+        drift=DriftMemory(version, memory, op.last_drift_check.get(uid, 0.0), time.monotonic(), time.time()))
+
+
+async def _observe_engine(op: OperatorState, w: ServingWorld) -> ServingWorld:
+    """The engine's Deployment, Service, NetworkPolicy, certificate marks and pods."""
+    kube, name = op.kube, manifests.engine_name(w.pair)
+    w = replace(w, deployment=await kube.get("apps/v1", "deployments", w.namespace, name),
+                service=await kube.get("v1", "services", w.namespace, name))
+    if serving_plan.name_taken(w):
+        return w
+    if serving_plan.kind_of(w) != "vllm":
+        w = replace(w, tls=await _observe_tls(op, w))
+    policy = manifests.engine_network_policy(w.pair, w.namespace, op.pods)["metadata"]["name"]
+    return replace(w, policy=await kube.get("networking.k8s.io/v1", "networkpolicies", w.namespace, policy),
+                   pods=tuple(await kube.list("v1", "pods", w.namespace, serving_plan.engine_selector(w.pair))))
+
+
+async def _observe_tls(op: OperatorState, w: ServingWorld) -> EngineTLS:
+    """The CA of now, and what the pair's Secret holds as far as the operator may ask without
+    reading it (RBAC: create and patch Secrets, no get): whether it carries the mark of a
+    certificate from this CA for these names (a dry-run JSON patch of tests), or is gone."""
+    ca = await control_ca(op)
+    secret = manifests.engine_tls_secret_name(w.pair)
+    dns = tls_mod.engine_dns_names(manifests.engine_name(w.pair), w.namespace)
+    ca_fingerprint = tls_mod.fingerprint(ca.cert_pem)
+    tls = EngineTLS(secret, ca_fingerprint, dns, serving_plan.issued_for(ca_fingerprint, dns))
+    check = serving_plan.certificate_check(replace(w, tls=tls))
+    ref = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": w.namespace}}
+    if check == "other":
+        return replace(tls, held=await owned.holds(op.kube, w.uid, ref, {serving_plan.ANN_ISSUED_FOR: tls.issued_for}))
+    if check == "current":
+        return replace(tls, missing=await _secret_missing(op, w.uid, ref))
+    return tls
+
+
+async def _secret_missing(op: OperatorState, uid: str, ref: dict[str, Any]) -> bool:
+    """Whether the Secret is gone (deleted by hand), asked every CA_REFRESH_S by trying to
+    create it: the operator may not read Secrets, and engine pods cannot start without it."""
+    if time.monotonic() - op.tls_checked_at.get(uid, 0.0) < CA_REFRESH_S:
+        return False
+    try:
+        # dryRun: nothing is written; 409 means it is there.
+        await op.kube.create(ref, read_existing=False, dry_run=True)
+    except KubeError as exc:
+        if exc.status != 409:
+            raise
+        op.tls_checked_at[uid] = time.monotonic()
+        return False
+    return True
+
+
+async def _observe_pods(op: OperatorState, w: ServingWorld, champion: str) -> ServingWorld:
+    """Who each ready pod says it is (up to the first that does not answer); then, when they
+    are the champion's and a drift check is due, their counters (likewise), and the release a
+    rollback would go to when the ladder's next step is one."""
+    probe = op.vllm_probe if serving_plan.kind_of(w) == "vllm" else op.probe
+    server = tls_mod.server_name(manifests.engine_name(w.pair), w.namespace)
+    ready = []
+    for pod in ready_pods(list(w.pods)):
+        meta = pod["metadata"]
+        view = EnginePod(meta["name"], meta.get("uid", ""), pod["status"]["podIP"])
+        try:
+            view = replace(view, info=await probe.model_info(serving_plan.address(w, view), server_name=server))
+        except EngineUnreachable as exc:
+            ready.append(replace(view, unreachable=str(exc)))
+            break
+        ready.append(view)
+    w = replace(w, ready=tuple(ready))
+    ok, _, verified = serving_plan.identity(w, champion, serving_plan.champion_digest(w))
+    position = serving_plan.drift_position(w, champion)
+    if not ok or position is None or not position.due:
+        return w
+    counted = []
+    for view in verified:
+        try:
+            counted.append(replace(view, stats=await probe.stats(serving_plan.address(w, view), server_name=server)))
+        except EngineUnreachable as exc:
+            counted.append(replace(view, stats_unreachable=str(exc)))
+            break
+    w = replace(w, ready=tuple(counted) + w.ready[len(counted):])
+    if serving_plan.rollback_needs_previous(w, champion):
+        target = w.aliases[aliases_mod.PREVIOUS]
+        _, previous_verdict, _ = await asyncio.to_thread(op.registry.gate_result, w.model, target)
+        previous_tags = await asyncio.to_thread(op.registry.version_tags, w.model, target)
+        w = replace(w, drift=replace(w.drift, previous_verdict=previous_verdict, previous_tags=dict(previous_tags)))
+    return w

@@ -112,6 +112,8 @@ class Report:
     message: str
     ready_message: str | None = None
     provisional: bool = False
+    ready_reason: str | None = None     # stalled: Ready's reason when it is not `reason`
+    replacing: bool = False             # stands over a report made earlier in the pass
 
 
 @dataclass(frozen=True)

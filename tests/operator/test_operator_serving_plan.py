@@ -1,0 +1,539 @@
+"""The champion's serving (serving_plan.py) as tables: for each scenario the end-to-end tests
+drive through a real API server, MLflow and engines (a first rollout; scaling; a new template;
+the legacy engine retired; a name taken by an object the pair does not own; a certificate
+issued, kept or reissued; a pod with another tokenizer; the drift ladder from SpeculationOff to
+a rollback, or to RollbackWouldNotHelp; MLflow down), a ServingWorld and the steps plan_serving
+returns for it.
+
+Then recovery: a small model of the cluster (`Cluster`) runs passes until nothing is left to
+do, with the operator killed after each write of the way in turn (the writes stay, the status
+and the in-process memory of that pass are lost). Every run ends where the undisturbed one does,
+with each action recorded once.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from specpair_operator import drift, manifests, owned, release
+from specpair_operator import plan as p
+from specpair_operator import serving_plan as sp
+from specpair_operator.registry import TAG_HASH, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
+from specpair_operator.serving_world import DriftMemory, EnginePod, EngineTLS, ServingWorld
+from specpair_operator.world import Records, ReleaseWorld
+
+PAIR, NS, UID, MODEL = "chat", "team", "uid-chat", "team-chat"
+NOW = "2026-11-25T12:00:00Z"
+GOOD = {"passed": True, "reasons": [], "tokenizer": {"compatible": True, "differences": []},
+        "greedyIdentity": 1.0, "acceptanceRate": 0.7, "speedup": 1.4,
+        "categories": {"code": {"acceptanceRate": 0.8}, "chat": {"acceptanceRate": 0.6}}}
+# Small windows so a few passes climb the ladder: every pass is a check.
+DRIFT = {"windowSeconds": 10, "intervalSeconds": 0, "minDraftedTokens": 100, "minRequests": 5,
+         "consecutiveBreaches": 1, "probeAfterWindows": 1000}
+SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "abc"}, "draft": {"drafter": "ngram"},
+        "rollout": {"replicas": 1}, "drift": DRIFT}
+TLS = EngineTLS("chat-engine-tls", "ca1", ("chat-engine.team.svc",), "ca1/names")
+CURRENT_TLS = {"secret": TLS.secret, "caFingerprint": "ca1", "names": list(TLS.names), "notAfter": "2027-11-25T12:00:00Z"}
+
+
+def release_tags(version: str, draft: dict[str, Any] | None = None) -> dict[str, str]:
+    """A release of the pair (k differs per version; the draft only when given)."""
+    spec = {**SPEC, "speculation": {"k": 3 + int(version)}, **({"draft": draft} if draft else {})}
+    rel = release.build_release(PAIR, NS, spec, [{"prompt": "x"}])
+    return {p.TAG_RELEASE: json.dumps(rel, sort_keys=True), TAG_HASH: release.content_hash(rel),
+            TAG_TOKENIZER_TARGET: "t", TAG_TOKENIZER_DRAFT: "d"}
+
+
+def base(**changes: Any) -> ServingWorld:
+    w = ServingWorld(pair=PAIR, namespace=NS, uid=UID, model=MODEL, aliases={"champion": "1"}, desired="1",
+                     spec=SPEC, status={"engineTLS": CURRENT_TLS}, now=NOW, tags=release_tags("1"), verdict=GOOD,
+                     tls=TLS)
+    return dataclasses.replace(w, **changes)
+
+
+def mine(obj: dict[str, Any], mutable: bool = True) -> dict[str, Any]:
+    """`obj` as the API server holds it after ensure_owned wrote it for this pair."""
+    obj = copy.deepcopy(obj)
+    if mutable:
+        owned.stamp(obj)
+    obj["metadata"]["ownerReferences"] = [{"uid": UID, "controller": True, "kind": "SpecModelPair", "name": PAIR}]
+    return obj
+
+
+def theirs(obj: dict[str, Any]) -> dict[str, Any]:
+    obj = copy.deepcopy(obj)
+    obj["metadata"]["ownerReferences"] = [{"uid": "someone-else", "controller": True}]
+    return obj
+
+
+def deployment(w: ServingWorld, available: bool = True, **status: Any) -> dict[str, Any]:
+    dep = mine(sp.engine_deployment(w, sp.served_release(w)))
+    n = dep["spec"]["replicas"]
+    dep["metadata"]["generation"] = 1
+    dep["status"] = {"observedGeneration": 1, "replicas": n, "updatedReplicas": n,
+                     "availableReplicas": n if available else 0, **status}
+    return dep
+
+
+def pod_info(w: ServingWorld, speculating: bool = True, **changes: Any) -> dict[str, Any]:
+    return {"pair": PAIR, "releaseVersion": w.aliases["champion"],
+            "contentHash": release.content_hash(sp.served_release(w)),
+            "tokenizer": {"target": "t", "draft": "d"}, "speculationEnabled": speculating, **changes}
+
+
+def serving(w: ServingWorld | None = None, pods: int = 1, **info: Any) -> ServingWorld:
+    """`w` with its engine in place and available, and `pods` ready pods that answer."""
+    w = w or base()
+    dep = deployment(w)
+    return dataclasses.replace(
+        w, deployment=dep, records=Records({"RolloutStarted": (f"{w.aliases['champion']}@{sp.template_fingerprint(dep)}",)}), service=mine(manifests.engine_service(PAIR, NS, {}), mutable=False),
+        policy=mine(manifests.engine_network_policy(PAIR, NS)),
+        ready=tuple(EnginePod(f"pod{i}", f"u{i}", f"10.0.0.{i}", pod_info(w, **info)) for i in range(pods)))
+
+
+def kinds(steps: tuple[Any, ...]) -> list[str]:
+    """Each step by its class, a Record by its action, a Report by its reason, writes by what they touch."""
+    out = []
+    for s in steps:
+        name = type(s).__name__
+        if isinstance(s, p.Record):
+            name = f"Record {s.action}"
+        elif isinstance(s, p.Report):
+            name = f"Report {s.how} {s.phase}/{s.reason}"
+        elif isinstance(s, p.PostEvent):
+            name = f"Event {s.reason}"
+        elif isinstance(s, p.SetAlias):
+            name = f"SetAlias {s.alias}={s.version}"
+        elif isinstance(s, p.TagVersion):
+            name = "TagVersion " + ",".join(f"{k}={'set' if v else 'cleared'}" for k, v in sorted(s.tags.items()))
+        elif isinstance(s, sp.EnsureOwned):
+            name = f"EnsureOwned {s.manifest['kind']}"
+        elif isinstance(s, sp.SwitchSpeculation):
+            name = f"SwitchSpeculation {'on' if s.enabled else 'off'}"
+        elif isinstance(s, sp.ReportSpeculation):
+            name = "ReportSpeculation " + (f"stuck {len(s.stuck)}" if s.stuck else
+                                           (s.otherwise.reason if s.otherwise else "-"))
+        elif isinstance(s, p.SetStatus):
+            name = "SetStatus " + ",".join(sorted(s.fields))
+        out.append(name)
+    return out
+
+
+def writes(steps: tuple[Any, ...]) -> list[str]:
+    return [k for s, k in zip(steps, kinds(steps)) if isinstance(s, sp.WRITES)]
+
+
+# -- the engine's objects -----------------------------------------------------------------------
+
+ENGINE = ["EnsureOwned NetworkPolicy", "EnsureOwned Deployment"]  # created, or patched to what is rendered now
+
+
+def test_a_first_rollout_creates_the_engine_and_records_it_once():
+    steps = sp.plan_serving(base(status={}))
+    assert kinds(steps) == [
+        "SetStatus previousVersion,servingVersion", "SetStatus speedup", "ExportSpeedup", "SetStatus acceptance",
+        "IssueCertificate", *ENGINE, "Record RolloutStarted", "SetStatus replicas,selector", "EnsureOwned Service",
+        "EnsureAutoscaler", "Report reconciling RollingOut/RollingOut"]
+    report = steps[-1]
+    assert report.message == "rolling out v1: Deployment controller has not observed the new template yet"
+    # Created: its pods wait on the scheduler, which the report says.
+    stuck = {"metadata": {"name": "chat-engine-x"}, "status": {"conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/1 nodes: Insufficient cpu"}]}}
+    w = base()
+    progressing = sp.plan_serving(dataclasses.replace(w, deployment=deployment(w, available=False), pods=(stuck,)))
+    assert progressing[-1].message.endswith("pod chat-engine-x is Pending: Unschedulable: 0/1 nodes: Insufficient cpu")
+    assert "Record RolloutStarted" in kinds(progressing)  # created by a pass that died before its status
+
+
+def test_an_available_engine_whose_pods_answer_serves():
+    w = serving(pods=2)
+    steps = sp.plan_serving(w)
+    assert writes(steps) == []  # everything is as rendered: nothing written
+    assert kinds(steps)[-1] == "ReportSpeculation Serving"
+    assert steps[-1].otherwise.message == "v1 serving on 2 pod(s), identity verified"
+    assert sp.RememberChampion("1", w.tags, GOOD, release.content_hash(sp.served_release(w))) in steps
+
+
+@pytest.mark.parametrize("what, change, expected", [
+    ("a new replica count is scaling: an Event, no history entry",
+     {"rollout": {"replicas": 3}}, ["Event Scaled"]),
+    ("a new pod template is a rollout: RolloutStarted",
+     {"rollout": {"replicas": 1, "nodeSelector": {"gpu": "a100"}}}, ["Record RolloutStarted"]),
+])
+def test_scaled_vs_rollout_started(what, change, expected):
+    w = serving()
+    w = dataclasses.replace(w, spec={**SPEC, **change})
+    steps = kinds(sp.plan_serving(w))
+    assert [k for k in steps if k in ("Event Scaled", "Record RolloutStarted")] == expected
+    # The Deployment controller has not seen the new spec yet: rolling out, not serving.
+    assert steps[-1] == "Report reconciling RollingOut/RollingOut"
+
+
+def test_a_failed_rollout_rolls_back_to_the_previous_release():
+    w = base(aliases={"champion": "2", "previous": "1"}, tags=release_tags("2"))
+    w = dataclasses.replace(w, deployment=deployment(w, available=False, conditions=[
+        {"type": "Progressing", "reason": "ProgressDeadlineExceeded", "message": "crash looping"}]))
+    steps = sp.plan_serving(w)
+    assert kinds(steps)[-9:] == ["Condition", "TagVersion specpair.rolled_back=set", "SetAlias champion=1",
+                                 "Record RolledBack", "ForgetDrift", "SetStatus drift", "SetStatus speculationEnabled",
+                                 "SetStatus previousVersion,servingVersion", "Report reconciling RollingOut/RolledBack"]
+    assert steps[-1].ready_message == "rollout of v2 failed: rollout failed: crash looping"
+
+
+def test_the_legacy_engine_is_retired_once_the_current_one_is_available():
+    name = "chat.v2"  # not a DNS label: its objects got a hash in their names
+    w = base(pair=name, tags=release_tags("1"))
+    legacy = mine({"apiVersion": "apps/v1", "kind": "Deployment", "spec": {"replicas": 2},
+                   "metadata": {"name": "chat-v2-engine", "namespace": NS}})
+    w = serving(dataclasses.replace(w, legacy_deployment=legacy))
+    w = dataclasses.replace(w, ready=tuple(dataclasses.replace(x, info={**x.info, "pair": name}) for x in w.ready))
+    steps = sp.plan_serving(w)
+    assert sp.RetireLegacyEngine("chat-v2-engine") in steps and "Event LegacyEngineRetired" in kinds(steps)
+    # Scaled to zero already, or another's, or not yet available: left alone.
+    for legacy_now in ({**legacy, "spec": {"replicas": 0}}, theirs(legacy)):
+        assert "RetireLegacyEngine" not in kinds(sp.plan_serving(dataclasses.replace(w, legacy_deployment=legacy_now)))
+    rolling = dataclasses.replace(w, deployment=deployment(w, available=False))
+    assert "RetireLegacyEngine" not in kinds(sp.plan_serving(rolling))
+
+
+@pytest.mark.parametrize("field, kind", [("deployment", "Deployment"), ("service", "Service"),
+                                         ("policy", "NetworkPolicy")])
+def test_a_name_taken_by_an_object_the_pair_does_not_own_is_never_touched(field, kind):
+    w = serving()
+    w = dataclasses.replace(w, **{field: theirs(getattr(w, field))})
+    steps = sp.plan_serving(w)
+    assert not [s for s in steps if isinstance(s, sp.EnsureOwned)]
+    assert kinds(steps)[-1] == "Report stall Failed/NameConflict"
+    assert steps[-1].message.startswith(f"{kind} {NS}/chat-engine exists and is not owned by SpecModelPair {PAIR}")
+
+
+@pytest.mark.parametrize("what, status_tls, tls, expected", [
+    ("status knows a current certificate: kept", CURRENT_TLS, TLS, "SetStatus engineTLS"),
+    ("none yet", None, TLS, "IssueCertificate no certificate from this CA yet"),
+    ("a new CA", CURRENT_TLS, dataclasses.replace(TLS, ca_fingerprint="ca2"),
+     "IssueCertificate no certificate from this CA yet"),
+    ("the Service's names changed", CURRENT_TLS, dataclasses.replace(TLS, names=("x.team.svc",)),
+     "IssueCertificate the Service's names changed"),
+    ("near its end", {**CURRENT_TLS, "notAfter": "2026-12-01T00:00:00Z"}, TLS,
+     "IssueCertificate it expires 2026-12-01T00:00:00Z"),
+    ("its Secret deleted by hand", CURRENT_TLS, dataclasses.replace(TLS, missing=True),
+     "IssueCertificate engine pods cannot find Secret chat-engine-tls"),
+    ("issued by a pass that died before its status: kept, renewed within a day", None,
+     dataclasses.replace(TLS, held=True), "SetStatus engineTLS"),
+])
+def test_the_engine_certificate(what, status_tls, tls, expected):
+    w = serving(base(status={"engineTLS": status_tls} if status_tls else {}, tls=tls))
+    step = next(s for s in sp.plan_serving(w) if isinstance(s, sp.IssueCertificate)
+                or (isinstance(s, p.SetStatus) and "engineTLS" in s.fields))
+    said = f"IssueCertificate {step.reason}" if isinstance(step, sp.IssueCertificate) else "SetStatus engineTLS"
+    assert said == expected
+    if tls.held:
+        assert step.fields["engineTLS"]["notAfter"] == "2026-12-26T12:00:00Z"
+    # vLLM pods have no control listener: no certificate.
+    vllm = dataclasses.replace(w, tags={**w.tags, p.TAG_RELEASE: json.dumps(
+        {**json.loads(w.tags[p.TAG_RELEASE]), "engine": {"kind": "vllm", "image": "v"}})})
+    assert not [s for s in sp.plan_serving(vllm) if isinstance(s, sp.IssueCertificate)]
+
+
+# -- identity ------------------------------------------------------------------------------------
+
+def test_a_pod_with_another_tokenizer_rolls_back():
+    w = serving(base(aliases={"champion": "2", "previous": "1"}, tags=release_tags("2")),
+                tokenizer={"target": "t", "draft": "other"})
+    steps = sp.plan_serving(w)
+    assert writes(steps) == ["TagVersion specpair.rolled_back=set", "SetAlias champion=1"]
+    rolled = next(s for s in steps if isinstance(s, p.Record))
+    assert (rolled.action, rolled.from_version, rolled.to_version, rolled.key) == ("RolledBack", "2", "1", "2")
+    assert rolled.reason.startswith("tokenizer mismatch on pod pod0: draft tokenizer fingerprint other")
+    # Without a previous release: NoPreviousRelease, Stalled, nothing moved.
+    alone = serving(tokenizer={"target": "t", "draft": "other"})
+    assert kinds(sp.plan_serving(alone))[-2:] == ["Condition", "Report stalled Failed/NoPreviousRelease"]
+    assert not [s for s in sp.plan_serving(alone) if isinstance(s, (p.TagVersion, p.SetAlias))]
+
+
+@pytest.mark.parametrize("what, ready, reason, message", [
+    ("no ready pod", (), "IdentityUnverified", "no ready engine pods"),
+    ("a pod that does not answer", (EnginePod("pod0", "u", "10.0.0.1", unreachable="timed out"),),
+     "IdentityUnverified", "pod pod0: model identity not verified: timed out"),
+])
+def test_pods_not_verified_are_reported_not_judged(what, ready, reason, message):
+    steps = sp.plan_serving(dataclasses.replace(serving(), ready=ready))
+    assert kinds(steps)[-1] == f"Report reconciling RollingOut/{reason}" and steps[-1].message == message
+    assert not [s for s in steps if isinstance(s, (sp.RememberChampion, sp.DriftChecked))]
+
+
+def test_a_pod_serving_another_release_is_caught_by_its_content_hash():
+    steps = sp.plan_serving(serving(contentHash="f" * 64))
+    assert steps[-1].reason == "IdentityUnverified" and "with content hash ffffffffffff" in steps[-1].message
+
+
+def test_a_champion_tagged_rolled_back_has_its_rollback_finished():
+    w = base(aliases={"champion": "2", "previous": "1"}, tags={**release_tags("2"), TAG_ROLLED_BACK: "drift"})
+    assert writes(sp.plan_serving(w)) == ["SetAlias champion=1"]
+
+
+# -- speculation per pod --------------------------------------------------------------------------
+
+def test_a_restarted_pod_is_switched_to_the_state_drift_wants():
+    off = {"engineTLS": CURRENT_TLS, "speculationEnabled": False,
+           "drift": {"version": "1", "stepsTaken": 1, "since": 0.0}}
+    w = serving(base(status=off), pods=2)
+    w = dataclasses.replace(w, ready=(w.ready[0], dataclasses.replace(w.ready[1], info={**w.ready[1].info,
+                                                                                       "speculationEnabled": False})),
+                            drift=DriftMemory(checked_at=1e9))  # no drift check due
+    steps = sp.plan_serving(w)
+    assert [s for s in steps if isinstance(s, sp.ReconcilePodSpeculation)] == [
+        sp.ReconcilePodSpeculation("pod0", "10.0.0.0:50052", False, "1")]
+    assert kinds(steps)[-3:] == ["Report ready Degraded/SpeculationOff", "ReconcilePodSpeculation",
+                                 "ReportSpeculation -"]
+
+
+# -- the drift ladder ---------------------------------------------------------------------------
+
+def counters(drafted: int, accepted: int, requests: int, uptime: float) -> dict[str, Any]:
+    """GetStats of a pod that started at time 0."""
+    return {"uptimeSeconds": uptime, "categories": {"code": {"drafted": drafted, "accepted": accepted,
+                                                           "requests": requests}}}
+
+
+def drifting(w: ServingWorld, rate: float, at: float, total: int) -> ServingWorld:
+    """Every pod's counters after `total` drafted tokens at acceptance `rate`, at time `at`."""
+    return dataclasses.replace(
+        w, ready=tuple(dataclasses.replace(x, stats=counters(total, int(total * rate), total // 20, at)) for x in w.ready),
+        drift=dataclasses.replace(w.drift, monotonic=at, wall=at))
+
+
+class Cluster:
+    """A small model of what the serving steps write: MLflow (aliases, tags), the engine's
+    objects and pods, the pair's status and the operator's memory. The Deployment controller,
+    the kubelet and the engine pods move on between passes (`tick`)."""
+
+    def __init__(self, w: ServingWorld, tags: dict[str, dict[str, str]], rates: dict[str, float]):
+        self.w, self.tags, self.rates = w, tags, rates   # rates: the live acceptance of each version
+        self.history: list[tuple[str, str | None]] = []
+        self.said: Counter = Counter()       # the reasons of the conditions set
+        self.served: dict[str, Any] = {}       # what the Deployment's pods load: version, hash
+        self.speculating = True
+        self.drafted, self.t = 0, 100.0
+        self.ready_version: str | None = None
+        self.draft_tokenizer: dict[str, str] = {}   # per version, what its pods report ('d': as gated)
+
+    def world(self) -> ServingWorld:
+        champion = self.w.aliases["champion"]
+        return dataclasses.replace(self.w, tags=self.tags[champion], drift=dataclasses.replace(
+            self.w.drift, monotonic=self.t, wall=self.t, previous_tags=self.tags.get(self.w.aliases.get("previous", "")),
+            previous_verdict=GOOD))
+
+    def apply(self, step: Any, status: dict[str, Any]) -> None:
+        w = self.w
+        if isinstance(step, p.SetAlias):
+            self.w = dataclasses.replace(w, aliases={**w.aliases, step.alias: step.version})
+        elif isinstance(step, p.TagVersion):
+            self.tags[step.version] = {**self.tags[step.version], **{k: v for k, v in step.tags.items()}}
+        elif isinstance(step, sp.EnsureOwned):
+            obj = mine(dict(step.manifest), step.mutable)
+            if obj["kind"] == "Deployment":
+                obj["metadata"]["generation"] = ((w.deployment or {}).get("metadata", {}).get("generation", 0)) + 1
+                obj["status"] = (w.deployment or {}).get("status") or {}
+                self.served = {"version": w.aliases["champion"],
+                               "hash": release.content_hash(sp.served_release(self.world()))}
+            self.w = dataclasses.replace(self.w, **{{"Deployment": "deployment", "Service": "service",
+                                                     "NetworkPolicy": "policy"}[obj["kind"]]: obj})
+        elif isinstance(step, sp.IssueCertificate):
+            status["engineTLS"] = CURRENT_TLS
+        elif isinstance(step, sp.SwitchSpeculation):
+            self.speculating = step.enabled
+        elif isinstance(step, sp.ReconcilePodSpeculation):
+            self.speculating = step.desired
+        elif isinstance(step, p.SetStatus):
+            status.update(step.fields)
+        elif isinstance(step, p.Condition):
+            self.said[step.reason] += 1
+        elif isinstance(step, p.Record):
+            self.history.append((step.action, step.key))
+            recorded = dict(self.w.records.recorded)
+            if step.key is not None:
+                recorded[step.action] = recorded.get(step.action, ()) + (step.key,)
+            self.w = dataclasses.replace(self.w, records=Records(recorded, True))
+        elif isinstance(step, sp.RememberDrift):
+            self.w = dataclasses.replace(self.w, drift=dataclasses.replace(self.w.drift, version=step.champion,
+                                                                           memory=step.memory))
+        elif isinstance(step, sp.ForgetDrift):
+            self.w = dataclasses.replace(self.w, drift=dataclasses.replace(self.w.drift, version="",
+                                                                           memory=drift.Memory()))
+
+    def tick(self) -> None:
+        """The Deployment controller makes the Deployment available; its pod loads what it was given
+        and drafts 400 tokens at `rate` (speculating, or probing with the drafter while off)."""
+        self.t += 3.0
+        dep = self.w.deployment
+        if dep is not None:
+            dep = copy.deepcopy(dep)
+            n = dep["spec"]["replicas"]
+            dep["status"] = {"observedGeneration": dep["metadata"]["generation"], "replicas": n,
+                             "updatedReplicas": n, "availableReplicas": n}
+            version = self.served.get("version")
+            if self.ready_version != version:  # new pods: their counters start at zero
+                self.ready_version, self.drafted = version, 0
+            self.drafted += 400
+            rate = self.rates[version]
+            info = {"pair": PAIR, "releaseVersion": self.served.get("version"), "contentHash": self.served.get("hash"),
+                    "tokenizer": {"target": "t", "draft": self.draft_tokenizer.get(version, "d")},
+                    "speculationEnabled": self.speculating}
+            self.w = dataclasses.replace(self.w, deployment=dep, ready=(EnginePod(
+                "pod0", f"u{version}", "10.0.0.1", info, stats=counters(self.drafted, int(self.drafted * rate),
+                                                               self.drafted // 20, self.t)),))
+
+
+def whole_pass(cl: Cluster) -> tuple[Any, ...]:
+    """The release's plan for the spec's release (the champion's gate long passed and recorded),
+    then the champion's serving as it hands over."""
+    spec_release = cl.w.desired or cl.w.aliases["champion"]
+    w = cl.world()
+    steps = p.plan_release(ReleaseWorld(pair=PAIR, namespace=NS, version=spec_release, digest="d" * 64,
+                                        thresholds={}, aliases=w.aliases, tags=cl.tags[spec_release],
+                                        records=w.records, now=NOW))
+    serve = steps[-1]
+    return steps[:-1] + sp.plan_serving(dataclasses.replace(w, aliases=serve.aliases, desired=serve.desired,
+                                                            desired_reason=serve.reason,
+                                                            while_gating=serve.while_gating))
+
+
+def converge(start: Cluster, crash_at: int | None = None, passes: int = 40,
+             planner: Any = sp.plan_serving) -> tuple[Cluster, list[Any]]:
+    """Passes (the pods moving on between them) until one plans no write and no record, or
+    `passes` ran. The `crash_at`-th write is the last of its pass: its status and memory are lost."""
+    cl = copy.deepcopy(start)
+    done: list[Any] = []
+    for _ in range(passes):
+        steps = planner(cl.world()) if planner is sp.plan_watch else whole_pass(cl)
+        status = dict(cl.w.status)
+        later: list[Any] = []
+        killed = False
+        for step in steps:
+            if isinstance(step, sp.WRITES):
+                cl.apply(step, status)
+                done.append(step)
+                if crash_at is not None and len(done) == crash_at + 1:
+                    killed = True
+                    break
+            else:
+                later.append(step)
+        if not killed:
+            for step in later:
+                cl.apply(step, status)
+            cl.w = dataclasses.replace(cl.w, status=status)
+        if not [s for s in steps if isinstance(s, sp.WRITES + (p.Record,))] and cl.w.deployment is not None \
+                and cl.rates[cl.w.aliases["champion"]] >= 0.7:
+            return cl, done
+        cl.tick()
+    return cl, done
+
+
+def ladder_start() -> Cluster:
+    """v2 serving with an n-gram drafter that accepts 0.2 on this traffic (gated at 0.8 on code);
+    v1 (previous) with a draft model that does well on it."""
+    tags = {"1": release_tags("1", draft={"source": "HuggingFaceTB/draft-v1"}), "2": release_tags("2")}
+    w = base(aliases={"champion": "2", "previous": "1"}, tags=tags["2"], status={"engineTLS": CURRENT_TLS},
+             desired="2")
+    return Cluster(w, tags, {"1": 0.75, "2": 0.2})
+
+
+def end_state(cl: Cluster) -> tuple[Any, ...]:
+    return (dict(cl.w.aliases), {v: sorted(k for k, x in t.items() if x) for v, t in cl.tags.items()},
+            Counter(action for action, _ in cl.history), cl.w.status.get("servingVersion"))
+
+
+def test_the_ladder_takes_speculation_off_then_rolls_back_when_the_previous_release_does_better():
+    cl, _ = converge(ladder_start())
+    actions = [a for a, _ in cl.history]
+    assert actions[:3] == ["RolloutStarted", "SpeculationOff", "RolledBack"], actions
+    assert cl.w.aliases["champion"] == "1" and cl.tags["2"][TAG_ROLLED_BACK].startswith("drift persisted")
+    assert cl.w.status["servingVersion"] == "1"
+
+
+def test_rollback_would_not_help_when_the_previous_release_serves_the_same_models_gated_no_better():
+    start = ladder_start()
+    start.tags["1"] = release_tags("1")  # the same target and draft, gated as well as v2
+    start.rates["1"] = 0.2
+    cl, _ = converge(start, passes=30)
+    assert [a for a, _ in cl.history] == ["RolloutStarted", "SpeculationOff"] and cl.w.aliases["champion"] == "2"
+    assert cl.w.status["drift"]["stepsTaken"] == 1
+    assert cl.said["RollbackWouldNotHelp"], cl.said
+
+
+def test_a_speculation_off_mark_left_by_a_dead_pass_is_adopted_and_recorded_once():
+    w = serving(base(tags={**release_tags("1"), p.TAG_SPECULATION_OFF: "sustained drift: code 0.2 < 0.62"},
+                     spec={**SPEC, "drift": {**DRIFT, "intervalSeconds": 30}}))
+    w = dataclasses.replace(w, drift=DriftMemory(checked_at=w.drift.monotonic))  # no check due
+    steps = sp.plan_serving(w)
+    assert kinds(steps)[-6:] == ["SetStatus speculationEnabled", "SetStatus drift", "Record SpeculationOff",
+                                 "Report ready Degraded/SpeculationOff", "ReconcilePodSpeculation",
+                                 "ReportSpeculation -"]
+    assert sp.ReconcilePodSpeculation("pod0", "10.0.0.0:50052", False, "1") in steps
+
+
+def test_the_journeys_end_as_the_end_to_end_tests_see_them():
+    rolled, _ = converge(mismatched_tokenizer())
+    assert [a for a, _ in rolled.history] == ["RolloutStarted", "RolledBack", "RolloutStarted"]
+    assert rolled.tags["2"][TAG_ROLLED_BACK].startswith("tokenizer mismatch on pod pod0")
+    assert rolled.w.status["servingVersion"] == "1" and rolled.w.status["speculationEnabled"] is True
+
+
+def test_with_mlflow_down_only_speculation_off_is_taken_and_without_its_mark():
+    start = ladder_start()
+    w = serving(start.world())
+    served_hash = release.content_hash(sp.served_release(w))
+    start.w = dataclasses.replace(w, registry_down=True, served_hash=served_hash)
+    start.served = {"version": "2", "hash": served_hash}
+    cl, done = converge(start, passes=30, planner=sp.plan_watch)
+    # No mark in MLflow (it is down): the status alone carries the step. The rollback waits.
+    assert not [s for s in done if isinstance(s, (p.TagVersion, p.SetAlias))]
+    assert {(type(s).__name__, s.enabled if isinstance(s, sp.SwitchSpeculation) else s.desired) for s in done} \
+        <= {("SwitchSpeculation", False), ("ReconcilePodSpeculation", False)}
+    assert [a for a, _ in cl.history] == ["SpeculationOff"]
+    assert cl.w.aliases["champion"] == "2" and cl.w.status["speculationEnabled"] is False
+
+
+def test_drift_is_not_judged_between_intervals_nor_when_disabled():
+    w = serving()
+    due = drifting(w, 0.2, 100.0, 400)
+    assert sp.DriftChecked(100.0) in sp.plan_serving(due)
+    early = dataclasses.replace(due, drift=dataclasses.replace(due.drift, checked_at=90.0),
+                                spec={**SPEC, "drift": {**DRIFT, "intervalSeconds": 30}})
+    assert not [s for s in sp.plan_serving(early) if isinstance(s, sp.DriftChecked)]
+    off = dataclasses.replace(due, spec={**SPEC, "drift": {"enabled": False}})
+    assert not [s for s in sp.plan_serving(off) if isinstance(s, (sp.DriftChecked, p.Condition))]
+
+
+# -- recovery: every prefix of a serving journey, then planned again ----------------------------
+
+def mismatched_tokenizer() -> Cluster:
+    """v2's pods load a draft tokenizer other than the one its gate measured."""
+    cl = ladder_start()
+    cl.rates["2"], cl.draft_tokenizer["2"] = 0.75, "other"
+    return cl
+
+
+JOURNEYS = [
+    ("a first rollout", lambda: Cluster(base(status={}), {"1": release_tags("1")}, {"1": 0.75})),
+    ("drift: speculation off, then a rollback", ladder_start),
+    ("a tokenizer mismatch on a pod: a rollback", mismatched_tokenizer),
+]
+
+
+@pytest.mark.parametrize("what, start", JOURNEYS, ids=[j[0] for j in JOURNEYS])
+def test_killed_after_any_write_a_serving_journey_ends_where_the_undisturbed_one_does(what, start):
+    reference, done = converge(start())
+    assert reference.history and max(Counter(reference.history).values()) == 1, reference.history
+    for crash_at in range(len(done)):
+        end, _ = converge(start(), crash_at)
+        assert end_state(end) == end_state(reference), f"killed after write {crash_at}: {kinds((done[crash_at],))}"
+        keyed = Counter(h for h in end.history if h[1] is not None)
+        assert max(keyed.values()) == 1, f"killed after write {crash_at}: recorded twice: {keyed}"
