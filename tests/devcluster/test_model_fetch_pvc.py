@@ -1,0 +1,138 @@
+"""The model fetch end to end on the real control plane: the fetch Job the operator renders
+(model_fetch.desired_fetch_job, applied here; the operator's plan wires it later) fills a
+hostPath-backed claim from a real MLflow server, and an engine Deployment as the operator renders
+it, the claim read-only, HF_HUB_OFFLINE=1 and MLflow out of reach, serves the release from it. A
+release whose draft is not in MLflow ends as a failed fetch whose state names the model."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import grpc
+import pytest
+
+from specpair._proto import engine_pb2, engine_pb2_grpc
+from specpair.contract import content_hash
+from specpair_operator import manifests, model_fetch, tls
+from specpair_operator.release import build_release
+
+# Nothing listens here: an engine pod that asked MLflow for a model would fail to start.
+UNREACHABLE_MLFLOW = "http://127.0.0.1:9"
+PROMPTS = [{"prompt": "def add(a, b):", "category": "code"}]
+
+
+def wait(what: str, fn: Callable[[], Any], timeout: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory, tiny_pair_dirs):
+    """A real `mlflow server` with the tiny target and draft registered (version 1 each)."""
+    from mlflow import MlflowClient
+    from mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server.start()
+    try:
+        client = MlflowClient(server.url)
+        experiment = client.create_experiment("fetch")
+        for name in ("target", "draft"):
+            run = client.create_run(experiment)
+            client.log_artifacts(run.info.run_id, tiny_pair_dirs[name], artifact_path="model")
+            client.set_terminated(run.info.run_id)
+            client.create_registered_model(f"tiny-{name}")
+            client.create_model_version(f"tiny-{name}", f"runs:/{run.info.run_id}/model", run.info.run_id)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def ns(devcluster) -> str:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    devcluster.ensure_namespace(name)
+    yield name
+    devcluster.kube.delete("v1", "Namespace", None, name)
+
+
+def make_claim(devcluster, ns: str, folder: Path) -> str:
+    pv = f"models-{ns}"
+    devcluster.kube.create({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+                            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                                     "storageClassName": "", "persistentVolumeReclaimPolicy": "Retain",
+                                     "hostPath": {"path": str(folder), "type": "DirectoryOrCreate"}}})
+    devcluster.kube.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                            "metadata": {"name": "models", "namespace": ns},
+                            "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
+                                     "resources": {"requests": {"storage": "1Gi"}}}})
+    wait("the claim to be bound", lambda: ((devcluster.kube.get("v1", "PersistentVolumeClaim", ns, "models") or {})
+                                           .get("status") or {}).get("phase") == "Bound", 60)
+    return "models"
+
+
+def run_fetch(devcluster, ns: str, job: dict[str, Any]) -> model_fetch.FetchState:
+    devcluster.kube.create(job)
+    name = job["metadata"]["name"]
+
+    def finished():
+        live = devcluster.kube.get("batch/v1", "Job", ns, name)
+        pods = devcluster.kube.list("v1", "Pod", ns, labels=f"job-name={name}")
+        state = model_fetch.fetch_state(live, pods)
+        return state if state.phase in (model_fetch.DONE, model_fetch.FAILED) else None
+    return wait(f"the fetch Job {name} to finish", finished)
+
+
+def test_the_fetch_job_fills_the_claim_and_the_engine_serves_from_it_offline(devcluster, registry, ns, tmp_path):
+    volume = tmp_path / "volume"
+    rollout = {"modelCache": {"persistentVolumeClaim": make_claim(devcluster, ns, volume)}}
+    spec = {"target": {"source": "models:/tiny-target/1"}, "draft": {"source": "models:/tiny-draft/1"},
+            "speculation": {"k": 3}, "rollout": rollout}
+    release = build_release("chat", ns, spec, PROMPTS)
+    digest = content_hash(release)
+    assert model_fetch.needs_fetch(release, rollout)
+
+    state = run_fetch(devcluster, ns, model_fetch.desired_fetch_job("chat", ns, release, digest, rollout, registry.url))
+    assert state.phase == model_fetch.DONE, state.message
+    assert (volume / ".specpair" / "releases" / f"{digest}.json").is_file()
+
+    ca = tls.new_ca()
+    leaf = tls.issue(ca, "chat-engine", tls.engine_dns_names(manifests.engine_name("chat"), ns), server=True, days=1)
+    devcluster.kube.create(manifests.engine_tls_secret("chat", ns, leaf.cert_pem, leaf.key_pem, ca.cert_pem))
+    devcluster.kube.create(manifests.engine_deployment("chat", ns, release, digest, "1", rollout, UNREACHABLE_MLFLOW))
+
+    def ready_ip():
+        for pod in devcluster.kube.list("v1", "Pod", ns, labels="specpair.io/role=engine"):
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])):
+                return pod["status"]["podIP"]
+        return None
+    ip = wait("an engine pod to be Ready", ready_ip, 180)
+    with grpc.insecure_channel(f"{ip}:50051") as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        info = stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
+        assert info.content_hash == digest
+        for side in (info.target, info.draft):
+            assert side.path.startswith(str(volume / "specpair-mlflow")), side.path
+        tokens = [r for r in stub.Generate(engine_pb2.GenerateRequest(prompt=PROMPTS[0]["prompt"], max_new_tokens=8),
+                                           timeout=30)]
+        assert tokens
+
+
+def test_a_fetch_that_cannot_find_a_model_fails_with_its_reason(devcluster, registry, ns, tmp_path):
+    rollout = {"modelCache": {"persistentVolumeClaim": make_claim(devcluster, ns, tmp_path / "volume")}}
+    spec = {"target": {"source": "models:/tiny-target/1"}, "draft": {"source": "models:/tiny-draft/7"}}
+    release = build_release("chat", ns, spec, PROMPTS)
+    job = model_fetch.desired_fetch_job("chat", ns, release, content_hash(release), rollout, registry.url)
+    job["spec"]["backoffLimit"] = 0     # one attempt is enough to read the reason (the Job controller backs off 10 s+)
+    state = run_fetch(devcluster, ns, job)
+    assert state.phase == model_fetch.FAILED and state.reason == "BackoffLimitExceeded"
+    assert "cannot fetch draft models:/tiny-draft/7 from MLflow" in state.message, state.message
+    assert not (tmp_path / "volume" / ".specpair" / "releases").exists()
