@@ -373,7 +373,7 @@ def test_a_release_mlflow_refuses_is_stalled_with_mlflows_reason(env, mlflow_ser
     assert runner.exception is None
 
 
-def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, monkeypatch):
+def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, mlflow_server, monkeypatch):
     """Least privilege, proven: the operator's requests (audited by the API server) were never
     refused, and every verb the chart grants was used by it in this session."""
     from cluster_env import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, rendered_rbac_rules
@@ -439,6 +439,16 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, monkey
             finally:
                 await kube.close()
         asyncio.run(elect())
+    if not any(e["verb"] == "delete" and e["objectRef"].get("resource") == "scaledobjects"
+               for e in devcluster.audit_events(user)):
+        # Autoscalers: an HPA, then (KEDA's CRD installed) a ScaledObject, each written, updated
+        # and deleted; in a namespace of its own, as the scenario counts its Jobs and Events.
+        from autoscaler_scenario import autoscaled_pair_lifecycle
+        own = Namespace(devcluster)
+        try:
+            autoscaled_pair_lifecycle(own, devcluster, mlflow_server.url, monkeypatch, "rbac-autoscaled")
+        finally:
+            own.delete()
     events = devcluster.audit_events(user)
     # 403 also answers a create in a namespace being deleted (admission, not RBAC): earlier tests'
     # namespaces terminate while later operators still see their pairs.

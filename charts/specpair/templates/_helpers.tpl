@@ -144,7 +144,10 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
 # or goes. Whether KEDA is installed is API discovery, open to every identity.
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
-  verbs: [get]
+  verbs: [get, create, patch, delete]
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [get, create, patch, delete]
 {{- end -}}
 
 {{/* The CA Secret of the engines' control listeners, in the operator's own namespace: read by
