@@ -13,11 +13,15 @@ from typing import Any, Callable
 
 import grpc
 import pytest
+import yaml
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
 from specpair.contract import content_hash
 from specpair_operator import manifests, model_fetch, tls
+from specpair_devcluster.client import ApiError
 from specpair_operator.release import build_release
+
+CRD = Path(__file__).resolve().parents[2] / "crds" / "specmodelpair.yaml"
 
 # Nothing listens here: an engine pod that asked MLflow for a model would fail to start.
 UNREACHABLE_MLFLOW = "http://127.0.0.1:9"
@@ -136,3 +140,25 @@ def test_a_fetch_that_cannot_find_a_model_fails_with_its_reason(devcluster, regi
     assert state.phase == model_fetch.FAILED and state.reason == "BackoffLimitExceeded"
     assert "cannot fetch draft models:/tiny-draft/7 from MLflow" in state.message, state.message
     assert not (tmp_path / "volume" / ".specpair" / "releases").exists()
+
+
+def test_the_pair_takes_a_fetch_deadline_and_refuses_a_short_one(devcluster, ns):
+    devcluster.kube.apply(yaml.safe_load(CRD.read_text()))
+
+    def pair(name: str, seconds: int) -> dict[str, Any]:
+        return {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": name, "namespace": ns},
+                "spec": {"target": {"source": "org/target"}, "draft": {"drafter": "ngram"},
+                         "rollout": {"modelCache": {"persistentVolumeClaim": "models",
+                                                    "fetch": {"activeDeadlineSeconds": seconds}}}}}
+
+    def created():
+        try:
+            return devcluster.kube.create(pair("long", 7200))
+        except ApiError as exc:
+            if exc.status == 404:      # the CRD is not served yet
+                return None
+            raise
+    live = wait("the CRD to serve pairs", created, 60)
+    assert live["spec"]["rollout"]["modelCache"]["fetch"] == {"activeDeadlineSeconds": 7200}
+    with pytest.raises(ApiError, match="activeDeadlineSeconds"):
+        devcluster.kube.create(pair("short", 10))

@@ -186,3 +186,16 @@ def test_fetch_state(job, pods, phase, reason, says):
     state = model_fetch.fetch_state(job, pods)
     assert (state.phase, state.reason) == (phase, reason)
     assert says in state.message, state.message
+
+
+def test_the_crd_knob_and_its_default():
+    from pathlib import Path
+
+    import yaml
+
+    crd = yaml.safe_load((Path(__file__).resolve().parents[2] / "crds" / "specmodelpair.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    deadline = spec["properties"]["rollout"]["properties"]["modelCache"]["properties"]["fetch"]["properties"][
+        "activeDeadlineSeconds"]
+    assert f"Absent: {model_fetch.FETCH_DEADLINE_SECONDS}." in deadline["description"]
+    assert deadline["minimum"] == 60
