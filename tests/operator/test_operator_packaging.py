@@ -67,7 +67,7 @@ def test_crd_defaults_are_the_defaults_the_operator_hashes_with():
          policy.ladder)
 
 
-def test_rbac_is_a_valid_role_that_reads_no_secret_but_its_ca_and_never_deletes():
+def test_rbac_is_a_valid_role_that_reads_no_secret_but_its_ca_and_deletes_only_autoscalers():
     # Which verbs are needed is proven against a real API server (the audit log check in
     # test_operator_e2e.py); here only what must never be granted.
     docs = [d for d in yaml.safe_load_all((REPO / "operator" / "rbac.yaml").read_text()) if d]
@@ -78,7 +78,10 @@ def test_rbac_is_a_valid_role_that_reads_no_secret_but_its_ca_and_never_deletes(
                for verb in rule["verbs"]}
     # Secrets in pairs' namespaces: written (TLS certificates), never read or listed.
     assert {v for _, r, v in granted if r == "secrets"} == {"create", "patch"}
-    assert not any(v in ("delete", "*") for _, _, v in granted)
+    # The one deletion: a pair's own autoscaler (autoscaling removed, KEDA come or gone), by uid.
+    assert {(g, r) for g, r, v in granted if v == "delete"} == {("autoscaling", "horizontalpodautoscalers"),
+                                                                ("keda.sh", "scaledobjects")}
+    assert not any(v == "*" for _, _, v in granted)
     reads = [rule for rule in ca_role["rules"] if "get" in rule["verbs"]]
     assert reads and all(rule.get("resourceNames") == ["specpair-operator-ca"] for rule in reads)
 

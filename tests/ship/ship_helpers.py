@@ -85,6 +85,7 @@ NON_DEFAULT_VALUES: dict[str, Any] = {
     "priorityClassName": "system-cluster-critical",
     "metrics": {"serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "kube-prometheus-stack"}}},
     "grafana": {"dashboard": {"enabled": True, "namespace": "monitoring"}},
+    "autoscaling": {"prometheusAddress": "http://prometheus.monitoring:9090"},
     "networkPolicy": {"enabled": True, "egress": [{"ports": [{"port": 443, "protocol": "TCP"}]}]},
     "engine": {"image": "registry.example.com/specpair/engine:0.1.0", "imagePullSecrets": [{"name": "regcred"}],
                "hubTokenSecret": {"name": "hf-token", "key": "hf"},

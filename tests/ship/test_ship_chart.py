@@ -93,6 +93,8 @@ def test_non_default_render_wires_every_value(render):
     assert one(manifests, "Deployment")["spec"]["replicas"] == 2
     assert one(manifests, "Deployment")["spec"]["strategy"] == {"type": "RollingUpdate"}
     assert pods.hub_token == ("hf-token", "hf")
+    from specpair_operator.autoscaling import PROMETHEUS_ENV
+    assert env[PROMETHEUS_ENV]["value"] == "http://prometheus.monitoring:9090"
     # The operator's own pods are added to the peers allowed to reach engine pods (its gRPC calls).
     assert pods.ingress_from[0] == {"namespaceSelector": {"matchLabels": {"team": "web"}}}
     assert pods.ingress_from[1]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": RELEASE_NAMESPACE}}
@@ -186,6 +188,7 @@ BAD_VALUES = [
     ({"leaderElection": {"leaseDurationSeconds": 0}}, "/leaderElection/leaseDurationSeconds"),
     ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "/metrics/serviceMonitor/interval"),
     ({"imag": {"tag": "typo"}}, "imag"),
+    ({"autoscaling": {"prometheusAddress": "prometheus:9090"}}, "/autoscaling/prometheusAddress"),
 ]
 
 
@@ -347,15 +350,19 @@ def test_rbac_lets_children_block_their_pairs_deletion(render, values):
             assert ("specpair.io", "specmodelpairs/finalizers", "update", ()) in _normalise(role["rules"])
 
 
-def test_rbac_has_no_wildcards_reads_secrets_only_by_name_and_never_deletes(render):
+def test_rbac_has_no_wildcards_reads_secrets_only_by_name_and_deletes_only_autoscalers(render):
     """Secrets: engine TLS Secrets are created and patched in pairs' namespaces, never read; the
     only Secrets read are the CA's and (when asked) the MLflow credentials, by name, in the
-    operator's own namespace."""
+    operator's own namespace. The one thing deleted is a pair's autoscaler (autoscaling removed,
+    or KEDA come or gone), which the operator deletes only by its uid, as the pair's owner."""
     for values in (None, NON_DEFAULT_VALUES):
         for role in by_kind(render(values), "ClusterRole") + by_kind(render(values), "Role"):
             for rule in role["rules"]:
                 assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
-                assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"])
+                never = {"deletecollection", "escalate", "bind", "impersonate"}
+                if rule["resources"] not in (["horizontalpodautoscalers"], ["scaledobjects"]):
+                    never.add("delete")
+                assert not never & set(rule["verbs"]), rule
                 if "secrets" not in rule["resources"]:
                     continue
                 assert not {"list", "watch"} & set(rule["verbs"]), rule
