@@ -45,10 +45,11 @@ SCRAPE = 1.0  # seconds: Prometheus' scrape and rule evaluation interval here
 # The operator reconciles every second (the demo's setting) instead of its production default.
 OPERATOR_ENV = {"SPECPAIR_RECONCILE_INTERVAL": "1", "SPECPAIR_WATCH_TIMEOUT": "30"}
 # The drift policy sized for seconds (docs/drift.md has the production defaults): the shortest
-# windows the CRD admits (10 s), two breaching windows per ladder step, a probe after one quiet
-# window while speculation is off.
+# windows the CRD admits (10 s), one breaching window per ladder step (the least the CRD admits:
+# what is proven here is what the panels and alerts show of the ladder, whose pace the operator's
+# tests prove), a probe after one quiet window while speculation is off.
 DRIFT = {"intervalSeconds": 1, "windowSeconds": 10, "minDraftedTokens": 20, "minRequests": 4,
-         "consecutiveBreaches": 2, "probeAfterWindows": 1}
+         "consecutiveBreaches": 1, "probeAfterWindows": 1}
 CODE_PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print(", "import json\n\ndef load(path):",
                 "class Point:\n    def __init__(self, x, y):"]
 # Speculation stays off for a few drift windows before the rollback here, not the minute a
