@@ -175,56 +175,75 @@ async def keda_installed(state: Any) -> bool:
     return seen[0]
 
 
-async def ensure_autoscaler(state: Any, body: Any, ledger: Any) -> None:
+@dataclass(frozen=True)
+class AutoscalerPlan:
+    """What a pass does about a pair's autoscaler: write `desired` (None: none wanted), delete the
+    pair's own autoscaler of each kind in `remove` (saying `why`), or, `invalid`, touch nothing and
+    say why."""
+    desired: dict[str, Any] | None = None
+    scaling: Autoscaling | None = None
+    remove: tuple[str, ...] = ()
+    why: str = ""
+    invalid: str | None = None
+
+
+def plan_autoscaler(spec: dict[str, Any], pair: str, namespace: str, *, keda: bool,
+                    default_prometheus: str | None) -> AutoscalerPlan:
     """The pair's autoscaler as its `rollout.autoscaling` says: a ScaledObject where KEDA is
-    installed, an HPA otherwise, owned by the pair; the other kind, or both when autoscaling is
-    removed, deleted. What it finds is the pair's Autoscaled condition, with an Event for each
-    object written or deleted. A spec it cannot turn into an autoscaler, a name taken, or a
-    refused write leaves the existing autoscaler as it is and serving untouched: Autoscaled is
-    False with the reason, and a Warning Event says it once."""
-    kube, meta = state.kube, body["metadata"]
-    pair, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
-    keda = await keda_installed(state)
+    installed, an HPA otherwise; the other kind, or both when autoscaling is removed, deleted
+    (without KEDA there are no ScaledObjects to look for)."""
     try:
-        scaling = Autoscaling.from_spec(dict(body.get("spec") or {}))
+        scaling = Autoscaling.from_spec(spec)
         desired = None if scaling is None else desired_autoscaler(
-            pair, namespace, scaling, keda=keda, default_prometheus=os.environ.get(PROMETHEUS_ENV) or None,
+            pair, namespace, scaling, keda=keda, default_prometheus=default_prometheus,
             labels={"app.kubernetes.io/managed-by": "specpair-operator", manifests.LABEL_PAIR: names.label_value(pair),
                     manifests.LABEL_ROLE: "autoscaler"})
     except AutoscalingError as exc:
-        _not_autoscaled(ledger, "InvalidAutoscaling", f"{exc}; the autoscaler, if any, is left as it was")
-        return
-    # Kinds the pair may have an autoscaler of that it no longer wants: KEDA went or came, or
-    # autoscaling was removed. (Without KEDA there are no ScaledObjects to look for.)
-    kinds = ["ScaledObject"] if keda else []
-    for kind in kinds + ["HorizontalPodAutoscaler"]:
-        if desired is not None and desired["kind"] == kind:
-            continue
-        api_version, name = API_VERSIONS[kind], engine_name(pair)
-        live = await kube.get(api_version, PLURALS[kind], namespace, name)
-        if live is not None and owned.owns(uid, live) and \
-                await kube.delete(api_version, PLURALS[kind], namespace, name, live["metadata"]["uid"]):
-            why = "autoscaling removed from the spec" if desired is None else f"replaced by a {desired['kind']}"
-            ledger.event("Normal", "AutoscalerRemoved", f"{kind} {name} deleted: {why}")
+        return AutoscalerPlan(invalid=f"{exc}; the autoscaler, if any, is left as it was")
+    kinds = ("ScaledObject", "HorizontalPodAutoscaler") if keda else ("HorizontalPodAutoscaler",)
     if desired is None:
-        ledger.conditions = [cond for cond in ledger.conditions if cond.get("type") != AUTOSCALED]
+        return AutoscalerPlan(remove=kinds, why="autoscaling removed from the spec")
+    return AutoscalerPlan(desired, scaling, tuple(k for k in kinds if k != desired["kind"]),
+                          f"replaced by a {desired['kind']}")
+
+
+async def ensure_autoscaler(state: Any, body: Any, ledger: Any) -> None:
+    """plan_autoscaler, done: the autoscaler written through ensure_owned (owned by the pair),
+    the unwanted one deleted by its uid. What it finds is the pair's Autoscaled condition, with an
+    Event for each object written or deleted. A spec it cannot turn into an autoscaler, a name
+    taken, or a request refused leaves the existing autoscaler as it is and serving untouched:
+    Autoscaled is False with the reason, and a Warning Event says it once."""
+    kube, meta = state.kube, body["metadata"]
+    pair, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    plan = plan_autoscaler(dict(body.get("spec") or {}), pair, namespace, keda=await keda_installed(state),
+                           default_prometheus=os.environ.get(PROMETHEUS_ENV) or None)
+    if plan.invalid:
+        _not_autoscaled(ledger, "InvalidAutoscaling", plan.invalid)
         return
-    kind, name = desired["kind"], desired["metadata"]["name"]
     try:
-        done = await owned.ensure_owned(kube, body, desired)
+        for kind in plan.remove:
+            api_version, name = API_VERSIONS[kind], engine_name(pair)
+            live = await kube.get(api_version, PLURALS[kind], namespace, name)
+            if live is not None and owned.owns(uid, live) and \
+                    await kube.delete(api_version, PLURALS[kind], namespace, name, live["metadata"]["uid"]):
+                ledger.event("Normal", "AutoscalerRemoved", f"{kind} {name} deleted: {plan.why}")
+        done = None if plan.desired is None else await owned.ensure_owned(kube, body, plan.desired)
     except KubeError as exc:
         if not exc.permanent:
-            raise
-        _not_autoscaled(ledger, "KubernetesAPIRefused", f"the Kubernetes API refused the {kind} "
-                        f"(HTTP {exc.status}): {exc.message[:600]}")
+            raise  # an outage: the pass is retried
+        _not_autoscaled(ledger, "KubernetesAPIRefused", f"the Kubernetes API refused a request about the pair's "
+                        f"autoscaler (HTTP {exc.status}): {exc.message[:600]}")
+        return
+    if done is None:
+        ledger.conditions = [cond for cond in ledger.conditions if cond.get("type") != AUTOSCALED]
         return
     if done.conflict:
-        _not_autoscaled(ledger, "NameConflict", f"{kind} {name} exists and is not this pair's: it is left alone")
+        _not_autoscaled(ledger, "NameConflict", f"{done.kind} {done.name} exists and is not this pair's: it is left alone")
         return
-    what = f"{kind} {name} scales the pair from {describe(scaling)}"
+    what = f"{done.kind} {done.name} scales the pair from {describe(plan.scaling)}"
     if done.changed:
         ledger.event("Normal", "AutoscalerCreated" if done.outcome == owned.CREATED else "AutoscalerUpdated", what)
-    ledger.cond(AUTOSCALED, True, kind, what)
+    ledger.cond(AUTOSCALED, True, done.kind, what)
 
 
 def _not_autoscaled(ledger: Any, reason: str, message: str) -> None:

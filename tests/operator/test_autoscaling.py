@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from specpair_devcluster.client import ApiError, resource_path
+from specpair_operator import autoscaling as autoscaling_mod
 from specpair_operator.autoscaling import (SIGNALS, Autoscaling, AutoscalingError, desired_autoscaler,
                                            query)
 from specpair_operator.manifests import engine_name
@@ -176,3 +177,58 @@ def test_the_api_server_and_the_operator_refuse_a_bad_autoscaling_alike(devclust
                                 params={"dryRun": "All"})
     assert refused.value.status == 422 and words in str(refused.value), refused.value
     assert any(words in e for e in validate_spec(body["spec"])), validate_spec(body["spec"])
+
+
+# -- what a pass does about the autoscaler (pure) -------------------------------------------------
+
+@pytest.mark.parametrize("autoscaling, keda, prometheus, kind, remove", [
+    (SCALED, False, None, "HorizontalPodAutoscaler", ()),
+    (SCALED, True, "http://prom:9090", "ScaledObject", ("HorizontalPodAutoscaler",)),
+    ({**SCALED, "prometheusAddress": "http://p2"}, True, None, "ScaledObject", ("HorizontalPodAutoscaler",)),
+    (None, False, None, None, ("HorizontalPodAutoscaler",)),
+    (None, True, "http://prom:9090", None, ("ScaledObject", "HorizontalPodAutoscaler")),
+])
+def test_the_plan_writes_one_kind_and_removes_the_other(autoscaling, keda, prometheus, kind, remove):
+    rollout = {"autoscaling": autoscaling} if autoscaling else {}
+    plan = autoscaling_mod.plan_autoscaler({"rollout": rollout}, "chat", "team-a", keda=keda,
+                                           default_prometheus=prometheus)
+    assert plan.invalid is None and plan.remove == remove
+    assert (plan.desired or {}).get("kind") == kind
+    assert plan.why == ("autoscaling removed from the spec" if kind is None else f"replaced by a {kind}")
+
+
+@pytest.mark.parametrize("autoscaling, keda, words", [
+    (SCALED, True, "KEDA scales from Prometheus"),                      # nowhere to ask
+    ({**SCALED, "minReplicas": 5}, False, "maxReplicas (3) is below minReplicas (5)"),  # past an older CRD
+])
+def test_a_plan_it_cannot_make_touches_nothing_and_says_why(autoscaling, keda, words):
+    plan = autoscaling_mod.plan_autoscaler({"rollout": {"autoscaling": autoscaling}}, "chat", "team-a", keda=keda,
+                                           default_prometheus=None)
+    assert plan.desired is None and plan.remove == () and words in plan.invalid
+    assert plan.invalid.endswith("the autoscaler, if any, is left as it was")
+
+
+def test_an_unusable_autoscaling_is_a_condition_and_one_warning(monkeypatch):
+    """No API request is made (KEDA's presence is already known): the pair's Autoscaled condition
+    says why, a Warning Event says it once, and the pass's report is left to the rest of the pass."""
+    import asyncio
+    import logging
+    import time
+
+    from specpair_operator.ledger import StatusLedger
+    from specpair_operator.state import OperatorState
+
+    monkeypatch.delenv(autoscaling_mod.PROMETHEUS_ENV, raising=False)
+    state = OperatorState(keda_seen=(True, time.monotonic()))
+    body = {"metadata": {"name": "chat", "namespace": "team-a", "uid": "u1"},
+            "spec": {"rollout": {"autoscaling": SCALED}}}
+    status: dict = {}
+    for passes in (1, 2):
+        ledger = StatusLedger(status, 3, "team-a", "chat", logging.getLogger("test"))
+        asyncio.run(autoscaling_mod.ensure_autoscaler(state, body, ledger))
+        status = {**status, **ledger.status_patch()}
+        condition = next(c for c in status["conditions"] if c["type"] == "Autoscaled")
+        assert (condition["status"], condition["reason"], condition["observedGeneration"]) == \
+            ("False", "InvalidAutoscaling", 3)
+        assert [e[:2] for e in ledger.events] == ([("Warning", "InvalidAutoscaling")] if passes == 1 else [])
+        assert ledger.report is None
