@@ -22,6 +22,7 @@ hub model counts as present only once its marker is written after the whole snap
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -151,37 +152,44 @@ def _fetch_mlflow(cache: ModelCache, model: ModelToFetch, progress: Callable[[st
     the environment) into a staging folder, then rename it into place."""
     from specpair.models import PREFETCHED_MLFLOW_DIR, mlflow_cache_key, model_config_dir
 
+    parent = cache.root / PREFETCHED_MLFLOW_DIR
+    final = parent / mlflow_cache_key(model.source)
+    parent.mkdir(parents=True, exist_ok=True)
+    # One fetch of a model at a time (two releases' Jobs may share it): the lock's holder finds
+    # the model there, or knows each staging folder of it belongs to a fetch that died.
+    with open(parent / f".{final.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if model_config_dir(final) is None:
+            for stale in parent.iterdir():
+                if stale.name.startswith(f".staging-{final.name}-"):
+                    shutil.rmtree(stale, ignore_errors=True)
+            _download_mlflow(model, parent / f".staging-{final.name}-{uuid.uuid4().hex[:8]}", final, progress)
+    found = model_config_dir(final)
+    assert found is not None
+    return found
+
+
+def _download_mlflow(model: ModelToFetch, staging: Path, final: Path, progress: Callable[[str], None]) -> None:
+    from specpair.models import model_config_dir
+
     try:
         import mlflow.artifacts
     except ImportError as exc:
         raise SpecpairError("MLflow model URIs need the mlflow package") from exc
-    parent = cache.root / PREFETCHED_MLFLOW_DIR
-    final = parent / mlflow_cache_key(model.source)
-    if model_config_dir(final) is None:
-        parent.mkdir(parents=True, exist_ok=True)
-        staging = parent / f".staging-{final.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        progress(f"downloading {model.describe()}")
         try:
-            progress(f"downloading {model.describe()}")
-            try:
-                mlflow.artifacts.download_artifacts(artifact_uri=model.source.removeprefix("mlflow:"),
-                                                    dst_path=str(staging))
-            except Exception as exc:   # MLflow raises its own types (RestException, MlflowException, ...)
-                raise SpecpairError(f"cannot fetch {model.describe()} "
-                                    f"({os.environ.get('MLFLOW_TRACKING_URI') or 'no MLFLOW_TRACKING_URI'}): "
-                                    f"{_first_line(exc)}") from exc
-            if model_config_dir(staging) is None:
-                raise SpecpairError(f"cannot fetch {model.describe()}: its artifacts hold no config.json "
-                                    f"(not a transformers model)")
-            try:
-                staging.rename(final)
-            except OSError:
-                if model_config_dir(final) is None:   # not another fetch that won the race
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    found = model_config_dir(final)
-    assert found is not None
-    return found
+            mlflow.artifacts.download_artifacts(artifact_uri=model.source.removeprefix("mlflow:"), dst_path=str(staging))
+        except Exception as exc:   # MLflow raises its own types (RestException, MlflowException, ...)
+            raise SpecpairError(f"cannot fetch {model.describe()} "
+                                f"({os.environ.get('MLFLOW_TRACKING_URI') or 'no MLFLOW_TRACKING_URI'}): "
+                                f"{_first_line(exc)}") from exc
+        if model_config_dir(staging) is None:
+            raise SpecpairError(f"cannot fetch {model.describe()}: its artifacts hold no config.json "
+                                f"(not a transformers model)")
+        staging.rename(final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _fetch_hub(cache: ModelCache, model: ModelToFetch, progress: Callable[[str], None]) -> Path:

@@ -6,41 +6,47 @@ downloads at start. A release whose models are not in it yet gets this Job first
 fetch-models` (engine/specpair/model_fetch.py) downloads each model from the release's sources
 (MLflow artifacts with the pair's MLflow credentials, the hub with the pair's hub token, both as
 the gate Job gets them) into the PVC, mounted read-write in this Job alone, skipping what is
-there, and writes a completion marker for the release's content hash last. A fetch that fails
+there, and writes a completion marker for the release's content hash last. The Job is named
+after the release's models (`models_digest`: sources and revisions), not its whole content: a
+release that changes only speculation or gating, or the gate's tuning of the served release,
+needs no second fetch. A fetch that fails
 says why in its termination message (the model, its source and the reason), which
 `fetch_state` reads back: a condition with the reason, not engine pods in a crash loop.
 
 Everything here is pure (manifests and decisions from values); nothing reads or writes the API.
 
-How the serving plan uses it (plan.py, observe.py and reconciler.py wire it; not yet done):
+How the plans use it (observe.py, plan.py, serving_plan.py and reconciler.py wire it; not yet done):
 
-- observe: when `needs_fetch(release, rollout, fetched)` holds, get the Job
-  `fetch_job_name(pair, digest)` and the pods whose `job-name` label is that name, into the
-  world (`fetched`: the digests the pair's status records as fetched, see below).
-- plan, for the release about to run, before the gate Job (gate pods read the same read-only
-  cache offline, so a hub model must be there before the gate too) and before ensuring the
-  engine Deployment:
+- observe: where `needs_fetch(release, rollout, fetched)` holds, get the Job
+  `fetch_job_name(pair, models_digest(release))` and the pods labelled `job-name=<that name>`
+  into the world (`fetched`: the models digests the pair's status records as fetched, see DONE).
+- plan.py, gating the spec's release: before StartGateJob (gate pods read the same read-only,
+  offline cache, so a hub model must be in it before the gate runs).
+  serving_plan._engine, for the release served (a rollback's `previous` included): before
+  `EnsureOwned` of the engine Deployment, after the certificate and NetworkPolicy. In both:
   - `needs_fetch` false: proceed as today.
-  - `fetch_state(job, pods)` ABSENT: ensure (create, owned by the pair) `desired_fetch_job(...)`,
-    with an Event ModelFetchStarted; report Reconciling, reason ModelsFetching (kstatus's
-    "progressing"); the gate Job and the engine Deployment are not touched (the champion keeps
-    serving).
-  - RUNNING: report Reconciling, reason ModelsFetching, message `state.message` (it names a
-    pod that cannot start, e.g. a missing Secret: `state.waiting`); nothing else moves.
-  - FAILED: report Stalled, reason ModelFetchFailed, message `state.message` (the fetch's own
-    words: which model, which source, why); Event ModelFetchFailed once; the engine is not
-    rolled (the champion keeps serving). A new release (a fixed spec) gets a Job of its own
-    (the name carries the digest); to retry the same release, delete the failed Job.
-  - DONE: record the digest in the pair's status (e.g. `status.modelCache.fetched`, a few
-    recent digests, with an Event ModelsFetched) and proceed: gate, then roll the engine. The
-    record is what `needs_fetch` reads later, so the Job may be deleted by its TTL
-    (ttlSecondsAfterFinished) without being created again; a crash between DONE and the
-    record finds the Job still there (or re-runs it, which skips what is present: idempotent).
+  - `fetch_state(job, pods)` ABSENT: ensure the Job `desired_fetch_job(...)`, owned by the pair
+    (owned.ensure_owned), with an Event ModelFetchStarted; report Reconciling, reason
+    ModelsFetching (kstatus's "progressing"); no gate Job, no engine rollout this pass (the
+    champion keeps serving).
+  - RUNNING: report Reconciling, reason ModelsFetching, message `state.message` (it names a pod
+    that cannot start, e.g. a missing Secret: `state.waiting`); nothing else moves.
+  - FAILED: report Stalled, reason ModelFetchFailed, message `state.message` (fetch-models' own
+    words: which model, which source, why); an Event ModelFetchFailed once (Records, keyed by
+    the models digest); the engine is not rolled, the champion keeps serving. A fixed spec is a new
+    set of models with a Job of its own (the name carries its digest); deleting the failed Job
+    retries the same one.
+  - DONE: record `models_digest(release)` in the pair's status (e.g. `status.modelCache.fetched`,
+    the last few; an Event ModelsFetched) and proceed: gate, or roll the engine. `needs_fetch` reads
+    that record later, so the Job's TTL may delete it without it being created again; a pass
+    that dies between DONE and the record finds the Job still there, or runs it again, which
+    skips what is present (idempotent).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping
@@ -64,8 +70,9 @@ FETCH_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"m
 MESSAGE_LIMIT = 1500
 
 
-def fetch_job_name(pair: str, digest: str) -> str:
-    return names.object_name(pair, "fetch", digest[:10])
+def fetch_job_name(pair: str, models: str) -> str:
+    """The fetch Job of a set of models (`models_digest`)."""
+    return names.object_name(pair, "fetch", models[:10])
 
 
 def _cache(rollout: Mapping[str, Any]) -> dict[str, Any]:
@@ -86,18 +93,24 @@ def fetched_sources(release: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def models_digest(release: Mapping[str, Any]) -> str:
+    """sha256 of the models a fetch of the release downloads (role, kind, source, revision)."""
+    text = json.dumps(fetched_sources(release), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def needs_fetch(release: Mapping[str, Any], rollout: Mapping[str, Any], fetched: Collection[str] = ()) -> bool:
     """Whether the release needs the Job: the pair has a model cache, the release has models to
-    download, and its content hash is not among those recorded as fetched."""
+    download, and their digest (`models_digest`) is not among those recorded as fetched."""
     return bool(_cache(rollout).get("persistentVolumeClaim")) and bool(fetched_sources(release)) \
-        and content_hash(dict(release)) not in fetched
+        and models_digest(release) not in fetched
 
 
 def deadline_seconds(rollout: Mapping[str, Any]) -> int:
     return int((_cache(rollout).get("fetch") or {}).get("activeDeadlineSeconds") or FETCH_DEADLINE_SECONDS)
 
 
-def desired_fetch_job(pair: str, namespace: str, release: dict[str, Any], digest: str, rollout: dict[str, Any],
+def desired_fetch_job(pair: str, namespace: str, release: dict[str, Any], rollout: dict[str, Any],
                       tracking_uri: str, credentials: manifests.MlflowCredentials | None = None,
                       defaults: manifests.PodDefaults = manifests.PodDefaults()) -> dict[str, Any]:
     """The fetch Job of one release (owner reference added by the adapter, as for every child).
@@ -109,7 +122,10 @@ def desired_fetch_job(pair: str, namespace: str, release: dict[str, Any], digest
     # The pod's environment and its own volumes as a gate pod's, but online: the cache it
     # writes is not the read-only, offline one engine pods get.
     online = {**rollout, "modelCache": {k: v for k, v in _cache(rollout).items() if k != "persistentVolumeClaim"}}
+    # MLflow credentials only where a model comes from MLflow, as for engine pods.
+    credentials = credentials if any(m["kind"] == "mlflow" for m in fetched_sources(release)) else None
     labels = manifests._labels(pair, ROLE)
+    digest = content_hash(release)   # what fetch-models reports for this release file
     container = {
         "name": "fetch",
         "image": manifests.engine_image(release, rollout),
@@ -129,7 +145,7 @@ def desired_fetch_job(pair: str, namespace: str, release: dict[str, Any], digest
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": fetch_job_name(pair, digest), "namespace": namespace, "labels": labels,
+        "metadata": {"name": fetch_job_name(pair, models_digest(release)), "namespace": namespace, "labels": labels,
                      "annotations": {manifests.ANN_HASH: digest}},
         "spec": {
             "backoffLimit": FETCH_BACKOFF_LIMIT,

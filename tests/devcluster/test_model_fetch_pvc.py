@@ -104,7 +104,7 @@ def test_the_fetch_job_fills_the_claim_and_the_engine_serves_from_it_offline(dev
     digest = content_hash(release)
     assert model_fetch.needs_fetch(release, rollout)
 
-    state = run_fetch(devcluster, ns, model_fetch.desired_fetch_job("chat", ns, release, digest, rollout, registry.url))
+    state = run_fetch(devcluster, ns, model_fetch.desired_fetch_job("chat", ns, release, rollout, registry.url))
     assert state.phase == model_fetch.DONE, state.message
     assert (volume / ".specpair" / "releases" / f"{digest}.json").is_file()
 
@@ -134,7 +134,7 @@ def test_a_fetch_that_cannot_find_a_model_fails_with_its_reason(devcluster, regi
     rollout = {"modelCache": {"persistentVolumeClaim": make_claim(devcluster, ns, tmp_path / "volume")}}
     spec = {"target": {"source": "models:/tiny-target/1"}, "draft": {"source": "models:/tiny-draft/7"}}
     release = build_release("chat", ns, spec, PROMPTS)
-    job = model_fetch.desired_fetch_job("chat", ns, release, content_hash(release), rollout, registry.url)
+    job = model_fetch.desired_fetch_job("chat", ns, release, rollout, registry.url)
     job["spec"]["backoffLimit"] = 0     # one attempt is enough to read the reason (the Job controller backs off 10 s+)
     state = run_fetch(devcluster, ns, job)
     assert state.phase == model_fetch.FAILED and state.reason == "BackoffLimitExceeded"

@@ -62,6 +62,11 @@ def _release(target: str, draft: str | None) -> dict:
             "speculation": {"k": 3, "dynamicK": False, "fallbackThreshold": 0.5, "batchSizeThreshold": 8}}
 
 
+def models_in(cache: Path) -> list[str]:
+    """What the MLflow models' folder holds besides its lock files (a staging folder included)."""
+    return sorted(p.name for p in (cache / "specpair-mlflow").iterdir() if not p.name.endswith(".lock"))
+
+
 def _fetch_cli(release: dict, cache: Path, tmp_path: Path) -> tuple[int, dict]:
     release_file = tmp_path / "release.json"
     release_file.write_text(json.dumps(release))
@@ -76,9 +81,14 @@ def test_fetch_then_serve_offline_from_the_cache(registry, tiny_pair_dirs, tmp_p
     from specpair.pair import load_pair
 
     cache = tmp_path / "hub"
+    # What a fetch killed mid-download leaves: a staging folder, never taken for the model.
+    stale = cache / "specpair-mlflow" / ".staging-models_tiny-target_1-0dead0"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{")
     release = _release("models:/tiny-target/1", "models:/tiny-draft/1")
     rc, report = _fetch_cli(release, cache, tmp_path)
     assert rc == 0 and report["fetched"] == 2 and report["present"] == 0
+    assert models_in(cache) == ["models_tiny-draft_1", "models_tiny-target_1"]
     assert report["digest"] == Release.from_dict(release).content_hash
     marker = json.loads((cache / ".specpair" / "releases" / f"{report['digest']}.json").read_text())
     assert [m["role"] for m in marker["models"]] == ["target", "draft"]
@@ -118,7 +128,7 @@ def test_a_missing_model_names_itself_and_marks_nothing(registry, tmp_path, caps
     assert not (cache / ".specpair" / "releases").exists()
     assert not model_fetch.is_complete(release, cache)
     # The target that did arrive is kept (and skipped next time); no staging folder is left behind.
-    assert [p.name for p in (cache / "specpair-mlflow").iterdir()] == ["models_tiny-target_1"]
+    assert models_in(cache) == ["models_tiny-target_1"]
 
 
 @pytest.mark.slow
@@ -127,7 +137,7 @@ def test_artifacts_without_a_model_never_look_complete(registry, tmp_path):
     with pytest.raises(SpecpairError, match=r"target models:/not-a-model/1 from MLflow: its artifacts hold no "
                                             r"config\.json"):
         model_fetch.fetch_models(_release("models:/not-a-model/1", None), cache, progress=lambda m: None)
-    assert list((cache / "specpair-mlflow").iterdir()) == []
+    assert models_in(cache) == []
     assert not (cache / ".specpair").exists()
 
 

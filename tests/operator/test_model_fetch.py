@@ -34,7 +34,7 @@ def _release(target: str | None = "models:/target/3", draft: dict | None = None)
 def test_needs_fetch(target, draft, rollout, fetched, needed):
     release = _release(target, draft)
     if fetched == "digest-of-release":
-        fetched = (content_hash(release),)
+        fetched = (model_fetch.models_digest(release),)
     assert model_fetch.needs_fetch(release, rollout, fetched) is needed
 
 
@@ -46,10 +46,28 @@ def test_fetched_sources_name_role_kind_and_revision():
         {"role": "draft", "source": "models:/draft/2", "revision": None, "kind": "mlflow"}]
 
 
+def test_one_fetch_per_set_of_models():
+    """Speculation, gating and the gate's tuning of the served release change the release's
+    content hash, not its models: the same Job. Another revision or source is another Job."""
+    release = _release("org/target", {"source": "models:/draft/2"})
+    tuned = {**release, "speculation": {**release["speculation"], "k": 7},
+             "gating": {**release["gating"], "maxNewTokens": 99},
+             "mlflow": {"trackingUri": "http://mlflow:5000", "modelName": "team.chat", "version": "4"}}
+    assert content_hash(tuned) != content_hash(release)
+    assert model_fetch.models_digest(tuned) == model_fetch.models_digest(release)
+    assert _job(release=tuned)["metadata"]["name"] == _job(release=release)["metadata"]["name"]
+    assert not model_fetch.needs_fetch(tuned, PVC, {model_fetch.models_digest(release)})
+    pinned = _release("org/target", {"source": "models:/draft/2"})
+    pinned["target"]["revision"] = "abc123"
+    others = {model_fetch.models_digest(r) for r in (pinned, _release("org/target", {"source": "models:/draft/3"}),
+                                                     _release("org/other", {"source": "models:/draft/2"}))}
+    assert len(others) == 3 and model_fetch.models_digest(release) not in others
+
+
 def _job(rollout=None, credentials=None, defaults=PodDefaults(), release=None):
     release = release or _release()
-    return model_fetch.desired_fetch_job("chat", "team", release, content_hash(release),
-                                         rollout or PVC, "http://mlflow:5000", credentials, defaults)
+    return model_fetch.desired_fetch_job("chat", "team", release, rollout or PVC, "http://mlflow:5000", credentials,
+                                         defaults)
 
 
 def test_the_job_writes_the_pvc_that_engine_and_gate_pods_read_only():
@@ -57,7 +75,8 @@ def test_the_job_writes_the_pvc_that_engine_and_gate_pods_read_only():
     digest = content_hash(release)
     rollout = {**PVC, "resources": {"limits": {"nvidia.com/gpu": 1}}}
     job = _job(rollout, release=release)
-    assert job["metadata"]["name"] == model_fetch.fetch_job_name("chat", digest) == f"chat-fetch-{digest[:10]}"
+    models = model_fetch.models_digest(release)
+    assert job["metadata"]["name"] == model_fetch.fetch_job_name("chat", models) == f"chat-fetch-{models[:10]}"
     assert job["metadata"]["annotations"][manifests.ANN_HASH] == digest
     pod = job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -116,10 +135,12 @@ def test_the_job_gets_the_credentials_the_gate_gets():
         "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "HF_TOKEN"}
     assert {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
     assert pod["imagePullSecrets"] == gate_pod["imagePullSecrets"] == [{"name": "regcred"}]
-    # The installation's hub token when the pair names none.
-    job = _job(PVC, None, PodDefaults(hub_token=("install-hf", "token")), release)
+    # The installation's hub token when the pair names none; no MLflow credentials for a release
+    # whose models all come from the hub.
+    job = _job(PVC, credentials, PodDefaults(hub_token=("install-hf", "token")), _release("org/target"))
     env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "install-hf", "key": "token"}}
+    assert not [name for name in env if name.startswith("MLFLOW_TRACKING_") and name != "MLFLOW_TRACKING_URI"]
 
 
 def test_no_job_without_a_claim():
