@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from specpair.config import Release
 from specpair.contract import DEFAULT_CATEGORY, threshold_failures
 from specpair.errors import SpecpairError
 from specpair.verdict import check_release, new_verdict, tokenizer_check
@@ -53,6 +54,7 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
                                     speculative_config)
 
     check_release(release)
+    pair = Release.from_dict(release).pair     # what the release serves, read as the engine reads it
     gating = release.get("gating") or {}
     prompts = gating["prompts"]
     chat = bool(gating.get("chat", True))
@@ -66,12 +68,14 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
         verdict["reasons"] = ["tokenizer mismatch: " + "; ".join(tok["differences"])]
         return verdict, []
 
-    target_dir = resolve_source(release["target"].get("source") or "default", progress)
+    target_dir = resolve_source(pair.target.source, progress)
     if not Path(str(target_dir)).is_dir():
         raise SpecpairError(f"vLLM needs the target as a local model directory; {target_dir!r} is not one")
-    draft = dict(release["draft"])
-    if draft.get("source"):
-        draft["source"] = str(resolve_source(draft["source"], progress))
+    # vLLM's speculative config reads the release's draft block (method, tensor parallel size) with
+    # the draft model where vLLM can load it.
+    draft = dict(release.get("draft") or {})
+    if pair.draft is not None:
+        draft["source"] = str(resolve_source(pair.draft.source, progress))
     speculative = speculative_config({**release, "draft": draft, "speculation": {
         **(release.get("speculation") or {}), "enabled": True}})
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))

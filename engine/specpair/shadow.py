@@ -63,8 +63,8 @@ from pathlib import Path
 
 import torch
 
-from specpair.config import SpeculationConfig
-from specpair.contract import DEFAULT_CATEGORY, content_hash
+from specpair.config import PairSpec, Release, SpeculationConfig
+from specpair.contract import DEFAULT_CATEGORY
 from specpair.costs import DynamicK, sync
 from specpair.drafters import Drafter, ModelDrafter, NgramDrafter, RowSampling
 from specpair.errors import SpecpairError
@@ -78,36 +78,38 @@ DEFAULT_SHARE = 0.1
 
 @dataclass(frozen=True)
 class Candidate:
-    """The candidate release as the shadow needs it: who it is and how it speculates."""
+    """The candidate release as the shadow needs it: who it is and the pair it drafts with
+    (target, draft model or drafter, speculation: Release.from_dict's reading)."""
     version: str
     content_hash: str
-    target: dict                    # {source, revision}
-    draft: dict                     # the release's draft block
-    speculation: SpeculationConfig
+    pair: PairSpec
+
+    @property
+    def speculation(self) -> SpeculationConfig:
+        return self.pair.speculation
 
 
 def read_candidate(path: str | Path) -> Candidate:
     """A candidate release file, refused with the reason when it cannot be shadowed."""
     try:
-        release = json.loads(Path(path).read_text())
+        raw = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise SpecpairError(f"--shadow-release {path}: {exc}") from exc
-    if not isinstance(release, dict) or not (release.get("target") or {}).get("source"):
-        raise SpecpairError(f"--shadow-release {path}: no target.source")
-    draft = release.get("draft") or {}
-    if not (draft.get("drafter") or draft.get("source")):
+    if not isinstance(raw, dict):
+        raise SpecpairError(f"--shadow-release {path}: not a release (a JSON object)")
+    try:
+        release = Release.from_dict(raw)
+    except SpecpairError as exc:
+        raise SpecpairError(f"--shadow-release {path}: {exc}") from exc
+    if not release.pair.speculates:
         raise SpecpairError(f"--shadow-release {path}: no draft (a drafter or a draft source): "
                             f"nothing to score")
-    return Candidate(version=str((release.get("mlflow") or {}).get("version") or "0"),
-                     content_hash=content_hash(release),
-                     target={"source": str(release["target"]["source"]),
-                             "revision": release["target"].get("revision")},
-                     draft=draft, speculation=SpeculationConfig.from_release(release))
+    return Candidate(version=release.version or "0", content_hash=release.content_hash, pair=release.pair)
 
 
 def check_same_target(candidate: Candidate, source: str, revision: str | None) -> None:
     """Shadow scoring reads the serving target's logits: the candidate must be gated on that target."""
-    mine = (candidate.target["source"], candidate.target.get("revision"))
+    mine = (candidate.pair.target.source, candidate.pair.target.revision)
     if mine != (source, revision):
         raise SpecpairError(
             f"shadow candidate v{candidate.version} targets {mine[0]}"
@@ -118,17 +120,13 @@ def check_same_target(candidate: Candidate, source: str, revision: str | None) -
 
 def build_shadow_drafter(candidate: Candidate, engine, load_model=None) -> Drafter:
     """The candidate's drafter beside the engine's target (same tokenizer required)."""
-    draft = candidate.draft
-    if draft.get("drafter"):
-        if draft["drafter"] != "ngram":
-            raise SpecpairError(f"shadow candidate v{candidate.version}: unknown drafter "
-                                f"{draft['drafter']!r} (ngram)")
+    pair = candidate.pair
+    if pair.drafter is not None:      # a known model-free drafter (PairSpec refuses others)
         return NgramDrafter(device=engine.target.device)
     if load_model is None:
         from specpair.models import load_model
     from specpair.tokenizer_identity import compare, fingerprint
-    loaded = load_model(str(draft["source"]), device=str(engine.target.device),
-                        revision=draft.get("revision"))
+    loaded = load_model(pair.draft.source, device=str(engine.target.device), revision=pair.draft.revision)
     if getattr(loaded.model, "is_drafting_head", False):
         raise SpecpairError(f"shadow candidate v{candidate.version}: {loaded.model.method} heads draft "
                             f"from the target's features, which only the serving drafter is handed; "

@@ -14,7 +14,7 @@ import math
 import pytest
 from tiny_models import make_model, make_tokenizer, perturbed_copy
 
-from specpair.config import GenerationParams, SpeculationConfig
+from specpair.config import GenerationParams, ModelRef, PairSpec, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.drafters import ModelDrafter, NgramDrafter
 from specpair.errors import SpecpairError
@@ -41,8 +41,8 @@ def models():
 
 
 def candidate(speculation=CANDIDATE, version="7") -> Candidate:
-    return Candidate(version=version, content_hash="c" * 64, target={"source": "tiny-seed11", "revision": None},
-                     draft={"drafter": "ngram"}, speculation=speculation)
+    return Candidate(version=version, content_hash="c" * 64,
+                     pair=PairSpec(target=ModelRef("tiny-seed11"), drafter="ngram", speculation=speculation))
 
 
 def shadowed(engine, drafter, share=1.0, seed=0, threshold=None):
