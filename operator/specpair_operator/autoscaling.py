@@ -98,7 +98,8 @@ class Autoscaling:
             raise AutoscalingError("rollout.autoscaling.scaleDownStabilizationSeconds must be an integer "
                                    f"from 0 to 3600, got {window!r}")
         if not isinstance(polling, int) or isinstance(polling, bool) or polling < 1:
-            raise AutoscalingError(f"rollout.autoscaling.pollingIntervalSeconds must be an integer >= 1, got {polling!r}")
+            raise AutoscalingError("rollout.autoscaling.pollingIntervalSeconds must be an integer >= 1, "
+                                   f"got {polling!r}")
         return cls(lo, hi, metric, float(target), raw.get("prometheusAddress"), window, polling)
 
 
@@ -238,7 +239,8 @@ async def ensure_autoscaler(state: Any, body: Any, ledger: Any) -> None:
         ledger.conditions = [cond for cond in ledger.conditions if cond.get("type") != AUTOSCALED]
         return
     if done.conflict:
-        _not_autoscaled(ledger, "NameConflict", f"{done.kind} {done.name} exists and is not this pair's: it is left alone")
+        _not_autoscaled(ledger, "NameConflict",
+                        f"{done.kind} {done.name} exists and is not this pair's: it is left alone")
         return
     what = f"{done.kind} {done.name} scales the pair from {describe(plan.scaling)}"
     if done.changed:

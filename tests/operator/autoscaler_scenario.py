@@ -20,6 +20,7 @@ from cluster_env import OPERATOR, Namespace, cond, model_name, pair, serving, se
 from specpair_devcluster.client import ApiError, resource_path
 from specpair_operator import autoscaling
 from specpair_operator.manifests import engine_name
+from specpair_operator.state import STATE
 
 KEDA_MODULE = "github.com/kedacore/keda/v2@v2.21.0"
 KEDA_CRD = "scaledobjects.keda.sh"
@@ -125,6 +126,15 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
             template = ns.get("apps/v1", "Deployment", child)["metadata"]["annotations"]["specpair.io/template-hash"]
             set_spec(ns, name, {"rollout": {"autoscaling": {"maxReplicas": 4}}})
             ns.wait_for("the HPA updated", lambda: (_get(ns, HPA, child) or {}).get("spec", {}).get("maxReplicas") == 4)
+            assert any("1 to 4 replicas" in m for m in _messages(ns, "AutoscalerUpdated"))
+            # The real HPA controller scales the pair through its scale subresource (a minimum above
+            # the pair's replicas needs no metric); the operator scales the engine Deployment to it.
+            set_spec(ns, name, {"rollout": {"autoscaling": {"minReplicas": 2}}})
+            ns.wait_for("the HPA controller scales the pair to 2",
+                        lambda: ns.pair(name)["spec"]["rollout"]["replicas"] == 2, timeout=60)
+            ns.wait_for("the engine Deployment at 2",
+                        lambda: ns.get("apps/v1", "Deployment", child)["spec"]["replicas"] == 2, timeout=60)
+            assert any("scaled from 1 to 2 replicas" in m for m in _messages(ns, "Scaled"))
             after = ns.wait_for("still serving v1", lambda: serving(ns, name, "1"), timeout=60)
             assert after["status"]["history"] == before["status"]["history"]
             assert after["status"]["contentHash"] == before["status"]["contentHash"]
@@ -133,7 +143,6 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
             assert len(ns.list("batch/v1", "Job")) == 1
             assert [v.version for v in MlflowClient(mlflow_url).search_model_versions(
                 f"name='{model_name(ns, name)}'")] == ["1"]
-            assert any("1 to 4 replicas" in m for m in _messages(ns, "AutoscalerUpdated"))
 
             # KEDA installed, but nowhere to ask for the metric: said on the pair, the HPA stays.
             install_keda_crd(kube)
@@ -169,3 +178,4 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
         assert runner.exception is None
     finally:
         remove_keda_crd(kube)
+        STATE.keda_seen = None  # the next operator in this process asks again

@@ -54,7 +54,8 @@ def test_the_crd_offers_exactly_the_signals_and_holds_the_defaults():
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"scaleDownStabilizationSeconds": 3601}, "scaleDownStabilizationSeconds must be an integer from 0 to 3600, got 3601"),
+    ({"scaleDownStabilizationSeconds": 3601},
+     "scaleDownStabilizationSeconds must be an integer from 0 to 3600, got 3601"),
     ({"scaleDownStabilizationSeconds": -1}, "from 0 to 3600, got -1"),
     ({"pollingIntervalSeconds": 0}, "pollingIntervalSeconds must be an integer >= 1, got 0"),
     ({"pollingIntervalSeconds": 1.5}, "pollingIntervalSeconds must be an integer >= 1, got 1.5"),

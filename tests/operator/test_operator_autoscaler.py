@@ -1,5 +1,6 @@
 """The operator's autoscaler for a pair with `rollout.autoscaling`, on the real control plane: an
-HPA the real HPA controller reads the pair through, a ScaledObject once KEDA's CRD is installed,
+HPA the real HPA controller reads and scales the pair through (its scale subresource; the operator
+scales the engine Deployment to what it writes), a ScaledObject once KEDA's CRD is installed,
 nothing once autoscaling is removed, and no release moved by any of it
 (tests/operator/autoscaler_scenario.py)."""
 
