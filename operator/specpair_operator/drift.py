@@ -48,6 +48,8 @@ Ladder
     not be breached by what the current release does now: rolling back must help on this
     traffic. When both releases serve the same target and draft, it must also have been gated
     better than the current one, since a drop that is the traffic's would hit it the same way.
+    A sustained breach of latency or errors (serving_health.py) climbs the same ladder through
+    decide's `serving` input, after acceptance.
 """
 
 from __future__ import annotations

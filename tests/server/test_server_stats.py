@@ -287,3 +287,12 @@ def test_latency_histograms_and_request_outcomes_reach_the_operator_probe(tiny_p
     assert overall.requests["ok"] == 4 and overall.requests["error"] == 1
     invalid = sum(s["requests"].get("invalid", 0) for s in stats["serving"].values())
     assert invalid == overall.requests["invalid"] == 1
+
+    # The operator's serving-health watch reads the report as counters of requests.
+    from specpair_operator import serving_health
+    pod = serving_health.serving_pod("engine-0/uid", stats, None)
+    code_counts = pod.categories["code"]
+    assert (code_counts.finished, code_counts.failed) == (4, 1)
+    p95 = code_counts.ttft.quantile(0.95)
+    above = min(b for b in LATENCY_BUCKETS if b >= max(ttfts))
+    assert p95 is not None and p95 <= above
