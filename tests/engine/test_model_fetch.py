@@ -173,3 +173,45 @@ def test_flags_instead_of_a_release_file(tmp_path):
         model_fetch.release_of(release_file="r.json", target="x")
     assert model_fetch.release_of(target="org/m", target_revision="abc") == {
         "target": {"source": "org/m", "revision": "abc"}, "draft": {}}
+
+
+@pytest.mark.slow   # starts a second MLflow server, with basic auth
+def test_mlflow_credentials_come_from_the_environment(tmp_path_factory, tiny_pair_dirs, tmp_path, monkeypatch):
+    """As the fetch Job gets them (MLFLOW_TRACKING_USERNAME/PASSWORD from the pair's Secret):
+    without them MLflow refuses and the error says so; with them the model arrives."""
+    import uuid
+
+    from mlflow import MlflowClient
+    from mlflow_server import MlflowServer
+
+    root = tmp_path_factory.mktemp("mlflow-auth")
+    admin = ("admin", "admin-pw-" + uuid.uuid4().hex[:12])
+    (root / "basic_auth.ini").write_text(
+        f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root}/auth.db\nadmin_username = {admin[0]}\n"
+        f"admin_password = {admin[1]}\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    server = MlflowServer(root, args=("--app-name", "basic-auth"),
+                          env={"MLFLOW_AUTH_CONFIG_PATH": str(root / "basic_auth.ini"),
+                               "MLFLOW_FLASK_SERVER_SECRET_KEY": uuid.uuid4().hex})
+    server.start()
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", admin[0])
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", admin[1])
+        client = MlflowClient(server.url)
+        run = client.create_run(client.create_experiment("fetch"))
+        client.log_artifacts(run.info.run_id, tiny_pair_dirs["target"], artifact_path="model")
+        client.create_registered_model("private-target")
+        client.create_model_version("private-target", f"runs:/{run.info.run_id}/model", run.info.run_id)
+        release = _release("models:/private-target/1", None)
+
+        monkeypatch.delenv("MLFLOW_TRACKING_USERNAME")
+        monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")
+        with pytest.raises(SpecpairError, match=r"cannot fetch target models:/private-target/1 from MLflow "
+                                                r"\(http://127\.0\.0\.1:\d+\): .*(401|[Uu]nauthori[sz]ed|credentials)"):
+            model_fetch.fetch_models(release, tmp_path / "hub", progress=lambda m: None)
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", admin[0])
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", admin[1])
+        report = model_fetch.fetch_models(release, tmp_path / "hub", progress=lambda m: None)
+        assert [m["outcome"] for m in report["models"]] == ["fetched"]
+    finally:
+        server.stop()
