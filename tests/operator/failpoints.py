@@ -2,8 +2,8 @@
 process (test_operator_convergence.py).
 
 Every write the operator makes goes through two adapters: MlflowClient (registry.py) and the
-Kubernetes client (kube.py: create, merge_patch, json_patch; dry runs write nothing and are not
-counted). Wrapping their write methods here, outside the operator's code,
+Kubernetes client (kube.py: create, merge_patch, json_patch, delete; dry runs write nothing and
+are not counted). Wrapping their write methods here, outside the operator's code,
 gives two ways to fail that a real deployment meets:
 
     SPECPAIR_FAILPOINT=crash-after-first-write
@@ -42,7 +42,7 @@ LOG = os.environ.get("SPECPAIR_FAILPOINT_LOG", "")
 MLFLOW_WRITES = ("create_registered_model", "set_registered_model_tag", "create_experiment", "create_run",
                  "log_artifact", "set_terminated", "create_model_version", "set_model_version_tag",
                  "set_registered_model_alias", "delete_registered_model_alias", "delete_model_version_tag")
-KUBE_WRITES = ("create", "merge_patch", "json_patch")
+KUBE_WRITES = ("create", "merge_patch", "json_patch", "delete")
 
 _lock = threading.Lock()
 _writes = 0
@@ -55,8 +55,8 @@ def _describe(name: str, args: tuple[Any, ...]) -> str:
         return f"kube.create {kind}" + (f" {args[0]['metadata']['name']}" if kind == "Secret" else "")
     if name == "json_patch":
         return f"kube.json_patch {args[1]} {args[3]}"
-    if name == "merge_patch":
-        return f"kube.merge_patch {args[1]}"
+    if name in ("merge_patch", "delete"):
+        return f"kube.{name} {args[1]}"
     detail = {"set_model_version_tag": 2, "set_registered_model_alias": 1}.get(name)  # the tag key, the alias
     return f"mlflow.{name}" + (f" {args[detail]}" if detail is not None and len(args) > detail else "")
 

@@ -218,3 +218,35 @@ def test_a_rollback_killed_between_its_tag_and_its_alias_move_is_finished(env, m
         assert operator_metrics().get(("specpair_speculation_off_total", frozenset(who))) == 1
         assert operator_metrics().get(("specpair_drift_ladder_step", frozenset(who))) == 1
     assert runner.exception is None
+
+
+def test_an_autoscaler_switch_killed_between_its_delete_and_its_create_is_finished(env, mlflow_server, tmp_path,
+                                                                                    monkeypatch):
+    """KEDA installed under an autoscaled pair: the pass deletes the pair's HPA, then writes its
+    ScaledObject. Killed right after the delete, the next operator writes the ScaledObject, and
+    deletes nothing more."""
+    from autoscaler_scenario import HPA, PROMETHEUS, SO, install_keda_crd, remove_keda_crd
+    from autoscaler_scenario import _get as get_autoscaler
+    from specpair_operator import autoscaling
+
+    ns = env
+    name = f"scaled-{uuid.uuid4().hex[:5]}"
+    child = manifests.engine_name(name)
+    operator = FailingOperator(tmp_path / "writes.jsonl")
+    monkeypatch.delenv(autoscaling.PROMETHEUS_ENV, raising=False)
+    remove_keda_crd(ns.kube)
+    ns.create(pair(name, "good-draft", rollout={"autoscaling": {"maxReplicas": 2, "target": 4}}))
+    operator.life("log", lambda: serving(ns, name, "1") and get_autoscaler(ns, HPA, child), time.monotonic() + 150)
+    assert get_autoscaler(ns, HPA, child), ns.pair(name).get("status")
+    install_keda_crd(ns.kube)
+    monkeypatch.setenv(autoscaling.PROMETHEUS_ENV, PROMETHEUS)  # the child operators' environment
+    try:
+        assert operator.life("crash-after:kube.delete horizontalpodautoscalers", lambda: False,
+                             time.monotonic() + 120) == 137, "no crash"
+        assert get_autoscaler(ns, HPA, child) is None and get_autoscaler(ns, SO, child) is None
+        operator.life("log", lambda: get_autoscaler(ns, SO, child), time.monotonic() + 120)
+        assert get_autoscaler(ns, SO, child) and get_autoscaler(ns, HPA, child) is None
+        assert [w["write"] for w in operator.writes() if w["write"].startswith("kube.delete")] == \
+            ["kube.delete horizontalpodautoscalers"]
+    finally:
+        remove_keda_crd(ns.kube)
