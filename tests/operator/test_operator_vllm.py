@@ -83,8 +83,12 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
                "stringData": {"token": TOKEN}})
     pair = vllm_pair(name, models["target"], {"drafter": "ngram"})
     pair["spec"]["rollout"]["auth"] = {"tokenSecretRef": {"name": "serving-token"}}
+    # A draft whose tokenizer differs, applied beside it: its gate fails from the tokenizer files
+    # alone, before any vLLM starts, while the first pair's gate runs.
+    other = f"vx-{uuid.uuid4().hex[:5]}"
     with KopfRunner(OPERATOR, timeout=60) as runner:
         ns.create(pair)
+        ns.create(vllm_pair(other, models["target"], {"source": models["foreign"]}))
         obj = ns.wait_for("v1 serving on vLLM", lambda: (o := ns.pair(name)) and
                           (o.get("status") or {}).get("phase") == "Serving" and o, timeout=900)
         st = obj["status"]
@@ -123,9 +127,7 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
                           o["status"]["drift"].get("fineInRow", 0) >= 1 and o, timeout=120)
         assert 0.0 <= obj["status"]["acceptance"] <= 1.0 and obj["status"]["phase"] == "Serving"
 
-        # A draft whose tokenizer differs fails at the gate, from the tokenizer files alone.
-        other = f"vx-{uuid.uuid4().hex[:5]}"
-        ns.create(vllm_pair(other, models["target"], {"source": models["foreign"]}))
+        # The draft whose tokenizer differs failed at the gate.
         obj = ns.wait_for("the foreign draft refused", lambda: (o := ns.pair(other)) and
                           cond(o, "TokenizerCompatible").get("status") == "False" and o, timeout=300)
         assert cond(obj, "Gated")["reason"] == "TokenizerMismatch" and not obj["status"].get("servingVersion")
