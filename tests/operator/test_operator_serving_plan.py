@@ -406,13 +406,13 @@ def whole_pass(cl: Cluster) -> tuple[Any, ...]:
 
 
 def converge(start: Cluster, crash_at: int | None = None, passes: int = 40,
-             planner: Any = sp.plan_serving) -> tuple[Cluster, list[Any]]:
+             planner: Any = None) -> tuple[Cluster, list[Any]]:
     """Passes (the pods moving on between them) until one plans no write and no record, or
     `passes` ran. The `crash_at`-th write is the last of its pass: its status and memory are lost."""
     cl = copy.deepcopy(start)
     done: list[Any] = []
     for _ in range(passes):
-        steps = planner(cl.world()) if planner is sp.plan_watch else whole_pass(cl)
+        steps = whole_pass(cl) if planner is None else planner(cl.world())
         status = dict(cl.w.status)
         later: list[Any] = []
         killed = False
@@ -466,6 +466,20 @@ def test_rollback_would_not_help_when_the_previous_release_serves_the_same_model
     assert [a for a, _ in cl.history] == ["RolloutStarted", "SpeculationOff"] and cl.w.aliases["champion"] == "2"
     assert cl.w.status["drift"]["stepsTaken"] == 1
     assert cl.said["RollbackWouldNotHelp"], cl.said
+
+
+def test_the_champion_is_watched_while_the_specs_release_cannot_serve():
+    start = ladder_start()
+    start.w = dataclasses.replace(start.w, desired=None, desired_reason="gate of v3 failed: acceptance 0.200 < 0.500",
+                                  spec={**SPEC, "drift": {**DRIFT, "ladder": ["SpeculationOff"]}})
+    cl, _ = converge(start, passes=30, planner=sp.plan_serving)
+    assert [a for a, _ in cl.history] == ["RolloutStarted", "SpeculationOff"]
+    assert cl.w.status["speculationEnabled"] is False and cl.said["SpeculationOff"] == 1
+    # The pair still says why the spec's release does not serve.
+    last = sp.plan_serving(cl.world())[-1]
+    assert (last.how, last.phase, last.reason, last.ready_reason) == ("stalled", "Degraded", "ReleaseNotServable",
+                                                                      "ChampionKeepsServing")
+    assert last.message == "gate of v3 failed: acceptance 0.200 < 0.500; v2 keeps serving"
 
 
 def test_a_speculation_off_mark_left_by_a_dead_pass_is_adopted_and_recorded_once():
