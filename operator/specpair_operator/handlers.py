@@ -64,9 +64,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         raise kopf.PermanentError(str(exc)) from exc
     STATE.registry = ReleaseRegistry(STATE.tracking_uri)
     # A (re)started operator remembers nothing: all it needs is in the cluster and MLflow.
-    for memory in (STATE.locks, STATE.retry_at, STATE.backoff, STATE.samples, STATE.last_drift_check,
-                   STATE.speedup_series, STATE.watch_cache, STATE.bodies, STATE.tls_checked_at,
-                   STATE.status_written):
+    for memory in (STATE.locks, STATE.retry_at, STATE.backoff, STATE.samples, STATE.serving_samples,
+                   STATE.last_drift_check, STATE.speedup_series, STATE.watch_cache, STATE.bodies,
+                   STATE.tls_checked_at, STATE.status_written):
         memory.clear()
     STATE.probe = GrpcEngineProbe()
     STATE.operator_namespace = operator_namespace()
@@ -117,7 +117,7 @@ async def on_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa
     uid = body.metadata.uid
     if type == "DELETED":
         STATE.bodies.pop(uid, None)
-        for memory in (STATE.locks, STATE.retry_at, STATE.backoff, STATE.samples,
+        for memory in (STATE.locks, STATE.retry_at, STATE.backoff, STATE.samples, STATE.serving_samples,
                        STATE.last_drift_check, STATE.speedup_series, STATE.watch_cache,
                        STATE.tls_checked_at, STATE.status_written):
             memory.pop(uid, None)

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from . import aliases as aliases_mod
 from . import conditions as c
 from . import drift as drift_mod
-from . import gate_attempts, gate_verdict, manifests, names, owned, serving_plan
+from . import gate_attempts, gate_verdict, manifests, names, owned, serving_health, serving_plan
 from . import tls as tls_mod
 from .engine_probe import EngineUnreachable
 from .kube import Kube, KubeError
@@ -136,7 +136,8 @@ def _serving_world(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str
         installation=Installation(op.gate_tracking_uri,
                                   manifests.MlflowCredentials.for_pair(spec.get("mlflow"), op.credentials), op.pods),
         now=c.now_iso(),
-        drift=DriftMemory(version, memory, op.last_drift_check.get(uid, 0.0), time.monotonic(), time.time()))
+        drift=DriftMemory(version, memory, op.serving_samples.get(uid) or serving_health.ServingMemory(),
+                          op.last_drift_check.get(uid, 0.0), time.monotonic(), time.time()))
 
 
 async def _observe_engine(op: OperatorState, w: ServingWorld) -> ServingWorld:

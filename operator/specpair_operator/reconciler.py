@@ -311,8 +311,11 @@ class PairReconciler:
                 op.last_drift_check[self.uid] = step.at
             elif isinstance(step, serving_plan.RememberDrift):
                 op.samples[self.uid] = (step.champion, step.memory)
+                if step.serving is not None:
+                    op.serving_samples[self.uid] = step.serving
             elif isinstance(step, serving_plan.ForgetDrift):
                 op.samples.pop(self.uid, None)
+                op.serving_samples.pop(self.uid, None)
             elif isinstance(step, serving_plan.ExportSpeedup):
                 self._export_speedup(step.champion, dict(step.verdict))
             elif isinstance(step, serving_plan.LogWarning):

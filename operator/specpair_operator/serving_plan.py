@@ -36,7 +36,7 @@ from specpair.stats import RequestMoments
 from . import aliases as aliases_mod
 from . import conditions as c
 from . import drift as drift_mod
-from . import gate_verdict, manifests, names, owned
+from . import gate_verdict, manifests, names, owned, serving_health
 from . import release as release_mod
 from . import tls as tls_mod
 from .plan import (TAG_RELEASE, TAG_SPECULATION_OFF, Condition, PostEvent, Record, Report, SetAlias, SetStatus,
@@ -121,6 +121,7 @@ class DriftChecked:
 class RememberDrift:
     champion: str
     memory: drift_mod.Memory
+    serving: serving_health.ServingMemory | None = None
 
 
 @dataclass(frozen=True)
@@ -300,6 +301,10 @@ class DriftPosition:
     adopted: bool                  # taken from the champion's mark: the pass that took it died first
     due: bool                      # an interval has passed since the last check
     next_step: str | None
+
+
+def serving_breach_reason(judged: serving_health.Judgement) -> str:
+    return "ErrorRateAboveLimit" if judged.metric == serving_health.ERRORS else "LatencyAboveBaseline"
 
 
 def drift_position(w: ServingWorld, champion: str) -> DriftPosition | None:
@@ -655,11 +660,19 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
         # overall acceptance (and the previous release's, likewise).
         baseline = {k: v for k, v in baseline.items() if k == "*"}
         previous_baseline = {k: v for k, v in (previous_baseline or {}).items() if k == "*"} or None
-    decision = drift_mod.decide(policy, previous, memory, w.drift.wall, observed, baseline,
-                                previous_baseline, same_models)
+    # Acceptance and serving health (latency, errors) climb the same ladder.
+    serving_pods = [serving_health.serving_pod(p.pod, pod.stats or {}, p.started) for p, pod in zip(observed, pods)]
+    outcome = serving_health.decide(
+        policy, serving_health.LatencyPolicy.from_spec(dict(w.spec.get("drift") or {})), previous, memory,
+        serving_health.ServingState.for_release(dict(w.status.get("servingHealth") or {}), champion),
+        w.drift.serving, w.drift.wall, observed, serving_pods, baseline, previous_baseline, same_models,
+        champion=champion, previous_version=w.aliases.get(aliases_mod.PREVIOUS),
+        speculating=any(bool((pod.stats or {}).get("speculating")) for pod in pods))
+    decision = outcome.drift
     if w.registry_down and decision.action and decision.action != drift_mod.SPECULATION_OFF:
         return off
-    out.add(RememberDrift(champion, decision.memory))
+    out.add(RememberDrift(champion, decision.memory, outcome.serving.memory),
+            SetStatus({"servingHealth": outcome.serving.status()}))
     state = decision.state
     probing = decision.memory.probe_started is not None
     out.add(SetStatus({"drift": {**state.as_dict(), "version": str(champion), "probing": probing}}))
@@ -674,8 +687,13 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
                                 "draftedTokens": {cat: j.drafted for cat, j in last.items() if cat != drift_mod.OVERALL},
                                 "trafficShift": shift}}))
     messages = [j.message() for j in decision.breaches]
+    slow = outcome.serving.breaches
+    for judged in slow:
+        out.add(PostEvent("Warning", serving_breach_reason(judged), judged.message()))
     if messages:
         out.add(Condition(c.DRIFTED, True, "AcceptanceBelowBaseline", "; ".join(messages)))
+    elif slow:
+        out.add(Condition(c.DRIFTED, True, serving_breach_reason(slow[0]), "; ".join(j.message() for j in slow)))
     elif any(j.verdict == drift_mod.FINE for j in decision.judged) and not off:
         out.add(Condition(c.DRIFTED, False, "WithinBaseline", "live acceptance within the gated baseline"
                           + (f"; traffic shift, not judged: {', '.join(sorted(shift))}" if shift else "")))
@@ -693,7 +711,9 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
                 Report("ready", "Degraded", "SpeculationOff", f"v{champion} serving target-only: {reason}"))
         return True
     if decision.action == drift_mod.ROLLBACK:
-        _rollback(out, champion, "drift persisted after speculation off: " + decision.reason)
+        # Acceptance rolls back after SpeculationOff; serving health (errors) may go there directly.
+        _rollback(out, champion, ("drift persisted after speculation off: " if off else "sustained drift: ")
+                  + decision.reason)
         return True
     if decision.action == drift_mod.SPECULATION_ON:
         out.add(TagVersion(champion, {TAG_SPECULATION_OFF: ""}),

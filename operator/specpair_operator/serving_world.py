@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from . import drift as drift_mod
-from . import manifests
+from . import manifests, serving_health
 from .world import Records
 
 
@@ -57,6 +57,7 @@ class DriftMemory:
     evidence gathered so far), and the clocks of this pass."""
     version: str = ""                        # the champion the samples belong to
     memory: drift_mod.Memory = field(default_factory=drift_mod.Memory)
+    serving: serving_health.ServingMemory = field(default_factory=serving_health.ServingMemory)
     checked_at: float = 0.0                  # monotonic time of the last check
     monotonic: float = 1e9                   # now, monotonic
     wall: float = 0.0                        # now, time.time()

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from specpair_operator import drift, manifests, owned, release
+from specpair_operator import drift, manifests, owned, release, serving_health
 from specpair_operator import plan as p
 from specpair_operator import serving_plan as sp
 from specpair_operator.registry import TAG_HASH, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
@@ -91,8 +91,10 @@ def serving(w: ServingWorld | None = None, pods: int = 1, **info: Any) -> Servin
     """`w` with its engine in place and available, and `pods` ready pods that answer."""
     w = w or base()
     dep = deployment(w)
+    rolled_out = f"{w.aliases['champion']}@{sp.template_fingerprint(dep)}"  # its RolloutStarted is recorded
     return dataclasses.replace(
-        w, deployment=dep, records=Records({"RolloutStarted": (f"{w.aliases['champion']}@{sp.template_fingerprint(dep)}",)}), service=mine(manifests.engine_service(PAIR, NS, {}), mutable=False),
+        w, deployment=dep, records=Records({"RolloutStarted": (rolled_out,)}),
+        service=mine(manifests.engine_service(PAIR, NS, {}), mutable=False),
         policy=mine(manifests.engine_network_policy(PAIR, NS)),
         ready=tuple(EnginePod(f"pod{i}", f"u{i}", f"10.0.0.{i}", pod_info(w, **info)) for i in range(pods)))
 
@@ -323,6 +325,14 @@ class Cluster:
         self.drafted, self.t = 0, 100.0
         self.ready_version: str | None = None
         self.draft_tokenizer: dict[str, str] = {}   # per version, what its pods report ('d': as gated)
+        self.error_rates: dict[str, float] = {}      # per version, the share of requests its pods fail
+        self.errors_from = 0.0                       # ... from this time on
+        self.requests = {"ok": 0, "error": 0}
+
+    def healthy(self) -> bool:
+        """The champion serves as gated: nothing left for the ladder to do."""
+        champion = self.w.aliases["champion"]
+        return self.rates[champion] >= 0.7 and not self.error_rates.get(champion)
 
     def world(self) -> ServingWorld:
         champion = self.w.aliases["champion"]
@@ -363,10 +373,11 @@ class Cluster:
             self.w = dataclasses.replace(self.w, records=Records(recorded, True))
         elif isinstance(step, sp.RememberDrift):
             self.w = dataclasses.replace(self.w, drift=dataclasses.replace(self.w.drift, version=step.champion,
-                                                                           memory=step.memory))
+                                                                           memory=step.memory, serving=step.serving))
         elif isinstance(step, sp.ForgetDrift):
             self.w = dataclasses.replace(self.w, drift=dataclasses.replace(self.w.drift, version="",
-                                                                           memory=drift.Memory()))
+                                                                           memory=drift.Memory(),
+                                                                           serving=serving_health.ServingMemory()))
 
     def tick(self) -> None:
         """The Deployment controller makes the Deployment available; its pod loads what it was given
@@ -380,15 +391,18 @@ class Cluster:
                              "updatedReplicas": n, "availableReplicas": n}
             version = self.served.get("version")
             if self.ready_version != version:  # new pods: their counters start at zero
-                self.ready_version, self.drafted = version, 0
+                self.ready_version, self.drafted, self.requests = version, 0, {"ok": 0, "error": 0}
             self.drafted += 400
             rate = self.rates[version]
+            failed = round(20 * self.error_rates.get(version, 0.0)) if self.t >= self.errors_from else 0
+            self.requests = {"ok": self.requests["ok"] + 20 - failed, "error": self.requests["error"] + failed}
             info = {"pair": PAIR, "releaseVersion": self.served.get("version"), "contentHash": self.served.get("hash"),
                     "tokenizer": {"target": "t", "draft": self.draft_tokenizer.get(version, "d")},
                     "speculationEnabled": self.speculating}
             self.w = dataclasses.replace(self.w, deployment=dep, ready=(EnginePod(
-                "pod0", f"u{version}", "10.0.0.1", info, stats=counters(self.drafted, int(self.drafted * rate),
-                                                               self.drafted // 20, self.t)),))
+                "pod0", f"u{version}", "10.0.0.1", info, stats={
+                    **counters(self.drafted, int(self.drafted * rate), self.drafted // 20, self.t),
+                    "serving": {"code": {"requests": dict(self.requests)}}}),))
 
 
 def whole_pass(cl: Cluster) -> tuple[Any, ...]:
@@ -430,7 +444,7 @@ def converge(start: Cluster, crash_at: int | None = None, passes: int = 40,
                 cl.apply(step, status)
             cl.w = dataclasses.replace(cl.w, status=status)
         if not [s for s in steps if isinstance(s, sp.WRITES + (p.Record,))] and cl.w.deployment is not None \
-                and cl.rates[cl.w.aliases["champion"]] >= 0.7:
+                and cl.healthy():
             return cl, done
         cl.tick()
     return cl, done
@@ -500,6 +514,13 @@ def test_the_journeys_end_as_the_end_to_end_tests_see_them():
     assert rolled.w.status["servingVersion"] == "1" and rolled.w.status["speculationEnabled"] is True
 
 
+def test_an_error_rate_above_the_limit_rolls_back_without_turning_speculation_off():
+    cl, _ = converge(failing_requests(), passes=60)
+    assert [a for a, _ in cl.history] == ["RolloutStarted", "RolledBack", "RolloutStarted"], cl.history
+    assert cl.said["ErrorRateAboveLimit"] >= 1 and cl.w.status["servingVersion"] == "1"
+    assert cl.tags["2"][TAG_ROLLED_BACK].startswith("sustained drift: ") and "error rate" in cl.tags["2"][TAG_ROLLED_BACK]
+
+
 def test_with_mlflow_down_only_speculation_off_is_taken_and_without_its_mark():
     start = ladder_start()
     w = serving(start.world())
@@ -535,10 +556,19 @@ def mismatched_tokenizer() -> Cluster:
     return cl
 
 
+def failing_requests() -> Cluster:
+    """v2 accepts drafts as gated, but from t=150 (after its serving baseline formed) fails 30%
+    of its requests."""
+    cl = ladder_start()
+    cl.rates["2"], cl.error_rates["2"], cl.errors_from = 0.75, 0.3, 150.0
+    return cl
+
+
 JOURNEYS = [
     ("a first rollout", lambda: Cluster(base(status={}), {"1": release_tags("1")}, {"1": 0.75})),
     ("drift: speculation off, then a rollback", ladder_start),
     ("a tokenizer mismatch on a pod: a rollback", mismatched_tokenizer),
+    ("failing requests: a rollback", failing_requests),
 ]
 
 
