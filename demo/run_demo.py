@@ -62,6 +62,22 @@ DRIFT = {"intervalSeconds": 2, "windowSeconds": 10, "minRequests": 4, "minDrafte
          "confidenceZ": 2.33}
 
 
+def at_least_one(text: str) -> int:
+    """--drift-breaches: a whole number the CRD admits (its minimum is 1)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is below 1, the least drift.consecutiveBreaches admits")
+    return n
+
+
+def drift_policy(args: argparse.Namespace) -> dict[str, Any]:
+    """DRIFT with the breaching windows per ladder step of --drift-breaches."""
+    return {**DRIFT, "consecutiveBreaches": args.drift_breaches}
+
+
 # Paths a pod mounts volumes at: a model directory under one of them is hidden from the pod
 # (in any cluster; devcluster rewrites such paths to the pod's volume folder).
 POD_MOUNTS = ("/tmp", manifests.RELEASE_DIR, manifests.CACHE_DIR)
@@ -106,7 +122,7 @@ def demo_pair(args: argparse.Namespace) -> dict[str, Any]:
     # drift chapter shows is the operator's decision alone, made on the counters it reads.
     spec["speculation"] = {"fallbackThreshold": 0.0}
     spec["rollout"] = {"progressDeadlineSeconds": 1200}
-    spec["drift"] = dict(DRIFT)
+    spec["drift"] = drift_policy(args)
     return pair
 
 
@@ -191,7 +207,7 @@ class Demo:
         self.sampler: Sampler | None = None
         self.mlflow_url = ""
         self.name = "default"
-        self.facts: dict[str, Any] = {"steps": [], "drift": {"policy": dict(DRIFT)}, "engineAddresses": []}
+        self.facts: dict[str, Any] = {"steps": [], "drift": {"policy": drift_policy(args)}, "engineAddresses": []}
         # Model directories the pods read: somewhere a pod sees them (not under /tmp).
         self.models = self.workdir / "models" if pod_visible(self.workdir) else \
             Path(model_cache()) / "demo-models" / self.workdir.name
@@ -498,7 +514,7 @@ class Demo:
         operator climbs its drift ladder. Whether it may roll back is the rule's call on the two
         gates' numbers; the demo says which before it starts and shows what happened."""
         verdicts = self.facts.get("verdicts") or {}
-        possible, why = rollback_prediction(DRIFT, verdicts.get("2"), verdicts.get("1"), category)
+        possible, why = rollback_prediction(self.facts["drift"]["policy"], verdicts.get("2"), verdicts.get("1"), category)
         v2 = ((verdicts.get("2") or {}).get("categories") or {}).get(category, {}).get("acceptanceRate")
         best = (verdicts.get("2") or {}).get("bestSpeculation") or {}
         say(f"  v2 was gated at {v2:.0%} on '{category}' and serves at k {best.get('k')} (dynamic k off); "
@@ -637,6 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests (ungated category and gated document work, alternating) of the traffic shift")
     ap.add_argument("--shift-seconds", type=float, default=45,
                     help="the traffic shift goes on at most this long waiting for a gated window to be judged")
+    ap.add_argument("--drift-breaches", type=at_least_one, default=DRIFT["consecutiveBreaches"],
+                    help="breaching drift windows before each ladder step (the pair's drift.consecutiveBreaches)")
     ap.add_argument("--out", default=str(REPO / "out" / "demo"), help="where runs (logs, MLflow store, report) go")
     ap.add_argument("--timeout", type=float, default=1800, help="the whole demo's time limit, seconds")
     ap.add_argument("--step-timeout", type=float, default=900, help="one step's time limit, seconds")

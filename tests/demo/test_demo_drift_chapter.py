@@ -2,6 +2,8 @@
 rollback rule allows from the two gates, the ladder read from recorded pair statuses, and what
 the report shows of it."""
 
+import pytest
+
 from demo import traffic
 from demo.ladder import BREACH, DECIDED, OFF, PROBE, Ladder, domain_shift_prompts, rollback_prediction
 from demo.report import drift_section
@@ -35,6 +37,15 @@ def test_domain_shift_sends_the_gated_label_with_content_that_copies_nothing():
     assert [p for _, p in prompts] == [p for _, p in traffic.CREATIVE]
     # None of it is document work: no prompt carries a text to copy from.
     assert not {p for _, p in prompts} & {p for _, p in traffic.COPYING}
+
+
+def test_drift_breaches_set_the_pairs_ladder_pace_and_refuse_what_the_crd_would():
+    assert demo_pair(build_parser().parse_args([]))["spec"]["drift"] == DRIFT
+    assert demo_pair(build_parser().parse_args(["--drift-breaches", "1"]))["spec"]["drift"] == \
+        {**DRIFT, "consecutiveBreaches": 1}
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--drift-breaches", bad])
 
 
 def test_ngram_v2_is_document_work_with_a_fixed_long_k_and_keeps_creative_ungated():

@@ -40,7 +40,9 @@ def cheap_draft_pair(tmp_path_factory):
 
 
 # Six tokens a golden prompt: each gate's k and batch sweeps decode a few hundred times, and
-# nothing here asks how much speculation pays (the pair's gate has no speedup floor).
+# nothing here asks how much speculation pays (the pair's gate has no speedup floor). One breaching
+# window per drift ladder step (the demo's two are for watching it): the same ladder, two windows
+# sooner.
 @pytest.mark.timeout(900)
 def test_demo_gates_serves_shifts_drifts_and_rolls_back_on_tiny_models(cheap_draft_pair, tmp_path):
     target, draft = cheap_draft_pair
@@ -48,7 +50,7 @@ def test_demo_gates_serves_shifts_drifts_and_rolls_back_on_tiny_models(cheap_dra
     proc = subprocess.Popen(
         [sys.executable, "-m", "demo.run_demo", "--target", target, "--draft", draft, "--out", str(out),
          "--max-new-tokens", "16", "--gate-tokens", "6", "--answers", "1", "--timeout", "720",
-         "--step-timeout", "300"],
+         "--step-timeout", "300", "--drift-breaches", "1"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
