@@ -8,6 +8,8 @@ serving" is thus followed by a kill once. In the lost-reply test the first call 
 method is committed and then answered with a connection error. Either way the end state must
 be the one an undisturbed operator reaches: one model version per release, aliases in place,
 each GateStarted / Promoted / RolloutStarted recorded exactly once, one gate Job per release.
+(The serving marks, a rollback's tag before its alias move and SpeculationOff's before the pods,
+are replayed killed after each write in test_operator_serving_plan.py.)
 """
 
 from __future__ import annotations
@@ -22,12 +24,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
-from cluster_env import HERE, OPERATOR, engine_pods, model_name, operator_metrics, pair, serving, set_spec
+from cluster_env import HERE, OPERATOR, engine_pods, model_name, pair, serving, set_spec
 from specpair_operator import manifests
-from specpair_operator.registry import ReleaseRegistry
 
 KILLS_AT_MOST = 60
 
@@ -171,53 +171,6 @@ def test_a_certificate_replaced_by_a_pass_killed_after_its_json_patch_is_kept(en
     assert secret_writes == [f"kube.create Secret {secret}", f"kube.json_patch secrets {secret}"], secret_writes
     mark = ns.get("v1", "Secret", secret)["metadata"]["annotations"]["specpair.io/issued-for"]
     assert mark.startswith(ns.pair(name)["status"]["engineTLS"]["caFingerprint"] + "/")
-
-
-def test_a_rollback_killed_between_its_tag_and_its_alias_move_is_finished(env, mlflow_server):
-    """The rolled-back tag is written first; an operator killed before the alias move finds a
-    champion tagged rolled back and finishes the rollback, instead of serving it forever. The
-    same holds for SpeculationOff: a champion marked off whose status never said so is turned
-    off and recorded."""
-    ns = env
-    name = f"rb-{uuid.uuid4().hex[:5]}"
-    model = model_name(ns, name)
-    reg = ReleaseRegistry(mlflow_server.url)
-    with KopfRunner(OPERATOR, timeout=60) as runner:
-        ns.create(pair(name, "good-draft"))
-        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
-        set_spec(ns, name, {"draft": {"source": "faster-draft"}})
-        ns.wait_for("v2 serving", lambda: serving(ns, name, "2"), timeout=150)
-    assert runner.exception is None
-
-    # What a pass that died after its first rollback write leaves: the tag, aliases unmoved.
-    reg.set_tags(model, "2", {"specpair.rolled_back": "drift persisted after speculation off: (staged by the test)"})
-    assert reg.aliases(model)["champion"] == "2"
-    with KopfRunner(OPERATOR, timeout=60) as runner:
-        obj = ns.wait_for("the rollback finished", lambda: (o := ns.pair(name)) and
-                          o["status"].get("servingVersion") == "1" and o["status"].get("phase") == "Degraded" and o,
-                          timeout=150)
-        ns.wait_for("only v1's pods", lambda: [p["metadata"]["labels"]["specpair.io/release-version"]
-                                               for p in engine_pods(ns)] == ["1"], timeout=120)
-        assert reg.aliases(model)["champion"] == "1"
-        counts = history(ns.pair(name))
-        assert counts[("RolledBack", "1")] == 1, counts
-        assert ns.events("RolledBack")
-        who = {("namespace", ns.name), ("pair", name)}
-        assert operator_metrics().get(("specpair_rollbacks_total", frozenset(who | {("reason", "drift")}))) == 1
-
-        # SpeculationOff marked on the champion by a pass that died before its status (the spec
-        # goes back to v1's release first: a rolled-back spec release leaves drift unwatched).
-        set_spec(ns, name, {"draft": {"source": "good-draft"}})
-        ns.wait_for("v1 serving as the spec's release", lambda: serving(ns, name, "1"), timeout=60)
-        reg.set_tags(model, "1", {"specpair.drift.speculation_off": "sustained drift: (staged by the test)"})
-        obj = ns.wait_for("speculation off adopted", lambda: (o := ns.pair(name)) and
-                          o["status"].get("speculationEnabled") is False and o, timeout=60)
-        counts = history(obj)
-        assert counts[("SpeculationOff", "1")] == 1 and counts[("Promoted", "1")] == 1, counts
-        assert ns.events("SpeculationOff")
-        assert operator_metrics().get(("specpair_speculation_off_total", frozenset(who))) == 1
-        assert operator_metrics().get(("specpair_drift_ladder_step", frozenset(who))) == 1
-    assert runner.exception is None
 
 
 def test_an_autoscaler_switch_killed_between_its_delete_and_its_create_is_finished(env, mlflow_server, tmp_path,

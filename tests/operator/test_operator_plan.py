@@ -21,6 +21,8 @@ import pytest
 
 from specpair_operator import gate_attempts, gate_verdict, manifests
 from specpair_operator import plan as p
+from specpair_operator import serving_plan as sp
+from specpair_operator.serving_world import ServingWorld
 from specpair_operator.world import GateJob, Records, ReleaseWorld
 
 TH = {"requireGreedyIdentity": True, "minAcceptance": 0.5, "minCategoryAcceptance": {"code": 0.6}}
@@ -203,6 +205,24 @@ def test_the_gate_messages_say_what_a_person_needs():
     assert conflict.message.startswith(f"Job {NS}/{job_name()} exists and is not owned by SpecModelPair {PAIR}")
     waiting = next(s for s in p.plan_release(SCENARIOS[8][1]) if isinstance(s, p.Report))
     assert waiting.message.endswith("attempt 2 in 20s")
+
+
+def test_a_draft_with_another_tokenizer_fails_the_gate_and_nothing_serves():
+    verdict = {**GOOD, "passed": False, "reasons": ["tokenizers differ"],
+               "tokenizer": {"compatible": False, "differences": ["vocab size 49152 vs 32000"]}}
+    steps = p.plan_release(world(aliases={"candidate": "1"}, **passed_gate(verdict=verdict)))
+    conditions = {s.type: s for s in steps if isinstance(s, p.Condition)}
+    assert conditions["Gated"].reason == "TokenizerMismatch" and conditions["TokenizerCompatible"].status is False
+    assert conditions["TokenizerCompatible"].message == "tokenizers differ: vocab size 49152 vs 32000"
+    serve = steps[-1]
+    assert isinstance(serve, p.ServeChampion) and serve.desired is None
+    # Nothing serves yet: no engine object is written and the pair is Failed, saying why.
+    serving = sp.plan_serving(ServingWorld(pair=PAIR, namespace=NS, uid="u", model="m", aliases=serve.aliases,
+                                           desired=None, desired_reason=serve.reason))
+    assert not [s for s in serving if isinstance(s, sp.WRITES)]
+    report = serving[-1]
+    assert (report.how, report.phase, report.reason) == ("stalled", "Failed", "NoRelease")
+    assert report.message == "gate of v1 failed: tokenizers differ: vocab size 49152 vs 32000"
 
 
 def test_the_plan_is_a_value_of_its_world():
