@@ -1,0 +1,309 @@
+"""Real KEDA scales a served pair 1 -> 3 -> 1 from the engines' own metrics in a real Prometheus.
+
+The devcluster runs KEDA's operator and metrics API server (built from the kedacore/keda/v2
+module; specpair_devcluster.keda), registered as the external metrics API. The pair asks for
+`rollout.autoscaling`; the operator (the chart's Deployment) finds KEDA's CRD and writes a
+ScaledObject owned by the pair, from which KEDA makes an HPA; the HPA controller in
+kube-controller-manager reads KEDA's metric through the API server and writes the pair's scale
+subresource, and the operator rolls that count into the engine Deployment. Prometheus scrapes the engines through the chart's ServiceMonitor. The pair is served
+by real `specpair engine serve` pods on tiny models, gated by the real `specpair gate`.
+
+Traffic reaches the pods the way a Service spreads it, round-robin over the ready addresses of
+pods not being deleted, picked by the client itself: the devcluster has no kube-proxy.
+
+The scenario: a burst of concurrent streams keeps more requests running than one replica is
+meant to hold, KEDA's HPA scales the pair to 3, and each new pod serves the same release
+(version, content hash verified by the operator's identity check, drift watch on that release)
+without a gate or a history entry; the burst ends, a trickle of streams goes on, and the HPA
+scales back to 1 after its (shortened) stabilization window: the pods removed drain (the
+engine finishes the streams it admitted on SIGTERM), and no client request fails.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from obs_helpers import CHART, helm, render
+
+pytestmark = pytest.mark.slow
+
+RELEASE, OPERATOR_NAMESPACE = "keda-scaling", "specpair-keda-scaling"
+PAIR_API = "specpair.io/v1alpha1"
+PAIR = "scaled"
+SCRAPE = "1s"
+OPERATOR_ENV = {"SPECPAIR_RECONCILE_INTERVAL": "1", "SPECPAIR_WATCH_TIMEOUT": "30"}
+# Requests running per replica that the pair is sized for; the burst runs BURST_STREAMS at once
+# (wanting ceil(8 running / 3) = 3 replicas: an engine runs 8 at a time), the trickle one stream
+# on each of the 3 pods (wanting ceil(3 / 3) = 1), so each pod the scale-down removes has a
+# stream running when it is deleted.
+TARGET_RUNNING, BURST_STREAMS = 3, 9
+# Long requests (the tiny models have 512 positions): a stream spends its time running, not
+# between requests, so the running count Prometheus samples is the number of streams.
+MAX_NEW_TOKENS = 400
+# Seconds, for a test: KEDA's own polling and the HPA's scale-down window (production: 30 s, 300 s).
+POLLING, SCALE_DOWN_WINDOW = 1, 5
+PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print(", "import json\n\ndef load(path):"]
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+class Load:
+    """Client streams spread over the pair's ready pods (no kube-proxy here: the client picks the
+    address, as a Service's load balancing would). The addresses are those of ready pods, listed
+    every 0.2 s, less any pod a watch has seen deleted (at once: the node stops a deleted pod's
+    program within its next 0.5 s sync, so no request is sent to a pod already told to stop, as
+    endpoints drop a terminating pod). Every request is recorded; a failed one is any gRPC error
+    or a stream that ended unfinished."""
+
+    def __init__(self, kubeconfig: Path, namespace: str):
+        from specpair_devcluster.client import Kube
+        self.ns = namespace
+        self.lister, self.watcher = Kube.from_kubeconfig(kubeconfig), Kube.from_kubeconfig(kubeconfig)
+        self.lock = threading.Lock()
+        self.turn = 0
+        self.ready: list[tuple[str, str]] = []           # (pod, address), sorted
+        self.deleted_at: dict[str, float] = {}           # pod -> when the watch saw it deleted
+        self.done: list[tuple[str, float, float]] = []   # (pod, started, ended) on time.monotonic()
+        self.failed: list[tuple[str, str]] = []          # (pod, what went wrong)
+        self.closing = threading.Event()
+        self.threads: list[tuple[threading.Thread, threading.Event]] = []
+        for loop in (self._list, self._watch):
+            threading.Thread(target=loop, daemon=True).start()
+
+    def _list(self) -> None:
+        while not self.closing.wait(0.2):
+            pods = self.lister.list("v1", "Pod", self.ns, labels=f"specpair.io/pair={PAIR},specpair.io/role=engine")
+            self.ready = sorted((p["metadata"]["name"], f"{p['status']['podIP']}:50051") for p in pods
+                                if ready(p) and not p["metadata"].get("deletionTimestamp"))
+
+    def _watch(self) -> None:
+        while not self.closing.is_set():
+            for event in self.watcher.watch("v1", "Pod", self.ns, timeout_seconds=2):
+                meta = (event.get("object") or {}).get("metadata") or {}
+                if (meta.get("labels") or {}).get("specpair.io/pair") == PAIR and meta.get("deletionTimestamp"):
+                    self.deleted_at.setdefault(meta["name"], time.monotonic())
+
+    def _stream(self, stop: threading.Event, index: int, max_new_tokens: int, sticky: bool) -> None:
+        from specpair._proto import engine_pb2, engine_pb2_grpc
+        while not stop.is_set():
+            targets = [(pod, address) for pod, address in self.ready if pod not in self.deleted_at]
+            if not targets:
+                time.sleep(0.1)
+                continue
+            with self.lock:
+                # Sticky: the stream's own pod while it is there, as a client holding a connection.
+                pod, address = targets[(index if sticky else self.turn) % len(targets)]
+                self.turn += 1
+            tokens, finished, started = 0, False, time.monotonic()
+            try:
+                with grpc.insecure_channel(address) as channel:
+                    request = engine_pb2.GenerateRequest(prompt=PROMPTS[index % len(PROMPTS)],
+                                                         max_new_tokens=max_new_tokens, category="code")
+                    for reply in engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=60):
+                        tokens += len(reply.token_ids)
+                        finished = finished or reply.finish_reason != 0
+                with self.lock:
+                    if finished and tokens:
+                        self.done.append((pod, started, time.monotonic()))
+                    else:
+                        self.failed.append((pod, f"the stream ended unfinished after {tokens} tokens"))
+            except grpc.RpcError as exc:
+                with self.lock:
+                    self.failed.append((pod, f"{exc.code().name}: {exc.details()} after {tokens} tokens"))
+
+    def run(self, streams: int, max_new_tokens: int, sticky: bool = False) -> threading.Event:
+        stop = threading.Event()
+        for i in range(streams):
+            t = threading.Thread(target=self._stream, args=(stop, i, max_new_tokens, sticky), daemon=True)
+            t.start()
+            self.threads.append((t, stop))
+        return stop
+
+    def stop_all(self) -> None:
+        for _, stop in self.threads:
+            stop.set()
+        for t, _ in self.threads:
+            t.join(90)
+
+    def close(self) -> None:
+        self.stop_all()
+        self.closing.set()
+        self.lister.close()
+        self.watcher.close()
+
+
+def quantity(metric_list: dict[str, Any]) -> float:
+    """The one value of an ExternalMetricValueList (a Kubernetes quantity: "6", "1500m")."""
+    (item,) = metric_list["items"]
+    value = item["value"]
+    return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+
+
+@pytest.fixture
+def models(tiny_pair_dirs):
+    """The tiny models where pods can read them (each pod has /tmp as its own emptyDir)."""
+    root = Path.home() / ".cache" / "specpair-test-models" / f"keda-{uuid.uuid4().hex[:8]}"
+    out = {k: str(shutil.copytree(v, root / k)) for k, v in tiny_pair_dirs.items()}
+    yield out
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devcluster, models, tmp_path, prometheus_bin):
+    from demo.processes import Children, start_mlflow
+    from specpair_devcluster.keda import DevKeda
+    from specpair_devcluster.prometheus import DevPrometheus
+
+    t0 = time.monotonic()
+    kube = devcluster.kube
+    namespace = f"keda-{uuid.uuid4().hex[:6]}"
+    devcluster.ensure_namespace(namespace)
+    children, prom, keda, load = Children(), None, None, Load(devcluster.kubeconfig, namespace)
+
+    def log(what: str) -> None:
+        print(f"{time.monotonic() - t0:6.1f} s  {what}")
+
+    def pair() -> dict[str, Any]:
+        return kube.get(PAIR_API, "SpecModelPair", namespace, PAIR) or {}
+
+    def engine_pods() -> list[dict[str, Any]]:
+        return kube.list("v1", "Pod", namespace, labels=f"specpair.io/pair={PAIR},specpair.io/role=engine")
+
+    def wait(what: str, predicate: Any, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = predicate()
+            if got:
+                log(what)
+                return got
+            time.sleep(0.5)
+        hpas = kube.list("autoscaling/v2", "horizontalpodautoscalers", namespace)
+        state = {"pair": pair().get("status"), "hpa": [h.get("status") for h in hpas],
+                 "pods": [(p["metadata"]["name"], (p.get("status") or {}).get("phase"), ready(p)) for p in engine_pods()],
+                 "load": {"done": len(load.done), "failed": load.failed[-3:]}}
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}: {json.dumps(state, default=str)[-4000:]}")
+
+    def serving_on(n: int) -> dict[str, Any] | None:
+        """The pair when v1 serves from exactly n ready pods, all of v1, identity verified on n."""
+        obj = pair()
+        st = obj.get("status") or {}
+        pods = [p for p in engine_pods() if not p["metadata"].get("deletionTimestamp")]
+        conditions = {c["type"]: c for c in st.get("conditions") or []}
+        ok = (st.get("phase") == "Serving" and st.get("servingVersion") == "1" and st.get("replicas") == n
+              and len(pods) == n and all(ready(p) for p in pods)
+              and {p["metadata"]["labels"].get("specpair.io/release-version") for p in pods} == {"1"}
+              and f"serving on {n} pod(s), identity verified" in conditions.get("Ready", {}).get("message", ""))
+        return obj if ok else None
+
+    try:
+        mlflow_url = start_mlflow(children, tmp_path / "mlflow")
+        values = {"mlflow": {"trackingUri": mlflow_url}, "watchNamespaces": [namespace],
+                  "operator": {"extraEnv": [{"name": k, "value": v} for k, v in OPERATOR_ENV.items()]}}
+        helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
+             values=values, kubeconfig=devcluster.kubeconfig)
+        monitors = [m for m in render({**values, "metrics": {"serviceMonitor": {"enabled": True, "interval": SCRAPE}}},
+                                      RELEASE, OPERATOR_NAMESPACE) if m["kind"] == "ServiceMonitor"]
+        prom = DevPrometheus(devcluster, tmp_path / "prometheus", monitors, interval=SCRAPE).start()
+        keda = DevKeda(devcluster, tmp_path / "keda").start()
+        log("operator installed, Prometheus and KEDA ready")
+
+        kube.create({"apiVersion": PAIR_API, "kind": "SpecModelPair", "metadata": {"name": PAIR, "namespace": namespace},
+                     "spec": {"target": {"source": models["target"]}, "draft": {"source": models["draft"]},
+                              "speculation": {"k": 3},
+                              "gating": {"prompts": [{"prompt": PROMPTS[0], "category": "code"},
+                                                     {"prompt": PROMPTS[1], "category": "code"}],
+                                         "maxNewTokens": 12, "thresholds": {"requireGreedyIdentity": True}},
+                              "rollout": {"applyGateTuning": False, "autoscaling": {
+                                  "minReplicas": 1, "maxReplicas": 3, "metric": "runningRequests",
+                                  "target": TARGET_RUNNING, "prometheusAddress": prom.url,
+                                  "pollingIntervalSeconds": POLLING,
+                                  "scaleDownStabilizationSeconds": SCALE_DOWN_WINDOW}}}})
+        served = wait("v1 serving on 1 pod", lambda: serving_on(1), timeout=300)
+        history = served["status"].get("history")
+        drift_version = str((served["status"].get("drift") or {}).get("version", ""))
+        log(f"drift watch: {served['status'].get('drift')}")
+
+        # The operator found KEDA's CRD and wrote a ScaledObject owned by the pair, on its scale subresource.
+        (scaled,) = wait("the operator's ScaledObject", lambda: kube.list("keda.sh/v1alpha1", "scaledobjects", namespace),
+                         timeout=60)
+        assert [o["uid"] for o in scaled["metadata"]["ownerReferences"]] == [served["metadata"]["uid"]]
+        assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": PAIR_API, "kind": "SpecModelPair", "name": PAIR}
+        (trigger,) = scaled["spec"]["triggers"]
+        assert (trigger["type"], trigger["metadata"]["serverAddress"]) == ("prometheus", prom.url)
+        (hpa,) = wait("KEDA's HPA for it", lambda: kube.list("autoscaling/v2", "horizontalpodautoscalers", namespace),
+                      timeout=60)
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": PAIR_API, "kind": "SpecModelPair", "name": PAIR}
+        (metric,) = hpa["spec"]["metrics"]
+        assert metric["type"] == "External"
+
+        def read_metric() -> float:
+            """What the HPA reads: KEDA's external metric, through the API server, from Prometheus."""
+            selector = metric["external"]["metric"]["selector"]["matchLabels"]
+            return quantity(keda.external_metric(namespace, metric["external"]["metric"]["name"],
+                                                 ",".join(f"{k}={v}" for k, v in selector.items())))
+
+        burst = load.run(BURST_STREAMS, MAX_NEW_TOKENS)
+        up = wait("scaled to 3 and serving v1 on 3 pods", lambda: serving_on(3), timeout=120)
+        assert up["spec"]["rollout"]["replicas"] == 3
+        assert read_metric() > 0
+        # Scaling is not a release: no gate, no history entry, the same release watched for drift.
+        assert up["status"].get("history") == history
+        assert str((up["status"].get("drift") or {}).get("version", "")) == drift_version
+        burst.set()
+        load.run(3, MAX_NEW_TOKENS, sticky=True)
+        down = wait("scaled back to 1", lambda: serving_on(1), timeout=120)
+        deleted_at = dict(load.deleted_at)
+        assert down["status"].get("history") == history
+        load.stop_all()
+        log(f"{len(load.done)} requests served, {len(load.failed)} failed")
+
+        # Every replica served; no request failed, the removed pods' among them.
+        served_by = {pod for pod, _, _ in load.done}
+        assert len(served_by) == 3, served_by
+        assert not load.failed, load.failed[:5]
+        # Streams were running on the pods the scale-down removed when they were deleted, and finished.
+        removed = sorted(set(deleted_at) & served_by)
+        assert len(removed) == 2, (removed, deleted_at)
+        drained = [(pod, end - deleted_at[pod]) for pod, start, end in load.done
+                   if pod in deleted_at and start < deleted_at[pod] < end]
+        log(f"streams in flight on a removed pod when it was deleted, finished up to "
+            f"{max([s for _, s in drained], default=0):.1f} s later: {len(drained)}")
+        assert drained, ("no stream was running on a removed pod when it was deleted",
+                         {pod: [(round(a - deleted_at[pod], 2), round(b - deleted_at[pod], 2))
+                                for p, a, b in load.done if p == pod][-4:] for pod in removed})
+        # Each removed pod drained on SIGTERM, nothing ended by the drain timeout.
+        wait("the removed pods gone", lambda: not set(removed) & {p["metadata"]["name"] for p in engine_pods()}, timeout=60)
+        for name in removed:
+            text = devcluster.pod_log(namespace, name)
+            assert "SIGTERM: draining" in text and "stopped (0 requests ended by the drain timeout)" in text, text[-1500:]
+        # Without load the metric falls to 0 (Prometheus' next scrapes of the idle pod).
+        wait("KEDA's metric at 0 without load", lambda: read_metric() == 0, timeout=30)
+        log("done")
+    finally:
+        load.close()
+        if keda is not None:
+            # While KEDA runs: it removes its finalizer from the ScaledObject (and the HPA it made).
+            for obj in kube.list("keda.sh/v1alpha1", "scaledobjects", namespace):
+                kube.delete("keda.sh/v1alpha1", "scaledobjects", namespace, obj["metadata"]["name"])
+            deadline = time.monotonic() + 30
+            while kube.list("keda.sh/v1alpha1", "scaledobjects", namespace) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            keda.stop()
+        if prom is not None:
+            prom.stop()
+        helm("uninstall", RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait", kubeconfig=devcluster.kubeconfig, check=False)
+        try:
+            kube.delete("v1", "Namespace", None, namespace)
+        except Exception:  # noqa: BLE001 - best effort; the session cluster goes away anyway
+            pass
+        children.stop_all()
