@@ -14,6 +14,10 @@ export SPECPAIR_CONTROL_PLANE_BIN
 # A real Prometheus for the observability tests (built once, cached; after the control plane: they share the Go build cache).
 SPECPAIR_PROMETHEUS_BIN="$(bash scripts/build-prometheus.sh)"
 export SPECPAIR_PROMETHEUS_BIN
+# Real KEDA (operator and metrics API server) for the autoscaling test (built once, cached; cold it
+# is the longest build here: docs/devcluster.md).
+SPECPAIR_KEDA_BIN="$(bash scripts/build-keda.sh)"
+export SPECPAIR_KEDA_BIN
 VENV="${SPECPAIR_VENV:-.venv}"
 export PATH="$PWD/.tools/bin:$PATH"
 # Two workers (SPECPAIR_TEST_WORKERS): most tests wait on servers, so two use the two cores; a
