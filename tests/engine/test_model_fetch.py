@@ -1,10 +1,11 @@
-"""`specpair fetch-models` against a real MLflow server, then an engine loading the release from
-that cache with HF_HUB_OFFLINE=1 and MLflow out of reach."""
+"""`specpair fetch-models` against a real MLflow server (with basic auth), then an engine loading
+the release from that cache with HF_HUB_OFFLINE=1 and MLflow out of reach."""
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,18 +19,31 @@ from specpair.errors import SpecpairError
 UNREACHABLE_MLFLOW = "http://127.0.0.1:9"
 
 
+ADMIN = ("admin", "admin-pw-" + uuid.uuid4().hex[:12])
+CREDENTIALS = {"MLFLOW_TRACKING_USERNAME": ADMIN[0], "MLFLOW_TRACKING_PASSWORD": ADMIN[1]}
+
+
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory, tiny_pair_dirs):
-    """A real `mlflow server` with the tiny target and draft registered as models (version 1 each)
-    and a model version whose artifacts hold no model."""
+    """A real `mlflow server` with basic auth (anonymous requests refused), the tiny target and
+    draft registered as models (version 1 each) and a model version whose artifacts hold no
+    model; MLFLOW_TRACKING_URI and the admin's credentials in the environment, as the fetch Job
+    gets them."""
     import mlflow
     from mlflow import MlflowClient
     from mlflow_server import MlflowServer
 
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    root = tmp_path_factory.mktemp("mlflow")
+    (root / "basic_auth.ini").write_text(
+        f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root}/auth.db\nadmin_username = {ADMIN[0]}\n"
+        f"admin_password = {ADMIN[1]}\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    server = MlflowServer(root, args=("--app-name", "basic-auth"),
+                          env={"MLFLOW_AUTH_CONFIG_PATH": str(root / "basic_auth.ini"),
+                               "MLFLOW_FLASK_SERVER_SECRET_KEY": uuid.uuid4().hex})
     server.start()
-    old = os.environ.get("MLFLOW_TRACKING_URI")
-    os.environ["MLFLOW_TRACKING_URI"] = server.url
+    env = {"MLFLOW_TRACKING_URI": server.url, **CREDENTIALS}
+    old = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     mlflow.set_tracking_uri(server.url)
     try:
         client = MlflowClient(server.url)
@@ -48,10 +62,11 @@ def registry(tmp_path_factory, tiny_pair_dirs):
             client.create_model_version(name, f"runs:/{run.info.run_id}/model", run.info.run_id)
         yield server
     finally:
-        if old is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         server.stop()
 
 
@@ -76,7 +91,7 @@ def _fetch_cli(release: dict, cache: Path, tmp_path: Path) -> tuple[int, dict]:
     return rc, json.loads(log.read_text())
 
 
-@pytest.mark.slow   # starts an MLflow server (about 20 s on 2 cores)
+@pytest.mark.slow   # starts an MLflow server (about 20 s on 2 cores; the other tests on it are slow too)
 def test_fetch_then_serve_offline_from_the_cache(registry, tiny_pair_dirs, tmp_path, monkeypatch, capsys):
     from specpair.pair import load_pair
 
@@ -175,43 +190,17 @@ def test_flags_instead_of_a_release_file(tmp_path):
         "target": {"source": "org/m", "revision": "abc"}, "draft": {}}
 
 
-@pytest.mark.slow   # starts a second MLflow server, with basic auth
-def test_mlflow_credentials_come_from_the_environment(tmp_path_factory, tiny_pair_dirs, tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_mlflow_credentials_come_from_the_environment(registry, tmp_path, monkeypatch):
     """As the fetch Job gets them (MLFLOW_TRACKING_USERNAME/PASSWORD from the pair's Secret):
     without them MLflow refuses and the error says so; with them the model arrives."""
-    import uuid
-
-    from mlflow import MlflowClient
-    from mlflow_server import MlflowServer
-
-    root = tmp_path_factory.mktemp("mlflow-auth")
-    admin = ("admin", "admin-pw-" + uuid.uuid4().hex[:12])
-    (root / "basic_auth.ini").write_text(
-        f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root}/auth.db\nadmin_username = {admin[0]}\n"
-        f"admin_password = {admin[1]}\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-    server = MlflowServer(root, args=("--app-name", "basic-auth"),
-                          env={"MLFLOW_AUTH_CONFIG_PATH": str(root / "basic_auth.ini"),
-                               "MLFLOW_FLASK_SERVER_SECRET_KEY": uuid.uuid4().hex})
-    server.start()
-    try:
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)
-        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", admin[0])
-        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", admin[1])
-        client = MlflowClient(server.url)
-        run = client.create_run(client.create_experiment("fetch"))
-        client.log_artifacts(run.info.run_id, tiny_pair_dirs["target"], artifact_path="model")
-        client.create_registered_model("private-target")
-        client.create_model_version("private-target", f"runs:/{run.info.run_id}/model", run.info.run_id)
-        release = _release("models:/private-target/1", None)
-
-        monkeypatch.delenv("MLFLOW_TRACKING_USERNAME")
-        monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")
-        with pytest.raises(SpecpairError, match=r"cannot fetch target models:/private-target/1 from MLflow "
-                                                r"\(http://127\.0\.0\.1:\d+\): .*(401|[Uu]nauthori[sz]ed|credentials)"):
-            model_fetch.fetch_models(release, tmp_path / "hub", progress=lambda m: None)
-        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", admin[0])
-        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", admin[1])
-        report = model_fetch.fetch_models(release, tmp_path / "hub", progress=lambda m: None)
-        assert [m["outcome"] for m in report["models"]] == ["fetched"]
-    finally:
-        server.stop()
+    release = _release("models:/tiny-target/1", None)
+    for name in CREDENTIALS:
+        monkeypatch.delenv(name)
+    with pytest.raises(SpecpairError, match=r"cannot fetch target models:/tiny-target/1 from MLflow "
+                                            r"\(http://127\.0\.0\.1:\d+\): .*(401|[Uu]nauthori[sz]ed|credentials)"):
+        model_fetch.fetch_models(release, tmp_path / "hub", progress=lambda m: None)
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    report = model_fetch.fetch_models(release, tmp_path / "hub", progress=lambda m: None)
+    assert [m["outcome"] for m in report["models"]] == ["fetched"]
