@@ -39,7 +39,11 @@ def test_generate_json_contract(tiny_pair_dirs):
     (["--draft", "{other}"], "draft and target tokenizers differ: vocabulary sizes differ"),
     (["--temperature", "-1"], "temperature must be >= 0"),
 ])
-def test_bad_input_is_a_clear_error(tmp_path, tiny_pair_dirs, args, message):
+def test_bad_input_is_a_clear_error(tmp_path, tiny_pair_dirs, args, message, monkeypatch, capsys):
+    """The command's main in this process (an exception other than the clear error would escape
+    it and fail the test); the entry point's own exit is the next test's."""
+    from specpair.cli import main
+
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 64)
     args = [a.replace("{broken}", str(broken)) for a in args]
@@ -52,12 +56,18 @@ def test_bad_input_is_a_clear_error(tmp_path, tiny_pair_dirs, args, message):
         if flag in args:
             base.pop(flag)
     argv = ["generate", *[x for kv in base.items() for x in kv], *args]
-    env_cache = {"SPECPAIR_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-m", "specpair", *argv], capture_output=True, text=True,
-                          timeout=240, env={**__import__("os").environ, **env_cache})
+    monkeypatch.setenv("SPECPAIR_CACHE", str(tmp_path / "cache"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_the_entry_point_exits_2_with_one_line_and_no_traceback(tiny_pair_dirs):
+    proc = specpair("generate", "--target", tiny_pair_dirs["target"], "--prompt", "hello", "--k", "0")
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    assert message in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("specpair: error: --k must be >= 1"), proc.stderr[-2000:]
 
 
 def test_on_mismatch_target_only_serves_and_says_so(tmp_path, tiny_pair_dirs):
