@@ -70,14 +70,16 @@ def test_the_entry_point_exits_2_with_one_line_and_no_traceback(tiny_pair_dirs):
     assert line.startswith("specpair: error: --k must be >= 1"), proc.stderr[-2000:]
 
 
-def test_on_mismatch_target_only_serves_and_says_so(tmp_path, tiny_pair_dirs):
+def test_on_mismatch_target_only_serves_and_says_so(tmp_path, tiny_pair_dirs, capsys):
+    from specpair.cli import main
     from tiny_models import make_model, make_tokenizer, save_tiny
     other = save_tiny(make_model(make_tokenizer(vocab_size=350), seed=4), tmp_path / "other")
-    proc = specpair("generate", "--target", tiny_pair_dirs["target"], "--draft", other, "--on-mismatch",
-                    "target-only", "--prompt", "hello", "--max-new-tokens", "4", "--json")
-    assert proc.returncode == 0, proc.stderr
-    assert "serving target-only" in proc.stderr
-    assert json.loads(proc.stdout)["num_drafts"] == 0
+    code = main(["generate", "--target", tiny_pair_dirs["target"], "--draft", other, "--on-mismatch",
+                 "target-only", "--prompt", "hello", "--max-new-tokens", "4", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "serving target-only" in out.err
+    assert json.loads(out.out)["num_drafts"] == 0
 
 
 @pytest.mark.slow
