@@ -45,6 +45,7 @@ ACCOUNT = "keda-operator"
 METRICS_SERVICE = "keda-metrics-apiserver"
 API_SERVICE = "v1beta1.external.metrics.k8s.io"
 PROGRAMS = ("keda", "keda-adapter")
+KEDA_GROUPS = ("keda.sh", "eventing.keda.sh")
 # KEDA's kustomize folders applied as they are (CRDs with their patches, the operator's RBAC), and
 # the metrics server's RBAC files (its folder's kustomization also holds the Deployment and
 # Service this replaces).
@@ -173,9 +174,19 @@ class DevKeda:
             "GET", f"/apis/external.metrics.k8s.io/v1beta1/namespaces/{namespace}/{name}?labelSelector={quote(selector)}")
 
     def stop(self) -> None:
-        # The APIService goes first: left behind, it would make API discovery fail for everyone.
+        """KEDA leaves the cluster as it found it: its CRDs go while it runs (it removes its
+        finalizers from what they held), so an operator on the same cluster no longer sees KEDA;
+        then the APIService, which left behind would fail API discovery for every client."""
         kube = self.cluster.kube
         if kube is not None:
+            crds = [c["metadata"]["name"] for c in kube.list("apiextensions.k8s.io/v1", "CustomResourceDefinition")
+                    if c["spec"]["group"] in KEDA_GROUPS]
+            for name in crds:
+                kube.delete("apiextensions.k8s.io/v1", "CustomResourceDefinition", None, name)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and any(
+                    kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", None, n) for n in crds):
+                time.sleep(0.2)
             try:
                 kube.delete("apiregistration.k8s.io/v1", "apiservices", None, API_SERVICE)
             except ApiError:
