@@ -135,11 +135,12 @@ class VllmProbe:
     """Reads vLLM engine pods over their HTTP port, from what vLLM's API key (rollout.auth) leaves
     open: /metrics carries the identity name the release file put there (pair, version, content
     hash, speculation; specpair.vllm_serve) as the `model_name` label of every sample, and vLLM's
-    spec-decode counters (as one category "all": vLLM does not count by category). Pods whose
+    spec-decode counters and its TTFT and TPOT histograms and finish reasons (as one category
+    "all": vLLM does not count by category). Pods whose
     identity is not their first served name (rolled out before it was) are read from /v1/models,
     which answers there because they have no API key either. vLLM has no runtime switch, so
     set_speculation changes nothing; the operator re-rolls the Deployment instead. Both formats
-    are read with the engine package's own torch-free parsers."""
+    are read with torch-free parsers (the engine package's; prometheus_client's for the histograms)."""
 
     def __init__(self, timeout_s: float = 5.0):
         self.timeout_s = timeout_s
@@ -178,7 +179,7 @@ class VllmProbe:
         text = await self._get(address, "/metrics")
         counters = parse_spec_decode_metrics(text)
         counts = RequestMoments(counters.draft_tokens, counters.accepted_tokens, finished_requests(text))
-        return {"categories": {"all": counts.as_stats()},
+        return {"categories": {"all": counts.as_stats()}, "serving": {"all": vllm_serving_stats(text)},
                 "speculating": counters.draft_tokens > 0, "uptimeSeconds": None}
 
     async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None:
@@ -196,6 +197,39 @@ def finished_requests(metrics_text: str) -> int:
             except ValueError:
                 continue
     return int(total)
+
+
+# vLLM's histograms and finish reasons in the serving dict's terms (stats()["serving"]): its
+# per-request time per output token is ours (mean time between a request's output tokens);
+# an "error" finish is a request the engine failed, "abort" one its client left.
+VLLM_HISTOGRAMS = {"vllm:time_to_first_token_seconds": "ttft", "vllm:request_time_per_output_token_seconds": "tpot"}
+VLLM_STATUSES = {"stop": "ok", "length": "ok", "repetition": "ok", "error": "error", "abort": "cancelled"}
+
+
+def vllm_serving_stats(metrics_text: str) -> dict[str, Any]:
+    """vLLM's /metrics -> one category's serving dict (every engine and model name summed)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    hists: dict[str, dict[float, float]] = {key: {} for key in VLLM_HISTOGRAMS.values()}
+    totals: dict[str, dict[str, float]] = {key: {"count": 0.0, "sum": 0.0} for key in VLLM_HISTOGRAMS.values()}
+    requests: dict[str, int] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        key = VLLM_HISTOGRAMS.get(family.name)
+        for sample in family.samples:
+            if key is not None and sample.name.endswith("_bucket") and sample.labels.get("le") != "+Inf":
+                bound = float(sample.labels["le"])
+                hists[key][bound] = hists[key].get(bound, 0.0) + sample.value
+            elif key is not None and sample.name.endswith(("_count", "_sum")):
+                totals[key][sample.name.rsplit("_", 1)[1]] += sample.value
+            elif sample.name == "vllm:request_success_total":
+                status = VLLM_STATUSES.get(sample.labels.get("finished_reason", ""), "ok")
+                requests[status] = requests.get(status, 0) + int(sample.value)
+    out: dict[str, Any] = {"requests": requests}
+    for key, buckets in hists.items():
+        bounds = sorted(buckets)
+        out[key] = {"upperBounds": bounds, "counts": [int(buckets[b]) for b in bounds],
+                    "count": int(totals[key]["count"]), "sum": totals[key]["sum"]}
+    return out
 
 
 _MODEL_NAME = re.compile(r'[{,]model_name="((?:[^"\\]|\\.)*)"')
