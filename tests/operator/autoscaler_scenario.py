@@ -65,7 +65,7 @@ def remove_keda_crd(kube: Any) -> None:
     wait_until("KEDA's ScaledObject no longer served", lambda: not _keda_served(kube), 60)
 
 
-def _get(ns: Namespace, api: tuple[str, str], name: str) -> dict[str, Any] | None:
+def get_autoscaler(ns: Namespace, api: tuple[str, str], name: str) -> dict[str, Any] | None:
     try:
         return ns.kube.request("GET", resource_path(api[0], api[1], ns.name, name))
     except ApiError as exc:
@@ -93,7 +93,7 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
             before = ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
 
             # Without KEDA: an HPA on the pair's scale subresource, owned by the pair.
-            hpa = ns.wait_for("the HPA", lambda: _get(ns, HPA, child))
+            hpa = ns.wait_for("the HPA", lambda: get_autoscaler(ns, HPA, child))
             assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair",
                                                      "name": name}
             assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 3)
@@ -104,7 +104,7 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
             # subresource: the replica count and, for its pod metric, the pods' selector. No custom
             # metrics API is served here, so it can read no value and scales nothing.
             def controller_read_the_pair() -> dict[str, Any] | None:
-                status = (_get(ns, HPA, child) or {}).get("status") or {}
+                status = (get_autoscaler(ns, HPA, child) or {}).get("status") or {}
                 conditions = {c["type"]: c for c in status.get("conditions") or []}
                 able, active = conditions.get("AbleToScale", {}), conditions.get("ScalingActive", {})
                 return status if able.get("reason") == "SucceededGetScale" and active.get("reason") == \
@@ -125,7 +125,7 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
             # Changing the autoscaler is not a release: nothing is gated or rolled again.
             template = ns.get("apps/v1", "Deployment", child)["metadata"]["annotations"]["specpair.io/template-hash"]
             set_spec(ns, name, {"rollout": {"autoscaling": {"maxReplicas": 4}}})
-            ns.wait_for("the HPA updated", lambda: (_get(ns, HPA, child) or {}).get("spec", {}).get("maxReplicas") == 4)
+            ns.wait_for("the HPA updated", lambda: (get_autoscaler(ns, HPA, child) or {}).get("spec", {}).get("maxReplicas") == 4)
             assert any("1 to 4 replicas" in m for m in _messages(ns, "AutoscalerUpdated"))
             # The real HPA controller scales the pair through its scale subresource (a minimum above
             # the pair's replicas needs no metric); the operator scales the engine Deployment to it.
@@ -150,12 +150,12 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
                                 cond(o, "Autoscaled").get("reason") == "InvalidAutoscaling" and o, timeout=60)
             assert "KEDA scales from Prometheus" in cond(stuck, "Autoscaled")["message"]
             assert cond(stuck, "Autoscaled")["status"] == "False" and _messages(ns, "InvalidAutoscaling")
-            assert _get(ns, HPA, child) is not None and serving(ns, name, "1")
+            assert get_autoscaler(ns, HPA, child) is not None and serving(ns, name, "1")
 
             # With the operator's Prometheus address: a ScaledObject replaces the HPA.
             monkeypatch.setenv(autoscaling.PROMETHEUS_ENV, PROMETHEUS)
-            so = ns.wait_for("the ScaledObject", lambda: _get(ns, SO, child), timeout=60)
-            ns.wait_for("the HPA deleted", lambda: _get(ns, HPA, child) is None)
+            so = ns.wait_for("the ScaledObject", lambda: get_autoscaler(ns, SO, child), timeout=60)
+            ns.wait_for("the HPA deleted", lambda: get_autoscaler(ns, HPA, child) is None)
             assert so["spec"]["scaleTargetRef"]["kind"] == "SpecModelPair" and so["spec"]["maxReplicaCount"] == 4
             assert so["spec"]["pollingInterval"] == 30
             assert so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"] == \
@@ -167,11 +167,11 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
 
             set_spec(ns, name, {"rollout": {"autoscaling": {"pollingIntervalSeconds": 2}}})
             ns.wait_for("the ScaledObject updated",
-                        lambda: (_get(ns, SO, child) or {}).get("spec", {}).get("pollingInterval") == 2)
+                        lambda: (get_autoscaler(ns, SO, child) or {}).get("spec", {}).get("pollingInterval") == 2)
 
             # Autoscaling removed: the ScaledObject goes, and so does the condition.
             set_spec(ns, name, {"rollout": {"autoscaling": None}})
-            ns.wait_for("the ScaledObject deleted", lambda: _get(ns, SO, child) is None)
+            ns.wait_for("the ScaledObject deleted", lambda: get_autoscaler(ns, SO, child) is None)
             ns.wait_for("no Autoscaled condition", lambda: not cond(ns.pair(name), "Autoscaled"))
             assert any("autoscaling removed from the spec" in m for m in _messages(ns, "AutoscalerRemoved"))
             assert serving(ns, name, "1")["status"]["history"] == before["status"]["history"]

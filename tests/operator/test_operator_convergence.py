@@ -178,8 +178,7 @@ def test_an_autoscaler_switch_killed_between_its_delete_and_its_create_is_finish
     """KEDA installed under an autoscaled pair: the pass deletes the pair's HPA, then writes its
     ScaledObject. Killed right after the delete, the next operator writes the ScaledObject, and
     deletes nothing more."""
-    from autoscaler_scenario import HPA, PROMETHEUS, SO, install_keda_crd, remove_keda_crd
-    from autoscaler_scenario import _get as get_autoscaler
+    from autoscaler_scenario import HPA, PROMETHEUS, SO, get_autoscaler, install_keda_crd, remove_keda_crd
     from specpair_operator import autoscaling
 
     ns = env
