@@ -331,9 +331,10 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, mlflow
 
     user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
     ns = env
-    if not any(e["verb"] == "create" and e["objectRef"].get("resource") == "deployments"
-               for e in devcluster.audit_events(user)):
-        # Run alone: exercise the whole lifecycle once (gate, promote, roll out, ConfigMap prompts).
+    seen = {(e["verb"], (e.get("objectRef") or {}).get("resource")) for e in devcluster.audit_events(user)}
+    if not {("create", "deployments"), ("get", "configmaps")} <= seen:
+        # Run alone, or after tests that roll out without ConfigMap prompts: exercise the whole
+        # lifecycle once (gate, promote, roll out, ConfigMap prompts).
         ns.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "golden"},
                    "data": {"prompts.jsonl": json.dumps({"prompt": "def f():", "category": "code"})}})
         spec = pair("rbac", "good-draft")
