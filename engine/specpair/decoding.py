@@ -764,7 +764,7 @@ class Batch:
 
 def encode_prompt(tok, prompt: str | list[dict], chat: bool = False) -> list[int]:
     """Prompt token ids as our engine decodes them (chat template when asked or given messages).
-    One home: the engine, and the vLLM gate that sends vLLM the same ids (gate_vllm.py)."""
+    One home: the engine, and the vLLM gate that sends vLLM the same ids (gate/vllm.py)."""
     if isinstance(prompt, list) or chat:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         if not messages:

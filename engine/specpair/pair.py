@@ -1,7 +1,7 @@
 """One way to build a pair: `load_pair(PairSpec) -> SpeculativeEngine`.
 
 `specpair generate` and `specpair bench` (cli.py), the engine server (server/cli.py) and the gate
-(gate.py) each turn what they were given, flags or a release (config.Release), into a PairSpec
+(gate/engine.py) each turn what they were given, flags or a release (config.Release), into a PairSpec
 and load it here, so a release is served as it was gated, whoever loads it.
 """
 

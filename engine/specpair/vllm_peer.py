@@ -4,7 +4,7 @@ vLLM lives in its own virtualenv (scripts/setup-vllm.sh; vLLM pins its own torch
 transformers), which can import nothing of ours: this module starts
 `python -P -m vllm.entrypoints.openai.api_server` there (the `vllm` command is broken in the
 CPU package), outside the repository and without PYTHONPATH, and talks to it with the standard
-library only, so the bench, the vLLM gate (gate_vllm.py), the vLLM engine pods (vllm_serve.py),
+library only, so the bench, the vLLM gate (gate/vllm.py), the vLLM engine pods (vllm_serve.py),
 the operator's probe and the tests can use it without vLLM's dependencies.
 
 On the CPU (the recipe measured in docs/bench/vllm-peer.md): `--dtype float32` (the default
@@ -61,7 +61,7 @@ def default_python() -> Path:
 # -- a release's serving settings -> vLLM's flags -------------------------------------------
 
 # The release's engine settings (the SpecModelPair's spec.vllm, camelCase) and vLLM's flag for
-# each; dtype is passed by every caller on its own (gate_vllm.dtype_of). A setting the release
+# each; dtype is passed by every caller on its own (gate.vllm.dtype_of). A setting the release
 # leaves out passes no flag: vLLM's default holds.
 VLLM_FLAGS = {"gpuMemoryUtilization": "--gpu-memory-utilization", "maxModelLen": "--max-model-len",
               "quantization": "--quantization", "kvCacheDtype": "--kv-cache-dtype"}

@@ -44,7 +44,7 @@ def parse_identity_name(name: str) -> dict | None:
 
 def command(release: dict, *, python: str, host: str, port: int, speculation: bool, enforce_eager: bool,
             progress=print) -> list[str]:
-    from specpair.gate_vllm import dtype_of
+    from specpair.gate.vllm import dtype_of
     from specpair.models import resolve_source
     from specpair.vllm_peer import flags_argv, serving_flags, speculative_config
 
@@ -67,7 +67,7 @@ def command(release: dict, *, python: str, host: str, port: int, speculation: bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specpair.gate_vllm import vllm_python
+    from specpair.gate.vllm import vllm_python
 
     ap = argparse.ArgumentParser(prog="python -m specpair.vllm_serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 
-from specpair.gate import run_gate, threshold_failures
+from specpair.contract import threshold_failures
+from specpair.gate import run_gate
 
 PROMPTS = [{"prompt": "def foo(x):\n    return", "category": "code"},
            {"prompt": "import os\nimport sys\n", "category": "code"},

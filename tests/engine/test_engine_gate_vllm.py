@@ -88,9 +88,9 @@ def test_vllm_gate_fails_a_mismatched_draft_before_starting_vllm(tiny_pair_dirs,
 
 
 def test_vllm_gate_needs_the_target_as_a_model_directory(tmp_path, monkeypatch):
-    from specpair.gate_vllm import run_gate_vllm
+    from specpair.gate.vllm import run_gate_vllm
 
-    monkeypatch.setattr("specpair.gate_vllm.tokenizer_check", lambda release, progress: {"compatible": True})
+    monkeypatch.setattr("specpair.gate.vllm.tokenizer_check", lambda release, progress: {"compatible": True})
     with pytest.raises(SpecpairError, match="local model directory"):
         run_gate_vllm(vllm_release("some-org/some-model", {"drafter": "ngram"}), progress=lambda *_: None)
 
@@ -99,7 +99,7 @@ def test_both_gate_servers_run_the_target_as_the_release_serves_it(tiny_pair_dir
     """Target-only and speculative servers alike get the release's parallel sizes and serving
     settings (the same flags its engine pods get), and its context length where it names one."""
     import specpair.vllm_peer as peer
-    from specpair.gate_vllm import run_gate_vllm
+    from specpair.gate.vllm import run_gate_vllm
 
     started: list[list[str]] = []
 
@@ -112,7 +112,7 @@ def test_both_gate_servers_run_the_target_as_the_release_serves_it(tiny_pair_dir
             raise Stop
 
     monkeypatch.setattr(peer, "VllmServer", Recording)
-    monkeypatch.setattr("specpair.gate_vllm.tokenizer_check", lambda release, progress: {"compatible": True})
+    monkeypatch.setattr("specpair.gate.vllm.tokenizer_check", lambda release, progress: {"compatible": True})
     rel = vllm_release(tiny_pair_dirs["target"], {"drafter": "ngram"})
     rel["parallelism"] = {"tensor": 2, "pipeline": 1}
     rel["engine"].update(gpuMemoryUtilization=0.8, maxModelLen=1024, kvCacheDtype="fp8")

@@ -1,6 +1,6 @@
 """No circle among the engine's modules: no module imports, at module level or inside a function,
 one that imports it back, directly or through others. A piece two modules both need lives in a
-module of its own (costs.py, verdict.py)."""
+module of its own (costs.py, gate/verdict.py)."""
 
 from __future__ import annotations
 

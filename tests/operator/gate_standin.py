@@ -1,6 +1,6 @@
 """Stand-in for `specpair gate` in the operator tests, so a gate Job judges a release in seconds.
 
-Same CLI and verdict shape as `specpair gate` (engine/specpair/verdict.py); instead of running
+Same CLI and verdict shape as `specpair gate` (engine/specpair/gate/verdict.py); instead of running
 models it reads the candidate's numbers from the test's declared model world
 (SPECPAIR_STANDIN_WORLD: draft -> rates) and applies the release's thresholds itself, as the real
 gate does.

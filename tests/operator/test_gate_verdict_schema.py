@@ -12,7 +12,7 @@ from specpair_operator import conditions, gate_verdict
 
 NAN, INF = float("nan"), float("inf")
 TH = {"requireGreedyIdentity": True, "minAcceptance": 0.5, "minCategoryAcceptance": {"code": 0.6}, "minSpeedup": 1.1}
-# A verdict as `specpair gate` writes it (engine/specpair/verdict.py: every key of the contract).
+# A verdict as `specpair gate` writes it (engine/specpair/gate/verdict.py: every key of the contract).
 GOOD = {"passed": True, "reasons": [], "greedyIdentity": 1.0, "greedyIdentityWithinTies": 1.0,
         "acceptanceRate": 0.7, "meanAcceptanceLength": 3.1, "speedup": 1.4,
         "categories": {"code": {"acceptanceRate": 0.8, "speedup": 1.5, "greedyIdentity": 1.0,

@@ -21,7 +21,7 @@ from specpair.config import GenerationParams, Release, SpeculationConfig
 from specpair.contract import DEFAULT_CATEGORY, threshold_failures
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
-from specpair.verdict import check_release, new_verdict, tokenizer_check
+from specpair.gate.verdict import check_release, new_verdict, tokenizer_check
 
 
 def _timed_generate(engine, prompts, params, *, speculate: bool, chat: bool):
@@ -37,7 +37,7 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
              runs: int = 1) -> tuple[dict, list[dict]]:
     """Returns (verdict, golden outputs)."""
     if (release.get("engine") or {}).get("kind", "specpair") == "vllm":
-        from specpair.gate_vllm import run_gate_vllm  # the same verdict, from real vLLM servers
+        from specpair.gate.vllm import run_gate_vllm  # the same verdict, from real vLLM servers
         return run_gate_vllm(release, progress=progress)
     from specpair.pair import load_pair
     from specpair.stats import AcceptanceStats

@@ -1,7 +1,7 @@
 """The gate's verdict and the checks before any decoding, one home for both gates.
 
-`specpair gate` judges a release with our engine (gate.py) or, for a release that vLLM serves,
-with real vLLM servers (gate_vllm.py); both check the release, compare the tokenizers from their
+`specpair gate` judges a release with our engine (gate/engine.py) or, for a release that vLLM serves,
+with real vLLM servers (gate/vllm.py); both check the release, compare the tokenizers from their
 files and fill the same verdict, so the operator judges and promotes both alike.
 """
 

@@ -1,8 +1,8 @@
 """`specpair gate` for a release that vLLM serves (release.engine.kind == "vllm").
 
-The verdict has the same contract as for our engine (gate.py), so the operator judges and
+The verdict has the same contract as for our engine (gate/engine.py), so the operator judges and
 promotes both alike; what differs is who decodes. The tokenizers are compared first, from their
-files, exactly as gate.py does. Then the golden prompts are run greedy through two real vLLM
+files, exactly as gate/engine.py does. Then the golden prompts are run greedy through two real vLLM
 servers, one after the other: target-only, then with the release's speculative config. The
 prompts are tokenized by us (chat template included) and sent as token ids, so both servers and
 our engine see the same prompt tokens; the generated ids must be identical. Acceptance comes
@@ -22,7 +22,7 @@ from pathlib import Path
 from specpair.config import Release
 from specpair.contract import DEFAULT_CATEGORY, threshold_failures
 from specpair.errors import SpecpairError
-from specpair.verdict import check_release, new_verdict, tokenizer_check
+from specpair.gate.verdict import check_release, new_verdict, tokenizer_check
 
 ENGINE_KIND = "vllm"
 
