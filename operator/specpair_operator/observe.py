@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from . import aliases as aliases_mod
 from . import conditions as c
 from . import drift as drift_mod
-from . import gate_attempts, gate_verdict, manifests, names, owned, serving_health, serving_plan
+from . import gate_attempts, gate_verdict, manifests, model_fetch, names, owned, serving_health, serving_plan
 from . import tls as tls_mod
 from .engine_probe import EngineUnreachable
 from .kube import Kube, KubeError
@@ -45,8 +45,25 @@ def gate_job_view(job: dict[str, Any], owner_uid: str, pods: list[dict[str, Any]
                    st.get("startTime") or "", st.get("completionTime") or "", reports)
 
 
+def fetched_models(status: Mapping[str, Any]) -> tuple[str, ...]:
+    """status.modelCache.fetched: the models digests whose fetch Job completed."""
+    return tuple(str(d) for d in ((status.get("modelCache") or {}).get("fetched") or ()))
+
+
+async def observe_fetch(kube: Kube, pair: str, namespace: str, release: Mapping[str, Any],
+                        rollout: Mapping[str, Any], fetched: tuple[str, ...]) -> model_fetch.FetchState | None:
+    """Where the release's model fetch Job stands; None when it needs none (model_fetch.needs_fetch)."""
+    if not model_fetch.needs_fetch(release, rollout, fetched):
+        return None
+    name = model_fetch.fetch_job_name(pair, model_fetch.models_digest(release))
+    job = await kube.get("batch/v1", "jobs", namespace, name)
+    pods = await kube.list("v1", "pods", namespace, f"job-name={name}") if job is not None else []
+    return model_fetch.fetch_state(job, pods)
+
+
 async def observe_release(kube: Kube, registry: ReleaseRegistry, body: Mapping[str, Any], status: Mapping[str, Any],
-                          model: str, version: str, digest: str, thresholds: Mapping[str, Any]) -> ReleaseWorld:
+                          model: str, version: str, digest: str, thresholds: Mapping[str, Any],
+                          release: Mapping[str, Any] | None = None) -> ReleaseWorld:
     meta = body["metadata"]
     pair, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     aliases = await asyncio.to_thread(registry.aliases, model)
@@ -66,17 +83,23 @@ async def observe_release(kube: Kube, registry: ReleaseRegistry, body: Mapping[s
     latest = jobs[-1]["metadata"]["name"] if jobs else ""
     gating = aliases.get(aliases_mod.CHAMPION) != version
     gate_policy_owned = None
+    fetched = fetched_models(status)
+    fetch = None
     if gating:
         live = await kube.get("networking.k8s.io/v1", "networkpolicies", namespace,
                               manifests.gate_network_policy(pair, namespace)["metadata"]["name"])
         gate_policy_owned = None if live is None else owns(uid, live)
+        if release is not None:
+            fetch = await observe_fetch(kube, pair, namespace, release,
+                                        (body.get("spec") or {}).get("rollout") or {}, fetched)
     return ReleaseWorld(
         pair=pair, namespace=namespace, version=version, digest=digest, thresholds=dict(thresholds),
         aliases=dict(aliases), tags=dict(tags), gate_status=gate_status, verdict=verdict, gate_message=gate_message,
         gate_jobs=tuple(gate_job_view(j, uid, pods) for j in jobs), gate_policy_owned=gate_policy_owned,
         gate_pods_waiting=pods_waiting([p for p in pods if (p["metadata"].get("labels") or {}).get("job-name") == latest]),
         verified_verdicts={str(k): str(v) for k, v in (status.get("verifiedVerdicts") or {}).items()},
-        records=Records.from_status(status), attempts=policy, now=c.now_iso())
+        records=Records.from_status(status), attempts=policy, now=c.now_iso(),
+        models=model_fetch.models_digest(release) if release is not None else "", fetched=fetched, model_fetch=fetch)
 
 
 # -- the champion's serving -----------------------------------------------------------------------
@@ -149,6 +172,10 @@ async def _observe_engine(op: OperatorState, w: ServingWorld) -> ServingWorld:
         return w
     if serving_plan.kind_of(w) != "vllm":
         w = replace(w, tls=await _observe_tls(op, w))
+    served = serving_plan.served_release(w)
+    fetched = fetched_models(w.status)
+    w = replace(w, models=model_fetch.models_digest(served), fetched=fetched,
+                model_fetch=await observe_fetch(kube, w.pair, w.namespace, served, w.rollout, fetched))
     policy = manifests.engine_network_policy(w.pair, w.namespace, op.pods)["metadata"]["name"]
     return replace(w, policy=await kube.get("networking.k8s.io/v1", "networkpolicies", w.namespace, policy),
                    pods=tuple(await kube.list("v1", "pods", w.namespace, serving_plan.engine_selector(w.pair))))

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from . import aliases as aliases_mod
 from . import conditions as c
-from . import gate_attempts, gate_verdict, manifests
+from . import gate_attempts, gate_verdict, manifests, model_fetch
 from .gate_verdict import GateOutcome
 from .registry import TAG_GATE_RUN, TAG_ROLLED_BACK
 from .world import ReleaseWorld
@@ -60,6 +60,13 @@ class EnsureGatePolicy:
 class StartGateJob:
     version: str
     attempt: int
+
+
+@dataclass(frozen=True)
+class StartModelFetch:
+    """The Job that fills the pair's model cache with the release's models (model_fetch.py)."""
+    version: str
+    models: str
 
 
 @dataclass(frozen=True)
@@ -135,7 +142,8 @@ class ServeChampion:
     while_gating: bool = False
 
 
-WRITES = (SetAlias, TagVersion, EnsureGatePolicy, StartGateJob, RecordGateError)
+WRITES = (SetAlias, TagVersion, EnsureGatePolicy, StartModelFetch, StartGateJob, RecordGateError)
+FETCHED_KEPT = 5   # status.modelCache.fetched: the models digests of the last few fetches
 Step = Any  # one of the dataclasses above
 
 
@@ -244,6 +252,13 @@ def _gate(out: _Steps) -> None:
         return
     out.add(EnsureGatePolicy())
     jobs = w.gate_jobs
+    if jobs:
+        # The gate started, so its models were there; a pass that died before recording the
+        # fetch leaves its completed Job, recorded now.
+        if w.model_fetch is not None and w.model_fetch.phase == model_fetch.DONE:
+            out.add(*fetched_record(w.model_fetch, version, w.models, w.fetched))
+    elif not models_ready(out):
+        return
     attempt = max(1, len(jobs))
     latest = jobs[-1] if jobs else None
     job = manifests.gate_job_name(w.pair, digest, attempt)
@@ -292,6 +307,59 @@ def _gate(out: _Steps) -> None:
                    ready_message=f"gating v{version}" + (f"; v{serving} keeps serving" if serving else ""),
                    provisional=True),
             ServeChampion(w.aliases, None, while_gating=True))
+
+
+def fetch_steps(state: Any, version: str, models: str, fetched: tuple[str, ...], was_failed: bool,
+                serving: str | None, phase: str) -> tuple[bool, list[Step]]:
+    """Where the release's models stand in the model cache (model_fetch.fetch_state, or None
+    when it needs no fetch): whether its pods may start (the models are there), and the steps
+    that say so. Shared by the gate (plan.py) and the engine's rollout (serving_plan.py)."""
+    if state is None:
+        return True, []
+    keeps = f"; v{serving} keeps serving" if serving else ""
+    if state.phase == model_fetch.DONE:
+        return True, fetched_record(state, version, models, fetched)
+    if state.phase == model_fetch.FAILED:
+        steps: list[Step] = [Report("stalled", "Failed", model_fetch.MODEL_FETCH_FAILED, state.message,
+                                    ready_message=f"the models of v{version} could not be fetched{keeps}")]
+        if not was_failed:
+            steps.insert(0, Record(model_fetch.MODEL_FETCH_FAILED, f"v{version}: {state.message}", None, version,
+                                   warning=True, key=models))
+        return False, steps
+    steps = []
+    if state.phase == model_fetch.ABSENT:
+        steps = [StartModelFetch(version, models),
+                 PostEvent("Normal", "ModelFetchStarted", f"fetching the models of v{version} into the model cache")]
+        message = f"fetching the models of v{version} into the model cache"
+    else:
+        message = state.message
+    return False, steps + [Report("reconciling", phase, model_fetch.MODELS_FETCHING, message,
+                                  ready_message=f"fetching the models of v{version}{keeps}", provisional=True)]
+
+
+def fetched_record(state: Any, version: str, models: str, fetched: tuple[str, ...]) -> list[Step]:
+    """A completed fetch into status.modelCache.fetched (the last few), with its Event: later
+    passes need no Job for these models, so its TTL may delete it."""
+    kept = [d for d in fetched if d != models][-(FETCHED_KEPT - 1):] + [models]
+    return [SetStatus({"modelCache": {"fetched": kept}}),
+            PostEvent("Normal", "ModelsFetched", f"v{version}: {state.message}")]
+
+
+def models_ready(out: _Steps) -> bool:
+    """The release's models are in the model cache (or it has none): else the fetch's steps,
+    the champion watched meanwhile."""
+    w = out.world
+    ready, steps = fetch_steps(w.model_fetch, w.version, w.models, w.fetched,
+                               out.was(model_fetch.MODEL_FETCH_FAILED, w.models, w.version),
+                               w.aliases.get(aliases_mod.CHAMPION), "Gating")
+    out.add(*steps)
+    if not ready:
+        out.add(_versions(w.aliases))
+        if w.model_fetch.phase != model_fetch.FAILED:
+            # A stalled report is final for the pass; as after a gate given up, the champion's
+            # Deployment stays as it is.
+            out.add(ServeChampion(w.aliases, None, while_gating=True))
+    return ready
 
 
 def _retry(w: ReleaseWorld, attempt: int, failure: gate_attempts.Failure, job: str) -> Record:

@@ -23,7 +23,7 @@ from mlflow.exceptions import MlflowException
 
 from . import aliases as aliases_mod
 from . import autoscaling
-from . import manifests, serving_plan, validation
+from . import manifests, model_fetch, serving_plan, validation
 from . import metrics
 from . import plan as plan_mod
 from . import release as release_mod
@@ -171,7 +171,7 @@ class PairReconciler:
         version = await self.registry(self._ensure_release, reg, model, rel, digest)
         self.ledger.set(candidateVersion=version, contentHash=digest)
         world = await observe_release(self.operator.kube, reg, self.body, self.status, model, version, digest,
-                                      rel["gating"]["thresholds"])
+                                      rel["gating"]["thresholds"], rel)
         await self._act(model, rel, digest, plan_mod.plan_release(world))
 
     async def _act(self, model: str, rel: dict[str, Any], digest: str, steps: tuple[plan_mod.Step, ...]) -> None:
@@ -188,6 +188,8 @@ class PairReconciler:
                 if policy.conflict:  # taken since the pass looked
                     self._name_conflict(policy.kind, policy.name)
                     return
+            elif isinstance(step, plan_mod.StartModelFetch):
+                await ensure_owned(kube, self.body, self._fetch_job(model, rel, step.version), mutable=False, live=None)
             elif isinstance(step, plan_mod.StartGateJob):
                 await ensure_owned(kube, self.body, self._gate_job(model, rel, digest, step.version, step.attempt), mutable=False,
                                    live=None)
@@ -242,6 +244,13 @@ class PairReconciler:
                                   digest, version, placement, self.operator.gate_tracking_uri,
                                   int(gating.get("activeDeadlineSeconds", 3600)), self.credentials(),
                                   self.operator.pods, attempt=attempt)
+
+    def _fetch_job(self, model: str, rel: dict[str, Any], version: str) -> dict[str, Any]:
+        """The model fetch Job of the release (model_fetch.py), with the gate's MLflow and credentials."""
+        return model_fetch.desired_fetch_job(self.name, self.namespace,
+                                             release_mod.with_mlflow(rel, self.operator.gate_tracking_uri, model, version),
+                                             self.rollout, self.operator.gate_tracking_uri, self.credentials(),
+                                             self.operator.pods)
 
     def _ensure_release(self, reg: ReleaseRegistry, model: str, rel: dict[str, Any], digest: str) -> str:
         version = reg.ensure_release(model, rel, digest)

@@ -36,11 +36,11 @@ from specpair.stats import RequestMoments
 from . import aliases as aliases_mod
 from . import conditions as c
 from . import drift as drift_mod
-from . import gate_verdict, manifests, names, owned, serving_health
+from . import gate_verdict, manifests, model_fetch, names, owned, serving_health
 from . import release as release_mod
 from . import tls as tls_mod
 from .plan import (TAG_RELEASE, TAG_SPECULATION_OFF, Condition, PostEvent, Record, Report, SetAlias, SetStatus,
-                   TagVersion, name_conflict_message, serving_versions)
+                   StartModelFetch, TagVersion, fetch_steps, name_conflict_message, serving_versions)
 from .registry import TAG_HASH, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
 from .serving_world import EnginePod, ServingWorld
 from .world import pods_waiting
@@ -391,6 +391,8 @@ def plan_serving(w: ServingWorld) -> tuple[Step, ...]:
         kind, name = msg.split(" ", 1)
         out.add(name_conflict(w, kind, name))
         return tuple(out.steps)
+    if state == "fetching":
+        return tuple(out.steps)   # the fetch's steps said so
     if state == "failed":
         _rollback(out, champion, f"rollout of v{champion} failed: {msg}")
         return tuple(out.steps)
@@ -472,6 +474,8 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
     template = dep["metadata"]["annotations"][ANN_TEMPLATE]
     live = w.deployment
     live_template = ((live or {}).get("metadata", {}).get("annotations") or {}).get(ANN_TEMPLATE)
+    if live_template != template and not _models_ready(out, w, version, served):
+        return "fetching", ""
     result = outcome(w, dep, live)
     changed = result in (owned.CREATED, owned.PATCHED)
     if changed:
@@ -500,6 +504,22 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
     if state == "available":
         _retire_legacy(out, w, dep["metadata"]["name"])
     return state, msg
+
+
+def _models_ready(out: _Steps, w: ServingWorld, version: str, served: dict[str, Any]) -> bool:
+    """Before new engine pods read the model cache (a rollout, a rollback's included), the
+    served release's models are in it: else its fetch Job's steps (plan.fetch_steps) and no
+    rollout; the pods running keep serving."""
+    ready, steps = fetch_steps(w.model_fetch, version, w.models, w.fetched,
+                               out.was(model_fetch.MODEL_FETCH_FAILED, w.models, version), None, "RollingOut")
+    inst = w.installation
+    for step in steps:
+        if isinstance(step, StartModelFetch):
+            step = EnsureOwned(model_fetch.desired_fetch_job(w.pair, w.namespace, served, dict(w.rollout),
+                                                             inst.tracking_uri, inst.credentials, inst.pods),
+                               None, mutable=False)
+        out.add(step)
+    return ready
 
 
 def _retire_legacy(out: _Steps, w: ServingWorld, current: str) -> None:

@@ -97,6 +97,12 @@ class ServingWorld:
     pods: tuple[Mapping[str, Any], ...] = ()   # every engine pod of the pair
     ready: tuple[EnginePod, ...] = ()           # the ready ones, in order, with what they reported
     drift: DriftMemory = field(default_factory=DriftMemory)
+    # The model cache (model_fetch.py), for the champion's served release: its models digest, the
+    # digests status.modelCache records as fetched, and where its fetch Job stands (a
+    # model_fetch.FetchState; None when it needs no fetch).
+    models: str = ""
+    fetched: tuple[str, ...] = ()
+    model_fetch: Any = None
 
     @property
     def rollout(self) -> Mapping[str, Any]:

@@ -90,6 +90,12 @@ class ReleaseWorld:
     records: Records = field(default_factory=Records)
     attempts: gate_attempts.Policy = field(default_factory=gate_attempts.Policy)
     now: str = "1970-01-01T00:00:00Z"
+    # The model cache (model_fetch.py): the release's models digest, the digests status.modelCache
+    # records as fetched, and where the release's fetch Job stands (a model_fetch.FetchState;
+    # None when the release needs no fetch: no claim, nothing to download, or fetched already).
+    models: str = ""
+    fetched: tuple[str, ...] = ()
+    model_fetch: Any = None
 
 
 # Container states that wait on a person (a Secret, a key, an image), not on time.

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from specpair_operator import gate_attempts, gate_verdict, manifests
+from specpair_operator import gate_attempts, gate_verdict, manifests, model_fetch
 from specpair_operator import plan as p
 from specpair_operator import serving_plan as sp
 from specpair_operator.serving_world import ServingWorld
@@ -64,6 +64,8 @@ def kinds(steps: tuple[Any, ...]) -> list[str]:
             name = f"SetAlias {s.alias}={s.version}"
         elif isinstance(s, p.StartGateJob):
             name = f"StartGateJob {s.attempt}"
+        elif isinstance(s, p.PostEvent):
+            name = f"PostEvent {s.reason}"
         elif isinstance(s, p.ServeChampion):
             name = f"ServeChampion {s.desired or '-'}" + (" while gating" if s.while_gating else "")
         out.append(name)
@@ -138,7 +140,7 @@ SCENARIOS = [
      ["EnsureGatePolicy", "RecordGateError", "Condition", "Report stalled Failed/GateError"]),
     ("MLflow says passed, but no Job reported it and none is left: gated again",
      world(aliases={"candidate": "1"}, gate_status="passed", verdict=GOOD, records=records(GateStarted=["1"])),
-     ["PostEvent", "EnsureGatePolicy", "StartGateJob 1", "Record GateStarted", "Condition", "SetStatus",
+     ["PostEvent Regating", "EnsureGatePolicy", "StartGateJob 1", "Record GateStarted", "Condition", "SetStatus",
       "Report reconciling Gating/Gating", "ServeChampion - while gating"]),
     ("the verdict is in MLflow before its gate pod exits, and GateStarted was never recorded: recorded once",
      world(aliases={"candidate": "1"}, gate_status="passed", verdict=GOOD, gate_jobs=(GateJob(job_name()),)),
@@ -173,6 +175,70 @@ SCENARIOS = [
      world(aliases={"candidate": "1"}, gate_policy_owned=False),
      ["Report stall Failed/NameConflict"]),
 ]
+
+MODELS = "m" * 64
+FETCH_JOB = model_fetch.fetch_job_name(PAIR, MODELS)
+
+
+def fetching(phase: str, message: str = "", **changes: Any) -> ReleaseWorld:
+    """A release whose models the pair's model cache does not hold yet, its fetch Job at `phase`."""
+    return world(aliases={"candidate": "1", "champion": "0"}, models=MODELS,
+                 model_fetch=model_fetch.FetchState(phase, message=message), **changes)
+
+
+FETCH_SCENARIOS = [
+    ("no fetch Job yet: it is started with an Event, ModelsFetching, no gate Job, the champion serves",
+     fetching(model_fetch.ABSENT),
+     ["EnsureGatePolicy", "StartModelFetch", "PostEvent ModelFetchStarted", "Report reconciling Gating/ModelsFetching",
+      "SetStatus", "ServeChampion - while gating"]),
+    ("the fetch runs: ModelsFetching again, nothing is written",
+     fetching(model_fetch.RUNNING, "fetching (Job x); pod y cannot start: CreateContainerConfigError"),
+     ["EnsureGatePolicy", "Report reconciling Gating/ModelsFetching", "SetStatus", "ServeChampion - while gating"]),
+    ("the fetch failed: Stalled ModelFetchFailed with its words, recorded once, no gate",
+     fetching(model_fetch.FAILED, "model fetch Job x failed: models:/t/3: 404"),
+     ["EnsureGatePolicy", "Record ModelFetchFailed", "Report stalled Failed/ModelFetchFailed", "SetStatus"]),
+    ("the fetch failed, recorded already: no second Event",
+     fetching(model_fetch.FAILED, "model fetch Job x failed: models:/t/3: 404",
+              records=records(ModelFetchFailed=[MODELS])),
+     ["EnsureGatePolicy", "Report stalled Failed/ModelFetchFailed", "SetStatus"]),
+    ("the fetch is done: recorded in status, then the gate starts",
+     fetching(model_fetch.DONE, "models fetched by Job x"),
+     ["EnsureGatePolicy", "SetStatus", "PostEvent ModelsFetched", "StartGateJob 1", "Record GateStarted", "Condition",
+      "SetStatus", "Report reconciling Gating/Gating", "ServeChampion - while gating"]),
+    ("a pass died after starting the gate, before recording the fetch: recorded now, no second Job",
+     fetching(model_fetch.DONE, gate_jobs=(GateJob(job_name()),), records=records(GateStarted=["1"])),
+     ["EnsureGatePolicy", "SetStatus", "PostEvent ModelsFetched", "Condition", "SetStatus",
+      "Report reconciling Gating/Gating", "ServeChampion - while gating"]),
+    ("no model cache (needs_fetch false, nothing observed): gated as before",
+     world(aliases={"candidate": "1", "champion": "0"}, models=MODELS),
+     ["EnsureGatePolicy", "StartGateJob 1", "Record GateStarted", "Condition", "SetStatus",
+      "Report reconciling Gating/Gating", "ServeChampion - while gating"]),
+]
+
+
+@pytest.mark.parametrize("what, w, expected", FETCH_SCENARIOS, ids=[s[0] for s in FETCH_SCENARIOS])
+def test_the_gate_waits_for_the_models(what, w, expected):
+    assert kinds(p.plan_release(w)) == expected
+
+
+def test_the_fetch_messages_and_the_record():
+    failed = p.plan_release(fetching(model_fetch.FAILED, "model fetch Job x failed: models:/t/3: 404"))
+    report = next(s for s in failed if isinstance(s, p.Report))
+    assert report.message == "model fetch Job x failed: models:/t/3: 404"
+    assert report.ready_message == "the models of v1 could not be fetched; v0 keeps serving"
+    assert next(s for s in failed if isinstance(s, p.Record)).key == MODELS
+    done = p.plan_release(fetching(model_fetch.DONE, fetched=tuple(f"{i}" * 64 for i in range(6))))
+    kept = next(s for s in done if isinstance(s, p.SetStatus) and "modelCache" in s.fields).fields
+    assert kept["modelCache"]["fetched"][-1] == MODELS and len(kept["modelCache"]["fetched"]) == p.FETCHED_KEPT
+    started = next(s for s in p.plan_release(fetching(model_fetch.ABSENT)) if isinstance(s, p.StartModelFetch))
+    assert (started.version, started.models) == ("1", MODELS)
+
+
+def test_a_pair_without_a_claim_never_fetches():
+    release = {"target": {"source": "models:/target/3"}, "draft": {"source": "HuggingFaceTB/SmolLM2-135M"}}
+    assert not model_fetch.needs_fetch(release, {})
+    assert not model_fetch.needs_fetch(release, {"modelCache": {"sizeLimit": "1Gi"}})
+    assert model_fetch.needs_fetch(release, {"modelCache": {"persistentVolumeClaim": "hub"}})
 
 
 @pytest.mark.parametrize("what, w, expected", SCENARIOS, ids=[s[0] for s in SCENARIOS])
@@ -243,7 +309,11 @@ def apply(w: ReleaseWorld, step: Any) -> ReleaseWorld:
         return dataclasses.replace(w, tags={**w.tags, **step.tags})
     if isinstance(step, p.EnsureGatePolicy):
         return dataclasses.replace(w, gate_policy_owned=True)
+    if isinstance(step, p.StartModelFetch):
+        assert w.model_fetch.phase == model_fetch.ABSENT, "fetch Job started twice"
+        return dataclasses.replace(w, model_fetch=model_fetch.FetchState(model_fetch.RUNNING))
     if isinstance(step, p.StartGateJob):
+        assert w.model_fetch is None or w.model_fetch.phase == model_fetch.DONE, "gated before the models are there"
         assert len(w.gate_jobs) == step.attempt - 1, f"attempt {step.attempt} started twice"
         return dataclasses.replace(w, gate_jobs=w.gate_jobs + (GateJob(job_name(step.attempt), started_at=w.now),))
     if isinstance(step, p.RecordGateError):
@@ -256,6 +326,17 @@ def apply(w: ReleaseWorld, step: Any) -> ReleaseWorld:
         return dataclasses.replace(w, records=Records(recorded, True, history))
     if isinstance(step, p.SetStatus) and "verifiedVerdicts" in step.fields:
         return dataclasses.replace(w, verified_verdicts=dict(step.fields["verifiedVerdicts"]))
+    if isinstance(step, p.SetStatus) and "modelCache" in step.fields:
+        # observe: a recorded digest needs no fetch (model_fetch.needs_fetch)
+        fetched = tuple(step.fields["modelCache"]["fetched"])
+        return dataclasses.replace(w, fetched=fetched, model_fetch=None if w.models in fetched else w.model_fetch)
+    return w
+
+
+def fetch_runs(w: ReleaseWorld) -> ReleaseWorld:
+    """The fetch Job, once started, completes by the next pass."""
+    if w.model_fetch is not None and w.model_fetch.phase == model_fetch.RUNNING:
+        return dataclasses.replace(w, model_fetch=model_fetch.FetchState(model_fetch.DONE))
     return w
 
 
@@ -301,7 +382,7 @@ def converge(w: ReleaseWorld, verdicts: list[dict[str, Any] | None],
         for step in status_steps or ():
             w = apply(w, step)
         # Time passes between passes (a retry's delay included); the gate Job ends meanwhile.
-        w = gate_runs(dataclasses.replace(w, now=f"2026-11-26T{hour:02d}:00:00Z"), verdicts)
+        w = gate_runs(fetch_runs(dataclasses.replace(w, now=f"2026-11-26T{hour:02d}:00:00Z")), verdicts)
     raise AssertionError(f"no end after 30 passes: {p.plan_release(w)}")
 
 
@@ -311,7 +392,7 @@ def actions(w: ReleaseWorld) -> Counter:
 
 
 def end_state(w: ReleaseWorld) -> tuple[Any, ...]:
-    return dict(w.aliases), sorted(w.tags), len(w.gate_jobs), w.gate_status, actions(w)
+    return dict(w.aliases), sorted(w.tags), len(w.gate_jobs), w.gate_status, actions(w), w.fetched
 
 
 JOURNEYS = [
@@ -320,6 +401,8 @@ JOURNEYS = [
     ("a failed gate", world(version="2", aliases={"candidate": "1", "champion": "1"}), [BAD]),
     ("a gate that crashed once, then passed", world(), [None, GOOD]),
     ("a gate that never gives a verdict", world(), [None, None, None]),
+    ("a release whose models are fetched first, then gated and promoted",
+     world(models=MODELS, model_fetch=model_fetch.FetchState(model_fetch.ABSENT)), [GOOD]),
 ]
 
 
@@ -339,6 +422,9 @@ def test_the_journeys_end_as_the_end_to_end_tests_see_them():
     assert [h["action"] for h in promoted.records.history] == ["GateStarted", "GatePassed", "Promoted"]
     failed, _ = converge(world(version="2", aliases={"candidate": "1", "champion": "1"}), [BAD])
     assert failed.aliases == {"candidate": "2", "champion": "1"}
+    fetched, writes = converge(world(models=MODELS, model_fetch=model_fetch.FetchState(model_fetch.ABSENT)), [GOOD])
+    assert fetched.fetched == (MODELS,) and fetched.aliases == {"candidate": "1", "champion": "1"}
+    assert [type(s).__name__ for s in writes][:3] == ["SetAlias", "EnsureGatePolicy", "StartModelFetch"]
     broken, _ = converge(world(), [None, None, None])
     assert broken.gate_status == "error" and len(broken.gate_jobs) == gate_attempts.Policy().attempts
     assert Counter(h["action"] for h in broken.records.history)["GateRetrying"] == 2

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from specpair_operator import drift, manifests, owned, release, serving_health
+from specpair_operator import drift, manifests, model_fetch, owned, release, serving_health
 from specpair_operator import plan as p
 from specpair_operator import serving_plan as sp
 from specpair_operator.registry import TAG_HASH, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
@@ -175,6 +175,66 @@ def test_scaled_vs_rollout_started(what, change, expected):
     assert [k for k in steps if k in ("Event Scaled", "Record RolloutStarted")] == expected
     # The Deployment controller has not seen the new spec yet: rolling out, not serving.
     assert steps[-1] == "Report reconciling RollingOut/RollingOut"
+
+
+CACHE = {**SPEC, "rollout": {"replicas": 1, "modelCache": {"persistentVolumeClaim": "hub"}}}
+MODELS = "m" * 64
+FETCH_HEAD = ["SetStatus previousVersion,servingVersion", "SetStatus speedup", "ExportSpeedup", "SetStatus acceptance",
+              "IssueCertificate", "EnsureOwned NetworkPolicy"]
+
+
+def fetching(phase: str, message: str = "", **changes: Any) -> ServingWorld:
+    """The champion's engine to roll, its models not in the pair's model cache yet."""
+    return base(spec=CACHE, status={}, models=MODELS, model_fetch=model_fetch.FetchState(phase, message=message),
+                **changes)
+
+
+@pytest.mark.parametrize("what, w, expected", [
+    ("no fetch Job: it is created, an Event, ModelsFetching; no Deployment",
+     fetching(model_fetch.ABSENT),
+     [*FETCH_HEAD, "EnsureOwned Job", "Event ModelFetchStarted", "Report reconciling RollingOut/ModelsFetching"]),
+    ("the fetch runs: ModelsFetching with its words, nothing written",
+     fetching(model_fetch.RUNNING, "fetching (Job x); pod y cannot start: ErrImagePull: nope"),
+     [*FETCH_HEAD, "Report reconciling RollingOut/ModelsFetching"]),
+    ("the fetch failed: Stalled ModelFetchFailed, recorded once; no Deployment, no rollback",
+     fetching(model_fetch.FAILED, "model fetch Job x failed: models:/t/3: 404"),
+     [*FETCH_HEAD, "Record ModelFetchFailed", "Report stalled Failed/ModelFetchFailed"]),
+    ("the fetch failed, recorded already: no second Event",
+     fetching(model_fetch.FAILED, "model fetch Job x failed", records=Records({"ModelFetchFailed": (MODELS,)})),
+     [*FETCH_HEAD, "Report stalled Failed/ModelFetchFailed"]),
+    ("the fetch is done: recorded in status, then the Deployment",
+     fetching(model_fetch.DONE, "models fetched by Job x"),
+     [*FETCH_HEAD, "SetStatus modelCache", "Event ModelsFetched", "EnsureOwned Deployment", "Record RolloutStarted",
+      "SetStatus replicas,selector", "EnsureOwned Service", "EnsureAutoscaler",
+      "Report reconciling RollingOut/RollingOut"]),
+])
+def test_the_engine_rolls_only_once_its_models_are_fetched(what, w, expected):
+    assert kinds(sp.plan_serving(w)) == expected
+
+
+def test_the_fetch_job_is_the_served_release_s_and_owned_like_every_child():
+    w = fetching(model_fetch.ABSENT)
+    job = next(s for s in sp.plan_serving(w) if isinstance(s, sp.EnsureOwned)
+               and s.manifest["kind"] == "Job")
+    assert (job.mutable, job.live) == (False, None)
+    assert job.manifest == model_fetch.desired_fetch_job(PAIR, NS, sp.served_release(w), dict(CACHE["rollout"]),
+                                                         w.installation.tracking_uri, w.installation.credentials,
+                                                         w.installation.pods)
+    # An engine already running the release is not held back by an unrecorded fetch.
+    running = serving(fetching(model_fetch.ABSENT))
+    assert "EnsureOwned Job" not in kinds(sp.plan_serving(running))
+
+
+def test_a_rollback_to_a_release_whose_models_are_not_fetched_fetches_them_first():
+    # The pass that rolled back moved champion to 1; the engine still runs v2's template.
+    v2 = serving(base(spec=CACHE, aliases={"champion": "2", "previous": "1"}, tags=release_tags("2")))
+    w = dataclasses.replace(v2, aliases={"champion": "1", "previous": "2"}, tags=release_tags("1"), ready=(),
+                            models=MODELS, model_fetch=model_fetch.FetchState(model_fetch.ABSENT))
+    steps = kinds(sp.plan_serving(w))
+    assert "EnsureOwned Job" in steps and "EnsureOwned Deployment" not in steps
+    assert steps[-1] == "Report reconciling RollingOut/ModelsFetching"
+    done = kinds(sp.plan_serving(dataclasses.replace(w, model_fetch=model_fetch.FetchState(model_fetch.DONE))))
+    assert "EnsureOwned Job" not in done and "EnsureOwned Deployment" in done
 
 
 def test_a_failed_rollout_rolls_back_to_the_previous_release():

@@ -116,11 +116,12 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, create, patch]
-# Gate Jobs: one per release, never deleted by the operator.
+# Gate Jobs (one per release) and model-fetch Jobs (one per set of models, when the pair names a
+# model cache claim), never deleted by the operator.
 - apiGroups: [batch]
   resources: [jobs]
   verbs: [get, create]
-# Engine and gate pods: readiness, IPs (for GetModelInfo / GetStats over gRPC), the scheduler's
+# Engine, gate and model-fetch pods: readiness, IPs (for GetModelInfo / GetStats over gRPC), the scheduler's
 # reason when one is Pending. Read only.
 - apiGroups: [""]
   resources: [pods]
