@@ -220,3 +220,35 @@ def test_the_crd_knob_and_its_default():
         "activeDeadlineSeconds"]
     assert f"Absent: {model_fetch.FETCH_DEADLINE_SECONDS}." in deadline["description"]
     assert deadline["minimum"] == 60
+
+
+# -- on the real control plane --------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_operator_fetches_before_it_gates(env):
+    """A pair with a model cache claim: the operator's first pass creates the release's fetch Job,
+    owned by the pair, with its Event, and reports ModelsFetching; no gate Job while the models are
+    not there (the claim is never bound here, so the fetch pod waits)."""
+    import uuid
+
+    from kopf.testing import KopfRunner
+
+    from cluster_env import OPERATOR, cond, pair
+
+    ns = env
+    name = f"fetch-{uuid.uuid4().hex[:5]}"
+    spec = pair(name, "good-draft", rollout={"modelCache": {"persistentVolumeClaim": "models-not-bound"}})
+    with KopfRunner(OPERATOR, timeout=60):
+        ns.create(spec)
+        fetching = ns.wait_for("ModelsFetching", lambda: cond(ns.pair(name), "Reconciling").get("reason")
+                               == model_fetch.MODELS_FETCHING, timeout=60)
+        assert fetching
+        jobs = ns.list("batch/v1", "Job")
+        assert [j["metadata"]["labels"][manifests.LABEL_ROLE] for j in jobs] == [model_fetch.ROLE], jobs
+        job = jobs[0]
+        assert job["metadata"]["name"].startswith(f"{name}-fetch-")
+        owner = job["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"], owner["uid"]) == ("SpecModelPair", name,
+                                                                ns.pair(name)["metadata"]["uid"])
+        assert ns.wait_for("the ModelFetchStarted Event", lambda: ns.events("ModelFetchStarted"), timeout=30)
+        assert "modelCache" not in (ns.pair(name).get("status") or {})
