@@ -252,3 +252,51 @@ def test_the_operator_fetches_before_it_gates(env):
                                                                 ns.pair(name)["metadata"]["uid"])
         assert ns.wait_for("the ModelFetchStarted Event", lambda: ns.events("ModelFetchStarted"), timeout=30)
         assert "modelCache" not in (ns.pair(name).get("status") or {})
+
+
+@pytest.mark.slow
+def test_a_pair_is_fetched_gated_and_served_from_its_claim(operator_env, ns, mlflow_server, tiny_pair_dirs, tmp_path):
+    """The whole journey with the real engine image: the tiny models in a real MLflow, a
+    hostPath-backed claim; the operator fetches them into it, gates and serves v1 from it."""
+    import uuid
+
+    from kopf.testing import KopfRunner
+    from mlflow import MlflowClient
+
+    from cluster_env import OPERATOR, serving, tiny_pair
+
+    name = f"cache-{uuid.uuid4().hex[:5]}"
+    client = MlflowClient(mlflow_server.url)
+    experiment = client.create_experiment(f"fetch-{name}")
+    sources = {}
+    for role in ("target", "draft"):
+        run = client.create_run(experiment)
+        client.log_artifacts(run.info.run_id, tiny_pair_dirs[role], artifact_path="model")
+        client.set_terminated(run.info.run_id)
+        client.create_registered_model(f"{name}-{role}")
+        client.create_model_version(f"{name}-{role}", f"runs:/{run.info.run_id}/model", run.info.run_id)
+        sources[role] = f"models:/{name}-{role}/1"
+    volume = tmp_path / "volume"
+    pv = f"models-{ns.name}"
+    ns.kube.create({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+                    "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                             "persistentVolumeReclaimPolicy": "Retain",
+                             "hostPath": {"path": str(volume), "type": "DirectoryOrCreate"}}})
+    ns.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
+               "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
+                        "resources": {"requests": {"storage": "1Gi"}}}})
+    spec = tiny_pair(name, sources["target"], sources["draft"])
+    spec["spec"]["rollout"]["modelCache"] = {"persistentVolumeClaim": "models"}
+    try:
+        with KopfRunner(OPERATOR, timeout=60) as runner:
+            ns.create(spec)
+            ns.wait_for("v1 serving from the claim", lambda: serving(ns, name, "1"), timeout=300)
+        assert runner.exception is None
+        status = ns.pair(name)["status"]
+        assert len(status["modelCache"]["fetched"]) == 1
+        roles = sorted(j["metadata"]["labels"][manifests.LABEL_ROLE] for j in ns.list("batch/v1", "Job"))
+        assert roles == ["gate", model_fetch.ROLE], roles
+        assert ns.events("ModelFetchStarted") and ns.events("ModelsFetched")
+        assert (volume / ".specpair" / "releases").is_dir()
+    finally:
+        ns.kube.delete("v1", "PersistentVolume", None, pv)
