@@ -1,5 +1,6 @@
 """The model fetch end to end on the real control plane: the fetch Job the operator renders
-(model_fetch.desired_fetch_job, applied here; the operator's plan wires it later) fills a
+(model_fetch.desired_fetch_job, applied here; tests/operator/test_model_fetch.py has the operator
+create it) fills a
 hostPath-backed claim from a real MLflow server, and an engine Deployment as the operator renders
 it, the claim read-only, HF_HUB_OFFLINE=1 and MLflow out of reach, serves the release from it. A
 release whose draft is not in MLflow ends as a failed fetch whose state names the model."""
