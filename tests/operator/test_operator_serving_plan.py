@@ -388,6 +388,7 @@ class Cluster:
         self.error_rates: dict[str, float] = {}      # per version, the share of requests its pods fail
         self.errors_from = 0.0                       # ... from this time on
         self.requests = {"ok": 0, "error": 0}
+        self.fetch: dict[str, str] = {}              # per version with a model cache, its fetch Job's phase
 
     def healthy(self) -> bool:
         """The champion serves as gated: nothing left for the ladder to do."""
@@ -396,9 +397,14 @@ class Cluster:
 
     def world(self) -> ServingWorld:
         champion = self.w.aliases["champion"]
+        # observe: the champion's fetch Job, unless the status records its models as fetched
+        models = f"models-of-v{champion}"
+        fetched = tuple((self.w.status.get("modelCache") or {}).get("fetched") or ())
+        phase = self.fetch.get(champion)
         return dataclasses.replace(self.w, tags=self.tags[champion], drift=dataclasses.replace(
             self.w.drift, monotonic=self.t, wall=self.t, previous_tags=self.tags.get(self.w.aliases.get("previous", "")),
-            previous_verdict=GOOD))
+            previous_verdict=GOOD), models=models, fetched=fetched,
+            model_fetch=model_fetch.FetchState(phase) if phase and models not in fetched else None)
 
     def apply(self, step: Any, status: dict[str, Any]) -> None:
         w = self.w
@@ -408,7 +414,14 @@ class Cluster:
             self.tags[step.version] = {**self.tags[step.version], **{k: v for k, v in step.tags.items()}}
         elif isinstance(step, sp.EnsureOwned):
             obj = mine(dict(step.manifest), step.mutable)
+            if obj["kind"] == "Job":
+                champion = w.aliases["champion"]
+                assert self.fetch.get(champion) == model_fetch.ABSENT, f"fetch Job of v{champion} created twice"
+                self.fetch[champion] = model_fetch.RUNNING
+                return
             if obj["kind"] == "Deployment":
+                assert self.world().model_fetch is None or self.world().model_fetch.phase == model_fetch.DONE, \
+                    "rolled before the models are fetched"
                 obj["metadata"]["generation"] = ((w.deployment or {}).get("metadata", {}).get("generation", 0)) + 1
                 obj["status"] = (w.deployment or {}).get("status") or {}
                 self.served = {"version": w.aliases["champion"],
@@ -443,6 +456,7 @@ class Cluster:
         """The Deployment controller makes the Deployment available; its pod loads what it was given
         and drafts 400 tokens at `rate` (speculating, or probing with the drafter while off)."""
         self.t += 3.0
+        self.fetch = {v: model_fetch.DONE if phase == model_fetch.RUNNING else phase for v, phase in self.fetch.items()}
         dep = self.w.deployment
         if dep is not None:
             dep = copy.deepcopy(dep)
@@ -629,7 +643,24 @@ JOURNEYS = [
     ("drift: speculation off, then a rollback", ladder_start),
     ("a tokenizer mismatch on a pod: a rollback", mismatched_tokenizer),
     ("failing requests: a rollback", failing_requests),
+    ("models fetched, rolled out, drift, a rollback to models fetched then", lambda: cached_ladder()),
 ]
+
+
+def cached_ladder() -> Cluster:
+    """The ladder with a model cache: v2's models and then v1's are fetched before their rollouts."""
+    cl = ladder_start()
+    cl.w = dataclasses.replace(cl.w, spec={**SPEC, "rollout": CACHE["rollout"]})
+    cl.fetch = {"1": model_fetch.ABSENT, "2": model_fetch.ABSENT}
+    return cl
+
+
+def test_a_rollback_waits_for_the_previous_release_s_models():
+    cl, done = converge(cached_ladder())
+    jobs = [s.manifest["metadata"]["name"] for s in done if isinstance(s, sp.EnsureOwned) and s.manifest["kind"] == "Job"]
+    assert len(jobs) == 2 and cl.w.aliases["champion"] == "1"
+    assert cl.w.status["modelCache"]["fetched"] == ["models-of-v2", "models-of-v1"]
+    assert [a for a, _ in cl.history][:3] == ["RolloutStarted", "SpeculationOff", "RolledBack"]
 
 
 @pytest.mark.parametrize("what, start", JOURNEYS, ids=[j[0] for j in JOURNEYS])
