@@ -7,9 +7,9 @@ field says how many pods serve, the operator never fights an autoscaler over the
 and scaling is outside the release (its content hash, and so its gate, never sees replicas).
 
 The signals are the engine's own gauges and counters (engine/specpair/server/metrics.py), read
-per pair: queued requests, running requests, streamed tokens per second. KEDA reads them from
-Prometheus with a query over the pair's pods; an HPA reads the same series per pod through the
-custom metrics API (prometheus-adapter's default rules serve a gauge under its own name and a
+per pair: queued requests, running requests, streamed tokens per second, the share of the KV
+budget in use. KEDA reads them from Prometheus with a query over the pair's pods; an HPA reads
+the same series per pod through the custom metrics API (prometheus-adapter's default rules serve a gauge under its own name and a
 `_total` counter as its per-second rate without the suffix), so it averages them itself.
 """
 
@@ -56,6 +56,9 @@ SIGNALS: dict[str, Signal] = {
                               "specpair_num_requests_running", "requests in the running batch"),
     "tokensPerSecond": Signal("sum(rate(specpair_num_emitted_tokens_total{{{selector}}}[1m]))",
                               "specpair_num_emitted_tokens", "tokens streamed to clients per second"),
+    # Only engines with a KV budget export it (on CUDA by default, on the CPU with --kv-budget).
+    "kvCacheUsage": Signal("sum(specpair_kv_cache_usage_ratio{{{selector}}})",
+                           "specpair_kv_cache_usage_ratio", "share of the KV budget the running rows hold"),
 }
 
 

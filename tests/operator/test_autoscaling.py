@@ -112,6 +112,8 @@ def test_every_signal_is_a_series_the_engine_exports():
     metrics.num_emitted_tokens.labels(pair="chat", version="1", category="general").inc()
     metrics.num_requests_waiting.labels(pair="chat", version="1").set(2)
     metrics.num_requests_running.labels(pair="chat", version="1").set(1)
+    metrics.set_state(running=1, waiting=2, k=4, speculating=True, window_rate=None, category_rates={},
+                      kv_usage=0.25)
     exposed = generate_latest(metrics.registry).decode()
     for name, signal in SIGNALS.items():
         series = query("chat", "team-a", name).split("(")[-1].split("{")[0]

@@ -296,3 +296,31 @@ def test_latency_histograms_and_request_outcomes_reach_the_operator_probe(tiny_p
     p95 = code_counts.ttft.quantile(0.95)
     above = min(b for b in LATENCY_BUCKETS if b >= max(ttfts))
     assert p95 is not None and p95 <= above
+
+
+def test_kv_cache_usage_is_the_share_of_the_budget_the_rows_hold(tiny_pair, start_server):
+    """The autoscaling signal kvCacheUsage: while a request runs, the running rows' KV bytes over
+    the engine's budget; back to 0 once it finishes; absent for an engine without a budget."""
+    import threading
+
+    engine = make_engine(tiny_pair, delay=0.02)
+    engine.kv_budget = 64 * 1024 * 1024
+    server = start_server(engine=engine)
+    labels = dict(pair="tiny", version="1")
+    seen = []
+
+    def usage() -> float:
+        return value(scrape(server), "specpair_kv_cache_usage_ratio", **labels)
+
+    with client_for(server) as c:
+        reply = threading.Thread(target=lambda: c.generate("def foo(x):", max_new_tokens=60))
+        reply.start()
+        wait_for(lambda: seen.append(usage()) or seen[-1] > 0, timeout=10)
+        reply.join(timeout=30)
+    assert 0 < seen[-1] <= 1
+    wait_for(lambda: usage() == 0 and server.worker.running == 0)
+
+    unbudgeted = start_server(engine=make_engine(tiny_pair))
+    with client_for(unbudgeted) as c:
+        c.generate("def foo(x):", max_new_tokens=4)
+    assert not any(name == "specpair_kv_cache_usage_ratio" for name, _ in scrape(unbudgeted))

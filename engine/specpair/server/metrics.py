@@ -98,6 +98,11 @@ class EngineMetrics:
                                           base, registry=r)
         self.num_requests_running = Gauge("specpair_num_requests_running", "Requests in the running batch.",
                                           base, registry=r)
+        # What an autoscaler reads as memory pressure: absent without a KV budget, since bytes
+        # alone say nothing about how close a pod is to its limit.
+        self.kv_cache_usage = Gauge("specpair_kv_cache_usage_ratio",
+                                    "Share of the KV budget the running rows hold (0..1, past 1 when over it).",
+                                    base, registry=r)
         self.control_denied = Counter("specpair_control_denied",
                                       "Control calls refused for want of an allowed client certificate.",
                                       base + ["method"], registry=r)
@@ -212,10 +217,13 @@ class EngineMetrics:
         self.control_denied.labels(self.pair, self.version, method).inc()
 
     def set_state(self, *, running: int, waiting: int, k: int, speculating: bool,
-                  window_rate: float | None, category_rates: dict[str, float | None]) -> None:
+                  window_rate: float | None, category_rates: dict[str, float | None],
+                  kv_usage: float | None = None) -> None:
         base = (self.pair, self.version)
         self.num_requests_running.labels(*base).set(running)
         self.num_requests_waiting.labels(*base).set(waiting)
+        if kv_usage is not None:
+            self.kv_cache_usage.labels(*base).set(kv_usage)
         self.speculation_k.labels(*base).set(k)
         self.speculation_enabled.labels(*base).set(1 if speculating else 0)
         if window_rate is not None:

@@ -458,9 +458,11 @@ class EngineWorker:
         with self._stats_lock:
             rates = {name: agg.window.rate for name, agg in self.categories.items()}
             overall = self.overall.window.rate
+        budget = self.engine.kv_budget
         self.metrics.set_state(running=len(self._jobs), waiting=len(self._pending), k=self.batch.last_k,
                                speculating=controller.should_speculate() and self.engine.drafter is not None,
-                               window_rate=overall, category_rates=rates)
+                               window_rate=overall, category_rates=rates,
+                               kv_usage=self.batch.kv_in_use() / budget if budget else None)
         # Rows admitted target-only (or stopped drafting) for want of KV memory: the engine keeps
         # the running total, the counter catches up with it here.
         self.metrics.record_memory_fallbacks(self.engine.memory_fallbacks)
