@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import socket
 import sys
-import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
+from waiting import wait_until
 import yaml
 
 from devcluster_images import TEST_PYTHON_IMAGE
@@ -20,15 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "specmodelpair.yaml"
 
 
-def wait(what: str, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+wait = wait_until
 
 
 @pytest.fixture

@@ -4,11 +4,11 @@ second pod, mounting it read-only, reads what the Job wrote and cannot write."""
 
 from __future__ import annotations
 
-import time
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 import pytest
+from waiting import wait_until
 
 from devcluster_images import TEST_PYTHON_IMAGE
 
@@ -29,14 +29,7 @@ sys.exit(5)
 """
 
 
-def wait(what: str, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+wait = wait_until
 
 
 @pytest.fixture

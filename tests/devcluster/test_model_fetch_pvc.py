@@ -7,13 +7,13 @@ release whose draft is not in MLflow ends as a failed fetch whose state names th
 
 from __future__ import annotations
 
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import grpc
 import pytest
+from waiting import wait_until
 import yaml
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
@@ -30,13 +30,8 @@ PROMPTS = [{"prompt": "def add(a, b):", "category": "code"}]
 
 
 def wait(what: str, fn: Callable[[], Any], timeout: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
+    """tests/waiting.wait_until with this file's longer default (models load in these pods)."""
+    return wait_until(what, fn, timeout)
 
 
 @pytest.fixture(scope="module")
