@@ -1,0 +1,109 @@
+"""How a gated candidate reaches the engine pods: Replace, Shadow or Canary (pure).
+
+- **Replace**: the candidate is promoted and replaces every engine pod (a rolling update).
+- **Shadow**: the champion keeps serving; its pods also carry the candidate's drafter and score it
+  on a share of live requests (docs/shadow.md). Only a candidate that drafts for the champion's
+  own target, on the same engine, can be scored this way: the scoring reads the target's logits.
+- **Canary**: the candidate's pods serve beside the champion's, a growing share.
+
+`spec.rollout.strategy.type` picks one. Left out, Shadow is chosen when the candidate differs from
+the champion only on its draft side (the draft, `k`, dynamic k, tree width, n-gram lookup) and can
+be shadowed, Replace otherwise. With no champion serving there is nothing to compare against:
+every strategy is a Replace then, and so it is for a candidate that serves exactly as the champion
+does (a new release for its golden prompts alone).
+
+Releases are the dicts `release.build_release` writes (as stored in the registry); keys the
+serving never reads (pair, namespace, gating, mlflow, version) are not compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+REPLACE, SHADOW, CANARY = "Replace", "Shadow", "Canary"
+STRATEGIES = (REPLACE, SHADOW, CANARY)
+
+# Speculation settings that belong to the drafter: the shadow replays the candidate's rounds
+# with them. The others (fallbackThreshold, batchSizeThreshold) change how the engine serves
+# and are not replayed in shadow, so a candidate changing them is a Replace.
+DRAFT_SIDE_SPECULATION = ("k", "dynamicK", "treeWidth", "lookupMinMatch")
+# Release blocks that decide what the pods serve, apart from the draft and speculation.
+SERVING_BLOCKS = ("target", "engine", "parallelism")
+# Drafting heads draft from the target's features of the committed tokens, which the engine hands
+# only to the serving drafter: a head cannot be scored in shadow (engine/specpair/shadow.py).
+HEAD_METHODS = ("eagle", "eagle3", "medusa", "mtp")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """The strategy for one candidate, and why. `refused` says why the type the spec asks for
+    cannot run for this candidate (the candidate is then neither promoted nor shadowed)."""
+
+    type: str
+    reason: str
+    refused: str | None = None
+
+
+def requested_type(spec: Mapping[str, Any]) -> str | None:
+    """spec.rollout.strategy.type, or None when the pair leaves the choice to the operator."""
+    strategy = ((spec.get("rollout") or {}).get("strategy") or {})
+    return strategy.get("type") or None
+
+
+def _speculation(release: Mapping[str, Any], draft_side: bool) -> dict[str, Any]:
+    block = release.get("speculation") or {}
+    return {key: value for key, value in block.items() if (key in DRAFT_SIDE_SPECULATION) == draft_side}
+
+
+def draft_side_differs(champion: Mapping[str, Any], candidate: Mapping[str, Any]) -> bool:
+    return ((champion.get("draft") or {}) != (candidate.get("draft") or {})
+            or _speculation(champion, True) != _speculation(candidate, True))
+
+
+def serving_side_differences(champion: Mapping[str, Any], candidate: Mapping[str, Any]) -> list[str]:
+    """The release fields outside the draft side on which the two differ."""
+    changed = [block for block in SERVING_BLOCKS if (champion.get(block) or {}) != (candidate.get(block) or {})]
+    mine, theirs = _speculation(champion, False), _speculation(candidate, False)
+    changed += [f"speculation.{key}" for key in sorted(set(mine) | set(theirs)) if mine.get(key) != theirs.get(key)]
+    return changed
+
+
+def shadow_refusal(champion: Mapping[str, Any], candidate: Mapping[str, Any]) -> str | None:
+    """Why the candidate cannot be scored in shadow on the champion's pods, or None when it can."""
+    changed = serving_side_differences(champion, candidate)
+    if changed:
+        return f"the candidate differs from the champion beyond its draft side ({', '.join(changed)})"
+    if str((candidate.get("engine") or {}).get("kind") or "specpair") != "specpair":
+        return "shadow scoring runs in the specpair engine, not vLLM"
+    draft = candidate.get("draft") or {}
+    if not draft.get("drafter") and not draft.get("source"):
+        return "the candidate has no draft to score"
+    if draft.get("method") in HEAD_METHODS:
+        return (f"a {draft['method']} head drafts from the target's features, which only the "
+                f"serving drafter is handed")
+    return None
+
+
+def choose_strategy(spec: Mapping[str, Any], champion_release: Mapping[str, Any] | None,
+                    candidate_release: Mapping[str, Any]) -> Strategy:
+    """The strategy for rolling `candidate_release` out over `champion_release` (None: nothing
+    serves yet)."""
+    asked = requested_type(spec)
+    if champion_release is None:
+        return Strategy(REPLACE, "no champion serves yet")
+    if asked == REPLACE:
+        return Strategy(REPLACE, "spec.rollout.strategy.type is Replace")
+    if asked == CANARY:
+        return Strategy(CANARY, "spec.rollout.strategy.type is Canary")
+    if not draft_side_differs(champion_release, candidate_release) and \
+            not serving_side_differences(champion_release, candidate_release):
+        return Strategy(REPLACE, "the candidate serves exactly as the champion does: nothing to score")
+    refusal = shadow_refusal(champion_release, candidate_release)
+    if asked == SHADOW:
+        if refusal:
+            return Strategy(SHADOW, "spec.rollout.strategy.type is Shadow", refused=refusal)
+        return Strategy(SHADOW, "spec.rollout.strategy.type is Shadow")
+    if refusal:
+        return Strategy(REPLACE, f"chosen automatically: {refusal}")
+    return Strategy(SHADOW, "chosen automatically: only the draft side differs from the champion")

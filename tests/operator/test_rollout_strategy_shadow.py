@@ -1,0 +1,86 @@
+"""Which rollout strategy a gated candidate gets (specpair_operator.rollout_strategy.choose_strategy),
+as a table over real releases built by release.build_release. Pure: no servers."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpair_operator.release import build_release
+from specpair_operator.rollout_strategy import CANARY, REPLACE, SHADOW, choose_strategy
+
+PROMPTS = [{"prompt": "hi", "category": "chat"}]
+BASE = {
+    "target": {"source": "default"},
+    "draft": {"drafter": "ngram"},
+    "speculation": {"k": 4},
+}
+
+
+def release(**changes) -> dict:
+    spec = {key: dict(value) for key, value in BASE.items()}
+    for dotted, value in changes.items():
+        block, _, key = dotted.partition("__")
+        if key:
+            spec.setdefault(block, {})[key] = value
+        else:
+            spec[block] = value
+    return build_release("p", "ns", spec, PROMPTS, default_image="img:1")
+
+
+def spec(strategy: str | None = None) -> dict:
+    return {"rollout": {"strategy": {"type": strategy}}} if strategy else {"rollout": {}}
+
+
+CHAMPION = release()
+
+
+@pytest.mark.parametrize("asked, candidate, expected, refused", [
+    # Left out: Shadow exactly when only the draft side differs.
+    (None, release(speculation__k=6), SHADOW, False),
+    (None, release(speculation__dynamicK=False), SHADOW, False),
+    (None, release(speculation__lookupMinMatch=2), SHADOW, False),
+    (None, release(speculation__treeWidth=2), SHADOW, False),
+    (None, release(draft={"source": "tiny-draft"}), SHADOW, False),
+    (None, release(draft={"source": "tiny-draft", "method": "draft-model"}), SHADOW, False),
+    # ... a head cannot be scored in shadow: Replace.
+    (None, release(draft={"source": "head", "method": "eagle"}), REPLACE, False),
+    # ... the target, the image, the parallelism or a serving setting changed: Replace.
+    (None, release(target={"source": "default", "revision": "r2"}), REPLACE, False),
+    (None, release(target={"source": "default"}, rollout={"image": "img:2"}), REPLACE, False),
+    (None, release(speculation__k=6, speculation__batchSizeThreshold=2), REPLACE, False),
+    (None, release(speculation__fallbackThreshold=0.5), REPLACE, False),
+    (None, release(engine="vllm", draft={"source": "tiny-draft"}), REPLACE, False),
+    # ... the golden prompts alone changed: nothing to score.
+    (None, build_release("p", "ns", BASE, [{"prompt": "other"}], default_image="img:1"), REPLACE, False),
+    # Asked for.
+    (REPLACE, release(speculation__k=6), REPLACE, False),
+    (CANARY, release(target={"source": "other"}), CANARY, False),
+    (CANARY, release(speculation__k=6), CANARY, False),
+    (SHADOW, release(speculation__k=6), SHADOW, False),
+    (SHADOW, release(target={"source": "other"}), SHADOW, True),
+    (SHADOW, release(draft={"source": "head", "method": "medusa"}), SHADOW, True),
+    (SHADOW, build_release("p", "ns", BASE, [{"prompt": "other"}], default_image="img:1"), REPLACE, False),
+])
+def test_choose_strategy(asked, candidate, expected, refused):
+    chosen = choose_strategy(spec(asked), CHAMPION, candidate)
+    assert chosen.type == expected, chosen
+    assert bool(chosen.refused) == refused, chosen
+    assert chosen.reason
+
+
+@pytest.mark.parametrize("asked", [None, REPLACE, SHADOW, CANARY])
+def test_no_champion_is_always_replace(asked):
+    chosen = choose_strategy(spec(asked), None, release(speculation__k=6))
+    assert (chosen.type, chosen.refused) == (REPLACE, None)
+
+
+def test_refusal_names_what_differs():
+    chosen = choose_strategy(spec(SHADOW), CHAMPION, release(target={"source": "other"}, speculation__k=6))
+    assert "target" in chosen.refused
+    chosen = choose_strategy(spec(None), CHAMPION, release(speculation__k=6, speculation__batchSizeThreshold=2))
+    assert "speculation.batchSizeThreshold" in chosen.reason
+
+
+def test_keys_the_serving_never_reads_are_not_compared():
+    stored = {**release(speculation__k=6), "mlflow": {"version": "3"}, "version": "3", "pair": "other"}
+    assert choose_strategy(spec(None), CHAMPION, stored).type == SHADOW
