@@ -36,6 +36,10 @@ CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "!has(self.engine) || self.engine != 'vllm' || !has(self.rollout) || "
     "!has(self.rollout.tls) || !has(self.rollout.tls.enabled) || !self.rollout.tls.enabled":
         lambda o: o.get("engine") != "vllm" or not _tls_enabled(o.get("rollout") or {}),
+    "!has(self.engine) || self.engine != 'vllm' || !has(self.rollout) || "
+    "!has(self.rollout.strategy) || !has(self.rollout.strategy.type) || "
+    "self.rollout.strategy.type != 'Shadow'":
+        lambda o: o.get("engine") != "vllm" or _obj(_obj(o, "rollout"), "strategy").get("type") != "Shadow",
     "(has(self.engine) && self.engine == 'vllm') || !has(self.parallelism) || "
     "((!has(self.parallelism.tensor) || self.parallelism.tensor == 1) && "
     "(!has(self.parallelism.pipeline) || self.parallelism.pipeline == 1))":
@@ -69,6 +73,9 @@ CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
         lambda o: not _number(o.get("maxErrorRate")) or 0.0 <= o["maxErrorRate"] < 1.0,
     "!has(self.minRequests) || (self.minRequests >= 10 && self.minRequests <= 100000)":
         lambda o: not _number(o.get("minRequests")) or 10 <= o["minRequests"] <= 100000,
+    # rollout.shadow
+    "!has(self.share) || (self.share > 0.0 && self.share <= 1.0)":
+        lambda o: not _number(o.get("share")) or 0.0 < o["share"] <= 1.0,
     # rollout: no two of the serving, control and metrics ports are one port
     "!has(self.controlPort) || ((!has(self.port) || self.controlPort != self.port) && "
     "(!has(self.httpPort) || self.controlPort != self.httpPort) && self.controlPort != 9400)":
@@ -107,6 +114,12 @@ def autoscaling_with_defaults(autoscaling: dict[str, Any]) -> dict[str, Any]:
     sees it once it has defaulted the object."""
     props = spec_schema()["properties"]["rollout"]["properties"]["autoscaling"]["properties"]
     return {**{k: sub["default"] for k, sub in props.items() if "default" in sub}, **autoscaling}
+
+
+def shadow_defaults() -> dict[str, Any]:
+    """spec.rollout.shadow's defaults as the CRD declares them (their one home)."""
+    props = spec_schema()["properties"]["rollout"]["properties"]["shadow"]["properties"]
+    return {k: sub["default"] for k, sub in props.items() if "default" in sub}
 
 
 def latency_defaults() -> dict[str, Any]:
