@@ -13,7 +13,9 @@ tests can stand an engine in with any object that has these three coroutines.
                             "uptimeSeconds": float | None}  (cumulative since the engine process started)
                            histogram: {"upperBounds": [s], "counts": [int, cumulative], "count": int, "sum": s};
                            "serving" is absent for an engine that does not report it
-                           (specpair_operator.serving_health reads it)
+                           (specpair_operator.serving_health reads it); "shadow" is there
+                           while the pod scores a candidate drafter (shadow_stats;
+                           specpair_operator.shadow_run reads it)
     set_speculation(address, enabled: bool) -> None
 """
 
@@ -115,6 +117,8 @@ class GrpcEngineProbe:
         serving = {name: serving_stats(cat.serving) for name, cat in stats.categories.items() if cat.HasField("serving")}
         if serving:
             out["serving"] = serving
+        if stats.HasField("shadow"):
+            out["shadow"] = shadow_stats(stats.shadow)
         return out
 
     async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None:
@@ -129,6 +133,29 @@ def serving_stats(msg: Any) -> dict[str, Any]:
                 "sum": float(h.sum)}
     return {"ttft": histogram(msg.time_to_first_token), "tpot": histogram(msg.time_per_output_token),
             "requests": {status: int(n) for status, n in msg.requests.items()}}
+
+
+def shadow_stats(msg: Any) -> dict[str, Any]:
+    """A ShadowStats message -> the probe's plain dict (specpair_operator.shadow_run reads it):
+    the candidate's version and content hash, and per category both sides' first-position alpha
+    sums over the same shadowed requests, their cross sums, and the candidate's drafting cost."""
+    def alpha(a: Any) -> dict[str, Any]:
+        return {"requests": int(a.requests), "positions": int(a.positions), "alpha": float(a.alpha),
+                "positionsSq": float(a.positions_sq), "alphaSq": float(a.alpha_sq),
+                "positionsAlpha": float(a.positions_alpha)}
+
+    def cross(p: Any) -> dict[str, Any]:
+        return {"requests": int(p.requests), "acceptedBoth": float(p.accepted_both),
+                "acceptedDrafted": float(p.accepted_drafted), "draftedAccepted": float(p.drafted_accepted),
+                "draftedBoth": float(p.drafted_both)}
+    categories = {}
+    for name, cat in msg.categories.items():
+        categories[name] = {"requests": int(cat.requests), "candidateAlpha": alpha(cat.candidate_alpha),
+                            "championAlpha": alpha(cat.champion_alpha),
+                            "alphaPaired": cross(cat.alpha_paired) if cat.HasField("alpha_paired") else None,
+                            "draftSeconds": float(cat.draft_seconds), "committedTokens": int(cat.committed_tokens)}
+    return {"candidateVersion": msg.candidate_version, "candidateHash": msg.candidate_content_hash,
+            "share": float(msg.share), "skippedSteps": int(msg.skipped_steps), "categories": categories}
 
 
 class VllmProbe:

@@ -27,6 +27,10 @@ ANN_RELEASE = f"{GROUP}/release"
 ANN_HASH = f"{GROUP}/content-hash"
 RELEASE_DIR = "/etc/specpair"
 RELEASE_FILE = f"{RELEASE_DIR}/release.json"
+# A candidate scored in shadow on the champion's pods (docs/shadow.md): its release file beside
+# the champion's, from the pod template's annotation the same way.
+ANN_SHADOW_RELEASE = f"{GROUP}/shadow-release"
+SHADOW_RELEASE_FILE = f"{RELEASE_DIR}/shadow-release.json"
 CACHE_DIR = "/var/cache/specpair"
 NONROOT_UID = 10001
 METRICS_PORT = 9400
@@ -405,10 +409,15 @@ def vllm_command(http_port: int, rollout: dict[str, Any], speculation: bool = Tr
 def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
                       rollout: dict[str, Any], tracking_uri: str,
                       credentials: MlflowCredentials | None = None, defaults: PodDefaults = PodDefaults(),
-                      speculation: bool = True) -> dict[str, Any]:
+                      speculation: bool = True, shadow: tuple[dict[str, Any], float] | None = None) -> dict[str, Any]:
     """The engine Deployment serving one release; the selector is stable across releases.
     `speculation` matters only for vLLM, which cannot switch it at run time: its SpeculationOff
-    is this Deployment rendered without it (a rollout of the same release)."""
+    is this Deployment rendered without it (a rollout of the same release). `shadow`: a
+    candidate's release file and the share of requests its drafter is scored on (specpair
+    engine only)."""
+    if shadow is not None:
+        return with_shadow(engine_deployment(pair, namespace, release, digest, version, rollout, tracking_uri,
+                                             credentials, defaults, speculation), *shadow)
     if release_mod.engine_kind(release) == "vllm":
         return _vllm_deployment(pair, namespace, release, digest, version, rollout, tracking_uri, credentials,
                                 defaults, speculation)
@@ -439,6 +448,21 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
         container["volumeMounts"].append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
         container["command"] += ["--auth-token-file", f"{AUTH_DIR}/token"]
     return _engine_deployment_of(pair, namespace, release, digest, version, rollout, container, defaults, volumes)
+
+
+def with_shadow(dep: dict[str, Any], candidate: dict[str, Any], share: float) -> dict[str, Any]:
+    """The champion's engine Deployment also scoring `candidate`'s drafter on `share` of its
+    requests: the candidate's release file mounted as the champion's is (a pod template
+    annotation through the downward API) and the engine's --shadow-release/--shadow-share."""
+    template = dep["spec"]["template"]
+    template["metadata"]["annotations"][ANN_SHADOW_RELEASE] = json.dumps(candidate, sort_keys=True)
+    release_volume = next(v for v in template["spec"]["volumes"] if v["name"] == "release")
+    release_volume["downwardAPI"]["items"].append(
+        {"path": SHADOW_RELEASE_FILE.rsplit("/", 1)[1],
+         "fieldRef": {"fieldPath": f"metadata.annotations['{ANN_SHADOW_RELEASE}']"}})
+    engine = next(ctr for ctr in template["spec"]["containers"] if ctr["name"] == "engine")
+    engine["command"] += ["--shadow-release", SHADOW_RELEASE_FILE, "--shadow-share", f"{share:g}"]
+    return dep
 
 
 def _engine_probes(port: int, tls: bool) -> dict[str, Any]:

@@ -18,7 +18,9 @@ from . import tls as tls_mod
 from .engine_probe import EngineUnreachable
 from .kube import Kube, KubeError
 from .owned import owns
+from .plan import release_of_tags
 from .registry import TAG_ROLLED_BACK, ReleaseRegistry
+from .shadow_run import ShadowRun
 from .serving_world import DriftMemory, EnginePod, EngineTLS, Installation, ServingWorld, ready_pods
 from .state import CA_REFRESH_S, OperatorState, control_ca
 from .world import GateJob, Records, ReleaseWorld, pods_waiting
@@ -92,7 +94,14 @@ async def observe_release(kube: Kube, registry: ReleaseRegistry, body: Mapping[s
         if release is not None:
             fetch = await observe_fetch(kube, pair, namespace, release,
                                         (body.get("spec") or {}).get("rollout") or {}, fetched)
+    champion = aliases.get(aliases_mod.CHAMPION)
+    champion_release = None
+    if gate_status == "passed" and champion and champion != version:
+        # What the candidate is compared with to choose its rollout strategy (Replace, Shadow).
+        champion_tags = await asyncio.to_thread(registry.version_tags, model, champion)
+        champion_release = release_of_tags(champion_tags)
     return ReleaseWorld(
+        rollout=dict((body.get("spec") or {}).get("rollout") or {}), champion_release=champion_release,
         pair=pair, namespace=namespace, version=version, digest=digest, thresholds=dict(thresholds),
         aliases=dict(aliases), tags=dict(tags), gate_status=gate_status, verdict=verdict, gate_message=gate_message,
         gate_jobs=tuple(gate_job_view(j, uid, pods) for j in jobs), gate_policy_owned=gate_policy_owned,
@@ -106,12 +115,14 @@ async def observe_release(kube: Kube, registry: ReleaseRegistry, body: Mapping[s
 
 async def observe_serving(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str, Any],
                           status: Mapping[str, Any], model: str, aliases: Mapping[str, str], desired: str | None,
-                          desired_reason: str = "", while_gating: bool = False) -> ServingWorld:
+                          desired_reason: str = "", while_gating: bool = False,
+                          shadow: ShadowRun | None = None) -> ServingWorld:
     """Every read the champion's serving needs, into one ServingWorld. The reads follow the
     plan's own questions (serving_plan's pure functions): pods are asked who they are only once
     the rollout is available, counters only when the identity holds and a drift check is due,
     the previous release only when the ladder's next step is a rollback."""
-    w = _serving_world(op, body, spec, status, model, aliases, desired, desired_reason, while_gating)
+    w = replace(_serving_world(op, body, spec, status, model, aliases, desired, desired_reason, while_gating),
+                shadow=shadow)
     champion = aliases.get(aliases_mod.CHAMPION)
     if champion is None:
         return w
@@ -234,7 +245,8 @@ async def _observe_pods(op: OperatorState, w: ServingWorld, champion: str) -> Se
     w = replace(w, ready=tuple(ready))
     ok, _, verified = serving_plan.identity(w, champion, serving_plan.champion_digest(w))
     position = serving_plan.drift_position(w, champion)
-    if not ok or position is None or not position.due:
+    # A candidate scored in shadow is judged every pass on the pods' counters.
+    if not ok or ((position is None or not position.due) and w.shadow is None):
         return w
     counted = []
     for view in verified:

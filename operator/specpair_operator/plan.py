@@ -18,13 +18,14 @@ act (reconciler.py) runs the steps in order.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from . import aliases as aliases_mod
 from . import conditions as c
-from . import gate_attempts, gate_verdict, manifests, model_fetch
+from . import gate_attempts, gate_verdict, manifests, model_fetch, rollout_strategy, shadow_run
 from .gate_verdict import GateOutcome
 from .registry import TAG_GATE_RUN, TAG_ROLLED_BACK
 from .world import ReleaseWorld
@@ -135,11 +136,13 @@ class ObserveGateDuration:
 class ServeChampion:
     """Roll the engine to the champion and judge it. `desired` None: the spec's release is not
     (yet) servable and the champion carries on; `while_gating`: a gate runs meanwhile, and the
-    champion reports only an action of its own."""
+    champion reports only an action of its own; `shadow`: the champion's pods also score this
+    candidate (shadow_run.ShadowRun)."""
     aliases: Mapping[str, str]
     desired: str | None
     reason: str = ""
     while_gating: bool = False
+    shadow: Any = None
 
 
 WRITES = (SetAlias, TagVersion, EnsureGatePolicy, StartModelFetch, StartGateJob, RecordGateError)
@@ -222,6 +225,8 @@ def plan_release(world: ReleaseWorld) -> tuple[Step, ...]:
     _gate_result(out, outcome)
     if not outcome.passed:
         out.add(ServeChampion(aliases, None, f"gate of v{version} failed: {outcome.message}"))
+        return tuple(out.steps)
+    if _shadow(out):
         return tuple(out.steps)
     moves = aliases_mod.plan_promotion(dict(aliases), version)
     tags, after = dict(tags), dict(aliases)
@@ -469,3 +474,74 @@ def _promoted(out: _Steps, tags: Mapping[str, str], aliases: Mapping[str, str], 
     out.add(Record("Promoted", f"v{version} passed the gate ({outcome.message}) and is champion",
                    aliases.get(aliases_mod.PREVIOUS), version, key=f"{version}@{at}"))
 
+
+
+# -- shadow scoring (shadow_run.py) -------------------------------------------------------------
+
+def _shadow(out: _Steps) -> bool:
+    """A passed candidate whose strategy is Shadow (rollout_strategy.choose_strategy) is scored on
+    the champion's pods before it is promoted: its start is marked on its version before the
+    champion's pods are rendered with it; the serving plan tags the verdict. True when the pass
+    ends here (scoring, rejected or refused); False for a promotion (no shadow, or its verdict is
+    Promote)."""
+    w = out.world
+    version, aliases = w.version, w.aliases
+    champion = aliases.get(aliases_mod.CHAMPION)
+    candidate = release_of_tags(w.tags)
+    if not champion or champion == version or w.champion_release is None or candidate is None:
+        return False
+    strategy = rollout_strategy.choose_strategy({"rollout": w.rollout}, w.champion_release, candidate)
+    if strategy.type != rollout_strategy.SHADOW:
+        return False
+    if strategy.refused:
+        msg = (f"v{version} cannot be scored in shadow: {strategy.refused}; v{champion} keeps serving "
+               f"(rollout.strategy.type Replace or Canary rolls it out otherwise)")
+        out.add(Condition(shadow_run.SHADOW_SCORED, False, "ShadowRefused", msg))
+        if not out.was("ShadowRefused", version, version):
+            out.add(Record("ShadowRefused", msg, champion, version, warning=True, key=version))
+        out.add(_versions(aliases), ServeChampion(aliases, None, msg))
+        return True
+    verdict = shadow_run.read_verdict(w.tags)
+    if verdict is None:
+        settings = shadow_run.ShadowSettings.from_spec({"rollout": w.rollout})
+        started = w.tags.get(shadow_run.TAG_SHADOW_STARTED)
+        if not started:
+            started = w.now
+            out.add(TagVersion(version, {shadow_run.TAG_SHADOW_STARTED: started}))
+        if not out.was("ShadowStarted", version, version):
+            out.add(Record("ShadowStarted", f"v{version} passed its gate and is scored in shadow on the pods of "
+                           f"v{champion} ({strategy.reason}), on {settings.share:g} of requests", champion, version,
+                           key=version))
+        out.add(_versions(aliases),
+                ServeChampion(aliases, champion, shadow=shadow_run.ShadowRun(version, candidate, dict(w.verdict or {}),
+                                                                             started, settings)))
+        return True
+    out.add(*shadow_verdict_steps(out.was, verdict, champion, version))
+    if verdict["result"] == shadow_run.PROMOTE:
+        return False
+    out.add(_versions(aliases), ServeChampion(aliases, None, f"v{version} was rejected by shadow scoring: "
+                                              f"{verdict.get('reason', '')}"))
+    return True
+
+
+def shadow_verdict_steps(was: Any, verdict: Mapping[str, Any], champion: str, version: str) -> list[Step]:
+    """A shadow verdict (as tagged on the candidate) in the status: ShadowScored, status.shadow and
+    its history entry with its Event, once per candidate (also when the pass that tagged it died
+    before its status)."""
+    promoted = verdict["result"] == shadow_run.PROMOTE
+    action = "ShadowPromoted" if promoted else "ShadowRejected"
+    message = shadow_run.describe(version, verdict)
+    steps: list[Step] = [Condition(shadow_run.SHADOW_SCORED, True, "Promoted" if promoted else "Rejected", message),
+                         SetStatus({"shadow": {**verdict, "version": version, "champion": champion}})]
+    if not was(action, version, version):
+        steps.append(Record(action, message, champion, version, warning=not promoted, key=version))
+    return steps
+
+
+def release_of_tags(tags: Mapping[str, str]) -> dict[str, Any] | None:
+    """A version's release from its specpair.release tag (None: none, or not a release)."""
+    try:
+        release = json.loads(tags.get(TAG_RELEASE) or "null")
+    except ValueError:
+        return None
+    return release if isinstance(release, dict) else None

@@ -201,7 +201,8 @@ class PairReconciler:
                 metrics.GATE_DURATION.labels(self.namespace, self.name, step.result).observe(step.seconds)
             elif isinstance(step, plan_mod.ServeChampion):
                 await self._serve_champion(model, dict(step.aliases), desired=step.desired,
-                                           desired_reason=step.reason, while_gating=step.while_gating)
+                                           desired_reason=step.reason, while_gating=step.while_gating,
+                                           shadow=step.shadow)
             else:
                 raise TypeError(f"no act for {step!r}")
 
@@ -265,11 +266,11 @@ class PairReconciler:
         self.ledger.stall("NameConflict", plan_mod.name_conflict_message(self.namespace, self.name, kind, name))
 
     async def _serve_champion(self, model: str, al: dict[str, str], desired: str | None, desired_reason: str,
-                              while_gating: bool = False) -> None:
+                              while_gating: bool = False, shadow: Any = None) -> None:
         """Roll the engine to the champion and judge it: observed (observe.observe_serving),
         planned (serving_plan.plan_serving, pure) and acted on."""
         world = await observe_serving(self.operator, self.body, self.spec, self.status, model, al, desired,
-                                      desired_reason, while_gating)
+                                      desired_reason, while_gating, shadow)
         await self._act_serving(world, serving_plan.plan_serving(world))
 
     async def _act_serving(self, world: ServingWorld, steps: tuple[serving_plan.Step, ...]) -> None:

@@ -36,11 +36,12 @@ from specpair.stats import RequestMoments
 from . import aliases as aliases_mod
 from . import conditions as c
 from . import drift as drift_mod
-from . import gate_verdict, manifests, model_fetch, names, owned, serving_health
+from . import gate_verdict, manifests, model_fetch, names, owned, serving_health, shadow_run
 from . import release as release_mod
 from . import tls as tls_mod
 from .plan import (TAG_RELEASE, TAG_SPECULATION_OFF, Condition, PostEvent, Record, Report, SetAlias, SetStatus,
-                   StartModelFetch, TagVersion, fetch_steps, name_conflict_message, serving_versions)
+                   StartModelFetch, TagVersion, fetch_steps, name_conflict_message, serving_versions,
+                   shadow_verdict_steps)
 from .registry import TAG_HASH, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
 from .serving_world import EnginePod, ServingWorld
 from .world import pods_waiting
@@ -185,11 +186,24 @@ def served_release(w: ServingWorld) -> dict[str, Any]:
     """The champion's release as its engine pods get it: with the gate's tuning (k and the batch
     threshold it found on real hardware; a threshold of 0 means speculation did not pay at any
     batch size there) unless the spec says not to, and where MLflow is."""
-    served = json.loads(w.tags[TAG_RELEASE])
-    best = w.verdict.get("bestSpeculation") or {}
-    if w.rollout.get("applyGateTuning", True):
-        served["speculation"].update({k: v for k, v in best.items() if k in ("k", "batchSizeThreshold")})
+    served = gate_tuned(json.loads(w.tags[TAG_RELEASE]), w.verdict, w.rollout)
     return release_mod.with_mlflow(served, w.installation.tracking_uri, w.model, w.aliases[aliases_mod.CHAMPION])
+
+
+def gate_tuned(release: dict[str, Any], verdict: Mapping[str, Any], rollout: Mapping[str, Any]) -> dict[str, Any]:
+    """The release with the k and batch threshold its gate found best, unless rollout.applyGateTuning
+    is false."""
+    best = verdict.get("bestSpeculation") or {}
+    if rollout.get("applyGateTuning", True):
+        release["speculation"].update({k: v for k, v in best.items() if k in ("k", "batchSizeThreshold")})
+    return release
+
+
+def shadow_release(w: ServingWorld) -> dict[str, Any]:
+    """The release file of the candidate scored in shadow (w.shadow), tuned as it would serve."""
+    run = w.shadow
+    tuned = gate_tuned(json.loads(json.dumps(dict(run.release))), run.verdict, w.rollout)
+    return release_mod.with_mlflow(tuned, w.installation.tracking_uri, w.model, run.version)
 
 
 def status_speculation(w: ServingWorld, champion: str) -> bool:
@@ -207,7 +221,8 @@ def engine_deployment(w: ServingWorld, served: dict[str, Any]) -> dict[str, Any]
                                       i.tracking_uri,
                                       # Engine pods need MLflow only to download a model from it.
                                       i.credentials if release_mod.reads_from_mlflow(served) else None,
-                                      i.pods, speculation=status_speculation(w, champion))
+                                      i.pods, speculation=status_speculation(w, champion),
+                                      shadow=None if w.shadow is None else (shadow_release(w), w.shadow.settings.share))
     dep["metadata"].setdefault("annotations", {})[ANN_TEMPLATE] = template_fingerprint(dep)
     return dep
 
@@ -393,6 +408,12 @@ def plan_serving(w: ServingWorld) -> tuple[Step, ...]:
         return tuple(out.steps)
     if state == "fetching":
         return tuple(out.steps)   # the fetch's steps said so
+    if state == "failed" and w.shadow is not None:
+        # The pods that carry the candidate's drafter do not come up: the candidate is rejected
+        # and the champion is rendered without it, not rolled back.
+        out.add(_shadow_verdict(out, champion, shadow_run.REJECTED, f"the pods of v{champion} scoring it did not "
+                                f"become available: {msg}", {}))
+        return tuple(out.steps)
     if state == "failed":
         _rollback(out, champion, f"rollout of v{champion} failed: {msg}")
         return tuple(out.steps)
@@ -421,10 +442,11 @@ def plan_serving(w: ServingWorld) -> tuple[Step, ...]:
         out.add(Report("stalled", "Degraded", "ReleaseNotServable", f"{w.desired_reason}; v{champion} keeps serving",
                        ready_reason="ChampionKeepsServing"))
         return tuple(out.steps)
+    shadowing = _shadow(out, champion, verified) if w.shadow is not None else None
     # A pod not yet at the speculation state drift wants is what this pass reports, over the
     # drift step it took.
-    serving = None if drifted else Report("ready", "Serving", "Serving",
-                                          f"v{champion} serving on {len(w.ready)} pod(s), identity verified")
+    serving = None if drifted else shadowing or Report("ready", "Serving", "Serving",
+                                                       f"v{champion} serving on {len(w.ready)} pod(s), identity verified")
     out.add(ReportSpeculation(out.speculation(champion), champion, tuple(stuck), serving))
     return tuple(out.steps)
 
@@ -753,3 +775,41 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
         out.add(SetStatus({"speculationEnabled": decision.speculation}))
         return degraded(" (probing with the draft)" if probing else "")
     return False
+
+
+# -- shadow scoring (shadow_run.py) -------------------------------------------------------------
+
+def _shadow(out: _Steps, champion: str, pods: list[EnginePod]) -> Report:
+    """Judge the candidate scored in shadow on the champion's verified pods (their GetStats) in
+    the champion's gated categories; a verdict is tagged on the candidate (the mark: the next
+    pass promotes it, or renders the champion without it) and recorded. Returns the report."""
+    w = out.world
+    run = w.shadow
+    gated = gate_verdict.baseline_from_verdict(dict(w.verdict))
+    judged = shadow_run.judge(run, release_mod.content_hash(shadow_release(w)), [p.stats for p in pods], gated, w.now)
+    if judged.result == shadow_run.UNDECIDED:
+        msg = (f"v{run.version} scored in shadow on {judged.pods} pod(s) of v{champion} for {judged.elapsed:.0f} s: "
+               f"{judged.reason}")
+        out.add(Condition(shadow_run.SHADOW_SCORED, "Unknown", "Scoring", msg),
+                SetStatus({"shadow": {"version": run.version, "champion": champion, "result": judged.result,
+                                      "reason": judged.reason, "startedAt": run.started_at,
+                                      "share": run.settings.share, **shadow_run.numbers(judged)}}))
+        return Report("reconciling", "Shadowing", "ShadowScoring", msg,
+                      ready_message=f"v{champion} serving; v{run.version} scored in shadow")
+    return _shadow_verdict(out, champion, judged.result, judged.reason, shadow_run.numbers(judged))
+
+
+def _shadow_verdict(out: _Steps, champion: str, result: str, reason: str, numbers: Mapping[str, Any]) -> Report:
+    """Tag the verdict on the candidate (first: what the next pass acts on), then say so."""
+    w = out.world
+    run = w.shadow
+    verdict = {"result": result, "reason": reason, "at": w.now, "startedAt": run.started_at,
+               "share": run.settings.share, **numbers}
+    out.add(TagVersion(run.version, {shadow_run.TAG_SHADOW_VERDICT: shadow_run.verdict_tag(verdict)}),
+            *shadow_verdict_steps(out.was, verdict, champion, run.version))
+    message = shadow_run.describe(run.version, verdict)
+    if result == shadow_run.PROMOTE:
+        return Report("reconciling", "Promoting", "ShadowPromoted", message,
+                      ready_message=f"v{run.version} promoted by shadow scoring; rolling out")
+    return Report("stalled", "Degraded", "ShadowRejected", f"{message}; v{champion} keeps serving",
+                  ready_reason="ChampionKeepsServing")

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from . import drift as drift_mod
 from . import manifests, serving_health
+from .shadow_run import ShadowRun
 from .world import Records
 
 
@@ -103,6 +104,8 @@ class ServingWorld:
     models: str = ""
     fetched: tuple[str, ...] = ()
     model_fetch: Any = None
+    # A gated candidate scored in shadow on the champion's pods (shadow_run.py); None: none.
+    shadow: ShadowRun | None = None
 
     @property
     def rollout(self) -> Mapping[str, Any]:

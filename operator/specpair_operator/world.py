@@ -96,6 +96,10 @@ class ReleaseWorld:
     models: str = ""
     fetched: tuple[str, ...] = ()
     model_fetch: Any = None
+    # How a passed candidate rolls out (rollout_strategy.py): spec.rollout, and the champion's
+    # release (its specpair.release tag; None when no other champion serves or it has none).
+    rollout: Mapping[str, Any] = field(default_factory=dict)
+    champion_release: Mapping[str, Any] | None = None
 
 
 # Container states that wait on a person (a Secret, a key, an image), not on time.
