@@ -1,0 +1,438 @@
+"""Shadow scoring in the operator's plans (plan.py, serving_plan.py, shadow_run.py) as tables: a
+passed candidate that differs from the champion only on its draft side is scored on the
+champion's pods instead of promoted; the verdict on the pods' evidence promotes it, rejects it,
+or waits (and past rollout.shadow.maxSeconds rejects it).
+
+Then recovery: a small model of MLflow, the engine Deployment and its pods (whose GetStats.shadow
+is the evidence of the candidate the Deployment mounts) runs the release and serving passes
+until nothing is left to do, with the operator killed after each write in turn. Every run ends
+where the undisturbed one does, with each action recorded once. Pure: no servers.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from specpair_operator import gate_verdict, manifests, owned, release, shadow_run
+from specpair_operator import plan as p
+from specpair_operator import serving_plan as sp
+from specpair_operator.registry import TAG_HASH, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
+from specpair_operator.serving_world import EnginePod, EngineTLS, ServingWorld
+from specpair_operator.world import GateJob, Records, ReleaseWorld
+
+PAIR, NS, UID, MODEL = "chat", "team", "uid-chat", "team-chat"
+NOW = "2026-11-25T12:00:00Z"
+TH = {"requireGreedyIdentity": True, "minAcceptance": 0.0, "minCategoryAcceptance": {}, "minSpeedup": 0.0}
+GOOD = {"passed": True, "reasons": [], "tokenizer": {"compatible": True, "differences": []},
+        "greedyIdentity": 1.0, "acceptanceRate": 0.7, "speedup": 1.4,
+        "categories": {"code": {"acceptanceRate": 0.8}, "chat": {"acceptanceRate": 0.6}}}
+SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "abc"}, "draft": {"drafter": "ngram"},
+        "rollout": {"replicas": 1}, "drift": {"enabled": False}}
+TLS = EngineTLS("chat-engine-tls", "ca1", ("chat-engine.team.svc",), "ca1/names")
+CURRENT_TLS = {"secret": TLS.secret, "caFingerprint": "ca1", "names": list(TLS.names), "notAfter": "2027-11-25T12:00:00Z"}
+
+
+def release_tags(spec_changes: dict[str, Any]) -> dict[str, str]:
+    rel = release.build_release(PAIR, NS, {**SPEC, **spec_changes}, [{"prompt": "x", "category": "code"}])
+    return {p.TAG_RELEASE: json.dumps(rel, sort_keys=True), TAG_HASH: release.content_hash(rel),
+            TAG_TOKENIZER_TARGET: "t", TAG_TOKENIZER_DRAFT: "d"}
+
+
+CHAMPION_TAGS = release_tags({})
+DRAFT_ONLY = release_tags({"draft": {"source": "tiny-draft"}})          # only the draft side differs
+NEW_TARGET = release_tags({"target": {"source": "HuggingFaceTB/SmolLM2-360M"}})
+
+
+def reported(verdict: dict[str, Any], version: str) -> str:
+    return json.dumps({"version": version, "verdictSha256": gate_verdict.verdict_digest(verdict)})
+
+
+def candidate_world(tags: dict[str, str] = DRAFT_ONLY, rollout: dict[str, Any] | None = None,
+                    **changes: Any) -> ReleaseWorld:
+    """v2 passed its gate (its Job reported the verdict); v1 is champion."""
+    w = ReleaseWorld(pair=PAIR, namespace=NS, version="2", digest=tags[TAG_HASH], thresholds=TH,
+                     aliases={"champion": "1"}, tags=dict(tags), gate_status="passed", verdict=GOOD,
+                     gate_jobs=(GateJob(manifests.gate_job_name(PAIR, tags[TAG_HASH]), complete=True,
+                                        reports=(reported(GOOD, "2"),)),),
+                     records=Records({"GateStarted": ("2",), "GatePassed": ("2",)}), now=NOW,
+                     rollout=rollout if rollout is not None else {"replicas": 1},
+                     champion_release=json.loads(CHAMPION_TAGS[p.TAG_RELEASE]))
+    return dataclasses.replace(w, **changes)
+
+
+def kinds(steps: tuple[Any, ...]) -> list[str]:
+    out = []
+    for s in steps:
+        name = type(s).__name__
+        if isinstance(s, p.Record):
+            name = f"Record {s.action}"
+        elif isinstance(s, p.Report):
+            name = f"Report {s.how} {s.phase}/{s.reason}"
+        elif isinstance(s, p.SetAlias):
+            name = f"SetAlias {s.alias}={s.version}"
+        elif isinstance(s, p.TagVersion):
+            name = f"TagVersion v{s.version} " + ",".join(sorted(s.tags))
+        elif isinstance(s, p.Condition):
+            name = f"Condition {s.type}={s.status} {s.reason}"
+        elif isinstance(s, p.ServeChampion):
+            name = f"ServeChampion {s.desired or '-'}" + (f" shadow v{s.shadow.version}" if s.shadow else "")
+        elif isinstance(s, sp.EnsureOwned):
+            name = f"EnsureOwned {s.manifest['kind']}"
+        elif isinstance(s, sp.ReportSpeculation):
+            name = "ReportSpeculation " + (s.otherwise.reason if s.otherwise else "-")
+        elif isinstance(s, p.SetStatus):
+            name = "SetStatus " + ",".join(sorted(s.fields))
+        out.append(name)
+    return out
+
+
+def verdict_tag(result: str, reason: str = "r") -> dict[str, str]:
+    return {shadow_run.TAG_SHADOW_STARTED: NOW,
+            shadow_run.TAG_SHADOW_VERDICT: shadow_run.verdict_tag({"result": result, "reason": reason, "categories": {}})}
+
+
+# -- the release's plan: whether a passed candidate is scored in shadow -----------------------------
+
+SCORING = ["TagVersion v2 specpair.shadow.started_at", "Record ShadowStarted",
+           "SetStatus previousVersion,servingVersion", "ServeChampion 1 shadow v2"]
+PROMOTION = ["TagVersion v2 specpair.promoted_at", "SetAlias previous=1", "SetAlias champion=2",
+             "Record Promoted", "ServeChampion 2"]
+
+
+@pytest.mark.parametrize("what, w, expected", [
+    ("only the draft differs, no strategy named: marked, scored on v1's pods, not promoted",
+     candidate_world(), SCORING),
+    ("the mark is there (a pass died after it): not marked again, ShadowStarted recorded",
+     candidate_world(tags={**DRAFT_ONLY, shadow_run.TAG_SHADOW_STARTED: "2026-11-25T11:00:00Z"}), SCORING[1:]),
+    ("scoring already recorded: the champion serves with the shadow, nothing else",
+     candidate_world(tags={**DRAFT_ONLY, shadow_run.TAG_SHADOW_STARTED: NOW},
+                     records=Records({"GateStarted": ("2",), "GatePassed": ("2",), "ShadowStarted": ("2",)})),
+     SCORING[2:]),
+    ("the verdict is Promote: promoted as a gate pass is, ShadowPromoted recorded (its pass died first)",
+     candidate_world(tags={**DRAFT_ONLY, **verdict_tag("Promote")}),
+     ["Condition ShadowScored=True Promoted", "SetStatus shadow", "Record ShadowPromoted", *PROMOTION]),
+    ("the verdict is Rejected: never promoted, the champion serves without the shadow",
+     candidate_world(tags={**DRAFT_ONLY, **verdict_tag("Rejected")}),
+     ["Condition ShadowScored=True Rejected", "SetStatus shadow", "Record ShadowRejected",
+      "SetStatus previousVersion,servingVersion", "ServeChampion -"]),
+    ("another target: Replace, promoted at once", candidate_world(tags=NEW_TARGET), PROMOTION),
+    ("rollout.strategy.type Replace: promoted at once",
+     candidate_world(rollout={"strategy": {"type": "Replace"}}), PROMOTION),
+    ("no champion release to compare with: promoted at once", candidate_world(champion_release=None), PROMOTION),
+    ("Shadow asked for a new target: refused, not promoted, the champion keeps serving",
+     candidate_world(tags=NEW_TARGET, rollout={"strategy": {"type": "Shadow"}}),
+     ["Condition ShadowScored=False ShadowRefused", "Record ShadowRefused",
+      "SetStatus previousVersion,servingVersion", "ServeChampion -"]),
+])
+def test_a_passed_candidate_is_scored_in_shadow_when_only_its_draft_differs(what, w, expected):
+    steps = p.plan_release(w)
+    tail = kinds(steps)[-len(expected):]
+    assert tail == expected, what
+    if "ServeChampion 1 shadow v2" in expected:
+        run = steps[-1].shadow
+        assert run.settings == shadow_run.ShadowSettings(0.1, 20, 3600.0)   # the CRD's defaults
+        assert run.release == json.loads(DRAFT_ONLY[p.TAG_RELEASE]) and run.verdict == GOOD
+        assert run.started_at == w.tags.get(shadow_run.TAG_SHADOW_STARTED, NOW)
+    if expected[-1] == "ServeChampion -":
+        assert "v2" in steps[-1].reason and "keeps serving" in steps[-1].reason or "rejected" in steps[-1].reason
+
+
+def test_shadow_settings_come_from_the_spec():
+    w = candidate_world(rollout={"shadow": {"share": 0.5, "maxSeconds": 60}})
+    assert p.plan_release(w)[-1].shadow.settings == shadow_run.ShadowSettings(0.5, 20, 60.0)
+
+
+# -- the serving plan: the champion's pods score the candidate, the verdict ------------------------
+
+def per_request(candidate: float, champion: float, requests: int, seed: int) -> dict[str, Any]:
+    """A category's GetStats.shadow sums (the probe's dict) over `requests` shadowed requests on
+    which the champion's first-position alpha is around `champion` and the candidate's, on the
+    same request, shifted to around `candidate`."""
+    rng = random.Random(seed)
+    cand = {"requests": 0, "positions": 0, "alpha": 0.0, "positionsSq": 0.0, "alphaSq": 0.0, "positionsAlpha": 0.0}
+    champ = dict(cand)
+    cross = {"requests": 0, "acceptedBoth": 0.0, "acceptedDrafted": 0.0, "draftedAccepted": 0.0, "draftedBoth": 0.0}
+    for _ in range(requests):
+        d = rng.randint(10, 40)
+        hard = min(1.0, max(0.0, rng.gauss(champion, 0.1)))
+        mine = min(1.0, max(0.0, hard + candidate - champion + rng.gauss(0, 0.03)))
+        for side, rate in ((cand, mine), (champ, hard)):
+            a = rate * d
+            side["requests"] += 1
+            side["positions"] += d
+            side["alpha"] += a
+            side["positionsSq"] += d * d
+            side["alphaSq"] += a * a
+            side["positionsAlpha"] += d * a
+        cross["requests"] += 1
+        cross["acceptedBoth"] += mine * d * hard * d
+        cross["acceptedDrafted"] += mine * d * d
+        cross["draftedAccepted"] += d * hard * d
+        cross["draftedBoth"] += d * d
+    return {"requests": requests, "candidateAlpha": cand, "championAlpha": champ, "alphaPaired": cross,
+            "draftSeconds": 0.01 * requests, "committedTokens": 30 * requests}
+
+
+BETTER = {"code": (0.75, 0.55), "chat": (0.6, 0.45)}
+WORSE_IN_CODE = {"code": (0.35, 0.55), "chat": (0.6, 0.45)}
+SHORT = {"code": (0.75, 0.55)}
+
+
+def shadow_stats(digest: str, rates: dict[str, tuple[float, float]], requests: int = 60,
+                 seed: int = 1) -> dict[str, Any]:
+    return {"categories": {}, "shadow": {"candidateHash": digest, "candidateVersion": "2", "categories": {
+        cat: per_request(c, k, requests, seed + i) for i, (cat, (c, k)) in enumerate(sorted(rates.items()))}}}
+
+
+def run(started_at: str = NOW, **settings: Any) -> shadow_run.ShadowRun:
+    return shadow_run.ShadowRun("2", json.loads(DRAFT_ONLY[p.TAG_RELEASE]), GOOD, started_at,
+                                dataclasses.replace(shadow_run.ShadowSettings(0.1, 20, 3600.0), **settings))
+
+
+def mine(obj: dict[str, Any], mutable: bool = True) -> dict[str, Any]:
+    obj = copy.deepcopy(obj)
+    if mutable:
+        owned.stamp(obj)
+    obj["metadata"]["ownerReferences"] = [{"uid": UID, "controller": True, "kind": "SpecModelPair", "name": PAIR}]
+    return obj
+
+
+def available(dep: dict[str, Any], generation: int = 1) -> dict[str, Any]:
+    dep = mine(dep)
+    n = dep["spec"]["replicas"]
+    dep["metadata"]["generation"] = generation
+    dep["status"] = {"observedGeneration": generation, "replicas": n, "updatedReplicas": n, "availableReplicas": n}
+    return dep
+
+
+def scoring(rates: dict[str, tuple[float, float]] | None = None, pods: int = 2, requests: int = 60,
+            shadow: shadow_run.ShadowRun | None = None, digest: str | None = None, **changes: Any) -> ServingWorld:
+    """v1 serving on `pods` pods rendered with v2 in shadow, each reporting `rates` of v2's evidence."""
+    w = ServingWorld(pair=PAIR, namespace=NS, uid=UID, model=MODEL, aliases={"champion": "1"}, desired="1",
+                     spec=SPEC, status={"engineTLS": CURRENT_TLS}, now=NOW, tags=CHAMPION_TAGS, verdict=GOOD, tls=TLS,
+                     shadow=shadow or run())
+    dep = available(sp.engine_deployment(w, sp.served_release(w)))
+    digest = digest or release.content_hash(sp.shadow_release(w))
+    info = {"pair": PAIR, "releaseVersion": "1", "contentHash": release.content_hash(sp.served_release(w)),
+            "tokenizer": {"target": "t", "draft": "d"}, "speculationEnabled": True}
+    ready = tuple(EnginePod(f"pod{i}", f"u{i}", f"10.0.0.{i}", info,
+                            stats=shadow_stats(digest, rates or {}, requests, seed=10 * i) if rates else None)
+                  for i in range(pods))
+    w = dataclasses.replace(w, deployment=dep, ready=ready,
+                            records=Records({"RolloutStarted": (f"1@{sp.template_fingerprint(dep)}",)}),
+                            service=mine(manifests.engine_service(PAIR, NS, {}), mutable=False),
+                            policy=mine(manifests.engine_network_policy(PAIR, NS)))
+    return dataclasses.replace(w, **changes)
+
+
+def test_the_champions_pods_mount_the_candidates_release_file_and_score_it():
+    w = scoring()
+    dep = sp.engine_deployment(w, sp.served_release(w))
+    pod = dep["spec"]["template"]
+    engine = pod["spec"]["containers"][0]
+    assert engine["command"][-4:] == ["--shadow-release", manifests.SHADOW_RELEASE_FILE, "--shadow-share", "0.1"]
+    candidate = json.loads(pod["metadata"]["annotations"][manifests.ANN_SHADOW_RELEASE])
+    assert candidate["mlflow"]["version"] == "2" and candidate["draft"]["source"] == "tiny-draft"
+    items = next(v for v in pod["spec"]["volumes"] if v["name"] == "release")["downwardAPI"]["items"]
+    assert [i["path"] for i in items] == ["release.json", "shadow-release.json"]
+    # The champion's own release file is the one it served before: its identity holds.
+    plain = sp.engine_deployment(dataclasses.replace(w, shadow=None), sp.served_release(w))
+    assert plain["spec"]["template"]["metadata"]["annotations"][manifests.ANN_RELEASE] == \
+        pod["metadata"]["annotations"][manifests.ANN_RELEASE]
+    assert manifests.ANN_SHADOW_RELEASE not in plain["spec"]["template"]["metadata"]["annotations"]
+
+
+def test_the_candidate_file_is_tuned_as_it_would_serve():
+    tuned = {**GOOD, "bestSpeculation": {"k": 7, "batchSizeThreshold": 3}}
+    w = scoring(shadow=dataclasses.replace(run(), verdict=tuned))
+    assert sp.shadow_release(w)["speculation"]["k"] == 7
+    w = dataclasses.replace(w, spec={**SPEC, "rollout": {"replicas": 1, "applyGateTuning": False}})
+    assert sp.shadow_release(w)["speculation"]["k"] == SPEC.get("speculation", {}).get("k", 4)
+
+
+@pytest.mark.parametrize("what, w, result, tail", [
+    ("better on both pods' evidence: the verdict is tagged, then recorded; promoted next pass",
+     scoring(BETTER), "Promote",
+     ["TagVersion v2 specpair.shadow.verdict", "Condition ShadowScored=True Promoted", "SetStatus shadow",
+      "Record ShadowPromoted", "ReportSpeculation ShadowPromoted"]),
+    ("worse in one gated category (though better in another): Rejected",
+     scoring(WORSE_IN_CODE), "Rejected",
+     ["TagVersion v2 specpair.shadow.verdict", "Condition ShadowScored=True Rejected", "SetStatus shadow",
+      "Record ShadowRejected", "ReportSpeculation ShadowRejected"]),
+    ("too few requests: Undecided, nothing tagged", scoring(BETTER, requests=5), "Undecided",
+     ["Condition ShadowScored=Unknown Scoring", "SetStatus shadow", "ReportSpeculation ShadowScoring"]),
+    ("no counters yet: Undecided", scoring(None), "Undecided",
+     ["Condition ShadowScored=Unknown Scoring", "SetStatus shadow", "ReportSpeculation ShadowScoring"]),
+    ("pods scoring another candidate file count for nothing", scoring(BETTER, digest="other"), "Undecided",
+     ["Condition ShadowScored=Unknown Scoring", "SetStatus shadow", "ReportSpeculation ShadowScoring"]),
+    ("still undecided past maxSeconds: Rejected with the reason",
+     scoring(SHORT, requests=5, shadow=run("2026-11-25T11:00:00Z", max_seconds=600)), "Rejected",
+     ["TagVersion v2 specpair.shadow.verdict", "Condition ShadowScored=True Rejected", "SetStatus shadow",
+      "Record ShadowRejected", "ReportSpeculation ShadowRejected"]),
+])
+def test_the_verdict_on_the_pods_evidence(what, w, result, tail):
+    steps = sp.plan_serving(w)
+    assert kinds(steps)[-len(tail):] == tail, what
+    status = next(s.fields["shadow"] for s in steps if isinstance(s, p.SetStatus) and "shadow" in s.fields)
+    assert status["result"] == result
+    tagged = [s for s in steps if isinstance(s, p.TagVersion)]
+    assert not [s for s in steps if isinstance(s, p.SetAlias)], "the serving plan never moves an alias for a shadow"
+    if result == "Undecided":
+        assert not tagged
+        return
+    verdict = json.loads(tagged[0].tags[shadow_run.TAG_SHADOW_VERDICT])
+    assert shadow_run.read_verdict(tagged[0].tags) == verdict and verdict["result"] == result
+    record = next(s for s in steps if isinstance(s, p.Record))
+    assert (record.from_version, record.to_version, record.key) == ("1", "2", "2")
+    if "maxSeconds" in what:
+        assert "rollout.shadow.maxSeconds 600" in verdict["reason"]
+        return
+    # The numbers per category, as the status and the history entry carry them.
+    code = verdict["categories"]["code"]
+    assert code["requests"] == 120 and code["status"] == ("better" if result == "Promote" else "worse")
+    assert "code: candidate" in record.reason and f"over 120 requests" in record.reason
+    assert verdict["pods"] == 2 and verdict["draftSecondsPerToken"] == pytest.approx(0.01 / 30, rel=1e-3)
+
+
+def test_pods_that_cannot_start_with_the_candidate_reject_it_instead_of_rolling_back():
+    w = scoring()
+    dep = copy.deepcopy(w.deployment)
+    dep["status"]["conditions"] = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+                                    "message": "ReplicaSet has timed out progressing"}]
+    steps = sp.plan_serving(dataclasses.replace(w, deployment=dep))
+    assert kinds(steps)[-5:] == ["TagVersion v2 specpair.shadow.verdict", "Condition ShadowScored=True Rejected",
+                                 "SetStatus shadow", "Record ShadowRejected", "Report stalled Degraded/ShadowRejected"]
+    assert not [s for s in steps if isinstance(s, p.TagVersion) and "specpair.rolled_back" in s.tags]
+
+
+# -- converging from a crash after any write --------------------------------------------------------
+
+class Cluster:
+    """MLflow (aliases, tags), the engine's objects, and pods that report the shadow evidence of
+    whichever candidate their Deployment mounts (`rates`: the candidate's and the champion's
+    live alpha per category). The Deployment controller makes each rollout available at once."""
+
+    def __init__(self, rates: dict[str, tuple[float, float]]):
+        self.rates = rates
+        self.aliases = {"champion": "1", "candidate": "2"}
+        self.tags = {"1": dict(CHAMPION_TAGS), "2": dict(DRAFT_ONLY)}
+        self.status: dict[str, Any] = {"engineTLS": CURRENT_TLS, "recorded": {"GateStarted": ["2"], "GatePassed": ["2"]}}
+        self.objects: dict[str, Any] = {}
+        self.generation = 0
+        self.history: list[tuple[str, str | None]] = []
+        self.writes = 0
+
+    def records(self) -> Records:
+        return Records({k: tuple(v) for k, v in self.status["recorded"].items()})
+
+    def release_world(self) -> ReleaseWorld:
+        champion = self.aliases["champion"]
+        return candidate_world(tags=self.tags["2"], aliases=dict(self.aliases), records=self.records(),
+                               champion_release=None if champion == "2" else json.loads(
+                                   self.tags[champion][p.TAG_RELEASE]))
+
+    def serving_world(self, step: p.ServeChampion) -> ServingWorld:
+        champion = step.aliases["champion"]
+        w = ServingWorld(pair=PAIR, namespace=NS, uid=UID, model=MODEL, aliases=dict(step.aliases),
+                         desired=step.desired, desired_reason=step.reason, spec=SPEC, status=copy.deepcopy(self.status),
+                         records=self.records(), now=NOW, tags=self.tags[champion], verdict=GOOD, tls=TLS,
+                         shadow=step.shadow, deployment=self.objects.get("Deployment"),
+                         service=self.objects.get("Service"), policy=self.objects.get("NetworkPolicy"))
+        dep = self.objects.get("Deployment")
+        if dep is None:
+            return w
+        annotations = dep["spec"]["template"]["metadata"]["annotations"]
+        served = json.loads(annotations[manifests.ANN_RELEASE])
+        info = {"pair": PAIR, "releaseVersion": served["mlflow"]["version"], "contentHash": release.content_hash(served),
+                "tokenizer": {"target": "t", "draft": "d"}, "speculationEnabled": True}
+        stats = None
+        if manifests.ANN_SHADOW_RELEASE in annotations:
+            candidate = json.loads(annotations[manifests.ANN_SHADOW_RELEASE])
+            stats = shadow_stats(release.content_hash(candidate), self.rates)
+        return dataclasses.replace(w, ready=(EnginePod("pod0", "u0", "10.0.0.1", info, stats=stats),))
+
+    def write(self, step: Any) -> None:
+        if isinstance(step, p.SetAlias):
+            self.aliases[step.alias] = step.version
+        elif isinstance(step, p.TagVersion):
+            self.tags[step.version].update(step.tags)
+        elif isinstance(step, sp.EnsureOwned):
+            obj = mine(dict(step.manifest), step.mutable)
+            if obj["kind"] == "Deployment":
+                self.generation += 1
+                obj = available(dict(step.manifest), self.generation)
+            self.objects[obj["kind"]] = obj
+
+    def one_pass(self, crash_at: int | None) -> bool:
+        """One pass; False when it planned nothing to write or record. Killed at write
+        `crash_at` (counted over the whole run): its status is lost."""
+        status = copy.deepcopy(self.status)
+        said: list[tuple[str, str | None]] = []
+        busy = False
+
+        def run_steps(steps: tuple[Any, ...]) -> bool:
+            nonlocal busy
+            for step in steps:
+                if isinstance(step, (p.WRITES, sp.WRITES)):
+                    self.write(step)
+                    busy = True
+                    self.writes += 1
+                    if crash_at is not None and self.writes == crash_at + 1:
+                        return False
+                elif isinstance(step, p.Record):
+                    busy = True
+                    said.append((step.action, step.key))
+                    if step.key is not None:
+                        status["recorded"][step.action] = status["recorded"].get(step.action, []) + [step.key]
+                elif isinstance(step, p.SetStatus):
+                    status.update(copy.deepcopy(dict(step.fields)))
+                elif isinstance(step, p.ServeChampion):
+                    if not run_steps(sp.plan_serving(self.serving_world(step))):
+                        return False
+            return True
+        if not run_steps(p.plan_release(self.release_world())):
+            return True
+        self.status = status
+        self.history += said
+        return busy
+
+
+def converge(rates: dict[str, tuple[float, float]], crash_at: int | None = None) -> Cluster:
+    cluster = Cluster(rates)
+    for _ in range(20):
+        if not cluster.one_pass(crash_at):
+            return cluster
+    raise AssertionError(f"no convergence: {cluster.history}")
+
+
+@pytest.mark.parametrize("rates, ends", [(BETTER, "Promote"), (WORSE_IN_CODE, "Rejected")])
+def test_shadow_scoring_converges_from_a_crash_after_any_write(rates, ends):
+    undisturbed = converge(rates)
+    final = json.loads(undisturbed.tags["2"][shadow_run.TAG_SHADOW_VERDICT])["result"]
+    assert final == ends
+    promoted = ends == "Promote"
+    assert undisturbed.aliases["champion"] == ("2" if promoted else "1")
+    dep = undisturbed.objects["Deployment"]["spec"]["template"]
+    assert manifests.ANN_SHADOW_RELEASE not in dep["metadata"]["annotations"], "the shadow is off at the end"
+    assert json.loads(dep["metadata"]["annotations"][manifests.ANN_RELEASE])["mlflow"]["version"] == \
+        undisturbed.aliases["champion"]
+    actions = Counter(a for a, _ in undisturbed.history)
+    assert actions["ShadowStarted"] == 1 and actions["ShadowPromoted" if promoted else "ShadowRejected"] == 1
+    assert actions["Promoted"] == (1 if promoted else 0)
+    for crash_at in range(undisturbed.writes):
+        crashed = converge(rates, crash_at)
+        assert crashed.aliases == undisturbed.aliases, crash_at
+        assert {v: {k: t for k, t in tags.items() if k != shadow_run.TAG_SHADOW_VERDICT}
+                for v, tags in crashed.tags.items()} == \
+            {v: {k: t for k, t in tags.items() if k != shadow_run.TAG_SHADOW_VERDICT}
+             for v, tags in undisturbed.tags.items()}, crash_at
+        assert crashed.objects["Deployment"]["spec"]["template"] == dep, crash_at
+        assert sorted(set(crashed.history)) == sorted(crashed.history), f"recorded twice (crash at {crash_at})"
+        assert Counter(a for a, _ in crashed.history) == actions, crash_at
