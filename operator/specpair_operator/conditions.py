@@ -16,6 +16,7 @@ STALLED = "Stalled"
 GATED = "Gated"
 TOKENIZER_COMPATIBLE = "TokenizerCompatible"
 DRIFTED = "Drifted"
+SHADOW_SCORED = "ShadowScored"   # a candidate drafter scored in shadow: Unknown while scoring, True once judged
 
 
 def finite(value: Any) -> Any:
@@ -74,7 +75,7 @@ def set_condition(
     return sorted(out, key=lambda c: _ORDER.get(c["type"], 99))
 
 
-_ORDER = {READY: 0, RECONCILING: 1, STALLED: 2, GATED: 3, TOKENIZER_COMPATIBLE: 4, DRIFTED: 5}
+_ORDER = {READY: 0, RECONCILING: 1, STALLED: 2, GATED: 3, TOKENIZER_COMPATIBLE: 4, DRIFTED: 5, SHADOW_SCORED: 6}
 
 
 def summary(

@@ -23,6 +23,8 @@ SPECULATION_OFF = Counter("specpair_speculation_off", "Times drift turned specul
 DRIFT_STEP = Gauge("specpair_drift_ladder_step",
                    "Drift ladder steps taken for the serving release (0 none, 1 speculation off, ...).",
                    PAIR, registry=REGISTRY)
+SHADOW_VERDICTS = Counter("specpair_shadow_verdicts", "Candidates judged by shadow scoring on live traffic, by result.",
+                          PAIR + ["result"], registry=REGISTRY)
 RECONCILE_ERRORS = Counter("specpair_reconcile_errors", "Reconcile passes that ended in an error, by kind.",
                            PAIR + ["reason"], registry=REGISTRY)
 GATE_DURATION = Histogram("specpair_gate_duration_seconds", "Gate Job run time, from its start to the verdict, by result.",

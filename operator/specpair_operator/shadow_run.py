@@ -34,7 +34,7 @@ from .shadow_verdict import PROMOTE, REJECTED, UNDECIDED, ShadowEvidence, Shadow
 # On the candidate's model version (crash marks: each written before what it stands for).
 TAG_SHADOW_STARTED = "specpair.shadow.started_at"
 TAG_SHADOW_VERDICT = "specpair.shadow.verdict"
-SHADOW_SCORED = "ShadowScored"   # the condition
+SHADOW_SCORED = c.SHADOW_SCORED   # the condition
 
 
 @dataclass(frozen=True)
