@@ -76,6 +76,10 @@ CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     # rollout.shadow
     "!has(self.share) || (self.share > 0.0 && self.share <= 1.0)":
         lambda o: not _number(o.get("share")) or 0.0 < o["share"] <= 1.0,
+    # rollout.strategy: a canary has steps; a canary step (its share: the rule above, worded for it)
+    "!has(self.type) || self.type != 'Canary' || (has(self.steps) && size(self.steps) > 0)":
+        lambda o: o.get("type") != "Canary" or bool(o.get("steps")),
+    "has(self.replicas) != has(self.share)": lambda o: ("replicas" in o) != ("share" in o),
     # rollout: no two of the serving, control and metrics ports are one port
     "!has(self.controlPort) || ((!has(self.port) || self.controlPort != self.port) && "
     "(!has(self.httpPort) || self.controlPort != self.httpPort) && self.controlPort != 9400)":
@@ -125,6 +129,12 @@ def shadow_defaults() -> dict[str, Any]:
 def latency_defaults() -> dict[str, Any]:
     """spec.drift.latency's defaults as the CRD declares them (their one home)."""
     props = spec_schema()["properties"]["drift"]["properties"]["latency"]["properties"]
+    return {k: sub["default"] for k, sub in props.items() if "default" in sub}
+
+
+def canary_step_defaults() -> dict[str, Any]:
+    """A rollout.strategy.steps item's defaults as the CRD declares them (their one home)."""
+    props = spec_schema()["properties"]["rollout"]["properties"]["strategy"]["properties"]["steps"]["items"]["properties"]
     return {k: sub["default"] for k, sub in props.items() if "default" in sub}
 
 
