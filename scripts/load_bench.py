@@ -117,8 +117,9 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "specpair.server", "engine", "serve", "--target", args.target,
            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1", "--insecure",
            "--max-batch-size", str(max(args.concurrency)), "--max-queue", "64",
-           # Speculation at every batch size, so "on" measures what speculating costs or gains there.
-           "--batch-size-threshold", "1000", "--k", str(args.k)]
+           # Speculation at every batch size measured, so "on" measures what speculating costs or
+           # gains there (and no larger: a compiled engine captures every rows bucket up to it).
+           "--batch-size-threshold", str(max(args.concurrency)), "--k", str(args.k)]
     cmd += ["--draft", args.draft] if args.draft else ["--drafter", "ngram"]
     if args.device:
         cmd += ["--device", args.device]

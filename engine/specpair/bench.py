@@ -462,7 +462,9 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
                                "target_parameters": target.num_parameters,
                                "target_bytes": target.weight_bytes},
                          device=str(target.device), k=k, runs=runs, costs=costs,
-                         bandwidth=figures, step=engine.describe_step())
+                         bandwidth=figures, step={**engine.describe_step(),
+                                                  # start-up capture: buckets, seconds, memory
+                                                  "captures": getattr(engine, "captures", None)})
     # Pin generation length: EOS early would make runs incomparable across modes.
     params = GenerationParams(max_new_tokens=max_new_tokens)
     compiled = None

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/gpu.md, as one device session takes them (docs/measurements/gpu_*.json).
+# The machine has torch and transformers but no network: the SmolLM2 GGUF (98 MB) travels in two
+# halves, one per call, and the engine's other packages as wheels in .whl/.
+#
+#   bash scripts/gpu_measure.sh steps      # step costs of random-weight shapes; keeps .gg/part00
+#   bash scripts/gpu_measure.sh smollm2    # the real SmolLM2 (joins part00 and .gg/part01):
+#                                          # bench vs hf-compiled, identity, batch 1 and 16
+# Everything lands in $OUT (default out/gpu), logs beside the JSON.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"
+
+case "${1:-}" in
+steps)
+    [ -f .gg/part00 ] && cp .gg/part00 /tmp/smollm2.part00
+    # One process per shape: they compile at once (16 cores) and time one at a time (--barrier).
+    for shape in smollm2-135m llama-1b llama-8b; do
+        kmax=8; [ "$shape" = llama-1b ] && kmax=3
+        timeout "${STEP_TIMEOUT:-420}" $PY scripts/gpu_step_bench.py --shape "$shape" --k-max "$kmax" \
+            --barrier /tmp/specpair-turns --parties 3 --out "$OUT/gpu_step_$shape.json" \
+            > "$OUT/gpu_step_$shape.log" 2>&1 &
+    done
+    wait
+    grep -h "step \|Error\|error:" "$OUT"/gpu_step_*.log | grep -v "^USDT" | tail -40
+    ;;
+smollm2)
+    mkdir -p /tmp/llm
+    gguf=/tmp/llm/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat /tmp/smollm2.part00 .gg/part01 > "$gguf" || exit 1
+    echo "a1231443440b107ff29f02bdb38c9d0a  $gguf" | md5sum -c || exit 1
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD/engine SPECPAIR_CACHE=/tmp/specpair-cache
+    timeout "${BENCH_TIMEOUT:-300}" $PY -m specpair bench --target "$gguf" --drafter ngram \
+        --device cuda --dtype bfloat16 --compile on --no-hf --peer hf-compiled --runs 3 \
+        --json --out "$OUT/gpu_bench_smollm2.json" > "$OUT/gpu_bench_smollm2.log" 2>&1
+    echo "bench exit $?"; grep -v "^USDT" "$OUT/gpu_bench_smollm2.log" | tail -15
+    SPECPAIR_COMPILE=on timeout "${LOAD_TIMEOUT:-240}" $PY scripts/load_bench.py --target "$gguf" \
+        --device cuda --concurrency 1 16 --json "$OUT/gpu_load_smollm2.json" \
+        > "$OUT/gpu_load_smollm2.log" 2>&1
+    echo "load exit $?"; grep -v "^USDT" "$OUT/gpu_load_smollm2.log" | tail -25
+    ;;
+*)
+    echo "usage: $0 steps|smollm2" >&2; exit 2 ;;
+esac
