@@ -384,3 +384,13 @@ def status_entry(version: str, champion: str, phase: str, step: int, steps: tupl
             "trafficShare": round(traffic_share(replicas, champion_replicas), 4),
             **({"stepStartedAt": started} if started else {}), "message": message[:2000],
             "judged": {j.key: j.as_dict() for j in judged if j.verdict != NO_EVIDENCE}}
+
+
+@dataclass(frozen=True)
+class CanaryRun:
+    """The candidate a pass runs a canary for: its version, tags (release, content hash,
+    tokenizer fingerprints) and gate verdict (its tuning), and the spec's steps."""
+    version: str
+    tags: Mapping[str, str]
+    verdict: Mapping[str, Any]
+    steps: tuple[Step, ...]

@@ -103,6 +103,8 @@ class StatusLedger:
             metrics.ROLLBACKS.labels(*labels, metrics.rollback_cause(reason)).inc()
         elif action == "SpeculationOff":
             metrics.SPECULATION_OFF.labels(*labels).inc()
+        elif action in ("CanaryStarted", "CanaryAdvanced", "CanaryPassed", "CanaryAborted"):
+            metrics.CANARY.labels(*labels, action.removeprefix("Canary").lower()).inc()
         elif action in ("ShadowPromoted", "ShadowRejected"):
             metrics.SHADOW_VERDICTS.labels(*labels, "promoted" if action == "ShadowPromoted" else "rejected").inc()
 

@@ -102,6 +102,11 @@ def engine_name(pair: str) -> str:
     return names.object_name(pair, "engine")
 
 
+def engine_canary_name(pair: str) -> str:
+    """The canary's Deployment: a candidate's engine pods beside the champion's (canary.py)."""
+    return names.object_name(pair, "engine-canary")
+
+
 def engine_tls_secret_name(pair: str) -> str:
     return names.object_name(pair, "engine-tls")
 

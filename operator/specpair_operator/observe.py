@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from . import aliases as aliases_mod
+from . import canary as canary_mod
 from . import conditions as c
 from . import drift as drift_mod
 from . import gate_attempts, gate_verdict, manifests, model_fetch, names, owned, serving_health, serving_plan
@@ -116,13 +117,13 @@ async def observe_release(kube: Kube, registry: ReleaseRegistry, body: Mapping[s
 async def observe_serving(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str, Any],
                           status: Mapping[str, Any], model: str, aliases: Mapping[str, str], desired: str | None,
                           desired_reason: str = "", while_gating: bool = False,
-                          shadow: ShadowRun | None = None) -> ServingWorld:
+                          shadow: ShadowRun | None = None, canary: Any = None) -> ServingWorld:
     """Every read the champion's serving needs, into one ServingWorld. The reads follow the
     plan's own questions (serving_plan's pure functions): pods are asked who they are only once
     the rollout is available, counters only when the identity holds and a drift check is due,
     the previous release only when the ladder's next step is a rollback."""
     w = replace(_serving_world(op, body, spec, status, model, aliases, desired, desired_reason, while_gating),
-                shadow=shadow)
+                shadow=shadow, canary_run=canary, canary_memory=op.canary_samples.get(body["metadata"]["uid"]))
     champion = aliases.get(aliases_mod.CHAMPION)
     if champion is None:
         return w
@@ -153,7 +154,8 @@ async def observe_watch(op: OperatorState, body: Mapping[str, Any], spec: Mappin
     model, aliases, champion, tags, verdict, served_hash = cached
     w = _serving_world(op, body, spec, status, model, aliases, champion, "", False)
     w = replace(w, registry_down=True, tags=dict(tags), verdict=dict(verdict), served_hash=served_hash,
-                pods=tuple(await op.kube.list("v1", "pods", w.namespace, serving_plan.engine_selector(w.pair))))
+                pods=tuple(p for p in await op.kube.list("v1", "pods", w.namespace, serving_plan.engine_selector(w.pair))
+                           if not canary_mod.is_canary_pod(p)))
     return await _observe_pods(op, w, champion)
 
 
@@ -188,8 +190,14 @@ async def _observe_engine(op: OperatorState, w: ServingWorld) -> ServingWorld:
     w = replace(w, models=model_fetch.models_digest(served), fetched=fetched,
                 model_fetch=await observe_fetch(kube, w.pair, w.namespace, served, w.rollout, fetched))
     policy = manifests.engine_network_policy(w.pair, w.namespace, op.pods)["metadata"]["name"]
+    pods = await kube.list("v1", "pods", w.namespace, serving_plan.engine_selector(w.pair))
+    # A canary's pods carry the Service's labels too; its Deployment is read whether or not a
+    # canary runs, so one left behind is scaled down.
     return replace(w, policy=await kube.get("networking.k8s.io/v1", "networkpolicies", w.namespace, policy),
-                   pods=tuple(await kube.list("v1", "pods", w.namespace, serving_plan.engine_selector(w.pair))))
+                   pods=tuple(p for p in pods if not canary_mod.is_canary_pod(p)),
+                   canary_pods=tuple(p for p in pods if canary_mod.is_canary_pod(p)),
+                   canary_deployment=await kube.get("apps/v1", "deployments", w.namespace,
+                                                    manifests.engine_canary_name(w.pair)))
 
 
 async def _observe_tls(op: OperatorState, w: ServingWorld) -> EngineTLS:
@@ -246,7 +254,7 @@ async def _observe_pods(op: OperatorState, w: ServingWorld, champion: str) -> Se
     ok, _, verified = serving_plan.identity(w, champion, serving_plan.champion_digest(w))
     position = serving_plan.drift_position(w, champion)
     # A candidate scored in shadow is judged every pass on the pods' counters.
-    if not ok or ((position is None or not position.due) and w.shadow is None):
+    if not ok or ((position is None or not position.due) and w.shadow is None and w.canary_run is None):
         return w
     counted = []
     for view in verified:
@@ -261,4 +269,25 @@ async def _observe_pods(op: OperatorState, w: ServingWorld, champion: str) -> Se
         _, previous_verdict, _ = await asyncio.to_thread(op.registry.gate_result, w.model, target)
         previous_tags = await asyncio.to_thread(op.registry.version_tags, w.model, target)
         w = replace(w, drift=replace(w.drift, previous_verdict=previous_verdict, previous_tags=dict(previous_tags)))
+    if w.canary_run is not None:
+        w = await _observe_canary(w, probe, server)
     return w
+
+
+async def _observe_canary(w: ServingWorld, probe: Any, server: str) -> ServingWorld:
+    """Who each ready canary pod says it is and its counters (up to the first that does not
+    answer): the candidate's side of the canary's judgement."""
+    ready = []
+    for pod in ready_pods(list(w.canary_pods)):
+        meta = pod["metadata"]
+        view = EnginePod(meta["name"], meta.get("uid", ""), pod["status"]["podIP"])
+        address = serving_plan.address(w, view)
+        try:
+            view = replace(view, info=await probe.model_info(address, server_name=server))
+            view = replace(view, stats=await probe.stats(address, server_name=server))
+        except EngineUnreachable as exc:
+            ready.append(replace(view, unreachable=str(exc)) if view.info is None
+                         else replace(view, stats_unreachable=str(exc)))
+            break
+        ready.append(view)
+    return replace(w, canary_ready=tuple(ready))

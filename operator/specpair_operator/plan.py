@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from . import aliases as aliases_mod
 from . import conditions as c
+from . import canary as canary_mod
 from . import gate_attempts, gate_verdict, manifests, model_fetch, rollout_strategy, shadow_run
 from .gate_verdict import GateOutcome
 from .registry import TAG_GATE_RUN, TAG_ROLLED_BACK
@@ -143,6 +144,7 @@ class ServeChampion:
     reason: str = ""
     while_gating: bool = False
     shadow: Any = None
+    canary: Any = None      # canary.CanaryRun: the candidate's pods serve beside the champion's
 
 
 WRITES = (SetAlias, TagVersion, EnsureGatePolicy, StartModelFetch, StartGateJob, RecordGateError)
@@ -226,7 +228,7 @@ def plan_release(world: ReleaseWorld) -> tuple[Step, ...]:
     if not outcome.passed:
         out.add(ServeChampion(aliases, None, f"gate of v{version} failed: {outcome.message}"))
         return tuple(out.steps)
-    if _shadow(out):
+    if _shadow(out) or _canary(out):
         return tuple(out.steps)
     moves = aliases_mod.plan_promotion(dict(aliases), version)
     tags, after = dict(tags), dict(aliases)
@@ -545,3 +547,44 @@ def release_of_tags(tags: Mapping[str, str]) -> dict[str, Any] | None:
     except ValueError:
         return None
     return release if isinstance(release, dict) else None
+
+
+# -- canary (canary.py) -------------------------------------------------------------------------
+
+def _canary(out: _Steps) -> bool:
+    """A passed candidate whose strategy is Canary serves beside the champion before it is
+    promoted (the serving plan runs its steps and tags its end on the candidate). True when the
+    pass ends here (the canary runs, or was aborted); False for a promotion (no canary, or it
+    passed)."""
+    w = out.world
+    version, aliases = w.version, w.aliases
+    champion = aliases.get(aliases_mod.CHAMPION)
+    candidate = release_of_tags(w.tags)
+    if not champion or champion == version or w.champion_release is None or candidate is None:
+        return False
+    strategy = rollout_strategy.choose_strategy({"rollout": w.rollout}, w.champion_release, candidate)
+    if strategy.type != rollout_strategy.CANARY:
+        return False
+    state, text = canary_mod.mark(w.tags)
+    if state == canary_mod.PASSED:
+        # The pass that tagged it may have died before its status: recorded now, once.
+        out.add(Condition(canary_mod.CONDITION, True, "Passed", f"v{version}: {text}"))
+        if not out.was("CanaryPassed", version, version):
+            out.add(Record("CanaryPassed", f"v{version}: {text}", champion, version, key=version))
+        return False
+    if state == canary_mod.ABORTED:
+        msg = f"canary of v{version} aborted: {text}"
+        out.add(Condition(canary_mod.CONDITION, False, "Aborted", msg))
+        if not out.was("CanaryAborted", version, version):
+            out.add(Record("CanaryAborted", msg, champion, version, warning=True, key=version))
+        out.add(_versions(aliases), ServeChampion(aliases, None, msg))
+        return True
+    steps = canary_mod.steps_of({"rollout": w.rollout})
+    if not out.was("CanaryStarted", version, version):
+        out.add(Record("CanaryStarted", f"v{version} passed its gate and serves beside v{champion} in "
+                       f"{len(steps)} canary step(s): " + "; ".join(s.describe() for s in steps),
+                       champion, version, key=version))
+    out.add(_versions(aliases),
+            ServeChampion(aliases, champion, canary=canary_mod.CanaryRun(version, dict(w.tags), dict(w.verdict or {}),
+                                                                         steps)))
+    return True

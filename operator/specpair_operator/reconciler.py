@@ -22,6 +22,7 @@ import kopf
 from mlflow.exceptions import MlflowException
 
 from . import aliases as aliases_mod
+from . import canary as canary_mod
 from . import autoscaling
 from . import manifests, model_fetch, serving_plan, validation
 from . import metrics
@@ -202,7 +203,7 @@ class PairReconciler:
             elif isinstance(step, plan_mod.ServeChampion):
                 await self._serve_champion(model, dict(step.aliases), desired=step.desired,
                                            desired_reason=step.reason, while_gating=step.while_gating,
-                                           shadow=step.shadow)
+                                           shadow=step.shadow, canary=step.canary)
             else:
                 raise TypeError(f"no act for {step!r}")
 
@@ -266,11 +267,11 @@ class PairReconciler:
         self.ledger.stall("NameConflict", plan_mod.name_conflict_message(self.namespace, self.name, kind, name))
 
     async def _serve_champion(self, model: str, al: dict[str, str], desired: str | None, desired_reason: str,
-                              while_gating: bool = False, shadow: Any = None) -> None:
+                              while_gating: bool = False, shadow: Any = None, canary: Any = None) -> None:
         """Roll the engine to the champion and judge it: observed (observe.observe_serving),
         planned (serving_plan.plan_serving, pure) and acted on."""
         world = await observe_serving(self.operator, self.body, self.spec, self.status, model, al, desired,
-                                      desired_reason, while_gating, shadow)
+                                      desired_reason, while_gating, shadow, canary)
         await self._act_serving(world, serving_plan.plan_serving(world))
 
     async def _act_serving(self, world: ServingWorld, steps: tuple[serving_plan.Step, ...]) -> None:
@@ -296,6 +297,10 @@ class PairReconciler:
             elif isinstance(step, serving_plan.IssueCertificate):
                 if not await self._issue_certificate(world, step):
                     return
+            elif isinstance(step, canary_mod.ScaleDown):
+                await kube.merge_patch("apps/v1", "deployments", self.namespace, step.name, canary_mod.scale_down_patch())
+            elif isinstance(step, canary_mod.RememberCanary):
+                op.canary_samples[self.uid] = step.memory
             elif isinstance(step, serving_plan.RetireLegacyEngine):
                 await kube.merge_patch("apps/v1", "deployments", self.namespace, step.name, {"spec": {"replicas": 0}})
             elif isinstance(step, serving_plan.SwitchSpeculation):

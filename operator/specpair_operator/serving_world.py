@@ -106,6 +106,14 @@ class ServingWorld:
     model_fetch: Any = None
     # A gated candidate scored in shadow on the champion's pods (shadow_run.py); None: none.
     shadow: ShadowRun | None = None
+    # A canary (canary.py): the candidate it runs for (a canary.CanaryRun; None: none), its
+    # Deployment, its pods (apart from `pods`: they carry the track label), the ready ones with
+    # what they reported (asked only while a canary runs), and the operator's evidence of the step.
+    canary_run: Any = None
+    canary_deployment: Mapping[str, Any] | None = None
+    canary_pods: tuple[Mapping[str, Any], ...] = ()
+    canary_ready: tuple[EnginePod, ...] = ()
+    canary_memory: Any = None
 
     @property
     def rollout(self) -> Mapping[str, Any]:

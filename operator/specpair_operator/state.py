@@ -38,6 +38,7 @@ class OperatorState:
     samples: dict[str, tuple[str, drift_mod.Memory]] = field(default_factory=dict)
     # per pair: serving health's counters and windows (serving_health.ServingMemory)
     serving_samples: dict[str, Any] = field(default_factory=dict)
+    canary_samples: dict[str, Any] = field(default_factory=dict)   # per pair: canary.Memory of its step
     last_drift_check: dict[str, float] = field(default_factory=dict)
     # per pair: the (version, categories) its specpair_release_speedup series carry
     speedup_series: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)

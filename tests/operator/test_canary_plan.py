@@ -1,0 +1,421 @@
+"""The canary in the operator's plans (plan.py, serving_plan.py, canary.py) as tables: a passed
+candidate whose strategy is Canary serves beside the champion in a second Deployment behind the
+same Service, step by step, and is promoted when its pods are judged healthy against the
+champion's, or aborted (the champion untouched) when they are worse.
+
+Then recovery: a small model of MLflow, the two Deployments and their pods (whose GetStats carry
+each release's latency and acceptance) runs the release and serving passes until nothing is left
+to do, with the operator killed after each write in turn (that pass's status and the operator's
+memory lost). Every run ends where the undisturbed one does, with each action recorded once.
+Pure: no servers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import dataclasses
+import json
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
+
+from specpair_operator import canary, gate_verdict, manifests, owned, release
+from specpair_operator import plan as p
+from specpair_operator import serving_plan as sp
+from specpair_operator.registry import TAG_HASH, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
+from specpair_operator.serving_world import DriftMemory, EnginePod, EngineTLS, ServingWorld
+from specpair_operator.world import GateJob, Records, ReleaseWorld
+
+PAIR, NS, UID, MODEL = "chat", "team", "uid-chat", "team-chat"
+NOW = "2026-11-25T12:00:00Z"
+T0 = 1_700_000_000.0
+DT = 10.0
+TH = {"requireGreedyIdentity": True, "minAcceptance": 0.0, "minCategoryAcceptance": {}, "minSpeedup": 0.0}
+GOOD = {"passed": True, "reasons": [], "tokenizer": {"compatible": True, "differences": []},
+        "greedyIdentity": 1.0, "acceptanceRate": 0.7, "speedup": 1.4,
+        "categories": {"code": {"acceptanceRate": 0.8}}}
+STEPS = [{"replicas": 1, "pauseSeconds": 20}, {"share": 1.0, "pauseSeconds": 20}]
+ROLLOUT = {"replicas": 2, "strategy": {"type": "Canary", "steps": STEPS}}
+SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "abc"}, "draft": {"drafter": "ngram"},
+        "rollout": ROLLOUT, "drift": {"enabled": False}}
+TLS = EngineTLS("chat-engine-tls", "ca1", ("chat-engine.team.svc",), "ca1/names")
+CURRENT_TLS = {"secret": TLS.secret, "caFingerprint": "ca1", "names": list(TLS.names), "notAfter": "2027-11-25T12:00:00Z"}
+
+
+def release_tags(spec_changes: dict[str, Any]) -> dict[str, str]:
+    rel = release.build_release(PAIR, NS, {**SPEC, **spec_changes}, [{"prompt": "x", "category": "code"}])
+    return {p.TAG_RELEASE: json.dumps(rel, sort_keys=True), TAG_HASH: release.content_hash(rel),
+            TAG_TOKENIZER_TARGET: "t", TAG_TOKENIZER_DRAFT: "d"}
+
+
+CHAMPION_TAGS = release_tags({})
+NEW_TARGET = release_tags({"target": {"source": "HuggingFaceTB/SmolLM2-360M"}})
+
+
+def reported(verdict: dict[str, Any], version: str) -> str:
+    return json.dumps({"version": version, "verdictSha256": gate_verdict.verdict_digest(verdict)})
+
+
+def candidate_world(tags: dict[str, str] = NEW_TARGET, rollout: dict[str, Any] = ROLLOUT, **changes: Any) -> ReleaseWorld:
+    """v2 (a new target) passed its gate; v1 is champion."""
+    w = ReleaseWorld(pair=PAIR, namespace=NS, version="2", digest=tags[TAG_HASH], thresholds=TH,
+                     aliases={"champion": "1"}, tags=dict(tags), gate_status="passed", verdict=GOOD,
+                     gate_jobs=(GateJob(manifests.gate_job_name(PAIR, tags[TAG_HASH]), complete=True,
+                                        reports=(reported(GOOD, "2"),)),),
+                     records=Records({"GateStarted": ("2",), "GatePassed": ("2",)}), now=NOW, rollout=rollout,
+                     champion_release=json.loads(CHAMPION_TAGS[p.TAG_RELEASE]))
+    return dataclasses.replace(w, **changes)
+
+
+def kinds(steps: tuple[Any, ...]) -> list[str]:
+    out = []
+    for s in steps:
+        name = type(s).__name__
+        if isinstance(s, p.Record):
+            name = f"Record {s.action}"
+        elif isinstance(s, p.Report):
+            name = f"Report {s.how} {s.phase}/{s.reason}"
+        elif isinstance(s, p.PostEvent):
+            name = f"Event {s.reason}"
+        elif isinstance(s, p.SetAlias):
+            name = f"SetAlias {s.alias}={s.version}"
+        elif isinstance(s, p.TagVersion):
+            name = f"TagVersion v{s.version} " + ",".join(sorted(s.tags))
+        elif isinstance(s, p.Condition):
+            name = f"Condition {s.type}={s.status} {s.reason}"
+        elif isinstance(s, p.ServeChampion):
+            name = f"ServeChampion {s.desired or '-'}" + (f" canary v{s.canary.version}" if s.canary else "")
+        elif isinstance(s, sp.EnsureOwned):
+            name = f"EnsureOwned {s.manifest['kind']} {s.manifest['metadata']['name']}"
+        elif isinstance(s, canary.ScaleDown):
+            name = f"ScaleDown {s.name}"
+        elif isinstance(s, sp.ReportSpeculation):
+            name = "ReportSpeculation " + (s.otherwise.reason if s.otherwise else "-")
+        elif isinstance(s, p.SetStatus):
+            name = "SetStatus " + ",".join(sorted(s.fields))
+        out.append(name)
+    return out
+
+
+# -- the release's plan: whether a passed candidate runs a canary -----------------------------------
+
+CANARY_NAME = manifests.engine_canary_name(PAIR)
+PROMOTION = ["TagVersion v2 specpair.promoted_at", "SetAlias previous=1", "SetAlias champion=2",
+             "Record Promoted", "ServeChampion 2"]
+
+
+@pytest.mark.parametrize("what, w, expected", [
+    ("a new target with strategy Canary: started, served beside v1, not promoted",
+     candidate_world(), ["Record CanaryStarted", "SetStatus previousVersion,servingVersion", "ServeChampion 1 canary v2"]),
+    ("already started: the canary carries on",
+     candidate_world(records=Records({"GateStarted": ("2",), "GatePassed": ("2",), "CanaryStarted": ("2",)})),
+     ["SetStatus previousVersion,servingVersion", "ServeChampion 1 canary v2"]),
+    ("aborted (its pass died before its status): recorded once, v1 keeps serving",
+     candidate_world(tags={**NEW_TARGET, **canary.mark_tag(canary.ABORTED, "TTFT p95 800 ms")}),
+     ["Condition Canary=False Aborted", "Record CanaryAborted", "SetStatus previousVersion,servingVersion",
+      "ServeChampion -"]),
+    ("passed: CanaryPassed recorded (its pass died first), then promoted as a gate pass is",
+     candidate_world(tags={**NEW_TARGET, **canary.mark_tag(canary.PASSED, "all 2 step(s) healthy")}),
+     ["Condition Canary=True Passed", "Record CanaryPassed", *PROMOTION]),
+    ("strategy Replace: promoted at once", candidate_world(rollout={"replicas": 2, "strategy": {"type": "Replace"}}),
+     PROMOTION),
+    ("no champion yet: a first release is promoted", candidate_world(aliases={}, champion_release=None),
+     ["TagVersion v2 specpair.promoted_at", "SetAlias champion=2", "Record Promoted", "ServeChampion 2"]),
+])
+def test_a_passed_candidate_runs_its_canary_before_it_is_promoted(what, w, expected):
+    steps = p.plan_release(w)
+    tail = kinds(steps)[-len(expected):]
+    assert tail == expected, what
+    start = next((s for s in steps if isinstance(s, p.ServeChampion) and s.canary), None)
+    if start is not None:
+        assert start.canary.steps == (canary.Step(1, None, 20.0), canary.Step(None, 1.0, 20.0))
+        record = next((s for s in steps if isinstance(s, p.Record)), None)
+        assert record is None or "2 canary step(s): 1 replica(s), pause 20s; share 1, pause 20s" in record.reason
+    aborted = next((s for s in steps if isinstance(s, p.Record) and s.action == "CanaryAborted"), None)
+    if aborted is not None:
+        assert aborted.reason == "canary of v2 aborted: TTFT p95 800 ms" and (aborted.from_version, aborted.key) == ("1", "2")
+
+
+# -- the serving plan: the canary's Deployment, steps and verdicts ----------------------------------
+
+class Pod:
+    """One engine pod's cumulative counters as GetStats reports them (the probe's dict form)."""
+
+    def __init__(self, name: str, served: dict[str, Any], started: float, seed: int):
+        self.name, self.served, self.started = name, served, started
+        self.rng = random.Random(seed)
+        self.serving: dict[str, Any] = {}
+        self.acceptance: dict[str, Any] = {}
+
+    def serve(self, n: int, ttft: float, tpot: float, acceptance: float) -> None:
+        def hist(bounds: tuple[float, ...]) -> dict[str, Any]:
+            return {"upperBounds": list(bounds), "counts": [0] * len(bounds), "count": 0, "sum": 0.0}
+        c = self.serving.setdefault("code", {"ttft": hist(LATENCY_BUCKETS), "tpot": hist(TOKEN_BUCKETS), "requests": {}})
+        a = self.acceptance.setdefault("code", {"drafted": 0, "accepted": 0, "requests": 0, "draftedSq": 0.0,
+                                                "acceptedSq": 0.0, "draftedAccepted": 0.0})
+        for _ in range(n):
+            c["requests"]["ok"] = c["requests"].get("ok", 0) + 1
+            for key, median in (("ttft", ttft), ("tpot", tpot)):
+                value = median * self.rng.lognormvariate(0.0, 0.2)
+                h = c[key]
+                for i in range(bisect.bisect_left(h["upperBounds"], value), len(h["counts"])):
+                    h["counts"][i] += 1
+                h["count"] += 1
+                h["sum"] += value
+            acc = sum(self.rng.random() < acceptance for _ in range(20))
+            a["drafted"] += 20
+            a["accepted"] += acc
+            a["requests"] += 1
+            a["draftedSq"] += 400
+            a["acceptedSq"] += acc * acc
+            a["draftedAccepted"] += 20 * acc
+
+    def view(self, now: float, uid: str) -> EnginePod:
+        info = {"pair": PAIR, "releaseVersion": self.served["mlflow"]["version"],
+                "contentHash": release.content_hash(self.served), "tokenizer": {"target": "t", "draft": "d"},
+                "speculationEnabled": True}
+        stats = {"categories": copy.deepcopy(self.acceptance), "serving": copy.deepcopy(self.serving),
+                 "uptimeSeconds": now - self.started}
+        return EnginePod(self.name, uid, "10.0.0.1", info, stats=stats)
+
+
+def mine(obj: dict[str, Any], mutable: bool = True) -> dict[str, Any]:
+    obj = copy.deepcopy(obj)
+    if mutable:
+        owned.stamp(obj)
+    obj["metadata"]["ownerReferences"] = [{"uid": UID, "controller": True, "kind": "SpecModelPair", "name": PAIR}]
+    return obj
+
+
+def available(dep: dict[str, Any], generation: int = 1) -> dict[str, Any]:
+    dep = mine(dep)
+    n = dep["spec"]["replicas"]
+    dep["metadata"]["generation"] = generation
+    dep["status"] = {"observedGeneration": generation, "replicas": n, "updatedReplicas": n, "availableReplicas": n}
+    return dep
+
+
+SPEED = {"1": {"ttft": 0.2, "tpot": 0.02, "acceptance": 0.6},
+         "fast": {"ttft": 0.2, "tpot": 0.02, "acceptance": 0.6},
+         "slow": {"ttft": 1.5, "tpot": 0.02, "acceptance": 0.6}}
+
+
+class Cluster:
+    """MLflow (aliases, tags), the engine's two Deployments (made available at once, as the
+    Deployment controller would), and their pods, which serve `per_pod` requests a pass with
+    their release's latency and acceptance (`candidate`: v2's, 'fast' or 'slow')."""
+
+    def __init__(self, candidate: str, per_pod: int = 30):
+        self.speed = {"1": SPEED["1"], "2": SPEED[candidate]}
+        self.per_pod = per_pod
+        self.aliases = {"champion": "1", "candidate": "2"}
+        self.tags = {"1": dict(CHAMPION_TAGS), "2": dict(NEW_TARGET)}
+        self.status: dict[str, Any] = {"engineTLS": CURRENT_TLS,
+                                       "recorded": {"GateStarted": ["2"], "GatePassed": ["2"]}}
+        self.memory: Any = None
+        self.now = T0
+        self.generation = 0
+        self.objects: dict[str, Any] = {}
+        self.pods: dict[str, list[Pod]] = {"main": [], "canary": []}
+        self.history: list[tuple[str, str | None]] = []
+        self.events: list[str] = []
+        self.writes = 0
+        self.last_serving: tuple[Any, ...] = ()
+        # v1 serves on its Deployment already.
+        w = self.world_for(p.ServeChampion({"champion": "1"}, "1"))
+        for step in sp.plan_serving(w):
+            if isinstance(step, sp.EnsureOwned):
+                self.write(step)
+            elif isinstance(step, p.Record):
+                self.status["recorded"][step.action] = [step.key]
+
+    def records(self) -> Records:
+        return Records({k: tuple(v) for k, v in self.status["recorded"].items()})
+
+    def release_world(self) -> ReleaseWorld:
+        champion = self.aliases["champion"]
+        return candidate_world(tags=self.tags["2"], aliases=dict(self.aliases), records=self.records(),
+                               champion_release=None if champion == "2" else json.loads(
+                                   self.tags[champion][p.TAG_RELEASE]))
+
+    def world_for(self, step: p.ServeChampion) -> ServingWorld:
+        champion = step.aliases["champion"]
+        w = ServingWorld(pair=PAIR, namespace=NS, uid=UID, model=MODEL, aliases=dict(step.aliases),
+                         desired=step.desired, desired_reason=step.reason, spec=SPEC, status=copy.deepcopy(self.status),
+                         records=self.records(), now=NOW, tags=self.tags[champion], verdict=GOOD, tls=TLS,
+                         canary_run=step.canary, deployment=self.objects.get("main"),
+                         service=self.objects.get("Service"), policy=self.objects.get("NetworkPolicy"),
+                         canary_deployment=self.objects.get("canary"), canary_memory=self.memory,
+                         drift=DriftMemory(wall=self.now))
+        views = {side: tuple(pod.view(self.now, f"u-{side}-{i}") for i, pod in enumerate(self.pods[side]))
+                 for side in self.pods}
+        return dataclasses.replace(w, ready=views["main"], canary_ready=views["canary"] if step.canary else ())
+
+    def _pods_for(self, side: str, dep: dict[str, Any]) -> None:
+        """The Deployment controller and kubelet: pods of the Deployment's template, fresh when it changed."""
+        served = json.loads(dep["spec"]["template"]["metadata"]["annotations"][manifests.ANN_RELEASE])
+        kept = [pod for pod in self.pods[side] if pod.served == served]
+        fresh = [Pod(f"{side}-{served['mlflow']['version']}-{self.generation}-{i}", served, self.now,
+                     seed=self.generation * 10 + i) for i in range(len(kept), dep["spec"]["replicas"])]
+        self.pods[side] = (kept + fresh)[:dep["spec"]["replicas"]]
+
+    def write(self, step: Any) -> None:
+        if isinstance(step, p.SetAlias):
+            self.aliases[step.alias] = step.version
+        elif isinstance(step, p.TagVersion):
+            self.tags[step.version].update(step.tags)
+        elif isinstance(step, sp.EnsureOwned):
+            obj = mine(dict(step.manifest), step.mutable)
+            if obj["kind"] == "Deployment":
+                self.generation += 1
+                side = "canary" if obj["metadata"]["name"] == CANARY_NAME else "main"
+                obj = available(dict(step.manifest), self.generation)
+                self.objects[side] = obj
+                self._pods_for(side, obj)
+            else:
+                self.objects[obj["kind"]] = obj
+        elif isinstance(step, canary.ScaleDown):
+            dep = self.objects["canary"]
+            dep["spec"]["replicas"] = dep["status"]["replicas"] = 0
+            dep["metadata"]["annotations"][owned.ANN_MANIFEST] = "scaled-down"
+            self.pods["canary"] = []
+
+    def one_pass(self, crash_at: int | None) -> bool:
+        """Traffic for DT seconds, then one pass; False when it planned nothing to write or
+        record. Killed at write `crash_at` (counted over the whole run): its status and the
+        operator's memory are lost."""
+        self.now += DT
+        for side, pods in self.pods.items():
+            for pod in pods:
+                pod.serve(self.per_pod, **self.speed[pod.served["mlflow"]["version"]])
+        status = copy.deepcopy(self.status)
+        said: list[tuple[str, str | None]] = []
+        events: list[str] = []
+        busy = False
+
+        def run_steps(steps: tuple[Any, ...]) -> bool:
+            nonlocal busy
+            for step in steps:
+                if isinstance(step, (p.WRITES, sp.WRITES, canary.ScaleDown)):
+                    self.write(step)
+                    busy = True
+                    self.writes += 1
+                    if crash_at is not None and self.writes == crash_at + 1:
+                        return False
+                elif isinstance(step, p.Record):
+                    busy = True
+                    said.append((step.action, step.key))
+                    if step.key is not None:
+                        status["recorded"][step.action] = status["recorded"].get(step.action, []) + [step.key]
+                elif isinstance(step, p.PostEvent):
+                    events.append(step.reason)
+                elif isinstance(step, p.SetStatus):
+                    status.update(copy.deepcopy(dict(step.fields)))
+                elif isinstance(step, canary.RememberCanary):
+                    self.memory = step.memory
+                elif isinstance(step, p.ServeChampion):
+                    self.last_serving = sp.plan_serving(self.world_for(step))
+                    if not run_steps(self.last_serving):
+                        return False
+            return True
+        if not run_steps(p.plan_release(self.release_world())):
+            self.memory = None
+            return True
+        self.status = status
+        self.history += said
+        self.events += events
+        return busy or bool(self.pods["canary"])
+
+
+def converge(candidate: str, crash_at: int | None = None) -> Cluster:
+    cluster = Cluster(candidate)
+    for _ in range(40):
+        if not cluster.one_pass(crash_at):
+            return cluster
+    raise AssertionError(f"no convergence: {cluster.history}; {cluster.status.get('canary')}")
+
+
+def test_a_healthy_canary_grows_step_by_step_and_is_promoted_its_pods_then_retired():
+    cl = converge("fast")
+    assert cl.aliases["champion"] == "2" and cl.aliases["previous"] == "1"
+    assert [a for a, _ in cl.history] == ["CanaryStarted", "CanaryAdvanced", "CanaryPassed", "Promoted",
+                                          "RolloutStarted"]
+    assert canary.mark(cl.tags["2"])[0] == canary.PASSED
+    assert cl.objects["canary"]["spec"]["replicas"] == 0 and "CanaryScaledDown" in cl.events
+    served = json.loads(cl.objects["main"]["spec"]["template"]["metadata"]["annotations"][manifests.ANN_RELEASE])
+    assert served["mlflow"]["version"] == "2" and cl.objects["main"]["spec"]["replicas"] == 2
+    entry = cl.status["canary"]
+    assert entry["phase"] == "Promoted" and entry["step"] == 2 and entry["replicas"] == 2
+    assert entry["trafficShare"] == 0.5
+    assert entry["judged"]["ttft:*"]["verdict"] == "fine" and entry["judged"]["ttft:*"]["requests"] >= 50
+
+
+def test_a_canary_slower_to_first_token_is_aborted_and_the_champion_is_untouched():
+    cl = converge("slow")
+    assert cl.aliases == {"champion": "1", "candidate": "2"}
+    assert [a for a, _ in cl.history] == ["CanaryStarted", "CanaryAborted"]
+    state, reason = canary.mark(cl.tags["2"])
+    assert state == canary.ABORTED and reason.startswith("candidate worse than the champion: category 'code' TTFT")
+    assert cl.objects["canary"]["spec"]["replicas"] == 0 and not cl.pods["canary"]
+    served = json.loads(cl.objects["main"]["spec"]["template"]["metadata"]["annotations"][manifests.ANN_RELEASE])
+    assert served["mlflow"]["version"] == "1" and cl.generation == 2      # v1's Deployment never rolled
+    entry = cl.status["canary"]
+    assert entry["phase"] == "Aborted" and entry["judged"]["ttft:code"]["verdict"] == "breach"
+    assert entry["judged"]["ttft:code"]["candidate"] > 3 * entry["judged"]["ttft:code"]["champion"]
+
+
+def test_an_abort_scales_down_after_its_mark_and_reports_the_numbers():
+    cl = Cluster("slow")
+    while "CanaryAborted" not in [a for a, _ in cl.history]:
+        cl.one_pass(None)
+    steps = cl.last_serving
+    names = kinds(steps)
+    tag, down = names.index("TagVersion v2 specpair.canary"), names.index(f"ScaleDown {CANARY_NAME}")
+    assert tag < down < names.index("Record CanaryAborted")
+    assert names[-1] == "ReportSpeculation CanaryAborted"
+    report = steps[-1].otherwise
+    assert report.how == "stalled" and "v1 keeps serving" in report.message and "TTFT p95" in report.message
+
+
+def test_a_canary_left_by_a_candidate_no_longer_wanted_is_scaled_down():
+    cl = Cluster("fast")
+    for _ in range(2):
+        cl.one_pass(None)
+    assert cl.objects["canary"]["spec"]["replicas"] == 1
+    # The spec moved on (v2 is not the spec's release any more): the serving plan runs without a canary.
+    steps = sp.plan_serving(cl.world_for(p.ServeChampion(dict(cl.aliases), "1")))
+    assert kinds(steps)[-3:-1] == [f"ScaleDown {CANARY_NAME}", "Event CanaryScaledDown"]
+    event = next(s for s in steps if isinstance(s, p.PostEvent))
+    assert "v2 is no longer a candidate" in event.message
+
+
+def test_the_canary_step_is_read_back_from_its_deployment_when_the_status_that_said_so_was_lost():
+    cl = Cluster("fast")
+    while "CanaryAdvanced" not in [a for a, _ in cl.history]:
+        cl.one_pass(None)
+    assert cl.objects["canary"]["spec"]["replicas"] == 2
+    lost = {k: v for k, v in cl.status.items() if k != "canary"}
+    serve = next(s for s in p.plan_release(cl.release_world()) if isinstance(s, p.ServeChampion))
+    w = dataclasses.replace(cl.world_for(serve), status=lost, canary_memory=None)
+    steps = sp.plan_serving(w)
+    assert not [s for s in steps if isinstance(s, sp.EnsureOwned)], "not scaled back to step 1"
+    entry = next(s.fields["canary"] for s in steps if isinstance(s, p.SetStatus) and "canary" in s.fields)
+    assert entry["step"] == 2 and entry["replicas"] == 2
+
+
+@pytest.mark.parametrize("candidate", ["fast", "slow"])
+def test_a_canary_converges_from_a_crash_after_any_write(candidate):
+    undisturbed = converge(candidate)
+    actions = Counter(a for a, _ in undisturbed.history)
+    for crash_at in range(undisturbed.writes):
+        crashed = converge(candidate, crash_at)
+        assert crashed.aliases == undisturbed.aliases, crash_at
+        assert canary.mark(crashed.tags["2"])[0] == canary.mark(undisturbed.tags["2"])[0], crash_at
+        assert crashed.objects["canary"]["spec"]["replicas"] == 0, crash_at
+        assert crashed.objects["main"]["spec"]["template"] == undisturbed.objects["main"]["spec"]["template"], crash_at
+        assert sorted(set(crashed.history)) == sorted(crashed.history), f"recorded twice (crash at {crash_at})"
+        assert Counter(a for a, _ in crashed.history) == actions, crash_at
