@@ -51,7 +51,18 @@ def owns(owner_uid: str, obj: dict[str, Any] | None) -> bool:
 
 
 def manifest_fingerprint(obj: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(_rendered(obj), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _rendered(obj: Any) -> Any:
+    """`obj` less the annotations set to null: in a merge patch null removes an annotation an
+    earlier manifest had, and the object is then as if it was never named."""
+    if isinstance(obj, dict):
+        return {k: ({a: v for a, v in value.items() if v is not None} if k == "annotations" and isinstance(value, dict)
+                    else _rendered(value)) for k, value in obj.items()}
+    if isinstance(obj, list):
+        return [_rendered(v) for v in obj]
+    return obj
 
 
 def stamp(desired: dict[str, Any]) -> str:

@@ -243,10 +243,16 @@ def test_the_champions_pods_mount_the_candidates_release_file_and_score_it():
     items = next(v for v in pod["spec"]["volumes"] if v["name"] == "release")["downwardAPI"]["items"]
     assert [i["path"] for i in items] == ["release.json", "shadow-release.json"]
     # The champion's own release file is the one it served before: its identity holds.
-    plain = sp.engine_deployment(dataclasses.replace(w, shadow=None), sp.served_release(w))
+    plain = sp.engine_deployment(dataclasses.replace(w, shadow=None, deployment=None), sp.served_release(w))
     assert plain["spec"]["template"]["metadata"]["annotations"][manifests.ANN_RELEASE] == \
         pod["metadata"]["annotations"][manifests.ANN_RELEASE]
     assert manifests.ANN_SHADOW_RELEASE not in plain["spec"]["template"]["metadata"]["annotations"]
+    # The shadow over, its file goes from the live Deployment: a merge patch removes what it sets to null.
+    ended = sp.engine_deployment(dataclasses.replace(w, shadow=None), sp.served_release(w))
+    assert ended["spec"]["template"]["metadata"]["annotations"][manifests.ANN_SHADOW_RELEASE] is None
+    assert "--shadow-release" not in ended["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert owned.manifest_fingerprint(ended) == owned.manifest_fingerprint(plain)
+    assert sp.template_fingerprint(ended) == sp.template_fingerprint(plain)
 
 
 def test_the_candidate_file_is_tuned_as_it_would_serve():
@@ -314,6 +320,14 @@ def test_pods_that_cannot_start_with_the_candidate_reject_it_instead_of_rolling_
 
 # -- converging from a crash after any write --------------------------------------------------------
 
+def merge_patched(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The Deployment as the API server keeps it after a merge patch: annotations set to null gone."""
+    out = copy.deepcopy(manifest)
+    meta = out["spec"]["template"]["metadata"]
+    meta["annotations"] = {k: v for k, v in meta["annotations"].items() if v is not None}
+    return out
+
+
 class Cluster:
     """MLflow (aliases, tags), the engine's objects, and pods that report the shadow evidence of
     whichever candidate their Deployment mounts (`rates`: the candidate's and the champion's
@@ -367,7 +381,7 @@ class Cluster:
             obj = mine(dict(step.manifest), step.mutable)
             if obj["kind"] == "Deployment":
                 self.generation += 1
-                obj = available(dict(step.manifest), self.generation)
+                obj = available(merge_patched(dict(step.manifest)), self.generation)
             self.objects[obj["kind"]] = obj
 
     def one_pass(self, crash_at: int | None) -> bool:
