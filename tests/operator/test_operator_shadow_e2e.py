@@ -21,9 +21,11 @@ from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
+from specpair_devcluster.client import ApiError
 from specpair_operator import manifests
 from specpair_operator.shadow_run import TAG_SHADOW_VERDICT
-from cluster_env import CODE_PROMPTS, OPERATOR, cond, engine_pods, model_name, serving, set_spec, tiny_pair
+from specpair_operator.validation import validate_spec
+from cluster_env import CODE_PROMPTS, OPERATOR, cond, engine_pods, model_name, pair, serving, set_spec, tiny_pair
 
 pytestmark = pytest.mark.slow
 
@@ -115,3 +117,21 @@ def test_a_better_draft_is_promoted_by_shadow_scoring_and_a_worse_one_rejected(
         assert "rejected by shadow scoring" in cond(obj, "Stalled")["message"]
         assert cond(obj, "Ready")["reason"] == "ChampionKeepsServing"
     assert runner.exception is None
+
+
+@pytest.mark.parametrize("change", [
+    {"rollout": {"strategy": {"type": "Blue"}}},
+    {"rollout": {"shadow": {"share": 0}}},
+    {"rollout": {"shadow": {"share": 1.5, "minRequests": 0, "maxSeconds": 0}}},
+    {"engine": "vllm", "rollout": {"strategy": {"type": "Shadow"}}},
+])
+def test_bad_rollout_strategies_are_refused_by_the_api_server_and_the_operator_in_the_same_words(
+        operator_env, ns, change):
+    bad = pair("bad-strategy", "good-draft", **change)
+    with pytest.raises(ApiError) as err:
+        ns.create(bad)
+    assert err.value.status == 422
+    ours = validate_spec(bad["spec"])
+    assert ours, f"the operator's check let through what the API server refused: {err.value.message}"
+    for message in ours:
+        assert message in err.value.message, (message, err.value.message)
