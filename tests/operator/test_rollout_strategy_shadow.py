@@ -84,3 +84,16 @@ def test_refusal_names_what_differs():
 def test_keys_the_serving_never_reads_are_not_compared():
     stored = {**release(speculation__k=6), "mlflow": {"version": "3"}, "version": "3", "pair": "other"}
     assert choose_strategy(spec(None), CHAMPION, stored).type == SHADOW
+
+
+def test_the_shadow_defaults_agree_with_the_engine_and_the_verdict():
+    """The CRD holds rollout.shadow's defaults; the engine's --shadow-share and the verdict's
+    minimum requests default to the same."""
+    from specpair.shadow_flags import DEFAULT_SHARE
+
+    from specpair_operator.shadow_verdict import ShadowPolicy
+    from specpair_operator.validation import shadow_defaults
+
+    defaults = shadow_defaults()
+    assert defaults["share"] == DEFAULT_SHARE
+    assert defaults["minRequests"] == ShadowPolicy().min_requests
