@@ -450,3 +450,32 @@ def test_shadow_scoring_converges_from_a_crash_after_any_write(rates, ends):
         assert crashed.objects["Deployment"]["spec"]["template"] == dep, crash_at
         assert sorted(set(crashed.history)) == sorted(crashed.history), f"recorded twice (crash at {crash_at})"
         assert Counter(a for a, _ in crashed.history) == actions, crash_at
+
+
+def test_the_probes_plain_dict_reads_as_the_message_does():
+    """GetStats.shadow through the probe's dict (engine_probe.shadow_stats, shadow_run.evidence)
+    gives the evidence shadow_verdict reads from the message itself."""
+    from specpair._proto import engine_pb2
+
+    from specpair_operator.engine_probe import shadow_stats
+    from specpair_operator.shadow_verdict import ShadowEvidence
+
+    msg = engine_pb2.ShadowStats(candidate_version="2", candidate_content_hash="h", share=0.5, skipped_steps=3)
+    cat = msg.categories["code"]
+    cat.requests = 7
+    cat.candidate_alpha.CopyFrom(engine_pb2.AlphaSums(requests=7, positions=90, alpha=41.5, positions_sq=1300.0,
+                                                      alpha_sq=260.25, positions_alpha=580.0))
+    cat.champion_alpha.CopyFrom(engine_pb2.AlphaSums(requests=7, positions=88, alpha=30.25, positions_sq=1200.0,
+                                                     alpha_sq=140.0, positions_alpha=400.0))
+    cat.alpha_paired.CopyFrom(engine_pb2.PairedSums(requests=7, accepted_both=190.0, accepted_drafted=570.0,
+                                                    drafted_accepted=410.0, drafted_both=1250.0))
+    cat.draft_seconds, cat.committed_tokens = 0.5, 100
+    plain = shadow_stats(msg)
+    found, pods, seconds, tokens = shadow_run.evidence([{"shadow": plain}, {"shadow": {**plain, "candidateHash": "x"}},
+                                                        None], "h")
+    assert (pods, seconds, tokens) == (1, 0.5, 100)
+    assert found == {"code": ShadowEvidence.from_message(cat)}
+    # Without the cross sums (an engine that does not send them) the verdict falls back to unpaired.
+    cat.ClearField("alpha_paired")
+    found, *_ = shadow_run.evidence([{"shadow": shadow_stats(msg)}], "h")
+    assert found["code"].paired is None and ShadowEvidence.from_message(cat).paired is None
