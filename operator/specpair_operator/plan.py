@@ -482,8 +482,8 @@ def _promoted(out: _Steps, tags: Mapping[str, str], aliases: Mapping[str, str], 
 
 def _shadow(out: _Steps) -> bool:
     """A passed candidate whose strategy is Shadow (rollout_strategy.choose_strategy) is scored on
-    the champion's pods before it is promoted: its start is marked on its version before the
-    champion's pods are rendered with it; the serving plan tags the verdict. True when the pass
+    the champion's pods before it is promoted: the serving plan marks its start on its version
+    before the champion's pods roll to carry it, and tags the verdict. True when the pass
     ends here (scoring, rejected or refused); False for a promotion (no shadow, or its verdict is
     Promote)."""
     w = out.world
@@ -506,10 +506,8 @@ def _shadow(out: _Steps) -> bool:
     verdict = shadow_run.read_verdict(w.tags)
     if verdict is None:
         settings = shadow_run.ShadowSettings.from_spec({"rollout": w.rollout})
-        started = w.tags.get(shadow_run.TAG_SHADOW_STARTED)
-        if not started:
-            started = w.now
-            out.add(TagVersion(version, {shadow_run.TAG_SHADOW_STARTED: started}))
+        # Marked by the serving plan when the champion's pods roll to carry it ('' until then).
+        started = w.tags.get(shadow_run.TAG_SHADOW_STARTED, "")
         if not out.was("ShadowStarted", version, version):
             out.add(Record("ShadowStarted", f"v{version} passed its gate and is scored in shadow on the pods of "
                            f"v{champion} ({strategy.reason}), on {settings.share:g} of requests", champion, version,

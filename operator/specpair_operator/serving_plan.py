@@ -506,6 +506,10 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
     live_template = ((live or {}).get("metadata", {}).get("annotations") or {}).get(ANN_TEMPLATE)
     if live_template != template and not _models_ready(out, w, version, served):
         return "fetching", ""
+    if w.shadow is not None and (live_template != template or not w.shadow.started_at):
+        # The pods roll to score the candidate afresh: its evidence, and the clock of
+        # rollout.shadow.maxSeconds, start over (the mark before the pods move).
+        out.add(TagVersion(w.shadow.version, {shadow_run.TAG_SHADOW_STARTED: w.now}))
     result = outcome(w, dep, live)
     changed = result in (owned.CREATED, owned.PATCHED)
     if changed:

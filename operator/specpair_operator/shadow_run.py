@@ -4,9 +4,11 @@ leaves in MLflow, and the verdict from what the pods report (pure; docs/shadow.m
 The run, from the operator's side:
 
 1. The candidate passes its gate and its strategy is Shadow (rollout_strategy.py): it is not
-   promoted. Its version is tagged `specpair.shadow.started_at` (the mark, before anything rolls),
-   and the champion's Deployment is rendered with the candidate's release file beside its own and
-   `--shadow-release`/`--shadow-share` (manifests.engine_deployment).
+   promoted. The champion's Deployment is rendered with the candidate's release file beside its
+   own and `--shadow-release`/`--shadow-share` (manifests.engine_deployment); whenever that
+   rolls the pods (the first time, or after the spec left the candidate and came back), its
+   version is tagged `specpair.shadow.started_at` first: the evidence starts over, and so does
+   the clock of `maxSeconds`.
 2. Each pass reads GetStats.shadow of the champion's verified pods (the probe's plain dict,
    engine_probe.shadow_stats), sums the pods that score this very candidate (its content hash)
    and judges it with shadow_verdict.judge_shadow against the champion's gated categories.
@@ -63,7 +65,7 @@ class ShadowRun:
     version: str
     release: Mapping[str, Any]
     verdict: Mapping[str, Any]
-    started_at: str
+    started_at: str               # '' until the champion's pods first roll to carry it
     settings: ShadowSettings
 
 
@@ -119,7 +121,7 @@ def judge(run: ShadowRun, digest: str, pod_stats: Iterable[Mapping[str, Any] | N
     Rejected."""
     found, pods, seconds, tokens = evidence(pod_stats, digest)
     verdict = judge_shadow(found, gated, (), run.settings.policy())
-    elapsed = max(0.0, (c.parse_iso(now) - c.parse_iso(run.started_at)).total_seconds())
+    elapsed = max(0.0, (c.parse_iso(now) - c.parse_iso(run.started_at or now)).total_seconds())
     result, reason = verdict.result, verdict.reason
     if result == UNDECIDED and elapsed >= run.settings.max_seconds:
         result, reason = REJECTED, (f"still undecided {elapsed:.0f} s after its shadow started "

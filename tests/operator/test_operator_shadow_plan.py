@@ -100,21 +100,20 @@ def verdict_tag(result: str, reason: str = "r") -> dict[str, str]:
 
 # -- the release's plan: whether a passed candidate is scored in shadow -----------------------------
 
-SCORING = ["TagVersion v2 specpair.shadow.started_at", "Record ShadowStarted",
-           "SetStatus previousVersion,servingVersion", "ServeChampion 1 shadow v2"]
+SCORING = ["Record ShadowStarted", "SetStatus previousVersion,servingVersion", "ServeChampion 1 shadow v2"]
 PROMOTION = ["TagVersion v2 specpair.promoted_at", "SetAlias previous=1", "SetAlias champion=2",
              "Record Promoted", "ServeChampion 2"]
 
 
 @pytest.mark.parametrize("what, w, expected", [
-    ("only the draft differs, no strategy named: marked, scored on v1's pods, not promoted",
+    ("only the draft differs, no strategy named: scored on v1's pods, not promoted",
      candidate_world(), SCORING),
-    ("the mark is there (a pass died after it): not marked again, ShadowStarted recorded",
-     candidate_world(tags={**DRAFT_ONLY, shadow_run.TAG_SHADOW_STARTED: "2026-11-25T11:00:00Z"}), SCORING[1:]),
+    ("the pods carry it (a pass died before its status): ShadowStarted recorded",
+     candidate_world(tags={**DRAFT_ONLY, shadow_run.TAG_SHADOW_STARTED: "2026-11-25T11:00:00Z"}), SCORING),
     ("scoring already recorded: the champion serves with the shadow, nothing else",
      candidate_world(tags={**DRAFT_ONLY, shadow_run.TAG_SHADOW_STARTED: NOW},
                      records=Records({"GateStarted": ("2",), "GatePassed": ("2",), "ShadowStarted": ("2",)})),
-     SCORING[2:]),
+     SCORING[1:]),
     ("the verdict is Promote: promoted as a gate pass is, ShadowPromoted recorded (its pass died first)",
      candidate_world(tags={**DRAFT_ONLY, **verdict_tag("Promote")}),
      ["Condition ShadowScored=True Promoted", "SetStatus shadow", "Record ShadowPromoted", *PROMOTION]),
@@ -139,7 +138,7 @@ def test_a_passed_candidate_is_scored_in_shadow_when_only_its_draft_differs(what
         run = steps[-1].shadow
         assert run.settings == shadow_run.ShadowSettings(0.1, 20, 3600.0)   # the CRD's defaults
         assert run.release == json.loads(DRAFT_ONLY[p.TAG_RELEASE]) and run.verdict == GOOD
-        assert run.started_at == w.tags.get(shadow_run.TAG_SHADOW_STARTED, NOW)
+        assert run.started_at == w.tags.get(shadow_run.TAG_SHADOW_STARTED, "")
     if expected[-1] == "ServeChampion -":
         assert "v2" in steps[-1].reason and "keeps serving" in steps[-1].reason or "rejected" in steps[-1].reason
 
@@ -253,6 +252,30 @@ def test_the_champions_pods_mount_the_candidates_release_file_and_score_it():
     assert "--shadow-release" not in ended["spec"]["template"]["spec"]["containers"][0]["command"]
     assert owned.manifest_fingerprint(ended) == owned.manifest_fingerprint(plain)
     assert sp.template_fingerprint(ended) == sp.template_fingerprint(plain)
+
+
+@pytest.mark.parametrize("what, live, started", [
+    ("the pods do not carry it yet: the start is marked before they roll", "plain", True),
+    ("they carry another candidate: likewise", "other", True),
+    ("they carry it: nothing to mark", "carrying", False),
+    ("they carry it but the mark is gone: marked now", "carrying-unmarked", True),
+])
+def test_the_start_is_marked_whenever_the_pods_roll_to_carry_the_candidate(what, live, started):
+    w = scoring()
+    if live == "plain":
+        w = dataclasses.replace(w, deployment=available(sp.engine_deployment(dataclasses.replace(
+            w, shadow=None, deployment=None), sp.served_release(w))))
+    elif live == "other":
+        other = dataclasses.replace(run(), version="9", release=json.loads(NEW_TARGET[p.TAG_RELEASE]))
+        w = dataclasses.replace(w, deployment=available(sp.engine_deployment(dataclasses.replace(
+            w, shadow=other, deployment=None), sp.served_release(w))))
+    elif live == "carrying-unmarked":
+        w = dataclasses.replace(w, shadow=run(started_at=""))
+    names = kinds(sp.plan_serving(w))
+    mark = "TagVersion v2 specpair.shadow.started_at"
+    assert (mark in names) == started, what
+    if started and live != "carrying-unmarked":
+        assert names.index(mark) < names.index("EnsureOwned Deployment")
 
 
 def test_the_candidate_file_is_tuned_as_it_would_serve():
