@@ -55,7 +55,7 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
                         "dynamic (Hugging Face's forward, any model). Default: SPECPAIR_KV, else static")
     p.add_argument("--compile", choices=["off", "on"], default=None,
                    help="compile the static step with torch.compile (warmed at start). "
-                        "Default: SPECPAIR_COMPILE, else off")
+                        "Default: SPECPAIR_COMPILE, else on for CUDA (CUDA graphs), off on the CPU")
     p.add_argument("--kv-budget", default=None,
                    help="keys and values the engine may hold: target tokens (4096) or bytes with a "
                         "unit (512MiB); past it, rows stop drafting, newest first. Default: "

@@ -193,7 +193,7 @@ class SpeculativeEngine:
         free now, else none): past it, rows stop drafting (Batch.add).
         """
         self.kv_kind = resolve_kv_kind(kv)
-        self.compile_mode = resolve_compile(compile)
+        self.compile_mode = resolve_compile(compile, target.device)
         self.target = target
         self.config = speculation or SpeculationConfig()
         self.controller = SpeculationController(self.config)

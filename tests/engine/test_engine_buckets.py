@@ -238,7 +238,12 @@ def test_the_gpu_step_bench_runs_on_the_cpu(tmp_path):
     tiny = report["shapes"]["tiny"]
     assert set(tiny["specpair"]["step_ms"]) == {"1", "2", "4"}      # k+1 for k <= 2, bucketed
     assert set(tiny["specpair"]["verify_over_step"]) == {"0", "1", "2"}
-    assert min(tiny["specpair"]["launches"].values()) > 0 and tiny["hf_static"]["step_ms"] > 0
+    assert min(n["count"] for n in tiny["specpair"]["launches"].values()) > 0
+    assert tiny["hf_static"]["step_ms"] > 0
+    # Its bitwise check: W tokens verified at once against the same tokens one step at a time.
+    assert set(tiny["exactness"]) == {"2", "4"}
+    assert all(e["tokens_bitwise_equal"] == e["tokens"] and e["max_abs_diff"] == 0
+               for e in tiny["exactness"].values())
     assert all(tiny["specpair"]["host_ms"][w] <= tiny["specpair"]["step_ms"][w] for w in ("1", "2"))
     assert tiny["bandwidth_limit_ms"] > 0
 

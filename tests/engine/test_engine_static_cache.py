@@ -215,6 +215,38 @@ def test_unsupported_models_get_the_dynamic_cache_and_bad_kinds_are_refused(tiny
         static_cache.resolve_compile("max")
 
 
+def test_compiling_is_on_by_default_on_cuda_only(monkeypatch):
+    """CUDA graphs are what make the GPU step fast (docs/gpu.md); the CPU's eager step is faster
+    there. Asking, or SPECPAIR_COMPILE, wins either way."""
+    monkeypatch.delenv("SPECPAIR_COMPILE", raising=False)
+    assert static_cache.resolve_compile(None, torch.device("cuda")) == "on"
+    assert static_cache.resolve_compile(None, torch.device("cpu")) == "off"
+    assert static_cache.resolve_compile(None) == "off"
+    assert static_cache.resolve_compile("off", torch.device("cuda")) == "off"
+    monkeypatch.setenv("SPECPAIR_COMPILE", "off")
+    assert static_cache.resolve_compile(None, "cuda") == "off"
+
+
+def test_compiled_kernels_are_kept_in_the_model_cache_when_it_is_writable(monkeypatch, tmp_path):
+    # setenv first, so the variable's state before the test is what monkeypatch restores.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("SPECPAIR_CACHE", str(tmp_path / "cache"))
+    static_cache.use_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    assert (tmp_path / "cache" / "inductor").is_dir()
+    # Set by the operator of the machine: kept.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    static_cache.use_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    # A cache that cannot be created (a file in the way): inductor keeps its own default.
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    (tmp_path / "blocked").write_text("")
+    monkeypatch.setenv("SPECPAIR_CACHE", str(tmp_path / "blocked"))
+    static_cache.use_compile_cache()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
 # -- whole generations ------------------------------------------------------------------------
 
 PROMPTS = ["def foo(x):\n    return", "Hello world, hello world, hello", "import os\nimport sys\n"]
