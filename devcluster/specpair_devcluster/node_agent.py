@@ -33,7 +33,11 @@ How a pod runs here, and where that differs from a kubelet with a container runt
 - Volumes are materialised when a container starts; a Secret changed later is not projected
   into running pods (a kubelet updates it within a minute or so).
 - Probes: startup, readiness and liveness (grpc, httpGet, tcpSocket, exec) with their delays,
-  periods and thresholds; a failed liveness or startup probe restarts the container.
+  periods and thresholds; a failed liveness or startup probe restarts the container. Until a
+  startup or readiness probe first succeeds, the node also looks every
+  `NodeSpec.first_success_poll_seconds` between the probe's periods (a look that fails is not
+  counted): a container is started and Ready about when it answers instead of up to a whole
+  period later (10 s for the engines' startup probe), while failures still count once a period.
 - Restarts follow restartPolicy with a doubling back-off (1 s to 60 s; a kubelet uses 10 s to
   5 min) shown as CrashLoopBackOff.
 - Admission: a pod whose GPU requests exceed what the node has free is refused
@@ -95,6 +99,9 @@ class NodeSpec:
     env: dict[str, str] = field(default_factory=dict)
     # mountPath -> host folder shared by every pod on the node (pre-seeded content).
     preseeded: dict[str, str] = field(default_factory=dict)
+    # How often a startup or readiness probe that has not yet succeeded is also looked at,
+    # between its periods (None: only at its periods, as a kubelet does).
+    first_success_poll_seconds: float | None = 1.0
 
 
 @dataclass
@@ -398,8 +405,22 @@ class Probe:
         self.failure_threshold = int(spec.get("failureThreshold", 3))
         self.success_threshold = int(spec.get("successThreshold", 1))
         self.next_at = 0.0
+        self.look_at = 0.0
         self.failures = 0
         self.successes = 0
+        self.succeeded = False
+
+    def due(self, now: float, poll: float | None) -> bool | None:
+        """True: a probe counted at its period; False: an uncounted look between periods (before
+        the probe's first success); None: nothing to do now."""
+        if now >= self.next_at:
+            self.next_at = now + self.period
+            self.look_at = now + (poll or 0)
+            return True
+        if poll is not None and not self.succeeded and now >= self.look_at:
+            self.look_at = now + poll
+            return False
+        return None
 
 
 class PodWorker:
@@ -557,30 +578,31 @@ class PodWorker:
         readiness = Probe(container.get("readinessProbe"), "readiness")
         liveness = Probe(container.get("livenessProbe"), "liveness")
         started = startup.spec is None
+        poll = self.agent.spec.first_success_poll_seconds
         for p in (startup, readiness, liveness):
-            p.next_at = t0 + p.initial
+            p.next_at = p.look_at = t0 + p.initial
         while proc.poll() is None:
             if self.deleting.wait(0.2):
                 return "Killing"
             now = time.monotonic()
             if not started:
-                if now >= startup.next_at:
-                    startup.next_at = now + startup.period
-                    if self._probe(container, startup):
+                counted = startup.due(now, poll)
+                if counted is not None:
+                    if self._probe(container, startup, counted):
                         started = True
                         self.containers[name]["started"] = True
-                        readiness.next_at = liveness.next_at = now
+                        readiness.next_at = readiness.look_at = liveness.next_at = now
                         self._push_status()
                     elif startup.failures >= startup.failure_threshold:
                         self.agent._event(self.pod, "Warning", "Unhealthy", f"Startup probe failed {startup.failures} times")
                         return "StartupProbeFailed"
                 continue
-            if now >= readiness.next_at:
-                readiness.next_at = now + readiness.period
+            counted = readiness.due(now, poll if readiness.spec is not None else None)
+            if counted is not None:
                 if readiness.spec is None:
                     ok = True
                 else:
-                    self._probe(container, readiness)
+                    self._probe(container, readiness, counted)
                     ok = self.ready[name]
                     if readiness.successes >= readiness.success_threshold:
                         ok = True
@@ -589,20 +611,21 @@ class PodWorker:
                 if ok != self.ready[name]:
                     self.ready[name] = ok
                     self._push_status()
-            if liveness.spec is not None and now >= liveness.next_at:
-                liveness.next_at = now + liveness.period
+            if liveness.spec is not None and liveness.due(now, None):
                 if not self._probe(container, liveness) and liveness.failures >= liveness.failure_threshold:
                     self.agent._event(self.pod, "Warning", "Unhealthy",
                                       f"Liveness probe failed {liveness.failures} times; restarting")
                     return "LivenessProbeFailed"
         return None
 
-    def _probe(self, container: dict[str, Any], probe: Probe) -> bool:
+    def _probe(self, container: dict[str, Any], probe: Probe, counted: bool = True) -> bool:
+        """Run the probe; a failure counts towards its failureThreshold only when `counted`."""
         ok = run_probe(probe.spec or {}, self.ip, container, probe.timeout, self._env_cache)
         if ok:
             probe.successes += 1
             probe.failures = 0
-        else:
+            probe.succeeded = True
+        elif counted:
             probe.failures += 1
             probe.successes = 0
         return ok

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,28 @@ def test_a_pod_runs_as_a_process_on_its_own_ip_with_probes_and_exit_codes(devclu
     wait("web-a gone", lambda: devcluster.kube.get("v1", "Pod", ns, "web-a") is None, timeout=45)
     with pytest.raises(OSError):
         socket.create_connection((a["status"]["podIP"], 8080), timeout=1)
+
+
+def test_a_startup_probe_passes_when_the_container_answers_and_fails_at_its_periods(devcluster, ns):
+    # Listens after a second: the probe at the start fails, a look between periods passes, long
+    # before the next period (a kubelet would wait the whole 60 s).
+    server = ("import http.server, time\ntime.sleep(1)\n"
+              "http.server.ThreadingHTTPServer(('0.0.0.0', 8080), http.server.SimpleHTTPRequestHandler).serve_forever()")
+    startup = {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 60, "failureThreshold": 2}
+    created = time.monotonic()
+    devcluster.kube.create(python_pod("slow-start", ns, server, restartPolicy="Always",
+                                      container={"ports": [{"name": "http", "containerPort": 8080}],
+                                                 "startupProbe": startup}))
+    wait("slow-start ready", lambda: ready(pod(devcluster, ns, "slow-start")), timeout=45)
+    assert time.monotonic() - created < 45
+    # Never answers: failures count once a period (3 x 2 s), not once a look.
+    never = {"tcpSocket": {"port": 9}, "periodSeconds": 2, "failureThreshold": 3}
+    created = time.monotonic()
+    devcluster.kube.create(python_pod("never", ns, "import time; time.sleep(600)", restartPolicy="Always",
+                                      container={"startupProbe": never}))
+    wait("a restart of never", lambda: ((pod(devcluster, ns, "never").get("status") or {}).get("containerStatuses")
+                                        or [{}])[0].get("restartCount", 0) >= 1, timeout=30)
+    assert time.monotonic() - created >= 4
 
 
 def test_liveness_failure_restarts_and_a_missing_image_never_runs(devcluster, ns):
