@@ -22,6 +22,9 @@ VENV="${SPECPAIR_VENV:-.venv}"
 export PATH="$PWD/.tools/bin:$PATH"
 # Two workers (SPECPAIR_TEST_WORKERS): most tests wait on servers, so two use the two cores; a
 # file's tests stay on one worker (--dist loadfile), so module fixtures are built once. Each
-# worker starts its own control plane; their pod networks and ports never collide.
+# worker starts its own control plane; their pod networks and ports never collide. Files are
+# handed out in the order tests/conftest.py collects them, longest first
+# (--no-loadscope-reorder: xdist's own order, most tests first, left the one-test files that
+# take minutes for the end).
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
-  -n "${SPECPAIR_TEST_WORKERS:-2}" --dist loadfile "$@"
+  -n "${SPECPAIR_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -32,17 +32,38 @@ def pytest_configure(config):
 SLOW_ROOMS = ("ship", "devcluster", "demo", "observability")
 
 
+# Files that take minutes, longest first (CI's --durations): they start first. Under
+# `--dist loadfile` a worker that picks one up last runs on alone after the other has finished.
+LONGEST_FIRST = ("demo/test_demo_smoke.py", "operator/test_operator_e2e.py",
+                 "operator/test_operator_vllm.py", "observability/test_prometheus_live.py",
+                 "observability/test_keda_scaling.py", "operator/test_operator_convergence.py",
+                 "operator/test_operator_gate_retry.py", "engine/test_engine_gate_vllm.py",
+                 "operator/test_operator_real_engine.py", "operator/test_operator_mlflow_auth.py",
+                 "engine/test_engine_static_cache.py")
+
+
 def pytest_collection_modifyitems(items):
     """The fast lane (`pytest -m "not slow"`, a few minutes) leaves out what starts real servers
     or tools beside the test: a Kubernetes control plane (the `devcluster` fixture, direct or
     through another fixture), a vLLM server, the slow rooms above, and tests marked slow where
-    they are written (the real SmolLM2, subprocess servers, soaks)."""
+    they are written (the real SmolLM2, subprocess servers, soaks).
+
+    Then the files run longest first: LONGEST_FIRST, the other files with a slow test, and the
+    fast files last, whose many short tests fill in while the other worker ends its last long
+    file (scripts/test.sh keeps this order: --no-loadscope-reorder)."""
     tests = Path(__file__).resolve().parent
     for item in items:
         room = Path(str(item.fspath)).resolve().relative_to(tests).parts[0]
         if (room in SLOW_ROOMS or "devcluster" in getattr(item, "fixturenames", ())
                 or item.get_closest_marker("vllm")):
             item.add_marker(pytest.mark.slow)
+    files = {}
+    for item in items:
+        file = Path(str(item.fspath)).resolve().relative_to(tests).as_posix()
+        files[file] = files.get(file, False) or item.get_closest_marker("slow") is not None
+    rank = {file: (LONGEST_FIRST.index(file) if file in LONGEST_FIRST
+                   else len(LONGEST_FIRST) + (0 if slow else 1)) for file, slow in files.items()}
+    items.sort(key=lambda item: rank[Path(str(item.fspath)).resolve().relative_to(tests).as_posix()])
 
 
 def pytest_runtest_setup(item):
