@@ -198,3 +198,21 @@ def test_the_canary_deployment_is_the_candidates_engine_behind_the_same_service_
     live = {**dep, "metadata": {**dep["metadata"], "labels": {**dep["metadata"]["labels"]}}}
     assert canary.live_step(live, "2") == 1 and canary.live_step(live, "3") == -1
     assert canary.live_step({**live, "spec": {**live["spec"], "replicas": 0}}, "2") == -1
+
+
+@pytest.mark.parametrize("strategy, message", [
+    ({"type": "Canary", "steps": [{"replicas": 1}, {"share": 0.5, "pauseSeconds": 30}]}, None),
+    ({"type": "Canary", "steps": [{"replicas": 1, "share": 0.5}]}, "a canary step gives either replicas or share, not both"),
+    ({"type": "Canary", "steps": [{"pauseSeconds": 30}]}, "a canary step gives either replicas or share, not both"),
+    ({"type": "Canary", "steps": [{"share": 0.0}]}, "a canary step's share is above 0 and at most 1"),
+    ({"type": "Canary", "steps": [{"share": 1.5}]}, "a canary step's share is above 0 and at most 1"),
+    ({"type": "Canary"}, "rollout.strategy.type Canary needs rollout.strategy.steps"),
+    ({"type": "Canary", "steps": []}, "rollout.strategy.type Canary needs rollout.strategy.steps"),
+    ({"type": "Replace"}, None),
+])
+def test_the_operators_check_of_canary_steps_words_them_as_the_crd_does(strategy, message):
+    from specpair_operator.validation import validate_spec
+
+    errors = validate_spec({"target": {"source": "default"}, "draft": {"drafter": "ngram"},
+                            "rollout": {"strategy": strategy}})
+    assert (errors == []) if message is None else any(e.endswith(f"Invalid value: {message}") for e in errors), errors
