@@ -298,9 +298,15 @@ class ServingState:
         return cls(str(champion), streaks, baselines)
 
     def with_baseline(self, baseline: Baseline) -> "ServingState":
-        kept = {v: b for v, b in self.baselines.items() if v != self.version}
-        kept = dict(list(kept.items())[-(BASELINES_KEPT - 1):]) if BASELINES_KEPT > 1 else {}
-        return replace(self, baselines={**kept, self.version: baseline})
+        # The newest by version number, not by key order: status comes back from the API server
+        # with its keys sorted as strings ("10" before "9").
+        older = sorted((v for v in self.baselines if v != self.version), key=_version_order)
+        kept = older[-(BASELINES_KEPT - 1):] if BASELINES_KEPT > 1 else []
+        return replace(self, baselines={**{v: self.baselines[v] for v in kept}, self.version: baseline})
+
+
+def _version_order(version: str) -> tuple[int, str]:
+    return (int(version), "") if version.isdigit() else (-1, version)
 
 
 @dataclass(frozen=True)

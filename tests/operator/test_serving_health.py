@@ -362,6 +362,14 @@ def test_state_round_trips_through_status_and_keeps_the_newest_baselines():
     assert sh.ServingState.for_release(state.as_dict(), "3").baseline == b
 
 
+def test_the_newest_baselines_are_kept_by_version_number_as_status_sorts_its_keys_as_strings():
+    b = sh.Baseline({sh.TTFT: {"code": 0.25}, sh.TPOT: {"code": 0.03}}, 0.01, 1.5, 600)
+    # Status as the API server returns it: an object's keys sorted as strings (Go's encoding/json).
+    stored = sh.ServingState("10", {}, {"10": b, "8": b, "9": b}).as_dict()
+    promoted = sh.ServingState.for_release(stored, "11").with_baseline(b)
+    assert set(promoted.baselines) == {"9", "10", "11"}   # v10, the rollback target, is kept
+
+
 def test_latency_defaults_come_from_the_crd_and_the_spec_overrides_them():
     from specpair_operator.validation import latency_defaults
     d = latency_defaults()
