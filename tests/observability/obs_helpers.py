@@ -59,3 +59,14 @@ def panel_targets() -> list[tuple[str, str]]:
 
 def dashboard_variables() -> list[dict[str, Any]]:
     return [v for v in json.loads(DASHBOARD.read_text())["templating"]["list"] if v.get("type") == "query"]
+
+
+def annotation_queries() -> list[tuple[str, str]]:
+    """(annotation name, PromQL) of every annotation the dashboard ships."""
+    return [(a["name"], a["expr"]) for a in json.loads(DASHBOARD.read_text())["annotations"]["list"] if a.get("expr")]
+
+
+def with_grafana_values(expr: str, *, pair: str, version: str, rate_interval: str, range_: str) -> str:
+    """A dashboard query with the values Grafana puts in for its variables and macros."""
+    return (expr.replace("$__rate_interval", rate_interval).replace("$__range", range_)
+            .replace("$pair", pair).replace("$version", version))

@@ -8,9 +8,12 @@ chart's PodMonitor and ServiceMonitor become (specpair_devcluster.prometheus), s
 second and evaluating the shipped rule file every second. The scenario, on two pairs:
 
 - `fails`: its gate demands a speedup no release reaches, so its only release fails the gate;
-- `drifts`: v1 and v2 (the same good draft at a new path) pass and serve traffic; then v2's draft
-  files are replaced by an unrelated model and its pod restarted, so live acceptance drifts: the
-  operator turns speculation off, then rolls back to v1.
+- `drifts`: v1 serves a mediocre draft. v2, the good draft (only the draft differs), passes its
+  gate and is scored in shadow on v1's pod, on every request, and promoted on that evidence (the
+  engine's `specpair_shadow_*` series, the operator's `specpair_shadow_verdicts_total`); v2 serves
+  traffic. Then v2's draft files are replaced by an unrelated model and its pod restarted, so live
+  acceptance drifts: the operator turns speculation off, then rolls back to v1, which was gated
+  well above what v2 now does.
 
 Then: each panel query returns data for `drifts` over the scenario's time range, the dashboard's
 variables list the pair, and the alerts that fired (Prometheus' own ALERTS series) are exactly
@@ -34,7 +37,8 @@ import grpc
 import pytest
 import yaml
 
-from obs_helpers import CHART, REPO, RULES, alert_rules, dashboard_variables, helm, panel_targets, render
+from obs_helpers import (CHART, REPO, RULES, alert_rules, annotation_queries, dashboard_variables, helm, panel_targets,
+                         render, with_grafana_values)
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # the demo's process helpers (MLflow)
@@ -52,6 +56,9 @@ DRIFT = {"intervalSeconds": 1, "windowSeconds": 10, "minDraftedTokens": 20, "min
          "consecutiveBreaches": 1, "probeAfterWindows": 1}
 CODE_PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print(", "import json\n\ndef load(path):",
                 "class Point:\n    def __init__(self, x, y):"]
+# Every request is scored in shadow, and a verdict needs 10 of them a side (and the verdict's 200
+# first positions): seconds of traffic. maxSeconds is a backstop the scenario never reaches.
+SHADOW = {"share": 1.0, "minRequests": 10, "maxSeconds": 600}
 # Speculation stays off for a few drift windows before the rollback here, not the minute a
 # production `for:` asks for: only that duration is shortened when the rules are loaded.
 SHORT_FOR = "2s"
@@ -68,7 +75,7 @@ def pair_manifest(name: str, target: str, draft: str, **spec: Any) -> dict[str, 
                                 "maxNewTokens": 12, "thresholds": {"requireGreedyIdentity": True}},
                      # Tiny models on CPU never gain from speculation, so the gate's tuning would turn it
                      # off in serving; drift needs it on.
-                     "rollout": {"applyGateTuning": False}, "drift": dict(DRIFT), **spec}}
+                     "rollout": {"applyGateTuning": False, "shadow": dict(SHADOW)}, "drift": dict(DRIFT), **spec}}
 
 
 def chart_values(namespace: str, mlflow_url: str, monitors: bool) -> dict[str, Any]:
@@ -86,6 +93,10 @@ def shortened_rules(path: Path) -> Path:
                 rule["for"] = SHORT_FOR
     path.write_text(yaml.safe_dump(rules, sort_keys=False))
     return path
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
 
 def ready(pod: dict[str, Any]) -> bool:
@@ -161,8 +172,8 @@ def grafana_query(expr: str, pair: str, step: float, range_seconds: float) -> st
     every SCRAPE seconds (max(interval + scrape, 4 x scrape)) and $__range the whole range."""
     (version,) = [v for v in dashboard_variables() if v["name"] == "version"]
     rate_interval = max(step + SCRAPE, 4 * SCRAPE)
-    return (expr.replace("$__rate_interval", f"{rate_interval:.0f}s").replace("$__range", f"{range_seconds:.0f}s")
-            .replace("$pair", re.escape(pair)).replace("$version", version["allValue"]))
+    return with_grafana_values(expr, pair=re.escape(pair), version=version["allValue"],
+                               rate_interval=f"{rate_interval:.0f}s", range_=f"{range_seconds:.0f}s")
 
 
 def finite_points(result: list[dict[str, Any]]) -> int:
@@ -170,13 +181,17 @@ def finite_points(result: list[dict[str, Any]]) -> int:
 
 
 @pytest.fixture
-def models(tiny_pair_dirs, tiny_tokenizer):
+def models(tiny_pair_dirs, tiny_tokenizer, tiny_target):
     """The tiny models where pods can read them (pytest's folders are under /tmp, which each pod
-    has as its own emptyDir), plus an unrelated model to replace a served draft with."""
-    from tiny_models import make_model, save_tiny
+    has as its own emptyDir): the target, the good draft at a path of its own (`draft-v2`), a
+    mediocre draft (the target's weights with more noise: it picks the target's greedy token at
+    0.29 of the code prompts' positions, the good draft at 0.63), and an unrelated model to
+    replace a served draft's files with."""
+    from tiny_models import make_model, perturbed_copy, save_tiny
     root = Path.home() / ".cache" / "specpair-test-models" / f"obs-{uuid.uuid4().hex[:8]}"
     out = {k: str(shutil.copytree(v, root / k)) for k, v in tiny_pair_dirs.items()}
     out["draft-v2"] = str(shutil.copytree(tiny_pair_dirs["draft"], root / "draft-v2"))
+    out["draft-mediocre"] = str(save_tiny(perturbed_copy(tiny_target, seed=5, noise=0.07), root / "draft-mediocre"))
     out["unrelated"] = str(save_tiny(make_model(tiny_tokenizer, seed=9), root / "unrelated"))
     yield out
     shutil.rmtree(root, ignore_errors=True)
@@ -217,7 +232,7 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
         fails["spec"]["gating"]["thresholds"]["minSpeedup"] = 1000  # no release is 1000x faster
         # Its verdict is a failure however long its prompts: few tokens leave the cores to drifts' gate.
         fails["spec"]["gating"]["maxNewTokens"] = 4
-        for pair in (fails, pair_manifest("drifts", models["target"], models["draft"])):
+        for pair in (fails, pair_manifest("drifts", models["target"], models["draft-mediocre"])):
             kube.create({**pair, "metadata": {**pair["metadata"], "namespace": namespace}})
 
         # Generous: the operator's start, two gates side by side and an engine's start, on two cores
@@ -234,9 +249,17 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
             == [engines["spec"]["endpoints"][0]["port"]]
         s.wait("fails' gate to fail", lambda: (s.pair("fails").get("status") or {}).get("lastGate", {}).get("passed") is False,
                timeout=300, traffic_to="drifts")
-        kube.patch(PAIR_API, "SpecModelPair", namespace, "drifts", {"spec": {"draft": {"source": models["draft-v2"]}}})
+        # v2: only the draft differs, so once it passes its gate v1's pod scores it in shadow.
         # No traffic while v2 is gated: the gate's timing sweeps would share the two cores with it.
-        s.wait("drifts v2 serving", lambda: s.serving("drifts", "2"), timeout=300)
+        kube.patch(PAIR_API, "SpecModelPair", namespace, "drifts", {"spec": {"draft": {"source": models["draft-v2"]}}})
+        s.wait("v2 scored in shadow", lambda: condition(s.pair("drifts"), "ShadowScored").get("reason") == "Scoring",
+               timeout=300)
+        obj = s.wait("v2 promoted by shadow scoring and serving", lambda: s.serving("drifts", "2"), timeout=240,
+                     traffic_to="drifts")
+        scored = obj["status"]["shadow"]
+        assert scored["version"] == "2" and scored["result"] == "Promote", scored
+        assert scored["categories"]["code"]["candidateAlpha"] > scored["categories"]["code"]["championAlpha"], scored
+        assert "ShadowPromoted" in [h["action"] for h in obj["status"]["history"]]
         for _ in range(3):
             s.traffic("drifts")
 
@@ -282,6 +305,11 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
         assert got[("SpecpairSpeculationOff", "drifts", "")] >= s.action_time("drifts", "SpeculationOff") - 1
         assert got[("SpecpairRolledBack", "drifts", "drift")] >= s.action_time("drifts", "RolledBack") - 1
         assert all(r["health"] == "ok" for r in prom.rules()), [(r["name"], r.get("lastError")) for r in prom.rules()]
+        # The operator counted its one shadow verdict; v1's pods labelled what they scored with v2.
+        verdicts = prom.query(f'specpair_shadow_verdicts_total{{namespace="{namespace}"}}')
+        assert [(r["metric"]["pair"], r["metric"]["result"], r["value"][1]) for r in verdicts] == [("drifts", "promoted", "1")]
+        shadowed = prom.query_range('specpair_shadow_requests_total{pair="drifts"}', start, time.time(), SCRAPE)
+        assert {(r["metric"]["version"], r["metric"]["candidate_version"]) for r in shadowed} == {("1", "2")}
 
         # Every panel query returns data for the pair over the scenario's range, as Grafana asks.
         end, step = time.time(), 2.0
@@ -291,6 +319,16 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
             if not finite_points(prom.query_range(query, start, end, step)):
                 empty.append((title, query))
         assert not empty, f"panel queries with no data: {json.dumps(empty, indent=1)}"
+        # The verdicts panel counts the one verdict (as the counter's first sample, not as no change).
+        (verdicts_now,) = [expr for title, expr in panel_targets() if title == "Shadow verdicts"]
+        assert [(r["metric"]["result"], r["value"][1]) for r in prom.query(grafana_query(verdicts_now, "drifts", step, 0))] \
+            == [("promoted", "1")]
+        # Annotations mark the operator's decisions, each event at its first appearance too. No
+        # canary runs here (tests/operator/test_operator_canary_e2e.py runs one): Prometheus only
+        # evaluates that query.
+        marked = {name: finite_points(prom.query_range(grafana_query(expr, "drifts", step, end - start), start, end, step))
+                  for name, expr in annotation_queries()}
+        assert {name for name, points in marked.items() if points} == set(marked) - {"Canary decisions"}, marked
         # The dashboard's variables (label_values(metric, label)) list the pair and its versions.
         for var in dashboard_variables():
             metric, label = re.fullmatch(r"label_values\((.+), (\w+)\)", var["definition"]).groups()
