@@ -15,7 +15,8 @@ from .timeline import Timeline
 from .traffic import Answer
 
 ACTION_STYLE = {"Promoted": ("#2a9d8f", "promoted"), "SpeculationOff": ("#e9c46a", "speculation off"),
-                "RolledBack": ("#e63946", "rolled back")}
+                "RolledBack": ("#e63946", "rolled back"), "ShadowStarted": ("#6a4c93", "shadow"),
+                "ShadowPromoted": ("#2a9d8f", "shadow promoted"), "ShadowRejected": ("#6a4c93", "shadow rejected")}
 VERSION_COLOURS = ["#457b9d", "#f4a261", "#6a4c93", "#2a9d8f"]
 
 
@@ -71,6 +72,13 @@ def acceptance_plot(timeline: Timeline, verdicts: dict[str, dict[str, Any]]) -> 
             end = min([e for e in ends if e >= t] or [t0 + max(seg_t or [t - t0])])
             ax.axvspan(t - t0, end - t0, color="#e63946", alpha=0.07)
             ax.text(t - t0, 0.02, " " + label[len("drift:"):].strip(), fontsize=8, color="#a4161a",
+                    transform=ax.get_xaxis_transform())
+        elif label.startswith("shadow:") and label.endswith("scored on live traffic"):
+            # Shaded while the candidate is scored: until the demo's mark of the verdict.
+            end = min([m for m, other in timeline.marks if m > t and other.startswith("shadow:")]
+                      or [t0 + max(seg_t or [t - t0])])
+            ax.axvspan(t - t0, end - t0, color="#6a4c93", alpha=0.07)
+            ax.text(t - t0, 0.02, " scored in shadow", fontsize=8, color="#6a4c93",
                     transform=ax.get_xaxis_transform())
         elif label.startswith("probe:"):
             ax.axvline(t - t0, color="#e9c46a", linewidth=1.5, linestyle=":")
@@ -167,9 +175,33 @@ def drift_section(drift: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def shadow_section(shadow: dict[str, Any] | None) -> str:
+    """The shadow chapter: the candidate, each step with its time, the verdict and its numbers
+    per category (status.shadow as the operator wrote it)."""
+    if not shadow:
+        return ""
+    from .shadow_chapter import numbers_rows
+
+    status = shadow.get("status") or {}
+    steps = [[_fmt(t, "{:.1f} s"), html.escape(stage)] for t, stage in shadow.get("timeline") or []]
+    rows = [[html.escape(x) for x in row] for row in numbers_rows(status)]
+    cond = shadow.get("condition") or {}
+    return (f"<h2>Shadow chapter</h2><p>v{html.escape(str(shadow.get('version')))}, a candidate that changes only "
+            f"the draft side, scored on the pods of v{html.escape(str(shadow.get('champion')))} while they served "
+            f"({html.escape(str(shadow.get('requests')))} requests answered, {html.escape(str(shadow.get('failed')))} "
+            f"failed; {_fmt(status.get('share'), '{:g}')} of them scored; {_fmt(shadow.get('seconds'), '{:.0f}')} s "
+            f"from the spec change to the verdict). <b>ShadowScored={html.escape(str(cond.get('status', '-')))} "
+            f"{html.escape(str(cond.get('reason', '')))}</b>: {html.escape(str(shadow.get('meaning', '')))}</p>"
+            f"<p>The operator's verdict: {html.escape(str(cond.get('message', '-')))}</p>"
+            + _table(rows, ["category", "candidate alpha", "champion alpha", "difference (99% bounds)", "requests",
+                            "says"])
+            + _table(steps, ["since the spec change", "step"])
+            + f"<p>v{html.escape(str(shadow.get('servingAfter')))} serving after the verdict.</p>")
+
+
 def write_report(path: Path, pair: dict[str, Any], timeline: Timeline, answers: list[tuple[str, Answer]],
                  verdicts: dict[str, dict[str, Any]], mlflow_url: str, model: str, seconds: float,
-                 drift: dict[str, Any] | None = None) -> Path:
+                 drift: dict[str, Any] | None = None, shadow: dict[str, Any] | None = None) -> Path:
     st = pair.get("status") or {}
     history = st.get("history") or []
     outcome = ("rolled back" if any(h.get("action") == "RolledBack" for h in history) else st.get("phase", "?"))
@@ -184,7 +216,7 @@ def write_report(path: Path, pair: dict[str, Any], timeline: Timeline, answers: 
                  for h in history]
     ans_rows = []
     for label, a in answers:
-        if label in ("drift", "traffic shift"):
+        if label in ("drift", "traffic shift", "shadow"):
             continue
         ans_rows.append([html.escape(label), html.escape(a.category), html.escape(a.prompt.splitlines()[0][:70]),
                          html.escape(a.text[:160]) + ("…" if len(a.text) > 160 else ""),
@@ -196,7 +228,7 @@ def write_report(path: Path, pair: dict[str, Any], timeline: Timeline, answers: 
         acc = sum(a.accepted for a in drift_answers) / d if d else None
         drift_note = (f"<p>{len(drift_answers)} requests during the drift; acceptance over their drafted tokens: "
                       f"{_fmt(acc, '{:.0%}')} ({d} drafted).</p>")
-    drift_note += drift_section(drift or {})
+    drift_note += drift_section(drift or {}) + shadow_section(shadow)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>specpair demo report</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:1080px;margin:2em auto;color:#222;padding:0 1em}}
 h1{{margin-bottom:.2em}} .sub{{color:#666;margin-top:0}} table{{border-collapse:collapse;width:100%;font-size:13px;margin:.5em 0 1.5em}}

@@ -9,7 +9,9 @@ and served (a real Deployment), streams answers, ships a second release, then dr
 chapter: a traffic shift the operator reports and leaves alone, then acceptance that drifts in a
 gated category, which it switches off, probes and rolls back on evidence: with the n-gram
 drafter a domain shift (requests labelled as document work whose content is free-form writing),
-with a draft model a draft gone bad. It ends with an HTML report (out/demo/<run>/report.html).
+with a draft model a draft gone bad. Then a candidate that changes only the draft side is scored
+in shadow on the champion's pods while they serve, and promoted or rejected on that live evidence.
+It ends with an HTML report (out/demo/<run>/report.html).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any, Callable
 import yaml
 from tqdm import tqdm
 
-from . import traffic
+from . import shadow_chapter, traffic
 from specpair_operator import manifests, release
 
 from .ladder import PROBE, Ladder, actions, condition, domain_shift_prompts, rollback_prediction
@@ -127,14 +129,19 @@ def demo_pair(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def second_release(pair: dict[str, Any], args: argparse.Namespace, models: Path) -> tuple[dict[str, Any], str]:
-    """The spec change that makes v2, and a sentence saying what it is."""
+    """The spec change that makes v2, and a sentence saying what it is.
+
+    v2 changes only the draft side, which the operator would score in shadow before promoting
+    (demo/shadow_chapter.py); the drift chapter needs v2 serving, so it asks for Replace (promote
+    and roll every pod once the gate passes), and the shadow chapter lets the operator choose."""
     spec = copy.deepcopy(pair["spec"])
+    spec["rollout"] = {**(spec.get("rollout") or {}), "strategy": {"type": "Replace"}}
     if args.draft:
         # A re-trained draft at a new path (here: a copy, until something overwrites it).
         new_draft = models / "draft-v2"
         shutil.copytree(args.draft, new_draft, dirs_exist_ok=True)
         spec["draft"] = {"source": str(new_draft)}
-        return spec, f"the draft moves to {new_draft} (a re-trained draft)"
+        return spec, f"the draft moves to {new_draft} (a re-trained draft), rolled out by Replace"
     # The team's traffic is document work: they re-gate on it alone (their own extraction and
     # summarisation prompts), with a floor per category, and let the n-gram drafter propose 8
     # tokens every round to copy longer spans. Its gate measures extraction lower than v1's did
@@ -145,7 +152,7 @@ def second_release(pair: dict[str, Any], args: argparse.Namespace, models: Path)
     spec["speculation"] = {**spec.get("speculation", {}), "k": 8, "dynamicK": False}
     return spec, ("golden prompts become the team's document work only (extraction of dates, summarisation), "
                   "and the n-gram drafter proposes a fixed k tokens a round (k 8, dynamic k off; the gate's "
-                  "tuning picks the k it serves with)")
+                  "tuning picks the k it serves with), rolled out by Replace")
 
 
 def gated_categories(spec: dict[str, Any]) -> set[str]:
@@ -293,7 +300,7 @@ class Demo:
 
     def run(self) -> Path:
         a = self.args
-        total = 8
+        total = 8 if a.no_shadow else 9
         step(1, total, "Starting a real Kubernetes control plane (devcluster), MLflow, and the operator from its helm chart")
         t0 = time.monotonic()
         self.cluster = DemoCluster(self.workdir / "cluster", NS, os.environ.get("OMP_NUM_THREADS", "1"))
@@ -353,12 +360,21 @@ class Demo:
                            "whose content is free-form writing with nothing to copy")
             self.domain_shift(shifted)
 
+        n = 7
+        if not a.no_shadow:
+            st = (self.pair() or {}).get("status") or {}
+            step(n, total, f"Shadow scoring: a candidate that changes only the draft side (k {shadow_chapter.CANDIDATE_K}"
+                           + (", v2's noisy draft files" if a.draft else ", the same n-gram lookup")
+                           + f") is scored on v{st.get('servingVersion')}'s pods on live traffic")
+            self.shadow()
+            n += 1
+
         st = (self.pair() or {}).get("status") or {}
-        step(7, total, f"After the drift chapter: v{st.get('servingVersion')} serves, speculation "
-                       f"{'on' if st.get('speculationEnabled', True) else 'off'}")
+        step(n, total, f"After the {'drift chapter' if a.no_shadow else 'drift and shadow chapters'}: v{st.get('servingVersion')} "
+                       f"serves, speculation {'on' if st.get('speculationEnabled', True) else 'off'}")
         self.converse("after drift", traffic.COPYING[1:2])
 
-        step(8, total, "Report")
+        step(n + 1, total, "Report")
         self.sampler.stop()
         obj = self.pair() or {}
         self.timeline.history = list((obj.get("status") or {}).get("history") or [])
@@ -417,8 +433,10 @@ class Demo:
                 raise DemoFailed(f"no ready engine pod for {timeout:.0f} s: {self.cluster.activity()}")
             time.sleep(0.5)
 
-    def flood(self, label: str, prompts: list[tuple[str, str]], stop: threading.Event, sent: list[int]) -> threading.Thread:
-        """Send `prompts` round-robin to whichever engine pod is ready, until `stop`."""
+    def flood(self, label: str, prompts: list[tuple[str, str]], stop: threading.Event, sent: list[int],
+              failed: list[int] | None = None, max_new_tokens: int | None = None) -> threading.Thread:
+        """Send `prompts` round-robin to whichever engine pod is ready, until `stop`; `failed`
+        counts the requests that got an error (a pod going away under them)."""
         def send() -> None:
             i = 0
             while not stop.is_set():
@@ -427,12 +445,14 @@ class Demo:
                     time.sleep(0.5)
                     continue
                 category, prompt = prompts[i % len(prompts)]
-                ans = traffic.ask(http_address(address), category, prompt, self.args.max_new_tokens, compare=False,
-                                  timeout=120)
+                ans = traffic.ask(http_address(address), category, prompt, max_new_tokens or self.args.max_new_tokens,
+                                  compare=False, timeout=120)
                 if not ans.error:
                     self.answers.append((label, ans))
                     sent[0] += 1
                 else:
+                    if failed is not None:
+                        failed[0] += 1
                     time.sleep(0.5)
                 i += 1
         thread = threading.Thread(target=send, name=f"{label}-traffic", daemon=True)
@@ -590,12 +610,73 @@ class Demo:
         self.timeline.mark("rolled back" if ladder.rolled_back else "no rollback")
         return ladder
 
+    def shadow(self) -> None:
+        """Apply a candidate that differs from the champion only on its draft side (the operator
+        then chooses Shadow), send document work to whichever pod serves once the champion's pods
+        carry the candidate, and show the verdict the operator reaches with its numbers
+        (demo/shadow_chapter.py)."""
+        a = self.args
+        obj = self.pair() or {}
+        st = obj.get("status") or {}
+        champion = str(st.get("servingVersion"))
+        gated = set((((self.facts.get("verdicts") or {}).get(champion) or {}).get("categories")) or {})
+        prompts = shadow_chapter.shadow_traffic(gated)
+        progress = shadow_chapter.Progress(len(actions(obj)), str(st.get("candidateVersion") or ""))
+        spec = shadow_chapter.candidate_spec(obj["spec"], a.gate_tokens)
+        say(f"  v{champion} serves; the candidate: k {shadow_chapter.CANDIDATE_K}, draft "
+            f"{(spec.get('draft') or {}).get('drafter') or (spec.get('draft') or {}).get('source')}, "
+            f"rollout.shadow {json.dumps(shadow_chapter.SHADOW)}; gated on one '{prompts[0][0]}' prompt")
+        self.cluster.patch_pair_spec(self.name, spec)
+        self.timeline.mark("shadow: candidate applied")
+        stop, sent, failed = threading.Event(), [0], [0]
+        sender: list[threading.Thread] = []
+
+        def reached(o: dict[str, Any] | None) -> int:
+            try:
+                n = progress.update(o)
+            except ValueError as exc:
+                raise DemoFailed(str(exc)) from None
+            if n >= 3 and not sender and progress.result is None:
+                self.timeline.mark(f"shadow: v{progress.version} scored on live traffic")
+                # Twice the answers' length: more scored positions per request, whose own costs
+                # (the HTTP call, the prefill) dominate on small models.
+                sender.append(self.flood("shadow", prompts, stop, sent, failed, 2 * a.max_new_tokens))
+            return n
+
+        t0 = time.monotonic()
+        try:
+            self.wait("shadow", shadow_chapter.STAGES, reached, a.step_timeout)
+        finally:
+            stop.set()
+            for thread in sender:
+                thread.join(130)
+        obj = self.pair() or {}
+        st = obj.get("status") or {}
+        version = progress.version or "?"
+        scored = condition(obj, "ShadowScored")
+        shadow = st.get("shadow") or {}
+        self.show_release(obj, version)
+        say(f"  ShadowScored={scored.get('status', '-')} {scored.get('reason', '')}: {scored.get('message', '')}")
+        for row in shadow_chapter.numbers_rows(shadow):
+            say("    {}: candidate alpha {}, champion alpha {}, difference {}, {} requests: {}".format(*row))
+        ngram = bool((spec.get("draft") or {}).get("drafter"))
+        meaning = shadow_chapter.explain(progress.result, shadow, ngram)
+        say(f"  v{version} {meaning}")
+        say(f"  {sent[0]} requests answered during the shadow, {failed[0]} failed; v{st.get('servingVersion')} "
+            f"serving, phase {st.get('phase')}")
+        steps = [(t, stage) for what, stage, t in self.facts["steps"] if what == "shadow"]
+        self.facts["shadow"] = {"version": version, "champion": champion, "result": progress.result,
+                                "meaning": meaning, "condition": scored, "status": shadow, "requests": sent[0],
+                                "failed": failed[0], "seconds": round(time.monotonic() - t0, 1), "timeline": steps,
+                                "servingAfter": st.get("servingVersion")}
+        self.timeline.mark(f"shadow: {progress.result}")
+
     def write_report(self, obj: dict[str, Any]) -> Path:
         from .report import write_report
 
         return write_report(self.workdir / "report.html", obj, self.timeline, self.answers,
                             self.facts.get("verdicts", {}), self.mlflow_url, self.model_name(obj),
-                            self.elapsed(), self.facts["drift"])
+                            self.elapsed(), self.facts["drift"], self.facts.get("shadow"))
 
     def write_summary(self, obj: dict[str, Any]) -> Path:
         """The run's outcome as JSON, for scripts and the smoke test."""
@@ -604,7 +685,7 @@ class Demo:
         summary = {"status": obj.get("status") or {}, "verdicts": self.facts.get("verdicts", {}),
                    "engineAddresses": self.facts["engineAddresses"], "mlflow": self.mlflow_url,
                    "seconds": round(self.elapsed(), 1), "steps": self.facts["steps"],
-                   "driftChapter": self.facts["drift"],
+                   "driftChapter": self.facts["drift"], "shadowChapter": self.facts.get("shadow"),
                    "drift": {"requests": len(drift), "drafted": drafted,
                              "acceptance": sum(a.accepted for a in drift) / drafted if drafted else None},
                    "answers": [{"when": label, "category": a.category, "acceptance": a.acceptance, "speedup": a.speedup,
@@ -655,6 +736,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the traffic shift goes on at most this long waiting for a gated window to be judged")
     ap.add_argument("--drift-breaches", type=at_least_one, default=DRIFT["consecutiveBreaches"],
                     help="breaching drift windows before each ladder step (the pair's drift.consecutiveBreaches)")
+    ap.add_argument("--no-shadow", action="store_true",
+                    help="leave out the shadow chapter (its candidate's gate alone takes 35-135 s with tiny models "
+                         "on 2 busy cores)")
     ap.add_argument("--out", default=str(REPO / "out" / "demo"), help="where runs (logs, MLflow store, report) go")
     ap.add_argument("--timeout", type=float, default=1800, help="the whole demo's time limit, seconds")
     ap.add_argument("--step-timeout", type=float, default=900, help="one step's time limit, seconds")

@@ -50,7 +50,7 @@ def test_demo_gates_serves_shifts_drifts_and_rolls_back_on_tiny_models(cheap_dra
     proc = subprocess.Popen(
         [sys.executable, "-m", "demo.run_demo", "--target", target, "--draft", draft, "--out", str(out),
          "--max-new-tokens", "16", "--gate-tokens", "6", "--answers", "1", "--timeout", "720",
-         "--step-timeout", "300", "--drift-breaches", "1"],
+         "--step-timeout", "300", "--drift-breaches", "1", "--no-shadow"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:

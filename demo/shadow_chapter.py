@@ -1,0 +1,135 @@
+"""The shadow chapter's pieces that need no cluster: the candidate's spec, how far its shadow
+scoring got (read from the pair's status alone), and its verdict in words with the numbers.
+
+The candidate changes only the draft side of what serves (its `k`, and with a draft model the
+draft), so the operator chooses Shadow by itself (rollout_strategy.choose_strategy): it is gated,
+not promoted, and scored on the champion's own pods while they go on serving. Which drafter it is
+decides the outcome, and the demo reads that outcome from the operator, never assumes it:
+
+- n-gram lookup (the default pair): the same lookup with another `k` proposes the same first
+  token at every prefix, so the first-position acceptance the verdict compares is equal by
+  construction (difference exactly 0: "not worse", never "better"). The verdict stays Undecided
+  until `maxSeconds` and the candidate is Rejected as not shown better.
+- a draft model (`--draft`): the candidate drafts with v2's draft files, which the drift chapter
+  overwrote with noise; it still passes its gate (greedy identity holds whatever the draft, and the
+  demo's gate sets no acceptance floor), and loses to the champion on live traffic.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from . import traffic
+from .ladder import actions, condition
+
+# spec.rollout.shadow for the demo: every request scored (share 1.0) so evidence comes in as fast
+# as the pods answer; a category judged from 10 shadowed requests a side (the verdict's 200 scored
+# positions a side still apply); undecided after 120 s from the start mark (which the operator sets
+# before the champion's pods roll, so the roll's time counts) is Rejected.
+SHADOW = {"share": 1.0, "minRequests": 10, "maxSeconds": 120}
+CANDIDATE_K = 2
+
+REGISTERED = "candidate registered, gate Job running"
+GATED = "gate passed, not promoted"
+STARTED = "scored in shadow on the champion's pods (ShadowStarted)"
+DECIDED = "verdict (ShadowScored)"
+STAGES = [REGISTERED, GATED, STARTED, DECIDED]
+
+
+def candidate_spec(spec: dict[str, Any], gate_tokens: int) -> dict[str, Any]:
+    """The pair's spec as a candidate that differs from what serves only on its draft side.
+
+    `k` becomes CANDIDATE_K (no release of the demo used it, so it is a new release); the draft
+    stays what the spec names, and the strategy is left to the operator. The gate runs one golden prompt (document work, where the champion
+    was gated too), with no acceptance floor: the gate proves greedy identity and measures the
+    candidate, the live verdict decides. A merge patch: None deletes a floor the spec had."""
+    out = copy.deepcopy(spec)
+    out["speculation"] = {**(out.get("speculation") or {}), "k": CANDIDATE_K}
+    category, prompt = traffic.COPYING[0]
+    out["gating"] = {**(out.get("gating") or {}), "prompts": [{"prompt": prompt, "category": category}],
+                     "maxNewTokens": gate_tokens,
+                     "thresholds": {"requireGreedyIdentity": True, "minCategoryAcceptance": None}}
+    # No strategy: the operator chooses (v2 asked for Replace; None deletes it).
+    out["rollout"] = {**(out.get("rollout") or {}), "strategy": None, "shadow": dict(SHADOW)}
+    return out
+
+
+def shadow_traffic(gated: set[str]) -> list[tuple[str, str]]:
+    """Document work in the champion's gated categories: the requests the verdict judges."""
+    return [(c, p) for c, p in traffic.COPYING if c in gated] or traffic.COPYING[:1]
+
+
+class Progress:
+    """How far the candidate got along STAGES, from the pair's status. `version` is the candidate's
+    (None until the operator registered a version after `before_version`); `result` the verdict
+    once there is one: Promoted, Rejected or ShadowRefused."""
+
+    def __init__(self, before_actions: int, before_version: str):
+        self.before = before_actions
+        self.before_version = before_version
+        self.version: str | None = None
+        self.result: str | None = None
+
+    def update(self, obj: dict[str, Any] | None) -> int:
+        st = (obj or {}).get("status") or {}
+        candidate = str(st.get("candidateVersion") or "")
+        if self.version is None and candidate and candidate != self.before_version:
+            self.version = candidate
+        if self.version is None:
+            return 0
+        gated = condition(obj, "Gated")
+        if candidate == self.version and gated.get("status") == "False":
+            raise ValueError(f"v{self.version} failed its gate: {gated.get('message')}")
+        new = actions(obj)[self.before:]
+        scored = condition(obj, "ShadowScored")
+        if "ShadowRefused" in new or (scored.get("status") == "False" and scored.get("reason") == "ShadowRefused"):
+            self.result = "ShadowRefused"
+            return len(STAGES)
+        if scored.get("status") == "True" and str((st.get("shadow") or {}).get("version")) == self.version:
+            self.result = scored.get("reason")
+            return len(STAGES)
+        if "Promoted" in new and str(st.get("servingVersion")) == self.version:
+            # Replaced at once (the operator did not choose Shadow): what happened, said as such.
+            self.result = "PromotedWithoutShadow"
+            return len(STAGES)
+        if "ShadowStarted" in new:
+            return 3
+        if gated.get("status") == "True" and str(gated.get("message", "")).startswith(f"v{self.version}:"):
+            return 2
+        return 1
+
+
+def numbers_rows(shadow: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """status.shadow's per-category numbers: (category, candidate alpha, champion alpha, bounds
+    of the difference, requests, what it says); the pooled gated traffic is named as such."""
+    rows = []
+    for cat, n in sorted((shadow.get("categories") or {}).items()):
+        name = "gated traffic pooled" if cat == "*" else cat
+        bounds = "–" if n.get("status") == "short" else f"[{n.get('lower'):+.3f}, {n.get('upper'):+.3f}]"
+        rows.append((name, f"{n.get('candidateAlpha', 0):.3f}", f"{n.get('championAlpha', 0):.3f}", bounds,
+                     str(n.get("requests")), str(n.get("status"))))
+    return rows
+
+
+def explain(result: str | None, shadow: dict[str, Any], ngram: bool) -> str:
+    """What the verdict means, from what the operator wrote (status.shadow) and which drafter the
+    candidate has."""
+    reason = str(shadow.get("reason") or "")
+    cats = (shadow.get("categories") or {}).values()
+    equal = bool(cats) and all(n.get("candidateAlpha") == n.get("championAlpha") for n in cats)
+    if result == "Rejected" and reason.startswith("still undecided"):
+        text = "rejected: not shown better than the champion before rollout.shadow.maxSeconds ran out."
+        if ngram and equal:
+            text += (" Its first-position acceptance equals the champion's: the same n-gram lookup proposes the same "
+                     "first token whatever k is, so the verdict can say 'not worse' but never 'better'.")
+        return text
+    if result == "Rejected":
+        return "rejected on the live evidence: the champion keeps serving, and its pods drop the candidate's drafter."
+    if result == "Promoted":
+        return "promoted on the live evidence: the aliases move and the engine rolls to the candidate."
+    if result == "ShadowRefused":
+        return "the operator refused to score it in shadow; the champion keeps serving."
+    if result == "PromotedWithoutShadow":
+        return "the operator did not choose Shadow for it and replaced the champion at once."
+    return "no verdict."
