@@ -505,7 +505,11 @@ def observe(policy: LatencyPolicy, drift_policy: drift.DriftPolicy, state: Servi
     last = {**memory.last, **{j.key: j for j in judged if j.verdict != NO_EVIDENCE}}
     memory = replace(memory, at=now, pods={p.pod: p for p in pods}, window=window, forming=forming,
                      forming_windows=forming_windows, last=last)
-    sustained = [j for j in judged if j.verdict == BREACH and streaks.get(j.key, 0) >= drift_policy.consecutive]
+    # A sustained breach lasts until a window of its own says otherwise: between windows the
+    # ladder still hears it, so speculation is not turned back on under it (acceptance windows,
+    # an engine's own probes, close more often than serving ones).
+    newest = judged or list(last.values())
+    sustained = [j for j in newest if j.verdict == BREACH and streaks.get(j.key, 0) >= drift_policy.consecutive]
     pressure = _pressure(sustained, state, policy, speculating=speculating, acceptance_fell=acceptance_fell,
                          previous_version=previous_version)
     return ServingDecision(state, memory, tuple(judged), shift, pressure)

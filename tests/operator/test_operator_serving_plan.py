@@ -20,6 +20,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 from specpair_operator import drift, manifests, model_fetch, owned, release, serving_health
 from specpair_operator import plan as p
@@ -387,13 +388,16 @@ class Cluster:
         self.draft_tokenizer: dict[str, str] = {}   # per version, what its pods report ('d': as gated)
         self.error_rates: dict[str, float] = {}      # per version, the share of requests its pods fail
         self.errors_from = 0.0                       # ... from this time on
+        self.slowdown: dict[str, float] = {}         # per version, how much slower its pods serve
+        self.slow_from = 0.0                         # ... from this time on
         self.requests = {"ok": 0, "error": 0}
+        self.latency = {"ttft": [0] * len(LATENCY_BUCKETS), "tpot": [0] * len(TOKEN_BUCKETS)}
         self.fetch: dict[str, str] = {}              # per version with a model cache, its fetch Job's phase
 
     def healthy(self) -> bool:
         """The champion serves as gated: nothing left for the ladder to do."""
         champion = self.w.aliases["champion"]
-        return self.rates[champion] >= 0.7 and not self.error_rates.get(champion)
+        return self.rates[champion] >= 0.7 and not self.error_rates.get(champion) and not self.slowdown.get(champion)
 
     def world(self) -> ServingWorld:
         champion = self.w.aliases["champion"]
@@ -466,17 +470,26 @@ class Cluster:
             version = self.served.get("version")
             if self.ready_version != version:  # new pods: their counters start at zero
                 self.ready_version, self.drafted, self.requests = version, 0, {"ok": 0, "error": 0}
+                self.latency = {"ttft": [0] * len(LATENCY_BUCKETS), "tpot": [0] * len(TOKEN_BUCKETS)}
             self.drafted += 400
             rate = self.rates[version]
             failed = round(20 * self.error_rates.get(version, 0.0)) if self.t >= self.errors_from else 0
             self.requests = {"ok": self.requests["ok"] + 20 - failed, "error": self.requests["error"] + failed}
+            # 20 requests: TTFT 20 ms, TPOT 5 ms, times the version's slowdown once it began
+            slower = self.slowdown.get(version, 1.0) if self.t >= self.slow_from else 1.0
+            for metric, seconds, bounds in (("ttft", 0.02, LATENCY_BUCKETS), ("tpot", 0.005, TOKEN_BUCKETS)):
+                self.latency[metric] = [c + 20 * (seconds * slower <= b) for c, b in zip(self.latency[metric], bounds)]
+            n = self.requests["ok"] + self.requests["error"]
+            histograms = {m: {"upperBounds": list(bounds), "counts": self.latency[m], "count": n, "sum": 0.0}
+                          for m, bounds in (("ttft", LATENCY_BUCKETS), ("tpot", TOKEN_BUCKETS))}
             info = {"pair": PAIR, "releaseVersion": self.served.get("version"), "contentHash": self.served.get("hash"),
                     "tokenizer": {"target": "t", "draft": self.draft_tokenizer.get(version, "d")},
                     "speculationEnabled": self.speculating}
             self.w = dataclasses.replace(self.w, deployment=dep, ready=(EnginePod(
                 "pod0", f"u{version}", "10.0.0.1", info, stats={
                     **counters(self.drafted, int(self.drafted * rate), self.drafted // 20, self.t),
-                    "serving": {"code": {"requests": dict(self.requests)}}}),))
+                    "speculating": self.speculating,
+                    "serving": {"code": {"requests": dict(self.requests), **histograms}}}),))
 
 
 def whole_pass(cl: Cluster) -> tuple[Any, ...]:
@@ -638,11 +651,42 @@ def failing_requests() -> Cluster:
     return cl
 
 
+def slower_requests() -> Cluster:
+    """v2 accepts drafts as gated, but from t=150 (after its serving baseline formed) serves ten
+    times slower; v1 recorded its baseline when it served, at v2's speed before."""
+    cl = ladder_start()
+    cl.rates["2"], cl.slowdown["2"], cl.slow_from = 0.75, 10.0, 150.0
+    v1 = {"ttftP95": {"code": 0.02425}, "tpotP95": {"code": 0.004875}, "errorRate": 0, "load": 6.7, "requests": 200}
+    cl.w = dataclasses.replace(cl.w, status={**cl.w.status, "servingHealth": {"version": "1", "baselines": {"1": v1}}})
+    return cl
+
+
+def test_slower_requests_turn_speculation_off_then_roll_back_to_the_release_that_was_faster():
+    cl, _ = converge(slower_requests(), passes=80)
+    assert [a for a, _ in cl.history] == ["RolloutStarted", "SpeculationOff", "RolledBack", "RolloutStarted"], \
+        cl.history
+    assert cl.said["LatencyAboveBaseline"] >= 2 and cl.w.status["servingVersion"] == "1"
+    assert "v1 was faster" in cl.tags["2"][TAG_ROLLED_BACK] and "TPOT" in cl.tags["2"][TAG_ROLLED_BACK]
+    assert set(cl.w.status["servingHealth"]["baselines"]) == {"1", "2"}
+
+
+def test_a_slowdown_a_rollback_would_not_cure_keeps_speculation_off_without_flapping():
+    """v1's latency was never measured, so no rollback; v2 stays slow, and speculation stays off
+    though acceptance windows (drafts while off, as from an engine's own probes) are fine between
+    the serving windows."""
+    start = slower_requests()
+    start.w = dataclasses.replace(start.w, status={k: v for k, v in start.w.status.items() if k != "servingHealth"})
+    cl, _ = converge(start, passes=80)
+    assert [a for a, _ in cl.history] == ["RolloutStarted", "SpeculationOff"], cl.history
+    assert cl.said["RollbackWouldNotHelp"] >= 1 and cl.w.status["speculationEnabled"] is False
+
+
 JOURNEYS = [
     ("a first rollout", lambda: Cluster(base(status={}), {"1": release_tags("1")}, {"1": 0.75})),
     ("drift: speculation off, then a rollback", ladder_start),
     ("a tokenizer mismatch on a pod: a rollback", mismatched_tokenizer),
     ("failing requests: a rollback", failing_requests),
+    ("slower requests: speculation off, then a rollback", slower_requests),
     ("models fetched, rolled out, drift, a rollback to models fetched then", lambda: cached_ladder()),
 ]
 

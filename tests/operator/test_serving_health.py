@@ -238,6 +238,18 @@ def test_no_latency_rollback_without_a_measured_previous_release():
     assert "v1's latency was not measured" in run.outcomes[-1].drift.reason
 
 
+def test_a_sustained_breach_is_heard_between_windows_until_a_window_says_otherwise():
+    pods = [Pod("a"), Pod("b", seed=2)]
+    run = Run(previous=None)
+    run.windows(pods, 2, healthy(pods))
+    run.windows(pods, 2, healthy(pods, ttft=0.8))      # sustained; v1 not measured: no step
+    between = run.observe(pods)                        # no window closes
+    assert not between.serving.judged and between.serving.pressure is not None
+    assert run.names == [] and "v1's latency was not measured" in between.drift.reason
+    run.windows(pods, 1, healthy(pods))                # a fine window ends it
+    assert run.observe(pods).serving.pressure is None
+
+
 @pytest.mark.parametrize("previous_ttft, helps", [(0.2, True), (0.8, False)])
 def test_rollback_helps_only_when_the_previous_release_was_faster(previous_ttft, helps):
     pods = [Pod("a"), Pod("b", seed=2)]
