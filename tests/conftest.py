@@ -35,7 +35,8 @@ SLOW_ROOMS = ("ship", "devcluster", "demo", "observability")
 # Files that take minutes, longest first (CI's --durations): they start first. Under
 # `--dist loadfile` a worker that picks one up last runs on alone after the other has finished.
 LONGEST_FIRST = ("demo/test_demo_smoke.py", "operator/test_operator_e2e.py",
-                 "operator/test_operator_vllm.py", "observability/test_prometheus_live.py",
+                 "operator/test_operator_vllm.py", "operator/test_operator_canary_e2e.py",
+                 "observability/test_prometheus_live.py", "operator/test_operator_shadow_e2e.py",
                  "observability/test_keda_scaling.py", "operator/test_operator_convergence.py",
                  "operator/test_operator_gate_retry.py", "engine/test_engine_gate_vllm.py",
                  "operator/test_operator_real_engine.py", "operator/test_operator_mlflow_auth.py",
