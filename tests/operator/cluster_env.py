@@ -283,3 +283,19 @@ def engine_pods(ns: Namespace, version: str | None = None) -> list[dict[str, Any
 
 def model_name(ns: Namespace, name: str) -> str:
     return release.effective_model_name(name, ns.name, {})
+
+
+def service_endpoints(ns: Namespace, name: str) -> list[str]:
+    """The gRPC addresses of the ready pods the pair's Service selects: what its EndpointSlice
+    lists as ready. The devcluster has no kube-proxy, and its API server refuses the loopback pod
+    addresses in EndpointSlices (docs/devcluster.md), so test clients spread requests over these
+    themselves, round robin, as the Service would."""
+    from specpair_operator import manifests
+
+    service = ns.get("v1", "Service", manifests.engine_name(name))
+    if service is None:
+        return []
+    selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
+    return sorted(f"{p['status']['podIP']}:50051" for p in ns.pods(selector)
+                  if not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP")
+                  and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", [])))
