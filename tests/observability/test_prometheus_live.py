@@ -319,10 +319,15 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
             if not finite_points(prom.query_range(query, start, end, step)):
                 empty.append((title, query))
         assert not empty, f"panel queries with no data: {json.dumps(empty, indent=1)}"
-        # The verdicts panel counts the one verdict (as the counter's first sample, not as no change).
-        (verdicts_now,) = [expr for title, expr in panel_targets() if title == "Shadow verdicts"]
-        assert [(r["metric"]["result"], r["value"][1]) for r in prom.query(grafana_query(verdicts_now, "drifts", step, 0))] \
-            == [("promoted", "1")]
+        # The operator's counters count each decision, the first included (a counter's first sample,
+        # which increase() reads as no change): two promotions, one rollback, one shadow verdict.
+        def panel_now(title: str, metric: str) -> list[tuple[str, str]]:
+            (expr,) = [e for t, e in panel_targets() if t == title and metric in e]
+            return [(r["metric"].get("reason") or r["metric"].get("result", ""), r["value"][1])
+                    for r in prom.query(grafana_query(expr, "drifts", step, end - start), end)]
+        assert panel_now("Promotions and rollbacks", "specpair_promotions_total") == [("", "2")]
+        assert panel_now("Promotions and rollbacks", "specpair_rollbacks_total") == [("drift", "1")]
+        assert panel_now("Shadow verdicts", "specpair_shadow_verdicts_total") == [("promoted", "1")]
         # Annotations mark the operator's decisions, each event at its first appearance too. No
         # canary runs here (tests/operator/test_operator_canary_e2e.py runs one): Prometheus only
         # evaluates that query.
