@@ -377,13 +377,18 @@ class RememberCanary:
 
 def status_entry(version: str, champion: str, phase: str, step: int, steps: tuple[Step, ...], replicas: int,
                  champion_replicas: int, message: str, judged: tuple[Judged, ...] = (),
-                 started: str = "") -> dict[str, Any]:
-    """status.canary: where the canary stands, with the numbers of its last judgement."""
-    return {"version": str(version), "champion": str(champion), "phase": phase, "step": step + 1,
-            "steps": len(steps), "replicas": replicas,
-            "trafficShare": round(traffic_share(replicas, champion_replicas), 4),
-            **({"stepStartedAt": started} if started else {}), "message": message[:2000],
-            "judged": {j.key: j.as_dict() for j in judged if j.verdict != NO_EVIDENCE}}
+                 started: str = "", previous: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """status.canary: where the canary stands, with the numbers of its last judgement. The status
+    is written as a merge patch, so what `previous` (the entry status holds) has and this one does
+    not is written as null: no number of an earlier judgement or canary is left behind."""
+    entry: dict[str, Any] = {
+        "version": str(version), "champion": str(champion), "phase": phase, "step": step + 1,
+        "steps": len(steps), "replicas": replicas, "trafficShare": round(traffic_share(replicas, champion_replicas), 4),
+        **({"stepStartedAt": started} if started else {}), "message": message[:2000],
+        "judged": {j.key: j.as_dict() for j in judged if j.verdict != NO_EVIDENCE}}
+    previous = previous or {}
+    entry["judged"] = {**{k: None for k in previous.get("judged") or {}}, **entry["judged"]}
+    return {**{k: None for k in previous}, **entry}
 
 
 @dataclass(frozen=True)

@@ -216,3 +216,11 @@ def test_the_operators_check_of_canary_steps_words_them_as_the_crd_does(strategy
     errors = validate_spec({"target": {"source": "default"}, "draft": {"drafter": "ngram"},
                             "rollout": {"strategy": strategy}})
     assert (errors == []) if message is None else any(e.endswith(f"Invalid value: {message}") for e in errors), errors
+
+
+def test_the_status_entry_writes_null_over_what_an_earlier_judgement_left():
+    judged = (canary.Judged("ttft", "code", FINE, 0.02, 0.02, 50, "m"),)
+    earlier = canary.status_entry("2", "1", "Progressing", 0, STEPS, 1, 1, "m", judged, "2026-11-26T00:00:00Z")
+    now = canary.status_entry("3", "2", "Progressing", 0, STEPS, 1, 1, "m", previous=earlier)
+    assert now["judged"] == {"ttft:code": None} and now["stepStartedAt"] is None and now["version"] == "3"
+    assert earlier["judged"]["ttft:code"] == {"verdict": "fine", "requests": 50, "candidate": 0.02, "champion": 0.02}
