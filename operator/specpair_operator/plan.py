@@ -560,10 +560,12 @@ def _canary(out: _Steps) -> bool:
     candidate = release_of_tags(w.tags)
     if not champion or champion == version or w.champion_release is None or candidate is None:
         return False
-    strategy = rollout_strategy.choose_strategy({"rollout": w.rollout}, w.champion_release, candidate)
-    if strategy.type != rollout_strategy.CANARY:
-        return False
     state, text = canary_mod.mark(w.tags)
+    strategy = rollout_strategy.choose_strategy({"rollout": w.rollout}, w.champion_release, candidate)
+    # An aborted candidate stays out whatever the strategy says now (as a rolled-back release
+    # does): a changed release is a new version, and gets a canary of its own.
+    if strategy.type != rollout_strategy.CANARY and state != canary_mod.ABORTED:
+        return False
     if state == canary_mod.PASSED:
         # The pass that tagged it may have died before its status: recorded now, once.
         out.add(Condition(canary_mod.CONDITION, True, "Passed", f"v{version}: {text}"))

@@ -123,6 +123,11 @@ PROMOTION = ["TagVersion v2 specpair.promoted_at", "SetAlias previous=1", "SetAl
      ["Condition Canary=True Passed", "Record CanaryPassed", *PROMOTION]),
     ("strategy Replace: promoted at once", candidate_world(rollout={"replicas": 2, "strategy": {"type": "Replace"}}),
      PROMOTION),
+    ("aborted, and the strategy changed to Replace since: still not promoted",
+     candidate_world(tags={**NEW_TARGET, **canary.mark_tag(canary.ABORTED, "TTFT p95 800 ms")},
+                     records=Records({"GateStarted": ("2",), "GatePassed": ("2",), "CanaryAborted": ("2",)}),
+                     rollout={"replicas": 2, "strategy": {"type": "Replace"}}),
+     ["Condition Canary=False Aborted", "SetStatus previousVersion,servingVersion", "ServeChampion -"]),
     ("no champion yet: a first release is promoted", candidate_world(aliases={}, champion_release=None),
      ["TagVersion v2 specpair.promoted_at", "SetAlias champion=2", "Record Promoted", "ServeChampion 2"]),
 ])
