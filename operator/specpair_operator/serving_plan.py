@@ -868,9 +868,9 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
     result = outcome(w, dep, w.canary_deployment)
     if result == owned.CONFLICT:
         return name_conflict(w, "Deployment", dep["metadata"]["name"])
-    if result != owned.UNCHANGED or int((w.canary_deployment or {}).get("spec", {}).get("replicas") or 0) != replicas:
+    if result != owned.UNCHANGED:
+        # A canary scaled down (ScaleDown) carries a fingerprint no render has: patched again.
         out.add(EnsureOwned(dep, w.canary_deployment))
-        result = owned.PATCHED if result == owned.UNCHANGED else result
     if step > 0 and not out.was("CanaryAdvanced", f"{version}#{step + 1}", version):
         # The pass that scaled the canary for this step died before its status said so.
         out.add(Record("CanaryAdvanced", f"v{version}: step {step + 1} of {len(steps)}: {replicas} pod(s) beside "

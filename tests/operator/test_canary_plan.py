@@ -424,3 +424,13 @@ def test_a_canary_converges_from_a_crash_after_any_write(candidate):
         assert crashed.objects["main"]["spec"]["template"] == undisturbed.objects["main"]["spec"]["template"], crash_at
         assert sorted(set(crashed.history)) == sorted(crashed.history), f"recorded twice (crash at {crash_at})"
         assert Counter(a for a, _ in crashed.history) == actions, crash_at
+
+
+def test_a_canary_deployment_scaled_down_before_is_scaled_up_again_for_the_canary_that_runs():
+    cl = Cluster("fast")
+    cl.one_pass(None)
+    cl.write(canary.ScaleDown(CANARY_NAME))        # left at zero by an earlier canary of this version
+    serve = next(s for s in p.plan_release(cl.release_world()) if isinstance(s, p.ServeChampion))
+    steps = sp.plan_serving(cl.world_for(serve))
+    ensured = [s for s in steps if isinstance(s, sp.EnsureOwned) and s.manifest["metadata"]["name"] == CANARY_NAME]
+    assert ensured and ensured[0].manifest["spec"]["replicas"] == 1
