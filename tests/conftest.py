@@ -67,6 +67,32 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank[Path(str(item.fspath)).resolve().relative_to(tests).as_posix()])
 
 
+# Seconds a file's tests took (setup, call and teardown), and a worker's: the summary at the end
+# says which files LONGEST_FIRST should name and how evenly the workers were loaded.
+FILE_SECONDS: dict[str, float] = {}
+WORKER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    file = report.nodeid.split("::", 1)[0]
+    FILE_SECONDS[file] = FILE_SECONDS.get(file, 0.0) + report.duration
+    node = getattr(report, "node", None)   # set where xdist's controller receives the report
+    if node is not None:
+        worker = node.gateway.id
+        WORKER_SECONDS[worker] = WORKER_SECONDS.get(worker, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not FILE_SECONDS:
+        return
+    terminalreporter.write_sep("=", "longest files (LONGEST_FIRST in tests/conftest.py)")
+    for file, seconds in sorted(FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {file}")
+    if WORKER_SECONDS:
+        terminalreporter.write_line("workers: " + ", ".join(
+            f"{worker} {seconds:.0f}s" for worker, seconds in sorted(WORKER_SECONDS.items())))
+
+
 def pytest_runtest_setup(item):
     """Tests marked `vllm` need the vLLM virtualenv (bash scripts/setup-vllm.sh): skipped where it
     is absent, unless SPECPAIR_REQUIRE_VLLM is set (CI), where they fail instead. Skip them on
