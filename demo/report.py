@@ -78,7 +78,8 @@ def acceptance_plot(timeline: Timeline, verdicts: dict[str, dict[str, Any]]) -> 
             end = min([m for m, other in timeline.marks if m > t and other.startswith("shadow:")]
                       or [t0 + max(seg_t or [t - t0])])
             ax.axvspan(t - t0, end - t0, color="#6a4c93", alpha=0.07)
-            ax.text(t - t0, 0.02, " scored in shadow", fontsize=8, color="#6a4c93",
+            # Above the drift chapter's label, which can run this far.
+            ax.text(t - t0, 0.08, " scored in shadow", fontsize=8, color="#6a4c93",
                     transform=ax.get_xaxis_transform())
         elif label.startswith("probe:"):
             ax.axvline(t - t0, color="#e9c46a", linewidth=1.5, linestyle=":")
@@ -189,7 +190,7 @@ def shadow_section(shadow: dict[str, Any] | None) -> str:
     return (f"<h2>Shadow chapter</h2><p>v{html.escape(str(shadow.get('version')))}, a candidate that changes only "
             f"the draft side, scored on the pods of v{html.escape(str(shadow.get('champion')))} while they served "
             f"({html.escape(str(shadow.get('requests')))} requests answered, {html.escape(str(shadow.get('failed')))} "
-            f"failed; {_fmt(status.get('share'), '{:g}')} of them scored; {_fmt(shadow.get('seconds'), '{:.0f}')} s "
+            f"failed; {_fmt(status.get('share'), '{:.0%}')} of them scored; {_fmt(shadow.get('seconds'), '{:.0f}')} s "
             f"from the spec change to the verdict). <b>ShadowScored={html.escape(str(cond.get('status', '-')))} "
             f"{html.escape(str(cond.get('reason', '')))}</b>: {html.escape(str(shadow.get('meaning', '')))}</p>"
             f"<p>The operator's verdict: {html.escape(str(cond.get('message', '-')))}</p>"

@@ -659,8 +659,7 @@ class Demo:
         say(f"  ShadowScored={scored.get('status', '-')} {scored.get('reason', '')}: {scored.get('message', '')}")
         for row in shadow_chapter.numbers_rows(shadow):
             say("    {}: candidate alpha {}, champion alpha {}, difference {}, {} requests: {}".format(*row))
-        ngram = bool((spec.get("draft") or {}).get("drafter"))
-        meaning = shadow_chapter.explain(progress.result, shadow, ngram)
+        meaning = shadow_chapter.explain(progress.result, shadow)
         say(f"  v{version} {meaning}")
         say(f"  {sent[0]} requests answered during the shadow, {failed[0]} failed; v{st.get('servingVersion')} "
             f"serving, phase {st.get('phase')}")
@@ -740,7 +739,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="leave out the shadow chapter (its candidate's gate alone takes 35-135 s with tiny models "
                          "on 2 busy cores)")
     ap.add_argument("--out", default=str(REPO / "out" / "demo"), help="where runs (logs, MLflow store, report) go")
-    ap.add_argument("--timeout", type=float, default=1800, help="the whole demo's time limit, seconds")
+    ap.add_argument("--timeout", type=float, default=2700, help="the whole demo's time limit, seconds")
     ap.add_argument("--step-timeout", type=float, default=900, help="one step's time limit, seconds")
     ap.add_argument("--keep", action="store_true", help="keep MLflow (and the rest) running until Ctrl-C")
     return ap

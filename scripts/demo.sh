@@ -4,7 +4,7 @@
 # the chart installed by helm, the operator, and engine pods run as local processes by the
 # devcluster node. Sets up .venv and the tools on first use (idempotent), then runs
 # demo/run_demo.py; arguments are passed through (e.g. --keep to leave the MLflow UI up).
-#   bash scripts/demo.sh            # 15.5 min measured on 2 busy CPU cores (docs/demo.md); a first run adds setup and the build
+#   bash scripts/demo.sh            # 19.5 min measured on 2 busy CPU cores (docs/demo.md); a first run adds setup and the build
 #   bash scripts/demo.sh --keep     # then browse the releases in MLflow until Ctrl-C
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -110,15 +110,11 @@ SHORT = {"requests": 4, "status": "short", "candidateAlpha": 0.5, "championAlpha
 
 
 def test_the_verdict_in_words_follows_what_the_operator_wrote():
-    equal = {"reason": "still undecided 121 s after its shadow started ...",
-             "categories": {"extraction": {"candidateAlpha": 0.61, "championAlpha": 0.61, "lower": -0.0, "upper": 0.0,
-                                           "requests": 25, "status": "not worse"}}}
-    assert "never 'better'" in explain("Rejected", equal, ngram=True)
-    assert "never 'better'" not in explain("Rejected", equal, ngram=False)
-    unequal = {**equal, "categories": {"extraction": {**equal["categories"]["extraction"], "candidateAlpha": 0.7}}}
-    assert "never 'better'" not in explain("Rejected", unequal, ngram=True)
-    assert "live evidence" in explain("Rejected", {"reason": "worse than the champion in category 'extraction'"}, True)
-    assert "promoted" in explain("Promoted", {}, True)
+    timed_out = {"reason": "still undecided 121 s after its shadow started (rollout.shadow.maxSeconds 120): ..."}
+    assert "maxSeconds ran out" in explain("Rejected", timed_out)
+    worse = explain("Rejected", {"reason": "worse than the champion in category 'extraction'"})
+    assert "live evidence" in worse and "maxSeconds" not in worse
+    assert "promoted" in explain("Promoted", {}) and "refused" in explain("ShadowRefused", {})
     assert numbers_rows({"categories": {"*": SHORT}}) == [("gated traffic pooled", "0.500", "0.500", "–", "4", "short")]
 
 
