@@ -226,6 +226,11 @@ MODELS = {
 }
 
 
+# spec.rollout for a test about promotion by replacement whose next release changes only the draft
+# side: left to the operator, such a candidate is scored in shadow first (docs/shadow.md).
+REPLACE = {"strategy": {"type": "Replace"}}
+
+
 def pair(name: str, draft: str, **spec: Any) -> dict[str, Any]:
     """A SpecModelPair on the stand-in image; `spec` keys replace the defaults'."""
     rollout = {"image": STANDIN_IMAGE, **spec.pop("rollout", {})}

@@ -20,7 +20,7 @@ from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
 from cluster_env import OPERATOR, STANDIN_IMAGE, Namespace, World, cond, engine_pods, model_name, operator_metrics
-from cluster_env import pair, serving, set_spec
+from cluster_env import REPLACE, pair, serving, set_spec
 from specpair_devcluster.client import ApiError
 from specpair_operator.registry import ReleaseRegistry
 
@@ -30,7 +30,8 @@ def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champi
     model = model_name(ns, name)
     mlflow = MlflowClient(mlflow_server.url)
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        ns.create(pair(name, "good-draft"))
+        # Replace: v2 changes only the draft, which the operator would otherwise score in shadow.
+        ns.create(pair(name, "good-draft", rollout=REPLACE))
         obj = ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
         st = obj["status"]
         assert st["lastGate"]["passed"] and st["lastGate"]["acceptanceRate"] == 0.7 and st["speedup"] == 1.6
@@ -114,7 +115,7 @@ def test_restarted_operator_makes_no_duplicates_and_mlflow_outage_recovers(env, 
     model = model_name(ns, name)
     mlflow = MlflowClient(mlflow_server.url)
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        ns.create(pair(name, "good-draft"))
+        ns.create(pair(name, "good-draft", rollout=REPLACE))
         # Killed while the gate is running: the Job exists, no verdict yet.
         ns.wait_for("the gate Job", lambda: ns.list("batch/v1", "Job"), timeout=60)
     assert runner.exception is None
@@ -150,7 +151,7 @@ def test_configmap_prompts_and_a_tokenizer_mismatch_on_a_pod_roll_back(env, worl
                {"prompt": "import os", "category": "code"}]
     ns.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "golden"},
                "data": {"prompts.jsonl": "\n".join(json.dumps(p) for p in prompts)}})
-    spec = pair(name, "good-draft")
+    spec = pair(name, "good-draft", rollout=REPLACE)
     spec["spec"]["gating"] = {"configMapRef": {"name": "golden"}, "thresholds": {"minAcceptance": 0.5}}
     with KopfRunner(OPERATOR, timeout=60) as runner:
         ns.create(spec)
@@ -220,7 +221,7 @@ def test_a_gpu_engine_rolls_from_v1_to_v2_on_a_node_with_one_gpu(env):
     name = f"gpu-{uuid.uuid4().hex[:5]}"
     spec = pair(name, "good-draft", rollout={"resources": {"limits": {"nvidia.com/gpu": 1}},
                                              "nodeSelector": {"node.specpair.io/pool": "gpu"},
-                                             "progressDeadlineSeconds": 60})
+                                             "progressDeadlineSeconds": 60, **REPLACE})
     spec["spec"]["gating"]["resources"] = {}  # gate on CPU: the engine holds the cluster's one GPU
     with KopfRunner(OPERATOR, timeout=60) as runner:
         ns.create(spec)
@@ -337,7 +338,7 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, mlflow
         # lifecycle once (gate, promote, roll out, ConfigMap prompts).
         ns.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "golden"},
                    "data": {"prompts.jsonl": json.dumps({"prompt": "def f():", "category": "code"})}})
-        spec = pair("rbac", "good-draft")
+        spec = pair("rbac", "good-draft", rollout=REPLACE)
         spec["spec"]["gating"] = {"configMapRef": {"name": "golden"}, "thresholds": {"minAcceptance": 0.5}}
         with KopfRunner(OPERATOR, timeout=60) as runner:
             ns.create(spec)
