@@ -26,7 +26,7 @@ from typing import Any
 
 from mlflow import MlflowClient
 
-from cluster_env import HERE, OPERATOR, engine_pods, model_name, pair, serving, set_spec
+from cluster_env import HERE, OPERATOR, REPLACE, engine_pods, model_name, pair, serving, set_spec
 from specpair_operator import manifests
 
 KILLS_AT_MOST = 60
@@ -89,7 +89,8 @@ def test_killed_after_every_write_the_operator_still_promotes_once(env, mlflow_s
     model = model_name(ns, name)
     mlflow = MlflowClient(mlflow_server.url)
     operator = FailingOperator(tmp_path / "writes.jsonl")
-    ns.create(pair(name, "good-draft"))
+    # Replace: v2 changes only the draft, which the operator would otherwise score in shadow.
+    ns.create(pair(name, "good-draft", rollout=REPLACE))
     kills = operator.crash_until(lambda: serving(ns, name, "1"))
     obj = ns.pair(name)
     crashed = {w["write"] for w in operator.writes() if w["failed"] == "crash"}
