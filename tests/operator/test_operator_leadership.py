@@ -29,7 +29,7 @@ from mlflow import MlflowClient
 
 from conftest import free_port
 from cluster_env import CHART as CHART_DIR
-from cluster_env import HERE, OPERATOR_NAMESPACE, RELEASE, helm, model_name, pair, serving, wait_until
+from cluster_env import HERE, OPERATOR_NAMESPACE, RELEASE, REPLACE, helm, model_name, pair, serving, wait_until
 from specpair_operator import leadership
 from specpair_operator.__main__ import election
 from specpair_operator.kube import Kube
@@ -300,7 +300,8 @@ def test_the_chart_runs_two_replicas_one_acts_and_a_deleted_leader_hands_over(en
         first = wait_until("one replica to lead", lambda: lease_holder(), timeout=60)
         assert len(pods()) == 2 and first.split("_")[0] in {p["metadata"]["name"] for p in pods()}, first
         name = f"ha-{uuid.uuid4().hex[:5]}"
-        ns.create(pair(name, "good-draft"))
+        # Replace: v2 changes only the draft, which the operator would otherwise score in shadow.
+        ns.create(pair(name, "good-draft", rollout=REPLACE))
         ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=180)
 
         leader_pod = first.split("_")[0]
