@@ -382,6 +382,7 @@ class Batch:
         self.device = engine.target.device
         self.last_k = 0
         self.timing = StepTiming()
+        self._row_sampling: RowSampling | None = None     # for these rows; None once they change
 
     @property
     def active(self) -> int:
@@ -404,6 +405,7 @@ class Batch:
                                                           self.engine.eos_ids, len(prompt_ids)),
                        memory=self.engine.row_memory(len(prompt_ids), params))
         self.rows.append(seq)
+        self._row_sampling = None
         self.target.add_rows(1)
         if self.drafter is not None:
             self.drafter.add_rows(1)
@@ -484,11 +486,7 @@ class Batch:
         self._resume_drafting()
         eng = self.engine
         B = self.active
-        sampling = RowSampling(
-            temperature=torch.tensor([s.params.temperature for s in self.rows], device=self.device),
-            top_k=torch.tensor([s.params.top_k for s in self.rows], device=self.device),
-            top_p=torch.tensor([s.params.top_p for s in self.rows], device=self.device),
-            generators=[s.generator for s in self.rows])
+        sampling = self._sampling()
         ks = self._ks()
         self.last_k = max(ks, default=0)
         if getattr(self.target, "fixed", False):
@@ -503,17 +501,23 @@ class Batch:
             extra = {"copy_ks": self._ks(copying=True)} if self.copies else {}
             proposal = self._on_device(self.drafter.propose, sequences, ks, sampling, width, **extra)
             drafts, num, q = proposal.tokens, proposal.num, proposal.probs
-            siblings, copied = proposal.siblings, proposal.copied
+            siblings, copied, drafted = proposal.siblings, proposal.copied, proposal.host
         else:
             drafts = torch.zeros(B, 0, dtype=torch.long, device=self.device)
             num = torch.zeros(B, dtype=torch.long, device=self.device)
             q = copied = None
+            drafted = [[] for _ in range(B)]
         sync(self.device)
         t1 = time.perf_counter()
 
         # Verify: each row feeds what the target has not cached plus its drafts.
         committed = [len(s.tokens) for s in self.rows]
-        nums = num.tolist()
+        if drafted is not None:
+            nums = [len(d) for d in drafted]
+        else:                      # drafted on the device: read once
+            nums = num.tolist()
+            if siblings is None:
+                drafted = [d[:n] for d, n in zip(drafts.tolist(), nums)]
         wants_features = self.drafter is not None and self.drafter.wants_features
         cached_before = list(self.target.lengths)
         if siblings is not None:
@@ -521,9 +525,8 @@ class Batch:
                 drafts, num, siblings, q, sampling, committed, wants_features, copied)
         else:
             accepted_l, next_l, features = self._verify_chain(drafts, num, q, sampling,
-                                                              wants_features)
-            drafts_l = drafts.tolist()
-            kept = [drafts_l[i][:a] for i, a in enumerate(accepted_l)]
+                                                              wants_features, drafted)
+            kept = [drafted[i][:a] for i, a in enumerate(accepted_l)]
             fed_kept = [list(range(committed[i] + a - cached_before[i]))
                         for i, a in enumerate(accepted_l)]
         sync(self.device)
@@ -557,6 +560,20 @@ class Batch:
         self.timing.seconds += time.perf_counter() - started
         return outputs
 
+    def _sampling(self) -> RowSampling:
+        """The rows' sampling settings as device tensors, built again only when the rows change:
+        three host-to-device copies every step were a visible share of a 2 ms GPU step, and
+        whether every row is greedy is known here without asking the device (docs/gpu.md)."""
+        if self._row_sampling is None:
+            params = [s.params for s in self.rows]
+            self._row_sampling = RowSampling(
+                temperature=torch.tensor([p.temperature for p in params], device=self.device),
+                top_k=torch.tensor([p.top_k for p in params], device=self.device),
+                top_p=torch.tensor([p.top_p for p in params], device=self.device),
+                generators=[s.generator for s in self.rows],
+                greedy=all(p.temperature <= 0 for p in params))
+        return self._row_sampling
+
     def _on_device(self, call, *args, **kwargs):
         """A model call, waited for, its time counted as the model's (StepTiming)."""
         start = time.perf_counter()
@@ -583,13 +600,13 @@ class Batch:
             if tokens:
                 self.drafter.observe(i, starts[i], out[1][i, :len(tokens)])
 
-    def _verify_chain(self, drafts, num, q, sampling, wants_features):
-        """One target pass over each row's uncached tokens and drafts; -> per row (accepted,
-        next token), and the features of every fed token when the drafter wants them."""
+    def _verify_chain(self, drafts, num, q, sampling, wants_features, drafted):
+        """One target pass over each row's uncached tokens and drafts (`drafted`: each row's,
+        on the host); -> per row (accepted, next token), and the features of every fed token
+        when the drafter wants them."""
         B = self.active
-        nums = num.tolist()
-        feed = [s.tokens[self.target.lengths[i]:] + drafts[i, :nums[i]].tolist()
-                for i, s in enumerate(self.rows)]
+        nums = [len(d) for d in drafted]
+        feed = [s.tokens[self.target.lengths[i]:] + drafted[i] for i, s in enumerate(self.rows)]
         K = max(nums, default=0)
         features = None
         if wants_features:   # the head drafts from the target's features of what it verified
@@ -603,9 +620,9 @@ class Batch:
         drafts = drafts[:, :K]
         self.first_logits = logits[:, 0]     # each row's next-token logits: the shadow's p (shadow.py)
 
-        greedy_rows = sampling.temperature <= 0
         accepted, next_token = greedy_verify(logits, drafts, num)
-        if not bool(greedy_rows.all()):
+        if not sampling.all_greedy:
+            greedy_rows = sampling.temperature <= 0
             p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             if q is None:   # deterministic drafter: point masses on its tokens
                 q = torch.zeros(B, K, p.shape[-1], device=self.device, dtype=p.dtype)
@@ -615,7 +632,9 @@ class Batch:
             s_acc, s_next = rejection_sample(p, q, drafts, num, sampling.generators)
             accepted = torch.where(greedy_rows, accepted, s_acc)
             next_token = torch.where(greedy_rows, next_token, s_next)
-        return accepted.tolist(), next_token.tolist(), features
+        # One read of the device for both (each read waits for the stream).
+        accepted_l, next_l = torch.stack((accepted, next_token)).tolist()
+        return accepted_l, next_l, features
 
     def _verify_tree(self, drafts, num, siblings, q, sampling, committed, wants_features, copied):
         """One target pass over a chain with alternatives per row (rejection_sampler.verify_tree):
@@ -749,6 +768,7 @@ class Batch:
             return
         self.done.extend(s for s in self.rows if s.finished)
         self.rows = [self.rows[i] for i in keep]
+        self._row_sampling = None
         self.target.select(keep)
         if self.drafter is not None:
             self.drafter.select(keep)

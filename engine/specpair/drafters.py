@@ -23,7 +23,7 @@ import torch
 
 from specpair.config import NGRAM_MAX, NGRAM_MIN
 from specpair.errors import SpecpairError
-from specpair.static_cache import kv_model
+from specpair.static_cache import kv_model, to_device
 from specpair.rejection_sampler import process_logits, sample_next
 
 
@@ -35,6 +35,8 @@ class Proposal:
     siblings: torch.Tensor | None = None   # [B, K, S] alternatives to tokens[:, j] (a token tree,
                                            # rejection_sampler.verify_tree); None: a chain
     copied: list[bool] | None = None       # per row: drafted by copying (LookupFirstDrafter)
+    host: list[list[int]] | None = None    # per row its drafted tokens, where the drafter made
+                                           # them on the host: the step need not read them back
 
 
 @dataclass
@@ -45,9 +47,12 @@ class RowSampling:
     top_k: torch.Tensor             # [B]
     top_p: torch.Tensor             # [B]
     generators: list                # [B] torch.Generator or None
+    greedy: bool | None = None      # every row greedy, when the caller knows it without the device
 
     @property
     def all_greedy(self) -> bool:
+        if self.greedy is not None:
+            return self.greedy
         return bool((self.temperature <= 0).all())
 
 
@@ -207,8 +212,9 @@ class NgramDrafter(Drafter):
         for i, f in enumerate(found):
             if f:
                 tokens[i, :len(f)] = torch.tensor(f)
-        num = torch.tensor([len(f) for f in found], dtype=torch.long)
-        return Proposal(tokens=tokens.to(self.device), num=num.to(self.device), probs=None)
+        num = torch.tensor([len(f) for f in found], dtype=torch.long).view(-1, 1)
+        packed = to_device(torch.cat((tokens, num), dim=1), self.device)    # one copy over
+        return Proposal(tokens=packed[:, :K], num=packed[:, K], probs=None, host=found)
 
     def describe(self) -> dict:
         return {"kind": self.name, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}

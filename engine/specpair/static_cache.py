@@ -239,6 +239,14 @@ def _compiled_step():
     return _compiled_layer_step
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on the device in one copy: through pinned memory and without waiting
+    on CUDA (the copy is ordered on the stream before the step that reads it), as is elsewhere."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def use_compile_cache() -> None:
     """Keep inductor's compiled kernels in the model cache (SPECPAIR_CACHE/inductor) unless
     TORCHINDUCTOR_CACHE_DIR says otherwise: a cold compile of the fixed step took 147 s on an
@@ -687,17 +695,21 @@ class StaticKVModel:
                 for w, parent in enumerate(row):
                     if parent >= 0:
                         positions[i, w] = slots[i, parent] + 1
-            slots, positions = slots.to(self.device), positions.to(self.device)
             if vectors:
+                slots, positions = slots.to(self.device), positions.to(self.device)
                 h = torch.zeros(R, W, dim, dtype=r.dtype, device=self.device)
                 for i in narrow:
                     h[i, :counts[i]] = rows[i]
                 h = r.fixed_layers(h, positions, slots, self.caches)
-            else:   # one host tensor for the step's ids: a step's host work stays small
+            else:
+                # ids, positions and slots go over in one copy: from pageable memory each copy
+                # waits for the stream, and the GPU step is short enough that three such waits
+                # were a visible share of it (docs/gpu.md).
                 pad = [0] * W
                 ids = torch.tensor([list(rows[i]) + pad[counts[i]:] if fed[i] else pad
                                     for i in range(B)] + [pad] * (R - B), dtype=torch.long)
-                ids = ids.to(self.device)
+                ids, positions, slots = to_device(torch.stack((ids, positions, slots)),
+                                                  self.device)
                 step = r.fixed_step
                 if self.compiled:
                     step = r.compiled_fixed_step()
@@ -775,11 +787,19 @@ class StaticKVModel:
             for i, a in zip(which, at):
                 out[i, :counts[i]] = normed[a, :counts[i]]
             return out, None
-        index = torch.tensor(at, dtype=torch.long, device=self.device).view(-1, 1)
-        gather = torch.tensor([[max(0, counts[i] - n_last + t) for t in range(n_last)]
-                               for i in which], dtype=torch.long, device=self.device)
-        part = (logits[index, gather] if logits is not None
-                else F.linear(normed[index, gather], self.model.lm_head.weight))
+        first = counts[which[0]] - n_last
+        if logits is not None and at == list(range(len(at))) and first >= 0 and all(
+                counts[i] - n_last == first for i in which):
+            # Rows 0..n-1 each feeding as many tokens (every decode step without per-row k): a
+            # slice, copied out of the step's output (a CUDA graph's buffers are overwritten by
+            # its next replay), with no index tensors to build and send.
+            part = logits[:len(at), first:first + n_last].clone()
+        else:
+            index = torch.tensor(at, dtype=torch.long, device=self.device).view(-1, 1)
+            gather = torch.tensor([[max(0, counts[i] - n_last + t) for t in range(n_last)]
+                                   for i in which], dtype=torch.long, device=self.device)
+            part = (logits[index, gather] if logits is not None
+                    else F.linear(normed[index, gather], self.model.lm_head.weight))
         if out is None and len(which) == B:      # every row from this forward, in order
             out = part
         else:
