@@ -462,9 +462,9 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
                                "target_parameters": target.num_parameters,
                                "target_bytes": target.weight_bytes},
                          device=str(target.device), k=k, runs=runs, costs=costs,
-                         bandwidth=figures, step={**engine.describe_step(),
-                                                  # start-up capture: buckets, seconds, memory
-                                                  "captures": getattr(engine, "captures", None)})
+                         bandwidth=figures, step=engine.describe_step())
+    if getattr(engine, "captures", None):      # compiled: the start-up capture (buckets, s, memory)
+        report.step["captures"] = engine.captures
     # Pin generation length: EOS early would make runs incomparable across modes.
     params = GenerationParams(max_new_tokens=max_new_tokens)
     compiled = None
