@@ -478,6 +478,20 @@ def _promoted(out: _Steps, tags: Mapping[str, str], aliases: Mapping[str, str], 
 
 
 
+# -- a candidate's rollout: shadow or canary ----------------------------------------------------
+
+def _candidate_strategy(w: ReleaseWorld) -> tuple[str, dict[str, Any], rollout_strategy.Strategy] | None:
+    """The champion, the candidate's release and the strategy it rolls out by, for a version that
+    is a candidate beside a serving champion; None when it is not (no champion, it is the
+    champion, or either release is unknown)."""
+    champion = w.aliases.get(aliases_mod.CHAMPION)
+    candidate = release_of_tags(w.tags)
+    if not champion or champion == w.version or w.champion_release is None or candidate is None:
+        return None
+    return champion, candidate, rollout_strategy.choose_strategy({"rollout": w.rollout}, w.champion_release,
+                                                                 candidate)
+
+
 # -- shadow scoring (shadow_run.py) -------------------------------------------------------------
 
 def _shadow(out: _Steps) -> bool:
@@ -488,11 +502,10 @@ def _shadow(out: _Steps) -> bool:
     Promote)."""
     w = out.world
     version, aliases = w.version, w.aliases
-    champion = aliases.get(aliases_mod.CHAMPION)
-    candidate = release_of_tags(w.tags)
-    if not champion or champion == version or w.champion_release is None or candidate is None:
+    chosen = _candidate_strategy(w)
+    if chosen is None:
         return False
-    strategy = rollout_strategy.choose_strategy({"rollout": w.rollout}, w.champion_release, candidate)
+    champion, candidate, strategy = chosen
     if strategy.type != rollout_strategy.SHADOW:
         return False
     if strategy.refused:
@@ -556,12 +569,11 @@ def _canary(out: _Steps) -> bool:
     passed)."""
     w = out.world
     version, aliases = w.version, w.aliases
-    champion = aliases.get(aliases_mod.CHAMPION)
-    candidate = release_of_tags(w.tags)
-    if not champion or champion == version or w.champion_release is None or candidate is None:
+    chosen = _candidate_strategy(w)
+    if chosen is None:
         return False
+    champion, _, strategy = chosen
     state, text = canary_mod.mark(w.tags)
-    strategy = rollout_strategy.choose_strategy({"rollout": w.rollout}, w.champion_release, candidate)
     # An aborted candidate stays out whatever the strategy says now (as a rolled-back release
     # does): a changed release is a new version, and gets a canary of its own.
     if strategy.type != rollout_strategy.CANARY and state != canary_mod.ABORTED:
