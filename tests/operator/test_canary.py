@@ -4,12 +4,11 @@ every pass. Pure: no servers; the pods' counters use the engine's own histogram 
 
 from __future__ import annotations
 
-import bisect
 import random
 
 import pytest
-from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
+import engine_counters
 from specpair_operator import canary, manifests
 from specpair_operator.drift import BREACH, FINE, OVERALL
 
@@ -30,37 +29,19 @@ class Pod:
         self.acceptance: dict[str, dict] = {}
 
     def _cat(self, category: str) -> dict:
-        def hist(bounds):
-            return {"upperBounds": list(bounds), "counts": [0] * len(bounds), "count": 0, "sum": 0.0}
-        self.acceptance.setdefault(category, {"drafted": 0, "accepted": 0, "requests": 0, "draftedSq": 0.0,
-                                              "acceptedSq": 0.0, "draftedAccepted": 0.0})
-        return self.serving.setdefault(category, {"ttft": hist(LATENCY_BUCKETS), "tpot": hist(TOKEN_BUCKETS),
-                                                  "requests": {}})
+        self.acceptance.setdefault(category, engine_counters.acceptance())
+        return self.serving.setdefault(category, engine_counters.serving())
 
     def serve(self, category: str, requests: int, ttft: float = 0.2, tpot: float = 0.02, error_rate: float = 0.0,
               acceptance: float = 0.6, drafted: int = 30) -> None:
         c = self._cat(category)
-        a = self.acceptance[category]
         for _ in range(requests):
             failed = self.errors.random() < error_rate
-            status = "error" if failed else "ok"
-            c["requests"][status] = c["requests"].get(status, 0) + 1
+            engine_counters.finished(c, "error" if failed else "ok")
             if failed:
                 continue
-            for key, median in (("ttft", ttft), ("tpot", tpot)):
-                value = median * self.rng.lognormvariate(0.0, 0.25)
-                h = c[key]
-                for i in range(bisect.bisect_left(h["upperBounds"], value), len(h["counts"])):
-                    h["counts"][i] += 1
-                h["count"] += 1
-                h["sum"] += value
-            acc = sum(self.rng.random() < acceptance for _ in range(drafted))
-            a["drafted"] += drafted
-            a["accepted"] += acc
-            a["requests"] += 1
-            a["draftedSq"] += drafted * drafted
-            a["acceptedSq"] += acc * acc
-            a["draftedAccepted"] += drafted * acc
+            engine_counters.latencies(c, self.rng, ttft, tpot, sigma=0.25)
+            engine_counters.drafted(self.acceptance[category], self.rng, acceptance, drafted)
 
     def report(self, now: float) -> canary.PodReport:
         return canary.PodReport.from_stats(f"{self.name}/uid", {"categories": self.acceptance, "serving": self.serving,

@@ -12,29 +12,27 @@ Pure: no servers.
 
 from __future__ import annotations
 
-import bisect
 import copy
 import dataclasses
+import functools
 import json
 import random
 from collections import Counter
 from typing import Any
 
 import pytest
-from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
-from specpair_operator import canary, gate_verdict, manifests, owned, release
+import engine_counters
+import plan_tables
+from plan_tables import CURRENT_TLS, MODEL, NOW, NS, PAIR, TLS, UID, available, kinds, mine, pod_info
+from specpair_operator import canary, manifests, owned
 from specpair_operator import plan as p
 from specpair_operator import serving_plan as sp
-from specpair_operator.registry import TAG_HASH, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
-from specpair_operator.serving_world import DriftMemory, EnginePod, EngineTLS, ServingWorld
-from specpair_operator.world import GateJob, Records, ReleaseWorld
+from specpair_operator.serving_world import DriftMemory, EnginePod, ServingWorld
+from specpair_operator.world import Records, ReleaseWorld
 
-PAIR, NS, UID, MODEL = "chat", "team", "uid-chat", "team-chat"
-NOW = "2026-11-25T12:00:00Z"
 T0 = 1_700_000_000.0
 DT = 10.0
-TH = {"requireGreedyIdentity": True, "minAcceptance": 0.0, "minCategoryAcceptance": {}, "minSpeedup": 0.0}
 GOOD = {"passed": True, "reasons": [], "tokenizer": {"compatible": True, "differences": []},
         "greedyIdentity": 1.0, "acceptanceRate": 0.7, "speedup": 1.4,
         "categories": {"code": {"acceptanceRate": 0.8}}}
@@ -42,63 +40,11 @@ STEPS = [{"replicas": 1, "pauseSeconds": 20}, {"share": 1.0, "pauseSeconds": 20}
 ROLLOUT = {"replicas": 2, "strategy": {"type": "Canary", "steps": STEPS}}
 SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "abc"}, "draft": {"drafter": "ngram"},
         "rollout": ROLLOUT, "drift": {"enabled": False}}
-TLS = EngineTLS("chat-engine-tls", "ca1", ("chat-engine.team.svc",), "ca1/names")
-CURRENT_TLS = {"secret": TLS.secret, "caFingerprint": "ca1", "names": list(TLS.names), "notAfter": "2027-11-25T12:00:00Z"}
-
-
-def release_tags(spec_changes: dict[str, Any]) -> dict[str, str]:
-    rel = release.build_release(PAIR, NS, {**SPEC, **spec_changes}, [{"prompt": "x", "category": "code"}])
-    return {p.TAG_RELEASE: json.dumps(rel, sort_keys=True), TAG_HASH: release.content_hash(rel),
-            TAG_TOKENIZER_TARGET: "t", TAG_TOKENIZER_DRAFT: "d"}
-
-
-CHAMPION_TAGS = release_tags({})
-NEW_TARGET = release_tags({"target": {"source": "HuggingFaceTB/SmolLM2-360M"}})
-
-
-def reported(verdict: dict[str, Any], version: str) -> str:
-    return json.dumps({"version": version, "verdictSha256": gate_verdict.verdict_digest(verdict)})
-
-
-def candidate_world(tags: dict[str, str] = NEW_TARGET, rollout: dict[str, Any] = ROLLOUT, **changes: Any) -> ReleaseWorld:
-    """v2 (a new target) passed its gate; v1 is champion."""
-    w = ReleaseWorld(pair=PAIR, namespace=NS, version="2", digest=tags[TAG_HASH], thresholds=TH,
-                     aliases={"champion": "1"}, tags=dict(tags), gate_status="passed", verdict=GOOD,
-                     gate_jobs=(GateJob(manifests.gate_job_name(PAIR, tags[TAG_HASH]), complete=True,
-                                        reports=(reported(GOOD, "2"),)),),
-                     records=Records({"GateStarted": ("2",), "GatePassed": ("2",)}), now=NOW, rollout=rollout,
-                     champion_release=json.loads(CHAMPION_TAGS[p.TAG_RELEASE]))
-    return dataclasses.replace(w, **changes)
-
-
-def kinds(steps: tuple[Any, ...]) -> list[str]:
-    out = []
-    for s in steps:
-        name = type(s).__name__
-        if isinstance(s, p.Record):
-            name = f"Record {s.action}"
-        elif isinstance(s, p.Report):
-            name = f"Report {s.how} {s.phase}/{s.reason}"
-        elif isinstance(s, p.PostEvent):
-            name = f"Event {s.reason}"
-        elif isinstance(s, p.SetAlias):
-            name = f"SetAlias {s.alias}={s.version}"
-        elif isinstance(s, p.TagVersion):
-            name = f"TagVersion v{s.version} " + ",".join(sorted(s.tags))
-        elif isinstance(s, p.Condition):
-            name = f"Condition {s.type}={s.status} {s.reason}"
-        elif isinstance(s, p.ServeChampion):
-            name = f"ServeChampion {s.desired or '-'}" + (f" canary v{s.canary.version}" if s.canary else "")
-        elif isinstance(s, sp.EnsureOwned):
-            name = f"EnsureOwned {s.manifest['kind']} {s.manifest['metadata']['name']}"
-        elif isinstance(s, canary.ScaleDown):
-            name = f"ScaleDown {s.name}"
-        elif isinstance(s, sp.ReportSpeculation):
-            name = "ReportSpeculation " + (s.otherwise.reason if s.otherwise else "-")
-        elif isinstance(s, p.SetStatus):
-            name = "SetStatus " + ",".join(sorted(s.fields))
-        out.append(name)
-    return out
+CHAMPION_TAGS = plan_tables.release_tags(SPEC)
+NEW_TARGET = plan_tables.release_tags({**SPEC, "target": {"source": "HuggingFaceTB/SmolLM2-360M"}})
+# v2 (a new target) passed its gate; v1 is champion.
+candidate_world = functools.partial(plan_tables.candidate_world, tags=NEW_TARGET, champion_tags=CHAMPION_TAGS,
+                                    verdict=GOOD, rollout=ROLLOUT)
 
 
 # -- the release's plan: whether a passed candidate runs a canary -----------------------------------
@@ -157,51 +103,17 @@ class Pod:
         self.acceptance: dict[str, Any] = {}
 
     def serve(self, n: int, ttft: float, tpot: float, acceptance: float) -> None:
-        def hist(bounds: tuple[float, ...]) -> dict[str, Any]:
-            return {"upperBounds": list(bounds), "counts": [0] * len(bounds), "count": 0, "sum": 0.0}
-        c = self.serving.setdefault("code", {"ttft": hist(LATENCY_BUCKETS), "tpot": hist(TOKEN_BUCKETS), "requests": {}})
-        a = self.acceptance.setdefault("code", {"drafted": 0, "accepted": 0, "requests": 0, "draftedSq": 0.0,
-                                                "acceptedSq": 0.0, "draftedAccepted": 0.0})
+        c = self.serving.setdefault("code", engine_counters.serving())
+        a = self.acceptance.setdefault("code", engine_counters.acceptance())
         for _ in range(n):
-            c["requests"]["ok"] = c["requests"].get("ok", 0) + 1
-            for key, median in (("ttft", ttft), ("tpot", tpot)):
-                value = median * self.rng.lognormvariate(0.0, 0.2)
-                h = c[key]
-                for i in range(bisect.bisect_left(h["upperBounds"], value), len(h["counts"])):
-                    h["counts"][i] += 1
-                h["count"] += 1
-                h["sum"] += value
-            acc = sum(self.rng.random() < acceptance for _ in range(20))
-            a["drafted"] += 20
-            a["accepted"] += acc
-            a["requests"] += 1
-            a["draftedSq"] += 400
-            a["acceptedSq"] += acc * acc
-            a["draftedAccepted"] += 20 * acc
+            engine_counters.finished(c, "ok")
+            engine_counters.latencies(c, self.rng, ttft, tpot, sigma=0.2)
+            engine_counters.drafted(a, self.rng, acceptance, 20)
 
     def view(self, now: float, uid: str) -> EnginePod:
-        info = {"pair": PAIR, "releaseVersion": self.served["mlflow"]["version"],
-                "contentHash": release.content_hash(self.served), "tokenizer": {"target": "t", "draft": "d"},
-                "speculationEnabled": True}
         stats = {"categories": copy.deepcopy(self.acceptance), "serving": copy.deepcopy(self.serving),
                  "uptimeSeconds": now - self.started}
-        return EnginePod(self.name, uid, "10.0.0.1", info, stats=stats)
-
-
-def mine(obj: dict[str, Any], mutable: bool = True) -> dict[str, Any]:
-    obj = copy.deepcopy(obj)
-    if mutable:
-        owned.stamp(obj)
-    obj["metadata"]["ownerReferences"] = [{"uid": UID, "controller": True, "kind": "SpecModelPair", "name": PAIR}]
-    return obj
-
-
-def available(dep: dict[str, Any], generation: int = 1) -> dict[str, Any]:
-    dep = mine(dep)
-    n = dep["spec"]["replicas"]
-    dep["metadata"]["generation"] = generation
-    dep["status"] = {"observedGeneration": generation, "replicas": n, "updatedReplicas": n, "availableReplicas": n}
-    return dep
+        return EnginePod(self.name, uid, "10.0.0.1", pod_info(self.served), stats=stats)
 
 
 SPEED = {"1": {"ttft": 0.2, "tpot": 0.02, "acceptance": 0.6},

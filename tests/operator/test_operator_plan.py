@@ -13,13 +13,13 @@ the undisturbed one does, with each action recorded once and no gate Job started
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import Counter
 from typing import Any
 
 import pytest
 
-from specpair_operator import gate_attempts, gate_verdict, manifests, model_fetch
+from plan_tables import NOW, NS, PAIR, reported, step_name
+from specpair_operator import gate_attempts, manifests, model_fetch
 from specpair_operator import plan as p
 from specpair_operator import serving_plan as sp
 from specpair_operator.serving_world import ServingWorld
@@ -30,16 +30,11 @@ GOOD = {"passed": True, "reasons": [], "tokenizer": {"compatible": True, "differ
         "greedyIdentity": 1.0, "acceptanceRate": 0.7, "speedup": 1.4,
         "categories": {"code": {"acceptanceRate": 0.8}, "chat": {"acceptanceRate": 0.5}}}
 BAD = {**GOOD, "acceptanceRate": 0.2, "categories": {"code": {"acceptanceRate": 0.25}}}
-PAIR, NS, DIGEST = "chat", "team", "d" * 64
-NOW = "2026-11-25T12:00:00Z"
+DIGEST = "d" * 64
 
 
 def job_name(attempt: int = 1) -> str:
     return manifests.gate_job_name(PAIR, DIGEST, attempt)
-
-
-def reported(verdict: dict[str, Any], version: str = "1") -> str:
-    return json.dumps({"version": version, "verdictSha256": gate_verdict.verdict_digest(verdict)})
 
 
 def world(**changes: Any) -> ReleaseWorld:
@@ -52,24 +47,10 @@ def records(**keys: list[str]) -> Records:
 
 
 def kinds(steps: tuple[Any, ...]) -> list[str]:
-    """Each step by its class, a Record by its action, a Report by its reason."""
-    out = []
-    for s in steps:
-        name = type(s).__name__
-        if isinstance(s, p.Record):
-            name = f"Record {s.action}"
-        elif isinstance(s, p.Report):
-            name = f"Report {s.how} {s.phase}/{s.reason}"
-        elif isinstance(s, p.SetAlias):
-            name = f"SetAlias {s.alias}={s.version}"
-        elif isinstance(s, p.StartGateJob):
-            name = f"StartGateJob {s.attempt}"
-        elif isinstance(s, p.PostEvent):
-            name = f"PostEvent {s.reason}"
-        elif isinstance(s, p.ServeChampion):
-            name = f"ServeChampion {s.desired or '-'}" + (" while gating" if s.while_gating else "")
-        out.append(name)
-    return out
+    """Each step by its name (plan_tables.step_name), the status's own steps by their class alone:
+    these tables are about the order of the writes and records."""
+    return [type(s).__name__ if isinstance(s, (p.Condition, p.SetStatus, p.TagVersion)) else step_name(s)
+            for s in steps]
 
 
 def passed_gate(version: str = "1", verdict: dict[str, Any] = GOOD, **job: Any) -> dict[str, Any]:
@@ -140,7 +121,7 @@ SCENARIOS = [
      ["EnsureGatePolicy", "RecordGateError", "Condition", "Report stalled Failed/GateError"]),
     ("MLflow says passed, but no Job reported it and none is left: gated again",
      world(aliases={"candidate": "1"}, gate_status="passed", verdict=GOOD, records=records(GateStarted=["1"])),
-     ["PostEvent Regating", "EnsureGatePolicy", "StartGateJob 1", "Record GateStarted", "Condition", "SetStatus",
+     ["Event Regating", "EnsureGatePolicy", "StartGateJob 1", "Record GateStarted", "Condition", "SetStatus",
       "Report reconciling Gating/Gating", "ServeChampion - while gating"]),
     ("the verdict is in MLflow before its gate pod exits, and GateStarted was never recorded: recorded once",
      world(aliases={"candidate": "1"}, gate_status="passed", verdict=GOOD, gate_jobs=(GateJob(job_name()),)),
@@ -165,7 +146,7 @@ SCENARIOS = [
       "ServeChampion 1"]),
     ("attempt 2 passed while the pass that started it was dead: GateRetrying recorded",
      world(aliases={"candidate": "1"}, records=records(GateStarted=["1"]), gate_status="passed", verdict=GOOD,
-           gate_jobs=(GateJob(job_name(), failed=True), GateJob(job_name(2), complete=True, reports=(reported(GOOD),)))),
+           gate_jobs=(GateJob(job_name(), failed=True), GateJob(job_name(2), complete=True, reports=(reported(GOOD, "1"),)))),
      ["Record GateRetrying", "SetStatus", "Condition", "Condition", "SetStatus", "Record GatePassed", "TagVersion",
       "SetAlias champion=1", "Record Promoted", "ServeChampion 1"]),
     ("a gate Job of our name that another owns: NameConflict, nothing written",
@@ -189,7 +170,7 @@ def fetching(phase: str, message: str = "", **changes: Any) -> ReleaseWorld:
 FETCH_SCENARIOS = [
     ("no fetch Job yet: it is started with an Event, ModelsFetching, no gate Job, the champion serves",
      fetching(model_fetch.ABSENT),
-     ["EnsureGatePolicy", "StartModelFetch", "PostEvent ModelFetchStarted", "Report reconciling Gating/ModelsFetching",
+     ["EnsureGatePolicy", "StartModelFetch", "Event ModelFetchStarted", "Report reconciling Gating/ModelsFetching",
       "SetStatus", "ServeChampion - while gating"]),
     ("the fetch runs: ModelsFetching again, nothing is written",
      fetching(model_fetch.RUNNING, "fetching (Job x); pod y cannot start: CreateContainerConfigError"),
@@ -203,11 +184,11 @@ FETCH_SCENARIOS = [
      ["EnsureGatePolicy", "Report stalled Failed/ModelFetchFailed", "SetStatus"]),
     ("the fetch is done: recorded in status, then the gate starts",
      fetching(model_fetch.DONE, "models fetched by Job x"),
-     ["EnsureGatePolicy", "SetStatus", "PostEvent ModelsFetched", "StartGateJob 1", "Record GateStarted", "Condition",
+     ["EnsureGatePolicy", "SetStatus", "Event ModelsFetched", "StartGateJob 1", "Record GateStarted", "Condition",
       "SetStatus", "Report reconciling Gating/Gating", "ServeChampion - while gating"]),
     ("a pass died after starting the gate, before recording the fetch: recorded now, no second Job",
      fetching(model_fetch.DONE, gate_jobs=(GateJob(job_name()),), records=records(GateStarted=["1"])),
-     ["EnsureGatePolicy", "SetStatus", "PostEvent ModelsFetched", "Condition", "SetStatus",
+     ["EnsureGatePolicy", "SetStatus", "Event ModelsFetched", "Condition", "SetStatus",
       "Report reconciling Gating/Gating", "ServeChampion - while gating"]),
     ("no model cache (needs_fetch false, nothing observed): gated as before",
      world(aliases={"candidate": "1", "champion": "0"}, models=MODELS),

@@ -22,15 +22,15 @@ from typing import Any
 import pytest
 from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
-from specpair_operator import drift, manifests, model_fetch, owned, release, serving_health
+import plan_tables
+from plan_tables import CURRENT_TLS, MODEL, NOW, NS, PAIR, TLS, UID, kinds, mine, pod_info
+from specpair_operator import drift, manifests, model_fetch, release, serving_health
 from specpair_operator import plan as p
 from specpair_operator import serving_plan as sp
-from specpair_operator.registry import TAG_HASH, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
-from specpair_operator.serving_world import DriftMemory, EnginePod, EngineTLS, ServingWorld
+from specpair_operator.registry import TAG_ROLLED_BACK
+from specpair_operator.serving_world import DriftMemory, EnginePod, ServingWorld
 from specpair_operator.world import Records, ReleaseWorld
 
-PAIR, NS, UID, MODEL = "chat", "team", "uid-chat", "team-chat"
-NOW = "2026-11-25T12:00:00Z"
 GOOD = {"passed": True, "reasons": [], "tokenizer": {"compatible": True, "differences": []},
         "greedyIdentity": 1.0, "acceptanceRate": 0.7, "speedup": 1.4,
         "categories": {"code": {"acceptanceRate": 0.8}, "chat": {"acceptanceRate": 0.6}}}
@@ -39,16 +39,12 @@ DRIFT = {"windowSeconds": 10, "intervalSeconds": 0, "minDraftedTokens": 100, "mi
          "consecutiveBreaches": 1, "probeAfterWindows": 1000}
 SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "abc"}, "draft": {"drafter": "ngram"},
         "rollout": {"replicas": 1}, "drift": DRIFT}
-TLS = EngineTLS("chat-engine-tls", "ca1", ("chat-engine.team.svc",), "ca1/names")
-CURRENT_TLS = {"secret": TLS.secret, "caFingerprint": "ca1", "names": list(TLS.names), "notAfter": "2027-11-25T12:00:00Z"}
 
 
 def release_tags(version: str, draft: dict[str, Any] | None = None) -> dict[str, str]:
     """A release of the pair (k differs per version; the draft only when given)."""
-    spec = {**SPEC, "speculation": {"k": 3 + int(version)}, **({"draft": draft} if draft else {})}
-    rel = release.build_release(PAIR, NS, spec, [{"prompt": "x"}])
-    return {p.TAG_RELEASE: json.dumps(rel, sort_keys=True), TAG_HASH: release.content_hash(rel),
-            TAG_TOKENIZER_TARGET: "t", TAG_TOKENIZER_DRAFT: "d"}
+    return plan_tables.release_tags({**SPEC, "speculation": {"k": 3 + int(version)},
+                                     **({"draft": draft} if draft else {})})
 
 
 def base(**changes: Any) -> ServingWorld:
@@ -56,15 +52,6 @@ def base(**changes: Any) -> ServingWorld:
                      spec=SPEC, status={"engineTLS": CURRENT_TLS}, now=NOW, tags=release_tags("1"), verdict=GOOD,
                      tls=TLS)
     return dataclasses.replace(w, **changes)
-
-
-def mine(obj: dict[str, Any], mutable: bool = True) -> dict[str, Any]:
-    """`obj` as the API server holds it after ensure_owned wrote it for this pair."""
-    obj = copy.deepcopy(obj)
-    if mutable:
-        owned.stamp(obj)
-    obj["metadata"]["ownerReferences"] = [{"uid": UID, "controller": True, "kind": "SpecModelPair", "name": PAIR}]
-    return obj
 
 
 def theirs(obj: dict[str, Any]) -> dict[str, Any]:
@@ -82,12 +69,6 @@ def deployment(w: ServingWorld, available: bool = True, **status: Any) -> dict[s
     return dep
 
 
-def pod_info(w: ServingWorld, speculating: bool = True, **changes: Any) -> dict[str, Any]:
-    return {"pair": PAIR, "releaseVersion": w.aliases["champion"],
-            "contentHash": release.content_hash(sp.served_release(w)),
-            "tokenizer": {"target": "t", "draft": "d"}, "speculationEnabled": speculating, **changes}
-
-
 def serving(w: ServingWorld | None = None, pods: int = 1, **info: Any) -> ServingWorld:
     """`w` with its engine in place and available, and `pods` ready pods that answer."""
     w = w or base()
@@ -97,35 +78,7 @@ def serving(w: ServingWorld | None = None, pods: int = 1, **info: Any) -> Servin
         w, deployment=dep, records=Records({"RolloutStarted": (rolled_out,)}),
         service=mine(manifests.engine_service(PAIR, NS, {}), mutable=False),
         policy=mine(manifests.engine_network_policy(PAIR, NS)),
-        ready=tuple(EnginePod(f"pod{i}", f"u{i}", f"10.0.0.{i}", pod_info(w, **info)) for i in range(pods)))
-
-
-def kinds(steps: tuple[Any, ...]) -> list[str]:
-    """Each step by its class, a Record by its action, a Report by its reason, writes by what they touch."""
-    out = []
-    for s in steps:
-        name = type(s).__name__
-        if isinstance(s, p.Record):
-            name = f"Record {s.action}"
-        elif isinstance(s, p.Report):
-            name = f"Report {s.how} {s.phase}/{s.reason}"
-        elif isinstance(s, p.PostEvent):
-            name = f"Event {s.reason}"
-        elif isinstance(s, p.SetAlias):
-            name = f"SetAlias {s.alias}={s.version}"
-        elif isinstance(s, p.TagVersion):
-            name = "TagVersion " + ",".join(f"{k}={'set' if v else 'cleared'}" for k, v in sorted(s.tags.items()))
-        elif isinstance(s, sp.EnsureOwned):
-            name = f"EnsureOwned {s.manifest['kind']}"
-        elif isinstance(s, sp.SwitchSpeculation):
-            name = f"SwitchSpeculation {'on' if s.enabled else 'off'}"
-        elif isinstance(s, sp.ReportSpeculation):
-            name = "ReportSpeculation " + (f"stuck {len(s.stuck)}" if s.stuck else
-                                           (s.otherwise.reason if s.otherwise else "-"))
-        elif isinstance(s, p.SetStatus):
-            name = "SetStatus " + ",".join(sorted(s.fields))
-        out.append(name)
-    return out
+        ready=tuple(EnginePod(f"pod{i}", f"u{i}", f"10.0.0.{i}", pod_info(sp.served_release(w), **info)) for i in range(pods)))
 
 
 def writes(steps: tuple[Any, ...]) -> list[str]:
@@ -243,7 +196,7 @@ def test_a_failed_rollout_rolls_back_to_the_previous_release():
     w = dataclasses.replace(w, deployment=deployment(w, available=False, conditions=[
         {"type": "Progressing", "reason": "ProgressDeadlineExceeded", "message": "crash looping"}]))
     steps = sp.plan_serving(w)
-    assert kinds(steps)[-9:] == ["Condition", "TagVersion specpair.rolled_back=set", "SetAlias champion=1",
+    assert kinds(steps)[-9:] == ["Condition Drifted=True RolledBack", "TagVersion v2 specpair.rolled_back", "SetAlias champion=1",
                                  "Record RolledBack", "ForgetDrift", "SetStatus drift", "SetStatus speculationEnabled",
                                  "SetStatus previousVersion,servingVersion", "Report reconciling RollingOut/RolledBack"]
     assert steps[-1].ready_message == "rollout of v2 failed: rollout failed: crash looping"
@@ -310,13 +263,13 @@ def test_a_pod_with_another_tokenizer_rolls_back():
     w = serving(base(aliases={"champion": "2", "previous": "1"}, tags=release_tags("2")),
                 tokenizer={"target": "t", "draft": "other"})
     steps = sp.plan_serving(w)
-    assert writes(steps) == ["TagVersion specpair.rolled_back=set", "SetAlias champion=1"]
+    assert writes(steps) == ["TagVersion v2 specpair.rolled_back", "SetAlias champion=1"]
     rolled = next(s for s in steps if isinstance(s, p.Record))
     assert (rolled.action, rolled.from_version, rolled.to_version, rolled.key) == ("RolledBack", "2", "1", "2")
     assert rolled.reason.startswith("tokenizer mismatch on pod pod0: draft tokenizer fingerprint other")
     # Without a previous release: NoPreviousRelease, Stalled, nothing moved.
     alone = serving(tokenizer={"target": "t", "draft": "other"})
-    assert kinds(sp.plan_serving(alone))[-2:] == ["Condition", "Report stalled Failed/NoPreviousRelease"]
+    assert kinds(sp.plan_serving(alone))[-2:] == ["Condition Drifted=True NoPreviousRelease", "Report stalled Failed/NoPreviousRelease"]
     assert not [s for s in sp.plan_serving(alone) if isinstance(s, (p.TagVersion, p.SetAlias))]
 
 

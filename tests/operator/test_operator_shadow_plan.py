@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import random
 from collections import Counter
@@ -20,77 +21,25 @@ from typing import Any
 
 import pytest
 
-from specpair_operator import gate_verdict, manifests, owned, release, shadow_run
+import plan_tables
+from plan_tables import CURRENT_TLS, MODEL, NOW, NS, PAIR, TLS, UID, available, kinds, mine, pod_info
+from specpair_operator import manifests, owned, release, shadow_run
 from specpair_operator import plan as p
 from specpair_operator import serving_plan as sp
-from specpair_operator.registry import TAG_HASH, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
-from specpair_operator.serving_world import EnginePod, EngineTLS, ServingWorld
-from specpair_operator.world import GateJob, Records, ReleaseWorld
+from specpair_operator.serving_world import EnginePod, ServingWorld
+from specpair_operator.world import Records, ReleaseWorld
 
-PAIR, NS, UID, MODEL = "chat", "team", "uid-chat", "team-chat"
-NOW = "2026-11-25T12:00:00Z"
-TH = {"requireGreedyIdentity": True, "minAcceptance": 0.0, "minCategoryAcceptance": {}, "minSpeedup": 0.0}
 GOOD = {"passed": True, "reasons": [], "tokenizer": {"compatible": True, "differences": []},
         "greedyIdentity": 1.0, "acceptanceRate": 0.7, "speedup": 1.4,
         "categories": {"code": {"acceptanceRate": 0.8}, "chat": {"acceptanceRate": 0.6}}}
 SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "abc"}, "draft": {"drafter": "ngram"},
         "rollout": {"replicas": 1}, "drift": {"enabled": False}}
-TLS = EngineTLS("chat-engine-tls", "ca1", ("chat-engine.team.svc",), "ca1/names")
-CURRENT_TLS = {"secret": TLS.secret, "caFingerprint": "ca1", "names": list(TLS.names), "notAfter": "2027-11-25T12:00:00Z"}
-
-
-def release_tags(spec_changes: dict[str, Any]) -> dict[str, str]:
-    rel = release.build_release(PAIR, NS, {**SPEC, **spec_changes}, [{"prompt": "x", "category": "code"}])
-    return {p.TAG_RELEASE: json.dumps(rel, sort_keys=True), TAG_HASH: release.content_hash(rel),
-            TAG_TOKENIZER_TARGET: "t", TAG_TOKENIZER_DRAFT: "d"}
-
-
-CHAMPION_TAGS = release_tags({})
-DRAFT_ONLY = release_tags({"draft": {"source": "tiny-draft"}})          # only the draft side differs
-NEW_TARGET = release_tags({"target": {"source": "HuggingFaceTB/SmolLM2-360M"}})
-
-
-def reported(verdict: dict[str, Any], version: str) -> str:
-    return json.dumps({"version": version, "verdictSha256": gate_verdict.verdict_digest(verdict)})
-
-
-def candidate_world(tags: dict[str, str] = DRAFT_ONLY, rollout: dict[str, Any] | None = None,
-                    **changes: Any) -> ReleaseWorld:
-    """v2 passed its gate (its Job reported the verdict); v1 is champion."""
-    w = ReleaseWorld(pair=PAIR, namespace=NS, version="2", digest=tags[TAG_HASH], thresholds=TH,
-                     aliases={"champion": "1"}, tags=dict(tags), gate_status="passed", verdict=GOOD,
-                     gate_jobs=(GateJob(manifests.gate_job_name(PAIR, tags[TAG_HASH]), complete=True,
-                                        reports=(reported(GOOD, "2"),)),),
-                     records=Records({"GateStarted": ("2",), "GatePassed": ("2",)}), now=NOW,
-                     rollout=rollout if rollout is not None else {"replicas": 1},
-                     champion_release=json.loads(CHAMPION_TAGS[p.TAG_RELEASE]))
-    return dataclasses.replace(w, **changes)
-
-
-def kinds(steps: tuple[Any, ...]) -> list[str]:
-    out = []
-    for s in steps:
-        name = type(s).__name__
-        if isinstance(s, p.Record):
-            name = f"Record {s.action}"
-        elif isinstance(s, p.Report):
-            name = f"Report {s.how} {s.phase}/{s.reason}"
-        elif isinstance(s, p.SetAlias):
-            name = f"SetAlias {s.alias}={s.version}"
-        elif isinstance(s, p.TagVersion):
-            name = f"TagVersion v{s.version} " + ",".join(sorted(s.tags))
-        elif isinstance(s, p.Condition):
-            name = f"Condition {s.type}={s.status} {s.reason}"
-        elif isinstance(s, p.ServeChampion):
-            name = f"ServeChampion {s.desired or '-'}" + (f" shadow v{s.shadow.version}" if s.shadow else "")
-        elif isinstance(s, sp.EnsureOwned):
-            name = f"EnsureOwned {s.manifest['kind']}"
-        elif isinstance(s, sp.ReportSpeculation):
-            name = "ReportSpeculation " + (s.otherwise.reason if s.otherwise else "-")
-        elif isinstance(s, p.SetStatus):
-            name = "SetStatus " + ",".join(sorted(s.fields))
-        out.append(name)
-    return out
+CHAMPION_TAGS = plan_tables.release_tags(SPEC)
+DRAFT_ONLY = plan_tables.release_tags({**SPEC, "draft": {"source": "tiny-draft"}})    # only the draft side differs
+NEW_TARGET = plan_tables.release_tags({**SPEC, "target": {"source": "HuggingFaceTB/SmolLM2-360M"}})
+# v2 passed its gate (its Job reported the verdict); v1 is champion.
+candidate_world = functools.partial(plan_tables.candidate_world, tags=DRAFT_ONLY, champion_tags=CHAMPION_TAGS,
+                                    verdict=GOOD, rollout={"replicas": 1})
 
 
 def verdict_tag(result: str, reason: str = "r") -> dict[str, str]:
@@ -195,22 +144,6 @@ def run(started_at: str = NOW, **settings: Any) -> shadow_run.ShadowRun:
                                 dataclasses.replace(shadow_run.ShadowSettings(0.1, 20, 3600.0), **settings))
 
 
-def mine(obj: dict[str, Any], mutable: bool = True) -> dict[str, Any]:
-    obj = copy.deepcopy(obj)
-    if mutable:
-        owned.stamp(obj)
-    obj["metadata"]["ownerReferences"] = [{"uid": UID, "controller": True, "kind": "SpecModelPair", "name": PAIR}]
-    return obj
-
-
-def available(dep: dict[str, Any], generation: int = 1) -> dict[str, Any]:
-    dep = mine(dep)
-    n = dep["spec"]["replicas"]
-    dep["metadata"]["generation"] = generation
-    dep["status"] = {"observedGeneration": generation, "replicas": n, "updatedReplicas": n, "availableReplicas": n}
-    return dep
-
-
 def scoring(rates: dict[str, tuple[float, float]] | None = None, pods: int = 2, requests: int = 60,
             shadow: shadow_run.ShadowRun | None = None, digest: str | None = None, **changes: Any) -> ServingWorld:
     """v1 serving on `pods` pods rendered with v2 in shadow, each reporting `rates` of v2's evidence."""
@@ -219,8 +152,7 @@ def scoring(rates: dict[str, tuple[float, float]] | None = None, pods: int = 2, 
                      shadow=shadow or run())
     dep = available(sp.engine_deployment(w, sp.served_release(w)))
     digest = digest or release.content_hash(sp.shadow_release(w))
-    info = {"pair": PAIR, "releaseVersion": "1", "contentHash": release.content_hash(sp.served_release(w)),
-            "tokenizer": {"target": "t", "draft": "d"}, "speculationEnabled": True}
+    info = pod_info(sp.served_release(w))
     ready = tuple(EnginePod(f"pod{i}", f"u{i}", f"10.0.0.{i}", info,
                             stats=shadow_stats(digest, rates or {}, requests, seed=10 * i) if rates else None)
                   for i in range(pods))
@@ -326,7 +258,7 @@ def test_the_verdict_on_the_pods_evidence(what, w, result, tail):
     # The numbers per category, as the status and the history entry carry them.
     code = verdict["categories"]["code"]
     assert code["requests"] == 120 and code["status"] == ("better" if result == "Promote" else "worse")
-    assert "code: candidate" in record.reason and f"over 120 requests" in record.reason
+    assert "code: candidate" in record.reason and "over 120 requests" in record.reason
     assert verdict["pods"] == 2 and verdict["draftSecondsPerToken"] == pytest.approx(0.01 / 30, rel=1e-3)
 
 
@@ -386,9 +318,7 @@ class Cluster:
         if dep is None:
             return w
         annotations = dep["spec"]["template"]["metadata"]["annotations"]
-        served = json.loads(annotations[manifests.ANN_RELEASE])
-        info = {"pair": PAIR, "releaseVersion": served["mlflow"]["version"], "contentHash": release.content_hash(served),
-                "tokenizer": {"target": "t", "draft": "d"}, "speculationEnabled": True}
+        info = pod_info(json.loads(annotations[manifests.ANN_RELEASE]))
         stats = None
         if manifests.ANN_SHADOW_RELEASE in annotations:
             candidate = json.loads(annotations[manifests.ANN_SHADOW_RELEASE])

@@ -4,12 +4,11 @@ Pure: no servers; the pods' counters use the engine's own histogram bounds."""
 
 from __future__ import annotations
 
-import bisect
 import random
 
 import pytest
-from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
+import engine_counters
 from specpair_operator import drift
 from specpair_operator import serving_health as sh
 
@@ -26,29 +25,15 @@ class Pod:
         self.rng = random.Random(seed)
         self.cats: dict[str, dict] = {}
 
-    def _cat(self, category: str) -> dict:
-        def hist(bounds):
-            return {"upperBounds": list(bounds), "counts": [0] * len(bounds), "count": 0, "sum": 0.0}
-        return self.cats.setdefault(category, {"ttft": hist(LATENCY_BUCKETS), "tpot": hist(TOKEN_BUCKETS),
-                                               "requests": {}})
-
     def serve(self, category: str, requests: int, ttft: float = 0.2, tpot: float = 0.02,
               error_rate: float = 0.0) -> None:
         """`requests` finished requests, TTFT and TPOT log-normal around the given medians."""
-        c = self._cat(category)
+        c = self.cats.setdefault(category, engine_counters.serving())
         for _ in range(requests):
             failed = self.rng.random() < error_rate
-            status = "error" if failed else "ok"
-            c["requests"][status] = c["requests"].get(status, 0) + 1
-            if failed:
-                continue
-            for key, median in (("ttft", ttft), ("tpot", tpot)):
-                value = median * self.rng.lognormvariate(0.0, 0.25)
-                h = c[key]
-                for i in range(bisect.bisect_left(h["upperBounds"], value), len(h["counts"])):
-                    h["counts"][i] += 1
-                h["count"] += 1
-                h["sum"] += value
+            engine_counters.finished(c, "error" if failed else "ok")
+            if not failed:
+                engine_counters.latencies(c, self.rng, ttft, tpot, sigma=0.25)
 
     def restart(self, at: float) -> None:
         self.started, self.cats = at, {}
