@@ -26,23 +26,11 @@ from specpair_devcluster.client import ApiError
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
 from specpair_operator import canary, manifests
-from cluster_env import CODE_PROMPTS, OPERATOR, cond, serving, set_spec, tiny_pair
+from cluster_env import CODE_PROMPTS, OPERATOR, cond, service_endpoints, serving, set_spec, tiny_pair
 
 pytestmark = pytest.mark.slow
 
 _turn = itertools.count()
-
-
-def service_endpoints(ns, name: str) -> list[str]:
-    """The ready pods the pair's Service selects (its EndpointSlice's ready addresses), as gRPC
-    addresses."""
-    service = ns.get("v1", "Service", manifests.engine_name(name))
-    if service is None:
-        return []
-    selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
-    return sorted(f"{p['status']['podIP']}:50051" for p in ns.pods(selector)
-                  if not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP")
-                  and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", [])))
 
 
 # Prompts of some 150 tokens: the prefill, not the engine's fixed cost, is most of a request's TTFT.

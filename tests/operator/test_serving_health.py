@@ -106,6 +106,14 @@ def previous_baseline(**kw) -> sh.Baseline:
     return run.state.baseline
 
 
+def two_healthy_windows(run: Run | None = None) -> tuple[list[Pod], Run]:
+    """Two pods, and `run` (v2 after v1's baseline, unless given) past two windows of healthy traffic."""
+    pods = [Pod("a"), Pod("b", seed=2)]
+    run = run or Run(previous_baseline())
+    run.windows(pods, 2, healthy(pods))
+    return pods, run
+
+
 # -- histograms ----------------------------------------------------------------------------------
 
 def test_histogram_quantile_and_share_interpolate_inside_buckets_like_prometheus():
@@ -155,9 +163,7 @@ def test_the_first_healthy_windows_make_the_baseline_kept_in_status():
 
 
 def test_a_window_with_too_few_requests_gets_no_verdict():
-    pods = [Pod("a"), Pod("b", seed=2)]
-    run = Run(previous_baseline())
-    run.windows(pods, 2, healthy(pods))
+    pods, run = two_healthy_windows()
     # A trickle, ten times slower: after 4 windows still under minRequests, dropped unjudged.
     run.windows(pods, 4, healthy(pods, per_pod=0))
     trickle = healthy(pods, per_pod=1, ttft=2.0, tpot=0.2)
@@ -171,9 +177,7 @@ def test_a_window_with_too_few_requests_gets_no_verdict():
 
 
 def test_a_slower_time_to_first_token_sustained_rolls_back_when_the_previous_release_was_faster():
-    pods = [Pod("a"), Pod("b", seed=2)]
-    run = Run(previous_baseline())
-    run.windows(pods, 2, healthy(pods))
+    pods, run = two_healthy_windows()
     run.windows(pods, 1, healthy(pods, ttft=0.8))
     assert run.names == [] and run.state.streaks == {"ttft:general": 1, "ttft:*": 1}
     run.windows(pods, 1, healthy(pods, ttft=0.8))
@@ -185,9 +189,7 @@ def test_a_slower_time_to_first_token_sustained_rolls_back_when_the_previous_rel
 
 
 def test_slower_tokens_while_speculating_turn_speculation_off_then_roll_back_if_it_persists():
-    pods = [Pod("a"), Pod("b", seed=2)]
-    run = Run(previous_baseline())
-    run.windows(pods, 2, healthy(pods))
+    pods, run = two_healthy_windows()
     run.windows(pods, 2, healthy(pods, tpot=0.06))
     assert run.names == [drift.SPECULATION_OFF] and not run.speculating
     assert "TPOT" in run.outcomes[-1].drift.reason
@@ -196,18 +198,14 @@ def test_slower_tokens_while_speculating_turn_speculation_off_then_roll_back_if_
 
 
 def test_slower_tokens_that_speculation_off_cures_stay_off_without_rollback():
-    pods = [Pod("a"), Pod("b", seed=2)]
-    run = Run(previous_baseline())
-    run.windows(pods, 2, healthy(pods))
+    pods, run = two_healthy_windows()
     run.windows(pods, 2, healthy(pods, tpot=0.06))
     run.windows(pods, 2, healthy(pods))
     assert run.names == [drift.SPECULATION_OFF]
 
 
 def test_a_transient_slowdown_takes_no_step():
-    pods = [Pod("a"), Pod("b", seed=2)]
-    run = Run(previous_baseline())
-    run.windows(pods, 2, healthy(pods))
+    pods, run = two_healthy_windows()
     for _ in range(3):
         run.windows(pods, 1, healthy(pods, ttft=0.8, tpot=0.06))
         run.windows(pods, 1, healthy(pods))
@@ -224,9 +222,7 @@ def test_no_latency_rollback_without_a_measured_previous_release():
 
 
 def test_a_sustained_breach_is_heard_between_windows_until_a_window_says_otherwise():
-    pods = [Pod("a"), Pod("b", seed=2)]
-    run = Run(previous=None)
-    run.windows(pods, 2, healthy(pods))
+    pods, run = two_healthy_windows(Run(previous=None))
     run.windows(pods, 2, healthy(pods, ttft=0.8))      # sustained; v1 not measured: no step
     between = run.observe(pods)                        # no window closes
     assert not between.serving.judged and between.serving.pressure is not None
@@ -237,9 +233,7 @@ def test_a_sustained_breach_is_heard_between_windows_until_a_window_says_otherwi
 
 @pytest.mark.parametrize("previous_ttft, helps", [(0.2, True), (0.8, False)])
 def test_rollback_helps_only_when_the_previous_release_was_faster(previous_ttft, helps):
-    pods = [Pod("a"), Pod("b", seed=2)]
-    run = Run(previous_baseline(ttft=previous_ttft))
-    run.windows(pods, 2, healthy(pods))
+    pods, run = two_healthy_windows(Run(previous_baseline(ttft=previous_ttft)))
     run.windows(pods, 2, healthy(pods, ttft=0.8))
     assert run.names == ([drift.ROLLBACK] if helps else [])
     if not helps:
@@ -249,9 +243,7 @@ def test_rollback_helps_only_when_the_previous_release_was_faster(previous_ttft,
 # -- errors ----------------------------------------------------------------------------------------
 
 def test_a_sustained_error_rate_rolls_back_directly():
-    pods = [Pod("a"), Pod("b", seed=2)]
-    run = Run(previous_baseline())
-    run.windows(pods, 2, healthy(pods))
+    pods, run = two_healthy_windows()
     run.windows(pods, 2, healthy(pods, error_rate=0.15))
     assert run.names == [drift.ROLLBACK]               # no SpeculationOff first
     assert run.drift_state.steps_taken == len(DRIFT.ladder)
@@ -268,9 +260,7 @@ def test_errors_are_judged_before_there_is_a_latency_baseline_and_need_a_release
 
 
 def test_an_error_rate_within_the_limit_is_never_a_breach_and_a_burst_is_not_sustained():
-    pods = [Pod("a"), Pod("b", seed=2)]
-    run = Run(previous_baseline())
-    run.windows(pods, 2, healthy(pods))
+    pods, run = two_healthy_windows()
     run.windows(pods, 6, healthy(pods, error_rate=0.015))    # below maxErrorRate 0.02, noisy
     assert drift.BREACH not in {j.verdict for j in run.judged(sh.ERRORS)}
     run.windows(pods, 1, healthy(pods, error_rate=0.3))      # one bad window
@@ -306,9 +296,7 @@ def test_traffic_shift_a_new_category_and_a_new_mix_are_not_breaches():
 
 
 def test_a_load_shift_is_reported_not_judged():
-    pods = [Pod("a"), Pod("b", seed=2)]
-    run = Run(previous_baseline())
-    run.windows(pods, 2, healthy(pods))
+    pods, run = two_healthy_windows()
     run.windows(pods, 3, healthy(pods, per_pod=45, ttft=0.8))   # three times the load, queueing
     assert run.names == []
     assert {j.verdict for j in run.judged(sh.TTFT)[-6:]} == {sh.SHIFTED}
@@ -316,9 +304,7 @@ def test_a_load_shift_is_reported_not_judged():
 
 
 def test_a_pod_restart_counts_only_what_it_served_since():
-    pods = [Pod("a"), Pod("b", seed=2)]
-    run = Run(previous_baseline())
-    run.windows(pods, 2, healthy(pods))
+    pods, run = two_healthy_windows()
     traffic = healthy(pods)
     for i in range(int(2 * DRIFT.window_seconds / DT)):
         if i == 5:
@@ -334,9 +320,7 @@ def test_a_pod_restart_counts_only_what_it_served_since():
 
 
 def test_a_slow_pod_beside_a_restarting_one_is_still_caught():
-    pods = [Pod("a"), Pod("b", seed=2)]
-    run = Run(previous_baseline())
-    run.windows(pods, 2, healthy(pods))
+    pods, run = two_healthy_windows()
     for i in range(int(2 * DRIFT.window_seconds / DT)):
         if i % 4 == 0:
             pods[1].restart(run.now + 1.0)
