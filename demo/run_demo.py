@@ -364,7 +364,9 @@ class Demo:
         if not a.no_shadow:
             st = (self.pair() or {}).get("status") or {}
             step(n, total, f"Shadow scoring: a candidate that changes only the draft side (k {shadow_chapter.CANDIDATE_K}"
-                           + (", v2's noisy draft files" if a.draft else ", the same n-gram lookup")
+                           + (", v2's noisy draft files" if a.draft else
+                              f", a draft model of the target's first {shadow_chapter.LAYER_SKIP_LAYERS} layers "
+                              "in place of n-gram lookup")
                            + f") is scored on v{st.get('servingVersion')}'s pods on live traffic")
             self.shadow()
             n += 1
@@ -622,7 +624,17 @@ class Demo:
         gated = set((((self.facts.get("verdicts") or {}).get(champion) or {}).get("categories")) or {})
         prompts = shadow_chapter.shadow_traffic(gated)
         progress = shadow_chapter.Progress(len(actions(obj)), str(st.get("candidateVersion") or ""))
-        spec = shadow_chapter.candidate_spec(obj["spec"], a.gate_tokens)
+        draft_source = None
+        if not a.draft:
+            # The n-gram pair's candidate: a layer-skip draft of the target, where the pods read models.
+            from specpair.models import resolve_source
+
+            target = resolve_source(str((obj["spec"].get("target") or {}).get("source") or "default"), progress=say)
+            t0 = time.monotonic()
+            draft_source = str(shadow_chapter.make_layer_skip_draft(target, self.models / "layer-skip-draft"))
+            say(f"  wrote a draft model of the target's first {shadow_chapter.LAYER_SKIP_LAYERS} layers (untrained) "
+                f"to {draft_source} ({time.monotonic() - t0:.0f} s)")
+        spec = shadow_chapter.candidate_spec(obj["spec"], a.gate_tokens, draft_source)
         say(f"  v{champion} serves; the candidate: k {shadow_chapter.CANDIDATE_K}, draft "
             f"{(spec.get('draft') or {}).get('drafter') or (spec.get('draft') or {}).get('source')}, "
             f"rollout.shadow {json.dumps(shadow_chapter.SHADOW)}; gated on one '{prompts[0][0]}' prompt")

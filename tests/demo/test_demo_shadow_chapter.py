@@ -1,13 +1,14 @@
 """The shadow chapter's pieces without a cluster: the candidate the demo applies is one the
-operator scores in shadow (its own choose_strategy on the releases it would build), the stages
-read from recorded pair statuses, the verdict in words, and the report's section."""
+operator scores in shadow (its own choose_strategy on the releases it would build), the n-gram
+pair's candidate draft (a layer-skip draft the engine accepts as a shadow drafter for the target),
+the stages read from recorded pair statuses, the verdict in words, and the report's section."""
 
 import pytest
 
 from demo.report import shadow_section
 from demo.run_demo import build_parser, demo_pair, second_release
 from demo.shadow_chapter import (CANDIDATE_K, DECIDED, GATED, REGISTERED, SHADOW, STARTED, STAGES, Progress,
-                                 candidate_spec, explain, numbers_rows, shadow_traffic)
+                                 candidate_spec, explain, make_layer_skip_draft, numbers_rows, shadow_traffic)
 from specpair_operator import release, rollout_strategy
 
 
@@ -45,15 +46,59 @@ def test_v2_asks_for_replace_and_the_candidate_differs_only_on_its_draft_side_so
     assert rollout_strategy.choose_strategy(v2, champion, built(v2)).type == rollout_strategy.REPLACE
     assert rollout_strategy.choose_strategy({}, champion, built(v2)).type == rollout_strategy.SHADOW
     # After the drift chapter v1 serves again and the spec is still v2's: the candidate patches that.
-    candidate = merge_patch(v2, candidate_spec(v2, args.gate_tokens))
+    # With n-gram lookup the candidate drafts with a draft model instead (the demo writes it).
+    layer_skip = str(tmp_path / "models" / "layer-skip-draft")
+    candidate = merge_patch(v2, candidate_spec(v2, args.gate_tokens, None if argv else layer_skip))
+    assert candidate["draft"] == ({"source": layer_skip} if drafter == "ngram" else v2["draft"])
+    assert candidate["target"] == v1["target"]
     assert candidate["speculation"]["k"] == CANDIDATE_K
     assert "minCategoryAcceptance" not in candidate["gating"]["thresholds"]
     assert "strategy" not in candidate["rollout"]
     assert candidate["rollout"]["shadow"] == SHADOW and candidate["rollout"]["progressDeadlineSeconds"] == 1200
     mine = built(candidate)
     assert release.content_hash(mine) not in {release.content_hash(champion), release.content_hash(built(v2))}
+    # The draft side alone differs from what serves (draft, k), nothing the shadow cannot replay.
+    assert rollout_strategy.draft_side_differs(champion, mine)
+    assert rollout_strategy.serving_side_differences(champion, mine) == []
+    assert rollout_strategy.shadow_refusal(champion, mine) is None
     chosen = rollout_strategy.choose_strategy(candidate, champion, mine)
     assert chosen.type == rollout_strategy.SHADOW and chosen.refused is None, chosen
+    assert chosen.reason == "chosen automatically: only the draft side differs from the champion"
+
+
+def test_the_shadow_is_sized_to_decide_on_evidence_well_inside_its_time_bound():
+    # The verdict needs 200 scored positions a side; the n-gram champion scores ~9 per extraction
+    # answer, so ~23 requests at a few seconds each plus the pods' roll: minutes, not maxSeconds.
+    assert SHADOW["share"] == 1.0 and SHADOW["minRequests"] <= 23
+    assert SHADOW["maxSeconds"] >= 600
+
+
+def test_the_layer_skip_draft_keeps_the_targets_first_layers_and_is_a_shadow_drafter_for_it(tmp_path):
+    import torch
+    from tiny_models import make_model, make_tokenizer, save_tiny
+
+    from specpair.config import ModelRef, PairSpec
+    from specpair.decoding import SpeculativeEngine
+    from specpair.drafters import ModelDrafter
+    from specpair.models import load_model
+    from specpair.shadow import Candidate, build_shadow_drafter
+
+    target_dir = save_tiny(make_model(make_tokenizer(), seed=5, layers=3), tmp_path / "target")
+    out = make_layer_skip_draft(target_dir, tmp_path / "draft", layers=1)
+    target, draft = load_model(target_dir), load_model(str(out))
+    assert draft.model.config.num_hidden_layers == 1 and len(draft.model.model.layers) == 1
+    mine, theirs = draft.model.state_dict(), target.model.state_dict()
+    assert all(torch.equal(value, theirs[name]) for name, value in mine.items())
+    assert "model.layers.1.mlp.down_proj.weight" in theirs and "model.layers.1.mlp.down_proj.weight" not in mine
+    # The serving engine takes it as the candidate's drafter (same tokenizer, a draft model).
+    engine = SpeculativeEngine(target, drafter="ngram")
+    candidate = Candidate("3", "c" * 64, PairSpec(target=ModelRef(target_dir), draft=ModelRef(str(out))))
+    assert isinstance(build_shadow_drafter(candidate, engine), ModelDrafter)
+    # Written once: a second call reuses the directory; a draft as deep as the target is refused.
+    assert make_layer_skip_draft(target_dir, out, layers=2) == out
+    assert load_model(str(out)).model.config.num_hidden_layers == 1
+    with pytest.raises(ValueError, match="keeps 1..2 layers"):
+        make_layer_skip_draft(target_dir, tmp_path / "too-deep", layers=3)
 
 
 def test_the_shadow_chapter_runs_unless_left_out():
