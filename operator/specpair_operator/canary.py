@@ -48,6 +48,7 @@ Actions (serving_plan wires them; the crash marks live there and in plan.py)
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
@@ -105,17 +106,43 @@ def traffic_share(candidate: int, champion: int) -> float:
     return candidate / (candidate + champion) if candidate + champion else 0.0
 
 
+_ENTRY = "\nstatus.canary: "   # in the mark, before the status entry it carries
+
+
 def mark(tags: Mapping[str, str]) -> tuple[str | None, str]:
     """The candidate's canary mark: (PASSED or ABORTED, its text) or (None, '')."""
-    text = tags.get(TAG_CANARY) or ""
+    text = (tags.get(TAG_CANARY) or "").split(_ENTRY, 1)[0]
     for state in (PASSED, ABORTED):
         if text.startswith(state + ":"):
             return state, text[len(state) + 1:].strip()
     return None, ""
 
 
-def mark_tag(state: str, reason: str) -> dict[str, str]:
-    return {TAG_CANARY: f"{state}: {reason}"[:4000]}
+def mark_tag(state: str, reason: str, entry: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The mark, with the status.canary entry of the pass that decided (its numbers; the message is
+    the mark's own text): one tag, one write, so a pass killed right after it leaves the numbers
+    for the next pass to report."""
+    text = f"{state}: {reason}"[:2000]
+    if entry:
+        carried = json.dumps({k: v for k, v in entry.items() if k != "message"}, sort_keys=True,
+                             separators=(",", ":"))
+        if len(text) + len(carried) < 4800:
+            text += _ENTRY + carried
+    return {TAG_CANARY: text}
+
+
+def marked_entry(tags: Mapping[str, str], version: str) -> dict[str, Any] | None:
+    """The status.canary entry the mark carries (mark_tag), its message the mark's; None when it
+    carries none."""
+    state, reason = mark(tags)
+    _, found, carried = (tags.get(TAG_CANARY) or "").partition(_ENTRY)
+    try:
+        entry = json.loads(carried) if found else None
+    except ValueError:
+        return None
+    if not isinstance(entry, dict):
+        return None
+    return {**entry, "message": f"canary of v{version} {'passed' if state == PASSED else 'aborted'}: {reason}"[:2000]}
 
 
 # -- evidence -----------------------------------------------------------------------------------

@@ -473,6 +473,14 @@ def _promoted(out: _Steps, tags: Mapping[str, str], aliases: Mapping[str, str], 
     at = tags.get(TAG_PROMOTED_AT)
     if not at or aliases.get(aliases_mod.CHAMPION) != version or out.was("Promoted", f"{version}@{at}", version):
         return
+    # The shadow verdict or canary that let it through, when every pass since its mark died
+    # before its status: recorded with the promotion (once), as the undisturbed pass does.
+    previous = aliases.get(aliases_mod.PREVIOUS) or ""
+    verdict = shadow_run.read_verdict(out.world.tags)
+    if verdict is not None and verdict["result"] == shadow_run.PROMOTE and not out.was("ShadowPromoted", version, version):
+        out.add(*shadow_verdict_steps(out.was, verdict, previous, version))
+    if canary_mod.mark(out.world.tags)[0] == canary_mod.PASSED and not out.was("CanaryPassed", version, version):
+        out.add(*canary_decided_steps(out.was, out.world.tags, previous, version))
     out.add(Record("Promoted", f"v{version} passed the gate ({outcome.message}) and is champion",
                    aliases.get(aliases_mod.PREVIOUS), version, key=f"{version}@{at}"))
 
@@ -517,17 +525,21 @@ def _shadow(out: _Steps) -> bool:
         out.add(_versions(aliases), ServeChampion(aliases, None, msg))
         return True
     verdict = shadow_run.read_verdict(w.tags)
+    if verdict is not None and not out.was("ShadowStarted", version, version):
+        # Every pass from the pods' roll to the verdict's mark died before its status.
+        out.add(Record("ShadowStarted", f"v{version} passed its gate and was scored in shadow on the pods of "
+                       f"v{champion} ({strategy.reason})", champion, version, key=version))
     if verdict is None:
         settings = shadow_run.ShadowSettings.from_spec({"rollout": w.rollout})
         # Marked by the serving plan when the champion's pods roll to carry it ('' until then).
-        started = w.tags.get(shadow_run.TAG_SHADOW_STARTED, "")
+        started, started_for = shadow_run.read_started(w.tags)
         if not out.was("ShadowStarted", version, version):
             out.add(Record("ShadowStarted", f"v{version} passed its gate and is scored in shadow on the pods of "
                            f"v{champion} ({strategy.reason}), on {settings.share:g} of requests", champion, version,
                            key=version))
         out.add(_versions(aliases),
                 ServeChampion(aliases, champion, shadow=shadow_run.ShadowRun(version, candidate, dict(w.verdict or {}),
-                                                                             started, settings)))
+                                                                             started, settings, started_for)))
         return True
     out.add(*shadow_verdict_steps(out.was, verdict, champion, version))
     if verdict["result"] == shadow_run.PROMOTE:
@@ -579,17 +591,11 @@ def _canary(out: _Steps) -> bool:
     if strategy.type != rollout_strategy.CANARY and state != canary_mod.ABORTED:
         return False
     if state == canary_mod.PASSED:
-        # The pass that tagged it may have died before its status: recorded now, once.
-        out.add(Condition(canary_mod.CONDITION, True, "Passed", f"v{version}: {text}"))
-        if not out.was("CanaryPassed", version, version):
-            out.add(Record("CanaryPassed", f"v{version}: {text}", champion, version, key=version))
+        out.add(*canary_decided_steps(out.was, w.tags, champion, version))
         return False
     if state == canary_mod.ABORTED:
-        msg = f"canary of v{version} aborted: {text}"
-        out.add(Condition(canary_mod.CONDITION, False, "Aborted", msg))
-        if not out.was("CanaryAborted", version, version):
-            out.add(Record("CanaryAborted", msg, champion, version, warning=True, key=version))
-        out.add(_versions(aliases), ServeChampion(aliases, None, msg))
+        out.add(*canary_decided_steps(out.was, w.tags, champion, version))
+        out.add(_versions(aliases), ServeChampion(aliases, None, f"canary of v{version} aborted: {text}"))
         return True
     steps = canary_mod.steps_of({"rollout": w.rollout})
     if not out.was("CanaryStarted", version, version):
@@ -600,3 +606,20 @@ def _canary(out: _Steps) -> bool:
             ServeChampion(aliases, champion, canary=canary_mod.CanaryRun(version, dict(w.tags), dict(w.verdict or {}),
                                                                          steps)))
     return True
+
+
+def canary_decided_steps(was: Any, tags: Mapping[str, str], champion: str, version: str) -> list[Step]:
+    """A canary's end (as marked on the candidate) in the status: the Canary condition, the
+    status.canary entry the mark carries, and CanaryPassed or CanaryAborted with its Event, once
+    (also when the pass that marked it died before its status)."""
+    state, text = canary_mod.mark(tags)
+    passed = state == canary_mod.PASSED
+    msg = f"canary of v{version} {'passed' if passed else 'aborted'}: {text}"
+    steps: list[Step] = [Condition(canary_mod.CONDITION, passed, "Passed" if passed else "Aborted", msg)]
+    entry = canary_mod.marked_entry(tags, version)
+    if entry is not None:
+        steps.append(SetStatus({"canary": entry}))
+    action = "CanaryPassed" if passed else "CanaryAborted"
+    if not was(action, version, version):
+        steps.append(Record(action, msg, champion, version, warning=not passed, key=version))
+    return steps

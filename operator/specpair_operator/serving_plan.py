@@ -506,10 +506,12 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
     live_template = ((live or {}).get("metadata", {}).get("annotations") or {}).get(ANN_TEMPLATE)
     if live_template != template and not _models_ready(out, w, version, served):
         return "fetching", ""
-    if w.shadow is not None and (live_template != template or not w.shadow.started_at):
+    roll = shadow_run.rolled_to(template, live)
+    if w.shadow is not None and (not w.shadow.started_at or (live_template != template
+                                                              and w.shadow.started_for != roll)):
         # The pods roll to score the candidate afresh: its evidence, and the clock of
-        # rollout.shadow.maxSeconds, start over (the mark before the pods move).
-        out.add(TagVersion(w.shadow.version, {shadow_run.TAG_SHADOW_STARTED: w.now}))
+        # rollout.shadow.maxSeconds, start over (the mark before the pods move, once per roll).
+        out.add(TagVersion(w.shadow.version, {shadow_run.TAG_SHADOW_STARTED: shadow_run.started_mark(w.now, roll)}))
     result = outcome(w, dep, live)
     changed = result in (owned.CREATED, owned.PATCHED)
     if changed:
@@ -799,7 +801,10 @@ def _shadow(out: _Steps, champion: str, pods: list[EnginePod]) -> Report:
     run = w.shadow
     gated = gate_verdict.baseline_from_verdict(dict(w.verdict))
     judged = shadow_run.judge(run, release_mod.content_hash(shadow_release(w)), [p.stats for p in pods], gated, w.now)
-    if judged.result == shadow_run.UNDECIDED:
+    # A verdict's mark goes in a pass that records nothing else: killed right after the mark, a
+    # pass loses what it recorded, and the passes after act on the mark (the rollout that carried
+    # the shadow would never be recorded).
+    if judged.result == shadow_run.UNDECIDED or any(isinstance(s, Record) for s in out.steps):
         msg = (f"v{run.version} scored in shadow on {judged.pods} pod(s) of v{champion} for {judged.elapsed:.0f} s: "
                f"{judged.reason}")
         out.add(Condition(shadow_run.SHADOW_SCORED, "Unknown", "Scoring", msg),
@@ -891,9 +896,10 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
 
     def abort(reason: str, judged: tuple = ()) -> Report:
         msg = f"canary of v{version} aborted: {reason}"
-        out.add(TagVersion(version, canary_mod.mark_tag(canary_mod.ABORTED, reason)),
+        aborted = entry("Aborted", msg, judged)
+        out.add(TagVersion(version, canary_mod.mark_tag(canary_mod.ABORTED, reason, aborted.fields["canary"])),
                 canary_mod.ScaleDown(dep["metadata"]["name"]), canary_mod.RememberCanary(canary_mod.Memory()),
-                Condition(canary_mod.CONDITION, False, "Aborted", msg), entry("Aborted", msg, judged))
+                Condition(canary_mod.CONDITION, False, "Aborted", msg), aborted)
         if not out.was("CanaryAborted", version, version):
             out.add(Record("CanaryAborted", msg, champion, version, warning=True, key=version))
         return Report("stalled", "Degraded", "CanaryAborted", f"{msg}; v{champion} keeps serving",
@@ -927,8 +933,9 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
         return abort(decision.reason, judged)
     if decision.action == canary_mod.PROMOTE:
         msg = f"canary of v{version} passed: {decision.reason}"
-        out.add(TagVersion(version, canary_mod.mark_tag(canary_mod.PASSED, decision.reason)),
-                Condition(canary_mod.CONDITION, True, "Passed", msg), entry("Passed", msg, judged))
+        passed = entry("Passed", msg, judged)
+        out.add(TagVersion(version, canary_mod.mark_tag(canary_mod.PASSED, decision.reason, passed.fields["canary"])),
+                Condition(canary_mod.CONDITION, True, "Passed", msg), passed)
         if not out.was("CanaryPassed", version, version):
             out.add(Record("CanaryPassed", msg, champion, version, key=version))
         return Report("reconciling", "Promoting", "CanaryPassed", msg,
@@ -953,13 +960,19 @@ def _retire_canary(out: _Steps, champion: str) -> None:
     (a candidate aborted, or no longer the spec's)."""
     w = out.world
     live = w.canary_deployment
-    if live is None or not owned.owns(w.uid, dict(live)) or not (live.get("spec") or {}).get("replicas"):
+    if live is None or not owned.owns(w.uid, dict(live)):
         return
     version = str(((live.get("metadata") or {}).get("labels") or {}).get(manifests.LABEL_VERSION, ""))
     name = live["metadata"]["name"]
     why = (f"v{champion} serves from its engine Deployment now" if version == str(champion)
            else f"v{version} is no longer a candidate")
-    out.add(canary_mod.ScaleDown(name), PostEvent("Normal", "CanaryScaledDown", f"Deployment {name} scaled to 0: {why}"))
     had = w.status.get("canary") or {}
-    if str(had.get("version")) == version == str(champion) and had.get("phase") == "Passed":
+    promoted = str(had.get("version")) == version == str(champion) and had.get("phase") == "Passed"
+    scaled = bool((live.get("spec") or {}).get("replicas"))
+    if scaled:
+        out.add(canary_mod.ScaleDown(name))
+    if scaled or promoted:
+        # Scaled down now, or by a pass that died before its status said the promoted canary is over.
+        out.add(PostEvent("Normal", "CanaryScaledDown", f"Deployment {name} scaled to 0: {why}"))
+    if promoted:
         out.add(SetStatus({"canary": {**had, "phase": "Promoted", "message": f"v{version} promoted; {why}"}}))

@@ -8,7 +8,10 @@ The run, from the operator's side:
    own and `--shadow-release`/`--shadow-share` (manifests.engine_deployment); whenever that
    rolls the pods (the first time, or after the spec left the candidate and came back), its
    version is tagged `specpair.shadow.started_at` first: the evidence starts over, and so does
-   the clock of `maxSeconds`.
+   the clock of `maxSeconds`. The mark names the roll it was made for (the pod template, and
+   the Deployment's generation before it), so a pass that dies right after it is followed by
+   one that rolls the pods, not by another mark; a later roll to the same template (the spec
+   left the candidate and came back) finds the generation moved on, and marks again.
 2. Each pass reads GetStats.shadow of the champion's verified pods (the probe's plain dict,
    engine_probe.shadow_stats), sums the pods that score this very candidate (its content hash)
    and judges it with shadow_verdict.judge_shadow against the champion's gated categories.
@@ -67,6 +70,7 @@ class ShadowRun:
     verdict: Mapping[str, Any]
     started_at: str               # '' until the champion's pods first roll to carry it
     settings: ShadowSettings
+    started_for: str = ""         # the roll the start was marked for (rolled_to; '' if unknown)
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,24 @@ class ShadowJudgement:
     pods: int                     # pods whose counters scored this candidate
     elapsed: float                # seconds since the shadow started
     cost: float | None            # the candidate's draft seconds per committed token
+
+
+def rolled_to(template: str, live: Mapping[str, Any] | None) -> str:
+    """A roll of the champion's pods to carry the candidate: the pod template's fingerprint and
+    the generation of the Deployment it rolls from."""
+    return f"{template}@{((live or {}).get('metadata') or {}).get('generation', 0)}"
+
+
+def started_mark(at: str, roll: str) -> str:
+    """The TAG_SHADOW_STARTED value: when, and for which roll (rolled_to)."""
+    return f"{at} {roll}"
+
+
+def read_started(tags: Mapping[str, str]) -> tuple[str, str]:
+    """(when the shadow started, the roll it was marked for) from the candidate's tags; a mark
+    without its roll (or none) gives ''."""
+    at, _, roll = (tags.get(TAG_SHADOW_STARTED) or "").partition(" ")
+    return at, roll
 
 
 def moments(d: Mapping[str, Any]) -> RequestMoments:
@@ -176,5 +198,5 @@ def read_verdict(tags: Mapping[str, str]) -> dict[str, Any] | None:
 
 
 __all__ = ["TAG_SHADOW_STARTED", "TAG_SHADOW_VERDICT", "SHADOW_SCORED", "ShadowSettings", "ShadowRun",
-           "ShadowJudgement", "evidence", "judge", "numbers", "verdict_tag", "read_verdict", "describe",
+           "ShadowJudgement", "rolled_to", "started_mark", "read_started", "evidence", "judge", "numbers", "verdict_tag", "read_verdict", "describe",
            "PROMOTE", "REJECTED", "UNDECIDED"]

@@ -346,3 +346,35 @@ def test_a_canary_deployment_scaled_down_before_is_scaled_up_again_for_the_canar
     steps = sp.plan_serving(cl.world_for(serve))
     ensured = [s for s in steps if isinstance(s, sp.EnsureOwned) and s.manifest["metadata"]["name"] == CANARY_NAME]
     assert ensured and ensured[0].manifest["spec"]["replicas"] == 1
+
+
+def converge_killed_at_every_write(candidate: str) -> Cluster:
+    """The operator killed right after every write it makes (each pass dies at its first write,
+    its status and memory lost), until nothing is left to do."""
+    cluster = Cluster(candidate)
+    for _ in range(80):
+        if not cluster.one_pass(cluster.writes):
+            return cluster
+    raise AssertionError(f"no convergence: {cluster.history}; {cluster.status.get('canary')}")
+
+
+@pytest.mark.parametrize("candidate, phase, decisive", [("fast", "Promoted", canary.REQUIRED),
+                                                        ("slow", "Aborted", ("ttft:code",))])
+def test_a_canary_converges_when_killed_after_every_write(candidate, phase, decisive):
+    """Killed right after its mark, the deciding pass loses its status: the mark carries the
+    numbers, and status.canary, the condition and CanaryPassed (also when every write of the
+    promotion was killed) come from it; killed after the scale-down, the entry still ends
+    Promoted, with its Event."""
+    undisturbed = converge(candidate)
+    crashed = converge_killed_at_every_write(candidate)
+    assert crashed.aliases == undisturbed.aliases
+    assert canary.mark(crashed.tags["2"])[0] == canary.mark(undisturbed.tags["2"])[0]
+    assert crashed.objects["canary"]["spec"]["replicas"] == 0 and not crashed.pods["canary"]
+    assert crashed.objects["main"]["spec"]["template"] == undisturbed.objects["main"]["spec"]["template"]
+    assert sorted(set(crashed.history)) == sorted(crashed.history), "recorded twice"
+    assert Counter(a for a, _ in crashed.history) == Counter(a for a, _ in undisturbed.history)
+    entry, expected = crashed.status["canary"], undisturbed.status["canary"]
+    assert entry["phase"] == expected["phase"] == phase, entry
+    assert {k: (entry["judged"].get(k) or {}).get("verdict") for k in decisive} == \
+        {k: expected["judged"][k]["verdict"] for k in decisive}, entry
+    assert Counter(crashed.events)["CanaryScaledDown"] == Counter(undisturbed.events)["CanaryScaledDown"]

@@ -432,3 +432,49 @@ def test_the_probes_plain_dict_reads_as_the_message_does():
     cat.ClearField("alpha_paired")
     found, *_ = shadow_run.evidence([{"shadow": shadow_stats(msg)}], "h")
     assert found["code"].paired is None and ShadowEvidence.from_message(cat).paired is None
+
+
+def converge_killed_at_every_write(rates: dict[str, tuple[float, float]]) -> Cluster:
+    """The operator killed right after every write it makes (each pass dies at its first write;
+    only a pass that writes nothing gets its status written), until nothing is left to do."""
+    cluster = Cluster(rates)
+    for _ in range(60):
+        if not cluster.one_pass(cluster.writes):
+            return cluster
+    raise AssertionError(f"no convergence: a write redone at every pass ({cluster.history}, {cluster.tags['2']})")
+
+
+@pytest.mark.parametrize("rates, ends", [(BETTER, "Promote"), (WORSE_IN_CODE, "Rejected")])
+def test_shadow_scoring_converges_when_killed_after_every_write(rates, ends):
+    """The start's mark is made for the pods' roll it stands for: killed after it, the next pass
+    rolls them instead of marking again; a promotion whose every write was killed still records
+    the verdict (ShadowPromoted, status.shadow) with it."""
+    undisturbed = converge(rates)
+    crashed = converge_killed_at_every_write(rates)
+    assert crashed.aliases == undisturbed.aliases
+    assert crashed.objects["Deployment"]["spec"]["template"] == undisturbed.objects["Deployment"]["spec"]["template"]
+    assert sorted(set(crashed.history)) == sorted(crashed.history), "recorded twice"
+    assert Counter(a for a, _ in crashed.history) == Counter(a for a, _ in undisturbed.history)
+    assert crashed.status["shadow"]["result"] == ends and crashed.status["shadow"]["version"] == "2"
+    assert crashed.status["shadow"]["categories"] == undisturbed.status["shadow"]["categories"]
+
+
+@pytest.mark.parametrize("what, generation, marked", [
+    ("marked for this very roll (its pass died right after the mark): rolled, not marked again", 1, False),
+    ("marked for a roll to the same pods before (the spec left the candidate and came back): marked again", 3, True),
+])
+def test_the_start_is_marked_once_per_roll(what, generation, marked):
+    w = scoring()
+    plain = available(sp.engine_deployment(dataclasses.replace(w, shadow=None, deployment=None), sp.served_release(w)),
+                      generation)
+    w = dataclasses.replace(w, deployment=plain)
+    template = sp.engine_deployment(w, sp.served_release(w))["metadata"]["annotations"][sp.ANN_TEMPLATE]
+    mark_roll = shadow_run.rolled_to(template, {"metadata": {"generation": 1}})
+    w = dataclasses.replace(w, shadow=dataclasses.replace(run(), started_for=mark_roll))
+    names = kinds(sp.plan_serving(w))
+    mark = "TagVersion v2 specpair.shadow.started_at"
+    assert (mark in names) == marked, what
+    assert "EnsureOwned Deployment" in names
+    if marked:
+        tag = next(s for s in sp.plan_serving(w) if isinstance(s, p.TagVersion))
+        assert shadow_run.read_started(tag.tags) == (NOW, shadow_run.rolled_to(template, plain))
