@@ -613,6 +613,8 @@ class Batch:
             logits, features = self._on_device(self.target.extend, feed, last=K + 1, hidden=True)
         else:
             logits = self._on_device(self.target.extend, feed, last=K + 1)  # [B, K+1, V] right-aligned
+        if sampling.all_greedy:
+            return self._accept_greedy(logits, drafted, K) + (features,)
         # Left-align each row's K_i + 1 verification logits.
         offset = (K - num).view(B, 1) + torch.arange(K + 1, device=self.device).view(1, K + 1)
         offset = offset.clamp(max=K)
@@ -635,6 +637,27 @@ class Batch:
         # One read of the device for both (each read waits for the stream).
         accepted_l, next_l = torch.stack((accepted, next_token)).tolist()
         return accepted_l, next_l, features
+
+    def _accept_greedy(self, logits, drafted, K: int) -> tuple[list[int], list[int]]:
+        """Greedy acceptance (rejection_sampler.greedy_verify's rule: the drafts that equal the
+        target's argmax, in a leading run, then the target's own token) counted on the host, where
+        the drafts already are: one argmax over the right-aligned logits [B, K+1, V] and one read,
+        where the device rule took a dozen small launches, each a host cost the size of a
+        small model's whole GPU step."""
+        best = logits.argmax(-1).tolist()
+        accepted_l, next_l = [], []
+        for row, drafts in zip(best, drafted):
+            row = row[K - len(drafts):]          # this row's len(drafts) + 1 logits, left-aligned
+            a = 0
+            while a < len(drafts) and drafts[a] == row[a]:
+                a += 1
+            accepted_l.append(a)
+            next_l.append(row[a])
+        if getattr(self.engine, "shadow", None) is not None:   # the shadow's p (shadow.py)
+            B = len(drafted)
+            first = torch.tensor([K - len(d) for d in drafted], device=self.device)
+            self.first_logits = logits[torch.arange(B, device=self.device), first]
+        return accepted_l, next_l
 
     def _verify_tree(self, drafts, num, siblings, q, sampling, committed, wants_features, copied):
         """One target pass over a chain with alternatives per row (rejection_sampler.verify_tree):

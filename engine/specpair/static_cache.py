@@ -43,6 +43,7 @@ import time
 import weakref
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 from specpair import cpu_kernels
@@ -73,11 +74,11 @@ def fixed_step_applies(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def compile_options(device: torch.device) -> dict:
-    """torch.compile's settings for the fixed step: CUDA graphs on CUDA (launches, not bytes,
-    bound a small model's step there); on the CPU inductor, or SPECPAIR_COMPILE_BACKEND (the
-    tests use aot_eager: the same graphs and guards without inductor's minutes on 2 cores)."""
-    if device.type == "cuda":
-        return {"mode": "reduce-overhead"}
+    """torch.compile's settings for the fixed step's layer: inductor, or SPECPAIR_COMPILE_BACKEND
+    (the tests use aot_eager: the same graphs and guards without inductor's minutes on 2 cores).
+    No mode="reduce-overhead": on CUDA the engine records the whole step as one CUDA graph itself
+    (`CapturedStep`), which replays without dynamo's guards or the graph trees' bookkeeping, the
+    0.9-1.1 ms a call that reduce-overhead cost on every shape (docs/gpu.md)."""
     return {"backend": os.environ.get("SPECPAIR_COMPILE_BACKEND") or "inductor"}
 
 
@@ -163,15 +164,15 @@ def _layer_step(h, cos, sin, mask, rows, positions, kc, vc, wq, wk, wv, wo, wg, 
     return h + cpu_kernels.linear(F.silu(gate) * up, wd)
 
 
-def _mark_sizes(rows: int, tensors) -> None:
-    """Compile the fixed step over symbolic capacity (dimension 2 of each cache tensor) and rows
-    (dimension 0 of every input; above one row only, as dynamo specialises a size of 1): one
-    compile then serves every bucket, and CUDA graphs record one graph per bucket's concrete
-    shape (cheap) instead of inductor compiling each (minutes for 28 buckets)."""
-    for t in tensors:
-        if t.dim() == 4:
-            torch._dynamo.maybe_mark_dynamic(t, 2)
-        if rows > 1:
+def _mark_sizes(rows: int, inputs, caches=()) -> None:
+    """Compile the fixed step's layer over symbolic capacity (dimension 2 of each cache tensor)
+    and rows (dimension 0 of every input and cache; above one row only, as dynamo specialises a
+    size of 1): one compile then serves every bucket, and a CUDA graph is recorded per bucket's
+    concrete shape (cheap) instead of inductor compiling each (minutes for 28 buckets)."""
+    for t in caches:
+        torch._dynamo.maybe_mark_dynamic(t, 2)
+    if rows > 1:
+        for t in list(inputs) + list(caches):
             torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
@@ -228,6 +229,25 @@ def _fixed_layer(h, cos, sin, rows, positions, slots, kc, vc, wq, wk, wv, wo, wg
 
 
 _compiled_layer_step = None
+_compiled_fixed_layers: dict = {}
+
+
+def compiled_fixed_layer(device: torch.device):
+    """`_fixed_layer` compiled with fullgraph=True (compile_options), once per process and device
+    type: every layer of every model runs through it (same code, other weights and shapes), so
+    a cold start compiles one layer's graph (seconds), not a whole step unrolled over its layers
+    (45-113 s per graph for SmolLM2 on an H100). What is lost is fusion across a layer's edge,
+    one kernel a layer; the CUDA graph removes the calls' host cost."""
+    kind = torch.device(device).type
+    if kind not in _compiled_fixed_layers:
+        # A few graphs per model and token bucket (one row, several rows: _mark_sizes), each
+        # model one more entry: past dynamo's default of 8 in a server with a target, a draft
+        # and a head.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        use_compile_cache()
+        _compiled_fixed_layers[kind] = torch.compile(_fixed_layer, fullgraph=True,
+                                                     **compile_options(torch.device(kind)))
+    return _compiled_fixed_layers[kind]
 
 
 def _compiled_step():
@@ -265,6 +285,43 @@ def use_compile_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
+class CapturedStep:
+    """The fixed step recorded once as a CUDA graph at one (rows, tokens) shape over one cache's
+    tensors (its capacity is theirs). A call copies the step's ids, positions and slots into the
+    graph's own input buffer (one copy from pinned memory) and replays it: one launch, no dynamo
+    guards, no Python per layer. The outputs are the graph's own buffers, overwritten by the next
+    replay: callers copy what they keep (`StaticKVModel._place` does). A new cache (grown or
+    shrunk) gets new graphs (`StaticKVModel._allocate`): recording one costs a few replays."""
+
+    def __init__(self, runner: "StaticLlama", host: torch.Tensor, caches, compiled: bool):
+        device = runner.device
+        self.inputs = torch.empty(host.shape, dtype=torch.long, device=device)
+        self.inputs.copy_(host)
+        ids, positions, slots = self.inputs
+
+        def step():
+            return runner.fixed_step(ids, positions, slots, caches, compiled=compiled)
+
+        # Run once outside the graph first (compiles the layer for this shape if it has not
+        # been, and lets cuBLAS and the allocator set up): capture may not allocate lazily. The
+        # run is a real step on these inputs: recording only records, and the replay that
+        # follows writes the same keys and values again.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: the server's other threads may touch CUDA while this one records.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.outputs = step()
+
+    def __call__(self, host: torch.Tensor):
+        self.inputs.copy_(host.pin_memory(), non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+
 class StaticLlama:
     """The step function over one Llama model's weights (shared by every batch of that model)."""
 
@@ -295,7 +352,6 @@ class StaticLlama:
         # The C layer reads raw pointers: every weight it is handed must be dense.
         self.dense = all(w.is_contiguous() for layer in model.model.layers
                          for w in self.layer_weights(layer))
-        self._compiled_fixed = None
 
     def layer_weights(self, layer):
         a, m = layer.self_attn, layer.mlp
@@ -354,43 +410,38 @@ class StaticLlama:
                      kv_rows=kv_rows)
         return h
 
-    def fixed_layers(self, h, positions, slots, caches, kv_rows=None, reach: int | None = None):
+    def fixed_layers(self, h, positions, slots, caches, kv_rows=None, reach: int | None = None,
+                     compiled: bool = False):
         """The fixed step's decoder layers over input vectors h [B, W, D] (module docstring):
         tokens at `positions` [B, W], written at `slots` [B, W] of the cache's rows 0..B-1 (or
-        `kv_rows` [B]); -> the last layer's output [B, W, D] (before the norm). No host reads."""
+        `kv_rows` [B]); -> the last layer's output [B, W, D] (before the norm). No host reads.
+        `compiled`: each layer through `compiled_fixed_layer`."""
         body = self.model.model
         B, W = positions.shape
         cos, sin = body.rotary_emb(h, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                          # [B, 1, W, D]
         rows = (torch.arange(B, device=h.device) if kv_rows is None else kv_rows).view(B, 1)
         rows = rows.expand(B, W)
+        layer_step = compiled_fixed_layer(h.device) if compiled else _fixed_layer
+        if compiled:
+            _mark_sizes(B, [cos, sin, rows, positions, slots], [t for pair in caches for t in pair])
         for layer, (kc, vc) in zip(body.layers, caches):
-            h = _fixed_layer(h, cos, sin, rows, positions, slots, kc, vc, *self.layer_weights(layer),
-                             eps=self.eps, heads=self.heads, kv_heads=self.kv_heads,
-                             head_dim=self.head_dim, kv_rows=kv_rows, reach=reach)
+            if compiled:
+                _mark_sizes(B, [h])
+            h = layer_step(h, cos, sin, rows, positions, slots, kc, vc, *self.layer_weights(layer),
+                           eps=self.eps, heads=self.heads, kv_heads=self.kv_heads,
+                           head_dim=self.head_dim, kv_rows=kv_rows, reach=reach)
         return h
 
-    def fixed_step(self, ids, positions, slots, caches):
+    def fixed_step(self, ids, positions, slots, caches, compiled: bool = False):
         """One fixed-shape step over every row of `caches` and every slot of ids [R, W]: ->
         (logits [R, W, V], normed last hidden states [R, W, D]). Every slot's logits, so the LM
-        head's product has one shape whichever slots the caller reads. What is compiled."""
+        head's product has one shape whichever slots the caller reads. What a CUDA graph records
+        (`CapturedStep`); `compiled`: its layers compiled (`compiled_fixed_layer`)."""
         body = self.model.model
-        h = body.norm(self.fixed_layers(body.embed_tokens(ids), positions, slots, caches))
+        h = body.norm(self.fixed_layers(body.embed_tokens(ids), positions, slots, caches,
+                                        compiled=compiled))
         return F.linear(h, self.model.lm_head.weight), h
-
-    def compiled_fixed_step(self):
-        """fixed_step compiled with fullgraph=True (compile_options), once per model."""
-        if self._compiled_fixed is None:
-            import torch._dynamo
-
-            # A few graphs per model and token bucket (one row, several rows: _mark_sizes), each
-            # model one more entry: past dynamo's default of 8 per function in a server with a
-            # target, a draft and a head.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            use_compile_cache()
-            self._compiled_fixed = torch.compile(self.fixed_step, fullgraph=True,
-                                                 **compile_options(self.device))
-        return self._compiled_fixed
 
     @torch.no_grad()
     def forward(self, ids, positions, gather, caches, attend: int, compiled: bool,
@@ -516,6 +567,12 @@ class StaticKVModel:
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.lengths: list[int] = []
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # CUDA graphs of the fixed step over the current cache, by input shape (CapturedStep);
+        # why capture failed, if it did (the step then runs compiled, uncaptured).
+        self.graphs: dict[tuple, CapturedStep] = {}
+        self.recorded = {"graphs": 0, "seconds": 0.0}
+        self.capture_error: str | None = None
+        self.captures_graphs = self.fixed and self.compiled and self.device.type == "cuda"
         self._allocate(rows=1, positions=self._position_floor)
 
     @property
@@ -546,14 +603,9 @@ class StaticKVModel:
         # The old cache goes first where it need not be copied: peak memory stays one cache.
         if not self.caches or not self.lengths:
             self.caches = []
+        self.graphs.clear()          # recorded over the old tensors' addresses
         new = [(torch.zeros(shape, dtype=r.dtype, device=self.device),
                 torch.zeros(shape, dtype=r.dtype, device=self.device)) for _ in range(r.layer_count)]
-        if self.fixed and self.compiled:
-            # Written in place inside a CUDA graph: the graph keeps these addresses (no guard on
-            # identity: a new cache of a warmed bucket is re-recorded, never recompiled).
-            for pair in new:
-                for t in pair:
-                    torch._dynamo.mark_static_address(t)
         if self.caches:
             old_rows, old_pos = self.capacity
             keep_rows, keep_pos = min(old_rows, rows), min(old_pos, positions)
@@ -708,14 +760,12 @@ class StaticKVModel:
                 pad = [0] * W
                 ids = torch.tensor([list(rows[i]) + pad[counts[i]:] if fed[i] else pad
                                     for i in range(B)] + [pad] * (R - B), dtype=torch.long)
-                ids, positions, slots = to_device(torch.stack((ids, positions, slots)),
-                                                  self.device)
-                step = r.fixed_step
-                if self.compiled:
-                    step = r.compiled_fixed_step()
-                    _mark_sizes(R, [ids, positions, slots]
-                                + [t for pair in self.caches for t in pair])
-                h = step(ids, positions, slots, self.caches)
+                host = torch.stack((ids, positions, slots))
+                if self.captures_graphs and self.capture_error is None:
+                    h = self._replay(host)
+                else:
+                    ids, positions, slots = to_device(host, self.device)
+                    h = r.fixed_step(ids, positions, slots, self.caches, compiled=self.compiled)
             out, states = self._place(out, states, h, narrow, narrow, counts, n_last, width,
                                       vectors, hidden)
         if vectors:
@@ -723,6 +773,26 @@ class StaticKVModel:
         if self.vocab_size is not None and out.shape[-1] > self.vocab_size:
             out = out[..., : self.vocab_size]   # padded embedding rows are never real tokens
         return (out, states) if hidden else out
+
+    def _replay(self, host: torch.Tensor):
+        """The fixed step through this cache's CUDA graph for the inputs' shape, recorded on first
+        use. A graph that cannot be recorded is reported once and the step runs uncaptured."""
+        graph = self.graphs.get(tuple(host.shape))
+        if graph is None:
+            started = time.perf_counter()
+            try:
+                graph = CapturedStep(self.runner, host.to(self.device), self.caches, self.compiled)
+            except Exception as exc:     # noqa: BLE001 - any capture failure: run uncaptured
+                self.capture_error = f"{type(exc).__name__}: {exc}"
+                log.warning("CUDA graph capture failed, the fixed step runs uncaptured: %s",
+                            self.capture_error)
+                ids, positions, slots = to_device(host, self.device)
+                return self.runner.fixed_step(ids, positions, slots, self.caches,
+                                              compiled=self.compiled)
+            self.graphs[tuple(host.shape)] = graph
+            self.recorded["graphs"] += 1
+            self.recorded["seconds"] += time.perf_counter() - started
+        return graph(host)      # recording computes nothing: even a new graph replays now
 
     def buckets(self, max_rows: int, max_positions: int) -> list[tuple[int, int]]:
         """Every (rows, capacity) bucket a batch of up to max_rows rows of up to max_positions
@@ -735,39 +805,53 @@ class StaticKVModel:
 
     @torch.no_grad()
     def warm_up(self, max_rows: int, max_positions: int) -> dict:
-        """Compile (and on CUDA capture) the fixed step at every bucket (`buckets`) on scratch
-        caches of those shapes, so no request pays a compile; -> the graphs, the seconds, and on
-        CUDA the memory they hold (torch.cuda.memory_allocated before and after)."""
+        """Compile the fixed step's layer and, on CUDA, record the step's graph at every bucket
+        (`buckets`) on scratch caches of those shapes, so no request pays a compile and every
+        shape is proven to record; -> the buckets, the seconds, the graphs recorded and on CUDA
+        the most memory one bucket's graph reserved (only the graph of the cache in use is held
+        while serving: a real cache records its own in a few replays' time, `_replay`)."""
         r = self.runner
-        step = r.compiled_fixed_step() if self.compiled else r.fixed_step
         cuda = self.device.type == "cuda"
-        before = torch.cuda.memory_allocated(self.device) if cuda else 0
         started = time.perf_counter()
         shapes = self.buckets(max_rows, max_positions)
         W = self.token_bucket
+        graph_bytes, recorded = 0, 0
         for rows, positions in shapes:
             shape = (rows, r.kv_heads, positions, r.head_dim)
             caches = [(torch.zeros(shape, dtype=r.dtype, device=self.device),
                        torch.zeros(shape, dtype=r.dtype, device=self.device))
                       for _ in range(r.layer_count)]
-            for t in (t for pair in caches for t in pair):
-                torch._dynamo.mark_static_address(t)
-            slots = torch.arange(W, device=self.device).view(1, W).expand(rows, W).contiguous()
-            ids = torch.zeros(rows, W, dtype=torch.long, device=self.device)
-            positions = slots.clone()                      # two tensors, as in extend()
-            _mark_sizes(rows, [ids, positions, slots] + [t for pair in caches for t in pair])
-            for _ in range(3 if cuda and self.compiled else 1):   # CUDA graphs record on the 3rd
-                step(ids, positions, slots, caches)
+            slots = torch.arange(W).view(1, W).expand(rows, W)
+            host = torch.stack((torch.zeros(rows, W, dtype=torch.long), slots, slots))
+            if self.captures_graphs and self.capture_error is None:
+                before = torch.cuda.memory_reserved(self.device)
+                try:
+                    graph = CapturedStep(r, host.to(self.device), caches, self.compiled)
+                    graph(host)
+                    recorded += 1
+                except Exception as exc:     # noqa: BLE001 - reported; serving runs uncaptured
+                    self.capture_error = f"{type(exc).__name__}: {exc}"
+                    log.warning("CUDA graph capture failed at %d rows, %d positions: %s",
+                                rows, positions, self.capture_error)
+                    graph = None
+                torch.cuda.synchronize(self.device)
+                graph_bytes = max(graph_bytes, torch.cuda.memory_reserved(self.device) - before)
+                del graph
+            else:
+                ids, pos, sl = host.to(self.device)
+                r.fixed_step(ids, pos, sl, caches, compiled=self.compiled)
             del caches
         if cuda:
             torch.cuda.synchronize(self.device)
-        report = {"token_bucket": W, "buckets": shapes,
+        report = {"token_bucket": W, "buckets": shapes, "graphs": recorded,
                   "seconds": round(time.perf_counter() - started, 3)}
         if cuda:
-            report["graph_memory_bytes"] = torch.cuda.memory_allocated(self.device) - before
-        log.info("fixed step warmed: %d buckets (rows, capacity) at %d tokens a row in %.1f s%s",
-                 len(shapes), W, report["seconds"],
-                 f", {report['graph_memory_bytes'] / 2**20:.0f} MiB" if cuda else "")
+            report["graph_memory_bytes"] = graph_bytes
+        if self.capture_error:
+            report["capture_error"] = self.capture_error
+        log.info("fixed step warmed: %d buckets (rows, capacity) at %d tokens a row in %.1f s, "
+                 "%d CUDA graphs recorded%s", len(shapes), W, report["seconds"], recorded,
+                 f", at most {graph_bytes / 2**20:.0f} MiB each" if cuda else "")
         return report
 
     def _place(self, out, states, h, which: list[int], at: list[int], counts, n_last: int,
