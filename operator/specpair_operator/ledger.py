@@ -96,17 +96,7 @@ class StatusLedger:
                              "toVersion": to_version or "", "reason": reason})
         self.event("Warning" if warning else "Normal", action, reason)
         self.logger.info(f"{action}: {reason}")
-        labels = (self.namespace, self.name)
-        if action == "Promoted":
-            metrics.PROMOTIONS.labels(*labels).inc()
-        elif action == "RolledBack":
-            metrics.ROLLBACKS.labels(*labels, metrics.rollback_cause(reason)).inc()
-        elif action == "SpeculationOff":
-            metrics.SPECULATION_OFF.labels(*labels).inc()
-        elif action in ("CanaryStarted", "CanaryAdvanced", "CanaryPassed", "CanaryAborted"):
-            metrics.CANARY.labels(*labels, action.removeprefix("Canary").lower()).inc()
-        elif action in ("ShadowPromoted", "ShadowRejected"):
-            metrics.SHADOW_VERDICTS.labels(*labels, "promoted" if action == "ShadowPromoted" else "rejected").inc()
+        metrics.count(self.namespace, self.name, action, reason)
 
     # -- the report: one per pass ----------------------------------------------------------
 

@@ -9,6 +9,7 @@ The names are listed in docs/install.md, which the dashboard test reads.
 from __future__ import annotations
 
 import os
+import re
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -20,9 +21,17 @@ ROLLBACKS = Counter("specpair_rollbacks", "Champions rolled back to the previous
                     PAIR + ["reason"], registry=REGISTRY)
 SPECULATION_OFF = Counter("specpair_speculation_off", "Times drift turned speculation off for a champion.",
                           PAIR, registry=REGISTRY)
+SPECULATION_ON = Counter("specpair_speculation_on",
+                         "Times speculation was turned back on for a champion whose acceptance recovered.",
+                         PAIR, registry=REGISTRY)
 DRIFT_STEP = Gauge("specpair_drift_ladder_step",
                    "Drift ladder steps taken for the serving release (0 none, 1 speculation off, ...).",
                    PAIR, registry=REGISTRY)
+SHADOW_STARTS = Counter("specpair_shadow_starts", "Candidates whose shadow scoring on the champion's pods began.",
+                        PAIR, registry=REGISTRY)
+SHADOW_REFUSALS = Counter("specpair_shadow_refusals",
+                          "Candidates the spec asked to score in shadow that cannot be (another target).",
+                          PAIR, registry=REGISTRY)
 SHADOW_VERDICTS = Counter("specpair_shadow_verdicts", "Candidates judged by shadow scoring on live traffic, by result.",
                           PAIR + ["result"], registry=REGISTRY)
 RECONCILE_ERRORS = Counter("specpair_reconcile_errors", "Reconcile passes that ended in an error, by kind.",
@@ -36,18 +45,48 @@ RELEASE_SPEEDUP = Gauge("specpair_release_speedup",
                         "Gated speedup over target-only of the release a pair serves, per category ('all' overall).",
                         ["pair", "version", "category", "namespace"], registry=REGISTRY)
 
-ROLLBACK_CAUSES = ("drift", "tokenizer", "rollout")
+ROLLBACK_CAUSES = ("drift", "latency", "tokenizer", "rollout")
+# A drift rollback's reason is the ladder's words, then the judgements that breached: acceptance
+# (drift.Judgement.message) or serving health (serving_health.Judgement.message), never both.
+_SERVING_BREACH = re.compile(r"[^:]*: (?:overall|category '.*?') (?:TTFT|TPOT|error rate) ")
 _served_port: int | None = None
 
 
 def rollback_cause(reason: str) -> str:
-    """The bounded label for a rollback's free-text reason."""
-    text = reason.lower()
-    if "tokenizer" in text:
+    """The bounded label for a rollback's free-text reason (serving_plan writes it): `tokenizer`
+    (a pod's fingerprint differs), `rollout` (its pods never became available), `latency` (serving
+    health: TTFT, TPOT or the error rate), otherwise `drift` (live acceptance)."""
+    if reason.startswith("tokenizer"):
         return "tokenizer"
-    if "rollout" in text:
+    if reason.startswith("rollout of "):
         return "rollout"
+    if _SERVING_BREACH.match(reason):
+        return "latency"
     return "drift"
+
+
+# What each recorded action counts (ledger.record), with its bounded label if the counter has
+# one: every decision the operator records is an Event and a metric. RolledBack counts by cause.
+_COUNTED: dict[str, tuple[Counter, str | None]] = {
+    "Promoted": (PROMOTIONS, None),
+    "SpeculationOff": (SPECULATION_OFF, None),
+    "SpeculationOn": (SPECULATION_ON, None),
+    "ShadowStarted": (SHADOW_STARTS, None),
+    "ShadowRefused": (SHADOW_REFUSALS, None),
+    "ShadowPromoted": (SHADOW_VERDICTS, "promoted"),
+    "ShadowRejected": (SHADOW_VERDICTS, "rejected"),
+    **{f"Canary{d.title()}": (CANARY, d) for d in ("started", "advanced", "passed", "aborted")},
+}
+
+
+def count(namespace: str, pair: str, action: str, reason: str) -> None:
+    """Count a pair's recorded action in its metric (an action without one counts nowhere)."""
+    if action == "RolledBack":
+        ROLLBACKS.labels(namespace, pair, rollback_cause(reason)).inc()
+        return
+    counter, label = _COUNTED.get(action, (None, None))
+    if counter is not None:
+        counter.labels(namespace, pair, *(() if label is None else (label,))).inc()
 
 
 def serve_from_env() -> int | None:

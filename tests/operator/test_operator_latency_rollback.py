@@ -196,7 +196,7 @@ def test_a_slower_serving_release_is_rolled_back_to_the_previous_one_that_was_fa
                           and len(service_endpoints(ns, name)) == 1 and o, timeout=120)
         mark("converged")
         who = {("namespace", ns.name), ("pair", name)}
-        rollbacks = operator_metrics().get(("specpair_rollbacks_total", frozenset(who | {("reason", "drift")})))
+        rollbacks = operator_metrics().get(("specpair_rollbacks_total", frozenset(who | {("reason", "latency")})))
 
     assert runner.exception is None
     status = obj["status"]

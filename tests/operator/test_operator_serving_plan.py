@@ -24,7 +24,7 @@ from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 import plan_tables
 from plan_tables import CURRENT_TLS, MODEL, NOW, NS, PAIR, TLS, UID, kinds, mine, pod_info
-from specpair_operator import drift, manifests, model_fetch, release, serving_health
+from specpair_operator import drift, manifests, metrics, model_fetch, release, serving_health
 from specpair_operator import plan as p
 from specpair_operator import serving_plan as sp
 from specpair_operator.registry import TAG_ROLLED_BACK
@@ -196,10 +196,13 @@ def test_a_failed_rollout_rolls_back_to_the_previous_release():
     w = dataclasses.replace(w, deployment=deployment(w, available=False, conditions=[
         {"type": "Progressing", "reason": "ProgressDeadlineExceeded", "message": "crash looping"}]))
     steps = sp.plan_serving(w)
-    assert kinds(steps)[-9:] == ["Condition Drifted=True RolledBack", "TagVersion v2 specpair.rolled_back", "SetAlias champion=1",
-                                 "Record RolledBack", "ForgetDrift", "SetStatus drift", "SetStatus speculationEnabled",
-                                 "SetStatus previousVersion,servingVersion", "Report reconciling RollingOut/RolledBack"]
+    assert kinds(steps)[-9:] == ["Condition Drifted=True RolledBack", "TagVersion v2 specpair.rolled_back",
+                                 "SetAlias champion=1", "Record RolledBack", "ForgetDrift", "SetStatus drift",
+                                 "SetStatus speculationEnabled", "SetStatus previousVersion,servingVersion",
+                                 "Report reconciling RollingOut/RolledBack"]
     assert steps[-1].ready_message == "rollout of v2 failed: rollout failed: crash looping"
+    rolled = next(s for s in steps if isinstance(s, p.Record) and s.action == "RolledBack")
+    assert metrics.rollback_cause(rolled.reason) == "rollout", rolled.reason
 
 
 def test_the_legacy_engine_is_retired_once_the_current_one_is_available():
@@ -509,6 +512,7 @@ def test_the_ladder_takes_speculation_off_then_rolls_back_when_the_previous_rele
     actions = [a for a, _ in cl.history]
     assert actions[:3] == ["RolloutStarted", "SpeculationOff", "RolledBack"], actions
     assert cl.w.aliases["champion"] == "1" and cl.tags["2"][TAG_ROLLED_BACK].startswith("drift persisted")
+    assert metrics.rollback_cause(cl.tags["2"][TAG_ROLLED_BACK]) == "drift"
     assert cl.w.status["servingVersion"] == "1"
 
 
@@ -551,6 +555,7 @@ def test_the_journeys_end_as_the_end_to_end_tests_see_them():
     rolled, _ = converge(mismatched_tokenizer())
     assert [a for a, _ in rolled.history] == ["RolloutStarted", "RolledBack", "RolloutStarted"]
     assert rolled.tags["2"][TAG_ROLLED_BACK].startswith("tokenizer mismatch on pod pod0")
+    assert metrics.rollback_cause(rolled.tags["2"][TAG_ROLLED_BACK]) == "tokenizer"
     assert rolled.w.status["servingVersion"] == "1" and rolled.w.status["speculationEnabled"] is True
 
 
@@ -559,6 +564,7 @@ def test_an_error_rate_above_the_limit_rolls_back_without_turning_speculation_of
     assert [a for a, _ in cl.history] == ["RolloutStarted", "RolledBack", "RolloutStarted"], cl.history
     assert cl.said["ErrorRateAboveLimit"] >= 1 and cl.w.status["servingVersion"] == "1"
     assert cl.tags["2"][TAG_ROLLED_BACK].startswith("sustained drift: ") and "error rate" in cl.tags["2"][TAG_ROLLED_BACK]
+    assert metrics.rollback_cause(cl.tags["2"][TAG_ROLLED_BACK]) == "latency"
 
 
 def test_with_mlflow_down_only_speculation_off_is_taken_and_without_its_mark():
@@ -620,6 +626,7 @@ def test_slower_requests_turn_speculation_off_then_roll_back_to_the_release_that
         cl.history
     assert cl.said["LatencyAboveBaseline"] >= 2 and cl.w.status["servingVersion"] == "1"
     assert "v1 was faster" in cl.tags["2"][TAG_ROLLED_BACK] and "TPOT" in cl.tags["2"][TAG_ROLLED_BACK]
+    assert metrics.rollback_cause(cl.tags["2"][TAG_ROLLED_BACK]) == "latency"
     assert set(cl.w.status["servingHealth"]["baselines"]) == {"1", "2"}
 
 
