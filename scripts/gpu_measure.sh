@@ -3,9 +3,11 @@
 # The machine has torch and transformers but no network: the SmolLM2 GGUF (98 MB) travels in two
 # halves, one per call, and the engine's other packages as wheels in .whl/.
 #
-#   bash scripts/gpu_measure.sh steps      # step costs of random-weight shapes; keeps .gg/part00
+#   bash scripts/gpu_measure.sh steps      # the CUDA-graph tests, then step costs of random-weight
+#                                          # shapes; keeps .gg/part00
 #   bash scripts/gpu_measure.sh smollm2    # the real SmolLM2 (joins part00 and .gg/part01):
-#                                          # bench vs hf-compiled, identity, batch 1 and 16
+#                                          # bench vs hf-compiled, identity, batch 1 and 16,
+#                                          # and where the loop's host time goes (loop_profile.py)
 # Everything lands in $OUT (default out/gpu), logs beside the JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,9 +18,21 @@ PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"
 
+install_wheels() {
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+}
+
 case "${1:-}" in
 steps)
     [ -f .gg/part00 ] && cp .gg/part00 /tmp/smollm2.part00
+    install_wheels
+    # The recorded CUDA graphs against the same layers called one by one, and greedy identity
+    # under them (tests/engine/test_engine_cuda_graphs.py; skipped where there is no GPU).
+    PYTHONPATH=/tmp/site:$PWD/engine:$PWD/tests timeout "${CHECK_TIMEOUT:-150}" $PY -m pytest -q \
+        -p no:cacheprovider -o addopts= tests/engine/test_engine_cuda_graphs.py \
+        > "$OUT/gpu_cuda_graph_tests.log" 2>&1
+    echo "cuda graph tests exit $?"; tail -15 "$OUT/gpu_cuda_graph_tests.log"
     # One process per shape: they compile at once (16 cores) and time one at a time (--barrier).
     for shape in smollm2-135m llama-1b llama-8b; do
         kmax=8; [ "$shape" = llama-1b ] && kmax=3
@@ -34,8 +48,7 @@ smollm2)
     gguf=/tmp/llm/SmolLM2-135M-Instruct.Q4_1.gguf
     cat /tmp/smollm2.part00 .gg/part01 > "$gguf" || exit 1
     echo "a1231443440b107ff29f02bdb38c9d0a  $gguf" | md5sum -c || exit 1
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
+    install_wheels
     export PYTHONPATH=/tmp/site:$PWD/engine SPECPAIR_CACHE=/tmp/specpair-cache
     timeout "${BENCH_TIMEOUT:-300}" $PY -m specpair bench --target "$gguf" --drafter ngram \
         --device cuda --dtype bfloat16 --compile on --no-hf --peer hf-compiled --runs 3 \
@@ -45,6 +58,11 @@ smollm2)
         --device cuda --concurrency 1 16 --json "$OUT/gpu_load_smollm2.json" \
         > "$OUT/gpu_load_smollm2.log" 2>&1
     echo "load exit $?"; grep -v "^USDT" "$OUT/gpu_load_smollm2.log" | tail -25
+    # Where the loop's host time goes now that the step is one replay.
+    timeout "${PROFILE_TIMEOUT:-120}" $PY scripts/loop_profile.py --target "$gguf" --drafter ngram \
+        --device cuda --dtype bfloat16 --out "$OUT/gpu_loop_profile_smollm2.json" \
+        > "$OUT/gpu_loop_profile_smollm2.log" 2>&1
+    echo "profile exit $?"; grep -v "^USDT" "$OUT/gpu_loop_profile_smollm2.log" | head -40
     ;;
 *)
     echo "usage: $0 steps|smollm2" >&2; exit 2 ;;

@@ -111,6 +111,16 @@ def resolve_compile(mode: str | None = None, device: torch.device | None = None)
     return mode
 
 
+def cuda_graphs_wanted() -> bool:
+    """Whether a compiled fixed step on CUDA replays recorded graphs (`CapturedStep`): yes unless
+    SPECPAIR_CUDA_GRAPHS=off, which runs the same compiled layers call by call (a way to tell a
+    fault in recording from one in the step)."""
+    value = os.environ.get("SPECPAIR_CUDA_GRAPHS", "on")
+    if value not in ("on", "off"):
+        raise SpecpairError(f"SPECPAIR_CUDA_GRAPHS={value!r}: choose on or off")
+    return value == "on"
+
+
 def supports(model) -> str | None:
     """None when the static step can run this model; otherwise why not."""
     cfg = model.config
@@ -572,7 +582,8 @@ class StaticKVModel:
         self.graphs: dict[tuple, CapturedStep] = {}
         self.recorded = {"graphs": 0, "seconds": 0.0}
         self.capture_error: str | None = None
-        self.captures_graphs = self.fixed and self.compiled and self.device.type == "cuda"
+        self.captures_graphs = (self.fixed and self.compiled and self.device.type == "cuda"
+                                and cuda_graphs_wanted())
         self._allocate(rows=1, positions=self._position_floor)
 
     @property

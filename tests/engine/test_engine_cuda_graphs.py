@@ -1,0 +1,93 @@
+"""The fixed step under the CUDA graphs the engine records itself (static_cache.CapturedStep), on
+a CUDA device: replaying a recorded graph gives bitwise the logits of the same compiled layers run
+call by call, over a generation where rows join and leave, drafts are rejected and a row crosses
+into the next capacity bucket (each new cache records its own graphs, nothing recompiles); and an
+engine's greedy speculation equals its target-only decoding bitwise in bf16. Skipped without a
+GPU; `bash scripts/gpu_measure.sh steps` runs it on the lent one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specpair import static_cache
+from specpair.config import GenerationParams, SpeculationConfig
+from specpair.decoding import SpeculativeEngine
+from specpair.drafters import NgramDrafter
+from specpair.static_cache import StaticKVModel
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+W = 8
+
+
+def _cuda_model(tokenizer, seed: int):
+    from tiny_models import make_model
+    loaded = make_model(tokenizer, seed=seed, layers=2, dtype=torch.bfloat16, init_std=0.05)
+    loaded.model.to("cuda")
+    loaded.device = torch.device("cuda")
+    return loaded
+
+
+def test_replayed_graphs_equal_the_compiled_step_over_a_generation(tiny_tokenizer, monkeypatch):
+    import torch._dynamo
+
+    model = _cuda_model(tiny_tokenizer, seed=6).model
+    torch._dynamo.reset()
+    captured = StaticKVModel(model, compile="on", token_bucket=W)
+    monkeypatch.setenv("SPECPAIR_CUDA_GRAPHS", "off")
+    called = StaticKVModel(model, compile="on", token_bucket=W)
+    monkeypatch.delenv("SPECPAIR_CUDA_GRAPHS")
+    assert captured.captures_graphs and not called.captures_graphs
+    report = captured.warm_up(max_rows=4, max_positions=static_cache.INITIAL_POSITIONS)
+    assert report["graphs"] == len(report["buckets"]) == 6 and "capture_error" not in report
+    rng = random.Random(0)
+
+    def both(op, *args, **kwargs):
+        out = [getattr(kv, op)(*args, **kwargs) for kv in (captured, called)]
+        if op == "extend":
+            assert torch.equal(out[0], out[1]), op
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        both("add_rows", 1)
+        both("extend", [[rng.randrange(3, 300) for _ in range(30)]])
+        for step in range(40):
+            if step == 5:
+                both("add_rows", 1)
+                both("extend", [[7], [rng.randrange(3, 300) for _ in range(20)]])
+            if step == 20:
+                both("select", [1])
+            if step == 25:
+                both("add_rows", 1)
+                both("extend", [[7], [rng.randrange(3, 300) for _ in range(3)]])
+            k = rng.randrange(0, 5)
+            feed = [[rng.randrange(3, 300) for _ in range(1 + k)] for _ in captured.lengths]
+            both("extend", feed, last=1 + k)
+            keep = [n - rng.randrange(0, len(f)) for n, f in zip(captured.lengths, feed)]
+            for i, n in enumerate(keep):
+                both("rollback", i, n)
+            if step == 30:
+                both("extend", [[5] * 8 for _ in captured.lengths])
+                both("extend", [[5] * 200 if i == 0 else [5] for i in range(len(captured.lengths))])
+    assert captured.capacity[1] == 512
+    assert captured.capture_error is None
+    # Rows 1 -> 2 -> 1 -> 2 and capacity 256 -> 512: each new cache recorded its own graph.
+    assert captured.recorded["graphs"] >= 3
+
+
+def test_greedy_speculation_equals_target_only_bitwise_under_graphs(tiny_tokenizer):
+    target = _cuda_model(tiny_tokenizer, seed=1)
+    config = SpeculationConfig(k=3, k_max=3, fallback_threshold=0, batch_size_threshold=4)
+    engine = SpeculativeEngine(target, drafter=NgramDrafter(), speculation=config)
+    assert engine.describe_step()["compiled"]
+    prompts = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "import json\n\nimport json",
+               "for i in range(10):\n    print(i)\nfor i in range(10):"]
+    params = GenerationParams(max_new_tokens=40)
+    spec = engine.generate(prompts, params)
+    plain = engine.generate(prompts, [GenerationParams(max_new_tokens=40, speculation_k=0)] * 3)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert sum(r.stats.num_draft_tokens for r in spec) > 0
+    sampled = engine.generate(prompts, GenerationParams(max_new_tokens=20, temperature=0.8, seed=3))
+    assert all(r.finish_reason in ("length", "stop") for r in sampled)
