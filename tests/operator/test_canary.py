@@ -205,3 +205,15 @@ def test_the_status_entry_writes_null_over_what_an_earlier_judgement_left():
     now = canary.status_entry("3", "2", "Progressing", 0, STEPS, 1, 1, "m", previous=earlier)
     assert now["judged"] == {"ttft:code": None} and now["stepStartedAt"] is None and now["version"] == "3"
     assert earlier["judged"]["ttft:code"] == {"verdict": "fine", "requests": 50, "candidate": 0.02, "champion": 0.02}
+
+
+@pytest.mark.parametrize("tpot, action", [(0.002, canary.ADVANCE), (0.0035, canary.ABORT)])
+def test_at_a_gpus_step_times_tpot_tells_a_healthy_candidate_from_a_slower_one(tpot, action):
+    """The champion's TPOT around 2 ms, as a GPU decodes: a candidate as fast advances, one 1.75x
+    slower is aborted on TPOT at the default 1.5x (the engine's buckets lie 1.2-1.5x apart there;
+    with bounds at 1, 2.5 and 5 ms both read alike)."""
+    decisions = run({"tpot": tpot}, 6, champion={"tpot": 0.002}, per_pass=24)
+    decided = next(d for d in decisions if d.action != canary.WAIT)
+    assert decided.action == action, decided.reason
+    if action == canary.ABORT:
+        assert {j.metric for j in decided.judged if j.verdict == BREACH} == {"tpot"}, decided.reason

@@ -615,7 +615,7 @@ def slower_requests() -> Cluster:
     times slower; v1 recorded its baseline when it served, at v2's speed before."""
     cl = ladder_start()
     cl.rates["2"], cl.slowdown["2"], cl.slow_from = 0.75, 10.0, 150.0
-    v1 = {"ttftP95": {"code": 0.02425}, "tpotP95": {"code": 0.004875}, "errorRate": 0, "load": 6.7, "requests": 200}
+    v1 = {"ttftP95": {"code": 0.01975}, "tpotP95": {"code": 0.00495}, "errorRate": 0, "load": 6.7, "requests": 200}
     cl.w = dataclasses.replace(cl.w, status={**cl.w.status, "servingHealth": {"version": "1", "baselines": {"1": v1}}})
     return cl
 

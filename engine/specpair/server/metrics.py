@@ -15,8 +15,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from specpair.stats import AcceptanceStats
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# Neighbouring bounds at most 1.5x apart where GPU and CPU requests live (TTFT 5 ms to 2.5 s, TPOT
+# 1 ms to 300 ms): the operator judges p95s against 1.5x-2x their baseline (serving health, the
+# canary), interpolating inside a bucket, and coarser buckets move a p95 by a whole bucket. Bounds
+# are only added, never moved: the operator adds histograms over the bounds both have
+# (serving_health.Histogram), so pods of engines with fewer bounds are still judged beside these.
+LATENCY_BUCKETS = (0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3,
+                   0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04,
+                 0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 OTHER_CATEGORY = "other"
 
 # Shadow drafting (specpair/shadow.py): a candidate drafter scored on live requests, labelled with
