@@ -78,8 +78,19 @@ def make_layer_skip_draft(target_dir: str | Path, out_dir: Path, layers: int = L
         return out_dir
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()      # the demo's own line says what was written
+    try:
+        return _write_layer_skip_draft(AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32),
+                                       Path(target_dir), out_dir, layers)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _write_layer_skip_draft(model, target_dir: Path, out_dir: Path, layers: int) -> Path:
     if not 1 <= layers < model.config.num_hidden_layers:
         raise ValueError(f"a layer-skip draft keeps 1..{model.config.num_hidden_layers - 1} layers, not {layers}")
     model.model.layers = model.model.layers[:layers]
@@ -89,7 +100,7 @@ def make_layer_skip_draft(target_dir: str | Path, out_dir: Path, layers: int = L
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    for path in Path(target_dir).iterdir():
+    for path in target_dir.iterdir():
         if path.is_file() and path.name.startswith(("tokenizer", "special_tokens", "chat_template",
                                                     "generation_config", "vocab", "merges")):
             shutil.copy(path, tmp / path.name)
