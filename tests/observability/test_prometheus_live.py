@@ -305,9 +305,11 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
         assert got[("SpecpairSpeculationOff", "drifts", "")] >= s.action_time("drifts", "SpeculationOff") - 1
         assert got[("SpecpairRolledBack", "drifts", "drift")] >= s.action_time("drifts", "RolledBack") - 1
         assert all(r["health"] == "ok" for r in prom.rules()), [(r["name"], r.get("lastError")) for r in prom.rules()]
-        # The operator counted its one shadow verdict; v1's pods labelled what they scored with v2.
+        # The operator counted its one shadow start and verdict; v1's pods labelled what they scored with v2.
         verdicts = prom.query(f'specpair_shadow_verdicts_total{{namespace="{namespace}"}}')
         assert [(r["metric"]["pair"], r["metric"]["result"], r["value"][1]) for r in verdicts] == [("drifts", "promoted", "1")]
+        starts = prom.query(f'specpair_shadow_starts_total{{namespace="{namespace}"}}')
+        assert [(r["metric"]["pair"], r["value"][1]) for r in starts] == [("drifts", "1")]
         shadowed = prom.query_range('specpair_shadow_requests_total{pair="drifts"}', start, time.time(), SCRAPE)
         assert {(r["metric"]["version"], r["metric"]["candidate_version"]) for r in shadowed} == {("1", "2")}
 
