@@ -1,7 +1,8 @@
 """What the operator's plan tables build their worlds from (test_operator_plan,
 test_operator_serving_plan, test_operator_shadow_plan, test_canary_plan): the pair's names, a
 release's tags, a passed candidate's world, objects as the API server holds them after the
-operator wrote them, what a pod reports of itself, and each planned step by a short name.
+operator wrote them, what a pod reports of itself, each planned step by a short name, and the
+passes of the operator over a candidate beside its champion, killed at any write.
 """
 
 from __future__ import annotations
@@ -9,13 +10,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from specpair_operator import canary, gate_verdict, manifests, owned, release
 from specpair_operator import plan as p
 from specpair_operator import serving_plan as sp
 from specpair_operator.registry import TAG_HASH, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
-from specpair_operator.serving_world import EngineTLS
+from specpair_operator.serving_world import EngineTLS, ServingWorld
 from specpair_operator.world import GateJob, Records, ReleaseWorld
 
 PAIR, NS, UID, MODEL = "chat", "team", "uid-chat", "team-chat"
@@ -112,3 +113,106 @@ def step_name(s: Any) -> str:
 
 def kinds(steps: Iterable[Any]) -> list[str]:
     return [step_name(s) for s in steps]
+
+
+class CandidateCluster:
+    """What the operator's passes read and write for a pair whose v2 passed its gate beside
+    champion v1: MLflow (aliases, tags), the status, the owned objects. `one_pass` plans the
+    release, then the serving its ServeChampion asks for, and applies each step; a subclass
+    models the engine (`write`, `serving_world`). A pass killed at a write keeps its writes and
+    loses its status, and `forget` drops what the operator kept in memory."""
+
+    WRITES = (*p.WRITES, *sp.WRITES, canary.ScaleDown)
+    candidate_world: Callable[..., ReleaseWorld]    # the table's, with its defaults
+
+    def __init__(self, champion_tags: Mapping[str, str], candidate_tags: Mapping[str, str]):
+        self.aliases = {"champion": "1", "candidate": "2"}
+        self.tags = {"1": dict(champion_tags), "2": dict(candidate_tags)}
+        self.status: dict[str, Any] = {"engineTLS": CURRENT_TLS, "recorded": {"GateStarted": ["2"], "GatePassed": ["2"]}}
+        self.objects: dict[str, Any] = {}
+        self.generation = 0
+        self.history: list[tuple[str, str | None]] = []
+        self.events: list[str] = []
+        self.writes = 0
+        self.last_serving: tuple[Any, ...] = ()
+
+    def records(self) -> Records:
+        return Records({k: tuple(v) for k, v in self.status["recorded"].items()})
+
+    def release_world(self) -> ReleaseWorld:
+        champion = self.aliases["champion"]
+        return self.candidate_world(tags=self.tags["2"], aliases=dict(self.aliases), records=self.records(),
+                                    champion_release=None if champion == "2" else json.loads(
+                                        self.tags[champion][p.TAG_RELEASE]))
+
+    def serving_world(self, step: p.ServeChampion) -> ServingWorld:
+        raise NotImplementedError
+
+    def champion_world(self, step: p.ServeChampion, spec: Mapping[str, Any], verdict: Mapping[str, Any],
+                       **engine: Any) -> ServingWorld:
+        """The serving world `step` asks for, as this cluster holds it; `engine`: the table's own
+        fields (its Deployments, pods, shadow or canary)."""
+        return ServingWorld(pair=PAIR, namespace=NS, uid=UID, model=MODEL, aliases=dict(step.aliases),
+                            desired=step.desired, desired_reason=step.reason, spec=spec,
+                            status=copy.deepcopy(self.status), records=self.records(), now=NOW,
+                            tags=self.tags[step.aliases["champion"]], verdict=verdict, tls=TLS,
+                            service=self.objects.get("Service"), policy=self.objects.get("NetworkPolicy"), **engine)
+
+    def write(self, step: Any) -> None:
+        """MLflow's writes here; the engine's objects in `write_object`."""
+        if isinstance(step, p.SetAlias):
+            self.aliases[step.alias] = step.version
+        elif isinstance(step, p.TagVersion):
+            self.tags[step.version].update(step.tags)
+        else:
+            self.write_object(step)
+
+    def write_object(self, step: Any) -> None:
+        raise NotImplementedError
+
+    def remember(self, step: Any) -> None:
+        """A step that is neither a write nor the status (what the operator keeps in memory)."""
+
+    def forget(self) -> None:
+        """The operator died: what it kept in memory is gone."""
+
+    def one_pass(self, crash_at: int | None) -> bool:
+        """One pass; False when it planned nothing to write or record. Killed at write
+        `crash_at` (counted over the whole run)."""
+        status = copy.deepcopy(self.status)
+        said: list[tuple[str, str | None]] = []
+        events: list[str] = []
+        busy = False
+
+        def run_steps(steps: tuple[Any, ...]) -> bool:
+            nonlocal busy
+            for step in steps:
+                if isinstance(step, self.WRITES):
+                    self.write(step)
+                    busy = True
+                    self.writes += 1
+                    if crash_at is not None and self.writes == crash_at + 1:
+                        return False
+                elif isinstance(step, p.Record):
+                    busy = True
+                    said.append((step.action, step.key))
+                    if step.key is not None:
+                        status["recorded"][step.action] = status["recorded"].get(step.action, []) + [step.key]
+                elif isinstance(step, p.PostEvent):
+                    events.append(step.reason)
+                elif isinstance(step, p.SetStatus):
+                    status.update(copy.deepcopy(dict(step.fields)))
+                elif isinstance(step, p.ServeChampion):
+                    self.last_serving = sp.plan_serving(self.serving_world(step))
+                    if not run_steps(self.last_serving):
+                        return False
+                else:
+                    self.remember(step)
+            return True
+        if not run_steps(p.plan_release(self.release_world())):
+            self.forget()
+            return True
+        self.status = status
+        self.history += said
+        self.events += events
+        return busy

@@ -24,12 +24,12 @@ import pytest
 
 import engine_counters
 import plan_tables
-from plan_tables import CURRENT_TLS, MODEL, NOW, NS, PAIR, TLS, UID, available, kinds, mine, pod_info
+from plan_tables import PAIR, available, kinds, mine, pod_info
 from specpair_operator import canary, manifests, owned
 from specpair_operator import plan as p
 from specpair_operator import serving_plan as sp
 from specpair_operator.serving_world import DriftMemory, EnginePod, ServingWorld
-from specpair_operator.world import Records, ReleaseWorld
+from specpair_operator.world import Records
 
 T0 = 1_700_000_000.0
 DT = 10.0
@@ -121,53 +121,33 @@ SPEED = {"1": {"ttft": 0.2, "tpot": 0.02, "acceptance": 0.6},
          "slow": {"ttft": 1.5, "tpot": 0.02, "acceptance": 0.6}}
 
 
-class Cluster:
+class Cluster(plan_tables.CandidateCluster):
     """MLflow (aliases, tags), the engine's two Deployments (made available at once, as the
     Deployment controller would), and their pods, which serve `per_pod` requests a pass with
-    their release's latency and acceptance (`candidate`: v2's, 'fast' or 'slow')."""
+    their release's latency and acceptance (`candidate`: v2's, 'fast' or 'slow'). A killed
+    operator loses the canary's memory too."""
+
+    candidate_world = staticmethod(candidate_world)
 
     def __init__(self, candidate: str, per_pod: int = 30):
+        super().__init__(CHAMPION_TAGS, NEW_TARGET)
         self.speed = {"1": SPEED["1"], "2": SPEED[candidate]}
         self.per_pod = per_pod
-        self.aliases = {"champion": "1", "candidate": "2"}
-        self.tags = {"1": dict(CHAMPION_TAGS), "2": dict(NEW_TARGET)}
-        self.status: dict[str, Any] = {"engineTLS": CURRENT_TLS,
-                                       "recorded": {"GateStarted": ["2"], "GatePassed": ["2"]}}
         self.memory: Any = None
         self.now = T0
-        self.generation = 0
-        self.objects: dict[str, Any] = {}
         self.pods: dict[str, list[Pod]] = {"main": [], "canary": []}
-        self.history: list[tuple[str, str | None]] = []
-        self.events: list[str] = []
-        self.writes = 0
-        self.last_serving: tuple[Any, ...] = ()
         # v1 serves on its Deployment already.
-        w = self.world_for(p.ServeChampion({"champion": "1"}, "1"))
+        w = self.serving_world(p.ServeChampion({"champion": "1"}, "1"))
         for step in sp.plan_serving(w):
             if isinstance(step, sp.EnsureOwned):
                 self.write(step)
             elif isinstance(step, p.Record):
                 self.status["recorded"][step.action] = [step.key]
 
-    def records(self) -> Records:
-        return Records({k: tuple(v) for k, v in self.status["recorded"].items()})
-
-    def release_world(self) -> ReleaseWorld:
-        champion = self.aliases["champion"]
-        return candidate_world(tags=self.tags["2"], aliases=dict(self.aliases), records=self.records(),
-                               champion_release=None if champion == "2" else json.loads(
-                                   self.tags[champion][p.TAG_RELEASE]))
-
-    def world_for(self, step: p.ServeChampion) -> ServingWorld:
-        champion = step.aliases["champion"]
-        w = ServingWorld(pair=PAIR, namespace=NS, uid=UID, model=MODEL, aliases=dict(step.aliases),
-                         desired=step.desired, desired_reason=step.reason, spec=SPEC, status=copy.deepcopy(self.status),
-                         records=self.records(), now=NOW, tags=self.tags[champion], verdict=GOOD, tls=TLS,
-                         canary_run=step.canary, deployment=self.objects.get("main"),
-                         service=self.objects.get("Service"), policy=self.objects.get("NetworkPolicy"),
-                         canary_deployment=self.objects.get("canary"), canary_memory=self.memory,
-                         drift=DriftMemory(wall=self.now))
+    def serving_world(self, step: p.ServeChampion) -> ServingWorld:
+        w = self.champion_world(step, SPEC, GOOD, canary_run=step.canary, deployment=self.objects.get("main"),
+                                canary_deployment=self.objects.get("canary"), canary_memory=self.memory,
+                                drift=DriftMemory(wall=self.now))
         views = {side: tuple(pod.view(self.now, f"u-{side}-{i}") for i, pod in enumerate(self.pods[side]))
                  for side in self.pods}
         return dataclasses.replace(w, ready=views["main"], canary_ready=views["canary"] if step.canary else ())
@@ -180,12 +160,8 @@ class Cluster:
                      seed=self.generation * 10 + i) for i in range(len(kept), dep["spec"]["replicas"])]
         self.pods[side] = (kept + fresh)[:dep["spec"]["replicas"]]
 
-    def write(self, step: Any) -> None:
-        if isinstance(step, p.SetAlias):
-            self.aliases[step.alias] = step.version
-        elif isinstance(step, p.TagVersion):
-            self.tags[step.version].update(step.tags)
-        elif isinstance(step, sp.EnsureOwned):
+    def write_object(self, step: Any) -> None:
+        if isinstance(step, sp.EnsureOwned):
             obj = mine(dict(step.manifest), step.mutable)
             if obj["kind"] == "Deployment":
                 self.generation += 1
@@ -201,51 +177,21 @@ class Cluster:
             dep["metadata"]["annotations"][owned.ANN_MANIFEST] = "scaled-down"
             self.pods["canary"] = []
 
+    def remember(self, step: Any) -> None:
+        if isinstance(step, canary.RememberCanary):
+            self.memory = step.memory
+
+    def forget(self) -> None:
+        self.memory = None
+
     def one_pass(self, crash_at: int | None) -> bool:
         """Traffic for DT seconds, then one pass; False when it planned nothing to write or
-        record. Killed at write `crash_at` (counted over the whole run): its status and the
-        operator's memory are lost."""
+        record and no canary pod is left."""
         self.now += DT
         for side, pods in self.pods.items():
             for pod in pods:
                 pod.serve(self.per_pod, **self.speed[pod.served["mlflow"]["version"]])
-        status = copy.deepcopy(self.status)
-        said: list[tuple[str, str | None]] = []
-        events: list[str] = []
-        busy = False
-
-        def run_steps(steps: tuple[Any, ...]) -> bool:
-            nonlocal busy
-            for step in steps:
-                if isinstance(step, (p.WRITES, sp.WRITES, canary.ScaleDown)):
-                    self.write(step)
-                    busy = True
-                    self.writes += 1
-                    if crash_at is not None and self.writes == crash_at + 1:
-                        return False
-                elif isinstance(step, p.Record):
-                    busy = True
-                    said.append((step.action, step.key))
-                    if step.key is not None:
-                        status["recorded"][step.action] = status["recorded"].get(step.action, []) + [step.key]
-                elif isinstance(step, p.PostEvent):
-                    events.append(step.reason)
-                elif isinstance(step, p.SetStatus):
-                    status.update(copy.deepcopy(dict(step.fields)))
-                elif isinstance(step, canary.RememberCanary):
-                    self.memory = step.memory
-                elif isinstance(step, p.ServeChampion):
-                    self.last_serving = sp.plan_serving(self.world_for(step))
-                    if not run_steps(self.last_serving):
-                        return False
-            return True
-        if not run_steps(p.plan_release(self.release_world())):
-            self.memory = None
-            return True
-        self.status = status
-        self.history += said
-        self.events += events
-        return busy or bool(self.pods["canary"])
+        return super().one_pass(crash_at) or bool(self.pods["canary"])
 
 
 def converge(candidate: str, crash_at: int | None = None) -> Cluster:
@@ -304,7 +250,7 @@ def test_a_canary_left_by_a_candidate_no_longer_wanted_is_scaled_down():
         cl.one_pass(None)
     assert cl.objects["canary"]["spec"]["replicas"] == 1
     # The spec moved on (v2 is not the spec's release any more): the serving plan runs without a canary.
-    steps = sp.plan_serving(cl.world_for(p.ServeChampion(dict(cl.aliases), "1")))
+    steps = sp.plan_serving(cl.serving_world(p.ServeChampion(dict(cl.aliases), "1")))
     assert kinds(steps)[-3:-1] == [f"ScaleDown {CANARY_NAME}", "Event CanaryScaledDown"]
     event = next(s for s in steps if isinstance(s, p.PostEvent))
     assert "v2 is no longer a candidate" in event.message
@@ -317,7 +263,7 @@ def test_the_canary_step_is_read_back_from_its_deployment_when_the_status_that_s
     assert cl.objects["canary"]["spec"]["replicas"] == 2
     lost = {k: v for k, v in cl.status.items() if k != "canary"}
     serve = next(s for s in p.plan_release(cl.release_world()) if isinstance(s, p.ServeChampion))
-    w = dataclasses.replace(cl.world_for(serve), status=lost, canary_memory=None)
+    w = dataclasses.replace(cl.serving_world(serve), status=lost, canary_memory=None)
     steps = sp.plan_serving(w)
     assert not [s for s in steps if isinstance(s, sp.EnsureOwned)], "not scaled back to step 1"
     entry = next(s.fields["canary"] for s in steps if isinstance(s, p.SetStatus) and "canary" in s.fields)
@@ -343,7 +289,7 @@ def test_a_canary_deployment_scaled_down_before_is_scaled_up_again_for_the_canar
     cl.one_pass(None)
     cl.write(canary.ScaleDown(CANARY_NAME))        # left at zero by an earlier canary of this version
     serve = next(s for s in p.plan_release(cl.release_world()) if isinstance(s, p.ServeChampion))
-    steps = sp.plan_serving(cl.world_for(serve))
+    steps = sp.plan_serving(cl.serving_world(serve))
     ensured = [s for s in steps if isinstance(s, sp.EnsureOwned) and s.manifest["metadata"]["name"] == CANARY_NAME]
     assert ensured and ensured[0].manifest["spec"]["replicas"] == 1
 

@@ -27,7 +27,7 @@ from specpair_operator import manifests, owned, release, shadow_run
 from specpair_operator import plan as p
 from specpair_operator import serving_plan as sp
 from specpair_operator.serving_world import EnginePod, ServingWorld
-from specpair_operator.world import Records, ReleaseWorld
+from specpair_operator.world import Records
 
 GOOD = {"passed": True, "reasons": [], "tokenizer": {"compatible": True, "differences": []},
         "greedyIdentity": 1.0, "acceptanceRate": 0.7, "speedup": 1.4,
@@ -283,37 +283,19 @@ def merge_patched(manifest: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class Cluster:
+class Cluster(plan_tables.CandidateCluster):
     """MLflow (aliases, tags), the engine's objects, and pods that report the shadow evidence of
     whichever candidate their Deployment mounts (`rates`: the candidate's and the champion's
     live alpha per category). The Deployment controller makes each rollout available at once."""
 
+    candidate_world = staticmethod(candidate_world)
+
     def __init__(self, rates: dict[str, tuple[float, float]]):
+        super().__init__(CHAMPION_TAGS, DRAFT_ONLY)
         self.rates = rates
-        self.aliases = {"champion": "1", "candidate": "2"}
-        self.tags = {"1": dict(CHAMPION_TAGS), "2": dict(DRAFT_ONLY)}
-        self.status: dict[str, Any] = {"engineTLS": CURRENT_TLS, "recorded": {"GateStarted": ["2"], "GatePassed": ["2"]}}
-        self.objects: dict[str, Any] = {}
-        self.generation = 0
-        self.history: list[tuple[str, str | None]] = []
-        self.writes = 0
-
-    def records(self) -> Records:
-        return Records({k: tuple(v) for k, v in self.status["recorded"].items()})
-
-    def release_world(self) -> ReleaseWorld:
-        champion = self.aliases["champion"]
-        return candidate_world(tags=self.tags["2"], aliases=dict(self.aliases), records=self.records(),
-                               champion_release=None if champion == "2" else json.loads(
-                                   self.tags[champion][p.TAG_RELEASE]))
 
     def serving_world(self, step: p.ServeChampion) -> ServingWorld:
-        champion = step.aliases["champion"]
-        w = ServingWorld(pair=PAIR, namespace=NS, uid=UID, model=MODEL, aliases=dict(step.aliases),
-                         desired=step.desired, desired_reason=step.reason, spec=SPEC, status=copy.deepcopy(self.status),
-                         records=self.records(), now=NOW, tags=self.tags[champion], verdict=GOOD, tls=TLS,
-                         shadow=step.shadow, deployment=self.objects.get("Deployment"),
-                         service=self.objects.get("Service"), policy=self.objects.get("NetworkPolicy"))
+        w = self.champion_world(step, SPEC, GOOD, shadow=step.shadow, deployment=self.objects.get("Deployment"))
         dep = self.objects.get("Deployment")
         if dep is None:
             return w
@@ -325,50 +307,13 @@ class Cluster:
             stats = shadow_stats(release.content_hash(candidate), self.rates)
         return dataclasses.replace(w, ready=(EnginePod("pod0", "u0", "10.0.0.1", info, stats=stats),))
 
-    def write(self, step: Any) -> None:
-        if isinstance(step, p.SetAlias):
-            self.aliases[step.alias] = step.version
-        elif isinstance(step, p.TagVersion):
-            self.tags[step.version].update(step.tags)
-        elif isinstance(step, sp.EnsureOwned):
+    def write_object(self, step: Any) -> None:
+        if isinstance(step, sp.EnsureOwned):
             obj = mine(dict(step.manifest), step.mutable)
             if obj["kind"] == "Deployment":
                 self.generation += 1
                 obj = available(merge_patched(dict(step.manifest)), self.generation)
             self.objects[obj["kind"]] = obj
-
-    def one_pass(self, crash_at: int | None) -> bool:
-        """One pass; False when it planned nothing to write or record. Killed at write
-        `crash_at` (counted over the whole run): its status is lost."""
-        status = copy.deepcopy(self.status)
-        said: list[tuple[str, str | None]] = []
-        busy = False
-
-        def run_steps(steps: tuple[Any, ...]) -> bool:
-            nonlocal busy
-            for step in steps:
-                if isinstance(step, (p.WRITES, sp.WRITES)):
-                    self.write(step)
-                    busy = True
-                    self.writes += 1
-                    if crash_at is not None and self.writes == crash_at + 1:
-                        return False
-                elif isinstance(step, p.Record):
-                    busy = True
-                    said.append((step.action, step.key))
-                    if step.key is not None:
-                        status["recorded"][step.action] = status["recorded"].get(step.action, []) + [step.key]
-                elif isinstance(step, p.SetStatus):
-                    status.update(copy.deepcopy(dict(step.fields)))
-                elif isinstance(step, p.ServeChampion):
-                    if not run_steps(sp.plan_serving(self.serving_world(step))):
-                        return False
-            return True
-        if not run_steps(p.plan_release(self.release_world())):
-            return True
-        self.status = status
-        self.history += said
-        return busy
 
 
 def converge(rates: dict[str, tuple[float, float]], crash_at: int | None = None) -> Cluster:
