@@ -21,6 +21,11 @@ gives two ways to fail that a real deployment meets:
     SPECPAIR_FAILPOINT=log
         nothing fails; every write is logged.
 
+SPECPAIR_FAILPOINT_SPARE (descriptions' prefixes, comma-separated) names writes that are logged
+but neither fail nor count as a life's first write (e.g. `kube.merge_patch specmodelpairs`, the
+status writes of a canary's judgement: its evidence is the operator's memory, which a kill after
+every pass's status would never let grow).
+
 Each write is appended to SPECPAIR_FAILPOINT_LOG as one JSON line: {"write", "pid", "failed"}.
 """
 
@@ -39,6 +44,7 @@ from specpair_operator.kube import Kube, KubeError
 
 MODE = os.environ.get("SPECPAIR_FAILPOINT", "")
 LOG = os.environ.get("SPECPAIR_FAILPOINT_LOG", "")
+SPARE = tuple(p for p in os.environ.get("SPECPAIR_FAILPOINT_SPARE", "").split(",") if p)
 MLFLOW_WRITES = ("create_registered_model", "set_registered_model_tag", "create_experiment", "create_run",
                  "log_artifact", "set_terminated", "create_model_version", "set_model_version_tag",
                  "set_registered_model_alias", "delete_registered_model_alias", "delete_model_version_tag")
@@ -65,13 +71,14 @@ def _after_write(name: str, args: tuple[Any, ...]) -> bool:
     """Log the write that just happened; die or report a lost reply as the mode says."""
     global _writes
     what = _describe(name, args)
+    spared = what.startswith(SPARE) if SPARE else False
     with _lock:
-        _writes += 1
-        lose = MODE == "lose-first-reply" and name not in _lost
+        _writes += 0 if spared else 1
+        lose = MODE == "lose-first-reply" and name not in _lost and not spared
         if lose:
             _lost.add(name)
-        crash = (MODE == "crash-after-first-write" and _writes == 1) or \
-            (MODE.startswith("crash-after:") and what.startswith(MODE.split(":", 1)[1]))
+        crash = not spared and ((MODE == "crash-after-first-write" and _writes == 1) or
+                                (MODE.startswith("crash-after:") and what.startswith(MODE.split(":", 1)[1])))
         if LOG:
             with open(LOG, "a") as f:
                 f.write(json.dumps({"write": what, "pid": os.getpid(), "failed": "crash" if crash else

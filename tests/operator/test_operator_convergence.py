@@ -14,73 +14,14 @@ are replayed killed after each write in test_operator_serving_plan.py.)
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 import uuid
-from collections import Counter
-from pathlib import Path
-from typing import Any
 
 from mlflow import MlflowClient
 
-from cluster_env import HERE, OPERATOR, REPLACE, engine_pods, model_name, pair, serving, set_spec
+from cluster_env import REPLACE, engine_pods, model_name, pair, serving, set_spec
+from failing_operator import FailingOperator, history
 from specpair_operator import manifests
-
-KILLS_AT_MOST = 60
-
-
-class FailingOperator:
-    """`kopf run -m failpoints` in a child process, its writes logged to one file."""
-
-    def __init__(self, log: Path):
-        self.log = log
-
-    def start(self, mode: str) -> subprocess.Popen:
-        env = {**os.environ, "SPECPAIR_FAILPOINT": mode, "SPECPAIR_FAILPOINT_LOG": str(self.log),
-               "SPECPAIR_RECONCILE_INTERVAL": "1",
-               "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-               "SPECPAIR_METRICS_PORT": "0"}  # the test process's own operator may hold that port
-        with open(self.log.with_suffix(".log"), "ab") as out:  # every life's log, one after another
-            return subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR[:-2], "-m", "failpoints"], env=env,
-                                    stdout=out, stderr=subprocess.STDOUT)
-
-    def writes(self) -> list[dict[str, Any]]:
-        if not self.log.exists():
-            return []
-        return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
-
-    def life(self, mode: str, done: Any, deadline: float) -> int:
-        """One operator in `mode` until it exits, `done()` holds or the deadline passes (then it
-        is stopped); its exit status."""
-        proc = self.start(mode)
-        try:
-            while proc.poll() is None and not done() and time.monotonic() < deadline:
-                time.sleep(0.2)
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=30)
-        return proc.returncode
-
-    def crash_until(self, done: Any, timeout: float = 480.0) -> int:
-        """Start, let it make one write and die, again and again, until `done()` holds.
-        Returns how many times it was killed."""
-        deadline = time.monotonic() + timeout
-        kills = 0
-        while time.monotonic() < deadline:
-            if self.life("crash-after-first-write", done, deadline) == 137:
-                kills += 1
-                assert kills <= KILLS_AT_MOST, "the operator redoes a write every life: it never converges"
-            elif done():
-                return kills
-        raise AssertionError(f"did not converge within {timeout:.0f}s after {kills} kills; writes: {self.writes()[-10:]}")
-
-
-def history(obj: dict[str, Any]) -> Counter:
-    return Counter((h["action"], str(h["toVersion"])) for h in (obj.get("status") or {}).get("history") or [])
 
 
 def test_killed_after_every_write_the_operator_still_promotes_once(env, mlflow_server, tmp_path):
