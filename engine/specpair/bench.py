@@ -467,16 +467,8 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
         report.step["captures"] = engine.captures
     # Pin generation length: EOS early would make runs incomparable across modes.
     params = GenerationParams(max_new_tokens=max_new_tokens)
-    compiled = None
-    if hf_compiled:
-        compiled = HfCompiledPeer(target.model, max(len(ids) for _, ids in encoded) + max_new_tokens)
-        if note:
-            note(f"hf-compiled peer: compiling the step (torch.compile mode={compiled.mode!r})")
-        compiled.warm_up(encoded[0][1])
-        report.hf_compiled = compiled.describe()
     for n, (category, ids) in enumerate(encoded):
-        t_times, s_times, hf_t, hf_a, hf_c = [], [], [], [], []
-        compiled_ids = None
+        t_times, s_times, hf_t, hf_a = [], [], [], []
         timing = {"target": StepTiming(), "spec": StepTiming()}
         spec_result = base_result = None
         for _ in range(runs):
@@ -494,10 +486,6 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
                 if not engine.drafter.wants_features:   # transformers has no EAGLE or Medusa
                     hf_a.append(timed(lambda: _hf_generate(engine, ids, len(base.token_ids), k, True),
                                        target.device)[0])
-            if compiled is not None:
-                seconds, compiled_ids = timed(lambda: compiled.generate(ids, len(base.token_ids)),
-                                               target.device)
-                hf_c.append(seconds)
         rounds = spec_result.stats.num_target_steps
         prefill = measure_prefill(engine, ids)
         divergence = first_divergence(engine.target, ids, base_result.token_ids, spec_result.token_ids)
@@ -508,12 +496,25 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
             rounds_without_draft=rounds - spec_result.stats.num_drafts, prefill_seconds=prefill,
             hf_target_seconds=statistics.median(hf_t) if hf_t else None,
             hf_assisted_seconds=statistics.median(hf_a) if hf_a else None, divergence=divergence,
-            target_ids=list(base_result.token_ids), timing=timing,
-            hf_compiled_seconds=statistics.median(hf_c) if hf_c else None,
-            hf_compiled_identical=(compiled_ids == list(base_result.token_ids)
-                                   if compiled_ids is not None else None)))
+            target_ids=list(base_result.token_ids), timing=timing))
         if progress:
             progress(n + 1, len(encoded), category)
+    if hf_compiled:
+        # After all of ours: torch's CUDA-graph trees (reduce-overhead) and the graphs our engine
+        # records itself do not share a process safely once theirs have replayed (docs/gpu.md).
+        compiled = HfCompiledPeer(target.model, max(len(ids) for _, ids in encoded) + max_new_tokens)
+        if note:
+            note(f"hf-compiled peer: compiling the step (torch.compile mode={compiled.mode!r})")
+        compiled.warm_up(encoded[0][1])
+        report.hf_compiled = compiled.describe()
+        for row, (_, ids) in zip(report.prompts, encoded):
+            times = []
+            for _ in range(runs):
+                seconds, compiled_ids = timed(lambda: compiled.generate(ids, len(row.target_ids)),
+                                              target.device)
+                times.append(seconds)
+            row.hf_compiled_seconds = statistics.median(times)
+            row.hf_compiled_identical = compiled_ids == row.target_ids
     if engine.drafter is not None:     # again, with what it counted while drafting (lookup first)
         report.pair["drafter"] = engine.drafter.describe()
     if vllm_python:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 
@@ -307,6 +308,8 @@ class CapturedStep:
         device = runner.device
         self.inputs = torch.empty(host.shape, dtype=torch.long, device=device)
         self.inputs.copy_(host)
+        self.pinned = torch.empty(host.shape, dtype=torch.long, pin_memory=True)
+        self.copied = torch.cuda.Event()
         ids, positions, slots = self.inputs
 
         def step():
@@ -315,21 +318,76 @@ class CapturedStep:
         # Run once outside the graph first (compiles the layer for this shape if it has not
         # been, and lets cuBLAS and the allocator set up): capture may not allocate lazily. The
         # run is a real step on these inputs: recording only records, and the replay that
-        # follows writes the same keys and values again.
+        # follows writes the same keys and values again. Both on a side stream, as capture
+        # needs; capture_begin/end directly, not torch.cuda.graph(), whose gc.collect() and
+        # empty_cache() per recording cost more than the recording.
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
+        self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             step()
+            # thread_local: the server's other threads may touch CUDA while this one records.
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.outputs = step()
+            finally:
+                self.graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: the server's other threads may touch CUDA while this one records.
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.outputs = step()
 
     def __call__(self, host: torch.Tensor):
-        self.inputs.copy_(host.pin_memory(), non_blocking=True)
+        # Through a pinned buffer of its own (pinning a new tensor every step cost ~30 us); the
+        # event keeps the next call from overwriting it before this copy has left.
+        self.copied.synchronize()           # at once when never recorded
+        self.pinned.copy_(host)
+        self.inputs.copy_(self.pinned, non_blocking=True)
+        self.copied.record()
         self.graph.replay()
         return self.outputs
+
+
+class CacheShelf:
+    """One model's most recently released small cache, kept with the CUDA graphs recorded over it,
+    for the next batch that needs that shape. Every `generate()` is a batch of its own (the bench,
+    the gate, the CLI), and a fresh cache records fresh graphs: measured on an H100, recording at
+    every request was most of the loop's host time for SmolLM2 (docs/gpu.md). Only small caches
+    are kept (KEEP_ROWS rows, KEEP_POSITIONS positions: one-request batches) and only one, so
+    memory still follows live rows; a kept cache holds stale keys, which no row ever attends (a
+    row attends only the slots before its positions, all written by itself)."""
+
+    KEEP_ROWS = 2
+    KEEP_POSITIONS = 2 * INITIAL_POSITIONS
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._kept: tuple | None = None        # (shape, caches, graphs)
+
+    def take(self, shape: tuple) -> tuple | None:
+        with self._lock:
+            if self._kept is not None and self._kept[0] == shape:
+                kept, self._kept = self._kept, None
+                return kept[1], kept[2]
+        return None
+
+    def give(self, shape: tuple, caches, graphs) -> None:
+        if caches and shape[0] <= self.KEEP_ROWS and shape[2] <= self.KEEP_POSITIONS:
+            with self._lock:
+                self._kept = (shape, caches, graphs)
+
+
+class CacheLease:
+    """The cache a StaticKVModel holds, handed back to its model's shelf when the cache is
+    replaced (grown or shrunk) or its batch is gone (weakref.finalize)."""
+
+    def __init__(self, shelf: CacheShelf):
+        self.shelf = shelf
+        self.shape: tuple | None = None
+        self.caches: list = []
+        self.graphs: dict = {}
+
+    def release(self) -> None:
+        if self.shape is not None:
+            self.shelf.give(self.shape, self.caches, self.graphs)
+        self.shape, self.caches, self.graphs = None, [], {}
 
 
 class StaticLlama:
@@ -362,6 +420,7 @@ class StaticLlama:
         # The C layer reads raw pointers: every weight it is handed must be dense.
         self.dense = all(w.is_contiguous() for layer in model.model.layers
                          for w in self.layer_weights(layer))
+        self.shelf = CacheShelf()
 
     def layer_weights(self, layer):
         a, m = layer.self_attn, layer.mlp
@@ -581,6 +640,8 @@ class StaticKVModel:
         # why capture failed, if it did (the step then runs compiled, uncaptured).
         self.graphs: dict[tuple, CapturedStep] = {}
         self.recorded = {"graphs": 0, "seconds": 0.0}
+        self._lease = CacheLease(self.runner.shelf)
+        weakref.finalize(self, self._lease.release)
         self.capture_error: str | None = None
         self.captures_graphs = (self.fixed and self.compiled and self.device.type == "cuda"
                                 and cuda_graphs_wanted())
@@ -614,16 +675,23 @@ class StaticKVModel:
         # The old cache goes first where it need not be copied: peak memory stays one cache.
         if not self.caches or not self.lengths:
             self.caches = []
-        self.graphs.clear()          # recorded over the old tensors' addresses
-        new = [(torch.zeros(shape, dtype=r.dtype, device=self.device),
-                torch.zeros(shape, dtype=r.dtype, device=self.device)) for _ in range(r.layer_count)]
+            self._lease.release()
+        kept = r.shelf.take(shape)
+        if kept is not None:         # a released cache of this shape, with its graphs
+            new, graphs = kept
+        else:
+            new, graphs = [(torch.zeros(shape, dtype=r.dtype, device=self.device),
+                            torch.zeros(shape, dtype=r.dtype, device=self.device))
+                           for _ in range(r.layer_count)], {}
         if self.caches:
             old_rows, old_pos = self.capacity
             keep_rows, keep_pos = min(old_rows, rows), min(old_pos, positions)
             for (nk, nv), (ok, ov) in zip(new, self.caches):
                 nk[:keep_rows, :, :keep_pos] = ok[:keep_rows, :, :keep_pos]
                 nv[:keep_rows, :, :keep_pos] = ov[:keep_rows, :, :keep_pos]
-        self.caches = new
+            self._lease.release()
+        self.caches, self.graphs = new, graphs
+        self._lease.shape, self._lease.caches, self._lease.graphs = shape, new, graphs
 
     def _reserve(self, rows: int, positions: int) -> None:
         have_rows, have_pos = self.capacity

@@ -322,3 +322,43 @@ def test_the_cost_model_times_the_step_a_batch_runs(tiny_tokenizer):
     engine.kv_model = recording
     measure_step_costs(engine, engine.encode("def foo(x):\n    return"), [1, 2, 4], repeats=1)
     assert made and all(entry == (True, W, True) for entry in made), made
+
+
+def test_a_released_small_cache_is_taken_by_the_next_batch_and_gives_the_same_logits(tiny_tokenizer):
+    """One-request batches (generate(), the bench, the gate) reuse their model's last small cache
+    and the CUDA graphs recorded over it (static_cache.CacheShelf); its stale keys are never
+    attended, so a reused cache's logits equal a fresh one's bitwise; a large cache is not kept."""
+    import gc
+
+    from tiny_models import make_model
+
+    model = make_model(tiny_tokenizer, seed=8, dtype=torch.bfloat16).model.eval()
+    static_cache.StaticLlama._by_model.pop(model, None)
+    first = StaticKVModel(model, token_bucket=W, fixed=True)
+    first.add_rows(1)
+    first.extend([[9, 8, 7, 6, 5, 4]])
+    first.extend([[3, 2]], last=2)
+    kept = [t.data_ptr() for t in first.caches[0]]
+    del first
+    gc.collect()
+    second = StaticKVModel(model, token_bucket=W, fixed=True)
+    assert [t.data_ptr() for t in second.caches[0]] == kept       # taken from the shelf
+    fresh = StaticKVModel(model, token_bucket=W, fixed=True)
+    assert [t.data_ptr() for t in fresh.caches[0]] != kept       # the one kept is in use
+    for kv in (second, fresh):
+        kv.add_rows(1)
+    assert torch.equal(second.extend([[5, 6, 7]], last=3), fresh.extend([[5, 6, 7]], last=3))
+    assert torch.equal(second.extend([[11, 12]], last=2), fresh.extend([[11, 12]], last=2))
+    big = StaticKVModel(model, token_bucket=W, fixed=True)
+    big.add_rows(1)
+    big.extend([[5] * 600])                                     # 1,024 positions: not kept
+    assert big.capacity[1] > static_cache.CacheShelf.KEEP_POSITIONS
+    del big
+    gc.collect()
+    # Kept: big's first cache, released when it grew; its 1,024-position one was refused.
+    assert _shelved_shape(model)[2] == static_cache.INITIAL_POSITIONS
+
+
+def _shelved_shape(model):
+    kept = static_cache.StaticLlama.of(model).shelf._kept
+    return None if kept is None else kept[0]

@@ -80,7 +80,7 @@ def test_replayed_graphs_equal_the_compiled_step_over_a_generation(tiny_tokenize
 def test_greedy_speculation_equals_target_only_bitwise_under_graphs(tiny_tokenizer):
     target = _cuda_model(tiny_tokenizer, seed=1)
     config = SpeculationConfig(k=3, k_max=3, fallback_threshold=0, batch_size_threshold=4)
-    engine = SpeculativeEngine(target, drafter=NgramDrafter(), speculation=config)
+    engine = SpeculativeEngine(target, drafter=NgramDrafter(device="cuda"), speculation=config)
     assert engine.describe_step()["compiled"]
     prompts = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "import json\n\nimport json",
                "for i in range(10):\n    print(i)\nfor i in range(10):"]
