@@ -21,7 +21,7 @@ from cluster_env import register_standin_image  # noqa: E402
 from cluster_env import operator_env as operator_env_for  # noqa: E402
 
 
-from mlflow_server import MlflowServer, free_port  # noqa: E402,F401  (tests/ is on sys.path; test modules import both from here)
+from mlflow_server import MlflowServer, free_port  # noqa: E402  (tests/ is on sys.path)
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ import kopf
 import pytest
 from mlflow import MlflowClient
 
-from conftest import free_port
+from mlflow_server import free_port
 from cluster_env import CHART as CHART_DIR
 from cluster_env import HERE, OPERATOR_NAMESPACE, RELEASE, REPLACE, helm, model_name, pair, serving, wait_until
 from specpair_operator import leadership

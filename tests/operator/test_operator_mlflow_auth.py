@@ -18,7 +18,7 @@ from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
 from cluster_env import OPERATOR, cond, engine_pods, model_name, pair, serving
-from conftest import MlflowServer  # noqa: E402 - tests/operator is on sys.path
+from mlflow_server import MlflowServer  # tests/ is on sys.path (tests/conftest.py)
 
 ADMIN = ("admin", "admin-pw-" + uuid.uuid4().hex[:8])
 TEAM = ("team", "team-pw-" + uuid.uuid4().hex[:8])
