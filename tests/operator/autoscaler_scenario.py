@@ -134,7 +134,9 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
                         lambda: ns.pair(name)["spec"]["rollout"]["replicas"] == 2, timeout=60)
             ns.wait_for("the engine Deployment at 2",
                         lambda: ns.get("apps/v1", "Deployment", child)["spec"]["replicas"] == 2, timeout=60)
-            assert any("scaled from 1 to 2 replicas" in m for m in _messages(ns, "Scaled"))
+            # Kopf posts Events from a queue of its own, after the patch it reports.
+            ns.wait_for("the Scaled Event", lambda: any("scaled from 1 to 2 replicas" in m
+                                                       for m in _messages(ns, "Scaled")), timeout=30)
             after = ns.wait_for("still serving v1", lambda: serving(ns, name, "1"), timeout=60)
             assert after["status"]["history"] == before["status"]["history"]
             assert after["status"]["contentHash"] == before["status"]["contentHash"]
