@@ -20,11 +20,13 @@ SPECPAIR_KEDA_BIN="$(bash scripts/build-keda.sh)"
 export SPECPAIR_KEDA_BIN
 VENV="${SPECPAIR_VENV:-.venv}"
 export PATH="$PWD/.tools/bin:$PATH"
-# Two workers (SPECPAIR_TEST_WORKERS): most tests wait on servers, so two use the two cores; a
-# file's tests stay on one worker (--dist loadfile), so module fixtures are built once. Each
-# worker starts its own control plane; their pod networks and ports never collide. Files are
-# handed out in the order tests/conftest.py collects them, longest first
-# (--no-loadscope-reorder: xdist's own order, most tests first, left the one-test files that
-# take minutes for the end).
+# Three workers on the two cores (SPECPAIR_TEST_WORKERS): the long end-to-end files mostly wait
+# on pods, gates and the operator's passes (test_operator_gate_retry.py alone: 64 CPU-s in 137 s,
+# test_operator_e2e.py: 145 CPU-s in 229 s, pods and servers included), so two such files side
+# by side kept about one of the two cores busy. A file's tests stay on one worker (--dist
+# loadfile), so module fixtures are built once. Each worker starts its own control plane; their
+# pod networks and ports never collide. Files are handed out in the order tests/conftest.py
+# collects them, longest first (--no-loadscope-reorder: xdist's own order, most tests first,
+# left the one-test files that take minutes for the end).
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 \
-  -n "${SPECPAIR_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+  -n "${SPECPAIR_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
