@@ -26,7 +26,7 @@ but neither fail nor count as a life's first write (e.g. `kube.merge_patch specm
 status writes of a canary's judgement: its evidence is the operator's memory, which a kill after
 every pass's status would never let grow).
 
-Each write is appended to SPECPAIR_FAILPOINT_LOG as one JSON line: {"write", "pid", "failed"}.
+Each write is appended to SPECPAIR_FAILPOINT_LOG as one JSON line: {"write", "pid", "at", "failed"}.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import functools
 import json
 import os
 import threading
+import time
 from typing import Any
 
 from mlflow import MlflowClient
@@ -42,9 +43,7 @@ from mlflow import MlflowClient
 from specpair_operator import handlers  # noqa: F401 - registers the operator's handlers with Kopf
 from specpair_operator.kube import Kube, KubeError
 
-MODE = os.environ.get("SPECPAIR_FAILPOINT", "")
-LOG = os.environ.get("SPECPAIR_FAILPOINT_LOG", "")
-SPARE = tuple(p for p in os.environ.get("SPECPAIR_FAILPOINT_SPARE", "").split(",") if p)
+MODE, LOG, SPARE = "", "", ()
 MLFLOW_WRITES = ("create_registered_model", "set_registered_model_tag", "create_experiment", "create_run",
                  "log_artifact", "set_terminated", "create_model_version", "set_model_version_tag",
                  "set_registered_model_alias", "delete_registered_model_alias", "delete_model_version_tag")
@@ -53,6 +52,18 @@ KUBE_WRITES = ("create", "merge_patch", "json_patch", "delete")
 _lock = threading.Lock()
 _writes = 0
 _lost: set[str] = set()
+
+
+def configure() -> None:
+    """The mode, log and spared writes from the environment, no write counted yet: at import,
+    and again in each operator forked from a process that imported this module
+    (failing_operator.py)."""
+    global MODE, LOG, SPARE, _writes
+    MODE = os.environ.get("SPECPAIR_FAILPOINT", "")
+    LOG = os.environ.get("SPECPAIR_FAILPOINT_LOG", "")
+    SPARE = tuple(p for p in os.environ.get("SPECPAIR_FAILPOINT_SPARE", "").split(",") if p)
+    _writes = 0
+    _lost.clear()
 
 
 def _describe(name: str, args: tuple[Any, ...]) -> str:
@@ -81,8 +92,8 @@ def _after_write(name: str, args: tuple[Any, ...]) -> bool:
                                 (MODE.startswith("crash-after:") and what.startswith(MODE.split(":", 1)[1])))
         if LOG:
             with open(LOG, "a") as f:
-                f.write(json.dumps({"write": what, "pid": os.getpid(), "failed": "crash" if crash else
-                                    "reply lost" if lose else ""}) + "\n")
+                f.write(json.dumps({"write": what, "pid": os.getpid(), "at": round(time.time(), 3),
+                                    "failed": "crash" if crash else "reply lost" if lose else ""}) + "\n")
     if crash:
         os._exit(137)
     return lose
@@ -114,8 +125,8 @@ def _wrap_kube(name: str) -> None:
     setattr(Kube, name, write)
 
 
-if MODE:
-    for _name in MLFLOW_WRITES:
-        _wrap_mlflow(_name)
-    for _name in KUBE_WRITES:
-        _wrap_kube(_name)
+configure()
+for _name in MLFLOW_WRITES:   # with no mode, a wrapper only passes the call on
+    _wrap_mlflow(_name)
+for _name in KUBE_WRITES:
+    _wrap_kube(_name)

@@ -59,7 +59,7 @@ class Traffic:
         self.answered = 0
         self.failed: list[str] = []
 
-    def __call__(self, n: int = 8) -> None:
+    def __call__(self, n: int = 2) -> None:
         addresses = service_endpoints(self.ns, self.name)
         for _ in range(n if addresses else 0):
             turn = next(_turn)
@@ -123,11 +123,10 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
     traffic, seen = Traffic(ns, name), set()
 
     def promoted() -> bool:
-        traffic()
         seen.add((len(service_endpoints(ns, name)), canary_replicas(ns, name)))
         return bool(serving(ns, name, "2")) and canary_replicas(ns, name) == 0 \
             and (ns.pair(name)["status"].get("canary") or {}).get("phase") == "Promoted"
-    kills = operator.crash_until(promoted, timeout=300)
+    kills = operator.crash_until(promoted, timeout=300, during=traffic)
     crashed = operator.crashed_writes(since)
     for write in ("mlflow.set_model_version_tag specpair.canary", "mlflow.set_model_version_tag specpair.promoted_at",
                   "mlflow.set_registered_model_alias champion", "kube.merge_patch deployments"):
@@ -168,11 +167,10 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
     traffic, seen = Traffic(ns, name), set()
 
     def aborted() -> bool:
-        traffic()
         seen.add((len(service_endpoints(ns, name)), canary_replicas(ns, name)))
         return canary_replicas(ns, name) == 0 and set(service_endpoints(ns, name)) == v2_pods \
             and bool(canary_entry(ns, name, "3", "Aborted"))
-    kills += operator.crash_until(aborted, timeout=300)
+    kills += operator.crash_until(aborted, timeout=300, during=traffic)
     crashed = operator.crashed_writes(since)
     assert "mlflow.set_model_version_tag specpair.canary" in crashed and "kube.merge_patch deployments" in crashed, \
         crashed

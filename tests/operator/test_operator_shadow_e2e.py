@@ -57,7 +57,7 @@ class Traffic:
         self.answered = 0
         self.failed: list[str] = []
 
-    def __call__(self, n: int = 4) -> None:
+    def __call__(self, n: int = 1) -> None:
         address = ready_address(self.ns)
         if address is None:
             return
@@ -113,11 +113,10 @@ def test_a_better_draft_is_promoted_by_shadow_scoring_and_a_worse_one_rejected_k
     since = len(operator.writes())
 
     def promoted() -> bool:
-        traffic()
         obj = ns.pair(name)
         seen.add((cond(obj, "ShadowScored").get("reason"), shadowed_by(ns, name)))
         return bool(serving(ns, name, "2")) and shadowed_by(ns, name) is None
-    kills = operator.crash_until(promoted, timeout=300)
+    kills = operator.crash_until(promoted, timeout=300, during=traffic)
     crashed = operator.crashed_writes(since)
     for write in ("kube.merge_patch deployments", "mlflow.set_model_version_tag specpair.shadow.verdict",
                   "mlflow.set_model_version_tag specpair.promoted_at", "mlflow.set_registered_model_alias champion"):
@@ -151,11 +150,10 @@ def test_a_better_draft_is_promoted_by_shadow_scoring_and_a_worse_one_rejected_k
     since = len(operator.writes())
 
     def rejected() -> bool:
-        traffic()
         obj = ns.pair(name)
         return cond(obj, "ShadowScored").get("reason") == "Rejected" and shadowed_by(ns, name) is None \
             and cond(obj, "Stalled").get("reason") == "ReleaseNotServable"
-    kills += operator.crash_until(rejected, timeout=300)
+    kills += operator.crash_until(rejected, timeout=300, during=traffic)
     crashed = operator.crashed_writes(since)
     assert "mlflow.set_model_version_tag specpair.shadow.verdict" in crashed and MARK not in crashed, crashed
     obj = ns.pair(name)
