@@ -1,5 +1,5 @@
-"""The real operator with failpoints on its writes, run by `kopf run -m failpoints` in a child
-process (test_operator_convergence.py).
+"""The real operator with failpoints on its writes, run by `kopf run -m failpoints` in a process
+of its own (failing_operator.py forks one per life; test_operator_leadership.py starts them).
 
 Every write the operator makes goes through two adapters: MlflowClient (registry.py) and the
 Kubernetes client (kube.py: create, merge_patch, json_patch, delete; dry runs write nothing and
