@@ -253,3 +253,37 @@ def test_bad_candidates_are_refused(models, tmp_path):
     with pytest.raises(SpecpairError, match="share must be in"):
         ShadowScorer(NgramDrafter(), candidate(), share=1.5)
     assert getattr(engine, "shadow", None) is None
+
+
+@pytest.mark.slow
+def test_on_smollm2_the_shadow_scores_ngram_beside_a_tiny_head_as_it_would_serve():
+    """The real SmolLM2-135M serving with a tiny untrained Medusa head, n-gram lookup scored in
+    shadow: on greedy requests the output is target-only's, and the shadow's chain and
+    first-position counts equal what n-gram measures serving the same requests itself. (Sampled
+    requests are scored at the champion's round starts, not the candidate's: on this model's text
+    that measured 0.64 against 0.39 served, docs/shadow.md.)"""
+    from head_builders import medusa_heads
+
+    from specpair.models import load_model
+
+    target = load_model("default", device="cpu")
+    prompts = ["List the colours red, green, blue, red, green, blue, red, green,",
+               "def area(w, h):\n    return w * h\n\ndef area(w, h):",
+               "Copy: the cat sat on the mat; the cat sat on the mat; the cat",
+               "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,"]
+    greedy = [(0, p, GenerationParams(max_new_tokens=24, category=f"g{i}")) for i, p in enumerate(prompts)]
+    champion = SpeculativeEngine(target, draft=medusa_heads(target, heads=2),
+                                 speculation=SpeculationConfig(k=2, fallback_threshold=0))
+    alone = run(SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False)), greedy)
+    scorer = shadowed(champion, NgramDrafter())
+    served_champion = run(champion, greedy)
+    served = served_by_candidate(target, NgramDrafter, greedy)
+    scores = scorer.snapshot()
+    for category, seq in served.items():
+        assert served_champion[category].generated == alone[category].generated == seq.generated
+        s = scores[category]
+        assert (s.candidate_chain.drafted, s.candidate_chain.accepted) == \
+            (seq.stats.num_draft_tokens, seq.stats.num_accepted_tokens), category
+        first = seq.stats.num_accepted_tokens_per_pos[0] if seq.stats.num_drafts else 0
+        assert (s.candidate_alpha.drafted, s.candidate_alpha.accepted) == (seq.stats.num_drafts, first)
+    assert sum(s.candidate_chain.accepted for s in scores.values()) > 0
