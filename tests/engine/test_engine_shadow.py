@@ -165,14 +165,20 @@ def test_sampled_alpha_matches_the_candidate_serving(models):
     run_batches(engine, sampled)
     served = run_batches(SpeculativeEngine(target, drafter=ModelDrafter(other, vocab_size=engine.vocab_size),
                                            speculation=CANDIDATE), sampled)
+    # Served: a Bernoulli mean over its rounds' first positions; shadow: a mean of exact
+    # expectations (variance at most the same).
+    assert_sampled_alpha_agrees(served, scorer, "sampled alpha")
+
+
+def assert_sampled_alpha_agrees(served, scorer, label: str) -> None:
+    """The shadow's first-position alpha of category "s" within 4 standard errors of their
+    difference of what the candidate measured serving the same requests (`served`)."""
     rounds = sum(s.stats.num_drafts for s in served)
     hits = sum(s.stats.num_accepted_tokens_per_pos[0] for s in served if s.stats.num_drafts)
     shadow = scorer.snapshot()["s"].candidate_alpha
     alpha_served, alpha_shadow = hits / rounds, shadow.accepted / shadow.drafted
-    # Served: a Bernoulli mean over `rounds` first positions; shadow: a mean of exact
-    # expectations (variance at most the same). 4 standard errors of their difference.
     se = math.sqrt(alpha_served * (1 - alpha_served) * (1 / rounds + 1 / shadow.drafted))
-    print(f"\nsampled alpha: shadow {alpha_shadow:.4f} over {shadow.drafted} positions, served "
+    print(f"\n{label}: shadow {alpha_shadow:.4f} over {shadow.drafted} positions, served "
           f"{alpha_served:.4f} over {rounds} rounds, tolerance {4 * se:.4f}")
     assert 0.05 < alpha_served < 0.95
     assert abs(alpha_shadow - alpha_served) < 4 * se
@@ -293,14 +299,5 @@ def test_on_smollm2_the_shadow_scores_ngram_beside_a_tiny_head_as_it_would_serve
     scorer = shadowed(champion, NgramDrafter())
     run_batches(champion, sampled)
     served = run_batches(SpeculativeEngine(target, drafter=NgramDrafter(), speculation=CANDIDATE), sampled)
-    rounds = sum(s.stats.num_drafts for s in served)
-    hits = sum(s.stats.num_accepted_tokens_per_pos[0] for s in served if s.stats.num_drafts)
-    shadow = scorer.snapshot()["s"].candidate_alpha
-    alpha_served, alpha_shadow = hits / rounds, shadow.accepted / shadow.drafted
-    # Both Bernoulli means (the replay counts hits, as serving does): 4 standard errors of their
-    # difference.
-    se = math.sqrt(alpha_served * (1 - alpha_served) * (1 / rounds + 1 / shadow.drafted))
-    print(f"\nSmolLM2 sampled n-gram alpha: shadow {alpha_shadow:.4f} over {shadow.drafted} rounds, "
-          f"served {alpha_served:.4f} over {rounds} rounds, tolerance {4 * se:.4f}")
-    assert 0.05 < alpha_served < 0.95
-    assert abs(alpha_shadow - alpha_served) < 4 * se
+    # Both Bernoulli means (the replay counts hits, as serving does).
+    assert_sampled_alpha_agrees(served, scorer, "SmolLM2 sampled n-gram alpha")
