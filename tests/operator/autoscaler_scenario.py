@@ -126,7 +126,7 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
             template = ns.get("apps/v1", "Deployment", child)["metadata"]["annotations"]["specpair.io/template-hash"]
             set_spec(ns, name, {"rollout": {"autoscaling": {"maxReplicas": 4}}})
             ns.wait_for("the HPA updated", lambda: (get_autoscaler(ns, HPA, child) or {}).get("spec", {}).get("maxReplicas") == 4)
-            assert any("1 to 4 replicas" in m for m in _messages(ns, "AutoscalerUpdated"))
+            ns.wait_for_event("AutoscalerUpdated", "1 to 4 replicas")
             # The real HPA controller scales the pair through its scale subresource (a minimum above
             # the pair's replicas needs no metric); the operator scales the engine Deployment to it.
             set_spec(ns, name, {"rollout": {"autoscaling": {"minReplicas": 2}}})
@@ -134,9 +134,7 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
                         lambda: ns.pair(name)["spec"]["rollout"]["replicas"] == 2, timeout=60)
             ns.wait_for("the engine Deployment at 2",
                         lambda: ns.get("apps/v1", "Deployment", child)["spec"]["replicas"] == 2, timeout=60)
-            # Kopf posts Events from a queue of its own, after the patch it reports.
-            ns.wait_for("the Scaled Event", lambda: any("scaled from 1 to 2 replicas" in m
-                                                       for m in _messages(ns, "Scaled")), timeout=30)
+            ns.wait_for_event("Scaled", "scaled from 1 to 2 replicas")
             after = ns.wait_for("still serving v1", lambda: serving(ns, name, "1"), timeout=60)
             assert after["status"]["history"] == before["status"]["history"]
             assert after["status"]["contentHash"] == before["status"]["contentHash"]
@@ -163,7 +161,7 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
             assert so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"] == \
                 {"stabilizationWindowSeconds": 5}
             assert so["spec"]["triggers"][0]["metadata"]["serverAddress"] == PROMETHEUS
-            assert any("replaced by a ScaledObject" in m for m in _messages(ns, "AutoscalerRemoved"))
+            ns.wait_for_event("AutoscalerRemoved", "replaced by a ScaledObject")
             ns.wait_for("Autoscaled by the ScaledObject",
                         lambda: cond(ns.pair(name), "Autoscaled").get("reason") == "ScaledObject")
 
@@ -175,7 +173,7 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
             set_spec(ns, name, {"rollout": {"autoscaling": None}})
             ns.wait_for("the ScaledObject deleted", lambda: get_autoscaler(ns, SO, child) is None)
             ns.wait_for("no Autoscaled condition", lambda: not cond(ns.pair(name), "Autoscaled"))
-            assert any("autoscaling removed from the spec" in m for m in _messages(ns, "AutoscalerRemoved"))
+            ns.wait_for_event("AutoscalerRemoved", "autoscaling removed from the spec")
             assert serving(ns, name, "1")["status"]["history"] == before["status"]["history"]
         assert runner.exception is None
     finally:

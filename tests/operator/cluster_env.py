@@ -97,6 +97,15 @@ class Namespace:
     def events(self, reason: str | None = None) -> list[dict[str, Any]]:
         return [e for e in self.list("v1", "Event") if reason is None or e.get("reason") == reason]
 
+    def wait_for_event(self, reason: str, text: str = "", timeout: float = 30.0) -> list[str]:
+        """The messages of this reason's Events once one says `text`. Kopf posts Events from a
+        queue of its own, after the write they report, so an Event can land after the object it
+        tells of is already visible: asserting on it at once is a race."""
+        def said() -> list[str] | None:
+            messages = [e.get("message", "") for e in self.events(reason)]
+            return messages if any(text in m for m in messages) else None
+        return self.wait_for(f"a {reason} Event saying {text!r}", said, timeout=timeout)
+
     def wait_for(self, what: str, predicate: Callable[[], Any], timeout: float = 90.0) -> Any:
         return wait_until(what, predicate, timeout, show=lambda: {
             "pairs": [o.get("status") for o in self.list("specpair.io/v1alpha1", "SpecModelPair")],

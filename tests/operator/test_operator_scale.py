@@ -40,7 +40,7 @@ def test_kubectl_scale_scales_the_engine_and_nothing_else(env, devcluster, mlflo
         got = ns.wait_for("scale status at 2", lambda: (s := scale())["status"].get("replicas") == 2 and s)
         assert got["kind"] == "Scale" and got["spec"]["replicas"] == 2
         assert got["status"]["selector"] == f"specpair.io/pair={name},specpair.io/role=engine"
-        assert any("scaled from 1 to 2 replicas" in e.get("message", "") for e in ns.events("Scaled"))
+        ns.wait_for_event("Scaled", "scaled from 1 to 2 replicas")
 
         after = ns.wait_for("still serving v1", lambda: serving(ns, name, "1"), timeout=60)
         assert [h["action"] for h in after["status"]["history"]] == history
