@@ -20,7 +20,7 @@ from .engine_probe import EngineUnreachable
 from .kube import Kube, KubeError
 from .owned import owns
 from .plan import release_of_tags
-from .registry import TAG_ROLLED_BACK, ReleaseRegistry
+from .registry import TAG_ROLLED_BACK, PassRegistry
 from .shadow_run import ShadowRun
 from .serving_world import DriftMemory, EnginePod, EngineTLS, Installation, ServingWorld, ready_pods
 from .state import CA_REFRESH_S, OperatorState, control_ca
@@ -64,7 +64,7 @@ async def observe_fetch(kube: Kube, pair: str, namespace: str, release: Mapping[
     return model_fetch.fetch_state(job, pods)
 
 
-async def observe_release(kube: Kube, registry: ReleaseRegistry, body: Mapping[str, Any], status: Mapping[str, Any],
+async def observe_release(kube: Kube, registry: PassRegistry, body: Mapping[str, Any], status: Mapping[str, Any],
                           model: str, version: str, digest: str, thresholds: Mapping[str, Any],
                           release: Mapping[str, Any] | None = None) -> ReleaseWorld:
     meta = body["metadata"]
@@ -114,7 +114,7 @@ async def observe_release(kube: Kube, registry: ReleaseRegistry, body: Mapping[s
 
 # -- the champion's serving -----------------------------------------------------------------------
 
-async def observe_serving(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str, Any],
+async def observe_serving(op: OperatorState, registry: PassRegistry, body: Mapping[str, Any], spec: Mapping[str, Any],
                           status: Mapping[str, Any], model: str, aliases: Mapping[str, str], desired: str | None,
                           desired_reason: str = "", while_gating: bool = False,
                           shadow: ShadowRun | None = None, canary: Any = None) -> ServingWorld:
@@ -127,11 +127,11 @@ async def observe_serving(op: OperatorState, body: Mapping[str, Any], spec: Mapp
     champion = aliases.get(aliases_mod.CHAMPION)
     if champion is None:
         return w
-    tags = await asyncio.to_thread(op.registry.version_tags, model, champion)
+    tags = await asyncio.to_thread(registry.version_tags, model, champion)
     w = replace(w, tags=dict(tags))
     if tags.get(TAG_ROLLED_BACK):
         return w
-    _, verdict, _ = await asyncio.to_thread(op.registry.gate_result, model, champion)
+    _, verdict, _ = await asyncio.to_thread(registry.gate_result, model, champion)
     # A champion's verdict edited in MLflow after its promotion serves with the spec's speculation
     # and no gated numbers, rather than with whatever the tag now says.
     w = replace(w, verdict=gate_verdict.usable_verdict(verdict))
@@ -141,7 +141,7 @@ async def observe_serving(op: OperatorState, body: Mapping[str, Any], spec: Mapp
     legacy = names.legacy_object_name(w.pair, "engine")
     if legacy != manifests.engine_name(w.pair):
         w = replace(w, legacy_deployment=await op.kube.get("apps/v1", "deployments", w.namespace, legacy))
-    return await _observe_pods(op, w, champion)
+    return await _observe_pods(op, registry, w, champion)
 
 
 async def observe_watch(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str, Any],
@@ -156,7 +156,7 @@ async def observe_watch(op: OperatorState, body: Mapping[str, Any], spec: Mappin
     w = replace(w, registry_down=True, tags=dict(tags), verdict=dict(verdict), served_hash=served_hash,
                 pods=tuple(p for p in await op.kube.list("v1", "pods", w.namespace, serving_plan.engine_selector(w.pair))
                            if not canary_mod.is_canary_pod(p)))
-    return await _observe_pods(op, w, champion)
+    return await _observe_pods(op, op.registry.for_pass(), w, champion)
 
 
 def _serving_world(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str, Any], status: Mapping[str, Any],
@@ -234,7 +234,7 @@ async def _secret_missing(op: OperatorState, uid: str, ref: dict[str, Any]) -> b
     return True
 
 
-async def _observe_pods(op: OperatorState, w: ServingWorld, champion: str) -> ServingWorld:
+async def _observe_pods(op: OperatorState, registry: PassRegistry, w: ServingWorld, champion: str) -> ServingWorld:
     """Who each ready pod says it is (up to the first that does not answer); then, when they
     are the champion's and a drift check is due, their counters (likewise), and the release a
     rollback would go to when the ladder's next step is one."""
@@ -266,8 +266,8 @@ async def _observe_pods(op: OperatorState, w: ServingWorld, champion: str) -> Se
     w = replace(w, ready=tuple(counted) + w.ready[len(counted):])
     if serving_plan.rollback_needs_previous(w, champion):
         target = w.aliases[aliases_mod.PREVIOUS]
-        _, previous_verdict, _ = await asyncio.to_thread(op.registry.gate_result, w.model, target)
-        previous_tags = await asyncio.to_thread(op.registry.version_tags, w.model, target)
+        _, previous_verdict, _ = await asyncio.to_thread(registry.gate_result, w.model, target)
+        previous_tags = await asyncio.to_thread(registry.version_tags, w.model, target)
         w = replace(w, drift=replace(w.drift, previous_verdict=previous_verdict, previous_tags=dict(previous_tags)))
     if w.canary_run is not None:
         w = await _observe_canary(w, probe, server)

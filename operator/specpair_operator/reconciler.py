@@ -12,6 +12,7 @@ Events, never spec.
 from __future__ import annotations
 
 import asyncio
+import functools
 import copy
 import json
 import logging
@@ -35,7 +36,7 @@ from .ledger import StatusLedger
 from .observe import observe_release, observe_serving, observe_watch
 from .owned import ensure_owned
 from .plan import TAG_RELEASE
-from .registry import ModelClaimed, RegistryUnavailable, ReleaseRegistry
+from .registry import ModelClaimed, PassRegistry, RegistryUnavailable
 from .serving_world import ServingWorld
 from .state import STATE, control_ca
 
@@ -71,6 +72,11 @@ class PairReconciler:
 
     def credentials(self) -> manifests.MlflowCredentials | None:
         return manifests.MlflowCredentials.for_pair(self.spec.get("mlflow"), self.operator.credentials)
+
+    @functools.cached_property
+    def reads(self) -> PassRegistry:
+        """This pass's view of the registry (each alias set and version's tags read once)."""
+        return self.operator.registry.for_pass()
 
     async def registry(self, fn: Any, *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
@@ -162,7 +168,7 @@ class PairReconciler:
         rel = release_mod.build_release(self.name, self.namespace, self.spec, prompts)
         digest = release_mod.content_hash(rel)
         model = release_mod.effective_model_name(self.name, self.namespace, self.spec)
-        reg = self.operator.registry
+        reg = self.reads
         self.ledger.set(modelName=model)
         try:
             await self.registry(reg.ensure_model, model, f"{self.namespace}/{self.name}", self.uid)
@@ -178,7 +184,7 @@ class PairReconciler:
     async def _act(self, model: str, rel: dict[str, Any], digest: str, steps: tuple[plan_mod.Step, ...]) -> None:
         """Run the planned steps in their order: the writes, what goes into the status, then the
         champion's serving."""
-        reg, kube = self.operator.registry, self.operator.kube
+        reg, kube = self.reads, self.operator.kube
         for step in steps:
             if isinstance(step, plan_mod.SetAlias):
                 await self.registry(reg.set_alias, model, step.alias, step.version)
@@ -254,7 +260,7 @@ class PairReconciler:
                                              self.rollout, self.operator.gate_tracking_uri, self.credentials(),
                                              self.operator.pods)
 
-    def _ensure_release(self, reg: ReleaseRegistry, model: str, rel: dict[str, Any], digest: str) -> str:
+    def _ensure_release(self, reg: PassRegistry, model: str, rel: dict[str, Any], digest: str) -> str:
         version = reg.ensure_release(model, rel, digest)
         # The full release JSON rides along as a tag so a rollback can rebuild the Deployment
         # of any version without the spec that made it.
@@ -270,14 +276,14 @@ class PairReconciler:
                               while_gating: bool = False, shadow: Any = None, canary: Any = None) -> None:
         """Roll the engine to the champion and judge it: observed (observe.observe_serving),
         planned (serving_plan.plan_serving, pure) and acted on."""
-        world = await observe_serving(self.operator, self.body, self.spec, self.status, model, al, desired,
-                                      desired_reason, while_gating, shadow, canary)
+        world = await observe_serving(self.operator, self.reads, self.body, self.spec, self.status, model, al,
+                                      desired, desired_reason, while_gating, shadow, canary)
         await self._act_serving(world, serving_plan.plan_serving(world))
 
     async def _act_serving(self, world: ServingWorld, steps: tuple[serving_plan.Step, ...]) -> None:
         """Run the serving steps in their order; a name taken since the pass looked ends the pass
         with NameConflict."""
-        op, reg, kube, ledger = self.operator, self.operator.registry, self.operator.kube, self.ledger
+        op, reg, kube, ledger = self.operator, self.reads, self.operator.kube, self.ledger
         probe = op.vllm_probe if serving_plan.kind_of(world) == "vllm" else op.probe
         server = tls_mod.server_name(manifests.engine_name(self.name), self.namespace)
         stuck: list[str] = []  # pods that did not follow a ReconcilePodSpeculation

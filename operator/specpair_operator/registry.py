@@ -80,11 +80,12 @@ class ReleaseRegistry:
 
     # -- registered model and versions ---------------------------------------------------
 
-    def ensure_model(self, model_name: str, pair_ref: str, pair_uid: str = "") -> None:
-        """The pair's registered model, created and owned by it. A model is owned by one pair
-        (NAMESPACE/NAME, whatever its uid: a pair deleted and made again takes its model back);
-        another pair naming it gets ModelClaimed, so two pairs never move one model's aliases."""
-        def check(model: Any) -> None:
+    def ensure_model(self, model_name: str, pair_ref: str, pair_uid: str = "") -> Any:
+        """The pair's registered model, created and owned by it, as MLflow returned it (its
+        aliases with it). A model is owned by one pair (NAMESPACE/NAME, whatever its uid: a pair
+        deleted and made again takes its model back); another pair naming it gets ModelClaimed,
+        so two pairs never move one model's aliases."""
+        def check(model: Any) -> Any:
             owner = (model.tags or {}).get(TAG_OWNER)
             if owner != pair_ref:
                 raise ModelClaimed(
@@ -92,23 +93,24 @@ class ReleaseRegistry:
                     f"registered model {model_name!r} exists and was not made by specpair")
             if pair_uid and (model.tags or {}).get(TAG_OWNER_UID) != pair_uid:
                 self.client.set_registered_model_tag(model_name, TAG_OWNER_UID, pair_uid)
+            return model
 
-        def run() -> None:
+        def run() -> Any:
             try:
-                check(self.client.get_registered_model(model_name))
+                return check(self.client.get_registered_model(model_name))
             except RestException as exc:
                 if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
                 try:
-                    self.client.create_registered_model(
+                    return self.client.create_registered_model(
                         model_name, tags={TAG_OWNER: pair_ref, TAG_OWNER_UID: pair_uid},
                         description=f"Speculative-decoding releases of SpecModelPair `{pair_ref}`. "
                                     "Aliases: candidate (being gated), champion (serving), previous (rollback target).")
                 except RestException as exc2:
                     if exc2.error_code != "RESOURCE_ALREADY_EXISTS":
                         raise
-                    check(self.client.get_registered_model(model_name))  # someone else won the race
-        self._call(run)
+                    return check(self.client.get_registered_model(model_name))  # someone else won the race
+        return self._call(run)
 
     def _find(self, model_name: str, digest: str) -> Any | None:
         found = self.client.search_model_versions(f"name='{model_name}' and tags.`{TAG_HASH}`='{digest}'")
@@ -192,14 +194,10 @@ class ReleaseRegistry:
 
     def gate_result(self, model_name: str, version: str) -> tuple[str, dict[str, Any] | None, str]:
         """(status, verdict or None, message) as the gate runner recorded them on the version."""
-        tags = self.version_tags(model_name, version)
-        verdict = None
-        if tags.get(TAG_GATE_VERDICT):
-            try:
-                verdict = json.loads(tags[TAG_GATE_VERDICT])
-            except (ValueError, RecursionError):  # not JSON, or nested deeper than a verdict is
-                verdict = None
-        return tags.get(TAG_GATE_STATUS, "pending"), verdict, tags.get(TAG_GATE_MESSAGE, "")
+        return gate_result_of(self.version_tags(model_name, version))
+
+    def for_pass(self) -> "PassRegistry":
+        return PassRegistry(self)
 
     def record_gate(self, model_name: str, version: str, verdict: dict[str, Any],
                     extra_artifacts: list[str] = ()) -> str:
@@ -246,6 +244,70 @@ class ReleaseRegistry:
 
     def record_gate_error(self, model_name: str, version: str, message: str) -> None:
         self.set_tags(model_name, version, {TAG_GATE_MESSAGE: message[-4000:], TAG_GATE_STATUS: "error"})
+
+
+def gate_result_of(tags: dict[str, str]) -> tuple[str, dict[str, Any] | None, str]:
+    """(status, verdict or None, message) from a version's tags."""
+    verdict = None
+    if tags.get(TAG_GATE_VERDICT):
+        try:
+            verdict = json.loads(tags[TAG_GATE_VERDICT])
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than a verdict is
+            verdict = None
+    return tags.get(TAG_GATE_STATUS, "pending"), verdict, tags.get(TAG_GATE_MESSAGE, "")
+
+
+class PassRegistry:
+    """One reconcile pass's view of the registry: a model's aliases and a version's tags are
+    read from MLflow once per pass and then answered from what was read. A pass asks for the
+    same ones several times (the candidate's tags for its release, its gate result and its
+    world; the champion's for its serving and its verdict), and every request costs the MLflow
+    server far more than the pass's own work (a pass every 0.4 s per pair kept it one of the
+    suite's largest CPU users). A write through this view drops what it changed, so the pass
+    reads its own writes; the next pass starts empty, so others' writes (the gate's verdict)
+    are seen one pass later at most, as before."""
+
+    def __init__(self, registry: ReleaseRegistry):
+        self.registry = registry
+        self._aliases: dict[str, dict[str, str]] = {}
+        self._tags: dict[tuple[str, str], dict[str, str]] = {}
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.registry.tracking_uri
+
+    def ensure_model(self, model_name: str, pair_ref: str, pair_uid: str = "") -> None:
+        model = self.registry.ensure_model(model_name, pair_ref, pair_uid)
+        self._aliases[model_name] = {k: str(v) for k, v in (getattr(model, "aliases", None) or {}).items()}
+
+    def ensure_release(self, model_name: str, rel: dict[str, Any], digest: str) -> str:
+        return self.registry.ensure_release(model_name, rel, digest)
+
+    def aliases(self, model_name: str) -> dict[str, str]:
+        if model_name not in self._aliases:
+            self._aliases[model_name] = self.registry.aliases(model_name)
+        return dict(self._aliases[model_name])
+
+    def version_tags(self, model_name: str, version: str) -> dict[str, str]:
+        key = (model_name, str(version))
+        if key not in self._tags:
+            self._tags[key] = self.registry.version_tags(model_name, version)
+        return dict(self._tags[key])
+
+    def gate_result(self, model_name: str, version: str) -> tuple[str, dict[str, Any] | None, str]:
+        return gate_result_of(self.version_tags(model_name, version))
+
+    def set_alias(self, model_name: str, alias: str, version: str) -> None:
+        self._aliases.pop(model_name, None)
+        self.registry.set_alias(model_name, alias, version)
+
+    def set_tags(self, model_name: str, version: str, tags: dict[str, str]) -> None:
+        self._tags.pop((model_name, str(version)), None)
+        self.registry.set_tags(model_name, version, tags)
+
+    def record_gate_error(self, model_name: str, version: str, message: str) -> None:
+        self._tags.pop((model_name, str(version)), None)
+        self.registry.record_gate_error(model_name, version, message)
 
 
 def gate_metrics(verdict: dict[str, Any]) -> dict[tuple[str, int], float]:

@@ -111,3 +111,46 @@ def test_unreachable_mlflow_raises_registry_unavailable_quickly():
     with pytest.raises(RegistryUnavailable):
         ReleaseRegistry("http://127.0.0.1:9", attempts=2, backoff_s=0.05).aliases("x")
     assert time.monotonic() - t0 < 15
+
+
+class CountingClient:
+    """The real MlflowClient, with each method's calls counted (what reaches the server)."""
+
+    def __init__(self, client):
+        self.client, self.calls = client, {}
+
+    def __getattr__(self, name):
+        method = getattr(self.client, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return method(*args, **kwargs)
+        return counted
+
+
+def test_a_pass_reads_aliases_and_tags_once_and_sees_its_own_writes(reg):
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    rel = release.build_release("p", "ns", SPEC, PROMPTS)
+    reg.ensure_model(model, "ns/p")
+    version = reg.ensure_release(model, rel, release.content_hash(rel))
+    reg.set_alias(model, "champion", version)
+    reg.client = counting = CountingClient(reg.client)
+
+    reads = reg.for_pass()
+    reads.ensure_model(model, "ns/p")
+    assert reads.aliases(model) == reads.aliases(model) == {"champion": version}
+    assert reads.gate_result(model, version) == ("pending", None, "")
+    assert reads.version_tags(model, version)["specpair.content_hash"] == release.content_hash(rel)
+    assert counting.calls == {"get_registered_model": 1, "get_model_version": 1}
+
+    # Its own writes are read back, from MLflow.
+    reads.set_tags(model, version, {registry_mod.TAG_GATE_STATUS: "error"})
+    assert reads.gate_result(model, version)[0] == "error"
+    reads.set_alias(model, "candidate", version)
+    assert reads.aliases(model) == {"champion": version, "candidate": version}
+    assert counting.calls["get_model_version"] == 2 and counting.calls["get_registered_model"] == 2
+
+    # Another writer (the gate) is seen by the next pass, not by this one.
+    reg.set_tags(model, version, {registry_mod.TAG_GATE_STATUS: "passed"})
+    assert reads.gate_result(model, version)[0] == "error"
+    assert reg.for_pass().gate_result(model, version)[0] == "passed"
