@@ -75,7 +75,11 @@ GPU = "nvidia.com/gpu"
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 LEASE_SECONDS = 40
 HEARTBEAT_SECONDS = 10
-SYNC_SECONDS = 0.5
+# A node syncs its pods when a watch on them reports a change, and at least this often (a watch
+# that broke and is being restarted misses nothing that way). Listing every half second instead
+# kept the API servers of a test run busy answering the nodes.
+SYNC_SECONDS = 2.0
+WATCH_SECONDS = 30
 
 
 def now_iso() -> str:
@@ -202,6 +206,7 @@ class NodeAgent:
         self.next_ip = 2
         self.network, self._network_lock = claim_pod_network()
         self.stopping = threading.Event()
+        self.pods_changed = threading.Event()
         self.lock = threading.Lock()
         self.errors: list[str] = []
         self.threads: list[threading.Thread] = []
@@ -282,14 +287,36 @@ class NodeAgent:
             t = threading.Thread(target=target, name=f"{self.spec.name}-{target.__name__}", daemon=True)
             t.start()
             self.threads.append(t)
+        # Not joined on stop: it may be inside a read the API server ends only at WATCH_SECONDS;
+        # it ends by itself once stopping is set (or with the process: a daemon thread).
+        threading.Thread(target=self._watch_loop, name=f"{self.spec.name}-watch", daemon=True).start()
 
     def _sync_loop(self) -> None:
         while not self.stopping.is_set():
+            self.pods_changed.clear()
             try:
                 self.sync()
             except Exception as exc:  # noqa: BLE001 - keep the node alive; report on stop
                 self.errors.append(f"sync: {type(exc).__name__}: {exc}")
-            self.stopping.wait(SYNC_SECONDS)
+            self.pods_changed.wait(SYNC_SECONDS)
+
+    def _watch_loop(self) -> None:
+        """Wake the sync loop whenever a pod of this node changes, as a kubelet's watch does. Its
+        own client: a requests session is not shared between threads."""
+        kube = Kube(self.kube.creds)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    for event in kube.watch("v1", "Pod", None, fields=f"spec.nodeName={self.spec.name}",
+                                            timeout_seconds=WATCH_SECONDS):
+                        if self.stopping.is_set():
+                            return
+                        if event.get("type") != "BOOKMARK":
+                            self.pods_changed.set()
+                except Exception:  # noqa: BLE001 - restarting, or gone; the periodic sync covers it
+                    self.stopping.wait(1.0)
+        finally:
+            kube.close()
 
     def sync(self) -> None:
         pods = self.kube.list("v1", "Pod", None, fields=f"spec.nodeName={self.spec.name}")
@@ -367,6 +394,7 @@ class NodeAgent:
 
     def stop(self) -> None:
         self.stopping.set()
+        self.pods_changed.set()
         workers = list(self.pods.values())
         for w in workers:
             w.shutdown()
