@@ -21,7 +21,9 @@ tests can stand an engine in with any object that has these three coroutines.
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,6 +49,14 @@ class EngineUnreachable(Exception):
     pass
 
 
+@dataclass
+class _Kept:
+    channel: Any
+    loop: Any
+    tls: ClientTLS | None
+    used: float
+
+
 class GrpcEngineProbe:
     """gRPC client for engine pods. Needs specpair._proto (generated from protos/engine.proto).
 
@@ -54,9 +64,18 @@ class GrpcEngineProbe:
     engine's control listener, checked against `server_name`; without, plaintext (tests that
     call an engine's serving port directly)."""
 
+    # A channel is kept per (address, server name) while it answers, for the event loop and the
+    # TLS identity it was made with: dialling anew for every call cost a TCP and mutual-TLS
+    # handshake on both sides on every pass (per ready pod, every 10 s in a cluster, every 0.4 s
+    # in the tests). A call that fails drops its channel, so the next one dials afresh rather
+    # than waiting out gRPC's reconnect backoff (a pod restarted at the same address); channels
+    # idle this long are closed (pods that went away).
+    IDLE_S = 60.0
+
     def __init__(self, timeout_s: float = 5.0, tls: ClientTLS | None = None):
         self.timeout_s = timeout_s
         self.tls = tls
+        self._channels: dict[tuple[str, str], _Kept] = {}
 
     def _stubs(self) -> tuple[Any, Any]:
         try:
@@ -80,13 +99,33 @@ class GrpcEngineProbe:
         import grpc
 
         pb2, pb2_grpc = self._stubs()
+        loop, now, key = asyncio.get_running_loop(), time.monotonic(), (address, server_name)
+        await self._close(lambda kept: now - kept.used > self.IDLE_S)
+        kept = self._channels.get(key)
+        if kept is not None and (kept.loop is not loop or kept.tls is not self.tls):
+            await self._close(lambda k: k is kept)
+            kept = None
+        if kept is None:
+            kept = self._channels[key] = _Kept(self._channel(address, server_name), loop, self.tls, now)
+        kept.used = now
         try:
-            async with self._channel(address, server_name) as channel:
-                stub = pb2_grpc.EngineStub(channel)
-                reply = await getattr(stub, method)(getattr(pb2, request_name)(**fields), timeout=self.timeout_s)
+            stub = pb2_grpc.EngineStub(kept.channel)
+            return await getattr(stub, method)(getattr(pb2, request_name)(**fields), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
+            await self._close(lambda k: k is kept)
             raise EngineUnreachable(f"{method} on {address}: {exc.code().name} {exc.details()}") from exc
-        return reply
+
+    async def _close(self, which: Any) -> None:
+        loop = asyncio.get_running_loop()
+        for key, kept in list(self._channels.items()):
+            if which(kept):
+                del self._channels[key]
+                if kept.loop is loop:      # a channel of an ended loop cannot be closed from this one
+                    await kept.channel.close()
+
+    async def close(self) -> None:
+        """Close the kept channels (the operator's cleanup)."""
+        await self._close(lambda kept: True)
 
     async def model_info(self, address: str, server_name: str = "") -> dict[str, Any]:
         from google.protobuf.json_format import MessageToDict

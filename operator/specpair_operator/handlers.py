@@ -96,6 +96,8 @@ async def close(**_: Any) -> None:
         except (asyncio.CancelledError, Exception):  # noqa: BLE001  (stopping; it logged its own errors)
             pass
         STATE.periodic = None
+    if STATE.probe is not None:
+        await STATE.probe.close()
     if STATE.kube is not None:
         await STATE.kube.close()
 

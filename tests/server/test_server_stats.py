@@ -324,3 +324,60 @@ def test_kv_cache_usage_is_the_share_of_the_budget_the_rows_hold(tiny_pair, star
     with client_for(unbudgeted) as c:
         c.generate("def foo(x):", max_new_tokens=4)
     assert not any(name == "specpair_kv_cache_usage_ratio" for name, _ in scrape(unbudgeted))
+
+
+def test_the_operator_probe_keeps_one_connection_per_pod_and_redials_after_a_drop(tiny_pair, start_server):
+    """The operator asks every ready pod who it is on every pass: one kept channel per pod, not a
+    new connection (and, in a cluster, a mutual-TLS handshake) per call; when the connection
+    drops (a pod restarted), the next calls dial again instead of waiting out gRPC's backoff.
+    Connections are counted by a TCP relay between the probe and the real server."""
+    import asyncio
+
+    from specpair_operator.engine_probe import EngineUnreachable, GrpcEngineProbe
+
+    server = start_server(engine=make_engine(tiny_pair))
+
+    async def scenario() -> tuple[int, int]:
+        accepted, open_pairs = [], []
+
+        async def relay(reader, writer):
+            accepted.append(writer)
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", server.port)
+            open_pairs.append((writer, up_writer))
+
+            async def pump(src, dst):
+                try:
+                    while data := await src.read(65536):
+                        dst.write(data)
+                        await dst.drain()
+                except (ConnectionError, OSError):
+                    pass
+                finally:
+                    dst.close()
+            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+        front = await asyncio.start_server(relay, "127.0.0.1", 0)
+        address = f"127.0.0.1:{front.sockets[0].getsockname()[1]}"
+        probe = GrpcEngineProbe(timeout_s=5)
+        for _ in range(3):
+            assert (await probe.model_info(address))["pair"] == "tiny"
+        await probe.stats(address)
+        kept = len(accepted)
+        for a, b in open_pairs:         # the connection drops, as when a pod restarts
+            a.transport.abort()
+            b.transport.abort()
+        answered = None
+        for attempt in range(3):
+            try:
+                answered = (await probe.model_info(address))["pair"]
+                break
+            except EngineUnreachable:
+                continue
+        assert answered == "tiny", "no answer within 3 calls after the connection dropped"
+        await probe.close()
+        front.close()
+        return kept, len(accepted)
+
+    kept, total = asyncio.run(scenario())
+    assert kept == 1                    # four calls, one connection
+    assert total == 2                   # and one more after the drop
