@@ -30,6 +30,7 @@ import shutil
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,14 @@ SHADOW = {"share": 1.0, "minRequests": 10, "maxSeconds": 600}
 # Speculation stays off for a few drift windows before the rollback here, not the minute a
 # production `for:` asks for: only that duration is shortened when the rules are loaded.
 SHORT_FOR = "2s"
+# Seconds between rounds of traffic (4 requests each): ~5 requests a second, more than any drift
+# window (4 in 10 s) or the shadow's verdict (10 a side) needs. Unpaced, the rounds sent ~22 a
+# second, a core's worth of decoding beside every engine pod starting meanwhile (28.6 s to ready
+# against 13.3 s without).
+TRAFFIC_PAUSE = 0.5
+# What the monitors are rendered with in place of MLflow's address, not known yet when Prometheus
+# starts: no monitor reads it (the chart requires one).
+NO_MLFLOW_YET = "http://mlflow.invalid:5000"
 
 
 def pair_manifest(name: str, target: str, draft: str, **spec: Any) -> dict[str, Any]:
@@ -153,8 +162,7 @@ class Scenario:
             if got:
                 print(f"{time.strftime('%H:%M:%S')} {what} after {timeout - (deadline - time.monotonic()):.0f} s")
                 return got
-            if not traffic_to:
-                time.sleep(0.5)
+            time.sleep(TRAFFIC_PAUSE if traffic_to else 0.5)
         state = {"pairs": {p["metadata"]["name"]: p.get("status") for p in self.kube.list(PAIR_API, "SpecModelPair", self.ns)},
                  "pods": [(p["metadata"]["name"], (p.get("status") or {}).get("phase")) for p in self.kube.list("v1", "Pod", self.ns)],
                  "node errors": self.cluster.node_errors()[-3:]}
@@ -208,18 +216,26 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
     devcluster.ensure_namespace(namespace)
     children = Children()
     prom = None
-    try:
+
+    def install_operator() -> None:
+        # The operator as users install it: the chart's Deployment.
         mlflow_url = start_mlflow(children, tmp_path / "mlflow")
-        # The operator as users install it: the chart's Deployment. The monitors' kinds are not on
-        # this cluster (no Prometheus Operator), so they are rendered with the same values and
-        # turned into Prometheus' own scrape jobs.
         helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
              values=chart_values(namespace, mlflow_url, monitors=False), kubeconfig=devcluster.kubeconfig)
-        monitors = [m for m in render(chart_values(namespace, mlflow_url, monitors=True), RELEASE, OPERATOR_NAMESPACE)
+
+    # MLflow and the operator start while Prometheus does (nothing here depends on the order:
+    # Prometheus discovers the operator's pod whenever it appears).
+    pool = ThreadPoolExecutor(1)
+    installing = pool.submit(install_operator)
+    try:
+        # The monitors' kinds are not on this cluster (no Prometheus Operator), so they are rendered
+        # with the same values and turned into Prometheus' own scrape jobs.
+        monitors = [m for m in render(chart_values(namespace, NO_MLFLOW_YET, monitors=True), RELEASE, OPERATOR_NAMESPACE)
                     if m["kind"] in ("PodMonitor", "ServiceMonitor")]
         assert sorted(m["kind"] for m in monitors) == ["PodMonitor", "ServiceMonitor"]
         prom = DevPrometheus(devcluster, tmp_path / "prometheus", monitors,
                              rule_files=[shortened_rules(tmp_path / "rules.yaml")], interval=f"{SCRAPE:.0f}s").start()
+        installing.result()
         start = time.time()
         print(f"{time.strftime('%H:%M:%S')} Prometheus ready")
         s = Scenario(devcluster, namespace)
@@ -345,6 +361,7 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
             values = prom.api(f"label/{label}/values", **{"match[]": metric.replace("$pair", "drifts")})
             assert ("drifts" if label == "pair" else "1") in values, (var["name"], values)
     finally:
+        pool.shutdown()  # waits for it: what it started is stopped below
         if prom is not None:
             prom.stop()
         helm("uninstall", RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait", kubeconfig=devcluster.kubeconfig, check=False)
