@@ -26,6 +26,7 @@ import shutil
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,8 @@ TARGET_RUNNING, BURST_STREAMS = 3, 9
 MAX_NEW_TOKENS = 400
 # Seconds, for a test: KEDA's own polling and the HPA's scale-down window (production: 30 s, 300 s).
 POLLING, SCALE_DOWN_WINDOW = 1, 5
+# Tokens a golden prompt at the gate: it must pass (greedy identity), and nothing here reads its numbers.
+GATE_TOKENS = 4
 PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print(", "import json\n\ndef load(path):"]
 
 
@@ -205,16 +208,25 @@ def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devclust
               and f"serving on {n} pod(s), identity verified" in conditions.get("Ready", {}).get("message", ""))
         return obj if ok else None
 
-    try:
-        mlflow_url = start_mlflow(children, tmp_path / "mlflow")
-        values = {"mlflow": {"trackingUri": mlflow_url}, "watchNamespaces": [namespace],
-                  "operator": {"extraEnv": [{"name": k, "value": v} for k, v in OPERATOR_ENV.items()]}}
+    def values(mlflow_url: str) -> dict[str, Any]:
+        return {"mlflow": {"trackingUri": mlflow_url}, "watchNamespaces": [namespace],
+                "operator": {"extraEnv": [{"name": k, "value": v} for k, v in OPERATOR_ENV.items()]}}
+
+    def install_operator() -> None:
         helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
-             values=values, kubeconfig=devcluster.kubeconfig)
-        monitors = [m for m in render({**values, "metrics": {"serviceMonitor": {"enabled": True, "interval": SCRAPE}}},
+             values=values(start_mlflow(children, tmp_path / "mlflow")), kubeconfig=devcluster.kubeconfig)
+
+    # MLflow and the operator start while Prometheus and KEDA do: nothing in either waits on the other.
+    pool = ThreadPoolExecutor(1)
+    installing = pool.submit(install_operator)
+    try:
+        # The monitor rendered before MLflow's address is known: no monitor reads it (the chart requires one).
+        monitors = [m for m in render({**values("http://mlflow.invalid:5000"),
+                                       "metrics": {"serviceMonitor": {"enabled": True, "interval": SCRAPE}}},
                                       RELEASE, OPERATOR_NAMESPACE) if m["kind"] == "ServiceMonitor"]
         prom = DevPrometheus(devcluster, tmp_path / "prometheus", monitors, interval=SCRAPE).start()
         keda = DevKeda(devcluster, tmp_path / "keda").start()
+        installing.result()
         log("operator installed, Prometheus and KEDA ready")
 
         kube.create({"apiVersion": PAIR_API, "kind": "SpecModelPair", "metadata": {"name": PAIR, "namespace": namespace},
@@ -222,7 +234,7 @@ def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devclust
                               "speculation": {"k": 3},
                               "gating": {"prompts": [{"prompt": PROMPTS[0], "category": "code"},
                                                      {"prompt": PROMPTS[1], "category": "code"}],
-                                         "maxNewTokens": 12, "thresholds": {"requireGreedyIdentity": True}},
+                                         "maxNewTokens": GATE_TOKENS, "thresholds": {"requireGreedyIdentity": True}},
                               "rollout": {"applyGateTuning": False, "autoscaling": {
                                   "minReplicas": 1, "maxReplicas": 3, "metric": "runningRequests",
                                   "target": TARGET_RUNNING, "prometheusAddress": prom.url,
@@ -290,6 +302,7 @@ def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devclust
         wait("KEDA's metric at 0 without load", lambda: read_metric() == 0, timeout=30)
         log("done")
     finally:
+        pool.shutdown()  # waits for it: what it started is stopped below
         load.close()
         helm("uninstall", RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait", kubeconfig=devcluster.kubeconfig, check=False)
         if keda is not None:
