@@ -271,6 +271,12 @@ def tiny_pair(name: str, target: str, draft: str, **spec: Any) -> dict[str, Any]
                      "rollout": {"applyGateTuning": False}, **spec}}
 
 
+# spec.gating for a test that needs a passing gate, not its measurements: one golden prompt of
+# 8 tokens (the gate generates each prompt some thirty times in its k sweep).
+ONE_PROMPT_GATING = {"prompts": [{"prompt": CODE_PROMPTS[0], "category": "code"}], "maxNewTokens": 8,
+                     "thresholds": {"requireGreedyIdentity": True}}
+
+
 def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
     return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 

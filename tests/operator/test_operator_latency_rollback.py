@@ -37,8 +37,8 @@ from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
-from cluster_env import (CODE_PROMPTS, OPERATOR, cond, engine_pods, model_name, operator_metrics, serving,
-                         service_endpoints, set_spec, tiny_pair)
+from cluster_env import (CODE_PROMPTS, ONE_PROMPT_GATING, OPERATOR, cond, engine_pods, model_name, operator_metrics,
+                         serving, service_endpoints, set_spec, tiny_pair)
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +123,7 @@ def engine_session(ns, pod: dict) -> int:
     return alive[0]
 
 
-def traffic(ns, name: str, n: int = 4) -> None:
+def traffic(ns, name: str, n: int) -> None:
     """`n` code requests, one at a time, round robin over the Service's ready endpoints."""
     addresses = service_endpoints(ns, name)
     for _ in range(n if addresses else 0):
@@ -147,7 +147,7 @@ def history(obj: dict) -> list[dict]:
 
 
 def test_a_slower_serving_release_is_rolled_back_to_the_previous_one_that_was_faster(
-        operator_env, ns, mlflow_server, model_dirs, devcluster):
+        operator_env, ns, mlflow_server, model_dirs, devcluster, monkeypatch):
     target, draft = model_dirs["target"], model_dirs["draft"]
     name = f"slow-{uuid.uuid4().hex[:5]}"
     # 10 s windows of at least 10 requests, one breaching window per step; acceptance is left out
@@ -156,6 +156,15 @@ def test_a_slower_serving_release_is_rolled_back_to_the_previous_one_that_was_fa
              "probeAfterWindows": 1000,
              "latency": {"minRequests": 10, "ttftP95Ratio": 2.0, "tpotP95Ratio": 2.0}}
     replace = {"applyGateTuning": False, "strategy": {"type": "Replace"}}
+    # A pass a second, not the operator tests' 0.4 s: each pass reads MLflow and the engines, and
+    # the steps here wait on 10 s windows, which a pass a second closes as well.
+    monkeypatch.setenv("SPECPAIR_RECONCILE_INTERVAL", "1")
+    # Baselines from two requests a look (6.5 a second measured, not the 11 of four a look; a
+    # window needs 10): enough for the 20 requests a baseline is asserted to hold, and well above
+    # the load of the slowed release's windows (serial requests of most of a second each under
+    # the quota: 2.4 a second at most, measured), so no breach is excused as a load shift
+    # (serving_health.LOAD_SHIFT: above 1.5x the baseline's load).
+    baseline_traffic, slowed_traffic = (lambda: traffic(ns, name, 2)), (lambda: traffic(ns, name, 4))
     took: dict[str, float] = {}
     start = time.monotonic()
 
@@ -163,11 +172,11 @@ def test_a_slower_serving_release_is_rolled_back_to_the_previous_one_that_was_fa
         took[what] = round(time.monotonic() - start, 1)
 
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        ns.create(tiny_pair(name, target, draft, drift=drift, rollout=replace))
+        ns.create(tiny_pair(name, target, draft, drift=drift, rollout=replace, gating=ONE_PROMPT_GATING))
         ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=300)
         mark("v1 serving")
         v1 = ns.wait_for_during("v1's latency baseline", lambda: baseline(ns, name, "1"),
-                                during=lambda: traffic(ns, name), timeout=120)
+                                during=baseline_traffic, timeout=120)
         mark("v1 baseline")
 
         # v2: another k, the same models; Replace, so it is promoted on its gate.
@@ -176,7 +185,7 @@ def test_a_slower_serving_release_is_rolled_back_to_the_previous_one_that_was_fa
                     timeout=300)
         mark("v2 serving")
         v2 = ns.wait_for_during("v2's latency baseline", lambda: baseline(ns, name, "2"),
-                                during=lambda: traffic(ns, name), timeout=120)
+                                during=baseline_traffic, timeout=120)
         mark("v2 baseline")
         (v2_pod,) = engine_pods(ns, "2")
 
@@ -185,7 +194,7 @@ def test_a_slower_serving_release_is_rolled_back_to_the_previous_one_that_was_fa
             assert quota.add_session(engine_session(ns, v2_pod))
             obj = ns.wait_for_during(
                 "v2 rolled back to v1", lambda: (o := ns.pair(name)) and o["status"].get("servingVersion") == "1"
-                and o, during=lambda: traffic(ns, name), timeout=180)
+                and o, during=slowed_traffic, timeout=180)
             mark("rolled back")
         # Converged: v1 serves from a fresh pod, v2's is gone, and the pair is Stalled on its spec's
         # release (v2 stays out of service until the spec changes; kstatus: not Ready).
