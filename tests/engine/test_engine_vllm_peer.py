@@ -1,13 +1,15 @@
 """specpair.vllm_peer: our speculation settings as vLLM's, its /metrics counters, and a real vLLM
-server (its own virtualenv, scripts/setup-vllm.sh) whose greedy ids equal our engine's.
+server (its own virtualenv, scripts/setup-vllm.sh) whose greedy ids equal our engine's, and whose
+/metrics the operator's serving-health watch reads (engine_probe.VllmProbe).
 
-The pure tests run everywhere. The `vllm` ones start a real server (~40-50 s on this CPU); they
-skip where the vLLM virtualenv is absent unless SPECPAIR_REQUIRE_VLLM is set (conftest), and
+The pure tests run everywhere. The `vllm` ones share one real server (~40-50 s to start on this
+CPU); they skip where the vLLM virtualenv is absent unless SPECPAIR_REQUIRE_VLLM is set (conftest), and
 `-m "not vllm"` leaves them out on purpose.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import time
@@ -262,40 +264,83 @@ def test_the_vllm_venv_imports_nothing_of_ours(tmp_path):
     assert probe.returncode != 0 and "No module named 'specpair'" in probe.stderr
 
 
+VLLM_PROMPTS = ("def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+                "import json\nimport os\nimport json\nimport os\nimport",
+                "The quick brown fox")
+VLLM_MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def vllm_served(tiny_vllm_model) -> dict:
+    """One real vLLM server (n-gram, k=4) from start to stop, for the tests below: its process
+    group while serving and after stop, its spec-decode counters and the operator's serving
+    stats (engine_probe.VllmProbe) read before and after the three greedy requests."""
+    from specpair_operator.engine_probe import VllmProbe
+
+    loaded, model_dir = tiny_vllm_model
+    prompts = [loaded.tokenizer(text)["input_ids"] for text in VLLM_PROMPTS]
+    spec = speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"k": 4}})
+    server = VllmServer(default_python(), model_dir, speculative=spec, start_timeout=180)
+    probe = VllmProbe()
+    with server:
+        pgid = server.proc.pid
+        serving_members = _group_members(pgid)
+        stats_before = asyncio.run(probe.stats(f"127.0.0.1:{server.port}"))
+        before = server.spec_decode_counters()
+        outs = [server.complete_greedy(ids, VLLM_MAX_TOKENS) for ids in prompts]
+        counters = server.spec_decode_counters() - before
+        stats_after = asyncio.run(probe.stats(f"127.0.0.1:{server.port}"))
+    return {"prompts": prompts, "outs": outs, "counters": counters, "server": server, "pgid": pgid,
+            "serving_members": serving_members, "stopped_members": _group_members(pgid),
+            "stats": (stats_before, stats_after)}
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(420)
-def test_vllm_greedy_equals_ours_and_reports_ngram_drafts(tiny_vllm_model):
+def test_vllm_greedy_equals_ours_and_reports_ngram_drafts(tiny_vllm_model, vllm_served):
     from specpair.bench import _run_one
     from specpair.config import GenerationParams
     from specpair.decoding import SpeculativeEngine
 
-    loaded, model_dir = tiny_vllm_model
-    tok = loaded.tokenizer
-    prompts = [tok("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")["input_ids"],
-               tok("import json\nimport os\nimport json\nimport os\nimport")["input_ids"],
-               tok("The quick brown fox")["input_ids"]]
-    max_tokens = 24
+    loaded, _model_dir = tiny_vllm_model
     engine = SpeculativeEngine(loaded, speculation=SpeculationConfig(enabled=False))
-    ours = [_run_one(engine, ids, GenerationParams(max_new_tokens=max_tokens), speculate=False).token_ids
-            for ids in prompts]
-    assert sum(len(ids) for ids in ours) > 2 * max_tokens      # not a comparison of early EOSes
+    ours = [_run_one(engine, ids, GenerationParams(max_new_tokens=VLLM_MAX_TOKENS), speculate=False).token_ids
+            for ids in vllm_served["prompts"]]
+    assert sum(len(ids) for ids in ours) > 2 * VLLM_MAX_TOKENS      # not a comparison of early EOSes
 
-    spec = speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"k": 4}})
-    server = VllmServer(default_python(), model_dir, speculative=spec, start_timeout=180)
-    with server:
-        pgid = server.proc.pid
-        assert len(_group_members(pgid)) >= 3          # API server, engine core, worker
-        before = server.spec_decode_counters()
-        outs = [server.complete_greedy(ids, max_tokens) for ids in prompts]
-        counters = server.spec_decode_counters() - before
+    outs, counters, server = vllm_served["outs"], vllm_served["counters"], vllm_served["server"]
+    assert len(vllm_served["serving_members"]) >= 3          # API server, engine core, worker
     # fp32 on both sides, greedy: the same ids, prompt by prompt (speculation included).
     assert [o.token_ids for o in outs] == ours
     assert all(o.seconds > 0 for o in outs)
     assert counters.drafts > 0 and counters.draft_tokens > 0
     assert len(counters.accepted_per_position) == 4
     # Stopped: nothing of its process group is left.
-    assert _group_members(pgid) == []
+    assert vllm_served["stopped_members"] == []
     assert server.proc is None and "Application startup complete" in server.last_log
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(420)
+def test_a_real_vllm_servers_latency_and_finishes_reach_the_serving_watch(vllm_served):
+    """The serving-health watch on a vLLM pair: the operator's vLLM probe reads the real vLLM
+    server's /metrics (0.32, CPU) into the same serving counters GetStats gives for specpair's
+    engine."""
+    from specpair_operator import serving_health
+
+    stats_before, stats_after = vllm_served["stats"]
+    outs = vllm_served["outs"]
+    before = serving_health.serving_pod("p/u", stats_before, None)
+    after = serving_health.serving_pod("p/u", stats_after, None)
+    counts = after.categories["all"] - before.categories.get("all", serving_health.ServingCounts())
+    assert (counts.finished, counts.failed) == (3, 0)
+    assert counts.ttft.count == 3 and counts.ttft.upper_bounds and counts.ttft.counts[-1] == 3
+    assert counts.tpot.count == sum(len(o.token_ids) > 1 for o in outs)
+    # A first token comes no later than the whole reply: the p95 lies at or below the bucket
+    # of the slowest request as the client timed it.
+    slowest = max(o.seconds for o in outs)
+    assert 0 < counts.ttft.quantile(0.95) <= min(b for b in counts.ttft.upper_bounds if b >= slowest)
+    assert counts.ttft.sum <= sum(o.seconds for o in outs)
 
 
 # -- the bench's vLLM columns -------------------------------------------------------------------
