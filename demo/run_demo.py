@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -303,12 +304,19 @@ class Demo:
         total = 8 if a.no_shadow else 9
         step(1, total, "Starting a real Kubernetes control plane (devcluster), MLflow, and the operator from its helm chart")
         t0 = time.monotonic()
+        # MLflow starts while the control plane does: neither needs the other until the operator is installed.
+        mlflow = ThreadPoolExecutor(1, thread_name_prefix="mlflow")
+        mlflow_url = mlflow.submit(start_mlflow, self.children, self.workdir)
+        mlflow.shutdown(wait=False)
         self.cluster = DemoCluster(self.workdir / "cluster", NS, os.environ.get("OMP_NUM_THREADS", "1"))
-        self.cluster.start()
+        try:
+            self.cluster.start()
+        finally:
+            mlflow_url.exception()   # waits for it, on errors too: close() stops what it started
+        self.mlflow_url = mlflow_url.result()
         say(f"  Kubernetes        {self.cluster.cluster.server}  etcd, kube-apiserver, controller-manager, scheduler; "
             f"node demo-node-1 ({time.monotonic() - t0:.0f} s)")
         say(f"                    KUBECONFIG={self.cluster.kubeconfig}")
-        self.mlflow_url = start_mlflow(self.children, self.workdir)
         say(f"  MLflow            {self.mlflow_url}  (sqlite: {self.workdir / 'mlflow.db'})")
         t0 = time.monotonic()
         self.cluster.install_operator(self.mlflow_url, OPERATOR_ENV)
