@@ -31,7 +31,8 @@ from typing import Callable, TypeVar
 
 from . import gate_attempts
 from .gate_verdict import unusable_message, verdict_digest, verdict_problems
-from .registry import RegistryUnavailable, ReleaseRegistry
+from .gate_record import GateRecord
+from .registry_contract import RegistryUnavailable
 
 T = TypeVar("T")
 # Room left before the Job's activeDeadlineSeconds to write the termination message: Kubernetes
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the Job's activeDeadlineSeconds: MLflow is retried until shortly before it")
     args = ap.parse_args(argv)
     deadline = time.monotonic() + max(args.deadline_seconds - DEADLINE_MARGIN_S, args.deadline_seconds / 2)
-    # One bounded HTTP try per call: backoff and deadline are until_deadline's.
+    # One bounded HTTP try per call: backoff and deadline are until_deadline's (MLflow's own
+    # client reads these where it uploads artifacts the tracking server does not proxy).
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     with open(args.release) as f:
@@ -93,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (tracking_uri and ml.get("modelName") and ml.get("version")):
         print("release has no mlflow block (trackingUri, modelName, version)", file=sys.stderr)
         return 2
-    registry = ReleaseRegistry(tracking_uri, attempts=1)
+    try:
+        registry = GateRecord(tracking_uri)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
     version = str(ml["version"])
     workdir = tempfile.mkdtemp(prefix="specpair-gate-")
     out = os.path.join(workdir, "verdict.json")

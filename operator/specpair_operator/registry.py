@@ -23,28 +23,17 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 from mlflow import MlflowClient  # noqa: E402
 from mlflow.exceptions import MlflowException, RestException  # noqa: E402
 
+from .registry_contract import (  # noqa: E402,F401  (re-exported: the operator imports them from here)
+    TAG_BEST_SPECULATION, TAG_GATE_MESSAGE, TAG_GATE_RUN, TAG_GATE_STATUS, TAG_GATE_VERDICT, TAG_HASH, TAG_OWNER,
+    TAG_OWNER_UID, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET, RegistryUnavailable, gate_error_tags,
+    gate_experiment, gate_metrics, gate_result_of)
+
 T = TypeVar("T")
-
-TAG_HASH = "specpair.content_hash"
-TAG_GATE_STATUS = "specpair.gate.status"  # pending | passed | failed | error
-TAG_GATE_VERDICT = "specpair.gate.verdict"
-TAG_GATE_RUN = "specpair.gate.run_id"
-TAG_GATE_MESSAGE = "specpair.gate.message"
-TAG_ROLLED_BACK = "specpair.rolled_back"
-TAG_TOKENIZER_TARGET = "specpair.tokenizer.target_fingerprint"
-TAG_TOKENIZER_DRAFT = "specpair.tokenizer.draft_fingerprint"
-TAG_BEST_SPECULATION = "specpair.gate.best_speculation"
-
-
-class RegistryUnavailable(Exception):
-    """MLflow could not be reached (or answered 5xx) after the in-call retries."""
-
 
 class ModelClaimed(Exception):
     """The registered model belongs to another pair (or was not made by specpair)."""
 
 
-TAG_OWNER, TAG_OWNER_UID = "specpair.pair", "specpair.pair_uid"
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -157,7 +146,7 @@ class ReleaseRegistry:
         return self._call(find_or_create)
 
     def _experiment(self, model_name: str) -> str:
-        name = f"specpair/{model_name}"
+        name = gate_experiment(model_name)
 
         def run() -> str:
             exp = self.client.get_experiment_by_name(name)
@@ -199,62 +188,8 @@ class ReleaseRegistry:
     def for_pass(self) -> "PassRegistry":
         return PassRegistry(self)
 
-    def record_gate(self, model_name: str, version: str, verdict: dict[str, Any],
-                    extra_artifacts: list[str] = ()) -> str:
-        """Log the gating run (metrics + verdict artifact) and link it to the version by tags.
-
-        Reuses the run the gate itself opened (verdict.mlflowRunId) when there is one.
-        """
-        run_id = verdict.get("mlflowRunId")
-        if not run_id:
-            exp_id = self._experiment(model_name)
-            run_id = self._call(lambda: self.client.create_run(
-                exp_id, tags={"mlflow.runName": f"gate-v{version}", "specpair.model_version": str(version)})).info.run_id
-        metrics = gate_metrics(verdict)
-        ts = int(time.time() * 1000)
-        from mlflow.entities import Metric
-
-        batch = [Metric(k, v, ts, step) for (k, step), v in metrics.items()]
-        self._call(lambda: self.client.log_batch(run_id, metrics=batch))
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "verdict.json")
-            with open(path, "w") as f:
-                json.dump(verdict, f, indent=2, sort_keys=True)
-            self._call(lambda: self.client.log_artifact(run_id, path, "gate"))
-            for extra in extra_artifacts:
-                if os.path.exists(extra):
-                    self._call(lambda extra=extra: self.client.log_artifact(run_id, extra, "gate"))
-        self._call(lambda: self.client.set_terminated(run_id))
-        tok = verdict.get("tokenizer") or {}
-        tags = {
-            TAG_GATE_RUN: run_id,
-            TAG_GATE_VERDICT: json.dumps({**verdict, "mlflowRunId": run_id}, sort_keys=True, separators=(",", ":")),
-            TAG_GATE_MESSAGE: "; ".join(verdict.get("reasons") or []) or "passed",
-        }
-        if tok.get("targetFingerprint"):
-            tags[TAG_TOKENIZER_TARGET] = str(tok["targetFingerprint"])
-        if tok.get("draftFingerprint"):
-            tags[TAG_TOKENIZER_DRAFT] = str(tok["draftFingerprint"])
-        if verdict.get("bestSpeculation"):
-            tags[TAG_BEST_SPECULATION] = json.dumps(verdict["bestSpeculation"], sort_keys=True)
-        # Status last: the operator acts on it, so everything it points at must already exist.
-        tags[TAG_GATE_STATUS] = "passed" if verdict.get("passed") is True else "failed"
-        self.set_tags(model_name, version, tags)
-        return run_id
-
     def record_gate_error(self, model_name: str, version: str, message: str) -> None:
-        self.set_tags(model_name, version, {TAG_GATE_MESSAGE: message[-4000:], TAG_GATE_STATUS: "error"})
-
-
-def gate_result_of(tags: dict[str, str]) -> tuple[str, dict[str, Any] | None, str]:
-    """(status, verdict or None, message) from a version's tags."""
-    verdict = None
-    if tags.get(TAG_GATE_VERDICT):
-        try:
-            verdict = json.loads(tags[TAG_GATE_VERDICT])
-        except (ValueError, RecursionError):  # not JSON, or nested deeper than a verdict is
-            verdict = None
-    return tags.get(TAG_GATE_STATUS, "pending"), verdict, tags.get(TAG_GATE_MESSAGE, "")
+        self.set_tags(model_name, version, gate_error_tags(message))
 
 
 class PassRegistry:
@@ -308,28 +243,3 @@ class PassRegistry:
     def record_gate_error(self, model_name: str, version: str, message: str) -> None:
         self._tags.pop((model_name, str(version)), None)
         self.registry.record_gate_error(model_name, version, message)
-
-
-def gate_metrics(verdict: dict[str, Any]) -> dict[tuple[str, int], float]:
-    """MLflow metrics from a verdict: overall, per category, per draft position, k sweep."""
-    out: dict[tuple[str, int], float] = {}
-
-    def put(name: str, value: Any, step: int = 0) -> None:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[(name, step)] = float(value)
-
-    for key, name in (("acceptanceRate", "acceptance_rate"), ("meanAcceptanceLength", "mean_acceptance_length"),
-                      ("speedup", "speedup"), ("greedyIdentity", "greedy_identity")):
-        put(name, verdict.get(key))
-    for cat, vals in (verdict.get("categories") or {}).items():
-        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(cat))
-        for key, name in (("acceptanceRate", "acceptance_rate"), ("speedup", "speedup"),
-                          ("greedyIdentity", "greedy_identity"), ("meanAcceptanceLength", "mean_acceptance_length")):
-            put(f"{name}.{safe}", (vals or {}).get(key))
-    for pos, v in enumerate(verdict.get("acceptancePerPosition") or []):
-        put("acceptance_per_position", v, pos)
-    for row in verdict.get("kSweep") or []:
-        if isinstance(row, dict) and isinstance(row.get("k"), int):
-            put("speedup_by_k", row.get("speedup"), row["k"])
-    out[("passed", 0)] = 1.0 if verdict.get("passed") is True else 0.0
-    return out

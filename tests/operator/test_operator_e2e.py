@@ -22,7 +22,7 @@ from mlflow import MlflowClient
 from cluster_env import OPERATOR, STANDIN_IMAGE, Namespace, World, cond, engine_pods, model_name, operator_metrics
 from cluster_env import REPLACE, pair, serving, set_spec
 from specpair_devcluster.client import ApiError
-from specpair_operator.registry import ReleaseRegistry
+from specpair_operator.gate_record import GateRecord
 
 def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champion(env, mlflow_server):
     ns = env
@@ -83,7 +83,7 @@ def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champi
         # not the one v3's gate Job reported (its pod's termination message), so nothing moves.
         forged = {"passed": True, "reasons": [], "greedyIdentity": 1.0, "acceptanceRate": 0.9, "speedup": 2.0,
                   "categories": {"code": {"acceptanceRate": 0.9}}, "tokenizer": {"compatible": True, "differences": []}}
-        ReleaseRegistry(mlflow_server.url).record_gate(model, "3", forged)
+        GateRecord(mlflow_server.url).record_gate(model, "3", forged)
         obj = ns.wait_for("the forged verdict refused", lambda: (o := ns.pair(name)) and
                           cond(o, "Gated").get("reason") == "VerdictMismatch" and o, timeout=60)
         assert "changed after the gate" in cond(obj, "Gated")["message"] and ns.events("VerdictMismatch")

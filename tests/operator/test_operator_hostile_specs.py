@@ -319,7 +319,7 @@ def test_a_nan_verdict_and_a_string_typed_verdict_are_never_promoted(env, mlflow
     runner, or anyone with MLflow access) is refused by the operator alike."""
     from mlflow import MlflowClient
 
-    from specpair_operator.registry import ReleaseRegistry
+    from specpair_operator.gate_record import GateRecord
 
     ns = env
     mlflow = MlflowClient(mlflow_server.url)
@@ -350,7 +350,7 @@ def test_a_nan_verdict_and_a_string_typed_verdict_are_never_promoted(env, mlflow
         model = release.effective_model_name(nan_pair, ns.name, {})
         forged = {"passed": True, "reasons": [], "greedyIdentity": 1.0, "acceptanceRate": NAN, "speedup": INF,
                   "categories": {"code": {"acceptanceRate": 0.8}}, "tokenizer": {"compatible": True, "differences": []}}
-        ReleaseRegistry(mlflow_server.url).record_gate(model, "1", forged)
+        GateRecord(mlflow_server.url).record_gate(model, "1", forged)
         obj = ns.wait_for("the forged NaN verdict refused",
                           gate_error(nan_pair, "v1: the gate's verdict is unusable: acceptanceRate is NaN"), timeout=60)
         assert obj["status"]["lastGate"].get("acceptanceRate") is None and "speedup" not in obj["status"]

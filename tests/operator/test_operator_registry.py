@@ -154,3 +154,38 @@ def test_a_pass_reads_aliases_and_tags_once_and_sees_its_own_writes(reg):
     reg.set_tags(model, version, {registry_mod.TAG_GATE_STATUS: "passed"})
     assert reads.gate_result(model, version)[0] == "error"
     assert reg.for_pass().gate_result(model, version)[0] == "passed"
+
+
+def test_gate_record_writes_through_a_server_that_does_not_proxy_artifacts(tmp_path):
+    """The gate runner records over MLflow's REST API; where the server hands out artifact URIs it
+    does not proxy (here a local path: `--no-serve-artifacts`), the files go through MLflow's own
+    artifact repositories. A refusal is MlflowRefused with MLflow's code; no server at all is
+    RegistryUnavailable (what the runner retries)."""
+    from mlflow_server import MlflowServer
+    from specpair_operator.gate_record import GateRecord, MlflowRefused
+
+    server = MlflowServer(tmp_path, args=("--no-serve-artifacts", "--default-artifact-root", str(tmp_path / "store")))
+    server.start()
+    try:
+        reg = ReleaseRegistry(server.url)
+        model = f"m-{uuid.uuid4().hex[:6]}"
+        reg.ensure_model(model, "ns/p")
+        rel = release.build_release("p", "ns", SPEC, PROMPTS)
+        version = reg.ensure_release(model, rel, release.content_hash(rel))
+        extra = tmp_path / "divergence.json"
+        extra.write_text("{}")
+        run_id = GateRecord(server.url).record_gate(model, version, VERDICT, [str(extra)])
+        status, verdict, _ = reg.gate_result(model, version)
+        assert status == "passed" and verdict["mlflowRunId"] == run_id
+        run = reg.client.get_run(run_id)
+        assert not run.info.artifact_uri.startswith("mlflow-artifacts:") and run.info.status == "FINISHED"
+        assert sorted(a.path for a in reg.client.list_artifacts(run_id, "gate")) == \
+            ["gate/divergence.json", "gate/verdict.json"]
+        assert run.data.metrics["acceptance_rate.code"] == 0.7
+        with pytest.raises(MlflowRefused) as refused:
+            GateRecord(server.url).record_gate_error(model, "999", "no such version")
+        assert refused.value.error_code == "RESOURCE_DOES_NOT_EXIST"
+    finally:
+        server.stop()
+    with pytest.raises(RegistryUnavailable):
+        GateRecord(server.url, timeout_s=2).record_gate_error(model, version, "server gone")
