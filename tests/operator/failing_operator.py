@@ -22,6 +22,9 @@ from typing import Any, Callable
 from cluster_env import HERE, OPERATOR
 
 KILLS_AT_MOST = 60
+# How often a life's `done()` is asked (each look reads the pair and its children from the API
+# server); the next life still starts the moment one dies.
+LOOK_SECONDS = 0.25
 _SERVER = multiprocessing.get_context("forkserver")
 _SERVER.set_forkserver_preload(["failpoints", "failing_operator"])
 
@@ -71,6 +74,11 @@ class _Life:
     def terminate(self) -> None:
         self.process.terminate()
 
+    def ended_within(self, seconds: float) -> bool:
+        """Waits up to `seconds` for the life to end (at once when it does)."""
+        self.process.join(seconds)
+        return not self.process.is_alive()
+
     def wait(self, timeout: float | None = None) -> int | None:
         self.process.join(timeout)
         if self.process.is_alive():
@@ -106,8 +114,8 @@ class FailingOperator:
     def life(self, mode: str, done: Callable[[], Any], deadline: float,
              during: Callable[[], Any] | None = None) -> int:
         """One operator in `mode` until it exits, `done()` holds or the deadline passes (then it
-        is stopped); its exit status. `during` (a request of traffic) runs between looks, short,
-        so a death is seen at once."""
+        is stopped); its exit status. `done()` and `during` (a request of traffic) run every
+        LOOK_SECONDS; a death is seen at once (the wait between looks ends with the process)."""
         proc = self.start(mode)
         try:
             while proc.poll() is None and time.monotonic() < deadline:
@@ -115,7 +123,7 @@ class FailingOperator:
                     during()
                 if proc.poll() is not None or done():
                     break
-                time.sleep(0.05 if during is not None else 0.2)
+                proc.ended_within(LOOK_SECONDS)
         finally:
             if proc.poll() is None:
                 proc.terminate()

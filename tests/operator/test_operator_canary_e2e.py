@@ -37,7 +37,7 @@ from specpair_devcluster.client import ApiError
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
 from specpair_operator import canary, manifests
-from cluster_env import CODE_PROMPTS, cond, model_name, service_endpoints, serving, set_spec, tiny_pair
+from cluster_env import CODE_PROMPTS, ONE_PROMPT_GATING, cond, model_name, service_endpoints, serving, set_spec, tiny_pair
 from failing_operator import FailingOperator, history
 
 pytestmark = pytest.mark.slow
@@ -51,15 +51,24 @@ LONG_PROMPTS = ["\n\n".join(CODE_PROMPTS[i:] + CODE_PROMPTS[:i]) * 3 for i in ra
 
 
 class Traffic:
-    """Code requests round robin over the Service's ready endpoints, counted: answered, and failed
-    on a pod the Service still lists."""
+    """Code requests round robin over the Service's ready endpoints, at most PER_SECOND a second
+    however often it is called, counted: answered, and failed on a pod the Service still lists."""
+
+    # Some 3 requests a second a side: the 10 a side a judgement needs (drift.latency.minRequests)
+    # within a step's 5 s pause; the operator's lives poll far more often, and each request costs
+    # an engine a prefill of some 150 tokens.
+    PER_SECOND = 6
 
     def __init__(self, ns, name: str):
         self.ns, self.name = ns, name
         self.answered = 0
         self.failed: list[str] = []
+        self.next_at = 0.0
 
     def __call__(self, n: int = 2) -> None:
+        if time.monotonic() < self.next_at:
+            return
+        self.next_at = time.monotonic() + n / self.PER_SECOND
         addresses = service_endpoints(self.ns, self.name)
         for _ in range(n if addresses else 0):
             turn = next(_turn)
@@ -110,7 +119,7 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
     with pytest.raises(ApiError, match="a canary step gives either replicas or share, not both"):
         ns.create(tiny_pair(f"{name}-bad", target, draft, rollout={
             "strategy": {"type": "Canary", "steps": [{"replicas": 1, "share": 0.5}]}}))
-    ns.create(tiny_pair(name, target, draft, drift=drift))
+    ns.create(tiny_pair(name, target, draft, drift=drift, gating=ONE_PROMPT_GATING))
     operator.life("log", lambda: serving(ns, name, "1"), time.monotonic() + 300)
     assert serving(ns, name, "1"), ns.pair(name).get("status")
 
