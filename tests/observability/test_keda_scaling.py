@@ -54,6 +54,9 @@ MAX_NEW_TOKENS = 400
 POLLING, SCALE_DOWN_WINDOW = 1, 5
 # Tokens a golden prompt at the gate: it must pass (greedy identity), and nothing here reads its numbers.
 GATE_TOKENS = 4
+# How often the client lists the ready pods: a new pod gets streams within this, a deleted one none
+# at once (the watch); listing every 0.2 s was 5 lists a second of API server and client work.
+LIST_SECONDS = 0.5
 PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print(", "import json\n\ndef load(path):"]
 
 
@@ -64,7 +67,7 @@ def ready(pod: dict[str, Any]) -> bool:
 class Load:
     """Client streams spread over the pair's ready pods (no kube-proxy here: the client picks the
     address, as a Service's load balancing would). The addresses are those of ready pods, listed
-    every 0.2 s, less any pod a watch has seen deleted (at once: the node stops a deleted pod's
+    every LIST_SECONDS, less any pod a watch has seen deleted (at once: the node stops a deleted pod's
     program within its next 0.5 s sync, so no request is sent to a pod already told to stop, as
     endpoints drop a terminating pod). Every request is recorded; a failed one is any gRPC error
     or a stream that ended unfinished."""
@@ -85,7 +88,7 @@ class Load:
             threading.Thread(target=loop, daemon=True).start()
 
     def _list(self) -> None:
-        while not self.closing.wait(0.2):
+        while not self.closing.wait(LIST_SECONDS):
             pods = self.lister.list("v1", "Pod", self.ns, labels=f"specpair.io/pair={PAIR},specpair.io/role=engine")
             self.ready = sorted((p["metadata"]["name"], f"{p['status']['podIP']}:50051") for p in pods
                                 if ready(p) and not p["metadata"].get("deletionTimestamp"))
