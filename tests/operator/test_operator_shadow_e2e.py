@@ -33,7 +33,7 @@ from specpair_devcluster.client import ApiError
 from specpair_operator import manifests
 from specpair_operator.shadow_run import TAG_SHADOW_VERDICT
 from specpair_operator.validation import validate_spec
-from cluster_env import CODE_PROMPTS, cond, engine_pods, model_name, pair, serving, set_spec, tiny_pair
+from cluster_env import CODE_PROMPTS, ONE_PROMPT_GATING, cond, engine_pods, model_name, pair, serving, set_spec, tiny_pair
 from failing_operator import FailingOperator, history
 
 pytestmark = pytest.mark.slow
@@ -50,14 +50,23 @@ def ready_address(ns) -> str | None:
 
 
 class Traffic:
-    """Code requests to the ready engine pod, counted: answered, and failed on a pod that stays."""
+    """Code requests to the ready engine pod, at most PER_SECOND a second however often it is
+    called, counted: answered, and failed on a pod that stays."""
+
+    # Some 10 shadowed requests in 3 s, the most the verdict asks for (rollout.shadow.minRequests);
+    # the operator's lives poll far more often, and each request costs the engine a generation.
+    PER_SECOND = 4
 
     def __init__(self, ns):
         self.ns = ns
         self.answered = 0
         self.failed: list[str] = []
+        self.next_at = 0.0
 
     def __call__(self, n: int = 1) -> None:
+        if time.monotonic() < self.next_at:
+            return
+        self.next_at = time.monotonic() + n / self.PER_SECOND
         address = ready_address(self.ns)
         if address is None:
             return
@@ -102,7 +111,7 @@ def test_a_better_draft_is_promoted_by_shadow_scoring_and_a_worse_one_rejected_k
     mlflow = MlflowClient(mlflow_server.url)
     operator = FailingOperator(tmp_path / "writes.jsonl")
     rollout = {"applyGateTuning": False, "shadow": {"share": 1.0, "minRequests": 10, "maxSeconds": 600}}
-    ns.create(tiny_pair(name, target, str(poor), drift={"enabled": False}, rollout=rollout))
+    ns.create(tiny_pair(name, target, str(poor), drift={"enabled": False}, rollout=rollout, gating=ONE_PROMPT_GATING))
     operator.life("log", lambda: serving(ns, name, "1"), time.monotonic() + 300)
     assert serving(ns, name, "1"), ns.pair(name).get("status")
 
