@@ -7,6 +7,7 @@ and torch-free.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -176,6 +177,11 @@ def cmd_gate(args) -> int:
 
     verdict = run_gate_file(args.release, args.out, device=args.device, progress=_progress)
     print(json.dumps({k: verdict[k] for k in ("passed", "reasons")}))
+    # The gate is done and its process about to end, with the gate runner waiting on it: frozen,
+    # the objects torch and transformers made are left out of the interpreter's last collection
+    # (measured on the tiny models: 2 to 5 s of a 16 to 34 s gate on the busy 2-core machine,
+    # 0.7 to 2.5 CPU-seconds).
+    gc.freeze()
     return 0 if verdict["passed"] or not args.fail_exit_code else 3
 
 
