@@ -45,7 +45,8 @@ OPERATOR_ENV = {"SPECPAIR_RECONCILE_INTERVAL": "1", "SPECPAIR_WATCH_TIMEOUT": "3
 # Requests running per replica that the pair is sized for; the burst runs BURST_STREAMS at once
 # (wanting ceil(8 running / 3) = 3 replicas: an engine runs 8 at a time), the trickle one stream
 # on each of the 3 pods (wanting ceil(3 / 3) = 1), so each pod the scale-down removes has a
-# stream running when it is deleted.
+# stream running when it is deleted. A trickle stream ends with its pod: moved to the pod that
+# stays, its requests and the draining pods' last ones made 5 running, and the HPA scaled back to 2.
 TARGET_RUNNING, BURST_STREAMS = 3, 9
 # Long requests (the tiny models have 512 positions): a stream spends its time running, not
 # between requests, so the running count Prometheus samples is the number of streams.
@@ -103,14 +104,21 @@ class Load:
 
     def _stream(self, stop: threading.Event, index: int, max_new_tokens: int, sticky: bool) -> None:
         from specpair._proto import engine_pb2, engine_pb2_grpc
+        own = None   # a sticky stream's pod
         while not stop.is_set():
+            if own is not None and own in self.deleted_at:
+                return   # its pod is going away: the stream ends with it (TARGET_RUNNING says why)
             targets = [(pod, address) for pod, address in self.ready if pod not in self.deleted_at]
             if not targets:
                 time.sleep(0.1)
                 continue
             with self.lock:
-                # Sticky: the stream's own pod while it is there, as a client holding a connection.
-                pod, address = targets[(index if sticky else self.turn) % len(targets)]
+                if sticky:
+                    # The stream's own pod while it is there, as a client holding a connection.
+                    pod, address = next(((p, a) for p, a in targets if p == own), None) or targets[index % len(targets)]
+                    own = pod
+                else:
+                    pod, address = targets[self.turn % len(targets)]
                 self.turn += 1
             tokens, finished, started = 0, False, time.monotonic()
             try:
