@@ -35,13 +35,14 @@ SLOW_ROOMS = ("ship", "devcluster", "demo", "observability")
 # Files that take minutes, longest first (CI's --durations): they start first. Under
 # `--dist loadfile` a worker that picks one up last runs on alone after the other has finished.
 LONGEST_FIRST = ("operator/test_operator_vllm.py", "demo/test_demo_smoke.py", "operator/test_operator_e2e.py",
-                 "observability/test_prometheus_live.py", "operator/test_operator_shadow_e2e.py",
-                 "operator/test_operator_convergence.py", "operator/test_operator_canary_e2e.py",
-                 "operator/test_operator_latency_rollback.py", "operator/test_operator_gate_retry.py",
+                 "operator/test_operator_latency_rollback.py", "observability/test_prometheus_live.py",
+                 "operator/test_operator_shadow_e2e.py", "operator/test_operator_gate_retry.py",
+                 "operator/test_operator_canary_e2e.py", "engine/test_engine_shadow.py",
                  "observability/test_keda_scaling.py", "engine/test_engine_gate_vllm.py",
-                 "engine/test_engine_static_cache.py", "operator/test_operator_mlflow_auth.py",
-                 "operator/test_operator_leadership.py", "operator/test_operator_serving_auth.py",
-                 "operator/test_operator_real_engine.py")
+                 "operator/test_operator_convergence.py", "engine/test_engine_vllm_peer.py",
+                 "operator/test_operator_mlflow_auth.py", "operator/test_operator_serving_auth.py",
+                 "operator/test_operator_real_engine.py", "engine/test_engine_static_cache.py",
+                 "operator/test_operator_leadership.py")
 
 
 def pytest_collection_modifyitems(items):
