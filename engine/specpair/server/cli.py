@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import signal
@@ -324,6 +325,10 @@ def serve_command(args) -> int:
         return 2
     result = server.stop()
     progress(f"stopped ({result['aborted']} requests ended by the drain timeout)")
+    # The process ends next: frozen, the objects torch and transformers made are left out of the
+    # interpreter's last collection, which took 2-5 s of CPU in every stopping engine pod (a
+    # rollout's old pods stop beside the new ones starting).
+    gc.freeze()
     return 0
 
 
