@@ -349,7 +349,7 @@ class NodeAgent:
     def _admit(self, pod: dict[str, Any]) -> PodWorker | None:
         want = gpu_request(pod)
         if want:
-            in_use = sum(gpu_request(w.pod) for w in self.pods.values() if not (w.terminal or w.finished))
+            in_use = sum(gpu_request(w.pod) for w in self.pods.values() if not (w.terminal or w.stopped))
             if in_use + want > self.spec.gpus:
                 msg = (f"Node didn't have enough resource: {GPU}, requested: {want}, used: {in_use}, "
                        f"capacity: {self.spec.gpus}")
@@ -464,6 +464,7 @@ class PodWorker:
         self.killed = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"pod-{self.key}", daemon=True)
         self.terminal = False
+        self.stopped = False    # its processes are gone: it holds no GPU, even before its pod object is
         self.finished = False
         self.started_at = now_iso()
         self.containers: dict[str, dict[str, Any]] = {}   # name -> status fields
@@ -507,6 +508,9 @@ class PodWorker:
         finally:
             for proc in self.procs.values():
                 _stop_process(proc, 0)
+            # Before the pod object goes: once it is gone a Recreate rollout's next pod may be bound
+            # here and admitted at once (the watch wakes the sync), and must find the GPU free.
+            self.stopped = True
             if self.deleting.is_set() and not (self.agent.stopping.is_set() or self.killed.is_set()):
                 self.agent._finalise_deletion(self.pod)
             self.finished = True

@@ -96,6 +96,7 @@ def test_serve_and_generate_commands(tiny_pair, tmp_path):
         assert server.wait(30) == 0
         log = server.stdout.read()
         assert "loading target" in log and "warm-up step" in log and "serving on" in log and "draining" in log
+        assert "stopped (0 in-flight requests finished while draining, 0 ended by the drain timeout)" in log
     finally:
         if server.poll() is None:
             server.kill()

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specpair.server.app import TLSFiles
 from specpair.server.client import request
 
-from serving_helpers import client_for, make_engine, rpc_error, wait_for
+from serving_helpers import client_for, make_engine, openai_client, rpc_error, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -63,7 +63,8 @@ def test_graceful_shutdown_drains_in_flight_streams(tiny_pair, start_server):
     with client_for(server) as c:
         stream = c.stream(request("def foo(x):", max_new_tokens=40))
         first = next(stream)
-        stopper = threading.Thread(target=lambda: server.stop(drain_timeout=20))
+        stopped: list[dict] = []
+        stopper = threading.Thread(target=lambda: stopped.append(server.stop(drain_timeout=20)))
         stopper.start()
         assert wait_for(lambda: server.phase == "draining")
         assert health_status(server) == NOT_SERVING       # load balancers stop sending traffic
@@ -74,9 +75,37 @@ def test_graceful_shutdown_drains_in_flight_streams(tiny_pair, start_server):
     assert rest[-1].usage.completion_tokens == 40
     assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 40
     assert server.phase == "stopped"
+    assert stopped == [{"drained": 1, "aborted": 0}]
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         with pytest.raises(grpc.FutureTimeoutError):
             grpc.channel_ready_future(channel).result(timeout=0.5)
+
+
+def test_replies_count_as_in_flight_until_they_end_on_both_protocols(tiny_pair, start_server):
+    """What a drain waits for and reports: admitted requests whose replies have not ended, however
+    they end (sent, the client gone, the queue full), on gRPC and HTTP alike."""
+    server = start_server(engine=make_engine(tiny_pair, delay=0.02), http_port=0, max_batch_size=1, max_queue=1)
+    admission = server._service.admission
+    with client_for(server) as c:
+        assert c.generate("def foo(x):", max_new_tokens=3).last.usage.completion_tokens == 3
+        assert admission.replying == 0
+        running = c.stream(request("def foo(x):", max_new_tokens=400))
+        next(running)
+        queued = c.stream(request("import os", max_new_tokens=2))
+        assert wait_for(lambda: server.worker.waiting == 1)
+        assert rpc_error(lambda: c.generate("x", max_new_tokens=2)).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert admission.replying == 2
+        running.cancel()                                    # the client leaves mid-stream
+        assert sum(len(m.token_ids) for m in queued) == 2
+        assert wait_for(lambda: admission.replying == 0)
+    http = openai_client(server)
+    assert http.completions.create(model="tiny", prompt="def foo(x):", max_tokens=3, temperature=0).usage.completion_tokens == 3
+    streamed = http.completions.create(model="tiny", prompt="def foo(x):", max_tokens=400, temperature=0, stream=True)
+    next(iter(streamed))
+    assert admission.replying == 1
+    streamed.close()                                        # an HTTP client leaving mid-stream
+    assert wait_for(lambda: admission.replying == 0)
+    assert server.stop() == {"drained": 0, "aborted": 0}
 
 
 def test_drain_timeout_ends_streams_with_a_clear_status(tiny_pair, start_server):
@@ -89,7 +118,7 @@ def test_drain_timeout_ends_streams_with_a_clear_status(tiny_pair, start_server)
         started = time.monotonic()
         result = server.stop(drain_timeout=0.3)
         assert time.monotonic() - started < 5
-        assert result["aborted"] == 2
+        assert result == {"drained": 0, "aborted": 2}
         for stream in (running, queued):
             err = rpc_error(lambda: list(stream))
             assert err.code() == grpc.StatusCode.UNAVAILABLE
@@ -198,4 +227,4 @@ def test_a_port_in_use_is_a_clear_start_error(tiny_pair, shared_server):
     with pytest.raises(RuntimeError, match=f"did not start on 127.0.0.1:{shared_server.port}"):
         server.start()
     assert server._metrics_httpd is None      # nothing left listening
-    assert server.stop() == {"aborted": 0}
+    assert server.stop() == {"drained": 0, "aborted": 0}

@@ -13,6 +13,7 @@ client gone while its prompt was tokenized (the front says whether "cancelled" o
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -25,10 +26,13 @@ from specpair.server.worker import Job, NotAccepting, QueueFull
 
 @dataclass
 class Admitted:
-    """A request in the worker: its job (to cancel) and the queue its events arrive on."""
+    """A request in the worker: its job (to cancel), the queue its events arrive on, and `replied`,
+    which its front calls once the reply has ended however it ended (sent, failed, or the client
+    gone); calling it again does nothing."""
 
     job: Job
     events: asyncio.Queue
+    replied: Callable[[], None]
 
 
 class Admission:
@@ -37,6 +41,16 @@ class Admission:
     def __init__(self, state):
         self.state = state
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="specpair-tokenize")
+        # Requests admitted whose replies have not ended: a request the worker has finished may
+        # still be on its way to the client, and a drain waits for it too. Both fronts' threads.
+        self._replying: set[int] = set()
+        self._replying_lock = threading.Lock()
+
+    @property
+    def replying(self) -> int:
+        """How many admitted requests' replies have not ended yet (both protocols)."""
+        with self._replying_lock:
+            return len(self._replying)
 
     def close(self) -> None:
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
@@ -77,12 +91,21 @@ class Admission:
         job = Job(prompt_ids=ids, params=checked.params, category=category, client_id=client_id,
                   protocol=protocol, arrived=arrived,
                   sink=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        key = id(job)
+        with self._replying_lock:
+            self._replying.add(key)
+
+        def replied() -> None:
+            with self._replying_lock:
+                self._replying.discard(key)
         try:
             state.worker.submit(job)
         except QueueFull:
+            replied()
             self.refused(category, "rejected", protocol)
             raise
         except NotAccepting:
+            replied()
             self.refused(category, "unavailable", protocol)
             raise
-        return Admitted(job=job, events=events)
+        return Admitted(job=job, events=events, replied=replied)

@@ -152,7 +152,7 @@ class EngineServer:
         with self._stop_lock:
             if self.phase == "stopped" or self._loop is None or self._stopped.is_set():
                 self._close_metrics()
-                return {"aborted": 0}
+                return {"drained": 0, "aborted": 0}
             timeout = self.options.drain_timeout if drain_timeout is None else drain_timeout
             future = asyncio.run_coroutine_threadsafe(self._shutdown(timeout), self._loop)
             result = future.result(timeout + 60)
@@ -346,12 +346,15 @@ class EngineServer:
         self.phase = "draining"
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        aborted = 0
+        aborted = in_flight = 0
         worker = self.worker
         if worker is not None:
             worker.stop_accepting()
+            # Replies, not worker jobs: a finished job's last tokens may still be on their way.
+            replying = self._service.admission
+            in_flight = replying.replying
             deadline = time.monotonic() + drain_timeout
-            while worker.busy and time.monotonic() < deadline:
+            while (worker.busy or replying.replying) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if worker.busy:
                 aborted = await asyncio.get_running_loop().run_in_executor(
@@ -368,4 +371,6 @@ class EngineServer:
         self._close_metrics()
         self.phase = "stopped"
         asyncio.get_running_loop().call_soon(asyncio.get_running_loop().stop)
-        return {"aborted": aborted}
+        # drained: the requests in flight (queued, running, or their replies being sent) when
+        # draining began that finished.
+        return {"drained": in_flight - aborted, "aborted": aborted}

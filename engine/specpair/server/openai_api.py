@@ -503,8 +503,14 @@ class OpenAIFront:
         job.client_id = reply.id
         if stream:
             # Cancelling a finished job does nothing: on_close only matters for a reply cut short.
-            return EventStream(self._stream(job, events, reply), lambda: state.worker.cancel(job, "cancelled"))
-        return await self._complete(request, job, events, reply)
+            def on_close() -> None:
+                state.worker.cancel(job, "cancelled")
+                admitted.replied()
+            return EventStream(self._stream(job, events, reply), on_close)
+        try:
+            return await self._complete(request, job, events, reply)
+        finally:
+            admitted.replied()
 
     async def _stream(self, job: Job, events: asyncio.Queue, reply: "Reply"):
         finished = False

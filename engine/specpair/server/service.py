@@ -264,6 +264,7 @@ class EngineService:
             if not finished:
                 # Client cancelled, deadline passed, or the stream broke: free the batch slot.
                 state.worker.cancel(job, gone_status(context))
+            admitted.replied()
 
     # -- unary ----------------------------------------------------------------------------------
 
