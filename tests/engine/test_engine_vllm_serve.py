@@ -60,6 +60,20 @@ def test_a_vllm_release_becomes_vllms_command_line_with_its_identity(tiny_pair_d
     assert json.loads(cmd[cmd.index("--speculative-config") + 1])["model"] == tiny_pair_dirs["draft"]
 
 
+def test_the_launcher_imports_neither_torch_nor_transformers(tiny_pair_dirs, tmp_path):
+    """A vLLM pod's launcher only resolves sources and renders flags: importing torch cost every
+    vLLM pod 3-4 s before vLLM itself started."""
+    path = tmp_path / "release.json"
+    path.write_text(json.dumps(release(tiny_pair_dirs["target"], {"source": tiny_pair_dirs["draft"]})))
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "specpair.vllm_serve", "--release", str(path),
+                           "--dry-run"], capture_output=True, text=True, timeout=120,
+                          env={"SPECPAIR_VLLM_PYTHON": "/opt/vllm/python", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "specpair.vllm_serve" in imported or "specpair.vllm_peer" in imported
+    assert not imported & {"torch", "transformers"}, sorted(m for m in imported if m.split(".")[0] in ("torch", "transformers"))
+
+
 def _flag(cmd: list[str], name: str) -> str | None:
     return cmd[cmd.index(name) + 1] if name in cmd else None
 
