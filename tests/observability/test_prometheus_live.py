@@ -13,16 +13,26 @@ second and evaluating the shipped rule file every second. The scenario, on two p
   engine's `specpair_shadow_*` series, the operator's `specpair_shadow_verdicts_total`); v2 serves
   traffic. Then v2's draft files are replaced by an unrelated model and its pod restarted, so live
   acceptance drifts: the operator turns speculation off, then rolls back to v1, which was gated
-  well above what v2 now does.
+  well above what v2 now does. v3, a new target (the same weights from another path) with the good
+  draft, passes its gate and runs as a canary: its pod serves beside v1's behind the same Service,
+  is judged against it on live traffic and promoted (the operator's
+  `specpair_canary_decisions_total`).
 
-Then: each panel query returns data for `drifts` over the scenario's time range, the dashboard's
-variables list the pair, and the alerts that fired (Prometheus' own ALERTS series) are exactly
-SpecpairGateFailed for `fails`, SpecpairSpeculationOff and SpecpairRolledBack (drift) for `drifts`,
-each no earlier than the operator's action, and SpeculationOff no longer firing once rolled back.
+Then: each panel query and annotation returns data for `drifts` over the scenario's time range, the
+dashboard's variables list the pair, and the alerts that fired (Prometheus' own ALERTS series) are
+exactly SpecpairGateFailed for `fails`, SpecpairSpeculationOff and SpecpairRolledBack (drift) for
+`drifts`, each no earlier than the operator's action, and SpeculationOff no longer firing once
+rolled back.
+
+Traffic reaches the pods as the engine Service would deliver it: round robin over the ready pods its
+selector picks, which is what its EndpointSlice would list. The devcluster has no kube-proxy, and
+its API server refuses the loopback pod addresses in EndpointSlices (docs/devcluster.md), so the
+test client spreads the requests itself.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -68,6 +78,13 @@ SHORT_FOR = "2s"
 # second, a core's worth of decoding beside every engine pod starting meanwhile (28.6 s to ready
 # against 13.3 s without).
 TRAFFIC_PAUSE = 0.5
+# The canary of v3: one step of one pod beside v1's (half the traffic), passed once its short pause
+# is over and 10 requests a side (the least the CRD admits) judge its errors, TTFT and TPOT fine:
+# seconds of the paced traffic. How a breach aborts is proven by the canary's own test
+# (tests/operator/test_operator_canary_e2e.py); here its latency may be up to 5x v1's p95, so that
+# a request slowed by whatever else this machine runs cannot abort what the panels are to show.
+CANARY_STRATEGY = {"type": "Canary", "steps": [{"replicas": 1, "pauseSeconds": 2}]}
+CANARY_LATENCY = {"minRequests": 10, "ttftP95Ratio": 5.0, "tpotP95Ratio": 5.0}
 # What the monitors are rendered with in place of MLflow's address, not known yet when Prometheus
 # starts: no monitor reads it (the chart requires one).
 NO_MLFLOW_YET = "http://mlflow.invalid:5000"
@@ -115,6 +132,7 @@ def ready(pod: dict[str, Any]) -> bool:
 class Scenario:
     def __init__(self, cluster: Any, namespace: str):
         self.cluster, self.kube, self.ns = cluster, cluster.kube, namespace
+        self.turn = itertools.count()
 
     def pair(self, name: str) -> dict[str, Any]:
         return self.kube.get(PAIR_API, "SpecModelPair", self.ns, name) or {}
@@ -127,31 +145,51 @@ class Scenario:
         pods = sorted((p for p in self.engine_pods(name) if ready(p)), key=lambda p: p["metadata"]["creationTimestamp"])
         return f"{pods[-1]['status']['podIP']}:50051" if pods else None
 
+    def endpoints(self, name: str) -> list[str]:
+        """The gRPC addresses of the ready pods the pair's Service selects (the module docstring)."""
+        from specpair_operator import manifests
+        service = self.kube.get("v1", "Service", self.ns, manifests.engine_name(name))
+        if service is None:
+            return []
+        selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
+        return sorted(f"{p['status']['podIP']}:50051" for p in self.kube.list("v1", "Pod", self.ns, labels=selector)
+                      if not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP") and ready(p))
+
+    def ready_versions(self, name: str) -> list[str]:
+        return sorted(p["metadata"]["labels"].get("specpair.io/release-version") for p in self.engine_pods(name) if ready(p))
+
     def serving(self, name: str, version: str, phase: str = "Serving") -> dict[str, Any] | None:
         """The pair when `version` serves from ready pods of its own alone (phase Degraded: a
         rolled-back release is still what the spec names)."""
         obj = self.pair(name)
         st = obj.get("status") or {}
         ok = st.get("phase") == phase and st.get("servingVersion") == version and \
-            [p["metadata"]["labels"].get("specpair.io/release-version") for p in self.engine_pods(name) if ready(p)] == [version]
+            self.ready_versions(name) == [version]
         return obj if ok else None
 
     def traffic(self, name: str, n: int = 4) -> None:
+        """n code requests, round robin over the Service's ready pods; each pod is sent every prompt
+        in turn (a canary and its champion are judged on the same mix)."""
         from specpair._proto import engine_pb2, engine_pb2_grpc
-        address = self.address(name)
-        if address is None:
+        addresses = self.endpoints(name)
+        if not addresses:
             time.sleep(0.5)
             return
-        with grpc.insecure_channel(address) as channel:
-            stub = engine_pb2_grpc.EngineStub(channel)
-            for i in range(n):
-                req = engine_pb2.GenerateRequest(prompt=CODE_PROMPTS[i % len(CODE_PROMPTS)], max_new_tokens=12,
-                                                 category="code")
+        channels = {a: grpc.insecure_channel(a) for a in addresses}
+        try:
+            for _ in range(n):
+                turn = next(self.turn)
+                address = addresses[turn % len(addresses)]
+                req = engine_pb2.GenerateRequest(prompt=CODE_PROMPTS[turn // len(addresses) % len(CODE_PROMPTS)],
+                                                 max_new_tokens=12, category="code")
                 try:
-                    for _ in stub.Generate(req, timeout=30):
+                    for _ in engine_pb2_grpc.EngineStub(channels[address]).Generate(req, timeout=30):
                         pass
                 except grpc.RpcError:
-                    return  # a pod being replaced; the next round goes to the new one
+                    return  # a pod being replaced; the next round reads the ready pods again
+        finally:
+            for channel in channels.values():
+                channel.close()
 
     def wait(self, what: str, predicate: Any, timeout: float, traffic_to: str | None = None) -> Any:
         deadline = time.monotonic() + timeout
@@ -193,12 +231,14 @@ def models(tiny_pair_dirs, tiny_tokenizer, tiny_target):
     """The tiny models where pods can read them (pytest's folders are under /tmp, which each pod
     has as its own emptyDir): the target, the good draft at a path of its own (`draft-v2`), a
     mediocre draft (the target's weights with more noise: it picks the target's greedy token at
-    0.29 of the code prompts' positions, the good draft at 0.63), and an unrelated model to
-    replace a served draft's files with."""
+    0.29 of the code prompts' positions, the good draft at 0.63), an unrelated model to replace a
+    served draft's files with, and the target's weights at another path (`target-copy`: a new
+    target to the operator)."""
     from tiny_models import make_model, perturbed_copy, save_tiny
     root = Path.home() / ".cache" / "specpair-test-models" / f"obs-{uuid.uuid4().hex[:8]}"
     out = {k: str(shutil.copytree(v, root / k)) for k, v in tiny_pair_dirs.items()}
     out["draft-v2"] = str(shutil.copytree(tiny_pair_dirs["draft"], root / "draft-v2"))
+    out["target-copy"] = str(shutil.copytree(tiny_pair_dirs["target"], root / "target-copy"))
     out["draft-mediocre"] = str(save_tiny(perturbed_copy(tiny_target, seed=5, noise=0.07), root / "draft-mediocre"))
     out["unrelated"] = str(save_tiny(make_model(tiny_tokenizer, seed=9), root / "unrelated"))
     yield out
@@ -295,6 +335,11 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
         s.wait("rolled back to v1", lambda: s.serving("drifts", "1", phase="Degraded"), timeout=300, traffic_to="drifts")
         for _ in range(3):
             s.traffic("drifts")
+        # v3: a new target (v1's weights from another path) with the good draft, rolled out as a
+        # canary beside v1. Its gate runs while the alerts below are awaited, without traffic (as v2's).
+        kube.patch(PAIR_API, "SpecModelPair", namespace, "drifts", {"spec": {
+            "target": {"source": models["target-copy"]}, "draft": {"source": models["draft"]},
+            "drift": {"latency": CANARY_LATENCY}, "rollout": {"strategy": CANARY_STRATEGY}}})
 
         # What fired for this namespace, from Prometheus' own ALERTS series over the whole scenario.
         # (Only this namespace: a pod IP's port is free while its program starts or restarts, and a
@@ -326,6 +371,24 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
         assert got[("SpecpairSpeculationOff", "drifts", "")] >= s.action_time("drifts", "SpeculationOff") - 1
         assert got[("SpecpairRolledBack", "drifts", "drift")] >= s.action_time("drifts", "RolledBack") - 1
         assert all(r["health"] == "ok" for r in prom.rules()), [(r["name"], r.get("lastError")) for r in prom.rules()]
+
+        # v3's canary pod serves beside v1's, is judged against it on the traffic the two share, and
+        # v3 is promoted: the engine Deployment rolls to it, then the canary is scaled to zero.
+        s.wait("v3's canary pod beside v1's", lambda: s.ready_versions("drifts") == ["1", "3"], timeout=300)
+
+        def promoted_by_canary() -> dict[str, Any] | None:
+            obj = s.serving("drifts", "3")
+            return obj if obj and (obj["status"].get("canary") or {}).get("phase") == "Promoted" else None
+        obj = s.wait("v3 promoted by its canary and serving", promoted_by_canary, timeout=240, traffic_to="drifts")
+        entry = obj["status"]["canary"]
+        assert (entry["version"], entry["champion"], entry["trafficShare"]) == ("3", "1", 0.5), entry
+        for key in ("errors:*", "ttft:*", "tpot:*"):
+            assert entry["judged"][key]["verdict"] == "fine" and entry["judged"][key]["requests"] >= 10, entry
+        history_v3 = [h["action"] for h in obj["status"]["history"] if h["toVersion"] == "3"]
+        assert history_v3.index("CanaryStarted") < history_v3.index("CanaryPassed") < history_v3.index("Promoted"), \
+            history_v3
+        for _ in range(3):
+            s.traffic("drifts")
         # The operator counted its one shadow start and verdict; v1's pods labelled what they scored with v2.
         verdicts = prom.query(f'specpair_shadow_verdicts_total{{namespace="{namespace}"}}')
         assert [(r["metric"]["pair"], r["metric"]["result"], r["value"][1]) for r in verdicts] == [("drifts", "promoted", "1")]
@@ -342,21 +405,28 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
             if not finite_points(prom.query_range(query, start, end, step)):
                 empty.append((title, query))
         assert not empty, f"panel queries with no data: {json.dumps(empty, indent=1)}"
+        # The operator counted the canary's start and its pass (one step: nothing to advance).
+        decisions = prom.query(f'specpair_canary_decisions_total{{namespace="{namespace}"}}')
+        assert sorted((r["metric"]["pair"], r["metric"]["decision"], r["value"][1]) for r in decisions) \
+            == [("drifts", "passed", "1"), ("drifts", "started", "1")], decisions
         # The operator's counters count each decision, the first included (a counter's first sample,
-        # which increase() reads as no change): two promotions, one rollback, one shadow verdict.
+        # which increase() reads as no change): three promotions (v1, v2 on its shadow verdict, v3
+        # on its canary), one rollback, one shadow verdict.
         def panel_now(title: str, metric: str) -> list[tuple[str, str]]:
             (expr,) = [e for t, e in panel_targets() if t == title and metric in e]
             return [(r["metric"].get("reason") or r["metric"].get("result", ""), r["value"][1])
                     for r in prom.query(grafana_query(expr, "drifts", step, end - start), end)]
-        assert panel_now("Promotions and rollbacks", "specpair_promotions_total") == [("", "2")]
+        assert panel_now("Promotions and rollbacks", "specpair_promotions_total") == [("", "3")]
         assert panel_now("Promotions and rollbacks", "specpair_rollbacks_total") == [("drift", "1")]
         assert panel_now("Shadow verdicts", "specpair_shadow_verdicts_total") == [("promoted", "1")]
-        # Annotations mark the operator's decisions, each event at its first appearance too. No
-        # canary runs here (tests/operator/test_operator_canary_e2e.py runs one): Prometheus only
-        # evaluates that query.
-        marked = {name: finite_points(prom.query_range(grafana_query(expr, "drifts", step, end - start), start, end, step))
-                  for name, expr in annotation_queries()}
-        assert {name for name, points in marked.items() if points} == set(marked) - {"Canary decisions"}, marked
+        # Annotations mark the operator's decisions, each event at its first appearance too: the
+        # canary's start and its pass each.
+        marks = {name: prom.query_range(grafana_query(expr, "drifts", step, end - start), start, end, step)
+                 for name, expr in annotation_queries()}
+        assert not [name for name, result in marks.items() if not finite_points(result)], \
+            {name: finite_points(result) for name, result in marks.items()}
+        assert sorted(r["metric"]["decision"] for r in marks["Canary decisions"] if finite_points([r])) \
+            == ["passed", "started"], marks["Canary decisions"]
         # The dashboard's variables (label_values(metric, label)) list the pair and its versions.
         for var in dashboard_variables():
             metric, label = re.fullmatch(r"label_values\((.+), (\w+)\)", var["definition"]).groups()
