@@ -1,20 +1,25 @@
 """The canary end to end: the operator (real Kopf) on the real control plane, the real gate in the
-gate Jobs and `specpair engine serve` in the engine pods, on tiny models (CPU). v1 serves; v2, a
-new target (the same weights from another path) with `rollout.strategy: Canary`, passes its gate,
-runs a canary pod beside v1's behind the same Service, is judged on live traffic (the real
-engines' GetStats: TTFT and TPOT histograms, requests by status, acceptance) and promoted. v3, a
-target of eight layers 256 wide (its prefill about ten times the tiny target's on this CPU),
-passes its gate too and is aborted on its TTFT breach with the numbers; v2 keeps serving on the
-pod it had.
+gate Jobs and `specpair engine serve` in the engine pods, on tiny models (CPU). v1 serves on one
+pod; v2, a new target (the same weights from another path) with `rollout.strategy: Canary` in two
+steps (`share: 0.5` of the champion's replicas: one pod beside v1's; then `replicas: 2`), passes
+its gate, runs its canary pods beside v1's behind the same Service, is judged on live traffic at
+each step (the real engines' GetStats: TTFT and TPOT histograms, requests by status, acceptance),
+advances, and is promoted. v3, a target of eight layers 256 wide (its prefill about ten times the
+tiny target's on this CPU), passes its gate too and is aborted on its TTFT breach with the
+numbers; v2 keeps serving on the pod it had.
 
 Each decision is made under kills: the operator runs as a child process with failpoints on its
 writes (failing_operator.py); it gates each candidate undisturbed, dies right after the canary's
-first write (its Deployment), and from there every life makes one write and is killed, until the
-decision has landed and the serving state is final. Status writes are spared: the canary's
-evidence is the operator's memory (canary.py), so an operator killed after every pass's status
-would never gather any; every status is still lost with the pass a kill ends. The end state is the
-undisturbed one: each Event once, one model version per release, the aliases, the condition and
-status.canary with the numbers, two Deployments, and the champion answering throughout.
+first write (its Deployment), and from there every life makes one write and is killed (the
+advance's scale-up among them), until the decision has landed and the serving state is final.
+Status writes are spared: the canary's evidence is the operator's memory (canary.py), so an
+operator killed after every pass's status would never gather any; every status is still lost with
+the pass a kill ends. What a user watching v2 sees is checked at every look: the canary
+Deployment's replicas and step annotation going one way, the Service's ready endpoints holding
+the canary's pods beside the champion's at each step, status.canary's step and numbers. The end
+state is the undisturbed one: each Event once (one CanaryAdvanced for the one advance), one model
+version per release, the aliases, the condition and status.canary with the numbers, two
+Deployments, and the champion answering throughout.
 
 Traffic reaches the pods as the Service would deliver it: round robin over the ready pods its
 selector picks, which is what its EndpointSlice would list. The devcluster has no kube-proxy, and
@@ -37,7 +42,8 @@ from specpair_devcluster.client import ApiError
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
 from specpair_operator import canary, manifests
-from cluster_env import CODE_PROMPTS, ONE_PROMPT_GATING, cond, model_name, service_endpoints, serving, set_spec, tiny_pair
+from cluster_env import (CODE_PROMPTS, ONE_PROMPT_GATING, cond, engine_pods, model_name, service_endpoints, serving,
+                         set_spec, tiny_pair)
 from failing_operator import FailingOperator, history
 
 pytestmark = pytest.mark.slow
@@ -50,18 +56,26 @@ STATUS = "kube.merge_patch specmodelpairs"     # spared (module docstring)
 LONG_PROMPTS = ["\n\n".join(CODE_PROMPTS[i:] + CODE_PROMPTS[:i]) * 3 for i in range(len(CODE_PROMPTS))]
 
 
+def tracks(ns) -> dict[str, str]:
+    """Each engine pod's gRPC address (as service_endpoints gives it) -> 'canary' or 'champion'."""
+    return {f"{p['status']['podIP']}:50051": "canary" if canary.is_canary_pod(p) else "champion"
+            for p in engine_pods(ns) if p["status"].get("podIP")}
+
+
 class Traffic:
     """Code requests round robin over the Service's ready endpoints, at most PER_SECOND a second
-    however often it is called, counted: answered, and failed on a pod the Service still lists."""
+    however often it is called, counted: answered (by `stage`, what the test last saw, and the
+    pod's track), and failed on a pod the Service still lists."""
 
-    # Some 3 requests a second a side: the 10 a side a judgement needs (drift.latency.minRequests)
-    # within a step's 5 s pause; the operator's lives poll far more often, and each request costs
-    # an engine a prefill of some 150 tokens.
+    # Some 3 requests a second a side with one pod a side (2 a pod with three): the 10 a side a
+    # judgement needs (drift.latency.minRequests) within a few seconds of a step; the operator's
+    # lives poll far more often, and each request costs an engine a prefill of some 150 tokens.
     PER_SECOND = 6
 
     def __init__(self, ns, name: str):
         self.ns, self.name = ns, name
-        self.answered = 0
+        self.answered: Counter = Counter()      # (stage, track) -> requests answered
+        self.stage = ""
         self.failed: list[str] = []
         self.next_at = 0.0
 
@@ -70,6 +84,7 @@ class Traffic:
             return
         self.next_at = time.monotonic() + n / self.PER_SECOND
         addresses = service_endpoints(self.ns, self.name)
+        track = tracks(self.ns)
         for _ in range(n if addresses else 0):
             turn = next(_turn)
             address = addresses[turn % len(addresses)]
@@ -79,7 +94,7 @@ class Traffic:
                 with grpc.insecure_channel(address) as channel:
                     for _ in engine_pb2_grpc.EngineStub(channel).Generate(req, timeout=30):
                         pass
-                self.answered += 1
+                self.answered[(self.stage, track.get(address, "gone"))] += 1
             except grpc.RpcError as exc:
                 if address in service_endpoints(self.ns, self.name):   # not a pod going away
                     self.failed.append(f"{address}: {exc.code()}")
@@ -89,6 +104,23 @@ class Traffic:
 def canary_replicas(ns, name: str) -> int | None:
     dep = ns.get("apps/v1", "Deployment", manifests.engine_canary_name(name))
     return None if dep is None else int(dep["spec"].get("replicas") or 0)
+
+
+def canary_look(ns, name: str) -> dict:
+    """What a user watching the rollout sees at one moment: the canary Deployment's replicas and
+    step annotation, the ready endpoints of the Service by track, and status.canary's step."""
+    dep = ns.get("apps/v1", "Deployment", manifests.engine_canary_name(name)) or {}
+    entry = (ns.pair(name).get("status") or {}).get("canary") or {}
+    ready = Counter(tracks(ns).get(a, "gone") for a in service_endpoints(ns, name))
+    return {"replicas": int((dep.get("spec") or {}).get("replicas") or 0),
+            "annotation": ((dep.get("metadata") or {}).get("annotations") or {}).get(canary.ANN_STEP),
+            "champion": ready["champion"], "canary": ready["canary"],
+            "status": tuple(entry.get(k) for k in ("version", "phase", "step", "steps", "replicas", "trafficShare"))}
+
+
+def changes(values) -> list:
+    """The values in order, each run of equal ones as one."""
+    return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
 
 
 def canary_entry(ns, name: str, version: str, phase: str) -> dict | None:
@@ -123,35 +155,57 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
     operator.life("log", lambda: serving(ns, name, "1"), time.monotonic() + 300)
     assert serving(ns, name, "1"), ns.pair(name).get("status")
 
-    # v2: another target (the same weights from another path), rolled out as a canary.
-    strategy = {"type": "Canary", "steps": [{"replicas": 1, "pauseSeconds": 5}]}
+    # v2: another target (the same weights from another path), rolled out as a canary in two
+    # steps on the champion's one pod: a share of half its replicas (one pod), then two pods.
+    strategy = {"type": "Canary", "steps": [{"share": 0.5, "pauseSeconds": 3}, {"replicas": 2, "pauseSeconds": 3}]}
     set_spec(ns, name, {"target": {"source": same_weights},
                         "rollout": {"applyGateTuning": False, "strategy": strategy}})
     operator.killed_after("kube.create Deployment")
     since = len(operator.writes())
-    traffic, seen = Traffic(ns, name), set()
+    traffic, looks = Traffic(ns, name), []
 
     def promoted() -> bool:
-        seen.add((len(service_endpoints(ns, name)), canary_replicas(ns, name)))
-        return bool(serving(ns, name, "2")) and canary_replicas(ns, name) == 0 \
-            and (ns.pair(name)["status"].get("canary") or {}).get("phase") == "Promoted"
+        look = canary_look(ns, name)
+        looks.append(look)
+        traffic.stage = f"step {int(look['annotation']) + 1}" if look["replicas"] else ""
+        return bool(serving(ns, name, "2")) and look["replicas"] == 0 and look["status"][1] == "Promoted"
     kills = operator.crash_until(promoted, timeout=300, during=traffic)
     crashed = operator.crashed_writes(since)
     for write in ("mlflow.set_model_version_tag specpair.canary", "mlflow.set_model_version_tag specpair.promoted_at",
                   "mlflow.set_registered_model_alias champion", "kube.merge_patch deployments"):
         assert write in crashed, (write, crashed)
-    assert (2, 1) in seen, f"v2's canary pod never served beside v1's: {seen}"
+    # The advance's scale-up is the first Deployment write after the canary's start, before its mark.
+    assert crashed.index("kube.merge_patch deployments") < crashed.index("mlflow.set_model_version_tag specpair.canary"), \
+        crashed
+    # The canary Deployment: one pod (step 1), two (step 2), none once v2 serves; never back.
+    assert changes([(look["replicas"], look["annotation"]) for look in looks]) == [(1, "0"), (2, "1"), (0, "1")], \
+        changes([(look["replicas"], look["annotation"]) for look in looks])
+    # The Service's ready endpoints held the canary's pods beside the champion's at each step, and
+    # never none (the canary pods serve while the engine Deployment rolls to v2).
+    by_step = {(look["annotation"], look["champion"], look["canary"]) for look in looks if look["replicas"]}
+    assert ("0", 1, 1) in by_step and ("1", 1, 2) in by_step, by_step
+    assert min(look["champion"] + look["canary"] for look in looks) >= 1, looks
+    # status.canary said each step with its numbers, in order.
+    progressing = changes([look["status"][2:] for look in looks if look["status"][:2] == ("2", "Progressing")])
+    assert progressing == [(1, 2, 1, 0.5), (2, 2, 2, 0.6667)], progressing
+    # The champion answered at each step, and the canary's pods did.
+    for step in ("step 1", "step 2"):
+        assert traffic.answered[(step, "champion")] >= 1 and traffic.answered[(step, "canary")] >= 1, traffic.answered
     obj = ns.pair(name)
     history_v2 = [h["action"] for h in obj["status"]["history"] if h["toVersion"] == "2"]
-    assert history_v2.index("CanaryStarted") < history_v2.index("CanaryPassed") < history_v2.index("Promoted"), history_v2
+    assert history_v2.index("CanaryStarted") < history_v2.index("CanaryAdvanced") < history_v2.index("CanaryPassed") \
+        < history_v2.index("Promoted"), history_v2
     counts = history(obj)
-    for action in ("GateStarted", "GatePassed", "CanaryStarted", "CanaryPassed", "Promoted"):
+    for action in ("GateStarted", "GatePassed", "CanaryStarted", "CanaryAdvanced", "CanaryPassed", "Promoted"):
         assert counts[(action, "2")] == 1, (action, counts)
     said = events(ns)
-    assert (said["CanaryStarted"], said["CanaryPassed"], said["Promoted"], said["CanaryScaledDown"]) == (1, 1, 2, 1), said
+    assert (said["CanaryStarted"], said["CanaryAdvanced"], said["CanaryPassed"], said["Promoted"],
+            said["CanaryScaledDown"]) == (1, 1, 1, 2, 1), said
+    advanced = [e["message"] for e in ns.events("CanaryAdvanced")]
+    assert "v2" in advanced[0] and "step 2 of 2: 2 pod(s) beside 1" in advanced[0], advanced
     entry = obj["status"]["canary"]
     assert entry["phase"] == "Promoted" and entry["version"] == "2" and entry["champion"] == "1"
-    assert entry["trafficShare"] == 0.5
+    assert (entry["step"], entry["steps"], entry["replicas"], entry["trafficShare"]) == (2, 2, 2, 0.6667), entry
     for key in ("errors:*", "ttft:*", "tpot:*"):
         assert entry["judged"][key]["verdict"] == "fine" and entry["judged"][key]["requests"] >= 10, entry
     canary_cond = cond(obj, canary.CONDITION)
@@ -159,7 +213,7 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
     assert len(mlflow.search_model_versions(f"name='{model}'")) == 2
     assert mlflow.get_registered_model(model).aliases == {"candidate": "2", "champion": "2", "previous": "1"}
     assert sorted(d["metadata"]["name"] for d in ns.list("apps/v1", "Deployment")) == deployments
-    assert traffic.answered >= 20 and not traffic.failed, (traffic.answered, traffic.failed)
+    assert sum(traffic.answered.values()) >= 20 and not traffic.failed, (traffic.answered, traffic.failed)
 
     # v3: a target of eight layers 256 wide, several times slower to its first token. Acceptance
     # (drift.minDraftedTokens above what the test drafts) and TPOT (a ratio of 10) are left out
@@ -202,5 +256,5 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
     assert len(mlflow.search_model_versions(f"name='{model}'")) == 3
     assert mlflow.get_registered_model(model).aliases == {"candidate": "3", "champion": "2", "previous": "1"}
     assert sorted(d["metadata"]["name"] for d in ns.list("apps/v1", "Deployment")) == deployments
-    assert traffic.answered >= 10 and not traffic.failed, (traffic.answered, traffic.failed)
+    assert sum(traffic.answered.values()) >= 10 and not traffic.failed, (traffic.answered, traffic.failed)
     assert kills >= 6, kills
