@@ -26,8 +26,8 @@ from typing import Any
 
 import requests
 
-from .registry_contract import (RegistryUnavailable, gate_error_tags, gate_experiment, gate_metrics, gate_run_tags,
-                                gate_tags)
+from .registry_contract import (RegistryUnavailable, find_or_create, gate_error_tags, gate_experiment, gate_metrics,
+                                gate_run_tags, gate_tags)
 
 ARTIFACT_PROXY = "mlflow-artifacts:"
 METRICS_PER_BATCH = 1000     # MLflow's limit for one log-batch
@@ -94,19 +94,15 @@ class GateRecord:
     # -- MLflow --------------------------------------------------------------------------------
 
     def _experiment(self, name: str) -> str:
-        try:
-            return self._api("GET", "experiments/get-by-name", params={"experiment_name": name})["experiment"][
-                "experiment_id"]
-        except MlflowRefused as exc:
-            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
-                raise
-        try:
-            return self._api("POST", "experiments/create", {"name": name})["experiment_id"]
-        except MlflowRefused as exc:
-            if exc.error_code != "RESOURCE_ALREADY_EXISTS":   # made meanwhile (the operator's release run)
-                raise
-            return self._api("GET", "experiments/get-by-name", params={"experiment_name": name})["experiment"][
-                "experiment_id"]
+        def find() -> str | None:
+            try:
+                return self._api("GET", "experiments/get-by-name", params={"experiment_name": name})["experiment"][
+                    "experiment_id"]
+            except MlflowRefused as exc:
+                if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                return None
+        return find_or_create(find, lambda: self._api("POST", "experiments/create", {"name": name})["experiment_id"])
 
     def _upload(self, run_id: str, artifact_uri: str, folder: str, files: list[tuple[str, bytes]]) -> None:
         if not artifact_uri.startswith(ARTIFACT_PROXY):

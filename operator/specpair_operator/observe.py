@@ -20,7 +20,8 @@ from .engine_probe import EngineUnreachable
 from .kube import Kube, KubeError
 from .owned import owns
 from .plan import release_of_tags
-from .registry import TAG_ROLLED_BACK, PassRegistry
+from .registry import PassRegistry
+from .registry_contract import TAG_ROLLED_BACK
 from .shadow_run import ShadowRun
 from .serving_world import DriftMemory, EnginePod, EngineTLS, Installation, ServingWorld, ready_pods
 from .state import CA_REFRESH_S, OperatorState, control_ca

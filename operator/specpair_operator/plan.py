@@ -28,7 +28,7 @@ from . import conditions as c
 from . import canary as canary_mod
 from . import gate_attempts, gate_verdict, manifests, model_fetch, rollout_strategy, shadow_run
 from .gate_verdict import GateOutcome
-from .registry import TAG_GATE_RUN, TAG_ROLLED_BACK
+from .registry_contract import TAG_GATE_RUN, TAG_ROLLED_BACK
 from .world import ReleaseWorld
 
 TAG_RELEASE = "specpair.release"

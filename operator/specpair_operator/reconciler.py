@@ -36,7 +36,8 @@ from .ledger import StatusLedger
 from .observe import observe_release, observe_serving, observe_watch
 from .owned import ensure_owned
 from .plan import TAG_RELEASE
-from .registry import ModelClaimed, PassRegistry, RegistryUnavailable
+from .registry import ModelClaimed, PassRegistry
+from .registry_contract import RegistryUnavailable
 from .serving_world import ServingWorld
 from .state import STATE, control_ca
 

@@ -23,17 +23,15 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 from mlflow import MlflowClient  # noqa: E402
 from mlflow.exceptions import MlflowException, RestException  # noqa: E402
 
-from .registry_contract import (  # noqa: E402,F401  (re-exported: the operator imports them from here)
-    TAG_BEST_SPECULATION, TAG_GATE_MESSAGE, TAG_GATE_RUN, TAG_GATE_STATUS, TAG_GATE_VERDICT, TAG_HASH, TAG_OWNER,
-    TAG_OWNER_UID, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET, RegistryUnavailable, gate_error_tags,
-    gate_experiment, gate_metrics, gate_result_of)
+from .registry_contract import (  # noqa: E402
+    TAG_HASH, TAG_OWNER, TAG_OWNER_UID, RegistryUnavailable, find_or_create, gate_error_tags, gate_experiment,
+    gate_result_of)
 
 T = TypeVar("T")
 
+
 class ModelClaimed(Exception):
     """The registered model belongs to another pair (or was not made by specpair)."""
-
-
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -84,22 +82,20 @@ class ReleaseRegistry:
                 self.client.set_registered_model_tag(model_name, TAG_OWNER_UID, pair_uid)
             return model
 
-        def run() -> Any:
+        def find() -> Any | None:
             try:
                 return check(self.client.get_registered_model(model_name))
             except RestException as exc:
                 if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
-                try:
-                    return self.client.create_registered_model(
-                        model_name, tags={TAG_OWNER: pair_ref, TAG_OWNER_UID: pair_uid},
-                        description=f"Speculative-decoding releases of SpecModelPair `{pair_ref}`. "
-                                    "Aliases: candidate (being gated), champion (serving), previous (rollback target).")
-                except RestException as exc2:
-                    if exc2.error_code != "RESOURCE_ALREADY_EXISTS":
-                        raise
-                    return check(self.client.get_registered_model(model_name))  # someone else won the race
-        return self._call(run)
+                return None
+
+        def create() -> Any:
+            return self.client.create_registered_model(
+                model_name, tags={TAG_OWNER: pair_ref, TAG_OWNER_UID: pair_uid},
+                description=f"Speculative-decoding releases of SpecModelPair `{pair_ref}`. "
+                            "Aliases: candidate (being gated), champion (serving), previous (rollback target).")
+        return self._call(lambda: find_or_create(find, create))
 
     def _find(self, model_name: str, digest: str) -> Any | None:
         found = self.client.search_model_versions(f"name='{model_name}' and tags.`{TAG_HASH}`='{digest}'")
@@ -148,18 +144,10 @@ class ReleaseRegistry:
     def _experiment(self, model_name: str) -> str:
         name = gate_experiment(model_name)
 
-        def run() -> str:
+        def find() -> str | None:
             exp = self.client.get_experiment_by_name(name)
-            if exp is not None:
-                return exp.experiment_id
-            try:
-                return self.client.create_experiment(name)
-            except RestException:
-                exp = self.client.get_experiment_by_name(name)
-                if exp is None:
-                    raise
-                return exp.experiment_id
-        return self._call(run)
+            return None if exp is None else exp.experiment_id
+        return self._call(lambda: find_or_create(find, lambda: self.client.create_experiment(name)))
 
     def version_tags(self, model_name: str, version: str) -> dict[str, str]:
         return dict(self._call(lambda: self.client.get_model_version(model_name, version)).tags)
@@ -206,10 +194,6 @@ class PassRegistry:
         self.registry = registry
         self._aliases: dict[str, dict[str, str]] = {}
         self._tags: dict[tuple[str, str], dict[str, str]] = {}
-
-    @property
-    def tracking_uri(self) -> str:
-        return self.registry.tracking_uri
 
     def ensure_model(self, model_name: str, pair_ref: str, pair_uid: str = "") -> None:
         model = self.registry.ensure_model(model_name, pair_ref, pair_uid)

@@ -1,13 +1,16 @@
 """What the registry holds for specpair, with no MLflow client: the tag names, a gate's tags and
-metrics from its verdict, a version's gate result from its tags, and the error every registry
-adapter raises when MLflow cannot be reached. The operator's adapter (registry.py, MlflowClient)
-and the gate runner's (gate_record.py, MLflow's REST API without importing mlflow) both write
-and read through these, so they cannot disagree on a name or a shape."""
+metrics from its verdict, a version's gate result from its tags, the error every registry
+adapter raises when MLflow cannot be reached, and how an adapter finds or creates what two
+writers may create at once. The operator's adapter (registry.py, MlflowClient) and the gate
+runner's (gate_record.py, MLflow's REST API without importing mlflow) both write and read
+through these, so they cannot disagree on a name, a shape or a race."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 TAG_HASH = "specpair.content_hash"
 TAG_GATE_STATUS = "specpair.gate.status"  # pending | passed | failed | error
@@ -25,6 +28,27 @@ class RegistryUnavailable(Exception):
 
 
 TAG_OWNER, TAG_OWNER_UID = "specpair.pair", "specpair.pair_uid"
+
+
+def find_or_create(find: Callable[[], T | None], create: Callable[[], T]) -> T:
+    """What `find` returns, else what `create` makes. Another writer may create the same thing
+    between the two (a pair's experiment is made by the operator's release run or by a gate
+    runner, whichever comes first): MLflow refuses the later create with error_code
+    RESOURCE_ALREADY_EXISTS (on MlflowClient's RestException and on gate_record's MlflowRefused
+    alike) and `find` is asked again. Any other error, or a thing still not found, raises the
+    create's error."""
+    found = find()
+    if found is not None:
+        return found
+    try:
+        return create()
+    except Exception as exc:
+        if getattr(exc, "error_code", None) != "RESOURCE_ALREADY_EXISTS":
+            raise
+        found = find()
+        if found is None:
+            raise
+        return found
 
 
 def gate_tags(verdict: dict[str, Any], run_id: str) -> dict[str, str]:

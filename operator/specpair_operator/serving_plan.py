@@ -43,7 +43,7 @@ from . import tls as tls_mod
 from .plan import (TAG_RELEASE, TAG_SPECULATION_OFF, Condition, PostEvent, Record, Report, SetAlias, SetStatus,
                    StartModelFetch, TagVersion, fetch_steps, name_conflict_message, serving_versions,
                    shadow_verdict_steps)
-from .registry import TAG_HASH, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
+from .registry_contract import TAG_HASH, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
 from .serving_world import EnginePod, ServingWorld
 from .world import pods_waiting
 

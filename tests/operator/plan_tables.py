@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 from specpair_operator import canary, gate_verdict, manifests, owned, release
 from specpair_operator import plan as p
 from specpair_operator import serving_plan as sp
-from specpair_operator.registry import TAG_HASH, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
+from specpair_operator.registry_contract import TAG_HASH, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
 from specpair_operator.serving_world import EngineTLS, ServingWorld
 from specpair_operator.world import GateJob, Records, ReleaseWorld
 

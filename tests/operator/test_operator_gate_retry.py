@@ -26,7 +26,8 @@ from waiting import wait_until
 from specpair_operator import gate_attempts, release
 from specpair_operator.gate_attempts import GIVE_UP, RETRY, WAIT, Failure, Policy, failure_of, next_step
 from specpair_operator.gate_runner import until_deadline
-from specpair_operator.registry import RegistryUnavailable, ReleaseRegistry
+from specpair_operator.registry import ReleaseRegistry
+from specpair_operator.registry_contract import RegistryUnavailable
 
 
 @pytest.mark.parametrize("failed, since, expected", [

@@ -181,17 +181,17 @@ def test_an_api_server_that_does_not_answer_is_retried_not_stalled(monkeypatch):
 def test_a_verdict_tag_nested_too_deeply_for_json_reads_as_no_verdict(mlflow_server):
     """A tag anyone with MLflow access may write: 2,400 nested lists (MLflow stores it) make
     Python's JSON reader raise RecursionError; the verdict reads as absent, a GateError."""
-    from specpair_operator import registry as registry_mod
     from specpair_operator.gate_verdict import evaluate_verdict
+    from specpair_operator.registry import ReleaseRegistry
+    from specpair_operator.registry_contract import TAG_GATE_STATUS, TAG_GATE_VERDICT
 
-    reg = registry_mod.ReleaseRegistry(mlflow_server.url)
+    reg = ReleaseRegistry(mlflow_server.url)
     model = f"deep-{uuid.uuid4().hex[:6]}"
     reg.ensure_model(model, "ns/deep")
     rel = release.build_release("deep", "ns", {"target": {"source": "default"}, "draft": {"drafter": "ngram"}},
                                 [{"prompt": "a", "category": "code"}])
     version = reg.ensure_release(model, rel, release.content_hash(rel))
-    reg.set_tags(model, version, {registry_mod.TAG_GATE_VERDICT: "[" * 2400 + "]" * 2400,
-                                  registry_mod.TAG_GATE_STATUS: "passed"})
+    reg.set_tags(model, version, {TAG_GATE_VERDICT: "[" * 2400 + "]" * 2400, TAG_GATE_STATUS: "passed"})
     status, verdict, _ = reg.gate_result(model, version)
     assert status == "passed" and verdict is None
     assert evaluate_verdict(verdict or {}, {}).reason == "GateError"

@@ -7,8 +7,10 @@ import uuid
 
 import pytest
 
-from specpair_operator import aliases, gate_attempts, registry as registry_mod, release
-from specpair_operator.registry import RegistryUnavailable, ReleaseRegistry
+from specpair_operator import aliases, gate_attempts, release
+from specpair_operator.registry import ReleaseRegistry
+from specpair_operator.registry_contract import (TAG_GATE_RUN, TAG_GATE_STATUS, TAG_TOKENIZER_TARGET,
+                                                 RegistryUnavailable, find_or_create, gate_experiment)
 
 SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "r1"}, "draft": {"drafter": "ngram"}}
 PROMPTS = [{"prompt": "def add(a, b):", "category": "code"}]
@@ -82,8 +84,8 @@ def test_gate_runner_records_the_run_metrics_and_verdict_on_the_version(reg, tmp
     status, verdict, _ = reg.gate_result(model, version)
     assert status == "passed" and verdict["acceptanceRate"] == 0.62
     tags = reg.version_tags(model, version)
-    assert tags[registry_mod.TAG_TOKENIZER_TARGET] == "a" * 64
-    run = reg.client.get_run(tags[registry_mod.TAG_GATE_RUN])
+    assert tags[TAG_TOKENIZER_TARGET] == "a" * 64
+    run = reg.client.get_run(tags[TAG_GATE_RUN])
     assert run.data.metrics["acceptance_rate.code"] == 0.7 and run.data.metrics["speedup"] == 1.3
     history = reg.client.get_metric_history(run.info.run_id, "acceptance_per_position")
     assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(0, 0.8), (1, 0.6), (2, 0.4)]
@@ -111,6 +113,50 @@ def test_unreachable_mlflow_raises_registry_unavailable_quickly():
     with pytest.raises(RegistryUnavailable):
         ReleaseRegistry("http://127.0.0.1:9", attempts=2, backoff_s=0.05).aliases("x")
     assert time.monotonic() - t0 < 15
+
+
+def test_a_lost_create_race_reads_the_winners_experiment_through_either_client(reg):
+    """The operator (MlflowClient) and the gate runner (REST) each find or create a pair's
+    experiment. When the other writer's create lands between a find and a create, the real
+    server refuses the second create with RESOURCE_ALREADY_EXISTS on both clients, and the
+    winner's experiment is found again; another refusal is raised after one find."""
+    from mlflow.exceptions import RestException
+
+    from specpair_operator.gate_record import GateRecord, MlflowRefused
+
+    gate = GateRecord(reg.tracking_uri)
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    name = gate_experiment(model)
+    winner = reg.client.create_experiment(name)
+
+    def lost_race(find):
+        """`find`, answering nothing the first time: the winner's create came just after it."""
+        calls = []
+
+        def first_misses():
+            calls.append(name)
+            return None if len(calls) == 1 else find()
+        return first_misses, calls
+
+    by_client, client_finds = lost_race(lambda: reg.client.get_experiment_by_name(name).experiment_id)
+    assert find_or_create(by_client, lambda: reg.client.create_experiment(name)) == winner
+    by_rest, rest_finds = lost_race(lambda: gate._api("GET", "experiments/get-by-name",
+                                                      params={"experiment_name": name})["experiment"]["experiment_id"])
+    assert find_or_create(by_rest, lambda: gate._api("POST", "experiments/create", {"name": name})["experiment_id"]) \
+        == winner
+    assert len(client_finds) == len(rest_finds) == 2
+    # Both adapters' own paths agree on it.
+    assert reg._experiment(model) == gate._experiment(name) == winner
+
+    # An empty name is refused as invalid, not as a race: raised, with no second find.
+    finds = []
+    with pytest.raises(RestException) as refused:
+        find_or_create(lambda: finds.append("client"), lambda: reg.client.create_experiment(""))
+    assert refused.value.error_code == "INVALID_PARAMETER_VALUE"
+    with pytest.raises(MlflowRefused) as refused:
+        find_or_create(lambda: finds.append("rest"),
+                       lambda: gate._api("POST", "experiments/create", {"name": ""})["experiment_id"])
+    assert refused.value.error_code == "INVALID_PARAMETER_VALUE" and finds == ["client", "rest"]
 
 
 class CountingClient:
@@ -144,14 +190,14 @@ def test_a_pass_reads_aliases_and_tags_once_and_sees_its_own_writes(reg):
     assert counting.calls == {"get_registered_model": 1, "get_model_version": 1}
 
     # Its own writes are read back, from MLflow.
-    reads.set_tags(model, version, {registry_mod.TAG_GATE_STATUS: "error"})
+    reads.set_tags(model, version, {TAG_GATE_STATUS: "error"})
     assert reads.gate_result(model, version)[0] == "error"
     reads.set_alias(model, "candidate", version)
     assert reads.aliases(model) == {"champion": version, "candidate": version}
     assert counting.calls["get_model_version"] == 2 and counting.calls["get_registered_model"] == 2
 
     # Another writer (the gate) is seen by the next pass, not by this one.
-    reg.set_tags(model, version, {registry_mod.TAG_GATE_STATUS: "passed"})
+    reg.set_tags(model, version, {TAG_GATE_STATUS: "passed"})
     assert reads.gate_result(model, version)[0] == "error"
     assert reg.for_pass().gate_result(model, version)[0] == "passed"
 

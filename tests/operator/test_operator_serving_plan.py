@@ -27,7 +27,7 @@ from plan_tables import CURRENT_TLS, MODEL, NOW, NS, PAIR, TLS, UID, kinds, mine
 from specpair_operator import drift, manifests, metrics, model_fetch, release, serving_health
 from specpair_operator import plan as p
 from specpair_operator import serving_plan as sp
-from specpair_operator.registry import TAG_ROLLED_BACK
+from specpair_operator.registry_contract import TAG_ROLLED_BACK
 from specpair_operator.serving_world import DriftMemory, EnginePod, ServingWorld
 from specpair_operator.world import Records, ReleaseWorld
 
