@@ -381,6 +381,7 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
             return obj if obj and (obj["status"].get("canary") or {}).get("phase") == "Promoted" else None
         obj = s.wait("v3 promoted by its canary and serving", promoted_by_canary, timeout=240, traffic_to="drifts")
         entry = obj["status"]["canary"]
+        print(f"{time.strftime('%H:%M:%S')} the canary's last judgement: {json.dumps(entry['judged'])}")
         assert (entry["version"], entry["champion"], entry["trafficShare"]) == ("3", "1", 0.5), entry
         for key in ("errors:*", "ttft:*", "tpot:*"):
             assert entry["judged"][key]["verdict"] == "fine" and entry["judged"][key]["requests"] >= 10, entry
