@@ -971,8 +971,14 @@ def _retire_canary(out: _Steps, champion: str) -> None:
     scaled = bool((live.get("spec") or {}).get("replicas"))
     if scaled:
         out.add(canary_mod.ScaleDown(name))
-    if scaled or promoted:
+    said = f"Deployment {name} scaled to 0: {why}"
+    if promoted:
         # Scaled down now, or by a pass that died before its status said the promoted canary is over.
-        out.add(PostEvent("Normal", "CanaryScaledDown", f"Deployment {name} scaled to 0: {why}"))
+        # Read from the status, so recorded: a pass on a body that does not show this status yet is
+        # held back (handlers.reconcile compares the records) and does not say it again.
+        if not out.was("CanaryScaledDown", version, version):
+            out.add(Record("CanaryScaledDown", said, champion, version, key=version))
+    elif scaled:
+        out.add(PostEvent("Normal", "CanaryScaledDown", said))
     if promoted:
         out.add(SetStatus({"canary": {**had, "phase": "Promoted", "message": f"v{version} promoted; {why}"}}))
