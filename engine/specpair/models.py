@@ -41,8 +41,8 @@ def pick_device(device: str | None = None) -> torch.device:
 
 
 def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    import torch
     """fp32 on CPU (bf16 matmuls are slow there), bf16 on CUDA, unless asked otherwise."""
+    import torch
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "", "auto"):

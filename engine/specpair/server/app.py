@@ -351,10 +351,10 @@ class EngineServer:
         if worker is not None:
             worker.stop_accepting()
             # Replies, not worker jobs: a finished job's last tokens may still be on their way.
-            replying = self._service.admission
-            in_flight = replying.replying
+            admission = self._service.admission
+            in_flight = admission.replying
             deadline = time.monotonic() + drain_timeout
-            while (worker.busy or replying.replying) and time.monotonic() < deadline:
+            while (worker.busy or admission.replying) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if worker.busy:
                 aborted = await asyncio.get_running_loop().run_in_executor(
