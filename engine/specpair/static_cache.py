@@ -59,6 +59,10 @@ INITIAL_POSITIONS = 256      # the smallest capacity bucket, in positions per ro
 # to twice the bucket they need: far enough from the growth point that a row joining and
 # leaving at a bucket's edge does not reallocate the cache every step.
 SHRINK_BELOW = 4
+# Prompts run as one fixed step of every cache row (`StaticKVModel._prefill_step`, recorded as a
+# CUDA graph) while rows times the prompts' bucket stays within this many tokens; longer ones are
+# compute-bound and run eagerly over only their own rows.
+PREFILL_STEP_TOKENS = 512
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -215,17 +219,20 @@ def _attend(q, k_own, v_own, keys, values, positions):
     return out.to(q.dtype).view(B, H, W, D)
 
 
-def _fixed_layer(h, cos, sin, rows, positions, slots, kc, vc, wq, wk, wv, wo, wg, wu, wd, n1, n2,
+def _fixed_layer(h, cos, sin, rows, positions, slots, kc, vc, wqkv, wo, wgu, wd, n1, n2,
                  eps: float, heads: int, kv_heads: int, head_dim: int, kv_rows=None,
                  reach: int | None = None):
     """One decoder layer of the fixed step over [B, W] tokens: keys/values written at `slots`
     of the cache rows `rows` [B, W], attention by `_attend` over the cache's rows 0..B-1 (or
-    `kv_rows`) and its whole capacity (or its first `reach` slots: a prefill run apart)."""
+    `kv_rows`) and its whole capacity (or its first `reach` slots: a prefill run apart).
+    wqkv: q, k and v's weights joined; wgu: gate's and up's (`StaticLlama.fixed_weights`)."""
     B, W, _ = h.shape
     x = _rms_norm(h, n1, eps)
-    q = F.linear(x, wq).view(B, W, heads, head_dim).transpose(1, 2)
-    k = F.linear(x, wk).view(B, W, kv_heads, head_dim).transpose(1, 2)
-    v = F.linear(x, wv).view(B, W, kv_heads, head_dim).transpose(1, 2)
+    q, k, v = F.linear(x, wqkv).split([heads * head_dim, kv_heads * head_dim,
+                                        kv_heads * head_dim], dim=-1)
+    q = q.reshape(B, W, heads, head_dim).transpose(1, 2)
+    k = k.reshape(B, W, kv_heads, head_dim).transpose(1, 2)
+    v = v.reshape(B, W, kv_heads, head_dim).transpose(1, 2)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
     kc[rows, :, slots] = k.transpose(1, 2)
@@ -236,7 +243,22 @@ def _fixed_layer(h, cos, sin, rows, positions, slots, kc, vc, wq, wk, wv, wo, wg
     att = _attend(q, k, v, keys, values, positions)
     h = h + F.linear(att.transpose(1, 2).reshape(B, W, heads * head_dim), wo)
     x = _rms_norm(h, n2, eps)
-    return h + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+    gate, up = F.linear(x, wgu).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, wd)
+
+
+def _join(*linears) -> torch.Tensor:
+    """The weights of these linear layers stacked into one matrix, and each layer's weight made a
+    view into it: one product instead of several, and no second copy of the weights (Hugging
+    Face's forward and the CPU layer read the views). Views already joined are joined again
+    (one copy, the old matrix freed)."""
+    joined = torch.cat([linear.weight.detach() for linear in linears])
+    at = 0
+    for linear in linears:
+        n = linear.weight.shape[0]
+        linear.weight.data = joined[at:at + n]
+        at += n
+    return joined
 
 
 _compiled_layer_step = None
@@ -304,7 +326,8 @@ class CapturedStep:
     replay: callers copy what they keep (`StaticKVModel._place` does). A new cache (grown or
     shrunk) gets new graphs (`StaticKVModel._allocate`): recording one costs a few replays."""
 
-    def __init__(self, runner: "StaticLlama", host: torch.Tensor, caches, compiled: bool):
+    def __init__(self, runner: "StaticLlama", host: torch.Tensor, caches, compiled: bool,
+                 head: bool = True):
         device = runner.device
         self.inputs = torch.empty(host.shape, dtype=torch.long, device=device)
         self.inputs.copy_(host)
@@ -313,7 +336,7 @@ class CapturedStep:
         ids, positions, slots = self.inputs
 
         def step():
-            return runner.fixed_step(ids, positions, slots, caches, compiled=compiled)
+            return runner.fixed_step(ids, positions, slots, caches, compiled=compiled, head=head)
 
         # Run once outside the graph first (compiles the layer for this shape if it has not
         # been, and lets cuBLAS and the allocator set up): capture may not allocate lazily. The
@@ -421,6 +444,27 @@ class StaticLlama:
         self.dense = all(w.is_contiguous() for layer in model.model.layers
                          for w in self.layer_weights(layer))
         self.shelf = CacheShelf()
+        self._fixed_weights: list | None = None
+
+    def fixed_weights(self) -> list[tuple]:
+        """Per layer, the fixed step's weights: (q|k|v, o, gate|up, down, the two norms), with q,
+        k and v joined into one matrix and gate and up into another (`_join`). On a GPU a small
+        model's step is bound by its kernels, not its bytes: three products a layer fewer (90
+        kernels of SmolLM2's ~530, 96 of a Llama-8B's ~730), and the joined products are wide
+        enough to fill the GPU where k's and v's alone are not. Joined on first use, so a model
+        that never runs the fixed step keeps its weights as loaded."""
+        q = self.model.model.layers[0].self_attn.q_proj.weight
+        if self._fixed_weights is None or q.data_ptr() != self._fixed_weights[0][0].data_ptr():
+            # (again where the model's weights were replaced since: moved, reloaded)
+            weights = []
+            for layer in self.model.model.layers:
+                a, m = layer.self_attn, layer.mlp
+                weights.append((_join(a.q_proj, a.k_proj, a.v_proj), a.o_proj.weight,
+                                _join(m.gate_proj, m.up_proj), m.down_proj.weight,
+                                layer.input_layernorm.weight,
+                                layer.post_attention_layernorm.weight))
+            self._fixed_weights = weights
+        return self._fixed_weights
 
     def layer_weights(self, layer):
         a, m = layer.self_attn, layer.mlp
@@ -494,23 +538,25 @@ class StaticLlama:
         layer_step = compiled_fixed_layer(h.device) if compiled else _fixed_layer
         if compiled:
             _mark_sizes(B, [cos, sin, rows, positions, slots], [t for pair in caches for t in pair])
-        for layer, (kc, vc) in zip(body.layers, caches):
+        for weights, (kc, vc) in zip(self.fixed_weights(), caches):
             if compiled:
                 _mark_sizes(B, [h])
-            h = layer_step(h, cos, sin, rows, positions, slots, kc, vc, *self.layer_weights(layer),
+            h = layer_step(h, cos, sin, rows, positions, slots, kc, vc, *weights,
                            eps=self.eps, heads=self.heads, kv_heads=self.kv_heads,
                            head_dim=self.head_dim, kv_rows=kv_rows, reach=reach)
         return h
 
-    def fixed_step(self, ids, positions, slots, caches, compiled: bool = False):
+    def fixed_step(self, ids, positions, slots, caches, compiled: bool = False,
+                   head: bool = True):
         """One fixed-shape step over every row of `caches` and every slot of ids [R, W]: ->
         (logits [R, W, V], normed last hidden states [R, W, D]). Every slot's logits, so the LM
         head's product has one shape whichever slots the caller reads. What a CUDA graph records
-        (`CapturedStep`); `compiled`: its layers compiled (`compiled_fixed_layer`)."""
+        (`CapturedStep`); `compiled`: its layers compiled (`compiled_fixed_layer`). Without
+        `head` (a prompt, whose logits but the last are never read) the logits are None."""
         body = self.model.model
         h = body.norm(self.fixed_layers(body.embed_tokens(ids), positions, slots, caches,
                                         compiled=compiled))
-        return F.linear(h, self.model.lm_head.weight), h
+        return (F.linear(h, self.model.lm_head.weight) if head else None), h
 
     @torch.no_grad()
     def forward(self, ids, positions, gather, caches, attend: int, compiled: bool,
@@ -633,6 +679,7 @@ class StaticKVModel:
         self.fixed = (fixed_step_applies(self.device, self.runner.dtype) if fixed is None
                       else fixed)
         self.token_bucket = bucket(token_bucket or 1)
+        self.prefill_step_tokens = PREFILL_STEP_TOKENS
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.lengths: list[int] = []
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -797,7 +844,11 @@ class StaticKVModel:
         n_last = max(last) if isinstance(last, list) else last
         width = max(counts)
         out = states = None
-        if wide:      # prompts: compute-bound, run eagerly at their own width
+        if wide and not vectors and self.capacity[0] * wide_width <= self.prefill_step_tokens:
+            h = self._prefill_step(rows, wide, starts, counts, wide_width)
+            out, states = self._place(out, states, h, wide, wide, counts, n_last, width, vectors,
+                                      hidden)
+        elif wide:    # long prompts (compute-bound) or vectors: eagerly, at their own width
             index = torch.tensor(wide, dtype=torch.long, device=self.device)
             pos = (torch.tensor([starts[i] for i in wide], dtype=torch.long).view(-1, 1)
                    + torch.arange(wide_width).view(1, -1)).to(self.device)
@@ -853,37 +904,62 @@ class StaticKVModel:
             out = out[..., : self.vocab_size]   # padded embedding rows are never real tokens
         return (out, states) if hidden else out
 
-    def _replay(self, host: torch.Tensor):
+    def _prefill_step(self, rows, wide, starts, counts, width: int):
+        """The prompts of rows `wide` as one fixed step of every cache row at their bucket `width`
+        (no LM head: _place applies it to the slots asked for): on CUDA one replay of a recorded
+        graph, where the same layers run eagerly cost ~34 ms a SmolLM2 prompt in kernel launches
+        (docs/gpu.md). The other rows write pads past their lengths (at most at the capacity's
+        last slot, never live: the cache holds a token bucket past every length), never read."""
+        R, C = self.capacity
+        ids = torch.zeros(R, width, dtype=torch.long)
+        start = torch.zeros(R, 1, dtype=torch.long)
+        start[:self.batch_size, 0] = torch.tensor(self.lengths, dtype=torch.long)
+        for i in wide:
+            ids[i, :counts[i]] = torch.tensor(rows[i], dtype=torch.long)
+            start[i, 0] = starts[i]
+        slots = (start + torch.arange(width).view(1, width)).clamp(max=C - 1)
+        host = torch.stack((ids, slots, slots))
+        if self.captures_graphs and self.capture_error is None:
+            return self._replay(host, head=False)
+        ids, positions, slots = to_device(host, self.device)
+        return self.runner.fixed_step(ids, positions, slots, self.caches, compiled=self.compiled,
+                                      head=False)
+
+    def _replay(self, host: torch.Tensor, head: bool = True):
         """The fixed step through this cache's CUDA graph for the inputs' shape, recorded on first
         use. A graph that cannot be recorded is reported once and the step runs uncaptured."""
-        graph = self.graphs.get(tuple(host.shape))
+        key = (tuple(host.shape), head)
+        graph = self.graphs.get(key)
         if graph is None:
             started = time.perf_counter()
             try:
-                graph = CapturedStep(self.runner, host.to(self.device), self.caches, self.compiled)
+                graph = CapturedStep(self.runner, host.to(self.device), self.caches, self.compiled,
+                                     head=head)
             except Exception as exc:     # noqa: BLE001 - any capture failure: run uncaptured
                 self.capture_error = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graph capture failed, the fixed step runs uncaptured: %s",
                             self.capture_error)
                 ids, positions, slots = to_device(host, self.device)
                 return self.runner.fixed_step(ids, positions, slots, self.caches,
-                                              compiled=self.compiled)
-            self.graphs[tuple(host.shape)] = graph
+                                              compiled=self.compiled, head=head)
+            self.graphs[key] = graph
             self.recorded["graphs"] += 1
             self.recorded["seconds"] += time.perf_counter() - started
         return graph(host)      # recording computes nothing: even a new graph replays now
 
-    def buckets(self, max_rows: int, max_positions: int) -> list[tuple[int, int]]:
-        """Every (rows, capacity) bucket a batch of up to max_rows rows of up to max_positions
-        positions can run the fixed step at."""
-        rows = [bucket(1 << i) for i in range(bucket(max_rows).bit_length())]
+    def buckets(self, max_rows: int, max_positions: int, rows_from: int = 1
+                ) -> list[tuple[int, int]]:
+        """Every (rows, capacity) bucket a batch of rows_from to max_rows rows of up to
+        max_positions positions can run the fixed step at."""
+        rows = [bucket(1 << i) for i in range(bucket(max_rows).bit_length())
+                if 1 << i >= rows_from]
         top = bucket(max_positions + self.token_bucket, self._position_floor)
         floor = self._position_floor
         positions = [floor << i for i in range((top // floor).bit_length())]
         return [(r, c) for r in rows for c in positions]
 
     @torch.no_grad()
-    def warm_up(self, max_rows: int, max_positions: int) -> dict:
+    def warm_up(self, max_rows: int, max_positions: int, rows_from: int = 1) -> dict:
         """Compile the fixed step's layer and, on CUDA, record the step's graph at every bucket
         (`buckets`) on scratch caches of those shapes, so no request pays a compile and every
         shape is proven to record; -> the buckets, the seconds, the graphs recorded and on CUDA
@@ -892,7 +968,7 @@ class StaticKVModel:
         r = self.runner
         cuda = self.device.type == "cuda"
         started = time.perf_counter()
-        shapes = self.buckets(max_rows, max_positions)
+        shapes = self.buckets(max_rows, max_positions, rows_from)
         W = self.token_bucket
         graph_bytes, recorded = 0, 0
         for rows, positions in shapes:
@@ -920,6 +996,7 @@ class StaticKVModel:
                 ids, pos, sl = host.to(self.device)
                 r.fixed_step(ids, pos, sl, caches, compiled=self.compiled)
             del caches
+        recorded += self._warm_prefill(max_rows, rows_from)
         if cuda:
             torch.cuda.synchronize(self.device)
         report = {"token_bucket": W, "buckets": shapes, "graphs": recorded,
@@ -932,6 +1009,37 @@ class StaticKVModel:
                  "%d CUDA graphs recorded%s", len(shapes), W, report["seconds"], recorded,
                  f", at most {graph_bytes / 2**20:.0f} MiB each" if cuda else "")
         return report
+
+    def _warm_prefill(self, max_rows: int, rows_from: int = 1) -> int:
+        """Compile the prompt's step (`_prefill_step`) ahead of the first request: its token count
+        differs from the bucket's, and the second count seen makes dynamo compile the layer with
+        the count symbolic, which then serves every prompt bucket. One and several rows compile
+        apart (`_mark_sizes`), so both; on CUDA each recorded once, to prove it records (a real
+        cache records its own graphs in a few replays' time). -> graphs recorded."""
+        if not self.compiled:
+            return 0
+        r, width, recorded = self.runner, bucket(self.token_bucket + 1), 0
+        for rows in sorted({1, min(2, bucket(max_rows))}):
+            if rows * width > self.prefill_step_tokens or rows < min(rows_from, 2):
+                continue
+            shape = (rows, r.kv_heads, bucket(width, self._position_floor), r.head_dim)
+            caches = [(torch.zeros(shape, dtype=r.dtype, device=self.device),
+                       torch.zeros(shape, dtype=r.dtype, device=self.device))
+                      for _ in range(r.layer_count)]
+            slots = torch.arange(width).view(1, width).expand(rows, width)
+            host = torch.stack((torch.zeros(rows, width, dtype=torch.long), slots, slots))
+            if self.captures_graphs and self.capture_error is None:
+                try:
+                    CapturedStep(r, host.to(self.device), caches, self.compiled, head=False)(host)
+                    recorded += 1
+                except Exception as exc:     # noqa: BLE001 - reported; serving runs uncaptured
+                    self.capture_error = f"{type(exc).__name__}: {exc}"
+                    log.warning("CUDA graph capture of a prompt's step failed: %s",
+                                self.capture_error)
+            else:
+                ids, pos, sl = host.to(self.device)
+                r.fixed_step(ids, pos, sl, caches, compiled=True, head=False)
+        return recorded
 
     def _place(self, out, states, h, which: list[int], at: list[int], counts, n_last: int,
                width: int, vectors: bool, hidden: bool):

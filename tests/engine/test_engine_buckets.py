@@ -62,11 +62,15 @@ def _one_by_one(model, prompts, paths):
     return [torch.stack(g) for g in got]
 
 
+@pytest.mark.parametrize("prompts_as", ["step", "apart"])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_a_verification_equals_one_token_steps_bitwise(model, rows):
+def test_a_verification_equals_one_token_steps_bitwise(model, rows, prompts_as, monkeypatch):
     """Chains: each row verifies its own number of tokens (a bonus token and 0-4 drafts); every
     position's logits equal those of feeding the same tokens one step at a time, bitwise. The
-    prompts, some longer than the bucket, run apart first and write the same keys both ways."""
+    prompts, some longer than the bucket, run first and write the same keys both ways: as one
+    fixed step of every row at their bucket, or (past PREFILL_STEP_TOKENS) eagerly apart."""
+    if prompts_as == "apart":
+        monkeypatch.setattr(static_cache, "PREFILL_STEP_TOKENS", 0)
     rng = random.Random(rows)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 20))] for _ in range(rows)]
     chains = [[rng.randrange(3, 300) for _ in range(rng.randrange(1, 6))] for _ in range(rows)]
@@ -108,11 +112,16 @@ def test_a_tree_verification_equals_one_token_steps_bitwise(model, rows):
 PROMPTS = ["def foo(x):\n    return", "Hello world, hello world, hello", "import os\nimport sys\n"]
 
 
-def test_greedy_speculation_equals_target_only_bitwise_in_bf16(tiny_tokenizer):
+@pytest.mark.parametrize("prompts_as", ["step", "apart"])
+def test_greedy_speculation_equals_target_only_bitwise_in_bf16(tiny_tokenizer, prompts_as,
+                                                               monkeypatch):
     """bf16 on the CPU takes the fixed step: speculative greedy output equals the same engine's
     target-only output token for token, with drafts rejected on the way. The model's logits are
     close enough (init 0.05) for rounding to matter: over the dynamic cache (Hugging Face's
-    forward, a verification's shape unlike a decode step's) one of these prompts diverges."""
+    forward, a verification's shape unlike a decode step's) one of these prompts diverges.
+    Prompts run as a step of every row or apart (PREFILL_STEP_TOKENS), equal both ways."""
+    if prompts_as == "apart":
+        monkeypatch.setattr(static_cache, "PREFILL_STEP_TOKENS", 0)
     from tiny_models import make_model, perturbed_copy
     target = make_model(tiny_tokenizer, seed=1, dtype=torch.bfloat16, init_std=0.05)
     draft = perturbed_copy(target, seed=5, noise=0.03)
@@ -186,8 +195,9 @@ def test_the_compiled_step_does_not_recompile_over_a_generation(tiny_tokenizer, 
     report = compiled.warm_up(max_rows=4, max_positions=static_cache.INITIAL_POSITIONS)
     assert report["buckets"] == [(r, c) for r in (1, 2, 4) for c in (256, 512)]
     graphs = counters["stats"]["unique_graphs"]
-    # Capacity and rows (past one) are symbolic: one graph for a row, one for several.
-    assert graphs - before == 2
+    # Capacity and rows (past one) are symbolic: one graph for a row, one for several; and the
+    # same two again with the token count symbolic, for prompts run as a step (_warm_prefill).
+    assert graphs - before == 4
     rng = random.Random(0)
 
     def both(op, *args, **kwargs):
@@ -276,12 +286,17 @@ def test_a_compiled_engine_warms_every_bucket_and_then_compiles_nothing(tiny_tok
     assert report["token_bucket"] == 4 and report["seconds"] > 0
     assert report["buckets"] == [(r, c) for r in (1, 2) for c in (256, 512, 1024)]
     assert compiled.describe_step()["compile"] == {"backend": "aot_eager"}
+    # Past the threshold the target steps at one token (Batch._token_bucket): warmed too.
+    past = compiled.captures["target_past_speculation"]
+    assert past["token_bucket"] == 1 and past["buckets"] == [(4, c) for c in (256, 512, 1024)]
     eager = SpeculativeEngine(target, drafter=NgramDrafter(), speculation=config)
     params = GenerationParams(max_new_tokens=20)
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = compiled.generate(PROMPTS[:2], params)
+        crowded = compiled.generate(PROMPTS, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in eager.generate(PROMPTS[:2], params)]
     assert sum(r.stats.num_draft_tokens for r in got) > 0
+    assert [r.token_ids for r in crowded] == [r.token_ids for r in eager.generate(PROMPTS, params)]
 
 
 def test_a_heads_vector_steps_through_the_fixed_step_match_the_general_step(tiny_target):
@@ -362,3 +377,53 @@ def test_a_released_small_cache_is_taken_by_the_next_batch_and_gives_the_same_lo
 def _shelved_shape(model):
     kept = static_cache.StaticLlama.of(model).shelf._kept
     return None if kept is None else kept[0]
+
+
+def test_a_prompt_joining_running_rows_leaves_their_keys_alone(tiny_target):
+    """A prompt run as a step of every row (`_prefill_step`) makes the running rows write pads:
+    past their lengths, so their next logits are those of the same rows without the newcomer
+    (to float32 rounding: the batch's products have other shapes). Pads written over a running
+    row's cached keys would move them by far more."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (30, 5)]
+    fed = [[rng.randrange(3, 300) for _ in range(3)] for _ in range(4)]
+    joined = _prefilled(tiny_target.model, prompts)
+    alone = _prefilled(tiny_target.model, prompts)
+    for tokens in fed:
+        joined.extend([[t] for t in tokens[:2]])
+        alone.extend([[t] for t in tokens[:2]])
+    newcomer = [rng.randrange(3, 300) for _ in range(40)]
+    joined.add_rows(1)
+    assert joined.capacity[0] * bucket(len(newcomer)) <= static_cache.PREFILL_STEP_TOKENS
+    joined.extend([[7], [8], newcomer])
+    alone.extend([[7], [8]])
+    got = joined.extend([[9], [10], [11]])[:2]
+    expected = alone.extend([[9], [10]])
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_past_the_speculation_batch_size_the_target_steps_at_one_token(tiny_tokenizer):
+    """A batch larger than batch_size_threshold does not speculate (Batch._ks) and its target
+    steps at one token a row, as a target-only engine's does (Batch._token_bucket): while the
+    batch stays that large its output equals a target-only engine's bitwise; once it is small
+    again it steps at the speculation bucket."""
+    from tiny_models import make_model
+    target = make_model(tiny_tokenizer, seed=1, dtype=torch.bfloat16, init_std=0.05)
+    config = SpeculationConfig(k=4, k_max=4, fallback_threshold=0, batch_size_threshold=2)
+    engine = SpeculativeEngine(target, drafter=NgramDrafter(), speculation=config)
+    plain = SpeculativeEngine(target, speculation=config)
+    assert (engine.token_bucket, plain.token_bucket) == (W, 1)
+    engine.eos_ids = plain.eos_ids = set()        # every row lives every step
+    params = GenerationParams(max_new_tokens=24)
+    spec = engine.generate(PROMPTS, params)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain.generate(PROMPTS, params)]
+    assert sum(r.stats.num_draft_tokens for r in spec) == 0
+
+    batch = engine.new_batch()
+    rows = [batch.add(engine.target.tokenizer(p)["input_ids"], params) for p in PROMPTS]
+    batch.step()
+    assert batch.target.token_bucket == 1
+    for seq in rows[1:]:
+        batch.cancel(seq.request_id)
+    batch.step()
+    assert batch.target.token_bucket == W
