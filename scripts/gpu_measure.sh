@@ -4,7 +4,7 @@
 # halves, one per call, and the engine's other packages as wheels in .whl/.
 #
 #   bash scripts/gpu_measure.sh steps      # the CUDA-graph tests, then step costs of random-weight
-#                                          # shapes; keeps .gg/part00
+#                                          # shapes ($SHAPES, default all three); keeps .gg/part00
 #   bash scripts/gpu_measure.sh smollm2    # the real SmolLM2 (joins part00 and .gg/part01):
 #                                          # bench vs hf-compiled, identity, batch 1 and 16,
 #                                          # and where the loop's host time goes (loop_profile.py)
@@ -34,10 +34,12 @@ steps)
         > "$OUT/gpu_cuda_graph_tests.log" 2>&1
     echo "cuda graph tests exit $?"; tail -15 "$OUT/gpu_cuda_graph_tests.log"
     # One process per shape: they compile at once (16 cores) and time one at a time (--barrier).
-    for shape in smollm2-135m llama-1b llama-8b; do
+    shapes=${SHAPES:-smollm2-135m llama-1b llama-8b}
+    parties=$(echo $shapes | wc -w)
+    for shape in $shapes; do
         kmax=8; [ "$shape" = llama-1b ] && kmax=3
         timeout "${STEP_TIMEOUT:-420}" $PY scripts/gpu_step_bench.py --shape "$shape" --k-max "$kmax" \
-            --barrier /tmp/specpair-turns --parties 3 --out "$OUT/gpu_step_$shape.json" \
+            --barrier /tmp/specpair-turns --parties "$parties" --out "$OUT/gpu_step_$shape.json" \
             > "$OUT/gpu_step_$shape.log" 2>&1 &
     done
     wait
@@ -54,11 +56,15 @@ smollm2)
         --device cuda --dtype bfloat16 --compile on --no-hf --peer hf-compiled --runs 3 \
         --json --out "$OUT/gpu_bench_smollm2.json" > "$OUT/gpu_bench_smollm2.log" 2>&1
     echo "bench exit $?"; grep -v "^USDT" "$OUT/gpu_bench_smollm2.log" | tail -15
+    # Speculation allowed at 16 rows (what it gains or costs there) and at the engine's default
+    # of 8 (past it the target steps at one token), against a target-only server too.
     SPECPAIR_COMPILE=on timeout "${LOAD_TIMEOUT:-240}" $PY scripts/load_bench.py --target "$gguf" \
-        --device cuda --concurrency 1 16 --json "$OUT/gpu_load_smollm2.json" \
+        --device cuda --concurrency 1 16 --requests "${LOAD_REQUESTS:-48}" \
+        --batch-size-threshold 16 8 --plain-server --json "$OUT/gpu_load_smollm2.json" \
         > "$OUT/gpu_load_smollm2.log" 2>&1
     echo "load exit $?"; grep -v "^USDT" "$OUT/gpu_load_smollm2.log" | tail -25
-    # Where the loop's host time goes now that the step is one replay.
+    # Where the loop's host time goes now that the step is one replay (PROFILE=off skips it).
+    [ "${PROFILE:-on}" = off ] && exit 0
     timeout "${PROFILE_TIMEOUT:-120}" $PY scripts/loop_profile.py --target "$gguf" --drafter ngram \
         --device cuda --dtype bfloat16 --out "$OUT/gpu_loop_profile_smollm2.json" \
         > "$OUT/gpu_loop_profile_smollm2.log" 2>&1

@@ -7,10 +7,13 @@ speculation on vs off, through real gRPC.
     python scripts/load_bench.py --address host:port    # an engine that is already running
 
 It starts `specpair engine serve` as a subprocess (so client and server do not share a GIL), with
-speculation allowed at every batch size, then for each concurrency level sends the same greedy
-requests twice: once target-only (per-request speculation off) and once speculating. Reported:
-output tokens/s over the level's wall time, p50/p95 end-to-end latency and time to first token,
-mean acceptance, and whether the speculative replies equal the target-only ones (they must).
+speculation allowed at every batch size measured (or up to each --batch-size-threshold, one server
+each), then for each concurrency level sends the same greedy requests twice: once target-only
+(per-request speculation off, in the same server: same step shapes, so replies equal bitwise) and
+once speculating. --plain-server also measures a target-only server (--no-spec), the yardstick a
+user compares against. Reported: output tokens/s over the level's wall time, p50/p95 end-to-end
+latency and time to first token, mean acceptance, and whether the speculative replies equal the
+target-only ones (they must).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -112,15 +114,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, threshold: int | None = None, plain: bool = False
+                 ) -> tuple[subprocess.Popen, str]:
+    """`specpair engine serve` on a free port: speculating with speculation allowed up to
+    `threshold` rows, or with `plain` a target-only server (--no-spec)."""
     port = free_port()
     cmd = [sys.executable, "-m", "specpair.server", "engine", "serve", "--target", args.target,
            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1", "--insecure",
-           "--max-batch-size", str(max(args.concurrency)), "--max-queue", "64",
-           # Speculation at every batch size measured, so "on" measures what speculating costs or
-           # gains there (and no larger: a compiled engine captures every rows bucket up to it).
-           "--batch-size-threshold", str(max(args.concurrency)), "--k", str(args.k)]
-    cmd += ["--draft", args.draft] if args.draft else ["--drafter", "ngram"]
+           "--max-batch-size", str(max(args.concurrency)), "--max-queue", "64"]
+    if plain:
+        cmd += ["--no-spec"]
+    else:
+        cmd += ["--batch-size-threshold", str(threshold), "--k", str(args.k)]
+        cmd += ["--draft", args.draft] if args.draft else ["--drafter", "ngram"]
     if args.device:
         cmd += ["--device", args.device]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "engine") + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -154,53 +160,91 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--device")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--batch-size-threshold", type=int, nargs="+",
+                        help="speculation allowed up to this many rows, one server each (default: "
+                             "the highest concurrency, so 'on' measures what speculating costs or "
+                             "gains at every level; the engine's own default switches it off past 8)")
+    parser.add_argument("--plain-server", action="store_true",
+                        help="also measure a target-only server (--no-spec) at every level: the "
+                             "yardstick a user compares against, where 'off' is a request "
+                             "without speculation inside the speculating server")
     args = parser.parse_args()
 
-    server = None
-    address = args.address
-    if not address:
-        server, address = start_server(args)
-    try:
-        client = EngineClient(address, insecure=True)
-        info = client.model_info()
-        client.generate([{"role": "user", "content": "Hello"}], max_new_tokens=8)     # warm-up
+    if args.address:
+        rows = measure(args, args.address, None)
+    else:
         rows = []
-        for c in args.concurrency:
-            n = args.requests or max(4, c)
-            off = run_level(client, c, n, args.max_new_tokens, speculate=False)
-            on = run_level(client, c, n, args.max_new_tokens, speculate=True)
-            same = sum(ids == off["_token_ids"].get(i) for i, ids in on["_token_ids"].items())
-            on["greedy_identity"] = round(same / on["requests"], 3) if on["requests"] else None
-            for row in (off, on):
-                row.pop("_token_ids")
-                rows.append(row)
-            on["speedup"] = round(on["tokens_per_second"] / off["tokens_per_second"], 3)
-            print(f"concurrency {c:>2}: off {off['tokens_per_second']:7.1f} tok/s p50 {off['latency_p50']:.2f} s "
-                  f"p95 {off['latency_p95']:.2f} s | on {on['tokens_per_second']:7.1f} tok/s "
-                  f"p50 {on['latency_p50']:.2f} s p95 {on['latency_p95']:.2f} s acceptance {on['acceptance_rate']} "
-                  f"speedup {on['speedup']}x identity {on['greedy_identity']}", flush=True)
-        result = {"target": info.target.source, "draft": info.draft.source or info.draft.kind,
-                  "device": info.target.device, "dtype": info.target.dtype, "k": args.k,
-                  "max_new_tokens": args.max_new_tokens, "cpu_count": os.cpu_count(), "rows": rows}
-        print_table(result)
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        client.close()
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(60)
+        for threshold in args.batch_size_threshold or [max(args.concurrency)]:
+            rows += serve_and_measure(args, threshold=threshold)
+        if args.plain_server:
+            rows += serve_and_measure(args, plain=True)
+    result = {"target": rows[0].pop("_target"), "draft": rows[0].pop("_draft"),
+              "device": rows[0].pop("_device"), "dtype": rows[0].pop("_dtype"), "k": args.k,
+              "max_new_tokens": args.max_new_tokens, "cpu_count": os.cpu_count(), "rows": rows}
+    for row in rows:
+        for key in ("_target", "_draft", "_device", "_dtype"):
+            row.pop(key, None)
+    print_table(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def serve_and_measure(args, threshold: int | None = None, plain: bool = False) -> list[dict]:
+    server, address = start_server(args, threshold, plain)
+    try:
+        return measure(args, address, threshold, plain)
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def measure(args, address: str, threshold: int | None, plain: bool = False) -> list[dict]:
+    """Each concurrency level through one server: target-only requests, then (unless `plain`)
+    speculating ones, with their speedup and greedy identity against the target-only ones."""
+    client = EngineClient(address, insecure=True)
+    info = client.model_info()
+    client.generate([{"role": "user", "content": "Hello"}], max_new_tokens=8)     # warm-up
+    rows = []
+    for c in args.concurrency:
+        n = args.requests or max(4, c)
+        off = run_level(client, c, n, args.max_new_tokens, speculate=False)
+        off["server"] = "target-only" if plain else "speculating"
+        off["batch_size_threshold"] = threshold
+        line = (f"{off['server']:>11} threshold {threshold}, concurrency {c:>2}: off "
+                f"{off['tokens_per_second']:7.1f} tok/s p50 {off['latency_p50']:.2f} s "
+                f"p95 {off['latency_p95']:.2f} s")
+        if plain:
+            off.pop("_token_ids")
+            rows.append(off)
+            print(line, flush=True)
+            continue
+        on = run_level(client, c, n, args.max_new_tokens, speculate=True)
+        on["server"], on["batch_size_threshold"] = off["server"], threshold
+        same = sum(ids == off["_token_ids"].get(i) for i, ids in on["_token_ids"].items())
+        on["greedy_identity"] = round(same / on["requests"], 3) if on["requests"] else None
+        for row in (off, on):
+            row.pop("_token_ids")
+            rows.append(row)
+        on["speedup"] = round(on["tokens_per_second"] / off["tokens_per_second"], 3)
+        print(f"{line} | on {on['tokens_per_second']:7.1f} tok/s p50 {on['latency_p50']:.2f} s "
+              f"p95 {on['latency_p95']:.2f} s acceptance {on['acceptance_rate']} "
+              f"speedup {on['speedup']}x identity {on['greedy_identity']}", flush=True)
+    rows[0].update(_target=info.target.source, _draft=info.draft.source or info.draft.kind,
+                   _device=info.target.device, _dtype=info.target.dtype)
+    client.close()
+    return rows
 
 
 def print_table(result: dict) -> None:
     print(f"\n{result['target']} + {result['draft']} on {result['device']} ({result['dtype']}), "
           f"k={result['k']}, {result['max_new_tokens']} new tokens, greedy, chat prompts")
-    print("| concurrency | speculation | requests | tokens/s | p50 latency s | p95 latency s | p50 TTFT s "
-          "| acceptance | speedup | identical |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| server | threshold | concurrency | speculation | requests | tokens/s | p50 latency s "
+          "| p95 latency s | p50 TTFT s | acceptance | speedup | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
-        print(f"| {r['concurrency']} | {'on' if r['speculation'] else 'off'} | {r['requests']} | "
+        print(f"| {r.get('server', '-')} | {r.get('batch_size_threshold') or '-'} | "
+              f"{r['concurrency']} | {'on' if r['speculation'] else 'off'} | {r['requests']} | "
               f"{r['tokens_per_second']} | {r['latency_p50']} | {r['latency_p95']} | {r['ttft_p50']} | "
               f"{r['acceptance_rate'] if r['acceptance_rate'] is not None else '-'} | "
               f"{r.get('speedup', '-')} | {r.get('greedy_identity', '-')} |")
