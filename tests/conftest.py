@@ -142,6 +142,19 @@ from devcluster_images import TEST_PYTHON_IMAGE  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` (tests/mlflow_server.py), one per session: each starts in 15-20 s, so
+    every file that needs one shares it (the operator's, the observability scenarios', the model
+    fetch's) and keeps to models of its own (names from its namespace) instead of a clean
+    registry. Tests that take it down for an outage start it again on the same port and data."""
+    from mlflow_server import MlflowServer
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def devcluster(tmp_path_factory):
     """etcd + kube-apiserver + kube-controller-manager + kube-scheduler, built from the pinned Go
     modules (scripts/build-control-plane.sh), with two nodes that run pods as local processes:

@@ -34,26 +34,28 @@ def wait(what: str, fn: Callable[[], Any], timeout: float = 120.0) -> Any:
     return wait_until(what, fn, timeout)
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory, tiny_pair_dirs):
-    """A real `mlflow server` with the tiny target and draft registered (version 1 each)."""
-    from mlflow import MlflowClient
-    from mlflow_server import MlflowServer
+class Registry:
+    def __init__(self, url: str, models: dict[str, str]):
+        self.url, self.models = url, models
 
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
-    server.start()
-    try:
-        client = MlflowClient(server.url)
-        experiment = client.create_experiment("fetch")
-        for name in ("target", "draft"):
-            run = client.create_run(experiment)
-            client.log_artifacts(run.info.run_id, tiny_pair_dirs[name], artifact_path="model")
-            client.set_terminated(run.info.run_id)
-            client.create_registered_model(f"tiny-{name}")
-            client.create_model_version(f"tiny-{name}", f"runs:/{run.info.run_id}/model", run.info.run_id)
-        yield server
-    finally:
-        server.stop()
+
+@pytest.fixture(scope="module")
+def registry(mlflow_server, tiny_pair_dirs) -> Registry:
+    """The session's real `mlflow server` with the tiny target and draft registered under names of
+    this module's own (version 1 each)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_server.url)
+    prefix = f"fetch-{uuid.uuid4().hex[:6]}"
+    experiment = client.create_experiment(prefix)
+    models = {}
+    for name in ("target", "draft"):
+        run = client.create_run(experiment)
+        client.log_artifacts(run.info.run_id, tiny_pair_dirs[name], artifact_path="model")
+        client.set_terminated(run.info.run_id)
+        models[name] = client.create_registered_model(f"{prefix}-{name}").name
+        client.create_model_version(models[name], f"runs:/{run.info.run_id}/model", run.info.run_id)
+    return Registry(mlflow_server.url, models)
 
 
 @pytest.fixture
@@ -94,8 +96,8 @@ def run_fetch(devcluster, ns: str, job: dict[str, Any]) -> model_fetch.FetchStat
 def test_the_fetch_job_fills_the_claim_and_the_engine_serves_from_it_offline(devcluster, registry, ns, tmp_path):
     volume = tmp_path / "volume"
     rollout = {"modelCache": {"persistentVolumeClaim": make_claim(devcluster, ns, volume)}}
-    spec = {"target": {"source": "models:/tiny-target/1"}, "draft": {"source": "models:/tiny-draft/1"},
-            "speculation": {"k": 3}, "rollout": rollout}
+    spec = {"target": {"source": f"models:/{registry.models['target']}/1"},
+            "draft": {"source": f"models:/{registry.models['draft']}/1"}, "speculation": {"k": 3}, "rollout": rollout}
     release = build_release("chat", ns, spec, PROMPTS)
     digest = content_hash(release)
     assert model_fetch.needs_fetch(release, rollout)
@@ -128,13 +130,14 @@ def test_the_fetch_job_fills_the_claim_and_the_engine_serves_from_it_offline(dev
 
 def test_a_fetch_that_cannot_find_a_model_fails_with_its_reason(devcluster, registry, ns, tmp_path):
     rollout = {"modelCache": {"persistentVolumeClaim": make_claim(devcluster, ns, tmp_path / "volume")}}
-    spec = {"target": {"source": "models:/tiny-target/1"}, "draft": {"source": "models:/tiny-draft/7"}}
+    spec = {"target": {"source": f"models:/{registry.models['target']}/1"},
+            "draft": {"source": f"models:/{registry.models['draft']}/7"}}
     release = build_release("chat", ns, spec, PROMPTS)
     job = model_fetch.desired_fetch_job("chat", ns, release, rollout, registry.url)
     job["spec"]["backoffLimit"] = 0     # one attempt is enough to read the reason (the Job controller backs off 10 s+)
     state = run_fetch(devcluster, ns, job)
     assert state.phase == model_fetch.FAILED and state.reason == "BackoffLimitExceeded"
-    assert "cannot fetch draft models:/tiny-draft/7 from MLflow" in state.message, state.message
+    assert f"cannot fetch draft models:/{registry.models['draft']}/7 from MLflow" in state.message, state.message
     assert not (tmp_path / "volume" / ".specpair" / "releases").exists()
 
 

@@ -228,8 +228,8 @@ def models(tiny_pair_dirs):
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devcluster, models, tmp_path, prometheus_bin):
-    from demo.processes import Children, start_mlflow
+def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devcluster, mlflow_server, models, tmp_path,
+                                                                      prometheus_bin):
     from specpair_devcluster.keda import DevKeda
     from specpair_devcluster.prometheus import DevPrometheus
 
@@ -237,7 +237,7 @@ def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devclust
     kube = devcluster.kube
     namespace = f"keda-{uuid.uuid4().hex[:6]}"
     devcluster.ensure_namespace(namespace)
-    children, prom, keda, load = Children(), None, None, Load(devcluster.kubeconfig, namespace)
+    prom, keda, load = None, None, Load(devcluster.kubeconfig, namespace)
 
     def log(what: str) -> None:
         print(f"{time.monotonic() - t0:6.1f} s  {what}")
@@ -279,10 +279,11 @@ def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devclust
                 "operator": {"extraEnv": [{"name": k, "value": v} for k, v in OPERATOR_ENV.items()]}}
 
     def install_operator() -> None:
+        # On the session's MLflow: the pair's model is named from this test's namespace.
         helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
-             values=values(start_mlflow(children, tmp_path / "mlflow")), kubeconfig=devcluster.kubeconfig)
+             values=values(mlflow_server.url), kubeconfig=devcluster.kubeconfig)
 
-    # MLflow and the operator start while Prometheus and KEDA do: nothing in either waits on the other.
+    # The operator starts while Prometheus and KEDA do: nothing in either waits on the other.
     pool = ThreadPoolExecutor(1)
     installing = pool.submit(install_operator)
     try:
@@ -380,4 +381,3 @@ def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devclust
             kube.delete("v1", "Namespace", None, namespace)
         except Exception:  # noqa: BLE001 - best effort; the session cluster goes away anyway
             pass
-        children.stop_all()

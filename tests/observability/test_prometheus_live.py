@@ -37,7 +37,6 @@ import json
 import math
 import re
 import shutil
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -48,11 +47,8 @@ import grpc
 import pytest
 import yaml
 
-from obs_helpers import (CHART, REPO, RULES, alert_rules, annotation_queries, dashboard_variables, helm, panel_targets,
-                         render, with_grafana_values)
-
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # the demo's process helpers (MLflow)
+from obs_helpers import (CHART, RULES, alert_rules, annotation_queries, dashboard_variables, helm, panel_targets, render,
+                         with_grafana_values)
 
 RELEASE, OPERATOR_NAMESPACE = "obs", "specpair-obs"
 PAIR_API = "specpair.io/v1alpha1"
@@ -248,23 +244,21 @@ def models(tiny_pair_dirs, tiny_tokenizer, tiny_target):
 # 166 s in the last fresh-clone run, 420 s at load 11-16: past pyproject's 600 s where the cores
 # are busier still, while every wait below stays within its own deadline.
 @pytest.mark.timeout(900)
-def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path, prometheus_bin):
-    from demo.processes import Children, start_mlflow
+def test_every_panel_and_alert_against_live_engines(devcluster, mlflow_server, models, tmp_path, prometheus_bin):
     from specpair_devcluster.prometheus import DevPrometheus
 
     namespace = f"obs-{uuid.uuid4().hex[:6]}"
     devcluster.ensure_namespace(namespace)
-    children = Children()
     prom = None
 
     def install_operator() -> None:
-        # The operator as users install it: the chart's Deployment.
-        mlflow_url = start_mlflow(children, tmp_path / "mlflow")
+        # The operator as users install it: the chart's Deployment, on the session's MLflow (its
+        # models are named from this test's namespace).
         helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace",
-             values=chart_values(namespace, mlflow_url, monitors=False), kubeconfig=devcluster.kubeconfig)
+             values=chart_values(namespace, mlflow_server.url, monitors=False), kubeconfig=devcluster.kubeconfig)
 
-    # MLflow and the operator start while Prometheus does (nothing here depends on the order:
-    # Prometheus discovers the operator's pod whenever it appears).
+    # The operator starts while Prometheus does (nothing here depends on the order: Prometheus
+    # discovers the operator's pod whenever it appears).
     pool = ThreadPoolExecutor(1)
     installing = pool.submit(install_operator)
     try:
@@ -442,4 +436,3 @@ def test_every_panel_and_alert_against_live_engines(devcluster, models, tmp_path
             devcluster.kube.delete("v1", "Namespace", None, namespace)
         except Exception:  # noqa: BLE001 - best effort; the session cluster goes away anyway
             pass
-        children.stop_all()

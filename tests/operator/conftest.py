@@ -1,5 +1,6 @@
-"""Fixtures for the operator tests: a real MLflow server, the real control plane (the session's
-devcluster, tests/conftest.py) with the chart installed by helm, and a namespace per test.
+"""Fixtures for the operator tests: the real control plane (the session's devcluster,
+tests/conftest.py) with the chart installed by helm against the session's real MLflow server
+(`mlflow_server`, tests/conftest.py), and a namespace per test.
 """
 
 from __future__ import annotations
@@ -21,15 +22,7 @@ from cluster_env import register_standin_image  # noqa: E402
 from cluster_env import operator_env as operator_env_for  # noqa: E402
 
 
-from mlflow_server import MlflowServer, free_port  # noqa: E402  (tests/ is on sys.path)
-
-
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
-    server.start()
-    yield server
-    server.stop()
+from mlflow_server import free_port  # noqa: E402  (tests/ is on sys.path)
 
 
 @pytest.fixture(scope="session")
