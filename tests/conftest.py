@@ -15,6 +15,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 # pytest_configure).
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
+from vllm_test_env import VLLM_TEST_ENV  # noqa: E402
+
+for _key, _value in VLLM_TEST_ENV.items():   # the vLLM servers the tests start from this process
+    os.environ.setdefault(_key, _value)
+
 
 def pytest_configure(config):
     """A pytest-xdist worker beside others uses one CPU thread (and so do the servers it starts):

@@ -24,6 +24,7 @@ import pytest
 from kopf.testing import KopfRunner
 
 from cluster_env import OPERATOR
+from vllm_test_env import VLLM_TEST_ENV
 
 VLLM_IMAGE = "specpair/engine-vllm:test"
 TOKEN = "vllm-s3cret-" + uuid.uuid4().hex
@@ -42,7 +43,7 @@ def vllm_image(devcluster) -> None:
     devcluster.images.images["specpair/engine-vllm"] = LocalImage(
         ["python"], programs=project_programs(sys.executable),
         env={"SPECPAIR_VLLM_PYTHON": str(default_python()),
-             "SPECPAIR_GATE_COMMAND": f"{sys.executable} -m specpair gate"})
+             "SPECPAIR_GATE_COMMAND": f"{sys.executable} -m specpair gate", **VLLM_TEST_ENV})
 
 
 @pytest.fixture(scope="module")
