@@ -59,10 +59,10 @@ INITIAL_POSITIONS = 256      # the smallest capacity bucket, in positions per ro
 # to twice the bucket they need: far enough from the growth point that a row joining and
 # leaving at a bucket's edge does not reallocate the cache every step.
 SHRINK_BELOW = 4
-# Prompts run as one fixed step of every cache row (`StaticKVModel._prefill_step`, recorded as a
-# CUDA graph) while rows times the prompts' bucket stays within this many tokens; longer ones are
-# compute-bound and run eagerly over only their own rows.
-PREFILL_STEP_TOKENS = 512
+# Prompts run as one fixed step of their own rows (`StaticKVModel._prefill_step`, recorded as a
+# CUDA graph) while their rows times their bucket stays within this many tokens; longer ones are
+# compute-bound and run eagerly, attending only the slots they reach.
+PREFILL_STEP_TOKENS = 1024
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -183,11 +183,14 @@ def _mark_sizes(rows: int, inputs, caches=()) -> None:
     """Compile the fixed step's layer over symbolic capacity (dimension 2 of each cache tensor)
     and rows (dimension 0 of every input and cache; above one row only, as dynamo specialises a
     size of 1): one compile then serves every bucket, and a CUDA graph is recorded per bucket's
-    concrete shape (cheap) instead of inductor compiling each (minutes for 28 buckets)."""
+    concrete shape (cheap) instead of inductor compiling each (minutes for 28 buckets). The
+    cache's rows are the step's, or more (a prompt's step of some rows: its own size)."""
     for t in caches:
         torch._dynamo.maybe_mark_dynamic(t, 2)
+        if t.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
     if rows > 1:
-        for t in list(inputs) + list(caches):
+        for t in inputs:
             torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
@@ -333,10 +336,13 @@ class CapturedStep:
         self.inputs.copy_(host)
         self.pinned = torch.empty(host.shape, dtype=torch.long, pin_memory=True)
         self.copied = torch.cuda.Event()
-        ids, positions, slots = self.inputs
+        ids, positions, slots = self.inputs[:3]
+        # A fourth plane: the cache row of each step row (a prompt's step, run apart).
+        kv_rows = self.inputs[3, :, 0] if host.shape[0] == 4 else None
 
         def step():
-            return runner.fixed_step(ids, positions, slots, caches, compiled=compiled, head=head)
+            return runner.fixed_step(ids, positions, slots, caches, compiled=compiled, head=head,
+                                     kv_rows=kv_rows)
 
         # Run once outside the graph first (compiles the layer for this shape if it has not
         # been, and lets cuBLAS and the allocator set up): capture may not allocate lazily. The
@@ -533,11 +539,14 @@ class StaticLlama:
         B, W = positions.shape
         cos, sin = body.rotary_emb(h, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                          # [B, 1, W, D]
+        if kv_rows is not None:     # one stride whatever it was cut from: one compiled graph
+            kv_rows = kv_rows.clone(memory_format=torch.contiguous_format)
         rows = (torch.arange(B, device=h.device) if kv_rows is None else kv_rows).view(B, 1)
         rows = rows.expand(B, W)
         layer_step = compiled_fixed_layer(h.device) if compiled else _fixed_layer
         if compiled:
-            _mark_sizes(B, [cos, sin, rows, positions, slots], [t for pair in caches for t in pair])
+            _mark_sizes(B, [cos, sin, rows, positions, slots] + ([] if kv_rows is None else [kv_rows]),
+                        [t for pair in caches for t in pair])
         for weights, (kc, vc) in zip(self.fixed_weights(), caches):
             if compiled:
                 _mark_sizes(B, [h])
@@ -547,15 +556,16 @@ class StaticLlama:
         return h
 
     def fixed_step(self, ids, positions, slots, caches, compiled: bool = False,
-                   head: bool = True):
+                   head: bool = True, kv_rows=None):
         """One fixed-shape step over every row of `caches` and every slot of ids [R, W]: ->
         (logits [R, W, V], normed last hidden states [R, W, D]). Every slot's logits, so the LM
         head's product has one shape whichever slots the caller reads. What a CUDA graph records
         (`CapturedStep`); `compiled`: its layers compiled (`compiled_fixed_layer`). Without
-        `head` (a prompt, whose logits but the last are never read) the logits are None."""
+        `head` (a prompt, whose logits but the last are never read) the logits are None;
+        `kv_rows` [R]: the step's rows are these rows of the cache (prompts run apart)."""
         body = self.model.model
         h = body.norm(self.fixed_layers(body.embed_tokens(ids), positions, slots, caches,
-                                        compiled=compiled))
+                                        kv_rows=kv_rows, compiled=compiled))
         return (F.linear(h, self.model.lm_head.weight) if head else None), h
 
     @torch.no_grad()
@@ -844,10 +854,10 @@ class StaticKVModel:
         n_last = max(last) if isinstance(last, list) else last
         width = max(counts)
         out = states = None
-        if wide and not vectors and self.capacity[0] * wide_width <= self.prefill_step_tokens:
+        if wide and not vectors and len(wide) * wide_width <= self.prefill_step_tokens:
             h = self._prefill_step(rows, wide, starts, counts, wide_width)
-            out, states = self._place(out, states, h, wide, wide, counts, n_last, width, vectors,
-                                      hidden)
+            out, states = self._place(out, states, h, wide, list(range(len(wide))), counts,
+                                      n_last, width, vectors, hidden)
         elif wide:    # long prompts (compute-bound) or vectors: eagerly, at their own width
             index = torch.tensor(wide, dtype=torch.long, device=self.device)
             pos = (torch.tensor([starts[i] for i in wide], dtype=torch.long).view(-1, 1)
@@ -905,25 +915,25 @@ class StaticKVModel:
         return (out, states) if hidden else out
 
     def _prefill_step(self, rows, wide, starts, counts, width: int):
-        """The prompts of rows `wide` as one fixed step of every cache row at their bucket `width`
+        """The prompts of rows `wide` as one fixed step of those rows at their bucket `width`
         (no LM head: _place applies it to the slots asked for): on CUDA one replay of a recorded
         graph, where the same layers run eagerly cost ~34 ms a SmolLM2 prompt in kernel launches
-        (docs/gpu.md). The other rows write pads past their lengths (at most at the capacity's
-        last slot, never live: the cache holds a token bucket past every length), never read."""
-        R, C = self.capacity
-        ids = torch.zeros(R, width, dtype=torch.long)
-        start = torch.zeros(R, 1, dtype=torch.long)
-        start[:self.batch_size, 0] = torch.tensor(self.lengths, dtype=torch.long)
-        for i in wide:
-            ids[i, :counts[i]] = torch.tensor(rows[i], dtype=torch.long)
-            start[i, 0] = starts[i]
-        slots = (start + torch.arange(width).view(1, width)).clamp(max=C - 1)
-        host = torch.stack((ids, slots, slots))
+        (docs/gpu.md). The step writes only these rows, reads their whole capacity (the
+        graph's shape cannot follow the prompt's reach) and its pad slots continue each row's
+        positions past its new length, never attended. Rows are not bucketed: a padded row
+        would have to write somewhere, and a full cache has no row to spare."""
+        ids = torch.zeros(len(wide), width, dtype=torch.long)
+        for n, i in enumerate(wide):
+            ids[n, :counts[i]] = torch.tensor(rows[i], dtype=torch.long)
+        slots = (torch.tensor([starts[i] for i in wide], dtype=torch.long).view(-1, 1)
+                 + torch.arange(width).view(1, width))
+        kv_rows = torch.tensor(wide, dtype=torch.long).view(-1, 1).expand(len(wide), width)
+        host = torch.stack((ids, slots, slots, kv_rows))
         if self.captures_graphs and self.capture_error is None:
             return self._replay(host, head=False)
-        ids, positions, slots = to_device(host, self.device)
+        ids, positions, slots, kv_rows = to_device(host, self.device)
         return self.runner.fixed_step(ids, positions, slots, self.caches, compiled=self.compiled,
-                                      head=False)
+                                      head=False, kv_rows=kv_rows[:, 0])
 
     def _replay(self, host: torch.Tensor, head: bool = True):
         """The fixed step through this cache's CUDA graph for the inputs' shape, recorded on first
@@ -939,9 +949,10 @@ class StaticKVModel:
                 self.capture_error = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graph capture failed, the fixed step runs uncaptured: %s",
                             self.capture_error)
-                ids, positions, slots = to_device(host, self.device)
-                return self.runner.fixed_step(ids, positions, slots, self.caches,
-                                              compiled=self.compiled, head=head)
+                planes = to_device(host, self.device)
+                return self.runner.fixed_step(*planes[:3], self.caches, compiled=self.compiled,
+                                              head=head,
+                                              kv_rows=planes[3, :, 0] if len(planes) == 4 else None)
             self.graphs[key] = graph
             self.recorded["graphs"] += 1
             self.recorded["seconds"] += time.perf_counter() - started
@@ -1011,23 +1022,27 @@ class StaticKVModel:
         return report
 
     def _warm_prefill(self, max_rows: int, rows_from: int = 1) -> int:
-        """Compile the prompt's step (`_prefill_step`) ahead of the first request: its token count
+        """Compile the prompt's step (`_prefill_step`) ahead of the first request: it reads its
+        rows through an index (another graph than the bucket's step) at a token count that
         differs from the bucket's, and the second count seen makes dynamo compile the layer with
-        the count symbolic, which then serves every prompt bucket. One and several rows compile
-        apart (`_mark_sizes`), so both; on CUDA each recorded once, to prove it records (a real
-        cache records its own graphs in a few replays' time). -> graphs recorded."""
-        if not self.compiled:
+        the count symbolic, which then serves every prompt bucket. One row and several, in a cache
+        of one row and of several, compile apart (`_mark_sizes`): the three that occur. On CUDA
+        each recorded once, to prove it records (a real cache records its own graphs in a few
+        replays' time). -> graphs recorded."""
+        if not self.compiled or rows_from > 1:   # (past speculation: the same graphs)
             return 0
         r, width, recorded = self.runner, bucket(self.token_bucket + 1), 0
-        for rows in sorted({1, min(2, bucket(max_rows))}):
-            if rows * width > self.prefill_step_tokens or rows < min(rows_from, 2):
+        # (prompt rows, cache rows): a prompt beside none, beside others, several together.
+        for rows, cache_rows in ((1, 1), (1, 2), (2, 2)):
+            if rows * width > self.prefill_step_tokens or cache_rows > bucket(max_rows):
                 continue
-            shape = (rows, r.kv_heads, bucket(width, self._position_floor), r.head_dim)
+            shape = (cache_rows, r.kv_heads, bucket(width, self._position_floor), r.head_dim)
             caches = [(torch.zeros(shape, dtype=r.dtype, device=self.device),
                        torch.zeros(shape, dtype=r.dtype, device=self.device))
                       for _ in range(r.layer_count)]
             slots = torch.arange(width).view(1, width).expand(rows, width)
-            host = torch.stack((torch.zeros(rows, width, dtype=torch.long), slots, slots))
+            kv_rows = torch.arange(rows).view(rows, 1).expand(rows, width)
+            host = torch.stack((torch.zeros(rows, width, dtype=torch.long), slots, slots, kv_rows))
             if self.captures_graphs and self.capture_error is None:
                 try:
                     CapturedStep(r, host.to(self.device), caches, self.compiled, head=False)(host)
@@ -1037,8 +1052,8 @@ class StaticKVModel:
                     log.warning("CUDA graph capture of a prompt's step failed: %s",
                                 self.capture_error)
             else:
-                ids, pos, sl = host.to(self.device)
-                r.fixed_step(ids, pos, sl, caches, compiled=True, head=False)
+                ids, pos, sl, kv_rows = host.to(self.device)
+                r.fixed_step(ids, pos, sl, caches, compiled=True, head=False, kv_rows=kv_rows[:, 0])
         return recorded
 
     def _place(self, out, states, h, which: list[int], at: list[int], counts, n_last: int,

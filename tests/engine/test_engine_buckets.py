@@ -68,7 +68,7 @@ def test_a_verification_equals_one_token_steps_bitwise(model, rows, prompts_as, 
     """Chains: each row verifies its own number of tokens (a bonus token and 0-4 drafts); every
     position's logits equal those of feeding the same tokens one step at a time, bitwise. The
     prompts, some longer than the bucket, run first and write the same keys both ways: as one
-    fixed step of every row at their bucket, or (past PREFILL_STEP_TOKENS) eagerly apart."""
+    fixed step of their rows at their bucket, or (past PREFILL_STEP_TOKENS) eagerly."""
     if prompts_as == "apart":
         monkeypatch.setattr(static_cache, "PREFILL_STEP_TOKENS", 0)
     rng = random.Random(rows)
@@ -119,7 +119,7 @@ def test_greedy_speculation_equals_target_only_bitwise_in_bf16(tiny_tokenizer, p
     target-only output token for token, with drafts rejected on the way. The model's logits are
     close enough (init 0.05) for rounding to matter: over the dynamic cache (Hugging Face's
     forward, a verification's shape unlike a decode step's) one of these prompts diverges.
-    Prompts run as a step of every row or apart (PREFILL_STEP_TOKENS), equal both ways."""
+    Prompts run as a fixed step or eagerly (PREFILL_STEP_TOKENS), equal both ways."""
     if prompts_as == "apart":
         monkeypatch.setattr(static_cache, "PREFILL_STEP_TOKENS", 0)
     from tiny_models import make_model, perturbed_copy
@@ -195,9 +195,10 @@ def test_the_compiled_step_does_not_recompile_over_a_generation(tiny_tokenizer, 
     report = compiled.warm_up(max_rows=4, max_positions=static_cache.INITIAL_POSITIONS)
     assert report["buckets"] == [(r, c) for r in (1, 2, 4) for c in (256, 512)]
     graphs = counters["stats"]["unique_graphs"]
-    # Capacity and rows (past one) are symbolic: one graph for a row, one for several; and the
-    # same two again with the token count symbolic, for prompts run as a step (_warm_prefill).
-    assert graphs - before == 4
+    # Capacity and rows (past one) are symbolic: one graph for a row, one for several; and a
+    # prompt's step (its rows by index, the token count symbolic) for one row in a cache of one,
+    # one row in a cache of several, and several rows (_warm_prefill).
+    assert graphs - before == 5
     rng = random.Random(0)
 
     def both(op, *args, **kwargs):
@@ -380,10 +381,10 @@ def _shelved_shape(model):
 
 
 def test_a_prompt_joining_running_rows_leaves_their_keys_alone(tiny_target):
-    """A prompt run as a step of every row (`_prefill_step`) makes the running rows write pads:
-    past their lengths, so their next logits are those of the same rows without the newcomer
-    (to float32 rounding: the batch's products have other shapes). Pads written over a running
-    row's cached keys would move them by far more."""
+    """A prompt run as a fixed step of its own rows (`_prefill_step`) beside running rows writes
+    only its rows: their next logits are those of the same rows without the newcomer (to float32
+    rounding: the batch's products have other shapes). Writes into a running row's cached keys
+    would move them by far more."""
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (30, 5)]
     fed = [[rng.randrange(3, 300) for _ in range(3)] for _ in range(4)]
@@ -394,7 +395,7 @@ def test_a_prompt_joining_running_rows_leaves_their_keys_alone(tiny_target):
         alone.extend([[t] for t in tokens[:2]])
     newcomer = [rng.randrange(3, 300) for _ in range(40)]
     joined.add_rows(1)
-    assert joined.capacity[0] * bucket(len(newcomer)) <= static_cache.PREFILL_STEP_TOKENS
+    assert bucket(len(newcomer)) <= static_cache.PREFILL_STEP_TOKENS
     joined.extend([[7], [8], newcomer])
     alone.extend([[7], [8]])
     got = joined.extend([[9], [10], [11]])[:2]

@@ -42,8 +42,9 @@ def test_replayed_graphs_equal_the_compiled_step_over_a_generation(tiny_tokenize
     monkeypatch.delenv("SPECPAIR_CUDA_GRAPHS")
     assert captured.captures_graphs and not called.captures_graphs
     report = captured.warm_up(max_rows=4, max_positions=static_cache.INITIAL_POSITIONS)
-    # Six buckets and a prompt's step at one row and at two (_warm_prefill).
-    assert len(report["buckets"]) == 6 and report["graphs"] == 8
+    # Six buckets and a prompt's step: one row in a cache of one and of two, two rows
+    # (_warm_prefill).
+    assert len(report["buckets"]) == 6 and report["graphs"] == 9
     assert "capture_error" not in report
     rng = random.Random(0)
 
