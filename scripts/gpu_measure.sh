@@ -52,7 +52,7 @@ smollm2)
     echo "a1231443440b107ff29f02bdb38c9d0a  $gguf" | md5sum -c || exit 1
     install_wheels
     export PYTHONPATH=/tmp/site:$PWD/engine SPECPAIR_CACHE=/tmp/specpair-cache
-    timeout "${BENCH_TIMEOUT:-300}" $PY -m specpair bench --target "$gguf" --drafter ngram \
+    [ "${BENCH:-on}" = on ] && timeout "${BENCH_TIMEOUT:-300}" $PY -m specpair bench --target "$gguf" --drafter ngram \
         --device cuda --dtype bfloat16 --compile on --no-hf --peer hf-compiled --runs 3 \
         --json --out "$OUT/gpu_bench_smollm2.json" > "$OUT/gpu_bench_smollm2.log" 2>&1
     echo "bench exit $?"; grep -v "^USDT" "$OUT/gpu_bench_smollm2.log" | tail -15
@@ -60,7 +60,7 @@ smollm2)
     # of 8 (past it the target steps at one token), against a target-only server too.
     SPECPAIR_COMPILE=on timeout "${LOAD_TIMEOUT:-240}" $PY scripts/load_bench.py --target "$gguf" \
         --device cuda --concurrency 1 16 --requests "${LOAD_REQUESTS:-48}" \
-        --batch-size-threshold 16 8 --plain-server --json "$OUT/gpu_load_smollm2.json" \
+        --batch-size-threshold ${LOAD_THRESHOLDS:-16 8} --plain-server --json "$OUT/gpu_load_smollm2.json" \
         > "$OUT/gpu_load_smollm2.log" 2>&1
     echo "load exit $?"; grep -v "^USDT" "$OUT/gpu_load_smollm2.log" | tail -25
     # Where the loop's host time goes now that the step is one replay (PROFILE=off skips it).
