@@ -428,3 +428,43 @@ def test_past_the_speculation_batch_size_the_target_steps_at_one_token(tiny_toke
         batch.cancel(seq.request_id)
     batch.step()
     assert batch.target.token_bucket == W
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_an_eagle_head_on_the_fixed_step_equals_target_only_bitwise(tiny_tokenizer, width):
+    """An EAGLE head drafting on a bf16 (fixed-step) target: its prompt's features come out of
+    the prompt's own step (`_prefill_step` with the hidden states), its drafting steps through
+    `extend_vectors`; chains and trees, greedy output equal to the same engine's target-only
+    output token for token, with kept and rejected drafts."""
+    from head_builders import mirror_head
+    from tiny_models import make_model
+    target = make_model(tiny_tokenizer, seed=11, layers=1, dtype=torch.bfloat16)
+    head = mirror_head(target, vocab_every=2)
+    head.model.to(torch.bfloat16)
+    engine = SpeculativeEngine(target, draft=head, speculation=SpeculationConfig(
+        k=3, k_max=3, dynamic_k=False, fallback_threshold=0, tree_width=width))
+    assert engine.describe_step()["fixed_step"]
+    prompts = PROMPTS + ["class A:\n  pass\n" * 3]
+    params = GenerationParams(max_new_tokens=24)
+    spec = engine.generate(prompts, params)
+    assert [r.token_ids for r in spec] == [r.token_ids
+                                           for r in engine.generate(prompts, params, speculate=False)]
+    drafted = sum(r.stats.num_draft_tokens for r in spec)
+    assert 0 < sum(r.stats.num_accepted_tokens for r in spec) < drafted
+
+
+def test_a_prompts_step_hands_back_its_logits_and_hidden_states(tiny_target):
+    """A drafting head reads the prompt's normed hidden states (`extend(..., hidden=True)`): the
+    prompt's fixed step returns those of every fed token and the last token's logits, as the
+    general step computes them (float32 rounding)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (30, 12)]
+    fixed = StaticKVModel(tiny_target.model, token_bucket=W, fixed=True)
+    general = StaticKVModel(tiny_target.model, fixed=False)
+    got, expected = [], []
+    for kv, into in ((fixed, got), (general, expected)):
+        kv.add_rows(len(prompts))
+        into.extend(kv.extend(prompts, hidden=True))
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-4, atol=1e-4)
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(got[1][i, :len(p)], expected[1][i, :len(p)], rtol=1e-4, atol=1e-4)
