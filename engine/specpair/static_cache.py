@@ -726,6 +726,13 @@ class StaticKVModel:
         kc = self.caches[0][0]
         return int(kc.shape[0]), int(kc.shape[2])
 
+    def _zero_caches(self, shape: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A key and a value tensor of `shape` per layer, zeroed."""
+        r = self.runner
+        return [(torch.zeros(shape, dtype=r.dtype, device=self.device),
+                 torch.zeros(shape, dtype=r.dtype, device=self.device))
+                for _ in range(r.layer_count)]
+
     def _allocate(self, rows: int, positions: int) -> None:
         r = self.runner
         shape = (rows, r.kv_heads, positions, r.head_dim)
@@ -737,9 +744,7 @@ class StaticKVModel:
         if kept is not None:         # a released cache of this shape, with its graphs
             new, graphs = kept
         else:
-            new, graphs = [(torch.zeros(shape, dtype=r.dtype, device=self.device),
-                            torch.zeros(shape, dtype=r.dtype, device=self.device))
-                           for _ in range(r.layer_count)], {}
+            new, graphs = self._zero_caches(shape), {}
         if self.caches:
             old_rows, old_pos = self.capacity
             keep_rows, keep_pos = min(old_rows, rows), min(old_pos, positions)
@@ -984,9 +989,7 @@ class StaticKVModel:
         graph_bytes, recorded = 0, 0
         for rows, positions in shapes:
             shape = (rows, r.kv_heads, positions, r.head_dim)
-            caches = [(torch.zeros(shape, dtype=r.dtype, device=self.device),
-                       torch.zeros(shape, dtype=r.dtype, device=self.device))
-                      for _ in range(r.layer_count)]
+            caches = self._zero_caches(shape)
             slots = torch.arange(W).view(1, W).expand(rows, W)
             host = torch.stack((torch.zeros(rows, W, dtype=torch.long), slots, slots))
             if self.captures_graphs and self.capture_error is None:
@@ -1037,9 +1040,7 @@ class StaticKVModel:
             if rows * width > self.prefill_step_tokens or cache_rows > bucket(max_rows):
                 continue
             shape = (cache_rows, r.kv_heads, bucket(width, self._position_floor), r.head_dim)
-            caches = [(torch.zeros(shape, dtype=r.dtype, device=self.device),
-                       torch.zeros(shape, dtype=r.dtype, device=self.device))
-                      for _ in range(r.layer_count)]
+            caches = self._zero_caches(shape)
             slots = torch.arange(width).view(1, width).expand(rows, width)
             kv_rows = torch.arange(rows).view(rows, 1).expand(rows, width)
             host = torch.stack((torch.zeros(rows, width, dtype=torch.long), slots, slots, kv_rows))
