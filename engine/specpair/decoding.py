@@ -293,8 +293,14 @@ class SpeculativeEngine:
             kv = self.serving_cache(model)
             if getattr(kv, "fixed", False):     # every (rows, capacity) bucket, captured once
                 name = "target" if model is self.target.model else "draft"
-                speculating = bucket(self.config.batch_size_threshold)
-                self.captures[name] = kv.warm_up(speculating, self.target.context_length)
+                threshold = self.config.batch_size_threshold
+                if threshold == 0:          # speculation never runs: one token a step, always
+                    kv.token_bucket = 1
+                speculating = bucket(threshold)
+                # At one token a step, at least two rows: their graph serves every larger batch.
+                self.captures[name] = kv.warm_up(speculating if kv.token_bucket > 1
+                                                 else max(2, speculating),
+                                                 self.target.context_length)
                 if kv.token_bucket > 1:
                     # Past the batch size where speculation stops, the target steps at one token
                     # (Batch._token_bucket): compiled here at the first such rows bucket; larger

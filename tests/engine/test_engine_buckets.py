@@ -468,3 +468,21 @@ def test_a_prompts_step_hands_back_its_logits_and_hidden_states(tiny_target):
     torch.testing.assert_close(got[0], expected[0], rtol=1e-4, atol=1e-4)
     for i, p in enumerate(prompts):
         torch.testing.assert_close(got[1][i, :len(p)], expected[1][i, :len(p)], rtol=1e-4, atol=1e-4)
+
+
+def test_a_pair_that_never_speculates_warms_and_steps_at_one_token(tiny_tokenizer, monkeypatch):
+    """batch_size_threshold 0 (speculation never runs): warm-up compiles the one-token step,
+    and a generation afterwards compiles nothing and drafts nothing."""
+    import torch._dynamo
+
+    from tiny_models import make_model
+
+    monkeypatch.setenv("SPECPAIR_COMPILE_BACKEND", "aot_eager")
+    target = make_model(tiny_tokenizer, seed=1, dtype=torch.bfloat16, init_std=0.05)
+    config = SpeculationConfig(k=3, k_max=3, fallback_threshold=0, batch_size_threshold=0)
+    torch._dynamo.reset()
+    engine = SpeculativeEngine(target, drafter=NgramDrafter(), speculation=config, compile="on")
+    assert engine.captures["target"]["token_bucket"] == 1
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = engine.generate(PROMPTS[:2], GenerationParams(max_new_tokens=12))
+    assert sum(r.stats.num_draft_tokens for r in got) == 0
