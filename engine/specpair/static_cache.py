@@ -841,8 +841,9 @@ class StaticKVModel:
 
     def _extend_fixed(self, rows, last, hidden: bool, parents=None, vectors: bool = False):
         """extend() (or, with `vectors`, extend_vectors()) through fixed-shape steps: rows
-        feeding more than the token bucket (a prompt) first run apart, eagerly, at their own
-        bucket; then one step of every cache row at the token bucket feeds the rest, padding
+        feeding more than the token bucket (a prompt) first run apart at their own bucket (a
+        fixed step of only those rows, `_prefill_step`; eagerly when long, or for vectors); then
+        one step of every cache row at the token bucket feeds the rest, padding
         slots continuing each row's positions past its length (written, never attended)."""
         B, W = len(rows), self.token_bucket
         counts = [int(r.shape[0]) if vectors else len(r) for r in rows]
