@@ -154,8 +154,8 @@ from devcluster_images import TEST_PYTHON_IMAGE  # noqa: E402
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` (tests/mlflow_server.py), one per session: each starts in 15-20 s, so
-    every file that needs one shares it (the operator's, the observability scenarios', the model
+    """A real `mlflow server` (tests/mlflow_server.py), one per session: a start is ~7 CPU-s (5-6 s
+    on a quiet machine, 15-20 s on a busy one), so every file that needs one shares it (the operator's, the observability scenarios', the model
     fetch's) and keeps to models of its own (names from its namespace) instead of a clean
     registry. Tests that take it down for an outage start it again on the same port and data."""
     from mlflow_server import MlflowServer

@@ -35,6 +35,8 @@ def wait(what: str, fn: Callable[[], Any], timeout: float = 120.0) -> Any:
 
 
 class Registry:
+    """Where the models are (MLflow's address) and their registered names, by side."""
+
     def __init__(self, url: str, models: dict[str, str]):
         self.url, self.models = url, models
 
