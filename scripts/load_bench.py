@@ -171,26 +171,24 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.address:
-        rows = measure(args, args.address, None)
+        info, rows = measure(args, args.address, None)
     else:
         rows = []
         for threshold in args.batch_size_threshold or [max(args.concurrency)]:
-            rows += serve_and_measure(args, threshold=threshold)
+            info, measured = serve_and_measure(args, threshold=threshold)
+            rows += measured
         if args.plain_server:
-            rows += serve_and_measure(args, plain=True)
-    result = {"target": rows[0].pop("_target"), "draft": rows[0].pop("_draft"),
-              "device": rows[0].pop("_device"), "dtype": rows[0].pop("_dtype"), "k": args.k,
+            rows += serve_and_measure(args, plain=True)[1]
+    result = {"target": info.target.source, "draft": info.draft.source or info.draft.kind,
+              "device": info.target.device, "dtype": info.target.dtype, "k": args.k,
               "max_new_tokens": args.max_new_tokens, "cpu_count": os.cpu_count(), "rows": rows}
-    for row in rows:
-        for key in ("_target", "_draft", "_device", "_dtype"):
-            row.pop(key, None)
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
-def serve_and_measure(args, threshold: int | None = None, plain: bool = False) -> list[dict]:
+def serve_and_measure(args, threshold: int | None = None, plain: bool = False):
     server, address = start_server(args, threshold, plain)
     try:
         return measure(args, address, threshold, plain)
@@ -199,9 +197,10 @@ def serve_and_measure(args, threshold: int | None = None, plain: bool = False) -
         server.wait(60)
 
 
-def measure(args, address: str, threshold: int | None, plain: bool = False) -> list[dict]:
+def measure(args, address: str, threshold: int | None, plain: bool = False):
     """Each concurrency level through one server: target-only requests, then (unless `plain`)
-    speculating ones, with their speedup and greedy identity against the target-only ones."""
+    speculating ones, with their speedup and greedy identity against the target-only ones;
+    -> (the server's model info, the rows)."""
     client = EngineClient(address, insecure=True)
     info = client.model_info()
     client.generate([{"role": "user", "content": "Hello"}], max_new_tokens=8)     # warm-up
@@ -230,10 +229,8 @@ def measure(args, address: str, threshold: int | None, plain: bool = False) -> l
         print(f"{line} | on {on['tokens_per_second']:7.1f} tok/s p50 {on['latency_p50']:.2f} s "
               f"p95 {on['latency_p95']:.2f} s acceptance {on['acceptance_rate']} "
               f"speedup {on['speedup']}x identity {on['greedy_identity']}", flush=True)
-    rows[0].update(_target=info.target.source, _draft=info.draft.source or info.draft.kind,
-                   _device=info.target.device, _dtype=info.target.dtype)
     client.close()
-    return rows
+    return info, rows
 
 
 def print_table(result: dict) -> None:

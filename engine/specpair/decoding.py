@@ -274,6 +274,16 @@ class SpeculativeEngine:
         return bucket(1 + self.config.k_max * (self.config.tree_width if self.drafter.tree_capable
                                                else 1))
 
+    def step_bucket(self, rows: int) -> int:
+        """Tokens a row of the target's fixed step in a batch of `rows` rows: the engine's bucket
+        while the batch may speculate (`Batch._ks`), one past that, as a target-only engine
+        steps: a bucket padded for drafts that nobody sends is paid for by every row (SmolLM2 on
+        an H100: 1.2x a one-token step at 16 tokens). Only the batch size decides, not a
+        request's own k, so a request run target-only beside speculating ones shares their
+        bucket and equals them bitwise; rows alive while the batch crosses the size change
+        bucket, and are exact to rounding (docs/gpu.md)."""
+        return self.token_bucket if rows <= self.config.batch_size_threshold else 1
+
     def describe_step(self) -> dict:
         """Which cache and step the target runs (the server's start-up log, the bench): what a
         figure measured."""
@@ -293,17 +303,16 @@ class SpeculativeEngine:
             kv = self.serving_cache(model)
             if getattr(kv, "fixed", False):     # every (rows, capacity) bucket, captured once
                 name = "target" if model is self.target.model else "draft"
-                threshold = self.config.batch_size_threshold
-                if threshold == 0:          # speculation never runs: one token a step, always
-                    kv.token_bucket = 1
-                speculating = bucket(threshold)
+                if model is self.target.model:
+                    kv.token_bucket = self.step_bucket(1)    # 1 where speculation never runs
+                speculating = bucket(self.config.batch_size_threshold)
                 # At one token a step, at least two rows: their graph serves every larger batch.
                 self.captures[name] = kv.warm_up(speculating if kv.token_bucket > 1
                                                  else max(2, speculating),
                                                  self.target.context_length)
                 if kv.token_bucket > 1:
                     # Past the batch size where speculation stops, the target steps at one token
-                    # (Batch._token_bucket): compiled here at the first such rows bucket; larger
+                    # (step_bucket): compiled here at the first such rows bucket; larger
                     # ones share its graph (rows are symbolic) and record their own on first use.
                     kv.token_bucket = 1
                     self.captures[name + "_past_speculation"] = kv.warm_up(
@@ -503,7 +512,7 @@ class Batch:
         ks = self._ks()
         self.last_k = max(ks, default=0)
         if getattr(self.target, "fixed", False):
-            self.target.token_bucket = self._token_bucket()
+            self.target.token_bucket = eng.step_bucket(B)
             self._prefill_apart()
         sequences = [s.tokens for s in self.rows]
 
@@ -598,17 +607,6 @@ class Batch:
         self.timing.model_seconds += end - start
         self.timing.wait_seconds += end - returned
         return out
-
-    def _token_bucket(self) -> int:
-        """The fixed step's tokens a row this round: the engine's bucket while the batch may
-        speculate, one past the batch size where speculation stops (`_ks`), as a target-only
-        engine steps: a bucket padded for drafts that nobody sends is paid for by every row
-        (SmolLM2 on an H100: 1.2x a one-token step at 16 tokens). Only the batch size decides,
-        not a request's own k, so a request run target-only beside speculating ones shares
-        their bucket and equals them bitwise; rows alive while the batch crosses the size
-        change bucket, and are exact to rounding (docs/gpu.md)."""
-        eng = self.engine
-        return eng.token_bucket if self.active <= eng.config.batch_size_threshold else 1
 
     def _prefill_apart(self) -> None:
         """A fixed-step target (static_cache.py) takes each new row's prompt but its last token

@@ -911,8 +911,7 @@ class StaticKVModel:
                 if self.captures_graphs and self.capture_error is None:
                     h = self._replay(host)
                 else:
-                    ids, positions, slots = to_device(host, self.device)
-                    h = r.fixed_step(ids, positions, slots, self.caches, compiled=self.compiled)
+                    h = self._step_uncaptured(host, self.caches)
             out, states = self._place(out, states, h, narrow, narrow, counts, n_last, width,
                                       vectors, hidden)
         if vectors:
@@ -938,9 +937,7 @@ class StaticKVModel:
         host = torch.stack((ids, slots, slots, kv_rows))
         if self.captures_graphs and self.capture_error is None:
             return self._replay(host, head=False)
-        ids, positions, slots, kv_rows = to_device(host, self.device)
-        return self.runner.fixed_step(ids, positions, slots, self.caches, compiled=self.compiled,
-                                      head=False, kv_rows=kv_rows[:, 0])
+        return self._step_uncaptured(host, self.caches, head=False)
 
     def _replay(self, host: torch.Tensor, head: bool = True):
         """The fixed step through this cache's CUDA graph for the inputs' shape, recorded on first
@@ -956,10 +953,7 @@ class StaticKVModel:
                 self.capture_error = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graph capture failed, the fixed step runs uncaptured: %s",
                             self.capture_error)
-                planes = to_device(host, self.device)
-                return self.runner.fixed_step(*planes[:3], self.caches, compiled=self.compiled,
-                                              head=head,
-                                              kv_rows=planes[3, :, 0] if len(planes) == 4 else None)
+                return self._step_uncaptured(host, self.caches, head)
             self.graphs[key] = graph
             self.recorded["graphs"] += 1
             self.recorded["seconds"] += time.perf_counter() - started
@@ -994,23 +988,12 @@ class StaticKVModel:
             caches = self._zero_caches(shape)
             slots = torch.arange(W).view(1, W).expand(rows, W)
             host = torch.stack((torch.zeros(rows, W, dtype=torch.long), slots, slots))
-            if self.captures_graphs and self.capture_error is None:
-                before = torch.cuda.memory_reserved(self.device)
-                try:
-                    graph = CapturedStep(r, host.to(self.device), caches, self.compiled)
-                    graph(host)
-                    recorded += 1
-                except Exception as exc:     # noqa: BLE001 - reported; serving runs uncaptured
-                    self.capture_error = f"{type(exc).__name__}: {exc}"
-                    log.warning("CUDA graph capture failed at %d rows, %d positions: %s",
-                                rows, positions, self.capture_error)
-                    graph = None
+            capturing = self.captures_graphs and self.capture_error is None
+            before = torch.cuda.memory_reserved(self.device) if capturing else 0
+            recorded += self._warm_shape(host, caches)
+            if capturing:
                 torch.cuda.synchronize(self.device)
                 graph_bytes = max(graph_bytes, torch.cuda.memory_reserved(self.device) - before)
-                del graph
-            else:
-                ids, pos, sl = host.to(self.device)
-                r.fixed_step(ids, pos, sl, caches, compiled=self.compiled)
             del caches
         recorded += self._warm_prefill(max_rows, rows_from)
         if cuda:
@@ -1046,18 +1029,31 @@ class StaticKVModel:
             slots = torch.arange(width).view(1, width).expand(rows, width)
             kv_rows = torch.arange(rows).view(rows, 1).expand(rows, width)
             host = torch.stack((torch.zeros(rows, width, dtype=torch.long), slots, slots, kv_rows))
-            if self.captures_graphs and self.capture_error is None:
-                try:
-                    CapturedStep(r, host.to(self.device), caches, self.compiled, head=False)(host)
-                    recorded += 1
-                except Exception as exc:     # noqa: BLE001 - reported; serving runs uncaptured
-                    self.capture_error = f"{type(exc).__name__}: {exc}"
-                    log.warning("CUDA graph capture of a prompt's step failed: %s",
-                                self.capture_error)
-            else:
-                ids, pos, sl, kv_rows = host.to(self.device)
-                r.fixed_step(ids, pos, sl, caches, compiled=True, head=False, kv_rows=kv_rows[:, 0])
+            recorded += self._warm_shape(host, caches, head=False)
         return recorded
+
+    def _warm_shape(self, host: torch.Tensor, caches, head: bool = True) -> bool:
+        """The fixed step once at this input shape on scratch `caches`: compiled (when it is), and
+        on CUDA recorded as a graph and replayed, to prove it records. A recording that fails is
+        reported once and serving runs uncaptured. -> whether a graph was recorded."""
+        if not (self.captures_graphs and self.capture_error is None):
+            self._step_uncaptured(host, caches, head)
+            return False
+        try:
+            CapturedStep(self.runner, host.to(self.device), caches, self.compiled, head=head)(host)
+            return True
+        except Exception as exc:     # noqa: BLE001 - reported; serving runs uncaptured
+            self.capture_error = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture failed at inputs %s: %s", tuple(host.shape),
+                        self.capture_error)
+            return False
+
+    def _step_uncaptured(self, host: torch.Tensor, caches, head: bool = True):
+        """The fixed step on host planes (ids, positions, slots, and for a prompt's step the
+        cache row of each row) without a CUDA graph: compiled or eager."""
+        planes = to_device(host, self.device)
+        return self.runner.fixed_step(*planes[:3], caches, compiled=self.compiled, head=head,
+                                      kv_rows=planes[3, :, 0] if len(planes) == 4 else None)
 
     def _place(self, out, states, h, which: list[int], at: list[int], counts, n_last: int,
                width: int, vectors: bool, hidden: bool):

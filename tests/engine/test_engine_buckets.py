@@ -287,7 +287,7 @@ def test_a_compiled_engine_warms_every_bucket_and_then_compiles_nothing(tiny_tok
     assert report["token_bucket"] == 4 and report["seconds"] > 0
     assert report["buckets"] == [(r, c) for r in (1, 2) for c in (256, 512, 1024)]
     assert compiled.describe_step()["compile"] == {"backend": "aot_eager"}
-    # Past the threshold the target steps at one token (Batch._token_bucket): warmed too.
+    # Past the threshold the target steps at one token (SpeculativeEngine.step_bucket): warmed too.
     past = compiled.captures["target_past_speculation"]
     assert past["token_bucket"] == 1 and past["buckets"] == [(4, c) for c in (256, 512, 1024)]
     eager = SpeculativeEngine(target, drafter=NgramDrafter(), speculation=config)
@@ -405,7 +405,7 @@ def test_a_prompt_joining_running_rows_leaves_their_keys_alone(tiny_target):
 
 def test_past_the_speculation_batch_size_the_target_steps_at_one_token(tiny_tokenizer):
     """A batch larger than batch_size_threshold does not speculate (Batch._ks) and its target
-    steps at one token a row, as a target-only engine's does (Batch._token_bucket): while the
+    steps at one token a row, as a target-only engine's does (SpeculativeEngine.step_bucket): while the
     batch stays that large its output equals a target-only engine's bitwise; once it is small
     again it steps at the speculation bucket."""
     from tiny_models import make_model
