@@ -17,6 +17,8 @@ Room for more (self-speculative layer skip): implement the same methods.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,8 @@ from specpair.config import NGRAM_MAX, NGRAM_MIN
 from specpair.errors import SpecpairError
 from specpair.static_cache import kv_model, to_device
 from specpair.rejection_sampler import process_logits, sample_next
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -346,13 +350,92 @@ def draft_vocab_logits(head, vectors: torch.Tensor) -> torch.Tensor:
 
 
 def head_logits(head, vectors: torch.Tensor, vocab_size: int, draft_ids: torch.Tensor) -> torch.Tensor:
-    """Target-vocabulary logits [..., V] of a head's vectors [..., D]: the draft vocabulary's
-    rows, -inf elsewhere (q is zero off the draft vocabulary)."""
-    small = draft_vocab_logits(head, vectors)
-    full = torch.full((*vectors.shape[:-1], vocab_size), float("-inf"), dtype=small.dtype,
+    """Target-vocabulary logits [..., V] of a head's vectors [..., D] (`target_vocab_logits`)."""
+    return target_vocab_logits(draft_vocab_logits(head, vectors), vocab_size, draft_ids)
+
+
+def target_vocab_logits(small: torch.Tensor, vocab_size: int, draft_ids: torch.Tensor
+                        ) -> torch.Tensor:
+    """Draft-vocabulary logits [..., Vd] spread over the target's vocabulary [..., V]: the draft
+    vocabulary's rows, -inf elsewhere (q is zero off the draft vocabulary)."""
+    full = torch.full((*small.shape[:-1], vocab_size), float("-inf"), dtype=small.dtype,
                       device=small.device)
     full[..., draft_ids] = small
     return full
+
+
+class EagleDraftStep:
+    """One drafting step of an EAGLE head over every row of its fixed-step cache, one token a
+    row, as a function of device buffers only (no host read), so that on CUDA it records as one
+    graph (StaticKVModel.capture) and a greedy draft token costs one replay.
+
+    From each row's token `ids` [R, 1] and its feature `features` [R, 1, D] (the head's normed
+    output for the token before), at `positions`/`slots` [R, 1]: the target's embedding of the token,
+    the head's inputs (fc over [embedding, feature]), its layer(s) through the fixed step's
+    layer (StaticLlama.fixed_layers, compiled where the cache is), its norm, the draft
+    vocabulary's logits and their top `width` mapped to target ids. It then moves its own inputs
+    on: the top token and the new feature become the next step's, positions and slots advance,
+    and the top tokens land in `drafted` [R, C, width] at the slot the row wrote (read back once
+    a round). -> the draft-vocabulary logits [R, Vd] (a sampled row chooses from them and
+    overwrites its `ids`). Every row writes one slot past wherever its position is: rows that
+    do not draft write past their length, which no query attends."""
+
+    def __init__(self, head, embed, draft_ids: torch.Tensor, kv, width: int):
+        rows, capacity = kv.capacity
+        device, dtype = kv.device, kv.runner.dtype
+        # One token a row as a dimension of its own: the layer's input is then no view, which
+        # lets it share the compiled graph of the cache's other one-token vector steps.
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.features = torch.zeros(rows, 1, head.config.hidden_size, dtype=dtype, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.slots = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.drafted = torch.zeros(rows, capacity, width, dtype=torch.long, device=device)
+        self.state = (self.ids, self.features, self.positions, self.slots)
+        self.graph = None
+        runner, caches, compiled = kv.runner, kv.caches, kv.compiled
+        at = self.slots.view(rows, 1, 1).expand(rows, 1, width)
+
+        def step():
+            x = head.inputs(embed(self.ids).to(dtype), self.features)             # [R, 1, D]
+            h = runner.fixed_layers(x, self.positions, self.slots, caches, compiled=compiled)
+            g = head.model.norm(h)
+            logits = draft_vocab_logits(head, g[:, 0])                            # [R, Vd]
+            top = draft_ids[logits.topk(width, dim=-1).indices]                  # [R, width]
+            self.drafted.scatter_(1, at, top.unsqueeze(1))
+            self.ids.copy_(top[:, :1])
+            self.features.copy_(g)
+            self.positions.add_(1)
+            self.slots.add_(1)
+            return logits
+
+        self.step = step
+
+    def start(self, ids: torch.Tensor, features: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """A round's first inputs: rows 0..B-1 feed ids [B] with features [B, D] at their
+        lengths; the cache's other rows at slot 0 (rows no request holds). -> the lengths on
+        the device [B, 1]."""
+        B = len(lengths)
+        start = torch.zeros(self.positions.shape, dtype=torch.long)
+        start[:B, 0] = torch.tensor(lengths, dtype=torch.long)
+        start = to_device(start, self.positions.device)
+        self.positions.copy_(start)
+        self.slots.copy_(start)
+        self.ids[:B, 0] = ids
+        self.features[:B, 0] = features
+        return start[:B]
+
+    def __call__(self, kv):
+        """One step, through its recorded graph where the cache records graphs."""
+        if self.graph is None:
+            self.graph = kv.capture(self.step, self.state)
+        return self.graph.replay() if self.graph is not None else self.step()
+
+    def tokens(self, start: torch.Tensor, steps: int) -> torch.Tensor:
+        """What rows 0..B-1 drafted in the round's `steps` steps from `start` [B, 1] (`start`'s
+        result): [B, steps, width]."""
+        B = start.shape[0]
+        index = start + torch.arange(steps, device=start.device).view(1, steps)
+        return self.drafted[torch.arange(B, device=start.device).view(B, 1), index]
 
 
 class HeadDrafter(Drafter):
@@ -402,18 +485,17 @@ class HeadDrafter(Drafter):
     def _logits(self, vectors: torch.Tensor) -> torch.Tensor:
         return head_logits(self.head, vectors, self.vocab_size, self.draft_ids)
 
-    def _choose(self, vectors, j, row_ks, sampling, width, chosen_steps, q_steps, sibling_steps):
-        """Position j's tokens (and, for a tree, their alternatives) from the head's vectors
-        [B, D]. All rows greedy: the top of the draft vocabulary's logits, mapped to the target's
-        ids (no distribution over the whole vocabulary is needed: greedy verification reads no q)."""
+    def _choose(self, small, j, row_ks, sampling, width, chosen_steps, q_steps, sibling_steps):
+        """Position j's tokens (and, for a tree, their alternatives) from the head's logits over
+        its draft vocabulary [B, Vd]. All rows greedy: their top, mapped to the target's ids (no
+        distribution over the whole vocabulary is needed: greedy verification reads no q)."""
         if sampling.all_greedy:
-            small = draft_vocab_logits(self.head, vectors)
             top = self.draft_ids[small.topk(width, dim=-1).indices]       # [B, C]
             chosen, q = top[:, 0], None
             if width > 1:
                 sibling_steps.append(top[:, 1:])
         else:
-            logits = self._logits(vectors)
+            logits = target_vocab_logits(small, self.vocab_size, self.draft_ids)
             chosen, q = choose_draft_tokens(logits, j, row_ks, sampling)
             if width > 1:
                 sibling_steps.append(choose_siblings(logits, chosen, q, j, row_ks, sampling, width - 1))
@@ -481,7 +563,8 @@ class MedusaDrafter(HeadDrafter):
         vectors = self.head(features, K)                                       # [B, K, D]
         chosen, qs, sibs = [], [], []
         for j in range(K):
-            self._choose(vectors[:, j], j, row_ks, sampling, width, chosen, qs, sibs)
+            self._choose(draft_vocab_logits(self.head, vectors[:, j]), j, row_ks, sampling, width,
+                         chosen, qs, sibs)
         return self._proposal(chosen, qs, sibs, num, K, width)
 
     def timing_step(self, context: int):
@@ -505,9 +588,16 @@ class EagleDrafter(HeadDrafter):
 
     q lives on the draft vocabulary (zero elsewhere); the rejection sampler is exact for any q,
     so sampling stays lossless. The last draft token is never fed: verifying it is the target's job.
+
+    On a fixed-step cache (static_cache.fixed_step_applies: CUDA, bf16) the drafting steps after
+    the catch-up are EagleDraftStep's, one step over every row a token; elsewhere (float32 on the
+    CPU: the C layer) they feed only the rows still drafting, through extend_vectors.
     """
 
     name = "eagle"
+    # Whether a fixed-step cache drafts through EagleDraftStep (off: extend_vectors token by
+    # token, as elsewhere; the tests compare the two).
+    drafts_in_fixed_steps = True
 
     def __init__(self, loaded, target_model, vocab_size: int, compile: str | None = None):
         from specpair.static_cache import StaticKVModel, supports
@@ -564,9 +654,12 @@ class EagleDrafter(HeadDrafter):
         last = torch.tensor([max(int(f.shape[0]) - 1, 0) for f in feeds], device=device)
         g = self.head.model.norm(out[torch.arange(B, device=device), last])      # [B, D]
         row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
+        if self.kv.fixed and self.drafts_in_fixed_steps:
+            return self._draft_in_fixed_steps(g, row_ks, sampling, width, num, K)
         chosen_steps, qs, sibs = [], [], []
         for j in range(K):
-            chosen = self._choose(g, j, row_ks, sampling, width, chosen_steps, qs, sibs)
+            chosen = self._choose(draft_vocab_logits(self.head, g), j, row_ks, sampling, width,
+                                  chosen_steps, qs, sibs)
             if j + 1 == K or not any(j + 1 < k for k in row_ks):
                 break
             # The rows still drafting feed (embedding of their token, their predicted feature).
@@ -579,19 +672,110 @@ class EagleDrafter(HeadDrafter):
             g = self.head.model.norm(self.kv.extend_vectors(step)[:, 0])
         return self._proposal(chosen_steps, qs, sibs, num, K, width)
 
+    def _draft_in_fixed_steps(self, g, row_ks, sampling, width, num, K) -> Proposal:
+        """The round's drafts from the catch-up's features g [B, D]: the first from g's logits,
+        each further one from an EagleDraftStep over every row. Greedy: the steps read and write
+        only the device, and the tokens come back in one gather at the end."""
+        B = g.shape[0]
+        chosen_steps, qs, sibs = [], [], []
+        chosen = self._choose(draft_vocab_logits(self.head, g), 0, row_ks, sampling, width,
+                              chosen_steps, qs, sibs)
+        steps = max(row_ks) - 1            # the last draft token is never fed
+        if steps <= 0:
+            return self._proposal(chosen_steps, qs, sibs, num, K, width)
+        self.kv.make_room(steps)           # before the step: a grown cache is a new one
+        step = self.draft_step(width)
+        start = step.start(chosen, g, self.kv.lengths)
+        greedy = sampling.all_greedy
+        for j in range(1, steps + 1):
+            logits = step(self.kv)
+            if not greedy:
+                chosen = self._choose(logits[:B], j, row_ks, sampling, width, chosen_steps, qs, sibs)
+                step.ids[:B, 0] = chosen
+        for i, k in enumerate(row_ks):
+            self.kv.lengths[i] += max(k - 1, 0)
+        if greedy:
+            drafted = step.tokens(start, steps)                      # [B, steps, width]
+            chosen_steps += list(drafted[..., 0].unbind(1))
+            if width > 1:
+                sibs += list(drafted[..., 1:].unbind(1))
+            qs += [None] * steps
+        return self._proposal(chosen_steps, qs, sibs, num, K, width)
+
+    def draft_step(self, width: int) -> EagleDraftStep:
+        """The head's drafting step over the cache in use (one per cache and width, kept with
+        the cache's graphs: a grown or shrunk cache gets its own)."""
+        key = ("eagle-draft", width, id(self.embed))
+        step = self.kv.graphs.get(key)
+        if step is None:
+            step = self.kv.graphs[key] = EagleDraftStep(self.head, self.embed, self.draft_ids,
+                                                        self.kv, width)
+        return step
+
     def accepted(self, row: int, committed_before: int, num_accepted: int) -> None:
         # Drop the pairs built on predicted features; the target's own replace them (observe).
         self.kv.rollback(row, self.known[row])
 
+    @torch.no_grad()
+    def warm_up(self, max_rows: int, max_positions: int, width: int, depth: int) -> dict | None:
+        """Run the head's steps once at every shape a batch of up to max_rows drafting rows of up
+        to max_positions positions uses, on scratch batches, so no request compiles: at each
+        (rows, capacity) bucket, rounds of `depth` drafts `width` wide (the drafting step,
+        recorded on CUDA) after catch-up feeds of several pairs for every row, of one pair, and
+        of several for one row beside one-pair rows (the vector steps, compiled where the cache
+        is). -> as StaticKVModel.warm_up's report; None where the head's cache runs no fixed
+        step (its steps there are the C layer's)."""
+        if not self.kv.fixed:
+            return None
+        started = time.perf_counter()
+        shapes = self.kv.buckets(max_rows, max_positions)
+        dim, recorded = self.head.config.hidden_size, 0
+        for rows, positions in shapes:
+            batch = self.for_batch()
+            batch.add_rows(rows)
+            batch.kv.make_room(positions)
+            sampling = RowSampling(*(torch.zeros(rows),) * 3, [None] * rows, greedy=True)
+            # Pairs fed per row: each width and row count a catch-up compiles for, twice (the
+            # second width makes dynamo compile it symbolic).
+            for fed in ([3] * rows, [2] * rows, [1] * rows, [2] + [1] * (rows - 1),
+                        [5] + [1] * (rows - 1)):
+                for i, n in enumerate(fed):
+                    batch.observe(i, batch.known[i], torch.zeros(n, dim, device=self.kv.device))
+                sequences = [[0] * (batch.known[i] + 1) for i in range(rows)]
+                batch.propose(sequences, [depth] * rows, sampling, width)
+                for i in range(rows):
+                    batch.accepted(i, batch.known[i], 0)
+            recorded += batch.kv.recorded["graphs"]
+            del batch
+        report = {"buckets": shapes, "width": width, "depth": depth, "graphs": recorded,
+                  "seconds": round(time.perf_counter() - started, 3)}
+        log.info("EAGLE head warmed: %d buckets (rows, capacity), %d CUDA graphs recorded in "
+                 "%.1f s", len(shapes), recorded, report["seconds"])
+        return report
+
     def timing_step(self, context: int):
-        """One draft step (a head layer step and the draft-vocabulary logits) after `context`
-        pairs, undone after each call: what the bench times and charges per draft token."""
+        """One draft step after `context` pairs, undone after each call: what the bench times and
+        the cost model charges per draft token. On a fixed-step cache the drafting step a round
+        runs (EagleDraftStep; on CUDA one graph replay), its position put back after each call;
+        elsewhere a head layer step through extend_vectors and the draft vocabulary's logits."""
         from specpair.static_cache import StaticKVModel
 
         dim = self.head.config.hidden_size
         kv = StaticKVModel(self.head, compile=self.compile)
         kv.add_rows(1)
         kv.extend_vectors([torch.zeros(context, dim, device=kv.device)])
+        if kv.fixed and self.drafts_in_fixed_steps:
+            kv.make_room(1)
+            drafting = EagleDraftStep(self.head, self.embed, self.draft_ids, kv, 1)
+            drafting.start(torch.zeros(1, dtype=torch.long, device=kv.device),
+                           torch.zeros(1, dim, dtype=kv.runner.dtype, device=kv.device), [context])
+
+            @torch.no_grad()
+            def fixed_step():
+                drafting(kv)
+                drafting.positions.sub_(1)
+                drafting.slots.sub_(1)
+            return fixed_step
 
         @torch.no_grad()
         def step():

@@ -321,12 +321,48 @@ def use_compile_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
-class CapturedStep:
+class CapturedGraph:
+    """A step over static device buffers recorded once as a CUDA graph: a replay is one launch,
+    no dynamo guards, no Python per layer. The outputs are the graph's own buffers, overwritten
+    by the next replay: callers copy what they keep. `state`: input buffers the step itself
+    updates in place (a drafting head's next token, feature and position): the run before
+    recording changes them, so they are put back after it, and the first replay computes what
+    that run did (its cache writes are the same writes again)."""
+
+    def __init__(self, device: torch.device, step, state=()):
+        saved = [t.clone() for t in state]
+        # Run once outside the graph first (compiles the layer for this shape if it has not
+        # been, and lets cuBLAS and the allocator set up): capture may not allocate lazily. The
+        # run is a real step on these inputs: recording only records, and the replay that
+        # follows writes the same keys and values again. Both on a side stream, as capture
+        # needs; capture_begin/end directly, not torch.cuda.graph(), whose gc.collect() and
+        # empty_cache() per recording cost more than the recording.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(side):
+                step()
+                # thread_local: the server's other threads may touch CUDA while this one records.
+                self.graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self.outputs = step()
+                finally:
+                    self.graph.capture_end()
+        finally:          # (a failed recording too: the step then runs uncaptured from them)
+            torch.cuda.current_stream(device).wait_stream(side)
+            for t, before in zip(state, saved):
+                t.copy_(before)
+
+    def replay(self):
+        self.graph.replay()
+        return self.outputs
+
+
+class CapturedStep(CapturedGraph):
     """The fixed step recorded once as a CUDA graph at one (rows, tokens) shape over one cache's
     tensors (its capacity is theirs). A call copies the step's ids, positions and slots into the
-    graph's own input buffer (one copy from pinned memory) and replays it: one launch, no dynamo
-    guards, no Python per layer. The outputs are the graph's own buffers, overwritten by the next
-    replay: callers copy what they keep (`StaticKVModel._place` does). A new cache (grown or
+    graph's own input buffer (one copy from pinned memory) and replays it. A new cache (grown or
     shrunk) gets new graphs (`StaticKVModel._allocate`): recording one costs a few replays."""
 
     def __init__(self, runner: "StaticLlama", host: torch.Tensor, caches, compiled: bool,
@@ -344,24 +380,7 @@ class CapturedStep:
             return runner.fixed_step(ids, positions, slots, caches, compiled=compiled, head=head,
                                      kv_rows=kv_rows)
 
-        # Run once outside the graph first (compiles the layer for this shape if it has not
-        # been, and lets cuBLAS and the allocator set up): capture may not allocate lazily. The
-        # run is a real step on these inputs: recording only records, and the replay that
-        # follows writes the same keys and values again. Both on a side stream, as capture
-        # needs; capture_begin/end directly, not torch.cuda.graph(), whose gc.collect() and
-        # empty_cache() per recording cost more than the recording.
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            step()
-            # thread_local: the server's other threads may touch CUDA while this one records.
-            self.graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self.outputs = step()
-            finally:
-                self.graph.capture_end()
-        torch.cuda.current_stream(device).wait_stream(side)
+        super().__init__(device, step)
 
     def __call__(self, host: torch.Tensor):
         # Through a pinned buffer of its own (pinning a new tensor every step cost ~30 us); the
@@ -370,8 +389,7 @@ class CapturedStep:
         self.pinned.copy_(host)
         self.inputs.copy_(self.pinned, non_blocking=True)
         self.copied.record()
-        self.graph.replay()
-        return self.outputs
+        return self.replay()
 
 
 class CacheShelf:
@@ -694,9 +712,10 @@ class StaticKVModel:
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.lengths: list[int] = []
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # CUDA graphs of the fixed step over the current cache, by input shape (CapturedStep);
-        # why capture failed, if it did (the step then runs compiled, uncaptured).
-        self.graphs: dict[tuple, CapturedStep] = {}
+        # CUDA graphs of the fixed step over the current cache, by input shape (CapturedStep),
+        # and the steps other code records over it (a drafting head's, drafters.EagleDraftStep),
+        # by their own keys; why capture failed, if it did (the step then runs uncaptured).
+        self.graphs: dict[tuple, object] = {}
         self.recorded = {"graphs": 0, "seconds": 0.0}
         self._lease = CacheLease(self.runner.shelf)
         weakref.finalize(self, self._lease.release)
@@ -865,10 +884,9 @@ class StaticKVModel:
             h = self._prefill_step(rows, wide, starts, counts, wide_width)
             out, states = self._place(out, states, h, wide, list(range(len(wide))), counts,
                                       n_last, width, vectors, hidden)
-        elif wide:    # long prompts (compute-bound) or vectors: eagerly, at their own width
-            index = torch.tensor(wide, dtype=torch.long, device=self.device)
-            pos = (torch.tensor([starts[i] for i in wide], dtype=torch.long).view(-1, 1)
-                   + torch.arange(wide_width).view(1, -1)).to(self.device)
+        elif wide:    # long prompts (compute-bound) or vectors, at their own width
+            starts_wide = torch.tensor([starts[i] for i in wide], dtype=torch.long).view(-1, 1)
+            pos = starts_wide + torch.arange(wide_width).view(1, -1)
             if vectors:
                 h = torch.zeros(len(wide), wide_width, dim, dtype=r.dtype, device=self.device)
                 for n, i in enumerate(wide):
@@ -878,8 +896,15 @@ class StaticKVModel:
                 for n, i in enumerate(wide):
                     ids[n, :counts[i]] = torch.tensor(rows[i], dtype=torch.long)
                 h = self.model.model.embed_tokens(ids.to(self.device))
-            reach = max(starts[i] for i in wide) + wide_width
-            h = r.fixed_layers(h, pos, pos, self.caches, kv_rows=index, reach=reach)
+            # A head's vectors, compiled: as a prompt's step runs (`_step_uncaptured`: its planes,
+            # the rows' whole capacity), so they take the graphs `_warm_prefill` compiled. Else
+            # eagerly, attending only the slots reached.
+            compiled = self.compiled and vectors
+            kv_rows = torch.tensor(wide, dtype=torch.long).view(-1, 1).expand(len(wide), wide_width)
+            planes = to_device(torch.stack((pos, pos, pos, kv_rows)), self.device)
+            reach = None if compiled else int(pos.max()) + 1
+            h = r.fixed_layers(h, planes[1], planes[2], self.caches, kv_rows=planes[3, :, 0],
+                               reach=reach, compiled=compiled)
             out, states = self._place(out, states, h, wide, list(range(len(wide))), counts,
                                       n_last, width, vectors, hidden)
         narrow = [i for i in range(B) if 0 < counts[i] <= W]
@@ -899,7 +924,7 @@ class StaticKVModel:
                 h = torch.zeros(R, W, dim, dtype=r.dtype, device=self.device)
                 for i in narrow:
                     h[i, :counts[i]] = rows[i]
-                h = r.fixed_layers(h, positions, slots, self.caches)
+                h = r.fixed_layers(h, positions, slots, self.caches, compiled=self.compiled)
             else:
                 # ids, positions and slots go over in one copy: from pageable memory each copy
                 # waits for the stream, and the GPU step is short enough that three such waits
@@ -958,6 +983,29 @@ class StaticKVModel:
             self.recorded["graphs"] += 1
             self.recorded["seconds"] += time.perf_counter() - started
         return graph(host)      # recording computes nothing: even a new graph replays now
+
+    def capture(self, step, state=()) -> CapturedGraph | None:
+        """`step`, a function of device buffers over this cache, recorded as a CUDA graph
+        (CapturedGraph, `state` as there) where this cache records graphs; None where it does
+        not, or where recording fails (reported once; the step then runs uncaptured)."""
+        if not (self.captures_graphs and self.capture_error is None):
+            return None
+        started = time.perf_counter()
+        try:
+            graph = CapturedGraph(self.device, step, state)
+        except Exception as exc:     # noqa: BLE001 - any capture failure: run uncaptured
+            self.capture_error = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture failed, the step runs uncaptured: %s",
+                        self.capture_error)
+            return None
+        self.recorded["graphs"] += 1
+        self.recorded["seconds"] += time.perf_counter() - started
+        return graph
+
+    def make_room(self, slots: int) -> None:
+        """Capacity for every row to write `slots` slots past its length (a fixed step writes
+        every row; what a row writes past its length is never attended)."""
+        self._reserve(self.batch_size, max(self.lengths, default=0) + slots)
 
     def buckets(self, max_rows: int, max_positions: int, rows_from: int = 1
                 ) -> list[tuple[int, int]]:

@@ -2,8 +2,9 @@
 a CUDA device: replaying a recorded graph gives bitwise the logits of the same compiled layers run
 call by call, over a generation where rows join and leave, drafts are rejected and a row crosses
 into the next capacity bucket (each new cache records its own graphs, nothing recompiles); and an
-engine's greedy speculation equals its target-only decoding bitwise in bf16. Skipped without a
-GPU; `bash scripts/gpu_measure.sh steps` runs it on the lent one."""
+engine's greedy speculation equals its target-only decoding bitwise in bf16; an EAGLE head's
+drafting step replays its own graph. Skipped without a GPU; `bash scripts/gpu_measure.sh steps`
+runs it on the lent one."""
 
 from __future__ import annotations
 
@@ -94,3 +95,46 @@ def test_greedy_speculation_equals_target_only_bitwise_under_graphs(tiny_tokeniz
     assert sum(r.stats.num_draft_tokens for r in spec) > 0
     sampled = engine.generate(prompts, GenerationParams(max_new_tokens=20, temperature=0.8, seed=3))
     assert all(r.finish_reason in ("length", "stop") for r in sampled)
+
+
+def test_an_eagle_heads_drafting_step_replays_one_graph_a_token(tiny_tokenizer):
+    """An EAGLE head on CUDA (compiled, bf16): warm-up records its drafting step at every bucket
+    (captures["head"]); a batch's rounds replay it (drafters.EagleDraftStep: one graph a greedy
+    draft token), proposing bitwise what the same head's vector steps propose token by token, and
+    greedy speculation equals target-only decoding."""
+    from head_builders import mirror_head
+
+    from specpair.drafters import EagleDraftStep
+
+    target = _cuda_model(tiny_tokenizer, seed=11)
+    head = mirror_head(target, vocab_every=2)
+    head.model.to(device="cuda", dtype=torch.bfloat16)
+    head.device = torch.device("cuda")
+    config = SpeculationConfig(k=3, k_max=3, dynamic_k=False, fallback_threshold=0,
+                               batch_size_threshold=4, tree_width=2)
+    engine = SpeculativeEngine(target, draft=head, speculation=config)
+    report = engine.captures["head"]
+    assert report["graphs"] == len(report["buckets"]) > 0 and "capture_error" not in report
+    prompts = ["def add(a, b):\n    return a + b\n", "import json\n\nimport json", "for i in x:"]
+    params = GenerationParams(max_new_tokens=24)
+    runs = []
+    for in_fixed_steps in (True, False):
+        batch = engine.new_batch()
+        batch.drafter.drafts_in_fixed_steps = in_fixed_steps
+        proposals, propose = [], batch.drafter.propose
+        batch.drafter.propose = lambda *a, **kw: proposals.append(propose(*a, **kw)) or proposals[-1]
+        rows = [batch.add(engine.encode(p), params) for p in prompts]
+        while batch.active:
+            batch.step()
+        runs.append((proposals, [r.generated for r in rows], batch.drafter.kv))
+    (got, replies, kv), (expected, expected_replies, _) = runs
+    assert replies == expected_replies and len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert torch.equal(a.num, b.num)
+        for i, n in enumerate(b.num.tolist()):
+            assert torch.equal(a.tokens[i, :n], b.tokens[i, :n])
+            assert torch.equal(a.siblings[i, :n], b.siblings[i, :n])
+    steps = [s for s in kv.graphs.values() if isinstance(s, EagleDraftStep)]
+    assert steps and all(s.graph is not None for s in steps) and kv.capture_error is None
+    plain = engine.generate(prompts, [GenerationParams(max_new_tokens=24, speculation_k=0)] * 3)
+    assert [r.token_ids for r in plain] == replies
