@@ -5,6 +5,10 @@
 #
 #   bash scripts/gpu_measure.sh steps      # the CUDA-graph tests, then step costs of random-weight
 #                                          # shapes ($SHAPES, default all three); keeps .gg/part00
+#   bash scripts/gpu_measure.sh heads      # an EAGLE head's recorded drafting step: its CUDA test,
+#                                          # then its step (random weights, $HEAD_VOCAB draft ids,
+#                                          # default 32000) beside the target's, for $SHAPES
+#                                          # (default SmolLM2 and Llama-8B)
 #   bash scripts/gpu_measure.sh smollm2    # the real SmolLM2 (joins part00 and .gg/part01):
 #                                          # bench vs hf-compiled, identity, batch 1 and 16,
 #                                          # and where the loop's host time goes (loop_profile.py)
@@ -23,27 +27,44 @@ install_wheels() {
         --target /tmp/site .whl/*.whl || exit 1
 }
 
+# The CUDA-graph tests chosen by pytest -k $1 (tests/engine/test_engine_cuda_graphs.py; skipped
+# where there is no GPU), their log in $OUT/$2.
+cuda_tests() {
+    PYTHONPATH=/tmp/site:$PWD/engine:$PWD/tests timeout "${CHECK_TIMEOUT:-150}" $PY -m pytest -q \
+        -p no:cacheprovider -o addopts= -k "$1" tests/engine/test_engine_cuda_graphs.py \
+        > "$OUT/$2.log" 2>&1
+    echo "cuda graph tests ($1) exit $?"; tail -15 "$OUT/$2.log"
+}
+
+# Step costs of the random-weight shapes $2.. with an EAGLE head of $1 draft ids (0: none). One
+# process per shape: they compile at once (16 cores) and time one at a time (--barrier).
+step_benches() {
+    local vocab=$1; shift
+    local parties=$#
+    for shape in "$@"; do
+        kmax=8; [ "$shape" = llama-1b ] && kmax=3
+        timeout "${STEP_TIMEOUT:-420}" $PY scripts/gpu_step_bench.py --shape "$shape" --k-max "$kmax" \
+            --head-vocab "$vocab" --barrier /tmp/specpair-turns-$vocab --parties "$parties" \
+            --out "$OUT/gpu_step_$shape$([ "$vocab" = 0 ] || echo _head).json" \
+            > "$OUT/gpu_step_$shape$([ "$vocab" = 0 ] || echo _head).log" 2>&1 &
+    done
+    wait
+    grep -h "step \|Error\|error:" "$OUT"/gpu_step_*.log | grep -v "^USDT" | tail -40
+}
+
 case "${1:-}" in
 steps)
     [ -f .gg/part00 ] && cp .gg/part00 /tmp/smollm2.part00
     install_wheels
     # The recorded CUDA graphs against the same layers called one by one, and greedy identity
-    # under them (tests/engine/test_engine_cuda_graphs.py; skipped where there is no GPU).
-    PYTHONPATH=/tmp/site:$PWD/engine:$PWD/tests timeout "${CHECK_TIMEOUT:-150}" $PY -m pytest -q \
-        -p no:cacheprovider -o addopts= tests/engine/test_engine_cuda_graphs.py \
-        > "$OUT/gpu_cuda_graph_tests.log" 2>&1
-    echo "cuda graph tests exit $?"; tail -15 "$OUT/gpu_cuda_graph_tests.log"
-    # One process per shape: they compile at once (16 cores) and time one at a time (--barrier).
-    shapes=${SHAPES:-smollm2-135m llama-1b llama-8b}
-    parties=$(echo $shapes | wc -w)
-    for shape in $shapes; do
-        kmax=8; [ "$shape" = llama-1b ] && kmax=3
-        timeout "${STEP_TIMEOUT:-420}" $PY scripts/gpu_step_bench.py --shape "$shape" --k-max "$kmax" \
-            --barrier /tmp/specpair-turns --parties "$parties" --out "$OUT/gpu_step_$shape.json" \
-            > "$OUT/gpu_step_$shape.log" 2>&1 &
-    done
-    wait
-    grep -h "step \|Error\|error:" "$OUT"/gpu_step_*.log | grep -v "^USDT" | tail -40
+    # under them.
+    cuda_tests "not eagle" gpu_cuda_graph_tests
+    step_benches 0 ${SHAPES:-smollm2-135m llama-1b llama-8b}
+    ;;
+heads)
+    install_wheels
+    cuda_tests eagle gpu_cuda_graph_head_tests
+    step_benches "${HEAD_VOCAB:-32000}" ${SHAPES:-smollm2-135m llama-8b}
     ;;
 smollm2)
     mkdir -p /tmp/llm
@@ -71,5 +92,5 @@ smollm2)
     echo "profile exit $?"; grep -v "^USDT" "$OUT/gpu_loop_profile_smollm2.log" | head -40
     ;;
 *)
-    echo "usage: $0 steps|smollm2" >&2; exit 2 ;;
+    echo "usage: $0 steps|heads|smollm2" >&2; exit 2 ;;
 esac

