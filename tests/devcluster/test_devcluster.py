@@ -187,8 +187,11 @@ def test_gpu_capacity_is_scheduled_for_real(devcluster, ns):
          if c["type"] == "PodScheduled" and c["status"] == "False"), None))
     assert cond["reason"] == "Unschedulable" and "nvidia.com/gpu" in cond["message"]
     devcluster.kube.delete("v1", "Pod", ns, "gpu-a")
+    # Alone this takes well under a second; on a loaded machine it timed out (twice in one session), so a
+    # timeout shows what both pods were doing: gpu-a still terminating, or gpu-b never rescheduled.
     wait("gpu-b runs once the GPU is free", lambda: pod(devcluster, ns, "gpu-b").get("status", {}).get("phase") == "Running",
-         timeout=90)
+         timeout=90, show=lambda: {name: {k: pod(devcluster, ns, name).get(k) for k in ("metadata", "status")}
+                                   for name in ("gpu-a", "gpu-b")})
     assert pod(devcluster, ns, "gpu-b")["spec"]["nodeName"] == "devcluster-gpu-1"
 
 
