@@ -21,7 +21,8 @@ from specpair.config import (KV_BUDGET_CUDA_FREE_FRACTION, KV_BUDGET_ENV, NGRAM_
 from specpair.costs import CostModel, DynamicK, StepTiming, measure_step_costs, sync
 from specpair.detokenize import IncrementalDetokenizer
 from specpair.drafter_choice import build_drafter
-from specpair.drafters import Drafter, EagleDrafter, LookupFirstDrafter, ModelDrafter, RowSampling
+from specpair.drafters import (Drafter, EagleDrafter, LookupFirstDrafter, MedusaDrafter, ModelDrafter,
+                               RowSampling)
 from specpair.errors import SpecpairError
 from specpair.static_cache import (bucket, kv_model, resolve_compile, resolve_kv_kind,
                                    step_description)
@@ -293,8 +294,9 @@ class SpeculativeEngine:
     @torch.no_grad()
     def warm_up(self) -> float:
         """Run each model's step once per shape class torch.compile specialises (1 and more than 1
-        rows, 1 and several tokens), so no request pays a compile, and an EAGLE head's steps
-        (EagleDrafter.warm_up; `captures["head"]`). Returns the seconds it took."""
+        rows, 1 and several tokens), so no request pays a compile, and a drafting head's steps
+        (EagleDrafter.warm_up, MedusaDrafter.warm_up; `captures["head"]`). Returns the seconds it
+        took."""
         start = time.perf_counter()
         models = [self.target.model]
         if isinstance(self.drafter, ModelDrafter):     # from draft= or handed in as drafter=
@@ -326,13 +328,16 @@ class SpeculativeEngine:
                     kv.extend([[0] * 3] * rows)
                     kv.extend([[0] * width] * rows, last=width)
         head = self.drafter.head if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
-        if (isinstance(head, EagleDrafter) and self.config.enabled
-                and self.config.batch_size_threshold > 0):
-            report = head.warm_up(bucket(self.config.batch_size_threshold),
-                                  self.target.context_length, self.config.tree_width,
-                                  self.config.k_max)
-            if report is not None:
-                self.captures["head"] = report
+        report = None
+        if self.config.enabled and self.config.batch_size_threshold > 0:
+            rows = bucket(self.config.batch_size_threshold)
+            if isinstance(head, EagleDrafter):
+                report = head.warm_up(rows, self.target.context_length, self.config.tree_width,
+                                      self.config.k_max)
+            elif isinstance(head, MedusaDrafter):
+                report = head.warm_up(rows, self.config.tree_width)
+        if report is not None:
+            self.captures["head"] = report
         return time.perf_counter() - start
 
     def apply_k_policy(self, policy: str = "auto") -> dict | None:

@@ -60,7 +60,7 @@ def build_drafter(target, draft=None, drafter: Drafter | str | None = None, *,
                 raise SpecpairError(f"{draft.model.method} heads draft from the features the "
                                     f"static KV cache hands over; not available here: {why}")
             if draft.model.method == "medusa":
-                drafter = MedusaDrafter(draft, target.model, vocab_size=vocab_size)
+                drafter = MedusaDrafter(draft, target.model, vocab_size=vocab_size, compile=compile)
             else:
                 drafter = EagleDrafter(draft, target.model, vocab_size=vocab_size, compile=compile)
         elif draft is not None:

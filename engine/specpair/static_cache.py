@@ -265,25 +265,31 @@ def _join(*linears) -> torch.Tensor:
 
 
 _compiled_layer_step = None
-_compiled_fixed_layers: dict = {}
+_compiled_functions: dict = {}
 
 
-def compiled_fixed_layer(device: torch.device):
-    """`_fixed_layer` compiled with fullgraph=True (compile_options), once per process and device
-    type: every layer of every model runs through it (same code, other weights and shapes), so
-    a cold start compiles one layer's graph (seconds), not a whole step unrolled over its layers
-    (45-113 s per graph for SmolLM2 on an H100). What is lost is fusion across a layer's edge,
-    one kernel a layer; the CUDA graph removes the calls' host cost."""
-    kind = torch.device(device).type
-    if kind not in _compiled_fixed_layers:
+def compiled_function(function, device: torch.device):
+    """`function` compiled with fullgraph=True (compile_options), once per process and device
+    type (the fixed step's layer, Medusa's heads)."""
+    key = (function, torch.device(device).type)
+    if key not in _compiled_functions:
         # A few graphs per model and token bucket (one row, several rows: _mark_sizes), each
         # model one more entry: past dynamo's default of 8 in a server with a target, a draft
         # and a head.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         use_compile_cache()
-        _compiled_fixed_layers[kind] = torch.compile(_fixed_layer, fullgraph=True,
-                                                     **compile_options(torch.device(kind)))
-    return _compiled_fixed_layers[kind]
+        _compiled_functions[key] = torch.compile(function, fullgraph=True,
+                                                 **compile_options(torch.device(key[1])))
+    return _compiled_functions[key]
+
+
+def compiled_fixed_layer(device: torch.device):
+    """`_fixed_layer` compiled (compiled_function): every layer of every model runs through it
+    (same code, other weights and shapes), so a cold start compiles one layer's graph (seconds),
+    not a whole step unrolled over its layers (45-113 s per graph for SmolLM2 on an H100). What
+    is lost is fusion across a layer's edge, one kernel a layer; the CUDA graph removes the
+    calls' host cost."""
+    return compiled_function(_fixed_layer, device)
 
 
 def _compiled_step():
@@ -390,6 +396,39 @@ class CapturedStep(CapturedGraph):
         self.inputs.copy_(self.pinned, non_blocking=True)
         self.copied.record()
         return self.replay()
+
+
+def capture_graph(owner, step, state=()) -> CapturedGraph | None:
+    """`step`, a function of device buffers, recorded as a CUDA graph (CapturedGraph, `state` as
+    there) where `owner` records graphs (its `captures_graphs`, on its `device`); None where it
+    does not, or where recording fails: reported once in the owner's `capture_error`, and its
+    steps run uncaptured from then on. The owner's `recorded` counts graphs and seconds."""
+    if not (owner.captures_graphs and owner.capture_error is None):
+        return None
+    started = time.perf_counter()
+    try:
+        graph = CapturedGraph(owner.device, step, state)
+    except Exception as exc:     # noqa: BLE001 - any capture failure: run uncaptured
+        owner.capture_error = f"{type(exc).__name__}: {exc}"
+        log.warning("CUDA graph capture failed, the step runs uncaptured: %s", owner.capture_error)
+        return None
+    owner.recorded["graphs"] += 1
+    owner.recorded["seconds"] += time.perf_counter() - started
+    return graph
+
+
+class StepGraphs:
+    """Steps kept by key with the CUDA graphs recorded of them (`capture_graph`), for steps that
+    read no cache (Medusa's heads): one per model, shared by every batch that runs it."""
+
+    def __init__(self, device: torch.device, captures_graphs: bool):
+        self.device, self.captures_graphs = device, captures_graphs
+        self.capture_error: str | None = None
+        self.recorded = {"graphs": 0, "seconds": 0.0}
+        self.steps: dict = {}
+
+    def capture(self, step, state=()) -> CapturedGraph | None:
+        return capture_graph(self, step, state)
 
 
 class CacheShelf:
@@ -985,22 +1024,8 @@ class StaticKVModel:
         return graph(host)      # recording computes nothing: even a new graph replays now
 
     def capture(self, step, state=()) -> CapturedGraph | None:
-        """`step`, a function of device buffers over this cache, recorded as a CUDA graph
-        (CapturedGraph, `state` as there) where this cache records graphs; None where it does
-        not, or where recording fails (reported once; the step then runs uncaptured)."""
-        if not (self.captures_graphs and self.capture_error is None):
-            return None
-        started = time.perf_counter()
-        try:
-            graph = CapturedGraph(self.device, step, state)
-        except Exception as exc:     # noqa: BLE001 - any capture failure: run uncaptured
-            self.capture_error = f"{type(exc).__name__}: {exc}"
-            log.warning("CUDA graph capture failed, the step runs uncaptured: %s",
-                        self.capture_error)
-            return None
-        self.recorded["graphs"] += 1
-        self.recorded["seconds"] += time.perf_counter() - started
-        return graph
+        """`step`, a function of device buffers over this cache, recorded (`capture_graph`)."""
+        return capture_graph(self, step, state)
 
     def make_room(self, slots: int) -> None:
         """Capacity for every row to write `slots` slots past its length (a fixed step writes

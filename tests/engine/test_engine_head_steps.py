@@ -2,18 +2,19 @@
 every cache row a token, with no host read inside, proposes bitwise what the head's vector steps
 token by token propose (the rows still drafting fed through extend_vectors), for chains and trees,
 one row and eight, rows joining and leaving and drafts rejected, in float32 and bfloat16; compiled
-with fullgraph=True and warmed at start-up, a generation with a head compiles nothing."""
+with fullgraph=True and warmed at start-up, a generation with a head compiles nothing. Medusa's
+heads as one step a round (drafters.MedusaDraftStep) the same."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from head_builders import PROMPTS, mirror_head
+from head_builders import PROMPTS, medusa_heads, mirror_head
 
 from specpair import static_cache
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
-from specpair.drafters import EagleDraftStep
+from specpair.drafters import EagleDraftStep, MedusaDrafter, RowSampling
 
 PARAMS = GenerationParams(max_new_tokens=14)
 
@@ -135,3 +136,58 @@ def test_a_compiled_head_warms_its_steps_and_then_compiles_nothing(tiny_tokenize
     _assert_same_proposals(got, expected)
     assert replies == expected_replies
     assert sum(int(p.num.sum()) for p in got) > 0
+
+
+@pytest.mark.parametrize("width", [1, 3], ids=["chain", "tree"])
+def test_medusas_step_proposes_what_its_heads_do_eagerly(tiny_tokenizer, width):
+    """Medusa's heads, logits and top-k over the rows bucket as one step, every head whatever k:
+    the same proposals bitwise as the first k heads run eagerly over the batch's rows (bf16; one
+    row and eight, rows joining and leaving), greedy and sampled."""
+    from tiny_models import make_model
+    target = make_model(tiny_tokenizer, seed=11, layers=1, dtype=torch.bfloat16, init_std=0.05)
+    heads = medusa_heads(target, vocab_every=2, scramble=0.05)
+    heads.model.to(torch.bfloat16)
+    engine = _engine(target, heads, width)
+    sampled = GenerationParams(max_new_tokens=14, temperature=0.8, seed=3)
+    for rows, params in ((1, PARAMS), (8, PARAMS), (4, sampled)):
+        got, replies = _recorded_batch(engine, rows, True, params)
+        expected, expected_replies = _recorded_batch(engine, rows, False, params)
+        _assert_same_proposals(got, expected)
+        assert replies == expected_replies
+        assert sum(int(p.num.sum()) for p in got) > 0
+    assert {1, 4, 8} <= {key[0] for key in engine.drafter.graphs.steps}     # rows buckets used
+
+
+def test_medusas_compiled_step_warms_each_rows_bucket_and_then_compiles_nothing(tiny_tokenizer,
+                                                                              monkeypatch):
+    """Warm-up compiles the heads' step (fullgraph=True) for one row and for several (rows
+    symbolic); rounds at 1, 2 and 3 rows then compile nothing and propose what the eager step
+    does."""
+    import torch._dynamo
+
+    from tiny_models import make_model
+
+    monkeypatch.setenv("SPECPAIR_COMPILE_BACKEND", "aot_eager")
+    target = make_model(tiny_tokenizer, seed=11, layers=1, dtype=torch.bfloat16, init_std=0.05)
+    heads = medusa_heads(target, vocab_every=2, scramble=0.05)
+    heads.model.to(torch.bfloat16)
+    torch._dynamo.reset()
+    drafters = [MedusaDrafter(heads, target.model, len(tiny_tokenizer), compile=mode)
+                for mode in ("on", "off")]
+    report = drafters[0].warm_up(4, 2)
+    assert report["rows"] == [1, 2, 4] and drafters[1].warm_up(4, 2)["graphs"] == 0
+    dim = target.model.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for rows in (1, 2, 3):
+            features = torch.randn(rows, 2, dim, generator=gen).to(torch.bfloat16)
+            sampling = RowSampling(*(torch.zeros(rows),) * 3, [None] * rows, greedy=True)
+            out = []
+            for drafter in drafters:
+                batch = drafter.for_batch()
+                batch.add_rows(rows)
+                for i in range(rows):
+                    batch.observe(i, 0, features[i])
+                out.append(batch.propose([[5, 6, 7]] * rows, [3] * rows, sampling, 2))
+            _assert_same_proposals([out[0]], [out[1]])
+            assert int(out[0].num.sum()) == 3 * rows
