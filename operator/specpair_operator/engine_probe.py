@@ -66,7 +66,7 @@ class GrpcEngineProbe:
 
     # A channel is kept per (address, server name) while it answers, for the event loop and the
     # TLS identity it was made with: dialling anew for every call cost a TCP and mutual-TLS
-    # handshake on both sides on every pass (per ready pod, every 10 s in a cluster, every 0.4 s
+    # handshake on both sides on every pass (per ready pod, every 10 s in a cluster, every second
     # in the tests). A call that fails drops its channel, so the next one dials afresh rather
     # than waiting out gRPC's reconnect backoff (a pod restarted at the same address); channels
     # idle this long are closed (pods that went away).

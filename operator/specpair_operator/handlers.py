@@ -68,6 +68,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
                    STATE.last_drift_check, STATE.speedup_series, STATE.watch_cache, STATE.bodies,
                    STATE.tls_checked_at, STATE.status_written):
         memory.clear()
+    STATE.woken.clear()
+    STATE.wake = asyncio.Event()   # this run's loop (an operator restarted in-process has a new one)
     STATE.probe = GrpcEngineProbe()
     STATE.operator_namespace = operator_namespace()
     if not STATE.operator_namespace:
@@ -127,13 +129,31 @@ async def on_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa
         STATE.bodies[uid] = json.loads(json.dumps(dict(body)))
 
 
+# What a pair's next step waits on, most of the time, is one of its own objects changing: its gate
+# Job (or model-fetch Job) finishing, its engine Deployment's pods turning ready or failing. Their
+# watch wakes a pass over the owner at once, as an Owns() watch does in controller-runtime, instead
+# of leaving it to the next tick of the periodic loop (SPECPAIR_RECONCILE_INTERVAL, 10 s by
+# default), which is left to what only polling sees: MLflow, the engines' own counters, time.
+OWNED = {"app.kubernetes.io/managed-by": "specpair-operator"}
+
+
+@kopf.on.event("batch", "v1", "jobs", labels=OWNED)
+@kopf.on.event("apps", "v1", "deployments", labels=OWNED)
+async def on_owned_event(body: kopf.Body, **_: Any) -> None:
+    for ref in body.metadata.get("ownerReferences") or []:
+        if ref.get("kind") == "SpecModelPair" and ref.get("uid") in STATE.bodies:
+            STATE.woken.add(ref["uid"])
+            STATE.wake.set()
+
+
 class _PairLogger(logging.LoggerAdapter):
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
         return f"[{self.extra['pair']}] {msg}", kwargs
 
 
 async def periodic_passes(interval: float) -> None:
-    """Every `interval` seconds, a pass over each known pair, a few at a time. A pass that fails
+    """Every `interval` seconds, a pass over each known pair, a few at a time, and between ticks a
+    pass over each pair an owned object's change woke (on_owned_event). A pass that fails
     unexpectedly is logged; the loop goes on (the next tick tries again)."""
     log = logging.getLogger("specpair.operator.periodic")
     limit = asyncio.Semaphore(int(os.environ.get("SPECPAIR_CONCURRENT_PASSES", "8")))
@@ -156,9 +176,20 @@ async def periodic_passes(interval: float) -> None:
             except Exception:  # noqa: BLE001  (a bug must not stop every pair's passes)
                 log.exception(f"periodic pass over {meta['namespace']}/{meta['name']} failed")
 
+    tick = time.monotonic() + interval
     while True:
-        await asyncio.sleep(interval)
-        await asyncio.gather(*(one(raw) for raw in list(STATE.bodies.values())))
+        try:
+            await asyncio.wait_for(STATE.wake.wait(), max(0.0, tick - time.monotonic()))
+        except asyncio.TimeoutError:
+            pass
+        STATE.wake.clear()
+        if time.monotonic() >= tick:
+            due, tick = list(STATE.bodies), time.monotonic() + interval
+        else:
+            due = list(STATE.woken)
+        # A change that arrives during these passes wakes the loop again as soon as they end.
+        STATE.woken.clear()
+        await asyncio.gather(*(one(STATE.bodies[uid]) for uid in due if uid in STATE.bodies))
 
 
 async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, force: bool = False) -> None:

@@ -185,8 +185,8 @@ class PassRegistry:
     read from MLflow once per pass and then answered from what was read. A pass asks for the
     same ones several times (the candidate's tags for its release, its gate result and its
     world; the champion's for its serving and its verdict), and every request costs the MLflow
-    server far more than the pass's own work (a pass every 0.4 s per pair kept it one of the
-    suite's largest CPU users). A write through this view drops what it changed, so the pass
+    server far more than the pass's own work (a pass every 0.4 s per pair, as the tests once
+    ran, kept it one of the suite's largest CPU users). A write through this view drops what it changed, so the pass
     reads its own writes; the next pass starts empty, so others' writes (the gate's verdict)
     are seen one pass later at most, as before."""
 

@@ -53,6 +53,10 @@ class OperatorState:
     # per pair (uid): the latest body the watch delivered, for the periodic passes
     bodies: dict[str, dict[str, Any]] = field(default_factory=dict)
     periodic: asyncio.Task | None = None
+    # pairs (uids) an owned Job or Deployment changed since the periodic loop last woke, and
+    # its wake-up call (handlers.on_owned_event)
+    woken: set[str] = field(default_factory=set)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
     # per pair: what the last pass that verified the champion read from MLflow, so its drift is
     # still judged while MLflow is down: (model, aliases, champion, tags, verdict, served hash)
     watch_cache: dict[str, tuple[str, dict[str, str], str, dict[str, str], dict[str, Any], str]] = \

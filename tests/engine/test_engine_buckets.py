@@ -175,6 +175,9 @@ def test_a_shrunk_cache_computes_what_a_fresh_one_does(tiny_target):
     assert torch.equal(kv.extend([[4, 3]], last=2), fresh.extend([[4, 3]], last=2))
 
 
+# Slow: dynamo traces the step's layer (13-20 s here); the fast lane keeps the
+# exactness tests, the full suite this one.
+@pytest.mark.slow
 def test_the_compiled_step_does_not_recompile_over_a_generation(tiny_tokenizer, monkeypatch):
     """fullgraph=True over every layer, two graphs for six buckets; after warming them, a run where
     rows join (a prompt run apart beside decoding rows) and leave, drafts are rejected, lengths
@@ -274,6 +277,9 @@ def test_a_tree_whose_branch_branches_takes_the_general_step(tiny_target):
     torch.testing.assert_close(logits[0, -1], ref, rtol=1e-4, atol=1e-4)
 
 
+# Slow: dynamo traces the step's layer (13-20 s here); the fast lane keeps the
+# exactness tests, the full suite this one.
+@pytest.mark.slow
 def test_a_compiled_engine_warms_every_bucket_and_then_compiles_nothing(tiny_tokenizer, monkeypatch):
     """SpeculativeEngine(compile="on") on the fixed step warms each (rows, capacity) bucket up to
     the speculation threshold and the context at start-up (the report says which), and a
@@ -474,6 +480,9 @@ def test_a_prompts_step_hands_back_its_logits_and_hidden_states(tiny_target):
         torch.testing.assert_close(got[1][i, :len(p)], expected[1][i, :len(p)], rtol=1e-4, atol=1e-4)
 
 
+# Slow: dynamo traces the step's layer (13-20 s here); the fast lane keeps the
+# exactness tests, the full suite this one.
+@pytest.mark.slow
 def test_a_pair_that_never_speculates_warms_and_steps_at_one_token(tiny_tokenizer, monkeypatch):
     """batch_size_threshold 0 (speculation never runs): warm-up compiles the one-token step,
     and a generation afterwards compiles nothing and drafts nothing."""

@@ -108,6 +108,9 @@ def test_sampled_rows_draw_the_same_drafts_through_the_drafting_step(tiny_tokeni
     assert any(p.probs is not None for p in got)
 
 
+# Slow: dynamo traces the step's layer (13-20 s here); the fast lane keeps the
+# exactness tests, the full suite this one.
+@pytest.mark.slow
 def test_a_compiled_head_warms_its_steps_and_then_compiles_nothing(tiny_tokenizer, monkeypatch):
     """SpeculativeEngine(compile="on") with an EAGLE head warms the head's drafting step and its
     catch-up feeds at every (rows, capacity) bucket (captures["head"]); a generation afterwards,

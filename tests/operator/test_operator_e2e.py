@@ -190,6 +190,21 @@ def test_a_pair_name_of_70_characters_is_served(env):
     assert runner.exception is None
 
 
+def test_owned_jobs_and_deployments_wake_their_pair_between_periodic_passes(env, monkeypatch):
+    """With the periodic pass an hour away, a new pair is still gated, promoted and served: its
+    gate Job finishing and its engine Deployment's pods turning ready wake a pass over it
+    (handlers.on_owned_event)."""
+    monkeypatch.setenv("SPECPAIR_RECONCILE_INTERVAL", "3600")
+    ns = env
+    name = f"woken-{uuid.uuid4().hex[:5]}"
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(pair(name, "good-draft"))
+        obj = ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
+        assert [h["action"] for h in obj["status"]["history"]] == ["GateStarted", "GatePassed", "Promoted",
+                                                                     "RolloutStarted"]
+    assert runner.exception is None
+
+
 def test_a_deployment_the_pair_does_not_own_is_never_touched(env):
     ns = env
     name = f"taken-{uuid.uuid4().hex[:5]}"
@@ -470,7 +485,7 @@ def test_deleting_a_pair_never_waits_for_the_operator(env):
     with KopfRunner(OPERATOR, timeout=60) as runner:
         ns.create(pair(name, "good-draft"))
         obj = ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
-        time.sleep(1.5)  # several periodic passes: none adds a finalizer
+        time.sleep(2.5)  # two periodic passes or more (a second apart): none adds a finalizer
         assert not ns.pair(name)["metadata"].get("finalizers")
     assert runner.exception is None
     ns.kube.delete("specpair.io/v1alpha1", "SpecModelPair", ns.name, name)

@@ -147,7 +147,7 @@ def history(obj: dict) -> list[dict]:
 
 
 def test_a_slower_serving_release_is_rolled_back_to_the_previous_one_that_was_faster(
-        operator_env, ns, mlflow_server, model_dirs, devcluster, monkeypatch):
+        operator_env, ns, mlflow_server, model_dirs, devcluster):
     target, draft = model_dirs["target"], model_dirs["draft"]
     name = f"slow-{uuid.uuid4().hex[:5]}"
     # 10 s windows of at least 10 requests, one breaching window per step; acceptance is left out
@@ -156,9 +156,6 @@ def test_a_slower_serving_release_is_rolled_back_to_the_previous_one_that_was_fa
              "probeAfterWindows": 1000,
              "latency": {"minRequests": 10, "ttftP95Ratio": 2.0, "tpotP95Ratio": 2.0}}
     replace = {"applyGateTuning": False, "strategy": {"type": "Replace"}}
-    # A pass a second, not the operator tests' 0.4 s: each pass reads MLflow and the engines, and
-    # the steps here wait on 10 s windows, which a pass a second closes as well.
-    monkeypatch.setenv("SPECPAIR_RECONCILE_INTERVAL", "1")
     # Baselines from two requests a look (6.5 a second measured, not the 11 of four a look; a
     # window needs 10): enough for the 20 requests a baseline is asserted to hold, and well above
     # the load of the slowed release's windows (serial requests of most of a second each under

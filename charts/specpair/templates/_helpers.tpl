@@ -103,10 +103,11 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
 - apiGroups: [specpair.io]
   resources: [specmodelpairs/finalizers]
   verbs: [update]
-# Engine Deployments it rolls (owner references let the garbage collector delete them).
+# Engine Deployments it rolls (owner references let the garbage collector delete them), watched
+# (Kopf) so a rollout's progress wakes a pass over its pair at once.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, create, patch]
+  verbs: [get, create, patch, list, watch]
 # The engine Service in front of each Deployment.
 - apiGroups: [""]
   resources: [services]
@@ -117,10 +118,10 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
   resources: [networkpolicies]
   verbs: [get, create, patch]
 # Gate Jobs (one per release) and model-fetch Jobs (one per set of models, when the pair names a
-# model cache claim), never deleted by the operator.
+# model cache claim), never deleted by the operator; watched so a finished Job wakes its pair's pass.
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, create]
+  verbs: [get, create, list, watch]
 # Engine, gate and model-fetch pods: readiness, IPs (for GetModelInfo / GetStats over gRPC), the scheduler's
 # reason when one is Pending. Read only.
 - apiGroups: [""]
