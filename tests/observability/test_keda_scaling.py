@@ -331,8 +331,15 @@ def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devclust
                                                  ",".join(f"{k}={v}" for k, v in selector.items())))
 
         burst = load.run(BURST_STREAMS, MAX_NEW_TOKENS)
-        up = wait("scaled to 3 and serving v1 on 3 pods", lambda: serving_on(3), timeout=120)
-        assert up["spec"]["rollout"]["replicas"] == 3
+        specs: list[int | None] = []
+
+        def scaled_up() -> dict[str, Any] | None:
+            specs.append(pair()["spec"]["rollout"].get("replicas"))
+            return serving_on(3)
+        up = wait("scaled to 3 and serving v1 on 3 pods", scaled_up, timeout=120)
+        # The HPA scaled the pair itself (its scale subresource: spec.rollout.replicas) to 3. By the
+        # read where 3 pods serve, a slow machine's HPA may already have turned it down again.
+        assert max(r or 0 for r in specs) == 3, specs
         assert read_metric() > 0
         # Scaling is not a release: no gate, no history entry, the same release watched for drift.
         assert up["status"].get("history") == history
