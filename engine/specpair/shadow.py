@@ -207,7 +207,11 @@ class _BatchShadow:
         self.scorer, self.device = scorer, device
         self.drafter = scorer.drafter.for_batch()
         self.rows: list[_Row] = []
-        self.seen: set[int] = set()          # ids of the sequences already offered the share
+        # The sequences already offered the share, by id. The objects are held, not just their
+        # ids: a finished sequence freed between two steps let the next request's sequence take
+        # its address, and that request was then never offered the share (1 of 12 sequential
+        # requests went unscored on the tiny pair).
+        self.seen: dict[int, object] = {}
 
     def align(self, batch, committed: list[int]) -> None:
         """Follow the batch's rows: drop those gone (cancelled), take newcomers by the share
@@ -217,11 +221,11 @@ class _BatchShadow:
         if len(keep) != len(self.rows):
             self.rows = [self.rows[i] for i in keep]
             self.drafter.select(keep)
-        self.seen &= present
+        self.seen = {key: seq for key, seq in self.seen.items() if key in present}
         for i, seq in enumerate(batch.rows):
             if id(seq) in self.seen:
                 continue
-            self.seen.add(id(seq))
+            self.seen[id(seq)] = seq
             if not self.scorer.draw():
                 continue
             greedy = seq.params.greedy

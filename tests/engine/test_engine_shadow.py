@@ -210,6 +210,23 @@ def test_share_is_honoured(models):
     assert none.snapshot() == {}
 
 
+def test_every_request_of_a_long_lived_batch_is_offered_the_share(models):
+    """A server's worker keeps one batch and drops each finished sequence: the next request's
+    sequence can then take the freed one's address (CPython reuses it). Offered the share by
+    address alone, such a request was taken for the one before and never scored (a CI failure;
+    1 to 4 of 40 requests here without it)."""
+    target, _draft, _other = models
+    engine = SpeculativeEngine(target)
+    scorer = shadowed(engine, NgramDrafter())
+    batch = engine.new_batch()
+    for i in range(40):
+        batch.add(engine.encode(PROMPTS[i % len(PROMPTS)]), GenerationParams(max_new_tokens=4, category="c"))
+        while batch.active:
+            batch.step()
+        batch.done.clear()
+    assert scorer.snapshot()["c"].requests == 40
+
+
 def test_no_scoring_above_the_batch_threshold(models):
     target, draft, _other = models
     engine = SpeculativeEngine(target, draft=draft)
