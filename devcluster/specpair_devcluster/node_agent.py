@@ -335,19 +335,25 @@ class NodeAgent:
             kube.close()
 
     def sync(self) -> None:
-        pods = self.kube.list("v1", "Pod", None, fields=f"spec.nodeName={self.spec.name}")
-        # Workers whose pod has stopped (and, when deleted, is gone) hold nothing any more.
+        # Workers whose pod has stopped (and, when deleted, is gone) hold nothing any more. Let go
+        # of them before listing: a worker that finished after the list was read left its deleted
+        # pod in it, and the pod was admitted again, holding its GPU until it stopped a second
+        # time (the next GPU pod bound here failed OutOfnvidia.com/gpu, a CI failure).
         for uid in [u for u, w in self.pods.items() if w.finished]:
             self.pods.pop(uid)
+        pods = self.kube.list("v1", "Pod", None, fields=f"spec.nodeName={self.spec.name}")
         seen = set()
         for pod in pods:
             uid = pod["metadata"]["uid"]
             seen.add(uid)
             worker = self.pods.get(uid)
             if worker is None:
+                # Nothing of it runs here: a pod being deleted is not started again (a kubelet
+                # does not start one either), and one that ended is only let go.
+                if pod["metadata"].get("deletionTimestamp"):
+                    self._finalise_deletion(pod)
+                    continue
                 if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-                    if pod["metadata"].get("deletionTimestamp"):
-                        self._finalise_deletion(pod)
                     continue
                 worker = self._admit(pod)
                 if worker is None:
@@ -571,7 +577,12 @@ class PodWorker:
         backoff = 1.0
         while not self.deleting.is_set():
             try:
-                argv, env, cwd = self._prepare(container)
+                try:
+                    argv, env, cwd = self._prepare(container)
+                except ApiError as exc:
+                    # A Secret or ConfigMap it mounts cannot be read (yet, or any more: the Node
+                    # authorizer refuses once the pod is gone): the kubelet's status, not a crash.
+                    raise ContainerError("CreateContainerConfigError", str(exc)) from exc
             except ContainerError as exc:
                 status["state"] = {"waiting": {"reason": exc.reason, "message": exc.message}}
                 self._push_status()
@@ -595,7 +606,7 @@ class PodWorker:
             self.ready[name] = False
             self._push_status()
             warm = ", forked from the node's warm python" if isinstance(proc, WarmProcess) else ""
-            self.agent._event(self.pod, "Normal", "Started", f"Started container {name} (pid {proc.pid}{warm})")
+            self.agent._event(self.pod, "Normal", "Started", f"Started container {name} (pid {proc.pid}){warm}")
             reason = self._supervise(container, proc)
             code = _stop_process(proc, self._grace() if reason else 0)
             self.ready[name] = False
