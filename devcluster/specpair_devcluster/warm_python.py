@@ -1,9 +1,10 @@
 """A warm Python for a node's pods: one process that has imported torch once, forked for each
 container whose command is `python -m <module>` from the project's virtualenv.
 
-Why: an engine or gate pod on tiny models is ready in ~6 s, nearly all of it imports (torch
-~1.8 s, torch._dynamo ~1.5 s, scipy.optimize ~0.6 s on a 2-core machine), and the test suite
-starts some 150 of them. A container runtime starting the same image again keeps its layers
+Why: an engine pod on tiny models is ready in ~6 s, nearly all of it imports (torch ~1.8 s,
+torch._dynamo ~1.5 s, scipy.optimize ~0.6 s on a 2-core machine), and the test suite starts
+some 70 of them; forked, they were ready in 8.6 s where fresh ones took 24.0 s on a loaded
+machine (docs/testing.md). A container runtime starting the same image again keeps its layers
 in the page cache; this keeps the imported interpreter. Everything the pod's own program does
 (argument parsing, transformers, loading the model, serving) still runs in the pod's process
 with the pod's environment, working directory and log, in a session of its own, so the node
