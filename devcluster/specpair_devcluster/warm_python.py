@@ -118,7 +118,9 @@ class WarmProcess:
                 self.returncode = -signal.SIGKILL
                 self._conn.close()
             else:
-                time.sleep(min(timeout or 0.0, 0.2))
+                # The closed connection reads at once from now on: without a pause, a wait()
+                # with no timeout would spin a core until the orphan exits.
+                time.sleep(0.2 if timeout is None else min(timeout, 0.2))
             return self.returncode
 
 
