@@ -49,6 +49,22 @@ def parallelism(release_or_spec: dict[str, Any]) -> dict[str, int]:
     return {key: int(given.get(key) or 1) for key in PARALLELISM_KEYS}
 
 
+# The gate's tuning sweeps (a pair's gating.tuning): the k values tried at batch 1 (the
+# release's own k joins them) and the batch sizes tried for where speculation stops paying. Each
+# point is three paired runs of every golden prompt, target-only and speculative, so on a large
+# target with many prompts the sweeps are most of a gate; an empty list skips that sweep, and
+# serving keeps the spec's own setting. A release carries the block only where its spec sets
+# one, so releases made before it existed keep their hashes.
+TUNING_DEFAULTS: dict[str, tuple[int, ...]] = {"kValues": (1, 2, 4, 6), "batchSizes": (1, 2, 4)}
+
+
+def gate_tuning(release: dict[str, Any]) -> dict[str, list[int]]:
+    """The sweeps a release's gate runs: its gating.tuning, the defaults where it names none."""
+    given = (release.get("gating") or {}).get("tuning") or {}
+    return {key: sorted({int(v) for v in (default if given.get(key) is None else given[key])})
+            for key, default in TUNING_DEFAULTS.items()}
+
+
 def content_hash(release: dict[str, Any]) -> str:
     """sha256 of the canonical JSON of everything in the release except where it is deployed.
 

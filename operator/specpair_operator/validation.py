@@ -201,6 +201,8 @@ def _check(value: Any, schema: dict[str, Any], path: str, errors: list[str]) -> 
             check = CEL_EQUIVALENTS.get(rule["rule"])
             if check is not None and not check(value):
                 errors.append(f'{path}: Invalid value: {rule.get("message") or rule["rule"]}')
+    if isinstance(value, list) and "maxItems" in schema and len(value) > schema["maxItems"]:
+        errors.append(f"{path}: Too many: {len(value)}: must have at most {schema['maxItems']} items")
     if isinstance(value, list) and "items" in schema:
         for i, item in enumerate(value):
             _check(item, schema["items"], f"{path}[{i}]", errors)

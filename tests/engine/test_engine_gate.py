@@ -36,6 +36,20 @@ def test_gate_passes_and_reports_everything(tiny_pair_dirs):
     assert len(golden) == 3 and all(g["identical"] for g in golden)
 
 
+def test_the_releases_tuning_chooses_the_sweeps(tiny_pair_dirs):
+    """gating.tuning: an empty list skips its sweep and nothing is reported for it (serving keeps
+    the spec's setting); the spec's k joins the k values swept."""
+    rel = _release(tiny_pair_dirs)
+    rel["gating"]["tuning"] = {"kValues": [], "batchSizes": []}
+    verdict, _ = run_gate(rel, device="cpu", progress=lambda *_: None)
+    assert verdict["passed"] and verdict["kSweep"] == [] and verdict["batchSweep"] == []
+    assert verdict["bestSpeculation"] is None
+    rel["gating"]["tuning"] = {"kValues": [2], "batchSizes": []}
+    verdict, _ = run_gate(rel, device="cpu", progress=lambda *_: None)
+    assert [row["k"] for row in verdict["kSweep"]] == [2, 3] and verdict["batchSweep"] == []
+    assert set(verdict["bestSpeculation"]) == {"k"} and verdict["bestSpeculation"]["k"] in (2, 3)
+
+
 def test_thresholds_say_by_how_much():
     verdict = {"greedyIdentity": 0.5, "acceptanceRate": 0.3, "speedup": 0.9,
                "categories": {"code": {"acceptanceRate": 0.2}}}

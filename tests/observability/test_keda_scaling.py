@@ -35,6 +35,7 @@ import grpc
 import openai
 import pytest
 
+from gate_tuning import NO_SWEEPS
 from obs_helpers import CHART, helm, render
 
 pytestmark = pytest.mark.slow
@@ -300,7 +301,8 @@ def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devclust
                      "spec": {"target": {"source": models["target"]}, "draft": {"source": models["draft"]},
                               "speculation": {"k": 3},
                               "gating": {"prompts": [{"prompt": PROMPTS[0], "category": "code"}],
-                                         "maxNewTokens": GATE_TOKENS, "thresholds": {"requireGreedyIdentity": True}},
+                                         "maxNewTokens": GATE_TOKENS, "thresholds": {"requireGreedyIdentity": True},
+                                         "tuning": NO_SWEEPS},
                               "rollout": {"applyGateTuning": False, "autoscaling": {
                                   "minReplicas": 1, "maxReplicas": 3, "metric": "runningRequests",
                                   "target": TARGET_RUNNING, "prometheusAddress": prom.url,

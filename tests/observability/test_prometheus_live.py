@@ -47,6 +47,7 @@ import grpc
 import pytest
 import yaml
 
+from gate_tuning import NO_SWEEPS
 from obs_helpers import (CHART, RULES, alert_rules, annotation_queries, dashboard_variables, helm, panel_targets, render,
                          with_grafana_values)
 
@@ -94,7 +95,8 @@ def pair_manifest(name: str, target: str, draft: str, **spec: Any) -> dict[str, 
                      "speculation": {"k": 3, "fallbackThreshold": 0.05},
                      "gating": {"prompts": [{"prompt": CODE_PROMPTS[0], "category": "code"},
                                             {"prompt": CODE_PROMPTS[1], "category": "code"}],
-                                "maxNewTokens": 12, "thresholds": {"requireGreedyIdentity": True}},
+                                "maxNewTokens": 12, "thresholds": {"requireGreedyIdentity": True},
+                                "tuning": NO_SWEEPS},
                      # Tiny models on CPU never gain from speculation, so the gate's tuning would turn it
                      # off in serving; drift needs it on.
                      "rollout": {"applyGateTuning": False, "shadow": dict(SHADOW)}, "drift": dict(DRIFT), **spec}}

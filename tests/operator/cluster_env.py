@@ -16,6 +16,7 @@ import yaml
 from specpair_devcluster import DevCluster
 from specpair_devcluster.client import ApiError, Kube
 from specpair_operator import release
+from gate_tuning import NO_SWEEPS
 from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -274,7 +275,7 @@ def tiny_pair(name: str, target: str, draft: str, **spec: Any) -> dict[str, Any]
 # spec.gating for a test that needs a passing gate, not its measurements: one golden prompt of
 # 8 tokens (the gate generates each prompt some thirty times in its k sweep).
 ONE_PROMPT_GATING = {"prompts": [{"prompt": CODE_PROMPTS[0], "category": "code"}], "maxNewTokens": 8,
-                     "thresholds": {"requireGreedyIdentity": True}}
+                     "thresholds": {"requireGreedyIdentity": True}, "tuning": NO_SWEEPS}
 
 
 def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:

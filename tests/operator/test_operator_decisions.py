@@ -43,6 +43,26 @@ def test_changed_content_changes_the_hash(change):
     assert release.content_hash(release.build_release("p", "ns", SPEC, PROMPTS[:1])) != base
 
 
+def test_gate_tuning_is_in_a_release_only_where_the_spec_sets_it():
+    """A pair without gating.tuning makes the release it made before tuning existed (same
+    hash); one that sets it carries what it set, in one order, and the gate fills in the rest."""
+    from specpair.contract import TUNING_DEFAULTS, gate_tuning
+
+    plain = release.build_release("p", "ns", SPEC, PROMPTS)
+    assert "tuning" not in plain["gating"]
+    assert gate_tuning(plain) == {key: list(values) for key, values in TUNING_DEFAULTS.items()}
+    empty = {**SPEC, "gating": {**SPEC["gating"], "tuning": {}}}
+    assert release.content_hash(release.build_release("p", "ns", empty, PROMPTS)) == release.content_hash(plain)
+    tuned = {**SPEC, "gating": {**SPEC["gating"], "tuning": {"kValues": [4, 2, 4], "batchSizes": []}}}
+    rel = release.build_release("p", "ns", tuned, PROMPTS)
+    assert rel["gating"]["tuning"] == {"kValues": [2, 4], "batchSizes": []}
+    assert release.content_hash(rel) != release.content_hash(plain)
+    assert gate_tuning(rel) == {"kValues": [2, 4], "batchSizes": []}
+    only_k = {**SPEC, "gating": {**SPEC["gating"], "tuning": {"kValues": [3]}}}
+    assert gate_tuning(release.build_release("p", "ns", only_k, PROMPTS)) == \
+        {"kValues": [3], "batchSizes": list(TUNING_DEFAULTS["batchSizes"])}
+
+
 def test_model_name_defaults_and_tags_and_description():
     assert release.effective_model_name("p", "ns", SPEC) == "ns.p"
     assert release.effective_model_name("p", "ns", {"mlflow": {"modelName": "m"}}) == "m"

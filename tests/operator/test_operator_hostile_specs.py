@@ -227,6 +227,8 @@ def code_pair(name: str, draft: str, **spec: Any) -> dict[str, Any]:
     {"rollout": {"httpPort": METRICS_PORT}},
     {"drift": {"latency": {"ttftP95Ratio": 1.0, "maxErrorRate": 1.0}}},
     {"drift": {"latency": {"tpotP95Ratio": 0.5, "minRequests": 5}}},
+    {"gating": {"tuning": {"kValues": [0, 17]}}},
+    {"gating": {"tuning": {"batchSizes": list(range(1, 10))}}},
 ])
 def test_references_and_ports_are_refused_by_the_api_server_and_the_operator_in_the_same_words(env, change):
     """Nothing a pair names can leave its namespace: the API server refuses such a pair, and the

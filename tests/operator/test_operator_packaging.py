@@ -54,6 +54,11 @@ def test_crd_defaults_are_the_defaults_the_operator_hashes_with():
     assert {k: v["default"] for k, v in th.items() if "default" in v} == \
         {k: v for k, v in release.THRESHOLD_DEFAULTS.items() if k != "minCategoryAcceptance"}
     assert spec["gating"]["properties"]["maxNewTokens"]["default"] == release.DEFAULT_MAX_NEW_TOKENS
+    # The gate's sweeps: no default persisted into pairs (the gate has them, contract.TUNING_DEFAULTS),
+    # so releases made before gating.tuning keep their hashes; a swept k is one a spec may ask for.
+    tuning = spec["gating"]["properties"]["tuning"]
+    assert "default" not in tuning and all("default" not in v for v in tuning["properties"].values())
+    assert tuning["properties"]["kValues"]["items"]["maximum"] == spec["speculation"]["properties"]["k"]["maximum"]
     # No image default is persisted into pairs: the operator resolves it (the chart's engine.image,
     # whose default is the operator's own).
     assert "default" not in spec["rollout"]["properties"]["image"]

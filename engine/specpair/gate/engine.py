@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from specpair.config import GenerationParams, Release, SpeculationConfig
-from specpair.contract import DEFAULT_CATEGORY, threshold_failures
+from specpair.contract import DEFAULT_CATEGORY, gate_tuning, threshold_failures
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
 from specpair.gate.verdict import check_release, new_verdict, tokenizer_check
@@ -117,18 +117,25 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
             ratios.append(t_off / t_on if t_on else 0.0)
         return statistics.median(ratios)
 
-    sweep = sorted(set(k_sweep or [1, 2, 4, 6]) | {spec.k})
+    # The release's sweeps (gating.tuning), unless the caller names its own. An empty one is
+    # skipped, and what it would have tuned is not reported: serving keeps the spec's setting.
+    tuning = gate_tuning(release)
+    k_values = tuning["kValues"] if k_sweep is None else list(k_sweep)
+    sizes = tuning["batchSizes"] if batch_sizes is None else list(batch_sizes)
+    best: dict[str, int] = {}
     best_k, best_speed = spec.k, -1.0
-    for k in sweep:
+    for k in sorted(set(k_values) | {spec.k}) if k_values else []:
         engine.config = SpeculationConfig(**{**spec.to_dict(), "k": k, "dynamic_k": False,
                                              "k_max": max(spec.k_max, k)})
         speed = paired_speedup([[text] for text in texts])
         verdict["kSweep"].append({"k": k, "speedup": round(speed, 4)})
         if speed > best_speed:
             best_k, best_speed = k, speed
+    if k_values:
+        best["k"] = best_k
     engine.config = SpeculationConfig(**{**spec.to_dict(), "k": best_k, "batch_size_threshold": 10_000})
     threshold, paying = 0, True
-    for size in batch_sizes or [1, 2, 4]:
+    for size in sizes:
         speed = paired_speedup([(texts * size)[:size]])
         verdict["batchSweep"].append({"batchSize": size, "speedup": round(speed, 4)})
         # Speculation stays on up to the largest batch size of an unbroken run that pays.
@@ -138,7 +145,9 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     engine.config = spec
     # Batch 1 is what speculation is for: whether it pays there is the minSpeedup threshold's
     # call, so tuning never switches speculation off for good (a threshold of 0 would).
-    verdict["bestSpeculation"] = {"k": best_k, "batchSizeThreshold": max(1, threshold)}
+    if sizes:
+        best["batchSizeThreshold"] = max(1, threshold)
+    verdict["bestSpeculation"] = best or None
 
     verdict["reasons"] = threshold_failures(verdict, thresholds)
     verdict["passed"] = not verdict["reasons"]
