@@ -66,7 +66,7 @@ class Answer:
 @functools.lru_cache(maxsize=32)
 def client_for(address: str, timeout: float) -> openai.OpenAI:
     """One client per engine address, kept: an application keeps its client, and a new one per
-    request built a TLS context and a connection pool each time (a sixth of the demo's own CPU in
+    request built a TLS context and a connection pool each time (a fifth of run_demo's CPU in
     a profile of the smoke test). httpx's client is thread-safe, so the flood's threads share it;
     a connection a replaced pod dropped is dialled again on the next request."""
     return openai.OpenAI(base_url=f"http://{address}/v1", api_key="none", max_retries=0, timeout=timeout)

@@ -58,11 +58,16 @@ def parallelism(release_or_spec: dict[str, Any]) -> dict[str, int]:
 TUNING_DEFAULTS: dict[str, tuple[int, ...]] = {"kValues": (1, 2, 4, 6), "batchSizes": (1, 2, 4)}
 
 
+def tuning_given(gating: dict[str, Any]) -> dict[str, list[int]]:
+    """The sweeps a gating block names, each deduplicated and in order (the release carries these)."""
+    given = gating.get("tuning") or {}
+    return {key: sorted({int(v) for v in given[key]}) for key in TUNING_DEFAULTS if given.get(key) is not None}
+
+
 def gate_tuning(release: dict[str, Any]) -> dict[str, list[int]]:
     """The sweeps a release's gate runs: its gating.tuning, the defaults where it names none."""
-    given = (release.get("gating") or {}).get("tuning") or {}
-    return {key: sorted({int(v) for v in (default if given.get(key) is None else given[key])})
-            for key, default in TUNING_DEFAULTS.items()}
+    return {**{key: list(values) for key, values in TUNING_DEFAULTS.items()},
+            **tuning_given(release.get("gating") or {})}
 
 
 def content_hash(release: dict[str, Any]) -> str:

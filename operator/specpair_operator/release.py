@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from specpair.config import release_speculation_defaults
-from specpair.contract import DEFAULT_CATEGORY, MLFLOW_SOURCE_PREFIXES, TUNING_DEFAULTS, content_hash, parallelism
+from specpair.contract import DEFAULT_CATEGORY, MLFLOW_SOURCE_PREFIXES, content_hash, parallelism, tuning_given
 from specpair.vllm_peer import VLLM_FLAGS
 
 __all__ = ["build_release", "content_hash", "effective_model_name", "with_mlflow", "parse_prompt_lines",
@@ -113,8 +113,7 @@ def build_release(
 def _tuning(gating: dict[str, Any]) -> dict[str, Any]:
     """The gate's sweeps where the spec names them (contract.TUNING_DEFAULTS otherwise, filled in
     by the gate): none of the block where it names neither, so older releases keep their hashes."""
-    given = gating.get("tuning") or {}
-    tuning = {key: sorted({int(v) for v in given[key]}) for key in TUNING_DEFAULTS if given.get(key) is not None}
+    tuning = tuning_given(gating)
     return {"tuning": tuning} if tuning else {}
 
 
