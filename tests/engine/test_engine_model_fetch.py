@@ -31,15 +31,11 @@ def registry(tmp_path_factory, tiny_pair_dirs):
     gets them."""
     import mlflow
     from mlflow import MlflowClient
-    from mlflow_server import MlflowServer
+    from mlflow_server import MlflowServer, basic_auth_config
 
     root = tmp_path_factory.mktemp("mlflow")
-    (root / "basic_auth.ini").write_text(
-        f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root}/auth.db\nadmin_username = {ADMIN[0]}\n"
-        f"admin_password = {ADMIN[1]}\nauthorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
     server = MlflowServer(root, args=("--app-name", "basic-auth"),
-                          env={"MLFLOW_AUTH_CONFIG_PATH": str(root / "basic_auth.ini"),
-                               "MLFLOW_FLASK_SERVER_SECRET_KEY": uuid.uuid4().hex})
+                          env=basic_auth_config(root, ADMIN, default_permission="READ"))
     server.start()
     env = {"MLFLOW_TRACKING_URI": server.url, **CREDENTIALS}
     old = {name: os.environ.get(name) for name in env}

@@ -11,6 +11,8 @@ unauthenticated.
 from __future__ import annotations
 
 import base64
+import urllib.error
+import urllib.request
 import uuid
 
 import pytest
@@ -18,7 +20,7 @@ from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
 from cluster_env import OPERATOR, cond, engine_pods, model_name, pair, serving
-from mlflow_server import MlflowServer  # tests/ is on sys.path (tests/conftest.py)
+from mlflow_server import MlflowServer, basic_auth_config  # tests/ is on sys.path (tests/conftest.py)
 
 ADMIN = ("admin", "admin-pw-" + uuid.uuid4().hex[:8])
 TEAM = ("team", "team-pw-" + uuid.uuid4().hex[:8])
@@ -27,13 +29,9 @@ TEAM = ("team", "team-pw-" + uuid.uuid4().hex[:8])
 @pytest.fixture(scope="module")
 def auth_mlflow(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow-auth")
-    ini = root / "basic_auth.ini"
     # Authenticated users may edit (the gate writes tags on the pair's model); anonymous: nothing.
-    ini.write_text("[mlflow]\ndefault_permission = EDIT\n"
-                   f"database_uri = sqlite:///{root}/auth.db\nadmin_username = {ADMIN[0]}\nadmin_password = {ADMIN[1]}\n"
-                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
     server = MlflowServer(root, args=("--app-name", "basic-auth"),
-                          env={"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": uuid.uuid4().hex})
+                          env=basic_auth_config(root, ADMIN, default_permission="EDIT"))
     server.start()
     import os
 
@@ -70,6 +68,13 @@ def test_a_pair_gates_with_its_own_credentials_secret_against_an_authenticated_m
         ns.wait_for("v1 serving, gated with the team's credentials", lambda: serving(ns, name, "1"), timeout=180)
         client = MlflowClient(auth_mlflow.url)
         assert client.get_model_version(model_name(ns, name), "1").tags["specpair.gate.status"] == "passed"
+        # The server remembers checked credentials (basic_auth_config): the team's name, checked
+        # by the gate, with another password is still refused.
+        wrong = base64.b64encode(f"{TEAM[0]}:{TEAM[1]}-not".encode()).decode()
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(urllib.request.Request(
+                auth_mlflow.url + "/api/2.0/mlflow/registered-models/search",
+                headers={"Authorization": f"Basic {wrong}"}), timeout=30)
         # The engine serves a release with no MLflow model source: it gets no MLflow credentials.
         (pod,) = engine_pods(ns)
         assert not [e for e in pod["spec"]["containers"][0].get("env", []) if e["name"].startswith("MLFLOW_TRACKING_")
