@@ -3,12 +3,15 @@
 # The machine has torch and transformers but no network: the SmolLM2 GGUF (98 MB) travels in two
 # halves, one per call, and the engine's other packages as wheels in .whl/.
 #
-#   bash scripts/gpu_measure.sh steps      # the CUDA-graph tests, then step costs of random-weight
-#                                          # shapes ($SHAPES, default all three); keeps .gg/part00
-#   bash scripts/gpu_measure.sh heads      # an EAGLE head's recorded drafting step: its CUDA test,
-#                                          # then its step (random weights, $HEAD_VOCAB draft ids,
-#                                          # default 32000) beside the target's, for $SHAPES
-#                                          # (default SmolLM2 and Llama-8B)
+#   bash scripts/gpu_measure.sh steps      # the CUDA-graph tests ($TESTS, a pytest -k), then step
+#                                          # costs of random-weight shapes ($SHAPES, default all
+#                                          # three); keeps .gg/part00
+#   bash scripts/gpu_measure.sh heads      # heads' recorded drafting steps: their CUDA tests ($TESTS,
+#                                          # a pytest -k, default eagle or medusa), then an EAGLE head's step
+#                                          # and a Medusa round (random weights, $HEAD_VOCAB draft
+#                                          # ids, default 32000) beside the target's, for $SHAPES
+#                                          # (default SmolLM2 and Llama-8B; SHAPE@LAYER times a
+#                                          # candidate layer alone); keeps .gg/part00
 #   bash scripts/gpu_measure.sh smollm2    # the real SmolLM2 (joins part00 and .gg/part01):
 #                                          # bench vs hf-compiled, identity, batch 1 and 16,
 #                                          # and where the loop's host time goes (loop_profile.py)
@@ -36,20 +39,31 @@ cuda_tests() {
     echo "cuda graph tests ($1) exit $?"; tail -15 "$OUT/$2.log"
 }
 
-# Step costs of the random-weight shapes $2.. with an EAGLE head of $1 draft ids (0: none). One
-# process per shape: they compile at once (16 cores) and time one at a time (--barrier).
+# Step costs of the random-weight shapes $2.., with an EAGLE head of $1 draft ids and Medusa heads
+# beside each (0: none). A shape written SHAPE@LAYER times a candidate fixed layer instead of
+# the engine's (gpu_step_bench.py --layer), alone. One process per entry: they compile at once
+# (16 cores) while the CUDA tests run, and time one at a time once the tests are done
+# (--barrier: the tests are one more party).
 step_benches() {
-    local vocab=$1; shift
-    local parties=$#
-    for shape in "$@"; do
+    local vocab=$1 tests_k=$2 tests_log=$3; shift 3
+    local parties=$(( $# + 1 )) turns=/tmp/specpair-turns-$vocab
+    rm -rf "$turns"
+    for entry in "$@"; do
+        shape=${entry%@*}; layer=engine; name=$shape; extra=(--head-vocab "$vocab")
+        [ "$vocab" = 0 ] && extra+=(--medusa-heads 0)
+        if [ "$entry" != "$shape" ]; then
+            layer=${entry#*@}; name=${shape}_$layer; extra=(--head-vocab 0 --medusa-heads 0 --hf off)
+        fi
+        [ "$vocab" = 0 ] || [ "$entry" != "$shape" ] || name=${name}_head
         kmax=8; [ "$shape" = llama-1b ] && kmax=3
         timeout "${STEP_TIMEOUT:-420}" $PY scripts/gpu_step_bench.py --shape "$shape" --k-max "$kmax" \
-            --head-vocab "$vocab" --barrier /tmp/specpair-turns-$vocab --parties "$parties" \
-            --out "$OUT/gpu_step_$shape$([ "$vocab" = 0 ] || echo _head).json" \
-            > "$OUT/gpu_step_$shape$([ "$vocab" = 0 ] || echo _head).log" 2>&1 &
+            --layer "$layer" "${extra[@]}" --barrier "$turns" --parties "$parties" \
+            --out "$OUT/gpu_step_$name.json" > "$OUT/gpu_step_$name.log" 2>&1 &
     done
+    cuda_tests "$tests_k" "$tests_log"
+    mkdir -p "$turns" && touch "$turns/cuda-tests.ready"
     wait
-    grep -h "step \|Error\|error:" "$OUT"/gpu_step_*.log | grep -v "^USDT" | tail -40
+    grep -h "step \|round\|Error\|error:" "$OUT"/gpu_step_*.log | grep -v "^USDT" | tail -40
 }
 
 case "${1:-}" in
@@ -58,13 +72,14 @@ steps)
     install_wheels
     # The recorded CUDA graphs against the same layers called one by one, and greedy identity
     # under them.
-    cuda_tests "not eagle" gpu_cuda_graph_tests
-    step_benches 0 ${SHAPES:-smollm2-135m llama-1b llama-8b}
+    step_benches 0 "${TESTS:-not eagle and not medusa}" gpu_cuda_graph_tests \
+        ${SHAPES:-smollm2-135m llama-1b llama-8b}
     ;;
 heads)
+    [ -f .gg/part00 ] && cp .gg/part00 /tmp/smollm2.part00
     install_wheels
-    cuda_tests eagle gpu_cuda_graph_head_tests
-    step_benches "${HEAD_VOCAB:-32000}" ${SHAPES:-smollm2-135m llama-8b}
+    step_benches "${HEAD_VOCAB:-32000}" "${TESTS:-eagle or medusa}" gpu_cuda_graph_head_tests \
+        ${SHAPES:-smollm2-135m llama-8b}
     ;;
 smollm2)
     mkdir -p /tmp/llm
@@ -79,7 +94,7 @@ smollm2)
     echo "bench exit $?"; grep -v "^USDT" "$OUT/gpu_bench_smollm2.log" | tail -15
     # Speculation allowed at 16 rows (what it gains or costs there) and at the engine's default
     # of 8 (past it the target steps at one token), against a target-only server too.
-    SPECPAIR_COMPILE=on timeout "${LOAD_TIMEOUT:-240}" $PY scripts/load_bench.py --target "$gguf" \
+    [ "${LOAD:-on}" = on ] && SPECPAIR_COMPILE=on timeout "${LOAD_TIMEOUT:-240}" $PY scripts/load_bench.py --target "$gguf" \
         --device cuda --concurrency 1 16 --requests "${LOAD_REQUESTS:-48}" \
         --batch-size-threshold ${LOAD_THRESHOLDS:-16 8} --plain-server --json "$OUT/gpu_load_smollm2.json" \
         > "$OUT/gpu_load_smollm2.log" 2>&1

