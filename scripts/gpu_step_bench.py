@@ -192,11 +192,31 @@ def prepare_ours(model, device, context: int, ks: list[int], compiled: bool) -> 
     return prepared
 
 
+def timed_in_turns(fns: dict, device: torch.device, repeats: int) -> dict:
+    """timed(host=True) of several functions, one call of each in turn `repeats` times: a drift
+    in the machine (clocks, another process) falls on all of them alike, so their ratios hold
+    (timed one after another, the host's share of a SmolLM2 step moved by 0.15 ms between
+    widths on an H100). -> {key: (median ms, median host ms)}."""
+    for fn in fns.values():
+        fn(), fn()
+    sync(device)
+    times = {key: ([], []) for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[key][1].append((time.perf_counter() - start) * 1e3)
+            sync(device)
+            times[key][0].append((time.perf_counter() - start) * 1e3)
+    return {key: tuple(sorted(t)[len(t) // 2] for t in pair) for key, pair in times.items()}
+
+
 def measure_ours(prepared: dict, device, ks: list[int], repeats: int) -> dict:
     out = {"step_ms": {}, "host_ms": {}, "launches": {}, "capture": {}}
+    steps = timed_in_turns({W: step for W, (_, step, _) in prepared.items()}, device, repeats)
     for W, (_, step, capture) in prepared.items():
         out["capture"][W] = capture
-        out["step_ms"][W], out["host_ms"][W] = timed(step, device, repeats, host=True)
+        out["step_ms"][W], out["host_ms"][W] = steps[W]
         out["launches"][W] = launches(step, device)
     widest = max(prepared)
     out["host_profile"] = {W: host_profile(prepared[W][1], device) for W in sorted({1, widest})}
@@ -315,8 +335,8 @@ def fixed_layer_token_major(h, cos, sin, rows, positions, slots, kc, vc, wqkv, w
     q, k, v = F.linear(x, wqkv).view(B, W, heads + 2 * kv_heads, head_dim).split(
         [heads, kv_heads, kv_heads], dim=2)                       # [B, W, heads, D] views
     cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)            # [B, W, 1, D]
-    q = q * cos + ROTATE_HALF(q) * sin
-    k = k * cos + ROTATE_HALF(k) * sin
+    q = q * cos + static_cache._rotate_half(q) * sin
+    k = k * cos + static_cache._rotate_half(k) * sin
     kc[rows, :, slots] = k
     vc[rows, :, slots] = v
     keys, values = (kc, vc) if reach is None else (kc[:, :, :reach], vc[:, :, :reach])
@@ -330,27 +350,24 @@ def fixed_layer_token_major(h, cos, sin, rows, positions, slots, kc, vc, wqkv, w
     return h + F.linear(F.silu(gate) * up, wd)
 
 
-def rotate_half_by_roll(x: torch.Tensor) -> torch.Tensor:
-    """static_cache._rotate_half without a cat (--layer roll): the halves swapped by an index
-    remap and the first negated by a sign, bitwise the same values (a negation is exact)."""
+def rotate_half_by_cat(x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's rotate_half as a cat (--layer cat), what static_cache._rotate_half was
+    before its roll: the same values bitwise, two kernels more a layer at 2+ tokens (H100)."""
     half = x.shape[-1] // 2
-    sign = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-    sign[:half] = -1
-    return x.roll(half, -1) * sign
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-ROTATE_HALF = static_cache._rotate_half
-LAYERS = ("engine", "token-major", "roll")
+LAYERS = ("engine", "token-major", "cat")
 
 
 def use_layer(name: str) -> None:
     """--layer: the engine's own fixed layer, or a candidate put in its place before anything
     compiles (static_cache looks `_fixed_layer` up when it first compiles it)."""
-    global ROTATE_HALF
     if name == "engine":
         return
-    if name == "roll":
-        ROTATE_HALF = rotate_half_by_roll
+    if name == "cat":
+        static_cache._rotate_half = rotate_half_by_cat
+        return
     static_cache._fixed_layer = fixed_layer_token_major
 
 
@@ -436,8 +453,9 @@ def main(argv=None) -> int:
                         help="Medusa heads measured beside the target, a round of them over "
                              "--head-vocab draft ids (0: none)")
     parser.add_argument("--layer", choices=LAYERS, default="engine",
-                        help="the fixed layer timed: the engine's, or a candidate layout "
-                             "(fixed_layer_token_major) measured against it")
+                        help="the fixed layer timed: the engine's, or another layout measured "
+                             "against it (fixed_layer_token_major; cat: the rotary half-swap "
+                             "as a cat, the engine's before)")
     parser.add_argument("--hf", choices=["on", "off"], default="on",
                         help="Hugging Face's StaticCache step beside ours")
     parser.add_argument("--out", required=True, help="where the JSON goes")

@@ -37,6 +37,7 @@ The step compiles (`fullgraph=True`) once per token bucket, rows and capacity sy
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -150,8 +151,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[-x2, x1] for x = [x1, x2] (Hugging Face's rotate_half), as the halves swapped by an index
+    remap and the first negated by a sign: the same values bitwise (a negation is exact). Written
+    with a cat, inductor gave the fixed step's layer two layout copies more at 2+ tokens a row
+    than at one (532 kernels a SmolLM2 step against 442, measured on an H100); with the roll,
+    472 (docs/gpu.md)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    sign = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    sign[:half] = -1
+    return x.roll(half, -1) * sign
 
 
 def _layer_step(h, cos, sin, mask, rows, positions, kc, vc, wq, wk, wv, wo, wg, wu, wd, n1, n2,
@@ -346,9 +354,16 @@ class CapturedGraph:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         self.graph = torch.cuda.CUDAGraph()
+        # No garbage collection while recording: a collection that frees another graph (a
+        # released cache's) destroys it mid-capture, which CUDA forbids, and the recording is
+        # lost ("operation not permitted when stream is capturing", seen on an H100 with old
+        # engines' graphs awaiting collection). torch.cuda.graph() collects before each recording
+        # instead, which costs more than the recording.
+        collecting = gc.isenabled()
         try:
             with torch.cuda.stream(side):
                 step()
+                gc.disable()
                 # thread_local: the server's other threads may touch CUDA while this one records.
                 self.graph.capture_begin(capture_error_mode="thread_local")
                 try:
@@ -356,6 +371,8 @@ class CapturedGraph:
                 finally:
                     self.graph.capture_end()
         finally:          # (a failed recording too: the step then runs uncaptured from them)
+            if collecting:
+                gc.enable()
             torch.cuda.current_stream(device).wait_stream(side)
             for t, before in zip(state, saved):
                 t.copy_(before)

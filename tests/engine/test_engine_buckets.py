@@ -272,10 +272,10 @@ def test_the_gpu_step_bench_runs_on_the_cpu(tmp_path):
     assert medusa["heads"] == 4 and medusa["round_ms"] > 0 and medusa["launches"]["count"] > 0
 
 
-@pytest.mark.parametrize("layer", ["token-major", "roll"])
-def test_the_step_bench_candidate_layers_compute_the_engine_layer_bitwise(layer):
-    """The candidate layouts the step bench measures against the engine's layer (--layer) are
-    the same arithmetic: equal outputs and cache writes, bitwise, at one token and several."""
+@pytest.mark.parametrize("layer", ["token-major", "cat"])
+def test_the_step_bench_candidate_layers_compute_the_engine_layer_bitwise(layer, monkeypatch):
+    """The other layouts the step bench measures against the engine's layer (--layer) are the
+    same arithmetic: equal outputs and cache writes, bitwise, at one token and several."""
     import sys
     from pathlib import Path
 
@@ -287,7 +287,7 @@ def test_the_step_bench_candidate_layers_compute_the_engine_layer_bitwise(layer)
     torch.manual_seed(0)
     B, H, KV, D, HID, INTER, C = 2, 4, 2, 16, 64, 128, 32
     dt = torch.bfloat16
-    rotate = bench.rotate_half_by_roll if layer == "roll" else static_cache._rotate_half
+    engine_layer = static_cache._fixed_layer
     for W in (1, 4):
         positions = torch.tensor([[5 + w for w in range(W)], [9 + w for w in range(W)]])
         cos, sin = torch.randn(2, B, 1, W, D, dtype=dt)
@@ -299,15 +299,15 @@ def test_the_step_bench_candidate_layers_compute_the_engine_layer_bitwise(layer)
         caches = torch.randn(2, B, KV, C, D, dtype=dt)
         kw = dict(eps=1e-5, heads=H, kv_heads=KV, head_dim=D)
         kc, vc = caches.clone()
-        want = static_cache._fixed_layer(h, cos, sin, rows, positions, positions, kc, vc,
-                                         *weights, **kw)
+        want = engine_layer(h, cos, sin, rows, positions, positions, kc, vc, *weights, **kw)
         kc2, vc2 = caches.clone()
-        previous, bench.ROTATE_HALF = bench.ROTATE_HALF, rotate
-        try:
-            got = bench.fixed_layer_token_major(h, cos, sin, rows, positions, positions, kc2, vc2,
-                                                *weights, **kw)
-        finally:
-            bench.ROTATE_HALF = previous
+        with monkeypatch.context() as patched:     # use_layer swaps module globals: put back
+            patched.setattr(static_cache, "_fixed_layer", engine_layer)
+            patched.setattr(static_cache, "_rotate_half", static_cache._rotate_half)
+            bench.use_layer(layer)
+            got = static_cache._fixed_layer(h, cos, sin, rows, positions, positions, kc2, vc2,
+                                            *weights, **kw)
+        assert static_cache._fixed_layer is engine_layer
         assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
 
 
