@@ -140,11 +140,13 @@ def rounds_by_k(per_pos: list[int]) -> dict[int, int]:
 
 
 def round_seconds(costs: dict, k: int) -> float:
-    """A round drafting k tokens at these kernels: its draft steps (one a token, or one a round)
-    and one verification (the nearest measured k where this one was not)."""
+    """A round drafting k tokens at these kernels: its draft steps (one a token, or one a round),
+    what the round costs beyond them (a head's catch-up, `draft_round`) and one verification
+    (the nearest measured k where this one was not)."""
     verify = costs["verify"]
     v = verify[k] if k in verify else verify[min(verify, key=lambda x: abs(x - k))]
-    return (k if costs.get("draft_per_token", True) else 1) * costs["draft_step"] + v
+    return ((k if costs.get("draft_per_token", True) else 1) * costs["draft_step"]
+            + costs.get("draft_round", 0.0) + v)
 
 
 def ideal_spec_seconds(stats: AcceptanceStats, rounds_without_draft: int, costs: dict,
@@ -272,6 +274,7 @@ class BenchReport:
                "tree_width": self.costs.get("tree_width", 1), "step": self.step,
                "costs_seconds": {"target_step": round(t1, 6),
                                  "draft_step": round(self.costs["draft_step"], 6),
+                                 "draft_round": round(self.costs.get("draft_round", 0.0), 6),
                                  "verify": {str(k): round(v, 6) for k, v in self.costs["verify"].items()}},
                # Verifying k drafts against one decode step: near 1 when a step is bandwidth-bound.
                "verify_ratio": {str(k): round(v / t1, 4) for k, v in self.costs["verify"].items()},
@@ -612,8 +615,9 @@ def format_table(report: dict) -> str:
         lines.append(f"\ntoken tree: {width} candidates per draft position, 1 + k*{width} tokens "
                      "a verification (the verify costs below)")
     lines.append(f"\ndevice {report['device']}; step {json.dumps(report.get('step'))}; target step "
-                 f"{costs['target_step'] * 1e3:.1f} ms; draft step {costs['draft_step'] * 1e3:.2f} ms; "
-                 f"verify (ms) {verify}")
+                 f"{costs['target_step'] * 1e3:.1f} ms; draft step {costs['draft_step'] * 1e3:.2f} ms"
+                 + (f" (and {costs['draft_round'] * 1e3:.2f} ms a round)" if costs.get("draft_round")
+                    else "") + f"; verify (ms) {verify}")
     lines.append("verify(k+1)/step: " + ", ".join(f"k={k}: {v:.2f}" for k, v in report["verify_ratio"].items()))
     for mode, name in (("target", "target-only"), ("spec", "speculative")):
         h = report["overall"].get("host", {}).get(mode)

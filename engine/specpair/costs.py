@@ -30,12 +30,17 @@ class CostModel:
     draft: float
     verify: dict[int, float]
     draft_per_token: bool = True      # False: one draft pass per round whatever k (Medusa, n-gram)
+    # What a drafting round costs beyond its draft steps, whatever k: an EAGLE head's catch-up
+    # on the pairs observed since its last round and its first draft (measured on an H100:
+    # about 2 ms a round outside the recorded drafting steps, more than a SmolLM2 step).
+    draft_round: float = 0.0
 
     @classmethod
     def from_seconds(cls, costs: dict) -> "CostModel":
         t1 = costs["target_step"]
         return cls(draft=costs["draft_step"] / t1, verify={k: v / t1 for k, v in costs["verify"].items()},
-                   draft_per_token=costs.get("draft_per_token", True))
+                   draft_per_token=costs.get("draft_per_token", True),
+                   draft_round=costs.get("draft_round", 0.0) / t1)
 
     def round_cost(self, k: int) -> float:
         if k in self.verify:
@@ -43,7 +48,8 @@ class CostModel:
         else:
             near = min(self.verify, key=lambda x: abs(x - k))
             v = self.verify[near] * (k + 1) / (near + 1) if k > near else self.verify[near]
-        return (k if self.draft_per_token else min(k, 1)) * self.draft + v
+        drafting = (k * self.draft if self.draft_per_token else self.draft) + self.draft_round
+        return (drafting if k > 0 else 0.0) + v
 
 
 class DynamicK:
@@ -172,6 +178,10 @@ def measure_step_costs(engine, prompt_ids: list[int], ks: list[int],
     elif hasattr(drafter, "timing_step"):     # heads: their own step (per token or per round)
         step = drafter.timing_step(len(prompt_ids))
         costs["draft_step"] = min([timed(step, device)[0] for _ in range(repeats + 1)][1:])
+        if hasattr(drafter, "timing_round"):  # ... and what a round costs beyond its steps
+            round_of_one = drafter.timing_round(len(prompt_ids))
+            seconds = min([timed(round_of_one, device)[0] for _ in range(repeats + 1)][1:])
+            costs["draft_round"] = max(0.0, seconds - costs["draft_step"])
     elif drafter is not None:
         costs["draft_step"] = fastest_lookup(drafter)
     else:

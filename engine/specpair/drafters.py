@@ -868,6 +868,27 @@ class EagleDrafter(HeadDrafter):
             kv.rollback(0, context)
         return step
 
+    def timing_round(self, context: int):
+        """A greedy round of one draft for one row after `context` pairs, as a batch runs it:
+        the catch-up on the pair observed since the last round, the head's norm and the first
+        draft's logits and choice, its draft then rejected. Less one drafting step
+        (`timing_step`), what a round costs beyond its draft tokens, the cost model's
+        `draft_round`: on an H100 about 2 ms, outside the recorded drafting steps (docs/gpu.md).
+        Each call observes one pair more (the cache grows by a slot a call)."""
+        batch = self.for_batch()
+        batch.add_rows(1)
+        dim, device = self.head.config.hidden_size, self.kv.device
+        greedy = RowSampling(*(torch.zeros(1),) * 3, [None], greedy=True)
+        batch.observe(0, 0, torch.zeros(context, dim, device=device))
+
+        @torch.no_grad()
+        def round_of_one():
+            batch.observe(0, batch.known[0], torch.zeros(1, dim, device=device))
+            batch.propose([[5] * (batch.known[0] + 1)], [1], greedy, 1)
+            batch.accepted(0, batch.known[0], 0)
+        round_of_one()            # the context's own catch-up
+        return round_of_one
+
 
 class LookupFirstDrafter(Drafter):
     """Prompt lookup where the text repeats itself, a head everywhere else: per row and round,

@@ -45,6 +45,8 @@ def load_pair(pair: PairSpec, progress=_stderr):
         progress(f"warning: {warning}")
     costs = engine.apply_k_policy(pair.k_policy)
     if costs:
-        progress("calibrated: target step {:.1f} ms, draft step {:.2f} ms, verify k=4 {:.1f} ms".format(
-            costs["target_step"] * 1e3, costs["draft_step"] * 1e3, costs["verify"].get(4, 0) * 1e3))
+        progress("calibrated: target step {:.1f} ms, draft step {:.2f} ms{}, verify k=4 {:.1f} ms".format(
+            costs["target_step"] * 1e3, costs["draft_step"] * 1e3,
+            f" (and {costs['draft_round'] * 1e3:.2f} ms a round)" if costs.get("draft_round") else "",
+            costs["verify"].get(4, 0) * 1e3))
     return engine

@@ -138,6 +138,14 @@ def test_cost_aware_k_follows_acceptance_and_costs():
                 accepted += 1
             d.update(d.k, accepted)
     assert mid_cheap.k >= 4 and mid_dear.k <= 2, (mid_cheap.k, mid_dear.k)
+    # A round's own cost (a head's catch-up) is paid once whatever k: deeper rounds amortise it.
+    for acceptance in (0.5, 0.6, 0.7):
+        lean, heavy = (DynamicK(config, CostModel(draft=0.1, verify=cheap.verify, draft_round=r))
+                       for r in (0.0, 2.0))
+        lean.position_acceptance = [acceptance] * config.k_max
+        heavy.position_acceptance = [acceptance] * config.k_max
+        assert heavy.best_k() >= lean.best_k()
+    assert heavy.best_k() > lean.best_k(), (heavy.best_k(), lean.best_k())
 
 
 def test_calibrated_engine_stays_exact(tiny_target, tiny_draft, reference):

@@ -301,3 +301,34 @@ def test_a_once_per_round_draft_is_charged_once_per_round():
     assert per_token.round_cost(3) == pytest.approx(3 * 0.2 + 1.2)
     assert per_round.round_cost(3) == pytest.approx(0.2 + 1.2)
     assert per_round.round_cost(0) == pytest.approx(1.1)    # no drafts, no draft pass
+
+
+def test_a_heads_round_cost_is_charged_once_a_round_beside_its_draft_steps():
+    """An EAGLE round costs its catch-up and first draft beyond its draft steps (about 2 ms on an
+    H100, docs/gpu.md): charged once a drafting round, never when nothing is drafted."""
+    from specpair.costs import CostModel
+
+    costs = {"target_step": 1.0, "draft_step": 0.2, "verify": {1: 1.1, 3: 1.2},
+             "draft_round": 0.5}
+    model = CostModel.from_seconds(costs)
+    assert model.round_cost(3) == pytest.approx(3 * 0.2 + 0.5 + 1.2)
+    assert model.round_cost(1) == pytest.approx(0.2 + 0.5 + 1.1)
+    assert model.round_cost(0) == pytest.approx(1.1)
+    assert CostModel.from_seconds({**costs, "draft_round": 0.0}).round_cost(3) == pytest.approx(1.8)
+
+
+def test_calibrating_an_eagle_engine_measures_its_round_beside_its_step(tiny_target):
+    """The cost model's figures for a head come from running it: its drafting step and a whole
+    round of one draft (catch-up, first logits, choice), whose excess over the step is charged a
+    round; generation afterwards is unchanged (the timing rows are the drafter's own batch)."""
+    engine = SpeculativeEngine(tiny_target, draft=eagle_head(tiny_target),
+                               speculation=SpeculationConfig(k=3, k_max=3, dynamic_k=True))
+    before = engine.generate(PROMPTS[:2], PARAMS)
+    costs = engine.apply_k_policy("cost")
+    assert costs["draft_step"] > 0 and costs["draft_round"] >= 0
+    assert engine.cost_model.draft_round == pytest.approx(costs["draft_round"] / costs["target_step"])
+    round_of_one = engine.drafter.timing_round(12)
+    for _ in range(3):
+        round_of_one()
+    engine.cost_model = None
+    assert [r.token_ids for r in engine.generate(PROMPTS[:2], PARAMS)] == [r.token_ids for r in before]
