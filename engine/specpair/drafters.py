@@ -438,6 +438,63 @@ class EagleDraftStep:
         return self.drafted[torch.arange(B, device=start.device).view(B, 1), index]
 
 
+# The widest catch-up run as one fixed step: a round's pending pairs are its accepted drafts and
+# the bonus token (k_max + 1 at most); wider ones (a prompt's first) run as before.
+CATCH_UP_WIDTH = 16
+
+
+class EagleCatchUp:
+    """A round's catch-up for every row of an EAGLE head's fixed-step cache as one step over
+    device buffers at `width` pairs a row: each row's pairs observed since its last round (the
+    token after each observed position, `planes[0]` [R, W], and the target's feature there,
+    `features` [R, W, D]) fed at `planes[1]`/`planes[2]` (positions, slots) through the head's
+    input projection, its layer (StaticLlama.fixed_layers) and its norm; -> the normed output at
+    each row's last pair (`planes[3, :, 0]`), [R, D]. Pad pairs continue a row's slots past its
+    new length (written, never attended). On CUDA recorded as one graph (StaticKVModel.capture):
+    the catch-up was the projection per row and the layer compiled but launched call by call,
+    with the first draft about 2 ms a round on an H100 (docs/gpu.md)."""
+
+    def __init__(self, head, embed, kv, width: int):
+        rows, dim = kv.capacity[0], head.config.hidden_size
+        device, dtype = kv.device, kv.runner.dtype
+        self.width = width
+        self.planes = torch.zeros(4, rows, width, dtype=torch.long, device=device)
+        self.features = torch.zeros(rows, width, dim, dtype=dtype, device=device)
+        self.graph = None
+        runner, caches, compiled = kv.runner, kv.caches, kv.compiled
+        ids, positions, slots, last = self.planes[0], self.planes[1], self.planes[2], self.planes[3]
+        every = torch.arange(rows, device=device)
+
+        def step():
+            x = head.inputs(embed(ids).to(dtype), self.features)                 # [R, W, D]
+            h = runner.fixed_layers(x, positions, slots, caches, compiled=compiled)
+            return head.model.norm(h[every, last[:, 0]])                         # [R, D]
+
+        self.step = step
+
+    def __call__(self, kv, tokens: list[list[int]], features: list[torch.Tensor]) -> torch.Tensor:
+        """Rows 0..B-1 feed `tokens[i]` with `features[i]` [n_i, D] from their lengths, which
+        move on by n_i; -> [R, D] (rows' outputs at their last pair; a row feeding none: unused)."""
+        host = torch.zeros(self.planes.shape, dtype=torch.long)
+        starts = torch.zeros(host.shape[1], 1, dtype=torch.long)
+        for i, (toks, feats) in enumerate(zip(tokens, features)):
+            n = len(toks)
+            starts[i, 0] = kv.lengths[i]
+            if n:
+                host[0, i, :n] = torch.tensor(toks, dtype=torch.long)
+                host[3, i, 0] = n - 1
+                self.features[i, :n] = feats
+            kv.lengths[i] += n
+        host[1] = host[2] = starts + torch.arange(self.width).view(1, -1)
+        if self.planes.device.type == "cuda":       # one copy, ordered before the replay
+            self.planes.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            self.planes.copy_(host)
+        if self.graph is None:
+            self.graph = kv.capture(self.step)
+        return self.graph.replay() if self.graph is not None else self.step()
+
+
 def medusa_draft(heads, features: torch.Tensor, draft_ids: torch.Tensor, width: int):
     """Every Medusa head over features [R, D]: the draft vocabulary's logits [R, H, Vd] and their
     top `width` mapped to target ids [R, H, width]."""
@@ -715,28 +772,23 @@ class EagleDrafter(HeadDrafter):
         K = max(ks, default=0)
         device = self.kv.device
         tokens = torch.zeros(B, K, dtype=torch.long, device=device)
-        # Catch every row up on the pairs observed since its last round (drafting or not).
-        feeds, drafting = [], []
+        # Catch every row up on the pairs observed since its last round (drafting or not): the
+        # token after each observed position and the target's feature there.
+        pairs, features, drafting = [], [], []
         for i, seq in enumerate(sequences):
             start, known = self.kv.lengths[i], self.known[i]
-            if self.pending[i]:
-                features = torch.cat(self.pending[i]).to(device)
-                nxt = torch.tensor(seq[start + 1:known + 1], dtype=torch.long, device=device)
-                feeds.append(self.head.inputs(self.embed(nxt).to(features.dtype), features))
-                self.pending[i] = []
-            else:
-                feeds.append(torch.zeros(0, self.head.config.hidden_size, device=device))
+            pairs.append(seq[start + 1:known + 1] if self.pending[i] else [])
+            features.append(torch.cat(self.pending[i]).to(device) if self.pending[i] else None)
+            self.pending[i] = []
             # A row drafts when its last pair is fed now (known == its cache length after this).
-            drafting.append(ks[i] > 0 and known > 0 and feeds[-1].shape[0] > 0)
+            drafting.append(ks[i] > 0 and known > 0 and len(pairs[-1]) > 0)
         num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long,
                            device=device)
-        if K == 0 or not any(drafting):
-            if any(f.shape[0] for f in feeds):
-                self.kv.extend_vectors(feeds)
+        if not any(pairs):
             return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
-        out = self.kv.extend_vectors(feeds)
-        last = torch.tensor([max(int(f.shape[0]) - 1, 0) for f in feeds], device=device)
-        g = self.head.model.norm(out[torch.arange(B, device=device), last])      # [B, D]
+        g = self._catch_up(pairs, features)                                      # [B, D]
+        if K == 0 or not any(drafting):
+            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
         row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
         if self.kv.fixed and self.drafts_in_fixed_steps:
             return self._draft_in_fixed_steps(g, row_ks, sampling, width, num, K)
@@ -786,6 +838,39 @@ class EagleDrafter(HeadDrafter):
             qs += [None] * steps
         return self._proposal(chosen_steps, qs, sibs, num, K, width)
 
+    def _catch_up(self, pairs: list[list[int]], features: list) -> torch.Tensor:
+        """Feed rows 0..B-1 their pending pairs; -> the head's normed output at each row's last
+        pair [B, D] (a row feeding none: unused). On a fixed-step cache, pairs up to
+        CATCH_UP_WIDTH a row as one EagleCatchUp step at their width's bucket (on CUDA one
+        replay); wider (a prompt's first) and elsewhere, the head's projection per row and
+        extend_vectors."""
+        B = len(pairs)
+        widest = max(map(len, pairs))
+        if self.kv.fixed and widest <= CATCH_UP_WIDTH:
+            width = bucket(widest)
+            self.kv.make_room(width)     # before the step: a grown cache is a new one
+            return self.catch_up_step(width)(self.kv, pairs, features)[:B]
+        device, dim = self.kv.device, self.head.config.hidden_size
+        feeds = []
+        for toks, feats in zip(pairs, features):
+            if toks:
+                nxt = torch.tensor(toks, dtype=torch.long, device=device)
+                feeds.append(self.head.inputs(self.embed(nxt).to(feats.dtype), feats))
+            else:
+                feeds.append(torch.zeros(0, dim, device=device))
+        out = self.kv.extend_vectors(feeds)
+        last = torch.tensor([max(len(toks) - 1, 0) for toks in pairs], device=device)
+        return self.head.model.norm(out[torch.arange(B, device=device), last])
+
+    def catch_up_step(self, width: int) -> EagleCatchUp:
+        """The catch-up step over the cache in use at `width` pairs a row (one per cache and
+        width, kept with the cache's graphs as the drafting step is)."""
+        key = ("eagle-catch-up", width, id(self.embed))
+        step = self.kv.graphs.get(key)
+        if step is None:
+            step = self.kv.graphs[key] = EagleCatchUp(self.head, self.embed, self.kv, width)
+        return step
+
     def draft_step(self, width: int) -> EagleDraftStep:
         """The head's drafting step over the cache in use (one per cache and width, kept with
         the cache's graphs: a grown or shrunk cache gets its own)."""
@@ -806,8 +891,8 @@ class EagleDrafter(HeadDrafter):
         to max_positions positions uses, on scratch batches, so no request compiles: at each
         (rows, capacity) bucket, rounds of `depth` drafts `width` wide (the drafting step,
         recorded on CUDA) after catch-up feeds of several pairs for every row, of one pair, and
-        of several for one row beside one-pair rows (the vector steps, compiled where the cache
-        is). -> as StaticKVModel.warm_up's report; None where the head's cache runs no fixed
+        of several for one row beside one-pair rows (the catch-up step, recorded on CUDA, and
+        past its width the vector steps, compiled where the cache is). -> as StaticKVModel.warm_up's report; None where the head's cache runs no fixed
         step (its steps there are the C layer's)."""
         if not self.kv.fixed:
             return None
@@ -820,9 +905,12 @@ class EagleDrafter(HeadDrafter):
             batch.kv.make_room(positions)
             sampling = RowSampling(*(torch.zeros(rows),) * 3, [None] * rows, greedy=True)
             # Pairs fed per row: each width and row count a catch-up compiles for, twice (the
-            # second width makes dynamo compile it symbolic).
+            # second width makes dynamo compile it symbolic): the catch-up step's widths
+            # (EagleCatchUp, recorded on CUDA), then wider ones, as a prompt's first catch-up
+            # runs (the vector steps by row).
+            wide, wider = CATCH_UP_WIDTH + 1, 2 * CATCH_UP_WIDTH + 1
             for fed in ([3] * rows, [2] * rows, [1] * rows, [2] + [1] * (rows - 1),
-                        [5] + [1] * (rows - 1)):
+                        [5] + [1] * (rows - 1), [wide] * rows, [wider] + [1] * (rows - 1)):
                 for i, n in enumerate(fed):
                     batch.observe(i, batch.known[i], torch.zeros(n, dim, device=self.kv.device))
                 sequences = [[0] * (batch.known[i] + 1) for i in range(rows)]

@@ -97,24 +97,33 @@ def test_greedy_speculation_equals_target_only_bitwise_under_graphs(tiny_tokeniz
     assert all(r.finish_reason in ("length", "stop") for r in sampled)
 
 
-def test_an_eagle_heads_drafting_step_replays_one_graph_a_token(tiny_tokenizer):
-    """An EAGLE head on CUDA (compiled, bf16): warm-up records its drafting step at every bucket
-    (captures["head"]); a batch's rounds replay it (drafters.EagleDraftStep: one graph a greedy
-    draft token), proposing bitwise what the same head's vector steps propose token by token, and
-    greedy speculation equals target-only decoding."""
-    from head_builders import mirror_head
-
-    from specpair.drafters import EagleDraftStep
-
-    target = _cuda_model(tiny_tokenizer, seed=11)
-    head = mirror_head(target, vocab_every=2)
+def _cuda_head_engine(tokenizer, build_head) -> SpeculativeEngine:
+    """A compiled engine on CUDA in bf16 with the head `build_head(target)` makes, k 3, trees
+    two wide, speculation up to 4 rows (warmed at start-up: captures["head"])."""
+    target = _cuda_model(tokenizer, seed=11)
+    head = build_head(target)
     head.model.to(device="cuda", dtype=torch.bfloat16)
     head.device = torch.device("cuda")
     config = SpeculationConfig(k=3, k_max=3, dynamic_k=False, fallback_threshold=0,
                                batch_size_threshold=4, tree_width=2)
-    engine = SpeculativeEngine(target, draft=head, speculation=config)
+    return SpeculativeEngine(target, draft=head, speculation=config)
+
+
+def test_an_eagle_heads_drafting_step_replays_one_graph_a_token(tiny_tokenizer):
+    """An EAGLE head on CUDA (compiled, bf16): warm-up records its drafting step at every bucket
+    (captures["head"]); a batch's rounds replay it (drafters.EagleDraftStep: one graph a greedy
+    draft token), proposing bitwise what the same head's vector steps propose token by token,
+    and catch up through a recorded step too (drafters.EagleCatchUp); greedy speculation equals
+    target-only decoding."""
+    from head_builders import mirror_head
+
+    from specpair.drafters import EagleDraftStep
+
+    engine = _cuda_head_engine(tiny_tokenizer, lambda target: mirror_head(target, vocab_every=2))
     report = engine.captures["head"]
-    assert report["graphs"] == len(report["buckets"]) > 0 and "capture_error" not in report
+    # Each (rows, capacity) bucket: its drafting step, and its catch-up at each width warm-up
+    # feeds (1, 2, 4 and 8 pairs a row; wider ones run as vector steps, unrecorded).
+    assert report["graphs"] == 5 * len(report["buckets"]) > 0 and "capture_error" not in report
     prompts = ["def add(a, b):\n    return a + b\n", "import json\n\nimport json", "for i in x:"]
     params = GenerationParams(max_new_tokens=24)
     runs = []
@@ -127,11 +136,13 @@ def test_an_eagle_heads_drafting_step_replays_one_graph_a_token(tiny_tokenizer):
         # graphs, so they are gone from the drafter's cache by the end.
         made, draft_step = [], batch.drafter.draft_step
         batch.drafter.draft_step = lambda *a, **kw: made.append(draft_step(*a, **kw)) or made[-1]
+        caught, catch_up_step = [], batch.drafter.catch_up_step
+        batch.drafter.catch_up_step = lambda *a: caught.append(catch_up_step(*a)) or caught[-1]
         rows = [batch.add(engine.encode(p), params) for p in prompts]
         while batch.active:
             batch.step()
-        runs.append((proposals, [r.generated for r in rows], batch.drafter.kv, made))
-    (got, replies, kv, steps), (expected, expected_replies, _, _) = runs
+        runs.append((proposals, [r.generated for r in rows], batch.drafter.kv, made, caught))
+    (got, replies, kv, steps, catch_ups), (expected, expected_replies, _, _, _) = runs
     assert replies == expected_replies and len(got) == len(expected)
     for a, b in zip(got, expected):
         assert torch.equal(a.num, b.num)
@@ -140,6 +151,11 @@ def test_an_eagle_heads_drafting_step_replays_one_graph_a_token(tiny_tokenizer):
             assert torch.equal(a.siblings[i, :n], b.siblings[i, :n])
     assert steps and all(isinstance(s, EagleDraftStep) and s.graph is not None for s in steps)
     assert kv.capture_error is None
+    # The rounds' catch-ups replayed their own graphs, bitwise what the step computes called
+    # directly (its cache writes are the same writes again).
+    assert catch_ups and all(s.graph is not None for s in catch_ups)
+    for step in {id(s): s for s in catch_ups}.values():
+        assert torch.equal(step.graph.replay().clone(), step.step())
     plain = engine.generate(prompts, [GenerationParams(max_new_tokens=24, speculation_k=0)] * 3)
     assert [r.token_ids for r in plain] == replies
 
@@ -151,13 +167,8 @@ def test_medusa_heads_round_replays_one_graph_bitwise(tiny_tokenizer):
     target-only decoding."""
     from head_builders import medusa_heads
 
-    target = _cuda_model(tiny_tokenizer, seed=11)
-    heads = medusa_heads(target, vocab_every=2, scramble=0.05)
-    heads.model.to(device="cuda", dtype=torch.bfloat16)
-    heads.device = torch.device("cuda")
-    config = SpeculationConfig(k=3, k_max=3, dynamic_k=False, fallback_threshold=0,
-                               batch_size_threshold=4, tree_width=2)
-    engine = SpeculativeEngine(target, draft=heads, speculation=config)
+    engine = _cuda_head_engine(tiny_tokenizer,
+                               lambda target: medusa_heads(target, vocab_every=2, scramble=0.05))
     report = engine.captures["head"]
     assert report["rows"] == [1, 2, 4] and report["graphs"] == 3
     graphs = engine.drafter.graphs
