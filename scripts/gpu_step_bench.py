@@ -354,13 +354,6 @@ def fixed_layer_token_major(h, cos, sin, rows, positions, slots, kc, vc, wqkv, w
     return h + F.linear(F.silu(gate) * up, wd)
 
 
-def rotate_half_by_cat(x: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's rotate_half as a cat (--layer cat), what static_cache._rotate_half was
-    before its roll: the same values bitwise, two kernels more a layer at 2+ tokens (H100)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 LAYERS = ("engine", "token-major", "cat")
 
 
@@ -369,8 +362,8 @@ def use_layer(name: str) -> None:
     compiles (static_cache looks `_fixed_layer` up when it first compiles it)."""
     if name == "engine":
         return
-    if name == "cat":
-        static_cache._rotate_half = rotate_half_by_cat
+    if name == "cat":    # the fixed step's rotary half-swap before its roll: two kernels more
+        static_cache._rotate_half = static_cache._rotate_half_cat     # a layer at 2+ tokens
         return
     static_cache._fixed_layer = fixed_layer_token_major
 

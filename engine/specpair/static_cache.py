@@ -151,15 +151,24 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[-x2, x1] for x = [x1, x2] (Hugging Face's rotate_half), as the halves swapped by an index
-    remap and the first negated by a sign: the same values bitwise (a negation is exact). Written
-    with a cat, inductor gave the fixed step's layer two layout copies more at 2+ tokens a row
-    than at one (532 kernels a SmolLM2 step against 442, measured on an H100); with the roll,
-    472 (docs/gpu.md)."""
+    """[-x2, x1] for x = [x1, x2] (Hugging Face's rotate_half) in the fixed step, as the halves
+    swapped by an index remap and the first negated by a sign: the same values bitwise (a
+    negation is exact). Written with a cat (`_rotate_half_cat`), inductor gave the fixed step's
+    layer two layout copies more at 2+ tokens a row than at one (532 kernels a SmolLM2 step
+    against 442, measured on an H100); with the roll, 472 (docs/gpu.md)."""
     half = x.shape[-1] // 2
     sign = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
     sign[:half] = -1
     return x.roll(half, -1) * sign
+
+
+def _rotate_half_cat(x: torch.Tensor) -> torch.Tensor:
+    """The same values as `_rotate_half`, bitwise, written as Hugging Face writes them (a cat):
+    the general step's (`_layer_step`, compiled on the CPU). Inductor's C++ backend compiles the
+    roll's index arithmetic slower: the CPU compile test took 132.7 s on a cold cache with the
+    roll against 91.3 s with the cat, and the CPU step is not bound by its kernel count."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _layer_step(h, cos, sin, mask, rows, positions, kc, vc, wq, wk, wv, wo, wg, wu, wd, n1, n2,
@@ -172,8 +181,8 @@ def _layer_step(h, cos, sin, mask, rows, positions, kc, vc, wq, wk, wv, wo, wg, 
     q = q.view(B, W, heads, head_dim).transpose(1, 2)
     k = k.view(B, W, kv_heads, head_dim).transpose(1, 2)
     v = v.view(B, W, kv_heads, head_dim)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q = q * cos + _rotate_half_cat(q) * sin
+    k = k * cos + _rotate_half_cat(k) * sin
     kc[rows, :, positions] = k.transpose(1, 2)
     vc[rows, :, positions] = v
     L = mask.shape[-1]
