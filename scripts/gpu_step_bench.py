@@ -258,7 +258,7 @@ def prepare_head(model, device, dtype, context: int, k_max: int, compiled: bool,
     model charges per draft token, EagleDrafter.timing_step), a greedy round of k_max drafts for
     one row after a one-pair catch-up (its drafts all rejected: the cache moves back), and the
     warm-up's report."""
-    from specpair.drafters import EagleDrafter, RowSampling
+    from specpair.drafters import EagleDrafter
     from specpair.heads import build_eagle_head
     from specpair.models import wrap_model
 
@@ -268,21 +268,9 @@ def prepare_head(model, device, dtype, context: int, k_max: int, compiled: bool,
                            model.config.vocab_size, compile="on" if compiled else "off")
     depth = max(k_max, 2)
     warmed = drafter.warm_up(1, context + repeats + 64, 1, depth) if compiled else None
-    step = drafter.timing_step(context)
-    batch = drafter.for_batch()
-    batch.add_rows(1)
-    dim = model.config.hidden_size
-    batch.observe(0, 0, torch.zeros(context, dim, device=device))
-    greedy = RowSampling(*(torch.zeros(1),) * 3, [None], greedy=True)
-
-    @torch.no_grad()
-    def round_of_drafts():
-        batch.observe(0, batch.known[0], torch.zeros(1, dim, device=device))
-        batch.propose([[5] * (batch.known[0] + 1)], [depth], greedy, 1)
-        batch.accepted(0, batch.known[0], 0)
-    round_of_drafts()       # the context's catch-up
-    return {"step": step, "round": round_of_drafts, "warm_up": warmed, "depth": depth,
-            "draft_vocab": len(head.d2t), "head": head, "drafter": drafter, "batch": batch}
+    return {"step": drafter.timing_step(context), "round": drafter.timing_round(context, depth),
+            "warm_up": warmed, "depth": depth, "draft_vocab": len(head.d2t), "head": head,
+            "drafter": drafter}
 
 
 def measure_head(prepared: dict, device, repeats: int) -> dict:
@@ -325,47 +313,17 @@ def measure_medusa(prepared: dict, device, repeats: int) -> dict:
             "draft_vocab": prepared["draft_vocab"], "warm_up": prepared["warm_up"]}
 
 
-def fixed_layer_token_major(h, cos, sin, rows, positions, slots, kc, vc, wqkv, wo, wgu, wd, n1, n2,
-                            eps: float, heads: int, kv_heads: int, head_dim: int, kv_rows=None,
-                            reach: int | None = None):
-    """A candidate for static_cache._fixed_layer (--layer token-major), the same arithmetic
-    element for element: rotary embedding applied in the projections' own token-major layout
-    and keys written to the cache from it, so nothing is transposed before the cache write. At
-    2+ tokens a row the engine's layer runs three kernels more than at one (inductor's layout
-    copies, docs/gpu.md); this measures whether these go."""
-    B, W, _ = h.shape
-    F = torch.nn.functional
-    x = static_cache._rms_norm(h, n1, eps)
-    q, k, v = F.linear(x, wqkv).view(B, W, heads + 2 * kv_heads, head_dim).split(
-        [heads, kv_heads, kv_heads], dim=2)                       # [B, W, heads, D] views
-    cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)            # [B, W, 1, D]
-    q = q * cos + static_cache._rotate_half(q) * sin
-    k = k * cos + static_cache._rotate_half(k) * sin
-    kc[rows, :, slots] = k
-    vc[rows, :, slots] = v
-    keys, values = (kc, vc) if reach is None else (kc[:, :, :reach], vc[:, :, :reach])
-    if kv_rows is not None:
-        keys, values = keys[kv_rows], values[kv_rows]
-    att = static_cache._attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keys,
-                               values, positions)
-    h = h + F.linear(att.transpose(1, 2).reshape(B, W, heads * head_dim), wo)
-    x = static_cache._rms_norm(h, n2, eps)
-    gate, up = F.linear(x, wgu).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, wd)
-
-
-LAYERS = ("engine", "token-major", "cat")
+LAYERS = ("engine", "cat")
 
 
 def use_layer(name: str) -> None:
-    """--layer: the engine's own fixed layer, or a candidate put in its place before anything
-    compiles (static_cache looks `_fixed_layer` up when it first compiles it)."""
-    if name == "engine":
-        return
-    if name == "cat":    # the fixed step's rotary half-swap before its roll: two kernels more
-        static_cache._rotate_half = static_cache._rotate_half_cat     # a layer at 2+ tokens
-        return
-    static_cache._fixed_layer = fixed_layer_token_major
+    """--layer: the engine's own fixed layer, or another put in its place before anything
+    compiles (static_cache's functions are looked up when the layer first compiles). cat: the
+    fixed step's rotary half-swap before its roll, two kernels more a layer at 2+ tokens. A
+    candidate layout is added here to be measured against the engine's before it is adopted
+    (a token-major rotary was, in ef22cf6, and changed nothing: docs/gpu.md)."""
+    if name == "cat":
+        static_cache._rotate_half = static_cache._rotate_half_cat
 
 
 def prepare_hf_static(model, device, context: int, repeats: int, compiled: bool):
@@ -450,9 +408,8 @@ def main(argv=None) -> int:
                         help="Medusa heads measured beside the target, a round of them over "
                              "--head-vocab draft ids (0: none)")
     parser.add_argument("--layer", choices=LAYERS, default="engine",
-                        help="the fixed layer timed: the engine's, or another layout measured "
-                             "against it (fixed_layer_token_major; cat: the rotary half-swap "
-                             "as a cat, the engine's before)")
+                        help="the fixed layer timed: the engine's, or another measured against "
+                             "it (cat: the rotary half-swap as a cat, the engine's before)")
     parser.add_argument("--hf", choices=["on", "off"], default="on",
                         help="Hugging Face's StaticCache step beside ours")
     parser.add_argument("--out", required=True, help="where the JSON goes")

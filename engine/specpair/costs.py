@@ -176,11 +176,12 @@ def measure_step_costs(engine, prompt_ids: list[int], ks: list[int],
     if isinstance(drafter, ModelDrafter):
         costs["draft_step"] = fastest_extends(drafter.loaded.model, [1])[1]
     elif hasattr(drafter, "timing_step"):     # heads: their own step (per token or per round)
-        step = drafter.timing_step(len(prompt_ids))
-        costs["draft_step"] = min([timed(step, device)[0] for _ in range(repeats + 1)][1:])
+        def fastest_after_one(fn) -> float:
+            return min([timed(fn, device)[0] for _ in range(repeats + 1)][1:])
+
+        costs["draft_step"] = fastest_after_one(drafter.timing_step(len(prompt_ids)))
         if hasattr(drafter, "timing_round"):  # ... and what a round costs beyond its steps
-            round_of_one = drafter.timing_round(len(prompt_ids))
-            seconds = min([timed(round_of_one, device)[0] for _ in range(repeats + 1)][1:])
+            seconds = fastest_after_one(drafter.timing_round(len(prompt_ids)))
             costs["draft_round"] = max(0.0, seconds - costs["draft_step"])
     elif drafter is not None:
         costs["draft_step"] = fastest_lookup(drafter)

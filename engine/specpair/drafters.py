@@ -486,10 +486,7 @@ class EagleCatchUp:
                 self.features[i, :n] = feats
             kv.lengths[i] += n
         host[1] = host[2] = starts + torch.arange(self.width).view(1, -1)
-        if self.planes.device.type == "cuda":       # one copy, ordered before the replay
-            self.planes.copy_(host.pin_memory(), non_blocking=True)
-        else:
-            self.planes.copy_(host)
+        self.planes.copy_(to_device(host, self.planes.device))
         if self.graph is None:
             self.graph = kv.capture(self.step)
         return self.graph.replay() if self.graph is not None else self.step()
@@ -892,8 +889,9 @@ class EagleDrafter(HeadDrafter):
         (rows, capacity) bucket, rounds of `depth` drafts `width` wide (the drafting step,
         recorded on CUDA) after catch-up feeds of several pairs for every row, of one pair, and
         of several for one row beside one-pair rows (the catch-up step, recorded on CUDA, and
-        past its width the vector steps, compiled where the cache is). -> as StaticKVModel.warm_up's report; None where the head's cache runs no fixed
-        step (its steps there are the C layer's)."""
+        past its width the vector steps, compiled where the cache is). -> as
+        StaticKVModel.warm_up's report; None where the head's cache runs no fixed step (its
+        steps there are the C layer's)."""
         if not self.kv.fixed:
             return None
         started = time.perf_counter()
@@ -956,13 +954,13 @@ class EagleDrafter(HeadDrafter):
             kv.rollback(0, context)
         return step
 
-    def timing_round(self, context: int):
-        """A greedy round of one draft for one row after `context` pairs, as a batch runs it:
-        the catch-up on the pair observed since the last round, the head's norm and the first
-        draft's logits and choice, its draft then rejected. Less one drafting step
-        (`timing_step`), what a round costs beyond its draft tokens, the cost model's
-        `draft_round`: on an H100 about 2 ms, outside the recorded drafting steps (docs/gpu.md).
-        Each call observes one pair more (the cache grows by a slot a call)."""
+    def timing_round(self, context: int, drafts: int = 1):
+        """A greedy round of `drafts` drafts for one row after `context` pairs, as a batch runs
+        it: the catch-up on the pair observed since the last round, the head's norm and the
+        first draft's logits and choice, the drafting steps, the drafts then rejected. Of one
+        draft, less one drafting step (`timing_step`): what a round costs beyond its draft
+        tokens, the cost model's `draft_round` (on an H100 about 2 ms, docs/gpu.md). Each call
+        observes one pair more (the cache grows by a slot a call)."""
         batch = self.for_batch()
         batch.add_rows(1)
         dim, device = self.head.config.hidden_size, self.kv.device
@@ -972,7 +970,7 @@ class EagleDrafter(HeadDrafter):
         @torch.no_grad()
         def round_of_one():
             batch.observe(0, batch.known[0], torch.zeros(1, dim, device=device))
-            batch.propose([[5] * (batch.known[0] + 1)], [1], greedy, 1)
+            batch.propose([[5] * (batch.known[0] + 1)], [drafts], greedy, 1)
             batch.accepted(0, batch.known[0], 0)
         round_of_one()            # the context's own catch-up
         return round_of_one

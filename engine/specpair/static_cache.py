@@ -166,7 +166,7 @@ def _rotate_half_cat(x: torch.Tensor) -> torch.Tensor:
     """The same values as `_rotate_half`, bitwise, written as Hugging Face writes them (a cat):
     the general step's (`_layer_step`, compiled on the CPU). Inductor's C++ backend compiles the
     roll's index arithmetic slower: the CPU compile test took 132.7 s on a cold cache with the
-    roll against 91.3 s with the cat, and the CPU step is not bound by its kernel count."""
+    roll against 81.7-91.3 s with the cat, and the CPU step is not bound by its kernel count."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
