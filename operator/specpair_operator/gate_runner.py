@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, TypeVar
+import traceback
+from typing import IO, Callable, TypeVar
 
 from . import gate_attempts
 from .gate_verdict import unusable_message, verdict_digest, verdict_problems
@@ -73,6 +76,81 @@ def report_failure(path: str | None, version: str, cause: str, message: str) -> 
     return 1
 
 
+def own_specpair_arguments(command: list[str]) -> list[str] | None:
+    """The arguments of `command` when it runs this interpreter's own `specpair` CLI: `specpair ...`
+    found beside this interpreter (its virtualenv's console script), or `<this python> -m specpair
+    ...`. Any other command (another interpreter, a stand-in, vLLM's) gives None."""
+    if not command:
+        return None
+    if command[0] == "specpair":
+        found = shutil.which("specpair")
+        if found and os.path.dirname(os.path.abspath(found)) == os.path.dirname(os.path.abspath(sys.executable)):
+            return command[1:]
+        return None
+    if command[1:3] == ["-m", "specpair"] and shutil.which(command[0]) and \
+            os.path.realpath(shutil.which(command[0])) == os.path.realpath(sys.executable):
+        return command[3:]
+    return None
+
+
+class ForkedGate:
+    """The gate as a forked child running the `specpair` CLI (the part of subprocess.Popen the
+    runner uses: stderr, wait, returncode). Why: a child forked from this process starts with
+    what this process imported; on a node whose pods start from an interpreter that imported
+    torch already (the devcluster's warm python) that is most of a tiny-model gate's start (torch
+    ~4 of a gate's 7-27 CPU-seconds). The runner itself imports nothing of the engine: the child
+    does, as the fresh `specpair gate` did. Its own process still: a gate that crashes or is
+    killed ends only itself, and the runner reports it as before."""
+
+    def __init__(self, arguments: list[str]):
+        read_end, write_end = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:                       # the gate
+            os.close(read_end)
+            os.dup2(write_end, 2)
+            os.close(write_end)
+            code = 1
+            try:
+                code = importlib.import_module("specpair.cli").main(arguments)
+            except SystemExit as exc:         # argparse's errors, sys.exit("message")
+                if exc.code is None or isinstance(exc.code, int):
+                    code = exc.code or 0
+                else:
+                    print(exc.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except Exception:
+                        pass
+                # The interpreter's teardown is the parent's (as a fresh gate ended its own
+                # process, this one ends without running this process's exit handlers twice).
+                os._exit(code if isinstance(code, int) else 1)
+        os.close(write_end)
+        self.stderr: IO[str] = os.fdopen(read_end, "r", buffering=1)
+        self.returncode: int | None = None
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            self.stderr.close()
+        return self.returncode
+
+
+def start_gate(command: list[str]) -> subprocess.Popen | ForkedGate:
+    """The gate command, its stderr piped: forked in place when it is this interpreter's own
+    `specpair` (ForkedGate), a new process otherwise."""
+    own = own_specpair_arguments(command)
+    if own is not None:
+        print(f"gate: {shlex.join(command)} (this interpreter's own specpair: forked)", file=sys.stderr)
+        return ForkedGate(own)
+    return subprocess.Popen(command, stdout=sys.stdout, stderr=subprocess.PIPE, text=True, bufsize=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specpair_operator.gate_runner")
     ap.add_argument("--release", required=True, help="release JSON (with its mlflow block)")
@@ -107,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     # Stream the gate's progress as it happens (`kubectl logs -f` on the Job shows it live) and
     # keep the last lines for the error message if it ends without a verdict.
     tail: collections.deque[str] = collections.deque(maxlen=20)
-    proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=subprocess.PIPE, text=True, bufsize=1)
+    proc = start_gate(cmd)
     for line in proc.stderr:
         sys.stderr.write(line)
         sys.stderr.flush()

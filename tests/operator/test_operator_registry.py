@@ -1,9 +1,11 @@
 """The MLflow release registry against a real `mlflow server` (sqlite, loopback)."""
 
 import json
+import os
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -235,3 +237,57 @@ def test_gate_record_writes_through_a_server_that_does_not_proxy_artifacts(tmp_p
         server.stop()
     with pytest.raises(RegistryUnavailable):
         GateRecord(server.url, timeout_s=2).record_gate_error(model, version, "server gone")
+
+
+def test_the_runner_forks_its_own_specpair_and_runs_anything_else(monkeypatch, tmp_path):
+    """`specpair gate` of this interpreter runs as a forked child (what it imported is the gate's
+    start); any other command is started as it is."""
+    from specpair_operator.gate_runner import own_specpair_arguments
+
+    bin_dir = str(Path(sys.executable).parent)
+    monkeypatch.setenv("PATH", bin_dir + os.pathsep + os.environ["PATH"])
+    assert own_specpair_arguments(["specpair", "gate", "--device", "cpu"]) == ["gate", "--device", "cpu"]
+    assert own_specpair_arguments([sys.executable, "-m", "specpair", "gate"]) == ["gate"]
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "specpair").write_text("#!/bin/sh\n")
+    (other / "specpair").chmod(0o755)
+    (other / "python").symlink_to("/bin/sh")
+    assert own_specpair_arguments([str(other / "python"), "-m", "specpair", "gate"]) is None   # another interpreter
+    assert own_specpair_arguments([sys.executable, "gate_standin.py"]) is None
+    assert own_specpair_arguments(["vllm", "serve"]) is None and own_specpair_arguments([]) is None
+    monkeypatch.setenv("PATH", str(other) + os.pathsep + os.environ["PATH"])
+    assert own_specpair_arguments(["specpair", "gate"]) is None      # a `specpair` of another environment
+
+
+def test_a_forked_real_gate_is_recorded_and_its_crash_reported(reg, tmp_path, tiny_pair_dirs):
+    """The real `specpair gate` on tiny models, forked by the runner: its verdict lands on the
+    version in MLflow; a release the gate refuses is a crash with the gate's own message."""
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    reg.ensure_model(model, "ns/p")
+    spec = {"target": {"source": tiny_pair_dirs["target"]}, "draft": {"source": tiny_pair_dirs["draft"]},
+            "speculation": {"k": 3, "dynamicK": False},
+            "gating": {"maxNewTokens": 8, "chat": False, "tuning": {"kValues": [], "batchSizes": []},
+                       "thresholds": {"requireGreedyIdentity": True, "minAcceptance": 0.0, "minSpeedup": 0.0}}}
+    rel = release.build_release("p", "ns", spec, PROMPTS)
+    version = reg.ensure_release(model, rel, release.content_hash(rel))
+    rel_file = tmp_path / "release.json"
+    rel_file.write_text(json.dumps(release.with_mlflow(rel, reg.tracking_uri, model, version)))
+    termination = tmp_path / "termination-log"
+    termination.write_text("")
+    runner = [sys.executable, "-m", "specpair_operator.gate_runner", "--release", str(rel_file),
+              "--gate-command", f"{sys.executable} -m specpair gate --device cpu", "--termination-log", str(termination)]
+    out = subprocess.run(runner, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "forked" in out.stderr
+    status, verdict, _ = reg.gate_result(model, version)
+    assert status == "passed" and verdict["greedyIdentity"] == 1.0
+    assert json.loads(termination.read_text())["passed"] is True
+
+    broken = release.with_mlflow({**rel, "draft": {}}, reg.tracking_uri, model, version)
+    rel_file.write_text(json.dumps(broken))
+    out = subprocess.run(runner, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    report = json.loads(termination.read_text())
+    assert report["cause"] == gate_attempts.GATE_CRASHED and "release.draft needs 'source'" in report["error"]
+    assert reg.gate_result(model, version)[0] == "passed"          # the version keeps its verdict
