@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib
+import importlib.util
 import json
 import os
 import shlex
@@ -77,20 +78,30 @@ def report_failure(path: str | None, version: str, cause: str, message: str) -> 
 
 
 def own_specpair_arguments(command: list[str]) -> list[str] | None:
-    """The arguments of `command` when it runs this interpreter's own `specpair` CLI: `specpair ...`
-    found beside this interpreter (its virtualenv's console script), or `<this python> -m specpair
-    ...`. Any other command (another interpreter, a stand-in, vLLM's) gives None."""
+    """The arguments of `command` when it runs this interpreter's own `specpair` CLI: a `specpair`
+    console script whose `#!` line names this interpreter, or `<this python> -m specpair ...`
+    (paths compared as written: a virtualenv's python is a link to the same base interpreter as
+    another virtualenv's, with other packages). Any other command (another interpreter, a
+    stand-in, vLLM's) gives None, as does a `specpair` this interpreter cannot import."""
     if not command:
         return None
-    if command[0] == "specpair":
-        found = shutil.which("specpair")
-        if found and os.path.dirname(os.path.abspath(found)) == os.path.dirname(os.path.abspath(sys.executable)):
-            return command[1:]
+    found = shutil.which(command[0])
+    if not found:
         return None
-    if command[1:3] == ["-m", "specpair"] and shutil.which(command[0]) and \
-            os.path.realpath(shutil.which(command[0])) == os.path.realpath(sys.executable):
-        return command[3:]
-    return None
+    here = os.path.abspath(sys.executable)
+    if os.path.basename(command[0]) == "specpair":
+        try:
+            with open(found, "rb") as script:
+                first = script.readline(4096).decode(errors="replace")
+        except OSError:
+            return None
+        runs = shlex.split(first[2:]) if first.startswith("#!") else []
+        own, arguments = bool(runs) and os.path.abspath(runs[0]) == here, command[1:]
+    else:
+        own, arguments = command[1:3] == ["-m", "specpair"] and os.path.abspath(found) == here, command[3:]
+    if not own or importlib.util.find_spec("specpair") is None:
+        return None
+    return arguments
 
 
 class ForkedGate:

@@ -244,18 +244,23 @@ def test_the_runner_forks_its_own_specpair_and_runs_anything_else(monkeypatch, t
     start); any other command is started as it is."""
     from specpair_operator.gate_runner import own_specpair_arguments
 
-    bin_dir = str(Path(sys.executable).parent)
-    monkeypatch.setenv("PATH", bin_dir + os.pathsep + os.environ["PATH"])
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "specpair").write_text(f"#!{sys.executable}\nfrom specpair.cli import main\n")
+    (mine / "specpair").chmod(0o755)
+    monkeypatch.setenv("PATH", str(mine) + os.pathsep + os.environ["PATH"])
     assert own_specpair_arguments(["specpair", "gate", "--device", "cpu"]) == ["gate", "--device", "cpu"]
     assert own_specpair_arguments([sys.executable, "-m", "specpair", "gate"]) == ["gate"]
-    other = tmp_path / "bin"
+    # Another virtualenv's python is a link to the same base interpreter, with other packages.
+    other = tmp_path / "other"
     other.mkdir()
-    (other / "specpair").write_text("#!/bin/sh\n")
+    (other / "python").symlink_to(Path(sys.executable).resolve())
+    (other / "specpair").write_text(f"#!{other / 'python'}\n")
     (other / "specpair").chmod(0o755)
-    (other / "python").symlink_to("/bin/sh")
-    assert own_specpair_arguments([str(other / "python"), "-m", "specpair", "gate"]) is None   # another interpreter
+    assert own_specpair_arguments([str(other / "python"), "-m", "specpair", "gate"]) is None
     assert own_specpair_arguments([sys.executable, "gate_standin.py"]) is None
-    assert own_specpair_arguments(["vllm", "serve"]) is None and own_specpair_arguments([]) is None
+    assert own_specpair_arguments([sys.executable, "-m", "specpair_operator.gate_runner"]) is None
+    assert own_specpair_arguments(["no-such-program", "gate"]) is None and own_specpair_arguments([]) is None
     monkeypatch.setenv("PATH", str(other) + os.pathsep + os.environ["PATH"])
     assert own_specpair_arguments(["specpair", "gate"]) is None      # a `specpair` of another environment
 
