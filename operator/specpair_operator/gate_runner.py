@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
+import contextlib
 import importlib.util
 import json
 import os
@@ -122,25 +122,22 @@ class ForkedGate:
             os.close(read_end)
             os.dup2(write_end, 2)
             os.close(write_end)
-            code = 1
             try:
-                code = importlib.import_module("specpair.cli").main(arguments)
+                status = importlib.import_module("specpair.cli").main(arguments)
             except SystemExit as exc:         # argparse's errors, sys.exit("message")
-                if exc.code is None or isinstance(exc.code, int):
-                    code = exc.code or 0
-                else:
-                    print(exc.code, file=sys.stderr)
+                status = exc.code
             except BaseException:
                 traceback.print_exc()
-            finally:
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except Exception:
-                        pass
-                # The interpreter's teardown is the parent's (as a fresh gate ended its own
-                # process, this one ends without running this process's exit handlers twice).
-                os._exit(code if isinstance(code, int) else 1)
+                status = 1
+            if status is not None and not isinstance(status, int):
+                print(status, file=sys.stderr)  # as Python ends on sys.exit("message")
+                status = 1
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            # The interpreter's teardown is the parent's: this child ends as the fresh gate ended
+            # its own process, without running this process's exit handlers a second time.
+            os._exit(status or 0)
         os.close(write_end)
         self.stderr: IO[str] = os.fdopen(read_end, "r", buffering=1)
         self.returncode: int | None = None
