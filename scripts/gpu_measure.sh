@@ -14,6 +14,7 @@
 #                                          # candidate layer alone); keeps .gg/part00
 #   bash scripts/gpu_measure.sh smollm2    # the real SmolLM2 (joins part00 and .gg/part01):
 #                                          # bench vs hf-compiled, identity, batch 1 and 16,
+#                                          # SmolLM2 as its own draft model,
 #                                          # and where the loop's host time goes (loop_profile.py)
 # Everything lands in $OUT (default out/gpu), logs beside the JSON.
 set -uo pipefail
@@ -99,6 +100,13 @@ smollm2)
         --batch-size-threshold ${LOAD_THRESHOLDS:-16 8} --plain-server --json "$OUT/gpu_load_smollm2.json" \
         > "$OUT/gpu_load_smollm2.log" 2>&1
     echo "load exit $?"; grep -v "^USDT" "$OUT/gpu_load_smollm2.log" | tail -25
+    # A draft model through the same engine: SmolLM2 drafting for itself (its steps at token
+    # bucket 1, the target's at the speculating bucket), for what a draft model's step and round
+    # cost under its own graphs, and identity; not a speedup claim (BENCH_DRAFT=off skips it).
+    [ "${BENCH_DRAFT:-on}" = on ] && timeout "${BENCH_DRAFT_TIMEOUT:-200}" $PY -m specpair bench --target "$gguf" \
+        --draft "$gguf" --device cuda --dtype bfloat16 --compile on --no-hf --runs 1 \
+        --json --out "$OUT/gpu_bench_smollm2_draft.json" > "$OUT/gpu_bench_smollm2_draft.log" 2>&1
+    echo "draft bench exit $?"; grep -v "^USDT" "$OUT/gpu_bench_smollm2_draft.log" | tail -15
     # Where the loop's host time goes now that the step is one replay (PROFILE=off skips it).
     [ "${PROFILE:-on}" = off ] && exit 0
     timeout "${PROFILE_TIMEOUT:-120}" $PY scripts/loop_profile.py --target "$gguf" --drafter ngram \

@@ -341,6 +341,9 @@ def test_a_compiled_engine_warms_every_bucket_and_then_compiles_nothing(tiny_tok
     report = compiled.captures["target"]
     assert report["token_bucket"] == 4 and report["seconds"] > 0
     assert report["buckets"] == [(r, c) for r in (1, 2) for c in (256, 512, 1024)]
+    # Each bucket's own seconds and the prompt's step's, within the whole.
+    assert len(report["bucket_seconds"]) == len(report["buckets"])
+    assert 0 < sum(report["bucket_seconds"]) + report["prefill_seconds"] <= report["seconds"]
     assert compiled.describe_step()["compile"] == {"backend": "aot_eager"}
     # Past the threshold the target steps at one token (SpeculativeEngine.step_bucket): warmed too.
     past = compiled.captures["target_past_speculation"]

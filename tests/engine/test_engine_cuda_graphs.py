@@ -2,8 +2,9 @@
 a CUDA device: replaying a recorded graph gives bitwise the logits of the same compiled layers run
 call by call, over a generation where rows join and leave, drafts are rejected and a row crosses
 into the next capacity bucket (each new cache records its own graphs, nothing recompiles); and an
-engine's greedy speculation equals its target-only decoding bitwise in bf16; an EAGLE head's
-drafting step replays its own graph, and Medusa's round its own. Skipped without a GPU; `bash
+engine's greedy speculation equals its target-only decoding bitwise in bf16; a draft model's
+steps replay graphs of its own, an EAGLE head's drafting step and catch-up theirs, and Medusa's
+round its own. Skipped without a GPU; `bash
 scripts/gpu_measure.sh steps` and `heads` run it on the lent one."""
 
 from __future__ import annotations
@@ -95,6 +96,52 @@ def test_greedy_speculation_equals_target_only_bitwise_under_graphs(tiny_tokeniz
     assert sum(r.stats.num_draft_tokens for r in spec) > 0
     sampled = engine.generate(prompts, GenerationParams(max_new_tokens=20, temperature=0.8, seed=3))
     assert all(r.finish_reason in ("length", "stop") for r in sampled)
+
+
+def test_a_draft_models_steps_replay_its_own_graphs_and_speculation_equals_target_only(
+        tiny_tokenizer, monkeypatch):
+    """A draft model on CUDA (compiled, bf16): warm-up records its fixed step (token bucket 1) at
+    every bucket (captures["draft"]) beside the target's; a generation replays graphs of both
+    models, with drafts partly rejected (the draft is the target's weights plus noise, one layer
+    fewer), and greedy speculation equals target-only decoding bitwise."""
+    from collections import Counter
+
+    from tiny_models import make_model, perturbed_copy
+
+    target = make_model(tiny_tokenizer, seed=21, layers=2, dtype=torch.bfloat16, init_std=0.05)
+    draft = perturbed_copy(target, seed=22, noise=0.3, layers=1)
+    for loaded in (target, draft):
+        loaded.model.to("cuda")
+        loaded.device = torch.device("cuda")
+    replays = Counter()
+    made, call = static_cache.CapturedStep.__init__, static_cache.CapturedStep.__call__
+
+    def counting_init(self, runner, *args, **kwargs):
+        made(self, runner, *args, **kwargs)
+        self.model_id = id(runner.model)
+
+    def counting_call(self, host):
+        replays[self.model_id] += 1
+        return call(self, host)
+
+    monkeypatch.setattr(static_cache.CapturedStep, "__init__", counting_init)
+    monkeypatch.setattr(static_cache.CapturedStep, "__call__", counting_call)
+    config = SpeculationConfig(k=3, k_max=3, dynamic_k=False, fallback_threshold=0,
+                               batch_size_threshold=4)
+    engine = SpeculativeEngine(target, draft=draft, speculation=config)
+    report = engine.captures["draft"]
+    assert report["token_bucket"] == 1 and report["graphs"] >= len(report["buckets"]) > 0
+    assert "capture_error" not in report and "capture_error" not in engine.captures["target"]
+    replays.clear()
+    prompts = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "import json\n\nimport json",
+               "for i in range(10):\n    print(i)\nfor i in range(10):"]
+    spec = engine.generate(prompts, GenerationParams(max_new_tokens=32))
+    assert replays[id(draft.model)] > 0 and replays[id(target.model)] > 0
+    drafted = sum(r.stats.num_draft_tokens for r in spec)
+    accepted = sum(r.stats.num_accepted_tokens for r in spec)
+    assert 0 < accepted < drafted
+    plain = engine.generate(prompts, [GenerationParams(max_new_tokens=32, speculation_k=0)] * 3)
+    assert [r.token_ids for r in plain] == [r.token_ids for r in spec]
 
 
 def _cuda_head_engine(tokenizer, build_head) -> SpeculativeEngine:
