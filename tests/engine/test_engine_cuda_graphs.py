@@ -199,10 +199,14 @@ def test_an_eagle_heads_drafting_step_replays_one_graph_a_token(tiny_tokenizer):
     assert steps and all(isinstance(s, EagleDraftStep) and s.graph is not None for s in steps)
     assert kv.capture_error is None
     # The rounds' catch-ups replayed their own graphs, bitwise what the step computes called
-    # directly (its cache writes are the same writes again).
+    # directly (its cache writes are the same writes again), called as the engine calls it:
+    # without autograd (with it, the compiled layer compiles a training graph of its own).
     assert catch_ups and all(s.graph is not None for s in catch_ups)
-    for step in {id(s): s for s in catch_ups}.values():
-        assert torch.equal(step.graph.replay().clone(), step.step())
+    with torch.no_grad():
+        for step in {id(s): s for s in catch_ups}.values():
+            replayed, called = step.graph.replay().clone(), step.step()
+            rows = (replayed != called).any(-1).nonzero().flatten().tolist()
+            assert not rows, (step.width, rows, (replayed.float() - called.float()).abs().max())
     plain = engine.generate(prompts, [GenerationParams(max_new_tokens=24, speculation_k=0)] * 3)
     assert [r.token_ids for r in plain] == replies
 
