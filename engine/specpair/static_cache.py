@@ -1109,13 +1109,12 @@ class StaticKVModel:
             report["graph_memory_bytes"] = graph_bytes
         if self.capture_error:
             report["capture_error"] = self.capture_error
-        slowest = max(range(len(shapes)), key=seconds.__getitem__, default=None)
+        slowest_seconds, slowest = max(zip(seconds, shapes), default=(0.0, "-"))
         log.info("fixed step warmed: %d buckets (rows, capacity) at %d tokens a row in %.1f s "
                  "(the slowest %s in %.1f s, the prompt's step %.1f s), %d CUDA graphs recorded%s",
-                 len(shapes), W, report["seconds"],
-                 shapes[slowest] if slowest is not None else "-",
-                 seconds[slowest] if slowest is not None else 0.0, report["prefill_seconds"],
-                 recorded, f", at most {graph_bytes / 2**20:.0f} MiB each" if cuda else "")
+                 len(shapes), W, report["seconds"], slowest, slowest_seconds,
+                 report["prefill_seconds"], recorded,
+                 f", at most {graph_bytes / 2**20:.0f} MiB each" if cuda else "")
         return report
 
     def _warm_prefill(self, max_rows: int, rows_from: int = 1) -> int:
