@@ -163,6 +163,10 @@ class DevCluster:
                 "pid": os.getpid()}
 
     def write_state(self) -> Path:
+        # Written aside and renamed into place: `up` polls this file, and a poll between
+        # write_text's truncate and its write read an empty file (seen in a CI run).
         path = self.workdir / "cluster.json"
-        path.write_text(json.dumps(self.describe(), indent=1))
+        partial = path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(self.describe(), indent=1))
+        os.replace(partial, path)
         return path
