@@ -188,8 +188,13 @@ def _layer_step(h, cos, sin, mask, rows, positions, kc, vc, wq, wk, wv, wo, wg, 
     L = mask.shape[-1]
     keys, values = ((kc[:B, :, :L], vc[:B, :, :L]) if kv_rows is None else
                     (kc[kv_rows, :, :L], vc[kv_rows, :, :L]))
-    att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                         enable_gqa=heads != kv_heads)
+    # A branch, not enable_gqa=heads != kv_heads: compiled with dynamic=True the head counts are
+    # symbolic, SDPA takes only a Python bool there, and the SymBool broke the graph in two
+    # (every compile twice over); a branch on it is guarded once and stays in the graph.
+    if heads != kv_heads:
+        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    else:
+        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     h = h + cpu_kernels.linear(att.transpose(1, 2).reshape(B, W, heads * head_dim), wo)
     x = _rms_norm(h, n2, eps)
     gate, up = cpu_kernels.linears(x, wg, wu)
