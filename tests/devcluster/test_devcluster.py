@@ -4,9 +4,7 @@ run pods as processes with probes, exit codes, GPU capacity and deletion as a ku
 from __future__ import annotations
 
 import socket
-import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +20,6 @@ CRD = REPO / "crds" / "specmodelpair.yaml"
 
 
 wait = wait_until
-
-
-@pytest.fixture
-def ns(devcluster) -> str:
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    devcluster.ensure_namespace(name)
-    yield name
-    devcluster.kube.delete("v1", "Namespace", None, name)
 
 
 @pytest.fixture(scope="module")

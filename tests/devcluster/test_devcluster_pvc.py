@@ -4,10 +4,8 @@ second pod, mounting it read-only, reads what the Job wrote and cannot write."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
-import pytest
 from waiting import wait_until
 
 from devcluster_images import TEST_PYTHON_IMAGE
@@ -32,30 +30,6 @@ sys.exit(5)
 wait = wait_until
 
 
-@pytest.fixture
-def ns(devcluster) -> str:
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    devcluster.ensure_namespace(name)
-    yield name
-    devcluster.kube.delete("v1", "Namespace", None, name)
-
-
-def claim(devcluster, ns: str, folder) -> str:
-    """A hostPath PersistentVolume and a claim the PV controller binds to it; the claim's name."""
-    pv = f"pv-{ns}"
-    devcluster.kube.create({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-                            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
-                                     "storageClassName": "", "persistentVolumeReclaimPolicy": "Retain",
-                                     "hostPath": {"path": str(folder), "type": "DirectoryOrCreate"}}})
-    devcluster.kube.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                            "metadata": {"name": "models", "namespace": ns},
-                            "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
-                                     "resources": {"requests": {"storage": "1Gi"}}}})
-    wait("the claim to be bound", lambda: ((devcluster.kube.get("v1", "PersistentVolumeClaim", ns, "models") or {})
-                                           .get("status") or {}).get("phase") == "Bound")
-    return "models"
-
-
 def pod_spec(code: str, claim_name: str, read_only: bool) -> dict[str, Any]:
     return {"restartPolicy": "Never",
             "containers": [{"name": "main", "image": TEST_PYTHON_IMAGE, "command": ["python", "-c", code],
@@ -64,8 +38,8 @@ def pod_spec(code: str, claim_name: str, read_only: bool) -> dict[str, Any]:
             "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim_name}}]}
 
 
-def test_a_job_fills_a_claim_and_another_pod_reads_it_read_only(devcluster, ns, tmp_path):
-    name = claim(devcluster, ns, tmp_path / "volume")
+def test_a_job_fills_a_claim_and_another_pod_reads_it_read_only(devcluster, ns, models_claim, tmp_path):
+    name = models_claim(tmp_path / "volume")
     devcluster.kube.create({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "fill", "namespace": ns},
                             "spec": {"backoffLimit": 0, "template": {"spec": pod_spec(READ_WRITE, name, False)}}})
     wait("the Job to complete", lambda: any(

@@ -60,29 +60,6 @@ def registry(mlflow_server, tiny_pair_dirs) -> Registry:
     return Registry(mlflow_server.url, models)
 
 
-@pytest.fixture
-def ns(devcluster) -> str:
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    devcluster.ensure_namespace(name)
-    yield name
-    devcluster.kube.delete("v1", "Namespace", None, name)
-
-
-def make_claim(devcluster, ns: str, folder: Path) -> str:
-    pv = f"models-{ns}"
-    devcluster.kube.create({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-                            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
-                                     "storageClassName": "", "persistentVolumeReclaimPolicy": "Retain",
-                                     "hostPath": {"path": str(folder), "type": "DirectoryOrCreate"}}})
-    devcluster.kube.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                            "metadata": {"name": "models", "namespace": ns},
-                            "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
-                                     "resources": {"requests": {"storage": "1Gi"}}}})
-    wait("the claim to be bound", lambda: ((devcluster.kube.get("v1", "PersistentVolumeClaim", ns, "models") or {})
-                                           .get("status") or {}).get("phase") == "Bound", 60)
-    return "models"
-
-
 def run_fetch(devcluster, ns: str, job: dict[str, Any]) -> model_fetch.FetchState:
     devcluster.kube.create(job)
     name = job["metadata"]["name"]
@@ -95,9 +72,10 @@ def run_fetch(devcluster, ns: str, job: dict[str, Any]) -> model_fetch.FetchStat
     return wait(f"the fetch Job {name} to finish", finished)
 
 
-def test_the_fetch_job_fills_the_claim_and_the_engine_serves_from_it_offline(devcluster, registry, ns, tmp_path):
+def test_the_fetch_job_fills_the_claim_and_the_engine_serves_from_it_offline(devcluster, registry, ns, models_claim,
+                                                                               tmp_path):
     volume = tmp_path / "volume"
-    rollout = {"modelCache": {"persistentVolumeClaim": make_claim(devcluster, ns, volume)}}
+    rollout = {"modelCache": {"persistentVolumeClaim": models_claim(volume)}}
     spec = {"target": {"source": f"models:/{registry.models['target']}/1"},
             "draft": {"source": f"models:/{registry.models['draft']}/1"}, "speculation": {"k": 3}, "rollout": rollout}
     release = build_release("chat", ns, spec, PROMPTS)
@@ -130,8 +108,8 @@ def test_the_fetch_job_fills_the_claim_and_the_engine_serves_from_it_offline(dev
         assert tokens
 
 
-def test_a_fetch_that_cannot_find_a_model_fails_with_its_reason(devcluster, registry, ns, tmp_path):
-    rollout = {"modelCache": {"persistentVolumeClaim": make_claim(devcluster, ns, tmp_path / "volume")}}
+def test_a_fetch_that_cannot_find_a_model_fails_with_its_reason(devcluster, registry, ns, models_claim, tmp_path):
+    rollout = {"modelCache": {"persistentVolumeClaim": models_claim(tmp_path / "volume")}}
     spec = {"target": {"source": f"models:/{registry.models['target']}/1"},
             "draft": {"source": f"models:/{registry.models['draft']}/7"}}
     release = build_release("chat", ns, spec, PROMPTS)

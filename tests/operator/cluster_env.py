@@ -123,6 +123,24 @@ class Namespace:
             return predicate()
         return self.wait_for(what, look, timeout)
 
+    def assert_refused_in_the_operators_words(self, bad: dict[str, Any]) -> None:
+        """The API server refuses `bad` (422, the CRD's schema and CEL rules), and the operator's
+        own check (for a pair that got past an older CRD) finds the same violations worded the
+        same: a user reads one message whichever of the two stopped the pair."""
+        from specpair_operator.validation import validate_spec
+
+        try:
+            self.create(bad)
+        except ApiError as err:
+            refused = err
+        else:
+            raise AssertionError(f"the API server accepted {bad['metadata']['name']}: {bad['spec']}")
+        assert refused.status == 422, (refused.status, refused.message)
+        ours = validate_spec(bad["spec"])
+        assert ours, f"the operator's check let through what the API server refused: {refused.message}"
+        for message in ours:
+            assert message in refused.message, (message, refused.message)
+
     def delete(self) -> None:
         try:
             self.kube.delete("v1", "Namespace", None, self.name)

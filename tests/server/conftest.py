@@ -9,11 +9,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/tiny_models.py
 
-from serving_helpers import client_for, make_engine  # noqa: E402
+from serving_helpers import client_for, make_engine, tiny_server  # noqa: E402
 from tiny_models import make_model, make_tokenizer, perturbed_copy  # noqa: E402
 
 from specpair.server.app import EngineServer, ServerOptions  # noqa: E402
-from specpair.server.requests import Limits  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -50,15 +49,8 @@ def start_server(tiny_pair):
 @pytest.fixture(scope="module")
 def shared_server(tiny_pair):
     """One server for the tests that need nothing special (saves start-up time)."""
-    engine = make_engine(tiny_pair)
-    server = EngineServer(lambda: engine, ServerOptions(port=0, metrics_port=0, pair="tiny", version="1",
-                                                         max_batch_size=8, max_queue=32,
-                                                         limits=Limits(max_request_bytes=64 * 1024,
-                                                                       max_new_tokens=256)),
-                          progress=lambda _m: None)
-    server.start(wait_ready=True, timeout=60)
-    yield server
-    server.stop(drain_timeout=1.0)
+    with tiny_server(tiny_pair, max_queue=32) as server:
+        yield server
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ client), the target-only reference reply, and waiting that fails the test on tim
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
@@ -46,6 +47,46 @@ def make_engine(tiny_pair, *, draft: bool = True, speculation: SpeculationConfig
         engine.step_delay = delay
         engine.new_batch = lambda: PacedBatch(engine, recorded)
     return engine
+
+
+class FailingEngine:
+    """An engine whose next step with requests in it raises once `fail_next_step()` is called: a
+    device falling over mid-batch, for the server's failure paths (that batch fails, the next
+    request is served)."""
+
+    def __init__(self, tiny_pair):
+        self.engine = make_engine(tiny_pair)
+        self._failures: list[int] = []
+        failures = self._failures
+
+        class FailingOnce(Batch):
+            def step(self):
+                if failures and self.active:
+                    failures.pop()
+                    raise RuntimeError("device fell over")
+                return super().step()
+        self.engine.new_batch = lambda: FailingOnce(self.engine)
+
+    def fail_next_step(self) -> None:
+        self._failures.append(1)
+
+
+@contextlib.contextmanager
+def tiny_server(tiny_pair, **options):
+    """A real server of `tiny_pair` on 127.0.0.1 (the ports the OS picks), ready, for a module's
+    tests to share; `options` are ServerOptions fields over these defaults."""
+    from specpair.server.app import EngineServer, ServerOptions
+    from specpair.server.requests import Limits
+
+    engine = make_engine(tiny_pair)
+    options = {"port": 0, "metrics_port": 0, "pair": "tiny", "version": "1", "max_batch_size": 8,
+               "limits": Limits(max_request_bytes=64 * 1024, max_new_tokens=256), **options}
+    server = EngineServer(lambda: engine, ServerOptions(**options), progress=lambda _m: None)
+    server.start(wait_ready=True, timeout=60)
+    try:
+        yield server
+    finally:
+        server.stop(drain_timeout=1.0)
 
 
 def client_for(server, **options) -> EngineClient:

@@ -17,7 +17,7 @@ import pytest
 
 from tiny_models import save_tiny
 
-from serving_helpers import client_for, make_engine, openai_client, reference, rpc_error, wait_for
+from serving_helpers import client_for, make_engine, openai_client, reference, rpc_error, tiny_server, wait_for
 
 CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
 LONG = 400
@@ -25,17 +25,8 @@ LONG = 400
 
 @pytest.fixture(scope="module")
 def http_server(tiny_pair):
-    from specpair.server.app import EngineServer, ServerOptions
-    from specpair.server.requests import Limits
-    engine = make_engine(tiny_pair)
-    server = EngineServer(lambda: engine, ServerOptions(port=0, metrics_port=None, http_port=0, pair="tiny",
-                                                         version="1", max_batch_size=8, max_queue=64,
-                                                         limits=Limits(max_request_bytes=64 * 1024,
-                                                                       max_new_tokens=256)),
-                          progress=lambda _m: None)
-    server.start(wait_ready=True, timeout=60)
-    yield server
-    server.stop(drain_timeout=1.0)
+    with tiny_server(tiny_pair, metrics_port=None, http_port=0, max_queue=64) as server:
+        yield server
 
 
 def post(server, path: str, body, headers: dict | None = None, timeout: float = 60) -> tuple[int, dict, dict]:
