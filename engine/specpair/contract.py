@@ -96,12 +96,8 @@ def threshold_failures(verdict: dict[str, Any], thresholds: dict[str, Any]) -> l
         if identity is None or identity < 1.0:
             shown = "missing" if identity is None else f"{identity:.3f}"
             failures.append(f"greedy identity {shown} < 1.000 (required: speculative output must equal target-only)")
-    min_acc = number(thresholds.get("minAcceptance")) or 0.0
-    acc = number(verdict.get("acceptanceRate"))
-    if min_acc > 0 and (acc is None or acc < min_acc):
-        shown = "missing" if acc is None else f"{acc:.3f}"
-        short = "" if acc is None else f" (short by {min_acc - acc:.3f})"
-        failures.append(f"acceptance {shown} < minAcceptance {min_acc:.3f}{short}")
+    failures += _under_floor("acceptance", number(verdict.get("acceptanceRate")),
+                             "minAcceptance", number(thresholds.get("minAcceptance")) or 0.0)
     cats = verdict.get("categories") or {}
     for cat, floor in sorted((thresholds.get("minCategoryAcceptance") or {}).items()):
         got = number((cats.get(cat) or {}).get("acceptanceRate"))
@@ -109,10 +105,16 @@ def threshold_failures(verdict: dict[str, Any], thresholds: dict[str, Any]) -> l
             failures.append(f"category '{cat}' acceptance missing (no golden prompt in that category?) < {float(floor):.3f}")
         elif got < float(floor):
             failures.append(f"category '{cat}' acceptance {got:.3f} < {float(floor):.3f} (short by {float(floor) - got:.3f})")
-    min_speedup = number(thresholds.get("minSpeedup")) or 0.0
-    speedup = number(verdict.get("speedup"))
-    if min_speedup > 0 and (speedup is None or speedup < min_speedup):
-        shown = "missing" if speedup is None else f"{speedup:.3f}x"
-        short = "" if speedup is None else f" (short by {min_speedup - speedup:.3f}x)"
-        failures.append(f"speedup {shown} < minSpeedup {min_speedup:.3f}x{short}")
+    failures += _under_floor("speedup", number(verdict.get("speedup")),
+                             "minSpeedup", number(thresholds.get("minSpeedup")) or 0.0, unit="x")
     return failures
+
+
+def _under_floor(what: str, value: float | None, floor_name: str, floor: float, unit: str = "") -> list[str]:
+    """The failure of a measured `value` under a positive floor (a missing value is under it), in
+    the words a person reads on the pair: what, the value, the floor and how far short."""
+    if not (floor > 0 and (value is None or value < floor)):
+        return []
+    shown = "missing" if value is None else f"{value:.3f}{unit}"
+    short = "" if value is None else f" (short by {floor - value:.3f}{unit})"
+    return [f"{what} {shown} < {floor_name} {floor:.3f}{unit}{short}"]
