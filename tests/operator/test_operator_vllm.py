@@ -18,18 +18,21 @@ import sys
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from kopf.testing import KopfRunner
 
-from cluster_env import OPERATOR
+from cluster_env import OPERATOR, model_name
 from vllm_test_env import VLLM_TEST_ENV
 
 VLLM_IMAGE = "specpair/engine-vllm:test"
 TOKEN = "vllm-s3cret-" + uuid.uuid4().hex
 PROMPTS = [{"prompt": "one two three one two three one two", "category": "extraction"},
-           {"prompt": "abc abc abc abc abc", "category": "extraction"}]
+           {"prompt": "abc abc abc abc abc", "category": "extraction"},
+           {"prompt": "Hello there", "category": "chat"}]
+MAX_NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def vllm_pair(name: str, target: str, draft: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": name},
             "spec": {"engine": "vllm", "vllm": {"dtype": "float32"}, "target": {"source": target}, "draft": draft,
                      "speculation": {"k": 3},
-                     "gating": {"prompts": PROMPTS, "maxNewTokens": 8,
+                     "gating": {"prompts": PROMPTS, "maxNewTokens": MAX_NEW_TOKENS,
                                 "thresholds": {"minAcceptance": 0.0, "minSpeedup": 0.0}},
                      "rollout": {"image": VLLM_IMAGE, "httpPort": 8000, "progressDeadlineSeconds": 900},
                      "drift": {"intervalSeconds": 1, "windowSeconds": 10, "minRequests": 2, "minDraftedTokens": 5,
@@ -76,7 +79,8 @@ def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
 # past pyproject's 600 s on a busy one (load 13: not yet serving at 600 s), so the cap is the
 # deadline the test gives the first release to serve.
 @pytest.mark.timeout(900)
-def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm_image, models, operator_env, ns):
+def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm_image, models, operator_env, ns,
+                                                                            mlflow_server, tmp_path):
     import openai
 
     from specpair.vllm_serve import parse_identity_name
@@ -99,6 +103,8 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
         st = obj["status"]
         assert st["servingVersion"] == "1" and st["lastGate"]["passed"] and st["lastGate"]["greedyIdentity"] == 1.0
         assert "identity verified" in cond(obj, "Ready")["message"]
+        assert_the_gate_judged_vllms_own_output(mlflow_server.url, model_name(ns, name), models["target"],
+                                                pair["spec"]["gating"]["thresholds"], tmp_path)
         (pod,) = [p for p in ns.pods("specpair.io/role=engine") if not p["metadata"].get("deletionTimestamp")]
         command = pod["spec"]["containers"][0]["command"]
         assert command[:3] == ["python", "-m", "specpair.vllm_serve"]
@@ -138,6 +144,39 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
         assert cond(obj, "Gated")["reason"] == "TokenizerMismatch" and not obj["status"].get("servingVersion")
     assert runner.exception is None
     print(json.dumps(st.get("lastGate")))
+
+
+def assert_the_gate_judged_vllms_own_output(mlflow_url: str, model: str, target: str, thresholds: dict[str, Any],
+                                            workdir) -> None:
+    """What the gate Job recorded with v1 (its verdict and golden outputs, MLflow artifacts of the
+    gating run): the golden prompts went through real vLLM servers, vLLM speculating with n-gram
+    emitted exactly what vLLM target-only did (fp32 greedy), vLLM's own counters saw drafts, its
+    output is our engine's target-only output for the same prompts, and the operator's verdict
+    check passes it as any verdict."""
+    from mlflow import MlflowClient
+
+    from specpair.config import GenerationParams
+    from specpair.decoding import SpeculativeEngine
+    from specpair.models import load_model
+    from specpair_operator.gate_verdict import evaluate_verdict
+
+    client = MlflowClient(mlflow_url)
+    run_id = client.get_model_version(model, "1").tags["specpair.gate.run_id"]
+    gate = Path(client.download_artifacts(run_id, "gate", str(workdir)))
+    verdict = json.loads((gate / "verdict.json").read_text())
+    golden = json.loads((gate / "golden_outputs.json").read_text())
+    assert verdict["engine"] == "vllm" and verdict["tokenizer"]["compatible"] is True
+    assert verdict["greedyIdentity"] == 1.0 and len(golden) == len(PROMPTS) and all(g["identical"] for g in golden)
+    assert set(verdict["categories"]) == {p["category"] for p in PROMPTS}
+    assert verdict["meanAcceptanceLength"] >= 1.0 and 0.0 <= verdict["acceptanceRate"] <= 1.0
+    assert sum(g["draft_tokens"] for g in golden) > 0
+    assert verdict["speedup"] > 0 and verdict["passed"] is True
+    ours = SpeculativeEngine(load_model(target, device="cpu"))
+    for g in golden:
+        reply = ours.generate([g["prompt"]], GenerationParams(max_new_tokens=MAX_NEW_TOKENS), chat=True,
+                              speculate=False)[0]
+        assert reply.token_ids == g["token_ids"], g["prompt"]
+    assert evaluate_verdict(verdict, thresholds).passed
 
 
 def post_completion(ip: str, model: str, token: str | None) -> int:

@@ -254,7 +254,7 @@ class EngineServer:
         self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self._loop)
         try:
-            self._loop.run_until_complete(self._serve())
+            self._loop.run_until_complete(self._start_grpc_server())
         except Exception as exc:   # a port in use, bad TLS files: report to start()
             self.error = f"{type(exc).__name__}: {exc}"
             self.phase = "failed"
@@ -271,7 +271,8 @@ class EngineServer:
             self._stopped.set()
             self._loop.close()
 
-    async def _serve(self) -> None:
+    async def _start_grpc_server(self) -> None:
+        """Bind the gRPC ports (serving and control) with health NOT_SERVING; the models load after."""
         opts = self.options
         # Above this gRPC itself refuses (RESOURCE_EXHAUSTED); between max_request_bytes and it, the
         # service answers INVALID_ARGUMENT naming the limit.

@@ -149,7 +149,8 @@ class EngineWorker:
     # -- called from other threads ------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="specpair-engine", daemon=True)
+        self._thread = threading.Thread(target=self._admit_and_step_until_stopped, name="specpair-engine",
+                                        daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> Job:
@@ -254,7 +255,9 @@ class EngineWorker:
         controller.window.clear()
         controller.fallback_events = events_before
 
-    def _run(self) -> None:
+    def _admit_and_step_until_stopped(self) -> None:
+        """The engine thread: apply commands, admit what waits, step the batch; idle on the
+        condition while nothing runs; end once stopped with no job left."""
         try:
             while True:
                 with self._cond:
