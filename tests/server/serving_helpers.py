@@ -14,7 +14,9 @@ import pytest
 
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import Batch, SpeculativeEngine
+from specpair.server.app import EngineServer, ServerOptions
 from specpair.server.client import EngineClient
+from specpair.server.requests import Limits
 from waiting import wait_until
 
 
@@ -49,35 +51,29 @@ def make_engine(tiny_pair, *, draft: bool = True, speculation: SpeculationConfig
     return engine
 
 
-class FailingEngine:
-    """An engine whose next step with requests in it raises once `fail_next_step()` is called: a
-    device falling over mid-batch, for the server's failure paths (that batch fails, the next
-    request is served)."""
+class FailingBatch(Batch):
+    """A real Batch whose next step with requests in it raises once its engine's `fail_next` is
+    set (then clears it): a device falling over mid-batch, for the server's failure paths (that
+    batch fails, the next request is served). Read at every step, as PacedBatch's delay is."""
 
-    def __init__(self, tiny_pair):
-        self.engine = make_engine(tiny_pair)
-        self._failures: list[int] = []
-        failures = self._failures
+    def step(self):
+        if self.engine.fail_next and self.active:
+            self.engine.fail_next = False
+            raise RuntimeError("device fell over")
+        return super().step()
 
-        class FailingOnce(Batch):
-            def step(self):
-                if failures and self.active:
-                    failures.pop()
-                    raise RuntimeError("device fell over")
-                return super().step()
-        self.engine.new_batch = lambda: FailingOnce(self.engine)
 
-    def fail_next_step(self) -> None:
-        self._failures.append(1)
+def failing_engine(tiny_pair) -> SpeculativeEngine:
+    engine = make_engine(tiny_pair)
+    engine.fail_next = False
+    engine.new_batch = lambda: FailingBatch(engine)
+    return engine
 
 
 @contextlib.contextmanager
 def tiny_server(tiny_pair, **options):
     """A real server of `tiny_pair` on 127.0.0.1 (the ports the OS picks), ready, for a module's
     tests to share; `options` are ServerOptions fields over these defaults."""
-    from specpair.server.app import EngineServer, ServerOptions
-    from specpair.server.requests import Limits
-
     engine = make_engine(tiny_pair)
     options = {"port": 0, "metrics_port": 0, "pair": "tiny", "version": "1", "max_batch_size": 8,
                "limits": Limits(max_request_bytes=64 * 1024, max_new_tokens=256), **options}

@@ -9,7 +9,7 @@ import pytest
 from specpair._proto import engine_pb2 as pb
 from specpair.server.client import request
 
-from serving_helpers import FailingEngine, client_for, make_engine, reference, rpc_error, wait_for
+from serving_helpers import client_for, failing_engine, make_engine, reference, rpc_error, wait_for
 
 LONG = 400   # tokens: a request that keeps running while a paced test acts
 
@@ -133,9 +133,9 @@ def _requests(server, status: str) -> float:
 
 
 def test_an_engine_failure_fails_that_batch_and_the_server_keeps_serving(tiny_pair, start_server):
-    failing = FailingEngine(tiny_pair)
-    server = start_server(engine=failing.engine)
-    failing.fail_next_step()    # after the warm-up step
+    engine = failing_engine(tiny_pair)
+    server = start_server(engine=engine)
+    engine.fail_next = True    # after the warm-up step
     with client_for(server) as c:
         err = rpc_error(lambda: c.generate("def foo(x):", max_new_tokens=8, timeout=10))
         assert err.code() == grpc.StatusCode.INTERNAL

@@ -10,7 +10,7 @@ from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.stats import RequestMoments
 
-from serving_helpers import FailingEngine, client_for, make_engine, reference, rpc_error, wait_for
+from serving_helpers import client_for, failing_engine, make_engine, reference, rpc_error, wait_for
 
 
 def scrape(server) -> dict:
@@ -239,13 +239,13 @@ def test_latency_histograms_and_request_outcomes_reach_the_operator_probe(tiny_p
     from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
     from specpair_operator.engine_probe import GrpcEngineProbe
 
-    failing = FailingEngine(tiny_pair)
-    server = start_server(engine=failing.engine)
+    engine = failing_engine(tiny_pair)
+    server = start_server(engine=engine)
     with client_for(server) as c:
         replies = [c.generate(p, max_new_tokens=n, category="code")
                    for p, n in (("def foo(x):", 12), ("for i in range(", 6), ("class A:", 1))]
         chat = c.generate("hello world", max_new_tokens=5, category="chat")
-        failing.fail_next_step()
+        engine.fail_next = True
         assert rpc_error(lambda: c.generate("import os", max_new_tokens=8, category="code")).code() == \
             grpc.StatusCode.INTERNAL
         assert rpc_error(lambda: c.generate("", max_new_tokens=3, category="chat")).code() == \
