@@ -315,3 +315,33 @@ def test_a_token_guards_the_grpc_serving_port_and_the_operator_certificate_passe
         assert operator.stats(timeout=RPC_TIMEOUT).pair == "tiny"
     with control_client(server, tmp_path / "other", first.ca, first.someone_else) as other:
         assert rpc_error(lambda: other.stats(timeout=RPC_TIMEOUT)).code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_serving_token_never_reaches_set_speculation_without_client_certificates(tiny_pair, start_server):
+    """No control port, no client CA, a token on the serving ports: the token's holder generates
+    and reads, but SetSpeculation is refused to it (and to everyone), and nothing changes."""
+    server = start_server(engine=make_engine(tiny_pair), host="127.0.0.1", auth_token="s3cret")
+    with client_for(server, token="s3cret") as holder, client_for(server, token="nope") as wrong:
+        assert holder.generate("def foo(x):", max_new_tokens=6, timeout=RPC_TIMEOUT).last.stats.num_draft_tokens > 0
+        before = holder.model_info(timeout=RPC_TIMEOUT).speculation
+        assert before.enabled and not before.HasField("k_override")
+        for change in (dict(enabled=False), dict(k=2), dict(enabled=True, k=0)):
+            err = rpc_error(lambda: holder.set_speculation(**change, reason="a client", timeout=RPC_TIMEOUT))
+            assert err.code() == grpc.StatusCode.PERMISSION_DENIED, change
+            assert "bearer token, which is for clients" in err.details()
+        assert denied_total(server) == 3
+        # A wrong token is told so first, as on every RPC.
+        assert rpc_error(lambda: wrong.set_speculation(enabled=False, timeout=RPC_TIMEOUT)).code() == \
+            grpc.StatusCode.UNAUTHENTICATED
+        after = holder.model_info(timeout=RPC_TIMEOUT).speculation
+        assert after.enabled and not after.HasField("k_override")
+        assert holder.generate("def foo(x):", max_new_tokens=6, timeout=RPC_TIMEOUT).last.stats.num_draft_tokens > 0
+
+
+def test_without_token_or_certificates_set_speculation_stays_open(tiny_pair, start_server):
+    """The laptop: nothing tells callers apart and nothing guards any RPC; control is open too."""
+    server = start_server(engine=make_engine(tiny_pair), host="127.0.0.1")
+    with client_for(server) as anyone:
+        assert not anyone.set_speculation(enabled=False, timeout=RPC_TIMEOUT).enabled
+        assert anyone.generate("def foo(x):", max_new_tokens=6, timeout=RPC_TIMEOUT).last.stats.num_draft_tokens == 0
+    assert denied_total(server) == 0

@@ -13,7 +13,9 @@ the HTTP front answers 503 while loading and draining and stops after the drain.
 The gRPC server may listen twice: the main port (plaintext or TLS) and a control port (mutual TLS)
 serving the same services; every TLS listener, the HTTP front's included, re-reads its certificate
 files when they change (tls.py), so a certificate renewed in place needs no restart. Once any listener verifies
-client certificates, SetSpeculation is the operator's alone (`control_client_names`).
+client certificates, SetSpeculation is the operator's alone (`control_client_names`); without
+them, a server whose serving ports take a bearer token refuses SetSpeculation to every caller
+(control_policy): the token is the clients', never a control credential.
 """
 
 from __future__ import annotations
@@ -70,6 +72,16 @@ class ServerOptions:
     # Client-certificate common names allowed to call SetSpeculation, once any listener verifies
     # client certificates (a control listener, or a client CA on the main port).
     control_client_names: tuple[str, ...] = DEFAULT_CONTROL_CLIENT_NAMES
+
+
+def control_policy(options: ServerOptions) -> str:
+    """Who may call the control RPCs (SetSpeculation): "certificate" (an allowed client
+    certificate, once any listener verifies them), "refused" (nobody: the serving ports' bearer
+    token is the clients', never a control credential), or "open" (no authentication at all, for
+    development). docs/server.md, "Who may control the server"."""
+    if options.control_port is not None or (options.tls is not None and options.tls.client_ca):
+        return "certificate"
+    return "refused" if options.auth_token else "open"
 
 
 class EngineServer:
@@ -174,27 +186,32 @@ class EngineServer:
             return f"engine failed to start: {self.error}"
         return "server is shutting down"
 
-    @property
-    def control_restricted(self) -> bool:
-        """SetSpeculation needs an allowed client certificate: true once any listener verifies them.
-
-        A server with neither (plaintext or server-only TLS, no control port: a laptop) has no
-        way to tell the operator from anyone else, and keeps SetSpeculation open.
-        """
-        return self.options.control_port is not None or bool(self.options.tls and self.options.tls.client_ca)
-
     def control_client_allowed(self, context) -> bool:
         """The caller presented a verified client certificate whose name may control the server."""
         return any(name in self.options.control_client_names for name in peer_common_names(context))
 
     def control_refusal(self, context, method: str) -> str | None:
-        """Why this caller may not call a control method (None: it may), counted and logged."""
-        if not self.control_restricted:
-            return None
-        names = peer_common_names(context)
-        if self.control_client_allowed(context):
+        """Why this caller may not call a control method (None: it may), counted and logged.
+
+        Who may control the server (server.control_policy):
+          - a listener verifies client certificates (a control port, or --tls-client-ca): an
+            allowed client certificate, and nothing else;
+          - none does, but the serving ports take a bearer token: nobody. The token is handed to
+            clients; a client that holds it must not switch speculation for everyone, and without
+            client certificates no caller can be told from another;
+          - no certificates and no token (a laptop): anyone, as anyone may call everything else.
+        """
+        policy = control_policy(self.options)
+        if policy == "open" or (policy == "certificate" and self.control_client_allowed(context)):
             return None
         self.metrics.record_control_denied(method)
+        if policy == "refused":
+            log.warning("%s refused for %s: this server has no control listener and its serving ports "
+                        "take a bearer token", method, context.peer())
+            return (f"{method} is refused on this server: its serving ports take a bearer token, which is "
+                    f"for clients, and it has no control port (--control-port, mutual TLS) or client CA "
+                    f"to tell the operator by")
+        names = peer_common_names(context)
         presented = (f"its client certificate's common name {names[0]!r} is not allowed" if names
                      else "it presented no client certificate")
         log.warning("%s refused for %s: %s (allowed: %s)", method, context.peer(), presented,

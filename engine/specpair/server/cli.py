@@ -82,7 +82,8 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     control = serve.add_argument_group(
         "control listener (the operator's port: mutual TLS; SetSpeculation is accepted only from an "
         "allowed client certificate once this port, or --tls-client-ca, is set; a server with neither "
-        "keeps SetSpeculation open to any caller, for development)")
+        "refuses SetSpeculation to every caller when --auth-token-file is set (the token is the "
+        "clients'), and keeps it open to any caller without a token, for development)")
     control.add_argument("--control-port", type=int, default=None,
                          help="a second gRPC port, same services, mutual TLS required (0: any free port); "
                               "needs the three --control-tls-* files, re-read when they change")
