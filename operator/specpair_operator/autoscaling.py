@@ -6,11 +6,17 @@ operator rolls that number into the engine Deployment like any other replica cou
 field says how many pods serve, the operator never fights an autoscaler over the Deployment,
 and scaling is outside the release (its content hash, and so its gate, never sees replicas).
 
-The signals are the engine's own gauges and counters (engine/specpair/server/metrics.py), read
-per pair: queued requests, running requests, streamed tokens per second, the share of the KV
-budget in use. KEDA reads them from Prometheus with a query over the pair's pods; an HPA reads
-the same series per pod through the custom metrics API (prometheus-adapter's default rules serve a gauge under its own name and a
-`_total` counter as its per-second rate without the suffix), so it averages them itself.
+The signals are each engine's own gauges and counters, read per pair: queued requests, running
+requests, streamed tokens per second, the share of the KV cache in use, and the effective load
+(queued requests over the tokens each step yields at the live acceptance). One
+`rollout.autoscaling.metric` name means the same on both engines; SIGNALS maps it to each
+engine's series (the specpair engine's engine/specpair/server/metrics.py, vLLM's
+vllm/v1/metrics/loggers.py), and a metric an engine cannot export is refused
+(`metric_refusal`, called from validation) rather than written into an autoscaler that never
+scales. KEDA reads them from Prometheus with a query over the pair's pods; an HPA reads one
+series per pod through the custom metrics API (prometheus-adapter's default rules serve a gauge
+under its own name and a `_total` counter as its per-second rate without the suffix), so it
+averages them itself, and a signal made of several series needs KEDA.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from . import manifests, names, owned, validation
 from .kube import PLURALS, KubeError
@@ -40,26 +46,96 @@ KEDA_RECHECK_S = 60.0
 PROMETHEUS_ENV = "SPECPAIR_PROMETHEUS_ADDRESS"
 
 
+# How far back a rate looks: the counters' per-second rates, and the live acceptance.
+RATE_WINDOW = "1m"
+
+
+@dataclass(frozen=True)
+class Series:
+    """One signal on one engine: how KEDA queries it over a pair's pods (a sum, divided by the
+    target per replica), and the per-pod series an HPA averages (None: the signal is several
+    series, which only a query can combine)."""
+    promql: str                # {selector}: the pair's label matchers; {window}: RATE_WINDOW
+    pod_metric: str | None
+
+
 @dataclass(frozen=True)
 class Signal:
-    """One scaling signal: how KEDA queries it over a pair's pods (a sum, divided by the target per
-    replica), and the per-pod series an HPA averages."""
-    promql: str          # {selector} is the pair's label matchers
-    pod_metric: str
     meaning: str
+    engines: Mapping[str, Series]   # engine kind -> its series; an engine absent cannot export it
 
 
+def _effective_load(waiting: str, emitted: str, accepted: str) -> str:
+    """Queued requests over the tokens a step yields at the live acceptance. Each step of a row
+    emits its accepted draft tokens plus one, so steps = emitted - accepted and tokens per step =
+    emitted / (emitted - accepted): 1 target-only, ~3 at acceptance length 3. A pair whose
+    acceptance collapses serves its queue slower: the same queue is more load. Idle, or with
+    no accepted series (speculation off, vLLM without a drafter), a step yields one token."""
+    rate = "sum(rate({name}{{{{{{selector}}}}}}[{{window}}]))"
+    emitted_rate, accepted_rate = rate.format(name=emitted), rate.format(name=accepted)
+    return (f"sum({waiting}{{{{{{selector}}}}}}) / (({emitted_rate} / ({emitted_rate} - {accepted_rate} > 0)) "
+            "or vector(1))")
+
+
+SPECPAIR, VLLM = "specpair", "vllm"
 SIGNALS: dict[str, Signal] = {
-    "queueLength": Signal("sum(specpair_num_requests_waiting{{{selector}}})",
-                          "specpair_num_requests_waiting", "requests queued for a batch slot"),
-    "runningRequests": Signal("sum(specpair_num_requests_running{{{selector}}})",
-                              "specpair_num_requests_running", "requests in the running batch"),
-    "tokensPerSecond": Signal("sum(rate(specpair_num_emitted_tokens_total{{{selector}}}[1m]))",
-                              "specpair_num_emitted_tokens", "tokens streamed to clients per second"),
-    # Only engines with a KV budget export it (on CUDA by default, on the CPU with --kv-budget).
-    "kvCacheUsage": Signal("sum(specpair_kv_cache_usage_ratio{{{selector}}})",
-                           "specpair_kv_cache_usage_ratio", "share of the KV budget the running rows hold"),
+    "queueLength": Signal("requests queued for a batch slot", {
+        SPECPAIR: Series("sum(specpair_num_requests_waiting{{{selector}}})", "specpair_num_requests_waiting"),
+        VLLM: Series("sum(vllm:num_requests_waiting{{{selector}}})", "vllm:num_requests_waiting")}),
+    "runningRequests": Signal("requests in the running batch", {
+        SPECPAIR: Series("sum(specpair_num_requests_running{{{selector}}})", "specpair_num_requests_running"),
+        VLLM: Series("sum(vllm:num_requests_running{{{selector}}})", "vllm:num_requests_running")}),
+    "tokensPerSecond": Signal("tokens streamed to clients per second", {
+        SPECPAIR: Series("sum(rate(specpair_num_emitted_tokens_total{{{selector}}}[{window}]))",
+                         "specpair_num_emitted_tokens"),
+        VLLM: Series("sum(rate(vllm:generation_tokens_total{{{selector}}}[{window}]))", "vllm:generation_tokens")}),
+    # The specpair engine has a KV budget on CUDA (by default; on the CPU only with --kv-budget,
+    # which the operator does not pass), vLLM always (its KV cache blocks).
+    "kvCacheUsage": Signal("share of the KV cache the running requests hold", {
+        SPECPAIR: Series("sum(specpair_kv_cache_usage_ratio{{{selector}}})", "specpair_kv_cache_usage_ratio"),
+        VLLM: Series("sum(vllm:kv_cache_usage_perc{{{selector}}})", "vllm:kv_cache_usage_perc")}),
+    "effectiveLoad": Signal("queued requests over the tokens each step yields at the live acceptance", {
+        SPECPAIR: Series(_effective_load("specpair_num_requests_waiting", "specpair_num_emitted_tokens_total",
+                                         "specpair_num_accepted_tokens_total"), None),
+        VLLM: Series(_effective_load("vllm:num_requests_waiting", "vllm:generation_tokens_total",
+                                     "vllm:spec_decode_num_accepted_tokens_total"), None)}),
 }
+
+
+def engine_of(spec: Mapping[str, Any]) -> str:
+    """The engine kind that serves the pair (spec.engine; the CRD's default)."""
+    return str(spec.get("engine") or SPECPAIR)
+
+
+def spec_refusals(spec: Any) -> list[str]:
+    """metric_refusal in the words of validation.validate_spec (which calls it): a spec the
+    CRD's schema lets through whose metric its engine cannot export."""
+    why = metric_refusal(spec) if isinstance(spec, dict) else None
+    if why is None:
+        return []
+    metric = validation.autoscaling_with_defaults(spec["rollout"]["autoscaling"])["metric"]
+    return [f'spec.rollout.autoscaling.metric: Invalid value: "{metric}": {why}']
+
+
+def metric_refusal(spec: Mapping[str, Any]) -> str | None:
+    """Why the pair's engine cannot export the series its `rollout.autoscaling.metric` scales on
+    (None: it can, or the pair is not autoscaled, or the metric is not one of SIGNALS: the CRD's
+    enum says that). An autoscaler on a series that never exists is written and never scales."""
+    raw = (spec.get("rollout") or {}).get("autoscaling") if isinstance(spec.get("rollout"), dict) else None
+    if not isinstance(raw, dict):
+        return None
+    metric, engine = validation.autoscaling_with_defaults(raw).get("metric"), engine_of(spec)
+    signal = SIGNALS.get(metric) if isinstance(metric, str) else None
+    if signal is None:
+        return None
+    if engine not in signal.engines:
+        return (f"rollout.autoscaling.metric {metric} ({signal.meaning}) is not a series engine {engine} exports; "
+                f"engine {engine} offers {', '.join(m for m, s in SIGNALS.items() if engine in s.engines)}")
+    if metric == "kvCacheUsage" and engine == SPECPAIR and not manifests._has_gpu(dict(spec.get("rollout") or {})):
+        return (f"rollout.autoscaling.metric {metric}: engine {engine} exports specpair_kv_cache_usage_ratio only "
+                f"with a KV budget, which it has on a GPU (rollout.resources names none): the autoscaler would never "
+                f"scale; use queueLength, runningRequests, tokensPerSecond or effectiveLoad")
+    return None
 
 
 class AutoscalingError(ValueError):
@@ -75,6 +151,7 @@ class Autoscaling:
     prometheus: str | None     # KEDA's Prometheus address; None: the operator's default
     scale_down_stabilization_s: int
     polling_interval_s: int
+    engine: str = SPECPAIR     # the engine whose series the metric is read from
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> "Autoscaling | None":
@@ -94,6 +171,9 @@ class Autoscaling:
             raise AutoscalingError(f"rollout.autoscaling.maxReplicas ({hi}) is below minReplicas ({lo})")
         if metric not in SIGNALS:
             raise AutoscalingError(f"rollout.autoscaling.metric {metric!r} is not one of {', '.join(SIGNALS)}")
+        refusal = metric_refusal(spec)
+        if refusal:
+            raise AutoscalingError(refusal)
         if not isinstance(target, (int, float)) or isinstance(target, bool) or not target > 0:
             raise AutoscalingError(f"rollout.autoscaling.target must be a number > 0 (per replica), got {target!r}")
         window, polling = raw.get("scaleDownStabilizationSeconds"), raw.get("pollingIntervalSeconds")
@@ -103,14 +183,24 @@ class Autoscaling:
         if not isinstance(polling, int) or isinstance(polling, bool) or polling < 1:
             raise AutoscalingError("rollout.autoscaling.pollingIntervalSeconds must be an integer >= 1, "
                                    f"got {polling!r}")
-        return cls(lo, hi, metric, float(target), raw.get("prometheusAddress"), window, polling)
+        return cls(lo, hi, metric, float(target), raw.get("prometheusAddress"), window, polling, engine_of(spec))
 
 
-def query(pair: str, namespace: str, metric: str) -> str:
-    """The PromQL that sums a signal over one pair's engine pods (the `pair` label is the engine's
-    own; `namespace` is the scrape target's, as the chart's ServiceMonitor keeps it)."""
-    selector = f'namespace="{namespace}",pair="{pair}"'
-    return SIGNALS[metric].promql.format(selector=selector)
+def selector(pair: str, namespace: str, engine: str = SPECPAIR) -> str:
+    """The label matchers of one pair's engine series (`namespace` is the scrape target's, as the
+    chart's ServiceMonitor keeps it). The specpair engine labels its series `pair`; vLLM labels
+    them `model_name`, its first served name, which is the pod's identity
+    (specpair.vllm_serve.identity_name: "specpair:<pair>:v<version>:<hash>:<spec|nospec>")."""
+    if engine == VLLM:
+        # A pair name is a DNS subdomain: only its dots are special in a (RE2) regex; the PromQL
+        # string needs the backslash doubled.
+        return f'namespace="{namespace}",model_name=~"specpair:{pair.replace(".", chr(92) * 2 + ".")}:.+"'
+    return f'namespace="{namespace}",pair="{pair}"'
+
+
+def query(pair: str, namespace: str, metric: str, engine: str = SPECPAIR) -> str:
+    """The PromQL that sums a signal over one pair's engine pods, in its engine's series."""
+    return SIGNALS[metric].engines[engine].promql.format(selector=selector(pair, namespace, engine), window=RATE_WINDOW)
 
 
 def _target_value(target: float) -> str:
@@ -143,11 +233,16 @@ def desired_autoscaler(pair: str, namespace: str, scaling: Autoscaling, *, keda:
                 "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(scaling)}},
                 "triggers": [{"type": "prometheus", "metadata": {
                     "serverAddress": address,
-                    "query": query(pair, namespace, scaling.metric),
+                    "query": query(pair, namespace, scaling.metric, scaling.engine),
                     "threshold": _target_value(scaling.target),
                 }}],
             },
         }
+    pod_metric = SIGNALS[scaling.metric].engines[scaling.engine].pod_metric
+    if pod_metric is None:
+        raise AutoscalingError(f"rollout.autoscaling.metric {scaling.metric} is a query over several series, which "
+                               "KEDA runs against Prometheus; without KEDA an HPA averages one series per pod: "
+                               "install KEDA or choose queueLength, runningRequests, tokensPerSecond or kvCacheUsage")
     return {
         "apiVersion": HPA_API_VERSION, "kind": "HorizontalPodAutoscaler", "metadata": meta,
         "spec": {
@@ -158,7 +253,7 @@ def desired_autoscaler(pair: str, namespace: str, scaling: Autoscaling, *, keda:
             # (15 s by default): pollingIntervalSeconds is KEDA's alone.
             "behavior": _behavior(scaling),
             "metrics": [{"type": "Pods", "pods": {
-                "metric": {"name": SIGNALS[scaling.metric].pod_metric},
+                "metric": {"name": pod_metric},
                 "target": {"type": "AverageValue", "averageValue": _target_value(scaling.target)},
             }}],
         },
