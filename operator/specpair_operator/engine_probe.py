@@ -205,7 +205,7 @@ class VllmProbe:
     "all": vLLM does not count by category). Pods whose
     identity is not their first served name (rolled out before it was) are read from /v1/models,
     which answers there because they have no API key either. vLLM has no runtime switch, so
-    set_speculation changes nothing; the operator re-rolls the Deployment instead. Both formats
+    set_speculation refuses (NoRuntimeSwitch); the plan rolls the Deployment instead. Both formats
     are read with torch-free parsers (the engine package's; prometheus_client's for the histograms)."""
 
     def __init__(self, timeout_s: float = 5.0):
@@ -249,7 +249,14 @@ class VllmProbe:
                 "speculating": counters.draft_tokens > 0, "uptimeSeconds": None}
 
     async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None:
-        return None
+        # Never planned for vLLM pods (serving_plan._switch rolls the Deployment instead): a call
+        # here is a plan that lost that, and must not pass for a switch that happened.
+        raise NoRuntimeSwitch(f"{address}: vLLM cannot switch speculation {'on' if enabled else 'off'} at run time; "
+                              "a vLLM pair's speculation changes by a rollout of its Deployment")
+
+
+class NoRuntimeSwitch(Exception):
+    """Asked to switch speculation on an engine that has no runtime switch (vLLM)."""
 
 
 def finished_requests(metrics_text: str) -> int:

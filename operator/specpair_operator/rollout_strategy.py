@@ -107,3 +107,42 @@ def choose_strategy(spec: Mapping[str, Any], champion_release: Mapping[str, Any]
     if refusal:
         return Strategy(REPLACE, f"chosen automatically: {refusal}")
     return Strategy(SHADOW, "chosen automatically: only the draft side differs from the champion")
+
+
+# -- speculation switched on a vLLM pair: a rollout of the same release ---------------------------
+
+@dataclass(frozen=True)
+class SpeculationRoll:
+    """How a vLLM pair's engine Deployment rolls when the drift ladder switches speculation (vLLM
+    cannot switch it at run time: the pods are replaced by ones started with or without it), and
+    what that leaves serving. `least_ready`: the fewest ready pods at any moment of the roll."""
+
+    max_surge: int
+    max_unavailable: int
+    replicas: int
+    least_ready: int
+
+    @property
+    def unserved(self) -> bool:
+        return self.least_ready < 1
+
+    def describe(self, version: str, enabled: bool) -> str:
+        what = (f"speculation {'on' if enabled else 'off'} for vLLM pair v{version} is a new rollout of the same "
+                f"release with speculation {'enabled' if enabled else 'disabled'} (vLLM cannot switch it at run time)")
+        if self.max_unavailable == 0:
+            return (f"{what}: each new pod starts beside the old ones (maxSurge {self.max_surge}, maxUnavailable 0), "
+                    f"so all {self.replicas} keep serving until it is ready")
+        how = (f"its pods hold GPUs, and a GPU pool rarely has a spare device, so an old pod goes before its "
+               f"successor starts (maxSurge {self.max_surge}, maxUnavailable {self.max_unavailable})")
+        if self.unserved:
+            return (f"{what}: {how}: the pair has no ready pod until the new one is ready; rollout.replicas >= "
+                    f"{self.max_unavailable + 1} keeps one serving through the switch")
+        return f"{what}: {how}: at least {self.least_ready} of {self.replicas} pods serve throughout"
+
+
+def speculation_roll(strategy: Mapping[str, Any], replicas: int) -> SpeculationRoll:
+    """The roll a Deployment `strategy` (manifests.rollout_strategy: its one home) gives `replicas`
+    pods."""
+    rolling = strategy.get("rollingUpdate") or {}
+    surge, unavailable = int(rolling.get("maxSurge", 0)), int(rolling.get("maxUnavailable", 0))
+    return SpeculationRoll(surge, unavailable, replicas, max(replicas - unavailable, 0))

@@ -37,7 +37,7 @@ from . import aliases as aliases_mod
 from . import canary as canary_mod
 from . import conditions as c
 from . import drift as drift_mod
-from . import gate_verdict, manifests, model_fetch, names, owned, serving_health, shadow_run
+from . import gate_verdict, manifests, model_fetch, names, owned, rollout_strategy, serving_health, shadow_run
 from . import release as release_mod
 from . import tls as tls_mod
 from .plan import (TAG_RELEASE, TAG_SPECULATION_OFF, Condition, PostEvent, Record, Report, SetAlias, SetStatus,
@@ -91,6 +91,16 @@ class SwitchSpeculation:
     addresses: tuple[str, ...]
     enabled: bool
     reason: str
+
+
+@dataclass(frozen=True)
+class RollSpeculation(PostEvent):
+    """The drift ladder switches speculation on a vLLM pair, which cannot switch it at run time:
+    the switch is the engine Deployment rendered from status.speculationEnabled (the status this
+    pass sets), rolled by the next pass. This step is what the plan says of it, and act posts it
+    as the Event it is (Warning when the roll leaves the pair without a ready pod)."""
+    enabled: bool = True
+    roll: rollout_strategy.SpeculationRoll | None = None
 
 
 @dataclass(frozen=True)
@@ -662,6 +672,21 @@ def _speculation(out: _Steps, champion: str, pods: list[EnginePod]) -> list[str]
     return stuck
 
 
+def _switch(out: _Steps, champion: str, addresses: tuple[str, ...], enabled: bool, reason: str) -> None:
+    """The drift ladder's switch: on the specpair engine each pod's SetSpeculation. vLLM has no
+    runtime switch (its probe's set_speculation does nothing), so no such step is planned for its
+    pods: the Deployment, rendered from the speculationEnabled this pass sets, rolls, and the
+    plan says how (RollSpeculation)."""
+    w = out.world
+    if kind_of(w) != "vllm":
+        out.add(SwitchSpeculation(addresses, enabled, reason[:500]))
+        return
+    roll = rollout_strategy.speculation_roll(manifests.rollout_strategy(dict(w.rollout)),
+                                             int(w.rollout.get("replicas", 1)))
+    out.add(RollSpeculation("Warning" if roll.unserved else "Normal", "SpeculationRollout",
+                            f"{roll.describe(champion, enabled)}; because: {reason}"[:1000], enabled, roll))
+
+
 def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) -> bool:
     """Let drift.decide pick the ladder's step from each pod's counters, and take it. True when
     this pass took a drift action or the champion serves target-only after one."""
@@ -760,8 +785,8 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
         # alone carries the step (a crash before it is written loses it; the pods turn back on).
         if not w.registry_down:
             out.add(TagVersion(champion, {TAG_SPECULATION_OFF: reason[:4000]}))
-        out.add(SwitchSpeculation(addresses, False, reason[:500]),
-                SetStatus({"speculationEnabled": False}),
+        _switch(out, champion, addresses, False, reason)
+        out.add(SetStatus({"speculationEnabled": False}),
                 Condition(c.DRIFTED, True, "SpeculationOff", reason),
                 Record("SpeculationOff", reason, champion, champion, warning=True),
                 Report("ready", "Degraded", "SpeculationOff", f"v{champion} serving target-only: {reason}"))
@@ -772,9 +797,9 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
                   + decision.reason)
         return True
     if decision.action == drift_mod.SPECULATION_ON:
-        out.add(TagVersion(champion, {TAG_SPECULATION_OFF: ""}),
-                SwitchSpeculation(addresses, True, decision.reason[:500]),
-                SetStatus({"speculationEnabled": True}),
+        out.add(TagVersion(champion, {TAG_SPECULATION_OFF: ""}))
+        _switch(out, champion, addresses, True, decision.reason)
+        out.add(SetStatus({"speculationEnabled": True}),
                 Condition(c.DRIFTED, False, "Recovered", decision.reason),
                 Record("SpeculationOn", decision.reason, champion, champion))
         return False
@@ -784,8 +809,8 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
         # Speculation stays off but keeps being measured: probes turn it on for a while when the
         # engine drafted nothing since.
         if w.status.get("speculationEnabled", True) != decision.speculation:
-            out.add(SwitchSpeculation(addresses, decision.speculation,
-                                      "drift probe" if decision.speculation else "drift probe over"))
+            _switch(out, champion, addresses, decision.speculation,
+                    "drift probe" if decision.speculation else "drift probe over")
         out.add(SetStatus({"speculationEnabled": decision.speculation}))
         return degraded(" (probing with the draft)" if probing else "")
     return False

@@ -83,6 +83,8 @@ def step_name(s: Any) -> str:
         return f"Record {s.action}"
     if isinstance(s, p.Report):
         return f"Report {s.how} {s.phase}/{s.reason}"
+    if isinstance(s, sp.RollSpeculation):
+        return f"RollSpeculation {'on' if s.enabled else 'off'}"
     if isinstance(s, p.PostEvent):
         return f"Event {s.reason}"
     if isinstance(s, p.SetAlias):

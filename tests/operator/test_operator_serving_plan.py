@@ -386,6 +386,9 @@ class Cluster:
                 obj["status"] = (w.deployment or {}).get("status") or {}
                 self.served = {"version": w.aliases["champion"],
                                "hash": release.content_hash(sp.served_release(self.world()))}
+                if release.engine_kind(sp.served_release(self.world())) == "vllm":
+                    # vLLM has no runtime switch: its new pods speculate as their command says.
+                    self.speculating = "--no-speculation" not in obj["spec"]["template"]["spec"]["containers"][0]["command"]
             self.w = dataclasses.replace(self.w, **{{"Deployment": "deployment", "Service": "service",
                                                      "NetworkPolicy": "policy"}[obj["kind"]]: obj})
         elif isinstance(step, sp.IssueCertificate):
@@ -580,6 +583,72 @@ def test_with_mlflow_down_only_speculation_off_is_taken_and_without_its_mark():
         <= {("SwitchSpeculation", False), ("ReconcilePodSpeculation", False)}
     assert [a for a, _ in cl.history] == ["SpeculationOff"]
     assert cl.w.aliases["champion"] == "2" and cl.w.status["speculationEnabled"] is False
+
+
+# -- speculation on a vLLM pair: a rollout, said by the plan -------------------------------------
+
+GPU = {"resources": {"limits": {"nvidia.com/gpu": 1}}}
+
+
+def vllm_drifting(rollout: dict[str, Any]) -> Cluster:
+    """v2 served by vLLM with an n-gram drafter that accepts 0.2 on this traffic (gated at 0.7)."""
+    spec = {**SPEC, "engine": "vllm", "rollout": rollout, "drift": {**DRIFT, "ladder": ["SpeculationOff"]}}
+    tags = {"2": plan_tables.release_tags({**spec, "speculation": {"k": 5}})}
+    return Cluster(base(aliases={"champion": "2"}, tags=tags["2"], spec=spec, desired="2"), tags, {"2": 0.2})
+
+
+def planned(cl: Cluster) -> tuple[list[Any], Any]:
+    """Every step the passes planned (not only the writes), and the planner that keeps them."""
+    seen: list[Any] = []
+
+    def planner(w: ServingWorld) -> tuple[Any, ...]:
+        steps = sp.plan_serving(w)
+        seen.extend(steps)
+        return steps
+    return seen, planner
+
+
+@pytest.mark.parametrize("rollout, event, words", [
+    ({"replicas": 1}, "Normal", "each new pod starts beside the old ones (maxSurge 1, maxUnavailable 0), so all 1 "
+     "keep serving until it is ready"),
+    ({"replicas": 1, **GPU}, "Warning", "its pods hold GPUs, and a GPU pool rarely has a spare device, so an old pod "
+     "goes before its successor starts (maxSurge 0, maxUnavailable 1): the pair has no ready pod until the new one is "
+     "ready; rollout.replicas >= 2 keeps one serving through the switch"),
+    ({"replicas": 3, **GPU}, "Normal", "(maxSurge 0, maxUnavailable 1): at least 2 of 3 pods serve throughout"),
+])
+def test_speculation_off_on_a_vllm_pair_is_a_rollout_the_plan_says(rollout, event, words):
+    seen, planner = planned(vllm_drifting(rollout))
+    cl, _ = converge(vllm_drifting(rollout), passes=30, planner=planner)
+    # No switch a vLLM pod cannot make is planned (its probe would do nothing with it).
+    assert not [s for s in seen if isinstance(s, (sp.SwitchSpeculation, sp.ReconcilePodSpeculation))]
+    rolls = [s for s in seen if isinstance(s, sp.RollSpeculation)]
+    assert [(r.enabled, r.type, r.reason) for r in rolls] == [(False, event, "SpeculationRollout")]
+    assert rolls[0].message.startswith("speculation off for vLLM pair v2 is a new rollout of the same release with "
+                                       "speculation disabled (vLLM cannot switch it at run time): ")
+    assert words in rolls[0].message and "because: sustained drift: " in rolls[0].message
+    assert rolls[0].roll.unserved == (event == "Warning")
+    # The roll itself: the Deployment rendered without speculation, a rollout of the same version,
+    # after which its pods report speculation off and the pair says so (nothing left stuck).
+    assert [a for a, _ in cl.history] == ["RolloutStarted", "SpeculationOff", "RolloutStarted"]
+    assert "--no-speculation" in cl.w.deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cl.w.deployment["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": rolls[0].roll.max_surge, "maxUnavailable": rolls[0].roll.max_unavailable}
+    assert kinds(sp.plan_serving(cl.world()))[-2:] == ["Report ready Degraded/SpeculationOff", "ReportSpeculation -"]
+
+
+def test_the_specpair_engine_still_switches_its_pods_in_place():
+    seen, planner = planned(ladder_start())
+    converge(ladder_start(), planner=planner)
+    assert [s.enabled for s in seen if isinstance(s, sp.SwitchSpeculation)][:1] == [False]
+    assert not [s for s in seen if isinstance(s, sp.RollSpeculation)]
+
+
+def test_the_vllm_probe_refuses_a_switch_it_cannot_make():
+    import asyncio
+
+    from specpair_operator.engine_probe import NoRuntimeSwitch, VllmProbe
+    with pytest.raises(NoRuntimeSwitch, match="vLLM cannot switch speculation off at run time"):
+        asyncio.run(VllmProbe().set_speculation("127.0.0.1:1", False, "drift"))
 
 
 def test_drift_is_not_judged_between_intervals_nor_when_disabled():
