@@ -3,6 +3,7 @@ connections open the way slow or stalled clients do, while real requests go on."
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -38,19 +39,22 @@ def _response(sock: socket.socket) -> bytes:
 
 
 def _slow_client(port: int, sends: list[bytes], gap: float, result: list, i: int) -> None:
+    """Send the pieces `gap` seconds apart until the server answers, then read until it closes:
+    (seconds to the answer's first byte, seconds to the close, what was read, any socket error)."""
     with socket.create_connection(("127.0.0.1", port)) as sock:
         started = time.monotonic()
+        answered = None
         try:
             for piece in sends:
                 sock.sendall(piece)
-                time.sleep(gap)
-        except OSError:      # closed by the server while still sending: what is being tested
-            pass
-        try:
-            answer = _until_closed(sock)
-        except OSError:
-            answer = b""
-        result[i] = (time.monotonic() - started, answer)
+                if select.select([sock], [], [], gap)[0]:
+                    break
+            select.select([sock], [], [], 30)
+            answered = time.monotonic() - started
+            answer, error = _until_closed(sock), None
+        except OSError as exc:
+            answer, error = b"", exc
+        result[i] = (answered, time.monotonic() - started, answer, error)
 
 
 def test_incomplete_requests_are_answered_408_and_closed_while_service_goes_on(tiny_pair, start_server):
@@ -79,10 +83,12 @@ def test_incomplete_requests_are_answered_408_and_closed_while_service_goes_on(t
     assert text == reference(tiny_pair, "def foo(x):", 48).text
     for t in threads:
         t.join(30)
-    for kind, (seconds, answer) in zip(kinds, results):
+    for kind, (answered, closed, answer, error) in zip(kinds, results):
+        assert error is None, (kind, error)
         assert answer.startswith(b"HTTP/1.1 408 "), (kind, answer[:200])
         assert b'"code": "request_timeout"' in answer, kind
-        assert READ_TIMEOUT * 0.9 < seconds < READ_TIMEOUT + 3, (kind, seconds)
+        assert READ_TIMEOUT * 0.9 < answered < READ_TIMEOUT + 3, (kind, answered)
+        assert closed - answered < 3, (kind, closed, answered)
     assert server.worker.busy == 0
 
 
@@ -95,9 +101,12 @@ def test_a_kept_alive_connection_gets_the_timeout_again_for_its_next_request(tin
         sock.sendall(b"\r\n")
         first = _response(sock)
         assert first.startswith(b"HTTP/1.1 200 ") and b'"serving"' in first
-        # Idle between requests is the keep-alive's business (30 s), not the read timeout's.
-        time.sleep(READ_TIMEOUT * 2)
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        # Idle a while, then a request that takes a while to send: longer than the read timeout
+        # together, each within it. The read timeout counts from the request's first byte.
+        time.sleep(READ_TIMEOUT * 0.6)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(READ_TIMEOUT * 0.6)
+        sock.sendall(b"\r\n")
         assert _response(sock).startswith(b"HTTP/1.1 200 ")
         # The next request stalls half-way: it gets the timeout.
         started = time.monotonic()
@@ -105,3 +114,40 @@ def test_a_kept_alive_connection_gets_the_timeout_again_for_its_next_request(tin
         answer = _until_closed(sock)
         assert answer.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < READ_TIMEOUT + 3
     wait_for(lambda: server.phase == "serving")
+
+
+def test_a_client_that_writes_its_whole_request_slowly_reads_the_408_not_a_reset(tiny_pair, start_server):
+    """An HTTP library writes the whole request before it reads. A byte at a time, it is still
+    writing when the 408 comes: its writes must go on succeeding (the server reads and drops
+    them), and it then reads the 408 and an orderly close, not "connection reset by peer"."""
+    server = start_server(engine=make_engine(tiny_pair), http_port=0, http_read_timeout=READ_TIMEOUT)
+    body = b'{"model": "tiny", "prompt": "def foo(x):", "max_tokens": 4} '
+    whole = HEAD + body
+    assert len(body) == 60 and 0.02 * len(whole) > 4 * READ_TIMEOUT
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        started = time.monotonic()
+        for byte in whole:
+            sock.sendall(bytes([byte]))      # raises on a reset: the failure this test is for
+            time.sleep(0.02)
+        wrote_for = time.monotonic() - started
+        answer = _until_closed(sock)
+    assert wrote_for > 3 * READ_TIMEOUT
+    assert answer.startswith(b"HTTP/1.1 408 ") and answer.endswith(b"}"), answer[:200]
+    assert b'"code": "request_timeout"' in answer
+    assert answer.count(b"HTTP/1.1") == 1     # nothing answered the dropped bytes
+    assert server.worker.busy == 0
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_the_read_timeout(tiny_pair, start_server):
+    """A connection held open between requests costs the server as a slow request does: it is
+    closed (no reply owed) once idle for the read timeout, and not before."""
+    timeout = 1.0
+    server = start_server(engine=make_engine(tiny_pair), http_port=0, http_read_timeout=timeout)
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _response(sock).startswith(b"HTTP/1.1 200 ")
+        idle_from = time.monotonic()
+        assert not select.select([sock], [], [], timeout * 0.5)[0]      # still open half-way
+        assert _until_closed(sock, limit=timeout * 10) == b""           # then closed, nothing sent
+        idle = time.monotonic() - idle_from
+    assert timeout * 0.9 < idle < timeout + 2, idle

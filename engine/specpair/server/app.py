@@ -64,7 +64,9 @@ class ServerOptions:
     # Set: every call to the serving ports needs "authorization: Bearer <token>" (HTTP header,
     # gRPC metadata); a client certificate allowed to control the server also passes on gRPC.
     auth_token: str | None = None
-    http_read_timeout: float = 30.0    # seconds an HTTP request may take to arrive in full
+    # Seconds an HTTP request may take to arrive in full (else 408), and an idle kept-alive
+    # connection is held.
+    http_read_timeout: float = 30.0
     # A second gRPC listener, same services, mutual TLS required, its files re-read on rotation
     # (tls.py). None: no control listener; 0: a free port (see EngineServer.control_port).
     control_port: int | None = None

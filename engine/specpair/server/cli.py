@@ -64,7 +64,8 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     http.add_argument("--http-port", type=int, default=0, help="HTTP port (0: off)")
     http.add_argument("--http-read-timeout", type=float, default=30.0, metavar="SECONDS",
                       help="a request must arrive in full (headers and body) within this time, or it is "
-                           "answered 408 and its connection closed")
+                           "answered 408 and its connection closed; a kept-alive connection idle this "
+                           "long between requests is closed")
     tls = serve.add_argument_group("transport security of the serving ports, gRPC and HTTP alike (one of "
                                    "--tls-cert/--tls-key or --insecure); the files are re-read when they "
                                    "change, so a certificate renewed in place needs no restart")

@@ -9,7 +9,9 @@ enforce, tokenizing, the context fit, the queue; refusals come back in OpenAI's 
     400 bad input (the field in `param`, in OpenAI's names: `max_tokens`, `messages[1].role`)
     401 a bearer token is required and missing or wrong (--auth-token-file)
     404 a `model` this server does not serve
-    408 a request that did not arrive in full within --http-read-timeout (the connection closes)
+    408 a request that did not arrive in full within --http-read-timeout (the connection closes,
+        after reading what the client still sends for a moment: it reads the 408, not a reset);
+        a kept-alive connection idle that long between requests is closed
     413 a body over --max-request-bytes, or a prompt the model's context cannot hold
     429 the request queue is full (Retry-After: 1)
     503 models still loading, or the server draining
@@ -276,23 +278,40 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+# After a 408 the server stops reading requests but keeps reading (and dropping) what the client
+# still sends, for up to LINGER_IDLE_SECONDS between pieces and LINGER_SECONDS in all, before it
+# closes the socket ("lingering close", as nginx and Apache do). A socket closed while its peer is
+# still sending answers the next bytes with a TCP reset: a client that writes its whole request
+# before it reads (every HTTP library does) then fails on its write with "connection reset" and
+# never reads the 408 waiting for it.
+LINGER_SECONDS = 5.0
+LINGER_IDLE_SECONDS = 2.0
+
+
 class ReadTimeoutH11Protocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol with a read timeout: a request, headers and body, must arrive in
     full within `read_timeout` seconds of its first byte (of the connection, for the first one), or
-    it is answered 408 and the connection closed. uvicorn times out only idle keep-alive
-    connections: without this a client sending a byte a minute holds a connection for ever."""
+    it is answered 408 and the connection closed after a lingering close (LINGER_SECONDS). A
+    kept-alive connection idle for `read_timeout` between requests is closed too (uvicorn's
+    keep-alive timeout, set to it by OpenAIFront). Without these a client sending a byte a minute,
+    or holding an idle connection, keeps a connection for ever."""
 
     def __init__(self, *args, read_timeout: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.read_timeout = read_timeout
         self._read_timer: asyncio.TimerHandle | None = None
         self._before = None       # the cycle (request) before the one being read
+        self._linger_timer: asyncio.TimerHandle | None = None    # set: answered 408, lingering
+        self._linger_until = 0.0
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if self._linger_timer is not None:
+            self._linger()        # dropped: the request was answered 408
+            return
         if self._read_timer is None and (self.cycle is None or self.cycle.response_complete):
             self._arm()           # the first bytes of the next request on a kept-alive connection
         super().data_received(data)
@@ -301,7 +320,15 @@ class ReadTimeoutH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        if self._linger_timer is not None:     # the server stops: no need to linger on
+            self.transport.close()
+            return
+        super().shutdown()
 
     def _arm(self) -> None:
         self._before = self.cycle
@@ -317,14 +344,36 @@ class ReadTimeoutH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         reading = self.cycle is not self._before
-        if not (reading and self.cycle.response_started):
-            body = json.dumps({"error": {
-                "message": f"the request did not arrive in full within {self.read_timeout:g} s",
-                "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
-            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                                 b"connection: close\r\ncontent-length: " + str(len(body)).encode() +
-                                 b"\r\n\r\n" + body)
-        self.transport.close()     # a handler still reading the body sees the client gone
+        if reading and self.cycle.response_started:
+            self.transport.close()     # a reply is under way: a 408 cannot follow it
+            return
+        body = json.dumps({"error": {
+            "message": f"the request did not arrive in full within {self.read_timeout:g} s",
+            "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
+        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                             b"connection: close\r\ncontent-length: " + str(len(body)).encode() +
+                             b"\r\n\r\n" + body)
+        if reading:
+            # A handler still waiting for the body sees the client gone (and writes nothing more).
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self._unset_keepalive_if_required()
+        if self.transport.can_write_eof():     # plaintext: the client reads the 408, then EOF
+            self.transport.write_eof()
+        self.flow.resume_reading()
+        self._linger_until = self.loop.time() + LINGER_SECONDS
+        self._linger()
+
+    def _linger(self) -> None:
+        """(Re)start the wait for the client's next bytes; close once it stops, or at the end."""
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        wait = min(LINGER_IDLE_SECONDS, self._linger_until - self.loop.time())
+        if wait <= 0:
+            self._linger_timer = None
+            self.transport.close()
+            return
+        self._linger_timer = self.loop.call_later(wait, self.transport.close)
 
 
 class OpenAIFront:
@@ -365,7 +414,10 @@ class OpenAIFront:
             raise
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, timeout_keep_alive=30, backlog=1024,
+                                timeout_graceful_shutdown=5, backlog=1024,
+                                # An idle kept-alive connection is held no longer than a slow
+                                # request may take to arrive: one setting bounds both.
+                                timeout_keep_alive=self.read_timeout,
                                 http=functools.partial(ReadTimeoutH11Protocol, read_timeout=self.read_timeout))
         config.load()
         # uvicorn builds its SSLContext from file names, once; this one re-reads them on rotation.
