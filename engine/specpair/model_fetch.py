@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -34,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from specpair.contract import content_hash, source_kind
+from specpair.contract import MLFLOW_SOURCE_PREFIXES, content_hash, source_kind
 from specpair.errors import SpecpairError
 
 MARKER_DIR = ".specpair"
@@ -43,6 +44,50 @@ MARKER_DIR = ".specpair"
 HUB_IGNORE = ["*.h5", "*.msgpack", "*.onnx", "onnx/*", "*.tflite", "*.ot", "flax_model*", "tf_model*",
               "coreml/*", "*.mlmodel"]
 ROLES = ("target", "draft")
+# An `mlflow:` source is an artifact URI MLflow downloads: it must name a place MLflow reaches
+# over the network (models:/, runs:/, mlflow-artifacts:/, s3://, ...). A local one (file:, an
+# absolute or relative path, `.`) would copy whatever the fetch container can read into the shared
+# cache, for every pair that mounts it; `.` or `..` as a path segment leaves the model's folder.
+# RE2 and Python read these alike: the CRD's CEL rules use them as they are (validation.py).
+REMOTE_MLFLOW_URI = r"^mlflow:[A-Za-z][-A-Za-z0-9+.]*:"
+LOCAL_MLFLOW_URI = r"^mlflow:(?i:file):"
+DOT_SEGMENT = r"[:/][.][.]?(/|$)"
+# A cache folder's name: one level under specpair-mlflow/, never one of the folder's own files
+# (locks and staging folders start with a dot), at most a file name's length.
+MAX_KEY_BYTES = 255
+
+
+def mlflow_uri_is_local(source: str) -> bool:
+    """An `mlflow:` source that is a path or a file: URI (the fetch container's own files)."""
+    return source.startswith("mlflow:") and (re.search(REMOTE_MLFLOW_URI, source) is None
+                                             or re.search(LOCAL_MLFLOW_URI, source) is not None)
+
+
+def mlflow_uri_leaves_its_folder(source: str) -> bool:
+    """An MLflow source (models:/, runs:/, mlflow:) with a `.` or `..` path segment."""
+    return source.startswith(MLFLOW_SOURCE_PREFIXES) and re.search(DOT_SEGMENT, source) is not None
+
+
+def mlflow_source_problem(source: str) -> str:
+    """Why an MLflow model source must not be fetched ('' when it may). The operator's validation
+    and the CRD's rules say the same (operator/specpair_operator/validation.py); the fetch checks
+    again, for a release made before they existed."""
+    if mlflow_uri_is_local(source):
+        return (f"{source!r} reads the fetching container's own files: an mlflow: source must be a remote "
+                f"artifact URI (models:/NAME/VERSION, runs:/RUN/PATH, mlflow-artifacts:/..., s3://...)")
+    if mlflow_uri_leaves_its_folder(source):
+        return f"{source!r} has a '.' or '..' path segment: a model source names its model's own folder"
+    return ""
+
+
+def safe_cache_key(key: str) -> str:
+    """`key` when it is one folder name of its own under the cache's MLflow folder; else a
+    SpecpairError (a key of '.', '..', a path, or a dot file would read or write another pair's
+    model, a lock or a staging folder)."""
+    if not key or key.startswith(".") or "/" in key or "\\" in key or "\0" in key \
+            or len(key.encode()) > MAX_KEY_BYTES:
+        raise SpecpairError(f"model cache key {key!r} is not a folder name of its own")
+    return key
 
 
 @dataclass(frozen=True)
@@ -88,6 +133,9 @@ def release_models(release: dict[str, Any]) -> tuple[list[ModelToFetch], list[Fe
         source = str(side.get("source") or "default")
         revision = str(side["revision"]) if side.get("revision") else None
         kind = source_kind(source)
+        problem = mlflow_source_problem(source) if kind == "mlflow" else ""
+        if problem:
+            raise SpecpairError(f"{role}.source: {problem}")
         if kind in ("mlflow", "hub"):
             fetch.append(ModelToFetch(role, source, revision, kind))
             continue
@@ -153,7 +201,7 @@ def _fetch_mlflow(cache: ModelCache, model: ModelToFetch, progress: Callable[[st
     from specpair.models import PREFETCHED_MLFLOW_DIR, mlflow_cache_key, model_config_dir
 
     parent = cache.root / PREFETCHED_MLFLOW_DIR
-    final = parent / mlflow_cache_key(model.source)
+    final = parent / safe_cache_key(mlflow_cache_key(model.source))
     parent.mkdir(parents=True, exist_ok=True)
     # One fetch of a model at a time (two releases' Jobs may share it): the lock's holder finds
     # the model there, or knows each staging folder of it belongs to a fetch that died.

@@ -12,7 +12,20 @@ from __future__ import annotations
 import hashlib
 import re
 
+from .tls import CA_SECRET
+
 LABEL_LIMIT = 63
+# The pair's certificate Secret (tls.crt, tls.key, ca.crt): object_name(pair, ENGINE_TLS).
+ENGINE_TLS = "engine-tls"
+# Secrets the operator writes, the one list of them: the CA it issues engine certificates from
+# (tls.CA_SECRET, in its own namespace) and each pair's certificate, whatever the pair's name. A
+# pair hands a Secret to its pods by reference (rollout.auth.tokenSecretRef), so naming one of
+# these would mount another pair's private key (or the CA's) into its pods; the CRD's CEL rule
+# and validation.py refuse them by these names. A Secret the operator begins to issue joins here.
+OWNED_SECRET_SUFFIXES = ("-" + ENGINE_TLS,)
+OWNED_SECRETS = (CA_SECRET,)
+# Keys of a kubernetes.io/tls Secret: certificates and private keys, never a bearer token.
+CERTIFICATE_KEYS = ("tls.key", "tls.crt", "ca.crt", "ca.key")
 # A DNS-1035 label: what a Service's name must be (and so every child's, for one rule).
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
@@ -58,3 +71,8 @@ def object_name(pair: str, *suffix: str) -> str:
             sanitized = "p-" + sanitized
         base = sanitized[: room - 9].rstrip("-") + "-" + _hash(pair)
     return f"{base}-{tail}" if tail else base
+
+
+def operator_owned_secret(name: str) -> bool:
+    """Whether `name` is a Secret the operator issues (OWNED_SECRETS, OWNED_SECRET_SUFFIXES)."""
+    return name in OWNED_SECRETS or name.endswith(OWNED_SECRET_SUFFIXES)

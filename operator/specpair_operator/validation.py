@@ -17,7 +17,10 @@ from importlib import resources
 from typing import Any, Callable
 
 import yaml
+from specpair.model_fetch import (DOT_SEGMENT, LOCAL_MLFLOW_URI, REMOTE_MLFLOW_URI, mlflow_uri_is_local,
+                                  mlflow_uri_leaves_its_folder)
 
+from . import names
 from .manifests import METRICS_PORT
 
 # The draft methods the specpair engine serves (n-gram lookup, a draft model, its drafting heads);
@@ -25,7 +28,7 @@ from .manifests import METRICS_PORT
 SPECPAIR_METHODS = ("draft-model", "ngram", "eagle", "medusa")
 
 # CEL rules of the CRD, as Python (a rule missing here is left to the API server).
-CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
+CEL_EQUIVALENTS: dict[str, Callable[[Any], bool]] = {
     "has(self.source) != has(self.drafter)": lambda o: ("source" in o) != ("drafter" in o),
     "!has(self.engine) || self.engine != 'vllm' || !has(self.speculation) || "
     "!has(self.speculation.treeWidth) || self.speculation.treeWidth == 1":
@@ -90,6 +93,20 @@ CEL_EQUIVALENTS: dict[str, Callable[[dict[str, Any]], bool]] = {
     "!has(self.tls) || !has(self.tls.enabled) || !self.tls.enabled || "
     "!has(self.httpPort) || self.httpPort != 0":
         lambda o: not _tls_enabled(o) or _ports(o)["httpPort"] != 0,
+    # target.source, draft.source: what the model-cache fill Job may download (its own rules)
+    "!self.startsWith('mlflow:') || "
+    f"(self.matches('{REMOTE_MLFLOW_URI}') && !self.matches('{LOCAL_MLFLOW_URI}'))":
+        lambda s: not mlflow_uri_is_local(s),
+    "!(self.startsWith('mlflow:') || self.startsWith('models:/') || self.startsWith('runs:/')) || "
+    f"!self.matches('{DOT_SEGMENT}')":
+        lambda s: not mlflow_uri_leaves_its_folder(s),
+    # rollout.auth.tokenSecretRef: in the pair's namespace, and none of the Secrets the operator issues
+    "!has(self.__namespace__)": lambda o: "namespace" not in o,
+    " && ".join([f"!self.name.endsWith('{suffix}')" for suffix in names.OWNED_SECRET_SUFFIXES]
+                + [f"self.name != '{name}'" for name in names.OWNED_SECRETS]):
+        lambda o: not isinstance(o.get("name"), str) or not names.operator_owned_secret(o["name"]),
+    "!has(self.key) || !(self.key in [" + ", ".join(f"'{k}'" for k in names.CERTIFICATE_KEYS) + "])":
+        lambda o: o.get("key") not in names.CERTIFICATE_KEYS,
 }
 
 
@@ -199,10 +216,11 @@ def _check(value: Any, schema: dict[str, Any], path: str, errors: list[str]) -> 
         for name, sub in (schema.get("properties") or {}).items():
             if name in value:
                 _check(value[name], sub, f"{path}.{name}", errors)
-        for rule in schema.get("x-kubernetes-validations") or []:
-            check = CEL_EQUIVALENTS.get(rule["rule"])
-            if check is not None and not check(value):
-                errors.append(f'{path}: Invalid value: {rule.get("message") or rule["rule"]}')
+    # Rules on objects and on strings (a model source's own) alike.
+    for rule in schema.get("x-kubernetes-validations") or []:
+        check = CEL_EQUIVALENTS.get(rule["rule"])
+        if check is not None and not check(value):
+            errors.append(f'{path}: Invalid value: {rule.get("message") or rule["rule"]}')
     if isinstance(value, list) and "maxItems" in schema and len(value) > schema["maxItems"]:
         errors.append(f"{path}: Too many: {len(value)}: must have at most {schema['maxItems']} items")
     if isinstance(value, list) and "items" in schema:
