@@ -63,12 +63,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     except ValueError as exc:
         raise kopf.PermanentError(str(exc)) from exc
     STATE.registry = ReleaseRegistry(STATE.tracking_uri)
-    # A (re)started operator remembers nothing: all it needs is in the cluster and MLflow.
-    for memory in (STATE.locks, STATE.retry_at, STATE.backoff, STATE.samples, STATE.serving_samples,
-                   STATE.last_drift_check, STATE.speedup_series, STATE.watch_cache, STATE.bodies,
-                   STATE.tls_checked_at, STATE.status_written):
-        memory.clear()
-    STATE.woken.clear()
+    STATE.forget_all()   # a (re)started operator remembers nothing: all it needs is in the cluster and MLflow
     STATE.wake = asyncio.Event()   # this run's loop (an operator restarted in-process has a new one)
     STATE.probe = GrpcEngineProbe()
     STATE.operator_namespace = operator_namespace()
@@ -120,11 +115,9 @@ async def on_change(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, 
 async def on_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa: A002  (Kopf's kwarg name)
     uid = body.metadata.uid
     if type == "DELETED":
-        STATE.bodies.pop(uid, None)
-        for memory in (STATE.locks, STATE.retry_at, STATE.backoff, STATE.samples, STATE.serving_samples,
-                       STATE.last_drift_check, STATE.speedup_series, STATE.watch_cache,
-                       STATE.tls_checked_at, STATE.status_written):
-            memory.pop(uid, None)
+        # Nothing of a deleted pair stays: its memory, and its metric series.
+        STATE.forget(uid)
+        metrics.forget_pair(body.metadata.namespace, body.metadata.name)
     else:
         STATE.bodies[uid] = json.loads(json.dumps(dict(body)))
 
@@ -212,6 +205,11 @@ async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, 
         await PairReconciler(body, patch, logger).reconcile()
         if "history" in patch.status or "recorded" in patch.status:
             STATE.status_written[uid] = (records_of({**status, **patch.status}), time.monotonic() + STALE_BODY_S)
+        if uid not in STATE.bodies:
+            # Deleted during the pass (the watch delivers a body before any pass over it): what
+            # the pass remembered or exported goes with the pair, as on_event's forgetting did.
+            STATE.forget(uid)
+            metrics.forget_pair(body.metadata.namespace, body.metadata.name)
 
 
 def records_of(status: dict[str, Any]) -> str:

@@ -45,6 +45,16 @@ RELEASE_SPEEDUP = Gauge("specpair_release_speedup",
                         "Gated speedup over target-only of the release a pair serves, per category ('all' overall).",
                         ["pair", "version", "category", "namespace"], registry=REGISTRY)
 
+# Every metric with a series per pair, and its label names in order: a deleted pair's series
+# go with it (forget_pair), so dashboards and alerts stop showing a pair that is not there.
+PER_PAIR: tuple[tuple[Counter | Gauge | Histogram, tuple[str, ...]], ...] = (
+    (PROMOTIONS, tuple(PAIR)), (ROLLBACKS, (*PAIR, "reason")), (SPECULATION_OFF, tuple(PAIR)),
+    (SPECULATION_ON, tuple(PAIR)), (DRIFT_STEP, tuple(PAIR)), (SHADOW_STARTS, tuple(PAIR)),
+    (SHADOW_REFUSALS, tuple(PAIR)), (SHADOW_VERDICTS, (*PAIR, "result")), (RECONCILE_ERRORS, (*PAIR, "reason")),
+    (CANARY, (*PAIR, "decision")), (GATE_DURATION, (*PAIR, "result")),
+    (RELEASE_SPEEDUP, ("pair", "version", "category", "namespace")),
+)
+
 ROLLBACK_CAUSES = ("drift", "latency", "tokenizer", "rollout")
 # A drift rollback's reason is the ladder's words, then the judgements that breached: acceptance
 # (drift.Judgement.message) or serving health (serving_health.Judgement.message), never both.
@@ -97,3 +107,19 @@ def serve_from_env() -> int | None:
         start_http_server(port, addr=os.environ.get("SPECPAIR_METRICS_ADDRESS", "0.0.0.0"), registry=REGISTRY)
         _served_port = port
     return _served_port
+
+
+def forget_pair(namespace: str, pair: str) -> int:
+    """Remove every series of a deleted pair from the registry; how many were removed."""
+    removed = 0
+    for metric, labels in PER_PAIR:
+        mine = {tuple(sample.labels[name] for name in labels)
+                for family in metric.collect() for sample in family.samples
+                if sample.labels.get("namespace") == namespace and sample.labels.get("pair") == pair}
+        for values in mine:
+            try:
+                metric.remove(*values)
+                removed += 1
+            except KeyError:   # removed meanwhile
+                pass
+    return removed

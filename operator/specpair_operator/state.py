@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from . import drift as drift_mod
@@ -17,6 +17,12 @@ from . import tls as tls_mod
 from .engine_probe import ClientTLS, EngineProbe, GrpcEngineProbe, VllmProbe
 from .kube import Kube
 from .registry import ReleaseRegistry
+
+
+def per_pair_memory() -> Any:
+    """A field of per-pair memory, keyed by the pair's uid: forgotten when the pair is deleted
+    (OperatorState.forget) and when the operator starts. Every dict of per-pair memory is one."""
+    return field(default_factory=dict, metadata={"per_pair": True})
 
 
 @dataclass
@@ -31,17 +37,17 @@ class OperatorState:
     registry: ReleaseRegistry | None = None
     probe: EngineProbe | None = None
     vllm_probe: EngineProbe = field(default_factory=VllmProbe)
-    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
-    retry_at: dict[str, float] = field(default_factory=dict)
-    backoff: dict[str, float] = field(default_factory=dict)
+    locks: dict[str, asyncio.Lock] = per_pair_memory()
+    retry_at: dict[str, float] = per_pair_memory()
+    backoff: dict[str, float] = per_pair_memory()
     # per pair: (champion version, drift.Memory: per-pod counters and open windows)
-    samples: dict[str, tuple[str, drift_mod.Memory]] = field(default_factory=dict)
+    samples: dict[str, tuple[str, drift_mod.Memory]] = per_pair_memory()
     # per pair: serving health's counters and windows (serving_health.ServingMemory)
-    serving_samples: dict[str, Any] = field(default_factory=dict)
-    canary_samples: dict[str, Any] = field(default_factory=dict)   # per pair: canary.Memory of its step
-    last_drift_check: dict[str, float] = field(default_factory=dict)
+    serving_samples: dict[str, Any] = per_pair_memory()
+    canary_samples: dict[str, Any] = per_pair_memory()   # per pair: canary.Memory of its step
+    last_drift_check: dict[str, float] = per_pair_memory()
     # per pair: the (version, categories) its specpair_release_speedup series carry
-    speedup_series: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    speedup_series: dict[str, tuple[str, tuple[str, ...]]] = per_pair_memory()
     # Mutual TLS to engine control listeners (tls.py): the CA (re-read every CA_REFRESH_S) and
     # the operator's client certificate.
     operator_namespace: str = ""
@@ -49,9 +55,9 @@ class OperatorState:
     ca_read_at: float = 0.0
     client_cert: tls_mod.KeyPair | None = None
     ca_lock: asyncio.Lock | None = None
-    tls_checked_at: dict[str, float] = field(default_factory=dict)  # per pair: its Secret last seen
+    tls_checked_at: dict[str, float] = per_pair_memory()  # per pair: its Secret last seen
     # per pair (uid): the latest body the watch delivered, for the periodic passes
-    bodies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    bodies: dict[str, dict[str, Any]] = per_pair_memory()
     periodic: asyncio.Task | None = None
     # pairs (uids) an owned Job or Deployment changed since the periodic loop last woke, and
     # its wake-up call (handlers.on_owned_event)
@@ -60,12 +66,28 @@ class OperatorState:
     # per pair: what the last pass that verified the champion read from MLflow, so its drift is
     # still judged while MLflow is down: (model, aliases, champion, tags, verdict, served hash)
     watch_cache: dict[str, tuple[str, dict[str, str], str, dict[str, str], dict[str, Any], str]] = \
-        field(default_factory=dict)
+        per_pair_memory()
     # per pair: the records (history, recorded) the last pass wrote, and until when a body that
     # does not show them is left alone
-    status_written: dict[str, tuple[str, float]] = field(default_factory=dict)
+    status_written: dict[str, tuple[str, float]] = per_pair_memory()
     # Whether KEDA's ScaledObject is served, and when that was last asked (autoscaling.py)
     keda_seen: tuple[bool, float] | None = None
+
+    def per_pair(self) -> list[dict[str, Any]]:
+        """Every per-pair memory (the fields made with per_pair_memory)."""
+        return [getattr(self, f.name) for f in fields(self) if f.metadata.get("per_pair")]
+
+    def forget(self, uid: str) -> None:
+        """A deleted pair: none of its memory stays (a pair made again later starts afresh)."""
+        for memory in self.per_pair():
+            memory.pop(uid, None)
+        self.woken.discard(uid)
+
+    def forget_all(self) -> None:
+        """A (re)started operator remembers nothing: all it needs is in the cluster and MLflow."""
+        for memory in self.per_pair():
+            memory.clear()
+        self.woken.clear()
 
 
 STATE = OperatorState()
