@@ -63,6 +63,44 @@ def make_model(tokenizer, seed: int, layers: int = 2, hidden: int = 64, heads: i
     return wrap_model(model, tokenizer, source=f"tiny-seed{seed}")
 
 
+def make_family_model(tokenizer, family: str, seed: int, layers: int = 2, hidden: int = 64,
+                      heads: int = 4, kv_heads: int = 2, dtype=torch.float32,
+                      init_std: float = 0.3, **options):
+    """A tiny random model of another family the static step runs, built from its own config
+    class: "qwen2" (q/k/v biases), "qwen3" (per-head q/k norms; head_dim given apart from the
+    hidden size, as Qwen3's own), "mistral" (a sliding window: `sliding_window` in options). The
+    norms and biases, which Hugging Face initialises to ones and zeros, are drawn at random too, so
+    a step that skipped them would change the output. `options` go to the config."""
+    from transformers import (MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
+
+    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+               "mistral": (MistralConfig, MistralForCausalLM)}
+    if family not in classes:
+        raise ValueError(f"family {family!r}: choose one of {sorted(classes)}")
+    config_class, model_class = classes[family]
+    torch.manual_seed(seed)
+    settings = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
+                    num_hidden_layers=layers, num_attention_heads=heads,
+                    num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                    max_position_embeddings=512, initializer_range=init_std,
+                    tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+                    bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if family == "mistral":
+        settings["sliding_window"] = None
+    config = config_class(**{**settings, **options})
+    model = model_class(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, init_std)
+    model = model.to(dtype)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return wrap_model(model, tokenizer, source=f"tiny-{family}-seed{seed}")
+
+
 def save_tiny(loaded, path) -> str:
     loaded.model.save_pretrained(path)
     loaded.tokenizer.save_pretrained(path)

@@ -112,7 +112,7 @@ int specpair_small_linear(const float *x, const float *const *W, float *const *y
     return 0;
 }
 
-/* ---- One Llama decoder layer for a few tokens, in one call ----------------------------------
+/* ---- One Llama-shaped decoder layer for a few tokens, in one call ----------------------------
 
    On a 2-core CPU a decode step of a 135M model spends a third of its time dispatching ~45 small
    torch operations per layer (norms, rotary embedding, cache writes, attention, activations),
@@ -122,11 +122,19 @@ int specpair_small_linear(const float *x, const float *const *W, float *const *y
    RMSNorm, SiLU-gated MLP, both residuals. Each token's result is computed in the same order
    whatever the other tokens are, as above.
 
+   The families that differ from Llama only inside attention run here too, each option NULL or 0
+   where a model lacks it: q/k/v biases (Qwen2), an RMSNorm over each head's q and k before the
+   rotary embedding (Qwen3: qn, kn [hd]), and a sliding window (Mistral, Qwen2/3 with
+   use_sliding_window): a token at position p attends keys at positions p-window+1..p, as
+   Hugging Face's sliding_window_overlay. Every option is per token, so the bitwise equality of a
+   token's result across calls holds for each.
+
    h: [T, D] residual stream, updated in place; rows/pos: [T] each token's cache row and position;
    slot: [T] the cache slot its key and value go to (NULL: its position); parent: [T] for a token
    tree, the index of the token's parent in this call, -1 where the token continues the row's
    cache contiguously (NULL: every token does: a chain);
    cos/sin: [T, hd]; kc/vc: [rows, Hkv, S, hd]; all contiguous float32 (rows, pos: int64);
+   bq/bk/bv: [H*hd]/[Hkv*hd]/[Hkv*hd] or NULL; qn/kn: [hd] or NULL; window: 0 for none;
    scratch: >= T*(2*D + 2*H*hd + 2*Hkv*hd + 2*F) + T*H*(max pos + 1) + F floats. */
 
 static void rms_norm(const float *x, const float *w, float *out, long D, float eps) {
@@ -245,14 +253,15 @@ static void run_linear(const float *x, const float *const *W, float *const *y, c
 
 #define MAX_HEAD_DIM 256
 
-/* out = inv * sum_p s[p] * v_p, keys ascending: the n0 value rows of the contiguous prefix,
-   then (a token tree) the m rows at slots anc[m-1], ..., anc[0], whose scores are s[n0..n0+m-1].
-   hd = 8 * chunks floats. The same accumulations in the same order either way. */
-static void weighted_sum(const float *s, const float *v, long n0, const long *anc, int m,
+/* out = inv * sum_p s[p] * v_p, keys ascending from position lo (0, or a sliding window's
+   first): the value rows lo..n0-1 of the contiguous prefix, then (a token tree) the m rows at
+   slots anc[m-1], ..., anc[0], whose scores are s[n0..n0+m-1]. hd = 8 * chunks floats. The
+   same accumulations in the same order either way. */
+static void weighted_sum(const float *s, const float *v, long lo, long n0, const long *anc, int m,
                          int chunks, float inv, float *out) {
     v8 acc[MAX_HEAD_DIM / 8];
     for (int c = 0; c < chunks; c++) acc[c] = (v8){0};
-    for (long p = 0; p < n0 + m; p++) {
+    for (long p = lo; p < n0 + m; p++) {
         v8 w = (v8){0} + s[p];
         const float *vp = v + (p < n0 ? p : anc[m - 1 - (p - n0)]) * chunks * 8;
         for (int c = 0; c < chunks; c++) {
@@ -292,25 +301,29 @@ static int tree_keys(const long *pos, const long *slot, const long *parent, long
    each key as dot does), which keeps a tree's verification bitwise equal to decoding. */
 static void attend_run(const float *q, const float *kc, const float *vc, float *att, float *scores,
                        const long *pos, const long *slot, const long *parent, long row, long a,
-                       long b, int hh, int H, int Hkv, int hd, long S, long L) {
+                       long b, int hh, int H, int Hkv, int hd, long S, long L, long window) {
     int j = hh / (H / Hkv), chunks = hd / 8;
-    long qd = (long)H * hd, nmax = 0;
+    long qd = (long)H * hd, nmax = 0, lomin = L;
     const float *kbase = kc + (row * Hkv + j) * S * hd, *vbase = vc + (row * Hkv + j) * S * hd;
     float scale = 1.0f / __builtin_sqrtf((float)hd);
-    long anc[MAX_TOKENS][MAX_TOKENS], n0[MAX_TOKENS];
+    long anc[MAX_TOKENS][MAX_TOKENS], n0[MAX_TOKENS], lo[MAX_TOKENS];
     int m[MAX_TOKENS];
     for (long t = a; t < b; t++) {
         m[t - a] = tree_keys(pos, slot, parent, t, anc[t - a], &n0[t - a]);
         if (n0[t - a] > nmax) nmax = n0[t - a];
+        /* the first position the token sees: 0, or its sliding window's first */
+        lo[t - a] = window > 0 && pos[t] - window + 1 > 0 ? pos[t] - window + 1 : 0;
+        if (lo[t - a] < lomin) lomin = lo[t - a];
     }
-    /* Prefix scores: four keys at a time (four independent chains), each block for every token. */
-    for (long p = 0; p < nmax; p += 4) {
+    /* Prefix scores: four keys at a time (four independent chains), each block for every token.
+       A key's score is the same whichever block or call computes it (dot4 rounds as dot). */
+    for (long p = lomin / 4 * 4; p < nmax; p += 4) {
         for (long t = a; t < b; t++) {
-            long n = n0[t - a];
+            long n = n0[t - a], first = lo[t - a] > p ? lo[t - a] : p;
             const float *qv = q + t * qd + (long)hh * hd;
             float *s = scores + (t * H + hh) * L;
-            if (p + 4 <= n) dot4(qv, kbase + p * hd, hd, s + p);
-            else for (long k = p; k < n && k < p + 4; k++) s[k] = dot(qv, kbase + k * hd, hd);
+            if (first == p && p + 4 <= n) dot4(qv, kbase + p * hd, hd, s + p);
+            else for (long k = first; k < n && k < p + 4; k++) s[k] = dot(qv, kbase + k * hd, hd);
         }
     }
     /* The rest: the token itself and its ancestors in this call, in position order. */
@@ -323,16 +336,16 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
     /* Softmax per token over its own keys. */
     float inv[MAX_TOKENS];
     for (long t = a; t < b; t++) {
-        long n = pos[t] + 1, p;
+        long n = pos[t] + 1, p, l = lo[t - a];
         float *s = scores + (t * H + hh) * L, mx = -__builtin_inff();
-        for (p = 0; p < n; p++) {
+        for (p = l; p < n; p++) {
             s[p] *= scale;
             if (s[p] > mx) mx = s[p];
         }
-        for (p = 0; p < n; p++) s[p] -= mx;
-        exp_inplace(s, n);
+        for (p = l; p < n; p++) s[p] -= mx;
+        exp_inplace(s + l, n - l);
         v8 sum8 = (v8){0};
-        for (p = 0; p + 8 <= n; p += 8) {
+        for (p = l; p + 8 <= n; p += 8) {
             v8 e;
             __builtin_memcpy(&e, s + p, sizeof e);
             sum8 += e;
@@ -345,7 +358,8 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
     for (long t = a; t < b; t++) {
         const float *s = scores + (t * H + hh) * L;
         float *out = att + t * qd + (long)hh * hd;
-        weighted_sum(s, vbase, n0[t - a], anc[t - a], m[t - a], chunks, inv[t - a], out);
+        weighted_sum(s, vbase, lo[t - a], n0[t - a], anc[t - a], m[t - a], chunks, inv[t - a],
+                     out);
     }
 }
 
@@ -357,9 +371,10 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
                          int Hkv, int hd, long F, float eps, const float *cos, const float *sin,
                          float *kc, float *vc, long S, const float *wq, const float *wk,
                          const float *wv, const float *wo, const float *wg, const float *wu,
-                         const float *wd, const float *n1, const float *n2, float *scratch,
-                         int threads) {
-    if (T < 1 || T > MAX_TOKENS || hd % 8 || hd > MAX_HEAD_DIM || H % Hkv) return -1;
+                         const float *wd, const float *n1, const float *n2, const float *bq,
+                         const float *bk, const float *bv, const float *qn, const float *kn,
+                         long window, float *scratch, int threads) {
+    if (T < 1 || T > MAX_TOKENS || hd % 8 || hd > MAX_HEAD_DIM || H % Hkv || window < 0) return -1;
     long qd = (long)H * hd, kd = (long)Hkv * hd, L = 0, reach = 0;
     for (long t = 0; t < T; t++) {
         long at = slot ? slot[t] : pos[t];
@@ -381,6 +396,14 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
         run_linear(x, Ws, ys, Os, 3, T, D, threads);
     }
     for (long t = 0; t < T; t++) {
+        float *qt = q + t * qd, *kt = k + t * kd, *vt = v + t * kd;
+        if (bq) for (long i = 0; i < qd; i++) qt[i] += bq[i];
+        if (bk) for (long i = 0; i < kd; i++) kt[i] += bk[i];
+        if (bv) for (long i = 0; i < kd; i++) vt[i] += bv[i];
+        /* Qwen3: each head's q and k normed over the head dimension, before the rotation (in
+           place: rms_norm reads all of x before it writes, and each out[i] from x[i] alone) */
+        if (qn) for (int j = 0; j < H; j++) rms_norm(qt + (long)j * hd, qn, qt + (long)j * hd, hd, eps);
+        if (kn) for (int j = 0; j < Hkv; j++) rms_norm(kt + (long)j * hd, kn, kt + (long)j * hd, hd, eps);
         rope(q + t * qd, cos + t * hd, sin + t * hd, H, hd);
         rope(k + t * kd, cos + t * hd, sin + t * hd, Hkv, hd);
         for (int j = 0; j < Hkv; j++) {
@@ -401,7 +424,7 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
         long r = task / H;
         int hh = (int)(task % H);
         attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[run_start[r]], run_start[r],
-                   run_start[r + 1], hh, H, Hkv, hd, S, L);
+                   run_start[r + 1], hh, H, Hkv, hd, S, L, window);
     }
     {
         const float *Ws[1] = {wo};

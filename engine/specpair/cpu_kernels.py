@@ -84,8 +84,9 @@ def library() -> ctypes.CDLL | None:
                                                                   ctypes.c_long, ctypes.c_int]
     lib.specpair_small_linear.restype = ctypes.c_int
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.specpair_llama_layer.argtypes = [p, p, p, p, p, ctypes.c_long, ctypes.c_long, i, i, i, ctypes.c_long,
-                                         f, p, p, p, p, ctypes.c_long] + [p] * 10 + [i]
+    lib.specpair_llama_layer.argtypes = ([p, p, p, p, p, ctypes.c_long, ctypes.c_long, i, i, i,
+                                          ctypes.c_long, f, p, p, p, p, ctypes.c_long] + [p] * 9
+                                         + [p] * 5 + [ctypes.c_long, p, i])
     lib.specpair_llama_layer.restype = ctypes.c_int
     lib.specpair_max_tokens.restype = ctypes.c_int
     lib.specpair_max_head_dim.restype = ctypes.c_int
@@ -167,16 +168,26 @@ def layer_scratch(tokens: int, dim: int, heads: int, kv_heads: int, head_dim: in
                        + tokens * heads * attend + ffn, dtype=torch.float32)
 
 
+LAYER_OPTIONS = ("bq", "bk", "bv", "qn", "kn")   # llama_layer's per-family tensors, in C's order
+
+
 def llama_layer(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, weights, eps: float,
                 heads: int, kv_heads: int, head_dim: int, attend: int | None = None,
                 scratch: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                parents: torch.Tensor | None = None) -> torch.Tensor:
+                parents: torch.Tensor | None = None, options: dict | None = None,
+                window: int | None = None) -> torch.Tensor:
     """One decoder layer through cpu_kernels.c (see specpair_llama_layer there); h [T, D] is
     updated in place and returned. Tensors: contiguous; rows/positions int64 [T]; cos/sin [T, hd].
     A token tree: `slots` (where each token's key/value is written; default its position) and
-    `parents` (int64 [T], the parent's index in this call or -1)."""
+    `parents` (int64 [T], the parent's index in this call or -1). `options`: the tensors of
+    LAYER_OPTIONS a family has (q/k/v biases: Qwen2; q/k head norms: Qwen3), contiguous float32;
+    `window`: a sliding window in positions (Mistral), None for none."""
     wq, wk, wv, wo, wg, wu, wd, n1, n2 = weights
+    options = options or {}
+    unknown = set(options) - set(LAYER_OPTIONS)
+    if unknown:
+        raise ValueError(f"llama_layer options {sorted(unknown)}: known {LAYER_OPTIONS}")
     T, D = h.shape
     F_ = wg.shape[0]
     if attend is None:
@@ -188,7 +199,9 @@ def llama_layer(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, co
         ptr(h), ptr(rows), ptr(positions), None if slots is None else ptr(slots),
         None if parents is None else ptr(parents), T, D, heads, kv_heads, head_dim, F_, eps, ptr(cos),
         ptr(sin), ptr(kc), ptr(vc), kc.shape[2], ptr(wq), ptr(wk), ptr(wv), ptr(wo), ptr(wg),
-        ptr(wu), ptr(wd), ptr(n1), ptr(n2), ptr(scratch), torch.get_num_threads())
+        ptr(wu), ptr(wd), ptr(n1), ptr(n2),
+        *[ptr(options[name]) if options.get(name) is not None else None for name in LAYER_OPTIONS],
+        window or 0, ptr(scratch), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"specpair_llama_layer refused a step of {T} tokens (code {rc})")
     return h

@@ -24,8 +24,8 @@ from specpair.drafter_choice import build_drafter
 from specpair.drafters import (Drafter, EagleDrafter, LookupFirstDrafter, MedusaDrafter, ModelDrafter,
                                RowSampling)
 from specpair.errors import SpecpairError
-from specpair.static_cache import (bucket, kv_model, resolve_compile, resolve_kv_kind,
-                                   step_description)
+from specpair.static_cache import (bucket, check_static_step, kv_model, resolve_compile,
+                                   resolve_kv_kind, step_description)
 from specpair.rejection_sampler import (greedy_verify, process_logits, rejection_sample,
                                         verify_tree)
 from specpair.stats import AcceptanceStats, AcceptanceWindow
@@ -194,6 +194,9 @@ class SpeculativeEngine:
         free now, else none): past it, rows stop drafting (Batch.add).
         """
         self.kv_kind = resolve_kv_kind(kv)
+        for loaded in (target, draft):     # a model the static step cannot run: refused or said
+            if loaded is not None:
+                check_static_step(loaded.model, kv)
         self.compile_mode = resolve_compile(compile, target.device)
         self.target = target
         self.config = speculation or SpeculationConfig()

@@ -13,8 +13,10 @@ Rows of very different widths (a request joining running rows with its whole pro
 separate forwards, each padded only to its own widest row (`width_groups`).
 
 The forward is written here over the Hugging Face model's own parameters (nothing is copied) for
-the Llama family (SmolLM2, Llama 2/3, TinyLlama, the test models); `supports()` says why another
-architecture is not, and the engine then uses kv_cache.BatchedKVModel. Two ways through a layer:
+Llama's decoder layer and the families that differ from it only inside attention (STATIC_FAMILIES:
+Llama 2/3, SmolLM2, TinyLlama; Mistral; Qwen2/2.5 with q/k/v biases; Qwen3 with per-head q/k
+norms; sliding windows in the mask); `supports()` says why another architecture is not, and the
+engine then uses kv_cache.BatchedKVModel (`check_static_step`). Two ways through a layer:
 - on the CPU in float32, a step of at most 16 tokens (decode, verify, draft at small batch): one
   call per layer into cpu_kernels.c, whose per-token arithmetic does not depend on the other
   tokens, so a token's logits are bitwise the same in a decode step and in a verification;
@@ -127,20 +129,74 @@ def cuda_graphs_wanted() -> bool:
     return value == "on"
 
 
+# The model types whose decoder layer is Llama's but for options inside attention, each read
+# from the model's own modules (StaticLlama.layer_options): Qwen2's q/k/v biases, Qwen3's RMSNorm
+# over each head's q and k before the rotary embedding, Mistral's and Qwen's sliding windows
+# (layer_windows). Their attention scales by head_dim ** -0.5 and their rotary embedding is the
+# model's own module, as Llama's.
+STATIC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def supports(model) -> str | None:
     """None when the static step can run this model; otherwise why not."""
     cfg = model.config
-    if getattr(cfg, "model_type", None) != "llama":
-        return f"model_type {getattr(cfg, 'model_type', None)!r} (static step: llama only)"
-    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-        return "attention or MLP biases"
+    family = getattr(cfg, "model_type", None)
+    if family not in STATIC_FAMILIES:
+        return f"model_type {family!r} (the static step runs {', '.join(STATIC_FAMILIES)})"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP biases"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r}"
     if getattr(cfg, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"
-    if not hasattr(getattr(model, "model", None), "rotary_emb"):
+    body = getattr(model, "model", None)
+    if not hasattr(body, "rotary_emb"):
         return "no rotary embedding module"
+    other = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(LAYER_TYPES))
+    if other:
+        return f"layer types {other} (the static step runs {', '.join(LAYER_TYPES)})"
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        return f"sliding_window {window!r}"
+    for layer in body.layers:
+        if getattr(layer.self_attn.o_proj, "bias", None) is not None:
+            return "a bias on attention's output projection (attention_bias)"
     return None
+
+
+def layer_windows(config, layers: int) -> list[int | None]:
+    """Each layer's sliding window in positions (None: full attention), as each family's
+    attention reads it: Mistral's sliding_window in every layer; Qwen2/3's in the layers their
+    layer_types marks sliding (their configs set sliding_window only with use_sliding_window). A
+    token at position p then attends positions p-window+1..p (Hugging Face's
+    sliding_window_overlay)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return [None] * layers
+    if getattr(config, "model_type", None) == "mistral":
+        return [window] * layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
+def check_static_step(model, kind: str | None = None) -> str | None:
+    """Whether `model` runs the static step under the cache kind asked for (`kind`, else
+    SPECPAIR_KV, else static): None when it does, or where the dynamic cache was asked for.
+    Otherwise the static cache asked for by name (`kind` or SPECPAIR_KV) is refused with the
+    reason, and by default the general path (kv_cache.BatchedKVModel, Hugging Face's forward,
+    3x slower a step on the CPU) serves it, said in one log line; -> the reason."""
+    if resolve_kv_kind(kind) != "static":
+        return None
+    why = supports(model)
+    if why is None:
+        return None
+    if (kind or os.environ.get("SPECPAIR_KV")) == "static":
+        raise SpecpairError(f"the static KV cache (--kv static) cannot run this model: {why}; "
+                            "--kv dynamic serves it through Hugging Face's forward")
+    log.warning("the static step cannot run %s: %s; served by the general path (Hugging Face's "
+                "forward, kv_cache.BatchedKVModel)", getattr(model.config, "model_type", "?"), why)
+    return why
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -172,14 +228,22 @@ def _rotate_half_cat(x: torch.Tensor) -> torch.Tensor:
 
 
 def _layer_step(h, cos, sin, mask, rows, positions, kc, vc, wq, wk, wv, wo, wg, wu, wd, n1, n2,
-                eps: float, heads: int, kv_heads: int, head_dim: int, kv_rows=None):
+                eps: float, heads: int, kv_heads: int, head_dim: int, kv_rows=None,
+                bq=None, bk=None, bv=None, qn=None, kn=None):
     """One decoder layer over [B, W] tokens; writes their keys/values into kc/vc [B*, Hkv, S, D].
-    The tokens belong to the cache's rows 0..B-1, or to `kv_rows` [B] when given."""
+    The tokens belong to the cache's rows 0..B-1, or to `kv_rows` [B] when given. bq/bk/bv: q, k
+    and v's biases (Qwen2); qn/kn: the norms of each head's q and k (Qwen3); a sliding window is
+    in `mask`."""
     B, W, _ = h.shape
     x = _rms_norm(h, n1, eps)
     q, k, v = cpu_kernels.linears(x, wq, wk, wv)
-    q = q.view(B, W, heads, head_dim).transpose(1, 2)
-    k = k.view(B, W, kv_heads, head_dim).transpose(1, 2)
+    if bq is not None:
+        q, k, v = q + bq, k + bk, v + bv
+    q = q.view(B, W, heads, head_dim)
+    k = k.view(B, W, kv_heads, head_dim)
+    if qn is not None:                    # over the head dimension, before the rotation
+        q, k = _rms_norm(q, qn, eps), _rms_norm(k, kn, eps)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = v.view(B, W, kv_heads, head_dim)
     q = q * cos + _rotate_half_cat(q) * sin
     k = k * cos + _rotate_half_cat(k) * sin
@@ -216,10 +280,10 @@ def _mark_sizes(rows: int, inputs, caches=()) -> None:
             torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
-def _attend(q, k_own, v_own, keys, values, positions):
-    """Attention of q [B, H, W, D] to the cache's slots before each query's position and to its
-    own key and value (k_own/v_own [B, Hkv, W, D]), taken apart: keys/values [B, Hkv, C, D],
-    positions [B, W]. A chain token's earlier keys sit at the slots before its position, and so
+def _attend(q, k_own, v_own, keys, values, positions, window: int | None = None):
+    """Attention of q [B, H, W, D] to the cache's slots before each query's position (within a
+    sliding `window` of positions, its own included, where given) and to its own key and value
+    (k_own/v_own [B, Hkv, W, D]), taken apart: keys/values [B, Hkv, C, D], positions [B, W]. A chain token's earlier keys sit at the slots before its position, and so
     do a tree sibling's (its ancestors are chain tokens); only its own key is elsewhere. Summed
     apart, the own key enters every softmax and every product the same way wherever it was
     written, so a sibling's logits equal the one-token step's bitwise. Scores and softmax in
@@ -230,8 +294,10 @@ def _attend(q, k_own, v_own, keys, values, positions):
     scale = D ** -0.5
     grouped = q.reshape(B, kv_heads, G * W, D)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).float().view(B, kv_heads, G, W, C)
-    before = (torch.arange(C, device=q.device).view(1, 1, 1, 1, C)
-              < positions.view(B, 1, 1, W, 1))
+    slots, at = torch.arange(C, device=q.device).view(1, 1, 1, 1, C), positions.view(B, 1, 1, W, 1)
+    before = slots < at
+    if window is not None:
+        before = before & (slots > at - window)
     scores = scores.masked_fill(~before, float("-inf")) * scale
     own = (q.float().view(B, kv_heads, G, W, D) * k_own.float().unsqueeze(2)).sum(-1) * scale
     top = torch.maximum(scores.amax(-1), own)                 # finite: the own score always is
@@ -246,17 +312,23 @@ def _attend(q, k_own, v_own, keys, values, positions):
 
 def _fixed_layer(h, cos, sin, rows, positions, slots, kc, vc, wqkv, wo, wgu, wd, n1, n2,
                  eps: float, heads: int, kv_heads: int, head_dim: int, kv_rows=None,
-                 reach: int | None = None):
+                 reach: int | None = None, bqkv=None, qn=None, kn=None,
+                 window: int | None = None):
     """One decoder layer of the fixed step over [B, W] tokens: keys/values written at `slots`
     of the cache rows `rows` [B, W], attention by `_attend` over the cache's rows 0..B-1 (or
     `kv_rows`) and its whole capacity (or its first `reach` slots: a prefill run apart).
-    wqkv: q, k and v's weights joined; wgu: gate's and up's (`StaticLlama.fixed_weights`)."""
+    wqkv: q, k and v's weights joined; wgu: gate's and up's (`StaticLlama.fixed_weights`);
+    bqkv: their biases joined (Qwen2); qn/kn: each head's q and k norms (Qwen3); window: a
+    sliding window in positions (Mistral)."""
     B, W, _ = h.shape
     x = _rms_norm(h, n1, eps)
-    q, k, v = F.linear(x, wqkv).split([heads * head_dim, kv_heads * head_dim,
-                                        kv_heads * head_dim], dim=-1)
-    q = q.reshape(B, W, heads, head_dim).transpose(1, 2)
-    k = k.reshape(B, W, kv_heads, head_dim).transpose(1, 2)
+    q, k, v = F.linear(x, wqkv, bqkv).split([heads * head_dim, kv_heads * head_dim,
+                                              kv_heads * head_dim], dim=-1)
+    q = q.reshape(B, W, heads, head_dim)
+    k = k.reshape(B, W, kv_heads, head_dim)
+    if qn is not None:                    # over the head dimension, before the rotation
+        q, k = _rms_norm(q, qn, eps), _rms_norm(k, kn, eps)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = v.reshape(B, W, kv_heads, head_dim).transpose(1, 2)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
@@ -265,11 +337,27 @@ def _fixed_layer(h, cos, sin, rows, positions, slots, kc, vc, wqkv, wo, wgu, wd,
     keys, values = (kc, vc) if reach is None else (kc[:, :, :reach], vc[:, :, :reach])
     if kv_rows is not None:      # a copy of these rows' first `reach` slots, not their capacity
         keys, values = keys[kv_rows], values[kv_rows]
-    att = _attend(q, k, v, keys, values, positions)
+    att = _attend(q, k, v, keys, values, positions, window)
     h = h + F.linear(att.transpose(1, 2).reshape(B, W, heads * head_dim), wo)
     x = _rms_norm(h, n2, eps)
     gate, up = F.linear(x, wgu).chunk(2, dim=-1)
     return h + F.linear(F.silu(gate) * up, wd)
+
+
+def _join_biases(*linears) -> torch.Tensor | None:
+    """The biases of these linear layers joined as `_join` joins their weights (each bias made a
+    view into it), or None where none has one (zeros stand in for a missing one)."""
+    if all(linear.bias is None for linear in linears):
+        return None
+    joined = torch.cat([linear.weight.new_zeros(linear.weight.shape[0]) if linear.bias is None
+                        else linear.bias.detach() for linear in linears])
+    at = 0
+    for linear in linears:
+        n = linear.weight.shape[0]
+        if linear.bias is not None:
+            linear.bias.data = joined[at:at + n]
+        at += n
+    return joined
 
 
 def _join(*linears) -> torch.Tensor:
@@ -508,7 +596,8 @@ class CacheLease:
 
 
 class StaticLlama:
-    """The step function over one Llama model's weights (shared by every batch of that model)."""
+    """The step function over one Llama-shaped model's weights (STATIC_FAMILIES; shared by every
+    batch of that model)."""
 
     _by_model: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -530,13 +619,14 @@ class StaticLlama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.eps = float(cfg.rms_norm_eps)
         self.layer_count = len(model.model.layers)
+        self.windows = layer_windows(cfg, self.layer_count)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         if self.device.type == "cpu":
             cpu_kernels.available()
         # The C layer reads raw pointers: every weight it is handed must be dense.
         self.dense = all(w.is_contiguous() for layer in model.model.layers
-                         for w in self.layer_weights(layer))
+                         for w in (*self.layer_weights(layer), *self.layer_options(layer).values()))
         self.shelf = CacheShelf()
         self._fixed_weights: list | None = None
 
@@ -549,15 +639,20 @@ class StaticLlama:
         and 7.07 ms to 6.76). Joined on first use, so a model
         that never runs the fixed step keeps its weights as loaded."""
         q = self.model.model.layers[0].self_attn.q_proj.weight
-        if self._fixed_weights is None or q.data_ptr() != self._fixed_weights[0][0].data_ptr():
+        if self._fixed_weights is None or q.data_ptr() != self._fixed_weights[0][0][0].data_ptr():
             # (again where the model's weights were replaced since: moved, reloaded)
             weights = []
-            for layer in self.model.model.layers:
+            for layer, window in zip(self.model.model.layers, self.windows):
                 a, m = layer.self_attn, layer.mlp
-                weights.append((_join(a.q_proj, a.k_proj, a.v_proj), a.o_proj.weight,
-                                _join(m.gate_proj, m.up_proj), m.down_proj.weight,
-                                layer.input_layernorm.weight,
-                                layer.post_attention_layernorm.weight))
+                # A family's options only where it has them: a Llama layer's call stays as it was.
+                options = {"bqkv": _join_biases(a.q_proj, a.k_proj, a.v_proj), "window": window,
+                           "qn": getattr(getattr(a, "q_norm", None), "weight", None),
+                           "kn": getattr(getattr(a, "k_norm", None), "weight", None)}
+                weights.append(((_join(a.q_proj, a.k_proj, a.v_proj), a.o_proj.weight,
+                                 _join(m.gate_proj, m.up_proj), m.down_proj.weight,
+                                 layer.input_layernorm.weight,
+                                 layer.post_attention_layernorm.weight),
+                                {name: v for name, v in options.items() if v is not None}))
             self._fixed_weights = weights
         return self._fixed_weights
 
@@ -566,6 +661,16 @@ class StaticLlama:
         return (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
                 m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+
+    @staticmethod
+    def layer_options(layer) -> dict:
+        """The layer's tensors beyond Llama's (cpu_kernels.LAYER_OPTIONS), only those it has:
+        q/k/v biases (Qwen2), the norms of each head's q and k (Qwen3)."""
+        a = layer.self_attn
+        options = {"bq": a.q_proj.bias, "bk": a.k_proj.bias, "bv": a.v_proj.bias,
+                   "qn": getattr(getattr(a, "q_norm", None), "weight", None),
+                   "kn": getattr(getattr(a, "k_norm", None), "weight", None)}
+        return {name: t.detach() for name, t in options.items() if t is not None}
 
     @torch.no_grad()
     def run_layers(self, h, positions, caches, attend: int, compiled: bool,
@@ -600,22 +705,28 @@ class StaticLlama:
             scratch = cpu_kernels.layer_scratch(
                 B * W, flat.shape[1], self.heads, self.kv_heads, self.head_dim,
                 body.layers[0].mlp.gate_proj.weight.shape[0], reach)
-            for layer, (kc, vc) in zip(body.layers, caches):
+            for layer, (kc, vc), window in zip(body.layers, caches, self.windows):
                 cpu_kernels.llama_layer(flat, rows_t, pos_t, cos_t, sin_t, kc, vc,
                                         self.layer_weights(layer), self.eps, self.heads,
                                         self.kv_heads, self.head_dim, reach, scratch,
-                                        slots=slots_t, parents=parents_t)
+                                        slots=slots_t, parents=parents_t,
+                                        options=self.layer_options(layer), window=window)
             return flat.view(B, W, -1)
         keys = torch.arange(attend, device=self.device).view(1, 1, 1, attend)
         if tree is None:
             mask = keys <= positions.view(B, 1, W, 1)                         # causal, by position
         else:
             mask = tree.mask(attend).to(self.device)
+        # A sliding window: the slots past each token's position minus the window (a chain's slot
+        # is its position; a tree's tokens past the prefix sit at slots past their positions).
+        masks = {window: mask if window is None else mask & (keys > positions.view(B, 1, W, 1)
+                                                             - window)
+                 for window in set(self.windows)}
         step = _compiled_step() if compiled else _layer_step
-        for layer, (kc, vc) in zip(body.layers, caches):
-            h = step(h, cos, sin, mask, rows, slots, kc, vc, *self.layer_weights(layer),
+        for layer, (kc, vc), window in zip(body.layers, caches, self.windows):
+            h = step(h, cos, sin, masks[window], rows, slots, kc, vc, *self.layer_weights(layer),
                      eps=self.eps, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                     kv_rows=kv_rows)
+                     kv_rows=kv_rows, **self.layer_options(layer))
         return h
 
     def fixed_layers(self, h, positions, slots, caches, kv_rows=None, reach: int | None = None,
@@ -636,12 +747,12 @@ class StaticLlama:
         if compiled:
             _mark_sizes(B, [cos, sin, rows, positions, slots] + ([] if kv_rows is None else [kv_rows]),
                         [t for pair in caches for t in pair])
-        for weights, (kc, vc) in zip(self.fixed_weights(), caches):
+        for (weights, options), (kc, vc) in zip(self.fixed_weights(), caches):
             if compiled:
                 _mark_sizes(B, [h])
             h = layer_step(h, cos, sin, rows, positions, slots, kc, vc, *weights,
                            eps=self.eps, heads=self.heads, kv_heads=self.kv_heads,
-                           head_dim=self.head_dim, kv_rows=kv_rows, reach=reach)
+                           head_dim=self.head_dim, kv_rows=kv_rows, reach=reach, **options)
         return h
 
     def fixed_step(self, ids, positions, slots, caches, compiled: bool = False,
