@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from specpair.config import KV_BUDGET_CUDA_FREE_FRACTION, NGRAM_MAX, NGRAM_MIN, SpeculationConfig
+from specpair.config import KV_BUDGET_HELP, NGRAM_MAX, NGRAM_MIN, SpeculationConfig, kv_budget_flag
 from specpair.errors import SpecpairError
 
 
@@ -57,11 +57,7 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", choices=["off", "on"], default=None,
                    help="compile the static step with torch.compile (warmed at start). "
                         "Default: SPECPAIR_COMPILE, else on for CUDA (CUDA graphs), off on the CPU")
-    p.add_argument("--kv-budget", default=None,
-                   help="keys and values the engine may hold: target tokens (4096) or bytes with a "
-                        "unit (512MiB); past it, rows stop drafting, newest first. Default: "
-                        f"SPECPAIR_KV_BUDGET, else on CUDA {KV_BUDGET_CUDA_FREE_FRACTION:g} of the memory "
-                        "free at start, else none")
+    p.add_argument("--kv-budget", type=kv_budget_flag, default=None, help=KV_BUDGET_HELP)
 
 
 def pair_from_flags(args, *, speculate: bool = True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import asdict, dataclass, field
 
 from specpair.errors import SpecpairError
@@ -46,6 +47,24 @@ def parse_kv_budget(value: str | int) -> tuple[int, str]:
     if amount <= 0:
         raise SpecpairError(f"KV budget must be > 0, got {value!r}")
     return amount, unit
+
+
+# The --kv-budget flag's help, for every command that takes it (`specpair generate`/`bench`,
+# `specpair engine serve`): the default it names is resolved in one place,
+# SpeculativeEngine.resolve_kv_budget.
+KV_BUDGET_HELP = ("keys and values the engine may hold: target tokens (4096) or bytes with a unit (512MiB); "
+                  f"past it, rows stop drafting, newest first. Default: {KV_BUDGET_ENV}, else on CUDA "
+                  f"{KV_BUDGET_CUDA_FREE_FRACTION:g} of the memory free at start, else none")
+
+
+def kv_budget_flag(value: str) -> str:
+    """argparse `type` of --kv-budget: the setting as given, once parse_kv_budget accepts it (a
+    bad value stops the command before any model loads, in parse_kv_budget's words)."""
+    try:
+        parse_kv_budget(value)
+    except SpecpairError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 MAX_TREE_WIDTH = 4   # candidates per position: 1 + k * width tokens a verification, and the CPU

@@ -59,7 +59,7 @@ def test_serve_and_generate_commands(tiny_pair, tmp_path):
     port = _free_port()
     cmd = [sys.executable, "-m", "specpair.server", "engine", "serve", "--target", target_dir, "--draft", draft_dir,
            "--pair", "cli-pair", "--version", "3", "--host", "127.0.0.1", "--port", str(port),
-           "--metrics-port", "-1", "--insecure", "--device", "cpu"]
+           "--metrics-port", "-1", "--insecure", "--device", "cpu", "--kv-budget", "4096"]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -96,6 +96,7 @@ def test_serve_and_generate_commands(tiny_pair, tmp_path):
         assert server.wait(30) == 0
         log = server.stdout.read()
         assert "loading target" in log and "warm-up step" in log and "serving on" in log and "draining" in log
+        assert "KV budget" in log and "(4096 target tokens)" in log    # --kv-budget reached the engine
         assert "stopped (0 in-flight requests finished while draining, 0 ended by the drain timeout)" in log
     finally:
         if server.poll() is None:
@@ -143,3 +144,31 @@ def test_the_token_flag_and_its_old_name_and_the_read_timeout(tmp_path):
                          (("--http-read-timeout", "0"), "must be > 0")):
         with pytest.raises(SpecpairError, match=words):
             _serve_options(*flags)
+
+
+def test_the_kv_budget_flag_is_read_as_the_environment_variable_is():
+    """--kv-budget takes what SPECPAIR_KV_BUDGET takes, into the pair the server loads, with or
+    without a release; a bad value stops the command before anything loads, in the same words."""
+    import argparse
+
+    from specpair.config import Release, parse_kv_budget
+    from specpair.server.cli import add_engine_parser, served_pair
+    parser = argparse.ArgumentParser()
+    add_engine_parser(parser.add_subparsers())
+
+    def args(*flags):
+        return parser.parse_args(["engine", "serve", "--insecure", *flags])
+    for given, parsed in (("4096", (4096, "tokens")), ("2GiB", (2 << 30, "bytes")), ("1.5GB", (1_500_000_000, "bytes"))):
+        assert served_pair(args("--kv-budget", given), None, "cpu").kv_budget == given
+        assert parse_kv_budget(given) == parsed
+    assert served_pair(args(), None, "cpu").kv_budget is None
+    release = Release.from_dict({"target": {"source": "default"}, "draft": {"drafter": "ngram"}, "pair": "p"})
+    assert served_pair(args("--kv-budget", "2GiB"), release, "cpu").kv_budget == "2GiB"
+    for bad in ("12XB", "0", "-5MiB", "lots"):
+        out = subprocess.run([sys.executable, "-m", "specpair.server", "engine", "serve", "--insecure",
+                              f"--kv-budget={bad}"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, bad
+        assert "argument --kv-budget: KV budget" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    help_text = subprocess.run([sys.executable, "-m", "specpair.server", "engine", "serve", "--help"],
+                               capture_output=True, text=True, timeout=60).stdout
+    assert "--kv-budget BUDGET" in help_text and "SPECPAIR_KV_BUDGET" in help_text

@@ -18,7 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-from specpair.config import ModelRef, PairSpec, Release, SpeculationConfig
+from specpair.config import KV_BUDGET_HELP, ModelRef, PairSpec, Release, SpeculationConfig, kv_budget_flag
 from specpair.errors import SpecpairError
 from specpair.shadow_flags import add_shadow_arguments, attach_shadow_from_args
 
@@ -116,6 +116,7 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     limits = serve.add_argument_group("limits")
     limits.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
     limits.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch")
+    limits.add_argument("--kv-budget", type=kv_budget_flag, default=None, metavar="BUDGET", help=KV_BUDGET_HELP)
     limits.add_argument("--max-new-tokens-limit", type=int, default=1024)
     limits.add_argument("--max-request-bytes", type=int, default=1 << 20)
     limits.add_argument("--drain-timeout", type=float, default=30.0,
@@ -169,8 +170,10 @@ def default_batch_size_threshold(device_type: str) -> int:
 def served_pair(args, release: Release | None, device_type: str) -> PairSpec:
     """What the engine serves: a release's pair and speculation settings when it serves one (read
     as the gate read them for its verdict; of the pair's flags only --no-spec applies), else the
-    flags. Either way the flags say how this process runs it (device, dtype, on a mismatch)."""
-    runtime = {"device": args.device, "dtype": args.dtype, "on_mismatch": args.on_mismatch}
+    flags. Either way the flags say how this process runs it (device, dtype, on a mismatch, the KV
+    budget)."""
+    runtime = {"device": args.device, "dtype": args.dtype, "on_mismatch": args.on_mismatch,
+               "kv_budget": args.kv_budget}
     if release is not None:
         pair = dataclasses.replace(release.pair, **runtime)
     else:
