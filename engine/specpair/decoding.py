@@ -24,6 +24,7 @@ from specpair.drafter_choice import build_drafter
 from specpair.drafters import (Drafter, EagleDrafter, LookupFirstDrafter, MedusaDrafter, ModelDrafter,
                                RowSampling)
 from specpair.errors import SpecpairError
+from specpair.prefix_cache import PrefixStats, PrefixStore, capacity_bytes, resolve_mode
 from specpair.static_cache import (bucket, check_static_step, kv_model, resolve_compile,
                                    resolve_kv_kind, step_description)
 from specpair.rejection_sampler import (greedy_verify, process_logits, rejection_sample,
@@ -104,6 +105,11 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None   # the text not yet streamed
     memory: tuple[int, int] = (0, 0)    # KV bytes: its own, speculation's (engine.row_memory)
     memory_target_only: bool = False    # not drafting until the KV budget has room for it
+    cached_tokens: int = 0              # prompt tokens whose target keys came from the prefix store
+    # Per cache of Batch.prefix_caches: the prompt's block names, and whether its blocks are
+    # stored yet (once the cache holds the whole prompt).
+    prefix_keys: list[list[bytes]] = field(default_factory=list)
+    prefix_saved: list[bool] = field(default_factory=list)
     # Streamed pieces, joined once at the end: appending to one string copies it every step.
     pieces: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
@@ -134,10 +140,12 @@ class GenerationResult:
     stats: AcceptanceStats
     seconds: float
     time_to_first_token: float
+    cached_tokens: int = 0       # prompt tokens served from the prefix store
 
     def to_dict(self) -> dict:
         return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
                 "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
                 "completion_tokens": len(self.token_ids), "seconds": round(self.seconds, 6),
                 "time_to_first_token": round(self.time_to_first_token, 6),
                 **self.stats.to_dict()}
@@ -180,7 +188,8 @@ class SpeculativeEngine:
                  on_mismatch: str = "error", check_tokenizers: bool = True,
                  kv: str | None = None, compile: str | None = None,
                  kv_budget: str | int | None = None,
-                 ngram: tuple[int, int] = (NGRAM_MAX, NGRAM_MIN)):
+                 ngram: tuple[int, int] = (NGRAM_MAX, NGRAM_MIN),
+                 prefix_cache: str | None = None):
         """target/draft: LoadedModel. drafter: a Drafter, or a model-free one by name ("ngram",
         matching `ngram` = (longest, shortest) tokens); built from `draft` when not given
         (drafter_choice.build_drafter).
@@ -191,7 +200,9 @@ class SpeculativeEngine:
         the static step with torch.compile and warms it here. Defaults: SPECPAIR_KV,
         SPECPAIR_COMPILE (static_cache.py). kv_budget: the keys and values the engine may hold
         (config.parse_kv_budget; default SPECPAIR_KV_BUDGET, else on CUDA a share of the memory
-        free now, else none): past it, rows stop drafting (Batch.add).
+        free now, else none): past it, rows stop drafting (Batch.add). prefix_cache: "on" keeps
+        the keys and values of prompts' full blocks and serves the next prompt that begins with
+        them (prefix_cache.py; default SPECPAIR_PREFIX_CACHE, else on).
         """
         self.kv_kind = resolve_kv_kind(kv)
         for loaded in (target, draft):     # a model the static step cannot run: refused or said
@@ -225,6 +236,11 @@ class SpeculativeEngine:
         self._draft_kv = kv_bytes_per_token(cache_model) if cache_model is not None else 0
         self.kv_budget = self.resolve_kv_budget(kv_budget)    # bytes; None: no budget
         self.memory_fallbacks = 0     # rows that stopped drafting to fit the budget, ever
+        # One store for the target's and a draft model's blocks, named under each one's identity,
+        # within one share of the KV budget (prefix_cache.capacity_bytes).
+        self.prefix_store = (PrefixStore(capacity_bytes(self.kv_budget))
+                             if resolve_mode(prefix_cache) == "on" else None)
+        self.prefix_stats = PrefixStats()     # the target's prompt tokens: looked up, served
         if self.kv_budget is not None:
             log.info("KV budget %d bytes (%d target tokens)", self.kv_budget,
                      self.kv_budget // self._target_kv)
@@ -389,6 +405,18 @@ class SpeculativeEngine:
     def new_batch(self) -> "Batch":
         return Batch(self)
 
+    def prefix_caches(self, target_kv, drafter: Drafter | None) -> list[tuple[str, object]]:
+        """(identity, cache) of each of a batch's caches the prefix store serves: the target's,
+        and a draft model's. None where a drafter wants features: a head must see the target's
+        features of every prompt token, which a prompt served from the store never computes."""
+        if (self.prefix_store is None or not target_kv.reuses_prefixes
+                or (drafter is not None and drafter.wants_features)):
+            return []
+        caches = [(f"target {sorted(self.target.identity().items())}", target_kv)]
+        if isinstance(drafter, ModelDrafter) and drafter.kv.reuses_prefixes:
+            caches.append((f"draft {sorted(drafter.loaded.identity().items())}", drafter.kv))
+        return caches
+
     def generate(self, prompts: list, params: GenerationParams | list[GenerationParams] | None = None,
                  *, chat: bool = False, speculate: bool = True) -> list[GenerationResult]:
         """Run prompts as one batch to completion (greedy unless params say otherwise)."""
@@ -422,6 +450,7 @@ class Batch:
         self.last_k = 0
         self.timing = StepTiming()
         self._row_sampling: RowSampling | None = None     # for these rows; None once they change
+        self.prefix_caches = engine.prefix_caches(self.target, self.drafter)
 
     @property
     def active(self) -> int:
@@ -448,8 +477,40 @@ class Batch:
         self.target.add_rows(1)
         if self.drafter is not None:
             self.drafter.add_rows(1)
+        self._load_prefix(seq)
         self._fit_kv_budget(seq)
         return seq
+
+    # -- prefix reuse (prefix_cache.py) ---------------------------------------------------------
+
+    def _load_prefix(self, seq: Sequence) -> None:
+        """The new (last) row's caches take the longest stored run of its prompt's blocks; the
+        prefill then feeds only the rest (every feed starts at the cache's length)."""
+        store, row = self.engine.prefix_store, len(self.rows) - 1
+        for n, (identity, kv) in enumerate(self.prefix_caches):
+            keys = store.keys(identity, seq.prompt_ids)
+            held = kv.load_blocks(row, store.lookup(keys, len(seq.prompt_ids)))
+            seq.prefix_keys.append(keys)
+            seq.prefix_saved.append(False)
+            if n == 0:
+                seq.cached_tokens = held
+                self.engine.prefix_stats.looked_up += len(seq.prompt_ids)
+                self.engine.prefix_stats.served += held
+
+    def _save_prefixes(self) -> None:
+        """Store the full prompt blocks the store lacks, of each cache that now holds a row's
+        whole prompt (the target after the row's first step, a draft model after its first
+        draft)."""
+        store = self.engine.prefix_store
+        for i, seq in enumerate(self.rows):
+            for n, (_, kv) in enumerate(self.prefix_caches):
+                if seq.prefix_saved[n] or kv.lengths[i] < len(seq.prompt_ids):
+                    continue
+                keys = seq.prefix_keys[n]
+                missing = store.missing(keys)
+                blocks = kv.read_blocks(i, [b * store.block for b in missing], store.block)
+                store.insert(keys, {b: (block, block.nbytes) for b, block in zip(missing, blocks)})
+                seq.prefix_saved[n] = True
 
     # -- the KV budget -------------------------------------------------------------------------
 
@@ -592,6 +653,8 @@ class Batch:
         shadow = getattr(eng, "shadow", None)
         if shadow is not None:   # a candidate drafter scored on what was just committed; it only reads
             shadow.observe(self, committed, self.first_logits, sampling, drafts, num, q, accepted_l)
+        if self.prefix_caches:
+            self._save_prefixes()
         self.target.trim()
         if self.drafter is not None:
             self.drafter.trim()
@@ -842,7 +905,8 @@ class Batch:
             request_id=seq.request_id, text=seq.emitted_text, token_ids=seq.generated,
             finish_reason=seq.finish_reason or "cancelled", prompt_tokens=len(seq.prompt_ids),
             stats=seq.stats, seconds=end - seq.started,
-            time_to_first_token=(seq.first_token_at or end) - seq.started)
+            time_to_first_token=(seq.first_token_at or end) - seq.started,
+            cached_tokens=seq.cached_tokens)
 
 
 def encode_prompt(tok, prompt: str | list[dict], chat: bool = False) -> list[int]:

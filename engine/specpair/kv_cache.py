@@ -20,6 +20,11 @@ from transformers import DynamicCache
 class BatchedKVModel:
     """A causal LM plus its batched cache, mask and per-row token bookkeeping."""
 
+    # Rows are right-aligned into columns shared by the batch: a new row's prompt cannot begin
+    # at stored keys and values without moving every row, so prompts are always prefilled here
+    # (prefix_cache.py serves the static cache).
+    reuses_prefixes = False
+
     def __init__(self, model, vocab_size: int | None = None):
         self.model = model
         self.device = next(model.parameters()).device

@@ -1398,6 +1398,38 @@ class StaticKVModel:
         self.lengths += [0] * count
         self._reserve(len(self.lengths), self.capacity[1])
 
+    # -- prefix reuse (prefix_cache.py) ---------------------------------------------------------
+
+    reuses_prefixes = True
+
+    def read_blocks(self, row: int, starts: list[int], width: int) -> list[torch.Tensor]:
+        """Copies of `row`'s keys and values at slots start..start+width-1, for each start: one
+        tensor [layers, 2, kv heads, width, head dim] a block (what the prefix store keeps)."""
+        if not starts:
+            return []
+        lo, hi = min(starts), max(starts) + width
+        if hi > self.lengths[row]:
+            raise ValueError(f"row {row} holds {self.lengths[row]} positions, not {hi}")
+        span = torch.stack([torch.stack((k[row, :, lo:hi], v[row, :, lo:hi]))
+                            for k, v in self.caches])
+        return [span[:, :, :, s - lo:s - lo + width].clone() for s in starts]
+
+    def load_blocks(self, row: int, blocks: list[torch.Tensor]) -> int:
+        """Write consecutive blocks (read_blocks' tensors) at an empty row's first slots; the row
+        then holds them as if its prompt's first tokens had been fed. -> positions now held."""
+        if self.lengths[row]:
+            raise ValueError(f"row {row} already holds {self.lengths[row]} positions")
+        if not blocks:
+            return 0
+        span = torch.cat(blocks, dim=3).to(self.device)
+        n = int(span.shape[3])
+        self._reserve(self.batch_size, n + (self.token_bucket if self.fixed else 0))
+        for layer, (kc, vc) in enumerate(self.caches):
+            kc[row, :, :n] = span[layer, 0]
+            vc[row, :, :n] = span[layer, 1]
+        self.lengths[row] = n
+        return n
+
 
 def kv_model(model, vocab_size: int | None = None, kind: str | None = None,
              compile: str | None = None, token_bucket: int | None = None):
