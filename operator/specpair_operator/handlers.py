@@ -5,6 +5,7 @@ watch that keeps each pair's latest body, and the periodic loop; each pass is a 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -28,6 +29,37 @@ GROUP, VERSION, PLURAL = "specpair.io", "v1alpha1", "specmodelpairs"
 STALE_BODY_S = 10.0
 
 
+# Kopf's last-handled configuration (the pair's spec, to tell an update from a resumption) is kept
+# as it is up to this size, and above it as a digest: a spec that weighs more than an object's
+# annotations may hold (256 KiB) would make every write of the annotation, and the status Kopf
+# writes with it, a 422, again and again. A pair that large is refused by validation anyway
+# (MAX_SPEC_BYTES); this keeps that refusal writable.
+DIFFBASE_INLINE_BYTES = 64 * 1024
+DIFFBASE_DIGEST = "specpair.io/essence-sha256"
+
+
+def _essence_digest(essence: Any) -> str:
+    return hashlib.sha256(json.dumps(essence, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class BoundedDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """Kopf's annotation storage, with a large essence stored as its digest: on reading it back,
+    the current essence if it has that digest (nothing changed), else an empty one (changed; the
+    old one is not known, and the handlers use no diff)."""
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: Any) -> None:
+        if len(json.dumps(essence, separators=(",", ":")).encode()) > DIFFBASE_INLINE_BYTES:
+            essence = {DIFFBASE_DIGEST: _essence_digest(essence)}
+        super().store(body=body, patch=patch, essence=essence)
+
+    def fetch(self, *, body: kopf.Body) -> Any:
+        stored = super().fetch(body=body)
+        if isinstance(stored, dict) and DIFFBASE_DIGEST in stored:
+            current = self.build(body=body)
+            return current if _essence_digest(current) == stored[DIFFBASE_DIGEST] else {}
+        return stored
+
+
 def reconcile_interval() -> float:
     return float(os.environ.get("SPECPAIR_RECONCILE_INTERVAL", "10"))
 
@@ -36,8 +68,7 @@ def reconcile_interval() -> float:
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Annotations, not status: status belongs to the CRD's documented fields.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="specpair.io")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="specpair.io", key="last-handled-configuration")
+    settings.persistence.diffbase_storage = BoundedDiffBaseStorage(prefix="specpair.io", key="last-handled-configuration")
     settings.posting.level = logging.INFO
     # No cluster-wide watching of CRDs and namespaces: the chart installs the CRD before the
     # operator starts and names the namespaces, so the least-privilege RBAC needs neither.

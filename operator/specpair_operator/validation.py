@@ -174,10 +174,34 @@ def _type_ok(kind: str | None, value: Any) -> bool:
     }.get(kind, True)
 
 
+# The most a pair's spec may weigh, serialized as JSON. An object's annotations may hold 256 KiB
+# in all (Kubernetes' limit), and the spec, golden prompts and all, lands in them more than once:
+# kubectl apply's last-applied-configuration on the pair, the release (prompts included) on each
+# gate and engine pod template, twice while a candidate is scored in shadow. A spec above this
+# would be refused (422) on one of those writes, again at every pass; so it is refused up front.
+# The CRD bounds the prompts one by one (gating.prompts: maxItems, each prompt's maxLength).
+MAX_SPEC_BYTES = 96 * 1024
+
+
+def spec_size_refusals(spec: Any) -> list[str]:
+    """The spec's size as a violation (empty: it fits MAX_SPEC_BYTES)."""
+    size = len(json.dumps(spec, separators=(",", ":"), ensure_ascii=False).encode())
+    if size <= MAX_SPEC_BYTES:
+        return []
+    prompts = _obj(spec, "gating").get("prompts") if isinstance(spec, dict) else None
+    inline = len(json.dumps(prompts, separators=(",", ":"), ensure_ascii=False).encode()) \
+        if isinstance(prompts, list) else 0
+    return [f"spec: Too long: the spec is {size} bytes serialized ({inline} of them inline golden prompts), "
+            f"at most {MAX_SPEC_BYTES}: it is carried in annotations (kubectl's last-applied-configuration, "
+            f"the release on gate and engine pods), which Kubernetes caps at 256 KiB per object; "
+            f"gate on fewer or shorter golden prompts"]
+
+
 def validate_spec(spec: Any) -> list[str]:
     """Every violation, each as the API server words it (empty: valid)."""
     errors: list[str] = []
     _check(spec, spec_schema(), "spec", errors)
+    errors += spec_size_refusals(spec)
     from .autoscaling import spec_refusals  # autoscaling imports this module: imported at the call
     errors += spec_refusals(spec) if not errors else []  # an autoscaling metric the pair's engine cannot export
     return errors
