@@ -367,6 +367,29 @@ def engine_command(release: dict[str, Any], port: int, http_port: int = HTTP_POR
 
 def gpus_per_pod(release: dict[str, Any]) -> int:
     """The GPUs one engine (or gate) pod of the release uses: tensor x pipeline parallel size."""
+# rollout.kvBudget's quantity suffixes (the CRD's pattern) as the engine's --kv-budget units: the
+# engine reads a bare number as a count of target tokens, the CRD's as bytes.
+KV_BUDGET_UNITS = {"": "B", "k": "KB", "M": "MB", "G": "GB", "T": "TB",
+                   "Ki": "KiB", "Mi": "MiB", "Gi": "GiB", "Ti": "TiB"}
+
+
+def kv_budget_flag(quantity: int | str) -> str:
+    """rollout.kvBudget (bytes: an integer or "2Gi", "512Mi", "4G") as the engine's --kv-budget."""
+    text = str(quantity)
+    digits = text.rstrip("".join(set("".join(KV_BUDGET_UNITS))))
+    return digits + KV_BUDGET_UNITS[text[len(digits):]]
+
+
+def engine_limit_flags(rollout: dict[str, Any]) -> list[str]:
+    """rollout.kvBudget and rollout.maxBatchSize as `specpair engine serve` flags; absent, the
+    engine's own defaults (none passed)."""
+    flags = []
+    if rollout.get("kvBudget") is not None:
+        flags += ["--kv-budget", kv_budget_flag(rollout["kvBudget"])]
+    if rollout.get("maxBatchSize") is not None:
+        flags += ["--max-batch-size", str(int(rollout["maxBatchSize"]))]
+    return flags
+
     split = parallelism(release)
     return split["tensor"] * split["pipeline"]
 
@@ -434,7 +457,7 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
         "name": "engine",
         "image": engine_image(release, rollout),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
-        "command": engine_command(release, port, http_port, control_port, tls),
+        "command": engine_command(release, port, http_port, control_port, tls) + engine_limit_flags(rollout),
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
                   {"name": "control", "containerPort": control_port, "protocol": "TCP"},

@@ -183,6 +183,20 @@ def _type_ok(kind: str | None, value: Any) -> bool:
 MAX_SPEC_BYTES = 96 * 1024
 
 
+def _engine_limit_rules() -> dict[str, Callable[[Any], bool]]:
+    """rollout.kvBudget and rollout.maxBatchSize (the specpair engine's --kv-budget and
+    --max-batch-size, manifests.engine_limit_flags): their CEL rules, as Python."""
+    return {
+        "!has(self.engine) || self.engine != 'vllm' || !has(self.rollout) || "
+        "(!has(self.rollout.kvBudget) && !has(self.rollout.maxBatchSize))":
+            lambda o: o.get("engine") != "vllm" or not ({"kvBudget", "maxBatchSize"} & set(_obj(o, "rollout"))),
+        "type(self) == string || self >= 1": lambda v: isinstance(v, str) or not _number(v) or v >= 1,
+        "self >= 1 && self <= 256": lambda v: not _number(v) or 1 <= v <= 256,
+    }
+
+
+CEL_EQUIVALENTS.update(_engine_limit_rules())
+
 def spec_size_refusals(spec: Any) -> list[str]:
     """The spec's size as a violation (empty: it fits MAX_SPEC_BYTES)."""
     size = len(json.dumps(spec, separators=(",", ":"), ensure_ascii=False).encode())
