@@ -37,6 +37,11 @@ TAG_RELEASE = "specpair.release"
 TAG_PROMOTED_AT = "specpair.promoted_at"
 TAG_SPECULATION_OFF = "specpair.drift.speculation_off"
 VERIFIED_VERDICTS_KEPT = 10
+# A gate Job completes seconds after its runner wrote the verdict into MLflow; a pass reads the
+# tags before the Jobs. A Job complete for longer than this whose release MLflow shows no verdict
+# for: the registry lost it (the registered model or the version deleted and made again).
+VERDICT_GRACE_S = 10.0
+RELEASE_MISSING = "ReleaseMissing"
 
 
 # -- writes ------------------------------------------------------------------------------------
@@ -274,12 +279,28 @@ def _gate(out: _Steps) -> None:
         return
     started = f"gating v{version} ({digest[:12]}) in Job {job}"
     waiting = w.gate_pods_waiting
-    if latest is None:
+    lost = release_lost(w)
+    if lost:
+        _release_missing(out, lost)
+    if lost and latest is not None and latest.complete:
+        # Its verdict is gone with the registry's copy of the release: gate the release (registered
+        # again by this pass) anew, the champion's engine serving meanwhile.
+        if attempt >= w.attempts.attempts:
+            msg = (f"v{version}: {lost}; {attempt} gate attempt(s) used, none left: delete the pair's gate "
+                   f"Jobs ({manifests.gate_job_name(w.pair, digest)}*) to gate it again")
+            out.add(Condition(c.GATED, "Unknown", RELEASE_MISSING, msg),
+                    Report("stalled", "Failed", RELEASE_MISSING, msg, ready_message=msg))
+            return
+        attempt += 1
+        job = manifests.gate_job_name(w.pair, digest, attempt)
+        out.add(StartGateJob(version, attempt))
+        waiting = ""
+    elif latest is None:
         out.add(StartGateJob(version, attempt), Record("GateStarted", started, None, version, key=version))
         waiting = ""
     elif not out.was("GateStarted", version, version):
         out.add(Record("GateStarted", started, None, version, key=version))  # its pass died after the create
-    elif attempt > 1 and not out.was("GateRetrying", f"{version}#{attempt}", version):
+    elif attempt > 1 and not jobs[-2].complete and not out.was("GateRetrying", f"{version}#{attempt}", version):
         # The pass that started this attempt died before recording it.
         out.add(_retry(w, attempt, jobs[-2].failure(version), job))
     elif latest.failed:
@@ -304,16 +325,54 @@ def _gate(out: _Steps) -> None:
         job = manifests.gate_job_name(w.pair, digest, attempt + 1)
         out.add(StartGateJob(version, attempt + 1), _retry(w, attempt + 1, failure, job))
         waiting = ""
-    reason = "GatePending" if waiting else "Gating"
+    # An attempt after a complete one: the registry lost that one's verdict (release_lost).
+    regating = attempt > 1 and len(jobs) >= attempt - 1 and jobs[attempt - 2].complete
+    reason = "GatePending" if waiting else RELEASE_MISSING if regating else "Gating"
     serving = w.aliases.get(aliases_mod.CHAMPION)
     out.add(Condition(c.GATED, "Unknown", reason, f"v{version} is being gated by Job {job}"
-                      + (f" ({waiting})" if waiting else "")),
+                      + (f" ({waiting})" if waiting else "")
+                      + (" again: MLflow lost the verdict of the last gate" if regating else "")),
             _versions(w.aliases),
             Report("reconciling", "Gating", reason,
-                   f"gate Job {job} " + (f"waiting: {waiting}" if waiting else "running") + f" for v{version}",
+                   (f"MLflow lost v{version}'s gate verdict (the release was registered again); " if regating else "")
+                   + f"gate Job {job} " + (f"waiting: {waiting}" if waiting else "running") + f" for v{version}",
                    ready_message=f"gating v{version}" + (f"; v{serving} keeps serving" if serving else ""),
                    provisional=True),
             ServeChampion(w.aliases, None, while_gating=True))
+
+
+def release_lost(w: ReleaseWorld) -> str:
+    """Why the registry has lost the gate verdict of the spec's release ('' when it has not): MLflow
+    shows none (`pending`) for a version whose verdict the operator verified earlier, or whose
+    gate Job completed (a runner writes the verdict before it exits) VERDICT_GRACE_S ago or more.
+    That is a registered model or version deleted in MLflow: the pass has registered the release
+    again, under a version number MLflow chose, with none of its tags."""
+    if w.gate_status != "pending":
+        return ""
+    if str(w.version) in w.verified_verdicts:
+        return (f"MLflow has no gate verdict for v{w.version} although the operator verified one before "
+                f"(the registered model or version was deleted in MLflow)")
+    latest = w.gate_jobs[-1] if w.gate_jobs else None
+    if latest is None or not latest.owned or not latest.complete or not latest.completed_at:
+        return ""
+    if (c.parse_iso(w.now) - c.parse_iso(latest.completed_at)).total_seconds() < VERDICT_GRACE_S:
+        return ""
+    return (f"MLflow has no gate verdict for v{w.version} although its gate Job {latest.name} completed at "
+            f"{latest.completed_at} (the registered model or version was deleted in MLflow)")
+
+
+def _release_missing(out: _Steps, lost: str) -> None:
+    """What the status says of a lost release, once per attempt: a history entry and its Event, and
+    the lost version's verified verdict dropped (the gate of the release registered again reports
+    its own; a merge patch deletes a key written as null)."""
+    w = out.world
+    attempt = max(1, len(w.gate_jobs)) + (1 if w.gate_jobs and w.gate_jobs[-1].complete else 0)
+    if not out.was(RELEASE_MISSING, f"{w.version}#{attempt}", w.version):
+        out.add(Record(RELEASE_MISSING, f"{lost}; release {w.digest[:12]} registered again as v{w.version} and gated "
+                       "again; the engine keeps serving its release meanwhile", None, w.version, warning=True,
+                       key=f"{w.version}#{attempt}"))
+    if str(w.version) in w.verified_verdicts:
+        out.add(SetStatus({"verifiedVerdicts": {**w.verified_verdicts, str(w.version): None}}))
 
 
 def fetch_steps(state: Any, version: str, models: str, fetched: tuple[str, ...], was_failed: bool,
@@ -402,7 +461,7 @@ def _reported_digest(out: _Steps) -> str | None:
     kept = w.verified_verdicts.get(str(w.version))
     if kept:
         return str(kept)
-    for job in w.gate_jobs:
+    for job in reversed(w.gate_jobs):   # the latest attempt's: an earlier one may be of a lost release
         digest = job.verdict_digest(w.version)
         if digest is not None:
             kept_all = {**w.verified_verdicts, str(w.version): digest}
@@ -425,7 +484,7 @@ def _gate_started_late(out: _Steps) -> None:
         out.add(Record("GateStarted", f"gating v{w.version} ({w.digest[:12]}) in Job "
                        f"{manifests.gate_job_name(w.pair, w.digest)}", None, w.version, key=w.version))
     attempt = len(jobs)
-    if attempt > 1 and not out.was("GateRetrying", f"{w.version}#{attempt}", w.version):
+    if attempt > 1 and not jobs[-2].complete and not out.was("GateRetrying", f"{w.version}#{attempt}", w.version):
         out.add(_retry(w, attempt, jobs[-2].failure(w.version), jobs[-1].name))
 
 
