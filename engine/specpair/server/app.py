@@ -39,7 +39,7 @@ from specpair.server.requests import Limits
 from specpair.server.service import (SERVICE_NAME, EngineService, category_message, model_info_message,
                                      speculation_message)
 from specpair.server.tls import DEFAULT_CONTROL_CLIENT_NAMES, ReloadingTLS, TLSFiles, peer_common_names
-from specpair.server.worker import EngineWorker
+from specpair.server.worker import DEFAULT_MAX_BATCH_SIZE, EngineWorker
 
 log = logging.getLogger("specpair.server")
 
@@ -51,7 +51,7 @@ class ServerOptions:
     metrics_port: int | None = None    # None: no metrics HTTP server; 0: a free port
     pair: str = "default"
     version: str = "0"
-    max_batch_size: int = 8
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_queue: int = 32
     drain_timeout: float = 30.0
     # The serving ports' (gRPC and HTTP) certificate, re-read on rotation. None: plaintext (the

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from specpair.config import KV_BUDGET_HELP, ModelRef, PairSpec, Release, SpeculationConfig, kv_budget_flag
 from specpair.errors import SpecpairError
+from specpair.server.worker import DEFAULT_MAX_BATCH_SIZE
 from specpair.shadow_flags import add_shadow_arguments, attach_shadow_from_args
 
 
@@ -114,7 +115,8 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     spec.add_argument("--on-mismatch", choices=["error", "target-only"], default="error",
                       help="a draft whose tokenizer differs: refuse to start, or serve target-only")
     limits = serve.add_argument_group("limits")
-    limits.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
+    limits.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
+                        help=f"requests decoded together (default {DEFAULT_MAX_BATCH_SIZE})")
     limits.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch")
     limits.add_argument("--kv-budget", type=kv_budget_flag, default=None, metavar="BUDGET", help=KV_BUDGET_HELP)
     limits.add_argument("--max-new-tokens-limit", type=int, default=1024)

@@ -89,6 +89,14 @@ class EngineMetrics:
                                        "Rows that stopped drafting (or were admitted target-only) "
                                        "to fit the KV budget.", base, registry=r)
         self._memory_fallbacks_seen = 0
+        # vLLM's names: prompt tokens looked up in the prefix store, and those it served; their
+        # ratio is the hit rate.
+        self.prefix_cache_queries = Counter("specpair_prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix store.", base, registry=r)
+        self.prefix_cache_hits = Counter("specpair_prefix_cache_hits",
+                                         "Prompt tokens served from the prefix store (not prefilled).",
+                                         base, registry=r)
+        self._prefix_seen = (0, 0)
         self.requests = Counter("specpair_requests", "Finished requests by status.", req + ["status"], registry=r)
         self.time_to_first_token = Histogram("specpair_time_to_first_token_seconds",
                                              "Arrival to first streamed token.", req, buckets=LATENCY_BUCKETS,
@@ -122,6 +130,8 @@ class EngineMetrics:
         self._shadow_skipped_seen = 0
         self.speculation_enabled.labels(pair, version).set(0)
         self.memory_fallback.labels(pair, version)      # 0 from the start, not a gap
+        self.prefix_cache_queries.labels(pair, version)
+        self.prefix_cache_hits.labels(pair, version)
         self.control_denied.labels(pair, version, "SetSpeculation")     # 0 from the start, not a gap
         self.speculation_k.labels(pair, version).set(0)
 
@@ -200,6 +210,16 @@ class EngineMetrics:
             delta, self._memory_fallbacks_seen = total - self._memory_fallbacks_seen, total
         if delta > 0:
             self.memory_fallback.labels(self.pair, self.version).inc(delta)
+
+    def record_prefix_cache(self, looked_up: int, served: int) -> None:
+        """Catch the prefix counters up with the engine's running totals (engine.prefix_stats)."""
+        with self._lock:
+            (seen_up, seen_served), self._prefix_seen = self._prefix_seen, (looked_up, served)
+        base = (self.pair, self.version)
+        if looked_up > seen_up:
+            self.prefix_cache_queries.labels(*base).inc(looked_up - seen_up)
+        if served > seen_served:
+            self.prefix_cache_hits.labels(*base).inc(served - seen_served)
 
     def record_shadow(self, version: str, content_hash: str, categories: dict, skipped_steps: int) -> None:
         """Catch the shadow counters up with the scorer's totals per category (shadow.CategoryShadow)."""

@@ -236,8 +236,11 @@ def speculation_figures(event: Finished) -> dict:
 
 
 def usage(event: Finished) -> dict:
+    """OpenAI's usage, with the prompt tokens served from the prefix store as its
+    `prompt_tokens_details.cached_tokens` (prefix_cache.py)."""
     return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-            "total_tokens": event.prompt_tokens + event.completion_tokens}
+            "total_tokens": event.prompt_tokens + event.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": event.cached_tokens}}
 
 
 def sse(obj) -> str:

@@ -251,7 +251,8 @@ class EngineService:
                     yield pb.GenerateResponse(
                         request_id=request_id, text=event.text, token_ids=event.token_ids,
                         finish_reason=FINISH_REASONS.get(event.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-                        usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+                        usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                                       cached_tokens=event.cached_tokens),
                         timings=pb.Timings(queue_seconds=event.queue_seconds,
                                            time_to_first_token_seconds=event.time_to_first_token,
                                            total_seconds=event.total_seconds),

@@ -30,6 +30,11 @@ from specpair.stats import AcceptanceStats, AcceptanceWindow, RequestMoments
 
 log = logging.getLogger("specpair.server")
 
+# Requests decoded together unless --max-batch-size says otherwise: what the engine carries on
+# the CPU (docs/measurements/2026-12-06-prefix-batch-cpu.md: 32 concurrent chats sharing a system
+# prompt, SmolLM2, 2 cores), where 8 left three quarters of the requests queued behind the first.
+DEFAULT_MAX_BATCH_SIZE = 32
+
 
 class QueueFull(Exception):
     """No room in the waiting queue: the client should retry later (RESOURCE_EXHAUSTED)."""
@@ -58,6 +63,7 @@ class Finished:
     queue_seconds: float
     time_to_first_token: float
     total_seconds: float
+    cached_tokens: int = 0       # prompt tokens served from the prefix store
 
 
 @dataclass
@@ -123,7 +129,8 @@ class Aggregate:
 class EngineWorker:
     """Owns a SpeculativeEngine's Batch in one thread; see the module docstring."""
 
-    def __init__(self, engine, *, max_batch_size: int = 8, max_queue: int = 32, metrics=None):
+    def __init__(self, engine, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, max_queue: int = 32,
+                 metrics=None):
         if max_batch_size < 1 or max_queue < 0:
             raise SpecpairError("max_batch_size must be >= 1 and max_queue >= 0")
         self.engine = engine
@@ -428,7 +435,8 @@ class EngineWorker:
         self._send(job, Finished(text=out.text, token_ids=list(out.token_ids), finish_reason=result.finish_reason,
                           prompt_tokens=result.prompt_tokens, completion_tokens=completion,
                           stats=result.stats, queue_seconds=admitted - job.arrived,
-                          time_to_first_token=first - job.arrived, total_seconds=end - job.arrived))
+                          time_to_first_token=first - job.arrived, total_seconds=end - job.arrived,
+                          cached_tokens=result.cached_tokens))
 
     def _finish_cancelled(self, job: Job) -> None:
         self._jobs.pop(job.request_id, None)
@@ -469,6 +477,8 @@ class EngineWorker:
         # Rows admitted target-only (or stopped drafting) for want of KV memory: the engine keeps
         # the running total, the counter catches up with it here.
         self.metrics.record_memory_fallbacks(self.engine.memory_fallbacks)
+        prefix = self.engine.prefix_stats
+        self.metrics.record_prefix_cache(prefix.looked_up, prefix.served)
         shadow = getattr(self.engine, "shadow", None)
         if shadow is not None:   # a candidate drafter scored beside the serving one (specpair/shadow.py)
             self.metrics.record_shadow(shadow.candidate.version, shadow.candidate.content_hash,
