@@ -4,10 +4,14 @@
 -- docs/install.md). Argo CD runs it with the live object as the global `obj` (gopher-lua, Lua 5.1
 -- syntax only) and reads back {status, message}.
 --
--- The operator follows kstatus: conditions Ready / Reconciling / Stalled, each stamped with the
--- generation it describes, plus Gated, TokenizerCompatible and Drifted.
---   Stalled=True, Gated=False, TokenizerCompatible=False,
---   Ready=False for a failed rollout (RolloutFailed)      -> Degraded (the spec in Git did not land)
+-- The operator follows kstatus: conditions Ready / Reconciling / Stalled, written together and
+-- each stamped with the generation it describes, plus Gated, TokenizerCompatible and Drifted.
+-- The reasons branched on are ones the operator writes (tests/ship/test_ship_argocd_health.py
+-- builds its cases with the operator's own status ledger and checks each reason here is one):
+--   Stalled=True (any reason: a failed gate, a rejected shadow or aborted canary, a release
+--   rolled back, no previous release to roll back to, an invalid spec, ...),
+--   Gated=False, TokenizerCompatible=False,
+--   Reconciling=True for a rollback (RolledBack)          -> Degraded (the spec in Git did not land)
 --   not yet observed, Reconciling=True, Ready not True    -> Progressing
 --   Ready=True for the current generation                 -> Healthy
 
@@ -63,13 +67,12 @@ local function healthOf(object)
   if gated ~= nil and gated.status == "False" then
     return "Degraded", "Gate failed: " .. describe(gated, "")
   end
-  -- A failed rollout is final for that release whether or not Stalled is set: waiting on it as
-  -- Progressing would never end.
-  if ready ~= nil and ready.status == "False" and ready.reason == "RolloutFailed" then
-    return "Degraded", "Rollout failed: " .. describe(ready, "")
-  end
-
   local reconciling = conditionOf(status.conditions, "Reconciling")
+  -- A rollback undoes the spec's release (its pods never became available, or it drifted): the
+  -- previous release comes back, and what Git asks for will not serve until the spec changes.
+  if reconciling ~= nil and reconciling.status == "True" and reconciling.reason == "RolledBack" then
+    return "Degraded", "Rolled back: " .. describe(reconciling, "")
+  end
   if reconciling ~= nil and reconciling.status == "True" then
     return "Progressing", describe(reconciling, "Reconciling")
   end

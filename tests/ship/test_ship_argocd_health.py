@@ -84,22 +84,14 @@ CASES = [
      "Degraded", "MLflowUnreachable: retrying in 30s"),
     ("gate failed, champion keeps serving", pair(observedGeneration=3, servingVersion="3", conditions=[
         cond("Ready", "True", "Serving"), cond("Reconciling", "False"), cond("Stalled", "False"),
-        cond("Gated", "False", "ThresholdFailed", "code acceptance 0.21 < 0.35 (by 0.14)")]),
-     "Degraded", "Gate failed: ThresholdFailed: code acceptance 0.21 < 0.35 (by 0.14)"),
+        cond("Gated", "False", "ThresholdsNotMet", "code acceptance 0.21 < 0.35 (by 0.14)")]),
+     "Degraded", "Gate failed: ThresholdsNotMet: code acceptance 0.21 < 0.35 (by 0.14)"),
     ("tokenizer mismatch", pair(observedGeneration=3, conditions=[
         cond("Ready", "False", "GateFailed"), cond("Gated", "False", "TokenizerMismatch"),
         cond("TokenizerCompatible", "False", "TokenizerMismatch", "vocab size 49152 != 151665")]),
      "Degraded", "Tokenizers differ: TokenizerMismatch: vocab size 49152 != 151665"),
-    ("rollout failed, not stalled", pair(observedGeneration=3, servingVersion="3", conditions=[
-        cond("Ready", "False", "RolloutFailed", "v4: ProgressDeadlineExceeded after 600s"),
-        cond("Reconciling", "False"), cond("Gated", "True", "GatePassed")]),
-     "Degraded", "Rollout failed: RolloutFailed: v4: ProgressDeadlineExceeded after 600s"),
-    ("rollout failed while still reconciling", pair(observedGeneration=3, conditions=[
-        cond("Ready", "False", "RolloutFailed", "v4 did not become ready"),
-        cond("Reconciling", "True", "RollingOut", "rolling out v4")]),
-     "Degraded", "Rollout failed: RolloutFailed: v4 did not become ready"),
-    ("rollout failed, but for an older generation", pair(generation=4, observedGeneration=3, conditions=[
-        cond("Ready", "False", "RolloutFailed")]),
+    ("rolled back, but for an older generation", pair(generation=4, observedGeneration=3, conditions=[
+        cond("Ready", "False", "RolledBack"), cond("Reconciling", "True", "RolledBack")]),
      "Progressing", "observe generation 4"),
     ("drifted, speculation off, still serving", pair(observedGeneration=3, servingVersion="4", conditions=READY + [
         cond("Drifted", "True", "SpeculationOff", "code acceptance 0.30 below gated 0.62")]),
@@ -113,6 +105,122 @@ def test_health(lua, tmp_path, obj, expected_status, expected_message):
     status, message = health(lua, obj, tmp_path)
     assert status == expected_status, message
     assert expected_message in message
+
+
+# -- statuses as the operator writes them ----------------------------------------------------------
+# Each is what the operator's own status ledger (operator/specpair_operator/ledger.py) writes for a
+# pass that reports (how, phase, reason) as the plans do (the Report(...) of plan.py and
+# serving_plan.py), with the other conditions such a pass sets: not hand-made condition lists.
+
+OPERATOR_SOURCES = "\n".join(p.read_text() for p in (REPO_ROOT / "operator" / "specpair_operator").glob("*.py"))
+
+
+def written(how: str, phase: str, reason: str, message: str, *, ready_message: str | None = None,
+            serving: str = "", others: tuple[tuple[str, str, str, str], ...] = ()) -> dict[str, Any]:
+    """The pair as the operator leaves it after such a pass (generation 3, observed)."""
+    import logging
+
+    from specpair_operator.ledger import StatusLedger
+
+    ledger = StatusLedger({}, 3, "ns", "default", logging.getLogger("health"))
+    for type_, status, why, text in others:
+        ledger.cond(type_, status, why, text)
+    if serving:
+        ledger.set(servingVersion=serving)
+    if how == "ready":
+        ledger.ready(phase, reason, message)
+    elif how == "reconciling":
+        ledger.reconciling(phase, reason, message, ready_message=ready_message)
+    elif how == "stalled":
+        ledger.stalled(phase, reason, message, ready_message=ready_message)
+    else:
+        ledger.stall(reason, message)
+    return pair(**json.loads(json.dumps(ledger.status_patch())))
+
+
+GATED_PASSED = ("Gated", "True", "GatePassed", "v4: passed")
+OPERATOR_CASES = [
+    ("serving", written("ready", "Serving", "Serving", "v4 serving on 2 pod(s), identity verified", serving="4",
+                        others=(GATED_PASSED,)),
+     "Healthy", "Serving release 4 (Serving: v4 serving on 2 pod(s), identity verified)"),
+    ("speculation off after drift, still serving", written(
+        "ready", "Degraded", "SpeculationOff", "v4 serving target-only after drift", serving="4",
+        others=(GATED_PASSED, ("Drifted", "True", "SpeculationOff", "category 'code' acceptance 0.30 < 0.60"))),
+     "Healthy", "drift: SpeculationOff: category 'code' acceptance 0.30 < 0.60"),
+    ("gating, the champion serving", written(
+        "reconciling", "Gating", "Gating", "gate Job default-gate-1a2b3c4d5e running for v5",
+        ready_message="gating v5; v4 keeps serving", serving="4", others=(("Gated", "Unknown", "Gating", "v5"),)),
+     "Progressing", "Gating: gate Job default-gate-1a2b3c4d5e running for v5"),
+    ("gating again: MLflow lost the release", written(
+        "reconciling", "Gating", "ReleaseMissing", "MLflow lost v1's gate verdict (the release was registered "
+        "again); gate Job default-gate-1a2b3c4d5e-a2 running for v1", others=(("Gated", "Unknown", "ReleaseMissing", "v1"),)),
+     "Progressing", "ReleaseMissing: MLflow lost v1's gate verdict"),
+    ("rolling out", written("reconciling", "RollingOut", "RollingOut", "rolling out v5: 0/1 pods ready",
+                            ready_message="0/1 pods ready", serving="5", others=(GATED_PASSED,)),
+     "Progressing", "RollingOut: rolling out v5"),
+    ("scored in shadow", written("reconciling", "Shadowing", "ShadowScoring", "v5 scored in shadow on v4's pods",
+                                 serving="4", others=(GATED_PASSED,)),
+     "Progressing", "ShadowScoring"),
+    ("canary", written("reconciling", "Canary", "CanaryProgressing", "v5 serves 1 of 4 replicas", serving="4",
+                       others=(GATED_PASSED,)),
+     "Progressing", "CanaryProgressing"),
+    # The issue's case: a failed rollout with a previous release reads Reconciling/RolledBack.
+    ("rolling back", written("reconciling", "RollingOut", "RolledBack", "rolling back to v3",
+                             ready_message="rollout of v4 failed: ProgressDeadlineExceeded", serving="3",
+                             others=(GATED_PASSED, ("Drifted", "True", "RolledBack", "rollout of v4 failed"))),
+     "Degraded", "Rolled back: RolledBack: rolling back to v3"),
+    ("rolled back, the previous release serving", written(
+        "stalled", "Degraded", "ReleaseNotServable", "v4 was rolled back: rollout of v4 failed; v3 keeps serving",
+        serving="3", others=(GATED_PASSED,)),
+     "Degraded", "ReleaseNotServable: v4 was rolled back"),
+    ("failed with no previous release", written(
+        "stalled", "Failed", "NoPreviousRelease", "rollout of v1 failed: crash looping; no previous release",
+        ready_message="rollout of v1 failed: crash looping; no previous release to roll back to"),
+     "Degraded", "NoPreviousRelease: rollout of v1 failed"),
+    ("gate failed, the champion serving", written(
+        "stalled", "Degraded", "ReleaseNotServable", "gate of v5 failed: acceptance 0.200 < minAcceptance 0.500; "
+        "v4 keeps serving", serving="4", others=(("Gated", "False", "ThresholdsNotMet", "v5: acceptance 0.200"),)),
+     "Degraded", "ReleaseNotServable: gate of v5 failed"),
+    ("gate failed while the champion drifted", written(
+        "ready", "Degraded", "SpeculationOff", "v4 serving target-only after drift", serving="4",
+        others=(("Gated", "False", "ThresholdsNotMet", "v5: acceptance 0.200 < minAcceptance 0.500"),)),
+     "Degraded", "Gate failed: ThresholdsNotMet: v5: acceptance 0.200"),
+    ("tokenizers differ while the champion drifted", written(
+        "ready", "Degraded", "SpeculationOff", "v4 serving target-only after drift", serving="4",
+        others=(("Gated", "False", "TokenizerMismatch", "v5"),
+                ("TokenizerCompatible", "False", "Mismatch", "vocab size 49152 != 151665"))),
+     "Degraded", "Tokenizers differ: Mismatch: vocab size 49152 != 151665"),
+    ("gate errored", written("stalled", "Failed", "GateError", "gate of v1: 3 gate attempt(s) ended without a verdict"),
+     "Degraded", "GateError: gate of v1"),
+    ("invalid spec", written("stall", "Failed", "InvalidSpec", "the spec is invalid: spec.target.source: ..."),
+     "Degraded", "InvalidSpec: the spec is invalid"),
+    ("shadow rejected", written("stalled", "Degraded", "ShadowRejected", "v5 scored worse; v4 keeps serving",
+                                serving="4", others=(GATED_PASSED,)),
+     "Degraded", "ShadowRejected"),
+    ("canary aborted", written("stalled", "Degraded", "CanaryAborted", "TTFT p95 800 ms; v4 keeps serving",
+                               serving="4", others=(GATED_PASSED,)),
+     "Degraded", "CanaryAborted"),
+]
+
+
+@pytest.mark.parametrize("obj,expected_status,expected_message",
+                         [c[1:] for c in OPERATOR_CASES], ids=[c[0] for c in OPERATOR_CASES])
+def test_health_of_what_the_operator_writes(lua, tmp_path, obj, expected_status, expected_message):
+    status, message = health(lua, obj, tmp_path)
+    assert status == expected_status, message
+    assert expected_message in message
+
+
+def test_every_reason_in_the_cases_and_the_script_is_one_the_operator_writes():
+    """A reason no code of the operator writes (the script once waited for `RolloutFailed`) would
+    be a branch no pair ever takes; each reason the script branches on is decided by a case."""
+    reasons = {c["reason"] for _, obj, _, _ in OPERATOR_CASES for c in obj["status"]["conditions"]}
+    branched = set(re.findall(r'reason == "(\w+)"', HEALTH_LUA.read_text()))
+    for reason in reasons | branched:
+        assert f'"{reason}"' in OPERATOR_SOURCES, reason
+    for reason in branched:
+        assert any(c["reason"] == reason and c["status"] == "True" for _, obj, _, _ in OPERATOR_CASES
+                   for c in obj["status"]["conditions"]), reason
 
 
 def test_lua_is_5_1_like_argo_cd(lua):
@@ -152,8 +260,8 @@ def test_kustomize_component_merges_the_check_into_argocd_cm(kubectl, lua, tmp_p
     assert cm["metadata"]["labels"] == {"app.kubernetes.io/part-of": "argocd"}
     assert cm["data"]["url"] == "https://argocd.example.com" and cm["data"]["exec.enabled"] == "false"
     assert cm["data"][HEALTH_KEY] == HEALTH_LUA.read_text()
-    failed = pair(observedGeneration=3, conditions=[cond("Ready", "False", "RolloutFailed", "v4 never ready")])
-    assert health_of_script(lua, cm["data"][HEALTH_KEY], failed, tmp_path)[0] == "Degraded"
+    rolling_back = next(obj for name, obj, _, _ in OPERATOR_CASES if name == "rolling back")
+    assert health_of_script(lua, cm["data"][HEALTH_KEY], rolling_back, tmp_path)[0] == "Degraded"
 
 
 def test_argo_cd_helm_chart_command_in_the_docs_sets_the_key(helm, tmp_path):
