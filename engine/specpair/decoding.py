@@ -24,7 +24,8 @@ from specpair.drafter_choice import build_drafter
 from specpair.drafters import (Drafter, EagleDrafter, LookupFirstDrafter, MedusaDrafter, ModelDrafter,
                                RowSampling)
 from specpair.errors import SpecpairError
-from specpair.prefix_cache import PrefixStats, PrefixStore, capacity_bytes, resolve_mode
+from specpair.prefix_cache import (PrefixStats, PrefixStore, capacity_bytes, resolve_mode,
+                                   reusable_blocks)
 from specpair.static_cache import (bucket, check_static_step, kv_model, resolve_compile,
                                    resolve_kv_kind, step_description)
 from specpair.rejection_sampler import (greedy_verify, process_logits, rejection_sample,
@@ -496,6 +497,19 @@ class Batch:
                 seq.cached_tokens = held
                 self.engine.prefix_stats.looked_up += len(seq.prompt_ids)
                 self.engine.prefix_stats.served += held
+
+    def prefix_pending(self, prompt_ids: list[int]) -> bool:
+        """Whether a row here will store this prompt's first block the store lacks once it has
+        stepped: a request that waits for that step prefills only what differs (the server's
+        worker holds it back; prompts arriving together then share one prefill)."""
+        if not self.prefix_caches:
+            return False
+        store = self.engine.prefix_store
+        keys = store.keys(self.prefix_caches[0][0], prompt_ids)
+        first = next((k for k in keys[:reusable_blocks(len(prompt_ids), store.block)]
+                      if k not in store), None)
+        return first is not None and any(
+            not s.prefix_saved[0] and first in s.prefix_keys[0] for s in self.rows)
 
     def _save_prefixes(self) -> None:
         """Store the full prompt blocks the store lacks, of each cache that now holds a row's

@@ -103,3 +103,23 @@ def test_64_concurrent_greedy_streams_each_equal_their_solo_output(tiny_pair, st
     for question, reply in zip(questions, replies):
         assert reply == reference(tiny_pair, chat(question), 24, chat=True).text, question
     assert engine.prefix_stats.served > 0      # rows joined with their system prompt from the store
+
+
+def test_requests_arriving_together_share_one_prefill_of_their_system_prompt(tiny_pair, start_server):
+    engine = make_engine(tiny_pair, delay=0.02)
+    server = start_server(engine=engine, http_port=0, max_batch_size=16)
+    client = openai_client(server)
+    questions = [f"Question {i}: name a number." for i in range(8)]
+    prompts = [engine.encode(chat(q)) for q in questions]
+    common = min(served_from_store(engine, prompts[0], ids) for ids in prompts[1:])
+    assert common >= 3 * BLOCK_TOKENS
+
+    def ask(question):
+        return client.chat.completions.create(model="tiny", messages=chat(question), max_tokens=6, temperature=0)
+
+    replies = run_threads([lambda q=q: ask(q) for q in questions])
+    cached = sorted(r.usage.prompt_tokens_details.cached_tokens for r in replies)
+    # One request prefills the system prompt; the others wait for its step and take its blocks.
+    assert cached[0] == 0 and all(c >= common for c in cached[1:]), cached
+    for question, reply in zip(questions, replies):
+        assert reply.choices[0].message.content == reference(tiny_pair, chat(question), 6, chat=True).text

@@ -295,8 +295,12 @@ class EngineWorker:
         self.batch.done.clear()
 
     def _admit_locked(self) -> None:
+        held = []     # waiting one step for a running row to store their prompt's first blocks
         while self._pending and len(self._jobs) < self.max_batch_size:
             job = self._pending.popleft()
+            if self.batch.prefix_pending(job.prompt_ids):
+                held.append(job)
+                continue
             try:
                 self.batch.add(job.prompt_ids, job.params, request_id=job.request_id)
             except SpecpairError as exc:
@@ -309,6 +313,7 @@ class EngineWorker:
                 continue
             job.admitted = time.perf_counter()
             self._jobs[job.request_id] = job
+        self._pending.extendleft(reversed(held))
 
     def _step(self) -> None:
         try:
