@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from specpair.contract import parallelism
+from specpair.vllm_parallel import cpu_binding_env
 
 from . import names
 from . import release as release_mod
@@ -306,7 +307,8 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
         # against it (gate_verdict.verify_verdict).
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "File",
-        "env": _env(tracking_uri, credentials, rollout=rollout, defaults=defaults),
+        "env": _env(tracking_uri, credentials, rollout=rollout, defaults=defaults)
+        + cpu_binding_env(release, rollout, _has_gpu(rollout)),  # vLLM split over CPU processes
         "volumeMounts": _mounts(rollout),
         "securityContext": _container_security(),
     }
@@ -365,8 +367,6 @@ def engine_command(release: dict[str, Any], port: int, http_port: int = HTTP_POR
             "--control-tls-key", f"{TLS_DIR}/tls.key", "--control-tls-client-ca", f"{TLS_DIR}/ca.crt"]
 
 
-def gpus_per_pod(release: dict[str, Any]) -> int:
-    """The GPUs one engine (or gate) pod of the release uses: tensor x pipeline parallel size."""
 # rollout.kvBudget's quantity suffixes (the CRD's pattern) as the engine's --kv-budget units: the
 # engine reads a bare number as a count of target tokens, the CRD's as bytes.
 KV_BUDGET_UNITS = {"": "B", "k": "KB", "M": "MB", "G": "GB", "T": "TB",
@@ -390,6 +390,8 @@ def engine_limit_flags(rollout: dict[str, Any]) -> list[str]:
         flags += ["--max-batch-size", str(int(rollout["maxBatchSize"]))]
     return flags
 
+def gpus_per_pod(release: dict[str, Any]) -> int:
+    """The GPUs one engine (or gate) pod of the release uses: tensor x pipeline parallel size."""
     split = parallelism(release)
     return split["tensor"] * split["pipeline"]
 
@@ -553,7 +555,8 @@ def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest:
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
         "command": vllm_command(http_port, rollout, speculation),
         "ports": [{"name": "http", "containerPort": http_port, "protocol": "TCP"}],
-        "env": _env(tracking_uri, credentials, rollout=rollout, defaults=defaults) + _vllm_api_key(rollout),
+        "env": _env(tracking_uri, credentials, rollout=rollout, defaults=defaults) + _vllm_api_key(rollout)
+        + cpu_binding_env(release, rollout, _has_gpu(rollout)),  # vLLM split over CPU processes
         "volumeMounts": _mounts(rollout),
         "securityContext": _container_security(),
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 60},

@@ -20,9 +20,10 @@ import sys
 from pathlib import Path
 
 from specpair.config import Release
-from specpair.contract import DEFAULT_CATEGORY, threshold_failures
+from specpair.contract import DEFAULT_CATEGORY, parallelism, threshold_failures
 from specpair.errors import SpecpairError
 from specpair.gate.verdict import check_release, new_verdict, tokenizer_check
+from specpair.vllm_parallel import model_config, tensor_parallel_refusal
 
 ENGINE_KIND = "vllm"
 
@@ -71,6 +72,10 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     target_dir = resolve_source(pair.target.source, progress)
     if not Path(str(target_dir)).is_dir():
         raise SpecpairError(f"vLLM needs the target as a local model directory; {target_dir!r} is not one")
+    split = tensor_parallel_refusal(model_config(target_dir), parallelism(release)["tensor"])
+    if split:  # said before a vLLM server starts (vLLM says it minutes into one)
+        verdict["reasons"] = [split]
+        return verdict, []
     # vLLM's speculative config reads the release's draft block (method, tensor parallel size) with
     # the draft model where vLLM can load it.
     draft = dict(release.get("draft") or {})

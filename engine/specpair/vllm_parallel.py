@@ -1,0 +1,92 @@
+"""Tensor parallel for vLLM pairs, torch-free (the operator and the gate both read it).
+
+- `tensor_parallel_refusal`: whether vLLM can split the target over `tensor` ranks, from the
+  target's config.json, in vLLM's own rule (QKVParallelLinear): the attention heads are split
+  evenly, so `tensor` must divide them; the KV heads are split evenly when there are at least
+  `tensor` of them, else each is replicated over `tensor / kv` ranks, so `tensor` must then be a
+  multiple of them. vLLM says the same once it has loaded the config, minutes into a start; the
+  gate says it first, before any vLLM server starts, as the reason the release fails.
+- `cpu_binding_env`: vLLM on the CPU runs each rank as its own process with its own OpenMP
+  threads. Its default binding (`auto`) gives every rank a NUMA node, and refuses a split wider
+  than the node count: on a one-node machine tensor parallel 2 does not start. With
+  VLLM_CPU_OMP_THREADS_BIND naming each rank's cores ("0|1", "0-1|2-3") it does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from specpair.contract import parallelism
+
+OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def attention_heads(config: dict[str, Any]) -> tuple[int, int] | None:
+    """(attention heads, KV heads) of a Hugging Face config (a multimodal one's text model), or
+    None when it names no head count (vLLM then decides alone)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    heads = text.get("num_attention_heads")
+    if not isinstance(heads, int) or heads < 1:
+        return None
+    kv = text.get("num_key_value_heads")
+    return heads, kv if isinstance(kv, int) and kv >= 1 else heads
+
+
+def tensor_parallel_refusal(config: dict[str, Any] | None, tensor: int) -> str | None:
+    """Why vLLM cannot split a target of this config over `tensor` ranks (None: it can, or the
+    config does not say)."""
+    found = attention_heads(config or {}) if tensor > 1 else None
+    if found is None:
+        return None
+    heads, kv = found
+    if heads % tensor:
+        return (f"parallelism.tensor {tensor} does not divide the target's {heads} attention heads: vLLM splits "
+                f"them evenly over its tensor-parallel ranks; use a tensor size that divides {heads}")
+    if kv >= tensor and kv % tensor:
+        return (f"parallelism.tensor {tensor} does not divide the target's {kv} KV heads: vLLM splits them evenly "
+                f"over its tensor-parallel ranks; use a tensor size that divides {kv}")
+    if kv < tensor and tensor % kv:
+        return (f"parallelism.tensor {tensor} is neither a divisor nor a multiple of the target's {kv} KV heads: "
+                f"vLLM replicates each KV head over tensor / {kv} ranks")
+    return None
+
+
+def model_config(directory: str | Path) -> dict[str, Any] | None:
+    """A local model's config.json, or None where it has none (vLLM reports that itself)."""
+    path = Path(directory) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _cpus(quantity: Any) -> int | None:
+    """A Kubernetes CPU quantity ("2", "1.5", "500m") as whole cores, rounded up."""
+    text = str(quantity).strip()
+    try:
+        value = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        return None
+    return max(1, math.ceil(value)) if value > 0 else None
+
+
+def cpu_binding(ranks: int, cpus: int | None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` processes over the pod's first `cpus` cores: each
+    rank a contiguous, disjoint share ("0-1|2-3"); one core each where the pod names fewer cores
+    than ranks, or none."""
+    per = max(1, (cpus or ranks) // ranks)
+    return "|".join(str(r * per) if per == 1 else f"{r * per}-{r * per + per - 1}" for r in range(ranks))
+
+
+def cpu_binding_env(release: dict[str, Any], rollout: dict[str, Any], gpu: bool) -> list[dict[str, str]]:
+    """The env a vLLM pod on the CPU needs to run its target split over several processes
+    (tensor x pipeline ranks): [] for our engine, on a GPU, or unsplit."""
+    ranks = math.prod(parallelism(release).values())
+    if str((release.get("engine") or {}).get("kind") or "specpair") != "vllm" or gpu or ranks < 2:
+        return []
+    resources = rollout.get("resources") or {}
+    cpu = (resources.get("limits") or {}).get("cpu") or (resources.get("requests") or {}).get("cpu")
+    return [{"name": OMP_BIND_ENV, "value": cpu_binding(ranks, _cpus(cpu) if cpu is not None else None)}]

@@ -1,0 +1,86 @@
+"""Tensor parallel on a vLLM pair, before any vLLM starts: the target's heads must split evenly
+over the ranks (vLLM's own rule, read from the target's real config.json and said by the gate as
+its failure reason), and a vLLM pod or gate Job on the CPU binds each rank to its own cores
+(VLLM_CPU_OMP_THREADS_BIND: vLLM's default binding refuses more ranks than NUMA nodes)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from specpair.vllm_parallel import OMP_BIND_ENV, model_config, tensor_parallel_refusal
+from specpair_operator import manifests, release
+
+PROMPTS = [{"prompt": "def fib(n):", "category": "code"}]
+
+
+@pytest.mark.parametrize("heads, kv, tensor, words", [
+    (4, 2, 1, None),
+    (4, 2, 2, None),     # the tiny Llama vLLM-CPU serves at tensor parallel 2
+    (4, 2, 4, None),     # fewer KV heads than ranks: each replicated over 2 ranks
+    (4, 1, 4, None),
+    (9, 3, 2, "parallelism.tensor 2 does not divide the target's 9 attention heads: vLLM splits them evenly over "
+              "its tensor-parallel ranks; use a tensor size that divides 9"),   # SmolLM2's shape
+    (12, 6, 4, "parallelism.tensor 4 does not divide the target's 6 KV heads"),
+    (12, 4, 6, "parallelism.tensor 6 is neither a divisor nor a multiple of the target's 4 KV heads"),
+])
+def test_the_heads_must_split_evenly_over_the_tensor_ranks(tmp_path, heads, kv, tensor, words):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=16 * heads, num_attention_heads=heads, num_key_value_heads=kv).save_pretrained(tmp_path)
+    refusal = tensor_parallel_refusal(model_config(tmp_path), tensor)
+    assert refusal is None if words is None else refusal.startswith(words)
+
+
+def test_a_config_without_head_counts_is_left_to_vllm(tmp_path):
+    assert model_config(tmp_path) is None and tensor_parallel_refusal(None, 2) is None
+    assert tensor_parallel_refusal({"model_type": "mamba"}, 2) is None
+    # A multimodal config's text model is what is split.
+    assert "9 attention heads" in tensor_parallel_refusal({"text_config": {"num_attention_heads": 9}}, 2)
+
+
+def test_the_gate_fails_a_split_the_heads_do_not_allow_before_starting_vllm(tiny_tokenizer, tmp_path, monkeypatch):
+    """A tiny target of SmolLM2's head shape (9 heads, 3 KV heads) at tensor 2: the verdict's
+    reason is the split, and no vLLM server starts (the vLLM python named here does not exist)."""
+    from tiny_models import make_family_model, save_tiny
+    from specpair.gate import run_gate
+
+    target = save_tiny(make_family_model(tiny_tokenizer, "qwen2", seed=4, hidden=72, heads=9, kv_heads=3),
+                       tmp_path / "target")
+    rel = release.build_release("tiny", "t", {"engine": "vllm", "vllm": {"dtype": "float32"},
+                                              "target": {"source": target}, "draft": {"drafter": "ngram"},
+                                              "parallelism": {"tensor": 2}}, PROMPTS)
+    monkeypatch.setenv("SPECPAIR_VLLM_PYTHON", "/nonexistent/python")
+    started = time.monotonic()
+    verdict, golden = run_gate(rel, progress=lambda *_: None)
+    assert verdict["passed"] is False and golden == []
+    assert verdict["reasons"] == ["parallelism.tensor 2 does not divide the target's 9 attention heads: vLLM splits "
+                                  "them evenly over its tensor-parallel ranks; use a tensor size that divides 9"]
+    assert time.monotonic() - started < 60
+
+
+def _binding(spec_change: dict, rollout: dict) -> tuple[str | None, str | None]:
+    """VLLM_CPU_OMP_THREADS_BIND in the engine Deployment's and the gate Job's container env."""
+    spec = {"engine": "vllm", "target": {"source": "t"}, "draft": {"drafter": "ngram"}, **spec_change}
+    rel = release.build_release("chat", "team", spec, PROMPTS)
+    dep = manifests.engine_deployment("chat", "team", rel, "d" * 64, "1", rollout, "http://mlflow")
+    job = manifests.gate_job("chat", "team", rel, "d" * 64, "1", rollout, "http://mlflow")
+
+    def env(obj: dict) -> str | None:
+        (container,) = obj["spec"]["template"]["spec"]["containers"]
+        return next((e["value"] for e in container["env"] if e["name"] == OMP_BIND_ENV), None)
+    return env(dep), env(job)
+
+
+@pytest.mark.parametrize("spec_change, rollout, bind", [
+    ({"parallelism": {"tensor": 2}}, {}, "0|1"),                                   # as verified on vLLM-CPU
+    ({"parallelism": {"tensor": 2}}, {"resources": {"limits": {"cpu": "4"}}}, "0-1|2-3"),
+    ({"parallelism": {"tensor": 2}}, {"resources": {"requests": {"cpu": "5"}}}, "0-1|2-3"),
+    ({"parallelism": {"tensor": 2}}, {"resources": {"limits": {"cpu": "500m"}}}, "0|1"),
+    ({"parallelism": {"tensor": 2, "pipeline": 2}}, {"resources": {"limits": {"cpu": "8"}}}, "0-1|2-3|4-5|6-7"),
+    ({"parallelism": {"tensor": 2}}, {"resources": {"limits": {"nvidia.com/gpu": 2}}}, None),   # GPUs: not bound
+    ({}, {}, None),                                                                # one rank: vLLM's default
+])
+def test_a_vllm_pod_on_the_cpu_binds_each_rank_to_its_own_cores(spec_change, rollout, bind):
+    assert _binding(spec_change, rollout) == (bind, bind)
