@@ -5,6 +5,7 @@ inter-token latency at several concurrencies, speculation on vs off.
     python scripts/http_load_bench.py                           # default pair (SmolLM2-135M + n-gram)
     python scripts/http_load_bench.py --concurrency 1 4 --max-new-tokens 64 --json out.json
     python scripts/http_load_bench.py --base-url http://host:8000/v1   # an engine already running
+    python scripts/http_load_bench.py --shared-prefix 1500             # chats sharing a system prompt
 
 It starts `specpair engine serve --http-port` as a subprocess (client and server do not share a
 GIL), with speculation allowed at every batch size, then at each concurrency streams the same
@@ -13,6 +14,15 @@ greedy chat requests with the official `openai` client twice: target-only (the e
 requests over the level's wall time), TTFT (request sent to first streamed text), and
 inter-token latency (a request's first to last text over its tokens after the first; a streamed
 chunk may carry several tokens when drafts are accepted).
+
+With --shared-prefix TOKENS it measures instead what a platform's chat load looks like: N
+concurrent greedy chats (--concurrency, default 32) whose ~TOKENS-token system prompt is the same,
+against the server as it ships (its own drafter and speculation threshold), one server per
+(--prefix-cache, --batch-sizes) setting. Per setting: tokens/s and mean latency of the load, the
+time to first token of a cold request and of one whose system prompt the prefix store serves (a
+system prompt of its own, sent twice in turn), the prompt tokens served from the store, and
+whether each reply equals the same request sent alone (replies alone are taken once, from the
+last server, one at a time).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -31,6 +42,8 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_bench import PROMPTS, ROOT, free_port, percentile  # noqa: E402
+
+from specpair.server.worker import DEFAULT_MAX_BATCH_SIZE  # noqa: E402
 
 
 async def one(client: openai.AsyncOpenAI, model: str, category: str, prompt: str, max_new_tokens: int,
@@ -145,7 +158,125 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     if args.device:
         cmd += ["--device", args.device]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "engine") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    server = subprocess.Popen(cmd, env=env)
+    return wait_ready(subprocess.Popen(cmd, env=env), port)
+
+
+WORDS = ("service request cluster latency replica model token cache budget rollout gateway policy "
+         "release metric window prompt reply engine shadow draft target batch queue block").split()
+
+
+def system_prompt(tokens: int, salt: str = "") -> str:
+    """A deterministic system prompt of roughly `tokens` tokens (SmolLM2's tokenizer: ~1.1 a word)."""
+    words = [WORDS[(i * 7 + i // 5) % len(WORDS)] for i in range(int(tokens / 1.1))]
+    sentences = [" ".join(words[i:i + 12]).capitalize() + "." for i in range(0, len(words), 12)]
+    return f"{salt}You are the operations assistant of a serving platform. " + " ".join(sentences)
+
+
+def chat_request(client: openai.OpenAI, model: str, system: str, question: str, max_new_tokens: int) -> dict:
+    started = time.perf_counter()
+    first, text, usage = None, "", None
+    for chunk in client.chat.completions.create(
+            model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=max_new_tokens, temperature=0, stream=True, stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            text += chunk.choices[0].delta.content
+        if chunk.usage:
+            usage = chunk.usage
+    details = usage.prompt_tokens_details
+    return {"latency": time.perf_counter() - started, "ttft": (first or time.perf_counter()) - started,
+            "text": text, "tokens": usage.completion_tokens, "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": details.cached_tokens if details else 0}
+
+
+def shared_prefix_setting(args, base_url: str, system: str, questions: list[str]) -> dict:
+    client = openai.OpenAI(base_url=base_url, api_key=args.token, max_retries=0, timeout=1800)
+    model = client.models.list().data[0].id
+    chat_request(client, model, "Be brief.", "Hello", 8)                 # warm-up
+    own = system_prompt(args.shared_prefix, salt="Session 0. ")
+    cold = chat_request(client, model, own, "What does the cache hold?", 8)
+    cached = chat_request(client, model, own, "What does the queue hold?", 8)
+    results: list[dict] = [{}] * len(questions)
+
+    def send(i: int) -> None:
+        results[i] = chat_request(client, model, system, questions[i], args.max_new_tokens)
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(questions))]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    tokens = sum(r["tokens"] for r in results)
+    return {"requests": len(results), "prompt_tokens": results[0]["prompt_tokens"], "output_tokens": tokens,
+            "wall_seconds": round(wall, 2), "tokens_per_second": round(tokens / wall, 2),
+            "mean_latency": round(sum(r["latency"] for r in results) / len(results), 2),
+            "mean_ttft": round(sum(r["ttft"] for r in results) / len(results), 2),
+            "cached_tokens": sum(r["cached_tokens"] for r in results),
+            "ttft_cold": round(cold["ttft"], 3), "ttft_cached": round(cached["ttft"], 3),
+            "cached_of_the_cached_request": cached["cached_tokens"], "_texts": [r["text"] for r in results],
+            "_client": (client, model)}
+
+
+def shared_prefix_main(args) -> int:
+    """The --shared-prefix benchmark (module docstring)."""
+    concurrency = args.concurrency[0] if args.concurrency else 32
+    system = system_prompt(args.shared_prefix)
+    questions = [f"Request {i}: which {WORDS[i % len(WORDS)]} setting matters most, and why?"
+                 for i in range(concurrency)]
+    rows = []
+    solo: list[str] | None = None
+    settings = [(mode, batch) for mode in args.prefix_cache for batch in args.batch_sizes]
+    for n, (mode, batch) in enumerate(settings):
+        server, base_url = start_plain_server(args, batch, mode)
+        try:
+            row = shared_prefix_setting(args, base_url, system, questions)
+            client, model = row.pop("_client")
+            if n == len(settings) - 1:    # each request alone, one at a time
+                solo = [chat_request(client, model, system, q, args.max_new_tokens)["text"] for q in questions]
+        finally:
+            server.terminate()
+            server.wait(60)
+        row.update(prefix_cache=mode, max_batch_size=batch)
+        rows.append(row)
+        print(f"prefix cache {mode:>3}, batch {batch:>2}: {row['tokens_per_second']:6.1f} tok/s, mean latency "
+              f"{row['mean_latency']:.1f} s, TTFT cold {row['ttft_cold']:.2f} s / cached {row['ttft_cached']:.2f} s",
+              flush=True)
+    for row in rows:
+        texts = row.pop("_texts")
+        row["equal_solo"] = f"{sum(a == b for a, b in zip(texts, solo or []))}/{len(texts)}"
+    result = {"target": args.target, "concurrency": concurrency, "max_new_tokens": args.max_new_tokens,
+              "system_prompt_words": len(system.split()), "cpu_count": os.cpu_count(),
+              "load_average_after": os.getloadavg(), "rows": rows}
+    print(f"\n{args.target}: {concurrency} concurrent greedy chats sharing a {rows[0]['prompt_tokens']}-token "
+          f"prompt (system + question), {args.max_new_tokens} new tokens, HTTP (openai client)")
+    print("| prefix cache | max batch | tokens/s | mean latency s | mean TTFT s | TTFT cold s | TTFT cached s "
+          "| cached prompt tokens | equal solo |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['prefix_cache']} | {r['max_batch_size']} | {r['tokens_per_second']} | {r['mean_latency']} | "
+              f"{r['mean_ttft']} | {r['ttft_cold']} | {r['ttft_cached']} | {r['cached_tokens']} | {r['equal_solo']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def start_plain_server(args, max_batch_size: int, prefix_cache: str) -> tuple[subprocess.Popen, str]:
+    """The server as it ships but for its batch size and prefix cache (SPECPAIR_PREFIX_CACHE)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "specpair.server", "engine", "serve", "--target", args.target,
+           "--host", "127.0.0.1", "--port", str(free_port()), "--http-port", str(port), "--metrics-port", "-1",
+           "--insecure", "--max-batch-size", str(max_batch_size), "--max-queue", "256"]
+    if args.draft:
+        cmd += ["--draft", args.draft]
+    if args.device:
+        cmd += ["--device", args.device]
+    env = dict(os.environ, SPECPAIR_PREFIX_CACHE=prefix_cache,
+               PYTHONPATH=str(ROOT / "engine") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return wait_ready(subprocess.Popen(cmd, env=env), port)
+
+
+def wait_ready(server: subprocess.Popen, port: int) -> tuple[subprocess.Popen, str]:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -166,7 +297,8 @@ def main() -> int:
     parser.add_argument("--draft", help="draft model (default: the n-gram drafter)")
     parser.add_argument("--base-url", help="use a running engine's HTTP API instead of starting one")
     parser.add_argument("--token", default="none", help="bearer token, if the engine asks for one")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--concurrency", type=int, nargs="+",
+                        help="default 1 4 16; with --shared-prefix, one level: 32")
     parser.add_argument("--requests", type=int, default=0, help="requests per level (default: max(4, concurrency))")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--k", type=int, default=4)
@@ -174,8 +306,17 @@ def main() -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--vs-grpc", type=int, default=0, metavar="N",
                         help="then N rounds of one gRPC and one HTTP request, alternating (the front's overhead)")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                        help="chats sharing a system prompt of about this many tokens (see above)")
+    parser.add_argument("--prefix-cache", nargs="+", choices=["on", "off"], default=["on", "off"],
+                        help="with --shared-prefix: the server's prefix store, each in turn")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, DEFAULT_MAX_BATCH_SIZE],
+                        help="with --shared-prefix: the server's --max-batch-size, each in turn")
     args = parser.parse_args()
     args.grpc_address = None
+    if args.shared_prefix:
+        return shared_prefix_main(args)
+    args.concurrency = args.concurrency or [1, 4, 16]
 
     server, base_url = (None, args.base_url) if args.base_url else start_server(args)
     try:
