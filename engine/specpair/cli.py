@@ -52,8 +52,10 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
                    help="what to do when the draft's tokenizer differs from the target's")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--kv", choices=["static", "dynamic"], default=None,
-                   help="KV cache: static (preallocated, written in place; Llama-family models) or "
-                        "dynamic (Hugging Face's forward, any model). Default: SPECPAIR_KV, else static")
+                   help="KV cache: static (preallocated, written in place; Llama, Mistral, Qwen2, "
+                        "Qwen3; another model is refused when static is asked for) or dynamic "
+                        "(Hugging Face's forward, any model). Default: SPECPAIR_KV, else static, "
+                        "where the model runs it")
     p.add_argument("--compile", choices=["off", "on"], default=None,
                    help="compile the static step with torch.compile (warmed at start). "
                         "Default: SPECPAIR_COMPILE, else on for CUDA (CUDA graphs), off on the CPU")
