@@ -207,8 +207,8 @@ class SpeculativeEngine:
         """
         self.kv_kind = resolve_kv_kind(kv)
         for loaded in (target, draft):     # a model the static step cannot run: refused or said
-            if loaded is not None:
-                check_static_step(loaded.model, kv)
+            if loaded is not None and not getattr(loaded.model, "is_drafting_head", False):
+                check_static_step(loaded.model, kv)     # (a head's needs: drafter_choice)
         self.compile_mode = resolve_compile(compile, target.device)
         self.target = target
         self.config = speculation or SpeculationConfig()
