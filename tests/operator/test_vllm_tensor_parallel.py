@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from specpair.vllm_parallel import OMP_BIND_ENV, model_config, tensor_parallel_refusal
+from specpair.vllm_parallel import DEFAULT_TARGET_HEADS, OMP_BIND_ENV, model_config, tensor_parallel_refusal
 from specpair_operator import manifests, release
+from specpair_operator.validation import validate_spec
 
 PROMPTS = [{"prompt": "def fib(n):", "category": "code"}]
 
@@ -38,6 +39,27 @@ def test_a_config_without_head_counts_is_left_to_vllm(tmp_path):
     assert tensor_parallel_refusal({"model_type": "mamba"}, 2) is None
     # A multimodal config's text model is what is split.
     assert "9 attention heads" in tensor_parallel_refusal({"text_config": {"num_attention_heads": 9}}, 2)
+
+
+def test_the_default_target_s_heads_are_the_embedded_model_s():
+    """The one target whose heads the operator knows without a download: held to the real model."""
+    from specpair.models import resolve_source
+
+    config = model_config(resolve_source("default", progress=lambda *_: None))
+    assert {k: config[k] for k in DEFAULT_TARGET_HEADS} == DEFAULT_TARGET_HEADS
+
+
+@pytest.mark.parametrize("target, tensor, refused", [
+    ({"source": "default"}, 2, "spec.parallelism.tensor: Invalid value: 2: parallelism.tensor 2 does not divide the "
+                               "target's 9 attention heads"),
+    ({"source": "default"}, 3, None),
+    ({"source": "default"}, 1, None),
+    ({"source": "HuggingFaceTB/SmolLM2-135M"}, 2, None),     # not known here: its gate Job reads its config
+])
+def test_the_operator_refuses_a_split_of_a_target_it_knows(target, tensor, refused):
+    spec = {"engine": "vllm", "target": target, "draft": {"drafter": "ngram"}, "parallelism": {"tensor": tensor}}
+    errors = validate_spec(spec)
+    assert errors == [] if refused is None else (len(errors) == 1 and errors[0].startswith(refused))
 
 
 def test_the_gate_fails_a_split_the_heads_do_not_allow_before_starting_vllm(tiny_tokenizer, tmp_path, monkeypatch):
