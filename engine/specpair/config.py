@@ -235,6 +235,9 @@ class Release:
                    version=str(version) if version else None, content_hash=content_hash(release))
 
 
+SEED_LIMIT = 1 << 64    # a seed keys its draws as one 64-bit word (rejection_sampler.seed_key)
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """One request's decoding settings. temperature 0 means greedy."""
@@ -243,6 +246,8 @@ class GenerationParams:
     temperature: float = 0.0
     top_k: int = 0          # 0: no top-k filter
     top_p: float = 1.0      # 1.0: no nucleus filter
+    # A sampled reply with a seed draws each token by (seed, position): the same reply alone or
+    # in any batch, speculating or not. None: a random stream of its own.
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     speculation_k: int | None = None   # per-request override: None = engine's k, 0 = off
@@ -257,6 +262,8 @@ class GenerationParams:
             raise SpecpairError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise SpecpairError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise SpecpairError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.speculation_k is not None and self.speculation_k < 0:
             raise SpecpairError(f"speculation k must be >= 0 (0 = off), got {self.speculation_k}")
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -12,7 +12,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,8 +28,8 @@ from specpair.prefix_cache import (PrefixStats, PrefixStore, capacity_bytes, res
                                    reusable_blocks)
 from specpair.static_cache import (bucket, check_static_step, kv_model, resolve_compile,
                                    resolve_kv_kind, step_description)
-from specpair.rejection_sampler import (greedy_verify, process_logits, rejection_sample,
-                                        verify_tree)
+from specpair.rejection_sampler import (DrawKeys, greedy_verify, keyed_verify, process_logits,
+                                        rejection_sample, seed_key, verify_tree)
 from specpair.stats import AcceptanceStats, AcceptanceWindow
 from specpair.tokenizer_identity import fingerprint
 
@@ -94,7 +94,8 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: GenerationParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None    # an unseeded sampled row's stream; a seeded row draws by
+                                         # (seed, position) instead (Batch._sampling), greedy none
     dynamic_k: DynamicK
     # k for rounds that copy (LookupFirstDrafter): grown on runs as n-gram lookup's k is, apart
     # from the head's k, which its cost model keeps small
@@ -461,10 +462,9 @@ class Batch:
             ) -> Sequence:
         self.engine.validate(prompt_ids, params)
         generator = None
-        if not params.greedy:
+        if not params.greedy and params.seed is None:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed if params.seed is not None
-                                  else int(torch.randint(0, 2**62, (1,))))
+            generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
         seq = Sequence(request_id=request_id or f"req-{next(self.engine._ids)}",
                        prompt_ids=list(prompt_ids), params=params, generator=generator,
                        dynamic_k=DynamicK(self.engine.config, self.engine.cost_model),
@@ -680,16 +680,30 @@ class Batch:
     def _sampling(self) -> RowSampling:
         """The rows' sampling settings as device tensors, built again only when the rows change:
         three host-to-device copies every step were a visible share of a 2 ms GPU step, and
-        whether every row is greedy is known here without asking the device (docs/gpu.md)."""
+        whether every row is greedy is known here without asking the device (docs/gpu.md).
+
+        Seeded sampled rows draw by (seed, position) (rejection_sampler.keyed_sample): their keys,
+        with where each one's round starts this step, its next token's position. Its reply then
+        depends on nothing but its prompt, settings and seed: not on its batch, on how many
+        tokens a round drafts, or on whether it speculates."""
         if self._row_sampling is None:
             params = [s.params for s in self.rows]
+            keyed = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+            keys = DrawKeys(rows=keyed, seeds=torch.tensor([seed_key(params[i].seed) for i in keyed],
+                                                           dtype=torch.long, device=self.device),
+                            start=torch.zeros(len(keyed), dtype=torch.long, device=self.device))
             self._row_sampling = RowSampling(
                 temperature=torch.tensor([p.temperature for p in params], device=self.device),
                 top_k=torch.tensor([p.top_k for p in params], device=self.device),
                 top_p=torch.tensor([p.top_p for p in params], device=self.device),
                 generators=[s.generator for s in self.rows],
-                greedy=all(p.temperature <= 0 for p in params))
-        return self._row_sampling
+                greedy=all(p.temperature <= 0 for p in params), keys=keys if keyed else None)
+        sampling = self._row_sampling
+        if sampling.keys is not None:
+            start = [len(self.rows[i].tokens) for i in sampling.keys.rows]
+            sampling = replace(sampling, keys=replace(
+                sampling.keys, start=torch.tensor(start, dtype=torch.long, device=self.device)))
+        return sampling
 
     def _on_device(self, call, *args, **kwargs):
         """A model call, waited for, its time counted as the model's (StepTiming)."""
@@ -743,14 +757,20 @@ class Batch:
         if not sampling.all_greedy:
             greedy_rows = sampling.temperature <= 0
             p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-            if q is None:   # deterministic drafter: point masses on its tokens
-                q = torch.zeros(B, K, p.shape[-1], device=self.device, dtype=p.dtype)
-                if K:
-                    q.scatter_(-1, drafts.unsqueeze(-1), 1.0)
-            q = q[:, :K].to(p.dtype)
-            s_acc, s_next = rejection_sample(p, q, drafts, num, sampling.generators)
-            accepted = torch.where(greedy_rows, accepted, s_acc)
-            next_token = torch.where(greedy_rows, next_token, s_next)
+            if any(g is not None for g in sampling.generators):    # unseeded sampled rows
+                if q is None:   # deterministic drafter: point masses on its tokens
+                    q = torch.zeros(B, K, p.shape[-1], device=self.device, dtype=p.dtype)
+                    if K:
+                        q.scatter_(-1, drafts.unsqueeze(-1), 1.0)
+                q = q[:, :K].to(p.dtype)
+                s_acc, s_next = rejection_sample(p, q, drafts, num, sampling.generators)
+                accepted = torch.where(greedy_rows, accepted, s_acc)
+                next_token = torch.where(greedy_rows, next_token, s_next)
+            keys = sampling.keys
+            if keys is not None:      # seeded rows: the target's keyed draws decide
+                rows = keys.rows
+                accepted[rows], next_token[rows] = keyed_verify(p[rows], drafts[rows], num[rows],
+                                                                keys.seeds, keys.start)
         # One read of the device for both (each read waits for the stream).
         accepted_l, next_l = torch.stack((accepted, next_token)).tolist()
         return accepted_l, next_l, features
@@ -821,7 +841,7 @@ class Batch:
         accepted, branches, nexts = verify_tree(
             chain_logits, sibling_logits.view(B, -1, S, V)[:, :K], drafts[:, :K], siblings[:, :K],
             num, sampling.temperature, sampling.top_k, sampling.top_p,
-            None if q is None else q[:, :K], sampling.generators)
+            None if q is None else q[:, :K], sampling.generators, sampling.keys)
         kept, fed_kept, moves = [], [], []
         for i, (a, b) in enumerate(zip(accepted, branches)):
             m, n = pending[i], nums[i]

@@ -28,7 +28,7 @@ from specpair.errors import SpecpairError
 from specpair import cpu_kernels
 from specpair.static_cache import (StepGraphs, bucket, compiled_function, cuda_graphs_wanted,
                                    fixed_step_applies, kv_model, resolve_compile, to_device)
-from specpair.rejection_sampler import process_logits, sample_next
+from specpair.rejection_sampler import DrawKeys, keyed_alternatives, process_logits, sample_next
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class RowSampling:
     top_p: torch.Tensor             # [B]
     generators: list                # [B] torch.Generator or None
     greedy: bool | None = None      # every row greedy, when the caller knows it without the device
+    keys: DrawKeys | None = None    # seeded rows: they draw by (seed, position) instead, the
+                                    # draft as the target does (rejection_sampler.keyed_sample)
 
     @property
     def all_greedy(self) -> bool:
@@ -299,15 +301,16 @@ def choose_draft_tokens(logits: torch.Tensor, j: int, ks: list[int], sampling: R
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft position j's tokens from logits [B, V] and their distributions q (None when every
     row is greedy: greedy verification never reads q). Greedy rows take the argmax; the others
-    draw from q with their own generator, and only while still drafting, so a seeded row's random
-    stream does not depend on the other rows' k (batch-independent sampling)."""
+    draw from q with their own generator, and only while still drafting, so a row's random
+    stream does not depend on the other rows' k; seeded rows draw with the key of position j,
+    the noise the target's draw there uses, so the two draws agree where p and q do."""
     if sampling.all_greedy:
         return logits.argmax(-1), None
     q = process_logits(logits.unsqueeze(1), sampling.temperature, sampling.top_k,
                        sampling.top_p).squeeze(1)
     gens = [g if j < k else None for g, k in zip(sampling.generators, ks)]
     drafting = torch.tensor([j < k for k in ks], device=logits.device)
-    sampled = torch.where(drafting, sample_next(q, gens), logits.argmax(-1))
+    sampled = torch.where(drafting, sample_next(q, gens, sampling.keys, j), logits.argmax(-1))
     greedy = sampling.temperature.to(logits.device) <= 0
     return torch.where(greedy, logits.argmax(-1), sampled), q
 
@@ -317,7 +320,8 @@ def choose_siblings(logits: torch.Tensor, chosen: torch.Tensor, q: torch.Tensor 
     """`count` alternatives [B, count] to position j's chosen tokens, for a token tree: a greedy
     row's next most likely tokens; a sampled row's further independent draws from q (what keeps
     the tree's sampler exact, rejection_sampler.verify_tree), with its own generator and only
-    while it drafts. Rows past their k get zeros (never verified)."""
+    while it drafts; a seeded row's next ranked tokens under its keyed noise. Rows past their k
+    get zeros (never verified)."""
     B = logits.shape[0]
     out = torch.zeros(B, count, dtype=torch.long, device=logits.device)
     greedy = (sampling.temperature <= 0).tolist()
@@ -326,9 +330,15 @@ def choose_siblings(logits: torch.Tensor, chosen: torch.Tensor, q: torch.Tensor 
         top = masked.topk(count, dim=-1).indices
         rows = torch.tensor(greedy, device=logits.device).view(B, 1)
         out = torch.where(rows, top, out)
+    keys = sampling.keys
+    keyed = keys.rows if keys is not None else []
     for i, g in enumerate(sampling.generators):
-        if not greedy[i] and j < ks[i]:
+        if not greedy[i] and j < ks[i] and i not in keyed:
             out[i] = torch.multinomial(q[i], count, replacement=True, generator=g)
+    at = [r for r, i in enumerate(keyed) if j < ks[i]]
+    if at:
+        rows = [keyed[r] for r in at]
+        out[rows] = keyed_alternatives(q[rows], keys.seeds[at], keys.start[at] + j, chosen[rows], count)
     return out
 
 

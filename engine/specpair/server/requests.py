@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from google.protobuf.descriptor import FieldDescriptor
 
 from specpair import contract
-from specpair.config import GenerationParams
+from specpair.config import SEED_LIMIT, GenerationParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 CATEGORY_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -28,7 +28,6 @@ DEFAULT_MAX_NEW_TOKENS = 64
 MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 100.0
 MAX_SPECULATION_K = 32
-SEED_LIMIT = 1 << 64          # a torch.Generator takes seeds in [0, 2**64)
 
 
 class InvalidField(Exception):
