@@ -254,11 +254,13 @@ def _check(value: Any, schema: dict[str, Any], path: str, errors: list[str]) -> 
         for name, sub in (schema.get("properties") or {}).items():
             if name in value:
                 _check(value[name], sub, f"{path}.{name}", errors)
-    # Rules on objects and on strings (a model source's own) alike.
+    # Rules on objects and on strings (a model source's own) alike; the API server shows a
+    # string's value, not an object's.
     for rule in schema.get("x-kubernetes-validations") or []:
         check = CEL_EQUIVALENTS.get(rule["rule"])
         if check is not None and not check(value):
-            errors.append(f'{path}: Invalid value: {rule.get("message") or rule["rule"]}')
+            shown = f"{_show(value)}: " if isinstance(value, str) else ""
+            errors.append(f'{path}: Invalid value: {shown}{rule.get("message") or rule["rule"]}')
     if isinstance(value, list) and "maxItems" in schema and len(value) > schema["maxItems"]:
         errors.append(f"{path}: Too many: {len(value)}: must have at most {schema['maxItems']} items")
     if isinstance(value, list) and "items" in schema:

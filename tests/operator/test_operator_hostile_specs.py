@@ -228,6 +228,17 @@ def code_pair(name: str, draft: str, **spec: Any) -> dict[str, Any]:
     {"drift": {"latency": {"tpotP95Ratio": 0.5, "minRequests": 5}}},
     {"gating": {"tuning": {"kValues": [0, 17]}}},
     {"gating": {"tuning": {"batchSizes": list(range(1, 10))}}},
+    # Model sources the model-cache fill Job would read outside the cache with (issue 54).
+    {"target": {"source": "mlflow:file:///var/run/secrets"}},
+    {"target": {"source": "mlflow:/etc"}},
+    {"draft": {"source": "mlflow:."}},
+    {"draft": {"source": "mlflow:.."}},
+    {"target": {"source": "models:/chat/../other"}},
+    # A token Secret that is another pair's certificate, the CA, a key file, or another namespace's.
+    {"rollout": {"auth": {"tokenSecretRef": {"name": "other-engine-tls", "key": "tls.key"}}}},
+    {"rollout": {"auth": {"tokenSecretRef": {"name": "specpair-operator-ca"}}}},
+    {"rollout": {"auth": {"tokenSecretRef": {"name": "serving-token", "key": "ca.crt"}}}},
+    {"rollout": {"auth": {"tokenSecretRef": {"name": "serving-token", "namespace": "kube-system"}}}},
 ])
 def test_references_and_ports_are_refused_by_the_api_server_and_the_operator_in_the_same_words(env, change):
     """Nothing a pair names can leave its namespace: the API server refuses such a pair, and the

@@ -48,14 +48,14 @@ def test_remote_mlflow_and_other_sources_pass_the_fetch_rule(source):
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_the_operator_refuses_a_local_mlflow_source_naming_the_field(role, source):
     errors = validate_spec(spec(**{role: source}))
-    assert any(e.startswith(f"spec.{role}.source: Invalid value: an mlflow: source must be a remote artifact URI")
-               for e in errors), errors
+    says = f"spec.{role}.source: Invalid value: {json.dumps(source)}: an mlflow: source must be a remote artifact URI"
+    assert any(e.startswith(says) for e in errors), errors
 
 
 @pytest.mark.parametrize("source", DOTTED)
 def test_the_operator_refuses_a_dot_segment(source):
     errors = validate_spec(spec(target=source))
-    assert f"spec.target.source: Invalid value: an MLflow source may not have a '.' or '..' path segment: " \
+    assert f"spec.target.source: Invalid value: {json.dumps(source)}: an MLflow source may not have a '.' or '..' path segment: " \
            f"it names its own model's folder" in errors, errors
 
 
