@@ -185,13 +185,12 @@ MAX_SPEC_BYTES = 96 * 1024
 
 def _engine_limit_rules() -> dict[str, Callable[[Any], bool]]:
     """rollout.kvBudget and rollout.maxBatchSize (the specpair engine's --kv-budget and
-    --max-batch-size, manifests.engine_limit_flags): their CEL rules, as Python."""
+    --max-batch-size, manifests.engine_limit_flags): their CEL rule, as Python (their bounds and
+    pattern are the schema's, checked by _check)."""
     return {
         "!has(self.engine) || self.engine != 'vllm' || !has(self.rollout) || "
         "(!has(self.rollout.kvBudget) && !has(self.rollout.maxBatchSize))":
             lambda o: o.get("engine") != "vllm" or not ({"kvBudget", "maxBatchSize"} & set(_obj(o, "rollout"))),
-        "type(self) == string || self >= 1": lambda v: isinstance(v, str) or not _number(v) or v >= 1,
-        "self >= 1 && self <= 256": lambda v: not _number(v) or 1 <= v <= 256,
     }
 
 
@@ -215,7 +214,7 @@ def validate_spec(spec: Any) -> list[str]:
     """Every violation, each as the API server words it (empty: valid)."""
     errors: list[str] = []
     _check(spec, spec_schema(), "spec", errors)
-    errors += spec_size_refusals(spec)
+    errors += spec_size_refusals(spec) if not errors else []   # the operator's own bound, past the CRD's
     from .engine_limits import refusals  # it reads this module's CRD defaults: imported at the call
     errors += refusals(spec) if not errors else []  # what the pair's engine cannot do (engine_limits.py)
     return errors
