@@ -22,7 +22,8 @@ against the server as it ships (its own drafter and speculation threshold), one 
 time to first token of a cold request and of one whose system prompt the prefix store serves (a
 system prompt of its own, sent twice in turn), the prompt tokens served from the store, and
 whether each reply equals the same request sent alone (replies alone are taken once, from the
-last server, one at a time).
+last server, one at a time: with the default order a prefix-cached one, where they cost only their
+decoding; tests/engine/test_engine_prefix_reuse.py shows a cached reply is the cold one).
 """
 
 from __future__ import annotations
@@ -308,7 +309,7 @@ def main() -> int:
                         help="then N rounds of one gRPC and one HTTP request, alternating (the front's overhead)")
     parser.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
                         help="chats sharing a system prompt of about this many tokens (see above)")
-    parser.add_argument("--prefix-cache", nargs="+", choices=["on", "off"], default=["on", "off"],
+    parser.add_argument("--prefix-cache", nargs="+", choices=["on", "off"], default=["off", "on"],
                         help="with --shared-prefix: the server's prefix store, each in turn")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, DEFAULT_MAX_BATCH_SIZE],
                         help="with --shared-prefix: the server's --max-batch-size, each in turn")
