@@ -196,6 +196,7 @@ def _engine_limit_rules() -> dict[str, Callable[[Any], bool]]:
 
 CEL_EQUIVALENTS.update(_engine_limit_rules())
 
+
 def spec_size_refusals(spec: Any) -> list[str]:
     """The spec's size as a violation (empty: it fits MAX_SPEC_BYTES)."""
     size = len(json.dumps(spec, separators=(",", ":"), ensure_ascii=False).encode())
