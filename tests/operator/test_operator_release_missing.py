@@ -127,3 +127,45 @@ def test_with_no_attempt_left_it_stalls_with_the_reason():
 ])
 def test_nothing_is_lost_otherwise(changes):
     assert p.release_lost(lost_world(**changes)) == ""
+
+
+# -- against real MLflow, on the real control plane -------------------------------------------------
+
+@pytest.mark.slow
+def test_deleting_the_registered_model_behind_a_serving_pair_regates_it_while_the_engine_serves(env, mlflow_server):
+    from kopf.testing import KopfRunner
+    from mlflow import MlflowClient
+
+    from cluster_env import OPERATOR, REPLACE, cond, engine_pods, model_name, pair, serving
+
+    ns = env
+    name = f"lost-{uuid.uuid4().hex[:5]}"
+    model = model_name(ns, name)
+    mlflow = MlflowClient(mlflow_server.url)
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(pair(name, "good-draft", rollout=REPLACE))
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
+        serving_pods = {pod["metadata"]["uid"] for pod in engine_pods(ns)}
+        ns.wait_for("the gate Job complete", lambda: all(
+            any(c["type"] == "Complete" and c["status"] == "True" for c in (j.get("status") or {}).get("conditions") or [])
+            for j in ns.list("batch/v1", "Job")), timeout=60)
+
+        mlflow.delete_registered_model(model)
+        obj = ns.wait_for("the lost release said", lambda: (o := ns.pair(name)) and any(
+            h["action"] == p.RELEASE_MISSING for h in o["status"].get("history") or []) and o, timeout=90)
+        (entry,) = [h for h in obj["status"]["history"] if h["action"] == p.RELEASE_MISSING]
+        assert "MLflow has no gate verdict for v1" in entry["reason"] and "gated again" in entry["reason"]
+        ns.wait_for_event(p.RELEASE_MISSING, "the engine keeps serving its release meanwhile")
+
+        obj = ns.wait_for("v1 serving again from the model made anew", lambda: serving(ns, name, "1")
+                          and mlflow.get_registered_model(model).aliases.get("champion") == "1"
+                          and ns.pair(name), timeout=120)
+        assert cond(obj, "Gated")["status"] == "True" and cond(obj, "Stalled")["status"] == "False"
+        assert mlflow.get_model_version(model, "1").tags["specpair.gate.status"] == "passed"
+        assert sorted(j["metadata"]["name"] for j in ns.list("batch/v1", "Job")) == [
+            manifests.gate_job_name(name, obj["status"]["contentHash"], 1),
+            manifests.gate_job_name(name, obj["status"]["contentHash"], 2)]
+        # The engine served throughout: the same pods, never rolled.
+        assert {pod["metadata"]["uid"] for pod in engine_pods(ns)} == serving_pods
+        assert not ns.events("VerdictMismatch")
+    assert runner.exception is None
