@@ -373,7 +373,7 @@ KV_BUDGET_UNITS = {"": "B", "k": "KB", "M": "MB", "G": "GB", "T": "TB",
                    "Ki": "KiB", "Mi": "MiB", "Gi": "GiB", "Ti": "TiB"}
 
 
-def kv_budget_flag(quantity: int | str) -> str:
+def engine_kv_budget(quantity: int | str) -> str:
     """rollout.kvBudget (bytes: an integer or "2Gi", "512Mi", "4G") as the engine's --kv-budget."""
     text = str(quantity)
     digits = text.rstrip("".join(set("".join(KV_BUDGET_UNITS))))
@@ -385,7 +385,7 @@ def engine_limit_flags(rollout: dict[str, Any]) -> list[str]:
     engine's own defaults (none passed)."""
     flags = []
     if rollout.get("kvBudget") is not None:
-        flags += ["--kv-budget", kv_budget_flag(rollout["kvBudget"])]
+        flags += ["--kv-budget", engine_kv_budget(rollout["kvBudget"])]
     if rollout.get("maxBatchSize") is not None:
         flags += ["--max-batch-size", str(int(rollout["maxBatchSize"]))]
     return flags
