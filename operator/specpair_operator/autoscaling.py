@@ -12,8 +12,8 @@ requests, streamed tokens per second, the share of the KV cache in use, and the 
 `rollout.autoscaling.metric` name means the same on both engines; SIGNALS maps it to each
 engine's series (the specpair engine's engine/specpair/server/metrics.py, vLLM's
 vllm/v1/metrics/loggers.py), and a metric an engine cannot export is refused
-(`metric_refusal`, called from validation) rather than written into an autoscaler that never
-scales. KEDA reads them from Prometheus with a query over the pair's pods; an HPA reads one
+(`metric_refusal`, which the operator's spec check calls through engine_limits.refusals) rather
+than written into an autoscaler that never scales. KEDA reads them from Prometheus with a query over the pair's pods; an HPA reads one
 series per pod through the custom metrics API (prometheus-adapter's default rules serve a gauge
 under its own name and a `_total` counter as its per-second rate without the suffix), so it
 averages them itself, and a signal made of several series needs KEDA.

@@ -237,6 +237,55 @@ def test_every_query_parses_as_promql():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def _promtool() -> str:
+    promtool = shutil.which("promtool", path=os.environ.get("SPECPAIR_PROMETHEUS_BIN"))
+    if promtool is None:
+        pytest.skip("promtool not built here (scripts/build-prometheus.sh; scripts/test.sh builds it)")
+    return promtool
+
+
+@pytest.mark.parametrize("engine", ["specpair", "vllm"])
+def test_effective_load_rises_as_acceptance_collapses_in_prometheus(engine, tmp_path):
+    """Prometheus' own engine (promtool's rule tests) evaluates the effectiveLoad query over series
+    named and labelled as each engine exports them: 6 requests waiting on a pair whose steps yield
+    3 tokens (200 of every 300 emitted were accepted drafts) are a load of 2; the same queue at
+    acceptance collapsed (20 of 300) is 6 / (300 / 280) = 5.6; without accepted drafts, 6. Another
+    pair's pods, and the same pair's in another namespace, are not counted."""
+    from specpair.vllm_serve import identity_name
+
+    names = {"specpair": ("specpair_num_requests_waiting", "specpair_num_emitted_tokens_total",
+                          "specpair_num_accepted_tokens_total"),
+             "vllm": ("vllm:num_requests_waiting", "vllm:generation_tokens_total",
+                      "vllm:spec_decode_num_accepted_tokens_total")}[engine]
+
+    def labels(pair: str, namespace: str = "team-a", pod: str = "p0") -> str:
+        own = (f'pair="{pair}",version="3",category="general"' if engine == "specpair" else
+               f'model_name="{identity_name(pair, "3", "ab" * 32, True)}",engine="0"')
+        return f'{{namespace="{namespace}",pod="{pod}",{own}}}'
+
+    def pods(pair: str, waiting: int, accepted: int | None, namespace: str = "team-a") -> list[dict]:
+        """Two pods of `pair`, each with half the queue, 300 tokens emitted per 15 s and `accepted`
+        of them accepted drafts (None: no such series)."""
+        out = []
+        for pod in ("p0", "p1"):
+            out += [{"series": names[0] + labels(pair, namespace, pod), "values": f"{waiting // 2}x20"},
+                    {"series": names[1] + labels(pair, namespace, pod), "values": "0+300x20"}]
+            if accepted is not None:
+                out.append({"series": names[2] + labels(pair, namespace, pod), "values": f"0+{accepted}x20"})
+        return out
+    noise = pods("other", 100, 10) + pods("chat", 100, 10, namespace="team-b")
+    effective = query("chat", "team-a", "effectiveLoad", engine)
+    tests = [{"interval": "15s", "input_series": pods("chat", 6, accepted) + noise, "promql_expr_test": [{
+        # Compared within 1e-9, not bit for bit: rate() extrapolates.
+        "expr": f"abs(({effective}) - {expected}) < bool 1e-9", "eval_time": "5m",
+        "exp_samples": [{"labels": "{}", "value": 1}]}]}
+        for accepted, expected in ((200, 2), (20, 6 / (300 / 280)), (None, 6), (0, 6))]
+    (tmp_path / "rules.yaml").write_text("groups: []\n")
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "tests": tests}))
+    out = subprocess.run([_promtool(), "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 @pytest.fixture
 def keda_installed(devcluster):
     """KEDA's ScaledObject CRD as KEDA ships it (its Go module), removed again after the test: an
@@ -255,6 +304,16 @@ def test_the_api_server_accepts_both_autoscalers(devcluster, ns, keda_installed)
                                  labels={"app.kubernetes.io/name": "specpair-engine"})
         created = kube.request("POST", resource_path(obj["apiVersion"], plural, ns.name), body=obj)
         assert created["spec"]["scaleTargetRef"]["kind"] == "SpecModelPair"
+    # A vLLM pair's: an HPA on a per-pod series named with vLLM's colon, a ScaledObject on the
+    # effective load's query.
+    for metric, keda, plural in (("queueLength", False, "horizontalpodautoscalers"),
+                                 ("effectiveLoad", True, "scaledobjects")):
+        vllm = Autoscaling.from_spec({"engine": "vllm", "rollout": {"autoscaling": {**SCALED, "metric": metric}}})
+        obj = desired_autoscaler("served-by-vllm", ns.name, vllm, keda=keda, default_prometheus="http://prom:9090",
+                                 labels={})
+        created = kube.request("POST", resource_path(obj["apiVersion"], plural, ns.name), body=obj)
+        key = "triggers" if keda else "metrics"
+        assert created["spec"][key] == obj["spec"][key]
     # The server's schema refuses what KEDA would never run (a strict field check, not ours).
     bad = desired_autoscaler("other", ns.name, scaling, keda=True, default_prometheus="http://prom:9090", labels={})
     bad["spec"]["minReplicaCount"] = "one"
