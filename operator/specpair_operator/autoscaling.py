@@ -89,8 +89,8 @@ SIGNALS: dict[str, Signal] = {
         SPECPAIR: Series("sum(rate(specpair_num_emitted_tokens_total{{{selector}}}[{window}]))",
                          "specpair_num_emitted_tokens"),
         VLLM: Series("sum(rate(vllm:generation_tokens_total{{{selector}}}[{window}]))", "vllm:generation_tokens")}),
-    # The specpair engine has a KV budget on CUDA (by default; on the CPU only with --kv-budget,
-    # which the operator does not pass), vLLM always (its KV cache blocks).
+    # The specpair engine has a KV budget on CUDA (by default) or with rollout.kvBudget (its
+    # --kv-budget), vLLM always (its KV cache blocks).
     "kvCacheUsage": Signal("share of the KV cache the running requests hold", {
         SPECPAIR: Series("sum(specpair_kv_cache_usage_ratio{{{selector}}})", "specpair_kv_cache_usage_ratio"),
         VLLM: Series("sum(vllm:kv_cache_usage_perc{{{selector}}})", "vllm:kv_cache_usage_perc")}),
@@ -131,10 +131,13 @@ def metric_refusal(spec: Mapping[str, Any]) -> str | None:
     if engine not in signal.engines:
         return (f"rollout.autoscaling.metric {metric} ({signal.meaning}) is not a series engine {engine} exports; "
                 f"engine {engine} offers {', '.join(m for m, s in SIGNALS.items() if engine in s.engines)}")
-    if metric == "kvCacheUsage" and engine == SPECPAIR and not manifests._has_gpu(dict(spec.get("rollout") or {})):
+    rollout = dict(spec.get("rollout") or {})
+    if metric == "kvCacheUsage" and engine == SPECPAIR and not manifests._has_gpu(rollout) \
+            and rollout.get("kvBudget") is None:
         return (f"rollout.autoscaling.metric {metric}: engine {engine} exports specpair_kv_cache_usage_ratio only "
-                f"with a KV budget, which it has on a GPU (rollout.resources names none): the autoscaler would never "
-                f"scale; use queueLength, runningRequests, tokensPerSecond or effectiveLoad")
+                f"with a KV budget, which it has on a GPU or with rollout.kvBudget (this pair has neither): the "
+                f"autoscaler would never scale; set rollout.kvBudget, or use queueLength, runningRequests, "
+                f"tokensPerSecond or effectiveLoad")
     return None
 
 

@@ -198,9 +198,11 @@ def test_effective_load_divides_the_queue_by_the_tokens_a_step_yields():
 @pytest.mark.parametrize("pair, refused", [
     ({"rollout": {"autoscaling": {**SCALED, "metric": "kvCacheUsage"}}},
      'spec.rollout.autoscaling.metric: Invalid value: "kvCacheUsage": rollout.autoscaling.metric kvCacheUsage: '
-     "engine specpair exports specpair_kv_cache_usage_ratio only with a KV budget, which it has on a GPU"),
+     "engine specpair exports specpair_kv_cache_usage_ratio only with a KV budget, which it has on a GPU or with "
+     "rollout.kvBudget (this pair has neither)"),
     ({"rollout": {"autoscaling": {**SCALED, "metric": "kvCacheUsage"}, "resources": {"limits": {"nvidia.com/gpu": 1}}}},
      None),
+    ({"rollout": {"autoscaling": {**SCALED, "metric": "kvCacheUsage"}, "kvBudget": "512Mi"}}, None),
     ({"engine": "vllm", "rollout": {"autoscaling": {**SCALED, "metric": "kvCacheUsage"}}}, None),
     ({"engine": "vllm", "rollout": {"autoscaling": {**SCALED, "metric": "effectiveLoad"}}}, None),
 ])
