@@ -123,14 +123,43 @@ def test_operator_lock_satisfies_the_operator_extra_with_mlflow_skinny():
     assert not {"mlflow", "pandas", "pyarrow", "scipy", "torch"} & pins.keys()
 
 
-def test_engine_lock_satisfies_the_engine_extra_with_the_tested_torch():
-    torch_pin = [line for line in (LOCKS / "engine.in").read_text().splitlines() if line.startswith("torch==")]
-    _satisfied("engine-cuda.txt", "engine", torch_pin)
-    # The same torch as scripts/setup.sh installs for the tests.
+def test_engine_lock_satisfies_the_engine_extra_with_its_pins():
+    pins = [line for line in (LOCKS / "engine.in").read_text().splitlines() if "==" in line and not line.startswith("#")]
+    _satisfied("engine-cuda.txt", "engine", pins)
+    # The CPU image runs the torch scripts/setup.sh installs for the tests.
     (setup_pin,) = re.findall(r"^\s*pip_install torch==([\w.]+)$", (REPO_ROOT / "scripts" / "setup.sh").read_text(),
                               flags=re.M)
-    assert torch_pin == [f"torch=={setup_pin}"]
     assert f"torch=={setup_pin}+cpu" in (LOCKS / "engine-cpu.in").read_text()
+
+
+def _measured_gpu_stacks() -> dict[str, tuple[str, str]]:
+    """Each GPU run docs/gpu.md records, by its date: (torch, transformers) as the run names them
+    ("One NVIDIA ..., torch 2.11.0+cu130, transformers 5.17.0, bf16, ... on 2026-11-27")."""
+    text = (REPO_ROOT / "docs" / "gpu.md").read_text()
+    stacks = {}
+    for paragraph in re.split(r"\n\s*\n", text):
+        if not paragraph.startswith("One NVIDIA"):
+            continue
+        torch_version = re.search(r"torch (\d[\w.]*?)(?:\+\w+)?,", paragraph)
+        transformers_version = re.search(r"transformers (\d[\w.]*?),", paragraph)
+        day = re.search(r"on (\d{4}-\d{2}-\d{2})", paragraph)
+        assert torch_version and transformers_version and day, f"a GPU run without its stack or date: {paragraph[:160]}"
+        stacks[day.group(1)] = (torch_version.group(1), transformers_version.group(1))
+    return stacks
+
+
+def test_cuda_image_ships_the_stack_the_gpu_figures_were_measured_with():
+    """Issue 51: the image a GPU node runs is the stack its figures describe. When the newest
+    GPU run in docs/gpu.md names another torch or transformers than the CUDA lock, either the
+    figures were taken on a stack nobody ships or the image moved away from the figures."""
+    stacks = _measured_gpu_stacks()
+    assert stacks, "docs/gpu.md records no GPU run"
+    newest = stacks[max(stacks)]
+    pins = _lock("engine-cuda.txt")
+    shipped = (str(pins["torch"][0]), str(pins["transformers"][0]))
+    assert shipped == newest, (f"the CUDA image ships torch/transformers {shipped}, the newest GPU figures "
+                               f"({max(stacks)}) were measured with {newest}: re-take them or re-pin "
+                               "deploy/requirements/engine.in and run compile.sh engine-cuda")
 
 
 def test_operator_image_imports_only_what_mlflow_skinny_provides():
