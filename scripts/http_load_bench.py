@@ -226,14 +226,14 @@ def shared_prefix_main(args) -> int:
     questions = [f"Request {i}: which {WORDS[i % len(WORDS)]} setting matters most, and why?"
                  for i in range(concurrency)]
     rows = []
-    solo: list[str] | None = None
+    solo: list[str] | None = json.loads(Path(args.solo_from).read_text())["solo"] if args.solo_from else None
     settings = [(mode, batch) for mode in args.prefix_cache for batch in args.batch_sizes]
     for n, (mode, batch) in enumerate(settings):
         server, base_url = start_plain_server(args, batch, mode)
         try:
             row = shared_prefix_setting(args, base_url, system, questions)
             client, model = row.pop("_client")
-            if n == len(settings) - 1:    # each request alone, one at a time
+            if n == len(settings) - 1 and solo is None:    # each request alone, one at a time
                 solo = [chat_request(client, model, system, q, args.max_new_tokens)["text"] for q in questions]
         finally:
             server.terminate()
@@ -248,7 +248,7 @@ def shared_prefix_main(args) -> int:
         row["equal_solo"] = f"{sum(a == b for a, b in zip(texts, solo or []))}/{len(texts)}"
     result = {"target": args.target, "concurrency": concurrency, "max_new_tokens": args.max_new_tokens,
               "system_prompt_words": len(system.split()), "cpu_count": os.cpu_count(),
-              "load_average_after": os.getloadavg(), "rows": rows}
+              "load_average_after": os.getloadavg(), "rows": rows, "solo": solo}
     print(f"\n{args.target}: {concurrency} concurrent greedy chats sharing a {rows[0]['prompt_tokens']}-token "
           f"prompt (system + question), {args.max_new_tokens} new tokens, HTTP (openai client)")
     print("| prefix cache | max batch | tokens/s | mean latency s | mean TTFT s | TTFT cold s | TTFT cached s "
@@ -313,6 +313,8 @@ def main() -> int:
                         help="with --shared-prefix: the server's prefix store, each in turn")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, DEFAULT_MAX_BATCH_SIZE],
                         help="with --shared-prefix: the server's --max-batch-size, each in turn")
+    parser.add_argument("--solo-from", metavar="JSON",
+                        help="with --shared-prefix: the replies alone from an earlier run's --json")
     args = parser.parse_args()
     args.grpc_address = None
     if args.shared_prefix:
