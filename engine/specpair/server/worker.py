@@ -30,9 +30,10 @@ from specpair.stats import AcceptanceStats, AcceptanceWindow, RequestMoments
 
 log = logging.getLogger("specpair.server")
 
-# Requests decoded together unless --max-batch-size says otherwise: what the engine carries on
-# the CPU (docs/measurements/2026-12-06-prefix-batch-cpu.md: 32 concurrent chats sharing a system
-# prompt, SmolLM2, 2 cores), where 8 left three quarters of the requests queued behind the first.
+# Requests decoded together unless --max-batch-size says otherwise. 32: a platform's load of 32
+# concurrent chats runs as one batch, where 8 kept three quarters of them queued behind the first
+# (the figures, taken on a busy machine: docs/measurements/2026-12-06-prefix-batch-cpu.md); 64
+# greedy streams at once equal their solo replies (tests/server/test_server_prefix_reuse.py).
 DEFAULT_MAX_BATCH_SIZE = 32
 
 
