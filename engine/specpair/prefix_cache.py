@@ -74,7 +74,8 @@ def block_keys(identity: str, tokens: list[int], block: int = BLOCK_TOKENS) -> l
 
 @dataclass
 class PrefixStats:
-    """Prompt tokens looked up in the store and served from it, since start."""
+    """A model's prompt tokens looked up in the store and served from it, since start (the
+    engine's count of its target's, SpeculativeEngine.prefix_stats)."""
 
     looked_up: int = 0
     served: int = 0
@@ -91,7 +92,6 @@ class PrefixStore:
         self.capacity, self.block = capacity, block
         self.bytes = 0
         self._blocks: OrderedDict[bytes, tuple[object, int]] = OrderedDict()   # LRU first
-        self.stats = PrefixStats()
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -113,8 +113,6 @@ class PrefixStore:
             run.append(key)
         for key in reversed(run):
             self._blocks.move_to_end(key)
-        self.stats.looked_up += prompt_tokens
-        self.stats.served += len(run) * self.block
         return [self._blocks[key][0] for key in run]
 
     def missing(self, keys: list[bytes]) -> list[int]:
