@@ -23,6 +23,7 @@ from cluster_env import OPERATOR, STANDIN_IMAGE, Namespace, World, cond, engine_
 from cluster_env import REPLACE, pair, serving, set_spec
 from specpair_devcluster.client import ApiError
 from specpair_operator.gate_record import GateRecord
+from specpair_operator.registry_contract import gate_experiment
 
 def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champion(env, mlflow_server):
     ns = env
@@ -314,15 +315,16 @@ def test_malformed_pairs_are_refused_by_the_api_server_and_the_operator_in_the_s
 
 
 def test_a_release_mlflow_refuses_is_stalled_with_mlflows_reason(env, mlflow_server):
-    """1000 golden prompts make a release tag over MLflow's size limit: MLflow refuses it, and
-    the pair says so (Stalled, an Event) instead of leaving status empty while Kopf retries."""
+    """MLflow refuses the release's run when the pair's experiment was deleted in its UI (a
+    refusal a valid spec can meet: a spec too large for MLflow's tags is refused before, by
+    validation): the pair says so (Stalled, an Event) instead of leaving status empty while Kopf
+    retries."""
     ns = env
-    name = f"huge-{uuid.uuid4().hex[:5]}"
-    spec = pair(name, "good-draft")
-    spec["spec"]["gating"]["prompts"] = [{"prompt": f"prompt {i}: " + "x" * 120, "category": "code"}
-                                         for i in range(1000)]
+    name = f"refused-{uuid.uuid4().hex[:5]}"
+    mlflow = MlflowClient(mlflow_server.url)
+    mlflow.delete_experiment(mlflow.create_experiment(gate_experiment(model_name(ns, name))))
     with KopfRunner(OPERATOR, timeout=60) as runner:
-        ns.create(spec)
+        ns.create(pair(name, "good-draft"))
         obj = ns.wait_for("MLflow's refusal reported", lambda: (o := ns.pair(name)) and
                           cond(o, "Stalled").get("reason") == "MLflowRejected" and o, timeout=90)
         assert cond(obj, "Stalled")["status"] == "True" and cond(obj, "Ready")["status"] == "False"
