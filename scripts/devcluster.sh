@@ -4,7 +4,8 @@
 #   scripts/devcluster.sh down    stops it
 #   scripts/devcluster.sh status  JSON description of the running cluster
 # Then: export KUBECONFIG=$(scripts/devcluster.sh up); kubectl get nodes
-# Options after the command: --nodes N, --gpus N (nvidia.com/gpu per node), --dir FOLDER.
+# Options after the command: --nodes N, --gpus N (nvidia.com/gpu per node), --pods-per-node N
+# (each node's pods capacity, default 30), --dir FOLDER.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >&2

@@ -33,10 +33,11 @@ def model_cache() -> str:
     return str(Path(os.environ.get("SPECPAIR_CACHE", Path.home() / ".cache" / "specpair")))
 
 
-def node_specs(nodes: int, gpus: int) -> list[NodeSpec]:
+def node_specs(nodes: int, gpus: int, pods_per_node: int = NodeSpec.max_pods) -> list[NodeSpec]:
     from specpair_operator.manifests import CACHE_DIR
     # The model cache is pre-seeded on the nodes (one conversion of the embedded model per machine).
-    return [NodeSpec(name=f"devcluster-node-{i + 1}", gpus=gpus, preseeded={CACHE_DIR: model_cache()},
+    return [NodeSpec(name=f"devcluster-node-{i + 1}", gpus=gpus, max_pods=pods_per_node,
+                     preseeded={CACHE_DIR: model_cache()},
                      env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
             for i in range(nodes)]
 
@@ -53,12 +54,12 @@ def _running(folder: Path) -> dict | None:
     return info
 
 
-def serve(folder: Path, nodes: int, gpus: int) -> int:
+def serve(folder: Path, nodes: int, gpus: int, pods_per_node: int) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     (folder / "cluster.json").unlink(missing_ok=True)
-    cluster = DevCluster(folder, nodes=node_specs(nodes, gpus))
+    cluster = DevCluster(folder, nodes=node_specs(nodes, gpus, pods_per_node))
     cluster.start()
     try:
         cluster.write_state()
@@ -72,7 +73,7 @@ def serve(folder: Path, nodes: int, gpus: int) -> int:
     return 0
 
 
-def up(folder: Path, nodes: int, gpus: int, timeout: float) -> int:
+def up(folder: Path, nodes: int, gpus: int, pods_per_node: int, timeout: float) -> int:
     info = _running(folder)
     if info:
         print(info["kubeconfig"])
@@ -81,7 +82,7 @@ def up(folder: Path, nodes: int, gpus: int, timeout: float) -> int:
     log = folder / "devcluster.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "specpair_devcluster", "serve", "--dir", str(folder),
-                                 "--nodes", str(nodes), "--gpus", str(gpus)],
+                                 "--nodes", str(nodes), "--gpus", str(gpus), "--pods-per-node", str(pods_per_node)],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=default_dir(), help="state folder (default: %(default)s)")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu capacity of each node")
+    ap.add_argument("--pods-per-node", type=int, default=NodeSpec.max_pods,
+                    help="the pods capacity of each node (a kubelet's maxPods; default: %(default)s)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds `up` waits (a cold build takes minutes)")
     ap.add_argument("--release", default="specpair", help="prometheus: the chart's helm release (default: %(default)s)")
     ap.add_argument("--namespace", default="specpair-system", help="prometheus: its namespace (default: %(default)s)")
@@ -166,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prometheus":
         return prometheus(args.dir, args.release, args.namespace, args.values, args.port, args.interval)
     if args.command == "serve":
-        return serve(args.dir, args.nodes, args.gpus)
+        return serve(args.dir, args.nodes, args.gpus, args.pods_per_node)
     if args.command == "up":
-        return up(args.dir, args.nodes, args.gpus, args.timeout)
+        return up(args.dir, args.nodes, args.gpus, args.pods_per_node, args.timeout)
     if args.command == "down":
         return down(args.dir)
     info = _running(args.dir)

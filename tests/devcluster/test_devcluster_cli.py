@@ -33,7 +33,7 @@ def alive(pid: int) -> bool:
 @pytest.mark.timeout(300)
 def test_up_status_kubectl_down(tmp_path):
     folder = tmp_path / "dc"
-    up = cli("up", "--gpus", "1", folder=folder)
+    up = cli("up", "--gpus", "1", "--nodes", "2", "--pods-per-node", "250", folder=folder)
     assert up.returncode == 0, up.stderr
     kubeconfig = up.stdout.strip().splitlines()[-1]
     try:
@@ -43,8 +43,11 @@ def test_up_status_kubectl_down(tmp_path):
         nodes = subprocess.run(["kubectl", "--kubeconfig", kubeconfig, "get", "nodes", "-o", "json"],
                                capture_output=True, text=True, timeout=60)
         assert nodes.returncode == 0, nodes.stderr
-        (node,) = json.loads(nodes.stdout)["items"]
-        assert node["status"]["capacity"]["nvidia.com/gpu"] == "1"
+        # The node capacity asked for: two nodes of 250 pods and one GPU each.
+        items = json.loads(nodes.stdout)["items"]
+        assert sorted(n["metadata"]["name"] for n in items) == ["devcluster-node-1", "devcluster-node-2"]
+        assert [(n["status"]["capacity"]["pods"], n["status"]["capacity"]["nvidia.com/gpu"]) for n in items] == \
+            [("250", "1"), ("250", "1")]
         assert cli("up", folder=folder).stdout.strip() == kubeconfig  # already up: same cluster
         children = [int(p) for p in subprocess.run(["pgrep", "-g", str(os.getpgid(info["pid"]))],
                                                    capture_output=True, text=True).stdout.split()]
