@@ -2,7 +2,7 @@
 tokens than it was gated at, and would the previous release do better on that traffic?
 
 One pure function, `decide`, turns what the engine pods report into the ladder's next action.
-The numbers behind its defaults are in docs/drift.md (scripts/drift_simulation.py).
+The numbers behind its defaults are in docs/drift.md (bench/drift_simulation.py).
 
 Observing
     Each pod reports cumulative counters per category (`RequestMoments`) since its process started.

@@ -273,14 +273,14 @@ def test_the_gpu_step_bench_runs_on_the_cpu(tmp_path):
 
 
 def test_the_no_spec_beside_spec_comparison_runs_on_the_cpu(tmp_path):
-    """scripts/no_spec_beside_spec.py, for a machine with a GPU: a speculating engine's k=0
+    """bench/no_spec_beside_spec.py, for a machine with a GPU: a speculating engine's k=0
     request (at the engine's token bucket) against a target-only engine (one token), proven
     here on the tiny shape in bf16 (the fixed step on the CPU); its figures are never asserted."""
     import json
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from no_spec_beside_spec import main
 
     out = tmp_path / "ab.json"

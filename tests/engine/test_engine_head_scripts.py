@@ -1,7 +1,7 @@
-"""The measuring scripts of the drafters' work: teacher-forced agreement (scripts/head_agreement.py)
+"""The measuring scripts of the drafters' work: teacher-forced agreement (bench/head_agreement.py)
 tells a head that predicts the target from one that does not; the drafters' table
-(scripts/bench_drafters.py) reads bench reports as `specpair bench` writes them; the n-gram
-replay (scripts/ngram_ceiling.py) counts greedy rounds as the engine runs them."""
+(bench/bench_drafters.py) reads bench reports as `specpair bench` writes them; the n-gram
+replay (bench/ngram_ceiling.py) counts greedy rounds as the engine runs them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from head_builders import eagle_head, mirror_head
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from bench_drafters import main as bench_drafters_main, table  # noqa: E402
 from head_agreement import agreement, main as head_agreement_main  # noqa: E402

@@ -338,13 +338,13 @@ def test_a_model_with_a_strided_weight_takes_the_torch_step(tiny_tokenizer):
 
 
 def test_the_join_step_script_times_both_ways(tiny_pair_dirs, capsys):
-    """scripts/join_step.py: one figure per prompt length and way (timings are benchmark
+    """bench/join_step.py: one figure per prompt length and way (timings are benchmark
     figures, printed, never asserted), and bad sizes are refused."""
     import json
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from join_step import main
 
     assert main(["--target", str(tiny_pair_dirs["target"]), "--rows", "3", "--context", "5",

@@ -1,4 +1,4 @@
-"""scripts/cpu_by_process.py: the kernel's process accounting around a command, summed by program."""
+"""bench/cpu_by_process.py: the kernel's process accounting around a command, summed by program."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import cpu_by_process  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""scripts/server_profile_ab.py: py-spy's raw stacks read into the samples each function appears
+"""bench/server_profile_ab.py: py-spy's raw stacks read into the samples each function appears
 in (the script's own comparison of two servers needs py-spy and a GPU-sized run; its reading of
 the stacks is what can be wrong here)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import server_profile_ab  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How often a drafting head's first guess is the target's own next token, teacher-forced.
 
-    python scripts/head_agreement.py --target TARGET_DIR --head HEAD_DIR [--prompts FILE.jsonl]
+    python bench/head_agreement.py --target TARGET_DIR --head HEAD_DIR [--prompts FILE.jsonl]
         [--replies OUT/replies.jsonl --kinds qa code --limit 40 --stride 1] [--max-new-tokens 64]
         [--depth 4]
 
@@ -16,6 +16,9 @@ Agreement counts reply tokens only.
 the first (as a greedy round of K drafts does): agreement per step counts chains right at every
 step so far, and `tokens_per_pass` is what such rounds would commit per target pass, before
 the drafter's cost. An EAGLE head only (Medusa heads draft all positions from one feature).
+
+Figures: docs/measurements/cpu_eagle_head_agreement.json, cpu_eagle_head_agreement_2000.json,
+cpu_eagle_ttt_400_agreement.json, cpu_eagle_heldout_by_replies.json; read in docs/bench/heads.md.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def agreement(target, head, conversations: list[tuple[list[int], int]], depth: i
     pair j whose first draft (token j+2) is a reply token; its step d drafts token j+d+1 from the
     head's own step d-1 (`EagleHead.unroll`), as a greedy round of `depth` drafts would.
     `read(ids)` -> [1, n, F]: the features the head reads, the target's last feature in the first
-    D columns (default: that feature alone; scripts/head_probe.py adds fused layers, depth 1).
+    D columns (default: that feature alone; bench/head_probe.py adds fused layers, depth 1).
     -> per step: chains right up to it / chains reaching it, and the mean accepted run + 1
     (tokens per target pass of such rounds, ignoring the drafter's cost)."""
     draft_ids = head.draft_token_ids

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Controlled probes of what lifts an EAGLE head's first draft on requests it never saw.
 
-    python scripts/head_probe.py --target TARGET_DIR --replies OUT/replies.jsonl \
+    python bench/head_probe.py --target TARGET_DIR --replies OUT/replies.jsonl \
         --heldout HELDOUT/replies.jsonl --out RESULT.json [--steps 600] \
         [--variant NAME:KEY=VALUE,...]...
 
@@ -17,11 +17,13 @@ differs in one thing:
   - `freeze=model.layers.0.mlp`: parameters (by name prefix) left at their start;
   - `steps=1200`: more steps than --steps (the schedule stretched to them).
 Features are computed once, by one target pass, for every variant alike. Each head is then
-measured teacher-forced, as `scripts/head_agreement.py` does at depth 1: how often its first
+measured teacher-forced, as `bench/head_agreement.py` does at depth 1: how often its first
 draft is the target's own token, on every 10th training conversation, on --heldout (distill's
 replies.jsonl for other requests, e.g. another seed), on its QA and code part, and on the
 target's replies to the bench's prompts. An EAGLE head's first draft decides everything after
 it: a chain that dies there never reaches the later steps.
+
+Figures: docs/measurements/cpu_eagle_probes_400.json; read in docs/bench/heads.md.
 """
 
 from __future__ import annotations

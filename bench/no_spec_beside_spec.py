@@ -9,7 +9,9 @@ prompt on both, in alternation, and reports per engine the loop's milliseconds p
 model's share (StepTiming: model calls, the wait on the device) and the rest (the host's loop),
 then cProfile's function-call counts per step for both. Benchmark output, not a test.
 
-    python scripts/no_spec_beside_spec.py --device cuda --out out/no_spec_beside_spec.json
+    python bench/no_spec_beside_spec.py --device cuda --out out/no_spec_beside_spec.json
+
+Figures: docs/measurements/gpu_h100_39a4377_no_spec_beside_spec.json; read in docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# scripts/: gpu_step_bench (the step builder) stays there beside gpu_measure.sh, which runs it
 sys.path[:0] = [str(ROOT / "engine"), str(ROOT / "tests"), str(ROOT / "scripts")]
 
 import torch  # noqa: E402

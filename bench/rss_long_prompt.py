@@ -6,7 +6,9 @@ Runs the embedded SmolLM2 pair (n-gram drafts) in one batch: seven short request
 same seven beside one long prompt, then 40 more short requests after it left, and prints the
 process RSS and the target cache's bytes at each point as JSON.
 
-    python scripts/rss_long_prompt.py --long-tokens 4000 --out docs/measurements/cpu_rss_long_prompt.json
+    python bench/rss_long_prompt.py --long-tokens 4000 --out docs/measurements/cpu_rss_long_prompt.json
+
+Figures: docs/measurements/cpu_rss_long_prompt.json; read in docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def main() -> None:
         run(engine, batch, short, params)
     point("after 40+ more short")
     base, after = points["after 7 short"]["rss_mb"], points["after 40+ more short"]["rss_mb"]
-    report = {"what": "process RSS around one long prompt (scripts/rss_long_prompt.py)",
+    report = {"what": "process RSS around one long prompt (bench/rss_long_prompt.py)",
               "target": "SmolLM2-135M-Instruct fp32, n-gram drafts, CPU", "long_prompt_tokens": len(long),
               "torch": torch.__version__, "machine": platform.machine(), "points": points,
               "after_vs_short_level": round(after / base, 3)}

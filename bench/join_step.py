@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What one step costs when a request joins running rows: padded into one forward vs run apart.
 
-    python scripts/join_step.py --target TARGET_DIR [--rows 15] [--context 80]
+    python bench/join_step.py --target TARGET_DIR [--rows 15] [--context 80]
         [--prompt-tokens 60 300] [--repeats 3]
 
 `--rows` rows hold `--context` tokens each and decode one token a step; then a request joins
@@ -9,6 +9,8 @@ with its whole prompt. Padded into one forward, every running row is computed at
 width; run apart (static_cache.width_groups), the prompt runs alone and the running rows take
 their usual one-token step. Prints one JSON object: per prompt length, the fastest of
 `--repeats` join steps each way (ms), and the prompt's prefill alone for scale.
+
+Figures: docs/measurements/cpu_join_step.json; read in docs/server.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Simulate live traffic against drift policies: how often a healthy release is rolled back,
 and how long a truly drifted one takes to be caught.
 
-    .venv/bin/python scripts/drift_simulation.py [--seeds 10] [--hours 3] [--markdown]
+    .venv/bin/python bench/drift_simulation.py [--seeds 10] [--hours 3] [--markdown]
 
 Seeded and pure (numpy + the operator's drift module; no servers). Each run is a few hours of
 traffic sampled every 30 s from two engine pods, replayed through every policy:
@@ -20,6 +20,8 @@ traffic sampled every 30 s from two engine pods, replayed through every policy:
 The engine is today's: it drafts nothing while speculation is off (the operator probes).
 Policies: the drift module before this rework (overlapping 300 s windows), and the new one with
 several settings, with and without the per-request sums the engine should export.
+
+Figures: docs/drift.md, "Measured" (the table --markdown prints).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How far prompt lookup can go on the target's own replies: greedy rounds replayed offline.
 
-    python scripts/ngram_ceiling.py --target TARGET_DIR --replies OUT/replies.jsonl [--k 4 8]
+    python bench/ngram_ceiling.py --target TARGET_DIR --replies OUT/replies.jsonl [--k 4 8]
 
 Under greedy decoding a round's outcome is fixed by the reply the target went on to write: the
 drafter proposes from the text so far, the target keeps the longest prefix of the proposal that
@@ -17,6 +17,8 @@ Replies come from `specpair distill --replies` (OUT/replies.jsonl: the target's 
 answers with their kinds); the target directory gives the tokenizer and chat template, to tell
 prompt from reply. Prints one JSON object: per kind and k, rounds, the share of rounds with no
 match (a plain decode step), and both mean lengths.
+
+Figures: docs/measurements/ngram_ceiling_on_target_replies.json; read in docs/bench/bandwidth.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ forked (`<python> -m specpair gate`, the runner's own) and as a new process (`en
 specpair gate`: another command to the runner), in turns, against a real MLflow server; prints
 each run's seconds and CPU-seconds (the runner and the gate together).
 
-    .venv/bin/python scripts/gate_fork_ab.py [--runs 3]
+    .venv/bin/python bench/gate_fork_ab.py [--runs 3]
+
+Figures: docs/testing.md, "The gate forked too" (2026-11-27).
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Where batched speculative greedy output departs from single-request target-only output, and why.
 
-    python scripts/identity_margins.py --device cuda --dtype bfloat16 --batch 4
+    python bench/identity_margins.py --device cuda --dtype bfloat16 --batch 4
 
 For each prompt of scripts/load_bench.py's set it decodes single-request target-only (the
 reference) and as part of a speculating batch. At the first token where they differ it reports the
 reference's logit margin there (top-1 minus top-2 logit of the single-request target pass): a
 margin within the dtype's rounding noise means the batch changed only floating-point rounding
 (different kernels / shapes for a k+1-token verification of a batch), not the decoding rule.
+
+Figures: docs/server.md, "Greedy identity" (bf16, CPU, 32 new tokens).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "engine"))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts"))   # load_bench stays there beside http_load_bench, which imports it
 
 import torch  # noqa: E402
 

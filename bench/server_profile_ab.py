@@ -5,12 +5,14 @@ at concurrency 1, one after the other, each sampled by py-spy while they run; pr
 server's tokens/s and the frames whose samples differ most between the two (inclusive, per
 thousand samples), and writes them (--out). A diagnostic; its figures are benchmark output.
 
-    python scripts/server_profile_ab.py --target DIR --device cuda --out out/server_ab.json
-    python scripts/server_profile_ab.py --random-smollm2 /tmp/smol --device cuda --out ...
+    python bench/server_profile_ab.py --target DIR --device cuda --out out/server_ab.json
+    python bench/server_profile_ab.py --random-smollm2 /tmp/smol --device cuda --out ...
 
 --random-smollm2 DIR first writes a random-weight SmolLM2-135M shape there with the tests' tiny
 tokenizer (ids past its 400 decode to nothing): a machine without the real model measures the
 same step and loop.
+
+Figures: docs/measurements/gpu_h100_10b6695_server_profile_ab.json; read in docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# scripts/: gpu_step_bench (the step builder) stays there beside gpu_measure.sh, which runs it
 sys.path[:0] = [str(ROOT / "engine"), str(ROOT / "tests"), str(ROOT / "scripts")]
 
 FRAME = re.compile(r"(.*?) \((.*?):\d+\)")

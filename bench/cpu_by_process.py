@@ -4,10 +4,13 @@ names each record from the command lines seen under /proc while it ran, and prin
 program. A sampler of /proc alone misses what lives less than its period (compilers, kubectl,
 helm) and what was already gone; the kernel's records miss nothing that exits.
 
-    sudo python scripts/cpu_by_process.py [--out DIR] [--top N] -- bash .ci/run
+    sudo python bench/cpu_by_process.py [--out DIR] [--top N] -- bash .ci/run
 
 Needs root (CAP_SYS_PACCT) and one command at a time per machine: the kernel keeps one
 accounting file. Records are acct_v3 (Linux); CPU is in the kernel's AHZ ticks (100 a second).
+
+Figures: docs/testing.md, "Where the CPU goes, by process" (2026-11-27; a run's output is
+the table it prints).
 """
 
 from __future__ import annotations

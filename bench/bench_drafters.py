@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Several drafters on the same prompts, one after the other, in one table.
 
-    python scripts/bench_drafters.py --out docs/measurements/drafters \\
+    python bench/bench_drafters.py --out docs/measurements/drafters \\
         --config "n-gram=--drafter ngram" \\
         --config "EAGLE chain=--draft HEAD_DIR" \\
         --config "EAGLE tree of 2=--draft HEAD_DIR --tree-width 2"
@@ -11,6 +11,9 @@ no configuration warms another's caches), strictly one at a time: on a small CPU
 by side measure each other. Every report is kept as OUT/<name>.json; the table (markdown) goes to
 stdout and OUT/table.md: speedup and mean acceptance length per category, overall, acceptance per
 position, the draft's cost against a target step, greedy identity.
+
+Figures: docs/bench/heads.md (tables); reports in docs/measurements/cpu_eagle_*_chain.json,
+*_tree2.json, cpu_medusa_*.json, cpu_ngram_beside_trees.json.
 """
 
 from __future__ import annotations

@@ -1,0 +1,207 @@
+"""Many pairs on one operator: what it costs to keep them.
+
+Starts its own devcluster (nodes sized to hold the pairs: --pods-per-node, --nodes), a real MLflow
+server, the chart (helm, the chart's RBAC) and the operator as a separate process (`kopf run`, as
+the chart's Deployment runs it, logged in with the chart's ServiceAccount token), then creates
+--pairs SpecModelPairs on the stand-in engine image (tests/operator/engine_standin.py: the real
+gRPC API, no model), waits until every pair is Serving and measures the operator in steady state:
+
+  pairs, time to Serving (per pair, from its creation; p50, p90, max),
+  the operator's CPU while the pairs were made and gated, and in steady state: cores, and CPU per
+    pair per interval (SPECPAIR_RECONCILE_INTERVAL, --interval),
+  resident memory (VmRSS) at the end of the steady window,
+  API requests per second by the operator's ServiceAccount (the API server's audit log), by verb,
+  and how long deleting them all took.
+
+    .venv/bin/python bench/operator_scale.py --pairs 100 --json docs/measurements/x.json
+
+Beside other jobs the numbers are noisy (say so where they are recorded); the stand-in engine
+processes (one per pair, ~35 MB each) bound how many pairs a machine holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "operator")]
+
+PAIRS_PER_NAMESPACE = 50
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class AuditTail:
+    """The operator's requests from the API server's audit log, from a byte offset on."""
+
+    def __init__(self, path: Path, user: str):
+        self.path, self.user = path, user
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def take(self) -> Counter:
+        verbs: Counter = Counter()
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        for line in data[:end].splitlines():
+            if self.user.encode() not in line:
+                continue
+            event = json.loads(line)
+            if event.get("user", {}).get("username") == self.user:
+                ref = event.get("objectRef") or {}
+                verbs[f"{event.get('verb')} {ref.get('resource', '')}"] += 1
+        return verbs
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] if ordered else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", type=int, default=100)
+    ap.add_argument("--pods-per-node", type=int, default=250)
+    ap.add_argument("--nodes", type=int, default=0, help="default: enough for the pairs' engine and gate pods")
+    ap.add_argument("--interval", type=float, default=10.0, help="SPECPAIR_RECONCILE_INTERVAL (default: %(default)s)")
+    ap.add_argument("--settle", type=float, default=30.0, help="seconds after the last pair serves before measuring")
+    ap.add_argument("--window", type=float, default=120.0, help="seconds of steady state measured")
+    ap.add_argument("--serve-timeout", type=float, default=1800.0)
+    ap.add_argument("--json", type=Path, help="write the figures here too")
+    ap.add_argument("--keep", action="store_true", help="leave the pairs in place (skip the deletion timing)")
+    args = ap.parse_args()
+
+    from cluster_env import (MODELS, OPERATOR, OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, World, install_chart,
+                             operator_env, pair, register_standin_image)
+    from mlflow_server import MlflowServer
+    from specpair_devcluster import DevCluster, NodeSpec
+    from specpair_operator.manifests import CACHE_DIR
+
+    work = Path(tempfile.mkdtemp(prefix="operator-scale-"))
+    nodes = args.nodes or max(1, math.ceil((args.pairs + 20) / args.pods_per_node))
+    cache = os.environ.get("SPECPAIR_CACHE", str(Path.home() / ".cache" / "specpair"))
+    specs = [NodeSpec(name=f"scale-node-{i + 1}", cpu="64", memory="256Gi", max_pods=args.pods_per_node,
+                      env={"OMP_NUM_THREADS": "1"}, preseeded={CACHE_DIR: cache}) for i in range(nodes)]
+    cluster = DevCluster(work / "devcluster", nodes=specs).start()
+    mlflow = MlflowServer(work / "mlflow")
+    (work / "mlflow").mkdir()
+    operator = None
+    result: dict = {"pairs": args.pairs, "nodes": nodes, "podsPerNode": args.pods_per_node,
+                    "intervalSeconds": args.interval, "commit": subprocess.run(
+                        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} CPUs"}
+    try:
+        mlflow.start()
+        kubeconfig = install_chart(cluster, mlflow.url, work)
+        world = World(work / "world.json", MODELS)
+        register_standin_image(cluster, world.path)
+        env = {**os.environ, **operator_env(kubeconfig, mlflow.url, {
+            "SPECPAIR_RECONCILE_INTERVAL": f"{args.interval:g}", "SPECPAIR_METRICS_PORT": "0"})}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        log = open(work / "operator.log", "wb")
+        operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=REPO)
+        user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
+        assert cluster.control_plane and cluster.control_plane.audit_log
+        audit = AuditTail(cluster.control_plane.audit_log, user)
+
+        namespaces = [f"scale-{i}" for i in range(math.ceil(args.pairs / PAIRS_PER_NAMESPACE))]
+        for ns in namespaces:
+            cluster.ensure_namespace(ns)
+        cpu0, t0 = cpu_seconds(operator.pid), time.monotonic()
+        created: dict[tuple[str, str], float] = {}
+        for i in range(args.pairs):
+            ns = namespaces[i // PAIRS_PER_NAMESPACE]
+            obj = pair(f"p{i:04d}", "good-draft")
+            obj["metadata"]["namespace"] = ns
+            cluster.kube.create(obj)
+            created[(ns, f"p{i:04d}")] = time.monotonic()
+        print(f"{args.pairs} pairs created in {time.monotonic() - t0:.1f} s", flush=True)
+
+        served: dict[tuple[str, str], float] = {}
+        deadline = time.monotonic() + args.serve_timeout
+        while len(served) < args.pairs and time.monotonic() < deadline:
+            for obj in cluster.kube.list("specpair.io/v1alpha1", "SpecModelPair"):
+                key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+                st = obj.get("status") or {}
+                if key not in served and st.get("phase") == "Serving" and st.get("servingVersion") == "1":
+                    served[key] = time.monotonic()
+            if operator.poll() is not None:
+                raise RuntimeError(f"the operator exited ({operator.returncode}); log {work / 'operator.log'}")
+            time.sleep(2)
+        to_serving = [served[k] - created[k] for k in served]
+        result["served"] = len(served)
+        result["timeToServingSeconds"] = {"p50": round(percentile(to_serving, 0.5), 1),
+                                          "p90": round(percentile(to_serving, 0.9), 1),
+                                          "max": round(max(to_serving, default=float("nan")), 1)}
+        result["allServingAfterSeconds"] = round(time.monotonic() - t0, 1)
+        result["operatorCpuSecondsToServing"] = round(cpu_seconds(operator.pid) - cpu0, 1)
+        print(f"{len(served)}/{args.pairs} serving; {json.dumps(result['timeToServingSeconds'])}", flush=True)
+        if len(served) < args.pairs:
+            phases = Counter((o.get("status") or {}).get("phase") for o in
+                             cluster.kube.list("specpair.io/v1alpha1", "SpecModelPair"))
+            result["notServing"] = dict(phases)
+
+        time.sleep(args.settle)
+        audit.take()
+        cpu1, t1 = cpu_seconds(operator.pid), time.monotonic()
+        time.sleep(args.window)
+        cpu2, t2 = cpu_seconds(operator.pid), time.monotonic()
+        requests = audit.take()
+        seconds = t2 - t1
+        cores = (cpu2 - cpu1) / seconds
+        result["steady"] = {
+            "windowSeconds": round(seconds, 1),
+            "operatorCores": round(cores, 4),
+            "cpuMsPerPairPerInterval": round(1000 * (cpu2 - cpu1) / (len(served) or 1) / (seconds / args.interval), 2),
+            "rssMB": round(rss_mb(operator.pid), 1),
+            "apiRequestsPerSecond": round(sum(requests.values()) / seconds, 2),
+            "apiRequestsPerSecondByVerb": {k: round(v / seconds, 2) for k, v in requests.most_common()},
+        }
+        print(json.dumps(result["steady"], indent=1), flush=True)
+
+        if not args.keep:
+            t3 = time.monotonic()
+            for ns in namespaces:
+                cluster.kube.delete("v1", "Namespace", None, ns)
+            while cluster.kube.list("specpair.io/v1alpha1", "SpecModelPair") and time.monotonic() - t3 < 600:
+                time.sleep(1)
+            result["deleteAllSeconds"] = round(time.monotonic() - t3, 1)
+    finally:
+        if operator is not None:
+            operator.terminate()
+            try:
+                operator.wait(30)
+            except subprocess.TimeoutExpired:
+                operator.kill()
+        cluster.stop()
+        mlflow.stop()
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if result.get("served") == args.pairs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
