@@ -754,23 +754,23 @@ class Batch:
         self.first_logits = logits[:, 0]     # each row's next-token logits: the shadow's p (shadow.py)
 
         accepted, next_token = greedy_verify(logits, drafts, num)
-        if not sampling.all_greedy:
-            greedy_rows = sampling.temperature <= 0
-            p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-            if any(g is not None for g in sampling.generators):    # unseeded sampled rows
-                if q is None:   # deterministic drafter: point masses on its tokens
-                    q = torch.zeros(B, K, p.shape[-1], device=self.device, dtype=p.dtype)
-                    if K:
-                        q.scatter_(-1, drafts.unsqueeze(-1), 1.0)
-                q = q[:, :K].to(p.dtype)
-                s_acc, s_next = rejection_sample(p, q, drafts, num, sampling.generators)
-                accepted = torch.where(greedy_rows, accepted, s_acc)
-                next_token = torch.where(greedy_rows, next_token, s_next)
-            keys = sampling.keys
-            if keys is not None:      # seeded rows: the target's keyed draws decide
-                rows = keys.rows
-                accepted[rows], next_token[rows] = keyed_verify(p[rows], drafts[rows], num[rows],
-                                                                keys.seeds, keys.start)
+        # Greedy batches returned above: here some row samples.
+        greedy_rows = sampling.temperature <= 0
+        p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        if any(g is not None for g in sampling.generators):    # unseeded sampled rows
+            if q is None:   # deterministic drafter: point masses on its tokens
+                q = torch.zeros(B, K, p.shape[-1], device=self.device, dtype=p.dtype)
+                if K:
+                    q.scatter_(-1, drafts.unsqueeze(-1), 1.0)
+            q = q[:, :K].to(p.dtype)
+            s_acc, s_next = rejection_sample(p, q, drafts, num, sampling.generators)
+            accepted = torch.where(greedy_rows, accepted, s_acc)
+            next_token = torch.where(greedy_rows, next_token, s_next)
+        keys = sampling.keys
+        if keys is not None:      # seeded rows: the target's keyed draws decide
+            rows = keys.rows
+            accepted[rows], next_token[rows] = keyed_verify(p[rows], drafts[rows], num[rows],
+                                                            keys.seeds, keys.start)
         # One read of the device for both (each read waits for the stream).
         accepted_l, next_l = torch.stack((accepted, next_token)).tolist()
         return accepted_l, next_l, features
