@@ -26,11 +26,18 @@ from typing import Any
 
 import requests
 
-from .registry_contract import (RegistryUnavailable, find_or_create, gate_error_tags, gate_experiment, gate_metrics,
-                                gate_run_tags, gate_tags)
+from specpair.contract import content_hash
+
+from .registry_contract import (PER_PROMPT_TABLE, TAG_GATE_SUMMARY, TAG_LOGGED_ARTIFACTS, TAG_RUN_DESCRIPTION,
+                                RegistryUnavailable, experiment_tags, find_or_create, gate_description, gate_error_tags,
+                                gate_experiment, gate_metrics, gate_params, gate_run_tags, gate_summary, gate_tags,
+                                golden_dataset_input, headline_metrics, logged_model_id, per_prompt_table,
+                                with_gate_section)
 
 ARTIFACT_PROXY = "mlflow-artifacts:"
 METRICS_PER_BATCH = 1000     # MLflow's limit for one log-batch
+PARAMS_PER_BATCH = 100       # and for its parameters
+GOLDEN_OUTPUTS = "golden_outputs.json"   # the gate's per-prompt outputs, written beside its verdict
 
 
 class MlflowRefused(Exception):
@@ -54,33 +61,70 @@ class GateRecord:
     # -- what the runner records ---------------------------------------------------------------
 
     def record_gate(self, model_name: str, version: str, verdict: dict[str, Any],
-                    extra_artifacts: list[str] = ()) -> str:
-        """Log the gating run (metrics, the verdict and the gate's other files as artifacts) and
-        link it to the version by tags, the status last; -> the run id. Reuses the run the gate
-        itself opened (verdict.mlflowRunId) when there is one."""
+                    extra_artifacts: list[str] = (), release: dict[str, Any] | None = None,
+                    started_ms: int | None = None) -> str:
+        """Log the gating run and link it to the version by tags, the status last; -> the run id.
+        The run is an evaluation a reviewer reads in MLflow: the release's settings as parameters,
+        the golden prompts as its dataset input, metrics, the per-prompt results as a table, a
+        description stating the verdict against every floor, and the gate's real start
+        (`started_ms`) and end. The version gets the headline figures on its logged model and a
+        link to the run in its description. Reuses the run the gate itself opened
+        (verdict.mlflowRunId) when there is one."""
+        golden = _golden_outputs(extra_artifacts)
+        tags = {TAG_RUN_DESCRIPTION: gate_description(verdict, release)[:8000]}
+        if golden is not None:
+            tags[TAG_LOGGED_ARTIFACTS] = json.dumps([{"path": PER_PROMPT_TABLE, "type": "table"}])
         run_id = verdict.get("mlflowRunId")
         if run_id:
-            artifact_uri = self._api("GET", "runs/get", params={"run_id": run_id})["run"]["info"]["artifact_uri"]
+            info = self._api("GET", "runs/get", params={"run_id": run_id})["run"]["info"]
         else:
             info = self._api("POST", "runs/create", {
                 "experiment_id": self._experiment(gate_experiment(model_name)),
-                "start_time": _now_ms(), "run_name": f"gate-v{version}",
+                "start_time": started_ms or _now_ms(), "run_name": f"gate-v{version}",
                 "tags": [{"key": k, "value": v} for k, v in gate_run_tags(version).items()]})["run"]["info"]
-            run_id, artifact_uri = info["run_id"], info["artifact_uri"]
+            run_id = info["run_id"]
+        artifact_uri, experiment_id = info["artifact_uri"], info["experiment_id"]
         ts = _now_ms()
         metrics = [{"key": k, "value": _json_double(v), "timestamp": ts, "step": step}
                    for (k, step), v in gate_metrics(verdict).items()]
+        params = [{"key": k, "value": v} for k, v in gate_params(release, verdict).items()] if release else []
         for i in range(0, len(metrics), METRICS_PER_BATCH):
             self._api("POST", "runs/log-batch", {"run_id": run_id, "metrics": metrics[i:i + METRICS_PER_BATCH]})
+        for i in range(0, len(params), PARAMS_PER_BATCH):
+            self._api("POST", "runs/log-batch", {"run_id": run_id, "params": params[i:i + PARAMS_PER_BATCH]})
+        self._api("POST", "runs/log-batch", {"run_id": run_id,
+                                             "tags": [{"key": k, "value": v} for k, v in tags.items()]})
+        if release:
+            self._api("POST", "runs/log-inputs", {"run_id": run_id,
+                                                  "datasets": [golden_dataset_input(release, content_hash(release))]})
         files = [("verdict.json", json.dumps(verdict, indent=2, sort_keys=True).encode())]
         for extra in extra_artifacts:
             if os.path.isfile(extra):
                 with open(extra, "rb") as f:
                     files.append((os.path.basename(extra), f.read()))
+        if golden is not None:
+            files.append((os.path.basename(PER_PROMPT_TABLE), json.dumps(per_prompt_table(golden)).encode()))
         self._upload(run_id, artifact_uri, "gate", files)
         self._api("POST", "runs/update", {"run_id": run_id, "status": "FINISHED", "end_time": _now_ms()})
-        self.set_tags(model_name, version, gate_tags(verdict, run_id))
+        self._show_on_version(model_name, version, verdict, experiment_id, run_id)
+        self.set_tags(model_name, version, {TAG_GATE_SUMMARY: gate_summary(verdict), **gate_tags(verdict, run_id)})
         return run_id
+
+    def _show_on_version(self, model_name: str, version: str, verdict: dict[str, Any], experiment_id: str,
+                         run_id: str) -> None:
+        """The headline figures where the version page shows metrics (its logged model's, logged
+        on its release run), and the gate's result with a link to its run in its description."""
+        mv = self._api("GET", "model-versions/get", params={"name": model_name, "version": str(version)})[
+            "model_version"]
+        model_id = logged_model_id(mv.get("source") or "")
+        if model_id and mv.get("run_id"):
+            ts = _now_ms()
+            self._api("POST", "runs/log-batch", {"run_id": mv["run_id"], "metrics": [
+                {"key": k, "value": _json_double(v), "timestamp": ts, "step": 0, "model_id": model_id}
+                for k, v in headline_metrics(verdict).items()]})
+        self._api("PATCH", "model-versions/update", {
+            "name": model_name, "version": str(version),
+            "description": with_gate_section(mv.get("description") or "", verdict, experiment_id, run_id)})
 
     def record_gate_error(self, model_name: str, version: str, message: str) -> None:
         self.set_tags(model_name, version, gate_error_tags(message))
@@ -102,7 +146,8 @@ class GateRecord:
                 if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
                     raise
                 return None
-        return find_or_create(find, lambda: self._api("POST", "experiments/create", {"name": name})["experiment_id"])
+        return find_or_create(find, lambda: self._api("POST", "experiments/create", {
+            "name": name, "tags": [{"key": k, "value": v} for k, v in experiment_tags().items()]})["experiment_id"])
 
     def _upload(self, run_id: str, artifact_uri: str, folder: str, files: list[tuple[str, bytes]]) -> None:
         if not artifact_uri.startswith(ARTIFACT_PROXY):
@@ -174,6 +219,20 @@ def session_from_env(env: dict[str, str] | None = None) -> requests.Session:
     if env.get("MLFLOW_TRACKING_CLIENT_CERT_PATH"):
         session.cert = env["MLFLOW_TRACKING_CLIENT_CERT_PATH"]
     return session
+
+
+def _golden_outputs(paths: list[str]) -> list[dict[str, Any]] | None:
+    """The gate's per-prompt outputs among its files, or None (a gate that stopped before decoding
+    writes none; a file that is not a list of results is not them)."""
+    for path in paths:
+        if os.path.basename(path) == GOLDEN_OUTPUTS and os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    golden = json.load(f)
+            except ValueError:
+                return None
+            return [g for g in golden if isinstance(g, dict)] if isinstance(golden, list) else None
+    return None
 
 
 def _json_double(value: float) -> float | str:

@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     # Stream the gate's progress as it happens (`kubectl logs -f` on the Job shows it live) and
     # keep the last lines for the error message if it ends without a verdict.
     tail: collections.deque[str] = collections.deque(maxlen=20)
+    started_ms = int(time.time() * 1000)      # the gate run's start in MLflow: when the gate began
     proc = start_gate(cmd)
     for line in proc.stderr:
         sys.stderr.write(line)
@@ -224,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     extras = [os.path.join(workdir, n) for n in os.listdir(workdir) if n != "verdict.json"]
     try:
-        run_id = until_deadline(lambda: registry.record_gate(ml["modelName"], version, verdict, extras), deadline,
-                                f"record the verdict of v{version}")
+        run_id = until_deadline(
+            lambda: registry.record_gate(ml["modelName"], version, verdict, extras, rel, started_ms), deadline,
+            f"record the verdict of v{version}")
     except RegistryUnavailable as exc:
         return report_failure(args.termination_log, version, gate_attempts.MLFLOW_UNREACHABLE,
                               f"verdict not recorded: {exc}")

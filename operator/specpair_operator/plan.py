@@ -28,14 +28,13 @@ from . import conditions as c
 from . import canary as canary_mod
 from . import gate_attempts, gate_verdict, manifests, model_fetch, rollout_strategy, shadow_run
 from .gate_verdict import GateOutcome
-from .registry_contract import TAG_GATE_RUN, TAG_ROLLED_BACK
+from .registry_contract import TAG_GATE_RUN, TAG_PROMOTED_AT, TAG_ROLLED_BACK, TAG_SPECULATION_OFF
 from .world import ReleaseWorld
 
 TAG_RELEASE = "specpair.release"
-# Written before the alias moves they stand for, so a pass that dies after the moves leaves
-# the mark behind and the next pass records the action (history, Event) it did not get to.
-TAG_PROMOTED_AT = "specpair.promoted_at"
-TAG_SPECULATION_OFF = "specpair.drift.speculation_off"
+# TAG_PROMOTED_AT and TAG_SPECULATION_OFF (registry_contract) are written before the alias moves
+# they stand for, so a pass that dies after the moves leaves the mark behind and the next pass
+# records the action (history, Event) it did not get to.
 VERIFIED_VERDICTS_KEPT = 10
 # A gate Job completes seconds after its runner wrote the verdict into MLflow; a pass reads the
 # tags before the Jobs. A Job complete for longer than this whose release MLflow shows no verdict

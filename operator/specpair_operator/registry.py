@@ -21,11 +21,13 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 from mlflow import MlflowClient  # noqa: E402
+from mlflow.entities import Metric, Param  # noqa: E402
 from mlflow.exceptions import MlflowException, RestException  # noqa: E402
 
 from .registry_contract import (  # noqa: E402
-    TAG_HASH, TAG_OWNER, TAG_OWNER_UID, RegistryUnavailable, find_or_create, gate_error_tags, gate_experiment,
-    gate_result_of)
+    EVENT_NAMES, TAG_EVENT, TAG_EVENT_KEY, TAG_EXPERIMENT_KIND, TAG_HASH, TAG_LOGGED_MODEL, TAG_OWNER,
+    TAG_OWNER_UID, TAG_RUN_DESCRIPTION, EventRecord, RegistryUnavailable, event_record, experiment_tags,
+    find_or_create, gate_error_tags, gate_experiment, gate_result_of, release_params, with_history_line)
 
 T = TypeVar("T")
 
@@ -124,17 +126,34 @@ class ReleaseRegistry:
             runs = self.client.search_runs([exp_id], filter_string=f"tags.`{TAG_HASH}` = '{digest}'",
                                            max_results=1, order_by=["attributes.start_time ASC"])
             run = runs[0] if runs else self.client.create_run(
-                exp_id, tags={"mlflow.runName": f"release-{digest[:12]}", TAG_HASH: digest})
-            if not self.client.list_artifacts(run.info.run_id, "release"):
-                with tempfile.TemporaryDirectory() as d:
-                    path = os.path.join(d, "release.json")
-                    with open(path, "w") as f:
-                        json.dump(rel, f, indent=2, sort_keys=True)
-                    self.client.log_artifact(run.info.run_id, path, "release")
+                exp_id, tags={"mlflow.runName": f"release-{digest[:12]}", TAG_HASH: digest,
+                              TAG_RUN_DESCRIPTION: release_mod.describe_release(rel, digest)})
+            run_id = run.info.run_id
+            if not run.data.params:
+                # The release's settings, so MLflow's comparison of two versions (their release
+                # runs) lines them up setting by setting. Logged once: parameters never change.
+                self.client.log_batch(run_id, params=[Param(k, v) for k, v in release_params(rel).items()])
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "release.json")
+                with open(path, "w") as f:
+                    json.dump(rel, f, indent=2, sort_keys=True)
+                if not self.client.list_artifacts(run_id, "release"):
+                    self.client.log_artifact(run_id, path, "release")
+                model_id = run.data.tags.get(TAG_LOGGED_MODEL)
+                if not model_id:
+                    # The version's logged model: the gate logs its headline figures to it, and
+                    # MLflow's version page shows a logged model's metrics.
+                    model = self.client.create_logged_model(
+                        exp_id, name=f"release-{digest[:12]}", source_run_id=run_id,
+                        params=release_params(rel), tags={TAG_HASH: digest})
+                    self.client.log_model_artifacts(model.model_id, d)
+                    self.client.finalize_logged_model(model.model_id, "READY")
+                    model_id = model.model_id
+                    self.client.set_tag(run_id, TAG_LOGGED_MODEL, model_id)
             if run.info.status != "FINISHED":
-                self.client.set_terminated(run.info.run_id)
+                self.client.set_terminated(run_id)
             mv = self.client.create_model_version(
-                model_name, source=f"{run.info.artifact_uri}/release", run_id=run.info.run_id,
+                model_name, source=f"models:/{model_id}", run_id=run_id, model_id=model_id,
                 tags=release_mod.release_tags(rel, digest),
                 description=release_mod.describe_release(rel, digest))
             return str(mv.version)
@@ -146,15 +165,54 @@ class ReleaseRegistry:
 
         def find() -> str | None:
             exp = self.client.get_experiment_by_name(name)
-            return None if exp is None else exp.experiment_id
-        return self._call(lambda: find_or_create(find, lambda: self.client.create_experiment(name)))
+            if exp is None:
+                return None
+            if TAG_EXPERIMENT_KIND not in (exp.tags or {}):
+                # An experiment made before it had a kind (or by an older gate runner) opens on
+                # the runs from now on too.
+                for key, value in experiment_tags().items():
+                    self.client.set_experiment_tag(exp.experiment_id, key, value)
+            return exp.experiment_id
+        return self._call(lambda: find_or_create(
+            find, lambda: self.client.create_experiment(name, tags=experiment_tags())))
 
     def version_tags(self, model_name: str, version: str) -> dict[str, str]:
         return dict(self._call(lambda: self.client.get_model_version(model_name, version)).tags)
 
     def set_tags(self, model_name: str, version: str, tags: dict[str, str]) -> None:
+        """The tags, in the dict's order. An event mark among them (promotion, shadow verdict,
+        SpeculationOff, rollback) is put on the record a reviewer reads first: if that fails, the
+        mark is not written either and the pass that plans it again records both."""
+        events = [e for e in (event_record(k, v, version, self.version_tags(model_name, version))
+                              for k, v in tags.items() if k in EVENT_NAMES) if e is not None]
+        for event in events:
+            self._record_event(model_name, version, event)
         for k, v in tags.items():
             self._call(lambda k=k, v=v: self.client.set_model_version_tag(model_name, version, k, v))
+
+    def _record_event(self, model_name: str, version: str, event: EventRecord) -> None:
+        """The event's run (its evidence: description and metrics), a short tag in words on the
+        version and a line in the version's history (its description), each once."""
+        exp_id = self._experiment(model_name)
+
+        def record() -> None:
+            found = self.client.search_runs([exp_id], filter_string=f"tags.`{TAG_EVENT_KEY}` = '{event.key}'",
+                                            max_results=1)
+            if found:
+                return
+            run = self.client.create_run(exp_id, tags={
+                "mlflow.runName": f"{event.name}-v{version}", TAG_EVENT: event.name, TAG_EVENT_KEY: event.key,
+                "specpair.model_version": str(version), TAG_RUN_DESCRIPTION: event.description[:8000]})
+            now = int(time.time() * 1000)
+            if event.metrics:
+                self.client.log_batch(run.info.run_id, metrics=[Metric(k, v, now, 0) for k, v in event.metrics.items()])
+            mv = self.client.get_model_version(model_name, version)
+            stamp = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
+            line = f"{stamp} **{event.name}**: {event.summary} ([evidence](#/experiments/{exp_id}/runs/{run.info.run_id}))"
+            self.client.update_model_version(model_name, version, with_history_line(mv.description or "", line))
+            self.client.set_model_version_tag(model_name, version, event.version_tag, event.summary)
+            self.client.set_terminated(run.info.run_id)
+        self._call(record)
 
     def count_versions(self, model_name: str) -> int:
         return len(self._call(lambda: self.client.search_model_versions(f"name='{model_name}'")))

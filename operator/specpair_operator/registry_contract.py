@@ -7,7 +7,10 @@ through these, so they cannot disagree on a name, a shape or a race."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -119,3 +122,319 @@ def gate_metrics(verdict: dict[str, Any]) -> dict[tuple[str, int], float]:
             put("speedup_by_k", row.get("speedup"), row["k"])
     out[("passed", 0)] = 1.0 if verdict.get("passed") is True else 0.0
     return out
+
+
+# -- what a reviewer reads in MLflow's UI (docs/mlflow.md) ---------------------------------------
+
+# MLflow 3 opens an experiment of this kind on its runs (not on the GenAI traces overview).
+TAG_EXPERIMENT_KIND, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+TAG_RUN_DESCRIPTION = "mlflow.note.content"      # the run page's Description
+TAG_LOGGED_ARTIFACTS = "mlflow.loggedArtifacts"  # which artifacts are tables (mlflow.log_table's tag)
+TAG_LOGGED_MODEL = "specpair.logged_model_id"    # on a release run: its version's logged model
+TAG_GATE_SUMMARY = "specpair.gate.summary"       # the verdict and its headline figures, in words
+GOLDEN_DATASET = "golden-prompts"
+PER_PROMPT_TABLE = "gate/per_prompt.json"
+PER_PROMPT_COLUMNS = ("category", "prompt", "output_tokens", "acceptance", "accepted_length", "speedup", "identical")
+DATASET_DIGEST_LEN = 12                          # MLflow keeps at most 36 characters
+
+
+def experiment_tags() -> dict[str, str]:
+    return {TAG_EXPERIMENT_KIND: EXPERIMENT_KIND}
+
+
+def _safe_key(name: Any) -> str:
+    """A category as MLflow takes it in a metric or parameter key."""
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(name))
+
+
+def _model_ref(side: dict[str, Any] | None) -> str:
+    side = side or {}
+    if side.get("drafter"):
+        return f"drafter:{side['drafter']}"
+    rev = f"@{side['revision']}" if side.get("revision") else ""
+    return f"{side.get('source')}{rev}"
+
+
+def release_params(release: dict[str, Any]) -> dict[str, str]:
+    """A release's settings as MLflow parameters, the same on its release run and its gate run, so
+    MLflow's run comparison lines two releases up setting by setting."""
+    spec = release.get("speculation") or {}
+    gating = release.get("gating") or {}
+    th = gating.get("thresholds") or {}
+    out = {"target": _model_ref(release.get("target")), "draft": _model_ref(release.get("draft")),
+           "method": str((release.get("draft") or {}).get("method") or (release.get("draft") or {}).get("drafter")
+                         or "draft-model"),
+           "engine": str((release.get("engine") or {}).get("kind") or "specpair"),
+           "engine.image": str((release.get("engine") or {}).get("image") or ""),
+           "golden_prompts": str(len(gating.get("prompts") or [])),
+           "max_new_tokens": str(gating.get("maxNewTokens", "")),
+           "threshold.requireGreedyIdentity": str(th.get("requireGreedyIdentity", True)),
+           "threshold.minAcceptance": str(th.get("minAcceptance", 0.0)),
+           "threshold.minSpeedup": str(th.get("minSpeedup", 0.0))}
+    for key, value in sorted(spec.items()):
+        out[f"speculation.{key}"] = str(value)
+    for cat, floor in sorted((th.get("minCategoryAcceptance") or {}).items()):
+        out[f"threshold.minCategoryAcceptance.{_safe_key(cat)}"] = str(floor)
+    for key, value in sorted((release.get("parallelism") or {}).items()):
+        out[f"parallelism.{key}"] = str(value)
+    return {k: v[:6000] for k, v in out.items()}
+
+
+def gate_params(release: dict[str, Any], verdict: dict[str, Any]) -> dict[str, str]:
+    """The release's parameters plus what the gate tuned on its hardware (k, batch threshold)."""
+    out = release_params(release)
+    for key, value in sorted((verdict.get("bestSpeculation") or {}).items()):
+        out[f"tuned.{key}"] = str(value)
+    if verdict.get("device"):
+        out["device"] = str(verdict["device"])
+    return out
+
+
+def prompts_digest(prompts: list[dict[str, Any]]) -> str:
+    """The golden prompts' content digest: sha256 of their canonical JSON (the form the release's
+    content hash covers them in), cut to DATASET_DIGEST_LEN."""
+    canonical = json.dumps(prompts, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:DATASET_DIGEST_LEN]
+
+
+def golden_dataset_input(release: dict[str, Any], release_hash: str) -> dict[str, Any]:
+    """The golden prompts as a run's dataset input (MLflow REST `runs/log-inputs`), marked as the
+    evaluation's: name, digest, where they come from (the release), schema and profile."""
+    prompts = (release.get("gating") or {}).get("prompts") or []
+    counts: dict[str, int] = {}
+    for p in prompts:
+        counts[str(p.get("category"))] = counts.get(str(p.get("category")), 0) + 1
+    schema = {"mlflow_colspec": [{"type": "string", "name": "prompt", "required": True},
+                                 {"type": "string", "name": "category", "required": True}]}
+    return {"dataset": {"name": GOLDEN_DATASET, "digest": prompts_digest(prompts), "source_type": "code",
+                        "source": json.dumps({"tags": {TAG_HASH: release_hash,
+                                                       "mlflow.source.name": "release.gating.prompts"}}),
+                        "schema": json.dumps(schema),
+                        "profile": json.dumps({"num_rows": len(prompts), "categories": counts})},
+            "tags": [{"key": "mlflow.data.context", "value": "eval"}]}
+
+
+def per_prompt_table(golden: list[dict[str, Any]]) -> dict[str, list]:
+    """The gate's per-prompt results as MLflow stores a logged table (pandas' "split" JSON, what
+    mlflow.log_table writes and MlflowClient.load_table reads)."""
+    rows = []
+    for g in golden:
+        tokens = g.get("output_tokens", len(g.get("token_ids") or []))
+        rows.append([str(g.get("category")), str(g.get("prompt")), tokens, g.get("acceptance_rate"),
+                     g.get("mean_acceptance_length"), g.get("speedup"), bool(g.get("identical"))])
+    return {"columns": list(PER_PROMPT_COLUMNS), "data": rows}
+
+
+def _pct(v: Any) -> str:
+    return f"{float(v) * 100:.1f}%" if _is_number(v) else "n/a"
+
+
+def _times(v: Any) -> str:
+    return f"{float(v):.2f}x" if _is_number(v) else "n/a"
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def slowed_categories(verdict: dict[str, Any]) -> list[tuple[str, float]]:
+    """Categories speculation made slower (speedup below 1): a gate may pass with one."""
+    return [(str(cat), float(vals["speedup"])) for cat, vals in sorted((verdict.get("categories") or {}).items())
+            if _is_number((vals or {}).get("speedup")) and float(vals["speedup"]) < 1.0]
+
+
+def gate_summary(verdict: dict[str, Any]) -> str:
+    """One line a reviewer reads on the version: verdict, overall and per-category figures."""
+    head = "passed" if verdict.get("passed") is True else "failed"
+    parts = [f"{head}: acceptance {_pct(verdict.get('acceptanceRate'))}, speedup {_times(verdict.get('speedup'))}"]
+    for cat, vals in sorted((verdict.get("categories") or {}).items()):
+        vals = vals or {}
+        parts.append(f"{cat} {_pct(vals.get('acceptanceRate'))} / {_times(vals.get('speedup'))}")
+    slowed = slowed_categories(verdict)
+    if slowed:
+        parts.append("slower with speculation: " + ", ".join(f"{c} {_times(s)}" for c, s in slowed))
+    return "; ".join(parts)[:4000]
+
+
+def gate_description(verdict: dict[str, Any], release: dict[str, Any] | None) -> str:
+    """The gate run's description (markdown): the verdict, every floor it was held to with the
+    figure it was held against, and any category speculation slowed down."""
+    th = ((release or {}).get("gating") or {}).get("thresholds") or {}
+    cats = verdict.get("categories") or {}
+    identity = verdict.get("greedyIdentityWithinTies", verdict.get("greedyIdentity"))
+    shown_identity = f"{float(identity):.3f}" if _is_number(identity) else "n/a"
+    lines = [f"**Gate {'passed' if verdict.get('passed') is True else 'failed'}** "
+             f"on {verdict.get('device') or 'an unnamed device'}.", "",
+             "| floor | required | measured |", "|---|---|---|",
+             f"| greedy identity | {'1.000' if th.get('requireGreedyIdentity', True) else 'not required'} "
+             f"| {shown_identity} |",
+             f"| acceptance | >= {float(th.get('minAcceptance') or 0.0):.3f} | {_pct(verdict.get('acceptanceRate'))} |",
+             f"| speedup | >= {float(th.get('minSpeedup') or 0.0):.2f}x | {_times(verdict.get('speedup'))} |"]
+    for cat, floor in sorted((th.get("minCategoryAcceptance") or {}).items()):
+        measured = _pct((cats.get(cat) or {}).get("acceptanceRate"))
+        lines.append(f"| acceptance of {cat} | >= {float(floor):.3f} | {measured} |")
+    floors_at_zero = [n for n in ("minAcceptance", "minSpeedup") if not float(th.get(n) or 0.0) > 0]
+    if floors_at_zero and release is not None:
+        lines += ["", f"No floor set for {' and '.join(floors_at_zero)}: any figure passes it."]
+    if cats:
+        lines += ["", "| category | acceptance | accepted length | speedup |", "|---|---|---|---|"]
+        for cat, vals in sorted(cats.items()):
+            vals = vals or {}
+            length = vals.get("meanAcceptanceLength")
+            lines.append(f"| {cat} | {_pct(vals.get('acceptanceRate'))} | "
+                         f"{f'{float(length):.2f}' if _is_number(length) else 'n/a'} | {_times(vals.get('speedup'))} |")
+    slowed = slowed_categories(verdict)
+    if slowed:
+        lines += ["", "**Slower with speculation** (speedup floors hold the overall figure, not a category): "
+                  + ", ".join(f"speedup.{c} {s:.2f}" for c, s in slowed) + "."]
+    if verdict.get("bestSpeculation"):
+        lines += ["", "Tuned on this hardware: " + ", ".join(f"{k} = {v}" for k, v in
+                                                            sorted(verdict["bestSpeculation"].items())) + "."]
+    if verdict.get("reasons"):
+        lines += ["", "Reasons it failed:", *[f"- {r}" for r in verdict["reasons"]]]
+    return "\n".join(lines)
+
+
+def headline_metrics(verdict: dict[str, Any]) -> dict[str, float]:
+    """What a model version shows as its metrics: overall and per-category acceptance and speedup."""
+    out = {}
+    for key, name in (("acceptanceRate", "acceptance_rate"), ("speedup", "speedup"),
+                      ("greedyIdentity", "greedy_identity")):
+        if _is_number(verdict.get(key)):
+            out[name] = float(verdict[key])
+    for cat, vals in (verdict.get("categories") or {}).items():
+        for key, name in (("acceptanceRate", "acceptance_rate"), ("speedup", "speedup")):
+            if _is_number((vals or {}).get(key)):
+                out[f"{name}.{_safe_key(cat)}"] = float(vals[key])
+    out["passed"] = 1.0 if verdict.get("passed") is True else 0.0
+    return out
+
+
+def logged_model_id(version_source: str) -> str | None:
+    """The logged model a version was registered from (source `models:/m-...`), else None (a
+    version made before releases had one)."""
+    if version_source.startswith("models:/m-") and "/" not in version_source[len("models:/"):]:
+        return version_source[len("models:/"):]
+    return None
+
+
+GATE_SECTION = "\n\n---\n### Gate\n"
+HISTORY_SECTION = "\n\n---\n### History\n"
+DESCRIPTION_CHARS = 5000          # what MLflow's database keeps of a version's description
+HISTORY_LINE_CHARS = 400
+
+
+def _description_parts(description: str) -> tuple[str, str, list[str]]:
+    """(the release's text, the gate section's body, the history's lines) of a version's description."""
+    rest, _, history = (description or "").partition(HISTORY_SECTION)
+    base, _, gate = rest.partition(GATE_SECTION)
+    return base, gate, [line for line in history.split("\n") if line.strip()]
+
+
+def _description(base: str, gate: str, history: list[str]) -> str:
+    """The parts put together; the oldest history lines go first when MLflow would cut it."""
+    while True:
+        text = base + (GATE_SECTION + gate if gate else "") + (HISTORY_SECTION + "\n".join(history) if history else "")
+        if len(text) <= DESCRIPTION_CHARS or not history:
+            return text[:DESCRIPTION_CHARS]
+        history = history[1:]
+
+
+def with_gate_section(description: str, verdict: dict[str, Any], experiment_id: str, run_id: str) -> str:
+    """A version's description with its gate's result and a link to the gate run (replacing the
+    section an earlier gate of the same version wrote; its history kept)."""
+    base, _, history = _description_parts(description)
+    gate = (f"{gate_summary(verdict)}\n\nEvidence: [gate run](#/experiments/{experiment_id}/runs/{run_id}) "
+            f"(parameters, golden prompts dataset, per-prompt table `{PER_PROMPT_TABLE}`, verdict).")
+    return _description(base, gate, history)
+
+
+def with_history_line(description: str, line: str) -> str:
+    """A version's description with one more line in its history section."""
+    base, gate, history = _description_parts(description)
+    return _description(base, gate, [*history, "- " + line[:HISTORY_LINE_CHARS]])
+
+# -- live events on the record -------------------------------------------------------------------
+# The operator marks each change of a version's standing with a tag it reads back (crash safety:
+# plan.py, serving_plan.py, shadow_run.py). What a reviewer reads of the same event is written
+# beside the mark: a short tag in words on the version, a line in its description's history, and
+# the evidence in a run of its own with metrics.
+
+TAG_PROMOTED_AT = "specpair.promoted_at"
+TAG_SPECULATION_OFF = "specpair.drift.speculation_off"
+TAG_SHADOW_VERDICT = "specpair.shadow.verdict"
+TAG_EVENT = "specpair.event"               # on an event run: which event
+TAG_EVENT_KEY = "specpair.event.key"       # on an event run: what makes writing it again a no-op
+EVENT_NAMES = {TAG_PROMOTED_AT: "promotion", TAG_SHADOW_VERDICT: "shadow-verdict",
+               TAG_SPECULATION_OFF: "speculation-off", TAG_ROLLED_BACK: "rollback"}
+SUMMARY_CHARS = 300
+
+# drift.Judged.message(): "category 'code' acceptance 0.210 (upper bound 0.250) over 40 requests /
+# 300 drafted tokens < floor 0.400 (gated 0.600)"
+_DRIFT_JUDGEMENT = re.compile(
+    r"(?:category '(?P<cat>[^']*)'|overall \(gated categories\)) acceptance (?P<live>[\d.]+) \(upper bound "
+    r"(?P<upper>[\d.]+)\) over (?P<requests>[\d.]+) requests / (?P<drafted>\d+) drafted tokens \S+ floor "
+    r"(?P<floor>[\d.]+) \(gated (?P<gated>[\d.]+)\)")
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    name: str                   # promotion | shadow-verdict | speculation-off | speculation-on | rollback
+    summary: str                # the decision and its figures in words (a version tag, a history line)
+    description: str            # the event run's description (markdown)
+    metrics: dict[str, float]   # the figures behind it
+    key: str                    # the same event written twice is one record
+
+    @property
+    def version_tag(self) -> str:
+        return f"specpair.event.{self.name}"
+
+
+def drift_figures(text: str) -> dict[str, float]:
+    """The figures of each drift judgement in a reason (drift.Judged.message), by category."""
+    out: dict[str, float] = {}
+    for m in _DRIFT_JUDGEMENT.finditer(text):
+        cat = _safe_key(m.group("cat")) if m.group("cat") is not None else "overall"
+        for field in ("live", "upper", "floor", "gated", "requests", "drafted"):
+            out[f"{field}_acceptance.{cat}" if field in ("live", "upper", "gated") else f"{field}.{cat}"] = \
+                float(m.group(field))
+    return out
+
+
+def event_record(tag: str, value: str, version: str, version_tags: dict[str, str]) -> EventRecord | None:
+    """What a reviewer reads of an event mark `tag`=`value` on `version` (None: not an event)."""
+    name = EVENT_NAMES.get(tag)
+    if name is None:
+        return None
+    key = hashlib.sha256(json.dumps([tag, value, str(version)]).encode()).hexdigest()[:24]
+    if tag == TAG_PROMOTED_AT:
+        _, verdict, _ = gate_result_of(version_tags)
+        gate = gate_summary(verdict) if verdict else "no gate verdict recorded"
+        summary = f"v{version} promoted to champion at {value} (gate {gate})"
+        return EventRecord(name, summary[:SUMMARY_CHARS], summary, headline_metrics(verdict) if verdict else {}, key)
+    if tag == TAG_SHADOW_VERDICT:
+        try:
+            verdict = json.loads(value)
+        except ValueError:
+            verdict = {}
+        verdict = verdict if isinstance(verdict, dict) else {}
+        metrics: dict[str, float] = {}
+        lines = []
+        for cat, n in sorted((verdict.get("categories") or {}).items()):
+            label = "pooled" if cat == "*" else _safe_key(cat)
+            for field, v in sorted((n or {}).items()):
+                if _is_number(v):
+                    metrics[f"{field}.{label}"] = float(v)
+            lines.append(f"- {label}: candidate {(n or {}).get('candidateAlpha')} vs champion "
+                         f"{(n or {}).get('championAlpha')} over {(n or {}).get('requests')} requests "
+                         f"({(n or {}).get('status')})")
+        summary = f"shadow verdict on v{version}: {verdict.get('result')}: {verdict.get('reason', '')}"
+        return EventRecord(name, summary[:SUMMARY_CHARS], "\n".join([summary, "", *lines]), metrics, key)
+    if tag == TAG_SPECULATION_OFF:
+        if not value:
+            return EventRecord("speculation-on", f"v{version}: speculation back on (acceptance recovered)",
+                               f"v{version}: speculation back on (acceptance recovered)", {}, key)
+        summary = f"v{version} serving target-only (speculation off): {value}"
+        return EventRecord(name, summary[:SUMMARY_CHARS], summary, drift_figures(value), key)
+    summary = f"v{version} rolled back (lost the champion alias): {value}"
+    return EventRecord(name, summary[:SUMMARY_CHARS], summary, drift_figures(value), key)

@@ -34,11 +34,11 @@ from typing import Any, Iterable, Mapping
 from specpair.stats import PairedSums, RequestMoments
 
 from . import conditions as c
+from .registry_contract import TAG_SHADOW_VERDICT
 from .shadow_verdict import PROMOTE, REJECTED, UNDECIDED, ShadowEvidence, ShadowPolicy, ShadowVerdict, judge_shadow
 
 # On the candidate's model version (crash marks: each written before what it stands for).
 TAG_SHADOW_STARTED = "specpair.shadow.started_at"
-TAG_SHADOW_VERDICT = "specpair.shadow.verdict"
 SHADOW_SCORED = c.SHADOW_SCORED   # the condition
 
 

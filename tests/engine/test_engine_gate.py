@@ -34,6 +34,8 @@ def test_gate_passes_and_reports_everything(tiny_pair_dirs):
     assert [row["k"] for row in verdict["kSweep"]] == [1, 2, 3]
     assert verdict["bestSpeculation"]["k"] in (1, 2, 3)
     assert len(golden) == 3 and all(g["identical"] for g in golden)
+    # Per prompt, what the gate run's table shows: output tokens and the prompt's own speedup.
+    assert all(g["output_tokens"] == len(g["token_ids"]) and g["speedup"] > 0 for g in golden)
 
 
 def test_the_releases_tuning_chooses_the_sweeps(tiny_pair_dirs):

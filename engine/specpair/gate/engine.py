@@ -82,12 +82,15 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
         divergence = first_divergence(target, engine.encode(text, chat=chat), base.token_ids,
                                       spec_res.token_ids)
         identical = divergence is None
-        per_prompt.append((category, t_base, statistics.median(spec_times), spec_res.stats, identical,
+        t_spec = statistics.median(spec_times)
+        per_prompt.append((category, t_base, t_spec, spec_res.stats, identical,
                            identical or bool(divergence and divergence["tie"])))
         golden.append({"prompt": text, "category": category, "target_only": base.text,
                        "speculative": spec_res.text, "identical": identical, "divergence": divergence,
-                       "token_ids": base.token_ids, **{k: v for k, v in spec_res.stats.to_dict().items()
-                                                      if k in ("acceptance_rate", "mean_acceptance_length")}})
+                       "token_ids": base.token_ids, "output_tokens": len(spec_res.token_ids),
+                       "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
+                       **{k: v for k, v in spec_res.stats.to_dict().items()
+                          if k in ("acceptance_rate", "mean_acceptance_length")}})
 
     def summarise(rows):
         stats = AcceptanceStats()

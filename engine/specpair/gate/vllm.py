@@ -118,6 +118,8 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
         rows.append((category, b.seconds, s.seconds, d, identical))
         golden.append({"prompt": text, "category": category, "target_only": b.text, "speculative": s.text,
                        "identical": identical, "token_ids": b.token_ids, "draft_tokens": d.draft_tokens,
+                       "output_tokens": len(s.token_ids),
+                       "speedup": round(b.seconds / s.seconds, 4) if s.seconds else 0.0,
                        "acceptance_rate": round(d.acceptance_rate, 4),
                        "mean_acceptance_length": round(d.mean_acceptance_length, 4)})
 

@@ -1,0 +1,128 @@
+"""The release as a reviewer reads it in MLflow (docs/mlflow.md), read back with MlflowClient from
+a real `mlflow server`: the gate run as an evaluation (dataset input, parameters, per-prompt
+table, real duration, a description with every floor) and the model version carrying its figures."""
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from specpair_operator import release
+from specpair_operator.registry import ReleaseRegistry
+from specpair_operator.registry_contract import (EXPERIMENT_KIND, GOLDEN_DATASET, PER_PROMPT_COLUMNS,
+                                                 PER_PROMPT_TABLE,
+                                                 TAG_EXPERIMENT_KIND, TAG_GATE_RUN, TAG_GATE_SUMMARY,
+                                                 TAG_LOGGED_MODEL, TAG_RUN_DESCRIPTION, gate_experiment,
+                                                 logged_model_id, prompts_digest)
+
+SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "r1"}, "draft": {"drafter": "ngram"},
+        "gating": {"thresholds": {"minSpeedup": 1.0, "minCategoryAcceptance": {"code": 0.5}}}}
+PROMPTS = [{"prompt": "def add(a, b):", "category": "code"}, {"prompt": "A poem about rain", "category": "creative"}]
+# A release that passes while speculation slows one category down: the page must say so.
+VERDICT = {"passed": True, "reasons": [], "greedyIdentity": 1.0, "acceptanceRate": 0.41, "speedup": 1.08,
+           "meanAcceptanceLength": 1.9, "device": "cpu",
+           "categories": {"code": {"acceptanceRate": 0.7, "speedup": 1.31, "meanAcceptanceLength": 2.6},
+                          "creative": {"acceptanceRate": 0.12, "speedup": 0.92, "meanAcceptanceLength": 1.2}},
+           "acceptancePerPosition": [0.8, 0.6], "kSweep": [{"k": 2, "speedup": 1.05}, {"k": 4, "speedup": 1.08}],
+           "bestSpeculation": {"k": 4, "batchSizeThreshold": 8},
+           "tokenizer": {"compatible": True, "differences": [], "targetFingerprint": "a" * 64, "draftFingerprint": None},
+           "mlflowRunId": None}
+GOLDEN = [{"prompt": "def add(a, b):", "category": "code", "token_ids": [1, 2, 3, 4], "output_tokens": 4,
+           "acceptance_rate": 0.7, "mean_acceptance_length": 2.6, "speedup": 1.31, "identical": True},
+          {"prompt": "A poem about rain", "category": "creative", "token_ids": [5, 6], "output_tokens": 2,
+           "acceptance_rate": 0.12, "mean_acceptance_length": 1.2, "speedup": 0.92, "identical": True}]
+GATE_SECONDS = 1.5
+
+
+@pytest.fixture
+def reg(mlflow_server):
+    return ReleaseRegistry(mlflow_server.url)
+
+
+def gate_with(reg, tmp_path, model: str, spec: dict, verdict: dict) -> str:
+    """A release's version, gated by the real gate runner forking a command that takes
+    GATE_SECONDS and writes `verdict` and GOLDEN (the runner's recording is under test here)."""
+    rel = release.build_release("p", "ns", spec, PROMPTS)
+    version = reg.ensure_release(model, rel, release.content_hash(rel))
+    rel_file = tmp_path / f"release-{version}.json"
+    rel_file.write_text(json.dumps(release.with_mlflow(rel, reg.tracking_uri, model, version)))
+    given = tmp_path / f"given-{version}.json"
+    given.write_text(json.dumps(verdict))
+    golden = tmp_path / "golden.json"
+    golden.write_text(json.dumps(GOLDEN))
+    gate = (f"{sys.executable} -c \"import os,shutil,sys,time; time.sleep({GATE_SECONDS}); "
+            f"out=sys.argv[sys.argv.index('--out')+1]; shutil.copy('{given}', out); "
+            f"shutil.copy('{golden}', os.path.join(os.path.dirname(out), 'golden_outputs.json'))\"")
+    out = subprocess.run([sys.executable, "-m", "specpair_operator.gate_runner", "--release", str(rel_file),
+                          "--gate-command", gate, "--termination-log", str(tmp_path / "none")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return version
+
+
+def test_the_gate_run_is_an_evaluation_and_the_version_carries_its_figures(reg, tmp_path, monkeypatch):
+    # MlflowClient.load_table searches through mlflow's global tracking URI, not the client's.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", reg.tracking_uri)
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    reg.ensure_model(model, "ns/p")
+    version = gate_with(reg, tmp_path, model, SPEC, VERDICT)
+    client = reg.client
+    tags = reg.version_tags(model, version)
+    run = client.get_run(tags[TAG_GATE_RUN])
+
+    # The golden prompts are the run's evaluation dataset, with the digest of their content.
+    [inp] = run.inputs.dataset_inputs
+    assert inp.dataset.name == GOLDEN_DATASET and inp.dataset.digest == prompts_digest(PROMPTS)
+    assert {t.key: t.value for t in inp.tags}["mlflow.data.context"] == "eval"
+    assert json.loads(inp.dataset.profile)["num_rows"] == 2
+    # The release's settings and what the gate tuned, as parameters.
+    params = run.data.params
+    assert params["target"] == "HuggingFaceTB/SmolLM2-135M@r1" and params["draft"] == "drafter:ngram"
+    assert params["tuned.k"] == "4" and params["tuned.batchSizeThreshold"] == "8"
+    assert params["threshold.minSpeedup"] == "1.0" and params["threshold.minCategoryAcceptance.code"] == "0.5"
+    assert params["speculation.k"] == str(release.SPECULATION_DEFAULTS["k"])
+    # The run lasted as long as the gate did (it was written after the gate ended: 50 ms).
+    assert (run.info.end_time - run.info.start_time) / 1000 >= GATE_SECONDS
+    # The description states the verdict, the floors and the slowed category.
+    description = run.data.tags[TAG_RUN_DESCRIPTION]
+    assert "Gate passed" in description and "speedup.creative 0.92" in description
+    assert "| speedup | >= 1.00x | 1.08x |" in description
+    assert "| acceptance of code | >= 0.500 | 70.0% |" in description
+    # The per-prompt results as a table MLflow's evaluation view reads.
+    table = client.load_table(run.info.experiment_id, PER_PROMPT_TABLE, run_ids=[run.info.run_id])
+    assert list(table.columns[:len(PER_PROMPT_COLUMNS)]) == list(PER_PROMPT_COLUMNS)
+    assert table["speedup"].tolist() == [1.31, 0.92] and table["output_tokens"].tolist() == [4, 2]
+    # The experiment opens on runs, not on MLflow 3's GenAI overview.
+    assert client.get_experiment(run.info.experiment_id).tags[TAG_EXPERIMENT_KIND] == EXPERIMENT_KIND
+
+    # The version: its logged model holds the headline figures, its description links the gate run.
+    mv = client.get_model_version(model, version)
+    model_id = logged_model_id(mv.source)
+    assert model_id and client.get_run(mv.run_id).data.tags[TAG_LOGGED_MODEL] == model_id
+    figures = {m.key: m.value for m in client.get_logged_model(model_id).metrics}
+    assert figures["acceptance_rate.code"] == 0.7 and figures["speedup.creative"] == 0.92 and figures["passed"] == 1.0
+    assert f"runs/{run.info.run_id})" in mv.description and "creative 12.0% / 0.92x" in mv.description
+    assert tags[TAG_GATE_SUMMARY].startswith("passed: acceptance 41.0%, speedup 1.08x")
+    # The release run holds the same settings, so MLflow's comparison of two versions lines them up.
+    assert client.get_run(mv.run_id).data.params["target"] == params["target"]
+    assert json.load(open(client.download_artifacts(mv.run_id, "release/release.json")))["pair"] == "p"
+
+
+def test_two_versions_compare_setting_by_setting_and_figure_by_figure(reg, tmp_path):
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    reg.ensure_model(model, "ns/p")
+    v1 = gate_with(reg, tmp_path, model, SPEC, VERDICT)
+    slower = {**VERDICT, "passed": False, "speedup": 0.8, "reasons": ["speedup 0.800x < minSpeedup 1.000x"]}
+    v2 = gate_with(reg, tmp_path, model, {**SPEC, "speculation": {"k": 6}}, slower)
+    runs = [reg.client.get_run(reg.client.get_model_version(model, v).run_id) for v in (v1, v2)]
+    assert [r.data.params["speculation.k"] for r in runs] == [str(release.SPECULATION_DEFAULTS["k"]), "6"]
+    assert [r.data.metrics["speedup"] for r in runs] == [1.08, 0.8]
+    experiment = reg.client.get_experiment_by_name(gate_experiment(model))
+    assert [r.info.experiment_id for r in runs] == [experiment.experiment_id] * 2
+    assert reg.version_tags(model, v2)[TAG_GATE_SUMMARY].startswith("failed: ")
+    gate_run = reg.client.get_run(reg.version_tags(model, v2)[TAG_GATE_RUN])
+    description = gate_run.data.tags[TAG_RUN_DESCRIPTION]
+    assert "Gate failed" in description and "- speedup 0.800x < minSpeedup 1.000x" in description
