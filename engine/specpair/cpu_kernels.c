@@ -77,14 +77,19 @@ ROWS_KERNEL(5, UNROLLED) ROWS_KERNEL(6, UNROLLED) ROWS_KERNEL(7, UNROLLED) ROWS_
 typedef void (*rows_fn)(const float *, const float *, float *, long, long, long, long);
 static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
 
-#define MAX_TOKENS 16   /* rows of x per call: k+1 <= 9 at batch 1, more rows at small batches */
+/* Rows of x per call: k+1 <= 9 at batch 1, one token a row at batch 64. Above 16 a batch's
+   decode step went to torch (BLAS and ~45 small operations a layer): 32 rows stepped 4x the
+   time of 16 on the 2-core machine beside other jobs (docs/measurements/2026-12-06-paged-cpu.md).
+   Passes of 8 rows over a block of 16
+   weight rows (<= 100 KB, in the core's cache after the first) keep the weights read once. */
+#define MAX_TOKENS 64
 
 int specpair_max_tokens(void) { return MAX_TOKENS; }
 
 #define BLOCK 16   /* output rows per task: small enough that a 192-row matrix splits evenly */
 
 /* x: [M, I]; for each of n weights W[j]: [O[j], I] -> y[j]: [M, O[j]]; all contiguous float32,
-   1 <= M <= 16. Several weights that read the same x (q, k and v; gate and up) go in one call,
+   1 <= M <= MAX_TOKENS. Several weights that read the same x (q, k and v; gate and up) go in one call,
    so the threads share out all their rows at once: one fork-join instead of three, no idle
    thread on a small matrix, and no concatenated copy of the weights. More than 8 rows go in
    even passes of at most 8 (a ninth accumulator would not fit in the registers), block by

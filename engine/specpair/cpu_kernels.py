@@ -6,8 +6,8 @@ features (a cache volume shared by different nodes never hands one a library for
 `python -m specpair.cpu_kernels` builds it ahead and says whether it could. The small-batch
 linear is also a torch custom op, so `torch.compile` keeps it as one opaque call in a compiled step.
 
-Where it does not apply (CUDA, a dtype other than float32, more than 16 rows: prefill and large
-batches, where BLAS is good) or cannot be built (no C compiler, SPECPAIR_CPU_KERNELS=0), linear()
+Where it does not apply (CUDA, a dtype other than float32, more than MAX_TOKENS = 64 rows: a
+prompt's prefill, where BLAS is good) or cannot be built (no C compiler, SPECPAIR_CPU_KERNELS=0), linear()
 is torch's own. `status()` says which, for the bench and the server's start-up log.
 """
 
@@ -113,7 +113,7 @@ def _small_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Te
 
 @torch.library.custom_op("specpair::small_linear", mutates_args=())
 def small_linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[x [M, I] @ w.T for w in weights] (each w [O, I]) for 1 <= M <= 16, float32 on CPU."""
+    """[x [M, I] @ w.T for w in weights] (each w [O, I]) for 1 <= M <= MAX_TOKENS, float32 on CPU."""
     return _small_linear(x, weights)
 
 

@@ -32,7 +32,7 @@ def test_small_linear_matches_torch_for_every_row_count(in_features):
         assert cpu_kernels.layer_applies(rows, torch.float32, torch.device("cpu"), head_dim=64)
         torch.testing.assert_close(ours, F.linear(x, weight), rtol=1e-4, atol=1e-4)
     # The limits are the library's own (cpu_kernels.c), and beyond them torch takes the step.
-    assert cpu_kernels.MAX_TOKENS == 16 and cpu_kernels.MAX_HEAD_DIM == 256
+    assert cpu_kernels.MAX_TOKENS == 64 and cpu_kernels.MAX_HEAD_DIM == 256
     cpu = torch.device("cpu")
     assert not cpu_kernels.layer_applies(cpu_kernels.MAX_TOKENS + 1, torch.float32, cpu, 64)
     assert not cpu_kernels.layer_applies(4, torch.float32, cpu, head_dim=36)    # not 8-wide
@@ -54,7 +54,7 @@ def test_linear_falls_back_to_torch_where_the_kernel_does_not_apply():
     cpu_kernels.available()
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(64, 32, generator=gen)
-    for x in (torch.randn(17, 32, generator=gen),                      # more rows than the kernel
+    for x in (torch.randn(cpu_kernels.MAX_TOKENS + 1, 32, generator=gen),  # more rows than the kernel
               torch.randn(2, 32, generator=gen).to(torch.float64)):    # not float32
         w = weight.to(x.dtype)
         assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
@@ -297,6 +297,34 @@ def test_a_verified_tokens_logits_are_bitwise_its_decode_step_logits(tiny_target
     # And both agree with Hugging Face's forward to float32 rounding.
     ref = tiny_target.model(torch.tensor([prompt + tokens])).logits[:, -len(tokens):]
     torch.testing.assert_close(verified, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [32, 64])
+def test_a_large_batchs_decode_step_is_bitwise_each_row_alone(tiny_target, rows, monkeypatch):
+    """At 32 and 64 rows a decode step still runs the C layer (before, past 16 tokens it went to
+    torch's step, 4x the time of 16 rows on the 2-core machine), so each row's logits are the
+    very ones it gets decoding alone (over the same keys and values: its cache copied, as the
+    prefix store copies one)."""
+    assert cpu_kernels.available(), cpu_kernels.status()
+    assert cpu_kernels.layer_applies(rows, torch.float32, torch.device("cpu"), head_dim=16)
+    gen = torch.Generator().manual_seed(rows)
+    prompts = [torch.randint(3, 300, (int(n),), generator=gen).tolist()
+               for n in torch.randint(5, 40, (rows,), generator=gen)]
+    nexts = torch.randint(3, 300, (rows,), generator=gen).tolist()
+    together = StaticKVModel(tiny_target.model)
+    together.add_rows(rows)
+    together.extend(prompts)
+    calls = []
+    layer = cpu_kernels.llama_layer
+    monkeypatch.setattr(cpu_kernels, "llama_layer", lambda h, *a, **k: calls.append(h.shape[0])
+                        or layer(h, *a, **k))
+    stepped = together.extend([[t] for t in nexts])
+    assert calls == [rows] * len(tiny_target.model.model.layers)     # the C layer, every layer
+    for i in range(rows):
+        alone = StaticKVModel(tiny_target.model)
+        alone.add_rows(1)
+        alone.load_blocks(0, together.read_blocks(i, [0], len(prompts[i])))
+        assert torch.equal(alone.extend([[nexts[i]]])[0], stepped[i]), i
 
 
 def test_an_unwritable_cache_or_a_broken_compiler_falls_back_and_says_why(tmp_path, monkeypatch):
