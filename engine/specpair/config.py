@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass, field
 
+from specpair.contract import MAX_SPECULATION_K
 from specpair.errors import SpecpairError
 
 
@@ -98,6 +99,8 @@ class SpeculationConfig:
             object.__setattr__(self, "k_max", self.k)
         if not 1 <= self.k_min <= self.k_max:
             raise SpecpairError(f"need 1 <= k_min <= k_max, got {self.k_min}, {self.k_max}")
+        if self.k_max > MAX_SPECULATION_K:
+            raise SpecpairError(f"speculation k must be <= {MAX_SPECULATION_K}, got k {self.k}, k_max {self.k_max}")
         if not 0.0 <= self.fallback_threshold <= 1.0:
             raise SpecpairError(f"fallback_threshold must be in [0, 1], got {self.fallback_threshold}")
         if self.batch_size_threshold < 0:
@@ -264,8 +267,8 @@ class GenerationParams:
             raise SpecpairError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise SpecpairError(f"seed must be in [0, 2**64), got {self.seed}")
-        if self.speculation_k is not None and self.speculation_k < 0:
-            raise SpecpairError(f"speculation k must be >= 0 (0 = off), got {self.speculation_k}")
+        if self.speculation_k is not None and not 0 <= self.speculation_k <= MAX_SPECULATION_K:
+            raise SpecpairError(f"speculation k must be in [0, {MAX_SPECULATION_K}] (0 = off), got {self.speculation_k}")
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property

@@ -15,6 +15,11 @@ from typing import Any, Callable
 # Golden prompts and requests without a category are judged in this one.
 DEFAULT_CATEGORY = "general"
 
+# The most draft tokens a round may propose, wherever k is set: the CRD's speculation.k and
+# gating.tuning.kValues (tests/engine/test_engine_speculation_limit.py holds them to it), a
+# request's or SetSpeculation's k, and the engine's SpeculationConfig (k and k_max).
+MAX_SPECULATION_K = 16
+
 
 # Model sources the engine downloads from MLflow (and so needs MLflow credentials for).
 MLFLOW_SOURCE_PREFIXES = ("models:/", "runs:/", "mlflow:")

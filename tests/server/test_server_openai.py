@@ -139,7 +139,7 @@ def test_curl_streams_a_chat_completion(tiny_pair, http_server):
     ({"max_tokens": 200, "messages": [{"role": "user", "content": "x " * 200}]}, 400, "max_tokens",
      ["exceed the model's context of 512"]),
     ({"model": "gpt-4"}, 404, "model", ["not served here"]),
-    ({"specpair": {"k": 99}}, 400, "specpair.k", ["<= 32"]),
+    ({"specpair": {"k": 99}}, 400, "specpair.k", ["<= 16"]),
 ])
 def test_bad_requests_get_openai_errors(http_server, body, status, param, words):
     before = sample(http_server, "specpair_requests_total", category="general", protocol="http", status="invalid")

@@ -40,7 +40,7 @@ def refused(req) -> InvalidField:
     (request("hi", stop=["x"] * 17), "stop", "at most 16"),
     (request("hi", stop=["x" * 300]), "stop[0]", "at most 256"),
     (request("hi", category="bad label!"), "category", "A-Z"),
-    (request("hi", speculation_k=99), "speculation.k", "<= 32"),
+    (request("hi", speculation_k=99), "speculation.k", "<= 16"),
     (pb.GenerateRequest(prompt_utf8=b"ok \xff\xfe"), "prompt_utf8", "malformed UTF-8: byte 0xff at offset 3"),
 ])
 def test_bad_request_names_field_and_reason(req, field, words):

@@ -27,7 +27,7 @@ DEFAULT_MAX_NEW_TOKENS = 64
 # Temperatures this close to 0 overflow logits / T to inf (NaN probabilities); 0 means greedy.
 MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 100.0
-MAX_SPECULATION_K = 32
+MAX_SPECULATION_K = contract.MAX_SPECULATION_K
 
 
 class InvalidField(Exception):
