@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -94,9 +95,15 @@ def load_kubeconfig(path: str | Path) -> Credentials:
 
 
 class Kube:
-    def __init__(self, creds: Credentials, timeout: float = 30.0):
+    """unreachable_retry_s > 0: a request that gets no answer (connection refused or dropped) or
+    a 503 (an API server starting) is sent again every half second for that long, as a kubelet's
+    client keeps trying while the API server restarts (the node agents' clients); 0, the default,
+    answers with what happened."""
+
+    def __init__(self, creds: Credentials, timeout: float = 30.0, unreachable_retry_s: float = 0.0):
         self.creds = creds
         self.timeout = timeout
+        self.unreachable_retry_s = unreachable_retry_s
         self.session = requests.Session()
         # Our CA, not the environment's bundle (REQUESTS_CA_BUNDLE would override `verify`), no proxies.
         self.session.trust_env = False
@@ -107,15 +114,26 @@ class Kube:
             self.session.headers["Authorization"] = f"Bearer {creds.token}"
 
     @classmethod
-    def from_kubeconfig(cls, path: str | Path) -> "Kube":
-        return cls(load_kubeconfig(path))
+    def from_kubeconfig(cls, path: str | Path, **options: Any) -> "Kube":
+        return cls(load_kubeconfig(path), **options)
 
     def request(self, method: str, path: str, *, body: Any = None, params: dict[str, Any] | None = None,
                 content_type: str = "application/json", timeout: float | None = None) -> Any:
-        resp = self.session.request(method, self.creds.server + path, params=params,
-                                    data=None if body is None else json.dumps(body),
-                                    headers={"Content-Type": content_type, "Accept": "application/json"},
-                                    timeout=timeout or self.timeout)
+        deadline = time.monotonic() + self.unreachable_retry_s
+        while True:
+            try:
+                resp = self.session.request(method, self.creds.server + path, params=params,
+                                            data=None if body is None else json.dumps(body),
+                                            headers={"Content-Type": content_type, "Accept": "application/json"},
+                                            timeout=timeout or self.timeout)
+            except requests.ConnectionError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
+                continue
+            if resp.status_code != 503 or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
         try:
             payload = resp.json() if resp.content else None
         except ValueError:

@@ -17,6 +17,10 @@ from .node_agent import LocalImages, NodeAgent, NodeSpec
 
 __all__ = ["DevCluster", "NodeSpec"]
 
+# How long a node's requests keep trying while the API server does not answer (a restart in place
+# takes a few seconds; a loaded machine, more).
+NODE_RETRY_S = 120.0
+
 
 class DevCluster:
     """A real Kubernetes control plane on 127.0.0.1 and nodes that run pods as local processes.
@@ -75,8 +79,9 @@ class DevCluster:
                                            groups=("system:nodes",), client=True)
         config = write_kubeconfig(self.workdir / "pki" / f"node-{spec.name}.kubeconfig", self.server,
                                   self.ca_file, f"system:node:{spec.name}", cert=cert)
-        agent = NodeAgent(Kube.from_kubeconfig(config), spec, index, self.workdir, self.server, str(self.ca_file),
-                          self.images)
+        # Its client keeps trying through an API server restart (restart()), as a kubelet's does.
+        agent = NodeAgent(Kube.from_kubeconfig(config, unreachable_retry_s=NODE_RETRY_S), spec, index, self.workdir,
+                          self.server, str(self.ca_file), self.images)
         agent.start()
         self.agents.append(agent)
         return agent
@@ -95,6 +100,12 @@ class DevCluster:
             self.control_plane.stop()
         if self.kube is not None:
             self.kube.close()
+
+    def restart(self, component: str, *, crash: bool = True, down_seconds: float = 0.0) -> float:
+        """Restart one control-plane component in place (ControlPlane.restart): the nodes, the
+        other components and every client reconnect by themselves. Returns the seconds it was away."""
+        assert self.control_plane
+        return self.control_plane.restart(component, crash=crash, down_seconds=down_seconds)
 
     def node_errors(self) -> list[str]:
         return [e for a in self.agents for e in a.errors]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,6 +128,7 @@ class ControlPlane:
             "--profiling=false", "--v", "1"], logs)
         self.admin_kubeconfig = write_kubeconfig(self.workdir / "kubeconfig", self.server, ca.cert,
                                                  "devcluster-admin", cert=admin)
+        self._admin = admin
         session = requests.Session()
         # Not the environment's CA bundle (REQUESTS_CA_BUNDLE would win over `verify`) or proxies.
         session.trust_env = False
@@ -179,6 +181,49 @@ class ControlPlane:
         wait_until(default_service_account, max(5.0, timeout - (time.monotonic() - started)),
                    what="kube-controller-manager (default ServiceAccount)", abort=self._dead_child)
         session.close()
+
+    def restart(self, name: str, *, crash: bool = True, down_seconds: float = 0.0, timeout: float = 90.0) -> float:
+        """Restart one component in place, as a node restarts a static pod: stopped (crash: SIGKILL,
+        mid-request; else SIGTERM, draining as a rolling restart does), kept down `down_seconds`,
+        then started with the same arguments, ports, certificates and data, its log appended. Waits
+        until it serves again (the API server's /readyz, which checks etcd; a controller's
+        /healthz) and returns the seconds it was away. The others keep running and reconnect on
+        their own, as they do in any cluster."""
+        index = next((i for i, c in enumerate(self.children) if c.name == name), None)
+        if index is None:
+            raise ValueError(f"no control-plane component {name!r}; there are {[c.name for c in self.children]}")
+        started = time.monotonic()
+        old = self.children[index]
+        if crash:
+            old.kill()
+        else:
+            old.stop(grace=3 if name == "kube-apiserver" else 10)
+        time.sleep(down_seconds)
+        self.children[index] = new = old.again()
+        wait_until(lambda: self._serving(new), timeout, what=f"{name} serving again after its restart",
+                   abort=self._dead_child)
+        return time.monotonic() - started
+
+    def _serving(self, child: Child) -> bool:
+        """Whether a (re)started component answers: its own health endpoint, and for etcd the
+        API server's readiness (which checks etcd)."""
+        assert self.ca is not None
+        if child.name in ("kube-apiserver", "etcd"):
+            url, verify, cert = self.server + "/readyz", str(self.ca.cert), (str(self._admin.cert), str(self._admin.key))
+        else:
+            port = child.argv[child.argv.index("--secure-port") + 1]
+            # Their serving certificates are self-signed (--cert-dir); /healthz needs no login.
+            url, verify, cert = f"https://127.0.0.1:{port}/healthz", False, None
+        session = requests.Session()
+        session.trust_env = False
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # urllib3's InsecureRequestWarning for verify=False
+                return session.get(url, timeout=2, verify=verify, cert=cert).status_code == 200
+        except requests.RequestException:
+            return False
+        finally:
+            session.close()
 
     def _spawn(self, name: str, argv: list[str], logs: Path) -> None:
         self.children.append(Child(name, argv, logs / f"{name}.log", env={"PATH": os.environ.get("PATH", "")}))

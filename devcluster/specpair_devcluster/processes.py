@@ -50,7 +50,7 @@ def tail(path: Path, chars: int = 2000) -> str:
 class Child:
     def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None,
                  cwd: Path | None = None):
-        self.name, self.argv, self.log = name, argv, log
+        self.name, self.argv, self.log, self.env, self.cwd = name, argv, log, env, cwd
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -83,6 +83,21 @@ class Child:
             return self.proc.wait(5)
         except subprocess.TimeoutExpired:
             return None
+
+    def kill(self) -> int | None:
+        """SIGKILL the whole process group at once (a crash, an OOM kill): no draining, no goodbye."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            return self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def again(self) -> "Child":
+        """The same program started anew: its arguments, environment, folder and log (appended)."""
+        return Child(self.name, self.argv, self.log, env=self.env, cwd=self.cwd)
 
     def describe_exit(self) -> str:
         return f"{self.name} exited with {self.proc.returncode}: {tail(self.log, 1500)}"
