@@ -5,9 +5,12 @@ the report shows of it."""
 import pytest
 
 from demo import traffic
+from demo.chapters.releases import demo_pair, second_release
+from demo.chapters.traffic_shift import shift_prompts
 from demo.ladder import BREACH, DECIDED, OFF, PROBE, Ladder, domain_shift_prompts, rollback_prediction
 from demo.report import drift_section
-from demo.run_demo import DRIFT, build_parser, demo_pair, second_release, shift_prompts
+from demo.run_demo import build_parser
+from demo.settings import DRIFT
 from demo.timeline import Sample, Timeline
 
 

@@ -5,8 +5,9 @@ the stages read from recorded pair statuses, the verdict in words, and the repor
 
 import pytest
 
+from demo.chapters.releases import demo_pair, second_release
 from demo.report import shadow_section
-from demo.run_demo import build_parser, demo_pair, second_release
+from demo.run_demo import build_parser
 from demo.shadow_chapter import (CANDIDATE_K, DECIDED, GATED, REGISTERED, SHADOW, STARTED, STAGES, Progress,
                                  candidate_spec, explain, make_layer_skip_draft, numbers_rows, shadow_traffic)
 from specpair_operator import release, rollout_strategy

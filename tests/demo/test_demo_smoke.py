@@ -73,6 +73,9 @@ def test_demo_gates_serves_shifts_drifts_and_rolls_back_on_tiny_models(cheap_dra
     assert shift["category"] not in summary["verdicts"]["2"]["categories"], shift
     assert shift["trafficShift"].get(shift["category"], 0) > 0, shift
     assert shift["actions"] == [] and shift["speculationEnabled"] is True, shift
+    # ... while the gated categories beside it were judged: a window with live acceptance for one
+    # (the chapter may also end on its time limit, which would leave "not judged" unproven).
+    assert set(shift["liveAcceptance"] or {}) & set(summary["verdicts"]["2"]["categories"]), shift
     # The bad draft: rolled back on evidence, citing the previous release's gated numbers.
     drift = summary["drift"]
     assert drift["drafted"] > 0 and drift["acceptance"] < summary["verdicts"]["2"]["acceptanceRate"] - 0.15, drift
