@@ -255,6 +255,11 @@ class GenerationParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     speculation_k: int | None = None   # per-request override: None = engine's k, 0 = off
     category: str = ""
+    # Top alternatives to report with each token's log-probability (0: the token's alone);
+    # None: no log-probabilities.
+    logprobs: int | None = None
+    # Constrained decoding: (kind, text) as grammar.py reads it ("json_schema", "{...}"); None: free.
+    structure: tuple[str, str] | None = None
 
     def __post_init__(self):
         if self.max_new_tokens <= 0:

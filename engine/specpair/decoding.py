@@ -24,6 +24,7 @@ from specpair.drafter_choice import build_drafter
 from specpair.drafters import (Drafter, EagleDrafter, LookupFirstDrafter, MedusaDrafter, ModelDrafter,
                                RowSampling)
 from specpair.errors import SpecpairError
+from specpair.grammar import GrammarCompiler, RowGrammar
 from specpair.prefix_cache import (PrefixStats, PrefixStore, capacity_bytes, resolve_mode,
                                    reusable_blocks)
 from specpair.static_cache import (bucket, check_static_step, kv_model, resolve_compile,
@@ -85,6 +86,9 @@ class StepOutput:
     text: str
     finished: bool = False
     finish_reason: str | None = None
+    # Per token of token_ids when the request asked (params.logprobs): its log-probability and
+    # the top alternatives [(token, log-probability)], from the target's distribution there.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -105,6 +109,7 @@ class Sequence:
     finished: bool = False
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None   # the text not yet streamed
+    grammar: RowGrammar | None = None   # params.structure's matcher, after the committed tokens
     memory: tuple[int, int] = (0, 0)    # KV bytes: its own, speculation's (engine.row_memory)
     memory_target_only: bool = False    # not drafting until the KV budget has room for it
     cached_tokens: int = 0              # prompt tokens whose target keys came from the prefix store
@@ -243,6 +248,7 @@ class SpeculativeEngine:
         self.prefix_store = (PrefixStore(capacity_bytes(self.kv_budget))
                              if resolve_mode(prefix_cache) == "on" else None)
         self.prefix_stats = PrefixStats()     # the target's prompt tokens: looked up, served
+        self.grammars = GrammarCompiler(target.tokenizer, self.vocab_size, self.eos_ids)
         if self.kv_budget is not None:
             log.info("KV budget %d bytes (%d target tokens)", self.kv_budget,
                      self.kv_budget // self._target_kv)
@@ -453,6 +459,11 @@ class Batch:
         self.timing = StepTiming()
         self._row_sampling: RowSampling | None = None     # for these rows; None once they change
         self.prefix_caches = engine.prefix_caches(self.target, self.drafter)
+        # This round's: rows with a grammar, whether a row asked for log-probabilities, and the
+        # logits that scored each such row's committed tokens (step, _keep_token_logits).
+        self._grammar_rows: list[int] = []
+        self._wants_logprobs = False
+        self._token_logits: list = []
 
     @property
     def active(self) -> int:
@@ -465,8 +476,10 @@ class Batch:
         if not params.greedy and params.seed is None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
+        grammar = self.engine.grammars.row(params.structure) if params.structure else None
         seq = Sequence(request_id=request_id or f"req-{next(self.engine._ids)}",
                        prompt_ids=list(prompt_ids), params=params, generator=generator,
+                       grammar=grammar,
                        dynamic_k=DynamicK(self.engine.config, self.engine.cost_model),
                        copy_k=DynamicK(self.engine.config) if self.copies else None,
                        tokens=list(prompt_ids),
@@ -589,6 +602,8 @@ class Batch:
             if seq.params.speculation_k is not None:
                 k = seq.params.speculation_k
             remaining = seq.params.max_new_tokens - seq.num_generated - 1
+            if on and seq.grammar is not None and self.drafter.tree_capable and eng.config.tree_width > 1:
+                k = 0    # a tree's siblings are not checked against the grammar: chains only
             ks.append(max(0, min(k, remaining)) if on and not seq.memory_target_only else 0)
         return ks
 
@@ -633,6 +648,16 @@ class Batch:
             nums = num.tolist()
             if siblings is None:
                 drafted = [d[:n] for d, n in zip(drafts.tolist(), nums)]
+        proposed = list(nums)      # what each row drafted, counted whatever its grammar allows
+        self._grammar_rows = [i for i, s in enumerate(self.rows) if s.grammar is not None]
+        if self._grammar_rows and siblings is None:
+            # Drafts the grammar refuses are not verified: each row's run is cut at the first.
+            for i in self._grammar_rows:
+                nums[i] = self.rows[i].grammar.allowed(drafted[i])
+                drafted[i] = drafted[i][:nums[i]]
+            num = torch.tensor(nums, dtype=torch.long, device=self.device)
+        self._wants_logprobs = any(s.params.logprobs is not None for s in self.rows)
+        self._token_logits = [None] * B
         wants_features = self.drafter is not None and self.drafter.wants_features
         cached_before = list(self.target.lengths)
         if siblings is not None:
@@ -656,14 +681,19 @@ class Batch:
                 if wants_features:   # features of the tokens now committed (the fed ones accepted)
                     self.drafter.observe(i, cached_before[i], features[i, fed_kept[i]])
             new = kept[i] + [next_l[i]]
-            seq.stats.record_round(nums[i], a, copied=bool(copied and copied[i]))
+            n = proposed[i]
+            seq.stats.record_round(n, a, copied=bool(copied and copied[i]))
             seq.stats.num_target_steps += 1
-            seq.stats.draft_seconds += (t1 - t0) if nums[i] else 0.0
+            seq.stats.draft_seconds += (t1 - t0) if n else 0.0
             seq.stats.target_seconds += t2 - t1
-            (seq.copy_k if copied and copied[i] else seq.dynamic_k).update(nums[i], a)
-            if eng.controller.record(nums[i], a, emitted_target_only=len(new) if not nums[i] else 0):
+            (seq.copy_k if copied and copied[i] else seq.dynamic_k).update(n, a)
+            if eng.controller.record(n, a, emitted_target_only=len(new) if not n else 0):
                 seq.stats.fallback_events += 1
-            outputs.append(self._emit(seq, new))
+            if seq.grammar is not None:
+                seq.grammar.advance(new)
+            logprobs = (token_logprobs(self._token_logits[i], new, seq.params)
+                        if seq.params.logprobs is not None else None)
+            outputs.append(self._emit(seq, new, logprobs))
         shadow = getattr(eng, "shadow", None)
         if shadow is not None:   # a candidate drafter scored on what was just committed; it only reads
             shadow.observe(self, committed, self.first_logits, sampling, drafts, num, q, accepted_l)
@@ -744,14 +774,19 @@ class Batch:
             logits, features = self._on_device(self.target.extend, feed, last=K + 1, hidden=True)
         else:
             logits = self._on_device(self.target.extend, feed, last=K + 1)  # [B, K+1, V] right-aligned
+        # Row i's logits for its n_i drafts and the token after them: the last n_i + 1.
+        logits = self._mask_grammar(logits, {i: K - n for i, n in enumerate(nums)}, drafted)
         if sampling.all_greedy:
-            return self._accept_greedy(logits, drafted, K) + (features,)
+            out = self._accept_greedy(logits, drafted, K)
+            self._keep_token_logits(logits, {i: K - n for i, n in enumerate(nums)}, out[0])
+            return out + (features,)
         # Left-align each row's K_i + 1 verification logits.
         offset = (K - num).view(B, 1) + torch.arange(K + 1, device=self.device).view(1, K + 1)
         offset = offset.clamp(max=K)
         logits = logits.gather(1, offset.unsqueeze(-1).expand(B, K + 1, logits.shape[-1]))
         drafts = drafts[:, :K]
         self.first_logits = logits[:, 0]     # each row's next-token logits: the shadow's p (shadow.py)
+        left = {i: 0 for i in range(B)}
 
         accepted, next_token = greedy_verify(logits, drafts, num)
         # Greedy batches returned above: here some row samples.
@@ -773,7 +808,39 @@ class Batch:
                                                             keys.seeds, keys.start)
         # One read of the device for both (each read waits for the stream).
         accepted_l, next_l = torch.stack((accepted, next_token)).tolist()
+        self._keep_token_logits(logits, left, accepted_l)
         return accepted_l, next_l, features
+
+    def _mask_grammar(self, logits, first: dict[int, int], drafted) -> torch.Tensor:
+        """The target's logits [B, T, V] with each grammar row's positions first[i] ..
+        first[i] + len(drafted[i]) masked by its grammar after the tokens before each (the
+        drafts are ones it allows): -inf where the grammar refuses a token. A new tensor (the
+        step's own buffer is left alone); `logits` itself when no row has a grammar."""
+        rows = [i for i in self._grammar_rows if i in first]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        V = logits.shape[-1]
+        for i in rows:
+            tokens = drafted[i] if drafted is not None else []
+            allowed = self.rows[i].grammar.masks(tokens, V).to(logits.device)
+            # A matcher with nothing left to allow (it cannot happen for a well-formed grammar)
+            # still ends the reply rather than sampling from nothing.
+            empty = ~allowed.any(-1)
+            if bool(empty.any()):
+                allowed[empty, sorted(self.engine.eos_ids)[0]] = True
+            at = first[i]
+            logits[i, at:at + len(tokens) + 1].masked_fill_(~allowed, float("-inf"))
+        return logits
+
+    def _keep_token_logits(self, logits, first: dict[int, int], accepted: list[int]) -> None:
+        """Keep the logits [a_i + 1, V] that scored each row's committed tokens (its kept drafts
+        and the token after them), for the rows that asked for log-probabilities."""
+        if not self._wants_logprobs:
+            return
+        for i, seq in enumerate(self.rows):
+            if seq.params.logprobs is not None:
+                self._token_logits[i] = logits[i, first[i]:first[i] + accepted[i] + 1]
 
     def _accept_greedy(self, logits, drafted, K: int) -> tuple[list[int], list[int]]:
         """Greedy acceptance (rejection_sampler.greedy_verify's rule: the drafts that equal the
@@ -836,12 +903,21 @@ class Batch:
         V = logits.shape[-1]
         rows = torch.arange(B).view(B, 1)
         chain_logits = logits[rows, chain_at.to(self.device)]                    # [B, K+1, V]
+        # Grammar rows draft nothing in a tree round (Batch._ks): their position 0 is masked.
+        chain_logits = self._mask_grammar(chain_logits, {i: 0 for i in range(B)}, None)
         self.first_logits = chain_logits[:, 0]     # each row's next-token logits: the shadow's p
         sibling_logits = logits[rows.view(B, 1, 1), sibling_at.to(self.device)]  # [B, K, S, V]
         accepted, branches, nexts = verify_tree(
             chain_logits, sibling_logits.view(B, -1, S, V)[:, :K], drafts[:, :K], siblings[:, :K],
             num, sampling.temperature, sampling.top_k, sampling.top_p,
             None if q is None else q[:, :K], sampling.generators, sampling.keys)
+        if self._wants_logprobs:
+            for i, (a, b) in enumerate(zip(accepted, branches)):
+                if self.rows[i].params.logprobs is not None:
+                    # Depth j's token (chain or sibling) was scored at the chain's position j;
+                    # the token after a kept sibling at that sibling.
+                    after = sibling_logits[i, a - 1, b] if b >= 0 else chain_logits[i, a]
+                    self._token_logits[i] = torch.cat([chain_logits[i, :a], after.unsqueeze(0)])
         kept, fed_kept, moves = [], [], []
         for i, (a, b) in enumerate(zip(accepted, branches)):
             m, n = pending[i], nums[i]
@@ -857,7 +933,7 @@ class Batch:
         self.target.move(moves)
         return accepted, nexts, kept, fed_kept, features
 
-    def _emit(self, seq: Sequence, new: list[int]) -> StepOutput:
+    def _emit(self, seq: Sequence, new: list[int], logprobs: list | None = None) -> StepOutput:
         """Append tokens, apply stop rules, and return the text that is now final.
 
         Text that could still be the start of a stop string is held back until the next tokens
@@ -901,7 +977,8 @@ class Batch:
             seq.finished = True
             seq.finished_at = time.perf_counter()
         return StepOutput(request_id=seq.request_id, token_ids=kept, text=text,
-                          finished=seq.finished, finish_reason=seq.finish_reason)
+                          finished=seq.finished, finish_reason=seq.finish_reason,
+                          logprobs=logprobs[:len(kept)] if logprobs is not None else None)
 
     def _find_stop(self, seq: Sequence, text: str, before: int) -> tuple[int, str] | None:
         """(tokens to keep, text up to the stop) when a stop string appeared in this step's tokens.
@@ -941,6 +1018,28 @@ class Batch:
             stats=seq.stats, seconds=end - seq.started,
             time_to_first_token=(seq.first_token_at or end) - seq.started,
             cached_tokens=seq.cached_tokens)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], params: GenerationParams
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Each token's log-probability and the top params.logprobs alternatives, from the logits
+    [len(tokens), V] that scored it: the target's distribution after the request's processors
+    (its grammar's mask, then its temperature; temperature 0 reads the logits as they are), before
+    top-k and top-p cut its tail, so the alternatives stay visible. Row by row, so a token's
+    figures do not depend on how many tokens its round committed."""
+    out = []
+    top = params.logprobs or 0
+    for j, token in enumerate(tokens):
+        row = logits[j].float()
+        if params.temperature > 0:
+            row = row / params.temperature
+        logp = torch.log_softmax(row, -1)
+        alternatives = []
+        if top:
+            values, ids = torch.topk(logp, top)
+            alternatives = list(zip(ids.tolist(), values.tolist()))
+        out.append((float(logp[token]), alternatives))
+    return out
 
 
 def encode_prompt(tok, prompt: str | list[dict], chat: bool = False) -> list[int]:

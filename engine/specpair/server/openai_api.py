@@ -25,6 +25,7 @@ Extension request fields: `top_k`, and `specpair: {"k": 0 (off) .. 32, "category
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -46,7 +47,10 @@ from starlette.routing import Route
 from specpair.contract import DEFAULT_CATEGORY
 from specpair.server.admission import Admission
 from specpair.server.auth import bearer_token_matches
-from specpair.server.requests import InvalidField, RequestFields, TooLarge, check_size
+from specpair.config import SEED_LIMIT
+from specpair.errors import SpecpairError
+from specpair.grammar import check_structure
+from specpair.server.requests import MAX_TOP_LOGPROBS, InvalidField, RequestFields, TooLarge, check_size
 from specpair.server.worker import Failed, Finished, Job, NotAccepting, QueueFull, Tokens
 
 log = logging.getLogger("specpair.server.http")
@@ -54,6 +58,10 @@ log = logging.getLogger("specpair.server.http")
 PROTOCOL = "http"
 # Roles OpenAI accepts that the chat template knows under another name.
 ROLE_ALIASES = {"developer": "system"}
+# Choices one request may ask for (`n`): each is a row of the batch.
+MAX_CHOICES = 16
+# vLLM's structured_outputs keys this server takes (grammar: Lark, as llguidance reads it).
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar")
 
 
 class APIError(Exception):
@@ -122,14 +130,92 @@ def _get(body: dict, name: str, kind, default=None):
     return value
 
 
-def _refuse_unsupported(body: dict, chat: bool) -> None:
+def choices_asked(body: dict) -> int:
+    """`n`: how many choices, each decoded as its own row (1 .. MAX_CHOICES)."""
     n = _get(body, "n", int, 1)
-    if n != 1:
-        raise bad_request("n", f"only n=1 is supported, got {n}")
-    if chat and (_get(body, "logprobs", bool, False) or body.get("top_logprobs") is not None):
-        raise bad_request("logprobs", "log probabilities are not supported by this server")
-    if not chat and body.get("logprobs") is not None:
-        raise bad_request("logprobs", "log probabilities are not supported by this server")
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request("n", f"must be in [1, {MAX_CHOICES}], got {n}")
+    return n
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice `index`'s seed: the request's plus the index (as vLLM numbers them), within 64 bits."""
+    return seed if seed is None or not 0 <= seed < SEED_LIMIT else (seed + index) % SEED_LIMIT
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: `logprobs: true` and `top_logprobs: 0..20`; completions: `logprobs: 0..20` (the
+    alternatives' count). -> alternatives per token, or None (no log-probabilities)."""
+    if chat:
+        top = _get(body, "top_logprobs", int)
+        if not _get(body, "logprobs", bool, False):
+            if top is not None:
+                raise bad_request("top_logprobs", "needs logprobs: true")
+            return None
+        top = top if top is not None else 0
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad_request("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        return top
+    top = _get(body, "logprobs", int)
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    return top
+
+
+def _structure(body: dict) -> tuple[str, str] | None:
+    """The reply's constraint: OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
+    `structured_outputs` extension (one of `json`, `regex`, `choice`, `grammar` (Lark)) ->
+    (kind, text) as grammar.py reads it; None: free text. Checked here (it compiles), so a bad
+    schema is refused naming its field."""
+    fmt = _get(body, "response_format", dict, {})
+    ext = _get(body, "structured_outputs", dict, {})
+    structure, param = None, "response_format"
+    kind = fmt.get("type", "text")
+    if kind == "json_object":
+        structure = ("json_object", "")
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad_request("response_format.json_schema", "required: an object with name and schema")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise bad_request("response_format.json_schema.schema", "must be a JSON schema object")
+        structure, param = ("json_schema", json.dumps(schema)), "response_format.json_schema.schema"
+    elif kind != "text":
+        raise bad_request("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
+    if ext:
+        given = [name for name in STRUCTURED_OUTPUT_KINDS if ext.get(name) is not None]
+        if len(given) != 1 or structure is not None:
+            raise bad_request("structured_outputs", "set exactly one of json, regex, choice, grammar "
+                                                    "(and no response_format beside it)")
+        name = given[0]
+        value, param = ext[name], f"structured_outputs.{name}"
+        if name == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as exc:
+                    raise bad_request(param, f"not JSON: {exc}") from None
+            if not isinstance(value, dict):
+                raise bad_request(param, "must be a JSON schema object")
+            structure = ("json_schema", json.dumps(value))
+        elif name == "choice":
+            if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+                raise bad_request(param, "must be a non-empty array of non-empty strings")
+            structure = ("choice", json.dumps(value))
+        else:
+            if not isinstance(value, str) or not value:
+                raise bad_request(param, "must be a non-empty string")
+            structure = (name, value)
+    if structure is not None:
+        try:
+            check_structure(structure)
+        except SpecpairError as exc:
+            raise bad_request(param, f"does not compile: {str(exc)[:500]}") from None
+    return structure
+
+
+def _refuse_unsupported(body: dict, chat: bool) -> None:
     if not chat:
         if _get(body, "echo", bool, False):
             raise bad_request("echo", "echo is not supported by this server")
@@ -145,9 +231,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
     for name in ("tools", "functions"):
         if _get(body, name, list, []):
             raise bad_request(name, "tool calling is not supported by this server")
-    fmt = _get(body, "response_format", dict, {})
-    if fmt.get("type", "text") != "text":
-        raise bad_request("response_format", "only type 'text' is supported by this server")
 
 
 def _messages(body: dict) -> list[tuple[str, str]]:
@@ -222,6 +305,8 @@ def request_fields(body: dict, chat: bool) -> tuple[RequestFields, str]:
     if not isinstance(category, str):
         raise bad_request("specpair.category", "must be a string")
     fields.category = category
+    fields.logprobs = _logprobs(body, chat)
+    fields.structure = _structure(body)
     return fields, max_tokens_name
 
 
@@ -520,6 +605,7 @@ class OpenAIFront:
     async def _generate(self, request: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
         state = self.state
+        admitted: list = []      # one per choice
         try:
             self._authorize(request)
             if state.phase != "serving":
@@ -528,6 +614,7 @@ class OpenAIFront:
             try:
                 body = await self._read_json(request)
                 fields, max_tokens_name = request_fields(body, chat)
+                n = choices_asked(body)
                 model = body.get("model")
                 self._check_model(model)
                 stream = _get(body, "stream", bool, False)
@@ -539,90 +626,135 @@ class OpenAIFront:
             except ClientDisconnect:          # the client left while its body was read
                 self.admission.refused(DEFAULT_CATEGORY, "cancelled", PROTOCOL)
                 return Response(status_code=499)
-            try:
-                admitted = await self.admission.admit(fields, protocol=PROTOCOL, arrived=arrived,
-                                                      default_max_new_tokens=None)
-            except InvalidField as exc:       # counted by admit
-                raise from_invalid(exc, max_tokens_name).uncounted() from None
-            except QueueFull as exc:
-                raise APIError(429, str(exc), "rate_limit_error", code="queue_full", headers={"Retry-After": "1"},
-                               count=None) from None
-            except NotAccepting as exc:
-                raise APIError(503, str(exc), "server_error", code="unavailable", count=None) from None
+            # Each choice is a row of its own with a seed of its own; the prompt's prefill is
+            # shared through the prefix store (the worker holds the later rows back one step).
+            for index in range(n):
+                choice = dataclasses.replace(fields, seed=choice_seed(fields.seed, index)) if n > 1 else fields
+                try:
+                    admitted.append(await self.admission.admit(choice, protocol=PROTOCOL, arrived=arrived,
+                                                               default_max_new_tokens=None))
+                except InvalidField as exc:       # counted by admit
+                    raise from_invalid(exc, max_tokens_name).uncounted() from None
+                except QueueFull as exc:
+                    raise APIError(429, str(exc), "rate_limit_error", code="queue_full",
+                                   headers={"Retry-After": "1"}, count=None) from None
+                except NotAccepting as exc:
+                    raise APIError(503, str(exc), "server_error", code="unavailable", count=None) from None
         except APIError as err:
+            self._end(admitted)
             if err.count:
                 self.admission.refused(DEFAULT_CATEGORY, err.count, PROTOCOL)
             return err.response()
-        job, events = admitted.job, admitted.events
-        reply = Reply(chat=chat, model=model or state.options.pair, include_usage=include_usage)
-        job.client_id = reply.id
+        reply = Reply(chat=chat, model=model or state.options.pair, include_usage=include_usage, n=n,
+                      logprobs=fields.logprobs is not None, token_text=self._token_text)
+        for a in admitted:
+            a.job.client_id = reply.id
         if stream:
             # Cancelling a finished job does nothing: on_close only matters for a reply cut short.
-            def on_close() -> None:
-                state.worker.cancel(job, "cancelled")
-                admitted.replied()
-            return EventStream(self._stream(job, events, reply), on_close)
+            return EventStream(self._stream(admitted, reply), lambda: self._end(admitted))
         try:
-            return await self._complete(request, job, events, reply)
+            return await self._complete(request, admitted, reply)
         finally:
-            admitted.replied()
+            self._end(admitted)
 
-    async def _stream(self, job: Job, events: asyncio.Queue, reply: "Reply"):
+    def _end(self, admitted: list) -> None:
+        """The reply has ended, however it ended: the choices still running are cancelled."""
+        for a in admitted:
+            self.state.worker.cancel(a.job, "cancelled")
+            a.replied()
+
+    def _token_text(self, token: int) -> tuple[str, bytes]:
+        """A token as text and as the bytes it stands for (a piece of a UTF-8 character is
+        '\\ufffd' as text, its own bytes as bytes)."""
+        engine = self.state.engine
+        text = engine.target.tokenizer.decode([token])
+        llg = engine.grammars.tokenizer()
+        raw = text.encode("utf-8") if llg.is_special_token(token) else llg.decode_bytes([token])
+        return text, raw
+
+    async def _stream(self, admitted: list, reply: "Reply"):
         finished = False
+        usage_sum = None
         try:
             if reply.chat:
-                yield sse(reply.chunk({"role": "assistant", "content": ""}))
-            while True:
-                event = await events.get()
+                for index in range(reply.n):
+                    yield sse(reply.chunk({"role": "assistant", "content": ""}, index=index))
+            async for index, event in _choice_events(admitted):
                 if isinstance(event, Tokens):
-                    if event.text:
-                        yield sse(reply.chunk(event.text))
+                    if event.text or event.logprobs:
+                        yield sse(reply.chunk(event.text, index=index, logprobs=event.logprobs,
+                                              token_ids=event.token_ids))
                 elif isinstance(event, Finished):
-                    finished = True
-                    if event.text:
-                        yield sse(reply.chunk(event.text))
-                    final = reply.chunk(None, finish_reason=event.finish_reason)
+                    if event.text or event.logprobs:
+                        yield sse(reply.chunk(event.text, index=index, logprobs=event.logprobs,
+                                              token_ids=event.token_ids))
+                    final = reply.chunk(None, finish_reason=event.finish_reason, index=index)
                     final["specpair"] = speculation_figures(event)
                     yield sse(final)
-                    if reply.include_usage:
-                        yield sse({**reply.chunk(None), "choices": [], "usage": usage(event)})
-                    yield "data: [DONE]\n\n"
-                    return
+                    usage_sum = add_usage(usage_sum, event)
                 elif isinstance(event, Failed):
                     finished = True
                     err = failure(event)
                     yield sse({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}})
                     yield "data: [DONE]\n\n"
                     return
+            finished = True
+            if reply.include_usage:
+                yield sse({**reply.chunk(None), "choices": [], "usage": usage_sum})
+            yield "data: [DONE]\n\n"
         finally:
-            if not finished:    # the client went away (or the stream broke): free the batch slot
-                self.state.worker.cancel(job, "cancelled")
+            if not finished:    # the client went away (or the stream broke): free the batch slots
+                self._end(admitted)
 
-    async def _complete(self, request: Request, job: Job, events: asyncio.Queue, reply: "Reply") -> Response:
+    async def _complete(self, request: Request, admitted: list, reply: "Reply") -> Response:
         gone = asyncio.ensure_future(_wait_disconnect(request))
-        finished = False
-        text = []
+        events = _choice_events(admitted)
+        pieces: list[list[str]] = [[] for _ in admitted]
+        logprobs: list[list] = [[] for _ in admitted]
+        token_ids: list[list[int]] = [[] for _ in admitted]
+        finals: list[Finished | None] = [None] * len(admitted)
         try:
             while True:
-                get = asyncio.ensure_future(events.get())
+                get = asyncio.ensure_future(events.__anext__())
                 done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
                     get.cancel()
                     return Response(status_code=499)    # nobody reads it
-                event = get.result()
-                if isinstance(event, Tokens):
-                    text.append(event.text)
-                elif isinstance(event, Finished):
-                    finished = True
-                    text.append(event.text)
-                    return JSONResponse(reply.whole("".join(text), event))
+                try:
+                    index, event = get.result()
+                except StopAsyncIteration:
+                    return JSONResponse(reply.whole(["".join(p) for p in pieces], finals, logprobs, token_ids))
+                if isinstance(event, (Tokens, Finished)):
+                    pieces[index].append(event.text)
+                    logprobs[index].extend(event.logprobs or ())
+                    token_ids[index].extend(event.token_ids)
+                    if isinstance(event, Finished):
+                        finals[index] = event
                 elif isinstance(event, Failed):
-                    finished = True
                     return failure(event).response()
         finally:
             gone.cancel()
-            if not finished:
-                self.state.worker.cancel(job, "cancelled")
+            await events.aclose()
+
+
+async def _choice_events(admitted: list):
+    """(choice index, event) from every choice's queue as they arrive, until each has finished
+    or failed (a failure ends them all: the caller answers it)."""
+    gets = {asyncio.ensure_future(a.events.get()): i for i, a in enumerate(admitted)}
+    try:
+        while gets:
+            done, _ = await asyncio.wait(gets, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=gets.get):
+                index = gets.pop(future)
+                event = future.result()
+                yield index, event
+                if isinstance(event, Failed):
+                    return
+                if not isinstance(event, Finished):
+                    gets[asyncio.ensure_future(admitted[index].events.get())] = index
+    finally:
+        for future in gets:
+            future.cancel()
 
 
 def failure(event: Failed) -> APIError:
@@ -633,36 +765,89 @@ def failure(event: Failed) -> APIError:
     return APIError(500, event.message, "server_error", code="internal_error", count=None)
 
 
-class Reply:
-    """The OpenAI objects of one reply: chunks while streaming, or the whole response."""
+def add_usage(total: dict | None, event: Finished) -> dict:
+    """Usage over the choices: the prompt counted once (they share it), their completions summed."""
+    this = usage(event)
+    if total is None:
+        return this
+    total = dict(total)
+    total["completion_tokens"] += this["completion_tokens"]
+    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+    return total
 
-    def __init__(self, *, chat: bool, model: str, include_usage: bool):
+
+class Reply:
+    """The OpenAI objects of one reply: chunks while streaming, or the whole response.
+
+    logprobs: render each token's log-probability (chat: `logprobs.content`; completions:
+    `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`); token_text(id) -> (text, bytes).
+    """
+
+    def __init__(self, *, chat: bool, model: str, include_usage: bool, n: int = 1, logprobs: bool = False,
+                 token_text=None):
         self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.n, self.logprobs, self.token_text = n, logprobs, token_text
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._offsets = [0] * n      # completions' text_offset: characters of each choice so far
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, content, finish_reason: str | None = None) -> dict:
+    def _logprobs(self, index: int, entries, token_ids) -> dict | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            content = []
+            for token, (logprob, top) in zip(token_ids, entries or ()):
+                text, raw = self.token_text(token)
+                content.append({"token": text, "logprob": logprob, "bytes": list(raw), "top_logprobs": [
+                    {"token": t, "logprob": lp, "bytes": list(b)}
+                    for t, b, lp in ((*self.token_text(alt), lp) for alt, lp in top)]})
+            return {"content": content, "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, (logprob, top) in zip(token_ids, entries or ()):
+            text, _ = self.token_text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(logprob)
+            alternatives: dict[str, float] = {}
+            for alt, lp in top:    # most likely first; tokens that read alike keep the first
+                alternatives.setdefault(self.token_text(alt)[0], lp)
+            out["top_logprobs"].append(alternatives)
+            out["text_offset"].append(self._offsets[index])
+            self._offsets[index] += len(text)
+        return out
+
+    def chunk(self, content, finish_reason: str | None = None, *, index: int = 0, logprobs=None,
+              token_ids=()) -> dict:
         """content: text, a chat delta dict, or None (no new text)."""
+        rendered = self._logprobs(index, logprobs, token_ids) if logprobs else None
         if self.chat:
             delta = content if isinstance(content, dict) else ({"content": content} if content else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": rendered, "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": content or "", "logprobs": rendered, "finish_reason": finish_reason}
             out = {**self._head("text_completion"), "choices": [choice]}
         if self.include_usage:
             out["usage"] = None
         return out
 
-    def whole(self, text: str, event: Finished) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": event.finish_reason}
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": event.finish_reason}
-            head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": usage(event), "specpair": speculation_figures(event)}
+    def whole(self, texts: list[str], events: list[Finished], logprobs: list, token_ids: list) -> dict:
+        choices = []
+        for index, (text, event) in enumerate(zip(texts, events)):
+            rendered = self._logprobs(index, logprobs[index], token_ids[index])
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": rendered, "finish_reason": event.finish_reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": rendered,
+                                "finish_reason": event.finish_reason})
+        head = self._head("chat.completion" if self.chat else "text_completion")
+        total = None
+        for event in events:
+            total = add_usage(total, event)
+        figures = speculation_figures(events[0])
+        if len(events) > 1:
+            figures = {"choices": [speculation_figures(e) for e in events]}
+        return {**head, "choices": choices, "usage": total, "specpair": figures}

@@ -28,6 +28,9 @@ DEFAULT_MAX_NEW_TOKENS = 64
 MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 100.0
 MAX_SPECULATION_K = contract.MAX_SPECULATION_K
+# Alternatives a request may ask to see beside each token's log-probability (OpenAI's and vLLM's
+# default limit).
+MAX_TOP_LOGPROBS = 20
 
 
 class InvalidField(Exception):
@@ -72,6 +75,8 @@ class RequestFields:
     speculation_k: int | None = None              # None: the engine's k; 0: off
     category: str = ""
     request_id: str = ""
+    logprobs: int | None = None                   # top alternatives per token (0: the token's own); None: none
+    structure: tuple[str, str] | None = None      # constrained decoding (grammar.py); checked by the front
 
 
 @dataclass
@@ -150,7 +155,7 @@ def check_fields(fields: RequestFields, limits: Limits, *, vocab_size: int | Non
     default_max_new_tokens=None: a request without max_new_tokens gets as many tokens as the
     server's limit and the model's context allow (see fit_context), as OpenAI's API does.
     """
-    for name in ("max_new_tokens", "top_k", "seed", "speculation_k"):
+    for name in ("max_new_tokens", "top_k", "seed", "speculation_k", "logprobs"):
         value = getattr(fields, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise InvalidField(_FIELD_NAMES.get(name, name), f"must be an integer, got {value!r}")
@@ -211,13 +216,17 @@ def check_fields(fields: RequestFields, limits: Limits, *, vocab_size: int | Non
     if speculation_k is not None and speculation_k > MAX_SPECULATION_K:
         raise InvalidField("speculation.k", f"must be <= {MAX_SPECULATION_K}, got {speculation_k}")
 
+    if fields.logprobs is not None and not 0 <= fields.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidField("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {fields.logprobs}")
+
     category = fields.category or DEFAULT_CATEGORY
     if not CATEGORY_PATTERN.fullmatch(category):
         raise InvalidField("category", "1-64 characters from A-Z a-z 0-9 _ . -")
 
     params = GenerationParams(max_new_tokens=max_new, temperature=float(temperature), top_k=top_k,
                               top_p=float(top_p), seed=fields.seed, stop=tuple(fields.stop),
-                              speculation_k=speculation_k, category=category)
+                              speculation_k=speculation_k, category=category,
+                              logprobs=fields.logprobs, structure=fields.structure)
     return CheckedRequest(prompt=prompt, chat=chat, params=params,
                           prompt_field="chat" if chat else fields.prompt_field, fill_context=fill)
 

@@ -51,6 +51,7 @@ class NotAccepting(Exception):
 class Tokens:
     text: str
     token_ids: list[int]
+    logprobs: list | None = None     # per token when asked (decoding.StepOutput.logprobs)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Finished:
     time_to_first_token: float
     total_seconds: float
     cached_tokens: int = 0       # prompt tokens served from the prefix store
+    logprobs: list | None = None     # per token of token_ids when asked
 
 
 @dataclass
@@ -338,7 +340,7 @@ class EngineWorker:
             if out.finished and seq is not None:
                 self._finish(job, self.batch.result(seq), out)
             elif out.text or out.token_ids:
-                self._send(job, Tokens(text=out.text, token_ids=list(out.token_ids)))
+                self._send(job, Tokens(text=out.text, token_ids=list(out.token_ids), logprobs=out.logprobs))
         self.batch.done.clear()
         self._publish_state()
 
@@ -442,7 +444,7 @@ class EngineWorker:
                           prompt_tokens=result.prompt_tokens, completion_tokens=completion,
                           stats=result.stats, queue_seconds=admitted - job.arrived,
                           time_to_first_token=first - job.arrived, total_seconds=end - job.arrived,
-                          cached_tokens=result.cached_tokens))
+                          cached_tokens=result.cached_tokens, logprobs=out.logprobs))
 
     def _finish_cancelled(self, job: Job) -> None:
         self._jobs.pop(job.request_id, None)

@@ -1,0 +1,90 @@
+"""Constrained decoding under speculation (grammar.py, Batch): the output is target-only
+constrained decoding's, drafts the grammar refuses cost no wrong token and count as drafted and
+not accepted; and each token's log-probabilities are the target's own distribution's."""
+
+import json
+
+import pytest
+import torch
+
+from specpair.config import GenerationParams
+from specpair.decoding import SpeculativeEngine
+from specpair.grammar import check_structure
+from specpair.errors import SpecpairError
+
+# The prompt repeats a phrase, so n-gram lookup proposes its continuation every round; the
+# grammar allows digits only, so the grammar refuses every one of those drafts.
+REPEATING = "the quick brown fox jumps over the lazy dog; " * 6
+DIGITS = ("regex", "[0-9]{12}")
+
+
+def test_drafts_the_grammar_refuses_cost_no_wrong_token_and_count_as_rejected(tiny_target):
+    engine = SpeculativeEngine(tiny_target, drafter="ngram")
+    params = GenerationParams(max_new_tokens=20, structure=DIGITS)
+    free = engine.generate([REPEATING], GenerationParams(max_new_tokens=20))[0]
+    assert free.stats.num_draft_tokens > 0            # unconstrained, lookup drafts this prompt
+    spec = engine.generate([REPEATING], params)[0]
+    alone = engine.generate([REPEATING], params, speculate=False)[0]
+    assert spec.token_ids == alone.token_ids and spec.text == alone.text
+    assert len(spec.text) == 12 and spec.text.isdigit() and spec.finish_reason == "stop"
+    assert 0 < spec.stats.num_accepted_tokens < spec.stats.num_draft_tokens   # later: digits it copied
+    # The first round drafts the phrase's continuation, letters: all refused, all counted.
+    batch = engine.new_batch()
+    seq = batch.add(engine.encode(REPEATING), params)
+    first = batch.step()[0]
+    assert seq.stats.num_draft_tokens > 0 and seq.stats.num_accepted_tokens == 0
+    assert len(first.token_ids) == 1 and first.text.isdigit()
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.9, 17)])
+def test_json_schema_under_a_draft_model_equals_target_only(tiny_target, tiny_draft, temperature, seed):
+    schema = {"type": "object", "additionalProperties": False, "required": ["id", "tags"],
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                             "tags": {"type": "array", "maxItems": 3,
+                                      "items": {"type": "string", "enum": ["a", "bb", "ccc"]}}}}
+    engine = SpeculativeEngine(tiny_target, draft=tiny_draft)
+    params = GenerationParams(max_new_tokens=60, temperature=temperature, seed=seed,
+                              structure=("json_schema", json.dumps(schema)))
+    prompts = ["def foo(x):", "import json\n", "class A:\n    pass\n"]
+    spec = engine.generate(prompts, params)
+    alone = engine.generate(prompts, params, speculate=False)
+    for a, b in zip(spec, alone):
+        assert a.token_ids == b.token_ids
+        value = json.loads(a.text)
+        assert set(value) == {"id", "tags"} and 0 <= value["id"] <= 9999
+    assert sum(r.stats.num_draft_tokens for r in spec) > 0
+
+
+def test_logprobs_are_the_targets_own_distribution(tiny_target, tiny_draft):
+    """Computed apart from the engine: one forward over prompt and reply, each position's
+    log-softmax at the request's temperature; equal with speculation on (bitwise) and off."""
+    engine = SpeculativeEngine(tiny_target, draft=tiny_draft)
+    prompt = engine.encode("def foo(x):\n    return")
+    for temperature, seed in ((0.0, None), (0.7, 3)):
+        params = GenerationParams(max_new_tokens=24, temperature=temperature, seed=seed, logprobs=4)
+        runs = []
+        for speculate in (True, False):
+            batch = engine.new_batch()
+            batch.speculate = speculate
+            seq = batch.add(prompt, params)
+            got = []
+            while batch.active:
+                for out in batch.step():
+                    got += out.logprobs
+            runs.append((seq.generated, got, seq.stats.num_draft_tokens))
+        (ids, got, drafted), (ids_off, got_off, _) = runs
+        assert drafted > 0 and ids == ids_off and got == got_off and len(got) == len(ids)
+        with torch.no_grad():
+            logits = tiny_target.model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+        expected = torch.log_softmax(logits.float() / (temperature or 1.0), -1)
+        for j, (token, (logprob, top)) in enumerate(zip(ids, got)):
+            assert abs(logprob - float(expected[j, token])) < 1e-4
+            assert [t for t, _ in top] == expected[j].topk(4).indices.tolist()
+
+
+def test_a_structure_that_does_not_compile_is_refused():
+    with pytest.raises(SpecpairError):
+        check_structure(("regex", "(unclosed"))
+    with pytest.raises(SpecpairError):
+        check_structure(("json_schema", "{not json"))
+    check_structure(("json_object", ""))
