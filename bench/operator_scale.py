@@ -7,8 +7,9 @@ the chart's Deployment runs it, logged in with the chart's ServiceAccount token)
 gRPC API, no model), waits until every pair is Serving and measures the operator in steady state:
 
   pairs, time to Serving (per pair, from its creation; p50, p90, max),
-  the operator's CPU while the pairs were made and gated, and in steady state: cores, and CPU per
-    pair per interval (SPECPAIR_RECONCILE_INTERVAL, --interval),
+  the operator's CPU while the pairs were made and gated, and in steady state: cores, CPU per pair
+    per interval (SPECPAIR_RECONCILE_INTERVAL, --interval), passes per second (each pass reads
+    the pair's Service once: counted in the audit log) and CPU per pass,
   resident memory (VmRSS) at the end of the steady window,
   API requests per second by the operator's ServiceAccount (the API server's audit log), by verb,
   and how long deleting them all took.
@@ -25,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -89,7 +91,8 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=120.0, help="seconds of steady state measured")
     ap.add_argument("--serve-timeout", type=float, default=1800.0)
     ap.add_argument("--json", type=Path, help="write the figures here too")
-    ap.add_argument("--keep", action="store_true", help="leave the pairs in place (skip the deletion timing)")
+    ap.add_argument("--keep", action="store_true",
+                    help="skip the deletion timing and keep the work folder (logs, audit log)")
     args = ap.parse_args()
 
     from cluster_env import (MODELS, OPERATOR, OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, World, install_chart,
@@ -175,6 +178,10 @@ def main() -> int:
             "windowSeconds": round(seconds, 1),
             "operatorCores": round(cores, 4),
             "cpuMsPerPairPerInterval": round(1000 * (cpu2 - cpu1) / (len(served) or 1) / (seconds / args.interval), 2),
+            # Every pass that reaches the champion's serving reads its Service once (and nothing
+            # else does): the passes the operator made, as the API server saw them.
+            "passesPerSecond": round(requests["get services"] / seconds, 2),
+            "cpuMsPerPass": round(1000 * (cpu2 - cpu1) / max(1, requests["get services"]), 2),
             "rssMB": round(rss_mb(operator.pid), 1),
             "apiRequestsPerSecond": round(sum(requests.values()) / seconds, 2),
             "apiRequestsPerSecondByVerb": {k: round(v / seconds, 2) for k, v in requests.most_common()},
@@ -197,6 +204,8 @@ def main() -> int:
                 operator.kill()
         cluster.stop()
         mlflow.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -64,6 +64,36 @@ def reconcile_interval() -> float:
     return float(os.environ.get("SPECPAIR_RECONCILE_INTERVAL", "10"))
 
 
+# A settled pair (pass_delay) is passed over at least this often, whatever its drift interval,
+# for what no watch shows: MLflow edited by hand, a certificate to renew, a Secret deleted. Six
+# intervals by default (60 s at the default 10 s).
+RESYNC_INTERVALS = 6.0
+
+
+def resync_interval(interval: float) -> float:
+    return float(os.environ.get("SPECPAIR_RESYNC_INTERVAL", interval * RESYNC_INTERVALS))
+
+
+def pass_delay(body: dict[str, Any], status: dict[str, Any], interval: float, resync: float) -> float:
+    """Seconds until a pair's next periodic pass, from the status its last pass left. A pair in
+    motion (being gated, scored, rolled out, failing, a spec not yet observed) is passed over
+    every interval. A settled one (Serving its candidate, Ready for its generation) waits on
+    events (its Jobs' and Deployments' changes wake it, a spec change is handled at once),
+    with a pass when its drift check is due (spec.drift.intervalSeconds: drift is still judged
+    every window) and every `resync` at the latest."""
+    ready = next((cd for cd in status.get("conditions") or [] if cd.get("type") == "Ready"), {})
+    settled = status.get("phase") == "Serving" and ready.get("status") == "True" \
+        and ready.get("observedGeneration") == (body.get("metadata") or {}).get("generation") \
+        and bool(status.get("servingVersion")) and status.get("servingVersion") == status.get("candidateVersion")
+    if not settled:
+        return interval
+    drift = (body.get("spec") or {}).get("drift") or {}
+    delay = resync
+    if drift.get("enabled", True):
+        delay = min(delay, float(drift.get("intervalSeconds", 30)))
+    return max(interval, delay)
+
+
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Annotations, not status: status belongs to the CRD's documented fields.
@@ -176,21 +206,27 @@ class _PairLogger(logging.LoggerAdapter):
 
 
 async def periodic_passes(interval: float) -> None:
-    """Every `interval` seconds, a pass over each known pair, a few at a time, and between ticks a
-    pass over each pair an owned object's change woke (on_owned_event). A pass that fails
-    unexpectedly is logged; the loop goes on (the next tick tries again)."""
+    """Each known pair's pass when it is due (pass_delay: every `interval` while it is in
+    motion, at its drift interval or the resync backstop once settled), a few at a time, and
+    between those a pass over each pair an owned object's change woke (on_owned_event). A pass
+    that fails unexpectedly is logged; the loop goes on (the pair is due again after `interval`)."""
     log = logging.getLogger("specpair.operator.periodic")
     limit = asyncio.Semaphore(int(os.environ.get("SPECPAIR_CONCURRENT_PASSES", "8")))
+    resync = resync_interval(interval)
 
     async def one(raw: dict[str, Any]) -> None:
         async with limit:
             if raw["metadata"].get("deletionTimestamp") or STATE.kube is None:
                 return
+            uid = raw["metadata"]["uid"]
+            # Due again after an interval unless the pass says otherwise (a pass skipped, one
+            # that raised): never sooner, so a pass that cannot run does not spin the loop.
+            STATE.due_at[uid] = time.monotonic() + interval
             body, patch = kopf.Body(raw), kopf.Patch()
             meta = raw["metadata"]
             logger = _PairLogger(log, {"pair": f"{meta['namespace']}/{meta['name']}"})
             try:
-                await reconcile(body, patch, logger)  # type: ignore[arg-type]
+                await reconcile(body, patch, logger, resync=resync, interval=interval)  # type: ignore[arg-type]
                 if patch.status:
                     await STATE.kube.merge_patch(f"{GROUP}/{VERSION}", PLURAL, meta["namespace"], meta["name"],
                                                    {"status": dict(patch.status)}, subresource="status")
@@ -200,23 +236,23 @@ async def periodic_passes(interval: float) -> None:
             except Exception:  # noqa: BLE001  (a bug must not stop every pair's passes)
                 log.exception(f"periodic pass over {meta['namespace']}/{meta['name']} failed")
 
-    tick = time.monotonic() + interval
     while True:
+        now = time.monotonic()
+        next_due = min((STATE.due_at.get(uid, 0.0) for uid in STATE.bodies), default=now + interval)
         try:
-            await asyncio.wait_for(STATE.wake.wait(), max(0.0, tick - time.monotonic()))
+            await asyncio.wait_for(STATE.wake.wait(), max(0.0, min(next_due, now + interval) - now))
         except asyncio.TimeoutError:
             pass
         STATE.wake.clear()
-        if time.monotonic() >= tick:
-            due, tick = list(STATE.bodies), time.monotonic() + interval
-        else:
-            due = list(STATE.woken)
+        now = time.monotonic()
+        due = set(STATE.woken) | {uid for uid in STATE.bodies if STATE.due_at.get(uid, 0.0) <= now}
         # A change that arrives during these passes wakes the loop again as soon as they end.
         STATE.woken.clear()
         await asyncio.gather(*(one(STATE.bodies[uid]) for uid in due if uid in STATE.bodies))
 
 
-async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, force: bool = False) -> None:
+async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, force: bool = False,
+                    resync: float | None = None, interval: float | None = None) -> None:
     uid = body.metadata.uid
     lock = STATE.locks.setdefault(uid, asyncio.Lock())
     if lock.locked():
@@ -236,6 +272,10 @@ async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, 
         await PairReconciler(body, patch, logger).reconcile()
         if "history" in patch.status or "recorded" in patch.status:
             STATE.status_written[uid] = (records_of({**status, **patch.status}), time.monotonic() + STALE_BODY_S)
+        interval = reconcile_interval() if interval is None else interval
+        STATE.due_at[uid] = time.monotonic() + (interval if patch.status else pass_delay(
+            dict(body), {**status, **dict(patch.status)}, interval,
+            resync_interval(interval) if resync is None else resync))
         if uid not in STATE.bodies:
             # Deleted during the pass (the watch delivers a body before any pass over it): what
             # the pass remembered or exported goes with the pair, as on_event's forgetting did.

@@ -65,6 +65,20 @@ async def observe_fetch(kube: Kube, pair: str, namespace: str, release: Mapping[
     return model_fetch.fetch_state(job, pods)
 
 
+def gate_jobs_needed(records: Records, version: str, aliases: Mapping[str, str]) -> bool:
+    """Whether a pass must read the release's gate Jobs and their pods: not once the release is
+    the champion and its gate's start and result are in the status (plan_release reads the Jobs
+    for nothing else then), which is every pass of a settled pair."""
+    if aliases.get(aliases_mod.CHAMPION) != version:
+        return True
+    return not (records.was("GateStarted", version, version)
+                and any(records.was(action, version, version) for action in GATE_RESULTS))
+
+
+# The history actions of a gate's result (plan._gate_result).
+GATE_RESULTS = ("GatePassed", "GateFailed", gate_verdict.GATE_ERROR)
+
+
 async def observe_release(kube: Kube, registry: PassRegistry, body: Mapping[str, Any], status: Mapping[str, Any],
                           model: str, version: str, digest: str, thresholds: Mapping[str, Any],
                           release: Mapping[str, Any] | None = None) -> ReleaseWorld:
@@ -74,8 +88,9 @@ async def observe_release(kube: Kube, registry: PassRegistry, body: Mapping[str,
     tags = await asyncio.to_thread(registry.version_tags, model, version)
     gate_status, verdict, gate_message = await asyncio.to_thread(registry.gate_result, model, version)
     policy = gate_attempts.Policy.from_env()
+    records = Records.from_status(status)
     jobs: list[dict[str, Any]] = []
-    for attempt in range(1, policy.attempts + 1):
+    for attempt in range(1, policy.attempts + 1 if gate_jobs_needed(records, version, aliases) else 1):
         job = await kube.get("batch/v1", "jobs", namespace, manifests.gate_job_name(pair, digest, attempt))
         if job is None:
             break
@@ -109,7 +124,7 @@ async def observe_release(kube: Kube, registry: PassRegistry, body: Mapping[str,
         gate_jobs=tuple(gate_job_view(j, uid, pods) for j in jobs), gate_policy_owned=gate_policy_owned,
         gate_pods_waiting=pods_waiting([p for p in pods if (p["metadata"].get("labels") or {}).get("job-name") == latest]),
         verified_verdicts={str(k): str(v) for k, v in (status.get("verifiedVerdicts") or {}).items()},
-        records=Records.from_status(status), attempts=policy, now=c.now_iso(),
+        records=records, attempts=policy, now=c.now_iso(),
         models=model_fetch.models_digest(release) if release is not None else "", fetched=fetched, model_fetch=fetch)
 
 

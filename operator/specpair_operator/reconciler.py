@@ -36,6 +36,7 @@ from .ledger import StatusLedger
 from .observe import observe_release, observe_serving, observe_watch
 from .owned import ensure_owned
 from .plan import TAG_RELEASE
+from .registry_contract import TAG_HASH
 from .registry import ModelClaimed, PassRegistry
 from .registry_contract import RegistryUnavailable
 from .serving_world import ServingWorld
@@ -262,12 +263,29 @@ class PairReconciler:
                                              self.operator.pods)
 
     def _ensure_release(self, reg: PassRegistry, model: str, rel: dict[str, Any], digest: str) -> str:
-        version = reg.ensure_release(model, rel, digest)
+        version = self._recorded_version(reg, model, digest) or reg.ensure_release(model, rel, digest)
         # The full release JSON rides along as a tag so a rollback can rebuild the Deployment
         # of any version without the spec that made it.
         if TAG_RELEASE not in reg.version_tags(model, version):
             reg.set_tags(model, version, {TAG_RELEASE: json.dumps(rel, sort_keys=True, separators=(",", ":"))})
         return version
+
+    def _recorded_version(self, reg: PassRegistry, model: str, digest: str) -> str | None:
+        """The version the status says holds this release (candidateVersion with its
+        contentHash), when MLflow still has it with that hash: read with the version's tags,
+        which the pass reads anyway, instead of a search by hash on every pass. None (search, or
+        register again) when the status says nothing of it, or the version is gone or holds
+        another release (the registered model deleted and made again)."""
+        version = self.status.get("candidateVersion")
+        if not version or self.status.get("contentHash") != digest:
+            return None
+        try:
+            tags = reg.version_tags(model, str(version))
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            return None
+        return str(version) if tags.get(TAG_HASH) == digest else None
 
     def _name_conflict(self, kind: str, name: str) -> None:
         """An object with our child's name that this pair does not own: never touch it."""

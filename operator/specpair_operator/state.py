@@ -70,6 +70,8 @@ class OperatorState:
     # per pair: the records (history, recorded) the last pass wrote, and until when a body that
     # does not show them is left alone
     status_written: dict[str, tuple[str, float]] = per_pair_memory()
+    # per pair: when (monotonic) its next periodic pass is due (handlers.pass_delay)
+    due_at: dict[str, float] = per_pair_memory()
     # Whether KEDA's ScaledObject is served, and when that was last asked (autoscaling.py)
     keda_seen: tuple[bool, float] | None = None
 
