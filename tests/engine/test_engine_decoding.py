@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from drafting_checks import assert_drafted_and_accepted
 
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
@@ -41,11 +42,16 @@ def test_model_draft_identity_every_k_batched_and_single(tiny_target, tiny_draft
 def test_dynamic_k_and_ngram_identity(tiny_target, tiny_draft, reference):
     engine = SpeculativeEngine(tiny_target, draft=tiny_draft,
                                speculation=SpeculationConfig(k=2, dynamic_k=True, fallback_threshold=0))
-    assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == reference
+    dynamic = engine.generate(PROMPTS, PARAMS)
+    assert [r.token_ids for r in dynamic] == reference
+    assert_drafted_and_accepted([r.stats for r in dynamic], "dynamic k")
+    # k moved from its start (2): some round drafted past position 2.
+    assert max(len(r.stats.num_draft_tokens_per_pos) for r in dynamic) > 2
     ngram = SpeculativeEngine(tiny_target, drafter=NgramDrafter(),
                               speculation=SpeculationConfig(k=4, fallback_threshold=0))
     results = ngram.generate(PROMPTS, PARAMS)
     assert [r.token_ids for r in results] == reference
+    assert_drafted_and_accepted([r.stats for r in results], "n-gram")
 
 
 def test_self_draft_accepts_everything(tiny_target, reference):
@@ -154,7 +160,10 @@ def test_calibrated_engine_stays_exact(tiny_target, tiny_draft, reference):
     costs = engine.calibrate()
     assert costs["target_step"] > 0 and set(costs["verify"]) == set(range(1, 9))
     assert engine.cost_model is not None
-    assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == reference
+    results = engine.generate(PROMPTS, PARAMS)
+    assert [r.token_ids for r in results] == reference
+    # The cost model may choose any k, target-only included: it chose to draft here.
+    assert_drafted_and_accepted([r.stats for r in results], "calibrated engine")
 
 
 def test_a_long_lived_batch_keeps_no_finished_rows(tiny_target):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from drafting_checks import assert_drafted_and_accepted
 from head_builders import PARAMS, PROMPTS, assert_rows_joining_and_leaving_match, medusa_heads, mirror_head
 
 from specpair import cpu_kernels
@@ -145,7 +146,9 @@ def test_medusa_tree_keeps_greedy_identity(smooth_target):
     engine = SpeculativeEngine(smooth_target, draft=medusa_heads(smooth_target, scramble=0.3),
                                speculation=SpeculationConfig(k=3, dynamic_k=False,
                                                              fallback_threshold=0, tree_width=3))
-    assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == expected
+    results = engine.generate(PROMPTS, PARAMS)
+    assert [r.token_ids for r in results] == expected
+    assert_drafted_and_accepted([r.stats for r in results], "Medusa tree of 3")
 
 
 def test_tree_width_is_bounded():
