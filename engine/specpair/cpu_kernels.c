@@ -139,6 +139,8 @@ int specpair_small_linear(const float *x, const float *const *W, float *const *y
    tree, the index of the token's parent in this call, -1 where the token continues the row's
    cache contiguously (NULL: every token does: a chain);
    cos/sin: [T, hd]; kc/vc: [rows, Hkv, S, hd]; all contiguous float32 (rows, pos: int64);
+   or, a paged cache (table not NULL): kc/vc a pool [S blocks, Hkv, block, hd] and table
+   [rows, table_width] int64, each row's blocks in position order (kv_rows);
    bq/bk/bv: [H*hd]/[Hkv*hd]/[Hkv*hd] or NULL; qn/kn: [hd] or NULL; window: 0 for none;
    scratch: >= T*(2*D + 2*H*hd + 2*Hkv*hd + 2*F) + T*H*(max pos + 1) + F floats. */
 
@@ -258,17 +260,34 @@ static void run_linear(const float *x, const float *const *W, float *const *y, c
 
 #define MAX_HEAD_DIM 256
 
+/* Where a row's keys (or values) for one key/value head live: a contiguous row of the cache
+   [rows, Hkv, S, hd], or (a paged cache) the row's block table into a pool of blocks
+   [blocks, Hkv, block, hd], position p in table[p / block] at p % block. Every read goes through
+   kv_at; the arithmetic on what it reads is the same either way, so a paged step is bitwise the
+   contiguous one. A block holds a multiple of 4 positions, so dot4's four keys share a block. */
+typedef struct {
+    const float *base;     /* contiguous: this row's head's first key; paged: the pool */
+    const long *table;     /* paged: this row's block table; NULL: contiguous */
+    long block, j, Hkv;
+    int hd;
+} kv_rows;
+
+static inline const float *kv_at(const kv_rows *r, long p) {
+    if (!r->table) return r->base + p * r->hd;
+    return r->base + ((r->table[p / r->block] * r->Hkv + r->j) * r->block + p % r->block) * r->hd;
+}
+
 /* out = inv * sum_p s[p] * v_p, keys ascending from position lo (0, or a sliding window's
    first): the value rows lo..n0-1 of the contiguous prefix, then (a token tree) the m rows at
    slots anc[m-1], ..., anc[0], whose scores are s[n0..n0+m-1]. hd = 8 * chunks floats. The
    same accumulations in the same order either way. */
-static void weighted_sum(const float *s, const float *v, long lo, long n0, const long *anc, int m,
+static void weighted_sum(const float *s, const kv_rows *v, long lo, long n0, const long *anc, int m,
                          int chunks, float inv, float *out) {
     v8 acc[MAX_HEAD_DIM / 8];
     for (int c = 0; c < chunks; c++) acc[c] = (v8){0};
     for (long p = lo; p < n0 + m; p++) {
         v8 w = (v8){0} + s[p];
-        const float *vp = v + (p < n0 ? p : anc[m - 1 - (p - n0)]) * chunks * 8;
+        const float *vp = kv_at(v, p < n0 ? p : anc[m - 1 - (p - n0)]);
         for (int c = 0; c < chunks; c++) {
             v8 x;
             __builtin_memcpy(&x, vp + c * 8, sizeof x);
@@ -306,10 +325,16 @@ static int tree_keys(const long *pos, const long *slot, const long *parent, long
    each key as dot does), which keeps a tree's verification bitwise equal to decoding. */
 static void attend_run(const float *q, const float *kc, const float *vc, float *att, float *scores,
                        const long *pos, const long *slot, const long *parent, long row, long a,
-                       long b, int hh, int H, int Hkv, int hd, long S, long L, long window) {
+                       long b, int hh, int H, int Hkv, int hd, long S, long L, long window,
+                       const long *table, long table_width, long block) {
     int j = hh / (H / Hkv), chunks = hd / 8;
     long qd = (long)H * hd, nmax = 0, lomin = L;
-    const float *kbase = kc + (row * Hkv + j) * S * hd, *vbase = vc + (row * Hkv + j) * S * hd;
+    kv_rows kr = {kc + (row * Hkv + j) * S * hd, NULL, block, j, Hkv, hd}, vr = kr;
+    vr.base = vc + (row * Hkv + j) * S * hd;
+    if (table) {
+        kr.base = kc, vr.base = vc;
+        kr.table = vr.table = table + row * table_width;
+    }
     float scale = 1.0f / __builtin_sqrtf((float)hd);
     long anc[MAX_TOKENS][MAX_TOKENS], n0[MAX_TOKENS], lo[MAX_TOKENS];
     int m[MAX_TOKENS];
@@ -327,8 +352,8 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
             long n = n0[t - a], first = lo[t - a] > p ? lo[t - a] : p;
             const float *qv = q + t * qd + (long)hh * hd;
             float *s = scores + (t * H + hh) * L;
-            if (first == p && p + 4 <= n) dot4(qv, kbase + p * hd, hd, s + p);
-            else for (long k = first; k < n && k < p + 4; k++) s[k] = dot(qv, kbase + k * hd, hd);
+            if (first == p && p + 4 <= n) dot4(qv, kv_at(&kr, p), hd, s + p);
+            else for (long k = first; k < n && k < p + 4; k++) s[k] = dot(qv, kv_at(&kr, k), hd);
         }
     }
     /* The rest: the token itself and its ancestors in this call, in position order. */
@@ -336,7 +361,7 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
         const float *qv = q + t * qd + (long)hh * hd;
         float *s = scores + (t * H + hh) * L;
         for (int i = 0; i < m[t - a]; i++)
-            s[n0[t - a] + i] = dot(qv, kbase + anc[t - a][m[t - a] - 1 - i] * hd, hd);
+            s[n0[t - a] + i] = dot(qv, kv_at(&kr, anc[t - a][m[t - a] - 1 - i]), hd);
     }
     /* Softmax per token over its own keys. */
     float inv[MAX_TOKENS];
@@ -363,7 +388,7 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
     for (long t = a; t < b; t++) {
         const float *s = scores + (t * H + hh) * L;
         float *out = att + t * qd + (long)hh * hd;
-        weighted_sum(s, vbase, lo[t - a], n0[t - a], anc[t - a], m[t - a], chunks, inv[t - a],
+        weighted_sum(s, &vr, lo[t - a], n0[t - a], anc[t - a], m[t - a], chunks, inv[t - a],
                      out);
     }
 }
@@ -374,7 +399,8 @@ int specpair_max_head_dim(void) { return MAX_HEAD_DIM; }
 int specpair_llama_layer(float *h, const long *rows, const long *pos, const long *slot,
                          const long *parent, long T, long D, int H,
                          int Hkv, int hd, long F, float eps, const float *cos, const float *sin,
-                         float *kc, float *vc, long S, const float *wq, const float *wk,
+                         float *kc, float *vc, long S, const long *table, long table_width,
+                         long block, const float *wq, const float *wk,
                          const float *wv, const float *wo, const float *wg, const float *wu,
                          const float *wd, const float *n1, const float *n2, const float *bq,
                          const float *bk, const float *bv, const float *qn, const float *kn,
@@ -389,7 +415,19 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
         if (parent && parent[t] >= 0 && (parent[t] >= t || rows[parent[t]] != rows[t]
                                          || pos[parent[t]] != pos[t] - 1)) return -3;
     }
-    if (L > S || reach > S) return -2;
+    if (table) {
+        /* S: the pool's blocks. Every position a token reads or writes is in its row's table,
+           at a block of the pool. */
+        if (block < 4 || block % 4) return -4;
+        for (long t = 0; t < T; t++) {
+            long far = (slot ? slot[t] : pos[t]) > pos[t] ? (slot ? slot[t] : pos[t]) : pos[t];
+            if (far / block >= table_width) return -2;
+            for (long b = 0; b <= far / block; b++) {
+                long id = table[rows[t] * table_width + b];
+                if (id < 0 || id >= S) return -2;
+            }
+        }
+    } else if (L > S || reach > S) return -2;
     float *x = scratch, *q = x + T * D, *k = q + T * qd, *v = k + T * kd, *att = v + T * kd;
     float *g = att + T * qd, *u = g + T * F, *o = u + T * F, *scores = o + T * D;
 
@@ -412,9 +450,15 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
         rope(q + t * qd, cos + t * hd, sin + t * hd, H, hd);
         rope(k + t * kd, cos + t * hd, sin + t * hd, Hkv, hd);
         for (int j = 0; j < Hkv; j++) {
-            long at = ((rows[t] * Hkv + j) * S + (slot ? slot[t] : pos[t])) * hd;
-            __builtin_memcpy(kc + at, k + t * kd + (long)j * hd, hd * sizeof(float));
-            __builtin_memcpy(vc + at, v + t * kd + (long)j * hd, hd * sizeof(float));
+            kv_rows kr = {kc + (rows[t] * Hkv + j) * S * hd, NULL, block, j, Hkv, hd}, vr = kr;
+            vr.base = vc + (rows[t] * Hkv + j) * S * hd;
+            if (table) {
+                kr.base = kc, vr.base = vc;
+                kr.table = vr.table = table + rows[t] * table_width;
+            }
+            long at = slot ? slot[t] : pos[t];
+            __builtin_memcpy((float *)kv_at(&kr, at), k + t * kd + (long)j * hd, hd * sizeof(float));
+            __builtin_memcpy((float *)kv_at(&vr, at), v + t * kd + (long)j * hd, hd * sizeof(float));
         }
     }
     /* Attention, one task per (run, query head): a run is the consecutive tokens of one row (a
@@ -429,7 +473,7 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
         long r = task / H;
         int hh = (int)(task % H);
         attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[run_start[r]], run_start[r],
-                   run_start[r + 1], hh, H, Hkv, hd, S, L, window);
+                   run_start[r + 1], hh, H, Hkv, hd, S, L, window, table, table_width, block);
     }
     {
         const float *Ws[1] = {wo};

@@ -85,7 +85,8 @@ def library() -> ctypes.CDLL | None:
     lib.specpair_small_linear.restype = ctypes.c_int
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.specpair_llama_layer.argtypes = ([p, p, p, p, p, ctypes.c_long, ctypes.c_long, i, i, i,
-                                          ctypes.c_long, f, p, p, p, p, ctypes.c_long] + [p] * 9
+                                          ctypes.c_long, f, p, p, p, p, ctypes.c_long, p,
+                                          ctypes.c_long, ctypes.c_long] + [p] * 9
                                          + [p] * 5 + [ctypes.c_long, p, i])
     lib.specpair_llama_layer.restype = ctypes.c_int
     lib.specpair_max_tokens.restype = ctypes.c_int
@@ -176,13 +177,16 @@ def llama_layer(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, co
                 heads: int, kv_heads: int, head_dim: int, attend: int | None = None,
                 scratch: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                 parents: torch.Tensor | None = None, options: dict | None = None,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, table: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer through cpu_kernels.c (see specpair_llama_layer there); h [T, D] is
     updated in place and returned. Tensors: contiguous; rows/positions int64 [T]; cos/sin [T, hd].
     A token tree: `slots` (where each token's key/value is written; default its position) and
     `parents` (int64 [T], the parent's index in this call or -1). `options`: the tensors of
     LAYER_OPTIONS a family has (q/k/v biases: Qwen2; q/k head norms: Qwen3), contiguous float32;
-    `window`: a sliding window in positions (Mistral), None for none."""
+    `window`: a sliding window in positions (Mistral), None for none. A paged cache (`table`,
+    int64 [rows, blocks a row], each row's blocks in position order): kc/vc are a pool
+    [blocks, kv heads, block, head dim] (block a multiple of 4), read and written through the
+    table, bitwise as the contiguous cache."""
     wq, wk, wv, wo, wg, wu, wd, n1, n2 = weights
     options = options or {}
     unknown = set(options) - set(LAYER_OPTIONS)
@@ -194,11 +198,15 @@ def llama_layer(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, co
         attend = int(positions.max()) + 1
     if scratch is None:
         scratch = layer_scratch(T, D, heads, kv_heads, head_dim, F_, attend)
+    if table is not None and (table.dtype != torch.long or not table.is_contiguous()):
+        raise ValueError(f"llama_layer's block table must be contiguous int64, not {table.dtype}")
     ptr = lambda t: t.data_ptr()   # noqa: E731
     rc = _LIB.specpair_llama_layer(
         ptr(h), ptr(rows), ptr(positions), None if slots is None else ptr(slots),
         None if parents is None else ptr(parents), T, D, heads, kv_heads, head_dim, F_, eps, ptr(cos),
-        ptr(sin), ptr(kc), ptr(vc), kc.shape[2], ptr(wq), ptr(wk), ptr(wv), ptr(wo), ptr(wg),
+        ptr(sin), ptr(kc), ptr(vc), kc.shape[0] if table is not None else kc.shape[2],
+        None if table is None else ptr(table), 0 if table is None else table.shape[1],
+        kc.shape[2] if table is not None else 0, ptr(wq), ptr(wk), ptr(wv), ptr(wo), ptr(wg),
         ptr(wu), ptr(wd), ptr(n1), ptr(n2),
         *[ptr(options[name]) if options.get(name) is not None else None for name in LAYER_OPTIONS],
         window or 0, ptr(scratch), torch.get_num_threads())

@@ -1,0 +1,131 @@
+"""The C layer over a paged KV cache (cpu_kernels.c, kv_rows): one pool of fixed-size blocks, a
+block table per row, blocks of a shared prefix referenced by several rows. A step through the
+table must be bitwise the step over a contiguous cache holding the same keys and values: every
+token's output and every key and value it writes, at batch 1, 8 and 32, for chains, verifications
+and token trees, with rows stepping in any order and any subset (rows joining and leaving)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpair import cpu_kernels
+from specpair.static_cache import StaticLlama
+
+BLOCK = 16
+
+
+def layer_inputs(model, positions: torch.Tensor, gen: torch.Generator):
+    runner = StaticLlama.of(model)
+    layer = model.model.layers[0]
+    T = positions.numel()
+    h = torch.randn(T, model.config.hidden_size, generator=gen)
+    cos, sin = model.model.rotary_emb(h.view(1, T, -1), positions.view(1, T))
+    return runner, runner.layer_weights(layer), h, cos[0].contiguous(), sin[0].contiguous()
+
+
+def paged_copy(kc: torch.Tensor, vc: torch.Tensor, lengths: list[int], shared: int,
+               gen: torch.Generator):
+    """A pool and block tables holding what the contiguous cache holds: each row's blocks at
+    shuffled places in the pool, the first `shared` blocks of every row the very blocks of row 0
+    (a prefix all rows share by reference; the contiguous rows hold equal values there)."""
+    rows, kv_heads, S, hd = kc.shape
+    per_row = S // BLOCK
+    pool_blocks = shared + rows * (per_row - shared) + 3            # a few never used
+    order = torch.randperm(pool_blocks, generator=gen)
+    table = torch.empty(rows, per_row, dtype=torch.long)
+    table[:, :shared] = order[:shared]
+    table[:, shared:] = order[shared:shared + rows * (per_row - shared)].view(rows, -1)
+    pool_k = torch.full((pool_blocks, kv_heads, BLOCK, hd), float("nan"))
+    pool_v = pool_k.clone()
+    for r in range(rows):
+        for b in range(per_row):
+            pool_k[table[r, b]] = kc[r, :, b * BLOCK:(b + 1) * BLOCK]
+            pool_v[table[r, b]] = vc[r, :, b * BLOCK:(b + 1) * BLOCK]
+    return pool_k, pool_v, table
+
+
+def read_paged(pool: torch.Tensor, table: torch.Tensor, row: int, position: int) -> torch.Tensor:
+    return pool[table[row, position // BLOCK], :, position % BLOCK]
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+@pytest.mark.parametrize("shape", ["decode", "verify", "tree"])
+def test_a_paged_step_is_bitwise_the_contiguous_step(tiny_target, batch, shape):
+    assert cpu_kernels.available(), cpu_kernels.status()
+    model = tiny_target.model
+    gen = torch.Generator().manual_seed(batch * 7 + len(shape))
+    cfg = model.config
+    kv_heads = cfg.num_key_value_heads
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    S, shared = 8 * BLOCK, 2
+    rows_in_cache = batch + 3                        # rows not stepped: others of the batch
+    lengths = [int(n) for n in torch.randint(shared * BLOCK, S - 12, (rows_in_cache,), generator=gen)]
+    kc = torch.randn(rows_in_cache, kv_heads, S, hd, generator=gen)
+    vc = torch.randn(rows_in_cache, kv_heads, S, hd, generator=gen)
+    kc[:, :, :shared * BLOCK] = kc[:1, :, :shared * BLOCK]   # the shared prefix, equal in every row
+    vc[:, :, :shared * BLOCK] = vc[:1, :, :shared * BLOCK]
+    pool_k, pool_v, table = paged_copy(kc, vc, lengths, shared, gen)
+
+    # The rows that step, in an order of their own (a batch after rows joined and left).
+    stepping = torch.randperm(rows_in_cache, generator=gen)[:batch].tolist()
+    rows, positions, slots, parents = [], [], [], []
+    for i, r in enumerate(stepping):
+        # At 32 rows, within the C layer's 64 tokens: verifications of 2, every other row a tree
+        # of 3 (a token and two alternatives after it), the rest decoding.
+        n = {"decode": 1, "verify": 5 if batch < 32 else 2,
+             "tree": 4 if batch < 32 else (3 if i % 2 else 1)}[shape]
+        base = len(rows)
+        for w in range(n):
+            rows.append(r)
+            if shape == "tree" and w == n - 1 and n > 1:   # a sibling of the token before it
+                positions.append(lengths[r] + n - 2), slots.append(lengths[r] + n - 1)
+                parents.append(base + n - 3 if n > 2 else -1)
+            else:
+                positions.append(lengths[r] + w), slots.append(lengths[r] + w)
+                parents.append(-1 if w == 0 or shape != "tree" else base + w - 1)
+    assert len(rows) <= cpu_kernels.MAX_TOKENS
+    rows_t, pos_t = torch.tensor(rows), torch.tensor(positions)
+    slots_t = torch.tensor(slots) if shape == "tree" else None
+    parents_t = torch.tensor(parents) if shape == "tree" else None
+    runner, weights, h, cos, sin = layer_inputs(model, pos_t, gen)
+    common = dict(weights=weights, eps=runner.eps, heads=runner.heads, kv_heads=runner.kv_heads,
+                  head_dim=runner.head_dim, slots=slots_t, parents=parents_t)
+
+    contiguous = cpu_kernels.llama_layer(h.clone(), rows_t, pos_t, cos, sin, kc, vc, **common)
+    paged = cpu_kernels.llama_layer(h.clone(), rows_t, pos_t, cos, sin, pool_k, pool_v, **common,
+                                    table=table)
+    assert torch.equal(paged, contiguous)
+    for t, r in enumerate(rows):                    # what each token wrote, where it wrote it
+        at = slots[t]
+        assert torch.equal(read_paged(pool_k, table, r, at), kc[r, :, at])
+        assert torch.equal(read_paged(pool_v, table, r, at), vc[r, :, at])
+    # The shared prefix blocks were read by every row and written by none.
+    for b in range(shared):
+        assert torch.equal(pool_k[table[0, b]], kc[0, :, b * BLOCK:(b + 1) * BLOCK])
+
+
+def test_a_table_that_does_not_cover_a_step_is_refused(tiny_target):
+    cpu_kernels.available()
+    model = tiny_target.model
+    gen = torch.Generator().manual_seed(5)
+    cfg = model.config
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    pool = torch.zeros(4, cfg.num_key_value_heads, BLOCK, hd)
+    pos = torch.tensor([2 * BLOCK])                  # needs a third block
+    runner, weights, h, cos, sin = layer_inputs(model, pos, gen)
+    common = dict(weights=weights, eps=runner.eps, heads=runner.heads, kv_heads=runner.kv_heads,
+                  head_dim=runner.head_dim)
+    with pytest.raises(RuntimeError, match="code -2"):           # the table is two blocks wide
+        cpu_kernels.llama_layer(h, torch.tensor([0]), pos, cos, sin, pool, pool.clone(), **common,
+                                table=torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match="code -2"):           # a block the pool lacks
+        cpu_kernels.llama_layer(h, torch.tensor([0]), pos, cos, sin, pool, pool.clone(), **common,
+                                table=torch.tensor([[0, 1, 4]]))
+    odd = torch.zeros(4, cfg.num_key_value_heads, 6, hd)         # blocks of 6: dot4 would straddle
+    with pytest.raises(RuntimeError, match="code -4"):
+        cpu_kernels.llama_layer(h, torch.tensor([0]), torch.tensor([3]), cos, sin, odd, odd.clone(),
+                                **common, table=torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="int64"):
+        cpu_kernels.llama_layer(h, torch.tensor([0]), pos, cos, sin, pool, pool.clone(), **common,
+                                table=torch.tensor([[0, 1, 2]], dtype=torch.int32))
