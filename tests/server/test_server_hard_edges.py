@@ -1,5 +1,6 @@
 """Hard edges over real gRPC: bad input, oversized and malformed messages, queue full, cancel, deadline."""
 
+import itertools
 import threading
 import time
 
@@ -7,7 +8,7 @@ import grpc
 import pytest
 
 from specpair._proto import engine_pb2 as pb
-from specpair.server.client import request
+from specpair.server.client import collect, request
 
 from serving_helpers import client_for, failing_engine, make_engine, reference, rpc_error, wait_for
 
@@ -71,18 +72,25 @@ def test_oversized_message_is_refused_with_the_limit(shared_server, client):
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_nothing_a_client_sends_disturbs_another_request(tiny_pair, shared_server):
-    """Bad requests fired while a good one streams: the good reply is exactly the reference."""
-    with client_for(shared_server) as c:
-        result = {}
-        t = threading.Thread(target=lambda: result.update(r=c.generate("for i in range(10):", max_new_tokens=40)))
-        t.start()
-        for req in (request("hi", temperature=float("inf")), request("hi", top_k=-3),
-                    request("", max_new_tokens=10), request("x " * 600)):
-            with pytest.raises(grpc.RpcError):
-                list(c.stream(req, timeout=10))
-        t.join(60)
-    assert result["r"].token_ids == reference(tiny_pair, "for i in range(10):", 40).token_ids
+def test_nothing_a_client_sends_disturbs_another_request(tiny_pair, start_server):
+    """Bad requests fired while a good one streams: each is refused for its own field, the good
+    one is still running when the last is refused, and its reply is exactly the reference."""
+    # Paced: the good request's LONG tokens take seconds, the refusals milliseconds.
+    server = start_server(engine=make_engine(tiny_pair, delay=0.02))
+    prompt = "for i in range(10):"
+    with client_for(server) as c:
+        good = c.stream(request(prompt, max_new_tokens=LONG))
+        first = next(good)                                # streaming: in the batch
+        for req, field in ((request("hi", temperature=float("inf")), "temperature"),
+                           (request("hi", top_k=-3), "top_k"),
+                           (request("", max_new_tokens=10), "prompt"),
+                           (request("x " * 600), "prompt")):
+            err = rpc_error(lambda req=req: list(c.stream(req, timeout=10)))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err)
+            assert err.details().startswith(f"{field}: "), err.details()
+        assert server.worker.running == 1, "the good request ended before the bad ones were refused"
+        reply = collect(itertools.chain([first], good))
+    assert reply.token_ids == reference(tiny_pair, prompt, LONG).token_ids
 
 
 def test_queue_full_is_resource_exhausted_at_once(tiny_pair, start_server):
