@@ -7,6 +7,9 @@ bash scripts/install-k8s-tools.sh
 # vLLM in its own virtualenv (cold ~2.5 min, warm ~7 s): the tests marked `vllm` run against it,
 # and fail rather than skip here (SPECPAIR_REQUIRE_VLLM). Locally, `-m "not vllm"` leaves them out.
 bash scripts/setup-vllm.sh >&2
+# PyPI's speculators in a virtualenv of its own (cold ~80 s on a quiet machine): the independent
+# producer of the EAGLE-3 head tests/engine/test_engine_eagle3.py loads in our engine and vLLM.
+bash scripts/setup-speculators.sh >&2
 export SPECPAIR_REQUIRE_VLLM=1
 # The real control plane the operator, devcluster and demo tests run on (built once, cached).
 SPECPAIR_CONTROL_PLANE_BIN="$(bash scripts/build-control-plane.sh)"

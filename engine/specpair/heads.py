@@ -262,11 +262,16 @@ def build_eagle_head(target_model, draft_token_ids: torch.Tensor, seed: int = 0)
 
 
 def is_head_dir(path) -> bool:
+    """Whether `path` holds a drafting head: one `specpair distill` wrote, or a published
+    EAGLE-3 head (eagle3.py: the speculators layout or EAGLE-3's own)."""
+    from specpair.eagle3 import eagle3_layout
+
     config = Path(path) / "config.json"
     try:
-        return config.is_file() and HEAD_KEY in json.loads(config.read_text())
+        raw = json.loads(config.read_text()) if config.is_file() else {}
     except (OSError, json.JSONDecodeError):
         return False
+    return HEAD_KEY in raw or eagle3_layout(raw) is not None
 
 
 def save_head(head: DraftVocabHead, out, tokenizer, about: dict) -> None:
@@ -293,8 +298,12 @@ def load_head(path, device: torch.device, dtype: torch.dtype) -> DraftVocabHead:
     from safetensors.torch import load_file
     from transformers import LlamaConfig
 
+    from specpair.eagle3 import eagle3_layout, load_eagle3_head
+
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
+    if eagle3_layout(raw) is not None:
+        return load_eagle3_head(path, device, dtype)
     method = raw.get(HEAD_KEY, {}).get("method")
     if method not in METHODS:
         raise SpecpairError(f"{path}: unknown drafting head method {method!r} "

@@ -227,10 +227,14 @@ def load_model(source: str | None, *, device: str | None = None, dtype: str | No
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(where), revision=revision)
         if is_head_dir(where):     # a drafting head (heads.py): loads beside its target
             model = load_head(where, dev, dt)
+            # A published head (eagle3.py) carries no tokenizer: it drafts the target's ids
+            # (tokenizer_identity.fingerprint of None).
+            tokenizer = (AutoTokenizer.from_pretrained(str(where), revision=revision)
+                         if any(where.glob("tokenizer*")) else None)
         else:
+            tokenizer = AutoTokenizer.from_pretrained(str(where), revision=revision)
             model = AutoModelForCausalLM.from_pretrained(str(where), revision=revision, dtype=dt)
     except OSError as exc:
         raise SpecpairError(f"cannot load model {source!r}: {exc}") from exc

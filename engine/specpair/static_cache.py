@@ -17,7 +17,7 @@ Llama's decoder layer and the families that differ from it only inside attention
 Llama 2/3, SmolLM2, TinyLlama; Mistral; Qwen2/2.5 with q/k/v biases; Qwen3 with per-head q/k
 norms; sliding windows in the mask); `supports()` says why another architecture is not, and the
 engine then uses kv_cache.BatchedKVModel (`check_static_step`). Two ways through a layer:
-- on the CPU in float32, a step of at most 16 tokens (decode, verify, draft at small batch): one
+- on the CPU in float32, a step of at most 64 tokens (decode and verify up to batch 64): one
   call per layer into cpu_kernels.c, whose per-token arithmetic does not depend on the other
   tokens, so a token's logits are bitwise the same in a decode step and in a verification;
 - otherwise (prefill, large batches, or compiled on the CPU in float32): the torch operations of
@@ -96,7 +96,8 @@ def attention_description(device: torch.device, dtype: torch.dtype) -> str:
     attended length changes; torch's SDPA elsewhere (the C layer where it applies)."""
     if fixed_step_applies(device, dtype):
         return "masked math over the capacity bucket, own key apart (bitwise across token counts)"
-    return "C layer (float32 CPU, <= 16 tokens), else torch SDPA with a boolean mask"
+    return (f"C layer (float32 CPU, <= {cpu_kernels.MAX_TOKENS or 64} tokens), else torch SDPA "
+            "with a boolean mask")
 
 
 def resolve_kv_kind(kind: str | None = None) -> str:
@@ -634,6 +635,12 @@ class StaticLlama:
             t.is_contiguous() for options in self.options for t in options.values())
         self.shelf = CacheShelf()
         self._fixed_weights: list | None = None
+        # What a step's `hidden` returns as the features a head drafts from: None, the normed
+        # last hidden state; else these layers' inputs, concatenated in increasing order (an
+        # EAGLE-3 head's auxiliary hidden states, numbered as vLLM does: layer L's input, the
+        # layer count for the last one's output). Set by the drafter that reads them
+        # (eagle3.Eagle3Drafter); the general step only (the fixed step refuses such heads).
+        self.feature_layers: tuple[int, ...] | None = None
 
     def fixed_weights(self) -> list[tuple]:
         """Per layer, the fixed step's weights: (q|k|v, o, gate|up, down, the two norms), with q,
@@ -679,13 +686,16 @@ class StaticLlama:
 
     @torch.no_grad()
     def run_layers(self, h, positions, caches, attend: int, compiled: bool,
-                   tree: "TreeLayout | None" = None, rows: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   tree: "TreeLayout | None" = None, rows: torch.Tensor | None = None,
+                   features: tuple[int, ...] | None = None):
         """The decoder layers over input vectors h [B, W, D] at `positions` [B, W], writing their
         keys and values into `caches`; -> the last layer's output [B, W, D] (before the norm).
         A token tree (`tree`) gives each token its own position apart from the slot it is
         written to, and its ancestors as the keys past its prefix. The vectors belong to the
-        cache's rows 0..B-1, or to `rows` [B] (a part of the batch run apart)."""
+        cache's rows 0..B-1, or to `rows` [B] (a part of the batch run apart). With `features`
+        (layer numbers, as `feature_layers`): -> (that output, those layers' inputs
+        concatenated [B, W, len(features) * D])."""
+        taken = []
         body = self.model.model
         B, W = positions.shape
         slots = positions if tree is None else tree.slots
@@ -710,14 +720,16 @@ class StaticLlama:
             scratch = cpu_kernels.layer_scratch(
                 B * W, flat.shape[1], self.heads, self.kv_heads, self.head_dim,
                 body.layers[0].mlp.gate_proj.weight.shape[0], reach)
-            for layer, (kc, vc), options, window in zip(body.layers, caches, self.options,
-                                                        self.windows):
+            for index, (layer, (kc, vc), options, window) in enumerate(
+                    zip(body.layers, caches, self.options, self.windows)):
+                if features and index in features:
+                    taken.append(flat.clone().view(B, W, -1))   # the C layer writes flat in place
                 cpu_kernels.llama_layer(flat, rows_t, pos_t, cos_t, sin_t, kc, vc,
                                         self.layer_weights(layer), self.eps, self.heads,
                                         self.kv_heads, self.head_dim, reach, scratch,
                                         slots=slots_t, parents=parents_t, options=options,
                                         window=window)
-            return flat.view(B, W, -1)
+            return _with_features(flat.view(B, W, -1), taken, features, self.layer_count)
         keys = torch.arange(attend, device=self.device).view(1, 1, 1, attend)
         if tree is None:
             mask = keys <= positions.view(B, 1, W, 1)                         # causal, by position
@@ -729,12 +741,14 @@ class StaticLlama:
                                                              - window)
                  for window in set(self.windows)}
         step = _compiled_step() if compiled else _layer_step
-        for layer, (kc, vc), options, window in zip(body.layers, caches, self.options,
-                                                    self.windows):
+        for index, (layer, (kc, vc), options, window) in enumerate(
+                zip(body.layers, caches, self.options, self.windows)):
+            if features and index in features:
+                taken.append(h)
             h = step(h, cos, sin, masks[window], rows, slots, kc, vc, *self.layer_weights(layer),
                      eps=self.eps, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
                      kv_rows=kv_rows, **options)
-        return h
+        return _with_features(h, taken, features, self.layer_count)
 
     def fixed_layers(self, h, positions, slots, caches, kv_rows=None, reach: int | None = None,
                      compiled: bool = False):
@@ -784,11 +798,22 @@ class StaticLlama:
         from; the LM head reads exactly these vectors). `rows`: as run_layers."""
         body = self.model.model
         B = ids.shape[0]
-        h = body.norm(self.run_layers(body.embed_tokens(ids), positions, caches, attend, compiled,
-                                      tree, rows))
+        features = self.feature_layers if hidden else None
+        out = self.run_layers(body.embed_tokens(ids), positions, caches, attend, compiled, tree,
+                              rows, features=features)
+        h, states = (body.norm(out[0]), out[1]) if features else (body.norm(out), None)
+        states = h if states is None else states
         picked = h.gather(1, gather.unsqueeze(-1).expand(B, gather.shape[1], h.shape[-1]))
         logits = cpu_kernels.linear(picked, self.model.lm_head.weight)
-        return (logits, h) if hidden else logits
+        return (logits, states) if hidden else logits
+
+
+def _with_features(h: torch.Tensor, taken: list, features, layer_count: int):
+    """run_layers' result: h alone, or with the inputs of the `features` layers taken on the way
+    (h itself for `layer_count`: the last layer's output), concatenated."""
+    if not features:
+        return h
+    return h, torch.cat(taken + ([h] if layer_count in features else []), dim=-1)
 
 
 GROUP_CALL_TOKENS = 16   # what one more forward costs, in padded tokens: layer calls, launches

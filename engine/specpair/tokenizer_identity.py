@@ -47,7 +47,13 @@ def tokenizer_parts(tokenizer) -> dict:
 
 
 def fingerprint(tokenizer, *, embedding_rows: int | None = None, keep_vocab: bool = True) -> dict:
-    """Hashes of each part and of the whole. keep_vocab keeps the id table for precise diffs."""
+    """Hashes of each part and of the whole. keep_vocab keeps the id table for precise diffs.
+    No tokenizer (None): a drafting head published without one (an EAGLE-3 head), which embeds
+    with its target's table and drafts its ids: `embedding_rows` is the vocabulary it was
+    built for, which `compare` holds against the target's."""
+    if tokenizer is None:
+        return {"sha256": "", "head": True, "parts": {}, "vocab_size": None,
+                "embedding_rows": embedding_rows, "special_tokens": {}}
     parts = tokenizer_parts(tokenizer)
     hashes = {name: _digest(parts[name]) for name in PARTS}
     result = {
@@ -92,6 +98,8 @@ def compare(draft: dict, target: dict) -> Comparison:
     """Compare two fingerprints (draft first). Differences make speculation unsafe; notes do not."""
     differences: list[str] = []
     notes: list[str] = []
+    if draft.get("head"):
+        return _compare_head(draft, target)
     if draft.get("sha256") != target.get("sha256"):
         dparts, tparts = draft.get("parts", {}), target.get("parts", {})
         if dparts.get("vocab") != tparts.get("vocab"):
@@ -132,3 +140,16 @@ def compare(draft: dict, target: dict) -> Comparison:
                 differences.append(f"{who} embedding has {rows} rows but the vocabulary has "
                                    f"{size} tokens: some ids have no embedding")
     return Comparison(compatible=not differences, differences=differences, notes=notes)
+
+
+def _compare_head(head: dict, target: dict) -> Comparison:
+    """A head without a tokenizer drafts the target's ids: compatible when it was built for the
+    target's vocabulary (its size, or the target's embedding rows where those are padded)."""
+    rows = head.get("embedding_rows")
+    sizes = {target.get("vocab_size"), target.get("embedding_rows")} - {None}
+    if rows not in sizes:
+        return Comparison(False, [f"the head was built for a {rows}-token vocabulary; the "
+                                  f"target's has {' or '.join(str(s) for s in sorted(sizes))} "
+                                  "(vocabulary size, embedding rows)"])
+    return Comparison(True, [], ["the head carries no tokenizer: it embeds with the target's "
+                                 "table and drafts target ids through its draft vocabulary"])

@@ -76,3 +76,17 @@ def test_fingerprint_module_is_torch_free():
     code = ("import sys, specpair.tokenizer_identity, specpair.config, specpair.stats; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_head_without_a_tokenizer_is_held_to_the_targets_vocabulary_size():
+    """A published EAGLE-3 head carries no tokenizer: it drafts the target's ids, so the check
+    holds the vocabulary it was built for against the target's (size or padded embedding rows)."""
+    target = fingerprint(make_tokenizer(), embedding_rows=416)
+    size = target["vocab_size"]
+    for rows in (size, 416):
+        result = compare(fingerprint(None, embedding_rows=rows), target)
+        assert result.compatible and "no tokenizer" in result.notes[0]
+    result = compare(fingerprint(None, embedding_rows=size + 1), target)
+    assert not result.compatible
+    assert result.differences == [f"the head was built for a {size + 1}-token vocabulary; the "
+                                  f"target's has {size} or 416 (vocabulary size, embedding rows)"]

@@ -1,0 +1,140 @@
+"""Drafting with a published EAGLE-3 head (eagle3.py) in our engine: the drafter, apart from
+the head's format so the format (read by heads.py and models.py) imports no engine step."""
+
+from __future__ import annotations
+
+import torch
+
+from specpair.drafters import HeadDrafter, Proposal, draft_vocab_logits
+from specpair.eagle3 import METHOD, default_aux_layers
+from specpair.errors import SpecpairError
+
+
+class Eagle3Drafter(HeadDrafter):
+    """Drafts with an EAGLE-3 head (module docstring) from the target's auxiliary hidden states.
+
+    Per row the head's cache holds the keys and values of the pairs built on the target's own
+    features (x[j+1], aux[j]); a round first feeds the pairs observed since the last round, then
+    drafts by feeding the head its own outputs. Drafted pairs live only in the round: the cache
+    keeps the real pairs, so a rejection costs nothing. Chains and trees (a tree's alternatives
+    are the head's next candidates at each position, as for our EAGLE heads); q lives on the
+    draft vocabulary, so sampled output stays the target's distribution."""
+
+    name = METHOD
+
+    def __init__(self, loaded, target_model, vocab_size: int, compile: str | None = None):
+        from specpair.static_cache import StaticLlama, fixed_step_applies, supports
+
+        why = supports(target_model)
+        if why:
+            raise SpecpairError(f"an EAGLE-3 head drafts from the static cache's features: {why}")
+        head = loaded.model
+        layers = len(target_model.model.layers)
+        # vLLM's default layers as vLLM takes them: distinct, in order (a target of under 6
+        # layers has fewer than 3, which a head's fc of 3 states cannot read).
+        aux = head.aux_layers or tuple(sorted(set(default_aux_layers(layers))))
+        if min(aux) < 0 or max(aux) > layers:
+            raise SpecpairError(f"the EAGLE-3 head reads layers {list(aux)}; the target has "
+                                f"{layers}")
+        if len(aux) != head.aux_count:
+            raise SpecpairError(f"the EAGLE-3 head's fc reads {head.aux_count} hidden states; "
+                                f"it names no layers and vLLM's default for a {layers}-layer "
+                                f"target is {len(aux)}: {list(aux)}")
+        if head.target_hidden_size != target_model.config.hidden_size:
+            raise SpecpairError(f"the EAGLE-3 head was trained for hidden size "
+                                f"{head.target_hidden_size}; the target's is "
+                                f"{target_model.config.hidden_size}")
+        param = next(target_model.parameters())
+        if fixed_step_applies(param.device, param.dtype):
+            raise SpecpairError("EAGLE-3 heads draft on the general step (float32 on the CPU); "
+                                f"the fixed step ({param.device.type}, "
+                                f"{str(param.dtype).removeprefix('torch.')}) does not hand over "
+                                "auxiliary hidden states yet")
+        runner = StaticLlama.of(target_model)
+        if runner.feature_layers not in (None, tuple(aux)):
+            raise SpecpairError(f"the target already hands layers {runner.feature_layers} to "
+                                f"another EAGLE-3 head; this one reads {list(aux)}")
+        runner.feature_layers = tuple(aux)
+        super().__init__(loaded, target_model, vocab_size)
+        self.aux_layers, self.compile = tuple(aux), compile
+        self.embed = head.embed_tokens or target_model.get_input_embeddings()
+        self.caches: list[tuple | None] = []      # per row: (keys, values) [1, KV, n, hd]
+        self.fed: list[int] = []                  # per row: real pairs in its cache
+        self.pending: list[list[torch.Tensor]] = []
+
+    def for_batch(self) -> "Eagle3Drafter":
+        return Eagle3Drafter(self.loaded, self.target_model, self.vocab_size, self.compile)
+
+    def _add_rows(self, count: int) -> None:
+        self.caches += [None] * count
+        self.fed += [0] * count
+        self.pending += [[] for _ in range(count)]
+
+    def _select(self, rows: list[int]) -> None:
+        self.caches = [self.caches[i] for i in rows]
+        self.fed = [self.fed[i] for i in rows]
+        self.pending = [self.pending[i] for i in rows]
+
+    def _keep(self, row: int, features: torch.Tensor) -> None:
+        self.pending[row].append(features)
+
+    def _step(self, row: int, tokens: list[int] | torch.Tensor, hidden: torch.Tensor,
+              start: int, keep: bool, past=None):
+        """Feed row its pairs (tokens [n], hidden [n, D]) from position `start`; keep: into
+        its cache. -> (pre-norm outputs [n, D], the keys/values with these appended)."""
+        head = self.head
+        device = hidden.device
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=device).view(1, -1)
+        n = ids.shape[1]
+        embeds = self.embed(ids).to(hidden.dtype)
+        positions = torch.arange(start, start + n, device=device).view(1, n)
+        cos, sin = head.rotary(embeds, positions)
+        past = self.caches[row] if past is None else past
+        out, kv = head.layer(embeds, hidden.view(1, n, -1), cos, sin, past, None)
+        if keep:
+            self.caches[row] = kv
+        return out[0], kv
+
+    @torch.no_grad()
+    def propose(self, sequences, ks, sampling, width: int = 1):
+        head = self.head
+        B = len(sequences)
+        K = max(ks, default=0)
+        device = self.draft_ids.device
+        dtype = head.lm_head.weight.dtype
+        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        g = torch.zeros(B, head.config.hidden_size, dtype=dtype, device=device)   # pre-norm
+        drafting = [False] * B
+        for i, seq in enumerate(sequences):
+            start, known = self.fed[i], self.known[i]
+            if self.pending[i]:
+                # The token after each observed position and the target's aux states there.
+                aux = torch.cat(self.pending[i]).to(device=device, dtype=dtype)
+                self.pending[i] = []
+                out, _ = self._step(i, seq[start + 1:known + 1], head.fc(aux), start, keep=True)
+                self.fed[i] = known
+                g[i] = out[-1]
+                drafting[i] = ks[i] > 0 and known > 0
+        num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long,
+                           device=device)
+        if K == 0 or not any(drafting):
+            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+        row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
+        chosen_steps, qs, sibs = [], [], []
+        past = list(self.caches)
+        for j in range(K):
+            chosen = self._choose(draft_vocab_logits(head, head.norm(g)), j, row_ks, sampling,
+                                  width, chosen_steps, qs, sibs)
+            if j + 1 == K:
+                break       # the last draft token is never fed: verifying it is the target's job
+            going = [i for i in range(B) if j + 1 < row_ks[i]]
+            if not going:
+                break
+            for i in going:   # (drafted token, the head's own output) at the next position
+                out, past[i] = self._step(i, chosen[i:i + 1], g[i:i + 1], self.fed[i] + j,
+                                          keep=False, past=past[i])
+                g[i] = out[0]
+        return self._proposal(chosen_steps, qs, sibs, num, K, width)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "aux_layers": list(self.aux_layers)}

