@@ -334,9 +334,16 @@ def test_an_unwritable_cache_or_a_broken_compiler_falls_back_and_says_why(tmp_pa
     monkeypatch.setenv("SPECPAIR_CACHE", str(readonly / "cache"))
     cpu_kernels.library.cache_clear()
     try:
-        if os.geteuid() != 0:     # root writes anywhere; the compiler case below still runs
+        if os.geteuid() != 0:     # root writes anywhere: the next case holds for root too
             assert not cpu_kernels.available()
             assert "PermissionError" in cpu_kernels.status()
+        # A cache no one can create, root included (as CI runs): its parent is a file.
+        blocker = tmp_path / "a-file"
+        blocker.write_text("")
+        monkeypatch.setenv("SPECPAIR_CACHE", str(blocker / "cache"))
+        cpu_kernels.library.cache_clear()
+        assert not cpu_kernels.available()
+        assert "NotADirectoryError" in cpu_kernels.status()
         monkeypatch.setenv("SPECPAIR_CACHE", str(tmp_path / "cache"))
         monkeypatch.setenv("CC", "false")          # a compiler that fails
         cpu_kernels.library.cache_clear()

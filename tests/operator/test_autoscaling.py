@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 import yaml
+from ci_skips import skip_unless_ci
 
 from specpair_devcluster.client import ApiError, resource_path
 from specpair_operator import autoscaling as autoscaling_mod
@@ -230,7 +231,7 @@ def test_every_query_parses_as_promql():
     query as a rule expression."""
     promtool = shutil.which("promtool", path=os.environ.get("SPECPAIR_PROMETHEUS_BIN"))
     if promtool is None:
-        pytest.skip("promtool not built here (scripts/build-prometheus.sh; scripts/test.sh builds it)")
+        skip_unless_ci("promtool not built here (scripts/build-prometheus.sh; scripts/test.sh builds it)")
     rules = {"groups": [{"name": "autoscaling", "rules": [
         {"record": f"specpair:autoscaling:{name}:{engine}", "expr": query("chat", "team-a", name, engine)}
         for name in SIGNALS for engine in SIGNALS[name].engines]}]}
@@ -242,7 +243,7 @@ def test_every_query_parses_as_promql():
 def _promtool() -> str:
     promtool = shutil.which("promtool", path=os.environ.get("SPECPAIR_PROMETHEUS_BIN"))
     if promtool is None:
-        pytest.skip("promtool not built here (scripts/build-prometheus.sh; scripts/test.sh builds it)")
+        skip_unless_ci("promtool not built here (scripts/build-prometheus.sh; scripts/test.sh builds it)")
     return promtool
 
 
