@@ -21,7 +21,7 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 from mlflow import MlflowClient  # noqa: E402
-from mlflow.entities import Metric, Param  # noqa: E402
+from mlflow.entities import LoggedModelStatus, Metric, Param  # noqa: E402
 from mlflow.exceptions import MlflowException, RestException  # noqa: E402
 
 from .registry_contract import (  # noqa: E402
@@ -139,16 +139,19 @@ class ReleaseRegistry:
                     json.dump(rel, f, indent=2, sort_keys=True)
                 if not self.client.list_artifacts(run_id, "release"):
                     self.client.log_artifact(run_id, path, "release")
-                model_id = run.data.tags.get(TAG_LOGGED_MODEL)
-                if not model_id:
-                    # The version's logged model: the gate logs its headline figures to it, and
-                    # MLflow's version page shows a logged model's metrics.
-                    model = self.client.create_logged_model(
-                        exp_id, name=f"release-{digest[:12]}", source_run_id=run_id,
-                        params=release_params(rel), tags={TAG_HASH: digest})
-                    self.client.log_model_artifacts(model.model_id, d)
-                    self.client.finalize_logged_model(model.model_id, "READY")
-                    model_id = model.model_id
+                # The version's logged model: the gate logs its headline figures to it, and
+                # MLflow's version page shows a logged model's metrics. Found by its run first,
+                # so an operator killed after creating it does not make a second.
+                made = self.client.search_logged_models(experiment_ids=[exp_id],
+                                                        filter_string=f"source_run_id = '{run_id}'", max_results=1)
+                model = made[0] if made else self.client.create_logged_model(
+                    exp_id, name=f"release-{digest[:12]}", source_run_id=run_id, params=release_params(rel),
+                    tags={TAG_HASH: digest})
+                model_id = model.model_id
+                if model.status != LoggedModelStatus.READY:
+                    self.client.log_model_artifacts(model_id, d)
+                    self.client.finalize_logged_model(model_id, "READY")
+                if run.data.tags.get(TAG_LOGGED_MODEL) != model_id:
                     self.client.set_tag(run_id, TAG_LOGGED_MODEL, model_id)
             if run.info.status != "FINISHED":
                 self.client.set_terminated(run_id)
@@ -196,22 +199,26 @@ class ReleaseRegistry:
         exp_id = self._experiment(model_name)
 
         def record() -> None:
+            # Each step once, and each found done when an earlier attempt (a lost reply, an
+            # operator killed halfway) got that far.
             found = self.client.search_runs([exp_id], filter_string=f"tags.`{TAG_EVENT_KEY}` = '{event.key}'",
                                             max_results=1)
-            if found:
-                return
-            run = self.client.create_run(exp_id, tags={
+            run = found[0] if found else self.client.create_run(exp_id, tags={
                 "mlflow.runName": f"{event.name}-v{version}", TAG_EVENT: event.name, TAG_EVENT_KEY: event.key,
                 "specpair.model_version": str(version), TAG_RUN_DESCRIPTION: event.description[:8000]})
-            now = int(time.time() * 1000)
-            if event.metrics:
-                self.client.log_batch(run.info.run_id, metrics=[Metric(k, v, now, 0) for k, v in event.metrics.items()])
+            run_id = run.info.run_id
+            if event.metrics and not run.data.metrics:
+                now = int(time.time() * 1000)
+                self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in event.metrics.items()])
             mv = self.client.get_model_version(model_name, version)
-            stamp = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime())
-            line = f"{stamp} **{event.name}**: {event.summary} ([evidence](#/experiments/{exp_id}/runs/{run.info.run_id}))"
-            self.client.update_model_version(model_name, version, with_history_line(mv.description or "", line))
-            self.client.set_model_version_tag(model_name, version, event.version_tag, event.summary)
-            self.client.set_terminated(run.info.run_id)
+            if f"/runs/{run_id})" not in (mv.description or ""):
+                stamp = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(run.info.start_time / 1000))
+                line = f"{stamp} **{event.name}**: {event.summary} ([evidence](#/experiments/{exp_id}/runs/{run_id}))"
+                self.client.update_model_version(model_name, version, with_history_line(mv.description or "", line))
+            if (mv.tags or {}).get(event.version_tag) != event.summary:
+                self.client.set_model_version_tag(model_name, version, event.version_tag, event.summary)
+            if run.info.status != "FINISHED":
+                self.client.set_terminated(run_id)
         self._call(record)
 
     def count_versions(self, model_name: str) -> int:

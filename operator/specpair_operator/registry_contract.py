@@ -128,6 +128,9 @@ def gate_metrics(verdict: dict[str, Any]) -> dict[tuple[str, int], float]:
 
 # MLflow 3 opens an experiment of this kind on its runs (not on the GenAI traces overview).
 TAG_EXPERIMENT_KIND, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+# MLflow 3.17's UI takes the view from its GenAI / Model training switch instead, unless a link
+# names it: links to a pair's experiment do.
+RUNS_VIEW = "workflowType=machine_learning"
 TAG_RUN_DESCRIPTION = "mlflow.note.content"      # the run page's Description
 TAG_LOGGED_ARTIFACTS = "mlflow.loggedArtifacts"  # which artifacts are tables (mlflow.log_table's tag)
 TAG_LOGGED_MODEL = "specpair.logged_model_id"    # on a release run: its version's logged model
@@ -345,7 +348,8 @@ def with_gate_section(description: str, verdict: dict[str, Any], experiment_id: 
     section an earlier gate of the same version wrote; its history kept)."""
     base, _, history = _description_parts(description)
     gate = (f"{gate_summary(verdict)}\n\nEvidence: [gate run](#/experiments/{experiment_id}/runs/{run_id}) "
-            f"(parameters, golden prompts dataset, per-prompt table `{PER_PROMPT_TABLE}`, verdict).")
+            f"(parameters, golden prompts dataset, per-prompt table `{PER_PROMPT_TABLE}`, verdict); every "
+            f"release, gate and event of this pair: [runs](#/experiments/{experiment_id}?{RUNS_VIEW}).")
     return _description(base, gate, history)
 
 

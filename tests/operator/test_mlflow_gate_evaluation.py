@@ -13,7 +13,7 @@ import pytest
 from specpair_operator import release
 from specpair_operator.registry import ReleaseRegistry
 from specpair_operator.registry_contract import (EXPERIMENT_KIND, GOLDEN_DATASET, PER_PROMPT_COLUMNS,
-                                                 PER_PROMPT_TABLE,
+                                                 PER_PROMPT_TABLE, RUNS_VIEW,
                                                  TAG_EXPERIMENT_KIND, TAG_GATE_RUN, TAG_GATE_SUMMARY,
                                                  TAG_LOGGED_MODEL, TAG_RUN_DESCRIPTION, gate_experiment,
                                                  logged_model_id, prompts_digest)
@@ -105,6 +105,7 @@ def test_the_gate_run_is_an_evaluation_and_the_version_carries_its_figures(reg, 
     figures = {m.key: m.value for m in client.get_logged_model(model_id).metrics}
     assert figures["acceptance_rate.code"] == 0.7 and figures["speedup.creative"] == 0.92 and figures["passed"] == 1.0
     assert f"runs/{run.info.run_id})" in mv.description and "creative 12.0% / 0.92x" in mv.description
+    assert f"(#/experiments/{run.info.experiment_id}?{RUNS_VIEW})" in mv.description   # opens on the runs
     assert tags[TAG_GATE_SUMMARY].startswith("passed: acceptance 41.0%, speedup 1.08x")
     # The release run holds the same settings, so MLflow's comparison of two versions lines them up.
     assert client.get_run(mv.run_id).data.params["target"] == params["target"]
