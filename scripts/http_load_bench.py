@@ -233,16 +233,17 @@ def shared_prefix_main(args) -> int:
         try:
             row = shared_prefix_setting(args, base_url, system, questions)
             client, model = row.pop("_client")
+            row.update(prefix_cache=mode, max_batch_size=batch)
+            rows.append(row)
+            # Said before the solo pass, so a run cut short still has every setting it finished.
+            print(f"prefix cache {mode:>3}, batch {batch:>2}: {row['tokens_per_second']:6.1f} tok/s, mean "
+                  f"latency {row['mean_latency']:.1f} s, TTFT cold {row['ttft_cold']:.2f} s / cached "
+                  f"{row['ttft_cached']:.2f} s, load average {os.getloadavg()[0]:.1f}", flush=True)
             if n == len(settings) - 1 and solo is None:    # each request alone, one at a time
                 solo = [chat_request(client, model, system, q, args.max_new_tokens)["text"] for q in questions]
         finally:
             server.terminate()
             server.wait(60)
-        row.update(prefix_cache=mode, max_batch_size=batch)
-        rows.append(row)
-        print(f"prefix cache {mode:>3}, batch {batch:>2}: {row['tokens_per_second']:6.1f} tok/s, mean latency "
-              f"{row['mean_latency']:.1f} s, TTFT cold {row['ttft_cold']:.2f} s / cached {row['ttft_cached']:.2f} s",
-              flush=True)
     for row in rows:
         texts = row.pop("_texts")
         row["equal_solo"] = f"{sum(a == b for a, b in zip(texts, solo or []))}/{len(texts)}"
