@@ -65,7 +65,7 @@ def test_sixteen_concurrent_streams_each_get_their_own_reply(tiny_pair, shared_s
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(16)]
     with client_for(shared_server) as c:
         replies = run_threads([lambda p=p: collect(c.stream(request(p, max_new_tokens=12))) for p in prompts])
-    for prompt, reply in zip(prompts, replies):
+    for prompt, reply in zip(prompts, replies, strict=True):
         assert not isinstance(reply, Exception), reply
         assert reply.token_ids == reference(tiny_pair, prompt, 12).token_ids, prompt
 
@@ -79,7 +79,7 @@ def test_greedy_output_equals_single_request_target_only_at_every_batch_size(tin
     with client_for(server) as c:
         replies = run_threads([lambda p=p: c.generate(p, max_new_tokens=n) for p in PROMPTS[:batch]])
     drafted = accepted = 0
-    for prompt, reply in zip(PROMPTS, replies):
+    for prompt, reply in zip(PROMPTS[:batch], replies, strict=True):
         assert not isinstance(reply, Exception), reply
         ref = reference(tiny_pair, prompt, n)
         assert reply.token_ids == ref.token_ids, f"{prompt!r} differs at batch {batch}"
