@@ -92,3 +92,34 @@ def test_a_drift_driven_rollback_is_explained_in_the_version_history(reg):
     assert run.data.metrics["live_acceptance.code"] == 0.05 and run.data.metrics["gated_acceptance.code"] == 0.8
     assert "sustained drift" in run.data.tags[TAG_RUN_DESCRIPTION] and run.info.status == "FINISHED"
     assert reg.client.get_model_version(model, v1).tags["specpair.event.promotion"].startswith("v1 promoted to champion")
+
+
+def lose_first_reply(monkeypatch, client, method: str) -> None:
+    """MLflow commits `method`'s first call and its reply is lost (as failpoints.py does for the
+    operator's other writes): the adapter's retry must find what was done."""
+    original, lost = getattr(client, method), []
+
+    def committed_then_lost(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if not lost:
+            lost.append(method)
+            raise ConnectionError(f"the reply to {method} was lost")
+        return result
+    monkeypatch.setattr(client, method, committed_then_lost)
+
+
+@pytest.mark.parametrize("method", ["create_logged_model", "finalize_logged_model", "update_model_version",
+                                    "set_model_version_tag"])
+def test_a_lost_reply_makes_no_second_logged_model_run_or_history_line(reg, monkeypatch, method):
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    reg.ensure_model(model, "ns/p")
+    lose_first_reply(monkeypatch, reg.client, method)
+    rel = release.build_release("p", "ns", SPEC, PROMPTS)
+    version = reg.ensure_release(model, rel, release.content_hash(rel))
+    reg.set_tags(model, version, {TAG_ROLLED_BACK: drift_reason()})
+    mv = reg.client.get_model_version(model, version)
+    exp_id = reg.client.get_experiment_by_name(gate_experiment(model)).experiment_id
+    assert len(reg.client.search_logged_models(experiment_ids=[exp_id])) == 1
+    assert len(reg.client.search_runs([exp_id], filter_string=f"tags.`{TAG_EVENT}` = 'rollback'")) == 1
+    assert mv.description.split(HISTORY_SECTION)[1].count("**rollback**") == 1
+    assert mv.tags[TAG_ROLLED_BACK] == drift_reason() and mv.tags["specpair.event.rollback"].startswith("v1 rolled back")
