@@ -236,6 +236,10 @@ def _times(v: Any) -> str:
     return f"{float(v):.2f}x" if _is_number(v) else "n/a"
 
 
+def _floor(v: Any) -> float:
+    return float(v) if _is_number(v) else 0.0
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -267,18 +271,21 @@ def gate_description(verdict: dict[str, Any], release: dict[str, Any] | None) ->
     identity = verdict.get("greedyIdentityWithinTies", verdict.get("greedyIdentity"))
     shown_identity = f"{float(identity):.3f}" if _is_number(identity) else "n/a"
     lines = [f"**Gate {'passed' if verdict.get('passed') is True else 'failed'}** "
-             f"on {verdict.get('device') or 'an unnamed device'}.", "",
-             "| floor | required | measured |", "|---|---|---|",
-             f"| greedy identity | {'1.000' if th.get('requireGreedyIdentity', True) else 'not required'} "
-             f"| {shown_identity} |",
-             f"| acceptance | >= {float(th.get('minAcceptance') or 0.0):.3f} | {_pct(verdict.get('acceptanceRate'))} |",
-             f"| speedup | >= {float(th.get('minSpeedup') or 0.0):.2f}x | {_times(verdict.get('speedup'))} |"]
-    for cat, floor in sorted((th.get("minCategoryAcceptance") or {}).items()):
-        measured = _pct((cats.get(cat) or {}).get("acceptanceRate"))
-        lines.append(f"| acceptance of {cat} | >= {float(floor):.3f} | {measured} |")
-    floors_at_zero = [n for n in ("minAcceptance", "minSpeedup") if not float(th.get(n) or 0.0) > 0]
-    if floors_at_zero and release is not None:
-        lines += ["", f"No floor set for {' and '.join(floors_at_zero)}: any figure passes it."]
+             f"on {verdict.get('device') or 'an unnamed device'}."]
+    if release is None:
+        lines += ["", "(The release's floors were not handed to the recorder.)"]
+    else:
+        lines += ["", "| floor | required | measured |", "|---|---|---|",
+                  f"| greedy identity | {'1.000' if th.get('requireGreedyIdentity', True) else 'not required'} "
+                  f"| {shown_identity} |",
+                  f"| acceptance | >= {_floor(th.get('minAcceptance')):.3f} | {_pct(verdict.get('acceptanceRate'))} |",
+                  f"| speedup | >= {_floor(th.get('minSpeedup')):.2f}x | {_times(verdict.get('speedup'))} |"]
+        for cat, floor in sorted((th.get("minCategoryAcceptance") or {}).items()):
+            measured = _pct((cats.get(cat) or {}).get("acceptanceRate"))
+            lines.append(f"| acceptance of {cat} | >= {_floor(floor):.3f} | {measured} |")
+        floors_at_zero = [n for n in ("minAcceptance", "minSpeedup") if not _floor(th.get(n)) > 0]
+        if floors_at_zero:
+            lines += ["", f"No floor set for {' and '.join(floors_at_zero)}: any figure passes it."]
     if cats:
         lines += ["", "| category | acceptance | accepted length | speedup |", "|---|---|---|---|"]
         for cat, vals in sorted(cats.items()):

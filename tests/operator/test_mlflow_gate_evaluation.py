@@ -16,7 +16,7 @@ from specpair_operator.registry_contract import (EXPERIMENT_KIND, GOLDEN_DATASET
                                                  PER_PROMPT_TABLE, RUNS_VIEW,
                                                  TAG_EXPERIMENT_KIND, TAG_GATE_RUN, TAG_GATE_SUMMARY,
                                                  TAG_LOGGED_MODEL, TAG_RUN_DESCRIPTION, gate_experiment,
-                                                 logged_model_id, prompts_digest)
+                                                 gate_description, logged_model_id, prompts_digest)
 
 SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "r1"}, "draft": {"drafter": "ngram"},
         "gating": {"thresholds": {"minSpeedup": 1.0, "minCategoryAcceptance": {"code": 0.5}}}}
@@ -127,3 +127,15 @@ def test_two_versions_compare_setting_by_setting_and_figure_by_figure(reg, tmp_p
     gate_run = reg.client.get_run(reg.version_tags(model, v2)[TAG_GATE_RUN])
     description = gate_run.data.tags[TAG_RUN_DESCRIPTION]
     assert "Gate failed" in description and "- speedup 0.800x < minSpeedup 1.000x" in description
+
+
+def test_the_description_names_every_floor_and_says_where_none_was_set():
+    rel = release.build_release("p", "ns", {**SPEC, "gating": {"thresholds": {"minCategoryAcceptance": {"qa": 0.4}}}},
+                                PROMPTS)
+    low = {**VERDICT, "acceptanceRate": 0.036}
+    text = gate_description(low, rel)
+    assert "| acceptance | >= 0.000 | 3.6% |" in text and "| acceptance of qa | >= 0.400 | n/a |" in text
+    assert "No floor set for minAcceptance and minSpeedup: any figure passes it." in text
+    assert "speedup.creative 0.92" in text and "Tuned on this hardware: batchSizeThreshold = 8, k = 4." in text
+    # A recorder not handed the release claims no floors it does not know.
+    assert "| floor |" not in gate_description(low, None) and "not handed" in gate_description(low, None)

@@ -11,7 +11,7 @@ import pytest
 
 from specpair_operator import aliases, gate_attempts, release
 from specpair_operator.registry import ReleaseRegistry
-from specpair_operator.registry_contract import (TAG_GATE_RUN, TAG_GATE_STATUS, TAG_TOKENIZER_TARGET,
+from specpair_operator.registry_contract import (PER_PROMPT_TABLE, TAG_GATE_RUN, TAG_GATE_STATUS, TAG_TOKENIZER_TARGET,
                                                  RegistryUnavailable, find_or_create, gate_experiment)
 
 SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "r1"}, "draft": {"drafter": "ngram"}}
@@ -265,7 +265,7 @@ def test_the_runner_forks_its_own_specpair_and_runs_anything_else(monkeypatch, t
     assert own_specpair_arguments(["specpair", "gate"]) is None      # a `specpair` of another environment
 
 
-def test_a_forked_real_gate_is_recorded_and_its_crash_reported(reg, tmp_path, tiny_pair_dirs):
+def test_a_forked_real_gate_is_recorded_and_its_crash_reported(reg, tmp_path, tiny_pair_dirs, monkeypatch):
     """The real `specpair gate` on tiny models, forked by the runner: its verdict lands on the
     version in MLflow; a release the gate refuses is a crash with the gate's own message."""
     model = f"m-{uuid.uuid4().hex[:6]}"
@@ -288,6 +288,12 @@ def test_a_forked_real_gate_is_recorded_and_its_crash_reported(reg, tmp_path, ti
     status, verdict, _ = reg.gate_result(model, version)
     assert status == "passed" and verdict["greedyIdentity"] == 1.0
     assert json.loads(termination.read_text())["passed"] is True
+    # The real gate's per-prompt results reach the run's table (docs/mlflow.md), measured.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", reg.tracking_uri)   # load_table searches the global URI
+    run = reg.client.get_run(reg.version_tags(model, version)[TAG_GATE_RUN])
+    table = reg.client.load_table(run.info.experiment_id, PER_PROMPT_TABLE, run_ids=[run.info.run_id])
+    assert table["category"].tolist() == ["code"] and table["identical"].tolist() == [True]
+    assert 0 < table["output_tokens"][0] <= 8 and table["speedup"][0] > 0 and 0 <= table["acceptance"][0] <= 1
 
     broken = release.with_mlflow({**rel, "draft": {}}, reg.tracking_uri, model, version)
     rel_file.write_text(json.dumps(broken))
