@@ -28,15 +28,14 @@ import requests
 
 from specpair.contract import content_hash
 
-from .registry_contract import (PER_PROMPT_TABLE, TAG_GATE_SUMMARY, TAG_LOGGED_ARTIFACTS, TAG_RUN_DESCRIPTION,
-                                RegistryUnavailable, experiment_tags, find_or_create, gate_description, gate_error_tags,
+from .registry_contract import (PARAMS_PER_BATCH, PER_PROMPT_TABLE, TAG_GATE_SUMMARY, TAG_LOGGED_ARTIFACTS,
+                                TAG_RUN_DESCRIPTION, RegistryUnavailable, experiment_tags, find_or_create, gate_description, gate_error_tags,
                                 gate_experiment, gate_metrics, gate_params, gate_run_tags, gate_summary, gate_tags,
                                 golden_dataset_input, headline_metrics, logged_model_id, per_prompt_table,
                                 with_gate_section)
 
 ARTIFACT_PROXY = "mlflow-artifacts:"
 METRICS_PER_BATCH = 1000     # MLflow's limit for one log-batch
-PARAMS_PER_BATCH = 100       # and for its parameters
 GOLDEN_OUTPUTS = "golden_outputs.json"   # the gate's per-prompt outputs, written beside its verdict
 
 

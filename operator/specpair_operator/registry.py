@@ -25,7 +25,7 @@ from mlflow.entities import LoggedModelStatus, Metric, Param  # noqa: E402
 from mlflow.exceptions import MlflowException, RestException  # noqa: E402
 
 from .registry_contract import (  # noqa: E402
-    EVENT_NAMES, TAG_EVENT, TAG_EVENT_KEY, TAG_EXPERIMENT_KIND, TAG_HASH, TAG_LOGGED_MODEL, TAG_OWNER,
+    EVENT_NAMES, PARAMS_PER_BATCH, TAG_EVENT, TAG_EVENT_KEY, TAG_EXPERIMENT_KIND, TAG_HASH, TAG_LOGGED_MODEL, TAG_OWNER,
     TAG_OWNER_UID, TAG_RUN_DESCRIPTION, EventRecord, RegistryUnavailable, event_record, experiment_tags,
     find_or_create, gate_error_tags, gate_experiment, gate_result_of, release_params, with_history_line)
 
@@ -132,7 +132,9 @@ class ReleaseRegistry:
             if not run.data.params:
                 # The release's settings, so MLflow's comparison of two versions (their release
                 # runs) lines them up setting by setting. Logged once: parameters never change.
-                self.client.log_batch(run_id, params=[Param(k, v) for k, v in release_params(rel).items()])
+                params = [Param(k, v) for k, v in release_params(rel).items()]
+                for i in range(0, len(params), PARAMS_PER_BATCH):   # a batch takes 100 at most
+                    self.client.log_batch(run_id, params=params[i:i + PARAMS_PER_BATCH])
             with tempfile.TemporaryDirectory() as d:
                 path = os.path.join(d, "release.json")
                 with open(path, "w") as f:

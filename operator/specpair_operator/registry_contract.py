@@ -139,6 +139,7 @@ GOLDEN_DATASET = "golden-prompts"
 PER_PROMPT_TABLE = "gate/per_prompt.json"
 PER_PROMPT_COLUMNS = ("category", "prompt", "output_tokens", "acceptance", "accepted_length", "speedup", "identical")
 DATASET_DIGEST_LEN = 12                          # MLflow keeps at most 36 characters
+PARAMS_PER_BATCH = 100                           # MLflow's limit for one log-batch's parameters
 
 
 def experiment_tags() -> dict[str, str]:

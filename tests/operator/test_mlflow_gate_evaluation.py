@@ -139,3 +139,18 @@ def test_the_description_names_every_floor_and_says_where_none_was_set():
     assert "speedup.creative 0.92" in text and "Tuned on this hardware: batchSizeThreshold = 8, k = 4." in text
     # A recorder not handed the release claims no floors it does not know.
     assert "| floor |" not in gate_description(low, None) and "not handed" in gate_description(low, None)
+
+
+def test_a_release_with_more_settings_than_one_batch_takes_is_recorded_whole(reg, tmp_path):
+    """The CRD bounds no spec's categories: 150 category floors are 150 parameters, more than one
+    MLflow log-batch takes (100)."""
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    reg.ensure_model(model, "ns/p")
+    floors = {f"cat{i:03d}": 0.0 for i in range(150)}
+    version = gate_with(reg, tmp_path, model, {**SPEC, "gating": {"thresholds": {"minCategoryAcceptance": floors}}},
+                        VERDICT)
+    mv = reg.client.get_model_version(model, version)
+    for run_id in (mv.run_id, reg.version_tags(model, version)[TAG_GATE_RUN]):
+        params = reg.client.get_run(run_id).data.params
+        assert params["threshold.minCategoryAcceptance.cat149"] == "0.0" and len(params) > 150
+    assert len(reg.client.get_logged_model(logged_model_id(mv.source)).params) > 150
