@@ -127,7 +127,7 @@ class ReleaseRegistry:
                                            max_results=1, order_by=["attributes.start_time ASC"])
             run = runs[0] if runs else self.client.create_run(
                 exp_id, tags={"mlflow.runName": f"release-{digest[:12]}", TAG_HASH: digest,
-                              TAG_RUN_DESCRIPTION: release_mod.describe_release(rel, digest)})
+                              TAG_RUN_DESCRIPTION: release_mod.describe_release(rel, digest)[:8000]})
             run_id = run.info.run_id
             if not run.data.params:
                 # The release's settings, so MLflow's comparison of two versions (their release
