@@ -11,10 +11,11 @@ signals and the exit code are vLLM's own.
 Identity: besides the pair's name (what clients send as "model"), vLLM serves
 `identity_name(...)`: pair, release version, the release file's content hash and whether
 speculation is on. It is the first served name, because vLLM labels its /metrics with the first
-one only (`model_name`), and /metrics stays open when `rollout.auth` closes /v1/* behind vLLM's
-API key (VLLM_API_KEY, from the pair's Secret). The operator reads it back from each pod
-(engine_probe.VllmProbe), as it reads GetModelInfo from ours. vLLM also names the first served
-name as the `model` of its replies.
+one only (`model_name`), which the autoscaler's queries match. In an engine pod vLLM listens on a
+Unix socket (`--uds`) behind the pod's companion (specpair.vllm_companion), which reads the
+identity back from /v1/models for the operator's GetModelInfo, applies the pair's token and
+counts each request by category. vLLM also names the first served name as the `model` of its
+replies.
 """
 
 from __future__ import annotations
@@ -28,6 +29,28 @@ from specpair.contract import content_hash
 from specpair.errors import SpecpairError
 
 IDENTITY_PREFIX = "specpair"
+# An engine pod's vLLM listens on a Unix socket in a volume its two containers share, behind
+# the pod's companion (specpair.vllm_companion), which needs each reply's timings and acceptance.
+VLLM_SOCKET_DIR = "/var/run/specpair/vllm"
+VLLM_SOCKET = f"{VLLM_SOCKET_DIR}/vllm.sock"
+VLLM_PER_REQUEST_FLAGS = ("--enable-per-request-metrics",)
+VLLM_SPEC_DECODE_FLAGS = ("--per-request-spec-decode-metrics", "summary")
+# On SIGTERM a pod's vLLM finishes the requests in flight for up to this long (vLLM's default, 0,
+# aborts them), as its companion does: within the pod's default 30 s grace period.
+POD_DRAIN_SECONDS = 25
+# sockaddr_un holds 108 bytes with its terminator; a mounted volume's path can be longer.
+UNIX_PATH_MAX = 107
+
+
+def reachable_socket_path(path: str) -> str:
+    """`path` as this process binds or connects to it: a path too long for a Unix socket address
+    is reached relative to its folder (the process moves there; both sides of the pod's socket
+    do the same)."""
+    if len(os.fsencode(path)) <= UNIX_PATH_MAX:
+        return path
+    folder, name = os.path.split(path)
+    os.chdir(folder)
+    return f"./{name}"
 
 
 def identity_name(pair: str, version: str, digest: str, speculating: bool) -> str:
@@ -43,7 +66,10 @@ def parse_identity_name(name: str) -> dict | None:
 
 
 def command(release: dict, *, python: str, host: str, port: int, speculation: bool, enforce_eager: bool,
-            progress=print) -> list[str]:
+            progress=print, uds: str | None = None) -> list[str]:
+    """vLLM's command line for the release. `uds`: listen on that Unix socket instead of host and
+    port (behind the pod's companion, specpair.vllm_companion), with the per-request timings and
+    acceptance in every reply the companion counts by category."""
     from specpair.gate.vllm import dtype_of
     from specpair.models import resolve_source
     from specpair.vllm_peer import flags_argv, serving_flags, speculative_config
@@ -55,14 +81,19 @@ def command(release: dict, *, python: str, host: str, port: int, speculation: bo
     spec = speculative_config({**release, "draft": draft}) if speculation else None
     version = str((release.get("mlflow") or {}).get("version") or "0")
     pair = str(release.get("pair") or "specpair")
+    listen = ["--uds", reachable_socket_path(uds)] if uds else ["--host", host, "--port", str(port)]
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--dtype", dtype_of(release),
-           "--host", host, "--port", str(port), "--generation-config", "vllm",
+           *listen, "--generation-config", "vllm",
            "--served-model-name", identity_name(pair, version, content_hash(release), spec is not None), pair,
            *flags_argv(serving_flags(release))]
     if enforce_eager:
         cmd.append("--enforce-eager")
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec, sort_keys=True)]
+    if uds:
+        # vLLM refuses the acceptance flag without speculation.
+        cmd += [*VLLM_PER_REQUEST_FLAGS, *(VLLM_SPEC_DECODE_FLAGS if spec is not None else ()),
+                "--shutdown-timeout", str(POD_DRAIN_SECONDS)]
     return cmd
 
 
@@ -74,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--release", required=True, help="the release JSON (engine.kind vllm)")
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=8000, help="vLLM's OpenAI API, /health and /metrics")
+    ap.add_argument("--uds", help="listen on this Unix socket instead (behind the pod's specpair.vllm_companion)")
     ap.add_argument("--no-speculation", action="store_true",
                     help="serve target-only (the operator's SpeculationOff for vLLM: a re-rollout)")
     ap.add_argument("--enforce-eager", action="store_true", help="no compilation or graphs (CPU nodes)")
@@ -88,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
         python = vllm_python()
         cmd = command(release, python=python, host=args.host, port=args.port, speculation=not args.no_speculation,
-                      enforce_eager=args.enforce_eager, progress=progress)
+                      enforce_eager=args.enforce_eager, progress=progress, uds=args.uds)
     except (OSError, ValueError, KeyError, SpecpairError) as exc:
         print(f"specpair.vllm_serve: error: {exc}", file=sys.stderr)
         return 2

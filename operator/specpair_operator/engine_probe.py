@@ -22,7 +22,6 @@ tests can stand an engine in with any object that has these three coroutines.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -197,56 +196,13 @@ def shadow_stats(msg: Any) -> dict[str, Any]:
             "share": float(msg.share), "skippedSteps": int(msg.skipped_steps), "categories": categories}
 
 
-class VllmProbe:
-    """Reads vLLM engine pods over their HTTP port, from what vLLM's API key (rollout.auth) leaves
-    open: /metrics carries the identity name the release file put there (pair, version, content
-    hash, speculation; specpair.vllm_serve) as the `model_name` label of every sample, and vLLM's
-    spec-decode counters and its TTFT and TPOT histograms and finish reasons (as one category
-    "all": vLLM does not count by category). Pods whose
-    identity is not their first served name (rolled out before it was) are read from /v1/models,
-    which answers there because they have no API key either. vLLM has no runtime switch, so
-    set_speculation refuses (NoRuntimeSwitch); the plan rolls the Deployment instead. Both formats
-    are read with torch-free parsers (the engine package's; prometheus_client's for the histograms)."""
-
-    def __init__(self, timeout_s: float = 5.0):
-        self.timeout_s = timeout_s
-
-    async def _get(self, address: str, path: str) -> str:
-        import aiohttp
-
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
-                async with session.get(f"http://{address}{path}") as resp:
-                    if resp.status != 200:
-                        raise EngineUnreachable(f"GET {path} on {address}: HTTP {resp.status}")
-                    return await resp.text()
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise EngineUnreachable(f"GET {path} on {address}: {exc}") from exc
-
-    async def model_info(self, address: str, server_name: str = "") -> dict[str, Any]:
-        import json
-
-        from specpair.vllm_serve import parse_identity_name
-
-        names = metric_model_names(await self._get(address, "/metrics"))
-        if not any(parse_identity_name(n) for n in names):
-            names = [str(m.get("id", "")) for m in json.loads(await self._get(address, "/v1/models")).get("data") or []]
-        for name in names:
-            identity = parse_identity_name(name)
-            if identity is not None:
-                return {"pair": identity["pair"], "releaseVersion": identity["version"],
-                        "contentHash": identity["digest"], "tokenizer": {},
-                        "speculationEnabled": identity["speculating"]}
-        return {"pair": "", "releaseVersion": "", "contentHash": "", "tokenizer": {}, "speculationEnabled": False}
-
-    async def stats(self, address: str, server_name: str = "") -> dict[str, Any]:
-        from specpair.vllm_peer import parse_spec_decode_metrics
-
-        text = await self._get(address, "/metrics")
-        counters = parse_spec_decode_metrics(text)
-        counts = RequestMoments(counters.draft_tokens, counters.accepted_tokens, finished_requests(text))
-        return {"categories": {"all": counts.as_stats()}, "serving": {"all": vllm_serving_stats(text)},
-                "speculating": counters.draft_tokens > 0, "uptimeSeconds": None}
+class VllmProbe(GrpcEngineProbe):
+    """Reads vLLM engine pods through their companion (specpair.vllm_companion): the same
+    GetModelInfo and GetStats on the same mutual-TLS control port as our engine's, counted per
+    category from vLLM's own per-request acceptance and timings, so drift and serving health
+    judge both engines alike. Identity is what vLLM itself serves (its first served name, which
+    the companion reads). vLLM has no runtime switch, so set_speculation refuses
+    (NoRuntimeSwitch); the plan rolls the Deployment instead."""
 
     async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None:
         # Never planned for vLLM pods (serving_plan._switch rolls the Deployment instead): a call
@@ -257,63 +213,3 @@ class VllmProbe:
 
 class NoRuntimeSwitch(Exception):
     """Asked to switch speculation on an engine that has no runtime switch (vLLM)."""
-
-
-def finished_requests(metrics_text: str) -> int:
-    """vLLM's finished requests (vllm:request_success_total, every finish reason): the sampled
-    units drift's statistics count (a window needs enough of them)."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith("vllm:request_success_total"):
-            try:
-                total += float(line.rsplit(None, 1)[-1])
-            except ValueError:
-                continue
-    return int(total)
-
-
-# vLLM's histograms and finish reasons in the serving dict's terms (stats()["serving"]): its
-# per-request time per output token is ours (mean time between a request's output tokens);
-# an "error" finish is a request the engine failed, "abort" one its client left.
-VLLM_HISTOGRAMS = {"vllm:time_to_first_token_seconds": "ttft", "vllm:request_time_per_output_token_seconds": "tpot"}
-VLLM_STATUSES = {"stop": "ok", "length": "ok", "repetition": "ok", "error": "error", "abort": "cancelled"}
-
-
-def vllm_serving_stats(metrics_text: str) -> dict[str, Any]:
-    """vLLM's /metrics -> one category's serving dict (every engine and model name summed)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    hists: dict[str, dict[float, float]] = {key: {} for key in VLLM_HISTOGRAMS.values()}
-    totals: dict[str, dict[str, float]] = {key: {"count": 0.0, "sum": 0.0} for key in VLLM_HISTOGRAMS.values()}
-    requests: dict[str, int] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        key = VLLM_HISTOGRAMS.get(family.name)
-        for sample in family.samples:
-            if key is not None and sample.name.endswith("_bucket") and sample.labels.get("le") != "+Inf":
-                bound = float(sample.labels["le"])
-                hists[key][bound] = hists[key].get(bound, 0.0) + sample.value
-            elif key is not None and sample.name.endswith(("_count", "_sum")):
-                totals[key][sample.name.rsplit("_", 1)[1]] += sample.value
-            elif sample.name == "vllm:request_success_total":
-                status = VLLM_STATUSES.get(sample.labels.get("finished_reason", ""), "ok")
-                requests[status] = requests.get(status, 0) + int(sample.value)
-    out: dict[str, Any] = {"requests": requests}
-    for key, buckets in hists.items():
-        bounds = sorted(buckets)
-        out[key] = {"upperBounds": bounds, "counts": [int(buckets[b]) for b in bounds],
-                    "count": int(totals[key]["count"]), "sum": totals[key]["sum"]}
-    return out
-
-
-_MODEL_NAME = re.compile(r'[{,]model_name="((?:[^"\\]|\\.)*)"')
-
-
-def metric_model_names(metrics_text: str) -> list[str]:
-    """The `model_name` label values of vLLM's samples (Prometheus text), each once, in order of
-    first appearance; label escapes (backslash, quote, newline) undone."""
-    names: dict[str, None] = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("vllm:"):
-            for raw in _MODEL_NAME.findall(line):
-                names.setdefault(re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), raw))
-    return list(names)

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from specpair.contract import parallelism
 from specpair.vllm_parallel import cpu_binding_env
+from specpair.vllm_serve import VLLM_SOCKET, VLLM_SOCKET_DIR
 
 from . import names
 from . import release as release_mod
@@ -41,6 +42,8 @@ CONTROL_PORT = 50052
 TLS_DIR = "/var/run/specpair/tls"
 # The serving ports' bearer token (spec.rollout.auth), from the pair's Secret.
 AUTH_DIR = "/var/run/specpair/auth"
+# A vLLM pod's companion: a small asyncio proxy (measured in docs/measurements, vLLM companion).
+COMPANION_REQUESTS = {"cpu": "100m", "memory": "128Mi"}
 TERMINATION_LOG = "/dev/termination-log"
 # A pre-filled Hugging Face hub cache (rollout.modelCache.persistentVolumeClaim), read-only.
 HUB_CACHE_DIR = "/var/cache/specpair-hub"
@@ -429,11 +432,22 @@ def _has_gpu(rollout: dict[str, Any]) -> bool:
 
 def vllm_command(http_port: int, rollout: dict[str, Any], speculation: bool = True) -> list[str]:
     """vLLM's OpenAI server for the release file the pod mounts (specpair.vllm_serve resolves the
-    models and builds vLLM's flags from the release). No GPU: eager mode (compiling for the CPU
-    takes minutes at every start)."""
-    return ["python", "-m", "specpair.vllm_serve", "--release", RELEASE_FILE, "--host", "0.0.0.0",
-            "--port", str(http_port), *([] if speculation else ["--no-speculation"]),
+    models and builds vLLM's flags from the release), on the Unix socket the pod's companion
+    fronts. No GPU: eager mode (compiling for the CPU takes minutes at every start)."""
+    return ["python", "-m", "specpair.vllm_serve", "--release", RELEASE_FILE, "--uds", VLLM_SOCKET,
+            *([] if speculation else ["--no-speculation"]),
             *([] if _has_gpu(rollout) else ["--enforce-eager"])]
+
+
+def vllm_companion_command(http_port: int, control_port: int, rollout: dict[str, Any]) -> list[str]:
+    """The pod's companion (specpair.vllm_companion): the pair's HTTP port in front of vLLM's
+    socket, the bearer token where rollout.auth names one, and GetStats on the control port
+    (mutual TLS, the engine certificate the operator issues, as our engine's)."""
+    token = ["--auth-token-file", f"{AUTH_DIR}/token"] if (rollout.get("auth") or {}).get("tokenSecretRef") else []
+    return ["python", "-m", "specpair.vllm_companion", "--release", RELEASE_FILE, "--upstream", f"unix:{VLLM_SOCKET}",
+            "--host", "0.0.0.0", "--port", str(http_port), *token,
+            "--control-port", str(control_port), "--control-tls-cert", f"{TLS_DIR}/tls.crt",
+            "--control-tls-key", f"{TLS_DIR}/tls.key", "--control-tls-client-ca", f"{TLS_DIR}/ca.crt"]
 
 
 def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
@@ -514,8 +528,10 @@ def _engine_probes(port: int, tls: bool) -> dict[str, Any]:
 
 def _engine_deployment_of(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
                           rollout: dict[str, Any], container: dict[str, Any], defaults: PodDefaults,
-                          extra_volumes: list[dict[str, Any]] = ()) -> dict[str, Any]:  # type: ignore[assignment]
-    """The Deployment around an engine container (ours or vLLM's): what both engines share."""
+                          extra_volumes: list[dict[str, Any]] = (),  # type: ignore[assignment]
+                          sidecars: list[dict[str, Any]] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+    """The Deployment around an engine container (ours or vLLM's): what both engines share.
+    `sidecars`: containers beside it (vLLM's companion), given as they are."""
     if rollout.get("resources"):
         container["resources"] = _resources(release, rollout)
     container["volumeMounts"] = [*container["volumeMounts"], *_shm_mounts(release)]
@@ -533,7 +549,7 @@ def _engine_deployment_of(pair: str, namespace: str, release: dict[str, Any], di
             "strategy": rollout_strategy(rollout),
             "template": {
                 "metadata": {"labels": labels, "annotations": _release_annotations(release, digest)},
-                "spec": {"containers": [container], **_pod_spec(rollout, defaults, extra_volumes=list(extra_volumes))},
+                "spec": {"containers": [container, *sidecars], **_pod_spec(rollout, defaults, extra_volumes=list(extra_volumes))},
             },
         },
     }
@@ -542,39 +558,52 @@ def _engine_deployment_of(pair: str, namespace: str, release: dict[str, Any], di
 def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
                      rollout: dict[str, Any], tracking_uri: str, credentials: MlflowCredentials | None,
                      defaults: PodDefaults, speculation: bool) -> dict[str, Any]:
-    """vLLM's OpenAI server: one HTTP port for the API, /health (the probes) and /metrics (drift
-    and Prometheus). The operator only reads from these pods (/metrics for identity and
-    acceptance); there is no call that changes them, so no control listener. With rollout.auth,
-    vLLM's API key (VLLM_API_KEY, which vLLM reads as --api-key) comes from the pair's Secret by
-    reference: it guards /v1/* and leaves /health (the probes) and /metrics (the operator,
-    Prometheus) open."""
+    """Two containers: vLLM's OpenAI server on a Unix socket in a volume both mount, and its
+    companion (specpair.vllm_companion) on the pair's HTTP port: the API passed through
+    unchanged behind the pair's token (rollout.auth, the Secret mounted by reference), /health
+    (the probes: vLLM's, 503 while the companion drains), /metrics (vLLM's series and ours, per
+    category) and, on the control port, GetStats and GetModelInfo for the operator (mutual TLS)."""
     http_port = int(rollout.get("httpPort") or HTTP_PORT)
+    control_port = int(rollout.get("controlPort", CONTROL_PORT))
+    socket_mount = {"name": "vllm-socket", "mountPath": VLLM_SOCKET_DIR}
+    health = {"httpGet": {"path": "/health", "port": http_port}}
     container = {
         "name": "engine",
         "image": engine_image(release, rollout),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
         "command": vllm_command(http_port, rollout, speculation),
-        "ports": [{"name": "http", "containerPort": http_port, "protocol": "TCP"}],
-        "env": _env(tracking_uri, credentials, rollout=rollout, defaults=defaults) + _vllm_api_key(rollout)
+        "env": _env(tracking_uri, credentials, rollout=rollout, defaults=defaults)
         + cpu_binding_env(release, rollout, _has_gpu(rollout)),  # vLLM split over CPU processes
-        "volumeMounts": _mounts(rollout),
+        "volumeMounts": [*_mounts(rollout), socket_mount],
         "securityContext": _container_security(),
-        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 60},
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 20, "failureThreshold": 3},
+        # vLLM answers on its socket only: its health through the companion's port.
+        "startupProbe": {**health, "periodSeconds": 10, "failureThreshold": 60},
+        "livenessProbe": {**health, "periodSeconds": 20, "failureThreshold": 3},
     }
-    return _engine_deployment_of(pair, namespace, release, digest, version, rollout, container, defaults)
-
-
-def _vllm_api_key(rollout: dict[str, Any]) -> list[dict[str, Any]]:
-    """VLLM_API_KEY from the token Secret (the kubelet resolves it; the operator never reads it).
-    Not optional: a missing Secret or key keeps the pod from starting, with the kubelet's reason,
-    instead of a pod that serves without a key."""
+    companion = {
+        "name": "companion",
+        "image": engine_image(release, rollout),
+        "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
+        "command": vllm_companion_command(http_port, control_port, rollout),
+        "ports": [{"name": "http", "containerPort": http_port, "protocol": "TCP"},
+                  {"name": "control", "containerPort": control_port, "protocol": "TCP"}],
+        "resources": {"requests": dict(COMPANION_REQUESTS)},
+        "volumeMounts": [{"name": "release", "mountPath": RELEASE_DIR, "readOnly": True}, socket_mount,
+                         {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}],
+        "securityContext": _container_security(),
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 20, "failureThreshold": 3},
+    }
+    volumes = [{"name": "vllm-socket", "emptyDir": {}},
+               {"name": "tls", "secret": {"secretName": engine_tls_secret_name(pair), "defaultMode": 0o440}}]
     ref = (rollout.get("auth") or {}).get("tokenSecretRef")
-    if not ref:
-        return []
-    return [{"name": "VLLM_API_KEY",
-             "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref.get("key") or "token"}}}]
+    if ref:
+        # By reference: the kubelet mounts the key, the operator never reads it.
+        volumes.append({"name": "auth", "secret": {"secretName": ref["name"], "defaultMode": 0o440,
+                                                   "items": [{"key": ref.get("key") or "token", "path": "token"}]}})
+        companion["volumeMounts"].append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
+    return _engine_deployment_of(pair, namespace, release, digest, version, rollout, container, defaults, volumes,
+                                 sidecars=[companion])
 
 
 def rollout_strategy(rollout: dict[str, Any]) -> dict[str, Any]:

@@ -199,8 +199,7 @@ async def _observe_engine(op: OperatorState, w: ServingWorld) -> ServingWorld:
                 service=await kube.get("v1", "services", w.namespace, name))
     if serving_plan.name_taken(w):
         return w
-    if serving_plan.kind_of(w) != "vllm":
-        w = replace(w, tls=await _observe_tls(op, w))
+    w = replace(w, tls=await _observe_tls(op, w))       # vLLM pods too: their companion's control port
     served = serving_plan.served_release(w)
     fetched = fetched_models(w.status)
     w = replace(w, models=model_fetch.models_digest(served), fetched=fetched,

@@ -187,9 +187,7 @@ def kind_of(w: ServingWorld) -> str:
 
 def address(w: ServingWorld, pod: EnginePod) -> str:
     """The pod's control listener (mutual TLS): the operator never uses the serving port. A
-    vLLM pod has none: its HTTP port, read only (/v1/models, /metrics)."""
-    if kind_of(w) == "vllm":
-        return f"{pod.ip}:{int(w.rollout.get('httpPort') or manifests.HTTP_PORT)}"
+    vLLM pod's is its companion's (specpair.vllm_companion), on the same port."""
     return f"{pod.ip}:{int(w.rollout.get('controlPort', manifests.CONTROL_PORT))}"
 
 
@@ -497,9 +495,9 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
     taken = name_taken(w)
     if taken:
         return "conflict", taken
-    # The control listener's certificate, before the first engine pod needs it (vLLM pods have
-    # no control listener).
-    if kind != "vllm" and w.tls is not None:
+    # The control listener's certificate (vLLM pods': their companion's), before the first engine
+    # pod needs it.
+    if w.tls is not None:
         _certificate(out, w)
     # Ingress to engine pods on their ports only; in place before the first engine pod is.
     policy = manifests.engine_network_policy(w.pair, w.namespace, w.installation.pods)
@@ -674,7 +672,7 @@ def _speculation(out: _Steps, champion: str, pods: list[EnginePod]) -> list[str]
 
 def _switch(out: _Steps, champion: str, addresses: tuple[str, ...], enabled: bool, reason: str) -> None:
     """The drift ladder's switch: on the specpair engine each pod's SetSpeculation. vLLM has no
-    runtime switch (its probe's set_speculation does nothing), so no such step is planned for its
+    runtime switch (its probe's set_speculation refuses), so no such step is planned for its
     pods: the Deployment, rendered from the speculationEnabled this pass sets, rolls, and the
     plan says how (RollSpeculation)."""
     w = out.world
@@ -735,12 +733,9 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
             rel = json.loads(tags.get(TAG_RELEASE) or "{}")
             return rel.get("target"), rel.get("draft"), tags.get(TAG_TOKENIZER_DRAFT)
         same_models = TAG_RELEASE in tags_prev and models(tags_prev) == models(w.tags)
+    # vLLM pods count per category too (their companion, from vLLM's per-request acceptance):
+    # both engines are judged against the gated baseline per category, by the same rules.
     baseline = gate_verdict.baseline_from_verdict(dict(w.verdict))
-    if kind_of(w) == "vllm":
-        # vLLM counts drafts for the whole server, not per category: judge them against the gated
-        # overall acceptance (and the previous release's, likewise).
-        baseline = {k: v for k, v in baseline.items() if k == "*"}
-        previous_baseline = {k: v for k, v in (previous_baseline or {}).items() if k == "*"} or None
     # Acceptance and serving health (latency, errors) climb the same ladder.
     serving_pods = [serving_health.serving_pod(p.pod, pod.stats or {}, p.started) for p, pod in zip(observed, pods)]
     outcome = serving_health.decide(

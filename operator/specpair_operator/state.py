@@ -142,6 +142,7 @@ async def control_ca(state: OperatorState) -> tls_mod.KeyPair:
         client = state.client_cert
         if client is None or tls_mod.reissue_reason(client.cert_pem, ca.cert_pem, ca, (), renew_days=tls_mod.CLIENT_RENEW_DAYS):
             client = state.client_cert = tls_mod.issue(ca, tls_mod.OPERATOR_NAME, server=False, days=tls_mod.CLIENT_DAYS)
-        if isinstance(state.probe, GrpcEngineProbe):
-            state.probe.tls = ClientTLS(ca=ca.cert_pem, cert=client.cert_pem, key=client.key_pem)
+        for probe in (state.probe, state.vllm_probe):     # vLLM pods: their companion's control port
+            if isinstance(probe, GrpcEngineProbe):
+                probe.tls = ClientTLS(ca=ca.cert_pem, cert=client.cert_pem, key=client.key_pem)
         return ca

@@ -13,6 +13,7 @@ import asyncio
 import os
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -270,29 +271,121 @@ VLLM_PROMPTS = ("def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
 VLLM_MAX_TOKENS = 24
 
 
+COMPANION_TOKEN = "companion-s3cret"
+SERVER_NAME = "engine-peer.t.svc"
+# Through the companion: (category, prompt, how it is sent). Code prompts repeat themselves, so
+# n-gram lookup drafts and is accepted; the chat prompt gives it little to copy.
+COMPANION_REQUESTS = (("code", VLLM_PROMPTS[0], "whole"), ("code", VLLM_PROMPTS[1], "stream"),
+                      ("chat", VLLM_PROMPTS[2], "stream+usage"), ("chat", "Hello there, friend", "chat"))
+
+
+def control_tls(tmp_path) -> tuple[object, object]:
+    """The operator's CA, an engine certificate for the companion's control port (mutual TLS),
+    and the operator's client certificate, as the operator issues them."""
+    from specpair.server.tls import TLSFiles
+    from specpair_operator import tls as tls_mod
+    from specpair_operator.engine_probe import ClientTLS
+
+    ca = tls_mod.new_ca()
+    leaf = tls_mod.issue(ca, "engine-peer", (SERVER_NAME,), server=True, days=1)
+    client = tls_mod.issue(ca, tls_mod.OPERATOR_NAME, server=False, days=1)
+    for name, data in (("tls.crt", leaf.cert_pem), ("tls.key", leaf.key_pem), ("ca.crt", ca.cert_pem)):
+        (tmp_path / name).write_bytes(data)
+    return (TLSFiles(str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"), str(tmp_path / "ca.crt")),
+            ClientTLS(ca=ca.cert_pem, cert=client.cert_pem, key=client.key_pem))
+
+
+def through_companion(port: int, model: str) -> dict:
+    """COMPANION_REQUESTS through the companion with the official client: texts, usage as each
+    client saw it, and the chunks of each stream."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=COMPANION_TOKEN, timeout=300)
+    out = []
+    for category, prompt, how in COMPANION_REQUESTS:
+        extra = {"specpair": {"category": category}}
+        if how == "whole":
+            reply = client.completions.create(model=model, prompt=prompt, max_tokens=VLLM_MAX_TOKENS,
+                                              temperature=0, extra_body=extra)
+            out.append({"text": reply.choices[0].text, "usage": reply.usage, "chunks": None})
+        elif how == "chat":
+            reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                   max_tokens=8, temperature=0, extra_body=extra)
+            out.append({"text": reply.choices[0].message.content, "usage": reply.usage, "chunks": None})
+        else:
+            chunks = list(client.completions.create(
+                model=model, prompt=prompt, max_tokens=VLLM_MAX_TOKENS, temperature=0, stream=True, extra_body=extra,
+                **({"stream_options": {"include_usage": True}} if how == "stream+usage" else {})))
+            out.append({"text": "".join(c.choices[0].text for c in chunks if c.choices), "chunks": chunks,
+                        "usage": next((c.usage for c in chunks if c.usage), None)})
+    try:
+        client.with_options(api_key="wrong").models.list()
+        out.append({"wrong_token": "answered"})
+    except openai.AuthenticationError:
+        out.append({"wrong_token": 401})
+    return out
+
+
 @pytest.fixture(scope="module")
-def vllm_served(tiny_vllm_model) -> dict:
-    """One real vLLM server (n-gram, k=4) from start to stop, for the tests below: its process
-    group while serving and after stop, its spec-decode counters and the operator's serving
-    stats (engine_probe.VllmProbe) read before and after the three greedy requests."""
-    from specpair_operator.engine_probe import VllmProbe
+def vllm_served(tiny_vllm_model, tmp_path_factory) -> dict:
+    """One real vLLM server (n-gram, k=4, each reply's timings and acceptance in it) from start to
+    stop, for the tests below: its process group while serving and after stop, its spec-decode
+    counters over three greedy requests sent to it directly, and the pod's companion
+    (specpair.vllm_companion) in front of it: requests of two categories through it, vLLM's own
+    counters around them, and what the operator's probe (engine_probe.VllmProbe, mutual TLS) reads
+    from it before and after."""
+    from specpair.vllm_companion import Companion, CompanionOptions
+    from specpair.vllm_serve import VLLM_PER_REQUEST_FLAGS, VLLM_SPEC_DECODE_FLAGS, identity_name
+    from specpair_operator.engine_probe import EngineUnreachable, NoRuntimeSwitch, VllmProbe
 
     loaded, model_dir = tiny_vllm_model
     prompts = [loaded.tokenizer(text)["input_ids"] for text in VLLM_PROMPTS]
     spec = speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"k": 4}})
-    server = VllmServer(default_python(), model_dir, speculative=spec, start_timeout=180)
-    probe = VllmProbe()
+    identity = identity_name("peer", "3", "ab" * 32, True)
+    server = VllmServer(default_python(), model_dir, speculative=spec, start_timeout=180, served_model_name=identity,
+                        extra_args=[*VLLM_PER_REQUEST_FLAGS, *VLLM_SPEC_DECODE_FLAGS])
+    files, client_tls = control_tls(tmp_path_factory.mktemp("control-tls"))
+    probe = VllmProbe(tls=client_tls)
+    out: dict = {}
     with server:
         pgid = server.proc.pid
         serving_members = _group_members(pgid)
-        stats_before = asyncio.run(probe.stats(f"127.0.0.1:{server.port}"))
         before = server.spec_decode_counters()
         outs = [server.complete_greedy(ids, VLLM_MAX_TOKENS) for ids in prompts]
         counters = server.spec_decode_counters() - before
-        stats_after = asyncio.run(probe.stats(f"127.0.0.1:{server.port}"))
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{server.port}", port=0, pair="peer", version="3",
+                                               auth_token=COMPANION_TOKEN, control_port=0, control_tls=files)).start()
+        try:
+            control = f"127.0.0.1:{companion.control_port}"
+
+            async def read(call):
+                try:
+                    return await call
+                finally:
+                    await probe.close()
+            out["info"] = asyncio.run(read(probe.model_info(control, server_name=SERVER_NAME)))
+            out["stats_before"] = asyncio.run(read(probe.stats(control, server_name=SERVER_NAME)))
+            at = server.spec_decode_counters()
+            out["replies"] = through_companion(companion.port, identity)
+            out["vllm_counters"] = server.spec_decode_counters() - at
+            out["stats_after"] = asyncio.run(read(probe.stats(control, server_name=SERVER_NAME)))
+            with urllib.request.urlopen(f"http://127.0.0.1:{companion.port}/metrics", timeout=30) as r:
+                out["metrics"] = r.read().decode()
+            for call in (probe.set_speculation(control, False, server_name=SERVER_NAME),
+                         super(VllmProbe, probe).set_speculation(control, False, server_name=SERVER_NAME)):
+                try:
+                    asyncio.run(read(call))
+                except (NoRuntimeSwitch, EngineUnreachable) as exc:
+                    out.setdefault("switch", []).append(exc)
+            # Without the operator's client certificate the control port refuses the handshake.
+            try:
+                asyncio.run(read(VllmProbe().stats(control)))
+            except EngineUnreachable as exc:
+                out["plaintext"] = exc
+        finally:
+            out["left_in_flight"] = companion.stop()
     return {"prompts": prompts, "outs": outs, "counters": counters, "server": server, "pgid": pgid,
-            "serving_members": serving_members, "stopped_members": _group_members(pgid),
-            "stats": (stats_before, stats_after)}
+            "serving_members": serving_members, "stopped_members": _group_members(pgid), **out}
 
 
 @pytest.mark.vllm
@@ -322,25 +415,62 @@ def test_vllm_greedy_equals_ours_and_reports_ngram_drafts(tiny_vllm_model, vllm_
 
 @pytest.mark.vllm
 @pytest.mark.timeout(420)
+def test_the_companion_passes_replies_through_and_counts_vllms_own_acceptance_by_category(vllm_served):
+    """The pod's companion in front of real vLLM (0.32, CPU): clients get vLLM's replies (the
+    usage chunk only where they asked for it), the token is the pair's, and the operator's probe
+    reads per category, over mutual TLS, the acceptance vLLM counted for each request: summed over
+    categories, exactly what vLLM's own counters moved by."""
+    replies, vllm_counters = vllm_served["replies"], vllm_served["vllm_counters"]
+    assert vllm_served["info"]["pair"] == "peer" and vllm_served["info"]["releaseVersion"] == "3"
+    assert vllm_served["info"]["speculationEnabled"] is True and vllm_served["info"]["contentHash"] == "ab" * 32
+    whole, stream, stream_usage, chat, refused = replies
+    assert refused == {"wrong_token": 401}
+    # Greedy through the companion = greedy straight from vLLM (the same prompt, ids decoded).
+    direct = vllm_served["outs"]
+    assert whole["text"] == direct[0].text and whole["usage"].completion_tokens == len(direct[0].token_ids)
+    assert stream["usage"] is None and all(c.choices for c in stream["chunks"])      # did not ask: no usage chunk
+    assert stream["text"] == direct[1].text
+    assert stream_usage["text"] == direct[2].text
+    assert stream_usage["usage"].completion_tokens == len(direct[2].token_ids)
+    assert stream_usage["chunks"][-1].model_extra["metrics"]["speculative_decoding"]["num_spec_tokens"] == 4
+    before, after = vllm_served["stats_before"], vllm_served["stats_after"]
+    assert before["categories"] == {} and set(after["categories"]) == {"code", "chat"}
+    drafted = sum(c["drafted"] for c in after["categories"].values())
+    accepted = sum(c["accepted"] for c in after["categories"].values())
+    assert (drafted, accepted) == (vllm_counters.draft_tokens, vllm_counters.accepted_tokens) and drafted > 0
+    code = after["categories"]["code"]
+    # (A tiny random model repeats its prompt seldom: what it accepts is vLLM's count, whatever it is.)
+    assert code["requests"] == 2 and code["drafted"] > 0 and code["draftedSq"] >= code["drafted"]
+    # Serving health's counters, per category: every request ok, each timed.
+    assert after["serving"]["code"]["requests"] == {"ok": 2} and after["serving"]["chat"]["requests"] == {"ok": 2}
+    assert after["serving"]["code"]["ttft"]["count"] == 2 and after["serving"]["code"]["tpot"]["count"] == 2
+    assert after["speculating"] is True and vllm_served["left_in_flight"] == 0
+    # /metrics: vLLM's series and the engine's, per category, on the one port.
+    text = vllm_served["metrics"]
+    assert "vllm:spec_decode_num_draft_tokens_total" in text
+    assert f'specpair_num_draft_tokens_total{{category="code",pair="peer",version="3"}} ' \
+           f'{float(code["drafted"])}' in text
+    # No runtime switch: the probe refuses to ask, and the companion refuses when asked.
+    refusal, answered = vllm_served["switch"]
+    assert "cannot switch speculation off at run time" in str(refusal)
+    assert "FAILED_PRECONDITION" in str(answered) and "rollout" in str(answered)
+    assert "GetStats" in str(vllm_served["plaintext"])
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(420)
 def test_a_real_vllm_servers_latency_and_finishes_reach_the_serving_watch(vllm_served):
-    """The serving-health watch on a vLLM pair: the operator's vLLM probe reads the real vLLM
-    server's /metrics (0.32, CPU) into the same serving counters GetStats gives for specpair's
-    engine."""
+    """The serving-health watch on a vLLM pair: what the companion counted from real vLLM's
+    replies becomes the same per-category serving counters GetStats gives for specpair's engine."""
     from specpair_operator import serving_health
 
-    stats_before, stats_after = vllm_served["stats"]
-    outs = vllm_served["outs"]
-    before = serving_health.serving_pod("p/u", stats_before, None)
-    after = serving_health.serving_pod("p/u", stats_after, None)
-    counts = after.categories["all"] - before.categories.get("all", serving_health.ServingCounts())
-    assert (counts.finished, counts.failed) == (3, 0)
-    assert counts.ttft.count == 3 and counts.ttft.upper_bounds and counts.ttft.counts[-1] == 3
-    assert counts.tpot.count == sum(len(o.token_ids) > 1 for o in outs)
-    # A first token comes no later than the whole reply: the p95 lies at or below the bucket
-    # of the slowest request as the client timed it.
-    slowest = max(o.seconds for o in outs)
-    assert 0 < counts.ttft.quantile(0.95) <= min(b for b in counts.ttft.upper_bounds if b >= slowest)
-    assert counts.ttft.sum <= sum(o.seconds for o in outs)
+    before = serving_health.serving_pod("p/u", vllm_served["stats_before"], None)
+    after = serving_health.serving_pod("p/u", vllm_served["stats_after"], None)
+    counts = after.categories["code"] - before.categories.get("code", serving_health.ServingCounts())
+    assert (counts.finished, counts.failed) == (2, 0)
+    assert counts.ttft.count == 2 and counts.ttft.upper_bounds and counts.ttft.counts[-1] == 2
+    assert 0 < counts.ttft.quantile(0.95) and counts.tpot.count == 2
+    assert after.categories["chat"].finished == 2
 
 
 # -- the bench's vLLM columns -------------------------------------------------------------------

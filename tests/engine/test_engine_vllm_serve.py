@@ -1,24 +1,22 @@
-"""specpair.vllm_serve (the engine pods of vLLM releases) and what the operator reads back from
-them (engine_probe.VllmProbe), without vLLM: the command line a release becomes, and the
-identity name the operator parses from /metrics (or /v1/models, from pods without it there). The
-real vLLM pods run in tests/operator/test_operator_vllm.py; that the command line of every release
-setting is one vLLM takes is proven against the installed vLLM's own parser (tests marked vllm)."""
+"""specpair.vllm_serve (the engine pods of vLLM releases) without vLLM: the command line a release
+becomes (on a port for the gate, on the pod's Unix socket behind its companion), and the identity
+name the companion reads back for the operator. The real vLLM pods run in
+tests/operator/test_operator_vllm.py; that the command line of every release setting is one vLLM
+takes is proven against the installed vLLM's own parser (tests marked vllm)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from specpair.contract import content_hash
 from specpair.vllm_peer import VLLM_METHODS, default_python
-from specpair.vllm_serve import command, identity_name, parse_identity_name
+from specpair.vllm_serve import (POD_DRAIN_SECONDS, VLLM_PER_REQUEST_FLAGS, VLLM_SPEC_DECODE_FLAGS, command,
+                                 identity_name, parse_identity_name)
 
 
 def release(target: str, draft: dict, **engine) -> dict:
@@ -54,6 +52,19 @@ def test_a_vllm_release_becomes_vllms_command_line_with_its_identity(tiny_pair_d
     cmd = json.loads(out)
     assert "--speculative-config" not in cmd and \
         parse_identity_name(cmd[cmd.index("--served-model-name") + 1])["speculating"] is False
+    # In a pod: on the Unix socket its companion fronts, with the per-request timings, and the
+    # per-request acceptance where it speculates (vLLM refuses that flag without speculation).
+    for flags, spec in ((), True), (("--no-speculation",), False):
+        code, out, err = dry_run(tmp_path, rel, "--uds", "/run/v/vllm.sock", *flags)
+        cmd = json.loads(out)
+        assert code == 0 and cmd[cmd.index("--uds") + 1] == "/run/v/vllm.sock", err
+        assert "--host" not in cmd and "--port" not in cmd
+        assert all(f in cmd for f in VLLM_PER_REQUEST_FLAGS)
+        # SIGTERM finishes the requests in flight (vLLM's default aborts them), as the companion does.
+        assert cmd[cmd.index("--shutdown-timeout") + 1] == str(POD_DRAIN_SECONDS)
+        assert (VLLM_SPEC_DECODE_FLAGS[0] in cmd) is spec
+        if spec:
+            assert cmd[cmd.index(VLLM_SPEC_DECODE_FLAGS[0]) + 1] == VLLM_SPEC_DECODE_FLAGS[1]
     # A draft model is resolved by our loader and handed to vLLM as a directory.
     code, out, _ = dry_run(tmp_path, release(tiny_pair_dirs["target"], {"source": tiny_pair_dirs["draft"]}))
     cmd = json.loads(out)
@@ -140,7 +151,8 @@ for argv in json.load(sys.stdin):
             raise ValueError(f"quantization {engine.quantization!r} is none of {QUANTIZATION_METHODS}")
         out.append({k: getattr(engine, k) for k in ("model", "dtype", "tensor_parallel_size",
                     "pipeline_parallel_size", "gpu_memory_utilization", "max_model_len", "quantization",
-                    "kv_cache_dtype", "speculative_config")})
+                    "kv_cache_dtype", "speculative_config", "per_request_spec_decode_metrics")}
+                   | {"uds": args.uds, "enable_per_request_metrics": args.enable_per_request_metrics})
     except (Exception, SystemExit) as exc:
         out.append({"error": f"{type(exc).__name__}: {exc}"})
 print("RESULT " + json.dumps({"parsed": out, "methods": literals(SpeculativeMethod)}))
@@ -170,11 +182,13 @@ def test_vllms_own_parser_takes_every_setting_a_release_renders(tiny_pair_dirs, 
                 for method in VLLM_METHODS if method != "ngram"]
     releases += [release(target, {"drafter": "ngram"}), release(target, {"source": draft})]
 
-    def argv(rel: dict) -> list[str]:
-        cmd = command(rel, python="/py", host="127.0.0.1", port=8000, speculation=True, enforce_eager=True)
+    def argv(rel: dict, on_socket: bool) -> list[str]:
+        # Half as the gate starts vLLM (a port), half as a pod does (the companion's socket).
+        cmd = command(rel, python="/py", host="127.0.0.1", port=8000, speculation=True, enforce_eager=True,
+                      uds=str(tmp_path / "vllm.sock") if on_socket else None)
         assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         return cmd[3:]
-    rendered = [argv(r) for r in releases]
+    rendered = [argv(r, i % 2 == 1) for i, r in enumerate(releases)]
     # Controls: the check refuses a key SpeculativeConfig lacks and a method name that is ours, not vLLM's.
     spec_at = rendered[0].index("--speculative-config") + 1
     controls = []
@@ -183,6 +197,7 @@ def test_vllms_own_parser_takes_every_setting_a_release_renders(tiny_pair_dirs, 
         broken[spec_at] = json.dumps({**json.loads(broken[spec_at]), **bad})
         controls.append(broken)
     got = vllm_parses(rendered + controls, tmp_path)
+    assert [p.get("uds") is not None for p in got["parsed"][:len(releases)]] == [i % 2 == 1 for i in range(len(releases))]
 
     assert set(VLLM_METHODS.values()) <= set(got["methods"]), got["methods"]
     for rel, parsed in zip(releases, got["parsed"]):
@@ -196,6 +211,10 @@ def test_vllms_own_parser_takes_every_setting_a_release_renders(tiny_pair_dirs, 
                 parsed["kv_cache_dtype"]) == (engine.get("gpuMemoryUtilization", parsed["gpu_memory_utilization"]),
                                               engine.get("maxModelLen"), engine.get("quantization"),
                                               engine.get("kvCacheDtype", "auto"))
+        # On the pod's socket, vLLM puts each reply's timings and acceptance in the reply.
+        on_socket = parsed["uds"] is not None
+        assert (parsed["enable_per_request_metrics"], parsed["per_request_spec_decode_metrics"]) == \
+            ((True, "summary") if on_socket else (False, "none"))
         spec = parsed["speculative_config"]
         method = rel["draft"].get("method") or rel["draft"].get("drafter")
         assert spec.get("method") == (VLLM_METHODS[method] if method else None)
@@ -218,81 +237,3 @@ def test_identity_names_round_trip_and_others_are_ignored():
     assert parse_identity_name(name) == {"pair": "chat", "version": "12", "digest": "ab" * 32, "speculating": False}
     for other in ("chat", "specpair:chat:12:abc:spec", "specpair:chat:v1:abc:maybe", "x:chat:v1:abc:spec"):
         assert parse_identity_name(other) is None
-
-
-def serve_as_vllm(pages: dict[str, str]) -> ThreadingHTTPServer:
-    """An HTTP server answering GET with `pages` (others 404), on a loopback port."""
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            body = pages.get(self.path)
-            self.send_response(200 if body is not None else 404)
-            self.end_headers()
-            self.wfile.write((body or "").encode())
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def vllm_metrics(model_name: str) -> str:
-    """/metrics text as vLLM 0.32 writes it: every sample labelled with the first served name."""
-    return ('# TYPE vllm:num_requests_running gauge\n'
-            f'vllm:num_requests_running{{engine="0",model_name="{model_name}"}} 0.0\n'
-            '# TYPE vllm:spec_decode_num_draft_tokens_total counter\n'
-            f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="{model_name}"}} 120.0\n'
-            f'vllm:spec_decode_num_draft_tokens_created{{engine="0",model_name="{model_name}"}} 1.79e+09\n'
-            f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="{model_name}"}} 45.0\n'
-            f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{model_name}"}} 5.0\n'
-            f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="{model_name}"}} 2.0\n')
-
-
-def test_the_operator_reads_identity_and_counters_from_a_vllm_pods_metrics():
-    """VllmProbe against an HTTP server answering as vLLM with an API key does (/v1/* refused,
-    /metrics open): what the operator verifies and judges drift on."""
-    from specpair_operator.engine_probe import VllmProbe
-
-    name = identity_name("chat", "3", "cd" * 32, True)
-    server = serve_as_vllm({"/metrics": vllm_metrics(name)})
-    try:
-        address = f"127.0.0.1:{server.server_address[1]}"
-        probe = VllmProbe()
-        info = asyncio.run(probe.model_info(address))
-        assert info == {"pair": "chat", "releaseVersion": "3", "contentHash": "cd" * 32, "tokenizer": {},
-                        "speculationEnabled": True}
-        stats = asyncio.run(probe.stats(address))
-        assert stats["categories"] == {"all": {"drafted": 120, "accepted": 45, "requests": 7}}
-    finally:
-        server.shutdown()
-
-
-def test_a_pod_without_its_identity_in_metrics_is_read_from_v1_models():
-    """A pod rolled out with the pair's name first (its metrics say "chat") is read from
-    /v1/models; where that is closed too, the probe says so instead of reporting no identity."""
-    from specpair_operator.engine_probe import EngineUnreachable, VllmProbe
-
-    name = identity_name("chat", "4", "ef" * 32, False)
-    server = serve_as_vllm({"/metrics": vllm_metrics("chat"),
-                            "/v1/models": json.dumps({"data": [{"id": "chat"}, {"id": name}]})})
-    closed = serve_as_vllm({"/metrics": vllm_metrics("chat")})
-    try:
-        info = asyncio.run(VllmProbe().model_info(f"127.0.0.1:{server.server_address[1]}"))
-        assert (info["pair"], info["releaseVersion"], info["speculationEnabled"]) == ("chat", "4", False)
-        with pytest.raises(EngineUnreachable, match="/v1/models.*HTTP 404"):
-            asyncio.run(VllmProbe().model_info(f"127.0.0.1:{closed.server_address[1]}"))
-    finally:
-        server.shutdown()
-        closed.shutdown()
-
-
-def test_metric_model_names_reads_labels_with_their_escapes():
-    from specpair_operator.engine_probe import metric_model_names
-
-    text = ('# HELP vllm:x model_name="not-a-sample"\n'
-            'vllm:a{engine="0",model_name="specpair:p:v1:ab:spec"} 1\n'
-            'vllm:b{model_name="q\\"uote\\\\n"} 2\n'
-            'vllm:a{engine="1",model_name="specpair:p:v1:ab:spec"} 1\n'
-            'python_gc{model_name="other"} 3\n')
-    assert metric_model_names(text) == ["specpair:p:v1:ab:spec", 'q"uote\\n']

@@ -476,13 +476,23 @@ def test_a_vllm_release_is_its_own_release_and_renders_vllms_server():
     dep = manifests.engine_deployment("p", "ns", rel, digest, "2", rollout, "http://m")
     kubernetes_validate.validate(dep, "1.33.0", strict=True)
     pod = dep["spec"]["template"]["spec"]
-    (c,) = pod["containers"]
+    # vLLM on a Unix socket in a volume it shares with its companion, which takes the pair's port
+    # (and the control port, mutual TLS from the engine certificate's Secret).
+    c, companion = pod["containers"]
     assert c["command"] == ["python", "-m", "specpair.vllm_serve", "--release", manifests.RELEASE_FILE,
-                            "--host", "0.0.0.0", "--port", "8000", "--enforce-eager"]
-    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
-    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+                            "--uds", manifests.VLLM_SOCKET, "--enforce-eager"]
+    assert "ports" not in c and c["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+    assert companion["command"][:9] == ["python", "-m", "specpair.vllm_companion", "--release", manifests.RELEASE_FILE,
+                                        "--upstream", f"unix:{manifests.VLLM_SOCKET}", "--host", "0.0.0.0"]
+    assert companion["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
+                                  {"name": "control", "containerPort": manifests.CONTROL_PORT, "protocol": "TCP"}]
+    assert companion["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    socket_mount = {"name": "vllm-socket", "mountPath": manifests.VLLM_SOCKET_DIR}
+    assert socket_mount in c["volumeMounts"] and socket_mount in companion["volumeMounts"]
     assert json.loads(dep["spec"]["template"]["metadata"]["annotations"][manifests.ANN_RELEASE]) == rel
-    assert pod["securityContext"]["runAsNonRoot"] and not any(v["name"] == "tls" for v in pod["volumes"])
+    assert pod["securityContext"]["runAsNonRoot"]
+    (tls_volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    assert tls_volume["secret"]["secretName"] == manifests.engine_tls_secret_name("p")
     # SpeculationOff for vLLM: the same release rendered without speculation (a rollout).
     off = manifests.engine_deployment("p", "ns", rel, digest, "2", rollout, "http://m", speculation=False)
     assert "--no-speculation" in off["spec"]["template"]["spec"]["containers"][0]["command"]

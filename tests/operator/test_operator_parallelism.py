@@ -207,7 +207,8 @@ def test_a_split_target_asks_for_tensor_times_pipeline_gpus_in_engine_and_gate_p
     spec = _with(VLLM_SPEC, parallelism={"tensor": tensor, "pipeline": pipeline})
     resources = {"requests": {"cpu": "8", "nvidia.com/gpu": 1}, "limits": {"memory": "200Gi", "nvidia.com/gpu": 1}}
     for pod in _rendered(spec, resources):
-        (container,) = pod["containers"]
+        container, *companion = pod["containers"]      # an engine pod's companion holds no GPU
+        assert [c["resources"] for c in companion] in ([], [{"requests": manifests.COMPANION_REQUESTS}])
         assert container["resources"]["limits"] == {"memory": "200Gi", "nvidia.com/gpu": tensor * pipeline}
         assert container["resources"]["requests"] == {"cpu": "8", "nvidia.com/gpu": tensor * pipeline}
         # The workers' shared memory: a memory-backed /dev/shm, not the runtime's 64 MiB.
@@ -222,7 +223,7 @@ def test_one_device_or_no_gpu_keeps_the_pairs_resources_as_they_are():
                             (SPEC, {"limits": {"nvidia.com/gpu": 1}}),
                             (_with(VLLM_SPEC, parallelism={"tensor": 2}), {"limits": {"cpu": "16"}})):
         for pod in _rendered(spec, resources):
-            (container,) = pod["containers"]
+            container = pod["containers"][0]
             assert container["resources"] == resources
             assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"]) is \
                 bool(spec.get("parallelism"))
@@ -303,5 +304,5 @@ def test_the_api_server_takes_the_engine_and_gate_pods_of_a_split_target(ns, dev
                 manifests.gate_job("p", ns.name, rel, digest, "1", rollout, "http://m")):
         done = kubectl(devcluster, "create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(obj))
         assert done.returncode == 0, done.stderr
-        (container,) = json.loads(done.stdout)["spec"]["template"]["spec"]["containers"]
+        container = json.loads(done.stdout)["spec"]["template"]["spec"]["containers"][0]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"

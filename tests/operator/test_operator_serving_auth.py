@@ -51,9 +51,10 @@ def test_manifest_mounts_the_token_by_reference():
     assert "--auth-token-file" not in plain["spec"]["template"]["spec"]["containers"][0]["command"]
 
 
-def test_a_vllm_pair_takes_the_token_as_vllms_api_key(operator_env, ns):
-    """The API server admits rollout.auth for vLLM, and the pods get VLLM_API_KEY from the Secret
-    by reference (vLLM reads it as --api-key); the token never appears in the Deployment."""
+def test_a_vllm_pair_takes_the_token_in_its_companion(operator_env, ns):
+    """The API server admits rollout.auth for vLLM, and the pod's companion (in front of vLLM,
+    which listens on a Unix socket) gets the token file from the Secret by reference, as our
+    engine does; the token never appears in the Deployment."""
     created = ns.create({"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": "v"},
                          "spec": {"engine": "vllm", "target": {"source": "t"}, "draft": {"source": "d"},
                                   "rollout": {"auth": {"tokenSecretRef": {"name": "serving-token"}}}}})
@@ -61,14 +62,17 @@ def test_a_vllm_pair_takes_the_token_as_vllms_api_key(operator_env, ns):
     assert rollout["auth"] == {"tokenSecretRef": {"name": "serving-token", "key": "token"}}
     rel = {"target": {"source": "t"}, "draft": {"source": "d"}, "speculation": {}, "gating": {},
            "engine": {"kind": "vllm", "image": "x"}}
-    (container,) = manifests.engine_deployment("v", "ns", rel, "d" * 64, "1", rollout,
-                                               "http://m")["spec"]["template"]["spec"]["containers"]
-    assert {"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "serving-token", "key": "token"}}} \
-        in container["env"]
-    assert "--api-key" not in container["command"]
-    (plain,) = manifests.engine_deployment("v", "ns", rel, "d" * 64, "1", {},
-                                           "http://m")["spec"]["template"]["spec"]["containers"]
-    assert not any(e["name"] == "VLLM_API_KEY" for e in plain["env"])
+    pod = manifests.engine_deployment("v", "ns", rel, "d" * 64, "1", rollout, "http://m")["spec"]["template"]["spec"]
+    vllm, companion = pod["containers"]
+    assert companion["command"][companion["command"].index("--auth-token-file") + 1] == f"{manifests.AUTH_DIR}/token"
+    assert {"name": "auth", "mountPath": manifests.AUTH_DIR, "readOnly": True} in companion["volumeMounts"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "auth"]
+    assert volume["secret"] == {"secretName": "serving-token", "defaultMode": 0o440,
+                                "items": [{"key": "token", "path": "token"}]}
+    assert not any(m["name"] == "auth" for m in vllm["volumeMounts"]) and "--api-key" not in vllm["command"]
+    (_, plain) = manifests.engine_deployment("v", "ns", rel, "d" * 64, "1", {},
+                                             "http://m")["spec"]["template"]["spec"]["containers"]
+    assert "--auth-token-file" not in plain["command"]
 
 
 def test_a_pair_with_a_token_serves_only_requests_that_carry_it(operator_env, ns, mlflow_server, model_dirs):

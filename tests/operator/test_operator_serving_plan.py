@@ -254,10 +254,11 @@ def test_the_engine_certificate(what, status_tls, tls, expected):
     assert said == expected
     if tls.held:
         assert step.fields["engineTLS"]["notAfter"] == "2026-12-26T12:00:00Z"
-    # vLLM pods have no control listener: no certificate.
+    # vLLM pods' control listener is their companion's: the same certificate, the same steps.
     vllm = dataclasses.replace(w, tags={**w.tags, p.TAG_RELEASE: json.dumps(
         {**json.loads(w.tags[p.TAG_RELEASE]), "engine": {"kind": "vllm", "image": "v"}})})
-    assert not [s for s in sp.plan_serving(vllm) if isinstance(s, sp.IssueCertificate)]
+    assert [str(s) for s in sp.plan_serving(vllm) if isinstance(s, sp.IssueCertificate)] == \
+        [str(s) for s in sp.plan_serving(w) if isinstance(s, sp.IssueCertificate)]
 
 
 # -- identity ------------------------------------------------------------------------------------
@@ -745,3 +746,39 @@ def test_killed_after_any_write_a_serving_journey_ends_where_the_undisturbed_one
         assert end_state(end) == end_state(reference), f"killed after write {crash_at}: {kinds((done[crash_at],))}"
         keyed = Counter(h for h in end.history if h[1] is not None)
         assert max(keyed.values()) == 1, f"killed after write {crash_at}: recorded twice: {keyed}"
+
+
+def passes_to_speculation_off(engine: str) -> tuple[int, Any, list[str]]:
+    """Drift passes, one window each, over a pair whose "code" category collapses (0.1 against
+    its gated 0.8) while "chat" keeps its 0.6: how many until the ladder's SpeculationOff step
+    (a switch on our engine, a roll on vLLM), the step, and the breaches said on the way."""
+    spec = {**SPEC, "engine": engine, "drift": {**DRIFT, "consecutiveBreaches": 2, "ladder": ["SpeculationOff"]}}
+    w = serving(base(spec=spec, tags=plan_tables.release_tags({**spec, "speculation": {"k": 4}})))
+    said = []
+    for n in range(1, 60):
+        at, drafted = 100.0 + 2 * n, 100 * n          # a pass every 2 s: five to a 10 s window
+        stats = {"uptimeSeconds": at, "speculating": True, "categories": {
+            "code": {"drafted": drafted, "accepted": int(0.1 * drafted), "requests": 5 * n},
+            "chat": {"drafted": drafted, "accepted": int(0.6 * drafted), "requests": 5 * n}}}
+        w = dataclasses.replace(w, ready=tuple(dataclasses.replace(x, stats=stats) for x in w.ready),
+                                drift=dataclasses.replace(w.drift, monotonic=at, wall=at))
+        steps = sp.plan_serving(w)
+        said += [s.message for s in steps if isinstance(s, sp.Condition) and s.reason == "AcceptanceBelowBaseline"]
+        off = [s for s in steps if isinstance(s, (sp.SwitchSpeculation, sp.RollSpeculation)) and not s.enabled]
+        if off:
+            return n, off[0], said
+        remembered = next(s for s in steps if isinstance(s, sp.RememberDrift))
+        status = {**w.status, **{k: v for s in steps if isinstance(s, p.SetStatus) for k, v in s.fields.items()}}
+        w = dataclasses.replace(w, status=status, drift=dataclasses.replace(w.drift, version=remembered.champion,
+                                                                            memory=remembered.memory))
+    raise AssertionError(f"no SpeculationOff on {engine}: {said}")
+
+
+def test_a_vllm_pairs_collapsing_category_is_judged_as_our_engines_is():
+    """vLLM pods count per category (their companion, from vLLM's own per-request acceptance):
+    the same category breaches, the other is not judged a breach, and SpeculationOff comes after
+    the same number of windows on both engines (a roll instead of a switch on vLLM)."""
+    ours, switch, ours_said = passes_to_speculation_off("specpair")
+    theirs, roll, vllm_said = passes_to_speculation_off("vllm")
+    assert ours == theirs and isinstance(switch, sp.SwitchSpeculation) and isinstance(roll, sp.RollSpeculation)
+    assert vllm_said == ours_said and vllm_said and all("code" in m and "chat" not in m for m in vllm_said)

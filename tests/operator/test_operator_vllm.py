@@ -1,10 +1,11 @@
 """A vLLM release end to end on the real control plane: the operator (real Kopf, the chart's
 RBAC) gates it in a Job that runs the golden prompts through real vLLM servers, promotes it,
 rolls out pods that run real vLLM (specpair.vllm_serve, exec'd into vLLM's own virtualenv by the
-devcluster node) behind vLLM's API key from the pair's token Secret (rollout.auth), verifies each
-pod's identity from /metrics (left open by the key) and reads its drift from vLLM's own counters;
-a request without the token is refused (401) and one with it answered; a draft with another
-tokenizer still fails at the gate, before any vLLM starts.
+devcluster node, on a Unix socket) behind the pod's companion (specpair.vllm_companion) with the
+pair's token Secret (rollout.auth); the operator verifies each pod's identity and reads its drift
+per category through the companion's control port (mutual TLS), from vLLM's own per-request
+acceptance; a request without the token is refused (401) and one with it answered; a draft with
+another tokenizer still fails at the gate, before any vLLM starts.
 
 Marked `vllm`: skipped where scripts/setup-vllm.sh has not run, unless SPECPAIR_REQUIRE_VLLM is
 set (CI). Several minutes: two vLLM servers in the gate, one per engine pod (~4 GB each).
@@ -12,7 +13,6 @@ set (CI). Several minutes: two vLLM servers in the gate, one per engine pod (~4 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import urllib.error
@@ -85,8 +85,6 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
 
     from specpair.vllm_serve import parse_identity_name
 
-    from specpair_operator.engine_probe import VllmProbe
-
     name = f"vl-{uuid.uuid4().hex[:5]}"
     ns.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "serving-token"},
                "stringData": {"token": TOKEN}})
@@ -106,8 +104,9 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
         assert_the_gate_judged_vllms_own_output(mlflow_server.url, model_name(ns, name), models["target"],
                                                 pair["spec"]["gating"]["thresholds"], tmp_path)
         (pod,) = [p for p in ns.pods("specpair.io/role=engine") if not p["metadata"].get("deletionTimestamp")]
-        command = pod["spec"]["containers"][0]["command"]
-        assert command[:3] == ["python", "-m", "specpair.vllm_serve"]
+        vllm, companion = pod["spec"]["containers"]
+        assert vllm["command"][:3] == ["python", "-m", "specpair.vllm_serve"] and "--uds" in vllm["command"]
+        assert companion["command"][:3] == ["python", "-m", "specpair.vllm_companion"]
         ip = pod["status"]["podIP"]
         # vLLM's API key: /v1/* refused without the token or with another one, answered with it.
         assert post_completion(ip, name, None) == 401 and post_completion(ip, name, "wrong-" + TOKEN) == 401
@@ -117,26 +116,33 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
         served = [m.id for m in client.models.list().data]
         identity = next(parse_identity_name(m) for m in served if parse_identity_name(m))
         assert name in served and identity["pair"] == name and identity["version"] == "1" and identity["speculating"]
-        # What the operator verified ("identity verified" above) it read from the open /metrics.
-        info = asyncio.run(VllmProbe().model_info(f"{ip}:8000"))
-        assert (info["pair"], info["releaseVersion"], info["speculationEnabled"]) == (name, "1", True)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused").models.list()
         for i in range(16):
-            # Long outputs (a tiny random model ends early otherwise), so n-gram lookup drafts.
-            out = client.completions.create(model=name, prompt=PROMPTS[i % 2]["prompt"], max_tokens=48, temperature=0,
-                                            extra_body={"ignore_eos": True})
-            assert out.usage.completion_tokens == 48
+            # Long outputs (a tiny random model ends early otherwise), so n-gram lookup drafts; in
+            # the category its golden prompt was gated in (the companion reads our extension).
+            prompt = PROMPTS[i % 3]
+            out = client.completions.create(model=name, prompt=prompt["prompt"], max_tokens=48, temperature=0,
+                                            stream=i % 2 == 1,
+                                            extra_body={"ignore_eos": True, "specpair": {"category": prompt["category"]}})
+            if i % 2:
+                assert sum(len(c.choices[0].text) > 0 for c in out if c.choices) > 0
+            else:
+                assert out.usage.completion_tokens == 48
         from specpair.vllm_peer import parse_spec_decode_metrics
         with urllib.request.urlopen(f"http://{ip}:8000/metrics", timeout=30) as r:
-            counters = parse_spec_decode_metrics(r.read().decode())
+            text = r.read().decode()
+        counters = parse_spec_decode_metrics(text)
         assert counters.draft_tokens > 0, counters
-        # Drift is judged on vLLM's own counters: a window of these drafts closes and is judged
-        # against the gated overall acceptance (vLLM counts no categories).
-        obj = ns.wait_for("a drift window judged on vLLM's counters", lambda: (o := ns.pair(name)) and
+        # vLLM's series and the companion's per category, on the one port Prometheus scrapes.
+        assert f'specpair_num_draft_tokens_total{{category="extraction",pair="{name}",version="1"}}' in text
+        # Drift is judged per category on vLLM's own per-request counts: a window of these drafts
+        # closes and is judged against each category's gated acceptance.
+        obj = ns.wait_for("a drift window judged per category", lambda: (o := ns.pair(name)) and
                           cond(o, "Drifted").get("reason") == "WithinBaseline" and
                           o["status"]["drift"].get("fineInRow", 0) >= 1 and o, timeout=120)
         assert 0.0 <= obj["status"]["acceptance"] <= 1.0 and obj["status"]["phase"] == "Serving"
+        assert "extraction" in obj["status"]["live"]["acceptance"], obj["status"]["live"]
 
         # The draft whose tokenizer differs failed at the gate.
         obj = ns.wait_for("the foreign draft refused", lambda: (o := ns.pair(other)) and

@@ -90,7 +90,7 @@ def _binding(spec_change: dict, rollout: dict) -> tuple[str | None, str | None]:
     job = manifests.gate_job("chat", "team", rel, "d" * 64, "1", rollout, "http://mlflow")
 
     def env(obj: dict) -> str | None:
-        (container,) = obj["spec"]["template"]["spec"]["containers"]
+        container = obj["spec"]["template"]["spec"]["containers"][0]       # vLLM's (beside it: its companion)
         return next((e["value"] for e in container["env"] if e["name"] == OMP_BIND_ENV), None)
     return env(dep), env(job)
 

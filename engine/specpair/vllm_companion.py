@@ -1,0 +1,645 @@
+"""`python -m specpair.vllm_companion`: the specpair side of a vLLM engine pod.
+
+vLLM counts acceptance, latency and finishes over all its traffic; drift and serving health judge
+them per category (docs/drift.md). The companion runs beside vLLM in the pod and fronts its OpenAI
+server, which then listens on a Unix socket in a volume of the pod only (no port the network
+reaches around the companion):
+
+    client --HTTP(S), bearer token--> companion :httpPort --HTTP--> vLLM unix:VLLM_SOCKET
+    operator --mutual TLS gRPC (GetStats, GetModelInfo)--> companion :controlPort
+
+- Requests and replies pass through unchanged: every OpenAI field, streaming included. The
+  companion reads the request's category where our engine's HTTP front does (the extension
+  `specpair: {"category": "code"}`), and vLLM's own per-request acceptance from each reply's
+  `metrics.speculative_decoding` (vLLM's `--per-request-spec-decode-metrics`), with vLLM's
+  per-request timings (`--enable-per-request-metrics`) and the usage. A streamed reply carries
+  them on its usage chunk only, so the companion asks vLLM for it
+  (`stream_options.include_usage`) and drops that chunk where the client did not ask for it.
+- It counts them per category into the engine's own metrics (specpair.server.metrics: the same
+  `specpair_*` series, appended to vLLM's /metrics on the same port) and serves the engine's
+  GetStats contract from them on the control port, so the operator judges a vLLM pair's
+  categories by exactly the rules it judges ours by.
+- The pair's bearer token (rollout.auth) and serving TLS (rollout.tls) apply here, as on our
+  engine's HTTP front; /health and /metrics stay open.
+- SIGTERM: /health answers 503 (readiness takes the pod out of its Service), requests in flight
+  run to their end (up to the drain timeout), then the companion exits; vLLM, sent SIGTERM at the
+  same moment, finishes them too (--shutdown-timeout, specpair.vllm_serve).
+
+Torch-free: aiohttp, grpc, prometheus_client and the engine's generated protobufs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from specpair.contract import DEFAULT_CATEGORY
+from specpair.server.requests import CATEGORY_PATTERN
+from specpair.stats import AcceptanceStats, RequestMoments
+from specpair.vllm_serve import POD_DRAIN_SECONDS, VLLM_SOCKET, parse_identity_name, reachable_socket_path
+
+log = logging.getLogger("specpair.vllm_companion")
+
+PROTOCOL = "http"
+# Paths whose requests the companion counts; everything else passes through uncounted.
+COUNTED_PATHS = ("/v1/chat/completions", "/v1/completions")
+# Paths open without the bearer token (the probes, Prometheus), as on our engine's front.
+OPEN_PATHS = ("/health", "/metrics", "/ping", "/version")
+# Hop-by-hop headers and those the proxy sets anew.
+_DROPPED_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host",
+                              "authorization", "upgrade", "proxy-connection", "te", "trailer"})
+
+
+class InvalidRequest(Exception):
+    """The client's request is refused before vLLM sees it (HTTP 400, OpenAI's error shape)."""
+
+    def __init__(self, param: str, reason: str):
+        super().__init__(f"{param}: {reason}")
+        self.param, self.reason = param, reason
+
+
+# -- pure: what the companion reads from a request and a reply --------------------------------------
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A counted request as the companion forwards it."""
+    category: str
+    body: bytes            # what vLLM gets: the client's bytes, unless the companion had to add usage
+    stream: bool
+    client_usage: bool     # the client asked for the usage chunk (else the companion drops it)
+
+
+def prepare(raw: bytes) -> Prepared:
+    """The category of a completion request and what vLLM is sent. Our engine's extension
+    `specpair: {"category": ...}` names the category (absent: the gate's default); vLLM ignores
+    unknown fields, so it is forwarded as the client wrote it. A streamed request gets
+    `stream_options.include_usage` (vLLM's per-request metrics ride on the usage chunk only).
+    A body that is no JSON object is vLLM's to refuse, counted in the default category."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return Prepared(DEFAULT_CATEGORY, raw, False, False)
+    if not isinstance(body, dict):
+        return Prepared(DEFAULT_CATEGORY, raw, False, False)
+    ext = body.get("specpair")
+    category = DEFAULT_CATEGORY
+    if ext is not None:
+        if not isinstance(ext, dict):
+            raise InvalidRequest("specpair", "must be an object")
+        given = ext.get("category", "")
+        if not isinstance(given, str):
+            raise InvalidRequest("specpair.category", "must be a string")
+        category = given or DEFAULT_CATEGORY
+        if not CATEGORY_PATTERN.fullmatch(category):
+            raise InvalidRequest("specpair.category", "1-64 characters from A-Z a-z 0-9 _ . -")
+    stream = body.get("stream") is True
+    options = body.get("stream_options")
+    client_usage = isinstance(options, dict) and options.get("include_usage") is True
+    if stream and not client_usage:
+        body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        raw = json.dumps(body).encode()
+    return Prepared(category, raw, stream, client_usage)
+
+
+@dataclass
+class Reply:
+    """One request's outcome as the companion counts it."""
+    category: str
+    status: str = "ok"                  # the engine's statuses: ok, error, invalid, cancelled, unavailable
+    completion_tokens: int | None = None
+    spec: dict[str, Any] | None = None  # vLLM's metrics.speculative_decoding
+    ttft: float | None = None           # seconds, arrival to first token
+    tpot: float | None = None           # seconds, mean between output tokens
+    e2e: float | None = None
+    queue: float | None = None
+
+
+def read_final(reply: Reply, obj: dict[str, Any], arrived: float, first_at: float | None, now: float) -> None:
+    """A reply's usage and vLLM's per-request metrics (a whole reply, or a stream's usage chunk)
+    into `reply`. vLLM's timings are its engine's (queue, then scheduled to first token, then the
+    mean gap): the same for streamed and whole replies. Without them, the companion's clock:
+    arrival to the first streamed event, and the mean gap after it."""
+    usage = obj.get("usage") or {}
+    if isinstance(usage.get("completion_tokens"), int):
+        reply.completion_tokens = usage["completion_tokens"]
+    metrics = obj.get("metrics") or {}
+    spec = metrics.get("speculative_decoding")
+    if isinstance(spec, dict):
+        reply.spec = spec
+    ttft_ms, queue_ms, itl_ms = (metrics.get(k) for k in ("time_to_first_token_ms", "queue_time_ms", "mean_itl_ms"))
+    if isinstance(ttft_ms, (int, float)):
+        reply.queue = (queue_ms or 0.0) / 1000.0
+        reply.ttft = reply.queue + ttft_ms / 1000.0
+    elif first_at is not None:
+        reply.ttft = first_at - arrived
+    if isinstance(itl_ms, (int, float)):
+        reply.tpot = itl_ms / 1000.0
+    elif first_at is not None and reply.completion_tokens and reply.completion_tokens > 1:
+        reply.tpot = (now - first_at) / (reply.completion_tokens - 1)
+
+
+def acceptance_of(spec: dict[str, Any] | None, emitted: int | None) -> AcceptanceStats:
+    """vLLM's per-request summary as the engine's AcceptanceStats (a step delta for the metrics):
+    steps that drafted, draft and accepted tokens, accepted per position from the histogram of
+    accepted counts (position p accepted in every step that accepted more than p)."""
+    stats = AcceptanceStats(num_emitted_tokens=int(emitted or 0))
+    if not spec:
+        return stats
+    histogram = [int(n) for n in spec.get("acceptance_histogram") or []]
+    stats.num_drafts = int(spec.get("num_spec_steps") or 0)
+    stats.num_draft_tokens = int(spec.get("num_draft_tokens") or 0)
+    stats.num_accepted_tokens = int(spec.get("num_accepted_draft_tokens") or 0)
+    k = max(len(histogram) - 1, 0)
+    stats.num_accepted_tokens_per_pos = [sum(histogram[p + 1:]) for p in range(k)]
+    # Steps that reached position p drafted there: vLLM's summary keeps no per-position drafts, so
+    # every step counts as drafting k (an upper bound; the metrics use it to touch positions).
+    stats.num_draft_tokens_per_pos = [stats.num_drafts] * k
+    return stats
+
+
+class SseScanner:
+    """Server-sent events as vLLM streams them, split into whole events: what goes on to the
+    client, the first event's time, and the usage chunk (parsed), which is held back when the
+    client did not ask for it. Only events that carry "usage" or "error" are parsed."""
+
+    def __init__(self, keep_usage: bool):
+        self.keep_usage = keep_usage
+        self._pending = b""
+        self.first_at: float | None = None
+        self.final: dict[str, Any] | None = None
+        self.error = False
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        data = self._pending + chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._pending = data
+            return b""
+        whole, self._pending = data[:cut + 2], data[cut + 2:]
+        if self.first_at is None:
+            self.first_at = now
+        if b'"usage"' not in whole and b'"error"' not in whole:
+            return whole
+        kept = []
+        for event in whole.split(b"\n\n")[:-1]:
+            payload = event[6:] if event.startswith(b"data: ") else None
+            obj = None
+            if payload is not None and payload != b"[DONE]" and (b'"usage"' in payload or b'"error"' in payload):
+                try:
+                    obj = json.loads(payload)
+                except ValueError:
+                    obj = None
+            if isinstance(obj, dict) and "error" in obj and not obj.get("choices"):
+                self.error = True
+            if isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
+                self.final = obj
+                if not self.keep_usage:
+                    continue
+            kept.append(event + b"\n\n")
+        return b"".join(kept)
+
+    def rest(self) -> bytes:
+        rest, self._pending = self._pending, b""
+        return rest
+
+
+# -- the counts: the engine's metrics and GetStats ------------------------------------------------
+
+
+@dataclass
+class _Category:
+    cumulative: AcceptanceStats = field(default_factory=AcceptanceStats)
+    finished: RequestMoments = field(default_factory=RequestMoments.zero)
+    requests: int = 0
+
+
+class Tally:
+    """Per category: acceptance (cumulative, and the per-request sums drift judges), finished
+    requests, and the serving counters, in the engine's EngineMetrics (one home for the series
+    names and the serving histograms GetStats reports)."""
+
+    def __init__(self, pair: str, version: str):
+        from specpair.server.metrics import EngineMetrics
+
+        self.metrics = EngineMetrics(pair, version)
+        self._categories: dict[str, _Category] = {}
+        self._lock = threading.Lock()
+        self.running = 0
+
+    def record(self, reply: Reply) -> None:
+        category = self.metrics.category(reply.category)
+        ok = reply.status == "ok"
+        if ok:
+            stats = acceptance_of(reply.spec, reply.completion_tokens)
+            self.metrics.record_step(category, stats)
+            with self._lock:
+                c = self._categories.setdefault(category, _Category())
+                c.cumulative.merge(stats)
+                c.finished = c.finished + RequestMoments.of_request(stats.num_draft_tokens, stats.num_accepted_tokens)
+                c.requests += 1
+        self.metrics.record_finished(category, reply.status, protocol=PROTOCOL,
+                                     queue=reply.queue if ok else None, ttft=reply.ttft if ok else None,
+                                     e2e=reply.e2e if ok else None,
+                                     tpot=reply.tpot if ok and (reply.completion_tokens or 0) > 1 else None)
+
+    def stats_message(self, pair: str, version: str, speculating: bool, uptime: float) -> Any:
+        from specpair._proto import engine_pb2 as pb
+        from specpair.server.service import add_serving, stats_message
+
+        msg = pb.Stats(pair=pair, version=version, speculating=speculating,
+                       num_requests_running=self.running, uptime_seconds=uptime)
+        overall = _Category()
+        with self._lock:
+            categories = {name: (_copy(c.cumulative), c.finished, c.requests) for name, c in self._categories.items()}
+        for name, (cumulative, finished, requests) in categories.items():
+            msg.categories[name].CopyFrom(pb.CategoryStats(cumulative=stats_message(cumulative), requests=requests,
+                                                           finished=finished.to_message()))
+            overall.cumulative.merge(cumulative)
+            overall.finished = overall.finished + finished
+            overall.requests += requests
+        msg.overall.CopyFrom(pb.CategoryStats(cumulative=stats_message(overall.cumulative), requests=overall.requests,
+                                              finished=overall.finished.to_message()))
+        add_serving(msg, self.metrics.serving_counts())
+        return msg
+
+
+def _copy(s: AcceptanceStats) -> AcceptanceStats:
+    out = AcceptanceStats()
+    out.merge(s)
+    return out
+
+
+# -- the server: HTTP in front of vLLM, GetStats on the control port --------------------------------
+
+
+@dataclass
+class CompanionOptions:
+    upstream: str = f"unix:{VLLM_SOCKET}"        # vLLM's OpenAI server: unix:PATH or host:port
+    host: str = "127.0.0.1"
+    port: int = 8000                             # 0: a free port (Companion.port)
+    pair: str = "specpair"
+    version: str = "0"
+    auth_token: str | None = None                # set: /v1/* need "Authorization: Bearer <token>"
+    tls: Any = None                              # server.tls.TLSFiles of the HTTP port; None: plaintext
+    control_port: int | None = None              # None: no control listener; 0: a free port
+    control_tls: Any = None                      # TLSFiles with client_ca: mutual TLS, required
+    drain_timeout: float = float(POD_DRAIN_SECONDS)
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> Any:
+    """OpenAI's error shape, as vLLM and our engine's front answer."""
+    from aiohttp import web
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                             status=status)
+
+
+class Companion:
+    """The companion's HTTP front and control listener on one event loop. `start()`/`stop()` run
+    it in a thread of its own (tests, benchmarks); `serve()` is the pod's foreground loop."""
+
+    def __init__(self, options: CompanionOptions):
+        if options.control_port is not None and not (options.control_tls and options.control_tls.client_ca):
+            raise ValueError("a control port needs control_tls with cert, key and client_ca (mutual TLS)")
+        self.options = options
+        self.tally = Tally(options.pair, options.version)
+        self.started_at = time.time()
+        self.port: int | None = None
+        self.control_port: int | None = None
+        self.draining = False
+        self.in_flight = 0
+        self.identity: dict[str, Any] | None = None
+        self._session = None
+        self._runner = None
+        self._grpc = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        import aiohttp
+        from aiohttp import web
+
+        upstream = self.options.upstream
+        # vLLM on a Unix socket in the pod ("unix:PATH"): no port the network can reach around the
+        # companion's token; else host:port (tests, a laptop).
+        connector = (aiohttp.UnixConnector(path=reachable_socket_path(upstream[len("unix:"):]), limit=0)
+                     if upstream.startswith("unix:") else aiohttp.TCPConnector(limit=0))
+        self._base = "http://localhost" if upstream.startswith("unix:") else f"http://{upstream}"
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        ssl_context = None
+        if self.options.tls is not None:
+            from specpair.server.tls import ReloadingTLS
+            ssl_context = ReloadingTLS(self.options.tls, "serving TLS").ssl_context()
+        site = web.TCPSite(self._runner, self.options.host, self.options.port, ssl_context=ssl_context,
+                           reuse_address=True)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        if self.options.control_port is not None:
+            await self._start_control()
+
+    async def _start_control(self) -> None:
+        import grpc
+
+        from specpair.server.service import SERVICE_NAME
+        from specpair.server.tls import ReloadingTLS
+
+        from specpair._proto import engine_pb2 as pb
+        self._grpc = grpc.aio.server()
+        self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "GetStats": grpc.unary_unary_rpc_method_handler(
+                self._get_stats, request_deserializer=pb.GetStatsRequest.FromString,
+                response_serializer=pb.Stats.SerializeToString),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                self._get_model_info, request_deserializer=pb.GetModelInfoRequest.FromString,
+                response_serializer=pb.ModelInfo.SerializeToString),
+            "SetSpeculation": grpc.unary_unary_rpc_method_handler(
+                self._set_speculation, request_deserializer=pb.SetSpeculationRequest.FromString,
+                response_serializer=pb.SpeculationSettings.SerializeToString),
+        }),))
+        self.control_port = self._grpc.add_secure_port(f"{self.options.host}:{self.options.control_port}",
+                                                       ReloadingTLS(self.options.control_tls).credentials())
+        await self._grpc.start()
+
+    async def drain(self) -> int:
+        """Health says 503 from now; wait for the requests in flight (up to the drain timeout).
+        Returns how many were still running at the deadline."""
+        self.draining = True
+        deadline = time.monotonic() + self.options.drain_timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.in_flight
+
+    async def close(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    def start(self) -> "Companion":
+        ready = threading.Event()
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            try:
+                self._loop.run_until_complete(self.open())
+            except BaseException as exc:    # a port in use, bad TLS files: report to start()
+                failed.append(exc)
+                ready.set()
+                return
+            ready.set()
+            self._loop.run_forever()
+            self._loop.close()
+
+        self._thread = threading.Thread(target=run, name="specpair-vllm-companion", daemon=True)
+        self._thread.start()
+        ready.wait(60)
+        if failed:
+            raise RuntimeError(f"the companion did not start: {failed[0]}") from failed[0]
+        return self
+
+    def stop(self, drain: bool = True) -> int:
+        async def shut() -> int:
+            left = await self.drain() if drain else self.in_flight
+            await self.close()
+            return left
+        left = asyncio.run_coroutine_threadsafe(shut(), self._loop).result(self.options.drain_timeout + 30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+        return left
+
+    async def serve(self) -> None:
+        """The pod's companion: until SIGTERM or SIGINT, then drain and exit."""
+        await self.open()
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        log.warning("companion serving on %s:%s in front of vLLM at %s%s", self.options.host, self.port,
+                    self.options.upstream, f", control port {self.control_port}" if self.control_port else "")
+        await stopping.wait()
+        left = await self.drain()
+        log.warning("drained: %d requests still running at the drain timeout", left)
+        await self.close()
+
+    # -- HTTP ----------------------------------------------------------------------------------------
+
+    def _url(self, request: Any) -> str:
+        return f"{self._base}{request.rel_url}"
+
+    @staticmethod
+    def _headers(headers: Any) -> dict[str, str]:
+        return {k: v for k, v in headers.items() if k.lower() not in _DROPPED_HEADERS}
+
+    async def _handle(self, request: Any) -> Any:
+        from specpair.server.auth import bearer_token_matches
+
+        path = request.path
+        if path == "/health" and self.draining:
+            return _error(503, "draining: this pod is shutting down", "service_unavailable")
+        if path == "/metrics":
+            return await self._metrics()
+        token = self.options.auth_token
+        if token and path not in OPEN_PATHS and not bearer_token_matches(request.headers.get("Authorization", ""),
+                                                                         token):
+            return _error(401, "missing or wrong bearer token", "authentication_error")
+        if request.method == "POST" and path in COUNTED_PATHS:
+            return await self._counted(request)
+        return await self._pass(request)
+
+    async def _metrics(self) -> Any:
+        import aiohttp
+        from aiohttp import web
+        from prometheus_client import generate_latest
+
+        text = b""
+        try:
+            async with self._session.get(f"{self._base}/metrics") as resp:
+                if resp.status == 200:
+                    text = await resp.read()
+        except (aiohttp.ClientError, OSError):
+            pass        # vLLM not up (yet): the companion's own series still answer
+        return web.Response(body=text + generate_latest(self.tally.metrics.registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def _pass(self, request: Any) -> Any:
+        import aiohttp
+        from aiohttp import web
+
+        try:
+            async with self._session.request(request.method, self._url(request), data=await request.read(),
+                                             headers=self._headers(request.headers)) as upstream:
+                body = await upstream.read()
+                return web.Response(body=body, status=upstream.status, headers=self._headers(upstream.headers))
+        except (aiohttp.ClientError, OSError) as exc:
+            return _error(503, f"vLLM is not answering: {exc}", "service_unavailable")
+
+    async def _counted(self, request: Any) -> Any:
+        import aiohttp
+        from aiohttp import web
+
+        arrived = time.perf_counter()
+        try:
+            prep = prepare(await request.read())
+        except InvalidRequest as exc:
+            self.tally.record(Reply(DEFAULT_CATEGORY, status="invalid"))
+            return _error(400, str(exc), "invalid_request_error", exc.param)
+        reply = Reply(prep.category)
+        self.in_flight += 1
+        self.tally.running += 1
+        try:
+            try:
+                upstream = await self._session.post(self._url(request), data=prep.body,
+                                                    headers=self._headers(request.headers))
+            except (aiohttp.ClientError, OSError) as exc:
+                reply.status = "unavailable"
+                return _error(503, f"vLLM is not answering: {exc}", "service_unavailable")
+            async with upstream:
+                headers = self._headers(upstream.headers)
+                if upstream.status >= 400 or not upstream.headers.get("Content-Type", "").startswith(
+                        "text/event-stream"):
+                    body = await upstream.read()
+                    if upstream.status >= 400:
+                        reply.status = "invalid" if upstream.status < 500 else "error"
+                    else:
+                        try:
+                            read_final(reply, json.loads(body), arrived, None, time.perf_counter())
+                        except (ValueError, AttributeError):
+                            pass
+                    return web.Response(body=body, status=upstream.status, headers=headers)
+                resp = web.StreamResponse(status=upstream.status, headers=headers)
+                scanner = SseScanner(prep.client_usage)
+                try:
+                    await resp.prepare(request)
+                    async for chunk in upstream.content.iter_any():
+                        out = scanner.feed(chunk, time.perf_counter())
+                        if out:
+                            await resp.write(out)
+                    rest = scanner.rest()
+                    if rest:
+                        await resp.write(rest)
+                    await resp.write_eof()
+                except (ConnectionResetError, asyncio.CancelledError):
+                    reply.status = "cancelled"      # the client left; vLLM aborts as the stream closes
+                    raise
+                except aiohttp.ClientError:
+                    reply.status = "error"          # vLLM's stream broke off
+                    raise
+                if scanner.final is not None:
+                    read_final(reply, scanner.final, arrived, scanner.first_at, time.perf_counter())
+                if scanner.error:
+                    reply.status = "error"
+                return resp
+        finally:
+            reply.e2e = time.perf_counter() - arrived
+            self.in_flight -= 1
+            self.tally.running -= 1
+            self.tally.record(reply)
+
+    # -- control (gRPC) ------------------------------------------------------------------------------
+
+    async def _read_identity(self) -> dict[str, Any] | None:
+        """Who vLLM says it serves (its first served name, specpair.vllm_serve.identity_name):
+        read once it answers, kept (a vLLM process serves one identity for its life)."""
+        import aiohttp
+
+        if self.identity is None:
+            try:
+                async with self._session.get(f"{self._base}/v1/models") as resp:
+                    models = (await resp.json()).get("data") or [] if resp.status == 200 else []
+            except (aiohttp.ClientError, OSError, ValueError):
+                return None
+            self.identity = next((i for m in models if (i := parse_identity_name(str(m.get("id", ""))))), None)
+        return self.identity
+
+    async def _get_stats(self, request: Any, context: Any) -> Any:
+        identity = await self._read_identity() or {}
+        return self.tally.stats_message(self.options.pair, self.options.version, bool(identity.get("speculating")),
+                                        time.time() - self.started_at)
+
+    async def _get_model_info(self, request: Any, context: Any) -> Any:
+        import grpc
+
+        from specpair import __version__
+        from specpair._proto import engine_pb2 as pb
+        identity = await self._read_identity()
+        if identity is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"vLLM at {self.options.upstream} does not answer with a specpair identity yet")
+        return pb.ModelInfo(pair=identity["pair"], version=identity["version"], content_hash=identity["digest"],
+                            speculation=pb.SpeculationSettings(enabled=identity["speculating"]),
+                            engine_version=__version__)
+
+    async def _set_speculation(self, request: Any, context: Any) -> Any:
+        import grpc
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            "vLLM cannot switch speculation at run time; a vLLM pair's speculation changes by "
+                            "a rollout of its Deployment")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specpair.errors import SpecpairError
+    from specpair.server.auth import read_token_file
+    from specpair.server.tls import TLSFiles
+
+    ap = argparse.ArgumentParser(prog="python -m specpair.vllm_companion", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--upstream", default=f"unix:{VLLM_SOCKET}", help="vLLM's OpenAI server: unix:PATH or host:port")
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=8000, help="the pod's OpenAI API, /health and /metrics")
+    ap.add_argument("--pair", default="specpair")
+    ap.add_argument("--version", default="0")
+    ap.add_argument("--release", help="the release JSON: pair and version from it")
+    ap.add_argument("--auth-token-file")
+    ap.add_argument("--tls-cert")
+    ap.add_argument("--tls-key")
+    ap.add_argument("--control-port", type=int)
+    ap.add_argument("--control-tls-cert")
+    ap.add_argument("--control-tls-key")
+    ap.add_argument("--control-tls-client-ca")
+    ap.add_argument("--drain-timeout", type=float, default=float(POD_DRAIN_SECONDS),
+                    help="seconds requests in flight may take to end after SIGTERM")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        pair, version = args.pair, args.version
+        if args.release:
+            with open(args.release) as f:
+                release = json.load(f)
+            pair = str(release.get("pair") or pair)
+            version = str((release.get("mlflow") or {}).get("version") or version)
+        options = CompanionOptions(
+            upstream=args.upstream, host=args.host, port=args.port, pair=pair, version=version,
+            auth_token=read_token_file(args.auth_token_file) if args.auth_token_file else None,
+            tls=TLSFiles(args.tls_cert, args.tls_key) if args.tls_cert else None,
+            control_port=args.control_port,
+            control_tls=(TLSFiles(args.control_tls_cert, args.control_tls_key, args.control_tls_client_ca)
+                         if args.control_port is not None else None),
+            drain_timeout=args.drain_timeout)
+        companion = Companion(options)
+    except (OSError, ValueError, SpecpairError) as exc:
+        print(f"specpair.vllm_companion: error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(companion.serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

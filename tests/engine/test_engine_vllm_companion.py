@@ -1,0 +1,125 @@
+"""specpair.vllm_companion's pure parts: the category a request names, what vLLM is sent, what a
+reply (whole or streamed) says about acceptance and timing, and the per-category counts the
+GetStats contract carries. Replies are vLLM 0.32's own, captured from a real server (tiny
+random Llama, n-gram k=4, --per-request-spec-decode-metrics summary --enable-per-request-metrics).
+The companion in front of a real vLLM server: tests/engine/test_engine_vllm_peer.py (one shared
+vLLM start); in a pod on the devcluster: tests/operator/test_operator_vllm.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specpair.contract import DEFAULT_CATEGORY
+from specpair.stats import RequestMoments
+from specpair.vllm_companion import (InvalidRequest, Reply, SseScanner, Tally, acceptance_of, prepare,
+                                     read_final)
+
+# The last two events of a streamed chat completion (stream_options.include_usage), as vLLM wrote them.
+USAGE_CHUNK = (b'data: {"id":"chatcmpl-b1240c439eb969e9","object":"chat.completion.chunk","created":1796558686,'
+               b'"model":"peer","choices":[],"usage":{"prompt_tokens":43,"total_tokens":51,"completion_tokens":8},'
+               b'"system_fingerprint":"vllm-0.32.0-3ea94921","metrics":{"time_to_first_token_ms":222.40942499956873,'
+               b'"generation_time_ms":599.1785059995891,"queue_time_ms":0.04736800110549666,'
+               b'"mean_itl_ms":85.59692942851272,"tokens_per_second":9.737241381176277,"speculative_decoding":'
+               b'{"mean_acceptance_length":1.0,"draft_acceptance_rate":0.0,"acceptance_histogram":[1,0,0,0,0],'
+               b'"num_spec_steps":1,"num_accepted_draft_tokens":0,"num_draft_tokens":4,"num_spec_tokens":4}}}\n\n')
+TOKEN_CHUNK = (b'data: {"id":"chatcmpl-b1240c439eb969e9","object":"chat.completion.chunk","created":1796558686,'
+               b'"model":"peer","choices":[{"index":0,"delta":{"content":"V"},"logprobs":null,"finish_reason":null,'
+               b'"token_ids":null}]}\n\n')
+DONE = b"data: [DONE]\n\n"
+# metrics of a whole /v1/completions reply that accepted drafts (histogram: steps by accepted count).
+SPEC = {"mean_acceptance_length": 2.0, "draft_acceptance_rate": 0.3125, "acceptance_histogram": [2, 1, 0, 0, 1],
+        "num_spec_steps": 4, "num_accepted_draft_tokens": 5, "num_draft_tokens": 16, "num_spec_tokens": 4}
+
+
+def test_a_requests_category_is_read_where_our_engine_reads_it_and_checked_alike():
+    body = {"model": "chat", "prompt": "x", "specpair": {"category": "code"}}
+    prep = prepare(json.dumps(body).encode())
+    assert prep.category == "code" and json.loads(prep.body) == body and not prep.stream
+    assert prepare(b'{"model": "chat", "prompt": "x"}').category == DEFAULT_CATEGORY
+    assert prepare(b'{"specpair": {"category": ""}}').category == DEFAULT_CATEGORY
+    for ext, field in (({"category": "no spaces"}, "specpair.category"), ({"category": 3}, "specpair.category"),
+                       ("code", "specpair"), ({"category": "x" * 65}, "specpair.category")):
+        with pytest.raises(InvalidRequest) as refused:
+            prepare(json.dumps({"prompt": "x", "specpair": ext}).encode())
+        assert refused.value.param == field
+    # Not JSON, or no object: vLLM's to refuse, forwarded as it came, counted in the default category.
+    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        prep = prepare(raw)
+        assert (prep.category, prep.body) == (DEFAULT_CATEGORY, raw)
+
+
+def test_a_stream_asks_vllm_for_the_usage_chunk_and_keeps_the_clients_options():
+    prep = prepare(b'{"stream": true, "stream_options": {"continuous_usage_stats": false}, "prompt": "x"}')
+    assert prep.stream and not prep.client_usage
+    assert json.loads(prep.body)["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+    raw = b'{"stream": true, "stream_options": {"include_usage": true}, "prompt": "x"}'
+    prep = prepare(raw)
+    assert prep.client_usage and prep.body == raw          # untouched: the client asked for it itself
+    raw = b'{"stream": false, "prompt": "x"}'
+    assert prepare(raw).body == raw
+
+
+@pytest.mark.parametrize("client_usage", [False, True])
+def test_the_usage_chunk_is_read_and_dropped_unless_the_client_asked(client_usage):
+    stream = TOKEN_CHUNK * 3 + USAGE_CHUNK + DONE
+    scanner = SseScanner(keep_usage=client_usage)
+    out = b""
+    # Cut anywhere: events are passed on whole, in order.
+    for i in range(0, len(stream), 37):
+        out += scanner.feed(stream[i:i + 37], now=1.0 + i)
+    out += scanner.rest()
+    assert out == (stream if client_usage else TOKEN_CHUNK * 3 + DONE)
+    assert scanner.first_at is not None and scanner.final["usage"]["completion_tokens"] == 8 and not scanner.error
+    error = b'data: {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}\n\n'
+    scanner = SseScanner(keep_usage=False)
+    assert scanner.feed(TOKEN_CHUNK + error, 0.0) == TOKEN_CHUNK + error and scanner.error
+
+
+def test_vllms_timings_are_the_replys_and_the_companions_clock_stands_in_without_them():
+    reply = Reply("chat")
+    read_final(reply, json.loads(USAGE_CHUNK[6:]), arrived=10.0, first_at=10.5, now=11.0)
+    assert reply.completion_tokens == 8 and reply.spec["num_draft_tokens"] == 4
+    assert reply.ttft == pytest.approx((222.40942499956873 + 0.04736800110549666) / 1000)
+    assert reply.tpot == pytest.approx(0.08559692942851272)
+    bare = Reply("chat")
+    read_final(bare, {"usage": {"completion_tokens": 5}}, arrived=10.0, first_at=10.5, now=11.5)
+    assert (bare.ttft, bare.tpot, bare.spec) == (0.5, 0.25, None)
+
+
+def test_vllms_per_request_summary_becomes_the_engines_acceptance_counts():
+    stats = acceptance_of(SPEC, 13)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_emitted_tokens) == \
+        (4, 16, 5, 13)
+    # Position p accepted in every step that accepted more than p: [1+0+1, 0+1, 1, 1].
+    assert stats.num_accepted_tokens_per_pos == [2, 1, 1, 1]
+    assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
+    assert acceptance_of(None, 3).num_draft_tokens == 0
+
+
+def test_getstats_carries_each_categorys_request_sums_and_serving_counts():
+    from specpair_operator.engine_probe import serving_stats
+
+    tally = Tally("p", "1")
+    tally.record(Reply("code", completion_tokens=13, spec=SPEC, ttft=0.2, tpot=0.01, e2e=0.4))
+    tally.record(Reply("code", completion_tokens=8, spec={**SPEC, "acceptance_histogram": [4, 0, 0, 0, 0],
+                                                          "num_accepted_draft_tokens": 0}, ttft=0.3, tpot=0.02))
+    tally.record(Reply("chat", completion_tokens=1, spec=None, ttft=0.1))
+    tally.record(Reply("chat", status="invalid"))
+    msg = tally.stats_message("p", "1", True, 5.0)
+    code = msg.categories["code"]
+    assert RequestMoments.from_message(code.finished) == RequestMoments.of_request(16, 5) + RequestMoments.of_request(16, 0)
+    assert code.requests == 2 and code.cumulative.num_accepted_tokens == 5 and code.cumulative.num_emitted_tokens == 21
+    chat = msg.categories["chat"]
+    assert chat.requests == 1 and chat.finished.requests == 0          # drafted nothing: no unit of acceptance
+    served = {name: serving_stats(cat.serving) for name, cat in msg.categories.items()}
+    assert served["code"]["requests"] == {"ok": 2} and served["code"]["ttft"]["count"] == 2
+    assert served["code"]["tpot"]["count"] == 2 and served["chat"]["tpot"]["count"] == 0   # one token: no gap
+    assert served["chat"]["requests"] == {"ok": 1, "invalid": 1}
+    assert msg.overall.requests == 3 and msg.overall.finished.draft_tokens == 32 and msg.speculating
+    # The same counts under the engine's series names, per category.
+    from prometheus_client import generate_latest
+    text = generate_latest(tally.metrics.registry).decode()
+    assert 'specpair_num_draft_tokens_total{category="code",pair="p",version="1"} 32.0' in text
+    assert 'specpair_requests_total{category="chat",pair="p",protocol="http",status="invalid",version="1"} 1.0' in text
