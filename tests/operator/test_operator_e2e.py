@@ -10,8 +10,8 @@ that world. test_operator_real_engine.py runs the real gate and engine on tiny m
 
 from __future__ import annotations
 
+import collections
 import json
-import time
 import uuid
 from typing import Any
 
@@ -25,7 +25,34 @@ from specpair_devcluster.client import ApiError
 from specpair_operator.gate_record import GateRecord
 from specpair_operator.registry_contract import gate_experiment
 
-def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champion(env, mlflow_server):
+
+@pytest.fixture
+def passes(monkeypatch) -> collections.Counter:
+    """Completed reconcile passes per pair uid, of the operator KopfRunner runs in this process:
+    a check that the operator left something alone waits for passes that could have changed it,
+    not for a stretch of time that may hold none."""
+    from specpair_operator import reconciler
+
+    counts: collections.Counter = collections.Counter()
+    reconcile = reconciler.PairReconciler.reconcile
+
+    async def counted(self, *args, **kwargs):
+        try:
+            return await reconcile(self, *args, **kwargs)
+        finally:
+            counts[self.uid] += 1
+
+    monkeypatch.setattr(reconciler.PairReconciler, "reconcile", counted)
+    return counts
+
+
+def wait_for_passes(ns: Namespace, passes: collections.Counter, uid: str, n: int = 2, timeout: float = 60) -> None:
+    """`n` more completed passes over the pair `uid` than counted now."""
+    start = passes[uid]
+    ns.wait_for(f"{n} more passes over the pair", lambda: passes[uid] >= start + n, timeout=timeout)
+
+
+def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champion(env, mlflow_server, passes):
     ns = env
     name = f"chat-{uuid.uuid4().hex[:5]}"
     model = model_name(ns, name)
@@ -88,7 +115,7 @@ def test_apply_gate_promote_serve_then_new_release_then_failed_gate_keeps_champi
         obj = ns.wait_for("the forged verdict refused", lambda: (o := ns.pair(name)) and
                           cond(o, "Gated").get("reason") == "VerdictMismatch" and o, timeout=60)
         assert "changed after the gate" in cond(obj, "Gated")["message"] and ns.events("VerdictMismatch")
-        time.sleep(1.5)  # a few passes
+        wait_for_passes(ns, passes, obj["metadata"]["uid"])   # each one could have promoted v3
         assert mlflow.get_registered_model(model).aliases["champion"] == "2"
         assert ns.pair(name)["status"]["servingVersion"] == "2"
         assert set(ns.pair(name)["status"]["verifiedVerdicts"]) >= {"1", "2"}
@@ -169,7 +196,11 @@ def test_configmap_prompts_and_a_tokenizer_mismatch_on_a_pod_roll_back(env, worl
                           and cond(o, "Stalled").get("status") == "True" and o)
         last = [h for h in obj["status"]["history"] if h["action"] == "RolledBack"][-1]
         assert "tokenizer mismatch" in last["reason"] and (last["fromVersion"], last["toVersion"]) == ("2", "1")
-        assert "specpair.rolled_back" in mlflow.get_model_version(model, "2").tags
+        rolled_back = mlflow.get_model_version(model, "2")
+        assert "specpair.rolled_back" in rolled_back.tags
+        # What a reviewer reads on v2's page: why it lost the champion alias (docs/mlflow.md).
+        assert "**rollback**: v2 rolled back (lost the champion alias): " in rolled_back.description
+        assert "tokenizer mismatch" in rolled_back.tags["specpair.event.rollback"]
         who = {("namespace", ns.name), ("pair", name)}
         assert operator_metrics().get(("specpair_rollbacks_total", frozenset(who | {("reason", "tokenizer")}))) == 1
         world.update(_fingerprint_overrides={})
@@ -206,7 +237,7 @@ def test_owned_jobs_and_deployments_wake_their_pair_between_periodic_passes(env,
     assert runner.exception is None
 
 
-def test_a_deployment_the_pair_does_not_own_is_never_touched(env):
+def test_a_deployment_the_pair_does_not_own_is_never_touched(env, passes):
     ns = env
     name = f"taken-{uuid.uuid4().hex[:5]}"
     theirs = ns.create({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": f"{name}-engine"},
@@ -220,7 +251,7 @@ def test_a_deployment_the_pair_does_not_own_is_never_touched(env):
         assert "not owned by SpecModelPair" in cond(obj, "Stalled")["message"]
         assert cond(obj, "Ready")["status"] == "False"
         assert ns.events("NameConflict")
-        time.sleep(2)
+        wait_for_passes(ns, passes, obj["metadata"]["uid"])   # each one could have taken it over
         now = ns.get("apps/v1", "Deployment", f"{name}-engine")
         # Only the Deployment controller has written to it since (its status), never the operator.
         assert now["spec"] == theirs["spec"] and not now["metadata"].get("ownerReferences")
@@ -470,7 +501,7 @@ def the_control_listener_takes_only_the_operator(ns: Namespace, name: str, obj: 
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
-def test_deleting_a_pair_never_waits_for_the_operator(env):
+def test_deleting_a_pair_never_waits_for_the_operator(env, passes):
     """No finalizer on pairs: with the operator stopped (uninstalled, scaled to zero), a deleted
     pair goes at once and the garbage collector takes its children."""
     ns = env
@@ -478,7 +509,7 @@ def test_deleting_a_pair_never_waits_for_the_operator(env):
     with KopfRunner(OPERATOR, timeout=60) as runner:
         ns.create(pair(name, "good-draft"))
         obj = ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
-        time.sleep(2.5)  # two periodic passes or more (a second apart): none adds a finalizer
+        wait_for_passes(ns, passes, obj["metadata"]["uid"])   # none of them adds a finalizer
         assert not ns.pair(name)["metadata"].get("finalizers")
     assert runner.exception is None
     ns.kube.delete("specpair.io/v1alpha1", "SpecModelPair", ns.name, name)
