@@ -273,9 +273,10 @@ async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, 
         if "history" in patch.status or "recorded" in patch.status:
             STATE.status_written[uid] = (records_of({**status, **patch.status}), time.monotonic() + STALE_BODY_S)
         interval = reconcile_interval() if interval is None else interval
-        STATE.due_at[uid] = time.monotonic() + (interval if patch.status else pass_delay(
-            dict(body), {**status, **dict(patch.status)}, interval,
-            resync_interval(interval) if resync is None else resync))
+        # From the status this pass leaves (a drift check's figures written or not: the pair is as
+        # settled either way).
+        STATE.due_at[uid] = time.monotonic() + pass_delay(dict(body), {**status, **dict(patch.status)}, interval,
+                                                          resync_interval(interval) if resync is None else resync)
         if uid not in STATE.bodies:
             # Deleted during the pass (the watch delivers a body before any pass over it): what
             # the pass remembered or exported goes with the pair, as on_event's forgetting did.
