@@ -11,7 +11,7 @@ user + system time over each of its phases), vLLM's likewise (its process group)
 
 The target (issue 53): <= 2 ms added at p50, <= 5% of a core at 200 requests/s. Where vLLM
 cannot serve 200 requests/s (a CPU box), the CPU figure is the companion's CPU per request,
-measured at the rate given, times 200.
+measured at the rate given (CPU seconds over requests served), times 200.
 """
 
 from __future__ import annotations
@@ -87,11 +87,77 @@ async def _phase(base: str, model: str, rate: float, seconds: float, max_tokens:
     return {"sent": n, "ok": len(ok), "wall_s": wall, "first": [d[0] for d in ok], "end": [d[1] for d in ok]}
 
 
+# vLLM 0.32's stream of a short completion, event by event (captured from a real server): what the
+# --replay upstream sends, so the companion's own cost is measured at a rate no CPU vLLM reaches.
+_TOKEN_EVENT = (b'data: {"id":"cmpl-9e2f","object":"text_completion","created":1796558678,"model":"peer",'
+                b'"choices":[{"index":0,"text":"V","logprobs":null,"finish_reason":null,"stop_reason":null,'
+                b'"token_ids":null}]}\n\n')
+_USAGE_EVENT = (b'data: {"id":"cmpl-9e2f","object":"text_completion","created":1796558678,"model":"peer",'
+                b'"choices":[],"usage":{"prompt_tokens":43,"total_tokens":51,"completion_tokens":8},'
+                b'"metrics":{"time_to_first_token_ms":2.4,"queue_time_ms":0.05,"mean_itl_ms":1.5,'
+                b'"speculative_decoding":{"mean_acceptance_length":1.5,"draft_acceptance_rate":0.25,'
+                b'"acceptance_histogram":[2,1,1,0,0],"num_spec_steps":4,"num_accepted_draft_tokens":3,'
+                b'"num_draft_tokens":12,"num_spec_tokens":4}}}\n\n')
+
+
+def serve_replay(port: int, tokens: int = 8) -> None:
+    """An HTTP server answering /v1/completions with vLLM's stream of `tokens` events (and its usage
+    chunk where asked for), at once; /health 200."""
+    from aiohttp import web
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        for _ in range(int(body.get("max_tokens") or tokens)):
+            await resp.write(_TOKEN_EVENT)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await resp.write(_USAGE_EVENT)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+class ReplayServer:
+    """serve_replay in a process of its own, with VllmServer's attributes the benchmark reads."""
+    served_model_name = "peer"
+
+    def __enter__(self) -> "ReplayServer":
+        import urllib.request
+
+        from specpair.vllm_peer import free_port
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "specpair.vllm_companion_bench", "--model", "-",
+                                      "--serve-replay", str(self.port)], stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.base_url}/health", timeout=2).close()
+                return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,11 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="direct/companion phase pairs")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--replay", action="store_true",
+                    help="upstream: vLLM's captured stream replayed at once, not vLLM (the companion's own cost)")
+    ap.add_argument("--serve-replay", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.serve_replay:
+        serve_replay(args.serve_replay)
+        return 0
 
     spec = speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"k": 4}})
-    server = VllmServer(args.vllm_python or default_python(), args.model, speculative=spec, start_timeout=600,
-                        extra_args=[*VLLM_PER_REQUEST_FLAGS, *VLLM_SPEC_DECODE_FLAGS])
+    server = (ReplayServer() if args.replay else
+              VllmServer(args.vllm_python or default_python(), args.model, speculative=spec, start_timeout=600,
+                         extra_args=[*VLLM_PER_REQUEST_FLAGS, *VLLM_SPEC_DECODE_FLAGS]))
     results: dict[str, Any] = {"direct": [], "companion": []}
     with server:
         port = free_port()
@@ -143,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             companion.terminate()
             companion.wait(30)
-    summary: dict[str, Any] = {"rate": args.rate, "seconds_per_phase": args.seconds, "rounds": args.rounds,
+    summary: dict[str, Any] = {"upstream": "replay" if args.replay else "vllm", "rate": args.rate, "seconds_per_phase": args.seconds, "rounds": args.rounds,
                                "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
                                "load_average": os.getloadavg()}
     for arm, phases in results.items():
@@ -156,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                         "companion_cpu_share": sum(p["companion_cpu_s"] for p in phases) / wall,
                         "vllm_cpu_share": sum(p["vllm_cpu_s"] for p in phases) / wall}
     companion_arm = summary["companion"]
-    per_request = companion_arm["companion_cpu_share"] / args.rate
+    # Per request served: a saturated companion (a busy box) stretches its phases' wall time, so
+    # its CPU share understates what each request costs it.
+    per_request = sum(p["companion_cpu_s"] for p in results["companion"]) / max(companion_arm["ok"], 1)
     summary["added_first_event_p50_ms"] = companion_arm["first_event_p50_ms"] - summary["direct"]["first_event_p50_ms"]
     summary["added_end_p50_ms"] = companion_arm["end_p50_ms"] - summary["direct"]["end_p50_ms"]
     summary["companion_cpu_ms_per_request"] = 1000 * per_request
