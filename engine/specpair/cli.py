@@ -227,10 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("distill", help="train a small draft (or an EAGLE head) against the target")
     d.add_argument("--target", default=None)
-    d.add_argument("--method", choices=["draft", "eagle", "medusa"], default="draft",
+    d.add_argument("--method", choices=["draft", "eagle", "medusa", "eagle3"], default="draft",
                    help="'draft': a small causal LM; 'eagle': a one-layer head drafting from the "
-                        "target's own features; 'medusa': independent heads on the last feature "
-                        "(heads load with --draft DIR like any draft)")
+                        "target's own features; 'medusa': independent heads on the last feature; "
+                        "'eagle3': an EAGLE-3 head on three of the target's layers, written in the "
+                        "speculators format vLLM serves too (heads load with --draft DIR like any "
+                        "draft)")
     d.add_argument("--draft-vocab", type=int, default=8192,
                    help="heads: their vocabulary size, the corpus's and the target's most "
                         "frequent tokens (0: the whole vocabulary)")
@@ -245,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "for the target to answer instead of requests built from the corpus, e.g. "
                         "your own traffic; with --replies N, the first N")
     d.add_argument("--ttt-depth", type=int, default=1,
-                   help="eagle: train this many draft steps unrolled, each on the head's own "
+                   help="eagle, eagle3: train this many draft steps unrolled, each on the head's own "
                         "predictions (EAGLE-3's training-time test; 1: real features only)")
     d.add_argument("--out", required=True, help="output model directory (also holds checkpoints)")
     d.add_argument("--steps", type=int, default=300)

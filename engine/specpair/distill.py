@@ -28,6 +28,10 @@ import torch.nn.functional as F
 from specpair.errors import SpecpairError
 
 
+METHODS = ("draft", "eagle", "medusa", "eagle3")
+HEAD_METHODS = ("eagle", "medusa", "eagle3")
+
+
 @dataclass
 class DistillConfig:
     out: str
@@ -73,8 +77,8 @@ class DistillConfig:
             raise SpecpairError("generated_fraction must be in [0, 1]")
         if self.init not in ("projection", "truncate"):
             raise SpecpairError(f"init must be 'projection' or 'truncate', got {self.init!r}")
-        if self.method not in ("draft", "eagle", "medusa"):
-            raise SpecpairError(f"method must be 'draft', 'eagle' or 'medusa', got {self.method!r}")
+        if self.method not in METHODS:
+            raise SpecpairError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.medusa_heads < 1:
             raise SpecpairError("medusa_heads must be >= 1")
         if self.draft_vocab < 0:
@@ -86,8 +90,12 @@ class DistillConfig:
             raise SpecpairError("replies must be >= 0 and reply_tokens > 0")
         if self.ttt_depth < 1 or self.ttt_depth >= self.seq_len:
             raise SpecpairError(f"ttt_depth must be in [1, seq_len), got {self.ttt_depth}")
-        if self.ttt_depth > 1 and self.method != "eagle":
-            raise SpecpairError("ttt_depth applies to --method eagle only")
+        if self.ttt_depth > 1 and self.method not in ("eagle", "eagle3"):
+            raise SpecpairError("ttt_depth applies to --method eagle and eagle3 only")
+        if self.method == "eagle3" and (self.replies or self.requests):
+            raise SpecpairError("--replies/--requests with --method eagle3: not yet (the replies "
+                                "keep the target's last features, not the three layers an EAGLE-3 "
+                                "head reads)")
         if self.requests:   # refused before the target loads, not after
             from specpair.self_distill import file_requests
             file_requests(self.requests, self.replies)
@@ -206,26 +214,37 @@ FEATURE_BATCH = 4        # such chunks per pass
 
 
 @torch.no_grad()
-def target_features(teacher, ids: torch.Tensor, progress=print) -> torch.Tensor:
+def target_features(teacher, ids: torch.Tensor, progress=print,
+                    layers: tuple[int, ...] | None = None) -> torch.Tensor:
     """The target's features (normed last hidden states, [n, D]) of a token stream, computed
     once in chunks of FEATURE_CHUNK tokens: a head trains on them for as many steps as it likes
     without a target pass per step (which cost most of a step: 1.0 s of 1.1 on this CPU). Each
-    chunk sees only itself as context, as a training window used to."""
+    chunk sees only itself as context, as a training window used to. With `layers` (an EAGLE-3
+    head's), each token's normed last state then those layers' inputs, [n, (1 + len) * D]."""
     chunks = list(ids.split(FEATURE_CHUNK))
     out, started = [], time.perf_counter()
+
+    def states(batch: torch.Tensor) -> torch.Tensor:
+        result = teacher.model.model(input_ids=batch.to(teacher.device),
+                                     output_hidden_states=layers is not None)
+        if layers is None:
+            return result.last_hidden_state.float().cpu()
+        # hidden_states[L]: layer L's input (the embeddings for 0), as vLLM numbers them.
+        return torch.cat([result.last_hidden_state] + [result.hidden_states[L] for L in layers],
+                         dim=-1).float().cpu()
+
     for i in range(0, len(chunks), FEATURE_BATCH):
         group = chunks[i:i + FEATURE_BATCH]
         if len({c.numel() for c in group}) > 1:       # the short last chunk goes alone
-            out.extend(teacher.model.model(input_ids=c.view(1, -1).to(teacher.device))
-                       .last_hidden_state[0].float().cpu() for c in group)
+            out.extend(states(c.view(1, -1))[0] for c in group)
         else:
-            states = teacher.model.model(input_ids=torch.stack(group).to(teacher.device))
-            out.extend(states.last_hidden_state.float().cpu())
+            out.extend(states(torch.stack(group)))
         done = min(len(chunks), i + FEATURE_BATCH)
         if done % (FEATURE_BATCH * 25) == 0 or done == len(chunks):
             progress(f"features: {sum(c.numel() for c in chunks[:done])}/{ids.numel()} tokens "
                      f"({time.perf_counter() - started:.0f} s)")
-    return torch.cat(out) if out else torch.zeros(0, teacher.model.config.hidden_size)
+    width = (1 + len(layers or ())) * teacher.model.config.hidden_size
+    return torch.cat(out) if out else torch.zeros(0, width)
 
 
 class FeatureStream(TokenStream):
@@ -284,7 +303,49 @@ def build_head(teacher, train_ids: torch.Tensor, config: DistillConfig):
         vocab = draft_vocabulary([train_ids, predicted], config.draft_vocab, always)
     if config.method == "medusa":
         return build_medusa_heads(teacher.model, vocab, config.medusa_heads, seed=config.seed)
+    if config.method == "eagle3":
+        from specpair.eagle3 import build_eagle3_head
+        return build_eagle3_head(teacher.model, vocab, eagle3_layers(teacher), seed=config.seed)
     return build_eagle_head(teacher.model, vocab, seed=config.seed)
+
+
+def eagle3_layers(teacher) -> tuple[int, ...]:
+    """The layers an EAGLE-3 head trained here reads: vLLM's default (2, n/2, n-3) where those
+    are three distinct layers, else the inputs of the last three (a target of under 6 layers).
+    Both name layer inputs, never the last output (Hugging Face hands that over only normed)."""
+    from specpair.eagle3 import default_aux_layers
+
+    n = int(teacher.model.config.num_hidden_layers)
+    chosen = default_aux_layers(n)
+    if len(set(chosen)) < 3 or min(chosen) < 0:
+        chosen = tuple(range(max(0, n - 3), n))
+    if len(set(chosen)) < 3:
+        raise SpecpairError(f"an EAGLE-3 head reads three layers; the target has {n}")
+    return chosen
+
+
+def eagle3_loss(head, embeds: torch.Tensor, features: torch.Tensor, depth: int = 1) -> torch.Tensor:
+    """EAGLE-3's loss: pairs (embedding of x[j+1], the target's layers at j) and the head's
+    drafts after them (depth > 1: `Eagle3Head.unroll`) against the target's distribution for the
+    token each predicts, on the draft vocabulary (its LM-head rows applied to its normed last
+    state), weighed TTT_DECAY^(d-1); no feature loss. features: [B, L, D + 3D] as
+    target_features(layers=...) gives them."""
+    D = head.config.hidden_size
+    last, aux = features[..., :D], features[..., D:]
+    scale = aux.pow(2).mean().sqrt()
+    noisy = aux + (torch.rand_like(aux) * 2 - 1) * FEATURE_NOISE * scale
+    with torch.no_grad():
+        target_logits = head.lm_head(last[:, 1:])
+    if depth == 1:
+        steps = [head(embeds[:, 1:], noisy[:, :-1])]
+    else:
+        steps = head.unroll(embeds, noisy, depth)
+    total = features.new_zeros(())
+    for d, predicted in enumerate(steps, start=1):
+        n = predicted.shape[1]
+        total = total + TTT_DECAY ** (d - 1) * kl_loss(
+            head.lm_head(head.norm(predicted)), target_logits[:, d - 1:d - 1 + n])
+    return total
 
 
 def medusa_loss(heads, features: torch.Tensor) -> torch.Tensor:
@@ -373,7 +434,7 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
     ids = []
     for doc in train_docs:
         ids.extend(tok(doc, add_special_tokens=False)["input_ids"] + [eos])
-    is_head = config.method in ("eagle", "medusa")
+    is_head = config.method in HEAD_METHODS
     conversations, reply_seconds = [], 0.0
     if config.replies or config.requests:   # the target's own answers: what a drafter meets serving
         from specpair.self_distill import chat_replies, chat_requests, file_requests
@@ -388,7 +449,8 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
         # Features once, up front: the corpus's by a target pass, the conversations' as the
         # target recorded them while writing them (their last token, never fed, is left out).
         started = time.perf_counter()
-        parts = [target_features(teacher, torch.tensor(ids, dtype=torch.long), progress)]
+        layers = eagle3_layers(teacher) if config.method == "eagle3" else None
+        parts = [target_features(teacher, torch.tensor(ids, dtype=torch.long), progress, layers)]
         for c in conversations:
             ids.extend(c["ids"][:-1])
             parts.append(c["features"] if c["features"] is not None else
@@ -466,6 +528,8 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
                 teacher_logits = teacher.model(input_ids=batch).logits
         if config.method == "eagle":
             loss = eagle_loss(student, embeds, features, config.ttt_depth)
+        elif config.method == "eagle3":
+            loss = eagle3_loss(student, embeds, features, config.ttt_depth)
         elif config.method == "medusa":
             loss = medusa_loss(student, features)
         else:
@@ -485,7 +549,11 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
     acceptance_after = (greedy_acceptance(teacher, student, eval_prompts, config.eval_tokens)
                         if eval_prompts else None)
     student.eval()
-    if is_head:
+    if config.method == "eagle3":     # the speculators layout: vLLM serves it as it is
+        from specpair.eagle3 import save_eagle3_head
+        save_eagle3_head(student, out, verifier=config.target or teacher.source or "default",
+                         about={"steps": len(history), "seed": config.seed})
+    elif is_head:
         from specpair.heads import save_head
         save_head(student, out, tok, {"target": config.target or teacher.source or "default",
                                       "steps": len(history), "seed": config.seed})

@@ -245,6 +245,10 @@ def load_eagle3_head(path, device: torch.device, dtype: torch.dtype) -> Eagle3He
     if (raw.get("layer_type") or layer.get("model_type", "llama")) not in ("llama",):
         raise SpecpairError(f"{path}: EAGLE-3 heads with a {layer.get('model_type')!r} layer are "
                             "not supported (Llama-layer heads only)")
+    if "sliding_attention" in (layer.get("layer_types") or []) and layer.get("sliding_window"):
+        raise SpecpairError(f"{path}: the head's layer attends a sliding window of "
+                            f"{layer['sliding_window']} tokens; sliding-window EAGLE-3 layers are "
+                            "not supported yet (a head trained with full attention loads)")
     config = _llama_config(layer)
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -50,11 +50,10 @@ class Eagle3Drafter(HeadDrafter):
                                 f"the fixed step ({param.device.type}, "
                                 f"{str(param.dtype).removeprefix('torch.')}) does not hand over "
                                 "auxiliary hidden states yet")
-        runner = StaticLlama.of(target_model)
-        if runner.feature_layers not in (None, tuple(aux)):
-            raise SpecpairError(f"the target already hands layers {runner.feature_layers} to "
-                                f"another EAGLE-3 head; this one reads {list(aux)}")
-        runner.feature_layers = tuple(aux)
+        # The target hands over the layers every EAGLE-3 head on it reads (heads of other
+        # layers may share one target); each takes its own from them.
+        self.runner = StaticLlama.of(target_model)
+        self.runner.feature_layers = tuple(sorted(set(self.runner.feature_layers or ()) | set(aux)))
         super().__init__(loaded, target_model, vocab_size)
         self.aux_layers, self.compile = tuple(aux), compile
         self.embed = head.embed_tokens or target_model.get_input_embeddings()
@@ -76,6 +75,11 @@ class Eagle3Drafter(HeadDrafter):
         self.pending = [self.pending[i] for i in rows]
 
     def _keep(self, row: int, features: torch.Tensor) -> None:
+        handed = self.runner.feature_layers
+        if handed != self.aux_layers:
+            D = self.target_model.config.hidden_size
+            features = torch.cat([features[:, handed.index(L) * D:(handed.index(L) + 1) * D]
+                                  for L in self.aux_layers], dim=-1)
         self.pending[row].append(features)
 
     def _step(self, row: int, tokens: list[int] | torch.Tensor, hidden: torch.Tensor,

@@ -639,7 +639,8 @@ class StaticLlama:
         # last hidden state; else these layers' inputs, concatenated in increasing order (an
         # EAGLE-3 head's auxiliary hidden states, numbered as vLLM does: layer L's input, the
         # layer count for the last one's output). Set by the drafter that reads them
-        # (eagle3.Eagle3Drafter); the general step only (the fixed step refuses such heads).
+        # (eagle3_drafter.Eagle3Drafter: the union of the layers its heads read); the general
+        # step only (the fixed step refuses such heads).
         self.feature_layers: tuple[int, ...] | None = None
 
     def fixed_weights(self) -> list[tuple]:
