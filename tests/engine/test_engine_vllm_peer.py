@@ -13,6 +13,7 @@ import asyncio
 import os
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -326,6 +327,36 @@ def through_companion(port: int, model: str) -> dict:
     return out
 
 
+def drain_with_a_stream_in_flight(companion, model: str) -> dict:
+    """SIGTERM's drain (Companion.drain) while a client streams through it: what the client got,
+    and what /health said meanwhile."""
+    import threading
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{companion.port}/v1", api_key=COMPANION_TOKEN, timeout=300)
+    got: dict = {}
+
+    def stream() -> None:
+        chunks = client.completions.create(model=model, prompt=VLLM_PROMPTS[0], max_tokens=VLLM_MAX_TOKENS,
+                                           temperature=0, stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True, "specpair": {"category": "code"}})
+        got["usage"] = [c.usage for c in chunks if c.usage]
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    from waiting import wait_until
+    wait_until("the stream in flight", lambda: companion.in_flight == 1, timeout=60, interval=0.01)
+    draining = asyncio.run_coroutine_threadsafe(companion.drain(), companion._loop)
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{companion.port}/health", timeout=10)
+        got["health"] = 200
+    except urllib.error.HTTPError as exc:
+        got["health"] = exc.code
+    got["left"] = draining.result(120)
+    streaming.join(120)
+    return got
+
+
 @pytest.fixture(scope="module")
 def vllm_served(tiny_vllm_model, tmp_path_factory) -> dict:
     """One real vLLM server (n-gram, k=4, each reply's timings and acceptance in it) from start to
@@ -382,6 +413,7 @@ def vllm_served(tiny_vllm_model, tmp_path_factory) -> dict:
                 asyncio.run(read(VllmProbe().stats(control)))
             except EngineUnreachable as exc:
                 out["plaintext"] = exc
+            out["drain"] = drain_with_a_stream_in_flight(companion, identity)
         finally:
             out["left_in_flight"] = companion.stop()
     return {"prompts": prompts, "outs": outs, "counters": counters, "server": server, "pgid": pgid,
@@ -455,6 +487,11 @@ def test_the_companion_passes_replies_through_and_counts_vllms_own_acceptance_by
     assert "cannot switch speculation off at run time" in str(refusal)
     assert "FAILED_PRECONDITION" in str(answered) and "rollout" in str(answered)
     assert "GetStats" in str(vllm_served["plaintext"])
+    # SIGTERM's drain: /health says 503 at once (readiness takes the pod out), and the stream in
+    # flight runs to its end.
+    drain = vllm_served["drain"]
+    assert drain["health"] == 503 and drain["left"] == 0
+    assert [u.completion_tokens for u in drain["usage"]] == [VLLM_MAX_TOKENS]
 
 
 @pytest.mark.vllm
