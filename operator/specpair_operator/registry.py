@@ -185,15 +185,20 @@ class ReleaseRegistry:
         return dict(self._call(lambda: self.client.get_model_version(model_name, version)).tags)
 
     def set_tags(self, model_name: str, version: str, tags: dict[str, str]) -> None:
-        """The tags, in the dict's order. An event mark among them (promotion, shadow verdict,
-        SpeculationOff, rollback) is put on the record a reviewer reads first: if that fails, the
-        mark is not written either and the pass that plans it again records both."""
-        events = [e for e in (event_record(k, v, version, self.version_tags(model_name, version))
-                              for k, v in tags.items() if k in EVENT_NAMES) if e is not None]
-        for event in events:
-            self._record_event(model_name, version, event)
+        """The tags, in the dict's order; then, for an event mark among them (promotion, shadow
+        verdict, SpeculationOff, rollback), the record a reviewer reads. The mark first: it is the
+        operator's crash safety and must not wait on the record; and the record is keyed by the
+        mark as written (a pass that dies before writing it plans it again with another
+        timestamp or reason). An operator killed between the two leaves that one event without
+        its record (docs/mlflow.md)."""
+        events = [(k, v) for k, v in tags.items() if k in EVENT_NAMES]
+        before = self.version_tags(model_name, version) if events else {}
         for k, v in tags.items():
             self._call(lambda k=k, v=v: self.client.set_model_version_tag(model_name, version, k, v))
+        for k, v in events:
+            event = event_record(k, v, version, {**before, **tags})
+            if event is not None and before.get(k) != v:   # a mark written again is no new event
+                self._record_event(model_name, version, event)
 
     def _record_event(self, model_name: str, version: str, event: EventRecord) -> None:
         """The event's run (its evidence: description and metrics), a short tag in words on the
