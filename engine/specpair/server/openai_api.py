@@ -52,6 +52,7 @@ from specpair.errors import SpecpairError
 from specpair.grammar import check_structure
 from specpair.server.requests import MAX_TOP_LOGPROBS, InvalidField, RequestFields, TooLarge, check_size
 from specpair.server.worker import Failed, Finished, Job, NotAccepting, QueueFull, Tokens
+from specpair.tool_calls import ToolError, check_tools, forced_call_grammar, parse_tool_calls, style_of
 
 log = logging.getLogger("specpair.server.http")
 
@@ -228,9 +229,10 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
             raise bad_request(name, "penalties are not supported by this server (0 only)")
     if _get(body, "logit_bias", dict, {}):
         raise bad_request("logit_bias", "logit_bias is not supported by this server")
-    for name in ("tools", "functions"):
-        if _get(body, name, list, []):
-            raise bad_request(name, "tool calling is not supported by this server")
+    if _get(body, "functions", list, []):
+        raise bad_request("functions", "the legacy functions field is not supported: send tools")
+    if not chat and body.get("tools"):
+        raise bad_request("tools", "tools are for /v1/chat/completions")
 
 
 def _messages(body: dict) -> list[tuple[str, str]]:
@@ -615,6 +617,7 @@ class OpenAIFront:
                 body = await self._read_json(request)
                 fields, max_tokens_name = request_fields(body, chat)
                 n = choices_asked(body)
+                tool_style = self._tools(body, fields) if chat else None
                 model = body.get("model")
                 self._check_model(model)
                 stream = _get(body, "stream", bool, False)
@@ -646,7 +649,8 @@ class OpenAIFront:
                 self.admission.refused(DEFAULT_CATEGORY, err.count, PROTOCOL)
             return err.response()
         reply = Reply(chat=chat, model=model or state.options.pair, include_usage=include_usage, n=n,
-                      logprobs=fields.logprobs is not None, token_text=self._token_text)
+                      logprobs=fields.logprobs is not None, token_text=self._token_text,
+                      tool_style=tool_style)
         for a in admitted:
             a.job.client_id = reply.id
         if stream:
@@ -656,6 +660,50 @@ class OpenAIFront:
             return await self._complete(request, admitted, reply)
         finally:
             self._end(admitted)
+
+    def _tools(self, body: dict, fields: RequestFields) -> str | None:
+        """`tools` / `tool_choice`: the prompt rendered through the model's chat template with the
+        tools (fields.prompt), a forced call (`required`, a named function) as a grammar
+        (fields.structure). -> the tool-call style to parse the reply with, or None (no tools)."""
+        tools, choice = body.get("tools"), body.get("tool_choice")
+        if not tools:
+            if choice not in (None, "none", "auto"):
+                raise bad_request("tool_choice", "needs tools")
+            return None
+        try:
+            functions, forced = check_tools(tools, choice)
+        except ToolError as exc:
+            raise bad_request(exc.field, exc.reason) from None
+        if choice == "none":
+            return None
+        tok = self.state.engine.target.tokenizer
+        template = getattr(tok, "chat_template", None) or ""
+        if "tools" not in template:
+            raise bad_request("tools", "this model's chat template does not render tools")
+        style = style_of(template)
+        messages = []
+        for (role, content), raw in zip(fields.messages, body["messages"]):
+            message = {"role": role, "content": content}
+            for key in ("tool_calls", "tool_call_id", "name"):
+                if raw.get(key) is not None:
+                    message[key] = raw[key]
+            messages.append(message)
+        try:
+            text = tok.apply_chat_template(messages, tools=[{"type": "function", "function": f} for f in functions],
+                                           add_generation_prompt=True, tokenize=False)
+        except Exception as exc:     # the template's own refusal (a role order it does not take)
+            raise bad_request("messages", f"the chat template refused them: {exc}") from None
+        # The engine tokenizes a text prompt with the tokenizer's special tokens, as the template
+        # rendered them already: a BOS the template wrote is not added twice.
+        bos = tok.bos_token
+        if bos and text.startswith(bos) and tok("x", add_special_tokens=True)["input_ids"][:1] == [tok.bos_token_id]:
+            text = text[len(bos):]
+        fields.messages, fields.prompt, fields.prompt_field = None, text, "messages"
+        if forced is not None:
+            if fields.structure is not None:
+                raise bad_request("tool_choice", "a forced tool call cannot be combined with response_format")
+            fields.structure = ("grammar", forced_call_grammar(functions, forced, style))
+        return style
 
     def _end(self, admitted: list) -> None:
         """The reply has ended, however it ended: the choices still running are cancelled."""
@@ -675,20 +723,29 @@ class OpenAIFront:
     async def _stream(self, admitted: list, reply: "Reply"):
         finished = False
         usage_sum = None
+        held: list[list[str]] = [[] for _ in admitted]
         try:
             if reply.chat:
                 for index in range(reply.n):
                     yield sse(reply.chunk({"role": "assistant", "content": ""}, index=index))
             async for index, event in _choice_events(admitted):
                 if isinstance(event, Tokens):
-                    if event.text or event.logprobs:
+                    if reply.tool_style:        # a tool call is known once the reply is whole
+                        held[index].append(event.text)
+                    elif event.text or event.logprobs:
                         yield sse(reply.chunk(event.text, index=index, logprobs=event.logprobs,
                                               token_ids=event.token_ids))
                 elif isinstance(event, Finished):
-                    if event.text or event.logprobs:
+                    finish_reason = event.finish_reason
+                    if reply.tool_style:
+                        held[index].append(event.text)
+                        message, finish_reason = reply.message("".join(held[index]), finish_reason)
+                        message.pop("role")
+                        yield sse(reply.chunk(message, index=index))
+                    elif event.text or event.logprobs:
                         yield sse(reply.chunk(event.text, index=index, logprobs=event.logprobs,
                                               token_ids=event.token_ids))
-                    final = reply.chunk(None, finish_reason=event.finish_reason, index=index)
+                    final = reply.chunk(None, finish_reason=finish_reason, index=index)
                     final["specpair"] = speculation_figures(event)
                     yield sse(final)
                     usage_sum = add_usage(usage_sum, event)
@@ -784,8 +841,9 @@ class Reply:
     """
 
     def __init__(self, *, chat: bool, model: str, include_usage: bool, n: int = 1, logprobs: bool = False,
-                 token_text=None):
+                 token_text=None, tool_style: str | None = None):
         self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.tool_style = tool_style
         self.n, self.logprobs, self.token_text = n, logprobs, token_text
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -818,6 +876,18 @@ class Reply:
             self._offsets[index] += len(text)
         return out
 
+    def message(self, text: str, finish_reason: str) -> tuple[dict, str]:
+        """The assistant's message (its tool calls parsed when the request had tools), and the
+        finish reason: `tool_calls` when it called one."""
+        if not self.tool_style:
+            return {"role": "assistant", "content": text}, finish_reason
+        content, calls = parse_tool_calls(text, self.tool_style)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": [
+            {"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls)]}, "tool_calls"
+
     def chunk(self, content, finish_reason: str | None = None, *, index: int = 0, logprobs=None,
               token_ids=()) -> dict:
         """content: text, a chat delta dict, or None (no new text)."""
@@ -838,8 +908,9 @@ class Reply:
         for index, (text, event) in enumerate(zip(texts, events)):
             rendered = self._logprobs(index, logprobs[index], token_ids[index])
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "logprobs": rendered, "finish_reason": event.finish_reason})
+                message, finish_reason = self.message(text, event.finish_reason)
+                choices.append({"index": index, "message": message, "logprobs": rendered,
+                                "finish_reason": finish_reason})
             else:
                 choices.append({"index": index, "text": text, "logprobs": rendered,
                                 "finish_reason": event.finish_reason})

@@ -1,0 +1,142 @@
+"""Tool calls: OpenAI's `tools` / `tool_choice` checked, the grammar that forces a call, and a
+reply parsed into `tool_calls`. Pure functions: no torch, no server.
+
+Two reply styles, told apart by the model's chat template:
+  hermes  (Hermes, Qwen2/2.5/3, SmolLM3): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+          one block per call, text before the first block is the reply's content;
+  llama3  (Llama 3.1+ JSON tool calling): the reply is `{"name": ..., "parameters": {...}}`,
+          optionally after `<|python_tag|>`, several separated by `;`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+HERMES, LLAMA3 = "hermes", "llama3"
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+class ToolError(ValueError):
+    """A `tools` or `tool_choice` the server refuses: (field, reason)."""
+
+    def __init__(self, field: str, reason: str):
+        self.field, self.reason = field, reason
+        super().__init__(f"{field}: {reason}")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str          # JSON text, as OpenAI's `function.arguments`
+    id: str = ""
+
+
+def style_of(chat_template: str | None) -> str:
+    """The tool-call style a chat template writes (hermes unless it is Llama 3's)."""
+    template = chat_template or ""
+    if "<tool_call>" in template:
+        return HERMES
+    if "<|python_tag|>" in template or "<|eom_id|>" in template or '"parameters"' in template:
+        return LLAMA3
+    return HERMES
+
+
+def check_tools(tools, tool_choice) -> tuple[list[dict], str | None]:
+    """-> (the tools' function specs, the tool a call must name: None for auto/none, "" for any
+    (required), else its name). Raises ToolError naming the field."""
+    if not isinstance(tools, list) or not tools:
+        raise ToolError("tools", "must be a non-empty array")
+    functions = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ToolError(f"tools[{i}]", "only {\"type\": \"function\"} tools are supported")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ToolError(f"tools[{i}].function.name", "required: a non-empty string")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ToolError(f"tools[{i}].function.parameters", "must be a JSON schema object")
+        functions.append({**fn, "parameters": params})
+    names = [f["name"] for f in functions]
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return functions, None
+    if tool_choice == "required":
+        return functions, ""
+    if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
+        name = tool_choice["function"].get("name")
+        if name not in names:
+            raise ToolError("tool_choice.function.name", f"{name!r} is not one of the tools: {', '.join(names)}")
+        return functions, name
+    raise ToolError("tool_choice", "must be none, auto, required or {\"type\": \"function\", "
+                                   "\"function\": {\"name\": ...}}")
+
+
+def forced_call_grammar(functions: list[dict], name: str, style: str) -> str:
+    """A Lark grammar (llguidance's, with %json) whose every sentence is one call in `style` to
+    `name`, or to any of the functions when name is ""."""
+    chosen = [f for f in functions if not name or f["name"] == name]
+    key = "parameters" if style == LLAMA3 else "arguments"
+    schema = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", key],
+                         "properties": {"name": {"const": f["name"]}, key: f["parameters"]}}
+                        for f in chosen],
+              # One compact form: a model is not left free to pad the call with whitespace.
+              "x-guidance": {"whitespace_flexible": False}}
+    call = "%json " + json.dumps(schema)
+    if style == LLAMA3:
+        return f"start: call\ncall: {call}\n"
+    return f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {call}\n'
+
+
+def parse_tool_calls(text: str, style: str) -> tuple[str | None, list[ToolCall]]:
+    """A reply -> (its content, the calls in it). A reply with no well-formed call is content."""
+    calls: list[ToolCall] = []
+    if style == HERMES:
+        start = text.find("<tool_call>")
+        if start < 0:
+            return text, []
+        for block in _HERMES_BLOCK.findall(text[start:]):
+            call = _call(block, "arguments")
+            if call is None:
+                return text, []
+            calls.append(call)
+        content = text[:start].strip()
+        return (content or None), calls
+    body = text.strip()
+    if body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>"):]
+    for part in _split_json_objects(body):
+        call = _call(part, "parameters") or _call(part, "arguments")
+        if call is None:
+            return text, []
+        calls.append(call)
+    return (None, calls) if calls else (text, [])
+
+
+def _call(block: str, key: str) -> ToolCall | None:
+    try:
+        value = json.loads(block)
+    except ValueError:
+        return None
+    if not (isinstance(value, dict) and isinstance(value.get("name"), str) and key in value):
+        return None
+    return ToolCall(name=value["name"], arguments=json.dumps(value[key], ensure_ascii=False),
+                    id=f"call_{uuid.uuid4().hex[:24]}")
+
+
+def _split_json_objects(body: str) -> list[str]:
+    """`{...}; {...}` -> each object's text (raw_decode finds where each ends)."""
+    decoder, parts, at = json.JSONDecoder(), [], 0
+    body = body.strip()
+    while at < len(body):
+        try:
+            _, end = decoder.raw_decode(body, at)
+        except ValueError:
+            return [body]       # not JSON: _call refuses it, the reply is content
+        parts.append(body[at:end])
+        at = end
+        while at < len(body) and body[at] in " \n\t;":
+            at += 1
+    return parts

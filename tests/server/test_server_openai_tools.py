@@ -1,0 +1,130 @@
+"""Tool calls through the official `openai` client against a real server whose model's chat
+template renders tools (Hermes style), and the Llama 3 JSON style through the engine; the reply
+parsers on their own."""
+
+import copy
+import dataclasses
+import json
+
+import openai
+import pytest
+
+from serving_helpers import openai_client
+from tiny_models import make_tokenizer
+
+from specpair.config import GenerationParams
+from specpair.decoding import SpeculativeEngine
+from specpair.server.app import EngineServer, ServerOptions
+from specpair.server.requests import Limits
+from specpair.tool_calls import HERMES, LLAMA3, forced_call_grammar, parse_tool_calls, style_of
+
+HERMES_TEMPLATE = (
+    # Each tool as its name and parameters' names: the tiny tokenizer spends a token on most
+    # characters of JSON, and the tiny model's context is 512.
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for t in tools %}"
+    "{{ t.function.name }}({{ t.function.parameters.properties | list | join(', ') }})\n"
+    "{% endfor %}</tools>\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                                       "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}}
+ASK = [{"role": "user", "content": "What is the weather in Oslo for three days?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_pair):
+    """The tiny pair with a chat template that renders tools (its tokens unchanged)."""
+    target, draft = tiny_pair
+    tok = make_tokenizer(chat_template=HERMES_TEMPLATE)
+    target, draft = dataclasses.replace(target, tokenizer=tok), dataclasses.replace(draft, tokenizer=copy.deepcopy(tok))
+    engine = SpeculativeEngine(target, draft=draft)
+    server = EngineServer(lambda: engine, ServerOptions(
+        port=0, metrics_port=None, http_port=0, pair="tiny", version="1",
+        limits=Limits(max_request_bytes=64 * 1024, max_new_tokens=256)), progress=lambda _m: None)
+    server.start(wait_ready=True, timeout=60)
+    try:
+        yield server
+    finally:
+        server.stop(drain_timeout=1.0)
+
+
+def test_a_named_tool_choice_is_a_parsed_call_equal_with_speculation_off(tool_server):
+    client = openai_client(tool_server)
+    ask = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], max_tokens=80, temperature=0,
+               tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    on = client.chat.completions.create(**ask)
+    off = client.chat.completions.create(**ask, extra_body={"specpair": {"k": 0}})
+    choice = on.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Paris", "Oslo", "Lima") and 1 <= args["days"] <= 7
+    assert off.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    assert on.model_extra["specpair"]["drafted_tokens"] > 0
+    # The tools were rendered into the prompt by the template.
+    bare = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1)
+    assert on.usage.prompt_tokens > bare.usage.prompt_tokens + 20
+
+    # Streamed: the call arrives whole in one delta, then finish_reason tool_calls.
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and deltas[0].tool_calls[0].function.arguments == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_calls_one_of_the_tools(tool_server):
+    reply = openai_client(tool_server).chat.completions.create(
+        model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=80,
+        temperature=0.8, seed=9)
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name in ("get_weather", "get_time")
+    json.loads(calls[0].function.arguments)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+])
+def test_bad_tools_name_their_field(tool_server, body, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client(tool_server).chat.completions.create(model="tiny", messages=ASK, max_tokens=4, extra_body=body)
+    assert info.value.body["param"] == param
+
+
+def test_llama3_json_style_forced_through_the_grammar(tiny_pair):
+    target, draft = tiny_pair
+    engine = SpeculativeEngine(target, draft=draft)
+    functions = [WEATHER["function"], TIME["function"]]
+    params = GenerationParams(max_new_tokens=80, structure=("grammar", forced_call_grammar(functions, "get_time", LLAMA3)))
+    spec = engine.generate(["Call a tool:"], params)[0]
+    alone = engine.generate(["Call a tool:"], params, speculate=False)[0]
+    assert spec.token_ids == alone.token_ids
+    content, calls = parse_tool_calls(spec.text, LLAMA3)
+    assert content is None and [c.name for c in calls] == ["get_time"]
+    assert json.loads(calls[0].arguments)["zone"] in ("UTC", "CET")
+
+
+def test_reply_parsers_and_styles():
+    assert style_of(HERMES_TEMPLATE) == HERMES and style_of("{{ '<|python_tag|>' }}") == LLAMA3
+    content, calls = parse_tool_calls('Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+                                      '<tool_call>{"name": "g", "arguments": {}}</tool_call>', HERMES)
+    assert content == "Sure." and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}), ("g", {})]
+    content, calls = parse_tool_calls('<|python_tag|>{"name": "f", "parameters": {"x": "y"}}; '
+                                      '{"name": "g", "parameters": {}}', LLAMA3)
+    assert content is None and [c.name for c in calls] == ["f", "g"]
+    # Not a call: the reply stays content, nothing is lost.
+    assert parse_tool_calls("<tool_call>{broken", HERMES) == ("<tool_call>{broken", [])
+    assert parse_tool_calls("Hello there", LLAMA3) == ("Hello there", [])
