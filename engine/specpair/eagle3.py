@@ -367,16 +367,18 @@ def save_eagle3_head(head: Eagle3Head, out, *, verifier: str = "", about: dict |
     }
     if head.aux_layers is not None:
         config["eagle_aux_hidden_state_layer_ids"] = list(head.aux_layers)
+    # The whole vocabulary needs no map, and vLLM then has no place to load one into.
+    mapped = draft_vocab != head.config.vocab_size or bool(head.d2t.any())
     weights = {}
     for name, tensor in head.state_dict().items():
-        if name.startswith("rotary_emb"):
+        if name.startswith("rotary_emb") or (name == "d2t" and not mapped):
             continue
         if name.startswith("layer."):
             name = "layers.0." + name.removeprefix("layer.")
         weights[name] = tensor.detach().contiguous().cpu()
-    # t2d: which target ids the draft vocabulary holds (speculators writes it; vLLM skips it).
-    t2d = torch.zeros(head.config.vocab_size, dtype=torch.bool)
-    t2d[head.draft_token_ids.cpu()] = True
-    weights["t2d"] = t2d
+    if mapped:   # t2d: which target ids the draft vocabulary holds (speculators writes it)
+        t2d = torch.zeros(head.config.vocab_size, dtype=torch.bool)
+        t2d[head.draft_token_ids.cpu()] = True
+        weights["t2d"] = t2d
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

