@@ -40,8 +40,8 @@ class BlockPool:
     """Block ids 0..blocks-1 of one model's pool: free, held by rows, or cached by prefix name."""
 
     def __init__(self, blocks: int, block: int = BLOCK_TOKENS):
-        if blocks < 1 or block < 4 or block % 4:
-            raise SpecpairError(f"a block pool needs >= 1 block of a multiple of 4 positions, not "
+        if blocks < 1 or block < 4 or block & (block - 1):
+            raise SpecpairError(f"a block pool needs >= 1 block of a power of 2 (>= 4) positions, not "
                                 f"{blocks} blocks of {block}")
         self.blocks, self.block = blocks, block
         self._free: list[int] = list(range(blocks - 1, -1, -1))   # pop() gives 0 first

@@ -264,7 +264,8 @@ static void run_linear(const float *x, const float *const *W, float *const *y, c
    [rows, Hkv, S, hd], or (a paged cache) the row's block table into a pool of blocks
    [blocks, Hkv, block, hd], position p in table[p / block] at p % block. Every read goes through
    kv_at; the arithmetic on what it reads is the same either way, so a paged step is bitwise the
-   contiguous one. A block holds a multiple of 4 positions, so dot4's four keys share a block. */
+   contiguous one. A block holds a power of 2, at least 4, positions: dot4's four keys share a
+   block, and a key's block is a shift away (a division a key was a visible share of a step). */
 typedef struct {
     const float *base;     /* contiguous: this row's head's first key; paged: the pool */
     const long *table;     /* paged: this row's block table; NULL: contiguous */
@@ -274,7 +275,9 @@ typedef struct {
 
 static inline const float *kv_at(const kv_rows *r, long p) {
     if (!r->table) return r->base + p * r->hd;
-    return r->base + ((r->table[p / r->block] * r->Hkv + r->j) * r->block + p % r->block) * r->hd;
+    int shift = __builtin_ctzl((unsigned long)r->block);
+    return r->base + ((r->table[p >> shift] * r->Hkv + r->j) * r->block + (p & (r->block - 1)))
+                     * r->hd;
 }
 
 /* out = inv * sum_p s[p] * v_p, keys ascending from position lo (0, or a sliding window's
@@ -418,7 +421,7 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
     if (table) {
         /* S: the pool's blocks. Every position a token reads or writes is in its row's table,
            at a block of the pool. */
-        if (block < 4 || block % 4) return -4;
+        if (block < 4 || (block & (block - 1))) return -4;
         for (long t = 0; t < T; t++) {
             long far = (slot ? slot[t] : pos[t]) > pos[t] ? (slot ? slot[t] : pos[t]) : pos[t];
             if (far / block >= table_width) return -2;

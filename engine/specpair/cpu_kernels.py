@@ -185,7 +185,7 @@ def llama_layer(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, co
     LAYER_OPTIONS a family has (q/k/v biases: Qwen2; q/k head norms: Qwen3), contiguous float32;
     `window`: a sliding window in positions (Mistral), None for none. A paged cache (`table`,
     int64 [rows, blocks a row], each row's blocks in position order): kc/vc are a pool
-    [blocks, kv heads, block, head dim] (block a multiple of 4), read and written through the
+    [blocks, kv heads, block, head dim] (block a power of 2, at least 4), read and written through the
     table, bitwise as the contiguous cache."""
     wq, wk, wv, wo, wg, wu, wd, n1, n2 = weights
     options = options or {}

@@ -33,7 +33,7 @@ def test_blocks_are_given_and_taken_back_all_or_nothing():
     pool.release("b")
     assert pool.free == 4 and pool.held("b") == 0
     with pytest.raises(SpecpairError):
-        BlockPool(4, 6)                                  # the C layer reads keys four at a time
+        BlockPool(4, 12)                                 # the C layer finds a key's block by a shift
 
 
 def test_a_prefix_is_shared_by_reference_and_never_written_by_its_sharers():

@@ -122,7 +122,7 @@ def test_a_table_that_does_not_cover_a_step_is_refused(tiny_target):
     with pytest.raises(RuntimeError, match="code -2"):           # a block the pool lacks
         cpu_kernels.llama_layer(h, torch.tensor([0]), pos, cos, sin, pool, pool.clone(), **common,
                                 table=torch.tensor([[0, 1, 4]]))
-    odd = torch.zeros(4, cfg.num_key_value_heads, 6, hd)         # blocks of 6: dot4 would straddle
+    odd = torch.zeros(4, cfg.num_key_value_heads, 12, hd)        # blocks of 12: not a power of 2
     with pytest.raises(RuntimeError, match="code -4"):
         cpu_kernels.llama_layer(h, torch.tensor([0]), torch.tensor([3]), cos, sin, odd, odd.clone(),
                                 **common, table=torch.tensor([[0, 1]]))
