@@ -874,7 +874,8 @@ class Batch:
         under a point-mass q, so verify_tree never keeps one (greedy: the target's token there
         differs from the rejected chain token; sampled: the residual after that token is zero on
         it) and never reads their logits. Feeding them only widened the batch's one padded
-        pass: a copy of 8 with one sibling a depth was 17 tokens, past the C layer's limit of the time (16; 64 now)."""
+        pass: a copy of 8 with one sibling a depth was 17 tokens, past the C layer's limit of
+        the time (16; 64 now)."""
         B, S = self.active, siblings.shape[2]
         nums, sib_l, drafts_l = num.tolist(), siblings.tolist(), drafts.tolist()
         fed_siblings = [0 if copied and copied[i] else S for i in range(B)]
