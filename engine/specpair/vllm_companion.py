@@ -611,7 +611,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m specpair.vllm_companion", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--upstream", default=f"unix:{VLLM_SOCKET}", help="vLLM's OpenAI server: unix:PATH or host:port")
+    ap.add_argument("--upstream", help="vLLM's OpenAI server as host:port (else its Unix socket, --uds)")
+    ap.add_argument("--uds", default=VLLM_SOCKET, help="vLLM's Unix socket (a path on its own: a pod's mount "
+                    "paths are found as whole arguments)")
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=8000, help="the pod's OpenAI API, /health and /metrics")
     ap.add_argument("--pair", default="specpair")
@@ -636,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
             pair = str(release.get("pair") or pair)
             version = str((release.get("mlflow") or {}).get("version") or version)
         options = CompanionOptions(
-            upstream=args.upstream, host=args.host, port=args.port, pair=pair, version=version,
+            upstream=args.upstream or f"unix:{args.uds}", host=args.host, port=args.port, pair=pair, version=version,
             auth_token=read_token_file(args.auth_token_file) if args.auth_token_file else None,
             tls=TLSFiles(args.tls_cert, args.tls_key) if args.tls_cert else None,
             control_port=args.control_port,

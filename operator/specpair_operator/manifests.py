@@ -444,7 +444,7 @@ def vllm_companion_command(http_port: int, control_port: int, rollout: dict[str,
     socket, the bearer token where rollout.auth names one, and GetStats on the control port
     (mutual TLS, the engine certificate the operator issues, as our engine's)."""
     token = ["--auth-token-file", f"{AUTH_DIR}/token"] if (rollout.get("auth") or {}).get("tokenSecretRef") else []
-    return ["python", "-m", "specpair.vllm_companion", "--release", RELEASE_FILE, "--upstream", f"unix:{VLLM_SOCKET}",
+    return ["python", "-m", "specpair.vllm_companion", "--release", RELEASE_FILE, "--uds", VLLM_SOCKET,
             "--host", "0.0.0.0", "--port", str(http_port), *token,
             "--control-port", str(control_port), "--control-tls-cert", f"{TLS_DIR}/tls.crt",
             "--control-tls-key", f"{TLS_DIR}/tls.key", "--control-tls-client-ca", f"{TLS_DIR}/ca.crt"]

@@ -483,7 +483,7 @@ def test_a_vllm_release_is_its_own_release_and_renders_vllms_server():
                             "--uds", manifests.VLLM_SOCKET, "--enforce-eager"]
     assert "ports" not in c and c["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
     assert companion["command"][:9] == ["python", "-m", "specpair.vllm_companion", "--release", manifests.RELEASE_FILE,
-                                        "--upstream", f"unix:{manifests.VLLM_SOCKET}", "--host", "0.0.0.0"]
+                                        "--uds", manifests.VLLM_SOCKET, "--host", "0.0.0.0"]
     assert companion["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
                                   {"name": "control", "containerPort": manifests.CONTROL_PORT, "protocol": "TCP"}]
     assert companion["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
