@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""The same EAGLE-3 head in our engine and in vLLM-CPU: tokens/s and acceptance on the same
+prompts, greedy, k fixed, one thread each.
+
+    python bench/eagle3_vs_vllm.py --out RESULT.json [--target default] [--head DIR]
+        [--prompts 3] [--max-tokens 64] [--k 3]
+
+--head: an EAGLE-3 head directory (the speculators layout: `specpair distill --method eagle3`,
+or one `speculators` wrote). Without it, an untrained head for the target (eagle3.py's
+build_eagle3_head: it drafts what the target's last auxiliary layer predicts) is written to a
+temporary folder: the engines' costs are then compared at whatever acceptance that gives, the
+same in both (the script prints both engines' acceptance).
+
+Ours: SpeculativeEngine with the head, torch on one thread, one warm-up request, then the
+prompts one after another. vLLM: scripts/setup-vllm.sh's venv serving the target with
+--speculative-config {"method": "eagle3", ...} (vllm_peer.VllmServer: OMP_NUM_THREADS=1), one
+warm-up request, then the same prompt ids; tokens/s is generated tokens over the requests'
+wall time, its acceptance from its /metrics counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS = ["Write a short story about a robot who learns to paint.",
+           "Explain how a hash table works, with an example in Python.",
+           "List five tips for staying focused while studying, and say why each helps.",
+           "Summarise the plot of a detective novel in one paragraph."]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--target", default="default")
+    parser.add_argument("--head", default=None)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=3)
+    args = parser.parse_args()
+
+    import torch
+
+    from specpair.config import GenerationParams, SpeculationConfig
+    from specpair.decoding import SpeculativeEngine, encode_prompt
+    from specpair.eagle3 import build_eagle3_head, save_eagle3_head
+    from specpair.models import load_model
+    from specpair.vllm_peer import VllmServer, default_python
+
+    torch.set_num_threads(1)
+    target = load_model(args.target, device="cpu", dtype="float32")
+    head_dir = args.head
+    if head_dir is None:
+        head_dir = str(Path(tempfile.mkdtemp(prefix="eagle3-bench-")) / "head")
+        head = build_eagle3_head(target.model, torch.arange(len(target.tokenizer)))
+        save_eagle3_head(head, head_dir, verifier=args.target, about={"untrained": True})
+    draft = load_model(head_dir, device="cpu", dtype="float32")
+    prompts = [encode_prompt(target.tokenizer, p, True) for p in PROMPTS[:args.prompts]]
+    params = GenerationParams(max_new_tokens=args.max_tokens)
+    engine = SpeculativeEngine(target, draft=draft, kv="static", speculation=SpeculationConfig(
+        k=args.k, dynamic_k=False, fallback_threshold=0.0))
+
+    def reply(ids: list[int]):
+        batch = engine.new_batch()
+        seq = batch.add(ids, params)
+        while batch.active:
+            batch.step()
+        return seq
+
+    reply(prompts[0])                                           # warm-up
+    started, tokens, drafted, kept = time.perf_counter(), 0, 0, 0
+    for ids in prompts:
+        seq = reply(ids)
+        tokens += seq.num_generated
+        drafted += seq.stats.num_draft_tokens
+        kept += seq.stats.num_accepted_tokens
+    ours = {"tokens": tokens, "seconds": round(time.perf_counter() - started, 3),
+            "acceptance": round(kept / drafted, 4) if drafted else 0.0}
+    ours["tokens_per_s"] = round(tokens / ours["seconds"], 2)
+    print("ours", json.dumps(ours), file=sys.stderr, flush=True)
+
+    spec = {"method": "eagle3", "model": head_dir, "num_speculative_tokens": args.k}
+    with VllmServer(default_python(), target.resolved_path, speculative=spec,
+                    start_timeout=900) as vllm:
+        vllm.complete_greedy(prompts[0], args.max_tokens)       # warm-up
+        before = vllm.spec_decode_counters()
+        started, tokens = time.perf_counter(), 0
+        for ids in prompts:
+            tokens += len(vllm.complete_greedy(ids, args.max_tokens).token_ids)
+        seconds = time.perf_counter() - started
+        counters = vllm.spec_decode_counters() - before
+    theirs = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
+              "acceptance": round(counters.acceptance_rate, 4)}
+    result = {"target": args.target, "head": args.head or "untrained (build_eagle3_head)",
+              "k": args.k, "prompts": len(prompts), "max_tokens": args.max_tokens,
+              "threads": 1, "ours": ours, "vllm": theirs,
+              "ratio": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)}
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
