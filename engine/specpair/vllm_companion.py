@@ -545,9 +545,11 @@ class Companion:
                     rest = scanner.rest()
                     if rest:
                         await resp.write(rest)
-                    await resp.write_eof()
-                except (ConnectionResetError, asyncio.CancelledError):
+                except ConnectionResetError:
                     reply.status = "cancelled"      # the client left; vLLM aborts as the stream closes
+                    return resp
+                except asyncio.CancelledError:
+                    reply.status = "cancelled"
                     raise
                 except aiohttp.ClientError:
                     reply.status = "error"          # vLLM's stream broke off
@@ -556,6 +558,10 @@ class Companion:
                     read_final(reply, scanner.final, arrived, scanner.first_at, time.perf_counter())
                 if scanner.error:
                     reply.status = "error"
+                try:
+                    await resp.write_eof()
+                except ConnectionResetError:
+                    pass    # the client had the whole reply ([DONE]) and closed before the last chunk's end
                 return resp
         finally:
             reply.e2e = time.perf_counter() - arrived

@@ -123,3 +123,36 @@ def test_getstats_carries_each_categorys_request_sums_and_serving_counts():
     text = generate_latest(tally.metrics.registry).decode()
     assert 'specpair_num_draft_tokens_total{category="code",pair="p",version="1"} 32.0' in text
     assert 'specpair_requests_total{category="chat",pair="p",protocol="http",status="invalid",version="1"} 1.0' in text
+
+
+def test_a_client_that_closes_after_done_is_counted_ok_and_one_that_leaves_early_cancelled():
+    """Over real sockets: the companion in front of vLLM's captured stream replayed (the bench's
+    --replay upstream). The openai client closes once it has read [DONE], before the chunked
+    body's end: that reply was whole (ok). A client that leaves mid-stream is counted cancelled."""
+    import socket
+
+    from specpair.vllm_companion import Companion, CompanionOptions
+    from specpair.vllm_companion_bench import ReplayServer
+    from waiting import wait_until
+
+    def stream(port: int, read_until: bytes) -> bytes:
+        body = json.dumps({"model": "peer", "prompt": "x", "max_tokens": 400, "stream": True,
+                           "specpair": {"category": "code"}}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            got = b""
+            while read_until not in got:
+                got += s.recv(65536)
+            return got
+
+    with ReplayServer() as upstream:
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
+        try:
+            assert b"data: [DONE]" in stream(companion.port, b"data: [DONE]")
+            stream(companion.port, b'"text":"V"')          # leaves after the first token
+            wait_until("both counted", lambda: sum(companion.tally.metrics.serving_counts().get("code", {})
+                                                   .get("requests", {}).values()) == 2, timeout=30)
+            assert companion.tally.metrics.serving_counts()["code"]["requests"] == {"ok": 1, "cancelled": 1}
+        finally:
+            companion.stop()
