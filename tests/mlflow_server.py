@@ -80,3 +80,14 @@ class MlflowServer:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait(5)
         self.proc = None
+
+
+def load_table(client, tracking_uri: str, experiment_id: str, path: str, run_id: str):
+    """`MlflowClient.load_table` finds its runs through mlflow's global tracking URI, not the
+    client's own; other tests in the same worker set that URI to their own servers
+    (`mlflow.set_tracking_uri`), which an environment variable does not override. So the URI is
+    set for the one call and put back."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    with _use_tracking_uri(tracking_uri):
+        return client.load_table(experiment_id, path, run_ids=[run_id])

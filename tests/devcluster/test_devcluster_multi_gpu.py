@@ -44,8 +44,11 @@ def test_a_tensor_parallel_2_vllm_pair_gets_two_gpus_a_pod_and_the_scheduler_fil
                "resources": {"limits": {GPU: 1}}}
     rel = release.build_release("big", ns, SPEC, PROMPTS)
     dep = manifests.engine_deployment("big", ns, rel, release.content_hash(rel), "1", rollout, "http://mlflow:5000")
-    (container,) = dep["spec"]["template"]["spec"]["containers"]
-    assert container["resources"]["limits"][GPU] == 2       # tensor 2 x pipeline 1
+    # vLLM holds the GPUs; its companion (the pair's API port and control port) asks for none.
+    containers = {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
+    assert set(containers) == {"engine", "companion"}
+    assert containers["engine"]["resources"]["limits"][GPU] == 2       # tensor 2 x pipeline 1
+    assert GPU not in (containers["companion"]["resources"].get("limits") or {})
     kube.create(dep)
     selector = ",".join(f"{k}={v}" for k, v in manifests.engine_selector("big").items())
 
@@ -57,7 +60,8 @@ def test_a_tensor_parallel_2_vllm_pair_gets_two_gpus_a_pod_and_the_scheduler_fil
 
     bound, waiting = wait_until("two pods bound and one unschedulable", placed, timeout=60)
     assert {p["spec"]["nodeName"] for p in bound} == {"gpu4-1"}
-    assert sum(int(p["spec"]["containers"][0]["resources"]["limits"][GPU]) for p in bound) == 4
+    assert sum(int(c["resources"].get("limits", {}).get(GPU, 0))
+               for p in bound for c in p["spec"]["containers"]) == 4
     assert f"Insufficient {GPU}" in _scheduled(waiting[0])["message"]
     # Scaling to two frees nothing bound and leaves nothing waiting: both fit the one node.
     kube.patch("apps/v1", "Deployment", ns, dep["metadata"]["name"], {"spec": {"replicas": 2}})

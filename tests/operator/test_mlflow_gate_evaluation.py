@@ -9,6 +9,7 @@ import time
 import uuid
 
 import pytest
+from mlflow_server import load_table  # tests/ is on sys.path (tests/conftest.py)
 
 from specpair_operator import release
 from specpair_operator.registry import ReleaseRegistry
@@ -63,9 +64,7 @@ def gate_with(reg, tmp_path, model: str, spec: dict, verdict: dict) -> str:
     return version
 
 
-def test_the_gate_run_is_an_evaluation_and_the_version_carries_its_figures(reg, tmp_path, monkeypatch):
-    # MlflowClient.load_table searches through mlflow's global tracking URI, not the client's.
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", reg.tracking_uri)
+def test_the_gate_run_is_an_evaluation_and_the_version_carries_its_figures(reg, tmp_path):
     model = f"m-{uuid.uuid4().hex[:6]}"
     reg.ensure_model(model, "ns/p")
     version = gate_with(reg, tmp_path, model, SPEC, VERDICT)
@@ -92,7 +91,7 @@ def test_the_gate_run_is_an_evaluation_and_the_version_carries_its_figures(reg, 
     assert "| speedup | >= 1.00x | 1.08x |" in description
     assert "| acceptance of code | >= 0.500 | 70.0% |" in description
     # The per-prompt results as a table MLflow's evaluation view reads.
-    table = client.load_table(run.info.experiment_id, PER_PROMPT_TABLE, run_ids=[run.info.run_id])
+    table = load_table(client, reg.tracking_uri, run.info.experiment_id, PER_PROMPT_TABLE, run.info.run_id)
     assert list(table.columns[:len(PER_PROMPT_COLUMNS)]) == list(PER_PROMPT_COLUMNS)
     assert table["speedup"].tolist() == [1.31, 0.92] and table["output_tokens"].tolist() == [4, 2]
     # The experiment opens on runs, not on MLflow 3's GenAI overview.

@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from mlflow_server import load_table  # tests/ is on sys.path (tests/conftest.py)
 
 from specpair_operator import aliases, gate_attempts, release
 from specpair_operator.registry import ReleaseRegistry
@@ -289,9 +290,8 @@ def test_a_forked_real_gate_is_recorded_and_its_crash_reported(reg, tmp_path, ti
     assert status == "passed" and verdict["greedyIdentity"] == 1.0
     assert json.loads(termination.read_text())["passed"] is True
     # The real gate's per-prompt results reach the run's table (docs/mlflow.md), measured.
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", reg.tracking_uri)   # load_table searches the global URI
     run = reg.client.get_run(reg.version_tags(model, version)[TAG_GATE_RUN])
-    table = reg.client.load_table(run.info.experiment_id, PER_PROMPT_TABLE, run_ids=[run.info.run_id])
+    table = load_table(reg.client, reg.tracking_uri, run.info.experiment_id, PER_PROMPT_TABLE, run.info.run_id)
     assert table["category"].tolist() == ["code"] and table["identical"].tolist() == [True]
     assert 0 < table["output_tokens"][0] <= 8 and table["speedup"][0] > 0 and 0 <= table["acceptance"][0] <= 1
 
