@@ -3,13 +3,18 @@
 prompts, greedy, k fixed, one thread each.
 
     python bench/eagle3_vs_vllm.py --out RESULT.json [--target default] [--head DIR]
-        [--prompts 3] [--max-tokens 64] [--k 3]
+        [--prompts 3] [--max-tokens 64] [--k 3] [--prompts-file bench/eagle3_prompts.jsonl]
 
 --head: an EAGLE-3 head directory (the speculators layout: `specpair distill --method eagle3`,
 or one `speculators` wrote). Without it, an untrained head for the target (eagle3.py's
 build_eagle3_head: it drafts what the target's last auxiliary layer predicts) is written to a
 temporary folder: the engines' costs are then compared at whatever acceptance that gives, the
 same in both (the script prints both engines' acceptance).
+
+The prompts: the first --prompts of --prompts-file (bench/eagle3_prompts.jsonl, the bench's
+prompt format). A trained head for the issue's figure is made from the same file (the command is
+in docs/measurements/2026-12-06-eagle3-trained-vs-vllm-cpu.md): the target's own replies to
+these prompts, as the issue's speculators run trained on its prompts.
 
 Ours: SpeculativeEngine with the head, torch on one thread, one warm-up request, then the
 prompts one after another. vLLM: scripts/setup-vllm.sh's venv serving the target with
@@ -22,15 +27,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-PROMPTS = ["Write a short story about a robot who learns to paint.",
-           "Explain how a hash table works, with an example in Python.",
-           "List five tips for staying focused while studying, and say why each helps.",
-           "Summarise the plot of a detective novel in one paragraph."]
+PROMPTS_FILE = Path(__file__).with_name("eagle3_prompts.jsonl")
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def main() -> None:
@@ -41,10 +49,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--prompts-file", default=str(PROMPTS_FILE))
     args = parser.parse_args()
 
     import torch
 
+    from specpair.bench import load_prompts
     from specpair.config import GenerationParams, SpeculationConfig
     from specpair.decoding import SpeculativeEngine, encode_prompt
     from specpair.eagle3 import build_eagle3_head, save_eagle3_head
@@ -59,7 +69,8 @@ def main() -> None:
         head = build_eagle3_head(target.model, torch.arange(len(target.tokenizer)))
         save_eagle3_head(head, head_dir, verifier=args.target, about={"untrained": True})
     draft = load_model(head_dir, device="cpu", dtype="float32")
-    prompts = [encode_prompt(target.tokenizer, p, True) for p in PROMPTS[:args.prompts]]
+    texts = [row["prompt"] for row in load_prompts(args.prompts_file)][:args.prompts]
+    prompts = [encode_prompt(target.tokenizer, p, True) for p in texts]
     params = GenerationParams(max_new_tokens=args.max_tokens)
     engine = SpeculativeEngine(target, draft=draft, kv="static", speculation=SpeculationConfig(
         k=args.k, dynamic_k=False, fallback_threshold=0.0))
@@ -72,6 +83,7 @@ def main() -> None:
         return seq
 
     reply(prompts[0])                                           # warm-up
+    loads = {"ours_before": load_average()}
     started, tokens, drafted, kept = time.perf_counter(), 0, 0, 0
     for ids in prompts:
         seq = reply(ids)
@@ -81,6 +93,7 @@ def main() -> None:
     ours = {"tokens": tokens, "seconds": round(time.perf_counter() - started, 3),
             "acceptance": round(kept / drafted, 4) if drafted else 0.0}
     ours["tokens_per_s"] = round(tokens / ours["seconds"], 2)
+    loads["ours_after"] = load_average()
     print("ours", json.dumps(ours), file=sys.stderr, flush=True)
 
     spec = {"method": "eagle3", "model": head_dir, "num_speculative_tokens": args.k}
@@ -88,19 +101,28 @@ def main() -> None:
                     start_timeout=900) as vllm:
         vllm.complete_greedy(prompts[0], args.max_tokens)       # warm-up
         before = vllm.spec_decode_counters()
+        loads["vllm_before"] = load_average()
         started, tokens = time.perf_counter(), 0
         for ids in prompts:
             tokens += len(vllm.complete_greedy(ids, args.max_tokens).token_ids)
         seconds = time.perf_counter() - started
         counters = vllm.spec_decode_counters() - before
+        loads["vllm_after"] = load_average()
     theirs = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
               "acceptance": round(counters.acceptance_rate, 4)}
     result = {"target": args.target, "head": args.head or "untrained (build_eagle3_head)",
               "k": args.k, "prompts": len(prompts), "max_tokens": args.max_tokens,
               "threads": 1, "ours": ours, "vllm": theirs,
-              "ratio": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)}
+              "ratio": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3),
+              "load_average_1_5_15": loads, "commit": commit()}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+
+
+def commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent)
+    return done.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":

@@ -92,10 +92,6 @@ class DistillConfig:
             raise SpecpairError(f"ttt_depth must be in [1, seq_len), got {self.ttt_depth}")
         if self.ttt_depth > 1 and self.method not in ("eagle", "eagle3"):
             raise SpecpairError("ttt_depth applies to --method eagle and eagle3 only")
-        if self.method == "eagle3" and (self.replies or self.requests):
-            raise SpecpairError("--replies/--requests with --method eagle3: not yet (the replies "
-                                "keep the target's last features, not the three layers an EAGLE-3 "
-                                "head reads)")
         if self.requests:   # refused before the target loads, not after
             from specpair.self_distill import file_requests
             file_requests(self.requests, self.replies)
@@ -214,6 +210,19 @@ FEATURE_BATCH = 4        # such chunks per pass
 
 
 @torch.no_grad()
+def target_states(teacher, batch: torch.Tensor, layers: tuple[int, ...] | None) -> torch.Tensor:
+    """One target pass over [B, L] ids: the normed last states [B, L, D], then with `layers`
+    those layers' inputs, [B, L, (1 + len) * D]."""
+    result = teacher.model.model(input_ids=batch.to(teacher.device),
+                                 output_hidden_states=layers is not None)
+    if layers is None:
+        return result.last_hidden_state.float().cpu()
+    # hidden_states[L]: layer L's input (the embeddings for 0), as vLLM numbers them.
+    return torch.cat([result.last_hidden_state] + [result.hidden_states[L] for L in layers],
+                     dim=-1).float().cpu()
+
+
+@torch.no_grad()
 def target_features(teacher, ids: torch.Tensor, progress=print,
                     layers: tuple[int, ...] | None = None) -> torch.Tensor:
     """The target's features (normed last hidden states, [n, D]) of a token stream, computed
@@ -225,13 +234,7 @@ def target_features(teacher, ids: torch.Tensor, progress=print,
     out, started = [], time.perf_counter()
 
     def states(batch: torch.Tensor) -> torch.Tensor:
-        result = teacher.model.model(input_ids=batch.to(teacher.device),
-                                     output_hidden_states=layers is not None)
-        if layers is None:
-            return result.last_hidden_state.float().cpu()
-        # hidden_states[L]: layer L's input (the embeddings for 0), as vLLM numbers them.
-        return torch.cat([result.last_hidden_state] + [result.hidden_states[L] for L in layers],
-                         dim=-1).float().cpu()
+        return target_states(teacher, batch, layers)
 
     for i in range(0, len(chunks), FEATURE_BATCH):
         group = chunks[i:i + FEATURE_BATCH]
@@ -245,6 +248,18 @@ def target_features(teacher, ids: torch.Tensor, progress=print,
                      f"({time.perf_counter() - started:.0f} s)")
     width = (1 + len(layers or ())) * teacher.model.config.hidden_size
     return torch.cat(out) if out else torch.zeros(0, width)
+
+
+def conversation_features(teacher, conversation: dict, layers: tuple[int, ...] | None) -> torch.Tensor:
+    """A conversation's features for every token but its last. An EAGLE/Medusa head reads the
+    normed last states the target recorded while writing the reply; an EAGLE-3 head (`layers`)
+    reads three layers' inputs besides, which serving never recorded: one target pass over the
+    whole conversation gives them (whole, not in FEATURE_CHUNKs: the reply's context as served)."""
+    recorded = conversation["features"]
+    if recorded is not None and layers is None:
+        return recorded
+    ids = torch.tensor([conversation["ids"][:-1]], dtype=torch.long)
+    return target_states(teacher, ids, layers)[0]
 
 
 class FeatureStream(TokenStream):
@@ -453,8 +468,7 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
         parts = [target_features(teacher, torch.tensor(ids, dtype=torch.long), progress, layers)]
         for c in conversations:
             ids.extend(c["ids"][:-1])
-            parts.append(c["features"] if c["features"] is not None else
-                         target_features(teacher, torch.tensor(c["ids"][:-1]), lambda _: None))
+            parts.append(conversation_features(teacher, c, layers))
         features = torch.cat(parts)
         feature_seconds = time.perf_counter() - started
         stream = FeatureStream(torch.tensor(ids, dtype=torch.long), features, config.seq_len,

@@ -285,3 +285,39 @@ def test_vllm_serves_the_head_our_distill_wrote_as_our_engine_does(target, targe
         k=K, dynamic_k=False, fallback_threshold=0.0))
     ours = [rounds_counted_as_vllm(engine, target.tokenizer(p)["input_ids"]) for p in PROMPTS]
     assert vllm_counts(target, target_dir, distilled_head_dir[0]) == ours
+
+
+def test_distill_trains_an_eagle3_head_on_the_targets_own_replies(target, tmp_path):
+    """`--method eagle3 --replies N`: the conversations' features are the three layers' inputs
+    beside the normed last state, from a pass over each whole conversation; the last state
+    agrees with what the target recorded while writing the reply (the features other heads
+    train on), and the head trained on them drafts with target-only output."""
+    from specpair.distill import DistillConfig, conversation_features, distill, eagle3_layers
+    from specpair.self_distill import _load_features
+
+    out = tmp_path / "head"
+    summary = distill(DistillConfig(out=str(out), method="eagle3", replies=3, reply_tokens=12,
+                                    steps=4, batch_size=2, seq_len=32, seed=3,
+                                    checkpoint_every=4, corpus_chars=20_000, eval_prompts=0,
+                                    draft_vocab=200), teacher=target, progress=lambda *_: None)
+    assert summary["steps"] == 4
+    conversations = [json.loads(line) for line in (out / "replies.jsonl").read_text().splitlines()]
+    assert len(conversations) == 3
+    recorded = _load_features(out / "checkpoints" / "reply-features", 3)
+    D, layers = target.model.config.hidden_size, eagle3_layers(target)
+    for c, last in zip(conversations, recorded):
+        features = conversation_features(target, {**c, "features": last}, layers)
+        assert features.shape == (len(c["ids"]) - 1, 4 * D)
+        torch.testing.assert_close(features[:, :D], last, atol=1e-4, rtol=1e-4)
+        with torch.no_grad():
+            hidden = target.model.model(input_ids=torch.tensor([c["ids"][:-1]]),
+                                        output_hidden_states=True).hidden_states
+        torch.testing.assert_close(features[:, D:2 * D], hidden[layers[0]][0])
+    head = load_model(str(out), device="cpu", dtype="float32")
+    engine = SpeculativeEngine(target, draft=head, kv="static",
+                               speculation=SpeculationConfig(k=K, dynamic_k=False))
+    reply = engine.generate([PROMPTS[0]], GenerationParams(max_new_tokens=MAX_TOKENS))[0]
+    plain = SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False))
+    assert reply.token_ids == plain.generate([PROMPTS[0]],
+                                             GenerationParams(max_new_tokens=MAX_TOKENS))[0].token_ids
+    assert reply.stats.num_draft_tokens > 0
