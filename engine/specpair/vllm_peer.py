@@ -84,6 +84,9 @@ def flags_argv(flags: dict[str, str]) -> list[str]:
 
 # -- speculation settings -> --speculative-config --------------------------------------------
 
+# The gate's k by load in a vLLM release's speculation block (vllm_k_schedule; the operator puts
+# it in the served release unless rollout.applyGateTuning is false).
+K_BY_BATCH_SIZE = "kByBatchSize"
 # The release's draft.method (the CRD's names) and vLLM's name for it (SpeculativeConfig.method).
 VLLM_METHODS = {"draft-model": "draft_model", "ngram": "ngram", "eagle": "eagle", "eagle3": "eagle3",
                 "mtp": "mtp", "medusa": "medusa"}
@@ -106,15 +109,20 @@ def speculative_config(release_or_settings: dict | None, *, k: int | None = None
       (what the bench has), with `k` given here;
     - None or {} -> None.
     k: explicit > the release's speculation.k > SpeculationConfig's default. vLLM drafts a fixed
-    k (ours may adapt k at run time, starting from this one). A draft model's source must be
+    k (ours may adapt k at run time, starting from this one), or by batch size where the release
+    carries the gate's speculation.kByBatchSize (vLLM's num_speculative_tokens_per_batch_size). A draft model's source must be
     something vLLM loads itself: a local model directory (or a hub id where there is a network);
     "default", GGUF files and MLflow URIs are resolved by our loader, not here.
     """
     if not release_or_settings:
         return None
     settings = dict(release_or_settings)
+    schedule = None
     if "draft" in settings or "speculation" in settings:       # a release
-        spec = SpeculationConfig.from_release(settings)
+        # The gate's k by load (vllm_k_schedule), vLLM's alone: our engine's reading never sees it.
+        speculation = dict(settings.get("speculation") or {})
+        schedule = speculation.pop(K_BY_BATCH_SIZE, None)
+        spec = SpeculationConfig.from_release({**settings, "speculation": speculation})
         if not spec.enabled:
             return None
         if spec.tree_width > 1:
@@ -138,6 +146,37 @@ def speculative_config(release_or_settings: dict | None, *, k: int | None = None
     k = SpeculationConfig().k if k is None else int(k)
     if k < 1:
         raise SpecpairError(f"speculation k must be >= 1, got {k}")
+    config = _speculative_config(settings, k)
+    if schedule is not None:
+        config["num_speculative_tokens_per_batch_size"] = checked_schedule(schedule, k)
+    return config
+
+
+def checked_schedule(schedule: Any, k: int) -> list[list[int]]:
+    """A release's speculation.kByBatchSize as vLLM's num_speculative_tokens_per_batch_size, after
+    vLLM's own rules (validate_and_normalize_dynamic_sd_schedule): inclusive [start, end, k] ranges,
+    sorted, not overlapping, the first from 1; each k from 0 to the release's k (vLLM would cap
+    a larger one silently: the release would serve other than it says)."""
+    what = f"speculation.{K_BY_BATCH_SIZE}"
+    if not isinstance(schedule, list) or not schedule:
+        raise SpecpairError(f"{what} must be a non-empty list of [start, end, k] ranges, got {schedule!r}")
+    out, previous_end = [], 0
+    for entry in schedule:
+        if not (isinstance(entry, list) and len(entry) == 3
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in entry)):
+            raise SpecpairError(f"{what}: each range is [start, end, k] (integers), got {entry!r}")
+        start, end, chosen = entry
+        if (start != 1) if not out else (start <= previous_end):
+            raise SpecpairError(f"{what}: ranges must be sorted, not overlap, and the first start at 1; "
+                                f"got {schedule!r}")
+        if not 1 <= start <= end or not 0 <= chosen <= k:
+            raise SpecpairError(f"{what}: range {entry!r} needs 1 <= start <= end and 0 <= k <= {k}")
+        out.append([start, end, chosen])
+        previous_end = end
+    return out
+
+
+def _speculative_config(settings: dict, k: int) -> dict:
     kind = settings.get("kind")
     if kind == "ngram":
         default_max, default_min = ngram_defaults()
