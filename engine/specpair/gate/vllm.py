@@ -9,23 +9,50 @@ our engine see the same prompt tokens; the generated ids must be identical. Acce
 from vLLM's own spec-decode counters (read before and after each prompt, so each category gets
 its own), speedup from the requests' wall times.
 
-Not measured here: the k and batch-size sweeps (vLLM drafts a fixed k; the release's k is what
-gets served), and identity "within ties" (that needs the target's logits: it equals identity).
+k by load: each server also runs the golden prompts at the concurrencies the release will serve
+(its gating.tuning.batchSizes), that many requests in flight at once, and the speedup at each
+(target-only wall time over speculative, median of LOAD_RUNS) becomes vLLM's batch-size
+schedule for k (vllm_k_schedule: the release's k where drafting pays, 0 from where it stops),
+shipped as bestSpeculation.kByBatchSize beside the batchSweep it rests on.
+
+Not measured here: the k sweep (vLLM cannot change k while it runs: each k would be a server
+start; the release's k is what gets served), and identity "within ties" (that needs the target's
+logits: it equals identity).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from specpair.config import Release
-from specpair.contract import DEFAULT_CATEGORY, parallelism, threshold_failures
+from specpair.contract import DEFAULT_CATEGORY, gate_tuning, parallelism, threshold_failures
 from specpair.errors import SpecpairError
 from specpair.gate.verdict import check_release, new_verdict, tokenizer_check
 from specpair.vllm_parallel import model_config, tensor_parallel_refusal
 
 ENGINE_KIND = "vllm"
+# Timed runs per concurrency on each server; the median is the figure (a neighbour's burst slows
+# one run, not the middle one). The two servers run one after the other, so a ratio's sides are
+# not back to back as our engine's gate pairs them.
+LOAD_RUNS = 3
+
+
+def load_seconds(server, prompts: list[list[int]], concurrency: int, max_new: int, runs: int = LOAD_RUNS) -> float:
+    """Median wall time for `concurrency` greedy requests in flight at once (the golden prompts
+    in turn), each generating `max_new` tokens (ignore_eos: both servers do the same work)."""
+    batch = [prompts[i % len(prompts)] for i in range(concurrency)]
+    seconds = []
+    with ThreadPoolExecutor(concurrency) as pool:
+        for _ in range(runs):
+            started = time.perf_counter()
+            list(pool.map(lambda p: server.complete_greedy(p, max_new, ignore_eos=True), batch))
+            seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
 
 
 def vllm_python() -> str:
@@ -98,10 +125,12 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
                    "max_model_len": int(max_len) if max_len else None}
     verdict["device"] = f"vllm ({dtype})"
 
-    progress(f"vLLM target-only: {len(ids)} golden prompts")
+    concurrencies = gate_tuning(release)["batchSizes"]
+    progress(f"vLLM target-only: {len(ids)} golden prompts, then at concurrencies {concurrencies}")
     with VllmServer(python, target_dir, **server_args) as base_server:
         base_server.complete_greedy(ids[0], 2)   # warm-up
         base = [base_server.complete_greedy(p, max_new) for p in ids]
+        base_load = [load_seconds(base_server, ids, c, max_new) for c in concurrencies]
     progress(f"vLLM speculative ({speculative.get('method') or 'draft model'}, "
              f"k={speculative['num_speculative_tokens']})")
     spec_runs, deltas = [], []
@@ -111,6 +140,7 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
             before = spec_server.spec_decode_counters()
             spec_runs.append(spec_server.complete_greedy(p, max_new))
             deltas.append(spec_server.spec_decode_counters() - before)
+        spec_load = [load_seconds(spec_server, ids, c, max_new) for c in concurrencies]
 
     golden, rows = [], []
     for text, category, b, s, d in zip(texts, categories, base, spec_runs, deltas):
@@ -139,6 +169,21 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     verdict["acceptancePerPosition"] = [round(x, 4) for x in total.acceptance_per_position]
     for cat in dict.fromkeys(categories):
         verdict["categories"][cat] = summarise([r for r in rows if r[0] == cat])[1]
+    verdict.update(k_by_load(concurrencies, base_load, spec_load, int(speculative["num_speculative_tokens"])))
     verdict["reasons"] = threshold_failures(verdict, gating.get("thresholds") or {})
     verdict["passed"] = not verdict["reasons"]
     return verdict, golden
+
+
+def k_by_load(concurrencies: list[int], base_seconds: list[float], spec_seconds: list[float], k: int) -> dict:
+    """The verdict's batchSweep (the speedup at each concurrency measured) and bestSpeculation
+    (vLLM's k schedule from them, or None where drafting pays at every one: k serves throughout)."""
+    from specpair.vllm_k_schedule import LoadPoint, k_by_batch_size
+    from specpair.vllm_peer import K_BY_BATCH_SIZE
+
+    # Rounded as recorded, so the schedule follows from the figures beside it.
+    points = [LoadPoint(c, round(b / s, 4) if s else 0.0)
+              for c, b, s in zip(concurrencies, base_seconds, spec_seconds, strict=True)]
+    schedule = k_by_batch_size(points, k)
+    return {"batchSweep": [{"batchSize": p.concurrency, "speedup": p.speedup} for p in points],
+            "bestSpeculation": {K_BY_BATCH_SIZE: schedule} if schedule else None}
