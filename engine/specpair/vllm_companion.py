@@ -293,6 +293,9 @@ class CompanionOptions:
     control_port: int | None = None              # None: no control listener; 0: a free port
     control_tls: Any = None                      # TLSFiles with client_ca: mutual TLS, required
     drain_timeout: float = float(POD_DRAIN_SECONDS)
+    # /metrics alone, plain HTTP, as our engine's --metrics-port: what Prometheus scrapes (the
+    # container port `metrics` on both engines' pods); None: only on the HTTP port.
+    metrics_port: int | None = None
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> Any:
@@ -329,6 +332,8 @@ class Companion:
         self.identity: dict[str, Any] | None = None
         self._session = None
         self._runner = None
+        self._metrics_runner = None
+        self.metrics_port: int | None = None
         self._grpc = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -359,6 +364,15 @@ class Companion:
                            reuse_address=True)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
+        if self.options.metrics_port is not None:
+            metrics = web.Application()
+            metrics.router.add_get("/metrics", lambda _request: self._metrics())
+            self._metrics_runner = web.AppRunner(metrics, access_log=None, handle_signals=False)
+            await self._metrics_runner.setup()
+            metrics_site = web.TCPSite(self._metrics_runner, self.options.host, self.options.metrics_port,
+                                       reuse_address=True)
+            await metrics_site.start()
+            self.metrics_port = metrics_site._server.sockets[0].getsockname()[1]
         if self.options.control_port is not None:
             await self._start_control()
 
@@ -399,6 +413,8 @@ class Companion:
             await self._grpc.stop(grace=1)
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
         if self._session is not None:
             await self._session.close()
 
@@ -628,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auth-token-file")
     ap.add_argument("--tls-cert")
     ap.add_argument("--tls-key")
+    ap.add_argument("--metrics-port", type=int, help="also /metrics alone here, plain HTTP (Prometheus' port)")
     ap.add_argument("--control-port", type=int)
     ap.add_argument("--control-tls-cert")
     ap.add_argument("--control-tls-key")
@@ -650,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
             control_port=args.control_port,
             control_tls=(TLSFiles(args.control_tls_cert, args.control_tls_key, args.control_tls_client_ca)
                          if args.control_port is not None else None),
-            drain_timeout=args.drain_timeout)
+            drain_timeout=args.drain_timeout, metrics_port=args.metrics_port)
         companion = Companion(options)
     except (OSError, ValueError, SpecpairError) as exc:
         print(f"specpair.vllm_companion: error: {exc}", file=sys.stderr)

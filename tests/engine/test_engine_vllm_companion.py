@@ -99,7 +99,7 @@ def test_vllms_per_request_summary_becomes_the_engines_acceptance_counts():
 
 
 def test_getstats_carries_each_categorys_request_sums_and_serving_counts():
-    from specpair_operator.engine_probe import serving_stats
+    from specpair_operator.clients.engine_probe import serving_stats
 
     tally = Tally("p", "1")
     tally.record(Reply("code", completion_tokens=13, spec=SPEC, ttft=0.2, tpot=0.01, e2e=0.4))
@@ -154,5 +154,41 @@ def test_a_client_that_closes_after_done_is_counted_ok_and_one_that_leaves_early
             wait_until("both counted", lambda: sum(companion.tally.metrics.serving_counts().get("code", {})
                                                    .get("requests", {}).values()) == 2, timeout=30)
             assert companion.tally.metrics.serving_counts()["code"]["requests"] == {"ok": 1, "cancelled": 1}
+        finally:
+            companion.stop()
+
+
+def test_the_metrics_port_serves_the_same_series_as_the_http_port_and_nothing_else():
+    """--metrics-port: /metrics alone, plain HTTP, on the container port `metrics` Prometheus
+    scrapes on both engines' pods (the chart's ServiceMonitor); the API stays on the HTTP port."""
+    import urllib.error
+    import urllib.request
+
+    from specpair.vllm_companion import Companion, CompanionOptions
+    from specpair.vllm_companion_bench import ReplayServer
+
+    def get(port: int, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, ""
+
+    with ReplayServer() as upstream:
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0, metrics_port=0,
+                                               pair="p", version="3")).start()
+        try:
+            assert companion.metrics_port not in (None, 0, companion.port)
+            body = json.dumps({"model": "peer", "prompt": "x", "max_tokens": 8, "stream": True,
+                               "specpair": {"category": "code"}}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{companion.port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as r:
+                assert b"data: [DONE]" in r.read()
+            status, text = get(companion.metrics_port, "/metrics")
+            counted = 'specpair_requests_total{category="code",pair="p",protocol="http",status="ok",version="3"} 1.0'
+            assert status == 200 and counted in text, text[-2000:]
+            assert counted in get(companion.port, "/metrics")[1]
+            assert get(companion.metrics_port, "/v1/models")[0] == 404
         finally:
             companion.stop()
