@@ -6,7 +6,7 @@
 
 `--rows` rows hold `--context` tokens each and decode one token a step; then a request joins
 with its whole prompt. Padded into one forward, every running row is computed at the prompt's
-width; run apart (static_cache.width_groups), the prompt runs alone and the running rows take
+width; run apart (buckets.width_groups), the prompt runs alone and the running rows take
 their usual one-token step. Prints one JSON object: per prompt length, the fastest of
 `--repeats` join steps each way (ms), and the prompt's prefill alone for scale.
 
@@ -32,14 +32,14 @@ def tokens(model, start: int, count: int) -> list[int]:
 
 def join_step_ms(model, rows: int, context: int, prompt_tokens: int, apart: bool,
                  repeats: int) -> float:
-    from specpair import static_cache
+    from specpair.kv import buckets, static
 
-    saved = static_cache.GROUP_CALL_TOKENS
-    static_cache.GROUP_CALL_TOKENS = saved if apart else 10**9   # never worth a cut: one forward
+    saved = buckets.GROUP_CALL_TOKENS
+    buckets.GROUP_CALL_TOKENS = saved if apart else 10**9   # never worth a cut: one forward
     try:
         best = float("inf")
         for _ in range(repeats):
-            kv = static_cache.StaticKVModel(model)
+            kv = static.StaticKVModel(model)
             kv.add_rows(rows)
             kv.extend([tokens(model, 100 + i, context) for i in range(rows)])
             kv.extend([tokens(model, 5, 1)] * rows)
@@ -49,12 +49,12 @@ def join_step_ms(model, rows: int, context: int, prompt_tokens: int, apart: bool
             best = min(best, time.perf_counter() - started)
         return round(best * 1000, 1)
     finally:
-        static_cache.GROUP_CALL_TOKENS = saved
+        buckets.GROUP_CALL_TOKENS = saved
 
 
 def main(argv=None) -> int:
     from specpair.models import load_model
-    from specpair.static_cache import StaticKVModel
+    from specpair.kv.static import StaticKVModel
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True)

@@ -1,6 +1,6 @@
 """Per-step cost of the target's decode step at batch 1, against the two yardsticks that matter.
 
-For each model shape: the fixed-shape step (static_cache.py; compiled, on CUDA with CUDA graphs)
+For each model shape: the fixed-shape step (specpair.kv; compiled, on CUDA with CUDA graphs)
 at one token and at each verification width k+1 (k <= 8: the step runs at the token bucket of
 k+1), the kernel launches of one step (torch.profiler), the start-up capture of its buckets, Hugging
 Face's StaticCache + torch.compile(mode="reduce-overhead") one-token step (gpt-fast's recipe),
@@ -38,8 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
-import specpair.static_cache as static_cache  # noqa: E402
-from specpair.static_cache import StaticKVModel, bucket  # noqa: E402
+from specpair.kv import fixed_step, general_step  # noqa: E402
+from specpair.kv.buckets import bucket  # noqa: E402
+from specpair.kv.static import StaticKVModel  # noqa: E402
 
 # name: (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings, rope theta)
 SHAPES = {
@@ -323,7 +324,7 @@ def use_layer(name: str) -> None:
     candidate layout is added here to be measured against the engine's before it is adopted
     (a token-major rotary was, in ef22cf6, and changed nothing: docs/gpu.md)."""
     if name == "cat":
-        static_cache._rotate_half = static_cache._rotate_half_cat
+        fixed_step._rotate_half = general_step.rotate_half_cat
 
 
 def prepare_hf_static(model, device, context: int, repeats: int, compiled: bool):

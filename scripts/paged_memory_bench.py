@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 import torch
 from specpair.models import load_model
-from specpair.static_cache import StaticKVModel
+from specpair.kv.static import StaticKVModel
 from specpair.paged_cache import PagedKVModel
 from specpair.prefix_cache import block_keys
 t = load_model("default"); m = t.model

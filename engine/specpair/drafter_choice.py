@@ -12,7 +12,7 @@ from specpair.config import NGRAM_MAX, NGRAM_MIN, SpeculationConfig, known_draft
 from specpair.drafters import (Drafter, EagleDrafter, HeadDrafter, LookupFirstDrafter, MedusaDrafter,
                                ModelDrafter, NgramDrafter)
 from specpair.errors import SpecpairError, TokenizerMismatch
-from specpair.static_cache import supports
+from specpair.kv.families import supports
 from specpair.tokenizer_identity import compare, fingerprint
 
 

@@ -7,6 +7,7 @@ import torch
 
 from specpair.drafters import HeadDrafter, Proposal, draft_vocab_logits
 from specpair.eagle3 import METHOD, default_aux_layers
+from specpair.kv.buckets import bucket
 from specpair.errors import SpecpairError
 
 
@@ -22,8 +23,11 @@ class Eagle3Drafter(HeadDrafter):
 
     name = METHOD
 
-    def __init__(self, loaded, target_model, vocab_size: int, compile: str | None = None):
-        from specpair.static_cache import StaticLlama, fixed_step_applies, supports
+    def __init__(self, loaded, target_model, vocab_size: int, compile: str | None = None,
+                 fixed: bool | None = None):
+        from specpair.kv.families import supports
+        from specpair.kv.fixed_step import fixed_step_applies
+        from specpair.kv.runner import StaticLlama
 
         why = supports(target_model)
         if why:
@@ -60,19 +64,34 @@ class Eagle3Drafter(HeadDrafter):
         self.caches: list[tuple | None] = []      # per row: (keys, values) [1, KV, n, hd]
         self.fed: list[int] = []                  # per row: real pairs in its cache
         self.pending: list[list[torch.Tensor]] = []
+        # Where the head's round runs as fixed-shape steps over one cache of every row
+        # (eagle3_steps: what CUDA graphs record) instead of row by row: where the fixed step
+        # applies to the head (CUDA, bf16), or asked (`fixed`: the tests, on the CPU).
+        head_param = next(head.parameters())
+        self.fixed = (fixed_step_applies(head_param.device, head_param.dtype) if fixed is None
+                      else fixed)
+        self.cache = None
+        if self.fixed:
+            from specpair.eagle3_steps import Eagle3Cache
+            self.cache = Eagle3Cache(head, head_param.device, head.lm_head.weight.dtype)
 
     def for_batch(self) -> "Eagle3Drafter":
-        return Eagle3Drafter(self.loaded, self.target_model, self.vocab_size, self.compile)
+        return Eagle3Drafter(self.loaded, self.target_model, self.vocab_size, self.compile,
+                             self.fixed)
 
     def _add_rows(self, count: int) -> None:
         self.caches += [None] * count
         self.fed += [0] * count
         self.pending += [[] for _ in range(count)]
+        if self.cache is not None:
+            self.cache.add_rows(count)
 
     def _select(self, rows: list[int]) -> None:
         self.caches = [self.caches[i] for i in rows]
         self.fed = [self.fed[i] for i in rows]
         self.pending = [self.pending[i] for i in rows]
+        if self.cache is not None:
+            self.cache.select(rows)
 
     def _keep(self, row: int, features: torch.Tensor) -> None:
         handed = self.runner.feature_layers
@@ -101,6 +120,8 @@ class Eagle3Drafter(HeadDrafter):
 
     @torch.no_grad()
     def propose(self, sequences, ks, sampling, width: int = 1):
+        if self.fixed:
+            return self._propose_in_fixed_steps(sequences, ks, sampling, width)
         head = self.head
         B = len(sequences)
         K = max(ks, default=0)
@@ -140,5 +161,66 @@ class Eagle3Drafter(HeadDrafter):
                 g[i] = out[0]
         return self._proposal(chosen_steps, qs, sibs, num, K, width)
 
+    def _propose_in_fixed_steps(self, sequences, ks, sampling, width: int):
+        """propose() as fixed-shape steps over every row (eagle3_steps): one catch-up step of
+        the rows' pending pairs (a prompt's first, wider than CATCH_UP_WIDTH, at its own
+        bucket), the first draft from its outputs, then one drafting step a further draft.
+        Greedy: the steps read and write only the device, and the tokens come back in one
+        gather at the end; a sampled row chooses from each step's logits and feeds its draw."""
+        from specpair.eagle3_steps import Eagle3CatchUp, Eagle3DraftStep
+
+        head, cache = self.head, self.cache
+        B = len(sequences)
+        K = max(ks, default=0)
+        device, dtype = self.draft_ids.device, cache.dtype
+        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        pairs, aux, drafting = [], [], []
+        for i, seq in enumerate(sequences):
+            start, known = cache.lengths[i], self.known[i]
+            pending = self.pending[i]
+            pairs.append(seq[start + 1:known + 1] if pending else [])
+            aux.append(torch.cat(pending).to(device=device, dtype=dtype) if pending else None)
+            self.pending[i] = []
+            drafting.append(ks[i] > 0 and known > 0 and len(pairs[-1]) > 0)
+        num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long,
+                           device=device)
+        if not any(pairs):
+            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+        widest = bucket(max(map(len, pairs)))
+        cache.reserve(max(cache.lengths) + max(widest, K))
+        key = ("catch-up", widest)
+        if key not in cache.steps:
+            cache.steps[key] = Eagle3CatchUp(head, self.embed, cache, widest)
+        g = cache.steps[key](cache, pairs, aux)[:B].clone()                      # [B, D]
+        if K == 0 or not any(drafting):
+            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+        row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
+        chosen_steps, qs, sibs = [], [], []
+        chosen = self._choose(draft_vocab_logits(head, head.norm(g)), 0, row_ks, sampling,
+                              width, chosen_steps, qs, sibs)
+        steps = max(row_ks) - 1          # the last draft token is never fed
+        if steps > 0:
+            cache.reserve(max(cache.lengths) + steps + 1)     # a grown cache: new steps
+            key = ("draft", width)
+            if key not in cache.steps:
+                cache.steps[key] = Eagle3DraftStep(head, self.embed, self.draft_ids, cache, width)
+            step = cache.steps[key]
+            start = step.start(chosen, g, cache.lengths)
+            greedy = sampling.all_greedy
+            for j in range(1, steps + 1):
+                logits = step(cache)
+                if not greedy:
+                    chosen = self._choose(logits[:B], j, row_ks, sampling, width, chosen_steps,
+                                          qs, sibs)
+                    step.ids[:B, 0] = chosen
+            if greedy:
+                drafted = step.tokens(start, steps)                    # [B, steps, width]
+                chosen_steps += list(drafted[..., 0].unbind(1))
+                if width > 1:
+                    sibs += list(drafted[..., 1:].unbind(1))
+                qs += [None] * steps
+        return self._proposal(chosen_steps, qs, sibs, num, K, width)
+
     def describe(self) -> dict:
-        return {**super().describe(), "aux_layers": list(self.aux_layers)}
+        return {**super().describe(), "aux_layers": list(self.aux_layers),
+                "fixed_steps": bool(self.fixed)}

@@ -1,4 +1,4 @@
-"""The fixed-shape step (static_cache.py): on the torch path, with every step of a batch padded to
+"""The fixed-shape step (specpair.kv): on the torch path, with every step of a batch padded to
 one token bucket, a verification's logits equal one-token steps' bitwise (chains and trees, bf16
 and fp32, batch 1 and 8), so greedy speculation equals target-only bitwise in bf16; compiled with
 fullgraph=True it does not recompile over a generation; the cache gives memory back."""
@@ -10,11 +10,12 @@ import random
 import pytest
 import torch
 
-from specpair import static_cache
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.drafters import NgramDrafter
-from specpair.static_cache import StaticKVModel, bucket
+from specpair.kv import buckets, fixed_step, runner, shelf
+from specpair.kv.buckets import bucket
+from specpair.kv.static import StaticKVModel
 
 W = 8     # the token bucket of k = 4 (5 tokens a verification) and of a 7-token tree
 
@@ -70,7 +71,7 @@ def test_a_verification_equals_one_token_steps_bitwise(model, rows, prompts_as, 
     prompts, some longer than the bucket, run first and write the same keys both ways: as one
     fixed step of their rows at their bucket, or (past PREFILL_STEP_TOKENS) eagerly."""
     if prompts_as == "apart":
-        monkeypatch.setattr(static_cache, "PREFILL_STEP_TOKENS", 0)
+        monkeypatch.setattr(buckets, "PREFILL_STEP_TOKENS", 0)
     rng = random.Random(rows)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 20))] for _ in range(rows)]
     chains = [[rng.randrange(3, 300) for _ in range(rng.randrange(1, 6))] for _ in range(rows)]
@@ -121,7 +122,7 @@ def test_greedy_speculation_equals_target_only_bitwise_in_bf16(tiny_tokenizer, p
     forward, a verification's shape unlike a decode step's) one of these prompts diverges.
     Prompts run as a fixed step or eagerly (PREFILL_STEP_TOKENS), equal both ways."""
     if prompts_as == "apart":
-        monkeypatch.setattr(static_cache, "PREFILL_STEP_TOKENS", 0)
+        monkeypatch.setattr(buckets, "PREFILL_STEP_TOKENS", 0)
     from tiny_models import make_model, perturbed_copy
     target = make_model(tiny_tokenizer, seed=1, dtype=torch.bfloat16, init_std=0.05)
     draft = perturbed_copy(target, seed=5, noise=0.03)
@@ -170,7 +171,7 @@ def test_a_shrunk_cache_computes_what_a_fresh_one_does(tiny_target):
     kv.add_rows(2)
     kv.extend([[5, 6, 7], [9] * 300])
     kv.select([0])
-    assert kv.capacity == (2, static_cache.INITIAL_POSITIONS)     # 1 row of 2: kept
+    assert kv.capacity == (2, buckets.INITIAL_POSITIONS)     # 1 row of 2: kept
     fresh = _prefilled(tiny_target.model, [[5, 6, 7]])
     assert torch.equal(kv.extend([[4, 3]], last=2), fresh.extend([[4, 3]], last=2))
 
@@ -195,7 +196,7 @@ def test_the_compiled_step_does_not_recompile_over_a_generation(tiny_tokenizer, 
     eager = StaticKVModel(model, token_bucket=W)
     assert compiled.fixed and compiled.compiled
     before = counters["stats"]["unique_graphs"]
-    report = compiled.warm_up(max_rows=4, max_positions=static_cache.INITIAL_POSITIONS)
+    report = compiled.warm_up(max_rows=4, max_positions=buckets.INITIAL_POSITIONS)
     assert report["buckets"] == [(r, c) for r in (1, 2, 4) for c in (256, 512)]
     graphs = counters["stats"]["unique_graphs"]
     # Capacity and rows (past one) are symbolic: one graph for a row, one for several; and a
@@ -305,12 +306,10 @@ def test_the_step_bench_candidate_layers_compute_the_engine_layer_bitwise(layer,
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     import gpu_step_bench as bench
 
-    from specpair import static_cache
-
     torch.manual_seed(0)
     B, H, KV, D, HID, INTER, C = 2, 4, 2, 16, 64, 128, 32
     dt = torch.bfloat16
-    engine_layer = static_cache._fixed_layer
+    engine_layer = fixed_step.fixed_layer
     for W in (1, 4):
         positions = torch.tensor([[5 + w for w in range(W)], [9 + w for w in range(W)]])
         cos, sin = torch.randn(2, B, 1, W, D, dtype=dt)
@@ -325,12 +324,12 @@ def test_the_step_bench_candidate_layers_compute_the_engine_layer_bitwise(layer,
         want = engine_layer(h, cos, sin, rows, positions, positions, kc, vc, *weights, **kw)
         kc2, vc2 = caches.clone()
         with monkeypatch.context() as patched:     # use_layer swaps module globals: put back
-            patched.setattr(static_cache, "_fixed_layer", engine_layer)
-            patched.setattr(static_cache, "_rotate_half", static_cache._rotate_half)
+            patched.setattr(fixed_step, "fixed_layer", engine_layer)
+            patched.setattr(fixed_step, "_rotate_half", fixed_step._rotate_half)
             bench.use_layer(layer)
-            got = static_cache._fixed_layer(h, cos, sin, rows, positions, positions, kc2, vc2,
+            got = fixed_step.fixed_layer(h, cos, sin, rows, positions, positions, kc2, vc2,
                                             *weights, **kw)
-        assert static_cache._fixed_layer is engine_layer
+        assert fixed_step.fixed_layer is engine_layer
         assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc)
 
 
@@ -425,14 +424,14 @@ def test_the_cost_model_times_the_step_a_batch_runs(tiny_tokenizer):
 
 def test_a_released_small_cache_is_taken_by_the_next_batch_and_gives_the_same_logits(tiny_tokenizer):
     """One-request batches (generate(), the bench, the gate) reuse their model's last small cache
-    and the CUDA graphs recorded over it (static_cache.CacheShelf); its stale keys are never
+    and the CUDA graphs recorded over it (shelf.CacheShelf); its stale keys are never
     attended, so a reused cache's logits equal a fresh one's bitwise; a large cache is not kept."""
     import gc
 
     from tiny_models import make_model
 
     model = make_model(tiny_tokenizer, seed=8, dtype=torch.bfloat16).model.eval()
-    static_cache.StaticLlama._by_model.pop(model, None)
+    runner.StaticLlama._by_model.pop(model, None)
     first = StaticKVModel(model, token_bucket=W, fixed=True)
     first.add_rows(1)
     first.extend([[9, 8, 7, 6, 5, 4]])
@@ -451,15 +450,15 @@ def test_a_released_small_cache_is_taken_by_the_next_batch_and_gives_the_same_lo
     big = StaticKVModel(model, token_bucket=W, fixed=True)
     big.add_rows(1)
     big.extend([[5] * 600])                                     # 1,024 positions: not kept
-    assert big.capacity[1] > static_cache.CacheShelf.KEEP_POSITIONS
+    assert big.capacity[1] > shelf.CacheShelf.KEEP_POSITIONS
     del big
     gc.collect()
     # Kept: big's first cache, released when it grew; its 1,024-position one was refused.
-    assert _shelved_shape(model)[2] == static_cache.INITIAL_POSITIONS
+    assert _shelved_shape(model)[2] == buckets.INITIAL_POSITIONS
 
 
 def _shelved_shape(model):
-    kept = static_cache.StaticLlama.of(model).shelf._kept
+    kept = runner.StaticLlama.of(model).shelf._kept
     return None if kept is None else kept[0]
 
 
@@ -478,7 +477,7 @@ def test_a_prompt_joining_running_rows_leaves_their_keys_alone(tiny_target):
         alone.extend([[t] for t in tokens[:2]])
     newcomer = [rng.randrange(3, 300) for _ in range(40)]
     joined.add_rows(1)
-    assert bucket(len(newcomer)) <= static_cache.PREFILL_STEP_TOKENS
+    assert bucket(len(newcomer)) <= buckets.PREFILL_STEP_TOKENS
     joined.extend([[7], [8], newcomer])
     alone.extend([[7], [8]])
     got = joined.extend([[9], [10], [11]])[:2]

@@ -1,4 +1,4 @@
-"""The fixed step under the CUDA graphs the engine records itself (static_cache.CapturedStep), on
+"""The fixed step under the CUDA graphs the engine records itself (graphs.CapturedStep), on
 a CUDA device: replaying a recorded graph gives bitwise the logits of the same compiled layers run
 call by call, over a generation where rows join and leave, drafts are rejected and a row crosses
 into the next capacity bucket (each new cache records its own graphs, nothing recompiles); and an
@@ -14,11 +14,11 @@ import random
 import pytest
 import torch
 
-from specpair import static_cache
+from specpair.kv import buckets, graphs
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.drafters import NgramDrafter
-from specpair.static_cache import StaticKVModel
+from specpair.kv.static import StaticKVModel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -43,7 +43,7 @@ def test_replayed_graphs_equal_the_compiled_step_over_a_generation(tiny_tokenize
     called = StaticKVModel(model, compile="on", token_bucket=W)
     monkeypatch.delenv("SPECPAIR_CUDA_GRAPHS")
     assert captured.captures_graphs and not called.captures_graphs
-    report = captured.warm_up(max_rows=4, max_positions=static_cache.INITIAL_POSITIONS)
+    report = captured.warm_up(max_rows=4, max_positions=buckets.INITIAL_POSITIONS)
     # Six buckets and a prompt's step: one row in a cache of one and of two, two rows
     # (_warm_prefill).
     assert len(report["buckets"]) == 6 and report["graphs"] == 9
@@ -114,7 +114,7 @@ def test_a_draft_models_steps_replay_its_own_graphs_and_speculation_equals_targe
         loaded.model.to("cuda")
         loaded.device = torch.device("cuda")
     replays = Counter()
-    made, call = static_cache.CapturedStep.__init__, static_cache.CapturedStep.__call__
+    made, call = graphs.CapturedStep.__init__, graphs.CapturedStep.__call__
 
     def counting_init(self, runner, *args, **kwargs):
         made(self, runner, *args, **kwargs)
@@ -124,8 +124,8 @@ def test_a_draft_models_steps_replay_its_own_graphs_and_speculation_equals_targe
         replays[self.model_id] += 1
         return call(self, host)
 
-    monkeypatch.setattr(static_cache.CapturedStep, "__init__", counting_init)
-    monkeypatch.setattr(static_cache.CapturedStep, "__call__", counting_call)
+    monkeypatch.setattr(graphs.CapturedStep, "__init__", counting_init)
+    monkeypatch.setattr(graphs.CapturedStep, "__call__", counting_call)
     config = SpeculationConfig(k=3, k_max=3, dynamic_k=False, fallback_threshold=0,
                                batch_size_threshold=4)
     engine = SpeculativeEngine(target, draft=draft, speculation=config)

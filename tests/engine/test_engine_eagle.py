@@ -18,7 +18,7 @@ from specpair.errors import SpecpairError
 from specpair.heads import (build_eagle_head, build_medusa_heads, draft_vocabulary, is_head_dir,
                             save_head)
 from specpair.models import load_model
-from specpair.static_cache import StaticKVModel
+from specpair.kv.static import StaticKVModel
 from specpair.tokenizer_identity import fingerprint
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from head_builders import PROMPTS, medusa_heads, mirror_head
 
-from specpair import static_cache
+from specpair.kv import fixed_step
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.drafters import EagleDraftStep, MedusaDrafter, RowSampling
@@ -72,7 +72,7 @@ def test_the_drafting_step_proposes_what_token_by_token_steps_do(tiny_tokenizer,
     here only when made to (on the CPU it is the C layer's)."""
     from tiny_models import make_model
     if dtype == torch.float32:
-        monkeypatch.setattr(static_cache, "fixed_step_applies", lambda device, dtype: True)
+        monkeypatch.setattr(fixed_step, "fixed_step_applies", lambda device, dtype: True)
     target = make_model(tiny_tokenizer, seed=11, layers=1, dtype=dtype)
     head = mirror_head(target, vocab_every=2)
     head.model.to(dtype)

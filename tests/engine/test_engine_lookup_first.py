@@ -51,7 +51,7 @@ def test_a_copied_row_in_a_tree_batch_feeds_its_chain_alone(one_layer_target, re
     """In a round where some rows copy and others ask the head for a tree, the copied rows'
     repeated siblings are never kept, so they are not fed: a copied row's tokens form a plain
     chain (no token has a parent) while a head row's depths each carry their siblings."""
-    from specpair.static_cache import StaticKVModel
+    from specpair.kv.static import StaticKVModel
 
     rounds, trees = [], []
     propose, extend = LookupFirstDrafter.propose, StaticKVModel.extend

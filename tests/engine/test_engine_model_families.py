@@ -14,11 +14,12 @@ import random
 import pytest
 import torch
 
-from specpair import cpu_kernels, static_cache
+from specpair import cpu_kernels
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.errors import SpecpairError
-from specpair.static_cache import StaticKVModel
+from specpair.kv import families, fixed_step
+from specpair.kv.static import StaticKVModel
 
 # Each family with what sets it apart from Llama switched on, and windows shorter than a
 # prompt and its reply, so a step that ignored them would attend keys Hugging Face's does not.
@@ -76,9 +77,9 @@ def hf_forward_forbidden(monkeypatch):
 def test_each_family_runs_the_static_step(target, hf_forward_forbidden, monkeypatch):
     """The engine picks the static step for the family, and its steps run through the C layer
     (float32) or the fixed step (bf16), never through Hugging Face's forward."""
-    assert static_cache.supports(target.model) is None
+    assert families.supports(target.model) is None
     calls = {"c": 0, "fixed": 0}
-    c_layer, fixed_layer = cpu_kernels.llama_layer, static_cache._fixed_layer
+    c_layer, fixed_layer = cpu_kernels.llama_layer, fixed_step.fixed_layer
 
     def counted_c(*args, **kwargs):
         calls["c"] += 1
@@ -89,7 +90,7 @@ def test_each_family_runs_the_static_step(target, hf_forward_forbidden, monkeypa
         return fixed_layer(*args, **kwargs)
 
     monkeypatch.setattr(cpu_kernels, "llama_layer", counted_c)
-    monkeypatch.setattr(static_cache, "_fixed_layer", counted_fixed)
+    monkeypatch.setattr(fixed_step, "fixed_layer", counted_fixed)
     engine = SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False), kv="static")
     step = engine.describe_step()
     assert step["kv_cache"] == "static" and "static_unsupported" not in step
@@ -207,13 +208,13 @@ def test_a_model_the_static_step_cannot_run_is_refused_by_name_or_served_and_sai
             with pytest.raises(SpecpairError, match=reason):
                 SpeculativeEngine(loaded, speculation=off)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="specpair.static_cache"):
+        with caplog.at_level(logging.WARNING, logger="specpair.kv.choice"):
             engine = SpeculativeEngine(loaded, speculation=off)
-        said = [r.getMessage() for r in caplog.records if r.name == "specpair.static_cache"]
+        said = [r.getMessage() for r in caplog.records if r.name == "specpair.kv.choice"]
         assert len(said) == 1 and reason in said[0] and "general path" in said[0]
         assert engine.describe_step()["kv_cache"] == "dynamic"
         assert engine.generate(PROMPTS[:1], GenerationParams(max_new_tokens=3))[0].token_ids
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="specpair.static_cache"):
+        with caplog.at_level(logging.WARNING, logger="specpair.kv.choice"):
             SpeculativeEngine(loaded, speculation=off, kv="dynamic")
-        assert not [r for r in caplog.records if r.name == "specpair.static_cache"]
+        assert not [r for r in caplog.records if r.name == "specpair.kv.choice"]

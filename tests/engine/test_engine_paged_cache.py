@@ -1,5 +1,5 @@
 """The paged cache at the model level (paged_cache.PagedKVModel) against the contiguous cache
-(static_cache.StaticKVModel): bitwise the same logits through prompts, decode steps,
+(static.StaticKVModel): bitwise the same logits through prompts, decode steps,
 verifications, rejections, rows leaving and joining, at batch 1, 8 and 32; a prefix shared by
 reference gives a row exactly what prefilling it gives; a pool too small refuses a step and
 changes nothing; blocks go back as rows roll back and leave."""
@@ -13,7 +13,7 @@ from specpair import cpu_kernels
 from specpair.block_pool import OutOfBlocks
 from specpair.paged_cache import PagedKVModel
 from specpair.prefix_cache import block_keys
-from specpair.static_cache import StaticKVModel
+from specpair.kv.static import StaticKVModel
 
 
 def tokens(gen: torch.Generator, n: int) -> list[int]:

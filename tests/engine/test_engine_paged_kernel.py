@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specpair import cpu_kernels
-from specpair.static_cache import StaticLlama
+from specpair.kv.runner import StaticLlama
 
 BLOCK = 16
 

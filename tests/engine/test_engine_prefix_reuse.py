@@ -11,10 +11,10 @@ from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.drafters import NgramDrafter
 from specpair.errors import SpecpairError
-from specpair.kv_cache import BatchedKVModel
+from specpair.kv.dynamic import BatchedKVModel
 from specpair.prefix_cache import (BLOCK_TOKENS, BYTES_WITHOUT_BUDGET, KV_BUDGET_SHARE, PrefixStore,
                                    block_keys, capacity_bytes, resolve_mode, reusable_blocks)
-from specpair.static_cache import StaticKVModel
+from specpair.kv.static import StaticKVModel
 
 # -- the store, as values -------------------------------------------------------------------------
 

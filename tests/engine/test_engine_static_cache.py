@@ -10,13 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specpair import cpu_kernels, static_cache
+from specpair import cpu_kernels
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.drafters import NgramDrafter
 from specpair.errors import SpecpairError
-from specpair.kv_cache import BatchedKVModel
-from specpair.static_cache import StaticKVModel, kv_model
+from specpair.kv import buckets, compiling, families, runner
+from specpair.kv.choice import kv_model
+from specpair.kv.dynamic import BatchedKVModel
+from specpair.kv.static import StaticKVModel
 
 
 # -- the CPU kernel ---------------------------------------------------------------------------
@@ -94,7 +96,7 @@ def model(request, tiny_tokenizer):
 
 def test_static_cache_matches_the_dynamic_cache_through_every_operation(model, monkeypatch):
     # A tiny first allocation so rows and positions both have to grow on the way.
-    monkeypatch.setattr(static_cache, "INITIAL_POSITIONS", 8)
+    monkeypatch.setattr(buckets, "INITIAL_POSITIONS", 8)
     ref, ours = BatchedKVModel(model), StaticKVModel(model)
     assert ours.capacity == (1, 8)
 
@@ -135,7 +137,7 @@ def test_static_cache_matches_the_dynamic_cache_through_every_operation(model, m
 def test_rows_of_very_different_widths_run_apart():
     """A prompt joining running rows is not padded into them: the cut is where the padding saved
     pays for another forward, and rows of similar widths stay together."""
-    from specpair.static_cache import GROUP_CALL_TOKENS, width_groups
+    from specpair.kv.buckets import GROUP_CALL_TOKENS, width_groups
 
     assert width_groups([1, 1, 300, 1]) == [[2], [0, 1, 3]]
     assert width_groups([5, 5, 5, 5]) == [[0, 1, 2, 3]]
@@ -154,7 +156,7 @@ def test_a_step_run_apart_gives_what_one_padded_step_gives(tiny_target, monkeypa
     rows, in a batch whose rows were reordered) equal those of the same step padded into one
     forward; the cache afterwards serves the next step the same way."""
     def run(apart: bool):
-        monkeypatch.setattr(static_cache, "GROUP_CALL_TOKENS", 16 if apart else 10**9)
+        monkeypatch.setattr(buckets, "GROUP_CALL_TOKENS", 16 if apart else 10**9)
         kv = StaticKVModel(tiny_target.model)
         kv.add_rows(3)
         kv.extend([[5, 6, 7], [8, 9], [10]])
@@ -165,13 +167,13 @@ def test_a_step_run_apart_gives_what_one_padded_step_gives(tiny_target, monkeypa
         return seen
 
     calls = []
-    original = static_cache.StaticLlama.forward
+    original = runner.StaticLlama.forward
 
     def counted(self, ids, *args, **kwargs):
         calls.append(tuple(ids.shape))
         return original(self, ids, *args, **kwargs)
 
-    monkeypatch.setattr(static_cache.StaticLlama, "forward", counted)
+    monkeypatch.setattr(runner.StaticLlama, "forward", counted)
     padded = run(apart=False)
     assert calls == [(3, 3), (4, 40), (4, 1)]
     calls.clear()
@@ -202,7 +204,7 @@ def test_rejection_costs_nothing_and_keeps_the_survivors(tiny_target):
 def test_unsupported_models_get_the_dynamic_cache_and_bad_kinds_are_refused(tiny_target, monkeypatch):
     from transformers import GPT2Config, GPT2LMHeadModel
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
-    assert "gpt2" in static_cache.supports(gpt2)
+    assert "gpt2" in families.supports(gpt2)
     assert isinstance(kv_model(gpt2), BatchedKVModel)
     assert isinstance(kv_model(tiny_target.model), StaticKVModel)
     assert isinstance(kv_model(tiny_target.model, kind="dynamic"), BatchedKVModel)
@@ -212,19 +214,19 @@ def test_unsupported_models_get_the_dynamic_cache_and_bad_kinds_are_refused(tiny
     with pytest.raises(SpecpairError, match="static, dynamic"):
         kv_model(tiny_target.model)
     with pytest.raises(SpecpairError, match="off, on"):
-        static_cache.resolve_compile("max")
+        compiling.resolve_compile("max")
 
 
 def test_compiling_is_on_by_default_on_cuda_only(monkeypatch):
     """CUDA graphs are what make the GPU step fast (docs/gpu.md); the CPU's eager step is faster
     there. Asking, or SPECPAIR_COMPILE, wins either way."""
     monkeypatch.delenv("SPECPAIR_COMPILE", raising=False)
-    assert static_cache.resolve_compile(None, torch.device("cuda")) == "on"
-    assert static_cache.resolve_compile(None, torch.device("cpu")) == "off"
-    assert static_cache.resolve_compile(None) == "off"
-    assert static_cache.resolve_compile("off", torch.device("cuda")) == "off"
+    assert compiling.resolve_compile(None, torch.device("cuda")) == "on"
+    assert compiling.resolve_compile(None, torch.device("cpu")) == "off"
+    assert compiling.resolve_compile(None) == "off"
+    assert compiling.resolve_compile("off", torch.device("cuda")) == "off"
     monkeypatch.setenv("SPECPAIR_COMPILE", "off")
-    assert static_cache.resolve_compile(None, "cuda") == "off"
+    assert compiling.resolve_compile(None, "cuda") == "off"
 
 
 def test_compiled_kernels_are_kept_in_the_model_cache_when_it_is_writable(monkeypatch, tmp_path):
@@ -232,18 +234,18 @@ def test_compiled_kernels_are_kept_in_the_model_cache_when_it_is_writable(monkey
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setenv("SPECPAIR_CACHE", str(tmp_path / "cache"))
-    static_cache.use_compile_cache()
+    compiling.use_compile_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
     assert (tmp_path / "cache" / "inductor").is_dir()
     # Set by the operator of the machine: kept.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    static_cache.use_compile_cache()
+    compiling.use_compile_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
     # A cache that cannot be created (a file in the way): inductor keeps its own default.
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     (tmp_path / "blocked").write_text("")
     monkeypatch.setenv("SPECPAIR_CACHE", str(tmp_path / "blocked"))
-    static_cache.use_compile_cache()
+    compiling.use_compile_cache()
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
 
 
@@ -364,7 +366,7 @@ def test_a_model_with_a_strided_weight_takes_the_torch_step(tiny_tokenizer):
     proj = model.model.layers[0].self_attn.o_proj
     proj.weight = torch.nn.Parameter(proj.weight.detach().t().contiguous().t())   # same values, strided
     assert not proj.weight.is_contiguous()
-    static_cache.StaticLlama._by_model.pop(model, None)
+    runner.StaticLlama._by_model.pop(model, None)
     ours, ref = StaticKVModel(model), BatchedKVModel(model)
     assert not ours.runner.dense
     for kv in (ours, ref):
@@ -388,6 +390,6 @@ def test_the_join_step_script_times_both_ways(tiny_pair_dirs, capsys):
     assert set(out["prompts"]) == {"4", "30"}
     assert all(set(v) == {"padded_ms", "apart_ms", "prefill_alone_ms"} and min(v.values()) > 0
                for v in out["prompts"].values())
-    assert static_cache.GROUP_CALL_TOKENS == 16          # put back after the padded runs
+    assert buckets.GROUP_CALL_TOKENS == 16          # put back after the padded runs
     with pytest.raises(SystemExit):
         main(["--target", str(tiny_pair_dirs["target"]), "--rows", "0"])

@@ -15,7 +15,7 @@ from specpair.config import SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.errors import SpecpairError
 from specpair.rejection_sampler import verify_tree
-from specpair.static_cache import StaticKVModel
+from specpair.kv.static import StaticKVModel
 
 PROMPT = [5, 17, 23, 42, 8, 99, 3, 61, 7, 12, 30]
 # A tree after the prompt's last token x: chain c0 c1, siblings a, b of c0 (children of x) and

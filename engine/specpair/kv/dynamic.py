@@ -16,8 +16,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from specpair.kv.protocol import KVCache
 
-class BatchedKVModel:
+
+class BatchedKVModel(KVCache):
     """A causal LM plus its batched cache, mask and per-row token bookkeeping."""
 
     # Rows are right-aligned into columns shared by the batch: a new row's prompt cannot begin
