@@ -91,6 +91,16 @@ def number(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+# Floors for golden prompts that ask for structure (a response_format, tools): the share of
+# replies that parse and satisfy their schema, and of replies with tools that parse into calls
+# the tools accept. A verdict whose prompts asked for none carries no such rate and meets them.
+STRUCTURE_FLOORS: dict[str, tuple[str, str, float]] = {
+    # threshold: (the verdict's rate, its words, the floor where the pair names none)
+    "minSchemaValidity": ("schemaValidity", "schema validity", 1.0),
+    "minToolCallParse": ("toolCallParse", "tool-call parse rate", 1.0),
+}
+
+
 def threshold_failures(verdict: dict[str, Any], thresholds: dict[str, Any]) -> list[str]:
     """One sentence per threshold the verdict's numbers miss, with the shortfall."""
     failures: list[str] = []
@@ -112,6 +122,14 @@ def threshold_failures(verdict: dict[str, Any], thresholds: dict[str, Any]) -> l
             failures.append(f"category '{cat}' acceptance {got:.3f} < {float(floor):.3f} (short by {float(floor) - got:.3f})")
     failures += _under_floor("speedup", number(verdict.get("speedup")),
                              "minSpeedup", number(thresholds.get("minSpeedup")) or 0.0, unit="x")
+    for floor_name, (key, words, default) in STRUCTURE_FLOORS.items():
+        floor = number(thresholds.get(floor_name))
+        floor = default if floor is None else floor
+        # Held per category (a category's JSON breaking is not hidden by another's passing).
+        for cat, vals in sorted(cats.items()):
+            got = number((vals or {}).get(key))
+            if got is not None:
+                failures += _under_floor(f"category '{cat}' {words}", got, floor_name, floor)
     return failures
 
 

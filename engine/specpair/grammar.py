@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import json
 import threading
-
-import torch
+from typing import TYPE_CHECKING
 
 from specpair.errors import SpecpairError
 
+if TYPE_CHECKING:
+    import torch
+
 STRUCTURE_KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
+# vLLM's structured_outputs keys taken (grammar: Lark, as llguidance reads it).
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar")
 
 # Any JSON object: what `response_format: {"type": "json_object"}` asks for.
 JSON_OBJECT_SCHEMA = {"type": "object"}
@@ -54,6 +58,97 @@ def grammar_source(structure: tuple[str, str]) -> str:
         return llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c) for c in choices))
     raise SpecpairError(f"unknown structure kind {kind!r}: one of {', '.join(STRUCTURE_KINDS)}")
+
+
+class StructureError(ValueError):
+    """A `response_format` or `structured_outputs` refused: (field, reason), the field in the
+    request's own names (the API answers it as a 400, the gate as a bad golden prompt)."""
+
+    def __init__(self, field: str, reason: str):
+        self.field, self.reason = field, reason
+        super().__init__(f"{field}: {reason}")
+
+
+def request_structure(response_format: dict | None, structured_outputs: dict | None) -> tuple[str, str] | None:
+    """A reply's constraint as a request or golden prompt asks for it: OpenAI's `response_format`
+    (`json_object`, `json_schema`) or vLLM's `structured_outputs` extension (one of `json`,
+    `regex`, `choice`, `grammar` (Lark)) -> (kind, text) as grammar_source reads it; None: free
+    text. Checked to compile, so a bad schema is refused naming its field (StructureError)."""
+    fmt, ext = response_format or {}, structured_outputs or {}
+    structure, param = None, "response_format"
+    kind = fmt.get("type", "text")
+    if kind == "json_object":
+        structure = ("json_object", "")
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise StructureError("response_format.json_schema", "required: an object with name and schema")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise StructureError("response_format.json_schema.schema", "must be a JSON schema object")
+        structure, param = ("json_schema", json.dumps(schema)), "response_format.json_schema.schema"
+    elif kind != "text":
+        raise StructureError("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
+    if ext:
+        given = [name for name in STRUCTURED_OUTPUT_KINDS if ext.get(name) is not None]
+        if len(given) != 1 or structure is not None:
+            raise StructureError("structured_outputs", "set exactly one of json, regex, choice, grammar "
+                                                       "(and no response_format beside it)")
+        name = given[0]
+        value, param = ext[name], f"structured_outputs.{name}"
+        if name == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as exc:
+                    raise StructureError(param, f"not JSON: {exc}") from None
+            if not isinstance(value, dict):
+                raise StructureError(param, "must be a JSON schema object")
+            structure = ("json_schema", json.dumps(value))
+        elif name == "choice":
+            if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+                raise StructureError(param, "must be a non-empty array of non-empty strings")
+            structure = ("choice", json.dumps(value))
+        else:
+            if not isinstance(value, str) or not value:
+                raise StructureError(param, "must be a non-empty string")
+            structure = (name, value)
+    if structure is not None:
+        try:
+            check_structure(structure)
+        except SpecpairError as exc:
+            raise StructureError(param, f"does not compile: {str(exc)[:500]}") from None
+    return structure
+
+
+def reply_valid(structure: tuple[str, str], text: str) -> bool | None:
+    """Whether a whole reply is what its structure asks for, judged apart from the grammar that
+    constrained it (the gate's schema validity): JSON parsed and checked by `jsonschema`, a
+    choice by equality, a regex by Python's `re` (the common syntax both dialects share). None for
+    a Lark grammar: nothing but the grammar itself reads one."""
+    import re
+
+    kind, source = structure
+    if kind in ("json_object", "json_schema"):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return False
+        if kind == "json_object":
+            return isinstance(value, dict)
+        import jsonschema
+
+        schema = json.loads(source)
+        validator = jsonschema.validators.validator_for(schema)(schema)
+        return validator.is_valid(value)
+    if kind == "choice":
+        return text in json.loads(source)
+    if kind == "regex":
+        try:
+            return re.fullmatch(source, text) is not None
+        except re.error:
+            return None
+    return None
 
 
 def check_structure(structure: tuple[str, str]) -> None:
@@ -95,6 +190,8 @@ class RowGrammar:
     """One row's matcher, in the state after the row's committed tokens."""
 
     def __init__(self, matcher, vocab_size: int):
+        import torch    # here, not at the top: the request checks above serve torch-free callers
+
         self.matcher, self.vocab_size = matcher, vocab_size
         self._words = (vocab_size + 31) // 32
         self._bits = torch.arange(32, dtype=torch.int32)
@@ -109,6 +206,8 @@ class RowGrammar:
         """[len(drafts) + 1, width] bool, True where a token is allowed: the grammar's mask after
         the committed tokens and each prefix of `drafts` (which it must accept: `allowed`).
         Tokens past the tokenizer's vocabulary (padded embedding rows) are never allowed."""
+        import torch
+
         words = torch.zeros(len(drafts) + 1, self._words, dtype=torch.int32)
         consumed = 0
         for j in range(len(drafts) + 1):

@@ -74,6 +74,49 @@ def check_tools(tools, tool_choice) -> tuple[list[dict], str | None]:
                                    "\"function\": {\"name\": ...}}")
 
 
+def render_prompt(tok, messages: list[dict], functions: list[dict]) -> str:
+    """The prompt text with the tools, rendered by the tokenizer's own chat template. The engine
+    tokenizes a text prompt with the tokenizer's special tokens, so a BOS the template wrote is
+    cut here (not added twice). Raises ToolError: a template that does not render tools, or one
+    that refuses the messages (a role order it does not take)."""
+    template = getattr(tok, "chat_template", None) or ""
+    if "tools" not in template:
+        raise ToolError("tools", "this model's chat template does not render tools")
+    try:
+        text = tok.apply_chat_template(messages, tools=[{"type": "function", "function": f} for f in functions],
+                                       add_generation_prompt=True, tokenize=False)
+    except Exception as exc:     # the template's own refusal
+        raise ToolError("messages", f"the chat template refused them: {exc}") from None
+    bos = tok.bos_token
+    if bos and text.startswith(bos) and tok("x", add_special_tokens=True)["input_ids"][:1] == [tok.bos_token_id]:
+        text = text[len(bos):]
+    return text
+
+
+def call_grammar(functions: list[dict], tool_choice, style: str) -> str | None:
+    """The grammar a `tool_choice` forces (`required`, a named function), else None."""
+    _, forced = check_tools([{"type": "function", "function": f} for f in functions], tool_choice)
+    return None if forced is None else forced_call_grammar(functions, forced, style)
+
+
+def calls_valid(text: str, style: str, functions: list[dict]) -> bool:
+    """Whether a reply parses into at least one call, each to one of the tools with arguments its
+    parameters' schema accepts (the gate's tool-call parse rate)."""
+    import jsonschema
+
+    _, calls = parse_tool_calls(text, style)
+    if not calls:
+        return False
+    by_name = {f["name"]: f["parameters"] for f in functions}
+    for call in calls:
+        if call.name not in by_name:
+            return False
+        schema = by_name[call.name]
+        if not jsonschema.validators.validator_for(schema)(schema).is_valid(json.loads(call.arguments)):
+            return False
+    return True
+
+
 def forced_call_grammar(functions: list[dict], name: str, style: str) -> str:
     """A Lark grammar (llguidance's, with %json) whose every sentence is one call in `style` to
     `name`, or to any of the functions when name is ""."""

@@ -64,7 +64,7 @@ def test_thresholds_say_by_how_much():
         "category 'code' acceptance 0.200 < 0.500 (short by 0.300)",
         "category 'qa' acceptance missing (no golden prompt in that category?) < 0.100",
         "speedup 0.900x < minSpeedup 1.200x (short by 0.300x)"]
-    from specpair_operator.gate_verdict import evaluate_verdict
+    from specpair_operator.gate.verdict import evaluate_verdict
     outcome = evaluate_verdict({**verdict, "passed": False, "reasons": reasons},
                                {"minAcceptance": 0.4, "minCategoryAcceptance": {"code": 0.5, "qa": 0.1}, "minSpeedup": 1.2})
     assert outcome.failures == reasons
@@ -97,3 +97,90 @@ def test_gate_cli_bad_release_is_a_clear_error(tmp_path):
                            "--out", str(tmp_path / "v.json")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "release.draft needs 'source'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- golden prompts that ask for structure (gate/structured.py) ---------------------------------
+
+ANSWER = {"type": "object", "additionalProperties": False, "required": ["answer"],
+          "properties": {"answer": {"enum": ["yes", "no"]}}}
+JSON_PROMPTS = [{"prompt": f"Is {n} even? Answer in JSON.", "category": "json",
+                 "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}}
+                for n in (3, 8)] + [{"prompt": "The quick brown fox", "category": "prose"}]
+
+
+def test_the_gate_refuses_a_release_whose_golden_json_stops_validating(tiny_pair_dirs):
+    """The same golden JSON prompts: with room for the reply they validate and the gate passes;
+    with too few tokens to close the object they stop validating, and the gate refuses it by
+    the schema-validity floor (the default 1.0), the category and the rate named."""
+    rel = _release(tiny_pair_dirs)
+    rel["gating"].update(prompts=JSON_PROMPTS, maxNewTokens=48, tuning={"kValues": [], "batchSizes": []})
+    verdict, golden = run_gate(rel, device="cpu", progress=lambda *_: None)
+    assert verdict["passed"], verdict["reasons"]
+    assert verdict["categories"]["json"]["schemaValidity"] == 1.0 and verdict["schemaValidity"] == 1.0
+    assert "schemaValidity" not in verdict["categories"]["prose"]     # it asked for none
+    replies = [g for g in golden if g["category"] == "json"]
+    assert all(json.loads(g["speculative"])["answer"] in ("yes", "no") and g["schema_valid"] for g in replies)
+    assert all(g["identical"] for g in golden) and verdict["acceptanceRate"] is not None
+    assert "schema_valid" not in golden[-1]
+
+    rel["gating"]["maxNewTokens"] = 3          # '{"answer": ...' cannot close in 3 tokens
+    verdict, golden = run_gate(rel, device="cpu", progress=lambda *_: None)
+    assert not verdict["passed"]
+    assert verdict["categories"]["json"]["schemaValidity"] == 0.0
+    assert "category 'json' schema validity 0.000 < minSchemaValidity 1.000 (short by 1.000)" in verdict["reasons"]
+    assert not any(g["schema_valid"] for g in golden if g["category"] == "json")
+
+    # A floor the pair lowers is the one held.
+    rel["gating"]["thresholds"] = {"minSchemaValidity": 0.0}
+    assert run_gate(rel, device="cpu", progress=lambda *_: None)[0]["passed"]
+
+
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}}}}}
+
+
+def test_golden_tool_prompts_are_judged_by_their_calls(tmp_path, tiny_target, tiny_draft):
+    """A forced call (tool_choice required) parses into a call the tool accepts; an `auto` one on
+    a random model does not call, and the tool-call parse floor says so."""
+    import dataclasses
+    from tiny_models import make_tokenizer, save_tiny
+    tok = make_tokenizer(chat_template=TOOLS_TEMPLATE)
+    dirs = {"target": save_tiny(dataclasses.replace(tiny_target, tokenizer=tok), tmp_path / "t"),
+            "draft": save_tiny(dataclasses.replace(tiny_draft, tokenizer=tok), tmp_path / "d")}
+    rel = _release(dirs)
+    ask = {"prompt": "Weather in Oslo?", "category": "tools", "tools": [WEATHER]}
+    rel["gating"].update(prompts=[{**ask, "tool_choice": "required"}], chat=True, maxNewTokens=48,
+                         tuning={"kValues": [], "batchSizes": []})
+    verdict, golden = run_gate(rel, device="cpu", progress=lambda *_: None)
+    assert verdict["passed"], verdict["reasons"]
+    assert verdict["categories"]["tools"]["toolCallParse"] == 1.0 and golden[0]["tool_call_parsed"]
+    assert golden[0]["speculative"].startswith('<tool_call>\n{"name":"get_weather"')
+
+    rel["gating"]["prompts"] = [{**ask, "tool_choice": "auto"}]
+    verdict, golden = run_gate(rel, device="cpu", progress=lambda *_: None)
+    assert golden[0]["tool_call_parsed"] is False and not verdict["passed"]
+    assert "category 'tools' tool-call parse rate 0.000 < minToolCallParse 1.000 (short by 1.000)" in verdict["reasons"]
+
+
+def test_a_bad_structured_golden_prompt_is_refused_naming_its_field(tiny_pair_dirs):
+    import re
+
+    import pytest
+    from specpair.errors import SpecpairError
+    for prompt, words in [
+            ({"response_format": {"type": "xml"}}, "gating.prompts[0].response_format.type: must be text"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+             "gating.prompts[0].response_format.json_schema.schema: does not compile"),
+            ({"tool_choice": "required"}, "gating.prompts[0].tool_choice: needs tools"),
+            ({"tools": [WEATHER]}, "gating.prompts[0].tools: tools are rendered by the chat template")]:
+        rel = _release(tiny_pair_dirs)
+        rel["gating"]["prompts"] = [{"prompt": "x", **prompt}]
+        with pytest.raises(SpecpairError, match=re.escape(words)):
+            run_gate(rel, device="cpu", progress=lambda *_: None)

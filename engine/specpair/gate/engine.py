@@ -21,6 +21,7 @@ from specpair.config import GenerationParams, Release, SpeculationConfig
 from specpair.contract import DEFAULT_CATEGORY, gate_tuning, threshold_failures
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
+from specpair.gate.structured import golden_ask, judged, prepared, rate
 from specpair.gate.verdict import check_release, new_verdict, tokenizer_check
 
 
@@ -65,30 +66,39 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     texts = [p["prompt"] for p in prompts]
     categories = [str(p.get("category") or DEFAULT_CATEGORY) for p in prompts]
     params = GenerationParams(max_new_tokens=max_new)
+    # Each prompt as the server decodes it: a response_format's grammar, tools rendered by the
+    # chat template (a forced call through the grammar); checked in check_release.
+    asks = [golden_ask(p, i, chat) for i, p in enumerate(prompts)]
+    decoded = [prepared(target.tokenizer, text, ask, chat) for text, ask in zip(texts, asks)]
 
     # Warm-up, then one prompt at a time (batch 1: the latency case speculation is for).
     engine.generate(texts[:1], GenerationParams(max_new_tokens=2), chat=chat)
     engine.generate(texts[:1], GenerationParams(max_new_tokens=2), chat=chat, speculate=False)
     golden, per_prompt = [], []
-    for text, category in zip(texts, categories):
-        t_base = statistics.median(_timed_generate(engine, [text], params, speculate=False, chat=chat)[0]
+    for text, category, ask, (decode, decode_chat, structure) in zip(texts, categories, asks, decoded):
+        one = dataclasses.replace(params, structure=structure)
+        t_base = statistics.median(_timed_generate(engine, [decode], one, speculate=False, chat=decode_chat)[0]
                                    for _ in range(runs))
-        base = engine.generate([text], params, chat=chat, speculate=False)[0]
+        base = engine.generate([decode], one, chat=decode_chat, speculate=False)[0]
         spec_times, spec_res = [], None
         for _ in range(runs):
-            seconds, res = _timed_generate(engine, [text], params, speculate=True, chat=chat)
+            seconds, res = _timed_generate(engine, [decode], one, speculate=True, chat=decode_chat)
             spec_times.append(seconds)
             spec_res = res[0]
-        divergence = first_divergence(target, engine.encode(text, chat=chat), base.token_ids,
+        divergence = first_divergence(target, engine.encode(decode, chat=decode_chat), base.token_ids,
                                       spec_res.token_ids)
         identical = divergence is None
         t_spec = statistics.median(spec_times)
+        # The reply served is the speculative one: it is the one judged.
+        verdicts = judged(target.tokenizer, ask, spec_res.text)
         per_prompt.append((category, t_base, t_spec, spec_res.stats, identical,
-                           identical or bool(divergence and divergence["tie"])))
+                           identical or bool(divergence and divergence["tie"]),
+                           verdicts["schema_valid"], verdicts["tool_call_parsed"]))
         golden.append({"prompt": text, "category": category, "target_only": base.text,
                        "speculative": spec_res.text, "identical": identical, "divergence": divergence,
                        "token_ids": base.token_ids, "output_tokens": len(spec_res.token_ids),
                        "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
+                       **({} if ask.plain else verdicts),
                        **{k: v for k, v in spec_res.stats.to_dict().items()
                           if k in ("acceptance_rate", "mean_acceptance_length")}})
 
@@ -97,11 +107,17 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
         for r in rows:
             stats.merge(r[3])
         t_base, t_spec = sum(r[1] for r in rows), sum(r[2] for r in rows)
-        return stats, {"acceptanceRate": round(stats.acceptance_rate, 4),
-                       "meanAcceptanceLength": round(stats.mean_acceptance_length, 4),
-                       "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
-                       "greedyIdentity": round(sum(r[4] for r in rows) / len(rows), 4),
-                       "greedyIdentityWithinTies": round(sum(r[5] for r in rows) / len(rows), 4)}
+        figures = {"acceptanceRate": round(stats.acceptance_rate, 4),
+                   "meanAcceptanceLength": round(stats.mean_acceptance_length, 4),
+                   "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
+                   "greedyIdentity": round(sum(r[4] for r in rows) / len(rows), 4),
+                   "greedyIdentityWithinTies": round(sum(r[5] for r in rows) / len(rows), 4)}
+        # Only where golden prompts asked for structure: a verdict without them reads as before.
+        for key, column in (("schemaValidity", 6), ("toolCallParse", 7)):
+            value = rate([r[column] for r in rows])
+            if value is not None:
+                figures[key] = value
+        return stats, figures
 
     overall_stats, overall = summarise(per_prompt)
     verdict.update(overall)

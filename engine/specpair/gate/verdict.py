@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from specpair.errors import SpecpairError
 
+# A golden prompt's keys that ask for structure (gate/structured.py reads them; the vLLM gate
+# imports this module without torch, so the names live here).
+STRUCTURE_KEYS = ("response_format", "structured_outputs", "tools", "tool_choice")
+
 
 def check_release(release: dict) -> None:
     if not isinstance(release, dict):
@@ -24,6 +28,12 @@ def check_release(release: dict) -> None:
     for i, p in enumerate(prompts):
         if not isinstance(p, dict) or not str(p.get("prompt", "")).strip():
             raise SpecpairError(f"release.gating.prompts[{i}] needs a non-empty 'prompt'")
+    if any(p.get(key) is not None for p in prompts for key in STRUCTURE_KEYS):
+        # Structured golden prompts: refused before any model loads, naming the field.
+        from specpair.gate.structured import golden_ask
+        chat = bool((release.get("gating") or {}).get("chat", True))
+        for i, p in enumerate(prompts):
+            golden_ask(p, i, chat)
 
 
 def new_verdict(**extra) -> dict:

@@ -48,11 +48,11 @@ from specpair.contract import DEFAULT_CATEGORY
 from specpair.server.admission import Admission
 from specpair.server.auth import bearer_token_matches
 from specpair.config import SEED_LIMIT
-from specpair.errors import SpecpairError
-from specpair.grammar import check_structure
+from specpair.grammar import StructureError, request_structure
 from specpair.server.requests import MAX_TOP_LOGPROBS, InvalidField, RequestFields, TooLarge, check_size
 from specpair.server.worker import Failed, Finished, Job, NotAccepting, QueueFull, Tokens
-from specpair.tool_calls import ToolError, check_tools, forced_call_grammar, parse_tool_calls, style_of
+from specpair.tool_calls import (ToolError, check_tools, forced_call_grammar, parse_tool_calls, render_prompt,
+                                 style_of)
 
 log = logging.getLogger("specpair.server.http")
 
@@ -61,8 +61,6 @@ PROTOCOL = "http"
 ROLE_ALIASES = {"developer": "system"}
 # Choices one request may ask for (`n`): each is a row of the batch.
 MAX_CHOICES = 16
-# vLLM's structured_outputs keys this server takes (grammar: Lark, as llguidance reads it).
-STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar")
 
 
 class APIError(Exception):
@@ -164,56 +162,12 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def _structure(body: dict) -> tuple[str, str] | None:
-    """The reply's constraint: OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
-    `structured_outputs` extension (one of `json`, `regex`, `choice`, `grammar` (Lark)) ->
-    (kind, text) as grammar.py reads it; None: free text. Checked here (it compiles), so a bad
-    schema is refused naming its field."""
-    fmt = _get(body, "response_format", dict, {})
-    ext = _get(body, "structured_outputs", dict, {})
-    structure, param = None, "response_format"
-    kind = fmt.get("type", "text")
-    if kind == "json_object":
-        structure = ("json_object", "")
-    elif kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict):
-            raise bad_request("response_format.json_schema", "required: an object with name and schema")
-        schema = spec.get("schema", {})
-        if not isinstance(schema, dict):
-            raise bad_request("response_format.json_schema.schema", "must be a JSON schema object")
-        structure, param = ("json_schema", json.dumps(schema)), "response_format.json_schema.schema"
-    elif kind != "text":
-        raise bad_request("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
-    if ext:
-        given = [name for name in STRUCTURED_OUTPUT_KINDS if ext.get(name) is not None]
-        if len(given) != 1 or structure is not None:
-            raise bad_request("structured_outputs", "set exactly one of json, regex, choice, grammar "
-                                                    "(and no response_format beside it)")
-        name = given[0]
-        value, param = ext[name], f"structured_outputs.{name}"
-        if name == "json":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError as exc:
-                    raise bad_request(param, f"not JSON: {exc}") from None
-            if not isinstance(value, dict):
-                raise bad_request(param, "must be a JSON schema object")
-            structure = ("json_schema", json.dumps(value))
-        elif name == "choice":
-            if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
-                raise bad_request(param, "must be a non-empty array of non-empty strings")
-            structure = ("choice", json.dumps(value))
-        else:
-            if not isinstance(value, str) or not value:
-                raise bad_request(param, "must be a non-empty string")
-            structure = (name, value)
-    if structure is not None:
-        try:
-            check_structure(structure)
-        except SpecpairError as exc:
-            raise bad_request(param, f"does not compile: {str(exc)[:500]}") from None
-    return structure
+    """The reply's constraint (`response_format`, or vLLM's `structured_outputs`) as grammar.py
+    reads it; None: free text. A bad one is refused naming its field."""
+    try:
+        return request_structure(_get(body, "response_format", dict, {}), _get(body, "structured_outputs", dict, {}))
+    except StructureError as exc:
+        raise bad_request(exc.field, exc.reason) from None
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
@@ -677,10 +631,7 @@ class OpenAIFront:
         if choice == "none":
             return None
         tok = self.state.engine.target.tokenizer
-        template = getattr(tok, "chat_template", None) or ""
-        if "tools" not in template:
-            raise bad_request("tools", "this model's chat template does not render tools")
-        style = style_of(template)
+        style = style_of(getattr(tok, "chat_template", None))
         messages = []
         for (role, content), raw in zip(fields.messages, body["messages"]):
             message = {"role": role, "content": content}
@@ -689,15 +640,9 @@ class OpenAIFront:
                     message[key] = raw[key]
             messages.append(message)
         try:
-            text = tok.apply_chat_template(messages, tools=[{"type": "function", "function": f} for f in functions],
-                                           add_generation_prompt=True, tokenize=False)
-        except Exception as exc:     # the template's own refusal (a role order it does not take)
-            raise bad_request("messages", f"the chat template refused them: {exc}") from None
-        # The engine tokenizes a text prompt with the tokenizer's special tokens, as the template
-        # rendered them already: a BOS the template wrote is not added twice.
-        bos = tok.bos_token
-        if bos and text.startswith(bos) and tok("x", add_special_tokens=True)["input_ids"][:1] == [tok.bos_token_id]:
-            text = text[len(bos):]
+            text = render_prompt(tok, messages, functions)
+        except ToolError as exc:
+            raise bad_request(exc.field, exc.reason) from None
         fields.messages, fields.prompt, fields.prompt_field = None, text, "messages"
         if forced is not None:
             if fields.structure is not None:
