@@ -165,8 +165,137 @@ def _call(block: str, key: str) -> ToolCall | None:
         return None
     if not (isinstance(value, dict) and isinstance(value.get("name"), str) and key in value):
         return None
-    return ToolCall(name=value["name"], arguments=json.dumps(value[key], ensure_ascii=False),
-                    id=f"call_{uuid.uuid4().hex[:24]}")
+    return ToolCall(name=value["name"], arguments=_arguments_text(block, key, value[key]),
+                    id=new_call_id())
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _arguments_text(block: str, key: str, value) -> str:
+    """The arguments as the model wrote them (what a stream sends piece by piece, so a streamed
+    call and a whole one read alike), or re-serialised where they cannot be found as written."""
+    at = re.search(r'"%s"\s*:\s*' % key, block)
+    if at:
+        try:
+            found, end = json.JSONDecoder().raw_decode(block, at.end())
+            if found == value:
+                return block[at.end():end]
+        except ValueError:
+            pass
+    return json.dumps(value, ensure_ascii=False)
+
+
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array starting at text[start] ends (one past its closing
+    bracket), None while it is still open. Brackets inside strings do not count."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+class CallStream:
+    """A reply's tool calls as OpenAI streams them (`delta.tool_calls`): first a call's index, id,
+    type and name with empty arguments, then its arguments piece by piece, as the text arrives.
+
+    Hermes style is streamed as it is written: content before the first `<tool_call>` (held where
+    it may be the start of one, and trailing whitespace held), a call once its name is whole,
+    then its arguments (an object or array) as the model writes them. Llama 3's JSON style and
+    anything not written name-first are sent whole when the reply ends (`finish`), which also
+    sends what the whole reply's parse has beyond what was streamed, so the streamed deltas add
+    up to the non-streamed message."""
+
+    def __init__(self, style: str):
+        self.style = style
+        self.text = ""
+        self._content_sent = 0
+        self._calls: list[dict] = []          # per call: id, name, arguments sent so far
+
+    def feed(self, piece: str) -> list[dict]:
+        """New text -> the deltas it completes (each a chat delta dict)."""
+        self.text += piece
+        if self.style != HERMES:
+            return []
+        out = []
+        start = self.text.find("<tool_call>")
+        if start < 0:
+            safe = len(self.text)
+            for n in range(min(len("<tool_call>") - 1, len(self.text)), 0, -1):
+                if "<tool_call>".startswith(self.text[-n:]):
+                    safe -= n
+                    break
+            content_end = len(self.text[:safe].rstrip())
+        else:
+            content_end = len(self.text[:start].rstrip()) if self.text[:start].strip() else 0
+        if content_end > self._content_sent:
+            out.append({"content": self.text[self._content_sent:content_end]})
+            self._content_sent = content_end
+        if start < 0:
+            return out
+        blocks = self.text[start:].split("<tool_call>")[1:]
+        for index, block in enumerate(blocks):
+            block = block.split("</tool_call>")[0]
+            named = _NAME.match(block)
+            if named is None:
+                break           # not name-first (or not yet): finish sends it
+            if index == len(self._calls):
+                if index and not self._calls[index - 1]["closed"]:
+                    break
+                name = json.loads(f'"{named.group(1)}"')
+                self._calls.append({"id": new_call_id(), "name": name, "sent": "", "closed": False})
+                out.append({"tool_calls": [{"index": index, "id": self._calls[index]["id"], "type": "function",
+                                            "function": {"name": name, "arguments": ""}}]})
+            call = self._calls[index]
+            if call["closed"] or named.end() >= len(block) or block[named.end()] not in "{[":
+                continue
+            end = _value_end(block, named.end())
+            written = block[named.end():end if end is not None else len(block)]
+            if len(written) > len(call["sent"]) and written.startswith(call["sent"]):
+                out.append({"tool_calls": [{"index": index, "function": {"arguments": written[len(call["sent"]):]}}]})
+                call["sent"] = written
+            call["closed"] = end is not None
+        return out
+
+    def finish(self) -> tuple[list[dict], bool]:
+        """The reply is whole -> (the deltas still owed, whether it called a tool)."""
+        content, calls = parse_tool_calls(self.text, self.style)
+        out = []
+        if not calls:
+            if len(self.text) > self._content_sent:
+                out.append({"content": self.text[self._content_sent:]})
+            return out, False
+        if not self._calls and content and self._content_sent == 0:
+            out.append({"content": content})
+        for index, call in enumerate(calls):
+            if index < len(self._calls) and self._calls[index]["name"] == call.name:
+                sent = self._calls[index]["sent"]
+                rest = call.arguments[len(sent):] if call.arguments.startswith(sent) else ""
+                if rest:
+                    out.append({"tool_calls": [{"index": index, "function": {"arguments": rest}}]})
+                continue
+            out.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                        "function": {"name": call.name, "arguments": call.arguments}}]})
+        return out, True
 
 
 def _split_json_objects(body: str) -> list[str]:

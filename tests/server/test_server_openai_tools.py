@@ -16,7 +16,7 @@ from specpair.config import GenerationParams
 from specpair.decoding import SpeculativeEngine
 from specpair.server.app import EngineServer, ServerOptions
 from specpair.server.requests import Limits
-from specpair.tool_calls import HERMES, LLAMA3, forced_call_grammar, parse_tool_calls, style_of
+from specpair.tool_calls import HERMES, LLAMA3, CallStream, forced_call_grammar, parse_tool_calls, style_of
 
 HERMES_TEMPLATE = (
     # Each tool as its name and parameters' names: the tiny tokenizer spends a token on most
@@ -74,11 +74,17 @@ def test_a_named_tool_choice_is_a_parsed_call_equal_with_speculation_off(tool_se
     bare = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1)
     assert on.usage.prompt_tokens > bare.usage.prompt_tokens + 20
 
-    # Streamed: the call arrives whole in one delta, then finish_reason tool_calls.
+    # Streamed as OpenAI streams calls: the call's id, type and name with empty arguments first,
+    # then the arguments piece by piece, adding up to the whole reply's; finish_reason tool_calls.
     chunks = list(client.chat.completions.create(**ask, stream=True))
-    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert len(deltas) == 1 and deltas[0].tool_calls[0].function.arguments == call.function.arguments
+    deltas = [d for c in chunks if c.choices and c.choices[0].delta.tool_calls for d in c.choices[0].delta.tool_calls]
+    head, pieces = deltas[0], deltas[1:]
+    assert head.index == 0 and head.id.startswith("call_") and head.type == "function"
+    assert head.function.name == "get_weather" and head.function.arguments == ""
+    assert len(pieces) > 1 and all(p.index == 0 and p.id is None and p.function.name is None for p in pieces)
+    assert "".join(p.function.arguments for p in pieces) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
 
 
 def test_required_calls_one_of_the_tools(tool_server):
@@ -115,6 +121,38 @@ def test_llama3_json_style_forced_through_the_grammar(tiny_pair):
     content, calls = parse_tool_calls(spec.text, LLAMA3)
     assert content is None and [c.name for c in calls] == ["get_time"]
     assert json.loads(calls[0].arguments)["zone"] in ("UTC", "CET")
+
+
+def streamed(text: str, step: int) -> tuple[str, dict, dict, bool]:
+    """A reply fed to a CallStream `step` characters at a time -> (content, names, arguments by
+    call index, whether it called), as a client adds the deltas up."""
+    stream, deltas = CallStream(HERMES), []
+    for at in range(0, len(text), step):
+        deltas += stream.feed(text[at:at + step])
+    owed, called = stream.finish()
+    names, args = {}, {}
+    for delta in deltas + owed:
+        for call in delta.get("tool_calls", ()):
+            if "id" in call:
+                assert call["index"] not in names       # one head per call
+                names[call["index"]] = call["function"]["name"]
+            args[call["index"]] = args.get(call["index"], "") + call["function"]["arguments"]
+    return "".join(d.get("content", "") for d in deltas + owed), names, args, called
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_streamed_calls_add_up_to_the_whole_reply(step):
+    text = ('Sure. <tool_call>\n{"name": "f", "arguments": {"a": "x}y\\"", "b": [1, {"c": 2}]}}\n</tool_call>'
+            '<tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    content, calls = parse_tool_calls(text, HERMES)
+    assert streamed(text, step) == (content, {0: "f", 1: "g"}, {i: c.arguments for i, c in enumerate(calls)}, True)
+    assert calls[0].arguments == '{"a": "x}y\\"", "b": [1, {"c": 2}]}'     # as written
+    # No call: all of it is content, even what looked like the start of one.
+    assert streamed("a <tool_ b", step) == ("a <tool_ b", {}, {}, False)
+    assert streamed("<tool_call>{broken", step)[0] == "<tool_call>{broken"
+    # Arguments written before the name: sent whole when the reply ends.
+    late = '<tool_call>{"arguments": {"x": 1}, "name": "h"}</tool_call>'
+    assert streamed(late, step) == ("", {0: "h"}, {0: '{"x": 1}'}, True)
 
 
 def test_reply_parsers_and_styles():

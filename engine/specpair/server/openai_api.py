@@ -51,8 +51,8 @@ from specpair.config import SEED_LIMIT
 from specpair.grammar import StructureError, request_structure
 from specpair.server.requests import MAX_TOP_LOGPROBS, InvalidField, RequestFields, TooLarge, check_size
 from specpair.server.worker import Failed, Finished, Job, NotAccepting, QueueFull, Tokens
-from specpair.tool_calls import (ToolError, check_tools, forced_call_grammar, parse_tool_calls, render_prompt,
-                                 style_of)
+from specpair.tool_calls import (CallStream, ToolError, check_tools, forced_call_grammar, parse_tool_calls,
+                                 render_prompt, style_of)
 
 log = logging.getLogger("specpair.server.http")
 
@@ -668,25 +668,28 @@ class OpenAIFront:
     async def _stream(self, admitted: list, reply: "Reply"):
         finished = False
         usage_sum = None
-        held: list[list[str]] = [[] for _ in admitted]
+        calls = [CallStream(reply.tool_style) for _ in admitted] if reply.tool_style else None
         try:
             if reply.chat:
                 for index in range(reply.n):
                     yield sse(reply.chunk({"role": "assistant", "content": ""}, index=index))
             async for index, event in _choice_events(admitted):
                 if isinstance(event, Tokens):
-                    if reply.tool_style:        # a tool call is known once the reply is whole
-                        held[index].append(event.text)
+                    if calls:       # content and calls as OpenAI streams them (delta.tool_calls)
+                        for delta in calls[index].feed(event.text):
+                            yield sse(reply.chunk(delta, index=index))
                     elif event.text or event.logprobs:
                         yield sse(reply.chunk(event.text, index=index, logprobs=event.logprobs,
                                               token_ids=event.token_ids))
                 elif isinstance(event, Finished):
                     finish_reason = event.finish_reason
-                    if reply.tool_style:
-                        held[index].append(event.text)
-                        message, finish_reason = reply.message("".join(held[index]), finish_reason)
-                        message.pop("role")
-                        yield sse(reply.chunk(message, index=index))
+                    if calls:
+                        for delta in calls[index].feed(event.text):
+                            yield sse(reply.chunk(delta, index=index))
+                        owed, called = calls[index].finish()
+                        for delta in owed:
+                            yield sse(reply.chunk(delta, index=index))
+                        finish_reason = "tool_calls" if called else finish_reason
                     elif event.text or event.logprobs:
                         yield sse(reply.chunk(event.text, index=index, logprobs=event.logprobs,
                                               token_ids=event.token_ids))
