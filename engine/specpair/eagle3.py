@@ -30,9 +30,10 @@ A head carries no tokenizer: it embeds with the target's table and drafts target
 d2t; the tokenizer check takes that (tokenizer_identity.head_fingerprint).
 
 Where it runs: the general step (float32 on the CPU, the C layer): the target hands its
-auxiliary hidden states through static_cache.StaticLlama.feature_layers, and the head runs its
-one layer in PyTorch over a key/value cache of its own per row (eagle3_drafter.Eagle3Drafter). The fixed step (CUDA, bf16) and
-its recorded graphs do not hand auxiliary states over yet: refused there by name.
+auxiliary hidden states through kv.runner.StaticLlama.feature_layers, and the head runs its one
+layer in PyTorch over a key/value cache of its own per row (drafters.eagle3.Eagle3Drafter). Where
+the fixed step applies to the head (CUDA, bf16) its round runs as fixed-shape steps over one
+cache of every row instead, what CUDA graphs record (eagle3_steps.py).
 """
 
 from __future__ import annotations
