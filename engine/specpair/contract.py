@@ -91,6 +91,11 @@ def number(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+# A golden prompt's keys beyond prompt and category, in an OpenAI client's names: the structure
+# its reply must have and the tools it may call (gate/structured.py decodes and judges them). A
+# release carries them only on prompts that set them, so older releases keep their hashes.
+GOLDEN_STRUCTURE_KEYS = ("response_format", "structured_outputs", "tools", "tool_choice")
+
 # Floors for golden prompts that ask for structure (a response_format, tools): the share of
 # replies that parse and satisfy their schema, and of replies with tools that parse into calls
 # the tools accept. A verdict whose prompts asked for none carries no such rate and meets them.

@@ -5,7 +5,7 @@ judges each reply apart from the grammar that shaped it: schema validity (the re
 its schema accepts it) and tool-call parsing (the reply is a call to one of the tools, with
 arguments its parameters accept). A release whose rates fall under the floors is refused
 (contract.threshold_failures), so a draft or target revision that breaks a team's JSON is caught
-before it serves. The keys read are verdict.STRUCTURE_KEYS.
+before it serves. The keys read are contract.GOLDEN_STRUCTURE_KEYS.
 """
 
 from __future__ import annotations

@@ -7,11 +7,8 @@ files and fill the same verdict, so the operator judges and promotes both alike.
 
 from __future__ import annotations
 
+from specpair.contract import GOLDEN_STRUCTURE_KEYS
 from specpair.errors import SpecpairError
-
-# A golden prompt's keys that ask for structure (gate/structured.py reads them; the vLLM gate
-# imports this module without torch, so the names live here).
-STRUCTURE_KEYS = ("response_format", "structured_outputs", "tools", "tool_choice")
 
 
 def check_release(release: dict) -> None:
@@ -28,7 +25,7 @@ def check_release(release: dict) -> None:
     for i, p in enumerate(prompts):
         if not isinstance(p, dict) or not str(p.get("prompt", "")).strip():
             raise SpecpairError(f"release.gating.prompts[{i}] needs a non-empty 'prompt'")
-    if any(p.get(key) is not None for p in prompts for key in STRUCTURE_KEYS):
+    if any(p.get(key) is not None for p in prompts for key in GOLDEN_STRUCTURE_KEYS):
         # Structured golden prompts: refused before any model loads, naming the field.
         from specpair.gate.structured import golden_ask
         chat = bool((release.get("gating") or {}).get("chat", True))
