@@ -7,6 +7,7 @@ module loads only what it needs):
 - families.py: which models the static step runs (`supports`) and their sliding windows;
 - buckets.py: the bucket sizes of rows, tokens and capacity, and row grouping by width (no torch);
 - static.py: `StaticKVModel`, the preallocated cache written in place (C layer or fixed step);
+- paged_fixed.py: `PagedFixedKVModel`, the fixed step over a block pool through block tables;
 - dynamic.py: `BatchedKVModel`, the hole-masking cache over Hugging Face's forward (fallback);
 - runner.py: `StaticLlama`, the step over one model's weights (C layer, general step, fixed step);
 - general_step.py: the torch layer under a boolean mask (prompts, trees, large CPU batches);

@@ -42,12 +42,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return x.roll(half, -1) * sign
 
 
-def mark_sizes(rows: int, inputs, caches=()) -> None:
+def mark_sizes(rows: int, inputs, caches=(), tables=()) -> None:
     """Compile the fixed step's layer over symbolic capacity (dimension 2 of each cache tensor)
     and rows (dimension 0 of every input and cache; above one row only, as dynamo specialises a
     size of 1): one compile then serves every bucket, and a CUDA graph is recorded per bucket's
     concrete shape (cheap) instead of inductor compiling each (minutes for 28 buckets). The
-    cache's rows are the step's, or more (a prompt's step of some rows: its own size)."""
+    cache's rows are the step's, or more (a prompt's step of some rows: its own size). A paged
+    cache's pools never change shape; its block `tables` [rows, blocks] are symbolic instead."""
+    for t in tables:
+        torch._dynamo.maybe_mark_dynamic(t, 1)
+        if t.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
     for t in caches:
         torch._dynamo.maybe_mark_dynamic(t, 2)
         if t.shape[0] > 1:
@@ -90,13 +95,14 @@ def attend(q, k_own, v_own, keys, values, positions, window: int | None = None):
 def fixed_layer(h, cos, sin, rows, positions, slots, kc, vc, wqkv, wo, wgu, wd, n1, n2,
                  eps: float, heads: int, kv_heads: int, head_dim: int, kv_rows=None,
                  reach: int | None = None, bqkv=None, qn=None, kn=None,
-                 window: int | None = None):
+                 window: int | None = None, table=None):
     """One decoder layer of the fixed step over [B, W] tokens: keys/values written at `slots`
     of the cache rows `rows` [B, W], attention by `attend` over the cache's rows 0..B-1 (or
     `kv_rows`) and its whole capacity (or its first `reach` slots: a prefill run apart).
     wqkv: q, k and v's weights joined; wgu: gate's and up's (`StaticLlama.fixed_weights`);
     bqkv: their biases joined (Qwen2); qn/kn: each head's q and k norms (Qwen3); window: a
-    sliding window in positions (Mistral)."""
+    sliding window in positions (Mistral). table: the cache is paged (`paged_write_read`): kc/vc
+    are a block pool and table [R, blocks] each cache row's block ids."""
     B, W, _ = h.shape
     x = rms_norm(h, n1, eps)
     q, k, v = F.linear(x, wqkv, bqkv).split([heads * head_dim, kv_heads * head_dim,
@@ -109,17 +115,49 @@ def fixed_layer(h, cos, sin, rows, positions, slots, kc, vc, wqkv, wo, wgu, wd, 
     v = v.reshape(B, W, kv_heads, head_dim).transpose(1, 2)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
-    kc[rows, :, slots] = k.transpose(1, 2)
-    vc[rows, :, slots] = v.transpose(1, 2)
-    keys, values = (kc, vc) if reach is None else (kc[:, :, :reach], vc[:, :, :reach])
-    if kv_rows is not None:      # a copy of these rows' first `reach` slots, not their capacity
-        keys, values = keys[kv_rows], values[kv_rows]
+    if table is not None:
+        keys, values = paged_write_read(kc, vc, table, k, v, rows, slots, kv_rows, reach)
+    else:
+        kc[rows, :, slots] = k.transpose(1, 2)
+        vc[rows, :, slots] = v.transpose(1, 2)
+        keys, values = (kc, vc) if reach is None else (kc[:, :, :reach], vc[:, :, :reach])
+        if kv_rows is not None:      # a copy of these rows' first `reach` slots, not their capacity
+            keys, values = keys[kv_rows], values[kv_rows]
     att = attend(q, k, v, keys, values, positions, window)
     h = h + F.linear(att.transpose(1, 2).reshape(B, W, heads * head_dim), wo)
     x = rms_norm(h, n2, eps)
     gate, up = F.linear(x, wgu).chunk(2, dim=-1)
     return h + F.linear(F.silu(gate) * up, wd)
 
+
+
+def paged_write_read(kc, vc, table, k, v, rows, slots, kv_rows=None, reach: int | None = None):
+    """The fixed layer's cache access through block tables (paged_fixed.py): write each token's
+    key and value k/v [B, Hkv, W, D] at slot s of cache row r, in block table[r, s // block] at
+    s % block of the pools kc/vc [blocks, Hkv, block, D]; -> the keys and values of the step's
+    rows (rows 0..B-1 of `table`, or `kv_rows`) gathered from their blocks into the contiguous
+    cache's shape, [B, Hkv, capacity, D] (or the first `reach` slots).
+
+    Why gathered blocks and then the same masked math (`attend`), not a paged kernel or
+    FlexAttention's block masks: the gathered tensor has the contiguous cache's shape and, at
+    every slot a query attends, its values, so attention runs the same products in the same
+    order: logits bitwise the contiguous cache's, and one shape per (rows, capacity) bucket, so a
+    verification still equals one-token steps bitwise and a CUDA graph is recorded per bucket. A
+    row's unused table entries name the pool's null block: memory follows each row's own length;
+    the step's reads still span the bucket, as the contiguous step's do."""
+    block = kc.shape[2]
+    blocks = table[rows, slots // block]
+    kc[blocks, :, slots % block] = k.transpose(1, 2)
+    vc[blocks, :, slots % block] = v.transpose(1, 2)
+    read = table if kv_rows is None else table[kv_rows]
+    if reach is not None:
+        read = read[:, :-(-reach // block)]
+    B, n = read.shape
+    keys = kc[read].transpose(1, 2).reshape(B, kc.shape[1], n * block, kc.shape[3])
+    values = vc[read].transpose(1, 2).reshape(B, vc.shape[1], n * block, vc.shape[3])
+    if reach is not None:
+        keys, values = keys[:, :, :reach], values[:, :, :reach]
+    return keys, values
 
 def compiled_fixed_layer(device: torch.device):
     """`fixed_layer` compiled (compiled_function): every layer of every model runs through it

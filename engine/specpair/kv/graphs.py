@@ -86,10 +86,11 @@ class CapturedStep(CapturedGraph):
     """The fixed step recorded once as a CUDA graph at one (rows, tokens) shape over one cache's
     tensors (its capacity is theirs). A call copies the step's ids, positions and slots into the
     graph's own input buffer (one copy from pinned memory) and replays it. A new cache (grown or
-    shrunk) gets new graphs (`StaticKVModel._allocate`): recording one costs a few replays."""
+    shrunk) gets new graphs (`StaticKVModel._allocate`): recording one costs a few replays. A
+    paged cache's `table` is read where it is: the cache updates it in place between replays."""
 
     def __init__(self, runner: "StaticLlama", host: torch.Tensor, caches, compiled: bool,
-                 head: bool = True):
+                 head: bool = True, table=None):
         device = runner.device
         self.inputs = torch.empty(host.shape, dtype=torch.long, device=device)
         self.inputs.copy_(host)
@@ -101,7 +102,7 @@ class CapturedStep(CapturedGraph):
 
         def step():
             return runner.fixed_step(ids, positions, slots, caches, compiled=compiled, head=head,
-                                     kv_rows=kv_rows)
+                                     kv_rows=kv_rows, table=table)
 
         super().__init__(device, step)
 

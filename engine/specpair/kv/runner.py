@@ -216,11 +216,12 @@ class StaticLlama:
         return _with_features(h, taken, features, self.layer_count)
 
     def fixed_layers(self, h, positions, slots, caches, kv_rows=None, reach: int | None = None,
-                     compiled: bool = False):
+                     compiled: bool = False, table=None):
         """The fixed step's decoder layers over input vectors h [B, W, D] (module docstring):
         tokens at `positions` [B, W], written at `slots` [B, W] of the cache's rows 0..B-1 (or
         `kv_rows` [B]); -> the last layer's output [B, W, D] (before the norm). No host reads.
-        `compiled`: each layer through `compiled_fixed_layer`."""
+        `compiled`: each layer through `compiled_fixed_layer`. `table` [R, blocks]: `caches` are
+        block pools read and written through it (fixed_step.paged_write_read)."""
         body = self.model.model
         B, W = positions.shape
         cos, sin = body.rotary_emb(h, positions)
@@ -231,29 +232,34 @@ class StaticLlama:
         rows = rows.expand(B, W)
         run_layer = (fixed_step.compiled_fixed_layer(h.device) if compiled
                      else fixed_step.fixed_layer)
-        if compiled:
+        if compiled and table is None:
             fixed_step.mark_sizes(B, [cos, sin, rows, positions, slots]
                                   + ([] if kv_rows is None else [kv_rows]),
                                   [t for pair in caches for t in pair])
+        elif compiled:   # a pool's shape never changes; the table's rows and blocks do
+            fixed_step.mark_sizes(B, [cos, sin, rows, positions, slots]
+                                  + ([] if kv_rows is None else [kv_rows]), tables=[table])
         for (weights, options), (kc, vc) in zip(self.fixed_weights(), caches):
             if compiled:
                 fixed_step.mark_sizes(B, [h])
             h = run_layer(h, cos, sin, rows, positions, slots, kc, vc, *weights,
                           eps=self.eps, heads=self.heads, kv_heads=self.kv_heads,
-                          head_dim=self.head_dim, kv_rows=kv_rows, reach=reach, **options)
+                          head_dim=self.head_dim, kv_rows=kv_rows, reach=reach, table=table,
+                          **options)
         return h
 
     def fixed_step(self, ids, positions, slots, caches, compiled: bool = False,
-                   head: bool = True, kv_rows=None):
+                   head: bool = True, kv_rows=None, table=None):
         """One fixed-shape step over every row of `caches` and every slot of ids [R, W]: ->
         (logits [R, W, V], normed last hidden states [R, W, D]). Every slot's logits, so the LM
         head's product has one shape whichever slots the caller reads. What a CUDA graph records
         (`CapturedStep`); `compiled`: its layers compiled (`compiled_fixed_layer`). Without
         `head` (a prompt, whose logits but the last are never read) the logits are None;
-        `kv_rows` [R]: the step's rows are these rows of the cache (prompts run apart)."""
+        `kv_rows` [R]: the step's rows are these rows of the cache (prompts run apart); `table`:
+        a paged cache's block tables (fixed_layers)."""
         body = self.model.model
         h = body.norm(self.fixed_layers(body.embed_tokens(ids), positions, slots, caches,
-                                        kv_rows=kv_rows, compiled=compiled))
+                                        kv_rows=kv_rows, compiled=compiled, table=table))
         return (F.linear(h, self.model.lm_head.weight) if head else None), h
 
     @torch.no_grad()

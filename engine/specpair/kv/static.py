@@ -62,6 +62,7 @@ class StaticKVModel(KVCache):
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.lengths: list[int] = []
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.table: torch.Tensor | None = None      # block tables, where paged (paged_fixed.py)
         # CUDA graphs of the fixed step over the current cache, by input shape (CapturedStep),
         # and the steps other code records over it (a drafting head's, drafters.EagleDraftStep),
         # by their own keys; why capture failed, if it did (the step then runs uncaptured).
@@ -256,7 +257,7 @@ class StaticKVModel(KVCache):
             planes = to_device(torch.stack((pos, pos, pos, kv_rows)), self.device)
             reach = None if compiled else int(pos.max()) + 1
             h = r.fixed_layers(h, planes[1], planes[2], self.caches, kv_rows=planes[3, :, 0],
-                               reach=reach, compiled=compiled)
+                               reach=reach, compiled=compiled, table=self.table)
             out, states = self._place(out, states, h, wide, list(range(len(wide))), counts,
                                       n_last, width, vectors, hidden)
         narrow = [i for i in range(B) if 0 < counts[i] <= W]
@@ -276,7 +277,8 @@ class StaticKVModel(KVCache):
                 h = torch.zeros(R, W, dim, dtype=r.dtype, device=self.device)
                 for i in narrow:
                     h[i, :counts[i]] = rows[i]
-                h = r.fixed_layers(h, positions, slots, self.caches, compiled=self.compiled)
+                h = r.fixed_layers(h, positions, slots, self.caches, compiled=self.compiled,
+                                   table=self.table)
             else:
                 # ids, positions and slots go over in one copy: from pageable memory each copy
                 # waits for the stream, and the GPU step is short enough that three such waits
@@ -288,7 +290,7 @@ class StaticKVModel(KVCache):
                 if self.captures_graphs and self.capture_error is None:
                     h = self._replay(host)
                 else:
-                    h = self._step_uncaptured(host, self.caches)
+                    h = self._step_uncaptured(host, self.caches, table=self.table)
             out, states = self._place(out, states, h, narrow, narrow, counts, n_last, width,
                                       vectors, hidden)
         if vectors:
@@ -314,7 +316,7 @@ class StaticKVModel(KVCache):
         host = torch.stack((ids, slots, slots, kv_rows))
         if self.captures_graphs and self.capture_error is None:
             return self._replay(host, head=False)
-        return self._step_uncaptured(host, self.caches, head=False)
+        return self._step_uncaptured(host, self.caches, head=False, table=self.table)
 
     def _replay(self, host: torch.Tensor, head: bool = True):
         """The fixed step through this cache's CUDA graph for the inputs' shape, recorded on first
@@ -325,12 +327,12 @@ class StaticKVModel(KVCache):
             started = time.perf_counter()
             try:
                 graph = CapturedStep(self.runner, host.to(self.device), self.caches, self.compiled,
-                                     head=head)
+                                     head=head, table=self.table)
             except Exception as exc:     # noqa: BLE001 - any capture failure: run uncaptured
                 self.capture_error = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graph capture failed, the fixed step runs uncaptured: %s",
                             self.capture_error)
-                return self._step_uncaptured(host, self.caches, head)
+                return self._step_uncaptured(host, self.caches, head, table=self.table)
             self.graphs[key] = graph
             self.recorded["graphs"] += 1
             self.recorded["seconds"] += time.perf_counter() - started
@@ -356,12 +358,19 @@ class StaticKVModel(KVCache):
         request (warmup.warm_up); -> its report."""
         return warmup.warm_up(self, max_rows, max_positions, rows_from)
 
-    def _step_uncaptured(self, host: torch.Tensor, caches, head: bool = True):
+    def _step_uncaptured(self, host: torch.Tensor, caches, head: bool = True, table=None):
         """The fixed step on host planes (ids, positions, slots, and for a prompt's step the
-        cache row of each row) without a CUDA graph: compiled or eager."""
+        cache row of each row) without a CUDA graph: compiled or eager. `table`: where `caches`
+        are a paged cache's pools, its block tables."""
         planes = to_device(host, self.device)
         return self.runner.fixed_step(*planes[:3], caches, compiled=self.compiled, head=head,
-                                      kv_rows=planes[3, :, 0] if len(planes) == 4 else None)
+                                      kv_rows=planes[3, :, 0] if len(planes) == 4 else None,
+                                      table=table)
+
+    def _scratch(self, shape: tuple):
+        """Caches of `shape` (rows, kv heads, capacity, head dim) for warming a bucket up, and
+        their block tables (None: this cache is not paged)."""
+        return self._zero_caches(shape), None
 
     def _place(self, out, states, h, which: list[int], at: list[int], counts, n_last: int,
                width: int, vectors: bool, hidden: bool):

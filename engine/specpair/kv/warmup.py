@@ -43,12 +43,12 @@ def warm_up(kv: "StaticKVModel", max_rows: int, max_positions: int, rows_from: i
     for rows, positions in shapes:
         bucket_started = time.perf_counter()
         shape = (rows, r.kv_heads, positions, r.head_dim)
-        caches = kv._zero_caches(shape)
+        caches, table = kv._scratch(shape)
         slots = torch.arange(W).view(1, W).expand(rows, W)
         host = torch.stack((torch.zeros(rows, W, dtype=torch.long), slots, slots))
         capturing = kv.captures_graphs and kv.capture_error is None
         before = torch.cuda.memory_reserved(kv.device) if capturing else 0
-        recorded += _warm_shape(kv, host, caches)
+        recorded += _warm_shape(kv, host, caches, table=table)
         if capturing:
             torch.cuda.synchronize(kv.device)
             graph_bytes = max(graph_bytes, torch.cuda.memory_reserved(kv.device) - before)
@@ -92,23 +92,25 @@ def _warm_prefill(kv: "StaticKVModel", max_rows: int, rows_from: int = 1) -> int
         if rows * width > kv.prefill_step_tokens or cache_rows > sizes.bucket(max_rows):
             continue
         shape = (cache_rows, r.kv_heads, sizes.bucket(width, kv._position_floor), r.head_dim)
-        caches = kv._zero_caches(shape)
+        caches, table = kv._scratch(shape)
         slots = torch.arange(width).view(1, width).expand(rows, width)
         kv_rows = torch.arange(rows).view(rows, 1).expand(rows, width)
         host = torch.stack((torch.zeros(rows, width, dtype=torch.long), slots, slots, kv_rows))
-        recorded += _warm_shape(kv, host, caches, head=False)
+        recorded += _warm_shape(kv, host, caches, head=False, table=table)
     return recorded
 
 
-def _warm_shape(kv: "StaticKVModel", host: torch.Tensor, caches, head: bool = True) -> bool:
+def _warm_shape(kv: "StaticKVModel", host: torch.Tensor, caches, head: bool = True,
+                table=None) -> bool:
     """The fixed step once at this input shape on scratch `caches`: compiled (when it is), and
     on CUDA recorded as a graph and replayed, to prove it records. A recording that fails is
     reported once and serving runs uncaptured. -> whether a graph was recorded."""
     if not (kv.captures_graphs and kv.capture_error is None):
-        kv._step_uncaptured(host, caches, head)
+        kv._step_uncaptured(host, caches, head, table=table)
         return False
     try:
-        CapturedStep(kv.runner, host.to(kv.device), caches, kv.compiled, head=head)(host)
+        CapturedStep(kv.runner, host.to(kv.device), caches, kv.compiled, head=head,
+                     table=table)(host)
         return True
     except Exception as exc:     # noqa: BLE001 - reported; serving runs uncaptured
         kv.capture_error = f"{type(exc).__name__}: {exc}"
