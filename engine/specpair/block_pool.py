@@ -27,6 +27,12 @@ from specpair.errors import SpecpairError
 from specpair.prefix_cache import BLOCK_TOKENS, reusable_blocks
 
 
+# The most rows a batch decodes at once where a pool decides: the default max batch size is what
+# the pool holds at PLANNED_ROW_POSITIONS a row (paged_cache.PagedSpace.max_rows), up to this.
+MAX_BATCH_ROWS = 64
+PLANNED_ROW_POSITIONS = 512
+
+
 class OutOfBlocks(SpecpairError):
     """The pool cannot give a row the blocks it asks for (nothing free, nothing to evict)."""
 
@@ -73,6 +79,19 @@ class BlockPool:
         table = self.tables.get(row, [])
         return RowNeed(row, holds, step, drafts, blocks=len(table),
                        private=sum(self._refs[b] == 1 for b in table))
+
+    def blocks_to_admit(self, names: list[bytes], positions: int) -> int:
+        """Blocks a new row of `positions` prompt positions (and one more, its first token)
+        takes from `free`: its blocks past the cached run of its names (share_prefix's run), and
+        those of the run that no row holds now (taking them leaves fewer to give)."""
+        shared = unheld = 0
+        for name in names[:reusable_blocks(positions, self.block)]:
+            block_id = self._by_name.get(name)
+            if block_id is None:
+                break
+            shared += 1
+            unheld += block_id in self._cached
+        return blocks_for(positions + 1, self.block) - shared + unheld
 
     # -- rows -------------------------------------------------------------------------------
 

@@ -25,10 +25,13 @@ from specpair.drafters import (Drafter, EagleDrafter, LookupFirstDrafter, Medusa
                                RowSampling)
 from specpair.errors import SpecpairError
 from specpair.grammar import GrammarCompiler, RowGrammar
-from specpair.prefix_cache import (PrefixStats, PrefixStore, capacity_bytes, resolve_mode,
-                                   reusable_blocks)
-from specpair.static_cache import (bucket, check_static_step, kv_model, resolve_compile,
-                                   resolve_kv_kind, step_description)
+from specpair.block_pool import RowNeed, blocks_for, plan_admission
+from specpair.paged_cache import PagedKVModel, PagedSpace, paged_applies
+from specpair.prefix_cache import (PrefixStats, PrefixStore, block_keys, capacity_bytes,
+                                   resolve_mode, reusable_blocks)
+from specpair.kv.buckets import bucket
+from specpair.kv.choice import check_static_step, kv_model, resolve_kv_kind, step_description
+from specpair.kv.compiling import resolve_compile
 from specpair.rejection_sampler import (DrawKeys, greedy_verify, keyed_verify, process_logits,
                                         rejection_sample, seed_key, verify_tree)
 from specpair.stats import AcceptanceStats, AcceptanceWindow
@@ -113,6 +116,7 @@ class Sequence:
     memory: tuple[int, int] = (0, 0)    # KV bytes: its own, speculation's (engine.row_memory)
     memory_target_only: bool = False    # not drafting until the KV budget has room for it
     cached_tokens: int = 0              # prompt tokens whose target keys came from the prefix store
+    preemptions: int = 0                # times its blocks were given back and it was recomputed
     # Per cache of Batch.prefix_caches: the prompt's block names, and whether its blocks are
     # stored yet (once the cache holds the whole prompt).
     prefix_keys: list[list[bytes]] = field(default_factory=list)
@@ -248,6 +252,12 @@ class SpeculativeEngine:
         self.prefix_store = (PrefixStore(capacity_bytes(self.kv_budget))
                              if resolve_mode(prefix_cache) == "on" else None)
         self.prefix_stats = PrefixStats()     # the target's prompt tokens: looked up, served
+        # The target's paged cache on the CPU's C path (paged_cache.py): one pool, sized by the
+        # KV budget, shared by this engine's batches; where it does not apply, why not.
+        self.paged_unused = paged_applies(target.model, self.kv_kind, self.compile_mode, drafter,
+                                          self.config.tree_width, cache_model is not None)
+        self.paged_space = (PagedSpace.for_budget(target.model, self.kv_budget)
+                            if self.paged_unused is None else None)
         self.grammars = GrammarCompiler(target.tokenizer, self.vocab_size, self.eos_ids)
         if self.kv_budget is not None:
             log.info("KV budget %d bytes (%d target tokens)", self.kv_budget,
@@ -331,7 +341,7 @@ class SpeculativeEngine:
         self.captures = {}
         for model in models:
             kv = self.serving_cache(model)
-            if getattr(kv, "fixed", False):     # every (rows, capacity) bucket, captured once
+            if kv.fixed:     # every (rows, capacity) bucket, captured once
                 name = "target" if model is self.target.model else "draft"
                 if model is self.target.model:
                     kv.token_bucket = self.step_bucket(1)    # 1 where speculation never runs
@@ -448,7 +458,14 @@ class Batch:
 
     def __init__(self, engine: SpeculativeEngine):
         self.engine = engine
-        self.target = engine.serving_cache(engine.target.model)
+        # The paged cache where it applies (SpeculativeEngine.paged_space): rows admitted by
+        # free blocks, preempted and recomputed when they run out, prefixes shared by reference.
+        self.paged = engine.paged_space is not None
+        self.target = (PagedKVModel(engine.target.model, vocab_size=engine.vocab_size,
+                                    space=engine.paged_space) if self.paged
+                       else engine.serving_cache(engine.target.model))
+        self.preempted: list[Sequence] = []   # rows waiting for blocks to be recomputed, oldest first
+        self.preemptions = 0                  # rows given back for want of blocks, ever
         self.drafter = engine.drafter.for_batch() if engine.drafter is not None else None
         self.copies = self.drafter is not None and self.drafter.copies   # two kinds of rounds, two ks
         self.rows: list[Sequence] = []
@@ -458,7 +475,9 @@ class Batch:
         self.last_k = 0
         self.timing = StepTiming()
         self._row_sampling: RowSampling | None = None     # for these rows; None once they change
-        self.prefix_caches = engine.prefix_caches(self.target, self.drafter)
+        # (The paged cache shares prefix blocks itself: _share_prefix, not the copying store.)
+        self.prefix_caches = [] if self.paged else engine.prefix_caches(self.target, self.drafter)
+        self._paged_identity = f"target {sorted(engine.target.identity().items())}"
         # This round's: rows with a grammar, whether a row asked for log-probabilities, and the
         # logits that scored each such row's committed tokens (step, _keep_token_logits).
         self._grammar_rows: list[int] = []
@@ -472,6 +491,14 @@ class Batch:
     def add(self, prompt_ids: list[int], params: GenerationParams, request_id: str | None = None
             ) -> Sequence:
         self.engine.validate(prompt_ids, params)
+        if self.paged:
+            pool = self.target.pool
+            need = blocks_for(len(prompt_ids) + params.max_new_tokens, pool.block)
+            if need > pool.blocks:
+                raise SpecpairError(
+                    f"prompt {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} "
+                    f"need {need} KV blocks; the pool holds {pool.blocks} (blocks of "
+                    f"{pool.block} positions: raise the KV budget or send a shorter request)")
         generator = None
         if not params.greedy and params.seed is None:
             generator = torch.Generator(device=self.device)
@@ -491,9 +518,129 @@ class Batch:
         self.target.add_rows(1)
         if self.drafter is not None:
             self.drafter.add_rows(1)
+        if self.paged:
+            self._share_prefix(seq, first=True)
+            return seq
         self._load_prefix(seq)
         self._fit_kv_budget(seq)
         return seq
+
+    # -- the paged cache: prefix blocks by reference, admission by blocks, preemption ----------
+
+    def _prompt_names(self, seq: Sequence) -> list[bytes]:
+        if not seq.prefix_keys:
+            seq.prefix_keys = [block_keys(self._paged_identity, seq.prompt_ids,
+                                          self.target.pool.block)]
+            seq.prefix_saved = [False]
+        return seq.prefix_keys[0]
+
+    def _share_prefix(self, seq: Sequence, first: bool) -> None:
+        """The new (last) row's table starts with the pool's blocks of its prompt's longest
+        cached run of names, by reference; its prefill feeds only the rest."""
+        if self.engine.prefix_store is None:        # prefix reuse off
+            return
+        held = self.target.share_prefix(len(self.rows) - 1, self._prompt_names(seq),
+                                        len(seq.prompt_ids))
+        if first:
+            seq.cached_tokens = held
+            self.engine.prefix_stats.looked_up += len(seq.prompt_ids)
+            self.engine.prefix_stats.served += held
+
+    def _publish_prefixes(self) -> None:
+        """Name the full prompt blocks of each row that now holds its whole prompt."""
+        if self.engine.prefix_store is None:
+            return
+        for i, seq in enumerate(self.rows):
+            if seq.prefix_saved and not seq.prefix_saved[0] and \
+                    self.target.lengths[i] >= len(seq.prompt_ids):
+                self.target.publish(i, seq.prefix_keys[0])
+                seq.prefix_saved[0] = True
+
+    def blocks_to_admit(self, prompt_ids: list[int]) -> int:
+        """Blocks the pool would give a new row for its prompt and first token (its cached
+        prefix blocks held by no row count too: taking them leaves fewer to give)."""
+        pool = self.target.pool
+        names = []
+        if self.engine.prefix_store is not None:
+            names = block_keys(self._paged_identity, prompt_ids, pool.block)
+        return pool.blocks_to_admit(names, len(prompt_ids))
+
+    def _blocks_reserved(self) -> int:
+        """Blocks the rows will take from the pool for what they hold uncached (a row admitted
+        but not yet stepped: its prompt) and one position more, at least one block a row."""
+        pool, kv = self.target.pool, self.target
+        return sum(max(1, blocks_for(len(seq.tokens) + 1, pool.block) - pool.held(kv.keys[i]))
+                   for i, seq in enumerate(self.rows))
+
+    def has_room(self, prompt_ids: list[int]) -> bool:
+        """Admission by free blocks (the server's worker asks before add): no row waits to be
+        recomputed, and the pool can give the new row its prompt's blocks beside what the rows
+        in the batch will take (_blocks_reserved). Without a paged cache: always."""
+        if not self.paged:
+            return True
+        if self.preempted:
+            return False
+        return self.blocks_to_admit(prompt_ids) <= self.target.pool.free - self._blocks_reserved()
+
+    def _fit_blocks(self) -> None:
+        """Before a step: each row's next positions (its uncached tokens, and its drafts, which
+        are blocks too) against the pool's free blocks (block_pool.plan_admission): drafting
+        stops first, newest row first; then the newest rows are preempted, to be recomputed
+        from their tokens once blocks are free (their output does not change: a token's keys
+        are the same whichever call computes them)."""
+        for seq in self.rows:
+            seq.memory_target_only = False
+        ks = self._ks()
+        pool = self.target.pool
+        order = sorted(range(len(self.rows)), key=lambda i: self.rows[i].started)
+        needs = [pool.need(self.target.keys[i], self.target.lengths[i],
+                           len(self.rows[i].tokens) - self.target.lengths[i], ks[i])
+                 for i in order]
+        plan = plan_admission(needs, pool.free, pool.block)
+        if not plan.changes:
+            return
+        by_key = {key: seq for key, seq in zip(self.target.keys, self.rows)}
+        for key in plan.target_only:
+            by_key[key].memory_target_only = True
+            self.engine.memory_fallbacks += 1
+        gone = {id(by_key[key]) for key in plan.preempt}
+        if not gone:
+            return
+        keep = [i for i, s in enumerate(self.rows) if id(s) not in gone]
+        for seq in (s for s in self.rows if id(s) in gone):
+            seq.preemptions += 1
+            self.preempted.append(seq)
+            log.info("KV blocks: %s preempted (%d positions given back; %d blocks free)",
+                     seq.request_id, len(seq.tokens), pool.free)
+        self.preemptions += len(gone)
+        self.engine.paged_space.preemptions += len(gone)
+        self.preempted.sort(key=lambda s: s.started)
+        self.rows = [self.rows[i] for i in keep]
+        self._row_sampling = None
+        self.target.select(keep)
+        if self.drafter is not None:
+            self.drafter.select(keep)
+
+    def _resume_preempted(self) -> None:
+        """Preempted rows join again, oldest first, while the pool can give each its tokens'
+        blocks (a shared prefix from the cache) and a block for every running row's next step;
+        their next step recomputes their prompt and what they emitted."""
+        pool = self.target.pool
+        while self.preempted:
+            seq = self.preempted[0]
+            names = self._prompt_names(seq) if self.engine.prefix_store is not None else []
+            need = pool.blocks_to_admit(names, len(seq.tokens))
+            if self.rows and need > pool.free - self._blocks_reserved():
+                return
+            self.preempted.pop(0)
+            self.rows.append(seq)
+            self._row_sampling = None
+            self.target.add_rows(1)
+            if self.drafter is not None:
+                self.drafter.add_rows(1)
+            self._share_prefix(seq, first=False)
+            log.info("KV blocks: %s resumed, recomputing %d positions", seq.request_id,
+                     len(seq.tokens) - self.target.lengths[-1])
 
     # -- prefix reuse (prefix_cache.py) ---------------------------------------------------------
 
@@ -515,6 +662,14 @@ class Batch:
         """Whether a row here will store this prompt's first block the store lacks once it has
         stepped: a request that waits for that step prefills only what differs (the server's
         worker holds it back; prompts arriving together then share one prefill)."""
+        if self.paged and self.engine.prefix_store is not None:
+            pool = self.target.pool
+            names = block_keys(self._paged_identity, prompt_ids, pool.block)
+            first = next((n for n in names[:reusable_blocks(len(prompt_ids), pool.block)]
+                          if not pool.cached(n)), None)
+            return first is not None and any(
+                s.prefix_saved and not s.prefix_saved[0] and first in s.prefix_keys[0]
+                for s in self.rows)
         if not self.prefix_caches:
             return False
         store = self.engine.prefix_store
@@ -542,7 +697,11 @@ class Batch:
     # -- the KV budget -------------------------------------------------------------------------
 
     def kv_in_use(self) -> int:
-        """KV bytes the rows hold: their own, and speculation's for the rows that draft."""
+        """KV bytes the rows hold: their own, and speculation's for the rows that draft (the
+        paged cache: its pool's blocks held by rows)."""
+        if self.paged:
+            pool = self.target.pool
+            return (pool.blocks - pool.free) * pool.block * self.engine._target_kv
         return sum(s.memory[0] + (s.memory[1] if self.speculate and not s.memory_target_only else 0)
                    for s in self.rows)
 
@@ -585,6 +744,10 @@ class Batch:
         for seq in self.rows:
             if seq.request_id == request_id:
                 seq.finished, seq.finish_reason = True, "cancelled"
+        for seq in [s for s in self.preempted if s.request_id == request_id]:
+            seq.finished, seq.finish_reason = True, "cancelled"
+            self.preempted.remove(seq)
+            self.done.append(seq)
         self._drop_finished()
 
     # -- one round -----------------------------------------------------------------------------
@@ -609,16 +772,21 @@ class Batch:
 
     def step(self) -> list[StepOutput]:
         self.done = []
+        if self.paged:
+            self._resume_preempted()
         if not self.rows:
             return []
         started = time.perf_counter()
-        self._resume_drafting()
+        if self.paged:
+            self._fit_blocks()
+        else:
+            self._resume_drafting()
         eng = self.engine
         B = self.active
         sampling = self._sampling()
         ks = self._ks()
         self.last_k = max(ks, default=0)
-        if getattr(self.target, "fixed", False):
+        if self.target.fixed:
             self.target.token_bucket = eng.step_bucket(B)
             self._prefill_apart()
         sequences = [s.tokens for s in self.rows]
@@ -699,10 +867,14 @@ class Batch:
             shadow.observe(self, committed, self.first_logits, sampling, drafts, num, q, accepted_l)
         if self.prefix_caches:
             self._save_prefixes()
+        if self.paged:
+            self._publish_prefixes()
         self.target.trim()
         if self.drafter is not None:
             self.drafter.trim()
         self._drop_finished()
+        if self.paged and self.preempted:
+            self._resume_preempted()      # a batch never idles while a preempted row waits
         self.timing.steps += 1
         self.timing.seconds += time.perf_counter() - started
         return outputs

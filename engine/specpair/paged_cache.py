@@ -7,48 +7,129 @@ Every step runs through the C layer, whose arithmetic for a token does not depen
 tokens of its call: the step's real tokens (no padding) are cut into calls of at most
 cpu_kernels.MAX_TOKENS, a long prompt in several calls in position order (each call sees the keys
 the earlier ones wrote). So a decode or verification step is bitwise the contiguous cache's
-(static_cache.StaticKVModel) over the same keys, and a row served a shared prefix computes what it
+(kv.static.StaticKVModel) over the same keys, and a row served a shared prefix computes what it
 would have computed after prefilling it. A prompt longer than one call is prefilled here through
 the C layer too, where the contiguous cache runs torch's step: equal to rounding, not bitwise.
 
-Not yet the engine's cache (issue 51): the Batch still runs StaticKVModel; this class is the
-model-level half (tested against it), without token trees, the fixed step or a drafting head's
-vectors.
+The engine's target cache on the CPU's C path (`paged_applies`): one `PagedSpace` per engine
+(the pool and its keys and values), shared by every Batch of it, so prefix blocks outlive a
+batch; each Batch's `PagedKVModel` names its rows in it and gives them back when it is dropped.
+Not here: token trees, the fixed step, a drafting head's vectors (those engines keep
+kv.static.StaticKVModel).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import weakref
 
 import torch
 
 from specpair import cpu_kernels
-from specpair.block_pool import BlockPool, OutOfBlocks, blocks_for
+from specpair.block_pool import (MAX_BATCH_ROWS, PLANNED_ROW_POSITIONS, BlockPool, OutOfBlocks,
+                                 blocks_for)
 from specpair.errors import SpecpairError
 from specpair.prefix_cache import BLOCK_TOKENS
-from specpair.static_cache import StaticLlama
+from specpair.kv.protocol import KVCache
+from specpair.kv.runner import StaticLlama
 
 
-class PagedKVModel:
-    """A causal LM plus its block pool; extend/rollback/select/add_rows as StaticKVModel."""
+# The pool's bytes where the engine has no KV budget (the CPU): 2 GiB holds ~46k SmolLM2-135M
+# positions in float32 (46 KB each): 32 chats of 1,500 tokens each unshared, hundreds shared.
+# Allocated lazily (torch.empty): a page costs memory once a block on it is written.
+BYTES_WITHOUT_BUDGET = 2 << 30
+PAGED_ENV = "SPECPAIR_PAGED"        # "on" (default, where it applies) or "off"
 
-    reuses_prefixes = True
 
-    def __init__(self, model, blocks: int, block: int = BLOCK_TOKENS, vocab_size: int | None = None):
-        self.model = model
+def paged_applies(model, kv_kind: str, compile_mode: str, drafter=None, tree_width: int = 1,
+                  drafter_cache: bool = False, mode: str | None = None) -> str | None:
+    """Why the paged cache cannot be this engine's target cache (None: it is): it runs the C
+    layer (CPU, float32, dense weights, static kind, not compiled), with chains only, hands a
+    drafter no features, and its pool is the only KV cache (`drafter_cache`: a draft model's or
+    a head's cache, not yet in the pool: that engine keeps the budget's bookkeeping)."""
+    mode = mode or os.environ.get(PAGED_ENV) or "on"
+    if mode not in ("on", "off"):
+        raise SpecpairError(f"paged cache must be on or off, not {mode!r} ({PAGED_ENV})")
+    if mode == "off":
+        return f"{PAGED_ENV}=off"
+    if kv_kind != "static" or compile_mode == "on":
+        return "the static kind, not compiled, only"
+    if drafter is not None and (drafter.wants_features or (drafter.tree_capable and tree_width > 1)):
+        return "a drafter that wants features or drafts trees"
+    if drafter_cache:
+        return "a drafter with a KV cache of its own"
+    try:
+        r = StaticLlama.of(model)
+    except SpecpairError as exc:
+        return str(exc)
+    if not (r.device.type == "cpu" and r.dtype == torch.float32 and cpu_kernels.available()
+            and r.dense and r.head_dim % 8 == 0 and r.head_dim <= cpu_kernels.MAX_HEAD_DIM):
+        return ("the paged cache runs the C layer: CPU, float32, dense weights, a head dimension "
+                f"of 8s up to {cpu_kernels.MAX_HEAD_DIM} ({cpu_kernels.status()})")
+    return None
+
+
+class PagedSpace:
+    """One model's block pool and the keys and values of its blocks, [blocks, kv heads, block,
+    head dim] a layer: shared by every PagedKVModel over it (an engine's batches)."""
+
+    def __init__(self, model, blocks: int, block: int = BLOCK_TOKENS, lazy: bool = False):
         self.runner = r = StaticLlama.of(model)
         if not (r.device.type == "cpu" and r.dtype == torch.float32 and cpu_kernels.available()
                 and r.dense and r.head_dim % 8 == 0 and r.head_dim <= cpu_kernels.MAX_HEAD_DIM):
             raise SpecpairError("the paged cache runs the C layer: CPU, float32, dense weights, a "
                                 f"head dimension of 8s up to {cpu_kernels.MAX_HEAD_DIM} "
                                 f"({cpu_kernels.status()})")
-        self.vocab_size = vocab_size
         self.pool = BlockPool(blocks, block)
         shape = (blocks, r.kv_heads, block, r.head_dim)
-        self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(r.layer_count)]
+        # The C layer reads a row's positions only once they are written, so an unwritten block
+        # is never read: `lazy` leaves the pages untouched until then.
+        make = torch.empty if lazy else torch.zeros
+        self.caches = [(make(shape), make(shape)) for _ in range(r.layer_count)]
+        self.owners = itertools.count()
+        self.preemptions = 0          # rows given back for want of blocks, ever (Batch counts)
+
+    @classmethod
+    def for_budget(cls, model, budget_bytes: int | None, block: int = BLOCK_TOKENS
+                   ) -> "PagedSpace":
+        """The pool the budget holds (BYTES_WITHOUT_BUDGET without one), allocated lazily."""
+        r = StaticLlama.of(model)
+        per_block = 2 * r.layer_count * r.kv_heads * r.head_dim * block * 4
+        blocks = max(1, (budget_bytes or BYTES_WITHOUT_BUDGET) // per_block)
+        return cls(model, blocks, block, lazy=True)
+
+    @property
+    def max_rows(self) -> int:
+        """The default max batch size: rows the pool holds at PLANNED_ROW_POSITIONS each (a
+        shared prefix holds more), at least 1, at most MAX_BATCH_ROWS."""
+        return max(1, min(MAX_BATCH_ROWS,
+                          self.pool.blocks // blocks_for(PLANNED_ROW_POSITIONS, self.pool.block)))
+
+
+class PagedKVModel(KVCache):
+    """A causal LM plus its block pool; extend/rollback/select/add_rows as StaticKVModel."""
+
+    # Prefix blocks are shared by reference (share_prefix, publish), not loaded from the copying
+    # prefix store, which is what the cache protocol's flag asks.
+    reuses_prefixes = False
+    fixed = False
+    token_bucket = 1
+
+    def __init__(self, model, blocks: int | None = None, block: int = BLOCK_TOKENS,
+                 vocab_size: int | None = None, space: PagedSpace | None = None):
+        self.model = model
+        self.space = space or PagedSpace(model, blocks, block)
+        self.runner = self.space.runner
+        self.vocab_size = vocab_size
+        self.pool = self.space.pool
+        self.caches = self.space.caches
         self.lengths: list[int] = []
-        self.keys: list[int] = []            # each batch row's name in the pool
+        self.keys: list[tuple[int, int]] = []   # each batch row's name in the pool
         self._names = itertools.count()
+        self._owner = next(self.space.owners)
+        # A batch dropped with rows still in it (a failed step's batch) gives their blocks back.
+        weakref.finalize(self, _release_owner, self.pool, self._owner)
 
     @property
     def batch_size(self) -> int:
@@ -60,7 +141,7 @@ class PagedKVModel:
 
     def add_rows(self, count: int) -> None:
         for _ in range(max(0, count)):
-            self.keys.append(next(self._names))
+            self.keys.append((self._owner, next(self._names)))
             self.lengths.append(0)
 
     def share_prefix(self, row: int, names: list[bytes], prompt_tokens: int) -> int:
@@ -76,10 +157,13 @@ class PagedKVModel:
         return self.pool.publish(self.keys[row], names)
 
     @torch.no_grad()
-    def extend(self, rows: list[list[int]], last: int | list[int] = 1) -> torch.Tensor:
+    def extend(self, rows: list[list[int]], last: int | list[int] = 1, hidden: bool = False,
+               parents=None) -> torch.Tensor:
         """Feed each row its new tokens; -> the logits of each row's last `last` tokens,
         [B, L, V] right-aligned (as StaticKVModel.extend). Refused with OutOfBlocks, changing
         nothing, when the pool cannot hold the new positions."""
+        if hidden or parents is not None:
+            raise SpecpairError("the paged cache runs chains without features (paged_applies)")
         B = len(rows)
         assert B == self.batch_size, (B, self.batch_size)
         counts = [len(t) for t in rows]
@@ -159,3 +243,8 @@ class PagedKVModel:
                 self.pool.release(key)
         self.keys = [self.keys[i] for i in rows]
         self.lengths = [self.lengths[i] for i in rows]
+
+
+def _release_owner(pool: BlockPool, owner: int) -> None:
+    for key in [k for k in pool.tables if isinstance(k, tuple) and k[0] == owner]:
+        pool.release(key)

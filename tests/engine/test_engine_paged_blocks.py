@@ -109,3 +109,17 @@ def test_a_rows_need_is_read_from_the_pool():
     pool.allocate("b", 41)
     need = pool.need("b", holds=40, step=1, drafts=8)
     assert (need.blocks, need.private) == (3, 1)          # two shared, one its own
+
+
+def test_a_new_row_costs_its_uncached_blocks_and_the_cached_ones_no_row_holds():
+    pool = BlockPool(10, B)
+    prompt = list(range(3, 3 + 50))                      # 3 full blocks, all 3 shareable
+    assert pool.blocks_to_admit(names(prompt), 50) == 4  # nothing cached: 51 positions, 4 blocks
+    pool.allocate("a", 50)
+    pool.publish("a", names(prompt))
+    # Held by "a": the 3 shareable blocks come by reference and cost nothing free.
+    assert pool.blocks_to_admit(names(prompt), 50) == 1
+    pool.release("a")                                    # cached, held by none: taking them counts
+    assert pool.blocks_to_admit(names(prompt), 50) == 4
+    other = [7] + prompt[1:]                             # differs in the first block: no run
+    assert pool.blocks_to_admit(names(other), 50) == 4

@@ -10,7 +10,9 @@ import pytest
 from serving_helpers import client_for, make_engine, openai_client, reference, run_threads, tiny_server
 
 from specpair.prefix_cache import BLOCK_TOKENS
+from specpair.decoding import SpeculativeEngine
 from specpair.server.app import ServerOptions
+from specpair.server.worker import default_max_batch_size
 
 SYSTEM = "You are a careful assistant who answers briefly and never guesses. " * 6
 
@@ -82,8 +84,12 @@ def test_cached_prompt_tokens_are_reported_on_every_protocol_and_counted(tiny_pa
     assert sample(server, "specpair_prefix_cache_hits_total") == stats.served
 
 
-def test_the_default_batch_carries_more_than_eight_rows():
-    assert ServerOptions().max_batch_size > 8
+def test_the_default_batch_carries_more_than_eight_rows(tiny_pair):
+    target, draft = tiny_pair
+    # The CPU's paged cache: what its pool holds (64 rows of the tiny model); else 32.
+    assert ServerOptions().max_batch_size is None
+    assert default_max_batch_size(SpeculativeEngine(target, "ngram")) == 64
+    assert default_max_batch_size(SpeculativeEngine(target, draft=draft)) == 32
 
 
 def test_64_concurrent_greedy_streams_each_equal_their_solo_output(tiny_pair, start_server):

@@ -27,6 +27,7 @@ import os
 import platform
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,7 +43,7 @@ from specpair.server.requests import Limits
 from specpair.server.service import (SERVICE_NAME, EngineService, category_message, model_info_message,
                                      speculation_message)
 from specpair.server.tls import DEFAULT_CONTROL_CLIENT_NAMES, ReloadingTLS, TLSFiles, peer_common_names
-from specpair.server.worker import DEFAULT_MAX_BATCH_SIZE, EngineWorker
+from specpair.server.worker import EngineWorker
 
 log = logging.getLogger("specpair.server")
 
@@ -54,7 +55,9 @@ class ServerOptions:
     metrics_port: int | None = None    # None: no metrics HTTP server; 0: a free port
     pair: str = "default"
     version: str = "0"
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    # None: the engine's default (worker.default_max_batch_size: its paged pool's, else 32),
+    # written here once the worker is made.
+    max_batch_size: int | None = None
     max_queue: int = 32
     drain_timeout: float = 30.0
     # The serving ports' (gRPC and HTTP) certificate, re-read on rotation. None: plaintext (the
@@ -362,6 +365,7 @@ class EngineServer:
             engine = self.load_engine()
             worker = EngineWorker(engine, max_batch_size=self.options.max_batch_size,
                                   max_queue=self.options.max_queue, metrics=self.metrics)
+            self.options = dataclasses.replace(self.options, max_batch_size=worker.max_batch_size)
             self.progress("warm-up step")
             worker.warm_up(engine.encode(self.options.warm_up_prompt))
             for warning in engine.warnings:

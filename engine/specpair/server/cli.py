@@ -18,6 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
+from specpair.block_pool import MAX_BATCH_ROWS, PLANNED_ROW_POSITIONS
 from specpair.config import KV_BUDGET_HELP, ModelRef, PairSpec, Release, SpeculationConfig, kv_budget_flag
 from specpair.errors import SpecpairError
 from specpair.server.worker import DEFAULT_MAX_BATCH_SIZE
@@ -115,8 +116,10 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     spec.add_argument("--on-mismatch", choices=["error", "target-only"], default="error",
                       help="a draft whose tokenizer differs: refuse to start, or serve target-only")
     limits = serve.add_argument_group("limits")
-    limits.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
-                        help=f"requests decoded together (default {DEFAULT_MAX_BATCH_SIZE})")
+    limits.add_argument("--max-batch-size", type=int, default=None,
+                        help="requests decoded together (default: on the CPU's paged KV cache, the "
+                             f"rows its pool holds at {PLANNED_ROW_POSITIONS} positions each, up to "
+                             f"{MAX_BATCH_ROWS}; else {DEFAULT_MAX_BATCH_SIZE})")
     limits.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch")
     limits.add_argument("--kv-budget", type=kv_budget_flag, default=None, metavar="BUDGET", help=KV_BUDGET_HELP)
     limits.add_argument("--max-new-tokens-limit", type=int, default=1024)
@@ -251,7 +254,7 @@ def server_options(args, release: Release | None = None):
     if not all(name.strip() for name in client_names):
         raise SpecpairError("--control-client-name must not be empty")
     for name in ("max_batch_size", "max_new_tokens_limit", "max_request_bytes"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SpecpairError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_queue < 0:
         raise SpecpairError("--max-queue must be >= 0")

@@ -30,11 +30,19 @@ from specpair.stats import AcceptanceStats, AcceptanceWindow, RequestMoments
 
 log = logging.getLogger("specpair.server")
 
-# Requests decoded together unless --max-batch-size says otherwise. 32: a platform's load of 32
-# concurrent chats runs as one batch, where 8 kept three quarters of them queued behind the first
-# (the figures, taken on a busy machine: docs/measurements/2026-12-06-prefix-batch-cpu.md); 64
-# greedy streams at once equal their solo replies (tests/server/test_server_prefix_reuse.py).
+# Requests decoded together unless --max-batch-size says otherwise, where the engine's cache is
+# not paged. 32: a platform's load of 32 concurrent chats runs as one batch, where 8 kept three
+# quarters of them queued behind the first (the figures, taken on a busy machine:
+# docs/measurements/2026-12-06-prefix-batch-cpu.md). Where it is paged (the CPU's C path), the
+# default is what its block pool holds (paged_cache.PagedSpace.max_rows), and requests are admitted
+# by free blocks besides.
 DEFAULT_MAX_BATCH_SIZE = 32
+
+
+def default_max_batch_size(engine) -> int:
+    """The batch size a server runs without --max-batch-size: the paged pool's, else 32."""
+    space = getattr(engine, "paged_space", None)
+    return space.max_rows if space is not None else DEFAULT_MAX_BATCH_SIZE
 
 
 class QueueFull(Exception):
@@ -132,8 +140,10 @@ class Aggregate:
 class EngineWorker:
     """Owns a SpeculativeEngine's Batch in one thread; see the module docstring."""
 
-    def __init__(self, engine, *, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, max_queue: int = 32,
+    def __init__(self, engine, *, max_batch_size: int | None = None, max_queue: int = 32,
                  metrics=None):
+        if max_batch_size is None:
+            max_batch_size = default_max_batch_size(engine)
         if max_batch_size < 1 or max_queue < 0:
             raise SpecpairError("max_batch_size must be >= 1 and max_queue >= 0")
         self.engine = engine
@@ -300,7 +310,10 @@ class EngineWorker:
     def _admit_locked(self) -> None:
         held = []     # waiting one step for a running row to store their prompt's first blocks
         while self._pending and len(self._jobs) < self.max_batch_size:
-            job = self._pending.popleft()
+            job = self._pending[0]
+            if not self.batch.has_room(job.prompt_ids):
+                break       # admission by free KV blocks: it waits, first in line, for rows to end
+            self._pending.popleft()
             if self.batch.prefix_pending(job.prompt_ids):
                 held.append(job)
                 continue
