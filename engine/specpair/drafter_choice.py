@@ -62,7 +62,7 @@ def build_drafter(target, draft=None, drafter: Drafter | str | None = None, *,
             if draft.model.method == "medusa":
                 drafter = MedusaDrafter(draft, target.model, vocab_size=vocab_size, compile=compile)
             elif draft.model.method == "eagle3":
-                from specpair.eagle3_drafter import Eagle3Drafter
+                from specpair.drafters.eagle3 import Eagle3Drafter
                 drafter = Eagle3Drafter(draft, target.model, vocab_size=vocab_size, compile=compile)
             else:
                 drafter = EagleDrafter(draft, target.model, vocab_size=vocab_size, compile=compile)

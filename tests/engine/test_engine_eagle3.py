@@ -17,7 +17,7 @@ import torch
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.eagle3 import build_eagle3_head, default_aux_layers, load_eagle3_head, save_eagle3_head
-from specpair.eagle3_drafter import Eagle3Drafter
+from specpair.drafters.eagle3 import Eagle3Drafter
 from specpair.errors import SpecpairError
 from specpair.heads import is_head_dir
 from specpair.models import load_model, wrap_model

@@ -1,11 +1,12 @@
-"""Drafting with a published EAGLE-3 head (eagle3.py) in our engine: the drafter, apart from
+"""Drafting with a published EAGLE-3 head (specpair/eagle3.py) in our engine: the drafter, apart from
 the head's format so the format (read by heads.py and models.py) imports no engine step."""
 
 from __future__ import annotations
 
 import torch
 
-from specpair.drafters import HeadDrafter, Proposal, draft_vocab_logits
+from specpair.drafters.base import Proposal
+from specpair.drafters.head import HeadDrafter, draft_vocab_logits
 from specpair.eagle3 import METHOD, default_aux_layers
 from specpair.kv.buckets import bucket
 from specpair.errors import SpecpairError

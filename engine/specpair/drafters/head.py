@@ -1,0 +1,114 @@
+"""HeadDrafter: what the head drafters (EAGLE, Medusa, EAGLE-3) share: the target's features handed
+over after each verification, and logits over the draft vocabulary mapped to the target's."""
+
+from __future__ import annotations
+
+import torch
+
+from specpair import cpu_kernels
+from specpair.drafters.base import Drafter, Proposal
+from specpair.drafters.draft_tokens import choose_draft_tokens, choose_siblings, stack_draft_probs
+from specpair.errors import SpecpairError
+
+
+def draft_vocab_logits(head, vectors: torch.Tensor) -> torch.Tensor:
+    """Logits over the head's draft vocabulary [..., Vd] of its vectors [..., D]."""
+    return cpu_kernels.linear(vectors.reshape(-1, 1, vectors.shape[-1]),
+                              head.lm_head.weight).reshape(*vectors.shape[:-1], -1)
+
+
+def head_logits(head, vectors: torch.Tensor, vocab_size: int, draft_ids: torch.Tensor) -> torch.Tensor:
+    """Target-vocabulary logits [..., V] of a head's vectors [..., D] (`target_vocab_logits`)."""
+    return target_vocab_logits(draft_vocab_logits(head, vectors), vocab_size, draft_ids)
+
+
+def target_vocab_logits(small: torch.Tensor, vocab_size: int, draft_ids: torch.Tensor
+                        ) -> torch.Tensor:
+    """Draft-vocabulary logits [..., Vd] spread over the target's vocabulary [..., V]: the draft
+    vocabulary's rows, -inf elsewhere (q is zero off the draft vocabulary)."""
+    full = torch.full((*small.shape[:-1], vocab_size), float("-inf"), dtype=small.dtype,
+                      device=small.device)
+    full[..., draft_ids] = small
+    return full
+
+
+class HeadDrafter(Drafter):
+    """What heads share: they draft from the target's features of committed tokens (`observe`),
+    through a draft vocabulary. Subclasses keep what they need of the features (`_keep`) and
+    their per-row state (`_add_rows`, `_select`)."""
+
+    deterministic = False
+    wants_features = True
+    tree_capable = True
+
+    def __init__(self, loaded, target_model, vocab_size: int):
+        self.loaded, self.head = loaded, loaded.model
+        if self.head.config.hidden_size != target_model.config.hidden_size:
+            raise SpecpairError(f"head hidden size {self.head.config.hidden_size} does not match "
+                                f"the target's {target_model.config.hidden_size}")
+        self.target_model, self.vocab_size = target_model, vocab_size
+        self.draft_ids = self.head.draft_token_ids.to(next(self.head.parameters()).device)
+        if int(self.draft_ids.max()) >= vocab_size:
+            raise SpecpairError(f"head drafts token {int(self.draft_ids.max())}; the target has {vocab_size}")
+        self.known: list[int] = []          # per row: positions with an observed feature
+
+    def add_rows(self, count: int) -> None:
+        self.known += [0] * count
+        self._add_rows(count)
+
+    def select(self, rows: list[int]) -> None:
+        self.known = [self.known[i] for i in rows]
+        self._select(rows)
+
+    def observe(self, row: int, start: int, features: torch.Tensor) -> None:
+        if start != self.known[row]:
+            raise SpecpairError(f"row {row}: features from position {start}, expected {self.known[row]}")
+        if features.shape[0]:
+            self._keep(row, features)
+            self.known[row] += int(features.shape[0])
+
+    def _add_rows(self, count: int) -> None:
+        raise NotImplementedError
+
+    def _select(self, rows: list[int]) -> None:
+        raise NotImplementedError
+
+    def _keep(self, row: int, features: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _logits(self, vectors: torch.Tensor) -> torch.Tensor:
+        return head_logits(self.head, vectors, self.vocab_size, self.draft_ids)
+
+    def _choose(self, small, j, row_ks, sampling, width, chosen_steps, q_steps, sibling_steps):
+        """Position j's tokens (and, for a tree, their alternatives) from the head's logits over
+        its draft vocabulary [B, Vd]. All rows greedy: their top, mapped to the target's ids (no
+        distribution over the whole vocabulary is needed: greedy verification reads no q)."""
+        if sampling.all_greedy:
+            top = self.draft_ids[small.topk(width, dim=-1).indices]       # [B, C]
+            chosen, q = top[:, 0], None
+            if width > 1:
+                sibling_steps.append(top[:, 1:])
+        else:
+            logits = target_vocab_logits(small, self.vocab_size, self.draft_ids)
+            chosen, q = choose_draft_tokens(logits, j, row_ks, sampling)
+            if width > 1:
+                sibling_steps.append(choose_siblings(logits, chosen, q, j, row_ks, sampling, width - 1))
+        chosen_steps.append(chosen)
+        q_steps.append(q)
+        return chosen
+
+    def _proposal(self, chosen_steps, q_steps, sibling_steps, num, K, width) -> Proposal:
+        B = num.shape[0]
+        tokens = torch.zeros(B, K, dtype=torch.long, device=num.device)
+        if chosen_steps:
+            tokens[:, :len(chosen_steps)] = torch.stack(chosen_steps, dim=1)
+        siblings = None
+        if sibling_steps:
+            siblings = torch.zeros(B, K, width - 1, dtype=torch.long, device=num.device)
+            siblings[:, :len(sibling_steps)] = torch.stack(sibling_steps, dim=1)
+        return Proposal(tokens=tokens, num=num, probs=stack_draft_probs(q_steps, K),
+                        siblings=siblings)
+
+    def describe(self) -> dict:
+        return {"kind": self.name, "draft_vocab_size": int(len(self.draft_ids)),
+                **self.loaded.identity()}
