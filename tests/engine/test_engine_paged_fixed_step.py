@@ -156,3 +156,57 @@ def test_the_paged_fixed_step_refuses_what_it_cannot_do(model):
 
     with pytest.raises(OutOfBlocks):         # 4 blocks of 16 hold 64 positions, not 100
         kv.extend([[5] * 100])
+
+
+def test_the_compiled_paged_step_is_warmed_and_compiles_nothing_more(tiny_tokenizer, monkeypatch):
+    """Compiled (the tables' rows and blocks symbolic, the pools' shape fixed), warmed at every
+    bucket, then a generation with rows joining and leaving and a row crossing into the next
+    capacity bucket compiles nothing new, and gives the contiguous eager step's logits."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from specpair.kv import buckets
+    from tiny_models import make_model
+
+    monkeypatch.setenv("SPECPAIR_COMPILE_BACKEND", "aot_eager")   # inductor: minutes on 2 cores
+    model = make_model(tiny_tokenizer, seed=6, layers=2, dtype=torch.bfloat16).model.eval()
+    torch._dynamo.reset()
+    paged = PagedFixedKVModel(model, blocks=512, compile="on", token_bucket=W)
+    eager = StaticKVModel(model, token_bucket=W)
+    assert paged.fixed and paged.compiled
+    before = counters["stats"]["unique_graphs"]
+    report = paged.warm_up(max_rows=4, max_positions=buckets.INITIAL_POSITIONS)
+    assert report["buckets"] == [(r, c) for r in (1, 2, 4) for c in (256, 512)]
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs - before == 5      # one row, several; the prompt's step three ways
+    assert paged.pool.free == paged.pool.blocks    # the warm-up held no block
+    rng = random.Random(0)
+
+    def both(op, *args, **kwargs):
+        out = [getattr(kv, op)(*args, **kwargs) for kv in (paged, eager)]
+        if op == "extend":
+            assert torch.equal(out[0], out[1])
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        both("add_rows", 1)
+        both("extend", [[rng.randrange(3, 300) for _ in range(30)]])
+        for step in range(24):
+            if step == 3:
+                both("add_rows", 1)
+                both("extend", [[7], [rng.randrange(3, 300) for _ in range(20)]])
+            if step == 10:
+                both("select", [1])
+            if step == 14:
+                both("add_rows", 1)
+                both("extend", [[7], [rng.randrange(3, 300) for _ in range(3)]])
+            k = rng.randrange(0, 5)
+            feed = [[rng.randrange(3, 300) for _ in range(1 + k)] for _ in paged.lengths]
+            both("extend", feed, last=1 + k)
+            for i, n in enumerate([n - rng.randrange(0, len(f))
+                                   for n, f in zip(paged.lengths, feed)]):
+                both("rollback", i, n)
+            both("trim")
+            if step == 18:                                  # a long answer crosses into 512
+                both("extend", [[5] * 200 if i == 0 else [5] for i in range(len(paged.lengths))])
+    assert paged.capacity[1] == 512
+    assert counters["stats"]["unique_graphs"] == graphs

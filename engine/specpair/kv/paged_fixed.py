@@ -100,16 +100,12 @@ class PagedFixedKVModel(StaticKVModel):
         self._sync_table()
 
     def _scratch(self, shape: tuple):
-        """Warming a bucket up: a pool of one null block and a table naming only it (the step's
-        shapes are the table's and the pool's block's; the values written do not matter)."""
-        r = self.runner
+        """Warming a bucket up: this cache's own pools (a step compiled over another pool's shape
+        would compile again) and a table of the bucket's shape naming only the null block, so the
+        warm-up writes and reads nothing a row holds."""
         rows, _, positions, _ = shape
-        pool = (1, r.kv_heads, self.block, r.head_dim)
-        caches = [(torch.zeros(pool, dtype=r.dtype, device=self.device),
-                   torch.zeros(pool, dtype=r.dtype, device=self.device))
-                  for _ in range(r.layer_count)]
-        table = torch.zeros(rows, positions // self.block, dtype=torch.long, device=self.device)
-        return caches, table
+        return self.caches, torch.full((rows, positions // self.block), self.null_block,
+                                       dtype=torch.long, device=self.device)
 
     def _sync_table(self) -> None:
         """The device table rewritten in place from the pool's tables (graphs read it where it
