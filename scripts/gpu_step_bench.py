@@ -319,7 +319,7 @@ LAYERS = ("engine", "cat")
 
 def use_layer(name: str) -> None:
     """--layer: the engine's own fixed layer, or another put in its place before anything
-    compiles (static_cache's functions are looked up when the layer first compiles). cat: the
+    compiles (kv.fixed_step's functions are looked up when the layer first compiles). cat: the
     fixed step's rotary half-swap before its roll, two kernels more a layer at 2+ tokens. A
     candidate layout is added here to be measured against the engine's before it is adopted
     (a token-major rotary was, in ef22cf6, and changed nothing: docs/gpu.md)."""

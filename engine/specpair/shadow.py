@@ -32,7 +32,7 @@ The math
       tokens reach its first mismatch or its end, with the candidate's own dynamic k, capped as
       serving caps it (the request's k, the tokens left). Its drafted / accepted sums are then
       those the candidate counts when it serves the same requests (bitwise-equal verification
-      logits, static_cache.py). Not replayed: the engine-wide fallback to target-only and a
+      logits, kv/static.py). Not replayed: the engine-wide fallback to target-only and a
       cost-calibrated k (the shadow's k follows the heuristic); and a chain that drafts past the
       end-of-sequence token is judged against the tokens that exist (a lower bound there).
     The champion is scored on the same requests and positions' rounds: its first-position alpha

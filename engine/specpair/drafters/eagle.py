@@ -29,7 +29,7 @@ class EagleDrafter(HeadDrafter):
     q lives on the draft vocabulary (zero elsewhere); the rejection sampler is exact for any q,
     so sampling stays lossless. The last draft token is never fed: verifying it is the target's job.
 
-    On a fixed-step cache (static_cache.fixed_step_applies: CUDA, bf16) the drafting steps after
+    On a fixed-step cache (kv.fixed_step.fixed_step_applies: CUDA, bf16) the drafting steps after
     the catch-up are EagleDraftStep's, one step over every row a token; elsewhere (float32 on the
     CPU: the C layer) they feed only the rows still drafting, through extend_vectors.
     """
@@ -40,7 +40,8 @@ class EagleDrafter(HeadDrafter):
     drafts_in_fixed_steps = True
 
     def __init__(self, loaded, target_model, vocab_size: int, compile: str | None = None):
-        from specpair.static_cache import StaticKVModel, supports
+        from specpair.kv.families import supports
+        from specpair.kv.static import StaticKVModel
 
         why = supports(target_model)
         if why:
@@ -230,7 +231,7 @@ class EagleDrafter(HeadDrafter):
         the cost model charges per draft token. On a fixed-step cache the drafting step a round
         runs (EagleDraftStep; on CUDA one graph replay), its position put back after each call;
         elsewhere a head layer step through extend_vectors and the draft vocabulary's logits."""
-        from specpair.static_cache import StaticKVModel
+        from specpair.kv.static import StaticKVModel
 
         dim = self.head.config.hidden_size
         kv = StaticKVModel(self.head, compile=self.compile)

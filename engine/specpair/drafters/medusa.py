@@ -53,7 +53,7 @@ class MedusaDrafter(HeadDrafter):
     heads per round, whatever k (capped at the number of heads). Each head's distribution is a
     valid proposal whatever it conditions on, so the rejection sampler stays exact.
 
-    Where the fixed step applies (`drafts_in_fixed_steps`: static_cache.fixed_step_applies, CUDA
+    Where the fixed step applies (`drafts_in_fixed_steps`: kv.fixed_step.fixed_step_applies, CUDA
     or bf16) a round is a MedusaDraftStep over the rows bucket, its steps and graphs (`graphs`)
     shared by every batch; elsewhere (or switched off, as the tests compare) the first k heads
     run eagerly over the batch's rows."""
