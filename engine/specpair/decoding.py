@@ -797,6 +797,8 @@ class Batch:
         if self.drafter is not None and any(ks):
             width = eng.config.tree_width if self.drafter.tree_capable else 1
             extra = {"copy_ks": self._ks(copying=True)} if self.copies else {}
+            # A drafter that can proposes within each row's grammar (drafters.base.Drafter.grammars).
+            self.drafter.grammars = [s.grammar for s in self.rows] if any(s.grammar for s in self.rows) else None
             proposal = self._on_device(self.drafter.propose, sequences, ks, sampling, width, **extra)
             drafts, num, q = proposal.tokens, proposal.num, proposal.probs
             siblings, copied, drafted = proposal.siblings, proposal.copied, proposal.host

@@ -211,7 +211,10 @@ class RowGrammar:
         words = torch.zeros(len(drafts) + 1, self._words, dtype=torch.int32)
         consumed = 0
         for j in range(len(drafts) + 1):
-            if j:
+            # A stopped matcher (the grammar complete: EOS next) takes a token without recording
+            # it, so a rollback counting it would undo a committed token: nothing is consumed
+            # past the stop (its mask, EOS only, stands for the positions after it).
+            if j and not self.matcher.is_stopped():
                 if not self.matcher.consume_token(drafts[j - 1]):
                     raise SpecpairError(f"grammar refused draft {drafts[j - 1]} it had allowed")
                 consumed += 1
@@ -223,6 +226,26 @@ class RowGrammar:
         allowed = allowed[:, :min(width, self.vocab_size)]
         if allowed.shape[1] < width:
             allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], width - allowed.shape[1])], 1)
+        return allowed
+
+    def drafting(self) -> "DraftGrammar":
+        """This row's grammar for one round's drafting: the mask for the draft's next proposal,
+        step by step (DraftGrammar), the committed state restored when the round's drafts end."""
+        return DraftGrammar(self)
+
+    def _mask_words(self):
+        import torch
+
+        words = torch.zeros(self._words, dtype=torch.int32)
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        return words
+
+    def _allowed(self, words, width: int) -> torch.Tensor:
+        import torch
+
+        allowed = ((words.unsqueeze(-1) >> self._bits) & 1).view(-1).bool()[:min(width, self.vocab_size)]
+        if allowed.shape[0] < width:
+            allowed = torch.cat([allowed, allowed.new_zeros(width - allowed.shape[0])])
         return allowed
 
     def advance(self, tokens: list[int]) -> None:
@@ -238,3 +261,54 @@ class RowGrammar:
     def finished(self) -> bool:
         """The grammar allows nothing more (the reply is complete: only EOS may follow)."""
         return self.matcher.is_stopped()
+
+
+class DraftGrammar:
+    """A row's grammar while its draft proposes one round: `mask(width)` is what the grammar allows
+    next after the committed tokens and the drafts `take`n so far, so a draft model proposes
+    within the grammar (its argmax, or its distribution q renormalised to the allowed tokens:
+    the q the verifier reads is the one drafted from, so sampling stays exact). `close()` rolls
+    the drafts back: the committed state is the Batch's to advance. A draft the grammar refuses
+    (the grammar complete, or a token outside the mask) ends the row's guidance: no mask after it.
+    """
+
+    def __init__(self, row: RowGrammar):
+        self.row, self.taken, self.open = row, 0, not row.matcher.is_stopped()
+
+    def mask(self, width: int) -> torch.Tensor | None:
+        """[width] bool of the allowed next tokens; None where the grammar guides no more (it is
+        complete, or allows nothing: masking every token would leave no proposal)."""
+        if not self.open:
+            return None
+        allowed = self.row._allowed(self.row._mask_words(), width)
+        return allowed if bool(allowed.any()) else None
+
+    def take(self, token: int) -> None:
+        matcher = self.row.matcher
+        # validate first: a refused consume_token leaves the matcher in its error state.
+        if self.open and not matcher.is_stopped() and matcher.validate_tokens([int(token)]) == 1:
+            matcher.consume_token(int(token))
+            self.taken += 1
+        else:
+            self.open = False
+
+    def close(self) -> None:
+        if self.taken:
+            self.row.matcher.rollback(self.taken)
+        self.taken, self.open = 0, False
+
+
+def within_grammars(logits: torch.Tensor, guides: list) -> torch.Tensor:
+    """Draft logits [B, V] with -inf where each guided row's grammar refuses the token (a new
+    tensor; rows whose guide is None, or whose grammar guides no more, as they were)."""
+    import torch
+
+    out = None
+    for i, guide in enumerate(guides):
+        allowed = guide.mask(logits.shape[-1]) if guide is not None else None
+        if allowed is None:
+            continue
+        if out is None:
+            out = logits.clone()
+        out[i] = out[i].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits if out is None else out

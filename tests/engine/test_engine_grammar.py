@@ -88,3 +88,59 @@ def test_a_structure_that_does_not_compile_is_refused():
     with pytest.raises(SpecpairError):
         check_structure(("json_schema", "{not json"))
     check_structure(("json_object", ""))
+
+
+def test_a_draft_model_proposes_within_the_grammar(tiny_target, tiny_draft):
+    """The draft's own proposals are masked by the row's grammar (drafters.model, grammar.
+    DraftGrammar): every draft it proposes under a digits-only grammar is one the grammar allows,
+    where the same draft unguided proposes what the grammar refuses; the grammar's committed
+    state is as before the round; output equals target-only and acceptance counts every draft."""
+    from specpair.drafters.base import RowSampling
+
+    engine = SpeculativeEngine(tiny_target, draft=tiny_draft)
+    prompt = engine.encode("Write twelve digits:")
+    greedy = RowSampling(temperature=torch.zeros(1), top_k=torch.zeros(1, dtype=torch.long),
+                         top_p=torch.ones(1), generators=[None], greedy=True)
+
+    def proposal(guided: bool) -> tuple[list[int], int]:
+        grammar = engine.grammars.row(DIGITS)
+        drafter = engine.drafter.for_batch()
+        drafter.add_rows(1)
+        drafter.grammars = [grammar] if guided else None
+        drafts = drafter.propose([prompt], [6], greedy).tokens[0].tolist()
+        assert grammar.allowed([]) == 0 and not grammar.matcher.is_error()   # its state is the committed one
+        return drafts, grammar.allowed(drafts)
+
+    free, free_allowed = proposal(guided=False)
+    guided, guided_allowed = proposal(guided=True)
+    assert free_allowed < len(free)                  # unguided, the random draft writes no digits
+    assert guided_allowed == len(guided) == 6        # guided, every draft is a digit run
+
+    params = GenerationParams(max_new_tokens=12, structure=DIGITS)
+    spec = engine.generate(["Write twelve digits:"], params)[0]
+    alone = engine.generate(["Write twelve digits:"], params, speculate=False)[0]
+    assert spec.token_ids == alone.token_ids and spec.text.isdigit()
+    stats = spec.stats
+    assert stats.num_draft_tokens > 0 and 0 <= stats.num_accepted_tokens <= stats.num_draft_tokens
+
+
+def test_drafts_past_the_grammars_end_leave_its_committed_state(tiny_tokenizer):
+    """Drafts that complete the grammar and go on to EOS: a stopped matcher takes EOS without
+    recording it, so masks() must not roll it back (it undid a committed token: the next
+    commit was refused). Seen with a draft model under a JSON schema."""
+    from specpair.grammar import GrammarCompiler
+    tok = tiny_tokenizer
+    compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+    grammar = compiler.row(("json_schema", json.dumps({"type": "array", "items": {"enum": ["a"]}})))
+    head, tail = tok("[")["input_ids"], tok("]")["input_ids"]
+    grammar.advance(head)
+    drafts = tail + [tok.eos_token_id]
+    assert grammar.allowed(drafts) == len(drafts)
+    masks = grammar.masks(drafts, len(tok))
+    assert masks[-2, tok.eos_token_id] and masks[-2].sum() == 1      # complete: EOS only
+    guide = grammar.drafting()
+    for token in drafts:
+        guide.take(token)
+    guide.close()
+    grammar.advance(tail)                   # the committed state is still "["
+    assert grammar.finished

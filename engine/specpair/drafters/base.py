@@ -50,6 +50,10 @@ class Drafter:
     tree_capable = False     # proposes alternatives per position (siblings) when width > 1
     copies = False           # drafts some rows' rounds by copying, each round saying which
                              # (Proposal.copied): those rounds keep a k of their own (copy_ks)
+    # This round's rows' grammars (grammar.RowGrammar, None for a free row), set by the Batch
+    # before propose: a drafter that can propose within them does (ModelDrafter); the others'
+    # drafts are cut where the grammar refuses them before verification (Batch.step).
+    grammars: list | None = None
 
     def for_batch(self) -> "Drafter":
         """The drafter a new batch uses: itself when it keeps no per-row state."""

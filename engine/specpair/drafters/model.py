@@ -6,6 +6,7 @@ import torch
 
 from specpair.drafters.base import Drafter, Proposal
 from specpair.drafters.draft_tokens import choose_draft_tokens, stack_draft_probs
+from specpair.grammar import within_grammars
 from specpair.kv.choice import kv_model
 
 
@@ -44,6 +45,20 @@ class ModelDrafter(Drafter):
         if K == 0:
             return Proposal(tokens=tokens, num=num, probs=None)
         probs_steps = []
+        # Rows with a grammar propose within it: the draft's logits masked by what the grammar
+        # allows after the committed tokens and the drafts so far (rolled back at the end).
+        guides = [g.drafting() if g is not None and k else None
+                  for g, k in zip(self.grammars or [None] * B, ks)]
+        try:
+            return self._propose(sequences, ks, sampling, tokens, num, probs_steps, guides, K)
+        finally:
+            for guide in guides:
+                if guide is not None:
+                    guide.close()
+
+    def _propose(self, sequences, ks, sampling, tokens, num, probs_steps, guides, K) -> Proposal:
+        B = len(sequences)
+        guided = any(g is not None for g in guides)
         # First step feeds what the draft has not seen yet (the last round's bonus token, or a
         # whole prompt for a new row). A row not drafting this round is not fed: a row kept
         # target-only for memory (Batch._fit_kv_budget) holds no draft cache, and catches up in
@@ -51,8 +66,15 @@ class ModelDrafter(Drafter):
         feed = [seq[self.kv.lengths[i]:] if ks[i] else [] for i, seq in enumerate(sequences)]
         for j in range(K):
             logits = self.kv.extend(feed, last=1)[:, -1]                      # [B, V]
+            if guided:
+                logits = within_grammars(logits, [g if g is not None and j < ks[i] else None
+                                                  for i, g in enumerate(guides)])
             chosen, q = choose_draft_tokens(logits, j, ks, sampling)
             tokens[:, j] = chosen
+            if guided:
+                for i, guide in enumerate(guides):
+                    if guide is not None and j < ks[i]:
+                        guide.take(int(chosen[i]))
             probs_steps.append(q)
             if j + 1 == K:
                 break   # the last draft token is never fed: its verification is the target's job
