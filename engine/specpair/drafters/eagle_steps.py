@@ -37,12 +37,13 @@ class EagleDraftStep:
         self.drafted = torch.zeros(rows, capacity, width, dtype=torch.long, device=device)
         self.state = (self.ids, self.features, self.positions, self.slots)
         self.graph = None
-        runner, caches, compiled = kv.runner, kv.caches, kv.compiled
+        runner, caches, compiled, table = kv.runner, kv.caches, kv.compiled, kv.table
         at = self.slots.view(rows, 1, 1).expand(rows, 1, width)
 
         def step():
             x = head.inputs(embed(self.ids).to(dtype), self.features)             # [R, 1, D]
-            h = runner.fixed_layers(x, self.positions, self.slots, caches, compiled=compiled)
+            h = runner.fixed_layers(x, self.positions, self.slots, caches, compiled=compiled,
+                                    table=table)
             g = head.model.norm(h)
             logits = draft_vocab_logits(head, g[:, 0])                            # [R, Vd]
             top = draft_ids[logits.topk(width, dim=-1).indices]                  # [R, width]
@@ -106,13 +107,14 @@ class EagleCatchUp:
         self.planes = torch.zeros(4, rows, width, dtype=torch.long, device=device)
         self.features = torch.zeros(rows, width, dim, dtype=dtype, device=device)
         self.graph = None
-        runner, caches, compiled = kv.runner, kv.caches, kv.compiled
+        runner, caches, compiled, table = kv.runner, kv.caches, kv.compiled, kv.table
         ids, positions, slots, last = self.planes[0], self.planes[1], self.planes[2], self.planes[3]
         every = torch.arange(rows, device=device)
 
         def step():
             x = head.inputs(embed(ids).to(dtype), self.features)                 # [R, W, D]
-            h = runner.fixed_layers(x, positions, slots, caches, compiled=compiled)
+            h = runner.fixed_layers(x, positions, slots, caches, compiled=compiled,
+                                    table=table)
             return head.model.norm(h[every, last[:, 0]])                         # [R, D]
 
         self.step = step
