@@ -210,3 +210,21 @@ def test_the_compiled_paged_step_is_warmed_and_compiles_nothing_more(tiny_tokeni
                 both("extend", [[5] * 200 if i == 0 else [5] for i in range(len(paged.lengths))])
     assert paged.capacity[1] == 512
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_paged_fixed_step_bench_runs_on_the_cpu(capsys):
+    """bench/paged_fixed_step.py on the tiny shape (its figures are benchmark output; only that
+    both caches gave the same logits is checked)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import paged_fixed_step
+
+    assert paged_fixed_step.main(["--shape", "tiny", "--rows", "1", "4", "--long", "40",
+                                  "--short", "5", "--steps", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    runs = [json.loads(line) for line in lines[:2]]
+    assert [r["rows"] for r in runs] == [1, 4] and all(r["bitwise_equal"] for r in runs)
+    assert runs[1]["kv_bytes"]["paged_held"] < runs[1]["kv_bytes"]["contiguous"]
