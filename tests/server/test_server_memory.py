@@ -10,6 +10,7 @@ after it left (app.return_freed_memory_to_the_system says why).
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -82,6 +83,9 @@ def test_a_long_prompts_memory_goes_back_after_it_leaves(long_context_model):
         [sys.executable, "-m", "specpair.server", "engine", "serve", "--target", folder, "--no-spec",
          "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1", "--insecure", "--device", "cpu",
          "--max-batch-size", "8", "--max-new-tokens-limit", "64"],
+        # The contiguous cache's memory: the paged pool (paged_cache.py, the CPU default) holds
+        # the long prompt's own positions only, in pages it keeps for the next rows.
+        env={**os.environ, "SPECPAIR_PAGED": "off"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     client = EngineClient(f"127.0.0.1:{port}", insecure=True)
 
