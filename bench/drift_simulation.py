@@ -40,7 +40,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "operator"))
 from specpair.stats import RequestMoments  # noqa: E402
-from specpair_operator import drift  # noqa: E402
+from specpair_operator.policy import drift  # noqa: E402
 
 DT = 30.0                       # sampling interval (intervalSeconds)
 ONSET = 3600.0                  # drift starts after one hour
@@ -237,7 +237,7 @@ def run_new(tr: Traffic, policy: drift.DriftPolicy, hours: float, moments: bool,
 
 def load_old():
     try:
-        src = subprocess.run(["git", "-C", str(REPO), "show", f"{OLD_REV}:operator/specpair_operator/drift.py"],
+        src = subprocess.run(["git", "-C", str(REPO), "show", f"{OLD_REV}:operator/specpair_operator/policy/drift.py"],
                              check=True, capture_output=True, text=True).stdout
     except (subprocess.CalledProcessError, FileNotFoundError):
         return None

@@ -31,8 +31,8 @@ import torch  # noqa: E402,F401
 import torch._dynamo  # noqa: E402,F401
 
 from mlflow_server import MlflowServer  # noqa: E402
-from specpair_operator import release  # noqa: E402
-from specpair_operator.registry import ReleaseRegistry  # noqa: E402
+from specpair_operator.release import content as release  # noqa: E402
+from specpair_operator.clients.registry import ReleaseRegistry  # noqa: E402
 
 PROMPTS = [{"prompt": "def add(a, b):", "category": "code"}, {"prompt": "The quick brown fox", "category": "qa"}]
 
@@ -61,7 +61,7 @@ def run_gate(reg: ReleaseRegistry, url: str, root: Path, dirs: dict[str, str], c
         quiet = os.open(os.devnull, os.O_WRONLY)
         os.dup2(quiet, 1)
         os.dup2(quiet, 2)
-        from specpair_operator import gate_runner
+        from specpair_operator.gate import runner as gate_runner
         os._exit(gate_runner.main(["--release", str(path), "--gate-command", command, "--termination-log", ""]))
     status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -99,7 +99,7 @@ def main() -> int:
                              operator_env, pair, register_standin_image)
     from mlflow_server import MlflowServer
     from specpair_devcluster import DevCluster, NodeSpec
-    from specpair_operator.manifests import CACHE_DIR
+    from specpair_operator.desired.manifests import CACHE_DIR
 
     work = Path(tempfile.mkdtemp(prefix="operator-scale-"))
     nodes = args.nodes or max(1, math.ceil((args.pairs + 20) / args.pods_per_node))

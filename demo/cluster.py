@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from specpair_devcluster import DevCluster, NodeSpec
-from specpair_operator import manifests
+from specpair_operator.desired import manifests
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "specpair"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from specpair_operator import drift as drift_rule
+from specpair_operator.policy import drift as drift_rule
 
 from . import traffic
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from specpair_operator import release
+from specpair_operator.release import content as release
 
 from . import traffic
 from .cluster import DemoCluster, model_cache

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specpair_operator import manifests
+from specpair_operator.desired import manifests
 
 from .cluster import REPO
 

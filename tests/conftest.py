@@ -175,7 +175,7 @@ def devcluster(tmp_path_factory):
     tests isolate themselves by namespace."""
     from specpair_devcluster import DevCluster, NodeSpec
     from specpair_devcluster.node_agent import LocalImage, LocalImages
-    from specpair_operator.manifests import CACHE_DIR
+    from specpair_operator.desired.manifests import CACHE_DIR
 
     cache = os.environ.get("SPECPAIR_CACHE", str(Path.home() / ".cache" / "specpair"))
     env = {"OMP_NUM_THREADS": "1"}

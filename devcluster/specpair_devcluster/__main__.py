@@ -34,7 +34,7 @@ def model_cache() -> str:
 
 
 def node_specs(nodes: int, gpus: int, pods_per_node: int = NodeSpec.max_pods) -> list[NodeSpec]:
-    from specpair_operator.manifests import CACHE_DIR
+    from specpair_operator.desired.manifests import CACHE_DIR
     # The model cache is pre-seeded on the nodes (one conversion of the embedded model per machine).
     return [NodeSpec(name=f"devcluster-node-{i + 1}", gpus=gpus, max_pods=pods_per_node,
                      preseeded={CACHE_DIR: model_cache()},

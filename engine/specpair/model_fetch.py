@@ -70,7 +70,7 @@ def mlflow_uri_leaves_its_folder(source: str) -> bool:
 
 def mlflow_source_problem(source: str) -> str:
     """Why an MLflow model source must not be fetched ('' when it may). The operator's validation
-    and the CRD's rules say the same (operator/specpair_operator/validation.py); the fetch checks
+    and the CRD's rules say the same (operator/specpair_operator/crd/validation.py); the fetch checks
     again, for a release made before they existed."""
     if mlflow_uri_is_local(source):
         return (f"{source!r} reads the fetching container's own files: an mlflow: source must be a remote "

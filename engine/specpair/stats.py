@@ -191,7 +191,7 @@ class RequestMoments:
                    float(msg.accepted_tokens_sq), float(msg.draft_accepted_tokens))
 
     def as_stats(self) -> dict[str, Any]:
-        """The probe's plain-dict form (specpair_operator.engine_probe): the sums only where known."""
+        """The probe's plain-dict form (specpair_operator.clients.engine_probe): the sums only where known."""
         out: dict[str, Any] = {"drafted": self.drafted, "accepted": self.accepted, "requests": self.requests}
         for key, v in (("draftedSq", self.drafted_sq), ("acceptedSq", self.accepted_sq),
                        ("draftedAccepted", self.drafted_accepted)):

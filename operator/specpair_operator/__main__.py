@@ -74,8 +74,8 @@ class Election:
 
 def election(argv: list[str], env: dict[str, str] | None = None) -> Election | None:
     """Our command line -> the leader election to run before Kopf (None: none, Kopf starts at once)."""
-    from . import leadership
-    from .handlers import operator_namespace
+    from specpair_operator import leadership
+    from specpair_operator.handlers import operator_namespace
 
     ours, _ = _parser().parse_known_args(argv)
     if not ours.leader_election:
@@ -130,8 +130,8 @@ def _lead(chosen: Election, liveness: str) -> "leadership.Leadership":
     """Log in as Kopf will (service account, else kubeconfig) and block until this process leads."""
     import kopf
 
-    from . import leadership
-    from .kube import Kube
+    from specpair_operator import leadership
+    from specpair_operator.clients.kube import Kube
 
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("[%(asctime)s] %(name)s [%(levelname)s] %(message)s"))

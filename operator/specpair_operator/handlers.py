@@ -14,14 +14,17 @@ from typing import Any
 
 import kopf
 
-from . import gate_attempts, leadership, manifests, metrics
-from . import release as release_mod
-from . import tls as tls_mod
-from .engine_probe import GrpcEngineProbe
-from .kube import Kube, KubeError
-from .reconciler import PairReconciler
-from .registry import ReleaseRegistry
-from .state import STATE, operator_namespace
+from specpair_operator.gate import attempts as gate_attempts
+from specpair_operator import leadership
+from specpair_operator.desired import manifests
+from specpair_operator.act import metrics
+from specpair_operator.release import content as release_mod
+from specpair_operator.desired import tls as tls_mod
+from specpair_operator.clients.engine_probe import GrpcEngineProbe
+from specpair_operator.clients.kube import Kube, KubeError
+from specpair_operator.act.reconciler import PairReconciler
+from specpair_operator.clients.registry import ReleaseRegistry
+from specpair_operator.state import STATE, operator_namespace
 
 GROUP, VERSION, PLURAL = "specpair.io", "v1alpha1", "specmodelpairs"
 # How long a body that does not show the records the last pass wrote is left alone (a write

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .kube import Kube, KubeError
+from specpair_operator.clients.kube import Kube, KubeError
 
 LEASE_API = "coordination.k8s.io/v1"
 CREATE, RENEW, TAKE, WAIT = "create", "renew", "take", "wait"

@@ -11,12 +11,12 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from . import drift as drift_mod
-from . import manifests
-from . import tls as tls_mod
-from .engine_probe import ClientTLS, EngineProbe, GrpcEngineProbe, VllmProbe
-from .kube import Kube
-from .registry import ReleaseRegistry
+from specpair_operator.policy import drift as drift_mod
+from specpair_operator.desired import manifests
+from specpair_operator.desired import tls as tls_mod
+from specpair_operator.clients.engine_probe import ClientTLS, EngineProbe, GrpcEngineProbe, VllmProbe
+from specpair_operator.clients.kube import Kube
+from specpair_operator.clients.registry import ReleaseRegistry
 
 
 def per_pair_memory() -> Any:

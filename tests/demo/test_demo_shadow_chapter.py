@@ -10,7 +10,8 @@ from demo.report import shadow_section
 from demo.run_demo import build_parser
 from demo.shadow_chapter import (CANDIDATE_K, DECIDED, GATED, REGISTERED, SHADOW, STARTED, STAGES, Progress,
                                  candidate_spec, explain, make_layer_skip_draft, numbers_rows, shadow_traffic)
-from specpair_operator import release, rollout_strategy
+from specpair_operator.release import content as release
+from specpair_operator.policy import rollout_strategy
 
 
 def merge_patch(doc, patch):

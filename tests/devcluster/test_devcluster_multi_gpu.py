@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from specpair_devcluster import DevCluster, NodeSpec
-from specpair_operator import manifests, release
+from specpair_operator.desired import manifests
+from specpair_operator.release import content as release
 from waiting import wait_until
 
 pytestmark = pytest.mark.slow

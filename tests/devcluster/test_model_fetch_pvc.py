@@ -18,9 +18,9 @@ import yaml
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
 from specpair.contract import content_hash
-from specpair_operator import manifests, model_fetch, tls
+from specpair_operator.desired import manifests, model_fetch, tls
 from specpair_devcluster.client import ApiError
-from specpair_operator.release import build_release
+from specpair_operator.release.content import build_release
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "specmodelpair.yaml"
 

@@ -284,8 +284,8 @@ def control_tls(tmp_path) -> tuple[object, object]:
     """The operator's CA, an engine certificate for the companion's control port (mutual TLS),
     and the operator's client certificate, as the operator issues them."""
     from specpair.server.tls import TLSFiles
-    from specpair_operator import tls as tls_mod
-    from specpair_operator.engine_probe import ClientTLS
+    from specpair_operator.desired import tls as tls_mod
+    from specpair_operator.clients.engine_probe import ClientTLS
 
     ca = tls_mod.new_ca()
     leaf = tls_mod.issue(ca, "engine-peer", (SERVER_NAME,), server=True, days=1)
@@ -367,7 +367,7 @@ def vllm_served(tiny_vllm_model, tmp_path_factory) -> dict:
     from it before and after."""
     from specpair.vllm_companion import Companion, CompanionOptions
     from specpair.vllm_serve import VLLM_PER_REQUEST_FLAGS, VLLM_SPEC_DECODE_FLAGS, identity_name
-    from specpair_operator.engine_probe import EngineUnreachable, NoRuntimeSwitch, VllmProbe
+    from specpair_operator.clients.engine_probe import EngineUnreachable, NoRuntimeSwitch, VllmProbe
 
     loaded, model_dir = tiny_vllm_model
     prompts = [loaded.tokenizer(text)["input_ids"] for text in VLLM_PROMPTS]
@@ -499,7 +499,7 @@ def test_the_companion_passes_replies_through_and_counts_vllms_own_acceptance_by
 def test_a_real_vllm_servers_latency_and_finishes_reach_the_serving_watch(vllm_served):
     """The serving-health watch on a vLLM pair: what the companion counted from real vLLM's
     replies becomes the same per-category serving counters GetStats gives for specpair's engine."""
-    from specpair_operator import serving_health
+    from specpair_operator.policy import serving_health
 
     before = serving_health.serving_pod("p/u", vllm_served["stats_before"], None)
     after = serving_health.serving_pod("p/u", vllm_served["stats_after"], None)

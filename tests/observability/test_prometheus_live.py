@@ -145,7 +145,7 @@ class Scenario:
 
     def endpoints(self, name: str) -> list[str]:
         """The gRPC addresses of the ready pods the pair's Service selects (the module docstring)."""
-        from specpair_operator import manifests
+        from specpair_operator.desired import manifests
         service = self.kube.get("v1", "Service", self.ns, manifests.engine_name(name))
         if service is None:
             return []

@@ -18,8 +18,8 @@ from mlflow import MlflowClient
 
 from cluster_env import OPERATOR, Namespace, cond, model_name, pair, serving, set_spec, wait_until
 from specpair_devcluster.client import ApiError, resource_path
-from specpair_operator import autoscaling
-from specpair_operator.manifests import engine_name
+from specpair_operator.desired import autoscaling
+from specpair_operator.desired.manifests import engine_name
 from specpair_operator.state import STATE
 
 KEDA_MODULE = "github.com/kedacore/keda/v2@v2.21.0"

@@ -15,7 +15,7 @@ import yaml
 
 from specpair_devcluster import DevCluster
 from specpair_devcluster.client import ApiError, Kube
-from specpair_operator import release
+from specpair_operator.release import content as release
 from gate_tuning import NO_SWEEPS
 from waiting import wait_until
 
@@ -127,7 +127,7 @@ class Namespace:
         """The API server refuses `bad` (422, the CRD's schema and CEL rules), and the operator's
         own check (for a pair that got past an older CRD) finds the same violations worded the
         same: a user reads one message whichever of the two stopped the pair."""
-        from specpair_operator.validation import validate_spec
+        from specpair_operator.crd.validation import validate_spec
 
         try:
             self.create(bad)
@@ -329,7 +329,7 @@ def service_endpoints(ns: Namespace, name: str) -> list[str]:
     lists as ready. The devcluster has no kube-proxy, and its API server refuses the loopback pod
     addresses in EndpointSlices (docs/devcluster.md), so test clients spread requests over these
     themselves, round robin, as the Service would."""
-    from specpair_operator import manifests
+    from specpair_operator.desired import manifests
 
     service = ns.get("v1", "Service", manifests.engine_name(name))
     if service is None:

@@ -41,7 +41,7 @@ from typing import Any
 from mlflow import MlflowClient
 
 from specpair_operator import handlers  # noqa: F401 - registers the operator's handlers with Kopf
-from specpair_operator.kube import Kube, KubeError
+from specpair_operator.clients.kube import Kube, KubeError
 
 MODE, LOG, SPARE = "", "", ()
 MLFLOW_WRITES = ("create_registered_model", "set_registered_model_tag", "create_experiment", "create_run",

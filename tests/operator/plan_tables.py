@@ -12,12 +12,16 @@ import dataclasses
 import json
 from typing import Any, Callable, Iterable, Mapping
 
-from specpair_operator import canary, gate_verdict, manifests, owned, release
-from specpair_operator import plan as p
-from specpair_operator import serving_plan as sp
-from specpair_operator.registry_contract import TAG_HASH, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
-from specpair_operator.serving_world import EngineTLS, ServingWorld
-from specpair_operator.world import GateJob, Records, ReleaseWorld
+from specpair_operator.policy import canary
+from specpair_operator.gate import verdict as gate_verdict
+from specpair_operator.desired import manifests
+from specpair_operator.act import owned
+from specpair_operator.release import content as release
+from specpair_operator.plan import release_plan as p
+from specpair_operator.plan import serving_plan as sp
+from specpair_operator.release.registry_contract import TAG_HASH, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
+from specpair_operator.observe.serving_world import EngineTLS, ServingWorld
+from specpair_operator.observe.world import GateJob, Records, ReleaseWorld
 
 PAIR, NS, UID, MODEL = "chat", "team", "uid-chat", "team-chat"
 NOW = "2026-11-25T12:00:00Z"

@@ -14,11 +14,11 @@ import yaml
 from ci_skips import skip_unless_ci
 
 from specpair_devcluster.client import ApiError, resource_path
-from specpair_operator import autoscaling as autoscaling_mod
-from specpair_operator.autoscaling import (SIGNALS, Autoscaling, AutoscalingError, desired_autoscaler,
+from specpair_operator.desired import autoscaling as autoscaling_mod
+from specpair_operator.desired.autoscaling import (SIGNALS, Autoscaling, AutoscalingError, desired_autoscaler,
                                            query)
-from specpair_operator.manifests import engine_name
-from specpair_operator.validation import spec_schema, validate_spec
+from specpair_operator.desired.manifests import engine_name
+from specpair_operator.crd.validation import spec_schema, validate_spec
 SCALED = {"minReplicas": 1, "maxReplicas": 3, "metric": "queueLength", "target": 4}
 
 
@@ -383,7 +383,7 @@ def test_an_unusable_autoscaling_is_a_condition_and_one_warning(monkeypatch):
     import logging
     import time
 
-    from specpair_operator.ledger import StatusLedger
+    from specpair_operator.act.ledger import StatusLedger
     from specpair_operator.state import OperatorState
 
     monkeypatch.delenv(autoscaling_mod.PROMETHEUS_ENV, raising=False)

@@ -1,4 +1,4 @@
-"""The canary's decisions (specpair_operator.canary) as tables: candidate pods judged against
+"""The canary's decisions (specpair_operator.policy.canary) as tables: candidate pods judged against
 champion pods on errors, TTFT, TPOT and acceptance, step by step, as the operator observes them
 every pass. Pure: no servers; the pods' counters use the engine's own histogram bounds."""
 
@@ -9,8 +9,9 @@ import random
 import pytest
 
 import engine_counters
-from specpair_operator import canary, manifests
-from specpair_operator.drift import BREACH, FINE, OVERALL
+from specpair_operator.policy import canary
+from specpair_operator.desired import manifests
+from specpair_operator.policy.drift import BREACH, FINE, OVERALL
 
 DT = 10.0
 POLICY = canary.Policy.from_spec({})
@@ -192,7 +193,7 @@ def test_the_canary_deployment_is_the_candidates_engine_behind_the_same_service_
     ({"type": "Replace"}, None),
 ])
 def test_the_operators_check_of_canary_steps_words_them_as_the_crd_does(strategy, message):
-    from specpair_operator.validation import validate_spec
+    from specpair_operator.crd.validation import validate_spec
 
     errors = validate_spec({"target": {"source": "default"}, "draft": {"drafter": "ngram"},
                             "rollout": {"strategy": strategy}})

@@ -25,12 +25,14 @@ import pytest
 import engine_counters
 import plan_tables
 from plan_tables import PAIR, available, kinds, mine, pod_info
-from specpair_operator import canary, manifests, owned
-from specpair_operator import plan as p
-from specpair_operator import serving_plan as sp
+from specpair_operator.policy import canary
+from specpair_operator.desired import manifests
+from specpair_operator.act import owned
+from specpair_operator.plan import release_plan as p
+from specpair_operator.plan import serving_plan as sp
 from specpair_operator.handlers import records_of
-from specpair_operator.serving_world import DriftMemory, EnginePod, ServingWorld
-from specpair_operator.world import Records
+from specpair_operator.observe.serving_world import DriftMemory, EnginePod, ServingWorld
+from specpair_operator.observe.world import Records
 
 T0 = 1_700_000_000.0
 DT = 10.0

@@ -1,4 +1,4 @@
-"""The drift decision (specpair_operator.drift.decide) on the traffic that fooled the previous
+"""The drift decision (specpair_operator.policy.drift.decide) on the traffic that fooled the previous
 policy: each scenario is a list of observations of the engine pods, replayed as the operator
 would every 30 s. Pure: no servers."""
 
@@ -9,7 +9,7 @@ import random
 import pytest
 from specpair.stats import RequestMoments
 
-from specpair_operator import drift
+from specpair_operator.policy import drift
 
 DT = 30.0
 BASE = {drift.OVERALL: 0.5, "code": 0.5, "creative": 0.2, "extraction": 0.6}

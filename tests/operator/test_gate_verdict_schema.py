@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from specpair_operator import conditions, gate_verdict
+from specpair_operator.crd import conditions
+from specpair_operator.gate import verdict as gate_verdict
 
 NAN, INF = float("nan"), float("inf")
 TH = {"requireGreedyIdentity": True, "minAcceptance": 0.5, "minCategoryAcceptance": {"code": 0.6}, "minSpeedup": 1.1}
@@ -141,7 +142,7 @@ def test_a_usable_verdict_is_judged_as_before(verdict):
 
 
 def test_the_largest_k_is_the_crds():
-    from specpair_operator.validation import spec_schema
+    from specpair_operator.crd.validation import spec_schema
     assert gate_verdict.max_k() == spec_schema()["properties"]["speculation"]["properties"]["k"]["maximum"] == 16
 
 

@@ -8,9 +8,10 @@ import uuid
 
 import pytest
 
-from specpair_operator import aliases, drift, release
-from specpair_operator.registry import ReleaseRegistry
-from specpair_operator.registry_contract import (HISTORY_SECTION, TAG_EVENT, TAG_PROMOTED_AT, TAG_ROLLED_BACK,
+from specpair_operator.release import aliases, content as release
+from specpair_operator.policy import drift
+from specpair_operator.clients.registry import ReleaseRegistry
+from specpair_operator.release.registry_contract import (HISTORY_SECTION, TAG_EVENT, TAG_PROMOTED_AT, TAG_ROLLED_BACK,
                                                  TAG_RUN_DESCRIPTION, TAG_SHADOW_VERDICT, TAG_SPECULATION_OFF,
                                                  drift_figures, event_record, gate_experiment, with_gate_section,
                                                  with_history_line)

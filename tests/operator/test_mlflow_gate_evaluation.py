@@ -11,9 +11,9 @@ import uuid
 import pytest
 from mlflow_server import load_table  # tests/ is on sys.path (tests/conftest.py)
 
-from specpair_operator import release
-from specpair_operator.registry import ReleaseRegistry
-from specpair_operator.registry_contract import (EXPERIMENT_KIND, GOLDEN_DATASET, PER_PROMPT_COLUMNS,
+from specpair_operator.release import content as release
+from specpair_operator.clients.registry import ReleaseRegistry
+from specpair_operator.release.registry_contract import (EXPERIMENT_KIND, GOLDEN_DATASET, PER_PROMPT_COLUMNS,
                                                  PER_PROMPT_TABLE, RUNS_VIEW,
                                                  TAG_EXPERIMENT_KIND, TAG_GATE_RUN, TAG_GATE_SUMMARY,
                                                  TAG_LOGGED_MODEL, TAG_RUN_DESCRIPTION, gate_experiment,
@@ -57,7 +57,7 @@ def gate_with(reg, tmp_path, model: str, spec: dict, verdict: dict) -> str:
     gate = (f"{sys.executable} -c \"import os,shutil,sys,time; time.sleep({GATE_SECONDS}); "
             f"out=sys.argv[sys.argv.index('--out')+1]; shutil.copy('{given}', out); "
             f"shutil.copy('{golden}', os.path.join(os.path.dirname(out), 'golden_outputs.json'))\"")
-    out = subprocess.run([sys.executable, "-m", "specpair_operator.gate_runner", "--release", str(rel_file),
+    out = subprocess.run([sys.executable, "-m", "specpair_operator.gate.runner", "--release", str(rel_file),
                           "--gate-command", gate, "--termination-log", str(tmp_path / "none")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

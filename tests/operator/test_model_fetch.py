@@ -8,9 +8,9 @@ import json
 import pytest
 
 from specpair.contract import content_hash
-from specpair_operator import manifests, model_fetch
-from specpair_operator.manifests import MlflowCredentials, PodDefaults
-from specpair_operator.release import build_release
+from specpair_operator.desired import manifests, model_fetch
+from specpair_operator.desired.manifests import MlflowCredentials, PodDefaults
+from specpair_operator.release.content import build_release
 
 PROMPTS = [{"prompt": "hi", "category": "general"}]
 PVC = {"modelCache": {"persistentVolumeClaim": "models"}}

@@ -41,7 +41,8 @@ from mlflow import MlflowClient
 from specpair_devcluster.client import ApiError
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
-from specpair_operator import canary, manifests
+from specpair_operator.policy import canary
+from specpair_operator.desired import manifests
 from cluster_env import (CODE_PROMPTS, ONE_PROMPT_GATING, cond, engine_pods, model_name, service_endpoints, serving,
                          set_spec, tiny_pair)
 from failing_operator import FailingOperator, history

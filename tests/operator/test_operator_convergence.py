@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 
 from cluster_env import REPLACE, engine_pods, model_name, pair, serving, set_spec
 from failing_operator import FailingOperator, history
-from specpair_operator import manifests
+from specpair_operator.desired import manifests
 
 
 def test_killed_after_every_write_the_operator_still_promotes_once(env, mlflow_server, tmp_path):
@@ -121,7 +121,7 @@ def test_an_autoscaler_switch_killed_between_its_delete_and_its_create_is_finish
     ScaledObject. Killed right after the delete, the next operator writes the ScaledObject, and
     deletes nothing more."""
     from autoscaler_scenario import HPA, PROMETHEUS, SO, get_autoscaler, install_keda_crd, remove_keda_crd
-    from specpair_operator import autoscaling
+    from specpair_operator.desired import autoscaling
 
     ns = env
     name = f"scaled-{uuid.uuid4().hex[:5]}"

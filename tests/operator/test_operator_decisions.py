@@ -6,7 +6,11 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from specpair_operator import aliases, conditions, drift, gate_verdict, manifests, release
+from specpair_operator.release import aliases, content as release
+from specpair_operator.crd import conditions
+from specpair_operator.policy import drift
+from specpair_operator.gate import verdict as gate_verdict
+from specpair_operator.desired import manifests
 
 SPEC = {
     "target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "abc123"},
@@ -222,7 +226,7 @@ def test_deployment_rollout_state():
 
 
 def test_drift_state_belongs_to_one_release():
-    from specpair_operator import drift
+    from specpair_operator.policy import drift
     stored = {"breachesInRow": 2, "streaks": {"code": 2}, "stepsTaken": 1, "version": "3"}
     assert drift.state_for_release(stored, "3") == drift.DriftState(1, {"code": 2})
     # A newly promoted champion never inherits the previous release's ladder.
@@ -248,7 +252,7 @@ def test_the_operators_spec_check_accepts_every_shipped_example_and_refuses_bad_
 
     import yaml
 
-    from specpair_operator.validation import validate_spec
+    from specpair_operator.crd.validation import validate_spec
 
     shipped = [doc for path in sorted(glob.glob(str(Path(__file__).resolve().parents[2] / "examples" / "*.yaml")))
                for doc in yaml.safe_load_all(open(path)) if doc and doc.get("kind") == "SpecModelPair"]
@@ -409,7 +413,7 @@ def test_engine_certificates_are_issued_checked_and_renewed_by_the_operators_ca(
 
     from cryptography import x509
 
-    from specpair_operator import tls
+    from specpair_operator.desired import tls
     ca, other = tls.new_ca(), tls.new_ca()
     assert tls.check_ca(ca) == "" and "does not belong" in tls.check_ca(tls.KeyPair(ca.cert_pem, other.key_pem))
     names = tls.engine_dns_names("p-engine", "ns")
@@ -506,8 +510,8 @@ def test_a_vllm_release_is_its_own_release_and_renders_vllms_server():
 
 
 def test_serving_tls_hands_the_engine_certificate_to_both_serving_ports_and_probes_over_https():
-    from specpair_operator import tls
-    from specpair_operator.validation import validate_spec
+    from specpair_operator.desired import tls
+    from specpair_operator.crd.validation import validate_spec
 
     rel = release.build_release("p", "ns", SPEC, PROMPTS)
     digest = release.content_hash(rel)

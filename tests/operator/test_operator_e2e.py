@@ -22,8 +22,8 @@ from mlflow import MlflowClient
 from cluster_env import OPERATOR, STANDIN_IMAGE, Namespace, World, cond, engine_pods, model_name, operator_metrics
 from cluster_env import REPLACE, pair, serving, set_spec
 from specpair_devcluster.client import ApiError
-from specpair_operator.gate_record import GateRecord
-from specpair_operator.registry_contract import gate_experiment
+from specpair_operator.gate.record import GateRecord
+from specpair_operator.release.registry_contract import gate_experiment
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def passes(monkeypatch) -> collections.Counter:
     """Completed reconcile passes per pair uid, of the operator KopfRunner runs in this process:
     a check that the operator left something alone waits for passes that could have changed it,
     not for a stretch of time that may hold none."""
-    from specpair_operator import reconciler
+    from specpair_operator.act import reconciler
 
     counts: collections.Counter = collections.Counter()
     reconcile = reconciler.PairReconciler.reconcile
@@ -416,7 +416,7 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, mlflow
         import kopf
 
         from specpair_operator import leadership
-        from specpair_operator.kube import Kube
+        from specpair_operator.clients.kube import Kube
         try:
             devcluster.kube.delete("coordination.k8s.io/v1", "leases", OPERATOR_NAMESPACE, OPERATOR_ACCOUNT)
         except ApiError:
@@ -467,7 +467,7 @@ def the_control_listener_takes_only_the_operator(ns: Namespace, name: str, obj: 
     import grpc
     from cluster_env import OPERATOR_NAMESPACE
     from specpair._proto import engine_pb2, engine_pb2_grpc
-    from specpair_operator import tls
+    from specpair_operator.desired import tls
 
     st = obj["status"]["engineTLS"]
     assert st["secret"] == f"{name}-engine-tls" and f"{name}-engine.{ns.name}.svc" in st["names"]

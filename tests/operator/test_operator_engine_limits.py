@@ -12,8 +12,8 @@ import pytest
 
 from specpair.config import parse_kv_budget
 from specpair.server.cli import add_engine_parser
-from specpair_operator import manifests
-from specpair_operator.validation import validate_spec
+from specpair_operator.desired import manifests
+from specpair_operator.crd.validation import validate_spec
 
 RELEASE = {"target": {"source": "t"}, "draft": {"drafter": "ngram"}, "speculation": {}, "gating": {}}
 

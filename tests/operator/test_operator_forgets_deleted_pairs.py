@@ -17,7 +17,8 @@ import pytest
 from kopf.testing import KopfRunner
 
 from cluster_env import OPERATOR, REPLACE, operator_metrics, pair, serving
-from specpair_operator import handlers, metrics
+from specpair_operator import handlers
+from specpair_operator.act import metrics
 from specpair_operator.state import STATE, OperatorState
 
 

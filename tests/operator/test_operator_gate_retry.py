@@ -24,11 +24,12 @@ from mlflow import MlflowClient
 from cluster_env import HERE, MODELS, OPERATOR, cond, model_name, pair, serving
 from mlflow_server import free_port
 from waiting import wait_until
-from specpair_operator import gate_attempts, release
-from specpair_operator.gate_attempts import GIVE_UP, RETRY, WAIT, Failure, Policy, failure_of, next_step
-from specpair_operator.gate_runner import until_deadline
-from specpair_operator.registry import ReleaseRegistry
-from specpair_operator.registry_contract import RegistryUnavailable
+from specpair_operator.gate import attempts as gate_attempts
+from specpair_operator.release import content as release
+from specpair_operator.gate.attempts import GIVE_UP, RETRY, WAIT, Failure, Policy, failure_of, next_step
+from specpair_operator.gate.runner import until_deadline
+from specpair_operator.clients.registry import ReleaseRegistry
+from specpair_operator.release.registry_contract import RegistryUnavailable
 
 
 @pytest.mark.parametrize("failed, since, expected", [
@@ -101,7 +102,7 @@ def test_until_deadline_backs_off_then_gives_up_naming_how_long():
 # -- the gate runner as the Job runs it, against a real MLflow server -----------------------------
 
 def _runner(rel_path, term, deadline: float, stderr=subprocess.PIPE) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "specpair_operator.gate_runner", "--release", str(rel_path),
+    return subprocess.Popen([sys.executable, "-m", "specpair_operator.gate.runner", "--release", str(rel_path),
                              "--gate-command", f"{sys.executable} {HERE / 'gate_standin.py'}",
                              "--termination-log", str(term), "--deadline-seconds", str(deadline)],
                             stdout=subprocess.PIPE, stderr=stderr, text=True)

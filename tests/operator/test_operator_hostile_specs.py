@@ -18,10 +18,11 @@ import yaml
 from kopf.testing import KopfRunner
 
 from cluster_env import OPERATOR, REPO, Namespace, cond, kubectl, pair
-from specpair_operator import names, release
-from specpair_operator.kube import Kube, KubeError, _path
-from specpair_operator.manifests import METRICS_PORT
-from specpair_operator.validation import CEL_EQUIVALENTS, validate_spec
+from specpair_operator.crd import names
+from specpair_operator.release import content as release
+from specpair_operator.clients.kube import Kube, KubeError, _path
+from specpair_operator.desired.manifests import METRICS_PORT
+from specpair_operator.crd.validation import CEL_EQUIVALENTS, validate_spec
 
 NAN, INF = float("nan"), float("inf")
 MODELS = {
@@ -138,7 +139,7 @@ def _one_pass(monkeypatch, spec: dict[str, Any]) -> dict[str, Any]:
 
     import kopf
 
-    from specpair_operator.reconciler import PairReconciler
+    from specpair_operator.act.reconciler import PairReconciler
     from specpair_operator.state import STATE
 
     with socket.socket() as s:
@@ -180,9 +181,9 @@ def test_an_api_server_that_does_not_answer_is_retried_not_stalled(monkeypatch):
 def test_a_verdict_tag_nested_too_deeply_for_json_reads_as_no_verdict(mlflow_server):
     """A tag anyone with MLflow access may write: 2,400 nested lists (MLflow stores it) make
     Python's JSON reader raise RecursionError; the verdict reads as absent, a GateError."""
-    from specpair_operator.gate_verdict import evaluate_verdict
-    from specpair_operator.registry import ReleaseRegistry
-    from specpair_operator.registry_contract import TAG_GATE_STATUS, TAG_GATE_VERDICT
+    from specpair_operator.gate.verdict import evaluate_verdict
+    from specpair_operator.clients.registry import ReleaseRegistry
+    from specpair_operator.release.registry_contract import TAG_GATE_STATUS, TAG_GATE_VERDICT
 
     reg = ReleaseRegistry(mlflow_server.url)
     model = f"deep-{uuid.uuid4().hex[:6]}"
@@ -325,7 +326,7 @@ def test_a_nan_verdict_and_a_string_typed_verdict_are_never_promoted(env, mlflow
     runner, or anyone with MLflow access) is refused by the operator alike."""
     from mlflow import MlflowClient
 
-    from specpair_operator.gate_record import GateRecord
+    from specpair_operator.gate.record import GateRecord
 
     ns = env
     mlflow = MlflowClient(mlflow_server.url)

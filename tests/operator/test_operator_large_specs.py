@@ -17,7 +17,7 @@ from kopf.testing import KopfRunner
 
 from cluster_env import OPERATOR, cond, crd_yaml, pair
 from specpair_operator import handlers
-from specpair_operator.validation import MAX_SPEC_BYTES, validate_spec
+from specpair_operator.crd.validation import MAX_SPEC_BYTES, validate_spec
 
 BASE = {"target": {"source": "default"}, "draft": {"drafter": "ngram"}}
 TEN_THOUSAND = [{"prompt": f"def f{i}(x):", "category": "code"} for i in range(10_000)]

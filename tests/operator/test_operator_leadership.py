@@ -32,7 +32,7 @@ from cluster_env import CHART as CHART_DIR
 from cluster_env import HERE, OPERATOR_NAMESPACE, RELEASE, REPLACE, helm, model_name, pair, serving, wait_until
 from specpair_operator import leadership
 from specpair_operator.__main__ import election
-from specpair_operator.kube import Kube
+from specpair_operator.clients.kube import Kube
 from specpair_operator.leadership import CREATE, RENEW, TAKE, WAIT, Fence, Lease, Timing, decide
 
 LEASE = RELEASE  # the chart's fullname: its Role grants get/patch on this Lease only

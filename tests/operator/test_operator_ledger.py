@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from specpair_operator.ledger import AlreadyReported, StatusLedger
+from specpair_operator.act.ledger import AlreadyReported, StatusLedger
 
 
 def ledger(status: dict | None = None) -> StatusLedger:

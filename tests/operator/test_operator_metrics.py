@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specpair_operator import metrics
-from specpair_operator.ledger import StatusLedger
+from specpair_operator.act import metrics
+from specpair_operator.act.ledger import StatusLedger
 
 
 ROOT = Path(__file__).resolve().parents[2]

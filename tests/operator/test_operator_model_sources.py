@@ -14,8 +14,9 @@ import pytest
 
 from specpair import model_fetch as fetch
 from specpair.errors import SpecpairError
-from specpair_operator import manifests, names, tls
-from specpair_operator.validation import validate_spec
+from specpair_operator.desired import manifests, tls
+from specpair_operator.crd import names
+from specpair_operator.crd.validation import validate_spec
 
 LOCAL = ["mlflow:file:///var/run/secrets", "mlflow:FILE:/etc", "mlflow:/etc", "mlflow:.", "mlflow:..",
          "mlflow:models", "mlflow:relative/dir", "mlflow:./x"]

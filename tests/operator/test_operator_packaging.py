@@ -9,13 +9,14 @@ import kubernetes_validate
 import yaml
 from specpair.config import RELEASE_SPECULATION_KEYS
 
-from specpair_operator import drift, release
+from specpair_operator.policy import drift
+from specpair_operator.release import content as release
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_operator_modules_import_without_torch():
-    code = ("import sys, specpair_operator.handlers, specpair_operator.gate_runner, specpair_operator.__main__;"
+    code = ("import sys, specpair_operator.handlers, specpair_operator.gate.runner, specpair_operator.__main__;"
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -98,7 +99,7 @@ def test_engine_command_serves_the_release_file_with_the_engine_cli(tmp_path):
     from specpair.cli import build_parser
     from specpair.server.cli import read_release, served_pair, server_options
 
-    from specpair_operator import manifests
+    from specpair_operator.desired import manifests
 
     for draft in ({"drafter": "ngram"}, {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "12fd25f"}):
         rel = release.with_mlflow(release.build_release(

@@ -23,8 +23,9 @@ from cluster_env import REPO, kubectl, wait_until
 from specpair.contract import PARALLELISM_KEYS
 from specpair.vllm_peer import PARALLELISM_FLAGS, VLLM_FLAGS, VLLM_METHODS
 from specpair_devcluster.client import ApiError
-from specpair_operator import manifests, release
-from specpair_operator.validation import CEL_EQUIVALENTS, SPECPAIR_METHODS, spec_schema, validate_spec
+from specpair_operator.desired import manifests
+from specpair_operator.release import content as release
+from specpair_operator.crd.validation import CEL_EQUIVALENTS, SPECPAIR_METHODS, spec_schema, validate_spec
 
 PROMPTS = [{"prompt": "def fib(n):", "category": "code"}]
 SPEC = {"target": {"source": "meta-llama/Llama-3.1-70B-Instruct"},

@@ -19,11 +19,12 @@ from typing import Any
 import pytest
 
 from plan_tables import NOW, NS, PAIR, reported, step_name
-from specpair_operator import gate_attempts, manifests, model_fetch
-from specpair_operator import plan as p
-from specpair_operator import serving_plan as sp
-from specpair_operator.serving_world import ServingWorld
-from specpair_operator.world import GateJob, Records, ReleaseWorld
+from specpair_operator.gate import attempts as gate_attempts
+from specpair_operator.desired import manifests, model_fetch
+from specpair_operator.plan import release_plan as p
+from specpair_operator.plan import serving_plan as sp
+from specpair_operator.observe.serving_world import ServingWorld
+from specpair_operator.observe.world import GateJob, Records, ReleaseWorld
 
 TH = {"requireGreedyIdentity": True, "minAcceptance": 0.5, "minCategoryAcceptance": {"code": 0.6}}
 GOOD = {"passed": True, "reasons": [], "tokenizer": {"compatible": True, "differences": []},

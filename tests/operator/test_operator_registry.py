@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 from mlflow_server import load_table  # tests/ is on sys.path (tests/conftest.py)
 
-from specpair_operator import aliases, gate_attempts, release
-from specpair_operator.registry import ReleaseRegistry
-from specpair_operator.registry_contract import (PER_PROMPT_TABLE, TAG_GATE_RUN, TAG_GATE_STATUS, TAG_TOKENIZER_TARGET,
-                                                 RegistryUnavailable, find_or_create, gate_experiment)
+from specpair_operator.release import aliases, content as release
+from specpair_operator.gate import attempts as gate_attempts
+from specpair_operator.clients.registry import ReleaseRegistry
+from specpair_operator.release.registry_contract import (PER_PROMPT_TABLE, TAG_GATE_RUN, TAG_GATE_STATUS,
+                                                         TAG_TOKENIZER_TARGET, RegistryUnavailable, find_or_create,
+                                                         gate_experiment)
 
 SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "r1"}, "draft": {"drafter": "ngram"}}
 PROMPTS = [{"prompt": "def add(a, b):", "category": "code"}]
@@ -80,7 +82,7 @@ def test_gate_runner_records_the_run_metrics_and_verdict_on_the_version(reg, tmp
     gate = f"{sys.executable} -c \"import shutil,sys; shutil.copy('{verdict_file}', sys.argv[sys.argv.index('--out')+1])\""
     termination = tmp_path / "termination-log"
     termination.write_text("")        # the kubelet creates it before the container starts
-    out = subprocess.run([sys.executable, "-m", "specpair_operator.gate_runner", "--release", str(rel_file),
+    out = subprocess.run([sys.executable, "-m", "specpair_operator.gate.runner", "--release", str(rel_file),
                           "--gate-command", gate, "--termination-log", str(termination)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -97,7 +99,7 @@ def test_gate_runner_records_the_run_metrics_and_verdict_on_the_version(reg, tmp
     # A crashing gate is no verdict: the version keeps what it had, the cause and the gate's stderr
     # go to the termination message (the operator runs the gate again), and the exit is non-zero.
     crash = f"{sys.executable} -c \"import sys; sys.exit('model download failed: 404')\""
-    out = subprocess.run([sys.executable, "-m", "specpair_operator.gate_runner", "--release", str(rel_file),
+    out = subprocess.run([sys.executable, "-m", "specpair_operator.gate.runner", "--release", str(rel_file),
                           "--gate-command", crash, "--termination-log", str(termination)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
@@ -125,7 +127,7 @@ def test_a_lost_create_race_reads_the_winners_experiment_through_either_client(r
     winner's experiment is found again; another refusal is raised after one find."""
     from mlflow.exceptions import RestException
 
-    from specpair_operator.gate_record import GateRecord, MlflowRefused
+    from specpair_operator.gate.record import GateRecord, MlflowRefused
 
     gate = GateRecord(reg.tracking_uri)
     model = f"m-{uuid.uuid4().hex[:6]}"
@@ -211,7 +213,7 @@ def test_gate_record_writes_through_a_server_that_does_not_proxy_artifacts(tmp_p
     artifact repositories. A refusal is MlflowRefused with MLflow's code; no server at all is
     RegistryUnavailable (what the runner retries)."""
     from mlflow_server import MlflowServer
-    from specpair_operator.gate_record import GateRecord, MlflowRefused
+    from specpair_operator.gate.record import GateRecord, MlflowRefused
 
     server = MlflowServer(tmp_path, args=("--no-serve-artifacts", "--default-artifact-root", str(tmp_path / "store")))
     server.start()
@@ -243,7 +245,7 @@ def test_gate_record_writes_through_a_server_that_does_not_proxy_artifacts(tmp_p
 def test_the_runner_forks_its_own_specpair_and_runs_anything_else(monkeypatch, tmp_path):
     """`specpair gate` of this interpreter runs as a forked child (what it imported is the gate's
     start); any other command is started as it is."""
-    from specpair_operator.gate_runner import own_specpair_arguments
+    from specpair_operator.gate.runner import own_specpair_arguments
 
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -260,7 +262,7 @@ def test_the_runner_forks_its_own_specpair_and_runs_anything_else(monkeypatch, t
     (other / "specpair").chmod(0o755)
     assert own_specpair_arguments([str(other / "python"), "-m", "specpair", "gate"]) is None
     assert own_specpair_arguments([sys.executable, "gate_standin.py"]) is None
-    assert own_specpair_arguments([sys.executable, "-m", "specpair_operator.gate_runner"]) is None
+    assert own_specpair_arguments([sys.executable, "-m", "specpair_operator.gate.runner"]) is None
     assert own_specpair_arguments(["no-such-program", "gate"]) is None and own_specpair_arguments([]) is None
     monkeypatch.setenv("PATH", str(other) + os.pathsep + os.environ["PATH"])
     assert own_specpair_arguments(["specpair", "gate"]) is None      # a `specpair` of another environment
@@ -281,7 +283,7 @@ def test_a_forked_real_gate_is_recorded_and_its_crash_reported(reg, tmp_path, ti
     rel_file.write_text(json.dumps(release.with_mlflow(rel, reg.tracking_uri, model, version)))
     termination = tmp_path / "termination-log"
     termination.write_text("")
-    runner = [sys.executable, "-m", "specpair_operator.gate_runner", "--release", str(rel_file),
+    runner = [sys.executable, "-m", "specpair_operator.gate.runner", "--release", str(rel_file),
               "--gate-command", f"{sys.executable} -m specpair gate --device cpu", "--termination-log", str(termination)]
     out = subprocess.run(runner, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

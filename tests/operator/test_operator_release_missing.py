@@ -17,10 +17,11 @@ import uuid
 import pytest
 
 from plan_tables import MODEL, NOW, NS, PAIR, TH, release_tags, reported
-from specpair_operator import gate_attempts, manifests
-from specpair_operator import plan as p
-from specpair_operator.registry_contract import TAG_HASH
-from specpair_operator.world import GateJob, Records, ReleaseWorld
+from specpair_operator.gate import attempts as gate_attempts
+from specpair_operator.desired import manifests
+from specpair_operator.plan import release_plan as p
+from specpair_operator.release.registry_contract import TAG_HASH
+from specpair_operator.observe.world import GateJob, Records, ReleaseWorld
 
 TAGS = release_tags({"target": {"source": "default"}, "draft": {"drafter": "ngram"}})
 DIGEST = TAGS[TAG_HASH]

@@ -28,10 +28,10 @@ from kopf.testing import KopfRunner
 
 from cluster_env import CODE_PROMPTS, OPERATOR, engine_pods, serving, tiny_pair
 from specpair_devcluster.client import ApiError
-from specpair_operator import tls as tls_mod
-from specpair_operator.validation import validate_spec
+from specpair_operator.desired import tls as tls_mod
+from specpair_operator.crd.validation import validate_spec
 from specpair._proto import engine_pb2, engine_pb2_grpc
-from specpair_operator import manifests
+from specpair_operator.desired import manifests
 
 TOKEN = "s3cret-" + uuid.uuid4().hex
 

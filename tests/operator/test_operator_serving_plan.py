@@ -24,12 +24,15 @@ from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 import plan_tables
 from plan_tables import CURRENT_TLS, MODEL, NOW, NS, PAIR, TLS, UID, kinds, mine, pod_info
-from specpair_operator import drift, manifests, metrics, model_fetch, release, serving_health
-from specpair_operator import plan as p
-from specpair_operator import serving_plan as sp
-from specpair_operator.registry_contract import TAG_ROLLED_BACK
-from specpair_operator.serving_world import DriftMemory, EnginePod, ServingWorld
-from specpair_operator.world import Records, ReleaseWorld
+from specpair_operator.policy import drift, serving_health
+from specpair_operator.desired import manifests, model_fetch
+from specpair_operator.act import metrics
+from specpair_operator.release import content as release
+from specpair_operator.plan import release_plan as p
+from specpair_operator.plan import serving_plan as sp
+from specpair_operator.release.registry_contract import TAG_ROLLED_BACK
+from specpair_operator.observe.serving_world import DriftMemory, EnginePod, ServingWorld
+from specpair_operator.observe.world import Records, ReleaseWorld
 
 GOOD = {"passed": True, "reasons": [], "tokenizer": {"compatible": True, "differences": []},
         "greedyIdentity": 1.0, "acceptanceRate": 0.7, "speedup": 1.4,
@@ -647,7 +650,7 @@ def test_the_specpair_engine_still_switches_its_pods_in_place():
 def test_the_vllm_probe_refuses_a_switch_it_cannot_make():
     import asyncio
 
-    from specpair_operator.engine_probe import NoRuntimeSwitch, VllmProbe
+    from specpair_operator.clients.engine_probe import NoRuntimeSwitch, VllmProbe
     with pytest.raises(NoRuntimeSwitch, match="vLLM cannot switch speculation off at run time"):
         asyncio.run(VllmProbe().set_speculation("127.0.0.1:1", False, "drift"))
 

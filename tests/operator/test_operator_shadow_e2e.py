@@ -29,8 +29,8 @@ import pytest
 from mlflow import MlflowClient
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
-from specpair_operator import manifests
-from specpair_operator.shadow_run import TAG_SHADOW_VERDICT
+from specpair_operator.desired import manifests
+from specpair_operator.policy.shadow_run import TAG_SHADOW_VERDICT
 from cluster_env import CODE_PROMPTS, ONE_PROMPT_GATING, cond, engine_pods, model_name, pair, serving, set_spec, tiny_pair
 from failing_operator import FailingOperator, history
 

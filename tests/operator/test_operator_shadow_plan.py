@@ -23,11 +23,14 @@ import pytest
 
 import plan_tables
 from plan_tables import CURRENT_TLS, MODEL, NOW, NS, PAIR, TLS, UID, available, kinds, mine, pod_info
-from specpair_operator import manifests, owned, release, shadow_run
-from specpair_operator import plan as p
-from specpair_operator import serving_plan as sp
-from specpair_operator.serving_world import EnginePod, ServingWorld
-from specpair_operator.world import Records
+from specpair_operator.desired import manifests
+from specpair_operator.act import owned
+from specpair_operator.release import content as release
+from specpair_operator.policy import shadow_run
+from specpair_operator.plan import release_plan as p
+from specpair_operator.plan import serving_plan as sp
+from specpair_operator.observe.serving_world import EnginePod, ServingWorld
+from specpair_operator.observe.world import Records
 
 GOOD = {"passed": True, "reasons": [], "tokenizer": {"compatible": True, "differences": []},
         "greedyIdentity": 1.0, "acceptanceRate": 0.7, "speedup": 1.4,
@@ -355,8 +358,8 @@ def test_the_probes_plain_dict_reads_as_the_message_does():
     gives the evidence shadow_verdict reads from the message itself."""
     from specpair._proto import engine_pb2
 
-    from specpair_operator.engine_probe import shadow_stats
-    from specpair_operator.shadow_verdict import ShadowEvidence
+    from specpair_operator.clients.engine_probe import shadow_stats
+    from specpair_operator.policy.shadow_verdict import ShadowEvidence
 
     msg = engine_pb2.ShadowStats(candidate_version="2", candidate_content_hash="h", share=0.5, skipped_steps=3)
     cat = msg.categories["code"]

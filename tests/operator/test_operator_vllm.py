@@ -164,7 +164,7 @@ def assert_the_gate_judged_vllms_own_output(mlflow_url: str, model: str, target:
     from specpair.config import GenerationParams
     from specpair.decoding import SpeculativeEngine
     from specpair.models import load_model
-    from specpair_operator.gate_verdict import evaluate_verdict
+    from specpair_operator.gate.verdict import evaluate_verdict
 
     client = MlflowClient(mlflow_url)
     run_id = client.get_model_version(model, "1").tags["specpair.gate.run_id"]

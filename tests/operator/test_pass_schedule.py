@@ -55,7 +55,7 @@ def test_resync_defaults_to_six_intervals(monkeypatch):
 # -- what a settled pair's pass reads ------------------------------------------------------------
 
 def records(*actions: str) -> "Records":
-    from specpair_operator.world import Records
+    from specpair_operator.observe.world import Records
     return Records.from_status({"recorded": {a: ["2"] for a in actions}})
 
 
@@ -68,5 +68,5 @@ def records(*actions: str) -> "Records":
     ((), {}, True),
 ])
 def test_gate_jobs_are_read_until_the_champions_gate_is_recorded(recorded, aliases, needed):
-    from specpair_operator.observe import gate_jobs_needed
+    from specpair_operator.observe.reads import gate_jobs_needed
     assert gate_jobs_needed(records(*recorded), "2", aliases) is needed

@@ -1,12 +1,12 @@
-"""Which rollout strategy a gated candidate gets (specpair_operator.rollout_strategy.choose_strategy),
+"""Which rollout strategy a gated candidate gets (specpair_operator.policy.rollout_strategy.choose_strategy),
 as a table over real releases built by release.build_release. Pure: no servers."""
 
 from __future__ import annotations
 
 import pytest
 
-from specpair_operator.release import build_release
-from specpair_operator.rollout_strategy import CANARY, REPLACE, SHADOW, choose_strategy
+from specpair_operator.release.content import build_release
+from specpair_operator.policy.rollout_strategy import CANARY, REPLACE, SHADOW, choose_strategy
 
 PROMPTS = [{"prompt": "hi", "category": "chat"}]
 BASE = {
@@ -91,8 +91,8 @@ def test_the_shadow_defaults_agree_with_the_engine_and_the_verdict():
     minimum requests default to the same."""
     from specpair.shadow_flags import DEFAULT_SHARE
 
-    from specpair_operator.shadow_verdict import ShadowPolicy
-    from specpair_operator.validation import shadow_defaults
+    from specpair_operator.policy.shadow_verdict import ShadowPolicy
+    from specpair_operator.crd.validation import shadow_defaults
 
     defaults = shadow_defaults()
     assert defaults["share"] == DEFAULT_SHARE

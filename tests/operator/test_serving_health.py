@@ -1,4 +1,4 @@
-"""Serving health (specpair_operator.serving_health): latency and error windows of the serving
+"""Serving health (specpair_operator.policy.serving_health): latency and error windows of the serving
 release and the ladder steps they take, replayed as the operator observes the pods every 30 s.
 Pure: no servers; the pods' counters use the engine's own histogram bounds."""
 
@@ -9,8 +9,8 @@ import random
 import pytest
 
 import engine_counters
-from specpair_operator import drift
-from specpair_operator import serving_health as sh
+from specpair_operator.policy import drift
+from specpair_operator.policy import serving_health as sh
 
 DT = 30.0
 POLICY = sh.LatencyPolicy.from_spec({})
@@ -352,7 +352,7 @@ def test_the_newest_baselines_are_kept_by_version_number_as_status_sorts_its_key
 
 
 def test_latency_defaults_come_from_the_crd_and_the_spec_overrides_them():
-    from specpair_operator.validation import latency_defaults
+    from specpair_operator.crd.validation import latency_defaults
     d = latency_defaults()
     assert (POLICY.ttft_p95_ratio, POLICY.tpot_p95_ratio, POLICY.max_error_rate, POLICY.min_requests) == \
         (d["ttftP95Ratio"], d["tpotP95Ratio"], d["maxErrorRate"], d["minRequests"])
@@ -368,7 +368,7 @@ def test_latency_defaults_come_from_the_crd_and_the_spec_overrides_them():
     ({"minRequests": 5}, True),
 ])
 def test_the_operator_refuses_latency_thresholds_the_crd_refuses(latency, refused):
-    from specpair_operator.validation import validate_spec
+    from specpair_operator.crd.validation import validate_spec
     errors = validate_spec({"target": {"source": "default"}, "draft": {"drafter": "ngram"},
                             "drift": {"latency": latency}})
     assert bool(errors) == refused, errors

@@ -1,4 +1,4 @@
-"""The shadow verdict (specpair_operator.shadow_verdict.judge_shadow) as a table: synthetic
+"""The shadow verdict (specpair_operator.policy.shadow_verdict.judge_shadow) as a table: synthetic
 per-request evidence for a candidate drafter and the champion on the same requests, and what the
 operator must conclude. Pure: no servers."""
 
@@ -9,8 +9,8 @@ import random
 import pytest
 from specpair.stats import PairedSums, RequestMoments
 
-from specpair_operator.drift import DriftPolicy
-from specpair_operator.shadow_verdict import (PROMOTE, REJECTED, UNDECIDED, ShadowEvidence, ShadowPolicy,
+from specpair_operator.policy.drift import DriftPolicy
+from specpair_operator.policy.shadow_verdict import (PROMOTE, REJECTED, UNDECIDED, ShadowEvidence, ShadowPolicy,
                                               alpha_moments, difference_se, judge_shadow)
 
 GATED = ["*", "code", "chat"]

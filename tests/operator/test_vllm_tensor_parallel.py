@@ -10,8 +10,9 @@ import time
 import pytest
 
 from specpair.vllm_parallel import DEFAULT_TARGET_HEADS, OMP_BIND_ENV, model_config, tensor_parallel_refusal
-from specpair_operator import manifests, release
-from specpair_operator.validation import validate_spec
+from specpair_operator.desired import manifests
+from specpair_operator.release import content as release
+from specpair_operator.crd.validation import validate_spec
 
 PROMPTS = [{"prompt": "def fib(n):", "category": "code"}]
 

@@ -188,7 +188,7 @@ def test_per_request_sums_reach_the_operator_probe(tiny_pair, start_server):
     Σd·a over finished requests that drafted, and the operator's gRPC probe reads them as such."""
     import asyncio
 
-    from specpair_operator.engine_probe import GrpcEngineProbe
+    from specpair_operator.clients.engine_probe import GrpcEngineProbe
 
     server = start_server(engine=make_engine(tiny_pair))
     with client_for(server) as c:
@@ -237,7 +237,7 @@ def test_latency_histograms_and_request_outcomes_reach_the_operator_probe(tiny_p
     import asyncio
 
     from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
-    from specpair_operator.engine_probe import GrpcEngineProbe
+    from specpair_operator.clients.engine_probe import GrpcEngineProbe
 
     engine = failing_engine(tiny_pair)
     server = start_server(engine=engine)
@@ -279,7 +279,7 @@ def test_latency_histograms_and_request_outcomes_reach_the_operator_probe(tiny_p
     assert invalid == overall.requests["invalid"] == 1
 
     # The operator's serving-health watch reads the report as counters of requests.
-    from specpair_operator import serving_health
+    from specpair_operator.policy import serving_health
     pod = serving_health.serving_pod("engine-0/uid", stats, None)
     code_counts = pod.categories["code"]
     assert (code_counts.finished, code_counts.failed) == (4, 1)
@@ -323,7 +323,7 @@ def test_the_operator_probe_keeps_one_connection_per_pod_and_redials_after_a_dro
     Connections are counted by a TCP relay between the probe and the real server."""
     import asyncio
 
-    from specpair_operator.engine_probe import EngineUnreachable, GrpcEngineProbe
+    from specpair_operator.clients.engine_probe import EngineUnreachable, GrpcEngineProbe
 
     server = start_server(engine=make_engine(tiny_pair))
 

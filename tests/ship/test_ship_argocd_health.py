@@ -100,11 +100,11 @@ CASES = [
 
 
 # -- statuses as the operator writes them ----------------------------------------------------------
-# Each is what the operator's own status ledger (operator/specpair_operator/ledger.py) writes for a
+# Each is what the operator's own status ledger (operator/specpair_operator/act/ledger.py) writes for a
 # pass that reports (how, phase, reason) as the plans do (the Report(...) of plan.py and
 # serving_plan.py), with the other conditions such a pass sets: not hand-made condition lists.
 
-OPERATOR_SOURCES = "\n".join(p.read_text() for p in (REPO_ROOT / "operator" / "specpair_operator").glob("*.py"))
+OPERATOR_SOURCES = "\n".join(p.read_text() for p in (REPO_ROOT / "operator" / "specpair_operator").rglob("*.py"))
 
 
 def written(how: str, phase: str, reason: str, message: str, *, ready_message: str | None = None,
@@ -112,7 +112,7 @@ def written(how: str, phase: str, reason: str, message: str, *, ready_message: s
     """The pair as the operator leaves it after such a pass (generation 3, observed)."""
     import logging
 
-    from specpair_operator.ledger import StatusLedger
+    from specpair_operator.act.ledger import StatusLedger
 
     ledger = StatusLedger({}, 3, "ns", "default", logging.getLogger("health"))
     for type_, status, why, text in others:

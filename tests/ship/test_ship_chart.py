@@ -84,16 +84,16 @@ def test_non_default_render_wires_every_value(render):
     assert "MLFLOW_TRACKING_TOKEN" not in env  # empty key: not set
     assert env["SPECPAIR_MLFLOW_CREDENTIALS_SECRET"]["value"] == "mlflow-credentials"
     # engine.* and gate.* reach the operator, which reads them as its defaults for child pods.
-    from specpair_operator.manifests import PodDefaults
+    from specpair_operator.desired.manifests import PodDefaults
     assert env["SPECPAIR_ENGINE_IMAGE"]["value"] == "registry.example.com/specpair/engine:0.1.0"
     pods = PodDefaults.from_env({k: v["value"] for k, v in env.items() if "value" in v})
     assert (pods.image_pull_secrets, pods.cache_size_limit, pods.gate_ttl_seconds) == (("regcred",), "200Gi", 3600)
-    from specpair_operator.gate_attempts import Policy
+    from specpair_operator.gate.attempts import Policy
     assert Policy.from_env({k: v["value"] for k, v in env.items() if "value" in v}) == Policy(5, 60.0)
     assert one(manifests, "Deployment")["spec"]["replicas"] == 2
     assert one(manifests, "Deployment")["spec"]["strategy"] == {"type": "RollingUpdate"}
     assert pods.hub_token == ("hf-token", "hf")
-    from specpair_operator.autoscaling import PROMETHEUS_ENV
+    from specpair_operator.desired.autoscaling import PROMETHEUS_ENV
     assert env[PROMETHEUS_ENV]["value"] == "http://prometheus.monitoring:9090"
     # The operator's own pods are added to the peers allowed to reach engine pods (its gRPC calls).
     assert pods.ingress_from[0] == {"namespaceSelector": {"matchLabels": {"team": "web"}}}
@@ -123,12 +123,12 @@ def test_non_default_render_wires_every_value(render):
 
 
 def _operator_engine_service() -> dict[str, Any]:
-    from specpair_operator import manifests  # the operator's own Service builder, pure function
+    from specpair_operator.desired import manifests  # the operator's own Service builder, pure function
     return manifests.engine_service("pair", "team-a", {})
 
 
 def test_service_monitor_selects_the_engine_services_the_operator_creates(render):
-    """The selector must match the labels operator/specpair_operator/manifests.py puts on Services."""
+    """The selector must match the labels operator/specpair_operator/desired/manifests.py puts on Services."""
     monitor = one(render({"metrics": {"serviceMonitor": {"enabled": True}}}), "ServiceMonitor")
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["default"]}  # the watched namespaces
     every = one(render({"metrics": {"serviceMonitor": {"enabled": True}}, "watchNamespaces": []}), "ServiceMonitor")
@@ -524,7 +524,7 @@ def test_documented_finalizer_removal_empties_the_finalizers(kubectl, tmp_path):
 def test_engine_ingress_defaults_to_the_watched_namespaces(render, values, peers):
     """The engine pods' NetworkPolicy, as the operator renders it from the chart's settings: by
     default only the watched namespaces (and the operator's pods) reach the serving ports."""
-    from specpair_operator.manifests import PodDefaults, engine_network_policy
+    from specpair_operator.desired.manifests import PodDefaults, engine_network_policy
 
     container = one(render(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
     pods = PodDefaults.from_env({e["name"]: e["value"] for e in container["env"] if "value" in e})

@@ -77,7 +77,7 @@ def test_docs_list_exactly_the_engine_metrics_with_their_types_and_labels():
 
 def operator_metrics() -> dict[str, tuple[str, frozenset[str]]]:
     """Exposed name -> (type, label names) from the operator's real metrics registry."""
-    from specpair_operator import metrics
+    from specpair_operator.act import metrics
     out = {}
     for collector in set(metrics.REGISTRY._names_to_collectors.values()):
         name = collector._name + ("_total" if collector._type == "counter" else "")

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from ship_helpers import KUBERNETES_VERSION, REPO_ROOT
-from specpair_operator.validation import CEL_EQUIVALENTS
+from specpair_operator.crd.validation import CEL_EQUIVALENTS
 
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 CRD = yaml.safe_load((REPO_ROOT / "crds" / "specmodelpair.yaml").read_text())
@@ -42,7 +42,7 @@ def _cel_violations(schema: dict[str, Any], value: Any, path: str = "") -> list[
         check = CEL_EQUIVALENTS.get(rule["rule"])
         if check is None:
             problems.append(f"{path or '/'}: no Python twin for CEL rule {rule['rule']!r}; add it to "
-                            "CEL_EQUIVALENTS (operator/specpair_operator/validation.py)")
+                            "CEL_EQUIVALENTS (operator/specpair_operator/crd/validation.py)")
         elif not check(value):
             problems.append(f"{path or '/'}: {rule.get('message', rule['rule'])}")
     if isinstance(value, dict):

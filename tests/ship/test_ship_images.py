@@ -165,6 +165,6 @@ def test_cuda_image_ships_the_stack_the_gpu_figures_were_measured_with():
 def test_operator_image_imports_only_what_mlflow_skinny_provides():
     """Every mlflow import of the operator is one of the client modules mlflow-skinny ships."""
     imports = set()
-    for path in (REPO_ROOT / "operator" / "specpair_operator").glob("*.py"):
+    for path in (REPO_ROOT / "operator" / "specpair_operator").rglob("*.py"):
         imports |= set(re.findall(r"^\s*(?:from|import) (mlflow[\w.]*)", path.read_text(), flags=re.M))
     assert imports and imports <= {"mlflow", "mlflow.exceptions", "mlflow.entities"}, imports

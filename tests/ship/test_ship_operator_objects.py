@@ -1,5 +1,5 @@
 """checkov on the objects the operator creates for a pair (not in the chart: rendered by
-operator/specpair_operator/manifests.py): the engine Deployment, Service and NetworkPolicy, the
+operator/specpair_operator/desired/manifests.py): the engine Deployment, Service and NetworkPolicy, the
 gate Job and its NetworkPolicy, the engine's TLS Secret."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SKIPS = {
 
 
 def _tls_secret() -> dict[str, Any]:
-    from specpair_operator import manifests, tls
+    from specpair_operator.desired import manifests, tls
     ca = tls.new_ca()
     leaf = tls.issue(ca, "chat-engine", tls.engine_dns_names("chat-engine", "team"), server=True, days=1)
     return manifests.engine_tls_secret("chat", "team", leaf.cert_pem, leaf.key_pem, ca.cert_pem)
@@ -34,7 +34,8 @@ def _objects(with_policies: bool = True) -> dict[str, dict[str, Any]]:
     """A pair as docs/operator.md writes one: models, and resources for its GPU pool. (A pair with
     no spec.rollout.resources also fails CKV_K8S_10..13: the operator cannot size models it has
     not loaded, so it invents no requests.)"""
-    from specpair_operator import manifests, release
+    from specpair_operator.desired import manifests
+    from specpair_operator.release import content as release
 
     spec = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "abc123"}, "draft": {"drafter": "ngram"}}
     rollout = {"resources": {"requests": {"cpu": "4", "memory": "16Gi"},

@@ -63,7 +63,7 @@ def test_the_mlflow_client_is_mlflow_skinny(operator_venv):
     """The operator imports MlflowClient, mlflow.entities and mlflow.exceptions: mlflow-skinny
     has them all, and the full mlflow (server, pandas, pyarrow, scipy) is not installed."""
     code = ("import importlib.metadata as m, importlib.util as u\n"
-            "import specpair_operator.handlers, specpair_operator.registry\n"
+            "import specpair_operator.handlers, specpair_operator.clients.registry\n"
             "from mlflow import MlflowClient; from mlflow.entities import Metric\n"
             "from mlflow.exceptions import MlflowException, RestException\n"
             "def has(d):\n"

@@ -1,0 +1,1 @@
+"""What a pass does, decided from what it observed: pure functions from worlds to steps (no I/O)."""

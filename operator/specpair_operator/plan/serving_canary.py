@@ -1,0 +1,169 @@
+"""The serving plan's canary: a candidate's pods beside the champion's, stepped up or retired."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import replace
+from typing import Any
+
+from specpair_operator.policy import canary as canary_mod
+from specpair_operator.desired import manifests
+from specpair_operator.act import owned
+from specpair_operator.release import content as release_mod
+from specpair_operator.plan.release_plan import TAG_RELEASE, Condition, PostEvent, Record, Report, SetStatus, TagVersion
+from specpair_operator.release.registry_contract import TAG_HASH
+from specpair_operator.observe.serving_world import EnginePod, ServingWorld
+from specpair_operator.plan.serving_steps import (ANN_TEMPLATE, deployment_after, EnsureOwned, gate_tuned, identity,
+                                                  outcome, _Steps, template_fingerprint)
+from specpair_operator.plan.serving_rollout import name_conflict
+
+
+def canary_served(w: ServingWorld) -> dict[str, Any]:
+    """The release file of the candidate a canary runs for (w.canary_run), tuned as it would serve."""
+    run = w.canary_run
+    tuned = gate_tuned(json.loads(run.tags[TAG_RELEASE]), run.verdict, w.rollout)
+    return release_mod.with_mlflow(tuned, w.installation.tracking_uri, w.model, run.version)
+
+
+def canary_deployment(w: ServingWorld, served: dict[str, Any], replicas: int, step: int) -> dict[str, Any]:
+    """The candidate's engine Deployment beside the champion's (canary.canary_deployment)."""
+    run, i = w.canary_run, w.installation
+    dep = manifests.engine_deployment(w.pair, w.namespace, served, run.tags[TAG_HASH], run.version, dict(w.rollout),
+                                      i.tracking_uri, i.credentials if release_mod.reads_from_mlflow(served) else None,
+                                      i.pods)
+    dep = canary_mod.canary_deployment(dep, manifests.engine_canary_name(w.pair), replicas, step)
+    dep["metadata"]["annotations"][ANN_TEMPLATE] = template_fingerprint(dep)
+    return dep
+
+
+def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
+    """Run the canary's step: its Deployment at the step's replicas, its pods' identity, then the
+    candidate judged against the champion's verified pods (canary.judge, canary.decide). Abort
+    tags the candidate first (the mark: the release pass never promotes it, and scales nothing
+    up again), then scales the canary down; Promote tags it (the next release pass promotes);
+    Advance scales the canary for the next step (the step is its annotation). Returns the report."""
+    w = out.world
+    run = w.canary_run
+    version, steps = run.version, run.steps
+    had = w.status.get("canary") or {}
+    step = canary_mod.live_step(w.canary_deployment, version)
+    if str(had.get("version")) == str(version) and had.get("phase") == "Progressing":
+        step = max(step, int(had.get("step", 1)) - 1)
+    step = min(max(step, 0), len(steps) - 1)
+    champion_replicas = int(w.rollout.get("replicas", 1))
+    replicas = steps[step].candidate_replicas(champion_replicas)
+    served = canary_served(w)
+    dep = canary_deployment(w, served, replicas, step)
+    result = outcome(w, dep, w.canary_deployment)
+    if result == owned.CONFLICT:
+        return name_conflict(w, "Deployment", dep["metadata"]["name"])
+    if result != owned.UNCHANGED:
+        # A canary scaled down (ScaleDown) carries a fingerprint no render has: patched again.
+        out.add(EnsureOwned(dep, w.canary_deployment))
+    if step > 0 and not out.was("CanaryAdvanced", f"{version}#{step + 1}", version):
+        # The pass that scaled the canary for this step died before its status said so.
+        out.add(Record("CanaryAdvanced", f"v{version}: step {step + 1} of {len(steps)}: {replicas} pod(s) beside "
+                       f"{champion_replicas}", champion, version, key=f"{version}#{step + 1}"))
+    memory = w.canary_memory if isinstance(w.canary_memory, canary_mod.Memory) else canary_mod.Memory()
+    memory = memory.for_step(version, step)
+
+    def entry(phase: str, message: str, judged: tuple = ()) -> SetStatus:
+        started = datetime.datetime.fromtimestamp(memory.since, datetime.timezone.utc).strftime(
+            "%Y-%m-%dT%H:%M:%SZ") if memory.since is not None else ""
+        return SetStatus({"canary": canary_mod.status_entry(version, champion, phase, step, steps, replicas,
+                                                            champion_replicas, message, judged, started, had)})
+
+    def progressing(message: str, judged: tuple = ()) -> Report:
+        out.add(Condition(canary_mod.CONDITION, "Unknown", "Progressing", message), entry("Progressing", message, judged))
+        return Report("reconciling", "Canary", "CanaryProgressing", message,
+                      ready_message=f"v{champion} serving; v{version} in canary beside it")
+
+    def abort(reason: str, judged: tuple = ()) -> Report:
+        msg = f"canary of v{version} aborted: {reason}"
+        aborted = entry("Aborted", msg, judged)
+        out.add(TagVersion(version, canary_mod.mark_tag(canary_mod.ABORTED, reason, aborted.fields["canary"])),
+                canary_mod.ScaleDown(dep["metadata"]["name"]), canary_mod.RememberCanary(canary_mod.Memory()),
+                Condition(canary_mod.CONDITION, False, "Aborted", msg), aborted)
+        if not out.was("CanaryAborted", version, version):
+            out.add(Record("CanaryAborted", msg, champion, version, warning=True, key=version))
+        return Report("stalled", "Degraded", "CanaryAborted", f"{msg}; v{champion} keeps serving",
+                      ready_reason="ChampionKeepsServing")
+
+    where = f"v{version} canary step {step + 1} of {len(steps)} ({replicas} pod(s) beside {champion_replicas})"
+    state, msg = manifests.deployment_rollout_state(deployment_after(dep, w.canary_deployment, result), run.tags[TAG_HASH])
+    if state == "failed":
+        return abort(f"its pods did not become available: {msg}")
+    if state != "available":
+        return progressing(f"{where}: {msg}")
+    ok, why, pods = identity(replace(w, ready=w.canary_ready, tags=run.tags), version, release_mod.content_hash(served))
+    if why.startswith("tokenizer"):
+        return abort(why)
+    if not ok:
+        return progressing(f"{where}: {why}")
+    unread = next((p for p in [*verified, *pods] if p.stats is None), None)
+    if unread is not None:
+        return progressing(f"{where}: counters of pod {unread.name} not read: {unread.stats_unreachable or 'not asked'}")
+    wall = w.drift.wall
+
+    def reports(side: list[EnginePod]) -> list[canary_mod.PodReport]:
+        return [canary_mod.PodReport.from_stats(f"{p.name}/{p.uid}", p.stats or {}, wall) for p in side]
+    memory = canary_mod.observe(memory, wall, reports(verified), reports(pods))
+    out.add(canary_mod.RememberCanary(memory))
+    policy = canary_mod.Policy.from_spec(w.spec)
+    judged = canary_mod.judge(policy, memory)
+    decision = canary_mod.decide(policy, steps, step, judged, wall - (memory.since or wall),
+                                 float(w.rollout.get("progressDeadlineSeconds", 600)))
+    if decision.action == canary_mod.ABORT:
+        return abort(decision.reason, judged)
+    if decision.action == canary_mod.PROMOTE:
+        msg = f"canary of v{version} passed: {decision.reason}"
+        passed = entry("Passed", msg, judged)
+        out.add(TagVersion(version, canary_mod.mark_tag(canary_mod.PASSED, decision.reason, passed.fields["canary"])),
+                Condition(canary_mod.CONDITION, True, "Passed", msg), passed)
+        if not out.was("CanaryPassed", version, version):
+            out.add(Record("CanaryPassed", msg, champion, version, key=version))
+        return Report("reconciling", "Promoting", "CanaryPassed", msg,
+                      ready_message=f"v{version} passed its canary; promoting")
+    if decision.action == canary_mod.ADVANCE:
+        step += 1
+        replicas = steps[step].candidate_replicas(champion_replicas)
+        nxt = canary_deployment(w, served, replicas, step)
+        out.add(EnsureOwned(nxt, w.canary_deployment))
+        memory = canary_mod.Memory()
+        text = (f"v{version}: {decision.reason}; step {step + 1} of {len(steps)}: {replicas} pod(s) beside "
+                f"{champion_replicas} ({canary_mod.traffic_share(replicas, champion_replicas):.0%} of the traffic)")
+        if not out.was("CanaryAdvanced", f"{version}#{step + 1}", version):
+            out.add(Record("CanaryAdvanced", text, champion, version, key=f"{version}#{step + 1}"))
+        return progressing(text, judged)
+    return progressing(f"{where}: {decision.reason}", judged)
+
+
+def _retire_canary(out: _Steps, champion: str) -> None:
+    """No canary runs: a canary Deployment with pods is scaled down, once the champion's own
+    Deployment serves (the candidate promoted: its canary pods served until then), or at once
+    (a candidate aborted, or no longer the spec's)."""
+    w = out.world
+    live = w.canary_deployment
+    if live is None or not owned.owns(w.uid, dict(live)):
+        return
+    version = str(((live.get("metadata") or {}).get("labels") or {}).get(manifests.LABEL_VERSION, ""))
+    name = live["metadata"]["name"]
+    why = (f"v{champion} serves from its engine Deployment now" if version == str(champion)
+           else f"v{version} is no longer a candidate")
+    had = w.status.get("canary") or {}
+    promoted = str(had.get("version")) == version == str(champion) and had.get("phase") == "Passed"
+    scaled = bool((live.get("spec") or {}).get("replicas"))
+    if scaled:
+        out.add(canary_mod.ScaleDown(name))
+    said = f"Deployment {name} scaled to 0: {why}"
+    if promoted:
+        # Scaled down now, or by a pass that died before its status said the promoted canary is over.
+        # Read from the status, so recorded: a pass on a body that does not show this status yet is
+        # held back (handlers.reconcile compares the records) and does not say it again.
+        if not out.was("CanaryScaledDown", version, version):
+            out.add(Record("CanaryScaledDown", said, champion, version, key=version))
+    elif scaled:
+        out.add(PostEvent("Normal", "CanaryScaledDown", said))
+    if promoted:
+        out.add(SetStatus({"canary": {**had, "phase": "Promoted", "message": f"v{version} promoted; {why}"}}))
