@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from specpair.contract import content_hash
+from specpair.vllm_k_schedule import k_at
 from specpair.vllm_peer import VLLM_METHODS, default_python
 from specpair.vllm_serve import (POD_DRAIN_SECONDS, VLLM_PER_REQUEST_FLAGS, VLLM_SPEC_DECODE_FLAGS, command,
                                  identity_name, parse_identity_name)
@@ -123,6 +124,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
 def literals(tp):
     args = typing.get_args(tp)
@@ -143,8 +145,14 @@ for argv in json.load(sys.stdin):
         args = parser.parse_args(argv)
         validate_parsed_serve_args(args)
         engine = AsyncEngineArgs.from_cli_args(args)
+        dense = None
         if engine.speculative_config is not None:
             check(spec_fields, engine.speculative_config)
+            schedule = engine.speculative_config.get("num_speculative_tokens_per_batch_size")
+            if schedule is not None:
+                # What the scheduler drafts at each batch size from 1 to 64 (index 0 unused).
+                dense = build_dynamic_sd_schedule_lookup(schedule, 64,
+                                                         engine.speculative_config["num_speculative_tokens"])[1:]
         check(cache_fields, {"gpu_memory_utilization": engine.gpu_memory_utilization,
                              "cache_dtype": engine.kv_cache_dtype})
         if engine.quantization is not None and engine.quantization not in QUANTIZATION_METHODS:
@@ -152,7 +160,8 @@ for argv in json.load(sys.stdin):
         out.append({k: getattr(engine, k) for k in ("model", "dtype", "tensor_parallel_size",
                     "pipeline_parallel_size", "gpu_memory_utilization", "max_model_len", "quantization",
                     "kv_cache_dtype", "speculative_config", "per_request_spec_decode_metrics")}
-                   | {"uds": args.uds, "enable_per_request_metrics": args.enable_per_request_metrics})
+                   | {"uds": args.uds, "enable_per_request_metrics": args.enable_per_request_metrics,
+                      "k_by_batch_size": dense})
     except (Exception, SystemExit) as exc:
         out.append({"error": f"{type(exc).__name__}: {exc}"})
 print("RESULT " + json.dumps({"parsed": out, "methods": literals(SpeculativeMethod)}))
@@ -181,6 +190,11 @@ def test_vllms_own_parser_takes_every_setting_a_release_renders(tiny_pair_dirs, 
                  "parallelism": {"tensor": 4, "pipeline": 2}}
                 for method in VLLM_METHODS if method != "ngram"]
     releases += [release(target, {"drafter": "ngram"}), release(target, {"source": draft})]
+    # The gate's k by load (vllm_k_schedule), as the operator serves it.
+    schedule = [[1, 3, 3], [4, 15, 2], [16, 16, 0]]
+    with_schedule = release(target, {"drafter": "ngram"})
+    with_schedule["speculation"]["kByBatchSize"] = schedule
+    releases.append(with_schedule)
 
     def argv(rel: dict, on_socket: bool) -> list[str]:
         # Half as the gate starts vLLM (a port), half as a pod does (the companion's socket).
@@ -220,6 +234,11 @@ def test_vllms_own_parser_takes_every_setting_a_release_renders(tiny_pair_dirs, 
         assert spec.get("method") == (VLLM_METHODS[method] if method else None)
         assert spec["num_speculative_tokens"] == rel["speculation"]["k"]
         assert spec.get("draft_tensor_parallel_size") == rel["draft"].get("draftTensorParallel")
+        # vLLM's scheduler drafts at each batch size what k_at reads from the shipped schedule.
+        shipped = rel["speculation"].get("kByBatchSize")
+        assert parsed["k_by_batch_size"] == (None if shipped is None else
+                                             [k_at(shipped, b, spec["num_speculative_tokens"]) for b in range(1, 65)])
+    assert got["parsed"][releases.index(with_schedule)]["k_by_batch_size"] == [3] * 3 + [2] * 12 + [0] * 49
     bad_key, bad_method = got["parsed"][len(releases):]
     assert "draft_tensor_parallel is no field" in bad_key["error"], bad_key
     assert "error" in bad_method and "draft-model" in bad_method["error"], bad_method
