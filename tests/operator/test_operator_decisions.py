@@ -489,6 +489,7 @@ def test_a_vllm_release_is_its_own_release_and_renders_vllms_server():
     assert companion["command"][:9] == ["python", "-m", "specpair.vllm_companion", "--release", manifests.RELEASE_FILE,
                                         "--uds", manifests.VLLM_SOCKET, "--host", "0.0.0.0"]
     assert companion["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
+                                  {"name": "metrics", "containerPort": manifests.METRICS_PORT, "protocol": "TCP"},
                                   {"name": "control", "containerPort": manifests.CONTROL_PORT, "protocol": "TCP"}]
     assert companion["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     socket_mount = {"name": "vllm-socket", "mountPath": manifests.VLLM_SOCKET_DIR}
@@ -506,7 +507,7 @@ def test_a_vllm_release_is_its_own_release_and_renders_vllms_server():
     assert "--enforce-eager" not in gpu["spec"]["template"]["spec"]["containers"][0]["command"]
     svc = manifests.engine_service("p", "ns", rollout, "vllm")
     kubernetes_validate.validate(svc, "1.33.0", strict=True)
-    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {"http": "http", "metrics": "http"}
+    assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {"http": "http", "metrics": "metrics"}
 
 
 def test_serving_tls_hands_the_engine_certificate_to_both_serving_ports_and_probes_over_https():

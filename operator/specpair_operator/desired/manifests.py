@@ -445,7 +445,7 @@ def vllm_companion_command(http_port: int, control_port: int, rollout: dict[str,
     (mutual TLS, the engine certificate the operator issues, as our engine's)."""
     token = ["--auth-token-file", f"{AUTH_DIR}/token"] if (rollout.get("auth") or {}).get("tokenSecretRef") else []
     return ["python", "-m", "specpair.vllm_companion", "--release", RELEASE_FILE, "--uds", VLLM_SOCKET,
-            "--host", "0.0.0.0", "--port", str(http_port), *token,
+            "--host", "0.0.0.0", "--port", str(http_port), *token, "--metrics-port", str(METRICS_PORT),
             "--control-port", str(control_port), "--control-tls-cert", f"{TLS_DIR}/tls.crt",
             "--control-tls-key", f"{TLS_DIR}/tls.key", "--control-tls-client-ca", f"{TLS_DIR}/ca.crt"]
 
@@ -585,7 +585,9 @@ def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest:
         "image": engine_image(release, rollout),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
         "command": vllm_companion_command(http_port, control_port, rollout),
+        # `metrics`: /metrics alone (vLLM's series and ours), the port our engine's pods name alike.
         "ports": [{"name": "http", "containerPort": http_port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
                   {"name": "control", "containerPort": control_port, "protocol": "TCP"}],
         "resources": {"requests": dict(COMPANION_REQUESTS)},
         "volumeMounts": [{"name": "release", "mountPath": RELEASE_DIR, "readOnly": True}, socket_mount,
@@ -620,7 +622,8 @@ def engine_service(pair: str, namespace: str, rollout: dict[str, Any], kind: str
     port = int(rollout.get("port", 50051))
     http_port = int(rollout.get("httpPort", HTTP_PORT))
     if kind == "vllm":
-        # vLLM serves its API and /metrics on one port; `metrics` keeps the ServiceMonitor's name.
+        # The companion serves the API on `http` and /metrics also alone on `metrics`, as our
+        # engine's pods do: the ServiceMonitor scrapes the same port name on both engines.
         http_port = http_port or HTTP_PORT
         return {
             "apiVersion": "v1", "kind": "Service",
@@ -628,7 +631,7 @@ def engine_service(pair: str, namespace: str, rollout: dict[str, Any], kind: str
             "spec": {"selector": engine_selector(pair),
                      "ports": [{"name": "http", "port": http_port, "targetPort": "http", "protocol": "TCP",
                                 "appProtocol": "http"},
-                               {"name": "metrics", "port": METRICS_PORT, "targetPort": "http", "protocol": "TCP"}]},
+                               {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}]},
         }
     return {
         "apiVersion": "v1",

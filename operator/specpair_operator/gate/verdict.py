@@ -155,6 +155,14 @@ def verdict_problems(verdict: Any) -> list[str]:
             check.integer("bestSpeculation.k", best["k"], 1, max_k())
         if "batchSizeThreshold" in best:
             check.integer("bestSpeculation.batchSizeThreshold", best["batchSizeThreshold"], 0)
+        if "kByBatchSize" in best:
+            # A vLLM gate's k by load: served as vLLM's batch-size schedule, after its own rules.
+            from specpair.errors import SpecpairError
+            from specpair.vllm_peer import checked_schedule
+            try:
+                checked_schedule(best["kByBatchSize"], max_k())
+            except SpecpairError as exc:
+                check.fail("bestSpeculation.kByBatchSize", best["kByBatchSize"], f"a batch-size schedule vLLM takes ({exc})")
     for key, size in (("kSweep", "k"), ("batchSweep", "batchSize")):
         rows = verdict.get(key)
         if rows is not None and not isinstance(rows, list):

@@ -165,11 +165,13 @@ def served_release(w: ServingWorld) -> dict[str, Any]:
 
 
 def gate_tuned(release: dict[str, Any], verdict: Mapping[str, Any], rollout: Mapping[str, Any]) -> dict[str, Any]:
-    """The release with the k and batch threshold its gate found best, unless rollout.applyGateTuning
-    is false."""
+    """The release with the k and batch threshold its gate found best, and a vLLM gate's k by load
+    (kByBatchSize: vLLM's batch-size schedule for k, docs/vllm.md; only that gate writes it),
+    unless rollout.applyGateTuning is false."""
     best = verdict.get("bestSpeculation") or {}
     if rollout.get("applyGateTuning", True):
-        release["speculation"].update({k: v for k, v in best.items() if k in ("k", "batchSizeThreshold")})
+        release["speculation"].update({k: v for k, v in best.items() if k in ("k", "batchSizeThreshold",
+                                                                                "kByBatchSize")})
     return release
 
 

@@ -120,6 +120,10 @@ def gate_metrics(verdict: dict[str, Any]) -> dict[tuple[str, int], float]:
     for row in verdict.get("kSweep") or []:
         if isinstance(row, dict) and isinstance(row.get("k"), int):
             put("speedup_by_k", row.get("speedup"), row["k"])
+    for row in verdict.get("batchSweep") or []:
+        # The concurrencies a vLLM gate measured k by load at (our engine's: its batch sizes).
+        if isinstance(row, dict) and isinstance(row.get("batchSize"), int):
+            put("speedup_by_batch_size", row.get("speedup"), row["batchSize"])
     out[("passed", 0)] = 1.0 if verdict.get("passed") is True else 0.0
     return out
 
