@@ -567,10 +567,21 @@ class Batch:
 
     def _blocks_reserved(self) -> int:
         """Blocks the rows will take from the pool for what they hold uncached (a row admitted
-        but not yet stepped: its prompt) and one position more, at least one block a row."""
+        but not yet stepped: its prompt) and one position more, at least one block a row; and
+        the shadow candidate's draft cache (_shadow_blocks)."""
         pool, kv = self.target.pool, self.target
-        return sum(max(1, blocks_for(len(seq.tokens) + 1, pool.block) - pool.held(kv.keys[i]))
-                   for i, seq in enumerate(self.rows))
+        return self._shadow_blocks() + sum(
+            max(1, blocks_for(len(seq.tokens) + 1, pool.block) - pool.held(kv.keys[i]))
+            for i, seq in enumerate(self.rows))
+
+    def _shadow_blocks(self) -> int:
+        """A shadow candidate's draft cache for this batch's rows (shadow.py: a draft model's, kept
+        apart from the pool), counted in the pool's blocks: the KV budget holds both, so the
+        rows get that much less."""
+        state = getattr(getattr(self.engine, "shadow", None), "_batches", {}).get(self)
+        held = getattr(getattr(getattr(state, "drafter", None), "kv", None), "cache_bytes", 0)
+        pool = self.target.pool
+        return -(-held // (pool.block * self.engine._target_kv)) if held else 0
 
     def has_room(self, prompt_ids: list[int]) -> bool:
         """Admission by free blocks (the server's worker asks before add): no row waits to be
@@ -596,7 +607,7 @@ class Batch:
         needs = [pool.need(self.target.keys[i], self.target.lengths[i],
                            len(self.rows[i].tokens) - self.target.lengths[i], ks[i])
                  for i in order]
-        plan = plan_admission(needs, pool.free, pool.block)
+        plan = plan_admission(needs, max(0, pool.free - self._shadow_blocks()), pool.block)
         if not plan.changes:
             return
         by_key = {key: seq for key, seq in zip(self.target.keys, self.rows)}

@@ -11,11 +11,13 @@ import gc
 
 import pytest
 
-from specpair.config import GenerationParams, SpeculationConfig
+from specpair.config import GenerationParams, ModelRef, PairSpec, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
+from specpair.drafters import ModelDrafter
 from specpair.errors import SpecpairError
 from specpair.paged_cache import PagedKVModel, PagedSpace
 from specpair.prefix_cache import BLOCK_TOKENS
+from specpair.shadow import Candidate, ShadowScorer
 
 SPEC = SpeculationConfig(k=4, batch_size_threshold=64)
 SYSTEM = "You are a careful assistant who answers briefly and never guesses. " * 4
@@ -109,3 +111,25 @@ def test_a_dropped_batch_gives_its_blocks_back(tiny_target):
     del batch
     gc.collect()
     assert not pool.tables and pool.free == pool.blocks
+
+
+def test_a_shadow_candidates_draft_cache_counts_against_the_pool(tiny_target, tiny_draft):
+    engine = ngram_engine(tiny_target)
+    engine.paged_space = PagedSpace(tiny_target.model, blocks=64)
+    batch = engine.new_batch()
+    prompt = engine.encode("a prompt to shadow, " * 3)
+    batch.add(prompt, GenerationParams(max_new_tokens=8))
+    batch.step()
+    assert batch._shadow_blocks() == 0
+    candidate = Candidate(version="7", content_hash="c" * 64,
+                          pair=PairSpec(target=ModelRef("tiny"), drafter="ngram", speculation=SPEC))
+    engine.shadow = ShadowScorer(ModelDrafter(tiny_draft, vocab_size=engine.vocab_size), candidate,
+                                 share=1.0, seed=0, batch_size_threshold=64)
+    batch.add(engine.encode("another prompt, " * 3), GenerationParams(max_new_tokens=8))
+    batch.step()                    # the shadow takes the rows and drafts: its cache is allocated
+    shadow = batch._shadow_blocks()
+    draft_kv = engine.shadow._batches[batch].drafter.kv
+    assert shadow > 0 and shadow * BLOCK_TOKENS * engine._target_kv >= draft_kv.cache_bytes
+    assert batch._blocks_reserved() >= shadow + batch.active
+    while batch.active:
+        batch.step()
