@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import copy
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, assert_never
 
 import kopf
 from mlflow.exceptions import MlflowException
 
-from specpair_operator.release import aliases as aliases_mod
-from specpair_operator.policy import canary as canary_mod
-from specpair_operator.desired import autoscaling
 from specpair_operator.desired import manifests, model_fetch
 from specpair_operator.plan import serving_plan
 from specpair_operator.crd import validation
@@ -34,6 +30,7 @@ from specpair_operator.release import content as release_mod
 from specpair_operator.desired import tls as tls_mod
 from specpair_operator.clients.engine_probe import EngineProbe, EngineUnreachable
 from specpair_operator.clients.kube import KubeError
+from specpair_operator.act.carry_out import Acting, carry_out
 from specpair_operator.act.ledger import StatusLedger
 from specpair_operator.observe.reads import observe_release, observe_serving, observe_watch
 from specpair_operator.act.owned import ensure_owned
@@ -42,6 +39,7 @@ from specpair_operator.release.registry_contract import TAG_HASH
 from specpair_operator.clients.registry import ModelClaimed, PassRegistry
 from specpair_operator.release.registry_contract import RegistryUnavailable
 from specpair_operator.observe.serving_world import ServingWorld
+from specpair_operator.plan.steps import Step
 from specpair_operator.state import STATE, control_ca
 
 GROUP, VERSION = "specpair.io", "v1alpha1"
@@ -52,8 +50,10 @@ class PairReconciler:
     status once."""
 
     def __init__(self, body: kopf.Body, patch: kopf.Patch, logger: logging.Logger):
-        self.body, self.patch, self.logger = body, patch, logger
-        self.name, self.namespace = body.metadata.name, body.metadata.namespace
+        self.body: Any = body         # a kopf.Body: the owner ensure_owned's objects name
+        self.patch, self.logger = patch, logger
+        self.name: str = body.metadata.name
+        self.namespace: str = body.metadata.namespace     # the CRD is namespaced
         self.uid = body.metadata.uid
         self.spec: dict[str, Any] = json.loads(json.dumps(dict(body.spec)))
         self.status: dict[str, Any] = json.loads(json.dumps(dict(body.status)))
@@ -185,68 +185,29 @@ class PairReconciler:
                                       rel["gating"]["thresholds"], rel)
         await self._act(model, rel, digest, plan_mod.plan_release(world))
 
-    async def _act(self, model: str, rel: dict[str, Any], digest: str, steps: tuple[plan_mod.Step, ...]) -> None:
-        """Run the planned steps in their order: the writes, what goes into the status, then the
-        champion's serving."""
-        reg, kube = self.reads, self.operator.kube
+    async def _act(self, model: str, rel: dict[str, Any], digest: str, steps: tuple[Step, ...]) -> None:
+        """Run the planned steps in their order (act/carry_out.py): the writes, what goes into the
+        status, then the champion's serving."""
+        acting = Acting(model, release=rel, digest=digest)
         for step in steps:
-            if isinstance(step, plan_mod.SetAlias):
-                await self.registry(reg.set_alias, model, step.alias, step.version)
-            elif isinstance(step, plan_mod.TagVersion):
-                await self.registry(reg.set_tags, model, step.version, dict(step.tags))
-            elif isinstance(step, plan_mod.EnsureGatePolicy):
-                policy = await ensure_owned(kube, self.body, manifests.gate_network_policy(self.name, self.namespace))
-                if policy.conflict:  # taken since the pass looked
-                    self._name_conflict(policy.kind, policy.name)
-                    return
-            elif isinstance(step, plan_mod.StartModelFetch):
-                await ensure_owned(kube, self.body, self._fetch_job(model, rel, step.version), mutable=False, live=None)
-            elif isinstance(step, plan_mod.StartGateJob):
-                await ensure_owned(kube, self.body, self._gate_job(model, rel, digest, step.version, step.attempt), mutable=False,
-                                   live=None)
-            elif isinstance(step, plan_mod.RecordGateError):
-                await self.registry(reg.record_gate_error, model, step.version, step.reason)
-            elif self._status_step(step):
-                pass
-            elif isinstance(step, plan_mod.ObserveGateDuration):
-                metrics.GATE_DURATION.labels(self.namespace, self.name, step.result).observe(step.seconds)
-            elif isinstance(step, plan_mod.ServeChampion):
-                await self._serve_champion(model, dict(step.aliases), desired=step.desired,
-                                           desired_reason=step.reason, while_gating=step.while_gating,
-                                           shadow=step.shadow, canary=step.canary)
-            else:
-                raise TypeError(f"no act for {step!r}")
-
-    def _status_step(self, step: Any) -> bool:
-        """A step for the status (history entry and its Event, condition, field, Event, the
-        report): into the ledger. False for any other step."""
-        ledger = self.ledger
-        if isinstance(step, plan_mod.Record):
-            ledger.record(step.action, step.reason, step.from_version, step.to_version, warning=step.warning,
-                          key=step.key)
-        elif isinstance(step, plan_mod.Condition):
-            ledger.cond(step.type, step.status, step.reason, step.message)
-        elif isinstance(step, plan_mod.SetStatus):
-            ledger.set(**step.fields)
-        elif isinstance(step, plan_mod.PostEvent):
-            ledger.event(step.type, step.reason, step.message)
-        elif isinstance(step, plan_mod.Report):
-            self._report(step)
-        else:
-            return False
-        return True
+            if not await carry_out(self, step, acting):
+                return
 
     def _report(self, report: plan_mod.Report) -> None:
-        if report.how == "stall":
-            self.ledger.stall(report.reason, report.message, replacing=report.replacing)
-        elif report.how == "stalled":
-            self.ledger.stalled(report.phase, report.reason, report.message, ready_reason=report.ready_reason,
-                                ready_message=report.ready_message, replacing=report.replacing)
-        elif report.how == "reconciling":
-            self.ledger.reconciling(report.phase, report.reason, report.message, ready_message=report.ready_message,
-                                    replacing=report.replacing, provisional=report.provisional)
-        else:
-            self.ledger.ready(report.phase, report.reason, report.message, replacing=report.replacing)
+        match report.how:
+            case "stall":
+                self.ledger.stall(report.reason, report.message, replacing=report.replacing)
+            case "stalled":
+                self.ledger.stalled(report.phase, report.reason, report.message, ready_reason=report.ready_reason,
+                                    ready_message=report.ready_message, replacing=report.replacing)
+            case "reconciling":
+                self.ledger.reconciling(report.phase, report.reason, report.message,
+                                        ready_message=report.ready_message, replacing=report.replacing,
+                                        provisional=report.provisional)
+            case "ready":
+                self.ledger.ready(report.phase, report.reason, report.message, replacing=report.replacing)
+            case _:
+                assert_never(report.how)
 
     def _gate_job(self, model: str, rel: dict[str, Any], digest: str, version: str, attempt: int) -> dict[str, Any]:
         gating = self.spec.get("gating") or {}
@@ -301,69 +262,16 @@ class PairReconciler:
                                       desired, desired_reason, while_gating, shadow, canary)
         await self._act_serving(world, serving_plan.plan_serving(world))
 
-    async def _act_serving(self, world: ServingWorld, steps: tuple[serving_plan.Step, ...]) -> None:
-        """Run the serving steps in their order; a name taken since the pass looked ends the pass
-        with NameConflict."""
-        op, reg, kube, ledger = self.operator, self.reads, self.operator.kube, self.ledger
-        probe = op.vllm_probe if serving_plan.kind_of(world) == "vllm" else op.probe
-        server = tls_mod.server_name(manifests.engine_name(self.name), self.namespace)
-        stuck: list[str] = []  # pods that did not follow a ReconcilePodSpeculation
+    async def _act_serving(self, world: ServingWorld, steps: tuple[Step, ...]) -> None:
+        """Run the serving steps in their order (act/carry_out.py); a name taken since the pass
+        looked ends the pass with NameConflict."""
+        op = self.operator
+        acting = Acting(world.model, world=world,
+                        probe=op.vllm_probe if serving_plan.kind_of(world) == "vllm" else op.probe,
+                        server=tls_mod.server_name(manifests.engine_name(self.name), self.namespace))
         for step in steps:
-            if isinstance(step, plan_mod.SetAlias):
-                await self.registry(reg.set_alias, world.model, step.alias, step.version)
-            elif isinstance(step, plan_mod.TagVersion):
-                await self.registry(reg.set_tags, world.model, step.version, dict(step.tags))
-            elif isinstance(step, serving_plan.EnsureOwned):
-                done = await ensure_owned(kube, self.body, copy.deepcopy(dict(step.manifest)), mutable=step.mutable,
-                                          live=copy.deepcopy(step.live))
-                if done.conflict:
-                    self._name_conflict(done.kind, done.name)
-                    return
-            elif isinstance(step, serving_plan.EnsureAutoscaler):
-                await autoscaling.ensure_autoscaler(op, self.body, ledger)  # outside the release
-            elif isinstance(step, serving_plan.IssueCertificate):
-                if not await self._issue_certificate(world, step):
-                    return
-            elif isinstance(step, canary_mod.ScaleDown):
-                await kube.merge_patch("apps/v1", "deployments", self.namespace, step.name, canary_mod.scale_down_patch())
-            elif isinstance(step, canary_mod.RememberCanary):
-                op.canary_samples[self.uid] = step.memory
-            elif isinstance(step, serving_plan.RetireLegacyEngine):
-                await kube.merge_patch("apps/v1", "deployments", self.namespace, step.name, {"spec": {"replicas": 0}})
-            elif isinstance(step, serving_plan.SwitchSpeculation):
-                for address in step.addresses:
-                    await probe.set_speculation(address, step.enabled, step.reason, server_name=server)
-                if step.reason.startswith("drift probe"):
-                    self.logger.info(f"{step.reason} {'started' if step.enabled else 'over'} for "
-                                     f"v{world.aliases.get(aliases_mod.CHAMPION)}")
-            elif isinstance(step, serving_plan.ReconcilePodSpeculation):
-                why = await self._reconcile_pod_speculation(probe, server, step)
-                if why:
-                    stuck.append(why)
-            elif isinstance(step, serving_plan.ReportSpeculation):
-                if list(step.stuck) + stuck:
-                    self._report(serving_plan.speculation_not_reconciled(step.desired, step.champion,
-                                                                         list(step.stuck) + stuck))
-                elif step.otherwise is not None:
-                    self._report(step.otherwise)
-            elif isinstance(step, serving_plan.RememberChampion):
-                op.watch_cache[self.uid] = (world.model, dict(world.aliases), step.champion, dict(step.tags),
-                                            dict(step.verdict), step.served_hash)
-            elif isinstance(step, serving_plan.DriftChecked):
-                op.last_drift_check[self.uid] = step.at
-            elif isinstance(step, serving_plan.RememberDrift):
-                op.samples[self.uid] = (step.champion, step.memory)
-                if step.serving is not None:
-                    op.serving_samples[self.uid] = step.serving
-            elif isinstance(step, serving_plan.ForgetDrift):
-                op.samples.pop(self.uid, None)
-                op.serving_samples.pop(self.uid, None)
-            elif isinstance(step, serving_plan.ExportSpeedup):
-                self._export_speedup(step.champion, dict(step.verdict))
-            elif isinstance(step, serving_plan.LogWarning):
-                self.logger.warning(step.message)
-            elif not self._status_step(step):
-                raise TypeError(f"no act for {step!r}")
+            if not await carry_out(self, step, acting):
+                return
 
     async def _reconcile_pod_speculation(self, probe: EngineProbe, server: str,
                                          step: serving_plan.ReconcilePodSpeculation) -> str:

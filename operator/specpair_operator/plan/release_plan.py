@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from specpair_operator.release import aliases as aliases_mod
 from specpair_operator.crd import conditions as c
@@ -118,11 +118,14 @@ class PostEvent:
     message: str
 
 
+ReportHow = Literal["ready", "reconciling", "stalled", "stall"]
+
+
 @dataclass(frozen=True)
 class Report:
     """The pass's report through the ledger's named helper `how` (ready, reconciling, stalled or
     stall) with these arguments."""
-    how: str
+    how: ReportHow
     phase: str
     reason: str
     message: str
