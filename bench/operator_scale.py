@@ -8,11 +8,14 @@ gRPC API, no model), waits until every pair is Serving and measures the operator
 
   pairs, time to Serving (per pair, from its creation; p50, p90, max),
   the operator's CPU while the pairs were made and gated, and in steady state: cores, CPU per pair
-    per interval (SPECPAIR_RECONCILE_INTERVAL, --interval), passes per second (each pass reads
-    the pair's Service once: counted in the audit log) and CPU per pass,
+    per interval (SPECPAIR_RECONCILE_INTERVAL, --interval), passes per second (each pass lists
+    the pair's pods once; a full pass also reads its Service: both counted in the audit log) and
+    CPU per pass,
   resident memory (VmRSS) at the end of the steady window,
   API requests per second by the operator's ServiceAccount (the API server's audit log), by verb,
   and how long deleting them all took.
+With --before-env NAME=VALUE the steady window is measured twice on the same pairs: first with
+the operator run with those variables, then restarted without them (an A/B under the same load).
 
     .venv/bin/python bench/operator_scale.py --pairs 100 --json docs/measurements/x.json
 
@@ -81,6 +84,31 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] if ordered else float("nan")
 
 
+def steady_window(pid: int, audit: AuditTail, window: float, pairs: int, interval: float) -> dict:
+    """The operator's CPU, resident memory and API requests over `window` seconds of steady state."""
+    audit.take()
+    cpu1, t1 = cpu_seconds(pid), time.monotonic()
+    time.sleep(window)
+    cpu2, t2 = cpu_seconds(pid), time.monotonic()
+    requests = audit.take()
+    seconds = t2 - t1
+    # Every pass over a serving pair lists its engine pods once, and in steady state nothing else
+    # lists pods (gate and fetch Jobs are done): the passes the operator made, as the API server
+    # saw them. (Services are read by full passes only, since settled passes replay their reads.)
+    passes = requests["list pods"]
+    return {
+        "windowSeconds": round(seconds, 1),
+        "operatorCores": round((cpu2 - cpu1) / seconds, 4),
+        "cpuMsPerPairPerInterval": round(1000 * (cpu2 - cpu1) / (pairs or 1) / (seconds / interval), 2),
+        "passesPerSecond": round(passes / seconds, 2),
+        "fullPassesPerSecond": round(requests["get services"] / seconds, 2),
+        "cpuMsPerPass": round(1000 * (cpu2 - cpu1) / max(1, passes), 2),
+        "rssMB": round(rss_mb(pid), 1),
+        "apiRequestsPerSecond": round(sum(requests.values()) / seconds, 2),
+        "apiRequestsPerSecondByVerb": {k: round(v / seconds, 2) for k, v in requests.most_common()},
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=100)
@@ -90,6 +118,10 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=30.0, help="seconds after the last pair serves before measuring")
     ap.add_argument("--window", type=float, default=120.0, help="seconds of steady state measured")
     ap.add_argument("--serve-timeout", type=float, default=1800.0)
+    ap.add_argument("--before-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="measure a first steady window with the operator run with these variables, then "
+                         "restart it without them and measure the same pairs again (an A/B on one cluster, "
+                         "under the same load: e.g. SPECPAIR_REPLAY_SETTLED_READS=0)")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     ap.add_argument("--keep", action="store_true",
                     help="skip the deletion timing and keep the work folder (logs, audit log)")
@@ -122,8 +154,9 @@ def main() -> int:
         env = {**os.environ, **operator_env(kubeconfig, mlflow.url, {
             "SPECPAIR_RECONCILE_INTERVAL": f"{args.interval:g}", "SPECPAIR_METRICS_PORT": "0"})}
         env.pop("KUBERNETES_SERVICE_HOST", None)
+        before = dict(item.split("=", 1) for item in args.before_env)
         log = open(work / "operator.log", "wb")
-        operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env=env, stdout=log,
+        operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env={**env, **before}, stdout=log,
                                     stderr=subprocess.STDOUT, cwd=REPO)
         user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
         assert cluster.control_plane and cluster.control_plane.audit_log
@@ -166,27 +199,20 @@ def main() -> int:
                              cluster.kube.list("specpair.io/v1alpha1", "SpecModelPair"))
             result["notServing"] = dict(phases)
 
-        time.sleep(args.settle)
-        audit.take()
-        cpu1, t1 = cpu_seconds(operator.pid), time.monotonic()
-        time.sleep(args.window)
-        cpu2, t2 = cpu_seconds(operator.pid), time.monotonic()
-        requests = audit.take()
-        seconds = t2 - t1
-        cores = (cpu2 - cpu1) / seconds
-        result["steady"] = {
-            "windowSeconds": round(seconds, 1),
-            "operatorCores": round(cores, 4),
-            "cpuMsPerPairPerInterval": round(1000 * (cpu2 - cpu1) / (len(served) or 1) / (seconds / args.interval), 2),
-            # Every pass that reaches the champion's serving reads its Service once (and nothing
-            # else does): the passes the operator made, as the API server saw them.
-            "passesPerSecond": round(requests["get services"] / seconds, 2),
-            "cpuMsPerPass": round(1000 * (cpu2 - cpu1) / max(1, requests["get services"]), 2),
-            "rssMB": round(rss_mb(operator.pid), 1),
-            "apiRequestsPerSecond": round(sum(requests.values()) / seconds, 2),
-            "apiRequestsPerSecondByVerb": {k: round(v / seconds, 2) for k, v in requests.most_common()},
-        }
-        print(json.dumps(result["steady"], indent=1), flush=True)
+        windows = [("before", before)] if before else []
+        windows.append(("steady", {}))
+        for label, extra in windows:
+            if label == "steady" and before:
+                # The same pairs, the same cluster and load: the operator restarted without the
+                # `before` variables (it remembers nothing; every pair is resumed and settles again).
+                operator.terminate()
+                operator.wait(60)
+                operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env=env, stdout=log,
+                                            stderr=subprocess.STDOUT, cwd=REPO)
+            time.sleep(args.settle)
+            result[label] = steady_window(operator.pid, audit, args.window, len(served), args.interval)
+            result[label]["env"] = extra
+            print(label, json.dumps(result[label], indent=1), flush=True)
 
         if not args.keep:
             t3 = time.monotonic()

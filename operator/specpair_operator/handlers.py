@@ -21,7 +21,8 @@ from specpair_operator.act import metrics
 from specpair_operator.release import content as release_mod
 from specpair_operator.desired import tls as tls_mod
 from specpair_operator.clients.engine_probe import GrpcEngineProbe
-from specpair_operator.clients.kube import Kube, KubeError
+from specpair_operator.clients.kube import KubeError
+from specpair_operator.clients.read_cache import CURRENT, CachingKube, PassReads, RememberingRegistry, replays
 from specpair_operator.act.reconciler import PairReconciler
 from specpair_operator.clients.registry import ReleaseRegistry
 from specpair_operator.state import STATE, operator_namespace
@@ -77,6 +78,20 @@ def resync_interval(interval: float) -> float:
     return float(os.environ.get("SPECPAIR_RESYNC_INTERVAL", interval * RESYNC_INTERVALS))
 
 
+def settled(body: dict[str, Any], status: dict[str, Any]) -> bool:
+    """Serving its candidate, Ready for its generation: a pair nothing moves until something
+    changes (its spec, its objects, MLflow, its engines' counters)."""
+    ready = next((cd for cd in status.get("conditions") or [] if cd.get("type") == "Ready"), {})
+    return status.get("phase") == "Serving" and ready.get("status") == "True" \
+        and ready.get("observedGeneration") == (body.get("metadata") or {}).get("generation") \
+        and bool(status.get("servingVersion")) and status.get("servingVersion") == status.get("candidateVersion")
+
+
+def replay_settled_reads() -> bool:
+    """Whether a settled pair's passes between full ones replay their reads (clients/read_cache.py)."""
+    return os.environ.get("SPECPAIR_REPLAY_SETTLED_READS", "1") != "0"
+
+
 def pass_delay(body: dict[str, Any], status: dict[str, Any], interval: float, resync: float) -> float:
     """Seconds until a pair's next periodic pass, from the status its last pass left. A pair in
     motion (being gated, scored, rolled out, failing, a spec not yet observed) is passed over
@@ -84,11 +99,7 @@ def pass_delay(body: dict[str, Any], status: dict[str, Any], interval: float, re
     events (its Jobs' and Deployments' changes wake it, a spec change is handled at once),
     with a pass when its drift check is due (spec.drift.intervalSeconds: drift is still judged
     every window) and every `resync` at the latest."""
-    ready = next((cd for cd in status.get("conditions") or [] if cd.get("type") == "Ready"), {})
-    settled = status.get("phase") == "Serving" and ready.get("status") == "True" \
-        and ready.get("observedGeneration") == (body.get("metadata") or {}).get("generation") \
-        and bool(status.get("servingVersion")) and status.get("servingVersion") == status.get("candidateVersion")
-    if not settled:
+    if not settled(body, status):
         return interval
     drift = (body.get("spec") or {}).get("drift") or {}
     delay = resync
@@ -144,7 +155,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     """Kopf's own credential discovery, shared with the operator's client for child objects."""
     info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
     if info is not None:
-        STATE.kube = Kube.from_connection_info(info)
+        STATE.kube = CachingKube.from_connection_info(info)
     return info
 
 
@@ -217,7 +228,7 @@ async def periodic_passes(interval: float) -> None:
     limit = asyncio.Semaphore(int(os.environ.get("SPECPAIR_CONCURRENT_PASSES", "8")))
     resync = resync_interval(interval)
 
-    async def one(raw: dict[str, Any]) -> None:
+    async def one(raw: dict[str, Any], woken: bool) -> None:
         async with limit:
             if raw["metadata"].get("deletionTimestamp") or STATE.kube is None:
                 return
@@ -229,7 +240,8 @@ async def periodic_passes(interval: float) -> None:
             meta = raw["metadata"]
             logger = _PairLogger(log, {"pair": f"{meta['namespace']}/{meta['name']}"})
             try:
-                await reconcile(body, patch, logger, resync=resync, interval=interval)  # type: ignore[arg-type]
+                await reconcile(body, patch, logger, resync=resync, interval=interval,  # type: ignore[arg-type]
+                                woken=woken)
                 if patch.status:
                     await STATE.kube.merge_patch(f"{GROUP}/{VERSION}", PLURAL, meta["namespace"], meta["name"],
                                                    {"status": dict(patch.status)}, subresource="status")
@@ -248,14 +260,15 @@ async def periodic_passes(interval: float) -> None:
             pass
         STATE.wake.clear()
         now = time.monotonic()
-        due = set(STATE.woken) | {uid for uid in STATE.bodies if STATE.due_at.get(uid, 0.0) <= now}
+        woken = set(STATE.woken)
+        due = woken | {uid for uid in STATE.bodies if STATE.due_at.get(uid, 0.0) <= now}
         # A change that arrives during these passes wakes the loop again as soon as they end.
         STATE.woken.clear()
-        await asyncio.gather(*(one(STATE.bodies[uid]) for uid in due if uid in STATE.bodies))
+        await asyncio.gather(*(one(STATE.bodies[uid], uid in woken) for uid in due if uid in STATE.bodies))
 
 
 async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, force: bool = False,
-                    resync: float | None = None, interval: float | None = None) -> None:
+                    resync: float | None = None, interval: float | None = None, woken: bool = False) -> None:
     uid = body.metadata.uid
     lock = STATE.locks.setdefault(uid, asyncio.Lock())
     if lock.locked():
@@ -272,19 +285,43 @@ async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, 
             # delivered that write, or Kopf's own patch came in between): a pass on it would take
             # those records for undone and repeat them, or write a history without them.
             return
-        await PairReconciler(body, patch, logger).reconcile()
+        interval = reconcile_interval() if interval is None else interval
+        resync = resync_interval(interval) if resync is None else resync
+        await _pass(body, patch, logger, status, woken=force or woken, resync=resync)
         if "history" in patch.status or "recorded" in patch.status:
             STATE.status_written[uid] = (records_of({**status, **patch.status}), time.monotonic() + STALE_BODY_S)
-        interval = reconcile_interval() if interval is None else interval
         # From the status this pass leaves (a drift check's figures written or not: the pair is as
         # settled either way).
-        STATE.due_at[uid] = time.monotonic() + pass_delay(dict(body), {**status, **dict(patch.status)}, interval,
-                                                          resync_interval(interval) if resync is None else resync)
+        STATE.due_at[uid] = time.monotonic() + pass_delay(dict(body), {**status, **dict(patch.status)}, interval, resync)
         if uid not in STATE.bodies:
             # Deleted during the pass (the watch delivers a body before any pass over it): what
             # the pass remembered or exported goes with the pair, as on_event's forgetting did.
             STATE.forget(uid)
             metrics.forget_pair(body.metadata.namespace, body.metadata.name)
+
+
+async def _pass(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, status: dict[str, Any], woken: bool,
+                resync: float) -> None:
+    """One PairReconciler pass, full or (a settled pair, between full passes) on the reads of its
+    last full pass (clients/read_cache.py): the pass's registry view and, through CURRENT, the
+    Kubernetes client answer from them."""
+    uid, generation, now = body.metadata.uid, body.metadata.get("generation"), time.monotonic()
+    reads = STATE.pass_reads.get(uid)
+    if reads is not None and replays(replay_settled_reads() and settled(dict(body), status), woken, reads,
+                                     generation, now, resync):
+        reads.replaying, reads.replayed = True, reads.replayed + 1
+    else:
+        reads = STATE.pass_reads[uid] = PassReads(now, generation)
+    reconciler = PairReconciler(body, patch, logger)
+    view = RememberingRegistry(STATE.registry, reads)   # type: ignore[arg-type]
+    reconciler.reads = view                              # the pass's view of MLflow (PairReconciler.reads)
+    token = CURRENT.set(reads)
+    try:
+        await reconciler.reconcile()
+    finally:
+        CURRENT.reset(token)
+        reads.replaying = False
+        view.keep()
 
 
 def records_of(status: dict[str, Any]) -> str:

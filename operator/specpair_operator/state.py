@@ -72,6 +72,9 @@ class OperatorState:
     status_written: dict[str, tuple[str, float]] = per_pair_memory()
     # per pair: when (monotonic) its next periodic pass is due (handlers.pass_delay)
     due_at: dict[str, float] = per_pair_memory()
+    # per pair: the reads of its last full pass, which its settled passes replay
+    # (clients/read_cache.PassReads)
+    pass_reads: dict[str, Any] = per_pair_memory()
     # Whether KEDA's ScaledObject is served, and when that was last asked (autoscaling.py)
     keda_seen: tuple[bool, float] | None = None
 

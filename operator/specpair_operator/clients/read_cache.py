@@ -1,0 +1,153 @@
+"""What a settled pair's pass reads again, and what it takes from its last full pass.
+
+A settled pair (handlers.settled: Serving its candidate, Ready for its generation) is passed over
+at its drift interval so that drift is judged every window. What that judgement needs changes
+between passes: the engine pods (readiness, IPs) and their counters, read every pass. What the
+rest of the pass reads does not change unless someone changes it: the registered model's aliases
+and the versions' tags in MLflow (the operator's own writes aside), the engine's Deployment,
+Service, NetworkPolicy, autoscaler and the prompts' ConfigMap. Those come, on such a pass, from
+the last full pass over the pair (a `PassReads`), so a settled pass makes one LIST of pods and
+no MLflow request where a full one makes six API requests and two MLflow ones.
+
+A pass is full, and records afresh, when any of these holds (`replays`):
+- the pair is not settled (in motion, every step reads what it acts on);
+- a watch woke it (its Deployment or a Job changed: Kopf delivers the object's change) or Kopf's
+  own handler runs it (a spec changed, the operator resumed);
+- its generation is not the one its reads were taken for;
+- its reads are older than the resync backstop (handlers.resync_interval): what no watch shows,
+  an alias moved or a tag edited in MLflow by hand, a Service deleted by hand, is seen then.
+A write the pass makes through these clients drops what it wrote from the reads, so the pass and
+the next read it back from the server.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from specpair_operator.clients.kube import PLURALS, Kube
+from specpair_operator.clients.registry import PassRegistry, ReleaseRegistry
+
+# The kinds read by name whose answer a settled pass may take from the last full pass: the
+# operator's own children that stand still while a pair serves, and the prompts' ConfigMap. Not
+# Jobs (they finish by themselves), not pods (listed every pass), never Secrets or Leases.
+REPLAYED_PLURALS = frozenset({"deployments", "services", "networkpolicies", "horizontalpodautoscalers",
+                              "scaledobjects", "configmaps"})
+
+
+@dataclass
+class PassReads:
+    """The reads of a pair's last full pass, taken at `fetched_at` (monotonic) for `generation`;
+    `replaying` while a settled pass answers from them."""
+    fetched_at: float
+    generation: Any
+    replaying: bool = False
+    objects: dict[tuple[str, str, str], dict[str, Any] | None] = field(default_factory=dict)
+    aliases: dict[str, dict[str, str]] = field(default_factory=dict)
+    tags: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
+    # The settled passes made on these reads, and what they still asked the servers (by kind,
+    # "list pods", or "mlflow"): what a test and the operator's log can show.
+    replayed: int = 0
+    asked_replaying: dict[str, int] = field(default_factory=dict)
+
+    def count(self, what: str) -> None:
+        if self.replaying:
+            self.asked_replaying[what] = self.asked_replaying.get(what, 0) + 1
+
+
+def replays(settled: bool, woken: bool, reads: PassReads | None, generation: Any, now: float,
+            resync: float) -> bool:
+    """Whether a pass takes what stands still from `reads` (see the module's docstring)."""
+    return settled and not woken and reads is not None and reads.generation == generation \
+        and now - reads.fetched_at < resync
+
+
+# The pass this task runs, if any: set by handlers.reconcile around one pair's pass (asyncio copies
+# it into what the pass awaits), None outside passes (leadership, the CA, Kopf's own calls).
+CURRENT: contextvars.ContextVar[PassReads | None] = contextvars.ContextVar("specpair_pass_reads", default=None)
+
+
+class CachingKube(Kube):
+    """The operator's Kubernetes client: inside a pass, a GET of a REPLAYED_PLURALS kind is
+    recorded (full pass) or answered from the record (settled pass; a kind not recorded yet is
+    read and recorded); any write drops the record of what it wrote."""
+
+    async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        reads = CURRENT.get()
+        if reads is None or plural not in REPLAYED_PLURALS:
+            return await super().get(api_version, plural, namespace, name)
+        key = (plural, namespace or "", name)
+        if reads.replaying and key in reads.objects:
+            return copy.deepcopy(reads.objects[key])
+        reads.count(plural)
+        obj = await super().get(api_version, plural, namespace, name)
+        reads.objects[key] = copy.deepcopy(obj)
+        return obj
+
+    def _drop(self, plural: str, namespace: str | None, name: str) -> None:
+        reads = CURRENT.get()
+        if reads is not None:
+            reads.objects.pop((plural, namespace or "", name), None)
+
+    async def create(self, obj: dict[str, Any], read_existing: bool = True, dry_run: bool = False) -> dict[str, Any]:
+        meta = obj["metadata"]
+        self._drop(PLURALS.get(obj["kind"], ""), meta.get("namespace"), meta["name"])
+        return await super().create(obj, read_existing=read_existing, dry_run=dry_run)
+
+    async def merge_patch(self, api_version: str, plural: str, namespace: str | None, name: str,
+                          patch: dict[str, Any], subresource: str | None = None) -> dict[str, Any]:
+        self._drop(plural, namespace, name)
+        return await super().merge_patch(api_version, plural, namespace, name, patch, subresource=subresource)
+
+    async def json_patch(self, api_version: str, plural: str, namespace: str | None, name: str,
+                         operations: list[dict[str, Any]], dry_run: bool = False) -> dict[str, Any]:
+        self._drop(plural, namespace, name)
+        return await super().json_patch(api_version, plural, namespace, name, operations, dry_run=dry_run)
+
+    async def delete(self, api_version: str, plural: str, namespace: str | None, name: str, uid: str) -> bool:
+        self._drop(plural, namespace, name)
+        return await super().delete(api_version, plural, namespace, name, uid)
+
+    async def list(self, api_version: str, plural: str, namespace: str | None,
+                   label_selector: str | None = None) -> list[dict[str, Any]]:
+        reads = CURRENT.get()
+        if reads is not None:
+            reads.count(f"list {plural}")
+        return await super().list(api_version, plural, namespace, label_selector)
+
+
+class RememberingRegistry(PassRegistry):
+    """A pass's view of the registry (PassRegistry: each alias set and version's tags read once,
+    a write drops what it wrote) that starts, on a settled pass, from what the last full pass read,
+    and leaves what it read in `reads` for the next one. The registered model's ownership was
+    checked by that full pass; a settled pass does not ask again."""
+
+    def __init__(self, registry: ReleaseRegistry, reads: PassReads):
+        super().__init__(registry)
+        self.pass_reads = reads
+        if reads.replaying:
+            self._aliases = copy.deepcopy(reads.aliases)
+            self._tags = copy.deepcopy(reads.tags)
+
+    def ensure_model(self, model_name: str, pair_ref: str, pair_uid: str = "") -> None:
+        if self.pass_reads.replaying and model_name in self._aliases:
+            return
+        self.pass_reads.count("mlflow")
+        super().ensure_model(model_name, pair_ref, pair_uid)
+
+    def aliases(self, model_name: str) -> dict[str, str]:
+        if model_name not in self._aliases:
+            self.pass_reads.count("mlflow")
+        return super().aliases(model_name)
+
+    def version_tags(self, model_name: str, version: str) -> dict[str, str]:
+        if (model_name, str(version)) not in self._tags:
+            self.pass_reads.count("mlflow")
+        return super().version_tags(model_name, version)
+
+    def keep(self) -> None:
+        """What this pass read (and did not write since) is what the next settled pass starts from."""
+        self.pass_reads.aliases = copy.deepcopy(self._aliases)
+        self.pass_reads.tags = copy.deepcopy(self._tags)

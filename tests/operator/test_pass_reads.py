@@ -1,0 +1,160 @@
+"""What a settled pair's pass takes from its last full pass (clients/read_cache.py): the rule as a
+table, then the clients on the real API server and real MLflow, then the real operator: a settled
+pair's passes between full ones ask the API server for its pods only and MLflow for nothing,
+and what no watch shows (a Service deleted by hand) is still put back at the resync backstop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from specpair_operator.clients.read_cache import (CURRENT, CachingKube, PassReads, RememberingRegistry,
+                                                  replays)
+
+
+def reads(fetched_at: float = 100.0, generation: int = 3) -> PassReads:
+    return PassReads(fetched_at=fetched_at, generation=generation)
+
+
+@pytest.mark.parametrize("why, settled, woken, recorded, generation, now, expected", [
+    ("settled, woken by nothing, read 5 s ago", True, False, reads(), 3, 105.0, True),
+    ("in motion: every step reads what it acts on", False, False, reads(), 3, 105.0, False),
+    ("a watch woke it (its Deployment or a Job changed)", True, True, reads(), 3, 105.0, False),
+    ("no full pass yet (an operator just started)", True, False, None, 3, 105.0, False),
+    ("another generation than the one read for", True, False, reads(), 4, 105.0, False),
+    ("read a resync ago: the backstop", True, False, reads(), 3, 160.0, False),
+    ("just inside the backstop", True, False, reads(), 3, 159.9, True),
+])
+def test_a_pass_replays_only_when_settled_unwoken_and_within_the_backstop(why, settled, woken, recorded,
+                                                                            generation, now, expected):
+    assert replays(settled, woken, recorded, generation, now, 60.0) is expected, why
+
+
+# -- the clients on real servers ---------------------------------------------------------------------
+
+def _operators_kube() -> CachingKube:
+    """The operator's client, logged in as handlers.login logs in: the chart's ServiceAccount."""
+    import kopf
+    return CachingKube.from_connection_info(kopf.login_with_kubeconfig(settings=kopf.OperatorSettings()))
+
+
+async def _in_pass(recorded: PassReads, fn):
+    token = CURRENT.set(recorded)
+    try:
+        return await fn()
+    finally:
+        CURRENT.reset(token)
+
+
+def _policy(name: str, namespace: str, app: str) -> dict:
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": name, "namespace": namespace},
+            "spec": {"podSelector": {"matchLabels": {"app": app}}, "policyTypes": ["Ingress"], "ingress": []}}
+
+
+def test_the_kube_client_replays_what_stands_still_and_drops_what_it_writes(operator_env, ns):
+    """On the real API server, as the chart's ServiceAccount: a full pass records a
+    NetworkPolicy it reads; a settled pass answers from the record (a change made behind it is
+    not seen until the next full pass); the pass's own write drops the record, so it reads its
+    write back; pods are listed every time; outside a pass nothing is recorded."""
+    async def scenario() -> None:
+        kube = _operators_kube()
+        try:
+            name = f"np-{uuid.uuid4().hex[:5]}"
+            await kube.create(_policy(name, ns.name, "one"))
+            full = PassReads(time.monotonic(), 1)
+            first = await _in_pass(full, lambda: kube.get("networking.k8s.io/v1", "networkpolicies", ns.name, name))
+            assert first["spec"]["podSelector"]["matchLabels"] == {"app": "one"}
+            ns.kube.patch("networking.k8s.io/v1", "networkpolicies", ns.name, name,
+                          {"spec": {"podSelector": {"matchLabels": {"app": "two"}}}})
+
+            full.replaying = True
+            again = await _in_pass(full, lambda: kube.get("networking.k8s.io/v1", "networkpolicies", ns.name, name))
+            assert again["spec"]["podSelector"]["matchLabels"] == {"app": "one"} and full.asked_replaying == {}
+            await _in_pass(full, lambda: kube.list("v1", "pods", ns.name))
+            assert full.asked_replaying == {"list pods": 1}
+
+            await _in_pass(full, lambda: kube.merge_patch("networking.k8s.io/v1", "networkpolicies", ns.name, name,
+                                                          {"spec": {"podSelector": {"matchLabels": {"app": "three"}}}}))
+            written = await _in_pass(full, lambda: kube.get("networking.k8s.io/v1", "networkpolicies", ns.name, name))
+            assert written["spec"]["podSelector"]["matchLabels"] == {"app": "three"}
+            assert full.asked_replaying == {"list pods": 1, "networkpolicies": 1}
+
+            ns.kube.patch("networking.k8s.io/v1", "networkpolicies", ns.name, name,
+                          {"spec": {"podSelector": {"matchLabels": {"app": "four"}}}})
+            fresh = PassReads(time.monotonic(), 1)
+            assert (await _in_pass(fresh, lambda: kube.get("networking.k8s.io/v1", "networkpolicies", ns.name, name))
+                    )["spec"]["podSelector"]["matchLabels"] == {"app": "four"}
+            assert (await kube.get("networking.k8s.io/v1", "networkpolicies", ns.name, name)) is not None
+        finally:
+            await kube.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_registry_view_replays_tags_and_aliases_and_reads_its_writes(mlflow_server):
+    """On a real MLflow server: a settled pass's view answers the aliases and tags the full
+    pass read, without a request; a tag it writes is read back from MLflow; the ownership check
+    is not asked again."""
+    from specpair_operator.clients.registry import ReleaseRegistry
+
+    registry = ReleaseRegistry(mlflow_server.url)
+    model = f"replay-{uuid.uuid4().hex[:6]}"
+    registry.ensure_model(model, "ns/pair", "uid-1")
+    version = registry.client.create_model_version(model, "s3://specpair-test/none", tags={"a": "1"}).version
+    registry.set_alias(model, "champion", version)
+
+    recorded = PassReads(time.monotonic(), 1)
+    full = RememberingRegistry(registry, recorded)
+    full.ensure_model(model, "ns/pair", "uid-1")
+    assert full.aliases(model) == {"champion": str(version)} and full.version_tags(model, version)["a"] == "1"
+    full.keep()
+
+    registry.client.set_model_version_tag(model, str(version), "a", "edited by hand")
+    recorded.replaying = True
+    settled = RememberingRegistry(registry, recorded)
+    settled.ensure_model(model, "ns/pair", "uid-1")
+    assert settled.aliases(model) == {"champion": str(version)}
+    assert settled.version_tags(model, version)["a"] == "1" and recorded.asked_replaying == {}
+    settled.set_tags(model, version, {"b": "2"})
+    tags = settled.version_tags(model, version)
+    assert tags["a"] == "edited by hand" and tags["b"] == "2" and recorded.asked_replaying == {"mlflow": 1}
+    settled.keep()
+    assert recorded.tags[(model, str(version))]["b"] == "2"
+
+
+# -- the operator ---------------------------------------------------------------------------------
+
+def test_a_settled_pairs_passes_ask_for_pods_only_judge_drift_and_the_backstop_restores_a_service(env, monkeypatch):
+    """The real operator under the chart's RBAC, real MLflow: once a pair serves, its passes at
+    the drift interval (1 s here) between full ones (the resync backstop, 6 s here) ask the API
+    server for its pods only and MLflow for nothing, and still judge drift every window; a
+    Service deleted by hand, which no watch shows, is made again by the next full pass."""
+    from kopf.testing import KopfRunner
+
+    from cluster_env import OPERATOR, REPLACE, pair, serving
+    from specpair_operator.desired import manifests
+    from specpair_operator.state import STATE
+
+    monkeypatch.setenv("SPECPAIR_RESYNC_INTERVAL", "6")
+    ns = env
+    name = f"calm-{uuid.uuid4().hex[:5]}"
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        obj = ns.create(pair(name, "good-draft", rollout=REPLACE, drift={"intervalSeconds": 1}))
+        uid = obj["metadata"]["uid"]
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
+        checked = ns.wait_for("a drift check", lambda: STATE.last_drift_check.get(uid), timeout=30)
+        reads = ns.wait_for("three settled passes on one full pass's reads", lambda: (
+            r := STATE.pass_reads.get(uid)) and r.replayed >= 3 and r, timeout=30)
+        assert set(reads.asked_replaying) <= {"list pods"}, reads.asked_replaying
+        assert reads.asked_replaying.get("list pods", 0) >= 3
+        ns.wait_for("drift judged again on settled passes", lambda: STATE.last_drift_check.get(uid, 0) > checked,
+                    timeout=30)
+
+        service = manifests.engine_name(name)
+        ns.kube.delete("v1", "Service", ns.name, service)
+        assert ns.get("v1", "Service", service) is None
+        ns.wait_for("the Service made again at the backstop", lambda: ns.get("v1", "Service", service), timeout=30)
+    assert runner.exception is None
