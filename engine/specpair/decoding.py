@@ -751,6 +751,12 @@ class Batch:
                 log.info("KV budget: %s drafts again (%d of %d bytes in use)", seq.request_id,
                          used, budget)
 
+    def release(self) -> None:
+        """Give the cache's rows back now (a batch being replaced after a failed step): its paged
+        blocks go back to the engine's pool at once, not when the batch is collected."""
+        if self.paged:
+            self.target.select([])
+
     def cancel(self, request_id: str) -> None:
         for seq in self.rows:
             if seq.request_id == request_id:

@@ -111,6 +111,13 @@ def test_a_dropped_batch_gives_its_blocks_back(tiny_target):
     del batch
     gc.collect()
     assert not pool.tables and pool.free == pool.blocks
+    replaced = engine.new_batch()          # a batch the server's worker replaces after a failure
+    replaced.add(engine.encode("another prompt that will not finish " * 4),
+                 GenerationParams(max_new_tokens=50))
+    replaced.step()
+    assert pool.tables
+    replaced.release()                     # given back at once, while the batch is still alive
+    assert not pool.tables and pool.free == pool.blocks
 
 
 def test_a_shadow_candidates_draft_cache_counts_against_the_pool(tiny_target, tiny_draft):

@@ -379,10 +379,12 @@ class EngineWorker:
             log.error("engine step failed; failing %d running requests", len(rows), exc_info=exc)
             for job in list(self._jobs.values()):
                 self._fail(job, "internal", f"engine step failed: {type(exc).__name__}: {exc}", status="error")
+            self.batch.release()
             self.batch = self.engine.new_batch()
             return
         log.error("engine step failed; %d of %d requests fail alone and are ended: %s", len(blamed),
                   len(rows), ", ".join(blamed), exc_info=exc)
+        self.batch.release()      # its half-written rows' blocks, before the fresh batch takes any
         fresh = self.engine.new_batch()
         fresh.speculate = self.batch.speculate
         for seq in rows:
