@@ -12,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import re
 
-from specpair_operator.desired.tls import CA_SECRET
-
 LABEL_LIMIT = 63
+# The CA the operator issues engine certificates from (desired/tls.py), in its own namespace.
+CA_SECRET = "specpair-operator-ca"
+# The engine pod's metrics port: the CRD refuses it for the serving and control ports.
+METRICS_PORT = 9400
 # The pair's certificate Secret (tls.crt, tls.key, ca.crt): object_name(pair, ENGINE_TLS).
 ENGINE_TLS = "engine-tls"
 # Secrets the operator writes, the one list of them: the CA it issues engine certificates from

@@ -21,7 +21,7 @@ from specpair.model_fetch import (DOT_SEGMENT, LOCAL_MLFLOW_URI, REMOTE_MLFLOW_U
                                   mlflow_uri_leaves_its_folder)
 
 from specpair_operator.crd import names
-from specpair_operator.desired.manifests import METRICS_PORT
+from specpair_operator.crd.names import METRICS_PORT
 
 # The draft methods the specpair engine serves (n-gram lookup, a draft model, its drafting heads);
 # eagle3 and mtp are vLLM's alone. The CRD's rule names the same list (a test holds them together).

@@ -35,7 +35,7 @@ ANN_SHADOW_RELEASE = f"{GROUP}/shadow-release"
 SHADOW_RELEASE_FILE = f"{RELEASE_DIR}/shadow-release.json"
 CACHE_DIR = "/var/cache/specpair"
 NONROOT_UID = 10001
-METRICS_PORT = 9400
+METRICS_PORT = names.METRICS_PORT   # the CRD states it (crd/names.py)
 HTTP_PORT = 8000        # the engine's OpenAI-compatible HTTP API (rollout.httpPort; 0: off)
 # The engine's control listener: gRPC with mutual TLS, the operator its only client (tls.py).
 CONTROL_PORT = 50052

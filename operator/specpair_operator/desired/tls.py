@@ -30,8 +30,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from specpair_operator.crd.names import CA_SECRET  # noqa: F401 - tls.CA_SECRET, where the CA is issued
+
 OPERATOR_NAME = "specpair-operator"       # the client certificate's CN; engines allow SetSpeculation to it
-CA_SECRET = "specpair-operator-ca"        # in the operator's namespace
 CA_DAYS = 3650
 SERVER_DAYS = 90
 RENEW_DAYS = 30                           # a server certificate is issued again with this much left

@@ -17,13 +17,13 @@ from specpair_operator.policy import drift as drift_mod
 from specpair_operator.gate import attempts as gate_attempts, verdict as gate_verdict
 from specpair_operator.desired import manifests, model_fetch
 from specpair_operator.crd import names
-from specpair_operator.act import owned
+from specpair_operator.observe import unreadable
 from specpair_operator.policy import serving_health
 from specpair_operator.plan import serving_plan
 from specpair_operator.desired import tls as tls_mod
 from specpair_operator.clients.engine_probe import EngineUnreachable
 from specpair_operator.clients.kube import Kube, KubeError
-from specpair_operator.act.owned import owns
+from specpair_operator.desired.ownership import owns
 from specpair_operator.plan.release_plan import release_of_tags
 from specpair_operator.clients.registry import PassRegistry
 from specpair_operator.release.registry_contract import TAG_ROLLED_BACK
@@ -233,7 +233,7 @@ async def _observe_tls(op: OperatorState, w: ServingWorld) -> EngineTLS:
     check = serving_plan.certificate_check(replace(w, tls=tls))
     ref = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": w.namespace}}
     if check == "other":
-        return replace(tls, held=await owned.holds(op.kube, w.uid, ref, {serving_plan.ANN_ISSUED_FOR: tls.issued_for}))
+        return replace(tls, held=await unreadable.holds(op.kube, w.uid, ref, {serving_plan.ANN_ISSUED_FOR: tls.issued_for}))
     if check == "current":
         return replace(tls, missing=await _secret_missing(op, w.uid, ref))
     return tls

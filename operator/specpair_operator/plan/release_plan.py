@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from specpair_operator.release import aliases as aliases_mod
 from specpair_operator.crd import conditions as c
@@ -33,6 +33,9 @@ from specpair_operator.gate.verdict import GateOutcome
 from specpair_operator.release.registry_contract import (TAG_GATE_RUN, TAG_PROMOTED_AT, TAG_ROLLED_BACK,
                                                          TAG_SPECULATION_OFF)
 from specpair_operator.observe.world import ReleaseWorld
+
+if TYPE_CHECKING:
+    from specpair_operator.plan.steps import Step   # the union of every plan's steps
 
 TAG_RELEASE = "specpair.release"
 # TAG_PROMOTED_AT and TAG_SPECULATION_OFF (registry_contract) are written before the alias moves
@@ -159,7 +162,6 @@ class ServeChampion:
 
 WRITES = (SetAlias, TagVersion, EnsureGatePolicy, StartModelFetch, StartGateJob, RecordGateError)
 FETCHED_KEPT = 5   # status.modelCache.fetched: the models digests of the last few fetches
-Step = Any  # one of the dataclasses above
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any
 
 from specpair_operator.policy import canary as canary_mod
 from specpair_operator.desired import manifests
-from specpair_operator.act import owned
+from specpair_operator.desired import ownership as owned
 from specpair_operator.release import content as release_mod
 from specpair_operator.plan.release_plan import TAG_RELEASE, Condition, PostEvent, Record, Report, SetStatus, TagVersion
 from specpair_operator.release.registry_contract import TAG_HASH

@@ -36,8 +36,9 @@ from specpair_operator.plan.serving_steps import (address, ANN_ISSUED_FOR, ANN_T
                                                   ExportSpeedup, ForgetDrift, identity, IssueCertificate, kind_of,
                                                   LogWarning, name_taken, ReconcilePodSpeculation, RememberChampion,
                                                   RememberDrift, ReportSpeculation, RetireLegacyEngine, RollSpeculation,
-                                                  served_release, shadow_release, speculation_not_reconciled, Step,
+                                                  served_release, shadow_release, speculation_not_reconciled,
                                                   _Steps, SwitchSpeculation, template_fingerprint, WRITES)  # noqa: F401
+from specpair_operator.plan.steps import Step  # noqa: F401
 from specpair_operator.plan.serving_speculation import _speculation, _switch  # noqa: F401
 from specpair_operator.plan.serving_drift import (_drift, drift_position, _rollback,
                                                   rollback_needs_previous)  # noqa: F401

@@ -11,7 +11,7 @@ from specpair_operator.release import aliases as aliases_mod
 from specpair_operator.crd import conditions as c
 from specpair_operator.desired import manifests, model_fetch
 from specpair_operator.crd import names
-from specpair_operator.act import owned
+from specpair_operator.desired import ownership as owned
 from specpair_operator.policy import shadow_run
 from specpair_operator.release import content as release_mod
 from specpair_operator.desired import tls as tls_mod

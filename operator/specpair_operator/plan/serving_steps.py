@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from specpair_operator.release import aliases as aliases_mod
 from specpair_operator.policy import drift as drift_mod
 from specpair_operator.desired import manifests
-from specpair_operator.act import owned
+from specpair_operator.desired import ownership as owned
 from specpair_operator.policy import rollout_strategy, serving_health
 from specpair_operator.release import content as release_mod
 from specpair_operator.plan.release_plan import TAG_RELEASE, PostEvent, Record, Report, SetAlias, SetStatus, TagVersion
 from specpair_operator.release.registry_contract import TAG_HASH, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
 from specpair_operator.observe.serving_world import EnginePod, ServingWorld
+
+if TYPE_CHECKING:
+    from specpair_operator.plan.steps import Step   # the union of every plan's steps
 
 
 # On the engine Deployment: a fingerprint of its spec without the replica count, to tell a
@@ -133,7 +136,6 @@ WRITES = (SetAlias, TagVersion, EnsureOwned, IssueCertificate, RetireLegacyEngin
           ReconcilePodSpeculation)
 
 
-Step = Any
 
 
 def speculation_not_reconciled(desired: bool, champion: str, stuck: list[str]) -> Report:

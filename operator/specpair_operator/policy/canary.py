@@ -387,7 +387,7 @@ def live_step(deployment: Mapping[str, Any] | None, version: str) -> int:
 
 def scale_down_patch() -> dict[str, Any]:
     """Zero replicas, and a manifest fingerprint no render has: the next canary patches it."""
-    from specpair_operator.act.owned import ANN_MANIFEST
+    from specpair_operator.desired.ownership import ANN_MANIFEST
 
     return {"metadata": {"annotations": {ANN_MANIFEST: "scaled-down"}}, "spec": {"replicas": 0}}
 
