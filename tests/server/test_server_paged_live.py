@@ -1,12 +1,12 @@
 """The paged cache live behind a real server on 127.0.0.1: 64 concurrent greedy chat streams over
 the OpenAI HTTP API, against a block pool too small to hold them all, each equal to its solo
 output; requests waited for free blocks, rows were preempted and recomputed (the engine's
-counter), the shared system prompt was served by reference (`cached_tokens`), and every block
+counter and its Prometheus series), the shared system prompt was served by reference (`cached_tokens`), and every block
 came back."""
 
 from __future__ import annotations
 
-from serving_helpers import openai_client, reference, run_threads
+from serving_helpers import openai_client, reference, run_threads, wait_for
 
 from specpair.config import SpeculationConfig
 from specpair.decoding import SpeculativeEngine
@@ -54,6 +54,9 @@ def test_64_streams_through_a_small_pool_each_equal_their_solo_output(tiny_pair,
         assert not isinstance(reply, Exception), reply
         assert reply[0] == reference(tiny_pair, chat(question), 24, chat=True).text, question
     assert engine.paged_space.preemptions > 0            # the pool ran out: rows were recomputed
+    labels = {"pair": server.options.pair, "version": server.options.version}
+    assert wait_for(lambda: server.metrics.registry.get_sample_value(
+        "specpair_kv_preemptions_total", labels) == engine.paged_space.preemptions)
     assert 8 < max(peaks) < 64                           # admitted by blocks, not by the 64 rows
     assert sum(cached > 0 for _, cached in replies) >= 60    # the system prompt by reference
     pool = engine.paged_space.pool

@@ -97,6 +97,11 @@ class EngineMetrics:
                                          "Prompt tokens served from the prefix store (not prefilled).",
                                          base, registry=r)
         self._prefix_seen = (0, 0)
+        # The paged cache (paged_cache.py): rows given back for want of KV blocks and recomputed.
+        self.kv_preemptions = Counter("specpair_kv_preemptions",
+                                      "Running requests preempted for want of KV blocks (recomputed "
+                                      "later, output unchanged).", base, registry=r)
+        self._preemptions_seen = 0
         self.requests = Counter("specpair_requests", "Finished requests by status.", req + ["status"], registry=r)
         self.time_to_first_token = Histogram("specpair_time_to_first_token_seconds",
                                              "Arrival to first streamed token.", req, buckets=LATENCY_BUCKETS,
@@ -210,6 +215,13 @@ class EngineMetrics:
             delta, self._memory_fallbacks_seen = total - self._memory_fallbacks_seen, total
         if delta > 0:
             self.memory_fallback.labels(self.pair, self.version).inc(delta)
+
+    def record_preemptions(self, total: int) -> None:
+        """Catch the counter up with the engine's running total (PagedSpace.preemptions)."""
+        with self._lock:
+            delta, self._preemptions_seen = total - self._preemptions_seen, total
+        if delta > 0:
+            self.kv_preemptions.labels(self.pair, self.version).inc(delta)
 
     def record_prefix_cache(self, looked_up: int, served: int) -> None:
         """Catch the prefix counters up with the engine's running totals (engine.prefix_stats)."""

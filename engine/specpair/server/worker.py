@@ -502,6 +502,9 @@ class EngineWorker:
         self.metrics.record_memory_fallbacks(self.engine.memory_fallbacks)
         prefix = self.engine.prefix_stats
         self.metrics.record_prefix_cache(prefix.looked_up, prefix.served)
+        space = getattr(self.engine, "paged_space", None)
+        if space is not None:
+            self.metrics.record_preemptions(space.preemptions)
         shadow = getattr(self.engine, "shadow", None)
         if shadow is not None:   # a candidate drafter scored beside the serving one (specpair/shadow.py)
             self.metrics.record_shadow(shadow.candidate.version, shadow.candidate.content_hash,
