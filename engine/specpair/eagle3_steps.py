@@ -174,7 +174,7 @@ class Eagle3DraftStep(_Recorded):
     overwrites its `ids`)."""
 
     def __init__(self, head, embed, draft_ids: torch.Tensor, cache: Eagle3Cache, width: int):
-        from specpair.drafters import draft_vocab_logits
+        from specpair.drafters.head import draft_vocab_logits
 
         rows, capacity = cache.capacity
         device, dtype = cache.device, cache.dtype

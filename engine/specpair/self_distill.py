@@ -229,6 +229,24 @@ def chat_replies(teacher, requests: list[dict], out: Path, max_new_tokens: int,
     batch's prefill pads every prompt to its longest; so they come back in that order, not in
     `requests`'. Finished replies are kept in out/replies.jsonl and their features in
     out/checkpoints/reply-features/; a rerun generates only the rest."""
+    from specpair.kv.families import supports
+    from specpair.kv.runner import StaticLlama
+
+    # The recorder keeps the normed last states, which the target hands over unless an EAGLE-3
+    # drafter on this model asked for its layers instead (StaticLlama.feature_layers, set per
+    # model): cleared while the replies are written, put back after.
+    runner = None if supports(teacher.model) else StaticLlama.of(teacher.model)
+    handed = runner.feature_layers if runner is not None else None
+    if runner is not None:
+        runner.feature_layers = None
+    try:
+        return _chat_replies(teacher, requests, out, max_new_tokens, progress)
+    finally:
+        if runner is not None:
+            runner.feature_layers = handed
+
+
+def _chat_replies(teacher, requests, out: Path, max_new_tokens: int, progress) -> list[dict]:
     from specpair.config import GenerationParams, SpeculationConfig
     from specpair.decoding import SpeculativeEngine
 

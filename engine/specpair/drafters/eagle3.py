@@ -49,12 +49,6 @@ class Eagle3Drafter(HeadDrafter):
             raise SpecpairError(f"the EAGLE-3 head was trained for hidden size "
                                 f"{head.target_hidden_size}; the target's is "
                                 f"{target_model.config.hidden_size}")
-        param = next(target_model.parameters())
-        if fixed_step_applies(param.device, param.dtype):
-            raise SpecpairError("EAGLE-3 heads draft on the general step (float32 on the CPU); "
-                                f"the fixed step ({param.device.type}, "
-                                f"{str(param.dtype).removeprefix('torch.')}) does not hand over "
-                                "auxiliary hidden states yet")
         # The target hands over the layers every EAGLE-3 head on it reads (heads of other
         # layers may share one target); each takes its own from them.
         self.runner = StaticLlama.of(target_model)
@@ -67,7 +61,8 @@ class Eagle3Drafter(HeadDrafter):
         self.pending: list[list[torch.Tensor]] = []
         # Where the head's round runs as fixed-shape steps over one cache of every row
         # (eagle3_steps: what CUDA graphs record) instead of row by row: where the fixed step
-        # applies to the head (CUDA, bf16), or asked (`fixed`: the tests, on the CPU).
+        # applies to the head (CUDA, bf16; the target's fixed step hands the layers over as its
+        # general step does), or asked (`fixed`: the tests, on the CPU).
         head_param = next(head.parameters())
         self.fixed = (fixed_step_applies(head_param.device, head_param.dtype) if fixed is None
                       else fixed)

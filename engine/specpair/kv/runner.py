@@ -103,8 +103,8 @@ class StaticLlama:
         # last hidden state; else these layers' inputs, concatenated in increasing order (an
         # EAGLE-3 head's auxiliary hidden states, numbered as vLLM does: layer L's input, the
         # layer count for the last one's output). Set by the drafter that reads them
-        # (eagle3_drafter.Eagle3Drafter: the union of the layers its heads read); the general
-        # step only (the fixed step refuses such heads).
+        # (drafters.eagle3.Eagle3Drafter: the union of the layers its heads read); the general
+        # step and the fixed step (fixed_step's third result) alike.
         self.feature_layers: tuple[int, ...] | None = None
 
     def fixed_weights(self) -> list[tuple]:
@@ -216,12 +216,15 @@ class StaticLlama:
         return _with_features(h, taken, features, self.layer_count)
 
     def fixed_layers(self, h, positions, slots, caches, kv_rows=None, reach: int | None = None,
-                     compiled: bool = False, table=None):
+                     compiled: bool = False, table=None,
+                     features: tuple[int, ...] | None = None):
         """The fixed step's decoder layers over input vectors h [B, W, D] (module docstring):
         tokens at `positions` [B, W], written at `slots` [B, W] of the cache's rows 0..B-1 (or
         `kv_rows` [B]); -> the last layer's output [B, W, D] (before the norm). No host reads.
         `compiled`: each layer through `compiled_fixed_layer`. `table` [R, blocks]: `caches` are
-        block pools read and written through it (fixed_step.paged_write_read)."""
+        block pools read and written through it (fixed_step.paged_write_read). With
+        `features` (layer numbers, as `feature_layers`): -> (that output, those layers' inputs
+        concatenated), as run_layers."""
         body = self.model.model
         B, W = positions.shape
         cos, sin = body.rotary_emb(h, positions)
@@ -239,14 +242,17 @@ class StaticLlama:
         elif compiled:   # a pool's shape never changes; the table's rows and blocks do
             fixed_step.mark_sizes(B, [cos, sin, rows, positions, slots]
                                   + ([] if kv_rows is None else [kv_rows]), tables=[table])
-        for (weights, options), (kc, vc) in zip(self.fixed_weights(), caches):
+        taken = []
+        for index, ((weights, options), (kc, vc)) in enumerate(zip(self.fixed_weights(), caches)):
+            if features and index in features:
+                taken.append(h)
             if compiled:
                 fixed_step.mark_sizes(B, [h])
             h = run_layer(h, cos, sin, rows, positions, slots, kc, vc, *weights,
                           eps=self.eps, heads=self.heads, kv_heads=self.kv_heads,
                           head_dim=self.head_dim, kv_rows=kv_rows, reach=reach, table=table,
                           **options)
-        return h
+        return _with_features(h, taken, features, self.layer_count)
 
     def fixed_step(self, ids, positions, slots, caches, compiled: bool = False,
                    head: bool = True, kv_rows=None, table=None):
@@ -256,11 +262,17 @@ class StaticLlama:
         (`CapturedStep`); `compiled`: its layers compiled (`compiled_fixed_layer`). Without
         `head` (a prompt, whose logits but the last are never read) the logits are None;
         `kv_rows` [R]: the step's rows are these rows of the cache (prompts run apart); `table`:
-        a paged cache's block tables (fixed_layers)."""
+        a paged cache's block tables (fixed_layers). With `feature_layers` set (an EAGLE-3
+        head's), a third: those layers' inputs [R, W, len * D], what extend(hidden=True) hands
+        the head instead of the normed states."""
         body = self.model.model
-        h = body.norm(self.fixed_layers(body.embed_tokens(ids), positions, slots, caches,
-                                        kv_rows=kv_rows, compiled=compiled, table=table))
-        return (F.linear(h, self.model.lm_head.weight) if head else None), h
+        features = self.feature_layers
+        out = self.fixed_layers(body.embed_tokens(ids), positions, slots, caches,
+                                kv_rows=kv_rows, compiled=compiled, table=table,
+                                features=features)
+        h = body.norm(out[0] if features else out)
+        logits = F.linear(h, self.model.lm_head.weight) if head else None
+        return (logits, h, out[1]) if features else (logits, h)
 
     @torch.no_grad()
     def forward(self, ids, positions, gather, caches, attend: int, compiled: bool,

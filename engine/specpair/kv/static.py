@@ -256,8 +256,12 @@ class StaticKVModel(KVCache):
             kv_rows = torch.tensor(wide, dtype=torch.long).view(-1, 1).expand(len(wide), wide_width)
             planes = to_device(torch.stack((pos, pos, pos, kv_rows)), self.device)
             reach = None if compiled else int(pos.max()) + 1
+            features = None if vectors else r.feature_layers
             h = r.fixed_layers(h, planes[1], planes[2], self.caches, kv_rows=planes[3, :, 0],
-                               reach=reach, compiled=compiled, table=self.table)
+                               reach=reach, compiled=compiled, table=self.table,
+                               features=features)
+            if features:      # as the fixed step hands them: (logits, normed, the layers')
+                h = (None, self.model.model.norm(h[0]), h[1])
             out, states = self._place(out, states, h, wide, list(range(len(wide))), counts,
                                       n_last, width, vectors, hidden)
         narrow = [i for i in range(B) if 0 < counts[i] <= W]
@@ -380,9 +384,13 @@ class StaticKVModel(KVCache):
         only the slots asked for: a prompt's every slot would be its length times the vocabulary)."""
         B = len(counts)
         if isinstance(h, tuple):
-            logits, normed = h
+            # A third: what `hidden` hands over instead of the normed states (the layers an
+            # EAGLE-3 head reads: StaticLlama.feature_layers).
+            logits, normed = h[0], h[1]
+            handed = h[2] if len(h) > 2 else normed
         else:
             logits, normed = None, h if vectors else self.model.model.norm(h)
+            handed = normed
         if vectors:
             if out is None:
                 out = normed.new_zeros(B, max(width, 1), normed.shape[-1])
@@ -410,9 +418,9 @@ class StaticKVModel(KVCache):
             out[torch.tensor(which, device=self.device)] = part
         if hidden:
             if states is None:
-                states = normed.new_zeros(B, width, normed.shape[-1])
+                states = handed.new_zeros(B, width, handed.shape[-1])
             for i, a in zip(which, at):
-                states[i, :counts[i]] = normed[a, :counts[i]]
+                states[i, :counts[i]] = handed[a, :counts[i]]
         return out, states
 
     def _extend_apart(self, groups, counts, ids, positions, gather, hidden):
