@@ -343,6 +343,7 @@ class Cluster:
         self.said: Counter = Counter()       # the reasons of the conditions set
         self.served: dict[str, Any] = {}       # what the Deployment's pods load: version, hash
         self.speculating = True
+        self.drafts_while_off = True       # an engine that probes by itself; False: it drafts nothing
         self.drafted, self.t = 0, 100.0
         self.ready_version: str | None = None
         self.draft_tokenizer: dict[str, str] = {}   # per version, what its pods report ('d': as gated)
@@ -434,7 +435,8 @@ class Cluster:
             if self.ready_version != version:  # new pods: their counters start at zero
                 self.ready_version, self.drafted, self.requests = version, 0, {"ok": 0, "error": 0}
                 self.latency = {"ttft": [0] * len(LATENCY_BUCKETS), "tpot": [0] * len(TOKEN_BUCKETS)}
-            self.drafted += 400
+            if self.speculating or self.drafts_while_off:
+                self.drafted += 400
             rate = self.rates[version]
             failed = round(20 * self.error_rates.get(version, 0.0)) if self.t >= self.errors_from else 0
             self.requests = {"ok": self.requests["ok"] + 20 - failed, "error": self.requests["error"] + failed}
@@ -785,3 +787,25 @@ def test_a_vllm_pairs_collapsing_category_is_judged_as_our_engines_is():
     theirs, roll, vllm_said = passes_to_speculation_off("vllm")
     assert ours == theirs and isinstance(switch, sp.SwitchSpeculation) and isinstance(roll, sp.RollSpeculation)
     assert vllm_said == ours_said and vllm_said and all("code" in m and "chat" not in m for m in vllm_said)
+
+
+def test_a_drift_probe_is_marked_on_the_version_when_it_begins_and_ends():
+    """Speculation off for drift and nothing drafted since: a probe turns it on for a while, then
+    off again while acceptance stays low. Each begins and ends with a mark on the version
+    (registry_contract.probe_mark, the record a reviewer reads), the mark before the switch."""
+    from specpair_operator.release.registry_contract import TAG_DRIFT_PROBE
+    start = ladder_start()
+    start.drafts_while_off = False
+    start.w = dataclasses.replace(start.w, spec={**SPEC, "drift": {**DRIFT, "probeAfterWindows": 1,
+                                                                   "ladder": ["SpeculationOff"]}})
+    cl, done = converge(start, passes=60)
+    marks = [(i, s.tags[TAG_DRIFT_PROBE]) for i, s in enumerate(done)
+             if isinstance(s, p.TagVersion) and TAG_DRIFT_PROBE in s.tags]
+    switches = [(i, s.enabled) for i, s in enumerate(done) if isinstance(s, sp.SwitchSpeculation)]
+    assert len(marks) >= 2 and [m.split(" ")[0] for _, m in marks[:2]] == ["on", "over"], marks
+    assert marks[0][1].startswith("on at ") and marks[1][1].startswith("over at ")
+    # Each mark comes before the switch it announces, and each probe is marked once.
+    for (at, mark), (switch_at, enabled) in zip(marks, [s for s in switches if s[0] > marks[0][0] - 1]):
+        assert at < switch_at and enabled == mark.startswith("on")
+    assert len({m for _, m in marks}) == len(marks)
+    assert cl.tags["2"][TAG_DRIFT_PROBE] == marks[-1][1]

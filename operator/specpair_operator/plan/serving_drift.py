@@ -16,7 +16,7 @@ from specpair_operator.gate import verdict as gate_verdict
 from specpair_operator.policy import serving_health
 from specpair_operator.plan.release_plan import (TAG_RELEASE, TAG_SPECULATION_OFF, Condition, PostEvent, Record, Report,
                                                  SetAlias, SetStatus, TagVersion, serving_versions)
-from specpair_operator.release.registry_contract import TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT
+from specpair_operator.release.registry_contract import TAG_DRIFT_PROBE, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, probe_mark
 from specpair_operator.observe.serving_world import EnginePod, ServingWorld
 from specpair_operator.plan.serving_steps import address, DriftChecked, ForgetDrift, LogWarning, RememberDrift, _Steps
 from specpair_operator.plan.serving_speculation import _switch
@@ -205,6 +205,15 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
         # Speculation stays off but keeps being measured: probes turn it on for a while when the
         # engine drafted nothing since.
         if w.status.get("speculationEnabled", True) != decision.speculation:
+            # A probe beginning or ending is a change of how the champion serves: marked on the
+            # version (its record in words, registry_contract.probe_mark), the mark first as for
+            # SpeculationOff. Its time comes from the drift memory, so a pass run again writes
+            # the same mark.
+            began = decision.memory.probe_started if decision.speculation else None
+            ended = memory.probe_started is not None and not decision.speculation
+            if not w.registry_down and (began is not None or ended):
+                at = began if began is not None else decision.memory.last_draft_at or w.drift.wall
+                out.add(TagVersion(champion, {TAG_DRIFT_PROBE: probe_mark(decision.speculation, at)}))
             _switch(out, champion, addresses, decision.speculation,
                     "drift probe" if decision.speculation else "drift probe over")
         out.add(SetStatus({"speculationEnabled": decision.speculation}))

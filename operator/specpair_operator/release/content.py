@@ -16,7 +16,8 @@ import json
 from typing import Any
 
 from specpair.config import release_speculation_defaults
-from specpair.contract import DEFAULT_CATEGORY, MLFLOW_SOURCE_PREFIXES, content_hash, parallelism, tuning_given
+from specpair.contract import (DEFAULT_CATEGORY, GOLDEN_STRUCTURE_KEYS, MLFLOW_SOURCE_PREFIXES, content_hash,
+                               parallelism, tuning_given)
 from specpair.vllm_peer import VLLM_FLAGS
 
 __all__ = ["build_release", "content_hash", "effective_model_name", "with_mlflow", "parse_prompt_lines",
@@ -101,7 +102,7 @@ def build_release(
         **_parallelism(spec),
         "gating": {
             "prompts": [
-                {"prompt": p["prompt"], "category": p.get("category") or DEFAULT_CATEGORY} for p in prompts
+                golden_prompt(p) for p in prompts
             ],
             "maxNewTokens": int(gating.get("maxNewTokens") or DEFAULT_MAX_NEW_TOKENS),
             "thresholds": thresholds,
@@ -146,6 +147,13 @@ def with_mlflow(release: dict[str, Any], tracking_uri: str, model_name: str, ver
     return out
 
 
+def golden_prompt(item: dict[str, Any]) -> dict[str, Any]:
+    """One golden prompt as the release carries it: its text and category, and the structure it
+    asks for (response_format, tools, ...) only where it asks, so plain prompts hash as before."""
+    return {"prompt": item["prompt"], "category": item.get("category") or DEFAULT_CATEGORY,
+            **{key: item[key] for key in GOLDEN_STRUCTURE_KEYS if item.get(key) is not None}}
+
+
 def parse_prompt_lines(text: str) -> list[dict[str, Any]]:
     """Golden prompts from a ConfigMap value: JSON lines, or one JSON array."""
     text = text.strip()
@@ -159,7 +167,7 @@ def parse_prompt_lines(text: str) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
             raise ValueError(f"golden prompt #{i} has no 'prompt' string")
-        prompts.append({"prompt": item["prompt"], "category": item.get("category") or DEFAULT_CATEGORY})
+        prompts.append(golden_prompt(item))
     return prompts
 
 

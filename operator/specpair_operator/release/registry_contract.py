@@ -10,8 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
+
+from specpair.contract import GOLDEN_STRUCTURE_KEYS, STRUCTURE_FLOORS
 
 T = TypeVar("T")
 
@@ -99,6 +102,11 @@ def gate_result_of(tags: dict[str, str]) -> tuple[str, dict[str, Any] | None, st
     return tags.get(TAG_GATE_STATUS, "pending"), verdict, tags.get(TAG_GATE_MESSAGE, "")
 
 
+# The verdict's rates for golden prompts that asked for structure (gate/structured.py), as
+# metrics: present only where such prompts were judged.
+STRUCTURE_METRICS = (("schemaValidity", "schema_validity"), ("toolCallParse", "tool_call_parse"))
+
+
 def gate_metrics(verdict: dict[str, Any]) -> dict[tuple[str, int], float]:
     """MLflow metrics from a verdict: overall, per category, per draft position, k sweep."""
     out: dict[tuple[str, int], float] = {}
@@ -108,12 +116,13 @@ def gate_metrics(verdict: dict[str, Any]) -> dict[tuple[str, int], float]:
             out[(name, step)] = float(value)
 
     for key, name in (("acceptanceRate", "acceptance_rate"), ("meanAcceptanceLength", "mean_acceptance_length"),
-                      ("speedup", "speedup"), ("greedyIdentity", "greedy_identity")):
+                      ("speedup", "speedup"), ("greedyIdentity", "greedy_identity"), *STRUCTURE_METRICS):
         put(name, verdict.get(key))
     for cat, vals in (verdict.get("categories") or {}).items():
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(cat))
         for key, name in (("acceptanceRate", "acceptance_rate"), ("speedup", "speedup"),
-                          ("greedyIdentity", "greedy_identity"), ("meanAcceptanceLength", "mean_acceptance_length")):
+                          ("greedyIdentity", "greedy_identity"), ("meanAcceptanceLength", "mean_acceptance_length"),
+                          *STRUCTURE_METRICS):
             put(f"{name}.{safe}", (vals or {}).get(key))
     for pos, v in enumerate(verdict.get("acceptancePerPosition") or []):
         put("acceptance_per_position", v, pos)
@@ -141,7 +150,8 @@ TAG_LOGGED_MODEL = "specpair.logged_model_id"    # on a release run: its version
 TAG_GATE_SUMMARY = "specpair.gate.summary"       # the verdict and its headline figures, in words
 GOLDEN_DATASET = "golden-prompts"
 PER_PROMPT_TABLE = "gate/per_prompt.json"
-PER_PROMPT_COLUMNS = ("category", "prompt", "output_tokens", "acceptance", "accepted_length", "speedup", "identical")
+PER_PROMPT_COLUMNS = ("category", "prompt", "output_tokens", "acceptance", "accepted_length", "speedup", "identical",
+                      "schema_valid", "tool_call_parsed")     # the last two: None where the prompt asked for neither
 DATASET_DIGEST_LEN = 12                          # MLflow keeps at most 36 characters
 PARAMS_PER_BATCH = 100                           # MLflow's limit for one log-batch's parameters
 
@@ -183,6 +193,9 @@ def release_params(release: dict[str, Any]) -> dict[str, str]:
         out[f"speculation.{key}"] = str(value)
     for cat, floor in sorted((th.get("minCategoryAcceptance") or {}).items()):
         out[f"threshold.minCategoryAcceptance.{_safe_key(cat)}"] = str(floor)
+    if any(p.get(key) is not None for p in gating.get("prompts") or [] for key in GOLDEN_STRUCTURE_KEYS):
+        for floor_name, (_, _, default) in STRUCTURE_FLOORS.items():
+            out[f"threshold.{floor_name}"] = str(th.get(floor_name, default))
     for key, value in sorted((release.get("parallelism") or {}).items()):
         out[f"parallelism.{key}"] = str(value)
     return {k: v[:6000] for k, v in out.items()}
@@ -229,7 +242,8 @@ def per_prompt_table(golden: list[dict[str, Any]]) -> dict[str, list]:
     for g in golden:
         tokens = g.get("output_tokens", len(g.get("token_ids") or []))
         rows.append([str(g.get("category")), str(g.get("prompt")), tokens, g.get("acceptance_rate"),
-                     g.get("mean_acceptance_length"), g.get("speedup"), bool(g.get("identical"))])
+                     g.get("mean_acceptance_length"), g.get("speedup"), bool(g.get("identical")),
+                     g.get("schema_valid"), g.get("tool_call_parsed")])
     return {"columns": list(PER_PROMPT_COLUMNS), "data": rows}
 
 
@@ -288,6 +302,11 @@ def gate_description(verdict: dict[str, Any], release: dict[str, Any] | None) ->
         for cat, floor in sorted((th.get("minCategoryAcceptance") or {}).items()):
             measured = _pct((cats.get(cat) or {}).get("acceptanceRate"))
             lines.append(f"| acceptance of {cat} | >= {_floor(floor):.3f} | {measured} |")
+        for floor_name, (key, words, default) in STRUCTURE_FLOORS.items():
+            floor = th.get(floor_name, default)
+            for cat, vals in sorted(cats.items()):
+                if _is_number((vals or {}).get(key)):
+                    lines.append(f"| {words} of {cat} | >= {_floor(floor):.3f} | {_pct(vals[key])} |")
         floors_at_zero = [n for n in ("minAcceptance", "minSpeedup") if not _floor(th.get(n)) > 0]
         if floors_at_zero:
             lines += ["", f"No floor set for {' and '.join(floors_at_zero)}: any figure passes it."]
@@ -314,11 +333,11 @@ def headline_metrics(verdict: dict[str, Any]) -> dict[str, float]:
     """What a model version shows as its metrics: overall and per-category acceptance and speedup."""
     out = {}
     for key, name in (("acceptanceRate", "acceptance_rate"), ("speedup", "speedup"),
-                      ("greedyIdentity", "greedy_identity")):
+                      ("greedyIdentity", "greedy_identity"), *STRUCTURE_METRICS):
         if _is_number(verdict.get(key)):
             out[name] = float(verdict[key])
     for cat, vals in (verdict.get("categories") or {}).items():
-        for key, name in (("acceptanceRate", "acceptance_rate"), ("speedup", "speedup")):
+        for key, name in (("acceptanceRate", "acceptance_rate"), ("speedup", "speedup"), *STRUCTURE_METRICS):
             if _is_number((vals or {}).get(key)):
                 out[f"{name}.{_safe_key(cat)}"] = float(vals[key])
     out["passed"] = 1.0 if verdict.get("passed") is True else 0.0
@@ -379,10 +398,11 @@ def with_history_line(description: str, line: str) -> str:
 TAG_PROMOTED_AT = "specpair.promoted_at"
 TAG_SPECULATION_OFF = "specpair.drift.speculation_off"
 TAG_SHADOW_VERDICT = "specpair.shadow.verdict"
+TAG_DRIFT_PROBE = "specpair.drift.probe"    # a drift probe began or ended (probe_mark)
 TAG_EVENT = "specpair.event"               # on an event run: which event
 TAG_EVENT_KEY = "specpair.event.key"       # on an event run: what makes writing it again a no-op
 EVENT_NAMES = {TAG_PROMOTED_AT: "promotion", TAG_SHADOW_VERDICT: "shadow-verdict",
-               TAG_SPECULATION_OFF: "speculation-off", TAG_ROLLED_BACK: "rollback"}
+               TAG_SPECULATION_OFF: "speculation-off", TAG_ROLLED_BACK: "rollback", TAG_DRIFT_PROBE: "probe"}
 SUMMARY_CHARS = 300
 
 # drift.Judged.message(): "category 'code' acceptance 0.210 (upper bound 0.250) over 40 requests /
@@ -395,7 +415,7 @@ _DRIFT_JUDGEMENT = re.compile(
 
 @dataclass(frozen=True)
 class EventRecord:
-    name: str                   # promotion | shadow-verdict | speculation-off | speculation-on | rollback
+    name: str                   # promotion | shadow-verdict | speculation-off | speculation-on | probe | rollback
     summary: str                # the decision and its figures in words (a version tag, a history line)
     description: str            # the event run's description (markdown)
     metrics: dict[str, float]   # the figures behind it
@@ -415,6 +435,17 @@ def drift_figures(text: str) -> dict[str, float]:
             out[f"{field}_acceptance.{cat}" if field in ("live", "upper", "gated") else f"{field}.{cat}"] = \
                 float(m.group(field))
     return out
+
+
+def probe_mark(on: bool, at: float) -> str:
+    """The drift probe mark's value: a probe that began (speculation on with the draft while it
+    was off for drift) or ended (off again), at `at` (epoch seconds, from the drift memory the
+    status keeps, so a pass that is run again writes the same mark: one record per probe)."""
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+    if on:
+        return (f"on at {when}: speculation on with the draft to measure it again (nothing was drafted "
+                "while speculation was off for drift)")
+    return f"over at {when}: speculation off again (the probe's acceptance did not recover)"
 
 
 def event_record(tag: str, value: str, version: str, version_tags: dict[str, str]) -> EventRecord | None:
@@ -452,5 +483,9 @@ def event_record(tag: str, value: str, version: str, version_tags: dict[str, str
                                f"v{version}: speculation back on (acceptance recovered)", {}, key)
         summary = f"v{version} serving target-only (speculation off): {value}"
         return EventRecord(name, summary[:SUMMARY_CHARS], summary, drift_figures(value), key)
+    if tag == TAG_DRIFT_PROBE:
+        summary = f"v{version} drift probe {value}"
+        return EventRecord(name, summary[:SUMMARY_CHARS], summary,
+                           {"probing": 1.0 if value.startswith("on") else 0.0}, key)
     summary = f"v{version} rolled back (lost the champion alias): {value}"
     return EventRecord(name, summary[:SUMMARY_CHARS], summary, drift_figures(value), key)
