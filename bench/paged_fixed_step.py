@@ -79,10 +79,16 @@ def main(argv=None) -> int:
     parser.add_argument("--short", type=int, default=40, help="every other row's prompt tokens")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--compile", default="off", choices=["off", "on"])
+    parser.add_argument("--layers", type=int, default=0,
+                        help="keep only the first N layers (0: all): per-layer costs, sooner")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     model = build(args.shape, device, getattr(torch, args.dtype), real_smollm2=False)
-    report = {"shape": args.shape, "dtype": args.dtype, "compile": args.compile,
+    if args.layers:
+        model.model.layers = model.model.layers[:args.layers]
+        model.config.num_hidden_layers = args.layers
+    report = {"shape": args.shape, "layers": model.config.num_hidden_layers, "dtype": args.dtype,
+              "compile": args.compile,
               **versions(device), "runs": []}
     for rows in args.rows:
         report["runs"].append(run(model, rows, args.long, args.short, args.steps, args.compile,
