@@ -135,8 +135,8 @@ def test_a_client_that_closes_after_done_is_counted_ok_and_one_that_leaves_early
     from specpair.vllm_companion_bench import ReplayServer
     from waiting import wait_until
 
-    def stream(port: int, read_until: bytes) -> bytes:
-        body = json.dumps({"model": "peer", "prompt": "x", "max_tokens": 400, "stream": True,
+    def stream(port: int, read_until: bytes, max_tokens: int = 400) -> bytes:
+        body = json.dumps({"model": "peer", "prompt": "x", "max_tokens": max_tokens, "stream": True,
                            "specpair": {"category": "code"}}).encode()
         with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -150,7 +150,9 @@ def test_a_client_that_closes_after_done_is_counted_ok_and_one_that_leaves_early
         companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
         try:
             assert b"data: [DONE]" in stream(companion.port, b"data: [DONE]")
-            stream(companion.port, b'"text":"V"')          # leaves after the first token
+            # Leaves after the first token, of a reply larger than the sockets' buffers hold (the
+            # replay writes it at once: a smaller one was all written before the close was seen).
+            stream(companion.port, b'"text":"V"', max_tokens=40_000)
             wait_until("both counted", lambda: sum(companion.tally.metrics.serving_counts().get("code", {})
                                                    .get("requests", {}).values()) == 2, timeout=30)
             assert companion.tally.metrics.serving_counts()["code"]["requests"] == {"ok": 1, "cancelled": 1}
