@@ -88,3 +88,11 @@ def test_a_drift_probe_reads_as_words_once_per_probe():
     # The same probe's mark written again is the same record; the next probe's is another.
     assert event_record(TAG_DRIFT_PROBE, probe_mark(True, 1_765_000_000), "2", {}).key == on.key
     assert event_record(TAG_DRIFT_PROBE, probe_mark(True, 1_765_000_500), "2", {}).key != on.key
+
+
+def test_the_charts_crd_is_the_crd():
+    """The e2e clusters install the chart's copy: a field added to crds/ alone is pruned there
+    (the structured golden prompts were, until the copy took them)."""
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    assert (repo / "charts/specpair/crds/specmodelpair.yaml").read_text() == (repo / "crds/specmodelpair.yaml").read_text()
