@@ -6,10 +6,16 @@ import pytest
 
 from specpair._proto import engine_pb2 as pb
 from specpair.server.client import request
-from specpair.server.requests import (InvalidField, Limits, RequestFields, check_context, check_fields,
-                                      check_generate, find_invalid_utf8, float32_as_written)
+from specpair.server.requests import (CheckedRequest, InvalidField, Limits, RequestFields, check_context,
+                                      check_fields, find_invalid_utf8, float32_as_written, generate_fields)
 
 LIMITS = Limits(max_new_tokens=100)
+
+
+def check_generate(request, limits: Limits, vocab_size: int | None = None) -> CheckedRequest:
+    """A GenerateRequest checked as the gRPC service checks one: read as its client wrote it, then
+    the checks both protocols share."""
+    return check_fields(generate_fields(request), limits, vocab_size=vocab_size)
 
 
 def refused(req) -> InvalidField:

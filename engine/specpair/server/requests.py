@@ -95,11 +95,6 @@ def check_size(num_bytes: int, limits: Limits) -> None:
         raise TooLarge("request", f"{num_bytes} bytes is more than the limit of {limits.max_request_bytes} bytes")
 
 
-def check_generate(request, limits: Limits, vocab_size: int | None = None) -> CheckedRequest:
-    """GenerateRequest (protobuf) -> CheckedRequest, or InvalidField."""
-    return check_fields(generate_fields(request), limits, vocab_size=vocab_size)
-
-
 def generate_fields(request) -> RequestFields:
     """GenerateRequest (protobuf) -> RequestFields: the values as its client wrote them.
 
