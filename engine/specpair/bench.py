@@ -42,7 +42,6 @@ from specpair.config import GenerationParams
 from specpair.contract import DEFAULT_CATEGORY
 from specpair.costs import StepTiming, measure_step_costs, sync, timed
 from specpair.decoding import SpeculativeEngine, kv_bytes_per_token
-from specpair.drafters import EagleDrafter, MedusaDrafter, ModelDrafter
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
 from specpair.stats import AcceptanceStats
@@ -119,7 +118,8 @@ def measure_prefill(engine: SpeculativeEngine, prompt_ids: list[int], repeats: i
     """Seconds to prefill the prompt (fastest of `repeats`): the target's, plus the draft model's
     when there is one."""
     device = engine.target.device
-    models = [engine.target.model] + ([engine.drafter.loaded.model] if isinstance(engine.drafter, ModelDrafter) else [])
+    draft_model = engine.drafter.draft_model() if engine.drafter is not None else None
+    models = [engine.target.model] + ([draft_model] if draft_model is not None else [])
     total = 0.0
     for model in models:
         times = []
@@ -360,8 +360,8 @@ def _hf_generate(engine: SpeculativeEngine, prompt_ids: list[int], max_new_token
                   attention_mask=torch.ones_like(ids), pad_token_id=engine.target.tokenizer.pad_token_id
                   or engine.target.tokenizer.eos_token_id)
     if assisted:
-        if isinstance(engine.drafter, ModelDrafter):
-            assistant = engine.drafter.loaded.model
+        assistant = engine.drafter.draft_model() if engine.drafter is not None else None
+        if assistant is not None:
             assistant.generation_config.num_assistant_tokens = k
             kwargs["assistant_model"] = assistant
         else:
@@ -457,9 +457,9 @@ def run_bench(engine: SpeculativeEngine, prompts: list[dict], *, max_new_tokens:
     context = len(encoded[0][1])     # the cost prompt's length: the cache each timed step read
     figures = {**memory, "context": context,
                "target": step_figures(costs["target_step"], step_bytes(target.model, context), bandwidth)}
-    if isinstance(engine.drafter, (ModelDrafter, EagleDrafter, MedusaDrafter)):
-        figures["draft"] = step_figures(costs["draft_step"],
-                                        step_bytes(engine.drafter.loaded.model, context), bandwidth)
+    step_model = engine.drafter.step_model() if engine.drafter is not None else None
+    if step_model is not None:
+        figures["draft"] = step_figures(costs["draft_step"], step_bytes(step_model, context), bandwidth)
     report = BenchReport(pair={"target": target.source,
                                "drafter": engine.drafter.describe() if engine.drafter else None,
                                "target_parameters": target.num_parameters,

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from specpair.config import SpeculationConfig
-from specpair.drafters import EagleDrafter, LookupFirstDrafter, ModelDrafter
 
 
 @dataclass
@@ -123,6 +123,17 @@ class StepTiming:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
+@dataclass(frozen=True)
+class CostTiming:
+    """How a drafter times its own steps for the cost model (Drafter.cost_probe): `extends(model,
+    sizes)` the fastest extend of each size, `after_one(fn)` the fastest call after a warm-up,
+    `lookup(drafter)` the fastest lookup, on a prompt of `prompt_length` tokens."""
+    prompt_length: int
+    extends: Callable[[Any, list[int]], dict[int, float]]
+    after_one: Callable[[Callable[[], object]], float]
+    lookup: Callable[[Any], float]
+
+
 def timed(fn, device) -> tuple[float, object]:
     sync(device)
     start = time.perf_counter()
@@ -161,9 +172,9 @@ def measure_step_costs(engine, prompt_ids: list[int], ks: list[int],
         return min(timed(lambda: drafter.lookup(seq, max(ks)) if hasattr(drafter, "lookup") else None,
                           device)[0] for _ in range(repeats))
 
-    lookup_first = isinstance(engine.drafter, LookupFirstDrafter)
+    lookup_first = engine.drafter is not None and engine.drafter.copies
     # Lookup first, then a head: priced as its head (what k is chosen by, dynamic_k's cost model)
-    drafter = engine.drafter.head if lookup_first else engine.drafter
+    drafter = engine.drafter.priced_as() if engine.drafter is not None else None
     width = engine.config.tree_width if drafter is not None and drafter.tree_capable else 1
     sizes = {1, *(1 + k * width for k in ks)}
     if lookup_first:      # ... which verifies a chain in the rounds that copy
@@ -172,19 +183,14 @@ def measure_step_costs(engine, prompt_ids: list[int], ks: list[int],
     costs = {"target_step": passes[1], "tree_width": width,
              "verify": {k: passes[1 + k * width] for k in ks}}
     # n-gram: one lookup per round; models and heads: one step per draft token
-    costs["draft_per_token"] = isinstance(drafter, (ModelDrafter, EagleDrafter))
-    if isinstance(drafter, ModelDrafter):
-        costs["draft_step"] = fastest_extends(drafter.loaded.model, [1])[1]
-    elif hasattr(drafter, "timing_step"):     # heads: their own step (per token or per round)
-        def fastest_after_one(fn) -> float:
-            return min([timed(fn, device)[0] for _ in range(repeats + 1)][1:])
+    costs["draft_per_token"] = drafter is not None and drafter.draft_per_token
 
-        costs["draft_step"] = fastest_after_one(drafter.timing_step(len(prompt_ids)))
-        if hasattr(drafter, "timing_round"):  # ... and what a round costs beyond its steps
-            seconds = fastest_after_one(drafter.timing_round(len(prompt_ids)))
-            costs["draft_round"] = max(0.0, seconds - costs["draft_step"])
-    elif drafter is not None:
-        costs["draft_step"] = fastest_lookup(drafter)
+    def fastest_after_one(fn) -> float:
+        return min([timed(fn, device)[0] for _ in range(repeats + 1)][1:])
+
+    if drafter is not None:      # each drafter times its own step (Drafter.cost_probe)
+        costs.update(drafter.cost_probe(CostTiming(len(prompt_ids), fastest_extends, fastest_after_one,
+                                                   fastest_lookup)))
     else:
         costs["draft_step"] = 0.0
     if lookup_first:

@@ -21,8 +21,7 @@ from specpair.config import (KV_BUDGET_CUDA_FREE_FRACTION, KV_BUDGET_ENV, NGRAM_
 from specpair.costs import CostModel, DynamicK, StepTiming, measure_step_costs, sync
 from specpair.detokenize import IncrementalDetokenizer
 from specpair.drafter_choice import build_drafter
-from specpair.drafters import (Drafter, EagleDrafter, LookupFirstDrafter, MedusaDrafter, ModelDrafter,
-                               RowSampling)
+from specpair.drafters import Drafter, RowSampling
 from specpair.errors import SpecpairError
 from specpair.grammar import GrammarCompiler, RowGrammar
 from specpair.block_pool import RowNeed, blocks_for, plan_admission
@@ -186,9 +185,7 @@ def kv_bytes_per_token(model) -> int:
 def drafter_cache_model(drafter: Drafter | None):
     """The model whose cache a drafter keeps per row (a draft model's, an EAGLE head's), or None
     (n-gram lookup, Medusa: nothing cached)."""
-    if isinstance(drafter, LookupFirstDrafter):
-        drafter = drafter.head
-    return getattr(getattr(drafter, "kv", None), "model", None)
+    return drafter.cached_model() if drafter is not None else None
 
 
 class SpeculativeEngine:
@@ -336,8 +333,8 @@ class SpeculativeEngine:
         took."""
         start = time.perf_counter()
         models = [self.target.model]
-        if isinstance(self.drafter, ModelDrafter):     # from draft= or handed in as drafter=
-            models.append(self.drafter.loaded.model)
+        if self.drafter is not None and self.drafter.draft_model() is not None:   # a draft model's steps too
+            models.append(self.drafter.draft_model())
         self.captures = {}
         for model in models:
             kv = self.serving_cache(model)
@@ -364,15 +361,10 @@ class SpeculativeEngine:
                     kv.add_rows(rows)
                     kv.extend([[0] * 3] * rows)
                     kv.extend([[0] * width] * rows, last=width)
-        head = self.drafter.head if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
         report = None
-        if self.config.enabled and self.config.batch_size_threshold > 0:
-            rows = bucket(self.config.batch_size_threshold)
-            if isinstance(head, EagleDrafter):
-                report = head.warm_up(rows, self.target.context_length, self.config.tree_width,
-                                      self.config.k_max)
-            elif isinstance(head, MedusaDrafter):
-                report = head.warm_up(rows, self.config.tree_width)
+        if self.drafter is not None and self.config.enabled and self.config.batch_size_threshold > 0:
+            report = self.drafter.warm_up_steps(bucket(self.config.batch_size_threshold), self.target.context_length,
+                                                self.config.tree_width, self.config.k_max)
         if report is not None:
             self.captures["head"] = report
         return time.perf_counter() - start
@@ -431,8 +423,9 @@ class SpeculativeEngine:
                 or (drafter is not None and drafter.wants_features)):
             return []
         caches = [(f"target {sorted(self.target.identity().items())}", target_kv)]
-        if isinstance(drafter, ModelDrafter) and drafter.kv.reuses_prefixes:
-            caches.append((f"draft {sorted(drafter.loaded.identity().items())}", drafter.kv))
+        draft_cache = drafter.reusable_prefix_cache() if drafter is not None else None
+        if draft_cache is not None:
+            caches.append(draft_cache)
         return caches
 
     def generate(self, prompts: list, params: GenerationParams | list[GenerationParams] | None = None,

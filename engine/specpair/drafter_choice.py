@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specpair.config import NGRAM_MAX, NGRAM_MIN, SpeculationConfig, known_drafter
-from specpair.drafters import (Drafter, EagleDrafter, HeadDrafter, LookupFirstDrafter, MedusaDrafter,
+from specpair.drafters import (Drafter, EagleDrafter, LookupFirstDrafter, MedusaDrafter,
                                ModelDrafter, NgramDrafter)
 from specpair.errors import SpecpairError, TokenizerMismatch
 from specpair.kv.families import supports
@@ -69,7 +69,7 @@ def build_drafter(target, draft=None, drafter: Drafter | str | None = None, *,
         elif draft is not None:
             drafter = ModelDrafter(draft, vocab_size=vocab_size, kv=kv, compile=compile)
     if speculation.lookup_min_match:
-        if isinstance(drafter, HeadDrafter):
+        if drafter is not None and drafter.wants_features:     # a head (drafts from the target's features)
             drafter = LookupFirstDrafter(NgramDrafter(device=target.device), drafter,
                                          speculation.lookup_min_match)
         else:

@@ -4,6 +4,7 @@ the rows' sampling settings (RowSampling)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,6 +55,46 @@ class Drafter:
     # before propose: a drafter that can propose within them does (ModelDrafter); the others'
     # drafts are cut where the grammar refuses them before verification (Batch.step).
     grammars: list | None = None
+    # The cost model's price of a round (costs.measure_costs): one draft step per draft token (a
+    # draft model, an EAGLE head) rather than one per round (lookup, Medusa's heads at once).
+    draft_per_token = False
+
+    # -- what the engine needs of a drafter, asked here rather than of its class ---------------
+
+    def draft_model(self) -> Any:
+        """The separate causal LM this drafter runs, whose cache the engine warms up like the
+        target's (and bench's assisted baseline hands to transformers); None: none."""
+        return None
+
+    def step_model(self) -> Any:
+        """The model one draft step reads (a draft model, a head): its bytes priced in bench's
+        bandwidth figures; None: no model step."""
+        return None
+
+    def cached_model(self) -> Any:
+        """The model whose cache this drafter keeps per row (a draft model's, an EAGLE head's):
+        what its rows need in the cache; None (n-gram lookup, Medusa): nothing cached."""
+        return getattr(getattr(self, "kv", None), "model", None)
+
+    def reusable_prefix_cache(self) -> tuple[str, Any] | None:
+        """(identity, cache) of a cache of this drafter's whose prompt prefixes the engine's
+        prefix store may keep and reuse (a draft model's); None: none."""
+        return None
+
+    def priced_as(self) -> "Drafter":
+        """The drafter whose steps price this one's rounds in the cost model: itself (lookup
+        first: its head, the copying rounds priced apart)."""
+        return self
+
+    def warm_up_steps(self, rows: int, context_length: int, tree_width: int, k_max: int) -> dict | None:
+        """Run this drafter's own steps at every shape serving uses, so no request compiles (a
+        drafting head's); -> what was captured, None: nothing to warm."""
+        return None
+
+    def cost_probe(self, timing: Any) -> dict[str, float]:
+        """This drafter's draft step (and round) in seconds for the cost model, timed with
+        `timing` (costs.CostTiming): by default a lookup per round."""
+        return {"draft_step": timing.lookup(self)}
 
     def for_batch(self) -> "Drafter":
         """The drafter a new batch uses: itself when it keeps no per-row state."""

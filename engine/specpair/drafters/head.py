@@ -52,6 +52,17 @@ class HeadDrafter(Drafter):
             raise SpecpairError(f"head drafts token {int(self.draft_ids.max())}; the target has {vocab_size}")
         self.known: list[int] = []          # per row: positions with an observed feature
 
+    def cost_probe(self, timing) -> dict[str, float]:
+        """A head's own step (per token or per round), and what a round costs beyond its steps,
+        where it can time them (timing_step, timing_round); else as the base prices it."""
+        if not hasattr(self, "timing_step"):
+            return super().cost_probe(timing)
+        costs = {"draft_step": timing.after_one(self.timing_step(timing.prompt_length))}
+        if hasattr(self, "timing_round"):
+            seconds = timing.after_one(self.timing_round(timing.prompt_length))
+            costs["draft_round"] = max(0.0, seconds - costs["draft_step"])
+        return costs
+
     def add_rows(self, count: int) -> None:
         self.known += [0] * count
         self._add_rows(count)

@@ -46,6 +46,17 @@ class LookupFirstDrafter(Drafter):
         # first features), shared by every batch of the engine: what `describe` tells.
         self.rounds = rounds if rounds is not None else {"copied": 0, "head": 0}
 
+    # What the engine needs of it is its head's: its cache, its warm-up, its price (the rounds
+    # that copy are priced apart by the cost model, from `copies`).
+    def cached_model(self):
+        return self.head.cached_model()
+
+    def priced_as(self) -> HeadDrafter:
+        return self.head
+
+    def warm_up_steps(self, rows: int, context_length: int, tree_width: int, k_max: int) -> dict | None:
+        return self.head.warm_up_steps(rows, context_length, tree_width, k_max)
+
     def for_batch(self) -> "LookupFirstDrafter":
         return LookupFirstDrafter(self.ngram.for_batch(), self.head.for_batch(), self.min_match, self.rounds)
 

@@ -15,12 +15,26 @@ class ModelDrafter(Drafter):
 
     name = "model"
     deterministic = False
+    draft_per_token = True
 
     def __init__(self, loaded, vocab_size: int, kv: str | None = None, compile: str | None = None):
         self.loaded = loaded
         self.settings = (vocab_size, kv, compile)
         self.kv = kv_model(loaded.model, vocab_size=vocab_size, kind=kv, compile=compile)
         self.fed_drafts: list[int] = []     # drafts fed into the cache during the last propose
+
+    def draft_model(self):
+        return self.loaded.model
+
+    def step_model(self):
+        return self.loaded.model
+
+    def reusable_prefix_cache(self):
+        return (f"draft {sorted(self.loaded.identity().items())}", self.kv) if self.kv.reuses_prefixes else None
+
+    def cost_probe(self, timing) -> dict[str, float]:
+        """One step of the draft model at one token, as the target's steps are timed."""
+        return {"draft_step": timing.extends(self.loaded.model, [1])[1]}
 
     def for_batch(self) -> "ModelDrafter":
         # Each batch needs its own draft cache; the weights are shared.
