@@ -285,9 +285,12 @@ def vllm_setting(args, threads: int, system: str, questions: list[str]) -> dict:
     from specpair.vllm_peer import VllmServer, default_python
 
     log = Path(args.json).with_suffix(f".vllm{threads}.log") if args.json else None
+    # The model worker in the engine core's process (as the tests run vLLM: a process fewer to
+    # start); a busy machine's start takes minutes.
     with VllmServer(args.vllm_python or default_python(), args.vllm_model, served_model_name="smollm2",
-                    extra_env={"OMP_NUM_THREADS": str(threads)},
-                    extra_args=["--enable-prompt-tokens-details"], log_path=log) as vllm:
+                    extra_env={"OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                    extra_args=["--enable-prompt-tokens-details"], log_path=log,
+                    start_timeout=900) as vllm:
         load = os.getloadavg()[0]
         row = shared_prefix_setting(args, vllm.base_url + "/v1", system, questions)
     row.pop("_client")

@@ -322,8 +322,12 @@ class SpeculativeEngine:
     def describe_step(self) -> dict:
         """Which cache and step the target runs (the server's start-up log, the bench): what a
         figure measured."""
-        return step_description(self.target.model, self.kv_kind, self.compile_mode,
-                                self.token_bucket)
+        out = step_description(self.target.model, self.kv_kind, self.compile_mode,
+                               self.token_bucket)
+        if self.paged_space is not None:     # the Batch's target cache (paged_cache.py)
+            pool = self.paged_space.pool
+            out["paged"] = {"blocks": pool.blocks, "block_positions": pool.block}
+        return out
 
     @torch.no_grad()
     def warm_up(self) -> float:
