@@ -78,9 +78,7 @@ def plan_serving(w: ServingWorld) -> tuple[Step, ...]:
         out.add(SetStatus({"acceptance": float(verdict["acceptanceRate"])}))
     state, msg = _engine(out, w, served)
     if state == "conflict":
-        kind, name = msg.split(" ", 1)
-        out.add(name_conflict(w, kind, name))
-        return tuple(out.steps)
+        return tuple(out.steps)     # _engine planned the NameConflict report
     if state == "fetching":
         return tuple(out.steps)   # the fetch's steps said so
     if state == "failed" and w.shadow is not None:

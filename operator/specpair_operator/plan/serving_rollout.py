@@ -21,7 +21,7 @@ from specpair_operator.release.registry_contract import TAG_HASH
 from specpair_operator.observe.serving_world import ServingWorld
 from specpair_operator.observe.world import pods_waiting
 from specpair_operator.plan.serving_steps import (ANN_TEMPLATE, deployment_after, engine_deployment, engine_selector,
-                                                  EnsureAutoscaler, EnsureOwned, IssueCertificate, name_taken, outcome,
+                                                  EnsureAutoscaler, EnsureOwned, IssueCertificate, outcome, taken_child,
                                                   RetireLegacyEngine, served_release, _Steps)
 
 
@@ -40,13 +40,15 @@ def name_conflict(w: ServingWorld, kind: str, name: str) -> Report:
 def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, str]:
     """The champion's engine: its control-listener certificate, NetworkPolicy, Deployment and
     Service, then its autoscaler. Returns the rollout's state and what it says (("conflict", "KIND NAME") for a
-    child's name taken by an object the pair does not own: nothing more is written then)."""
+    child's name taken by an object the pair does not own: the NameConflict report is planned and
+    nothing more is written then)."""
     version = w.aliases[aliases_mod.CHAMPION]
     digest = w.tags[TAG_HASH]
     kind = release_mod.engine_kind(served)
-    taken = name_taken(w)
+    taken = taken_child(w)
     if taken:
-        return "conflict", taken
+        out.add(name_conflict(w, *taken))
+        return "conflict", " ".join(taken)
     # The control listener's certificate (vLLM pods': their companion's), before the first engine
     # pod needs it.
     if w.tls is not None:
@@ -55,6 +57,7 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
     policy = manifests.engine_network_policy(w.pair, w.namespace, w.installation.pods)
     policy_outcome = outcome(w, policy, w.policy)
     if policy_outcome == owned.CONFLICT:
+        out.add(name_conflict(w, "NetworkPolicy", policy["metadata"]["name"]))
         return "conflict", f"NetworkPolicy {policy['metadata']['name']}"
     if policy_outcome != owned.UNCHANGED:
         out.add(EnsureOwned(policy, w.policy))

@@ -243,13 +243,19 @@ def deployment_after(dep: Mapping[str, Any], live: Mapping[str, Any] | None, res
             "status": live.get("status") or {}}
 
 
-def name_taken(w: ServingWorld) -> str:
-    """'KIND NAME' of the engine Deployment or Service when an object the pair does not own has
-    its name ('' when neither)."""
+def taken_child(w: ServingWorld) -> tuple[str, str] | None:
+    """(kind, name) of the engine Deployment or Service when an object the pair does not own has
+    its name (None when neither)."""
     for kind, obj in (("Deployment", w.deployment), ("Service", w.service)):
         if obj is not None and not owned.owns(w.uid, dict(obj)):
-            return f"{kind} {obj['metadata']['name']}"
-    return ""
+            return kind, obj["metadata"]["name"]
+    return None
+
+
+def name_taken(w: ServingWorld) -> str:
+    """'KIND NAME' of taken_child ('' when none)."""
+    taken = taken_child(w)
+    return f"{taken[0]} {taken[1]}" if taken else ""
 
 
 def identity(w: ServingWorld, champion: str, digest: str) -> tuple[bool, str, list[EnginePod]]:
