@@ -206,7 +206,7 @@ class SpeculativeEngine:
         speculation and says so in `self.warnings`. kv: "static" (preallocated, written in place;
         where the model is supported) or "dynamic" (the hole-masking cache); compile: "on" compiles
         the static step with torch.compile and warms it here. Defaults: SPECPAIR_KV,
-        SPECPAIR_COMPILE (static_cache.py). kv_budget: the keys and values the engine may hold
+        SPECPAIR_COMPILE (kv/choice.py, kv/compiling.py). kv_budget: the keys and values the engine may hold
         (config.parse_kv_budget; default SPECPAIR_KV_BUDGET, else on CUDA a share of the memory
         free now, else none): past it, rows stop drafting (Batch.add). prefix_cache: "on" keeps
         the keys and values of prompts' full blocks and serves the next prompt that begins with
@@ -280,7 +280,7 @@ class SpeculativeEngine:
         and reply in the target's cache; k drafted positions past them (each with its tree's
         siblings) and, where the drafter keeps one, its cache of the same tokens. Counted as a
         paged cache holds them, each row its own; a preallocated cache sizes every row as the
-        longest (static_cache.py)."""
+        longest (kv/static.py)."""
         tokens = prompt_tokens + params.max_new_tokens
         k = self.config.k_max if params.speculation_k is None else params.speculation_k
         if self.drafter is None or not self.config.enabled or k == 0:
@@ -302,7 +302,7 @@ class SpeculativeEngine:
     @property
     def token_bucket(self) -> int:
         """Tokens per row of every target step after a prompt (a fixed-step cache pads each step
-        to it, static_cache.py): a bonus token and k_max drafts, with their siblings in a tree;
+        to it, kv/fixed_step.py): a bonus token and k_max drafts, with their siblings in a tree;
         1 with nothing to verify."""
         if self.drafter is None or not self.config.enabled:
             return 1
@@ -935,7 +935,7 @@ class Batch:
         return out
 
     def _prefill_apart(self) -> None:
-        """A fixed-step target (static_cache.py) takes each new row's prompt but its last token
+        """A fixed-step target (kv/fixed_step.py) takes each new row's prompt but its last token
         in a forward of its own, so every verification feeds only a bonus token and drafts, at
         the token bucket, and the prompt's keys are the same whether the round speculates or
         not: greedy speculation then equals target-only bitwise."""

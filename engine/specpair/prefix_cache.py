@@ -5,7 +5,7 @@ A prompt is cut into blocks of BLOCK_TOKENS tokens. Each full block is named by 
 over the model's identity, every token before it and its own tokens (`block_keys`), so one name
 stands for one whole prefix: two prompts share a block's name only if they agree on everything up
 to its end. The store maps names to what the cache holds for the block (opaque here: the cache
-makes and reads the values, static_cache.StaticKVModel.read_prefix / load_prefix) and evicts the
+makes and reads the values, kv/static.py's StaticKVModel.read_blocks / load_blocks) and evicts the
 least recently used once its bytes pass its capacity (`capacity_bytes`: a share of the KV budget,
 its one home).
 
