@@ -1,6 +1,6 @@
 """Kopf's wiring for SpecModelPair: settings and clients at start-up, the change handlers, the
 watch that keeps each pair's latest body, and the periodic loop; each pass is a PairReconciler
-(reconciler.py), run one at a time per pair and only while this operator leads."""
+(act/reconciler.py), run one at a time per pair and only while this operator leads."""
 
 from __future__ import annotations
 

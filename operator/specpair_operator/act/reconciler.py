@@ -1,11 +1,11 @@
-"""One reconcile of one pair: the spec's release is observed (observe.py), planned (plan.py,
-pure) and acted on here, then the champion's serving likewise (observe.py, serving_plan.py:
+"""One reconcile of one pair: the spec's release is observed (observe/reads.py), planned (plan/release_plan.py,
+pure) and acted on here, then the champion's serving likewise (observe/reads.py, plan/serving_plan.py:
 rollout, identity, drift, speculation); what the pass finds goes into a StatusLedger and the
 status is written once.
 
 Every step is idempotent, so an operator killed anywhere converges when restarted: releases are
 found by content hash, Jobs and Deployments by name, aliases are moved in a crash-safe order (see
-aliases.py and plan.py). The operator writes status, annotations (Kopf's bookkeeping) and
+release/aliases.py and plan/release_plan.py). The operator writes status, annotations (Kopf's bookkeeping) and
 Events, never spec.
 """
 

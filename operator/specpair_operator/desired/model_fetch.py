@@ -15,7 +15,7 @@ says why in its termination message (the model, its source and the reason), whic
 
 Everything here is pure (manifests and decisions from values); nothing reads or writes the API.
 
-How the plans use it (observe.observe_fetch, plan.fetch_steps, serving_plan._models_ready, reconciler):
+How the plans use it (reads.observe_fetch, release_plan.fetch_steps, serving_rollout._models_ready, act/reconciler):
 
 - observe: where `needs_fetch(release, rollout, fetched)` holds, get the Job
   `fetch_job_name(pair, models_digest(release))` and the pods labelled `job-name=<that name>`

@@ -1,6 +1,6 @@
 """A gate Job that ends without a verdict is no verdict: the release is gated again.
 
-The gate runner (gate_runner.py) writes why it failed into its termination message, which the
+The gate runner (gate/runner.py) writes why it failed into its termination message, which the
 kubelet copies into the pod's status; the operator reads it from there (`failure_of`), and
 `next_step` decides, from how many attempts failed and how long ago the last one did, whether to
 start the next attempt now, wait, or give up and report GateError. Each attempt is a Job of its

@@ -5,12 +5,12 @@ to Kubernetes. A gate that fails its thresholds is a result (exit 0, status `fai
 that ends without a verdict, or MLflow unreachable until the runner's deadline (it retries with
 backoff until then, so an outage shorter than that costs nothing), is no result: exit 1 with the
 cause in the termination message, and the operator runs the gate again a bounded number of times
-(gate_attempts.py); only a verdict fails a release.
+(gate/attempts.py); only a verdict fails a release.
 
 MLflow is not where the operator's trust ends: anyone who may write a model version's tags could
 write a passing verdict. So the runner also writes the verdict's digest to its termination
 message, which only the kubelet puts into the pod's status, and the operator promotes a release
-only when the verdict in MLflow has that digest (gate_verdict.verdict_digest).
+only when the verdict in MLflow has that digest (gate/verdict.py's verdict_digest).
 
     python -m specpair_operator.gate.runner --release /etc/specpair/release.json \
         --termination-log /dev/termination-log

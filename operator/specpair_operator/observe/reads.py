@@ -81,7 +81,7 @@ def gate_jobs_needed(records: Records, version: str, aliases: Mapping[str, str])
                 and any(records.was(action, version, version) for action in GATE_RESULTS))
 
 
-# The history actions of a gate's result (plan._gate_result).
+# The history actions of a gate's result (release_plan._gate_result).
 GATE_RESULTS = ("GatePassed", "GateFailed", gate_verdict.GATE_ERROR)
 
 

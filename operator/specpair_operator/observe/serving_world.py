@@ -1,7 +1,7 @@
-"""What one pass observed about the champion's serving, as values: the input of serving_plan.py
+"""What one pass observed about the champion's serving, as values: the input of plan/serving_plan.py
 (nothing changes them; serving_plan.py reads, the table tests build new ones).
 
-observe.observe_serving reads it all before anything is decided: the champion's tags and
+reads.observe_serving reads it all before anything is decided: the champion's tags and
 verdict from MLflow; the engine's Deployment, Service, NetworkPolicy, TLS Secret mark and pods
 from the API server; what each ready pod reports (identity, tokenizer, speculation, counters);
 and the operator's memory of the pair (drift samples, when drift was last checked). So every

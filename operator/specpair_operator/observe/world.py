@@ -1,7 +1,7 @@
-"""What one pass observed about a pair's release, as values: the input of plan.py (nothing
-changes them; plan.py reads, the replay tests build new ones).
+"""What one pass observed about a pair's release, as values: the input of plan/release_plan.py (nothing
+changes them; release_plan.py reads, the replay tests build new ones).
 
-Everything here is read before anything is decided (observe.py reads it from MLflow and the
+Everything here is read before anything is decided (reads.py reads it from MLflow and the
 API server), so every decision about gating and promotion is a function of these values and is
 tested as a table without servers.
 """

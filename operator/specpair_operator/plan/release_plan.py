@@ -386,7 +386,7 @@ def fetch_steps(state: Any, version: str, models: str, fetched: tuple[str, ...],
                 serving: str | None, phase: str) -> tuple[bool, list[Step]]:
     """Where the release's models stand in the model cache (model_fetch.fetch_state, or None
     when it needs no fetch): whether its pods may start (the models are there), and the steps
-    that say so. Shared by the gate (plan.py) and the engine's rollout (serving_plan.py)."""
+    that say so. Shared by the gate (release_plan.py) and the engine's rollout (serving_rollout.py)."""
     if state is None:
         return True, []
     keeps = f"; v{serving} keeps serving" if serving else ""

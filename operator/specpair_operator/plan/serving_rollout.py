@@ -107,7 +107,7 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
 
 def _models_ready(out: _Steps, w: ServingWorld, version: str, served: dict[str, Any]) -> bool:
     """Before new engine pods read the model cache (a rollout, a rollback's included), the
-    served release's models are in it: else its fetch Job's steps (plan.fetch_steps) and no
+    served release's models are in it: else its fetch Job's steps (release_plan.fetch_steps) and no
     rollout; the pods running keep serving."""
     ready, steps = fetch_steps(w.model_fetch, version, w.models, w.fetched,
                                out.was(model_fetch.MODEL_FETCH_FAILED, w.models, version), None, "RollingOut")

@@ -34,7 +34,7 @@ Judging, candidate against champion over the same stretch of time
     nothing inconclusive; a short acceptance sample (speculation off, nothing drafted) does not
     hold it. A step not shown healthy `rollout.progressDeadlineSeconds` after its pause aborts.
 
-Actions (serving_plan wires them; the crash marks live there and in plan.py)
+Actions (plan/serving_canary.py wires them; the crash marks live there and in plan/release_plan.py)
     Advance: the canary Deployment to the next step's replicas (the step is also its annotation
     `specpair.io/canary-step`, so a pass that dies after the patch does not scale it back).
     Promote: the candidate's version is tagged `specpair.canary: passed: ...`; the release pass

@@ -1,8 +1,8 @@
 """What the registry holds for specpair, with no MLflow client: the tag names, a gate's tags and
 metrics from its verdict, a version's gate result from its tags, the error every registry
 adapter raises when MLflow cannot be reached, and how an adapter finds or creates what two
-writers may create at once. The operator's adapter (registry.py, MlflowClient) and the gate
-runner's (gate_record.py, MLflow's REST API without importing mlflow) both write and read
+writers may create at once. The operator's adapter (clients/registry.py, MlflowClient) and the gate
+runner's (gate/record.py, MLflow's REST API without importing mlflow) both write and read
 through these, so they cannot disagree on a name, a shape or a race."""
 
 from __future__ import annotations
@@ -391,7 +391,7 @@ def with_history_line(description: str, line: str) -> str:
 
 # -- live events on the record -------------------------------------------------------------------
 # The operator marks each change of a version's standing with a tag it reads back (crash safety:
-# plan.py, serving_plan.py, shadow_run.py). What a reviewer reads of the same event is written
+# plan/release_plan.py, plan/serving_*.py, policy/shadow_run.py). What a reviewer reads of the same event is written
 # beside the mark: a short tag in words on the version, a line in its description's history, and
 # the evidence in a run of its own with metrics.
 
