@@ -1,4 +1,4 @@
-"""The canary in the operator's plans (plan.py, serving_plan.py, canary.py) as tables: a passed
+"""The canary in the operator's plans (plan/release_plan.py, plan/serving_canary.py, policy/canary.py) as tables: a passed
 candidate whose strategy is Canary serves beside the champion in a second Deployment behind the
 same Service, step by step, and is promoted when its pods are judged healthy against the
 champion's, or aborted (the champion untouched) when they are worse.

@@ -1,4 +1,4 @@
-"""The release's plan (plan.py) as tables: for each scenario the end-to-end tests drive through a
+"""The release's plan (plan/release_plan.py) as tables: for each scenario the end-to-end tests drive through a
 real API server and MLflow (a new pair gated, promoted and served; a failed gate; a new release
 replacing the champion; a gate retried, given up; a verdict nobody reported; a rolled-back
 release; a name taken by an object the pair does not own), a ReleaseWorld and the steps

@@ -1,4 +1,4 @@
-"""Shadow scoring in the operator's plans (plan.py, serving_plan.py, shadow_run.py) as tables: a
+"""Shadow scoring in the operator's plans (plan/release_plan.py, plan/serving_shadow.py, policy/shadow_run.py) as tables: a
 passed candidate that differs from the champion only on its draft side is scored on the
 champion's pods instead of promoted; the verdict on the pods' evidence promotes it, rejects it,
 or waits (and past rollout.shadow.maxSeconds rejects it).

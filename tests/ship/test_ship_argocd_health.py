@@ -101,7 +101,7 @@ CASES = [
 
 # -- statuses as the operator writes them ----------------------------------------------------------
 # Each is what the operator's own status ledger (operator/specpair_operator/act/ledger.py) writes for a
-# pass that reports (how, phase, reason) as the plans do (the Report(...) of plan.py and
+# pass that reports (how, phase, reason) as the plans do (the Report(...) of plan/release_plan.py and
 # serving_plan.py), with the other conditions such a pass sets: not hand-made condition lists.
 
 OPERATOR_SOURCES = "\n".join(p.read_text() for p in (REPO_ROOT / "operator" / "specpair_operator").rglob("*.py"))
