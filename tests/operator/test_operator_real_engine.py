@@ -1,8 +1,9 @@
 """The operator with the real engine on the real control plane: `specpair gate` in the gate Job and
 `specpair engine serve` in the engine pods (the project's engine image, run by the devcluster
 node), on tiny models (CPU). A compatible pair is gated, recorded and served with its identity
-checked over gRPC; its draft swapped on disk for a bad one drifts on the real engine's counters,
-and the operator turns speculation off on it. (What the drift ladder does next, a rollback or
+checked over gRPC (a golden prompt asking for JSON judged and recorded as schema validity); its
+draft swapped on disk for a bad one drifts on the real engine's counters, and the operator turns
+speculation off on it, the SpeculationOff readable in MLflow (tag in words, history, event run). (What the drift ladder does next, a rollback or
 not, is decided by serving_plan.py and proven as tables in test_operator_serving_plan.py; a
 rollback end to end in test_operator_e2e.py. The gate refusing another tokenizer before loading
 weights is tested with the engine, tests/engine/test_engine_gate.py.)"""
@@ -19,6 +20,11 @@ from mlflow import MlflowClient
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
 from cluster_env import CODE_PROMPTS, OPERATOR, cond, engine_pods, model_name, serving, tiny_pair
+from specpair_operator.release.registry_contract import gate_experiment
+
+# One key, two values: the reply is a handful of the tiny tokenizer's tokens (maxNewTokens 12).
+PICK = {"type": "object", "additionalProperties": False, "required": ["a"], "properties": {"a": {"enum": [1, 2]}}}
+
 
 def real_fingerprint(path: str) -> str:
     from transformers import AutoTokenizer
@@ -62,19 +68,26 @@ def test_real_gate_and_engine_serve_then_turn_speculation_off_on_a_drifting_draf
     mlflow = MlflowClient(mlflow_server.url)
     drift = {"intervalSeconds": 1, "windowSeconds": 10, "minDraftedTokens": 20, "minRequests": 4,
              "consecutiveBreaches": 1, "probeAfterWindows": 1000, "ladder": ["SpeculationOff"]}
+    spec = tiny_pair(name, target, swappable, drift=drift)
+    # A golden prompt that asks for JSON, as a client would: it reaches the real gate through the
+    # CRD and the release, and its schema validity is judged and recorded beside acceptance.
+    spec["spec"]["gating"]["prompts"].append({"prompt": "Pick one as JSON:", "category": "json", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "pick", "schema": PICK}}})
     with KopfRunner(OPERATOR, timeout=60) as runner:
         # The compatible pair: gated by the real gate, served by a real engine pod.
-        ns.create(tiny_pair(name, target, swappable, drift=drift))
+        ns.create(spec)
         obj = ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=300)
         gate = obj["status"]["lastGate"]
-        assert gate["passed"] and gate["greedyIdentity"] == 1.0 and set(gate["categories"]) == {"code", "chat"}
+        assert gate["passed"] and gate["greedyIdentity"] == 1.0 and set(gate["categories"]) == {"code", "chat", "json"}
         assert gate["categories"]["code"] > 0.12, f"the tiny draft should be accepted at the gate, got {gate}"
         tags = mlflow.get_model_version(model, "1").tags
         assert tags["specpair.tokenizer.target_fingerprint"] == real_fingerprint(target)
         assert tags["specpair.tokenizer.draft_fingerprint"] == real_fingerprint(swappable)
         run_id = tags["specpair.gate.run_id"]
         assert {"gate/verdict.json", "gate/golden_outputs.json"} <= {a.path for a in mlflow.list_artifacts(run_id, "gate")}
-        assert "acceptance_rate.code" in mlflow.get_run(run_id).data.metrics
+        metrics = mlflow.get_run(run_id).data.metrics
+        assert "acceptance_rate.code" in metrics
+        assert metrics["schema_validity.json"] == 1.0 and "schema_validity.code" not in metrics
 
         # Someone replaces the files behind the draft's path; the pod is replaced and loads them.
         save_tiny(make_model(tiny_tokenizer, seed=9), swappable)
@@ -90,4 +103,15 @@ def test_real_gate_and_engine_serve_then_turn_speculation_off_on_a_drifting_draf
         with grpc.insecure_channel(serving_address(ns)) as channel:
             info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
         assert (info.pair, info.version, info.speculation.enabled) == (name, "1", False)
+        # The SpeculationOff a reviewer reads in MLflow: a short tag in words on the version, a
+        # line in its history, and a run of its own with the drift judgement's figures.
+        version = ns.wait_for("the speculation-off record", lambda: (
+            v := mlflow.get_model_version(model, "1")) and "specpair.event.speculation-off" in v.tags and v, timeout=60)
+        said = version.tags["specpair.event.speculation-off"]
+        assert said.startswith("v1 serving target-only (speculation off): sustained drift: ") and \
+            "category 'code' acceptance" in said, said
+        assert "**speculation-off**: v1 serving target-only" in version.description
+        exp = mlflow.get_experiment_by_name(gate_experiment(model))
+        [event] = mlflow.search_runs([exp.experiment_id], filter_string="tags.`specpair.event` = 'speculation-off'")
+        assert event.info.run_name == "speculation-off-v1" and event.data.metrics["live_acceptance.code"] < 0.3
     assert runner.exception is None
