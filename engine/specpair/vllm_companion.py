@@ -480,6 +480,12 @@ class Companion:
         path = request.path
         if path == "/health" and self.draining:
             return _error(503, "draining: this pod is shutting down", "service_unavailable")
+        if self.draining and path.startswith("/v1/"):
+            # A request that reaches a draining pod (before readiness takes it out of its Service)
+            # is refused before it starts, as our engine's front does, so the client sends it
+            # elsewhere: vLLM, told to stop at the same moment, would answer it with an empty stream.
+            return _error(503, "shutting down: this pod is draining; send the request to another",
+                          "service_unavailable")
         if path == "/metrics":
             return await self._metrics()
         token = self.options.auth_token

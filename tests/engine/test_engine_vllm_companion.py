@@ -194,3 +194,34 @@ def test_the_metrics_port_serves_the_same_series_as_the_http_port_and_nothing_el
             assert get(companion.metrics_port, "/v1/models")[0] == 404
         finally:
             companion.stop()
+
+
+def test_a_draining_companion_refuses_new_requests_before_they_start():
+    """After SIGTERM (draining), /health and every /v1 request answer 503 "shutting down": a
+    request reaching the pod before readiness takes it out of its Service is sent elsewhere by
+    its client, not started on a vLLM that is stopping (seen on the devcluster: an empty stream)."""
+    import urllib.error
+    import urllib.request
+
+    from specpair.vllm_companion import Companion, CompanionOptions
+    from specpair.vllm_companion_bench import ReplayServer
+
+    with ReplayServer() as upstream:
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
+        try:
+            body = json.dumps({"model": "peer", "prompt": "x", "max_tokens": 4, "stream": True}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{companion.port}/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as r:
+                assert r.status == 200 and b"data: [DONE]" in r.read()
+            companion.draining = True
+            for path, data in (("/v1/completions", body), ("/health", None)):
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(urllib.request.Request(
+                        f"http://127.0.0.1:{companion.port}{path}", data, {"Content-Type": "application/json"}),
+                        timeout=30)
+                assert refused.value.code == 503
+                if path != "/health":
+                    assert "shutting down" in json.loads(refused.value.read())["error"]["message"]
+        finally:
+            companion.stop(drain=False)
