@@ -5,7 +5,15 @@ devcluster node, on a Unix socket) behind the pod's companion (specpair.vllm_com
 pair's token Secret (rollout.auth); the operator verifies each pod's identity and reads its drift
 per category through the companion's control port (mutual TLS), from vLLM's own per-request
 acceptance; a request without the token is refused (401) and one with it answered; a draft with
-another tokenizer still fails at the gate, before any vLLM starts.
+another tokenizer still fails at the gate, before any vLLM starts. The gate measured the release at
+the concurrencies it serves (batchSweep) and shipped vLLM's k schedule from them.
+
+The same pods then go through what a platform team does to a vLLM pair (one vLLM release shared,
+issue 53): real KEDA scales it 1 -> 2 -> 1 on vLLM's own `vllm:num_requests_running`, which a
+real Prometheus scrapes from the pods through the chart's ServiceMonitor, with no request lost;
+then its sampled traffic collapses the acceptance of one category, the drift ladder turns
+speculation off, and the pods are replaced by target-only ones (a surge: no GPU) while clients
+stream through the switch: zero failed requests.
 
 Marked `vllm`: skipped where scripts/setup-vllm.sh has not run, unless SPECPAIR_REQUIRE_VLLM is
 set (CI). Several minutes: two vLLM servers in the gate, one per engine pod (~4 GB each).
@@ -25,6 +33,7 @@ import pytest
 from kopf.testing import KopfRunner
 
 from cluster_env import OPERATOR, model_name
+from vllm_streams import Streams
 from vllm_test_env import VLLM_TEST_ENV
 
 VLLM_IMAGE = "specpair/engine-vllm:test"
@@ -49,14 +58,57 @@ def vllm_image(devcluster) -> None:
              "SPECPAIR_GATE_COMMAND": f"{sys.executable} -m specpair gate", **VLLM_TEST_ENV})
 
 
+def repeating(loaded, self_logit: float = 8.0):
+    """The model, made to say its last token again: its layers add nothing to the residual stream
+    (attention and MLP outputs zeroed), and its output head scores each token by its embedding's
+    cosine with the current one's (the token itself: `self_logit`; any other: about 0.7 at most
+    here). Greedy, n-gram drafts of the repeated token are all accepted; sampled at temperature 2,
+    the token itself has p ~ 0.11 and drafts are rarely accepted: a category's acceptance can
+    collapse on live traffic."""
+    import torch
+    with torch.no_grad():
+        for layer in loaded.model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embeddings = loaded.model.model.embed_tokens.weight
+        unit = embeddings / embeddings.norm(dim=1, keepdim=True).clamp_min(1e-6)
+        loaded.model.lm_head.weight.copy_(unit * (self_logit / embeddings.shape[1] ** 0.5))
+    return loaded
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
-    """A tiny random Llama vLLM's CPU attention runs (head_dim 64), and a draft with another tokenizer."""
+    """A tiny Llama vLLM's CPU attention runs (head_dim 64) that repeats its last token (so n-gram
+    drafts are accepted when greedy), and a draft with another tokenizer."""
     from tiny_models import make_model, make_tokenizer, save_tiny
     root = tmp_path_factory.mktemp("vllm-models")
-    return {"target": save_tiny(make_model(make_tokenizer(), seed=1, hidden=128, heads=2), root / "target"),
+    return {"target": save_tiny(repeating(make_model(make_tokenizer(), seed=1, hidden=128, heads=2)), root / "target"),
             "foreign": save_tiny(make_model(make_tokenizer(vocab_size=300), seed=2, hidden=128, heads=2),
                                  root / "foreign")}
+
+
+@pytest.fixture(scope="module")
+def prometheus_and_keda(devcluster, tmp_path_factory):
+    """A real Prometheus scraping what the chart's ServiceMonitor selects (every second), and real
+    KEDA, both started before the operator (it asks the API server whether KEDA is served)."""
+    from specpair_devcluster.keda import DevKeda
+    from specpair_devcluster.prometheus import DevPrometheus, chart_monitors
+
+    work = tmp_path_factory.mktemp("vllm-autoscaling")
+    # Every namespace (the chart's monitor follows watchNamespaces): the test's is made per test.
+    values = work / "values.yaml"
+    values.write_text("watchNamespaces: []\n")
+    monitors = [m for m in chart_monitors("vllm-e2e", "specpair-system", [values]) if m["kind"] == "ServiceMonitor"]
+    assert monitors and all(m["spec"]["namespaceSelector"] == {"any": True} for m in monitors), monitors
+    prom = DevPrometheus(devcluster, work / "prometheus", monitors, interval="1s").start()
+    try:
+        keda = DevKeda(devcluster, work / "keda").start()
+    except BaseException:
+        prom.stop()
+        raise
+    yield prom, keda
+    keda.stop()   # its CRDs with it: later tests on this cluster see no KEDA
+    prom.stop()
 
 
 def vllm_pair(name: str, target: str, draft: dict[str, Any]) -> dict[str, Any]:
@@ -78,9 +130,11 @@ def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
 # Three vLLM starts in a row (the gate's two servers, then the pod's): ~260 s on a quiet machine;
 # past pyproject's 600 s on a busy one (load 13: not yet serving at 600 s), so the cap is the
 # deadline the test gives the first release to serve.
-@pytest.mark.timeout(900)
-def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm_image, models, operator_env, ns,
-                                                                            mlflow_server, tmp_path):
+# Then a second pod (KEDA's scale-up) and a third (the target-only pod of SpeculationOff): ~6 more
+# minutes on a quiet machine.
+@pytest.mark.timeout(2400)
+def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm_image, models, prometheus_and_keda,
+                                                                            operator_env, ns, mlflow_server, tmp_path):
     import openai
 
     from specpair.vllm_serve import parse_identity_name
@@ -148,8 +202,17 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
         obj = ns.wait_for("the foreign draft refused", lambda: (o := ns.pair(other)) and
                           cond(o, "TokenizerCompatible").get("status") == "False" and o, timeout=300)
         assert cond(obj, "Gated")["reason"] == "TokenizerMismatch" and not obj["status"].get("servingVersion")
+        ns.kube.delete("specpair.io/v1alpha1", "SpecModelPair", ns.name, other)
+
+        streams = Streams(ns.cluster, ns.name, name, TOKEN)
+        try:
+            said = [keda_scales_the_pair_on_vllms_own_series(ns, name, streams, *prometheus_and_keda),
+                    speculation_goes_off_with_no_request_lost(ns, name, streams)]
+        finally:
+            streams.close()
     assert runner.exception is None
-    print(json.dumps(st.get("lastGate")))
+    # Printed here: inside the runner's block, stdout is Kopf's runner's.
+    print(json.dumps(st.get("lastGate")), *said, sep="\n")
 
 
 def assert_the_gate_judged_vllms_own_output(mlflow_url: str, model: str, target: str, thresholds: dict[str, Any],
@@ -177,6 +240,18 @@ def assert_the_gate_judged_vllms_own_output(mlflow_url: str, model: str, target:
     assert verdict["meanAcceptanceLength"] >= 1.0 and 0.0 <= verdict["acceptanceRate"] <= 1.0
     assert sum(g["draft_tokens"] for g in golden) > 0
     assert verdict["speedup"] > 0 and verdict["passed"] is True
+    # k by load: measured at the concurrencies the release serves (gating.tuning's default batch
+    # sizes), and vLLM's k schedule follows from exactly those figures (None: drafting paid at each).
+    from specpair.vllm_k_schedule import LoadPoint, k_by_batch_size
+    sweep = verdict["batchSweep"]
+    assert [row["batchSize"] for row in sweep] == [1, 2, 4] and all(row["speedup"] > 0 for row in sweep), sweep
+    schedule = k_by_batch_size([LoadPoint(row["batchSize"], row["speedup"]) for row in sweep], 3)
+    assert verdict["bestSpeculation"] == (None if schedule is None else {"kByBatchSize": schedule}), verdict
+    # ... recorded in the gate's MLflow run beside the speedups it rests on.
+    run = client.get_run(run_id)
+    steps = {m.step: m.value for m in client.get_metric_history(run_id, "speedup_by_batch_size")}
+    assert steps == {row["batchSize"]: row["speedup"] for row in sweep}, steps
+    assert run.data.params.get("tuned.kByBatchSize") == (None if schedule is None else str(schedule))
     ours = SpeculativeEngine(load_model(target, device="cpu"))
     for g in golden:
         reply = ours.generate([g["prompt"]], GenerationParams(max_new_tokens=MAX_NEW_TOKENS), chat=True,
@@ -195,3 +270,112 @@ def post_completion(ip: str, model: str, token: str | None) -> int:
             return r.status
     except urllib.error.HTTPError as exc:
         return exc.code
+
+
+# Requests running per replica the pair is sized for, and the streams of the burst: KEDA's HPA
+# wants ceil(3 / 1) = 3 replicas, capped at 2.
+TARGET_RUNNING, BURST_STREAMS, MAX_REPLICAS = 1, 3, 2
+
+
+def serving_pods(ns, name: str) -> list[dict[str, Any]]:
+    from vllm_streams import ready
+    return [p for p in ns.pods(f"specpair.io/pair={name},specpair.io/role=engine")
+            if not p["metadata"].get("deletionTimestamp") and ready(p)]
+
+
+def keda_scales_the_pair_on_vllms_own_series(ns, name: str, streams: Streams, prom, keda) -> str:
+    """rollout.autoscaling (runningRequests) on a vLLM pair: the operator writes a ScaledObject
+    whose query sums vLLM's own `vllm:num_requests_running` over the pair's pods; Prometheus
+    scrapes it from the pods' `metrics` port (the chart's ServiceMonitor); KEDA's HPA scales the
+    pair 1 -> 2 under a burst and back to 1 without it, the new pod serving the same release (no
+    gate, no history entry), and no client request fails."""
+    history = ns.pair(name)["status"].get("history")
+    ns.patch("specpair.io/v1alpha1", "SpecModelPair", name, {"spec": {"rollout": {"autoscaling": {
+        "minReplicas": 1, "maxReplicas": MAX_REPLICAS, "metric": "runningRequests", "target": TARGET_RUNNING,
+        "prometheusAddress": prom.url, "pollingIntervalSeconds": 1, "scaleDownStabilizationSeconds": 5}}}})
+    (scaled,) = ns.wait_for("the operator's ScaledObject", lambda: ns.list("keda.sh/v1alpha1", "scaledobjects"),
+                            timeout=120)
+    (trigger,) = scaled["spec"]["triggers"]
+    query = trigger["metadata"]["query"]
+    assert query.startswith("sum(vllm:num_requests_running{") and f'model_name=~"specpair:{name}:.+"' in query, query
+    # Prometheus finds the pod on its `metrics` port and reads vLLM's series there.
+    prom.wait_for("vLLM's series scraped from the pod", lambda: prom.query(query), timeout=120)
+    (hpa,) = ns.wait_for("KEDA's HPA", lambda: ns.list("autoscaling/v2", "horizontalpodautoscalers"), timeout=120)
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "SpecModelPair"
+
+    # Long replies from every stream (no category: the default one the gate did not measure, so
+    # drift does not judge this traffic).
+    burst = streams.run(BURST_STREAMS, model=name, prompt="one two three four five six seven eight",
+                        max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+    replicas: list[int | None] = []
+
+    def two_serving() -> bool:
+        obj = ns.pair(name)
+        replicas.append(obj["spec"]["rollout"].get("replicas"))
+        pods = serving_pods(ns, name)
+        return len(pods) == MAX_REPLICAS and \
+            {p["metadata"]["labels"].get("specpair.io/release-version") for p in pods} == {"1"}
+    # A second vLLM pod starts (tens of seconds; minutes on a busy machine).
+    ns.wait_for("scaled to 2 and serving v1 on both", two_serving, timeout=600)
+    assert MAX_REPLICAS in replicas, replicas
+    ns.wait_for("both pods served a request", lambda: len(streams.served_by()) >= 2, timeout=300)
+    burst.set()
+    ns.wait_for("scaled back to 1", lambda: ns.pair(name)["spec"]["rollout"].get("replicas") == 1 and
+                len([p for p in ns.pods(f"specpair.io/pair={name},specpair.io/role=engine")]) == 1, timeout=300)
+    streams.stop_all()
+    obj = ns.pair(name)
+    assert obj["status"].get("history") == history and obj["status"]["servingVersion"] == "1"
+    assert not streams.failed, streams.failed[:5]
+    summary = (f"autoscaling: {len(streams.done)} requests served by {sorted(streams.served_by())}, none failed, "
+               f"{len(streams.refused)} refused by a pod going away and sent again")
+    # Autoscaling off again: the ScaledObject goes, the count stays where the HPA left it.
+    ns.patch("specpair.io/v1alpha1", "SpecModelPair", name, {"spec": {"rollout": {"autoscaling": None}}})
+    ns.wait_for("the ScaledObject removed", lambda: not ns.list("keda.sh/v1alpha1", "scaledobjects"), timeout=120)
+    return summary
+
+
+# Sampled at a high temperature from a random model, the target's tokens are close to uniform:
+# n-gram drafts (copies of earlier tokens) are almost never accepted, against the greedy
+# acceptance the category was gated at.
+COLLAPSE = {"prompt": " ".join(f"w{i}" for i in range(60)), "max_tokens": 48, "temperature": 2.0,
+            "extra_body": {"ignore_eos": True, "specpair": {"category": "extraction"}}}
+
+
+def speculation_goes_off_with_no_request_lost(ns, name: str, streams: Streams) -> str:
+    """A category's acceptance collapses; the drift ladder takes SpeculationOff. vLLM cannot switch
+    it at run time, so the pair's pods are replaced by target-only ones, and the plan says how
+    (a SpeculationRollout Event): with no GPU each new pod starts beside the old one and the old
+    one drains. Clients stream through the whole switch: not one request fails."""
+    from specpair.vllm_serve import parse_identity_name
+
+    (old,) = serving_pods(ns, name)
+    streams.done.clear()
+    collapse = streams.run(2, model=name, **COLLAPSE)
+    try:
+        obj = ns.wait_for("speculation off", lambda: (o := ns.pair(name)) and
+                          o["status"].get("speculationEnabled") is False and o, timeout=300)
+        assert "category 'extraction'" in cond(obj, "Drifted")["message"], cond(obj, "Drifted")
+        (said,) = ns.wait_for_event("SpeculationRollout", "each new pod starts beside the old ones", timeout=60)[-1:]
+        assert "speculation off" in said and "maxUnavailable 0" in said, said
+
+        def replaced() -> dict[str, Any] | None:
+            pods = serving_pods(ns, name)
+            everything = ns.pods(f"specpair.io/pair={name},specpair.io/role=engine")
+            return pods[0] if len(pods) == 1 == len(everything) and pods[0]["metadata"]["uid"] != \
+                old["metadata"]["uid"] else None
+        new = ns.wait_for("a target-only pod in place of the old one", replaced, timeout=600)
+        ns.wait_for("the new pod served a request", lambda: new["metadata"]["name"] in streams.served_by(),
+                    timeout=300)
+    finally:
+        collapse.set()
+        streams.stop_all()
+    import openai
+    client = openai.OpenAI(base_url=f"http://{new['status']['podIP']}:8000/v1", api_key=TOKEN, timeout=60)
+    identity = next(i for m in client.models.list().data if (i := parse_identity_name(m.id)))
+    assert identity["speculating"] is False and identity["version"] == "1", identity
+    # Every request of the switch finished: none on the old pod as it drained, none on the new one.
+    assert not streams.failed, streams.failed[:5]
+    served = streams.served_by()
+    assert old["metadata"]["name"] in served and new["metadata"]["name"] in served, served
+    return (f"speculation off: {len(streams.done)} streamed requests through the switch, none failed, "
+            f"{len(streams.refused)} refused by the old pod as it went away and sent again")
