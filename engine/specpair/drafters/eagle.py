@@ -186,13 +186,13 @@ class EagleDrafter(HeadDrafter):
         # Drop the pairs built on predicted features; the target's own replace them (observe).
         self.kv.rollback(row, self.known[row])
 
-    @torch.no_grad()
     def step_model(self):
         return self.loaded.model
 
     def warm_up_steps(self, rows: int, context_length: int, tree_width: int, k_max: int) -> dict | None:
         return self.warm_up(rows, context_length, tree_width, k_max)
 
+    @torch.no_grad()
     def warm_up(self, max_rows: int, max_positions: int, width: int, depth: int) -> dict | None:
         """Run the head's steps once at every shape a batch of up to max_rows drafting rows of up
         to max_positions positions uses, on scratch batches, so no request compiles: at each

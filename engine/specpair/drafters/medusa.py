@@ -83,13 +83,13 @@ class MedusaDrafter(HeadDrafter):
                 self.head, self.draft_ids, rows, width, self.compiled)
         return step
 
-    @torch.no_grad()
     def step_model(self):
         return self.loaded.model
 
     def warm_up_steps(self, rows: int, context_length: int, tree_width: int, k_max: int) -> dict | None:
         return self.warm_up(rows, tree_width)
 
+    @torch.no_grad()
     def warm_up(self, max_rows: int, width: int) -> dict | None:
         """The heads' step once at every rows bucket up to max_rows (compiled, on CUDA recorded:
         serving replays these graphs); -> the buckets, the graphs and the seconds, None where
