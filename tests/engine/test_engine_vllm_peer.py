@@ -327,6 +327,11 @@ def through_companion(port: int, model: str) -> dict:
     return out
 
 
+# The stream the drain waits on: long enough (ignore_eos) to be seen in flight by a poll every
+# 10 ms on a loaded machine; 24 tokens of the tiny model were once over between two polls in CI.
+DRAIN_MAX_TOKENS = 256
+
+
 def drain_with_a_stream_in_flight(companion, model: str) -> dict:
     """SIGTERM's drain (Companion.drain) while a client streams through it: what the client got,
     and what /health said meanwhile."""
@@ -338,7 +343,7 @@ def drain_with_a_stream_in_flight(companion, model: str) -> dict:
     got: dict = {}
 
     def stream() -> None:
-        chunks = client.completions.create(model=model, prompt=VLLM_PROMPTS[0], max_tokens=VLLM_MAX_TOKENS,
+        chunks = client.completions.create(model=model, prompt=VLLM_PROMPTS[0], max_tokens=DRAIN_MAX_TOKENS,
                                            temperature=0, stream=True, stream_options={"include_usage": True},
                                            extra_body={"ignore_eos": True, "specpair": {"category": "code"}})
         got["usage"] = [c.usage for c in chunks if c.usage]
@@ -491,7 +496,7 @@ def test_the_companion_passes_replies_through_and_counts_vllms_own_acceptance_by
     # flight runs to its end.
     drain = vllm_served["drain"]
     assert drain["health"] == 503 and drain["left"] == 0
-    assert [u.completion_tokens for u in drain["usage"]] == [VLLM_MAX_TOKENS]
+    assert [u.completion_tokens for u in drain["usage"]] == [DRAIN_MAX_TOKENS]
 
 
 @pytest.mark.vllm
