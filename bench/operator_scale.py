@@ -3,8 +3,11 @@
 Starts its own devcluster (nodes sized to hold the pairs: --pods-per-node, --nodes), a real MLflow
 server, the chart (helm, the chart's RBAC) and the operator as a separate process (`kopf run`, as
 the chart's Deployment runs it, logged in with the chart's ServiceAccount token), then creates
---pairs SpecModelPairs on the stand-in engine image (tests/operator/engine_standin.py: the real
-gRPC API, no model), waits until every pair is Serving and measures the operator in steady state:
+SpecModelPairs on the stand-in engine image (tests/operator/engine_standin.py: the real gRPC API,
+no model; by default every engine pod served by one host process, engine_standin_host.py, so
+1,000 pairs fit in memory), waits until every pair is Serving and measures the operator in
+steady state. `--pairs 100,500,1000` measures each size in turn on one cluster (pairs are added
+to reach the next size; the load average before and after each window is recorded):
 
   pairs, time to Serving (per pair, from its creation; p50, p90, max),
   the operator's CPU while the pairs were made and gated, and in steady state: cores, CPU per pair
@@ -17,10 +20,10 @@ gRPC API, no model), waits until every pair is Serving and measures the operator
 With --before-env NAME=VALUE the steady window is measured twice on the same pairs: first with
 the operator run with those variables, then restarted without them (an A/B under the same load).
 
-    .venv/bin/python bench/operator_scale.py --pairs 100 --json docs/measurements/x.json
+    .venv/bin/python bench/operator_scale.py --pairs 100,500,1000 --json docs/measurements/x.json
 
-Beside other jobs the numbers are noisy (say so where they are recorded); the stand-in engine
-processes (one per pair, ~35 MB each) bound how many pairs a machine holds.
+Beside other jobs the numbers are noisy (say so where they are recorded). With
+--standin-processes each engine pod is a stand-in process of its own (~35 MB each).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "operator")]
@@ -84,18 +88,24 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] if ordered else float("nan")
 
 
-def steady_window(pid: int, audit: AuditTail, window: float, pairs: int, interval: float) -> dict:
-    """The operator's CPU, resident memory and API requests over `window` seconds of steady state."""
+def steady_window(pid: int, audit: AuditTail, window: float, pairs: int, interval: float,
+                  engine_calls: Callable[[], Counter] = Counter) -> dict:
+    """The operator's CPU, resident memory, API requests and calls to engine pods over `window`
+    seconds of steady state."""
     audit.take()
+    calls1 = engine_calls()
     cpu1, t1 = cpu_seconds(pid), time.monotonic()
     time.sleep(window)
     cpu2, t2 = cpu_seconds(pid), time.monotonic()
     requests = audit.take()
+    calls = engine_calls() - calls1
+    calls.pop("Check", None)     # the node's readiness and liveness probes, not the operator's
     seconds = t2 - t1
-    # Every pass over a serving pair lists its engine pods once, and in steady state nothing else
-    # lists pods (gate and fetch Jobs are done): the passes the operator made, as the API server
-    # saw them. (Services are read by full passes only, since settled passes replay their reads.)
-    passes = requests["list pods"]
+    # In steady state a pass over a serving pair asks its one engine pod for its counters once
+    # (GetStats: the drift check is what brings a settled pair's pass), and a full pass also lists
+    # its pods (settled passes take them from the pod watch) and reads its Service: the passes the
+    # operator made, as the engines (or, with stand-in processes, the API server) saw them.
+    passes = max(requests["list pods"], calls["GetStats"])
     return {
         "windowSeconds": round(seconds, 1),
         "operatorCores": round((cpu2 - cpu1) / seconds, 4),
@@ -106,12 +116,19 @@ def steady_window(pid: int, audit: AuditTail, window: float, pairs: int, interva
         "rssMB": round(rss_mb(pid), 1),
         "apiRequestsPerSecond": round(sum(requests.values()) / seconds, 2),
         "apiRequestsPerSecondByVerb": {k: round(v / seconds, 2) for k, v in requests.most_common()},
+        "engineCallsPerSecondByMethod": {k: round(v / seconds, 2) for k, v in calls.most_common()},
     }
+
+
+def load_average() -> list[float]:
+    return [round(x, 1) for x in os.getloadavg()]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=100)
+    ap.add_argument("--pairs", default="100", help="pairs, or sizes measured in turn: 100,500,1000")
+    ap.add_argument("--standin-processes", action="store_true",
+                    help="each engine pod a stand-in process of its own, not one host process for all")
     ap.add_argument("--pods-per-node", type=int, default=250)
     ap.add_argument("--nodes", type=int, default=0, help="default: enough for the pairs' engine and gate pods")
     ap.add_argument("--interval", type=float, default=10.0, help="SPECPAIR_RECONCILE_INTERVAL (default: %(default)s)")
@@ -126,35 +143,46 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true",
                     help="skip the deletion timing and keep the work folder (logs, audit log)")
     args = ap.parse_args()
+    sizes = sorted({int(n) for n in str(args.pairs).split(",")})
+    before = dict(item.split("=", 1) for item in args.before_env)
+    if before and len(sizes) > 1:
+        ap.error("--before-env measures one size: give --pairs one number")
 
     from cluster_env import (MODELS, OPERATOR, OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, World, install_chart,
                              operator_env, pair, register_standin_image)
+    from engine_standin_host import StandinHost, read_calls, register_hosted_standin_image
     from mlflow_server import MlflowServer
     from specpair_devcluster import DevCluster, NodeSpec
     from specpair_operator.desired.manifests import CACHE_DIR
 
     work = Path(tempfile.mkdtemp(prefix="operator-scale-"))
-    nodes = args.nodes or max(1, math.ceil((args.pairs + 20) / args.pods_per_node))
+    most = sizes[-1]
+    nodes = args.nodes or max(1, math.ceil((most + 20) / args.pods_per_node))
     cache = os.environ.get("SPECPAIR_CACHE", str(Path.home() / ".cache" / "specpair"))
     specs = [NodeSpec(name=f"scale-node-{i + 1}", cpu="64", memory="256Gi", max_pods=args.pods_per_node,
                       env={"OMP_NUM_THREADS": "1"}, preseeded={CACHE_DIR: cache}) for i in range(nodes)]
     cluster = DevCluster(work / "devcluster", nodes=specs).start()
     mlflow = MlflowServer(work / "mlflow")
     (work / "mlflow").mkdir()
-    operator = None
-    result: dict = {"pairs": args.pairs, "nodes": nodes, "podsPerNode": args.pods_per_node,
+    operator = host = None
+    result: dict = {"sizes": sizes, "nodes": nodes, "podsPerNode": args.pods_per_node,
+                    "standins": "a process per pod" if args.standin_processes else "one host process for all pods",
                     "intervalSeconds": args.interval, "commit": subprocess.run(
                         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
-                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} CPUs"}
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} CPUs",
+                    "bySize": {}}
     try:
         mlflow.start()
         kubeconfig = install_chart(cluster, mlflow.url, work)
         world = World(work / "world.json", MODELS)
-        register_standin_image(cluster, world.path)
+        if args.standin_processes:
+            register_standin_image(cluster, world.path)
+        else:
+            host = StandinHost(work / "standin-spool", world.path).start()
+            register_hosted_standin_image(cluster, world.path, host.spool)
         env = {**os.environ, **operator_env(kubeconfig, mlflow.url, {
             "SPECPAIR_RECONCILE_INTERVAL": f"{args.interval:g}", "SPECPAIR_METRICS_PORT": "0"})}
         env.pop("KUBERNETES_SERVICE_HOST", None)
-        before = dict(item.split("=", 1) for item in args.before_env)
         log = open(work / "operator.log", "wb")
         operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env={**env, **before}, stdout=log,
                                     stderr=subprocess.STDOUT, cwd=REPO)
@@ -162,57 +190,64 @@ def main() -> int:
         assert cluster.control_plane and cluster.control_plane.audit_log
         audit = AuditTail(cluster.control_plane.audit_log, user)
 
-        namespaces = [f"scale-{i}" for i in range(math.ceil(args.pairs / PAIRS_PER_NAMESPACE))]
-        for ns in namespaces:
-            cluster.ensure_namespace(ns)
-        cpu0, t0 = cpu_seconds(operator.pid), time.monotonic()
+        namespaces = [f"scale-{i}" for i in range(math.ceil(most / PAIRS_PER_NAMESPACE))]
         created: dict[tuple[str, str], float] = {}
-        for i in range(args.pairs):
-            ns = namespaces[i // PAIRS_PER_NAMESPACE]
-            obj = pair(f"p{i:04d}", "good-draft")
-            obj["metadata"]["namespace"] = ns
-            cluster.kube.create(obj)
-            created[(ns, f"p{i:04d}")] = time.monotonic()
-        print(f"{args.pairs} pairs created in {time.monotonic() - t0:.1f} s", flush=True)
-
         served: dict[tuple[str, str], float] = {}
-        deadline = time.monotonic() + args.serve_timeout
-        while len(served) < args.pairs and time.monotonic() < deadline:
-            for obj in cluster.kube.list("specpair.io/v1alpha1", "SpecModelPair"):
-                key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
-                st = obj.get("status") or {}
-                if key not in served and st.get("phase") == "Serving" and st.get("servingVersion") == "1":
-                    served[key] = time.monotonic()
-            if operator.poll() is not None:
-                raise RuntimeError(f"the operator exited ({operator.returncode}); log {work / 'operator.log'}")
-            time.sleep(2)
-        to_serving = [served[k] - created[k] for k in served]
-        result["served"] = len(served)
-        result["timeToServingSeconds"] = {"p50": round(percentile(to_serving, 0.5), 1),
-                                          "p90": round(percentile(to_serving, 0.9), 1),
-                                          "max": round(max(to_serving, default=float("nan")), 1)}
-        result["allServingAfterSeconds"] = round(time.monotonic() - t0, 1)
-        result["operatorCpuSecondsToServing"] = round(cpu_seconds(operator.pid) - cpu0, 1)
-        print(f"{len(served)}/{args.pairs} serving; {json.dumps(result['timeToServingSeconds'])}", flush=True)
-        if len(served) < args.pairs:
-            phases = Counter((o.get("status") or {}).get("phase") for o in
-                             cluster.kube.list("specpair.io/v1alpha1", "SpecModelPair"))
-            result["notServing"] = dict(phases)
+        for size in sizes:
+            figures: dict = result["bySize"].setdefault(str(size), {"pairs": size})
+            cpu0, t0 = cpu_seconds(operator.pid), time.monotonic()
+            for i in range(len(created), size):
+                ns = namespaces[i // PAIRS_PER_NAMESPACE]
+                if i % PAIRS_PER_NAMESPACE == 0:
+                    cluster.ensure_namespace(ns)
+                obj = pair(f"p{i:04d}", "good-draft")
+                obj["metadata"]["namespace"] = ns
+                cluster.kube.create(obj)
+                created[(ns, f"p{i:04d}")] = time.monotonic()
+            print(f"{size} pairs: {size - len(served)} created in {time.monotonic() - t0:.1f} s", flush=True)
 
-        windows = [("before", before)] if before else []
-        windows.append(("steady", {}))
-        for label, extra in windows:
-            if label == "steady" and before:
-                # The same pairs, the same cluster and load: the operator restarted without the
-                # `before` variables (it remembers nothing; every pair is resumed and settles again).
-                operator.terminate()
-                operator.wait(60)
-                operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env=env, stdout=log,
-                                            stderr=subprocess.STDOUT, cwd=REPO)
-            time.sleep(args.settle)
-            result[label] = steady_window(operator.pid, audit, args.window, len(served), args.interval)
-            result[label]["env"] = extra
-            print(label, json.dumps(result[label], indent=1), flush=True)
+            deadline = time.monotonic() + args.serve_timeout
+            while len(served) < size and time.monotonic() < deadline:
+                for obj in cluster.kube.list("specpair.io/v1alpha1", "SpecModelPair"):
+                    key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+                    st = obj.get("status") or {}
+                    if key not in served and st.get("phase") == "Serving" and st.get("servingVersion") == "1":
+                        served[key] = time.monotonic()
+                if operator.poll() is not None:
+                    raise RuntimeError(f"the operator exited ({operator.returncode}); log {work / 'operator.log'}")
+                time.sleep(2)
+            to_serving = [served[k] - created[k] for k in served if created[k] >= t0]
+            figures["served"] = len(served)
+            figures["timeToServingSeconds"] = {"p50": round(percentile(to_serving, 0.5), 1),
+                                               "p90": round(percentile(to_serving, 0.9), 1),
+                                               "max": round(max(to_serving, default=float("nan")), 1)}
+            figures["allServingAfterSeconds"] = round(time.monotonic() - t0, 1)
+            figures["operatorCpuSecondsToServing"] = round(cpu_seconds(operator.pid) - cpu0, 1)
+            print(f"{len(served)}/{size} serving; the new ones' {json.dumps(figures['timeToServingSeconds'])}",
+                  flush=True)
+            if len(served) < size:
+                phases = Counter((o.get("status") or {}).get("phase") for o in
+                                 cluster.kube.list("specpair.io/v1alpha1", "SpecModelPair"))
+                figures["notServing"] = dict(phases)
+
+            windows = [("before", before)] if before else []
+            windows.append(("steady", {}))
+            for label, extra in windows:
+                if label == "steady" and before:
+                    # The same pairs, the same cluster and load: the operator restarted without the
+                    # `before` variables (it remembers nothing; every pair is resumed and settles again).
+                    operator.terminate()
+                    operator.wait(60)
+                    operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env=env, stdout=log,
+                                                stderr=subprocess.STDOUT, cwd=REPO)
+                time.sleep(args.settle)
+                load = load_average()
+                figures[label] = steady_window(operator.pid, audit, args.window, len(served), args.interval,
+                                               (lambda: read_calls(host.spool)) if host else Counter)
+                figures[label].update(env=extra, loadAverageBefore=load, loadAverageAfter=load_average())
+                print(f"{size} pairs, {label}", json.dumps(figures[label], indent=1), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(result, indent=1) + "\n")
 
         if not args.keep:
             t3 = time.monotonic()
@@ -229,13 +264,15 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 operator.kill()
         cluster.stop()
+        if host is not None:
+            host.stop()
         mlflow.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
-    return 0 if result.get("served") == args.pairs else 1
+    return 0 if all(f.get("served") == f["pairs"] for f in result["bySize"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -100,10 +100,9 @@ class StandInEngine(engine_pb2_grpc.EngineServicer):
         return engine_pb2.SpeculationSettings(enabled=self.speculation, k=self.args.k)
 
 
-def main(argv: list[str]) -> int:
-    if argv[:2] != ["engine", "serve"]:
-        print(f"stand-in image: only `specpair engine serve` is here, not {argv[:2]}", file=sys.stderr)
-        return 2
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The flags the operator writes into the Deployment (`engine serve ...`), read as the real
+    engine reads them; --release fills in what it serves."""
     ap = argparse.ArgumentParser()
     for flag in ("--target", "--draft", "--drafter", "--target-revision", "--draft-revision", "--pair",
                  "--fallback-threshold", "--batch-size-threshold", "--host", "--release"):
@@ -131,10 +130,15 @@ def main(argv: list[str]) -> int:
             args.content_hash = "0" * 64  # this pod serves something other than its release file says
     else:
         args.content_hash = ""
-    if str(args.version) in {str(v) for v in world().get("_crash_versions", [])}:
-        print(f"stand-in engine: release v{args.version} crashes at start (the test's world says so)", file=sys.stderr)
-        return 1
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    return args
+
+
+def build_server(args: argparse.Namespace, executor: futures.Executor | None = None,
+                 interceptors: tuple[Any, ...] = ()) -> grpc.Server:
+    """The stand-in's gRPC server on the pod's address (serving port, and the control port with
+    mutual TLS when asked), not started. Several servers may share one `executor`
+    (engine_standin_host.py serves many pods from one process, and counts their calls)."""
+    server = grpc.server(executor or futures.ThreadPoolExecutor(max_workers=8), interceptors=interceptors)
     engine_pb2_grpc.add_EngineServicer_to_server(StandInEngine(args), server)
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -148,6 +152,22 @@ def main(argv: list[str]) -> int:
                                             root_certificates=read(args.control_tls_client_ca),
                                             require_client_auth=True)
         server.add_secure_port(f"{args.host or '127.0.0.1'}:{args.control_port}", creds)
+    return server
+
+
+def crashes(args: argparse.Namespace) -> bool:
+    return str(args.version) in {str(v) for v in world().get("_crash_versions", [])}
+
+
+def main(argv: list[str]) -> int:
+    if argv[:2] != ["engine", "serve"]:
+        print(f"stand-in image: only `specpair engine serve` is here, not {argv[:2]}", file=sys.stderr)
+        return 2
+    args = parse_args(argv)
+    if crashes(args):
+        print(f"stand-in engine: release v{args.version} crashes at start (the test's world says so)", file=sys.stderr)
+        return 1
+    server = build_server(args)
     server.start()
     print(f"stand-in engine {args.pair} v{args.version} on {args.host}:{args.port}", flush=True)
     stop = threading.Event()
