@@ -6,8 +6,11 @@ require a matching torch, and this engine runs torch 2.13 on the CPU and its CUD
 version on GPUs), computes a mask in tens of microseconds without a per-schema compile step,
 and its matcher checks a run of tokens and rolls back, which is what verifying drafts needs.
 
-Under speculation (decoding.Batch): a row's drafts are cut at the first token its grammar
-refuses before the target scores them (`RowGrammar.allowed`), and the target's logits at every
+Under speculation (decoding.Batch): drafters propose within the grammar where they can (a draft
+model's logits masked, `DraftGrammar`; a lookup's proposals cut at the first refused token and
+filled with the tokens the grammar forces, `RowGrammar.guided_drafts`); any other drafter's
+drafts are cut at the first token the grammar refuses before the target scores them
+(`RowGrammar.allowed`), and the target's logits at every
 verified position are masked by the grammar in the state after the drafts before it
 (`RowGrammar.masks`), so every committed token is what target-only constrained decoding picks
 there. A draft the grammar refuses counts as drafted and not accepted.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from specpair.errors import SpecpairError
@@ -183,16 +187,17 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar_source(structure), log_level=0)
         if matcher.is_error():
             raise SpecpairError(f"the {structure[0]} does not compile: {matcher.get_error()}")
-        return RowGrammar(matcher, self.vocab_size)
+        return RowGrammar(matcher, self.vocab_size, self.tokenizer())
 
 
 class RowGrammar:
-    """One row's matcher, in the state after the row's committed tokens."""
+    """One row's matcher, in the state after the row's committed tokens (`tokenizer`: its
+    llguidance tokenizer, which spells out forced bytes for jump-forward drafts)."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, tokenizer=None):
         import torch    # here, not at the top: the request checks above serve torch-free callers
 
-        self.matcher, self.vocab_size = matcher, vocab_size
+        self.matcher, self.vocab_size, self.tokenizer = matcher, vocab_size, tokenizer
         self._words = (vocab_size + 31) // 32
         self._bits = torch.arange(32, dtype=torch.int32)
 
@@ -227,6 +232,76 @@ class RowGrammar:
         if allowed.shape[1] < width:
             allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], width - allowed.shape[1])], 1)
         return allowed
+
+    def guided_drafts(self, proposed: list[int], k: int,
+                      propose_more: Callable[[list[int]], list[int]] | None = None) -> list[int]:
+        """Up to k drafts this grammar allows after the committed tokens, for a drafter that
+        proposes without it (n-gram lookup, a copy): the leading run of `proposed` it accepts;
+        where it refuses one, or `proposed` ends, what it forces next (jump-forward drafting:
+        the tokens of its forced bytes such as a key name, `": "` or closing braces, a lone
+        allowed token, EOS once the grammar is complete); after each run
+        `propose_more(drafts so far)` may propose again (the lookup continued past the forced
+        tokens). Refused proposals are never drafts; forced ones are drafts like any other: the
+        target verifies them under its mask, so output stays target-only constrained decoding's
+        (a forced token is the only one the mask leaves, or the grammar's own tokenization of
+        its forced bytes, which the target may still tokenize otherwise and reject).
+        The committed state is restored before returning."""
+        matcher = self.matcher
+        drafts: list[int] = []
+        queue, taken = list(proposed), 0
+        try:
+            while len(drafts) < k:
+                room = k - len(drafts)
+                run = queue[:matcher.validate_tokens(queue[:room])] if queue else []
+                queue = []
+                if not run:
+                    run = self.forced()[:room]
+                    if not run:
+                        break
+                for token in run:
+                    if matcher.is_stopped():
+                        # Complete: EOS (the run's only allowed token) ends the reply; the matcher
+                        # would take it without recording it, so it is not consumed.
+                        drafts.append(token)
+                        return drafts
+                    if not matcher.consume_token(token):
+                        raise SpecpairError(f"grammar refused draft {token} it had allowed")
+                    taken += 1
+                    drafts.append(token)
+                if propose_more is not None and len(drafts) < k:
+                    queue = propose_more(drafts)
+            return drafts
+        finally:
+            if taken:
+                matcher.rollback(taken)
+
+    def forced(self) -> list[int]:
+        """What the grammar forces next in its current state: the tokens of its forced bytes,
+        else the mask's one allowed token (EOS once complete); [] where it allows a choice.
+        The forced bytes are spelled by the tokenizer whole: llguidance's fast-forward tokens
+        leave out a last token that the free bytes after it could extend (`":` before a string's
+        `"`), which, as a draft, is a likely guess the target verifies like any other."""
+        matcher = self.matcher
+        if not matcher.is_stopped():
+            tokens = list(matcher.compute_ff_tokens())
+            data = matcher.compute_ff_bytes() if self.tokenizer is not None else b""
+            if data:
+                whole = self.tokenizer.tokenize_bytes(data)
+                take = matcher.validate_tokens(whole) if whole else 0
+                if take > len(tokens):
+                    return whole[:take]
+            if tokens:
+                return tokens
+        words = self._mask_words()
+        nonzero = words.nonzero()
+        if nonzero.shape[0] != 1:
+            return []
+        index = int(nonzero[0, 0])
+        word = int(words[index]) & 0xFFFFFFFF
+        if word & (word - 1):
+            return []
+        token = index * 32 + word.bit_length() - 1
+        return [token] if token < self.vocab_size else []
 
     def drafting(self) -> "DraftGrammar":
         """This row's grammar for one round's drafting: the mask for the draft's next proposal,

@@ -89,6 +89,14 @@ class LookupFirstDrafter(Drafter):
         copy_ks = ks if copy_ks is None else copy_ks
         copies = [tokens if n >= self.min_match else []
                   for n, tokens in self.ngram.match_rows(sequences, copy_ks)]
+        if self.grammars is not None:
+            # A grammar row copies what its grammar allows, then what it forces (RowGrammar.
+            # guided_drafts), and copies that way whenever its grammar forces a token now: the
+            # forced tokens are point masses like a copy's. Otherwise its head drafts, cut by the
+            # Batch where the grammar refuses.
+            copies = self.ngram.within_grammars(
+                self.grammars, sequences, [ck if c else k for c, ck, k in zip(copies, copy_ks, ks)], copies,
+                min_match=self.min_match)
         drafted = self.head.propose(sequences, [0 if c else k for c, k in zip(copies, ks)],
                                     sampling, width)
         copying = [i for i, c in enumerate(copies) if c]

@@ -38,11 +38,14 @@ class NgramIndex:
                 start = length - 1 - n
                 self.latest[tuple(self.tokens[start:length - 1])] = length - 1
 
-    def match(self, k: int) -> tuple[int, list[int]]:
-        """As NgramDrafter.match on the synced sequence."""
+    def match(self, k: int, after: list[int] = ()) -> tuple[int, list[int]]:
+        """As NgramDrafter.match on the synced sequence, or on it continued by `after` (tokens
+        not committed, such as the drafts a grammar forced): the tail is looked up among the
+        committed tokens' n-grams only, whose continuations are committed tokens."""
         tokens = self.tokens
-        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            start = self.latest.get(tuple(tokens[-n:]))
+        tail = tokens[-self.max_ngram:] + list(after) if after else tokens
+        for n in range(min(self.max_ngram, len(tokens) + len(after) - 1), self.min_ngram - 1, -1):
+            start = self.latest.get(tuple(tail[-n:]))
             if start is not None:
                 return n, tokens[start:start + k]
         return 0, []
@@ -119,8 +122,37 @@ class NgramDrafter(Drafter):
             found.append(index.match(k) if k > 0 else (0, []))
         return found
 
+    def continued(self, row: int, sequence: list[int], after: list[int], k: int) -> tuple[int, list[int]]:
+        """`match` on row's sequence continued by `after` (drafts not committed): from the row's
+        index in a batch's drafter (synced by match_rows this round), else by a scan."""
+        if k <= 0:
+            return 0, []
+        index = self.rows[row] if self.rows is not None and row < len(self.rows) else None
+        if index is not None and len(index.tokens) == len(sequence):
+            return index.match(k, after)
+        return self.match(list(sequence) + list(after), k)
+
+    def within_grammars(self, grammars: list, sequences, ks, found: list[list[int]],
+                        min_match: int = 1) -> list[list[int]]:
+        """Each grammar row's lookup `found` as drafts its grammar (grammars[i], None: a free
+        row, kept as found) allows (RowGrammar.guided_drafts): cut at the first token it
+        refuses, then what it forces, the lookup continued after forced tokens (matches of at
+        least `min_match`)."""
+        out = list(found)
+        for i, grammar in enumerate(grammars):
+            if grammar is None or not ks[i]:
+                continue
+
+            def more(drafts, i=i):
+                n, tokens = self.continued(i, sequences[i], drafts, ks[i] - len(drafts))
+                return tokens if n >= min_match else []
+            out[i] = grammar.guided_drafts(found[i], ks[i], more)
+        return out
+
     def propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
         found = [tokens for _, tokens in self.match_rows(sequences, ks)]
+        if self.grammars is not None:    # grammar rows draft what their grammar allows or forces
+            found = self.within_grammars(self.grammars, sequences, ks, found)
         K = max((len(f) for f in found), default=0)
         tokens = torch.zeros(len(found), K, dtype=torch.long)
         for i, f in enumerate(found):
