@@ -74,11 +74,22 @@ class BlockPool:
     def cached(self, name: bytes) -> bool:
         return name in self._by_name
 
-    def need(self, row, holds: int, step: int, drafts: int = 0) -> "RowNeed":
-        """The row's RowNeed for plan_admission, its blocks read from its table."""
+    @property
+    def named(self) -> int:
+        """Blocks that hold a published prefix block (held by rows or cached)."""
+        return len(self._by_name)
+
+    def need(self, row, holds: int, step: int, drafts: int = 0, draft_row=None,
+             draft_positions: int = 0) -> "RowNeed":
+        """The row's RowNeed for plan_admission, its blocks read from its table (and from its
+        draft model's row's, `draft_row`, which holds `draft_positions` once this step drafts)."""
         table = self.tables.get(row, [])
+        draft_table = self.tables.get(draft_row, []) if draft_row is not None else []
         return RowNeed(row, holds, step, drafts, blocks=len(table),
-                       private=sum(self._refs[b] == 1 for b in table))
+                       private=sum(self._refs[b] == 1 for b in table),
+                       draft_extra=max(0, blocks_for(draft_positions, self.block) - len(draft_table))
+                       if drafts else 0,
+                       draft_private=sum(self._refs[b] == 1 for b in draft_table))
 
     def blocks_to_admit(self, names: list[bytes], positions: int) -> int:
         """Blocks a new row of `positions` prompt positions (and one more, its first token)
@@ -192,6 +203,10 @@ class RowNeed:
     drafts: int = 0
     blocks: int = 0
     private: int = 0
+    # A draft model's row beside it (same pool): the blocks drafting this step adds to it, and
+    # those it holds alone, given back when the row stops drafting (it catches up later).
+    draft_extra: int = 0
+    draft_private: int = 0
 
 
 @dataclass
@@ -207,11 +222,14 @@ class AdmissionPlan:
 def plan_admission(rows: list[RowNeed], free: int, block: int = BLOCK_TOKENS) -> AdmissionPlan:
     """Which rows stop drafting, then which are preempted, so that every row left gets the blocks
     its next step writes. rows: oldest first; free: blocks the pool can give (BlockPool.free).
-    A preempted row gives back its private blocks (a prefix block other rows share stays held).
+    A row that stops drafting gives back its draft model's row (draft_private) as well; one that
+    does not draft this step but holds a draft row is stopped too, before any preemption. A
+    preempted row gives back its private blocks (a prefix block other rows share stays held).
     The oldest row is never preempted: alone it must fit, or the pool is too small for it."""
     def extra(need: RowNeed, drafting: bool) -> int:
         positions = need.holds + need.step + (need.drafts if drafting else 0)
-        return max(0, blocks_for(positions, block) - need.blocks)
+        return (max(0, blocks_for(positions, block) - need.blocks)
+                + (need.draft_extra if drafting else 0))
 
     plan = AdmissionPlan()
     drafting = {id(n): n.drafts > 0 for n in rows}
@@ -219,8 +237,9 @@ def plan_admission(rows: list[RowNeed], free: int, block: int = BLOCK_TOKENS) ->
     for need in reversed(rows):                       # drafting stops first, newest first
         if wanted <= free:
             return plan
-        if drafting[id(need)]:
-            wanted -= extra(need, True) - extra(need, False)
+        if drafting[id(need)] or need.draft_private:
+            wanted -= extra(need, drafting[id(need)]) - extra(need, False)
+            free += need.draft_private
             drafting[id(need)] = False
             plan.target_only.append(need.row)
     for need in reversed(rows[1:]):                   # then the newest rows wait

@@ -253,8 +253,10 @@ class SpeculativeEngine:
         # KV budget, shared by this engine's batches; where it does not apply, why not.
         self.paged_unused = paged_applies(target.model, self.kv_kind, self.compile_mode, drafter,
                                           self.config.tree_width, cache_model is not None)
-        self.paged_space = (PagedSpace.for_budget(target.model, self.kv_budget)
-                            if self.paged_unused is None else None)
+        self.paged_space = (PagedSpace.for_budget(
+            target.model, self.kv_budget,
+            draft_model=drafter.draft_model() if drafter is not None else None)
+            if self.paged_unused is None else None)
         self.grammars = GrammarCompiler(target.tokenizer, self.vocab_size, self.eos_ids)
         if self.kv_budget is not None:
             log.info("KV budget %d bytes (%d target tokens)", self.kv_budget,
@@ -464,6 +466,14 @@ class Batch:
         self.preempted: list[Sequence] = []   # rows waiting for blocks to be recomputed, oldest first
         self.preemptions = 0                  # rows given back for want of blocks, ever
         self.drafter = engine.drafter.for_batch() if engine.drafter is not None else None
+        # A draft model's rows in the same pool (PagedSpace.draft): its cache is swapped for one
+        # over the pool's blocks, so its blocks count in admission and give way first.
+        self.draft_kv = None
+        if self.paged and engine.paged_space.draft is not None:
+            self.draft_kv = PagedKVModel(self.drafter.draft_model(), space=engine.paged_space,
+                                         vocab_size=self.drafter.kv.vocab_size, draft=True)
+            self.drafter.kv = self.draft_kv
+            self._draft_identity = f"draft {sorted(self.drafter.loaded.identity().items())}"
         self.copies = self.drafter is not None and self.drafter.copies   # two kinds of rounds, two ks
         self.rows: list[Sequence] = []
         self.done: list[Sequence] = []        # finished in the last step or cancelled since
@@ -525,10 +535,15 @@ class Batch:
     # -- the paged cache: prefix blocks by reference, admission by blocks, preemption ----------
 
     def _prompt_names(self, seq: Sequence) -> list[bytes]:
+        """The prompt's block names in the pool: the target's ([0]), a draft model's ([1])."""
         if not seq.prefix_keys:
             seq.prefix_keys = [block_keys(self._paged_identity, seq.prompt_ids,
                                           self.target.pool.block)]
             seq.prefix_saved = [False]
+            if self.draft_kv is not None:
+                seq.prefix_keys.append(block_keys(self._draft_identity, seq.prompt_ids,
+                                                  self.target.pool.block))
+                seq.prefix_saved.append(False)
         return seq.prefix_keys[0]
 
     def _share_prefix(self, seq: Sequence, first: bool) -> None:
@@ -538,6 +553,8 @@ class Batch:
             return
         held = self.target.share_prefix(len(self.rows) - 1, self._prompt_names(seq),
                                         len(seq.prompt_ids))
+        if self.draft_kv is not None:
+            self.draft_kv.share_prefix(len(self.rows) - 1, seq.prefix_keys[1], len(seq.prompt_ids))
         if first:
             seq.cached_tokens = held
             self.engine.prefix_stats.looked_up += len(seq.prompt_ids)
@@ -547,11 +564,13 @@ class Batch:
         """Name the full prompt blocks of each row that now holds its whole prompt."""
         if self.engine.prefix_store is None:
             return
+        caches = [self.target] + ([self.draft_kv] if self.draft_kv is not None else [])
         for i, seq in enumerate(self.rows):
-            if seq.prefix_saved and not seq.prefix_saved[0] and \
-                    self.target.lengths[i] >= len(seq.prompt_ids):
-                self.target.publish(i, seq.prefix_keys[0])
-                seq.prefix_saved[0] = True
+            for n, kv in enumerate(caches):
+                if seq.prefix_saved and not seq.prefix_saved[n] and \
+                        kv.lengths[i] >= len(seq.prompt_ids):
+                    kv.publish(i, seq.prefix_keys[n])
+                    seq.prefix_saved[n] = True
 
     def blocks_to_admit(self, prompt_ids: list[int]) -> int:
         """Blocks the pool would give a new row for its prompt and first token (its cached
@@ -601,16 +620,23 @@ class Batch:
         ks = self._ks()
         pool = self.target.pool
         order = sorted(range(len(self.rows)), key=lambda i: self.rows[i].started)
+        draft = self.draft_kv
+        # A draft model's row, when drafting, catches up to the row's tokens and feeds k-1 drafts.
         needs = [pool.need(self.target.keys[i], self.target.lengths[i],
-                           len(self.rows[i].tokens) - self.target.lengths[i], ks[i])
+                           len(self.rows[i].tokens) - self.target.lengths[i], ks[i],
+                           draft.keys[i] if draft is not None else None,
+                           len(self.rows[i].tokens) + ks[i] - 1)
                  for i in order]
         plan = plan_admission(needs, max(0, pool.free - self._shadow_blocks()), pool.block)
         if not plan.changes:
             return
         by_key = {key: seq for key, seq in zip(self.target.keys, self.rows)}
+        row_of = {key: i for i, key in enumerate(self.target.keys)}
         for key in plan.target_only:
             by_key[key].memory_target_only = True
             self.engine.memory_fallbacks += 1
+            if draft is not None:      # its draft row's blocks go back; it catches up later
+                draft.rollback(row_of[key], 0)
         gone = {id(by_key[key]) for key in plan.preempt}
         if not gone:
             return
@@ -753,6 +779,8 @@ class Batch:
         blocks go back to the engine's pool at once, not when the batch is collected."""
         if self.paged:
             self.target.select([])
+            if self.draft_kv is not None:
+                self.draft_kv.select([])
 
     def cancel(self, request_id: str) -> None:
         for seq in self.rows:

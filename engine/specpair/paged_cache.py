@@ -14,8 +14,10 @@ the C layer too, where the contiguous cache runs torch's step: equal to rounding
 The engine's target cache on the CPU's C path (`paged_applies`): one `PagedSpace` per engine
 (the pool and its keys and values), shared by every Batch of it, so prefix blocks outlive a
 batch; each Batch's `PagedKVModel` names its rows in it and gives them back when it is dropped.
-Not here: token trees, the fixed step, a drafting head's vectors (those engines keep
-kv.static.StaticKVModel).
+A draft model's rows take their blocks from the same pool (`PagedSpace.draft`: the same block
+ids, the draft's own keys and values), so admission counts both and drafting is what stops first
+when blocks run out (block_pool.plan_admission). Not here: token trees, the fixed step, a
+drafting head's vectors (those engines keep kv.static.StaticKVModel).
 """
 
 from __future__ import annotations
@@ -57,54 +59,85 @@ def paged_applies(model, kv_kind: str, compile_mode: str, drafter=None, tree_wid
         return "the static kind, not compiled, only"
     if drafter is not None and (drafter.wants_features or (drafter.tree_capable and tree_width > 1)):
         return "a drafter that wants features or drafts trees"
-    if drafter_cache:
-        return "a drafter with a KV cache of its own"
-    try:
-        r = StaticLlama.of(model)
-    except SpecpairError as exc:
-        return str(exc)
-    if not (r.device.type == "cpu" and r.dtype == torch.float32 and cpu_kernels.available()
-            and r.dense and r.head_dim % 8 == 0 and r.head_dim <= cpu_kernels.MAX_HEAD_DIM):
-        return ("the paged cache runs the C layer: CPU, float32, dense weights, a head dimension "
-                f"of 8s up to {cpu_kernels.MAX_HEAD_DIM} ({cpu_kernels.status()})")
+    draft_model = drafter.draft_model() if drafter is not None else None
+    if drafter_cache and draft_model is None:
+        return "a drafting head with a KV cache of its own"
+    for which, runs in (("", model), ("the draft model: ", draft_model)):
+        if runs is None:
+            continue
+        try:
+            r = StaticLlama.of(runs)
+        except SpecpairError as exc:
+            return which + str(exc)
+        if not runs_c_layer(r):
+            return (f"{which}the paged cache runs the C layer: CPU, float32, dense weights, a head "
+                    f"dimension of 8s up to {cpu_kernels.MAX_HEAD_DIM} ({cpu_kernels.status()})")
     return None
 
 
-class PagedSpace:
-    """One model's block pool and the keys and values of its blocks, [blocks, kv heads, block,
-    head dim] a layer: shared by every PagedKVModel over it (an engine's batches)."""
+def runs_c_layer(r: StaticLlama) -> bool:
+    """Whether the C layer runs this model's steps (what a paged cache's steps run through)."""
+    return (r.device.type == "cpu" and r.dtype == torch.float32 and cpu_kernels.available()
+            and r.dense and r.head_dim % 8 == 0 and r.head_dim <= cpu_kernels.MAX_HEAD_DIM)
 
-    def __init__(self, model, blocks: int, block: int = BLOCK_TOKENS, lazy: bool = False):
+
+def block_bytes(model, block: int = BLOCK_TOKENS) -> int:
+    """Bytes of one block of a model's keys and values, every layer (float32)."""
+    r = StaticLlama.of(model)
+    return 2 * r.layer_count * r.kv_heads * r.head_dim * block * 4
+
+
+class PagedLayers:
+    """One model's keys and values over a pool's block ids, [blocks, kv heads, block, head dim]
+    a layer, and the runner of its layers."""
+
+    def __init__(self, model, blocks: int, block: int, lazy: bool):
         self.runner = r = StaticLlama.of(model)
-        if not (r.device.type == "cpu" and r.dtype == torch.float32 and cpu_kernels.available()
-                and r.dense and r.head_dim % 8 == 0 and r.head_dim <= cpu_kernels.MAX_HEAD_DIM):
+        if not runs_c_layer(r):
             raise SpecpairError("the paged cache runs the C layer: CPU, float32, dense weights, a "
                                 f"head dimension of 8s up to {cpu_kernels.MAX_HEAD_DIM} "
                                 f"({cpu_kernels.status()})")
-        self.pool = BlockPool(blocks, block)
         shape = (blocks, r.kv_heads, block, r.head_dim)
         # The C layer reads a row's positions only once they are written, so an unwritten block
         # is never read: `lazy` leaves the pages untouched until then.
         make = torch.empty if lazy else torch.zeros
         self.caches = [(make(shape), make(shape)) for _ in range(r.layer_count)]
+
+
+class PagedSpace:
+    """One engine's block pool and the keys and values of its blocks: the target's, and a draft
+    model's over the same block ids (`draft`: a block a draft row holds is written in the draft's
+    arrays only, so a block costs each model's bytes only where that model wrote it). Shared by
+    every PagedKVModel over it (an engine's batches)."""
+
+    def __init__(self, model, blocks: int, block: int = BLOCK_TOKENS, lazy: bool = False,
+                 draft_model=None):
+        self.pool = BlockPool(blocks, block)
+        self.target = PagedLayers(model, blocks, block, lazy)
+        self.runner, self.caches = self.target.runner, self.target.caches
+        self.draft = (PagedLayers(draft_model, blocks, block, lazy)
+                      if draft_model is not None else None)
         self.owners = itertools.count()
         self.preemptions = 0          # rows given back for want of blocks, ever (Batch counts)
 
     @classmethod
-    def for_budget(cls, model, budget_bytes: int | None, block: int = BLOCK_TOKENS
-                   ) -> "PagedSpace":
-        """The pool the budget holds (BYTES_WITHOUT_BUDGET without one), allocated lazily."""
-        r = StaticLlama.of(model)
-        per_block = 2 * r.layer_count * r.kv_heads * r.head_dim * block * 4
+    def for_budget(cls, model, budget_bytes: int | None, block: int = BLOCK_TOKENS,
+                   draft_model=None) -> "PagedSpace":
+        """The pool the budget holds (BYTES_WITHOUT_BUDGET without one), allocated lazily; with a
+        draft model a block is priced at both models' bytes, so the two together stay within it."""
+        per_block = block_bytes(model, block)
+        if draft_model is not None:
+            per_block += block_bytes(draft_model, block)
         blocks = max(1, (budget_bytes or BYTES_WITHOUT_BUDGET) // per_block)
-        return cls(model, blocks, block, lazy=True)
+        return cls(model, blocks, block, lazy=True, draft_model=draft_model)
 
     @property
     def max_rows(self) -> int:
         """The default max batch size: rows the pool holds at PLANNED_ROW_POSITIONS each (a
-        shared prefix holds more), at least 1, at most MAX_BATCH_ROWS."""
-        return max(1, min(MAX_BATCH_ROWS,
-                          self.pool.blocks // blocks_for(PLANNED_ROW_POSITIONS, self.pool.block)))
+        shared prefix holds more; a draft model's row as much again), at least 1, at most
+        MAX_BATCH_ROWS."""
+        per_row = blocks_for(PLANNED_ROW_POSITIONS, self.pool.block) * (2 if self.draft else 1)
+        return max(1, min(MAX_BATCH_ROWS, self.pool.blocks // per_row))
 
 
 class PagedKVModel(KVCache):
@@ -117,13 +150,19 @@ class PagedKVModel(KVCache):
     token_bucket = 1
 
     def __init__(self, model, blocks: int | None = None, block: int = BLOCK_TOKENS,
-                 vocab_size: int | None = None, space: PagedSpace | None = None):
+                 vocab_size: int | None = None, space: PagedSpace | None = None,
+                 draft: bool = False):
+        """draft: this cache is the draft model's rows in `space` (PagedSpace.draft)."""
         self.model = model
         self.space = space or PagedSpace(model, blocks, block)
-        self.runner = self.space.runner
+        layers = self.space.draft if draft else self.space.target
+        if layers is None:
+            raise SpecpairError("this block pool holds no draft model's keys and values")
+        self.runner = layers.runner
         self.vocab_size = vocab_size
         self.pool = self.space.pool
-        self.caches = self.space.caches
+        self.caches = layers.caches
+        self.device = self.runner.device
         self.lengths: list[int] = []
         self.keys: list[tuple[int, int]] = []   # each batch row's name in the pool
         self._names = itertools.count()

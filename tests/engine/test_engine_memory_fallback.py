@@ -33,7 +33,10 @@ def budget_for_three(tiny_target, tiny_draft) -> int:
 
 
 def test_a_fourth_request_is_admitted_target_only_and_drafts_again_later(tiny_target, tiny_draft,
-                                                                           reference, caplog):
+                                                                           reference, caplog,
+                                                                           monkeypatch):
+    # The contiguous cache's byte budget (the paged pool's rule: test_engine_paged_draft.py).
+    monkeypatch.setenv("SPECPAIR_PAGED", "off")
     budget = budget_for_three(tiny_target, tiny_draft)
     engine = SpeculativeEngine(tiny_target, draft=tiny_draft, speculation=CONFIG, kv_budget=f"{budget}B")
     assert engine.kv_budget == budget
@@ -64,9 +67,12 @@ def test_a_fourth_request_is_admitted_target_only_and_drafts_again_later(tiny_ta
                                              {"pair": "tiny", "version": "1"}) == 1
 
 
-def test_rows_already_drafting_stop_when_the_newcomer_alone_does_not_fit(tiny_target, tiny_draft):
+def test_rows_already_drafting_stop_when_the_newcomer_alone_does_not_fit(tiny_target, tiny_draft,
+                                                                           monkeypatch):
     """Three rows with drafts fill the budget to the byte: the fourth's own cache fits only if
-    the newest drafting row gives its drafts' memory up too."""
+    the newest drafting row gives its drafts' memory up too (the contiguous cache's byte budget;
+    the paged pool's blocks: test_engine_paged_draft.py)."""
+    monkeypatch.setenv("SPECPAIR_PAGED", "off")
     probe = SpeculativeEngine(tiny_target, draft=tiny_draft, speculation=CONFIG)
     ids = [probe.encode(p) for p in PROMPTS]
     rows = [probe.row_memory(len(i), SHORT) for i in ids]

@@ -34,9 +34,10 @@ def test_the_paged_cache_is_the_target_cache_where_the_c_layer_runs(tiny_target,
     assert engine.paged_space.max_rows == 64            # 2 GiB holds 64 rows of a tiny model
     target_only = SpeculativeEngine(tiny_target)
     assert isinstance(target_only.new_batch().target, PagedKVModel)
-    # A draft model keeps a cache of its own, outside the pool: that engine keeps the old cache.
+    # A draft model's rows take their blocks from the same pool (test_engine_paged_draft.py).
     with_draft = SpeculativeEngine(tiny_target, draft=tiny_draft, speculation=SPEC)
-    assert with_draft.paged_space is None and "cache of its own" in with_draft.paged_unused
+    assert with_draft.paged_unused is None and with_draft.paged_space.draft is not None
+    assert with_draft.paged_space.max_rows == 64
     monkeypatch.setenv("SPECPAIR_PAGED", "off")
     assert SpeculativeEngine(tiny_target).paged_space is None
 

@@ -108,8 +108,10 @@ def test_output_is_identical_beside_a_tree_drafting_head(one_layer_target):
     assert sum(c.champion_alpha.drafted for c in scorer.snapshot().values()) > 0
 
 
-def test_no_scoring_while_kv_memory_is_short(models):
-    """Past the KV budget rows run target-only; the shadow does not add its drafting then."""
+def test_no_scoring_while_kv_memory_is_short(models, monkeypatch):
+    """Past the KV budget rows run target-only; the shadow does not add its drafting then (the
+    contiguous cache's byte budget: a paged pool of 40 tokens would refuse these rows)."""
+    monkeypatch.setenv("SPECPAIR_PAGED", "off")
     target, draft, _other = models
     engine = SpeculativeEngine(target, draft=draft, kv_budget=40)     # target tokens: one row's own fit
     scorer = shadowed(engine, NgramDrafter())

@@ -29,7 +29,7 @@ def served_from_store(engine, earlier: list[int], ids: list[int]) -> int:
 
 
 def sample(server, name: str) -> float:
-    labels = {"pair": server.options.pair, "version": server.options.version}
+    labels = {"pair": server.options.pair, "version": server.options.version, "engine": "specpair"}
     return server.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
@@ -86,10 +86,12 @@ def test_cached_prompt_tokens_are_reported_on_every_protocol_and_counted(tiny_pa
 
 def test_the_default_batch_carries_more_than_eight_rows(tiny_pair):
     target, draft = tiny_pair
-    # The CPU's paged cache: what its pool holds (64 rows of the tiny model); else 32.
+    # The CPU's paged cache: what its pool holds (64 rows of the tiny model, a draft model's rows
+    # in the same pool); else 32.
     assert ServerOptions().max_batch_size is None
     assert default_max_batch_size(SpeculativeEngine(target, "ngram")) == 64
-    assert default_max_batch_size(SpeculativeEngine(target, draft=draft)) == 32
+    assert default_max_batch_size(SpeculativeEngine(target, draft=draft)) == 64
+    assert default_max_batch_size(SpeculativeEngine(target, draft=draft, kv="dynamic")) == 32
 
 
 def test_64_concurrent_greedy_streams_each_equal_their_solo_output(tiny_pair, start_server):

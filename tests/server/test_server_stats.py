@@ -65,7 +65,7 @@ def test_mismatched_draft_served_target_only_says_so(tiny_pair, start_server):
 
 def test_stats_and_metrics_move_as_requests_complete(tiny_pair, start_server):
     server = start_server(engine=make_engine(tiny_pair))
-    labels = dict(pair="tiny", version="1")
+    labels = dict(pair="tiny", version="1", engine="specpair")
     before = scrape(server)
     with client_for(server) as c:
         code = c.generate("def foo(x):", max_new_tokens=20, category="code")
@@ -94,10 +94,10 @@ def test_stats_and_metrics_move_as_requests_complete(tiny_pair, start_server):
         assert value(after, "specpair_time_per_output_token_seconds_count", **req) == 1
         assert value(after, "specpair_e2e_request_latency_seconds_sum", **req) == \
             pytest.approx(reply.last.timings.total_seconds, rel=1e-6)
-    assert value(before, "specpair_requests_total", status="ok", pair="tiny", version="1", category="code",
-                 protocol="grpc") == 0
+    assert value(before, "specpair_requests_total", status="ok", pair="tiny", version="1", engine="specpair",
+                 category="code", protocol="grpc") == 0
     assert value(after, "specpair_requests_total", status="invalid", pair="tiny", version="1",
-                 category="general", protocol="grpc") == 1
+                 engine="specpair", category="general", protocol="grpc") == 1
     assert value(after, "specpair_num_requests_running", **labels) == 0
     assert value(after, "specpair_num_requests_waiting", **labels) == 0
     assert value(after, "specpair_speculation_enabled", **labels) == 1
@@ -141,7 +141,7 @@ def test_set_speculation_off_on_and_k_override(tiny_pair, start_server):
         assert off.token_ids == baseline.token_ids
         stats = c.stats()
         assert not stats.speculating and not stats.speculation.enabled
-        assert value(scrape(server), "specpair_speculation_enabled", pair="tiny", version="1") == 0
+        assert value(scrape(server), "specpair_speculation_enabled", pair="tiny", version="1", engine="specpair") == 0
 
         settings = c.set_speculation(enabled=True, k=2)
         assert settings.enabled and settings.k_override == 2
@@ -210,9 +210,12 @@ def test_per_request_sums_reach_the_operator_probe(tiny_pair, start_server):
     assert code["draftedAccepted"] == pytest.approx(sum(d * a for d, a in per_request))
 
 
-def test_a_request_past_the_kv_budget_is_served_target_only_and_counted(tiny_pair, start_server):
+def test_a_request_past_the_kv_budget_is_served_target_only_and_counted(tiny_pair, start_server,
+                                                                         monkeypatch):
     """The server's counter follows the engine's memory fallbacks: a budget that holds the row's own
-    keys and values but not its drafts' serves it target-only, same text, counted once."""
+    keys and values but not its drafts' serves it target-only, same text, counted once (the
+    contiguous cache's byte budget; the paged pool's blocks: test_engine_paged_draft.py)."""
+    monkeypatch.setenv("SPECPAIR_PAGED", "off")
     target, draft = tiny_pair
     prompt, new_tokens = "def foo(x):", 12
     speculation = SpeculationConfig(k=3, dynamic_k=False, fallback_threshold=0)
@@ -221,7 +224,7 @@ def test_a_request_past_the_kv_budget_is_served_target_only_and_counted(tiny_pai
     assert drafts > 0
     engine = SpeculativeEngine(target, draft=draft, speculation=speculation, kv_budget=f"{own + drafts - 1}B")
     server = start_server(engine=engine)
-    labels = {"pair": "tiny", "version": "1"}
+    labels = {"pair": "tiny", "version": "1", "engine": "specpair"}
     assert value(scrape(server), "specpair_memory_fallback_total", **labels) == 0
     with client_for(server) as c:
         reply = c.generate(prompt, max_new_tokens=new_tokens)
@@ -250,7 +253,7 @@ def test_latency_histograms_and_request_outcomes_reach_the_operator_probe(tiny_p
             grpc.StatusCode.INTERNAL
         assert rpc_error(lambda: c.generate("", max_new_tokens=3, category="chat")).code() == \
             grpc.StatusCode.INVALID_ARGUMENT
-    wait_for(lambda: value(scrape(server), "specpair_requests_total", pair="tiny", version="1", category="code",
+    wait_for(lambda: value(scrape(server), "specpair_requests_total", pair="tiny", version="1", engine="specpair", category="code",
                            protocol="grpc", status="error") == 1)
     stats = asyncio.run(GrpcEngineProbe().stats(f"127.0.0.1:{server.port}"))
     samples = scrape(server)
@@ -267,7 +270,7 @@ def test_latency_histograms_and_request_outcomes_reach_the_operator_probe(tiny_p
     for bound, count in zip(LATENCY_BUCKETS, code["ttft"]["counts"]):
         assert count == sum(t <= bound for t in ttfts)
         assert count == value(samples, "specpair_time_to_first_token_seconds_bucket", pair="tiny", version="1",
-                              category="code", protocol="grpc", le=str(bound))
+                              engine="specpair", category="code", protocol="grpc", le=str(bound))
     counts = code["tpot"]["counts"]
     assert counts == sorted(counts) and counts[-1] <= code["tpot"]["count"]
     # The overall message is the categories' sum (read straight from the reply).
@@ -296,7 +299,7 @@ def test_kv_cache_usage_is_the_share_of_the_budget_the_rows_hold(tiny_pair, star
     engine = make_engine(tiny_pair, delay=0.02)
     engine.kv_budget = 64 * 1024 * 1024
     server = start_server(engine=engine)
-    labels = dict(pair="tiny", version="1")
+    labels = dict(pair="tiny", version="1", engine="specpair")
     seen = []
 
     def usage() -> float:
