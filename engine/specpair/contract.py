@@ -106,6 +106,42 @@ STRUCTURE_FLOORS: dict[str, tuple[str, str, float]] = {
 }
 
 
+# The speedup a release must reach where its pair names no gating.thresholds.minSpeedup: no slower
+# than target-only, within the noise the gate measured (the verdict's speedupNoise: the relative
+# spread of its repeated target-only timings of the golden prompts, gate/engine.py). Under this
+# default a release that is slower does not fail: it ships with speculation off
+# (bestSpeculation.batchSizeThreshold 0). A floor the pair names is held as given, and fails.
+DEFAULT_MIN_SPEEDUP = 1.0
+# The most noise the default forgives: on a machine noisier than this the gate's figures say
+# little, and shipping speculation off (never a slowdown) is the safe reading of them.
+MAX_FORGIVEN_NOISE = 0.1
+
+
+def speedup_floor(verdict: dict[str, Any], thresholds: dict[str, Any]) -> tuple[float, bool]:
+    """(the speedup a verdict is held to, whether it is the default): the pair's minSpeedup, else
+    DEFAULT_MIN_SPEEDUP less the noise the gate measured, at most MAX_FORGIVEN_NOISE (none
+    measured: none forgiven)."""
+    given = number(thresholds.get("minSpeedup"))
+    if given is not None:
+        return given, False
+    noise = min(MAX_FORGIVEN_NOISE, max(0.0, number(verdict.get("speedupNoise")) or 0.0))
+    return DEFAULT_MIN_SPEEDUP - noise, True
+
+
+def speculation_pays(verdict: dict[str, Any], thresholds: dict[str, Any]) -> bool:
+    """Whether a default-floored release keeps speculation at batch 1: its measured speedup is
+    within the noise of target-only or better. With a floor the pair names, speculation stays
+    (the floor passes or fails the release instead)."""
+    floor, defaulted = speedup_floor(verdict, thresholds)
+    speed = number(verdict.get("speedup"))
+    return not defaulted or (speed is not None and speed >= floor)
+
+
+def shipped_target_only(verdict: dict[str, Any]) -> bool:
+    """Whether the gate shipped the release with speculation off (batch threshold 0)."""
+    return (verdict.get("bestSpeculation") or {}).get("batchSizeThreshold") == 0
+
+
 def threshold_failures(verdict: dict[str, Any], thresholds: dict[str, Any]) -> list[str]:
     """One sentence per threshold the verdict's numbers miss, with the shortfall."""
     failures: list[str] = []
@@ -125,8 +161,14 @@ def threshold_failures(verdict: dict[str, Any], thresholds: dict[str, Any]) -> l
             failures.append(f"category '{cat}' acceptance missing (no golden prompt in that category?) < {float(floor):.3f}")
         elif got < float(floor):
             failures.append(f"category '{cat}' acceptance {got:.3f} < {float(floor):.3f} (short by {float(floor) - got:.3f})")
-    failures += _under_floor("speedup", number(verdict.get("speedup")),
-                             "minSpeedup", number(thresholds.get("minSpeedup")) or 0.0, unit="x")
+    floor, defaulted = speedup_floor(verdict, thresholds)
+    if not defaulted:
+        failures += _under_floor("speedup", number(verdict.get("speedup")), "minSpeedup", floor, unit="x")
+    elif not shipped_target_only(verdict):
+        # The default is met by speculation shipped off; a gate that could not ship it off fails.
+        failures += _under_floor("speedup", number(verdict.get("speedup")),
+                                 f"the default minSpeedup ({DEFAULT_MIN_SPEEDUP:.1f}x less the "
+                                 f"{DEFAULT_MIN_SPEEDUP - floor:.3f} noise forgiven)", floor, unit="x")
     for floor_name, (key, words, default) in STRUCTURE_FLOORS.items():
         floor = number(thresholds.get(floor_name))
         floor = default if floor is None else floor

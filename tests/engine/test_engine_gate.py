@@ -40,8 +40,10 @@ def test_gate_passes_and_reports_everything(tiny_pair_dirs):
 
 def test_the_releases_tuning_chooses_the_sweeps(tiny_pair_dirs):
     """gating.tuning: an empty list skips its sweep and nothing is reported for it (serving keeps
-    the spec's setting); the spec's k joins the k values swept."""
-    rel = _release(tiny_pair_dirs)
+    the spec's setting); the spec's k joins the k values swept. The pair names its speedup floor
+    (0: none), or the default one would ship this slow tiny pair with speculation off
+    (bestSpeculation.batchSizeThreshold 0: test_engine_gate_default_floor.py)."""
+    rel = _release(tiny_pair_dirs, requireGreedyIdentity=True, minSpeedup=0)
     rel["gating"]["tuning"] = {"kValues": [], "batchSizes": []}
     verdict, _ = run_gate(rel, device="cpu", progress=lambda *_: None)
     assert verdict["passed"] and verdict["kSweep"] == [] and verdict["batchSweep"] == []

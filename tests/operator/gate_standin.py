@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from specpair.contract import threshold_failures
+from specpair.contract import speculation_pays, threshold_failures
 
 
 def fingerprint(source):
@@ -54,6 +54,9 @@ def main():
                        acceptancePerPosition=[w["acceptanceRate"] ** (i + 1) for i in range(rel["speculation"]["k"])],
                        kSweep=[{"k": k, "speedup": w["speedup"] * (0.9 + 0.05 * k)} for k in (2, 3, 4)],
                        bestSpeculation={"k": 4, "batchSizeThreshold": rel["speculation"]["batchSizeThreshold"]})
+        if not speculation_pays(verdict, th):
+            # As the real gate: under the default floor a slower release ships speculation off.
+            verdict["bestSpeculation"]["batchSizeThreshold"] = 0
         # The real gate's judgement, in the one wording gate and operator share.
         reasons += threshold_failures(verdict, th)
     verdict.update(passed=not reasons, reasons=reasons)

@@ -36,7 +36,7 @@ def check_release(release: dict) -> None:
 def new_verdict(**extra) -> dict:
     """The verdict before anything is measured: every key of the contract, nothing passed."""
     return {"passed": False, "reasons": [], "tokenizer": None, "greedyIdentity": None,
-            "acceptanceRate": None, "meanAcceptanceLength": None, "speedup": None,
+            "acceptanceRate": None, "meanAcceptanceLength": None, "speedup": None, "speedupNoise": None,
             "categories": {}, "acceptancePerPosition": [], "bestSpeculation": None,
             "kSweep": [], "batchSweep": [], "mlflowRunId": None, "device": None, **extra}
 

@@ -16,8 +16,8 @@ import json
 from typing import Any
 
 from specpair.config import release_speculation_defaults
-from specpair.contract import (DEFAULT_CATEGORY, GOLDEN_STRUCTURE_KEYS, MLFLOW_SOURCE_PREFIXES, content_hash,
-                               parallelism, tuning_given)
+from specpair.contract import (DEFAULT_CATEGORY, DEFAULT_MIN_SPEEDUP, GOLDEN_STRUCTURE_KEYS,
+                               MLFLOW_SOURCE_PREFIXES, content_hash, parallelism, tuning_given)
 from specpair.vllm_peer import VLLM_FLAGS
 
 __all__ = ["build_release", "content_hash", "effective_model_name", "with_mlflow", "parse_prompt_lines",
@@ -30,7 +30,8 @@ THRESHOLD_DEFAULTS = {
     "requireGreedyIdentity": True,
     "minAcceptance": 0.0,
     "minCategoryAcceptance": {},
-    "minSpeedup": 0.0,
+    # No minSpeedup: absent, the gate holds a release to contract.DEFAULT_MIN_SPEEDUP within the
+    # noise it measured, and ships it with speculation off where it falls short.
 }
 DEFAULT_MAX_NEW_TOKENS = 32
 # The engine image when a pair names none and the installation names none either. The CRD has
@@ -209,7 +210,9 @@ def describe_release(release: dict[str, Any], digest: str) -> str:
                f"{release['parallelism']['pipeline']}"] if release.get("parallelism") else []),
             f"- golden prompts: {prompts}, {gating['maxNewTokens']} new tokens each",
             f"- thresholds: greedy identity {'required' if th['requireGreedyIdentity'] else 'not required'}, "
-            f"acceptance >= {th['minAcceptance']}, per category: {cats}, speedup >= {th['minSpeedup']}",
+            f"acceptance >= {th['minAcceptance']}, per category: {cats}, speedup >= "
+            + (f"{th['minSpeedup']}" if th.get("minSpeedup") is not None else
+               f"{DEFAULT_MIN_SPEEDUP} within the gate's measured noise (else speculation off)"),
             f"- content hash: `{digest}`",
         ]
     )
