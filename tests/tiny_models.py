@@ -50,11 +50,11 @@ def make_tokenizer(vocab_size: int = 400, chat_template: str | None = CHAT_TEMPL
 
 
 def make_model(tokenizer, seed: int, layers: int = 2, hidden: int = 64, heads: int = 4,
-               dtype=torch.float32, init_std: float = 0.3, extra_rows: int = 0):
+               dtype=torch.float32, init_std: float = 0.3, extra_rows: int = 0, kv_heads: int | None = None):
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer) + extra_rows, hidden_size=hidden,
                          intermediate_size=hidden * 2, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
                          max_position_embeddings=512, initializer_range=init_std,
                          tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
                          bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)

@@ -49,6 +49,9 @@ from specpair.vllm_serve import POD_DRAIN_SECONDS, VLLM_SOCKET, parse_identity_n
 log = logging.getLogger("specpair.vllm_companion")
 
 PROTOCOL = "http"
+# The `engine` label of the specpair_* series the companion exports (our engine's say "specpair").
+# vLLM's own vllm:* series have an `engine` label too: vLLM's engine index ("0"), not a kind.
+ENGINE = "vllm"
 # Paths whose requests the companion counts; everything else passes through uncounted.
 COUNTED_PATHS = ("/v1/chat/completions", "/v1/completions")
 # Paths open without the bearer token (the probes, Prometheus), as on our engine's front.
@@ -230,7 +233,7 @@ class Tally:
     def __init__(self, pair: str, version: str):
         from specpair.server.metrics import EngineMetrics
 
-        self.metrics = EngineMetrics(pair, version)
+        self.metrics = EngineMetrics(pair, version, engine=ENGINE)
         self._categories: dict[str, _Category] = {}
         self._lock = threading.Lock()
         self.running = 0

@@ -64,7 +64,7 @@ def test_a_fourth_request_is_admitted_target_only_and_drafts_again_later(tiny_ta
     metrics.record_memory_fallbacks(engine.memory_fallbacks)
     metrics.record_memory_fallbacks(engine.memory_fallbacks)     # a total, not an increment
     assert metrics.registry.get_sample_value("specpair_memory_fallback_total",
-                                             {"pair": "tiny", "version": "1"}) == 1
+                                             {"pair": "tiny", "version": "1", "engine": "specpair"}) == 1
 
 
 def test_rows_already_drafting_stop_when_the_newcomer_alone_does_not_fit(tiny_target, tiny_draft,

@@ -121,8 +121,8 @@ def test_getstats_carries_each_categorys_request_sums_and_serving_counts():
     # The same counts under the engine's series names, per category.
     from prometheus_client import generate_latest
     text = generate_latest(tally.metrics.registry).decode()
-    assert 'specpair_num_draft_tokens_total{category="code",pair="p",version="1"} 32.0' in text
-    assert 'specpair_requests_total{category="chat",pair="p",protocol="http",status="invalid",version="1"} 1.0' in text
+    assert 'specpair_num_draft_tokens_total{category="code",engine="vllm",pair="p",version="1"} 32.0' in text
+    assert 'specpair_requests_total{category="chat",engine="vllm",pair="p",protocol="http",status="invalid",version="1"} 1.0' in text
 
 
 def test_a_client_that_closes_after_done_is_counted_ok_and_one_that_leaves_early_cancelled():
@@ -188,7 +188,7 @@ def test_the_metrics_port_serves_the_same_series_as_the_http_port_and_nothing_el
             with urllib.request.urlopen(request, timeout=30) as r:
                 assert b"data: [DONE]" in r.read()
             status, text = get(companion.metrics_port, "/metrics")
-            counted = 'specpair_requests_total{category="code",pair="p",protocol="http",status="ok",version="3"} 1.0'
+            counted = 'specpair_requests_total{category="code",engine="vllm",pair="p",protocol="http",status="ok",version="3"} 1.0'
             assert status == 200 and counted in text, text[-2000:]
             assert counted in get(companion.port, "/metrics")[1]
             assert get(companion.metrics_port, "/v1/models")[0] == 404

@@ -485,7 +485,7 @@ def test_the_companion_passes_replies_through_and_counts_vllms_own_acceptance_by
     # /metrics: vLLM's series and the engine's, per category, on the one port.
     text = vllm_served["metrics"]
     assert "vllm:spec_decode_num_draft_tokens_total" in text
-    assert f'specpair_num_draft_tokens_total{{category="code",pair="peer",version="3"}} ' \
+    assert f'specpair_num_draft_tokens_total{{category="code",engine="vllm",pair="peer",version="3"}} ' \
            f'{float(code["drafted"])}' in text
     # No runtime switch: the probe refuses to ask, and the companion refuses when asked.
     refusal, answered = vllm_served["switch"]

@@ -66,7 +66,9 @@ def annotation_queries() -> list[tuple[str, str]]:
     return [(a["name"], a["expr"]) for a in json.loads(DASHBOARD.read_text())["annotations"]["list"] if a.get("expr")]
 
 
-def with_grafana_values(expr: str, *, pair: str, version: str, rate_interval: str, range_: str) -> str:
-    """A dashboard query with the values Grafana puts in for its variables and macros."""
+def with_grafana_values(expr: str, *, pair: str, version: str, rate_interval: str, range_: str,
+                        engine: str = ".*") -> str:
+    """A dashboard query with the values Grafana puts in for its variables and macros (`engine`:
+    the engine variable's "All" value unless given)."""
     return (expr.replace("$__rate_interval", rate_interval).replace("$__range", range_)
-            .replace("$pair", pair).replace("$version", version))
+            .replace("$pair", pair).replace("$version", version).replace("$engine", engine))

@@ -111,10 +111,10 @@ def test_every_signal_is_a_series_the_engine_exports():
 
     from specpair.server.metrics import EngineMetrics
     metrics = EngineMetrics("chat", "1")
-    metrics.num_emitted_tokens.labels(pair="chat", version="1", category="general").inc()
-    metrics.num_accepted_tokens.labels(pair="chat", version="1", category="general").inc()
-    metrics.num_requests_waiting.labels(pair="chat", version="1").set(2)
-    metrics.num_requests_running.labels(pair="chat", version="1").set(1)
+    metrics.num_emitted_tokens.labels(pair="chat", version="1", engine="specpair", category="general").inc()
+    metrics.num_accepted_tokens.labels(pair="chat", version="1", engine="specpair", category="general").inc()
+    metrics.num_requests_waiting.labels(pair="chat", version="1", engine="specpair").set(2)
+    metrics.num_requests_running.labels(pair="chat", version="1", engine="specpair").set(1)
     metrics.set_state(running=1, waiting=2, k=4, speculating=True, window_rate=None, category_rates={},
                       kv_usage=0.25)
     exposed = generate_latest(metrics.registry).decode()
@@ -262,7 +262,7 @@ def test_effective_load_rises_as_acceptance_collapses_in_prometheus(engine, tmp_
                       "vllm:spec_decode_num_accepted_tokens_total")}[engine]
 
     def labels(pair: str, namespace: str = "team-a", pod: str = "p0") -> str:
-        own = (f'pair="{pair}",version="3",category="general"' if engine == "specpair" else
+        own = (f'pair="{pair}",version="3",engine="specpair",category="general"' if engine == "specpair" else
                f'model_name="{identity_name(pair, "3", "ab" * 32, True)}",engine="0"')
         return f'{{namespace="{namespace}",pod="{pod}",{own}}}'
 

@@ -189,7 +189,7 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
         counters = parse_spec_decode_metrics(text)
         assert counters.draft_tokens > 0, counters
         # vLLM's series and the companion's per category, on the one port Prometheus scrapes.
-        assert f'specpair_num_draft_tokens_total{{category="extraction",pair="{name}",version="1"}}' in text
+        assert f'specpair_num_draft_tokens_total{{category="extraction",engine="vllm",pair="{name}",version="1"}}' in text
         # Drift is judged per category on vLLM's own per-request counts: a window of these drafts
         # closes and is judged against each category's gated acceptance.
         obj = ns.wait_for("a drift window judged per category", lambda: (o := ns.pair(name)) and

@@ -135,7 +135,8 @@ def test_deadline_is_honoured_and_frees_the_slot(tiny_pair, start_server):
 
 def _requests(server, status: str) -> float:
     value = server.metrics.registry.get_sample_value(
-        "specpair_requests_total", {"pair": "tiny", "version": "1", "category": "general", "protocol": "grpc",
+        "specpair_requests_total", {"pair": "tiny", "version": "1", "engine": "specpair", "category": "general",
+                                    "protocol": "grpc",
                                     "status": status})
     return value or 0.0
 

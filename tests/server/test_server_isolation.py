@@ -37,7 +37,8 @@ def _post(server, body, path: str = "/v1/chat/completions") -> tuple[int, dict]:
 
 def _requests(server, status: str, protocol: str) -> float:
     return server.metrics.registry.get_sample_value("specpair_requests_total", {
-        "pair": "tiny", "version": "1", "category": "general", "protocol": protocol, "status": status}) or 0.0
+        "pair": "tiny", "version": "1", "engine": "specpair", "category": "general", "protocol": protocol,
+        "status": status}) or 0.0
 
 
 class Streams:

@@ -57,7 +57,7 @@ def assert_openai_error(body: dict, param, *words):
 
 
 def sample(server, name: str, **labels) -> float:
-    base = {"pair": server.options.pair, "version": server.options.version}
+    base = {"pair": server.options.pair, "version": server.options.version, "engine": "specpair"}
     return server.metrics.registry.get_sample_value(name, {**base, **labels}) or 0.0
 
 

@@ -54,7 +54,7 @@ def test_64_streams_through_a_small_pool_each_equal_their_solo_output(tiny_pair,
         assert not isinstance(reply, Exception), reply
         assert reply[0] == reference(tiny_pair, chat(question), 24, chat=True).text, question
     assert engine.paged_space.preemptions > 0            # the pool ran out: rows were recomputed
-    labels = {"pair": server.options.pair, "version": server.options.version}
+    labels = {"pair": server.options.pair, "version": server.options.version, "engine": "specpair"}
     assert wait_for(lambda: server.metrics.registry.get_sample_value(
         "specpair_kv_preemptions_total", labels) == engine.paged_space.preemptions)
     assert 8 < max(peaks) < 64                           # admitted by blocks, not by the 64 rows

@@ -33,7 +33,8 @@ def documented_metrics() -> dict[str, Documented]:
             continue
         name, type_, source, labels = [cell.strip().strip("`") for cell in line.strip("|").split("|")][:4]
         extra = {label.strip() for label in re.sub(r"\(.*?\)", "", labels).split(",") if label.strip()}
-        base = {"pair"} if "(pair only)" in labels else {"pair", "version"}
+        # The engine's series are labelled by the engine that served them too (the table's header).
+        base = {"pair"} if "(pair only)" in labels else {"pair", "version"} | ({"engine"} if source == "engine" else set())
         out[name] = Documented(type_, source, frozenset(base | extra))
     return out
 

@@ -5,6 +5,9 @@ fed per engine step, so they move while a long request is still streaming. Categ
 from clients, so their number is capped: categories beyond `max_categories` count as "other".
 Per-request series (requests by status, the latency histograms) are also labelled `protocol`
 (`grpc` or `http`, the OpenAI-compatible front); acceptance counters are the pair's, per category.
+Every series is labelled `engine`: the engine that served it (`specpair`, or `vllm` where the vLLM
+pod's companion counts vLLM's per-request figures into these same series), so one dashboard reads
+both engines' pairs and can tell them apart.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ LATENCY_BUCKETS = (0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.
 TOKEN_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04,
                  0.05, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 OTHER_CATEGORY = "other"
+# The `engine` label's value on our engine's series (the companion's is "vllm").
+ENGINE = "specpair"
 
 # Shadow drafting (specpair/shadow.py): a candidate drafter scored on live requests, labelled with
 # the candidate's version and content hash, counted per finished request. Each row: key, metric
@@ -53,14 +58,15 @@ SHADOW_COUNTERS = (
 
 class EngineMetrics:
     def __init__(self, pair: str, version: str, max_categories: int = 32,
-                 registry: CollectorRegistry | None = None):
+                 registry: CollectorRegistry | None = None, engine: str = ENGINE):
         self.registry = registry or CollectorRegistry()
-        self.pair, self.version = pair, version
+        self.pair, self.version, self.engine = pair, version, engine
+        self._base = (pair, version, engine)
         self.max_categories = max_categories
         self._categories: set[str] = set()
         self._lock = threading.Lock()
         r = self.registry
-        base = ["pair", "version"]
+        base = ["pair", "version", "engine"]
         cat = base + ["category"]
         req = cat + ["protocol"]
         self.num_drafts = Counter("specpair_num_drafts", "Verification rounds that had draft tokens.",
@@ -133,12 +139,12 @@ class EngineMetrics:
                                             base + ["candidate_version", "candidate_hash"], registry=r)
         self._shadow_seen: dict[str, dict[str, float]] = {}
         self._shadow_skipped_seen = 0
-        self.speculation_enabled.labels(pair, version).set(0)
-        self.memory_fallback.labels(pair, version)      # 0 from the start, not a gap
-        self.prefix_cache_queries.labels(pair, version)
-        self.prefix_cache_hits.labels(pair, version)
-        self.control_denied.labels(pair, version, "SetSpeculation")     # 0 from the start, not a gap
-        self.speculation_k.labels(pair, version).set(0)
+        self.speculation_enabled.labels(*self._base).set(0)
+        self.memory_fallback.labels(*self._base)      # 0 from the start, not a gap
+        self.prefix_cache_queries.labels(*self._base)
+        self.prefix_cache_hits.labels(*self._base)
+        self.control_denied.labels(*self._base, "SetSpeculation")     # 0 from the start, not a gap
+        self.speculation_k.labels(*self._base).set(0)
 
     def category(self, name: str) -> str:
         """The label value for a client's category (bounded cardinality)."""
@@ -150,8 +156,8 @@ class EngineMetrics:
                 return name
         return OTHER_CATEGORY
 
-    def _l(self, category: str) -> tuple[str, str, str]:
-        return self.pair, self.version, category
+    def _l(self, category: str) -> tuple[str, str, str, str]:
+        return (*self._base, category)
 
     def record_step(self, category: str, delta: AcceptanceStats) -> None:
         labels = self._l(category)
@@ -166,7 +172,7 @@ class EngineMetrics:
         if delta.num_emitted_tokens:
             self.num_emitted_tokens.labels(*labels).inc(delta.num_emitted_tokens)
         if delta.fallback_events:
-            self.fallback_events.labels(self.pair, self.version).inc(delta.fallback_events)
+            self.fallback_events.labels(*self._base).inc(delta.fallback_events)
 
     def record_finished(self, category: str, status: str, *, protocol: str = "grpc",
                         queue: float | None = None, ttft: float | None = None, e2e: float | None = None,
@@ -214,20 +220,20 @@ class EngineMetrics:
         with self._lock:
             delta, self._memory_fallbacks_seen = total - self._memory_fallbacks_seen, total
         if delta > 0:
-            self.memory_fallback.labels(self.pair, self.version).inc(delta)
+            self.memory_fallback.labels(*self._base).inc(delta)
 
     def record_preemptions(self, total: int) -> None:
         """Catch the counter up with the engine's running total (PagedSpace.preemptions)."""
         with self._lock:
             delta, self._preemptions_seen = total - self._preemptions_seen, total
         if delta > 0:
-            self.kv_preemptions.labels(self.pair, self.version).inc(delta)
+            self.kv_preemptions.labels(*self._base).inc(delta)
 
     def record_prefix_cache(self, looked_up: int, served: int) -> None:
         """Catch the prefix counters up with the engine's running totals (engine.prefix_stats)."""
         with self._lock:
             (seen_up, seen_served), self._prefix_seen = self._prefix_seen, (looked_up, served)
-        base = (self.pair, self.version)
+        base = self._base
         if looked_up > seen_up:
             self.prefix_cache_queries.labels(*base).inc(looked_up - seen_up)
         if served > seen_served:
@@ -248,17 +254,17 @@ class EngineMetrics:
                         self.shadow_counters[key].labels(*labels)
                     seen[key] = value
             delta, self._shadow_skipped_seen = skipped_steps - self._shadow_skipped_seen, skipped_steps
-            counter = self.shadow_skipped_steps.labels(self.pair, self.version, version, content_hash)
+            counter = self.shadow_skipped_steps.labels(*self._base, version, content_hash)
             if delta > 0:
                 counter.inc(delta)
 
     def record_control_denied(self, method: str) -> None:
-        self.control_denied.labels(self.pair, self.version, method).inc()
+        self.control_denied.labels(*self._base, method).inc()
 
     def set_state(self, *, running: int, waiting: int, k: int, speculating: bool,
                   window_rate: float | None, category_rates: dict[str, float | None],
                   kv_usage: float | None = None) -> None:
-        base = (self.pair, self.version)
+        base = self._base
         self.num_requests_running.labels(*base).set(running)
         self.num_requests_waiting.labels(*base).set(waiting)
         if kv_usage is not None:
