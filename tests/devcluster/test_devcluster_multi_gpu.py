@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from specpair_devcluster import DevCluster, NodeSpec
-from specpair_operator.desired import manifests
+from specpair_operator.desired import engine_objects, manifests
 from specpair_operator.release import content as release
 from waiting import wait_until
 
@@ -44,7 +44,7 @@ def test_a_tensor_parallel_2_vllm_pair_gets_two_gpus_a_pod_and_the_scheduler_fil
     rollout = {"image": "registry.example.com/vllm-openai:tp", "replicas": 3,
                "resources": {"limits": {GPU: 1}}}
     rel = release.build_release("big", ns, SPEC, PROMPTS)
-    dep = manifests.engine_deployment("big", ns, rel, release.content_hash(rel), "1", rollout, "http://mlflow:5000")
+    dep = engine_objects.engine_deployment("big", ns, rel, release.content_hash(rel), "1", rollout, "http://mlflow:5000")
     # vLLM holds the GPUs; its companion (the pair's API port and control port) asks for none.
     containers = {c["name"]: c for c in dep["spec"]["template"]["spec"]["containers"]}
     assert set(containers) == {"engine", "companion"}

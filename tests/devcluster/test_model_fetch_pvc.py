@@ -18,7 +18,7 @@ import yaml
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
 from specpair.contract import content_hash
-from specpair_operator.desired import manifests, model_fetch, tls
+from specpair_operator.desired import engine_objects, manifests, model_fetch, tls
 from specpair_devcluster.client import ApiError
 from specpair_operator.release.content import build_release
 
@@ -89,7 +89,7 @@ def test_the_fetch_job_fills_the_claim_and_the_engine_serves_from_it_offline(dev
     ca = tls.new_ca()
     leaf = tls.issue(ca, "chat-engine", tls.engine_dns_names(manifests.engine_name("chat"), ns), server=True, days=1)
     devcluster.kube.create(manifests.engine_tls_secret("chat", ns, leaf.cert_pem, leaf.key_pem, ca.cert_pem))
-    devcluster.kube.create(manifests.engine_deployment("chat", ns, release, digest, "1", rollout, UNREACHABLE_MLFLOW))
+    devcluster.kube.create(engine_objects.engine_deployment("chat", ns, release, digest, "1", rollout, UNREACHABLE_MLFLOW))
 
     def ready_ip():
         for pod in devcluster.kube.list("v1", "Pod", ns, labels="specpair.io/role=engine"):

@@ -17,9 +17,10 @@ from specpair_operator.gate import verdict as gate_verdict
 from specpair_operator.desired import manifests
 from specpair_operator.act import owned
 from specpair_operator.release import content as release
+from specpair_operator.plan import release_steps as rs
 from specpair_operator.plan import release_plan as p
 from specpair_operator.plan import serving_plan as sp
-from specpair_operator.release.registry_contract import TAG_HASH, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
+from specpair_operator.release.registry_contract import TAG_HASH, TAG_RELEASE, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
 from specpair_operator.observe.serving_world import EngineTLS, ServingWorld
 from specpair_operator.observe.world import GateJob, Records, ReleaseWorld
 
@@ -35,7 +36,7 @@ def release_tags(spec: Mapping[str, Any],
                  golden: Iterable[Mapping[str, Any]] = ({"prompt": "x", "category": "code"},)) -> dict[str, str]:
     """The tags a version of the pair's `spec` carries in MLflow once registered."""
     rel = release.build_release(PAIR, NS, dict(spec), [dict(g) for g in golden])
-    return {p.TAG_RELEASE: json.dumps(rel, sort_keys=True), TAG_HASH: release.content_hash(rel),
+    return {TAG_RELEASE: json.dumps(rel, sort_keys=True), TAG_HASH: release.content_hash(rel),
             TAG_TOKENIZER_TARGET: "t", TAG_TOKENIZER_DRAFT: "d"}
 
 
@@ -52,7 +53,7 @@ def candidate_world(*, tags: Mapping[str, str], champion_tags: Mapping[str, str]
                      gate_jobs=(GateJob(manifests.gate_job_name(PAIR, tags[TAG_HASH]), complete=True,
                                         reports=(reported(verdict, "2"),)),),
                      records=Records({"GateStarted": ("2",), "GatePassed": ("2",)}), now=NOW, rollout=rollout,
-                     champion_release=json.loads(champion_tags[p.TAG_RELEASE]))
+                     champion_release=json.loads(champion_tags[TAG_RELEASE]))
     return dataclasses.replace(w, **changes)
 
 
@@ -83,23 +84,23 @@ def pod_info(served: Mapping[str, Any], speculating: bool = True, **changes: Any
 def step_name(s: Any) -> str:
     """A planned step by its class and what tells it apart: a Record by its action, a Report by
     its reason, a write by what it touches."""
-    if isinstance(s, p.Record):
+    if isinstance(s, rs.Record):
         return f"Record {s.action}"
-    if isinstance(s, p.Report):
+    if isinstance(s, rs.Report):
         return f"Report {s.how} {s.phase}/{s.reason}"
     if isinstance(s, sp.RollSpeculation):
         return f"RollSpeculation {'on' if s.enabled else 'off'}"
-    if isinstance(s, p.PostEvent):
+    if isinstance(s, rs.PostEvent):
         return f"Event {s.reason}"
-    if isinstance(s, p.SetAlias):
+    if isinstance(s, rs.SetAlias):
         return f"SetAlias {s.alias}={s.version}"
-    if isinstance(s, p.TagVersion):
+    if isinstance(s, rs.TagVersion):
         return f"TagVersion v{s.version} " + ",".join(k if v else f"{k}=cleared" for k, v in sorted(s.tags.items()))
-    if isinstance(s, p.Condition):
+    if isinstance(s, rs.Condition):
         return f"Condition {s.type}={s.status} {s.reason}"
-    if isinstance(s, p.StartGateJob):
+    if isinstance(s, rs.StartGateJob):
         return f"StartGateJob {s.attempt}"
-    if isinstance(s, p.ServeChampion):
+    if isinstance(s, rs.ServeChampion):
         return (f"ServeChampion {s.desired or '-'}" + (" while gating" if s.while_gating else "")
                 + (f" shadow v{s.shadow.version}" if s.shadow else "")
                 + (f" canary v{s.canary.version}" if s.canary else ""))
@@ -112,7 +113,7 @@ def step_name(s: Any) -> str:
     if isinstance(s, sp.ReportSpeculation):
         return "ReportSpeculation " + (f"stuck {len(s.stuck)}" if s.stuck else
                                        (s.otherwise.reason if s.otherwise else "-"))
-    if isinstance(s, p.SetStatus):
+    if isinstance(s, rs.SetStatus):
         return "SetStatus " + ",".join(sorted(s.fields))
     return type(s).__name__
 
@@ -128,7 +129,7 @@ class CandidateCluster:
     models the engine (`write`, `serving_world`). A pass killed at a write keeps its writes and
     loses its status, and `forget` drops what the operator kept in memory."""
 
-    WRITES = (*p.WRITES, *sp.WRITES, canary.ScaleDown)
+    WRITES = (*rs.WRITES, *sp.WRITES, canary.ScaleDown)
     candidate_world: Callable[..., ReleaseWorld]    # the table's, with its defaults
 
     def __init__(self, champion_tags: Mapping[str, str], candidate_tags: Mapping[str, str]):
@@ -149,12 +150,12 @@ class CandidateCluster:
         champion = self.aliases["champion"]
         return self.candidate_world(tags=self.tags["2"], aliases=dict(self.aliases), records=self.records(),
                                     champion_release=None if champion == "2" else json.loads(
-                                        self.tags[champion][p.TAG_RELEASE]))
+                                        self.tags[champion][TAG_RELEASE]))
 
-    def serving_world(self, step: p.ServeChampion) -> ServingWorld:
+    def serving_world(self, step: rs.ServeChampion) -> ServingWorld:
         raise NotImplementedError
 
-    def champion_world(self, step: p.ServeChampion, spec: Mapping[str, Any], verdict: Mapping[str, Any],
+    def champion_world(self, step: rs.ServeChampion, spec: Mapping[str, Any], verdict: Mapping[str, Any],
                        **engine: Any) -> ServingWorld:
         """The serving world `step` asks for, as this cluster holds it; `engine`: the table's own
         fields (its Deployments, pods, shadow or canary)."""
@@ -166,9 +167,9 @@ class CandidateCluster:
 
     def write(self, step: Any) -> None:
         """MLflow's writes here; the engine's objects in `write_object`."""
-        if isinstance(step, p.SetAlias):
+        if isinstance(step, rs.SetAlias):
             self.aliases[step.alias] = step.version
-        elif isinstance(step, p.TagVersion):
+        elif isinstance(step, rs.TagVersion):
             self.tags[step.version].update(step.tags)
         else:
             self.write_object(step)
@@ -199,16 +200,16 @@ class CandidateCluster:
                     self.writes += 1
                     if crash_at is not None and self.writes == crash_at + 1:
                         return False
-                elif isinstance(step, p.Record):
+                elif isinstance(step, rs.Record):
                     busy = True
                     said.append((step.action, step.key))
                     if step.key is not None:
                         status["recorded"][step.action] = status["recorded"].get(step.action, []) + [step.key]
-                elif isinstance(step, p.PostEvent):
+                elif isinstance(step, rs.PostEvent):
                     events.append(step.reason)
-                elif isinstance(step, p.SetStatus):
+                elif isinstance(step, rs.SetStatus):
                     status.update(copy.deepcopy(dict(step.fields)))
-                elif isinstance(step, p.ServeChampion):
+                elif isinstance(step, rs.ServeChampion):
                     self.last_serving = sp.plan_serving(self.serving_world(step))
                     if not run_steps(self.last_serving):
                         return False

@@ -28,6 +28,7 @@ from plan_tables import PAIR, available, kinds, mine, pod_info
 from specpair_operator.policy import canary
 from specpair_operator.desired import manifests
 from specpair_operator.act import owned
+from specpair_operator.plan import release_steps as rs
 from specpair_operator.plan import release_plan as p
 from specpair_operator.plan import serving_plan as sp
 from specpair_operator.handlers import records_of
@@ -84,12 +85,12 @@ def test_a_passed_candidate_runs_its_canary_before_it_is_promoted(what, w, expec
     steps = p.plan_release(w)
     tail = kinds(steps)[-len(expected):]
     assert tail == expected, what
-    start = next((s for s in steps if isinstance(s, p.ServeChampion) and s.canary), None)
+    start = next((s for s in steps if isinstance(s, rs.ServeChampion) and s.canary), None)
     if start is not None:
         assert start.canary.steps == (canary.Step(1, None, 20.0), canary.Step(None, 1.0, 20.0))
-        record = next((s for s in steps if isinstance(s, p.Record)), None)
+        record = next((s for s in steps if isinstance(s, rs.Record)), None)
         assert record is None or "2 canary step(s): 1 replica(s), pause 20s; share 1, pause 20s" in record.reason
-    aborted = next((s for s in steps if isinstance(s, p.Record) and s.action == "CanaryAborted"), None)
+    aborted = next((s for s in steps if isinstance(s, rs.Record) and s.action == "CanaryAborted"), None)
     if aborted is not None:
         assert aborted.reason == "canary of v2 aborted: TTFT p95 800 ms" and (aborted.from_version, aborted.key) == ("1", "2")
 
@@ -140,14 +141,14 @@ class Cluster(plan_tables.CandidateCluster):
         self.now = T0
         self.pods: dict[str, list[Pod]] = {"main": [], "canary": []}
         # v1 serves on its Deployment already.
-        w = self.serving_world(p.ServeChampion({"champion": "1"}, "1"))
+        w = self.serving_world(rs.ServeChampion({"champion": "1"}, "1"))
         for step in sp.plan_serving(w):
             if isinstance(step, sp.EnsureOwned):
                 self.write(step)
-            elif isinstance(step, p.Record):
+            elif isinstance(step, rs.Record):
                 self.status["recorded"][step.action] = [step.key]
 
-    def serving_world(self, step: p.ServeChampion) -> ServingWorld:
+    def serving_world(self, step: rs.ServeChampion) -> ServingWorld:
         w = self.champion_world(step, SPEC, GOOD, canary_run=step.canary, deployment=self.objects.get("main"),
                                 canary_deployment=self.objects.get("canary"), canary_memory=self.memory,
                                 drift=DriftMemory(wall=self.now))
@@ -253,9 +254,9 @@ def test_a_canary_left_by_a_candidate_no_longer_wanted_is_scaled_down():
         cl.one_pass(None)
     assert cl.objects["canary"]["spec"]["replicas"] == 1
     # The spec moved on (v2 is not the spec's release any more): the serving plan runs without a canary.
-    steps = sp.plan_serving(cl.serving_world(p.ServeChampion(dict(cl.aliases), "1")))
+    steps = sp.plan_serving(cl.serving_world(rs.ServeChampion(dict(cl.aliases), "1")))
     assert kinds(steps)[-3:-1] == [f"ScaleDown {CANARY_NAME}", "Event CanaryScaledDown"]
-    event = next(s for s in steps if isinstance(s, p.PostEvent))
+    event = next(s for s in steps if isinstance(s, rs.PostEvent))
     assert "v2 is no longer a candidate" in event.message
 
 
@@ -274,8 +275,8 @@ def test_a_promoted_canarys_scale_down_is_recorded_so_a_pass_on_a_body_not_showi
     assert [a for a, _ in cl.history][-1] == "CanaryScaledDown", cl.history
     assert records_of(before) != records_of(cl.status)
     assert cl.status["canary"]["phase"] == "Promoted"
-    serve = next(s for s in p.plan_release(cl.release_world()) if isinstance(s, p.ServeChampion))
-    assert not [s for s in sp.plan_serving(cl.serving_world(serve)) if isinstance(s, (p.Record, p.PostEvent))]
+    serve = next(s for s in p.plan_release(cl.release_world()) if isinstance(s, rs.ServeChampion))
+    assert not [s for s in sp.plan_serving(cl.serving_world(serve)) if isinstance(s, (rs.Record, rs.PostEvent))]
 
 
 def test_the_canary_step_is_read_back_from_its_deployment_when_the_status_that_said_so_was_lost():
@@ -284,11 +285,11 @@ def test_the_canary_step_is_read_back_from_its_deployment_when_the_status_that_s
         cl.one_pass(None)
     assert cl.objects["canary"]["spec"]["replicas"] == 2
     lost = {k: v for k, v in cl.status.items() if k != "canary"}
-    serve = next(s for s in p.plan_release(cl.release_world()) if isinstance(s, p.ServeChampion))
+    serve = next(s for s in p.plan_release(cl.release_world()) if isinstance(s, rs.ServeChampion))
     w = dataclasses.replace(cl.serving_world(serve), status=lost, canary_memory=None)
     steps = sp.plan_serving(w)
     assert not [s for s in steps if isinstance(s, sp.EnsureOwned)], "not scaled back to step 1"
-    entry = next(s.fields["canary"] for s in steps if isinstance(s, p.SetStatus) and "canary" in s.fields)
+    entry = next(s.fields["canary"] for s in steps if isinstance(s, rs.SetStatus) and "canary" in s.fields)
     assert entry["step"] == 2 and entry["replicas"] == 2
 
 
@@ -310,7 +311,7 @@ def test_a_canary_deployment_scaled_down_before_is_scaled_up_again_for_the_canar
     cl = Cluster("fast")
     cl.one_pass(None)
     cl.write(canary.ScaleDown(CANARY_NAME))        # left at zero by an earlier canary of this version
-    serve = next(s for s in p.plan_release(cl.release_world()) if isinstance(s, p.ServeChampion))
+    serve = next(s for s in p.plan_release(cl.release_world()) if isinstance(s, rs.ServeChampion))
     steps = sp.plan_serving(cl.serving_world(serve))
     ensured = [s for s in steps if isinstance(s, sp.EnsureOwned) and s.manifest["metadata"]["name"] == CANARY_NAME]
     assert ensured and ensured[0].manifest["spec"]["replicas"] == 1

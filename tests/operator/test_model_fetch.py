@@ -8,7 +8,7 @@ import json
 import pytest
 
 from specpair.contract import content_hash
-from specpair_operator.desired import manifests, model_fetch
+from specpair_operator.desired import engine_objects, gate_objects, manifests, model_fetch
 from specpair_operator.desired.manifests import MlflowCredentials, PodDefaults
 from specpair_operator.release.content import build_release
 
@@ -90,8 +90,8 @@ def test_the_job_writes_the_pvc_that_engine_and_gate_pods_read_only():
     annotations = job["spec"]["template"]["metadata"]["annotations"]
     assert json.loads(annotations[manifests.ANN_RELEASE]) == release
     # Everywhere else the same claim is read-only and offline.
-    gate = manifests.gate_job("chat", "team", release, digest, "3", rollout, "http://mlflow:5000")
-    engine = manifests.engine_deployment("chat", "team", release, digest, "3", rollout, "http://mlflow:5000")
+    gate = gate_objects.gate_job("chat", "team", release, digest, "3", rollout, "http://mlflow:5000")
+    engine = engine_objects.engine_deployment("chat", "team", release, digest, "3", rollout, "http://mlflow:5000")
     for other in (gate["spec"]["template"]["spec"], engine["spec"]["template"]["spec"]):
         assert next(v for v in other["volumes"] if v["name"] == "hub")["persistentVolumeClaim"]["readOnly"] is True
         assert {e["name"]: e.get("value") for e in other["containers"][0]["env"]}["HF_HUB_OFFLINE"] == "1"
@@ -124,7 +124,7 @@ def test_the_job_gets_the_credentials_the_gate_gets():
     credentials = MlflowCredentials.for_pair({"credentialsSecretRef": {"name": "mlflow-auth"}}, None)
     defaults = PodDefaults(image_pull_secrets=("regcred",))
     job = _job(rollout, credentials, defaults, release)
-    gate = manifests.gate_job("chat", "team", release, content_hash(release), "3", rollout, "http://mlflow:5000",
+    gate = gate_objects.gate_job("chat", "team", release, content_hash(release), "3", rollout, "http://mlflow:5000",
                               credentials=credentials, defaults=defaults)
 
     def secrets(pod):

@@ -5,12 +5,13 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
+from specpair import vllm_serve
 
 from specpair_operator.release import aliases, content as release
 from specpair_operator.crd import conditions
 from specpair_operator.policy import drift
 from specpair_operator.gate import verdict as gate_verdict
-from specpair_operator.desired import manifests
+from specpair_operator.desired import engine_objects, gate_objects, manifests
 
 SPEC = {
     "target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "abc123"},
@@ -158,11 +159,11 @@ def test_manifests_validate_against_kubernetes_schemas_and_run_unprivileged():
     digest = release.content_hash(rel)
     rollout = {"replicas": 2, "image": "img:1", "resources": {"limits": {"nvidia.com/gpu": 1}},
                "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}], "port": 6000}
-    job = manifests.gate_job("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000")
-    dep = manifests.engine_deployment("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000")
-    svc = manifests.engine_service("p", "ns", rollout)
+    job = gate_objects.gate_job("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000")
+    dep = engine_objects.engine_deployment("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000")
+    svc = engine_objects.engine_service("p", "ns", rollout)
     installation = manifests.MlflowCredentials.from_env({"SPECPAIR_MLFLOW_CREDENTIALS_SECRET": "mlflow-creds"})
-    with_secret = manifests.gate_job("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000", credentials=installation)
+    with_secret = gate_objects.gate_job("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000", credentials=installation)
     kubernetes_validate.validate(with_secret, "1.33.0", strict=True)
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in with_secret["spec"]["template"]["spec"]["containers"][0]["env"]
             if "valueFrom" in e}
@@ -206,23 +207,23 @@ def test_manifests_validate_against_kubernetes_schemas_and_run_unprivileged():
     assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == \
         {"grpc": (6000, "grpc"), "metrics": (manifests.METRICS_PORT, "metrics"), "http": (manifests.HTTP_PORT, "http")}
     off = {**rollout, "httpPort": 0}
-    dep_off = manifests.engine_deployment("p", "ns", rel, digest, "3", off, "http://mlflow:5000")
+    dep_off = engine_objects.engine_deployment("p", "ns", rel, digest, "3", off, "http://mlflow:5000")
     container = dep_off["spec"]["template"]["spec"]["containers"][0]
     assert "--http-port" not in container["command"] and "http" not in {p["name"] for p in container["ports"]}
-    assert "http" not in {p["name"] for p in manifests.engine_service("p", "ns", off)["spec"]["ports"]}
+    assert "http" not in {p["name"] for p in engine_objects.engine_service("p", "ns", off)["spec"]["ports"]}
     assert set(dep["spec"]["selector"]["matchLabels"].items()) <= set(dep["spec"]["template"]["metadata"]["labels"].items())
 
 
 def test_deployment_rollout_state():
     dep = {"metadata": {"generation": 2, "annotations": {manifests.ANN_HASH: "h"}}, "spec": {"replicas": 2},
            "status": {"observedGeneration": 1}}
-    assert manifests.deployment_rollout_state(None, "h")[0] == "absent"
-    assert manifests.deployment_rollout_state(dep, "other")[0] == "progressing"
-    assert manifests.deployment_rollout_state(dep, "h")[0] == "progressing"
+    assert engine_objects.deployment_rollout_state(None, "h")[0] == "absent"
+    assert engine_objects.deployment_rollout_state(dep, "other")[0] == "progressing"
+    assert engine_objects.deployment_rollout_state(dep, "h")[0] == "progressing"
     dep["status"] = {"observedGeneration": 2, "replicas": 2, "updatedReplicas": 2, "availableReplicas": 2}
-    assert manifests.deployment_rollout_state(dep, "h")[0] == "available"
+    assert engine_objects.deployment_rollout_state(dep, "h")[0] == "available"
     dep["status"]["conditions"] = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}]
-    assert manifests.deployment_rollout_state(dep, "h")[0] == "failed"
+    assert engine_objects.deployment_rollout_state(dep, "h")[0] == "failed"
 
 
 def test_drift_state_belongs_to_one_release():
@@ -239,8 +240,8 @@ def test_a_release_runs_the_image_it_was_gated_with():
     """A rollback serves the previous release's image even when the spec now names another."""
     old = release.build_release("p", "ns", {**SPEC, "rollout": {"image": "reg/specpair/engine:1"}}, PROMPTS)
     now = {"image": "reg/specpair/engine:2"}
-    dep = manifests.engine_deployment("p", "ns", old, "d" * 64, "1", now, "http://mlflow")
-    job = manifests.gate_job("p", "ns", old, "d" * 64, "1", now, "http://mlflow")
+    dep = engine_objects.engine_deployment("p", "ns", old, "d" * 64, "1", now, "http://mlflow")
+    job = gate_objects.gate_job("p", "ns", old, "d" * 64, "1", now, "http://mlflow")
     for obj in (dep, job):
         assert obj["spec"]["template"]["spec"]["containers"][0]["image"] == "reg/specpair/engine:1"
 
@@ -288,23 +289,23 @@ def test_an_absent_image_is_the_installations_and_part_of_the_release_hash(insta
     assert named["engine"] == {"image": "reg/own:1"}
     defaults = manifests.PodDefaults.from_env({"SPECPAIR_IMAGE_PULL_SECRETS": " regcred, mirror-creds ,"})
     digest = release.content_hash(mirrored)
-    for obj in (manifests.engine_deployment("p", "ns", mirrored, digest, "1", {}, "http://m", defaults=defaults),
-                manifests.gate_job("p", "ns", mirrored, digest, "1", {}, "http://m", defaults=defaults)):
+    for obj in (engine_objects.engine_deployment("p", "ns", mirrored, digest, "1", {}, "http://m", defaults=defaults),
+                gate_objects.gate_job("p", "ns", mirrored, digest, "1", {}, "http://m", defaults=defaults)):
         kubernetes_validate.validate(obj, "1.33.0", strict=True)
         pod = obj["spec"]["template"]["spec"]
         assert pod["containers"][0]["image"] == installation_image
         assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror-creds"}]
         assert pod["automountServiceAccountToken"] is False
-    assert "imagePullSecrets" not in manifests.gate_job("p", "ns", mirrored, digest, "1", {}, "http://m")[
+    assert "imagePullSecrets" not in gate_objects.gate_job("p", "ns", mirrored, digest, "1", {}, "http://m")[
         "spec"]["template"]["spec"]
 
 
 def test_finished_gate_jobs_are_deleted_after_a_day_unless_the_chart_says():
     rel = release.build_release("p", "ns", SPEC, PROMPTS)
     digest = release.content_hash(rel)
-    job = manifests.gate_job("p", "ns", rel, digest, "1", {}, "http://m")
+    job = gate_objects.gate_job("p", "ns", rel, digest, "1", {}, "http://m")
     assert job["spec"]["ttlSecondsAfterFinished"] == manifests.GATE_TTL_SECONDS == 86400
-    short = manifests.gate_job("p", "ns", rel, digest, "1", {}, "http://m",
+    short = gate_objects.gate_job("p", "ns", rel, digest, "1", {}, "http://m",
                                defaults=manifests.PodDefaults.from_env({"SPECPAIR_GATE_TTL_SECONDS": "600"}))
     assert short["spec"]["ttlSecondsAfterFinished"] == 600
     kubernetes_validate.validate(short, "1.33.0", strict=True)
@@ -314,10 +315,10 @@ def test_engine_pods_take_ingress_on_their_ports_only_and_gate_pods_none():
     rel = release.build_release("p", "ns", SPEC, PROMPTS)
     digest = release.content_hash(rel)
     rollout = {"port": 6000}
-    dep = manifests.engine_deployment("p", "ns", rel, digest, "1", rollout, "http://m")
-    job = manifests.gate_job("p", "ns", rel, digest, "1", rollout, "http://m")
-    policy = manifests.engine_network_policy("p", "ns")
-    gate = manifests.gate_network_policy("p", "ns")
+    dep = engine_objects.engine_deployment("p", "ns", rel, digest, "1", rollout, "http://m")
+    job = gate_objects.gate_job("p", "ns", rel, digest, "1", rollout, "http://m")
+    policy = engine_objects.engine_network_policy("p", "ns")
+    gate = gate_objects.gate_network_policy("p", "ns")
     for obj in (policy, gate):
         kubernetes_validate.validate(obj, "1.33.0", strict=True)
     # Each selects exactly its pods: every engine pod (any release), every gate pod of this pair.
@@ -336,7 +337,7 @@ def test_engine_pods_take_ingress_on_their_ports_only_and_gate_pods_none():
                                                                                        "control"}
     # The control port: from the operator's pods only, when the operator knows where it runs.
     assert control["ports"] == [{"protocol": "TCP", "port": "control"}] and "from" not in control
-    located = manifests.engine_network_policy("p", "ns", manifests.PodDefaults.from_env({
+    located = engine_objects.engine_network_policy("p", "ns", manifests.PodDefaults.from_env({
         "SPECPAIR_OPERATOR_NAMESPACE": "specpair-system",
         "SPECPAIR_OPERATOR_POD_LABELS": json.dumps({"app.kubernetes.io/component": "operator"})}))
     kubernetes_validate.validate(located, "1.33.0", strict=True)
@@ -347,7 +348,7 @@ def test_engine_pods_take_ingress_on_their_ports_only_and_gate_pods_none():
     assert policy["metadata"]["name"] == manifests.engine_name("p") and gate["metadata"]["name"] == "p-gate"
     assert gate["metadata"]["name"] != manifests.gate_job_name("p", digest)
     peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "web"}}}]
-    narrowed = manifests.engine_network_policy(
+    narrowed = engine_objects.engine_network_policy(
         "p", "ns", manifests.PodDefaults.from_env({"SPECPAIR_ENGINE_INGRESS_FROM": json.dumps(peers)}))
     kubernetes_validate.validate(narrowed, "1.33.0", strict=True)
     assert narrowed["spec"]["ingress"][0]["from"] == peers
@@ -364,15 +365,15 @@ def test_the_model_cache_has_a_size_limit_and_can_be_a_read_only_volume_claim():
         return ({v["name"]: v for v in pod["volumes"]}, {m["name"]: m for m in pod["containers"][0]["volumeMounts"]},
                 {e["name"]: e.get("value") for e in pod["containers"][0]["env"]})
 
-    volumes, mounts, env = cache(manifests.engine_deployment("p", "ns", rel, digest, "1", {}, "http://m"))
+    volumes, mounts, env = cache(engine_objects.engine_deployment("p", "ns", rel, digest, "1", {}, "http://m"))
     assert volumes["cache"]["emptyDir"] == {"sizeLimit": manifests.CACHE_SIZE_LIMIT}
     assert "hub" not in volumes and "HF_HUB_OFFLINE" not in env
     chart = manifests.PodDefaults.from_env({"SPECPAIR_MODEL_CACHE_SIZE_LIMIT": "200Gi"})
-    volumes, _, _ = cache(manifests.engine_deployment("p", "ns", rel, digest, "1", {}, "http://m", defaults=chart))
+    volumes, _, _ = cache(engine_objects.engine_deployment("p", "ns", rel, digest, "1", {}, "http://m", defaults=chart))
     assert volumes["cache"]["emptyDir"] == {"sizeLimit": "200Gi"}
     rollout = {"modelCache": {"sizeLimit": "20Gi", "persistentVolumeClaim": "smollm2-abc123"}}
-    for obj in (manifests.engine_deployment("p", "ns", rel, digest, "1", rollout, "http://m", defaults=chart),
-                manifests.gate_job("p", "ns", rel, digest, "1", rollout, "http://m", defaults=chart)):
+    for obj in (engine_objects.engine_deployment("p", "ns", rel, digest, "1", rollout, "http://m", defaults=chart),
+                gate_objects.gate_job("p", "ns", rel, digest, "1", rollout, "http://m", defaults=chart)):
         kubernetes_validate.validate(obj, "1.33.0", strict=True)
         volumes, mounts, env = cache(obj)
         assert volumes["cache"]["emptyDir"] == {"sizeLimit": "20Gi"}
@@ -455,8 +456,8 @@ def test_a_hub_token_reaches_engine_and_gate_pods_by_reference_only():
     own = {"modelCache": {"hubTokenSecretRef": {"name": "team-hf"}}}
     for rollout, defaults, expected in (({}, manifests.PodDefaults(), None), ({}, installation, ("hf", "t")),
                                         (own, installation, ("team-hf", "token"))):
-        for obj in (manifests.engine_deployment("p", "ns", rel, digest, "1", rollout, "http://m", defaults=defaults),
-                    manifests.gate_job("p", "ns", rel, digest, "1", rollout, "http://m", defaults=defaults)):
+        for obj in (engine_objects.engine_deployment("p", "ns", rel, digest, "1", rollout, "http://m", defaults=defaults),
+                    gate_objects.gate_job("p", "ns", rel, digest, "1", rollout, "http://m", defaults=defaults)):
             if expected is None:
                 assert token(obj) == []
             else:
@@ -477,35 +478,35 @@ def test_a_vllm_release_is_its_own_release_and_renders_vllms_server():
     assert release.content_hash(rel) != release.content_hash(plain)
     digest = release.content_hash(rel)
     rollout = {"httpPort": 8000}
-    dep = manifests.engine_deployment("p", "ns", rel, digest, "2", rollout, "http://m")
+    dep = engine_objects.engine_deployment("p", "ns", rel, digest, "2", rollout, "http://m")
     kubernetes_validate.validate(dep, "1.33.0", strict=True)
     pod = dep["spec"]["template"]["spec"]
     # vLLM on a Unix socket in a volume it shares with its companion, which takes the pair's port
     # (and the control port, mutual TLS from the engine certificate's Secret).
     c, companion = pod["containers"]
     assert c["command"] == ["python", "-m", "specpair.vllm_serve", "--release", manifests.RELEASE_FILE,
-                            "--uds", manifests.VLLM_SOCKET, "--enforce-eager"]
+                            "--uds", vllm_serve.VLLM_SOCKET, "--enforce-eager"]
     assert "ports" not in c and c["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
     assert companion["command"][:9] == ["python", "-m", "specpair.vllm_companion", "--release", manifests.RELEASE_FILE,
-                                        "--uds", manifests.VLLM_SOCKET, "--host", "0.0.0.0"]
+                                        "--uds", vllm_serve.VLLM_SOCKET, "--host", "0.0.0.0"]
     assert companion["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
                                   {"name": "metrics", "containerPort": manifests.METRICS_PORT, "protocol": "TCP"},
                                   {"name": "control", "containerPort": manifests.CONTROL_PORT, "protocol": "TCP"}]
     assert companion["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    socket_mount = {"name": "vllm-socket", "mountPath": manifests.VLLM_SOCKET_DIR}
+    socket_mount = {"name": "vllm-socket", "mountPath": vllm_serve.VLLM_SOCKET_DIR}
     assert socket_mount in c["volumeMounts"] and socket_mount in companion["volumeMounts"]
     assert json.loads(dep["spec"]["template"]["metadata"]["annotations"][manifests.ANN_RELEASE]) == rel
     assert pod["securityContext"]["runAsNonRoot"]
     (tls_volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
     assert tls_volume["secret"]["secretName"] == manifests.engine_tls_secret_name("p")
     # SpeculationOff for vLLM: the same release rendered without speculation (a rollout).
-    off = manifests.engine_deployment("p", "ns", rel, digest, "2", rollout, "http://m", speculation=False)
+    off = engine_objects.engine_deployment("p", "ns", rel, digest, "2", rollout, "http://m", speculation=False)
     assert "--no-speculation" in off["spec"]["template"]["spec"]["containers"][0]["command"]
     # On a GPU, vLLM compiles and captures graphs: no eager mode.
-    gpu = manifests.engine_deployment("p", "ns", rel, digest, "2", {**rollout, "resources": {
+    gpu = engine_objects.engine_deployment("p", "ns", rel, digest, "2", {**rollout, "resources": {
         "limits": {"nvidia.com/gpu": 1}}}, "http://m")
     assert "--enforce-eager" not in gpu["spec"]["template"]["spec"]["containers"][0]["command"]
-    svc = manifests.engine_service("p", "ns", rollout, "vllm")
+    svc = engine_objects.engine_service("p", "ns", rollout, "vllm")
     kubernetes_validate.validate(svc, "1.33.0", strict=True)
     assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == {"http": "http", "metrics": "metrics"}
 
@@ -517,8 +518,8 @@ def test_serving_tls_hands_the_engine_certificate_to_both_serving_ports_and_prob
     rel = release.build_release("p", "ns", SPEC, PROMPTS)
     digest = release.content_hash(rel)
     rollout = {"replicas": 1, "image": "img:1", "tls": {"enabled": True}}
-    dep = manifests.engine_deployment("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000")
-    svc = manifests.engine_service("p", "ns", rollout)
+    dep = engine_objects.engine_deployment("p", "ns", rel, digest, "3", rollout, "http://mlflow:5000")
+    svc = engine_objects.engine_service("p", "ns", rollout)
     for obj in (dep, svc):
         kubernetes_validate.validate(obj, "1.33.0", strict=True)
     (container,) = dep["spec"]["template"]["spec"]["containers"]
@@ -541,11 +542,11 @@ def test_serving_tls_hands_the_engine_certificate_to_both_serving_ports_and_prob
 
     # Off (the default, or an older CRD without the field): plaintext and the gRPC probe, unchanged.
     for off in ({"replicas": 1, "image": "img:1"}, {"replicas": 1, "image": "img:1", "tls": {"enabled": False}}):
-        (plain,) = manifests.engine_deployment("p", "ns", rel, digest, "3", off,
+        (plain,) = engine_objects.engine_deployment("p", "ns", rel, digest, "3", off,
                                                "http://mlflow:5000")["spec"]["template"]["spec"]["containers"]
         assert "--insecure" in plain["command"] and "--tls-cert" not in plain["command"]
         assert plain["readinessProbe"] == {"grpc": {"port": 50051}, "periodSeconds": 5}
-        assert manifests.engine_service("p", "ns", off)["spec"]["ports"][-1]["appProtocol"] == "http"
+        assert engine_objects.engine_service("p", "ns", off)["spec"]["ports"][-1]["appProtocol"] == "http"
 
     # The operator's twin of the CRD's rules: TLS needs the HTTP port (the probes) and engine specpair.
     base = {"target": {"source": "t"}, "draft": {"drafter": "ngram"}}

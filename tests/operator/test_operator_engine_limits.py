@@ -12,7 +12,7 @@ import pytest
 
 from specpair.config import parse_kv_budget
 from specpair.server.cli import add_engine_parser
-from specpair_operator.desired import manifests
+from specpair_operator.desired import engine_objects, manifests
 from specpair_operator.crd.validation import validate_spec
 
 RELEASE = {"target": {"source": "t"}, "draft": {"drafter": "ngram"}, "speculation": {}, "gating": {}}
@@ -20,7 +20,7 @@ RELEASE = {"target": {"source": "t"}, "draft": {"drafter": "ngram"}, "speculatio
 
 def _engine_args(rollout: dict):
     """The engine Deployment's command for `rollout`, parsed as `specpair engine serve` parses it."""
-    dep = manifests.engine_deployment("p", "ns", RELEASE, "d" * 64, "1", rollout, "http://m")
+    dep = engine_objects.engine_deployment("p", "ns", RELEASE, "d" * 64, "1", rollout, "http://m")
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     command = container["command"]
     assert command[:3] == ["specpair", "engine", "serve"]

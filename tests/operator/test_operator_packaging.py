@@ -99,14 +99,14 @@ def test_engine_command_serves_the_release_file_with_the_engine_cli(tmp_path):
     from specpair.cli import build_parser
     from specpair.server.cli import read_release, served_pair, server_options
 
-    from specpair_operator.desired import manifests
+    from specpair_operator.desired import engine_objects, manifests
 
     for draft in ({"drafter": "ngram"}, {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "12fd25f"}):
         rel = release.with_mlflow(release.build_release(
             "p", "ns", {"target": {"source": "HuggingFaceTB/SmolLM2-360M", "revision": "abc123"}, "draft": draft,
                         "speculation": {"dynamicK": False, "k": 3}},
             [{"prompt": "x"}]), "http://m", "ns-p", "4")
-        cmd = manifests.engine_command(rel, 50051)
+        cmd = engine_objects.engine_command(rel, 50051)
         assert cmd[cmd.index("--release") + 1] == manifests.RELEASE_FILE
         (tmp_path / "release.json").write_text(json.dumps(rel))
         cmd[cmd.index("--release") + 1] = str(tmp_path / "release.json")  # where the pod mounts it

@@ -23,9 +23,10 @@ from cluster_env import REPO, kubectl, wait_until
 from specpair.contract import PARALLELISM_KEYS
 from specpair.vllm_peer import PARALLELISM_FLAGS, VLLM_FLAGS, VLLM_METHODS
 from specpair_devcluster.client import ApiError
-from specpair_operator.desired import manifests
+from specpair_operator.desired import engine_objects, gate_objects, manifests
 from specpair_operator.release import content as release
-from specpair_operator.crd.validation import CEL_EQUIVALENTS, SPECPAIR_METHODS, spec_schema, validate_spec
+from specpair_operator.crd.validation import (CEL_EQUIVALENTS, SPECPAIR_METHODS, UNSERVED_METHODS, spec_schema,
+                                               validate_spec)
 
 PROMPTS = [{"prompt": "def fib(n):", "category": "code"}]
 SPEC = {"target": {"source": "meta-llama/Llama-3.1-70B-Instruct"},
@@ -66,6 +67,8 @@ DRAFT_TP = "draft.draftTensorParallel must be 1 or parallelism.tensor"
 NGRAM_METHOD = "draft.method ngram goes with draft.drafter ngram"
 DRAFT_TP_NEEDS_MODEL = "draft.draftTensorParallel needs a draft model"
 GPU_SHARE = "vllm.gpuMemoryUtilization must be above 0"
+SUFFIX_UNSERVED = ("draft.method suffix (vLLM's suffix decoding) is not served: vLLM 0.32 runs it through Arctic "
+                   "Inference (the arctic-inference package), which PyPI has as source only")
 
 # (name, spec, the CRD message that refuses it, or None: accepted)
 CASES = [
@@ -97,6 +100,7 @@ CASES = [
                                              "quantization": "fp8", "kvCacheDtype": "fp8_e4m3"}), None),
     ("all of a GPU's memory", _with(VLLM_SPEC, vllm={"gpuMemoryUtilization": 1}), None),
     ("none of a GPU's memory", _with(VLLM_SPEC, vllm={"gpuMemoryUtilization": 0}), GPU_SHARE),
+    ("vllm, suffix", _with(VLLM_SPEC, draft={"method": "suffix"}), SUFFIX_UNSERVED),
 ]
 
 
@@ -127,7 +131,8 @@ def test_out_of_range_settings_are_refused_by_the_schema(spec, path):
 def test_the_lists_the_crd_names_are_the_ones_the_code_maps():
     props = spec_schema()["properties"]
     # Every method the CRD offers has vLLM's name, and the specpair rule names our engine's own.
-    assert props["draft"]["properties"]["method"]["enum"] == list(VLLM_METHODS)
+    # suffix: named only to be refused with its reason (UNSERVED_METHODS).
+    assert props["draft"]["properties"]["method"]["enum"] == list(VLLM_METHODS) + list(UNSERVED_METHODS)
     (rule,) = [r for r in CEL_EQUIVALENTS if "self.draft.method in" in r]
     assert re.findall(r"'([-a-z0-9]+)'", rule.split(" in ")[1]) == list(SPECPAIR_METHODS)
     assert set(SPECPAIR_METHODS) < set(VLLM_METHODS)
@@ -198,8 +203,8 @@ def _rendered(spec: dict[str, Any], resources: dict[str, Any] | None) -> tuple[d
     rollout = {"image": "img:1", **({"resources": resources} if resources is not None else {})}
     rel = release.build_release("p", "ns", {**spec, "rollout": rollout}, PROMPTS)
     digest = release.content_hash(rel)
-    dep = manifests.engine_deployment("p", "ns", rel, digest, "1", rollout, "http://m")
-    job = manifests.gate_job("p", "ns", rel, digest, "1", rollout, "http://m")
+    dep = engine_objects.engine_deployment("p", "ns", rel, digest, "1", rollout, "http://m")
+    job = gate_objects.gate_job("p", "ns", rel, digest, "1", rollout, "http://m")
     return dep["spec"]["template"]["spec"], job["spec"]["template"]["spec"]
 
 
@@ -301,8 +306,8 @@ def test_the_api_server_takes_the_engine_and_gate_pods_of_a_split_target(ns, dev
     rel = release.build_release("p", ns.name, _with(VLLM_SPEC, parallelism={"tensor": 2, "pipeline": 2},
                                                     rollout=rollout), PROMPTS)
     digest = release.content_hash(rel)
-    for obj in (manifests.engine_deployment("p", ns.name, rel, digest, "1", rollout, "http://m"),
-                manifests.gate_job("p", ns.name, rel, digest, "1", rollout, "http://m")):
+    for obj in (engine_objects.engine_deployment("p", ns.name, rel, digest, "1", rollout, "http://m"),
+                gate_objects.gate_job("p", ns.name, rel, digest, "1", rollout, "http://m")):
         done = kubectl(devcluster, "create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(obj))
         assert done.returncode == 0, done.stderr
         container = json.loads(done.stdout)["spec"]["template"]["spec"]["containers"][0]

@@ -21,6 +21,8 @@ import pytest
 from plan_tables import NOW, NS, PAIR, reported, step_name
 from specpair_operator.gate import attempts as gate_attempts
 from specpair_operator.desired import manifests, model_fetch
+from specpair_operator.plan import release_steps as rs
+from specpair_operator.plan import model_cache
 from specpair_operator.plan import release_plan as p
 from specpair_operator.plan import serving_plan as sp
 from specpair_operator.observe.serving_world import ServingWorld
@@ -50,7 +52,7 @@ def records(**keys: list[str]) -> Records:
 def kinds(steps: tuple[Any, ...]) -> list[str]:
     """Each step by its name (plan_tables.step_name), the status's own steps by their class alone:
     these tables are about the order of the writes and records."""
-    return [type(s).__name__ if isinstance(s, (p.Condition, p.SetStatus, p.TagVersion)) else step_name(s)
+    return [type(s).__name__ if isinstance(s, (rs.Condition, rs.SetStatus, rs.TagVersion)) else step_name(s)
             for s in steps]
 
 
@@ -205,14 +207,14 @@ def test_the_gate_waits_for_the_models(what, w, expected):
 
 def test_the_fetch_messages_and_the_record():
     failed = p.plan_release(fetching(model_fetch.FAILED, "model fetch Job x failed: models:/t/3: 404"))
-    report = next(s for s in failed if isinstance(s, p.Report))
+    report = next(s for s in failed if isinstance(s, rs.Report))
     assert report.message == "model fetch Job x failed: models:/t/3: 404"
     assert report.ready_message == "the models of v1 could not be fetched; v0 keeps serving"
-    assert next(s for s in failed if isinstance(s, p.Record)).key == MODELS
+    assert next(s for s in failed if isinstance(s, rs.Record)).key == MODELS
     done = p.plan_release(fetching(model_fetch.DONE, fetched=tuple(f"{i}" * 64 for i in range(6))))
-    kept = next(s for s in done if isinstance(s, p.SetStatus) and "modelCache" in s.fields).fields
-    assert kept["modelCache"]["fetched"][-1] == MODELS and len(kept["modelCache"]["fetched"]) == p.FETCHED_KEPT
-    started = next(s for s in p.plan_release(fetching(model_fetch.ABSENT)) if isinstance(s, p.StartModelFetch))
+    kept = next(s for s in done if isinstance(s, rs.SetStatus) and "modelCache" in s.fields).fields
+    assert kept["modelCache"]["fetched"][-1] == MODELS and len(kept["modelCache"]["fetched"]) == model_cache.FETCHED_KEPT
+    started = next(s for s in p.plan_release(fetching(model_fetch.ABSENT)) if isinstance(s, rs.StartModelFetch))
     assert (started.version, started.models) == ("1", MODELS)
 
 
@@ -232,26 +234,26 @@ def test_a_promotion_mark_left_by_a_dead_pass_is_reused_and_recorded_once():
     w = world(aliases={"candidate": "1", "champion": "1"}, tags={"specpair.promoted_at": "2026-11-25T11:00:00Z"},
               **passed_gate())
     steps = p.plan_release(w)
-    (promoted,) = [s for s in steps if isinstance(s, p.Record) and s.action == "Promoted"]
+    (promoted,) = [s for s in steps if isinstance(s, rs.Record) and s.action == "Promoted"]
     assert promoted.key == "1@2026-11-25T11:00:00Z"
-    assert not [s for s in steps if isinstance(s, p.TagVersion)]
+    assert not [s for s in steps if isinstance(s, rs.TagVersion)]
     # The mark of an earlier promotion (recorded) is not reused: this promotion gets its own.
     again = world(version="1", aliases={"candidate": "1", "champion": "2", "previous": "1"},
                   tags={"specpair.promoted_at": "old"},
                   **{**passed_gate(), "records": records(GateStarted=["1"], Promoted=["1@old"])})
-    assert p.TagVersion("1", {"specpair.promoted_at": NOW}) in p.plan_release(again)
+    assert rs.TagVersion("1", {"specpair.promoted_at": NOW}) in p.plan_release(again)
 
 
 def test_the_gate_messages_say_what_a_person_needs():
     failed = p.plan_release(SCENARIOS[6][1])
     serve = failed[-1]
     assert serve.reason.startswith("gate of v2 failed: ") and "minAcceptance 0.500" in serve.reason
-    retry = next(s for s in p.plan_release(SCENARIOS[9][1]) if isinstance(s, p.Record))
+    retry = next(s for s in p.plan_release(SCENARIOS[9][1]) if isinstance(s, rs.Record))
     assert retry.reason == (f"v1: gate attempt 1 of 3 ended without a verdict: gate Job failed: BackoffLimitExceeded; "
                             f"attempt 2 in Job {job_name(2)}") and retry.key == "1#2"
     conflict = p.plan_release(SCENARIOS[-2][1])[-1]
     assert conflict.message.startswith(f"Job {NS}/{job_name()} exists and is not owned by SpecModelPair {PAIR}")
-    waiting = next(s for s in p.plan_release(SCENARIOS[8][1]) if isinstance(s, p.Report))
+    waiting = next(s for s in p.plan_release(SCENARIOS[8][1]) if isinstance(s, rs.Report))
     assert waiting.message.endswith("attempt 2 in 20s")
 
 
@@ -259,11 +261,11 @@ def test_a_draft_with_another_tokenizer_fails_the_gate_and_nothing_serves():
     verdict = {**GOOD, "passed": False, "reasons": ["tokenizers differ"],
                "tokenizer": {"compatible": False, "differences": ["vocab size 49152 vs 32000"]}}
     steps = p.plan_release(world(aliases={"candidate": "1"}, **passed_gate(verdict=verdict)))
-    conditions = {s.type: s for s in steps if isinstance(s, p.Condition)}
+    conditions = {s.type: s for s in steps if isinstance(s, rs.Condition)}
     assert conditions["Gated"].reason == "TokenizerMismatch" and conditions["TokenizerCompatible"].status is False
     assert conditions["TokenizerCompatible"].message == "tokenizers differ: vocab size 49152 vs 32000"
     serve = steps[-1]
-    assert isinstance(serve, p.ServeChampion) and serve.desired is None
+    assert isinstance(serve, rs.ServeChampion) and serve.desired is None
     # Nothing serves yet: no engine object is written and the pair is Failed, saying why.
     serving = sp.plan_serving(ServingWorld(pair=PAIR, namespace=NS, uid="u", model="m", aliases=serve.aliases,
                                            desired=None, desired_reason=serve.reason))
@@ -280,35 +282,35 @@ def test_the_plan_is_a_value_of_its_world():
 
 # -- recovery: every prefix of the way, then planned again ---------------------------------------
 
-STATUS_STEPS = (p.Record, p.SetStatus)
+STATUS_STEPS = (rs.Record, rs.SetStatus)
 
 
 def apply(w: ReleaseWorld, step: Any) -> ReleaseWorld:
     """What one step does to the world (a model: MLflow, the API server and the status)."""
-    if isinstance(step, p.SetAlias):
+    if isinstance(step, rs.SetAlias):
         return dataclasses.replace(w, aliases={**w.aliases, step.alias: step.version})
-    if isinstance(step, p.TagVersion):
+    if isinstance(step, rs.TagVersion):
         return dataclasses.replace(w, tags={**w.tags, **step.tags})
-    if isinstance(step, p.EnsureGatePolicy):
+    if isinstance(step, rs.EnsureGatePolicy):
         return dataclasses.replace(w, gate_policy_owned=True)
-    if isinstance(step, p.StartModelFetch):
+    if isinstance(step, rs.StartModelFetch):
         assert w.model_fetch.phase == model_fetch.ABSENT, "fetch Job started twice"
         return dataclasses.replace(w, model_fetch=model_fetch.FetchState(model_fetch.RUNNING))
-    if isinstance(step, p.StartGateJob):
+    if isinstance(step, rs.StartGateJob):
         assert w.model_fetch is None or w.model_fetch.phase == model_fetch.DONE, "gated before the models are there"
         assert len(w.gate_jobs) == step.attempt - 1, f"attempt {step.attempt} started twice"
         return dataclasses.replace(w, gate_jobs=w.gate_jobs + (GateJob(job_name(step.attempt), started_at=w.now),))
-    if isinstance(step, p.RecordGateError):
+    if isinstance(step, rs.RecordGateError):
         return dataclasses.replace(w, gate_status="error", gate_message=step.reason)
-    if isinstance(step, p.Record):
+    if isinstance(step, rs.Record):
         recorded = dict(w.records.recorded)
         if step.key is not None:
             recorded[step.action] = recorded.get(step.action, ()) + (step.key,)
         history = w.records.history + ({"action": step.action, "toVersion": step.to_version, "key": step.key},)
         return dataclasses.replace(w, records=Records(recorded, True, history))
-    if isinstance(step, p.SetStatus) and "verifiedVerdicts" in step.fields:
+    if isinstance(step, rs.SetStatus) and "verifiedVerdicts" in step.fields:
         return dataclasses.replace(w, verified_verdicts=dict(step.fields["verifiedVerdicts"]))
-    if isinstance(step, p.SetStatus) and "modelCache" in step.fields:
+    if isinstance(step, rs.SetStatus) and "modelCache" in step.fields:
         # observe: a recorded digest needs no fetch (model_fetch.needs_fetch)
         fetched = tuple(step.fields["modelCache"]["fetched"])
         return dataclasses.replace(w, fetched=fetched, model_fetch=None if w.models in fetched else w.model_fetch)
@@ -349,11 +351,11 @@ def converge(w: ReleaseWorld, verdicts: list[dict[str, Any] | None],
     done: list[Any] = []
     for hour in range(30):
         steps = p.plan_release(w)
-        if not [s for s in steps if isinstance(s, p.WRITES + (p.Record,))]:
+        if not [s for s in steps if isinstance(s, rs.WRITES + (rs.Record,))]:
             return w, done
         status_steps = []
         for step in steps:
-            if isinstance(step, p.WRITES):
+            if isinstance(step, rs.WRITES):
                 w = apply(w, step)
                 done.append(step)
                 if crash_at is not None and len(done) == crash_at + 1:

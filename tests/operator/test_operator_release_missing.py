@@ -19,6 +19,8 @@ import pytest
 from plan_tables import MODEL, NOW, NS, PAIR, TH, release_tags, reported
 from specpair_operator.gate import attempts as gate_attempts
 from specpair_operator.desired import manifests
+from specpair_operator.plan import release_steps as rs
+from specpair_operator.plan import release_gate as rg
 from specpair_operator.plan import release_plan as p
 from specpair_operator.release.registry_contract import TAG_HASH
 from specpair_operator.observe.world import GateJob, Records, ReleaseWorld
@@ -56,45 +58,45 @@ def of(steps, kind):
     return [s for s in steps if isinstance(s, kind)]
 
 
-def report(steps) -> p.Report:
-    (r,) = of(steps, p.Report)
+def report(steps) -> rs.Report:
+    (r,) = of(steps, rs.Report)
     return r
 
 
 def test_a_lost_release_is_said_and_gated_again_in_a_new_attempt_while_the_engine_serves():
     steps = p.plan_release(lost_world())
-    assert of(steps, p.StartGateJob) == [p.StartGateJob("1", 2)]
-    (rec,) = [r for r in of(steps, p.Record) if r.action == p.RELEASE_MISSING]
+    assert of(steps, rs.StartGateJob) == [rs.StartGateJob("1", 2)]
+    (rec,) = [r for r in of(steps, rs.Record) if r.action == rg.RELEASE_MISSING]
     assert rec.warning and rec.key == "1#2" and "MLflow has no gate verdict for v1" in rec.reason
     assert "registered again as v1 and gated again; the engine keeps serving" in rec.reason
     r = report(steps)
-    assert (r.how, r.reason) == ("reconciling", p.RELEASE_MISSING)
+    assert (r.how, r.reason) == ("reconciling", rg.RELEASE_MISSING)
     assert "MLflow lost v1's gate verdict" in r.message and manifests.gate_job_name(PAIR, DIGEST, 2) in r.message
     # The old verdict's digest goes (a merge patch's null), so the new gate's own is verified.
-    assert p.SetStatus({"verifiedVerdicts": {"1": None}}) in steps
-    (serve,) = of(steps, p.ServeChampion)
+    assert rs.SetStatus({"verifiedVerdicts": {"1": None}}) in steps
+    (serve,) = of(steps, rs.ServeChampion)
     assert serve.desired is None and serve.while_gating   # the engine's Deployment is left as it is
-    assert not [r for r in of(steps, p.Record) if r.action == "GateRetrying"]
+    assert not [r for r in of(steps, rs.Record) if r.action == "GateRetrying"]
 
 
 def test_a_gate_job_that_just_completed_is_not_taken_for_a_lost_verdict():
     """Its verdict may have landed after this pass read the tags: VERDICT_GRACE_S."""
-    fresh = dataclasses.replace(OLD_GATE, completed_at=ago(p.VERDICT_GRACE_S - 5))
+    fresh = dataclasses.replace(OLD_GATE, completed_at=ago(rg.VERDICT_GRACE_S - 5))
     steps = p.plan_release(lost_world(gate_jobs=(fresh,), verified_verdicts={}))
-    assert not of(steps, p.StartGateJob) and report(steps).reason == "Gating"
-    assert not [r for r in of(steps, p.Record) if r.action == p.RELEASE_MISSING]
-    later = p.plan_release(lost_world(gate_jobs=(dataclasses.replace(OLD_GATE, completed_at=ago(p.VERDICT_GRACE_S)),),
+    assert not of(steps, rs.StartGateJob) and report(steps).reason == "Gating"
+    assert not [r for r in of(steps, rs.Record) if r.action == rg.RELEASE_MISSING]
+    later = p.plan_release(lost_world(gate_jobs=(dataclasses.replace(OLD_GATE, completed_at=ago(rg.VERDICT_GRACE_S)),),
                                       verified_verdicts={}))
-    assert of(later, p.StartGateJob) == [p.StartGateJob("1", 2)]
+    assert of(later, rs.StartGateJob) == [rs.StartGateJob("1", 2)]
 
 
 def test_while_the_new_attempt_runs_the_status_still_says_why():
     running = lost_world(gate_jobs=(OLD_GATE, job(2)), verified_verdicts={},
-                         records=Records({"GateStarted": ("1",), p.RELEASE_MISSING: ("1#2",)}))
+                         records=Records({"GateStarted": ("1",), rg.RELEASE_MISSING: ("1#2",)}))
     steps = p.plan_release(running)
-    assert not of(steps, p.StartGateJob) and not [r for r in of(steps, p.Record) if r.action == "GateRetrying"]
+    assert not of(steps, rs.StartGateJob) and not [r for r in of(steps, rs.Record) if r.action == "GateRetrying"]
     r = report(steps)
-    assert r.reason == p.RELEASE_MISSING and "gate Job " + manifests.gate_job_name(PAIR, DIGEST, 2) + " running" \
+    assert r.reason == rg.RELEASE_MISSING and "gate Job " + manifests.gate_job_name(PAIR, DIGEST, 2) + " running" \
         in r.message
 
 
@@ -102,11 +104,11 @@ def test_the_new_attempts_verdict_is_verified_and_promoted():
     new = {**VERDICT, "speedup": 1.7}
     done = lost_world(gate_status="passed", verdict=new, verified_verdicts={},
                       gate_jobs=(OLD_GATE, job(2, complete=True, completed_at=ago(1), reports=(reported(new, "1"),))),
-                      records=Records({"GateStarted": ("1",), p.RELEASE_MISSING: ("1#2",)}))
+                      records=Records({"GateStarted": ("1",), rg.RELEASE_MISSING: ("1#2",)}))
     steps = p.plan_release(done)
-    assert p.SetAlias("champion", "1") in steps
-    assert [r.action for r in of(steps, p.Record) if r.warning] == []      # no VerdictMismatch, no retry
-    (serve,) = of(steps, p.ServeChampion)
+    assert rs.SetAlias("champion", "1") in steps
+    assert [r.action for r in of(steps, rs.Record) if r.warning] == []      # no VerdictMismatch, no retry
+    (serve,) = of(steps, rs.ServeChampion)
     assert serve.desired == "1" and serve.aliases["champion"] == "1"
 
 
@@ -115,9 +117,9 @@ def test_with_no_attempt_left_it_stalls_with_the_reason():
     spent = lost_world(attempts=policy, verified_verdicts={},
                        gate_jobs=(OLD_GATE, job(2, complete=True, completed_at=ago(60))))
     steps = p.plan_release(spent)
-    assert not of(steps, p.StartGateJob)
+    assert not of(steps, rs.StartGateJob)
     r = report(steps)
-    assert (r.how, r.reason) == ("stalled", p.RELEASE_MISSING) and "delete the pair's gate Jobs" in r.message
+    assert (r.how, r.reason) == ("stalled", rg.RELEASE_MISSING) and "delete the pair's gate Jobs" in r.message
 
 
 @pytest.mark.parametrize("changes", [
@@ -127,7 +129,7 @@ def test_with_no_attempt_left_it_stalls_with_the_reason():
     {"gate_jobs": (job(1, failed=True, failed_at=ago(60)),), "verified_verdicts": {}},   # failed: a retry's business
 ])
 def test_nothing_is_lost_otherwise(changes):
-    assert p.release_lost(lost_world(**changes)) == ""
+    assert rg.release_lost(lost_world(**changes)) == ""
 
 
 # -- against real MLflow, on the real control plane -------------------------------------------------
@@ -153,10 +155,10 @@ def test_deleting_the_registered_model_behind_a_serving_pair_regates_it_while_th
 
         mlflow.delete_registered_model(model)
         obj = ns.wait_for("the lost release said", lambda: (o := ns.pair(name)) and any(
-            h["action"] == p.RELEASE_MISSING for h in o["status"].get("history") or []) and o, timeout=90)
-        (entry,) = [h for h in obj["status"]["history"] if h["action"] == p.RELEASE_MISSING]
+            h["action"] == rg.RELEASE_MISSING for h in o["status"].get("history") or []) and o, timeout=90)
+        (entry,) = [h for h in obj["status"]["history"] if h["action"] == rg.RELEASE_MISSING]
         assert "MLflow has no gate verdict for v1" in entry["reason"] and "gated again" in entry["reason"]
-        ns.wait_for_event(p.RELEASE_MISSING, "the engine keeps serving its release meanwhile")
+        ns.wait_for_event(rg.RELEASE_MISSING, "the engine keeps serving its release meanwhile")
 
         obj = ns.wait_for("v1 serving again from the model made anew", lambda: serving(ns, name, "1")
                           and mlflow.get_registered_model(model).aliases.get("champion") == "1"

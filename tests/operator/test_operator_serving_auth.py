@@ -31,14 +31,14 @@ from specpair_devcluster.client import ApiError
 from specpair_operator.desired import tls as tls_mod
 from specpair_operator.crd.validation import validate_spec
 from specpair._proto import engine_pb2, engine_pb2_grpc
-from specpair_operator.desired import manifests
+from specpair_operator.desired import engine_objects, manifests
 
 TOKEN = "s3cret-" + uuid.uuid4().hex
 
 
 def test_manifest_mounts_the_token_by_reference():
     rel = {"target": {"source": "t"}, "draft": {"drafter": "ngram"}, "speculation": {}, "gating": {}}
-    dep = manifests.engine_deployment("p", "ns", rel, "d" * 64, "1",
+    dep = engine_objects.engine_deployment("p", "ns", rel, "d" * 64, "1",
                                       {"auth": {"tokenSecretRef": {"name": "serving-token", "key": "t"}}}, "http://m")
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -47,7 +47,7 @@ def test_manifest_mounts_the_token_by_reference():
     (volume,) = [v for v in pod["volumes"] if v["name"] == "auth"]
     assert volume["secret"] == {"secretName": "serving-token", "defaultMode": 0o440,
                                 "items": [{"key": "t", "path": "token"}]}
-    plain = manifests.engine_deployment("p", "ns", rel, "d" * 64, "1", {}, "http://m")
+    plain = engine_objects.engine_deployment("p", "ns", rel, "d" * 64, "1", {}, "http://m")
     assert "--auth-token-file" not in plain["spec"]["template"]["spec"]["containers"][0]["command"]
 
 
@@ -62,7 +62,7 @@ def test_a_vllm_pair_takes_the_token_in_its_companion(operator_env, ns):
     assert rollout["auth"] == {"tokenSecretRef": {"name": "serving-token", "key": "token"}}
     rel = {"target": {"source": "t"}, "draft": {"source": "d"}, "speculation": {}, "gating": {},
            "engine": {"kind": "vllm", "image": "x"}}
-    pod = manifests.engine_deployment("v", "ns", rel, "d" * 64, "1", rollout, "http://m")["spec"]["template"]["spec"]
+    pod = engine_objects.engine_deployment("v", "ns", rel, "d" * 64, "1", rollout, "http://m")["spec"]["template"]["spec"]
     vllm, companion = pod["containers"]
     assert companion["command"][companion["command"].index("--auth-token-file") + 1] == f"{manifests.AUTH_DIR}/token"
     assert {"name": "auth", "mountPath": manifests.AUTH_DIR, "readOnly": True} in companion["volumeMounts"]
@@ -70,7 +70,7 @@ def test_a_vllm_pair_takes_the_token_in_its_companion(operator_env, ns):
     assert volume["secret"] == {"secretName": "serving-token", "defaultMode": 0o440,
                                 "items": [{"key": "token", "path": "token"}]}
     assert not any(m["name"] == "auth" for m in vllm["volumeMounts"]) and "--api-key" not in vllm["command"]
-    (_, plain) = manifests.engine_deployment("v", "ns", rel, "d" * 64, "1", {},
+    (_, plain) = engine_objects.engine_deployment("v", "ns", rel, "d" * 64, "1", {},
                                              "http://m")["spec"]["template"]["spec"]["containers"]
     assert "--auth-token-file" not in plain["command"]
 

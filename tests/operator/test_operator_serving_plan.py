@@ -25,12 +25,13 @@ from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 import plan_tables
 from plan_tables import CURRENT_TLS, MODEL, NOW, NS, PAIR, TLS, UID, kinds, mine, pod_info
 from specpair_operator.policy import drift, serving_health
-from specpair_operator.desired import manifests, model_fetch
+from specpair_operator.desired import engine_objects, model_fetch
 from specpair_operator.act import metrics
 from specpair_operator.release import content as release
+from specpair_operator.plan import release_steps as rs
 from specpair_operator.plan import release_plan as p
 from specpair_operator.plan import serving_plan as sp
-from specpair_operator.release.registry_contract import TAG_ROLLED_BACK
+from specpair_operator.release.registry_contract import TAG_RELEASE, TAG_ROLLED_BACK, TAG_SPECULATION_OFF
 from specpair_operator.observe.serving_world import DriftMemory, EnginePod, ServingWorld
 from specpair_operator.observe.world import Records, ReleaseWorld
 
@@ -79,8 +80,8 @@ def serving(w: ServingWorld | None = None, pods: int = 1, **info: Any) -> Servin
     rolled_out = f"{w.aliases['champion']}@{sp.template_fingerprint(dep)}"  # its RolloutStarted is recorded
     return dataclasses.replace(
         w, deployment=dep, records=Records({"RolloutStarted": (rolled_out,)}),
-        service=mine(manifests.engine_service(PAIR, NS, {}), mutable=False),
-        policy=mine(manifests.engine_network_policy(PAIR, NS)),
+        service=mine(engine_objects.engine_service(PAIR, NS, {}), mutable=False),
+        policy=mine(engine_objects.engine_network_policy(PAIR, NS)),
         ready=tuple(EnginePod(f"pod{i}", f"u{i}", f"10.0.0.{i}", pod_info(sp.served_release(w), **info)) for i in range(pods)))
 
 
@@ -204,7 +205,7 @@ def test_a_failed_rollout_rolls_back_to_the_previous_release():
                                  "SetStatus speculationEnabled", "SetStatus previousVersion,servingVersion",
                                  "Report reconciling RollingOut/RolledBack"]
     assert steps[-1].ready_message == "rollout of v2 failed: rollout failed: crash looping"
-    rolled = next(s for s in steps if isinstance(s, p.Record) and s.action == "RolledBack")
+    rolled = next(s for s in steps if isinstance(s, rs.Record) and s.action == "RolledBack")
     assert metrics.rollback_cause(rolled.reason) == "rollout", rolled.reason
 
 
@@ -252,14 +253,14 @@ def test_a_name_taken_by_an_object_the_pair_does_not_own_is_never_touched(field,
 def test_the_engine_certificate(what, status_tls, tls, expected):
     w = serving(base(status={"engineTLS": status_tls} if status_tls else {}, tls=tls))
     step = next(s for s in sp.plan_serving(w) if isinstance(s, sp.IssueCertificate)
-                or (isinstance(s, p.SetStatus) and "engineTLS" in s.fields))
+                or (isinstance(s, rs.SetStatus) and "engineTLS" in s.fields))
     said = f"IssueCertificate {step.reason}" if isinstance(step, sp.IssueCertificate) else "SetStatus engineTLS"
     assert said == expected
     if tls.held:
         assert step.fields["engineTLS"]["notAfter"] == "2026-12-26T12:00:00Z"
     # vLLM pods' control listener is their companion's: the same certificate, the same steps.
-    vllm = dataclasses.replace(w, tags={**w.tags, p.TAG_RELEASE: json.dumps(
-        {**json.loads(w.tags[p.TAG_RELEASE]), "engine": {"kind": "vllm", "image": "v"}})})
+    vllm = dataclasses.replace(w, tags={**w.tags, TAG_RELEASE: json.dumps(
+        {**json.loads(w.tags[TAG_RELEASE]), "engine": {"kind": "vllm", "image": "v"}})})
     assert [str(s) for s in sp.plan_serving(vllm) if isinstance(s, sp.IssueCertificate)] == \
         [str(s) for s in sp.plan_serving(w) if isinstance(s, sp.IssueCertificate)]
 
@@ -271,13 +272,13 @@ def test_a_pod_with_another_tokenizer_rolls_back():
                 tokenizer={"target": "t", "draft": "other"})
     steps = sp.plan_serving(w)
     assert writes(steps) == ["TagVersion v2 specpair.rolled_back", "SetAlias champion=1"]
-    rolled = next(s for s in steps if isinstance(s, p.Record))
+    rolled = next(s for s in steps if isinstance(s, rs.Record))
     assert (rolled.action, rolled.from_version, rolled.to_version, rolled.key) == ("RolledBack", "2", "1", "2")
     assert rolled.reason.startswith("tokenizer mismatch on pod pod0: draft tokenizer fingerprint other")
     # Without a previous release: NoPreviousRelease, Stalled, nothing moved.
     alone = serving(tokenizer={"target": "t", "draft": "other"})
     assert kinds(sp.plan_serving(alone))[-2:] == ["Condition Drifted=True NoPreviousRelease", "Report stalled Failed/NoPreviousRelease"]
-    assert not [s for s in sp.plan_serving(alone) if isinstance(s, (p.TagVersion, p.SetAlias))]
+    assert not [s for s in sp.plan_serving(alone) if isinstance(s, (rs.TagVersion, rs.SetAlias))]
 
 
 @pytest.mark.parametrize("what, ready, reason, message", [
@@ -373,9 +374,9 @@ class Cluster:
 
     def apply(self, step: Any, status: dict[str, Any]) -> None:
         w = self.w
-        if isinstance(step, p.SetAlias):
+        if isinstance(step, rs.SetAlias):
             self.w = dataclasses.replace(w, aliases={**w.aliases, step.alias: step.version})
-        elif isinstance(step, p.TagVersion):
+        elif isinstance(step, rs.TagVersion):
             self.tags[step.version] = {**self.tags[step.version], **{k: v for k, v in step.tags.items()}}
         elif isinstance(step, sp.EnsureOwned):
             obj = mine(dict(step.manifest), step.mutable)
@@ -402,11 +403,11 @@ class Cluster:
             self.speculating = step.enabled
         elif isinstance(step, sp.ReconcilePodSpeculation):
             self.speculating = step.desired
-        elif isinstance(step, p.SetStatus):
+        elif isinstance(step, rs.SetStatus):
             status.update(step.fields)
-        elif isinstance(step, p.Condition):
+        elif isinstance(step, rs.Condition):
             self.said[step.reason] += 1
-        elif isinstance(step, p.Record):
+        elif isinstance(step, rs.Record):
             self.history.append((step.action, step.key))
             recorded = dict(self.w.records.recorded)
             if step.key is not None:
@@ -495,7 +496,7 @@ def converge(start: Cluster, crash_at: int | None = None, passes: int = 40,
             for step in later:
                 cl.apply(step, status)
             cl.w = dataclasses.replace(cl.w, status=status)
-        if not [s for s in steps if isinstance(s, sp.WRITES + (p.Record,))] and cl.w.deployment is not None \
+        if not [s for s in steps if isinstance(s, sp.WRITES + (rs.Record,))] and cl.w.deployment is not None \
                 and cl.healthy():
             return cl, done
         cl.tick()
@@ -550,7 +551,7 @@ def test_the_champion_is_watched_while_the_specs_release_cannot_serve():
 
 
 def test_a_speculation_off_mark_left_by_a_dead_pass_is_adopted_and_recorded_once():
-    w = serving(base(tags={**release_tags("1"), p.TAG_SPECULATION_OFF: "sustained drift: code 0.2 < 0.62"},
+    w = serving(base(tags={**release_tags("1"), TAG_SPECULATION_OFF: "sustained drift: code 0.2 < 0.62"},
                      spec={**SPEC, "drift": {**DRIFT, "intervalSeconds": 30}}))
     w = dataclasses.replace(w, drift=DriftMemory(checked_at=w.drift.monotonic))  # no check due
     steps = sp.plan_serving(w)
@@ -584,7 +585,7 @@ def test_with_mlflow_down_only_speculation_off_is_taken_and_without_its_mark():
     start.served = {"version": "2", "hash": served_hash}
     cl, done = converge(start, passes=30, planner=sp.plan_watch)
     # No mark in MLflow (it is down): the status alone carries the step. The rollback waits.
-    assert not [s for s in done if isinstance(s, (p.TagVersion, p.SetAlias))]
+    assert not [s for s in done if isinstance(s, (rs.TagVersion, rs.SetAlias))]
     assert {(type(s).__name__, s.enabled if isinstance(s, sp.SwitchSpeculation) else s.desired) for s in done} \
         <= {("SwitchSpeculation", False), ("ReconcilePodSpeculation", False)}
     assert [a for a, _ in cl.history] == ["SpeculationOff"]
@@ -665,7 +666,7 @@ def test_drift_is_not_judged_between_intervals_nor_when_disabled():
                                 spec={**SPEC, "drift": {**DRIFT, "intervalSeconds": 30}})
     assert not [s for s in sp.plan_serving(early) if isinstance(s, sp.DriftChecked)]
     off = dataclasses.replace(due, spec={**SPEC, "drift": {"enabled": False}})
-    assert not [s for s in sp.plan_serving(off) if isinstance(s, (sp.DriftChecked, p.Condition))]
+    assert not [s for s in sp.plan_serving(off) if isinstance(s, (sp.DriftChecked, rs.Condition))]
 
 
 # -- recovery: every prefix of a serving journey, then planned again ----------------------------
@@ -773,7 +774,7 @@ def passes_to_speculation_off(engine: str) -> tuple[int, Any, list[str]]:
         if off:
             return n, off[0], said
         remembered = next(s for s in steps if isinstance(s, sp.RememberDrift))
-        status = {**w.status, **{k: v for s in steps if isinstance(s, p.SetStatus) for k, v in s.fields.items()}}
+        status = {**w.status, **{k: v for s in steps if isinstance(s, rs.SetStatus) for k, v in s.fields.items()}}
         w = dataclasses.replace(w, status=status, drift=dataclasses.replace(w.drift, version=remembered.champion,
                                                                             memory=remembered.memory))
     raise AssertionError(f"no SpeculationOff on {engine}: {said}")
@@ -800,7 +801,7 @@ def test_a_drift_probe_is_marked_on_the_version_when_it_begins_and_ends():
                                                                    "ladder": ["SpeculationOff"]}})
     cl, done = converge(start, passes=60)
     marks = [(i, s.tags[TAG_DRIFT_PROBE]) for i, s in enumerate(done)
-             if isinstance(s, p.TagVersion) and TAG_DRIFT_PROBE in s.tags]
+             if isinstance(s, rs.TagVersion) and TAG_DRIFT_PROBE in s.tags]
     switches = [(i, s.enabled) for i, s in enumerate(done) if isinstance(s, sp.SwitchSpeculation)]
     assert len(marks) >= 2 and [m.split(" ")[0] for _, m in marks[:2]] == ["on", "over"], marks
     assert marks[0][1].startswith("on at ") and marks[1][1].startswith("over at ")

@@ -23,10 +23,12 @@ import pytest
 
 import plan_tables
 from plan_tables import CURRENT_TLS, MODEL, NOW, NS, PAIR, TLS, UID, available, kinds, mine, pod_info
-from specpair_operator.desired import manifests
+from specpair_operator.desired import engine_objects, manifests
 from specpair_operator.act import owned
 from specpair_operator.release import content as release
 from specpair_operator.policy import shadow_run
+from specpair_operator.plan import release_steps as rs
+from specpair_operator.release.registry_contract import TAG_RELEASE
 from specpair_operator.plan import release_plan as p
 from specpair_operator.plan import serving_plan as sp
 from specpair_operator.observe.serving_world import EnginePod, ServingWorld
@@ -89,7 +91,7 @@ def test_a_passed_candidate_is_scored_in_shadow_when_only_its_draft_differs(what
     if "ServeChampion 1 shadow v2" in expected:
         run = steps[-1].shadow
         assert run.settings == shadow_run.ShadowSettings(0.1, 20, 3600.0)   # the CRD's defaults
-        assert run.release == json.loads(DRAFT_ONLY[p.TAG_RELEASE]) and run.verdict == GOOD
+        assert run.release == json.loads(DRAFT_ONLY[TAG_RELEASE]) and run.verdict == GOOD
         assert run.started_at == w.tags.get(shadow_run.TAG_SHADOW_STARTED, "")
     if expected[-1] == "ServeChampion -":
         assert "v2" in steps[-1].reason and "keeps serving" in steps[-1].reason or "rejected" in steps[-1].reason
@@ -143,7 +145,7 @@ def shadow_stats(digest: str, rates: dict[str, tuple[float, float]], requests: i
 
 
 def run(started_at: str = NOW, **settings: Any) -> shadow_run.ShadowRun:
-    return shadow_run.ShadowRun("2", json.loads(DRAFT_ONLY[p.TAG_RELEASE]), GOOD, started_at,
+    return shadow_run.ShadowRun("2", json.loads(DRAFT_ONLY[TAG_RELEASE]), GOOD, started_at,
                                 dataclasses.replace(shadow_run.ShadowSettings(0.1, 20, 3600.0), **settings))
 
 
@@ -161,8 +163,8 @@ def scoring(rates: dict[str, tuple[float, float]] | None = None, pods: int = 2, 
                   for i in range(pods))
     w = dataclasses.replace(w, deployment=dep, ready=ready,
                             records=Records({"RolloutStarted": (f"1@{sp.template_fingerprint(dep)}",)}),
-                            service=mine(manifests.engine_service(PAIR, NS, {}), mutable=False),
-                            policy=mine(manifests.engine_network_policy(PAIR, NS)))
+                            service=mine(engine_objects.engine_service(PAIR, NS, {}), mutable=False),
+                            policy=mine(engine_objects.engine_network_policy(PAIR, NS)))
     return dataclasses.replace(w, **changes)
 
 
@@ -201,7 +203,7 @@ def test_the_start_is_marked_whenever_the_pods_roll_to_carry_the_candidate(what,
         w = dataclasses.replace(w, deployment=available(sp.engine_deployment(dataclasses.replace(
             w, shadow=None, deployment=None), sp.served_release(w))))
     elif live == "other":
-        other = dataclasses.replace(run(), version="9", release=json.loads(NEW_TARGET[p.TAG_RELEASE]))
+        other = dataclasses.replace(run(), version="9", release=json.loads(NEW_TARGET[TAG_RELEASE]))
         w = dataclasses.replace(w, deployment=available(sp.engine_deployment(dataclasses.replace(
             w, shadow=other, deployment=None), sp.served_release(w))))
     elif live == "carrying-unmarked":
@@ -244,16 +246,16 @@ def test_the_candidate_file_is_tuned_as_it_would_serve():
 def test_the_verdict_on_the_pods_evidence(what, w, result, tail):
     steps = sp.plan_serving(w)
     assert kinds(steps)[-len(tail):] == tail, what
-    status = next(s.fields["shadow"] for s in steps if isinstance(s, p.SetStatus) and "shadow" in s.fields)
+    status = next(s.fields["shadow"] for s in steps if isinstance(s, rs.SetStatus) and "shadow" in s.fields)
     assert status["result"] == result
-    tagged = [s for s in steps if isinstance(s, p.TagVersion)]
-    assert not [s for s in steps if isinstance(s, p.SetAlias)], "the serving plan never moves an alias for a shadow"
+    tagged = [s for s in steps if isinstance(s, rs.TagVersion)]
+    assert not [s for s in steps if isinstance(s, rs.SetAlias)], "the serving plan never moves an alias for a shadow"
     if result == "Undecided":
         assert not tagged
         return
     verdict = json.loads(tagged[0].tags[shadow_run.TAG_SHADOW_VERDICT])
     assert shadow_run.read_verdict(tagged[0].tags) == verdict and verdict["result"] == result
-    record = next(s for s in steps if isinstance(s, p.Record))
+    record = next(s for s in steps if isinstance(s, rs.Record))
     assert (record.from_version, record.to_version, record.key) == ("1", "2", "2")
     if "maxSeconds" in what:
         assert "rollout.shadow.maxSeconds 600" in verdict["reason"]
@@ -273,7 +275,7 @@ def test_pods_that_cannot_start_with_the_candidate_reject_it_instead_of_rolling_
     steps = sp.plan_serving(dataclasses.replace(w, deployment=dep))
     assert kinds(steps)[-5:] == ["TagVersion v2 specpair.shadow.verdict", "Condition ShadowScored=True Rejected",
                                  "SetStatus shadow", "Record ShadowRejected", "Report stalled Degraded/ShadowRejected"]
-    assert not [s for s in steps if isinstance(s, p.TagVersion) and "specpair.rolled_back" in s.tags]
+    assert not [s for s in steps if isinstance(s, rs.TagVersion) and "specpair.rolled_back" in s.tags]
 
 
 # -- converging from a crash after any write --------------------------------------------------------
@@ -297,7 +299,7 @@ class Cluster(plan_tables.CandidateCluster):
         super().__init__(CHAMPION_TAGS, DRAFT_ONLY)
         self.rates = rates
 
-    def serving_world(self, step: p.ServeChampion) -> ServingWorld:
+    def serving_world(self, step: rs.ServeChampion) -> ServingWorld:
         w = self.champion_world(step, SPEC, GOOD, shadow=step.shadow, deployment=self.objects.get("Deployment"))
         dep = self.objects.get("Deployment")
         if dep is None:
@@ -424,5 +426,5 @@ def test_the_start_is_marked_once_per_roll(what, generation, marked):
     assert (mark in names) == marked, what
     assert "EnsureOwned Deployment" in names
     if marked:
-        tag = next(s for s in sp.plan_serving(w) if isinstance(s, p.TagVersion))
+        tag = next(s for s in sp.plan_serving(w) if isinstance(s, rs.TagVersion))
         assert shadow_run.read_started(tag.tags) == (NOW, shadow_run.rolled_to(template, plain))

@@ -7,7 +7,7 @@ Through real vLLM servers and pods: tests/operator/test_operator_vllm.py."""
 from __future__ import annotations
 
 from specpair.vllm_peer import speculative_config
-from specpair_operator.desired import manifests
+from specpair_operator.desired import engine_objects, manifests
 from specpair_operator.gate.verdict import verdict_problems
 from specpair_operator.release import content as release
 from specpair_operator.release.registry_contract import gate_metrics, gate_params
@@ -58,15 +58,15 @@ def test_the_served_release_carries_the_schedule_unless_gate_tuning_is_off():
 
 def test_a_vllm_pods_metrics_port_is_the_one_its_service_and_monitor_name():
     rel = vllm_release()
-    dep = manifests.engine_deployment("chat", "team", rel, "d" * 64, "1", {}, "http://mlflow")
+    dep = engine_objects.engine_deployment("chat", "team", rel, "d" * 64, "1", {}, "http://mlflow")
     _, companion = dep["spec"]["template"]["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in companion["ports"]}
     assert ports["metrics"] == manifests.METRICS_PORT
     command = companion["command"]
     assert command[command.index("--metrics-port") + 1] == str(manifests.METRICS_PORT)
-    service = manifests.engine_service("chat", "team", {}, kind="vllm")
+    service = engine_objects.engine_service("chat", "team", {}, kind="vllm")
     (metrics,) = [p for p in service["spec"]["ports"] if p["name"] == "metrics"]
     assert metrics["targetPort"] == "metrics"
     # The same port name on our engine's pods: the chart's one ServiceMonitor scrapes both.
-    ours = manifests.engine_service("chat", "team", {}, kind="specpair")
+    ours = engine_objects.engine_service("chat", "team", {}, kind="specpair")
     assert [p["targetPort"] for p in ours["spec"]["ports"] if p["name"] == "metrics"] == ["metrics"]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from specpair.vllm_parallel import DEFAULT_TARGET_HEADS, OMP_BIND_ENV, model_config, tensor_parallel_refusal
-from specpair_operator.desired import manifests
+from specpair_operator.desired import engine_objects, gate_objects
 from specpair_operator.release import content as release
 from specpair_operator.crd.validation import validate_spec
 
@@ -87,8 +87,8 @@ def _binding(spec_change: dict, rollout: dict) -> tuple[str | None, str | None]:
     """VLLM_CPU_OMP_THREADS_BIND in the engine Deployment's and the gate Job's container env."""
     spec = {"engine": "vllm", "target": {"source": "t"}, "draft": {"drafter": "ngram"}, **spec_change}
     rel = release.build_release("chat", "team", spec, PROMPTS)
-    dep = manifests.engine_deployment("chat", "team", rel, "d" * 64, "1", rollout, "http://mlflow")
-    job = manifests.gate_job("chat", "team", rel, "d" * 64, "1", rollout, "http://mlflow")
+    dep = engine_objects.engine_deployment("chat", "team", rel, "d" * 64, "1", rollout, "http://mlflow")
+    job = gate_objects.gate_job("chat", "team", rel, "d" * 64, "1", rollout, "http://mlflow")
 
     def env(obj: dict) -> str | None:
         container = obj["spec"]["template"]["spec"]["containers"][0]       # vLLM's (beside it: its companion)

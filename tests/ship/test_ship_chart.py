@@ -123,8 +123,8 @@ def test_non_default_render_wires_every_value(render):
 
 
 def _operator_engine_service() -> dict[str, Any]:
-    from specpair_operator.desired import manifests  # the operator's own Service builder, pure function
-    return manifests.engine_service("pair", "team-a", {})
+    from specpair_operator.desired import engine_objects, manifests  # the operator's own Service builder, pure function
+    return engine_objects.engine_service("pair", "team-a", {})
 
 
 def test_service_monitor_selects_the_engine_services_the_operator_creates(render):
@@ -524,7 +524,8 @@ def test_documented_finalizer_removal_empties_the_finalizers(kubectl, tmp_path):
 def test_engine_ingress_defaults_to_the_watched_namespaces(render, values, peers):
     """The engine pods' NetworkPolicy, as the operator renders it from the chart's settings: by
     default only the watched namespaces (and the operator's pods) reach the serving ports."""
-    from specpair_operator.desired.manifests import PodDefaults, engine_network_policy
+    from specpair_operator.desired.engine_objects import engine_network_policy
+    from specpair_operator.desired.manifests import PodDefaults
 
     container = one(render(values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
     pods = PodDefaults.from_env({e["name"]: e["value"] for e in container["env"] if "value" in e})

@@ -24,7 +24,7 @@ SKIPS = {
 
 
 def _tls_secret() -> dict[str, Any]:
-    from specpair_operator.desired import manifests, tls
+    from specpair_operator.desired import engine_objects, gate_objects, manifests, tls
     ca = tls.new_ca()
     leaf = tls.issue(ca, "chat-engine", tls.engine_dns_names("chat-engine", "team"), server=True, days=1)
     return manifests.engine_tls_secret("chat", "team", leaf.cert_pem, leaf.key_pem, ca.cert_pem)
@@ -34,7 +34,7 @@ def _objects(with_policies: bool = True) -> dict[str, dict[str, Any]]:
     """A pair as docs/operator.md writes one: models, and resources for its GPU pool. (A pair with
     no spec.rollout.resources also fails CKV_K8S_10..13: the operator cannot size models it has
     not loaded, so it invents no requests.)"""
-    from specpair_operator.desired import manifests
+    from specpair_operator.desired import engine_objects, gate_objects, manifests
     from specpair_operator.release import content as release
 
     spec = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "abc123"}, "draft": {"drafter": "ngram"}}
@@ -44,16 +44,16 @@ def _objects(with_policies: bool = True) -> dict[str, dict[str, Any]]:
     digest = release.content_hash(rel)
     defaults = manifests.PodDefaults(image_pull_secrets=("regcred",))
     objects = {
-        "engine-deployment": manifests.engine_deployment("chat", "team", rel, digest, "1", rollout, "http://m",
+        "engine-deployment": engine_objects.engine_deployment("chat", "team", rel, digest, "1", rollout, "http://m",
                                                          defaults=defaults),
-        "engine-service": manifests.engine_service("chat", "team", rollout),
-        "gate-job": manifests.gate_job("chat", "team", rel, digest, "1", rollout, "http://m", defaults=defaults),
+        "engine-service": engine_objects.engine_service("chat", "team", rollout),
+        "gate-job": gate_objects.gate_job("chat", "team", rel, digest, "1", rollout, "http://m", defaults=defaults),
         # The engine's control-listener certificate Secret, with a real certificate and key.
         "engine-tls-secret": _tls_secret(),
     }
     if with_policies:
-        objects["engine-networkpolicy"] = manifests.engine_network_policy("chat", "team", defaults)
-        objects["gate-networkpolicy"] = manifests.gate_network_policy("chat", "team")
+        objects["engine-networkpolicy"] = engine_objects.engine_network_policy("chat", "team", defaults)
+        objects["gate-networkpolicy"] = gate_objects.gate_network_policy("chat", "team")
     return objects
 
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, assert_never
 from specpair_operator.act import metrics
 from specpair_operator.act.owned import ensure_owned
 from specpair_operator.clients.engine_probe import EngineProbe
-from specpair_operator.desired import autoscaling, manifests
+from specpair_operator.desired import autoscaling, gate_objects
 from specpair_operator.observe.serving_world import ServingWorld
-from specpair_operator.plan.release_plan import (Condition, EnsureGatePolicy, ObserveGateDuration, PostEvent, Record,
-                                                 RecordGateError, Report, ServeChampion, SetAlias, SetStatus,
-                                                 StartGateJob, StartModelFetch, TagVersion)
+from specpair_operator.plan.release_steps import (Condition, EnsureGatePolicy, ObserveGateDuration, PostEvent,
+                                                  Record, RecordGateError, Report, ServeChampion, SetAlias,
+                                                  SetStatus, StartGateJob, StartModelFetch, TagVersion)
 from specpair_operator.plan.serving_steps import (DriftChecked, EnsureAutoscaler, EnsureOwned, ExportSpeedup,
                                                   ForgetDrift, IssueCertificate, LogWarning, ReconcilePodSpeculation,
                                                   RememberChampion, RememberDrift, ReportSpeculation,
@@ -76,7 +76,7 @@ async def carry_out(r: PairReconciler, step: Step, acting: Acting) -> bool:
             await r.registry(r.reads.record_gate_error, acting.model, step.version, step.reason)
         # -- the release's objects ------------------------------------------------------------
         case EnsureGatePolicy():
-            policy = await ensure_owned(kube, r.body, manifests.gate_network_policy(r.name, r.namespace))
+            policy = await ensure_owned(kube, r.body, gate_objects.gate_network_policy(r.name, r.namespace))
             if policy.conflict:
                 r._name_conflict(policy.kind, policy.name)
                 return False

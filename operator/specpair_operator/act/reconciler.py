@@ -21,11 +21,12 @@ from typing import Any, assert_never
 import kopf
 from mlflow.exceptions import MlflowException
 
-from specpair_operator.desired import manifests, model_fetch
+from specpair_operator.desired import gate_objects, manifests, model_fetch
 from specpair_operator.plan import serving_plan
 from specpair_operator.crd import validation
 from specpair_operator.act import metrics
 from specpair_operator.plan import release_plan as plan_mod
+from specpair_operator.plan import release_steps
 from specpair_operator.release import content as release_mod
 from specpair_operator.desired import tls as tls_mod
 from specpair_operator.clients.engine_probe import EngineProbe, EngineUnreachable
@@ -34,7 +35,7 @@ from specpair_operator.act.carry_out import Acting, carry_out
 from specpair_operator.act.ledger import StatusLedger
 from specpair_operator.observe.reads import observe_release, observe_serving, observe_watch
 from specpair_operator.act.owned import ensure_owned
-from specpair_operator.plan.release_plan import TAG_RELEASE
+from specpair_operator.release.registry_contract import TAG_RELEASE
 from specpair_operator.release.registry_contract import TAG_HASH
 from specpair_operator.clients.registry import ModelClaimed, PassRegistry
 from specpair_operator.release.registry_contract import RegistryUnavailable
@@ -193,7 +194,7 @@ class PairReconciler:
             if not await carry_out(self, step, acting):
                 return
 
-    def _report(self, report: plan_mod.Report) -> None:
+    def _report(self, report: release_steps.Report) -> None:
         match report.how:
             case "stall":
                 self.ledger.stall(report.reason, report.message, replacing=report.replacing)
@@ -212,7 +213,7 @@ class PairReconciler:
     def _gate_job(self, model: str, rel: dict[str, Any], digest: str, version: str, attempt: int) -> dict[str, Any]:
         gating = self.spec.get("gating") or {}
         placement = {**self.rollout, **({"resources": gating["resources"]} if "resources" in gating else {})}
-        return manifests.gate_job(self.name, self.namespace,
+        return gate_objects.gate_job(self.name, self.namespace,
                                   release_mod.with_mlflow(rel, self.operator.gate_tracking_uri, model, version),
                                   digest, version, placement, self.operator.gate_tracking_uri,
                                   int(gating.get("activeDeadlineSeconds", 3600)), self.credentials(),
@@ -252,7 +253,7 @@ class PairReconciler:
 
     def _name_conflict(self, kind: str, name: str) -> None:
         """An object with our child's name that this pair does not own: never touch it."""
-        self.ledger.stall("NameConflict", plan_mod.name_conflict_message(self.namespace, self.name, kind, name))
+        self.ledger.stall("NameConflict", release_steps.name_conflict_message(self.namespace, self.name, kind, name))
 
     async def _serve_champion(self, model: str, al: dict[str, str], desired: str | None, desired_reason: str,
                               while_gating: bool = False, shadow: Any = None, canary: Any = None) -> None:

@@ -134,7 +134,7 @@ def metric_refusal(spec: Mapping[str, Any]) -> str | None:
         return (f"rollout.autoscaling.metric {metric} ({signal.meaning}) is not a series engine {engine} exports; "
                 f"engine {engine} offers {', '.join(m for m, s in SIGNALS.items() if engine in s.engines)}")
     rollout = dict(spec.get("rollout") or {})
-    if metric == "kvCacheUsage" and engine == SPECPAIR and not manifests._has_gpu(rollout) \
+    if metric == "kvCacheUsage" and engine == SPECPAIR and not manifests.has_gpu(rollout) \
             and rollout.get("kvBudget") is None:
         return (f"rollout.autoscaling.metric {metric}: engine {engine} exports specpair_kv_cache_usage_ratio only "
                 f"with a KV budget, which it has on a GPU or with rollout.kvBudget (this pair has neither): the "

@@ -15,7 +15,7 @@ says why in its termination message (the model, its source and the reason), whic
 
 Everything here is pure (manifests and decisions from values); nothing reads or writes the API.
 
-How the plans use it (reads.observe_fetch, release_plan.fetch_steps, serving_rollout._models_ready, act/reconciler):
+How the plans use it (reads.observe_fetch, model_cache.fetch_steps, serving_rollout._models_ready, act/reconciler):
 
 - observe: where `needs_fetch(release, rollout, fetched)` holds, get the Job
   `fetch_job_name(pair, models_digest(release))` and the pods labelled `job-name=<that name>`
@@ -125,7 +125,7 @@ def desired_fetch_job(pair: str, namespace: str, release: dict[str, Any], rollou
     online = {**rollout, "modelCache": {k: v for k, v in _cache(rollout).items() if k != "persistentVolumeClaim"}}
     # MLflow credentials only where a model comes from MLflow, as for engine pods.
     credentials = credentials if any(m["kind"] == "mlflow" for m in fetched_sources(release)) else None
-    labels = manifests._labels(pair, ROLE)
+    labels = manifests.pod_labels(pair, ROLE)
     digest = content_hash(release)   # what fetch-models reports for this release file
     container = {
         "name": "fetch",
@@ -136,12 +136,12 @@ def desired_fetch_job(pair: str, namespace: str, release: dict[str, Any], rollou
         "terminationMessagePath": manifests.TERMINATION_LOG,
         # The report the command writes; its log's tail if it died before writing one.
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "env": manifests._env(tracking_uri, credentials, rollout=online, defaults=defaults),
-        "volumeMounts": [*manifests._mounts(online), {"name": "hub", "mountPath": manifests.HUB_CACHE_DIR}],
+        "env": manifests.pod_env(tracking_uri, credentials, rollout=online, defaults=defaults),
+        "volumeMounts": [*manifests.pod_mounts(online), {"name": "hub", "mountPath": manifests.HUB_CACHE_DIR}],
         "resources": copy.deepcopy(FETCH_RESOURCES),
-        "securityContext": manifests._container_security(),
+        "securityContext": manifests.container_security(),
     }
-    pod_spec = manifests._pod_spec(online, defaults)
+    pod_spec = manifests.pod_spec(online, defaults)
     pod_spec["volumes"] = [*pod_spec["volumes"], {"name": "hub", "persistentVolumeClaim": {"claimName": claim}}]
     return {
         "apiVersion": "batch/v1",
@@ -153,7 +153,7 @@ def desired_fetch_job(pair: str, namespace: str, release: dict[str, Any], rollou
             "activeDeadlineSeconds": deadline_seconds(rollout),
             "ttlSecondsAfterFinished": int(defaults.gate_ttl_seconds),
             "template": {
-                "metadata": {"labels": labels, "annotations": manifests._release_annotations(release, digest)},
+                "metadata": {"labels": labels, "annotations": manifests.release_annotations(release, digest)},
                 "spec": {"restartPolicy": "Never", "containers": [container], **pod_spec},
             },
         },

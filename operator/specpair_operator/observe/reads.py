@@ -15,7 +15,7 @@ from specpair_operator.policy import canary as canary_mod
 from specpair_operator.crd import conditions as c
 from specpair_operator.policy import drift as drift_mod
 from specpair_operator.gate import attempts as gate_attempts, verdict as gate_verdict
-from specpair_operator.desired import manifests, model_fetch
+from specpair_operator.desired import engine_objects, gate_objects, manifests, model_fetch
 from specpair_operator.crd import names
 from specpair_operator.observe import unreadable
 from specpair_operator.policy import serving_health
@@ -24,9 +24,8 @@ from specpair_operator.desired import tls as tls_mod
 from specpair_operator.clients.engine_probe import EngineUnreachable
 from specpair_operator.clients.kube import Kube, KubeError
 from specpair_operator.desired.ownership import owns
-from specpair_operator.plan.release_plan import release_of_tags
 from specpair_operator.clients.registry import PassRegistry
-from specpair_operator.release.registry_contract import TAG_ROLLED_BACK
+from specpair_operator.release.registry_contract import TAG_ROLLED_BACK, release_of_tags
 from specpair_operator.policy.shadow_run import ShadowRun
 from specpair_operator.observe.serving_world import (DriftMemory, EnginePod, EngineTLS, Installation, ServingWorld,
                                                      ready_pods)
@@ -81,7 +80,7 @@ def gate_jobs_needed(records: Records, version: str, aliases: Mapping[str, str])
                 and any(records.was(action, version, version) for action in GATE_RESULTS))
 
 
-# The history actions of a gate's result (release_plan._gate_result).
+# The history actions of a gate's result (release_gate.gate_result).
 GATE_RESULTS = ("GatePassed", "GateFailed", gate_verdict.GATE_ERROR)
 
 
@@ -112,7 +111,7 @@ async def observe_release(kube: Kube, registry: PassRegistry, body: Mapping[str,
     fetch = None
     if gating:
         live = await kube.get("networking.k8s.io/v1", "networkpolicies", namespace,
-                              manifests.gate_network_policy(pair, namespace)["metadata"]["name"])
+                              gate_objects.gate_network_policy(pair, namespace)["metadata"]["name"])
         gate_policy_owned = None if live is None else owns(uid, live)
         if release is not None:
             fetch = await observe_fetch(kube, pair, namespace, release,
@@ -210,7 +209,7 @@ async def _observe_engine(op: OperatorState, w: ServingWorld) -> ServingWorld:
     fetched = fetched_models(w.status)
     w = replace(w, models=model_fetch.models_digest(served), fetched=fetched,
                 model_fetch=await observe_fetch(kube, w.pair, w.namespace, served, w.rollout, fetched))
-    policy = manifests.engine_network_policy(w.pair, w.namespace, op.pods)["metadata"]["name"]
+    policy = engine_objects.engine_network_policy(w.pair, w.namespace, op.pods)["metadata"]["name"]
     pods = await kube.list("v1", "pods", w.namespace, serving_plan.engine_selector(w.pair))
     # A canary's pods carry the Service's labels too; its Deployment is read whether or not a
     # canary runs, so one left behind is scaled down.

@@ -8,10 +8,11 @@ from dataclasses import replace
 from typing import Any
 
 from specpair_operator.policy import canary as canary_mod
-from specpair_operator.desired import manifests
+from specpair_operator.desired import engine_objects, manifests
 from specpair_operator.desired import ownership as owned
 from specpair_operator.release import content as release_mod
-from specpair_operator.plan.release_plan import TAG_RELEASE, Condition, PostEvent, Record, Report, SetStatus, TagVersion
+from specpair_operator.plan.release_steps import Condition, PostEvent, Record, Report, SetStatus, TagVersion
+from specpair_operator.release.registry_contract import TAG_RELEASE
 from specpair_operator.release.registry_contract import TAG_HASH
 from specpair_operator.observe.serving_world import EnginePod, ServingWorld
 from specpair_operator.plan.serving_steps import (ANN_TEMPLATE, deployment_after, EnsureOwned, gate_tuned, identity,
@@ -29,7 +30,7 @@ def canary_served(w: ServingWorld) -> dict[str, Any]:
 def canary_deployment(w: ServingWorld, served: dict[str, Any], replicas: int, step: int) -> dict[str, Any]:
     """The candidate's engine Deployment beside the champion's (canary.canary_deployment)."""
     run, i = w.canary_run, w.installation
-    dep = manifests.engine_deployment(w.pair, w.namespace, served, run.tags[TAG_HASH], run.version, dict(w.rollout),
+    dep = engine_objects.engine_deployment(w.pair, w.namespace, served, run.tags[TAG_HASH], run.version, dict(w.rollout),
                                       i.tracking_uri, i.credentials if release_mod.reads_from_mlflow(served) else None,
                                       i.pods)
     dep = canary_mod.canary_deployment(dep, manifests.engine_canary_name(w.pair), replicas, step)
@@ -91,7 +92,7 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
                       ready_reason="ChampionKeepsServing")
 
     where = f"v{version} canary step {step + 1} of {len(steps)} ({replicas} pod(s) beside {champion_replicas})"
-    state, msg = manifests.deployment_rollout_state(deployment_after(dep, w.canary_deployment, result), run.tags[TAG_HASH])
+    state, msg = engine_objects.deployment_rollout_state(deployment_after(dep, w.canary_deployment, result), run.tags[TAG_HASH])
     if state == "failed":
         return abort(f"its pods did not become available: {msg}")
     if state != "available":

@@ -14,8 +14,9 @@ from specpair_operator.crd import conditions as c
 from specpair_operator.policy import drift as drift_mod
 from specpair_operator.gate import verdict as gate_verdict
 from specpair_operator.policy import serving_health
-from specpair_operator.plan.release_plan import (TAG_RELEASE, TAG_SPECULATION_OFF, Condition, PostEvent, Record, Report,
-                                                 SetAlias, SetStatus, TagVersion, serving_versions)
+from specpair_operator.plan.release_steps import (Condition, PostEvent, Record, Report, SetAlias, SetStatus,
+                                                  TagVersion, serving_versions)
+from specpair_operator.release.registry_contract import TAG_RELEASE, TAG_SPECULATION_OFF
 from specpair_operator.release.registry_contract import TAG_DRIFT_PROBE, TAG_ROLLED_BACK, TAG_TOKENIZER_DRAFT, probe_mark
 from specpair_operator.observe.serving_world import EnginePod, ServingWorld
 from specpair_operator.plan.serving_steps import address, DriftChecked, ForgetDrift, LogWarning, RememberDrift, _Steps

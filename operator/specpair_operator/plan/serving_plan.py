@@ -28,7 +28,7 @@ from __future__ import annotations
 from specpair_operator.release import aliases as aliases_mod
 from specpair_operator.policy import shadow_run
 from specpair_operator.release import content as release_mod
-from specpair_operator.plan.release_plan import Condition, Report, SetStatus, serving_versions
+from specpair_operator.plan.release_steps import Condition, Report, SetStatus, serving_versions
 from specpair_operator.release.registry_contract import TAG_ROLLED_BACK
 from specpair_operator.observe.serving_world import ServingWorld
 from specpair_operator.plan.serving_steps import (address, ANN_ISSUED_FOR, ANN_TEMPLATE, champion_digest, DriftChecked,

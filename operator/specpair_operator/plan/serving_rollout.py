@@ -9,14 +9,15 @@ from typing import Any
 
 from specpair_operator.release import aliases as aliases_mod
 from specpair_operator.crd import conditions as c
-from specpair_operator.desired import manifests, model_fetch
+from specpair_operator.desired import engine_objects, model_fetch
 from specpair_operator.crd import names
 from specpair_operator.desired import ownership as owned
 from specpair_operator.policy import shadow_run
 from specpair_operator.release import content as release_mod
 from specpair_operator.desired import tls as tls_mod
-from specpair_operator.plan.release_plan import (PostEvent, Record, Report, SetStatus, StartModelFetch, TagVersion,
-                                                 fetch_steps, name_conflict_message)
+from specpair_operator.plan.model_cache import fetch_steps
+from specpair_operator.plan.release_steps import (PostEvent, Record, Report, SetStatus, StartModelFetch, TagVersion,
+                                                  name_conflict_message)
 from specpair_operator.release.registry_contract import TAG_HASH
 from specpair_operator.observe.serving_world import ServingWorld
 from specpair_operator.observe.world import pods_waiting
@@ -27,7 +28,7 @@ from specpair_operator.plan.serving_steps import (ANN_TEMPLATE, deployment_after
 
 def rollout_state(w: ServingWorld) -> tuple[str, str]:
     """The engine rollout's state after this pass's writes: ('conflict', 'KIND NAME'), or
-    manifests.deployment_rollout_state's ('absent'|'progressing'|'available'|'failed', message)."""
+    engine_objects.deployment_rollout_state's ('absent'|'progressing'|'available'|'failed', message)."""
     out = _Steps(w)
     return _engine(out, w, served_release(w))
 
@@ -54,7 +55,7 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
     if w.tls is not None:
         _certificate(out, w)
     # Ingress to engine pods on their ports only; in place before the first engine pod is.
-    policy = manifests.engine_network_policy(w.pair, w.namespace, w.installation.pods)
+    policy = engine_objects.engine_network_policy(w.pair, w.namespace, w.installation.pods)
     policy_outcome = outcome(w, policy, w.policy)
     if policy_outcome == owned.CONFLICT:
         out.add(name_conflict(w, "NetworkPolicy", policy["metadata"]["name"]))
@@ -93,9 +94,9 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
     out.add(SetStatus({"replicas": int(((after or {}).get("status") or {}).get("replicas") or 0),
                        "selector": engine_selector(w.pair)}))
     if w.service is None:
-        out.add(EnsureOwned(manifests.engine_service(w.pair, w.namespace, dict(w.rollout), kind), None, mutable=False))
+        out.add(EnsureOwned(engine_objects.engine_service(w.pair, w.namespace, dict(w.rollout), kind), None, mutable=False))
     out.add(EnsureAutoscaler())
-    state, msg = manifests.deployment_rollout_state(after, digest)
+    state, msg = engine_objects.deployment_rollout_state(after, digest)
     if state == "progressing":
         waiting = pods_waiting([dict(p) for p in w.pods])
         if waiting:
@@ -107,7 +108,7 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
 
 def _models_ready(out: _Steps, w: ServingWorld, version: str, served: dict[str, Any]) -> bool:
     """Before new engine pods read the model cache (a rollout, a rollback's included), the
-    served release's models are in it: else its fetch Job's steps (release_plan.fetch_steps) and no
+    served release's models are in it: else its fetch Job's steps (model_cache.fetch_steps) and no
     rollout; the pods running keep serving."""
     ready, steps = fetch_steps(w.model_fetch, version, w.models, w.fetched,
                                out.was(model_fetch.MODEL_FETCH_FAILED, w.models, version), None, "RollingOut")

@@ -7,7 +7,8 @@ from typing import Any, Mapping
 from specpair_operator.gate import verdict as gate_verdict
 from specpair_operator.policy import shadow_run
 from specpair_operator.release import content as release_mod
-from specpair_operator.plan.release_plan import Condition, Record, Report, SetStatus, TagVersion, shadow_verdict_steps
+from specpair_operator.plan.release_candidate import shadow_verdict_steps
+from specpair_operator.plan.release_steps import Condition, Record, Report, SetStatus, TagVersion
 from specpair_operator.observe.serving_world import EnginePod
 from specpair_operator.plan.serving_steps import shadow_release, _Steps
 

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from specpair_operator.release import aliases as aliases_mod
 from specpair_operator.policy import drift as drift_mod
-from specpair_operator.desired import manifests
+from specpair_operator.desired import engine_objects, manifests
 from specpair_operator.desired import ownership as owned
 from specpair_operator.policy import rollout_strategy, serving_health
 from specpair_operator.release import content as release_mod
-from specpair_operator.plan.release_plan import TAG_RELEASE, PostEvent, Record, Report, SetAlias, SetStatus, TagVersion
+from specpair_operator.plan.release_steps import PostEvent, Record, Report, SetAlias, SetStatus, TagVersion
+from specpair_operator.release.registry_contract import TAG_RELEASE
 from specpair_operator.release.registry_contract import TAG_HASH, TAG_TOKENIZER_DRAFT, TAG_TOKENIZER_TARGET
 from specpair_operator.observe.serving_world import EnginePod, ServingWorld
 
@@ -195,7 +196,7 @@ def status_speculation(w: ServingWorld, champion: str) -> bool:
 def engine_deployment(w: ServingWorld, served: dict[str, Any]) -> dict[str, Any]:
     champion = w.aliases[aliases_mod.CHAMPION]
     i = w.installation
-    dep = manifests.engine_deployment(w.pair, w.namespace, served, w.tags[TAG_HASH], champion, dict(w.rollout),
+    dep = engine_objects.engine_deployment(w.pair, w.namespace, served, w.tags[TAG_HASH], champion, dict(w.rollout),
                                       i.tracking_uri,
                                       # Engine pods need MLflow only to download a model from it.
                                       i.credentials if release_mod.reads_from_mlflow(served) else None,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Union
 
-from specpair_operator.plan.release_plan import (Condition, EnsureGatePolicy, ObserveGateDuration, PostEvent, Record,
-                                                 RecordGateError, Report, ServeChampion, SetAlias, SetStatus,
-                                                 StartGateJob, StartModelFetch, TagVersion)
+from specpair_operator.plan.release_steps import (Condition, EnsureGatePolicy, ObserveGateDuration, PostEvent,
+                                                  Record, RecordGateError, Report, ServeChampion, SetAlias,
+                                                  SetStatus, StartGateJob, StartModelFetch, TagVersion)
 from specpair_operator.plan.serving_steps import (DriftChecked, EnsureAutoscaler, EnsureOwned, ExportSpeedup,
                                                   ForgetDrift, IssueCertificate, LogWarning, ReconcilePodSpeculation,
                                                   RememberChampion, RememberDrift, ReportSpeculation,

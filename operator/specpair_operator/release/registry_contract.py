@@ -12,7 +12,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 from specpair.contract import GOLDEN_STRUCTURE_KEYS, STRUCTURE_FLOORS
 
@@ -34,6 +34,8 @@ class RegistryUnavailable(Exception):
 
 
 TAG_OWNER, TAG_OWNER_UID = "specpair.pair", "specpair.pair_uid"
+# A version's release document (JSON): what its gate and engine pods are given.
+TAG_RELEASE = "specpair.release"
 
 
 def find_or_create(find: Callable[[], T | None], create: Callable[[], T]) -> T:
@@ -101,6 +103,15 @@ def gate_result_of(tags: dict[str, str]) -> tuple[str, dict[str, Any] | None, st
             verdict = None
     return tags.get(TAG_GATE_STATUS, "pending"), verdict, tags.get(TAG_GATE_MESSAGE, "")
 
+
+
+def release_of_tags(tags: Mapping[str, str]) -> dict[str, Any] | None:
+    """A version's release from its specpair.release tag (None: none, or not a release)."""
+    try:
+        release = json.loads(tags.get(TAG_RELEASE) or "null")
+    except ValueError:
+        return None
+    return release if isinstance(release, dict) else None
 
 # The verdict's rates for golden prompts that asked for structure (gate/structured.py), as
 # metrics: present only where such prompts were judged.

@@ -1,0 +1,73 @@
+"""The gate's objects: the Job that gates one release, and its pods' NetworkPolicy (no ingress)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specpair.vllm_parallel import cpu_binding_env
+
+from specpair_operator.crd import names
+from specpair_operator.desired.manifests import (ANN_HASH, LABEL_PAIR, LABEL_ROLE, RELEASE_FILE, TERMINATION_LOG,
+                                                 MlflowCredentials, PodDefaults, container_security, engine_image,
+                                                 gate_job_name, gate_policy_name, has_gpu, pod_env, pod_labels,
+                                                 pod_mounts, pod_resources, pod_spec, release_annotations,
+                                                 shm_mounts, shm_volumes)
+
+
+def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
+             rollout: dict[str, Any], tracking_uri: str, deadline_seconds: int = 3600,
+             credentials: MlflowCredentials | None = None, defaults: PodDefaults = PodDefaults(),
+             attempt: int = 1) -> dict[str, Any]:
+    """The Job that gates one release. Never retried by Kubernetes: the operator starts the next
+    attempt when one ends without a verdict (gate_attempts.py).
+    Deleted defaults.gate_ttl_seconds after it finishes (its verdict lives in MLflow)."""
+    labels = pod_labels(pair, "gate", version)
+    container = {
+        "name": "gate",
+        "image": engine_image(release, rollout),
+        "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
+        # The runner retries MLflow until shortly before the Job's deadline.
+        "command": ["python", "-m", "specpair_operator.gate.runner", "--release", RELEASE_FILE,
+                    "--termination-log", TERMINATION_LOG, "--deadline-seconds", str(int(deadline_seconds))],
+        # The verdict's digest, written by the gate runner: the operator checks MLflow's verdict
+        # against it (gate_verdict.verify_verdict).
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "File",
+        "env": pod_env(tracking_uri, credentials, rollout=rollout, defaults=defaults)
+        + cpu_binding_env(release, rollout, has_gpu(rollout)),  # vLLM split over CPU processes
+        "volumeMounts": pod_mounts(rollout),
+        "securityContext": container_security(),
+    }
+    if rollout.get("resources"):
+        container["resources"] = pod_resources(release, rollout)
+    container["volumeMounts"] += shm_mounts(release)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": gate_job_name(pair, digest, attempt), "namespace": namespace, "labels": labels,
+                     "annotations": {ANN_HASH: digest}},
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": int(deadline_seconds),
+            "ttlSecondsAfterFinished": int(defaults.gate_ttl_seconds),
+            "template": {
+                "metadata": {"labels": labels, "annotations": release_annotations(release, digest)},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [container],
+                    **pod_spec(rollout, defaults, extra_volumes=shm_volumes(release)),
+                },
+            },
+        },
+    }
+
+
+def gate_network_policy(pair: str, namespace: str) -> dict[str, Any]:
+    """Gate pods listen on nothing: no ingress at all (they still reach MLflow and the hub)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": gate_policy_name(pair), "namespace": namespace, "labels": pod_labels(pair, "gate")},
+        "spec": {"podSelector": {"matchLabels": {LABEL_PAIR: names.label_value(pair), LABEL_ROLE: "gate"}},
+                 "policyTypes": ["Ingress"], "ingress": []},
+    }
