@@ -10,7 +10,7 @@ import pytest
 
 import engine_counters
 from specpair_operator.policy import canary
-from specpair_operator.desired import manifests
+from specpair_operator.desired import engine_objects
 from specpair_operator.policy.drift import BREACH, FINE, OVERALL
 
 DT = 10.0
@@ -164,12 +164,12 @@ def test_the_candidates_mark(tag, expected):
 def test_the_canary_deployment_is_the_candidates_engine_behind_the_same_service_apart_from_the_champions():
     release = {"target": {"source": "default"}, "draft": {"drafter": "ngram"}, "speculation": {"k": 3},
                "gating": {}, "pair": "p", "version": "2"}
-    champion = manifests.engine_deployment("p", "ns", release, "d" * 64, "2", {"replicas": 3}, "http://mlflow")
+    champion = engine_objects.engine_deployment("p", "ns", release, "d" * 64, "2", {"replicas": 3}, "http://mlflow")
     dep = canary.canary_deployment(champion, "p-engine-canary", 2, 1)
     assert dep["metadata"]["name"] == "p-engine-canary" and dep["spec"]["replicas"] == 2
     assert dep["metadata"]["annotations"][canary.ANN_STEP] == "1"
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
-    service = manifests.engine_service("p", "ns", {})
+    service = engine_objects.engine_service("p", "ns", {})
     assert service["spec"]["selector"].items() <= pod_labels.items()          # the Service reaches its pods
     canary_selector = dep["spec"]["selector"]["matchLabels"]
     assert canary_selector.items() <= pod_labels.items()
