@@ -26,6 +26,9 @@ from specpair_operator.crd.names import METRICS_PORT
 # The draft methods the specpair engine serves (n-gram lookup, a draft model, its drafting heads);
 # eagle3 and mtp are vLLM's alone. The CRD's rule names the same list (a test holds them together).
 SPECPAIR_METHODS = ("draft-model", "ngram", "eagle", "medusa")
+# Methods vLLM has that the CRD names only to refuse them with the reason (its own rule's message):
+# suffix decoding needs Arctic Inference, which the engine's vLLM environment does not build.
+UNSERVED_METHODS = ("suffix",)
 
 # CEL rules of the CRD, as Python (a rule missing here is left to the API server).
 CEL_EQUIVALENTS: dict[str, Callable[[Any], bool]] = {
@@ -59,6 +62,7 @@ CEL_EQUIVALENTS: dict[str, Callable[[Any], bool]] = {
     "!has(self.method) || (self.method == 'ngram') == has(self.drafter)":
         lambda o: "method" not in o or (o["method"] == "ngram") == ("drafter" in o),
     "!has(self.draftTensorParallel) || has(self.source)": lambda o: "draftTensorParallel" not in o or "source" in o,
+    "!has(self.method) || self.method != 'suffix'": lambda o: o.get("method") != "suffix",
     # vllm
     "!has(self.gpuMemoryUtilization) || self.gpuMemoryUtilization > 0.0":
         lambda o: not _number(o.get("gpuMemoryUtilization")) or o["gpuMemoryUtilization"] > 0,
