@@ -47,38 +47,43 @@ def _cpu_signature() -> bytes:
     return (os.uname().machine + features).encode()
 
 
-@functools.lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """The built kernel library, or None (disabled or no compiler: the reason is in status())."""
-    global _build_error
+def build_library(source: Path, *included: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library built from `source`, None) or (None, why not): compiled for this CPU into
+    the model cache once, keyed by its text and that of the files it #includes (`included`, from
+    its folder), the flags and the CPU's features. Also head_kernels.c's build."""
     if not _enabled():
-        _build_error = "disabled by SPECPAIR_CPU_KERNELS=0"
-        return None
+        return None, "disabled by SPECPAIR_CPU_KERNELS=0"
     from specpair.models import cache_root
 
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
-        _build_error = "no C compiler (cc/gcc) on PATH"
-        return None
+        return None, "no C compiler (cc/gcc) on PATH"
     try:
-        source = SOURCE.read_bytes()
+        text = b"".join(path.read_bytes() for path in (source, *included))
         # -march=native: a library built on one CPU may not run on another sharing a cache volume.
-        key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
-        out = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
+        key = hashlib.sha256(text + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
+        out = cache_root() / "kernels" / f"{source.stem}-{key}.so"
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)],
-                                  capture_output=True, text=True, timeout=120)
+            proc = subprocess.run([compiler, *FLAGS, f"-I{source.parent}", str(source), "-o",
+                                   str(tmp)], capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
-                _build_error = f"{compiler} failed: {proc.stderr.strip()[-500:]}"
                 tmp.unlink(missing_ok=True)
-                return None
+                return None, f"{compiler} failed: {proc.stderr.strip()[-500:]}"
             os.replace(tmp, out)      # atomic: concurrent first uses never load half a file
-        lib = ctypes.CDLL(str(out))
+        return ctypes.CDLL(str(out)), None
     except (OSError, subprocess.SubprocessError) as exc:
         # A read-only cache, a compiler that hangs, a library that will not load: serve anyway.
-        _build_error = f"{type(exc).__name__}: {exc}"
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The built kernel library, or None (disabled or no compiler: the reason is in status())."""
+    global _build_error
+    lib, _build_error = build_library(SOURCE)
+    if lib is None:
         return None
     lib.specpair_small_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_long,
                                                                   ctypes.c_long, ctypes.c_int]

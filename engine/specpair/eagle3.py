@@ -31,9 +31,10 @@ d2t; the tokenizer check takes that (tokenizer_identity.head_fingerprint).
 
 Where it runs: the general step (float32 on the CPU, the C layer): the target hands its
 auxiliary hidden states through kv.runner.StaticLlama.feature_layers, and the head runs its one
-layer in PyTorch over a key/value cache of its own per row (drafters.eagle3.Eagle3Drafter). Where
-the fixed step applies to the head (CUDA, bf16) its round runs as fixed-shape steps over one
-cache of every row instead, what CUDA graphs record (eagle3_steps.py).
+layer for every drafting row in one C call a step (head_kernels.c) over one key/value cache of
+every row (drafters.eagle3.Eagle3Drafter); without the kernel, in PyTorch row by row. Where the
+fixed step applies to the head (CUDA, bf16) its round runs as fixed-shape steps over one cache
+of every row instead, what CUDA graphs record (eagle3_steps.py).
 """
 
 from __future__ import annotations

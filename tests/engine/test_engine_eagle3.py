@@ -348,25 +348,38 @@ def target_ids(engine, prompt: str) -> list[int]:
 
 
 @pytest.mark.parametrize("width", [1, 2], ids=["chain", "tree"])
+@pytest.mark.parametrize("path", ["fixed", "kernel"])
 def test_the_heads_round_in_fixed_steps_drafts_what_the_row_by_row_round_does(target, width,
-                                                                               target_only):
+                                                                               path, target_only):
     """An EAGLE-3 head's round as fixed-shape steps over every row (eagle3_steps: the catch-up
-    and one drafting step a draft, what CUDA graphs record) proposes what the row-by-row round
-    proposes, at one row and four (one joining late, one leaving), drafts kept and rejected;
-    the replies are target-only's."""
+    and one drafting step a draft, what CUDA graphs record), and as one C call a step for every
+    row (head_kernels: the CPU's float32 default), proposes what the row-by-row round in
+    PyTorch proposes, at one row and four (one joining late, one leaving), drafts kept and
+    rejected; the replies are target-only's."""
+    from specpair import head_kernels
+
     head = wrap_model(build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4), seed=5),
                       None, "head")
     params = GenerationParams(max_new_tokens=MAX_TOKENS)
     engines = {}
-    for fixed in (False, True):
+    for tested in (False, True):
         engine = SpeculativeEngine(target, draft=head, kv="static", speculation=SpeculationConfig(
             k=3, k_max=3, dynamic_k=False, fallback_threshold=0, tree_width=width))
-        engine.drafter = Eagle3Drafter(head, target.model, engine.vocab_size, fixed=fixed)
-        engines[fixed] = engine
+        engine.drafter = Eagle3Drafter(head, target.model, engine.vocab_size,
+                                       fixed=tested and path == "fixed",
+                                       kernel=tested and path == "kernel")
+        engines[tested] = engine
+    if path == "kernel":
+        assert head_kernels.applies(head.model), "the head's C kernel did not build"
+        # the CPU's float32 default is the kernel's round
+        assert SpeculativeEngine(target, draft=head, kv="static").new_batch().drafter.kernel
     for rows in (1, 4):
         got, replies, drafter = _rounds(engines[True], rows, params)
         expected, expected_replies, _ = _rounds(engines[False], rows, params)
-        assert drafter.fixed and any(key[0] == "draft" for key in drafter.cache.steps)
+        if path == "fixed":
+            assert drafter.fixed and any(key[0] == "draft" for key in drafter.cache.steps)
+        else:
+            assert drafter.kernel and not drafter.fixed and drafter.cache.kc is not None
         assert len(got) == len(expected)
         for a, b in zip(got, expected):
             assert torch.equal(a.num, b.num)
@@ -421,7 +434,8 @@ def test_on_the_fixed_step_the_target_hands_over_the_heads_layers(target, target
     engines = {}
     for fixed in (False, True):
         engine = SpeculativeEngine(target, draft=head, kv="static", speculation=speculation)
-        engine.drafter = Eagle3Drafter(head, target.model, engine.vocab_size, fixed=fixed)
+        engine.drafter = Eagle3Drafter(head, target.model, engine.vocab_size, fixed=fixed,
+                                       kernel=False)
         assert engine.new_batch().target.fixed
         engines[fixed] = engine
     got, replies, drafter = _rounds(engines[True], 4, params)

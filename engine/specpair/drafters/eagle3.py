@@ -25,7 +25,7 @@ class Eagle3Drafter(HeadDrafter):
     name = METHOD
 
     def __init__(self, loaded, target_model, vocab_size: int, compile: str | None = None,
-                 fixed: bool | None = None):
+                 fixed: bool | None = None, kernel: bool | None = None):
         from specpair.kv.families import supports
         from specpair.kv.fixed_step import fixed_step_applies
         from specpair.kv.runner import StaticLlama
@@ -66,14 +66,23 @@ class Eagle3Drafter(HeadDrafter):
         head_param = next(head.parameters())
         self.fixed = (fixed_step_applies(head_param.device, head_param.dtype) if fixed is None
                       else fixed)
+        # Elsewhere, on the CPU in float32, the round runs every drafting row's step as one C
+        # call (head_kernels: the head's layer, its norm riding along) over that same cache of
+        # every row; without the kernel (or `kernel` False: the tests' reference) row by row in
+        # PyTorch over a cache of its own per row.
+        from specpair import head_kernels
+
+        self.kernel = not self.fixed and (head_kernels.applies(head) if kernel is None
+                                          else kernel)
         self.cache = None
-        if self.fixed:
+        self.layer_kernel = head_kernels.Eagle3Kernel(head) if self.kernel else None
+        if self.fixed or self.kernel:
             from specpair.eagle3_steps import Eagle3Cache
             self.cache = Eagle3Cache(head, head_param.device, head.lm_head.weight.dtype)
 
     def for_batch(self) -> "Eagle3Drafter":
         return Eagle3Drafter(self.loaded, self.target_model, self.vocab_size, self.compile,
-                             self.fixed)
+                             self.fixed, self.kernel)
 
     def _add_rows(self, count: int) -> None:
         self.caches += [None] * count
@@ -118,6 +127,8 @@ class Eagle3Drafter(HeadDrafter):
     def propose(self, sequences, ks, sampling, width: int = 1):
         if self.fixed:
             return self._propose_in_fixed_steps(sequences, ks, sampling, width)
+        if self.kernel:
+            return self._propose_in_kernel(sequences, ks, sampling, width)
         head = self.head
         B = len(sequences)
         K = max(ks, default=0)
@@ -157,6 +168,92 @@ class Eagle3Drafter(HeadDrafter):
                 g[i] = out[0]
         return self._proposal(chosen_steps, qs, sibs, num, K, width)
 
+    def _pending_pairs(self, sequences, ks, device, dtype):
+        """Each row's pairs observed since its last round (the token after each observed
+        position) with the target's auxiliary states there [n, A*T] (None: none), and whether
+        the row drafts this round (its last pair is fed now); the pending features taken."""
+        pairs, aux, drafting = [], [], []
+        for i, seq in enumerate(sequences):
+            start, known = self.cache.lengths[i], self.known[i]
+            pending = self.pending[i]
+            pairs.append(seq[start + 1:known + 1] if pending else [])
+            aux.append(torch.cat(pending).to(device=device, dtype=dtype) if pending else None)
+            self.pending[i] = []
+            drafting.append(ks[i] > 0 and known > 0 and len(pairs[-1]) > 0)
+        return pairs, aux, drafting
+
+    def _kernel_steps(self, rows: list[int], ids: torch.Tensor, hidden: torch.Tensor,
+                      positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's layer for pairs (ids [T], hidden [T, D]) of cache rows `rows` at
+        `positions` (a row's pairs consecutive), in C calls of up to the kernel's width:
+        -> (pre-norm outputs, normed) [T, D]."""
+        from specpair import cpu_kernels
+
+        cache, device, run = self.cache, hidden.device, self.layer_kernel
+        embeds = self.embed(ids).to(hidden.dtype)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+        width = cpu_kernels.MAX_TOKENS
+        if len(rows) <= width:
+            return run(embeds, hidden, rows_t, positions_t, max(positions) + 1, cache.kc, cache.vc)
+        outs = [run(embeds[a:a + width], hidden[a:a + width], rows_t[a:a + width],
+                    positions_t[a:a + width], max(positions[a:a + width]) + 1, cache.kc, cache.vc)
+                for a in range(0, len(rows), width)]
+        return torch.cat([o for o, _ in outs]), torch.cat([n for _, n in outs])
+
+    def _propose_in_kernel(self, sequences, ks, sampling, width: int):
+        """propose() with each step of every row as one C call (head_kernels) over one cache of
+        every row (eagle3_steps.Eagle3Cache): the catch-up of the rows' pending pairs (its fc
+        in the small-batch kernel), the first draft from its outputs, then one call a further
+        draft for the rows still drafting. Drafted pairs are written past the rows' lengths,
+        where the next catch-up writes the real ones. A row's arithmetic is the same whatever
+        the other rows (cpu_kernels.c): its drafts are bitwise the same alone and in a batch."""
+        from specpair import cpu_kernels
+
+        head, cache = self.head, self.cache
+        B = len(sequences)
+        K = max(ks, default=0)
+        device, dtype = self.draft_ids.device, cache.dtype
+        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        pairs, aux, drafting = self._pending_pairs(sequences, ks, device, dtype)
+        num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long,
+                           device=device)
+        if not any(pairs):
+            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+        rows, positions, last = [], [], []
+        for i, toks in enumerate(pairs):
+            rows += [i] * len(toks)
+            positions += range(cache.lengths[i], cache.lengths[i] + len(toks))
+            last.append(len(rows) - 1)
+        cache.reserve(max(cache.lengths[i] + len(toks) for i, toks in enumerate(pairs)) + K)
+        states = torch.cat([a for a in aux if a is not None])
+        step = cpu_kernels.MAX_TOKENS
+        hidden = torch.cat([cpu_kernels.linear(states[a:a + step], head.fc.weight)
+                            for a in range(0, len(states), step)])
+        ids = torch.tensor([t for toks in pairs for t in toks], dtype=torch.long, device=device)
+        out, normed = self._kernel_steps(rows, ids, hidden, positions)
+        for i, toks in enumerate(pairs):
+            cache.lengths[i] += len(toks)
+        if K == 0 or not any(drafting):
+            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+        index = torch.tensor(last, dtype=torch.long, device=device)
+        g, gn = out[index], normed[index]                                   # [B, D]
+        row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
+        chosen_steps, qs, sibs = [], [], []
+        chosen = self._choose(draft_vocab_logits(head, gn), 0, row_ks, sampling, width,
+                              chosen_steps, qs, sibs)
+        for j in range(1, K):       # the last draft token is never fed
+            going = [i for i in range(B) if j < row_ks[i]]
+            if not going:
+                break
+            at = torch.tensor(going, dtype=torch.long, device=device)
+            out, normed = self._kernel_steps(going, chosen[at], g[at],
+                                             [cache.lengths[i] + j - 1 for i in going])
+            g[at], gn[at] = out, normed
+            chosen = self._choose(draft_vocab_logits(head, gn), j, row_ks, sampling, width,
+                                  chosen_steps, qs, sibs)
+        return self._proposal(chosen_steps, qs, sibs, num, K, width)
+
     def _propose_in_fixed_steps(self, sequences, ks, sampling, width: int):
         """propose() as fixed-shape steps over every row (eagle3_steps): one catch-up step of
         the rows' pending pairs (a prompt's first, wider than CATCH_UP_WIDTH, at its own
@@ -170,14 +267,7 @@ class Eagle3Drafter(HeadDrafter):
         K = max(ks, default=0)
         device, dtype = self.draft_ids.device, cache.dtype
         tokens = torch.zeros(B, K, dtype=torch.long, device=device)
-        pairs, aux, drafting = [], [], []
-        for i, seq in enumerate(sequences):
-            start, known = cache.lengths[i], self.known[i]
-            pending = self.pending[i]
-            pairs.append(seq[start + 1:known + 1] if pending else [])
-            aux.append(torch.cat(pending).to(device=device, dtype=dtype) if pending else None)
-            self.pending[i] = []
-            drafting.append(ks[i] > 0 and known > 0 and len(pairs[-1]) > 0)
+        pairs, aux, drafting = self._pending_pairs(sequences, ks, device, dtype)
         num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long,
                            device=device)
         if not any(pairs):
@@ -219,4 +309,4 @@ class Eagle3Drafter(HeadDrafter):
 
     def describe(self) -> dict:
         return {**super().describe(), "aux_layers": list(self.aux_layers),
-                "fixed_steps": bool(self.fixed)}
+                "fixed_steps": bool(self.fixed), "c_kernel": bool(self.kernel)}
