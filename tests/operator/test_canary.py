@@ -146,7 +146,8 @@ def test_steps_come_from_the_spec_with_the_crds_default_pause():
     steps = canary.steps_of(spec)
     assert steps[0].replicas == 1 and steps[0].share is None and steps[0].pause_seconds == 60
     assert steps[1] == canary.Step(None, 0.5, 5.0)
-    assert canary.steps_of({}) == ()
+    # None given: the CRD's default steps, by weight.
+    assert [s.weight for s in canary.steps_of({})] == [5, 25, 50, 100]
 
 
 @pytest.mark.parametrize("tag, expected", [
@@ -184,10 +185,12 @@ def test_the_canary_deployment_is_the_candidates_engine_behind_the_same_service_
 
 @pytest.mark.parametrize("strategy, message", [
     ({"type": "Canary", "steps": [{"replicas": 1}, {"share": 0.5, "pauseSeconds": 30}]}, None),
-    ({"type": "Canary", "steps": [{"replicas": 1, "share": 0.5}]}, "a canary step gives either replicas or share, not both"),
-    ({"type": "Canary", "steps": [{"pauseSeconds": 30}]}, "a canary step gives either replicas or share, not both"),
+    ({"type": "Canary", "steps": [{"replicas": 1, "share": 0.5}]}, "a canary step gives one of replicas, share or weight"),
+    ({"type": "Canary", "steps": [{"pauseSeconds": 30}]}, "a canary step gives one of replicas, share or weight"),
     ({"type": "Canary", "steps": [{"share": 0.0}]}, "a canary step's share is above 0 and at most 1"),
     ({"type": "Canary", "steps": [{"share": 1.5}]}, "a canary step's share is above 0 and at most 1"),
+    ({"type": "Canary", "steps": [{"weight": 20}, {"weight": 100, "pauseSeconds": 30}]}, None),
+    ({"type": "Canary", "steps": [{"weight": 20, "share": 0.2}]}, "a canary step gives one of replicas, share or weight"),
     ({"type": "Canary"}, "rollout.strategy.type Canary needs rollout.strategy.steps"),
     ({"type": "Canary", "steps": []}, "rollout.strategy.type Canary needs rollout.strategy.steps"),
     ({"type": "Replace"}, None),

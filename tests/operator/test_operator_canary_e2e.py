@@ -149,7 +149,7 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
     # (the engine's buckets are 1, 2.5, 5, 10 ms there), which 1.5x (the default) reads as a breach.
     drift = {"latency": {"minRequests": 10, "ttftP95Ratio": 3.0, "tpotP95Ratio": 3.0}}
     # The API server refuses a step that is both (the operator's check has the same words).
-    with pytest.raises(ApiError, match="a canary step gives either replicas or share, not both"):
+    with pytest.raises(ApiError, match="a canary step gives one of replicas, share or weight"):
         ns.create(tiny_pair(f"{name}-bad", target, draft, rollout={
             "strategy": {"type": "Canary", "steps": [{"replicas": 1, "share": 0.5}]}}))
     ns.create(tiny_pair(name, target, draft, drift=drift, gating=ONE_PROMPT_GATING))

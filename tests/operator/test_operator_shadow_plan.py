@@ -75,7 +75,9 @@ PROMOTION = ["TagVersion v2 specpair.promoted_at", "SetAlias previous=1", "SetAl
      candidate_world(tags={**DRAFT_ONLY, **verdict_tag("Rejected")}),
      ["Condition ShadowScored=True Rejected", "SetStatus shadow", "Record ShadowRejected",
       "SetStatus previousVersion,servingVersion", "ServeChampion -"]),
-    ("another target: Replace, promoted at once", candidate_world(tags=NEW_TARGET), PROMOTION),
+    ("another target: a canary on the CRD's default steps beside v1, not promoted yet (issue 57)",
+     candidate_world(tags=NEW_TARGET), ["Record CanaryStarted", "SetStatus previousVersion,servingVersion",
+                                        "ServeChampion 1 canary v2"]),
     ("rollout.strategy.type Replace: promoted at once",
      candidate_world(rollout={"strategy": {"type": "Replace"}}), PROMOTION),
     ("no champion release to compare with: promoted at once", candidate_world(champion_release=None), PROMOTION),
@@ -88,6 +90,8 @@ def test_a_passed_candidate_is_scored_in_shadow_when_only_its_draft_differs(what
     steps = p.plan_release(w)
     tail = kinds(steps)[-len(expected):]
     assert tail == expected, what
+    if "ServeChampion 1 canary v2" in expected:
+        assert [s.weight for s in steps[-1].canary.steps] == [5, 25, 50, 100]
     if "ServeChampion 1 shadow v2" in expected:
         run = steps[-1].shadow
         assert run.settings == shadow_run.ShadowSettings(0.1, 20, 3600.0)   # the CRD's defaults

@@ -44,12 +44,13 @@ CHAMPION = release()
     (None, release(draft={"source": "tiny-draft", "method": "draft-model"}), SHADOW, False),
     # ... a head cannot be scored in shadow: Replace.
     (None, release(draft={"source": "head", "method": "eagle"}), REPLACE, False),
-    # ... the target, the image, the parallelism or a serving setting changed: Replace.
-    (None, release(target={"source": "default", "revision": "r2"}), REPLACE, False),
-    (None, release(target={"source": "default"}, rollout={"image": "img:2"}), REPLACE, False),
+    # ... the target, the image or the engine changed: Canary (issue 57; tests/operator/test_gateway_canary.py).
+    (None, release(target={"source": "default", "revision": "r2"}), CANARY, False),
+    (None, release(target={"source": "default"}, rollout={"image": "img:2"}), CANARY, False),
+    (None, release(engine="vllm", draft={"source": "tiny-draft"}), CANARY, False),
+    # ... a serving setting changed: Replace.
     (None, release(speculation__k=6, speculation__batchSizeThreshold=2), REPLACE, False),
     (None, release(speculation__fallbackThreshold=0.5), REPLACE, False),
-    (None, release(engine="vllm", draft={"source": "tiny-draft"}), REPLACE, False),
     # ... the golden prompts alone changed: nothing to score.
     (None, build_release("p", "ns", BASE, [{"prompt": "other"}], default_image="img:1"), REPLACE, False),
     # Asked for.

@@ -86,7 +86,8 @@ CEL_EQUIVALENTS: dict[str, Callable[[Any], bool]] = {
     # rollout.strategy: a canary has steps; a canary step (its share: the rule above, worded for it)
     "!has(self.type) || self.type != 'Canary' || (has(self.steps) && size(self.steps) > 0)":
         lambda o: o.get("type") != "Canary" or bool(o.get("steps")),
-    "has(self.replicas) != has(self.share)": lambda o: ("replicas" in o) != ("share" in o),
+    "[has(self.replicas), has(self.share), has(self.weight)].filter(x, x).size() == 1":
+        lambda o: sum(k in o for k in ("replicas", "share", "weight")) == 1,
     # rollout: no two of the serving, control and metrics ports are one port
     "!has(self.controlPort) || ((!has(self.port) || self.controlPort != self.port) && "
     "(!has(self.httpPort) || self.controlPort != self.httpPort) && self.controlPort != 9400)":
@@ -151,6 +152,11 @@ def latency_defaults() -> dict[str, Any]:
     """spec.drift.latency's defaults as the CRD declares them (their one home)."""
     props = spec_schema()["properties"]["drift"]["properties"]["latency"]["properties"]
     return {k: sub["default"] for k, sub in props.items() if "default" in sub}
+
+
+def canary_default_steps() -> list[dict[str, Any]]:
+    """The rollout.strategy.steps a Canary runs when the spec gives none (the CRD's default)."""
+    return list(spec_schema()["properties"]["rollout"]["properties"]["strategy"]["properties"]["steps"]["default"])
 
 
 def canary_step_defaults() -> dict[str, Any]:

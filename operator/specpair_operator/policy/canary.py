@@ -59,13 +59,12 @@ from specpair_operator.policy import drift as drift_mod
 from specpair_operator.policy import serving_health as health
 from specpair_operator.policy.drift import BREACH, FINE, INCONCLUSIVE, NO_EVIDENCE, OVERALL
 from specpair_operator.desired.manifests import LABEL_VERSION
+from specpair_operator.desired.routes import CANARY_TRACK, TRACK_LABEL
 from specpair_operator.policy.shadow_verdict import (BETTER, NOT_WORSE, SHORT, WORSE, ShadowEvidence, ShadowPolicy,
                                                      compare)
 
 TAG_CANARY = "specpair.canary"              # on the candidate's version: "passed: ..." or "aborted: ..."
 PASSED, ABORTED = "passed", "aborted"
-TRACK_LABEL = "specpair.io/track"
-CANARY_TRACK = "canary"
 ANN_STEP = "specpair.io/canary-step"        # on the canary Deployment: the step it was scaled for
 CONDITION = "Canary"
 ACCEPTANCE = "acceptance"
@@ -79,27 +78,47 @@ class Step:
     replicas: int | None = None
     share: float | None = None
     pause_seconds: float = 0.0
+    weight: int | None = None      # the candidate's percent of the traffic (1-100)
 
-    def candidate_replicas(self, champion_replicas: int) -> int:
+    def candidate_replicas(self, champion_replicas: int, routed: bool = False) -> int:
+        """The candidate's pods in this step. A weight through a gateway (`routed`) needs pods for
+        weight% of the champion's load; without one, pods for that replica ratio, at most the
+        champion's own count (the ratio cannot pass 50% while the champion keeps its pods)."""
+        champion = max(champion_replicas, 1)
         if self.replicas is not None:
             return int(self.replicas)
-        return max(1, math.ceil(float(self.share or 0.0) * max(champion_replicas, 1) - 1e-9))
+        if self.weight is not None:
+            w = min(max(int(self.weight), 1), 100)
+            if routed:
+                return max(1, math.ceil(w / 100 * champion - 1e-9))
+            return champion if w >= 50 else max(1, min(champion, math.ceil(w * champion / (100 - w) - 1e-9)))
+        return max(1, math.ceil(float(self.share or 0.0) * champion - 1e-9))
+
+    def candidate_weight(self, champion_replicas: int) -> int:
+        """The route's candidate weight (percent) for this step: its weight, or the replica ratio
+        its replicas or share give."""
+        if self.weight is not None:
+            return min(max(int(self.weight), 1), 100)
+        return round(100 * traffic_share(self.candidate_replicas(champion_replicas), champion_replicas))
 
     def describe(self) -> str:
-        what = f"{self.replicas} replica(s)" if self.replicas is not None else f"share {self.share:g}"
+        what = (f"weight {self.weight}%" if self.weight is not None else
+                f"{self.replicas} replica(s)" if self.replicas is not None else f"share {self.share:g}")
         return f"{what}, pause {self.pause_seconds:g}s"
 
 
 def steps_of(spec: Mapping[str, Any]) -> tuple[Step, ...]:
-    """spec.rollout.strategy.steps (pauseSeconds' default: the CRD's, its one home)."""
-    from specpair_operator.crd.validation import canary_step_defaults
+    """spec.rollout.strategy.steps, or the CRD's default steps when it gives none (pauseSeconds'
+    default, the steps' default: the CRD's, their one home)."""
+    from specpair_operator.crd.validation import canary_default_steps, canary_step_defaults
 
     defaults = canary_step_defaults()
     out = []
-    for s in ((spec.get("rollout") or {}).get("strategy") or {}).get("steps") or ():
+    for s in ((spec.get("rollout") or {}).get("strategy") or {}).get("steps") or canary_default_steps():
         s = {**defaults, **s}
         out.append(Step(int(s["replicas"]) if "replicas" in s else None,
-                        float(s["share"]) if "share" in s else None, float(s["pauseSeconds"])))
+                        float(s["share"]) if "share" in s else None, float(s["pauseSeconds"]),
+                        int(s["weight"]) if "weight" in s else None))
     return tuple(out)
 
 
@@ -403,15 +422,34 @@ class RememberCanary:
     memory: Memory
 
 
+# status.canary.shareBasis: what the share rests on.
+SHARE_BY_WEIGHT = "gateway weight: the route splits every request"
+SHARE_BY_REPLICAS = ("approximate: replica ratio (no Gateway: a keep-alive HTTP or gRPC client stays on the pod it "
+                     "reached, so one client can put 0% or 100% on the candidate)")
+
+
+def observed_share(memory: Memory) -> float | None:
+    """The candidate's share of the requests both sides finished in the step so far (None: none)."""
+    cand, champ = memory.candidate.finished, memory.champion.finished
+    return cand / (cand + champ) if cand + champ else None
+
+
 def status_entry(version: str, champion: str, phase: str, step: int, steps: tuple[Step, ...], replicas: int,
                  champion_replicas: int, message: str, judged: tuple[Judged, ...] = (),
-                 started: str = "", previous: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 started: str = "", previous: Mapping[str, Any] | None = None, weight: int | None = None,
+                 observed: float | None = None) -> dict[str, Any]:
     """status.canary: where the canary stands, with the numbers of its last judgement. The status
     is written as a merge patch, so what `previous` (the entry status holds) has and this one does
-    not is written as null: no number of an earlier judgement or canary is left behind."""
+    not is written as null: no number of an earlier judgement or canary is left behind.
+    `weight`: the route's candidate weight when a Gateway splits the traffic (the share is then
+    that weight, else the replica ratio, approximate); `observed`: observed_share."""
+    share = weight / 100 if weight is not None else traffic_share(replicas, champion_replicas)
     entry: dict[str, Any] = {
         "version": str(version), "champion": str(champion), "phase": phase, "step": step + 1,
-        "steps": len(steps), "replicas": replicas, "trafficShare": round(traffic_share(replicas, champion_replicas), 4),
+        "steps": len(steps), "replicas": replicas, "trafficShare": round(share, 4),
+        **({"weight": weight} if weight is not None else {}),
+        "shareBasis": SHARE_BY_WEIGHT if weight is not None else SHARE_BY_REPLICAS,
+        **({"observedShare": round(observed, 4)} if observed is not None else {}),
         **({"stepStartedAt": started} if started else {}), "message": message[:2000],
         "judged": {j.key: j.as_dict() for j in judged if j.verdict != NO_EVIDENCE}}
     previous = previous or {}

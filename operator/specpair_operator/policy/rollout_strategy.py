@@ -6,9 +6,15 @@
   own target, on the same engine, can be scored this way: the scoring reads the target's logits.
 - **Canary**: the candidate's pods serve beside the champion's, a growing share.
 
-`spec.rollout.strategy.type` picks one. Left out, Shadow is chosen when the candidate differs from
-the champion only on its draft side (the draft, `k`, dynamic k, tree width, n-gram lookup) and can
-be shadowed, Replace otherwise. With no champion serving there is nothing to compare against:
+`spec.rollout.strategy.type` picks one; the user's explicit choice always wins. Left out, it is
+chosen by what changed, riskiest first:
+- the target (model and revision, which bring the tokenizer) or the engine (image, kind): Canary, on the CRD's
+  default steps unless the spec gives steps (a new target changes every reply, so it earns live
+  evidence on a small share before it takes everything; Argo Rollouts and Flagger do the same);
+- only the draft side (the draft, `k`, dynamic k, tree width, n-gram lookup), where it can be
+  shadowed: Shadow (the replies stay the champion's, only speed changes);
+- anything else (parallelism, the serving speculation settings, a head drafter): Replace.
+With no champion serving there is nothing to compare against:
 every strategy is a Replace then, and so it is for a candidate that serves exactly as the champion
 does (a new release for its golden prompts alone).
 
@@ -30,6 +36,8 @@ STRATEGIES = (REPLACE, SHADOW, CANARY)
 DRAFT_SIDE_SPECULATION = ("k", "dynamicK", "treeWidth", "lookupMinMatch")
 # Release blocks that decide what the pods serve, apart from the draft and speculation.
 SERVING_BLOCKS = ("target", "engine", "parallelism")
+# Of those, the ones that change what the pair answers, not only how fast: a canary by default.
+CANARY_BLOCKS = ("target", "engine")
 # Drafting heads draft from the target's features of the committed tokens, which the engine hands
 # only to the serving drafter: a head cannot be scored in shadow (engine/specpair/shadow.py).
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mtp")
@@ -69,6 +77,11 @@ def serving_side_differences(champion: Mapping[str, Any], candidate: Mapping[str
     return changed
 
 
+def canary_worthy(champion: Mapping[str, Any], candidate: Mapping[str, Any]) -> list[str]:
+    """The changed release blocks that earn a canary by default (CANARY_BLOCKS), [] when none."""
+    return [block for block in CANARY_BLOCKS if (champion.get(block) or {}) != (candidate.get(block) or {})]
+
+
 def shadow_refusal(champion: Mapping[str, Any], candidate: Mapping[str, Any]) -> str | None:
     """Why the candidate cannot be scored in shadow on the champion's pods, or None when it can."""
     changed = serving_side_differences(champion, candidate)
@@ -104,6 +117,10 @@ def choose_strategy(spec: Mapping[str, Any], champion_release: Mapping[str, Any]
         if refusal:
             return Strategy(SHADOW, "spec.rollout.strategy.type is Shadow", refused=refusal)
         return Strategy(SHADOW, "spec.rollout.strategy.type is Shadow")
+    risky = canary_worthy(champion_release, candidate_release)
+    if risky:
+        return Strategy(CANARY, f"chosen automatically: the candidate changes {', '.join(risky)}, which changes "
+                                f"what the pair answers")
     if refusal:
         return Strategy(REPLACE, f"chosen automatically: {refusal}")
     return Strategy(SHADOW, "chosen automatically: only the draft side differs from the champion")
@@ -141,7 +158,7 @@ class SpeculationRoll:
 
 
 def speculation_roll(strategy: Mapping[str, Any], replicas: int) -> SpeculationRoll:
-    """The roll a Deployment `strategy` (manifests.rollout_strategy: its one home) gives `replicas`
+    """The roll a Deployment `strategy` (engine_objects.rollout_strategy: its one home) gives `replicas`
     pods."""
     rolling = strategy.get("rollingUpdate") or {}
     surge, unavailable = int(rolling.get("maxSurge", 0)), int(rolling.get("maxUnavailable", 0))

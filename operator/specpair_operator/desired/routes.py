@@ -1,0 +1,184 @@
+"""The pair's Gateway API routes, when it names a Gateway (`spec.rollout.gateway.parentRef`). Pure.
+
+Why: behind one Service a canary's share is its pods over all pods (policy/canary.py), which
+holds only while every request picks a pod afresh. A gRPC channel or a keep-alive HTTP client
+stays on the pod it first reached, so one busy client puts 0% or 100% of its requests on the
+candidate whatever the replica ratio says. A gateway splits per request by `backendRefs` weights.
+
+What the operator owns for such a pair (all named from the engine's name, owned by the pair):
+- `<engine>-champion`, a Service selecting the pair's engine pods; during a canary also only the
+  champion's release version (`specpair.io/release-version`), so the canary's pods stay out;
+- `<engine>-candidate`, a Service selecting the canary's pods (`specpair.io/track: canary`),
+  only while a candidate is in canary;
+- an `HTTPRoute` (the OpenAI-compatible HTTP port, when the engine has one) and a `GRPCRoute`
+  (the gRPC port; our engine only) named `<engine>`, attached to the Gateway, each with:
+    1. `x-specpair-release: candidate` -> the candidate (only while there is one),
+    2. `x-specpair-release: champion`  -> the champion,
+    3. everything else -> champion and candidate by weight (percent), or the champion alone.
+  A header match outranks a rule without one (Gateway API's precedence), so a client asking for
+  a side by name gets that side at any weight: for A/B comparisons and debugging a release by hand.
+
+The route Services name their gRPC port's protocol as Gateway API asks (GEP-1911):
+`kubernetes.io/h2c` for plaintext gRPC (the engine Service's own `grpc` is an IANA name that
+gateways do not all read), `https` when the serving ports speak TLS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from specpair_operator.crd import names
+from specpair_operator.desired import engine_objects, manifests
+
+GATEWAY_GROUP = "gateway.networking.k8s.io"
+GATEWAY_API = f"{GATEWAY_GROUP}/v1"
+RELEASE_HEADER = "x-specpair-release"
+CANDIDATE, CHAMPION = "candidate", "champion"
+H2C = "kubernetes.io/h2c"
+# The canary's pods carry this label (policy/canary.canary_deployment); the candidate's Service
+# selects by it. Here, below policy, so that both read one home.
+TRACK_LABEL = "specpair.io/track"
+CANARY_TRACK = "canary"
+
+
+def gateway_parent(spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """spec.rollout.gateway.parentRef (name, optional namespace and sectionName), or None."""
+    ref = ((spec.get("rollout") or {}).get("gateway") or {}).get("parentRef") or {}
+    if not ref.get("name"):
+        return None
+    out = {"group": GATEWAY_GROUP, "kind": "Gateway", "name": str(ref["name"])}
+    for key in ("namespace", "sectionName"):
+        if ref.get(key):
+            out[key] = str(ref[key])
+    return out
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Where the routes send requests. `candidate_weight`: the candidate's percent of the unnamed
+    requests during a canary (0-100), None when no candidate is in canary; `champion_version`:
+    the release the champion Service is pinned to during a canary (None: every engine pod)."""
+
+    candidate_weight: int | None = None
+    champion_version: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.candidate_weight is not None and not 0 <= self.candidate_weight <= 100:
+            raise ValueError(f"a candidate weight is a percent (0-100), not {self.candidate_weight}")
+        if self.candidate_weight is not None and not self.champion_version:
+            raise ValueError("a canary's routes pin the champion's version (champion_version)")
+
+
+SETTLED = Traffic()
+
+
+def champion_service_name(pair: str) -> str:
+    return names.object_name(pair, "engine-champion")
+
+
+def candidate_service_name(pair: str) -> str:
+    return names.object_name(pair, "engine-candidate")
+
+
+def route_name(pair: str) -> str:
+    return manifests.engine_name(pair)
+
+
+def _ports(rollout: Mapping[str, Any], kind: str) -> tuple[int | None, int | None]:
+    """(gRPC port, HTTP port) the engine serves requests on (None: not served)."""
+    http_port = int(rollout.get("httpPort", manifests.HTTP_PORT))
+    if kind == "vllm":
+        return None, http_port or manifests.HTTP_PORT
+    return int(rollout.get("port", 50051)), http_port or None
+
+
+def route_service(pair: str, namespace: str, rollout: Mapping[str, Any], side: str, traffic: Traffic,
+                  kind: str = "specpair") -> dict[str, Any]:
+    """The Service a route sends `side`'s requests to (module docstring)."""
+    selector = dict(manifests.engine_selector(pair))
+    if side == CANDIDATE:
+        selector[TRACK_LABEL] = CANARY_TRACK
+        name = candidate_service_name(pair)
+    else:
+        if traffic.champion_version:
+            selector[manifests.LABEL_VERSION] = str(traffic.champion_version)
+        name = champion_service_name(pair)
+    grpc_port, http_port = _ports(rollout, kind)
+    tls = engine_objects.serving_tls(dict(rollout))
+    ports = []
+    if grpc_port:
+        ports.append({"name": "grpc", "port": grpc_port, "targetPort": "grpc", "protocol": "TCP",
+                      "appProtocol": "https" if tls else H2C})
+    if http_port:
+        ports.append({"name": "http", "port": http_port, "targetPort": "http", "protocol": "TCP",
+                      "appProtocol": "https" if tls else "http"})
+    labels = {**manifests.engine_selector(pair), TRACK_LABEL: side, "app.kubernetes.io/managed-by": "specpair-operator"}
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels},
+            "spec": {"selector": selector, "ports": ports}}
+
+
+def _backend(name: str, port: int, weight: int | None = None) -> dict[str, Any]:
+    ref: dict[str, Any] = {"group": "", "kind": "Service", "name": name, "port": port}
+    if weight is not None:
+        ref["weight"] = weight
+    return ref
+
+
+def _rules(pair: str, port: int, traffic: Traffic, http: bool) -> list[dict[str, Any]]:
+    champion, candidate = champion_service_name(pair), candidate_service_name(pair)
+
+    def named(side: str, service: str) -> dict[str, Any]:
+        match: dict[str, Any] = {"headers": [{"type": "Exact", "name": RELEASE_HEADER, "value": side}]}
+        if http:
+            match["path"] = {"type": "PathPrefix", "value": "/"}
+        return {"matches": [match], "backendRefs": [_backend(service, port)]}
+
+    rules = []
+    if traffic.candidate_weight is not None:
+        rules.append(named(CANDIDATE, candidate))
+    rules.append(named(CHAMPION, champion))
+    if traffic.candidate_weight is None:
+        rules.append({"backendRefs": [_backend(champion, port)]})
+    else:
+        rules.append({"backendRefs": [_backend(champion, port, 100 - traffic.candidate_weight),
+                                      _backend(candidate, port, traffic.candidate_weight)]})
+    return rules
+
+
+def routes(pair: str, namespace: str, rollout: Mapping[str, Any], parent: Mapping[str, Any], traffic: Traffic,
+           kind: str = "specpair") -> list[dict[str, Any]]:
+    """The HTTPRoute and GRPCRoute (each when the engine serves that port) for `traffic`."""
+    grpc_port, http_port = _ports(rollout, kind)
+    meta = {"name": route_name(pair), "namespace": namespace,
+            "labels": {**manifests.engine_selector(pair), "app.kubernetes.io/managed-by": "specpair-operator"}}
+    out = []
+    if http_port:
+        out.append({"apiVersion": GATEWAY_API, "kind": "HTTPRoute", "metadata": dict(meta),
+                    "spec": {"parentRefs": [dict(parent)], "rules": _rules(pair, http_port, traffic, True)}})
+    if grpc_port:
+        out.append({"apiVersion": GATEWAY_API, "kind": "GRPCRoute", "metadata": dict(meta),
+                    "spec": {"parentRefs": [dict(parent)], "rules": _rules(pair, grpc_port, traffic, False)}})
+    return out
+
+
+def desired(pair: str, namespace: str, rollout: Mapping[str, Any], parent: Mapping[str, Any] | None,
+            traffic: Traffic, kind: str = "specpair") -> list[dict[str, Any]]:
+    """Everything the pair owns for its Gateway: the route Services (the candidate's only during a
+    canary) and the routes; nothing when it names no Gateway."""
+    if parent is None:
+        return []
+    services = [route_service(pair, namespace, rollout, CHAMPION, traffic, kind)]
+    if traffic.candidate_weight is not None:
+        services.append(route_service(pair, namespace, rollout, CANDIDATE, traffic, kind))
+    return [*services, *routes(pair, namespace, rollout, parent, traffic, kind)]
+
+
+def weights(route: Mapping[str, Any]) -> dict[str, int]:
+    """The unnamed requests' split a live route says: {service: weight} of its rule without matches."""
+    for rule in (route.get("spec") or {}).get("rules") or []:
+        if not rule.get("matches"):
+            refs = rule.get("backendRefs") or []
+            return {r["name"]: int(r.get("weight", 1)) for r in refs}
+    return {}
