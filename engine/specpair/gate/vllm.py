@@ -78,6 +78,7 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
 
     from specpair.decoding import encode_prompt
     from specpair.models import resolve_source
+    from specpair.vllm_head_check import head_tokenizer_check
     from specpair.vllm_peer import (DEFAULT_START_TIMEOUT, SpecDecodeCounters, VllmServer, flags_argv, serving_flags,
                                     speculative_config)
 
@@ -90,7 +91,8 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     verdict = new_verdict(engine=ENGINE_KIND)
 
     progress("checking tokenizers before starting vLLM")
-    tok = tokenizer_check(release, progress)
+    # An EAGLE-3 head has no tokenizer of its own: its vocabulary mapping is checked instead.
+    tok = head_tokenizer_check(release, progress) or tokenizer_check(release, progress)
     verdict["tokenizer"] = tok
     if not tok["compatible"]:
         verdict["reasons"] = ["tokenizer mismatch: " + "; ".join(tok["differences"])]
