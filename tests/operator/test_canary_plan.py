@@ -218,6 +218,8 @@ def test_a_healthy_canary_grows_step_by_step_and_is_promoted_its_pods_then_retir
     entry = cl.status["canary"]
     assert entry["phase"] == "Promoted" and entry["step"] == 2 and entry["replicas"] == 2
     assert entry["trafficShare"] == 0.5
+    # Both sides' pods serve alike here: the share observed in the pods' counters is the ratio's.
+    assert entry["shareBasis"].startswith("approximate: replica ratio") and entry["observedShare"] == 0.5
     assert entry["judged"]["ttft:*"]["verdict"] == "fine" and entry["judged"]["ttft:*"]["requests"] >= 50
 
 

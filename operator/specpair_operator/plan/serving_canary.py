@@ -73,7 +73,8 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
         started = datetime.datetime.fromtimestamp(memory.since, datetime.timezone.utc).strftime(
             "%Y-%m-%dT%H:%M:%SZ") if memory.since is not None else ""
         return SetStatus({"canary": canary_mod.status_entry(version, champion, phase, step, steps, replicas,
-                                                            champion_replicas, message, judged, started, had)})
+                                                            champion_replicas, message, judged, started, had,
+                                                            observed=canary_mod.observed_share(memory))})
 
     def progressing(message: str, judged: tuple = ()) -> Report:
         out.add(Condition(canary_mod.CONDITION, "Unknown", "Progressing", message), entry("Progressing", message, judged))
