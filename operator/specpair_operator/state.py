@@ -115,37 +115,36 @@ def operator_namespace(env: dict[str, str] | None = None) -> str:
         return ""
 
 
-async def control_ca(state: OperatorState) -> tls_mod.KeyPair:
-    """The CA engine certificates are issued from, and the operator's client certificate: read
-    from (or first written to) the CA Secret in the operator's namespace, re-read now and then so
-    a CA rotated by cert-manager (or by hand) is picked up."""
-    import base64
-
+async def read_control_ca(state: OperatorState) -> tls_mod.KeyPair | None:
+    """The CA engine certificates are issued from, read from the CA Secret in the operator's
+    namespace and kept with the operator's client certificate; re-read now and then so a CA
+    rotated by cert-manager (or by hand) is picked up. None: there is none (observe never writes;
+    the serving plan then plans CreateControlCA, which act/control_ca.py carries out)."""
     if state.ca_lock is None:
         state.ca_lock = asyncio.Lock()
     async with state.ca_lock:
         if state.ca is not None and time.monotonic() - state.ca_read_at < CA_REFRESH_S:
             return state.ca
         secret = await state.kube.get("v1", "secrets", state.operator_namespace, tls_mod.CA_SECRET)
-        if secret is None:
-            ca = tls_mod.new_ca()
-            secret = await state.kube.create({
-                "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
-                "metadata": {"name": tls_mod.CA_SECRET, "namespace": state.operator_namespace,
-                             "labels": {"app.kubernetes.io/managed-by": "specpair-operator"}},
-                "data": {"tls.crt": base64.b64encode(ca.cert_pem).decode(),
-                         "tls.key": base64.b64encode(ca.key_pem).decode()}})  # a racing replica's wins (409)
-        data = secret.get("data") or {}
-        ca = tls_mod.KeyPair(base64.b64decode(data.get("tls.crt", "")), base64.b64decode(data.get("tls.key", "")))
-        why = tls_mod.check_ca(ca)
-        if why:
-            raise ControlTLSError(f"Secret {state.operator_namespace}/{tls_mod.CA_SECRET} cannot issue engine "
-                                  f"certificates: {why}")
-        state.ca, state.ca_read_at = ca, time.monotonic()
-        client = state.client_cert
-        if client is None or tls_mod.reissue_reason(client.cert_pem, ca.cert_pem, ca, (), renew_days=tls_mod.CLIENT_RENEW_DAYS):
-            client = state.client_cert = tls_mod.issue(ca, tls_mod.OPERATOR_NAME, server=False, days=tls_mod.CLIENT_DAYS)
-        for probe in (state.probe, state.vllm_probe):     # vLLM pods: their companion's control port
-            if isinstance(probe, GrpcEngineProbe):
-                probe.tls = ClientTLS(ca=ca.cert_pem, cert=client.cert_pem, key=client.key_pem)
-        return ca
+        return None if secret is None else use_control_ca(state, secret)
+
+
+def use_control_ca(state: OperatorState, secret: dict[str, Any]) -> tls_mod.KeyPair:
+    """The CA in `secret` (the CA Secret, read or just created) kept as the one engine certificates
+    are issued from, with a client certificate from it for the engine probes' mutual TLS."""
+    import base64
+
+    data = secret.get("data") or {}
+    ca = tls_mod.KeyPair(base64.b64decode(data.get("tls.crt", "")), base64.b64decode(data.get("tls.key", "")))
+    why = tls_mod.check_ca(ca)
+    if why:
+        raise ControlTLSError(f"Secret {state.operator_namespace}/{tls_mod.CA_SECRET} cannot issue engine "
+                              f"certificates: {why}")
+    state.ca, state.ca_read_at = ca, time.monotonic()
+    client = state.client_cert
+    if client is None or tls_mod.reissue_reason(client.cert_pem, ca.cert_pem, ca, (), renew_days=tls_mod.CLIENT_RENEW_DAYS):
+        client = state.client_cert = tls_mod.issue(ca, tls_mod.OPERATOR_NAME, server=False, days=tls_mod.CLIENT_DAYS)
+    for probe in (state.probe, state.vllm_probe):     # vLLM pods: their companion's control port
+        if isinstance(probe, GrpcEngineProbe):
+            probe.tls = ClientTLS(ca=ca.cert_pem, cert=client.cert_pem, key=client.key_pem)
+    return ca

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, assert_never
 
 from specpair_operator.act import metrics
+from specpair_operator.act.control_ca import create_control_ca
 from specpair_operator.act.owned import ensure_owned
 from specpair_operator.clients.engine_probe import EngineProbe
 from specpair_operator.desired import autoscaling, gate_objects
@@ -20,10 +21,11 @@ from specpair_operator.observe.serving_world import ServingWorld
 from specpair_operator.plan.release_steps import (Condition, EnsureGatePolicy, ObserveGateDuration, PostEvent,
                                                   Record, RecordGateError, Report, ServeChampion, SetAlias,
                                                   SetStatus, StartGateJob, StartModelFetch, TagVersion)
-from specpair_operator.plan.serving_steps import (DriftChecked, EnsureAutoscaler, EnsureOwned, ExportSpeedup,
-                                                  ForgetDrift, IssueCertificate, LogWarning, ReconcilePodSpeculation,
-                                                  RememberChampion, RememberDrift, ReportSpeculation,
-                                                  RetireLegacyEngine, SwitchSpeculation, speculation_not_reconciled)
+from specpair_operator.plan.serving_steps import (CreateControlCA, DriftChecked, EnsureAutoscaler, EnsureOwned,
+                                                  ExportSpeedup, ForgetDrift, IssueCertificate, LogWarning,
+                                                  ReconcilePodSpeculation, RememberChampion, RememberDrift,
+                                                  ReportSpeculation, RetireLegacyEngine, SwitchSpeculation,
+                                                  TLSSecretSeen, speculation_not_reconciled)
 from specpair_operator.plan.steps import Step
 from specpair_operator.policy import canary as canary_mod
 from specpair_operator.release import aliases as aliases_mod
@@ -100,6 +102,8 @@ async def carry_out(r: PairReconciler, step: Step, acting: Acting) -> bool:
                 return False
         case EnsureAutoscaler():
             await autoscaling.ensure_autoscaler(op, r.body, ledger)  # outside the release
+        case CreateControlCA():
+            await create_control_ca(op)
         case IssueCertificate():
             if not await r._issue_certificate(acting.serving(), step):
                 return False
@@ -133,6 +137,8 @@ async def carry_out(r: PairReconciler, step: Step, acting: Acting) -> bool:
                                      dict(step.verdict), step.served_hash)
         case DriftChecked():
             op.last_drift_check[r.uid] = step.at
+        case TLSSecretSeen():
+            op.tls_checked_at[r.uid] = step.at
         case RememberDrift():
             op.samples[r.uid] = (step.champion, step.memory)
             if step.serving is not None:

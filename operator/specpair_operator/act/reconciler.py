@@ -41,7 +41,7 @@ from specpair_operator.clients.registry import ModelClaimed, PassRegistry
 from specpair_operator.release.registry_contract import RegistryUnavailable
 from specpair_operator.observe.serving_world import ServingWorld
 from specpair_operator.plan.steps import Step
-from specpair_operator.state import STATE, control_ca
+from specpair_operator.state import STATE, ControlTLSError
 
 GROUP, VERSION = "specpair.io", "v1alpha1"
 
@@ -300,7 +300,9 @@ class PairReconciler:
         renewed certificate up from their volume without restarting. What was issued is kept in
         status.engineTLS, written whatever else the pass says: without it the next pass would
         issue another."""
-        ca = await control_ca(self.operator)
+        ca = self.operator.ca     # read by this pass's observe, or made by its CreateControlCA just before
+        if ca is None:
+            raise ControlTLSError("no CA to issue the engine's certificate from")
         tls = world.tls
         ca_fingerprint = tls_mod.fingerprint(ca.cert_pem)
         leaf = tls_mod.issue(ca, manifests.engine_name(self.name), tls.names, server=True, days=tls_mod.SERVER_DAYS)

@@ -29,7 +29,7 @@ from specpair_operator.release.registry_contract import TAG_ROLLED_BACK, release
 from specpair_operator.policy.shadow_run import ShadowRun
 from specpair_operator.observe.serving_world import (DriftMemory, EnginePod, EngineTLS, Installation, ServingWorld,
                                                      ready_pods)
-from specpair_operator.state import CA_REFRESH_S, OperatorState, control_ca
+from specpair_operator.state import CA_REFRESH_S, OperatorState, read_control_ca
 from specpair_operator.observe.world import GateJob, Records, ReleaseWorld, pods_waiting
 
 
@@ -223,10 +223,13 @@ async def _observe_engine(op: OperatorState, w: ServingWorld) -> ServingWorld:
 async def _observe_tls(op: OperatorState, w: ServingWorld) -> EngineTLS:
     """The CA of now, and what the pair's Secret holds as far as the operator may ask without
     reading it (RBAC: create and patch Secrets, no get): whether it carries the mark of a
-    certificate from this CA for these names (a dry-run JSON patch of tests), or is gone."""
-    ca = await control_ca(op)
+    certificate from this CA for these names (a dry-run JSON patch of tests), or is gone. No CA
+    yet: `ca_missing` (the plan has act create it; observe never writes)."""
+    ca = await read_control_ca(op)
     secret = manifests.engine_tls_secret_name(w.pair)
     dns = tls_mod.engine_dns_names(manifests.engine_name(w.pair), w.namespace)
+    if ca is None:
+        return EngineTLS(secret, "", dns, "", ca_missing=True)
     ca_fingerprint = tls_mod.fingerprint(ca.cert_pem)
     tls = EngineTLS(secret, ca_fingerprint, dns, serving_plan.issued_for(ca_fingerprint, dns))
     check = serving_plan.certificate_check(replace(w, tls=tls))
@@ -234,24 +237,24 @@ async def _observe_tls(op: OperatorState, w: ServingWorld) -> EngineTLS:
     if check == "other":
         return replace(tls, held=await unreadable.holds(op.kube, w.uid, ref, {serving_plan.ANN_ISSUED_FOR: tls.issued_for}))
     if check == "current":
-        return replace(tls, missing=await _secret_missing(op, w.uid, ref))
+        return replace(tls, **await _secret_missing(op, w.uid, ref))
     return tls
 
 
-async def _secret_missing(op: OperatorState, uid: str, ref: dict[str, Any]) -> bool:
+async def _secret_missing(op: OperatorState, uid: str, ref: dict[str, Any]) -> dict[str, Any]:
     """Whether the Secret is gone (deleted by hand), asked every CA_REFRESH_S by trying to
-    create it: the operator may not read Secrets, and engine pods cannot start without it."""
+    create it: the operator may not read Secrets, and engine pods cannot start without it. Found
+    there: when (`seen_at`), which the plan has act remember (TLSSecretSeen)."""
     if time.monotonic() - op.tls_checked_at.get(uid, 0.0) < CA_REFRESH_S:
-        return False
+        return {"missing": False}
     try:
         # dryRun: nothing is written; 409 means it is there.
         await op.kube.create(ref, read_existing=False, dry_run=True)
     except KubeError as exc:
         if exc.status != 409:
             raise
-        op.tls_checked_at[uid] = time.monotonic()
-        return False
-    return True
+        return {"missing": False, "seen_at": time.monotonic()}
+    return {"missing": True}
 
 
 async def _observe_pods(op: OperatorState, registry: PassRegistry, w: ServingWorld, champion: str) -> ServingWorld:

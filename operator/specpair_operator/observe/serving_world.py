@@ -43,6 +43,8 @@ class EngineTLS:
     issued_for: str                # the Secret's specpair.io/issued-for mark for this CA and these names
     held: bool | None = None       # the pair's Secret carries that mark (asked when status.engineTLS disagrees)
     missing: bool = False          # the Secret is gone (asked every CA_REFRESH_S)
+    seen_at: float | None = None   # when (monotonic) this pass found the Secret there, if it asked
+    ca_missing: bool = False       # the operator's CA Secret is absent: none to issue from yet
 
 
 @dataclass(frozen=True)

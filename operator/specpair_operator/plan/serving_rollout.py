@@ -21,9 +21,10 @@ from specpair_operator.plan.release_steps import (PostEvent, Record, Report, Set
 from specpair_operator.release.registry_contract import TAG_HASH
 from specpair_operator.observe.serving_world import ServingWorld
 from specpair_operator.observe.world import pods_waiting
-from specpair_operator.plan.serving_steps import (ANN_TEMPLATE, deployment_after, engine_deployment, engine_selector,
-                                                  EnsureAutoscaler, EnsureOwned, IssueCertificate, outcome, taken_child,
-                                                  RetireLegacyEngine, served_release, _Steps)
+from specpair_operator.plan.serving_steps import (ANN_TEMPLATE, CreateControlCA, deployment_after, engine_deployment,
+                                                  engine_selector, EnsureAutoscaler, EnsureOwned, IssueCertificate,
+                                                  outcome, taken_child, RetireLegacyEngine, served_release,
+                                                  TLSSecretSeen, _Steps)
 
 
 def rollout_state(w: ServingWorld) -> tuple[str, str]:
@@ -161,6 +162,11 @@ def _certificate(out: _Steps, w: ServingWorld) -> None:
     status.engineTLS, so the operator never reads a Secret in the pair's namespace (RBAC: create
     and patch, no get)."""
     tls, have = w.tls, w.status.get("engineTLS") or {}
+    if tls.ca_missing:
+        # No CA (a new installation, or its Secret deleted): act makes one, then issues from it.
+        out.add(CreateControlCA())
+    if tls.seen_at is not None:
+        out.add(TLSSecretSeen(tls.seen_at))
     check = certificate_check(w)
     reason = ""
     if check == "other":

@@ -53,6 +53,19 @@ class IssueCertificate:
 
 
 @dataclass(frozen=True)
+class CreateControlCA:
+    """Create the operator's CA Secret, which observe found absent (a new installation, or the
+    Secret deleted): engine certificates are issued from it (act/control_ca.py)."""
+
+
+@dataclass(frozen=True)
+class TLSSecretSeen:
+    """The pair's engine TLS Secret was there at `at` (monotonic; a dry-run create answered 409):
+    observe asks again CA_REFRESH_S later."""
+    at: float
+
+
+@dataclass(frozen=True)
 class RetireLegacyEngine:
     """Scale the engine Deployment under the pair's old name to zero."""
     name: str
@@ -133,7 +146,7 @@ class ReportSpeculation:
     otherwise: Report | None = None
 
 
-WRITES = (SetAlias, TagVersion, EnsureOwned, IssueCertificate, RetireLegacyEngine, SwitchSpeculation,
+WRITES = (SetAlias, TagVersion, EnsureOwned, CreateControlCA, IssueCertificate, RetireLegacyEngine, SwitchSpeculation,
           ReconcilePodSpeculation)
 
 

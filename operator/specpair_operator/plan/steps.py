@@ -12,18 +12,19 @@ from typing import Union
 from specpair_operator.plan.release_steps import (Condition, EnsureGatePolicy, ObserveGateDuration, PostEvent,
                                                   Record, RecordGateError, Report, ServeChampion, SetAlias,
                                                   SetStatus, StartGateJob, StartModelFetch, TagVersion)
-from specpair_operator.plan.serving_steps import (DriftChecked, EnsureAutoscaler, EnsureOwned, ExportSpeedup,
-                                                  ForgetDrift, IssueCertificate, LogWarning, ReconcilePodSpeculation,
-                                                  RememberChampion, RememberDrift, ReportSpeculation,
-                                                  RetireLegacyEngine, RollSpeculation, SwitchSpeculation)
+from specpair_operator.plan.serving_steps import (CreateControlCA, DriftChecked, EnsureAutoscaler, EnsureOwned,
+                                                  ExportSpeedup, ForgetDrift, IssueCertificate, LogWarning,
+                                                  ReconcilePodSpeculation, RememberChampion, RememberDrift,
+                                                  ReportSpeculation, RetireLegacyEngine, RollSpeculation,
+                                                  SwitchSpeculation, TLSSecretSeen)
 from specpair_operator.policy.canary import RememberCanary, ScaleDown
 
 # The release's steps (plan/release_plan.py) ...
 ReleaseStep = Union[SetAlias, TagVersion, EnsureGatePolicy, StartModelFetch, StartGateJob, RecordGateError,
                     ObserveGateDuration, ServeChampion]
 # ... the champion's serving (plan/serving_*.py, the canary's from policy/canary.py) ...
-ServingStep = Union[EnsureOwned, EnsureAutoscaler, IssueCertificate, RetireLegacyEngine, SwitchSpeculation,
-                    ReconcilePodSpeculation, ReportSpeculation, RememberChampion, DriftChecked, RememberDrift,
+ServingStep = Union[EnsureOwned, EnsureAutoscaler, CreateControlCA, IssueCertificate, TLSSecretSeen,
+                    RetireLegacyEngine, SwitchSpeculation, ReconcilePodSpeculation, ReportSpeculation, RememberChampion, DriftChecked, RememberDrift,
                     ForgetDrift, ExportSpeedup, LogWarning, ScaleDown, RememberCanary]
 # ... and what goes into the status, from either (RollSpeculation is a PostEvent with its numbers).
 StatusStep = Union[Record, Condition, SetStatus, PostEvent, RollSpeculation, Report]
