@@ -397,6 +397,96 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
 }
 
 
+/* A paged cache's attention for query head hh of a group of runs whose rows share their first
+   block (a prompt prefix served by reference): tokens toks[0..n-1], each of its own row (table).
+   Each key and value is loaded once for every token of the group that reads it at that position:
+   keys outer, tokens inner, so a prefix block that 32 rows share is read from memory once, not
+   32 times. Every (token, key) score, every token's softmax and every token's weighted sum is
+   computed exactly as attend_run computes it for that token (the same dot4/dot per key, the same
+   ascending accumulation of values into the token's own eight-lane sums), so the result is
+   bitwise attend_run's whatever the grouping. */
+static void attend_group(const float *q, const float *kc, const float *vc, float *att,
+                         float *scores, const long *pos, const long *slot, const long *parent,
+                         const long *rows, const long *toks, long n, int hh, int H, int Hkv,
+                         int hd, long L, long window, const long *table, long table_width,
+                         long block) {
+    int j = hh / (H / Hkv), chunks = hd / 8;
+    long qd = (long)H * hd, nmax = 0, lomin = L, pend = 0;
+    float scale = 1.0f / __builtin_sqrtf((float)hd);
+    kv_rows kr[MAX_TOKENS], vr[MAX_TOKENS];
+    long anc[MAX_TOKENS][MAX_TOKENS], n0[MAX_TOKENS], lo[MAX_TOKENS];
+    int m[MAX_TOKENS];
+    for (long i = 0; i < n; i++) {
+        long t = toks[i];
+        kr[i] = (kv_rows){kc, table + rows[t] * table_width, block, j, Hkv, hd};
+        vr[i] = kr[i];
+        vr[i].base = vc;
+        m[i] = tree_keys(pos, slot, parent, t, anc[i], &n0[i]);
+        if (n0[i] > nmax) nmax = n0[i];
+        if (n0[i] + m[i] > pend) pend = n0[i] + m[i];
+        lo[i] = window > 0 && pos[t] - window + 1 > 0 ? pos[t] - window + 1 : 0;
+        if (lo[i] < lomin) lomin = lo[i];
+    }
+    for (long p = lomin / 4 * 4; p < nmax; p += 4) {
+        for (long i = 0; i < n; i++) {
+            long t = toks[i], nn = n0[i], first = lo[i] > p ? lo[i] : p;
+            const float *qv = q + t * qd + (long)hh * hd;
+            float *s = scores + (t * H + hh) * L;
+            if (first == p && p + 4 <= nn) dot4(qv, kv_at(&kr[i], p), hd, s + p);
+            else for (long k = first; k < nn && k < p + 4; k++) s[k] = dot(qv, kv_at(&kr[i], k), hd);
+        }
+    }
+    float inv[MAX_TOKENS];
+    for (long i = 0; i < n; i++) {
+        long t = toks[i], nn = pos[t] + 1, p, l = lo[i];
+        const float *qv = q + t * qd + (long)hh * hd;
+        float *s = scores + (t * H + hh) * L, mx = -__builtin_inff();
+        for (int a = 0; a < m[i]; a++)
+            s[n0[i] + a] = dot(qv, kv_at(&kr[i], anc[i][m[i] - 1 - a]), hd);
+        for (p = l; p < nn; p++) {
+            s[p] *= scale;
+            if (s[p] > mx) mx = s[p];
+        }
+        for (p = l; p < nn; p++) s[p] -= mx;
+        exp_inplace(s + l, nn - l);
+        v8 sum8 = (v8){0};
+        for (p = l; p + 8 <= nn; p += 8) {
+            v8 e;
+            __builtin_memcpy(&e, s + p, sizeof e);
+            sum8 += e;
+        }
+        float sum = hsum(sum8);
+        for (; p < nn; p++) sum += s[p];
+        inv[i] = 1.0f / sum;
+    }
+    /* Values: position outer, tokens inner, each token's sums in ascending positions (as
+       weighted_sum). */
+    static __thread v8 acc[MAX_TOKENS][MAX_HEAD_DIM / 8];
+    for (long i = 0; i < n; i++)
+        for (int c = 0; c < chunks; c++) acc[i][c] = (v8){0};
+    for (long p = lomin; p < pend; p++) {
+        for (long i = 0; i < n; i++) {
+            if (p < lo[i] || p >= n0[i] + m[i]) continue;
+            const float *s = scores + (toks[i] * H + hh) * L;
+            v8 w = (v8){0} + s[p];
+            const float *vp = kv_at(&vr[i], p < n0[i] ? p : anc[i][m[i] - 1 - (p - n0[i])]);
+            for (int c = 0; c < chunks; c++) {
+                v8 x;
+                __builtin_memcpy(&x, vp + c * 8, sizeof x);
+                acc[i][c] = fma8(w, x, acc[i][c]);
+            }
+        }
+    }
+    for (long i = 0; i < n; i++) {
+        float *out = att + toks[i] * qd + (long)hh * hd;
+        for (int c = 0; c < chunks; c++) {
+            v8 r = acc[i][c] * inv[i];
+            __builtin_memcpy(out + c * 8, &r, sizeof r);
+        }
+    }
+}
+
+
 int specpair_max_head_dim(void) { return MAX_HEAD_DIM; }
 
 int specpair_llama_layer(float *h, const long *rows, const long *pos, const long *slot,
@@ -471,6 +561,37 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
     for (long t = 0; t < T; t++)
         if (t == 0 || rows[t] != rows[t - 1]) run_start[runs++] = t;
     run_start[runs] = T;
+    if (table) {
+        /* A paged cache: runs whose rows begin at the same block (a shared prompt prefix) are
+           one group, attended together (attend_group), tokens in call order within it. */
+        long toks[MAX_TOKENS], group_start[MAX_TOKENS + 1], groups = 0, placed = 0;
+        int taken[MAX_TOKENS] = {0}, group_runs[MAX_TOKENS];
+        for (long r = 0; r < runs; r++) {
+            if (taken[r]) continue;
+            long first = table[rows[run_start[r]] * table_width];
+            group_runs[groups] = 0;
+            group_start[groups++] = placed;
+            for (long r2 = r; r2 < runs; r2++) {
+                if (taken[r2] || table[rows[run_start[r2]] * table_width] != first) continue;
+                taken[r2] = 1;
+                group_runs[groups - 1]++;
+                for (long t = run_start[r2]; t < run_start[r2 + 1]; t++) toks[placed++] = t;
+            }
+        }
+        group_start[groups] = placed;
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+        for (long task = 0; task < groups * H; task++) {
+            long g = task / H, t0 = toks[group_start[g]];
+            if (group_runs[g] == 1)     /* one row: its run as before */
+                attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[t0], t0,
+                           t0 + group_start[g + 1] - group_start[g], (int)(task % H), H, Hkv, hd,
+                           S, L, window, table, table_width, block);
+            else
+                attend_group(q, kc, vc, att, scores, pos, slot, parent, rows, toks + group_start[g],
+                             group_start[g + 1] - group_start[g], (int)(task % H), H, Hkv, hd, L,
+                             window, table, table_width, block);
+        }
+    } else
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long task = 0; task < runs * H; task++) {
         long r = task / H;

@@ -51,7 +51,11 @@ def read_paged(pool: torch.Tensor, table: torch.Tensor, row: int, position: int)
 
 @pytest.mark.parametrize("batch", [1, 8, 32])
 @pytest.mark.parametrize("shape", ["decode", "verify", "tree"])
-def test_a_paged_step_is_bitwise_the_contiguous_step(tiny_target, batch, shape):
+@pytest.mark.parametrize("sharing", ["all", "some"])
+def test_a_paged_step_is_bitwise_the_contiguous_step(tiny_target, batch, shape, sharing):
+    """Rows that begin at the same blocks are attended as one group (cpu_kernels.c,
+    attend_group: each key read once for all of them); `some`: every third row holds its own
+    copy of the prefix instead, so groups and lone rows mix in one step."""
     assert cpu_kernels.available(), cpu_kernels.status()
     model = tiny_target.model
     gen = torch.Generator().manual_seed(batch * 7 + len(shape))
@@ -66,6 +70,12 @@ def test_a_paged_step_is_bitwise_the_contiguous_step(tiny_target, batch, shape):
     kc[:, :, :shared * BLOCK] = kc[:1, :, :shared * BLOCK]   # the shared prefix, equal in every row
     vc[:, :, :shared * BLOCK] = vc[:1, :, :shared * BLOCK]
     pool_k, pool_v, table = paged_copy(kc, vc, lengths, shared, gen)
+    if sharing == "some":
+        for r in range(0, rows_in_cache, 3):
+            own = torch.arange(pool_k.shape[0], pool_k.shape[0] + shared)
+            pool_k = torch.cat([pool_k, pool_k[table[r, :shared]]])
+            pool_v = torch.cat([pool_v, pool_v[table[r, :shared]]])
+            table[r, :shared] = own
 
     # The rows that step, in an order of their own (a batch after rows joined and left).
     stepping = torch.randperm(rows_in_cache, generator=gen)[:batch].tolist()
