@@ -289,6 +289,46 @@ def test_effective_load_rises_as_acceptance_collapses_in_prometheus(engine, tmp_
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.parametrize("engine", ["specpair", "vllm"])
+def test_a_collapsing_acceptance_scales_out_on_effective_load_before_the_queue_grows(engine, tmp_path):
+    """One pair's two pods over 10 minutes, in Prometheus' own engine (promtool): 2 requests wait
+    on each, 300 tokens are emitted per 15 s; 200 of them are accepted drafts (3 tokens a step)
+    until minute 4, then 20 (acceptance collapsed); at minute 8.25 the queue grows to 5 a pod.
+    KEDA wants ceil(signal / target) replicas. Effective load at target 3 asks for 1 replica while
+    acceptance holds (4 / 3), and for 2 at minute 6 (4 / (300 / 280) = 3.73), while the queue is
+    still 4: a queueLength autoscaler sized for the same pair (9 a replica: 3 effective at 3
+    tokens a step) still wants 1, and asks for 2 only once the queue has grown (10 at minute 9)."""
+    from specpair.vllm_serve import identity_name
+
+    waiting, emitted, accepted = {"specpair": ("specpair_num_requests_waiting", "specpair_num_emitted_tokens_total",
+                                               "specpair_num_accepted_tokens_total"),
+                                  "vllm": ("vllm:num_requests_waiting", "vllm:generation_tokens_total",
+                                           "vllm:spec_decode_num_accepted_tokens_total")}[engine]
+    series = []
+    for pod in ("p0", "p1"):
+        own = (f'pair="chat",version="3",engine="specpair",category="general"' if engine == "specpair" else
+               f'model_name="{identity_name("chat", "3", "ab" * 32, True)}",engine="0"')
+        labels = f'{{namespace="team-a",pod="{pod}",{own}}}'
+        # 15 s samples: 0..16 are minutes 0-4, 17..40 minutes 4.25-10.
+        series += [{"series": waiting + labels, "values": "2x32 5x7"},
+                   {"series": emitted + labels, "values": "0+300x40"},
+                   {"series": accepted + labels, "values": "0+200x16 3220+20x23"}]
+    effective, queue = query("chat", "team-a", "effectiveLoad", engine), query("chat", "team-a", "queueLength", engine)
+
+    def replicas(expr: str, target: int, at: str, want: int) -> dict:
+        return {"expr": f"ceil(({expr}) / {target})", "eval_time": at, "exp_samples": [{"labels": "{}", "value": want}]}
+    checks = [replicas(effective, 3, "3m", 1), replicas(queue, 9, "3m", 1),
+              {"expr": f"abs(({effective}) - {4 * 280 / 300}) < bool 1e-9", "eval_time": "6m",
+               "exp_samples": [{"labels": "{}", "value": 1}]},
+              replicas(effective, 3, "6m", 2), replicas(queue, 9, "6m", 1),    # scaled out, queue unchanged
+              replicas(queue, 9, "9m", 2)]                                     # the queue only now
+    (tmp_path / "rules.yaml").write_text("groups: []\n")
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "tests": [
+        {"interval": "15s", "input_series": series, "promql_expr_test": checks}]}))
+    out = subprocess.run([_promtool(), "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 @pytest.fixture
 def keda_installed(devcluster):
     """KEDA's ScaledObject CRD as KEDA ships it (its Go module), removed again after the test: an

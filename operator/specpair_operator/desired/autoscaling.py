@@ -217,51 +217,58 @@ def _behavior(scaling: Autoscaling) -> dict[str, Any]:
     return {"scaleDown": {"stabilizationWindowSeconds": scaling.scale_down_stabilization_s}}
 
 
+# Each kind's names for the replica bounds (KEDA's ScaledObject, the autoscaling/v2 HPA).
+REPLICA_FIELDS = {"ScaledObject": ("minReplicaCount", "maxReplicaCount"),
+                  "HorizontalPodAutoscaler": ("minReplicas", "maxReplicas")}
+
+
 def desired_autoscaler(pair: str, namespace: str, scaling: Autoscaling, *, keda: bool,
                        default_prometheus: str | None, labels: dict[str, str]) -> dict[str, Any]:
-    """The ScaledObject (keda) or HPA for a pair, without owner reference (ensure_owned adds it)."""
-    target_ref = {"apiVersion": PAIR_API_VERSION, "kind": PAIR_KIND, "name": pair}
-    meta = {"name": engine_name(pair), "namespace": namespace, "labels": dict(labels)}
-    if keda:
-        address = scaling.prometheus or default_prometheus
-        if not address:
-            raise AutoscalingError("KEDA scales from Prometheus: set rollout.autoscaling.prometheusAddress "
-                                   "or the operator's prometheus address (chart value autoscaling.prometheusAddress)")
-        return {
-            "apiVersion": KEDA_API_VERSION, "kind": "ScaledObject", "metadata": meta,
-            "spec": {
-                "scaleTargetRef": target_ref,
-                "minReplicaCount": scaling.min_replicas,
-                "maxReplicaCount": scaling.max_replicas,
-                "pollingInterval": scaling.polling_interval_s,
-                # KEDA hands this to the HPA it creates for the ScaledObject.
-                "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(scaling)}},
-                "triggers": [{"type": "prometheus", "metadata": {
-                    "serverAddress": address,
-                    "query": query(pair, namespace, scaling.metric, scaling.engine),
-                    "threshold": _target_value(scaling.target),
-                }}],
-            },
-        }
+    """The ScaledObject (keda) or HPA for a pair, without owner reference (ensure_owned adds it).
+    Both scale the pair itself between the same bounds; they differ in where the signal comes
+    from (how: `_keda_spec`, `_hpa_spec`)."""
+    kind = "ScaledObject" if keda else "HorizontalPodAutoscaler"
+    lowest, highest = REPLICA_FIELDS[kind]
+    how = _keda_spec(pair, namespace, scaling, default_prometheus) if keda else _hpa_spec(scaling)
+    return {"apiVersion": API_VERSIONS[kind], "kind": kind,
+            "metadata": {"name": engine_name(pair), "namespace": namespace, "labels": dict(labels)},
+            "spec": {"scaleTargetRef": {"apiVersion": PAIR_API_VERSION, "kind": PAIR_KIND, "name": pair},
+                     lowest: scaling.min_replicas, highest: scaling.max_replicas, **how}}
+
+
+def _keda_spec(pair: str, namespace: str, scaling: Autoscaling, default_prometheus: str | None) -> dict[str, Any]:
+    """KEDA polls a Prometheus query over the pair's pods."""
+    address = scaling.prometheus or default_prometheus
+    if not address:
+        raise AutoscalingError("KEDA scales from Prometheus: set rollout.autoscaling.prometheusAddress "
+                               "or the operator's prometheus address (chart value autoscaling.prometheusAddress)")
+    return {
+        "pollingInterval": scaling.polling_interval_s,
+        # KEDA hands this to the HPA it creates for the ScaledObject.
+        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(scaling)}},
+        "triggers": [{"type": "prometheus", "metadata": {
+            "serverAddress": address,
+            "query": query(pair, namespace, scaling.metric, scaling.engine),
+            "threshold": _target_value(scaling.target),
+        }}],
+    }
+
+
+def _hpa_spec(scaling: Autoscaling) -> dict[str, Any]:
+    """An HPA averages one series per pod (the custom metrics API)."""
     pod_metric = SIGNALS[scaling.metric].engines[scaling.engine].pod_metric
     if pod_metric is None:
         raise AutoscalingError(f"rollout.autoscaling.metric {scaling.metric} is a query over several series, which "
                                "KEDA runs against Prometheus; without KEDA an HPA averages one series per pod: "
                                "install KEDA or choose queueLength, runningRequests, tokensPerSecond or kvCacheUsage")
     return {
-        "apiVersion": HPA_API_VERSION, "kind": "HorizontalPodAutoscaler", "metadata": meta,
-        "spec": {
-            "scaleTargetRef": target_ref,
-            "minReplicas": scaling.min_replicas,
-            "maxReplicas": scaling.max_replicas,
-            # An HPA is polled at the controller manager's --horizontal-pod-autoscaler-sync-period
-            # (15 s by default): pollingIntervalSeconds is KEDA's alone.
-            "behavior": _behavior(scaling),
-            "metrics": [{"type": "Pods", "pods": {
-                "metric": {"name": pod_metric},
-                "target": {"type": "AverageValue", "averageValue": _target_value(scaling.target)},
-            }}],
-        },
+        # An HPA is polled at the controller manager's --horizontal-pod-autoscaler-sync-period
+        # (15 s by default): pollingIntervalSeconds is KEDA's alone.
+        "behavior": _behavior(scaling),
+        "metrics": [{"type": "Pods", "pods": {
+            "metric": {"name": pod_metric},
+            "target": {"type": "AverageValue", "averageValue": _target_value(scaling.target)},
+        }}],
     }
 
 
