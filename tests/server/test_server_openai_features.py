@@ -173,6 +173,15 @@ def test_structured_outputs_extension_regex_choice_and_grammar(http_server):
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", ["does not compile"]),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", ["does not render tools"]),
     ({"logit_bias": {"1": 5}}, "logit_bias", ["not supported"]),
+    # vLLM's sampling extensions and older names, which would change the reply if dropped.
+    ({"repetition_penalty": 1.2}, "repetition_penalty", ["not supported"]),
+    ({"min_p": 0.1}, "min_p", ["not supported"]),
+    ({"min_tokens": 5}, "min_tokens", ["not supported"]),
+    ({"ignore_eos": True}, "ignore_eos", ["not supported"]),
+    ({"prompt_logprobs": 0}, "prompt_logprobs", ["not supported"]),
+    ({"guided_json": {"type": "object"}}, "guided_json", ["structured_outputs"]),
+    ({"modalities": ["text", "audio"]}, "modalities", ["text only"]),
+    ({"repetition_penalty": "high"}, "repetition_penalty", ["must be"]),
 ])
 def test_what_is_refused_names_its_field(http_server, body, param, words):
     with pytest.raises(openai.BadRequestError) as info:
@@ -182,3 +191,13 @@ def test_what_is_refused_names_its_field(http_server, body, param, words):
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
     for w in words:
         assert w in error["message"], error
+
+
+def test_fields_holding_the_value_that_asks_for_nothing_are_accepted(http_server):
+    """vLLM clients send its defaults explicitly: those are no request to refuse."""
+    neutral = {"repetition_penalty": 1.0, "min_p": 0, "min_tokens": 0, "ignore_eos": False,
+               "skip_special_tokens": True, "include_stop_str_in_output": False, "modalities": ["text"],
+               "allowed_token_ids": None, "prompt_logprobs": None}
+    reply = openai_client(http_server).chat.completions.create(model="tiny", messages=CHAT, max_tokens=3,
+                                                               extra_body=neutral)
+    assert reply.usage.completion_tokens > 0

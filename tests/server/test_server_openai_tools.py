@@ -87,6 +87,36 @@ def test_a_named_tool_choice_is_a_parsed_call_equal_with_speculation_off(tool_se
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
 
 
+@pytest.mark.parametrize("tool_choice", ["auto", {"type": "function", "function": {"name": "get_time"}}])
+def test_logprobs_stream_with_tools_and_add_up_to_the_whole_reply(tool_server, tool_choice):
+    """With tools, each streamed step's log-probabilities ride on its first chunk (an empty delta
+    where the text is held as a possible call): joined in order they are the non-streamed reply's
+    `logprobs.content`, one entry per completion token, equal with speculation off."""
+    client = openai_client(tool_server)
+    ask = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], max_tokens=60, temperature=0,
+               tool_choice=tool_choice, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**ask)
+    entries = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
+               for e in whole.choices[0].logprobs.content]
+    assert len(entries) == whole.usage.completion_tokens > 0
+    for extra in ({}, {"specpair": {"k": 0}}):
+        chunks = list(client.chat.completions.create(**ask, stream=True, extra_body=extra))
+        streamed_entries = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
+                            for c in chunks if c.choices and c.choices[0].logprobs
+                            for e in c.choices[0].logprobs.content]
+        assert streamed_entries == entries
+        assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    if isinstance(tool_choice, dict):      # forced: the call streamed as without logprobs
+        assert whole.choices[0].finish_reason == "tool_calls"
+        # Where the grammar leaves one token, the alternatives it refuses (-inf) read as OpenAI's
+        # floor, -9999 (JSON has no infinity).
+        assert any(lp == -9999.0 for _, _, top in entries for _, lp in top)
+        assert all(lp >= -9999.0 for _, lp, top in entries for lp in [lp, *(a for _, a in top)])
+        names = [d.function.name for c in chunks if c.choices and c.choices[0].delta.tool_calls
+                 for d in c.choices[0].delta.tool_calls if d.function.name]
+        assert names == ["get_time"]
+
+
 def test_required_calls_one_of_the_tools(tool_server):
     reply = openai_client(tool_server).chat.completions.create(
         model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=80,

@@ -170,6 +170,26 @@ def _structure(body: dict) -> tuple[str, str] | None:
         raise bad_request(exc.field, exc.reason) from None
 
 
+# Fields clients (vLLM's among them) send that would change the reply if they were dropped:
+# refused by name unless they hold the value that asks for nothing. name -> (JSON type, that
+# value (None: any value asks for something), why).
+_CHANGES_THE_REPLY = {
+    "repetition_penalty": (float, 1.0, "repetition penalties are not supported by this server (1 only)"),
+    "min_p": (float, 0.0, "min_p is not supported by this server (0 only)"),
+    "min_tokens": (int, 0, "min_tokens is not supported by this server (0 only)"),
+    "ignore_eos": (bool, False, "ignore_eos is not supported by this server (false only)"),
+    "use_beam_search": (bool, False, "beam search is not supported by this server"),
+    "length_penalty": (float, 1.0, "length_penalty (beam search) is not supported by this server"),
+    "prompt_logprobs": (int, None, "prompt_logprobs are not supported by this server"),
+    "allowed_token_ids": (list, [], "allowed_token_ids is not supported by this server"),
+    "bad_words": (list, [], "bad_words is not supported by this server"),
+    "include_stop_str_in_output": (bool, False, "the stop string is never included (false only)"),
+    "skip_special_tokens": (bool, True, "special tokens are always skipped in the text (true only)"),
+    "truncate_prompt_tokens": (int, None, "prompts are never truncated: one too long is refused"),
+}
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
+
+
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     if not chat:
         if _get(body, "echo", bool, False):
@@ -185,6 +205,18 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise bad_request("logit_bias", "logit_bias is not supported by this server")
     if _get(body, "functions", list, []):
         raise bad_request("functions", "the legacy functions field is not supported: send tools")
+    for name, (kind, neutral, reason) in _CHANGES_THE_REPLY.items():
+        value = _get(body, name, kind)
+        if value is not None and value != neutral:
+            raise bad_request(name, reason)
+    for name in _GUIDED:
+        if body.get(name) is not None:
+            raise bad_request(name, "vLLM's removed guided_* fields are not supported: send "
+                                    "structured_outputs (json, regex, choice or grammar) or response_format")
+    modalities = _get(body, "modalities", list, ["text"])
+    if modalities != ["text"] or body.get("audio") is not None:
+        raise bad_request("modalities" if modalities != ["text"] else "audio",
+                          "this server replies in text only")
     if not chat and body.get("tools"):
         raise bad_request("tools", "tools are for /v1/chat/completions")
 
@@ -282,6 +314,20 @@ def usage(event: Finished) -> dict:
     return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
             "total_tokens": event.prompt_tokens + event.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": event.cached_tokens}}
+
+
+def call_chunks(reply: "Reply", calls: CallStream, index: int, event) -> list[dict]:
+    """The chunks one step of a reply with tools streams: the deltas its text completes (content,
+    `delta.tool_calls`), the step's tokens' log-probabilities on the first of them, or on a chunk
+    with an empty delta where the text is held (a possible start of a call), so every token's
+    entry is streamed once, in order, adding up to the whole response's `logprobs.content`."""
+    deltas = calls.feed(event.text)
+    chunks = [reply.chunk(delta, index=index) for delta in deltas]
+    if event.logprobs and reply.logprobs:
+        carrier = deltas[0] if deltas else {}
+        carried = reply.chunk(carrier, index=index, logprobs=event.logprobs, token_ids=event.token_ids)
+        chunks[:1] = [carried]
+    return chunks
 
 
 def sse(obj) -> str:
@@ -676,16 +722,16 @@ class OpenAIFront:
             async for index, event in _choice_events(admitted):
                 if isinstance(event, Tokens):
                     if calls:       # content and calls as OpenAI streams them (delta.tool_calls)
-                        for delta in calls[index].feed(event.text):
-                            yield sse(reply.chunk(delta, index=index))
+                        for chunk in call_chunks(reply, calls[index], index, event):
+                            yield sse(chunk)
                     elif event.text or event.logprobs:
                         yield sse(reply.chunk(event.text, index=index, logprobs=event.logprobs,
                                               token_ids=event.token_ids))
                 elif isinstance(event, Finished):
                     finish_reason = event.finish_reason
                     if calls:
-                        for delta in calls[index].feed(event.text):
-                            yield sse(reply.chunk(delta, index=index))
+                        for chunk in call_chunks(reply, calls[index], index, event):
+                            yield sse(chunk)
                         owed, called = calls[index].finish()
                         for delta in owed:
                             yield sse(reply.chunk(delta, index=index))
@@ -781,6 +827,15 @@ def add_usage(total: dict | None, event: Finished) -> dict:
     return total
 
 
+# A log-probability of a token the grammar's mask refuses is -inf, which JSON cannot carry:
+# written as this floor, as vLLM and OpenAI write it.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
 class Reply:
     """The OpenAI objects of one reply: chunks while streaming, or the whole response.
 
@@ -807,18 +862,18 @@ class Reply:
             content = []
             for token, (logprob, top) in zip(token_ids, entries or ()):
                 text, raw = self.token_text(token)
-                content.append({"token": text, "logprob": logprob, "bytes": list(raw), "top_logprobs": [
-                    {"token": t, "logprob": lp, "bytes": list(b)}
+                content.append({"token": text, "logprob": finite(logprob), "bytes": list(raw), "top_logprobs": [
+                    {"token": t, "logprob": finite(lp), "bytes": list(b)}
                     for t, b, lp in ((*self.token_text(alt), lp) for alt, lp in top)]})
             return {"content": content, "refusal": None}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, (logprob, top) in zip(token_ids, entries or ()):
             text, _ = self.token_text(token)
             out["tokens"].append(text)
-            out["token_logprobs"].append(logprob)
+            out["token_logprobs"].append(finite(logprob))
             alternatives: dict[str, float] = {}
             for alt, lp in top:    # most likely first; tokens that read alike keep the first
-                alternatives.setdefault(self.token_text(alt)[0], lp)
+                alternatives.setdefault(self.token_text(alt)[0], finite(lp))
             out["top_logprobs"].append(alternatives)
             out["text_offset"].append(self._offsets[index])
             self._offsets[index] += len(text)
