@@ -20,9 +20,10 @@ from specpair_operator.desired import manifests
 from specpair_operator.act import metrics
 from specpair_operator.release import content as release_mod
 from specpair_operator.desired import tls as tls_mod
-from specpair_operator.clients.engine_probe import GrpcEngineProbe
 from specpair_operator.clients.kube import KubeError
-from specpair_operator.clients.read_cache import CURRENT, CachingKube, PassReads, RememberingRegistry, replays
+from specpair_operator.clients.pod_watch import watch_timeout
+from specpair_operator.clients.read_cache import (CURRENT, CachingKube, PassReads, RememberingProbe,
+                                                  RememberingRegistry, replays)
 from specpair_operator.act.reconciler import PairReconciler
 from specpair_operator.clients.registry import ReleaseRegistry
 from specpair_operator.state import STATE, operator_namespace
@@ -117,7 +118,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # No cluster-wide watching of CRDs and namespaces: the chart installs the CRD before the
     # operator starts and names the namespaces, so the least-privilege RBAC needs neither.
     settings.scanning.disabled = True
-    settings.watching.server_timeout = int(os.environ.get("SPECPAIR_WATCH_TIMEOUT", "300"))
+    settings.watching.server_timeout = watch_timeout()
     settings.networking.error_backoffs = [0.5, 1, 2, 5]
     STATE.tracking_uri = os.environ.get("SPECPAIR_MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI", "")
     if not STATE.tracking_uri:
@@ -140,7 +141,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.registry = ReleaseRegistry(STATE.tracking_uri)
     STATE.forget_all()   # a (re)started operator remembers nothing: all it needs is in the cluster and MLflow
     STATE.wake = asyncio.Event()   # this run's loop (an operator restarted in-process has a new one)
-    STATE.probe = GrpcEngineProbe()
+    STATE.probe = RememberingProbe()
     STATE.operator_namespace = operator_namespace()
     if not STATE.operator_namespace:
         raise kopf.PermanentError("set SPECPAIR_OPERATOR_NAMESPACE: the namespace of the operator's CA Secret "

@@ -407,6 +407,17 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, mlflow
                           subresource="status")
             ns.wait_for("the certificate issued again", lambda: ns.pair("rbac")["status"].get("engineTLS"), timeout=60)
         assert runner.exception is None
+    if not any(e["verb"] == "watch" and e["objectRef"].get("resource") == "pods"
+               for e in devcluster.audit_events(user)):
+        # Engine pods are watched once a settled pair's pass asks for them (clients/pod_watch.py):
+        # a pair settled, its drift judged every second.
+        from specpair_operator.state import STATE
+        ns.create(pair("rbac-watch", "good-draft", rollout=REPLACE, drift={"intervalSeconds": 1}))
+        with KopfRunner(OPERATOR, timeout=60) as runner:
+            ns.wait_for("v1 serving", lambda: serving(ns, "rbac-watch", "1"), timeout=120)
+            ns.wait_for("a settled pass's pods from the watch",
+                        lambda: any(r.pods_from_watch for r in list(STATE.pass_reads.values())), timeout=60)
+        assert runner.exception is None
     if not any(e["verb"] == "create" and e["objectRef"].get("resource") == "leases"
                for e in devcluster.audit_events(user)):
         # Leader election (the chart's default, outside Kopf): a candidate creates the Lease, then

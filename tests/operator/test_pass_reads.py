@@ -94,6 +94,66 @@ def test_the_kube_client_replays_what_stands_still_and_drops_what_it_writes(oper
     asyncio.run(scenario())
 
 
+def _engine_pod(name: str, pair: str, role: str = "engine") -> dict:
+    # Never scheduled (no scheduler has that name): the API object is all the watch sees.
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {
+        "specpair.io/pair": pair, "specpair.io/role": role}},
+            "spec": {"schedulerName": "no-such-scheduler",
+                     "containers": [{"name": "engine", "image": "specpair/engine:none"}]}}
+
+
+def test_the_pod_watch_answers_a_settled_pass_once_synced_and_follows_changes(operator_env, ns):
+    """On the real API server, as the chart's ServiceAccount (its list and watch of pods): the
+    pod watch answers nothing until its first list is in (the caller lists), then the engine pods
+    of the pair asked about, following creations, label changes and deletions without a request
+    per question; other selectors and other pods it leaves to a LIST."""
+    from specpair_operator.clients.pod_watch import PodWatch
+
+    async def scenario() -> None:
+        kube = _operators_kube()
+        watch = PodWatch(kube, watch_timeout_s=5)   # the API server ends each watch after 5 s: resumed
+        selector = "specpair.io/pair=a,specpair.io/role=engine"
+
+        async def names(sel: str = selector) -> set[str] | None:
+            got = watch.pods(ns.name, sel)
+            return None if got is None else {p["metadata"]["name"] for p in got}
+
+        async def until(what: str, check, timeout: float = 30.0):
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if await check():
+                    return
+                await asyncio.sleep(0.1)
+            raise AssertionError(f"timed out waiting for {what}")
+
+        try:
+            ns.create(_engine_pod("a-1", "a"))
+            ns.create(_engine_pod("gate-a", "a", role="gate"))
+            assert await names() is None                      # the first question starts the watch
+            await until("the first list in", lambda: names())
+            assert await names() == {"a-1"}
+            ns.create(_engine_pod("a-2", "a"))
+            ns.create(_engine_pod("b-1", "b"))
+            await until("a-2 seen", lambda: _eq(names(), {"a-1", "a-2"}))
+            await asyncio.sleep(6)                            # past one watch's end: resumed, not listed again
+            ns.kube.delete("v1", "Pod", ns.name, "a-1")
+            await until("a-1 gone", lambda: _eq(names(), {"a-2"}))
+            ns.kube.patch("v1", "pods", ns.name, "a-2", {"metadata": {"labels": {"specpair.io/pair": "b"}}})
+            await until("a-2 moved to pair b", lambda: _eq(names(), set()))
+            assert await names("specpair.io/pair=b,specpair.io/role=engine") == {"a-2", "b-1"}
+            assert watch.pods(ns.name, "specpair.io/pair in (a,b),specpair.io/role=engine") is None
+            assert watch.pods(ns.name, "specpair.io/pair=a,specpair.io/role=gate") is None
+        finally:
+            await watch.close()
+            await kube.close()
+
+    asyncio.run(scenario())
+
+
+async def _eq(got, expected) -> bool:
+    return (await got) == expected
+
+
 def test_the_registry_view_replays_tags_and_aliases_and_reads_its_writes(mlflow_server):
     """On a real MLflow server: a settled pass's view answers the aliases and tags the full
     pass read, without a request; a tag it writes is read back from MLflow; the ownership check
@@ -127,11 +187,12 @@ def test_the_registry_view_replays_tags_and_aliases_and_reads_its_writes(mlflow_
 
 # -- the operator ---------------------------------------------------------------------------------
 
-def test_a_settled_pairs_passes_ask_for_pods_only_judge_drift_and_the_backstop_restores_a_service(env, monkeypatch):
+def test_a_settled_pairs_passes_ask_for_counters_only_judge_drift_and_the_backstop_restores_a_service(env, monkeypatch):
     """The real operator under the chart's RBAC, real MLflow: once a pair serves, its passes at
     the drift interval (1 s here) between full ones (the resync backstop, 6 s here) ask the API
-    server for its pods only and MLflow for nothing, and still judge drift every window; a
-    Service deleted by hand, which no watch shows, is made again by the next full pass."""
+    server for nothing (its pods come from the pod watch), MLflow for nothing and its engine pod
+    for its counters only, at most once a pass, and still judge drift every window; a Service
+    deleted by hand, which no watch shows, is made again by the next full pass."""
     from kopf.testing import KopfRunner
 
     from cluster_env import OPERATOR, REPLACE, pair, serving
@@ -146,10 +207,12 @@ def test_a_settled_pairs_passes_ask_for_pods_only_judge_drift_and_the_backstop_r
         uid = obj["metadata"]["uid"]
         ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
         checked = ns.wait_for("a drift check", lambda: STATE.last_drift_check.get(uid), timeout=30)
-        reads = ns.wait_for("three settled passes on one full pass's reads", lambda: (
-            r := STATE.pass_reads.get(uid)) and r.replayed >= 3 and r, timeout=30)
-        assert set(reads.asked_replaying) <= {"list pods"}, reads.asked_replaying
-        assert reads.asked_replaying.get("list pods", 0) >= 3
+        # The first settled pass starts the namespace's pod watch, and lists while it syncs.
+        reads = ns.wait_for("three settled passes on one full pass's reads, the pods from the watch", lambda: (
+            r := STATE.pass_reads.get(uid)) and r.replayed >= 3 and r.pods_from_watch >= 3 and r, timeout=60)
+        asked = dict(reads.asked_replaying)
+        assert set(asked) <= {"GetStats", "list pods"} and asked.get("list pods", 0) <= 1, asked
+        assert 1 <= asked.get("GetStats", 0) <= reads.replayed, (asked, reads.replayed)
         ns.wait_for("drift judged again on settled passes", lambda: STATE.last_drift_check.get(uid, 0) > checked,
                     timeout=30)
 

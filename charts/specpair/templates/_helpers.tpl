@@ -123,10 +123,11 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
   resources: [jobs]
   verbs: [get, create, list, watch]
 # Engine, gate and model-fetch pods: readiness, IPs (for GetModelInfo / GetStats over gRPC), the scheduler's
-# reason when one is Pending. Read only.
+# reason when one is Pending. Read only; engine pods watched, so a settled pair's pass reads them
+# from the watch (clients/pod_watch.py).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [list, watch]
 # Golden prompts given as gating.configMapRef.
 - apiGroups: [""]
   resources: [configmaps]

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import ssl
-from typing import Any
+from typing import Any, AsyncIterator
 from urllib.parse import quote
 
 import aiohttp
@@ -62,6 +63,10 @@ def _path(api_version: str, plural: str, namespace: str | None, name: str | None
     if subresource:
         base += f"/{_segment(subresource)}"
     return base
+
+
+# A list's items (named outside Kube, whose own `list` would shadow the builtin in its annotations).
+Items = list[dict[str, Any]]
 
 
 class Kube:
@@ -122,6 +127,44 @@ class Kube:
         params = {"labelSelector": label_selector} if label_selector else None
         body = await self._request("GET", _path(api_version, plural, namespace), params=params)
         return list(body.get("items") or [])
+
+    async def list_versioned(self, api_version: str, plural: str, namespace: str | None,
+                             label_selector: str | None = None) -> tuple[Items, str]:
+        """The items and the list's resourceVersion, from which a watch goes on (`watch`)."""
+        params = {"labelSelector": label_selector} if label_selector else None
+        body = await self._request("GET", _path(api_version, plural, namespace), params=params)
+        return list(body.get("items") or []), str((body.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def watch(self, api_version: str, plural: str, namespace: str | None, resource_version: str,
+                    label_selector: str | None = None, timeout_s: int = 300) -> AsyncIterator[dict[str, Any]]:
+        """The watch events ({"type", "object"}) after `resource_version`, with bookmarks, until the
+        API server ends the watch (about `timeout_s`). KubeError: refused (410 Gone: the version is
+        too old, list again) or broken off."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        params = {"watch": "1", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
+                  "timeoutSeconds": str(timeout_s)}
+        if label_selector:
+            params["labelSelector"] = label_selector
+        # No total deadline for a stream; a read that waits past the server's own timeout is a
+        # connection gone quiet.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout.total, sock_read=timeout_s + 30)
+        try:
+            async with self._session.get(URL(self.server + _path(api_version, plural, namespace), encoded=True),
+                                         params=params, headers={**self.headers, "Accept": "application/json"},
+                                         ssl=self.ssl, timeout=timeout) as resp:
+                if resp.status >= 400:
+                    raise KubeError(resp.status, await resp.text())
+                async for line in resp.content:
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    if event.get("type") == "ERROR":
+                        status = event.get("object") or {}
+                        raise KubeError(int(status.get("code") or 500), status)
+                    yield event
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            raise KubeError(0, f"{type(exc).__name__}: {exc}") from exc
 
     async def create(self, obj: dict[str, Any], read_existing: bool = True, dry_run: bool = False) -> dict[str, Any]:
         """Create, or return the existing object of that name (409): creation is idempotent.

@@ -27,7 +27,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from specpair_operator.clients.engine_probe import GrpcEngineProbe
 from specpair_operator.clients.kube import PLURALS, Kube
+from specpair_operator.clients.pod_watch import PodWatch, watch_timeout
 from specpair_operator.clients.registry import PassRegistry, ReleaseRegistry
 
 # The kinds read by name whose answer a settled pass may take from the last full pass: the
@@ -48,9 +50,14 @@ class PassReads:
     aliases: dict[str, dict[str, str]] = field(default_factory=dict)
     tags: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
     # The settled passes made on these reads, and what they still asked the servers (by kind,
-    # "list pods", or "mlflow"): what a test and the operator's log can show.
+    # "list pods", "mlflow", or an engine call: "GetModelInfo", "GetStats"): what a test and the
+    # operator's log can show; and the pod lists they took from the pod watch instead.
     replayed: int = 0
     asked_replaying: dict[str, int] = field(default_factory=dict)
+    pods_from_watch: int = 0
+    # What each engine pod (by its control address) said it is, in the last full pass or since:
+    # a settled pass takes it from here and asks the pod for its counters only (RememberingProbe).
+    pod_info: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def count(self, what: str) -> None:
         if self.replaying:
@@ -72,7 +79,21 @@ CURRENT: contextvars.ContextVar[PassReads | None] = contextvars.ContextVar("spec
 class CachingKube(Kube):
     """The operator's Kubernetes client: inside a pass, a GET of a REPLAYED_PLURALS kind is
     recorded (full pass) or answered from the record (settled pass; a kind not recorded yet is
-    read and recorded); any write drops the record of what it wrote."""
+    read and recorded); any write drops the record of what it wrote. A settled pass's LIST of
+    engine pods is answered by the pod watch (clients/pod_watch.py) once it is synced."""
+
+    _pod_watch: PodWatch | None = None
+
+    @property
+    def pod_watch(self) -> PodWatch:
+        if self._pod_watch is None:
+            self._pod_watch = PodWatch(self, watch_timeout())
+        return self._pod_watch
+
+    async def close(self) -> None:
+        if self._pod_watch is not None:
+            await self._pod_watch.close()
+        await super().close()
 
     async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         reads = CURRENT.get()
@@ -113,9 +134,50 @@ class CachingKube(Kube):
     async def list(self, api_version: str, plural: str, namespace: str | None,
                    label_selector: str | None = None) -> list[dict[str, Any]]:
         reads = CURRENT.get()
+        if reads is not None and reads.replaying and plural == "pods" and api_version == "v1" and namespace \
+                and label_selector:
+            watched = self.pod_watch.pods(namespace, label_selector)
+            if watched is not None:
+                reads.pods_from_watch += 1
+                return watched
         if reads is not None:
             reads.count(f"list {plural}")
         return await super().list(api_version, plural, namespace, label_selector)
+
+
+class RememberingProbe(GrpcEngineProbe):
+    """The operator's engine probe: inside a pass, what a pod says it is (GetModelInfo: its
+    release, content hash, tokenizers, speculation switch) is recorded, and a settled pass takes
+    it from the record, so its only call to a pod is GetStats, once per pod per drift window
+    (the window is what brings a settled pair's pass). A pod says the same for its whole life
+    but for the speculation switch, which only the operator throws: a switch drops the pod's
+    record. A pod replaced or restarted changes its Deployment's status, whose watch wakes a full
+    pass (handlers.on_owned_event), and the resync backstop reads everything again."""
+
+    async def model_info(self, address: str, server_name: str = "") -> dict[str, Any]:
+        reads = CURRENT.get()
+        if reads is None:
+            return await super().model_info(address, server_name)
+        if reads.replaying and address in reads.pod_info:
+            return copy.deepcopy(reads.pod_info[address])
+        reads.count("GetModelInfo")
+        info = await super().model_info(address, server_name)
+        reads.pod_info[address] = copy.deepcopy(info)
+        return info
+
+    async def stats(self, address: str, server_name: str = "") -> dict[str, Any]:
+        reads = CURRENT.get()
+        if reads is not None:
+            reads.count("GetStats")
+        return await super().stats(address, server_name)
+
+    async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None:
+        reads = CURRENT.get()
+        if reads is not None:
+            reads.pod_info.pop(address, None)
+        await super().set_speculation(address, enabled, reason, server_name)
+        if reads is not None:
+            reads.pod_info.pop(address, None)     # a GetModelInfo that raced the switch
 
 
 class RememberingRegistry(PassRegistry):
