@@ -7,15 +7,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from import_graph import circles, module_name   # tests/ is on sys.path
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "engine"
 PACKAGE = "specpair"
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE_ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
 
 
 def imported(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool, modules: set[str]) -> set[str]:
@@ -40,7 +35,7 @@ def imported(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool,
 
 
 def import_graph() -> dict[str, set[str]]:
-    files = {module_name(p): p for p in (PACKAGE_ROOT / PACKAGE).rglob("*.py")}
+    files = {module_name(p, PACKAGE_ROOT): p for p in (PACKAGE_ROOT / PACKAGE).rglob("*.py")}
     modules = set(files)
     graph = {}
     for name, path in files.items():
@@ -52,28 +47,6 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One circle through each module that lies on one, as the path that closes it."""
-    found, on_cycle = [], set()
-    for start in sorted(graph):
-        if start in on_cycle:
-            continue
-        # Depth-first from start, looking for a way back to it.
-        stack, seen = [(start, [start])], {start}
-        while stack:
-            node, path = stack.pop()
-            for nxt in sorted(graph[node]):
-                if nxt == start:
-                    found.append(path + [start])
-                    on_cycle.update(path)
-                    stack = []
-                    break
-                if nxt not in seen:
-                    seen.add(nxt)
-                    stack.append((nxt, path + [nxt]))
-    return found
-
-
 def test_the_graph_sees_function_level_imports():
     graph = import_graph()
     assert "specpair.server.cli" in graph["specpair.cli"]     # imported inside a function only
@@ -81,5 +54,5 @@ def test_the_graph_sees_function_level_imports():
 
 
 def test_no_module_imports_one_that_imports_it_back():
-    circles = cycles(import_graph())
-    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+    found = circles(import_graph())
+    assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
