@@ -117,7 +117,11 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     categories = [str(p.get("category") or DEFAULT_CATEGORY) for p in prompts]
     ids = [encode_prompt(tokenizer, text, chat) for text in texts]
     python = python or vllm_python()
-    timeout = start_timeout or DEFAULT_START_TIMEOUT
+    # Each rank of a split target is a process of its own that loads vLLM and torch before the
+    # server is healthy (on a CPU they share the pod's cores): tensor parallel 2 took 231 s to start
+    # beside other jobs (load 14), where one rank takes well under the default.
+    sizes = parallelism(release)
+    timeout = start_timeout or DEFAULT_START_TIMEOUT * sizes["tensor"] * sizes["pipeline"]
     dtype = dtype_of(release)
     # Both servers run the target as the release serves it (parallel sizes, memory, quantization);
     # without a context length of its own, VllmServer caps the model's to keep start-up small.
