@@ -482,13 +482,16 @@ class VllmServer:
             raise SpecpairError(f"vLLM {path} unreachable ({exc}); its log ends:\n{self.log_tail()}") from exc
 
     def complete_greedy(self, prompt: list[int] | str, max_tokens: int, *, ignore_eos: bool = False,
-                        timeout: float = 600.0) -> Completion:
+                        timeout: float = 600.0, structured_outputs: dict | None = None) -> Completion:
         """Greedy (temperature 0) completion of a token-id list (sent as is: no BOS or chat
         template added) or a text; returns the generated token ids (with the EOS that ended
-        them, as ours) and the request's wall time."""
+        them, as ours) and the request's wall time. `structured_outputs`: vLLM's field of that
+        name (a golden prompt's structure, gate/structured.vllm_structured_outputs)."""
         payload: dict[str, Any] = {"model": self.served_model_name, "prompt": prompt,
                                    "max_tokens": int(max_tokens), "temperature": 0.0,
                                    "return_token_ids": True, "ignore_eos": ignore_eos}
+        if structured_outputs is not None:
+            payload["structured_outputs"] = structured_outputs
         if isinstance(prompt, str):
             payload["add_special_tokens"] = True
         started = time.perf_counter()

@@ -10,11 +10,13 @@ before it serves. The keys read are contract.GOLDEN_STRUCTURE_KEYS.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from specpair.errors import SpecpairError
 from specpair.grammar import StructureError, reply_valid, request_structure
 from specpair.tool_calls import ToolError, call_grammar, calls_valid, check_tools, render_prompt, style_of
+
 
 @dataclass(frozen=True)
 class GoldenAsk:
@@ -71,6 +73,25 @@ def prepared(tokenizer, text: str, ask: GoldenAsk, chat: bool) -> tuple[str, boo
         raise SpecpairError(f"golden prompt with tools: {exc.field}: {exc.reason}") from None
     forced = call_grammar(list(ask.functions), ask.tool_choice, style)
     return rendered, False, ("grammar", forced) if forced is not None else ask.structure
+
+
+def vllm_structured_outputs(structure: tuple[str, str] | None) -> dict | None:
+    """A golden prompt's structure (grammar.py's (kind, text)) as vLLM's `structured_outputs`
+    request field, for the vLLM gate's requests (vLLM's own backend choice, `auto`, then decides
+    as for any client: xgrammar, falling back to guidance for what it refuses, such as the
+    forced tool call's llguidance `%json` Lark). None: free text."""
+    if structure is None:
+        return None
+    kind, text = structure
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        return {"json": json.loads(text)}
+    if kind == "choice":
+        return {"choice": json.loads(text)}
+    if kind in ("regex", "grammar"):
+        return {kind: text}
+    raise SpecpairError(f"unknown structure kind {kind!r}")
 
 
 def judged(tokenizer, ask: GoldenAsk, reply: str) -> dict:

@@ -7,7 +7,11 @@ servers, one after the other: target-only, then with the release's speculative c
 prompts are tokenized by us (chat template included) and sent as token ids, so both servers and
 our engine see the same prompt tokens; the generated ids must be identical. Acceptance comes
 from vLLM's own spec-decode counters (read before and after each prompt, so each category gets
-its own), speedup from the requests' wall times.
+its own), speedup from the requests' wall times. Golden prompts that ask for structure (a
+`response_format`, `structured_outputs`, `tools` / `tool_choice`) are sent with vLLM's
+`structured_outputs` (tools rendered by the chat template, a forced call as its grammar) and
+judged as our engine's gate judges them (gate/structured.py): schema validity and tool-call
+parse rates per category, held to the same floors.
 
 k by load: each server also runs the golden prompts at the concurrencies the release will serve
 (its gating.tuning.batchSizes), that many requests in flight at once, and the speedup at each
@@ -27,11 +31,13 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from specpair.config import Release
 from specpair.contract import DEFAULT_CATEGORY, gate_tuning, parallelism, threshold_failures
 from specpair.errors import SpecpairError
+from specpair.gate.structured import GoldenAsk, golden_ask, judged, prepared, rate, vllm_structured_outputs
 from specpair.gate.verdict import check_release, new_verdict, tokenizer_check
 from specpair.vllm_parallel import model_config, tensor_parallel_refusal
 
@@ -55,6 +61,32 @@ def load_seconds(server, prompts: list[list[int]], concurrency: int, max_new: in
     return statistics.median(seconds)
 
 
+@dataclass(frozen=True)
+class GoldenRequest:
+    """One golden prompt as the vLLM gate sends it: its prompt ids (tools rendered by the chat
+    template, as our gate and server render them), what it asks beyond its text, and vLLM's
+    `structured_outputs` field for its structure (None: free text)."""
+
+    ids: list[int]
+    ask: GoldenAsk
+    structured_outputs: dict | None
+
+
+def golden_requests(tokenizer, prompts: list[dict], chat: bool) -> list[GoldenRequest]:
+    """The golden prompts as vLLM requests (gate/structured.py reads their response_format,
+    structured_outputs, tools and tool_choice as our engine's gate does; a forced tool call is
+    its grammar)."""
+    from specpair.decoding import encode_prompt
+
+    out = []
+    for index, prompt in enumerate(prompts):
+        ask = golden_ask(prompt, index, chat)
+        text, text_chat, structure = prepared(tokenizer, prompt["prompt"], ask, chat)
+        out.append(GoldenRequest(encode_prompt(tokenizer, text, text_chat), ask,
+                                 vllm_structured_outputs(structure)))
+    return out
+
+
 def vllm_python() -> str:
     """The python that runs vLLM: SPECPAIR_VLLM_PYTHON, else scripts/setup-vllm.sh's virtualenv
     when it exists, else this one (an image with vLLM and specpair in one environment)."""
@@ -76,7 +108,6 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     """Returns (verdict, golden outputs), as gate.run_gate."""
     from transformers import AutoTokenizer
 
-    from specpair.decoding import encode_prompt
     from specpair.models import resolve_source
     from specpair.vllm_head_check import head_tokenizer_check
     from specpair.vllm_peer import (DEFAULT_START_TIMEOUT, SpecDecodeCounters, VllmServer, flags_argv, serving_flags,
@@ -115,7 +146,8 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     texts = [p["prompt"] for p in prompts]
     categories = [str(p.get("category") or DEFAULT_CATEGORY) for p in prompts]
-    ids = [encode_prompt(tokenizer, text, chat) for text in texts]
+    requests = golden_requests(tokenizer, prompts, chat)
+    ids = [r.ids for r in requests]
     python = python or vllm_python()
     # Each rank of a split target is a process of its own that loads vLLM and torch before the
     # server is healthy (on a CPU they share the pod's cores): tensor parallel 2 took 231 s to start
@@ -135,25 +167,30 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     progress(f"vLLM target-only: {len(ids)} golden prompts, then at concurrencies {concurrencies}")
     with VllmServer(python, target_dir, **server_args) as base_server:
         base_server.complete_greedy(ids[0], 2)   # warm-up
-        base = [base_server.complete_greedy(p, max_new) for p in ids]
+        base = [base_server.complete_greedy(r.ids, max_new, structured_outputs=r.structured_outputs)
+                for r in requests]
         base_load = [load_seconds(base_server, ids, c, max_new) for c in concurrencies]
     progress(f"vLLM speculative ({speculative.get('method') or 'draft model'}, "
              f"k={speculative['num_speculative_tokens']})")
     spec_runs, deltas = [], []
     with VllmServer(python, target_dir, speculative=speculative, **server_args) as spec_server:
         spec_server.complete_greedy(ids[0], 2)
-        for p in ids:
+        for r in requests:
             before = spec_server.spec_decode_counters()
-            spec_runs.append(spec_server.complete_greedy(p, max_new))
+            spec_runs.append(spec_server.complete_greedy(r.ids, max_new, structured_outputs=r.structured_outputs))
             deltas.append(spec_server.spec_decode_counters() - before)
         spec_load = [load_seconds(spec_server, ids, c, max_new) for c in concurrencies]
 
     golden, rows = [], []
-    for text, category, b, s, d in zip(texts, categories, base, spec_runs, deltas):
+    for text, category, r, b, s, d in zip(texts, categories, requests, base, spec_runs, deltas):
         identical = b.token_ids == s.token_ids
-        rows.append((category, b.seconds, s.seconds, d, identical))
+        # The reply served is the speculative one: it is the one judged (as gate/engine.py does).
+        verdicts = judged(tokenizer, r.ask, s.text)
+        rows.append((category, b.seconds, s.seconds, d, identical,
+                     verdicts["schema_valid"], verdicts["tool_call_parsed"]))
         golden.append({"prompt": text, "category": category, "target_only": b.text, "speculative": s.text,
                        "identical": identical, "token_ids": b.token_ids, "draft_tokens": d.draft_tokens,
+                       **({} if r.ask.plain else verdicts),
                        "output_tokens": len(s.token_ids),
                        "speedup": round(b.seconds / s.seconds, 4) if s.seconds else 0.0,
                        "acceptance_rate": round(d.acceptance_rate, 4),
@@ -165,10 +202,16 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
             total = total + r[3]
         t_base, t_spec = sum(r[1] for r in part), sum(r[2] for r in part)
         identity = round(sum(r[4] for r in part) / len(part), 4)
-        return total, {"acceptanceRate": round(total.acceptance_rate, 4),
-                       "meanAcceptanceLength": round(total.mean_acceptance_length, 4),
-                       "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
-                       "greedyIdentity": identity, "greedyIdentityWithinTies": identity}
+        figures = {"acceptanceRate": round(total.acceptance_rate, 4),
+                   "meanAcceptanceLength": round(total.mean_acceptance_length, 4),
+                   "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
+                   "greedyIdentity": identity, "greedyIdentityWithinTies": identity}
+        # Only where golden prompts asked for structure, as our engine's verdict.
+        for key, column in (("schemaValidity", 5), ("toolCallParse", 6)):
+            value = rate([r[column] for r in part])
+            if value is not None:
+                figures[key] = value
+        return total, figures
 
     total, overall = summarise(rows)
     verdict.update(overall)
