@@ -25,62 +25,17 @@ VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 VENV="${SPECPAIR_VLLM_VENV:-$HOME/.cache/specpair/vllm-venv-$VLLM_VERSION}"
 PY="$VENV/bin/python"
-say() { echo "==> $*" >&2; }
-
-# Checked from / with -P so nothing of the caller's directory can be imported by accident.
-# Quiet unless asked (`venv_ok say`): then it says what is wrong.
-venv_ok() {
-  [ -x "$PY" ] || return 1
-  local out
-  if out=$(cd / && "$PY" -P - 2>&1 <<EOF
-import sys, torch, vllm
-problems = []
+WHAT="vLLM $VLLM_VERSION on torch $TORCH_VERSION"
+CHECK=$(cat <<EOF
+import vllm
 if not vllm.__version__.startswith("$VLLM_VERSION"):
     problems.append(f"vllm is {vllm.__version__}, not $VLLM_VERSION")
-if torch.__version__.split("+")[0] != "$TORCH_VERSION":
-    problems.append(f"torch is {torch.__version__}, not $TORCH_VERSION")
-try:
-    import specpair  # noqa: F401  (nothing of ours belongs there: we talk to vLLM over HTTP)
-    problems.append(f"specpair is importable there ({specpair.__file__})")
-except ImportError:
-    pass
-print("; ".join(problems))
-sys.exit(1 if problems else 0)
 EOF
-  ); then
-    return 0
-  fi
-  if [ "${1:-}" = say ]; then echo "$out" | tail -5 >&2; fi
-  return 1
-}
+)
+source "$(dirname "${BASH_SOURCE[0]}")/lib/side-venv.sh"
 
-if venv_ok; then
-  say "vLLM $VLLM_VERSION ready in $VENV"
-  echo "$PY"
-  exit 0
-fi
-
-start=$SECONDS
-if [ ! -x "$PY" ]; then
-  say "creating virtualenv $VENV"
-  mkdir -p "$(dirname "$VENV")"
-  python3 -m venv "$VENV" >&2
-fi
-"$PY" -m pip install -q --upgrade pip >&2
-
-# Downloads (torch is 2.7 GB): a failed attempt (a dropped connection) is retried twice.
-pip_install() {
-  local attempt
-  for attempt in 1 2 3; do
-    if "$PY" -m pip install -q "$@" >&2; then
-      return 0
-    fi
-    say "pip install $* failed (attempt $attempt of 3)"
-    sleep $((attempt * 5))
-  done
-  say "pip install $* failed 3 times; see the pip output above"
-  return 1
-}
+side_venv_ready_or_continue
+side_venv_create
 
 if ! (cd / && "$PY" -P -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')") 2>/dev/null; then
   say "installing torch $TORCH_VERSION (PyPI's build, 2.7 GB)"
@@ -121,10 +76,4 @@ for pkg in torchvision torchaudio torchcodec; do
   fi
 done
 
-if ! venv_ok; then
-  say "the vLLM venv at $VENV is not usable (vllm $VLLM_VERSION on torch $TORCH_VERSION, no specpair):"
-  venv_ok say || true
-  exit 1
-fi
-say "vLLM $VLLM_VERSION ready in $VENV ($((SECONDS - start)) s)"
-echo "$PY"
+side_venv_verified
