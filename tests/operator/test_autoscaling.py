@@ -426,6 +426,8 @@ def test_an_unusable_autoscaling_is_a_condition_and_one_warning(monkeypatch):
     from specpair_operator.act.ledger import StatusLedger
     from specpair_operator.state import OperatorState
 
+    from specpair_operator.act.autoscaler import apply_autoscaler_plan
+
     monkeypatch.delenv(autoscaling_mod.PROMETHEUS_ENV, raising=False)
     state = OperatorState(keda_seen=(True, time.monotonic()))
     body = {"metadata": {"name": "chat", "namespace": "team-a", "uid": "u1"},
@@ -433,7 +435,10 @@ def test_an_unusable_autoscaling_is_a_condition_and_one_warning(monkeypatch):
     status: dict = {}
     for passes in (1, 2):
         ledger = StatusLedger(status, 3, "team-a", "chat", logging.getLogger("test"))
-        asyncio.run(autoscaling_mod.ensure_autoscaler(state, body, ledger))
+        plan = autoscaling_mod.plan_autoscaler(body["spec"], "chat", "team-a",
+                                               keda=asyncio.run(autoscaling_mod.keda_installed(state)),
+                                               default_prometheus=autoscaling_mod.default_prometheus())
+        asyncio.run(apply_autoscaler_plan(state.kube, body, ledger, plan))
         status = {**status, **ledger.status_patch()}
         condition = next(c for c in status["conditions"] if c["type"] == "Autoscaled")
         assert (condition["status"], condition["reason"], condition["observedGeneration"]) == \

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, assert_never
 
 from specpair_operator.act import metrics
+from specpair_operator.act.autoscaler import apply_autoscaler_plan
 from specpair_operator.act.control_ca import create_control_ca
 from specpair_operator.act.owned import ensure_owned
 from specpair_operator.clients.engine_probe import EngineProbe
-from specpair_operator.desired import autoscaling, gate_objects
+from specpair_operator.desired import gate_objects
 from specpair_operator.observe.serving_world import ServingWorld
 from specpair_operator.plan.release_steps import (Condition, EnsureGatePolicy, ObserveGateDuration, PostEvent,
                                                   Record, RecordGateError, Report, ServeChampion, SetAlias,
@@ -101,7 +102,7 @@ async def carry_out(r: PairReconciler, step: Step, acting: Acting) -> bool:
                 r._name_conflict(done.kind, done.name)
                 return False
         case EnsureAutoscaler():
-            await autoscaling.ensure_autoscaler(op, r.body, ledger)  # outside the release
+            await apply_autoscaler_plan(kube, r.body, ledger, step.plan)  # outside the release
         case CreateControlCA():
             await create_control_ca(op)
         case IssueCertificate():

@@ -28,8 +28,6 @@ from typing import Any, Mapping
 
 from specpair_operator.desired import manifests
 from specpair_operator.crd import names, validation
-from specpair_operator.act import owned
-from specpair_operator.clients.kube import PLURALS, KubeError
 from specpair_operator.desired.manifests import engine_name
 
 # The CRD's group/version for scaleTargetRef (the scale subresource is served there).
@@ -318,48 +316,6 @@ def plan_autoscaler(spec: dict[str, Any], pair: str, namespace: str, *, keda: bo
                           f"replaced by a {desired['kind']}")
 
 
-async def ensure_autoscaler(state: Any, body: Any, ledger: Any) -> None:
-    """plan_autoscaler, done: the autoscaler written through ensure_owned (owned by the pair),
-    the unwanted one deleted by its uid. What it finds is the pair's Autoscaled condition, with an
-    Event for each object written or deleted. A spec it cannot turn into an autoscaler, a name
-    taken, or a request refused leaves the existing autoscaler as it is and serving untouched:
-    Autoscaled is False with the reason, and a Warning Event says it once."""
-    kube, meta = state.kube, body["metadata"]
-    pair, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
-    plan = plan_autoscaler(dict(body.get("spec") or {}), pair, namespace, keda=await keda_installed(state),
-                           default_prometheus=os.environ.get(PROMETHEUS_ENV) or None)
-    if plan.invalid:
-        _not_autoscaled(ledger, "InvalidAutoscaling", plan.invalid)
-        return
-    try:
-        for kind in plan.remove:
-            api_version, name = API_VERSIONS[kind], engine_name(pair)
-            live = await kube.get(api_version, PLURALS[kind], namespace, name)
-            if live is not None and owned.owns(uid, live) and \
-                    await kube.delete(api_version, PLURALS[kind], namespace, name, live["metadata"]["uid"]):
-                ledger.event("Normal", "AutoscalerRemoved", f"{kind} {name} deleted: {plan.why}")
-        done = None if plan.desired is None else await owned.ensure_owned(kube, body, plan.desired)
-    except KubeError as exc:
-        if not exc.permanent:
-            raise  # an outage: the pass is retried
-        _not_autoscaled(ledger, "KubernetesAPIRefused", f"the Kubernetes API refused a request about the pair's "
-                        f"autoscaler (HTTP {exc.status}): {exc.message[:600]}")
-        return
-    if done is None:
-        ledger.conditions = [cond for cond in ledger.conditions if cond.get("type") != AUTOSCALED]
-        return
-    if done.conflict:
-        _not_autoscaled(ledger, "NameConflict",
-                        f"{done.kind} {done.name} exists and is not this pair's: it is left alone")
-        return
-    what = f"{done.kind} {done.name} scales the pair from {describe(plan.scaling)}"
-    if done.changed:
-        ledger.event("Normal", "AutoscalerCreated" if done.outcome == owned.CREATED else "AutoscalerUpdated", what)
-    ledger.cond(AUTOSCALED, True, done.kind, what)
-
-
-def _not_autoscaled(ledger: Any, reason: str, message: str) -> None:
-    old = next((cond for cond in ledger.conditions if cond.get("type") == AUTOSCALED), None)
-    if old is None or old.get("message") != message:
-        ledger.event("Warning", reason, message[:1000])
-    ledger.cond(AUTOSCALED, False, reason, message)
+def default_prometheus() -> str | None:
+    """The installation's Prometheus address for KEDA (the chart's autoscaling.prometheusAddress)."""
+    return os.environ.get(PROMETHEUS_ENV) or None

@@ -15,7 +15,7 @@ from specpair_operator.policy import canary as canary_mod
 from specpair_operator.crd import conditions as c
 from specpair_operator.policy import drift as drift_mod
 from specpair_operator.gate import attempts as gate_attempts, verdict as gate_verdict
-from specpair_operator.desired import engine_objects, gate_objects, manifests, model_fetch
+from specpair_operator.desired import autoscaling, engine_objects, gate_objects, manifests, model_fetch
 from specpair_operator.crd import names
 from specpair_operator.observe import unreadable
 from specpair_operator.policy import serving_health
@@ -191,7 +191,8 @@ def _serving_world(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str
         desired_reason=desired_reason, while_gating=while_gating, spec=spec, status=status,
         records=Records.from_status(status),
         installation=Installation(op.gate_tracking_uri,
-                                  manifests.MlflowCredentials.for_pair(spec.get("mlflow"), op.credentials), op.pods),
+                                  manifests.MlflowCredentials.for_pair(spec.get("mlflow"), op.credentials), op.pods,
+                                  autoscaling.default_prometheus()),
         now=c.now_iso(),
         drift=DriftMemory(version, memory, op.serving_samples.get(uid) or serving_health.ServingMemory(),
                           op.last_drift_check.get(uid, 0.0), time.monotonic(), time.time()))
@@ -201,7 +202,7 @@ async def _observe_engine(op: OperatorState, w: ServingWorld) -> ServingWorld:
     """The engine's Deployment, Service, NetworkPolicy, certificate marks and pods."""
     kube, name = op.kube, manifests.engine_name(w.pair)
     w = replace(w, deployment=await kube.get("apps/v1", "deployments", w.namespace, name),
-                service=await kube.get("v1", "services", w.namespace, name))
+                service=await kube.get("v1", "services", w.namespace, name), keda=await autoscaling.keda_installed(op))
     if serving_plan.name_taken(w):
         return w
     w = replace(w, tls=await _observe_tls(op, w))       # vLLM pods too: their companion's control port

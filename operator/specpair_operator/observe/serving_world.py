@@ -53,6 +53,7 @@ class Installation:
     tracking_uri: str = "http://mlflow:5000"
     credentials: manifests.MlflowCredentials | None = None   # the pair's, else the installation's
     pods: manifests.PodDefaults = field(default_factory=manifests.PodDefaults)
+    prometheus: str | None = None     # where KEDA asks for a signal (the chart's autoscaling.prometheusAddress)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class ServingWorld:
     policy: Mapping[str, Any] | None = None
     legacy_deployment: Mapping[str, Any] | None = None
     autoscaler: Mapping[str, Any] | None = None
+    keda: bool = False                # the API server serves KEDA's ScaledObject (autoscaling.keda_installed)
     tls: EngineTLS | None = None
     pods: tuple[Mapping[str, Any], ...] = ()   # every engine pod of the pair
     ready: tuple[EnginePod, ...] = ()           # the ready ones, in order, with what they reported

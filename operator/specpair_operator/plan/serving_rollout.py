@@ -9,7 +9,7 @@ from typing import Any
 
 from specpair_operator.release import aliases as aliases_mod
 from specpair_operator.crd import conditions as c
-from specpair_operator.desired import engine_objects, model_fetch
+from specpair_operator.desired import autoscaling, engine_objects, model_fetch
 from specpair_operator.crd import names
 from specpair_operator.desired import ownership as owned
 from specpair_operator.policy import shadow_run
@@ -96,7 +96,8 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
                        "selector": engine_selector(w.pair)}))
     if w.service is None:
         out.add(EnsureOwned(engine_objects.engine_service(w.pair, w.namespace, dict(w.rollout), kind), None, mutable=False))
-    out.add(EnsureAutoscaler())
+    out.add(EnsureAutoscaler(autoscaling.plan_autoscaler(dict(w.spec), w.pair, w.namespace, keda=w.keda,
+                                                         default_prometheus=w.installation.prometheus)))
     state, msg = engine_objects.deployment_rollout_state(after, digest)
     if state == "progressing":
         waiting = pods_waiting([dict(p) for p in w.pods])

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from specpair_operator.release import aliases as aliases_mod
 from specpair_operator.policy import drift as drift_mod
 from specpair_operator.desired import engine_objects, manifests
+from specpair_operator.desired.autoscaling import AutoscalerPlan
 from specpair_operator.desired import ownership as owned
 from specpair_operator.policy import rollout_strategy, serving_health
 from specpair_operator.release import content as release_mod
@@ -40,8 +41,10 @@ class EnsureOwned:
 
 @dataclass(frozen=True)
 class EnsureAutoscaler:
-    """The pair's autoscaler as `rollout.autoscaling` says (autoscaling.ensure_autoscaler: it
-    reads what it needs, writes, and says so in the Autoscaled condition and Events)."""
+    """The pair's autoscaler as `rollout.autoscaling` says, planned (autoscaling.plan_autoscaler:
+    the object to write, the other kind to delete, or why none can be); act/autoscaler.py writes
+    it and says so in the Autoscaled condition and Events."""
+    plan: AutoscalerPlan
 
 
 @dataclass(frozen=True)
