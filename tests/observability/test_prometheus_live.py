@@ -424,11 +424,12 @@ def test_every_panel_and_alert_against_live_engines(devcluster, mlflow_server, m
             {name: finite_points(result) for name, result in marks.items()}
         assert sorted(r["metric"]["decision"] for r in marks["Canary decisions"] if finite_points([r])) \
             == ["passed", "started"], marks["Canary decisions"]
-        # The dashboard's variables (label_values(metric, label)) list the pair and its versions.
+        # The dashboard's variables (label_values(metric, label)) list the pair, its versions and
+        # the engine that served them.
         for var in dashboard_variables():
             metric, label = re.fullmatch(r"label_values\((.+), (\w+)\)", var["definition"]).groups()
             values = prom.api(f"label/{label}/values", **{"match[]": metric.replace("$pair", "drifts")})
-            assert ("drifts" if label == "pair" else "1") in values, (var["name"], values)
+            assert {"pair": "drifts", "version": "1", "engine": "specpair"}[label] in values, (var["name"], values)
     finally:
         pool.shutdown()  # waits for it: what it started is stopped below
         if prom is not None:
