@@ -32,9 +32,21 @@ def candidate_strategy(w: ReleaseWorld) -> tuple[str, dict[str, Any], rollout_st
                                                                  candidate)
 
 
+def plan_candidate(out: ReleaseSteps) -> bool:
+    """A passed candidate beside a serving champion rolls out by its strategy: scored in shadow,
+    or served as a canary, before it is promoted. True when the pass ends here; False for a
+    promotion (no champion to roll out beside, a Replace, or a shadow or canary that let it by)."""
+    chosen = candidate_strategy(out.world)
+    if chosen is None:
+        return False
+    champion, candidate, strategy = chosen
+    return plan_shadow(out, champion, candidate, strategy) or plan_canary(out, champion, strategy)
+
+
 # -- shadow scoring (shadow_run.py) -------------------------------------------------------------
 
-def plan_shadow(out: ReleaseSteps) -> bool:
+def plan_shadow(out: ReleaseSteps, champion: str, candidate: dict[str, Any],
+                strategy: rollout_strategy.Strategy) -> bool:
     """A passed candidate whose strategy is Shadow (rollout_strategy.choose_strategy) is scored on
     the champion's pods before it is promoted: the serving plan marks its start on its version
     before the champion's pods roll to carry it, and tags the verdict. True when the pass
@@ -42,10 +54,6 @@ def plan_shadow(out: ReleaseSteps) -> bool:
     Promote)."""
     w = out.world
     version, aliases = w.version, w.aliases
-    chosen = candidate_strategy(w)
-    if chosen is None:
-        return False
-    champion, candidate, strategy = chosen
     if strategy.type != rollout_strategy.SHADOW:
         return False
     if strategy.refused:
@@ -96,17 +104,13 @@ def shadow_verdict_steps(was: Any, verdict: Mapping[str, Any], champion: str, ve
 
 
 
-def plan_canary(out: ReleaseSteps) -> bool:
+def plan_canary(out: ReleaseSteps, champion: str, strategy: rollout_strategy.Strategy) -> bool:
     """A passed candidate whose strategy is Canary serves beside the champion before it is
     promoted (the serving plan runs its steps and tags its end on the candidate). True when the
     pass ends here (the canary runs, or was aborted); False for a promotion (no canary, or it
     passed)."""
     w = out.world
     version, aliases = w.version, w.aliases
-    chosen = candidate_strategy(w)
-    if chosen is None:
-        return False
-    champion, _, strategy = chosen
     state, text = canary_mod.mark(w.tags)
     # An aborted candidate stays out whatever the strategy says now (as a rolled-back release
     # does): a changed release is a new version, and gets a canary of its own.

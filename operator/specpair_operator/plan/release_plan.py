@@ -27,7 +27,7 @@ from specpair_operator.gate import verdict as gate_verdict
 from specpair_operator.gate.verdict import GateOutcome
 from specpair_operator.desired import manifests
 from specpair_operator.observe.world import ReleaseWorld
-from specpair_operator.plan.release_candidate import canary_decided_steps, plan_canary, plan_shadow, shadow_verdict_steps
+from specpair_operator.plan.release_candidate import canary_decided_steps, plan_candidate, shadow_verdict_steps
 from specpair_operator.plan.release_gate import (gate_numbers, gate_release, gate_result, gate_started_late,
                                                  reported_digest)
 from specpair_operator.plan.release_steps import (Condition, PostEvent, Record, ReleaseSteps, ServeChampion, SetAlias,
@@ -107,7 +107,7 @@ def plan_release(world: ReleaseWorld) -> tuple[Step, ...]:
     if not outcome.passed:
         out.add(ServeChampion(aliases, None, f"gate of v{version} failed: {outcome.message}"))
         return tuple(out.steps)
-    if plan_shadow(out) or plan_canary(out):
+    if plan_candidate(out):
         return tuple(out.steps)
     moves = aliases_mod.plan_promotion(dict(aliases), version)
     tags, after = dict(tags), dict(aliases)

@@ -22,12 +22,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SetAlias:
+    """Point an MLflow alias of the pair's registered model (candidate, champion, previous) at a
+    version: how a release is gated, promoted and rolled back."""
     alias: str
     version: str
 
 
 @dataclass(frozen=True)
 class TagVersion:
+    """Tags on a model version: the crash marks written before the move they stand for (promoted
+    at, speculation off), a shadow's or canary's verdict; an empty value clears a tag."""
     version: str
     tags: Mapping[str, str]
 
@@ -39,6 +43,8 @@ class EnsureGatePolicy:
 
 @dataclass(frozen=True)
 class StartGateJob:
+    """Create the gate Job of the spec's release, attempt `attempt` (each attempt a Job of its own,
+    gate_objects.gate_job)."""
     version: str
     attempt: int
 

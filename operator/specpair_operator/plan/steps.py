@@ -24,8 +24,9 @@ ReleaseStep = Union[SetAlias, TagVersion, EnsureGatePolicy, StartModelFetch, Sta
                     ObserveGateDuration, ServeChampion]
 # ... the champion's serving (plan/serving_*.py, the canary's from policy/canary.py) ...
 ServingStep = Union[EnsureOwned, EnsureAutoscaler, CreateControlCA, IssueCertificate, TLSSecretSeen,
-                    RetireLegacyEngine, SwitchSpeculation, ReconcilePodSpeculation, ReportSpeculation, RememberChampion, DriftChecked, RememberDrift,
-                    ForgetDrift, ExportSpeedup, LogWarning, ScaleDown, RememberCanary]
+                    RetireLegacyEngine, SwitchSpeculation, ReconcilePodSpeculation, ReportSpeculation,
+                    RememberChampion, DriftChecked, RememberDrift, ForgetDrift, ExportSpeedup, LogWarning, ScaleDown,
+                    RememberCanary]
 # ... and what goes into the status, from either (RollSpeculation is a PostEvent with its numbers).
 StatusStep = Union[Record, Condition, SetStatus, PostEvent, RollSpeculation, Report]
 
