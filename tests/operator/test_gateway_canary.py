@@ -190,3 +190,25 @@ def test_the_strategy_follows_what_changed(asked, candidate, expected):
     if asked is None and expected == CANARY:
         assert chosen.reason.startswith("chosen automatically: the candidate changes")
 
+
+
+def test_the_endpoint_stand_in_lists_the_ready_pods_of_a_selector_service():
+    """devcluster gateway.endpoint_slice: what the EndpointSlice controller would write for pods
+    with loopback IPs, as an FQDN slice (module docstring there)."""
+    from specpair_devcluster.gateway import endpoint_slice
+
+    service = routes.route_service("p", "ns", ROLLOUT, routes.CHAMPION, routes.SETTLED)
+    service["metadata"]["uid"] = "u-1"
+
+    def pod(name, ip, ready, labels=None):
+        return {"metadata": {"name": name, "uid": f"uid-{name}", "labels": labels or manifests.engine_selector("p")},
+                "spec": {"containers": [{"name": "engine", "ports": [{"name": "grpc", "containerPort": 50051},
+                                                                     {"name": "http", "containerPort": 8000}]}]},
+                "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    got = endpoint_slice(service, [pod("a", "127.20.0.5", True), pod("b", "127.20.0.6", False),
+                                   pod("c", "127.20.0.7", True, {"app": "other"})])
+    assert got["addressType"] == "FQDN" and got["metadata"]["labels"]["kubernetes.io/service-name"] == "p-engine-champion"
+    assert [e["addresses"] for e in got["endpoints"]] == [["127.20.0.5"]]
+    assert {p["name"]: (p["port"], p["appProtocol"]) for p in got["ports"]} == {"grpc": (50051, routes.H2C),
+                                                                                "http": (8000, "http")}
+    assert endpoint_slice({**service, "spec": {**service["spec"], "selector": {}}}, []) is None
