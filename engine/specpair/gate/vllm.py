@@ -103,6 +103,10 @@ def dtype_of(release: dict) -> str:
     return str((release.get("engine") or {}).get("dtype") or "float32")
 
 
+# Seconds one rank of the gate's vLLM servers may take to become healthy (times tensor x pipeline).
+GATE_START_TIMEOUT_S = 600.0
+
+
 def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
                   start_timeout: float | None = None) -> tuple[dict, list[dict]]:
     """Returns (verdict, golden outputs), as gate.run_gate."""
@@ -110,7 +114,7 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
 
     from specpair.models import resolve_source
     from specpair.vllm_head_check import head_tokenizer_check
-    from specpair.vllm_peer import (DEFAULT_START_TIMEOUT, SpecDecodeCounters, VllmServer, flags_argv, serving_flags,
+    from specpair.vllm_peer import (SpecDecodeCounters, VllmServer, flags_argv, serving_flags,
                                     speculative_config)
 
     check_release(release)
@@ -149,11 +153,12 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     requests = golden_requests(tokenizer, prompts, chat)
     ids = [r.ids for r in requests]
     python = python or vllm_python()
-    # Each rank of a split target is a process of its own that loads vLLM and torch before the
-    # server is healthy (on a CPU they share the pod's cores): tensor parallel 2 took 231 s to start
-    # beside other jobs (load 14), where one rank takes well under the default.
+    # A hang guard only (the gate Job's activeDeadlineSeconds bounds the whole gate): a real model's
+    # weights take minutes to load, and each rank of a split target is a process of its own that
+    # loads vLLM and torch first (on a CPU they share the pod's cores). Tensor parallel 2 of a tiny
+    # model took 231 s to start beside other jobs at load 14, and over 360 s at load 28.
     sizes = parallelism(release)
-    timeout = start_timeout or DEFAULT_START_TIMEOUT * sizes["tensor"] * sizes["pipeline"]
+    timeout = start_timeout or GATE_START_TIMEOUT_S * sizes["tensor"] * sizes["pipeline"]
     dtype = dtype_of(release)
     # Both servers run the target as the release serves it (parallel sizes, memory, quantization);
     # without a context length of its own, VllmServer caps the model's to keep start-up small.
