@@ -63,15 +63,39 @@ class DynamicK:
     """
 
     EMA = 0.3
+    # The per-row back-off: after BACKOFF_AFTER rounds in a row whose drafts were all rejected
+    # (or, with a cost model, once no k is expected to beat a target-only step), the row drafts
+    # nothing for a rest of BACKOFF_FIRST rounds, then probes with k_min; a probe rejected again
+    # doubles the rest (up to BACKOFF_MAX), an accepted draft ends the back-off. A row's own
+    # failures decide, whatever the other rows or the machine do: a request whose drafts keep
+    # failing stops paying their verification (on a CPU, verifying k+1 tokens costs more than one).
+    BACKOFF_AFTER = 3
+    BACKOFF_FIRST = 8
+    BACKOFF_MAX = 256
 
-    def __init__(self, config: SpeculationConfig, cost_model: CostModel | None = None):
+    def __init__(self, config: SpeculationConfig, cost_model: CostModel | None = None, *,
+                 back_off: bool | None = None):
+        """back_off: the per-row back-off; default on where the engine falls back at all
+        (fallback_threshold > 0: a pair that sets 0 asks to keep drafting whatever it costs)."""
         self.config = config
         self.k = config.k
         self.cost_model = cost_model
         # Prior: the acceptance a fresh pair is assumed to have until it shows otherwise.
         self.position_acceptance = [0.7] * config.k_max
+        self.back_off = config.fallback_threshold > 0 if back_off is None else back_off
+        self.rejected_rounds = 0          # rounds in a row whose drafts were all rejected
+        self.rest = 0                     # rounds left without drafting (backed off while > 0)
+        self.next_rest = self.BACKOFF_FIRST
+        self.probing = False              # the last round drafted as a probe after a rest
+        self.backoffs = 0                 # times this row backed off
+
+    @property
+    def backed_off(self) -> bool:
+        return self.rest > 0
 
     def update(self, drafted: int, accepted: int) -> None:
+        if self.back_off and self._back_off(drafted, accepted):
+            return
         if not self.config.dynamic_k or drafted == 0:
             return
         if self.cost_model is None:
@@ -86,6 +110,46 @@ class DynamicK:
             hit = 1.0 if j < accepted else 0.0
             self.position_acceptance[j] += self.EMA * (hit - self.position_acceptance[j])
         self.k = self.best_k()
+
+    def _back_off(self, drafted: int, accepted: int) -> bool:
+        """Feed the back-off one round; True when it set k (resting or probing), so the dynamic
+        rule leaves k alone this round."""
+        if self.rest > 0:
+            if drafted == 0:
+                self.rest -= 1
+                if self.rest == 0:       # probe: the smallest k, one round
+                    self.k, self.probing = self.config.k_min, True
+            return True
+        if drafted == 0:
+            return False                 # nothing judged (nothing to look up, batch too large, ...)
+        if accepted > 0:
+            self.rejected_rounds, self.next_rest = 0, self.BACKOFF_FIRST
+            self.probing = False         # (after a probe: drafts pay again, from k_min on)
+            return False
+        self.rejected_rounds += 1
+        if self.probing or self.rejected_rounds >= self.BACKOFF_AFTER or self._never_pays():
+            if self.probing:
+                self.next_rest = min(self.BACKOFF_MAX, 2 * self.next_rest)
+            self.rest, self.k, self.probing = self.next_rest, 0, False
+            self.rejected_rounds = 0
+            self.backoffs += 1
+            return True
+        return False
+
+    def _never_pays(self) -> bool:
+        """With a cost model: whether, after this rejection, no k is expected to emit more tokens
+        per unit of time than a target-only step (1 token for 1)."""
+        if self.cost_model is None or not self.config.dynamic_k:
+            return False
+        first = self.position_acceptance[0] + self.EMA * (0.0 - self.position_acceptance[0])
+        acceptance = [first, *self.position_acceptance[1:]]
+        expected, survive = 1.0, 1.0
+        for k in range(1, self.config.k_max + 1):
+            survive *= acceptance[k - 1]
+            expected += survive
+            if expected / self.cost_model.round_cost(k) >= 1.0:
+                return False
+        return True
 
     def best_k(self) -> int:
         best, best_rate, expected, survive = self.config.k_min, -1.0, 1.0, 1.0
@@ -199,3 +263,116 @@ def measure_step_costs(engine, prompt_ids: list[int], ks: list[int],
         costs["copy"] = {"verify": {k: passes[1 + k] for k in ks},
                          "draft_step": fastest_lookup(engine.drafter), "draft_per_token": False}
     return costs
+
+
+# -- speculation by batch size, from costs measured at start-up ------------------------------------
+
+# The acceptance the start-up decision assumes before any request has been seen: the share of
+# draft tokens below which the engine stops speculating anyway (SpeculationConfig's default
+# fallback_threshold). A pair that drafts better gains from speculation at more sizes than this
+# decides; one that drafts worse is caught per row (DynamicK's back-off) and by the fallback.
+STARTUP_ACCEPTANCE = 0.5
+# Row buckets measured at start-up, up to this (the paged pool's default batch cap).
+STARTUP_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class RowsCosts:
+    """Seconds one step of `rows` rows takes: target_step with one token a row, verify[k] with
+    each row's k drafts and bonus token, draft[k] drafting k tokens for every row."""
+    rows: int
+    target_step: float
+    verify: dict[int, float]
+    draft: dict[int, float]
+
+
+@dataclass(frozen=True)
+class RowsDecision:
+    rows: int
+    k: int               # the k with most tokens a second at this batch size
+    speedup: float       # expected, over target-only, at that k
+    pays: bool
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a round emits with k drafts, each accepted with `acceptance` given the ones before
+    it were: the bonus token plus acceptance + acceptance^2 + ... + acceptance^k."""
+    return sum(acceptance ** j for j in range(k + 1))
+
+
+def speculation_by_rows(costs: list[RowsCosts], acceptance: float) -> list[RowsDecision]:
+    """Per batch size: the k that emits most tokens per second at this acceptance, and whether
+    that beats target-only's one token a step (strictly: a tie is no reason to pay for drafts)."""
+    decisions = []
+    for c in sorted(costs, key=lambda c: c.rows):
+        best_k, best = 0, 0.0
+        for k in sorted(c.verify):
+            round_seconds = c.verify[k] + c.draft.get(k, 0.0)
+            speedup = expected_tokens(acceptance, k) * c.target_step / round_seconds if round_seconds > 0 else 0.0
+            if speedup > best:
+                best_k, best = k, speedup
+        decisions.append(RowsDecision(c.rows, best_k, round(best, 4), best > 1.0))
+    return decisions
+
+
+def threshold_of(decisions: list[RowsDecision]) -> int:
+    """The largest batch size of the unbroken run of paying sizes from the smallest (0: none
+    pays). Between two measured sizes the smaller's verdict holds (a bucket's rows share its step)."""
+    threshold = 0
+    for d in sorted(decisions, key=lambda d: d.rows):
+        if not d.pays:
+            break
+        threshold = d.rows
+    return threshold
+
+
+@torch.no_grad()
+def measure_rows_costs(engine, prompt_ids: list[int], rows: int, ks: list[int], drafting: dict,
+                       repeats: int = 2) -> RowsCosts:
+    """Times one target step of `rows` rows at one token a row and at each k's verification
+    width, the fastest of `repeats` after a warm-up, in turns (as measure_step_costs). Drafting
+    comes from the one-row probe (`drafting`: measure_step_costs' draft_step, draft_per_token,
+    draft_round), times the rows: n-gram lookups and the CPU's heads run row by row, and a draft
+    model's batched step costs no more than that, so the decision errs towards target-only."""
+    device = engine.target.device
+    width = engine.config.tree_width if engine.drafter is not None and engine.drafter.tree_capable else 1
+    kv = engine.serving_cache(engine.target.model)
+    kv.add_rows(rows)
+    kv.extend([prompt_ids] * rows)
+    base = kv.lengths[0]
+    sizes = sorted({1, *(1 + k * width for k in ks)})
+    best = {n: float("inf") for n in sizes}
+    for turn in range(repeats + 1):
+        for n in sizes:
+            seconds, _ = timed(lambda: kv.extend([(prompt_ids * n)[:n]] * rows, last=n), device)
+            for row in range(rows):
+                kv.rollback(row, base)
+            kv.trim()
+            if turn:
+                best[n] = min(best[n], seconds)
+    step = drafting.get("draft_step", 0.0)
+    per_token = drafting.get("draft_per_token", True)
+    draft = {k: rows * ((k * step if per_token else step) + drafting.get("draft_round", 0.0)) for k in ks}
+    return RowsCosts(rows, best[1], {k: best[1 + k * width] for k in ks}, draft)
+
+
+def decide_speculation_by_rows(engine, max_rows: int = STARTUP_MAX_ROWS,
+                               acceptance: float = STARTUP_ACCEPTANCE,
+                               prompt: str = "The quick brown fox jumps over the lazy dog. ") -> dict:
+    """Measure at the engine's row buckets (1, 2, 4, ... max_rows) and decide per batch size
+    whether drafting pays and with which k. Stops measuring at the first size that does not pay:
+    the threshold is the unbroken run from 1, so larger sizes could not change it. Returns
+    {"decisions": [RowsDecision...], "threshold": int, "seconds": float}."""
+    started = time.perf_counter()
+    ids = engine.encode(prompt)
+    ks = sorted({k for k in (1, 2, 3, 4, engine.config.k) if k <= engine.config.k_max})
+    drafting = measure_step_costs(engine, ids, ks[:1], repeats=2)
+    costs, decisions, rows = [], [], 1
+    while rows <= max(1, max_rows):
+        costs.append(measure_rows_costs(engine, ids, rows, ks, drafting))
+        decisions = speculation_by_rows(costs, acceptance)
+        if not decisions[-1].pays:
+            break
+        rows *= 2
+    return {"decisions": decisions, "threshold": threshold_of(decisions),
+            "seconds": time.perf_counter() - started}

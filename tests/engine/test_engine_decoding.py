@@ -127,7 +127,9 @@ def test_cost_aware_k_follows_acceptance_and_costs():
     config = SpeculationConfig(k=4, k_max=8)
     cheap = CostModel(draft=0.01, verify={k: 1.0 + 0.01 * k for k in range(1, 9)})
     dear = CostModel(draft=0.2, verify={k: 1.0 + 0.2 * k for k in range(1, 9)})
-    good, bad = DynamicK(config, cheap), DynamicK(config, dear)
+    # The k chosen while drafting (the per-row back-off, which would rest `bad` at k 0, is
+    # test_engine_row_backoff.py's).
+    good, bad = DynamicK(config, cheap, back_off=False), DynamicK(config, dear, back_off=False)
     for _ in range(20):
         good.update(good.k, good.k)          # everything accepted
         bad.update(bad.k, 0)                 # nothing accepted
@@ -136,7 +138,7 @@ def test_cost_aware_k_follows_acceptance_and_costs():
     # Cheap drafts with middling acceptance still speculate deeper than dear ones.
     import random
     rng = random.Random(0)
-    mid_cheap, mid_dear = DynamicK(config, cheap), DynamicK(config, dear)
+    mid_cheap, mid_dear = DynamicK(config, cheap, back_off=False), DynamicK(config, dear, back_off=False)
     for _ in range(60):
         for d in (mid_cheap, mid_dear):
             accepted = 0
