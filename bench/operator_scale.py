@@ -141,6 +141,9 @@ def main() -> int:
                     help="measure a first steady window with the operator run with these variables, then "
                          "restart it without them and measure the same pairs again (an A/B on one cluster, "
                          "under the same load: e.g. SPECPAIR_REPLAY_SETTLED_READS=0)")
+    ap.add_argument("--operator-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="run the operator with these variables (every window; --before-env overrides them "
+                         "for the first), e.g. SPECPAIR_RESYNC_INTERVAL=300")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     ap.add_argument("--keep", action="store_true",
                     help="skip the deletion timing and keep the work folder (logs, audit log)")
@@ -188,6 +191,8 @@ def main() -> int:
         env = {**os.environ, **operator_env(kubeconfig, mlflow.url, {
             "SPECPAIR_RECONCILE_INTERVAL": f"{args.interval:g}", "SPECPAIR_METRICS_PORT": "0"})}
         env.pop("KUBERNETES_SERVICE_HOST", None)
+        env.update(item.split("=", 1) for item in args.operator_env)
+        result["operatorEnv"] = args.operator_env
         log = open(work / "operator.log", "wb")
         operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env={**env, **before}, stdout=log,
                                     stderr=subprocess.STDOUT, cwd=REPO)

@@ -5,6 +5,7 @@ watch that keeps each pair's latest body, and the periodic loop; each pass is a 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -63,6 +64,11 @@ class BoundedDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
             current = self.build(body=body)
             return current if _essence_digest(current) == stored[DIFFBASE_DIGEST] else {}
         return stored
+
+
+def registry_threads() -> int:
+    """How many MLflow calls the operator makes at once (SPECPAIR_REGISTRY_THREADS, default 32)."""
+    return int(os.environ.get("SPECPAIR_REGISTRY_THREADS", "32"))
 
 
 def reconcile_interval() -> float:
@@ -148,6 +154,12 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
                                   f"({tls_mod.CA_SECRET}); in a pod it is read from the service account")
     STATE.ca, STATE.client_cert, STATE.ca_lock = None, None, None
     metrics.serve_from_env()
+    # MLflow's client is synchronous: every registry call of a pass runs in the loop's default
+    # executor (asyncio.to_thread), whose default size is the CPU count + 4: on a 2-core node,
+    # six calls at once for all the pairs being created, gated and promoted, each call waiting
+    # on MLflow rather than on this process's CPU.
+    asyncio.get_running_loop().set_default_executor(
+        concurrent.futures.ThreadPoolExecutor(max_workers=registry_threads(), thread_name_prefix="specpair-registry"))
     STATE.periodic = asyncio.create_task(periodic_passes(reconcile_interval()))
 
 
