@@ -24,7 +24,11 @@ def test_proposals_the_grammar_refuses_are_never_drafted_and_cost_no_wrong_token
     nothing (no digit is forced) and emits the target's digit; later rounds draft digits the
     reply repeats, and EOS once the grammar is complete. Output equals target-only, and
     acceptance counts only what was verified."""
-    engine = SpeculativeEngine(tiny_target, drafter="ngram")
+    from specpair.config import SpeculationConfig
+
+    # Speculation held on (no fallback, fixed k): rounds of refused proposals must not stop it.
+    engine = SpeculativeEngine(tiny_target, drafter="ngram",
+                               speculation=SpeculationConfig(k=4, dynamic_k=False, fallback_threshold=0))
     params = GenerationParams(max_new_tokens=20, structure=DIGITS)
     free = engine.generate([REPEATING], GenerationParams(max_new_tokens=20))[0]
     assert free.stats.num_draft_tokens > 0            # unconstrained, lookup drafts this prompt

@@ -150,3 +150,16 @@ def test_lookup_first_copies_within_the_grammar(one_layer_target):
         assert [r.token_ids for r in spec] == [r.token_ids for r in alone]
     rounds = engine.drafter.describe()["rounds"]
     assert rounds["copied"] > 0, rounds
+
+
+def test_mask_words_unpack_to_token_order():
+    """grammar.unpack_bits: bit j of word i is token 32 i + j, sign bit included, per row."""
+    from specpair.grammar import unpack_bits
+
+    words = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(4))
+    expected = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(3, -1).bool()
+    assert torch.equal(unpack_bits(words), expected)
+    assert torch.equal(unpack_bits(words[1]), expected[1])
+    one = torch.zeros(4, dtype=torch.int32)
+    one[2] = 1 << 5
+    assert unpack_bits(one).nonzero().flatten().tolist() == [2 * 32 + 5]
