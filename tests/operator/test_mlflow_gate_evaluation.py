@@ -134,7 +134,14 @@ def test_the_description_names_every_floor_and_says_where_none_was_set():
     low = {**VERDICT, "acceptanceRate": 0.036}
     text = gate_description(low, rel)
     assert "| acceptance | >= 0.000 | 3.6% |" in text and "| acceptance of qa | >= 0.400 | n/a |" in text
-    assert "No floor set for minAcceptance and minSpeedup: any figure passes it." in text
+    assert "No floor set for minAcceptance: any figure passes it." in text
+    # No minSpeedup: the default floor, target-only less the noise the gate measured.
+    assert "| speedup | >= 1.00x (default: target-only less the 0.000 noise measured) | 1.08x |" in text
+    noisy_off = {**low, "speedup": 0.9, "speedupNoise": 0.04, "bestSpeculation": {"batchSizeThreshold": 0}}
+    assert ("| speedup | >= 0.96x (default: target-only less the 0.040 noise measured; slower: speculation "
+            "shipped off) | 0.90x |") in gate_description(noisy_off, rel)
+    named = release.build_release("p", "ns", {**SPEC, "gating": {"thresholds": {"minSpeedup": 0}}}, PROMPTS)
+    assert "No floor set for minAcceptance and minSpeedup: any figure passes it." in gate_description(low, named)
     assert "speedup.creative 0.92" in text and "Tuned on this hardware: batchSizeThreshold = 8, k = 4." in text
     # A recorder not handed the release claims no floors it does not know.
     assert "| floor |" not in gate_description(low, None) and "not handed" in gate_description(low, None)

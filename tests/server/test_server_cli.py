@@ -97,6 +97,11 @@ def test_serve_and_generate_commands(tiny_pair, tmp_path):
         log = server.stdout.read()
         assert "loading target" in log and "warm-up step" in log and "serving on" in log and "draining" in log
         assert "KV budget" in log and "(4096 target tokens)" in log    # --kv-budget reached the engine
+        # No --batch-size-threshold: measured at start-up (test_engine_startup_speculation.py), and
+        # the threshold said is the one served.
+        measured = next(line for line in log.splitlines() if line.startswith("speculation by batch size, measured in"))
+        threshold = int(measured.rsplit("threshold ", 1)[1])
+        assert threshold >= 1 and f"off above {threshold} concurrent requests" in log
         assert "stopped (0 in-flight requests finished while draining, 0 ended by the drain timeout)" in log
     finally:
         if server.poll() is None:

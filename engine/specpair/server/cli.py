@@ -160,16 +160,10 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
 
 # -- serve -----------------------------------------------------------------------------------------
 
-def default_batch_size_threshold(device_type: str) -> int:
-    """Largest batch that still speculates, from scripts/load_bench.py (docs/server.md).
-
-    SmolLM2-135M + n-gram lookup: on 2 CPU cores speculation paid only at batch 1 (1.36x; 0.93x at
-    2, 0.94x at 4, 0.89x at 16: verifying k+1 tokens per row is compute the CPU does not have
-    spare); on an H100 it paid at every size measured (1.81x at 1, 1.60x at 4, 1.38x at 16: the
-    GPU is bound by launches and memory, not arithmetic). A release gated on its hardware
-    overrides this with its own measured threshold.
-    """
-    return 1 if device_type == "cpu" else 16
+# The batch threshold a server speculates with until start-up has measured its own (a release
+# carries its gate's; --batch-size-threshold sets one): batch 1, where speculation is for and where
+# each request's own back-off (costs.DynamicK) stops drafts that fail.
+PROVISIONAL_BATCH_SIZE_THRESHOLD = 1
 
 
 def served_pair(args, release: Release | None, device_type: str) -> PairSpec:
@@ -184,7 +178,7 @@ def served_pair(args, release: Release | None, device_type: str) -> PairSpec:
     else:
         threshold = args.batch_size_threshold
         if threshold is None:
-            threshold = default_batch_size_threshold(device_type)
+            threshold = PROVISIONAL_BATCH_SIZE_THRESHOLD     # measured once loaded (load_engine)
         pair = PairSpec(
             target=ModelRef(args.target, args.target_revision),
             draft=ModelRef(args.draft, args.draft_revision) if args.draft else None,
@@ -206,15 +200,44 @@ def load_engine(args, release: Release | None, progress=print):
     from specpair.pair import load_pair
 
     pair = served_pair(args, release, pick_device(args.device).type)
-    speculation = pair.speculation
+    engine = load_pair(pair, progress=progress)
+    if release is None and args.batch_size_threshold is None:
+        decide_speculation_at_startup(engine, args.max_batch_size, progress)
+    speculation = engine.config
     progress(f"speculation k={speculation.k}{' (dynamic)' if speculation.dynamic_k else ''}, "
              f"off above {speculation.batch_size_threshold} concurrent requests")
-    engine = load_pair(pair, progress=progress)
     # The shadow candidate must share the target served, which a release names, not the flags:
     # its check reads a copy of the flags with the served target in them.
     served = argparse.Namespace(**{**vars(args), "target": pair.target.source,
                                    "target_revision": pair.target.revision})
     return attach_shadow_from_args(engine, served, progress)
+
+
+def decide_speculation_at_startup(engine, max_rows: int | None, progress=print) -> dict | None:
+    """Where the batch threshold is no one's setting: time a target step and a verification at
+    the row buckets on this device, and speculate up to the largest batch size where drafting is
+    expected to pay (costs.decide_speculation_by_rows), starting each request at batch 1's k.
+    Batch 1 keeps speculating even where the costs say otherwise: there each request's own
+    back-off judges its real acceptance. Logged per batch size; GetStats reports the threshold."""
+    import dataclasses as dc
+
+    from specpair.costs import STARTUP_ACCEPTANCE, STARTUP_MAX_ROWS, decide_speculation_by_rows
+
+    if engine.drafter is None or not engine.config.enabled:
+        return None
+    decided = decide_speculation_by_rows(engine, max_rows or STARTUP_MAX_ROWS)
+    by_rows = ", ".join(f"{d.rows}: {'k=' + str(d.k) if d.pays else 'off'} ({d.speedup:.2f}x)"
+                        for d in decided["decisions"])
+    threshold = max(PROVISIONAL_BATCH_SIZE_THRESHOLD, decided["threshold"])
+    first = decided["decisions"][0]
+    k = first.k if first.pays else engine.config.k
+    progress(f"speculation by batch size, measured in {decided['seconds']:.1f} s at acceptance "
+             f"{STARTUP_ACCEPTANCE}: {by_rows}; threshold {threshold}")
+    engine.config = dc.replace(engine.config, batch_size_threshold=threshold, k=k)
+    engine.speculation_by_rows = decided["decisions"]
+    if engine.compile_mode == "on":
+        engine.warm_up()      # the step buckets follow the threshold (SpeculativeEngine.step_bucket)
+    return decided
 
 
 def server_options(args, release: Release | None = None):

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
-from specpair.contract import GOLDEN_STRUCTURE_KEYS, STRUCTURE_FLOORS
+from specpair.contract import GOLDEN_STRUCTURE_KEYS, STRUCTURE_FLOORS, shipped_target_only, speedup_floor
 
 T = TypeVar("T")
 
@@ -127,7 +127,8 @@ def gate_metrics(verdict: dict[str, Any]) -> dict[tuple[str, int], float]:
             out[(name, step)] = float(value)
 
     for key, name in (("acceptanceRate", "acceptance_rate"), ("meanAcceptanceLength", "mean_acceptance_length"),
-                      ("speedup", "speedup"), ("greedyIdentity", "greedy_identity"), *STRUCTURE_METRICS):
+                      ("speedup", "speedup"), ("greedyIdentity", "greedy_identity"), *STRUCTURE_METRICS,
+                      ("speedupNoise", "speedup_noise")):
         put(name, verdict.get(key))
     for cat, vals in (verdict.get("categories") or {}).items():
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in str(cat))
@@ -199,7 +200,8 @@ def release_params(release: dict[str, Any]) -> dict[str, str]:
            "max_new_tokens": str(gating.get("maxNewTokens", "")),
            "threshold.requireGreedyIdentity": str(th.get("requireGreedyIdentity", True)),
            "threshold.minAcceptance": str(th.get("minAcceptance", 0.0)),
-           "threshold.minSpeedup": str(th.get("minSpeedup", 0.0))}
+           # Absent: target-only's speed less the noise the gate measures (contract.speedup_floor).
+           "threshold.minSpeedup": str(th.get("minSpeedup", "default: 1.0 less the measured noise"))}
     for key, value in sorted(spec.items()):
         out[f"speculation.{key}"] = str(value)
     for cat, floor in sorted((th.get("minCategoryAcceptance") or {}).items()):
@@ -293,6 +295,14 @@ def gate_summary(verdict: dict[str, Any]) -> str:
     return "; ".join(parts)[:4000]
 
 
+def _speedup_floor_shown(verdict: dict[str, Any], th: dict[str, Any]) -> str:
+    floor, defaulted = speedup_floor(verdict, th)
+    if not defaulted:
+        return f">= {floor:.2f}x"
+    off = "; slower: speculation shipped off" if shipped_target_only(verdict) else ""
+    return f">= {floor:.2f}x (default: target-only less the {1.0 - floor:.3f} noise measured{off})"
+
+
 def gate_description(verdict: dict[str, Any], release: dict[str, Any] | None) -> str:
     """The gate run's description (markdown): the verdict, every floor it was held to with the
     figure it was held against, and any category speculation slowed down."""
@@ -309,7 +319,7 @@ def gate_description(verdict: dict[str, Any], release: dict[str, Any] | None) ->
                   f"| greedy identity | {'1.000' if th.get('requireGreedyIdentity', True) else 'not required'} "
                   f"| {shown_identity} |",
                   f"| acceptance | >= {_floor(th.get('minAcceptance')):.3f} | {_pct(verdict.get('acceptanceRate'))} |",
-                  f"| speedup | >= {_floor(th.get('minSpeedup')):.2f}x | {_times(verdict.get('speedup'))} |"]
+                  f"| speedup | {_speedup_floor_shown(verdict, th)} | {_times(verdict.get('speedup'))} |"]
         for cat, floor in sorted((th.get("minCategoryAcceptance") or {}).items()):
             measured = _pct((cats.get(cat) or {}).get("acceptanceRate"))
             lines.append(f"| acceptance of {cat} | >= {_floor(floor):.3f} | {measured} |")
@@ -318,7 +328,8 @@ def gate_description(verdict: dict[str, Any], release: dict[str, Any] | None) ->
             for cat, vals in sorted(cats.items()):
                 if _is_number((vals or {}).get(key)):
                     lines.append(f"| {words} of {cat} | >= {_floor(floor):.3f} | {_pct(vals[key])} |")
-        floors_at_zero = [n for n in ("minAcceptance", "minSpeedup") if not _floor(th.get(n)) > 0]
+        floors_at_zero = [n for n in ("minAcceptance", "minSpeedup") if not _floor(th.get(n)) > 0
+                          and not (n == "minSpeedup" and th.get(n) is None)]    # (its default is a floor)
         if floors_at_zero:
             lines += ["", f"No floor set for {' and '.join(floors_at_zero)}: any figure passes it."]
     if cats:
