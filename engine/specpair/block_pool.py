@@ -57,6 +57,9 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()   # unheld named blocks, LRU first
         self.tables: dict[object, list[int]] = {}
         self.evictions = 0
+        # Free blocks that may hold written pages (given back to the system by the space that
+        # owns the memory: paged_cache.PagedSpace.give_back; `take_written` hands them over).
+        self._written_free: set[int] = set()
 
     # -- what is there ----------------------------------------------------------------------
 
@@ -73,6 +76,40 @@ class BlockPool:
 
     def cached(self, name: bytes) -> bool:
         return name in self._by_name
+
+    @property
+    def idle(self) -> bool:
+        """No row holds a block."""
+        return not any(self.tables.values())
+
+    @property
+    def cached_blocks(self) -> int:
+        """Named blocks no row holds (kept for later prompts, evictable)."""
+        return len(self._cached)
+
+    @property
+    def written_free(self) -> int:
+        """Free blocks whose pages may still be resident."""
+        return len(self._written_free)
+
+    def take_written(self) -> list[int]:
+        """The free blocks that may hold written pages, ascending, now counted as given back."""
+        out = sorted(self._written_free)
+        self._written_free.clear()
+        return out
+
+    def evict_to(self, keep: int) -> int:
+        """Evict cached blocks, least recently used first, until at most `keep` remain (their
+        pages can then be given back). -> blocks evicted."""
+        evicted = 0
+        while len(self._cached) > max(0, keep):
+            block_id, _ = self._cached.popitem(last=False)
+            del self._by_name[self._name.pop(block_id)]
+            self._free.append(block_id)
+            self._written_free.add(block_id)
+            self.evictions += 1
+            evicted += 1
+        return evicted
 
     @property
     def named(self) -> int:
@@ -138,6 +175,7 @@ class BlockPool:
         for _ in range(need):
             if self._free:
                 block_id = self._free.pop()
+                self._written_free.discard(block_id)
             else:                                      # the least recently used cached block
                 block_id, _ = self._cached.popitem(last=False)
                 del self._by_name[self._name.pop(block_id)]
@@ -188,6 +226,7 @@ class BlockPool:
             self._cached[block_id] = None
         else:
             self._free.append(block_id)
+            self._written_free.add(block_id)
 
 
 @dataclass

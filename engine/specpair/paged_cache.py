@@ -22,8 +22,10 @@ drafting head's vectors (those engines keep kv.static.StaticKVModel).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
+import sys
 import weakref
 
 import torch
@@ -31,6 +33,7 @@ import torch
 from specpair import cpu_kernels
 from specpair.block_pool import (MAX_BATCH_ROWS, PLANNED_ROW_POSITIONS, BlockPool, OutOfBlocks,
                                  blocks_for)
+from specpair.config import parse_kv_budget
 from specpair.errors import SpecpairError
 from specpair.prefix_cache import BLOCK_TOKENS
 from specpair.kv.protocol import KVCache
@@ -42,6 +45,16 @@ from specpair.kv.runner import StaticLlama
 # Allocated lazily (torch.empty): a page costs memory once a block on it is written.
 BYTES_WITHOUT_BUDGET = 2 << 30
 PAGED_ENV = "SPECPAIR_PAGED"        # "on" (default, where it applies) or "off"
+# Memory given back (issue 54): a page of the pool, once written, stays resident until given
+# back. When no row holds a block (the server idle), prompt blocks kept for reuse beyond
+# IDLE_KEEP (least recently used first) are evicted and every free block's pages go back to the
+# system; while rows run, free blocks' pages go back once they exceed FREE_SLACK_BYTES. So the
+# resident memory a long prompt took returns near where it was once it has left.
+IDLE_KEEP_ENV = "SPECPAIR_KV_IDLE_KEEP"    # bytes (64MiB) or target tokens; 0 keeps none
+IDLE_KEEP_DEFAULT = "64MiB"
+FREE_SLACK_BYTES = 64 << 20
+_MADV_DONTNEED = 4                         # Linux: the pages read as zeros until written again
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def paged_applies(model, kv_kind: str, compile_mode: str, drafter=None, tree_width: int = 1,
@@ -119,6 +132,29 @@ class PagedSpace:
                       if draft_model is not None else None)
         self.owners = itertools.count()
         self.preemptions = 0          # rows given back for want of blocks, ever (Batch counts)
+        self.block_bytes = sum(k[0].nbytes + v[0].nbytes for layers in (self.target, self.draft)
+                               if layers is not None for k, v in layers.caches)
+        self.idle_keep_blocks = idle_keep_bytes(model, block) // self.block_bytes
+        self.bytes_given_back = 0     # pages handed back to the system, ever
+
+    def give_back(self) -> int:
+        """After rows left: idle, evict cached prompt blocks beyond the idle keep and give every
+        free block's pages back; busy, give them back once they pass FREE_SLACK_BYTES. Free
+        blocks are never read before they are written again, so their pages may go.
+        -> bytes given back now."""
+        pool = self.pool
+        if pool.idle:
+            pool.evict_to(self.idle_keep_blocks)
+        elif pool.written_free * self.block_bytes <= FREE_SLACK_BYTES:
+            return 0
+        given = 0
+        for first, last in _runs(pool.take_written()):
+            for layers in (self.target, self.draft):
+                for pair in (layers.caches if layers is not None else ()):
+                    for tensor in pair:
+                        given += _dont_need(tensor, first, last)
+        self.bytes_given_back += given
+        return given
 
     @classmethod
     def for_budget(cls, model, budget_bytes: int | None, block: int = BLOCK_TOKENS,
@@ -138,6 +174,52 @@ class PagedSpace:
         MAX_BATCH_ROWS."""
         per_row = blocks_for(PLANNED_ROW_POSITIONS, self.pool.block) * (2 if self.draft else 1)
         return max(1, min(MAX_BATCH_ROWS, self.pool.blocks // per_row))
+
+
+def idle_keep_bytes(model, block: int = BLOCK_TOKENS, setting: str | None = None) -> int:
+    """Bytes of cached prompt blocks an idle pool keeps (SPECPAIR_KV_IDLE_KEEP: bytes with a
+    unit, or a count of the target's tokens; 0 keeps none)."""
+    setting = setting if setting is not None else os.environ.get(IDLE_KEEP_ENV) or IDLE_KEEP_DEFAULT
+    if str(setting).strip() == "0":
+        return 0
+    try:
+        amount, unit = parse_kv_budget(setting)
+    except SpecpairError as exc:
+        raise SpecpairError(f"{IDLE_KEEP_ENV}: {exc}") from None
+    return amount * (block_bytes(model, block) // block) if unit == "tokens" else amount
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Ascending block ids as runs of consecutive ids, (first, last) each."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+_libc = None
+
+
+def _dont_need(tensor: torch.Tensor, first: int, last: int) -> int:
+    """Give back the whole pages inside blocks first..last of a pool array [blocks, ...]
+    (madvise MADV_DONTNEED: anonymous memory reads as zeros until written again). -> bytes."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return 0
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    per = tensor[0].nbytes
+    start = tensor.data_ptr() + first * per
+    end = tensor.data_ptr() + (last + 1) * per
+    start = -(-start // _PAGE) * _PAGE
+    end = end // _PAGE * _PAGE
+    if end <= start or _libc.madvise(start, end - start, _MADV_DONTNEED) != 0:
+        return 0
+    return end - start
 
 
 class PagedKVModel(KVCache):
@@ -280,8 +362,11 @@ class PagedKVModel(KVCache):
         for i, key in enumerate(self.keys):
             if i not in kept:
                 self.pool.release(key)
+        left = len(self.keys) > len(rows)
         self.keys = [self.keys[i] for i in rows]
         self.lengths = [self.lengths[i] for i in rows]
+        if left:
+            self.space.give_back()
 
 
 def _release_owner(pool: BlockPool, owner: int) -> None:
