@@ -71,6 +71,13 @@ def env(world, operator_env, ns) -> Namespace:
 
 
 @pytest.fixture
+def reg(mlflow_server):
+    """The operator's MLflow adapter (clients/registry.py) on the session's real MLflow server."""
+    from specpair_operator.clients.registry import ReleaseRegistry
+    return ReleaseRegistry(mlflow_server.url)
+
+
+@pytest.fixture
 def model_dirs(tiny_pair_dirs):
     """The tiny models where pods can read them: a host folder no pod mount covers (pytest's
     folders are under /tmp, which each pod has as its own emptyDir)."""

@@ -10,7 +10,6 @@ import pytest
 
 from specpair_operator.release import aliases, content as release
 from specpair_operator.policy import drift
-from specpair_operator.clients.registry import ReleaseRegistry
 from specpair_operator.release.registry_contract import (HISTORY_SECTION, TAG_EVENT, TAG_PROMOTED_AT, TAG_ROLLED_BACK,
                                                  TAG_RUN_DESCRIPTION, TAG_SHADOW_VERDICT, TAG_SPECULATION_OFF,
                                                  drift_figures, event_record, gate_experiment, with_gate_section,
@@ -55,11 +54,6 @@ def test_the_history_survives_a_new_gate_section_and_keeps_to_mlflows_length():
     for i in range(100):
         text = with_history_line(text, f"event {i} " + "x" * 80)
     assert len(text) <= 5000 and text.endswith("x" * 80) and "- first" not in text and "[gate run]" in text
-
-
-@pytest.fixture
-def reg(mlflow_server):
-    return ReleaseRegistry(mlflow_server.url)
 
 
 def test_a_drift_driven_rollback_is_explained_in_the_version_history(reg):

@@ -12,7 +12,6 @@ import pytest
 from mlflow_server import load_table  # tests/ is on sys.path (tests/conftest.py)
 
 from specpair_operator.release import content as release
-from specpair_operator.clients.registry import ReleaseRegistry
 from specpair_operator.release.registry_contract import (EXPERIMENT_KIND, GOLDEN_DATASET, PER_PROMPT_COLUMNS,
                                                  PER_PROMPT_TABLE, RUNS_VIEW,
                                                  TAG_EXPERIMENT_KIND, TAG_GATE_RUN, TAG_GATE_SUMMARY,
@@ -36,11 +35,6 @@ GOLDEN = [{"prompt": "def add(a, b):", "category": "code", "token_ids": [1, 2, 3
           {"prompt": "A poem about rain", "category": "creative", "token_ids": [5, 6], "output_tokens": 2,
            "acceptance_rate": 0.12, "mean_acceptance_length": 1.2, "speedup": 0.92, "identical": True}]
 GATE_SECONDS = 1.5
-
-
-@pytest.fixture
-def reg(mlflow_server):
-    return ReleaseRegistry(mlflow_server.url)
 
 
 def gate_with(reg, tmp_path, model: str, spec: dict, verdict: dict) -> str:

@@ -27,11 +27,6 @@ VERDICT = {"passed": True, "reasons": [], "greedyIdentity": 1.0, "acceptanceRate
            "mlflowRunId": None, "device": "cpu"}
 
 
-@pytest.fixture
-def reg(mlflow_server):
-    return ReleaseRegistry(mlflow_server.url)
-
-
 def test_same_release_same_version_new_content_new_version(reg):
     model = f"m-{uuid.uuid4().hex[:6]}"
     reg.ensure_model(model, "ns/p")
