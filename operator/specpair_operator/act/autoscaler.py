@@ -2,35 +2,35 @@
 plan/serving_rollout from what observe read: the spec, whether KEDA is served, the installation's
 Prometheus address).
 
-The planned object is written through ensure_owned (owned by the pair), the unwanted kind deleted
-by its uid. What it finds is the pair's Autoscaled condition, with an Event for each object
-written or deleted. A spec the plan cannot turn into an autoscaler, a name taken, or a request
-refused leaves the existing autoscaler as it is and serving untouched: Autoscaled is False with
-the reason, and a Warning Event says it once."""
+The planned object is written through ensure_owned (owned by the pair), the unwanted kind through
+delete_owned (only while the pair owns it, by its uid). What it finds is the pair's Autoscaled
+condition, with an Event for each object written or deleted. A spec the plan cannot turn into an
+autoscaler, a name taken, or a request refused leaves the existing autoscaler as it is and serving
+untouched: Autoscaled is False with the reason, and a Warning Event says it once."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from specpair_operator.act import owned
-from specpair_operator.clients.kube import PLURALS, KubeError
+from specpair_operator.clients.kube import KubeError
 from specpair_operator.desired.autoscaling import API_VERSIONS, AUTOSCALED, AutoscalerPlan, describe
 from specpair_operator.desired.manifests import engine_name
 
 
 async def apply_autoscaler_plan(kube: Any, body: Any, ledger: Any, plan: AutoscalerPlan) -> None:
     meta = body["metadata"]
-    pair, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    pair, namespace = meta["name"], meta["namespace"]
     if plan.invalid:
         _not_autoscaled(ledger, "InvalidAutoscaling", plan.invalid)
         return
     try:
         for kind in plan.remove:
-            api_version, name = API_VERSIONS[kind], engine_name(pair)
-            live = await kube.get(api_version, PLURALS[kind], namespace, name)
-            if live is not None and owned.owns(uid, live) and \
-                    await kube.delete(api_version, PLURALS[kind], namespace, name, live["metadata"]["uid"]):
-                ledger.event("Normal", "AutoscalerRemoved", f"{kind} {name} deleted: {plan.why}")
+            unwanted = {"apiVersion": API_VERSIONS[kind], "kind": kind,
+                        "metadata": {"namespace": namespace, "name": engine_name(pair)}}
+            gone = await owned.delete_owned(kube, body, unwanted)
+            if gone.outcome == owned.DELETED:
+                ledger.event("Normal", "AutoscalerRemoved", f"{kind} {gone.name} deleted: {plan.why}")
         done = None if plan.desired is None else await owned.ensure_owned(kube, body, dict(plan.desired))
     except KubeError as exc:
         if not exc.permanent:

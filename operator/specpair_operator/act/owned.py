@@ -1,5 +1,6 @@
 """The objects a pair owns (engine Deployment and Service, NetworkPolicies, gate Jobs, the
-engine's TLS Secret), all written through one create-or-patch: `ensure_owned`.
+engine's TLS Secret, its autoscaler), all written through one create-or-patch, `ensure_owned`,
+and removed through one delete, `delete_owned`, when a plan no longer wants them.
 
 An object of the child's name that the pair does not own (no controller owner reference with
 the pair's uid) is never touched: the answer is CONFLICT and the caller reports NameConflict.
@@ -17,8 +18,9 @@ from typing import Any
 import kopf
 
 from specpair_operator.clients.kube import Kube, KubeError
-from specpair_operator.desired.ownership import (ANN_MANIFEST, CONFLICT, CREATED, PATCHED, UNCHANGED,  # noqa: F401
-                                                 Ensured, api_of, manifest_fingerprint, owns, stamp)
+from specpair_operator.desired.ownership import (ABSENT, ANN_MANIFEST, CONFLICT, CREATED, DELETED,  # noqa: F401
+                                                 PATCHED, UNCHANGED, Ensured, api_of, manifest_fingerprint, owns,
+                                                 stamp)
 
 _UNREAD: Any = object()  # `live` not read by the caller: ensure_owned reads it
 
@@ -46,6 +48,30 @@ async def ensure_owned(kube: Kube, owner: dict[str, Any], desired: dict[str, Any
     meta = desired["metadata"]
     patch = {"metadata": {k: meta[k] for k in ("labels", "annotations") if k in meta}, "spec": desired["spec"]}
     return Ensured(kind, name, PATCHED, await kube.merge_patch(api_version, plural, namespace, name, patch))
+
+
+async def delete_owned(kube: Kube, owner: dict[str, Any], unwanted: dict[str, Any], *,
+                       live: Any = _UNREAD) -> Ensured:
+    """Delete the object named by `unwanted` (apiVersion, kind, metadata namespace and name) when
+    `owner` (a pair's body) owns it: ABSENT when there is none, CONFLICT when an object the pair
+    does not own has the name (never touched). The delete holds only for the object read (a uid
+    precondition): one made again under the name since is left, UNCHANGED. `live` as for
+    ensure_owned."""
+    api_version, plural, namespace, name = api_of(unwanted)
+    kind = unwanted["kind"]
+    if live is _UNREAD:
+        live = await kube.get(api_version, plural, namespace, name)
+    if live is None:
+        return Ensured(kind, name, ABSENT)
+    if not owns(owner["metadata"]["uid"], live):
+        return Ensured(kind, name, CONFLICT, live)
+    try:
+        deleted = await kube.delete(api_version, plural, namespace, name, live["metadata"]["uid"])
+    except KubeError as exc:
+        if exc.status != 409:
+            raise
+        return Ensured(kind, name, UNCHANGED, live)   # another object of the name since the read: left
+    return Ensured(kind, name, DELETED if deleted else ABSENT, live)
 
 
 async def _ensure_unreadable(kube: Kube, owner_uid: str, desired: dict[str, Any]) -> Ensured:

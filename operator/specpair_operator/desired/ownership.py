@@ -15,14 +15,16 @@ from specpair_operator.clients.kube import PLURALS
 ANN_MANIFEST = "specpair.io/manifest-hash"
 
 CREATED, PATCHED, UNCHANGED, CONFLICT = "created", "patched", "unchanged", "conflict"
+DELETED, ABSENT = "deleted", "absent"   # what delete_owned did: deleted it, or there was none
 
 
 @dataclass(frozen=True)
 class Ensured:
-    """What ensure_owned did to one object, and the object as the API server returned it."""
+    """What ensure_owned or delete_owned did to one object, and the object as the API server
+    returned it (delete_owned: as it was before it went)."""
     kind: str
     name: str
-    outcome: str                      # CREATED, PATCHED, UNCHANGED or CONFLICT
+    outcome: str                      # CREATED, PATCHED, UNCHANGED, CONFLICT; DELETED or ABSENT
     live: dict[str, Any] | None = None
 
     @property
