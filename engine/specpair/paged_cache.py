@@ -50,8 +50,9 @@ PAGED_ENV = "SPECPAIR_PAGED"        # "on" (default, where it applies) or "off"
 # IDLE_KEEP (least recently used first) are evicted and every free block's pages go back to the
 # system; while rows run, free blocks' pages go back once they exceed FREE_SLACK_BYTES. So the
 # resident memory a long prompt took returns near where it was once it has left.
-IDLE_KEEP_ENV = "SPECPAIR_KV_IDLE_KEEP"    # bytes (64MiB) or target tokens; 0 keeps none
-IDLE_KEEP_DEFAULT = "64MiB"
+IDLE_KEEP_ENV = "SPECPAIR_KV_IDLE_KEEP"    # bytes or target tokens; 0 keeps none
+# 128 MiB holds a 1,500-token system prompt of SmolLM2-135M in float32 (46 KB a position).
+IDLE_KEEP_DEFAULT = "128MiB"
 FREE_SLACK_BYTES = 64 << 20
 _MADV_DONTNEED = 4                         # Linux: the pages read as zeros until written again
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
