@@ -8,6 +8,7 @@ runs a batch to completion for the CLI, the bench and the gate.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -18,6 +19,7 @@ import torch
 
 from specpair.config import (KV_BUDGET_CUDA_FREE_FRACTION, KV_BUDGET_ENV, NGRAM_MAX, NGRAM_MIN,
                              GenerationParams, SpeculationConfig, parse_kv_budget)
+from specpair.batch_observer import BatchObserver, VerifiedRound
 from specpair.costs import CostModel, DynamicK, StepTiming, measure_step_costs, sync
 from specpair.detokenize import IncrementalDetokenizer
 from specpair.drafter_choice import build_drafter
@@ -231,6 +233,9 @@ class SpeculativeEngine:
         self.draft = choice.draft
         self.draft_fingerprint, self.tokenizer_check = choice.draft_fingerprint, choice.tokenizer_check
         self.warnings.extend(choice.warnings)
+        # Who watches every batch's rounds (batch_observer.BatchObserver: shadow scoring); they
+        # only read. Declared with add_observer, before the first batch.
+        self.observers: list[BatchObserver] = []
         eos = target.model.generation_config.eos_token_id if getattr(
             target.model, "generation_config", None) is not None else None
         ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -421,12 +426,49 @@ class SpeculativeEngine:
     def new_batch(self) -> "Batch":
         return Batch(self)
 
+    # -- observers of the batches' rounds (batch_observer.py) ------------------------------------
+
+    def add_observer(self, observer: BatchObserver) -> None:
+        """Declare an observer every batch made from now on calls after each round. One that
+        wants the target's features (a head scored in shadow) takes the paged cache off, which
+        hands none (paged_cache.paged_applies): declare it before the first batch."""
+        if observer.wants_features and self.paged_space is not None:
+            self.paged_space = None
+            self.paged_unused = ("an observer wants the target's features (a head scored in "
+                                 "shadow), which the paged cache does not hand over")
+            log.info("paged cache off: %s", self.paged_unused)
+        self.observers.append(observer)
+
+    def remove_observer(self, observer: BatchObserver) -> None:
+        self.observers = [o for o in self.observers if o is not observer]
+
+    @contextlib.contextmanager
+    def observers_paused(self):
+        """No observer sees the rounds run inside (a server's warm-up is not traffic)."""
+        observers, self.observers = self.observers, []
+        try:
+            yield
+        finally:
+            self.observers = observers + self.observers
+
+    @property
+    def observers_want_features(self) -> bool:
+        return any(o.wants_features for o in self.observers)
+
+    @property
+    def shadow(self):
+        """The shadow scorer among the observers (shadow.ShadowScorer), or None: what GetStats
+        and the metrics report."""
+        from specpair.shadow import ShadowScorer
+
+        return next((o for o in self.observers if isinstance(o, ShadowScorer)), None)
+
     def prefix_caches(self, target_kv, drafter: Drafter | None) -> list[tuple[str, object]]:
         """(identity, cache) of each of a batch's caches the prefix store serves: the target's,
         and a draft model's. None where a drafter wants features: a head must see the target's
         features of every prompt token, which a prompt served from the store never computes."""
         if (self.prefix_store is None or not target_kv.reuses_prefixes
-                or (drafter is not None and drafter.wants_features)):
+                or (drafter is not None and drafter.wants_features) or self.observers_want_features):
             return []
         caches = [(f"target {sorted(self.target.identity().items())}", target_kv)]
         draft_cache = drafter.reusable_prefix_cache() if drafter is not None else None
@@ -594,8 +636,7 @@ class Batch:
         """A shadow candidate's draft cache for this batch's rows (shadow.py: a draft model's, kept
         apart from the pool), counted in the pool's blocks: the KV budget holds both, so the
         rows get that much less."""
-        state = getattr(getattr(self.engine, "shadow", None), "_batches", {}).get(self)
-        held = getattr(getattr(getattr(state, "drafter", None), "kv", None), "cache_bytes", 0)
+        held = sum(o.cache_bytes(self) for o in self.engine.observers)
         pool = self.target.pool
         return -(-held // (pool.block * self.engine._target_kv)) if held else 0
 
@@ -870,7 +911,8 @@ class Batch:
             num = torch.tensor(nums, dtype=torch.long, device=self.device)
         self._wants_logprobs = any(s.params.logprobs is not None for s in self.rows)
         self._token_logits = [None] * B
-        wants_features = self.drafter is not None and self.drafter.wants_features
+        drafter_features = self.drafter is not None and self.drafter.wants_features
+        wants_features = drafter_features or eng.observers_want_features
         cached_before = list(self.target.lengths)
         if siblings is not None:
             accepted_l, next_l, kept, fed_kept, features = self._verify_tree(
@@ -890,8 +932,9 @@ class Batch:
             self.target.rollback(i, committed[i] + a)
             if self.drafter is not None:
                 self.drafter.accepted(i, committed[i], a)
-                if wants_features:   # features of the tokens now committed (the fed ones accepted)
-                    self.drafter.observe(i, cached_before[i], features[i, fed_kept[i]])
+            if wants_features:   # features of the tokens now committed (the fed ones accepted)
+                self._hand_features(i, cached_before[i], features[i, fed_kept[i]],
+                                    drafter_features)
             new = kept[i] + [next_l[i]]
             n = proposed[i]
             seq.stats.record_round(n, a, copied=bool(copied and copied[i]))
@@ -906,9 +949,11 @@ class Batch:
             logprobs = (token_logprobs(self._token_logits[i], new, seq.params)
                         if seq.params.logprobs is not None else None)
             outputs.append(self._emit(seq, new, logprobs))
-        shadow = getattr(eng, "shadow", None)
-        if shadow is not None:   # a candidate drafter scored on what was just committed; it only reads
-            shadow.observe(self, committed, self.first_logits, sampling, drafts, num, q, accepted_l)
+        if eng.observers:   # they only read (batch_observer.py): shadow scoring
+            verified = VerifiedRound(committed, self.first_logits, sampling, drafts, num, q,
+                                     accepted_l)
+            for observer in eng.observers:
+                observer.after_round(self, verified)
         if self.prefix_caches:
             self._save_prefixes()
         if self.paged:
@@ -971,11 +1016,21 @@ class Batch:
         if not any(feed):
             return
         starts = list(self.target.lengths)
-        wants = self.drafter is not None and self.drafter.wants_features
+        drafter_features = self.drafter is not None and self.drafter.wants_features
+        wants = drafter_features or self.engine.observers_want_features
         out = self._on_device(self.target.extend, feed, hidden=wants)
         for i, tokens in enumerate(feed if wants else []):
             if tokens:
-                self.drafter.observe(i, starts[i], out[1][i, :len(tokens)])
+                self._hand_features(i, starts[i], out[1][i, :len(tokens)], drafter_features)
+
+    def _hand_features(self, row: int, start: int, features, drafter: bool) -> None:
+        """The target's features of row's tokens from `start` to the drafter (where it wants
+        them) and to the observers that do."""
+        if drafter:
+            self.drafter.observe(row, start, features)
+        for observer in self.engine.observers:
+            if observer.wants_features:
+                observer.take_features(self, row, start, features)
 
     def _verify_chain(self, drafts, num, q, sampling, wants_features, drafted):
         """One target pass over each row's uncached tokens and drafts (`drafted`: each row's,
@@ -1073,7 +1128,7 @@ class Batch:
                 a += 1
             accepted_l.append(a)
             next_l.append(row[a])
-        if getattr(self.engine, "shadow", None) is not None:   # the shadow's p (shadow.py)
+        if self.engine.observers:   # the shadow's p (shadow.py)
             B = len(drafted)
             first = torch.tensor([K - len(d) for d in drafted], device=self.device)
             self.first_logits = logits[torch.arange(B, device=self.device), first]

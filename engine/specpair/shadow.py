@@ -51,8 +51,16 @@ the batch is larger than the serving release's batch threshold or a row runs tar
 want of KV memory (a skipped step only delays a greedy replay; sampled positions are skipped).
 The candidate's own cache (a draft model's) is not counted in the KV budget.
 
-Drafters: n-gram lookup and draft models. Heads (EAGLE, Medusa) draft from the target's features
-of the committed tokens, which the step hands only to the champion's drafter: refused here.
+Drafters: n-gram lookup, draft models and heads (EAGLE, EAGLE-3, Medusa). A head drafts from the
+target's features of the committed tokens: the scorer is an observer the engine declares
+(batch_observer.BatchObserver, SpeculativeEngine.add_observer) that wants them, so the Batch asks
+the target for them whatever the champion drafts with and hands them over as it hands a serving
+head its own; each row keeps them until a round is due, and a round at prefix v hands the
+candidate those of positions before v - 1, what a serving head knows there (the bonus token's
+not computed yet). One target step hands one kind of features (drafters.head.read_features):
+an EAGLE-3 candidate beside an EAGLE or Medusa champion, or the reverse, is refused by name.
+A feature-reading candidate takes the paged cache off (it hands no features) and the prefix
+store's reuse (a prompt served from it computes none).
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ from pathlib import Path
 
 import torch
 
+from specpair.batch_observer import BatchObserver, VerifiedRound
 from specpair.config import PairSpec, Release, SpeculationConfig
 from specpair.contract import DEFAULT_CATEGORY
 from specpair.costs import DynamicK, sync
@@ -133,9 +142,17 @@ def build_shadow_drafter(candidate: Candidate, engine, load_model=None) -> Draft
     from specpair.tokenizer_identity import compare, fingerprint
     loaded = load_model(pair.draft.source, device=str(engine.target.device), revision=pair.draft.revision)
     if getattr(loaded.model, "is_drafting_head", False):
-        raise SpecpairError(f"shadow candidate v{candidate.version}: {loaded.model.method} heads draft "
-                            f"from the target's features, which only the serving drafter is handed; "
-                            f"shadow scoring covers n-gram lookup and draft models")
+        # As the engine builds a head (drafter_choice): the tokenizer check knows a head carries
+        # the target's; lookup in front of it is the serving engine's choice, not scored here.
+        from specpair.drafter_choice import build_drafter
+
+        try:
+            return build_drafter(
+                engine.target, loaded, speculation=replace(pair.speculation, lookup_min_match=0),
+                kv=engine.kv_kind, compile=engine.compile_mode,
+                target_fingerprint=engine.target_fingerprint).drafter
+        except SpecpairError as exc:
+            raise SpecpairError(f"shadow candidate v{candidate.version}: {exc}") from exc
     check = compare(fingerprint(loaded.tokenizer, embedding_rows=loaded.embedding_rows),
                     engine.target_fingerprint)
     if not check.compatible:
@@ -194,10 +211,28 @@ class _Row:
     generator: torch.Generator | None
     replayed: bool                  # the candidate's rounds replayed on the committed tokens
     k: DynamicK
-    v: int                          # greedy replay: where the candidate's next round starts
+    v: int                          # replayed: where the candidate's next round starts (else its first)
     chain: list[int] | None = None  # greedy replay: the chain drafted at v, not yet judged
     asked: int = 0                  # the longest prefix the drafter was handed (it only grows)
     score: RequestScore = field(default_factory=RequestScore)
+    # A head candidate: the target's features of positions fed.. not yet handed to it (fed: what
+    # it knows, its `known`), in position order.
+    fed: int = 0
+    features: list = field(default_factory=list)
+
+    @property
+    def featured(self) -> int:
+        """Positions with a feature: handed or kept."""
+        return self.fed + sum(int(f.shape[0]) for f in self.features)
+
+    def keep_features(self, start: int, features: torch.Tensor) -> None:
+        """The target's features from position `start` (a preempted row's recomputed ones
+        overlap what is kept: only the new part is taken)."""
+        have = self.featured
+        if start > have:
+            raise SpecpairError(f"shadow: features from position {start}, {have} expected")
+        if start + features.shape[0] > have:
+            self.features.append(features[have - start:])
 
 
 class _BatchShadow:
@@ -212,6 +247,16 @@ class _BatchShadow:
         # its address, and that request was then never offered the share (1 of 12 sequential
         # requests went unscored on the tiny pair).
         self.seen: dict[int, object] = {}
+        # A head candidate: the features handed this step for rows not (yet) shadowed, by the
+        # sequence's id: a newcomer takes its own when the share is drawn (align).
+        self.incoming: dict[int, list[tuple[int, torch.Tensor]]] = {}
+
+    def take_features(self, seq, start: int, features: torch.Tensor) -> None:
+        for r in self.rows:
+            if r.seq is seq:
+                r.keep_features(start, features)
+                return
+        self.incoming.setdefault(id(seq), []).append((start, features))
 
     def align(self, batch, committed: list[int]) -> None:
         """Follow the batch's rows: drop those gone (cancelled), take newcomers by the share
@@ -240,26 +285,44 @@ class _BatchShadow:
             # only the champion's round starts instead counted it where it never starts a round
             # (inside the spans it copies): 0.64 against 0.39 served on SmolLM2 (docs/shadow.md).
             replayed = greedy or self.scorer.drafter.deterministic
-            self.rows.append(_Row(seq=seq, greedy=greedy, generator=gen, replayed=replayed,
-                                  k=DynamicK(self.scorer.candidate.speculation),
-                                  v=committed[i]))
+            # A head drafts nothing in a row's first round (no features of its prompt yet):
+            # serving, that round is the target's alone, one token; its rounds start after.
+            first = committed[i] + (1 if self.scorer.wants_features else 0)
+            row = _Row(seq=seq, greedy=greedy, generator=gen, replayed=replayed,
+                       k=DynamicK(self.scorer.candidate.speculation), v=first)
+            for start, features in self.incoming.get(id(seq), []):
+                row.keep_features(start, features)
+            self.rows.append(row)
             self.drafter.add_rows(1)
+        self.incoming = {}
+
+    def hand_features(self, n: int, upto: int) -> None:
+        """Row n's candidate head told the features of positions before `upto` (what a serving
+        head knows at prefix upto + 1)."""
+        r = self.rows[n]
+        if upto <= r.fed or not r.features:
+            return
+        kept = torch.cat(r.features) if len(r.features) > 1 else r.features[0]
+        count = min(upto - r.fed, int(kept.shape[0]))
+        self.drafter.observe(n, r.fed, kept[:count])
+        r.fed += count
+        r.features = [kept[count:]] if count < kept.shape[0] else []
 
 
-class ShadowScorer:
+class ShadowScorer(BatchObserver):
     """Scores a candidate drafter beside the serving one; see the module docstring.
 
-    Attached to an engine as `engine.shadow`; Batch.step calls `observe` after each verification.
+    An observer of the engine's batches (SpeculativeEngine.add_observer, which attach_shadow
+    calls; `engine.shadow` finds it): Batch.step calls `after_round` after each verification,
+    and hands it the target's features (`take_features`) where the candidate drafts from them.
     `snapshot()` is safe from other threads (GetStats, metrics)."""
 
     def __init__(self, drafter: Drafter, candidate: Candidate, *, share: float = DEFAULT_SHARE,
                  batch_size_threshold: int | None = None, seed: int | None = None):
         if not 0.0 <= share <= 1.0:
             raise SpecpairError(f"shadow share must be in [0, 1], got {share}")
-        if drafter.wants_features:
-            raise SpecpairError(f"a {drafter.name} drafter cannot draft in shadow: it needs the "
-                                f"target's features of the committed tokens")
         self.drafter, self.candidate, self.share = drafter, candidate, share
+        self.wants_features = drafter.wants_features
         self.batch_size_threshold = batch_size_threshold
         self.rng = random.Random(seed)
         self.categories: dict[str, CategoryShadow] = {}
@@ -274,7 +337,25 @@ class ShadowScorer:
         with self._lock:
             return {name: replace(c) for name, c in self.categories.items()}
 
-    # -- the step hook ---------------------------------------------------------------------------
+    # -- the batch's hooks (batch_observer.BatchObserver) ----------------------------------------
+
+    def _state(self, batch) -> "_BatchShadow":
+        state = self._batches.get(batch)
+        if state is None:
+            state = self._batches[batch] = _BatchShadow(self, batch.device)
+        return state
+
+    def take_features(self, batch, row: int, start: int, features: torch.Tensor) -> None:
+        self._state(batch).take_features(batch.rows[row], start, features)
+
+    def after_round(self, batch, verified: VerifiedRound) -> None:
+        self.observe(batch, verified.committed, verified.first_logits, verified.sampling,
+                     verified.drafts, verified.num, verified.q, verified.accepted)
+
+    def cache_bytes(self, batch) -> int:
+        """A draft model's cache for the batch's shadowed rows (kept apart from the paged pool)."""
+        state = self._batches.get(batch)
+        return getattr(getattr(getattr(state, "drafter", None), "kv", None), "cache_bytes", 0)
 
     @torch.no_grad()
     def observe(self, batch, committed: list[int], first_logits: torch.Tensor, sampling: RowSampling,
@@ -284,9 +365,7 @@ class ShadowScorer:
         [B, V] for each row's first position, the rows' sampling, the champion's drafts [B, K],
         their count [B], its q [B, K, V] (None: point masses) and what it accepted per row.
         Rows have their new tokens; finished ones are still in the batch."""
-        state = self._batches.get(batch)
-        if state is None:
-            state = self._batches[batch] = _BatchShadow(self, batch.device)
+        state = self._state(batch)
         state.align(batch, committed)
         if not state.rows:
             return
@@ -326,7 +405,8 @@ class ShadowScorer:
         p_row = {id(r): n for n, (r, _) in enumerate(sampled)}
         due: dict[int, tuple[int, int]] = {}          # shadow row -> (prefix length, k)
         for n, r in enumerate(state.rows):
-            if not r.replayed and committed[index[n]] - len(r.seq.prompt_ids) < r.seq.params.max_new_tokens:
+            if (not r.replayed and committed[index[n]] >= r.v
+                    and committed[index[n]] - len(r.seq.prompt_ids) < r.seq.params.max_new_tokens):
                 due[n] = (committed[index[n]], 1)
         while True:
             for n, r in enumerate(state.rows):
@@ -358,6 +438,8 @@ class ShadowScorer:
         ks = [due[n][1] if n in due else 0 for n in range(len(rows))]
         for n in due:
             rows[n].asked = due[n][0]
+            if self.wants_features:   # what a serving head knows at that prefix
+                state.hand_features(n, due[n][0] - 1)
         # A row not asked this round is handed the prefix it had: a drafter that indexes each
         # row's sequence as it grows (a batch's NgramDrafter) starts its index again whenever a
         # row's sequence gets shorter, and the replay's prefixes trail the committed tokens.
@@ -443,9 +525,11 @@ def attach_shadow(engine, release_path: str | Path, *, share: float = DEFAULT_SH
                   serving_target: tuple[str, str | None], load_model=None,
                   seed: int | None = None) -> ShadowScorer:
     """Read a candidate release, check it drafts for the serving target, build its drafter and
-    set it on the engine (`engine.shadow`): Batch.step scores it from then on."""
+    declare it an observer of the engine's batches (`engine.shadow` finds it): Batch.step
+    scores it from then on."""
     candidate = read_candidate(release_path)
     check_same_target(candidate, *serving_target)
     drafter = build_shadow_drafter(candidate, engine, load_model)
-    engine.shadow = ShadowScorer(drafter, candidate, share=share, seed=seed)
-    return engine.shadow
+    scorer = ShadowScorer(drafter, candidate, share=share, seed=seed)
+    engine.add_observer(scorer)
+    return scorer

@@ -414,7 +414,7 @@ def test_on_the_fixed_step_the_target_hands_over_the_heads_layers(target, target
     params = GenerationParams(max_new_tokens=MAX_TOKENS)
     speculation = SpeculationConfig(k=3, k_max=3, dynamic_k=False, fallback_threshold=0)
     rows = [target.tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
-    Eagle3Drafter(head, target.model, 400)        # the target now hands over its layers
+    reading = Eagle3Drafter(head, target.model, 400)    # the target hands over its layers
 
     def handed(kv):
         kv.add_rows(2)
@@ -423,8 +423,9 @@ def test_on_the_fixed_step_the_target_hands_over_the_heads_layers(target, target
         return prompt, step
     expected = handed(StaticKVModel(target.model, fixed=False))
     got = handed(StaticKVModel(target.model, fixed=True))
-    # Layers 1, 2 and the last, and those of heads this module's tests made before.
+    # Layers 1, 2 and the last, and those of live heads this module's tests made before.
     layers = StaticLlama.of(target.model).feature_layers
+    assert reading.aux_layers == (1, 2, 4)
     assert set(layers) >= {1, 2, 4} and got[0].shape == (2, max(map(len, rows)), len(layers) * 256)
     for g, e in zip(got, expected):
         for i, row in enumerate(rows):

@@ -131,8 +131,8 @@ def test_a_shadow_candidates_draft_cache_counts_against_the_pool(tiny_target, ti
     assert batch._shadow_blocks() == 0
     candidate = Candidate(version="7", content_hash="c" * 64,
                           pair=PairSpec(target=ModelRef("tiny"), drafter="ngram", speculation=SPEC))
-    engine.shadow = ShadowScorer(ModelDrafter(tiny_draft, vocab_size=engine.vocab_size), candidate,
-                                 share=1.0, seed=0, batch_size_threshold=64)
+    engine.add_observer(ShadowScorer(ModelDrafter(tiny_draft, vocab_size=engine.vocab_size),
+                                     candidate, share=1.0, seed=0, batch_size_threshold=64))
     batch.add(engine.encode("another prompt, " * 3), GenerationParams(max_new_tokens=8))
     batch.step()                    # the shadow takes the rows and drafts: its cache is allocated
     shadow = batch._shadow_blocks()

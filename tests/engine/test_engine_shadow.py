@@ -40,14 +40,40 @@ def models():
     return target, perturbed_copy(target, seed=12, noise=0.03), perturbed_copy(target, seed=13, noise=0.3)
 
 
+@pytest.fixture(scope="module")
+def smooth_models():
+    """A target of small weights (its greedy text repeats now and then, which an untrained
+    EAGLE-3 head catches: ~40% of its drafts kept) and its drafts, as `models`."""
+    tok = make_tokenizer()
+    target = make_model(tok, seed=11, init_std=0.05)
+    return target, perturbed_copy(target, seed=12, noise=0.03), perturbed_copy(target, seed=13, noise=0.3)
+
+
 def candidate(speculation=CANDIDATE, version="7") -> Candidate:
     return Candidate(version=version, content_hash="c" * 64,
                      pair=PairSpec(target=ModelRef("tiny-seed11"), drafter="ngram", speculation=speculation))
 
 
 def shadowed(engine, drafter, share=1.0, seed=0, threshold=None):
-    engine.shadow = ShadowScorer(drafter, candidate(), share=share, seed=seed, batch_size_threshold=threshold)
-    return engine.shadow
+    """The engine with this candidate's scorer declared as an observer (in place of any before)."""
+    if engine.shadow is not None:
+        engine.remove_observer(engine.shadow)
+    scorer = ShadowScorer(drafter, candidate(), share=share, seed=seed, batch_size_threshold=threshold)
+    engine.add_observer(scorer)
+    return scorer
+
+
+def eagle3_drafter(target, engine):
+    """An untrained EAGLE-3 head on the 2-layer target (its layers' inputs 0, 1 and its last
+    output): it drafts what the target's last state predicted, kept where the text repeats."""
+    import torch
+
+    from specpair.drafters.eagle3 import Eagle3Drafter
+    from specpair.eagle3 import build_eagle3_head
+    from specpair.models import wrap_model
+
+    head = build_eagle3_head(target.model, torch.arange(target.embedding_rows), (0, 1, 2), seed=5)
+    return Eagle3Drafter(wrap_model(head, None, "head"), target.model, engine.vocab_size)
 
 
 def params(i: int, sampled: bool, n: int = 24) -> GenerationParams:
@@ -75,14 +101,21 @@ def plan(sampled_rows=(), n=24, prompts=PROMPTS):
     return [(2 * (i // 3), prompt, params(i, i in sampled_rows, n)) for i, prompt in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("shadow_kind", ["ngram", "model"])
-def test_output_is_identical_with_shadow_on(models, shadow_kind):
-    target, draft, other = models
+@pytest.mark.parametrize("shadow_kind", ["ngram", "model", "eagle3"])
+def test_output_is_identical_with_shadow_on(request, shadow_kind):
+    """Also for a head candidate, which the Batch hands the target's features of the committed
+    tokens (the champion, a draft model, needs none: the paged cache goes for it)."""
+    target, draft, other = request.getfixturevalue("smooth_models" if shadow_kind == "eagle3"
+                                                   else "models")
     mixed = plan(sampled_rows={1, 4, 5, 7})
     plain = run(SpeculativeEngine(target, draft=draft), mixed)
     engine = SpeculativeEngine(target, draft=draft)
-    drafter = NgramDrafter() if shadow_kind == "ngram" else ModelDrafter(other, vocab_size=engine.vocab_size)
+    drafter = {"ngram": lambda: NgramDrafter(),
+               "model": lambda: ModelDrafter(other, vocab_size=engine.vocab_size),
+               "eagle3": lambda: eagle3_drafter(target, engine)}[shadow_kind]()
     scorer = shadowed(engine, drafter)
+    if shadow_kind == "eagle3":
+        assert engine.paged_space is None and engine.observers_want_features
     with_shadow = run(engine, mixed)
     assert {c: s.generated for c, s in with_shadow.items()} == {c: s.generated for c, s in plain.items()}
     assert {c: s.stats.to_dict() | {"draft_seconds": 0, "target_seconds": 0} for c, s in with_shadow.items()} == \
@@ -126,15 +159,22 @@ def served_by_candidate(target, drafter_for, requests):
     return run(engine, requests)
 
 
-@pytest.mark.parametrize("champion,candidate_kind", [("model", "ngram"), ("ngram", "model")])
-def test_greedy_replay_equals_the_candidate_serving(models, champion, candidate_kind):
-    target, draft, _other = models
+@pytest.mark.parametrize("champion,candidate_kind", [("model", "ngram"), ("ngram", "model"),
+                                                     ("ngram", "eagle3"), ("model", "eagle3")])
+def test_greedy_replay_equals_the_candidate_serving(request, champion, candidate_kind):
+    """A head candidate too: each replayed round hands it the target's features of the
+    positions before its prefix, what it knows serving (the C layer computes a position's
+    features bitwise alike in any step), and a row's first round is the target's alone, as
+    serving (no features yet), so its counts are the ones it measures serving."""
+    target, draft, _other = request.getfixturevalue("smooth_models" if candidate_kind == "eagle3"
+                                                    else "models")
     greedy = plan(n=40)
     engine = SpeculativeEngine(target, draft=draft) if champion == "model" else \
         SpeculativeEngine(target, drafter=NgramDrafter())
     # The close draft as candidate: most chains are cut back somewhere, not at their start.
-    make = (lambda: NgramDrafter()) if candidate_kind == "ngram" else \
-        (lambda: ModelDrafter(draft, vocab_size=engine.vocab_size))
+    make = {"ngram": lambda: NgramDrafter(),
+            "model": lambda: ModelDrafter(draft, vocab_size=engine.vocab_size),
+            "eagle3": lambda: eagle3_drafter(target, engine)}[candidate_kind]
     scorer = shadowed(engine, make())
     champion_run = run(engine, greedy)
     served = served_by_candidate(target, make, greedy)

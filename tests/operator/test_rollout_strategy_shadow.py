@@ -42,8 +42,11 @@ CHAMPION = release()
     (None, release(speculation__treeWidth=2), SHADOW, False),
     (None, release(draft={"source": "tiny-draft"}), SHADOW, False),
     (None, release(draft={"source": "tiny-draft", "method": "draft-model"}), SHADOW, False),
-    # ... a head cannot be scored in shadow: Replace.
-    (None, release(draft={"source": "head", "method": "eagle"}), REPLACE, False),
+    # ... a head is scored in shadow (the engine hands it the target's features), an MTP head
+    # is not (the specpair engine does not draft with one): Replace.
+    (None, release(draft={"source": "head", "method": "eagle"}), SHADOW, False),
+    (None, release(draft={"source": "head", "method": "eagle3"}), SHADOW, False),
+    (None, release(draft={"source": "head", "method": "mtp"}), REPLACE, False),
     # ... the target, the image or the engine changed: Canary (issue 57; tests/operator/test_gateway_canary.py).
     (None, release(target={"source": "default", "revision": "r2"}), CANARY, False),
     (None, release(target={"source": "default"}, rollout={"image": "img:2"}), CANARY, False),
@@ -59,7 +62,8 @@ CHAMPION = release()
     (CANARY, release(speculation__k=6), CANARY, False),
     (SHADOW, release(speculation__k=6), SHADOW, False),
     (SHADOW, release(target={"source": "other"}), SHADOW, True),
-    (SHADOW, release(draft={"source": "head", "method": "medusa"}), SHADOW, True),
+    (SHADOW, release(draft={"source": "head", "method": "medusa"}), SHADOW, False),
+    (SHADOW, release(draft={"source": "head", "method": "mtp"}), SHADOW, True),
     (SHADOW, build_release("p", "ns", BASE, [{"prompt": "other"}], default_image="img:1"), REPLACE, False),
 ])
 def test_choose_strategy(asked, candidate, expected, refused):
@@ -73,6 +77,22 @@ def test_choose_strategy(asked, candidate, expected, refused):
 def test_no_champion_is_always_replace(asked):
     chosen = choose_strategy(spec(asked), None, release(speculation__k=6))
     assert (chosen.type, chosen.refused) == (REPLACE, None)
+
+
+@pytest.mark.parametrize("champion, candidate, refused", [
+    ("eagle", "eagle3", True), ("medusa", "eagle3", True), ("eagle3", "eagle", True),
+    ("eagle", "medusa", False), ("eagle3", "eagle3", False),
+])
+def test_a_head_is_shadowed_beside_a_champion_reading_the_same_features(champion, candidate,
+                                                                       refused):
+    """One target step hands one kind of features (the last normed state: EAGLE, Medusa; an
+    EAGLE-3 head's layers): the engine refuses to score a head of the other kind in shadow
+    (drafters.head.read_features), so the operator does not ask it to."""
+    chosen = choose_strategy(spec(None), release(draft={"source": "h1", "method": champion}),
+                             release(draft={"source": "h2", "method": candidate}))
+    assert chosen.type == (REPLACE if refused else SHADOW), chosen
+    if refused:
+        assert "one kind of features" in chosen.reason and candidate in chosen.reason
 
 
 def test_refusal_names_what_differs():

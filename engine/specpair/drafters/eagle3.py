@@ -49,11 +49,10 @@ class Eagle3Drafter(HeadDrafter):
             raise SpecpairError(f"the EAGLE-3 head was trained for hidden size "
                                 f"{head.target_hidden_size}; the target's is "
                                 f"{target_model.config.hidden_size}")
-        # The target hands over the layers every EAGLE-3 head on it reads (heads of other
-        # layers may share one target); each takes its own from them.
+        # The target hands over the layers every live EAGLE-3 head on it reads (heads of other
+        # layers may share one target; head.read_features); each takes its own from them.
         self.runner = StaticLlama.of(target_model)
-        self.runner.feature_layers = tuple(sorted(set(self.runner.feature_layers or ()) | set(aux)))
-        super().__init__(loaded, target_model, vocab_size)
+        super().__init__(loaded, target_model, vocab_size, layers=tuple(aux))
         self.aux_layers, self.compile = tuple(aux), compile
         self.embed = head.embed_tokens or target_model.get_input_embeddings()
         self.caches: list[tuple | None] = []      # per row: (keys, values) [1, KV, n, hd]

@@ -3,6 +3,9 @@ over after each verification, and logits over the draft vocabulary mapped to the
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 
 from specpair import cpu_kernels
@@ -32,6 +35,56 @@ def target_vocab_logits(small: torch.Tensor, vocab_size: int, draft_ids: torch.T
     return full
 
 
+# Per target (its kv.runner.StaticLlama), the live head drafters reading its features and what
+# each reads: an EAGLE-3 head's layers, or None for the last normed state (EAGLE, Medusa).
+_READERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def read_features(drafter, target_model, layers: tuple[int, ...] | None) -> None:
+    """Declare that `drafter` drafts from the target's features: the inputs of `layers` (an
+    EAGLE-3 head's) or, None, the last normed state. What a target step hands over
+    (StaticLlama.feature_layers) is the union of the layers its live drafters read, and goes
+    back to the normed state once none is left (no drafter changes what a later one on the same
+    target receives). One step hands one kind: a head of the other kind beside a live one is
+    refused by name (a serving EAGLE head and an EAGLE-3 candidate in shadow, say)."""
+    from specpair.kv.families import supports
+    from specpair.kv.runner import StaticLlama
+
+    if supports(target_model):
+        return                      # the general path: the normed state, no layers
+    runner = StaticLlama.of(target_model)
+    readers = _READERS.setdefault(runner, weakref.WeakKeyDictionary())
+
+    def others() -> set:
+        return {str(v) for v in readers.values() if (v is None) != (layers is None)}
+    if others():
+        gc.collect()                # drafters of batches gone but not yet collected
+    if others():
+        theirs = sorted(others())[0]
+        raise SpecpairError(
+            "one target step hands a head one kind of features: "
+            + ("the last normed state (an EAGLE or Medusa head drafts on this target)"
+               if theirs == "None" else f"the inputs of layers {theirs} (an EAGLE-3 head drafts "
+                                        "on this target)")
+            + "; a head reading "
+            + ("the normed state" if layers is None else f"layers {list(layers)}")
+            + " cannot draft beside it (in shadow, score a head beside a champion of its kind)")
+    readers[drafter] = None if layers is None else tuple(layers)
+    weakref.finalize(drafter, _hand_over, weakref.ref(runner))
+    _hand_over(weakref.ref(runner))
+
+
+def _hand_over(runner_ref) -> None:
+    """Set the target's feature_layers from its live readers (read_features)."""
+    runner = runner_ref()
+    if runner is None:
+        return
+    layers = set()
+    for read in (_READERS.get(runner) or {}).values():
+        layers |= set(read or ())
+    runner.feature_layers = tuple(sorted(layers)) or None
+
+
 class HeadDrafter(Drafter):
     """What heads share: they draft from the target's features of committed tokens (`observe`),
     through a draft vocabulary. Subclasses keep what they need of the features (`_keep`) and
@@ -41,7 +94,10 @@ class HeadDrafter(Drafter):
     wants_features = True
     tree_capable = True
 
-    def __init__(self, loaded, target_model, vocab_size: int):
+    def __init__(self, loaded, target_model, vocab_size: int,
+                 layers: tuple[int, ...] | None = None):
+        """layers: the target's layers whose inputs the head reads (an EAGLE-3 head's; None:
+        the last normed state), declared to the target (read_features)."""
         self.loaded, self.head = loaded, loaded.model
         if self.head.config.hidden_size != target_model.config.hidden_size:
             raise SpecpairError(f"head hidden size {self.head.config.hidden_size} does not match "
@@ -51,6 +107,7 @@ class HeadDrafter(Drafter):
         if int(self.draft_ids.max()) >= vocab_size:
             raise SpecpairError(f"head drafts token {int(self.draft_ids.max())}; the target has {vocab_size}")
         self.known: list[int] = []          # per row: positions with an observed feature
+        read_features(self, target_model, layers)
 
     def cost_probe(self, timing) -> dict[str, float]:
         """A head's own step (per token or per round), and what a round costs beyond its steps,

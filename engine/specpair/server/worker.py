@@ -260,17 +260,13 @@ class EngineWorker:
         controller = self.engine.controller
         events_before = controller.fallback_events
         # Warm-up rounds are not traffic: the shadow scorer does not see them either.
-        shadow = getattr(self.engine, "shadow", None)
-        self.engine.shadow = None
-        try:
+        with self.engine.observers_paused():
             batch = self.engine.new_batch()
             batch.add(prompt_ids, GenerationParams(max_new_tokens=max_new_tokens,
                                                    speculation_k=self.engine.config.k),
                       request_id="warm-up")
             while batch.active:
                 batch.step()
-        finally:
-            self.engine.shadow = shadow
         # Keep the warm-up rounds out of the acceptance window.
         controller.window.clear()
         controller.fallback_events = events_before

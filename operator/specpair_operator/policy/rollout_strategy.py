@@ -13,7 +13,8 @@ chosen by what changed, riskiest first:
   evidence on a small share before it takes everything; Argo Rollouts and Flagger do the same);
 - only the draft side (the draft, `k`, dynamic k, tree width, n-gram lookup), where it can be
   shadowed: Shadow (the replies stay the champion's, only speed changes);
-- anything else (parallelism, the serving speculation settings, a head drafter): Replace.
+- anything else (parallelism, the serving speculation settings, a head of the other feature
+  kind than the champion's, an MTP head): Replace.
 With no champion serving there is nothing to compare against:
 every strategy is a Replace then, and so it is for a candidate that serves exactly as the champion
 does (a new release for its golden prompts alone).
@@ -38,9 +39,14 @@ DRAFT_SIDE_SPECULATION = ("k", "dynamicK", "treeWidth", "lookupMinMatch")
 SERVING_BLOCKS = ("target", "engine", "parallelism")
 # Of those, the ones that change what the pair answers, not only how fast: a canary by default.
 CANARY_BLOCKS = ("target", "engine")
-# Drafting heads draft from the target's features of the committed tokens, which the engine hands
-# only to the serving drafter: a head cannot be scored in shadow (engine/specpair/shadow.py).
-HEAD_METHODS = ("eagle", "eagle3", "medusa", "mtp")
+# Drafting heads draft from the target's features of the committed tokens, which the engine also
+# hands its shadow scorer (engine/specpair/shadow.py). One target step hands one kind: the last
+# normed state (EAGLE, Medusa) or the inputs of the layers an EAGLE-3 head reads, so a head is
+# scored in shadow only beside a champion that reads the same kind (or no features at all).
+HEAD_FEATURES = {"eagle": "the last normed state", "medusa": "the last normed state",
+                 "eagle3": "three layers' inputs"}
+# Heads the specpair engine does not draft with (vLLM's MTP): never in shadow.
+UNSHADOWED_METHODS = ("mtp",)
 
 
 @dataclass(frozen=True)
@@ -92,9 +98,14 @@ def shadow_refusal(champion: Mapping[str, Any], candidate: Mapping[str, Any]) ->
     draft = candidate.get("draft") or {}
     if not draft.get("drafter") and not draft.get("source"):
         return "the candidate has no draft to score"
-    if draft.get("method") in HEAD_METHODS:
-        return (f"a {draft['method']} head drafts from the target's features, which only the "
-                f"serving drafter is handed")
+    method = draft.get("method")
+    if method in UNSHADOWED_METHODS:
+        return f"a {method} head does not draft in the specpair engine"
+    theirs = (champion.get("draft") or {}).get("method")
+    if method in HEAD_FEATURES and theirs in HEAD_FEATURES \
+            and HEAD_FEATURES[method] != HEAD_FEATURES[theirs]:
+        return (f"a {method} head drafts from {HEAD_FEATURES[method]}, the champion's {theirs} "
+                f"head from {HEAD_FEATURES[theirs]}: one target step hands one kind of features")
     return None
 
 
