@@ -76,9 +76,12 @@ def reconcile_interval() -> float:
 
 
 # A settled pair (pass_delay) is passed over at least this often, whatever its drift interval,
-# for what no watch shows: MLflow edited by hand, a certificate to renew, a Secret deleted. Six
-# intervals by default (60 s at the default 10 s).
-RESYNC_INTERVALS = 6.0
+# and its reads taken afresh (a full pass), for what no watch shows: MLflow edited by hand, a
+# Service or NetworkPolicy deleted by hand. Thirty intervals by default (300 s at the default
+# 10 s): a full pass costs about three replayed ones (two MLflow calls and six API requests), and
+# at six intervals half of a settled pair's passes were full, which put 1,000 pairs at ~0.8 core
+# instead of ~0.5 (docs/measurements/2026-12-06-operator-scale.md).
+RESYNC_INTERVALS = 30.0
 
 
 def resync_interval(interval: float) -> float:

@@ -19,6 +19,10 @@ import pytest
 # engines' counters) and a pass every 0.4 s only kept MLflow and the API server busier.
 os.environ.setdefault("SPECPAIR_RECONCILE_INTERVAL", "1")
 os.environ.setdefault("SPECPAIR_WATCH_TIMEOUT", "30")
+# A full pass over a settled pair at least every 6 s (six intervals; the default is thirty): what
+# only a full pass sees (MLflow edited by hand, a Service deleted by hand, a pod that changed what
+# it reports) is seen well inside the tests' waits.
+os.environ.setdefault("SPECPAIR_RESYNC_INTERVAL", "6")
 
 from cluster_env import MODELS, Namespace, World, apply_env, install_chart  # noqa: E402  (tests/operator is on sys.path)
 from cluster_env import register_standin_image  # noqa: E402

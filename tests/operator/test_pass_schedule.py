@@ -45,9 +45,9 @@ def test_never_more_often_than_the_interval():
     assert pass_delay(body(drift={"intervalSeconds": 2}), status(), 10.0, 60.0) == 10.0
 
 
-def test_resync_defaults_to_six_intervals(monkeypatch):
+def test_resync_defaults_to_thirty_intervals(monkeypatch):
     monkeypatch.delenv("SPECPAIR_RESYNC_INTERVAL", raising=False)
-    assert resync_interval(10.0) == 60.0 and resync_interval(1.0) == 6.0
+    assert resync_interval(10.0) == 300.0 and resync_interval(1.0) == 30.0
     monkeypatch.setenv("SPECPAIR_RESYNC_INTERVAL", "120")
     assert resync_interval(10.0) == 120.0
 
