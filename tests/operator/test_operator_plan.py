@@ -25,7 +25,8 @@ from specpair_operator.plan import release_steps as rs
 from specpair_operator.plan import model_cache
 from specpair_operator.plan import release_plan as p
 from specpair_operator.plan import serving_plan as sp
-from specpair_operator.observe.serving_world import ServingWorld
+from specpair_operator.observe.serving_world import Installation, ServingWorld
+from specpair_operator.release import content as release_content
 from specpair_operator.observe.world import GateJob, Records, ReleaseWorld
 
 TH = {"requireGreedyIdentity": True, "minAcceptance": 0.5, "minCategoryAcceptance": {"code": 0.6}}
@@ -164,16 +165,26 @@ MODELS = "m" * 64
 FETCH_JOB = model_fetch.fetch_job_name(PAIR, MODELS)
 
 
+# A pair with a model cache on a claim, its release, and where the installation's MLflow is: what
+# the fetch Job is rendered from.
+CACHED = {"modelCache": {"persistentVolumeClaim": "hub"}}
+CACHED_RELEASE = release_content.build_release(
+    PAIR, NS, {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "abc"}, "draft": {"drafter": "ngram"},
+               "rollout": CACHED}, [{"prompt": "x", "category": "code"}])
+INSTALLATION = Installation("http://mlflow.example:5000")
+WITH_CACHE = {"rollout": CACHED, "model": "team-chat", "release": CACHED_RELEASE, "installation": INSTALLATION}
+
+
 def fetching(phase: str, message: str = "", **changes: Any) -> ReleaseWorld:
     """A release whose models the pair's model cache does not hold yet, its fetch Job at `phase`."""
     return world(aliases={"candidate": "1", "champion": "0"}, models=MODELS,
-                 model_fetch=model_fetch.FetchState(phase, message=message), **changes)
+                 model_fetch=model_fetch.FetchState(phase, message=message), **{**WITH_CACHE, **changes})
 
 
 FETCH_SCENARIOS = [
     ("no fetch Job yet: it is started with an Event, ModelsFetching, no gate Job, the champion serves",
      fetching(model_fetch.ABSENT),
-     ["EnsureGatePolicy", "StartModelFetch", "Event ModelFetchStarted", "Report reconciling Gating/ModelsFetching",
+     ["EnsureGatePolicy", "EnsureOwned Job", "Event ModelFetchStarted", "Report reconciling Gating/ModelsFetching",
       "SetStatus", "ServeChampion - while gating"]),
     ("the fetch runs: ModelsFetching again, nothing is written",
      fetching(model_fetch.RUNNING, "fetching (Job x); pod y cannot start: CreateContainerConfigError"),
@@ -214,8 +225,15 @@ def test_the_fetch_messages_and_the_record():
     done = p.plan_release(fetching(model_fetch.DONE, fetched=tuple(f"{i}" * 64 for i in range(6))))
     kept = next(s for s in done if isinstance(s, rs.SetStatus) and "modelCache" in s.fields).fields
     assert kept["modelCache"]["fetched"][-1] == MODELS and len(kept["modelCache"]["fetched"]) == model_cache.FETCHED_KEPT
-    started = next(s for s in p.plan_release(fetching(model_fetch.ABSENT)) if isinstance(s, rs.StartModelFetch))
-    assert (started.version, started.models) == ("1", MODELS)
+    started = next(s for s in p.plan_release(fetching(model_fetch.ABSENT)) if isinstance(s, sp.EnsureOwned))
+    # The Job a rollout of the same release would plan (model_cache.fetch_job, the one place both
+    # plans build it): the release as its pods get it, the pair's claim, the installation's MLflow.
+    gated = release_content.with_mlflow(CACHED_RELEASE, INSTALLATION.tracking_uri, "team-chat", "1")
+    assert started.manifest == model_cache.fetch_job(PAIR, NS, gated, CACHED, INSTALLATION)
+    assert started.manifest["metadata"]["name"] == model_fetch.fetch_job_name(PAIR, model_fetch.models_digest(gated))
+    assert (started.live, started.mutable) == (None, False)
+    env = {e["name"]: e.get("value") for e in started.manifest["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MLFLOW_TRACKING_URI"] == "http://mlflow.example:5000"
 
 
 def test_a_pair_without_a_claim_never_fetches():
@@ -293,7 +311,7 @@ def apply(w: ReleaseWorld, step: Any) -> ReleaseWorld:
         return dataclasses.replace(w, tags={**w.tags, **step.tags})
     if isinstance(step, rs.EnsureGatePolicy):
         return dataclasses.replace(w, gate_policy_owned=True)
-    if isinstance(step, rs.StartModelFetch):
+    if isinstance(step, sp.EnsureOwned) and step.manifest["kind"] == "Job":
         assert w.model_fetch.phase == model_fetch.ABSENT, "fetch Job started twice"
         return dataclasses.replace(w, model_fetch=model_fetch.FetchState(model_fetch.RUNNING))
     if isinstance(step, rs.StartGateJob):
@@ -343,6 +361,10 @@ def gate_runs(w: ReleaseWorld, verdicts: list[dict[str, Any] | None]) -> Release
     return dataclasses.replace(w, gate_jobs=w.gate_jobs[:-1] + (ended,))
 
 
+# The release plan's writes: its own, and the fetch Job it plans as the serving plan does (EnsureOwned).
+RELEASE_WRITES = (*rs.WRITES, sp.EnsureOwned)
+
+
 def converge(w: ReleaseWorld, verdicts: list[dict[str, Any] | None],
              crash_at: int | None = None) -> tuple[ReleaseWorld, list[Any]]:
     """Passes until one plans no write and no record. The `crash_at`-th write (counting from 0
@@ -351,11 +373,11 @@ def converge(w: ReleaseWorld, verdicts: list[dict[str, Any] | None],
     done: list[Any] = []
     for hour in range(30):
         steps = p.plan_release(w)
-        if not [s for s in steps if isinstance(s, rs.WRITES + (rs.Record,))]:
+        if not [s for s in steps if isinstance(s, RELEASE_WRITES + (rs.Record,))]:
             return w, done
         status_steps = []
         for step in steps:
-            if isinstance(step, rs.WRITES):
+            if isinstance(step, RELEASE_WRITES):
                 w = apply(w, step)
                 done.append(step)
                 if crash_at is not None and len(done) == crash_at + 1:
@@ -386,7 +408,7 @@ JOURNEYS = [
     ("a gate that crashed once, then passed", world(), [None, GOOD]),
     ("a gate that never gives a verdict", world(), [None, None, None]),
     ("a release whose models are fetched first, then gated and promoted",
-     world(models=MODELS, model_fetch=model_fetch.FetchState(model_fetch.ABSENT)), [GOOD]),
+     world(models=MODELS, model_fetch=model_fetch.FetchState(model_fetch.ABSENT), **WITH_CACHE), [GOOD]),
 ]
 
 
@@ -406,9 +428,10 @@ def test_the_journeys_end_as_the_end_to_end_tests_see_them():
     assert [h["action"] for h in promoted.records.history] == ["GateStarted", "GatePassed", "Promoted"]
     failed, _ = converge(world(version="2", aliases={"candidate": "1", "champion": "1"}), [BAD])
     assert failed.aliases == {"candidate": "2", "champion": "1"}
-    fetched, writes = converge(world(models=MODELS, model_fetch=model_fetch.FetchState(model_fetch.ABSENT)), [GOOD])
+    fetched, writes = converge(world(models=MODELS, model_fetch=model_fetch.FetchState(model_fetch.ABSENT), **WITH_CACHE),
+                               [GOOD])
     assert fetched.fetched == (MODELS,) and fetched.aliases == {"candidate": "1", "champion": "1"}
-    assert [type(s).__name__ for s in writes][:3] == ["SetAlias", "EnsureGatePolicy", "StartModelFetch"]
+    assert [step_name(s) for s in writes][:3] == ["SetAlias candidate=1", "EnsureGatePolicy", "EnsureOwned Job"]
     broken, _ = converge(world(), [None, None, None])
     assert broken.gate_status == "error" and len(broken.gate_jobs) == gate_attempts.Policy().attempts
     assert Counter(h["action"] for h in broken.records.history)["GateRetrying"] == 2

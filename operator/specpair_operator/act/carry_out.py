@@ -21,7 +21,7 @@ from specpair_operator.desired import gate_objects
 from specpair_operator.observe.serving_world import ServingWorld
 from specpair_operator.plan.release_steps import (Condition, EnsureGatePolicy, ObserveGateDuration, PostEvent,
                                                   Record, RecordGateError, Report, ServeChampion, SetAlias,
-                                                  SetStatus, StartGateJob, StartModelFetch, TagVersion)
+                                                  SetStatus, StartGateJob, TagVersion)
 from specpair_operator.plan.serving_steps import (CreateControlCA, DriftChecked, EnsureAutoscaler, EnsureOwned,
                                                   ExportSpeedup, ForgetDrift, IssueCertificate, LogWarning,
                                                   ReconcilePodSpeculation, RememberChampion, RememberDrift,
@@ -83,9 +83,6 @@ async def carry_out(r: PairReconciler, step: Step, acting: Acting) -> bool:
             if policy.conflict:
                 r._name_conflict(policy.kind, policy.name)
                 return False
-        case StartModelFetch():
-            await ensure_owned(kube, r.body, r._fetch_job(acting.model, acting.spec_release(), step.version),
-                               mutable=False, live=None)
         case StartGateJob():
             await ensure_owned(kube, r.body, r._gate_job(acting.model, acting.spec_release(), acting.digest,
                                                         step.version, step.attempt), mutable=False, live=None)

@@ -21,7 +21,7 @@ from typing import Any, assert_never
 import kopf
 from mlflow.exceptions import MlflowException
 
-from specpair_operator.desired import gate_objects, manifests, model_fetch
+from specpair_operator.desired import gate_objects, manifests
 from specpair_operator.plan import serving_plan
 from specpair_operator.crd import validation
 from specpair_operator.act import metrics
@@ -39,7 +39,7 @@ from specpair_operator.release.registry_contract import TAG_RELEASE
 from specpair_operator.release.registry_contract import TAG_HASH
 from specpair_operator.clients.registry import ModelClaimed, PassRegistry
 from specpair_operator.release.registry_contract import RegistryUnavailable
-from specpair_operator.observe.serving_world import ServingWorld
+from specpair_operator.observe.serving_world import Installation, ServingWorld
 from specpair_operator.plan.steps import Step
 from specpair_operator.state import STATE, ControlTLSError
 
@@ -183,7 +183,9 @@ class PairReconciler:
         version = await self.registry(self._ensure_release, reg, model, rel, digest)
         self.ledger.set(candidateVersion=version, contentHash=digest)
         world = await observe_release(self.operator.kube, reg, self.body, self.status, model, version, digest,
-                                      rel["gating"]["thresholds"], rel)
+                                      rel["gating"]["thresholds"], rel,
+                                      Installation(self.operator.gate_tracking_uri, self.credentials(),
+                                                   self.operator.pods))
         await self._act(model, rel, digest, plan_mod.plan_release(world))
 
     async def _act(self, model: str, rel: dict[str, Any], digest: str, steps: tuple[Step, ...]) -> None:
@@ -218,13 +220,6 @@ class PairReconciler:
                                   digest, version, placement, self.operator.gate_tracking_uri,
                                   int(gating.get("activeDeadlineSeconds", 3600)), self.credentials(),
                                   self.operator.pods, attempt=attempt)
-
-    def _fetch_job(self, model: str, rel: dict[str, Any], version: str) -> dict[str, Any]:
-        """The model fetch Job of the release (model_fetch.py), with the gate's MLflow and credentials."""
-        return model_fetch.desired_fetch_job(self.name, self.namespace,
-                                             release_mod.with_mlflow(rel, self.operator.gate_tracking_uri, model, version),
-                                             self.rollout, self.operator.gate_tracking_uri, self.credentials(),
-                                             self.operator.pods)
 
     def _ensure_release(self, reg: PassRegistry, model: str, rel: dict[str, Any], digest: str) -> str:
         version = self._recorded_version(reg, model, digest) or reg.ensure_release(model, rel, digest)

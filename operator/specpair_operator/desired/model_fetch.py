@@ -15,18 +15,18 @@ says why in its termination message (the model, its source and the reason), whic
 
 Everything here is pure (manifests and decisions from values); nothing reads or writes the API.
 
-How the plans use it (reads.observe_fetch, model_cache.fetch_steps, serving_rollout._models_ready, act/reconciler):
+How the plans use it (reads.observe_fetch, model_cache.fetch_steps and fetch_job, serving_rollout._models_ready):
 
 - observe: where `needs_fetch(release, rollout, fetched)` holds, get the Job
   `fetch_job_name(pair, models_digest(release))` and the pods labelled `job-name=<that name>`
   into the world (`fetched`: the models digests the pair's status records as fetched, see DONE).
-- plan.py, gating the spec's release: before StartGateJob (gate pods read the same read-only,
+- release_gate.py, gating the spec's release: before StartGateJob (gate pods read the same read-only,
   offline cache, so a hub model must be in it before the gate runs).
-  serving_plan._engine, for the release served (a rollback's `previous` included): before
+  serving_rollout._engine, for the release served (a rollback's `previous` included): before
   `EnsureOwned` of the engine Deployment, after the certificate and NetworkPolicy. In both:
   - `needs_fetch` false: proceed as today.
-  - `fetch_state(job, pods)` ABSENT: ensure the Job `desired_fetch_job(...)`, owned by the pair
-    (owned.ensure_owned), with an Event ModelFetchStarted; report Reconciling, reason
+  - `fetch_state(job, pods)` ABSENT: `EnsureOwned` of the Job `desired_fetch_job(...)` as
+    plan/model_cache.fetch_job renders it for both (act: owned.ensure_owned), with an Event ModelFetchStarted; report Reconciling, reason
     ModelsFetching (kstatus's "progressing"); no gate Job, no engine rollout this pass (the
     champion keeps serving).
   - RUNNING: report Reconciling, reason ModelsFetching, message `state.message` (it names a pod

@@ -86,7 +86,8 @@ GATE_RESULTS = ("GatePassed", "GateFailed", gate_verdict.GATE_ERROR)
 
 async def observe_release(kube: Kube, registry: PassRegistry, body: Mapping[str, Any], status: Mapping[str, Any],
                           model: str, version: str, digest: str, thresholds: Mapping[str, Any],
-                          release: Mapping[str, Any] | None = None) -> ReleaseWorld:
+                          release: Mapping[str, Any] | None = None,
+                          installation: Installation | None = None) -> ReleaseWorld:
     meta = body["metadata"]
     pair, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     aliases = await asyncio.to_thread(registry.aliases, model)
@@ -130,7 +131,8 @@ async def observe_release(kube: Kube, registry: PassRegistry, body: Mapping[str,
         gate_pods_waiting=pods_waiting([p for p in pods if (p["metadata"].get("labels") or {}).get("job-name") == latest]),
         verified_verdicts={str(k): str(v) for k, v in (status.get("verifiedVerdicts") or {}).items()},
         records=records, attempts=policy, now=c.now_iso(),
-        models=model_fetch.models_digest(release) if release is not None else "", fetched=fetched, model_fetch=fetch)
+        models=model_fetch.models_digest(release) if release is not None else "", fetched=fetched, model_fetch=fetch,
+        model=model, release=release, installation=installation)
 
 
 # -- the champion's serving -----------------------------------------------------------------------

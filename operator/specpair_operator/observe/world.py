@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from specpair_operator.gate import attempts as gate_attempts
+
+if TYPE_CHECKING:
+    from specpair_operator.observe.serving_world import Installation   # it imports this module
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,11 @@ class ReleaseWorld:
     # release (its specpair.release tag; None when no other champion serves or it has none).
     rollout: Mapping[str, Any] = field(default_factory=dict)
     champion_release: Mapping[str, Any] | None = None
+    # What the release's fetch Job is rendered from (plan/model_cache.fetch_job): the registered
+    # model, the spec's release, and the installation's settings (None: the defaults).
+    model: str = ""
+    release: Mapping[str, Any] | None = None
+    installation: Installation | None = None
 
 
 # Container states that wait on a person (a Secret, a key, an image), not on time.

@@ -4,12 +4,15 @@ the engine's rollout (serving_rollout.py); the Job itself is desired/model_fetch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from specpair_operator.desired import model_fetch
+from specpair_operator.observe.serving_world import Installation
 from specpair_operator.plan.release_steps import (PostEvent, Record, ReleaseSteps, Report, ServeChampion, SetStatus,
-                                                  StartModelFetch, versions_status)
+                                                  versions_status)
+from specpair_operator.plan.serving_steps import EnsureOwned
 from specpair_operator.release import aliases as aliases_mod
+from specpair_operator.release import content as release_mod
 
 if TYPE_CHECKING:
     from specpair_operator.plan.steps import Step   # the union of every plan's steps
@@ -17,11 +20,21 @@ if TYPE_CHECKING:
 FETCHED_KEPT = 5   # status.modelCache.fetched: the models digests of the last few fetches
 
 
+def fetch_job(pair: str, namespace: str, release: Mapping[str, Any], rollout: Mapping[str, Any],
+              installation: Installation) -> dict[str, Any]:
+    """The fetch Job of a release (`release` as its pods get it, with where MLflow is), rendered
+    with the installation's settings: the one place the plans build it (desired/model_fetch.py
+    says what it is), so the gate's and a rollout's fetch of the same models are the same Job."""
+    return model_fetch.desired_fetch_job(pair, namespace, dict(release), dict(rollout), installation.tracking_uri,
+                                         installation.credentials, installation.pods)
+
+
 def fetch_steps(state: Any, version: str, models: str, fetched: tuple[str, ...], was_failed: bool,
-                serving: str | None, phase: str) -> tuple[bool, list[Step]]:
+                serving: str | None, phase: str, job: Callable[[], dict[str, Any]]) -> tuple[bool, list[Step]]:
     """Where the release's models stand in the model cache (model_fetch.fetch_state, or None
     when it needs no fetch): whether its pods may start (the models are there), and the steps
-    that say so. Shared by the gate (release_gate.py) and the engine's rollout (serving_rollout.py)."""
+    that say so: `job()` (fetch_job) created when there is none. Shared by the gate
+    (release_gate.py) and the engine's rollout (serving_rollout.py)."""
     if state is None:
         return True, []
     keeps = f"; v{serving} keeps serving" if serving else ""
@@ -36,7 +49,7 @@ def fetch_steps(state: Any, version: str, models: str, fetched: tuple[str, ...],
         return False, steps
     steps = []
     if state.phase == model_fetch.ABSENT:
-        steps = [StartModelFetch(version, models),
+        steps = [EnsureOwned(job(), None, mutable=False),
                  PostEvent("Normal", "ModelFetchStarted", f"fetching the models of v{version} into the model cache")]
         message = f"fetching the models of v{version} into the model cache"
     else:
@@ -57,9 +70,13 @@ def models_ready(out: ReleaseSteps) -> bool:
     """The release's models are in the model cache (or it has none): else the fetch's steps,
     the champion watched meanwhile."""
     w = out.world
+    inst = w.installation or Installation()
     ready, steps = fetch_steps(w.model_fetch, w.version, w.models, w.fetched,
                                out.was(model_fetch.MODEL_FETCH_FAILED, w.models, w.version),
-                               w.aliases.get(aliases_mod.CHAMPION), "Gating")
+                               w.aliases.get(aliases_mod.CHAMPION), "Gating",
+                               lambda: fetch_job(w.pair, w.namespace,
+                                                 release_mod.with_mlflow(dict(w.release or {}), inst.tracking_uri,
+                                                                         w.model, w.version), w.rollout, inst))
     out.add(*steps)
     if not ready:
         out.add(versions_status(w.aliases))

@@ -50,13 +50,6 @@ class StartGateJob:
 
 
 @dataclass(frozen=True)
-class StartModelFetch:
-    """The Job that fills the pair's model cache with the release's models (model_fetch.py)."""
-    version: str
-    models: str
-
-
-@dataclass(frozen=True)
 class RecordGateError:
     """The gate is broken for good: GateError in the version's tags."""
     version: str
@@ -135,7 +128,7 @@ class ServeChampion:
     canary: Any = None      # canary.CanaryRun: the candidate's pods serve beside the champion's
 
 
-WRITES = (SetAlias, TagVersion, EnsureGatePolicy, StartModelFetch, StartGateJob, RecordGateError)
+WRITES = (SetAlias, TagVersion, EnsureGatePolicy, StartGateJob, RecordGateError)
 
 
 @dataclass

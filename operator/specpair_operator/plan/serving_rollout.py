@@ -15,8 +15,8 @@ from specpair_operator.desired import ownership as owned
 from specpair_operator.policy import shadow_run
 from specpair_operator.release import content as release_mod
 from specpair_operator.desired import tls as tls_mod
-from specpair_operator.plan.model_cache import fetch_steps
-from specpair_operator.plan.release_steps import (PostEvent, Record, Report, SetStatus, StartModelFetch, TagVersion,
+from specpair_operator.plan.model_cache import fetch_job, fetch_steps
+from specpair_operator.plan.release_steps import (PostEvent, Record, Report, SetStatus, TagVersion,
                                                   name_conflict_message)
 from specpair_operator.release.registry_contract import TAG_HASH
 from specpair_operator.observe.serving_world import ServingWorld
@@ -113,14 +113,9 @@ def _models_ready(out: _Steps, w: ServingWorld, version: str, served: dict[str, 
     served release's models are in it: else its fetch Job's steps (model_cache.fetch_steps) and no
     rollout; the pods running keep serving."""
     ready, steps = fetch_steps(w.model_fetch, version, w.models, w.fetched,
-                               out.was(model_fetch.MODEL_FETCH_FAILED, w.models, version), None, "RollingOut")
-    inst = w.installation
-    for step in steps:
-        if isinstance(step, StartModelFetch):
-            step = EnsureOwned(model_fetch.desired_fetch_job(w.pair, w.namespace, served, dict(w.rollout),
-                                                             inst.tracking_uri, inst.credentials, inst.pods),
-                               None, mutable=False)
-        out.add(step)
+                               out.was(model_fetch.MODEL_FETCH_FAILED, w.models, version), None, "RollingOut",
+                               lambda: fetch_job(w.pair, w.namespace, served, w.rollout, w.installation))
+    out.add(*steps)
     return ready
 
 

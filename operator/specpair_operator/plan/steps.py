@@ -11,7 +11,7 @@ from typing import Union
 
 from specpair_operator.plan.release_steps import (Condition, EnsureGatePolicy, ObserveGateDuration, PostEvent,
                                                   Record, RecordGateError, Report, ServeChampion, SetAlias,
-                                                  SetStatus, StartGateJob, StartModelFetch, TagVersion)
+                                                  SetStatus, StartGateJob, TagVersion)
 from specpair_operator.plan.serving_steps import (CreateControlCA, DriftChecked, EnsureAutoscaler, EnsureOwned,
                                                   ExportSpeedup, ForgetDrift, IssueCertificate, LogWarning,
                                                   ReconcilePodSpeculation, RememberChampion, RememberDrift,
@@ -20,7 +20,7 @@ from specpair_operator.plan.serving_steps import (CreateControlCA, DriftChecked,
 from specpair_operator.policy.canary import RememberCanary, ScaleDown
 
 # The release's steps (plan/release_plan.py) ...
-ReleaseStep = Union[SetAlias, TagVersion, EnsureGatePolicy, StartModelFetch, StartGateJob, RecordGateError,
+ReleaseStep = Union[SetAlias, TagVersion, EnsureGatePolicy, StartGateJob, RecordGateError,
                     ObserveGateDuration, ServeChampion]
 # ... the champion's serving (plan/serving_*.py, the canary's from policy/canary.py) ...
 ServingStep = Union[EnsureOwned, EnsureAutoscaler, CreateControlCA, IssueCertificate, TLSSecretSeen,
