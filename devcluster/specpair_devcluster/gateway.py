@@ -52,17 +52,19 @@ MIRROR_MANAGER = "devcluster-gateway"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
 # What Traefik's Kubernetes Gateway provider reads and writes (its kubernetes-gateway-rbac.yml), the
-# experimental-channel kinds and OpenTelemetry's pods `get` left out: nothing else.
+# experimental channel's TCPRoute and OpenTelemetry's pods `get` left out: nothing else (TLSRoute is
+# in v1.6's standard channel, and Traefik watches it: without it the GatewayClass is never accepted).
 CLUSTER_ROLE_RULES = [
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
     {"apiGroups": [""], "resources": ["services", "secrets", "configmaps"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
     {"apiGroups": ["gateway.networking.k8s.io"],
-     "resources": ["gatewayclasses", "gateways", "httproutes", "grpcroutes", "referencegrants", "backendtlspolicies"],
+     "resources": ["gatewayclasses", "gateways", "httproutes", "grpcroutes", "tlsroutes", "referencegrants",
+                   "backendtlspolicies"],
      "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["gateway.networking.k8s.io"],
      "resources": ["gatewayclasses/status", "gateways/status", "httproutes/status", "grpcroutes/status",
-                   "referencegrants/status", "backendtlspolicies/status"],
+                   "tlsroutes/status", "referencegrants/status", "backendtlspolicies/status"],
      "verbs": ["update"]},
 ]
 CRDS = ("gatewayclasses", "gateways", "httproutes", "grpcroutes", "referencegrants", "backendtlspolicies")

@@ -35,6 +35,14 @@ GATEWAY_GROUP = "gateway.networking.k8s.io"
 GATEWAY_API = f"{GATEWAY_GROUP}/v1"
 RELEASE_HEADER = "x-specpair-release"
 CANDIDATE, CHAMPION = "candidate", "champion"
+# The gRPC service the engine serves (protos/specpair/engine/v1/engine.proto). The GRPCRoute matches
+# it by name: a GRPCRoute matching everything on the listener the HTTPRoute shares would also take
+# the plain HTTP requests (Traefik ranks the two catch-alls alike and sent an OpenAI request to the
+# gRPC server, which answered INTERNAL_ERROR).
+GRPC_SERVICE = "specpair.engine.v1.Engine"
+# And the HTTPRoute matches the OpenAI-compatible API's paths only, for the same reason the other way:
+# a header rule matching every path took gRPC calls carrying the header to the HTTP port.
+HTTP_PATH = "/v1"
 H2C = "kubernetes.io/h2c"
 # The canary's pods carry this label (policy/canary.canary_deployment); the candidate's Service
 # selects by it. Here, below policy, so that both read one home.
@@ -129,21 +137,26 @@ def _backend(name: str, port: int, weight: int | None = None) -> dict[str, Any]:
 def _rules(pair: str, port: int, traffic: Traffic, http: bool) -> list[dict[str, Any]]:
     champion, candidate = champion_service_name(pair), candidate_service_name(pair)
 
+    def where(side: str | None) -> dict[str, Any]:
+        match: dict[str, Any] = ({"path": {"type": "PathPrefix", "value": HTTP_PATH}} if http else
+                                 {"method": {"type": "Exact", "service": GRPC_SERVICE}})
+        if side:
+            match["headers"] = [{"type": "Exact", "name": RELEASE_HEADER, "value": side}]
+        return match
+
     def named(side: str, service: str) -> dict[str, Any]:
-        match: dict[str, Any] = {"headers": [{"type": "Exact", "name": RELEASE_HEADER, "value": side}]}
-        if http:
-            match["path"] = {"type": "PathPrefix", "value": "/"}
-        return {"matches": [match], "backendRefs": [_backend(service, port)]}
+        return {"matches": [where(side)], "backendRefs": [_backend(service, port)]}
 
     rules = []
     if traffic.candidate_weight is not None:
         rules.append(named(CANDIDATE, candidate))
     rules.append(named(CHAMPION, champion))
+    unnamed = {"matches": [where(None)]}
     if traffic.candidate_weight is None:
-        rules.append({"backendRefs": [_backend(champion, port)]})
+        rules.append({**unnamed, "backendRefs": [_backend(champion, port)]})
     else:
-        rules.append({"backendRefs": [_backend(champion, port, 100 - traffic.candidate_weight),
-                                      _backend(candidate, port, traffic.candidate_weight)]})
+        rules.append({**unnamed, "backendRefs": [_backend(champion, port, 100 - traffic.candidate_weight),
+                                                 _backend(candidate, port, traffic.candidate_weight)]})
     return rules
 
 
@@ -176,9 +189,9 @@ def desired(pair: str, namespace: str, rollout: Mapping[str, Any], parent: Mappi
 
 
 def weights(route: Mapping[str, Any]) -> dict[str, int]:
-    """The unnamed requests' split a live route says: {service: weight} of its rule without matches."""
+    """The unnamed requests' split a live route says: {service: weight} of its rule matching no header."""
     for rule in (route.get("spec") or {}).get("rules") or []:
-        if not rule.get("matches"):
+        if not any(m.get("headers") for m in rule.get("matches") or []):
             refs = rule.get("backendRefs") or []
             return {r["name"]: int(r.get("weight", 1)) for r in refs}
     return {}
