@@ -307,7 +307,9 @@ def speculation_by_rows(costs: list[RowsCosts], acceptance: float) -> list[RowsD
     for c in sorted(costs, key=lambda c: c.rows):
         best_k, best = 0, 0.0
         for k in sorted(c.verify):
-            round_seconds = c.verify[k] + c.draft.get(k, 0.0)
+            # Verifying k+1 tokens costs at least a step of one: a faster timing is noise (a burst
+            # elsewhere slowed the one-token step) and would price drafts above their worth.
+            round_seconds = max(c.verify[k], c.target_step) + c.draft.get(k, 0.0)
             speedup = expected_tokens(acceptance, k) * c.target_step / round_seconds if round_seconds > 0 else 0.0
             if speedup > best:
                 best_k, best = k, speedup

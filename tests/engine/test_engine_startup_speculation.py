@@ -42,8 +42,15 @@ def test_per_batch_size_the_k_with_most_tokens_a_second_and_whether_it_pays(row_
     got = speculation_by_rows(row_costs, acceptance)
     assert [(d.rows, d.k, d.pays) for d in got] == want
     for d, c in zip(got, sorted(row_costs, key=lambda c: c.rows)):
-        round_seconds = c.verify[d.k] + c.draft[d.k]
+        round_seconds = max(c.verify[d.k], c.target_step) + c.draft[d.k]
         assert d.speedup == pytest.approx(expected_tokens(acceptance, d.k) * c.target_step / round_seconds, abs=1e-4)
+
+
+def test_a_verification_timed_faster_than_a_one_token_step_is_priced_as_one():
+    """A burst elsewhere can slow the timed one-token step below a verification's time; the
+    speedup then rests on the one-token step, never above the tokens a round emits."""
+    (d,) = speculation_by_rows([RowsCosts(2, 3.0, {1: 1.5, 3: 2.0}, {1: 0.0, 3: 0.0})], 0.5)
+    assert (d.k, d.speedup) == (3, expected_tokens(0.5, 3))
 
 
 def test_a_tie_with_target_only_does_not_pay():
