@@ -23,6 +23,10 @@ export SPECPAIR_PROMETHEUS_BIN
 # is the longest build here: docs/devcluster.md).
 SPECPAIR_KEDA_BIN="$(bash scripts/build-keda.sh)"
 export SPECPAIR_KEDA_BIN
+# Traefik, a real Gateway API gateway, and the Gateway API CRDs for the gateway canary test (built
+# once, cached; cold about 1,700 packages: docs/devcluster.md#gateway).
+SPECPAIR_GATEWAY_BIN="$(bash scripts/build-gateway.sh)"
+export SPECPAIR_GATEWAY_BIN
 VENV="${SPECPAIR_VENV:-.venv}"
 export PATH="$PWD/.tools/bin:$PATH"
 # Three workers on the two cores (SPECPAIR_TEST_WORKERS): the long end-to-end files mostly wait
