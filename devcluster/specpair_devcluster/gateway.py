@@ -243,10 +243,15 @@ class DevGateway:
             "--log.level=INFO", "--accesslog=false", "--global.checkNewVersion=false",
             "--global.sendAnonymousUsage=false"],
             self.workdir / "traefik.log", env={"KUBECONFIG": str(kubeconfig), "PATH": "/usr/bin:/bin"})
-        remaining = max(10.0, timeout - (time.monotonic() - started))
-        wait_until(self._pinged, remaining, interval=0.3, what="Traefik's /ping", abort=self._dead)
-        wait_until(self._class_accepted, max(10.0, timeout - (time.monotonic() - started)), interval=0.3,
-                   what=f"GatewayClass {GATEWAY_CLASS} Accepted", abort=self._dead)
+        try:
+            remaining = max(10.0, timeout - (time.monotonic() - started))
+            wait_until(self._pinged, remaining, interval=0.3, what="Traefik's /ping", abort=self._dead)
+            wait_until(self._class_accepted, max(10.0, timeout - (time.monotonic() - started)), interval=0.3,
+                       what=f"GatewayClass {GATEWAY_CLASS} Accepted", abort=self._dead)
+        except BaseException:
+            # A start that fails leaves nothing running (a test's fixture never reaches its stop()).
+            self.stop()
+            raise
         return self
 
     def gateway(self, namespace: str, name: str = GATEWAY_NAME, timeout: float = 60.0) -> dict[str, Any]:
