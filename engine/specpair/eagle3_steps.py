@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specpair.drafters.eagle_steps import catch_up_planes
 from specpair.kv.buckets import bucket
 from specpair.kv.fixed_step import _rotate_half, attend
 from specpair.kv.graphs import capture_graph, cuda_graphs_wanted, to_device
@@ -150,17 +151,8 @@ class Eagle3CatchUp(_Recorded):
     def __call__(self, cache: Eagle3Cache, tokens: list[list[int]], aux: list) -> torch.Tensor:
         """Rows 0..B-1 feed `tokens[i]` with `aux[i]` [n_i, A*T] from their lengths, which move
         on by n_i; -> [R, D] (a row feeding none: unused)."""
-        host = torch.zeros(self.planes.shape, dtype=torch.long)
-        starts = torch.zeros(host.shape[1], 1, dtype=torch.long)
-        for i, (toks, states) in enumerate(zip(tokens, aux)):
-            n = len(toks)
-            starts[i, 0] = cache.lengths[i]
-            if n:
-                host[0, i, :n] = torch.tensor(toks, dtype=torch.long)
-                host[3, i, 0] = n - 1
-                self.aux[i, :n] = states
-            cache.lengths[i] += n
-        host[1] = host[2] = starts + torch.arange(self.width).view(1, -1)
+        host = catch_up_planes(self.planes.shape, self.width, cache.lengths, tokens, aux,
+                               self.aux)
         self.planes.copy_(to_device(host, self.planes.device))
         return self.run(cache)
 

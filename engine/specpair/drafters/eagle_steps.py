@@ -84,6 +84,26 @@ class EagleDraftStep:
         return self.drafted[torch.arange(B, device=start.device).view(B, 1), index]
 
 
+def catch_up_planes(shape, width: int, lengths: list[int], tokens: list[list[int]],
+                    features: list, into: torch.Tensor) -> torch.Tensor:
+    """A catch-up step's host planes [4, R, width] (ids, positions, slots, each row's last pair
+    at [3, :, 0]) for rows 0..B-1 feeding `tokens[i]` from `lengths[i]`, which move on by n_i;
+    each row's features [n_i, F] copied into `into[i, :n_i]` (the step's device buffer). Pad
+    pairs continue a row's slots past its new length. EAGLE's and EAGLE-3's catch-ups alike."""
+    host = torch.zeros(shape, dtype=torch.long)
+    starts = torch.zeros(shape[1], 1, dtype=torch.long)
+    for i, (toks, feats) in enumerate(zip(tokens, features)):
+        n = len(toks)
+        starts[i, 0] = lengths[i]
+        if n:
+            host[0, i, :n] = torch.tensor(toks, dtype=torch.long)
+            host[3, i, 0] = n - 1
+            into[i, :n] = feats
+        lengths[i] += n
+    host[1] = host[2] = starts + torch.arange(width).view(1, -1)
+    return host
+
+
 # The widest catch-up run as one fixed step: a round's pending pairs are its accepted drafts and
 # the bonus token (k_max + 1 at most); wider ones (a prompt's first) run as before.
 CATCH_UP_WIDTH = 16
@@ -122,17 +142,8 @@ class EagleCatchUp:
     def __call__(self, kv, tokens: list[list[int]], features: list[torch.Tensor]) -> torch.Tensor:
         """Rows 0..B-1 feed `tokens[i]` with `features[i]` [n_i, D] from their lengths, which
         move on by n_i; -> [R, D] (rows' outputs at their last pair; a row feeding none: unused)."""
-        host = torch.zeros(self.planes.shape, dtype=torch.long)
-        starts = torch.zeros(host.shape[1], 1, dtype=torch.long)
-        for i, (toks, feats) in enumerate(zip(tokens, features)):
-            n = len(toks)
-            starts[i, 0] = kv.lengths[i]
-            if n:
-                host[0, i, :n] = torch.tensor(toks, dtype=torch.long)
-                host[3, i, 0] = n - 1
-                self.features[i, :n] = feats
-            kv.lengths[i] += n
-        host[1] = host[2] = starts + torch.arange(self.width).view(1, -1)
+        host = catch_up_planes(self.planes.shape, self.width, kv.lengths, tokens, features,
+                               self.features)
         self.planes.copy_(to_device(host, self.planes.device))
         if self.graph is None:
             self.graph = kv.capture(self.step)
