@@ -75,14 +75,7 @@ class EagleDrafter(HeadDrafter):
         tokens = torch.zeros(B, K, dtype=torch.long, device=device)
         # Catch every row up on the pairs observed since its last round (drafting or not): the
         # token after each observed position and the target's feature there.
-        pairs, features, drafting = [], [], []
-        for i, seq in enumerate(sequences):
-            start, known = self.kv.lengths[i], self.known[i]
-            pairs.append(seq[start + 1:known + 1] if self.pending[i] else [])
-            features.append(torch.cat(self.pending[i]).to(device) if self.pending[i] else None)
-            self.pending[i] = []
-            # A row drafts when its last pair is fed now (known == its cache length after this).
-            drafting.append(ks[i] > 0 and known > 0 and len(pairs[-1]) > 0)
+        pairs, features, drafting = self._take_pending(sequences, ks, self.kv.lengths, device)
         num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long,
                            device=device)
         if not any(pairs):

@@ -167,20 +167,6 @@ class Eagle3Drafter(HeadDrafter):
                 g[i] = out[0]
         return self._proposal(chosen_steps, qs, sibs, num, K, width)
 
-    def _pending_pairs(self, sequences, ks, device, dtype):
-        """Each row's pairs observed since its last round (the token after each observed
-        position) with the target's auxiliary states there [n, A*T] (None: none), and whether
-        the row drafts this round (its last pair is fed now); the pending features taken."""
-        pairs, aux, drafting = [], [], []
-        for i, seq in enumerate(sequences):
-            start, known = self.cache.lengths[i], self.known[i]
-            pending = self.pending[i]
-            pairs.append(seq[start + 1:known + 1] if pending else [])
-            aux.append(torch.cat(pending).to(device=device, dtype=dtype) if pending else None)
-            self.pending[i] = []
-            drafting.append(ks[i] > 0 and known > 0 and len(pairs[-1]) > 0)
-        return pairs, aux, drafting
-
     def _kernel_steps(self, rows: list[int], ids: torch.Tensor, hidden: torch.Tensor,
                       positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's layer for pairs (ids [T], hidden [T, D]) of cache rows `rows` at
@@ -214,7 +200,7 @@ class Eagle3Drafter(HeadDrafter):
         K = max(ks, default=0)
         device, dtype = self.draft_ids.device, cache.dtype
         tokens = torch.zeros(B, K, dtype=torch.long, device=device)
-        pairs, aux, drafting = self._pending_pairs(sequences, ks, device, dtype)
+        pairs, aux, drafting = self._take_pending(sequences, ks, self.cache.lengths, device, dtype)
         num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long,
                            device=device)
         if not any(pairs):
@@ -266,7 +252,7 @@ class Eagle3Drafter(HeadDrafter):
         K = max(ks, default=0)
         device, dtype = self.draft_ids.device, cache.dtype
         tokens = torch.zeros(B, K, dtype=torch.long, device=device)
-        pairs, aux, drafting = self._pending_pairs(sequences, ks, device, dtype)
+        pairs, aux, drafting = self._take_pending(sequences, ks, self.cache.lengths, device, dtype)
         num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long,
                            device=device)
         if not any(pairs):

@@ -135,6 +135,21 @@ class HeadDrafter(Drafter):
             self._keep(row, features)
             self.known[row] += int(features.shape[0])
 
+    def _take_pending(self, sequences, ks, lengths: list[int], device, dtype=None):
+        """A round's catch-up for heads that keep their rows' observed features in
+        `self.pending` (EAGLE, EAGLE-3): each row's pairs observed since its last round (the
+        token after each observed position, from the head cache's `lengths[i]`) with the
+        target's features there [n, F] (None: none), and whether the row drafts this round (its
+        last pair is fed now: known == its cache length after); the pending features taken."""
+        pairs, features, drafting = [], [], []
+        for i, seq in enumerate(sequences):
+            start, known, pending = lengths[i], self.known[i], self.pending[i]
+            pairs.append(seq[start + 1:known + 1] if pending else [])
+            features.append(torch.cat(pending).to(device=device, dtype=dtype) if pending else None)
+            self.pending[i] = []
+            drafting.append(ks[i] > 0 and known > 0 and len(pairs[-1]) > 0)
+        return pairs, features, drafting
+
     def _add_rows(self, count: int) -> None:
         raise NotImplementedError
 
