@@ -462,3 +462,37 @@ def test_on_the_fixed_step_the_target_hands_over_the_heads_layers(target, target
         assert reply.token_ids == plain.generate([prompt], params)[0].token_ids
         assert reply.stats.num_draft_tokens > 0
     assert engine.new_batch().drafter.fixed
+
+
+def test_what_the_target_hands_over_follows_its_live_heads(tiny_tokenizer):
+    """The target hands the layers its live EAGLE-3 heads read (the union) and the last normed
+    state again once none is left: a drafter gone changes nothing for later ones on the same
+    target (it once did: StaticLlama.feature_layers was set and never cleared). A head of the
+    other kind beside a live one is refused by name (one step hands one kind)."""
+    import gc
+
+    from head_builders import eagle_head
+    from tiny_models import make_model
+
+    from specpair.drafters.eagle import EagleDrafter
+    from specpair.kv.runner import StaticLlama
+
+    target = make_model(tiny_tokenizer, seed=11, layers=3)
+    runner = StaticLlama.of(target.model)
+    heads = [wrap_model(build_eagle3_head(target.model, torch.arange(0, 400, 2), layers, seed=5),
+                        None, "head") for layers in ((0, 1, 3), (1, 2, 3))]
+    first = Eagle3Drafter(heads[0], target.model, 400)
+    second = Eagle3Drafter(heads[1], target.model, 400).for_batch()
+    assert runner.feature_layers == (0, 1, 2, 3)
+    with pytest.raises(SpecpairError, match="one kind of features"):
+        EagleDrafter(eagle_head(target), target.model, 400)
+    del first
+    gc.collect()
+    assert runner.feature_layers == (1, 2, 3)
+    del second
+    gc.collect()
+    assert runner.feature_layers is None
+    eagle = EagleDrafter(eagle_head(target), target.model, 400)      # the normed state: accepted
+    with pytest.raises(SpecpairError, match="one kind of features"):
+        Eagle3Drafter(heads[0], target.model, 400)
+    assert runner.feature_layers is None and eagle.wants_features
