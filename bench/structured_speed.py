@@ -16,7 +16,8 @@ the tiny pair).
     python bench/structured_speed.py --out docs/measurements/cpu_structured_speed.json
 
 Default: the CPU default pair (embedded SmolLM2 target, n-gram drafter, k 4).
-Figures: docs/measurements/2026-12-06-structured-speed-cpu.md.
+Figures: docs/measurements/2026-12-06-structured-speed-cpu.md (before grammar-aware drafts),
+docs/measurements/2026-12-06-structured-speed-guided-cpu.md (with them).
 """
 
 from __future__ import annotations
