@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from specpair.prefix_cache import BLOCK_TOKENS
+
 
 def specpair(*args, timeout=240):
     return subprocess.run([sys.executable, "-m", "specpair", *args], capture_output=True, text=True,
@@ -103,7 +105,11 @@ def test_bench_json_on_tiny_pair(tmp_path, tiny_pair_dirs):
         assert row["spec_vs_hf"] == pytest.approx(
             row["spec_tokens_per_s"] / row["hf_assisted_tokens_per_s"], rel=1e-2)
     # The step against this machine's memory bandwidth, measured in the same run.
-    assert report["step"] == {"kv_cache": "static", "compiled": False, "cpu_kernels": "built"}
+    # A draft-model pair runs the paged cache (e2563ae): its pool is named beside the step.
+    step = dict(report["step"])
+    paged = step.pop("paged")
+    assert step == {"kv_cache": "static", "compiled": False, "cpu_kernels": "built"}
+    assert paged["block_positions"] == BLOCK_TOKENS and paged["blocks"] > 0
     bw = report["bandwidth"]
     assert bw["memory_gb_s"] == max(bw["read_gb_s"], bw["copy_gb_s"]) > 0
     for name in ("target", "draft"):

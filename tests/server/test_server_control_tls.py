@@ -52,7 +52,7 @@ def speculation_enabled(c: EngineClient) -> bool:
 
 
 def denied_total(server) -> float:
-    return server.metrics.control_denied.labels("tiny", "1", "SetSpeculation")._value.get()
+    return server.metrics.control_denied.labels("tiny", "1", "specpair", "SetSpeculation")._value.get()
 
 
 @pytest.fixture
