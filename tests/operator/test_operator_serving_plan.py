@@ -31,6 +31,7 @@ from specpair_operator.release import content as release
 from specpair_operator.plan import release_steps as rs
 from specpair_operator.plan import release_plan as p
 from specpair_operator.plan import serving_plan as sp
+from specpair_operator.plan import serving_steps
 from specpair_operator.release.registry_contract import TAG_RELEASE, TAG_ROLLED_BACK, TAG_SPECULATION_OFF
 from specpair_operator.observe.serving_world import DriftMemory, EnginePod, ServingWorld
 from specpair_operator.observe.world import Records, ReleaseWorld
@@ -316,6 +317,25 @@ def test_a_restarted_pod_is_switched_to_the_state_drift_wants():
         sp.ReconcilePodSpeculation("pod0", "10.0.0.0:50052", False, "1")]
     assert kinds(steps)[-3:] == ["Report ready Degraded/SpeculationOff", "ReconcilePodSpeculation",
                                  "ReportSpeculation -"]
+
+
+def test_a_new_champion_speculates_although_the_previous_ones_ladder_left_it_off():
+    # v1's ladder turned speculation off, then v2 was promoted (a promotion keeps the field) and
+    # its first drift check wrote v2's fresh state: v2's pods speculate, and status says so.
+    inherited = {"engineTLS": CURRENT_TLS, "speculationEnabled": False,
+                 "drift": {"version": "1", "stepsTaken": 1, "since": 0.0}}
+    for drift in (inherited["drift"], {"version": "1", "stepsTaken": 0, "since": 0.0}):
+        w = serving(base(status={**inherited, "drift": {**drift, "version": "1"}}), pods=1)
+        w = dataclasses.replace(w, drift=DriftMemory(checked_at=1e9))
+        assert serving_steps.status_speculation(w, "1") is (drift["stepsTaken"] == 0)
+    w = serving(base(status={**inherited, "drift": {"version": "1", "stepsTaken": 0, "since": 0.0}}), pods=2)
+    w = dataclasses.replace(w, ready=tuple(dataclasses.replace(p, info={**p.info, "speculationEnabled": False})
+                                           for p in w.ready), drift=DriftMemory(checked_at=1e9))
+    steps = sp.plan_serving(w)
+    assert [s for s in steps if isinstance(s, sp.ReconcilePodSpeculation)] == [
+        sp.ReconcilePodSpeculation(f"pod{i}", f"10.0.0.{i}:50052", True, "1") for i in range(2)]
+    assert [s.fields for s in steps if isinstance(s, rs.SetStatus) and "speculationEnabled" in s.fields] \
+        == [{"speculationEnabled": True}]
 
 
 # -- the drift ladder ---------------------------------------------------------------------------

@@ -101,6 +101,11 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
                 SetStatus({"drift": {**previous.as_dict(), "version": str(champion), "probing": False}}),
                 Record("SpeculationOff", w.tags[TAG_SPECULATION_OFF], champion, champion, warning=True))
 
+    if not off and not w.status.get("speculationEnabled", True):
+        # Left false by the previous champion's ladder (a promotion keeps the field): this
+        # release's ladder has not turned speculation off, so it speculates (status_speculation).
+        out.add(SetStatus({"speculationEnabled": True}))
+
     def degraded(extra: str = "") -> bool:
         if not watching:  # watched, the pass reports the spec's release; the Drifted condition says the rest
             out.add(Report("ready", "Degraded", "SpeculationOff", f"v{champion} serving target-only after drift{extra}"))

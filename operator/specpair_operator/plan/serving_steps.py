@@ -203,10 +203,20 @@ def shadow_release(w: ServingWorld) -> dict[str, Any]:
 
 def status_speculation(w: ServingWorld, champion: str) -> bool:
     """The speculation state status wants for `champion` (a release the drift ladder has not
-    acted on speculates)."""
-    if str((w.status.get("drift") or {}).get("version", "")) == str(champion):
-        return bool(w.status.get("speculationEnabled", True))
-    return True
+    turned off speculates: status.speculationEnabled left false by the previous champion's
+    ladder, whose drift state the new champion's first check replaces, is not this release's)."""
+    stored = w.status.get("drift") or {}
+    if str(stored.get("version", "")) != str(champion):
+        return True
+    if not speculation_turned_off(w, drift_mod.state_for_release(dict(stored), champion)):
+        return True
+    return bool(w.status.get("speculationEnabled", True))
+
+
+def speculation_turned_off(w: ServingWorld, state: drift_mod.DriftState) -> bool:
+    """Whether SpeculationOff is among the ladder steps `state` (the champion's) has taken."""
+    ladder = drift_mod.DriftPolicy.from_spec(dict(w.spec.get("drift") or {})).ladder
+    return drift_mod.SPECULATION_OFF in ladder[:state.steps_taken]
 
 
 def engine_deployment(w: ServingWorld, served: dict[str, Any]) -> dict[str, Any]:
