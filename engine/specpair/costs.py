@@ -9,6 +9,7 @@ batch's steps spent their time.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -52,6 +53,15 @@ class CostModel:
         return (drafting if k > 0 else 0.0) + v
 
 
+def row_back_off_enabled() -> bool:
+    """The per-row back-off (DynamicK) is opt-in, SPECPAIR_ROW_BACK_OFF=on, for now: a resting row
+    drafts only at its request's start and in probes, so the live acceptance the drift ladder
+    reads samples those rounds only, not what the gate measured (on the tiny pairs of
+    test_prometheus_live a mediocre champion read 0 live against 0.125 gated and was switched off,
+    and a rollback was refused). On by default once drift counts only full rounds."""
+    return os.environ.get("SPECPAIR_ROW_BACK_OFF", "off").strip().lower() in ("1", "on", "true", "yes")
+
+
 class DynamicK:
     """Chooses k for a sequence's next round.
 
@@ -82,7 +92,8 @@ class DynamicK:
         self.cost_model = cost_model
         # Prior: the acceptance a fresh pair is assumed to have until it shows otherwise.
         self.position_acceptance = [0.7] * config.k_max
-        self.back_off = config.fallback_threshold > 0 if back_off is None else back_off
+        self.back_off = (config.fallback_threshold > 0 and row_back_off_enabled()) if back_off is None \
+            else back_off
         self.rejected_rounds = 0          # rounds in a row whose drafts were all rejected
         self.rest = 0                     # rounds left without drafting (backed off while > 0)
         self.next_rest = self.BACKOFF_FIRST

@@ -13,6 +13,17 @@ from specpair.costs import CostModel, DynamicK
 from specpair.decoding import SpeculativeEngine
 
 CONFIG = SpeculationConfig(k=3, k_min=1, k_max=4)
+
+
+@pytest.fixture(autouse=True)
+def row_back_off_on(monkeypatch):
+    """The back-off is opt-in (costs.row_back_off_enabled): these tests are of it switched on."""
+    monkeypatch.setenv("SPECPAIR_ROW_BACK_OFF", "on")
+
+
+def test_the_back_off_is_opt_in(monkeypatch):
+    monkeypatch.delenv("SPECPAIR_ROW_BACK_OFF")
+    assert not DynamicK(CONFIG).back_off and DynamicK(CONFIG, back_off=True).back_off
 AFTER, FIRST = DynamicK.BACKOFF_AFTER, DynamicK.BACKOFF_FIRST
 
 
