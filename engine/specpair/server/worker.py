@@ -45,6 +45,21 @@ def default_max_batch_size(engine) -> int:
     return space.max_rows if space is not None else DEFAULT_MAX_BATCH_SIZE
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as the worker saw it (EngineWorker.timeline): where a loaded server's time
+    goes, step by step (scripts/worker_timeline.py prints it)."""
+
+    started: float        # time.perf_counter() at the step's start
+    seconds: float        # the step's wall time
+    waited: float         # idle on the condition since the last step (nothing to step)
+    rows: int             # rows in the batch when it stepped
+    joined: int           # rows admitted at this step's boundary
+    fed: int              # prompt positions the target had not cached (prefills, recomputes)
+    k: int                # the step's largest k (Batch.last_k)
+    emitted: int          # tokens the step's rows committed
+
+
 class QueueFull(Exception):
     """No room in the waiting queue: the client should retry later (RESOURCE_EXHAUSTED)."""
 
@@ -141,7 +156,8 @@ class EngineWorker:
     """Owns a SpeculativeEngine's Batch in one thread; see the module docstring."""
 
     def __init__(self, engine, *, max_batch_size: int | None = None, max_queue: int = 32,
-                 metrics=None):
+                 metrics=None, timeline: int = 0):
+        """timeline: keep the last this many steps' StepRecords (0: none)."""
         if max_batch_size is None:
             max_batch_size = default_max_batch_size(engine)
         if max_batch_size < 1 or max_queue < 0:
@@ -165,6 +181,9 @@ class EngineWorker:
         self.overall = Aggregate(window)
         self.categories: dict[str, Aggregate] = {}
         self.steps = 0
+        self.timeline: deque[StepRecord] | None = deque(maxlen=timeline) if timeline else None
+        self._waited = 0.0          # idle since the last step (timeline)
+        self._joined = 0            # admitted since the last step (timeline)
 
     # -- called from other threads ------------------------------------------------------------
 
@@ -283,7 +302,9 @@ class EngineWorker:
                     self._admit_locked()
                     if not self._jobs:
                         self._publish_state()
+                        idle = time.perf_counter()
                         self._cond.wait(timeout=0.5)
+                        self._waited += time.perf_counter() - idle
                         continue
                 self._step()
         finally:
@@ -325,9 +346,12 @@ class EngineWorker:
                 continue
             job.admitted = time.perf_counter()
             self._jobs[job.request_id] = job
+            self._joined += 1
         self._pending.extendleft(reversed(held))
 
     def _step(self) -> None:
+        started = time.perf_counter()
+        rows, fed = self.batch.active, self._uncached_positions()
         try:
             outputs = self.batch.step()
         except Exception as exc:   # a request the checks let through, an engine bug, a device error
@@ -335,6 +359,12 @@ class EngineWorker:
             return
         self.steps += 1
         now = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.append(StepRecord(
+                started=started, seconds=now - started, waited=self._waited, rows=rows,
+                joined=self._joined, fed=fed, k=self.batch.last_k,
+                emitted=sum(len(out.token_ids) for out in outputs)))
+        self._waited, self._joined = 0.0, 0
         done = {seq.request_id: seq for seq in self.batch.done}
         live = {seq.request_id: seq for seq in self.batch.rows}
         for out in outputs:
@@ -352,6 +382,13 @@ class EngineWorker:
                 self._send(job, Tokens(text=out.text, token_ids=list(out.token_ids), logprobs=out.logprobs))
         self.batch.done.clear()
         self._publish_state()
+
+    def _uncached_positions(self) -> int:
+        """Positions of the rows' tokens their target cache lacks (what a step prefills)."""
+        lengths = getattr(self.batch.target, "lengths", None)
+        if self.timeline is None or lengths is None:
+            return 0
+        return sum(max(0, len(seq.tokens) - n) for seq, n in zip(self.batch.rows, lengths))
 
     def _recover(self, exc: Exception) -> None:
         """After a step raised: fail the rows that raise on their own, carry the others on.
