@@ -15,6 +15,7 @@ from ci_skips import skip_unless_ci
 
 from specpair_devcluster.client import ApiError, resource_path
 from specpair_operator.desired import autoscaling as autoscaling_mod
+from specpair_operator.observe import keda as keda_mod
 from specpair_operator.desired.autoscaling import (SIGNALS, Autoscaling, AutoscalingError, desired_autoscaler,
                                            query)
 from specpair_operator.desired.manifests import engine_name
@@ -436,7 +437,7 @@ def test_an_unusable_autoscaling_is_a_condition_and_one_warning(monkeypatch):
     for passes in (1, 2):
         ledger = StatusLedger(status, 3, "team-a", "chat", logging.getLogger("test"))
         plan = autoscaling_mod.plan_autoscaler(body["spec"], "chat", "team-a",
-                                               keda=asyncio.run(autoscaling_mod.keda_installed(state)),
+                                               keda=asyncio.run(keda_mod.keda_installed(state)),
                                                default_prometheus=autoscaling_mod.default_prometheus())
         asyncio.run(apply_autoscaler_plan(state.kube, body, ledger, plan))
         status = {**status, **ledger.status_patch()}

@@ -2,7 +2,7 @@
 calls `refusals` once the spec passes the CRD's schema), in the API server's wording so that a
 pair past the CRD is Stalled with InvalidSpec and the reason, before anything is gated or served:
 
-- an autoscaling metric the pair's engine does not export (autoscaling.metric_refusal);
+- an autoscaling metric the pair's engine does not export (autoscaling_signals.metric_refusal);
 - a vLLM pair whose `parallelism.tensor` does not split its target's heads evenly, where the
   operator knows the target's heads without downloading it (the embedded default target);
   any other target is checked by its gate Job from its config.json (specpair.vllm_parallel).
@@ -15,7 +15,7 @@ from typing import Any
 from specpair.contract import parallelism
 from specpair.vllm_parallel import known_config, tensor_parallel_refusal
 
-from specpair_operator.desired.autoscaling import spec_refusals
+from specpair_operator.crd.autoscaling_signals import spec_refusals
 
 
 def refusals(spec: Any) -> list[str]:

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
-from importlib import resources
 from typing import Any, Callable
 
-import yaml
 from specpair.model_fetch import (DOT_SEGMENT, LOCAL_MLFLOW_URI, REMOTE_MLFLOW_URI, mlflow_uri_is_local,
                                   mlflow_uri_leaves_its_folder)
 
 from specpair_operator.crd import names
 from specpair_operator.crd.names import METRICS_PORT
+# The schema and its defaults have their home in schema.py; callers read them here too.
+from specpair_operator.crd.schema import (autoscaling_with_defaults, canary_default_steps,  # noqa: F401
+                                          canary_step_defaults, latency_defaults, shadow_defaults, spec_schema)
 
 # The draft methods the specpair engine serves (n-gram lookup, a draft model, its drafting heads);
 # eagle3 and mtp are vLLM's alone. The CRD's rule names the same list (a test holds them together).
@@ -133,42 +133,6 @@ def _ports(rollout: dict[str, Any]) -> dict[str, Any]:
     """The rollout's ports as the API server's CEL rules see them: defaults applied first."""
     props = spec_schema()["properties"]["rollout"]["properties"]
     return {k: rollout.get(k, props[k]["default"]) for k in ("port", "httpPort", "controlPort")}
-
-
-def autoscaling_with_defaults(autoscaling: dict[str, Any]) -> dict[str, Any]:
-    """rollout.autoscaling with the CRD's defaults applied (their one home), as the API server
-    sees it once it has defaulted the object."""
-    props = spec_schema()["properties"]["rollout"]["properties"]["autoscaling"]["properties"]
-    return {**{k: sub["default"] for k, sub in props.items() if "default" in sub}, **autoscaling}
-
-
-def shadow_defaults() -> dict[str, Any]:
-    """spec.rollout.shadow's defaults as the CRD declares them (their one home)."""
-    props = spec_schema()["properties"]["rollout"]["properties"]["shadow"]["properties"]
-    return {k: sub["default"] for k, sub in props.items() if "default" in sub}
-
-
-def latency_defaults() -> dict[str, Any]:
-    """spec.drift.latency's defaults as the CRD declares them (their one home)."""
-    props = spec_schema()["properties"]["drift"]["properties"]["latency"]["properties"]
-    return {k: sub["default"] for k, sub in props.items() if "default" in sub}
-
-
-def canary_default_steps() -> list[dict[str, Any]]:
-    """The rollout.strategy.steps a Canary runs when the spec gives none (the CRD's default)."""
-    return list(spec_schema()["properties"]["rollout"]["properties"]["strategy"]["properties"]["steps"]["default"])
-
-
-def canary_step_defaults() -> dict[str, Any]:
-    """A rollout.strategy.steps item's defaults as the CRD declares them (their one home)."""
-    props = spec_schema()["properties"]["rollout"]["properties"]["strategy"]["properties"]["steps"]["items"]["properties"]
-    return {k: sub["default"] for k, sub in props.items() if "default" in sub}
-
-
-@lru_cache(maxsize=1)
-def spec_schema() -> dict[str, Any]:
-    crd = yaml.safe_load((resources.files("specpair_operator.crd") / "specmodelpair.crd.yaml").read_text())
-    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 
 
 def _show(value: Any) -> str:

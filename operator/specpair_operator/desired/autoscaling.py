@@ -9,11 +9,10 @@ and scaling is outside the release (its content hash, and so its gate, never see
 The signals are each engine's own gauges and counters, read per pair: queued requests, running
 requests, streamed tokens per second, the share of the KV cache in use, and the effective load
 (queued requests over the tokens each step yields at the live acceptance). One
-`rollout.autoscaling.metric` name means the same on both engines; SIGNALS maps it to each
-engine's series (the specpair engine's engine/specpair/server/metrics.py, vLLM's
-vllm/v1/metrics/loggers.py), and a metric an engine cannot export is refused
-(`metric_refusal`, which the operator's spec check calls through engine_limits.refusals) rather
-than written into an autoscaler that never scales. KEDA reads them from Prometheus with a query over the pair's pods; an HPA reads one
+`rollout.autoscaling.metric` name means the same on both engines; the contract's SIGNALS
+(crd/autoscaling_signals.py) maps it to each engine's series, and a metric an engine cannot
+export is refused there rather than written into an autoscaler that never scales. Whether KEDA
+is installed is observed (observe/keda.py) and handed in as `keda`. KEDA reads them from Prometheus with a query over the pair's pods; an HPA reads one
 series per pod through the custom metrics API (prometheus-adapter's default rules serve a gauge
 under its own name and a `_total` counter as its per-second rate without the suffix), so it
 averages them itself, and a signal made of several series needs KEDA.
@@ -22,13 +21,16 @@ averages them itself, and a signal made of several series needs KEDA.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from specpair_operator.desired import manifests
-from specpair_operator.crd import names, validation
+from specpair_operator.crd import names
+from specpair_operator.crd.schema import autoscaling_with_defaults
 from specpair_operator.desired.manifests import engine_name
+# The signal table and the metric refusal are the contract's (crd/autoscaling_signals.py).
+from specpair_operator.crd.autoscaling_signals import (RATE_WINDOW, SIGNALS, SPECPAIR, VLLM, Series, Signal,  # noqa: F401
+                                                       engine_of, metric_refusal, spec_refusals)
 
 # The CRD's group/version for scaleTargetRef (the scale subresource is served there).
 PAIR_API_VERSION = "specpair.io/v1alpha1"
@@ -38,107 +40,9 @@ HPA_API_VERSION = "autoscaling/v2"
 API_VERSIONS = {"ScaledObject": KEDA_API_VERSION, "HorizontalPodAutoscaler": HPA_API_VERSION}
 # The pair's condition: its autoscaler is in place (reason: the kind), or why it is not.
 AUTOSCALED = "Autoscaled"
-# How long the answer to "is KEDA installed?" stands: KEDA installed (or removed) after the
-# operator started is seen within this long, and the pair's autoscaler switches kind.
-KEDA_RECHECK_S = 60.0
 # The chart's autoscaling.prometheusAddress: where KEDA asks for a pair's signal, unless the
 # pair names its own.
 PROMETHEUS_ENV = "SPECPAIR_PROMETHEUS_ADDRESS"
-
-
-# How far back a rate looks: the counters' per-second rates, and the live acceptance.
-RATE_WINDOW = "1m"
-
-
-@dataclass(frozen=True)
-class Series:
-    """One signal on one engine: how KEDA queries it over a pair's pods (a sum, divided by the
-    target per replica), and the per-pod series an HPA averages (None: the signal is several
-    series, which only a query can combine)."""
-    promql: str                # {selector}: the pair's label matchers; {window}: RATE_WINDOW
-    pod_metric: str | None
-
-
-@dataclass(frozen=True)
-class Signal:
-    meaning: str
-    engines: Mapping[str, Series]   # engine kind -> its series; an engine absent cannot export it
-
-
-def _effective_load(waiting: str, emitted: str, accepted: str) -> str:
-    """Queued requests over the tokens a step yields at the live acceptance. Each step of a row
-    emits its accepted draft tokens plus one, so steps = emitted - accepted and tokens per step =
-    emitted / (emitted - accepted): 1 target-only, ~3 at acceptance length 3. A pair whose
-    acceptance collapses serves its queue slower: the same queue is more load. Idle, or with
-    no accepted series (speculation off, vLLM without a drafter), a step yields one token."""
-    rate = "sum(rate({name}{{{{{{selector}}}}}}[{{window}}]))"
-    emitted_rate, accepted_rate = rate.format(name=emitted), rate.format(name=accepted)
-    return (f"sum({waiting}{{{{{{selector}}}}}}) / (({emitted_rate} / ({emitted_rate} - {accepted_rate} > 0)) "
-            "or vector(1))")
-
-
-SPECPAIR, VLLM = "specpair", "vllm"
-SIGNALS: dict[str, Signal] = {
-    "queueLength": Signal("requests queued for a batch slot", {
-        SPECPAIR: Series("sum(specpair_num_requests_waiting{{{selector}}})", "specpair_num_requests_waiting"),
-        VLLM: Series("sum(vllm:num_requests_waiting{{{selector}}})", "vllm:num_requests_waiting")}),
-    "runningRequests": Signal("requests in the running batch", {
-        SPECPAIR: Series("sum(specpair_num_requests_running{{{selector}}})", "specpair_num_requests_running"),
-        VLLM: Series("sum(vllm:num_requests_running{{{selector}}})", "vllm:num_requests_running")}),
-    "tokensPerSecond": Signal("tokens streamed to clients per second", {
-        SPECPAIR: Series("sum(rate(specpair_num_emitted_tokens_total{{{selector}}}[{window}]))",
-                         "specpair_num_emitted_tokens"),
-        VLLM: Series("sum(rate(vllm:generation_tokens_total{{{selector}}}[{window}]))", "vllm:generation_tokens")}),
-    # The specpair engine has a KV budget on CUDA (by default) or with rollout.kvBudget (its
-    # --kv-budget), vLLM always (its KV cache blocks).
-    "kvCacheUsage": Signal("share of the KV cache the running requests hold", {
-        SPECPAIR: Series("sum(specpair_kv_cache_usage_ratio{{{selector}}})", "specpair_kv_cache_usage_ratio"),
-        VLLM: Series("sum(vllm:kv_cache_usage_perc{{{selector}}})", "vllm:kv_cache_usage_perc")}),
-    "effectiveLoad": Signal("queued requests over the tokens each step yields at the live acceptance", {
-        SPECPAIR: Series(_effective_load("specpair_num_requests_waiting", "specpair_num_emitted_tokens_total",
-                                         "specpair_num_accepted_tokens_total"), None),
-        VLLM: Series(_effective_load("vllm:num_requests_waiting", "vllm:generation_tokens_total",
-                                     "vllm:spec_decode_num_accepted_tokens_total"), None)}),
-}
-
-
-def engine_of(spec: Mapping[str, Any]) -> str:
-    """The engine kind that serves the pair (spec.engine; the CRD's default)."""
-    return str(spec.get("engine") or SPECPAIR)
-
-
-def spec_refusals(spec: Any) -> list[str]:
-    """metric_refusal in the words of validation.validate_spec (which calls it): a spec the
-    CRD's schema lets through whose metric its engine cannot export."""
-    why = metric_refusal(spec) if isinstance(spec, dict) else None
-    if why is None:
-        return []
-    metric = validation.autoscaling_with_defaults(spec["rollout"]["autoscaling"])["metric"]
-    return [f'spec.rollout.autoscaling.metric: Invalid value: "{metric}": {why}']
-
-
-def metric_refusal(spec: Mapping[str, Any]) -> str | None:
-    """Why the pair's engine cannot export the series its `rollout.autoscaling.metric` scales on
-    (None: it can, or the pair is not autoscaled, or the metric is not one of SIGNALS: the CRD's
-    enum says that). An autoscaler on a series that never exists is written and never scales."""
-    raw = (spec.get("rollout") or {}).get("autoscaling") if isinstance(spec.get("rollout"), dict) else None
-    if not isinstance(raw, dict):
-        return None
-    metric, engine = validation.autoscaling_with_defaults(raw).get("metric"), engine_of(spec)
-    signal = SIGNALS.get(metric) if isinstance(metric, str) else None
-    if signal is None:
-        return None
-    if engine not in signal.engines:
-        return (f"rollout.autoscaling.metric {metric} ({signal.meaning}) is not a series engine {engine} exports; "
-                f"engine {engine} offers {', '.join(m for m, s in SIGNALS.items() if engine in s.engines)}")
-    rollout = dict(spec.get("rollout") or {})
-    if metric == "kvCacheUsage" and engine == SPECPAIR and not manifests.has_gpu(rollout) \
-            and rollout.get("kvBudget") is None:
-        return (f"rollout.autoscaling.metric {metric}: engine {engine} exports specpair_kv_cache_usage_ratio only "
-                f"with a KV budget, which it has on a GPU or with rollout.kvBudget (this pair has neither): the "
-                f"autoscaler would never scale; set rollout.kvBudget, or use queueLength, runningRequests, "
-                f"tokensPerSecond or effectiveLoad")
-    return None
 
 
 class AutoscalingError(ValueError):
@@ -163,7 +67,7 @@ class Autoscaling:
         raw = (spec.get("rollout") or {}).get("autoscaling")
         if not raw:
             return None
-        raw = validation.autoscaling_with_defaults(raw)
+        raw = autoscaling_with_defaults(raw)
         lo, hi = raw.get("minReplicas"), raw.get("maxReplicas")
         metric, target = raw.get("metric"), raw.get("target")
         if not isinstance(hi, int) or isinstance(hi, bool):
@@ -273,15 +177,6 @@ def _hpa_spec(scaling: Autoscaling) -> dict[str, Any]:
 def describe(scaling: Autoscaling) -> str:
     return (f"{scaling.min_replicas} to {scaling.max_replicas} replicas on {scaling.metric} "
             f"(target {_target_value(scaling.target)} per replica)")
-
-
-async def keda_installed(state: Any) -> bool:
-    """Whether the API server serves KEDA's ScaledObject (API discovery), asked again every
-    KEDA_RECHECK_S so that installing or removing KEDA needs no operator restart."""
-    seen, now = state.keda_seen, time.monotonic()
-    if seen is None or now - seen[1] >= KEDA_RECHECK_S:
-        seen = state.keda_seen = ("scaledobjects" in await state.kube.served_resources(KEDA_API_VERSION), now)
-    return seen[0]
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,13 @@ from typing import Any
 from specpair.vllm_parallel import cpu_binding_env
 from specpair.vllm_serve import VLLM_SOCKET, VLLM_SOCKET_DIR
 
+from specpair_operator.crd.schema import has_gpu
 from specpair_operator.release import content as release_mod
 from specpair_operator.desired.manifests import (ANN_HASH, ANN_SHADOW_RELEASE, AUTH_DIR, COMPANION_REQUESTS,
                                                  CONTROL_PORT, HTTP_PORT, METRICS_PORT, RELEASE_DIR, RELEASE_FILE,
                                                  SHADOW_RELEASE_FILE, TLS_DIR, MlflowCredentials, PodDefaults,
                                                  container_security, engine_image, engine_name, engine_selector,
-                                                 engine_tls_secret_name, has_gpu, pod_env, pod_labels, pod_mounts,
+                                                 engine_tls_secret_name, pod_env, pod_labels, pod_mounts,
                                                  pod_resources, pod_spec, release_annotations, shm_mounts,
                                                  shm_volumes)
 

@@ -7,9 +7,10 @@ from typing import Any
 from specpair.vllm_parallel import cpu_binding_env
 
 from specpair_operator.crd import names
+from specpair_operator.crd.schema import has_gpu
 from specpair_operator.desired.manifests import (ANN_HASH, LABEL_PAIR, LABEL_ROLE, RELEASE_FILE, TERMINATION_LOG,
                                                  MlflowCredentials, PodDefaults, container_security, engine_image,
-                                                 gate_job_name, gate_policy_name, has_gpu, pod_env, pod_labels,
+                                                 gate_job_name, gate_policy_name, pod_env, pod_labels,
                                                  pod_mounts, pod_resources, pod_spec, release_annotations,
                                                  shm_mounts, shm_volumes)
 

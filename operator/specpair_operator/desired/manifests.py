@@ -327,10 +327,3 @@ def shm_volumes(release: dict[str, Any]) -> list[dict[str, Any]]:
 
 def shm_mounts(release: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"name": "shm", "mountPath": SHM_DIR}] if shm_volumes(release) else []
-
-
-def has_gpu(rollout: dict[str, Any]) -> bool:
-    limits = {**((rollout.get("resources") or {}).get("requests") or {}),
-              **((rollout.get("resources") or {}).get("limits") or {})}
-    return any(name.endswith("/gpu") and str(v) not in ("0", "") for name, v in limits.items())
-

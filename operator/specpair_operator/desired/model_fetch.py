@@ -55,7 +55,7 @@ from specpair.contract import content_hash, source_kind
 
 from specpair_operator.desired import manifests
 from specpair_operator.crd import names
-from specpair_operator.observe.world import pods_waiting
+from specpair_operator.desired.pod_status import pods_waiting
 
 MODELS_FETCHING = "ModelsFetching"       # Reconciling's reason while the Job runs
 MODEL_FETCH_FAILED = "ModelFetchFailed"  # Stalled's reason when it failed

@@ -18,6 +18,7 @@ from specpair_operator.gate import attempts as gate_attempts, verdict as gate_ve
 from specpair_operator.desired import autoscaling, engine_objects, gate_objects, manifests, model_fetch
 from specpair_operator.crd import names
 from specpair_operator.observe import unreadable
+from specpair_operator.observe.keda import keda_installed
 from specpair_operator.policy import serving_health
 from specpair_operator.plan import serving_plan
 from specpair_operator.desired import tls as tls_mod
@@ -30,7 +31,8 @@ from specpair_operator.policy.shadow_run import ShadowRun
 from specpair_operator.observe.serving_world import (DriftMemory, EnginePod, EngineTLS, Installation, ServingWorld,
                                                      ready_pods)
 from specpair_operator.state import CA_REFRESH_S, OperatorState, read_control_ca
-from specpair_operator.observe.world import GateJob, Records, ReleaseWorld, pods_waiting
+from specpair_operator.observe.world import GateJob, Records, ReleaseWorld
+from specpair_operator.desired.pod_status import pods_waiting
 
 
 def _controlled_by_job(pod: dict[str, Any], job: str) -> bool:
@@ -204,7 +206,7 @@ async def _observe_engine(op: OperatorState, w: ServingWorld) -> ServingWorld:
     """The engine's Deployment, Service, NetworkPolicy, certificate marks and pods."""
     kube, name = op.kube, manifests.engine_name(w.pair)
     w = replace(w, deployment=await kube.get("apps/v1", "deployments", w.namespace, name),
-                service=await kube.get("v1", "services", w.namespace, name), keda=await autoscaling.keda_installed(op))
+                service=await kube.get("v1", "services", w.namespace, name), keda=await keda_installed(op))
     if serving_plan.name_taken(w):
         return w
     w = replace(w, tls=await _observe_tls(op, w))       # vLLM pods too: their companion's control port

@@ -20,7 +20,7 @@ from specpair_operator.plan.release_steps import (PostEvent, Record, Report, Set
                                                   name_conflict_message)
 from specpair_operator.release.registry_contract import TAG_HASH
 from specpair_operator.observe.serving_world import ServingWorld
-from specpair_operator.observe.world import pods_waiting
+from specpair_operator.desired.pod_status import pods_waiting
 from specpair_operator.plan.serving_steps import (ANN_TEMPLATE, CreateControlCA, deployment_after, engine_deployment,
                                                   engine_selector, EnsureAutoscaler, EnsureOwned, IssueCertificate,
                                                   outcome, taken_child, RetireLegacyEngine, served_release,
