@@ -48,8 +48,11 @@ import pytest
 import yaml
 
 from gate_tuning import NO_SWEEPS
+from mlflow import MlflowClient
 from obs_helpers import (CHART, RULES, alert_rules, annotation_queries, dashboard_variables, helm, panel_targets, render,
                          with_grafana_values)
+from specpair_operator.release.content import effective_model_name
+from specpair_operator.release.registry_contract import HISTORY_SECTION, gate_experiment
 
 RELEASE, OPERATOR_NAMESPACE = "obs", "specpair-obs"
 PAIR_API = "specpair.io/v1alpha1"
@@ -329,6 +332,24 @@ def test_every_panel_and_alert_against_live_engines(devcluster, mlflow_server, m
         s.wait("speculation off", lambda: (s.pair("drifts").get("status") or {}).get("speculationEnabled") is False,
                timeout=240, traffic_to="drifts")
         s.wait("rolled back to v1", lambda: s.serving("drifts", "1", phase="Degraded"), timeout=300, traffic_to="drifts")
+        # Why v2 lost the champion alias, as a reviewer reads it in MLflow (docs/mlflow.md): its
+        # history's lines in words, its rollback tag, and a run with the drift judgement's figures.
+        # The record follows the rollback mark in the same step, before the alias moves.
+        mlflow = MlflowClient(mlflow_server.url)
+        model = effective_model_name("drifts", namespace, {})
+        v2 = mlflow.get_model_version(model, "2")
+        assert v2.tags["specpair.event.speculation-off"].startswith(
+            "v2 serving target-only (speculation off): sustained drift: "), v2.tags
+        # The newest line (MLflow's 5,000 characters drop the oldest first: probes may be many).
+        history = v2.description.split(HISTORY_SECTION)[1]
+        [rolled] = [line for line in history.splitlines() if "**rollback**" in line]
+        assert re.search(r"v2 rolled back \(lost the champion alias\): (sustained drift|drift persisted after "
+                         r"speculation off): category 'code' acceptance [\d.]+ \(upper bound", rolled), history
+        assert v2.tags["specpair.event.rollback"].startswith("v2 rolled back")
+        [rollback] = mlflow.search_runs([mlflow.get_experiment_by_name(gate_experiment(model)).experiment_id],
+                                        filter_string="tags.`specpair.event` = 'rollback'")
+        assert rollback.info.run_name == "rollback-v2" and \
+            [k for k in rollback.data.metrics if k.startswith("live_acceptance.")], rollback.data.metrics
         for _ in range(3):
             s.traffic("drifts")
         # v3: a new target (v1's weights from another path) with the good draft, rolled out as a
