@@ -18,7 +18,7 @@ import requests
 import yaml
 
 from .certs import CertificateAuthority, KeyPair, service_account_keys
-from .processes import Child, built_binaries, free_port, wait_until
+from .processes import Child, built_binaries, first_exit, free_port, wait_until
 
 PROGRAMS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 SERVICE_CIDR = "10.96.0.0/16"
@@ -229,10 +229,7 @@ class ControlPlane:
         self.children.append(Child(name, argv, logs / f"{name}.log", env={"PATH": os.environ.get("PATH", "")}))
 
     def _dead_child(self) -> str | None:
-        for child in self.children:
-            if not child.alive():
-                return child.describe_exit()
-        return None
+        return first_exit(self.children)
 
     def stop(self) -> None:
         for child in reversed(self.children):

@@ -35,12 +35,11 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from .client import ApiError
-from .processes import Child, built_binaries, free_port, wait_until
+from .processes import Child, built_binaries, first_exit, free_port, http_ok, wait_until
 
 NAMESPACE = "devcluster-gateway"
 ACCOUNT = "traefik"
@@ -272,17 +271,13 @@ class DevGateway:
         return kube.get(GATEWAY_API, "gateways", namespace, name)
 
     def _pinged(self) -> bool:
-        try:
-            with urllib.request.urlopen(self._ping + "/ping", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return http_ok(self._ping + "/ping")
 
     def _class_accepted(self) -> bool:
         return _condition(self.cluster.kube.get(GATEWAY_API, "gatewayclasses", None, GATEWAY_CLASS) or {}, "Accepted")
 
     def _dead(self) -> str | None:
-        return None if self.child is None or self.child.alive() else self.child.describe_exit()
+        return first_exit([self.child])
 
     def stop(self) -> None:
         self.mirror.stop()

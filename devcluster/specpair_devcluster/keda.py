@@ -33,12 +33,11 @@ import json
 import os
 import shutil
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from .client import ApiError
-from .processes import Child, built_binaries, free_port, wait_until
+from .processes import Child, built_binaries, first_exit, free_port, http_ok, wait_until
 
 NAMESPACE = "keda"
 ACCOUNT = "keda-operator"
@@ -155,17 +154,10 @@ class DevKeda:
                    for c in ((got or {}).get("status") or {}).get("conditions") or [])
 
     def _operator_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.health + "/readyz", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return http_ok(self.health + "/readyz")
 
     def _dead_child(self) -> str | None:
-        for child in self.children:
-            if not child.alive():
-                return child.describe_exit()
-        return None
+        return first_exit(self.children)
 
     def external_metric(self, namespace: str, name: str, selector: str) -> dict[str, Any]:
         """GET an external metric through the API server, as the HPA controller reads it."""

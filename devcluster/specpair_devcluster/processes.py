@@ -8,7 +8,9 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
+from typing import Iterable
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -101,6 +103,25 @@ class Child:
 
     def describe_exit(self) -> str:
         return f"{self.name} exited with {self.proc.returncode}: {tail(self.log, 1500)}"
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """Whether a GET of `url` answers 200: a built binary's readiness or health endpoint, False
+    while nothing listens yet (wait_until's predicate)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def first_exit(children: Iterable["Child | None"]) -> str | None:
+    """How the first of `children` that has exited ended (None while all run): wait_until's
+    abort, so that a start fails with the binary's own words instead of timing out."""
+    for child in children:
+        if child is not None and not child.alive():
+            return child.describe_exit()
+    return None
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "condition",

@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from .processes import Child, built_binaries, free_port, wait_until
+from .processes import Child, built_binaries, first_exit, free_port, http_ok, wait_until
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "specpair"
 # The chart's alert rules (its PrometheusRule embeds this file).
@@ -192,7 +192,7 @@ class DevPrometheus:
                                           f"--web.listen-address=127.0.0.1:{self.port}"],
                            self.workdir / "prometheus.log")
         wait_until(self._ready, timeout, what="Prometheus /-/ready",
-                   abort=lambda: None if self.child.alive() else self.child.describe_exit())
+                   abort=lambda: first_exit([self.child]))
         return self
 
     def stop(self) -> None:
@@ -207,11 +207,7 @@ class DevPrometheus:
         self.stop()
 
     def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return http_ok(self.url + "/-/ready")
 
     # -- the HTTP API ------------------------------------------------------------------------------
 
