@@ -68,16 +68,18 @@ def test_settled_the_routes_send_everything_to_the_champion():
 @pytest.mark.parametrize("weight", [0, 5, 20, 100])
 def test_during_a_canary_the_routes_weigh_champion_and_candidate(weight):
     objs = by_kind(routes.desired("p", "ns", ROLLOUT, PARENT, routes.Traffic(weight, "3")))
-    champion, candidate = objs["Service/p-engine-champion"], objs["Service/p-engine-candidate"]
-    # The champion's Service is pinned to its version, so the canary's pods (another version) stay out.
+    assert set(objs) == {"Service/p-engine-v3", "Service/p-engine-candidate", "HTTPRoute", "GRPCRoute"}
+    champion, candidate = objs["Service/p-engine-v3"], objs["Service/p-engine-candidate"]
+    # The champion's side is its version's own Service, so the canary's pods (another version) stay
+    # out; a Service of its own, as the operator never changes a Service's selector (create only).
     assert champion["spec"]["selector"] == {**manifests.engine_selector("p"), manifests.LABEL_VERSION: "3"}
     assert candidate["spec"]["selector"] == {**manifests.engine_selector("p"), canary.TRACK_LABEL: canary.CANARY_TRACK}
     for kind in ("HTTPRoute", "GRPCRoute"):
         route = objs[kind]
-        assert routes.weights(route) == {"p-engine-champion": 100 - weight, "p-engine-candidate": weight}
+        assert routes.weights(route) == {"p-engine-v3": 100 - weight, "p-engine-candidate": weight}
         sides = {r["matches"][0]["headers"][0]["value"]: r["backendRefs"][0]["name"]
                  for r in route["spec"]["rules"] if any(m.get("headers") for m in r.get("matches", []))}
-        assert sides == {routes.CANDIDATE: "p-engine-candidate", routes.CHAMPION: "p-engine-champion"}
+        assert sides == {routes.CANDIDATE: "p-engine-candidate", routes.CHAMPION: "p-engine-v3"}
         for rule in route["spec"]["rules"]:
             for match in rule.get("matches", []):
                 if "headers" in match:
@@ -100,8 +102,8 @@ def test_the_canary_pods_carry_what_the_candidate_service_selects():
 
     def selects(service, dep):
         return service["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
-    assert selects(objs["Service/p-engine-champion"], champion)
-    assert not selects(objs["Service/p-engine-champion"], candidate)
+    assert selects(objs["Service/p-engine-v3"], champion)
+    assert not selects(objs["Service/p-engine-v3"], candidate)
     assert selects(objs["Service/p-engine-candidate"], candidate)
     assert not selects(objs["Service/p-engine-candidate"], champion)
     # Settled again: the champion's Service takes every engine pod.
@@ -124,6 +126,121 @@ def test_tls_and_vllm_and_no_http_port():
 def test_a_weight_is_a_percent_and_a_canary_pins_the_champion(traffic):
     with pytest.raises(ValueError):
         routes.Traffic(**traffic)
+
+
+# -- the operator's plan writes the routes (pure) ---------------------------------------------------
+
+ROUTED_STEPS = [{"weight": 20, "pauseSeconds": 20}, {"weight": 100, "pauseSeconds": 20}]
+ROUTED_ROLLOUT = {"replicas": 2, "gateway": {"parentRef": {"name": "edge"}},
+                  "strategy": {"type": "Canary", "steps": ROUTED_STEPS}}
+
+
+def routed_cluster(candidate: str, gateway_api: bool = True):
+    """test_canary_plan's model of MLflow, the two Deployments and their pods, for a pair that
+    names a Gateway: the route objects the plan writes are kept as the API server would, and each
+    pass's requests (60) reach the pods as the live HTTPRoute's weights say (the gateway)."""
+    import functools
+
+    import plan_tables
+    import test_canary_plan as tcp
+    from specpair_operator.plan import serving_plan as sp
+
+    spec = {**tcp.SPEC, "rollout": ROUTED_ROLLOUT}
+
+    class Routed(tcp.Cluster):
+        candidate_world = staticmethod(functools.partial(plan_tables.candidate_world, tags=tcp.NEW_TARGET,
+                                                         champion_tags=tcp.CHAMPION_TAGS, verdict=tcp.GOOD,
+                                                         rollout=ROUTED_ROLLOUT))
+
+        def __init__(self):
+            self.routes, self.splits = {}, []
+            super().__init__(candidate, per_pod=0)
+
+        def serving_world(self, step):
+            import dataclasses
+            w = super().serving_world(step)
+            return dataclasses.replace(w, spec=spec, gateway_api=gateway_api, routes=dict(self.routes))
+
+        def write_object(self, step):
+            if isinstance(step, sp.EnsureOwned) and routes.key(step.manifest) in {
+                    f"{kind}/{name}" for _, _, kind, name in routes.observed_keys(plan_tables.PAIR, "1")} | {
+                    f"{kind}/{name}" for _, _, kind, name in routes.observed_keys(plan_tables.PAIR, "2")}:
+                self.routes[routes.key(step.manifest)] = plan_tables.mine(dict(step.manifest), step.mutable)
+                if step.manifest["kind"] == "HTTPRoute":
+                    self.splits.append(routes.describe(routes.weights(step.manifest)))
+                return
+            super().write_object(step)
+
+        def one_pass(self, crash_at):
+            # The gateway: 60 requests a pass, split by the live route's weights over each side's pods.
+            split = routes.weights(self.routes.get(f"HTTPRoute/{routes.route_name(plan_tables.PAIR)}"))
+            total = sum(split.values()) or 1
+            candidate_share = split.get(routes.candidate_service_name(plan_tables.PAIR), 0) / total
+            for side, share in (("main", 1 - candidate_share), ("canary", candidate_share)):
+                for pod in self.pods[side]:
+                    pod.serve(round(60 * share / len(self.pods[side])), **self.speed[pod.served["mlflow"]["version"]])
+            return super().one_pass(crash_at)
+
+    return Routed()
+
+
+def run_routed(cluster, passes: int = 40):
+    for _ in range(passes):
+        if not cluster.one_pass(None):
+            return cluster
+    raise AssertionError(f"no convergence: {cluster.history}; {cluster.status.get('canary')}")
+
+
+def test_the_operator_writes_each_steps_weight_then_judges_then_the_next_and_ends_on_the_champion():
+    cl = run_routed(routed_cluster("fast"))
+    assert [a for a, _ in cl.history] == ["CanaryStarted", "CanaryAdvanced", "CanaryPassed", "Promoted",
+                                          "RolloutStarted", "CanaryScaledDown"]
+    # The canary's first step at 0% until its pods serve, then 20%, then 100%; promoted: v2's
+    # pods only (the canary's beside the new engine pods), then every engine pod.
+    assert cl.splits == ["chat-engine-v1 100%, chat-engine-candidate 0%",
+                         "chat-engine-v1 80%, chat-engine-candidate 20%",
+                         "chat-engine-v1 0%, chat-engine-candidate 100%", "chat-engine-v2 100%",
+                         "chat-engine-champion 100%"], cl.splits
+    assert cl.events.count("TrafficRouted") == 2 * len(cl.splits)      # HTTPRoute and GRPCRoute, each write
+    # A weight step sizes the candidate for its share of the champion's load: 1 pod at 20% of 2, 2 at 100%.
+    assert cl.objects["canary"]["spec"]["replicas"] == 0
+    entry = cl.status["canary"]
+    assert entry["phase"] == "Promoted" and (entry["weight"], entry["trafficShare"]) == (100, 1.0)
+    assert entry["shareBasis"] == canary.SHARE_BY_WEIGHT and entry["observedShare"] == 1.0
+    # The champion's baseline at 100% is its stretch of the step before.
+    assert entry["judged"]["ttft:*"]["verdict"] == "fine"
+    assert cl.routes["HTTPRoute/chat-engine"]["spec"] == cl.routes["HTTPRoute/chat-engine"]["spec"] | {
+        "rules": routes._rules("chat", 8000, routes.SETTLED, True)}
+
+
+def test_a_routed_canary_worse_than_the_champion_goes_back_to_the_champion_before_its_pods_go():
+    cl = routed_cluster("slow")
+    observed = []
+    while "CanaryAborted" not in [a for a, _ in cl.history]:
+        cl.one_pass(None)
+        observed.append((cl.status.get("canary") or {}).get("observedShare"))
+    names = kinds_of(cl.last_serving)
+    route = names.index("EnsureOwned HTTPRoute")
+    assert route < names.index(f"ScaleDown {routes.names.object_name('chat', 'engine-canary')}")
+    assert cl.splits[-1] == "chat-engine-v1 100%"
+    # The share the pods counted is the route's weight (20% of every pass's 60 requests).
+    assert any(o is not None and abs(o - 0.2) < 0.02 for o in observed), observed
+    run_routed(cl)
+    assert cl.splits[-1] == "chat-engine-champion 100%" and cl.aliases["champion"] == "1"
+
+
+def test_without_gateway_api_on_the_cluster_the_condition_says_so_and_the_ratio_stays():
+    cl = routed_cluster("fast", gateway_api=False)
+    cl.one_pass(None)
+    cl.one_pass(None)
+    conds = [s for s in cl.last_serving if kinds_of([s])[0].startswith("Condition Routed")]
+    assert conds and conds[0].status is False and conds[0].reason == "GatewayAPINotServed"
+    assert not cl.routes and cl.status["canary"]["shareBasis"].startswith("approximate")
+
+
+def kinds_of(steps):
+    from plan_tables import kinds
+    return kinds(steps)
 
 
 # -- steps by weight, and what the share rests on (pure) --------------------------------------------
@@ -299,7 +416,7 @@ def test_a_keep_alive_client_and_a_grpc_channel_split_by_the_routes_weight(gatew
     sides = {routes.CHAMPION: StandIn(routes.CHAMPION), routes.CANDIDATE: StandIn(routes.CANDIDATE)}
     try:
         gateway.gateway(ns.name)
-        _stand_in_service(ns, routes.champion_service_name("p"), sides[routes.CHAMPION])
+        _stand_in_service(ns, routes.champion_side("p", routes.Traffic(CANDIDATE_WEIGHT, "1")), sides[routes.CHAMPION])
         _stand_in_service(ns, routes.candidate_service_name("p"), sides[routes.CANDIDATE])
         parent = routes.gateway_parent({"rollout": {"gateway": {"parentRef": {"name": "specpair"}}}})
         for route in routes.routes("p", ns.name, ROLLOUT, parent, routes.Traffic(CANDIDATE_WEIGHT, "1")):

@@ -245,4 +245,4 @@ class Kube:
 PLURALS = {"Job": "jobs", "Deployment": "deployments", "Service": "services", "Pod": "pods",
            "ConfigMap": "configmaps", "Event": "events", "NetworkPolicy": "networkpolicies",
            "Secret": "secrets", "Lease": "leases", "HorizontalPodAutoscaler": "horizontalpodautoscalers",
-           "ScaledObject": "scaledobjects"}
+           "ScaledObject": "scaledobjects", "HTTPRoute": "httproutes", "GRPCRoute": "grpcroutes"}

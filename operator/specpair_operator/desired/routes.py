@@ -6,10 +6,14 @@ stays on the pod it first reached, so one busy client puts 0% or 100% of its req
 candidate whatever the replica ratio says. A gateway splits per request by `backendRefs` weights.
 
 What the operator owns for such a pair (all named from the engine's name, owned by the pair):
-- `<engine>-champion`, a Service selecting the pair's engine pods; during a canary also only the
-  champion's release version (`specpair.io/release-version`), so the canary's pods stay out;
+- `<engine>-champion`, a Service selecting every engine pod of the pair: the champion's side
+  while no canary pod is about (a Replace rolling between versions stays served);
+- `<engine>-v<version>`, a Service selecting only the champion's release version
+  (`specpair.io/release-version`): the champion's side while canary pods are about, so they stay
+  out of it. One Service per version rather than one whose selector changes: the operator only
+  creates Services (RBAC grants no patch on them), so a Service's selector never changes;
 - `<engine>-candidate`, a Service selecting the canary's pods (`specpair.io/track: canary`),
-  only while a candidate is in canary;
+  while a candidate is in canary;
 - an `HTTPRoute` (the OpenAI-compatible HTTP port, when the engine has one) and a `GRPCRoute`
   (the gRPC port; our engine only) named `<engine>`, attached to the Gateway, each with:
     1. `x-specpair-release: candidate` -> the candidate (only while there is one),
@@ -43,6 +47,7 @@ GRPC_SERVICE = "specpair.engine.v1.Engine"
 # And the HTTPRoute matches the OpenAI-compatible API's paths only, for the same reason the other way:
 # a header rule matching every path took gRPC calls carrying the header to the HTTP port.
 HTTP_PATH = "/v1"
+ROUTED = "Routed"        # the pair's condition: its routes as written, or why none are
 H2C = "kubernetes.io/h2c"
 # The canary's pods carry this label (policy/canary.canary_deployment); the candidate's Service
 # selects by it. Here, below policy, so that both read one home.
@@ -66,7 +71,8 @@ def gateway_parent(spec: Mapping[str, Any]) -> dict[str, Any] | None:
 class Traffic:
     """Where the routes send requests. `candidate_weight`: the candidate's percent of the unnamed
     requests during a canary (0-100), None when no candidate is in canary; `champion_version`:
-    the release the champion Service is pinned to during a canary (None: every engine pod)."""
+    the release the champion's side is pinned to while canary pods are about (its own Service,
+    `<engine>-v<version>`; None: `<engine>-champion`, every engine pod)."""
 
     candidate_weight: int | None = None
     champion_version: str | None = None
@@ -87,6 +93,17 @@ def champion_service_name(pair: str) -> str:
 
 def candidate_service_name(pair: str) -> str:
     return names.object_name(pair, "engine-candidate")
+
+
+def version_service_name(pair: str, version: str) -> str:
+    return names.object_name(pair, f"engine-v{version}")
+
+
+def champion_side(pair: str, traffic: Traffic) -> str:
+    """The Service the champion's share goes to: pinned to its version, or every engine pod."""
+    if traffic.champion_version:
+        return version_service_name(pair, traffic.champion_version)
+    return champion_service_name(pair)
 
 
 def route_name(pair: str) -> str:
@@ -111,7 +128,7 @@ def route_service(pair: str, namespace: str, rollout: Mapping[str, Any], side: s
     else:
         if traffic.champion_version:
             selector[manifests.LABEL_VERSION] = str(traffic.champion_version)
-        name = champion_service_name(pair)
+        name = champion_side(pair, traffic)
     grpc_port, http_port = _ports(rollout, kind)
     tls = engine_objects.serving_tls(dict(rollout))
     ports = []
@@ -135,7 +152,7 @@ def _backend(name: str, port: int, weight: int | None = None) -> dict[str, Any]:
 
 
 def _rules(pair: str, port: int, traffic: Traffic, http: bool) -> list[dict[str, Any]]:
-    champion, candidate = champion_service_name(pair), candidate_service_name(pair)
+    champion, candidate = champion_side(pair, traffic), candidate_service_name(pair)
 
     def where(side: str | None) -> dict[str, Any]:
         match: dict[str, Any] = ({"path": {"type": "PathPrefix", "value": HTTP_PATH}} if http else
@@ -188,10 +205,34 @@ def desired(pair: str, namespace: str, rollout: Mapping[str, Any], parent: Mappi
     return [*services, *routes(pair, namespace, rollout, parent, traffic, kind)]
 
 
-def weights(route: Mapping[str, Any]) -> dict[str, int]:
+def weights(route: Mapping[str, Any] | None) -> dict[str, int]:
     """The unnamed requests' split a live route says: {service: weight} of its rule matching no header."""
-    for rule in (route.get("spec") or {}).get("rules") or []:
+    for rule in ((route or {}).get("spec") or {}).get("rules") or []:
         if not any(m.get("headers") for m in rule.get("matches") or []):
             refs = rule.get("backendRefs") or []
             return {r["name"]: int(r.get("weight", 1)) for r in refs}
     return {}
+
+
+def describe(split: Mapping[str, int]) -> str:
+    """A route's split in words: 'p-engine-v1 95%, p-engine-candidate 5%' (none: 'none')."""
+    total = sum(split.values())
+    if not total:
+        return "none"
+    return ", ".join(f"{name} {round(100 * w / total)}%" for name, w in split.items())
+
+
+def observed_keys(pair: str, champion: str | None) -> list[tuple[str, str, str, str]]:
+    """(apiVersion, plural, kind, name) of every object `desired` may write for the pair while
+    `champion` is the champion: what a pass reads before it plans them (observe/reads.py)."""
+    out = [(GATEWAY_API, "httproutes", "HTTPRoute", route_name(pair)),
+           (GATEWAY_API, "grpcroutes", "GRPCRoute", route_name(pair)),
+           ("v1", "services", "Service", champion_service_name(pair)),
+           ("v1", "services", "Service", candidate_service_name(pair))]
+    if champion:
+        out.append(("v1", "services", "Service", version_service_name(pair, champion)))
+    return out
+
+
+def key(obj: Mapping[str, Any]) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"

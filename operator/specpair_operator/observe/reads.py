@@ -16,6 +16,7 @@ from specpair_operator.crd import conditions as c
 from specpair_operator.policy import drift as drift_mod
 from specpair_operator.gate import attempts as gate_attempts, verdict as gate_verdict
 from specpair_operator.desired import autoscaling, engine_objects, gate_objects, manifests, model_fetch
+from specpair_operator.desired import routes as routes_mod
 from specpair_operator.crd import names
 from specpair_operator.observe import unreadable
 from specpair_operator.observe.keda import keda_installed
@@ -218,11 +219,25 @@ async def _observe_engine(op: OperatorState, w: ServingWorld) -> ServingWorld:
     pods = await kube.list("v1", "pods", w.namespace, serving_plan.engine_selector(w.pair))
     # A canary's pods carry the Service's labels too; its Deployment is read whether or not a
     # canary runs, so one left behind is scaled down.
-    return replace(w, policy=await kube.get("networking.k8s.io/v1", "networkpolicies", w.namespace, policy),
-                   pods=tuple(p for p in pods if not canary_mod.is_canary_pod(p)),
-                   canary_pods=tuple(p for p in pods if canary_mod.is_canary_pod(p)),
-                   canary_deployment=await kube.get("apps/v1", "deployments", w.namespace,
-                                                    manifests.engine_canary_name(w.pair)))
+    w = replace(w, policy=await kube.get("networking.k8s.io/v1", "networkpolicies", w.namespace, policy),
+                pods=tuple(p for p in pods if not canary_mod.is_canary_pod(p)),
+                canary_pods=tuple(p for p in pods if canary_mod.is_canary_pod(p)),
+                canary_deployment=await kube.get("apps/v1", "deployments", w.namespace,
+                                                 manifests.engine_canary_name(w.pair)))
+    return await _observe_routes(op, w)
+
+
+async def _observe_routes(op: OperatorState, w: ServingWorld) -> ServingWorld:
+    """The pair's routes and route Services (desired/routes.py), when it names a Gateway and the
+    API server serves Gateway API's routes (API discovery, open to every identity)."""
+    if routes_mod.gateway_parent(w.spec) is None:
+        return w
+    served = await op.kube.served_resources(routes_mod.GATEWAY_API)
+    if not {"httproutes", "grpcroutes"} <= served:
+        return w
+    found = {f"{kind}/{name}": await op.kube.get(api, plural, w.namespace, name)
+             for api, plural, kind, name in routes_mod.observed_keys(w.pair, w.aliases.get(aliases_mod.CHAMPION))}
+    return replace(w, gateway_api=True, routes=found)
 
 
 async def _observe_tls(op: OperatorState, w: ServingWorld) -> EngineTLS:

@@ -119,6 +119,11 @@ class ServingWorld:
     canary_pods: tuple[Mapping[str, Any], ...] = ()
     canary_ready: tuple[EnginePod, ...] = ()
     canary_memory: Any = None
+    # The pair's Gateway API objects (desired/routes.py), read only when it names a Gateway:
+    # whether the API server serves HTTPRoute and GRPCRoute, and each object routes.observed_keys
+    # names ("Kind/name" -> the object as read, None: absent).
+    gateway_api: bool = False
+    routes: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
 
     @property
     def rollout(self) -> Mapping[str, Any]:

@@ -1,4 +1,7 @@
-"""The serving plan's canary: a candidate's pods beside the champion's, stepped up or retired."""
+"""The serving plan's canary: a candidate's pods beside the champion's, stepped up or retired; and,
+when the pair names a Gateway, its routes (desired/routes.py): each step's weight written once
+the step's pods serve, judged, then the next step's; champion only again on abort, and every
+engine pod once the canary's pods are gone."""
 
 from __future__ import annotations
 
@@ -10,13 +13,14 @@ from typing import Any
 from specpair_operator.policy import canary as canary_mod
 from specpair_operator.desired import engine_objects, manifests
 from specpair_operator.desired import ownership as owned
+from specpair_operator.desired import routes as routes_mod
 from specpair_operator.release import content as release_mod
 from specpair_operator.plan.release_steps import Condition, PostEvent, Record, Report, SetStatus, TagVersion
 from specpair_operator.release.registry_contract import TAG_RELEASE
 from specpair_operator.release.registry_contract import TAG_HASH
 from specpair_operator.observe.serving_world import EnginePod, ServingWorld
 from specpair_operator.plan.serving_steps import (ANN_TEMPLATE, deployment_after, EnsureOwned, gate_tuned, identity,
-                                                  outcome, _Steps, template_fingerprint)
+                                                  kind_of, outcome, _Steps, template_fingerprint)
 from specpair_operator.plan.serving_rollout import name_conflict
 
 
@@ -38,6 +42,49 @@ def canary_deployment(w: ServingWorld, served: dict[str, Any], replicas: int, st
     return dep
 
 
+def routed(w: ServingWorld) -> bool:
+    """The pair names a Gateway and the API server serves its routes: the canary's share is a
+    route's weight, not the replica ratio."""
+    return w.gateway_api and routes_mod.gateway_parent(w.spec) is not None
+
+
+def _routes(out: _Steps, traffic: routes_mod.Traffic, why: str) -> None:
+    """The pair's routes and route Services for `traffic` (desired/routes.py), each written only
+    when absent or different; an Event for each route whose split changes; the Routed condition.
+    Nothing when the pair names no Gateway; a False condition when the API server serves no
+    Gateway API routes or a name is taken by an object the pair does not own (never touched)."""
+    w = out.world
+    parent = routes_mod.gateway_parent(w.spec)
+    if parent is None:
+        return
+    gateway = f"Gateway {parent.get('namespace', w.namespace)}/{parent['name']}"
+    if not w.gateway_api:
+        out.add(Condition(routes_mod.ROUTED, False, "GatewayAPINotServed",
+                          f"rollout.gateway names {gateway}, but the API server serves no HTTPRoute and GRPCRoute "
+                          f"({routes_mod.GATEWAY_API}): no routes written; a canary's share is the replica ratio"))
+        return
+    wanted = routes_mod.desired(w.pair, w.namespace, w.rollout, parent, traffic, kind_of(w))
+    for obj in wanted:
+        live = w.routes.get(routes_mod.key(obj))
+        mutable = obj["kind"] != "Service"     # Services are created only (routes.py: one per version)
+        result = outcome(w, obj, live, mutable)
+        if result == owned.CONFLICT:
+            out.add(Condition(routes_mod.ROUTED, False, "NameConflict",
+                              f"{obj['kind']} {obj['metadata']['name']} exists and is not the pair's: left untouched, "
+                              "no routes written"))
+            return
+        if result != owned.UNCHANGED:
+            out.add(EnsureOwned(obj, live, mutable))
+        if obj["kind"] != "Service" and routes_mod.weights(live) != routes_mod.weights(obj):
+            out.add(PostEvent("Normal", "TrafficRouted",
+                              f"{obj['kind']} {obj['metadata']['name']}: {routes_mod.describe(routes_mod.weights(live))}"
+                              f" -> {routes_mod.describe(routes_mod.weights(obj))} ({why})"))
+    split = next((routes_mod.weights(o) for o in wanted if o["kind"] != "Service"), {})
+    kinds = " and ".join(o["kind"] for o in wanted if o["kind"] != "Service")
+    out.add(Condition(routes_mod.ROUTED, True, "Routed",
+                      f"{kinds} {routes_mod.route_name(w.pair)} on {gateway}: {routes_mod.describe(split)} ({why})"))
+
+
 def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
     """Run the canary's step: its Deployment at the step's replicas, its pods' identity, then the
     candidate judged against the champion's verified pods (canary.judge, canary.decide). Abort
@@ -53,7 +100,11 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
         step = max(step, int(had.get("step", 1)) - 1)
     step = min(max(step, 0), len(steps) - 1)
     champion_replicas = int(w.rollout.get("replicas", 1))
-    replicas = steps[step].candidate_replicas(champion_replicas)
+    by_weight = routed(w)
+    replicas = steps[step].candidate_replicas(champion_replicas, by_weight)
+    weight = steps[step].candidate_weight(champion_replicas) if by_weight else None
+    # Until this step's pods serve, the route keeps the previous step's weight (none at the first).
+    before = steps[step - 1].candidate_weight(champion_replicas) if step > 0 else 0
     served = canary_served(w)
     dep = canary_deployment(w, served, replicas, step)
     result = outcome(w, dep, w.canary_deployment)
@@ -66,23 +117,34 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
         # The pass that scaled the canary for this step died before its status said so.
         out.add(Record("CanaryAdvanced", f"v{version}: step {step + 1} of {len(steps)}: {replicas} pod(s) beside "
                        f"{champion_replicas}", champion, version, key=f"{version}#{step + 1}"))
-    memory = w.canary_memory if isinstance(w.canary_memory, canary_mod.Memory) else canary_mod.Memory()
-    memory = memory.for_step(version, step)
+    prior = w.canary_memory if isinstance(w.canary_memory, canary_mod.Memory) else canary_mod.Memory()
+    memory = prior.for_step(version, step)
+    if weight == 100 and memory is not prior and (prior.version, prior.step) == (str(version), step - 1):
+        # At 100% the champion serves nothing through the routes: its stretch of the step before
+        # is the baseline the candidate is judged against (lost with the operator's memory).
+        memory = replace(memory, champion=prior.champion, carried=prior.champion.finished)
+    routing = {"weight": before}     # the candidate weight this pass's routes carry
 
     def entry(phase: str, message: str, judged: tuple = ()) -> SetStatus:
         started = datetime.datetime.fromtimestamp(memory.since, datetime.timezone.utc).strftime(
             "%Y-%m-%dT%H:%M:%SZ") if memory.since is not None else ""
         return SetStatus({"canary": canary_mod.status_entry(version, champion, phase, step, steps, replicas,
                                                             champion_replicas, message, judged, started, had,
+                                                            weight=routing["weight"] if by_weight else None,
                                                             observed=canary_mod.observed_share(memory))})
 
-    def progressing(message: str, judged: tuple = ()) -> Report:
+    def progressing(message: str, judged: tuple = (), judging: bool = False) -> Report:
+        if not judging:     # this step's pods do not serve yet: the previous step's weight
+            _routes(out, routes_mod.Traffic(before, champion), f"v{version} canary step {step + 1} of {len(steps)} "
+                    "starting")
         out.add(Condition(canary_mod.CONDITION, "Unknown", "Progressing", message), entry("Progressing", message, judged))
         return Report("reconciling", "Canary", "CanaryProgressing", message,
                       ready_message=f"v{champion} serving; v{version} in canary beside it")
 
     def abort(reason: str, judged: tuple = ()) -> Report:
         msg = f"canary of v{version} aborted: {reason}"
+        # The champion's alone again first: no request reaches a canary pod being scaled down.
+        _routes(out, routes_mod.Traffic(None, champion), f"canary of v{version} aborted")
         aborted = entry("Aborted", msg, judged)
         out.add(TagVersion(version, canary_mod.mark_tag(canary_mod.ABORTED, reason, aborted.fields["canary"])),
                 canary_mod.ScaleDown(dep["metadata"]["name"]), canary_mod.RememberCanary(canary_mod.Memory()),
@@ -92,7 +154,8 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
         return Report("stalled", "Degraded", "CanaryAborted", f"{msg}; v{champion} keeps serving",
                       ready_reason="ChampionKeepsServing")
 
-    where = f"v{version} canary step {step + 1} of {len(steps)} ({replicas} pod(s) beside {champion_replicas})"
+    where = f"v{version} canary step {step + 1} of {len(steps)} ({replicas} pod(s) beside {champion_replicas}" + \
+        (f", weight {weight}%)" if weight is not None else ")")
     state, msg = engine_objects.deployment_rollout_state(deployment_after(dep, w.canary_deployment, result), run.tags[TAG_HASH])
     if state == "failed":
         return abort(f"its pods did not become available: {msg}")
@@ -118,6 +181,9 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
                                  float(w.rollout.get("progressDeadlineSeconds", 600)))
     if decision.action == canary_mod.ABORT:
         return abort(decision.reason, judged)
+    # Judging this step: its weight (written, then judged, then the next step's).
+    routing["weight"] = weight if weight is not None else before
+    _routes(out, routes_mod.Traffic(routing["weight"], champion), f"v{version} canary step {step + 1} of {len(steps)}")
     if decision.action == canary_mod.PROMOTE:
         msg = f"canary of v{version} passed: {decision.reason}"
         passed = entry("Passed", msg, judged)
@@ -129,24 +195,31 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
                       ready_message=f"v{version} passed its canary; promoting")
     if decision.action == canary_mod.ADVANCE:
         step += 1
-        replicas = steps[step].candidate_replicas(champion_replicas)
+        replicas = steps[step].candidate_replicas(champion_replicas, by_weight)
         nxt = canary_deployment(w, served, replicas, step)
         out.add(EnsureOwned(nxt, w.canary_deployment))
         memory = canary_mod.Memory()
+        share = (f"weight {steps[step].candidate_weight(champion_replicas)}% once they serve" if by_weight else
+                 f"{canary_mod.traffic_share(replicas, champion_replicas):.0%} of the traffic")
         text = (f"v{version}: {decision.reason}; step {step + 1} of {len(steps)}: {replicas} pod(s) beside "
-                f"{champion_replicas} ({canary_mod.traffic_share(replicas, champion_replicas):.0%} of the traffic)")
+                f"{champion_replicas} ({share})")
         if not out.was("CanaryAdvanced", f"{version}#{step + 1}", version):
             out.add(Record("CanaryAdvanced", text, champion, version, key=f"{version}#{step + 1}"))
-        return progressing(text, judged)
-    return progressing(f"{where}: {decision.reason}", judged)
+        return progressing(text, judged, judging=True)
+    return progressing(f"{where}: {decision.reason}", judged, judging=True)
 
 
 def _retire_canary(out: _Steps, champion: str) -> None:
     """No canary runs: a canary Deployment with pods is scaled down, once the champion's own
     Deployment serves (the candidate promoted: its canary pods served until then), or at once
-    (a candidate aborted, or no longer the spec's)."""
+    (a candidate aborted, or no longer the spec's). The routes send everything to the champion:
+    pinned to its version while canary pods are about (first, before they are scaled down), to
+    every engine pod once they are gone."""
     w = out.world
     live = w.canary_deployment
+    about = bool(w.canary_pods) or bool(((live or {}).get("spec") or {}).get("replicas"))
+    _routes(out, routes_mod.Traffic(None, champion) if about else routes_mod.SETTLED,
+            f"v{champion} serving" + (", canary pods going" if about else ""))
     if live is None or not owned.owns(w.uid, dict(live)):
         return
     version = str(((live.get("metadata") or {}).get("labels") or {}).get(manifests.LABEL_VERSION, ""))

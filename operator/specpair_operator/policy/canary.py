@@ -214,6 +214,7 @@ class Memory:
     acceptance_pods: Mapping[str, drift_mod.PodStats] = field(default_factory=dict)
     champion: Side = field(default_factory=Side)
     candidate: Side = field(default_factory=Side)
+    carried: int = 0      # of the champion's requests, those of the step before (a routed 100% step)
 
     def for_step(self, version: str, step: int) -> "Memory":
         return self if (self.version, self.step) == (str(version), step) else Memory(str(version), step)
@@ -430,7 +431,7 @@ SHARE_BY_REPLICAS = ("approximate: replica ratio (no Gateway: a keep-alive HTTP 
 
 def observed_share(memory: Memory) -> float | None:
     """The candidate's share of the requests both sides finished in the step so far (None: none)."""
-    cand, champ = memory.candidate.finished, memory.champion.finished
+    cand, champ = memory.candidate.finished, memory.champion.finished - memory.carried
     return cand / (cand + champ) if cand + champ else None
 
 
