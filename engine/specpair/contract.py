@@ -137,6 +137,18 @@ def speculation_pays(verdict: dict[str, Any], thresholds: dict[str, Any]) -> boo
     return not defaulted or (speed is not None and speed >= floor)
 
 
+def speculation_off_reason(verdict: dict[str, Any], thresholds: dict[str, Any]) -> str | None:
+    """Why a gate ships the release with speculation off (the verdict's speculationOff), in the
+    words both gates write; None where speculation pays (speculation_pays)."""
+    if speculation_pays(verdict, thresholds):
+        return None
+    floor = speedup_floor(verdict, thresholds)[0]
+    speed = number(verdict.get("speedup"))
+    shown = "missing" if speed is None else f"{speed:.3f}x"
+    return (f"speedup {shown} at batch 1 is below {floor:.3f}x (target-only less the "
+            f"{DEFAULT_MIN_SPEEDUP - floor:.3f} noise forgiven): the release ships with speculation off")
+
+
 def shipped_target_only(verdict: dict[str, Any]) -> bool:
     """Whether the gate shipped the release with speculation off (batch threshold 0)."""
     return (verdict.get("bestSpeculation") or {}).get("batchSizeThreshold") == 0

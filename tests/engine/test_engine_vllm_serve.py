@@ -6,6 +6,7 @@ takes is proven against the installed vLLM's own parser (tests marked vllm)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import pytest
 
 from specpair.contract import content_hash
+from specpair.gate.vllm import SPECULATION_OFF
 from specpair.vllm_k_schedule import k_at
 from specpair.vllm_peer import VLLM_METHODS, default_python
 from specpair.vllm_serve import (POD_DRAIN_SECONDS, VLLM_PER_REQUEST_FLAGS, VLLM_SPEC_DECODE_FLAGS, command,
@@ -195,6 +197,10 @@ def test_vllms_own_parser_takes_every_setting_a_release_renders(tiny_pair_dirs, 
     with_schedule = release(target, {"drafter": "ngram"})
     with_schedule["speculation"]["kByBatchSize"] = schedule
     releases.append(with_schedule)
+    # A release the gate shipped with speculation off (gate/vllm.SPECULATION_OFF): k 0 throughout.
+    shipped_off = release(target, {"source": draft, "method": "eagle3"})
+    shipped_off["speculation"].update(copy.deepcopy(SPECULATION_OFF))
+    releases.append(shipped_off)
 
     def argv(rel: dict, on_socket: bool) -> list[str]:
         # Half as the gate starts vLLM (a port), half as a pod does (the companion's socket).
@@ -239,6 +245,7 @@ def test_vllms_own_parser_takes_every_setting_a_release_renders(tiny_pair_dirs, 
         assert parsed["k_by_batch_size"] == (None if shipped is None else
                                              [k_at(shipped, b, spec["num_speculative_tokens"]) for b in range(1, 65)])
     assert got["parsed"][releases.index(with_schedule)]["k_by_batch_size"] == [3] * 3 + [2] * 12 + [0] * 49
+    assert got["parsed"][releases.index(shipped_off)]["k_by_batch_size"] == [0] * 64
     bad_key, bad_method = got["parsed"][len(releases):]
     assert "draft_tensor_parallel is no field" in bad_key["error"], bad_key
     assert "error" in bad_method and "draft-model" in bad_method["error"], bad_method

@@ -15,11 +15,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import time
 from pathlib import Path
 
 from specpair.config import GenerationParams, Release, SpeculationConfig
-from specpair.contract import (DEFAULT_CATEGORY, gate_tuning, speculation_pays, speedup_floor,
-                               threshold_failures)
+from specpair.contract import DEFAULT_CATEGORY, gate_tuning, speculation_off_reason, threshold_failures
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
 from specpair.gate.structured import golden_ask, judged, prepared, rate
@@ -56,6 +56,7 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     if (release.get("engine") or {}).get("kind", "specpair") == "vllm":
         from specpair.gate.vllm import run_gate_vllm  # the same verdict, from real vLLM servers
         return run_gate_vllm(release, progress=progress)
+    from specpair.costs import RequestAudit
     from specpair.pair import load_pair
     from specpair.stats import AcceptanceStats
 
@@ -77,6 +78,9 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
 
     spec = pair.speculation
     engine = load_pair(pair, progress=progress)     # as the engine pods will run it
+    # ... but every request drafts every round: the acceptance measured here is what live
+    # acceptance (the pods' audited requests, costs.RequestAudit) is judged against.
+    engine.audit = RequestAudit(1.0)
     target = engine.target
     verdict["device"] = str(target.device)
     texts = [p["prompt"] for p in prompts]
@@ -96,6 +100,7 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     base_repeats = []
     for text, category, ask, (decode, decode_chat, structure) in zip(texts, categories, asks, decoded):
         one = dataclasses.replace(params, structure=structure)
+        started_at = time.time()    # when this prompt's timings began: its trace's start in MLflow
         base_times = []
         for _ in range(max(runs, NOISE_REPEATS)):
             seconds, res = _timed_generate(engine, [decode], one, speculate=False, chat=decode_chat)
@@ -121,6 +126,8 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
                        "speculative": spec_res.text, "identical": identical, "divergence": divergence,
                        "token_ids": base.token_ids, "output_tokens": len(spec_res.token_ids),
                        "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
+                       "seconds": {"target_only": round(t_base, 6), "speculative": round(t_spec, 6)},
+                       "started_at": round(started_at, 3),
                        **({} if ask.plain else verdicts),
                        **{k: v for k, v in spec_res.stats.to_dict().items()
                           if k in ("acceptance_rate", "mean_acceptance_length")}})
@@ -190,14 +197,12 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     # call, so tuning never switches speculation off for good (a threshold of 0 would).
     if sizes:
         best["batchSizeThreshold"] = max(1, threshold)
-    if not speculation_pays(verdict, thresholds):
+    off = speculation_off_reason(verdict, thresholds)
+    if off:
         # Under the default floor a release slower than target-only (beyond the noise) ships
         # with speculation off rather than failing: serving it target-only is no slowdown.
         best["batchSizeThreshold"] = 0
-        floor = speedup_floor(verdict, thresholds)[0]
-        verdict["speculationOff"] = (f"speedup {verdict['speedup']:.3f}x at batch 1 is below "
-                                     f"{floor:.3f}x (target-only less the {1.0 - floor:.3f} noise "
-                                     f"forgiven): the release ships with speculation off")
+        verdict["speculationOff"] = off
     verdict["bestSpeculation"] = best or None
 
     verdict["reasons"] = threshold_failures(verdict, thresholds)

@@ -19,6 +19,14 @@ k by load: each server also runs the golden prompts at the concurrencies the rel
 schedule for k (vllm_k_schedule: the release's k where drafting pays, 0 from where it stops),
 shipped as bestSpeculation.kByBatchSize beside the batchSweep it rests on.
 
+Noise and speculation off, as gate/engine.py: each golden prompt runs target-only NOISE_REPEATS
+times on the first server, and the median deviation of those timings is the verdict's
+speedupNoise. Where the pair names no minSpeedup, a release slower than target-only beyond that
+noise (contract.speculation_off_reason) does not fail: it ships with speculation off
+(SPECULATION_OFF, recorded in MLflow as the engine gate's is). vLLM cannot start drafting later
+without a restart, so its pods keep the speculative config and draft k 0 at every batch size by
+vLLM's own schedule.
+
 Not measured here: the k sweep (vLLM cannot change k while it runs: each k would be a server
 start; the release's k is what gets served), and identity "within ties" (that needs the target's
 logits: it equals identity).
@@ -26,6 +34,7 @@ logits: it equals identity).
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import sys
@@ -35,17 +44,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpair.config import Release
-from specpair.contract import DEFAULT_CATEGORY, gate_tuning, parallelism, threshold_failures
+from specpair.contract import (DEFAULT_CATEGORY, gate_tuning, parallelism, speculation_off_reason,
+                               threshold_failures)
 from specpair.errors import SpecpairError
 from specpair.gate.structured import GoldenAsk, golden_ask, judged, prepared, rate, vllm_structured_outputs
 from specpair.gate.verdict import check_release, new_verdict, tokenizer_check
 from specpair.vllm_parallel import model_config, tensor_parallel_refusal
+from specpair.vllm_peer import K_BY_BATCH_SIZE
 
 ENGINE_KIND = "vllm"
 # Timed runs per concurrency on each server; the median is the figure (a neighbour's burst slows
 # one run, not the middle one). The two servers run one after the other, so a ratio's sides are
 # not back to back as our engine's gate pairs them.
 LOAD_RUNS = 3
+# A release shipped with speculation off: k 0 from batch 1 on (vLLM's batch-size schedule, the
+# last range carried past its end), and the batch threshold 0 by which both engines' verdicts say
+# so (contract.shipped_target_only; our engine drafts at no batch size with it).
+SPECULATION_OFF = {"batchSizeThreshold": 0, K_BY_BATCH_SIZE: [[1, 1, 0]]}
 
 
 def load_seconds(server, prompts: list[list[int]], concurrency: int, max_new: int, runs: int = LOAD_RUNS) -> float:
@@ -112,6 +127,7 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     """Returns (verdict, golden outputs), as gate.run_gate."""
     from transformers import AutoTokenizer
 
+    from specpair.gate.engine import NOISE_REPEATS, timing_noise
     from specpair.models import resolve_source
     from specpair.vllm_head_check import head_tokenizer_check
     from specpair.vllm_peer import (SpecDecodeCounters, VllmServer, flags_argv, serving_flags,
@@ -172,8 +188,12 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     progress(f"vLLM target-only: {len(ids)} golden prompts, then at concurrencies {concurrencies}")
     with VllmServer(python, target_dir, **server_args) as base_server:
         base_server.complete_greedy(ids[0], 2)   # warm-up
-        base = [base_server.complete_greedy(r.ids, max_new, structured_outputs=r.structured_outputs)
-                for r in requests]
+        base, base_repeats = [], []
+        for r in requests:
+            runs = [base_server.complete_greedy(r.ids, max_new, structured_outputs=r.structured_outputs)
+                    for _ in range(NOISE_REPEATS)]
+            base.append(runs[0])
+            base_repeats.append([run.seconds for run in runs])
         base_load = [load_seconds(base_server, ids, c, max_new) for c in concurrencies]
     progress(f"vLLM speculative ({speculative.get('method') or 'draft model'}, "
              f"k={speculative['num_speculative_tokens']})")
@@ -220,20 +240,32 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
 
     total, overall = summarise(rows)
     verdict.update(overall)
+    verdict["speedupNoise"] = round(timing_noise(base_repeats), 4)
     verdict["acceptancePerPosition"] = [round(x, 4) for x in total.acceptance_per_position]
     for cat in dict.fromkeys(categories):
         verdict["categories"][cat] = summarise([r for r in rows if r[0] == cat])[1]
     verdict.update(k_by_load(concurrencies, base_load, spec_load, int(speculative["num_speculative_tokens"])))
-    verdict["reasons"] = threshold_failures(verdict, gating.get("thresholds") or {})
+    thresholds = gating.get("thresholds") or {}
+    verdict.update(shipped_off(verdict, thresholds))
+    verdict["reasons"] = threshold_failures(verdict, thresholds)
     verdict["passed"] = not verdict["reasons"]
     return verdict, golden
+
+
+def shipped_off(verdict: dict, thresholds: dict) -> dict:
+    """What the verdict gets where the release ships with speculation off (bestSpeculation
+    SPECULATION_OFF in place of any k schedule, and speculationOff saying why); {} where
+    speculation pays at batch 1 or the pair names its own minSpeedup (held as given)."""
+    off = speculation_off_reason(verdict, thresholds)
+    if off is None:
+        return {}
+    return {"bestSpeculation": copy.deepcopy(SPECULATION_OFF), "speculationOff": off}
 
 
 def k_by_load(concurrencies: list[int], base_seconds: list[float], spec_seconds: list[float], k: int) -> dict:
     """The verdict's batchSweep (the speedup at each concurrency measured) and bestSpeculation
     (vLLM's k schedule from them, or None where drafting pays at every one: k serves throughout)."""
     from specpair.vllm_k_schedule import LoadPoint, k_by_batch_size
-    from specpair.vllm_peer import K_BY_BATCH_SIZE
 
     # Rounded as recorded, so the schedule follows from the figures beside it.
     points = [LoadPoint(c, round(b / s, 4) if s else 0.0)
