@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-import time
 from pathlib import Path
 
 from specpair.config import GenerationParams, Release, SpeculationConfig
@@ -56,7 +55,6 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     if (release.get("engine") or {}).get("kind", "specpair") == "vllm":
         from specpair.gate.vllm import run_gate_vllm  # the same verdict, from real vLLM servers
         return run_gate_vllm(release, progress=progress)
-    from specpair.costs import RequestAudit
     from specpair.pair import load_pair
     from specpair.stats import AcceptanceStats
 
@@ -78,9 +76,6 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
 
     spec = pair.speculation
     engine = load_pair(pair, progress=progress)     # as the engine pods will run it
-    # ... but every request drafts every round: the acceptance measured here is what live
-    # acceptance (the pods' audited requests, costs.RequestAudit) is judged against.
-    engine.audit = RequestAudit(1.0)
     target = engine.target
     verdict["device"] = str(target.device)
     texts = [p["prompt"] for p in prompts]
@@ -100,7 +95,6 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     base_repeats = []
     for text, category, ask, (decode, decode_chat, structure) in zip(texts, categories, asks, decoded):
         one = dataclasses.replace(params, structure=structure)
-        started_at = time.time()    # when this prompt's timings began: its trace's start in MLflow
         base_times = []
         for _ in range(max(runs, NOISE_REPEATS)):
             seconds, res = _timed_generate(engine, [decode], one, speculate=False, chat=decode_chat)
@@ -126,8 +120,6 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
                        "speculative": spec_res.text, "identical": identical, "divergence": divergence,
                        "token_ids": base.token_ids, "output_tokens": len(spec_res.token_ids),
                        "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
-                       "seconds": {"target_only": round(t_base, 6), "speculative": round(t_spec, 6)},
-                       "started_at": round(started_at, 3),
                        **({} if ask.plain else verdicts),
                        **{k: v for k, v in spec_res.stats.to_dict().items()
                           if k in ("acceptance_rate", "mean_acceptance_length")}})
