@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from serving_helpers import openai_client
-from tiny_models import make_tokenizer
+from tool_fixtures import HERMES_TEMPLATE, WEATHER, tools_tokenizer
 
 from specpair.config import GenerationParams
 from specpair.decoding import SpeculativeEngine
@@ -18,21 +18,6 @@ from specpair.server.app import EngineServer, ServerOptions
 from specpair.server.requests import Limits
 from specpair.tool_calls import HERMES, LLAMA3, CallStream, forced_call_grammar, parse_tool_calls, style_of
 
-HERMES_TEMPLATE = (
-    # Each tool as its name and parameters' names: the tiny tokenizer spends a token on most
-    # characters of JSON, and the tiny model's context is 512.
-    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n{% for t in tools %}"
-    "{{ t.function.name }}({{ t.function.parameters.properties | list | join(', ') }})\n"
-    "{% endfor %}</tools>\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags.<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
-                   "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
 TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
                                        "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}}
@@ -43,7 +28,7 @@ ASK = [{"role": "user", "content": "What is the weather in Oslo for three days?"
 def tool_server(tiny_pair):
     """The tiny pair with a chat template that renders tools (its tokens unchanged)."""
     target, draft = tiny_pair
-    tok = make_tokenizer(chat_template=HERMES_TEMPLATE)
+    tok = tools_tokenizer()
     target, draft = dataclasses.replace(target, tokenizer=tok), dataclasses.replace(draft, tokenizer=copy.deepcopy(tok))
     engine = SpeculativeEngine(target, draft=draft)
     server = EngineServer(lambda: engine, ServerOptions(
