@@ -7,9 +7,14 @@ The world file (SPECPAIR_STANDIN_WORLD) maps a draft source to what it measures:
   {"good-draft": {"acceptanceRate": 0.7, "live": {"code": 0.78}, ...},
    "_crash_versions": ["3"],                  # pods of these release versions exit at start
    "_fingerprint_overrides": {"faster-draft": "fff..."},   # re-read on every GetModelInfo
-   "_wrong_hash_versions": ["2"]}             # pods of these versions report another content hash
+   "_wrong_hash_versions": ["2"],             # pods of these versions report another content hash
+   "_serving_counters": true,                 # GetStats reports serving counters (below)
+   "_first_token_seconds": {"3": 1.0}}        # pods of these versions wait this long to answer
 A Generate request with category C drafts `max_new_tokens` tokens, accepted at the world's live
-rate for C: traffic is driven over gRPC like real traffic.
+rate for C: traffic is driven over gRPC like real traffic. With `_serving_counters`, each answered
+request is counted as the engine counts it for the operator's serving health and canary (GetStats:
+TTFT as the stand-in took it, requests by status). Its answer's initial metadata names the version that served it
+(`x-specpair-version`), so a client through a gateway sees which side it reached.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -29,6 +35,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
 from specpair.contract import DEFAULT_CATEGORY, content_hash
+from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
+
+SERVED_BY = "x-specpair-version"
 
 
 def fingerprint(source: str | None) -> str:
@@ -45,16 +54,23 @@ class StandInEngine(engine_pb2_grpc.EngineServicer):
         self.args = args
         self.speculation = True
         self.counters: dict[str, list[int]] = {}   # category -> [requests, drafted, accepted]
+        self.ttft: dict[str, list[float]] = {}      # category -> each answered request's TTFT (seconds)
         self.lock = threading.Lock()
 
     def _draft(self) -> str:
         return self.args.draft or self.args.drafter or ""
 
     def Generate(self, request: Any, context: Any) -> Any:
+        began = time.monotonic()
         drafted = request.max_new_tokens if request.HasField("max_new_tokens") else 64
         category = request.category or DEFAULT_CATEGORY
         accepted = 0
+        context.send_initial_metadata(((SERVED_BY, str(self.args.version)),))
+        wait = float((world().get("_first_token_seconds") or {}).get(str(self.args.version), 0.0))
+        if wait:
+            time.sleep(wait)
         with self.lock:
+            self.ttft.setdefault(category, []).append(time.monotonic() - began)
             c = self.counters.setdefault(category, [0, 0, 0])
             c[0] += 1
             if self.speculation:
@@ -85,9 +101,24 @@ class StandInEngine(engine_pb2_grpc.EngineServicer):
     def GetStats(self, request: Any, context: Any) -> Any:
         with self.lock:
             cats = {cat: engine_pb2.CategoryStats(requests=r, cumulative=engine_pb2.AcceptanceStats(
-                num_draft_tokens=d, num_accepted_tokens=a)) for cat, (r, d, a) in self.counters.items()}
+                num_draft_tokens=d, num_accepted_tokens=a),
+                serving=self._serving(cat) if world().get("_serving_counters") else None)
+                for cat, (r, d, a) in self.counters.items()}
         return engine_pb2.Stats(pair=self.args.pair, version=self.args.version, categories=cats,
                                 speculating=self.speculation)
+
+    def _serving(self, category: str) -> Any:
+        """The category's serving counters (under the lock): TTFT histogram, TPOT (the stand-in
+        answers all tokens at once: its TTFT spread over them), requests by status (all ok)."""
+        ttft = self.ttft.get(category, [])
+        tpot = [t / 8 for t in ttft]
+
+        def histogram(values: list[float], bounds: tuple[float, ...]) -> Any:
+            return engine_pb2.Histogram(upper_bounds=list(bounds), counts=[sum(v <= b for v in values) for b in bounds],
+                                        count=len(values), sum=sum(values))
+        return engine_pb2.ServingStats(time_to_first_token=histogram(ttft, LATENCY_BUCKETS),
+                                       time_per_output_token=histogram(tpot, TOKEN_BUCKETS),
+                                       requests={"ok": len(ttft)} if ttft else {})
 
     def SetSpeculation(self, request: Any, context: Any) -> Any:
         # As the real engine: with a control listener, only the operator's certificate may switch.

@@ -172,8 +172,10 @@ def _rules(pair: str, port: int, traffic: Traffic, http: bool) -> list[dict[str,
     if traffic.candidate_weight is None:
         rules.append({**unnamed, "backendRefs": [_backend(champion, port)]})
     else:
-        rules.append({**unnamed, "backendRefs": [_backend(champion, port, 100 - traffic.candidate_weight),
-                                                 _backend(candidate, port, traffic.candidate_weight)]})
+        # A side at 0% is left out rather than given weight 0: no gateway can send it a request
+        # then, whatever it makes of a zero weight (or of the moment it reloads).
+        split = [(champion, 100 - traffic.candidate_weight), (candidate, traffic.candidate_weight)]
+        rules.append({**unnamed, "backendRefs": [_backend(name, port, w) for name, w in split if w > 0]})
     return rules
 
 

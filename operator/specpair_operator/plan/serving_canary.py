@@ -48,6 +48,15 @@ def routed(w: ServingWorld) -> bool:
     return w.gateway_api and routes_mod.gateway_parent(w.spec) is not None
 
 
+def candidate_routed(w: ServingWorld) -> bool:
+    """A live route of the pair still sends requests to the candidate's Service: its pods are
+    not scaled down before a pass has found the routes without it (the gateway stops sending
+    first, so no request reaches a pod going away)."""
+    candidate = routes_mod.candidate_service_name(w.pair)
+    return any(routes_mod.weights(live).get(candidate, 0) > 0 for key, live in w.routes.items()
+               if not key.startswith("Service/"))
+
+
 def _routes(out: _Steps, traffic: routes_mod.Traffic, why: str) -> None:
     """The pair's routes and route Services for `traffic` (desired/routes.py), each written only
     when absent or different; an Event for each route whose split changes; the Routed condition.
@@ -146,9 +155,11 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
         # The champion's alone again first: no request reaches a canary pod being scaled down.
         _routes(out, routes_mod.Traffic(None, champion), f"canary of v{version} aborted")
         aborted = entry("Aborted", msg, judged)
-        out.add(TagVersion(version, canary_mod.mark_tag(canary_mod.ABORTED, reason, aborted.fields["canary"])),
-                canary_mod.ScaleDown(dep["metadata"]["name"]), canary_mod.RememberCanary(canary_mod.Memory()),
-                Condition(canary_mod.CONDITION, False, "Aborted", msg), aborted)
+        out.add(TagVersion(version, canary_mod.mark_tag(canary_mod.ABORTED, reason, aborted.fields["canary"])))
+        if not candidate_routed(w):     # else the next pass scales it down (_retire_canary)
+            out.add(canary_mod.ScaleDown(dep["metadata"]["name"]))
+        out.add(canary_mod.RememberCanary(canary_mod.Memory()), Condition(canary_mod.CONDITION, False, "Aborted", msg),
+                aborted)
         if not out.was("CanaryAborted", version, version):
             out.add(Record("CanaryAborted", msg, champion, version, warning=True, key=version))
         return Report("stalled", "Degraded", "CanaryAborted", f"{msg}; v{champion} keeps serving",
@@ -229,6 +240,8 @@ def _retire_canary(out: _Steps, champion: str) -> None:
     had = w.status.get("canary") or {}
     promoted = str(had.get("version")) == version == str(champion) and had.get("phase") == "Passed"
     scaled = bool((live.get("spec") or {}).get("replicas"))
+    if scaled and candidate_routed(w):
+        return      # the routes written above take the candidate out first; scaled down next pass
     if scaled:
         out.add(canary_mod.ScaleDown(name))
     said = f"Deployment {name} scaled to 0: {why}"
