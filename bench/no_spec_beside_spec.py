@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# scripts/: gpu_step_bench (the step builder) stays there beside gpu_measure.sh, which runs it
-sys.path[:0] = [str(ROOT / "engine"), str(ROOT / "tests"), str(ROOT / "scripts")]
+# bench/: gpu_step_bench (the step builder) lives beside this file and gpu_measure.sh, which runs it
+sys.path[:0] = [str(ROOT / "engine"), str(ROOT / "tests"), str(ROOT / "bench")]
 
 import torch  # noqa: E402
 

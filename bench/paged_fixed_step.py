@@ -10,7 +10,7 @@ docs/measurements/2026-12-06-paged-fixed-step-cpu.md.
     python bench/paged_fixed_step.py --shape smollm2-135m --rows 1 8 32      # CPU, bf16, eager
     python bench/paged_fixed_step.py --device cuda --compile on               # GPU: graphs
 
-A random model of the shape (scripts/gpu_step_bench.py's SHAPES); its speed is not its weights'.
+A random model of the shape (bench/gpu_step_bench.py's SHAPES); its speed is not its weights'.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "engine"))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "bench"))   # gpu_step_bench, beside it
 
 import torch  # noqa: E402
 

@@ -236,13 +236,13 @@ def test_the_compiled_step_does_not_recompile_over_a_generation(tiny_tokenizer, 
 
 
 def test_the_gpu_step_bench_runs_on_the_cpu(tmp_path):
-    """scripts/gpu_step_bench.py, for a machine with a GPU: proven here on the tiny shape (its
+    """bench/gpu_step_bench.py, for a machine with a GPU: proven here on the tiny shape (its
     figures are benchmark output, never asserted)."""
     import json
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from gpu_step_bench import main
 
     out = tmp_path / "step.json"
@@ -303,7 +303,7 @@ def test_the_step_bench_candidate_layers_compute_the_engine_layer_bitwise(layer,
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     import gpu_step_bench as bench
 
     torch.manual_seed(0)

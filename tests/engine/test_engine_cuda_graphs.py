@@ -5,7 +5,7 @@ into the next capacity bucket (each new cache records its own graphs, nothing re
 engine's greedy speculation equals its target-only decoding bitwise in bf16; a draft model's
 steps replay graphs of its own, an EAGLE head's drafting step and catch-up theirs, and Medusa's
 round its own. Skipped without a GPU; `bash
-scripts/gpu_measure.sh steps` and `heads` run it on the lent one."""
+bench/gpu_measure.sh steps` and `heads` run it on the lent one."""
 
 from __future__ import annotations
 

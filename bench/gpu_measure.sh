@@ -3,16 +3,16 @@
 # The machine has torch and transformers but no network: the SmolLM2 GGUF (98 MB) travels in two
 # halves, one per call, and the engine's other packages as wheels in .whl/.
 #
-#   bash scripts/gpu_measure.sh steps      # the CUDA-graph tests ($TESTS, a pytest -k), then step
+#   bash bench/gpu_measure.sh steps      # the CUDA-graph tests ($TESTS, a pytest -k), then step
 #                                          # costs of random-weight shapes ($SHAPES, default all
 #                                          # three); keeps .gg/part00
-#   bash scripts/gpu_measure.sh heads      # heads' recorded drafting steps: their CUDA tests ($TESTS,
+#   bash bench/gpu_measure.sh heads      # heads' recorded drafting steps: their CUDA tests ($TESTS,
 #                                          # a pytest -k, default eagle or medusa), then an EAGLE head's step
 #                                          # and a Medusa round (random weights, $HEAD_VOCAB draft
 #                                          # ids, default 32000) beside the target's, for $SHAPES
 #                                          # (default SmolLM2 and Llama-8B; SHAPE@LAYER times a
 #                                          # candidate layer alone); keeps .gg/part00
-#   bash scripts/gpu_measure.sh smollm2    # the real SmolLM2 (joins part00 and .gg/part01):
+#   bash bench/gpu_measure.sh smollm2    # the real SmolLM2 (joins part00 and .gg/part01):
 #                                          # bench vs hf-compiled, identity, batch 1 and 16,
 #                                          # SmolLM2 as its own draft model,
 #                                          # and where the loop's host time goes (loop_profile.py)
@@ -57,7 +57,7 @@ step_benches() {
         fi
         [ "$vocab" = 0 ] || [ "$entry" != "$shape" ] || name=${name}_head
         kmax=8; [ "$shape" = llama-1b ] && kmax=3
-        timeout "${STEP_TIMEOUT:-420}" $PY scripts/gpu_step_bench.py --shape "$shape" --k-max "$kmax" \
+        timeout "${STEP_TIMEOUT:-420}" $PY bench/gpu_step_bench.py --shape "$shape" --k-max "$kmax" \
             --layer "$layer" "${extra[@]}" --barrier "$turns" --parties "$parties" \
             --out "$OUT/gpu_step_$name.json" > "$OUT/gpu_step_$name.log" 2>&1 &
     done
@@ -109,7 +109,7 @@ smollm2)
     echo "draft bench exit $?"; grep -v "^USDT" "$OUT/gpu_bench_smollm2_draft.log" | tail -15
     # Where the loop's host time goes now that the step is one replay (PROFILE=off skips it).
     [ "${PROFILE:-on}" = off ] && exit 0
-    timeout "${PROFILE_TIMEOUT:-120}" $PY scripts/loop_profile.py --target "$gguf" --drafter ngram \
+    timeout "${PROFILE_TIMEOUT:-120}" $PY bench/loop_profile.py --target "$gguf" --drafter ngram \
         --device cuda --dtype bfloat16 --out "$OUT/gpu_loop_profile_smollm2.json" \
         > "$OUT/gpu_loop_profile_smollm2.log" 2>&1
     echo "profile exit $?"; grep -v "^USDT" "$OUT/gpu_loop_profile_smollm2.log" | head -40

