@@ -242,6 +242,21 @@ def test_without_gateway_api_on_the_cluster_the_condition_says_so_and_the_ratio_
     assert not cl.routes and cl.status["canary"]["shareBasis"].startswith("approximate")
 
 
+def test_the_dashboards_weight_and_observed_share_follow_status_canary():
+    from specpair_operator.act import metrics
+
+    def value(name: str) -> dict:
+        return {s.labels["step"]: s.value for s in metrics.REGISTRY.collect() for s in s.samples
+                if s.name == name and s.labels.get("pair") == "share-p"}
+    entry = canary.status_entry("2", "1", "Progressing", 0, canary.steps_of({}), 1, 4, "m", weight=20, observed=0.198)
+    metrics.canary_share("ns", "share-p", entry)
+    metrics.canary_share("ns", "share-p", {**entry, "step": 2, "trafficShare": 0.25, "observedShare": None})
+    assert value("specpair_canary_weight_percent") == {"1": 20.0, "2": 25.0}
+    assert value("specpair_canary_observed_share") == {"1": 0.198}
+    metrics.canary_share("ns", "share-p", None)          # a status write without a canary: nothing
+    assert metrics.forget_pair("ns", "share-p") == 3 and value("specpair_canary_weight_percent") == {}
+
+
 def kinds_of(steps):
     from plan_tables import kinds
     return kinds(steps)

@@ -156,6 +156,7 @@ async def carry_out(r: PairReconciler, step: Step, acting: Acting) -> bool:
             ledger.cond(step.type, step.status, step.reason, step.message)
         case SetStatus():
             ledger.set(**step.fields)
+            metrics.canary_share(r.namespace, r.name, step.fields.get("canary"))
         case PostEvent():   # RollSpeculation too: an Event with the roll's numbers
             ledger.event(step.type, step.reason, step.message)
         case Report():

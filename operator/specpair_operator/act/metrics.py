@@ -41,6 +41,12 @@ CANARY = Counter("specpair_canary_decisions", "Canary decisions: steps started, 
 GATE_DURATION = Histogram("specpair_gate_duration_seconds", "Gate Job run time, from its start to the verdict, by result.",
                           PAIR + ["result"], buckets=(30, 60, 120, 300, 600, 1200, 1800, 3600, 7200),
                           registry=REGISTRY)
+CANARY_WEIGHT = Gauge("specpair_canary_weight_percent",
+                      "The candidate's intended percent of the traffic in a canary step: the route's weight, "
+                      "or the replica ratio without a Gateway.", PAIR + ["step"], registry=REGISTRY)
+CANARY_OBSERVED = Gauge("specpair_canary_observed_share",
+                        "The candidate's share of the requests both sides finished in a canary step, from the pods' "
+                        "counters (0-1).", PAIR + ["step"], registry=REGISTRY)
 RELEASE_SPEEDUP = Gauge("specpair_release_speedup",
                         "Gated speedup over target-only of the release a pair serves, per category ('all' overall).",
                         ["pair", "version", "category", "namespace"], registry=REGISTRY)
@@ -53,6 +59,7 @@ PER_PAIR: tuple[tuple[Counter | Gauge | Histogram, tuple[str, ...]], ...] = (
     (SHADOW_REFUSALS, tuple(PAIR)), (SHADOW_VERDICTS, (*PAIR, "result")), (RECONCILE_ERRORS, (*PAIR, "reason")),
     (CANARY, (*PAIR, "decision")), (GATE_DURATION, (*PAIR, "result")),
     (RELEASE_SPEEDUP, ("pair", "version", "category", "namespace")),
+    (CANARY_WEIGHT, (*PAIR, "step")), (CANARY_OBSERVED, (*PAIR, "step")),
 )
 
 ROLLBACK_CAUSES = ("drift", "latency", "tokenizer", "rollout")
@@ -97,6 +104,18 @@ def count(namespace: str, pair: str, action: str, reason: str) -> None:
     counter, label = _COUNTED.get(action, (None, None))
     if counter is not None:
         counter.labels(namespace, pair, *(() if label is None else (label,))).inc()
+
+
+def canary_share(namespace: str, pair: str, entry: dict | None) -> None:
+    """A status.canary entry's intended and observed share, by its step (for the dashboard's
+    weight-against-observed panel); nothing for an entry without them."""
+    if not entry or not entry.get("step"):
+        return
+    step = str(entry["step"])
+    if isinstance(entry.get("trafficShare"), (int, float)):
+        CANARY_WEIGHT.labels(namespace, pair, step).set(100 * float(entry["trafficShare"]))
+    if isinstance(entry.get("observedShare"), (int, float)):
+        CANARY_OBSERVED.labels(namespace, pair, step).set(float(entry["observedShare"]))
 
 
 def serve_from_env() -> int | None:
