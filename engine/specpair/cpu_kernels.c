@@ -489,6 +489,45 @@ static void attend_group(const float *q, const float *kc, const float *vc, float
 
 int specpair_max_head_dim(void) { return MAX_HEAD_DIM; }
 
+/* The second half of a decoder layer, after the attention att [T, qd]: out = residual + att Wo,
+   then out += down(SiLU(gate(x)) * up(x)) with x = post_norm(out). The target's layer (residual
+   and out the same: in place) and the EAGLE-3 head's (head_kernels.c) both end so: one home.
+   x [T, D], g and u [T, F], o [T, D]: scratch; e: F floats of scratch. */
+static void attention_out_and_mlp(const float *att, const float *residual, float *out,
+                                  const float *wo, const float *n_post, const float *wg,
+                                  const float *wu, const float *wd, float *x, float *g, float *u,
+                                  float *o, float *e, long T, long D, long qd, long F, float eps,
+                                  int threads) {
+    {
+        const float *Ws[1] = {wo};
+        float *ys[1] = {o};
+        long Os[1] = {D};
+        run_linear(att, Ws, ys, Os, 1, T, qd, threads);
+    }
+    for (long i = 0; i < T * D; i++) out[i] = residual[i] + o[i];
+    for (long t = 0; t < T; t++) rms_norm(out + t * D, n_post, x + t * D, D, eps);
+    {
+        const float *Ws[2] = {wg, wu};
+        float *ys[2] = {g, u};
+        long Os[2] = {F, F};
+        run_linear(x, Ws, ys, Os, 2, T, D, threads);
+    }
+    /* SiLU(g) * u: e^-g through the same eight lanes, one row of F per token. */
+    for (long t = 0; t < T; t++) {
+        float *gt = g + t * F, *ut = u + t * F;
+        for (long i = 0; i < F; i++) e[i] = -gt[i];
+        exp_inplace(e, F);
+        for (long i = 0; i < F; i++) gt[i] = gt[i] / (1.0f + e[i]) * ut[i];
+    }
+    {
+        const float *Ws[1] = {wd};
+        float *ys[1] = {o};
+        long Os[1] = {D};
+        run_linear(g, Ws, ys, Os, 1, T, F, threads);
+    }
+    for (long i = 0; i < T * D; i++) out[i] += o[i];
+}
+
 int specpair_llama_layer(float *h, const long *rows, const long *pos, const long *slot,
                          const long *parent, long T, long D, int H,
                          int Hkv, int hd, long F, float eps, const float *cos, const float *sin,
@@ -599,33 +638,7 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
         attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[run_start[r]], run_start[r],
                    run_start[r + 1], hh, H, Hkv, hd, S, L, window, table, table_width, block);
     }
-    {
-        const float *Ws[1] = {wo};
-        float *ys[1] = {o};
-        long Os[1] = {D};
-        run_linear(att, Ws, ys, Os, 1, T, qd, threads);
-    }
-    for (long i = 0; i < T * D; i++) h[i] += o[i];
-    for (long t = 0; t < T; t++) rms_norm(h + t * D, n2, x + t * D, D, eps);
-    {
-        const float *Ws[2] = {wg, wu};
-        float *ys[2] = {g, u};
-        long Os[2] = {F, F};
-        run_linear(x, Ws, ys, Os, 2, T, D, threads);
-    }
-    /* SiLU(g) * u: e^-g through the same eight lanes, one row of F per token. */
-    for (long t = 0; t < T; t++) {
-        float *gt = g + t * F, *ut = u + t * F, *e = scores + T * H * L;
-        for (long i = 0; i < F; i++) e[i] = -gt[i];
-        exp_inplace(e, F);
-        for (long i = 0; i < F; i++) gt[i] = gt[i] / (1.0f + e[i]) * ut[i];
-    }
-    {
-        const float *Ws[1] = {wd};
-        float *ys[1] = {o};
-        long Os[1] = {D};
-        run_linear(g, Ws, ys, Os, 1, T, F, threads);
-    }
-    for (long i = 0; i < T * D; i++) h[i] += o[i];
+    attention_out_and_mlp(att, h, h, wo, n2, wg, wu, wd, x, g, u, o, scores + T * H * L, T, D,
+                          qd, F, eps, threads);
     return 0;
 }

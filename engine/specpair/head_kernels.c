@@ -85,33 +85,8 @@ int specpair_eagle3_layer(const float *embeds, const float *hidden, float *out, 
         attend_run(q, kc, vc, att, scores, pos, NULL, NULL, rows[run_start[r]], run_start[r],
                    run_start[r + 1], hh, H, Hkv, hd, S, L, 0, NULL, 0, 0);
     }
-    {
-        const float *Ws[1] = {wo};
-        float *ys[1] = {o};
-        long Os[1] = {D};
-        run_linear(att, Ws, ys, Os, 1, T, qd, threads);
-    }
-    for (long i = 0; i < T * D; i++) out[i] = res[i] + o[i];
-    for (long t = 0; t < T; t++) rms_norm(out + t * D, n_post, x + t * D, D, eps);
-    {
-        const float *Ws[2] = {wg, wu};
-        float *ys[2] = {g, u};
-        long Os[2] = {F, F};
-        run_linear(x, Ws, ys, Os, 2, T, D, threads);
-    }
-    for (long t = 0; t < T; t++) {
-        float *gt = g + t * F, *ut = u + t * F, *e = scores + T * H * L;
-        for (long i = 0; i < F; i++) e[i] = -gt[i];
-        exp_inplace(e, F);
-        for (long i = 0; i < F; i++) gt[i] = gt[i] / (1.0f + e[i]) * ut[i];
-    }
-    {
-        const float *Ws[1] = {wd};
-        float *ys[1] = {o};
-        long Os[1] = {D};
-        run_linear(g, Ws, ys, Os, 1, T, F, threads);
-    }
-    for (long i = 0; i < T * D; i++) out[i] += o[i];
+    attention_out_and_mlp(att, res, out, wo, n_post, wg, wu, wd, x, g, u, o, scores + T * H * L,
+                          T, D, qd, F, eps, threads);
     if (nf && normed)
         for (long t = 0; t < T; t++) rms_norm(out + t * D, nf, normed + t * D, D, eps);
     return 0;
