@@ -82,6 +82,7 @@ def test_observe_writes_nothing_and_act_creates_the_ca(operator_env, devcluster,
     from specpair_operator.act.control_ca import create_control_ca
     from specpair_operator.clients.kube import Kube
     from specpair_operator.observe import reads
+    from specpair_operator.plan import serving_plan
     from specpair_operator.state import OperatorState
 
     user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
@@ -103,7 +104,7 @@ def test_observe_writes_nothing_and_act_creates_the_ca(operator_env, devcluster,
 
         async def scenario() -> None:
             start = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-            seen = await reads._observe_engine(op, pair)
+            seen = await reads._observe_engine(op, pair, serving_plan)
             events = requests_since(start)
             assert {"get secrets", "get deployments"} <= {f"{e['verb']} {e['objectRef']['resource']}"
                                                           for e in events}, "the reads were audited"
@@ -127,7 +128,7 @@ def test_observe_writes_nothing_and_act_creates_the_ca(operator_env, devcluster,
                        "names": list(names), "notAfter": "2099-01-01T00:00:00Z"}
             before = time.monotonic()
             start = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-            again = await reads._observe_engine(op, dataclasses.replace(pair, status={"engineTLS": current}))
+            again = await reads._observe_engine(op, dataclasses.replace(pair, status={"engineTLS": current}), serving_plan)
             events = requests_since(start)
             assert writes(events) == [], "observe wrote"
             assert any(e["verb"] == "create" and "dryRun=All" in e["requestURI"] for e in events), \

@@ -22,10 +22,9 @@ OPERATOR = REPO / "operator" / "specpair_operator"
 DRAFTERS = REPO / "engine" / "specpair" / "drafters"
 STAGES = ["crd", "release", "clients", "desired", "policy", "gate", "state", "observe", "plan", "act", "(root)"]
 # Arrows still running up, each a refactor not done yet (issue 55); a new one fails the test.
-KNOWN_UPWARD = {
-    # observe asks the serving plan's pure reads of the world which pods and names to read
-    "specpair_operator.observe.reads -> specpair_operator.plan.serving_plan",
-}
+# None left: observe asks the serving plan's questions through observe/serving_questions.py,
+# handed in by act (test_the_serving_plan_answers_every_question_observe_asks); a new one fails.
+KNOWN_UPWARD: set[str] = set()
 # No circle is left (the autoscaling signal table, which the spec's check reads, is the contract's:
 # crd/autoscaling_signals.py); a new one fails.
 KNOWN_CIRCLES: set[tuple[str, ...]] = set()
@@ -109,6 +108,25 @@ def test_each_stage_imports_only_the_stages_below_it():
     upward = upward_arrows()
     assert not upward - KNOWN_UPWARD, "imports running up the stages:\n" + "\n".join(sorted(upward - KNOWN_UPWARD))
     assert not KNOWN_UPWARD - upward, f"gone, strike them from KNOWN_UPWARD: {sorted(KNOWN_UPWARD - upward)}"
+
+
+def test_the_serving_plan_answers_every_question_observe_asks():
+    """observe/reads.py asks its questions of what act hands in (plan/serving_plan.py, a module):
+    each member of the protocol is there, a function with the protocol's parameters."""
+    import inspect
+
+    from specpair_operator.observe.serving_questions import ServingQuestions
+    from specpair_operator.plan import serving_plan
+
+    members = [m for m in ServingQuestions.__dict__ if not m.startswith("_")] + \
+        list(ServingQuestions.__annotations__)
+    assert {"rollout_state", "identity", "ANN_ISSUED_FOR"} <= set(members), members
+    for name in members:
+        assert hasattr(serving_plan, name), f"plan/serving_plan.py answers no {name}"
+        asked = getattr(ServingQuestions, name, None)
+        if callable(asked):
+            wanted = list(inspect.signature(asked).parameters)[1:]            # without self
+            assert list(inspect.signature(getattr(serving_plan, name)).parameters) == wanted, name
 
 
 @pytest.mark.parametrize("root, limit", [(OPERATOR, OPERATOR_MODULE_LINES), (DRAFTERS, DRAFTER_MODULE_LINES)],

@@ -141,7 +141,7 @@ class PairReconciler:
         last. Only the protective first step (SpeculationOff) can be taken; promotion, rollback
         and SpeculationOn wait for MLflow."""
         try:
-            world = await observe_watch(self.operator, self.body, self.spec, self.status)
+            world = await observe_watch(self.operator, self.body, self.spec, self.status, questions=serving_plan)
             if world is not None:
                 await self._act_serving(world, serving_plan.plan_watch(world))
         except (KubeError, EngineUnreachable) as exc:
@@ -255,7 +255,7 @@ class PairReconciler:
         """Roll the engine to the champion and judge it: observed (observe.observe_serving),
         planned (serving_plan.plan_serving, pure) and acted on."""
         world = await observe_serving(self.operator, self.reads, self.body, self.spec, self.status, model, al,
-                                      desired, desired_reason, while_gating, shadow, canary)
+                                      desired, desired_reason, while_gating, shadow, canary, questions=serving_plan)
         await self._act_serving(world, serving_plan.plan_serving(world))
 
     async def _act_serving(self, world: ServingWorld, steps: tuple[Step, ...]) -> None:

@@ -20,8 +20,8 @@ from specpair_operator.desired import routes as routes_mod
 from specpair_operator.crd import names
 from specpair_operator.observe import unreadable
 from specpair_operator.observe.keda import keda_installed
+from specpair_operator.observe.serving_questions import ServingQuestions
 from specpair_operator.policy import serving_health
-from specpair_operator.plan import serving_plan
 from specpair_operator.desired import tls as tls_mod
 from specpair_operator.clients.engine_probe import EngineUnreachable
 from specpair_operator.clients.kube import Kube, KubeError
@@ -143,9 +143,10 @@ async def observe_release(kube: Kube, registry: PassRegistry, body: Mapping[str,
 async def observe_serving(op: OperatorState, registry: PassRegistry, body: Mapping[str, Any], spec: Mapping[str, Any],
                           status: Mapping[str, Any], model: str, aliases: Mapping[str, str], desired: str | None,
                           desired_reason: str = "", while_gating: bool = False,
-                          shadow: ShadowRun | None = None, canary: Any = None) -> ServingWorld:
+                          shadow: ShadowRun | None = None, canary: Any = None, *,
+                          questions: ServingQuestions) -> ServingWorld:
     """Every read the champion's serving needs, into one ServingWorld. The reads follow the
-    plan's own questions (serving_plan's pure functions): pods are asked who they are only once
+    plan's own `questions` (serving_questions.py): pods are asked who they are only once
     the rollout is available, counters only when the identity holds and a drift check is due,
     the previous release only when the ladder's next step is a rollback."""
     w = replace(_serving_world(op, body, spec, status, model, aliases, desired, desired_reason, while_gating),
@@ -161,17 +162,17 @@ async def observe_serving(op: OperatorState, registry: PassRegistry, body: Mappi
     # A champion's verdict edited in MLflow after its promotion serves with the spec's speculation
     # and no gated numbers, rather than with whatever the tag now says.
     w = replace(w, verdict=gate_verdict.usable_verdict(verdict))
-    w = await _observe_engine(op, w)
-    if serving_plan.rollout_state(w)[0] != "available":
+    w = await _observe_engine(op, w, questions)
+    if questions.rollout_state(w)[0] != "available":
         return w
     legacy = names.legacy_object_name(w.pair, "engine")
     if legacy != manifests.engine_name(w.pair):
         w = replace(w, legacy_deployment=await op.kube.get("apps/v1", "deployments", w.namespace, legacy))
-    return await _observe_pods(op, registry, w, champion)
+    return await _observe_pods(op, registry, w, champion, questions)
 
 
 async def observe_watch(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str, Any],
-                        status: Mapping[str, Any]) -> ServingWorld | None:
+                        status: Mapping[str, Any], *, questions: ServingQuestions) -> ServingWorld | None:
     """While MLflow is down: the champion as the last pass that verified it found it in MLflow,
     its pods and what they report (None when no pass has verified one)."""
     cached = op.watch_cache.get(body["metadata"]["uid"])
@@ -180,9 +181,9 @@ async def observe_watch(op: OperatorState, body: Mapping[str, Any], spec: Mappin
     model, aliases, champion, tags, verdict, served_hash = cached
     w = _serving_world(op, body, spec, status, model, aliases, champion, "", False)
     w = replace(w, registry_down=True, tags=dict(tags), verdict=dict(verdict), served_hash=served_hash,
-                pods=tuple(p for p in await op.kube.list("v1", "pods", w.namespace, serving_plan.engine_selector(w.pair))
+                pods=tuple(p for p in await op.kube.list("v1", "pods", w.namespace, questions.engine_selector(w.pair))
                            if not canary_mod.is_canary_pod(p)))
-    return await _observe_pods(op, op.registry.for_pass(), w, champion)
+    return await _observe_pods(op, op.registry.for_pass(), w, champion, questions)
 
 
 def _serving_world(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str, Any], status: Mapping[str, Any],
@@ -203,20 +204,20 @@ def _serving_world(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str
                           op.last_drift_check.get(uid, 0.0), time.monotonic(), time.time()))
 
 
-async def _observe_engine(op: OperatorState, w: ServingWorld) -> ServingWorld:
+async def _observe_engine(op: OperatorState, w: ServingWorld, questions: ServingQuestions) -> ServingWorld:
     """The engine's Deployment, Service, NetworkPolicy, certificate marks and pods."""
     kube, name = op.kube, manifests.engine_name(w.pair)
     w = replace(w, deployment=await kube.get("apps/v1", "deployments", w.namespace, name),
                 service=await kube.get("v1", "services", w.namespace, name), keda=await keda_installed(op))
-    if serving_plan.name_taken(w):
+    if questions.name_taken(w):
         return w
-    w = replace(w, tls=await _observe_tls(op, w))       # vLLM pods too: their companion's control port
-    served = serving_plan.served_release(w)
+    w = replace(w, tls=await _observe_tls(op, w, questions))       # vLLM pods too: their companion's control port
+    served = questions.served_release(w)
     fetched = fetched_models(w.status)
     w = replace(w, models=model_fetch.models_digest(served), fetched=fetched,
                 model_fetch=await observe_fetch(kube, w.pair, w.namespace, served, w.rollout, fetched))
     policy = engine_objects.engine_network_policy(w.pair, w.namespace, op.pods)["metadata"]["name"]
-    pods = await kube.list("v1", "pods", w.namespace, serving_plan.engine_selector(w.pair))
+    pods = await kube.list("v1", "pods", w.namespace, questions.engine_selector(w.pair))
     # A canary's pods carry the Service's labels too; its Deployment is read whether or not a
     # canary runs, so one left behind is scaled down.
     w = replace(w, policy=await kube.get("networking.k8s.io/v1", "networkpolicies", w.namespace, policy),
@@ -240,7 +241,7 @@ async def _observe_routes(op: OperatorState, w: ServingWorld) -> ServingWorld:
     return replace(w, gateway_api=True, routes=found)
 
 
-async def _observe_tls(op: OperatorState, w: ServingWorld) -> EngineTLS:
+async def _observe_tls(op: OperatorState, w: ServingWorld, questions: ServingQuestions) -> EngineTLS:
     """The CA of now, and what the pair's Secret holds as far as the operator may ask without
     reading it (RBAC: create and patch Secrets, no get): whether it carries the mark of a
     certificate from this CA for these names (a dry-run JSON patch of tests), or is gone. No CA
@@ -251,11 +252,11 @@ async def _observe_tls(op: OperatorState, w: ServingWorld) -> EngineTLS:
     if ca is None:
         return EngineTLS(secret, "", dns, "", ca_missing=True)
     ca_fingerprint = tls_mod.fingerprint(ca.cert_pem)
-    tls = EngineTLS(secret, ca_fingerprint, dns, serving_plan.issued_for(ca_fingerprint, dns))
-    check = serving_plan.certificate_check(replace(w, tls=tls))
+    tls = EngineTLS(secret, ca_fingerprint, dns, questions.issued_for(ca_fingerprint, dns))
+    check = questions.certificate_check(replace(w, tls=tls))
     ref = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": w.namespace}}
     if check == "other":
-        return replace(tls, held=await unreadable.holds(op.kube, w.uid, ref, {serving_plan.ANN_ISSUED_FOR: tls.issued_for}))
+        return replace(tls, held=await unreadable.holds(op.kube, w.uid, ref, {questions.ANN_ISSUED_FOR: tls.issued_for}))
     if check == "current":
         return replace(tls, **await _secret_missing(op, w.uid, ref))
     return tls
@@ -277,54 +278,55 @@ async def _secret_missing(op: OperatorState, uid: str, ref: dict[str, Any]) -> d
     return {"missing": True}
 
 
-async def _observe_pods(op: OperatorState, registry: PassRegistry, w: ServingWorld, champion: str) -> ServingWorld:
+async def _observe_pods(op: OperatorState, registry: PassRegistry, w: ServingWorld, champion: str,
+                        questions: ServingQuestions) -> ServingWorld:
     """Who each ready pod says it is (up to the first that does not answer); then, when they
     are the champion's and a drift check is due, their counters (likewise), and the release a
     rollback would go to when the ladder's next step is one."""
-    probe = op.vllm_probe if serving_plan.kind_of(w) == "vllm" else op.probe
+    probe = op.vllm_probe if questions.kind_of(w) == "vllm" else op.probe
     server = tls_mod.server_name(manifests.engine_name(w.pair), w.namespace)
     ready = []
     for pod in ready_pods(list(w.pods)):
         meta = pod["metadata"]
         view = EnginePod(meta["name"], meta.get("uid", ""), pod["status"]["podIP"])
         try:
-            view = replace(view, info=await probe.model_info(serving_plan.address(w, view), server_name=server))
+            view = replace(view, info=await probe.model_info(questions.address(w, view), server_name=server))
         except EngineUnreachable as exc:
             ready.append(replace(view, unreachable=str(exc)))
             break
         ready.append(view)
     w = replace(w, ready=tuple(ready))
-    ok, _, verified = serving_plan.identity(w, champion, serving_plan.champion_digest(w))
-    position = serving_plan.drift_position(w, champion)
+    ok, _, verified = questions.identity(w, champion, questions.champion_digest(w))
+    position = questions.drift_position(w, champion)
     # A candidate scored in shadow is judged every pass on the pods' counters.
     if not ok or ((position is None or not position.due) and w.shadow is None and w.canary_run is None):
         return w
     counted = []
     for view in verified:
         try:
-            counted.append(replace(view, stats=await probe.stats(serving_plan.address(w, view), server_name=server)))
+            counted.append(replace(view, stats=await probe.stats(questions.address(w, view), server_name=server)))
         except EngineUnreachable as exc:
             counted.append(replace(view, stats_unreachable=str(exc)))
             break
     w = replace(w, ready=tuple(counted) + w.ready[len(counted):])
-    if serving_plan.rollback_needs_previous(w, champion):
+    if questions.rollback_needs_previous(w, champion):
         target = w.aliases[aliases_mod.PREVIOUS]
         _, previous_verdict, _ = await asyncio.to_thread(registry.gate_result, w.model, target)
         previous_tags = await asyncio.to_thread(registry.version_tags, w.model, target)
         w = replace(w, drift=replace(w.drift, previous_verdict=previous_verdict, previous_tags=dict(previous_tags)))
     if w.canary_run is not None:
-        w = await _observe_canary(w, probe, server)
+        w = await _observe_canary(w, probe, server, questions)
     return w
 
 
-async def _observe_canary(w: ServingWorld, probe: Any, server: str) -> ServingWorld:
+async def _observe_canary(w: ServingWorld, probe: Any, server: str, questions: ServingQuestions) -> ServingWorld:
     """Who each ready canary pod says it is and its counters (up to the first that does not
     answer): the candidate's side of the canary's judgement."""
     ready = []
     for pod in ready_pods(list(w.canary_pods)):
         meta = pod["metadata"]
         view = EnginePod(meta["name"], meta.get("uid", ""), pod["status"]["podIP"])
-        address = serving_plan.address(w, view)
+        address = questions.address(w, view)
         try:
             view = replace(view, info=await probe.model_info(address, server_name=server))
             view = replace(view, stats=await probe.stats(address, server_name=server))

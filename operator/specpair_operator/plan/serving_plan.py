@@ -20,7 +20,9 @@ The crash marks live here, in one place:
 - a certificate the pair's Secret holds for this CA and these names (marked `issued-for`) but
   status does not know of was issued by a pass that died: kept, renewed within a day.
 
-act (reconciler.py) runs the steps in order; status steps take effect when the pass ends.
+act (reconciler.py) runs the steps in order; status steps take effect when the pass ends. This
+module is also the observe stage's `ServingQuestions` (observe/serving_questions.py): the pure
+reads of a world observe asks while it reads, handed in by act, so observe imports no plan.
 """
 
 from __future__ import annotations
