@@ -91,3 +91,12 @@ def load_table(client, tracking_uri: str, experiment_id: str, path: str, run_id:
 
     with _use_tracking_uri(tracking_uri):
         return client.load_table(experiment_id, path, run_ids=[run_id])
+
+
+def get_trace(client, tracking_uri: str, trace_id: str):
+    """`MlflowClient.get_trace`: its spans, kept as an artifact, are downloaded through mlflow's
+    global tracking URI too (load_table's case)."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    with _use_tracking_uri(tracking_uri):
+        return client.get_trace(trace_id)

@@ -9,7 +9,7 @@ import time
 import uuid
 
 import pytest
-from mlflow_server import load_table  # tests/ is on sys.path (tests/conftest.py)
+from mlflow_server import get_trace, load_table  # tests/ is on sys.path (tests/conftest.py)
 
 from specpair_operator.release import content as release
 from specpair_operator.release.registry_contract import (EXPERIMENT_KIND, GOLDEN_DATASET, PER_PROMPT_COLUMNS,
@@ -17,6 +17,7 @@ from specpair_operator.release.registry_contract import (EXPERIMENT_KIND, GOLDEN
                                                  TAG_EXPERIMENT_KIND, TAG_GATE_RUN, TAG_GATE_SUMMARY,
                                                  TAG_LOGGED_MODEL, TAG_RUN_DESCRIPTION, gate_experiment,
                                                  gate_description, logged_model_id, prompts_digest)
+from specpair_operator.release.registry_traces import golden_trace
 
 SPEC = {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "r1"}, "draft": {"drafter": "ngram"},
         "gating": {"thresholds": {"minSpeedup": 1.0, "minCategoryAcceptance": {"code": 0.5}}}}
@@ -30,10 +31,16 @@ VERDICT = {"passed": True, "reasons": [], "greedyIdentity": 1.0, "acceptanceRate
            "bestSpeculation": {"k": 4, "batchSizeThreshold": 8},
            "tokenizer": {"compatible": True, "differences": [], "targetFingerprint": "a" * 64, "draftFingerprint": None},
            "mlflowRunId": None}
+# (`seconds`: the medians of each prompt's target-only and speculative timings; `started_at`: when
+# its timings began, epoch seconds: the traces' timings.)
 GOLDEN = [{"prompt": "def add(a, b):", "category": "code", "token_ids": [1, 2, 3, 4], "output_tokens": 4,
-           "acceptance_rate": 0.7, "mean_acceptance_length": 2.6, "speedup": 1.31, "identical": True},
+           "acceptance_rate": 0.7, "mean_acceptance_length": 2.6, "speedup": 1.31, "identical": True,
+           "target_only": " return a + b", "speculative": " return a + b",
+           "seconds": {"target_only": 0.262, "speculative": 0.2}, "started_at": 1765000000.25},
           {"prompt": "A poem about rain", "category": "creative", "token_ids": [5, 6], "output_tokens": 2,
-           "acceptance_rate": 0.12, "mean_acceptance_length": 1.2, "speedup": 0.92, "identical": True}]
+           "acceptance_rate": 0.12, "mean_acceptance_length": 1.2, "speedup": 0.92, "identical": True,
+           "target_only": " Drops", "speculative": " Drops",
+           "seconds": {"target_only": 0.092, "speculative": 0.1}, "started_at": 1765000001.5}]
 GATE_SECONDS = 1.5
 
 
@@ -103,6 +110,42 @@ def test_the_gate_run_is_an_evaluation_and_the_version_carries_its_figures(reg, 
     # The release run holds the same settings, so MLflow's comparison of two versions lines them up.
     assert client.get_run(mv.run_id).data.params["target"] == params["target"]
     assert json.load(open(client.download_artifacts(mv.run_id, "release/release.json")))["pair"] == "p"
+
+
+def test_the_golden_generations_are_traces_of_the_gate_run_with_their_timings(reg, tmp_path):
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    reg.ensure_model(model, "ns/p")
+    version = gate_with(reg, tmp_path, model, SPEC, VERDICT)
+    run = reg.client.get_run(reg.version_tags(model, version)[TAG_GATE_RUN])
+    traces = reg.client.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id, include_spans=False)
+    by_name = {t.info.tags["mlflow.traceName"]: t for t in traces}
+    assert sorted(by_name) == ["golden 1: code", "golden 2: creative"]
+    code = get_trace(reg.client, reg.tracking_uri, by_name["golden 1: code"].info.trace_id)
+    assert (code.info.request_preview, code.info.response_preview) == ("def add(a, b):", " return a + b")
+    assert code.info.tags["specpair.model_version"] == version and code.info.state.value == "OK"
+    # The prompt's timings: target-only then speculative, each the median the gate measured.
+    assert code.info.request_time == 1765000000250 and code.info.execution_duration == 462
+    spans = {s.name: s for s in code.data.spans}
+    assert sorted(spans) == ["golden 1: code", "speculative", "target-only"]
+    assert (spans["target-only"].end_time_ns - spans["target-only"].start_time_ns) == 262_000_000
+    assert spans["speculative"].start_time_ns == spans["target-only"].end_time_ns
+    assert (spans["speculative"].end_time_ns - spans["speculative"].start_time_ns) == 200_000_000
+    root = spans["golden 1: code"]
+    assert root.parent_id is None and spans["speculative"].parent_id == root.span_id
+    assert root.inputs == {"prompt": "def add(a, b):", "category": "code"}
+    assert root.outputs["speedup"] == 1.31 and root.outputs["reply"] == " return a + b"
+    assert spans["speculative"].attributes["specpair.acceptance_rate"] == 0.7
+
+
+def test_a_golden_row_without_timings_is_a_trace_without_length_and_the_same_trace_twice():
+    row = {k: v for k, v in GOLDEN[1].items() if k not in ("seconds", "started_at")}
+    body, spans = golden_trace(row, 1, "7", "run1", "3", start_ms=1765000000000)
+    info = body["trace"]["trace_info"]
+    assert info["execution_duration"] == "0.000s" and info["request_time"] == "2025-12-06T05:46:40.000Z"
+    assert info["trace_metadata"]["mlflow.sourceRun"] == "run1"
+    assert {s["start_time_unix_nano"] for s in spans["spans"]} == {1765000000000 * 1_000_000}
+    assert golden_trace(row, 1, "7", "run1", "3", 1765000000000) == (body, spans)
+    assert golden_trace(row, 0, "7", "run1", "3", 1765000000000)[0] != body
 
 
 def test_two_versions_compare_setting_by_setting_and_figure_by_figure(reg, tmp_path):

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from mlflow_server import load_table  # tests/ is on sys.path (tests/conftest.py)
+from mlflow_server import get_trace, load_table  # tests/ is on sys.path (tests/conftest.py)
 
 from specpair_operator.release import aliases, content as release
 from specpair_operator.gate import attempts as gate_attempts
@@ -220,13 +220,20 @@ def test_gate_record_writes_through_a_server_that_does_not_proxy_artifacts(tmp_p
         version = reg.ensure_release(model, rel, release.content_hash(rel))
         extra = tmp_path / "divergence.json"
         extra.write_text("{}")
-        run_id = GateRecord(server.url).record_gate(model, version, VERDICT, [str(extra)])
+        golden = tmp_path / "golden_outputs.json"
+        golden.write_text(json.dumps([{"prompt": "def add(a, b):", "category": "code", "speculative": " return a",
+                                       "target_only": " return a", "seconds": {"target_only": 0.3, "speculative": 0.2}}]))
+        run_id = GateRecord(server.url).record_gate(model, version, VERDICT, [str(extra), str(golden)])
         status, verdict, _ = reg.gate_result(model, version)
         assert status == "passed" and verdict["mlflowRunId"] == run_id
         run = reg.client.get_run(run_id)
         assert not run.info.artifact_uri.startswith("mlflow-artifacts:") and run.info.status == "FINISHED"
         assert sorted(a.path for a in reg.client.list_artifacts(run_id, "gate")) == \
-            ["gate/divergence.json", "gate/verdict.json"]
+            ["gate/divergence.json", "gate/golden_outputs.json", "gate/per_prompt.json", "gate/verdict.json"]
+        # The golden prompt's trace: its spans went to the trace's own (unproxied) artifact location.
+        [trace] = reg.client.search_traces(locations=[run.info.experiment_id], run_id=run_id, include_spans=False)
+        assert sorted(s.name for s in get_trace(reg.client, reg.tracking_uri, trace.info.trace_id).data.spans) == \
+            ["golden 1: code", "speculative", "target-only"] and trace.info.execution_duration == 500
         assert run.data.metrics["acceptance_rate.code"] == 0.7
         with pytest.raises(MlflowRefused) as refused:
             GateRecord(server.url).record_gate_error(model, "999", "no such version")
@@ -291,6 +298,15 @@ def test_a_forked_real_gate_is_recorded_and_its_crash_reported(reg, tmp_path, ti
     table = load_table(reg.client, reg.tracking_uri, run.info.experiment_id, PER_PROMPT_TABLE, run.info.run_id)
     assert table["category"].tolist() == ["code"] and table["identical"].tolist() == [True]
     assert 0 < table["output_tokens"][0] <= 8 and table["speedup"][0] > 0 and 0 <= table["acceptance"][0] <= 1
+    # Its generation as a trace of the run, timed as the gate timed it (inside the gate's run).
+    [trace] = reg.client.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id, include_spans=False)
+    spans = {s.name: s for s in get_trace(reg.client, reg.tracking_uri, trace.info.trace_id).data.spans}
+    assert sorted(spans) == ["golden 1: code", "speculative", "target-only"]
+    assert all(s.end_time_ns > s.start_time_ns for s in spans.values())
+    assert run.info.start_time <= trace.info.request_time and \
+        trace.info.request_time + trace.info.execution_duration <= run.info.end_time
+    # Greedy identity 1.0: the reply served is target-only's.
+    assert spans["target-only"].outputs["reply"] == spans["speculative"].outputs["reply"] == trace.info.response_preview
 
     broken = release.with_mlflow({**rel, "draft": {}}, reg.tracking_uri, model, version)
     rel_file.write_text(json.dumps(broken))

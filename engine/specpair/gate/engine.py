@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import time
 from pathlib import Path
 
 from specpair.config import GenerationParams, Release, SpeculationConfig
@@ -95,6 +96,7 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     base_repeats = []
     for text, category, ask, (decode, decode_chat, structure) in zip(texts, categories, asks, decoded):
         one = dataclasses.replace(params, structure=structure)
+        started_at = time.time()    # when this prompt's timings began: its trace's start in MLflow
         base_times = []
         for _ in range(max(runs, NOISE_REPEATS)):
             seconds, res = _timed_generate(engine, [decode], one, speculate=False, chat=decode_chat)
@@ -120,6 +122,8 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
                        "speculative": spec_res.text, "identical": identical, "divergence": divergence,
                        "token_ids": base.token_ids, "output_tokens": len(spec_res.token_ids),
                        "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
+                       "seconds": {"target_only": round(t_base, 6), "speculative": round(t_spec, 6)},
+                       "started_at": round(started_at, 3),
                        **({} if ask.plain else verdicts),
                        **{k: v for k, v in spec_res.stats.to_dict().items()
                           if k in ("acceptance_rate", "mean_acceptance_length")}})

@@ -22,7 +22,7 @@ import math
 import os
 import time
 import urllib.parse
-from typing import Any
+from typing import Any, Callable
 
 import requests
 
@@ -35,6 +35,7 @@ from specpair_operator.release.registry_contract import (PARAMS_PER_BATCH, PER_P
                                                          gate_run_tags, gate_summary, gate_tags, golden_dataset_input,
                                                          headline_metrics, logged_model_id, per_prompt_table,
                                                          with_gate_section)
+from specpair_operator.release.registry_traces import TAG_TRACE_ARTIFACTS, TRACE_DATA_FILE, golden_trace
 
 ARTIFACT_PROXY = "mlflow-artifacts:"
 METRICS_PER_BATCH = 1000     # MLflow's limit for one log-batch
@@ -106,10 +107,29 @@ class GateRecord:
         if golden is not None:
             files.append((os.path.basename(PER_PROMPT_TABLE), json.dumps(per_prompt_table(golden)).encode()))
         self._upload(run_id, artifact_uri, "gate", files)
+        if golden:
+            self._record_traces(golden, experiment_id, run_id, version, started_ms or _now_ms())
         self._api("POST", "runs/update", {"run_id": run_id, "status": "FINISHED", "end_time": _now_ms()})
         self._show_on_version(model_name, version, verdict, experiment_id, run_id)
         self.set_tags(model_name, version, {TAG_GATE_SUMMARY: gate_summary(verdict), **gate_tags(verdict, run_id)})
         return run_id
+
+    def _record_traces(self, golden: list[dict[str, Any]], experiment_id: str, run_id: str, version: str,
+                       start_ms: int) -> None:
+        """Each golden prompt's generation as a trace of the gate run (registry_contract.golden_trace),
+        so the run's and the experiment's Traces show the prompts, replies and timings. A server
+        without MLflow 3's trace API (it refuses the endpoint) gets the run without them: the
+        verdict must still land."""
+        for index, row in enumerate(golden):
+            body, spans = golden_trace(row, index, experiment_id, run_id, version, start_ms)
+            try:
+                info = self._send("POST", f"{self.tracking_uri}/api/3.0/mlflow/traces", json=body)["trace"]["trace_info"]
+            except MlflowRefused as exc:
+                if exc.error_code in ("ENDPOINT_NOT_FOUND", "") and "HTTP 404" in str(exc):
+                    return
+                raise
+            location = (info.get("tags") or {})[TAG_TRACE_ARTIFACTS]
+            self._upload_to(location, [(TRACE_DATA_FILE, json.dumps(spans).encode())])
 
     def _show_on_version(self, model_name: str, version: str, verdict: dict[str, Any], experiment_id: str,
                          run_id: str) -> None:
@@ -152,19 +172,35 @@ class GateRecord:
 
     def _upload(self, run_id: str, artifact_uri: str, folder: str, files: list[tuple[str, bytes]]) -> None:
         if not artifact_uri.startswith(ARTIFACT_PROXY):
-            self._upload_with_mlflow(run_id, folder, files)
+            self._upload_with_mlflow(f"run {run_id}", lambda client, path: client.log_artifact(run_id, path, folder),
+                                     files)
             return
-        # mlflow-artifacts:/PATH, or mlflow-artifacts://HOST:PORT/PATH for another server
-        parsed = urllib.parse.urlparse(artifact_uri)
+        self._put(f"{artifact_uri.rstrip('/')}/{folder}", files)
+
+    def _upload_to(self, location: str, files: list[tuple[str, bytes]]) -> None:
+        """Files at an artifact location that is not a run's (a trace's)."""
+        if location.startswith(ARTIFACT_PROXY):
+            self._put(location, files)
+            return
+
+        def log(_client: Any, path: str) -> None:
+            from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+            get_artifact_repository(location).log_artifact(path)
+        self._upload_with_mlflow(location, log, files)
+
+    def _put(self, location: str, files: list[tuple[str, bytes]]) -> None:
+        """Through the tracking server's artifact proxy: mlflow-artifacts:/PATH, or
+        mlflow-artifacts://HOST:PORT/PATH for another server."""
+        parsed = urllib.parse.urlparse(location)
         base = self.tracking_uri
         if parsed.netloc:
             base = f"{urllib.parse.urlparse(self.tracking_uri).scheme}://{parsed.netloc}"
         root = parsed.path.strip("/")
         for name, data in files:
-            path = urllib.parse.quote(f"{root}/{folder}/{name}")
+            path = urllib.parse.quote(f"{root}/{name}")
             self._send("PUT", f"{base}/api/2.0/mlflow-artifacts/artifacts/{path}", data=data)
 
-    def _upload_with_mlflow(self, run_id: str, folder: str, files: list[tuple[str, bytes]]) -> None:
+    def _upload_with_mlflow(self, where: str, log: Callable[[Any, str], None], files: list[tuple[str, bytes]]) -> None:
         """An artifact store the tracking server does not proxy: MLflow's own repositories."""
         import tempfile
 
@@ -177,9 +213,9 @@ class GateRecord:
                 with open(path, "wb") as f:
                     f.write(data)
                 try:
-                    client.log_artifact(run_id, path, folder)
+                    log(client, path)
                 except (ConnectionError, OSError) as exc:
-                    raise RegistryUnavailable(f"artifact upload to run {run_id} failed: {exc}") from exc
+                    raise RegistryUnavailable(f"artifact upload to {where} failed: {exc}") from exc
 
     def _api(self, method: str, endpoint: str, body: dict[str, Any] | None = None,
              params: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -3,7 +3,8 @@ metrics from its verdict, a version's gate result from its tags, the error every
 adapter raises when MLflow cannot be reached, and how an adapter finds or creates what two
 writers may create at once. The operator's adapter (clients/registry.py, MlflowClient) and the gate
 runner's (gate/record.py, MLflow's REST API without importing mlflow) both write and read
-through these, so they cannot disagree on a name, a shape or a race."""
+through these, so they cannot disagree on a name, a shape or a race. (The golden prompts'
+generations as traces, which only the gate runner writes: registry_traces.py.)"""
 
 from __future__ import annotations
 
