@@ -164,6 +164,24 @@ def isinstance_tests(root: Path, names: set[str]) -> list[str]:
     return found
 
 
+def drafter_class_names() -> set[str]:
+    """The proposers the drafters package defines (its classes named ...Drafter, the protocol too)."""
+    return {node.name for path in DRAFTERS.glob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Drafter")}
+
+
+def test_nothing_outside_the_drafters_package_asks_which_drafter_it_has():
+    """The engine, benchmarks, scripts and demo reach a drafter through its protocol's hooks
+    (drafters/base.py: warm-up, cost probe, what its rows need), never by testing its class."""
+    names = drafter_class_names()
+    assert {"Drafter", "NgramDrafter", "ModelDrafter", "EagleDrafter", "MedusaDrafter"} <= names, names
+    # The scan finds one where it may stand: tests check which drafter a pair loaded.
+    assert isinstance_tests(REPO / "tests" / "engine", names), "the scan finds the tests' own (it would find any)"
+    outside = [hit for root in ("engine", "bench", "scripts", "demo")
+               for hit in isinstance_tests(REPO / root, names) if "/drafters/" not in hit.split(":")[0]]
+    assert not outside, outside
+
+
 def test_act_tests_no_step_type_it_does_not_match():
     """Act carries a step out by the one match (act/carry_out.py), never by isinstance; a plan
     may look back at the steps it emitted itself (its own accumulator), nothing else may."""
