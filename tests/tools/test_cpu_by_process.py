@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ci_skips import skip_unless_ci
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import cpu_by_process  # noqa: E402
@@ -50,13 +51,15 @@ def test_a_command_without_separator_is_a_usage_error(capsys):
     assert "usage" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="process accounting needs root (CAP_SYS_PACCT)")
 def test_a_run_counts_a_child_that_lived_a_moment(tmp_path, capsys):
+    if os.geteuid() != 0:
+        # Skipped here, a failure under CI (which runs as root): the check cannot switch itself off.
+        skip_unless_ci("process accounting needs root (CAP_SYS_PACCT)")
     # The kernel suspends accounting while the file's disk has under 2% free (acct(5)): seen
     # here with a disk nearly filled by fresh clones, every record then missing.
     disk = os.statvfs(tmp_path)
     if disk.f_bavail < 0.04 * disk.f_blocks:
-        pytest.skip("the kernel writes no accounting records on a disk this full (acct(5))")
+        skip_unless_ci("the kernel writes no accounting records on a disk this full (acct(5))")
     libc = ctypes.CDLL(None, use_errno=True)
     child = f"{sys.executable} -c 'sum(range(3 * 10**6))'"
     code = cpu_by_process.main(["--out", str(tmp_path), "--", "sh", "-c", f"{child} && /bin/true && exit 3"])
