@@ -158,7 +158,10 @@ def drift_section(drift: dict[str, Any]) -> str:
                    f"'{html.escape(str(shift.get('category')))}' never gated. status.live.trafficShift (drafted "
                    f"tokens, not judged): <code>{html.escape(json.dumps(shift.get('trafficShift')))}</code>; "
                    f"gated categories' live acceptance: <code>{html.escape(json.dumps(shift.get('liveAcceptance')))}</code>; "
-                   f"operator actions: {html.escape(', '.join(shift.get('actions') or []) or 'none')}.</p>")
+                   f"operator actions: {html.escape(', '.join(shift.get('actions') or []) or 'none')}"
+                   + ("; a gated window was judged meanwhile.</p>" if shift.get("windowJudged") else
+                      "; <b>no gated window was judged meanwhile</b>: no action shows only that nothing was "
+                      "judged.</p>"))
     shift = drift.get("domainShift")
     if shift:
         out.append(f"<p><b>Domain shift</b>: requests labelled '{html.escape(str(shift.get('category')))}' (gated at "

@@ -67,10 +67,15 @@ def run(demo: Session, v2_spec: dict[str, Any], shifted: list[tuple[str, str]]) 
     say(f"  status.live.trafficShift (drafted tokens, not judged): {live.get('trafficShift')}")
     say(f"  status.live.acceptance (gated categories, last judged window): {live.get('acceptance') or '-'}"
         f" vs gated {((demo.facts.get('verdicts') or {}).get('2') or {}).get('categories') and {c: round(v.get('acceptanceRate', 0), 3) for c, v in demo.facts['verdicts']['2']['categories'].items()}}")
+    # Whether the operator judged a gated window beside the shift: without one, "no action" shows
+    # only that nothing was judged, and the report says so rather than claim the shift was ignored.
+    window_judged = any(c in gated for c in live.get("acceptance") or {})
+    say(f"  a gated window judged beside the shift: {'yes' if window_judged else 'NO (the chapter time ran out first)'}")
     say(f"  Drifted={drifted.get('status', '-')} {drifted.get('reason', '')}: {drifted.get('message', '')}")
     say(f"  operator actions: {', '.join(new) or 'none'}; phase {st.get('phase')}, serving v{st.get('servingVersion')}, "
         f"speculation {'on' if st.get('speculationEnabled', True) else 'off'}")
     demo.facts["drift"]["trafficShift"] = {
         "category": shift_cat, "requests": sent[0], "seconds": round(time.monotonic() - t0, 1),
         "trafficShift": live.get("trafficShift"), "liveAcceptance": live.get("acceptance"),
-        "drifted": drifted, "actions": new, "speculationEnabled": st.get("speculationEnabled", True)}
+        "drifted": drifted, "actions": new, "speculationEnabled": st.get("speculationEnabled", True),
+        "windowJudged": window_judged}

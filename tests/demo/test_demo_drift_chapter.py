@@ -138,3 +138,13 @@ def test_speculation_off_spans_skip_unreachable_samples():
         return Sample(t, version, spec, {}, "Serving", "2", None)
     tl = Timeline(samples=[s(0, True), s(1, False), s(2, None, ""), s(3, False), s(4, True), s(5, False), s(6, False)])
     assert tl.speculation_off_spans() == [(1, 4), (5, 6)]
+
+
+@pytest.mark.parametrize("judged", [True, False])
+def test_report_says_whether_a_gated_window_was_judged_beside_the_traffic_shift(judged):
+    page = drift_section({"policy": DRIFT, "trafficShift": {
+        "category": "translation", "requests": 40, "seconds": 30.0, "trafficShift": {"translation": 120},
+        "liveAcceptance": {"code": 0.7} if judged else None, "actions": [], "windowJudged": judged}})
+    assert "Traffic shift" in page and "operator actions: none" in page
+    assert ("a gated window was judged meanwhile" in page) is judged
+    assert ("no gated window was judged meanwhile" in page) is not judged
