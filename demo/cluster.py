@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from specpair_devcluster import DevCluster, NodeSpec
+from specpair_devcluster.processes import repo_tool
 from specpair_operator.desired import manifests
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,14 +32,6 @@ def model_cache() -> str:
     """This machine's model cache: the node mounts it wherever a pod mounts the cache volume,
     so the embedded model is converted once per machine, as a node image that ships it."""
     return os.environ.get("SPECPAIR_CACHE", str(Path.home() / ".cache" / "specpair"))
-
-
-def helm_binary() -> str:
-    tools = REPO / ".tools" / "bin" / "helm"
-    found = str(tools) if tools.exists() else shutil.which("helm")
-    if not found:
-        raise RuntimeError("helm is not installed: run scripts/install-k8s-tools.sh (scripts/demo.sh does)")
-    return found
 
 
 def ready(pod: dict[str, Any]) -> bool:
@@ -88,7 +80,7 @@ class DemoCluster:
         return self.cluster.kubeconfig
 
     def helm(self, *args: str, values: dict[str, Any] | None = None, timeout: float = 300) -> str:
-        done = subprocess.run([helm_binary(), "--kubeconfig", str(self.kubeconfig), *args],
+        done = subprocess.run([repo_tool("helm"), "--kubeconfig", str(self.kubeconfig), *args],
                               input=json.dumps(values) if values is not None else None,
                               capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:

@@ -4,6 +4,7 @@ stopped with SIGTERM then SIGKILL, so nothing outlives the cluster."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +32,16 @@ def built_binaries(script: str, env_var: str, programs: tuple[str, ...]) -> Path
     if missing:
         raise RuntimeError(f"{folder} lacks {', '.join(missing)}; run scripts/{script}")
     return folder
+
+
+def repo_tool(name: str) -> str:
+    """A Kubernetes tool (helm, kubectl) as scripts/install-k8s-tools.sh installs it in the
+    repository's .tools/bin, else from PATH."""
+    tools = REPO / ".tools" / "bin" / name
+    found = str(tools) if tools.exists() else shutil.which(name)
+    if not found:
+        raise RuntimeError(f"{name} is not installed: run scripts/install-k8s-tools.sh (scripts/demo.sh does)")
+    return found
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from .processes import Child, built_binaries, first_exit, free_port, http_ok, wait_until
+from .processes import Child, built_binaries, first_exit, free_port, http_ok, repo_tool, wait_until
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "specpair"
 # The chart's alert rules (its PrometheusRule embeds this file).
@@ -127,8 +127,7 @@ def scrape_configs(monitors: list[dict[str, Any]], api_server: str, ca_file: Pat
 def chart_monitors(release: str, namespace: str, values: list[Path] = ()) -> list[dict[str, Any]]:
     """The PodMonitor and ServiceMonitor charts/specpair renders for a release (`helm template`
     with both monitors on, plus the given values files)."""
-    helm = CHART.parents[1] / ".tools" / "bin" / "helm"
-    argv = [str(helm) if helm.exists() else "helm", "template", release, str(CHART), "--namespace", namespace,
+    argv = [repo_tool("helm"), "template", release, str(CHART), "--namespace", namespace,
             "--set", "operator.podMonitor.enabled=true", "--set", "metrics.serviceMonitor.enabled=true"]
     for v in values:
         argv += ["--values", str(v)]

@@ -4,12 +4,12 @@ alert rules and dashboard, read from the chart (never copied)."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import yaml
+from specpair_devcluster.processes import repo_tool
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "specpair"
@@ -18,17 +18,9 @@ RULES = CHART / "rules" / "specpair-alerts.yaml"
 DASHBOARD = CHART / "dashboards" / "specpair.json"
 
 
-def helm_binary() -> str:
-    tools = REPO / ".tools" / "bin" / "helm"
-    found = str(tools) if tools.exists() else shutil.which("helm")
-    if not found:
-        raise AssertionError("helm is not installed: run `bash scripts/install-k8s-tools.sh`")
-    return found
-
-
 def helm(*args: str, values: dict[str, Any] | None = None, kubeconfig: Path | None = None,
          check: bool = True) -> subprocess.CompletedProcess:
-    argv = [helm_binary(), *(["--kubeconfig", str(kubeconfig)] if kubeconfig else []), *args]
+    argv = [repo_tool("helm"), *(["--kubeconfig", str(kubeconfig)] if kubeconfig else []), *args]
     if values is not None:
         argv += ["--values", "-"]
     done = subprocess.run(argv, input=json.dumps(values) if values is not None else None,
