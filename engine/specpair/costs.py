@@ -10,6 +10,7 @@ batch's steps spent their time.
 from __future__ import annotations
 
 import os
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -54,12 +55,42 @@ class CostModel:
 
 
 def row_back_off_enabled() -> bool:
-    """The per-row back-off (DynamicK) is opt-in, SPECPAIR_ROW_BACK_OFF=on, for now: a resting row
-    drafts only at its request's start and in probes, so the live acceptance the drift ladder
-    reads samples those rounds only, not what the gate measured (on the tiny pairs of
-    test_prometheus_live a mediocre champion read 0 live against 0.125 gated and was switched off,
-    and a rollback was refused). On by default once drift counts only full rounds."""
-    return os.environ.get("SPECPAIR_ROW_BACK_OFF", "off").strip().lower() in ("1", "on", "true", "yes")
+    """The per-row back-off (DynamicK) is on unless SPECPAIR_ROW_BACK_OFF=off. What live
+    acceptance reads under it is the audited requests' (RequestAudit)."""
+    return os.environ.get("SPECPAIR_ROW_BACK_OFF", "on").strip().lower() not in ("0", "off", "false", "no")
+
+
+# The share of requests that draft every round, whatever their acceptance (no per-row back-off):
+# the sample live acceptance is read from (drift's per-request sums, the engine-wide fallback,
+# shadow scoring). A backed-off row drafts only at its request's start and in probes, so its
+# rounds say how a request begins, not how the drafter does: on test_prometheus_live's tiny pair
+# (4 code prompts x 12 tokens, k 3) a mediocre draft was accepted 12/42 drafting every round and
+# 0/16 backed off, 0/12 of them in full rounds, against 0.3 gated. A share drawn at random, before
+# a request's first round, is a sample its acceptance cannot bias. Its price: an audited request
+# whose drafts fail pays for them (on the CPU some 8% of its time, so half the requests cost some
+# 4% overall, where no back-off costs 8%), and drift's evidence comes from half the traffic
+# (its windows need `minRequests` audited requests). SPECPAIR_AUDIT_SHARE sets another.
+AUDIT_SHARE = 0.5
+
+
+class RequestAudit:
+    """Draws which requests are audited (AUDIT_SHARE): drafted every round, counted live."""
+
+    def __init__(self, share: float | None = None, seed: int | None = None):
+        if share is None:
+            share = float(os.environ.get("SPECPAIR_AUDIT_SHARE", AUDIT_SHARE))
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"audit share must be in [0, 1], got {share}")
+        self.share = share
+        self._rng = random.Random(seed)
+
+    def draw(self, config: SpeculationConfig) -> bool:
+        """Whether the next request is audited. Where rows do not back off at all (the pair sets
+        fallback_threshold 0, or SPECPAIR_ROW_BACK_OFF=off) every request drafts every round and
+        is counted."""
+        if not (config.fallback_threshold > 0 and row_back_off_enabled()):
+            return True
+        return self.share >= 1.0 or (self.share > 0.0 and self._rng.random() < self.share)
 
 
 class DynamicK:
@@ -337,6 +368,21 @@ def threshold_of(decisions: list[RowsDecision]) -> int:
             break
         threshold = d.rows
     return threshold
+
+
+def k_for_rows(decisions: list[RowsDecision] | None, rows: int) -> int | None:
+    """The largest k a round of a batch of `rows` rows may draft, from the start-up decisions:
+    the k of the largest measured size up to `rows` (between two measured sizes the smaller's
+    verdict holds, as threshold_of reads them), 0 where drafting did not pay there. None, no
+    limit: nothing was measured, or batch 1, where each row's own k and back-off judge its real
+    acceptance (the decision there assumed STARTUP_ACCEPTANCE)."""
+    if not decisions or rows <= 1:
+        return None
+    measured = [d for d in sorted(decisions, key=lambda d: d.rows) if d.rows <= rows]
+    if not measured:
+        return None
+    last = measured[-1]
+    return last.k if last.pays else 0
 
 
 @torch.no_grad()

@@ -20,7 +20,8 @@ import torch
 from specpair.config import (KV_BUDGET_CUDA_FREE_FRACTION, KV_BUDGET_ENV, NGRAM_MAX, NGRAM_MIN,
                              GenerationParams, SpeculationConfig, parse_kv_budget)
 from specpair.batch_observer import BatchObserver, VerifiedRound
-from specpair.costs import CostModel, DynamicK, StepTiming, measure_step_costs, sync
+from specpair.costs import (CostModel, DynamicK, RequestAudit, RowsDecision, StepTiming, k_for_rows,
+                            measure_step_costs, sync)
 from specpair.detokenize import IncrementalDetokenizer
 from specpair.drafter_choice import build_drafter
 from specpair.drafters import Drafter, RowSampling
@@ -244,6 +245,11 @@ class SpeculativeEngine:
         self.eos_ids = ids
         self._ids = itertools.count()
         self.cost_model: CostModel | None = None   # set by calibrate(); enables cost-aware k
+        # Which requests draft every round and feed live acceptance (costs.RequestAudit), and
+        # the k per batch size measured at start-up (costs.decide_speculation_by_rows) that
+        # each round's k is held to (costs.k_for_rows).
+        self.audit = RequestAudit(seed=0)
+        self.speculation_by_rows: list[RowsDecision] = []
         self._target_kv = kv_bytes_per_token(target.model)
         cache_model = drafter_cache_model(drafter)
         self._draft_kv = kv_bytes_per_token(cache_model) if cache_model is not None else 0
@@ -553,12 +559,15 @@ class Batch:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(int(torch.randint(0, 2**62, (1,))))
         grammar = self.engine.grammars.row(params.structure) if params.structure else None
+        # An audited request never backs off: its rounds are live acceptance's sample.
+        audited = self.engine.audit.draw(self.engine.config)
+        back_off = False if audited else None
         seq = Sequence(request_id=request_id or f"req-{next(self.engine._ids)}",
                        prompt_ids=list(prompt_ids), params=params, generator=generator,
                        grammar=grammar,
-                       dynamic_k=DynamicK(self.engine.config, self.engine.cost_model),
-                       copy_k=DynamicK(self.engine.config) if self.copies else None,
-                       tokens=list(prompt_ids),
+                       dynamic_k=DynamicK(self.engine.config, self.engine.cost_model, back_off=back_off),
+                       copy_k=DynamicK(self.engine.config, back_off=back_off) if self.copies else None,
+                       stats=AcceptanceStats(audited=audited), tokens=list(prompt_ids),
                        detokenizer=IncrementalDetokenizer(self.engine.target.tokenizer,
                                                           self.engine.eos_ids, len(prompt_ids)),
                        memory=self.engine.row_memory(len(prompt_ids), params))
@@ -840,6 +849,7 @@ class Batch:
         eng = self.engine
         on = (self.speculate and self.drafter is not None and eng.controller.should_speculate()
               and self.active <= eng.config.batch_size_threshold)
+        cap = k_for_rows(eng.speculation_by_rows, self.active)    # measured at this batch size
         ks = []
         for seq in self.rows:
             k = (seq.copy_k if copying else seq.dynamic_k).k
@@ -847,6 +857,8 @@ class Batch:
                 k = eng.controller.k_override
             if seq.params.speculation_k is not None:
                 k = seq.params.speculation_k
+            elif cap is not None and eng.controller.k_override is None:
+                k = min(k, cap)
             remaining = seq.params.max_new_tokens - seq.num_generated - 1
             if on and seq.grammar is not None and self.drafter.tree_capable and eng.config.tree_width > 1:
                 k = 0    # a tree's siblings are not checked against the grammar: chains only
@@ -942,7 +954,10 @@ class Batch:
             seq.stats.draft_seconds += (t1 - t0) if n else 0.0
             seq.stats.target_seconds += t2 - t1
             (seq.copy_k if copied and copied[i] else seq.dynamic_k).update(n, a)
-            if eng.controller.record(n, a, emitted_target_only=len(new) if not n else 0):
+            # The engine-wide fallback reads audited rows' rounds only (costs.RequestAudit).
+            audited = seq.stats.audited
+            if eng.controller.record(n if audited else 0, a if audited else 0,
+                                     emitted_target_only=len(new) if not n else 0):
                 seq.stats.fallback_events += 1
             if seq.grammar is not None:
                 seq.grammar.advance(new)

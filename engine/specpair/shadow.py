@@ -46,7 +46,9 @@ and the cross sums of candidate and champion over the same requests (stats.Paire
 variance of their difference.
 
 Cost and bounds: the candidate's draft seconds per committed token of shadowed requests are
-reported. A request is shadowed with probability `share` when it joins; no step is scored while
+reported. A request is shadowed with probability `share` when it joins; the candidate's replay
+backs off per row where the champion's row may (an unaudited request, costs.RequestAudit), and
+drafts every round where the champion's does; no step is scored while
 the batch is larger than the serving release's batch threshold or a row runs target-only for
 want of KV memory (a skipped step only delays a greedy replay; sampled positions are skipped).
 The candidate's own cache (a draft model's) is not counted in the KV budget.
@@ -289,7 +291,7 @@ class _BatchShadow:
             # serving, that round is the target's alone, one token; its rounds start after.
             first = committed[i] + (1 if self.scorer.wants_features else 0)
             row = _Row(seq=seq, greedy=greedy, generator=gen, replayed=replayed,
-                       k=DynamicK(self.scorer.candidate.speculation), v=first)
+                       k=replay_k(self.scorer.candidate.speculation, seq.stats.audited), v=first)
             for start, features in self.incoming.get(id(seq), []):
                 row.keep_features(start, features)
             self.rows.append(row)
@@ -504,6 +506,13 @@ class ShadowScorer(BatchObserver):
         keep = [n for n in range(len(state.rows)) if n not in done]
         state.rows = [state.rows[n] for n in keep]
         state.drafter.select(keep)
+
+
+def replay_k(speculation: SpeculationConfig, audited: bool) -> DynamicK:
+    """The candidate's k in a replay, as it would serve the same request: an audited request
+    (costs.RequestAudit) drafts every round, another backs off by the candidate's settings, as
+    the champion's row does, so both sides of a request are counted under the same rule."""
+    return DynamicK(speculation, back_off=False if audited else None)
 
 
 def one_hot(token, size: int) -> torch.Tensor:

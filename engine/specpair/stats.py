@@ -24,6 +24,14 @@ class AcceptanceStats:
     fallback_events: int = 0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    # One request's: it drafted every round it could, whatever its acceptance (no per-row
+    # back-off; costs.RequestAudit), so live acceptance may read it. Not summed by merge.
+    audited: bool = True
+
+    def drift_sample(self) -> tuple[int, int]:
+        """One finished request's (drafted, accepted) as live acceptance counts it (drift's
+        per-request sums): an unaudited request's rounds are the back-off's choice, so none."""
+        return (self.num_draft_tokens, self.num_accepted_tokens) if self.audited else (0, 0)
 
     def record_round(self, drafted: int, accepted: int, copied: bool = False) -> None:
         if drafted <= 0:

@@ -9,20 +9,21 @@ from __future__ import annotations
 import pytest
 
 from specpair.config import GenerationParams, SpeculationConfig
-from specpair.costs import CostModel, DynamicK
+from specpair.costs import CostModel, DynamicK, RequestAudit
 from specpair.decoding import SpeculativeEngine
 
 CONFIG = SpeculationConfig(k=3, k_min=1, k_max=4)
 
 
 @pytest.fixture(autouse=True)
-def row_back_off_on(monkeypatch):
-    """The back-off is opt-in (costs.row_back_off_enabled): these tests are of it switched on."""
-    monkeypatch.setenv("SPECPAIR_ROW_BACK_OFF", "on")
+def row_back_off_default(monkeypatch):
+    """These tests are of the default: the back-off on (costs.row_back_off_enabled)."""
+    monkeypatch.delenv("SPECPAIR_ROW_BACK_OFF", raising=False)
 
 
-def test_the_back_off_is_opt_in(monkeypatch):
-    monkeypatch.delenv("SPECPAIR_ROW_BACK_OFF")
+def test_the_back_off_is_on_by_default_and_can_be_switched_off(monkeypatch):
+    assert DynamicK(CONFIG).back_off and not DynamicK(CONFIG, back_off=False).back_off
+    monkeypatch.setenv("SPECPAIR_ROW_BACK_OFF", "off")
     assert not DynamicK(CONFIG).back_off and DynamicK(CONFIG, back_off=True).back_off
 AFTER, FIRST = DynamicK.BACKOFF_AFTER, DynamicK.BACKOFF_FIRST
 
@@ -105,7 +106,9 @@ PARAMS = GenerationParams(max_new_tokens=40)
 
 
 def run_rows(engine, prompts):
-    """Each prompt's (token ids, drafted tokens, times backed off), as one batch."""
+    """Each prompt's (token ids, drafted tokens, times backed off), as one batch. No request is
+    audited (costs.RequestAudit: an audited one drafts every round): every row may back off."""
+    engine.audit = RequestAudit(0.0)
     batch = engine.new_batch()
     seqs = [batch.add(engine.encode(p), PARAMS) for p in prompts]
     while batch.active:

@@ -114,8 +114,8 @@ def test_output_is_identical_with_shadow_on(request, shadow_kind):
                "model": lambda: ModelDrafter(other, vocab_size=engine.vocab_size),
                "eagle3": lambda: eagle3_drafter(target, engine)}[shadow_kind]()
     scorer = shadowed(engine, drafter)
-    if shadow_kind == "eagle3":
-        assert engine.paged_space is None and engine.observers_want_features
+    if shadow_kind == "eagle3":     # the paged cache stays on: it hands the features over
+        assert engine.paged_space is not None and engine.observers_want_features
     with_shadow = run(engine, mixed)
     assert {c: s.generated for c, s in with_shadow.items()} == {c: s.generated for c, s in plain.items()}
     assert {c: s.stats.to_dict() | {"draft_seconds": 0, "target_seconds": 0} for c, s in with_shadow.items()} == \
@@ -160,17 +160,23 @@ def served_by_candidate(target, drafter_for, requests):
 
 
 @pytest.mark.parametrize("champion,candidate_kind", [("model", "ngram"), ("ngram", "model"),
-                                                     ("ngram", "eagle3"), ("model", "eagle3")])
+                                                     ("ngram", "eagle3"), ("model", "eagle3"),
+                                                     ("eagle3", "ngram")])
 def test_greedy_replay_equals_the_candidate_serving(request, champion, candidate_kind):
     """A head candidate too: each replayed round hands it the target's features of the
     positions before its prefix, what it knows serving (the C layer computes a position's
     features bitwise alike in any step), and a row's first round is the target's alone, as
-    serving (no features yet), so its counts are the ones it measures serving."""
-    target, draft, _other = request.getfixturevalue("smooth_models" if candidate_kind == "eagle3"
-                                                    else "models")
+    serving (no features yet), so its counts are the ones it measures serving. Mixed kinds both
+    ways: a head candidate beside n-gram lookup, and n-gram lookup beside a serving head."""
+    heads = "eagle3" in (champion, candidate_kind)
+    target, draft, _other = request.getfixturevalue("smooth_models" if heads else "models")
     greedy = plan(n=40)
-    engine = SpeculativeEngine(target, draft=draft) if champion == "model" else \
-        SpeculativeEngine(target, drafter=NgramDrafter())
+    if champion == "eagle3":
+        engine = SpeculativeEngine(target, drafter=NgramDrafter())    # for its vocab size
+        engine = SpeculativeEngine(target, drafter=eagle3_drafter(target, engine))
+    else:
+        engine = SpeculativeEngine(target, draft=draft) if champion == "model" else \
+            SpeculativeEngine(target, drafter=NgramDrafter())
     # The close draft as candidate: most chains are cut back somewhere, not at their start.
     make = {"ngram": lambda: NgramDrafter(),
             "model": lambda: ModelDrafter(draft, vocab_size=engine.vocab_size),

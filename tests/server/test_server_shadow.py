@@ -35,8 +35,11 @@ def shadow_samples(server, category: str) -> dict[str, float]:
 
 
 def test_shadow_numbers_in_get_stats_and_metrics(tiny_pair, start_server, tmp_path):
+    from specpair.costs import RequestAudit
+
     target, _draft = tiny_pair
     engine = make_engine(tiny_pair)
+    engine.audit = RequestAudit(1.0)    # the champion's sums below are GetStats', its audited requests'
     release = write_release(tmp_path / "candidate.json", target.source)
     scorer = attach_shadow(engine, tmp_path / "candidate.json", share=1.0,
                            serving_target=(target.source, None), seed=0)

@@ -190,7 +190,11 @@ def test_per_request_sums_reach_the_operator_probe(tiny_pair, start_server):
 
     from specpair_operator.clients.engine_probe import GrpcEngineProbe
 
-    server = start_server(engine=make_engine(tiny_pair))
+    from specpair.costs import RequestAudit
+
+    engine = make_engine(tiny_pair)
+    engine.audit = RequestAudit(1.0)    # every request a unit (which ones are: test_server_audit.py)
+    server = start_server(engine=engine)
     with client_for(server) as c:
         replies = [c.generate(p, max_new_tokens=n, category="code")
                    for p, n in (("def foo(x):", 24), ("for i in range(", 9), ("class A:", 16))]

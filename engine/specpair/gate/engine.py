@@ -56,6 +56,7 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     if (release.get("engine") or {}).get("kind", "specpair") == "vllm":
         from specpair.gate.vllm import run_gate_vllm  # the same verdict, from real vLLM servers
         return run_gate_vllm(release, progress=progress)
+    from specpair.costs import RequestAudit
     from specpair.pair import load_pair
     from specpair.stats import AcceptanceStats
 
@@ -77,6 +78,9 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
 
     spec = pair.speculation
     engine = load_pair(pair, progress=progress)     # as the engine pods will run it
+    # ... but every request drafts every round: the acceptance measured here is what live
+    # acceptance (the pods' audited requests, costs.RequestAudit) is judged against.
+    engine.audit = RequestAudit(1.0)
     target = engine.target
     verdict["device"] = str(target.device)
     texts = [p["prompt"] for p in prompts]

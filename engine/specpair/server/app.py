@@ -363,6 +363,7 @@ class EngineServer:
             self.progress(f"loading models for pair {self.options.pair} version {self.options.version}")
             started = time.perf_counter()
             engine = self.load_engine()
+            self.metrics.set_k_by_rows(getattr(engine, "speculation_by_rows", None) or [])
             worker = EngineWorker(engine, max_batch_size=self.options.max_batch_size,
                                   max_queue=self.options.max_queue, metrics=self.metrics)
             self.options = dataclasses.replace(self.options, max_batch_size=worker.max_batch_size)

@@ -87,6 +87,11 @@ class EngineMetrics:
             "Acceptance over the last fallback-window draft tokens of one category.", cat, registry=r)
         self.speculation_k = Gauge("specpair_speculation_k",
                                    "Largest k used in the last engine step (0 = target-only).", base, registry=r)
+        # The k each batch size may draft, measured at start-up (costs.k_for_rows: 0 where
+        # drafting did not pay); absent where nothing was measured (a release's gated threshold).
+        self.speculation_k_by_rows = Gauge("specpair_speculation_k_by_rows",
+                                           "Largest k a round may draft at this many rows, measured at "
+                                           "start-up (0 = target-only there).", base + ["rows"], registry=r)
         self.speculation_enabled = Gauge("specpair_speculation_enabled",
                                          "1 while speculation is allowed and not in fallback.", base, registry=r)
         self.fallback_events = Counter("specpair_fallback_events",
@@ -257,6 +262,12 @@ class EngineMetrics:
             counter = self.shadow_skipped_steps.labels(*self._base, version, content_hash)
             if delta > 0:
                 counter.inc(delta)
+
+    def set_k_by_rows(self, decisions) -> None:
+        """The start-up decisions (costs.RowsDecision): per measured batch size, its k (0 where
+        drafting did not pay). Batch 1's is the k each request starts at."""
+        for d in decisions:
+            self.speculation_k_by_rows.labels(*self._base, str(d.rows)).set(d.k if d.pays else 0)
 
     def record_control_denied(self, method: str) -> None:
         self.control_denied.labels(*self._base, method).inc()

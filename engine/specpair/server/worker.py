@@ -479,8 +479,8 @@ class EngineWorker:
         first = job.first_token or end
         admitted = job.admitted or job.arrived
         completion = len(result.token_ids)
-        drafted = int(getattr(result.stats, "num_draft_tokens", 0) or 0)
-        accepted = int(getattr(result.stats, "num_accepted_tokens", 0) or 0)
+        # Drift's unit: audited requests only (stats.AcceptanceStats.drift_sample, costs.RequestAudit).
+        drafted, accepted = result.stats.drift_sample() if hasattr(result.stats, "drift_sample") else (0, 0)
         with self._stats_lock:
             self.overall.add_finished(drafted, accepted)
             self._category(job.category).add_finished(drafted, accepted)
