@@ -67,12 +67,22 @@ VLLM_FLAGS = {"gpuMemoryUtilization": "--gpu-memory-utilization", "maxModelLen":
               "quantization": "--quantization", "kvCacheDtype": "--kv-cache-dtype"}
 # The release's parallelism (contract.parallelism) and vLLM's flag for each.
 PARALLELISM_FLAGS = {"tensor": "--tensor-parallel-size", "pipeline": "--pipeline-parallel-size"}
+# Structured outputs (a response_format, structured_outputs, a forced tool call) decoded as our
+# engine decodes them (specpair.grammar): by llguidance, JSON in one compact form. vLLM's default
+# (xgrammar, any whitespace) lets a model pad JSON with whitespace until max_tokens cuts it off
+# (a tiny random model did on every golden JSON prompt) and ignores the forced call's
+# "x-guidance" whitespace setting, so the same golden prompt passed on one engine and failed on
+# the other. Every vLLM we start (the gate's servers, the engine pods) gets it.
+STRUCTURED_OUTPUTS_FLAG = "--structured-outputs-config"
+STRUCTURED_OUTPUTS = {"backend": "guidance", "disable_any_whitespace": True}
 
 
 def serving_flags(release: dict) -> dict[str, str]:
     """vLLM's flags for how a release's target is served, flag -> value: the parallel sizes
-    (always: 1 where the release splits nothing) and the engine settings the release sets."""
+    (always: 1 where the release splits nothing), structured outputs as our engine decodes them
+    (STRUCTURED_OUTPUTS), and the engine settings the release sets."""
     flags = {PARALLELISM_FLAGS[key]: str(n) for key, n in parallelism(release).items()}
+    flags[STRUCTURED_OUTPUTS_FLAG] = json.dumps(STRUCTURED_OUTPUTS, sort_keys=True)
     engine = release.get("engine") or {}
     flags.update({flag: str(engine[key]) for key, flag in VLLM_FLAGS.items() if engine.get(key) is not None})
     return flags

@@ -10,6 +10,7 @@ CPU); they skip where the vLLM virtualenv is absent unless SPECPAIR_REQUIRE_VLLM
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import time
@@ -18,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import vllm_structured_golden
 
 from specpair.config import SpeculationConfig
 from specpair.errors import SpecpairError
@@ -129,14 +131,15 @@ def test_a_method_that_is_no_draft_models_is_refused():
 
 
 def test_serving_flags_say_the_split_always_and_the_rest_where_set():
+    structured = {"--structured-outputs-config": '{"backend": "guidance", "disable_any_whitespace": true}'}
     assert serving_flags({"engine": {"kind": "vllm", "dtype": "auto"}}) == {
-        "--tensor-parallel-size": "1", "--pipeline-parallel-size": "1"}
+        "--tensor-parallel-size": "1", "--pipeline-parallel-size": "1", **structured}
     flags = serving_flags({"parallelism": {"tensor": 8, "pipeline": 2},
                            "engine": {"kind": "vllm", "dtype": "auto", "gpuMemoryUtilization": 0.9,
                                       "maxModelLen": 32768, "quantization": "awq", "kvCacheDtype": "fp8"}})
     assert flags == {"--tensor-parallel-size": "8", "--pipeline-parallel-size": "2",
                      "--gpu-memory-utilization": "0.9", "--max-model-len": "32768", "--quantization": "awq",
-                     "--kv-cache-dtype": "fp8"}
+                     "--kv-cache-dtype": "fp8", **structured}
 
 
 # -- /metrics ---------------------------------------------------------------------------------
@@ -364,13 +367,16 @@ def drain_with_a_stream_in_flight(companion, model: str) -> dict:
 
 @pytest.fixture(scope="module")
 def vllm_served(tiny_vllm_model, tmp_path_factory) -> dict:
-    """One real vLLM server (n-gram, k=4, each reply's timings and acceptance in it) from start to
-    stop, for the tests below: its process group while serving and after stop, its spec-decode
-    counters over three greedy requests sent to it directly, and the pod's companion
+    """One real vLLM server (n-gram, k=4, each reply's timings and acceptance in it, structured
+    outputs as every vLLM we start decodes them) from start to stop, for the tests below: its
+    process group while serving and after stop, its spec-decode counters over three greedy requests
+    sent to it directly, the vLLM gate's structured golden requests (vllm_structured_golden), and
+    the pod's companion
     (specpair.vllm_companion) in front of it: requests of two categories through it, vLLM's own
     counters around them, and what the operator's probe (engine_probe.VllmProbe, mutual TLS) reads
     from it before and after."""
     from specpair.vllm_companion import Companion, CompanionOptions
+    from specpair.vllm_peer import STRUCTURED_OUTPUTS, STRUCTURED_OUTPUTS_FLAG
     from specpair.vllm_serve import VLLM_PER_REQUEST_FLAGS, VLLM_SPEC_DECODE_FLAGS, identity_name
     from specpair_operator.clients.engine_probe import EngineUnreachable, NoRuntimeSwitch, VllmProbe
 
@@ -378,8 +384,10 @@ def vllm_served(tiny_vllm_model, tmp_path_factory) -> dict:
     prompts = [loaded.tokenizer(text)["input_ids"] for text in VLLM_PROMPTS]
     spec = speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"k": 4}})
     identity = identity_name("peer", "3", "ab" * 32, True)
-    server = VllmServer(default_python(), model_dir, speculative=spec, start_timeout=180, served_model_name=identity,
-                        extra_args=[*VLLM_PER_REQUEST_FLAGS, *VLLM_SPEC_DECODE_FLAGS])
+    # A start took 247-268 s beside other jobs (load 8-19): 180 s was too short there.
+    server = VllmServer(default_python(), model_dir, speculative=spec, start_timeout=600, served_model_name=identity,
+                        extra_args=[*VLLM_PER_REQUEST_FLAGS, *VLLM_SPEC_DECODE_FLAGS,
+                                    STRUCTURED_OUTPUTS_FLAG, json.dumps(STRUCTURED_OUTPUTS)])
     files, client_tls = control_tls(tmp_path_factory.mktemp("control-tls"))
     probe = VllmProbe(tls=client_tls)
     out: dict = {}
@@ -389,6 +397,7 @@ def vllm_served(tiny_vllm_model, tmp_path_factory) -> dict:
         before = server.spec_decode_counters()
         outs = [server.complete_greedy(ids, VLLM_MAX_TOKENS) for ids in prompts]
         counters = server.spec_decode_counters() - before
+        out["structured"] = vllm_structured_golden.run_on(server)
         companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{server.port}", port=0, pair="peer", version="3",
                                                auth_token=COMPANION_TOKEN, control_port=0, control_tls=files)).start()
         try:
@@ -426,7 +435,7 @@ def vllm_served(tiny_vllm_model, tmp_path_factory) -> dict:
 
 
 @pytest.mark.vllm
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)   # the module's vLLM start counts in the first test that uses it
 def test_vllm_greedy_equals_ours_and_reports_ngram_drafts(tiny_vllm_model, vllm_served):
     from specpair.bench import _run_one
     from specpair.config import GenerationParams
@@ -451,7 +460,39 @@ def test_vllm_greedy_equals_ours_and_reports_ngram_drafts(tiny_vllm_model, vllm_
 
 
 @pytest.mark.vllm
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)   # the module's vLLM start counts in the first test that uses it
+def test_the_structured_golden_prompts_are_answered_as_our_engine_answers_them(tiny_vllm_model, vllm_served):
+    """The vLLM gate's requests for golden prompts that ask for structure (a JSON schema, both
+    ways of asking; a choice; a regex; a forced tool call, its tools rendered by the template),
+    answered by real vLLM while it drafts: each reply is what it asked for, judged as our gate
+    judges it (gate/structured.judged), and token for token our engine's greedy reply under the
+    same grammar (llguidance on both sides, JSON without free whitespace)."""
+    import dataclasses
+
+    from specpair.config import GenerationParams
+    from specpair.decoding import SpeculativeEngine
+    from specpair.gate.structured import judged, prepared
+
+    tok = vllm_structured_golden.tools_tokenizer()
+    loaded, _model_dir = tiny_vllm_model
+    ours = SpeculativeEngine(dataclasses.replace(loaded, tokenizer=tok), speculation=SpeculationConfig(enabled=False))
+    answered = vllm_served["structured"]
+    assert len(answered) == len(vllm_structured_golden.GOLDEN)
+    for golden, (request, reply) in zip(vllm_structured_golden.GOLDEN, answered):
+        verdicts = judged(tok, request.ask, reply.text)
+        asked = {key: value for key, value in verdicts.items() if value is not None}
+        assert all(asked.values()), (golden, reply.text, verdicts)
+        text, text_chat, structure = prepared(tok, golden["prompt"], request.ask, True)
+        mine = ours.generate([text], GenerationParams(max_new_tokens=vllm_structured_golden.MAX_TOKENS,
+                                                      structure=structure), chat=text_chat, speculate=False)[0]
+        assert reply.token_ids == mine.token_ids, (golden["category"], reply.text, mine.text)
+    # Asked for: schema (4 prompts: both JSON ones, the choice, the regex) and the tool call.
+    kinds = [tuple(k for k, v in judged(tok, r.ask, c.text).items() if v is not None) for r, c in answered]
+    assert kinds == [("schema_valid",)] * 4 + [("tool_call_parsed",), ()], kinds
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)   # the module's vLLM start counts in the first test that uses it
 def test_the_companion_passes_replies_through_and_counts_vllms_own_acceptance_by_category(vllm_served):
     """The pod's companion in front of real vLLM (0.32, CPU): clients get vLLM's replies (the
     usage chunk only where they asked for it), the token is the pair's, and the operator's probe
@@ -500,7 +541,7 @@ def test_the_companion_passes_replies_through_and_counts_vllms_own_acceptance_by
 
 
 @pytest.mark.vllm
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)   # the module's vLLM start counts in the first test that uses it
 def test_a_real_vllm_servers_latency_and_finishes_reach_the_serving_watch(vllm_served):
     """The serving-health watch on a vLLM pair: what the companion counted from real vLLM's
     replies becomes the same per-category serving counters GetStats gives for specpair's engine."""

@@ -1,6 +1,7 @@
 """Golden prompts that ask for structure, as the vLLM gate sends them (gate/vllm.golden_requests)
 to a real vLLM server: tests/engine/test_engine_vllm_peer.py runs them on its one server (no vLLM
-start of their own) and checks what vLLM returned is judged as our engine's gate judges it."""
+start of their own) and checks each reply is valid as our engine's gate judges it and equal to our
+engine's greedy reply under the same grammar."""
 
 from __future__ import annotations
 

@@ -77,9 +77,9 @@ def prepared(tokenizer, text: str, ask: GoldenAsk, chat: bool) -> tuple[str, boo
 
 def vllm_structured_outputs(structure: tuple[str, str] | None) -> dict | None:
     """A golden prompt's structure (grammar.py's (kind, text)) as vLLM's `structured_outputs`
-    request field, for the vLLM gate's requests (vLLM's own backend choice, `auto`, then decides
-    as for any client: xgrammar, falling back to guidance for what it refuses, such as the
-    forced tool call's llguidance `%json` Lark). None: free text."""
+    request field, for the vLLM gate's requests (every vLLM we start decodes them with llguidance,
+    JSON without free whitespace, as specpair.grammar does: vllm_peer.STRUCTURED_OUTPUTS). None:
+    free text."""
     if structure is None:
         return None
     kind, text = structure
