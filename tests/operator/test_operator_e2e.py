@@ -452,6 +452,29 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, mlflow
             autoscaled_pair_lifecycle(own, devcluster, mlflow_server.url, monkeypatch, "rbac-autoscaled")
         finally:
             own.delete()
+    if not any(e["verb"] == "patch" and e["objectRef"].get("resource") == "grpcroutes"
+               for e in devcluster.audit_events(user)):
+        # A pair naming a Gateway (rollout.gateway): its HTTPRoute and GRPCRoute read and created
+        # once v1 serves, patched when the Gateway's listener changes. Gateway API's CRDs are all
+        # it needs (no gateway has to run: test_gateway_canary.py runs Traefik).
+        from pathlib import Path
+
+        from specpair_devcluster.gateway import DevGateway, gateway_binaries
+        from specpair_operator.desired import routes
+        DevGateway(devcluster, Path("/nonexistent")).install(gateway_binaries().parent / "crds")
+        name = "rbac-routes"
+        ns.create(pair(name, "good-draft", rollout={**REPLACE, "gateway": {"parentRef": {"name": "edge"}}}))
+
+        def route(kind: str) -> dict[str, Any]:
+            return ns.get(routes.GATEWAY_API, kind, routes.route_name(name)) or {}
+        with KopfRunner(OPERATOR, timeout=60) as runner:
+            ns.wait_for("v1 serving through its routes", lambda: serving(ns, name, "1") and route("grpcroutes"),
+                        timeout=120)
+            set_spec(ns, name, {"rollout": {"gateway": {"parentRef": {"name": "edge", "sectionName": "web"}}}})
+            ns.wait_for("the routes moved to the listener", lambda: all(
+                route(kind).get("spec", {}).get("parentRefs", [{}])[0].get("sectionName") == "web"
+                for kind in ("httproutes", "grpcroutes")), timeout=60)
+        assert runner.exception is None
     events = devcluster.audit_events(user)
     # 403 also answers a create in a namespace being deleted (admission, not RBAC): earlier tests'
     # namespaces terminate while later operators still see their pairs.

@@ -151,6 +151,12 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
 - apiGroups: [keda.sh]
   resources: [scaledobjects]
   verbs: [get, create, patch, delete]
+# A pair naming a Gateway (rollout.gateway): its HTTPRoute and GRPCRoute, read, created, and
+# patched with each canary step's weight (desired/routes.py). Never deleted: garbage-collected
+# with the pair. Whether Gateway API is installed is API discovery, open to every identity.
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes, grpcroutes]
+  verbs: [get, create, patch]
 {{- end -}}
 
 {{/* The CA Secret of the engines' control listeners, in the operator's own namespace: read by
