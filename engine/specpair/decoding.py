@@ -28,7 +28,7 @@ from specpair.drafters import Drafter, RowSampling
 from specpair.errors import SpecpairError
 from specpair.grammar import GrammarCompiler, RowGrammar
 from specpair.block_pool import RowNeed, blocks_for, plan_admission
-from specpair.paged_cache import PagedKVModel, PagedSpace, paged_applies
+from specpair.paged_cache import PagedKVModel, PagedSpace, feature_width, paged_applies
 from specpair.prefix_cache import (PrefixStats, PrefixStore, block_keys, capacity_bytes,
                                    resolve_mode, reusable_blocks)
 from specpair.kv.buckets import bucket
@@ -262,11 +262,14 @@ class SpeculativeEngine:
         self.prefix_stats = PrefixStats()     # the target's prompt tokens: looked up, served
         # The target's paged cache on the CPU's C path (paged_cache.py): one pool, sized by the
         # KV budget, shared by this engine's batches; where it does not apply, why not.
+        # A head's features are kept per position beside the keys and values (priced in).
         self.paged_unused = paged_applies(target.model, self.kv_kind, self.compile_mode, drafter,
-                                          self.config.tree_width, cache_model is not None)
+                                          self.config.tree_width)
         self.paged_space = (PagedSpace.for_budget(
             target.model, self.kv_budget,
-            draft_model=drafter.draft_model() if drafter is not None else None)
+            draft_model=drafter.draft_model() if drafter is not None else None,
+            features=feature_width(target.model) if drafter is not None and drafter.wants_features
+            else 0)
             if self.paged_unused is None else None)
         self.grammars = GrammarCompiler(target.tokenizer, self.vocab_size, self.eos_ids)
         if self.kv_budget is not None:
@@ -436,13 +439,9 @@ class SpeculativeEngine:
 
     def add_observer(self, observer: BatchObserver) -> None:
         """Declare an observer every batch made from now on calls after each round. One that
-        wants the target's features (a head scored in shadow) takes the paged cache off, which
-        hands none (paged_cache.paged_applies): declare it before the first batch."""
-        if observer.wants_features and self.paged_space is not None:
-            self.paged_space = None
-            self.paged_unused = ("an observer wants the target's features (a head scored in "
-                                 "shadow), which the paged cache does not hand over")
-            log.info("paged cache off: %s", self.paged_unused)
+        wants the target's features (a head scored in shadow) is handed them as a head drafter
+        is, a shared prefix's from the paged cache's feature plane (paged_cache.py); the memory
+        it keeps (`cache_bytes`) is counted in the paged cache's admission."""
         self.observers.append(observer)
 
     def remove_observer(self, observer: BatchObserver) -> None:
@@ -585,10 +584,25 @@ class Batch:
 
     # -- the paged cache: prefix blocks by reference, admission by blocks, preemption ----------
 
+    @property
+    def _wants_features(self) -> bool:
+        """Whether the target hands its features over (a head drafter, an observer scoring one)."""
+        return ((self.drafter is not None and self.drafter.wants_features)
+                or self.engine.observers_want_features)
+
+    @property
+    def _names_identity(self) -> str:
+        """What the target's block names hash first: the model, and where a head reads the
+        target's features, their layout (a block's features are kept beside its keys: a row
+        wanting other features, or any, must not share it)."""
+        if not self._wants_features:
+            return self._paged_identity
+        return f"{self._paged_identity} features {self.target.runner.feature_layers}"
+
     def _prompt_names(self, seq: Sequence) -> list[bytes]:
         """The prompt's block names in the pool: the target's ([0]), a draft model's ([1])."""
         if not seq.prefix_keys:
-            seq.prefix_keys = [block_keys(self._paged_identity, seq.prompt_ids,
+            seq.prefix_keys = [block_keys(self._names_identity, seq.prompt_ids,
                                           self.target.pool.block)]
             seq.prefix_saved = [False]
             if self.draft_kv is not None:
@@ -599,13 +613,18 @@ class Batch:
 
     def _share_prefix(self, seq: Sequence, first: bool) -> None:
         """The new (last) row's table starts with the pool's blocks of its prompt's longest
-        cached run of names, by reference; its prefill feeds only the rest."""
+        cached run of names, by reference; its prefill feeds only the rest. A head drafter (and
+        an observer) wanting the target's features is handed the shared positions' from the
+        pool's feature plane, as if the target had computed them now."""
         if self.engine.prefix_store is None:        # prefix reuse off
             return
-        held = self.target.share_prefix(len(self.rows) - 1, self._prompt_names(seq),
-                                        len(seq.prompt_ids))
+        row = len(self.rows) - 1
+        held = self.target.share_prefix(row, self._prompt_names(seq), len(seq.prompt_ids))
         if self.draft_kv is not None:
-            self.draft_kv.share_prefix(len(self.rows) - 1, seq.prefix_keys[1], len(seq.prompt_ids))
+            self.draft_kv.share_prefix(row, seq.prefix_keys[1], len(seq.prompt_ids))
+        if held and self._wants_features:
+            self._hand_features(row, 0, self.target.stored_features(row, held),
+                                self.drafter is not None and self.drafter.wants_features)
         if first:
             seq.cached_tokens = held
             self.engine.prefix_stats.looked_up += len(seq.prompt_ids)
@@ -629,23 +648,25 @@ class Batch:
         pool = self.target.pool
         names = []
         if self.engine.prefix_store is not None:
-            names = block_keys(self._paged_identity, prompt_ids, pool.block)
+            names = block_keys(self._names_identity, prompt_ids, pool.block)
         return pool.blocks_to_admit(names, len(prompt_ids))
 
     def _blocks_reserved(self) -> int:
         """Blocks the rows will take from the pool for what they hold uncached (a row admitted
         but not yet stepped: its prompt) and one position more, at least one block a row; and
-        the shadow candidate's draft cache (_shadow_blocks)."""
+        the caches kept beside the pool (_shadow_blocks)."""
         pool, kv = self.target.pool, self.target
         return self._shadow_blocks() + sum(
             max(1, blocks_for(len(seq.tokens) + 1, pool.block) - pool.held(kv.keys[i]))
             for i, seq in enumerate(self.rows))
 
     def _shadow_blocks(self) -> int:
-        """A shadow candidate's draft cache for this batch's rows (shadow.py: a draft model's, kept
-        apart from the pool), counted in the pool's blocks: the KV budget holds both, so the
-        rows get that much less."""
+        """The caches kept apart from the pool for this batch's rows, counted in the pool's
+        blocks: a head drafter's own (drafters.base.Drafter.cache_bytes) and a shadow
+        candidate's (shadow.py). The KV budget holds them all, so the rows get that much less."""
         held = sum(o.cache_bytes(self) for o in self.engine.observers)
+        if self.drafter is not None:
+            held += self.drafter.cache_bytes()
         pool = self.target.pool
         return -(-held // (pool.block * self.engine._target_kv)) if held else 0
 
@@ -748,7 +769,7 @@ class Batch:
         worker holds it back; prompts arriving together then share one prefill)."""
         if self.paged and self.engine.prefix_store is not None:
             pool = self.target.pool
-            names = block_keys(self._paged_identity, prompt_ids, pool.block)
+            names = block_keys(self._names_identity, prompt_ids, pool.block)
             first = next((n for n in names[:reusable_blocks(len(prompt_ids), pool.block)]
                           if not pool.cached(n)), None)
             return first is not None and any(
@@ -851,7 +872,14 @@ class Batch:
               and self.active <= eng.config.batch_size_threshold)
         cap = k_for_rows(eng.speculation_by_rows, self.active)    # measured at this batch size
         ks = []
-        for seq in self.rows:
+        # A head drafts from the target's features of the token before its drafts: a row whose
+        # prompt the target has not fed to its end (a shared prefix's features are handed, the
+        # rest not yet computed) waits for that step.
+        heads = self.paged and self.drafter is not None and self.drafter.wants_features
+        for i, seq in enumerate(self.rows):
+            if heads and len(seq.tokens) - self.target.lengths[i] > 1:
+                ks.append(0)
+                continue
             k = (seq.copy_k if copying else seq.dynamic_k).k
             if eng.controller.k_override is not None:
                 k = eng.controller.k_override

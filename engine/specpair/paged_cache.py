@@ -16,8 +16,16 @@ The engine's target cache on the CPU's C path (`paged_applies`): one `PagedSpace
 batch; each Batch's `PagedKVModel` names its rows in it and gives them back when it is dropped.
 A draft model's rows take their blocks from the same pool (`PagedSpace.draft`: the same block
 ids, the draft's own keys and values), so admission counts both and drafting is what stops first
-when blocks run out (block_pool.plan_admission). Not here: token trees, the fixed step, a
-drafting head's vectors (those engines keep kv.static.StaticKVModel).
+when blocks run out (block_pool.plan_admission).
+
+A drafting head (EAGLE, EAGLE-3, Medusa) or an observer scoring one in shadow drafts from the
+target's features of every committed token (StaticLlama.feature_layers: an EAGLE-3 head's layer
+inputs, else the last normed state). A step asked for them (`hidden`) hands them over and writes
+them beside the keys and values, in the space's feature plane (`PagedSpace.features`, one row a
+position of every block): a row served a shared prefix is handed the prefix's features from there
+(`stored_features`), so its head catches up on what the target did not compute again. The head's
+own small cache stays the drafter's, counted against the pool (drafters.base.Drafter.cache_bytes).
+Not here: token trees and the fixed step (those engines keep kv.static.StaticKVModel).
 """
 
 from __future__ import annotations
@@ -59,11 +67,11 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def paged_applies(model, kv_kind: str, compile_mode: str, drafter=None, tree_width: int = 1,
-                  drafter_cache: bool = False, mode: str | None = None) -> str | None:
+                  mode: str | None = None) -> str | None:
     """Why the paged cache cannot be this engine's target cache (None: it is): it runs the C
-    layer (CPU, float32, dense weights, static kind, not compiled), with chains only, hands a
-    drafter no features, and its pool is the only KV cache (`drafter_cache`: a draft model's or
-    a head's cache, not yet in the pool: that engine keeps the budget's bookkeeping)."""
+    layer (CPU, float32, dense weights, static kind, not compiled), with chains only. A head's
+    features are handed over and kept per position (PagedSpace.features); its own cache is
+    counted in admission (drafters.base.Drafter.cache_bytes)."""
     mode = mode or os.environ.get(PAGED_ENV) or "on"
     if mode not in ("on", "off"):
         raise SpecpairError(f"paged cache must be on or off, not {mode!r} ({PAGED_ENV})")
@@ -71,11 +79,9 @@ def paged_applies(model, kv_kind: str, compile_mode: str, drafter=None, tree_wid
         return f"{PAGED_ENV}=off"
     if kv_kind != "static" or compile_mode == "on":
         return "the static kind, not compiled, only"
-    if drafter is not None and (drafter.wants_features or (drafter.tree_capable and tree_width > 1)):
-        return "a drafter that wants features or drafts trees"
+    if drafter is not None and drafter.tree_capable and tree_width > 1:
+        return "a drafter that drafts trees"
     draft_model = drafter.draft_model() if drafter is not None else None
-    if drafter_cache and draft_model is None:
-        return "a drafting head with a KV cache of its own"
     for which, runs in (("", model), ("the draft model: ", draft_model)):
         if runs is None:
             continue
@@ -99,6 +105,13 @@ def block_bytes(model, block: int = BLOCK_TOKENS) -> int:
     """Bytes of one block of a model's keys and values, every layer (float32)."""
     r = StaticLlama.of(model)
     return 2 * r.layer_count * r.kv_heads * r.head_dim * block * 4
+
+
+def feature_width(model) -> int:
+    """Floats per position of the features a step of the target hands over now: the inputs of
+    its feature_layers (an EAGLE-3 head's), else the last normed state."""
+    r = StaticLlama.of(model)
+    return model.config.hidden_size * (len(r.feature_layers) if r.feature_layers else 1)
 
 
 class PagedLayers:
@@ -127,6 +140,11 @@ class PagedSpace:
     def __init__(self, model, blocks: int, block: int = BLOCK_TOKENS, lazy: bool = False,
                  draft_model=None):
         self.pool = BlockPool(blocks, block)
+        # The target's features of every written position ([blocks, block, width]), for the
+        # layout a step hands over (feature_plane): made on the first step asked for them.
+        self.features: torch.Tensor | None = None
+        self.feature_layout: tuple[int, ...] | str | None = None
+        self._lazy = lazy
         self.target = PagedLayers(model, blocks, block, lazy)
         self.runner, self.caches = self.target.runner, self.target.caches
         self.draft = (PagedLayers(draft_model, blocks, block, lazy)
@@ -154,15 +172,30 @@ class PagedSpace:
                 for pair in (layers.caches if layers is not None else ()):
                     for tensor in pair:
                         given += _dont_need(tensor, first, last)
+            if self.features is not None:
+                given += _dont_need(self.features, first, last)
         self.bytes_given_back += given
         return given
 
+    def feature_plane(self, layout, width: int) -> torch.Tensor:
+        """The feature plane for what a step hands over now (`layout`: the target's
+        feature_layers, None the normed state; `width` floats a position). Made again when the
+        layout changes (a head of other layers declared): what the old one held is never read,
+        as block names carry the layout (decoding.Batch._names_identity)."""
+        if (self.features is None or self.feature_layout != (layout or "normed")
+                or self.features.shape[-1] != width):
+            make = torch.empty if self._lazy else torch.zeros
+            self.features = make(self.pool.blocks, self.pool.block, width)
+            self.feature_layout = layout or "normed"
+        return self.features
+
     @classmethod
     def for_budget(cls, model, budget_bytes: int | None, block: int = BLOCK_TOKENS,
-                   draft_model=None) -> "PagedSpace":
+                   draft_model=None, features: int = 0) -> "PagedSpace":
         """The pool the budget holds (BYTES_WITHOUT_BUDGET without one), allocated lazily; with a
-        draft model a block is priced at both models' bytes, so the two together stay within it."""
-        per_block = block_bytes(model, block)
+        draft model a block is priced at both models' bytes, so the two together stay within it;
+        with `features` (floats a position a head's features take) at those too."""
+        per_block = block_bytes(model, block) + features * block * 4
         if draft_model is not None:
             per_block += block_bytes(draft_model, block)
         blocks = max(1, (budget_bytes or BYTES_WITHOUT_BUDGET) // per_block)
@@ -278,14 +311,28 @@ class PagedKVModel(KVCache):
         """Name the row's full prompt blocks (once it holds them) for later rows to share."""
         return self.pool.publish(self.keys[row], names)
 
+    def stored_features(self, row: int, count: int) -> torch.Tensor:
+        """The target's features of row's first `count` positions [count, width], as the steps
+        that wrote them handed them over (a shared prefix's: its first writer's)."""
+        plane, block = self.space.features, self.pool.block
+        if count == 0:
+            return torch.zeros(0, plane.shape[-1] if plane is not None else 0)
+        if plane is None:
+            raise SpecpairError("no step of this pool has kept features")
+        positions = torch.arange(count)
+        table = torch.tensor(self.pool.tables[self.keys[row]], dtype=torch.long)
+        return plane[table[positions // block], positions % block]
+
     @torch.no_grad()
     def extend(self, rows: list[list[int]], last: int | list[int] = 1, hidden: bool = False,
-               parents=None) -> torch.Tensor:
+               parents=None):
         """Feed each row its new tokens; -> the logits of each row's last `last` tokens,
-        [B, L, V] right-aligned (as StaticKVModel.extend). Refused with OutOfBlocks, changing
-        nothing, when the pool cannot hold the new positions."""
-        if hidden or parents is not None:
-            raise SpecpairError("the paged cache runs chains without features (paged_applies)")
+        [B, L, V] right-aligned (as StaticKVModel.extend). With `hidden`, also the target's
+        features of every fed token, [B, W, F] left-aligned (as StaticKVModel.extend), written
+        into the space's feature plane too. Refused with OutOfBlocks, changing nothing, when
+        the pool cannot hold the new positions."""
+        if parents is not None:
+            raise SpecpairError("the paged cache runs chains (paged_applies)")
         B = len(rows)
         assert B == self.batch_size, (B, self.batch_size)
         counts = [len(t) for t in rows]
@@ -307,7 +354,10 @@ class PagedKVModel(KVCache):
         tokens = [(i, self.lengths[i] + w, t) for i, toks in enumerate(rows)
                   for w, t in enumerate(toks)]
         body, r = self.model.model, self.runner
-        outs = []
+        layers = r.feature_layers if hidden else None
+        plane = (self.space.feature_plane(layers, feature_width(self.model)) if hidden
+                 else None)
+        outs, handed = [], []
         step = cpu_kernels.MAX_TOKENS
         for start in range(0, len(tokens), step):
             part = tokens[start:start + step]
@@ -320,15 +370,23 @@ class PagedKVModel(KVCache):
             reach = int(pos_t.max()) + 1
             scratch = cpu_kernels.layer_scratch(T, h.shape[1], r.heads, r.kv_heads, r.head_dim,
                                                 body.layers[0].mlp.gate_proj.weight.shape[0], reach)
-            for layer, (kc, vc), options, window in zip(body.layers, self.caches, r.options,
-                                                        r.windows):
+            taken = []
+            for index, (layer, (kc, vc), options, window) in enumerate(
+                    zip(body.layers, self.caches, r.options, r.windows)):
+                if layers and index in layers:
+                    taken.append(h.clone())          # the C layer writes h in place
                 cpu_kernels.llama_layer(h, row_t, pos_t, cos, sin, kc, vc, r.layer_weights(layer),
                                         r.eps, r.heads, r.kv_heads, r.head_dim, reach, scratch,
                                         options=options, window=window, table=table)
             outs.append(h)
+            if hidden:     # as the contiguous cache hands them (kv.runner._with_features)
+                part = (torch.cat(taken + ([h] if r.layer_count in layers else []), dim=-1)
+                        if layers else body.norm(h))
+                plane[table[row_t, pos_t // pool.block], pos_t % pool.block] = part
+                handed.append(part)
         for i, n in enumerate(counts):
             self.lengths[i] += n
-        hidden = torch.cat(outs)                                    # [tokens, D], in feed order
+        states = torch.cat(outs)                                    # [tokens, D], in feed order
 
         n_last = max(last) if isinstance(last, list) else last
         first = [0] * B
@@ -340,11 +398,17 @@ class PagedKVModel(KVCache):
         # StaticKVModel's gather clamps at 0; a row that fed nothing reads its first slot's).
         index = torch.tensor([[first[i] + max(0, counts[i] - n_last + t) if counts[i] else 0
                                for t in range(n_last)] for i in range(B)], dtype=torch.long)
-        picked = body.norm(hidden[index.view(-1)].view(B, n_last, -1))
+        picked = body.norm(states[index.view(-1)].view(B, n_last, -1))
         logits = cpu_kernels.linear(picked, self.model.lm_head.weight)
         if self.vocab_size is not None and logits.shape[-1] > self.vocab_size:
             logits = logits[..., : self.vocab_size]
-        return logits
+        if not hidden:
+            return logits
+        handed = torch.cat(handed)
+        features = handed.new_zeros(B, max(counts), handed.shape[-1])
+        for i, n in enumerate(counts):
+            features[i, :n] = handed[first[i]:first[i] + n]
+        return logits, features
 
     def rollback(self, row: int, keep: int) -> None:
         """Forget row's tokens beyond its first `keep`: the length moves back and the blocks past

@@ -76,6 +76,13 @@ class Drafter:
         what its rows need in the cache; None (n-gram lookup, Medusa): nothing cached."""
         return getattr(getattr(self, "kv", None), "model", None)
 
+    def cache_bytes(self) -> int:
+        """Memory this drafter keeps for its rows beside the engine's paged pool (a head's own
+        keys and values), which the KV budget must hold too (decoding.Batch counts it before
+        admitting rows). A draft model's rows live in the pool: 0, as for a drafter that keeps
+        nothing."""
+        return 0
+
     def reusable_prefix_cache(self) -> tuple[str, Any] | None:
         """(identity, cache) of a cache of this drafter's whose prompt prefixes the engine's
         prefix store may keep and reuse (a draft model's); None: none."""

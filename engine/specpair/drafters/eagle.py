@@ -56,6 +56,10 @@ class EagleDrafter(HeadDrafter):
     def for_batch(self) -> "EagleDrafter":
         return EagleDrafter(self.loaded, self.target_model, self.vocab_size, compile=self.compile)
 
+    def cache_bytes(self) -> int:
+        """The head's own keys and values (its StaticKVModel, every row)."""
+        return self.kv.cache_bytes
+
     def _add_rows(self, count: int) -> None:
         self.kv.add_rows(count)
         self.pending += [[] for _ in range(count)]

@@ -83,6 +83,13 @@ class Eagle3Drafter(HeadDrafter):
         return Eagle3Drafter(self.loaded, self.target_model, self.vocab_size, self.compile,
                              self.fixed, self.kernel)
 
+    def cache_bytes(self) -> int:
+        """The head's keys and values: one cache of every row (kernel, fixed steps), else each
+        row's own."""
+        if self.cache is not None:
+            return 0 if self.cache.kc is None else self.cache.kc.nbytes + self.cache.vc.nbytes
+        return sum(kv[0].nbytes + kv[1].nbytes for kv in self.caches if kv is not None)
+
     def _add_rows(self, count: int) -> None:
         self.caches += [None] * count
         self.fed += [0] * count

@@ -1,0 +1,162 @@
+"""Head engines (EAGLE-3, EAGLE, Medusa) on the paged cache (paged_cache.py): the target's keys and
+values in the pool with prefix blocks shared by reference, the target's features of every written
+position kept beside them (PagedSpace.features), so a row served a shared prefix hands its head
+the prefix's features instead of the target computing them again; the head's own cache counted in
+admission (drafters.base.Drafter.cache_bytes).
+
+Greedy output equals target-only with drafting proven, rows joining a running batch and sharing a
+system prompt (the pool's prefix blocks hit); a row served a shared prefix drafts and accepts what
+it does cold; rows preempted through a small pool emit their solo output; a head scored in shadow
+keeps the paged cache on, its output unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from head_builders import medusa_heads, mirror_head
+
+from specpair.config import GenerationParams, SpeculationConfig
+from specpair.decoding import SpeculativeEngine
+from specpair.eagle3 import build_eagle3_head
+from specpair.models import wrap_model
+from specpair.paged_cache import PagedKVModel, PagedSpace
+from specpair.prefix_cache import BLOCK_TOKENS
+
+SPEC = SpeculationConfig(k=3, k_max=3, dynamic_k=False, fallback_threshold=0,
+                         batch_size_threshold=64)
+SYSTEM = "You are a careful assistant. Answer in one line.\nclass A:\n  pass\n" * 2
+QUESTIONS = ["def foo(x):\n    return", "The quick brown fox", "import os\nimport sys\n",
+             "x = [1, 2, 3]\nfor i in x:\n", "Hello world, hello world", "class B:\n  pass\n"]
+PROMPTS = [SYSTEM + q for q in QUESTIONS]
+PARAMS = GenerationParams(max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def eagle3_target(tiny_tokenizer):
+    """A 4-layer target of small weights (its greedy text repeats now and then, which an
+    untrained EAGLE-3 head reading its layers 1, 2 and its last output catches)."""
+    from tiny_models import make_model
+    return make_model(tiny_tokenizer, seed=11, layers=4, hidden=256, heads=4, init_std=0.05)
+
+
+def head_engine(kind: str, request, **options) -> SpeculativeEngine:
+    if kind == "eagle3":
+        target = request.getfixturevalue("eagle3_target")
+        head = wrap_model(build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4),
+                                            seed=5), None, "head")
+    elif kind == "eagle":
+        target = request.getfixturevalue("one_layer_target")
+        head = mirror_head(target, vocab_every=2)
+    else:
+        target = request.getfixturevalue("smooth_target")
+        head = medusa_heads(target)
+    return SpeculativeEngine(target, draft=head, speculation=SPEC, **options)
+
+
+def cold_replies(engine) -> list[list[int]]:
+    """Each prompt alone, target-only, no prefix reuse: what every row must emit."""
+    alone = SpeculativeEngine(engine.target, speculation=SpeculationConfig(enabled=False),
+                              prefix_cache="off")
+    return [alone.generate([p], PARAMS)[0].token_ids for p in PROMPTS]
+
+
+def run_joining(engine):
+    """The first row alone for two steps (its prompt's blocks named in the pool), then the others
+    join the running batch, sharing its system prompt's blocks."""
+    batch = engine.new_batch()
+    seqs = [batch.add(engine.encode(PROMPTS[0]), PARAMS)]
+    batch.step()
+    batch.step()
+    seqs += [batch.add(engine.encode(p), PARAMS) for p in PROMPTS[1:]]
+    while batch.active:
+        batch.step()
+    return batch, [batch.result(s) for s in seqs]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "medusa"])
+def test_a_head_engine_runs_the_paged_cache_with_shared_prefixes_and_target_only_output(
+        kind, request):
+    engine = head_engine(kind, request)
+    assert engine.paged_unused is None and engine.paged_space is not None
+    batch, results = run_joining(engine)
+    assert isinstance(batch.target, PagedKVModel)
+    assert [r.token_ids for r in results] == cold_replies(engine)
+    drafted = sum(r.stats.num_draft_tokens for r in results)
+    accepted = sum(r.stats.num_accepted_tokens for r in results)
+    assert drafted > 0 and 0 < accepted < drafted           # it drafted, and was checked
+    # The rows that joined were served the system prompt's blocks from the pool.
+    shared = len(engine.encode(SYSTEM)) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert shared >= 2 * BLOCK_TOKENS
+    assert all(r.cached_tokens >= shared - BLOCK_TOKENS for r in results[1:])
+    assert results[0].cached_tokens == 0 and engine.prefix_stats.served > 0
+    assert engine.paged_space.features is not None          # the features kept beside the keys
+    pool = engine.paged_space.pool
+    assert not pool.tables and pool.free == pool.blocks
+
+
+def test_a_row_served_a_shared_prefix_drafts_what_it_drafts_cold(request):
+    """EAGLE-3: a row handed its prefix's features from the pool catches its head up on them and
+    then drafts and keeps, round for round, what the same row drafts with no prefix reuse."""
+    def alone(engine, prompt):
+        batch = engine.new_batch()
+        seq = batch.add(engine.encode(prompt), PARAMS)
+        while batch.active:
+            batch.step()
+        return batch.result(seq)
+
+    cold = head_engine("eagle3", request, prefix_cache="off")
+    warm = head_engine("eagle3", request)
+    alone(warm, PROMPTS[0])                   # names the system prompt's blocks
+    for prompt in PROMPTS[1:3]:
+        expected, got = alone(cold, prompt), alone(warm, prompt)
+        assert got.cached_tokens > 0 and expected.cached_tokens == 0
+        assert got.token_ids == expected.token_ids
+        assert got.stats.num_accepted_tokens > 0
+        assert (got.stats.num_draft_tokens, got.stats.num_accepted_tokens) == \
+            (expected.stats.num_draft_tokens, expected.stats.num_accepted_tokens)
+
+
+def run_all(engine):
+    """Every prompt in one batch; -> the batch, its rows, and the most pool blocks the head's own
+    cache was counted at."""
+    batch = engine.new_batch()
+    seqs = [batch.add(engine.encode(p), PARAMS) for p in PROMPTS]
+    head_blocks = 0
+    while batch.active:
+        batch.step()
+        head_blocks = max(head_blocks, batch._shadow_blocks())
+    return batch, seqs, head_blocks
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_rows_preempted_with_a_head_emit_their_solo_output(kind, request):
+    """A pool that holds the head's cache and half the rows' positions: rows wait for blocks
+    and are recomputed (their head rows too, handed their prompts' features again)."""
+    engine = head_engine(kind, request)
+    solo = cold_replies(engine)
+    _, _, head_blocks = run_all(engine)
+    row_blocks = sum(-(-(len(engine.encode(p)) + PARAMS.max_new_tokens) // BLOCK_TOKENS)
+                     for p in PROMPTS)
+    engine.paged_space = PagedSpace(engine.target.model, blocks=head_blocks + row_blocks // 2)
+    batch, seqs, _ = run_all(engine)
+    assert batch.preemptions > 0
+    assert [batch.result(s).token_ids for s in seqs] == solo
+    assert sum(batch.result(s).stats.num_accepted_tokens for s in seqs) > 0
+    pool = engine.paged_space.pool
+    assert not pool.tables and pool.free == pool.blocks
+
+
+def test_the_heads_own_cache_is_counted_in_admission(request):
+    """The head's keys and values live beside the pool: a batch reserves the pool's blocks for
+    them, so a pool with room for a row's positions but not for its head's cache as well
+    admits fewer rows."""
+    engine = head_engine("eagle3", request)
+    batch = engine.new_batch()
+    batch.add(engine.encode(PROMPTS[0]), PARAMS)
+    batch.step()
+    batch.step()
+    assert batch.drafter.cache_bytes() > 0
+    head_blocks = batch._shadow_blocks()
+    assert head_blocks > 0
+    without_head = batch.target.pool.free - (batch._blocks_reserved() - head_blocks)
+    assert batch.target.pool.free - batch._blocks_reserved() == without_head - head_blocks
