@@ -16,9 +16,13 @@ to reach the next size; the load average before and after each window is recorde
     CPU per pass,
   resident memory (VmRSS) at the end of the steady window,
   API requests per second by the operator's ServiceAccount (the API server's audit log), by verb,
+  after a restart of the operator (before each size's steady window): how long until it has
+    made a full pass over every pair, and its CPU by then,
   and how long deleting them all took.
-With --before-env NAME=VALUE the steady window is measured twice on the same pairs: first with
-the operator run with those variables, then restarted without them (an A/B under the same load).
+With --before-env NAME=VALUE the steady window is measured twice on the same pairs (the first
+size only): first with the operator run with those variables, then restarted without them (an
+A/B under the same load), e.g. SPECPAIR_WATCHED_READS=0 (full passes GET their children and
+LIST their pods instead of reading the watches).
 
     .venv/bin/python bench/operator_scale.py --pairs 100,500,1000 --json docs/measurements/x.json
 
@@ -104,16 +108,18 @@ def steady_window(pid: int, audit: AuditTail, window: float, pairs: int, interva
     calls.pop("Check", None)     # the node's readiness and liveness probes, not the operator's
     seconds = t2 - t1
     # In steady state a pass over a serving pair asks its one engine pod for its counters once
-    # (GetStats: the drift check is what brings a settled pair's pass), and a full pass also lists
-    # its pods (settled passes take them from the pod watch) and reads its Service: the passes the
-    # operator made, as the engines (or, with stand-in processes, the API server) saw them.
+    # (GetStats: the drift check is what brings a settled pair's pass), and a full pass also asks
+    # it who it is (GetModelInfo; replayed passes take that from the full one's record). Without
+    # the watches (SPECPAIR_WATCHED_READS=0) a full pass also lists its pods and reads its
+    # Service; with stand-in processes the engines' calls are not counted: the audit log is.
     passes = max(requests["list pods"], calls["GetStats"])
+    full = max(requests["get services"], calls["GetModelInfo"])
     return {
         "windowSeconds": round(seconds, 1),
         "operatorCores": round((cpu2 - cpu1) / seconds, 4),
         "cpuMsPerPairPerInterval": round(1000 * (cpu2 - cpu1) / (pairs or 1) / (seconds / interval), 2),
         "passesPerSecond": round(passes / seconds, 2),
-        "fullPassesPerSecond": round(requests["get services"] / seconds, 2),
+        "fullPassesPerSecond": round(full / seconds, 2),
         "cpuMsPerPass": round(1000 * (cpu2 - cpu1) / max(1, passes), 2),
         "rssMB": round(rss_mb(pid), 1),
         "apiRequestsPerSecond": round(sum(requests.values()) / seconds, 2),
@@ -150,8 +156,7 @@ def main() -> int:
     args = ap.parse_args()
     sizes = sorted({int(n) for n in str(args.pairs).split(",")})
     before = dict(item.split("=", 1) for item in args.before_env)
-    if before and len(sizes) > 1:
-        ap.error("--before-env measures one size: give --pairs one number")
+    # With several sizes, the A/B (--before-env) is measured at the first only.
 
     from cluster_env import (MODELS, OPERATOR, OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, World, install_chart,
                              operator_env, pair, register_standin_image)
@@ -231,6 +236,9 @@ def main() -> int:
                         served[key] = time.monotonic()
                 if operator.poll() is not None:
                     raise RuntimeError(f"the operator exited ({operator.returncode}); log {work / 'operator.log'}")
+                if int(time.monotonic() - t0) // 60 != int(time.monotonic() - t0 - POLL_S) // 60:
+                    print(f"{len(served)}/{size} serving after {time.monotonic() - t0:.0f} s, load "
+                          f"{load_average()}", flush=True)
                 # Each look lists every pair with its status (MBs at 1,000): not more often than this.
                 time.sleep(POLL_S)
             to_serving = [served[k] - created[k] for k in served if created[k] >= t0]
@@ -247,16 +255,33 @@ def main() -> int:
                                  cluster.kube.list("specpair.io/v1alpha1", "SpecModelPair"))
                 figures["notServing"] = dict(phases)
 
-            windows = [("before", before)] if before else []
+            windows = [("before", before)] if before and size == sizes[0] else []
             windows.append(("steady", {}))
             for label, extra in windows:
-                if label == "steady" and before:
-                    # The same pairs, the same cluster and load: the operator restarted without the
-                    # `before` variables (it remembers nothing; every pair is resumed and settles again).
+                if label == "steady":
+                    # The same pairs, the same cluster and load: the operator restarted (without the
+                    # `before` variables, if any): it remembers nothing, every pair is resumed. How
+                    # long until it has made a full pass over each (asked each pair's engine pod who
+                    # it is, GetModelInfo: one pod a pair, and replayed passes do not ask) and the
+                    # CPU that took.
                     operator.terminate()
                     operator.wait(60)
+                    asked0 = read_calls(host.spool)["GetModelInfo"] if host else 0
                     operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env=env, stdout=log,
                                                 stderr=subprocess.STDOUT, cwd=REPO)
+                    t_restart = time.monotonic()
+                    converged = None
+                    while host and time.monotonic() - t_restart < args.serve_timeout:
+                        if read_calls(host.spool)["GetModelInfo"] - asked0 >= len(served):
+                            converged = round(time.monotonic() - t_restart, 1)
+                            break
+                        if operator.poll() is not None:
+                            raise RuntimeError(f"the operator exited ({operator.returncode}); log {work / 'operator.log'}")
+                        time.sleep(1.0)
+                    figures["restart"] = {"everyPairPassedSeconds": converged,
+                                          "operatorCpuSeconds": round(cpu_seconds(operator.pid), 1),
+                                          "loadAverage": load_average()}
+                    print(f"{size} pairs, restart", json.dumps(figures["restart"]), flush=True)
                 time.sleep(args.settle)
                 load = load_average()
                 figures[label] = steady_window(operator.pid, audit, args.window, len(served), args.interval,

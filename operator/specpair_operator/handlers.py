@@ -172,6 +172,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
     if info is not None:
         STATE.kube = CachingKube.from_connection_info(info)
+        STATE.kube.on_change = wake_owner
     return info
 
 
@@ -225,6 +226,19 @@ OWNED = {"app.kubernetes.io/managed-by": "specpair-operator"}
 @kopf.on.event("apps", "v1", "deployments", labels=OWNED)
 async def on_owned_event(body: kopf.Body, **_: Any) -> None:
     for ref in body.metadata.get("ownerReferences") or []:
+        if ref.get("kind") == "SpecModelPair" and ref.get("uid") in STATE.bodies:
+            STATE.woken.add(ref["uid"])
+            STATE.wake.set()
+
+
+def wake_owner(plural: str, event_type: str, obj: dict[str, Any]) -> None:
+    """A pair's Service or NetworkPolicy edited or deleted (the operator's watches of them,
+    clients/pod_watch.py): wake its pair's pass, which puts it back at once instead of at the
+    resync backstop. Deployments wake through Kopf's watch (on_owned_event); an object's
+    creation is the operator's own doing."""
+    if plural not in ("services", "networkpolicies") or event_type == "ADDED":
+        return
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
         if ref.get("kind") == "SpecModelPair" and ref.get("uid") in STATE.bodies:
             STATE.woken.add(ref["uid"])
             STATE.wake.set()

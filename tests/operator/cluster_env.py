@@ -4,12 +4,13 @@ it makes is authorised by exactly the RBAC the chart ships."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import yaml
 
@@ -309,6 +310,26 @@ def serving(ns: Namespace, name: str, version: str) -> dict[str, Any] | None:
             and ready.get("observedGeneration") == obj["metadata"]["generation"]:
         return obj
     return None
+
+
+@contextlib.contextmanager
+def operator_with_new_pair(ns: Namespace, prefix: str, draft: str = "good-draft") -> Iterator[str]:
+    """The operator running in-process (KopfRunner) and a new pair on `draft` in `ns`: its name.
+    On leaving, the operator stopped and checked to have raised nothing."""
+    from kopf.testing import KopfRunner
+    name = f"{prefix}-{uuid.uuid4().hex[:5]}"
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(pair(name, draft))
+        yield name
+    assert runner.exception is None, runner.exception
+
+
+def released_once(ns: Namespace, name: str, mlflow_url: str) -> None:
+    """The pair's release was registered and gated once: one model version, one gate Job."""
+    from mlflow import MlflowClient
+    versions = MlflowClient(mlflow_url).search_model_versions(f"name='{model_name(ns, name)}'")
+    assert [v.version for v in versions] == ["1"], [v.version for v in versions]
+    assert len(ns.list("batch/v1", "Job")) == 1
 
 
 def set_spec(ns: Namespace, name: str, spec_patch: dict[str, Any]) -> None:

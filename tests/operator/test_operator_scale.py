@@ -6,20 +6,13 @@ release)."""
 from __future__ import annotations
 
 import json
-import uuid
 
-from kopf.testing import KopfRunner
-from mlflow import MlflowClient
-
-from cluster_env import OPERATOR, engine_pods, kubectl, model_name, pair, serving
+from cluster_env import engine_pods, kubectl, operator_with_new_pair, released_once, serving
 
 
 def test_kubectl_scale_scales_the_engine_and_nothing_else(env, devcluster, mlflow_server):
     ns = env
-    name = f"scale-{uuid.uuid4().hex[:5]}"
-    mlflow = MlflowClient(mlflow_server.url)
-    with KopfRunner(OPERATOR, timeout=60):
-        ns.create(pair(name, "good-draft"))
+    with operator_with_new_pair(ns, "scale") as name:
         before = ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
         history = [h["action"] for h in before["status"]["history"]]
 
@@ -44,5 +37,4 @@ def test_kubectl_scale_scales_the_engine_and_nothing_else(env, devcluster, mlflo
 
         after = ns.wait_for("still serving v1", lambda: serving(ns, name, "1"), timeout=60)
         assert [h["action"] for h in after["status"]["history"]] == history
-        assert len(ns.list("batch/v1", "Job")) == 1
-        assert [v.version for v in mlflow.search_model_versions(f"name='{model_name(ns, name)}'")] == ["1"]
+        released_once(ns, name, mlflow_server.url)

@@ -108,15 +108,17 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, create, patch, list, watch]
-# The engine Service in front of each Deployment.
+# The engine Service in front of each Deployment. Listed and watched: passes read Services,
+# NetworkPolicies and Deployments from watches (clients/pod_watch.py), and one edited or deleted
+# by hand wakes its pair's pass.
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, create]
+  verbs: [get, create, list, watch]
 # Per pair: ingress to engine pods on their ports only, none to gate pods; patched when the
 # chart's engine.networkPolicy.from changes.
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [get, create, patch]
+  verbs: [get, create, patch, list, watch]
 # Gate Jobs (one per release) and model-fetch Jobs (one per set of models, when the pair names a
 # model cache claim), never deleted by the operator; watched so a finished Job wakes its pair's pass.
 - apiGroups: [batch]

@@ -6,8 +6,10 @@ between passes: the engine pods (readiness, IPs) and their counters, read every 
 rest of the pass reads does not change unless someone changes it: the registered model's aliases
 and the versions' tags in MLflow (the operator's own writes aside), the engine's Deployment,
 Service, NetworkPolicy, autoscaler and the prompts' ConfigMap. Those come, on such a pass, from
-the last full pass over the pair (a `PassReads`), so a settled pass makes one LIST of pods and
-no MLflow request where a full one makes six API requests and two MLflow ones.
+the last full pass over the pair (a `PassReads`), so a settled pass makes no API request and
+no MLflow request. A full pass reads its engine pods, Deployments, Services and NetworkPolicies
+from watches too (clients/pod_watch.py), so it asks the API server only for its autoscaler and,
+with gating.configMapRef, its prompts, and MLflow twice.
 
 A pass is full, and records afresh, when any of these holds (`replays`):
 - the pair is not settled (in motion, every step reads what it acts on);
@@ -15,7 +17,8 @@ A pass is full, and records afresh, when any of these holds (`replays`):
   own handler runs it (a spec changed, the operator resumed);
 - its generation is not the one its reads were taken for;
 - its reads are older than the resync backstop (handlers.resync_interval): what no watch shows,
-  an alias moved or a tag edited in MLflow by hand, a Service deleted by hand, is seen then.
+  an alias moved or a tag edited in MLflow by hand, is seen then (a Service or NetworkPolicy
+  edited or deleted by hand wakes the pair's pass: handlers.wake_owner).
 A write the pass makes through these clients drops what it wrote from the reads, so the pass and
 the next read it back from the server.
 """
@@ -29,7 +32,8 @@ from typing import Any
 
 from specpair_operator.clients.engine_probe import GrpcEngineProbe
 from specpair_operator.clients.kube import PLURALS, Kube
-from specpair_operator.clients.pod_watch import PodWatch, watch_timeout
+from specpair_operator.clients.pod_watch import (GONE, NAMED_KINDS, NamespacedWatch, OnChange, PodWatch,
+                                                 watch_timeout, watched_reads)
 from specpair_operator.clients.registry import PassRegistry, ReleaseRegistry
 
 # The kinds read by name whose answer a settled pass may take from the last full pass: the
@@ -55,6 +59,8 @@ class PassReads:
     replayed: int = 0
     asked_replaying: dict[str, int] = field(default_factory=dict)
     pods_from_watch: int = 0
+    # The GETs by name a watch answered instead (Deployments, Services, NetworkPolicies).
+    from_watch: int = 0
     # What each engine pod (by its control address) said it is, in the last full pass or since:
     # a settled pass takes it from here and asks the pod for its counters only (RememberingProbe).
     pod_info: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -77,12 +83,21 @@ CURRENT: contextvars.ContextVar[PassReads | None] = contextvars.ContextVar("spec
 
 
 class CachingKube(Kube):
-    """The operator's Kubernetes client: inside a pass, a GET of a REPLAYED_PLURALS kind is
-    recorded (full pass) or answered from the record (settled pass; a kind not recorded yet is
-    read and recorded); any write drops the record of what it wrote. A settled pass's LIST of
-    engine pods is answered by the pod watch (clients/pod_watch.py) once it is synced."""
+    """The operator's Kubernetes client. Inside a pass:
+    - a LIST of engine pods is answered by the pod watch (clients/pod_watch.py) once it is synced,
+      on every pass (a full one too, unless SPECPAIR_WATCHED_READS=0: the watch is as fresh as a
+      LIST, and the operator never writes pods);
+    - a GET of a Deployment, Service or NetworkPolicy is answered by that kind's watch (present or
+      absent) once synced and while no write of the name is pending (pod_watch's read-your-writes);
+    - a settled pass answers a GET of the other REPLAYED_PLURALS from its last full pass's record
+      (a kind not recorded yet is read and recorded);
+    - any write drops the record of what it wrote and marks the name in its kind's watch.
+    `on_change` (set by handlers.login) hears every change the watches apply: a Service or
+    NetworkPolicy deleted or edited by hand wakes its pair's pass."""
 
     _pod_watch: PodWatch | None = None
+    _named: dict[str, NamespacedWatch] | None = None
+    on_change: OnChange | None = None
 
     @property
     def pod_watch(self) -> PodWatch:
@@ -90,21 +105,46 @@ class CachingKube(Kube):
             self._pod_watch = PodWatch(self, watch_timeout())
         return self._pod_watch
 
+    def named_watch(self, plural: str) -> NamespacedWatch | None:
+        """The watch that answers GETs of `plural` by name, if that kind is watched (NAMED_KINDS)."""
+        kind = NAMED_KINDS.get(plural)
+        if kind is None or not watched_reads():
+            return None
+        if self._named is None:
+            self._named = {}
+        if plural not in self._named:
+            self._named[plural] = NamespacedWatch(self, kind, watch_timeout(), self._changed)
+        return self._named[plural]
+
+    def _changed(self, plural: str, event_type: str, obj: dict[str, Any]) -> None:
+        if self.on_change is not None:
+            self.on_change(plural, event_type, obj)
+
     async def close(self) -> None:
         if self._pod_watch is not None:
             await self._pod_watch.close()
+        for watch in (self._named or {}).values():
+            await watch.close()
         await super().close()
 
     async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         reads = CURRENT.get()
-        if reads is None or plural not in REPLAYED_PLURALS:
+        if reads is None:
             return await super().get(api_version, plural, namespace, name)
         key = (plural, namespace or "", name)
-        if reads.replaying and key in reads.objects:
+        if plural in REPLAYED_PLURALS and reads.replaying and key in reads.objects:
             return copy.deepcopy(reads.objects[key])
-        reads.count(plural)
-        obj = await super().get(api_version, plural, namespace, name)
-        reads.objects[key] = copy.deepcopy(obj)
+        watch = self.named_watch(plural) if namespace else None
+        answered, obj = watch.named(namespace, name) if watch is not None and namespace else (False, None)
+        if answered:
+            reads.from_watch += 1
+        elif plural in REPLAYED_PLURALS:
+            reads.count(plural)
+            obj = await super().get(api_version, plural, namespace, name)
+        else:
+            return await super().get(api_version, plural, namespace, name)
+        if plural in REPLAYED_PLURALS:
+            reads.objects[key] = copy.deepcopy(obj)
         return obj
 
     def _drop(self, plural: str, namespace: str | None, name: str) -> None:
@@ -112,30 +152,67 @@ class CachingKube(Kube):
         if reads is not None:
             reads.objects.pop((plural, namespace or "", name), None)
 
+    def _wrote(self, plural: str, namespace: str | None, name: str, written: Any) -> None:
+        """Mark a write in its kind's watch, with the version the server returned (GONE: deleted)."""
+        watch = (self._named or {}).get(plural)
+        if watch is None or not namespace:
+            return
+        version = written if written == GONE else str(((written or {}).get("metadata") or {}).get("resourceVersion") or "")
+        watch.wrote(namespace, name, version)
+
     async def create(self, obj: dict[str, Any], read_existing: bool = True, dry_run: bool = False) -> dict[str, Any]:
         meta = obj["metadata"]
-        self._drop(PLURALS.get(obj["kind"], ""), meta.get("namespace"), meta["name"])
-        return await super().create(obj, read_existing=read_existing, dry_run=dry_run)
+        plural = PLURALS.get(obj["kind"], "")
+        self._drop(plural, meta.get("namespace"), meta["name"])
+        if dry_run:
+            return await super().create(obj, read_existing=read_existing, dry_run=dry_run)
+        try:
+            created = await super().create(obj, read_existing=read_existing, dry_run=dry_run)
+        except BaseException:
+            self._wrote(plural, meta.get("namespace"), meta["name"], None)   # it may have been made
+            raise
+        self._wrote(plural, meta.get("namespace"), meta["name"], created)
+        return created
 
     async def merge_patch(self, api_version: str, plural: str, namespace: str | None, name: str,
                           patch: dict[str, Any], subresource: str | None = None) -> dict[str, Any]:
         self._drop(plural, namespace, name)
-        return await super().merge_patch(api_version, plural, namespace, name, patch, subresource=subresource)
+        try:
+            patched = await super().merge_patch(api_version, plural, namespace, name, patch, subresource=subresource)
+        except BaseException:
+            self._wrote(plural, namespace, name, None)
+            raise
+        self._wrote(plural, namespace, name, patched)
+        return patched
 
     async def json_patch(self, api_version: str, plural: str, namespace: str | None, name: str,
                          operations: list[dict[str, Any]], dry_run: bool = False) -> dict[str, Any]:
         self._drop(plural, namespace, name)
-        return await super().json_patch(api_version, plural, namespace, name, operations, dry_run=dry_run)
+        if dry_run:
+            return await super().json_patch(api_version, plural, namespace, name, operations, dry_run=dry_run)
+        try:
+            patched = await super().json_patch(api_version, plural, namespace, name, operations, dry_run=dry_run)
+        except BaseException:
+            self._wrote(plural, namespace, name, None)
+            raise
+        self._wrote(plural, namespace, name, patched)
+        return patched
 
     async def delete(self, api_version: str, plural: str, namespace: str | None, name: str, uid: str) -> bool:
         self._drop(plural, namespace, name)
-        return await super().delete(api_version, plural, namespace, name, uid)
+        try:
+            deleted = await super().delete(api_version, plural, namespace, name, uid)
+        except BaseException:
+            self._wrote(plural, namespace, name, None)
+            raise
+        self._wrote(plural, namespace, name, GONE)
+        return deleted
 
     async def list(self, api_version: str, plural: str, namespace: str | None,
                    label_selector: str | None = None) -> list[dict[str, Any]]:
         reads = CURRENT.get()
-        if reads is not None and reads.replaying and plural == "pods" and api_version == "v1" and namespace \
-                and label_selector:
+        if reads is not None and (reads.replaying or watched_reads()) and plural == "pods" and api_version == "v1" \
+                and namespace and label_selector:
             watched = self.pod_watch.pods(namespace, label_selector)
             if watched is not None:
                 reads.pods_from_watch += 1
