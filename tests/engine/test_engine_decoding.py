@@ -6,6 +6,7 @@ import pytest
 from drafting_checks import assert_drafted_and_accepted
 
 from specpair.config import GenerationParams, SpeculationConfig
+from specpair.costs import RequestAudit
 from specpair.decoding import SpeculativeEngine
 from specpair.drafters import NgramDrafter
 
@@ -90,6 +91,8 @@ def test_fallback_to_target_only_and_probe(tiny_target, tiny_tokenizer, referenc
     config = SpeculationConfig(k=4, dynamic_k=False, fallback_threshold=0.5, fallback_window=8,
                                probe_interval=6)
     engine = SpeculativeEngine(tiny_target, draft=bad, speculation=config)
+    # The fallback's window reads audited requests (costs.RequestAudit): here every one.
+    engine.audit = RequestAudit(1.0)
     results = engine.generate(PROMPTS[:2], PARAMS)
     assert [r.token_ids for r in results] == reference[:2]
     assert engine.controller.fallback_events >= 2          # fell back, probed, fell back again
