@@ -218,7 +218,9 @@ def decide_speculation_at_startup(engine, max_rows: int | None, progress=print) 
     the row buckets on this device, and speculate up to the largest batch size where drafting is
     expected to pay (costs.decide_speculation_by_rows), starting each request at batch 1's k.
     Batch 1 keeps speculating even where the costs say otherwise: there each request's own
-    back-off judges its real acceptance. Logged per batch size; GetStats reports the threshold."""
+    back-off judges its real acceptance. Each size's k holds in the running batch as rows join and
+    leave (costs.k_for_rows, Batch._ks); logged per batch size, exported as
+    specpair_speculation_k_by_rows; GetStats reports the threshold."""
     import dataclasses as dc
 
     from specpair.costs import STARTUP_ACCEPTANCE, STARTUP_MAX_ROWS, decide_speculation_by_rows
