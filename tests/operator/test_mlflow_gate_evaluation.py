@@ -15,7 +15,8 @@ from specpair_operator.release import content as release
 from specpair_operator.release.registry_contract import (EXPERIMENT_KIND, GOLDEN_DATASET, PER_PROMPT_COLUMNS,
                                                  PER_PROMPT_TABLE, RUNS_VIEW,
                                                  TAG_EXPERIMENT_KIND, TAG_GATE_RUN, TAG_GATE_SUMMARY,
-                                                 TAG_LOGGED_MODEL, TAG_RUN_DESCRIPTION, gate_experiment,
+                                                 TAG_LOGGED_MODEL, TAG_RUN_DESCRIPTION, RegistryUnavailable,
+                                                 gate_experiment,
                                                  gate_description, logged_model_id, prompts_digest)
 from specpair_operator.release.registry_traces import golden_trace
 
@@ -146,6 +147,40 @@ def test_a_golden_row_without_timings_is_a_trace_without_length_and_the_same_tra
     assert {s["start_time_unix_nano"] for s in spans["spans"]} == {1765000000000 * 1_000_000}
     assert golden_trace(row, 1, "7", "run1", "3", 1765000000000) == (body, spans)
     assert golden_trace(row, 0, "7", "run1", "3", 1765000000000)[0] != body
+
+
+def test_a_retried_record_finishes_the_gate_run_its_failed_try_made(reg, tmp_path, monkeypatch):
+    """The runner tries a record again until its deadline. A try that failed halfway (MLflow did
+    the write, its reply was lost) made the gate run: the retry finishes that run instead of
+    making a second gate-vN beside it, with one dataset input and one trace per prompt."""
+    from specpair_operator.gate.record import GateRecord
+
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    reg.ensure_model(model, "ns/p")
+    rel = release.build_release("p", "ns", SPEC, PROMPTS)
+    version = reg.ensure_release(model, rel, release.content_hash(rel))
+    golden = tmp_path / "golden_outputs.json"
+    golden.write_text(json.dumps(GOLDEN))
+    record = GateRecord(reg.tracking_uri)
+    send, lost = record._send, []
+
+    def reply_lost_once(method, url, **kwargs):
+        out = send(method, url, **kwargs)
+        if url.endswith("/api/3.0/mlflow/traces") and not lost:
+            lost.append(url)
+            raise RegistryUnavailable("the reply to the first trace was lost")
+        return out
+    monkeypatch.setattr(record, "_send", reply_lost_once)
+    started_ms = int(time.time() * 1000) - 2000          # the runner's, the same for all its tries
+    with pytest.raises(RegistryUnavailable):
+        record.record_gate(model, version, VERDICT, [str(golden)], rel, started_ms)
+    run_id = record.record_gate(model, version, VERDICT, [str(golden)], rel, started_ms)
+    exp_id = reg.client.get_experiment_by_name(gate_experiment(model)).experiment_id
+    [run] = reg.client.search_runs([exp_id], filter_string=f"tags.`mlflow.runName` = 'gate-v{version}'")
+    assert run.info.run_id == run_id == reg.version_tags(model, version)[TAG_GATE_RUN]
+    assert run.info.status == "FINISHED" and run.info.start_time == started_ms
+    assert len(run.inputs.dataset_inputs) == 1
+    assert len(reg.client.search_traces(locations=[exp_id], run_id=run_id, include_spans=False)) == len(GOLDEN)
 
 
 def test_two_versions_compare_setting_by_setting_and_figure_by_figure(reg, tmp_path):

@@ -30,11 +30,11 @@ from specpair.contract import content_hash
 
 from specpair_operator.release.registry_contract import (PARAMS_PER_BATCH, PER_PROMPT_TABLE, TAG_GATE_SUMMARY,
                                                          TAG_LOGGED_ARTIFACTS, TAG_RUN_DESCRIPTION, RegistryUnavailable,
-                                                         experiment_tags, find_or_create, gate_description,
-                                                         gate_error_tags, gate_experiment, gate_metrics, gate_params,
-                                                         gate_run_tags, gate_summary, gate_tags, golden_dataset_input,
-                                                         headline_metrics, logged_model_id, per_prompt_table,
-                                                         with_gate_section)
+                                                         experiment_tags, find_or_create, gate_attempt_filter,
+                                                         gate_description, gate_error_tags, gate_experiment,
+                                                         gate_metrics, gate_params, gate_run_tags, gate_summary,
+                                                         gate_tags, golden_dataset_input, headline_metrics,
+                                                         logged_model_id, per_prompt_table, with_gate_section)
 from specpair_operator.release.registry_traces import TAG_TRACE_ARTIFACTS, TRACE_DATA_FILE, golden_trace
 
 ARTIFACT_PROXY = "mlflow-artifacts:"
@@ -80,10 +80,15 @@ class GateRecord:
         if run_id:
             info = self._api("GET", "runs/get", params={"run_id": run_id})["run"]["info"]
         else:
-            info = self._api("POST", "runs/create", {
-                "experiment_id": self._experiment(gate_experiment(model_name)),
-                "start_time": started_ms or _now_ms(), "run_name": f"gate-v{version}",
-                "tags": [{"key": k, "value": v} for k, v in gate_run_tags(version).items()]})["run"]["info"]
+            experiment_id = self._experiment(gate_experiment(model_name))
+            # A try of this attempt that made the run and failed after (a lost reply, a 5xx) left
+            # it to be finished, not doubled: every step below writes the same again.
+            found = self._api("POST", "runs/search", {
+                "experiment_ids": [experiment_id], "filter": gate_attempt_filter(version, started_ms),
+                "max_results": 1}).get("runs") if started_ms else None
+            info = found[0]["info"] if found else self._api("POST", "runs/create", {
+                "experiment_id": experiment_id, "start_time": started_ms or _now_ms(), "run_name": f"gate-v{version}",
+                "tags": [{"key": k, "value": v} for k, v in gate_run_tags(version, started_ms).items()]})["run"]["info"]
             run_id = info["run_id"]
         artifact_uri, experiment_id = info["artifact_uri"], info["experiment_id"]
         ts = _now_ms()

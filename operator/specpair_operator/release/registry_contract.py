@@ -84,9 +84,22 @@ def gate_error_tags(message: str) -> dict[str, str]:
     return {TAG_GATE_MESSAGE: message[-4000:], TAG_GATE_STATUS: "error"}
 
 
-def gate_run_tags(version: str) -> dict[str, str]:
-    """The tags of the run a gate's verdict is logged to when the gate opened none."""
-    return {"mlflow.runName": f"gate-v{version}", "specpair.model_version": str(version)}
+TAG_GATE_STARTED = "specpair.gate.started_ms"   # on a gate run: which gate attempt it records
+
+
+def gate_run_tags(version: str, started_ms: int | None = None) -> dict[str, str]:
+    """The tags of the run a gate's verdict is logged to when the gate opened none. The attempt's
+    start (the runner's, fixed for all its tries) finds the run again when a try that made it
+    failed later: a retry records into it instead of making a second gate-vN run."""
+    tags = {"mlflow.runName": f"gate-v{version}", "specpair.model_version": str(version)}
+    if started_ms is not None:
+        tags[TAG_GATE_STARTED] = str(started_ms)
+    return tags
+
+
+def gate_attempt_filter(version: str, started_ms: int) -> str:
+    """MLflow's run search for the gate run of one attempt (gate_run_tags)."""
+    return f"tags.`specpair.model_version` = '{version}' and tags.`{TAG_GATE_STARTED}` = '{started_ms}'"
 
 
 def gate_experiment(model_name: str) -> str:
