@@ -188,8 +188,9 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     progress(f"vLLM target-only: {len(ids)} golden prompts, then at concurrencies {concurrencies}")
     with VllmServer(python, target_dir, **server_args) as base_server:
         base_server.complete_greedy(ids[0], 2)   # warm-up
-        base, base_repeats = [], []
+        base, base_repeats, started_at = [], [], []
         for r in requests:
+            started_at.append(time.time())    # when this prompt's timings began: its MLflow trace's start
             runs = [base_server.complete_greedy(r.ids, max_new, structured_outputs=r.structured_outputs)
                     for _ in range(NOISE_REPEATS)]
             base.append(runs[0])
@@ -207,7 +208,7 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
         spec_load = [load_seconds(spec_server, ids, c, max_new) for c in concurrencies]
 
     golden, rows = [], []
-    for text, category, r, b, s, d in zip(texts, categories, requests, base, spec_runs, deltas):
+    for text, category, r, b, s, d, began in zip(texts, categories, requests, base, spec_runs, deltas, started_at):
         identical = b.token_ids == s.token_ids
         # The reply served is the speculative one: it is the one judged (as gate/engine.py does).
         verdicts = judged(tokenizer, r.ask, s.text)
@@ -218,6 +219,8 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
                        **({} if r.ask.plain else verdicts),
                        "output_tokens": len(s.token_ids),
                        "speedup": round(b.seconds / s.seconds, 4) if s.seconds else 0.0,
+                       "seconds": {"target_only": round(b.seconds, 6), "speculative": round(s.seconds, 6)},
+                       "started_at": round(began, 3),
                        "acceptance_rate": round(d.acceptance_rate, 4),
                        "mean_acceptance_length": round(d.mean_acceptance_length, 4)})
 
