@@ -48,6 +48,7 @@ SLOW_ROOMS = ("ship", "devcluster", "demo", "observability")
 # the vLLM release's gate Job, which ran them anyway.)
 LONGEST_FIRST = ("demo/test_demo_smoke.py", "observability/test_prometheus_live.py", "operator/test_operator_e2e.py",
                  "operator/test_operator_vllm.py", "operator/test_operator_canary_e2e.py",
+                 "operator/test_gateway_canary.py",
                  "operator/test_operator_gate_retry.py", "operator/test_operator_latency_rollback.py",
                  "operator/test_operator_shadow_e2e.py", "observability/test_keda_scaling.py",
                  "engine/test_engine_shadow.py", "server/test_server_openai_features.py",
