@@ -19,6 +19,7 @@ from mlflow import MlflowClient
 from cluster_env import OPERATOR, Namespace, cond, model_name, pair, serving, set_spec, wait_until
 from specpair_devcluster.client import ApiError, resource_path
 from specpair_operator.desired import autoscaling
+from specpair_operator.observe import keda
 from specpair_operator.desired.manifests import engine_name
 from specpair_operator.state import STATE
 
@@ -82,7 +83,7 @@ def autoscaled_pair_lifecycle(ns: Namespace, devcluster: Any, mlflow_url: str, m
                               name: str) -> None:
     kube = ns.kube
     child = engine_name(name)
-    monkeypatch.setattr(autoscaling, "KEDA_RECHECK_S", 0.5)  # KEDA coming and going is seen at once
+    monkeypatch.setattr(keda, "KEDA_RECHECK_S", 0.5)  # KEDA coming and going is seen at once
     monkeypatch.delenv(autoscaling.PROMETHEUS_ENV, raising=False)
     remove_keda_crd(kube)
     scaling = {"minReplicas": 1, "maxReplicas": 3, "metric": "queueLength", "target": 4,
