@@ -92,7 +92,7 @@ def run_http_load(engine, max_batch_size: int, system: str, questions: list[str]
         if proc.returncode:
             raise SystemExit(f"the HTTP client failed: {proc.stderr[-2000:]}")
         replies = json.loads(proc.stdout)
-        return figures(server.worker, started, wall, [r[0] for r in replies], [r[2] for r in replies],
+        return figures(server.worker, max_batch_size, started, wall, [r[0] for r in replies], [r[2] for r in replies],
                        [r[1] for r in replies])
     finally:
         server.stop(drain_timeout=5)
@@ -129,11 +129,11 @@ def run_load(engine, max_batch_size: int, prompts: list[list[int]], max_new_toke
     if failed:
         raise SystemExit(f"{len(failed)} requests failed: {failed[0]}")
     events = [finished[i] for i in range(len(prompts))]
-    return figures(worker, started, wall, [e.completion_tokens for e in events],
+    return figures(worker, max_batch_size, started, wall, [e.completion_tokens for e in events],
                    [e.time_to_first_token for e in events], [e.token_ids for e in events])
 
 
-def figures(worker, started: float, wall: float, tokens_each: list[int], ttfts: list[float],
+def figures(worker, setting: int, started: float, wall: float, tokens_each: list[int], ttfts: list[float],
             replies: list) -> dict:
     """A run's figures from its worker's timeline."""
     steps = [r for r in worker.timeline if r.started >= started]
@@ -149,7 +149,7 @@ def figures(worker, started: float, wall: float, tokens_each: list[int], ttfts: 
     prefill = [r for r in steps if r.fed > r.rows]       # more than each row's one new token
     decode = [r for r in steps if r.fed <= r.rows]
     stepped = sum(r.seconds for r in steps)
-    return {"max_batch_size": max_batch_size or f"default ({worker.max_batch_size})",
+    return {"max_batch_size": setting or f"default ({worker.max_batch_size})",
             "wall_seconds": round(wall, 2), "tokens": tokens, "tokens_per_second": round(tokens / wall, 2),
             "stepping_seconds": round(stepped, 2), "between_steps_seconds": round(wall - stepped, 2),
             "idle_seconds": round(sum(r.waited for r in steps), 2),
