@@ -76,17 +76,14 @@ class EagleDrafter(HeadDrafter):
         B = len(sequences)
         K = max(ks, default=0)
         device = self.kv.device
-        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
         # Catch every row up on the pairs observed since its last round (drafting or not): the
         # token after each observed position and the target's feature there.
-        pairs, features, drafting = self._take_pending(sequences, ks, self.kv.lengths, device)
-        num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long,
-                           device=device)
+        tokens, pairs, features, drafting, num = self._open_round(sequences, ks, self.kv.lengths, device)
         if not any(pairs):
-            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+            return self._no_drafts(tokens, num)
         g = self._catch_up(pairs, features)                                      # [B, D]
         if K == 0 or not any(drafting):
-            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+            return self._no_drafts(tokens, num)
         row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
         if self.kv.fixed and self.drafts_in_fixed_steps:
             return self._draft_in_fixed_steps(g, row_ks, sampling, width, num, K)
@@ -129,11 +126,7 @@ class EagleDrafter(HeadDrafter):
         for i, k in enumerate(row_ks):
             self.kv.lengths[i] += max(k - 1, 0)
         if greedy:
-            drafted = step.tokens(start, steps)                      # [B, steps, width]
-            chosen_steps += list(drafted[..., 0].unbind(1))
-            if width > 1:
-                sibs += list(drafted[..., 1:].unbind(1))
-            qs += [None] * steps
+            self._gather_greedy(step, start, steps, width, chosen_steps, qs, sibs)
         return self._proposal(chosen_steps, qs, sibs, num, K, width)
 
     def _catch_up(self, pairs: list[list[int]], features: list) -> torch.Tensor:

@@ -156,7 +156,7 @@ class Eagle3Drafter(HeadDrafter):
         num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long,
                            device=device)
         if K == 0 or not any(drafting):
-            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+            return self._no_drafts(tokens, num)
         row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
         chosen_steps, qs, sibs = [], [], []
         past = list(self.caches)
@@ -206,12 +206,9 @@ class Eagle3Drafter(HeadDrafter):
         B = len(sequences)
         K = max(ks, default=0)
         device, dtype = self.draft_ids.device, cache.dtype
-        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
-        pairs, aux, drafting = self._take_pending(sequences, ks, self.cache.lengths, device, dtype)
-        num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long,
-                           device=device)
+        tokens, pairs, aux, drafting, num = self._open_round(sequences, ks, self.cache.lengths, device, dtype)
         if not any(pairs):
-            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+            return self._no_drafts(tokens, num)
         rows, positions, last = [], [], []
         for i, toks in enumerate(pairs):
             rows += [i] * len(toks)
@@ -227,7 +224,7 @@ class Eagle3Drafter(HeadDrafter):
         for i, toks in enumerate(pairs):
             cache.lengths[i] += len(toks)
         if K == 0 or not any(drafting):
-            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+            return self._no_drafts(tokens, num)
         index = torch.tensor(last, dtype=torch.long, device=device)
         g, gn = out[index], normed[index]                                   # [B, D]
         row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
@@ -258,12 +255,9 @@ class Eagle3Drafter(HeadDrafter):
         B = len(sequences)
         K = max(ks, default=0)
         device, dtype = self.draft_ids.device, cache.dtype
-        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
-        pairs, aux, drafting = self._take_pending(sequences, ks, self.cache.lengths, device, dtype)
-        num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long,
-                           device=device)
+        tokens, pairs, aux, drafting, num = self._open_round(sequences, ks, self.cache.lengths, device, dtype)
         if not any(pairs):
-            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+            return self._no_drafts(tokens, num)
         widest = bucket(max(map(len, pairs)))
         cache.reserve(max(cache.lengths) + max(widest, K))
         key = ("catch-up", widest)
@@ -271,7 +265,7 @@ class Eagle3Drafter(HeadDrafter):
             cache.steps[key] = Eagle3CatchUp(head, self.embed, cache, widest)
         g = cache.steps[key](cache, pairs, aux)[:B].clone()                      # [B, D]
         if K == 0 or not any(drafting):
-            return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+            return self._no_drafts(tokens, num)
         row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
         chosen_steps, qs, sibs = [], [], []
         chosen = self._choose(draft_vocab_logits(head, head.norm(g)), 0, row_ks, sampling,
@@ -292,11 +286,7 @@ class Eagle3Drafter(HeadDrafter):
                                           qs, sibs)
                     step.ids[:B, 0] = chosen
             if greedy:
-                drafted = step.tokens(start, steps)                    # [B, steps, width]
-                chosen_steps += list(drafted[..., 0].unbind(1))
-                if width > 1:
-                    sibs += list(drafted[..., 1:].unbind(1))
-                qs += [None] * steps
+                self._gather_greedy(step, start, steps, width, chosen_steps, qs, sibs)
         return self._proposal(chosen_steps, qs, sibs, num, K, width)
 
     def describe(self) -> dict:

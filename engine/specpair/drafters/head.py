@@ -150,6 +150,30 @@ class HeadDrafter(Drafter):
             drafting.append(ks[i] > 0 and known > 0 and len(pairs[-1]) > 0)
         return pairs, features, drafting
 
+    def _open_round(self, sequences, ks, lengths: list[int], device, dtype=None):
+        """A round's start for every head that catches up from `pending`: the drafts [B, K]
+        (zeros), then _take_pending's pairs, features and drafting, and how many tokens each row
+        may draft (`num`: its k where it drafts)."""
+        B, K = len(sequences), max(ks, default=0)
+        tokens = torch.zeros(B, K, dtype=torch.long, device=device)
+        pairs, features, drafting = self._take_pending(sequences, ks, lengths, device, dtype)
+        num = torch.tensor([ks[i] if drafting[i] else 0 for i in range(B)], dtype=torch.long, device=device)
+        return tokens, pairs, features, drafting, num
+
+    @staticmethod
+    def _no_drafts(tokens: torch.Tensor, num: torch.Tensor) -> Proposal:
+        return Proposal(tokens=tokens, num=torch.zeros_like(num), probs=None)
+
+    @staticmethod
+    def _gather_greedy(step, start, steps: int, width: int, chosen_steps, q_steps, sibling_steps) -> None:
+        """A greedy fixed-step round's drafts, read back from the device in one gather at its
+        end (step.tokens: [B, steps, width]): the chosen token a position, its alternatives."""
+        drafted = step.tokens(start, steps)
+        chosen_steps += list(drafted[..., 0].unbind(1))
+        if width > 1:
+            sibling_steps += list(drafted[..., 1:].unbind(1))
+        q_steps += [None] * steps
+
     def _add_rows(self, count: int) -> None:
         raise NotImplementedError
 
