@@ -73,13 +73,15 @@ def test_the_noise_is_the_median_deviation_of_repeated_target_only_timings(repea
 
 
 def test_a_release_that_cannot_pay_ships_with_speculation_off_and_passes(tmp_path, tiny_tokenizer, tiny_target):
-    """A draft unrelated to the target (another random model) is almost never accepted, and
-    drafting three tokens a round costs three steps as long as the target's: far slower than
-    target-only, beyond any noise. Under the default floor the gate passes it with speculation
-    off; with the pair's own floor of 1.0 the same release fails."""
+    """A draft unrelated to the target (another random model) four times as deep and wide:
+    three of its steps a round cost several target steps, so drafting is far slower than
+    target-only beyond any noise even in a round where every draft were accepted (tiny random
+    models can agree on a repeated token: a draft the target's own size once measured 1.01x).
+    Under the default floor the gate passes it with speculation off; with the pair's own floor of
+    1.0 the same release fails."""
     from tiny_models import make_model, save_tiny
 
-    unrelated = make_model(tiny_tokenizer, seed=77)
+    unrelated = make_model(tiny_tokenizer, seed=77, layers=8, hidden=256)
     release = {"pair": "tiny", "target": {"source": save_tiny(tiny_target, tmp_path / "target")},
                "draft": {"source": save_tiny(unrelated, tmp_path / "draft")},
                "speculation": {"k": 3, "dynamicK": False, "fallbackThreshold": 0.0},
