@@ -397,6 +397,27 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
 }
 
 
+/* A tile's share of one token's weighted sum: acc += s[p] * v_p for p = a..b-1 ascending (slots
+   past n0 from anc, as weighted_sum), the sums copied into locals for the tile so that, with
+   chunks a constant at the call (always inlined), they live in registers. */
+#define VALUE_TILE 64
+static inline __attribute__((always_inline)) void
+accumulate_values(const float *s, const kv_rows *v, long a, long b, long n0, const long *anc,
+                  int m, int chunks, v8 *acc) {
+    v8 r[MAX_HEAD_DIM / 8];
+    for (int c = 0; c < chunks; c++) r[c] = acc[c];
+    for (long p = a; p < b; p++) {
+        v8 w = (v8){0} + s[p];
+        const float *vp = kv_at(v, p < n0 ? p : anc[m - 1 - (p - n0)]);
+        for (int c = 0; c < chunks; c++) {
+            v8 x;
+            __builtin_memcpy(&x, vp + c * 8, sizeof x);
+            r[c] = fma8(w, x, r[c]);
+        }
+    }
+    for (int c = 0; c < chunks; c++) acc[c] = r[c];
+}
+
 /* A paged cache's attention for query head hh of a group of runs whose rows share their first
    block (a prompt prefix served by reference): tokens toks[0..n-1], each of its own row (table).
    Each key and value is loaded once for every token of the group that reads it at that position:
@@ -459,22 +480,23 @@ static void attend_group(const float *q, const float *kc, const float *vc, float
         for (; p < nn; p++) sum += s[p];
         inv[i] = 1.0f / sum;
     }
-    /* Values: position outer, tokens inner, each token's sums in ascending positions (as
-       weighted_sum). */
+    /* Values: tiles of VALUE_TILE positions outer, tokens inner, each token's sums in ascending
+       positions (as weighted_sum). A tile's values (16 KB at hd 64) stay in L1 while every token
+       of the group reads them, and a token's sums stay in registers across the tile, loaded and
+       stored once a tile rather than once a position. */
     static __thread v8 acc[MAX_TOKENS][MAX_HEAD_DIM / 8];
     for (long i = 0; i < n; i++)
         for (int c = 0; c < chunks; c++) acc[i][c] = (v8){0};
-    for (long p = lomin; p < pend; p++) {
+    for (long p0 = lomin; p0 < pend; p0 += VALUE_TILE) {
+        long p1 = p0 + VALUE_TILE < pend ? p0 + VALUE_TILE : pend;
         for (long i = 0; i < n; i++) {
-            if (p < lo[i] || p >= n0[i] + m[i]) continue;
+            long a = lo[i] > p0 ? lo[i] : p0, b = n0[i] + m[i] < p1 ? n0[i] + m[i] : p1;
+            if (a >= b) continue;
             const float *s = scores + (toks[i] * H + hh) * L;
-            v8 w = (v8){0} + s[p];
-            const float *vp = kv_at(&vr[i], p < n0[i] ? p : anc[i][m[i] - 1 - (p - n0[i])]);
-            for (int c = 0; c < chunks; c++) {
-                v8 x;
-                __builtin_memcpy(&x, vp + c * 8, sizeof x);
-                acc[i][c] = fma8(w, x, acc[i][c]);
-            }
+            if (chunks == 8)    /* hd 64: the eight sums as named registers */
+                accumulate_values(s, &vr[i], a, b, n0[i], anc[i], m[i], 8, acc[i]);
+            else
+                accumulate_values(s, &vr[i], a, b, n0[i], anc[i], m[i], chunks, acc[i]);
         }
     }
     for (long i = 0; i < n; i++) {
