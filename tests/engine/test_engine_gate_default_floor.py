@@ -10,7 +10,7 @@ import pytest
 from specpair.contract import (DEFAULT_MIN_SPEEDUP, MAX_FORGIVEN_NOISE, speculation_pays, speedup_floor,
                                threshold_failures)
 from specpair.gate import run_gate
-from specpair.gate.engine import timing_noise
+from specpair.gate.verdict import timing_noise
 
 IDENTICAL = {"greedyIdentity": 1.0, "acceptanceRate": 0.5}
 

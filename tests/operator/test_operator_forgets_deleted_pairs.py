@@ -30,7 +30,7 @@ def _series(namespace: str, name: str) -> list[tuple[str, dict[str, str]]]:
 def _export_every_series(namespace: str, name: str) -> None:
     for metric, labels in metrics.PER_PAIR:
         values = {"namespace": namespace, "pair": name, "reason": "drift", "result": "passed",
-                  "decision": "started", "version": "3", "category": "all"}
+                  "decision": "started", "version": "3", "category": "all", "step": "1"}
         child = metric.labels(*(values[label] for label in labels))
         if isinstance(metric, metrics.Counter):
             child.inc()

@@ -23,22 +23,7 @@ from specpair.contract import DEFAULT_CATEGORY, gate_tuning, speculation_off_rea
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
 from specpair.gate.structured import golden_ask, judged, prepared, rate
-from specpair.gate.verdict import check_release, new_verdict, tokenizer_check
-
-
-# Target-only timings of each golden prompt, at least: their spread is the gate's noise.
-NOISE_REPEATS = 3
-
-
-def timing_noise(repeats: list[list[float]]) -> float:
-    """The relative noise of repeated identical work: `repeats` holds, per prompt, the seconds of
-    each repeat. Each timing's distance from its prompt's median, relative to that median, pooled
-    over the prompts; their median is returned (0 with fewer than two repeats). A median, not the
-    largest spread: one repeat slowed by a burst elsewhere (or a first run's warm-up) should not
-    make the floor forgive everything."""
-    deviations = [abs(t - middle) / middle for times in repeats if len(times) >= 2
-                  for middle in [statistics.median(times)] if middle > 0 for t in times]
-    return statistics.median(deviations) if deviations else 0.0
+from specpair.gate.verdict import NOISE_REPEATS, check_release, new_verdict, timing_noise, tokenizer_check
 
 
 def _timed_generate(engine, prompts, params, *, speculate: bool, chat: bool):

@@ -7,6 +7,8 @@ files and fill the same verdict, so the operator judges and promotes both alike.
 
 from __future__ import annotations
 
+import statistics
+
 from specpair.contract import GOLDEN_STRUCTURE_KEYS
 from specpair.errors import SpecpairError
 
@@ -65,3 +67,19 @@ def tokenizer_check(release: dict, progress=print) -> dict:
     result = compare(draft_fp, target_fp)
     return {**result.to_dict(), "draftFingerprint": draft_fp["sha256"],
             "targetFingerprint": target_fp["sha256"]}
+
+
+# Both gates (gate/engine.py, gate/vllm.py) time target-only this often and read its noise here.
+# Target-only timings of each golden prompt, at least: their spread is the gate's noise.
+NOISE_REPEATS = 3
+
+
+def timing_noise(repeats: list[list[float]]) -> float:
+    """The relative noise of repeated identical work: `repeats` holds, per prompt, the seconds of
+    each repeat. Each timing's distance from its prompt's median, relative to that median, pooled
+    over the prompts; their median is returned (0 with fewer than two repeats). A median, not the
+    largest spread: one repeat slowed by a burst elsewhere (or a first run's warm-up) should not
+    make the floor forgive everything."""
+    deviations = [abs(t - middle) / middle for times in repeats if len(times) >= 2
+                  for middle in [statistics.median(times)] if middle > 0 for t in times]
+    return statistics.median(deviations) if deviations else 0.0

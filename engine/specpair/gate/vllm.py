@@ -48,7 +48,7 @@ from specpair.contract import (DEFAULT_CATEGORY, gate_tuning, parallelism, specu
                                threshold_failures)
 from specpair.errors import SpecpairError
 from specpair.gate.structured import GoldenAsk, golden_ask, judged, prepared, rate, vllm_structured_outputs
-from specpair.gate.verdict import check_release, new_verdict, tokenizer_check
+from specpair.gate.verdict import NOISE_REPEATS, check_release, new_verdict, timing_noise, tokenizer_check
 from specpair.vllm_parallel import model_config, tensor_parallel_refusal
 from specpair.vllm_peer import K_BY_BATCH_SIZE
 
@@ -127,7 +127,6 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     """Returns (verdict, golden outputs), as gate.run_gate."""
     from transformers import AutoTokenizer
 
-    from specpair.gate.engine import NOISE_REPEATS, timing_noise
     from specpair.models import resolve_source
     from specpair.vllm_head_check import head_tokenizer_check
     from specpair.vllm_peer import (SpecDecodeCounters, VllmServer, flags_argv, serving_flags,
