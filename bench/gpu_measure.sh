@@ -95,7 +95,7 @@ smollm2)
     echo "bench exit $?"; grep -v "^USDT" "$OUT/gpu_bench_smollm2.log" | tail -15
     # Speculation allowed at 16 rows (what it gains or costs there) and at the engine's default
     # of 8 (past it the target steps at one token), against a target-only server too.
-    [ "${LOAD:-on}" = on ] && SPECPAIR_COMPILE=on timeout "${LOAD_TIMEOUT:-240}" $PY scripts/load_bench.py --target "$gguf" \
+    [ "${LOAD:-on}" = on ] && SPECPAIR_COMPILE=on timeout "${LOAD_TIMEOUT:-240}" $PY bench/load_bench.py --target "$gguf" \
         --device cuda --concurrency 1 16 --requests "${LOAD_REQUESTS:-48}" \
         --batch-size-threshold ${LOAD_THRESHOLDS:-16 8} --plain-server --json "$OUT/gpu_load_smollm2.json" \
         > "$OUT/gpu_load_smollm2.log" 2>&1

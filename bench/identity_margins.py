@@ -3,7 +3,7 @@
 
     python bench/identity_margins.py --device cuda --dtype bfloat16 --batch 4
 
-For each prompt of scripts/load_bench.py's set it decodes single-request target-only (the
+For each prompt of bench/load_bench.py's set it decodes single-request target-only (the
 reference) and as part of a speculating batch. At the first token where they differ it reports the
 reference's logit margin there (top-1 minus top-2 logit of the single-request target pass): a
 margin within the dtype's rounding noise means the batch changed only floating-point rounding
@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "engine"))
-sys.path.insert(0, str(ROOT / "scripts"))   # load_bench stays there beside http_load_bench, which imports it
+sys.path.insert(0, str(ROOT / "bench"))     # load_bench, beside this script
 
 import torch  # noqa: E402
 

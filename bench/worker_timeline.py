@@ -4,9 +4,9 @@
 way), step by step (EngineWorker.timeline), at several --max-batch-size settings alternated in one
 process, so a busy machine's noise falls on each alike and the ratios mean something.
 
-    python scripts/worker_timeline.py --shared-prefix 1500 --max-new-tokens 64 --batch-sizes 8 0 \
+    python bench/worker_timeline.py --shared-prefix 1500 --max-new-tokens 64 --batch-sizes 8 0 \
         --rounds 2 --json /tmp/timeline.json
-    python scripts/worker_timeline.py --http ...     # the same through the HTTP front
+    python bench/worker_timeline.py --http ...     # the same through the HTTP front
 
 Every run starts with the prefix cache emptied, so it prefills the shared system prompt cold once,
 as the HTTP benchmark's load does, and every run's replies must be the first run's. Per run: wall time and tokens/s of the load, and the steps split
