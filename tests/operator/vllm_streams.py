@@ -6,7 +6,9 @@ LIST_SECONDS; a deletion seen at once by a watch, as endpoints drop a terminatin
 refused before its first token by a pod that is going away (the node stops a deleted pod's
 programs as soon as its own watch sees the deletion, which can be before this client's watch
 does) is counted in `refused` and sent again elsewhere, as a client retrying a refused connection
-would; every other error, and any reply that ends unfinished, is a failure.
+would; so is a stream such a pod opens and closes before its first token (vLLM answers 200 as its
+SIGTERM arrives). Every other error, and any reply that ends unfinished after a token or on a pod
+not going away, is a failure.
 """
 
 from __future__ import annotations
@@ -72,9 +74,15 @@ class Streams:
                     for choice in chunk.choices:
                         tokens += bool(choice.text)
                         finish = choice.finish_reason or finish
+                if finish not in ("length", "stop") and not tokens:
+                    time.sleep(0.5)   # as below: the watch catches up with a deletion the node saw first
                 with self.lock:
                     if finish in ("length", "stop"):
                         self.done.append((pod, started, time.monotonic()))
+                    elif not tokens and pod in self.deleted_at:
+                        # vLLM answered 200 as its SIGTERM arrived and closed the stream before a
+                        # token (CI at bc51c90): a refusal by a pod going away, as below.
+                        self.refused.append((pod, f"the stream ended unfinished ({finish}) before a token"))
                     else:
                         self.failed.append((pod, f"the stream ended unfinished ({finish}) after {tokens} chunks"))
             except openai.APIError as exc:
