@@ -280,6 +280,27 @@ static inline const float *kv_at(const kv_rows *r, long p) {
                      * r->hd;
 }
 
+/* A tile's share of one token's weighted sum: acc += s[p] * v_p for p = a..b-1 ascending (slots
+   past n0 from anc, as weighted_sum), the sums copied into locals for the tile so that, with
+   chunks a constant at the call (always inlined), they live in registers. */
+#define VALUE_TILE 64
+static inline __attribute__((always_inline)) void
+accumulate_values(const float *s, const kv_rows *v, long a, long b, long n0, const long *anc,
+                  int m, int chunks, v8 *acc) {
+    v8 r[MAX_HEAD_DIM / 8];
+    for (int c = 0; c < chunks; c++) r[c] = acc[c];
+    for (long p = a; p < b; p++) {
+        v8 w = (v8){0} + s[p];
+        const float *vp = kv_at(v, p < n0 ? p : anc[m - 1 - (p - n0)]);
+        for (int c = 0; c < chunks; c++) {
+            v8 x;
+            __builtin_memcpy(&x, vp + c * 8, sizeof x);
+            r[c] = fma8(w, x, r[c]);
+        }
+    }
+    for (int c = 0; c < chunks; c++) acc[c] = r[c];
+}
+
 /* out = inv * sum_p s[p] * v_p, keys ascending from position lo (0, or a sliding window's
    first): the value rows lo..n0-1 of the contiguous prefix, then (a token tree) the m rows at
    slots anc[m-1], ..., anc[0], whose scores are s[n0..n0+m-1]. hd = 8 * chunks floats. The
@@ -288,15 +309,7 @@ static void weighted_sum(const float *s, const kv_rows *v, long lo, long n0, con
                          int chunks, float inv, float *out) {
     v8 acc[MAX_HEAD_DIM / 8];
     for (int c = 0; c < chunks; c++) acc[c] = (v8){0};
-    for (long p = lo; p < n0 + m; p++) {
-        v8 w = (v8){0} + s[p];
-        const float *vp = kv_at(v, p < n0 ? p : anc[m - 1 - (p - n0)]);
-        for (int c = 0; c < chunks; c++) {
-            v8 x;
-            __builtin_memcpy(&x, vp + c * 8, sizeof x);
-            acc[c] = fma8(w, x, acc[c]);
-        }
-    }
+    accumulate_values(s, v, lo, n0 + m, n0, anc, m, chunks, acc);
     for (int c = 0; c < chunks; c++) {
         v8 r = acc[c] * inv;
         __builtin_memcpy(out + c * 8, &r, sizeof r);
@@ -397,26 +410,6 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
 }
 
 
-/* A tile's share of one token's weighted sum: acc += s[p] * v_p for p = a..b-1 ascending (slots
-   past n0 from anc, as weighted_sum), the sums copied into locals for the tile so that, with
-   chunks a constant at the call (always inlined), they live in registers. */
-#define VALUE_TILE 64
-static inline __attribute__((always_inline)) void
-accumulate_values(const float *s, const kv_rows *v, long a, long b, long n0, const long *anc,
-                  int m, int chunks, v8 *acc) {
-    v8 r[MAX_HEAD_DIM / 8];
-    for (int c = 0; c < chunks; c++) r[c] = acc[c];
-    for (long p = a; p < b; p++) {
-        v8 w = (v8){0} + s[p];
-        const float *vp = kv_at(v, p < n0 ? p : anc[m - 1 - (p - n0)]);
-        for (int c = 0; c < chunks; c++) {
-            v8 x;
-            __builtin_memcpy(&x, vp + c * 8, sizeof x);
-            r[c] = fma8(w, x, r[c]);
-        }
-    }
-    for (int c = 0; c < chunks; c++) acc[c] = r[c];
-}
 
 /* A paged cache's attention for query head hh of a group of runs whose rows share their first
    block (a prompt prefix served by reference): tokens toks[0..n-1], each of its own row (table).
