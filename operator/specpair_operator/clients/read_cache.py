@@ -160,43 +160,39 @@ class CachingKube(Kube):
         version = written if written == GONE else str(((written or {}).get("metadata") or {}).get("resourceVersion") or "")
         watch.wrote(namespace, name, version)
 
+    async def _marked(self, plural: str, namespace: str | None, name: str, write: Any) -> Any:
+        """Awaits a write and marks it in its kind's watch: what the server returned, or (the write
+        failed; it may have been made) an unknown version."""
+        try:
+            written = await write
+        except BaseException:
+            self._wrote(plural, namespace, name, None)
+            raise
+        self._wrote(plural, namespace, name, written)
+        return written
+
     async def create(self, obj: dict[str, Any], read_existing: bool = True, dry_run: bool = False) -> dict[str, Any]:
         meta = obj["metadata"]
         plural = PLURALS.get(obj["kind"], "")
         self._drop(plural, meta.get("namespace"), meta["name"])
         if dry_run:
             return await super().create(obj, read_existing=read_existing, dry_run=dry_run)
-        try:
-            created = await super().create(obj, read_existing=read_existing, dry_run=dry_run)
-        except BaseException:
-            self._wrote(plural, meta.get("namespace"), meta["name"], None)   # it may have been made
-            raise
-        self._wrote(plural, meta.get("namespace"), meta["name"], created)
-        return created
+        return await self._marked(plural, meta.get("namespace"), meta["name"],
+                                  super().create(obj, read_existing=read_existing, dry_run=dry_run))
 
     async def merge_patch(self, api_version: str, plural: str, namespace: str | None, name: str,
                           patch: dict[str, Any], subresource: str | None = None) -> dict[str, Any]:
         self._drop(plural, namespace, name)
-        try:
-            patched = await super().merge_patch(api_version, plural, namespace, name, patch, subresource=subresource)
-        except BaseException:
-            self._wrote(plural, namespace, name, None)
-            raise
-        self._wrote(plural, namespace, name, patched)
-        return patched
+        return await self._marked(plural, namespace, name, super().merge_patch(
+            api_version, plural, namespace, name, patch, subresource=subresource))
 
     async def json_patch(self, api_version: str, plural: str, namespace: str | None, name: str,
                          operations: list[dict[str, Any]], dry_run: bool = False) -> dict[str, Any]:
         self._drop(plural, namespace, name)
         if dry_run:
             return await super().json_patch(api_version, plural, namespace, name, operations, dry_run=dry_run)
-        try:
-            patched = await super().json_patch(api_version, plural, namespace, name, operations, dry_run=dry_run)
-        except BaseException:
-            self._wrote(plural, namespace, name, None)
-            raise
-        self._wrote(plural, namespace, name, patched)
-        return patched
+        return await self._marked(plural, namespace, name, super().json_patch(
+            api_version, plural, namespace, name, operations, dry_run=dry_run))
 
     async def delete(self, api_version: str, plural: str, namespace: str | None, name: str, uid: str) -> bool:
         self._drop(plural, namespace, name)
