@@ -21,9 +21,15 @@ reaches around the companion):
   categories by exactly the rules it judges ours by.
 - The pair's bearer token (rollout.auth) and serving TLS (rollout.tls) apply here, as on our
   engine's HTTP front; /health and /metrics stay open.
-- SIGTERM: /health answers 503 (readiness takes the pod out of its Service), requests in flight
-  run to their end (up to the drain timeout), then the companion exits; vLLM, sent SIGTERM at the
-  same moment, finishes them too (--shutdown-timeout, specpair.vllm_serve).
+- SIGTERM: /health answers 503 at once (readiness fails) while requests are still served for the
+  stop delay (rollout.shutdown.stopDelaySeconds: endpoints and gateways drop the terminating pod
+  meanwhile, as for our engine); then a new request is refused with 503 and `Retry-After` (the
+  client or gateway sends it elsewhere), and requests in flight run to their end (up to the drain
+  timeout); then the companion
+  writes its drained marker beside vLLM's socket and exits. Only then does the pod's vLLM get its
+  SIGTERM (specpair.vllm_serve.supervise holds it back), so no request the companion let through
+  meets a vLLM that is shutting down. Should vLLM still close a stream before its first event, the
+  client gets the same 503 (the reply had not started) instead of an empty 200.
 
 Torch-free: aiohttp, grpc, prometheus_client and the engine's generated protobufs only.
 """
@@ -32,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -44,7 +52,8 @@ from typing import Any
 from specpair.contract import DEFAULT_CATEGORY
 from specpair.server.requests import CATEGORY_PATTERN
 from specpair.stats import AcceptanceStats, RequestMoments
-from specpair.vllm_serve import POD_DRAIN_SECONDS, VLLM_SOCKET, parse_identity_name, reachable_socket_path
+from specpair.vllm_serve import (POD_DRAIN_SECONDS, VLLM_SOCKET, drained_marker, parse_identity_name,
+                                 reachable_socket_path)
 
 log = logging.getLogger("specpair.vllm_companion")
 
@@ -56,6 +65,8 @@ ENGINE = "vllm"
 COUNTED_PATHS = ("/v1/chat/completions", "/v1/completions")
 # Paths open without the bearer token (the probes, Prometheus), as on our engine's front.
 OPEN_PATHS = ("/health", "/metrics", "/ping", "/version")
+# Seconds a refused client is told to wait before it sends again (elsewhere, as a rule).
+RETRY_AFTER_SECONDS = 1
 # Hop-by-hop headers and those the proxy sets anew.
 _DROPPED_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host",
                               "authorization", "upgrade", "proxy-connection", "te", "trailer"})
@@ -167,6 +178,9 @@ def acceptance_of(spec: dict[str, Any] | None, emitted: int | None) -> Acceptanc
     # every step counts as drafting k (an upper bound; the metrics use it to touch positions).
     stats.num_draft_tokens_per_pos = [stats.num_drafts] * k
     return stats
+
+
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 class SseScanner:
@@ -296,16 +310,21 @@ class CompanionOptions:
     control_port: int | None = None              # None: no control listener; 0: a free port
     control_tls: Any = None                      # TLSFiles with client_ca: mutual TLS, required
     drain_timeout: float = float(POD_DRAIN_SECONDS)
+    stop_delay: float = 0.0                      # after SIGTERM, seconds still serving with /health 503
     # /metrics alone, plain HTTP, as our engine's --metrics-port: what Prometheus scrapes (the
     # container port `metrics` on both engines' pods); None: only on the HTTP port.
     metrics_port: int | None = None
+    # Written once drained: the pod's vLLM waits for it before it stops (vllm_serve.drained_marker).
+    drained_marker: str | None = None
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None) -> Any:
-    """OpenAI's error shape, as vLLM and our engine's front answer."""
+def _error(status: int, message: str, kind: str, param: str | None = None, retry_after: bool = False) -> Any:
+    """OpenAI's error shape, as vLLM and our engine's front answer. `retry_after`: a refusal the
+    client may send again at once (to another pod: this one is going away)."""
     from aiohttp import web
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                             status=status)
+                             status=status,
+                             headers={"Retry-After": str(RETRY_AFTER_SECONDS)} if retry_after else None)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -330,7 +349,8 @@ class Companion:
         self.started_at = time.time()
         self.port: int | None = None
         self.control_port: int | None = None
-        self.draining = False
+        self.leaving = False                    # told to stop: /health 503, still serving (the stop delay)
+        self.draining = False                   # new requests refused, those in flight finishing
         self.in_flight = 0
         self.identity: dict[str, Any] | None = None
         self._session = None
@@ -346,6 +366,10 @@ class Companion:
     async def open(self) -> None:
         import aiohttp
         from aiohttp import web
+
+        if self.options.drained_marker:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.options.drained_marker)      # an earlier life of this container's
 
         upstream = self.options.upstream
         # vLLM on a Unix socket in the pod ("unix:PATH"): no port the network can reach around the
@@ -402,6 +426,12 @@ class Companion:
                                                        ReloadingTLS(self.options.control_tls).credentials())
         await self._grpc.start()
 
+    async def leave(self) -> int:
+        """SIGTERM's whole course: not ready at once, serving for the stop delay, then drain."""
+        self.leaving = True
+        await asyncio.sleep(self.options.stop_delay)
+        return await self.drain()
+
     async def drain(self) -> int:
         """Health says 503 from now; wait for the requests in flight (up to the drain timeout).
         Returns how many were still running at the deadline."""
@@ -409,6 +439,9 @@ class Companion:
         deadline = time.monotonic() + self.options.drain_timeout
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.options.drained_marker:
+            with open(self.options.drained_marker, "w") as f:
+                f.write(f"{self.in_flight}\n")
         return self.in_flight
 
     async def close(self) -> None:
@@ -464,7 +497,7 @@ class Companion:
         log.warning("companion serving on %s:%s in front of vLLM at %s%s", self.options.host, self.port,
                     self.options.upstream, f", control port {self.control_port}" if self.control_port else "")
         await stopping.wait()
-        left = await self.drain()
+        left = await self.leave()
         log.warning("drained: %d requests still running at the drain timeout", left)
         await self.close()
 
@@ -481,14 +514,13 @@ class Companion:
         from specpair.server.auth import bearer_token_matches
 
         path = request.path
-        if path == "/health" and self.draining:
+        if path == "/health" and (self.leaving or self.draining):
             return _error(503, "draining: this pod is shutting down", "service_unavailable")
         if self.draining and path.startswith("/v1/"):
-            # A request that reaches a draining pod (before readiness takes it out of its Service)
-            # is refused before it starts, as our engine's front does, so the client sends it
-            # elsewhere: vLLM, told to stop at the same moment, would answer it with an empty stream.
+            # A request that reaches a draining pod (its endpoint not yet dropped everywhere) is
+            # refused before it starts, as our engine's front does, so the client sends it elsewhere.
             return _error(503, "shutting down: this pod is draining; send the request to another",
-                          "service_unavailable")
+                          "service_unavailable", retry_after=True)
         if path == "/metrics":
             return await self._metrics()
         token = self.options.auth_token
@@ -561,13 +593,27 @@ class Companion:
                     return web.Response(body=body, status=upstream.status, headers=headers)
                 resp = web.StreamResponse(status=upstream.status, headers=headers)
                 scanner = SseScanner(prep.client_usage)
+                # The reply starts (status and headers sent) with its first event other than
+                # [DONE]: a stream vLLM closes before one is refused as unstarted instead.
+                held = b""
                 try:
-                    await resp.prepare(request)
                     async for chunk in upstream.content.iter_any():
                         out = scanner.feed(chunk, time.perf_counter())
+                        if not resp.prepared:
+                            held += out
+                            if not held.replace(SSE_DONE, b"").strip():
+                                continue
+                            await resp.prepare(request)
+                            out, held = held, b""
                         if out:
                             await resp.write(out)
-                    rest = scanner.rest()
+                    rest = held + scanner.rest()
+                    if not resp.prepared and not rest.replace(SSE_DONE, b"").strip():
+                        reply.status = "unavailable"
+                        return _error(503, "vLLM closed the stream before its first event (it is shutting down); "
+                                      "send the request to another pod", "service_unavailable", retry_after=True)
+                    if not resp.prepared:
+                        await resp.prepare(request)
                     if rest:
                         await resp.write(rest)
                 except ConnectionResetError:
@@ -659,7 +705,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--control-tls-key")
     ap.add_argument("--control-tls-client-ca")
     ap.add_argument("--drain-timeout", type=float, default=float(POD_DRAIN_SECONDS),
-                    help="seconds requests in flight may take to end after SIGTERM")
+                    help="seconds requests in flight may take to end after the stop delay")
+    ap.add_argument("--stop-delay", type=float, default=0.0,
+                    help="seconds after SIGTERM still serving with /health 503, while endpoints drop the pod")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -676,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
             control_port=args.control_port,
             control_tls=(TLSFiles(args.control_tls_cert, args.control_tls_key, args.control_tls_client_ca)
                          if args.control_port is not None else None),
-            drain_timeout=args.drain_timeout, metrics_port=args.metrics_port)
+            drain_timeout=args.drain_timeout, stop_delay=args.stop_delay, metrics_port=args.metrics_port,
+            drained_marker=None if args.upstream else drained_marker(args.uds))
         companion = Companion(options)
     except (OSError, ValueError, SpecpairError) as exc:
         print(f"specpair.vllm_companion: error: {exc}", file=sys.stderr)

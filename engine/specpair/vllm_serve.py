@@ -8,6 +8,11 @@ context, quantization) come from the release by the one mapping (vllm_peer.specu
 vllm_peer.serving_flags), and then this process becomes vLLM's OpenAI server (exec), so
 signals and the exit code are vLLM's own.
 
+In a pod (`--uds`) this process stays as vLLM's parent instead of becoming it: told to stop, it
+holds vLLM's SIGTERM back until the pod's companion has drained (`supervise`), so no request the
+companion accepted meets a vLLM that is shutting down (vLLM 0.32 answers such a request with an
+empty 200 stream). Everywhere else (`--host`/`--port`) it execs vLLM.
+
 Identity: besides the pair's name (what clients send as "model"), vLLM serves
 `identity_name(...)`: pair, release version, the release file's content hash and whether
 speculation is on. It is the first served name, because vLLM labels its /metrics with the first
@@ -23,7 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
+import time
 
 from specpair.contract import content_hash
 from specpair.errors import SpecpairError
@@ -38,6 +47,11 @@ VLLM_SPEC_DECODE_FLAGS = ("--per-request-spec-decode-metrics", "summary")
 # On SIGTERM a pod's vLLM finishes the requests in flight for up to this long (vLLM's default, 0,
 # aborts them), as its companion does: within the pod's default 30 s grace period.
 POD_DRAIN_SECONDS = 25
+# The companion writes this file beside the socket once it has drained (nothing in flight, new
+# requests refused with 503): the pod's vLLM is sent SIGTERM only then (`supervise`).
+DRAINED_MARKER = "companion-drained"
+# After the drain vLLM has nothing in flight; this bounds its own shutdown before SIGKILL.
+VLLM_STOP_SECONDS = 10
 # sockaddr_un holds 108 bytes with its terminator; a mounted volume's path can be longer.
 UNIX_PATH_MAX = 107
 
@@ -51,6 +65,60 @@ def reachable_socket_path(path: str) -> str:
     folder, name = os.path.split(path)
     os.chdir(folder)
     return f"./{name}"
+
+
+def drained_marker(socket_path: str) -> str:
+    """Where the companion in front of the socket at `socket_path` says it has drained (the
+    volume both containers mount)."""
+    return os.path.join(os.path.dirname(socket_path), DRAINED_MARKER)
+
+
+def _die_with_parent() -> None:
+    """In vLLM's process, before it runs: SIGKILL when its supervisor dies (a SIGKILL at the end
+    of the pod's grace period reaches the supervisor's process group, not vLLM's session)."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def supervise(cmd: list[str], env: dict[str, str], marker: str, drain_wait: float,
+              stop_seconds: float = VLLM_STOP_SECONDS, poll: float = 0.1) -> int:
+    """Run vLLM (`cmd`) as a child in a session of its own until it exits, or until this process
+    is sent SIGTERM or SIGINT: then wait for the companion's `marker` (at most `drain_wait`
+    seconds: a companion that died writes none), pass SIGTERM on to vLLM, and SIGKILL what is
+    left of its session after `stop_seconds`. Returns vLLM's exit status (128 + signal where a
+    signal ended it), as the container's own."""
+    try:
+        os.unlink(marker)           # one a companion of an earlier life of the pod left
+    except FileNotFoundError:
+        pass
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _signum, _frame: stopping.set())
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+    try:
+        while proc.poll() is None and not stopping.wait(poll):
+            pass
+        if proc.poll() is None:
+            deadline = time.monotonic() + drain_wait
+            while not os.path.exists(marker) and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(poll)
+            said = "the companion drained" if os.path.exists(marker) else f"no drained companion in {drain_wait:g} s"
+            print(f"specpair.vllm_serve: {said}; stopping vLLM", file=sys.stderr, flush=True)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(stop_seconds)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)     # vLLM's workers, and vLLM if it is still up
+        except (ProcessLookupError, PermissionError):
+            pass
+        code = proc.wait()
+    return 128 - code if code < 0 else code
 
 
 def identity_name(pair: str, version: str, digest: str, speculating: bool) -> str:
@@ -110,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="serve target-only (the operator's SpeculationOff for vLLM: a re-rollout)")
     ap.add_argument("--enforce-eager", action="store_true", help="no compilation or graphs (CPU nodes)")
     ap.add_argument("--dry-run", action="store_true", help="print the vLLM command line and exit")
+    ap.add_argument("--stop-delay", type=float, default=0.0,
+                    help="with --uds: the companion's stop delay (it serves that long after SIGTERM)")
+    ap.add_argument("--drain-timeout", type=float, default=float(POD_DRAIN_SECONDS),
+                    help="with --uds: the companion's drain timeout; vLLM is sent SIGTERM once the companion "
+                         "has drained, or at the latest after stop delay + drain timeout + "
+                         f"{VLLM_STOP_SECONDS} s")
     args = ap.parse_args(argv)
     try:
         with open(args.release) as f:
@@ -131,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # The same environment as every vLLM we start (sources are local directories by now).
     env = VllmServer(python, ".").environment()
+    if args.uds:
+        print(f"run: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        return supervise(cmd, env, drained_marker(args.uds), args.stop_delay + args.drain_timeout + VLLM_STOP_SECONDS)
     print(f"exec: {' '.join(cmd)}", file=sys.stderr, flush=True)
     os.execve(cmd[0], cmd, env)
     return 0  # not reached

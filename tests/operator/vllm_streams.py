@@ -3,12 +3,12 @@
 The devcluster has no kube-proxy: each client picks the address itself, as a Service's load
 balancing would, round robin over the pods that are ready and not being deleted (listed every
 LIST_SECONDS; a deletion seen at once by a watch, as endpoints drop a terminating pod). A request
-refused before its first token by a pod that is going away (the node stops a deleted pod's
-programs as soon as its own watch sees the deletion, which can be before this client's watch
-does) is counted in `refused` and sent again elsewhere, as a client retrying a refused connection
-would; so is a stream such a pod opens and closes before its first token (vLLM answers 200 as its
-SIGTERM arrives). Every other error, and any reply that ends unfinished after a token or on a pod
-not going away, is a failure.
+refused by a pod that is going away (the node stops a deleted pod's programs as soon as its own
+watch sees the deletion, which can be before this client's watch does: a refused connection, or
+the companion's 503 with Retry-After) is counted in `refused` and sent again elsewhere, as a
+client retrying a refused request would. Every other error, and any reply that ends unfinished
+(a 200 stream closed before its first token included: the companion never lets one reach a
+client), is a failure.
 """
 
 from __future__ import annotations
@@ -74,15 +74,9 @@ class Streams:
                     for choice in chunk.choices:
                         tokens += bool(choice.text)
                         finish = choice.finish_reason or finish
-                if finish not in ("length", "stop") and not tokens:
-                    time.sleep(0.5)   # as below: the watch catches up with a deletion the node saw first
                 with self.lock:
                     if finish in ("length", "stop"):
                         self.done.append((pod, started, time.monotonic()))
-                    elif not tokens and pod in self.deleted_at:
-                        # vLLM answered 200 as its SIGTERM arrived and closed the stream before a
-                        # token (CI at bc51c90): a refusal by a pod going away, as below.
-                        self.refused.append((pod, f"the stream ended unfinished ({finish}) before a token"))
                     else:
                         self.failed.append((pod, f"the stream ended unfinished ({finish}) after {tokens} chunks"))
             except openai.APIError as exc:
