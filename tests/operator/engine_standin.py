@@ -60,12 +60,10 @@ class StandInEngine(engine_pb2_grpc.EngineServicer):
     def _draft(self) -> str:
         return self.args.draft or self.args.drafter or ""
 
-    def Generate(self, request: Any, context: Any) -> Any:
+    def answer(self, category: str, drafted: int) -> int:
+        """One request answered and counted, whichever protocol brought it: the accepted tokens."""
         began = time.monotonic()
-        drafted = request.max_new_tokens if request.HasField("max_new_tokens") else 64
-        category = request.category or DEFAULT_CATEGORY
         accepted = 0
-        context.send_initial_metadata(((SERVED_BY, str(self.args.version)),))
         wait = float((world().get("_first_token_seconds") or {}).get(str(self.args.version), 0.0))
         if wait:
             time.sleep(wait)
@@ -79,6 +77,12 @@ class StandInEngine(engine_pb2_grpc.EngineServicer):
                 accepted = int(drafted * rate)
                 c[1] += drafted
                 c[2] += accepted
+        return accepted
+
+    def Generate(self, request: Any, context: Any) -> Any:
+        drafted = request.max_new_tokens if request.HasField("max_new_tokens") else 64
+        context.send_initial_metadata(((SERVED_BY, str(self.args.version)),))
+        accepted = self.answer(request.category or DEFAULT_CATEGORY, drafted)
         yield engine_pb2.GenerateResponse(
             request_id=request.request_id or "r", text="x" * drafted,
             stats=engine_pb2.AcceptanceStats(num_draft_tokens=drafted if self.speculation else 0,
@@ -143,6 +147,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--metrics-port", type=int, default=9400)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--control-port", type=int, default=0)
+    ap.add_argument("--http-port", type=int, default=0)
+    # As the real engine stops (server/app.py): unready but serving for the stop delay, then drained.
+    ap.add_argument("--stop-delay", type=float, default=0.0)
+    ap.add_argument("--drain-timeout", type=float, default=2.0)
     for flag in ("--control-tls-cert", "--control-tls-key", "--control-tls-client-ca"):
         ap.add_argument(flag)
     args, _ = ap.parse_known_args(argv[2:])
@@ -165,13 +173,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def build_server(args: argparse.Namespace, executor: futures.Executor | None = None,
-                 interceptors: tuple[Any, ...] = ()) -> grpc.Server:
+                 interceptors: tuple[Any, ...] = (), health_servicer: Any = None,
+                 engine: StandInEngine | None = None) -> grpc.Server:
     """The stand-in's gRPC server on the pod's address (serving port, and the control port with
     mutual TLS when asked), not started. Several servers may share one `executor`
     (engine_standin_host.py serves many pods from one process, and counts their calls)."""
     server = grpc.server(executor or futures.ThreadPoolExecutor(max_workers=8), interceptors=interceptors)
-    engine_pb2_grpc.add_EngineServicer_to_server(StandInEngine(args), server)
-    health_servicer = health.HealthServicer()
+    engine_pb2_grpc.add_EngineServicer_to_server(engine or StandInEngine(args), server)
+    health_servicer = health_servicer or health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"{args.host or '127.0.0.1'}:{args.port}")
@@ -183,6 +192,50 @@ def build_server(args: argparse.Namespace, executor: futures.Executor | None = N
                                             root_certificates=read(args.control_tls_client_ca),
                                             require_client_auth=True)
         server.add_secure_port(f"{args.host or '127.0.0.1'}:{args.control_port}", creds)
+    return server
+
+
+def http_server(args: argparse.Namespace, engine: StandInEngine, ready: threading.Event) -> Any:
+    """The OpenAI-compatible port (--http-port) as far as a client through a gateway needs it, on
+    HTTP/1.1 keep-alive: POST /v1/completions answered and counted as a Generate is (its reply's
+    `x-specpair-version` header names the version that served it), GET /health 200 while `ready`
+    (503 once told to stop, as the real engine's). Serving in threads of its own; not started."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _reply(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header(SERVED_BY, str(args.version))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path == "/health":
+                self._reply(200 if ready.is_set() else 503, {"status": "serving" if ready.is_set() else "leaving"})
+            else:
+                self._reply(404, {"error": {"message": f"no {self.path} here"}})
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            if self.path != "/v1/completions":
+                self._reply(404, {"error": {"message": f"no {self.path} here"}})
+                return
+            drafted = int(body.get("max_tokens") or 16)
+            engine.answer(str((body.get("metadata") or {}).get("category") or DEFAULT_CATEGORY), drafted)
+            self._reply(200, {"object": "text_completion", "model": args.pair,
+                              "choices": [{"index": 0, "text": "x" * drafted, "finish_reason": "length"}],
+                              "usage": {"completion_tokens": drafted}})
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer((args.host or "127.0.0.1", args.http_port), Handler)
+    server.daemon_threads = True
     return server
 
 
@@ -198,13 +251,27 @@ def main(argv: list[str]) -> int:
     if crashes(args):
         print(f"stand-in engine: release v{args.version} crashes at start (the test's world says so)", file=sys.stderr)
         return 1
-    server = build_server(args)
+    engine, health_servicer, ready = StandInEngine(args), health.HealthServicer(), threading.Event()
+    server = build_server(args, health_servicer=health_servicer, engine=engine)
     server.start()
-    print(f"stand-in engine {args.pair} v{args.version} on {args.host}:{args.port}", flush=True)
+    http = http_server(args, engine, ready) if args.http_port else None
+    if http is not None:
+        threading.Thread(target=http.serve_forever, daemon=True).start()
+    ready.set()
+    print(f"stand-in engine {args.pair} v{args.version} on {args.host}:{args.port}"
+          + (f" and HTTP :{args.http_port}" if http else ""), flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
-    server.stop(2).wait()
+    # The real engine's stop (server/app.py): readiness fails at once, requests are still served
+    # for the stop delay while endpoints and gateways drop the pod, then in-flight ones drain.
+    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    ready.clear()
+    print(f"SIGTERM: leaving for {args.stop_delay:g} s, then draining (up to {args.drain_timeout:g} s)", flush=True)
+    time.sleep(args.stop_delay)
+    if http is not None:
+        http.shutdown()
+    server.stop(args.drain_timeout).wait()
     return 0
 
 

@@ -1,8 +1,15 @@
 """EngineServer: the life of one engine pod's server, from loading to draining.
 
     starting -> loading (gRPC up, health NOT_SERVING) -> serving (models loaded, warm-up step ran,
-    health SERVING) -> draining (health NOT_SERVING, new Generate refused, in-flight streams run
-    on up to the drain timeout, then end with UNAVAILABLE) -> stopped
+    health SERVING) -> [leaving: health NOT_SERVING, requests still served, for the stop delay]
+    -> draining (health NOT_SERVING, new Generate refused, in-flight streams run on up to the drain
+    timeout, then end with UNAVAILABLE) -> stopped
+
+Why leaving: Kubernetes removes a stopping pod from its Services' endpoints as it sends SIGTERM,
+and kube-proxy, gateways and load balancers follow some seconds later. A pod that refused new
+requests at once would fail those still sent to it meanwhile; so with a stop delay (the operator
+writes rollout.shutdown.stopDelaySeconds) readiness fails first and requests are still served
+until the delay ends, and only then does the server refuse new ones and drain.
 
 The gRPC server (grpc.aio) runs on its own event loop in its own thread, the engine in the
 worker thread, the metrics HTTP server in prometheus-client's thread, the OpenAI-compatible HTTP
@@ -60,6 +67,9 @@ class ServerOptions:
     max_batch_size: int | None = None
     max_queue: int = 32
     drain_timeout: float = 30.0
+    # Seconds `stop` keeps serving with health NOT_SERVING before it drains (module docstring);
+    # 0 outside Kubernetes, where nothing routes by endpoints.
+    stop_delay: float = 0.0
     # The serving ports' (gRPC and HTTP) certificate, re-read on rotation. None: plaintext (the
     # CLI asks for --insecure explicitly).
     tls: TLSFiles | None = None
@@ -131,6 +141,9 @@ class EngineServer:
         self.load_engine = load_engine
         self.progress = progress
         self.phase = "starting"
+        # Told to stop: readiness fails (health NOT_SERVING, /health 503) while requests are still
+        # served for the stop delay, then the drain (module docstring).
+        self.leaving = False
         self.error: str | None = None
         self.engine = None
         self.worker: EngineWorker | None = None
@@ -195,15 +208,17 @@ class EngineServer:
         if self.phase != "serving":
             raise RuntimeError(self.error or f"engine failed to start (phase {self.phase})")
 
-    def stop(self, drain_timeout: float | None = None) -> dict:
-        """Drain in-flight requests (up to drain_timeout), then stop. Returns what happened."""
+    def stop(self, drain_timeout: float | None = None, stop_delay: float | None = None) -> dict:
+        """Fail readiness and keep serving for the stop delay (None: the options'), then drain
+        in-flight requests (up to drain_timeout), then stop. Returns what happened."""
         with self._stop_lock:
             if self.phase == "stopped" or self._loop is None or self._stopped.is_set():
                 self._close_metrics()
                 return {"drained": 0, "aborted": 0}
             timeout = self.options.drain_timeout if drain_timeout is None else drain_timeout
-            future = asyncio.run_coroutine_threadsafe(self._shutdown(timeout), self._loop)
-            result = future.result(timeout + 60)
+            delay = self.options.stop_delay if stop_delay is None else stop_delay
+            future = asyncio.run_coroutine_threadsafe(self._shutdown(timeout, delay), self._loop)
+            result = future.result(delay + timeout + 60)
             self._thread.join(30)
             return result
 
@@ -220,6 +235,9 @@ class EngineServer:
             return "models are still loading; retry when health reports SERVING"
         if self.phase == "failed":
             return f"engine failed to start: {self.error}"
+        if self.phase == "serving" and self.leaving:
+            return ("this pod is stopping: it still serves requests while endpoints drop it, "
+                    "send new ones elsewhere")
         return "server is shutting down"
 
     def control_client_allowed(self, context) -> bool:
@@ -398,11 +416,17 @@ class EngineServer:
                 await self._health.set(name, status)
         asyncio.run_coroutine_threadsafe(set_all(), self._loop).result(10)
 
-    async def _shutdown(self, drain_timeout: float) -> dict:
-        self.phase = "draining"
+    async def _shutdown(self, drain_timeout: float, stop_delay: float = 0.0) -> dict:
+        # Readiness first (module docstring): health NOT_SERVING while requests are still served.
+        self.leaving = True
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         aborted = in_flight = 0
+        if stop_delay > 0 and self.phase == "serving":
+            self.progress(f"leaving: health NOT_SERVING, still serving for {stop_delay:g} s while endpoints "
+                          f"drop this pod")
+            await asyncio.sleep(stop_delay)
+        self.phase = "draining"
         worker = self.worker
         if worker is not None:
             worker.stop_accepting()

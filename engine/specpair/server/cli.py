@@ -125,7 +125,11 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     limits.add_argument("--max-new-tokens-limit", type=int, default=1024)
     limits.add_argument("--max-request-bytes", type=int, default=1 << 20)
     limits.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds in-flight streams may run on after SIGTERM")
+                        help="seconds in-flight streams may run on after SIGTERM (after the stop delay)")
+    limits.add_argument("--stop-delay", type=float, default=0.0,
+                        help="seconds after SIGTERM the server still serves with health NOT_SERVING, while "
+                             "endpoints and gateways stop sending to it, before it refuses new requests and "
+                             "drains (the operator writes rollout.shutdown.stopDelaySeconds)")
     serve.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
     serve.add_argument("--dtype", help="float32, bfloat16, ... (default: fp32 on CPU, bf16 on CUDA)")
     add_shadow_arguments(serve)
@@ -294,7 +298,8 @@ def server_options(args, release: Release | None = None):
                          version=release and release.version or args.version,
                          content_hash=release.content_hash if release else "",
                          max_batch_size=args.max_batch_size,
-                         max_queue=args.max_queue, drain_timeout=args.drain_timeout, tls=tls,
+                         max_queue=args.max_queue, drain_timeout=args.drain_timeout,
+                         stop_delay=args.stop_delay, tls=tls,
                          limits=Limits(max_request_bytes=args.max_request_bytes,
                                        max_new_tokens=args.max_new_tokens_limit),
                          http_port=args.http_port or None, auth_token=token,
@@ -312,6 +317,8 @@ def read_release(path: str) -> Release:
         raise SpecpairError(f"--release {path}: {exc}") from exc
     if not (release.get("target") or {}).get("source"):
         raise SpecpairError(f"--release {path}: no target.source")
+    if not (args.stop_delay >= 0 and args.drain_timeout >= 0):
+        raise SpecpairError("--stop-delay and --drain-timeout must be >= 0 seconds")
     return Release.from_dict(release)   # refused here if unservable
 
 
@@ -350,7 +357,9 @@ def serve_command(args) -> int:
     stop = threading.Event()
 
     def on_signal(signum, _frame):
-        progress(f"{signal.Signals(signum).name}: draining (up to {options.drain_timeout:g} s)")
+        progress(f"{signal.Signals(signum).name}: "
+                 + (f"leaving for {options.stop_delay:g} s, then " if options.stop_delay else "")
+                 + f"draining (up to {options.drain_timeout:g} s)")
         stop.set()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

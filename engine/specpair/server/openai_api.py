@@ -534,8 +534,11 @@ class OpenAIFront:
 
     async def health(self, request: Request) -> Response:
         state = self.state
-        body = {"status": state.phase, "pair": state.options.pair, "version": state.options.version}
-        if state.phase != "serving":
+        # Not ready once told to stop, though requests are still served for the stop delay (app.py).
+        ready = state.phase == "serving" and not state.leaving
+        body = {"status": "leaving" if state.phase == "serving" and state.leaving else state.phase,
+                "pair": state.options.pair, "version": state.options.version}
+        if not ready:
             body["message"] = state.unavailable_reason()
         return JSONResponse(body, status_code=200 if state.phase == "serving" else 503)
 

@@ -12,6 +12,7 @@ from specpair.vllm_serve import VLLM_SOCKET, VLLM_SOCKET_DIR
 
 from specpair_operator.crd.schema import has_gpu
 from specpair_operator.release import content as release_mod
+from specpair_operator.desired.pod_shutdown import shutdown_of
 from specpair_operator.desired.manifests import (ANN_HASH, ANN_SHADOW_RELEASE, AUTH_DIR, COMPANION_REQUESTS,
                                                  CONTROL_PORT, HTTP_PORT, METRICS_PORT, RELEASE_DIR, RELEASE_FILE,
                                                  SHADOW_RELEASE_FILE, TLS_DIR, MlflowCredentials, PodDefaults,
@@ -114,7 +115,8 @@ def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest
         "name": "engine",
         "image": engine_image(release, rollout),
         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
-        "command": engine_command(release, port, http_port, control_port, tls) + engine_limit_flags(rollout),
+        "command": engine_command(release, port, http_port, control_port, tls) + engine_limit_flags(rollout)
+        + shutdown_of(rollout).engine_flags(),
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
                   {"name": "control", "containerPort": control_port, "protocol": "TCP"},
@@ -190,7 +192,10 @@ def _engine_deployment_of(pair: str, namespace: str, release: dict[str, Any], di
             "strategy": rollout_strategy(rollout),
             "template": {
                 "metadata": {"labels": labels, "annotations": release_annotations(release, digest)},
-                "spec": {"containers": [container, *sidecars], **pod_spec(rollout, defaults, extra_volumes=list(extra_volumes))},
+                "spec": {"containers": [container, *sidecars],
+                         # The stop delay and the drain, then the exit (pod_shutdown.py).
+                         "terminationGracePeriodSeconds": shutdown_of(rollout).grace_period,
+                         **pod_spec(rollout, defaults, extra_volumes=list(extra_volumes))},
             },
         },
     }
