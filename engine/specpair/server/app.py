@@ -421,13 +421,13 @@ class EngineServer:
         self.leaving = True
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        aborted = in_flight = 0
         if stop_delay > 0 and self.phase == "serving":
             self.progress(f"leaving: health NOT_SERVING, still serving for {stop_delay:g} s while endpoints "
                           f"drop this pod")
             await asyncio.sleep(stop_delay)
         self.phase = "draining"
         worker = self.worker
+        aborted = in_flight = 0
         if worker is not None:
             worker.stop_accepting()
             # Replies, not worker jobs: a finished job's last tokens may still be on their way.

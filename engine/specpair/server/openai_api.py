@@ -540,7 +540,7 @@ class OpenAIFront:
                 "pair": state.options.pair, "version": state.options.version}
         if not ready:
             body["message"] = state.unavailable_reason()
-        return JSONResponse(body, status_code=200 if state.phase == "serving" else 503)
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     def _model_card(self) -> dict:
         state = self.state
