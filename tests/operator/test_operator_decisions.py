@@ -484,8 +484,11 @@ def test_a_vllm_release_is_its_own_release_and_renders_vllms_server():
     # vLLM on a Unix socket in a volume it shares with its companion, which takes the pair's port
     # (and the control port, mutual TLS from the engine certificate's Secret).
     c, companion = pod["containers"]
+    # Both containers know the pod's stop delay and drain: vLLM stops only after its companion drained.
+    shutdown = ["--stop-delay", "5", "--drain-timeout", "30"]
     assert c["command"] == ["python", "-m", "specpair.vllm_serve", "--release", manifests.RELEASE_FILE,
-                            "--uds", vllm_serve.VLLM_SOCKET, "--enforce-eager"]
+                            "--uds", vllm_serve.VLLM_SOCKET, "--enforce-eager", *shutdown]
+    assert companion["command"][-4:] == shutdown and pod["terminationGracePeriodSeconds"] == 5 + 30 + 10
     assert "ports" not in c and c["livenessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
     assert companion["command"][:9] == ["python", "-m", "specpair.vllm_companion", "--release", manifests.RELEASE_FILE,
                                         "--uds", vllm_serve.VLLM_SOCKET, "--host", "0.0.0.0"]

@@ -638,9 +638,11 @@ def planned(cl: Cluster) -> tuple[list[Any], Any]:
 @pytest.mark.parametrize("rollout, event, words", [
     ({"replicas": 1}, "Normal", "each new pod starts beside the old ones (maxSurge 1, maxUnavailable 0), so all 1 "
      "keep serving until it is ready"),
-    ({"replicas": 1, **GPU}, "Warning", "its pods hold GPUs, and a GPU pool rarely has a spare device, so an old pod "
-     "goes before its successor starts (maxSurge 0, maxUnavailable 1): the pair has no ready pod until the new one is "
-     "ready; rollout.replicas >= 2 keeps one serving through the switch"),
+    ({"replicas": 1, **GPU}, "Normal", "(maxSurge 1, maxUnavailable 0), so all 1 keep serving until it is ready; its "
+     "pods hold GPUs and it has one replica, so it surges rather than go unserved: the new pod needs a free device and "
+     "waits Pending until one is, while the old pod serves on as it was"),
+    ({"replicas": 2, **GPU}, "Normal", "its pods hold GPUs, and a GPU pool rarely has a spare device, so an old pod "
+     "goes before its successor starts (maxSurge 0, maxUnavailable 1): at least 1 of 2 pods serve throughout"),
     ({"replicas": 3, **GPU}, "Normal", "(maxSurge 0, maxUnavailable 1): at least 2 of 3 pods serve throughout"),
 ])
 def test_speculation_off_on_a_vllm_pair_is_a_rollout_the_plan_says(rollout, event, words):
@@ -661,6 +663,22 @@ def test_speculation_off_on_a_vllm_pair_is_a_rollout_the_plan_says(rollout, even
     assert cl.w.deployment["spec"]["strategy"]["rollingUpdate"] == {
         "maxSurge": rolls[0].roll.max_surge, "maxUnavailable": rolls[0].roll.max_unavailable}
     assert kinds(sp.plan_serving(cl.world()))[-2:] == ["Report ready Degraded/SpeculationOff", "ReportSpeculation -"]
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+@pytest.mark.parametrize("replicas", [1, 2, 3, 8])
+def test_a_vllm_speculation_roll_never_leaves_the_pair_without_a_ready_pod(replicas, gpu):
+    """Whatever its size and devices, a vLLM pair switching speculation (a rollout) keeps a pod
+    ready throughout, by the strategy its Deployment is rendered with (one home)."""
+    from specpair_operator.desired.engine_objects import rollout_strategy
+    from specpair_operator.policy.rollout_strategy import speculation_roll
+
+    rollout = {"replicas": replicas, **(GPU if gpu else {})}
+    strategy = rollout_strategy(rollout, "vllm")
+    roll = speculation_roll(strategy, replicas, gpu)
+    assert roll.least_ready >= 1 and not roll.unserved, (strategy, roll)
+    # On GPUs a surge only where it must (one replica): a GPU pool rarely has a spare device.
+    assert strategy["rollingUpdate"]["maxSurge"] == (1 if not gpu or replicas == 1 else 0)
 
 
 def test_the_specpair_engine_still_switches_its_pods_in_place():

@@ -247,6 +247,9 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     for cat in dict.fromkeys(categories):
         verdict["categories"][cat] = summarise([r for r in rows if r[0] == cat])[1]
     verdict.update(k_by_load(concurrencies, base_load, spec_load, int(speculative["num_speculative_tokens"])))
+    # How long each vLLM took to start (the gate's cost beyond its prompts; CI's budget).
+    verdict["vllmStartSeconds"] = {"targetOnly": round(base_server.start_seconds or 0.0, 1),
+                                   "speculative": round(spec_server.start_seconds or 0.0, 1)}
     thresholds = gating.get("thresholds") or {}
     verdict.update(shipped_off(verdict, thresholds))
     verdict["reasons"] = threshold_failures(verdict, thresholds)

@@ -76,9 +76,10 @@ def vllm_command(http_port: int, rollout: dict[str, Any], speculation: bool = Tr
     """vLLM's OpenAI server for the release file the pod mounts (specpair.vllm_serve resolves the
     models and builds vLLM's flags from the release), on the Unix socket the pod's companion
     fronts. No GPU: eager mode (compiling for the CPU takes minutes at every start)."""
+    # The companion's stop delay and drain: vLLM is sent SIGTERM only once the companion drained.
     return ["python", "-m", "specpair.vllm_serve", "--release", RELEASE_FILE, "--uds", VLLM_SOCKET,
             *([] if speculation else ["--no-speculation"]),
-            *([] if has_gpu(rollout) else ["--enforce-eager"])]
+            *([] if has_gpu(rollout) else ["--enforce-eager"]), *shutdown_of(rollout).engine_flags()]
 
 
 def vllm_companion_command(http_port: int, control_port: int, rollout: dict[str, Any]) -> list[str]:
@@ -89,7 +90,8 @@ def vllm_companion_command(http_port: int, control_port: int, rollout: dict[str,
     return ["python", "-m", "specpair.vllm_companion", "--release", RELEASE_FILE, "--uds", VLLM_SOCKET,
             "--host", "0.0.0.0", "--port", str(http_port), *token, "--metrics-port", str(METRICS_PORT),
             "--control-port", str(control_port), "--control-tls-cert", f"{TLS_DIR}/tls.crt",
-            "--control-tls-key", f"{TLS_DIR}/tls.key", "--control-tls-client-ca", f"{TLS_DIR}/ca.crt"]
+            "--control-tls-key", f"{TLS_DIR}/tls.key", "--control-tls-client-ca", f"{TLS_DIR}/ca.crt",
+            *shutdown_of(rollout).engine_flags()]
 
 
 def engine_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
@@ -189,7 +191,7 @@ def _engine_deployment_of(pair: str, namespace: str, release: dict[str, Any], di
             "replicas": int(rollout.get("replicas", 1)),
             "selector": {"matchLabels": engine_selector(pair)},
             "progressDeadlineSeconds": int(rollout.get("progressDeadlineSeconds", 600)),
-            "strategy": rollout_strategy(rollout),
+            "strategy": rollout_strategy(rollout, release_mod.engine_kind(release)),
             "template": {
                 "metadata": {"labels": labels, "annotations": release_annotations(release, digest)},
                 "spec": {"containers": [container, *sidecars],
@@ -254,12 +256,18 @@ def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest:
                                  sidecars=[companion])
 
 
-def rollout_strategy(rollout: dict[str, Any]) -> dict[str, Any]:
+def rollout_strategy(rollout: dict[str, Any], kind: str = "specpair") -> dict[str, Any]:
     """Surge a new pod before the old one goes, unless the engine holds accelerators: a GPU
     node pool rarely has a spare device, and a surge pod that cannot be scheduled would stall
     the rollout until its progress deadline. Then the old pod goes first (a short gap in
-    serving per replica instead of a stuck rollout)."""
+    serving per replica instead of a stuck rollout).
+
+    Except a vLLM pair of one replica on GPUs: it switches speculation by a rollout (vLLM has no
+    runtime switch), and its only pod going first would leave the pair unserved at every drift
+    step. It surges: the new pod waits Pending for a free device while the old one serves on."""
     if has_gpu(rollout):
+        if kind == "vllm" and int(rollout.get("replicas") or 1) <= 1:
+            return {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
         return {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
     return {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
 

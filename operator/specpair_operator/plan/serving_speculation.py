@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from specpair_operator.crd.schema import has_gpu
 from specpair_operator.desired import engine_objects
 from specpair_operator.policy import rollout_strategy
 from specpair_operator.observe.serving_world import EnginePod
@@ -37,7 +38,7 @@ def _switch(out: _Steps, champion: str, addresses: tuple[str, ...], enabled: boo
     if kind_of(w) != "vllm":
         out.add(SwitchSpeculation(addresses, enabled, reason[:500]))
         return
-    roll = rollout_strategy.speculation_roll(engine_objects.rollout_strategy(dict(w.rollout)),
-                                             int(w.rollout.get("replicas", 1)))
+    roll = rollout_strategy.speculation_roll(engine_objects.rollout_strategy(dict(w.rollout), "vllm"),
+                                             int(w.rollout.get("replicas", 1)), has_gpu(dict(w.rollout)))
     out.add(RollSpeculation("Warning" if roll.unserved else "Normal", "SpeculationRollout",
                             f"{roll.describe(champion, enabled)}; because: {reason}"[:1000], enabled, roll))

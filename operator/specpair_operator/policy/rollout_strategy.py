@@ -149,6 +149,7 @@ class SpeculationRoll:
     max_unavailable: int
     replicas: int
     least_ready: int
+    gpu: bool = False
 
     @property
     def unserved(self) -> bool:
@@ -158,8 +159,14 @@ class SpeculationRoll:
         what = (f"speculation {'on' if enabled else 'off'} for vLLM pair v{version} is a new rollout of the same "
                 f"release with speculation {'enabled' if enabled else 'disabled'} (vLLM cannot switch it at run time)")
         if self.max_unavailable == 0:
-            return (f"{what}: each new pod starts beside the old ones (maxSurge {self.max_surge}, maxUnavailable 0), "
+            said = (f"{what}: each new pod starts beside the old ones (maxSurge {self.max_surge}, maxUnavailable 0), "
                     f"so all {self.replicas} keep serving until it is ready")
+            if self.gpu:
+                # One replica on GPUs: the surge is taken anyway (engine_objects.rollout_strategy).
+                said += ("; its pods hold GPUs and it has one replica, so it surges rather than go unserved: the new "
+                         "pod needs a free device and waits Pending until one is, while the old pod serves on as it "
+                         "was")
+            return said
         how = (f"its pods hold GPUs, and a GPU pool rarely has a spare device, so an old pod goes before its "
                f"successor starts (maxSurge {self.max_surge}, maxUnavailable {self.max_unavailable})")
         if self.unserved:
@@ -168,9 +175,9 @@ class SpeculationRoll:
         return f"{what}: {how}: at least {self.least_ready} of {self.replicas} pods serve throughout"
 
 
-def speculation_roll(strategy: Mapping[str, Any], replicas: int) -> SpeculationRoll:
+def speculation_roll(strategy: Mapping[str, Any], replicas: int, gpu: bool = False) -> SpeculationRoll:
     """The roll a Deployment `strategy` (engine_objects.rollout_strategy: its one home) gives `replicas`
-    pods."""
+    pods (`gpu`: they hold accelerators)."""
     rolling = strategy.get("rollingUpdate") or {}
     surge, unavailable = int(rolling.get("maxSurge", 0)), int(rolling.get("maxUnavailable", 0))
-    return SpeculationRoll(surge, unavailable, replicas, max(replicas - unavailable, 0))
+    return SpeculationRoll(surge, unavailable, replicas, max(replicas - unavailable, 0), gpu)
