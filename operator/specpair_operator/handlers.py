@@ -232,11 +232,13 @@ async def on_owned_event(body: kopf.Body, **_: Any) -> None:
 
 
 def wake_owner(plural: str, event_type: str, obj: dict[str, Any]) -> None:
-    """A pair's Service or NetworkPolicy edited or deleted (the operator's watches of them,
-    clients/pod_watch.py): wake its pair's pass, which puts it back at once instead of at the
-    resync backstop. Deployments wake through Kopf's watch (on_owned_event); an object's
-    creation is the operator's own doing."""
-    if plural not in ("services", "networkpolicies") or event_type == "ADDED":
+    """A pair's Service or NetworkPolicy edited or deleted, or its autoscaler deleted (the
+    operator's watches of them, clients/pod_watch.py): wake its pair's pass, which puts it back at
+    once instead of at the resync backstop. Deployments wake through Kopf's watch
+    (on_owned_event); an object's creation is the operator's own doing; an autoscaler's other
+    changes are its controller's status writes (every few seconds, nothing to put back)."""
+    if event_type == "ADDED" or not (plural in ("services", "networkpolicies") or (
+            plural in ("horizontalpodautoscalers", "scaledobjects") and event_type == "DELETED")):
         return
     for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
         if ref.get("kind") == "SpecModelPair" and ref.get("uid") in STATE.bodies:

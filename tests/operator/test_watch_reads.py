@@ -1,8 +1,9 @@
 """Passes read the operator's children from watches (clients/pod_watch.py, issue 54): the
 read-your-writes rule as tables, then the operator's client on the real API server as the chart's
-ServiceAccount: a pass's GETs of Deployments, Services and NetworkPolicies and its LIST of engine
-pods are answered by watches (present and absent), a pass reads its own write back at once, and a
-Service deleted by hand is heard (the callback that wakes its pair)."""
+ServiceAccount: a pass's GETs of Deployments, Services, NetworkPolicies, HPAs and KEDA's
+ScaledObjects and its LIST of engine pods are answered by watches (present and absent), a pass
+reads its own write back at once, and a Service or an autoscaler deleted by hand is heard (the
+callback that wakes its pair)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,24 @@ def test_a_namespace_cache_answers_once_listed_and_not_for_a_write_it_has_not_se
     assert kept.answers("relisted", 8.0)
 
 
+def test_a_cache_holds_objects_without_their_managed_fields():
+    """Who set which field (server-side apply) is most of a Deployment's bytes and the operator
+    never reads it: a cache holds objects without it, listed or watched, and leaves the rest."""
+    managed = [{"manager": "kube-controller-manager", "operation": "Update", "fieldsV1": {"f:status": {}}}]
+
+    def obj(name: str, version: str) -> dict:
+        return {"metadata": {"name": name, "resourceVersion": version, "labels": {"a": "b"}, "managedFields": managed},
+                "spec": {"replicas": 1}}
+    kept = NamespaceObjects()
+    listed = obj("listed", "5")
+    kept.listed([listed], "5", started=0.0)
+    kept.apply({"type": "ADDED", "object": obj("watched", "6")}, now=1.0)
+    for name, version in (("listed", "5"), ("watched", "6")):
+        assert kept.objects[name] == {"metadata": {"name": name, "resourceVersion": version, "labels": {"a": "b"}},
+                                      "spec": {"replicas": 1}}
+    assert listed["metadata"]["managedFields"] == managed          # what the server sent is left as it was
+
+
 @pytest.mark.parametrize("selector, labels", [
     ("specpair.io/pair=a,specpair.io/role=engine", {"specpair.io/pair": "a", "specpair.io/role": "engine"}),
     ("a==b", None), ("a!=b", None), ("a in (b)", None), ("a", None), ("=b", None),
@@ -79,8 +98,12 @@ def test_only_equality_selectors_are_answered(selector, labels):
     ("the operator's own creation", "services", "ADDED", "SpecModelPair", False),
     ("a Deployment: Kopf's watch wakes it (on_owned_event)", "deployments", "DELETED", "SpecModelPair", False),
     ("a Service someone else owns", "services", "DELETED", "Application", False),
+    ("an HPA deleted by hand", "horizontalpodautoscalers", "DELETED", "SpecModelPair", True),
+    ("a ScaledObject deleted by hand", "scaledobjects", "DELETED", "SpecModelPair", True),
+    ("an HPA's status written by its controller", "horizontalpodautoscalers", "MODIFIED", "SpecModelPair", False),
+    ("a ScaledObject's status written by KEDA", "scaledobjects", "MODIFIED", "SpecModelPair", False),
 ])
-def test_a_hand_edit_of_a_pairs_service_or_policy_wakes_its_pass(why, plural, event, owner_kind, wakes, monkeypatch):
+def test_a_hand_edit_of_a_pairs_service_or_policy_or_a_deleted_autoscaler_wakes_its_pass(why, plural, event, owner_kind, wakes, monkeypatch):
     from specpair_operator import handlers
     from specpair_operator.state import STATE
     monkeypatch.setattr(STATE, "bodies", {"uid-a": {}})
@@ -213,3 +236,93 @@ async def _eq(got, app: str) -> bool:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def _autoscaler(pair: str, namespace: str, keda: bool) -> dict:
+    """The autoscaler the operator would write for an autoscaled pair (plan_autoscaler)."""
+    from specpair_operator.desired import autoscaling
+    spec = {"rollout": {"autoscaling": {"minReplicas": 1, "maxReplicas": 3, "metric": "queueLength", "target": 4}}}
+    plan = autoscaling.plan_autoscaler(spec, pair, namespace, keda=keda, default_prometheus="http://prometheus:9090")
+    assert plan.desired is not None, plan
+    return plan.desired
+
+
+def test_a_pass_reads_autoscalers_from_watches(operator_env, ns):
+    """As the chart's ServiceAccount (its list and watch of HPAs and ScaledObjects): every full
+    pass asks for the pair's autoscaler of each kind, present or not (plan_autoscaler deletes a
+    leftover one); once the namespace's watches are in, those GETs ask the API server nothing. A
+    ScaledObject the pass creates is read back at once; an HPA deleted by hand is heard and read
+    as absent. KEDA's kind is watched only while its CRD is installed: removed, the watch's list
+    fails and a GET asks the API server again."""
+    from autoscaler_scenario import SO, install_keda_crd, remove_keda_crd
+    from specpair_operator.desired.manifests import engine_name
+
+    async def scenario() -> None:
+        kube = _operators_kube()
+        heard: list[tuple[str, str, str]] = []
+        kube.on_change = lambda plural, kind, obj: heard.append((plural, kind, obj["metadata"]["name"]))
+        asked: list[str] = []
+        real_request = kube._request
+
+        async def counted(method, path, **kw):
+            asked.append(f"{method} {path}")
+            return await real_request(method, path, **kw)
+        kube._request = counted     # type: ignore[method-assign]  (counts; the real request is made)
+        full = PassReads(time.monotonic(), 1)
+
+        async def in_pass(fn):
+            token = CURRENT.set(full)
+            try:
+                return await fn()
+            finally:
+                CURRENT.reset(token)
+
+        def hpa(name):
+            return in_pass(lambda: kube.get("autoscaling/v2", "horizontalpodautoscalers", ns.name, name))
+
+        def scaled_object(name):
+            return in_pass(lambda: kube.get(SO[0], SO[1], ns.name, name))
+
+        try:
+            pair, bare = f"a-{uuid.uuid4().hex[:5]}", f"b-{uuid.uuid4().hex[:5]}"
+            await kube.create(_autoscaler(pair, ns.name, keda=False))     # outside a pass
+            assert (await hpa(engine_name(pair)))["spec"]["maxReplicas"] == 3    # starts the watch
+            await _until("the HPA watch in", lambda: _synced(kube, "horizontalpodautoscalers", ns.name))
+            asked.clear()
+            before = full.from_watch
+            assert (await hpa(engine_name(pair)))["spec"]["maxReplicas"] == 3
+            assert (await hpa(engine_name(bare))) is None                   # absent: answered too
+            assert full.from_watch - before == 2 and asked == [], asked
+
+            install_keda_crd(ns.kube)
+            assert (await scaled_object(engine_name(pair))) is None         # starts the watch
+            await _until("the ScaledObject watch in", lambda: _synced(kube, "scaledobjects", ns.name))
+            await in_pass(lambda: kube.create(_autoscaler(pair, ns.name, keda=True)))
+            # At once: from the API server until the watch shows the create, then from the watch.
+            assert (await scaled_object(engine_name(pair)))["spec"]["maxReplicaCount"] == 3
+            await _until("the create on the watch",
+                         lambda: _watch_answers(kube, "scaledobjects", ns.name, engine_name(pair)))
+            asked.clear()
+            assert (await scaled_object(engine_name(pair)))["spec"]["maxReplicaCount"] == 3 and asked == []
+
+            ns.kube.delete("autoscaling/v2", "horizontalpodautoscalers", ns.name, engine_name(pair))
+            await _until("the HPA's deletion heard",
+                         lambda: _true(("horizontalpodautoscalers", "DELETED", engine_name(pair)) in heard))
+            asked.clear()
+            assert (await hpa(engine_name(pair))) is None and asked == []
+
+            remove_keda_crd(ns.kube)
+            await _until("the ScaledObject watch out of sync",
+                         lambda: _true(not kube.named_watch("scaledobjects").namespaces[ns.name].synced))
+            asked.clear()
+            assert (await scaled_object(engine_name(pair))) is None and asked, "asked the API server"
+        finally:
+            await kube.close()
+            remove_keda_crd(ns.kube)
+
+    asyncio.run(scenario())
+
+
+async def _synced(kube: CachingKube, plural: str, namespace: str) -> bool:
+    watch = kube.named_watch(plural)
+    return watch is not None and namespace in watch.namespaces and watch.namespaces[namespace].synced

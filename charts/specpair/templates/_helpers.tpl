@@ -146,13 +146,14 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
   verbs: [create, patch]
 # Each autoscaled pair's autoscaler on its scale subresource (rollout.autoscaling): an HPA, or
 # KEDA's ScaledObject where KEDA is installed; deleted when autoscaling is removed or KEDA comes
-# or goes. Whether KEDA is installed is API discovery, open to every identity.
+# or goes. Whether KEDA is installed is API discovery, open to every identity. Listed and
+# watched: passes read them from watches (clients/pod_watch.py).
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
-  verbs: [get, create, patch, delete]
+  verbs: [get, create, patch, delete, list, watch]
 - apiGroups: [keda.sh]
   resources: [scaledobjects]
-  verbs: [get, create, patch, delete]
+  verbs: [get, create, patch, delete, list, watch]
 # A pair naming a Gateway (rollout.gateway): its HTTPRoute and GRPCRoute, read, created, and
 # patched with each canary step's weight (desired/routes.py). Never deleted: garbage-collected
 # with the pair. Whether Gateway API is installed is API discovery, open to every identity.

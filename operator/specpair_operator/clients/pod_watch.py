@@ -1,6 +1,6 @@
 """The operator's children from watches: an informer-style cache per namespace and kind, so a
-pass reads its engine pods, Deployments, Services and NetworkPolicies without asking the API
-server (clients/read_cache.CachingKube answers from it inside passes).
+pass reads its engine pods, Deployments, Services, NetworkPolicies and autoscalers (HPA, KEDA's
+ScaledObject) without asking the API server (clients/read_cache.CachingKube answers from it inside passes).
 
 For each namespace a pass has asked about, one task per kind LISTs the objects (`WatchedKind`:
 the engine pods by their label, every Deployment, Service and NetworkPolicy of the namespace)
@@ -8,8 +8,8 @@ and then WATCHes them from the list's resourceVersion, applying each event; a wa
 resumed from the last version seen (bookmarks keep it fresh), one that is refused (410 Gone) or
 broken lists again. Until its first list has been applied, and after any failure until the next
 list is, a namespace's cache is not `synced` and answers nothing: the caller asks the API
-server, as it would without the cache. 1,000 pairs in 20 namespaces are 80 watches and no
-request per pass, where a LIST of pods and four GETs per full pass were ~5 requests a second.
+server, as it would without the cache. 1,000 pairs in 20 namespaces are 120 watches and no
+request per pass, where a LIST of pods and five GETs per full pass were ~6 requests a second.
 
 Read-your-writes: the operator's own write of an object (create, patch, delete) marks its name
 (`written`) until the watch delivers that write (the resourceVersion the write returned, or the
@@ -80,8 +80,15 @@ ENGINE_POD_KIND = WatchedKind("v1", "pods", ENGINE_POD_LABEL)
 DEPLOYMENTS = WatchedKind("apps/v1", "deployments")
 SERVICES = WatchedKind("v1", "services")
 NETWORK_POLICIES = WatchedKind("networking.k8s.io/v1", "networkpolicies")
+# A pair's autoscaler (desired/autoscaling.py): every full pass asks for it by name, present or
+# not (a pair without autoscaling asks so as to delete a leftover one). KEDA's kind exists only
+# while its CRD is installed: its watch is started by the first GET of one (plan_autoscaler asks
+# only then), and while the kind is not served its list fails (404) and the cache answers nothing.
+HORIZONTAL_POD_AUTOSCALERS = WatchedKind("autoscaling/v2", "horizontalpodautoscalers")
+SCALED_OBJECTS = WatchedKind("keda.sh/v1alpha1", "scaledobjects")
 # The kinds a pass reads by name from watches (CachingKube.get).
-NAMED_KINDS = {k.plural: k for k in (DEPLOYMENTS, SERVICES, NETWORK_POLICIES)}
+NAMED_KINDS = {k.plural: k for k in (DEPLOYMENTS, SERVICES, NETWORK_POLICIES, HORIZONTAL_POD_AUTOSCALERS,
+                                     SCALED_OBJECTS)}
 
 
 def equality_selector(selector: str) -> dict[str, str] | None:
@@ -123,6 +130,16 @@ def mark_cleared(mark: Written, event_type: str, version: str, now: float) -> bo
     return mark.version == "" or version == mark.version
 
 
+def kept_form(obj: dict[str, Any]) -> dict[str, Any]:
+    """An object as a cache holds it: without metadata.managedFields (who set which field, by
+    server-side apply), which the operator never reads; it is most of a Deployment's bytes, and
+    every object a cache holds is copied for each answer (and held for every pair)."""
+    meta = obj.get("metadata")
+    if isinstance(meta, dict) and "managedFields" in meta:
+        obj = {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
+    return obj
+
+
 @dataclass
 class NamespaceObjects:
     """One namespace's objects of a kind by name, as of `resource_version`; `synced` once a list
@@ -146,7 +163,7 @@ class NamespaceObjects:
         if kind == "DELETED":
             self.objects.pop(name, None)
         elif kind in ("ADDED", "MODIFIED"):
-            self.objects[name] = obj
+            self.objects[name] = kept_form(obj)
         else:
             return
         mark = self.written.get(name)
@@ -156,7 +173,7 @@ class NamespaceObjects:
     def listed(self, items: list[dict[str, Any]], version: str, started: float) -> None:
         """A fresh list (begun at `started`): the cache is what it says; writes made before the
         list began are in it."""
-        self.objects = {(o.get("metadata") or {}).get("name", ""): o for o in items}
+        self.objects = {(o.get("metadata") or {}).get("name", ""): kept_form(o) for o in items}
         self.resource_version, self.synced = version, True
         self.written = {n: m for n, m in self.written.items() if m.at >= started}
 
@@ -257,7 +274,9 @@ class NamespacedWatch:
                 # cache may have missed events: it answers nothing until the next list is in.
                 kept.synced = False
                 if exc.status != 410:
-                    log.warning(f"{plural} of {namespace}: watch failed ({exc}); listing again in {delay:g} s")
+                    # 404: the kind is not served (KEDA's CRD removed): said quietly, tried again.
+                    log.log(logging.DEBUG if exc.status == 404 else logging.WARNING,
+                            f"{plural} of {namespace}: watch failed ({exc}); listing again in {delay:g} s")
                     await asyncio.sleep(delay)
                     delay = min(RETRY_CAP_S, delay * 2)
             except Exception:  # noqa: BLE001  (a bug here must not stop the passes: they read instead)

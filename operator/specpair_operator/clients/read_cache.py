@@ -7,9 +7,9 @@ rest of the pass reads does not change unless someone changes it: the registered
 and the versions' tags in MLflow (the operator's own writes aside), the engine's Deployment,
 Service, NetworkPolicy, autoscaler and the prompts' ConfigMap. Those come, on such a pass, from
 the last full pass over the pair (a `PassReads`), so a settled pass makes no API request and
-no MLflow request. A full pass reads its engine pods, Deployments, Services and NetworkPolicies
-from watches too (clients/pod_watch.py), so it asks the API server only for its autoscaler and,
-with gating.configMapRef, its prompts, and MLflow twice.
+no MLflow request. A full pass reads its engine pods, Deployments, Services, NetworkPolicies and
+autoscalers from watches too (clients/pod_watch.py), so it asks the API server only, with
+gating.configMapRef, for its prompts, and MLflow twice.
 
 A pass is full, and records afresh, when any of these holds (`replays`):
 - the pair is not settled (in motion, every step reads what it acts on);
@@ -59,7 +59,7 @@ class PassReads:
     replayed: int = 0
     asked_replaying: dict[str, int] = field(default_factory=dict)
     pods_from_watch: int = 0
-    # The GETs by name a watch answered instead (Deployments, Services, NetworkPolicies).
+    # The GETs by name a watch answered instead (Deployments, Services, NetworkPolicies, autoscalers).
     from_watch: int = 0
     # What each engine pod (by its control address) said it is, in the last full pass or since:
     # a settled pass takes it from here and asks the pod for its counters only (RememberingProbe).
@@ -87,13 +87,14 @@ class CachingKube(Kube):
     - a LIST of engine pods is answered by the pod watch (clients/pod_watch.py) once it is synced,
       on every pass (a full one too, unless SPECPAIR_WATCHED_READS=0: the watch is as fresh as a
       LIST, and the operator never writes pods);
-    - a GET of a Deployment, Service or NetworkPolicy is answered by that kind's watch (present or
-      absent) once synced and while no write of the name is pending (pod_watch's read-your-writes);
+    - a GET of a Deployment, Service, NetworkPolicy, HPA or ScaledObject is answered by that kind's
+      watch (present or absent) once synced and while no write of the name is pending (pod_watch's
+      read-your-writes);
     - a settled pass answers a GET of the other REPLAYED_PLURALS from its last full pass's record
       (a kind not recorded yet is read and recorded);
     - any write drops the record of what it wrote and marks the name in its kind's watch.
     `on_change` (set by handlers.login) hears every change the watches apply: a Service or
-    NetworkPolicy deleted or edited by hand wakes its pair's pass."""
+    NetworkPolicy deleted or edited by hand, or an autoscaler deleted, wakes its pair's pass."""
 
     _pod_watch: PodWatch | None = None
     _named: dict[str, NamespacedWatch] | None = None
