@@ -9,7 +9,12 @@ every prompt), alternated, each in an engine of its own; tokens/s over the 16 ro
 mean time to first token, acceptance, and the load average around each run. The replies of the
 two are compared (they must be equal).
 
+`--head-prefix off,on` runs the paged cache only, alternating the head's own keys and values over
+the shared prefix recomputed by every row (off: as before the sixth session) against served from
+the prefix store (on: `Drafter.prefix_identity`, decoding.Batch._load_head_prefix).
+
     python bench/paged_heads.py [--rows 16] [--rounds 2] [--new 32] [--threads 2]
+    python bench/paged_heads.py --head-prefix off,on [--rows 8] [--new 16]
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch  # noqa: E402
 
 from specpair.config import GenerationParams, SpeculationConfig  # noqa: E402
 from specpair.decoding import SpeculativeEngine  # noqa: E402
+from specpair.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 from specpair.eagle3 import build_eagle3_head  # noqa: E402
 from specpair.models import load_model, wrap_model  # noqa: E402
 from specpair.paged_cache import PAGED_ENV  # noqa: E402
@@ -36,8 +42,9 @@ QUESTIONS = [f"Question {i}: how do I set the replica count of service number {i
              for i in range(64)]
 
 
-def run(mode: str, target, head, rows: int, new: int) -> dict:
+def run(mode: str, target, head, rows: int, new: int, head_prefix: str = "on") -> dict:
     os.environ[PAGED_ENV] = mode
+    Eagle3Drafter.shares_prefix = head_prefix == "on"
     engine = SpeculativeEngine(target, draft=head, speculation=SpeculationConfig(
         k=3, k_max=3, dynamic_k=False, fallback_threshold=0, batch_size_threshold=64))
     assert (engine.paged_space is not None) == (mode == "on"), engine.paged_unused
@@ -54,7 +61,9 @@ def run(mode: str, target, head, rows: int, new: int) -> dict:
     seconds = time.perf_counter() - started
     results = [batch.result(s) for s in seqs]
     generated = sum(len(r.token_ids) for r in results)
-    return {"mode": "paged" if mode == "on" else "contiguous", "seconds": round(seconds, 2),
+    head_cached = sum(s.head_cached for s in seqs) / rows
+    return {"mode": "paged" if mode == "on" else "contiguous", "head_prefix": head_prefix,
+            "head_cached_mean": head_cached, "seconds": round(seconds, 2),
             "tokens_per_s": round(generated / seconds, 2),
             "ttft_mean_s": round(sum(r.time_to_first_token for r in results) / rows, 3),
             "cached_tokens_mean": sum(r.cached_tokens for r in results) / rows,
@@ -70,11 +79,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--head-prefix", default=None,
+                    help="paged only, alternating these settings of the head's own prefix "
+                         "blocks (off,on); default: paged (on) against contiguous")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load_model("default")
     head = wrap_model(build_eagle3_head(target.model, torch.arange(target.embedding_rows),
                                         seed=5), None, "head")
+    if args.head_prefix:
+        head_prefix(args, target, head)
+        return
     runs = []
     for _ in range(args.rounds):
         for mode in ("on", "off"):
@@ -90,6 +105,28 @@ def main() -> None:
         "ttft_ratio": [round(p["ttft_mean_s"] / c["ttft_mean_s"], 3)
                        for p, c in zip(paged, contiguous)],
         "replies_equal": same}))
+
+
+def head_prefix(args, target, head) -> None:
+    """Paged runs alternating the head's prefix blocks off and on; their ratios (on / off)."""
+    settings = args.head_prefix.split(",")
+    runs = []
+    for _ in range(args.rounds):
+        for setting in settings:
+            runs.append(run("on", target, head, args.rows, args.new, setting))
+            print(json.dumps({k: v for k, v in runs[-1].items() if k != "replies"}), flush=True)
+    by = {s: [r for r in runs if r["head_prefix"] == s] for s in settings}
+    if len(settings) == 2:
+        a, b = (by[s] for s in settings)
+        print(json.dumps({
+            "rows": args.rows, "new_tokens": args.new, "threads": args.threads,
+            f"ttft_ratio_{settings[1]}_over_{settings[0]}": [
+                round(y["ttft_mean_s"] / x["ttft_mean_s"], 3) for x, y in zip(a, b)],
+            f"tokens_per_s_ratio_{settings[1]}_over_{settings[0]}": [
+                round(y["tokens_per_s"] / x["tokens_per_s"], 2) for x, y in zip(a, b)],
+            "replies_equal": all(x["replies"] == y["replies"] for x, y in zip(a, b)),
+            "drafts_equal": all((x["drafted"], x["accepted"]) == (y["drafted"], y["accepted"])
+                                for x, y in zip(a, b))}))
 
 
 if __name__ == "__main__":

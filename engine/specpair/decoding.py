@@ -123,6 +123,12 @@ class Sequence:
     # stored yet (once the cache holds the whole prompt).
     prefix_keys: list[list[bytes]] = field(default_factory=list)
     prefix_saved: list[bool] = field(default_factory=list)
+    # The paged cache's head drafter's own blocks of the prompt in the prefix store
+    # (Batch._head_names): their names, whether they are stored yet, and the head's positions
+    # served from them (its keys and values over a shared prefix, not computed again).
+    head_names: list[bytes] = field(default_factory=list)
+    head_saved: bool = False
+    head_cached: int = 0
     # Streamed pieces, joined once at the end: appending to one string copies it every step.
     pieces: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
@@ -623,8 +629,13 @@ class Batch:
         if self.draft_kv is not None:
             self.draft_kv.share_prefix(row, seq.prefix_keys[1], len(seq.prompt_ids))
         if held and self._wants_features:
-            self._hand_features(row, 0, self.target.stored_features(row, held),
-                                self.drafter is not None and self.drafter.wants_features)
+            features = self.target.stored_features(row, held)
+            self._hand_features(row, 0, features, False)        # the observers', from 0
+            if self.drafter is not None and self.drafter.wants_features:
+                # The head's own keys and values over the prefix's blocks from the store where
+                # a row computed them before; its features from there on.
+                loaded = self._load_head_prefix(seq, row, held)
+                self.drafter.observe(row, loaded, features[loaded:])
         if first:
             seq.cached_tokens = held
             self.engine.prefix_stats.looked_up += len(seq.prompt_ids)
@@ -645,6 +656,52 @@ class Batch:
     def blocks_to_admit(self, prompt_ids: list[int]) -> int:
         """Blocks the pool would give a new row for its prompt and first token (its cached
         prefix blocks held by no row count too: taking them leaves fewer to give)."""
+    @property
+    def _shares_head_prefix(self) -> bool:
+        """Whether the drafter's own cache over a prompt prefix is kept in the prefix store and
+        served to later rows sharing the prefix (a head's keys and values: Drafter.
+        prefix_identity), as the pool serves the target's blocks."""
+        return (self.paged and self.engine.prefix_store is not None and self.drafter is not None
+                and self.drafter.prefix_identity() is not None)
+
+    def _head_names(self, seq: Sequence) -> list[bytes]:
+        """The names of the head's blocks of the prompt: its position j is the pair (token
+        j+1, the target's features at j), which depend on the tokens through j+1, so a block's
+        name chains the prompt's tokens after the first (block_keys over prompt[1:], the
+        first token, the head's identity and the target's names' in the chain's start)."""
+        if not seq.head_names:
+            identity = (f"{self.drafter.prefix_identity()} over {self._names_identity} "
+                        f"after {seq.prompt_ids[0]}")
+            seq.head_names = block_keys(identity, seq.prompt_ids[1:], self.target.pool.block)
+        return seq.head_names
+
+    def _load_head_prefix(self, seq: Sequence, row: int, held: int) -> int:
+        """The empty head row's keys and values over the stored run of its prompt's head
+        blocks within the `held` shared positions (their features are the pool's). -> positions
+        loaded."""
+        if not self._shares_head_prefix:
+            return 0
+        names = self._head_names(seq)[:held // self.target.pool.block]
+        blocks = self.engine.prefix_store.lookup(names, len(seq.prompt_ids))
+        loaded = self.drafter.load_prefix(row, blocks) if blocks else 0
+        seq.head_cached = max(seq.head_cached, loaded)
+        return loaded
+
+    def _save_head_prefixes(self) -> None:
+        """Store the head's blocks of each row's prompt the store lacks, once the head has
+        computed them (its catch-up reached the prompt's last full block of pairs)."""
+        store, block = self.engine.prefix_store, self.target.pool.block
+        for i, seq in enumerate(self.rows):
+            if seq.head_saved:
+                continue
+            names = self._head_names(seq)
+            if self.drafter.prefix_positions(i) < len(names) * block:
+                continue
+            missing = store.missing(names)
+            store.insert(names, dict(zip(missing, self.drafter.read_prefix(
+                i, [b * block for b in missing], block))))
+            seq.head_saved = True
+
         pool = self.target.pool
         names = []
         if self.engine.prefix_store is not None:
@@ -692,6 +749,8 @@ class Batch:
         pool = self.target.pool
         order = sorted(range(len(self.rows)), key=lambda i: self.rows[i].started)
         draft = self.draft_kv
+        if self.copies:      # a row may copy more than its head drafts (its own k)
+            ks = [max(k, c) for k, c in zip(ks, self._ks(copying=True))]
         # A draft model's row, when drafting, catches up to the row's tokens and feeds k-1 drafts.
         needs = [pool.need(self.target.keys[i], self.target.lengths[i],
                            len(self.rows[i].tokens) - self.target.lengths[i], ks[i],
@@ -874,8 +933,11 @@ class Batch:
         ks = []
         # A head drafts from the target's features of the token before its drafts: a row whose
         # prompt the target has not fed to its end (a shared prefix's features are handed, the
-        # rest not yet computed) waits for that step.
-        heads = self.paged and self.drafter is not None and self.drafter.wants_features
+        # rest not yet computed) waits for that step. A copy needs no features: the round at
+        # the prompt's end copies (the verify feeds the prompt's tail and the copy in one step),
+        # as on the contiguous cache, whose head has no features before that round either.
+        heads = (self.paged and self.drafter is not None and self.drafter.wants_features
+                 and not copying)
         for i, seq in enumerate(self.rows):
             if heads and len(seq.tokens) - self.target.lengths[i] > 1:
                 ks.append(0)
@@ -909,6 +971,7 @@ class Batch:
         sampling = self._sampling()
         ks = self._ks()
         self.last_k = max(ks, default=0)
+        copy_ks = self._ks(copying=True) if self.copies else None
         if self.target.fixed:
             self.target.token_bucket = eng.step_bucket(B)
             self._prefill_apart()
@@ -917,9 +980,9 @@ class Batch:
         # Draft.
         t0 = time.perf_counter()
         siblings = None
-        if self.drafter is not None and any(ks):
+        if self.drafter is not None and (any(ks) or (copy_ks is not None and any(copy_ks))):
             width = eng.config.tree_width if self.drafter.tree_capable else 1
-            extra = {"copy_ks": self._ks(copying=True)} if self.copies else {}
+            extra = {"copy_ks": copy_ks} if self.copies else {}
             # A drafter that can proposes within each row's grammar (drafters.base.Drafter.grammars).
             self.drafter.grammars = [s.grammar for s in self.rows] if any(s.grammar for s in self.rows) else None
             proposal = self._on_device(self.drafter.propose, sequences, ks, sampling, width, **extra)
@@ -1004,6 +1067,8 @@ class Batch:
         self.target.trim()
         if self.drafter is not None:
             self.drafter.trim()
+            if self._shares_head_prefix:
+                self._save_head_prefixes()
         self._drop_finished()
         if self.paged and self.preempted:
             self._resume_preempted()      # a batch never idles while a preempted row waits

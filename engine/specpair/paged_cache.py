@@ -81,11 +81,6 @@ def paged_applies(model, kv_kind: str, compile_mode: str, drafter=None, tree_wid
         return "the static kind, not compiled, only"
     if drafter is not None and drafter.tree_capable and tree_width > 1:
         return "a drafter that drafts trees"
-    if drafter is not None and drafter.copies:
-        # Lookup-first went paged with the heads (ade4b31) and then never copied (0 copied
-        # row-rounds of 64 against 64 contiguous, 2026-12-06; not yet diagnosed): it keeps the
-        # contiguous cache, where it copies, until it does on the paged path too.
-        return "a drafter that copies (lookup-first)"
     draft_model = drafter.draft_model() if drafter is not None else None
     for which, runs in (("", model), ("the draft model: ", draft_model)):
         if runs is None:

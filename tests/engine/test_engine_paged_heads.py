@@ -7,7 +7,12 @@ admission (drafters.base.Drafter.cache_bytes).
 Greedy output equals target-only with drafting proven, rows joining a running batch and sharing a
 system prompt (the pool's prefix blocks hit); a row served a shared prefix drafts and accepts what
 it does cold; rows preempted through a small pool emit their solo output; a head scored in shadow
-keeps the paged cache on, its output unchanged."""
+keeps the paged cache on, its output unchanged. Lookup-first (copies where the text repeats, a
+head elsewhere) copies on the paged cache as on the contiguous one, the round at a prompt's end
+included (a copy needs no features: it does not wait for the prompt's last ones). A head's own
+keys and values over a shared prefix's full blocks are stored once and served to the next row
+sharing it (named by the same chained hash, plus the head's identity): it drafts what it does
+cold."""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
 from specpair.eagle3 import build_eagle3_head
 from specpair.models import wrap_model
-from specpair.paged_cache import PagedKVModel, PagedSpace
+from specpair.paged_cache import PAGED_ENV, PagedKVModel, PagedSpace
 from specpair.prefix_cache import BLOCK_TOKENS
 
 SPEC = SpeculationConfig(k=3, k_max=3, dynamic_k=False, fallback_threshold=0,
@@ -160,3 +165,71 @@ def test_the_heads_own_cache_is_counted_in_admission(request):
     per_position = batch.target.pool.block * engine._target_kv
     assert head_blocks == -(-batch.drafter.cache_bytes() // per_position)
     assert batch._blocks_reserved() >= head_blocks + 1
+
+
+def test_lookup_first_copies_on_the_paged_cache_as_on_the_contiguous_one(one_layer_target,
+                                                                         monkeypatch):
+    """Lookup-first went paged with the heads and then never copied: a head row waited for its
+    prompt's last features before drafting, and the copy at the prompt's end (its last token
+    found earlier in it) waited with it. Paged now copies, row-round for row-round, as the
+    contiguous cache does, with rows joining and sharing the system prompt's blocks."""
+    def engine(paged: str) -> SpeculativeEngine:
+        monkeypatch.setenv(PAGED_ENV, paged)
+        return SpeculativeEngine(one_layer_target, draft=mirror_head(one_layer_target, vocab_every=2),
+                                 speculation=SpeculationConfig(
+                                     k=3, k_max=3, dynamic_k=False, fallback_threshold=0,
+                                     batch_size_threshold=64, lookup_min_match=1))
+    contiguous, paged = engine("off"), engine("on")
+    assert contiguous.paged_space is None
+    assert paged.paged_unused is None and paged.paged_space is not None
+    runs = {}
+    for name, eng in (("contiguous", contiguous), ("paged", paged)):
+        batch, results = run_joining(eng)
+        runs[name] = (batch, results, dict(eng.drafter.rounds))
+    _, cont_results, cont_rounds = runs["contiguous"]
+    batch, results, rounds = runs["paged"]
+    assert isinstance(batch.target, PagedKVModel)
+    assert [r.token_ids for r in results] == [r.token_ids for r in cont_results] == \
+        cold_replies(paged)
+    assert rounds["copied"] > 0 and rounds["head"] > 0, rounds
+    # (rounds["head"] counts asks: the contiguous cache asks its head at a prompt's end, where
+    # it has no features yet and drafts nothing; the paged cache does not ask.)
+    assert rounds["copied"] == cont_rounds["copied"]
+    # Row by row: the same drafts, kept and copied, round for round.
+    def per_row(rs):
+        return [(r.stats.num_draft_tokens, r.stats.num_accepted_tokens,
+                 r.stats.num_copied_draft_tokens_per_pos) for r in rs]
+    assert per_row(results) == per_row(cont_results)
+    assert all(r.cached_tokens > 0 for r in results[1:])      # the prefix was served
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_a_heads_own_keys_over_a_shared_prefix_are_served_not_computed_again(kind, request):
+    """A row sharing the system prompt's blocks takes its head's keys and values over them from
+    the prefix store (the first row's head computed them): its head holds those positions before
+    any step, then drafts and keeps, round for round, what the same row does cold."""
+    def alone(engine, prompt):
+        batch = engine.new_batch()
+        seq = batch.add(engine.encode(prompt), PARAMS)
+        held = batch.drafter.prefix_positions(0)
+        while batch.active:
+            batch.step()
+        return seq, held, batch.result(seq)
+
+    cold = head_engine(kind, request, prefix_cache="off")
+    warm = head_engine(kind, request)
+    solo = cold_replies(warm)
+    first, held, _ = alone(warm, PROMPTS[0])          # stores the system prompt's blocks
+    assert first.head_saved and first.head_cached == 0 and held == 0
+    shared = len(warm.encode(SYSTEM)) // BLOCK_TOKENS * BLOCK_TOKENS
+    for n, prompt in enumerate(PROMPTS[1:3], start=1):
+        seq, held, got = alone(warm, prompt)
+        _, _, expected = alone(cold, prompt)
+        # Every shared block of the head's, up to the block whose pairs reach past the system
+        # prompt (pair j reads token j+1), was served: held before the row's first step.
+        assert held == seq.head_cached >= shared - BLOCK_TOKENS > 0
+        assert got.cached_tokens > 0 and expected.cached_tokens == 0
+        assert got.token_ids == expected.token_ids == solo[n]
+        assert got.stats.num_accepted_tokens > 0
+        assert (got.stats.num_draft_tokens, got.stats.num_accepted_tokens) == \
+            (expected.stats.num_draft_tokens, expected.stats.num_accepted_tokens)

@@ -88,6 +88,32 @@ class Drafter:
         prefix store may keep and reuse (a draft model's); None: none."""
         return None
 
+    # -- a head's own cache over a shared prompt prefix (decoding.Batch, the paged cache) ------
+
+    def prefix_identity(self) -> str | None:
+        """What names this drafter's own per-position cache in the engine's prefix store (its
+        model's identity): a head's keys and values over a prompt's pairs, which every row
+        sharing the prompt's prefix would otherwise compute again. None: it keeps nothing a
+        prefix could share (n-gram lookup, Medusa; a draft model's rows share the pool's
+        blocks)."""
+        return None
+
+    def prefix_positions(self, row: int) -> int:
+        """Positions of its own cache `row` holds computed from committed tokens only (what
+        may be stored for later rows)."""
+        return 0
+
+    def read_prefix(self, row: int, starts: list[int], width: int) -> list[tuple[Any, int]]:
+        """Copies of row's own cache at positions start..start+width-1 for each start, each
+        with its bytes (what the prefix store keeps)."""
+        raise NotImplementedError
+
+    def load_prefix(self, row: int, blocks: list) -> int:
+        """An empty row takes consecutive blocks (read_prefix's) as its first positions, as if
+        it had computed them from its first features; -> positions it now holds (its features
+        are then expected from there on: observe)."""
+        raise NotImplementedError
+
     def priced_as(self) -> "Drafter":
         """The drafter whose steps price this one's rounds in the cost model: itself (lookup
         first: its head, the copying rounds priced apart)."""

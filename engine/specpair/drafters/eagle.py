@@ -60,6 +60,18 @@ class EagleDrafter(HeadDrafter):
         """The head's own keys and values (its StaticKVModel, every row)."""
         return self.kv.cache_bytes
 
+    shares_prefix = True
+
+    def prefix_positions(self, row: int) -> int:
+        return self.kv.lengths[row]      # rolled back to the observed pairs after each round
+
+    def _prefix_cache(self, row: int, start: int, width: int) -> torch.Tensor:
+        """[2, layers, KV, width, hd] (the head cache's read_blocks, keys and values first)."""
+        return self.kv.read_blocks(row, [start], width)[0].transpose(0, 1)
+
+    def _load_prefix_cache(self, row: int, span: torch.Tensor) -> int:
+        return self.kv.load_blocks(row, [span.transpose(0, 1)])
+
     def _add_rows(self, count: int) -> None:
         self.kv.add_rows(count)
         self.pending += [[] for _ in range(count)]

@@ -90,6 +90,32 @@ class Eagle3Drafter(HeadDrafter):
             return 0 if self.cache.kc is None else self.cache.kc.nbytes + self.cache.vc.nbytes
         return sum(kv[0].nbytes + kv[1].nbytes for kv in self.caches if kv is not None)
 
+    shares_prefix = True
+
+    def prefix_positions(self, row: int) -> int:
+        return self.cache.lengths[row] if self.cache is not None else self.fed[row]
+
+    def _prefix_cache(self, row: int, start: int, width: int) -> torch.Tensor:
+        """[2, 1 layer, KV, width, hd] of row's pairs from `start`."""
+        if self.cache is not None:
+            k, v = self.cache.kc[row], self.cache.vc[row]        # [KV, C, hd]
+        else:
+            k, v = (t[0] for t in self.caches[row])              # [1, KV, n, hd] each
+        return torch.stack((k[:, start:start + width], v[:, start:start + width])).unsqueeze(1)
+
+    def _load_prefix_cache(self, row: int, span: torch.Tensor) -> int:
+        n = int(span.shape[3])
+        span = span.to(device=self.draft_ids.device)
+        if self.cache is not None:
+            self.cache.reserve(n)
+            self.cache.kc[row, :, :n] = span[0, 0]
+            self.cache.vc[row, :, :n] = span[1, 0]
+            self.cache.lengths[row] = n
+        else:
+            self.caches[row] = (span[0].clone(), span[1].clone())   # [1, KV, n, hd]
+            self.fed[row] = n
+        return n
+
     def _add_rows(self, count: int) -> None:
         self.caches += [None] * count
         self.fed += [0] * count

@@ -128,6 +128,39 @@ class HeadDrafter(Drafter):
         self.known = [self.known[i] for i in rows]
         self._select(rows)
 
+    # A head keeping its own keys and values over its rows' pairs (EAGLE, EAGLE-3) shares them
+    # over a prompt prefix (Drafter.prefix_identity): it sets this and writes _prefix_cache,
+    # _load_prefix_cache and prefix_positions.
+    shares_prefix = False
+
+    def prefix_identity(self) -> str | None:
+        if not self.shares_prefix:
+            return None
+        return f"head {self.name} {sorted(self.loaded.identity().items())}"
+
+    def read_prefix(self, row: int, starts: list[int], width: int) -> list[tuple[torch.Tensor, int]]:
+        """Each block as one tensor [2 (keys, values), layers, kv heads, width, head dim]."""
+        if starts and max(starts) + width > self.prefix_positions(row):
+            raise SpecpairError(f"row {row}: its head holds {self.prefix_positions(row)} "
+                                f"positions, not {max(starts) + width}")
+        blocks = [self._prefix_cache(row, start, width).clone() for start in starts]
+        return [(block, block.nbytes) for block in blocks]
+
+    def load_prefix(self, row: int, blocks: list) -> int:
+        if self.known[row] or self.prefix_positions(row):
+            raise SpecpairError(f"row {row}: its head already holds positions")
+        if not blocks:
+            return 0
+        n = self._load_prefix_cache(row, torch.cat(blocks, dim=3))
+        self.known[row] = n
+        return n
+
+    def _prefix_cache(self, row: int, start: int, width: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _load_prefix_cache(self, row: int, span: torch.Tensor) -> int:
+        raise NotImplementedError
+
     def observe(self, row: int, start: int, features: torch.Tensor) -> None:
         if start != self.known[row]:
             raise SpecpairError(f"row {row}: features from position {start}, expected {self.known[row]}")

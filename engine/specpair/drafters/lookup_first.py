@@ -57,6 +57,18 @@ class LookupFirstDrafter(Drafter):
     def warm_up_steps(self, rows: int, context_length: int, tree_width: int, k_max: int) -> dict | None:
         return self.head.warm_up_steps(rows, context_length, tree_width, k_max)
 
+    def prefix_identity(self) -> str | None:
+        return self.head.prefix_identity()
+
+    def prefix_positions(self, row: int) -> int:
+        return self.head.prefix_positions(row)
+
+    def read_prefix(self, row: int, starts: list[int], width: int) -> list:
+        return self.head.read_prefix(row, starts, width)
+
+    def load_prefix(self, row: int, blocks: list) -> int:
+        return self.head.load_prefix(row, blocks)
+
     def for_batch(self) -> "LookupFirstDrafter":
         return LookupFirstDrafter(self.ngram.for_batch(), self.head.for_batch(), self.min_match, self.rounds)
 
