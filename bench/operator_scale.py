@@ -1,13 +1,17 @@
 """Many pairs on one operator: what it costs to keep them.
 
 Starts its own devcluster (nodes sized to hold the pairs: --pods-per-node, --nodes), a real MLflow
-server, the chart (helm, the chart's RBAC) and the operator as a separate process (`kopf run`, as
+server (--mlflow-workers: the operator registers each pair's release and each gate pod records
+its verdict there; its store is one sqlite file, so more workers mostly wait on each other's
+locks), the chart (helm, the chart's RBAC) and the operator as a separate process (`kopf run`, as
 the chart's Deployment runs it, logged in with the chart's ServiceAccount token), then creates
 SpecModelPairs on the stand-in engine image (tests/operator/engine_standin.py: the real gRPC API,
 no model; by default every engine pod served by one host process, engine_standin_host.py, so
 1,000 pairs fit in memory), waits until every pair is Serving and measures the operator in
 steady state. `--pairs 100,500,1000` measures each size in turn on one cluster (pairs are added
-to reach the next size; the load average before and after each window is recorded):
+to reach the next size, at most --in-flight of them created and not yet Serving at a time, so
+that the ones made first get through registration and gating instead of all waiting together;
+the load average before and after each window is recorded):
 
   pairs, time to Serving (per pair, from its creation; p50, p90, max),
   the operator's CPU while the pairs were made and gated, and in steady state: cores, CPU per pair
@@ -37,6 +41,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -128,6 +133,34 @@ def steady_window(pid: int, audit: AuditTail, window: float, pairs: int, interva
     }
 
 
+def profile(pid: int, out: Path, seconds: float) -> dict:
+    """py-spy's stacks of the operator over `seconds` (raw: one stack a line, then its samples),
+    and the share of samples under each of a few homes of the pass's work."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return {"skipped": "py-spy is not on PATH"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([spy, "record", "--nonblocking", "--rate", "50", "--duration", str(int(seconds)),
+                           "--format", "raw", "--output", str(out), "--pid", str(pid)],
+                          capture_output=True, text=True, timeout=seconds + 120)
+    if done.returncode != 0 or not out.exists():
+        return {"failed": done.stderr[-500:]}
+    total, under = 0, Counter()
+    homes = ("specpair_operator/observe", "specpair_operator/plan", "specpair_operator/act",
+             "specpair_operator/clients", "specpair_operator/release", "specpair_operator/desired",
+             "specpair_operator/crd", "grpc", "aiohttp", "mlflow", "kopf", "json", "copy.py")
+    for line in out.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        total += int(count)
+        for home in homes:
+            if home in stack:
+                under[home] += int(count)
+    return {"file": out.name, "samples": total,
+            "shareUnder": {k: round(v / total, 3) for k, v in under.most_common()} if total else {}}
+
+
 def load_average() -> list[float]:
     return [round(x, 1) for x in os.getloadavg()]
 
@@ -143,6 +176,11 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=30.0, help="seconds after the last pair serves before measuring")
     ap.add_argument("--window", type=float, default=120.0, help="seconds of steady state measured")
     ap.add_argument("--serve-timeout", type=float, default=1800.0)
+    ap.add_argument("--in-flight", type=int, default=100,
+                    help="at most this many pairs created and not yet Serving at a time (default: %(default)s)")
+    ap.add_argument("--mlflow-workers", type=int, default=1,
+                    help="the MLflow server's gunicorn workers (default: %(default)s; on its sqlite store 4 "
+                         "workers wrote into each other's locks: 'database is locked', requests timed out)")
     ap.add_argument("--before-env", action="append", default=[], metavar="NAME=VALUE",
                     help="measure a first steady window with the operator run with these variables, then "
                          "restart it without them and measure the same pairs again (an A/B on one cluster, "
@@ -151,9 +189,16 @@ def main() -> int:
                     help="run the operator with these variables (every window; --before-env overrides them "
                          "for the first), e.g. SPECPAIR_RESYNC_INTERVAL=300")
     ap.add_argument("--json", type=Path, help="write the figures here too")
+    ap.add_argument("--profile-dir", type=Path,
+                    help="after each size's steady window, sample the operator with py-spy (--profile-seconds, "
+                         "not paused: --nonblocking) and write its raw stacks here")
+    ap.add_argument("--profile-seconds", type=float, default=60.0)
     ap.add_argument("--keep", action="store_true",
                     help="skip the deletion timing and keep the work folder (logs, audit log)")
     args = ap.parse_args()
+    # Stopped with SIGTERM (a background job ignores SIGINT): the finally below still stops the
+    # cluster, MLflow and the operator, which run in sessions of their own.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = sorted({int(n) for n in str(args.pairs).split(",")})
     before = dict(item.split("=", 1) for item in args.before_env)
     # With several sizes, the A/B (--before-env) is measured at the first only.
@@ -175,12 +220,17 @@ def main() -> int:
     specs = [NodeSpec(name=f"scale-node-{i + 1}", cpu="64", memory="256Gi", max_pods=args.pods_per_node,
                       env={"OMP_NUM_THREADS": "1"}, preseeded={CACHE_DIR: cache}) for i in range(nodes)]
     cluster = DevCluster(work / "devcluster", nodes=specs).start()
-    mlflow = MlflowServer(work / "mlflow")
+    # Several workers share one sqlite file: a writer waits up to 60 s for another's lock
+    # (pysqlite's default is 5 s) instead of failing the request. The later options win.
+    mlflow = MlflowServer(work / "mlflow", args=(
+        "--workers", str(args.mlflow_workers),
+        "--backend-store-uri", f"sqlite:///{work / 'mlflow'}/mlflow.db?timeout=60"))
     (work / "mlflow").mkdir()
     operator = host = None
     result: dict = {"sizes": sizes, "nodes": nodes, "podsPerNode": args.pods_per_node,
                     "standins": "a process per pod" if args.standin_processes else "one host process for all pods",
-                    "intervalSeconds": args.interval, "commit": subprocess.run(
+                    "intervalSeconds": args.interval, "inFlight": args.in_flight,
+                    "mlflowWorkers": args.mlflow_workers, "commit": subprocess.run(
                         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} CPUs",
                     "bySize": {}}
@@ -211,18 +261,26 @@ def main() -> int:
         for size in sizes:
             figures: dict = result["bySize"].setdefault(str(size), {"pairs": size})
             cpu0, t0 = cpu_seconds(operator.pid), time.monotonic()
-            for i in range(len(created), size):
-                ns = namespaces[i // PAIRS_PER_NAMESPACE]
-                if i % PAIRS_PER_NAMESPACE == 0:
-                    cluster.ensure_namespace(ns)
-                obj = pair(f"p{i:04d}", "good-draft")
-                obj["metadata"]["namespace"] = ns
-                cluster.kube.create(obj)
-                created[(ns, f"p{i:04d}")] = time.monotonic()
-            print(f"{size} pairs: {size - len(served)} created in {time.monotonic() - t0:.1f} s", flush=True)
-
             deadline = time.monotonic() + args.serve_timeout
-            while len(served) < size and time.monotonic() < deadline:
+            last_said = t0
+            # A pair that stalled (Stalled True: the operator gave up on it, e.g. MLflow refused a
+            # request) will not serve by waiting: it is counted, said, and not waited for.
+            stalled: set[tuple[str, str]] = set()
+            while len(served) + len(stalled) < size and time.monotonic() < deadline:
+                # New pairs while fewer than --in-flight are on their way, then a look at them all.
+                made = 0
+                while len(created) < size and len(created) - len(served) - len(stalled) < args.in_flight:
+                    i = len(created)
+                    ns = namespaces[i // PAIRS_PER_NAMESPACE]
+                    if i % PAIRS_PER_NAMESPACE == 0:
+                        cluster.ensure_namespace(ns)
+                    obj = pair(f"p{i:04d}", "good-draft")
+                    obj["metadata"]["namespace"] = ns
+                    cluster.kube.create(obj)
+                    created[(ns, f"p{i:04d}")] = time.monotonic()
+                    made += 1
+                if made:
+                    print(f"{len(created)}/{size} created ({made} now), {len(served)} serving", flush=True)
                 try:
                     pairs = cluster.kube.list("specpair.io/v1alpha1", "SpecModelPair")
                 except (OSError, requests.RequestException, ApiError) as exc:
@@ -234,15 +292,23 @@ def main() -> int:
                     st = obj.get("status") or {}
                     if key not in served and st.get("phase") == "Serving" and st.get("servingVersion") == "1":
                         served[key] = time.monotonic()
+                    elif key not in served and key not in stalled and any(
+                            c.get("type") == "Stalled" and c.get("status") == "True" for c in st.get("conditions") or []):
+                        stalled.add(key)
+                        print(f"{key[0]}/{key[1]} stalled: {(st.get('conditions') or [{}])[0].get('message', '')[:300]}",
+                              flush=True)
                 if operator.poll() is not None:
                     raise RuntimeError(f"the operator exited ({operator.returncode}); log {work / 'operator.log'}")
-                if int(time.monotonic() - t0) // 60 != int(time.monotonic() - t0 - POLL_S) // 60:
-                    print(f"{len(served)}/{size} serving after {time.monotonic() - t0:.0f} s, load "
-                          f"{load_average()}", flush=True)
+                if time.monotonic() - last_said >= 60:
+                    last_said = time.monotonic()
+                    print(f"{len(served)}/{size} serving, {len(created)} created after {time.monotonic() - t0:.0f} s, "
+                          f"load {load_average()}, operator CPU {cpu_seconds(operator.pid) - cpu0:.0f} s", flush=True)
                 # Each look lists every pair with its status (MBs at 1,000): not more often than this.
-                time.sleep(POLL_S)
+                if len(served) + len(stalled) < size:
+                    time.sleep(POLL_S)
             to_serving = [served[k] - created[k] for k in served if created[k] >= t0]
             figures["served"] = len(served)
+            figures["stalled"] = len(stalled)
             figures["timeToServingSeconds"] = {"p50": round(percentile(to_serving, 0.5), 1),
                                                "p90": round(percentile(to_serving, 0.9), 1),
                                                "max": round(max(to_serving, default=float("nan")), 1)}
@@ -288,6 +354,9 @@ def main() -> int:
                                                (lambda: read_calls(host.spool)) if host else Counter)
                 figures[label].update(env=extra, loadAverageBefore=load, loadAverageAfter=load_average())
                 print(f"{size} pairs, {label}", json.dumps(figures[label], indent=1), flush=True)
+                if args.profile_dir and label == "steady":
+                    figures["profile"] = profile(operator.pid, args.profile_dir / f"operator_scale_{size}_steady.txt",
+                                                 args.profile_seconds)
             if args.json:
                 args.json.write_text(json.dumps(result, indent=1) + "\n")
 
