@@ -203,11 +203,12 @@ def test_lookup_first_copies_on_the_paged_cache_as_on_the_contiguous_one(one_lay
     assert all(r.cached_tokens > 0 for r in results[1:])      # the prefix was served
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3-row-by-row", "eagle"])
 def test_a_heads_own_keys_over_a_shared_prefix_are_served_not_computed_again(kind, request):
     """A row sharing the system prompt's blocks takes its head's keys and values over them from
     the prefix store (the first row's head computed them): its head holds those positions before
-    any step, then drafts and keeps, round for round, what the same row does cold."""
+    any step, then drafts and keeps, round for round, what the same row does cold. EAGLE-3 in
+    its C kernel's cache of every row (the CPU's default) and row by row in PyTorch."""
     def alone(engine, prompt):
         batch = engine.new_batch()
         seq = batch.add(engine.encode(prompt), PARAMS)
@@ -216,8 +217,13 @@ def test_a_heads_own_keys_over_a_shared_prefix_are_served_not_computed_again(kin
             batch.step()
         return seq, held, batch.result(seq)
 
-    cold = head_engine(kind, request, prefix_cache="off")
-    warm = head_engine(kind, request)
+    cold = head_engine(kind.split("-")[0], request, prefix_cache="off")
+    warm = head_engine(kind.split("-")[0], request)
+    if kind == "eagle3-row-by-row":
+        from specpair.drafters.eagle3 import Eagle3Drafter
+        for engine in (cold, warm):
+            engine.drafter = Eagle3Drafter(engine.drafter.loaded, engine.target.model,
+                                           engine.vocab_size, kernel=False)
     solo = cold_replies(warm)
     first, held, _ = alone(warm, PROMPTS[0])          # stores the system prompt's blocks
     assert first.head_saved and first.head_cached == 0 and held == 0
@@ -225,6 +231,7 @@ def test_a_heads_own_keys_over_a_shared_prefix_are_served_not_computed_again(kin
     for n, prompt in enumerate(PROMPTS[1:3], start=1):
         seq, held, got = alone(warm, prompt)
         _, _, expected = alone(cold, prompt)
+        assert warm.new_batch().drafter.kernel == (kind == "eagle3") or kind == "eagle"
         # Every shared block of the head's, up to the block whose pairs reach past the system
         # prompt (pair j reads token j+1), was served: held before the row's first step.
         assert held == seq.head_cached >= shared - BLOCK_TOKENS > 0
