@@ -244,8 +244,10 @@ def shared_prefix_main(args) -> int:
             loads.append(os.getloadavg()[0])
             row = shared_prefix_setting(args, base_url, system, questions)
             client, model = row.pop("_client")
-            row.update(engine="specpair", prefix_cache=mode,
-                       max_batch_size=batch or f"default ({row['served_max_batch_size']})")
+            rows_decoded = decode_rows(server)
+            row.update(engine="specpair", prefix_cache=mode, decode_rows=rows_decoded,
+                       max_batch_size=batch or f"default ({row['served_max_batch_size']} admitted, "
+                                                f"{rows_decoded} decoded)")
             row["load_average"] = [round(loads[-1], 1), round(os.getloadavg()[0], 1)]
             rows.append(row)
             # Said before the solo pass, so a run cut short still has every setting it finished.
@@ -305,10 +307,10 @@ def vllm_setting(args, threads: int, system: str, questions: list[str]) -> dict:
 def start_plain_server(args, max_batch_size: int, prefix_cache: str) -> tuple[subprocess.Popen, str]:
     """The server as it ships but for its batch size (0: its default) and prefix cache
     (SPECPAIR_PREFIX_CACHE)."""
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "specpair.server", "engine", "serve", "--target", args.target,
-           "--host", "127.0.0.1", "--port", str(free_port()), "--http-port", str(port), "--metrics-port", "-1",
-           "--insecure", "--max-queue", "256"]
+           "--host", "127.0.0.1", "--port", str(free_port()), "--http-port", str(port),
+           "--metrics-port", str(metrics_port), "--insecure", "--max-queue", "256"]
     if max_batch_size:
         cmd += ["--max-batch-size", str(max_batch_size)]
     if args.draft:
@@ -317,7 +319,17 @@ def start_plain_server(args, max_batch_size: int, prefix_cache: str) -> tuple[su
         cmd += ["--device", args.device]
     env = dict(os.environ, SPECPAIR_PREFIX_CACHE=prefix_cache,
                PYTHONPATH=str(ROOT / "engine") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return wait_ready(subprocess.Popen(cmd, env=env), port)
+    server, base_url = wait_ready(subprocess.Popen(cmd, env=env), port)
+    server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    return server, base_url
+
+
+def decode_rows(server: subprocess.Popen) -> int | None:
+    """The rows the server decodes together (its specpair_decode_rows gauge: measured at start-up
+    where --max-batch-size is not set)."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    line = next((line for line in text.splitlines() if line.startswith("specpair_decode_rows{")), None)
+    return int(float(line.rsplit(" ", 1)[1])) if line else None
 
 
 def wait_ready(server: subprocess.Popen, port: int) -> tuple[subprocess.Popen, str]:

@@ -149,7 +149,9 @@ def figures(worker, setting: int, started: float, wall: float, tokens_each: list
     prefill = [r for r in steps if r.fed > r.rows]       # more than each row's one new token
     decode = [r for r in steps if r.fed <= r.rows]
     stepped = sum(r.seconds for r in steps)
-    return {"max_batch_size": setting or f"default ({worker.max_batch_size})",
+    return {"max_batch_size": setting or f"default ({worker.max_batch_size} admitted, "
+                                         f"{worker.decode_rows} decoded)",
+            "decode_rows": worker.decode_rows,
             "wall_seconds": round(wall, 2), "tokens": tokens, "tokens_per_second": round(tokens / wall, 2),
             "stepping_seconds": round(stepped, 2), "between_steps_seconds": round(wall - stepped, 2),
             "idle_seconds": round(sum(r.waited for r in steps), 2),

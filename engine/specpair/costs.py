@@ -9,6 +9,8 @@ batch's steps spent their time.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import os
 import random
 import time
@@ -17,7 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-from specpair.config import SpeculationConfig
+from specpair.config import GenerationParams, SpeculationConfig
+from specpair.prefix_cache import BLOCK_TOKENS
 
 
 @dataclass
@@ -437,4 +440,143 @@ def decide_speculation_by_rows(engine, max_rows: int = STARTUP_MAX_ROWS,
             break
         rows *= 2
     return {"decisions": decisions, "threshold": threshold_of(decisions),
+            "seconds": time.perf_counter() - started}
+
+
+# -- rows decoded together, from step costs measured at start-up -----------------------------------
+
+# Row counts timed at start-up (those up to the rows admission holds, and that number itself).
+DECODE_ROWS_MEASURED = (1, 4, 8, 16, 32, 64)
+# A larger batch is worth its rows only where it emits more than this share more tokens a second
+# than a smaller one: between two counts within it the fewer rows decode (the rows past them wait,
+# and a batch of fewer rows ends its requests sooner), and a start-up timing on a shared machine
+# is not finer than this. On 2 CPU cores SmolLM2's 8-row step is compute-bound already, and 32
+# rows cost 1.23x a token (docs/server.md); on a GPU a row costs little until 64.
+DECODE_ROWS_MARGIN = 0.10
+# The shared prompt the start-up measurement decodes after, in tokens: the positions the paged
+# pool plans a row at (block_pool.PLANNED_ROW_POSITIONS) where a prefix store shares them among
+# the rows; without one each row would prefill its own, so a short prompt.
+DECODE_ROWS_UNSHARED_CONTEXT = 32
+# Turns of the measurement (each times every row count, in alternating order) and timed steps a
+# count in each turn: the median of turns x steps is each count's figure.
+DECODE_ROWS_TURNS = 3
+DECODE_ROWS_STEPS = 2
+
+
+def tokens_per_second(step_seconds: dict[int, float]) -> dict[int, float]:
+    """Tokens a second of a target-only decode step at each measured row count (one a row)."""
+    return {rows: rows / seconds for rows, seconds in sorted(step_seconds.items()) if seconds > 0}
+
+
+def decode_rows_cap(step_seconds: dict[int, float], margin: float = DECODE_ROWS_MARGIN) -> int:
+    """The rows to decode together: the fewest measured whose tokens a second come within
+    `margin` of the best measured count's, so no row count that measured slower per token than a
+    smaller one is chosen, nor one that measured barely faster. step_seconds: the median seconds
+    of one target-only decode step at each row count."""
+    rates = tokens_per_second(step_seconds)
+    if not rates:
+        raise ValueError("no decode step timed: nothing to choose the rows by")
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+    best = max(rates.values())
+    return min(rows for rows, rate in rates.items() if rate * (1.0 + margin) >= best)
+
+
+def decode_row_counts(max_rows: int, measured: tuple[int, ...] = DECODE_ROWS_MEASURED) -> list[int]:
+    """The row counts to time where admission holds `max_rows`: the standard ones below it and it."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    return sorted({r for r in measured if r < max_rows} | {max_rows})
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+@torch.no_grad()
+def measure_decode_steps(engine, row_counts: list[int], context_tokens: int,
+                         turns: int = DECODE_ROWS_TURNS, steps: int = DECODE_ROWS_STEPS
+                         ) -> tuple[dict[int, float], int]:
+    """Median seconds of one target-only decode step of a real Batch at each row count, every row
+    after the same `context_tokens`-token prompt (served to all but the first row by the prefix
+    store, as a shared system prompt is). The counts are timed in turns, in ascending then
+    descending order, one batch grown and shrunk between them (rows cancelled, or added and their
+    prompt's last token fed in a step not timed): a burst of other work on a shared machine slows
+    one turn of every count, not every timing of one (the start-up threshold's noise, 2026-12-06).
+    The engine's observers, speculation controller, request audit and prefix counters are as
+    they were afterwards. Returns (the medians by row count, the prompt's tokens: fewer than
+    `context_tokens` where the model's context leaves no room for the steps)."""
+    if not row_counts:
+        raise ValueError("no row counts to time")
+    # Every row steps in at most every turn's every count: room for that many tokens.
+    budget = turns * len(row_counts) * (steps + 1) + 2
+    # Whole prefix-store blocks and one token: a row joining is served every block but the one
+    # holding its prompt's last token, so it prefills that token alone (a joining row whose
+    # prompt tail took a block's worth of positions made each turn's first step a prefill of
+    # 63 x 16 positions: seconds of SmolLM2 on 2 cores).
+    length = min(context_tokens, engine.target.context_length - budget - 2)
+    length = max(1, length - length % BLOCK_TOKENS + 1) if length > BLOCK_TOKENS else max(1, length)
+    seed_text = engine.encode("The quick brown fox jumps over the lazy dog. ")
+    prompt = (seed_text * (length // max(1, len(seed_text)) + 1))[:length]
+    params = GenerationParams(max_new_tokens=budget, speculation_k=0)
+    controller = engine.controller
+    saved = {name: copy.deepcopy(value) for name, value in vars(controller).items() if name != "config"}
+    audit, prefix, eos = copy.deepcopy(engine.audit), copy.deepcopy(engine.prefix_stats), engine.eos_ids
+    # A timing row steps whatever it emits: a greedy reply that reached its end of sequence
+    # would end every row of the same prompt at once, and no count would be timed.
+    engine.eos_ids = frozenset()
+    timings: dict[int, list[float]] = {rows: [] for rows in row_counts}
+    ids, device = itertools.count(), engine.target.device
+    with engine.observers_paused():
+        batch = engine.new_batch()
+        batch.speculate = False
+        try:
+            batch.add(prompt, params, request_id=f"decode-rows-{next(ids)}")
+            batch.step()             # the prompt once: the other rows are served its blocks
+            for turn in range(turns):
+                order = sorted(row_counts, reverse=bool(turn % 2))
+                for rows in order:
+                    while batch.active > rows:
+                        batch.cancel(batch.rows[-1].request_id)
+                    if batch.active < rows:
+                        while batch.active < rows:
+                            batch.add(prompt, params, request_id=f"decode-rows-{next(ids)}")
+                        batch.step()     # the new rows' last prompt token (not timed)
+                    for _ in range(steps):
+                        if batch.active != rows:    # (a row cannot end before its budget)
+                            break
+                        sync(device)
+                        start = time.perf_counter()
+                        batch.step()
+                        sync(device)
+                        timings[rows].append(time.perf_counter() - start)
+                    batch.done.clear()
+        finally:
+            for seq in list(batch.rows):
+                batch.cancel(seq.request_id)
+            batch.release()
+            vars(controller).update(saved)
+            engine.audit, engine.prefix_stats, engine.eos_ids = audit, prefix, eos
+    missing = [rows for rows, seconds in timings.items() if not seconds]
+    if missing:
+        raise RuntimeError(f"no decode step timed at {missing} rows (rows kept ending)")
+    return {rows: _median(seconds) for rows, seconds in timings.items()}, len(prompt)
+
+
+def decide_decode_rows(engine, max_rows: int, margin: float = DECODE_ROWS_MARGIN,
+                       turns: int = DECODE_ROWS_TURNS, steps: int = DECODE_ROWS_STEPS) -> dict:
+    """Time target-only decode steps at the row counts up to `max_rows` (the rows admission
+    holds) and choose the rows decoded together (decode_rows_cap). Returns {"rows": int,
+    "step_seconds": {rows: s}, "tokens_per_second": {rows: tok/s}, "context": tokens,
+    "seconds": measuring time}."""
+    from specpair.block_pool import PLANNED_ROW_POSITIONS
+
+    started = time.perf_counter()
+    context = PLANNED_ROW_POSITIONS if engine.prefix_store is not None else DECODE_ROWS_UNSHARED_CONTEXT
+    counts = decode_row_counts(max_rows)
+    seconds, context = measure_decode_steps(engine, counts, context, turns=turns, steps=steps)
+    return {"rows": decode_rows_cap(seconds, margin), "step_seconds": seconds,
+            "tokens_per_second": tokens_per_second(seconds), "context": context,
             "seconds": time.perf_counter() - started}

@@ -256,6 +256,9 @@ class SpeculativeEngine:
         # each round's k is held to (costs.k_for_rows).
         self.audit = RequestAudit(seed=0)
         self.speculation_by_rows: list[RowsDecision] = []
+        # The rows decoded together, chosen at start-up by measured step costs
+        # (costs.decide_decode_rows; the server's worker holds the rest queued); None: not measured.
+        self.decode_rows: int | None = None
         self._target_kv = kv_bytes_per_token(target.model)
         cache_model = drafter_cache_model(drafter)
         self._draft_kv = kv_bytes_per_token(cache_model) if cache_model is not None else 0

@@ -102,6 +102,12 @@ def test_serve_and_generate_commands(tiny_pair, tmp_path):
         measured = next(line for line in log.splitlines() if line.startswith("speculation by batch size, measured in"))
         threshold = int(measured.rsplit("threshold ", 1)[1])
         assert threshold >= 1 and f"off above {threshold} concurrent requests" in log
+        # No --max-batch-size: the rows decoded together were measured first, up to the rows
+        # the 4096-token pool admits (test_server_decode_rows.py).
+        decoding = next(line for line in log.splitlines() if line.startswith("decode rows by measured step cost"))
+        rows = int(decoding.split("decoding up to ", 1)[1].split(" rows", 1)[0])
+        admitted = int(decoding.split("the rest of the ", 1)[1].split(" rows", 1)[0])
+        assert 1 <= rows <= admitted and threshold <= max(1, rows)
         assert "stopped (0 in-flight requests finished while draining, 0 ended by the drain timeout)" in log
     finally:
         if server.poll() is None:

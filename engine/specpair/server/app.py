@@ -385,6 +385,7 @@ class EngineServer:
             worker = EngineWorker(engine, max_batch_size=self.options.max_batch_size,
                                   max_queue=self.options.max_queue, metrics=self.metrics)
             self.options = dataclasses.replace(self.options, max_batch_size=worker.max_batch_size)
+            self.metrics.set_decode_rows(worker.decode_rows)
             self.progress("warm-up step")
             worker.warm_up(engine.encode(self.options.warm_up_prompt))
             for warning in engine.warnings:

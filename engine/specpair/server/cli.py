@@ -117,9 +117,11 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
                       help="a draft whose tokenizer differs: refuse to start, or serve target-only")
     limits = serve.add_argument_group("limits")
     limits.add_argument("--max-batch-size", type=int, default=None,
-                        help="requests decoded together (default: on the CPU's paged KV cache, the "
-                             f"rows its pool holds at {PLANNED_ROW_POSITIONS} positions each, up to "
-                             f"{MAX_BATCH_ROWS}; else {DEFAULT_MAX_BATCH_SIZE})")
+                        help="requests decoded together, and admitted beside the queue (default: "
+                             "admitted, on the CPU's paged KV cache the rows its pool holds at "
+                             f"{PLANNED_ROW_POSITIONS} positions each, up to {MAX_BATCH_ROWS}, else "
+                             f"{DEFAULT_MAX_BATCH_SIZE}; decoded together, the fewest of those whose "
+                             "decode step measured at start-up comes within 10%% of the best tokens/s)")
     limits.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch")
     limits.add_argument("--kv-budget", type=kv_budget_flag, default=None, metavar="BUDGET", help=KV_BUDGET_HELP)
     limits.add_argument("--max-new-tokens-limit", type=int, default=1024)
@@ -205,8 +207,10 @@ def load_engine(args, release: Release | None, progress=print):
 
     pair = served_pair(args, release, pick_device(args.device).type)
     engine = load_pair(pair, progress=progress)
+    if args.max_batch_size is None:
+        decide_decode_rows_at_startup(engine, progress)
     if release is None and args.batch_size_threshold is None:
-        decide_speculation_at_startup(engine, args.max_batch_size, progress)
+        decide_speculation_at_startup(engine, args.max_batch_size or engine.decode_rows, progress)
     speculation = engine.config
     progress(f"speculation k={speculation.k}{' (dynamic)' if speculation.dynamic_k else ''}, "
              f"off above {speculation.batch_size_threshold} concurrent requests")
@@ -215,6 +219,27 @@ def load_engine(args, release: Release | None, progress=print):
     served = argparse.Namespace(**{**vars(args), "target": pair.target.source,
                                    "target_revision": pair.target.revision})
     return attach_shadow_from_args(engine, served, progress)
+
+
+def decide_decode_rows_at_startup(engine, progress=print) -> dict:
+    """Where --max-batch-size is not set: time target-only decode steps of a real batch at row
+    counts up to the rows admission holds (worker.default_max_batch_size) on this device, and
+    decode at most the fewest rows whose tokens/s come within a margin of the best
+    (costs.decide_decode_rows). The requests past them wait queued, their shared prompt's blocks
+    kept in the prefix store, and join as rows end. The worker reads `engine.decode_rows`;
+    logged here, exported as specpair_decode_rows."""
+    from specpair.costs import DECODE_ROWS_MARGIN, decide_decode_rows
+    from specpair.server.worker import default_max_batch_size
+
+    admitted = default_max_batch_size(engine)
+    decided = decide_decode_rows(engine, admitted)
+    rates = ", ".join(f"{rows}: {rate:.1f}" for rows, rate in decided["tokens_per_second"].items())
+    progress(f"decode rows by measured step cost, tokens/s after a {decided['context']}-token shared "
+             f"prompt (medians, measured in {decided['seconds']:.1f} s): {rates}; decoding up to "
+             f"{decided['rows']} rows a step (the fewest within {DECODE_ROWS_MARGIN:.0%} of the best), "
+             f"the rest of the {admitted} rows admission holds queued")
+    engine.decode_rows = decided["rows"]
+    return decided
 
 
 def decide_speculation_at_startup(engine, max_rows: int | None, progress=print) -> dict | None:

@@ -92,6 +92,11 @@ class EngineMetrics:
         self.speculation_k_by_rows = Gauge("specpair_speculation_k_by_rows",
                                            "Largest k a round may draft at this many rows, measured at "
                                            "start-up (0 = target-only there).", base + ["rows"], registry=r)
+        # The rows decoded together (worker.decode_rows): measured at start-up where
+        # --max-batch-size is not set (cli.decide_decode_rows_at_startup), else that setting.
+        self.decode_rows = Gauge("specpair_decode_rows",
+                                 "Rows decoded together a step (the admitted requests past them "
+                                 "wait queued).", base, registry=r)
         self.speculation_enabled = Gauge("specpair_speculation_enabled",
                                          "1 while speculation is allowed and not in fallback.", base, registry=r)
         self.fallback_events = Counter("specpair_fallback_events",
@@ -268,6 +273,9 @@ class EngineMetrics:
         drafting did not pay). Batch 1's is the k each request starts at."""
         for d in decisions:
             self.speculation_k_by_rows.labels(*self._base, str(d.rows)).set(d.k if d.pays else 0)
+
+    def set_decode_rows(self, rows: int) -> None:
+        self.decode_rows.labels(*self._base).set(rows)
 
     def record_control_denied(self, method: str) -> None:
         self.control_denied.labels(*self._base, method).inc()

@@ -40,9 +40,20 @@ DEFAULT_MAX_BATCH_SIZE = 32
 
 
 def default_max_batch_size(engine) -> int:
-    """The batch size a server runs without --max-batch-size: the paged pool's, else 32."""
+    """The batch size a server admits without --max-batch-size: the paged pool's, else 32."""
     space = getattr(engine, "paged_space", None)
     return space.max_rows if space is not None else DEFAULT_MAX_BATCH_SIZE
+
+
+def decode_rows(engine, max_batch_size: int | None) -> int:
+    """Rows decoded together: --max-batch-size where set; else the rows start-up measured as
+    paying (SpeculativeEngine.decode_rows, cli.decide_decode_rows_at_startup) within what
+    admission holds; else all of those."""
+    if max_batch_size is not None:
+        return max_batch_size
+    admitted = default_max_batch_size(engine)
+    measured = getattr(engine, "decode_rows", None)
+    return admitted if measured is None else max(1, min(measured, admitted))
 
 
 @dataclass(frozen=True)
@@ -157,7 +168,10 @@ class EngineWorker:
 
     def __init__(self, engine, *, max_batch_size: int | None = None, max_queue: int = 32,
                  metrics=None, timeline: int = 0):
-        """timeline: keep the last this many steps' StepRecords (0: none)."""
+        """max_batch_size: requests admitted beside the queue (None: default_max_batch_size) and,
+        where given, decoded together; else `decode_rows` of them are (the rest wait queued).
+        timeline: keep the last this many steps' StepRecords (0: none)."""
+        self.decode_rows = decode_rows(engine, max_batch_size)
         if max_batch_size is None:
             max_batch_size = default_max_batch_size(engine)
         if max_batch_size < 1 or max_queue < 0:
@@ -326,7 +340,7 @@ class EngineWorker:
 
     def _admit_locked(self) -> None:
         held = []     # waiting one step for a running row to store their prompt's first blocks
-        while self._pending and len(self._jobs) < self.max_batch_size:
+        while self._pending and len(self._jobs) < self.decode_rows:
             job = self._pending[0]
             if not self.batch.has_room(job.prompt_ids):
                 break       # admission by free KV blocks: it waits, first in line, for rows to end

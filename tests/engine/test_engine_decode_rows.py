@@ -1,0 +1,96 @@
+"""The rows decoded together, chosen by decode step costs measured at start-up (issue 51): the pure
+decision over measured seconds (tables), and the measurement on a real tiny engine and batch
+feeding it (the server's start-up and its cap: tests/server/test_server_decode_rows.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpair.config import GenerationParams, SpeculationConfig
+from specpair.costs import (DECODE_ROWS_MARGIN, decide_decode_rows, decode_row_counts, decode_rows_cap,
+                            measure_decode_steps, tokens_per_second)
+from specpair.decoding import SpeculativeEngine
+
+
+def seconds_at(rates: dict[int, float]) -> dict[int, float]:
+    """Step seconds of the given tokens/s per row count."""
+    return {rows: rows / rate for rows, rate in rates.items()}
+
+
+@pytest.mark.parametrize("rates, cap", [
+    # A GPU: a row costs little, tokens/s nearly doubles with the rows up to 64.
+    ({1: 700, 4: 2700, 8: 5300, 16: 10000, 32: 18000, 64: 30000}, 64),
+    # 2 CPU cores, SmolLM2 after a long shared prompt: compute-bound from 8 rows, 32 rows slower
+    # a token than 8 (1.23x, docs/server.md), 64 slower still.
+    ({1: 14, 4: 38, 8: 48, 16: 47, 32: 40, 64: 33}, 8),
+    # Still rising past 8 but by less than the margin: the fewer rows.
+    ({1: 14, 4: 38, 8: 48, 16: 51, 32: 52, 64: 50}, 8),
+    # Rising by more than the margin at 16, then flat: 16.
+    ({1: 14, 4: 38, 8: 40, 16: 48, 32: 49, 64: 47}, 16),
+    # A dip at one count (a burst elsewhere) does not stop a later count that pays from winning.
+    ({1: 10, 4: 30, 8: 25, 16: 60, 32: 62}, 16),
+    # Best at the fewest rows measured: those.
+    ({1: 20, 4: 12}, 1),
+    ({8: 40}, 8),
+])
+def test_the_fewest_rows_within_the_margin_of_the_best_tokens_a_second(rates, cap):
+    got = decode_rows_cap(seconds_at(rates))
+    assert got == cap
+    measured = tokens_per_second(seconds_at(rates))
+    # Never a count that measured slower per token than a smaller one by the margin: no smaller
+    # count beats the chosen one, and every larger one beats it by less than the margin.
+    assert all(measured[r] <= measured[got] * (1 + DECODE_ROWS_MARGIN) for r in measured)
+    assert all(measured[r] * (1 + DECODE_ROWS_MARGIN) < max(measured.values()) for r in measured if r < got)
+
+
+@pytest.mark.parametrize("margin, cap", [(0.0, 32), (0.05, 16), (0.5, 4)])
+def test_the_margin_decides_how_much_more_a_larger_batch_must_emit(margin, cap):
+    assert decode_rows_cap(seconds_at({1: 10, 4: 30, 8: 40, 16: 44, 32: 45}), margin) == cap
+
+
+def test_nothing_timed_or_a_negative_margin_is_refused():
+    with pytest.raises(ValueError, match="no decode step timed"):
+        decode_rows_cap({})
+    with pytest.raises(ValueError, match="no decode step timed"):
+        decode_rows_cap({8: 0.0})
+    with pytest.raises(ValueError, match="margin"):
+        decode_rows_cap({8: 1.0}, margin=-0.1)
+
+
+@pytest.mark.parametrize("max_rows, counts", [
+    (64, [1, 4, 8, 16, 32, 64]), (48, [1, 4, 8, 16, 32, 48]), (8, [1, 4, 8]), (6, [1, 4, 6]), (1, [1]),
+])
+def test_the_counts_timed_reach_what_admission_holds(max_rows, counts):
+    assert decode_row_counts(max_rows) == counts
+
+
+def test_start_up_times_every_count_on_a_real_batch_and_leaves_the_engine_as_it_was(tiny_target):
+    """On the tiny model (real steps, timed here): a median for every count, the cap one of them
+    and the rule's over them; afterwards no row holds a block, the prefix counters and the
+    controller are untouched, and a request decodes as before."""
+    engine = SpeculativeEngine(tiny_target, "ngram", speculation=SpeculationConfig(k=3))
+    before = engine.generate(["Once upon a time"], GenerationParams(max_new_tokens=12))[0].token_ids
+    looked_up, served = engine.prefix_stats.looked_up, engine.prefix_stats.served
+    window = engine.controller.window.drafted
+    decided = decide_decode_rows(engine, 16, turns=3, steps=2)
+    assert sorted(decided["step_seconds"]) == [1, 4, 8, 16]
+    assert all(s > 0 for s in decided["step_seconds"].values())
+    assert decided["rows"] == decode_rows_cap(decided["step_seconds"])
+    assert decided["tokens_per_second"] == tokens_per_second(decided["step_seconds"])
+    assert 0 < decided["context"] <= 512 and decided["seconds"] > 0
+    assert (engine.prefix_stats.looked_up, engine.prefix_stats.served) == (looked_up, served)
+    assert engine.controller.window.drafted == window and engine.eos_ids
+    pool = engine.paged_space.pool
+    assert pool.idle and pool.free == pool.blocks
+    again = engine.generate(["Once upon a time"], GenerationParams(max_new_tokens=12))[0].token_ids
+    assert again == before
+
+
+def test_the_prompt_is_cut_to_leave_the_steps_room_in_the_models_context(tiny_target):
+    """A target-only engine, a context longer than the model's: the prompt is cut so that every
+    row's steps fit (a timing row steps on whatever it emits, its end of sequence included), and
+    every count is timed."""
+    engine = SpeculativeEngine(tiny_target, speculation=SpeculationConfig(enabled=False))
+    medians, context = measure_decode_steps(engine, [1, 2, 3], 10_000, turns=2, steps=1)
+    assert sorted(medians) == [1, 2, 3] and all(s > 0 for s in medians.values())
+    assert context + 2 * 3 * 2 < engine.target.context_length
