@@ -953,8 +953,6 @@ class Batch:
             elif cap is not None and eng.controller.k_override is None:
                 k = min(k, cap)
             remaining = seq.params.max_new_tokens - seq.num_generated - 1
-            if on and seq.grammar is not None and self.drafter.tree_capable and eng.config.tree_width > 1:
-                k = 0    # a tree's siblings are not checked against the grammar: chains only
             ks.append(max(0, min(k, remaining)) if on and not seq.memory_target_only else 0)
         return ks
 
@@ -1009,11 +1007,13 @@ class Batch:
                 drafted = [d[:n] for d, n in zip(drafts.tolist(), nums)]
         proposed = list(nums)      # what each row drafted, counted whatever its grammar allows
         self._grammar_rows = [i for i, s in enumerate(self.rows) if s.grammar is not None]
-        if self._grammar_rows and siblings is None:
-            # Drafts the grammar refuses are not verified: each row's run is cut at the first.
+        if self._grammar_rows:
+            # Drafts the grammar refuses are not verified: each row's run (a tree's chain, its
+            # siblings masked in _verify_tree) is cut at the first.
+            chains = drafted if siblings is None else [d[:n] for d, n in zip(drafts.tolist(), nums)]
             for i in self._grammar_rows:
-                nums[i] = self.rows[i].grammar.allowed(drafted[i])
-                drafted[i] = drafted[i][:nums[i]]
+                nums[i] = self.rows[i].grammar.allowed(chains[i])
+                chains[i] = chains[i][:nums[i]]
             num = torch.tensor(nums, dtype=torch.long, device=self.device)
         self._wants_logprobs = any(s.params.logprobs is not None for s in self.rows)
         self._token_logits = [None] * B
@@ -1215,6 +1215,27 @@ class Batch:
             logits[i, at:at + len(tokens) + 1].masked_fill_(~allowed, float("-inf"))
         return logits
 
+    def _mask_siblings(self, sibling_logits, chains, siblings, fed) -> torch.Tensor:
+        """A tree's sibling logits [B, K, S, V] with each grammar row's node (depth j, sibling s)
+        masked by its grammar after chains[i][:j] and that sibling (RowGrammar.sibling_masks);
+        `sibling_logits` itself when no fed row has a grammar. A node the grammar leaves nothing
+        (a refused sibling, never kept) allows EOS, as in _mask_grammar, so nothing samples from
+        an empty distribution."""
+        rows = [i for i in self._grammar_rows if fed[i] and chains[i]]
+        if not rows:
+            return sibling_logits
+        out = sibling_logits.clone()
+        V = out.shape[-1]
+        eos = sorted(self.engine.eos_ids)[0]
+        for i in rows:
+            n = len(chains[i])
+            allowed = self.rows[i].grammar.sibling_masks(chains[i], siblings[i][:n], V).to(out.device)
+            empty = ~allowed.any(-1)
+            if bool(empty.any()):
+                allowed[empty, eos] = True
+            out[i, :n].masked_fill_(~allowed, float("-inf"))
+        return out
+
     def _keep_token_logits(self, logits, first: dict[int, int], accepted: list[int]) -> None:
         """Keep the logits [a_i + 1, V] that scored each row's committed tokens (its kept drafts
         and the token after them), for the rows that asked for log-probabilities."""
@@ -1286,10 +1307,14 @@ class Batch:
         V = logits.shape[-1]
         rows = torch.arange(B).view(B, 1)
         chain_logits = logits[rows, chain_at.to(self.device)]                    # [B, K+1, V]
-        # Grammar rows draft nothing in a tree round (Batch._ks): their position 0 is masked.
-        chain_logits = self._mask_grammar(chain_logits, {i: 0 for i in range(B)}, None)
+        # A grammar row's chain (cut where the grammar refuses it, Batch.step) is masked at each
+        # position after the drafts before it, each sibling's node after its depth's chain
+        # prefix and itself: every token kept is what target-only constrained decoding picks.
+        chains = [drafts_l[i][:n] for i, n in enumerate(nums)]
+        chain_logits = self._mask_grammar(chain_logits, {i: 0 for i in range(B)}, chains)
         self.first_logits = chain_logits[:, 0]     # each row's next-token logits: the shadow's p
         sibling_logits = logits[rows.view(B, 1, 1), sibling_at.to(self.device)]  # [B, K, S, V]
+        sibling_logits = self._mask_siblings(sibling_logits, chains, sib_l, fed_siblings)
         accepted, branches, nexts = verify_tree(
             chain_logits, sibling_logits.view(B, -1, S, V)[:, :K], drafts[:, :K], siblings[:, :K],
             num, sampling.temperature, sampling.top_k, sampling.top_p,

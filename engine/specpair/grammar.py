@@ -241,6 +241,41 @@ class RowGrammar:
             allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], width - allowed.shape[1])], 1)
         return allowed
 
+    def sibling_masks(self, chain: list[int], siblings: list[list[int]], width: int) -> torch.Tensor:
+        """[len(chain), S, width] bool: for a token tree's sibling s at depth j (an alternative to
+        chain[j], after chain[:j]), the grammar's mask after chain[:j] and that sibling: what the
+        target may emit after a kept sibling. The chain must be one the grammar accepts
+        (`allowed`). A sibling the grammar refuses is never kept (the mask at depth j gives it no
+        probability): its row is all False. The committed state is restored."""
+        import torch
+
+        S = len(siblings[0]) if siblings else 0
+        words = torch.zeros(len(chain), max(S, 1), self._words, dtype=torch.int32)
+        consumed = 0
+        try:
+            for j in range(len(chain)):
+                if j and not self.matcher.is_stopped():
+                    if not self.matcher.consume_token(chain[j - 1]):
+                        raise SpecpairError(f"grammar refused draft {chain[j - 1]} it had allowed")
+                    consumed += 1
+                for s, token in enumerate(siblings[j][:S]):
+                    row = words[j, s]
+                    if self.matcher.is_stopped():
+                        # Complete: EOS is its only sibling; nothing may follow it.
+                        continue
+                    if self.matcher.validate_tokens([int(token)]) != 1:
+                        continue
+                    self.matcher.consume_token(int(token))    # EOS included: it stops, recorded
+                    self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+                    self.matcher.rollback(1)
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+        allowed = unpack_bits(words)[..., :min(width, self.vocab_size)]
+        if allowed.shape[-1] < width:
+            allowed = torch.cat([allowed, allowed.new_zeros(*allowed.shape[:-1], width - allowed.shape[-1])], -1)
+        return allowed[:, :S]
+
     def guided_drafts(self, proposed: list[int], k: int,
                       propose_more: Callable[[list[int]], list[int]] | None = None) -> list[int]:
         """Up to k drafts this grammar allows after the committed tokens, for a drafter that

@@ -52,8 +52,8 @@ class Drafter:
     copies = False           # drafts some rows' rounds by copying, each round saying which
                              # (Proposal.copied): those rounds keep a k of their own (copy_ks)
     # This round's rows' grammars (grammar.RowGrammar, None for a free row), set by the Batch
-    # before propose: a drafter that can propose within them does (ModelDrafter); the others'
-    # drafts are cut where the grammar refuses them before verification (Batch.step).
+    # before propose: a drafter that can propose within them does (a draft model, a head, a
+    # lookup); whatever a grammar still refuses is cut before verification (Batch.step).
     grammars: list | None = None
     # The cost model's price of a round (costs.measure_costs): one draft step per draft token (a
     # draft model, an EAGLE head) rather than one per round (lookup, Medusa's heads at once).

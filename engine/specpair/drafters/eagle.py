@@ -84,7 +84,7 @@ class EagleDrafter(HeadDrafter):
         self.pending[row].append(features.to(self.kv.runner.dtype))
 
     @torch.no_grad()
-    def propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
+    def _propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
         B = len(sequences)
         K = max(ks, default=0)
         device = self.kv.device
@@ -129,7 +129,9 @@ class EagleDrafter(HeadDrafter):
         self.kv.make_room(steps)           # before the step: a grown cache is a new one
         step = self.draft_step(width)
         start = step.start(chosen, g, self.kv.lengths)
-        greedy = sampling.all_greedy
+        # A row with a grammar chooses each draft on the host within it (_choose), as sampled
+        # rows do: the greedy steps' own top is the grammar's choice only by chance.
+        greedy = sampling.all_greedy and self._guides is None
         for j in range(1, steps + 1):
             logits = step(self.kv)
             if not greedy:

@@ -156,7 +156,7 @@ class Eagle3Drafter(HeadDrafter):
         return out[0], kv
 
     @torch.no_grad()
-    def propose(self, sequences, ks, sampling, width: int = 1):
+    def _propose(self, sequences, ks, sampling, width: int = 1):
         if self.fixed:
             return self._propose_in_fixed_steps(sequences, ks, sampling, width)
         if self.kernel:
@@ -304,7 +304,8 @@ class Eagle3Drafter(HeadDrafter):
                 cache.steps[key] = Eagle3DraftStep(head, self.embed, self.draft_ids, cache, width)
             step = cache.steps[key]
             start = step.start(chosen, g, cache.lengths)
-            greedy = sampling.all_greedy
+            # A row with a grammar chooses each draft on the host within it (_choose).
+            greedy = sampling.all_greedy and self._guides is None
             for j in range(1, steps + 1):
                 logits = step(cache)
                 if not greedy:

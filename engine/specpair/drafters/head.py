@@ -207,6 +207,51 @@ class HeadDrafter(Drafter):
             sibling_steps += list(drafted[..., 1:].unbind(1))
         q_steps += [None] * steps
 
+    # This round's grammar guides (grammar.DraftGrammar per row, None for a free row), open while
+    # `propose` runs: None when no row drafting this round has a grammar.
+    _guides: list | None = None
+
+    def propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
+        """A round's drafts (the subclass's `_propose`). Rows with a grammar (`grammars`, set by
+        the Batch) propose within it: each position's head logits are masked by what the grammar
+        allows after the committed tokens and the row's drafts so far (`_choose`), a tree's
+        siblings included, so no draft is spent on a token the grammar refuses and a sampled
+        row's q is the masked distribution it drew from (sampling stays exact). The committed
+        state is restored when the round ends."""
+        grammars = self.grammars or [None] * len(sequences)
+        guides = [g.drafting() if g is not None and k else None for g, k in zip(grammars, ks)]
+        self._guides = guides if any(g is not None for g in guides) else None
+        try:
+            return self._propose(sequences, ks, sampling, width)
+        finally:
+            for guide in guides:
+                if guide is not None:
+                    guide.close()
+            self._guides = None
+
+    def _propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
+        raise NotImplementedError
+
+    def _within_grammars(self, small: torch.Tensor, j: int, row_ks: list[int]) -> torch.Tensor:
+        """The head's draft-vocabulary logits [B, Vd] with -inf where a guided row's grammar
+        refuses the token (a new tensor; `small` itself when no row is masked). A row whose
+        grammar allows nothing in the draft vocabulary drafts unguided: the Batch cuts its drafts
+        where the grammar refuses them (a q with no mass would sample nothing)."""
+        out = None
+        for i, guide in enumerate(self._guides):
+            if guide is None or j >= row_ks[i]:
+                continue
+            allowed = guide.mask(self.vocab_size)
+            if allowed is None:
+                continue
+            on_draft = allowed.to(small.device)[self.draft_ids]
+            if not bool(on_draft.any()):
+                continue
+            if out is None:
+                out = small.clone()
+            out[i] = out[i].masked_fill(~on_draft, float("-inf"))
+        return small if out is None else out
+
     def _add_rows(self, count: int) -> None:
         raise NotImplementedError
 
@@ -222,7 +267,10 @@ class HeadDrafter(Drafter):
     def _choose(self, small, j, row_ks, sampling, width, chosen_steps, q_steps, sibling_steps):
         """Position j's tokens (and, for a tree, their alternatives) from the head's logits over
         its draft vocabulary [B, Vd]. All rows greedy: their top, mapped to the target's ids (no
-        distribution over the whole vocabulary is needed: greedy verification reads no q)."""
+        distribution over the whole vocabulary is needed: greedy verification reads no q).
+        A row with a grammar chooses within it (`propose`), its choice then taken by its guide."""
+        if self._guides is not None:
+            small = self._within_grammars(small, j, row_ks)
         if sampling.all_greedy:
             top = self.draft_ids[small.topk(width, dim=-1).indices]       # [B, C]
             chosen, q = top[:, 0], None
@@ -235,6 +283,11 @@ class HeadDrafter(Drafter):
                 sibling_steps.append(choose_siblings(logits, chosen, q, j, row_ks, sampling, width - 1))
         chosen_steps.append(chosen)
         q_steps.append(q)
+        if self._guides is not None:
+            taken = chosen.tolist()
+            for i, guide in enumerate(self._guides):
+                if guide is not None and j < row_ks[i]:
+                    guide.take(taken[i])
         return chosen
 
     def _proposal(self, chosen_steps, q_steps, sibling_steps, num, K, width) -> Proposal:

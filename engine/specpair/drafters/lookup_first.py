@@ -104,11 +104,12 @@ class LookupFirstDrafter(Drafter):
         if self.grammars is not None:
             # A grammar row copies what its grammar allows, then what it forces (RowGrammar.
             # guided_drafts), and copies that way whenever its grammar forces a token now: the
-            # forced tokens are point masses like a copy's. Otherwise its head drafts, cut by the
-            # Batch where the grammar refuses.
+            # forced tokens are point masses like a copy's. Otherwise its head drafts within the
+            # grammar (HeadDrafter.propose).
             copies = self.ngram.within_grammars(
                 self.grammars, sequences, [ck if c else k for c, ck, k in zip(copies, copy_ks, ks)], copies,
                 min_match=self.min_match)
+        self.head.grammars = self.grammars      # the head drafts within each row's grammar
         drafted = self.head.propose(sequences, [0 if c else k for c, k in zip(copies, ks)],
                                     sampling, width)
         copying = [i for i, c in enumerate(copies) if c]

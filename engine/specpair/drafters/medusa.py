@@ -116,7 +116,7 @@ class MedusaDrafter(HeadDrafter):
         self.last[row] = features[-1]
 
     @torch.no_grad()
-    def propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
+    def _propose(self, sequences, ks, sampling, width: int = 1) -> Proposal:
         B = len(sequences)
         device = self.draft_ids.device
         # A row drafts when its newest feature is of the token before its last (always, after the
@@ -136,7 +136,7 @@ class MedusaDrafter(HeadDrafter):
             step = self.draft_step(bucket(B), width)
             step.features[:B] = features
             logits, top = step(self.graphs)               # [R, H, Vd], [R, H, width]
-            if sampling.all_greedy:
+            if sampling.all_greedy and self._guides is None:    # a grammar row chooses in _choose
                 chosen = list(top[:B, :K, 0].unbind(1))
                 sibs = list(top[:B, :K, 1:].unbind(1)) if width > 1 else []
                 qs = [None] * K
