@@ -8,6 +8,13 @@ acceptance; a request without the token is refused (401) and one with it answere
 another tokenizer still fails at the gate, before any vLLM starts. The gate measured the release at
 the concurrencies it serves (batchSweep) and shipped vLLM's k schedule from them.
 
+The release drafts with an EAGLE-3 head in the speculators layout (`draft.method: eagle3`, written
+by eagle3.save_eagle3_head, what `specpair distill --method eagle3` writes: no tokenizer of its
+own, a draft vocabulary mapped to the target's): every vLLM of the file (the gate's two, the
+pods') drafts with it, and the gate's golden outputs equal our engine's target-only output.
+Tensor parallel 2 is served by the vLLM start of tests/engine/test_engine_vllm_peer.py: at tensor
+parallel 2 each start here took 7-10 min under load and KEDA's second pod missed its 600 s.
+
 The same pods then go through what a platform team does to a vLLM pair (one vLLM release shared,
 issue 53): real KEDA scales it 1 -> 2 -> 1 on vLLM's own `vllm:num_requests_running`, which a
 real Prometheus scrapes from the pods through the chart's ServiceMonitor, with no request lost;
@@ -62,7 +69,7 @@ def repeating(loaded, self_logit: float = 8.0):
     """The model, made to say its last token again: its layers add nothing to the residual stream
     (attention and MLP outputs zeroed), and its output head scores each token by its embedding's
     cosine with the current one's (the token itself: `self_logit`; any other: about 0.7 at most
-    here). Greedy, n-gram drafts of the repeated token are all accepted; sampled at temperature 2,
+    here). Greedy, drafts of the repeated token are all accepted; sampled at temperature 2,
     the token itself has p ~ 0.11 and drafts are rarely accepted: a category's acceptance can
     collapse on live traffic."""
     import torch
@@ -76,13 +83,33 @@ def repeating(loaded, self_logit: float = 8.0):
     return loaded
 
 
+def repeating_head(loaded, out: Path) -> str:
+    """An EAGLE-3 head for the repeating target, in the speculators layout, that drafts the token
+    it is shown: its fc passes the last auxiliary state through (the target's layers add nothing,
+    so that is the current token's embedding), its layer adds nothing either, and its LM head is
+    the target's over every id but the last 16 (a draft vocabulary mapped by d2t, as a real head's
+    is). Greedy, its drafts are the target's own next tokens; sampled hot, they rarely are."""
+    import torch
+
+    from specpair.eagle3 import build_eagle3_head, save_eagle3_head
+    vocab = loaded.model.config.vocab_size
+    head = build_eagle3_head(loaded.model, torch.arange(vocab - 16), aux_layers=(1, 2, 3))
+    with torch.no_grad():
+        head.layer.self_attn.o_proj.weight.zero_()
+        head.layer.mlp.down_proj.weight.zero_()
+    save_eagle3_head(head, out)
+    return str(out)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
-    """A tiny Llama vLLM's CPU attention runs (head_dim 64) that repeats its last token (so n-gram
-    drafts are accepted when greedy), and a draft with another tokenizer."""
+    """A tiny Llama that repeats its last token, shaped for vLLM's CPU attention (head_dim 64), with
+    the 4 layers an EAGLE-3 head reads three of; its EAGLE-3 head; and a draft with another
+    tokenizer."""
     from tiny_models import make_model, make_tokenizer, save_tiny
     root = tmp_path_factory.mktemp("vllm-models")
-    return {"target": save_tiny(repeating(make_model(make_tokenizer(), seed=1, hidden=128, heads=2)), root / "target"),
+    target = repeating(make_model(make_tokenizer(), seed=1, layers=4, hidden=128, heads=2))
+    return {"target": save_tiny(target, root / "target"), "head": repeating_head(target, root / "head"),
             "foreign": save_tiny(make_model(make_tokenizer(vocab_size=300), seed=2, hidden=128, heads=2),
                                  root / "foreign")}
 
@@ -142,7 +169,7 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
     name = f"vl-{uuid.uuid4().hex[:5]}"
     ns.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "serving-token"},
                "stringData": {"token": TOKEN}})
-    pair = vllm_pair(name, models["target"], {"drafter": "ngram"})
+    pair = vllm_pair(name, models["target"], {"source": models["head"], "method": "eagle3"})
     pair["spec"]["rollout"]["auth"] = {"tokenSecretRef": {"name": "serving-token"}}
     # A draft whose tokenizer differs, applied beside it: its gate fails from the tokenizer files
     # alone, before any vLLM starts, while the first pair's gate runs.
@@ -161,7 +188,14 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
         vllm, companion = pod["spec"]["containers"]
         assert vllm["command"][:3] == ["python", "-m", "specpair.vllm_serve"] and "--uds" in vllm["command"]
         assert companion["command"][:3] == ["python", "-m", "specpair.vllm_companion"]
+        # The pod serves the release as gated: the EAGLE-3 head (vLLM's own method name).
+        served = json.loads(pod["metadata"]["annotations"]["specpair.io/release"])
+        assert served["draft"]["method"] == "eagle3", served
         ip = pod["status"]["podIP"]
+        # (The verdict assert_the_gate_judged_vllms_own_output downloaded from MLflow.)
+        gate_starts = json.loads((tmp_path / "gate" / "verdict.json").read_text())["vllmStartSeconds"]
+        started = [f"gate's vLLM starts {gate_starts} s",
+                   f"first pod {start_seconds(pod)} s"]
         # vLLM's API key: /v1/* refused without the token or with another one, answered with it.
         assert post_completion(ip, name, None) == 401 and post_completion(ip, name, "wrong-" + TOKEN) == 401
         assert post_completion(ip, name, TOKEN) == 200
@@ -173,7 +207,7 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused").models.list()
         for i in range(16):
-            # Long outputs (a tiny random model ends early otherwise), so n-gram lookup drafts; in
+            # Long outputs (a tiny random model ends early otherwise), so the head drafts; in
             # the category its golden prompt was gated in (the companion reads our extension).
             prompt = PROMPTS[i % 3]
             out = client.completions.create(model=name, prompt=prompt["prompt"], max_tokens=48, temperature=0,
@@ -206,19 +240,19 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
 
         streams = Streams(ns.cluster, ns.name, name, TOKEN)
         try:
-            said = [keda_scales_the_pair_on_vllms_own_series(ns, name, streams, *prometheus_and_keda),
-                    speculation_goes_off_with_no_request_lost(ns, name, streams)]
+            said = [keda_scales_the_pair_on_vllms_own_series(ns, name, streams, *prometheus_and_keda, started),
+                    speculation_goes_off_with_no_request_lost(ns, name, streams, started)]
         finally:
             streams.close()
     assert runner.exception is None
     # Printed here: inside the runner's block, stdout is Kopf's runner's.
-    print(json.dumps(st.get("lastGate")), *said, sep="\n")
+    print(json.dumps(st.get("lastGate")), *said, "vLLM starts: " + "; ".join(started), sep="\n")
 
 
 def assert_the_gate_judged_vllms_own_output(mlflow_url: str, model: str, target: str, thresholds: dict[str, Any],
                                             workdir) -> None:
     """What the gate Job recorded with v1 (its verdict and golden outputs, MLflow artifacts of the
-    gating run): the golden prompts went through real vLLM servers, vLLM speculating with n-gram
+    gating run): the golden prompts went through real vLLM servers, vLLM speculating with the EAGLE-3 head
     emitted exactly what vLLM target-only did (fp32 greedy), vLLM's own counters saw drafts, its
     output is our engine's target-only output for the same prompts, and the operator's verdict
     check passes it as any verdict."""
@@ -235,6 +269,8 @@ def assert_the_gate_judged_vllms_own_output(mlflow_url: str, model: str, target:
     verdict = json.loads((gate / "verdict.json").read_text())
     golden = json.loads((gate / "golden_outputs.json").read_text())
     assert verdict["engine"] == "vllm" and verdict["tokenizer"]["compatible"] is True
+    # The head has no tokenizer: its draft vocabulary's map to the target's was checked instead.
+    assert "EAGLE-3 head: no tokenizer of its own" in verdict["tokenizer"]["notes"][0], verdict["tokenizer"]
     assert verdict["greedyIdentity"] == 1.0 and len(golden) == len(PROMPTS) and all(g["identical"] for g in golden)
     assert set(verdict["categories"]) == {p["category"] for p in PROMPTS}
     assert verdict["meanAcceptanceLength"] >= 1.0 and 0.0 <= verdict["acceptanceRate"] <= 1.0
@@ -277,13 +313,21 @@ def post_completion(ip: str, model: str, token: str | None) -> int:
 TARGET_RUNNING, BURST_STREAMS, MAX_REPLICAS = 1, 3, 2
 
 
+def start_seconds(pod: dict[str, Any]) -> float:
+    """From the pod's start to its Ready condition: a vLLM start (CI's budget), as the node saw it."""
+    from datetime import datetime
+    ready = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")
+    at = lambda text: datetime.fromisoformat(text.replace("Z", "+00:00"))  # noqa: E731
+    return round((at(ready["lastTransitionTime"]) - at(pod["status"]["startTime"])).total_seconds(), 1)
+
+
 def serving_pods(ns, name: str) -> list[dict[str, Any]]:
     from vllm_streams import ready
     return [p for p in ns.pods(f"specpair.io/pair={name},specpair.io/role=engine")
             if not p["metadata"].get("deletionTimestamp") and ready(p)]
 
 
-def keda_scales_the_pair_on_vllms_own_series(ns, name: str, streams: Streams, prom, keda) -> str:
+def keda_scales_the_pair_on_vllms_own_series(ns, name: str, streams: Streams, prom, keda, started: list[str]) -> str:
     """rollout.autoscaling (runningRequests) on a vLLM pair: the operator writes a ScaledObject
     whose query sums vLLM's own `vllm:num_requests_running` over the pair's pods; Prometheus
     scrapes it from the pods' `metrics` port (the chart's ServiceMonitor); KEDA's HPA scales the
@@ -317,6 +361,7 @@ def keda_scales_the_pair_on_vllms_own_series(ns, name: str, streams: Streams, pr
             {p["metadata"]["labels"].get("specpair.io/release-version") for p in pods} == {"1"}
     # A second vLLM pod starts (tens of seconds; minutes on a busy machine).
     ns.wait_for("scaled to 2 and serving v1 on both", two_serving, timeout=600)
+    started.append(f"KEDA's pod {max(start_seconds(p) for p in serving_pods(ns, name))} s")
     assert MAX_REPLICAS in replicas, replicas
     ns.wait_for("both pods served a request", lambda: len(streams.served_by()) >= 2, timeout=300)
     burst.set()
@@ -334,14 +379,14 @@ def keda_scales_the_pair_on_vllms_own_series(ns, name: str, streams: Streams, pr
     return summary
 
 
-# Sampled at a high temperature from a random model, the target's tokens are close to uniform:
-# n-gram drafts (copies of earlier tokens) are almost never accepted, against the greedy
-# acceptance the category was gated at.
+# Sampled at a high temperature from the repeating model, the token itself has p ~ 0.11: the
+# head's drafts (the token it is shown) are rarely accepted, against the greedy acceptance the
+# category was gated at.
 COLLAPSE = {"prompt": " ".join(f"w{i}" for i in range(60)), "max_tokens": 48, "temperature": 2.0,
             "extra_body": {"ignore_eos": True, "specpair": {"category": "extraction"}}}
 
 
-def speculation_goes_off_with_no_request_lost(ns, name: str, streams: Streams) -> str:
+def speculation_goes_off_with_no_request_lost(ns, name: str, streams: Streams, started: list[str]) -> str:
     """A category's acceptance collapses; the drift ladder takes SpeculationOff. vLLM cannot switch
     it at run time, so the pair's pods are replaced by target-only ones, and the plan says how
     (a SpeculationRollout Event): with no GPU each new pod starts beside the old one and the old
@@ -364,6 +409,7 @@ def speculation_goes_off_with_no_request_lost(ns, name: str, streams: Streams) -
             return pods[0] if len(pods) == 1 == len(everything) and pods[0]["metadata"]["uid"] != \
                 old["metadata"]["uid"] else None
         new = ns.wait_for("a target-only pod in place of the old one", replaced, timeout=600)
+        started.append(f"target-only pod {start_seconds(new)} s")
         ns.wait_for("the new pod served a request", lambda: new["metadata"]["name"] in streams.served_by(),
                     timeout=300)
     finally:
