@@ -49,11 +49,13 @@ SLOW_ROOMS = ("ship", "devcluster", "demo", "observability")
 LONGEST_FIRST = ("demo/test_demo_smoke.py", "observability/test_prometheus_live.py", "operator/test_operator_e2e.py",
                  "operator/test_operator_vllm.py", "operator/test_operator_canary_e2e.py",
                  "operator/test_gateway_canary.py",
+                 # Its one vLLM at tensor parallel 2: 459 s to start at load 26-47 (TP1: ~250 s).
+                 "engine/test_engine_vllm_peer.py",
                  "operator/test_operator_gate_retry.py", "operator/test_operator_latency_rollback.py",
                  "operator/test_operator_shadow_e2e.py", "observability/test_keda_scaling.py",
                  "engine/test_engine_shadow.py", "server/test_server_openai_features.py",
                  "operator/test_operator_apiserver_restart.py", "engine/test_engine_eagle3.py",
-                 "operator/test_operator_convergence.py", "engine/test_engine_vllm_peer.py",
+                 "operator/test_operator_convergence.py",
                  "operator/test_operator_mlflow_auth.py", "operator/test_operator_serving_auth.py",
                  "operator/test_operator_real_engine.py", "engine/test_engine_static_cache.py",
                  "operator/test_operator_leadership.py")
