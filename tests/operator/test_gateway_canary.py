@@ -146,6 +146,7 @@ def routed_cluster(candidate: str, gateway_api: bool = True):
     import plan_tables
     import test_canary_plan as tcp
     from specpair_operator.plan import serving_plan as sp
+    from specpair_operator.plan.serving_steps import DeleteOwned
 
     spec = {**tcp.SPEC, "rollout": ROUTED_ROLLOUT}
 
@@ -155,7 +156,7 @@ def routed_cluster(candidate: str, gateway_api: bool = True):
                                                          rollout=ROUTED_ROLLOUT))
 
         def __init__(self):
-            self.routes, self.splits = {}, []
+            self.routes, self.splits, self.removed = {}, [], []
             super().__init__(candidate, per_pod=0)
 
         def serving_world(self, step):
@@ -164,10 +165,20 @@ def routed_cluster(candidate: str, gateway_api: bool = True):
             return dataclasses.replace(w, spec=spec, gateway_api=gateway_api, routes=dict(self.routes))
 
         def write_object(self, step):
+            if isinstance(step, DeleteOwned):
+                # Only what no live route sends to (the gateway could still be reading it).
+                assert step.live["metadata"]["name"] not in routes.sent_to(self.routes), step.live
+                self.removed.append(routes.key(step.live))
+                self.routes.pop(routes.key(step.live))
+                return
             if isinstance(step, sp.EnsureOwned) and routes.key(step.manifest) in {
                     f"{kind}/{name}" for _, _, kind, name in routes.observed_keys(plan_tables.PAIR, "1")} | {
                     f"{kind}/{name}" for _, _, kind, name in routes.observed_keys(plan_tables.PAIR, "2")}:
-                self.routes[routes.key(step.manifest)] = plan_tables.mine(dict(step.manifest), step.mutable)
+                written = plan_tables.mine(dict(step.manifest), step.mutable)
+                if written["kind"] == "Service":
+                    # Old enough for a route at the next pass (routes.pending; the wait is tested below).
+                    written["metadata"]["creationTimestamp"] = "2000-01-01T00:00:00Z"
+                self.routes[routes.key(step.manifest)] = written
                 if step.manifest["kind"] == "HTTPRoute":
                     self.splits.append(routes.describe(routes.weights(step.manifest)))
                 return
@@ -212,6 +223,12 @@ def test_the_operator_writes_each_steps_weight_then_judges_then_the_next_and_end
     assert entry["judged"]["ttft:*"]["verdict"] == "fine"
     assert cl.routes["HTTPRoute/chat-engine"]["spec"] == cl.routes["HTTPRoute/chat-engine"]["spec"] | {
         "rules": routes._rules("chat", 8000, routes.SETTLED, True)}
+    # The old champion's and the candidate's route Services are gone, each once no route sent to
+    # it; the settled routes' one stays, and the new champion's version one, made at its canary's
+    # start (routes.desired's keep), ready for the next canary's champion side.
+    assert sorted(cl.removed) == ["Service/chat-engine-candidate", "Service/chat-engine-v1"]
+    assert sorted(k for k in cl.routes if k.startswith("Service/")) == ["Service/chat-engine-champion",
+                                                                        "Service/chat-engine-v2"]
 
 
 def test_a_routed_canary_worse_than_the_champion_goes_back_to_the_champion_before_its_pods_go():
@@ -231,6 +248,93 @@ def test_a_routed_canary_worse_than_the_champion_goes_back_to_the_champion_befor
     assert any(o is not None and abs(o - 0.2) < 0.02 for o in observed), observed
     run_routed(cl)
     assert cl.splits[-1] == "chat-engine-champion 100%" and cl.aliases["champion"] == "1"
+
+
+def test_the_charts_default_gateway_serves_a_pair_that_names_none():
+    env = {routes.DEFAULT_GATEWAY_ENV: '{"name": "edge", "namespace": "gw"}'}
+    default = routes.default_gateway(env)
+    assert routes.gateway_parent({"rollout": {}}, default) == PARENT
+    assert routes.gateway_parent({"rollout": {"gateway": {"parentRef": {"name": "own"}}}}, default)["name"] == "own"
+    assert routes.default_gateway({}) is None and routes.default_gateway({routes.DEFAULT_GATEWAY_ENV: " "}) is None
+    for bad in ("edge", '["edge"]', '{"namespace": "gw"}'):
+        with pytest.raises(ValueError, match=routes.DEFAULT_GATEWAY_ENV):
+            routes.default_gateway({routes.DEFAULT_GATEWAY_ENV: bad})
+
+
+def plan_routes(spec: dict, live: dict, conditions: list, default: dict | None = None) -> list:
+    """One pass's route steps for a settled pair (serving_canary._routes), the live objects as observe read them."""
+    import plan_tables
+
+    from specpair_operator.observe.serving_world import Installation, ServingWorld
+    from specpair_operator.plan import serving_canary
+    from specpair_operator.plan.serving_steps import _Steps
+    w = ServingWorld(pair="p", namespace="ns", uid=plan_tables.UID, model="m", spec=spec,
+                     status={"conditions": conditions}, gateway_api=True, routes=live,
+                     installation=Installation(gateway=default))
+    out = _Steps(w)
+    serving_canary._routes(out, routes.SETTLED, "v1 serving")
+    return out.steps
+
+
+def test_a_pair_that_stops_naming_a_gateway_has_its_routes_removed():
+    import plan_tables
+
+    written = {routes.key(o): plan_tables.mine(o, o["kind"] != "Service")
+               for o in routes.desired("p", "ns", ROLLOUT, PARENT, routes.SETTLED)}
+    routed = [{"type": routes.ROUTED, "status": "True", "reason": "Routed"}]
+    spec = {"rollout": dict(ROLLOUT)}
+    steps = plan_routes(spec, written, routed)
+    assert sorted(routes.key(s.live) for s in steps if type(s).__name__ == "DeleteOwned") == sorted(written)
+    cond = next(s for s in steps if kinds_of([s])[0].startswith("Condition Routed"))
+    assert (cond.status, cond.reason) == (False, "NoGateway") and "removed HTTPRoute/p-engine" in cond.message
+    # One not the pair's (no owner reference of its uid) is never touched.
+    foreign = {**written, "Service/p-engine-champion": {**written["Service/p-engine-champion"],
+                                                        "metadata": {"name": "p-engine-champion"}}}
+    assert "Service/p-engine-champion" not in {routes.key(s.live) for s in plan_routes(spec, foreign, routed)
+                                               if type(s).__name__ == "DeleteOwned"}
+    # Once gone (the condition says NoGateway), a pass plans nothing.
+    assert plan_routes(spec, {}, [{"type": routes.ROUTED, "status": "False", "reason": "NoGateway"}]) == []
+    # The chart's default Gateway keeps them: nothing to write, nothing to delete.
+    kept = plan_routes(spec, written, routed, default={"name": "edge", "namespace": "gw"})
+    assert kinds_of(kept) == [k for k in kinds_of(kept) if k.startswith("Condition Routed")], kinds_of(kept)
+
+
+def test_a_live_route_is_switched_only_to_a_service_old_enough_to_have_endpoints():
+    """Traefik answered 500 ("endpointslices not found") for a second or two after a route named a
+    Service made in the same pass: the Service comes first, the route once it is 5 s old."""
+    import plan_tables
+
+    from specpair_operator.observe.serving_world import ServingWorld
+    from specpair_operator.plan import serving_canary
+    from specpair_operator.plan.serving_steps import _Steps
+
+    spec = {"rollout": {**ROLLOUT, "gateway": {"parentRef": {"name": "edge", "namespace": "gw"}}}}
+    settled = {routes.key(o): plan_tables.mine(o, o["kind"] != "Service")
+               for o in routes.desired("p", "ns", ROLLOUT, PARENT, routes.SETTLED)}
+
+    def canary_start(now: str, v1_created: str | None) -> list:
+        live = dict(settled)
+        if v1_created:     # the champion's version Service and the candidate's (its header rule)
+            for side in (routes.CHAMPION, routes.CANDIDATE):
+                made = routes.route_service("p", "ns", ROLLOUT, side, routes.Traffic(0, "1"))
+                live[routes.key(made)] = plan_tables.mine({**made, "metadata": {**made["metadata"],
+                                                                                "creationTimestamp": v1_created}}, False)
+        w = ServingWorld(pair="p", namespace="ns", uid=plan_tables.UID, model="m", spec=spec, gateway_api=True,
+                         routes=live, now=now)
+        out = _Steps(w)
+        serving_canary._routes(out, routes.Traffic(0, "1"), "v2 canary step 1 of 4 starting", keep=("1", "2"))
+        return kinds_of(out.steps)
+    absent = canary_start("2026-01-01T00:00:10Z", None)
+    assert "EnsureOwned Service" in absent and "EnsureOwned HTTPRoute" not in absent, absent
+    assert "Condition Routed=True ServicePending" in absent
+    assert "EnsureOwned HTTPRoute" not in canary_start("2026-01-01T00:00:10Z", "2026-01-01T00:00:07Z")
+    assert "EnsureOwned HTTPRoute" in canary_start("2026-01-01T00:00:10Z", "2026-01-01T00:00:05Z")
+    # The first routes of a pair are written at once (nothing was routed before them).
+    w = ServingWorld(pair="p", namespace="ns", uid=plan_tables.UID, model="m", spec=spec, gateway_api=True,
+                     routes={}, now="2026-01-01T00:00:10Z")
+    out = _Steps(w)
+    serving_canary._routes(out, routes.SETTLED, "v1 serving", keep=("1",))
+    assert {"EnsureOwned HTTPRoute", "EnsureOwned GRPCRoute"} <= set(kinds_of(out.steps))
 
 
 def test_without_gateway_api_on_the_cluster_the_condition_says_so_and_the_ratio_stays():
@@ -491,21 +595,31 @@ def test_a_keep_alive_client_and_a_grpc_channel_split_by_the_routes_weight(gatew
 
 ROUTED_TOLERANCE = 0.03    # the issue's 3 points, over the requests sent while a weight held
 SETTLE_S = 3.0             # a weight counts once the route held it this long (Traefik reloads on a watch)
+SERVED_BY = "x-specpair-version"   # engine_standin.SERVED_BY: the version that answered
 
 
 class RoutedClient:
-    """One gRPC channel through the gateway sending Generate in a loop (a thread), no header: each
-    answer's `x-specpair-version` says which side served it, beside the candidate weight the live
-    GRPCRoute held from SETTLE_S before the request until after it (None across a change)."""
+    """One client through the gateway sending requests in a loop (a thread), no header: a gRPC
+    channel calling Generate, or a keep-alive HTTP session posting /v1/completions (one
+    connection, as an OpenAI client keeps it). Each answer's `x-specpair-version` (gRPC initial
+    metadata, HTTP header) says which side served it, beside the candidate weight the live route
+    of its kind held from SETTLE_S before the request until after it (None across a change).
+    Every failure after the first answer is kept, whatever the weight."""
 
-    def __init__(self, gateway, ns, pair: str):
-        import grpc
+    def __init__(self, gateway, ns, pair: str, protocol: str):
+        self.ns, self.pair, self.protocol = ns, pair, protocol
+        self.plural = {"grpc": "grpcroutes", "http": "httproutes"}[protocol]
+        self.url = gateway.url + "/v1/completions"
+        if protocol == "grpc":
+            import grpc
 
-        from specpair._proto import engine_pb2_grpc
-
-        self.ns, self.pair = ns, pair
-        self.channel = grpc.insecure_channel(gateway.address)
-        self.stub = engine_pb2_grpc.EngineStub(self.channel)
+            from specpair._proto import engine_pb2_grpc
+            self.channel = grpc.insecure_channel(gateway.address)
+            self.stub = engine_pb2_grpc.EngineStub(self.channel)
+        else:
+            import requests as http_client
+            self.session = http_client.Session()
+            self.session.trust_env = False
         self.answers: list[tuple[int | None, str]] = []     # (weight held, version that served)
         self.failed: list[tuple[int | None, str]] = []     # (weight held, what failed)
         self.weight: int | None = None
@@ -519,7 +633,7 @@ class RoutedClient:
     def _watch(self) -> None:
         import time
         while not self.stop.is_set():
-            route = self.ns.get(routes.GATEWAY_API, "grpcroutes", routes.route_name(self.pair))
+            route = self.ns.get(routes.GATEWAY_API, self.plural, routes.route_name(self.pair))
             split = routes.weights(route)
             weight = split.get(routes.candidate_service_name(self.pair), 0) if route else None
             if weight != self.weight:
@@ -530,21 +644,30 @@ class RoutedClient:
         import time
         return self.weight if time.monotonic() - self.since >= SETTLE_S else None
 
-    def _send(self) -> None:
-        import grpc
+    def _call(self) -> str:
+        """One request through the gateway: the version that served it (raises on a failure)."""
+        if self.protocol == "grpc":
+            from specpair._proto import engine_pb2
+            call = self.stub.Generate(engine_pb2.GenerateRequest(prompt="def f():", max_new_tokens=8,
+                                                                 category="code"), timeout=30)
+            served = dict(call.initial_metadata()).get(SERVED_BY, "?")
+            for _ in call:
+                pass
+            return served
+        reply = self.session.post(self.url, json={"model": self.pair, "prompt": "def f():", "max_tokens": 8,
+                                                  "metadata": {"category": "code"}}, timeout=30)
+        if reply.status_code != 200:
+            raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:200]}")
+        return reply.headers.get(SERVED_BY, "?")
 
-        from specpair._proto import engine_pb2
+    def _send(self) -> None:
         while not self.stop.is_set():
             before = self.held()
             try:
-                call = self.stub.Generate(engine_pb2.GenerateRequest(prompt="def f():", max_new_tokens=8,
-                                                                     category="code"), timeout=30)
-                served = dict(call.initial_metadata()).get("x-specpair-version", "?")
-                for _ in call:
-                    pass
-            except grpc.RpcError as exc:
-                if before is not None:        # the route existed and served: a failure counts
-                    self.failed.append((before, f"{exc.code()}: {exc.details()}"))
+                served = self._call()
+            except Exception as exc:   # noqa: BLE001 - every failure is the test's finding
+                if self.answers:       # the route served once: from then on a failure counts
+                    self.failed.append((before, f"{type(exc).__name__}: {str(exc)[:300]}"))
                 self.stop.wait(0.2)
                 continue
             after = self.held()
@@ -559,18 +682,23 @@ class RoutedClient:
         self.stop.set()
         for t in self.threads:
             t.join(35)
-        self.channel.close()
+        if self.protocol == "grpc":
+            self.channel.close()
+        else:
+            self.session.close()
 
 
 def test_the_operator_runs_a_canary_by_the_routes_weight_through_the_gateway(gateway, env, world):
     """The operator (real Kopf, the chart's RBAC) on the devcluster with Traefik in front: v1
     serves through the routes it owns; v2 (a new target revision) runs its canary at 20% and then
-    100% by the GRPCRoute's weight, judged on the counters of the requests one gRPC channel sent
-    through the gateway, and is promoted, the routes ending on every engine pod again; v3 (slow to
-    its first token) is aborted at 20% and the routes go back to v2 alone. No request through the
-    gateway fails while a step's weight holds, and at 20% the candidate's share of that one
-    channel's requests is within 3 points (a replica ratio would give it 0% or 100%: one channel
-    stays on one pod)."""
+    100% by the routes' weight, judged on the counters of the requests one gRPC channel and one
+    keep-alive HTTP connection sent through the gateway, and is promoted, the routes ending on
+    every engine pod again; v3 (slow to its first token) is aborted at 20% and the routes go back
+    to v2 alone. At 20% the candidate's share of each client's requests is within 3 points (a
+    replica ratio would give it 0% or 100%: one connection stays on one pod). No request through
+    the gateway fails at all, across both promotions' and the abort's pods going away: each
+    stopping pod still serves, unready, for its stop delay while the endpoints and Traefik drop it
+    (rollout.shutdown, desired/pod_shutdown.py)."""
     import time
 
     from kopf.testing import KopfRunner
@@ -590,8 +718,9 @@ def test_the_operator_runs_a_canary_by_the_routes_weight_through_the_gateway(gat
     drift = {"enabled": False, "minDraftedTokens": 10**9,
              "latency": {"minRequests": 10, "ttftP95Ratio": 20.0, "tpotP95Ratio": 20.0}}
     gw = {"parentRef": {"name": "specpair"}}
-    steps = [{"weight": 20, "pauseSeconds": 4}, {"weight": 100, "pauseSeconds": 2}]
-    client = None
+    # 20% held long enough for each client's 30 requests at load ~40 (4 s gave the gRPC one 28).
+    steps = [{"weight": 20, "pauseSeconds": 10}, {"weight": 100, "pauseSeconds": 2}]
+    clients: list[RoutedClient] = []
     began = time.monotonic()
     try:
         with KopfRunner(OPERATOR, timeout=60) as runner:
@@ -599,21 +728,25 @@ def test_the_operator_runs_a_canary_by_the_routes_weight_through_the_gateway(gat
             ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=120)
             print(f"v1 serving in {time.monotonic() - began:.0f} s")
             began = time.monotonic()
-            client = RoutedClient(gateway, ns, name)
-            ns.wait_for("v1 answering through the gateway",
-                        lambda: any(s == "1" for _, s in client.answers), timeout=60)
+            clients = [RoutedClient(gateway, ns, name, "grpc"), RoutedClient(gateway, ns, name, "http")]
+            ns.wait_for("v1 answering through the gateway (gRPC and HTTP)",
+                        lambda: all(any(s == "1" for _, s in c.answers) for c in clients), timeout=60)
 
             set_spec(ns, name, {"target": {"source": "HuggingFaceTB/SmolLM2-135M", "revision": "r2"},
                                 "rollout": {"gateway": gw, "strategy": {"type": "Canary", "steps": steps}}})
             ns.wait_for("v2 promoted and the routes on every engine pod", lambda: serving(ns, name, "2") and
                         routes.weights(ns.get(routes.GATEWAY_API, "grpcroutes", routes.route_name(name))) ==
                         {routes.champion_service_name(name): 1}, timeout=240)
-            share, n = client.share(20, "2")
-            print(f"v2 at weight 20%: candidate share {share:.3f} of {n} requests on one gRPC channel; "
-                  f"v1 to v2 promoted in {time.monotonic() - began:.0f} s")
+            for client in clients:
+                share, n = client.share(20, "2")
+                print(f"v2 at weight 20%: candidate share {share:.3f} of {n} requests on one {client.protocol} "
+                      f"connection; at 100%: {client.share(100, '2')}", flush=True)
+                assert n >= 30 and abs(share - 0.20) <= ROUTED_TOLERANCE, (client.protocol, share, n)
+                # At 100% the champion is out of the split; a gateway slower than SETTLE_S to reload
+                # (load ~36 here) answered 1 of 622 from the champion once: within the same bound.
+                assert client.share(100, "2")[0] >= 1 - ROUTED_TOLERANCE, (client.protocol, client.share(100, "2"))
+            print(f"v1 to v2 promoted in {time.monotonic() - began:.0f} s")
             began = time.monotonic()
-            assert n >= 30 and abs(share - 0.20) <= ROUTED_TOLERANCE, (share, n)
-            assert client.share(100, "2")[0] == 1.0
             entry = ns.pair(name)["status"]["canary"]
             assert entry["phase"] == "Promoted" and entry["shareBasis"] == canary.SHARE_BY_WEIGHT, entry
             routed_events = [e["message"] for e in ns.events("TrafficRouted")]
@@ -632,15 +765,16 @@ def test_the_operator_runs_a_canary_by_the_routes_weight_through_the_gateway(gat
             assert entry["version"] == "3" and entry["judged"]["ttft:*"]["verdict"] == "breach", entry
             assert status["servingVersion"] == "2", status
             print(f"v3 aborted in {time.monotonic() - began:.0f} s")
-            assert client.share(20, "3")[1] >= 1, "v3's pods never served through the route"
+            for client in clients:
+                assert client.share(20, "3")[1] >= 1, f"v3's pods never served {client.protocol} through the route"
         assert runner.exception is None
-        # No request failed while a step's weight held. A pod scaled down (the canary's after its
-        # promotion or abort) refuses new requests at once on SIGTERM, and the Deployment has no
-        # preStop delay for the endpoints and the gateway to drop it first: a request reaching it
-        # in that moment can fail (2 and 14 did in two runs, at load 15-30). Said, not hidden.
-        print(f"requests failed through the gateway: {client.failed}")
-        assert not [f for f in client.failed if f[0] in (20, 100)], client.failed
+        # No request failed at all: pods went away (v1's after the promotion, the canaries' after
+        # the promotion and the abort) while requests kept coming, each serving through its stop
+        # delay (before rollout.shutdown, 2 and 14 gRPC requests failed in two runs).
+        for client in clients:
+            print(f"{client.protocol}: {len(client.answers)} answered, failed through the gateway: {client.failed}")
+        assert not [(c.protocol, c.failed) for c in clients if c.failed]
     finally:
-        if client is not None:
+        for client in clients:
             client.close()
         gateway.mirror.namespaces.remove(ns.name)

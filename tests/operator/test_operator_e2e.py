@@ -452,11 +452,13 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, mlflow
             autoscaled_pair_lifecycle(own, devcluster, mlflow_server.url, monkeypatch, "rbac-autoscaled")
         finally:
             own.delete()
-    if not any(e["verb"] == "patch" and e["objectRef"].get("resource") == "grpcroutes"
-               for e in devcluster.audit_events(user)):
+    if not all(any(e["verb"] == verb and e["objectRef"].get("resource") == resource
+                   for e in devcluster.audit_events(user))
+               for verb, resource in (("patch", "grpcroutes"), ("delete", "grpcroutes"), ("delete", "services"))):
         # A pair naming a Gateway (rollout.gateway): its HTTPRoute and GRPCRoute read and created
-        # once v1 serves, patched when the Gateway's listener changes. Gateway API's CRDs are all
-        # it needs (no gateway has to run: test_gateway_canary.py runs Traefik).
+        # once v1 serves, patched when the Gateway's listener changes, and deleted with their
+        # Service when it names none any more. Gateway API's CRDs are all it needs (no gateway has
+        # to run: test_gateway_canary.py runs Traefik).
         from pathlib import Path
 
         from specpair_devcluster.gateway import DevGateway, gateway_binaries
@@ -474,6 +476,13 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, mlflow
             ns.wait_for("the routes moved to the listener", lambda: all(
                 route(kind).get("spec", {}).get("parentRefs", [{}])[0].get("sectionName") == "web"
                 for kind in ("httproutes", "grpcroutes")), timeout=60)
+            set_spec(ns, name, {"rollout": {"gateway": None}})
+            ns.wait_for("the routes and their Service removed", lambda: not route("httproutes") and
+                        not route("grpcroutes") and ns.get("v1", "Service", routes.champion_service_name(name)) is None,
+                        timeout=60)
+            ns.wait_for("the Routed condition saying so", lambda: any(
+                c.get("type") == routes.ROUTED and c.get("reason") == "NoGateway"
+                for c in (ns.pair(name).get("status") or {}).get("conditions") or []), timeout=60)
         assert runner.exception is None
     events = devcluster.audit_events(user)
     # 403 also answers a create in a namespace being deleted (admission, not RBAC): earlier tests'

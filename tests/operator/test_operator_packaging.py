@@ -73,7 +73,7 @@ def test_crd_defaults_are_the_defaults_the_operator_hashes_with():
          policy.ladder)
 
 
-def test_rbac_is_a_valid_role_that_reads_no_secret_but_its_ca_and_deletes_only_autoscalers():
+def test_rbac_is_a_valid_role_that_reads_no_secret_but_its_ca_and_deletes_only_autoscalers_and_routes():
     # Which verbs are needed is proven against a real API server (the audit log check in
     # test_operator_e2e.py); here only what must never be granted.
     docs = [d for d in yaml.safe_load_all((REPO / "operator" / "rbac.yaml").read_text()) if d]
@@ -84,9 +84,13 @@ def test_rbac_is_a_valid_role_that_reads_no_secret_but_its_ca_and_deletes_only_a
                for verb in rule["verbs"]}
     # Secrets in pairs' namespaces: written (TLS certificates), never read or listed.
     assert {v for _, r, v in granted if r == "secrets"} == {"create", "patch"}
-    # The one deletion: a pair's own autoscaler (autoscaling removed, KEDA come or gone), by uid.
+    # The deletions, each of a pair's own object by uid: its autoscaler (autoscaling removed, KEDA
+    # come or gone), its Gateway routes and their Services (no Gateway named, an old version's).
     assert {(g, r) for g, r, v in granted if v == "delete"} == {("autoscaling", "horizontalpodautoscalers"),
-                                                                ("keda.sh", "scaledobjects")}
+                                                                ("keda.sh", "scaledobjects"),
+                                                                ("gateway.networking.k8s.io", "httproutes"),
+                                                                ("gateway.networking.k8s.io", "grpcroutes"),
+                                                                ("", "services")}
     assert not any(v == "*" for _, _, v in granted)
     reads = [rule for rule in ca_role["rules"] if "get" in rule["verbs"]]
     assert reads and all(rule.get("resourceNames") == ["specpair-operator-ca"] for rule in reads)

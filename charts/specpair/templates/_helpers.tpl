@@ -110,10 +110,11 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
   verbs: [get, create, patch, list, watch]
 # The engine Service in front of each Deployment. Listed and watched: passes read Services,
 # NetworkPolicies and Deployments from watches (clients/pod_watch.py), and one edited or deleted
-# by hand wakes its pair's pass.
+# by hand wakes its pair's pass. Deleted: a Gateway route's Service no longer wanted
+# (desired/routes.py: an old champion's after a promotion, all when no Gateway is named).
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, create, list, watch]
+  verbs: [get, create, list, watch, delete]
 # Per pair: ingress to engine pods on their ports only, none to gate pods; patched when the
 # chart's engine.networkPolicy.from changes.
 - apiGroups: [networking.k8s.io]
@@ -154,12 +155,13 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
 - apiGroups: [keda.sh]
   resources: [scaledobjects]
   verbs: [get, create, patch, delete, list, watch]
-# A pair naming a Gateway (rollout.gateway): its HTTPRoute and GRPCRoute, read, created, and
-# patched with each canary step's weight (desired/routes.py). Never deleted: garbage-collected
-# with the pair. Whether Gateway API is installed is API discovery, open to every identity.
+# A pair naming a Gateway (rollout.gateway, or the chart's gateway.parentRef): its HTTPRoute and
+# GRPCRoute, read, created, patched with each canary step's weight, and deleted when the pair
+# names no Gateway any more (desired/routes.py). Whether Gateway API is installed is API
+# discovery, open to every identity.
 - apiGroups: [gateway.networking.k8s.io]
   resources: [httproutes, grpcroutes]
-  verbs: [get, create, patch]
+  verbs: [get, create, patch, delete]
 {{- end -}}
 
 {{/* The CA Secret of the engines' control listeners, in the operator's own namespace: read by

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any, assert_never
 from specpair_operator.act import metrics
 from specpair_operator.act.autoscaler import apply_autoscaler_plan
 from specpair_operator.act.control_ca import create_control_ca
-from specpair_operator.act.owned import ensure_owned
+from specpair_operator.act.owned import delete_owned, ensure_owned
 from specpair_operator.clients.engine_probe import EngineProbe
 from specpair_operator.desired import gate_objects
 from specpair_operator.observe.serving_world import ServingWorld
 from specpair_operator.plan.release_steps import (Condition, EnsureGatePolicy, ObserveGateDuration, PostEvent,
                                                   Record, RecordGateError, Report, ServeChampion, SetAlias,
                                                   SetStatus, StartGateJob, TagVersion)
-from specpair_operator.plan.serving_steps import (CreateControlCA, DriftChecked, EnsureAutoscaler, EnsureOwned,
-                                                  ExportSpeedup, ForgetDrift, IssueCertificate, LogWarning,
+from specpair_operator.plan.serving_steps import (CreateControlCA, DeleteOwned, DriftChecked, EnsureAutoscaler,
+                                                  EnsureOwned, ExportSpeedup, ForgetDrift, IssueCertificate, LogWarning,
                                                   ReconcilePodSpeculation, RememberChampion, RememberDrift,
                                                   ReportSpeculation, RetireLegacyEngine, SwitchSpeculation,
                                                   TLSSecretSeen, speculation_not_reconciled)
@@ -98,6 +98,8 @@ async def carry_out(r: PairReconciler, step: Step, acting: Acting) -> bool:
             if done.conflict:
                 r._name_conflict(done.kind, done.name)
                 return False
+        case DeleteOwned():
+            await delete_owned(kube, r.body, copy.deepcopy(dict(step.live)), live=copy.deepcopy(dict(step.live)))
         case EnsureAutoscaler():
             await apply_autoscaler_plan(kube, r.body, ledger, step.plan)  # outside the release
         case CreateControlCA():

@@ -22,6 +22,20 @@ What the operator owns for such a pair (all named from the engine's name, owned 
   A header match outranks a rule without one (Gateway API's precedence), so a client asking for
   a side by name gets that side at any weight: for A/B comparisons and debugging a release by hand.
 
+Services before routes: a gateway answers 500 for a route whose Service has no endpoints yet
+(Traefik: "endpointslices not found" for a second or two after the Service appears). So the Service
+of a version is made before any route names it (`keep`: the champion's version while settled, the
+candidate's version during its canary, ready for its promotion), and a live route is switched to a
+Service only once that Service is SERVICE_SETTLE_SECONDS old (`pending`).
+
+Which Gateway: the pair's `rollout.gateway.parentRef`, else the chart's default (values.yaml
+`gateway.parentRef`, the operator's $SPECPAIR_DEFAULT_GATEWAY), else none. A pair that names no
+Gateway any more (nor the chart) has its routes and route Services deleted (`unwanted`); so has a
+route Service no longer wanted once no live route sends to it (an old champion's `-v<version>`
+after a promotion, the candidate's after its canary), never `<engine>-champion` while a Gateway is
+named (the settled routes' backend: made again at each canary's end, a new Service's endpoints
+would lag the route that names it).
+
 The route Services name their gRPC port's protocol as Gateway API asks (GEP-1911):
 `kubernetes.io/h2c` for plaintext gRPC (the engine Service's own `grpc` is an IANA name that
 gateways do not all read), `https` when the serving ports speak TLS.
@@ -29,8 +43,11 @@ gateways do not all read), `https` when the serving ports speak TLS.
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from specpair_operator.crd import names
 from specpair_operator.desired import engine_objects, manifests
@@ -53,11 +70,37 @@ H2C = "kubernetes.io/h2c"
 # selects by it. Here, below policy, so that both read one home.
 TRACK_LABEL = "specpair.io/track"
 CANARY_TRACK = "canary"
+# How old a Service must be before a live route is switched to it: its endpoints written by the
+# EndpointSlice controller and read by the gateway (module docstring).
+SERVICE_SETTLE_SECONDS = 5.0
 
 
-def gateway_parent(spec: Mapping[str, Any]) -> dict[str, Any] | None:
-    """spec.rollout.gateway.parentRef (name, optional namespace and sectionName), or None."""
+# The chart's gateway.parentRef as JSON (charts/specpair/templates/deployment.yaml): the Gateway of
+# every pair that names none.
+DEFAULT_GATEWAY_ENV = "SPECPAIR_DEFAULT_GATEWAY"
+
+
+def default_gateway(env: Mapping[str, str] = os.environ) -> dict[str, Any] | None:
+    """The installation's default parentRef ($SPECPAIR_DEFAULT_GATEWAY), or None when unset."""
+    raw = (env.get(DEFAULT_GATEWAY_ENV) or "").strip()
+    if not raw:
+        return None
+    try:
+        ref = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{DEFAULT_GATEWAY_ENV} must be a JSON parentRef (the chart's gateway.parentRef): {exc}") from exc
+    if not isinstance(ref, dict) or (ref and not isinstance(ref.get("name"), str)):
+        raise ValueError(f"{DEFAULT_GATEWAY_ENV} must be a JSON object with a name (the chart's gateway.parentRef), "
+                         f"not {raw[:200]}")
+    return ref or None
+
+
+def gateway_parent(spec: Mapping[str, Any], default: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """spec.rollout.gateway.parentRef (name, optional namespace and sectionName), else the chart's
+    `default`, or None."""
     ref = ((spec.get("rollout") or {}).get("gateway") or {}).get("parentRef") or {}
+    if not ref.get("name"):
+        ref = default or {}
     if not ref.get("name"):
         return None
     out = {"group": GATEWAY_GROUP, "kind": "Gateway", "name": str(ref["name"])}
@@ -196,15 +239,40 @@ def routes(pair: str, namespace: str, rollout: Mapping[str, Any], parent: Mappin
 
 
 def desired(pair: str, namespace: str, rollout: Mapping[str, Any], parent: Mapping[str, Any] | None,
-            traffic: Traffic, kind: str = "specpair") -> list[dict[str, Any]]:
+            traffic: Traffic, kind: str = "specpair", keep: Iterable[str] = ()) -> list[dict[str, Any]]:
     """Everything the pair owns for its Gateway: the route Services (the candidate's only during a
-    canary) and the routes; nothing when it names no Gateway."""
+    canary; and the version Services of `keep`, made before a route names them) and the routes;
+    nothing when it names no Gateway."""
     if parent is None:
         return []
     services = [route_service(pair, namespace, rollout, CHAMPION, traffic, kind)]
     if traffic.candidate_weight is not None:
         services.append(route_service(pair, namespace, rollout, CANDIDATE, traffic, kind))
+    named = {s["metadata"]["name"] for s in services}
+    for version in keep:
+        pinned = Traffic(0, str(version))
+        if version_service_name(pair, str(version)) not in named:
+            services.append(route_service(pair, namespace, rollout, CHAMPION, pinned, kind))
+            named.add(version_service_name(pair, str(version)))
     return [*services, *routes(pair, namespace, rollout, parent, traffic, kind)]
+
+
+def _created(obj: Mapping[str, Any]) -> datetime.datetime | None:
+    stamp = (obj.get("metadata") or {}).get("creationTimestamp")
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")) if stamp else None
+
+
+def pending(wanted: Iterable[Mapping[str, Any]], live: Mapping[str, Mapping[str, Any] | None], now: str) -> list[str]:
+    """The Services the `wanted` routes send to that are absent or younger than
+    SERVICE_SETTLE_SECONDS at `now` (ISO time): a live route is not switched to them yet."""
+    at = datetime.datetime.fromisoformat(now.replace("Z", "+00:00"))
+    out = []
+    for name in sorted(sent_to({key(o): o for o in wanted if o["kind"] != "Service"})):
+        service = live.get(f"Service/{name}")
+        created = _created(service) if service else None
+        if created is None or (at - created).total_seconds() < SERVICE_SETTLE_SECONDS:
+            out.append(name)
+    return out
 
 
 def weights(route: Mapping[str, Any] | None) -> dict[str, int]:
@@ -238,3 +306,35 @@ def observed_keys(pair: str, champion: str | None) -> list[tuple[str, str, str, 
 
 def key(obj: Mapping[str, Any]) -> str:
     return f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def route_services_selector(pair: str) -> str:
+    """The label selector of every route Service of the pair, whatever its version (`route_service`)."""
+    engine = ",".join(f"{k}={v}" for k, v in manifests.engine_selector(pair).items())
+    return f"{engine},{TRACK_LABEL} in ({CHAMPION},{CANDIDATE})"
+
+
+def sent_to(live: Mapping[str, Mapping[str, Any] | None]) -> set[str]:
+    """The Services the live routes (among `live`, keyed by `key`) send any request to."""
+    return {ref["name"] for k, obj in live.items() if obj and not k.startswith("Service/")
+            for rule in (obj.get("spec") or {}).get("rules") or [] for ref in rule.get("backendRefs") or []}
+
+
+def unwanted(pair: str, wanted: Iterable[Mapping[str, Any]], live: Mapping[str, Mapping[str, Any] | None],
+             gateway_named: bool) -> list[Mapping[str, Any]]:
+    """The live objects (keyed by `key`) of the pair's routes to delete (module docstring): all of
+    them when no Gateway is named; else route Services `wanted` leaves out that no live route
+    sends to, `<engine>-champion` kept."""
+    if not gateway_named:
+        # The routes first: a gateway never reads a route naming a Service already gone.
+        return sorted((obj for obj in live.values() if obj), key=lambda obj: obj["kind"] == "Service")
+    keep = {key(o) for o in wanted} | {f"Service/{champion_service_name(pair)}"}
+    used = sent_to(live)
+    return [obj for k, obj in live.items() if obj and k.startswith("Service/") and k not in keep
+            and obj["metadata"]["name"] not in used]
+
+
+def routed_before(status: Mapping[str, Any]) -> bool:
+    """The pair's status says routes were written (its Routed condition True): a pass reads them
+    even when no Gateway is named any more, to remove them."""
+    return any(c.get("type") == ROUTED and c.get("status") == "True" for c in status.get("conditions") or [])

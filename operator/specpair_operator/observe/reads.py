@@ -198,7 +198,7 @@ def _serving_world(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str
         records=Records.from_status(status),
         installation=Installation(op.gate_tracking_uri,
                                   manifests.MlflowCredentials.for_pair(spec.get("mlflow"), op.credentials), op.pods,
-                                  autoscaling.default_prometheus()),
+                                  autoscaling.default_prometheus(), routes_mod.default_gateway()),
         now=c.now_iso(),
         drift=DriftMemory(version, memory, op.serving_samples.get(uid) or serving_health.ServingMemory(),
                           op.last_drift_check.get(uid, 0.0), time.monotonic(), time.time()))
@@ -229,15 +229,20 @@ async def _observe_engine(op: OperatorState, w: ServingWorld, questions: Serving
 
 
 async def _observe_routes(op: OperatorState, w: ServingWorld) -> ServingWorld:
-    """The pair's routes and route Services (desired/routes.py), when it names a Gateway and the
-    API server serves Gateway API's routes (API discovery, open to every identity)."""
-    if routes_mod.gateway_parent(w.spec) is None:
+    """The pair's routes and route Services (desired/routes.py), when it names a Gateway (or the
+    chart does), or its status says it had routes (to remove them), and the API server serves
+    Gateway API's routes (API discovery, open to every identity). Every route Service is listed,
+    old versions' included, so those no longer wanted are found."""
+    if routes_mod.gateway_parent(w.spec, w.installation.gateway) is None and not routes_mod.routed_before(w.status):
         return w
     served = await op.kube.served_resources(routes_mod.GATEWAY_API)
     if not {"httproutes", "grpcroutes"} <= served:
         return w
     found = {f"{kind}/{name}": await op.kube.get(api, plural, w.namespace, name)
              for api, plural, kind, name in routes_mod.observed_keys(w.pair, w.aliases.get(aliases_mod.CHAMPION))}
+    for service in await op.kube.list("v1", "services", w.namespace, routes_mod.route_services_selector(w.pair)):
+        # A list's items carry no kind: the delete (act/owned.py) and the plan's words need it.
+        found.setdefault(f"Service/{service['metadata']['name']}", {"apiVersion": "v1", "kind": "Service", **service})
     return replace(w, gateway_api=True, routes=found)
 
 

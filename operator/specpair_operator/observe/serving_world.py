@@ -54,6 +54,8 @@ class Installation:
     credentials: manifests.MlflowCredentials | None = None   # the pair's, else the installation's
     pods: manifests.PodDefaults = field(default_factory=manifests.PodDefaults)
     prometheus: str | None = None     # where KEDA asks for a signal (the chart's autoscaling.prometheusAddress)
+    # The Gateway of pairs that name none (the chart's gateway.parentRef; desired/routes.py).
+    gateway: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)

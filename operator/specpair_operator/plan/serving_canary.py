@@ -19,8 +19,8 @@ from specpair_operator.plan.release_steps import Condition, PostEvent, Record, R
 from specpair_operator.release.registry_contract import TAG_RELEASE
 from specpair_operator.release.registry_contract import TAG_HASH
 from specpair_operator.observe.serving_world import EnginePod, ServingWorld
-from specpair_operator.plan.serving_steps import (ANN_TEMPLATE, deployment_after, EnsureOwned, gate_tuned, identity,
-                                                  kind_of, outcome, _Steps, template_fingerprint)
+from specpair_operator.plan.serving_steps import (ANN_TEMPLATE, deployment_after, DeleteOwned, EnsureOwned, gate_tuned,
+                                                  identity, kind_of, outcome, _Steps, template_fingerprint)
 from specpair_operator.plan.serving_rollout import name_conflict
 
 
@@ -45,7 +45,7 @@ def canary_deployment(w: ServingWorld, served: dict[str, Any], replicas: int, st
 def routed(w: ServingWorld) -> bool:
     """The pair names a Gateway and the API server serves its routes: the canary's share is a
     route's weight, not the replica ratio."""
-    return w.gateway_api and routes_mod.gateway_parent(w.spec) is not None
+    return w.gateway_api and routes_mod.gateway_parent(w.spec, w.installation.gateway) is not None
 
 
 def candidate_routed(w: ServingWorld) -> bool:
@@ -57,14 +57,17 @@ def candidate_routed(w: ServingWorld) -> bool:
                if not key.startswith("Service/"))
 
 
-def _routes(out: _Steps, traffic: routes_mod.Traffic, why: str) -> None:
+def _routes(out: _Steps, traffic: routes_mod.Traffic, why: str, keep: tuple[str, ...] = ()) -> None:
     """The pair's routes and route Services for `traffic` (desired/routes.py), each written only
     when absent or different; an Event for each route whose split changes; the Routed condition.
-    Nothing when the pair names no Gateway; a False condition when the API server serves no
-    Gateway API routes or a name is taken by an object the pair does not own (never touched)."""
+    A False condition when the API server serves no Gateway API routes or a name is taken by an
+    object the pair does not own (never touched). Route Services no longer wanted are deleted
+    once no live route sends to them; when the pair names no Gateway (nor the chart), every
+    route object it owns is (routes.unwanted)."""
     w = out.world
-    parent = routes_mod.gateway_parent(w.spec)
+    parent = routes_mod.gateway_parent(w.spec, w.installation.gateway)
     if parent is None:
+        _unroute(out)
         return
     gateway = f"Gateway {parent.get('namespace', w.namespace)}/{parent['name']}"
     if not w.gateway_api:
@@ -72,9 +75,15 @@ def _routes(out: _Steps, traffic: routes_mod.Traffic, why: str) -> None:
                           f"rollout.gateway names {gateway}, but the API server serves no HTTPRoute and GRPCRoute "
                           f"({routes_mod.GATEWAY_API}): no routes written; a canary's share is the replica ratio"))
         return
-    wanted = routes_mod.desired(w.pair, w.namespace, w.rollout, parent, traffic, kind_of(w))
+    wanted = routes_mod.desired(w.pair, w.namespace, w.rollout, parent, traffic, kind_of(w), keep)
+    # A live route switched only to Services old enough to have endpoints (routes.pending); a
+    # route made for the first time at once (nothing was routed before it).
+    waiting = routes_mod.pending(wanted, w.routes, w.now) if any(
+        w.routes.get(routes_mod.key(o)) for o in wanted if o["kind"] != "Service") else []
     for obj in wanted:
         live = w.routes.get(routes_mod.key(obj))
+        if waiting and obj["kind"] != "Service":
+            continue
         mutable = obj["kind"] != "Service"     # Services are created only (routes.py: one per version)
         result = outcome(w, obj, live, mutable)
         if result == owned.CONFLICT:
@@ -88,10 +97,39 @@ def _routes(out: _Steps, traffic: routes_mod.Traffic, why: str) -> None:
             out.add(PostEvent("Normal", "TrafficRouted",
                               f"{obj['kind']} {obj['metadata']['name']}: {routes_mod.describe(routes_mod.weights(live))}"
                               f" -> {routes_mod.describe(routes_mod.weights(obj))} ({why})"))
+    for live in routes_mod.unwanted(w.pair, wanted, w.routes, gateway_named=True):
+        if owned.owns(w.uid, dict(live)):
+            out.add(DeleteOwned(live), PostEvent("Normal", "RouteRemoved",
+                                                 f"{live['kind']} {live['metadata']['name']}: no route sends to it "
+                                                 f"any more ({why})"))
     split = next((routes_mod.weights(o) for o in wanted if o["kind"] != "Service"), {})
     kinds = " and ".join(o["kind"] for o in wanted if o["kind"] != "Service")
+    if waiting:
+        out.add(Condition(routes_mod.ROUTED, True, "ServicePending",
+                          f"{kinds} {routes_mod.route_name(w.pair)} on {gateway} unchanged until Service(s) "
+                          f"{', '.join(waiting)} are {routes_mod.SERVICE_SETTLE_SECONDS:g} s old (their endpoints); "
+                          f"then {routes_mod.describe(split)} ({why})"))
+        return
     out.add(Condition(routes_mod.ROUTED, True, "Routed",
                       f"{kinds} {routes_mod.route_name(w.pair)} on {gateway}: {routes_mod.describe(split)} ({why})"))
+
+
+def _unroute(out: _Steps) -> None:
+    """The pair names no Gateway (nor the chart): the routes and route Services it owns, found
+    because its status said it was routed, are deleted, and the Routed condition says so (its
+    False reason NoGateway: later passes read nothing of Gateway API)."""
+    w = out.world
+    gone = [live for live in routes_mod.unwanted(w.pair, (), w.routes, gateway_named=False)
+            if owned.owns(w.uid, dict(live))]
+    for live in gone:
+        out.add(DeleteOwned(live), PostEvent("Normal", "RouteRemoved",
+                                             f"{live['kind']} {live['metadata']['name']}: the pair names no Gateway"))
+    had = next((c for c in w.status.get("conditions") or [] if c.get("type") == routes_mod.ROUTED), None)
+    if gone or (had is not None and had.get("reason") != "NoGateway"):
+        out.add(Condition(routes_mod.ROUTED, False, "NoGateway",
+                          "no Gateway named (rollout.gateway.parentRef, nor the chart's gateway.parentRef): "
+                          + (f"removed {', '.join(routes_mod.key(o) for o in gone)}" if gone else "no routes")
+                          + "; a canary's share is the replica ratio"))
 
 
 def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
@@ -145,7 +183,7 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
     def progressing(message: str, judged: tuple = (), judging: bool = False) -> Report:
         if not judging:     # this step's pods do not serve yet: the previous step's weight
             _routes(out, routes_mod.Traffic(before, champion), f"v{version} canary step {step + 1} of {len(steps)} "
-                    "starting")
+                    "starting", keep=(champion, version))
         out.add(Condition(canary_mod.CONDITION, "Unknown", "Progressing", message), entry("Progressing", message, judged))
         return Report("reconciling", "Canary", "CanaryProgressing", message,
                       ready_message=f"v{champion} serving; v{version} in canary beside it")
@@ -153,7 +191,7 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
     def abort(reason: str, judged: tuple = ()) -> Report:
         msg = f"canary of v{version} aborted: {reason}"
         # The champion's alone again first: no request reaches a canary pod being scaled down.
-        _routes(out, routes_mod.Traffic(None, champion), f"canary of v{version} aborted")
+        _routes(out, routes_mod.Traffic(None, champion), f"canary of v{version} aborted", keep=(champion,))
         aborted = entry("Aborted", msg, judged)
         out.add(TagVersion(version, canary_mod.mark_tag(canary_mod.ABORTED, reason, aborted.fields["canary"])))
         if not candidate_routed(w):     # else the next pass scales it down (_retire_canary)
@@ -194,7 +232,8 @@ def _canary(out: _Steps, champion: str, verified: list[EnginePod]) -> Report:
         return abort(decision.reason, judged)
     # Judging this step: its weight (written, then judged, then the next step's).
     routing["weight"] = weight if weight is not None else before
-    _routes(out, routes_mod.Traffic(routing["weight"], champion), f"v{version} canary step {step + 1} of {len(steps)}")
+    _routes(out, routes_mod.Traffic(routing["weight"], champion), f"v{version} canary step {step + 1} of {len(steps)}",
+            keep=(champion, version))
     if decision.action == canary_mod.PROMOTE:
         msg = f"canary of v{version} passed: {decision.reason}"
         passed = entry("Passed", msg, judged)
@@ -230,7 +269,7 @@ def _retire_canary(out: _Steps, champion: str) -> None:
     live = w.canary_deployment
     about = bool(w.canary_pods) or bool(((live or {}).get("spec") or {}).get("replicas"))
     _routes(out, routes_mod.Traffic(None, champion) if about else routes_mod.SETTLED,
-            f"v{champion} serving" + (", canary pods going" if about else ""))
+            f"v{champion} serving" + (", canary pods going" if about else ""), keep=(champion,) if champion else ())
     if live is None or not owned.owns(w.uid, dict(live)):
         return
     version = str(((live.get("metadata") or {}).get("labels") or {}).get(manifests.LABEL_VERSION, ""))

@@ -40,6 +40,13 @@ class EnsureOwned:
 
 
 @dataclass(frozen=True)
+class DeleteOwned:
+    """Delete one of the pair's objects no longer wanted (owned.delete_owned: only while the pair
+    owns it, and only the object read), planned only for one the pass found and the pair owns."""
+    live: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class EnsureAutoscaler:
     """The pair's autoscaler as `rollout.autoscaling` says, planned (autoscaling.plan_autoscaler:
     the object to write, the other kind to delete, or why none can be); act/autoscaler.py writes
@@ -149,7 +156,7 @@ class ReportSpeculation:
     otherwise: Report | None = None
 
 
-WRITES = (SetAlias, TagVersion, EnsureOwned, CreateControlCA, IssueCertificate, RetireLegacyEngine, SwitchSpeculation,
+WRITES = (SetAlias, TagVersion, EnsureOwned, DeleteOwned, CreateControlCA, IssueCertificate, RetireLegacyEngine, SwitchSpeculation,
           ReconcilePodSpeculation)
 
 

@@ -12,8 +12,8 @@ from typing import Union
 from specpair_operator.plan.release_steps import (Condition, EnsureGatePolicy, ObserveGateDuration, PostEvent,
                                                   Record, RecordGateError, Report, ServeChampion, SetAlias,
                                                   SetStatus, StartGateJob, TagVersion)
-from specpair_operator.plan.serving_steps import (CreateControlCA, DriftChecked, EnsureAutoscaler, EnsureOwned,
-                                                  ExportSpeedup, ForgetDrift, IssueCertificate, LogWarning,
+from specpair_operator.plan.serving_steps import (CreateControlCA, DeleteOwned, DriftChecked, EnsureAutoscaler,
+                                                  EnsureOwned, ExportSpeedup, ForgetDrift, IssueCertificate, LogWarning,
                                                   ReconcilePodSpeculation, RememberChampion, RememberDrift,
                                                   ReportSpeculation, RetireLegacyEngine, RollSpeculation,
                                                   SwitchSpeculation, TLSSecretSeen)
@@ -23,7 +23,7 @@ from specpair_operator.policy.canary import RememberCanary, ScaleDown
 ReleaseStep = Union[SetAlias, TagVersion, EnsureGatePolicy, StartGateJob, RecordGateError,
                     ObserveGateDuration, ServeChampion]
 # ... the champion's serving (plan/serving_*.py, the canary's from policy/canary.py) ...
-ServingStep = Union[EnsureOwned, EnsureAutoscaler, CreateControlCA, IssueCertificate, TLSSecretSeen,
+ServingStep = Union[EnsureOwned, DeleteOwned, EnsureAutoscaler, CreateControlCA, IssueCertificate, TLSSecretSeen,
                     RetireLegacyEngine, SwitchSpeculation, ReconcilePodSpeculation, ReportSpeculation,
                     RememberChampion, DriftChecked, RememberDrift, ForgetDrift, ExportSpeedup, LogWarning, ScaleDown,
                     RememberCanary]
