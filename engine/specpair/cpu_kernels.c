@@ -29,6 +29,42 @@ static inline float hsum(v8 v) {
     return s;
 }
 
+/* hsum of eight vectors at once: lane r of the result is hsum(a[r]), bitwise. An 8x8 transpose
+   puts lane j of every a[r] in column j, and 0 + col 0 + col 1 + ... + col 7 adds each vector's
+   lanes in hsum's order, eight sums per add. One hsum is ~16 dependent scalar operations (lane
+   extracts and adds): as many as the eight FMAs of a 64-wide dot product, so a score or a
+   linear's output paid twice its arithmetic; this pays ~32 vector operations for eight. */
+static inline v8 hsum8x8(const v8 *a) {
+#if defined(__AVX__)
+    __m256 t0 = _mm256_unpacklo_ps((__m256)a[0], (__m256)a[1]);
+    __m256 t1 = _mm256_unpackhi_ps((__m256)a[0], (__m256)a[1]);
+    __m256 t2 = _mm256_unpacklo_ps((__m256)a[2], (__m256)a[3]);
+    __m256 t3 = _mm256_unpackhi_ps((__m256)a[2], (__m256)a[3]);
+    __m256 t4 = _mm256_unpacklo_ps((__m256)a[4], (__m256)a[5]);
+    __m256 t5 = _mm256_unpackhi_ps((__m256)a[4], (__m256)a[5]);
+    __m256 t6 = _mm256_unpacklo_ps((__m256)a[6], (__m256)a[7]);
+    __m256 t7 = _mm256_unpackhi_ps((__m256)a[6], (__m256)a[7]);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    v8 s = (v8){0};                                   /* columns 0..7, added in lane order */
+    s = s + (v8)_mm256_permute2f128_ps(u0, u4, 0x20);
+    s = s + (v8)_mm256_permute2f128_ps(u1, u5, 0x20);
+    s = s + (v8)_mm256_permute2f128_ps(u2, u6, 0x20);
+    s = s + (v8)_mm256_permute2f128_ps(u3, u7, 0x20);
+    s = s + (v8)_mm256_permute2f128_ps(u0, u4, 0x31);
+    s = s + (v8)_mm256_permute2f128_ps(u1, u5, 0x31);
+    s = s + (v8)_mm256_permute2f128_ps(u2, u6, 0x31);
+    s = s + (v8)_mm256_permute2f128_ps(u3, u7, 0x31);
+    return s;
+#else
+    v8 s;
+    for (int r = 0; r < 8; r++) s[r] = hsum(a[r]);
+    return s;
+#endif
+}
+
 /* REGISTER(v): keep v in a register. Without it GCC folds the weight load into each of the MM
    multiply-adds for MM = 2 and 3 (it reads the weight MM times, the x rows once), which made a
    3-row product cost more than a 4-row one (1.29x against 1.13x a 1-row product, all weights of
@@ -77,6 +113,55 @@ ROWS_KERNEL(5, UNROLLED) ROWS_KERNEL(6, UNROLLED) ROWS_KERNEL(7, UNROLLED) ROWS_
 typedef void (*rows_fn)(const float *, const float *, float *, long, long, long, long);
 static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
 
+/* Four rows of x against two weight rows o, o+1: eight sums, each in ROWS_KERNEL's order (eight
+   lanes over i, then the lanes in order: hsum8x8, bitwise hsum). Per eight-float step it loads
+   two weight vectors and four x vectors for eight FMAs, where rows_8 loads nine for eight, and
+   the eight lane sums cost one transpose instead of eight scalar chains. */
+static void rows4_outs2(const float *x, const float *W, float *y, long I, long O, long o) {
+    const float *w0 = W + o * I, *w1 = w0 + I;
+    v8 acc[8] = {{0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}};
+    long i = 0;
+    for (; i + 8 <= I; i += 8) {
+        v8 a, b;
+        __builtin_memcpy(&a, w0 + i, sizeof a);
+        __builtin_memcpy(&b, w1 + i, sizeof b);
+        REGISTER(a);
+        REGISTER(b);
+        _Pragma("GCC unroll 4")
+        for (int m = 0; m < 4; m++) {
+            v8 xv;
+            __builtin_memcpy(&xv, x + m * I + i, sizeof xv);
+            REGISTER(xv);              /* one load for both outputs, not one each */
+            acc[m] = fma8(a, xv, acc[m]);
+            acc[4 + m] = fma8(b, xv, acc[4 + m]);
+        }
+    }
+    v8 s = hsum8x8(acc);
+    _Pragma("GCC unroll 4")
+    for (int m = 0; m < 4; m++) {
+        float s0 = s[m], s1 = s[4 + m];
+        for (long j = i; j < I; j++) s0 += w0[j] * x[m * I + j];
+        for (long j = i; j < I; j++) s1 += w1[j] * x[m * I + j];
+        y[m * O + o] = s0;
+        y[m * O + o + 1] = s1;
+    }
+}
+
+/* Rows 0..mm-1 of x (mm <= 8) against weight rows o0..o1-1: tiles of four rows by two outputs
+   where they fill, the rest through ROWS. Every output is computed once, in the same order. */
+static void rows_block(const float *x, const float *W, float *y, long I, long O, long o0,
+                       long o1, long mm) {
+    long m4 = mm / 4 * 4, o2 = o0 + (o1 - o0) / 2 * 2;
+    if (m4 == 0) {
+        ROWS[mm](x, W, y, I, O, o0, o1);
+        return;
+    }
+    for (long o = o0; o < o2; o += 2)
+        for (long m = 0; m < m4; m += 4) rows4_outs2(x + m * I, W, y + m * O, I, O, o);
+    if (o2 < o1) ROWS[m4](x, W, y, I, O, o2, o1);
+    if (m4 < mm) ROWS[mm - m4](x + m4 * I, W, y + m4 * O, I, O, o0, o1);
+}
+
 /* Rows of x per call: k+1 <= 9 at batch 1, one token a row at batch 64. Above 16 a batch's
    decode step went to torch (BLAS and ~45 small operations a layer): 32 rows stepped 4x the
    time of 16 on the 2-core machine beside other jobs (docs/measurements/2026-12-06-paged-cpu.md).
@@ -111,7 +196,7 @@ int specpair_small_linear(const float *x, const float *const *W, float *const *y
         long o0 = (b - first[j]) * BLOCK, o1 = o0 + BLOCK < O[j] ? o0 + BLOCK : O[j];
         for (long c = 0; c < passes; c++) {
             long m0 = M * c / passes, m1 = M * (c + 1) / passes;
-            ROWS[m1 - m0](x + m0 * I, W[j], y[j] + m0 * O[j], I, O[j], o0, o1);
+            rows_block(x + m0 * I, W[j], y[j] + m0 * O[j], I, O[j], o0, o1, m1 - m0);
         }
     }
     return 0;
@@ -178,25 +263,24 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-/* dot(a, k_r) for four consecutive rows k_r of length n, each rounded exactly as dot() does. */
-static inline void dot4(const float *a, const float *k, int n, float *out) {
-    v8 acc[4] = {{0}, {0}, {0}, {0}};
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
+/* dot(a, k_r) for eight rows k_r of length n (n a multiple of 8): four consecutive at k0, four
+   at k1 (a paged cache's block holds four or more positions, so a group of four never straddles
+   blocks), each rounded exactly as dot() does, the eight lane sums at once (hsum8x8). */
+static inline void dot8(const float *a, const float *k0, const float *k1, int n, float *out) {
+    v8 acc[8] = {{0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}};
+    for (int i = 0; i < n; i += 8) {
         v8 av;
         __builtin_memcpy(&av, a + i, sizeof av);
-        for (int r = 0; r < 4; r++) {
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < 8; r++) {
             v8 kv;
-            __builtin_memcpy(&kv, k + (long)r * n + i, sizeof kv);
+            __builtin_memcpy(&kv, (r < 4 ? k0 + (long)r * n : k1 + (long)(r - 4) * n) + i,
+                             sizeof kv);
             acc[r] = fma8(av, kv, acc[r]);
         }
     }
-    _Pragma("GCC unroll 4")     /* the four sums from registers, as in ROWS_KERNEL */
-    for (int r = 0; r < 4; r++) {
-        float s = hsum(acc[r]);
-        for (int j = i; j < n; j++) s += a[j] * k[(long)r * n + j];
-        out[r] = s;
-    }
+    v8 s = hsum8x8(acc);
+    __builtin_memcpy(out, &s, sizeof s);
 }
 
 /* e^x in eight lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n):
@@ -260,11 +344,39 @@ static void run_linear(const float *x, const float *const *W, float *const *y, c
 
 #define MAX_HEAD_DIM 256
 
+#ifdef SPECPAIR_PROFILE
+/* A measuring build's phase clock (bench/layer_kernel_ab.py builds one with -DSPECPAIR_PROFILE;
+   a served build has none of it): seconds in each phase of specpair_llama_layer, summed over
+   calls until specpair_profile reads them. The attention's parts are summed over its threads. */
+#include <time.h>
+enum { P_QKV, P_ROPE, P_ATTN, P_OUT, P_GATEUP, P_SILU, P_DOWN, P_SCORES, P_SOFTMAX, P_VALUES, P_N };
+static double prof_s[P_N], prof_t;
+static double prof_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+#define PROF_START() (prof_t = prof_now())
+#define PROF_MARK(i) do { double t_ = prof_now(); prof_s[i] += t_ - prof_t; prof_t = t_; } while (0)
+#define PROF_LOCAL(v) double v = prof_now()
+#define PROF_ADD(i, v) do { double t_ = prof_now(); _Pragma("omp atomic") prof_s[i] += t_ - v; \
+                            v = t_; } while (0)
+int specpair_profile(double *out) {
+    for (int i = 0; i < P_N; i++) out[i] = prof_s[i], prof_s[i] = 0;
+    return P_N;
+}
+#else
+#define PROF_START() (void)0
+#define PROF_MARK(i) (void)0
+#define PROF_LOCAL(v) (void)0
+#define PROF_ADD(i, v) (void)0
+#endif
+
 /* Where a row's keys (or values) for one key/value head live: a contiguous row of the cache
    [rows, Hkv, S, hd], or (a paged cache) the row's block table into a pool of blocks
    [blocks, Hkv, block, hd], position p in table[p / block] at p % block. Every read goes through
    kv_at; the arithmetic on what it reads is the same either way, so a paged step is bitwise the
-   contiguous one. A block holds a power of 2, at least 4, positions: dot4's four keys share a
+   contiguous one. A block holds a power of 2, at least 4, positions: dot8's groups of four keys share a
    block, and a key's block is a shift away (a division a key was a visible share of a step). */
 typedef struct {
     const float *base;     /* contiguous: this row's head's first key; paged: the pool */
@@ -280,6 +392,13 @@ static inline const float *kv_at(const kv_rows *r, long p) {
                      * r->hd;
 }
 
+/* The end of the run of positions from p (before `limit`) stored one after another: to the end
+   of p's block, or (a contiguous cache) to the limit. */
+static inline long run_end(const kv_rows *v, long p, long limit) {
+    long end = v->table ? (p | (v->block - 1)) + 1 : limit;
+    return end < limit ? end : limit;
+}
+
 /* A tile's share of one token's weighted sum: acc += s[p] * v_p for p = a..b-1 ascending (slots
    past n0 from anc, as weighted_sum), the sums copied into locals for the tile so that, with
    chunks a constant at the call (always inlined), they live in registers. */
@@ -289,16 +408,58 @@ accumulate_values(const float *s, const kv_rows *v, long a, long b, long n0, con
                   int m, int chunks, v8 *acc) {
     v8 r[MAX_HEAD_DIM / 8];
     for (int c = 0; c < chunks; c++) r[c] = acc[c];
-    for (long p = a; p < b; p++) {
-        v8 w = (v8){0} + s[p];
+    for (long p = a; p < b;) {
+        /* a run of positions in one block (or the tree's one slot): one address computed for
+           it, not one a position (kv_at's table read and products cost as much as the FMAs) */
+        long end = p < n0 ? run_end(v, p, b < n0 ? b : n0) : p + 1;
         const float *vp = kv_at(v, p < n0 ? p : anc[m - 1 - (p - n0)]);
-        for (int c = 0; c < chunks; c++) {
-            v8 x;
-            __builtin_memcpy(&x, vp + c * 8, sizeof x);
-            r[c] = fma8(w, x, r[c]);
+        for (; p < end; p++, vp += v->hd) {
+            v8 w = (v8){0} + s[p];
+            for (int c = 0; c < chunks; c++) {
+                v8 x;
+                __builtin_memcpy(&x, vp + c * 8, sizeof x);
+                r[c] = fma8(w, x, r[c]);
+            }
         }
     }
     for (int c = 0; c < chunks; c++) acc[c] = r[c];
+}
+
+/* Two tokens' shares of a tile whose values they both read at the same place (their rows' tables
+   name the same blocks there: a shared prefix), positions a..b-1 all before both tokens' own
+   keys: each value vector is loaded once for both, four eight-float chunks at a time (eight
+   sums in registers), where accumulate_values loads it once a token. Each token's chunk sums
+   are accumulate_values' own: the same FMAs, positions ascending. */
+static inline __attribute__((always_inline)) void
+accumulate_values_pair(const float *s0, const float *s1, const kv_rows *v, long a, long b,
+                       int chunks, v8 *acc0, v8 *acc1) {
+    for (int c0 = 0; c0 < chunks; c0 += 4) {
+        v8 r0[4], r1[4];
+        for (int c = 0; c < 4; c++) r0[c] = acc0[c0 + c], r1[c] = acc1[c0 + c];
+        for (long p = a; p < b;) {
+            long end = run_end(v, p, b);
+            for (const float *vp = kv_at(v, p) + c0 * 8; p < end; p++, vp += v->hd) {
+                v8 w0 = (v8){0} + s0[p], w1 = (v8){0} + s1[p];
+                _Pragma("GCC unroll 4")
+                for (int c = 0; c < 4; c++) {
+                    v8 x;
+                    __builtin_memcpy(&x, vp + c * 8, sizeof x);
+                    REGISTER(x);
+                    r0[c] = fma8(w0, x, r0[c]);
+                    r1[c] = fma8(w1, x, r1[c]);
+                }
+            }
+        }
+        for (int c = 0; c < 4; c++) acc0[c0 + c] = r0[c], acc1[c0 + c] = r1[c];
+    }
+}
+
+/* Whether two rows' tables name the same blocks for positions a..b-1 (paged caches only). */
+static inline int same_blocks(const kv_rows *x, const kv_rows *y, long a, long b) {
+    int shift = __builtin_ctzl((unsigned long)x->block);
+    for (long k = a >> shift; k <= (b - 1) >> shift; k++)
+        if (x->table[k] != y->table[k]) return 0;
+    return 1;
 }
 
 /* out = inv * sum_p s[p] * v_p, keys ascending from position lo (0, or a sliding window's
@@ -332,12 +493,62 @@ static int tree_keys(const long *pos, const long *slot, const long *parent, long
     return m;
 }
 
+/* Token qv's scores against the keys at p..p+7 (p a multiple of 8) that it sees, those in
+   [first, n): all eight at once where it sees them all (dot8), else one by one (dot). A key's
+   score is the same value either way, whichever tile or call computes it. */
+static inline void score_tile(const float *qv, const kv_rows *kr, long p, long first, long n,
+                              int hd, float *s) {
+    if (first == p && p + 8 <= n) dot8(qv, kv_at(kr, p), kv_at(kr, p + 4), hd, s + p);
+    else for (long k = first; k < n && k < p + 8; k++) s[k] = dot(qv, kv_at(kr, k), hd);
+}
+
+/* A token's softmax over its scores s[l..n-1], in place up to the normalisation: each scaled,
+   less their max, through e^x; returns 1 / the sum (which the weighted sum applies). The scaling
+   and the max in eight lanes (a max is the same value whichever lane finds it: the largest;
+   a -0 for a +0 changes no difference but a zero's sign, and e^(+-0) is 1), the exponentials and
+   the sum as before: the sum's lane j over s[l + 8c + j], the tail added after, in order. */
+static float softmax_exp(float *s, long l, long n, float scale) {
+    v8 m8 = (v8){0} - __builtin_inff();
+    long p = l;
+    for (; p + 8 <= n; p += 8) {
+        v8 v;
+        __builtin_memcpy(&v, s + p, sizeof v);
+        v = v * scale;
+        __builtin_memcpy(s + p, &v, sizeof v);
+        m8 = select8(v > m8, v, m8);
+    }
+    float mx = -__builtin_inff();
+    for (int j = 0; j < 8; j++)
+        if (m8[j] > mx) mx = m8[j];
+    for (; p < n; p++) {
+        s[p] *= scale;
+        if (s[p] > mx) mx = s[p];
+    }
+    v8 sum8 = (v8){0};
+    for (p = l; p + 8 <= n; p += 8) {
+        v8 v;
+        __builtin_memcpy(&v, s + p, sizeof v);
+        v = exp8(v - mx);
+        __builtin_memcpy(s + p, &v, sizeof v);
+        sum8 += v;
+    }
+    if (p < n) {                      /* the tail through the same lanes, as exp_inplace */
+        v8 v = (v8){0};
+        for (long j = p; j < n; j++) v[j - p] = s[j] - mx;
+        v = exp8(v);
+        for (long j = p; j < n; j++) s[j] = v[j - p];
+    }
+    float sum = hsum(sum8);
+    for (; p < n; p++) sum += s[p];
+    return 1.0f / sum;
+}
+
 /* Causal attention for query head hh of tokens a..b-1, all of one cache row: token t sees keys
    at positions 0..pos[t]. Every (token, key) score and every token's weighted sum is computed in
    the same order as for that token alone (eight lanes, keys ascending), whatever the run's
    length: the run shares loads, never arithmetic. In a token tree (parent given) a token's keys
    at positions past its prefix are its ancestors' slots, not the slots that follow: its scores
-   and sums are the very ones it would get with those ancestors as a plain chain (dot4 rounds
+   and sums are the very ones it would get with those ancestors as a plain chain (dot8 rounds
    each key as dot does), which keeps a tree's verification bitwise equal to decoding. */
 static void attend_run(const float *q, const float *kc, const float *vc, float *att, float *scores,
                        const long *pos, const long *slot, const long *parent, long row, long a,
@@ -361,15 +572,13 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
         lo[t - a] = window > 0 && pos[t] - window + 1 > 0 ? pos[t] - window + 1 : 0;
         if (lo[t - a] < lomin) lomin = lo[t - a];
     }
-    /* Prefix scores: four keys at a time (four independent chains), each block for every token.
-       A key's score is the same whichever block or call computes it (dot4 rounds as dot). */
-    for (long p = lomin / 4 * 4; p < nmax; p += 4) {
+    /* Prefix scores: eight keys at a time (eight independent chains), each tile for every
+       token. A key's score is the same whichever tile or call computes it (dot8 rounds as dot). */
+    for (long p = lomin / 8 * 8; p < nmax; p += 8) {
         for (long t = a; t < b; t++) {
             long n = n0[t - a], first = lo[t - a] > p ? lo[t - a] : p;
-            const float *qv = q + t * qd + (long)hh * hd;
-            float *s = scores + (t * H + hh) * L;
-            if (first == p && p + 4 <= n) dot4(qv, kv_at(&kr, p), hd, s + p);
-            else for (long k = first; k < n && k < p + 4; k++) s[k] = dot(qv, kv_at(&kr, k), hd);
+            score_tile(q + t * qd + (long)hh * hd, &kr, p, first, n, hd,
+                       scores + (t * H + hh) * L);
         }
     }
     /* The rest: the token itself and its ancestors in this call, in position order. */
@@ -381,25 +590,8 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
     }
     /* Softmax per token over its own keys. */
     float inv[MAX_TOKENS];
-    for (long t = a; t < b; t++) {
-        long n = pos[t] + 1, p, l = lo[t - a];
-        float *s = scores + (t * H + hh) * L, mx = -__builtin_inff();
-        for (p = l; p < n; p++) {
-            s[p] *= scale;
-            if (s[p] > mx) mx = s[p];
-        }
-        for (p = l; p < n; p++) s[p] -= mx;
-        exp_inplace(s + l, n - l);
-        v8 sum8 = (v8){0};
-        for (p = l; p + 8 <= n; p += 8) {
-            v8 e;
-            __builtin_memcpy(&e, s + p, sizeof e);
-            sum8 += e;
-        }
-        float sum = hsum(sum8);
-        for (; p < n; p++) sum += s[p];
-        inv[t - a] = 1.0f / sum;
-    }
+    for (long t = a; t < b; t++)
+        inv[t - a] = softmax_exp(scores + (t * H + hh) * L, lo[t - a], pos[t] + 1, scale);
     /* Weighted sums of values, token by token (the values are in the core's caches by now). */
     for (long t = a; t < b; t++) {
         const float *s = scores + (t * H + hh) * L;
@@ -416,7 +608,7 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
    Each key and value is loaded once for every token of the group that reads it at that position:
    keys outer, tokens inner, so a prefix block that 32 rows share is read from memory once, not
    32 times. Every (token, key) score, every token's softmax and every token's weighted sum is
-   computed exactly as attend_run computes it for that token (the same dot4/dot per key, the same
+   computed exactly as attend_run computes it for that token (the same dot8/dot per key, the same
    ascending accumulation of values into the token's own eight-lane sums), so the result is
    bitwise attend_run's whatever the grouping. */
 static void attend_group(const float *q, const float *kc, const float *vc, float *att,
@@ -430,6 +622,7 @@ static void attend_group(const float *q, const float *kc, const float *vc, float
     kv_rows kr[MAX_TOKENS], vr[MAX_TOKENS];
     long anc[MAX_TOKENS][MAX_TOKENS], n0[MAX_TOKENS], lo[MAX_TOKENS];
     int m[MAX_TOKENS];
+    PROF_LOCAL(clock);
     for (long i = 0; i < n; i++) {
         long t = toks[i];
         kr[i] = (kv_rows){kc, table + rows[t] * table_width, block, j, Hkv, hd};
@@ -441,38 +634,24 @@ static void attend_group(const float *q, const float *kc, const float *vc, float
         lo[i] = window > 0 && pos[t] - window + 1 > 0 ? pos[t] - window + 1 : 0;
         if (lo[i] < lomin) lomin = lo[i];
     }
-    for (long p = lomin / 4 * 4; p < nmax; p += 4) {
+    for (long p = lomin / 8 * 8; p < nmax; p += 8) {
         for (long i = 0; i < n; i++) {
-            long t = toks[i], nn = n0[i], first = lo[i] > p ? lo[i] : p;
-            const float *qv = q + t * qd + (long)hh * hd;
-            float *s = scores + (t * H + hh) * L;
-            if (first == p && p + 4 <= nn) dot4(qv, kv_at(&kr[i], p), hd, s + p);
-            else for (long k = first; k < nn && k < p + 4; k++) s[k] = dot(qv, kv_at(&kr[i], k), hd);
+            long t = toks[i], first = lo[i] > p ? lo[i] : p;
+            score_tile(q + t * qd + (long)hh * hd, &kr[i], p, first, n0[i], hd,
+                       scores + (t * H + hh) * L);
         }
     }
+    PROF_ADD(P_SCORES, clock);
     float inv[MAX_TOKENS];
     for (long i = 0; i < n; i++) {
-        long t = toks[i], nn = pos[t] + 1, p, l = lo[i];
+        long t = toks[i];
         const float *qv = q + t * qd + (long)hh * hd;
-        float *s = scores + (t * H + hh) * L, mx = -__builtin_inff();
+        float *s = scores + (t * H + hh) * L;
         for (int a = 0; a < m[i]; a++)
             s[n0[i] + a] = dot(qv, kv_at(&kr[i], anc[i][m[i] - 1 - a]), hd);
-        for (p = l; p < nn; p++) {
-            s[p] *= scale;
-            if (s[p] > mx) mx = s[p];
-        }
-        for (p = l; p < nn; p++) s[p] -= mx;
-        exp_inplace(s + l, nn - l);
-        v8 sum8 = (v8){0};
-        for (p = l; p + 8 <= nn; p += 8) {
-            v8 e;
-            __builtin_memcpy(&e, s + p, sizeof e);
-            sum8 += e;
-        }
-        float sum = hsum(sum8);
-        for (; p < nn; p++) sum += s[p];
-        inv[i] = 1.0f / sum;
+        inv[i] = softmax_exp(s, lo[i], pos[t] + 1, scale);
     }
+    PROF_ADD(P_SOFTMAX, clock);
     /* Values: tiles of VALUE_TILE positions outer, tokens inner, each token's sums in ascending
        positions (as weighted_sum). A tile's values (16 KB at hd 64) stay in L1 while every token
        of the group reads them, and a token's sums stay in registers across the tile, loaded and
@@ -486,6 +665,13 @@ static void attend_group(const float *q, const float *kc, const float *vc, float
             long a = lo[i] > p0 ? lo[i] : p0, b = n0[i] + m[i] < p1 ? n0[i] + m[i] : p1;
             if (a >= b) continue;
             const float *s = scores + (toks[i] * H + hh) * L;
+            if (chunks % 4 == 0 && i + 1 < n && a == p0 && b == p1 && p1 <= n0[i]
+                && lo[i + 1] <= p0 && p1 <= n0[i + 1] && same_blocks(&vr[i], &vr[i + 1], p0, p1)) {
+                accumulate_values_pair(s, scores + (toks[i + 1] * H + hh) * L, &vr[i], p0, p1,
+                                       chunks, acc[i], acc[i + 1]);
+                i++;
+                continue;
+            }
             if (chunks == 8)    /* hd 64: the eight sums as named registers */
                 accumulate_values(s, &vr[i], a, b, n0[i], anc[i], m[i], 8, acc[i]);
             else
@@ -499,6 +685,7 @@ static void attend_group(const float *q, const float *kc, const float *vc, float
             __builtin_memcpy(out + c * 8, &r, sizeof r);
         }
     }
+    PROF_ADD(P_VALUES, clock);
 }
 
 
@@ -519,6 +706,7 @@ static void attention_out_and_mlp(const float *att, const float *residual, float
         long Os[1] = {D};
         run_linear(att, Ws, ys, Os, 1, T, qd, threads);
     }
+    PROF_MARK(P_OUT);
     for (long i = 0; i < T * D; i++) out[i] = residual[i] + o[i];
     for (long t = 0; t < T; t++) rms_norm(out + t * D, n_post, x + t * D, D, eps);
     {
@@ -527,6 +715,7 @@ static void attention_out_and_mlp(const float *att, const float *residual, float
         long Os[2] = {F, F};
         run_linear(x, Ws, ys, Os, 2, T, D, threads);
     }
+    PROF_MARK(P_GATEUP);
     /* SiLU(g) * u: e^-g through the same eight lanes, one row of F per token. */
     for (long t = 0; t < T; t++) {
         float *gt = g + t * F, *ut = u + t * F;
@@ -534,6 +723,7 @@ static void attention_out_and_mlp(const float *att, const float *residual, float
         exp_inplace(e, F);
         for (long i = 0; i < F; i++) gt[i] = gt[i] / (1.0f + e[i]) * ut[i];
     }
+    PROF_MARK(P_SILU);
     {
         const float *Ws[1] = {wd};
         float *ys[1] = {o};
@@ -541,6 +731,7 @@ static void attention_out_and_mlp(const float *att, const float *residual, float
         run_linear(g, Ws, ys, Os, 1, T, F, threads);
     }
     for (long i = 0; i < T * D; i++) out[i] += o[i];
+    PROF_MARK(P_DOWN);
 }
 
 int specpair_llama_layer(float *h, const long *rows, const long *pos, const long *slot,
@@ -578,6 +769,7 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
     float *x = scratch, *q = x + T * D, *k = q + T * qd, *v = k + T * kd, *att = v + T * kd;
     float *g = att + T * qd, *u = g + T * F, *o = u + T * F, *scores = o + T * D;
 
+    PROF_START();
     for (long t = 0; t < T; t++) rms_norm(h + t * D, n1, x + t * D, D, eps);
     {
         const float *Ws[3] = {wq, wk, wv};
@@ -585,6 +777,7 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
         long Os[3] = {qd, kd, kd};
         run_linear(x, Ws, ys, Os, 3, T, D, threads);
     }
+    PROF_MARK(P_QKV);
     for (long t = 0; t < T; t++) {
         float *qt = q + t * qd, *kt = k + t * kd, *vt = v + t * kd;
         if (bq) for (long i = 0; i < qd; i++) qt[i] += bq[i];
@@ -608,6 +801,7 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
             __builtin_memcpy((float *)kv_at(&vr, at), v + t * kd + (long)j * hd, hd * sizeof(float));
         }
     }
+    PROF_MARK(P_ROPE);
     /* Attention, one task per (run, query head): a run is the consecutive tokens of one row (a
        verification's k+1 tokens), which read the same keys and values, so each key and value is
        loaded once for all of them rather than once per token. */
@@ -617,19 +811,28 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
     run_start[runs] = T;
     if (table) {
         /* A paged cache: runs whose rows begin at the same block (a shared prompt prefix) are
-           one group, attended together (attend_group), tokens in call order within it. */
+           one group, attended together (attend_group), tokens in call order within it. A group
+           of at least two runs a thread is cut into one part a thread: one group's H tasks
+           on 2 threads left one idle for a ninth of the attention (H = 9), and a part still
+           reads each key once for its many rows. */
         long toks[MAX_TOKENS], group_start[MAX_TOKENS + 1], groups = 0, placed = 0;
         int taken[MAX_TOKENS] = {0}, group_runs[MAX_TOKENS];
         for (long r = 0; r < runs; r++) {
             if (taken[r]) continue;
-            long first = table[rows[run_start[r]] * table_width];
-            group_runs[groups] = 0;
-            group_start[groups++] = placed;
+            long first = table[rows[run_start[r]] * table_width], members[MAX_TOKENS], count = 0;
             for (long r2 = r; r2 < runs; r2++) {
                 if (taken[r2] || table[rows[run_start[r2]] * table_width] != first) continue;
                 taken[r2] = 1;
-                group_runs[groups - 1]++;
-                for (long t = run_start[r2]; t < run_start[r2 + 1]; t++) toks[placed++] = t;
+                members[count++] = r2;
+            }
+            long parts = threads > 1 && count >= 2L * threads ? threads : 1;
+            for (long part = 0; part < parts; part++) {
+                long c0 = count * part / parts, c1 = count * (part + 1) / parts;
+                group_runs[groups] = (int)(c1 - c0);
+                group_start[groups++] = placed;
+                for (long c = c0; c < c1; c++)
+                    for (long t = run_start[members[c]]; t < run_start[members[c] + 1]; t++)
+                        toks[placed++] = t;
             }
         }
         group_start[groups] = placed;
@@ -653,6 +856,7 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
         attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[run_start[r]], run_start[r],
                    run_start[r + 1], hh, H, Hkv, hd, S, L, window, table, table_width, block);
     }
+    PROF_MARK(P_ATTN);
     attention_out_and_mlp(att, h, h, wo, n2, wg, wu, wd, x, g, u, o, scores + T * H * L, T, D,
                           qd, F, eps, threads);
     return 0;

@@ -139,3 +139,76 @@ def test_a_table_that_does_not_cover_a_step_is_refused(tiny_target):
     with pytest.raises(ValueError, match="int64"):
         cpu_kernels.llama_layer(h, torch.tensor([0]), pos, cos, sin, pool, pool.clone(), **common,
                                 table=torch.tensor([[0, 1, 2]], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("batch", [8, 32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_long_shared_prefix_at_head_dim_64_is_bitwise_the_contiguous_step(batch, threads):
+    """SmolLM2's head dimension (64) over a prefix of many blocks that every row shares: the
+    grouped kernel's fast paths run here and nowhere in the tiny model's steps (head dim 16,
+    two shared blocks): scores eight keys at a time (dot8), two rows' sums of a 64-position tile
+    from one load of each value (accumulate_values_pair, where both rows' tables name the same
+    blocks), a group cut in one part per thread. Each must be bitwise the contiguous cache's
+    one-row path (attend_run), with one thread and with two; a verification of 3 tokens and a
+    row holding its own copy of the prefix mix in."""
+    assert cpu_kernels.available(), cpu_kernels.status()
+    gen = torch.Generator().manual_seed(batch + threads)
+    D, H, kv_heads, hd, F_ = 128, 4, 2, 64, 256
+    r = lambda *s: torch.randn(*s, generator=gen)   # noqa: E731
+    weights = [r(H * hd, D) * 0.1, r(kv_heads * hd, D) * 0.1, r(kv_heads * hd, D) * 0.1,
+               r(D, H * hd) * 0.1, r(F_, D) * 0.1, r(F_, D) * 0.1, r(D, F_) * 0.1,
+               1 + 0.1 * r(D), 1 + 0.1 * r(D)]
+    shared, S = 11, 14 * BLOCK                       # 176 shared positions: two full tiles
+    kc, vc = r(batch, kv_heads, S, hd), r(batch, kv_heads, S, hd)
+    kc[:, :, :shared * BLOCK] = kc[:1, :, :shared * BLOCK]
+    vc[:, :, :shared * BLOCK] = vc[:1, :, :shared * BLOCK]
+    lengths = [shared * BLOCK + int(n) for n in torch.randint(0, 2 * BLOCK, (batch,), generator=gen)]
+    pool_k, pool_v, table = paged_copy(kc, vc, lengths, shared, gen)
+    own = torch.arange(pool_k.shape[0], pool_k.shape[0] + shared)     # row 3: its own copy
+    pool_k = torch.cat([pool_k, pool_k[table[3, :shared]]])
+    pool_v = torch.cat([pool_v, pool_v[table[3, :shared]]])
+    table[3, :shared] = own
+    rows, positions = [], []
+    for i in range(batch):
+        for w in range(3 if i == 1 else 1):          # row 1 verifies 3 tokens
+            rows.append(i), positions.append(lengths[i] + w)
+    rows_t, pos_t = torch.tensor(rows), torch.tensor(positions)
+    h, cos, sin = r(len(rows), D), r(len(rows), hd), r(len(rows), hd)
+    common = dict(weights=weights, eps=1e-5, heads=H, kv_heads=kv_heads, head_dim=hd)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        contiguous = cpu_kernels.llama_layer(h.clone(), rows_t, pos_t, cos, sin, kc, vc, **common)
+        paged = cpu_kernels.llama_layer(h.clone(), rows_t, pos_t, cos, sin, pool_k, pool_v,
+                                        **common, table=table)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(paged, contiguous)
+    # and both are the layer's arithmetic (a fault in a part both paths share shows here)
+    expected = reference_layer(h, rows, positions, cos, sin, kc, vc, weights, H, kv_heads, hd)
+    torch.testing.assert_close(contiguous, expected, rtol=1e-4, atol=1e-4)
+
+
+def reference_layer(h, rows, positions, cos, sin, kc, vc, weights, H, kv_heads, hd, eps=1e-5):
+    """The Llama layer in plain torch over the contiguous cache as the kernel left it (each
+    token's key and value written at its position), token by token."""
+    wq, wk, wv, wo, wg, wu, wd, n1, n2 = weights
+    norm = lambda x, w: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))  # noqa: E731
+
+    def rope(x):                                   # [heads, hd], Hugging Face's half split
+        half = hd // 2
+        rotated = torch.cat([-x[:, half:], x[:, :half]], dim=-1)
+        return x * cos[t] + rotated * sin[t]
+
+    out = []
+    for t, (r, p) in enumerate(zip(rows, positions)):
+        x = norm(h[t], n1)
+        q = rope((x @ wq.T).view(H, hd))
+        keys, values = kc[r, :, :p + 1], vc[r, :, :p + 1]    # [kv heads, p + 1, hd]
+        group = H // kv_heads
+        att = torch.stack([torch.softmax(keys[j // group] @ q[j] / hd ** 0.5, -1)
+                           @ values[j // group] for j in range(H)]).reshape(-1)
+        y = h[t] + att @ wo.T
+        z = norm(y, n2)
+        out.append(y + (torch.nn.functional.silu(z @ wg.T) * (z @ wu.T)) @ wd.T)
+    return torch.stack(out)

@@ -52,6 +52,22 @@ def test_a_rows_output_does_not_depend_on_how_many_rows_came_with_it():
         assert torch.equal(cpu_kernels.linear(x[i:i + 1], weight)[0], together[i])
 
 
+@pytest.mark.parametrize("in_features", [576, 37, 1536])
+def test_a_rows_output_is_the_same_in_every_tiling_of_the_rows(in_features):
+    """Bitwise, for every row count the kernel takes: rows go in tiles of four rows by two
+    outputs where they fill (cpu_kernels.c rows4_outs2, its lane sums transposed) and through
+    the one-output kernels elsewhere (a block's odd last output, a pass's last rows, 1-3 rows);
+    each output must be the very float a 1-row product gives. 203 outputs leave a block of 11;
+    37 inputs leave a tail past the eight-float steps."""
+    cpu_kernels.available()
+    gen = torch.Generator().manual_seed(in_features + 1)
+    weight = torch.randn(203, in_features, generator=gen)
+    x = torch.randn(cpu_kernels.MAX_TOKENS, in_features, generator=gen)
+    alone = torch.cat([cpu_kernels.linear(x[i:i + 1], weight) for i in range(len(x))])
+    for rows in range(2, cpu_kernels.MAX_TOKENS + 1):
+        assert torch.equal(cpu_kernels.linear(x[:rows], weight), alone[:rows]), rows
+
+
 def test_linear_falls_back_to_torch_where_the_kernel_does_not_apply():
     cpu_kernels.available()
     gen = torch.Generator().manual_seed(1)
