@@ -9,7 +9,7 @@ attention and its scores / softmax / values, output projection, gate/up, SiLU, d
 linear alone through our kernel against torch's (oneDNN/BLAS) at the same rows. Figures:
 docs/measurements/2026-12-07-layer-kernel-ab-cpu.md.
 
-    python bench/layer_kernel_ab.py --base HEAD --rows 8 32 --calls 31
+    python bench/layer_kernel_ab.py --base f2dee58 --rows 8 32 --calls 31
     OMP_WAIT_POLICY=passive python bench/layer_kernel_ab.py ...    # CPU times without spinning
     python bench/layer_kernel_ab.py --tiny        # seconds: a small shape, for a test
 
