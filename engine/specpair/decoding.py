@@ -656,9 +656,6 @@ class Batch:
                     kv.publish(i, seq.prefix_keys[n])
                     seq.prefix_saved[n] = True
 
-    def blocks_to_admit(self, prompt_ids: list[int]) -> int:
-        """Blocks the pool would give a new row for its prompt and first token (its cached
-        prefix blocks held by no row count too: taking them leaves fewer to give)."""
     @property
     def _shares_head_prefix(self) -> bool:
         """Whether the drafter's own cache over a prompt prefix is kept in the prefix store and
@@ -705,6 +702,9 @@ class Batch:
                 i, [b * block for b in missing], block))))
             seq.head_saved = True
 
+    def blocks_to_admit(self, prompt_ids: list[int]) -> int:
+        """Blocks the pool would give a new row for its prompt and first token (its cached
+        prefix blocks held by no row count too: taking them leaves fewer to give)."""
         pool = self.target.pool
         names = []
         if self.engine.prefix_store is not None:
@@ -749,11 +749,11 @@ class Batch:
         for seq in self.rows:
             seq.memory_target_only = False
         ks = self._ks()
+        if self.copies:      # a row may copy more than its head drafts (its own k)
+            ks = [max(k, c) for k, c in zip(ks, self._ks(copying=True))]
         pool = self.target.pool
         order = sorted(range(len(self.rows)), key=lambda i: self.rows[i].started)
         draft = self.draft_kv
-        if self.copies:      # a row may copy more than its head drafts (its own k)
-            ks = [max(k, c) for k, c in zip(ks, self._ks(copying=True))]
         # A draft model's row, when drafting, catches up to the row's tokens and feeds k-1 drafts.
         needs = [pool.need(self.target.keys[i], self.target.lengths[i],
                            len(self.rows[i].tokens) - self.target.lengths[i], ks[i],
@@ -971,8 +971,8 @@ class Batch:
         B = self.active
         sampling = self._sampling()
         ks = self._ks()
-        self.last_k = max(ks, default=0)
         copy_ks = self._ks(copying=True) if self.copies else None
+        self.last_k = max(ks, default=0)
         if self.target.fixed:
             self.target.token_bucket = eng.step_bucket(B)
             self._prefill_apart()
@@ -1067,11 +1067,11 @@ class Batch:
             self._save_prefixes()
         if self.paged:
             self._publish_prefixes()
+            if self._shares_head_prefix:
+                self._save_head_prefixes()
         self.target.trim()
         if self.drafter is not None:
             self.drafter.trim()
-            if self._shares_head_prefix:
-                self._save_head_prefixes()
         self._drop_finished()
         if self.paged and self.preempted:
             self._resume_preempted()      # a batch never idles while a preempted row waits
