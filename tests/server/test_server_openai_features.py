@@ -110,6 +110,29 @@ def test_n_choices_each_seeded_and_reproducible(http_server):
     assert pieces == texts
 
 
+def test_n_choices_share_the_prompts_cache(http_server):
+    """The choices of one request prefill their prompt once: choices 1 and 2 take its full
+    blocks from the prefix store (by reference on the paged cache), as requests with a shared
+    system prompt do; each choice is still its seed's reply alone."""
+    from specpair.prefix_cache import BLOCK_TOKENS
+
+    engine = http_server.engine
+    client = openai_client(http_server)
+    system = "You keep a ledger of every colour you were ever asked about, in order. " * 6
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name one colour."}]
+    ids = engine.encode(messages)
+    blocks = BLOCK_TOKENS * ((len(ids) - 1) // BLOCK_TOKENS)     # all but the last token's block
+    assert blocks >= 3 * BLOCK_TOKENS
+    served = engine.prefix_stats.served
+    ask = dict(model="tiny", messages=messages, max_tokens=8, temperature=1.0, seed=7, n=3)
+    reply = client.chat.completions.create(**ask)
+    assert reply.usage.prompt_tokens == len(ids) and len(reply.choices) == 3
+    assert engine.prefix_stats.served - served >= 2 * blocks, (engine.prefix_stats, blocks)
+    for i, choice in enumerate(reply.choices):
+        alone = client.chat.completions.create(**{**ask, "n": 1, "seed": 7 + i}, extra_body=OFF)
+        assert alone.choices[0].message.content == choice.message.content
+
+
 class Person(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     name: str = pydantic.Field(max_length=12)
@@ -144,6 +167,21 @@ def test_json_schema_replies_validate_and_equal_target_only_for_50_prompts(http_
         drafted += figures(a)["drafted_tokens"]
         accepted += figures(a)["accepted_tokens"]
     assert drafted > 0 and 0 < accepted <= drafted
+
+
+def test_json_object_replies_are_json_objects_equal_with_speculation_off(http_server):
+    client = openai_client(http_server)
+    ask = dict(model="tiny", messages=CHAT, max_tokens=60, temperature=0,
+               response_format={"type": "json_object"})
+    warm(client, messages=CHAT)      # both replies read the prompt's blocks from the store
+    on = client.chat.completions.create(**ask)
+    off = client.chat.completions.create(**ask, extra_body=OFF)
+    assert on.choices[0].message.content == off.choices[0].message.content
+    assert figures(on)["drafted_tokens"] > 0
+    if on.choices[0].finish_reason == "stop":       # complete: an object (else cut at max_tokens)
+        assert isinstance(json.loads(on.choices[0].message.content), dict)
+    else:
+        assert on.choices[0].message.content.startswith("{")
 
 
 def test_structured_outputs_extension_regex_choice_and_grammar(http_server):
