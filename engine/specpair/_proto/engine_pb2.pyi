@@ -191,7 +191,7 @@ class SpeculationSettings(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., k: _Optional[int] = ..., dynamic_k: _Optional[bool] = ..., k_min: _Optional[int] = ..., k_max: _Optional[int] = ..., k_override: _Optional[int] = ..., fallback_threshold: _Optional[float] = ..., fallback_window: _Optional[int] = ..., batch_size_threshold: _Optional[int] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("pair", "version", "target", "draft", "tokenizer", "speculation", "context_length", "max_new_tokens_limit", "max_queue", "engine_version", "warnings", "content_hash")
+    __slots__ = ("pair", "version", "target", "draft", "tokenizer", "speculation", "context_length", "max_new_tokens_limit", "max_queue", "engine_version", "warnings", "content_hash", "draft_version", "draft_content_hash")
     PAIR_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,8 @@ class ModelInfo(_message.Message):
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     pair: str
     version: str
     target: ModelIdentity
@@ -216,7 +218,9 @@ class ModelInfo(_message.Message):
     engine_version: str
     warnings: _containers.RepeatedScalarFieldContainer[str]
     content_hash: str
-    def __init__(self, pair: _Optional[str] = ..., version: _Optional[str] = ..., target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., draft: _Optional[_Union[ModelIdentity, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerInfo, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationSettings, _Mapping]] = ..., context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_queue: _Optional[int] = ..., engine_version: _Optional[str] = ..., warnings: _Optional[_Iterable[str]] = ..., content_hash: _Optional[str] = ...) -> None: ...
+    draft_version: str
+    draft_content_hash: str
+    def __init__(self, pair: _Optional[str] = ..., version: _Optional[str] = ..., target: _Optional[_Union[ModelIdentity, _Mapping]] = ..., draft: _Optional[_Union[ModelIdentity, _Mapping]] = ..., tokenizer: _Optional[_Union[TokenizerInfo, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationSettings, _Mapping]] = ..., context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_queue: _Optional[int] = ..., engine_version: _Optional[str] = ..., warnings: _Optional[_Iterable[str]] = ..., content_hash: _Optional[str] = ..., draft_version: _Optional[str] = ..., draft_content_hash: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
@@ -402,3 +406,27 @@ class SetSpeculationRequest(_message.Message):
     k: int
     reason: str
     def __init__(self, enabled: _Optional[bool] = ..., k: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SwapDraftRequest(_message.Message):
+    __slots__ = ("release_json", "reason")
+    RELEASE_JSON_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    release_json: str
+    reason: str
+    def __init__(self, release_json: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SwapDraftReply(_message.Message):
+    __slots__ = ("swapped", "draft_version", "draft_content_hash", "draft", "load_seconds", "install_seconds")
+    SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INSTALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    swapped: bool
+    draft_version: str
+    draft_content_hash: str
+    draft: ModelIdentity
+    load_seconds: float
+    install_seconds: float
+    def __init__(self, swapped: _Optional[bool] = ..., draft_version: _Optional[str] = ..., draft_content_hash: _Optional[str] = ..., draft: _Optional[_Union[ModelIdentity, _Mapping]] = ..., load_seconds: _Optional[float] = ..., install_seconds: _Optional[float] = ...) -> None: ...

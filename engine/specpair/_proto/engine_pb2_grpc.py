@@ -5,7 +5,7 @@ import warnings
 
 from specpair._proto import engine_pb2 as specpair_dot_engine_dot_v1_dot_engine__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -54,6 +54,11 @@ class EngineStub:
                 request_serializer=specpair_dot_engine_dot_v1_dot_engine__pb2.SetSpeculationRequest.SerializeToString,
                 response_deserializer=specpair_dot_engine_dot_v1_dot_engine__pb2.SpeculationSettings.FromString,
                 _registered_method=True)
+        self.SwapDraft = channel.unary_unary(
+                '/specpair.engine.v1.Engine/SwapDraft',
+                request_serializer=specpair_dot_engine_dot_v1_dot_engine__pb2.SwapDraftRequest.SerializeToString,
+                response_deserializer=specpair_dot_engine_dot_v1_dot_engine__pb2.SwapDraftReply.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -88,6 +93,15 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwapDraft(self, request, context):
+        """Replace the serving drafter with a release's that changes the draft side only: loaded and
+        warmed beside the running target, swapped between two steps; no request restarted or changed.
+        Control callers only (as SetSpeculation). FAILED_PRECONDITION names what needs new pods.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +124,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.SetSpeculation,
                     request_deserializer=specpair_dot_engine_dot_v1_dot_engine__pb2.SetSpeculationRequest.FromString,
                     response_serializer=specpair_dot_engine_dot_v1_dot_engine__pb2.SpeculationSettings.SerializeToString,
+            ),
+            'SwapDraft': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwapDraft,
+                    request_deserializer=specpair_dot_engine_dot_v1_dot_engine__pb2.SwapDraftRequest.FromString,
+                    response_serializer=specpair_dot_engine_dot_v1_dot_engine__pb2.SwapDraftReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +239,33 @@ class Engine:
             '/specpair.engine.v1.Engine/SetSpeculation',
             specpair_dot_engine_dot_v1_dot_engine__pb2.SetSpeculationRequest.SerializeToString,
             specpair_dot_engine_dot_v1_dot_engine__pb2.SpeculationSettings.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwapDraft(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specpair.engine.v1.Engine/SwapDraft',
+            specpair_dot_engine_dot_v1_dot_engine__pb2.SwapDraftRequest.SerializeToString,
+            specpair_dot_engine_dot_v1_dot_engine__pb2.SwapDraftReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,10 +45,12 @@ from prometheus_client import start_http_server
 
 from specpair._proto import engine_pb2 as pb
 from specpair.errors import SpecpairError
+from specpair.server import draft_swap
+from specpair.server.draft_swap import ServingDraft
 from specpair.server.metrics import EngineMetrics
 from specpair.server.requests import Limits
-from specpair.server.service import (SERVICE_NAME, EngineService, category_message, model_info_message,
-                                     speculation_message)
+from specpair.server.service import (SERVICE_NAME, EngineService, category_message, model_identity,
+                                     model_info_message, speculation_message)
 from specpair.server.tls import DEFAULT_CONTROL_CLIENT_NAMES, ReloadingTLS, TLSFiles, peer_common_names
 from specpair.server.worker import EngineWorker
 
@@ -165,6 +167,9 @@ class EngineServer:
         self._stopped = threading.Event()
         self._metrics_httpd = None
         self._stop_lock = threading.Lock()
+        # The release whose draft side serves (draft_swap.py): the started one until a SwapDraft.
+        self.serving_draft = ServingDraft(self.options.version, self.options.content_hash)
+        self._swap_lock = threading.Lock()     # one swap at a time
 
     # -- lifecycle (blocking, thread-safe) -------------------------------------------------------
 
@@ -277,9 +282,22 @@ class EngineServer:
         self.metrics.record_finished(self.metrics.category(category), status, protocol=protocol)
 
     def model_info(self) -> pb.ModelInfo:
-        return model_info_message(self.engine, pair=self.options.pair, version=self.options.version,
+        info = model_info_message(self.engine, pair=self.options.pair, version=self.options.version,
                                   limits=self.limits, max_batch_size=self.options.max_batch_size,
                                   max_queue=self.options.max_queue, content_hash=self.options.content_hash)
+        info.draft_version, info.draft_content_hash = self.serving_draft.version, self.serving_draft.content_hash
+        return info
+
+    def swap_draft(self, release_json: str, reason: str = "") -> pb.SwapDraftReply:
+        """Load a draft-side release beside the serving one, then swap it in between two steps
+        (draft_swap.swap); SwapRefused names what needs new pods."""
+        with self._swap_lock:
+            result = draft_swap.swap(self.engine, self.worker, release_json, self.serving_draft, reason=reason)
+            self.serving_draft = result.serving
+        return pb.SwapDraftReply(swapped=result.swapped, draft_version=result.serving.version,
+                                 draft_content_hash=result.serving.content_hash,
+                                 draft=model_identity(self.engine, "draft"), load_seconds=result.load_seconds,
+                                 install_seconds=result.install_seconds)
 
     def stats(self) -> pb.Stats:
         engine, worker = self.engine, self.worker

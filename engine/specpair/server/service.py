@@ -17,8 +17,10 @@ from google.protobuf.message import DecodeError
 from specpair import __version__
 from specpair._proto import engine_pb2 as pb
 from specpair.contract import DEFAULT_CATEGORY
+from specpair.errors import SpecpairError
 from specpair.server.admission import Admission
 from specpair.server.auth import bearer_token_matches
+from specpair.server.draft_swap import SwapRefused
 from specpair.server.requests import (MAX_SPECULATION_K, InvalidField, Limits, check_size, find_invalid_utf8,
                                       generate_fields)
 from specpair.server.worker import Failed, Finished, NotAccepting, QueueFull, Tokens
@@ -175,6 +177,9 @@ class EngineService:
             "SetSpeculation": grpc.unary_unary_rpc_method_handler(
                 self.set_speculation, request_deserializer=None,
                 response_serializer=pb.SpeculationSettings.SerializeToString),
+            "SwapDraft": grpc.unary_unary_rpc_method_handler(
+                self.swap_draft, request_deserializer=None,
+                response_serializer=pb.SwapDraftReply.SerializeToString),
         })
 
     def close(self) -> None:
@@ -305,3 +310,24 @@ class EngineService:
         enabled = request.enabled if request.HasField("enabled") else None
         k = request.k if request.HasField("k") else None
         return await loop.run_in_executor(None, self.state.set_speculation, enabled, k, request.reason)
+
+    async def swap_draft(self, raw: bytes, context):
+        await self._authorize(context)
+        # As SetSpeculation: a caller without the operator's certificate changes nothing.
+        refusal = self.state.control_refusal(context, "SwapDraft")
+        if refusal:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        await self._require_ready(context)
+        request = await self._parse(raw, pb.SwapDraftRequest, context, count=False)
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(None, self.state.swap_draft, request.release_json, request.reason)
+        except SwapRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except SpecpairError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"release_json: {exc}"
+                                if not str(exc).startswith("release_json") else str(exc))
+        except Exception as exc:    # a draft that would not load: the serving drafter is unchanged
+            log.exception("SwapDraft failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"the release's draft could not be swapped in "
+                                f"(the serving draft is unchanged): {type(exc).__name__}: {exc}")

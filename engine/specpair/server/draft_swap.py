@@ -1,0 +1,186 @@
+"""A draft-side release swapped into a running engine between two steps (issue 58, SwapDraft).
+
+A drafter never changes what a row emits: verification is the target's alone (greedy argmax, or
+rejection sampling whose output distribution is the target's). So the serving drafter can be
+replaced while rows run, with no row restarted and no reply changed. The swap has three parts:
+  1. read: the release (the JSON the shadow's --shadow-release file holds), refused by name
+     when it does not change the draft side only (another target) or cannot be swapped here;
+  2. load and warm: off the step loop (the gRPC call's executor thread), the draft model loaded
+     and one forward pass run, its tokenizer checked against the target's as at start-up;
+  3. install: in the worker thread between steps (EngineWorker.call), the engine's drafter and
+     the batch's per-row drafter replaced. The new drafter's rows start empty: a draft model
+     feeds each row's whole sequence on its first round (ModelDrafter feeds what its cache has
+     not seen), an n-gram index syncs from the sequence. That first round is the pause a swap
+     costs in tokens.
+
+What is refused (SwapRefused, the reason in words): another target; a draft tokenizer that
+differs from the target's; a drafting head (EAGLE, EAGLE-3, Medusa, lookup-first) on either
+side (the batch hands target features only to the drafter it was built with, and the paged pool
+keeps them per position); a serving draft model whose cache lives in the paged pool's blocks
+(PagedSpace.draft: the pool was sized for it). Those need a rolled pod.
+
+Not swapped: the engine's speculation settings (k, dynamic k, thresholds) stay the started
+release's; a cost-model k (calibrated on the old drafter's step cost) falls back to the
+heuristic k until the pod restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from specpair.config import Release
+from specpair.errors import SpecpairError, TokenizerMismatch
+
+log = logging.getLogger("specpair.server.draft_swap")
+
+WARM_UP_TOKENS = 8     # one forward pass of this many tokens pages the draft's weights in
+
+
+class SwapRefused(SpecpairError):
+    """A release this engine cannot swap in; the reason names what a restart is needed for."""
+
+
+@dataclass(frozen=True)
+class ServingDraft:
+    """Which draft-side release the engine drafts with since its last swap."""
+    version: str
+    content_hash: str
+
+
+@dataclass
+class Loaded:
+    """A release's drafter built beside the running target, not yet serving."""
+    release: Release
+    choice: object           # drafter_choice.DrafterChoice
+    load_seconds: float
+
+
+@dataclass(frozen=True)
+class SwapResult:
+    serving: ServingDraft
+    swapped: bool            # False: the release already served (nothing changed)
+    load_seconds: float      # read, load and warm, off the step loop
+    install_seconds: float   # the worker held between steps
+
+
+def read_release(text: str) -> Release:
+    """The release JSON a SwapDraft call carries, refused with the reason when it has no draft."""
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise SpecpairError(f"release_json: not JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise SpecpairError("release_json: not a release (a JSON object)")
+    release = Release.from_dict(raw)
+    if not release.pair.speculates:
+        raise SwapRefused("the release has no draft (a drafter or a draft source): nothing to swap in "
+                          "(SetSpeculation turns speculation off)")
+    return release
+
+
+def target_refusal(release: Release, target) -> str | None:
+    """Why this release cannot swap into an engine serving `target` (a LoadedModel): it must
+    change the draft side only."""
+    mine = (release.pair.target.source, release.pair.target.revision or "")
+    serving = (target.source, target.revision or "")
+    if mine != serving:
+        return (f"the release targets {mine[0]}{'@' + mine[1] if mine[1] else ''}, the engine serves "
+                f"{serving[0]}{'@' + serving[1] if serving[1] else ''}: a target change needs new pods")
+    return None
+
+
+def drafter_refusal(engine, new_drafter) -> str | None:
+    """Why `new_drafter` cannot replace the engine's serving drafter between steps (None: it can)."""
+    old = engine.drafter
+    for which, drafter in (("the serving drafter", old), ("the release's drafter", new_drafter)):
+        if drafter is not None and drafter.wants_features:
+            return (f"{which} ({drafter.name}) drafts from the target's features, which the batch "
+                    f"hands only to the drafter it was built with: a head swap needs new pods")
+    space = getattr(engine, "paged_space", None)
+    if space is not None and space.draft is not None:
+        return ("the serving draft model's cache lives in the paged pool's blocks (the pool was "
+                "sized for it): a swap needs new pods")
+    return None
+
+
+def load_release_drafter(engine, release: Release, load_model=None) -> Loaded:
+    """Build the release's drafter beside the engine's target, as the engine builds its own
+    (drafter_choice.build_drafter), and warm it. Runs off the step loop."""
+    from specpair.drafter_choice import build_drafter
+
+    started = time.perf_counter()
+    why = target_refusal(release, engine.target)
+    if why:
+        raise SwapRefused(why)
+    pair, draft = release.pair, None
+    if pair.drafter is None:
+        if load_model is None:
+            from specpair.models import load_model
+        draft = load_model(pair.draft.source, device=str(engine.target.device), revision=pair.draft.revision,
+                           progress=lambda _m: None)
+    try:
+        choice = build_drafter(engine.target, draft, pair.drafter, speculation=engine.config,
+                               kv=engine.kv_kind, compile=engine.compile_mode,
+                               target_fingerprint=engine.target_fingerprint)
+    except TokenizerMismatch as exc:
+        raise SwapRefused(f"the release's draft tokenizer differs from the target's: {exc}") from exc
+    why = drafter_refusal(engine, choice.drafter)
+    if why:
+        raise SwapRefused(why)
+    if choice.draft is not None:
+        warm(choice.draft)
+    return Loaded(release=release, choice=choice, load_seconds=time.perf_counter() - started)
+
+
+def warm(loaded) -> None:
+    """One forward pass, so the first round after the swap does not page the weights in."""
+    import torch
+
+    ids = torch.arange(WARM_UP_TOKENS, device=loaded.model.device).unsqueeze(0) % len(loaded.tokenizer)
+    with torch.no_grad():
+        loaded.model(input_ids=ids)
+
+
+def install(engine, batch, loaded: Loaded) -> None:
+    """Make the loaded drafter the serving one; run in the worker thread between steps."""
+    choice = loaded.choice
+    why = drafter_refusal(engine, choice.drafter)     # the engine may have changed since the load
+    if why:
+        raise SwapRefused(why)
+    engine.drafter, engine.draft = choice.drafter, choice.draft
+    engine.draft_fingerprint, engine.tokenizer_check = choice.draft_fingerprint, choice.tokenizer_check
+    engine.cost_model = None      # calibrated on the old drafter's step cost: the heuristic k now
+    drafter = choice.drafter.for_batch()
+    drafter.add_rows(batch.active)    # empty rows: each catches up from its sequence on its next round
+    batch.drafter = drafter
+    batch.copies = drafter.copies
+    if not batch.paged:
+        batch.prefix_caches = engine.prefix_caches(batch.target, drafter)
+
+
+def swap(engine, worker, release_json: str, serving: ServingDraft, *, reason: str = "",
+         load_model=None) -> SwapResult:
+    """Read, load and warm here (the caller's thread), then install between two steps."""
+    release = read_release(release_json)
+    if release.content_hash == serving.content_hash:
+        return SwapResult(serving=serving, swapped=False, load_seconds=0.0, install_seconds=0.0)
+    loaded = load_release_drafter(engine, release, load_model)
+
+    def apply() -> float:
+        held = time.perf_counter()
+        install(engine, worker.batch, loaded)
+        return time.perf_counter() - held
+
+    install_seconds = worker.call(apply)
+    now = ServingDraft(version=release.version or "0", content_hash=release.content_hash)
+    log.warning("draft swapped to release v%s (%s, %s) in %.2f s load + %.4f s between steps%s", now.version,
+                now.content_hash[:12], choice_name(loaded), loaded.load_seconds, install_seconds,
+                f" ({reason})" if reason else "")
+    return SwapResult(serving=now, swapped=True, load_seconds=loaded.load_seconds, install_seconds=install_seconds)
+
+
+def choice_name(loaded: Loaded) -> str:
+    return loaded.choice.drafter.name if loaded.choice.drafter is not None else "none"
