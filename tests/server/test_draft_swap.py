@@ -210,3 +210,26 @@ def test_refusals_as_pure_decisions(tiny_pair):
     else:
         assert why is None
     assert drafter_refusal(ngram, engine.drafter) is None
+
+
+def test_only_the_operator_certificate_swaps_on_the_control_port(tiny_pair, start_server, tmp_path):
+    from pki import Authority, SecretVolume
+    from test_server_control_tls import control_client
+
+    target, draft = tiny_pair
+    authority = Authority.new("specpair-ca-swap")
+    volume = SecretVolume(tmp_path / "tls", authority.secret())
+    server = start_server(SpeculativeEngine(target, drafter="ngram"), control_port=0, control_tls=volume.tls_files())
+    text = release_json(target.source, "7", draft_source=save_tiny(draft, tmp_path / "draft"))
+    with client_for(server) as main, \
+            control_client(server, tmp_path / "other", authority.ca, authority.someone_else) as someone_else, \
+            control_client(server, tmp_path / "operator", authority.ca, authority.operator) as operator:
+        for caller in (main, someone_else):
+            error = rpc_error(lambda: swap(caller, text))
+            assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "SwapDraft" in error.details()
+        assert main.model_info().draft_version == "1"
+        assert server.metrics.control_denied.labels("tiny", "1", "specpair", "SwapDraft")._value.get() == 2
+        reply = swap(operator, text)
+        assert reply.swapped and reply.draft.kind == "model"
+        assert main.model_info().draft_version == "7"
+        assert main.generate(PROMPTS[0], max_new_tokens=8).last.stats.num_draft_tokens > 0
