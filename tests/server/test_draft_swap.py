@@ -17,6 +17,7 @@ from tiny_models import perturbed_copy, save_tiny
 from serving_helpers import client_for, make_engine, reference, rpc_error, wait_for
 
 from specpair._proto import engine_pb2 as pb
+from specpair.config import GenerationParams
 from specpair.contract import content_hash
 from specpair.decoding import SpeculativeEngine
 from specpair.drafters import ModelDrafter
@@ -28,6 +29,9 @@ PROMPTS = ["def parse(self, text):\n    return", "import os\nimport sys\nimport"
            "the cat sat on the mat and the", "for i in range(10):\n    print(", "a b c d e f g"]
 NEW_TOKENS = 24
 STREAMS = 4
+# Odd streams send seeded sampled requests: a seeded reply is drawn by (seed, position), the same
+# with any drafter or none (config.GenerationParams), so it too must not change across a swap.
+TEMPERATURE, SEED = 0.8, 5
 
 
 def release_json(target_source: str, version: str, *, draft_source: str | None = None,
@@ -60,9 +64,11 @@ class SteadyStream:
             while not self.stop.is_set():
                 prompt = PROMPTS[n % len(PROMPTS)]
                 n += 1
+                sampled = index % 2 == 1
                 started, ids, times, final = time.perf_counter(), [], [], None
+                options = {"temperature": TEMPERATURE, "seed": SEED} if sampled else {}
                 try:
-                    for msg in client.stream(request(prompt, max_new_tokens=NEW_TOKENS), timeout=120):
+                    for msg in client.stream(request(prompt, max_new_tokens=NEW_TOKENS, **options), timeout=120):
                         times.append(time.perf_counter())
                         ids.extend(msg.token_ids)
                         if msg.finish_reason:
@@ -72,7 +78,7 @@ class SteadyStream:
                         self.errors.append(exc)
                     continue
                 with self.lock:
-                    self.replies.append((prompt, ids, started, times[-1], final.stats))
+                    self.replies.append(((prompt, sampled), ids, started, times[-1], final.stats))
                     self.arrivals.append(times)
 
     def __enter__(self):
@@ -88,7 +94,11 @@ class SteadyStream:
 
 def swap_under_a_steady_stream(tiny_pair, server, text: str, new_source: str, label: str) -> None:
     """Swap `text` in while STREAMS clients stream requests; check and print what the swap did."""
-    expected = {p: reference(tiny_pair, p, NEW_TOKENS).token_ids for p in PROMPTS}
+    expected = {(p, False): reference(tiny_pair, p, NEW_TOKENS).token_ids for p in PROMPTS}
+    target_only = SpeculativeEngine(tiny_pair[0])
+    expected.update({(p, True): target_only.generate(
+        [p], GenerationParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=SEED), speculate=False)[0].token_ids
+        for p in PROMPTS})
     with client_for(server) as client:
         before = client.model_info()
         assert before.draft_version == "1"
@@ -134,7 +144,8 @@ def swap_under_a_steady_stream(tiny_pair, server, text: str, new_source: str, la
     print(f"\nswap {label} ({'paged' if server.engine.paged_space is not None else 'contiguous'} target cache): "
           f"load+warm {reply.load_seconds:.3f} s, install {reply.install_seconds * 1e3:.2f} ms between steps; "
           f"{len(stream.replies)} requests x {NEW_TOKENS} tokens, {STREAMS} streams ({done_before_swap} done before "
-          f"the swap, {len(across)} across it, {len(later)} after), 0 failed, all equal to solo target-only; "
+          f"the swap, {len(across)} across it, {len(later)} after; half seeded sampled), 0 failed, all equal to solo "
+          f"target-only; "
           f"acceptance before {rate(stream.replies[:done_before_swap]):.2f}, after {rate(later):.2f}; token gaps: "
           f"median {statistics.median(gaps) * 1e3:.1f} ms, max {max(gaps) * 1e3:.1f} ms, largest spanning the install "
           f"and the first round after it {max(at_install, default=0) * 1e3:.1f} ms, largest overlapping the load "
