@@ -96,9 +96,8 @@ def swap_under_a_steady_stream(tiny_pair, server, text: str, new_source: str, la
     """Swap `text` in while STREAMS clients stream requests; check and print what the swap did."""
     expected = {(p, False): reference(tiny_pair, p, NEW_TOKENS).token_ids for p in PROMPTS}
     target_only = SpeculativeEngine(tiny_pair[0])
-    expected.update({(p, True): target_only.generate(
-        [p], GenerationParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=SEED), speculate=False)[0].token_ids
-        for p in PROMPTS})
+    seeded = GenerationParams(max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE, seed=SEED)
+    expected.update({(p, True): target_only.generate([p], seeded, speculate=False)[0].token_ids for p in PROMPTS})
     with client_for(server) as client:
         before = client.model_info()
         assert before.draft_version == "1"
@@ -244,3 +243,16 @@ def test_only_the_operator_certificate_swaps_on_the_control_port(tiny_pair, star
         assert reply.swapped and reply.draft.kind == "model"
         assert main.model_info().draft_version == "7"
         assert main.generate(PROMPTS[0], max_new_tokens=8).last.stats.num_draft_tokens > 0
+
+
+def test_a_target_only_server_takes_a_drafter(tiny_pair, start_server):
+    target, _ = tiny_pair
+    server = start_server(SpeculativeEngine(target))
+    prompt = "hello world hello world hello world hello"
+    with client_for(server) as client:
+        assert client.model_info().draft.kind == "none"
+        assert swap(client, release_json(target.source, "8", drafter="ngram")).swapped
+        reply = client.generate(prompt, max_new_tokens=16)
+        assert (client.model_info().draft.kind, client.model_info().draft_version) == ("ngram", "8")
+    assert reply.token_ids == reference(tiny_pair, prompt, 16).token_ids
+    assert reply.last.stats.num_draft_tokens > 0
