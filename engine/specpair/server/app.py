@@ -291,9 +291,12 @@ class EngineServer:
     def swap_draft(self, release_json: str, reason: str = "") -> pb.SwapDraftReply:
         """Load a draft-side release beside the serving one, then swap it in between two steps
         (draft_swap.swap); SwapRefused names what needs new pods."""
+        def installed(serving: ServingDraft) -> None:
+            self.serving_draft = serving
+
         with self._swap_lock:
-            result = draft_swap.swap(self.engine, self.worker, release_json, self.serving_draft, reason=reason)
-            self.serving_draft = result.serving
+            result = draft_swap.swap(self.engine, self.worker, release_json, self.serving_draft,
+                                     installed=installed, reason=reason)
         return pb.SwapDraftReply(swapped=result.swapped, draft_version=result.serving.version,
                                  draft_content_hash=result.serving.content_hash,
                                  draft=model_identity(self.engine, "draft"), load_seconds=result.load_seconds,

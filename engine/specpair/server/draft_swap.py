@@ -30,6 +30,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from specpair.config import Release
 from specpair.errors import SpecpairError, TokenizerMismatch
@@ -37,6 +38,8 @@ from specpair.errors import SpecpairError, TokenizerMismatch
 log = logging.getLogger("specpair.server.draft_swap")
 
 WARM_UP_TOKENS = 8     # one forward pass of this many tokens pages the draft's weights in
+# How long a SwapDraft call waits for the step running now to end (a step is well under this).
+INSTALL_WAIT_SECONDS = 120.0
 
 
 class SwapRefused(SpecpairError):
@@ -161,21 +164,24 @@ def install(engine, batch, loaded: Loaded) -> None:
         batch.prefix_caches = engine.prefix_caches(batch.target, drafter)
 
 
-def swap(engine, worker, release_json: str, serving: ServingDraft, *, reason: str = "",
-         load_model=None) -> SwapResult:
-    """Read, load and warm here (the caller's thread), then install between two steps."""
+def swap(engine, worker, release_json: str, serving: ServingDraft, *, installed: Callable[[ServingDraft], None],
+         reason: str = "", load_model=None) -> SwapResult:
+    """Read, load and warm here (the caller's thread), then install between two steps;
+    `installed` is told the new serving draft in the worker thread, with the install itself, so
+    what the server reports follows the drafter even if the caller stopped waiting."""
     release = read_release(release_json)
     if release.content_hash == serving.content_hash:
         return SwapResult(serving=serving, swapped=False, load_seconds=0.0, install_seconds=0.0)
     loaded = load_release_drafter(engine, release, load_model)
+    now = ServingDraft(version=release.version or "0", content_hash=release.content_hash)
 
     def apply() -> float:
         held = time.perf_counter()
         install(engine, worker.batch, loaded)
+        installed(now)
         return time.perf_counter() - held
 
-    install_seconds = worker.call(apply)
-    now = ServingDraft(version=release.version or "0", content_hash=release.content_hash)
+    install_seconds = worker.call(apply, timeout=INSTALL_WAIT_SECONDS)
     log.warning("draft swapped to release v%s (%s, %s) in %.2f s load + %.4f s between steps%s", now.version,
                 now.content_hash[:12], choice_name(loaded), loaded.load_seconds, install_seconds,
                 f" ({reason})" if reason else "")
