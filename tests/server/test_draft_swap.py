@@ -256,3 +256,19 @@ def test_a_target_only_server_takes_a_drafter(tiny_pair, start_server):
         assert (client.model_info().draft.kind, client.model_info().draft_version) == ("ngram", "8")
     assert reply.token_ids == reference(tiny_pair, prompt, 16).token_ids
     assert reply.last.stats.num_draft_tokens > 0
+
+
+def test_a_head_on_either_side_is_refused(tiny_pair):
+    import torch
+
+    from specpair.heads import build_eagle_head
+    from specpair.models import wrap_model
+
+    target, _ = tiny_pair
+    head = wrap_model(build_eagle_head(target.model, torch.arange(target.embedding_rows), seed=0),
+                      target.tokenizer, "head")
+    with_head = SpeculativeEngine(target, draft=head)
+    ngram = SpeculativeEngine(target, drafter="ngram")
+    assert with_head.drafter.wants_features
+    assert "the serving drafter (eagle) drafts from the target's features" in drafter_refusal(with_head, ngram.drafter)
+    assert "the release's drafter (eagle) drafts from the target's features" in drafter_refusal(ngram, with_head.drafter)
