@@ -270,5 +270,6 @@ def test_a_head_on_either_side_is_refused(tiny_pair):
     with_head = SpeculativeEngine(target, draft=head)
     ngram = SpeculativeEngine(target, drafter="ngram")
     assert with_head.drafter.wants_features
-    assert "the serving drafter (eagle) drafts from the target's features" in drafter_refusal(with_head, ngram.drafter)
-    assert "the release's drafter (eagle) drafts from the target's features" in drafter_refusal(ngram, with_head.drafter)
+    features = "drafts from the target's features"
+    assert f"the serving drafter (eagle) {features}" in drafter_refusal(with_head, ngram.drafter)
+    assert f"the release's drafter (eagle) {features}" in drafter_refusal(ngram, with_head.drafter)
