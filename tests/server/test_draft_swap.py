@@ -23,7 +23,8 @@ from specpair.decoding import SpeculativeEngine
 from specpair.drafters import ModelDrafter
 from specpair.paged_cache import PAGED_ENV
 from specpair.server.client import request
-from specpair.server.draft_swap import SwapRefused, drafter_refusal, read_release, target_refusal
+from specpair.server.draft_swap import (SwapRefused, drafter_refusal, load_release_drafter, read_release,
+                                        target_refusal)
 
 PROMPTS = ["def parse(self, text):\n    return", "import os\nimport sys\nimport", "hello world hello",
            "the cat sat on the mat and the", "for i in range(10):\n    print(", "a b c d e f g"]
@@ -273,3 +274,13 @@ def test_a_head_on_either_side_is_refused(tiny_pair):
     features = "drafts from the target's features"
     assert f"the serving drafter (eagle) {features}" in drafter_refusal(with_head, ngram.drafter)
     assert f"the release's drafter (eagle) {features}" in drafter_refusal(ngram, with_head.drafter)
+
+
+def test_a_swapped_in_lookup_keeps_the_pods_ngram_lengths(tiny_pair):
+    from specpair.server.draft_swap import ngram_lengths
+
+    target, _ = tiny_pair
+    assert ngram_lengths(SpeculativeEngine(target, drafter="ngram", ngram=(5, 2))) == (5, 2)
+    loaded = load_release_drafter(SpeculativeEngine(target, drafter="ngram", ngram=(5, 2)),
+                                  read_release(release_json(target.source, "9", drafter="ngram")))
+    assert (loaded.choice.drafter.max_ngram, loaded.choice.drafter.min_ngram) == (5, 2)

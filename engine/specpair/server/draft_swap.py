@@ -127,7 +127,7 @@ def load_release_drafter(engine, release: Release, load_model=None) -> Loaded:
     try:
         choice = build_drafter(engine.target, draft, pair.drafter, speculation=engine.config,
                                kv=engine.kv_kind, compile=engine.compile_mode,
-                               target_fingerprint=engine.target_fingerprint)
+                               target_fingerprint=engine.target_fingerprint, ngram=ngram_lengths(engine))
     except TokenizerMismatch as exc:
         raise SwapRefused(f"the release's draft tokenizer differs from the target's: {exc}") from exc
     why = drafter_refusal(engine, choice.drafter)
@@ -136,6 +136,17 @@ def load_release_drafter(engine, release: Release, load_model=None) -> Loaded:
     if choice.draft is not None:
         warm(choice.draft)
     return Loaded(release=release, choice=choice, load_seconds=time.perf_counter() - started)
+
+
+def ngram_lengths(engine) -> tuple[int, int]:
+    """The n-gram lengths a swapped-in lookup matches: the serving lookup's (the pod's --ngram-max
+    and --ngram-min), else the defaults."""
+    from specpair.config import NGRAM_MAX, NGRAM_MIN
+
+    serving = engine.drafter
+    if serving is not None and serving.name == "ngram":
+        return serving.max_ngram, serving.min_ngram
+    return NGRAM_MAX, NGRAM_MIN
 
 
 def warm(loaded) -> None:
