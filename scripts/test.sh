@@ -27,6 +27,10 @@ export SPECPAIR_KEDA_BIN
 # once, cached; cold about 1,700 packages: docs/devcluster.md#gateway).
 SPECPAIR_GATEWAY_BIN="$(bash scripts/build-gateway.sh)"
 export SPECPAIR_GATEWAY_BIN
+# Flux's source-controller and kustomize-controller for the GitOps test (built once, cached; cold
+# about 2,500 packages, 15.6 CPU-min: docs/devcluster.md#flux).
+SPECPAIR_FLUX_BIN="$(bash scripts/build-flux.sh)"
+export SPECPAIR_FLUX_BIN
 VENV="${SPECPAIR_VENV:-.venv}"
 export PATH="$PWD/.tools/bin:$PATH"
 # Three workers on the two cores (SPECPAIR_TEST_WORKERS): the long end-to-end files mostly wait

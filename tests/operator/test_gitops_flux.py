@@ -12,8 +12,7 @@ serves what Git says.
   Flux's applies of a manifest that leaves `replicas` out, commit after commit; a manifest that
   names them takes them back (the fight docs/install.md tells how to avoid).
 
-Flux's binaries come from scripts/build-flux.sh, named by $SPECPAIR_FLUX_BIN (the file skips without
-it: scripts/test.sh does not build Flux yet).
+Flux's binaries come from scripts/build-flux.sh, named by $SPECPAIR_FLUX_BIN (scripts/test.sh).
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ from kopf.testing import KopfRunner
 
 from cluster_env import OPERATOR, REPLACE, Namespace, cond, kubectl, pair, serving
 
-# Only where $SPECPAIR_FLUX_BIN names the built controllers: their cold build is long
-# (docs/devcluster.md, "Flux"), and scripts/test.sh does not build them yet.
+# Only where $SPECPAIR_FLUX_BIN names the built controllers (scripts/test.sh builds them and sets
+# it): their cold build is long (docs/devcluster.md, "Flux").
 pytestmark = pytest.mark.skipif(not os.environ.get("SPECPAIR_FLUX_BIN"),
                                 reason="SPECPAIR_FLUX_BIN is not set: export SPECPAIR_FLUX_BIN=$(bash scripts/build-flux.sh)")
 
