@@ -316,6 +316,8 @@ def server_options(args, release: Release | None = None):
         raise SpecpairError("--http-port must be in [0, 65535] (0: off)")
     if not args.http_read_timeout > 0:
         raise SpecpairError("--http-read-timeout must be > 0 seconds")
+    if not (args.stop_delay >= 0 and args.drain_timeout >= 0):
+        raise SpecpairError("--stop-delay and --drain-timeout must be >= 0 seconds")
     token = read_token_file(args.auth_token_file) if args.auth_token_file else None
     return ServerOptions(host=args.host, port=args.port,
                          metrics_port=None if args.metrics_port < 0 else args.metrics_port,
@@ -342,8 +344,6 @@ def read_release(path: str) -> Release:
         raise SpecpairError(f"--release {path}: {exc}") from exc
     if not (release.get("target") or {}).get("source"):
         raise SpecpairError(f"--release {path}: no target.source")
-    if not (args.stop_delay >= 0 and args.drain_timeout >= 0):
-        raise SpecpairError("--stop-delay and --drain-timeout must be >= 0 seconds")
     return Release.from_dict(release)   # refused here if unservable
 
 
