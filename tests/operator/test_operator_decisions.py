@@ -193,7 +193,9 @@ def test_manifests_validate_against_kubernetes_schemas_and_run_unprivileged():
     assert cmd == ["specpair", "engine", "serve", "--release", manifests.RELEASE_FILE, "--port", "6000",
                    "--metrics-port", str(manifests.METRICS_PORT), "--http-port", str(manifests.HTTP_PORT), "--insecure",
                    "--control-port", str(manifests.CONTROL_PORT), "--control-tls-cert", f"{tls_dir}/tls.crt",
-                   "--control-tls-key", f"{tls_dir}/tls.key", "--control-tls-client-ca", f"{tls_dir}/ca.crt"]
+                   "--control-tls-key", f"{tls_dir}/tls.key", "--control-tls-client-ca", f"{tls_dir}/ca.crt",
+                   # rollout.shutdown's defaults (the CRD): serve 5 s unready, then drain up to 30 s
+                   "--stop-delay", "5", "--drain-timeout", "30"]
     # The control listener's certificate comes from the pair's TLS Secret, mounted read-only.
     pod_spec = dep["spec"]["template"]["spec"]
     (tls_volume,) = [v for v in pod_spec["volumes"] if v["name"] == "tls"]

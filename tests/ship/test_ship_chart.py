@@ -350,17 +350,23 @@ def test_rbac_lets_children_block_their_pairs_deletion(render, values):
             assert ("specpair.io", "specmodelpairs/finalizers", "update", ()) in _normalise(role["rules"])
 
 
-def test_rbac_has_no_wildcards_reads_secrets_only_by_name_and_deletes_only_autoscalers(render):
+# The kinds the operator deletes (only objects a pair owns, by uid).
+OWNED_AND_DELETED = {"horizontalpodautoscalers", "scaledobjects", "services", "httproutes", "grpcroutes"}
+
+
+def test_rbac_has_no_wildcards_reads_secrets_only_by_name_and_deletes_only_what_pairs_own(render):
     """Secrets: engine TLS Secrets are created and patched in pairs' namespaces, never read; the
     only Secrets read are the CA's and (when asked) the MLflow credentials, by name, in the
-    operator's own namespace. The one thing deleted is a pair's autoscaler (autoscaling removed,
-    or KEDA come or gone), which the operator deletes only by its uid, as the pair's owner."""
+    operator's own namespace. What is deleted is a pair's own: its autoscaler (autoscaling removed,
+    or KEDA come or gone), and its Gateway routes and their per-version Services (the pair stops
+    naming a Gateway, or no live route sends to a version any more), each only by its uid, as
+    the pair's owner (act/owned.delete_owned)."""
     for values in (None, NON_DEFAULT_VALUES):
         for role in by_kind(render(values), "ClusterRole") + by_kind(render(values), "Role"):
             for rule in role["rules"]:
                 assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
                 never = {"deletecollection", "escalate", "bind", "impersonate"}
-                if rule["resources"] not in (["horizontalpodautoscalers"], ["scaledobjects"]):
+                if not set(rule["resources"]) <= OWNED_AND_DELETED:
                     never.add("delete")
                 assert not never & set(rule["verbs"]), rule
                 if "secrets" not in rule["resources"]:
