@@ -303,7 +303,12 @@ def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devclust
                               "gating": {"prompts": [{"prompt": PROMPTS[0], "category": "code"}],
                                          "maxNewTokens": GATE_TOKENS, "thresholds": {"requireGreedyIdentity": True},
                                          "tuning": NO_SWEEPS},
-                              "rollout": {"applyGateTuning": False, "autoscaling": {
+                              # No stop delay: a removed pod drains at once, so a stream is still
+                              # running on it when told to stop (with the default 5 s delay, unready
+                              # but serving, its streams often ended before the drain began: CI at
+                              # 687c8a4). The delay itself: test_server_stop_delay, test_gateway_canary.
+                              "rollout": {"applyGateTuning": False, "shutdown": {"stopDelaySeconds": 0},
+                                          "autoscaling": {
                                   "minReplicas": 1, "maxReplicas": 3, "metric": "runningRequests",
                                   "target": TARGET_RUNNING, "prometheusAddress": prom.url,
                                   "pollingIntervalSeconds": POLLING,
