@@ -291,13 +291,17 @@ class EngineService:
             msg.shadow.CopyFrom(shadow_message(shadow))
         return msg
 
-    async def set_speculation(self, raw: bytes, context):
+    async def _require_control(self, context, rpc: str) -> None:
+        """The gate of every control RPC, in this order: first, a caller without the operator's
+        certificate learns nothing and changes nothing; then the engine must be ready."""
         await self._authorize(context)
-        # First: a caller without the operator's certificate learns nothing and changes nothing.
-        refusal = self.state.control_refusal(context, "SetSpeculation")
+        refusal = self.state.control_refusal(context, rpc)
         if refusal:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         await self._require_ready(context)
+
+    async def set_speculation(self, raw: bytes, context):
+        await self._require_control(context, "SetSpeculation")
         request = await self._parse(raw, pb.SetSpeculationRequest, context, count=False)
         if request.HasField("k") and request.k > MAX_SPECULATION_K:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -312,12 +316,7 @@ class EngineService:
         return await loop.run_in_executor(None, self.state.set_speculation, enabled, k, request.reason)
 
     async def swap_draft(self, raw: bytes, context):
-        await self._authorize(context)
-        # As SetSpeculation: a caller without the operator's certificate changes nothing.
-        refusal = self.state.control_refusal(context, "SwapDraft")
-        if refusal:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
-        await self._require_ready(context)
+        await self._require_control(context, "SwapDraft")
         request = await self._parse(raw, pb.SwapDraftRequest, context, count=False)
         loop = asyncio.get_running_loop()
         try:
