@@ -44,6 +44,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from specpair._proto import engine_pb2 as pb
+from specpair.capture import CaptureSettings, CaptureWriter
 from specpair.errors import SpecpairError
 from specpair.server import draft_swap
 from specpair.server.draft_swap import ServingDraft
@@ -92,6 +93,8 @@ class ServerOptions:
     # Client-certificate common names allowed to call SetSpeculation, once any listener verifies
     # client certificates (a control listener, or a client CA on the main port).
     control_client_names: tuple[str, ...] = DEFAULT_CONTROL_CLIENT_NAMES
+    # Capture of served traffic (capture.py, docs/learning.md); None: off.
+    capture: CaptureSettings | None = None
 
 
 # glibc's mallopt parameter (malloc.h) and the value the server sets: allocations of 64 KiB and
@@ -155,6 +158,7 @@ class EngineServer:
         self.control_tls: ReloadingTLS | None = None
         self.metrics_port: int | None = None
         self.http_port: int | None = None
+        self.capture: CaptureWriter | None = None      # while serving with options.capture
         self._http = None                  # the OpenAI-compatible front, when http_port is set
         self.started_at = time.time()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -412,6 +416,11 @@ class EngineServer:
             for warning in engine.warnings:
                 self.progress(f"warning: {warning}")
             self.engine, self.worker = engine, worker
+            if self.options.capture is not None:
+                self.capture = CaptureWriter(self.options.capture, release=self.options.version,
+                                             tokenizer=engine.target_fingerprint["sha256"],
+                                             counted=self.metrics.record_capture).start()
+                worker.on_finished = self.capture.offer
             worker.start()
             if self.phase != "loading":       # stop() arrived while loading
                 worker.stop()
@@ -469,6 +478,8 @@ class EngineServer:
         await self._server.stop(grace=5)
         if worker is not None:
             await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+        if self.capture is not None:    # after the worker: the last requests' records are queued
+            await asyncio.get_running_loop().run_in_executor(None, self.capture.stop)
         self._service.close()
         self._close_metrics()
         self.phase = "stopped"

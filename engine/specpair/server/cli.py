@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 from specpair.block_pool import MAX_BATCH_ROWS, PLANNED_ROW_POSITIONS
+from specpair.capture import add_capture_arguments, capture_settings
 from specpair.config import KV_BUDGET_HELP, ModelRef, PairSpec, Release, SpeculationConfig, kv_budget_flag
 from specpair.errors import SpecpairError
 from specpair.server.worker import DEFAULT_MAX_BATCH_SIZE
@@ -135,6 +136,7 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
     serve.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
     serve.add_argument("--dtype", help="float32, bfloat16, ... (default: fp32 on CPU, bf16 on CUDA)")
     add_shadow_arguments(serve)
+    add_capture_arguments(serve)
     serve.set_defaults(func=serve_command)
 
     gen = commands.add_parser("generate", help="stream a reply from an engine server",
@@ -332,7 +334,7 @@ def server_options(args, release: Release | None = None):
                          http_port=args.http_port or None, auth_token=token,
                          http_read_timeout=args.http_read_timeout,
                          control_port=args.control_port, control_tls=control_tls,
-                         control_client_names=client_names)
+                         control_client_names=client_names, capture=capture_settings(args))
 
 
 def read_release(path: str) -> Release:

@@ -142,6 +142,10 @@ class EngineMetrics:
         self.control_denied = Counter("specpair_control_denied",
                                       "Control calls refused for want of an allowed client certificate.",
                                       base + ["method"], registry=r)
+        # Capture of served traffic (capture.py, docs/learning.md): sampled requests written, and
+        # dropped (the writer's queue full or the volume failing).
+        self.capture_records = Counter("specpair_capture_records", "Sampled finished requests the capture "
+                                       "wrote (outcome written) or dropped.", cat + ["outcome"], registry=r)
         shadow = cat + ["candidate_version", "candidate_hash"]
         self.shadow_counters = {key: Counter(name, doc, shadow, registry=r) for key, name, doc, _ in SHADOW_COUNTERS}
         self.shadow_skipped_steps = Counter("specpair_shadow_skipped_steps", "Steps not scored: batch above "
@@ -276,6 +280,9 @@ class EngineMetrics:
 
     def set_decode_rows(self, rows: int) -> None:
         self.decode_rows.labels(*self._base).set(rows)
+
+    def record_capture(self, category: str, outcome: str, n: int = 1) -> None:
+        self.capture_records.labels(*self._base, category, outcome).inc(n)
 
     def record_control_denied(self, method: str) -> None:
         self.control_denied.labels(*self._base, method).inc()

@@ -198,6 +198,9 @@ class EngineWorker:
         self.timeline: deque[StepRecord] | None = deque(maxlen=timeline) if timeline else None
         self._waited = 0.0          # idle since the last step (timeline)
         self._joined = 0            # admitted since the last step (timeline)
+        # Called with (category, prompt_ids, reply_ids) of each request that finished ok, in this
+        # thread: must not block (capture.CaptureWriter.offer queues without waiting).
+        self.on_finished: Callable[[str, list[int], list[int]], None] | None = None
 
     # -- called from other threads ------------------------------------------------------------
 
@@ -507,6 +510,11 @@ class EngineWorker:
                           stats=result.stats, queue_seconds=admitted - job.arrived,
                           time_to_first_token=first - job.arrived, total_seconds=end - job.arrived,
                           cached_tokens=result.cached_tokens, logprobs=out.logprobs))
+        if self.on_finished is not None:
+            try:
+                self.on_finished(job.category, job.prompt_ids, result.token_ids)
+            except Exception:   # capture is a side road: a failure in it never touches serving
+                log.warning("on_finished failed for %s", job.request_id, exc_info=True)
 
     def _finish_cancelled(self, job: Job) -> None:
         self._jobs.pop(job.request_id, None)
