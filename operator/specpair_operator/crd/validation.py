@@ -80,6 +80,11 @@ CEL_EQUIVALENTS: dict[str, Callable[[Any], bool]] = {
         lambda o: not _number(o.get("maxErrorRate")) or 0.0 <= o["maxErrorRate"] < 1.0,
     "!has(self.minRequests) || (self.minRequests >= 10 && self.minRequests <= 100000)":
         lambda o: not _number(o.get("minRequests")) or 10 <= o["minRequests"] <= 100000,
+    # learning: capture needs the volume it writes to, and a rate it can draw
+    "!has(self.enabled) || !self.enabled || has(self.persistentVolumeClaim)":
+        lambda o: o.get("enabled") is not True or "persistentVolumeClaim" in o,
+    "!has(self.sampleRate) || (self.sampleRate > 0.0 && self.sampleRate <= 1.0)":
+        lambda o: not _number(o.get("sampleRate")) or 0.0 < o["sampleRate"] <= 1.0,
     # rollout.shadow
     "!has(self.share) || (self.share > 0.0 && self.share <= 1.0)":
         lambda o: not _number(o.get("share")) or 0.0 < o["share"] <= 1.0,

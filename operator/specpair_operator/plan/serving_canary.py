@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from specpair_operator.policy import canary as canary_mod
-from specpair_operator.desired import engine_objects, manifests
+from specpair_operator.desired import engine_objects, learning, manifests
 from specpair_operator.desired import ownership as owned
 from specpair_operator.desired import routes as routes_mod
 from specpair_operator.release import content as release_mod
@@ -37,6 +37,7 @@ def canary_deployment(w: ServingWorld, served: dict[str, Any], replicas: int, st
     dep = engine_objects.engine_deployment(w.pair, w.namespace, served, run.tags[TAG_HASH], run.version, dict(w.rollout),
                                       i.tracking_uri, i.credentials if release_mod.reads_from_mlflow(served) else None,
                                       i.pods)
+    dep = learning.with_capture(dep, w.pair, w.spec, served)     # a canary's pods capture as the champion's
     dep = canary_mod.canary_deployment(dep, manifests.engine_canary_name(w.pair), replicas, step)
     dep["metadata"]["annotations"][ANN_TEMPLATE] = template_fingerprint(dep)
     return dep

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from specpair_operator.release import aliases as aliases_mod
 from specpair_operator.policy import drift as drift_mod
-from specpair_operator.desired import engine_objects, manifests
+from specpair_operator.desired import engine_objects, learning, manifests
 from specpair_operator.desired.autoscaling import AutoscalerPlan
 from specpair_operator.desired import ownership as owned
 from specpair_operator.policy import rollout_strategy, serving_health
@@ -235,6 +235,7 @@ def engine_deployment(w: ServingWorld, served: dict[str, Any]) -> dict[str, Any]
                                       i.credentials if release_mod.reads_from_mlflow(served) else None,
                                       i.pods, speculation=status_speculation(w, champion),
                                       shadow=None if w.shadow is None else (shadow_release(w), w.shadow.settings.share))
+    dep = learning.with_capture(dep, w.pair, w.spec, served)     # spec.learning: the capture volume and flags
     live_template = (((w.deployment or {}).get("spec") or {}).get("template") or {}).get("metadata") or {}
     if w.shadow is None and manifests.ANN_SHADOW_RELEASE in (live_template.get("annotations") or {}):
         # A shadow that ended: its candidate's file goes (a merge patch keeps what it does not name).
