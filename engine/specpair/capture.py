@@ -363,3 +363,36 @@ class CaptureWriter:
         self._last_prune = self.clock()
         for category in categories(self.root):
             self.prune(category)
+
+
+# -- deleting a pair's capture ------------------------------------------------------------------
+
+def remove(directory: str | os.PathLike) -> int:
+    """Delete a capture directory (a pair's folder) with everything in it; returns the records its
+    complete shards held (0 when it was not there). The pair's clean-up Job runs this."""
+    import shutil
+
+    root = Path(directory)
+    if not root.exists():
+        return 0
+    held = sum(s.records for c in categories(root) for s in map(parse_shard, (p.name for p in
+                                                                              (root / category_dirname(c)).iterdir()))
+               if s and s.complete)
+    shutil.rmtree(root)
+    return held
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specpair.capture",
+                                     description="Captured traffic (docs/learning.md).")
+    commands = parser.add_subparsers(dest="command", required=True)
+    rm = commands.add_parser("remove", help="delete a pair's capture folder and everything in it")
+    rm.add_argument("directory")
+    args = parser.parse_args(argv)
+    held = remove(args.directory)
+    print(f"removed {args.directory}: {held} records")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

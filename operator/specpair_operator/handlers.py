@@ -18,7 +18,7 @@ import kopf
 from specpair_operator.gate import attempts as gate_attempts
 from specpair_operator import leadership
 from specpair_operator.desired import manifests
-from specpair_operator.act import metrics
+from specpair_operator.act import capture_cleanup, metrics
 from specpair_operator.release import content as release_mod
 from specpair_operator.desired import tls as tls_mod
 from specpair_operator.clients.kube import KubeError
@@ -262,12 +262,24 @@ async def periodic_passes(interval: float) -> None:
 
     async def one(raw: dict[str, Any], woken: bool) -> None:
         async with limit:
-            if raw["metadata"].get("deletionTimestamp") or STATE.kube is None:
+            if STATE.kube is None:
                 return
             uid = raw["metadata"]["uid"]
             # Due again after an interval unless the pass says otherwise (a pass skipped, one
             # that raised): never sooner, so a pass that cannot run does not spin the loop.
             STATE.due_at[uid] = time.monotonic() + interval
+            # Captured traffic (spec.learning): the one finalizer, and the clean-up Job of a pair
+            # being deleted (act/capture_cleanup.py); a deleting pair gets no other pass.
+            if leadership.acting():
+                try:
+                    await capture_cleanup.converge(STATE.kube, raw, STATE.pods)
+                except KubeError as exc:
+                    if exc.status != 404:
+                        log.warning(f"capture clean-up of {raw['metadata']['namespace']}/{raw['metadata']['name']}: {exc}")
+                except Exception:  # noqa: BLE001  (a bug must not stop every pair's passes)
+                    log.exception(f"capture clean-up of {raw['metadata']['namespace']}/{raw['metadata']['name']} failed")
+            if raw["metadata"].get("deletionTimestamp"):
+                return
             body, patch = kopf.Body(raw), kopf.Patch()
             meta = raw["metadata"]
             logger = _PairLogger(log, {"pair": f"{meta['namespace']}/{meta['name']}"})

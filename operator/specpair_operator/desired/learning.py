@@ -17,11 +17,21 @@ from typing import Any, Mapping
 
 from specpair import capture
 
+from specpair_operator.crd import names
 from specpair_operator.crd.schema import spec_schema
+from specpair_operator.desired.manifests import PodDefaults, container_security, pod_labels, pod_spec
 from specpair_operator.release import content as release_mod
 
 CAPTURE_MOUNT_PATH = "/var/lib/specpair/capture"
 CAPTURE_VOLUME = "capture"
+# On a pair whose captured traffic goes with it: the operator deletes the pair's folder (a Job)
+# before the pair may go. The only finalizer the operator sets (handlers.py says why it sets no
+# other): a pair that does not capture, or keeps its capture, is deleted at once.
+CAPTURE_FINALIZER = "specpair.io/capture-cleanup"
+ANN_PAIR_UID = "specpair.io/pair-uid"
+CLEANUP_DEADLINE_SECONDS = 600
+# A finished clean-up Job stays this long (its Event and the pair's finalizer outlive it).
+CLEANUP_TTL_SECONDS = 600
 
 
 def learning_crd_defaults() -> dict[str, Any]:
@@ -89,3 +99,44 @@ def with_capture(dep: dict[str, Any], pair: str, spec: Mapping[str, Any], releas
     engine["volumeMounts"] = [*engine.get("volumeMounts", []), capture_mount()]
     engine["command"] = [*engine["command"], *capture_flags(pair, learning)]
     return dep
+
+
+def cleanup_job_name(pair: str, uid: str) -> str:
+    """The clean-up Job of one pair (its uid in the name: a pair made again under the same name
+    never takes the old one's finished Job for its own)."""
+    return names.object_name(pair, "capture-cleanup", uid.replace("-", "")[:8])
+
+
+def capture_cleanup_job(pair: str, namespace: str, uid: str, claim: str, rollout: Mapping[str, Any],
+                        defaults: PodDefaults = PodDefaults()) -> dict[str, Any]:
+    """The Job that deletes a pair's folder on its capture claim (`python -m specpair.capture
+    remove`), in the engine image, as the engine's unprivileged user. Not owned by the pair: it
+    runs while the pair is being deleted, and a pair deleted in the foreground would have the
+    garbage collector delete its own clean-up; it goes CLEANUP_TTL_SECONDS after it ends."""
+    labels = pod_labels(pair, "capture-cleanup")
+    pod = pod_spec(dict(rollout), defaults)
+    pod["volumes"] = [capture_volume(claim)]
+    image = str(rollout.get("image") or release_mod.default_engine_image())
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": cleanup_job_name(pair, uid), "namespace": namespace, "labels": labels,
+                     "annotations": {ANN_PAIR_UID: uid}},
+        "spec": {
+            "backoffLimit": 2,
+            "activeDeadlineSeconds": CLEANUP_DEADLINE_SECONDS,
+            "ttlSecondsAfterFinished": CLEANUP_TTL_SECONDS,
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"restartPolicy": "Never",
+                         "containers": [{"name": "cleanup", "image": image,
+                                         "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
+                                         "command": ["python", "-m", "specpair.capture", "remove", capture_dir(pair)],
+                                         "volumeMounts": [capture_mount()],
+                                         "securityContext": container_security(),
+                                         "resources": {"requests": {"cpu": "10m", "memory": "64Mi"},
+                                                       "limits": {"memory": "256Mi"}}}],
+                         **pod},
+            },
+        },
+    }

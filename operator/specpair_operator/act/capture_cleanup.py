@@ -1,0 +1,67 @@
+"""Carries out plan/capture_cleanup.py's step for one pair: its finalizer added or removed (a JSON
+patch that tests what it removes), its clean-up Job created, an Event for each (docs/learning.md).
+Called by the periodic loop for every pair, deleting ones included (handlers.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from specpair_operator.clients.kube import Kube, KubeError
+from specpair_operator.desired.learning import CAPTURE_FINALIZER, Learning, capture_cleanup_job, cleanup_job_name
+from specpair_operator.desired.manifests import PodDefaults
+from specpair_operator.plan import capture_cleanup as plan
+
+log = logging.getLogger("specpair.operator.capture")
+
+GROUP_VERSION, PLURAL = "specpair.io/v1alpha1", "specmodelpairs"
+# Warnings already posted, by (pair uid, reason, Job uid): a Job that stays failed is said once
+# per operator process, not at every pass.
+_warned: set[tuple[str, str, str]] = set()
+
+
+def _terminating(exc: KubeError) -> bool:
+    """The API server's refusal to create in a namespace being deleted (403, NamespaceTerminating)."""
+    return exc.status == 403 and "being terminated" in exc.message
+
+
+async def converge(kube: Kube, body: dict[str, Any], defaults: PodDefaults = PodDefaults()) -> plan.CleanupStep:
+    meta = body["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    job = None
+    if meta.get("deletionTimestamp") and CAPTURE_FINALIZER in (meta.get("finalizers") or []):
+        job = await kube.get("batch/v1", "jobs", namespace, cleanup_job_name(name, uid))
+    step = plan.decide(body, job)
+    if step.action == plan.CREATE_JOB:
+        learning = Learning.from_spec(body.get("spec") or {})
+        try:
+            await kube.create(capture_cleanup_job(name, namespace, uid, str(learning.claim),
+                                                  (body.get("spec") or {}).get("rollout") or {}, defaults))
+        except KubeError as exc:
+            if not _terminating(exc):
+                raise
+            step = plan.decide(body, job, namespace_terminating=True)
+    if step.action == plan.ADD_FINALIZER:
+        finalizers = meta.get("finalizers")
+        ops = ([{"op": "add", "path": "/metadata/finalizers/-", "value": CAPTURE_FINALIZER}] if finalizers
+               else [{"op": "add", "path": "/metadata/finalizers", "value": [CAPTURE_FINALIZER]}])
+        # Only on the object read: a changed one is read again by the next pass.
+        await kube.json_patch(GROUP_VERSION, PLURAL, namespace, name,
+                              [{"op": "test", "path": "/metadata/resourceVersion",
+                                "value": meta["resourceVersion"]}, *ops])
+    elif step.action == plan.REMOVE_FINALIZER:
+        index = meta["finalizers"].index(CAPTURE_FINALIZER)
+        await kube.json_patch(GROUP_VERSION, PLURAL, namespace, name,
+                              [{"op": "test", "path": f"/metadata/finalizers/{index}", "value": CAPTURE_FINALIZER},
+                               {"op": "remove", "path": f"/metadata/finalizers/{index}"}])
+    if step.event is not None:
+        type_, reason, message = step.event
+        key = (uid, reason, ((job or {}).get("metadata") or {}).get("uid", ""))
+        if type_ != "Warning" or key not in _warned:
+            _warned.add(key)
+            log.info("%s/%s: %s: %s", namespace, name, reason, message)
+            try:
+                await kube.event(body, type_, reason, message)
+            except KubeError as exc:   # a namespace being deleted takes no Event: the step is done all the same
+                log.warning("%s/%s: Event %s not posted: %s", namespace, name, reason, exc.message)
+    return step

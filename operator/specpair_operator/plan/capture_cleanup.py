@@ -1,0 +1,88 @@
+"""What a pair's captured traffic needs next (issue 58, docs/learning.md): a pure decision from
+the pair as the API server holds it and its clean-up Job as read.
+
+A pair that captures (spec.learning.enabled, a claim named) and does not keep its capture
+(keepOnDelete) carries the finalizer CAPTURE_FINALIZER; once it is being deleted, a Job deletes
+its folder on the claim, and the finalizer goes when that Job succeeded. Each answer holds from
+any state the last pass left (the finalizer added or not, the Job created or not, finished or
+not), so an operator killed anywhere on the way converges on its next pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from specpair_operator.desired.learning import ANN_PAIR_UID, CAPTURE_FINALIZER, Learning, capture_dir
+
+NONE, ADD_FINALIZER, REMOVE_FINALIZER, CREATE_JOB, WAIT = "none", "add-finalizer", "remove-finalizer", "create-job", "wait"
+
+
+@dataclass(frozen=True)
+class CleanupStep:
+    action: str
+    # The Event that says so: (type, reason, message); None: nothing to say (waiting, nothing to do).
+    event: tuple[str, str, str] | None = None
+
+
+def _job_state(job: Mapping[str, Any] | None) -> str:
+    """'absent', 'running', 'succeeded' or 'failed' (Kubernetes gave up: backoffLimit or deadline)."""
+    if job is None:
+        return "absent"
+    status = job.get("status") or {}
+    for cond in status.get("conditions") or []:
+        if cond.get("status") == "True" and cond.get("type") in ("Complete", "SuccessCriteriaMet"):
+            return "succeeded"
+        if cond.get("status") == "True" and cond.get("type") in ("Failed", "FailureTarget"):
+            return "failed"
+    return "running"
+
+
+def decide(pair: Mapping[str, Any], job: Mapping[str, Any] | None = None,
+           namespace_terminating: bool = False) -> CleanupStep:
+    """The next step for `pair` (its body); `job`: its clean-up Job as read (None: absent);
+    `namespace_terminating`: the API server refused to create the Job because the namespace is
+    being deleted (its claim goes with it)."""
+    meta = pair.get("metadata") or {}
+    name = meta.get("name", "")
+    has = CAPTURE_FINALIZER in (meta.get("finalizers") or [])
+    learning = Learning.from_spec(pair.get("spec") or {})
+    # Once it captured, the finalizer stays while the claim is named and the capture not kept:
+    # traffic captured before learning was turned off is on the claim still.
+    wanted = bool(learning.claim) and not learning.keep_on_delete and (learning.enabled or has)
+    where = f"{capture_dir(name)} on PersistentVolumeClaim {learning.claim}"
+    if not meta.get("deletionTimestamp"):
+        if wanted and not has:
+            return CleanupStep(ADD_FINALIZER, ("Normal", "CaptureCleanupArmed",
+                                               f"captured traffic ({where}) is deleted with the pair; "
+                                               f"learning.keepOnDelete keeps it"))
+        if has and not wanted:
+            return CleanupStep(REMOVE_FINALIZER, ("Normal", "CaptureKeptOnDelete",
+                                                  "captured traffic is kept when the pair is deleted "
+                                                  "(learning.keepOnDelete, or no claim named)"))
+        return CleanupStep(NONE)
+    if not has:
+        return CleanupStep(NONE)
+    if not wanted:
+        return CleanupStep(REMOVE_FINALIZER, ("Normal", "CaptureKept",
+                                              f"the pair goes; its captured traffic ({where}) is kept"))
+    if namespace_terminating:
+        return CleanupStep(REMOVE_FINALIZER, ("Normal", "CaptureCleanupSkipped",
+                                              "the namespace is being deleted, with the claim the captured "
+                                              "traffic is on: no clean-up Job can run in it"))
+    if job is not None and (job.get("metadata") or {}).get("annotations", {}).get(ANN_PAIR_UID) != meta.get("uid"):
+        return CleanupStep(WAIT, ("Warning", "CaptureCleanupBlocked",
+                                  f"Job {job['metadata'].get('name')} is not this pair's clean-up; "
+                                  f"delete it, or set learning.keepOnDelete to keep the traffic"))
+    state = _job_state(job)
+    if state == "absent":
+        return CleanupStep(CREATE_JOB, ("Normal", "CaptureCleanupStarted", f"deleting captured traffic ({where})"))
+    if state == "succeeded":
+        return CleanupStep(REMOVE_FINALIZER, ("Normal", "CaptureDeleted",
+                                              f"captured traffic deleted ({where}); the pair goes"))
+    if state == "failed":
+        return CleanupStep(WAIT, ("Warning", "CaptureCleanupFailed",
+                                  f"Job {job['metadata'].get('name')} could not delete {where}; the pair "
+                                  f"stays until it can (the Job is retried once it is deleted, or after its "
+                                  f"TTL) or until learning.keepOnDelete is set"))
+    return CleanupStep(WAIT)
