@@ -27,7 +27,7 @@ from mlflow.exceptions import MlflowException, RestException  # noqa: E402
 from specpair_operator.release.registry_contract import (  # noqa: E402
     EVENT_NAMES, PARAMS_PER_BATCH, TAG_EVENT, TAG_EVENT_KEY, TAG_EXPERIMENT_KIND, TAG_HASH, TAG_LOGGED_MODEL, TAG_OWNER,
     TAG_OWNER_UID, TAG_RUN_DESCRIPTION, EventRecord, RegistryUnavailable, event_record, experiment_tags,
-    find_or_create, gate_error_tags, gate_experiment, gate_result_of, release_params, with_history_line)
+    find_or_create, gate_error_tags, gate_experiment, gate_result_of, release_params, unlogged, with_history_line)
 
 T = TypeVar("T")
 
@@ -129,12 +129,10 @@ class ReleaseRegistry:
                 exp_id, tags={"mlflow.runName": f"release-{digest[:12]}", TAG_HASH: digest,
                               TAG_RUN_DESCRIPTION: release_mod.describe_release(rel, digest)[:8000]})
             run_id = run.info.run_id
-            if not run.data.params:
-                # The release's settings, so MLflow's comparison of two versions (their release
-                # runs) lines them up setting by setting. Logged once: parameters never change.
-                params = [Param(k, v) for k, v in release_params(rel).items()]
-                for i in range(0, len(params), PARAMS_PER_BATCH):   # a batch takes 100 at most
-                    self.client.log_batch(run_id, params=params[i:i + PARAMS_PER_BATCH])
+            # The release's settings, so MLflow's comparison of two versions (their release runs)
+            # lines them up setting by setting: those the run lacks, so a try whose first batch
+            # landed (its reply lost) still logs the batches after it.
+            self._log_params(run_id, release_params(rel), dict(run.data.params))
             with tempfile.TemporaryDirectory() as d:
                 path = os.path.join(d, "release.json")
                 with open(path, "w") as f:
@@ -161,9 +159,28 @@ class ReleaseRegistry:
                 model_name, source=f"models:/{model_id}", run_id=run_id, model_id=model_id,
                 tags=release_mod.release_tags(rel, digest),
                 description=release_mod.describe_release(rel, digest))
-            return str(mv.version)
+            # A create of an earlier try that the server finished after this try's find (its
+            # reply timed out while MLflow waited on a lock) made an older version of the same
+            # release: everyone answers the oldest, this try and every later find.
+            oldest = self._find(model_name, digest)
+            return str(oldest.version if oldest is not None else mv.version)
 
         return self._call(find_or_create)
+
+    def _log_params(self, run_id: str, wanted: dict[str, str], logged: dict[str, str]) -> None:
+        """`wanted` on the run, in batches of MLflow's largest, skipping what it holds. A batch
+        the server refuses or does not answer is checked against the run before it counts as
+        failed: a request of an earlier try, still waiting on the server's lock when that try
+        timed out, may have written the same parameters between this try's read and its write
+        (MLflow's sqlite store then refuses the second insert: UNIQUE constraint)."""
+        todo = unlogged(wanted, logged)
+        for i in range(0, len(todo), PARAMS_PER_BATCH):
+            batch = dict(todo[i:i + PARAMS_PER_BATCH])
+            try:
+                self.client.log_batch(run_id, params=[Param(k, v) for k, v in batch.items()])
+            except MlflowException:
+                if unlogged(batch, dict(self.client.get_run(run_id).data.params)):
+                    raise
 
     def _experiment(self, model_name: str) -> str:
         name = gate_experiment(model_name)
@@ -214,9 +231,14 @@ class ReleaseRegistry:
                 "mlflow.runName": f"{event.name}-v{version}", TAG_EVENT: event.name, TAG_EVENT_KEY: event.key,
                 "specpair.model_version": str(version), TAG_RUN_DESCRIPTION: event.description[:8000]})
             run_id = run.info.run_id
-            if event.metrics and not run.data.metrics:
+            missing = unlogged(event.metrics or {}, dict(run.data.metrics))
+            if missing:
                 now = int(time.time() * 1000)
-                self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in event.metrics.items()])
+                try:
+                    self.client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in missing])
+                except MlflowException:   # written by an earlier try's late request? (_log_params)
+                    if unlogged(dict(missing), dict(self.client.get_run(run_id).data.metrics)):
+                        raise
             mv = self.client.get_model_version(model_name, version)
             if f"/runs/{run_id})" not in (mv.description or ""):
                 stamp = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(run.info.start_time / 1000))

@@ -182,6 +182,13 @@ DATASET_DIGEST_LEN = 12                          # MLflow keeps at most 36 chara
 PARAMS_PER_BATCH = 100                           # MLflow's limit for one log-batch's parameters
 
 
+def unlogged(wanted: dict[str, Any], logged: dict[str, Any]) -> list[tuple[str, Any]]:
+    """What of `wanted` (parameters or metrics by key) a run does not hold yet, in batches' order.
+    A key it holds is done whatever its value: MLflow never changes a parameter (it refuses the
+    request), and a value from an older operator's wording must not stall the release."""
+    return [(k, v) for k, v in wanted.items() if k not in logged]
+
+
 def experiment_tags() -> dict[str, str]:
     return {TAG_EXPERIMENT_KIND: EXPERIMENT_KIND}
 
