@@ -42,6 +42,7 @@ import math
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -181,6 +182,8 @@ def main() -> int:
     ap.add_argument("--mlflow-workers", type=int, default=1,
                     help="the MLflow server's gunicorn workers (default: %(default)s; on its sqlite store 4 "
                          "workers wrote into each other's locks: 'database is locked', requests timed out)")
+    ap.add_argument("--mlflow-wal", action=argparse.BooleanOptionalAction, default=True,
+                    help="MLflow's sqlite store in write-ahead-log mode (default: on)")
     ap.add_argument("--before-env", action="append", default=[], metavar="NAME=VALUE",
                     help="measure a first steady window with the operator run with these variables, then "
                          "restart it without them and measure the same pairs again (an A/B on one cluster, "
@@ -217,8 +220,11 @@ def main() -> int:
     most = sizes[-1]
     nodes = args.nodes or max(1, math.ceil((most + 20) / args.pods_per_node))
     cache = os.environ.get("SPECPAIR_CACHE", str(Path.home() / ".cache" / "specpair"))
+    # A bench run from a snapshot of the tree (PYTHONPATH naming its packages, so that others'
+    # unfinished edits in a shared working tree stay out of a long run) runs its pods on it too.
+    node_env = {"OMP_NUM_THREADS": "1", **{k: os.environ[k] for k in ("PYTHONPATH",) if os.environ.get(k)}}
     specs = [NodeSpec(name=f"scale-node-{i + 1}", cpu="64", memory="256Gi", max_pods=args.pods_per_node,
-                      env={"OMP_NUM_THREADS": "1"}, preseeded={CACHE_DIR: cache}) for i in range(nodes)]
+                      env=node_env, preseeded={CACHE_DIR: cache}) for i in range(nodes)]
     cluster = DevCluster(work / "devcluster", nodes=specs).start()
     # Several workers share one sqlite file: a writer waits up to 60 s for another's lock
     # (pysqlite's default is 5 s) instead of failing the request. The later options win.
@@ -226,11 +232,16 @@ def main() -> int:
         "--workers", str(args.mlflow_workers),
         "--backend-store-uri", f"sqlite:///{work / 'mlflow'}/mlflow.db?timeout=60"))
     (work / "mlflow").mkdir()
+    if args.mlflow_wal:
+        # Write-ahead logging (kept in the file): readers no longer wait on a writer's lock, and
+        # a writer waits only on another writer.
+        with sqlite3.connect(work / "mlflow" / "mlflow.db") as db:
+            db.execute("PRAGMA journal_mode=WAL")
     operator = host = None
     result: dict = {"sizes": sizes, "nodes": nodes, "podsPerNode": args.pods_per_node,
                     "standins": "a process per pod" if args.standin_processes else "one host process for all pods",
                     "intervalSeconds": args.interval, "inFlight": args.in_flight,
-                    "mlflowWorkers": args.mlflow_workers, "commit": subprocess.run(
+                    "mlflowWorkers": args.mlflow_workers, "mlflowWal": args.mlflow_wal, "commit": subprocess.run(
                         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} CPUs",
                     "bySize": {}}
