@@ -164,7 +164,8 @@ def cmd_distill(args) -> int:
                            method=args.method, draft_vocab=args.draft_vocab,
                            medusa_heads=args.medusa_heads, replies=args.replies,
                            reply_tokens=args.reply_tokens, ttt_depth=args.ttt_depth,
-                           requests=args.requests)
+                           requests=args.requests, from_capture=args.from_capture,
+                           category=args.category, golden_release=args.golden_release)
     summary = distill(config, progress=_progress)
     print(json.dumps(summary))
     return 0
@@ -249,6 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ttt-depth", type=int, default=1,
                    help="eagle, eagle3: train this many draft steps unrolled, each on the head's own "
                         "predictions (EAGLE-3's training-time test; 1: real features only)")
+    d.add_argument("--from-capture", default=None, metavar="DIR",
+                   help="train on served requests a pair captured (DIR/<category>/*.jsonl of prompt "
+                        "and reply token ids, docs/learning.md) instead of the corpus; with --category")
+    d.add_argument("--category", default=None, help="--from-capture: the category whose requests train")
+    d.add_argument("--golden-release", default=None, metavar="FILE",
+                   help="--from-capture: a release JSON whose golden prompts of --category measure the "
+                        "draft before and after training (never trained on: the gate measures on them)")
     d.add_argument("--out", required=True, help="output model directory (also holds checkpoints)")
     d.add_argument("--steps", type=int, default=300)
     d.add_argument("--batch-size", type=int, default=4)

@@ -67,6 +67,11 @@ class DistillConfig:
                                   # corpus: a platform's own traffic; `replies` > 0 takes the first N
     ttt_depth: int = 1         # eagle: draft steps unrolled in training (EAGLE-3's training-time
                                # test); 1 trains on the target's real features only
+    from_capture: str | None = None   # a capture directory (docs/learning.md): train on the served
+                                      # requests of `category` there instead of the corpus
+    category: str | None = None       # with from_capture: the category whose requests train
+    golden_release: str | None = None  # with from_capture: a release file whose golden prompts of
+                                       # `category` measure the drafter (never train it)
 
     def __post_init__(self):
         if self.steps <= 0 or self.batch_size <= 0 or self.seq_len < 8:
@@ -92,6 +97,14 @@ class DistillConfig:
             raise SpecpairError(f"ttt_depth must be in [1, seq_len), got {self.ttt_depth}")
         if self.ttt_depth > 1 and self.method not in ("eagle", "eagle3"):
             raise SpecpairError("ttt_depth applies to --method eagle and eagle3 only")
+        if bool(self.from_capture) != bool(self.category):
+            raise SpecpairError("--from-capture and --category go together (the captured requests of "
+                                "one category train the drafter)")
+        if self.from_capture and (self.replies or self.requests):
+            raise SpecpairError("--from-capture trains on the target's captured replies: --replies and "
+                                "--requests do not apply")
+        if self.golden_release and not self.from_capture:
+            raise SpecpairError("--golden-release applies to --from-capture only")
         if self.requests:   # refused before the target loads, not after
             from specpair.self_distill import file_requests
             file_requests(self.requests, self.replies)
@@ -405,7 +418,7 @@ def eagle_loss(head, embeds: torch.Tensor, features: torch.Tensor, depth: int = 
     return total
 
 
-def greedy_acceptance(teacher, student_model, prompts: list[str], max_new_tokens: int) -> float:
+def greedy_acceptance(teacher, student_model, prompts: list[str], max_new_tokens: int, chat: bool = False) -> float:
     """Acceptance of the student as a draft for the teacher (greedy, k=4) on held-out prompts."""
     from specpair.config import GenerationParams, SpeculationConfig
     from specpair.decoding import SpeculativeEngine
@@ -415,7 +428,7 @@ def greedy_acceptance(teacher, student_model, prompts: list[str], max_new_tokens
     draft = wrap_model(student_model, teacher.tokenizer, source="student")
     engine = SpeculativeEngine(teacher, draft=draft, speculation=SpeculationConfig(
         k=4, dynamic_k=False, fallback_threshold=0.0), check_tokenizers=False)
-    results = engine.generate(prompts, GenerationParams(max_new_tokens=max_new_tokens))
+    results = engine.generate(prompts, GenerationParams(max_new_tokens=max_new_tokens), chat=chat)
     drafted = sum(r.stats.num_draft_tokens for r in results)
     accepted = sum(r.stats.num_accepted_tokens for r in results)
     student_model.train()
@@ -436,21 +449,42 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
+    captured = None
+    if config.from_capture:   # read before the target loads: no data is said at once
+        from specpair.distill_capture import read_capture
+        captured = read_capture(config.from_capture, str(config.category))
     if teacher is None:
         teacher = load_model(config.target, device=config.device, dtype="float32", progress=progress)
     device = teacher.device
     tok = teacher.tokenizer
-    texts = corpus_texts(config.corpus, config.corpus_chars, config.seed)
-    prompts = instruction_prompts(texts, tok)
-    docs = texts + prompts
-    eval_docs = docs[-config.eval_prompts:] if config.eval_prompts else []
-    train_docs = docs[:-config.eval_prompts] if config.eval_prompts else docs
+    is_head = config.method in HEAD_METHODS
+    conversations, reply_seconds, capture, eval_chat = [], 0.0, None, False
+    if config.from_capture:
+        # Served traffic of one category, the target's replies already in it: no corpus.
+        from specpair.distill_capture import capture_lineage, check_vocabulary, golden_prompts
+
+        conversations = check_vocabulary(captured[0] if captured else [], teacher.embedding_rows)
+        capture = capture_lineage(config.from_capture, config.category, conversations,
+                                  captured[1] if captured else 0)
+        golden, eval_chat = golden_prompts(config.golden_release, config.category)
+        # A head is not measured here (greedy_acceptance drafts with a model); the gate measures it.
+        texts, eval_docs, train_docs = [], [] if is_head else golden[:config.eval_prompts], []
+        if sum(len(c["ids"]) for c in conversations) <= config.seq_len + 1:
+            raise SpecpairError(f"the captured requests of category {config.category!r} hold "
+                                f"{capture['tokens']} tokens: training windows need more than "
+                                f"{config.seq_len + 1} (capture longer, or lower --seq-len)")
+        progress(f"capture: {capture['requests']} requests, {capture['tokens']} tokens of category "
+                 f"{config.category!r}; {len(eval_docs)} golden prompts measure the drafter")
+    else:
+        texts = corpus_texts(config.corpus, config.corpus_chars, config.seed)
+        prompts = instruction_prompts(texts, tok)
+        docs = texts + prompts
+        eval_docs = docs[-config.eval_prompts:] if config.eval_prompts else []
+        train_docs = docs[:-config.eval_prompts] if config.eval_prompts else docs
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
     ids = []
     for doc in train_docs:
         ids.extend(tok(doc, add_special_tokens=False)["input_ids"] + [eos])
-    is_head = config.method in HEAD_METHODS
-    conversations, reply_seconds = [], 0.0
     if config.replies or config.requests:   # the target's own answers: what a drafter meets serving
         from specpair.self_distill import chat_replies, chat_requests, file_requests
 
@@ -479,7 +513,8 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
         stream = TokenStream(torch.tensor(ids, dtype=torch.long), config.seq_len, config.seed)
     ids = stream.ids
     progress(f"corpus: {ids.numel()} tokens")
-    eval_prompts = [tok.decode(tok(d, add_special_tokens=False)["input_ids"][:48]) for d in eval_docs]
+    eval_prompts = (list(eval_docs) if capture else   # golden prompts whole, as the gate sends them
+                    [tok.decode(tok(d, add_special_tokens=False)["input_ids"][:48]) for d in eval_docs])
 
     student = (build_head(teacher, ids, config) if is_head else build_student(teacher, config)).to(device)
     trainable = [p for p in student.parameters() if p.requires_grad]
@@ -508,7 +543,7 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
         progress(f"resuming from {checkpoints[-1].name}")
     acceptance_before = None
     if start_step == 0 and eval_prompts:
-        acceptance_before = greedy_acceptance(teacher, student, eval_prompts, config.eval_tokens)
+        acceptance_before = greedy_acceptance(teacher, student, eval_prompts, config.eval_tokens, eval_chat)
     elif history:
         acceptance_before = history[0].get("acceptance_before")
 
@@ -560,7 +595,7 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
             _save_checkpoint(out, step + 1, student, optimiser, stream, history, config)
     bar.close()
 
-    acceptance_after = (greedy_acceptance(teacher, student, eval_prompts, config.eval_tokens)
+    acceptance_after = (greedy_acceptance(teacher, student, eval_prompts, config.eval_tokens, eval_chat)
                         if eval_prompts else None)
     student.eval()
     if config.method == "eagle3":     # the speculators layout: vLLM serves it as it is
@@ -583,7 +618,7 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
                "seconds": round(time.perf_counter() - started, 2),
                "reply_seconds": round(reply_seconds, 2),
                "feature_seconds": round(feature_seconds, 2), "device": str(device),
-               "config": asdict(config)}
+               "capture": capture, "config": asdict(config)}
     (out / "distill_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
