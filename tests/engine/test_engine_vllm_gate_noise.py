@@ -92,3 +92,20 @@ def test_the_operator_passes_records_and_serves_a_release_shipped_off():
     assert [k_at(config["num_speculative_tokens_per_batch_size"], b, 3) for b in (1, 2, 64, 1024)] == [0, 0, 0, 0]
     assert "slower: speculation shipped off" in gate_description(verdict, {"gating": {"thresholds": {}}})
     assert gate_metrics(verdict)[("speedup_noise", 0)] == 0.05
+
+
+def test_the_verdicts_device_names_the_split_its_figures_were_measured_on():
+    """A split target's speedups are the split's: the verdict's device says so, and the gate's
+    MLflow run records it beside the release's parallelism (registry_contract.gate_params)."""
+    from specpair.contract import parallelism
+    from specpair.gate.vllm import device_of
+    from specpair_operator.release.registry_contract import gate_params
+
+    assert device_of("float32", parallelism({})) == "vllm (float32)"
+    release = {"pair": "p", "engine": {"kind": "vllm"}, "draft": {"drafter": "ngram"},
+               "parallelism": {"tensor": 2}}
+    device = device_of("bfloat16", parallelism(release))
+    assert device == "vllm (bfloat16, tensor parallel 2)"
+    assert device_of("float32", {"tensor": 4, "pipeline": 2}) == "vllm (float32, tensor parallel 4, pipeline parallel 2)"
+    params = gate_params(release, {"device": device, "bestSpeculation": None})
+    assert params["device"] == device and params["parallelism.tensor"] == "2"

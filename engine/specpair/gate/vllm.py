@@ -118,6 +118,13 @@ def dtype_of(release: dict) -> str:
     return str((release.get("engine") or {}).get("dtype") or "float32")
 
 
+def device_of(dtype: str, sizes: dict[str, int]) -> str:
+    """What the verdict (and the gate's MLflow run, as "device") says measured it: vLLM, the dtype,
+    and the split where the target is split, as its figures are the split's."""
+    split = [f"{name} parallel {sizes[name]}" for name in ("tensor", "pipeline") if sizes.get(name, 1) > 1]
+    return f"vllm ({', '.join([dtype, *split])})"
+
+
 # Seconds one rank of the gate's vLLM servers may take to become healthy (times tensor x pipeline).
 GATE_START_TIMEOUT_S = 600.0
 
@@ -181,7 +188,7 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     max_len = flags.pop("--max-model-len", None)
     server_args = {"dtype": dtype, "start_timeout": timeout, "extra_args": flags_argv(flags),
                    "max_model_len": int(max_len) if max_len else None}
-    verdict["device"] = f"vllm ({dtype})"
+    verdict["device"] = device_of(dtype, sizes)
 
     concurrencies = gate_tuning(release)["batchSizes"]
     progress(f"vLLM target-only: {len(ids)} golden prompts, then at concurrencies {concurrencies}")
