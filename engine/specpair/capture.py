@@ -261,12 +261,15 @@ class CaptureWriter:
         try:
             self._queue.put_nowait((category, list(prompt_ids), list(reply_ids), self.clock()))
         except queue.Full:
-            self.dropped += 1
             self.counted(category, "dropped", 1)
+            self.dropped += 1
 
     def start(self) -> "CaptureWriter":
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.prune_all()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.prune_all()
+        except OSError as exc:   # serving never waits on the capture: each write tries again, counted
+            log.warning("capture: %s", exc)
         self._thread = threading.Thread(target=self._run, name="specpair-capture", daemon=True)
         self._thread.start()
         return self
@@ -301,8 +304,8 @@ class CaptureWriter:
             except OSError as exc:    # a full or gone volume: serving goes on, the record is lost
                 log.warning("capture: %s", exc)
                 if item is not None:
-                    self.dropped += 1
                     self.counted(item[0], "dropped", 1)
+                    self.dropped += 1
             finally:
                 if item is not None:
                     self._queue.task_done()
@@ -324,10 +327,13 @@ class CaptureWriter:
         shard.file.write(json.dumps(record, separators=(",", ":")) + "\n")
         shard.file.flush()
         shard.records += 1
-        self.written += 1
         self.counted(category, "written", 1)
+        self.written += 1       # after the metric: who waits on this finds the metric counted
         if shard.records >= self.settings.shard_records:
-            self._close(category)
+            try:
+                self._close(category)
+            except OSError as exc:   # left as an open shard: readers skip it, the retention removes it
+                log.warning("capture: closing a shard: %s", exc)
 
     def _rotate_due(self) -> None:
         now = self.clock()

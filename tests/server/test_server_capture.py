@@ -14,7 +14,7 @@ from specpair.capture import CaptureSettings, CaptureWriter, ReadCounts, Shard, 
 from specpair.errors import SpecpairError
 from specpair.server.cli import add_engine_parser, server_options
 
-from serving_helpers import client_for, make_engine, openai_client
+from serving_helpers import client_for, make_engine, openai_client, wait_for
 
 PROMPTS = ["def foo(x):", "import os", "class A:", "for i in range(3):", "x = [1, 2", "while True:", "print("]
 
@@ -44,7 +44,8 @@ def test_a_server_captures_the_token_ids_it_served_per_category_capped(tiny_pair
                                      extra_body={"specpair": {"category": "prose"}}).choices[0].text
              for p in PROMPTS[:3]]
     encode, decode = server.engine.encode, server.engine.target.tokenizer.decode
-    assert server.capture.written == len(PROMPTS) + 3 and server.capture.dropped == 0
+    # Offered as each request ends, just after its reply went out; written in the capture's thread.
+    assert wait_for(lambda: server.capture.written == len(PROMPTS) + 3) and server.capture.dropped == 0
     server.stop(drain_timeout=5)       # closes the open shards
 
     code = list(read_records(tmp_path, "code"))
@@ -178,3 +179,14 @@ def test_a_reader_skips_a_cut_line_and_refuses_another_format_version(tmp_path):
     with pytest.raises(SpecpairError, match="version 2"):
         list(read_records(tmp_path, "code"))
     assert list(read_records(tmp_path, "absent")) == []
+
+
+def test_a_capture_folder_that_cannot_be_written_drops_records_and_serving_goes_on(tiny_pair, start_server, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    server = start_server(engine=make_engine(tiny_pair), capture=CaptureSettings(directory=str(blocked / "capture"),
+                                                                                 sample_rate=1.0))
+    with client_for(server) as c:
+        assert c.generate("def foo(x):", max_new_tokens=3, category="code", timeout=30).token_ids
+    assert wait_for(lambda: server.capture.dropped == 1)
+    assert server.capture.written == 0 and metric(server, "code", "dropped") == 1
