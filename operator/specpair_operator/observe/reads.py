@@ -15,7 +15,7 @@ from specpair_operator.policy import canary as canary_mod
 from specpair_operator.crd import conditions as c
 from specpair_operator.policy import drift as drift_mod
 from specpair_operator.gate import attempts as gate_attempts, verdict as gate_verdict
-from specpair_operator.desired import autoscaling, engine_objects, gate_objects, manifests, model_fetch
+from specpair_operator.desired import autoscaling, engine_objects, gate_objects, manifests, model_fetch, training_job
 from specpair_operator.desired import routes as routes_mod
 from specpair_operator.crd import names
 from specpair_operator.observe import unreadable
@@ -85,6 +85,22 @@ def gate_jobs_needed(records: Records, version: str, aliases: Mapping[str, str])
 
 # The history actions of a gate's result (release_gate.gate_result).
 GATE_RESULTS = ("GatePassed", "GateFailed", gate_verdict.GATE_ERROR)
+
+
+async def observe_trainings(kube: Kube, pair: str, namespace: str, status: Mapping[str, Any],
+                            champion: str) -> dict[str, training_job.TrainingState]:
+    """The pair's training Jobs (one list), each with its pods while status does not yet record
+    its end (their termination message names the version it registered): by "version/category"."""
+    selector = f"{manifests.LABEL_PAIR}={names.label_value(pair)},{manifests.LABEL_ROLE}={training_job.ROLE}"
+    following = set(training_job.followed(status, champion))
+    found: dict[str, training_job.TrainingState] = {}
+    for job in await kube.list("batch/v1", "jobs", namespace, selector):
+        notes = job["metadata"].get("annotations") or {}
+        key = (str(notes.get(training_job.ANN_VERSION) or ""), str(notes.get(training_job.ANN_CATEGORY) or ""))
+        name = job["metadata"]["name"]
+        pods = await kube.list("v1", "pods", namespace, f"job-name={name}") if key in following else []
+        found[f"{key[0]}/{key[1]}"] = training_job.training_state(job, pods)
+    return found
 
 
 async def observe_release(kube: Kube, registry: PassRegistry, body: Mapping[str, Any], status: Mapping[str, Any],
@@ -158,6 +174,8 @@ async def observe_serving(op: OperatorState, registry: PassRegistry, body: Mappi
     w = replace(w, tags=dict(tags))
     if tags.get(TAG_ROLLED_BACK):
         return w
+    if training_job.learning_enabled(spec):
+        w = replace(w, trainings=await observe_trainings(op.kube, w.pair, w.namespace, status, champion))
     _, verdict, _ = await asyncio.to_thread(registry.gate_result, model, champion)
     # A champion's verdict edited in MLflow after its promotion serves with the spec's speculation
     # and no gated numbers, rather than with whatever the tag now says.

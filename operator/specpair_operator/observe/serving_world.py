@@ -126,6 +126,10 @@ class ServingWorld:
     # names ("Kind/name" -> the object as read, None: absent).
     gateway_api: bool = False
     routes: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
+    # The pair's training Jobs (desired/training_job.py; spec.learning), read only when learning
+    # is enabled: "version/category" -> a training_job.TrainingState. None: not read this pass
+    # (then the plan starts none, so a Job that exists is never created twice).
+    trainings: Mapping[str, Any] | None = None
 
     @property
     def rollout(self) -> Mapping[str, Any]:

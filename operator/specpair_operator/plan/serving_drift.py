@@ -21,6 +21,7 @@ from specpair_operator.release.registry_contract import TAG_DRIFT_PROBE, TAG_ROL
 from specpair_operator.observe.serving_world import EnginePod, ServingWorld
 from specpair_operator.plan.serving_steps import address, DriftChecked, ForgetDrift, LogWarning, RememberDrift, _Steps
 from specpair_operator.plan.serving_speculation import _switch
+from specpair_operator.plan import learning
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,12 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
         return False
     if decision.reason:
         out.add(Condition(c.DRIFTED, True, "RollbackWouldNotHelp", decision.reason))
+        if w.trainings is not None:
+            # spec.learning: the categories whose sustained breach no rollback helps train a new
+            # draft (plan/learning.py starts the Job after this check).
+            sustained = [j for j in decision.breaches if state.streaks.get(j.category, 0) >= policy.consecutive]
+            out.add(*learning.want_training({**w.status, **out.fields}, champion,
+                                            learning.breached_categories(decision.reason, sustained)))
     if off:
         # Speculation stays off but keeps being measured: probes turn it on for a while when the
         # engine drafted nothing since.

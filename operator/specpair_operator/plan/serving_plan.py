@@ -48,6 +48,7 @@ from specpair_operator.plan.serving_rollout import (certificate_check, _engine, 
                                                     name_conflict, rollout_state)  # noqa: F401
 from specpair_operator.plan.serving_shadow import _shadow, _shadow_verdict  # noqa: F401
 from specpair_operator.plan.serving_canary import _canary, _retire_canary  # noqa: F401
+from specpair_operator.plan.learning import plan_learning
 
 
 # -- the plan ----------------------------------------------------------------------------------
@@ -110,6 +111,7 @@ def plan_serving(w: ServingWorld) -> tuple[Step, ...]:
     # The champion is watched whatever the spec's release is doing (gated, failed, rolled back).
     watching = w.while_gating or w.desired is None
     drifted = _drift(out, champion, verified, watching)
+    plan_learning(out, champion)     # spec.learning: the trainings the drift check wants
     stuck = _speculation(out, champion, verified)
     if w.canary_run is None:
         _retire_canary(out, champion)

@@ -1,0 +1,213 @@
+"""The training Job (issue 58), pure: when a drifted category that no rollback helps trains a new
+draft (plan/learning.py), what the Job is (desired/training_job.py), and where it stands from the
+Job and its pod as the API server reports them. No servers: decisions from values."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+
+from specpair_operator.desired import training_job as tj
+from specpair_operator.desired.manifests import LABEL_ROLE
+from specpair_operator.plan import learning
+from specpair_operator.plan.release_steps import Condition, Record, SetStatus
+from specpair_operator.plan.serving_steps import EnsureOwned
+
+from test_operator_serving_plan import Cluster, converge, ladder_start, release_tags   # its model of a cluster
+
+SPEC = {"learning": {"enabled": True, "persistentVolumeClaim": "captures",
+                     "training": {"activeDeadlineSeconds": 600}},
+        "rollout": {"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "16Gi"}}}}
+RELEASE = {"target": {"source": "default"}, "draft": {"drafter": "ngram"},
+           "gating": {"prompts": [{"prompt": "hi", "category": "extraction"}]}}
+
+
+@dataclass(frozen=True)
+class Judged:
+    category: str
+
+
+def _job(version: str, category: str, spec=SPEC) -> dict:
+    return tj.desired_training_job("chat", "llm", RELEASE, dict(spec["rollout"]), spec["learning"], version, category,
+                                   "llm.chat", "http://mlflow:5000")
+
+
+def _steps(trainings, status=None, spec=SPEC, recorded=()):
+    return learning.training_steps("chat", spec, status or {}, trainings,
+                                   lambda action, key, version: (action, key) in recorded, _job)
+
+
+def _finished(job: dict, condition: str, reason: str = "", message: dict | str = "") -> tuple[dict, list[dict]]:
+    name = job["metadata"]["name"]
+    job = {**job, "status": {"conditions": [{"type": condition, "status": "True", "reason": reason}]}}
+    text = json.dumps(message) if isinstance(message, dict) else message
+    pod = {"metadata": {"name": name + "-x", "labels": {"job-name": name}},
+           "status": {"containerStatuses": [{"state": {"terminated": {"message": text, "finishedAt": "t"}}}]}}
+    return job, [pod]
+
+
+def test_a_category_that_no_rollback_helps_is_what_trains():
+    breaches = [Judged("extraction"), Judged("*"), Judged("code")]
+    assert learning.breached_categories("no rollback: the previous release would not do better", breaches) \
+        == ["code", "extraction"]
+    assert learning.breached_categories("sustained drift: ...", breaches) == []
+    status = {"training": {"runs": [{"version": "2", "category": "qa", "phase": "done"},
+                                    {"version": "3", "category": "code", "phase": "running"}]}}
+    # The champion's recorded trainings first, then its newly breached categories; v2's is history.
+    assert learning.wanted_trainings(status, "3", ["extraction", "code"]) == [("3", "code"), ("3", "extraction")]
+
+
+def test_learning_off_never_starts_a_job():
+    absent = tj.TrainingState(tj.ABSENT)
+    off = {**SPEC, "learning": {**SPEC["learning"], "enabled": False}}
+    assert _steps([learning.Training("3", "extraction", absent)], spec=off) == []
+    no_claim = {**SPEC, "learning": {"enabled": True}}
+    assert _steps([learning.Training("3", "extraction", absent)], spec=no_claim) == []
+
+
+def test_a_drifted_category_starts_one_job_once_and_follows_it_to_a_registered_candidate():
+    steps = _steps([learning.Training("3", "extraction", tj.training_state(None))])
+    created = [s for s in steps if isinstance(s, EnsureOwned)]
+    assert len(created) == 1 and created[0].live is None and created[0].mutable is False
+    name = tj.training_job_name("chat", "3", "extraction")
+    assert created[0].manifest["metadata"]["name"] == name
+    started = [s for s in steps if isinstance(s, Record)]
+    assert [(r.action, r.key, r.warning) for r in started] == [("TrainingStarted", "3/extraction", False)]
+    run = next(s for s in steps if isinstance(s, SetStatus)).fields["training"]["runs"][-1]
+    assert run["phase"] == tj.RUNNING and run["job"] == name
+    cond = next(s for s in steps if isinstance(s, Condition))
+    assert (cond.type, cond.status, cond.reason) == ("Learning", True, "Training")
+    # A pass that died after creating it: the Job is there, running; not created again.
+    status = {"training": {"runs": [run]}}
+    job = _job("3", "extraction")
+    again = _steps([learning.Training("3", "extraction", tj.training_state(job, []))], status,
+                   recorded={("TrainingStarted", "3/extraction")})
+    assert not [s for s in again if isinstance(s, (EnsureOwned, Record))]
+    # Done: the runner's report names the version it registered.
+    state = tj.training_state(*_finished(job, "Complete", message={"version": "4", "summary": "acceptance 0.1 -> 0.4"}))
+    assert (state.phase, state.candidate) == (tj.DONE, "4")
+    done = _steps([learning.Training("3", "extraction", state)], status, recorded={("TrainingStarted", "3/extraction")})
+    rec = [s for s in done if isinstance(s, Record)]
+    assert [(r.action, r.from_version, r.to_version, r.warning) for r in rec] == [("TrainingSucceeded", "3", "4", False)]
+    cond = next(s for s in done if isinstance(s, Condition))
+    assert (cond.status, cond.reason) == (True, "CandidateRegistered") and "v4" in cond.message
+    # Its Job deleted by the TTL later: the status keeps the outcome, and nothing starts again.
+    kept = next(s for s in done if isinstance(s, SetStatus)).fields
+    later = _steps([learning.Training("3", "extraction", tj.training_state(None))], kept,
+                   recorded={("TrainingStarted", "3/extraction"), ("TrainingSucceeded", "3/extraction")})
+    assert not [s for s in later if isinstance(s, (EnsureOwned, Record))]
+    assert next(s for s in later if isinstance(s, SetStatus)).fields["training"]["runs"][-1]["candidate"] == "4"
+
+
+def test_a_training_that_times_out_or_fails_changes_nothing_but_says_so():
+    job = _job("3", "extraction")
+    timed_out = tj.training_state(*_finished(job, "Failed", "DeadlineExceeded", ""))
+    assert timed_out.phase == tj.TIMED_OUT and "ran out of time" in timed_out.message
+    steps = _steps([learning.Training("3", "extraction", timed_out)], recorded={("TrainingStarted", "3/extraction")})
+    assert not [s for s in steps if isinstance(s, EnsureOwned)]
+    rec = next(s for s in steps if isinstance(s, Record))
+    assert (rec.action, rec.warning, rec.to_version) == ("TrainingTimedOut", True, "3")
+    assert "v3 keeps serving as it was" in rec.reason
+    cond = next(s for s in steps if isinstance(s, Condition))
+    assert (cond.status, cond.reason) == (False, "TrainingTimedOut")
+    # Only conditions, history and status: no alias, tag or speculation step anywhere.
+    assert {type(s) for s in steps} <= {Record, Condition, SetStatus}
+    failed = tj.training_state(*_finished(job, "Failed", "BackoffLimitExceeded",
+                                          {"error": "no captured requests of category 'extraction'"}))
+    assert failed.phase == tj.FAILED and "no captured requests" in failed.message
+    rec = next(s for s in _steps([learning.Training("3", "extraction", failed)]) if isinstance(s, Record)
+               and s.action != "TrainingStarted")
+    assert rec.action == "TrainingFailed" and rec.warning
+    # Complete without a version named: a failure, not a candidate.
+    assert tj.training_state(*_finished(job, "Complete", message="done")).phase == tj.FAILED
+
+
+def test_the_training_job_manifest():
+    job = _job("3", "extraction")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert (spec["backoffLimit"], spec["activeDeadlineSeconds"]) == (0, 600)
+    assert job["metadata"]["annotations"][tj.ANN_CATEGORY] == "extraction"
+    # One Job per (release, category); a category's name is any string (hashed into the name).
+    assert len({tj.training_job_name("chat", v, c) for v in ("3", "4") for c in ("qa", "QA", "a b")}) == 6
+    container = pod["containers"][0]
+    cmd = container["command"]
+    assert cmd[:3] == ["python", "-m", "specpair_operator.gate.training_runner"]
+    assert cmd[cmd.index("--category") + 1] == "extraction" and cmd[cmd.index("--max-seconds") + 1] == "360"
+    assert cmd[cmd.index("--device") + 1] == "cpu" and cmd[cmd.index("--version") + 1] == "3"
+    # On the CPU it holds no GPU, though the engine pods' resources name one.
+    assert "nvidia.com/gpu" not in json.dumps(container["resources"])
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "capture")
+    assert mount == {"name": "capture", "mountPath": "/var/lib/specpair/capture", "readOnly": True}
+    assert cmd[cmd.index("--capture-dir") + 1] == "/var/lib/specpair/capture/chat"   # the pair's own folder
+    volume = next(v for v in pod["volumes"] if v["name"] == "capture")
+    assert volume["persistentVolumeClaim"] == {"claimName": "captures", "readOnly": True}
+    gpu = {**SPEC, "learning": {**SPEC["learning"], "training": {"gpu": True}}}
+    gpu_job = _job("3", "extraction", gpu)
+    gpu_container = gpu_job["spec"]["template"]["spec"]["containers"][0]
+    assert gpu_container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert gpu_container["command"][gpu_container["command"].index("--device") + 1] == "cuda"
+    assert gpu_job["spec"]["activeDeadlineSeconds"] == tj.TRAINING_DEFAULTS["activeDeadlineSeconds"] == 1800
+
+
+# -- through the serving plan: the drift ladder to RollbackWouldNotHelp, then the training ------
+
+class LearningCluster(Cluster):
+    """test_operator_serving_plan's Cluster (its model of what the serving steps write) with the
+    pair's training Jobs: observe reports them (w.trainings), a created one runs for a pass and
+    then ends as `outcome` says (DONE: it registered v9)."""
+    outcome = tj.DONE
+
+    def world(self):
+        return dataclasses.replace(super().world(), trainings={
+            key: tj.TrainingState(phase, f"Job {key} {phase}", "9" if phase == tj.DONE else "")
+            for key, phase in self.jobs.items()})
+
+    def apply(self, step, status):
+        manifest = getattr(step, "manifest", None) or {}
+        if manifest.get("kind") == "Job" and manifest["metadata"]["labels"].get(LABEL_ROLE) == tj.ROLE:
+            notes = manifest["metadata"]["annotations"]
+            key = f"{notes[tj.ANN_VERSION]}/{notes[tj.ANN_CATEGORY]}"
+            assert key not in self.jobs, f"training Job {key} created twice"
+            self.jobs[key] = tj.RUNNING
+            return
+        super().apply(step, status)
+
+    def tick(self):
+        super().tick()
+        self.jobs = {k: self.outcome if phase == tj.RUNNING else phase for k, phase in self.jobs.items()}
+
+
+def no_rollback_helps(outcome: str) -> LearningCluster:
+    """test_operator_serving_plan's ladder where v1 serves the same models gated no better than v2
+    (no rollback helps), with learning on."""
+    start = ladder_start()
+    start.tags["1"] = release_tags("1")
+    start.rates["1"] = 0.2
+    cl = LearningCluster(dataclasses.replace(start.w, spec={**start.w.spec, **SPEC_LEARNING}), start.tags,
+                         start.rates)
+    cl.jobs, cl.outcome = {}, outcome
+    return cl
+
+
+SPEC_LEARNING = {"learning": {"enabled": True, "persistentVolumeClaim": "captures"}}
+
+
+@pytest.mark.parametrize("outcome,ended", [(tj.DONE, "TrainingSucceeded"), (tj.TIMED_OUT, "TrainingTimedOut")])
+def test_rollback_would_not_help_trains_the_category_once_even_when_killed_after_any_write(outcome, ended):
+    reference, done = converge(no_rollback_helps(outcome), passes=30)
+    actions = [a for a, _ in reference.history]
+    assert actions == ["RolloutStarted", "SpeculationOff", "TrainingStarted", ended], actions
+    assert reference.said["RollbackWouldNotHelp"] and list(reference.jobs) == ["2/code"]
+    assert reference.w.aliases["champion"] == "2"     # nothing else changed: v2 serves as it was
+    # Killed after each write of the way in turn: one Job, each training step recorded once.
+    for crash_at in range(len(done)):
+        end, _ = converge(no_rollback_helps(outcome), crash_at, passes=30)
+        keyed = Counter((a, k) for a, k in end.history if a.startswith("Training"))
+        assert list(end.jobs) == ["2/code"] and set(keyed) == {("TrainingStarted", "2/code"), (ended, "2/code")}, \
+            (crash_at, keyed)
+        assert max(keyed.values()) == 1, (crash_at, keyed)
