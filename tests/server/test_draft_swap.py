@@ -223,6 +223,20 @@ def test_refusals_as_pure_decisions(tiny_pair):
     assert drafter_refusal(ngram, engine.drafter) is None
 
 
+def test_a_paged_draft_model_is_refused_before_the_new_draft_loads(tiny_pair):
+    # The operator rolls the pods on this refusal: it must not cost a draft's load first.
+    target, _ = tiny_pair
+    engine = make_engine(tiny_pair)
+    if engine.paged_space is None or engine.paged_space.draft is None:
+        pytest.skip(f"the paged cache does not apply here: {engine.paged_unused}")
+
+    def load_model(*_args, **_kwargs):
+        raise AssertionError("the draft was loaded before the refusal")
+    release = read_release(release_json(target.source, "9", draft_source="any-draft"))
+    with pytest.raises(SwapRefused, match="paged pool"):
+        load_release_drafter(engine, release, load_model=load_model)
+
+
 def test_only_the_operator_certificate_swaps_on_the_control_port(tiny_pair, start_server, tmp_path):
     from pki import Authority, SecretVolume
     from test_server_control_tls import control_client

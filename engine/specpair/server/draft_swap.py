@@ -95,17 +95,28 @@ def target_refusal(release: Release, target) -> str | None:
     return None
 
 
-def drafter_refusal(engine, new_drafter) -> str | None:
-    """Why `new_drafter` cannot replace the engine's serving drafter between steps (None: it can)."""
+def serving_refusal(engine) -> str | None:
+    """Why the engine's serving drafter cannot be replaced at all (None: it can), asked before a
+    release's draft is loaded, so a refused swap costs no load."""
     old = engine.drafter
-    for which, drafter in (("the serving drafter", old), ("the release's drafter", new_drafter)):
-        if drafter is not None and drafter.wants_features:
-            return (f"{which} ({drafter.name}) drafts from the target's features, which the batch "
-                    f"hands only to the drafter it was built with: a head swap needs new pods")
+    if old is not None and old.wants_features:
+        return (f"the serving drafter ({old.name}) drafts from the target's features, which the batch "
+                f"hands only to the drafter it was built with: a head swap needs new pods")
     space = getattr(engine, "paged_space", None)
     if space is not None and space.draft is not None:
         return ("the serving draft model's cache lives in the paged pool's blocks (the pool was "
                 "sized for it): a swap needs new pods")
+    return None
+
+
+def drafter_refusal(engine, new_drafter) -> str | None:
+    """Why `new_drafter` cannot replace the engine's serving drafter between steps (None: it can)."""
+    why = serving_refusal(engine)
+    if why:
+        return why
+    if new_drafter is not None and new_drafter.wants_features:
+        return (f"the release's drafter ({new_drafter.name}) drafts from the target's features, which the "
+                f"batch hands only to the drafter it was built with: a head swap needs new pods")
     return None
 
 
@@ -115,7 +126,7 @@ def load_release_drafter(engine, release: Release, load_model=None) -> Loaded:
     from specpair.drafter_choice import build_drafter
 
     started = time.perf_counter()
-    why = target_refusal(release, engine.target)
+    why = target_refusal(release, engine.target) or serving_refusal(engine)
     if why:
         raise SwapRefused(why)
     pair, draft = release.pair, None
