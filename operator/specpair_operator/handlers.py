@@ -212,6 +212,10 @@ async def on_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa
         metrics.forget_pair(body.metadata.namespace, body.metadata.name)
     else:
         STATE.bodies[uid] = json.loads(json.dumps(dict(body)))
+        if body.metadata.get("deletionTimestamp") and capture_cleanup.waits_on_us(body):
+            # Deleted, and it waits on its captured traffic's clean-up: at once, not when next due.
+            STATE.woken.add(uid)
+            STATE.wake.set()
 
 
 # What a pair's next step waits on, most of the time, is one of its own objects changing: its gate

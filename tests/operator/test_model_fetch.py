@@ -9,6 +9,7 @@ import pytest
 
 from specpair.contract import content_hash
 from specpair_operator.desired import engine_objects, gate_objects, manifests, model_fetch
+from specpair_operator.desired.learning import CAPTURE_FINALIZER
 from specpair_operator.desired.manifests import MlflowCredentials, PodDefaults
 from specpair_operator.release.content import build_release
 
@@ -285,18 +286,55 @@ def test_a_pair_is_fetched_gated_and_served_from_its_claim(operator_env, ns, mlf
     ns.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
                "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
                         "resources": {"requests": {"storage": "1Gi"}}}})
+    # Its served traffic captured on a claim of its own (spec.learning, issue 58: docs/learning.md).
+    traffic, traffic_pv = tmp_path / "traffic", f"traffic-{ns.name}"
+    ns.kube.create({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": traffic_pv},
+                    "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                             "persistentVolumeReclaimPolicy": "Retain",
+                             "hostPath": {"path": str(traffic), "type": "DirectoryOrCreate"}}})
+    ns.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "traffic"},
+               "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": traffic_pv,
+                        "resources": {"requests": {"storage": "1Gi"}}}})
     spec = tiny_pair(name, sources["target"], sources["draft"])
     spec["spec"]["rollout"]["modelCache"] = {"persistentVolumeClaim": "models"}
+    spec["spec"]["learning"] = {"enabled": True, "persistentVolumeClaim": "traffic", "sampleRate": 1.0}
     try:
         with KopfRunner(OPERATOR, timeout=60) as runner:
             ns.create(spec)
             ns.wait_for("v1 serving from the claim", lambda: serving(ns, name, "1"), timeout=300)
+            status = ns.pair(name)["status"]
+            roles = sorted(j["metadata"]["labels"][manifests.LABEL_ROLE] for j in ns.list("batch/v1", "Job"))
+            assert CAPTURE_FINALIZER in ns.pair(name)["metadata"]["finalizers"]
+            replies = captured_replies(ns, name, traffic / name)
+            # Deleting the pair deletes its captured traffic (a Job), then the pair goes.
+            ns.kube.delete("specpair.io/v1alpha1", "SpecModelPair", ns.name, name)
+            ns.wait_for("the pair gone after its clean-up", lambda: not ns.pair(name), timeout=180)
         assert runner.exception is None
-        status = ns.pair(name)["status"]
         assert len(status["modelCache"]["fetched"]) == 1
-        roles = sorted(j["metadata"]["labels"][manifests.LABEL_ROLE] for j in ns.list("batch/v1", "Job"))
         assert roles == ["gate", model_fetch.ROLE], roles
         assert ns.events("ModelFetchStarted") and ns.events("ModelsFetched")
         assert (volume / ".specpair" / "releases").is_dir()
+        assert replies and not (traffic / name).exists() and traffic.is_dir()
+        assert ns.events("CaptureCleanupArmed") and ns.events("CaptureCleanupStarted") and ns.events("CaptureDeleted")
     finally:
         ns.kube.delete("v1", "PersistentVolume", None, pv)
+        ns.kube.delete("v1", "PersistentVolume", None, traffic_pv)
+
+
+def captured_replies(ns, name: str, folder) -> list[list[int]]:
+    """Three requests to the pair's engine pod, and the records its capture wrote of them: the
+    prompt's and the reply's token ids the pod served, in the pair's folder on its claim."""
+    from cluster_env import service_endpoints
+    from specpair.server.client import EngineClient
+
+    (address,) = service_endpoints(ns, name)
+    with EngineClient(address, insecure=True) as client:
+        replies = [client.generate(p, max_new_tokens=6, category="code", timeout=60).token_ids
+                   for p in ("def foo(x):", "import os", "class A:")]
+
+    def written() -> list[dict]:   # the shard being written (a shard closes at 256 records or 60 s)
+        return [json.loads(line) for shard in sorted((folder / "code").glob("*.jsonl*"))
+                for line in shard.read_text().splitlines()] if (folder / "code").is_dir() else []
+    ns.wait_for("the three requests captured", lambda: len(written()) == 3, timeout=30)
+    assert [r["reply_ids"] for r in written()] == replies
+    return replies

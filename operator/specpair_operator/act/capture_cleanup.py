@@ -20,6 +20,11 @@ GROUP_VERSION, PLURAL = "specpair.io/v1alpha1", "specmodelpairs"
 _warned: set[tuple[str, str, str]] = set()
 
 
+def waits_on_us(body: Any) -> bool:
+    """The pair carries the capture clean-up finalizer."""
+    return CAPTURE_FINALIZER in (body.get("metadata", {}).get("finalizers") or [])
+
+
 def _terminating(exc: KubeError) -> bool:
     """The API server's refusal to create in a namespace being deleted (403, NamespaceTerminating)."""
     return exc.status == 403 and "being terminated" in exc.message
@@ -41,19 +46,28 @@ async def converge(kube: Kube, body: dict[str, Any], defaults: PodDefaults = Pod
             if not _terminating(exc):
                 raise
             step = plan.decide(body, job, namespace_terminating=True)
+    # Only on the object as read (a test on its resourceVersion, or on the finalizer removed): the
+    # body may be older than the pair (Kopf hands a pair's events to on_event only between its
+    # handlers' runs, and on_change may run for minutes), and a refused patch (422) is decided
+    # again from a fresher one at the next pass.
+    finalizers = list(meta.get("finalizers") or [])
+    ops: list[dict[str, Any]] = []
     if step.action == plan.ADD_FINALIZER:
-        finalizers = meta.get("finalizers")
-        ops = ([{"op": "add", "path": "/metadata/finalizers/-", "value": CAPTURE_FINALIZER}] if finalizers
-               else [{"op": "add", "path": "/metadata/finalizers", "value": [CAPTURE_FINALIZER]}])
-        # Only on the object read: a changed one is read again by the next pass.
-        await kube.json_patch(GROUP_VERSION, PLURAL, namespace, name,
-                              [{"op": "test", "path": "/metadata/resourceVersion",
-                                "value": meta["resourceVersion"]}, *ops])
+        ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]},
+               {"op": "add", "path": "/metadata/finalizers/-", "value": CAPTURE_FINALIZER} if finalizers
+               else {"op": "add", "path": "/metadata/finalizers", "value": [CAPTURE_FINALIZER]}]
     elif step.action == plan.REMOVE_FINALIZER:
-        index = meta["finalizers"].index(CAPTURE_FINALIZER)
-        await kube.json_patch(GROUP_VERSION, PLURAL, namespace, name,
-                              [{"op": "test", "path": f"/metadata/finalizers/{index}", "value": CAPTURE_FINALIZER},
-                               {"op": "remove", "path": f"/metadata/finalizers/{index}"}])
+        index = finalizers.index(CAPTURE_FINALIZER)
+        ops = [{"op": "test", "path": f"/metadata/finalizers/{index}", "value": CAPTURE_FINALIZER},
+               {"op": "remove", "path": f"/metadata/finalizers/{index}"}]
+    if ops:
+        try:
+            await kube.json_patch(GROUP_VERSION, PLURAL, namespace, name, ops)
+        except KubeError as exc:
+            if exc.status != 422:
+                raise
+            log.debug("%s/%s: finalizers changed since read; next pass", namespace, name)
+            return plan.CleanupStep(plan.WAIT)
     if step.event is not None:
         type_, reason, message = step.event
         key = (uid, reason, ((job or {}).get("metadata") or {}).get("uid", ""))
