@@ -9,11 +9,16 @@ The world file (SPECPAIR_STANDIN_WORLD) maps a draft source to what it measures:
    "_fingerprint_overrides": {"faster-draft": "fff..."},   # re-read on every GetModelInfo
    "_wrong_hash_versions": ["2"],             # pods of these versions report another content hash
    "_serving_counters": true,                 # GetStats reports serving counters (below)
-   "_first_token_seconds": {"3": 1.0}}        # pods of these versions wait this long to answer
+   "_first_token_seconds": {"3": 1.0},        # pods of these versions wait this long to answer
+   "_swappable_drafts": ["good-draft", "faster-draft"]}   # SwapDraft between these (below)
 A Generate request with category C drafts `max_new_tokens` tokens, accepted at the world's live
 rate for C: traffic is driven over gRPC like real traffic. With `_serving_counters`, each answered
 request is counted as the engine counts it for the operator's serving health and canary (GetStats:
-TTFT as the stand-in took it, requests by status). Its answer's initial metadata names the version that served it
+TTFT as the stand-in took it, requests by status). A pod started with a draft named in
+`_swappable_drafts` reports the release whose draft it serves (GetModelInfo.draft_version and
+draft_content_hash, as the real engine) and takes SwapDraft to another of them (any other
+FAILED_PRECONDITION, as the real engine refuses what it cannot swap); a pod started with another
+draft reports none, as an engine older than SwapDraft. Its answer's initial metadata names the version that served it
 (`x-specpair-version`), so a client through a gateway sees which side it reached.
 """
 
@@ -56,9 +61,16 @@ class StandInEngine(engine_pb2_grpc.EngineServicer):
         self.counters: dict[str, list[int]] = {}   # category -> [requests, drafted, accepted]
         self.ttft: dict[str, list[float]] = {}      # category -> each answered request's TTFT (seconds)
         self.lock = threading.Lock()
+        # The draft it serves and the release it came with: the started one until a SwapDraft.
+        self.draft = args.draft
+        self.draft_release = (str(args.version), args.content_hash)
+
+    @property
+    def swappable(self) -> bool:
+        return self.args.draft in (world().get("_swappable_drafts") or [])
 
     def _draft(self) -> str:
-        return self.args.draft or self.args.drafter or ""
+        return self.draft or self.args.drafter or ""
 
     def answer(self, category: str, drafted: int) -> int:
         """One request answered and counted, whichever protocol brought it: the accepted tokens."""
@@ -91,7 +103,7 @@ class StandInEngine(engine_pb2_grpc.EngineServicer):
     def GetModelInfo(self, request: Any, context: Any) -> Any:
         w = world()
         overrides = w.get("_fingerprint_overrides") or {}
-        draft = self.args.draft
+        draft = self.draft
         tok_of = (w.get(draft) or {}).get("tokenizerOf", draft)
         return engine_pb2.ModelInfo(
             pair=self.args.pair, version=self.args.version,
@@ -100,7 +112,25 @@ class StandInEngine(engine_pb2_grpc.EngineServicer):
                 draft_fingerprint=(overrides.get(draft) or fingerprint(tok_of)) if draft else "",
                 compatible=True),
             speculation=engine_pb2.SpeculationSettings(enabled=self.speculation, k=self.args.k),
-            content_hash=self.args.content_hash)
+            content_hash=self.args.content_hash,
+            **({"draft_version": self.draft_release[0], "draft_content_hash": self.draft_release[1]}
+               if self.swappable else {}))
+
+    def SwapDraft(self, request: Any, context: Any) -> Any:
+        if self.args.control_port and \
+                b"specpair-operator" not in (context.auth_context().get("x509_common_name") or []):
+            context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                          "SwapDraft needs the operator's client certificate on the control port")
+        release = json.loads(request.release_json)
+        source = (release.get("draft") or {}).get("source")
+        if not self.swappable or source not in (world().get("_swappable_drafts") or []):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"the stand-in swaps only between {world().get('_swappable_drafts')}: a swap needs new pods")
+        now = (str((release.get("mlflow") or {}).get("version", "0")), content_hash(release))
+        swapped = now != self.draft_release
+        with self.lock:
+            self.draft, self.draft_release = source, now
+        return engine_pb2.SwapDraftReply(swapped=swapped, draft_version=now[0], draft_content_hash=now[1])
 
     def GetStats(self, request: Any, context: Any) -> Any:
         with self.lock:

@@ -364,7 +364,11 @@ def test_a_release_mlflow_refuses_is_stalled_with_mlflows_reason(env, mlflow_ser
     assert runner.exception is None
 
 
-def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, mlflow_server, monkeypatch):
+def test_a_draft_only_release_is_swapped_into_the_running_pods_and_one_they_cannot_swap_rolls_them(env, world):
+    draft_swapped_in_place(env, world, "swap")
+
+
+def test_the_chart_grants_exactly_what_the_operator_uses(env, world, devcluster, mlflow_server, monkeypatch):
     """Least privilege, proven: the operator's requests (audited by the API server) were never
     refused, and every verb the chart grants was used by it in this session."""
     from cluster_env import OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, rendered_rbac_rules
@@ -484,6 +488,11 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, mlflow
                 c.get("type") == routes.ROUTED and c.get("reason") == "NoGateway"
                 for c in (ns.pair(name).get("status") or {}).get("conditions") or []), timeout=60)
         assert runner.exception is None
+    if not any(e["verb"] == "patch" and e["objectRef"].get("resource") == "replicasets"
+               for e in devcluster.audit_events(user)):
+        # A ReplicaSet is patched only by a promotion in place (a draft-only release swapped into
+        # running pods that can swap it).
+        draft_swapped_in_place(ns, world, "rbac-swap")
     events = devcluster.audit_events(user)
     # 403 also answers a create in a namespace being deleted (admission, not RBAC): earlier tests'
     # namespaces terminate while later operators still see their pairs.
@@ -498,6 +507,50 @@ def test_the_chart_grants_exactly_what_the_operator_uses(env, devcluster, mlflow
     granted = rendered_rbac_rules()
     unused = sorted(g for g in granted if g not in used)
     assert not unused, f"the chart grants what the operator never used: {unused}; used: {sorted(used)}"
+
+
+def draft_swapped_in_place(ns: Namespace, world: World, name: str) -> None:
+    """A release that changes only the draft, on stand-in pods that can swap it (their
+    `_swappable_drafts`): SwapDraft on each pod, then the engine Deployment's template moved to v2
+    through its ReplicaSet, with no pod restarted (the same pods, uids and ReplicaSet serve v2);
+    then a draft they cannot swap rolls them, as any release (plan/serving_draft_swap.py)."""
+    from specpair_operator.desired import manifests
+
+    def pods(version: str = "") -> list[tuple[str, str]]:
+        sel = f"{manifests.LABEL_ROLE}=engine,{manifests.LABEL_PAIR}={name}" + \
+            (f",{manifests.LABEL_VERSION}={version}" if version else "")
+        return sorted((p["metadata"]["name"], p["metadata"]["uid"]) for p in ns.pods(sel)
+                      if not p["metadata"].get("deletionTimestamp"))
+    world.update(_swappable_drafts=["good-draft", "faster-draft"], **{"unswappable-draft": world.data["good-draft"]})
+    spec = pair(name, "good-draft", rollout={**REPLACE, "replicas": 2, "applyGateTuning": False})
+    ns.create(spec)
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=300)
+        before = pods()
+        assert len(before) == 2
+        set_spec(ns, name, {"draft": {"source": "faster-draft"}})
+        obj = ns.wait_for("v2 serving", lambda: serving(ns, name, "2"), timeout=300)
+        assert pods("2") == before
+        dep = ns.get("apps/v1", "Deployment", f"{name}-engine")
+        annotations = dep["spec"]["template"]["metadata"]["annotations"]
+        assert json.loads(annotations["specpair.io/release"])["draft"]["source"] == "faster-draft"
+        assert not dep["spec"].get("paused") and "specpair.io/paused-for-draft-swap" not in dep["metadata"]["annotations"]
+        [replicaset] = [rs for rs in ns.list("apps/v1", "ReplicaSet") if rs["spec"].get("replicas")
+                        and rs["metadata"]["name"].startswith(f"{name}-engine-")]
+        assert replicaset["spec"]["template"]["metadata"]["annotations"]["specpair.io/release"] == \
+            annotations["specpair.io/release"]
+        actions = [(h["action"], h["toVersion"]) for h in obj["status"]["history"]]
+        assert ("DraftSwapped", "2") in actions and ("RolloutStarted", "2") not in actions, actions
+        assert ns.events("DraftSwapped")
+        # A draft the pods cannot swap: refused by the engine, so they roll.
+        set_spec(ns, name, {"draft": {"source": "unswappable-draft"}})
+        obj = ns.wait_for("v3 rolled out", lambda: (o := ns.pair(name)) and any(
+            h["action"] == "RolloutStarted" and h["toVersion"] == "3" for h in o["status"].get("history") or []) and o,
+            timeout=300)
+        rolled = next(h for h in obj["status"]["history"] if h["action"] == "RolloutStarted" and h["toVersion"] == "3")
+        assert "not swapped in place: the engine refused to swap the draft" in rolled["reason"], rolled
+        assert ("DraftSwapRefused", "3") in [(h["action"], h["toVersion"]) for h in obj["status"]["history"]]
+    assert runner.exception is None
 
 
 def the_control_listener_takes_only_the_operator(ns: Namespace, name: str, obj: dict[str, Any],

@@ -108,6 +108,11 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, create, patch, list, watch]
+# The engine pods' ReplicaSet: its pod template set to a release whose draft was swapped into the
+# running pods (act/draft_swap.py), so the Deployment moves to it without a roll. Never read.
+- apiGroups: [apps]
+  resources: [replicasets]
+  verbs: [patch]
 # The engine Service in front of each Deployment. Listed and watched: passes read Services,
 # NetworkPolicies and Deployments from watches (clients/pod_watch.py), and one edited or deleted
 # by hand wakes its pair's pass. Deleted: a Gateway route's Service no longer wanted
@@ -127,10 +132,11 @@ calls). Used both by the ClusterRole (all namespaces) and by each per-namespace 
   verbs: [get, create, list, watch]
 # Engine, gate and model-fetch pods: readiness, IPs (for GetModelInfo / GetStats over gRPC), the scheduler's
 # reason when one is Pending. Read only; engine pods watched, so a settled pair's pass reads them
-# from the watch (clients/pod_watch.py).
+# from the watch (clients/pod_watch.py). Patched only by a promotion in place: a pod whose draft
+# was swapped gets the release's version label and release annotations (act/draft_swap.py).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch]
+  verbs: [list, watch, patch]
 # Golden prompts given as gating.configMapRef.
 - apiGroups: [""]
   resources: [configmaps]

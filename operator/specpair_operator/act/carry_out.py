@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, assert_never
 from specpair_operator.act import metrics
 from specpair_operator.act.autoscaler import apply_autoscaler_plan
 from specpair_operator.act.control_ca import create_control_ca
+from specpair_operator.act import draft_swap
 from specpair_operator.act.owned import delete_owned, ensure_owned
 from specpair_operator.clients.engine_probe import EngineProbe
 from specpair_operator.desired import gate_objects
@@ -27,6 +28,7 @@ from specpair_operator.plan.serving_steps import (CreateControlCA, DeleteOwned, 
                                                   ReconcilePodSpeculation, RememberChampion, RememberDrift,
                                                   ReportSpeculation, RetireLegacyEngine, SwitchSpeculation,
                                                   TLSSecretSeen, speculation_not_reconciled)
+from specpair_operator.plan.serving_draft_swap import PromoteInPlace, ResumeEngine, SwapDraft
 from specpair_operator.plan.steps import Step
 from specpair_operator.policy import canary as canary_mod
 from specpair_operator.release import aliases as aliases_mod
@@ -120,6 +122,16 @@ async def carry_out(r: PairReconciler, step: Step, acting: Acting) -> bool:
             if step.reason.startswith("drift probe"):
                 r.logger.info(f"{step.reason} {'started' if step.enabled else 'over'} for "
                               f"v{acting.serving().aliases.get(aliases_mod.CHAMPION)}")
+        case SwapDraft():
+            refused = await draft_swap.swap_draft(r, acting.engine_probe(), acting.server, step)
+            if refused is not None:
+                ledger.record(refused.action, refused.reason, refused.from_version, refused.to_version,
+                              warning=refused.warning, key=refused.key)
+        case PromoteInPlace():
+            if not await draft_swap.promote_in_place(r, step):
+                return False
+        case ResumeEngine():
+            await draft_swap.resume_engine(r, step)
         case ReconcilePodSpeculation():
             why = await r._reconcile_pod_speculation(acting.engine_probe(), acting.server, step)
             if why:

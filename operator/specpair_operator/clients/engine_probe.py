@@ -17,6 +17,7 @@ tests can stand an engine in with any object that has these three coroutines.
                            while the pod scores a candidate drafter (shadow_stats;
                            specpair_operator.policy.shadow_run reads it)
     set_speculation(address, enabled: bool) -> None
+    swap_draft(address, release_json) -> {"swapped", "draftVersion", "draftContentHash", ...}
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class EngineProbe(Protocol):
     async def model_info(self, address: str, server_name: str = "") -> dict[str, Any]: ...
     async def stats(self, address: str, server_name: str = "") -> dict[str, Any]: ...
     async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None: ...
+    async def swap_draft(self, address: str, release_json: str, reason: str = "",
+                         server_name: str = "") -> dict[str, Any]: ...
 
 
 @dataclass
@@ -45,7 +48,17 @@ class ClientTLS:
 
 
 class EngineUnreachable(Exception):
-    pass
+    def __init__(self, message: str, code: str = ""):
+        super().__init__(message)
+        self.code = code          # the gRPC status code's name, where the engine answered one
+
+
+# SwapDraft loads and warms a draft beside the serving one before it answers.
+SWAP_TIMEOUT_S = 180.0
+# Answers to SwapDraft that mean the engine cannot take this draft in place (a roll can): it
+# refused it by name, does not know the call (older than SwapDraft), could not read the
+# release, or could not load its draft (the serving draft is unchanged then).
+SWAP_REFUSED_CODES = ("FAILED_PRECONDITION", "UNIMPLEMENTED", "INVALID_ARGUMENT", "INTERNAL")
 
 
 @dataclass
@@ -94,7 +107,7 @@ class GrpcEngineProbe:
         return grpc.aio.secure_channel(address, creds, options=options)
 
     async def _call(self, address: str, method: str, request_name: str, server_name: str = "",
-                    **fields: Any) -> Any:
+                    timeout_s: float | None = None, **fields: Any) -> Any:
         import grpc
 
         pb2, pb2_grpc = self._stubs()
@@ -109,10 +122,12 @@ class GrpcEngineProbe:
         kept.used = now
         try:
             stub = pb2_grpc.EngineStub(kept.channel)
-            return await getattr(stub, method)(getattr(pb2, request_name)(**fields), timeout=self.timeout_s)
+            return await getattr(stub, method)(getattr(pb2, request_name)(**fields),
+                                               timeout=timeout_s or self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             await self._close(lambda k: k is kept)
-            raise EngineUnreachable(f"{method} on {address}: {exc.code().name} {exc.details()}") from exc
+            raise EngineUnreachable(f"{method} on {address}: {exc.code().name} {exc.details()}",
+                                    code=exc.code().name) from exc
 
     async def _close(self, which: Any) -> None:
         loop = asyncio.get_running_loop()
@@ -134,7 +149,10 @@ class GrpcEngineProbe:
         return {"pair": info.get("pair", ""), "releaseVersion": info.get("version", ""),
                 "tokenizer": {"target": tok.get("targetFingerprint") or None, "draft": tok.get("draftFingerprint") or None},
                 "speculationEnabled": bool((info.get("speculation") or {}).get("enabled", False)),
-                "contentHash": info.get("contentHash", "")}
+                "contentHash": info.get("contentHash", ""),
+                # The release whose draft serves (a SwapDraft changes it); absent: an engine
+                # that cannot swap.
+                "draftVersion": info.get("draftVersion", ""), "draftContentHash": info.get("draftContentHash", "")}
 
     async def stats(self, address: str, server_name: str = "") -> dict[str, Any]:
         stats = await self._call(address, "GetStats", "GetStatsRequest", server_name)
@@ -162,6 +180,17 @@ class GrpcEngineProbe:
     async def set_speculation(self, address: str, enabled: bool, reason: str = "", server_name: str = "") -> None:
         await self._call(address, "SetSpeculation", "SetSpeculationRequest", server_name,
                          enabled=enabled, reason=reason)
+
+
+    async def swap_draft(self, address: str, release_json: str, reason: str = "", server_name: str = "") -> dict[str, Any]:
+        """SwapDraft: the pod loads the release's draft and swaps it in between two steps. Returns
+        {"swapped", "draftVersion", "draftContentHash", "loadSeconds", "installSeconds"};
+        EngineUnreachable with `code` in SWAP_REFUSED_CODES when the engine cannot take it."""
+        reply = await self._call(address, "SwapDraft", "SwapDraftRequest", server_name, timeout_s=SWAP_TIMEOUT_S,
+                                 release_json=release_json, reason=reason)
+        return {"swapped": bool(reply.swapped), "draftVersion": reply.draft_version,
+                "draftContentHash": reply.draft_content_hash, "loadSeconds": float(reply.load_seconds),
+                "installSeconds": float(reply.install_seconds)}
 
 
 def serving_stats(msg: Any) -> dict[str, Any]:

@@ -253,6 +253,14 @@ class RememberingProbe(GrpcEngineProbe):
         if reads is not None:
             reads.pod_info.pop(address, None)     # a GetModelInfo that raced the switch
 
+    async def swap_draft(self, address: str, release_json: str, reason: str = "", server_name: str = "") -> dict[str, Any]:
+        reads = CURRENT.get()
+        try:
+            return await super().swap_draft(address, release_json, reason, server_name)
+        finally:
+            if reads is not None:
+                reads.pod_info.pop(address, None)     # the pod reports another draft now
+
 
 class RememberingRegistry(PassRegistry):
     """A pass's view of the registry (PassRegistry: each alias set and version's tags read once,

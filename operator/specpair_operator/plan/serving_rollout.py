@@ -21,6 +21,8 @@ from specpair_operator.plan.release_steps import (PostEvent, Record, Report, Set
 from specpair_operator.release.registry_contract import TAG_HASH
 from specpair_operator.observe.serving_world import ServingWorld
 from specpair_operator.desired.pod_status import pods_waiting
+from specpair_operator.plan.serving_draft_swap import (InPlace, resume_if_paused, swap_in_place, swapped_in_place,
+                                                       SWAPPING)
 from specpair_operator.plan.serving_steps import (ANN_TEMPLATE, CreateControlCA, deployment_after, engine_deployment,
                                                   engine_selector, EnsureAutoscaler, EnsureOwned, IssueCertificate,
                                                   outcome, taken_child, RetireLegacyEngine, served_release,
@@ -31,7 +33,9 @@ def rollout_state(w: ServingWorld) -> tuple[str, str]:
     """The engine rollout's state after this pass's writes: ('conflict', 'KIND NAME'), or
     engine_objects.deployment_rollout_state's ('absent'|'progressing'|'available'|'failed', message)."""
     out = _Steps(w)
-    return _engine(out, w, served_release(w))
+    state, msg = _engine(out, w, served_release(w))
+    # While a draft is swapped into the running pods, the plan needs what they say they serve.
+    return ("available", msg) if state == SWAPPING else (state, msg)
 
 
 def name_conflict(w: ServingWorld, kind: str, name: str) -> Report:
@@ -77,16 +81,24 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
         # The pods roll to score the candidate afresh: its evidence, and the clock of
         # rollout.shadow.maxSeconds, start over (the mark before the pods move, once per roll).
         out.add(TagVersion(w.shadow.version, {shadow_run.TAG_SHADOW_STARTED: shadow_run.started_mark(w.now, roll)}))
+    key = f"{version}@{template}"
+    # A release that changes only the draft: swapped into the running pods, no roll.
+    in_place = swap_in_place(out, w, served, dep, live, version, key) if live_template != template else InPlace()
+    if in_place.state is not None:
+        return in_place.state
     result = outcome(w, dep, live)
     changed = result in (owned.CREATED, owned.PATCHED)
     if changed:
         out.add(EnsureOwned(dep, live))
-    key = f"{version}@{template}"
+    resume_if_paused(out, w, live)
     if result == owned.CREATED:
         out.add(Record("RolloutStarted", f"engine Deployment created for v{version}", None, version, key=key))
-    elif (changed and live_template != template) or not out.was("RolloutStarted", key, version):
+    elif (changed and live_template != template) or not (
+            out.was("RolloutStarted", key, version) or swapped_in_place(out, w, key, version,
+                                                                       release_mod.content_hash(served))):
         # Rolled now, or by a pass that died before writing its status.
-        out.add(Record("RolloutStarted", f"engine Deployment rolled to v{version}", None, version, key=key))
+        note = f" (not swapped in place: {in_place.why})" if in_place.draft_only else ""
+        out.add(Record("RolloutStarted", f"engine Deployment rolled to v{version}{note}", None, version, key=key))
     elif changed and (live or {}).get("spec", {}).get("replicas") != dep["spec"]["replicas"]:
         out.add(PostEvent("Normal", "Scaled", f"engine Deployment of v{version} scaled from "
                           f"{live['spec'].get('replicas')} to {dep['spec']['replicas']} replicas"))

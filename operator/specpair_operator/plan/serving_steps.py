@@ -12,7 +12,7 @@ from specpair_operator.policy import drift as drift_mod
 from specpair_operator.desired import engine_objects, learning, manifests
 from specpair_operator.desired.autoscaling import AutoscalerPlan
 from specpair_operator.desired import ownership as owned
-from specpair_operator.policy import rollout_strategy, serving_health
+from specpair_operator.policy import draft_swap, rollout_strategy, serving_health
 from specpair_operator.release import content as release_mod
 from specpair_operator.plan.release_steps import PostEvent, Record, Report, SetAlias, SetStatus, TagVersion
 from specpair_operator.release.registry_contract import TAG_RELEASE
@@ -307,7 +307,10 @@ def identity(w: ServingWorld, champion: str, digest: str) -> tuple[bool, str, li
         # `digest` is the hash of the release document this pod was given; the engine hashes
         # the file it loaded, so a pod serving anything else is caught here.
         served = (info.get("pair"), str(info.get("releaseVersion")), info.get("contentHash") or "")
-        if served != (w.pair, champion, digest):
+        # A pod started with another release serves this one once its draft was swapped to it
+        # (plan/serving_draft_swap.py: only a release that changes nothing but the draft); one
+        # started with this release serves another once its draft was swapped away.
+        if not draft_swap.serves(info, w.pair, champion, digest):
             return False, (f"pod {pod.name} serves {served[0]} v{served[1]} with content hash "
                            f"{served[2][:12] or '(none)'}; release is {w.pair} v{champion} "
                            f"({digest[:12]})"), verified

@@ -17,6 +17,7 @@ from specpair_operator.plan.serving_steps import (CreateControlCA, DeleteOwned, 
                                                   ReconcilePodSpeculation, RememberChampion, RememberDrift,
                                                   ReportSpeculation, RetireLegacyEngine, RollSpeculation,
                                                   SwitchSpeculation, TLSSecretSeen)
+from specpair_operator.plan.serving_draft_swap import PromoteInPlace, ResumeEngine, SwapDraft
 from specpair_operator.policy.canary import RememberCanary, ScaleDown
 
 # The release's steps (plan/release_plan.py) ...
@@ -26,7 +27,7 @@ ReleaseStep = Union[SetAlias, TagVersion, EnsureGatePolicy, StartGateJob, Record
 ServingStep = Union[EnsureOwned, DeleteOwned, EnsureAutoscaler, CreateControlCA, IssueCertificate, TLSSecretSeen,
                     RetireLegacyEngine, SwitchSpeculation, ReconcilePodSpeculation, ReportSpeculation,
                     RememberChampion, DriftChecked, RememberDrift, ForgetDrift, ExportSpeedup, LogWarning, ScaleDown,
-                    RememberCanary]
+                    RememberCanary, SwapDraft, PromoteInPlace, ResumeEngine]
 # ... and what goes into the status, from either (RollSpeculation is a PostEvent with its numbers).
 StatusStep = Union[Record, Condition, SetStatus, PostEvent, RollSpeculation, Report]
 
