@@ -240,6 +240,10 @@ def code_pair(name: str, draft: str, **spec: Any) -> dict[str, Any]:
     {"rollout": {"auth": {"tokenSecretRef": {"name": "specpair-operator-ca"}}}},
     {"rollout": {"auth": {"tokenSecretRef": {"name": "serving-token", "key": "ca.crt"}}}},
     {"rollout": {"auth": {"tokenSecretRef": {"name": "serving-token", "namespace": "kube-system"}}}},
+    # Captured traffic (spec.learning, issue 58): somewhere to keep it, a rate that draws, a claim in the namespace.
+    {"learning": {"enabled": True}},
+    {"learning": {"enabled": True, "persistentVolumeClaim": "traffic", "sampleRate": 0}},
+    {"learning": {"persistentVolumeClaim": "../traffic", "retentionSeconds": 10, "perCategoryCap": 0}},
 ])
 def test_references_and_ports_are_refused_by_the_api_server_and_the_operator_in_the_same_words(env, change):
     """Nothing a pair names can leave its namespace: the API server refuses such a pair, and the
@@ -261,6 +265,21 @@ def test_kubectl_apply_refuses_a_serving_port_on_the_metrics_port(env, devcluste
     assert done.returncode != 0
     assert f"rollout.port must differ from rollout.httpPort and the metrics port {METRICS_PORT}" in done.stderr
     assert ns.pair("ports") == {}
+
+
+def test_the_api_server_defaults_learning_off_and_keeps_a_capturing_spec_as_given(env, devcluster):
+    """spec.learning as the API server stores it (a server-side dry run: nothing is made): off
+    and not kept when absent; given, only `keepOnDelete` is added (the capture's own defaults are
+    the engine's, desired/learning.py)."""
+    ns = env
+    given = {"enabled": True, "persistentVolumeClaim": "traffic", "sampleRate": 0.5}
+    for learning, stored in ((None, {"enabled": False, "keepOnDelete": False}), (given, {**given, "keepOnDelete": False})):
+        good = code_pair("learning", "good-draft", **({"learning": learning} if learning else {}))
+        good["metadata"]["namespace"] = ns.name
+        done = kubectl(devcluster, "create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(good))
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["spec"]["learning"] == stored
+    assert ns.pair("learning") == {}
 
 
 def test_the_operators_client_reads_only_in_the_namespace_it_names(env, devcluster, monkeypatch):
