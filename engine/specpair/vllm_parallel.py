@@ -22,6 +22,16 @@ from typing import Any
 from specpair.contract import parallelism, source_kind
 
 OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# Seconds one rank of a vLLM server may take to start, loading vLLM, torch and its share of the
+# target. Each rank is a process of its own that imports them first, and on a CPU the ranks share
+# the pod's cores: a tiny target took 111 s at tensor parallel 1 and 326 s at 2 beside other jobs
+# (load 5-27). The gate's servers and the engine pods' startup probe allow this times the ranks.
+START_SECONDS_PER_RANK = 600
+
+
+def start_budget_seconds(release: dict[str, Any]) -> int:
+    """How long a vLLM server of the release may take to become healthy: per rank, tensor x pipeline."""
+    return START_SECONDS_PER_RANK * math.prod(parallelism(release).values())
 
 
 def attention_heads(config: dict[str, Any]) -> tuple[int, int] | None:

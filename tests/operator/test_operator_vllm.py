@@ -425,3 +425,25 @@ def speculation_goes_off_with_no_request_lost(ns, name: str, streams: Streams, s
     assert old["metadata"]["name"] in served and new["metadata"]["name"] in served, served
     return (f"speculation off: {len(streams.done)} streamed requests through the switch, none failed, "
             f"{len(streams.refused)} refused by the old pod as it went away and sent again")
+
+
+def test_a_split_vllm_pods_startup_probe_allows_what_the_gate_allows_its_servers():
+    """A vLLM server of a split target starts a process a rank (each imports vLLM and torch first,
+    on a CPU sharing the pod's cores): the engine pod's startup probe gives it as long as the
+    gate gives its own servers, per rank (one home: vllm_parallel.start_budget_seconds). At
+    tensor parallel 2 under load a pod was restarted by a 600 s probe mid-start (2026-12-07)."""
+    from specpair.vllm_parallel import START_SECONDS_PER_RANK, start_budget_seconds
+    from specpair_operator.desired import engine_objects
+
+    def probe(parallelism: dict[str, int] | None) -> dict[str, Any]:
+        release = {"pair": "p", "engine": {"kind": "vllm"}, "target": {"source": "/models/t"},
+                   "draft": {"drafter": "ngram"}, **({"parallelism": parallelism} if parallelism else {})}
+        dep = engine_objects.engine_deployment("p", "ns", release, "ab" * 32, "1", {"replicas": 1}, "http://m:5000")
+        engine = next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "engine")
+        return engine["startupProbe"]
+
+    for sizes, ranks in ((None, 1), ({"tensor": 2}, 2), ({"tensor": 2, "pipeline": 2}, 4)):
+        startup = probe(sizes)
+        assert startup["periodSeconds"] * startup["failureThreshold"] == START_SECONDS_PER_RANK * ranks, startup
+        assert start_budget_seconds({"parallelism": sizes or {}}) == START_SECONDS_PER_RANK * ranks
+    assert probe(None)["failureThreshold"] == 60      # unsplit pods keep the probe they had

@@ -49,7 +49,7 @@ from specpair.contract import (DEFAULT_CATEGORY, gate_tuning, parallelism, specu
 from specpair.errors import SpecpairError
 from specpair.gate.structured import GoldenAsk, golden_ask, judged, prepared, rate, vllm_structured_outputs
 from specpair.gate.verdict import NOISE_REPEATS, check_release, new_verdict, timing_noise, tokenizer_check
-from specpair.vllm_parallel import model_config, tensor_parallel_refusal
+from specpair.vllm_parallel import model_config, start_budget_seconds, tensor_parallel_refusal
 from specpair.vllm_peer import K_BY_BATCH_SIZE
 
 ENGINE_KIND = "vllm"
@@ -125,10 +125,6 @@ def device_of(dtype: str, sizes: dict[str, int]) -> str:
     return f"vllm ({', '.join([dtype, *split])})"
 
 
-# Seconds one rank of the gate's vLLM servers may take to become healthy (times tensor x pipeline).
-GATE_START_TIMEOUT_S = 600.0
-
-
 def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
                   start_timeout: float | None = None) -> tuple[dict, list[dict]]:
     """Returns (verdict, golden outputs), as gate.run_gate."""
@@ -180,7 +176,7 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     # loads vLLM and torch first (on a CPU they share the pod's cores). Tensor parallel 2 of a tiny
     # model took 231 s to start beside other jobs at load 14, and over 360 s at load 28.
     sizes = parallelism(release)
-    timeout = start_timeout or GATE_START_TIMEOUT_S * sizes["tensor"] * sizes["pipeline"]
+    timeout = start_timeout or float(start_budget_seconds(release))
     dtype = dtype_of(release)
     # Both servers run the target as the release serves it (parallel sizes, memory, quantization);
     # without a context length of its own, VllmServer caps the model's to keep start-up small.

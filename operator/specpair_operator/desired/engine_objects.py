@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from specpair.vllm_parallel import cpu_binding_env
+from specpair.vllm_parallel import cpu_binding_env, start_budget_seconds
 from specpair.vllm_serve import VLLM_SOCKET, VLLM_SOCKET_DIR
 
 from specpair_operator.crd.schema import has_gpu
@@ -203,6 +203,10 @@ def _engine_deployment_of(pair: str, namespace: str, release: dict[str, Any], di
     }
 
 
+# Seconds between a vLLM container's startup probes (its budget: vllm_parallel.start_budget_seconds).
+STARTUP_PERIOD_S = 10
+
+
 def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
                      rollout: dict[str, Any], tracking_uri: str, credentials: MlflowCredentials | None,
                      defaults: PodDefaults, speculation: bool) -> dict[str, Any]:
@@ -224,8 +228,10 @@ def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest:
         + cpu_binding_env(release, rollout, has_gpu(rollout)),  # vLLM split over CPU processes
         "volumeMounts": [*pod_mounts(rollout), socket_mount],
         "securityContext": container_security(),
-        # vLLM answers on its socket only: its health through the companion's port.
-        "startupProbe": {**health, "periodSeconds": 10, "failureThreshold": 60},
+        # vLLM answers on its socket only: its health through the companion's port. A split
+        # target starts a process a rank: as long as the gate lets its servers take.
+        "startupProbe": {**health, "periodSeconds": STARTUP_PERIOD_S,
+                         "failureThreshold": start_budget_seconds(release) // STARTUP_PERIOD_S},
         "livenessProbe": {**health, "periodSeconds": 20, "failureThreshold": 3},
     }
     companion = {
