@@ -141,7 +141,12 @@ def figures(worker, setting: int, started: float, wall: float, tokens_each: list
 
     def part(records) -> dict:
         seconds = sum(r.seconds for r in records)
+        cpu = sum(r.cpu for r in records)
         return {"steps": len(records), "seconds": round(seconds, 2),
+                # CPU seconds of the process and of the worker thread over these steps: their
+                # ratio to the wall time is the cores the steps had (2 at best on 2 cores).
+                "cpu_seconds": round(cpu, 2), "thread_cpu_seconds": round(sum(r.thread_cpu for r in records), 2),
+                "cores_used": round(cpu / seconds, 2) if seconds else None,
                 "mean_rows": round(sum(r.rows for r in records) / len(records), 1) if records else 0,
                 "fed": sum(r.fed for r in records), "emitted": sum(r.emitted for r in records),
                 "max_k": max((r.k for r in records), default=0),
@@ -160,7 +165,8 @@ def figures(worker, setting: int, started: float, wall: float, tokens_each: list
             "load_average": round(os.getloadavg()[0], 1),
             "_replies": replies,
             "_steps": [{"t": round(r.started - started, 3), "ms": round(1e3 * r.seconds, 1), "rows": r.rows,
-                        "joined": r.joined, "fed": r.fed, "k": r.k, "emitted": r.emitted} for r in steps]}
+                        "joined": r.joined, "fed": r.fed, "k": r.k, "emitted": r.emitted,
+                        "cpu_ms": round(1e3 * r.cpu, 1)} for r in steps]}
 
 
 def main() -> int:

@@ -482,6 +482,57 @@ def decode_rows_cap(step_seconds: dict[int, float], margin: float = DECODE_ROWS_
     return min(rows for rows, rate in rates.items() if rate * (1.0 + margin) >= best)
 
 
+# The longer context the start-up measurement times a decode step at besides the planned one,
+# as a multiple of it: what one more position of context costs a row, so that the rows are priced
+# at the context being served (DecodeStepCosts.at). On 2 CPU cores the quiet shared-prefix chat
+# load served rows at 1,696 positions where start-up measured at 513 (2026-12-07).
+DECODE_ROWS_LONG_CONTEXT = 4
+
+
+@dataclass(frozen=True)
+class DecodeStepCosts:
+    """Median seconds of a target-only decode step at each row count after `context` positions,
+    and what one more position costs a row of a step (`per_row_position`, seconds): attention
+    reads each row's own positions, so a step of r rows at context c costs about
+    seconds[r] + r * (c - context) * per_row_position. Where attention dominates (long chats on
+    a CPU), more rows share less of a step, and fewer rows decode as fast a token."""
+    seconds: dict[int, float]
+    context: int
+    per_row_position: float = 0.0
+
+    def at(self, context: int) -> dict[int, float]:
+        """The step seconds of each row count priced at `context` positions (no cheaper than a
+        tenth of the measured step: a context shorter than the measured one saves at most its
+        attention, not the weights' reads)."""
+        if context < 0:
+            raise ValueError(f"context must be >= 0, got {context}")
+        return {rows: max(0.1 * seconds, seconds + rows * (context - self.context) * self.per_row_position)
+                for rows, seconds in sorted(self.seconds.items())}
+
+
+def per_row_position_cost(short_seconds: float, long_seconds: float, rows: int, short_context: int,
+                          long_context: int) -> float:
+    """Seconds one more position of context costs a row of a decode step, from one row count
+    timed at two contexts (0 where the longer measured no slower: the noise of a shared machine
+    is no evidence that context is free, but no evidence of a cost either)."""
+    if rows < 1 or long_context <= short_context:
+        raise ValueError(f"need rows >= 1 and a longer second context, got {rows} rows at "
+                         f"{short_context} and {long_context}")
+    return max(0.0, (long_seconds - short_seconds) / (rows * (long_context - short_context)))
+
+
+def decode_rows_at(costs: DecodeStepCosts, context: int, margin: float = DECODE_ROWS_MARGIN) -> int:
+    """The rows to decode together where the rows being served hold about `context` positions:
+    decode_rows_cap over the step costs priced there."""
+    return decode_rows_cap(costs.at(context), margin)
+
+
+def serving_context(lengths: list[int], default: int) -> int:
+    """The context a step of these rows is priced at: their mean length in positions (prompt and
+    what they may still emit); `default` where there are none yet."""
+    return round(sum(lengths) / len(lengths)) if lengths else default
+
+
 def decode_row_counts(max_rows: int, measured: tuple[int, ...] = DECODE_ROWS_MEASURED) -> list[int]:
     """The row counts to time where admission holds `max_rows`: the standard ones below it and it."""
     if max_rows < 1:
@@ -566,17 +617,31 @@ def measure_decode_steps(engine, row_counts: list[int], context_tokens: int,
 
 
 def decide_decode_rows(engine, max_rows: int, margin: float = DECODE_ROWS_MARGIN,
-                       turns: int = DECODE_ROWS_TURNS, steps: int = DECODE_ROWS_STEPS) -> dict:
+                       turns: int = DECODE_ROWS_TURNS, steps: int = DECODE_ROWS_STEPS,
+                       long_context: int = DECODE_ROWS_LONG_CONTEXT) -> dict:
     """Time target-only decode steps at the row counts up to `max_rows` (the rows admission
-    holds) and choose the rows decoded together (decode_rows_cap). Returns {"rows": int,
-    "step_seconds": {rows: s}, "tokens_per_second": {rows: tok/s}, "context": tokens,
-    "seconds": measuring time}."""
+    holds) and choose the rows decoded together (decode_rows_cap); then those rows again
+    after `long_context` times the context, which prices a position of context a row
+    (DecodeStepCosts: the worker decides the rows at the context it serves). Returns {"rows":
+    int, "step_seconds": {rows: s}, "tokens_per_second": {rows: tok/s}, "context": tokens,
+    "costs": DecodeStepCosts, "seconds": measuring time}."""
     from specpair.block_pool import PLANNED_ROW_POSITIONS
 
     started = time.perf_counter()
     context = PLANNED_ROW_POSITIONS if engine.prefix_store is not None else DECODE_ROWS_UNSHARED_CONTEXT
     counts = decode_row_counts(max_rows)
     seconds, context = measure_decode_steps(engine, counts, context, turns=turns, steps=steps)
-    return {"rows": decode_rows_cap(seconds, margin), "step_seconds": seconds,
+    rows, per_position = decode_rows_cap(seconds, margin), 0.0
+    if long_context > 1:
+        # At the rows chosen (those served), two turns: each server start without a setting pays
+        # for this, a tiny model's in CI as SmolLM2's in a pod.
+        longer, measured = measure_decode_steps(engine, [rows], context * long_context, turns=2,
+                                                steps=steps)
+        # At least twice as long, or no price: a model whose context leaves no room for a longer
+        # prompt would price a position by the noise between two timings a few positions apart.
+        if measured >= 2 * context:
+            per_position = per_row_position_cost(seconds[rows], longer[rows], rows, context, measured)
+    return {"rows": rows, "step_seconds": seconds,
             "tokens_per_second": tokens_per_second(seconds), "context": context,
+            "costs": DecodeStepCosts(seconds, context, per_position),
             "seconds": time.perf_counter() - started}

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from specpair.config import GenerationParams, SpeculationConfig
-from specpair.costs import (DECODE_ROWS_MARGIN, decide_decode_rows, decode_row_counts, decode_rows_cap,
-                            measure_decode_steps, tokens_per_second)
+from specpair.costs import (DECODE_ROWS_MARGIN, DecodeStepCosts, decide_decode_rows, decode_row_counts,
+                            decode_rows_at, decode_rows_cap, measure_decode_steps, per_row_position_cost,
+                            serving_context, tokens_per_second)
 from specpair.decoding import SpeculativeEngine
 
 
@@ -57,6 +58,58 @@ def test_nothing_timed_or_a_negative_margin_is_refused():
         decode_rows_cap({8: 1.0}, margin=-0.1)
 
 
+# SmolLM2 on the 2 quiet cores after a 513-token shared prompt (the lead's run, 2026-12-07).
+QUIET_513 = {1: 32.1, 4: 91.3, 8: 144.5, 16: 179.0, 32: 249.0, 64: 255.1}
+
+
+@pytest.mark.parametrize("per_row_position, context, cap", [
+    (0.0, 513, 32),         # as measured: 32 rows within 10% of 64's tokens a second
+    (0.0, 8000, 32),        # a context that costs nothing more changes nothing
+    (3e-6, 513, 32),        # priced where it was measured: the measurement's own choice
+    (3e-6, 1700, 32),       # the chat load's 1,696 positions: attention grows, 32 still pays
+    (3e-6, 8000, 16),       # an 8k chat: attention a row is most of a step, 16 rows do as well
+    (3e-5, 8000, 4),        # attention ten times dearer: 4 rows
+    (3e-6, 100, 32),        # shorter than measured: cheaper, no fewer rows
+])
+def test_the_rows_are_priced_at_the_context_being_served(per_row_position, context, cap):
+    costs = DecodeStepCosts(seconds_at(QUIET_513), 513, per_row_position)
+    assert decode_rows_at(costs, context) == cap
+    priced = costs.at(context)
+    assert sorted(priced) == sorted(QUIET_513)
+    for rows, seconds in priced.items():      # each count's step: its own rows' extra positions
+        measured = rows / QUIET_513[rows]
+        assert seconds == pytest.approx(max(0.1 * measured, measured + rows * (context - 513) * per_row_position))
+
+
+def test_a_context_shorter_than_measured_saves_at_most_the_attention():
+    costs = DecodeStepCosts({8: 0.1, 32: 0.2}, 2000, 1e-3)
+    assert costs.at(0) == {8: pytest.approx(0.01), 32: pytest.approx(0.02)}     # a tenth, not < 0
+    with pytest.raises(ValueError, match="context"):
+        costs.at(-1)
+
+
+@pytest.mark.parametrize("short, long, rows, short_context, long_context, cost", [
+    (0.128, 0.242, 32, 513, 2052, (0.242 - 0.128) / (32 * (2052 - 513))),
+    (0.128, 0.120, 32, 513, 2052, 0.0),      # the longer measured faster: noise, no cost
+    (0.050, 0.050, 1, 10, 20, 0.0),
+])
+def test_a_position_of_context_costs_a_row_what_two_contexts_measured(short, long, rows, short_context,
+                                                                     long_context, cost):
+    assert per_row_position_cost(short, long, rows, short_context, long_context) == pytest.approx(cost)
+
+
+def test_a_second_context_must_be_longer():
+    with pytest.raises(ValueError, match="longer"):
+        per_row_position_cost(0.1, 0.2, 8, 513, 513)
+    with pytest.raises(ValueError, match="rows"):
+        per_row_position_cost(0.1, 0.2, 0, 513, 1000)
+
+
+def test_the_context_served_is_the_rows_mean_length():
+    assert serving_context([1700, 1700, 1732], 513) == 1711
+    assert serving_context([], 513) == 513
+
+
 @pytest.mark.parametrize("max_rows, counts", [
     (64, [1, 4, 8, 16, 32, 64]), (48, [1, 4, 8, 16, 32, 48]), (8, [1, 4, 8]), (6, [1, 4, 6]), (1, [1]),
 ])
@@ -78,6 +131,10 @@ def test_start_up_times_every_count_on_a_real_batch_and_leaves_the_engine_as_it_
     assert decided["rows"] == decode_rows_cap(decided["step_seconds"])
     assert decided["tokens_per_second"] == tokens_per_second(decided["step_seconds"])
     assert 0 < decided["context"] <= 512 and decided["seconds"] > 0
+    # ... and the rows chosen after a longer prompt: what a position of context costs a row
+    costs = decided["costs"]
+    assert (costs.seconds, costs.context) == (decided["step_seconds"], decided["context"])
+    assert costs.per_row_position >= 0 and decode_rows_at(costs, costs.context) == decided["rows"]
     assert (engine.prefix_stats.looked_up, engine.prefix_stats.served) == (looked_up, served)
     assert engine.controller.window.drafted == window and engine.eos_ids
     pool = engine.paged_space.pool

@@ -10,7 +10,7 @@ import pytest
 
 from serving_helpers import make_engine, openai_client, reference, run_threads
 
-from specpair.costs import decode_rows_cap
+from specpair.costs import DecodeStepCosts, decode_rows_cap
 from specpair.server.cli import decide_decode_rows_at_startup
 from specpair.server.worker import EngineWorker, decode_rows, default_max_batch_size
 
@@ -81,9 +81,32 @@ def test_a_cap_below_the_load_queues_the_rest_and_their_replies_do_not_change(ti
     assert engine.prefix_stats.served > 0
 
 
-def ask_together(server, count: int) -> list:
+def test_the_worker_prices_the_rows_at_the_context_it_serves(tiny_pair, start_server):
+    """Start-up measured rows as free (16 rows a step for the time of 1) after no context, and a
+    position of context as costing each row: at the context of the chats that come (their
+    prompt and half their reply each), a step of r rows costs 1 + 3r, so 4 rows decode within
+    10% of 16's tokens a second, and the worker steps no more than 4 where the unpriced
+    measurement said 16; the gauge says 4, and the replies are their solo ones."""
+    peaks: list[int] = []
+    engine = make_engine(tiny_pair, delay=0.02, peaks=peaks)
+    questions = [f"Question {i}: what comes after {i * 3}?" for i in range(20)]
+    lengths = [len(engine.encode(chat(q), chat=True)) + 16 // 2 for q in questions]
+    context = sum(lengths) / len(lengths)
+    engine.decode_rows = 16
+    engine.decode_costs = DecodeStepCosts({1: 1.0, 4: 1.0, 8: 1.0, 16: 1.0}, 0, 3.0 / context)
+    assert decode_rows_cap(engine.decode_costs.seconds) == 16
+    assert decode_rows_cap(engine.decode_costs.at(round(context))) == 4
+    server = start_server(engine=engine, http_port=0, max_queue=4)
+    assert server.worker.decode_rows == 16
+    replies = ask_together(server, 20, questions)
+    assert max(peaks) == 4
+    assert server.worker.decode_rows == 4 and gauge(server, "specpair_decode_rows") == 4
+    assert_solo(tiny_pair, replies)
+
+
+def ask_together(server, count: int, questions: list[str] | None = None) -> list:
     client = openai_client(server)
-    questions = [f"Question {i}: what comes after {i * 3}?" for i in range(count)]
+    questions = questions or [f"Question {i}: what comes after {i * 3}?" for i in range(count)]
 
     def stream(question):
         chunks = client.chat.completions.create(model="tiny", messages=chat(question), max_tokens=16,

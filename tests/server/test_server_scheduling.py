@@ -79,6 +79,8 @@ def test_the_timeline_accounts_for_every_step_join_prefill_and_token(tiny_pair):
     # Every prompt position was fed once, less what the prefix cache served.
     assert sum(s.fed for s in steps) >= sum(len(p) for p in prompts) - sum(e.cached_tokens for e in events)
     assert all(s.rows >= 1 and s.seconds > 0 for s in steps)
+    # What each step cost the process and its worker thread (a thread's share of the process's)
+    assert all(0 <= s.thread_cpu <= s.cpu + 1e-3 for s in steps) and sum(s.thread_cpu for s in steps) > 0
     assert [s.started for s in steps] == sorted(s.started for s in steps)
 
 

@@ -236,11 +236,15 @@ def decide_decode_rows_at_startup(engine, progress=print) -> dict:
     admitted = default_max_batch_size(engine)
     decided = decide_decode_rows(engine, admitted)
     rates = ", ".join(f"{rows}: {rate:.1f}" for rows, rate in decided["tokens_per_second"].items())
+    per_position = decided["costs"].per_row_position
     progress(f"decode rows by measured step cost, tokens/s after a {decided['context']}-token shared "
-             f"prompt (medians, measured in {decided['seconds']:.1f} s): {rates}; decoding up to "
-             f"{decided['rows']} rows a step (the fewest within {DECODE_ROWS_MARGIN:.0%} of the best), "
-             f"the rest of the {admitted} rows admission holds queued")
+             f"prompt (medians, measured in {decided['seconds']:.1f} s): {rates}; a position of context "
+             f"costs a row {1e6 * per_position:.2f} us a step; decoding up to {decided['rows']} rows a "
+             f"step there (the fewest within {DECODE_ROWS_MARGIN:.0%} of the best; re-priced at the "
+             f"rows' own context as they are admitted), the rest of the {admitted} rows admission "
+             f"holds queued")
     engine.decode_rows = decided["rows"]
+    engine.decode_costs = decided["costs"]     # the worker prices its rows' context by these
     return decided
 
 

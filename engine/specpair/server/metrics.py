@@ -92,8 +92,9 @@ class EngineMetrics:
         self.speculation_k_by_rows = Gauge("specpair_speculation_k_by_rows",
                                            "Largest k a round may draft at this many rows, measured at "
                                            "start-up (0 = target-only there).", base + ["rows"], registry=r)
-        # The rows decoded together (worker.decode_rows): measured at start-up where
-        # --max-batch-size is not set (cli.decide_decode_rows_at_startup), else that setting.
+        # The rows decoded together (worker.decode_rows): from step costs measured at start-up
+        # where --max-batch-size is not set (cli.decide_decode_rows_at_startup), priced again at
+        # the context served (EngineWorker._rows_at_context), else that setting.
         self.decode_rows = Gauge("specpair_decode_rows",
                                  "Rows decoded together a step (the admitted requests past them "
                                  "wait queued).", base, registry=r)

@@ -48,7 +48,8 @@ def default_max_batch_size(engine) -> int:
 def decode_rows(engine, max_batch_size: int | None) -> int:
     """Rows decoded together: --max-batch-size where set; else the rows start-up measured as
     paying (SpeculativeEngine.decode_rows, cli.decide_decode_rows_at_startup) within what
-    admission holds; else all of those."""
+    admission holds, at first (the worker prices them again at the context it serves:
+    EngineWorker._rows_at_context); else all of those."""
     if max_batch_size is not None:
         return max_batch_size
     admitted = default_max_batch_size(engine)
@@ -69,6 +70,11 @@ class StepRecord:
     fed: int              # prompt positions the target had not cached (prefills, recomputes)
     k: int                # the step's largest k (Batch.last_k)
     emitted: int          # tokens the step's rows committed
+    # CPU seconds over the step: the process's (every thread: the kernels' pool, the HTTP loop)
+    # and the worker thread's own. On a shared machine the wall time says how often the step's
+    # threads were preempted; these say what it cost (issue 51's loaded figures compare these).
+    cpu: float = 0.0
+    thread_cpu: float = 0.0
 
 
 class QueueFull(Exception):
@@ -172,6 +178,9 @@ class EngineWorker:
         where given, decoded together; else `decode_rows` of them are (the rest wait queued).
         timeline: keep the last this many steps' StepRecords (0: none)."""
         self.decode_rows = decode_rows(engine, max_batch_size)
+        # Step costs measured at start-up (costs.DecodeStepCosts): the rows are decided again at
+        # the context of the requests running and waiting, whenever some wait (no setting).
+        self._decode_costs = getattr(engine, "decode_costs", None) if max_batch_size is None else None
         if max_batch_size is None:
             max_batch_size = default_max_batch_size(engine)
         if max_batch_size < 1 or max_queue < 0:
@@ -341,7 +350,21 @@ class EngineWorker:
             self._finish_cancelled(job)
         self.batch.done.clear()
 
+    def _rows_at_context(self) -> int:
+        """The rows to decode together priced at the context of the requests running and waiting
+        (each its prompt and half what it may emit: its mean length while it decodes), within
+        what admission holds: a long chat's step spends more on attention, which rows do not
+        share, so fewer rows decode a token as fast (costs.decode_rows_at)."""
+        from specpair.costs import decode_rows_at, serving_context
+
+        costs = self._decode_costs
+        lengths = [len(job.prompt_ids) + job.params.max_new_tokens // 2
+                   for job in (*self._jobs.values(), *self._pending)]
+        return max(1, min(decode_rows_at(costs, serving_context(lengths, costs.context)), self.max_batch_size))
+
     def _admit_locked(self) -> None:
+        if self._decode_costs is not None and self._pending:
+            self.decode_rows = self._rows_at_context()
         held = []     # waiting one step for a running row to store their prompt's first blocks
         while self._pending and len(self._jobs) < self.decode_rows:
             job = self._pending[0]
@@ -368,6 +391,7 @@ class EngineWorker:
 
     def _step(self) -> None:
         started = time.perf_counter()
+        cpu, thread_cpu = time.process_time(), time.thread_time()
         rows, fed = self.batch.active, self._uncached_positions()
         try:
             outputs = self.batch.step()
@@ -380,7 +404,8 @@ class EngineWorker:
             self.timeline.append(StepRecord(
                 started=started, seconds=now - started, waited=self._waited, rows=rows,
                 joined=self._joined, fed=fed, k=self.batch.last_k,
-                emitted=sum(len(out.token_ids) for out in outputs)))
+                emitted=sum(len(out.token_ids) for out in outputs),
+                cpu=time.process_time() - cpu, thread_cpu=time.thread_time() - thread_cpu))
         self._waited, self._joined = 0.0, 0
         done = {seq.request_id: seq for seq in self.batch.done}
         live = {seq.request_id: seq for seq in self.batch.rows}
@@ -555,6 +580,7 @@ class EngineWorker:
         # Rows admitted target-only (or stopped drafting) for want of KV memory: the engine keeps
         # the running total, the counter catches up with it here.
         self.metrics.record_memory_fallbacks(self.engine.memory_fallbacks)
+        self.metrics.set_decode_rows(self.decode_rows)      # (priced again as requests come)
         prefix = self.engine.prefix_stats
         self.metrics.record_prefix_cache(prefix.looked_up, prefix.served)
         space = getattr(self.engine, "paged_space", None)
