@@ -93,7 +93,8 @@ def test_a_drifted_category_starts_one_job_once_and_follows_it_to_a_registered_c
     assert (state.phase, state.candidate) == (tj.DONE, "4")
     done = _steps([learning.Training("3", "extraction", state)], status, recorded={("TrainingStarted", "3/extraction")})
     rec = [s for s in done if isinstance(s, Record)]
-    assert [(r.action, r.from_version, r.to_version, r.warning) for r in rec] == [("TrainingSucceeded", "3", "4", False)]
+    assert [(r.action, r.from_version, r.to_version, r.warning) for r in rec] == \
+        [("TrainingSucceeded", "3", "4", False)]
     cond = next(s for s in done if isinstance(s, Condition))
     assert (cond.status, cond.reason) == (True, "CandidateRegistered") and "v4" in cond.message
     # Its Job deleted by the TTL later: the status keeps the outcome, and nothing starts again.
@@ -151,7 +152,7 @@ def test_the_training_job_manifest():
     gpu_container = gpu_job["spec"]["template"]["spec"]["containers"][0]
     assert gpu_container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert gpu_container["command"][gpu_container["command"].index("--device") + 1] == "cuda"
-    assert gpu_job["spec"]["activeDeadlineSeconds"] == tj.TRAINING_DEFAULTS["activeDeadlineSeconds"] == 1800
+    assert gpu_job["spec"]["activeDeadlineSeconds"] == tj.training_defaults()["activeDeadlineSeconds"] == 1800
 
 
 # -- through the serving plan: the drift ladder to RollbackWouldNotHelp, then the training ------

@@ -58,7 +58,8 @@ def _run(parent, category: str, out: str) -> tuple[int, dict]:
     log = parent["root"] / f"termination-{category}"
     log.write_text("")
     rc = training_runner.main(["--release", parent["file"], "--model", parent["model"], "--version", parent["version"],
-                               "--capture-dir", parent["capture"], "--category", category, "--steps", "60",
+                               "--capture-dir", parent["capture"], "--category", category, "--method", "draft",
+                               "--steps", "60",
                                "--max-seconds", "120", "--out", out, "--device", "cpu",
                                "--distill-command", DISTILL, "--distill-args", TINY,
                                "--termination-log", str(log)])

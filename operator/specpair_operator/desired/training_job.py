@@ -35,13 +35,11 @@ ROLE = "training"
 ABSENT, RUNNING, DONE, FAILED, TIMED_OUT = "absent", "running", "done", "failed", "timed-out"
 
 
-def _crd_defaults() -> dict[str, Any]:
-    """spec.learning.training's defaults as the CRD declares them (their one home)."""
+def training_defaults() -> dict[str, Any]:
+    """spec.learning.training's defaults as the CRD declares them (their one home). Read when
+    asked, not on import: the training runner imports this module in the engine image."""
     props = spec_schema()["properties"]["learning"]["properties"]["training"]["properties"]
     return {k: sub["default"] for k, sub in props.items() if "default" in sub}
-
-
-TRAINING_DEFAULTS: dict[str, Any] = _crd_defaults()
 # A CPU training pod without resources of its own: torch uses what it is given; 2 cores, and
 # memory for the target, the draft, its optimiser and the features.
 CPU_RESOURCES = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
@@ -64,7 +62,7 @@ class TrainingSettings:
 
     @classmethod
     def from_spec(cls, learning: Mapping[str, Any] | None) -> "TrainingSettings":
-        given = {**TRAINING_DEFAULTS, **dict((learning or {}).get("training") or {})}
+        given = {**training_defaults(), **dict((learning or {}).get("training") or {})}
         return cls(int(given["activeDeadlineSeconds"]), bool(given["gpu"]), str(given["method"]),
                    int(given["steps"]), dict(given.get("resources") or {}))
 

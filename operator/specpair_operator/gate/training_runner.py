@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--version", required=True, help="the release's model version")
     ap.add_argument("--capture-dir", required=True)
     ap.add_argument("--category", required=True)
-    ap.add_argument("--method", default=training_job.TRAINING_DEFAULTS["method"], choices=["draft", "eagle3"])
-    ap.add_argument("--steps", type=int, default=training_job.TRAINING_DEFAULTS["steps"])
+    # Always given by the Job (spec.learning.training, defaults in the CRD): no second home here.
+    ap.add_argument("--method", required=True, choices=["draft", "eagle3"])
+    ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--max-seconds", type=float, required=True, help="the training loop's budget")
     ap.add_argument("--out", required=True, help="where the draft is written before its upload")
     ap.add_argument("--device", default=None)

@@ -64,7 +64,8 @@ def wanted_trainings(status: Mapping[str, Any], champion: str, breached: Iterabl
     """(version, category) pairs this pass follows: those status.training records for the
     champion, then the champion's newly breached categories (a training that ended, however,
     is not started again for the same release and category)."""
-    wanted = [(str(r["version"]), str(r["category"])) for r in training_job.recorded_runs(status) if str(r["version"]) == champion]
+    wanted = [(str(r["version"]), str(r["category"])) for r in training_job.recorded_runs(status)
+              if str(r["version"]) == champion]
     for category in breached:
         if (champion, category) not in wanted:
             wanted.append((champion, category))
