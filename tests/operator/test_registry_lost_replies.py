@@ -165,14 +165,16 @@ def test_the_first_log_batch_timing_out_after_the_server_wrote_it_still_logs_eve
         reg, proxy, monkeypatch):
     """The first of two parameter batches is written and its reply held past the client's
     timeout: the retry must log the second batch too, and make nothing twice."""
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    # The client's timeout for every request of the test: long enough for a loaded machine's
+    # MLflow to answer the others, short of the held reply.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "8")
     batches = []
 
     def first_log_batch(n: int, path: str) -> bool:
         if path.endswith("/runs/log-batch"):
             batches.append(n)
         return batches == [n]
-    proxy.reset(lose=first_log_batch, hold_s=3.0)
+    proxy.reset(lose=first_log_batch, hold_s=10.0)
     model = f"m-{uuid.uuid4().hex[:6]}"
     rel, digest, version = register(proxy.url, model)
     assert proxy.lost() == ["POST /api/2.0/mlflow/runs/log-batch"], proxy.lost()
