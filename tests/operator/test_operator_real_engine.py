@@ -10,6 +10,7 @@ weights is tested with the engine, tests/engine/test_engine_gate.py.)"""
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 from pathlib import Path
@@ -19,7 +20,7 @@ from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
-from cluster_env import CODE_PROMPTS, OPERATOR, cond, engine_pods, model_name, serving, tiny_pair
+from cluster_env import CODE_PROMPTS, OPERATOR, cond, engine_pods, model_name, serving, set_spec, tiny_pair
 from specpair_operator.release.registry_contract import gate_experiment
 
 # One key, two values: the reply is a handful of the tiny tokenizer's tokens (maxNewTokens 12).
@@ -114,4 +115,104 @@ def test_real_gate_and_engine_serve_then_turn_speculation_off_on_a_drifting_draf
         exp = mlflow.get_experiment_by_name(gate_experiment(model))
         [event] = mlflow.search_runs([exp.experiment_id], filter_string="tags.`specpair.event` = 'speculation-off'")
         assert event.info.run_name == "speculation-off-v1" and event.data.metrics["live_acceptance.code"] < 0.3
+    assert runner.exception is None
+
+
+class SteadyClient:
+    """Greedy requests one after another to whichever engine pod is ready, in a thread: each reply
+    is kept by prompt (a drafter never changes a greedy reply, so every one must equal the first),
+    and each failure counted."""
+
+    PROMPTS = CODE_PROMPTS[:2]
+
+    def __init__(self, ns) -> None:
+        import threading
+
+        self.ns, self.replies, self.failed, self.stop = ns, {}, [], threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            address, prompt = serving_address(self.ns), self.PROMPTS[i % len(self.PROMPTS)]
+            i += 1
+            if address is None:
+                continue
+            req = engine_pb2.GenerateRequest(prompt=prompt, max_new_tokens=12, category="code")
+            try:
+                with grpc.insecure_channel(address) as channel:
+                    text = "".join(r.text for r in engine_pb2_grpc.EngineStub(channel).Generate(req, timeout=60))
+            except grpc.RpcError as exc:
+                self.failed.append(f"{exc.code().name}: {exc.details()}")
+                continue
+            self.replies.setdefault(prompt, []).append(text)
+
+    def __enter__(self) -> "SteadyClient":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=120)
+
+
+def test_a_draft_only_release_is_swapped_into_the_running_pod_and_one_it_cannot_swap_rolls_it(
+        operator_env, ns, mlflow_server, model_dirs, devcluster):
+    """Promotion in place with the real engine (plan/serving_draft_swap.py): v1 drafts with a draft
+    model, whose cache the engine keeps in its paged pool (the CPU's default), so v2 (the n-gram
+    lookup) is refused by the engine and the pod rolls; v3 (a draft model again) is swapped into
+    v2's running pod, under a steady stream of greedy requests: the same pod, 0 failed, every reply
+    the same, and the pod reports v3's draft."""
+    from cluster_env import ONE_PROMPT_GATING
+    from specpair.contract import content_hash
+    from specpair_operator.desired import manifests
+
+    target, draft = model_dirs["target"], model_dirs["draft"]
+    again = str(Path(draft).parent / "draft-again")      # v3's draft: v1's weights at another path
+    shutil.copytree(draft, again, dirs_exist_ok=True)
+    name = f"swap-{uuid.uuid4().hex[:5]}"
+    spec = tiny_pair(name, target, draft, drift={"enabled": False}, gating=ONE_PROMPT_GATING,
+                     rollout={"applyGateTuning": False, "strategy": {"type": "Replace"}})
+
+    def history(obj: dict) -> list[tuple[str, str]]:
+        return [(h["action"], h["toVersion"]) for h in obj["status"].get("history") or []]
+
+    def pods() -> list[tuple[str, str]]:
+        return sorted((p["metadata"]["name"], p["metadata"]["uid"]) for p in engine_pods(ns))
+
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(spec)
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=300)
+        v1_pods = pods()
+        # v2 drafts with the n-gram lookup: v1's draft model lives in the paged pool, so the engine
+        # refuses the swap and the pod rolls.
+        set_spec(ns, name, {"draft": {"source": None, "drafter": "ngram"}})
+        obj = ns.wait_for("v2 serving", lambda: serving(ns, name, "2"), timeout=300)
+        assert ("DraftSwapRefused", "2") in history(obj) and ("RolloutStarted", "2") in history(obj), history(obj)
+        rolled = next(h for h in obj["status"]["history"] if h["action"] == "RolloutStarted" and h["toVersion"] == "2")
+        assert "not swapped in place: the engine refused" in rolled["reason"], rolled
+        ns.wait_for("v1's pod gone", lambda: len(pods()) == 1 and pods() != v1_pods, timeout=120)
+        v2_pods = pods()
+        # v3: the draft model again, swapped into v2's running pod under steady traffic.
+        with SteadyClient(ns) as client:
+            ns.wait_for("replies before the swap", lambda: len(client.replies) == len(client.PROMPTS), timeout=120)
+            set_spec(ns, name, {"draft": {"source": again, "drafter": None}})
+            obj = ns.wait_for("v3 serving", lambda: serving(ns, name, "3"), timeout=300)
+            served = sum(len(r) for r in client.replies.values())
+            ns.wait_for("replies after the swap", lambda: sum(len(r) for r in client.replies.values()) >= served + 2,
+                        timeout=120)
+        assert pods() == v2_pods, "the pod was restarted"
+        assert [p["metadata"]["uid"] for p in engine_pods(ns, "3")] == [uid for _, uid in v2_pods]   # relabelled
+        assert ("DraftSwapped", "3") in history(obj) and ("RolloutStarted", "3") not in history(obj), history(obj)
+        assert not client.failed, client.failed
+        for prompt, replies in client.replies.items():
+            assert len(set(replies)) == 1, (prompt, replies)
+        print("steady client across the swap:", {p[:12]: len(r) for p, r in client.replies.items()}, "0 failed")
+        dep = ns.get("apps/v1", "Deployment", manifests.engine_name(name))
+        release = json.loads(dep["spec"]["template"]["metadata"]["annotations"][manifests.ANN_RELEASE])
+        assert release["draft"].get("source") == again and release["mlflow"]["version"] == "3"
+        with grpc.insecure_channel(serving_address(ns)) as channel:
+            info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
+        assert (info.version, info.draft_version, info.draft.kind) == ("2", "3", "model"), info
+        assert info.draft_content_hash == content_hash(release) != info.content_hash
     assert runner.exception is None
