@@ -98,8 +98,22 @@ class Traffic:
                 self.answered[(self.stage, track.get(address, "gone"))] += 1
             except grpc.RpcError as exc:
                 if address in service_endpoints(self.ns, self.name):   # not a pod going away
-                    self.failed.append(f"{address}: {exc.code()}")
+                    self.failed.append(f"{time.strftime('%H:%M:%S')} {address} ({self.stage or 'no step'}, "
+                                       f"{track.get(address, 'gone')}): {exc.code()}: {exc.details()}; "
+                                       f"{pod_state(self.ns, address)}")
                 return  # the next round reads the endpoints again
+
+
+def pod_state(ns, address: str) -> str:
+    """The pod at a gRPC address as the API server has it, for a failed request's line: its name,
+    readiness, restarts and its containers' states (a restart or a stop shows there)."""
+    for p in engine_pods(ns):
+        if f"{p['status'].get('podIP')}:50051" == address:
+            ready = next((c["status"] for c in p["status"].get("conditions", []) if c["type"] == "Ready"), "?")
+            containers = [(c.get("restartCount"), list(c.get("state") or {}))
+                          for c in p["status"].get("containerStatuses", [])]
+            return f"pod {p['metadata']['name']} Ready={ready} restarts, state: {containers}"
+    return "no pod at that address"
 
 
 def canary_replicas(ns, name: str) -> int | None:
@@ -214,7 +228,8 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
     assert len(mlflow.search_model_versions(f"name='{model}'")) == 2
     assert mlflow.get_registered_model(model).aliases == {"candidate": "2", "champion": "2", "previous": "1"}
     assert sorted(d["metadata"]["name"] for d in ns.list("apps/v1", "Deployment")) == deployments
-    assert sum(traffic.answered.values()) >= 20 and not traffic.failed, (traffic.answered, traffic.failed)
+    assert not traffic.failed, f"{len(traffic.failed)} requests failed on listed pods: {traffic.failed}"
+    assert sum(traffic.answered.values()) >= 20, traffic.answered
 
     # v3: a target of eight layers 512 wide, many times slower to its first token once warm. A
     # pod's first requests are not judged (canary.WARM_UP_REQUESTS): 256 wide, warm, measured only
@@ -259,5 +274,6 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
     assert len(mlflow.search_model_versions(f"name='{model}'")) == 3
     assert mlflow.get_registered_model(model).aliases == {"candidate": "3", "champion": "2", "previous": "1"}
     assert sorted(d["metadata"]["name"] for d in ns.list("apps/v1", "Deployment")) == deployments
-    assert sum(traffic.answered.values()) >= 10 and not traffic.failed, (traffic.answered, traffic.failed)
+    assert not traffic.failed, f"{len(traffic.failed)} requests failed on listed pods: {traffic.failed}"
+    assert sum(traffic.answered.values()) >= 10, traffic.answered
     assert kills >= 6, kills
