@@ -140,6 +140,8 @@ class Session:
         say(f"  MLflow model '{model}' v{version}: aliases {dict(sorted(aliases.items()))}")
         say(f"  gate: identity {verdict.get('greedyIdentity')}, acceptance {verdict.get('acceptanceRate', 0):.0%} "
             f"({cats}), speedup {verdict.get('speedup', 0):.2f}x, best {verdict.get('bestSpeculation')}")
+        if verdict.get("speculationOff"):
+            say(f"  shipped with speculation off: {verdict['speculationOff']}")
         st = obj.get("status") or {}
         pods = [f"{p['metadata']['name']} ({p['status'].get('podIP')})" for p in self.cluster.engine_pods(self.name)
                 if (p.get("status") or {}).get("podIP")]
@@ -215,7 +217,9 @@ class Session:
                    "drift": {"requests": len(drift), "drafted": drafted,
                              "acceptance": sum(a.accepted for a in drift) / drafted if drafted else None},
                    "answers": [{"when": label, "category": a.category, "acceptance": a.acceptance, "speedup": a.speedup,
-                                "tokens": a.tokens, "seconds": a.seconds, "error": a.error} for label, a in self.answers]}
+                                "tokens": a.tokens, "seconds": a.seconds, "targetOnlySeconds": a.target_only_seconds,
+                                "cachedTokens": [a.cached_tokens, a.target_only_cached_tokens], "error": a.error}
+                               for label, a in self.answers]}
         path = self.workdir / "summary.json"
         path.write_text(json.dumps(summary, indent=1))
         return path

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import traffic
+from .chapters.releases import THRESHOLDS
 from .ladder import actions, condition
 
 # spec.rollout.shadow for the demo: every request scored (share 1.0) so evidence comes in as fast
@@ -55,8 +56,8 @@ def candidate_spec(spec: dict[str, Any], gate_tokens: int, draft_source: str | N
     sweep then picks the k it serves with); `draft_source` (a draft model's directory) replaces the
     spec's draft, None keeps the draft the spec names. The strategy is left to the operator. The
     gate runs one golden prompt (document work, where the champion was gated too), with no
-    acceptance floor: the gate proves greedy identity and measures the candidate, the live verdict
-    decides. A merge patch: None deletes what the spec had (a floor, the n-gram drafter)."""
+    acceptance floor and the demo's speedup floor of 0 (releases.THRESHOLDS): the gate proves greedy
+    identity and measures the candidate, the live verdict decides. A merge patch: None deletes what the spec had (a floor, the n-gram drafter)."""
     out = copy.deepcopy(spec)
     out["speculation"] = {**(out.get("speculation") or {}), "k": CANDIDATE_K}
     if draft_source is not None:
@@ -64,7 +65,7 @@ def candidate_spec(spec: dict[str, Any], gate_tokens: int, draft_source: str | N
     category, prompt = traffic.COPYING[0]
     out["gating"] = {**(out.get("gating") or {}), "prompts": [{"prompt": prompt, "category": category}],
                      "maxNewTokens": gate_tokens,
-                     "thresholds": {"requireGreedyIdentity": True, "minCategoryAcceptance": None}}
+                     "thresholds": {**THRESHOLDS, "minCategoryAcceptance": None}}
     # No strategy: the operator chooses (v2 asked for Replace; None deletes it).
     out["rollout"] = {**(out.get("rollout") or {}), "strategy": None, "shadow": dict(SHADOW)}
     return out

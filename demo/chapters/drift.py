@@ -13,11 +13,11 @@ from .. import traffic
 from ..ladder import PROBE, Ladder, actions, domain_shift_prompts, rollback_prediction
 from ..session import Session
 from ..settings import DemoFailed, say
-from .releases import gated_categories
+from .releases import check_speculating, gated_categories
 
 
 def bad_draft(demo: Session) -> None:
-    check_speculating(demo)
+    check_speculating(demo, "there is no acceptance to drift")
     degrade_draft(demo.models / "draft-v2")
     deleted = demo.cluster.delete_engine_pods(demo.name)
     say(f"  draft files overwritten; deleted pod {', '.join(deleted)} (its Deployment makes a new one)")
@@ -53,7 +53,7 @@ def domain_shift(demo: Session, category: str) -> None:
                                           "gatedV1": ((verdicts.get("1") or {}).get("categories") or {})
                                           .get(category, {}).get("acceptanceRate"),
                                           "rollbackPossible": possible, "prediction": why}
-    check_speculating(demo)
+    check_speculating(demo, "there is no acceptance to drift")
     ladder = drift_ladder(demo, "domain shift", f"domain shift: '{category}' carries free-form writing",
                           domain_shift_prompts(category))
     if ladder.rolled_back:
@@ -67,12 +67,6 @@ def domain_shift(demo: Session, category: str) -> None:
         say("  no rollback: the operator keeps v2 serving target-only and goes on probing; its reason is in "
             "the Drifted condition above. Label such traffic with its own category (counted, not judged, as "
             "in step 5) or gate on it.")
-
-
-def check_speculating(demo: Session) -> None:
-    best = (demo.facts.get("verdicts", {}).get("2") or {}).get("bestSpeculation") or {}
-    if best.get("batchSizeThreshold") == 0:
-        raise DemoFailed("v2's gate tuning switched speculation off, so there is no acceptance to drift")
 
 
 def drift_ladder(demo: Session, chapter: str, mark: str, prompts: list[tuple[str, str]]) -> Ladder:

@@ -12,7 +12,7 @@ from .. import traffic
 from ..ladder import actions, condition
 from ..session import Session
 from ..settings import DemoFailed, say
-from .releases import gated_categories
+from .releases import check_speculating, gated_categories
 
 
 def shift_prompts(spec: dict[str, Any]) -> list[tuple[str, str]]:
@@ -29,6 +29,7 @@ def run(demo: Session, v2_spec: dict[str, Any], shifted: list[tuple[str, str]]) 
     """Requests in a category v2 was never gated on, mixed with its gated document work. The
     operator counts them in status.live.trafficShift and judges only the gated categories."""
     a = demo.args
+    check_speculating(demo, "no drafted tokens in the shifted category would be counted")
     gated = sorted(gated_categories(v2_spec))
     documents = [(c, p) for c, p in traffic.COPYING if c in gated] or traffic.COPYING[:1]
     mix = [x for pair in zip(shifted, documents * len(shifted)) for x in pair]
