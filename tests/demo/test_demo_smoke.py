@@ -40,7 +40,8 @@ def cheap_draft_pair(tmp_path_factory):
 
 
 # Six tokens a golden prompt: each gate's k and batch sweeps decode a few hundred times, and
-# nothing here asks how much speculation pays (the pair's gate has no speedup floor). One breaching
+# nothing here asks how much speculation pays (the demo's pairs name a speedup floor of 0, so
+# speculation stays on whatever a busy machine's timing says: releases.THRESHOLDS). One breaching
 # window per drift ladder step (the demo's two are for watching it): the same ladder, two windows
 # sooner.
 @pytest.mark.timeout(900)
