@@ -6,12 +6,14 @@ blocks (an earlier conversation); then 16 rows sharing that ~1,500-token system 
 with its own question, join one batch and run to the end. Paged (SPECPAIR_PAGED=on: the prompt's
 blocks and their features served from the pool) and contiguous (off: a head engine recomputes
 every prompt), alternated, each in an engine of its own; tokens/s over the 16 rows' wall time,
-mean time to first token, acceptance, and the load average around each run. The replies of the
-two are compared (they must be equal).
+the process's CPU seconds (steadier than wall time on a shared machine), mean time to first
+token, target steps and drafting rounds per request, acceptance, and the load average around
+each run. The replies of the two are compared (they must be equal).
 
 `--head-prefix off,on` runs the paged cache only, alternating the head's own keys and values over
 the shared prefix recomputed by every row (off: as before the sixth session) against served from
-the prefix store (on: `Drafter.prefix_identity`, decoding.Batch._load_head_prefix).
+the pool beside the target's blocks (on: `Drafter.prefix_identity`,
+decoding.Batch._load_head_prefix).
 
     python bench/paged_heads.py [--rows 16] [--rounds 2] [--new 32] [--threads 2]
     python bench/paged_heads.py --head-prefix off,on [--rows 8] [--new 16]
@@ -54,16 +56,20 @@ def run(mode: str, target, head, rows: int, new: int, head_prefix: str = "on") -
                     params)
     load_before = os.getloadavg()[0]
     batch = engine.new_batch()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     seqs = [batch.add(system + engine.encode(q)[1:], params) for q in QUESTIONS[:rows]]
     while batch.active:
         batch.step()
     seconds = time.perf_counter() - started
+    cpu_seconds = time.process_time() - cpu_started
     results = [batch.result(s) for s in seqs]
     generated = sum(len(r.token_ids) for r in results)
     head_cached = sum(s.head_cached for s in seqs) / rows
     return {"mode": "paged" if mode == "on" else "contiguous", "head_prefix": head_prefix,
             "head_cached_mean": head_cached, "seconds": round(seconds, 2),
+            "cpu_seconds": round(cpu_seconds, 2),
+            "target_steps_mean": sum(r.stats.num_target_steps for r in results) / rows,
+            "drafting_rounds_mean": sum(r.stats.num_drafts for r in results) / rows,
             "tokens_per_s": round(generated / seconds, 2),
             "ttft_mean_s": round(sum(r.time_to_first_token for r in results) / rows, 3),
             "cached_tokens_mean": sum(r.cached_tokens for r in results) / rows,

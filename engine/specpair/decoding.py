@@ -123,10 +123,9 @@ class Sequence:
     # stored yet (once the cache holds the whole prompt).
     prefix_keys: list[list[bytes]] = field(default_factory=list)
     prefix_saved: list[bool] = field(default_factory=list)
-    # The paged cache's head drafter's own blocks of the prompt in the prefix store
-    # (Batch._head_names): their names, whether they are stored yet, and the head's positions
-    # served from them (its keys and values over a shared prefix, not computed again).
-    head_names: list[bytes] = field(default_factory=list)
+    # The paged cache's head drafter's own keys and values over the prompt's full blocks:
+    # whether they are kept in the pool yet (Batch._save_head_prefixes), and the head's
+    # positions served from there (over a shared prefix, not computed again).
     head_saved: bool = False
     head_cached: int = 0
     # Streamed pieces, joined once at the end: appending to one string copies it every step.
@@ -271,14 +270,17 @@ class SpeculativeEngine:
         self.prefix_stats = PrefixStats()     # the target's prompt tokens: looked up, served
         # The target's paged cache on the CPU's C path (paged_cache.py): one pool, sized by the
         # KV budget, shared by this engine's batches; where it does not apply, why not.
-        # A head's features are kept per position beside the keys and values (priced in).
+        # A head's features, and its own keys and values over prompt prefixes, are kept per
+        # position beside the target's keys and values (priced in).
         self.paged_unused = paged_applies(target.model, self.kv_kind, self.compile_mode, drafter,
-                                          self.config.tree_width)
+                                          self.config.tree_width, k_max=self.config.k_max)
         self.paged_space = (PagedSpace.for_budget(
             target.model, self.kv_budget,
             draft_model=drafter.draft_model() if drafter is not None else None,
             features=feature_width(target.model) if drafter is not None and drafter.wants_features
-            else 0)
+            else 0,
+            head_bytes=drafter.prefix_position_bytes()
+            if drafter is not None and self.prefix_store is not None else 0)
             if self.paged_unused is None else None)
         self.grammars = GrammarCompiler(target.tokenizer, self.vocab_size, self.eos_ids)
         if self.kv_budget is not None:
@@ -658,48 +660,35 @@ class Batch:
 
     @property
     def _shares_head_prefix(self) -> bool:
-        """Whether the drafter's own cache over a prompt prefix is kept in the prefix store and
-        served to later rows sharing the prefix (a head's keys and values: Drafter.
-        prefix_identity), as the pool serves the target's blocks."""
+        """Whether the drafter's own cache over a prompt prefix is kept in the pool beside the
+        target's blocks and served to later rows sharing them (a head's keys and values:
+        Drafter.prefix_identity; paged_cache.PagedKVModel.store_head)."""
         return (self.paged and self.engine.prefix_store is not None and self.drafter is not None
                 and self.drafter.prefix_identity() is not None)
 
-    def _head_names(self, seq: Sequence) -> list[bytes]:
-        """The names of the head's blocks of the prompt: its position j is the pair (token
-        j+1, the target's features at j), which depend on the tokens through j+1, so a block's
-        name chains the prompt's tokens after the first (block_keys over prompt[1:], the
-        first token, the head's identity and the target's names' in the chain's start)."""
-        if not seq.head_names:
-            identity = (f"{self.drafter.prefix_identity()} over {self._names_identity} "
-                        f"after {seq.prompt_ids[0]}")
-            seq.head_names = block_keys(identity, seq.prompt_ids[1:], self.target.pool.block)
-        return seq.head_names
-
     def _load_head_prefix(self, seq: Sequence, row: int, held: int) -> int:
-        """The empty head row's keys and values over the stored run of its prompt's head
-        blocks within the `held` shared positions (their features are the pool's). -> positions
-        loaded."""
+        """The empty head row's keys and values over the pool's run of them within the `held`
+        shared positions (their features are the pool's too). -> positions loaded."""
         if not self._shares_head_prefix:
             return 0
-        names = self._head_names(seq)[:held // self.target.pool.block]
-        blocks = self.engine.prefix_store.lookup(names, len(seq.prompt_ids))
-        loaded = self.drafter.load_prefix(row, blocks) if blocks else 0
+        span = self.target.stored_head(row, self.drafter.prefix_identity(), held)
+        loaded = self.drafter.load_prefix(row, [span]) if span is not None else 0
         seq.head_cached = max(seq.head_cached, loaded)
         return loaded
 
     def _save_head_prefixes(self) -> None:
-        """Store the head's blocks of each row's prompt the store lacks, once the head has
-        computed them (its catch-up reached the prompt's last full block of pairs)."""
-        store, block = self.engine.prefix_store, self.target.pool.block
+        """Keep the head's keys and values over each row's full prompt blocks in the pool,
+        once the target has named them and the head has computed them (its catch-up reached
+        the pair before the last full block's end)."""
+        block, identity = self.target.pool.block, self.drafter.prefix_identity()
         for i, seq in enumerate(self.rows):
-            if seq.head_saved:
+            if seq.head_saved or not seq.prefix_saved or not seq.prefix_saved[0]:
                 continue
-            names = self._head_names(seq)
-            if self.drafter.prefix_positions(i) < len(names) * block:
+            full = len(seq.prefix_keys[0])
+            if self.drafter.prefix_positions(i) < full * block - 1:
                 continue
-            missing = store.missing(names)
-            store.insert(names, dict(zip(missing, self.drafter.read_prefix(
-                i, [b * block for b in missing], block))))
+            self.target.store_head(i, identity, full, lambda start, width, i=i:
+                                   self.drafter.read_prefix(i, [start], width)[0][0])
             seq.head_saved = True
 
     def blocks_to_admit(self, prompt_ids: list[int]) -> int:
@@ -755,8 +744,11 @@ class Batch:
         order = sorted(range(len(self.rows)), key=lambda i: self.rows[i].started)
         draft = self.draft_kv
         # A draft model's row, when drafting, catches up to the row's tokens and feeds k-1 drafts.
+        # A tree's drafts are each depth's candidates, every one a position this step feeds.
+        width = (self.engine.config.tree_width if self.drafter is not None
+                 and self.drafter.tree_capable else 1)
         needs = [pool.need(self.target.keys[i], self.target.lengths[i],
-                           len(self.rows[i].tokens) - self.target.lengths[i], ks[i],
+                           len(self.rows[i].tokens) - self.target.lengths[i], ks[i] * width,
                            draft.keys[i] if draft is not None else None,
                            len(self.rows[i].tokens) + ks[i] - 1)
                  for i in order]

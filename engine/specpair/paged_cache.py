@@ -25,7 +25,20 @@ them beside the keys and values, in the space's feature plane (`PagedSpace.featu
 position of every block): a row served a shared prefix is handed the prefix's features from there
 (`stored_features`), so its head catches up on what the target did not compute again. The head's
 own small cache stays the drafter's, counted against the pool (drafters.base.Drafter.cache_bytes).
-Not here: token trees and the fixed step (those engines keep kv.static.StaticKVModel).
+Its keys and values over a prompt's full blocks are kept in the pool too (the head plane,
+`store_head` / `stored_head`): head position j (the pair of token j+1 and the target's features at
+j) beside the target's position j+1, whose block's chained name covers every token the pair
+depends on. So they are the pool's blocks: priced in each block's bytes (admission by free blocks
+sees them), evicted least recently used with the target's block they sit beside, and the next row
+sharing the prefix takes them instead of its head computing them again.
+
+Token trees (a head's chain with alternatives a depth, Batch._verify_tree): a row's tokens are
+written at consecutive slots past its length as a chain's are, a sibling at its parent's
+position + 1 attending its prefix and its ancestors (kv.layouts.TreeLayout's rule, the C layer's
+`slots` and `parents` through the block table); a row's tokens from the first one something
+branches off go in one call, and the kept branch is moved where a chain would have put it
+(`move`), its features with it. Not here: the fixed step (those engines keep
+kv.static.StaticKVModel).
 """
 
 from __future__ import annotations
@@ -67,11 +80,12 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def paged_applies(model, kv_kind: str, compile_mode: str, drafter=None, tree_width: int = 1,
-                  mode: str | None = None) -> str | None:
+                  mode: str | None = None, k_max: int = 0) -> str | None:
     """Why the paged cache cannot be this engine's target cache (None: it is): it runs the C
-    layer (CPU, float32, dense weights, static kind, not compiled), with chains only. A head's
-    features are handed over and kept per position (PagedSpace.features); its own cache is
-    counted in admission (drafters.base.Drafter.cache_bytes)."""
+    layer (CPU, float32, dense weights, static kind, not compiled); a token tree's verification
+    (k_max drafts of tree_width candidates after a row's last token) fits one call of it. A
+    head's features are handed over and kept per position (PagedSpace.features); its own cache
+    is counted in admission (drafters.base.Drafter.cache_bytes)."""
     mode = mode or os.environ.get(PAGED_ENV) or "on"
     if mode not in ("on", "off"):
         raise SpecpairError(f"paged cache must be on or off, not {mode!r} ({PAGED_ENV})")
@@ -79,8 +93,10 @@ def paged_applies(model, kv_kind: str, compile_mode: str, drafter=None, tree_wid
         return f"{PAGED_ENV}=off"
     if kv_kind != "static" or compile_mode == "on":
         return "the static kind, not compiled, only"
-    if drafter is not None and drafter.tree_capable and tree_width > 1:
-        return "a drafter that drafts trees"
+    if (drafter is not None and drafter.tree_capable and tree_width > 1 and cpu_kernels.available()
+            and 1 + k_max * tree_width > cpu_kernels.MAX_TOKENS):
+        return (f"a tree of {k_max} drafts of {tree_width} candidates is verified in one C call "
+                f"of at most {cpu_kernels.MAX_TOKENS} tokens")
     draft_model = drafter.draft_model() if drafter is not None else None
     for which, runs in (("", model), ("the draft model: ", draft_model)):
         if runs is None:
@@ -138,12 +154,21 @@ class PagedSpace:
     every PagedKVModel over it (an engine's batches)."""
 
     def __init__(self, model, blocks: int, block: int = BLOCK_TOKENS, lazy: bool = False,
-                 draft_model=None):
+                 draft_model=None, head_bytes: int = 0):
+        """head_bytes: bytes a position of a head drafter's own keys and values takes (its
+        plane's, priced in `block_bytes`); 0: no head keeps them here."""
         self.pool = BlockPool(blocks, block)
         # The target's features of every written position ([blocks, block, width]), for the
         # layout a step hands over (feature_plane): made on the first step asked for them.
         self.features: torch.Tensor | None = None
         self.feature_layout: tuple[int, ...] | str | None = None
+        # A head's keys and values over prompt prefixes ([blocks, block, floats a position]),
+        # the head they are of, one position's shape, and the blocks whose every position holds
+        # them (a block taken anew holds none: PagedKVModel.extend).
+        self.head_plane: torch.Tensor | None = None
+        self.head_identity: str | None = None
+        self.head_shape: tuple[int, ...] | None = None
+        self.head_written: set[int] = set()
         self._lazy = lazy
         self.target = PagedLayers(model, blocks, block, lazy)
         self.runner, self.caches = self.target.runner, self.target.caches
@@ -152,7 +177,7 @@ class PagedSpace:
         self.owners = itertools.count()
         self.preemptions = 0          # rows given back for want of blocks, ever (Batch counts)
         self.block_bytes = sum(k[0].nbytes + v[0].nbytes for layers in (self.target, self.draft)
-                               if layers is not None for k, v in layers.caches)
+                               if layers is not None for k, v in layers.caches) + head_bytes * block
         self.idle_keep_blocks = idle_keep_bytes(model, block) // self.block_bytes
         self.bytes_given_back = 0     # pages handed back to the system, ever
 
@@ -172,8 +197,9 @@ class PagedSpace:
                 for pair in (layers.caches if layers is not None else ()):
                     for tensor in pair:
                         given += _dont_need(tensor, first, last)
-            if self.features is not None:
-                given += _dont_need(self.features, first, last)
+            for plane in (self.features, self.head_plane):
+                if plane is not None:
+                    given += _dont_need(plane, first, last)
         self.bytes_given_back += given
         return given
 
@@ -189,17 +215,32 @@ class PagedSpace:
             self.feature_layout = layout or "normed"
         return self.features
 
+    def head_plane_for(self, identity: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The head plane for this head (`identity`: Drafter.prefix_identity; `shape`: one
+        position's keys and values), made again, holding nothing, for another head."""
+        if self.head_plane is None or self.head_identity != identity or self.head_shape != shape:
+            width = 1
+            for n in shape:
+                width *= n
+            make = torch.empty if self._lazy else torch.zeros
+            self.head_plane = make(self.pool.blocks, self.pool.block, width)
+            self.head_identity, self.head_shape = identity, tuple(shape)
+            self.head_written.clear()
+        return self.head_plane
+
     @classmethod
     def for_budget(cls, model, budget_bytes: int | None, block: int = BLOCK_TOKENS,
-                   draft_model=None, features: int = 0) -> "PagedSpace":
+                   draft_model=None, features: int = 0, head_bytes: int = 0) -> "PagedSpace":
         """The pool the budget holds (BYTES_WITHOUT_BUDGET without one), allocated lazily; with a
         draft model a block is priced at both models' bytes, so the two together stay within it;
-        with `features` (floats a position a head's features take) at those too."""
-        per_block = block_bytes(model, block) + features * block * 4
+        with `features` (floats a position a head's features take) and `head_bytes` (bytes a
+        position of a head's own keys and values takes: the head plane) at those too."""
+        per_block = block_bytes(model, block) + features * block * 4 + head_bytes * block
         if draft_model is not None:
             per_block += block_bytes(draft_model, block)
         blocks = max(1, (budget_bytes or BYTES_WITHOUT_BUDGET) // per_block)
-        return cls(model, blocks, block, lazy=True, draft_model=draft_model)
+        return cls(model, blocks, block, lazy=True, draft_model=draft_model,
+                   head_bytes=head_bytes)
 
     @property
     def max_rows(self) -> int:
@@ -323,16 +364,59 @@ class PagedKVModel(KVCache):
         table = torch.tensor(self.pool.tables[self.keys[row]], dtype=torch.long)
         return plane[table[positions // block], positions % block]
 
+    def store_head(self, row: int, identity: str, blocks: int, read) -> int:
+        """Keep a head's keys and values over row's first `blocks` blocks (full prompt blocks)
+        in the head plane, where no row has kept them yet: head position j beside the target's
+        position j+1 (block 0 holds positions 0..block-2, block b positions b*block-1 ..
+        b*block+block-2). `read(start, width)`: the head's keys and values of those positions
+        [2, layers, kv heads, width, head dim] (Drafter.read_prefix's). -> blocks written."""
+        table, block, space = self.pool.tables.get(self.keys[row], []), self.pool.block, self.space
+        if blocks > len(table):
+            raise SpecpairError(f"row {row} holds {len(table)} blocks, not {blocks}")
+        written = 0
+        for b in range(blocks):
+            if table[b] in space.head_written:
+                continue
+            start = max(0, b * block - 1)
+            span = read(start, b * block + block - 1 - start)       # [2, L, KV, n, hd]
+            n = int(span.shape[3])
+            plane = space.head_plane_for(identity, tuple(span.shape[:3]) + tuple(span.shape[4:]))
+            plane[table[b], start + 1 - b * block:] = span.movedim(3, 0).reshape(n, -1).to(plane.dtype)
+            space.head_written.add(table[b])
+            written += 1
+        return written
+
+    def stored_head(self, row: int, identity: str, held: int) -> torch.Tensor | None:
+        """The head's keys and values the plane holds over row's shared prefix (its first
+        `held` positions), [2, layers, kv heads, n, head dim] for head positions 0..n-1: the
+        leading run of its blocks kept for this head (m blocks: n = m * block - 1); None:
+        none."""
+        space, block = self.space, self.pool.block
+        if space.head_plane is None or space.head_identity != identity:
+            return None
+        table = self.pool.tables.get(self.keys[row], [])[:held // block]
+        m = 0
+        while m < len(table) and table[m] in space.head_written:
+            m += 1
+        if m == 0:
+            return None
+        positions = torch.arange(1, m * block)                # the target's, one past the head's
+        ids = torch.tensor(table[:m], dtype=torch.long)
+        span = space.head_plane[ids[positions // block], positions % block]     # [n, floats]
+        return span.view(len(positions), *space.head_shape).movedim(0, 3).clone()
+
     @torch.no_grad()
     def extend(self, rows: list[list[int]], last: int | list[int] = 1, hidden: bool = False,
                parents=None):
         """Feed each row its new tokens; -> the logits of each row's last `last` tokens,
         [B, L, V] right-aligned (as StaticKVModel.extend). With `hidden`, also the target's
         features of every fed token, [B, W, F] left-aligned (as StaticKVModel.extend), written
-        into the space's feature plane too. Refused with OutOfBlocks, changing nothing, when
-        the pool cannot hold the new positions."""
-        if parents is not None:
-            raise SpecpairError("the paged cache runs chains (paged_applies)")
+        into the space's feature plane too. `parents` makes the tokens a tree (per row, each
+        token's parent index among the row's fed tokens, or -1: kv.layouts.TreeLayout's rule);
+        after verification `move` puts the kept branch in place. Refused with OutOfBlocks,
+        changing nothing, when the pool cannot hold the new positions."""
+        if parents is not None and not any(p >= 0 for row in parents for p in row):
+            parents = None                     # a chain in a tree's form
         B = len(rows)
         assert B == self.batch_size, (B, self.batch_size)
         counts = [len(t) for t in rows]
@@ -344,30 +428,46 @@ class PagedKVModel(KVCache):
         if need > pool.free:
             raise OutOfBlocks(f"a step needs {need} blocks more; {pool.free} can be given")
         for i, n in enumerate(counts):
-            pool.allocate(self.keys[i], self.lengths[i] + n)
+            # A block taken anew holds no head positions (it may have held another prompt's).
+            self.space.head_written.difference_update(
+                pool.allocate(self.keys[i], self.lengths[i] + n))
         width = max(pool.held(k) for k in self.keys)
         table = torch.zeros(B, max(width, 1), dtype=torch.long)
         for i, key in enumerate(self.keys):
             held = pool.tables.get(key, [])
             table[i, :len(held)] = torch.tensor(held, dtype=torch.long)
 
-        tokens = [(i, self.lengths[i] + w, t) for i, toks in enumerate(rows)
-                  for w, t in enumerate(toks)]
+        # (row, slot, position, token, parent's index in `tokens` or -1); a chain's slot is its
+        # position, a tree token's position its parent's + 1.
+        tokens = []
+        for i, toks in enumerate(rows):
+            first = len(tokens)
+            for w, t in enumerate(toks):
+                p = parents[i][w] if parents is not None else -1
+                if p >= w:
+                    raise SpecpairError(f"tree row {i}: token {w}'s parent {p} is not before it")
+                position = self.lengths[i] + w if p < 0 else tokens[first + p][2] + 1
+                tokens.append((i, self.lengths[i] + w, position, t, first + p if p >= 0 else -1))
         body, r = self.model.model, self.runner
         layers = r.feature_layers if hidden else None
         plane = (self.space.feature_plane(layers, feature_width(self.model)) if hidden
                  else None)
         outs, handed = [], []
-        step = cpu_kernels.MAX_TOKENS
-        for start in range(0, len(tokens), step):
-            part = tokens[start:start + step]
+        for start, end in _calls(tokens, parents, cpu_kernels.MAX_TOKENS):
+            part = tokens[start:end]
             T = len(part)
             row_t = torch.tensor([p[0] for p in part], dtype=torch.long)
-            pos_t = torch.tensor([p[1] for p in part], dtype=torch.long)
-            h = body.embed_tokens(torch.tensor([[p[2] for p in part]])).reshape(T, -1).contiguous()
+            slot_t = torch.tensor([p[1] for p in part], dtype=torch.long)
+            pos_t = torch.tensor([p[2] for p in part], dtype=torch.long)
+            slots = parent_t = None
+            if parents is not None:      # the C layer's tree: slots, parents within this call
+                slots = slot_t
+                parent_t = torch.tensor([p[4] - start if p[4] >= 0 else -1 for p in part],
+                                        dtype=torch.long)
+            h = body.embed_tokens(torch.tensor([[p[3] for p in part]])).reshape(T, -1).contiguous()
             cos, sin = body.rotary_emb(h.view(1, T, -1), pos_t.view(1, T))
             cos, sin = cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous()
-            reach = int(pos_t.max()) + 1
+            reach = int(slot_t.max()) + 1
             scratch = cpu_kernels.layer_scratch(T, h.shape[1], r.heads, r.kv_heads, r.head_dim,
                                                 body.layers[0].mlp.gate_proj.weight.shape[0], reach)
             taken = []
@@ -377,12 +477,13 @@ class PagedKVModel(KVCache):
                     taken.append(h.clone())          # the C layer writes h in place
                 cpu_kernels.llama_layer(h, row_t, pos_t, cos, sin, kc, vc, r.layer_weights(layer),
                                         r.eps, r.heads, r.kv_heads, r.head_dim, reach, scratch,
-                                        options=options, window=window, table=table)
+                                        slots=slots, parents=parent_t, options=options,
+                                        window=window, table=table)
             outs.append(h)
             if hidden:     # as the contiguous cache hands them (kv.runner._with_features)
                 part = (torch.cat(taken + ([h] if r.layer_count in layers else []), dim=-1)
                         if layers else body.norm(h))
-                plane[table[row_t, pos_t // pool.block], pos_t % pool.block] = part
+                plane[table[row_t, slot_t // pool.block], slot_t % pool.block] = part
                 handed.append(part)
         for i, n in enumerate(counts):
             self.lengths[i] += n
@@ -410,6 +511,26 @@ class PagedKVModel(KVCache):
             features[i, :n] = handed[first[i]:first[i] + n]
         return logits, features
 
+    def move(self, moves: list[tuple[int, int, int]]) -> None:
+        """Copy keys and values (row, from slot, to slot) in every layer, and the features kept
+        there: a tree's kept branch goes where a chain would have written it, so later steps
+        (and a row sharing the blocks) see plain positions. The slots are the row's own: it
+        writes only past its length, never into a prefix block it shares."""
+        if not moves:
+            return
+        block = self.pool.block
+
+        def places(which: int) -> tuple[torch.Tensor, torch.Tensor]:
+            ids = [self.pool.tables[self.keys[m[0]]][m[which] // block] for m in moves]
+            return (torch.tensor(ids, dtype=torch.long),
+                    torch.tensor([m[which] % block for m in moves], dtype=torch.long))
+        (src, src_at), (dst, dst_at) = places(1), places(2)
+        for kc, vc in self.caches:              # [blocks, kv heads, block, head dim]
+            kc[dst, :, dst_at] = kc[src, :, src_at]
+            vc[dst, :, dst_at] = vc[src, :, src_at]
+        if self.space.features is not None:
+            self.space.features[dst, dst_at] = self.space.features[src, src_at]
+
     def rollback(self, row: int, keep: int) -> None:
         """Forget row's tokens beyond its first `keep`: the length moves back and the blocks past
         it go back to the pool."""
@@ -432,6 +553,30 @@ class PagedKVModel(KVCache):
         self.lengths = [self.lengths[i] for i in rows]
         if left:
             self.space.give_back()
+
+
+def _calls(tokens: list[tuple], parents, width: int) -> list[tuple[int, int]]:
+    """The step's tokens cut into C calls of at most `width`, in order: a tree row's tokens from
+    the first one another branches off stay in one call (the C layer reads a token's parent in
+    its own call). -> (start, end) of each call."""
+    units: list[tuple[int, int]] = []          # runs that may not be cut
+    at = 0
+    while at < len(tokens):
+        row, end = tokens[at][0], at + 1
+        while end < len(tokens) and tokens[end][0] == row:
+            end += 1
+        joined = min((t[4] for t in tokens[at:end] if t[4] >= 0), default=end)
+        units += [(a, a + 1) for a in range(at, joined)] + ([(joined, end)] if joined < end else [])
+        at = end
+    calls: list[tuple[int, int]] = []
+    for a, b in units:
+        if b - a > width:
+            raise SpecpairError(f"a tree of {b - a} tokens does not fit one C call of {width}")
+        if calls and b - calls[-1][0] <= width:
+            calls[-1] = (calls[-1][0], b)
+        else:
+            calls.append((a, b))
+    return calls
 
 
 def _release_owner(pool: BlockPool, owner: int) -> None:

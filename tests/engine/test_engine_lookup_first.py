@@ -52,9 +52,10 @@ def test_a_copied_row_in_a_tree_batch_feeds_its_chain_alone(one_layer_target, re
     repeated siblings are never kept, so they are not fed: a copied row's tokens form a plain
     chain (no token has a parent) while a head row's depths each carry their siblings."""
     from specpair.kv.static import StaticKVModel
+    from specpair.paged_cache import PagedKVModel
 
     rounds, trees = [], []
-    propose, extend = LookupFirstDrafter.propose, StaticKVModel.extend
+    propose = LookupFirstDrafter.propose
 
     def recording_propose(self, *args, **kwargs):
         out = propose(self, *args, **kwargs)
@@ -62,13 +63,16 @@ def test_a_copied_row_in_a_tree_batch_feeds_its_chain_alone(one_layer_target, re
             rounds.append((out.copied, out.num.tolist(), out.siblings.shape[2]))
         return out
 
-    def recording_extend(self, rows, *args, parents=None, **kwargs):
-        if parents is not None:
-            trees.append(parents)
-        return extend(self, rows, *args, parents=parents, **kwargs)
+    def recording(extend):      # the target's cache, contiguous or paged (trees run on both)
+        def recording_extend(self, rows, *args, parents=None, **kwargs):
+            if parents is not None:
+                trees.append(parents)
+            return extend(self, rows, *args, parents=parents, **kwargs)
+        return recording_extend
 
     monkeypatch.setattr(LookupFirstDrafter, "propose", recording_propose)
-    monkeypatch.setattr(StaticKVModel, "extend", recording_extend)
+    for cache in (StaticKVModel, PagedKVModel):
+        monkeypatch.setattr(cache, "extend", recording(cache.extend))
     engine = _engine(one_layer_target, 1, 2)
     assert [r.token_ids for r in engine.generate(PROMPTS, PARAMS)] == reference
     assert len(rounds) == len(trees)

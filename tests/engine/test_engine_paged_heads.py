@@ -10,9 +10,9 @@ it does cold; rows preempted through a small pool emit their solo output; a head
 keeps the paged cache on, its output unchanged. Lookup-first (copies where the text repeats, a
 head elsewhere) copies on the paged cache as on the contiguous one, the round at a prompt's end
 included (a copy needs no features: it does not wait for the prompt's last ones). A head's own
-keys and values over a shared prefix's full blocks are stored once and served to the next row
-sharing it (named by the same chained hash, plus the head's identity): it drafts what it does
-cold."""
+keys and values over a shared prefix's full blocks are kept once in the pool, beside the target's
+blocks (priced in a block's bytes, evicted with it), and served to the next row sharing them: it
+drafts what it does cold."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def eagle3_target(tiny_tokenizer):
     return make_model(tiny_tokenizer, seed=11, layers=4, hidden=256, heads=4, init_std=0.05)
 
 
-def head_engine(kind: str, request, **options) -> SpeculativeEngine:
+def head_engine(kind: str, request, speculation=SPEC, **options) -> SpeculativeEngine:
     if kind == "eagle3":
         target = request.getfixturevalue("eagle3_target")
         head = wrap_model(build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4),
@@ -55,7 +55,7 @@ def head_engine(kind: str, request, **options) -> SpeculativeEngine:
     else:
         target = request.getfixturevalue("smooth_target")
         head = medusa_heads(target)
-    return SpeculativeEngine(target, draft=head, speculation=SPEC, **options)
+    return SpeculativeEngine(target, draft=head, speculation=speculation, **options)
 
 
 def cold_replies(engine) -> list[list[int]]:
@@ -240,3 +240,41 @@ def test_a_heads_own_keys_over_a_shared_prefix_are_served_not_computed_again(kin
         assert got.stats.num_accepted_tokens > 0
         assert (got.stats.num_draft_tokens, got.stats.num_accepted_tokens) == \
             (expected.stats.num_draft_tokens, expected.stats.num_accepted_tokens)
+
+
+TREE = SpeculationConfig(k=3, k_max=3, dynamic_k=False, fallback_threshold=0,
+                         batch_size_threshold=64, tree_width=3)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_token_trees_run_on_the_paged_cache_as_on_the_contiguous_one(kind, request, monkeypatch):
+    """A head drafting trees (3 candidates a depth) keeps the paged cache: its tree is fed through
+    the block table (slots and parents in the C layer), a kept sibling moved where the chain
+    would have put it. With rows joining a running batch (served the system prompt's blocks)
+    and leaving as they end, every row drafts and keeps, round for round, what it does on the
+    contiguous cache, and both emit target-only's tokens."""
+    moved = []
+    move = PagedKVModel.move
+    monkeypatch.setattr(PagedKVModel, "move",
+                        lambda self, moves: (moved.extend(moves), move(self, moves))[1])
+    runs = {}
+    for paged in ("off", "on"):
+        monkeypatch.setenv(PAGED_ENV, paged)
+        engine = head_engine(kind, request, speculation=TREE)
+        assert (engine.paged_space is not None) == (paged == "on"), engine.paged_unused
+        batch, results = run_joining(engine)
+        assert isinstance(batch.target, PagedKVModel) == (paged == "on")
+        runs[paged] = results
+    solo = cold_replies(engine)
+    for paged, results in runs.items():
+        assert [r.token_ids for r in results] == solo, paged
+        assert sum(r.stats.num_accepted_tokens for r in results) > 0, paged
+
+    def per_row(rs):
+        return [(r.stats.num_drafts, r.stats.num_target_steps, r.stats.num_draft_tokens,
+                 r.stats.num_accepted_tokens) for r in rs]
+    assert per_row(runs["on"]) == per_row(runs["off"])
+    assert moved, "no sibling was kept on the paged cache"     # the tree mattered
+    assert all(r.cached_tokens > 0 for r in runs["on"][1:])
+    pool = engine.paged_space.pool
+    assert not pool.tables and pool.free == pool.blocks

@@ -91,7 +91,7 @@ class Drafter:
     # -- a head's own cache over a shared prompt prefix (decoding.Batch, the paged cache) ------
 
     def prefix_identity(self) -> str | None:
-        """What names this drafter's own per-position cache in the engine's prefix store (its
+        """What names this drafter's own per-position cache where the paged pool keeps it (its
         model's identity): a head's keys and values over a prompt's pairs, which every row
         sharing the prompt's prefix would otherwise compute again. None: it keeps nothing a
         prefix could share (n-gram lookup, Medusa; a draft model's rows share the pool's
@@ -103,9 +103,14 @@ class Drafter:
         may be stored for later rows)."""
         return 0
 
+    def prefix_position_bytes(self) -> int:
+        """Bytes one position of that cache takes where a prefix keeps it (the paged pool
+        prices its blocks with them: paged_cache.PagedSpace.for_budget); 0 where it keeps none."""
+        return 0
+
     def read_prefix(self, row: int, starts: list[int], width: int) -> list[tuple[Any, int]]:
         """Copies of row's own cache at positions start..start+width-1 for each start, each
-        with its bytes (what the prefix store keeps)."""
+        with its bytes (what the paged pool keeps beside the target's blocks)."""
         raise NotImplementedError
 
     def load_prefix(self, row: int, blocks: list) -> int:

@@ -138,6 +138,17 @@ class HeadDrafter(Drafter):
             return None
         return f"head {self.name} {sorted(self.loaded.identity().items())}"
 
+    def prefix_position_bytes(self) -> int:
+        """A position of the head's keys and values: every layer's, per key-value head."""
+        if not self.shares_prefix:
+            return 0
+        config = self.head.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        layers = int(getattr(config, "num_hidden_layers", 1))
+        return 2 * layers * kv_heads * head_dim * self.head.lm_head.weight.element_size()
+
     def read_prefix(self, row: int, starts: list[int], width: int) -> list[tuple[torch.Tensor, int]]:
         """Each block as one tensor [2 (keys, values), layers, kv heads, width, head dim]."""
         if starts and max(starts) + width > self.prefix_positions(row):
