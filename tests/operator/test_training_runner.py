@@ -11,6 +11,7 @@ import json
 import sys
 
 import pytest
+from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.contract import content_hash
@@ -85,10 +86,14 @@ def test_a_training_registers_a_draft_only_release_with_its_lineage(parent, mlfl
     assert learned["draft"] == {"source": f"runs:/{run}/draft", "revision": None}
     assert {k: v for k, v in learned.items() if k != "draft"} == \
         {k: v for k, v in parent["release"].items() if k != "draft"}
-    # The draft loads from MLflow as an engine pod loads it, and drafts for the target.
+    # The draft loads from MLflow as an engine pod loads it, and drafts for the target. A pod has
+    # only MLFLOW_TRACKING_URI; in this worker an earlier test may have set mlflow's global
+    # tracking URI to a server of its own since stopped, which the variable does not override
+    # (CI at 33e8b32: "connection refused" on another test's port), so the URI is set for the load.
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
     monkeypatch.setenv("SPECPAIR_CACHE", str(parent["root"] / "cache"))
-    draft = load_model(learned["draft"]["source"], device="cpu", progress=lambda *_: None)
+    with _use_tracking_uri(mlflow_server.url):
+        draft = load_model(learned["draft"]["source"], device="cpu", progress=lambda *_: None)
     engine = SpeculativeEngine(tiny_target, draft=draft, speculation=SpeculationConfig(k=4, fallback_threshold=0.0))
     prompts = extraction_prompts(26)[24:]     # not trained on
     params = GenerationParams(max_new_tokens=24)
