@@ -327,3 +327,42 @@ def shm_volumes(release: dict[str, Any]) -> list[dict[str, Any]]:
 
 def shm_mounts(release: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"name": "shm", "mountPath": SHM_DIR}] if shm_volumes(release) else []
+
+
+def release_job_container(name: str, release: dict[str, Any], rollout: Mapping[str, Any], command: list[str],
+                          termination_policy: str) -> dict[str, Any]:
+    """The head of the one container of a Job run for a release (gate, model fetch, training): the
+    release's engine image, and the report its command writes to the termination log, which the
+    operator reads back (`termination_policy` "FallbackToLogsOnError": the log's tail when the
+    command died before writing one). The caller adds env, mounts, resources and security."""
+    return {
+        "name": name,
+        "image": engine_image(release, dict(rollout)),
+        "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
+        "command": command,
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": termination_policy,
+    }
+
+
+def release_job(name: str, namespace: str, labels: dict[str, str], annotations: dict[str, str],
+                release: dict[str, Any], digest: str, container: dict[str, Any], pod: dict[str, Any], *,
+                backoff_limit: int, deadline_seconds: int, defaults: PodDefaults) -> dict[str, Any]:
+    """A Job run for a release: its one pod never restarted in place (Kubernetes retries it
+    `backoff_limit` times at most), stopped after `deadline_seconds`, deleted the installation's
+    gate TTL after it ends; the pod carries the release document (release_annotations) as engine
+    pods do. `pod` is pod_spec()'s, volumes included."""
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations},
+        "spec": {
+            "backoffLimit": backoff_limit,
+            "activeDeadlineSeconds": int(deadline_seconds),
+            "ttlSecondsAfterFinished": int(defaults.gate_ttl_seconds),
+            "template": {
+                "metadata": {"labels": labels, "annotations": release_annotations(release, digest)},
+                "spec": {"restartPolicy": "Never", "containers": [container], **pod},
+            },
+        },
+    }

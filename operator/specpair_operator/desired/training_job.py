@@ -133,20 +133,16 @@ def desired_training_job(pair: str, namespace: str, release: dict[str, Any], rol
     settings = TrainingSettings.from_spec(learning)
     labels = manifests.pod_labels(pair, ROLE, version)
     digest = content_hash(release)
+    command = ["python", "-m", "specpair_operator.gate.training_runner",
+               "--release", manifests.RELEASE_FILE, "--model", model, "--version", str(version),
+               "--capture-dir", learning_mod.capture_dir(pair), "--category", category,
+               "--method", settings.method, "--steps", str(settings.steps),
+               "--max-seconds", str(settings.max_seconds), "--out", OUT_DIR,
+               "--device", "cuda" if settings.gpu else "cpu",
+               "--termination-log", manifests.TERMINATION_LOG]
     container = {
-        "name": "train",
-        "image": manifests.engine_image(release, rollout),
-        "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
-        "command": ["python", "-m", "specpair_operator.gate.training_runner",
-                    "--release", manifests.RELEASE_FILE, "--model", model, "--version", str(version),
-                    "--capture-dir", learning_mod.capture_dir(pair), "--category", category,
-                    "--method", settings.method, "--steps", str(settings.steps),
-                    "--max-seconds", str(settings.max_seconds), "--out", OUT_DIR,
-                    "--device", "cuda" if settings.gpu else "cpu",
-                    "--termination-log", manifests.TERMINATION_LOG],
-        "terminationMessagePath": manifests.TERMINATION_LOG,
         # The runner's JSON report; its log's tail if it died before writing one.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
+        **manifests.release_job_container("train", release, rollout, command, "FallbackToLogsOnError"),
         "env": manifests.pod_env(tracking_uri, credentials, rollout=rollout, defaults=defaults),
         # The captures, read-only: training never changes them (the pair's own folder is read).
         "volumeMounts": [*manifests.pod_mounts(rollout), learning_mod.capture_mount(read_only=True)],
@@ -157,21 +153,11 @@ def desired_training_job(pair: str, namespace: str, release: dict[str, Any], rol
         container["resources"] = resources
     pod_spec = manifests.pod_spec(rollout, defaults)
     pod_spec["volumes"] = [*pod_spec["volumes"], learning_mod.capture_volume(str(claim), read_only=True)]
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": training_job_name(pair, version, category), "namespace": namespace, "labels": labels,
-                     "annotations": {manifests.ANN_HASH: digest, ANN_CATEGORY: category, ANN_VERSION: str(version)}},
-        "spec": {
-            "backoffLimit": 0,
-            "activeDeadlineSeconds": settings.deadline_seconds,
-            "ttlSecondsAfterFinished": int(defaults.gate_ttl_seconds),
-            "template": {
-                "metadata": {"labels": labels, "annotations": manifests.release_annotations(release, digest)},
-                "spec": {"restartPolicy": "Never", "containers": [container], **pod_spec},
-            },
-        },
-    }
+    return manifests.release_job(
+        training_job_name(pair, version, category), namespace, labels,
+        {manifests.ANN_HASH: digest, ANN_CATEGORY: category, ANN_VERSION: str(version)},
+        release, digest, container, pod_spec,
+        backoff_limit=0, deadline_seconds=settings.deadline_seconds, defaults=defaults)
 
 
 @dataclass(frozen=True)
