@@ -524,14 +524,8 @@ class Batch:
         self.preempted: list[Sequence] = []   # rows waiting for blocks to be recomputed, oldest first
         self.preemptions = 0                  # rows given back for want of blocks, ever
         self.drafter = engine.drafter.for_batch() if engine.drafter is not None else None
-        # A draft model's rows in the same pool (PagedSpace.draft): its cache is swapped for one
-        # over the pool's blocks, so its blocks count in admission and give way first.
         self.draft_kv = None
-        if self.paged and engine.paged_space.draft is not None:
-            self.draft_kv = PagedKVModel(self.drafter.draft_model(), space=engine.paged_space,
-                                         vocab_size=self.drafter.kv.vocab_size, draft=True)
-            self.drafter.kv = self.draft_kv
-            self._draft_identity = f"draft {sorted(self.drafter.loaded.identity().items())}"
+        self._draft_in_pool()
         self.copies = self.drafter is not None and self.drafter.copies   # two kinds of rounds, two ks
         self.rows: list[Sequence] = []
         self.done: list[Sequence] = []        # finished in the last step or cancelled since
@@ -548,6 +542,58 @@ class Batch:
         self._grammar_rows: list[int] = []
         self._wants_logprobs = False
         self._token_logits: list = []
+
+    def _draft_in_pool(self) -> None:
+        """A draft model's rows in the same pool (PagedSpace.draft): its cache is swapped for one
+        over the pool's blocks, so its blocks count in admission and give way first. Its block
+        names carry the plane's generation: a plane swapped in never reads the old one's."""
+        space = self.engine.paged_space
+        if not self.paged or space.draft is None:
+            return
+        self.draft_kv = PagedKVModel(self.drafter.draft_model(), space=space,
+                                     vocab_size=self.drafter.kv.vocab_size, draft=True)
+        self.drafter.kv = self.draft_kv
+        self._draft_identity = (f"draft {sorted(self.drafter.loaded.identity().items())} "
+                                f"plane {space.draft_generation}")
+
+    def replace_drafter(self, drafter: Drafter | None) -> None:
+        """A drafter swapped in between two steps (server/draft_swap.py; on the paged pool the
+        engine's draft plane already made for its model: PagedSpace.install_draft_plane). The old
+        draft rows' blocks go back; the new drafter's rows start empty and catch up from each
+        row's sequence on its next round (a draft model feeds what its cache has not seen), or
+        stop drafting there when the pool cannot hold that (_fit_blocks). Verification is the
+        target's alone, so no row's output changes. Each row's draft block names are made again
+        under the new drafter's identity (a prefix block is saved and shared as the new draft's)."""
+        if self.draft_kv is not None:
+            self.draft_kv.select([])          # the old plane's rows: their blocks back to the pool
+            self.draft_kv = None
+        self.drafter = drafter.for_batch() if drafter is not None else None
+        self._draft_in_pool()
+        if self.drafter is not None:
+            self.drafter.add_rows(self.active)
+        self.copies = self.drafter is not None and self.drafter.copies
+        if self.paged:
+            for seq in self.rows + self.preempted:
+                if seq.prefix_keys:
+                    seq.prefix_keys, seq.prefix_saved = seq.prefix_keys[:1], seq.prefix_saved[:1]
+                    if self.draft_kv is not None:
+                        seq.prefix_keys.append(block_keys(self._draft_identity, seq.prompt_ids,
+                                                          self.target.pool.block))
+                        seq.prefix_saved.append(False)
+            return
+        # The contiguous caches the prefix store serves: a row's keys follow the caches' list
+        # (a cache of the same identity keeps its row's keys, a new one starts unsaved).
+        old = list(self.prefix_caches)
+        self.prefix_caches = self.engine.prefix_caches(self.target, self.drafter)
+        store = self.engine.prefix_store
+        for seq in self.rows:
+            keys, saved = [], []
+            for identity, _kv in self.prefix_caches:
+                at = next((n for n, (was, _) in enumerate(old) if was == identity and n < len(seq.prefix_keys)),
+                          None)
+                keys.append(seq.prefix_keys[at] if at is not None else store.keys(identity, seq.prompt_ids))
+                saved.append(seq.prefix_saved[at] if at is not None else False)
+            seq.prefix_keys, seq.prefix_saved = keys, saved
 
     @property
     def active(self) -> int:

@@ -176,10 +176,56 @@ class PagedSpace:
                       if draft_model is not None else None)
         self.owners = itertools.count()
         self.preemptions = 0          # rows given back for want of blocks, ever (Batch counts)
-        self.block_bytes = sum(k[0].nbytes + v[0].nbytes for layers in (self.target, self.draft)
-                               if layers is not None for k, v in layers.caches) + head_bytes * block
-        self.idle_keep_blocks = idle_keep_bytes(model, block) // self.block_bytes
+        self._model, self._head_bytes = model, head_bytes
+        # What the pool may take, in bytes (for_budget's budget; None: what its planes take now),
+        # and the features priced into each block there: a draft plane swapped in is held to it.
+        self.budget_bytes: int | None = None
+        self.feature_block_bytes = 0
+        # Draft planes installed so far (a swap makes a new one): part of the draft's block names
+        # (decoding.Batch._draft_identity), so a block the old plane wrote is never read as the
+        # new one's.
+        self.draft_generation = 0
+        self._price_blocks()
         self.bytes_given_back = 0     # pages handed back to the system, ever
+
+    def _price_blocks(self) -> None:
+        """block_bytes: one block id's bytes in every plane; idle_keep_blocks from it."""
+        self.block_bytes = sum(k[0].nbytes + v[0].nbytes for layers in (self.target, self.draft)
+                               if layers is not None for k, v in layers.caches) + self._head_bytes * self.pool.block
+        self.idle_keep_blocks = idle_keep_bytes(self._model, self.pool.block) // self.block_bytes
+
+    def draft_plane_refusal(self, draft_model) -> str | None:
+        """Why a draft model's plane over this pool's block ids cannot replace the serving draft
+        plane (a draft swapped in place: server/draft_swap.py), None where it can: the C layer
+        must run it, and every block priced at the new draft's bytes must stay within the
+        pool's budget (draft_plane_fits)."""
+        try:
+            r = StaticLlama.of(draft_model)
+        except SpecpairError as exc:
+            return f"the new draft model cannot run on the paged pool: {exc}"
+        if not runs_c_layer(r):
+            return (f"the new draft model cannot run on the paged pool, which runs the C layer: CPU, "
+                    f"float32, dense weights, a head dimension of 8s up to {cpu_kernels.MAX_HEAD_DIM}")
+        old = (sum(k[0].nbytes + v[0].nbytes for k, v in self.draft.caches)
+               if self.draft is not None else 0)
+        others = self.block_bytes - old + self.feature_block_bytes
+        budget = (self.budget_bytes if self.budget_bytes is not None
+                  else self.pool.blocks * (self.block_bytes + self.feature_block_bytes))
+        return draft_plane_fits(self.pool.blocks, others, block_bytes(draft_model, self.pool.block), old,
+                                budget, f"{r.layer_count} layers x {r.kv_heads} kv heads x head dim {r.head_dim}")
+
+    def new_draft_plane(self, draft_model) -> PagedLayers:
+        """A draft model's plane over this pool's block ids, holding nothing yet (lazy: its pages
+        cost memory once written). Made off the step loop; install_draft_plane puts it in."""
+        return PagedLayers(draft_model, self.pool.blocks, self.pool.block, self._lazy)
+
+    def install_draft_plane(self, plane: PagedLayers) -> None:
+        """The draft plane every draft row's keys and values go to from now on; the old one's
+        arrays go once no batch's cache holds them (decoding.Batch.replace_drafter moves the
+        rows first). Blocks are priced at the new draft's bytes."""
+        self.draft = plane
+        self.draft_generation += 1
+        self._price_blocks()
 
     def give_back(self) -> int:
         """After rows left: idle, evict cached prompt blocks beyond the idle keep and give every
@@ -238,9 +284,11 @@ class PagedSpace:
         per_block = block_bytes(model, block) + features * block * 4 + head_bytes * block
         if draft_model is not None:
             per_block += block_bytes(draft_model, block)
-        blocks = max(1, (budget_bytes or BYTES_WITHOUT_BUDGET) // per_block)
-        return cls(model, blocks, block, lazy=True, draft_model=draft_model,
-                   head_bytes=head_bytes)
+        budget = budget_bytes or BYTES_WITHOUT_BUDGET
+        blocks = max(1, budget // per_block)
+        space = cls(model, blocks, block, lazy=True, draft_model=draft_model, head_bytes=head_bytes)
+        space.budget_bytes, space.feature_block_bytes = budget, features * block * 4
+        return space
 
     @property
     def max_rows(self) -> int:
@@ -249,6 +297,21 @@ class PagedSpace:
         MAX_BATCH_ROWS."""
         per_row = blocks_for(PLANNED_ROW_POSITIONS, self.pool.block) * (2 if self.draft else 1)
         return max(1, min(MAX_BATCH_ROWS, self.pool.blocks // per_row))
+
+
+def draft_plane_fits(blocks: int, other_bytes: int, new_bytes: int, old_bytes: int, budget: int,
+                     shape: str = "") -> str | None:
+    """Whether a new draft plane fits the pool (None) or why not: `blocks` block ids, each
+    priced at `other_bytes` (the target's keys and values, features, a head's) plus the draft's
+    (`new_bytes` a block for the new draft, `old_bytes` the serving one's), within `budget`.
+    The block count stays (rows hold block ids), so a draft larger a block than the pool has
+    room for is refused rather than the pool shrunk under the running rows."""
+    need = blocks * (other_bytes + new_bytes)
+    if need <= budget:
+        return None
+    return (f"the new draft's keys and values take {new_bytes} bytes a block{f' ({shape})' if shape else ''}, "
+            f"the serving draft's {old_bytes}: the pool's {blocks} blocks would take {need} bytes, past its "
+            f"KV budget of {budget} bytes (a larger KV budget, or new pods sized for this draft)")
 
 
 def idle_keep_bytes(model, block: int = BLOCK_TOKENS, setting: str | None = None) -> int:

@@ -161,8 +161,7 @@ def test_ngram_to_draft_model_under_a_steady_stream(tiny_pair, start_server, tmp
 
 
 def test_draft_model_a_to_b_under_a_steady_stream(tiny_pair, start_server, tmp_path, monkeypatch):
-    # The paged pool holds a draft model's cache where it applies (refused: test_refusals_...);
-    # with the contiguous cache a draft model swaps for another.
+    # The contiguous cache (the paged pool's plane: test_draft_swap_paged.py).
     monkeypatch.setenv(PAGED_ENV, "off")
     target, draft = tiny_pair
     other_dir = save_tiny(perturbed_copy(target, seed=13, noise=0.05), tmp_path / "draft-b")
@@ -224,7 +223,9 @@ def test_refusals_as_pure_decisions(tiny_pair):
 
 
 def test_a_paged_draft_model_is_refused_before_the_new_draft_loads(tiny_pair):
-    # The operator rolls the pods on this refusal: it must not cost a draft's load first.
+    # The operator rolls the pods on this refusal: it must not cost a draft's load first. A draft
+    # model's plane in the paged pool is replaced by another draft model's only
+    # (test_draft_swap_paged.py); a lookup release is refused from the release alone.
     target, _ = tiny_pair
     engine = make_engine(tiny_pair)
     if engine.paged_space is None or engine.paged_space.draft is None:
@@ -232,8 +233,8 @@ def test_a_paged_draft_model_is_refused_before_the_new_draft_loads(tiny_pair):
 
     def load_model(*_args, **_kwargs):
         raise AssertionError("the draft was loaded before the refusal")
-    release = read_release(release_json(target.source, "9", draft_source="any-draft"))
-    with pytest.raises(SwapRefused, match="paged pool"):
+    release = read_release(release_json(target.source, "9", drafter="ngram"))
+    with pytest.raises(SwapRefused, match="paged pool's blocks, which another draft model's plane can replace"):
         load_release_drafter(engine, release, load_model=load_model)
 
 

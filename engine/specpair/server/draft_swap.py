@@ -8,16 +8,24 @@ replaced while rows run, with no row restarted and no reply changed. The swap ha
   2. load and warm: off the step loop (the gRPC call's executor thread), the draft model loaded
      and one forward pass run, its tokenizer checked against the target's as at start-up;
   3. install: in the worker thread between steps (EngineWorker.call), the engine's drafter and
-     the batch's per-row drafter replaced. The new drafter's rows start empty: a draft model
-     feeds each row's whole sequence on its first round (ModelDrafter feeds what its cache has
-     not seen), an n-gram index syncs from the sequence. That first round is the pause a swap
-     costs in tokens.
+     the batch's per-row drafter replaced (decoding.Batch.replace_drafter). The new drafter's
+     rows start empty: a draft model feeds each row's whole sequence on its first round
+     (ModelDrafter feeds what its cache has not seen), an n-gram index syncs from the sequence.
+     That first round is the pause a swap costs in tokens.
+
+A serving draft model whose cache lives in the paged pool's blocks (PagedSpace.draft) is swapped
+for another draft model: the new draft's plane over the same block ids is made beside the old
+one off the step loop (lazily: its pages cost memory once written), held to the pool's KV
+budget first (PagedSpace.draft_plane_refusal: layers, kv heads and head dimension may differ,
+but every block priced at the new draft's bytes must stay within the budget), and put in at the
+step boundary; the old draft rows' blocks go back and the old plane's arrays with them.
 
 What is refused (SwapRefused, the reason in words): another target; a draft tokenizer that
 differs from the target's; a drafting head (EAGLE, EAGLE-3, Medusa, lookup-first) on either
 side (the batch hands target features only to the drafter it was built with, and the paged pool
-keeps them per position); a serving draft model whose cache lives in the paged pool's blocks
-(PagedSpace.draft: the pool was sized for it). Those need a rolled pod.
+keeps them per position); on the paged pool, a serving draft model's plane replaced by something
+other than a draft model, or by a draft whose plane does not fit the pool's budget. Those need a
+rolled pod; a refused swap leaves the serving draft serving.
 
 Not swapped: the engine's speculation settings (k, dynamic k, thresholds) stay the started
 release's; a cost-model k (calibrated on the old drafter's step cost) falls back to the
@@ -33,6 +41,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specpair.config import Release
+from specpair.decoding import kv_bytes_per_token
 from specpair.errors import SpecpairError, TokenizerMismatch
 
 log = logging.getLogger("specpair.server.draft_swap")
@@ -59,6 +68,7 @@ class Loaded:
     release: Release
     choice: object           # drafter_choice.DrafterChoice
     load_seconds: float
+    plane: object = None     # paged_cache.PagedLayers: the new draft's plane in the pool, if paged
 
 
 @dataclass(frozen=True)
@@ -102,10 +112,18 @@ def serving_refusal(engine) -> str | None:
     if old is not None and old.wants_features:
         return (f"the serving drafter ({old.name}) drafts from the target's features, which the batch "
                 f"hands only to the drafter it was built with: a head swap needs new pods")
+    return None
+
+
+def release_refusal(engine, release: Release) -> str | None:
+    """Why this release's drafter cannot replace the serving one here, read from the release
+    alone (so asked before its draft loads): a draft model's plane in the paged pool is replaced
+    by another draft model's only."""
     space = getattr(engine, "paged_space", None)
-    if space is not None and space.draft is not None:
-        return ("the serving draft model's cache lives in the paged pool's blocks (the pool was "
-                "sized for it): a swap needs new pods")
+    if space is not None and space.draft is not None and release.pair.drafter is not None:
+        return (f"the serving draft model's cache lives in the paged pool's blocks, which another draft "
+                f"model's plane can replace but not a {release.pair.drafter} drafter: new pods size the "
+                f"pool without it")
     return None
 
 
@@ -117,6 +135,16 @@ def drafter_refusal(engine, new_drafter) -> str | None:
     if new_drafter is not None and new_drafter.wants_features:
         return (f"the release's drafter ({new_drafter.name}) drafts from the target's features, which the "
                 f"batch hands only to the drafter it was built with: a head swap needs new pods")
+    space = getattr(engine, "paged_space", None)
+    if space is not None and space.draft is not None:
+        model = new_drafter.draft_model() if new_drafter is not None else None
+        if model is None:
+            return (f"the serving draft model's cache lives in the paged pool's blocks, which another draft "
+                    f"model's plane can replace but not {new_drafter.name if new_drafter else 'no drafter'}: "
+                    f"new pods size the pool without it")
+        why = space.draft_plane_refusal(model)
+        if why:
+            return f"the new draft's plane does not fit the paged pool: {why}"
     return None
 
 
@@ -126,7 +154,7 @@ def load_release_drafter(engine, release: Release, load_model=None) -> Loaded:
     from specpair.drafter_choice import build_drafter
 
     started = time.perf_counter()
-    why = target_refusal(release, engine.target) or serving_refusal(engine)
+    why = target_refusal(release, engine.target) or serving_refusal(engine) or release_refusal(engine, release)
     if why:
         raise SwapRefused(why)
     pair, draft = release.pair, None
@@ -146,7 +174,9 @@ def load_release_drafter(engine, release: Release, load_model=None) -> Loaded:
         raise SwapRefused(why)
     if choice.draft is not None:
         warm(choice.draft)
-    return Loaded(release=release, choice=choice, load_seconds=time.perf_counter() - started)
+    space = getattr(engine, "paged_space", None)
+    plane = space.new_draft_plane(choice.drafter.draft_model()) if space is not None and space.draft else None
+    return Loaded(release=release, choice=choice, load_seconds=time.perf_counter() - started, plane=plane)
 
 
 def ngram_lengths(engine) -> tuple[int, int]:
@@ -178,12 +208,11 @@ def install(engine, batch, loaded: Loaded) -> None:
     engine.drafter, engine.draft = choice.drafter, choice.draft
     engine.draft_fingerprint, engine.tokenizer_check = choice.draft_fingerprint, choice.tokenizer_check
     engine.cost_model = None      # calibrated on the old drafter's step cost: the heuristic k now
-    drafter = choice.drafter.for_batch()
-    drafter.add_rows(batch.active)    # empty rows: each catches up from its sequence on its next round
-    batch.drafter = drafter
-    batch.copies = drafter.copies
-    if not batch.paged:
-        batch.prefix_caches = engine.prefix_caches(batch.target, drafter)
+    cache_model = choice.drafter.cached_model() if choice.drafter is not None else None
+    engine._draft_kv = kv_bytes_per_token(cache_model) if cache_model is not None else 0   # row_memory
+    if loaded.plane is not None:       # the paged pool's draft plane, made for this draft at load
+        engine.paged_space.install_draft_plane(loaded.plane)
+    batch.replace_drafter(choice.drafter)   # empty rows: each catches up on its next round
 
 
 def swap(engine, worker, release_json: str, serving: ServingDraft, *, installed: Callable[[ServingDraft], None],
