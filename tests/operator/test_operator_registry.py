@@ -202,6 +202,35 @@ def test_a_pass_reads_aliases_and_tags_once_and_sees_its_own_writes(reg):
     assert reg.for_pass().gate_result(model, version)[0] == "passed"
 
 
+def test_a_pass_answers_what_it_has_read_where_it_runs(reg):
+    """A read the pass's view already holds is answered on the event loop, not on a thread (seven
+    hops to a thread and back a settled pass cost more CPU than its answers); one it does not hold
+    asks MLflow on a thread (MLflow's client blocks)."""
+    import asyncio
+    import threading
+
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    rel = release.build_release("p", "ns", SPEC, PROMPTS)
+    reg.ensure_model(model, "ns/p")
+    version = reg.ensure_release(model, rel, release.content_hash(rel))
+    reads = reg.for_pass()
+    asked_on: list[str] = []
+    tags_of = reads.version_tags
+    reads.version_tags = lambda m, v: (asked_on.append(threading.current_thread().name), tags_of(m, v))[1]
+
+    async def twice() -> tuple[dict, dict]:
+        assert not reads.answered("version_tags", model, version)
+        first = await reads.read("version_tags", model, version)
+        assert reads.answered("version_tags", model, version) and reads.answered("gate_result", model, version)
+        return first, await reads.read("version_tags", model, version)
+
+    first, second = asyncio.run(twice())
+    assert first == second and first["specpair.content_hash"] == release.content_hash(rel)
+    here = threading.current_thread().name
+    assert asked_on[0] != here and asked_on[1] == here, asked_on
+    assert not reads.answered("aliases", model)
+
+
 def test_gate_record_writes_through_a_server_that_does_not_proxy_artifacts(tmp_path):
     """The gate runner records over MLflow's REST API; where the server hands out artifact URIs it
     does not proxy (here a local path: `--no-serve-artifacts`), the files go through MLflow's own

@@ -12,6 +12,7 @@ Events, never spec.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -26,6 +27,9 @@ from specpair_operator.plan import serving_plan
 from specpair_operator.crd import validation
 from specpair_operator.act import metrics
 from specpair_operator.plan import release_plan as plan_mod
+from specpair_operator.plan import learned_release
+from specpair_operator.observe.world import Records
+from specpair_operator.release.registry_contract import release_of_tags
 from specpair_operator.plan import release_steps
 from specpair_operator.release import content as release_mod
 from specpair_operator.desired import tls as tls_mod
@@ -176,17 +180,39 @@ class PairReconciler:
         reg = self.reads
         self.ledger.set(modelName=model)
         try:
-            await self.registry(reg.ensure_model, model, f"{self.namespace}/{self.name}", self.uid)
+            await reg.read("ensure_model", model, f"{self.namespace}/{self.name}", self.uid)
         except ModelClaimed as exc:
             self.ledger.stall("ModelOwnedByAnotherPair", f"{exc}; name another in spec.mlflow.modelName")
             return
-        version = await self.registry(self._ensure_release, reg, model, rel, digest)
+        version = self._release_read(reg, model, digest) or await self.registry(self._ensure_release, reg, model, rel,
+                                                                                  digest)
         self.ledger.set(candidateVersion=version, contentHash=digest)
+        # While the spec's release serves, a draft a training Job learned for it takes the usual
+        # road in its place (plan/learned_release.py); its release is its registered contract.
+        drive = await self.registry(self._driven_release, reg, model, version)
+        if drive.version != version:
+            learned_rel = release_of_tags(await self.registry(reg.version_tags, model, drive.version))
+            if learned_rel is not None:
+                version, rel, digest = drive.version, learned_rel, release_mod.content_hash(learned_rel)
         world = await observe_release(self.operator.kube, reg, self.body, self.status, model, version, digest,
                                       rel["gating"]["thresholds"], rel,
                                       Installation(self.operator.gate_tracking_uri, self.credentials(),
                                                    self.operator.pods))
-        await self._act(model, rel, digest, plan_mod.plan_release(world))
+        if drive.version == version and drive.learned is not None:
+            world = dataclasses.replace(world, learned=drive.learned)
+        await self._act(model, rel, digest, learned_release.learned_steps(world, plan_mod.plan_release(world)))
+
+    def _driven_release(self, reg: PassRegistry, model: str, version: str) -> learned_release.Drive:
+        """Which version this pass drives: the spec's, or a draft learned for it (learned_release)."""
+        def tags_of(v: str) -> dict[str, str]:
+            try:
+                return dict(reg.version_tags(model, str(v)))
+            except MlflowException as exc:
+                if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                return {}     # a version deleted by hand: no lineage, no try
+        return learned_release.driven_release(version, reg.aliases(model), tags_of, self.status,
+                                              Records.from_status(self.status).was)
 
     async def _act(self, model: str, rel: dict[str, Any], digest: str, steps: tuple[Step, ...]) -> None:
         """Run the planned steps in their order (act/carry_out.py): the writes, what goes into the
@@ -228,6 +254,16 @@ class PairReconciler:
         if TAG_RELEASE not in reg.version_tags(model, version):
             reg.set_tags(model, version, {TAG_RELEASE: json.dumps(rel, sort_keys=True, separators=(",", ":"))})
         return version
+
+    def _release_read(self, reg: PassRegistry, model: str, digest: str) -> str | None:
+        """What _ensure_release would answer, when this pass's reads hold it (a settled pass: the
+        recorded version's tags, with this release's hash and its release JSON): taken on the
+        event loop, without a hop to a thread. None: _ensure_release asks MLflow."""
+        version = self.status.get("candidateVersion")
+        if not version or self.status.get("contentHash") != digest or not reg.answered("version_tags", model, version):
+            return None
+        tags = reg.version_tags(model, str(version))
+        return str(version) if tags.get(TAG_HASH) == digest and TAG_RELEASE in tags else None
 
     def _recorded_version(self, reg: PassRegistry, model: str, digest: str) -> str | None:
         """The version the status says holds this release (candidateVersion with its

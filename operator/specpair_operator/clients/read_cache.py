@@ -275,6 +275,11 @@ class RememberingRegistry(PassRegistry):
             self._aliases = copy.deepcopy(reads.aliases)
             self._tags = copy.deepcopy(reads.tags)
 
+    def answered(self, method: str, *args: Any) -> bool:
+        if method == "ensure_model":
+            return self.pass_reads.replaying and args[0] in self._aliases
+        return super().answered(method, *args)
+
     def ensure_model(self, model_name: str, pair_ref: str, pair_uid: str = "") -> None:
         if self.pass_reads.replaying and model_name in self._aliases:
             return

@@ -5,7 +5,6 @@ ServingWorld (serving_world.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import replace
 from typing import Any, Mapping
@@ -109,9 +108,9 @@ async def observe_release(kube: Kube, registry: PassRegistry, body: Mapping[str,
                           installation: Installation | None = None) -> ReleaseWorld:
     meta = body["metadata"]
     pair, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
-    aliases = await asyncio.to_thread(registry.aliases, model)
-    tags = await asyncio.to_thread(registry.version_tags, model, version)
-    gate_status, verdict, gate_message = await asyncio.to_thread(registry.gate_result, model, version)
+    aliases = await registry.read("aliases", model)
+    tags = await registry.read("version_tags", model, version)
+    gate_status, verdict, gate_message = await registry.read("gate_result", model, version)
     policy = gate_attempts.Policy.from_env()
     records = Records.from_status(status)
     jobs: list[dict[str, Any]] = []
@@ -140,7 +139,7 @@ async def observe_release(kube: Kube, registry: PassRegistry, body: Mapping[str,
     champion_release = None
     if gate_status == "passed" and champion and champion != version:
         # What the candidate is compared with to choose its rollout strategy (Replace, Shadow).
-        champion_tags = await asyncio.to_thread(registry.version_tags, model, champion)
+        champion_tags = await registry.read("version_tags", model, champion)
         champion_release = release_of_tags(champion_tags)
     return ReleaseWorld(
         rollout=dict((body.get("spec") or {}).get("rollout") or {}), champion_release=champion_release,
@@ -170,13 +169,13 @@ async def observe_serving(op: OperatorState, registry: PassRegistry, body: Mappi
     champion = aliases.get(aliases_mod.CHAMPION)
     if champion is None:
         return w
-    tags = await asyncio.to_thread(registry.version_tags, model, champion)
+    tags = await registry.read("version_tags", model, champion)
     w = replace(w, tags=dict(tags))
     if tags.get(TAG_ROLLED_BACK):
         return w
     if training_job.learning_enabled(spec):
         w = replace(w, trainings=await observe_trainings(op.kube, w.pair, w.namespace, status, champion))
-    _, verdict, _ = await asyncio.to_thread(registry.gate_result, model, champion)
+    _, verdict, _ = await registry.read("gate_result", model, champion)
     # A champion's verdict edited in MLflow after its promotion serves with the spec's speculation
     # and no gated numbers, rather than with whatever the tag now says.
     w = replace(w, verdict=gate_verdict.usable_verdict(verdict))
@@ -334,8 +333,8 @@ async def _observe_pods(op: OperatorState, registry: PassRegistry, w: ServingWor
     w = replace(w, ready=tuple(counted) + w.ready[len(counted):])
     if questions.rollback_needs_previous(w, champion):
         target = w.aliases[aliases_mod.PREVIOUS]
-        _, previous_verdict, _ = await asyncio.to_thread(registry.gate_result, w.model, target)
-        previous_tags = await asyncio.to_thread(registry.version_tags, w.model, target)
+        _, previous_verdict, _ = await registry.read("gate_result", w.model, target)
+        previous_tags = await registry.read("version_tags", w.model, target)
         w = replace(w, drift=replace(w.drift, previous_verdict=previous_verdict, previous_tags=dict(previous_tags)))
     if w.canary_run is not None:
         w = await _observe_canary(w, probe, server, questions)
