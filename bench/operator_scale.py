@@ -22,11 +22,18 @@ the load average before and after each window is recorded):
   API requests per second by the operator's ServiceAccount (the API server's audit log), by verb,
   after a restart of the operator (before each size's steady window): how long until it has
     made a full pass over every pair, and its CPU by then,
-  and how long deleting them all took.
+  and how long deleting them all took;
+  and where the CPU of bringing the pairs to Serving went, by component (the API server, etcd,
+    the controllers, MLflow, the operator, the pods forked from the nodes' warm python: gate Jobs,
+    ...), from /proc of this process's descendants.
 With --before-env NAME=VALUE the steady window is measured twice on the same pairs (the first
 size only): first with the operator run with those variables, then restarted without them (an
 A/B under the same load), e.g. SPECPAIR_WATCHED_READS=0 (full passes GET their children and
-LIST their pods instead of reading the watches).
+LIST their pods instead of reading the watches). With --before-tree REF the "before" operator is
+the operator of another commit (`git archive REF`, first on its PYTHONPATH): an A/B of two
+versions of the code on the same pairs. --rounds N alternates the two N times (before, after,
+before, ...), each window after a restart of the operator, so that a change of load during the
+run falls on both sides.
 
     .venv/bin/python bench/operator_scale.py --pairs 100,500,1000 --json docs/measurements/x.json
 
@@ -62,6 +69,40 @@ POLL_S = 5.0
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+
+
+# Where the CPU of bringing pairs to Serving goes: this process's descendants by what they run
+# (first match of the command line), each with the CPU of its children that have ended (gate
+# pods, reaped by the node's warm python or its agent).
+COMPONENTS = (("operator", "kopf"), ("kube-apiserver", "kube-apiserver"), ("etcd", "etcd"),
+              ("controller-manager", "kube-controller-manager"), ("scheduler", "kube-scheduler"),
+              ("mlflow", "mlflow"), ("engine stand-ins", "engine_standin"), ("pods (warm python)", "warm_python"))
+
+
+def component_cpu() -> Counter:
+    """CPU seconds (own and reaped children's) of this process's descendants, by COMPONENTS;
+    the rest (node agents, pods started fresh) as "nodes and other"."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found: Counter = Counter()
+    todo = list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        seconds = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+        found[next((name for name, mark in COMPONENTS if mark in argv), "nodes and other")] += seconds
+    return found
 
 
 def rss_mb(pid: int) -> float:
@@ -162,6 +203,21 @@ def profile(pid: int, out: Path, seconds: float) -> dict:
             "shareUnder": {k: round(v / total, 3) for k, v in under.most_common()} if total else {}}
 
 
+def git_commit(ref: str) -> str:
+    return subprocess.run(["git", "rev-parse", "--short", ref], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def source_tree(ref: str, dest: Path) -> str:
+    """The operator's and engine's packages as commit `ref` has them (git archive), under `dest`:
+    the PYTHONPATH that runs that commit's operator ahead of the installed (editable) tree."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", ref, "operator", "engine"], cwd=REPO, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return os.pathsep.join([str(dest / "operator"), str(dest / "engine"),
+                            *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
+
+
 def load_average() -> list[float]:
     return [round(x, 1) for x in os.getloadavg()]
 
@@ -188,6 +244,19 @@ def main() -> int:
                     help="measure a first steady window with the operator run with these variables, then "
                          "restart it without them and measure the same pairs again (an A/B on one cluster, "
                          "under the same load: e.g. SPECPAIR_REPLAY_SETTLED_READS=0)")
+    ap.add_argument("--before-tree", metavar="REF",
+                    help="measure a first steady window with the operator of this commit (git archive REF, "
+                         "put first on the operator's PYTHONPATH), then the working tree's: an A/B of code")
+    ap.add_argument("--tree", metavar="REF",
+                    help="run the operator of this commit (git archive REF) instead of the working tree's: "
+                         "other engineers' unfinished edits in a shared tree stay out of a long run")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --before-env/--before-tree: alternate the before and after windows this many "
+                         "times at the first size, each after a restart (default: %(default)s)")
+    ap.add_argument("--bring-up-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="run the operator with these variables while pairs are brought to Serving, and restart "
+                         "it without them before every measured window, e.g. SPECPAIR_RECONCILE_INTERVAL=30: "
+                         "pairs in motion are passed less often (their Jobs and Deployments still wake them)")
     ap.add_argument("--operator-env", action="append", default=[], metavar="NAME=VALUE",
                     help="run the operator with these variables (every window; --before-env overrides them "
                          "for the first), e.g. SPECPAIR_RESYNC_INTERVAL=300")
@@ -204,6 +273,10 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = sorted({int(n) for n in str(args.pairs).split(",")})
     before = dict(item.split("=", 1) for item in args.before_env)
+    bring_up = dict(item.split("=", 1) for item in args.bring_up_env)
+    trees = Path(tempfile.mkdtemp(prefix="operator-scale-trees-"))
+    if args.before_tree:
+        before["PYTHONPATH"] = source_tree(args.before_tree, trees / "before")
     # With several sizes, the A/B (--before-env) is measured at the first only.
 
     from cluster_env import (MODELS, OPERATOR, OPERATOR_ACCOUNT, OPERATOR_NAMESPACE, World, install_chart,
@@ -258,10 +331,15 @@ def main() -> int:
             "SPECPAIR_RECONCILE_INTERVAL": f"{args.interval:g}", "SPECPAIR_METRICS_PORT": "0"})}
         env.pop("KUBERNETES_SERVICE_HOST", None)
         env.update(item.split("=", 1) for item in args.operator_env)
+        if args.tree:
+            env["PYTHONPATH"] = source_tree(args.tree, trees / "after")
         result["operatorEnv"] = args.operator_env
+        result["trees"] = {"before": args.before_tree and git_commit(args.before_tree),
+                           "after": git_commit(args.tree) if args.tree else "the working tree"}
         log = open(work / "operator.log", "wb")
-        operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env={**env, **before}, stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=REPO)
+        result["bringUpEnv"] = args.bring_up_env
+        operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env={**env, **before, **bring_up},
+                                    stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
         assert cluster.control_plane and cluster.control_plane.audit_log
         audit = AuditTail(cluster.control_plane.audit_log, user)
@@ -271,7 +349,14 @@ def main() -> int:
         served: dict[tuple[str, str], float] = {}
         for size in sizes:
             figures: dict = result["bySize"].setdefault(str(size), {"pairs": size})
-            cpu0, t0 = cpu_seconds(operator.pid), time.monotonic()
+            if bring_up and size != sizes[0]:
+                # The steady windows ran the operator as configured: the next pairs are brought up
+                # as the first were.
+                operator.terminate()
+                operator.wait(60)
+                operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env={**env, **bring_up},
+                                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+            cpu0, t0, components0 = cpu_seconds(operator.pid), time.monotonic(), component_cpu()
             deadline = time.monotonic() + args.serve_timeout
             last_said = t0
             # A pair that stalled (Stalled True: the operator gave up on it, e.g. MLflow refused a
@@ -292,12 +377,17 @@ def main() -> int:
                     made += 1
                 if made:
                     print(f"{len(created)}/{size} created ({made} now), {len(served)} serving", flush=True)
-                try:
-                    pairs = cluster.kube.list("specpair.io/v1alpha1", "SpecModelPair")
-                except (OSError, requests.RequestException, ApiError) as exc:
-                    # A loaded machine's API server can take longer than the client waits: ask again.
-                    print(f"listing the pairs failed ({type(exc).__name__}); again", flush=True)
-                    pairs = []
+                # Only the namespaces that hold pairs not yet Serving (or stalled) are listed: a
+                # list of every pair with its status every POLL_S is MBs at 1,000 pairs, the API
+                # server's own CPU taken from the pairs on their way (and from the steady window).
+                waiting = sorted({ns for ns, name in created if (ns, name) not in served and (ns, name) not in stalled})
+                pairs = []
+                for ns in waiting:
+                    try:
+                        pairs += cluster.kube.list("specpair.io/v1alpha1", "SpecModelPair", ns)
+                    except (OSError, requests.RequestException, ApiError) as exc:
+                        # A loaded machine's API server can take longer than the client waits: ask again.
+                        print(f"listing the pairs of {ns} failed ({type(exc).__name__}); again", flush=True)
                 for obj in pairs:
                     key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
                     st = obj.get("status") or {}
@@ -325,6 +415,9 @@ def main() -> int:
                                                "max": round(max(to_serving, default=float("nan")), 1)}
             figures["allServingAfterSeconds"] = round(time.monotonic() - t0, 1)
             figures["operatorCpuSecondsToServing"] = round(cpu_seconds(operator.pid) - cpu0, 1)
+            spent = component_cpu()
+            spent.subtract(components0)
+            figures["cpuSecondsToServingByComponent"] = {k: round(v, 1) for k, v in spent.most_common()}
             print(f"{len(served)}/{size} serving; the new ones' {json.dumps(figures['timeToServingSeconds'])}",
                   flush=True)
             if len(served) < size:
@@ -332,20 +425,23 @@ def main() -> int:
                                  cluster.kube.list("specpair.io/v1alpha1", "SpecModelPair"))
                 figures["notServing"] = dict(phases)
 
-            windows = [("before", before)] if before and size == sizes[0] else []
-            windows.append(("steady", {}))
-            for label, extra in windows:
-                if label == "steady":
-                    # The same pairs, the same cluster and load: the operator restarted (without the
-                    # `before` variables, if any): it remembers nothing, every pair is resumed. How
-                    # long until it has made a full pass over each (asked each pair's engine pod who
-                    # it is, GetModelInfo: one pod a pair, and replayed passes do not ask) and the
-                    # CPU that took.
+            windows = [("steady", {})]
+            if before and size == sizes[0]:
+                windows = [("before", before), ("steady", {})] * max(1, args.rounds)
+            for turn, (label, extra) in enumerate(windows):
+                restart = None
+                if label == "steady" or turn >= 2 or bring_up:
+                    # The same pairs, the same cluster and load: the operator restarted as this side
+                    # runs (the first "before" window measures the operator that brought the pairs
+                    # to Serving): it remembers nothing, every pair is resumed. How long until it
+                    # has made a full pass over each (asked each pair's engine pod who it is,
+                    # GetModelInfo: one pod a pair, and replayed passes do not ask) and the CPU
+                    # that took.
                     operator.terminate()
                     operator.wait(60)
                     asked0 = read_calls(host.spool)["GetModelInfo"] if host else 0
-                    operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env=env, stdout=log,
-                                                stderr=subprocess.STDOUT, cwd=REPO)
+                    operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env={**env, **extra},
+                                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
                     t_restart = time.monotonic()
                     converged = None
                     while host and time.monotonic() - t_restart < args.serve_timeout:
@@ -355,17 +451,25 @@ def main() -> int:
                         if operator.poll() is not None:
                             raise RuntimeError(f"the operator exited ({operator.returncode}); log {work / 'operator.log'}")
                         time.sleep(1.0)
-                    figures["restart"] = {"everyPairPassedSeconds": converged,
-                                          "operatorCpuSeconds": round(cpu_seconds(operator.pid), 1),
-                                          "loadAverage": load_average()}
-                    print(f"{size} pairs, restart", json.dumps(figures["restart"]), flush=True)
+                    restart = {"everyPairPassedSeconds": converged,
+                               "operatorCpuSeconds": round(cpu_seconds(operator.pid), 1),
+                               "loadAverage": load_average()}
+                    if label == "steady" and turn < 2:
+                        figures["restart"] = restart
+                    print(f"{size} pairs, restart ({label})", json.dumps(restart), flush=True)
                 time.sleep(args.settle)
                 load = load_average()
-                figures[label] = steady_window(operator.pid, audit, args.window, len(served), args.interval,
-                                               (lambda: read_calls(host.spool)) if host else Counter)
-                figures[label].update(env=extra, loadAverageBefore=load, loadAverageAfter=load_average())
-                print(f"{size} pairs, {label}", json.dumps(figures[label], indent=1), flush=True)
-                if args.profile_dir and label == "steady":
+                measured = steady_window(operator.pid, audit, args.window, len(served), args.interval,
+                                         (lambda: read_calls(host.spool)) if host else Counter)
+                measured.update(env={k: v for k, v in extra.items() if k != "PYTHONPATH"},
+                                loadAverageBefore=load, loadAverageAfter=load_average())
+                if turn < 2:
+                    figures[label] = measured
+                if len(windows) > 2:
+                    figures.setdefault("rounds", []).append({"side": label, **measured, "restart": restart})
+                print(f"{size} pairs, {label} (window {turn + 1} of {len(windows)})", json.dumps(measured, indent=1),
+                      flush=True)
+                if args.profile_dir and label == "steady" and turn == len(windows) - 1:
                     figures["profile"] = profile(operator.pid, args.profile_dir / f"operator_scale_{size}_steady.txt",
                                                  args.profile_seconds)
             if args.json:
@@ -396,6 +500,7 @@ def main() -> int:
         mlflow.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(trees, ignore_errors=True)
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
