@@ -175,14 +175,16 @@ def steady_window(pid: int, audit: AuditTail, window: float, pairs: int, interva
     }
 
 
-def profile(pid: int, out: Path, seconds: float) -> dict:
+def profile(pid: int, out: Path, seconds: float, native: bool = False) -> dict:
     """py-spy's stacks of the operator over `seconds` (raw: one stack a line, then its samples),
-    and the share of samples under each of a few homes of the pass's work."""
+    and the share of samples under each of a few homes of the pass's work. `native`: with C
+    frames (py-spy pauses the process for each sample then), so the cyclic garbage collector's
+    share shows (gc_collect_main)."""
     spy = shutil.which("py-spy")
     if spy is None:
         return {"skipped": "py-spy is not on PATH"}
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([spy, "record", "--nonblocking", "--rate", "50", "--duration", str(int(seconds)),
+    done = subprocess.run([spy, "record", "--native" if native else "--nonblocking", "--rate", "50", "--duration", str(int(seconds)),
                            "--format", "raw", "--output", str(out), "--pid", str(pid)],
                           capture_output=True, text=True, timeout=seconds + 120)
     if done.returncode != 0 or not out.exists():
@@ -190,7 +192,7 @@ def profile(pid: int, out: Path, seconds: float) -> dict:
     total, under = 0, Counter()
     homes = ("specpair_operator/observe", "specpair_operator/plan", "specpair_operator/act",
              "specpair_operator/clients", "specpair_operator/release", "specpair_operator/desired",
-             "specpair_operator/crd", "grpc", "aiohttp", "mlflow", "kopf", "json", "copy.py")
+             "specpair_operator/crd", "grpc", "aiohttp", "mlflow", "kopf", "json", "copy.py", "gc_collect_main")
     for line in out.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
@@ -265,6 +267,9 @@ def main() -> int:
                     help="after each size's steady window, sample the operator with py-spy (--profile-seconds, "
                          "not paused: --nonblocking) and write its raw stacks here")
     ap.add_argument("--profile-seconds", type=float, default=60.0)
+    ap.add_argument("--profile-native", action="store_true",
+                    help="profile with C frames (py-spy --native: pauses the operator at each sample), so the "
+                         "garbage collector's share shows")
     ap.add_argument("--keep", action="store_true",
                     help="skip the deletion timing and keep the work folder (logs, audit log)")
     args = ap.parse_args()
@@ -471,7 +476,7 @@ def main() -> int:
                       flush=True)
                 if args.profile_dir and label == "steady" and turn == len(windows) - 1:
                     figures["profile"] = profile(operator.pid, args.profile_dir / f"operator_scale_{size}_steady.txt",
-                                                 args.profile_seconds)
+                                                 args.profile_seconds, args.profile_native)
             if args.json:
                 args.json.write_text(json.dumps(result, indent=1) + "\n")
 
