@@ -117,6 +117,9 @@ class Sequence:
     grammar: RowGrammar | None = None   # params.structure's matcher, after the committed tokens
     memory: tuple[int, int] = (0, 0)    # KV bytes: its own, speculation's (engine.row_memory)
     memory_target_only: bool = False    # not drafting until the KV budget has room for it
+    # Not drafting for the rest of its reply: a draft model swapped in mid-reply would have had to
+    # catch up on more of the rows' sequences than a swap's pause allows (server/draft_swap.py).
+    drafts_ended: bool = False
     cached_tokens: int = 0              # prompt tokens whose target keys came from the prefix store
     preemptions: int = 0                # times its blocks were given back and it was recomputed
     # Per cache of Batch.prefix_caches: the prompt's block names, and whether its blocks are
@@ -991,7 +994,8 @@ class Batch:
             elif cap is not None and eng.controller.k_override is None:
                 k = min(k, cap)
             remaining = seq.params.max_new_tokens - seq.num_generated - 1
-            ks.append(max(0, min(k, remaining)) if on and not seq.memory_target_only else 0)
+            ks.append(max(0, min(k, remaining)) if on and not seq.memory_target_only
+                      and not seq.drafts_ended else 0)
         return ks
 
     def step(self) -> list[StepOutput]:

@@ -17,7 +17,8 @@ from serving_helpers import client_for, reference, rpc_error
 from specpair.config import GenerationParams
 from specpair.decoding import SpeculativeEngine
 from specpair.paged_cache import draft_plane_fits
-from specpair.server.draft_swap import install, load_release_drafter, read_release
+from specpair.server.draft_swap import (CATCH_UP_POSITIONS, install, load_release_drafter, read_release,
+                                        rows_that_catch_up)
 
 
 def paged_draft_engine(tiny_pair) -> SpeculativeEngine:
@@ -74,10 +75,22 @@ def test_a_draft_whose_plane_does_not_fit_is_refused_and_the_old_one_serves(tiny
     assert server.engine.paged_space.draft is old_plane and server.engine.paged_space.draft_generation == 0
 
 
-def test_rows_mid_reply_across_a_paged_swap_keep_their_output_and_no_block_leaks(tiny_pair):
+def test_rows_catch_up_within_the_budget_most_tokens_left_a_position_first():
+    # (positions held, tokens left) a row.
+    assert rows_that_catch_up([(100, 50), (200, 50), (50, 50)], budget=1000) == [0, 1, 2]
+    assert rows_that_catch_up([(100, 50), (200, 50), (50, 50)], budget=160) == [0, 2]
+    assert rows_that_catch_up([(100, 50), (200, 50), (50, 50)], budget=120) == [2]      # 100 + 50 > 120
+    assert rows_that_catch_up([(600, 400), (300, 10)], budget=700) == [0]     # 0.67 a position vs 0.03
+    assert rows_that_catch_up([(10, 1), (10, 0), (10, 2)], budget=1000) == [2]   # one token left: no drafts
+    assert rows_that_catch_up([(10, 5)], budget=0) == []
+
+
+@pytest.mark.parametrize("catch_up", [CATCH_UP_POSITIONS, 0], ids=["rows-catch-up", "drafting-ended"])
+def test_rows_mid_reply_across_a_paged_swap_keep_their_output_and_no_block_leaks(tiny_pair, catch_up):
     # A batch stepped directly: rows mid-reply when the plane changes (greedy and seeded sampled,
     # one prompt twice so a prefix block is shared), every reply equal to target-only, and once
-    # the rows are done the pool holds nothing (the old draft rows' blocks came back).
+    # the rows are done the pool holds nothing (the old draft rows' blocks came back). Within the
+    # catch-up budget the rows draft on with the new draft; past it (0) they end drafting.
     target, _ = tiny_pair
     engine = paged_draft_engine(tiny_pair)
     pool = engine.paged_space.pool
@@ -98,12 +111,14 @@ def test_rows_mid_reply_across_a_paged_swap_keep_their_output_and_no_block_leaks
     drafted_before = sum(s.stats.num_draft_tokens for s in seqs)
     assert drafted_before > 0
     old_rows = batch.draft_kv
-    install(engine, batch, loaded)
+    install(engine, batch, loaded, catch_up_positions=catch_up)
     assert old_rows.batch_size == 0 and batch.draft_kv is not old_rows
     assert batch.draft_kv.lengths == [0] * len(prompts)         # each catches up on its next round
+    assert [s.drafts_ended for s in seqs] == [not catch_up] * len(prompts)
     while batch.active:
         batch.step()
     assert [batch.result(s).token_ids for s in seqs] == expected
-    assert sum(s.stats.num_draft_tokens for s in seqs) > drafted_before   # the new draft drafted
+    drafted_after = sum(s.stats.num_draft_tokens for s in seqs) - drafted_before
+    assert drafted_after > 0 if catch_up else drafted_after == 0     # the new draft drafted, or none did
     assert pool.idle and all(not table for table in pool.tables.values())
     assert batch.drafter.draft_model() is other.model

@@ -47,6 +47,13 @@ from specpair.errors import SpecpairError, TokenizerMismatch
 log = logging.getLogger("specpair.server.draft_swap")
 
 WARM_UP_TOKENS = 8     # one forward pass of this many tokens pages the draft's weights in
+# Positions the rows in flight may feed a swapped-in draft model on the round after the swap, all
+# together (each catching-up row feeds its whole sequence): that round is the swap's pause, so
+# rows past it stop drafting for the rest of their reply instead (rows_that_catch_up). 1,024: the
+# 2-layer SmolLM2 draft caught up ~0.3 ms of CPU a position on 2 cores (bench/draft_swap_paged.py,
+# docs/measurements/2026-12-07c-draft-swap-paged-cpu.md), so about 0.3 s for the pause (target:
+# under 1 s); a larger draft or a slower machine pays more for the same positions.
+CATCH_UP_POSITIONS = 1024
 # How long a SwapDraft call waits for the step running now to end (a step is well under this).
 INSTALL_WAIT_SECONDS = 120.0
 
@@ -199,12 +206,35 @@ def warm(loaded) -> None:
         loaded.model(input_ids=ids)
 
 
-def install(engine, batch, loaded: Loaded) -> None:
-    """Make the loaded drafter the serving one; run in the worker thread between steps."""
+def rows_that_catch_up(rows: list[tuple[int, int]], budget: int = CATCH_UP_POSITIONS) -> list[int]:
+    """Which rows in flight feed their whole sequence to a swapped-in draft model on their next
+    round, within `budget` positions all together (indices, ascending); the others stop drafting
+    for the rest of their reply (their output is the same either way: the target verifies).
+    rows: (positions the row holds, tokens it has left) each. The rows with the most tokens left
+    for each position caught up go first: where drafting still has the most to give for the
+    pause it costs. A row with at most one token left drafts nothing more anyway."""
+    order = sorted(range(len(rows)), key=lambda i: (-rows[i][1] / max(1, rows[i][0]), i))
+    chosen, used = [], 0
+    for i in order:
+        positions, left = rows[i]
+        if left > 1 and used + positions <= budget:
+            chosen.append(i)
+            used += positions
+    return sorted(chosen)
+
+
+def install(engine, batch, loaded: Loaded, catch_up_positions: int = CATCH_UP_POSITIONS) -> None:
+    """Make the loaded drafter the serving one; run in the worker thread between steps. With a
+    draft model, only the rows rows_that_catch_up picks draft on; the rest end their drafting."""
     choice = loaded.choice
     why = drafter_refusal(engine, choice.drafter)     # the engine may have changed since the load
     if why:
         raise SwapRefused(why)
+    if choice.drafter is not None and choice.drafter.draft_model() is not None:
+        rows = [(len(seq.tokens), seq.params.max_new_tokens - seq.num_generated) for seq in batch.rows]
+        keep = set(rows_that_catch_up(rows, catch_up_positions))
+        for i, seq in enumerate(batch.rows):
+            seq.drafts_ended = seq.drafts_ended or i not in keep
     engine.drafter, engine.draft = choice.drafter, choice.draft
     engine.draft_fingerprint, engine.tokenizer_check = choice.draft_fingerprint, choice.tokenizer_check
     engine.cost_model = None      # calibrated on the old drafter's step cost: the heuristic k now
