@@ -165,6 +165,10 @@ class CandidateCluster:
                             tags=self.tags[step.aliases["champion"]], verdict=verdict, tls=TLS,
                             service=self.objects.get("Service"), policy=self.objects.get("NetworkPolicy"), **engine)
 
+    def plan_release(self, world: ReleaseWorld) -> tuple[Any, ...]:
+        """The release plan a pass runs (a subclass adds what its reconciler adds)."""
+        return p.plan_release(world)
+
     def write(self, step: Any) -> None:
         """MLflow's writes here; the engine's objects in `write_object`."""
         if isinstance(step, rs.SetAlias):
@@ -216,7 +220,7 @@ class CandidateCluster:
                 else:
                     self.remember(step)
             return True
-        if not run_steps(p.plan_release(self.release_world())):
+        if not run_steps(self.plan_release(self.release_world())):
             self.forget()
             return True
         self.status = status

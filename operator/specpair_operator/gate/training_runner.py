@@ -39,14 +39,11 @@ from specpair.contract import content_hash
 from specpair_operator.desired import training_job
 from specpair_operator.gate.runner import write_termination_message
 from specpair_operator.release.registry_contract import TAG_RELEASE, experiment_tags, gate_experiment
+# The lineage tags' one home is the registry contract (the release plan reads them back).
+from specpair_operator.release.registry_contract import (  # noqa: F401
+    LINEAGE, TAG_LINEAGE_CAPTURE, TAG_LINEAGE_CATEGORY, TAG_LINEAGE_JOB, TAG_LINEAGE_RELEASE, TAG_LINEAGE_RELEASE_HASH,
+    TAG_LINEAGE_RUN)
 
-LINEAGE = "specpair.lineage"
-TAG_LINEAGE_RELEASE = f"{LINEAGE}.release"           # the version whose draft was retrained
-TAG_LINEAGE_RELEASE_HASH = f"{LINEAGE}.release_hash"  # that release's content hash
-TAG_LINEAGE_CATEGORY = f"{LINEAGE}.category"
-TAG_LINEAGE_CAPTURE = f"{LINEAGE}.capture"           # JSON: requests, tokens, releases, first, last
-TAG_LINEAGE_RUN = f"{LINEAGE}.training_run"          # the MLflow run holding the draft
-TAG_LINEAGE_JOB = f"{LINEAGE}.job"                   # the training Job (its pod's name)
 # Left out of the draft's artifacts: the optimiser state and the target's replies are not the draft.
 NOT_THE_DRAFT = ("checkpoints", "replies.jsonl")
 

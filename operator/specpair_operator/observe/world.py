@@ -108,3 +108,7 @@ class ReleaseWorld:
     model: str = ""
     release: Mapping[str, Any] | None = None
     installation: Installation | None = None
+    # A version a training Job registered for a drifted category of the champion (issue 58): the
+    # release plan drives it instead of the spec's release, forced through shadow scoring
+    # (plan/learned_release.LearnedCandidate; None for the spec's release).
+    learned: Any = None

@@ -109,9 +109,14 @@ def training_steps(pair: str, spec: Mapping[str, Any], status: Mapping[str, Any]
                                                                f"; v{t.version} keeps serving as it was"),
                                     t.version, candidate or t.version, warning=phase != training_job.DONE, key=key))
         runs.pop(key, None)     # re-inserted last: the newest at the end
-        runs[key] = {"version": t.version, "category": t.category, "job": name,
+        # Kept: what the drift check wrote with the want (the drifted release's live acceptance on
+        # the category: the learned draft's reference, plan/learned_release.py).
+        runs[key] = {**before, "version": t.version, "category": t.category, "job": name,
                      "phase": phase, "candidate": candidate, "message": message}
-        newest = _condition(phase, t, message, candidate)
+        if before.get("phase") not in TERMINAL:
+            # An ended training's condition was said when it ended; after that the learned
+            # draft's road (plan/learned_release.py) says where the newest try stands.
+            newest = _condition(phase, t, message, candidate)
     kept = list(runs.values())[-TRAININGS_KEPT:]
     steps.append(SetStatus({"training": {"runs": kept}}))
     if newest is not None:
@@ -131,13 +136,16 @@ def _condition(phase: str, t: Training, message: str, candidate: str) -> tuple[s
     return "Training", True, message
 
 
-def want_training(status: Mapping[str, Any], champion: str, categories: list[str]) -> list[Step]:
+def want_training(status: Mapping[str, Any], champion: str, categories: list[str],
+                  live: Mapping[str, float] | None = None) -> list[Step]:
     """The drift check found `categories` breaching with no rollback that helps: recorded as
     trainings wanted (status.training.runs, phase 'wanted') for `plan_learning` to start, unless
-    the champion has one for that category already (running or ended)."""
+    the champion has one for that category already (running or ended). `live`: the champion's
+    live acceptance per category, kept with the want as what a learned draft must beat."""
     runs = training_job.recorded_runs(status)
     have = {(str(r["version"]), str(r["category"])) for r in runs}
-    new = [{"version": champion, "category": cat, "job": "", "phase": WANTED, "candidate": "", "message": ""}
+    new = [{"version": champion, "category": cat, "job": "", "phase": WANTED, "candidate": "", "message": "",
+            **({"acceptance": float(live[cat])} if live and cat in live else {})}
            for cat in categories if (champion, cat) not in have]
     return [SetStatus({"training": {"runs": (runs + new)[-TRAININGS_KEPT:]}})] if new else []
 

@@ -28,8 +28,12 @@ def candidate_strategy(w: ReleaseWorld) -> tuple[str, dict[str, Any], rollout_st
     candidate = release_of_tags(w.tags)
     if not champion or champion == w.version or w.champion_release is None or candidate is None:
         return None
-    return champion, candidate, rollout_strategy.choose_strategy({"rollout": w.rollout}, w.champion_release,
-                                                                 candidate)
+    rollout = dict(w.rollout)
+    if w.learned is not None:
+        # A learned draft (plan/learned_release.py) is promoted on shadow evidence only, whatever
+        # the spec asks of its own releases: refused (vLLM), it is not promoted.
+        rollout["strategy"] = {**dict(rollout.get("strategy") or {}), "type": rollout_strategy.SHADOW}
+    return champion, candidate, rollout_strategy.choose_strategy({"rollout": rollout}, w.champion_release, candidate)
 
 
 def plan_candidate(out: ReleaseSteps) -> bool:
@@ -78,8 +82,9 @@ def plan_shadow(out: ReleaseSteps, champion: str, candidate: dict[str, Any],
                            f"v{champion} ({strategy.reason}), on {settings.share:g} of requests", champion, version,
                            key=version))
         out.add(versions_status(aliases),
-                ServeChampion(aliases, champion, shadow=shadow_run.ShadowRun(version, candidate, dict(w.verdict or {}),
-                                                                             started, settings, started_for)))
+                ServeChampion(aliases, champion, shadow=shadow_run.ShadowRun(
+                    version, candidate, dict(w.verdict or {}), started, settings, started_for,
+                    learned=None if w.learned is None else w.learned.target)))
         return True
     out.add(*shadow_verdict_steps(out.was, verdict, champion, version))
     if verdict["result"] == shadow_run.PROMOTE:

@@ -213,7 +213,7 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
             # draft (plan/learning.py starts the Job after this check).
             sustained = [j for j in decision.breaches if state.streaks.get(j.category, 0) >= policy.consecutive]
             out.add(*learning.want_training({**w.status, **out.fields}, champion,
-                                            learning.breached_categories(decision.reason, sustained)))
+                                            learning.breached_categories(decision.reason, sustained), live))
     if off:
         # Speculation stays off but keeps being measured: probes turn it on for a while when the
         # engine drafted nothing since.

@@ -13,6 +13,13 @@ from specpair_operator.observe.serving_world import EnginePod
 from specpair_operator.plan.serving_steps import shadow_release, _Steps
 
 
+def _learned(run: shadow_run.ShadowRun) -> dict[str, Any]:
+    """A learned draft's reference beside its numbers: its 'championAlpha' there is the reference."""
+    t = run.learned
+    return {} if t is None else {"learned": {"category": t.category, "floor": t.floor, "driftedAcceptance": t.drifted,
+                                             "reference": round(t.reference, 4)}}
+
+
 def _shadow(out: _Steps, champion: str, pods: list[EnginePod]) -> Report:
     """Judge the candidate scored in shadow on the champion's verified pods (their GetStats) in
     the champion's gated categories; a verdict is tagged on the candidate (the mark: the next
@@ -30,10 +37,10 @@ def _shadow(out: _Steps, champion: str, pods: list[EnginePod]) -> Report:
         out.add(Condition(shadow_run.SHADOW_SCORED, "Unknown", "Scoring", msg),
                 SetStatus({"shadow": {"version": run.version, "champion": champion, "result": judged.result,
                                       "reason": judged.reason, "startedAt": run.started_at,
-                                      "share": run.settings.share, **shadow_run.numbers(judged)}}))
+                                      "share": run.settings.share, **{**shadow_run.numbers(judged), **_learned(run)}}}))
         return Report("reconciling", "Shadowing", "ShadowScoring", msg,
                       ready_message=f"v{champion} serving; v{run.version} scored in shadow")
-    return _shadow_verdict(out, champion, judged.result, judged.reason, shadow_run.numbers(judged))
+    return _shadow_verdict(out, champion, judged.result, judged.reason, {**shadow_run.numbers(judged), **_learned(run)})
 
 
 def _shadow_verdict(out: _Steps, champion: str, result: str, reason: str, numbers: Mapping[str, Any]) -> Report:

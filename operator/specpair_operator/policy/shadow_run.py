@@ -35,8 +35,8 @@ from specpair.stats import PairedSums, RequestMoments
 
 from specpair_operator.crd import conditions as c
 from specpair_operator.release.registry_contract import TAG_SHADOW_VERDICT
-from specpair_operator.policy.shadow_verdict import (PROMOTE, REJECTED, UNDECIDED, ShadowEvidence, ShadowPolicy,
-                                                     ShadowVerdict, judge_shadow)
+from specpair_operator.policy.shadow_verdict import (PROMOTE, REJECTED, UNDECIDED, LearnedTarget, ShadowEvidence,
+                                                     ShadowPolicy, ShadowVerdict, judge_learned, judge_shadow)
 
 # On the candidate's model version (crash marks: each written before what it stands for).
 TAG_SHADOW_STARTED = "specpair.shadow.started_at"
@@ -72,6 +72,9 @@ class ShadowRun:
     started_at: str               # '' until the champion's pods first roll to carry it
     settings: ShadowSettings
     started_for: str = ""         # the roll the start was marked for (rolled_to; '' if unknown)
+    # A draft trained for one drifted category (issue 58): judged there against a fixed reference
+    # (shadow_verdict.judge_learned) instead of against the champion's drafts.
+    learned: LearnedTarget | None = None
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,8 @@ def judge(run: ShadowRun, digest: str, pod_stats: Iterable[Mapping[str, Any] | N
     hash `digest`), judged in the champion's `gated` categories; Undecided past `maxSeconds` is
     Rejected."""
     found, pods, seconds, tokens = evidence(pod_stats, digest)
-    verdict = judge_shadow(found, gated, (), run.settings.policy())
+    verdict = judge_shadow(found, gated, (), run.settings.policy()) if run.learned is None else \
+        judge_learned(found, gated, run.learned, run.settings.policy())
     elapsed = max(0.0, (c.parse_iso(now) - c.parse_iso(run.started_at or now)).total_seconds())
     result, reason = verdict.result, verdict.reason
     if result == UNDECIDED and elapsed >= run.settings.max_seconds:

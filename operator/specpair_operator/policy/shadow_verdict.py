@@ -208,3 +208,71 @@ def _empty() -> ShadowEvidence:
 def _names(comparisons: list[Comparison]) -> str:
     names = ("gated traffic pooled" if c.category == OVERALL else c.category for c in comparisons)
     return ", ".join(dict.fromkeys(names))
+
+
+# -- a learned draft (issue 58): judged on the category it was trained for -------------------------
+
+@dataclass(frozen=True)
+class LearnedTarget:
+    """What a draft trained for one drifted category must show in shadow before it serves: its
+    acceptance on `category` above `floor` (the release's floor there) and above `drifted` (what
+    the drifted release measured live there when the drift ladder gave up on rollback)."""
+    category: str
+    floor: float
+    drifted: float
+
+    @property
+    def reference(self) -> float:
+        return max(self.floor, self.drifted)
+
+
+def judge_learned(evidence: Mapping[str, ShadowEvidence], gated: Iterable[str], target: LearnedTarget,
+                  policy: ShadowPolicy = ShadowPolicy()) -> ShadowVerdict:
+    """The verdict on a learned draft. Its category is judged against a fixed reference
+    (target.reference), not against the champion's drafts on the same requests: the champion
+    usually serves target-only there (the ladder turned speculation off), so its side of the
+    shadow is empty. The candidate's acceptance there, with its standard error (requests as the
+    unit, drift.standard_error), must be above the reference at the shadow's confidence:
+        worse         upper < reference   -> Rejected
+        better        lower > reference   -> Promote (unless another gated category is worse)
+        otherwise     Undecided, Rejected once `max_requests` requests did not show it.
+    Other gated categories are judged as for any candidate (judge_shadow): surely worse than the
+    champion where both drafted rejects it; short ones (the champion target-only) say nothing."""
+    others = judge_shadow({c: e for c, e in evidence.items() if c != target.category},
+                          [c for c in gated if c != target.category], (), policy)
+    worse = [c for c in others.comparisons if c.status == WORSE and c.category != OVERALL]
+    mine = compare_to_reference(target, evidence.get(target.category, _empty()).candidate, policy)
+    shown = (mine,) + tuple(c for c in others.comparisons if c.category != OVERALL)
+    shift = tuple(c for c in others.shift if c != target.category)
+    if worse:
+        return ShadowVerdict(REJECTED, "worse than the champion in " + _names(worse), shown, shift)
+    if mine.status == WORSE:
+        return ShadowVerdict(REJECTED, f"acceptance on '{target.category}' {mine.candidate:.3f} is surely below "
+                             f"{_reference_words(target)}", shown, shift)
+    if mine.status == BETTER:
+        return ShadowVerdict(PROMOTE, f"acceptance on '{target.category}' {mine.candidate:.3f} (lower bound "
+                             f"{mine.champion + mine.lower:.3f}) is above "
+                             f"{_reference_words(target)}, and no gated category is worse", shown, shift)
+    if mine.status != SHORT and mine.requests >= policy.max_requests:
+        return ShadowVerdict(REJECTED, f"not shown above {_reference_words(target)} after {policy.max_requests} "
+                             f"requests of '{target.category}'", shown, shift)
+    return ShadowVerdict(UNDECIDED, "evidence short or inconclusive in " + _names([mine]), shown, shift)
+
+
+def compare_to_reference(target: LearnedTarget, candidate: RequestMoments, policy: ShadowPolicy) -> Comparison:
+    """The candidate's acceptance on the target's category against its reference, as a Comparison
+    whose `champion` is the reference and whose bounds are those of candidate - reference."""
+    reference = target.reference
+    rate = _rate(candidate)
+    requests = int(candidate.requests or 0)
+    if requests < policy.min_requests or candidate.drafted < policy.min_positions:
+        return Comparison(target.category, SHORT, rate, reference, -1.0, 1.0, requests)
+    se = standard_error(candidate, DriftPolicy(z=policy.z))[0]
+    lower, upper = rate - policy.z * se - reference, rate + policy.z * se - reference
+    status = WORSE if upper < 0 else BETTER if lower > 0 else INCONCLUSIVE
+    return Comparison(target.category, status, rate, reference, lower, upper, requests)
+
+
+def _reference_words(target: LearnedTarget) -> str:
+    return (f"its reference {target.reference:.3f} (the category's floor {target.floor:.3f}, the drifted "
+            f"release's live acceptance {target.drifted:.3f})")

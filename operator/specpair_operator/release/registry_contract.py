@@ -441,6 +441,16 @@ def with_history_line(description: str, line: str) -> str:
 TAG_PROMOTED_AT = "specpair.promoted_at"
 TAG_SPECULATION_OFF = "specpair.drift.speculation_off"
 TAG_SHADOW_VERDICT = "specpair.shadow.verdict"
+# On a version a training Job registered (gate/training_runner.py, issue 58): its lineage. The
+# release plan reads `release` and `category` to gate, shadow and promote it as a learned draft
+# (plan/learned_release.py).
+LINEAGE = "specpair.lineage"
+TAG_LINEAGE_RELEASE = f"{LINEAGE}.release"           # the version whose draft was retrained
+TAG_LINEAGE_RELEASE_HASH = f"{LINEAGE}.release_hash"  # that release's content hash
+TAG_LINEAGE_CATEGORY = f"{LINEAGE}.category"
+TAG_LINEAGE_CAPTURE = f"{LINEAGE}.capture"           # JSON: requests, tokens, releases, first, last
+TAG_LINEAGE_RUN = f"{LINEAGE}.training_run"          # the MLflow run holding the draft
+TAG_LINEAGE_JOB = f"{LINEAGE}.job"                   # the training Job (its pod's name)
 TAG_DRIFT_PROBE = "specpair.drift.probe"    # a drift probe began or ended (probe_mark)
 TAG_EVENT = "specpair.event"               # on an event run: which event
 TAG_EVENT_KEY = "specpair.event.key"       # on an event run: what makes writing it again a no-op

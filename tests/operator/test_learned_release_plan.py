@@ -1,0 +1,285 @@
+"""A learned draft takes the usual road (issue 58; plan/learned_release.py, shadow_verdict.judge_learned)
+as tables: which version a pass drives, the verdict on the category the draft was trained for,
+the loop's own steps (status.learnedRelease, the Learning condition, LearnedDraftPromoted or
+LearnedDraftRejected once); then the loop from a passed gate to promotion or rejection with the
+operator killed after each write in turn, and after every write. Pure: no servers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+
+import plan_tables
+from plan_tables import NOW, kinds
+from test_operator_shadow_plan import CHAMPION_TAGS, DRAFT_ONLY, GOOD, Cluster, per_request
+from specpair.stats import RequestMoments
+from specpair_operator.desired import manifests
+from specpair_operator.observe.world import Records, ReleaseWorld
+from specpair_operator.plan import learned_release as lr
+from specpair_operator.plan import release_plan as p
+from specpair_operator.plan import release_steps as rs
+from specpair_operator.policy import shadow_run
+from specpair_operator.policy.shadow_verdict import (PROMOTE, REJECTED, UNDECIDED, LearnedTarget, ShadowEvidence,
+                                                     ShadowPolicy, judge_learned)
+from specpair_operator.release import content as release
+from specpair_operator.release.registry_contract import (TAG_HASH, TAG_LINEAGE_CATEGORY, TAG_LINEAGE_RELEASE,
+                                                         TAG_RELEASE, TAG_ROLLED_BACK)
+
+LEARNED = {**DRAFT_ONLY, TAG_LINEAGE_RELEASE: "1", TAG_LINEAGE_CATEGORY: "code"}   # v2: a draft learned for v1
+RUN = {"version": "1", "category": "code", "job": "smp-train-v1-x", "phase": "done", "candidate": "2",
+       "message": "", "acceptance": 0.31}
+STATUS = {"training": {"runs": [RUN]}}
+
+
+def never(action: str, key: str, version: str) -> bool:
+    return False
+
+
+def recorded(*pairs: tuple[str, str]):
+    def was(action: str, key: str, version: str) -> bool:
+        return (action, key) in pairs
+    return was
+
+
+# -- which version a pass drives ---------------------------------------------------------------------
+
+SAID = ("LearnedDraftRejected", "2")
+TAGS = {"1": CHAMPION_TAGS, "2": LEARNED,
+        "4": {**DRAFT_ONLY, TAG_LINEAGE_RELEASE: "2", TAG_LINEAGE_CATEGORY: "chat"}}
+
+
+@pytest.mark.parametrize("what, spec, aliases, status, was, tags, drives, learned_for", [
+    ("nothing serves yet: the spec's release", "1", {}, STATUS, never, TAGS, "1", None),
+    ("the spec's release serves, no training: it", "1", {"champion": "1"}, {}, never, TAGS, "1", None),
+    ("a training registered v2 for v1: v2 takes the road", "1", {"champion": "1"}, STATUS, never, TAGS, "2", "code"),
+    ("its gate failed: v1 is driven again", "1", {"champion": "1"}, STATUS, recorded(("GateFailed", "2"), SAID),
+     TAGS, "1", None),
+    ("its gate broke for good: v1", "1", {"champion": "1"}, STATUS, recorded(("GateError", "2"), SAID), TAGS, "1",
+     None),
+    ("rejected in shadow: v1", "1", {"champion": "1"}, STATUS, recorded(("ShadowRejected", "2"), SAID), TAGS, "1",
+     None),
+    ("shadow refused (vLLM): v1", "1", {"champion": "1"}, STATUS, recorded(("ShadowRefused", "2"), SAID), TAGS, "1",
+     None),
+    ("rejected in shadow by a pass's serving plan, not said yet: v2 once more (it records the end)", "1",
+     {"champion": "1"}, STATUS, recorded(("ShadowRejected", "2")), TAGS, "2", "code"),
+    ("promoted once, rolled back since: v1", "1", {"champion": "1", "previous": "2"}, STATUS, recorded(SAID),
+     {**TAGS, "2": {**LEARNED, TAG_ROLLED_BACK: "drift"}}, "1", None),
+    ("the training still runs: v1", "1", {"champion": "1"}, {"training": {"runs": [{**RUN, "phase": "running",
+                                                                                     "candidate": ""}]}},
+     never, TAGS, "1", None),
+    ("a version not learned from the champion (lineage names another): v1", "1", {"champion": "1"}, STATUS, never,
+     {**TAGS, "2": {**LEARNED, TAG_LINEAGE_RELEASE: "7"}}, "1", None),
+    ("a changed spec (v3) goes the usual road, whatever was learned for v1", "3", {"champion": "1"}, STATUS, never,
+     TAGS, "3", None),
+    ("v2 promoted: the champion, with its learned facts", "1", {"champion": "2", "previous": "1"}, STATUS, never,
+     TAGS, "2", "code"),
+    ("a changed spec while a learned draft serves: the spec's release", "3", {"champion": "2"}, STATUS, never, TAGS,
+     "3", None),
+    ("v2 drifted in turn and trained v4: v4 takes the road", "1", {"champion": "2", "previous": "1"},
+     {"training": {"runs": [RUN, {**RUN, "version": "2", "category": "chat", "candidate": "4"}]}}, never, TAGS,
+     "4", "chat"),
+])
+def test_which_version_a_pass_drives(what, spec, aliases, status, was, tags, drives, learned_for):
+    drive = lr.driven_release(spec, aliases, lambda v: tags.get(v, {}), status, was)
+    assert drive.version == drives, what
+    assert (drive.learned.category if drive.learned else None) == learned_for, what
+
+
+def test_the_reference_is_the_floor_or_the_drifted_acceptance_whichever_is_higher():
+    floors = {**CHAMPION_TAGS}
+    rel = json.loads(LEARNED[TAG_RELEASE])
+    rel["gating"]["thresholds"] = {**rel["gating"]["thresholds"], "minAcceptance": 0.2,
+                                   "minCategoryAcceptance": {"code": 0.45}}
+    tags = {"1": floors, "2": {**LEARNED, TAG_RELEASE: json.dumps(rel)}}
+    drive = lr.driven_release("1", {"champion": "1"}, lambda v: tags[v], STATUS, never)
+    assert drive.learned.target == LearnedTarget("code", 0.45, 0.31) and drive.learned.target.reference == 0.45
+    rel["gating"]["thresholds"]["minCategoryAcceptance"] = {}
+    tags["2"] = {**LEARNED, TAG_RELEASE: json.dumps(rel)}
+    drive = lr.driven_release("1", {"champion": "1"}, lambda v: tags[v], STATUS, never)
+    assert drive.learned.target.reference == 0.31 and drive.learned.parent == "1" and drive.learned.job == RUN["job"]
+
+
+# -- the verdict on the category it was trained for -------------------------------------------------
+
+def moments(rate: float, requests: int, spread: float = 0.05) -> RequestMoments:
+    """`requests` requests of 20 first positions each, alternately `spread` above and below `rate`."""
+    out = RequestMoments.zero()
+    for i in range(requests):
+        a = 20 * max(0.0, min(1.0, rate + (spread if i % 2 else -spread)))
+        out = out + RequestMoments(20, a, 1, 400.0, a * a, 20 * a)
+    return out
+
+
+TARGET = LearnedTarget("code", 0.2, 0.31)
+EMPTY = RequestMoments.zero()
+
+
+@pytest.mark.parametrize("what, evidence, result, words", [
+    ("well above the reference, the champion target-only there: promoted",
+     {"code": ShadowEvidence(moments(0.7, 40), EMPTY)}, PROMOTE, "is above its reference 0.310"),
+    ("below the reference: rejected", {"code": ShadowEvidence(moments(0.1, 40), EMPTY)}, REJECTED,
+     "surely below its reference 0.310"),
+    ("too few requests: undecided", {"code": ShadowEvidence(moments(0.7, 5), EMPTY)}, UNDECIDED, "too few"),
+    ("around the reference: undecided", {"code": ShadowEvidence(moments(0.32, 40, 0.3), EMPTY)}, UNDECIDED,
+     "inconclusive"),
+    ("around it after max_requests: rejected", {"code": ShadowEvidence(moments(0.32, 2000, 0.3), EMPTY)}, REJECTED,
+     "not shown above"),
+    ("better on its category but surely worse than the champion on another gated one: rejected",
+     {"code": ShadowEvidence(moments(0.7, 40), EMPTY),
+      "chat": ShadowEvidence(moments(0.2, 40), moments(0.6, 40))}, REJECTED, "worse than the champion in chat"),
+    ("another category the champion serves target-only says nothing",
+     {"code": ShadowEvidence(moments(0.7, 40), EMPTY), "chat": ShadowEvidence(moments(0.2, 40), EMPTY)},
+     PROMOTE, "above"),
+])
+def test_a_learned_draft_is_judged_on_its_category_against_its_reference(what, evidence, result, words):
+    verdict = judge_learned(evidence, ["code", "chat", "*"], TARGET, ShadowPolicy())
+    assert verdict.result == result, (what, verdict.message)
+    assert words in verdict.message, (what, verdict.message)
+    assert verdict.comparisons[0].category == "code" and verdict.comparisons[0].champion == pytest.approx(0.31)
+
+
+# -- the loop's own steps beside the usual road's ---------------------------------------------------
+
+LEARNED_HASH = LEARNED[TAG_HASH]
+CANDIDATE = lr.LearnedCandidate("2", "1", "code", TARGET, "smp-train-v1-x")
+
+
+def learned_world(**changes: Any) -> ReleaseWorld:
+    w = plan_tables.candidate_world(tags=LEARNED, champion_tags=CHAMPION_TAGS, verdict=GOOD, rollout={"replicas": 1},
+                                    learned=CANDIDATE)
+    return dataclasses.replace(w, **changes)
+
+
+def status_of(steps: tuple[Any, ...]) -> dict[str, Any]:
+    return next(s.fields[lr.STATUS_FIELD] for s in steps if isinstance(s, rs.SetStatus) and lr.STATUS_FIELD in s.fields)
+
+
+def test_a_learned_draft_is_gated_by_the_gate_job_of_its_own_release():
+    w = learned_world(gate_status="pending", verdict=None, gate_jobs=(), records=Records({}), aliases={"champion": "1"},
+                      champion_release=None, gate_policy_owned=None)
+    steps = lr.learned_steps(w, p.plan_release(w))
+    names = kinds(steps)
+    assert "SetAlias candidate=2" in names and any(isinstance(s, rs.StartGateJob) and s.version == "2"
+                                                   for s in steps)
+    assert "Record GateStarted" in names
+    assert status_of(steps)["stage"] == lr.GATING and status_of(steps)["category"] == "code"
+    assert "Condition Learning=True LearnedDraftGating" in names
+    # The loop's status comes before the champion's serving (which may say more).
+    assert names.index("Condition Learning=True LearnedDraftGating") < names.index("ServeChampion - while gating")
+
+
+@pytest.mark.parametrize("rollout", [{"replicas": 1}, {"replicas": 1, "strategy": {"type": "Replace"}},
+                                     {"replicas": 1, "strategy": {"type": "Canary"}}])
+def test_a_passed_learned_draft_is_scored_in_shadow_whatever_the_strategy(rollout):
+    w = learned_world(rollout=rollout)
+    steps = lr.learned_steps(w, p.plan_release(w))
+    run = steps[-1].shadow
+    assert isinstance(steps[-1], rs.ServeChampion) and steps[-1].aliases["champion"] == "1"
+    assert run is not None and run.version == "2" and run.learned == TARGET
+    assert status_of(steps)["stage"] == lr.SHADOW
+    assert not [s for s in steps if isinstance(s, rs.SetAlias) and s.alias == "champion"]
+
+
+def test_a_failed_gate_leaves_the_champion_serving_and_says_why_once():
+    w = learned_world(gate_status="failed", verdict={**GOOD, "passed": False, "reasons": ["acceptance 0.1 < 0.2"]},
+                      records=Records({"GateStarted": ("2",)}))
+    steps = lr.learned_steps(w, p.plan_release(w))
+    names = kinds(steps)
+    assert "Record GateFailed" in names and "Record LearnedDraftRejected" in names
+    assert status_of(steps)["stage"] == lr.REJECTED and "GateFailed" in status_of(steps)["message"]
+    assert "v1 keeps serving as it was" in status_of(steps)["message"]
+    assert not [s for s in steps if isinstance(s, rs.SetAlias) and s.alias == "champion"]
+    again = lr.learned_steps(dataclasses.replace(w, records=Records({"GateStarted": ("2",), "GateFailed": ("2",),
+                                                                     "LearnedDraftRejected": ("2",)})),
+                             p.plan_release(w))
+    assert "Record LearnedDraftRejected" not in kinds(again) and status_of(again)["stage"] == lr.REJECTED
+
+
+# -- the loop, killed after any write -----------------------------------------------------------------
+
+def learned_stats(digest: str, rates: dict[str, float], requests: int = 60, seed: int = 1) -> dict[str, Any]:
+    """The pods' GetStats.shadow while they serve target-only: the candidate's side only."""
+    cats = {}
+    for i, (cat, rate) in enumerate(sorted(rates.items())):
+        one = per_request(rate, 0.5, requests, seed + i)
+        one["championAlpha"] = {k: 0 for k in one["championAlpha"]}
+        one.pop("alphaPaired")
+        cats[cat] = one
+    return {"categories": {}, "shadow": {"candidateHash": digest, "candidateVersion": "2", "categories": cats}}
+
+
+class LearningLoop(Cluster):
+    """v1 (the spec's release) serves; a training registered v2 for its category 'code', gated
+    and passed. Each pass drives what driven_release says (the reconciler's choice) and adds the
+    loop's steps; the pods report v2's shadow evidence on 'code' only from the candidate's side."""
+
+    def __init__(self, rate: float):
+        super().__init__({})
+        self.tags["2"] = dict(LEARNED)
+        self.rate = rate
+        self.status["training"] = {"runs": [dict(RUN)]}
+
+    def release_world(self) -> ReleaseWorld:
+        drive = lr.driven_release("1", self.aliases, lambda v: self.tags.get(v, {}), self.status,
+                                  self.records().was)
+        champion = self.aliases["champion"]
+        if drive.version == "2":
+            return learned_world(tags=self.tags["2"], aliases=dict(self.aliases), records=self.records(),
+                                 learned=drive.learned, champion_release=None if champion == "2" else json.loads(
+                                     self.tags[champion][TAG_RELEASE]))
+        return ReleaseWorld(pair=plan_tables.PAIR, namespace=plan_tables.NS, version="1",
+                            digest=CHAMPION_TAGS[TAG_HASH], thresholds=plan_tables.TH, aliases=dict(self.aliases),
+                            tags=self.tags["1"], gate_status="passed", verdict=GOOD, records=self.records(), now=NOW,
+                            rollout={"replicas": 1})
+
+    def plan_release(self, world: ReleaseWorld) -> tuple[Any, ...]:
+        return lr.learned_steps(world, p.plan_release(world))
+
+    def serving_world(self, step: rs.ServeChampion):
+        w = super().serving_world(step)
+        shadow = step.shadow
+        if shadow is None or not w.ready:
+            return w
+        dep = self.objects["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+        digest = release.content_hash(json.loads(dep[manifests.ANN_SHADOW_RELEASE]))
+        pod = dataclasses.replace(w.ready[0], stats=learned_stats(digest, {"code": self.rate}))
+        return dataclasses.replace(w, ready=(pod,))
+
+
+def loop(rate: float, crash_at: int | None = None, every: bool = False) -> LearningLoop:
+    cluster = LearningLoop(rate)
+    for _ in range(80):
+        if not cluster.one_pass(cluster.writes if every else crash_at):
+            return cluster
+    raise AssertionError(f"no convergence: {cluster.history}")
+
+
+@pytest.mark.parametrize("rate, ends", [(0.8, "promoted"), (0.05, "rejected")])
+def test_the_loop_converges_from_a_crash_after_any_write(rate, ends):
+    undisturbed = loop(rate)
+    promoted = ends == "promoted"
+    assert undisturbed.aliases["champion"] == ("2" if promoted else "1")
+    assert undisturbed.status[lr.STATUS_FIELD]["stage"] == ends
+    actions = Counter(a for a, _ in undisturbed.history)
+    assert actions["ShadowStarted"] == 1
+    assert actions["LearnedDraftPromoted" if promoted else "LearnedDraftRejected"] == 1
+    assert actions["LearnedDraftRejected" if promoted else "LearnedDraftPromoted"] == 0
+    assert actions["Promoted"] == int(promoted)
+    served = json.loads(undisturbed.objects["Deployment"]["spec"]["template"]["metadata"]["annotations"][
+        manifests.ANN_RELEASE])
+    assert served["mlflow"]["version"] == undisturbed.aliases["champion"]
+    verdict = json.loads(undisturbed.tags["2"][shadow_run.TAG_SHADOW_VERDICT])
+    assert verdict["learned"]["reference"] == pytest.approx(0.31) and "code" in verdict["categories"]
+    for crash_at in [*range(undisturbed.writes), None]:
+        crashed = loop(rate, crash_at, every=crash_at is None)
+        assert crashed.aliases == undisturbed.aliases, crash_at
+        assert crashed.status[lr.STATUS_FIELD] == undisturbed.status[lr.STATUS_FIELD], crash_at
+        assert sorted(set(crashed.history)) == sorted(crashed.history), f"recorded twice (crash at {crash_at})"
+        assert Counter(a for a, _ in crashed.history) == actions, crash_at
+        assert crashed.objects["Deployment"]["spec"]["template"] == \
+            undisturbed.objects["Deployment"]["spec"]["template"], crash_at
