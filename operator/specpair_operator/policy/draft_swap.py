@@ -14,8 +14,9 @@ swap:
 - an engine that does not report the draft it serves (one older than SwapDraft);
 - a pod template that changes beyond the release it mounts (resources, image, environment...):
   the pods would not get it until they restart.
-The engine refuses by name what it finds it cannot swap (a draft model whose cache lives in its
-paged pool); the operator then rolls the pods (plan/serving_draft_swap.py).
+The engine refuses by name what it finds it cannot swap (on its paged pool, a draft model's plane
+replaced by a lookup, or by a draft whose plane passes the pool's KV budget); the operator then
+rolls the pods (plan/serving_draft_swap.py).
 
 Releases are the dicts `release.build_release` writes, as served (gate-tuned, with `mlflow`).
 """
