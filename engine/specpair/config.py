@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from specpair.contract import MAX_SPECULATION_K
 from specpair.errors import SpecpairError
@@ -236,6 +238,24 @@ class Release:
         version = (release.get("mlflow") or {}).get("version")
         return cls(pair=pair, name=str(release["pair"]) if release.get("pair") else None,
                    version=str(version) if version else None, content_hash=content_hash(release))
+
+
+def read_release_file(path: str | Path, flag: str) -> dict:
+    """The release document in the JSON file at `path` (gate, distillation's golden prompts),
+    refused in words that name the flag it came by: no such file, unreadable, not JSON (where),
+    not a JSON object."""
+    file = Path(path)
+    if not file.is_file():
+        raise SpecpairError(f"{flag} {path}: no such file")
+    try:
+        release = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise SpecpairError(f"{flag} {path}: not JSON ({exc.msg}, line {exc.lineno})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecpairError(f"{flag} {path}: cannot be read ({exc})") from None
+    if not isinstance(release, dict):
+        raise SpecpairError(f"{flag} {path}: not a release (a JSON object)")
+    return release
 
 
 SEED_LIMIT = 1 << 64    # a seed keys its draws as one 64-bit word (rejection_sampler.seed_key)

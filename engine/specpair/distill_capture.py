@@ -18,10 +18,10 @@ the run measures its drafter on, before and after training (`golden_prompts`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from specpair.config import read_release_file
 from specpair.contract import DEFAULT_CATEGORY
 from specpair.errors import SpecpairError
 
@@ -98,14 +98,7 @@ def golden_prompts(release_file: str | None, category: str) -> tuple[list[str], 
         return [], True
     from specpair.bench import load_prompts
 
-    path = Path(release_file)
-    if not path.is_file():
-        raise SpecpairError(f"--golden-release {release_file}: no such file")
-    try:
-        release = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise SpecpairError(f"--golden-release {release_file}: not JSON ({exc.msg})") from None
-    gating = (release.get("gating") or {}) if isinstance(release, dict) else {}
+    gating = read_release_file(release_file, "--golden-release").get("gating") or {}
     given = gating.get("prompts")
     rows = given if isinstance(given, list) and given else load_prompts(None)
     return ([str(r["prompt"]) for r in rows

@@ -5,6 +5,7 @@ release's golden prompts of that category, loaded as a drafter; no data is refus
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -103,3 +104,24 @@ def test_distill_from_capture_refusals(tmp_path, tiny_target, capture_dir, capsy
     assert rc == 2
     assert "no captured requests of category 'code'" in capsys.readouterr().err
     assert not (tmp_path / "y" / "distill_summary.json").exists()
+
+
+@pytest.mark.parametrize("content, said", [(None, "no such file"), ("{'gating': 1", r"not JSON \(.*line 1\)"),
+                                           ("[1, 2]", r"not a release \(a JSON object\)"),
+                                           (b"\xff\xfe{}", "cannot be read")])
+def test_a_bad_release_file_is_refused_by_its_flag_by_the_gate_and_the_golden_prompts(tmp_path, content, said):
+    """One reader (config.read_release_file) for the gate's --release and distillation's
+    --golden-release: each refusal names the flag and the file, before any model loads."""
+    from specpair.gate import run_gate_file
+
+    path = tmp_path / "release.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(SpecpairError, match=f"^--golden-release {re.escape(str(path))}: {said}"):
+        golden_prompts(str(path), "qa")
+    with pytest.raises(SpecpairError, match=f"^--release {re.escape(str(path))}: {said}"):
+        run_gate_file(str(path), str(tmp_path / "verdict.json"), progress=lambda *_: None)
+    assert not (tmp_path / "verdict.json").exists()
+    assert golden_prompts(_release(tmp_path), "qa") == (["What is a list?"], True)

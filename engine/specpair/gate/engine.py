@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from specpair.config import GenerationParams, Release, SpeculationConfig
+from specpair.config import GenerationParams, Release, SpeculationConfig, read_release_file
 from specpair.contract import DEFAULT_CATEGORY, gate_tuning, speculation_off_reason, threshold_failures
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
@@ -198,13 +198,7 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
 
 def run_gate_file(release_path: str, out_path: str, *, device: str | None = None,
                   progress=print) -> dict:
-    path = Path(release_path)
-    if not path.is_file():
-        raise SpecpairError(f"release file not found: {release_path}")
-    try:
-        release = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise SpecpairError(f"release file {release_path} is not JSON: {exc.msg} (line {exc.lineno})") from exc
+    release = read_release_file(release_path, "--release")
     verdict, golden = run_gate(release, device=device, progress=progress)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
