@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -64,6 +66,29 @@ class BoundedDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
             current = self.build(body=body)
             return current if _essence_digest(current) == stored[DIFFBASE_DIGEST] else {}
         return stored
+
+
+# The cyclic garbage collector, tuned for a long-running process that keeps much and makes more:
+# what exists once the operator has started (its imports, Kopf's, MLflow's, gRPC's: ~190,000
+# objects) is frozen out of every collection (gc.freeze), and a young collection waits for
+# GC_YOUNG_THRESHOLD new objects rather than Python's 700. Each pass makes tens of thousands of
+# short-lived dicts while eight passes await their reads, so at 700 the young collections
+# promoted the passes' live temporaries, and the full collections that followed walked the whole
+# import-time heap each time: in a simulation of eight concurrent passes over a 100-pair heap a
+# third of the CPU went to the collector, 8% with the heap frozen, 5% with the threshold too.
+GC_YOUNG_THRESHOLD = 7000
+
+
+def tune_garbage_collector() -> bool:
+    """Only where the operator owns its process (Kopf on the main thread: `kopf run`, the chart's
+    entry point): an operator embedded in another program's thread (kopf.testing.KopfRunner in a
+    test process) leaves that program's collector as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    return True
 
 
 def registry_threads() -> int:
@@ -164,6 +189,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     asyncio.get_running_loop().set_default_executor(
         concurrent.futures.ThreadPoolExecutor(max_workers=registry_threads(), thread_name_prefix="specpair-registry"))
     STATE.periodic = asyncio.create_task(periodic_passes(reconcile_interval()))
+    tune_garbage_collector()
 
 
 @kopf.on.login()
