@@ -189,7 +189,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     asyncio.get_running_loop().set_default_executor(
         concurrent.futures.ThreadPoolExecutor(max_workers=registry_threads(), thread_name_prefix="specpair-registry"))
     STATE.periodic = asyncio.create_task(periodic_passes(reconcile_interval()))
-    tune_garbage_collector()
+    if tune_garbage_collector():
+        logging.getLogger("specpair.operator").info(
+            f"garbage collector: {gc.get_freeze_count()} start-up objects frozen, young threshold {GC_YOUNG_THRESHOLD}")
 
 
 @kopf.on.login()
