@@ -26,13 +26,12 @@ the next read it back from the server.
 from __future__ import annotations
 
 import contextvars
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 from specpair_operator.clients.engine_probe import GrpcEngineProbe
 from specpair_operator.clients.kube import PLURALS, Kube
-from specpair_operator.clients.pod_watch import (GONE, NAMED_KINDS, NamespacedWatch, OnChange, PodWatch,
+from specpair_operator.clients.pod_watch import (GONE, NAMED_KINDS, NamespacedWatch, OnChange, PodWatch, copied,
                                                  watch_timeout, watched_reads)
 from specpair_operator.clients.registry import PassRegistry, ReleaseRegistry
 
@@ -134,7 +133,7 @@ class CachingKube(Kube):
             return await super().get(api_version, plural, namespace, name)
         key = (plural, namespace or "", name)
         if plural in REPLAYED_PLURALS and reads.replaying and key in reads.objects:
-            return copy.deepcopy(reads.objects[key])
+            return copied(reads.objects[key])
         watch = self.named_watch(plural) if namespace else None
         answered, obj = watch.named(namespace, name) if watch is not None and namespace else (False, None)
         if answered:
@@ -145,7 +144,7 @@ class CachingKube(Kube):
         else:
             return await super().get(api_version, plural, namespace, name)
         if plural in REPLAYED_PLURALS:
-            reads.objects[key] = copy.deepcopy(obj)
+            reads.objects[key] = copied(obj)
         return obj
 
     def _drop(self, plural: str, namespace: str | None, name: str) -> None:
@@ -233,10 +232,10 @@ class RememberingProbe(GrpcEngineProbe):
         if reads is None:
             return await super().model_info(address, server_name)
         if reads.replaying and address in reads.pod_info:
-            return copy.deepcopy(reads.pod_info[address])
+            return copied(reads.pod_info[address])
         reads.count("GetModelInfo")
         info = await super().model_info(address, server_name)
-        reads.pod_info[address] = copy.deepcopy(info)
+        reads.pod_info[address] = copied(info)
         return info
 
     async def stats(self, address: str, server_name: str = "") -> dict[str, Any]:
@@ -272,8 +271,8 @@ class RememberingRegistry(PassRegistry):
         super().__init__(registry)
         self.pass_reads = reads
         if reads.replaying:
-            self._aliases = copy.deepcopy(reads.aliases)
-            self._tags = copy.deepcopy(reads.tags)
+            self._aliases = copied(reads.aliases)
+            self._tags = copied(reads.tags)
 
     def answered(self, method: str, *args: Any) -> bool:
         if method == "ensure_model":
@@ -298,5 +297,5 @@ class RememberingRegistry(PassRegistry):
 
     def keep(self) -> None:
         """What this pass read (and did not write since) is what the next settled pass starts from."""
-        self.pass_reads.aliases = copy.deepcopy(self._aliases)
-        self.pass_reads.tags = copy.deepcopy(self._tags)
+        self.pass_reads.aliases = copied(self._aliases)
+        self.pass_reads.tags = copied(self._tags)
