@@ -6,6 +6,9 @@ fit is refused by name and the old one keeps serving. The plane's fit is a pure 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import grpc
 import pytest
 from test_draft_swap import (NEW_TOKENS, PROMPTS, release_json, swap,
@@ -111,8 +114,12 @@ def test_rows_mid_reply_across_a_paged_swap_keep_their_output_and_no_block_leaks
     drafted_before = sum(s.stats.num_draft_tokens for s in seqs)
     assert drafted_before > 0
     old_rows = batch.draft_kv
+    old_keys = weakref.ref(engine.paged_space.draft.caches[0][0])
     install(engine, batch, loaded, catch_up_positions=catch_up)
     assert old_rows.batch_size == 0 and batch.draft_kv is not old_rows
+    del old_rows, loaded
+    gc.collect()
+    assert old_keys() is None          # the old plane's arrays are gone with its rows
     assert batch.draft_kv.lengths == [0] * len(prompts)         # each catches up on its next round
     assert [s.drafts_ended for s in seqs] == [not catch_up] * len(prompts)
     while batch.active:
