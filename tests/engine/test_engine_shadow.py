@@ -369,3 +369,31 @@ def test_on_smollm2_the_shadow_scores_ngram_beside_a_tiny_head_as_it_would_serve
     served = run_batches(SpeculativeEngine(target, drafter=NgramDrafter(), speculation=CANDIDATE), sampled)
     # Both Bernoulli means (the replay counts hits, as serving does).
     assert_sampled_alpha_agrees(served, scorer, "SmolLM2 sampled n-gram alpha")
+
+
+def test_the_candidate_is_scored_while_the_champion_serves_target_only(models):
+    """Issue 58: a draft learned for a drifted category is scored in shadow on pods whose drift
+    ladder turned speculation off (SetSpeculation: controller.enabled False). The champion drafts
+    nothing, so its side is empty, and the candidate's counts are still what it measures serving
+    the same requests itself: the operator judges it against a fixed reference on that side alone
+    (shadow_verdict.judge_learned)."""
+    target, draft, _other = models
+    greedy = plan(n=24)
+    engine = SpeculativeEngine(target, draft=draft)
+    engine.controller.enabled = False            # what SetSpeculation(enabled=False) applies
+    make = lambda: ModelDrafter(draft, vocab_size=engine.vocab_size)   # noqa: E731
+    scorer = shadowed(engine, make())
+    champion_run = run(engine, greedy)
+    served = served_by_candidate(target, make, greedy)
+    scores = scorer.snapshot()
+    assert set(scores) == set(served)
+    for category, seq in served.items():
+        assert champion_run[category].generated == seq.generated
+        assert champion_run[category].stats.num_draft_tokens == 0, "the champion served target-only"
+        s = scores[category]
+        assert (s.champion_alpha.drafted, s.champion_chain.drafted) == (0, 0), category
+        assert (s.candidate_chain.drafted, s.candidate_chain.accepted) == \
+            (seq.stats.num_draft_tokens, seq.stats.num_accepted_tokens), category
+        first = seq.stats.num_accepted_tokens_per_pos[0] if seq.stats.num_drafts else 0
+        assert (s.candidate_alpha.drafted, s.candidate_alpha.accepted) == (seq.stats.num_drafts, first)
+    assert sum(s.candidate_alpha.accepted for s in scores.values()) > 0

@@ -154,6 +154,16 @@ def with_shadow(dep: dict[str, Any], candidate: dict[str, Any], share: float) ->
     return dep
 
 
+# How long the kubelet waits for an engine's health answer (its default: 1 s). A serving engine on
+# a busy CPU node answers late, not never: with 1 s, three late answers in a row restarted a
+# working engine, failing the requests in flight and, until its readiness caught up, those still
+# sent to a pod listed Ready (the canary e2e test on the devcluster at load). Liveness restarts
+# only a process silent for its whole timeout at three periods running; readiness still takes a
+# slow pod out of the endpoints, but not one merely late by a second.
+READINESS_TIMEOUT_S = 5
+LIVENESS_TIMEOUT_S = 10
+
+
 def _engine_probes(port: int, tls: bool) -> dict[str, Any]:
     """Model loading takes a while; the engine says it serves only once loaded: the gRPC health
     service SERVING, /health 200 (both say not yet while loading and again while draining).
@@ -167,8 +177,9 @@ def _engine_probes(port: int, tls: bool) -> dict[str, Any]:
     probe = ({"httpGet": {"path": "/health", "port": "http", "scheme": "HTTPS"}} if tls
              else {"grpc": {"port": port}})
     return {"startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 60},
-            "readinessProbe": {**probe, "periodSeconds": 5},
-            "livenessProbe": {**probe, "periodSeconds": 20, "failureThreshold": 3}}
+            "readinessProbe": {**probe, "periodSeconds": 5, "timeoutSeconds": READINESS_TIMEOUT_S},
+            "livenessProbe": {**probe, "periodSeconds": 20, "failureThreshold": 3,
+                              "timeoutSeconds": LIVENESS_TIMEOUT_S}}
 
 
 def _engine_deployment_of(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
@@ -232,7 +243,7 @@ def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest:
         # target starts a process a rank: as long as the gate lets its servers take.
         "startupProbe": {**health, "periodSeconds": STARTUP_PERIOD_S,
                          "failureThreshold": start_budget_seconds(release) // STARTUP_PERIOD_S},
-        "livenessProbe": {**health, "periodSeconds": 20, "failureThreshold": 3},
+        "livenessProbe": {**health, "periodSeconds": 20, "failureThreshold": 3, "timeoutSeconds": LIVENESS_TIMEOUT_S},
     }
     companion = {
         "name": "companion",
@@ -247,8 +258,10 @@ def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest:
         "volumeMounts": [{"name": "release", "mountPath": RELEASE_DIR, "readOnly": True}, socket_mount,
                          {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}],
         "securityContext": container_security(),
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
-        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 20, "failureThreshold": 3},
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+                           "timeoutSeconds": READINESS_TIMEOUT_S},
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 20, "failureThreshold": 3,
+                          "timeoutSeconds": LIVENESS_TIMEOUT_S},
     }
     volumes = [{"name": "vllm-socket", "emptyDir": {}},
                {"name": "tls", "secret": {"secretName": engine_tls_secret_name(pair), "defaultMode": 0o440}}]
