@@ -550,7 +550,8 @@ def test_serving_tls_hands_the_engine_certificate_to_both_serving_ports_and_prob
         (plain,) = engine_objects.engine_deployment("p", "ns", rel, digest, "3", off,
                                                "http://mlflow:5000")["spec"]["template"]["spec"]["containers"]
         assert "--insecure" in plain["command"] and "--tls-cert" not in plain["command"]
-        assert plain["readinessProbe"] == {"grpc": {"port": 50051}, "periodSeconds": 5}
+        assert plain["readinessProbe"] == {"grpc": {"port": 50051}, "periodSeconds": 5,
+                                           "timeoutSeconds": engine_objects.READINESS_TIMEOUT_S}
         assert engine_objects.engine_service("p", "ns", off)["spec"]["ports"][-1]["appProtocol"] == "http"
 
     # The operator's twin of the CRD's rules: TLS needs the HTTP port (the probes) and engine specpair.

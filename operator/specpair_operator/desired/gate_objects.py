@@ -9,10 +9,10 @@ from specpair.vllm_parallel import cpu_binding_env
 from specpair_operator.crd import names
 from specpair_operator.crd.schema import has_gpu
 from specpair_operator.desired.manifests import (ANN_HASH, LABEL_PAIR, LABEL_ROLE, RELEASE_FILE, TERMINATION_LOG,
-                                                 MlflowCredentials, PodDefaults, container_security, engine_image,
-                                                 gate_job_name, gate_policy_name, pod_env, pod_labels,
-                                                 pod_mounts, pod_resources, pod_spec, release_annotations,
-                                                 shm_mounts, shm_volumes)
+                                                 MlflowCredentials, PodDefaults, container_security, gate_job_name,
+                                                 gate_policy_name, pod_env, pod_labels, pod_mounts, pod_resources,
+                                                 pod_spec, release_job, release_job_container, shm_mounts,
+                                                 shm_volumes)
 
 
 def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, version: str,
@@ -23,17 +23,13 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
     attempt when one ends without a verdict (gate_attempts.py).
     Deleted defaults.gate_ttl_seconds after it finishes (its verdict lives in MLflow)."""
     labels = pod_labels(pair, "gate", version)
+    # The runner retries MLflow until shortly before the Job's deadline.
+    command = ["python", "-m", "specpair_operator.gate.runner", "--release", RELEASE_FILE,
+               "--termination-log", TERMINATION_LOG, "--deadline-seconds", str(int(deadline_seconds))]
     container = {
-        "name": "gate",
-        "image": engine_image(release, rollout),
-        "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
-        # The runner retries MLflow until shortly before the Job's deadline.
-        "command": ["python", "-m", "specpair_operator.gate.runner", "--release", RELEASE_FILE,
-                    "--termination-log", TERMINATION_LOG, "--deadline-seconds", str(int(deadline_seconds))],
         # The verdict's digest, written by the gate runner: the operator checks MLflow's verdict
         # against it (gate_verdict.verify_verdict).
-        "terminationMessagePath": TERMINATION_LOG,
-        "terminationMessagePolicy": "File",
+        **release_job_container("gate", release, rollout, command, "File"),
         "env": pod_env(tracking_uri, credentials, rollout=rollout, defaults=defaults)
         + cpu_binding_env(release, rollout, has_gpu(rollout)),  # vLLM split over CPU processes
         "volumeMounts": pod_mounts(rollout),
@@ -42,25 +38,9 @@ def gate_job(pair: str, namespace: str, release: dict[str, Any], digest: str, ve
     if rollout.get("resources"):
         container["resources"] = pod_resources(release, rollout)
     container["volumeMounts"] += shm_mounts(release)
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": gate_job_name(pair, digest, attempt), "namespace": namespace, "labels": labels,
-                     "annotations": {ANN_HASH: digest}},
-        "spec": {
-            "backoffLimit": 0,
-            "activeDeadlineSeconds": int(deadline_seconds),
-            "ttlSecondsAfterFinished": int(defaults.gate_ttl_seconds),
-            "template": {
-                "metadata": {"labels": labels, "annotations": release_annotations(release, digest)},
-                "spec": {
-                    "restartPolicy": "Never",
-                    "containers": [container],
-                    **pod_spec(rollout, defaults, extra_volumes=shm_volumes(release)),
-                },
-            },
-        },
-    }
+    return release_job(gate_job_name(pair, digest, attempt), namespace, labels, {ANN_HASH: digest}, release, digest,
+                       container, pod_spec(rollout, defaults, extra_volumes=shm_volumes(release)),
+                       backoff_limit=0, deadline_seconds=deadline_seconds, defaults=defaults)
 
 
 def gate_network_policy(pair: str, namespace: str) -> dict[str, Any]:

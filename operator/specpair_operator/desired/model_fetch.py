@@ -127,15 +127,11 @@ def desired_fetch_job(pair: str, namespace: str, release: dict[str, Any], rollou
     credentials = credentials if any(m["kind"] == "mlflow" for m in fetched_sources(release)) else None
     labels = manifests.pod_labels(pair, ROLE)
     digest = content_hash(release)   # what fetch-models reports for this release file
+    command = ["python", "-m", "specpair", "fetch-models", "--release", manifests.RELEASE_FILE,
+               "--cache-dir", manifests.HUB_CACHE_DIR, "--termination-log", manifests.TERMINATION_LOG]
     container = {
-        "name": "fetch",
-        "image": manifests.engine_image(release, rollout),
-        "imagePullPolicy": rollout.get("imagePullPolicy", "IfNotPresent"),
-        "command": ["python", "-m", "specpair", "fetch-models", "--release", manifests.RELEASE_FILE,
-                    "--cache-dir", manifests.HUB_CACHE_DIR, "--termination-log", manifests.TERMINATION_LOG],
-        "terminationMessagePath": manifests.TERMINATION_LOG,
         # The report the command writes; its log's tail if it died before writing one.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
+        **manifests.release_job_container("fetch", release, rollout, command, "FallbackToLogsOnError"),
         "env": manifests.pod_env(tracking_uri, credentials, rollout=online, defaults=defaults),
         "volumeMounts": [*manifests.pod_mounts(online), {"name": "hub", "mountPath": manifests.HUB_CACHE_DIR}],
         "resources": copy.deepcopy(FETCH_RESOURCES),
@@ -143,21 +139,10 @@ def desired_fetch_job(pair: str, namespace: str, release: dict[str, Any], rollou
     }
     pod_spec = manifests.pod_spec(online, defaults)
     pod_spec["volumes"] = [*pod_spec["volumes"], {"name": "hub", "persistentVolumeClaim": {"claimName": claim}}]
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": fetch_job_name(pair, models_digest(release)), "namespace": namespace, "labels": labels,
-                     "annotations": {manifests.ANN_HASH: digest}},
-        "spec": {
-            "backoffLimit": FETCH_BACKOFF_LIMIT,
-            "activeDeadlineSeconds": deadline_seconds(rollout),
-            "ttlSecondsAfterFinished": int(defaults.gate_ttl_seconds),
-            "template": {
-                "metadata": {"labels": labels, "annotations": manifests.release_annotations(release, digest)},
-                "spec": {"restartPolicy": "Never", "containers": [container], **pod_spec},
-            },
-        },
-    }
+    return manifests.release_job(
+        fetch_job_name(pair, models_digest(release)), namespace, labels, {manifests.ANN_HASH: digest},
+        release, digest, container, pod_spec,
+        backoff_limit=FETCH_BACKOFF_LIMIT, deadline_seconds=deadline_seconds(rollout), defaults=defaults)
 
 
 @dataclass(frozen=True)
