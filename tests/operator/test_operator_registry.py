@@ -230,6 +230,21 @@ def test_a_pass_answers_what_it_has_read_where_it_runs(reg):
     assert asked_on[0] != here and asked_on[1] == here, asked_on
     assert not reads.answered("aliases", model)
 
+    # A function that reads through the view: here while its reads are held, on a thread from
+    # the first that is not (the aliases, not read yet), and then with MLflow's answer.
+    ran_on: list[str] = []
+
+    def champion_tags(v: str) -> tuple[dict, dict]:
+        ran_on.append(threading.current_thread().name)
+        return reads.version_tags(model, v), reads.aliases(model)
+
+    assert asyncio.run(reads.local_first(reads.version_tags, model, version)) == first
+    tags, aliases_read = asyncio.run(reads.local_first(champion_tags, version))
+    assert tags == first and aliases_read == {} and ran_on[0] == here and ran_on[1] != here, ran_on
+    ran_on.clear()
+    asyncio.run(reads.local_first(champion_tags, version))
+    assert ran_on == [here]
+
 
 def test_gate_record_writes_through_a_server_that_does_not_proxy_artifacts(tmp_path):
     """The gate runner records over MLflow's REST API; where the server hands out artifact URIs it

@@ -189,7 +189,7 @@ class PairReconciler:
         self.ledger.set(candidateVersion=version, contentHash=digest)
         # While the spec's release serves, a draft a training Job learned for it takes the usual
         # road in its place (plan/learned_release.py); its release is its registered contract.
-        drive = await self.registry(self._driven_release, reg, model, version)
+        drive = await reg.local_first(self._driven_release, reg, model, version)
         if drive.version != version:
             learned_rel = release_of_tags(await self.registry(reg.version_tags, model, drive.version))
             if learned_rel is not None:

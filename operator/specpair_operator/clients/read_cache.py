@@ -286,12 +286,12 @@ class RememberingRegistry(PassRegistry):
         super().ensure_model(model_name, pair_ref, pair_uid)
 
     def aliases(self, model_name: str) -> dict[str, str]:
-        if model_name not in self._aliases:
+        if model_name not in self._aliases and not self._local_only:
             self.pass_reads.count("mlflow")
         return super().aliases(model_name)
 
     def version_tags(self, model_name: str, version: str) -> dict[str, str]:
-        if (model_name, str(version)) not in self._tags:
+        if (model_name, str(version)) not in self._tags and not self._local_only:
             self.pass_reads.count("mlflow")
         return super().version_tags(model_name, version)
 

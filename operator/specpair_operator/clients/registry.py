@@ -275,6 +275,10 @@ class ReleaseRegistry:
         self.set_tags(model_name, version, gate_error_tags(message))
 
 
+class NotReadYet(Exception):
+    """A read local_first's function made that this pass has not: it runs again on a thread."""
+
+
 class PassRegistry:
     """One reconcile pass's view of the registry: a model's aliases and a version's tags are
     read from MLflow once per pass and then answered from what was read. A pass asks for the
@@ -289,6 +293,7 @@ class PassRegistry:
         self.registry = registry
         self._aliases: dict[str, dict[str, str]] = {}
         self._tags: dict[tuple[str, str], dict[str, str]] = {}
+        self._local_only = False      # inside local_first: a read not yet made raises NotReadYet
 
     def answered(self, method: str, *args: Any) -> bool:
         """Whether `method(*args)` is answered from what this pass has read, without asking MLflow."""
@@ -297,6 +302,19 @@ class PassRegistry:
         if method in ("version_tags", "gate_result"):
             return (args[0], str(args[1])) in self._tags
         return False
+
+    async def local_first(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, a function that only reads through this view: on the event loop while every
+        read it makes is answered from this pass's reads, and run again on a thread (MLflow's
+        client blocks) from its first read that is not."""
+        self._local_only = True
+        try:
+            return fn(*args)
+        except NotReadYet:
+            pass
+        finally:
+            self._local_only = False
+        return await asyncio.to_thread(fn, *args)
 
     async def read(self, method: str, *args: Any) -> Any:
         """`method(*args)`: on the event loop when this pass's reads answer it, else on a thread
@@ -316,12 +334,16 @@ class PassRegistry:
 
     def aliases(self, model_name: str) -> dict[str, str]:
         if model_name not in self._aliases:
+            if self._local_only:
+                raise NotReadYet(model_name)
             self._aliases[model_name] = self.registry.aliases(model_name)
         return dict(self._aliases[model_name])
 
     def version_tags(self, model_name: str, version: str) -> dict[str, str]:
         key = (model_name, str(version))
         if key not in self._tags:
+            if self._local_only:
+                raise NotReadYet(f"{model_name} v{version}")
             self._tags[key] = self.registry.version_tags(model_name, version)
         return dict(self._tags[key])
 
