@@ -206,16 +206,24 @@ def profile(pid: int, out: Path, seconds: float, native: bool = False) -> dict:
 
 
 def git_commit(ref: str) -> str:
+    if Path(ref).is_dir():
+        return str(ref)
     return subprocess.run(["git", "rev-parse", "--short", ref], cwd=REPO, capture_output=True, text=True,
                           check=True).stdout.strip()
 
 
 def source_tree(ref: str, dest: Path) -> str:
-    """The operator's and engine's packages as commit `ref` has them (git archive), under `dest`:
-    the PYTHONPATH that runs that commit's operator ahead of the installed (editable) tree."""
-    dest.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", ref, "operator", "engine"], cwd=REPO, capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    """The operator's and engine's packages as commit `ref` has them (git archive), under `dest`
+    (or `ref` itself, a folder that holds them: a tree extracted before, for a bench run from a
+    snapshot that is no git checkout): the PYTHONPATH that runs that operator ahead of the
+    installed (editable) tree."""
+    if Path(ref).is_dir():
+        dest = Path(ref).resolve()
+    else:
+        dest.mkdir(parents=True)
+        archive = subprocess.run(["git", "archive", ref, "operator", "engine"], cwd=REPO, capture_output=True,
+                                 check=True)
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
     return os.pathsep.join([str(dest / "operator"), str(dest / "engine"),
                             *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
 
