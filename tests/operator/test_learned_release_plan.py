@@ -283,3 +283,31 @@ def test_the_loop_converges_from_a_crash_after_any_write(rate, ends):
         assert Counter(a for a, _ in crashed.history) == actions, crash_at
         assert crashed.objects["Deployment"]["spec"]["template"] == \
             undisturbed.objects["Deployment"]["spec"]["template"], crash_at
+
+
+# -- the drift ladder of a learned champion -----------------------------------------------------------
+
+PROMOTED_TAGS = {**LEARNED, shadow_run.TAG_SHADOW_VERDICT: shadow_run.verdict_tag(
+    {"result": "Promote", "reason": "r", "categories": {},
+     "learned": {"category": "code", "floor": 0.2, "driftedAcceptance": 0.31, "reference": 0.31}})}
+
+
+@pytest.mark.parametrize("what, tags, previous_version, baseline, previous", [
+    ("promoted as a learned draft: its category held to its reference, its parent to what it did live there",
+     PROMOTED_TAGS, "1", {"*": 0.7, "code": 0.31, "chat": 0.6}, {"*": 0.7, "code": 0.31, "chat": 0.6}),
+    ("the previous release is not its parent (a rollback since): only its own baseline",
+     PROMOTED_TAGS, "9", {"*": 0.7, "code": 0.31, "chat": 0.6}, {"*": 0.7, "code": 0.8, "chat": 0.6}),
+    ("a release promoted otherwise (no learned block): the gated baselines",
+     {**LEARNED, shadow_run.TAG_SHADOW_VERDICT: shadow_run.verdict_tag({"result": "Promote", "reason": "r"})}, "1",
+     {"*": 0.7, "code": 0.8, "chat": 0.6}, {"*": 0.7, "code": 0.8, "chat": 0.6}),
+    ("a rejected verdict says nothing of the champion", {**PROMOTED_TAGS, shadow_run.TAG_SHADOW_VERDICT:
+     PROMOTED_TAGS[shadow_run.TAG_SHADOW_VERDICT].replace("Promote", "Rejected")}, "1",
+     {"*": 0.7, "code": 0.8, "chat": 0.6}, {"*": 0.7, "code": 0.8, "chat": 0.6}),
+])
+def test_a_learned_champion_drifts_against_what_it_was_promoted_on(what, tags, previous_version, baseline, previous):
+    """Its golden-prompt figure on the category (0.8) is for text the traffic left: held to it, the
+    draft that beat 0.31 live would drift at once, and its parent (gated 0.8 there too, though it
+    drifted to 0.31) would look like a rollback that helps."""
+    gated = {"*": 0.7, "code": 0.8, "chat": 0.6}
+    assert lr.learned_baselines(gated, dict(gated), tags, previous_version) == (baseline, previous), what
+    assert lr.learned_baselines(gated, None, tags, previous_version)[1] is None

@@ -234,3 +234,29 @@ def learned_steps(world: ReleaseWorld, planned: tuple[Step, ...]) -> tuple[Step,
         "driftedAcceptance": learned.target.drifted, "job": learned.job, "message": message[:1500]}}))
     at = next((i for i, s in enumerate(steps) if isinstance(s, ServeChampion)), len(steps))
     return tuple(steps[:at] + mine + steps[at:])
+
+
+def learned_baselines(baseline: Mapping[str, float], previous: Mapping[str, float] | None,
+                      champion_tags: Mapping[str, str], previous_version: str | None
+                      ) -> tuple[dict[str, float], dict[str, float] | None]:
+    """The drift ladder's baselines for a champion promoted as a learned draft. Its category's gated
+    figure comes from the golden prompts, whose text the drifted traffic left: judged against it,
+    a draft that beat its reference on the live traffic would drift at once, and rolling back to
+    its parent would look like it helps (the parent's golden figure is high too, though the parent
+    drifted on this very traffic). So on that category the champion is held to the reference it
+    was promoted on (when lower than its gated figure), and its parent, as the previous release,
+    to what it did live there when it drifted."""
+    base, prev = dict(baseline), None if previous is None else dict(previous)
+    verdict = shadow_run.read_verdict(champion_tags)
+    learned = (verdict or {}).get("learned") if (verdict or {}).get("result") == shadow_run.PROMOTE else None
+    if not isinstance(learned, Mapping) or not learned.get("category"):
+        return base, prev
+    category = str(learned["category"])
+    reference, drifted = learned.get("reference"), learned.get("driftedAcceptance")
+    if isinstance(reference, (int, float)):
+        base[category] = min(float(base.get(category, reference)), float(reference))
+    parent = str(champion_tags.get(TAG_LINEAGE_RELEASE) or "")
+    if prev is not None and parent and parent == str(previous_version or "") and category in prev \
+            and isinstance(drifted, (int, float)):
+        prev[category] = min(prev[category], float(drifted))
+    return base, prev

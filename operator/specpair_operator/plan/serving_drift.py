@@ -22,6 +22,7 @@ from specpair_operator.observe.serving_world import EnginePod, ServingWorld
 from specpair_operator.plan.serving_steps import address, DriftChecked, ForgetDrift, LogWarning, RememberDrift, _Steps
 from specpair_operator.plan.serving_speculation import _switch
 from specpair_operator.plan import learning
+from specpair_operator.plan import learned_release
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,10 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
     # vLLM pods count per category too (their companion, from vLLM's per-request acceptance):
     # both engines are judged against the gated baseline per category, by the same rules.
     baseline = gate_verdict.baseline_from_verdict(dict(w.verdict))
+    # A learned draft's category is held to what it was promoted on, not to golden prompts the
+    # traffic left (learned_release.learned_baselines).
+    baseline, previous_baseline = learned_release.learned_baselines(baseline, previous_baseline, w.tags,
+                                                                    w.aliases.get(aliases_mod.PREVIOUS))
     # Acceptance and serving health (latency, errors) climb the same ladder.
     serving_pods = [serving_health.serving_pod(p.pod, pod.stats or {}, p.started) for p, pod in zip(observed, pods)]
     outcome = serving_health.decide(
