@@ -311,3 +311,20 @@ def test_a_learned_champion_drifts_against_what_it_was_promoted_on(what, tags, p
     gated = {"*": 0.7, "code": 0.8, "chat": 0.6}
     assert lr.learned_baselines(gated, dict(gated), tags, previous_version) == (baseline, previous), what
     assert lr.learned_baselines(gated, None, tags, previous_version)[1] is None
+
+
+def test_a_learned_draft_that_cannot_be_shadowed_is_not_promoted():
+    """On vLLM the shadow is refused: a learned draft then ends its try, the champion serving as it
+    was (it is never promoted without evidence, whatever the spec's strategy)."""
+    on_vllm = json.loads(LEARNED[TAG_RELEASE])
+    on_vllm["engine"] = {**(on_vllm.get("engine") or {}), "kind": "vllm"}
+    champion = json.loads(CHAMPION_TAGS[TAG_RELEASE])
+    champion["engine"] = dict(on_vllm["engine"])
+    w = learned_world(tags={**LEARNED, TAG_RELEASE: json.dumps(on_vllm)}, champion_release=champion,
+                      rollout={"replicas": 1, "strategy": {"type": "Replace"}})
+    steps = lr.learned_steps(w, p.plan_release(w))
+    names = kinds(steps)
+    assert "Record ShadowRefused" in names and "Record LearnedDraftRejected" in names
+    assert not [s for s in steps if isinstance(s, rs.SetAlias) and s.alias == "champion"]
+    assert "promoted on shadow evidence only" in status_of(steps)["message"]
+    assert status_of(steps)["stage"] == lr.REJECTED and steps[-1].desired is None

@@ -62,7 +62,8 @@ def plan_shadow(out: ReleaseSteps, champion: str, candidate: dict[str, Any],
         return False
     if strategy.refused:
         msg = (f"v{version} cannot be scored in shadow: {strategy.refused}; v{champion} keeps serving "
-               f"(rollout.strategy.type Replace or Canary rolls it out otherwise)")
+               + ("(a learned draft is promoted on shadow evidence only)" if w.learned is not None else
+                  "(rollout.strategy.type Replace or Canary rolls it out otherwise)"))
         out.add(Condition(shadow_run.SHADOW_SCORED, False, "ShadowRefused", msg))
         if not out.was("ShadowRefused", version, version):
             out.add(Record("ShadowRefused", msg, champion, version, warning=True, key=version))
