@@ -129,3 +129,28 @@ def test_rows_mid_reply_across_a_paged_swap_keep_their_output_and_no_block_leaks
     assert drafted_after > 0 if catch_up else drafted_after == 0     # the new draft drafted, or none did
     assert pool.idle and all(not table for table in pool.tables.values())
     assert batch.drafter.draft_model() is other.model
+
+
+def test_a_draft_model_swapped_into_a_contiguous_lookup_batch_gets_its_prefix_keys(tiny_pair, monkeypatch):
+    # The contiguous cache's prefix store serves one cache more after an n-gram -> draft model
+    # swap: each row in flight gets its keys for it (before Batch.replace_drafter the store's
+    # save after the next step indexed a key the row did not have, and the step failed).
+    from specpair.paged_cache import PAGED_ENV
+
+    monkeypatch.setenv(PAGED_ENV, "off")
+    target, draft = tiny_pair
+    engine = SpeculativeEngine(target, drafter="ngram")
+    assert engine.paged_space is None and engine.prefix_store is not None
+    prompt, params = PROMPTS[2] * 4, GenerationParams(max_new_tokens=NEW_TOKENS)
+    batch = engine.new_batch()
+    seqs = [batch.add(engine.encode(prompt), params) for _ in range(2)]
+    batch.step()
+    loaded = load_release_drafter(engine, read_release(release_json(target.source, "2", draft_source="d")),
+                                  load_model=lambda *_a, **_k: draft)
+    install(engine, batch, loaded)
+    assert [len(s.prefix_keys) for s in seqs] == [len(batch.prefix_caches)] * 2 == [2, 2]
+    while batch.active:
+        batch.step()
+    expected = reference(tiny_pair, prompt, NEW_TOKENS).token_ids
+    assert [batch.result(s).token_ids for s in seqs] == [expected, expected]
+    assert engine.prefix_store.missing(seqs[0].prefix_keys[1]) == []     # the draft's blocks saved
