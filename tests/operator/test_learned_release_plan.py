@@ -328,3 +328,13 @@ def test_a_learned_draft_that_cannot_be_shadowed_is_not_promoted():
     assert not [s for s in steps if isinstance(s, rs.SetAlias) and s.alias == "champion"]
     assert "promoted on shadow evidence only" in status_of(steps)["message"]
     assert status_of(steps)["stage"] == lr.REJECTED and steps[-1].desired is None
+
+
+def test_an_ended_try_that_said_so_reads_no_tags_again():
+    read = []
+
+    def tags_of(v: str) -> dict[str, str]:
+        read.append(v)
+        return TAGS.get(v, {})
+    drive = lr.driven_release("1", {"champion": "1"}, tags_of, STATUS, recorded(("ShadowRejected", "2"), SAID))
+    assert drive == lr.Drive("1") and "2" not in read

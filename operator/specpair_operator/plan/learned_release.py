@@ -126,15 +126,13 @@ def driven_release(spec_version: str, aliases: Mapping[str, str], tags_of: Calla
     for run in reversed(runs):
         candidate = str(run.get("candidate") or "")
         if str(run["version"]) != champion or run.get("phase") != training_job.DONE or not candidate \
-                or candidate == champion:
-            continue
+                or candidate == champion or was(REJECTED_RECORD, candidate, candidate):
+            continue    # (an ended try said so: its tags are not read again on every pass)
         tags = tags_of(candidate)
         if str(tags.get(TAG_LINEAGE_RELEASE) or "") != champion:
             continue
-        if ended(was, candidate, tags) and was(REJECTED_RECORD, candidate, candidate):
-            # Ended and said so. (Ended in the serving plan of a pass, a shadow's rejection, it is
-            # driven once more, which serves the champion as it was and records the end.)
-            continue
+        # An ended try not said yet (ended in the serving plan of a pass: a shadow's rejection) is
+        # driven once more, which serves the champion as it was and records the end.
         learned = _learned(run, candidate, champion, tags)
         if learned is not None:
             return Drive(candidate, learned)
