@@ -46,12 +46,14 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from specpair.contract import DEFAULT_CATEGORY
 from specpair.server.requests import CATEGORY_PATTERN
 from specpair.stats import AcceptanceStats, RequestMoments
+from specpair.vllm_front import FrontConnection, UpstreamPool
 from specpair.vllm_serve import (POD_DRAIN_SECONDS, VLLM_SOCKET, drained_marker, parse_identity_name,
                                  reachable_socket_path)
 
@@ -69,7 +71,10 @@ OPEN_PATHS = ("/health", "/metrics", "/ping", "/version")
 RETRY_AFTER_SECONDS = 1
 # Hop-by-hop headers and those the proxy sets anew.
 _DROPPED_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host",
-                              "authorization", "upgrade", "proxy-connection", "te", "trailer"})
+                              "authorization", "upgrade", "proxy-connection", "te", "trailer", "expect"})
+_DROPPED = frozenset(name.encode() for name in _DROPPED_HEADERS)
+# The largest request body taken (a long prompt's JSON).
+MAX_BODY_BYTES = 64 << 20
 
 
 class InvalidRequest(Exception):
@@ -194,6 +199,7 @@ class SseScanner:
         self.first_at: float | None = None
         self.final: dict[str, Any] | None = None
         self.error = False
+        self.done = False       # [DONE] passed: the client has had the whole reply
 
     def feed(self, chunk: bytes, now: float) -> bytes:
         data = self._pending + chunk
@@ -204,6 +210,8 @@ class SseScanner:
         whole, self._pending = data[:cut + 2], data[cut + 2:]
         if self.first_at is None:
             self.first_at = now
+        if SSE_DONE in whole:
+            self.done = True
         if b'"usage"' not in whole and b'"error"' not in whole:
             return whole
         kept = []
@@ -318,13 +326,18 @@ class CompanionOptions:
     drained_marker: str | None = None
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None, retry_after: bool = False) -> Any:
+def _respond_error(conn: Any, status: int, message: str, kind: str, param: str | None = None,
+                   retry_after: bool = False) -> None:
     """OpenAI's error shape, as vLLM and our engine's front answer. `retry_after`: a refusal the
     client may send again at once (to another pod: this one is going away)."""
-    from aiohttp import web
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                             status=status,
-                             headers={"Retry-After": str(RETRY_AFTER_SECONDS)} if retry_after else None)
+    body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
+    headers = [(b"Content-Type", b"application/json; charset=utf-8")]
+    if retry_after:
+        headers.append((b"Retry-After", str(RETRY_AFTER_SECONDS).encode()))
+    conn.respond(status, headers, body)
+
+
+METRICS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -354,7 +367,11 @@ class Companion:
         self.in_flight = 0
         self.identity: dict[str, Any] | None = None
         self._session = None
-        self._runner = None
+        self._server: asyncio.AbstractServer | None = None
+        self._pool: UpstreamPool | None = None
+        # Client connections (closed with the companion), and tasks the loop must keep alive.
+        self._fronts: weakref.WeakSet[FrontConnection] = weakref.WeakSet()
+        self._loop_tasks: set[asyncio.Task] = set()
         self._metrics_runner = None
         self.metrics_port: int | None = None
         self._grpc = None
@@ -373,24 +390,30 @@ class Companion:
 
         upstream = self.options.upstream
         # vLLM on a Unix socket in the pod ("unix:PATH"): no port the network can reach around the
-        # companion's token; else host:port (tests, a laptop).
-        connector = (aiohttp.UnixConnector(path=reachable_socket_path(upstream[len("unix:"):]), limit=0)
+        # companion's token; else host:port (tests, a laptop). The relayed requests go through
+        # the front's own keep-alive connections; /metrics and /v1/models (rare) through aiohttp.
+        if upstream.startswith("unix:"):
+            upstream = f"unix:{reachable_socket_path(upstream[len('unix:'):])}"
+        connector = (aiohttp.UnixConnector(path=upstream[len("unix:"):], limit=0)
                      if upstream.startswith("unix:") else aiohttp.TCPConnector(limit=0))
         self._base = "http://localhost" if upstream.startswith("unix:") else f"http://{upstream}"
+        self._host = b"localhost" if upstream.startswith("unix:") else upstream.encode()
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                               timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
-        app = web.Application(client_max_size=64 << 20)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._runner.setup()
+        self._pool = UpstreamPool(upstream)
         ssl_context = None
         if self.options.tls is not None:
             from specpair.server.tls import ReloadingTLS
             ssl_context = ReloadingTLS(self.options.tls, "serving TLS").ssl_context()
-        site = web.TCPSite(self._runner, self.options.host, self.options.port, ssl_context=ssl_context,
-                           reuse_address=True)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        fronts = self._fronts
+
+        def front() -> FrontConnection:
+            conn = FrontConnection(self._dispatch, MAX_BODY_BYTES)
+            fronts.add(conn)
+            return conn
+        self._server = await asyncio.get_running_loop().create_server(
+            front, self.options.host, self.options.port, ssl=ssl_context, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
         if self.options.metrics_port is not None:
             metrics = web.Application()
             metrics.router.add_get("/metrics", lambda _request: self._metrics())
@@ -447,8 +470,13 @@ class Companion:
     async def close(self) -> None:
         if self._grpc is not None:
             await self._grpc.stop(grace=1)
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._server is not None:
+            self._server.close()
+            for conn in list(self._fronts):
+                if conn.transport is not None and not conn.closed:
+                    conn.transport.close()
+            self._fronts.clear()
+            self._pool.close()
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
         if self._session is not None:
@@ -503,37 +531,47 @@ class Companion:
 
     # -- HTTP ----------------------------------------------------------------------------------------
 
-    def _url(self, request: Any) -> str:
-        return f"{self._base}{request.rel_url}"
-
-    @staticmethod
-    def _headers(headers: Any) -> dict[str, str]:
-        return {k: v for k, v in headers.items() if k.lower() not in _DROPPED_HEADERS}
-
-    async def _handle(self, request: Any) -> Any:
+    def _dispatch(self, conn: Any, request: Any) -> None:
+        """One whole request on the front (specpair.vllm_front.FrontConnection), answered now or
+        by a relay to vLLM."""
         from specpair.server.auth import bearer_token_matches
 
         path = request.path
         if path == "/health" and (self.leaving or self.draining):
-            return _error(503, "draining: this pod is shutting down", "service_unavailable")
+            return _respond_error(conn, 503, "draining: this pod is shutting down", "service_unavailable")
         if self.draining and path.startswith("/v1/"):
             # A request that reaches a draining pod (its endpoint not yet dropped everywhere) is
             # refused before it starts, as our engine's front does, so the client sends it elsewhere.
-            return _error(503, "shutting down: this pod is draining; send the request to another",
-                          "service_unavailable", retry_after=True)
+            return _respond_error(conn, 503, "shutting down: this pod is draining; send the request to another",
+                                  "service_unavailable", retry_after=True)
         if path == "/metrics":
-            return await self._metrics()
+            self._loop_tasks.add(task := asyncio.get_running_loop().create_task(self._metrics_reply(conn)))
+            task.add_done_callback(self._loop_tasks.discard)
+            return None
         token = self.options.auth_token
-        if token and path not in OPEN_PATHS and not bearer_token_matches(request.headers.get("Authorization", ""),
-                                                                         token):
-            return _error(401, "missing or wrong bearer token", "authentication_error")
+        if token and path not in OPEN_PATHS and not bearer_token_matches(request.header(b"authorization"), token):
+            return _respond_error(conn, 401, "missing or wrong bearer token", "authentication_error")
         if request.method == "POST" and path in COUNTED_PATHS:
-            return await self._counted(request)
-        return await self._pass(request)
+            arrived = time.perf_counter()
+            try:
+                prep = prepare(request.body)
+            except InvalidRequest as exc:
+                self.tally.record(Reply(DEFAULT_CATEGORY, status="invalid"))
+                return _respond_error(conn, 400, str(exc), "invalid_request_error", exc.param)
+            self.in_flight += 1
+            self.tally.running += 1
+            return _Relay(self, conn, request, prep.body, Reply(prep.category), prep, arrived).go()
+        return _Relay(self, conn, request, request.body, None, None, 0.0).go()
 
-    async def _metrics(self) -> Any:
+    def _upstream_request(self, request: Any, body: bytes) -> bytes:
+        head = [b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (request.method.encode(), request.target.encode("latin-1"),
+                                                      self._host)]
+        head += [b"%s: %s\r\n" % kv for kv in request.headers if kv[0].lower() not in _DROPPED]
+        head.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        return b"".join(head) + body
+
+    async def _metrics_text(self) -> bytes:
         import aiohttp
-        from aiohttp import web
         from prometheus_client import generate_latest
 
         text = b""
@@ -543,102 +581,15 @@ class Companion:
                     text = await resp.read()
         except (aiohttp.ClientError, OSError):
             pass        # vLLM not up (yet): the companion's own series still answer
-        return web.Response(body=text + generate_latest(self.tally.metrics.registry),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return text + generate_latest(self.tally.metrics.registry)
 
-    async def _pass(self, request: Any) -> Any:
-        import aiohttp
+    async def _metrics_reply(self, conn: Any) -> None:
+        conn.respond(200, [(b"Content-Type", METRICS_CONTENT_TYPE)], await self._metrics_text())
+
+    async def _metrics(self) -> Any:
         from aiohttp import web
-
-        try:
-            async with self._session.request(request.method, self._url(request), data=await request.read(),
-                                             headers=self._headers(request.headers)) as upstream:
-                body = await upstream.read()
-                return web.Response(body=body, status=upstream.status, headers=self._headers(upstream.headers))
-        except (aiohttp.ClientError, OSError) as exc:
-            return _error(503, f"vLLM is not answering: {exc}", "service_unavailable")
-
-    async def _counted(self, request: Any) -> Any:
-        import aiohttp
-        from aiohttp import web
-
-        arrived = time.perf_counter()
-        try:
-            prep = prepare(await request.read())
-        except InvalidRequest as exc:
-            self.tally.record(Reply(DEFAULT_CATEGORY, status="invalid"))
-            return _error(400, str(exc), "invalid_request_error", exc.param)
-        reply = Reply(prep.category)
-        self.in_flight += 1
-        self.tally.running += 1
-        try:
-            try:
-                upstream = await self._session.post(self._url(request), data=prep.body,
-                                                    headers=self._headers(request.headers))
-            except (aiohttp.ClientError, OSError) as exc:
-                reply.status = "unavailable"
-                return _error(503, f"vLLM is not answering: {exc}", "service_unavailable")
-            async with upstream:
-                headers = self._headers(upstream.headers)
-                if upstream.status >= 400 or not upstream.headers.get("Content-Type", "").startswith(
-                        "text/event-stream"):
-                    body = await upstream.read()
-                    if upstream.status >= 400:
-                        reply.status = "invalid" if upstream.status < 500 else "error"
-                    else:
-                        try:
-                            read_final(reply, json.loads(body), arrived, None, time.perf_counter())
-                        except (ValueError, AttributeError):
-                            pass
-                    return web.Response(body=body, status=upstream.status, headers=headers)
-                resp = web.StreamResponse(status=upstream.status, headers=headers)
-                scanner = SseScanner(prep.client_usage)
-                # The reply starts (status and headers sent) with its first event other than
-                # [DONE]: a stream vLLM closes before one is refused as unstarted instead.
-                held = b""
-                try:
-                    async for chunk in upstream.content.iter_any():
-                        out = scanner.feed(chunk, time.perf_counter())
-                        if not resp.prepared:
-                            held += out
-                            if not held.replace(SSE_DONE, b"").strip():
-                                continue
-                            await resp.prepare(request)
-                            out, held = held, b""
-                        if out:
-                            await resp.write(out)
-                    rest = held + scanner.rest()
-                    if not resp.prepared and not rest.replace(SSE_DONE, b"").strip():
-                        reply.status = "unavailable"
-                        return _error(503, "vLLM closed the stream before its first event (it is shutting down); "
-                                      "send the request to another pod", "service_unavailable", retry_after=True)
-                    if not resp.prepared:
-                        await resp.prepare(request)
-                    if rest:
-                        await resp.write(rest)
-                except ConnectionResetError:
-                    reply.status = "cancelled"      # the client left; vLLM aborts as the stream closes
-                    return resp
-                except asyncio.CancelledError:
-                    reply.status = "cancelled"
-                    raise
-                except aiohttp.ClientError:
-                    reply.status = "error"          # vLLM's stream broke off
-                    raise
-                if scanner.final is not None:
-                    read_final(reply, scanner.final, arrived, scanner.first_at, time.perf_counter())
-                if scanner.error:
-                    reply.status = "error"
-                try:
-                    await resp.write_eof()
-                except ConnectionResetError:
-                    pass    # the client had the whole reply ([DONE]) and closed before the last chunk's end
-                return resp
-        finally:
-            reply.e2e = time.perf_counter() - arrived
-            self.in_flight -= 1
-            self.tally.running -= 1
-            self.tally.record(reply)
+        return web.Response(body=await self._metrics_text(),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE.decode()})
 
     # -- control (gRPC) ------------------------------------------------------------------------------
 
@@ -679,6 +630,175 @@ class Companion:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                             "vLLM cannot switch speculation at run time; a vLLM pair's speculation changes by "
                             "a rollout of its Deployment")
+
+
+class _Relay:
+    """One request passed to vLLM and its reply passed back (the sink of a
+    specpair.vllm_front.UpstreamConnection), counted when `reply` is set: a stream's events go
+    through the SseScanner (usage chunk read, and dropped unless asked for), and its status and
+    headers wait for its first event other than [DONE] (a stream vLLM closes before one is
+    refused as unstarted); a whole reply is read for vLLM's metrics at its end."""
+    __slots__ = ("companion", "conn", "data", "reply", "prep", "arrived", "up", "status", "headers", "scanner",
+                 "held", "started", "whole", "retried", "settled")
+
+    def __init__(self, companion: Companion, conn: Any, request: Any, body: bytes, reply: Reply | None,
+                 prep: Prepared | None, arrived: float):
+        self.companion, self.conn, self.reply, self.prep, self.arrived = companion, conn, reply, prep, arrived
+        self.data = companion._upstream_request(request, body)
+        self.up: Any = None
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.scanner: SseScanner | None = None
+        self.held = b""
+        self.started = False
+        self.whole: list[bytes] | None = None
+        self.retried = False
+        self.settled = False
+
+    def go(self) -> None:
+        up = self.companion._pool.take()
+        if up is not None:
+            self._send(up)
+            return
+        tasks = self.companion._loop_tasks
+        tasks.add(task := asyncio.get_running_loop().create_task(self._connect()))
+        task.add_done_callback(tasks.discard)
+
+    async def _connect(self) -> None:
+        try:
+            up = await self.companion._pool.connect()
+        except (OSError, asyncio.TimeoutError) as exc:
+            self._unavailable(exc)
+            return
+        if self.conn.closed:
+            up.transport.close()
+            self._client_lost()
+            return
+        self._send(up)
+
+    def _send(self, up: Any) -> None:
+        self.up = up
+        self.conn.on_lost, self.conn.on_pause = self._client_lost, self._pause
+        up.send(self, self.data)
+
+    def _unavailable(self, exc: BaseException | str) -> None:
+        if self.reply is not None:
+            self.reply.status = "unavailable"
+        _respond_error(self.conn, 503, f"vLLM is not answering: {exc}", "service_unavailable")
+        self._settle()
+
+    # -- vLLM's reply -----------------------------------------------------------------------------
+
+    def on_head(self, status: int, headers: list[tuple[bytes, bytes]], lower: dict[bytes, bytes],
+                length: int | None) -> None:
+        self.status = status
+        self.headers = [kv for kv in headers if kv[0].lower() not in _DROPPED]
+        reply = self.reply
+        if reply is not None:
+            if status >= 400:
+                reply.status = "invalid" if status < 500 else "error"
+            elif lower.get(b"content-type", b"").startswith(b"text/event-stream"):
+                self.scanner = SseScanner(self.prep.client_usage)
+                return
+            else:
+                self.whole = []
+        self.started = True
+        self.conn.start(status, self.headers, length)
+
+    def on_body(self, data: bytes) -> None:
+        scanner = self.scanner
+        if scanner is None:
+            if self.whole is not None:
+                self.whole.append(data)
+            self.conn.write(data)
+            return
+        out = scanner.feed(data, time.perf_counter())
+        if not self.started:
+            held = self.held + out
+            if not held.replace(SSE_DONE, b"").strip():
+                self.held = held
+                return
+            self.held, self.started = b"", True
+            self.conn.start(self.status, self.headers, None, held)
+        elif out:
+            self.conn.write(out)
+
+    def on_end(self) -> None:
+        scanner, reply = self.scanner, self.reply
+        if scanner is not None:
+            rest = self.held + scanner.rest()
+            self.held = b""
+            if not self.started:
+                if not rest.replace(SSE_DONE, b"").strip():
+                    reply.status = "unavailable"
+                    _respond_error(self.conn, 503, "vLLM closed the stream before its first event (it is shutting "
+                                   "down); send the request to another pod", "service_unavailable", retry_after=True)
+                    self._settle()
+                    return
+                self.started = True
+                self.conn.start(self.status, self.headers, None, rest)
+            elif rest:
+                self.conn.write(rest)
+        elif self.whole is not None:
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                read_final(reply, json.loads(b"".join(self.whole)), self.arrived, None, time.perf_counter())
+        self.conn.end()
+        self._settle()
+
+    def on_lost(self, replied: bool, exc: BaseException | None) -> None:
+        if not replied and self.up.reused and not self.retried:
+            # An idle connection vLLM closed as the request went out: once more on a new one.
+            self.retried = True
+            self.conn.on_lost = self.conn.on_pause = None
+            tasks = self.companion._loop_tasks
+            tasks.add(task := asyncio.get_running_loop().create_task(self._connect()))
+            task.add_done_callback(tasks.discard)
+            return
+        if not self.started:
+            self._unavailable(exc or "the connection closed")
+            return
+        if self.reply is not None:
+            self.reply.status = "error"          # vLLM's reply broke off
+        self.conn.end(whole=False)
+        self._settle()
+
+    # -- the client -------------------------------------------------------------------------------
+
+    def _client_lost(self) -> None:
+        """The client left: vLLM aborts the request as its connection closes. A stream whose
+        [DONE] the client had was whole (the openai client closes before the body's last chunk)."""
+        up, self.up = self.up, None
+        if up is not None and up.sink is self:
+            up.sink = None
+            up.transport.abort()
+        if self.reply is not None and self.reply.status == "ok" and not (self.scanner and self.scanner.done):
+            self.reply.status = "cancelled"
+        self._settle()
+
+    def _pause(self, paused: bool) -> None:
+        """The client reads slower than vLLM writes: vLLM's connection waits with it."""
+        if self.up is not None and not self.up.transport.is_closing():
+            (self.up.transport.pause_reading if paused else self.up.transport.resume_reading)()
+
+    def _settle(self) -> None:
+        """Counted once, however the request ended."""
+        if self.settled:
+            return
+        self.settled = True
+        reply = self.reply
+        if reply is None:
+            return
+        scanner = self.scanner
+        if scanner is not None and reply.status == "ok":
+            if scanner.final is not None:
+                read_final(reply, scanner.final, self.arrived, scanner.first_at, time.perf_counter())
+            if scanner.error:
+                reply.status = "error"
+        reply.e2e = time.perf_counter() - self.arrived
+        companion = self.companion
+        companion.in_flight -= 1
+        companion.tally.running -= 1
+        companion.tally.record(reply)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,9 +100,10 @@ _USAGE_EVENT = (b'data: {"id":"cmpl-9e2f","object":"text_completion","created":1
                 b'"num_draft_tokens":12,"num_spec_tokens":4}}}\n\n')
 
 
-def serve_replay(port: int, tokens: int = 8) -> None:
+def serve_replay(port: int, tokens: int = 8, gap_ms: float = 0.0, uds: str | None = None) -> None:
     """An HTTP server answering /v1/completions with vLLM's stream of `tokens` events (and its usage
-    chunk where asked for), at once; /health 200."""
+    chunk where asked for): at once, or each event `gap_ms` after the last, as vLLM writes one
+    event a decoding step (then the companion relays each on its own); /health 200."""
     from aiohttp import web
 
     async def complete(request: web.Request) -> web.StreamResponse:
@@ -110,6 +111,8 @@ def serve_replay(port: int, tokens: int = 8) -> None:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         for _ in range(int(body.get("max_tokens") or tokens)):
+            if gap_ms:
+                await asyncio.sleep(gap_ms / 1000)
             await resp.write(_TOKEN_EVENT)
         if (body.get("stream_options") or {}).get("include_usage"):
             await resp.write(_USAGE_EVENT)
@@ -122,7 +125,17 @@ def serve_replay(port: int, tokens: int = 8) -> None:
     app = web.Application()
     app.router.add_post("/v1/completions", complete)
     app.router.add_get("/health", health)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+    # `uds`: also on a Unix socket, where a pod's companion reaches its vLLM.
+    web.run_app(app, host="127.0.0.1", port=port, path=uds, access_log=None, print=None)
+
+
+def _loop_name() -> str:
+    """The event loop the companion runs (specpair.vllm_companion.new_event_loop's choice)."""
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -136,6 +149,9 @@ class ReplayServer:
     """serve_replay in a process of its own, with VllmServer's attributes the benchmark reads."""
     served_model_name = "peer"
 
+    def __init__(self, gap_ms: float = 0.0, uds: str | None = None):
+        self.gap_ms, self.uds = gap_ms, uds
+
     def __enter__(self) -> "ReplayServer":
         import urllib.request
 
@@ -143,8 +159,10 @@ class ReplayServer:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "specpair.vllm_companion_bench", "--model", "-",
-                                      "--serve-replay", str(self.port)], stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                      "--serve-replay", str(self.port),
+                                      "--replay-gap-ms", str(self.gap_ms),
+                                      *(["--serve-replay-uds", self.uds] if self.uds else [])],
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -175,21 +193,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--replay", action="store_true",
                     help="upstream: vLLM's captured stream replayed at once, not vLLM (the companion's own cost)")
+    ap.add_argument("--replay-gap-ms", type=float, default=0.0,
+                    help="--replay: milliseconds between the stream's events (vLLM's decoding steps); 0: at once")
+    ap.add_argument("--uds", action="store_true",
+                    help="--replay: the companion reaches the upstream on a Unix socket, as in a pod (the "
+                         "direct arm stays on TCP)")
     ap.add_argument("--serve-replay", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-replay-uds", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_replay:
-        serve_replay(args.serve_replay)
+        serve_replay(args.serve_replay, gap_ms=args.replay_gap_ms, uds=args.serve_replay_uds)
         return 0
 
     spec = speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"k": 4}})
-    server = (ReplayServer() if args.replay else
+    import tempfile
+    uds = os.path.join(tempfile.mkdtemp(prefix="specpair-bench-"), "vllm.sock") if args.replay and args.uds else None
+    server = (ReplayServer(args.replay_gap_ms, uds) if args.replay else
               VllmServer(args.vllm_python or default_python(), args.model, speculative=spec, start_timeout=600,
                          extra_args=[*VLLM_PER_REQUEST_FLAGS, *VLLM_SPEC_DECODE_FLAGS]))
     results: dict[str, Any] = {"direct": [], "companion": []}
     with server:
         port = free_port()
-        companion = subprocess.Popen([sys.executable, "-m", "specpair.vllm_companion", "--upstream",
-                                      f"127.0.0.1:{server.port}", "--host", "127.0.0.1", "--port", str(port)],
+        upstream = ["--uds", uds] if uds else ["--upstream", f"127.0.0.1:{server.port}"]
+        companion = subprocess.Popen([sys.executable, "-m", "specpair.vllm_companion", *upstream,
+                                      "--host", "127.0.0.1", "--port", str(port)],
                                      stdin=subprocess.DEVNULL)
         try:
             import urllib.request
@@ -216,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             companion.terminate()
             companion.wait(30)
-    summary: dict[str, Any] = {"upstream": "replay" if args.replay else "vllm", "rate": args.rate, "seconds_per_phase": args.seconds, "rounds": args.rounds,
+    summary: dict[str, Any] = {"upstream": "replay" if args.replay else "vllm",
+                               "replay_gap_ms": args.replay_gap_ms if args.replay else None,
+                               "companion_upstream": "unix socket" if uds else "tcp",
+                               "event_loop": _loop_name(), "rate": args.rate, "seconds_per_phase": args.seconds, "rounds": args.rounds,
                                "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
                                "load_average": os.getloadavg()}
     for arm, phases in results.items():
