@@ -351,7 +351,10 @@ def main() -> int:
                            "after": git_commit(args.tree) if args.tree else "the working tree"}
         log = open(work / "operator.log", "wb")
         result["bringUpEnv"] = args.bring_up_env
-        operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR], env={**env, **before, **bring_up},
+        # The pairs are brought up by the operator under test (with --bring-up-env, each window restarts it
+        # as its side runs), else by the one the first window measures.
+        operator = subprocess.Popen([sys.executable, "-m", "kopf", *OPERATOR],
+                                    env={**env, **bring_up} if bring_up else {**env, **before},
                                     stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
         assert cluster.control_plane and cluster.control_plane.audit_log
@@ -482,9 +485,11 @@ def main() -> int:
                     figures.setdefault("rounds", []).append({"side": label, **measured, "restart": restart})
                 print(f"{size} pairs, {label} (window {turn + 1} of {len(windows)})", json.dumps(measured, indent=1),
                       flush=True)
-                if args.profile_dir and label == "steady" and turn == len(windows) - 1:
-                    figures["profile"] = profile(operator.pid, args.profile_dir / f"operator_scale_{size}_steady.txt",
-                                                 args.profile_seconds, args.profile_native)
+                if args.profile_dir and turn >= len(windows) - 2:
+                    # The last window of each side: where its operator's CPU goes.
+                    figures.setdefault("profiles", {})[label] = profile(
+                        operator.pid, args.profile_dir / f"operator_scale_{size}_{label}.txt", args.profile_seconds,
+                        args.profile_native)
             if args.json:
                 args.json.write_text(json.dumps(result, indent=1) + "\n")
 
