@@ -554,16 +554,15 @@ def test_serving_tls_hands_the_engine_certificate_to_both_serving_ports_and_prob
                                            "timeoutSeconds": engine_objects.READINESS_TIMEOUT_S}
         assert engine_objects.engine_service("p", "ns", off)["spec"]["ports"][-1]["appProtocol"] == "http"
 
-    # The operator's twin of the CRD's rules: TLS needs the HTTP port (the probes) and engine specpair.
+    # The operator's twin of the CRD's rule: TLS needs the HTTP port (the probes); a vLLM pair may
+    # have it (its companion serves it).
     base = {"target": {"source": "t"}, "draft": {"drafter": "ngram"}}
     assert validate_spec({**base, "rollout": {"tls": {"enabled": True}}}) == []
     assert validate_spec({**base, "rollout": {"tls": {"enabled": False}, "httpPort": 0}}) == []
     assert validate_spec({**base, "rollout": {"tls": {"enabled": True}, "httpPort": 0}}) == [
         "spec.rollout: Invalid value: rollout.tls needs rollout.httpPort (not 0): with TLS on, the probes read "
         "the engine's /health over HTTPS, as the kubelet's gRPC probe cannot speak TLS"]
-    assert validate_spec({**base, "engine": "vllm", "rollout": {"tls": {"enabled": True}}}) == [
-        "spec: Invalid value: rollout.tls needs engine specpair (vLLM's pods serve plaintext; terminate TLS at "
-        "a gateway in front of them)"]
+    assert validate_spec({**base, "engine": "vllm", "rollout": {"tls": {"enabled": True}}}) == []
     assert validate_spec({**base, "engine": "vllm", "rollout": {"tls": {"enabled": False}}}) == []
     assert validate_spec({**base, "rollout": {"tls": {"enabled": "yes"}}}) == [
         'spec.rollout.tls.enabled: Invalid value: "string": spec.rollout.tls.enabled in body must be of type '

@@ -21,6 +21,7 @@ import ssl
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -75,6 +76,123 @@ def test_a_vllm_pair_takes_the_token_in_its_companion(operator_env, ns):
     assert "--auth-token-file" not in plain["command"]
 
 
+def test_a_vllm_pods_companion_serves_https_with_the_pairs_certificate_and_checks_the_token(tmp_path):
+    """rollout.tls and rollout.auth on a vLLM pair: the companion container's command exactly as
+    the Deployment renders it (its paths moved under a temporary folder, its ports free ones),
+    run in front of a real HTTP upstream streaming vLLM's captured reply on the pod's Unix socket
+    (real vLLM behind the same companion: tests/engine/test_engine_vllm_peer.py). The official
+    client trusting only the Secret's ca.crt streams through it over HTTPS with the token; the
+    served certificate answers to the Service's name; the kubelet's probe (HTTPS, unverified,
+    no token) reads /health; plaintext and a missing token are refused; a certificate the
+    operator issues again is served to new connections without a restart."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    import openai
+    from cryptography import x509
+
+    from specpair.vllm_companion_bench import ReplayServer
+    from specpair.vllm_peer import free_port
+    from specpair.vllm_serve import VLLM_SOCKET
+
+    rollout = {"tls": {"enabled": True}, "auth": {"tokenSecretRef": {"name": "serving-token"}}}
+    rel = {"pair": "v", "target": {"source": "t"}, "draft": {"source": "d"}, "speculation": {}, "gating": {},
+           "engine": {"kind": "vllm", "image": "x"}, "mlflow": {"version": "4"}}
+    pod = engine_objects.engine_deployment("v", "ns", rel, "d" * 64, "4", rollout, "http://m")["spec"]["template"]
+    vllm, companion = pod["spec"]["containers"]
+    for probe in ("startupProbe", "livenessProbe"):
+        assert vllm[probe]["httpGet"]["scheme"] == "HTTPS", vllm[probe]
+    assert companion["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+    assert engine_objects.engine_service("v", "ns", rollout, kind="vllm")["spec"]["ports"][0]["appProtocol"] == "https"
+    plain = engine_objects.engine_deployment("v", "ns", rel, "d" * 64, "4", {}, "http://m")["spec"]["template"]
+    assert "--tls-cert" not in plain["spec"]["containers"][1]["command"]
+    assert "scheme" not in plain["spec"]["containers"][1]["readinessProbe"]["httpGet"]
+
+    # The pair's Secret as the operator issues it (desired/tls.py), mounted where the pod mounts it.
+    run = Path(tempfile.mkdtemp(prefix="sp-tls-"))     # short: a Unix socket path has ~100 bytes
+    service = manifests.engine_name("v")
+    ca = tls_mod.new_ca()
+
+    def write_secret() -> tls_mod.KeyPair:
+        issued = tls_mod.issue(ca, service, tls_mod.engine_dns_names(service, "ns"), server=True, days=1)
+        folder = run / manifests.TLS_DIR.lstrip("/")
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in (("ca.crt", ca.cert_pem), ("tls.key", issued.key_pem), ("tls.crt", issued.cert_pem)):
+            (folder / f".{name}").write_bytes(data)
+            os.replace(folder / f".{name}", folder / name)
+        return issued
+    first = write_secret()
+    (run / manifests.AUTH_DIR.lstrip("/")).mkdir(parents=True)
+    (run / manifests.AUTH_DIR.lstrip("/") / "token").write_text(TOKEN + "\n")
+    (run / manifests.RELEASE_FILE.lstrip("/")).parent.mkdir(parents=True)
+    (run / manifests.RELEASE_FILE.lstrip("/")).write_text(json.dumps(rel))
+    (run / VLLM_SOCKET.lstrip("/")).parent.mkdir(parents=True)
+    ports = {flag: free_port() for flag in ("--port", "--metrics-port", "--control-port")}
+    command = companion["command"]
+    assert command[:3] == ["python", "-m", "specpair.vllm_companion"]
+    args = []
+    for i, arg in enumerate(command[3:], start=3):
+        if command[i - 1] in ports:
+            arg = str(ports[command[i - 1]])
+        elif arg == "0.0.0.0":
+            arg = "127.0.0.1"
+        elif arg.startswith("/"):
+            arg = str(run / arg.lstrip("/"))
+        args.append(arg)
+    base = f"https://127.0.0.1:{ports['--port']}"
+    ca_file = run / manifests.TLS_DIR.lstrip("/") / "ca.crt"
+    trusting = ssl.create_default_context(cafile=str(ca_file))
+
+    def served_serial() -> int:
+        with socket.create_connection(("127.0.0.1", ports["--port"]), timeout=30) as raw:
+            with trusting.wrap_socket(raw, server_hostname=tls_mod.server_name(service, "ns")) as conn:
+                return x509.load_der_x509_certificate(conn.getpeercert(binary_form=True)).serial_number
+
+    with ReplayServer(uds=str(run / VLLM_SOCKET.lstrip("/"))):
+        proc = subprocess.Popen([sys.executable, "-m", "specpair.vllm_companion", *args], stdin=subprocess.DEVNULL)
+        try:
+            unverified = ssl.create_default_context()
+            unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE   # the kubelet's probe
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    with urllib.request.urlopen(f"{base}/health", context=unverified, timeout=10) as health:
+                        assert health.status == 200
+                    break
+                except (urllib.error.URLError, ConnectionError):
+                    assert proc.poll() is None and time.monotonic() < deadline, "the companion did not serve"
+                    time.sleep(0.2)
+            assert served_serial() == x509.load_pem_x509_certificate(first.cert_pem).serial_number
+
+            by_ip = ssl.create_default_context(cafile=str(ca_file))
+            by_ip.check_hostname = False       # the chain is still verified; the name was checked above
+            with openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, timeout=60,
+                               http_client=openai.DefaultHttpx2Client(verify=by_ip)) as client:
+                text = "".join(c.choices[0].text for c in client.completions.create(
+                    model="peer", prompt="x", max_tokens=4, stream=True, extra_body={"specpair": {"category": "code"}}))
+                assert text == "VVVV"
+            with openai.OpenAI(base_url=f"{base}/v1", api_key="not-it", max_retries=0, timeout=60,
+                               http_client=openai.DefaultHttpx2Client(verify=by_ip)) as wrong:
+                with pytest.raises(openai.AuthenticationError):
+                    wrong.completions.create(model="peer", prompt="x", max_tokens=4)
+            with pytest.raises((urllib.error.URLError, ConnectionError)):
+                urllib.request.urlopen(f"http://127.0.0.1:{ports['--port']}/health", timeout=30)
+            # /metrics stays open (over HTTPS), and counted the request in its category.
+            with urllib.request.urlopen(f"{base}/metrics", context=by_ip, timeout=30) as metrics:
+                assert ('specpair_requests_total{category="code",engine="vllm",pair="v",protocol="http",'
+                        'status="ok",version="4"} 1.0') in metrics.read().decode()
+
+            renewed = write_secret()     # the operator's renewal: the Secret's files replaced in place
+            assert served_serial() == x509.load_pem_x509_certificate(renewed.cert_pem).serial_number
+            assert proc.poll() is None
+        finally:
+            proc.terminate()
+            assert proc.wait(60) == 0
+
+
 def test_a_pair_with_a_token_serves_only_requests_that_carry_it(operator_env, ns, mlflow_server, model_dirs):
     ns.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "serving-token"},
                "stringData": {"token": TOKEN}})
@@ -111,11 +229,13 @@ def test_a_pair_with_a_token_serves_only_requests_that_carry_it(operator_env, ns
 
 
 @pytest.mark.parametrize("spec, words", [
-    ({"engine": "vllm", "rollout": {"tls": {"enabled": True}}}, "rollout.tls needs engine specpair"),
     ({"rollout": {"tls": {"enabled": True}, "httpPort": 0}}, "rollout.tls needs rollout.httpPort (not 0)"),
+    ({"engine": "vllm", "rollout": {"tls": {"enabled": True}, "httpPort": 0}},
+     "rollout.tls needs rollout.httpPort (not 0)"),
 ])
-def test_tls_is_refused_for_vllm_and_without_the_http_port_in_the_operators_words(operator_env, ns, spec, words):
-    """The CRD's rules, on the real API server, and the operator's twin: same refusal, same words."""
+def test_tls_is_refused_without_the_http_port_in_the_operators_words(operator_env, ns, spec, words):
+    """The CRD's rules, on the real API server, and the operator's twin: same refusal, same words.
+    A vLLM pair with TLS is admitted (its companion serves it)."""
     body = {"target": {"source": "t"}, "draft": {"source": "d"}, **spec}
     with pytest.raises(ApiError) as err:
         ns.create({"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": "refused"},
@@ -126,6 +246,10 @@ def test_tls_is_refused_for_vllm_and_without_the_http_port_in_the_operators_word
     admitted = ns.create({"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": "ok"},
                           "spec": {"target": {"source": "t"}, "draft": {"source": "d"}, "rollout": {"tls": {}}}})
     assert admitted["spec"]["rollout"]["tls"] == {"enabled": False}
+    vllm = ns.create({"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": "v-tls"},
+                      "spec": {"engine": "vllm", "target": {"source": "t"}, "draft": {"source": "d"},
+                               "rollout": {"tls": {"enabled": True}}}})
+    assert vllm["spec"]["rollout"]["tls"] == {"enabled": True}
 
 
 def test_a_pair_with_tls_serves_both_ports_with_its_engine_certificate(operator_env, ns, mlflow_server, model_dirs):

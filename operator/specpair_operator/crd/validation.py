@@ -40,9 +40,6 @@ CEL_EQUIVALENTS: dict[str, Callable[[Any], bool]] = {
     "!has(self.speculation.lookupMinMatch) || self.speculation.lookupMinMatch == 0":
         lambda o: o.get("engine") != "vllm" or (o.get("speculation") or {}).get("lookupMinMatch", 0) == 0,
     "!has(self.engine) || self.engine != 'vllm' || !has(self.rollout) || "
-    "!has(self.rollout.tls) || !has(self.rollout.tls.enabled) || !self.rollout.tls.enabled":
-        lambda o: o.get("engine") != "vllm" or not _tls_enabled(o.get("rollout") or {}),
-    "!has(self.engine) || self.engine != 'vllm' || !has(self.rollout) || "
     "!has(self.rollout.strategy) || !has(self.rollout.strategy.type) || "
     "self.rollout.strategy.type != 'Shadow'":
         lambda o: o.get("engine") != "vllm" or _obj(_obj(o, "rollout"), "strategy").get("type") != "Shadow",

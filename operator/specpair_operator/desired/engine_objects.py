@@ -23,7 +23,7 @@ from specpair_operator.desired.manifests import (ANN_HASH, ANN_SHADOW_RELEASE, A
 
 
 def serving_tls(rollout: dict[str, Any]) -> bool:
-    """rollout.tls.enabled: the serving ports speak TLS (engine specpair; the CRD refuses it for vLLM)."""
+    """rollout.tls.enabled: the serving ports speak TLS (our engine's; a vLLM pod's companion's HTTP port)."""
     return (rollout.get("tls") or {}).get("enabled") is True
 
 
@@ -84,11 +84,13 @@ def vllm_command(http_port: int, rollout: dict[str, Any], speculation: bool = Tr
 
 def vllm_companion_command(http_port: int, control_port: int, rollout: dict[str, Any]) -> list[str]:
     """The pod's companion (specpair.vllm_companion): the pair's HTTP port in front of vLLM's
-    socket, the bearer token where rollout.auth names one, and GetStats on the control port
-    (mutual TLS, the engine certificate the operator issues, as our engine's)."""
+    socket, the bearer token where rollout.auth names one, TLS with the pair's engine certificate
+    where rollout.tls is on (as our engine's serving ports: the companion re-reads it when the
+    operator renews it), and GetStats on the control port (mutual TLS, the same certificate)."""
     token = ["--auth-token-file", f"{AUTH_DIR}/token"] if (rollout.get("auth") or {}).get("tokenSecretRef") else []
+    tls = ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"] if serving_tls(rollout) else []
     return ["python", "-m", "specpair.vllm_companion", "--release", RELEASE_FILE, "--uds", VLLM_SOCKET,
-            "--host", "0.0.0.0", "--port", str(http_port), *token, "--metrics-port", str(METRICS_PORT),
+            "--host", "0.0.0.0", "--port", str(http_port), *token, *tls, "--metrics-port", str(METRICS_PORT),
             "--control-port", str(control_port), "--control-tls-cert", f"{TLS_DIR}/tls.crt",
             "--control-tls-key", f"{TLS_DIR}/tls.key", "--control-tls-client-ca", f"{TLS_DIR}/ca.crt",
             *shutdown_of(rollout).engine_flags()]
@@ -229,7 +231,10 @@ def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest:
     http_port = int(rollout.get("httpPort") or HTTP_PORT)
     control_port = int(rollout.get("controlPort", CONTROL_PORT))
     socket_mount = {"name": "vllm-socket", "mountPath": VLLM_SOCKET_DIR}
-    health = {"httpGet": {"path": "/health", "port": http_port}}
+    # rollout.tls: the companion's port speaks HTTPS, and so do the kubelet's probes of it (they
+    # do not verify the certificate); /health needs no token.
+    scheme = {"scheme": "HTTPS"} if serving_tls(rollout) else {}
+    health = {"httpGet": {"path": "/health", "port": http_port, **scheme}}
     container = {
         "name": "engine",
         "image": engine_image(release, rollout),
@@ -263,6 +268,7 @@ def _vllm_deployment(pair: str, namespace: str, release: dict[str, Any], digest:
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 20, "failureThreshold": 3,
                           "timeoutSeconds": LIVENESS_TIMEOUT_S},
     }
+    companion["readinessProbe"]["httpGet"].update(scheme)
     volumes = [{"name": "vllm-socket", "emptyDir": {}},
                {"name": "tls", "secret": {"secretName": engine_tls_secret_name(pair), "defaultMode": 0o440}}]
     ref = (rollout.get("auth") or {}).get("tokenSecretRef")
@@ -303,7 +309,7 @@ def engine_service(pair: str, namespace: str, rollout: dict[str, Any], kind: str
             "metadata": {"name": engine_name(pair), "namespace": namespace, "labels": pod_labels(pair, "engine")},
             "spec": {"selector": engine_selector(pair),
                      "ports": [{"name": "http", "port": http_port, "targetPort": "http", "protocol": "TCP",
-                                "appProtocol": "http"},
+                                "appProtocol": "https" if serving_tls(rollout) else "http"},
                                {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}]},
         }
     return {
