@@ -225,3 +225,64 @@ def test_a_draining_companion_refuses_new_requests_before_they_start():
                     assert "shutting down" in json.loads(refused.value.read())["error"]["message"]
         finally:
             companion.stop(drain=False)
+
+
+def test_a_chunked_body_is_read_whole_however_it_is_cut():
+    """specpair.vllm_front.ChunkedReader: chunk extensions, a trailer, the bytes after the body,
+    fed whole and one byte at a time; a size that is no hex number is refused."""
+    from specpair.vllm_front import BadMessage, ChunkedReader
+
+    wire = b"5;ext=1\r\nhello\r\n1\r\n \r\nb\r\nworld, once\r\n0\r\nX-Trailer: t\r\n\r\nNEXT"
+    for step in (len(wire), 1, 3):
+        reader, got = ChunkedReader(), b""
+        for i in range(0, len(wire), step):
+            got += reader.feed(wire[i:i + step])
+        assert (got, reader.done, reader.rest()) == (b"hello world, once", True, b"NEXT"), step
+    with pytest.raises(BadMessage):
+        ChunkedReader().feed(b"zz\r\nhello\r\n")
+
+
+def test_one_connection_carries_a_chunked_request_and_two_pipelined_ones_in_order():
+    """The companion's own HTTP/1.1 front (specpair.vllm_front) over a real socket, the replay
+    upstream behind it: a chunked request body with `Expect: 100-continue`, then two requests
+    sent in one write, each answered whole and in order on the same kept-alive connection."""
+    import socket
+
+    from specpair.vllm_companion import Companion, CompanionOptions
+    from specpair.vllm_companion_bench import ReplayServer
+
+    def body(tokens: int) -> bytes:
+        return json.dumps({"model": "peer", "prompt": "x", "max_tokens": tokens, "stream": True,
+                           "specpair": {"category": "code"}}).encode()
+
+    def read_reply(s: socket.socket, buf: bytes) -> tuple[bytes, bytes]:
+        """One chunked reply (its head and body) from the socket; the bytes after it."""
+        while b"\r\n0\r\n\r\n" not in buf:
+            data = s.recv(65536)
+            assert data, buf
+            buf += data
+        end = buf.index(b"\r\n0\r\n\r\n") + 7
+        return buf[:end], buf[end:]
+
+    with ReplayServer() as upstream:
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
+        try:
+            with socket.create_connection(("127.0.0.1", companion.port), timeout=30) as s:
+                first = body(2)
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                          b"Expect: 100-continue\r\n\r\n")
+                assert s.recv(65536).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+                s.sendall(b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (10, first[:10], len(first) - 10, first[10:]))
+                reply, rest = read_reply(s, b"")
+                assert reply.startswith(b"HTTP/1.1 200 ") and reply.count(b'"text":"V"') == 2
+                assert b'"usage"' not in reply and b"data: [DONE]" in reply     # usage read, not passed on
+                pipelined = b"".join(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                                     % (len(b), b) for b in (body(3), body(5)))
+                s.sendall(pipelined)
+                second, rest = read_reply(s, rest)
+                third, rest = read_reply(s, rest)
+                assert (second.count(b'"text":"V"'), third.count(b'"text":"V"'), rest) == (3, 5, b"")
+            counts = companion.tally.metrics.serving_counts()["code"]["requests"]
+            assert counts == {"ok": 3}
+        finally:
+            companion.stop()
