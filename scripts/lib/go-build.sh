@@ -33,6 +33,16 @@ go_build_reuse() {
               if (( ${#STAMP_FILES[@]} )); then cat "${STAMP_FILES[@]}"; fi; } | sha256sum | cut -c1-16)"
   OUT="$CACHE_ROOT/$STAMP"
   BIN="$OUT/bin"
+  # One build of a stamp at a time: a second caller (a test fixture that found no binaries while
+  # scripts/test.sh's build ran) waits for the first and then reuses its result. Without the lock
+  # the second one's compile emptied the first one's $OUT.partial and both compiled the same
+  # packages (seen 2026-12-07: three cold control-plane builds at once). Held until the script exits.
+  mkdir -p "$CACHE_ROOT"
+  exec 9>"$OUT.lock"
+  if ! flock -n 9; then
+    say "another build of stamp $STAMP is running; waiting for it"
+    flock 9
+  fi
   if [[ -f "$OUT/stamp" ]] && [[ "$(cat "$OUT/stamp")" == "$STAMP" ]]; then
     local p
     for p in "${PROGRAMS[@]}"; do [[ -x "$BIN/$p" ]] || return 0; done
