@@ -49,11 +49,12 @@ log = logging.getLogger("specpair.server.draft_swap")
 WARM_UP_TOKENS = 8     # one forward pass of this many tokens pages the draft's weights in
 # Positions the rows in flight may feed a swapped-in draft model on the round after the swap, all
 # together (each catching-up row feeds its whole sequence): that round is the swap's pause, so
-# rows past it stop drafting for the rest of their reply instead (rows_that_catch_up). 1,024: the
-# 2-layer SmolLM2 draft caught up ~0.3 ms of CPU a position on 2 cores (bench/draft_swap_paged.py,
-# docs/measurements/2026-12-07c-draft-swap-paged-cpu.md), so about 0.3 s for the pause (target:
-# under 1 s); a larger draft or a slower machine pays more for the same positions.
-CATCH_UP_POSITIONS = 1024
+# rows past it stop drafting for the rest of their reply instead (rows_that_catch_up). 2,048: a
+# 2-layer SmolLM2 draft caught up 0.25-0.34 ms of CPU a position on one core (bench/
+# draft_swap_paged.py, docs/measurements/2026-12-07c-draft-swap-paged-cpu.md), so ~0.7 s of one
+# core for the pause at most (target: under 1 s), and a 1,500-token chat still catches up; a
+# larger draft or a slower machine pays more for the same positions.
+CATCH_UP_POSITIONS = 2048
 # How long a SwapDraft call waits for the step running now to end (a step is well under this).
 INSTALL_WAIT_SECONDS = 120.0
 
