@@ -133,24 +133,28 @@ def test_a_long_prompts_memory_goes_back_after_it_leaves(long_context_model, cac
         assert all(isinstance(r, list) and r for r in replies), replies
 
     try:
-        wait_for(ready, timeout=180, interval=0.2)
+        wait_for(ready, timeout=600, interval=0.2)     # a 12-layer model's start on loaded cores
         together(SHORT)
         together(SHORT)
         short_level = _rss_mb(server.pid)
         with Sampler(server.pid) as sampler:
             together(SHORT + long_prompts)
-        time.sleep(2)                       # idle: nothing left to free, nothing running
-        after = _rss_mb(server.pid)
         taken = sampler.peak - short_level
-        kept = after - short_level
         # The long prompts really took memory (else nothing here could fail) ...
-        assert taken > (40 if cache == "paged" else 150), (short_level, sampler.peak, after)
+        assert taken > (40 if cache == "paged" else 150), (short_level, sampler.peak)
         # ... and the server gave it back: a fifth of it or less is still resident (contiguous,
         # measured: 26 MB of 590; without the fixed mmap threshold 430 MB of 618; the paged pool
-        # kept every page it wrote before PagedSpace.give_back).
+        # kept every page it wrote before PagedSpace.give_back). Idle, nothing left to free: looked
+        # at until a minute has passed (was one look after 2 s), since on CI's loaded cores the
+        # worker's last step and the pages' release can lag; a server that keeps the memory keeps
+        # it for the whole minute.
+        idle_since = time.monotonic()
+        while (after := _rss_mb(server.pid)) - short_level >= 0.2 * taken and time.monotonic() < idle_since + 60:
+            time.sleep(0.5)
+        kept = after - short_level
         assert kept < 0.2 * taken, (
             f"{cache}: RSS {short_level:.0f} MB with short prompts, {sampler.peak:.0f} MB at the long "
-            f"prompts' peak, {after:.0f} MB after they left and 2 s idle")
+            f"prompts' peak, {after:.0f} MB after they left and {time.monotonic() - idle_since:.0f} s idle")
         together(SHORT)                     # and the server still serves
     finally:
         client.close()
