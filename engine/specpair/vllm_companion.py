@@ -639,12 +639,13 @@ class _Relay:
     headers wait for its first event other than [DONE] (a stream vLLM closes before one is
     refused as unstarted); a whole reply is read for vLLM's metrics at its end."""
     __slots__ = ("companion", "conn", "data", "reply", "prep", "arrived", "up", "status", "headers", "scanner",
-                 "held", "started", "whole", "retried", "settled")
+                 "held", "started", "whole", "retried", "settled", "head_request")
 
     def __init__(self, companion: Companion, conn: Any, request: Any, body: bytes, reply: Reply | None,
                  prep: Prepared | None, arrived: float):
         self.companion, self.conn, self.reply, self.prep, self.arrived = companion, conn, reply, prep, arrived
         self.data = companion._upstream_request(request, body)
+        self.head_request = request.method == "HEAD"
         self.up: Any = None
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -679,7 +680,7 @@ class _Relay:
     def _send(self, up: Any) -> None:
         self.up = up
         self.conn.on_lost, self.conn.on_pause = self._client_lost, self._pause
-        up.send(self, self.data)
+        up.send(self, self.data, self.head_request)
 
     def _unavailable(self, exc: BaseException | str) -> None:
         if self.reply is not None:

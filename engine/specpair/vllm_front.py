@@ -326,12 +326,15 @@ class UpstreamConnection(asyncio.Protocol):
         self._chunked: ChunkedReader | None = None
         self._replied = False
         self._reusable = True
+        self._no_body = False
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
 
-    def send(self, sink: Any, data: bytes) -> None:
+    def send(self, sink: Any, data: bytes, head_request: bool = False) -> None:
+        """`head_request`: a HEAD, whose reply has no body whatever its headers say."""
         self.sink, self._buf, self._head, self._replied, self._chunked, self._left = sink, b"", True, False, None, None
+        self._no_body = head_request
         self.transport.write(data)
 
     def data_received(self, data: bytes) -> None:
@@ -366,7 +369,10 @@ class UpstreamConnection(asyncio.Protocol):
                     lower[name.lower()] = value
                 self._head = False
                 self._reusable = (parts[0] == b"HTTP/1.1" and b"close" not in lower.get(b"connection", b"").lower())
-                if b"chunked" in lower.get(b"transfer-encoding", b"").lower():
+                if self._no_body or status in (204, 304):
+                    length = int(lower.get(b"content-length", b"0")) if self._no_body else 0
+                    self._left = 0
+                elif b"chunked" in lower.get(b"transfer-encoding", b"").lower():
                     self._chunked = ChunkedReader()
                     length = None
                 elif b"content-length" in lower:

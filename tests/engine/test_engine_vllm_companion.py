@@ -282,7 +282,15 @@ def test_one_connection_carries_a_chunked_request_and_two_pipelined_ones_in_orde
                 second, rest = read_reply(s, rest)
                 third, rest = read_reply(s, rest)
                 assert (second.count(b'"text":"V"'), third.count(b'"text":"V"'), rest) == (3, 5, b"")
+                # A HEAD's reply has no body, whatever its Content-Length says: the next reply follows it.
+                s.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n"
+                          b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                          % (len(body(1)), body(1)))
+                fourth, rest = read_reply(s, b"")
+                head, _, post = fourth.partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200 ") and post.startswith(b"HTTP/1.1 200 "), fourth
+                assert post.count(b'"text":"V"') == 1 and rest == b""
             counts = companion.tally.metrics.serving_counts()["code"]["requests"]
-            assert counts == {"ok": 3}
+            assert counts == {"ok": 4}
         finally:
             companion.stop()
