@@ -98,9 +98,11 @@ def reference(tiny_pair, prompt, max_new_tokens: int, chat: bool = False):
                            speculate=False)[0]
 
 
-def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):
-    """waiting.wait_until for a server in this process: a short deadline, looked at often, the
-    condition named by its source line (a lambda) or its name."""
+def wait_for(predicate, timeout: float = 60.0, interval: float = 0.02):
+    """waiting.wait_until for a server in this process: looked at often, the condition named by
+    its source line (a lambda) or its name. The deadline is a minute: a condition that holds is
+    seen at once, and on CI's loaded cores (load 5-15) a worker's next step or a gRPC thread's
+    unwinding can take seconds (this was 5 s, and 2 s in places)."""
     try:
         what = inspect.getsource(predicate).strip() if predicate.__name__ == "<lambda>" else predicate.__qualname__
     except (AttributeError, OSError, TypeError):

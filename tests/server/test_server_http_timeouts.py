@@ -11,6 +11,10 @@ import time
 from serving_helpers import make_engine, openai_client, reference, wait_for
 
 READ_TIMEOUT = 0.5
+# How late a timeout's 408 or close may come: the server's timers and this process's client
+# threads wake late on CI's loaded cores (load 5-15); well under the sockets' own 10 s limits,
+# so a server that never times a request out still fails (was 3 s, and 2 s for the idle close).
+LATE = 8.0
 HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: 60\r\n\r\n")
 
@@ -87,32 +91,35 @@ def test_incomplete_requests_are_answered_408_and_closed_while_service_goes_on(t
         assert error is None, (kind, error)
         assert answer.startswith(b"HTTP/1.1 408 "), (kind, answer[:200])
         assert b'"code": "request_timeout"' in answer, kind
-        assert READ_TIMEOUT * 0.9 < answered < READ_TIMEOUT + 3, (kind, answered)
-        assert closed - answered < 3, (kind, closed, answered)
+        assert READ_TIMEOUT * 0.9 < answered < READ_TIMEOUT + LATE, (kind, answered)
+        assert closed - answered < LATE, (kind, closed, answered)
     assert server.worker.busy == 0
 
 
 def test_a_kept_alive_connection_gets_the_timeout_again_for_its_next_request(tiny_pair, start_server):
-    server = start_server(engine=make_engine(tiny_pair), http_port=0, http_read_timeout=READ_TIMEOUT)
+    # Its own read timeout, 5x the others': the requests below must land within 0.6 of it, and
+    # at 0.5 s the 0.2 s left was a scheduling hiccup on a loaded machine.
+    read_timeout = 5 * READ_TIMEOUT
+    server = start_server(engine=make_engine(tiny_pair), http_port=0, http_read_timeout=read_timeout)
     with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
         # A whole request, slower than nothing but within the timeout: answered, connection kept.
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-        time.sleep(READ_TIMEOUT / 3)
+        time.sleep(read_timeout / 3)
         sock.sendall(b"\r\n")
         first = _response(sock)
         assert first.startswith(b"HTTP/1.1 200 ") and b'"serving"' in first
         # Idle a while, then a request that takes a while to send: longer than the read timeout
         # together, each within it. The read timeout counts from the request's first byte.
-        time.sleep(READ_TIMEOUT * 0.6)
+        time.sleep(read_timeout * 0.6)
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-        time.sleep(READ_TIMEOUT * 0.6)
+        time.sleep(read_timeout * 0.6)
         sock.sendall(b"\r\n")
         assert _response(sock).startswith(b"HTTP/1.1 200 ")
         # The next request stalls half-way: it gets the timeout.
         started = time.monotonic()
         sock.sendall(b"GET /health HTTP/1.1\r\n")
-        answer = _until_closed(sock)
-        assert answer.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < READ_TIMEOUT + 3
+        answer = _until_closed(sock, limit=read_timeout + 2 * LATE)
+        assert answer.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < read_timeout + LATE
     wait_for(lambda: server.phase == "serving")
 
 
@@ -148,6 +155,6 @@ def test_an_idle_kept_alive_connection_is_closed_after_the_read_timeout(tiny_pai
         assert _response(sock).startswith(b"HTTP/1.1 200 ")
         idle_from = time.monotonic()
         assert not select.select([sock], [], [], timeout * 0.5)[0]      # still open half-way
-        assert _until_closed(sock, limit=timeout * 10) == b""           # then closed, nothing sent
+        assert _until_closed(sock, limit=timeout + 2 * LATE) == b""     # then closed, nothing sent
         idle = time.monotonic() - idle_from
-    assert timeout * 0.9 < idle < timeout + 2, idle
+    assert timeout * 0.9 < idle < timeout + LATE, idle

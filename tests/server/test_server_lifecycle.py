@@ -117,7 +117,8 @@ def test_drain_timeout_ends_streams_with_a_clear_status(tiny_pair, start_server)
         assert wait_for(lambda: server.worker.waiting == 1)
         started = time.monotonic()
         result = server.stop(drain_timeout=0.3)
-        assert time.monotonic() - started < 5
+        # Not the two 400-token requests run out (batch 1, 20 ms a token: 16 s and more).
+        assert time.monotonic() - started < 12
         assert result == {"drained": 0, "aborted": 2}
         for stream in (running, queued):
             err = rpc_error(lambda: list(stream))

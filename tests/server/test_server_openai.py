@@ -226,9 +226,9 @@ def test_a_client_that_disconnects_frees_its_slot(tiny_pair, start_server, strea
         seen = b""
         while b"data:" not in seen:
             seen += sock.recv(4096)
-    assert wait_for(lambda: running() == 1, timeout=5)
+    assert wait_for(lambda: running() == 1, timeout=60)
     sock.close()
-    assert wait_for(lambda: server.worker.running == 0 and running() == 0, timeout=5)
+    assert wait_for(lambda: server.worker.running == 0 and running() == 0, timeout=60)
     assert wait_for(lambda: sample(server, "specpair_requests_total", category="general", protocol="http",
                                    status="cancelled") == 1)
     # The slot is free: the next request runs at once.
@@ -240,12 +240,12 @@ def test_queue_full_is_429_and_loading_is_503(tiny_pair, start_server):
     server = start_server(engine=make_engine(tiny_pair, delay=0.02), http_port=0, max_batch_size=1, max_queue=0)
     sock = _raw_request(server.http_port, {"messages": CHAT, "max_tokens": LONG, "stream": True})
     try:
-        assert wait_for(lambda: server.worker.running == 1, timeout=5)
-        started = time.monotonic()
+        assert wait_for(lambda: server.worker.running == 1, timeout=60)
         got, body, headers = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4})
         assert got == 429 and body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "queue_full"
         assert "queue is full" in body["error"]["message"] and headers.get("retry-after") == "1"
-        assert time.monotonic() - started < 1.0
+        # At once: refused while the long stream still runs (was: within 1 s of wall time).
+        assert server.worker.running == 1
         assert sample(server, "specpair_requests_total", category="general", protocol="http", status="rejected") == 1
     finally:
         sock.close()
@@ -270,7 +270,7 @@ def test_draining_lets_streams_finish_and_refuses_new_requests(tiny_pair, start_
             model="tiny", messages=CHAT, max_tokens=60, stream=True))
     reader = threading.Thread(target=consume)
     reader.start()
-    assert wait_for(lambda: server.worker.running == 1, timeout=5)
+    assert wait_for(lambda: server.worker.running == 1, timeout=60)
     stopper = threading.Thread(target=server.stop)
     stopper.start()
     assert wait_for(lambda: server.phase == "draining")

@@ -72,7 +72,7 @@ def test_shadow_numbers_in_get_stats_and_metrics(tiny_pair, start_server, tmp_pa
     def exported():
         samples = shadow_samples(server, "code")
         return samples if samples.get("specpair_shadow_requests_total") == 3 else None
-    samples = wait_for(exported, timeout=10)
+    samples = wait_for(exported, timeout=60)
     assert samples["specpair_shadow_num_draft_positions_total"] == code.candidate_alpha.positions
     assert samples["specpair_shadow_alpha_sum_total"] == pytest.approx(code.candidate_alpha.alpha)
     assert samples["specpair_shadow_num_draft_tokens_total"] == code.candidate_chain.draft_tokens

@@ -312,7 +312,7 @@ def test_kv_cache_usage_is_the_share_of_the_budget_the_rows_hold(tiny_pair, star
     with client_for(server) as c:
         reply = threading.Thread(target=lambda: c.generate("def foo(x):", max_new_tokens=60))
         reply.start()
-        wait_for(lambda: seen.append(usage()) or seen[-1] > 0, timeout=10)
+        wait_for(lambda: seen.append(usage()) or seen[-1] > 0, timeout=60)
         reply.join(timeout=30)
     assert 0 < seen[-1] <= 1
     wait_for(lambda: usage() == 0 and server.worker.running == 0)
