@@ -384,3 +384,25 @@ def test_an_ended_try_that_said_so_reads_no_tags_again():
         return TAGS.get(v, {})
     drive = lr.driven_release("1", {"champion": "1"}, tags_of, STATUS, recorded(("ShadowRejected", "2"), SAID))
     assert drive == lr.Drive("1") and "2" not in read
+
+
+def test_speculation_is_on_again_once_the_learned_draft_serves():
+    """v1's ladder turned speculation off (status and pods); once v2 is champion its own ladder
+    starts, so the pods are told to speculate again, and status says so."""
+    from specpair_operator.plan import serving_plan as sp
+    from specpair_operator.plan.serving_steps import status_speculation
+
+    cluster = loop(0.8)
+    assert cluster.aliases["champion"] == "2"
+    drift = {"version": "1", "stepsTaken": 1, "streaks": {"code": 3}}
+    cluster.status.update({"speculationEnabled": False, "drift": drift})
+    w = cluster.serving_world(rs.ServeChampion(dict(cluster.aliases), "2"))
+    w = dataclasses.replace(w, spec={**w.spec, "drift": {"enabled": True}},
+                            ready=tuple(dataclasses.replace(pod, info={**pod.info, "speculationEnabled": False})
+                                        for pod in w.ready))
+    assert w.ready
+    steps = sp.plan_serving(w)
+    assert [s.desired for s in steps if isinstance(s, sp.ReconcilePodSpeculation)] == [True] * len(w.ready)
+    # The same pods while v1 (whose ladder took the step) serves stay off.
+    v1 = dataclasses.replace(w, aliases={"champion": "1"}, tags=cluster.tags["1"])
+    assert status_speculation(v1, "1") is False and status_speculation(w, "2") is True
