@@ -11,7 +11,8 @@ replaced while rows run, with no row restarted and no reply changed. The swap ha
      the batch's per-row drafter replaced (decoding.Batch.replace_drafter). The new drafter's
      rows start empty: a draft model feeds each row's whole sequence on its first round
      (ModelDrafter feeds what its cache has not seen), an n-gram index syncs from the sequence.
-     That first round is the pause a swap costs in tokens.
+     That first round is the pause a swap costs in tokens, so the rows in flight catch up within
+     CATCH_UP_POSITIONS all together and the others end drafting (rows_that_catch_up).
 
 A serving draft model whose cache lives in the paged pool's blocks (PagedSpace.draft) is swapped
 for another draft model: the new draft's plane over the same block ids is made beside the old
