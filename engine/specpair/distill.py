@@ -499,7 +499,8 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
         # target recorded them while writing them (their last token, never fed, is left out).
         started = time.perf_counter()
         layers = eagle3_layers(teacher) if config.method == "eagle3" else None
-        parts = [target_features(teacher, torch.tensor(ids, dtype=torch.long), progress, layers)]
+        # --from-capture has no corpus (ids empty): a target pass over no tokens fails to reshape.
+        parts = [target_features(teacher, torch.tensor(ids, dtype=torch.long), progress, layers)] if ids else []
         for c in conversations:
             ids.extend(c["ids"][:-1])
             parts.append(conversation_features(teacher, c, layers))
