@@ -406,3 +406,17 @@ def test_speculation_is_on_again_once_the_learned_draft_serves():
     # The same pods while v1 (whose ladder took the step) serves stay off.
     v1 = dataclasses.replace(w, aliases={"champion": "1"}, tags=cluster.tags["1"])
     assert status_speculation(v1, "1") is False and status_speculation(w, "2") is True
+
+
+def test_the_learned_verdict_reads_in_mlflows_version_history_against_its_reference():
+    from specpair_operator.release.registry_contract import event_record
+
+    value = shadow_run.verdict_tag({"result": "Promote", "reason": "above its reference", "categories": {
+        "code": {"candidateAlpha": 0.62, "championAlpha": 0.31, "requests": 40, "status": "better"},
+        "chat": {"candidateAlpha": 0.5, "championAlpha": 0.0, "requests": 3, "status": "short"}},
+        "learned": {"category": "code", "floor": 0.2, "driftedAcceptance": 0.31, "reference": 0.31}})
+    event = event_record(shadow_run.TAG_SHADOW_VERDICT, value, "2", {})
+    assert event.summary.startswith("shadow verdict on learned draft for 'code' v2: Promote")
+    assert "- code: candidate 0.62 vs reference 0.31" in event.description
+    assert "- chat: candidate 0.5 vs champion" in event.description
+    assert event.metrics["learned.reference"] == 0.31 and event.metrics["learned.driftedAcceptance"] == 0.31

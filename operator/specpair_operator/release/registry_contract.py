@@ -520,15 +520,23 @@ def event_record(tag: str, value: str, version: str, version_tags: dict[str, str
         verdict = verdict if isinstance(verdict, dict) else {}
         metrics: dict[str, float] = {}
         lines = []
+        # A learned draft (issue 58) is judged on its category against a fixed reference, which
+        # its numbers carry in the champion's place there.
+        learned = verdict.get("learned") if isinstance(verdict.get("learned"), dict) else {}
+        for field, v in sorted(learned.items()):
+            if _is_number(v):
+                metrics[f"learned.{field}"] = float(v)
         for cat, n in sorted((verdict.get("categories") or {}).items()):
             label = "pooled" if cat == "*" else _safe_key(cat)
             for field, v in sorted((n or {}).items()):
                 if _is_number(v):
                     metrics[f"{field}.{label}"] = float(v)
-            lines.append(f"- {label}: candidate {(n or {}).get('candidateAlpha')} vs champion "
+            against = "reference" if learned and cat == learned.get("category") else "champion"
+            lines.append(f"- {label}: candidate {(n or {}).get('candidateAlpha')} vs {against} "
                          f"{(n or {}).get('championAlpha')} over {(n or {}).get('requests')} requests "
                          f"({(n or {}).get('status')})")
-        summary = f"shadow verdict on v{version}: {verdict.get('result')}: {verdict.get('reason', '')}"
+        what = f"learned draft for '{learned.get('category')}' " if learned else ""
+        summary = f"shadow verdict on {what}v{version}: {verdict.get('result')}: {verdict.get('reason', '')}"
         return EventRecord(name, summary[:SUMMARY_CHARS], "\n".join([summary, "", *lines]), metrics, key)
     if tag == TAG_SPECULATION_OFF:
         if not value:
