@@ -40,6 +40,8 @@ def registry(tmp_path_factory, tiny_pair_dirs):
     env = {"MLFLOW_TRACKING_URI": server.url, **CREDENTIALS}
     old = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+    old_uri = tracking_utils._tracking_uri
     mlflow.set_tracking_uri(server.url)
     try:
         client = MlflowClient(server.url)
@@ -58,6 +60,9 @@ def registry(tmp_path_factory, tiny_pair_dirs):
             client.create_model_version(name, f"runs:/{run.info.run_id}/model", run.info.run_id)
         yield server
     finally:
+        # mlflow's global URI outlives this module in the worker and the environment does not
+        # override it: a later test would read this stopped server through it (as 04f9384 saw).
+        mlflow.set_tracking_uri(old_uri)
         for name, value in old.items():
             if value is None:
                 os.environ.pop(name, None)
