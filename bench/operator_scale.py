@@ -243,6 +243,9 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=30.0, help="seconds after the last pair serves before measuring")
     ap.add_argument("--window", type=float, default=120.0, help="seconds of steady state measured")
     ap.add_argument("--serve-timeout", type=float, default=1800.0)
+    ap.add_argument("--create-seconds", type=float, default=0.0,
+                    help="create no pair after this long into a size: the size becomes the pairs made by then "
+                         "(all waited for and measured standing still; default: no limit)")
     ap.add_argument("--in-flight", type=int, default=100,
                     help="at most this many pairs created and not yet Serving at a time (default: %(default)s)")
     ap.add_argument("--mlflow-workers", type=int, default=1,
@@ -378,10 +381,17 @@ def main() -> int:
             # A pair that stalled (Stalled True: the operator gave up on it, e.g. MLflow refused a
             # request) will not serve by waiting: it is counted, said, and not waited for.
             stalled: set[tuple[str, str]] = set()
-            while len(served) + len(stalled) < size and time.monotonic() < deadline:
+            # With --create-seconds, no pair is created after that long: the size becomes the pairs made
+            # by then, which are waited for, so that the windows measure pairs that all stand still.
+            create_until = t0 + args.create_seconds if args.create_seconds else float("inf")
+
+            def goal() -> int:
+                return size if time.monotonic() < create_until else min(size, len(created))
+
+            while len(served) + len(stalled) < goal() and time.monotonic() < deadline:
                 # New pairs while fewer than --in-flight are on their way, then a look at them all.
                 made = 0
-                while len(created) < size and len(created) - len(served) - len(stalled) < args.in_flight:
+                while len(created) < goal() and len(created) - len(served) - len(stalled) < args.in_flight:
                     i = len(created)
                     ns = namespaces[i // PAIRS_PER_NAMESPACE]
                     if i % PAIRS_PER_NAMESPACE == 0:
@@ -421,9 +431,10 @@ def main() -> int:
                     print(f"{len(served)}/{size} serving, {len(created)} created after {time.monotonic() - t0:.0f} s, "
                           f"load {load_average()}, operator CPU {cpu_seconds(operator.pid) - cpu0:.0f} s", flush=True)
                 # Each look lists every pair with its status (MBs at 1,000): not more often than this.
-                if len(served) + len(stalled) < size:
+                if len(served) + len(stalled) < goal():
                     time.sleep(POLL_S)
             to_serving = [served[k] - created[k] for k in served if created[k] >= t0]
+            figures["created"] = len(created)
             figures["served"] = len(served)
             figures["stalled"] = len(stalled)
             figures["timeToServingSeconds"] = {"p50": round(percentile(to_serving, 0.5), 1),
