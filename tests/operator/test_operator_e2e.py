@@ -609,7 +609,7 @@ def test_deleting_a_pair_never_waits_for_the_operator(env, passes):
         assert not ns.pair(name)["metadata"].get("finalizers")
     assert runner.exception is None
     ns.kube.delete("specpair.io/v1alpha1", "SpecModelPair", ns.name, name)
-    ns.wait_for("the pair gone", lambda: ns.get("specpair.io/v1alpha1", "SpecModelPair", name) is None, timeout=15)
+    ns.wait_for("the pair gone", lambda: ns.get("specpair.io/v1alpha1", "SpecModelPair", name) is None, timeout=60)
     ns.wait_for("its Deployment, Service and TLS Secret collected", lambda: all(
         ns.get(api, kind, n) is None for api, kind, n in (("apps/v1", "Deployment", f"{name}-engine"),
                                                           ("v1", "Service", f"{name}-engine"),

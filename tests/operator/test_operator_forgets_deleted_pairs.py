@@ -91,7 +91,7 @@ def test_a_deleted_serving_pair_leaves_no_series_and_no_memory(env):
 
         ns.kube.delete("specpair.io/v1alpha1", "SpecModelPair", ns.name, name)
         ns.wait_for("its series gone from /metrics", lambda: not exported(), timeout=30)
-        ns.wait_for("its memory forgotten", lambda: not [m for m in STATE.per_pair() if uid in m], timeout=10)
+        ns.wait_for("its memory forgotten", lambda: not [m for m in STATE.per_pair() if uid in m], timeout=60)
         # And it stays so: a pass that was under way when the pair went forgets what it wrote.
         time.sleep(2.5)   # two periodic passes or more (a second apart)
         assert not exported() and not [m for m in STATE.per_pair() if uid in m]

@@ -11,6 +11,7 @@ again, and the release is promoted once.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ from waiting import wait_until
 from specpair_operator.gate import attempts as gate_attempts
 from specpair_operator.release import content as release
 from specpair_operator.gate.attempts import GIVE_UP, RETRY, WAIT, Failure, Policy, failure_of, next_step
-from specpair_operator.gate.runner import until_deadline
+from specpair_operator.gate.runner import DEADLINE_MARGIN_S, until_deadline
 from specpair_operator.clients.registry import ReleaseRegistry
 from specpair_operator.release.registry_contract import RegistryUnavailable
 
@@ -137,14 +138,22 @@ def test_runner_reports_mlflow_unreachable_at_its_deadline_and_writes_no_verdict
     rel = json.loads(path.read_text())
     path.write_text(json.dumps(release.with_mlflow(rel, f"http://127.0.0.1:{free_port()}", model, version)))
     t0 = time.monotonic()
-    proc = _runner(path, term, deadline=24)  # gives up 15 s before the Job's deadline: at 9 s
+    proc = _runner(path, term, deadline=24)
+    # The runner gives up DEADLINE_MARGIN_S before the Job's deadline, or at half of it: at 12 s.
+    budget = max(24 - DEADLINE_MARGIN_S, 24 / 2)
     out, err = proc.communicate(timeout=120)
     took = time.monotonic() - t0
     assert proc.returncode == 1, err[-2000:]
-    assert 9 <= took < 40, took
+    # It tried until its deadline and no longer: by the runner's own clock, MLflow was tried for
+    # at most `budget` s (one more once rounded, with the last refused call). The wall time also
+    # holds the runner's start and the gate's run, a few times longer at CI's load than quiet,
+    # so no upper bound on it but communicate()'s 120 s (was: 9 <= took < 40).
+    assert took >= budget, took
     report = json.loads(term.read_text())
     assert report["version"] == str(version) and report["cause"] == "MLflowUnreachable", report
-    assert "verdict not recorded" in report["error"] and "tried for" in report["error"]
+    assert "verdict not recorded" in report["error"], report
+    tried = re.search(r"tried for (\d+)s", report["error"])
+    assert tried and int(tried.group(1)) <= budget + 1, report
     assert reg.gate_result(model, version)[0] == "pending"  # no verdict, no error: not a result
 
 
