@@ -354,6 +354,10 @@ def read_release(path: str) -> Release:
 
 
 def serve_command(args) -> int:
+    # Before torch loads OpenMP: its threads spin briefly, then sleep (specpair/openmp.py).
+    from specpair.openmp import serving_wait_default, torch_loaded
+
+    waits = {} if torch_loaded() else serving_wait_default()
     from specpair.server.app import EngineServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -364,6 +368,9 @@ def serve_command(args) -> int:
         sys.stderr.write(f"{message}\n")
         sys.stderr.flush()
 
+    if waits:
+        progress(f"OpenMP waits: {', '.join(f'{k}={v}' for k, v in waits.items())} (no wait set; "
+                 f"specpair/openmp.py)")
     release = read_release(args.release) if args.release else None
     options = server_options(args, release)
     if release is not None:
