@@ -680,13 +680,16 @@ class _Relay:
     def _send(self, up: Any) -> None:
         self.up = up
         self.conn.on_lost, self.conn.on_pause = self._client_lost, self._pause
+        self.conn.hold = True
         up.send(self, self.data, self.head_request)
 
     def _unavailable(self, exc: BaseException | str) -> None:
         if self.reply is not None:
             self.reply.status = "unavailable"
-        _respond_error(self.conn, 503, f"vLLM is not answering: {exc}", "service_unavailable")
+        # Counted before the reply goes out (a write now is synchronous): whoever reads the reply
+        # finds it counted.
         self._settle()
+        _respond_error(self.conn, 503, f"vLLM is not answering: {exc}", "service_unavailable")
 
     # -- vLLM's reply -----------------------------------------------------------------------------
 
@@ -732,9 +735,9 @@ class _Relay:
             if not self.started:
                 if not rest.replace(SSE_DONE, b"").strip():
                     reply.status = "unavailable"
+                    self._settle()
                     _respond_error(self.conn, 503, "vLLM closed the stream before its first event (it is shutting "
                                    "down); send the request to another pod", "service_unavailable", retry_after=True)
-                    self._settle()
                     return
                 self.started = True
                 self.conn.start(self.status, self.headers, None, rest)
@@ -743,8 +746,12 @@ class _Relay:
         elif self.whole is not None:
             with contextlib.suppress(ValueError, AttributeError, TypeError):
                 read_final(reply, json.loads(b"".join(self.whole)), self.arrived, None, time.perf_counter())
-        self.conn.end()
         self._settle()
+        self.conn.end()
+
+    def on_turn(self) -> None:
+        """The end of one read from vLLM: what it gave the client is written now."""
+        self.conn.flush()
 
     def on_lost(self, replied: bool, exc: BaseException | None) -> None:
         if not replied and self.up.reused and not self.retried:
@@ -760,8 +767,8 @@ class _Relay:
             return
         if self.reply is not None:
             self.reply.status = "error"          # vLLM's reply broke off
-        self.conn.end(whole=False)
         self._settle()
+        self.conn.end(whole=False)
 
     # -- the client -------------------------------------------------------------------------------
 

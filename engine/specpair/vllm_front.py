@@ -172,6 +172,10 @@ class FrontConnection(asyncio.Protocol):
         self._body: list[bytes] = []
         self.busy = False                        # a request is being answered
         self._out: list[bytes] = []              # written at the end of this turn of the loop
+        self._flush_due = False
+        # Set while a relay answers: its writes wait for the end of each read from vLLM (the
+        # relay's on_turn) or of the reply (done), so a read's events cost one write.
+        self.hold = False
         self.keep_alive = True
         self.closed = False
         self.chunked_reply = False
@@ -185,11 +189,13 @@ class FrontConnection(asyncio.Protocol):
     def _send(self, data: bytes) -> None:
         """Bytes for the client, joined with the others of this turn of the loop into one write
         (a reply's head, events and end that arrive together cost one system call, not three)."""
-        if not self._out:
-            asyncio.get_running_loop().call_soon(self._flush)
         self._out.append(data)
+        if not self.hold and not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self.flush)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        self._flush_due = False
         out, self._out = self._out, []
         if out and not self.closed:
             self.transport.write(b"".join(out) if len(out) > 1 else out[0])
@@ -299,10 +305,12 @@ class FrontConnection(asyncio.Protocol):
 
     def done(self) -> None:
         self.on_lost = self.on_pause = None
-        self.busy = False
+        self.busy = self.hold = False
+        if self._out:
+            self.flush()
         if not self.keep_alive:
             if not self.closed:
-                self._flush()
+                self.flush()
                 self.transport.close()
             self.closed = True
             return
@@ -342,6 +350,12 @@ class UpstreamConnection(asyncio.Protocol):
         if sink is None:
             self.transport.close()      # bytes vLLM sent with no request in flight: not reusable
             return
+        try:
+            self._received(sink, data)
+        finally:
+            sink.on_turn()              # what this read gave the client goes out in one write
+
+    def _received(self, sink: Any, data: bytes) -> None:
         self._replied = True
         try:
             if self._head:
@@ -359,7 +373,7 @@ class UpstreamConnection(asyncio.Protocol):
                 data = data[end + 4:]
                 if 100 <= status < 200:       # 100 Continue: the reply proper follows
                     if data:
-                        self.data_received(data)
+                        self._received(sink, data)
                     return
                 headers, lower = [], {}
                 for line in lines[1:]:
