@@ -9,6 +9,7 @@ batch's steps spent their time.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import os
@@ -453,6 +454,13 @@ DECODE_ROWS_MEASURED = (1, 4, 8, 16, 32, 64)
 # is not finer than this. On 2 CPU cores SmolLM2's 8-row step is compute-bound already, and 32
 # rows cost 1.23x a token (docs/server.md); on a GPU a row costs little until 64.
 DECODE_ROWS_MARGIN = 0.10
+# The margin where the steps are timed in CPU seconds at one thread (a CPU: step_clock). Those do
+# not move with other jobs (two timings of SmolLM2 at load 25-30 agreed within 3% at every
+# count), so a finer margin; and they leave out what a two-thread step pays in wall time each
+# step whatever its rows (its Python, its fork-joins), which favours more rows. With 10% the CPU
+# figures chose 16 rows once and 32 once (16: 199 and 194, 32: 210 and 209, 64: 214 and 215
+# tokens a CPU second); with 5% both choose 32, as the quiet wall-clock figures did.
+DECODE_ROWS_CPU_MARGIN = 0.05
 # The shared prompt the start-up measurement decodes after, in tokens: the positions the paged
 # pool plans a row at (block_pool.PLANNED_ROW_POSITIONS) where a prefix store shares them among
 # the rows; without one each row would prefill its own, so a short prompt.
@@ -499,6 +507,7 @@ class DecodeStepCosts:
     seconds: dict[int, float]
     context: int
     per_row_position: float = 0.0
+    margin: float = DECODE_ROWS_MARGIN      # the rule's, for these seconds' clock (step_margin)
 
     def at(self, context: int) -> dict[int, float]:
         """The step seconds of each row count priced at `context` positions (no cheaper than a
@@ -521,10 +530,10 @@ def per_row_position_cost(short_seconds: float, long_seconds: float, rows: int, 
     return max(0.0, (long_seconds - short_seconds) / (rows * (long_context - short_context)))
 
 
-def decode_rows_at(costs: DecodeStepCosts, context: int, margin: float = DECODE_ROWS_MARGIN) -> int:
+def decode_rows_at(costs: DecodeStepCosts, context: int, margin: float | None = None) -> int:
     """The rows to decode together where the rows being served hold about `context` positions:
-    decode_rows_cap over the step costs priced there."""
-    return decode_rows_cap(costs.at(context), margin)
+    decode_rows_cap over the step costs priced there (by the costs' own margin unless given)."""
+    return decode_rows_cap(costs.at(context), costs.margin if margin is None else margin)
 
 
 def serving_context(lengths: list[int], default: int) -> int:
@@ -546,6 +555,32 @@ def _median(values: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
+@contextlib.contextmanager
+def step_clock(device: torch.device):
+    """The clock a start-up timing of decode steps reads (yields a callable giving seconds).
+
+    On a GPU the wall clock: the device does the work. On a CPU, the calling thread's CPU
+    seconds with torch (and the C layer, which runs torch's thread count) at one thread for the
+    while: the step's whole work then runs in this thread, so its CPU seconds are what the step
+    costs, whatever else the machine runs. Wall seconds at two threads read other jobs instead:
+    at load 23-28 on 2 cores the wall-clock timing of SmolLM2 took 342 s and read 0.4 tok/s at
+    1 row and 14.4 at 64 (each of a step's ~150 parallel regions waits for its partner thread
+    to be scheduled again, a wait that does not grow with the rows), so it chose 64 rows where
+    the quiet machine's figures choose 32
+    (docs/measurements/2026-12-07c-startup-rows-and-openmp-wait-cpu.md).
+    Rows share a step's weights alike at one thread or two, so their ratio is what the rows are
+    chosen by; the seconds are CPU seconds, not a two-thread step's wall time."""
+    if device.type != "cpu":
+        yield time.perf_counter
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield time.thread_time
+    finally:
+        torch.set_num_threads(threads)
+
+
 @torch.no_grad()
 def measure_decode_steps(engine, row_counts: list[int], context_tokens: int,
                          turns: int = DECODE_ROWS_TURNS, steps: int = DECODE_ROWS_STEPS
@@ -557,8 +592,10 @@ def measure_decode_steps(engine, row_counts: list[int], context_tokens: int,
     prompt's last token fed in a step not timed): a burst of other work on a shared machine slows
     one turn of every count, not every timing of one (the start-up threshold's noise, 2026-12-06).
     The engine's observers, speculation controller, request audit and prefix counters are as
-    they were afterwards. Returns (the medians by row count, the prompt's tokens: fewer than
-    `context_tokens` where the model's context leaves no room for the steps)."""
+    they were afterwards. A step's seconds are read on step_clock's clock: on a CPU, CPU seconds of
+    the step's work at one thread, so what other jobs on the machine do does not enter them.
+    Returns (the medians by row count, the prompt's tokens: fewer than `context_tokens` where the
+    model's context leaves no room for the steps)."""
     if not row_counts:
         raise ValueError("no row counts to time")
     # Every row steps in at most every turn's every count: room for that many tokens.
@@ -595,14 +632,15 @@ def measure_decode_steps(engine, row_counts: list[int], context_tokens: int,
                         while batch.active < rows:
                             batch.add(prompt, params, request_id=f"decode-rows-{next(ids)}")
                         batch.step()     # the new rows' last prompt token (not timed)
-                    for _ in range(steps):
-                        if batch.active != rows:    # (a row cannot end before its budget)
-                            break
-                        sync(device)
-                        start = time.perf_counter()
-                        batch.step()
-                        sync(device)
-                        timings[rows].append(time.perf_counter() - start)
+                    with step_clock(device) as clock:
+                        for _ in range(steps):
+                            if batch.active != rows:    # (a row cannot end before its budget)
+                                break
+                            sync(device)
+                            start = clock()
+                            batch.step()
+                            sync(device)
+                            timings[rows].append(clock() - start)
                     batch.done.clear()
         finally:
             for seq in list(batch.rows):
@@ -616,7 +654,12 @@ def measure_decode_steps(engine, row_counts: list[int], context_tokens: int,
     return {rows: _median(seconds) for rows, seconds in timings.items()}, len(prompt)
 
 
-def decide_decode_rows(engine, max_rows: int, margin: float = DECODE_ROWS_MARGIN,
+def step_margin(device: torch.device) -> float:
+    """The rows rule's margin for steps timed on this device's clock (step_clock)."""
+    return DECODE_ROWS_CPU_MARGIN if device.type == "cpu" else DECODE_ROWS_MARGIN
+
+
+def decide_decode_rows(engine, max_rows: int, margin: float | None = None,
                        turns: int = DECODE_ROWS_TURNS, steps: int = DECODE_ROWS_STEPS,
                        long_context: int = DECODE_ROWS_LONG_CONTEXT) -> dict:
     """Time target-only decode steps at the row counts up to `max_rows` (the rows admission
@@ -631,6 +674,7 @@ def decide_decode_rows(engine, max_rows: int, margin: float = DECODE_ROWS_MARGIN
     context = PLANNED_ROW_POSITIONS if engine.prefix_store is not None else DECODE_ROWS_UNSHARED_CONTEXT
     counts = decode_row_counts(max_rows)
     seconds, context = measure_decode_steps(engine, counts, context, turns=turns, steps=steps)
+    margin = step_margin(engine.target.device) if margin is None else margin
     rows, per_position = decode_rows_cap(seconds, margin), 0.0
     if long_context > 1:
         # At the rows chosen (those served), two turns: each server start without a setting pays
@@ -643,5 +687,5 @@ def decide_decode_rows(engine, max_rows: int, margin: float = DECODE_ROWS_MARGIN
             per_position = per_row_position_cost(seconds[rows], longer[rows], rows, context, measured)
     return {"rows": rows, "step_seconds": seconds,
             "tokens_per_second": tokens_per_second(seconds), "context": context,
-            "costs": DecodeStepCosts(seconds, context, per_position),
+            "costs": DecodeStepCosts(seconds, context, per_position, margin),
             "seconds": time.perf_counter() - started}

@@ -8,9 +8,9 @@ workers), the spinning thread burns the share that the thread it waits for neede
 waits longer still. The same work (a 513-token prefill, 15 rows joining, 10 steps of 16 rows,
 SmolLM2, 2 cores, load 13-18, alternated) took 15.4-18.9 CPU s and 63-76 s wall with the
 default, 2.8 CPU s and 8.4-14.5 s with OMP_WAIT_POLICY=passive, 3.0-3.1 CPU s and 9.1-9.9 s
-with GOMP_SPINCOUNT=2000 (docs/measurements/2026-12-07c-openmp-wait-cpu.md). 2,000 rounds
-(tens of microseconds) still cover the gaps inside a layer call, where the next region follows
-at once, and a thread sleeps through the gaps Python makes between steps.
+with GOMP_SPINCOUNT=2000 (docs/measurements/2026-12-07c-startup-rows-and-openmp-wait-cpu.md).
+2,000 rounds (tens of microseconds) still cover the gaps inside a layer call, where the next
+region follows at once, and a thread sleeps through the gaps Python makes between steps.
 
 libgomp reads these variables once, when it loads (with torch): `serving_wait_default` must
 run before torch is imported, and leaves any wait the process was given alone.

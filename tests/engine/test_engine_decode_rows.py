@@ -4,12 +4,15 @@ feeding it (the server's start-up and its cap: tests/server/test_server_decode_r
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 
 from specpair.config import GenerationParams, SpeculationConfig
-from specpair.costs import (DECODE_ROWS_MARGIN, DecodeStepCosts, decide_decode_rows, decode_row_counts,
-                            decode_rows_at, decode_rows_cap, measure_decode_steps, per_row_position_cost,
-                            serving_context, tokens_per_second)
+from specpair.costs import (DECODE_ROWS_CPU_MARGIN, DECODE_ROWS_MARGIN, DecodeStepCosts, decide_decode_rows,
+                            decode_row_counts, decode_rows_at, decode_rows_cap, measure_decode_steps,
+                            per_row_position_cost, serving_context, step_clock, tokens_per_second)
 from specpair.decoding import SpeculativeEngine
 
 
@@ -128,7 +131,9 @@ def test_start_up_times_every_count_on_a_real_batch_and_leaves_the_engine_as_it_
     decided = decide_decode_rows(engine, 16, turns=3, steps=2)
     assert sorted(decided["step_seconds"]) == [1, 4, 8, 16]
     assert all(s > 0 for s in decided["step_seconds"].values())
-    assert decided["rows"] == decode_rows_cap(decided["step_seconds"])
+    # (on the CPU's clock, CPU seconds at one thread, by its margin)
+    assert decided["costs"].margin == DECODE_ROWS_CPU_MARGIN
+    assert decided["rows"] == decode_rows_cap(decided["step_seconds"], DECODE_ROWS_CPU_MARGIN)
     assert decided["tokens_per_second"] == tokens_per_second(decided["step_seconds"])
     assert 0 < decided["context"] <= 512 and decided["seconds"] > 0
     # ... and the rows chosen after a longer prompt: what a position of context costs a row
@@ -151,3 +156,24 @@ def test_the_prompt_is_cut_to_leave_the_steps_room_in_the_models_context(tiny_ta
     medians, context = measure_decode_steps(engine, [1, 2, 3], 10_000, turns=2, steps=1)
     assert sorted(medians) == [1, 2, 3] and all(s > 0 for s in medians.values())
     assert context + 2 * 3 * 2 < engine.target.context_length
+
+
+def test_a_cpu_step_is_timed_in_the_threads_cpu_seconds_at_one_thread():
+    """What other jobs do does not enter a CPU's step timing: inside step_clock torch (and the C
+    layer, which asks it) runs one thread, and time this thread does not run (here a sleep, on a
+    busy machine its waits for a core) is not counted; torch's threads are as they were after."""
+    threads = torch.get_num_threads()
+    with step_clock(torch.device("cpu")) as clock:
+        assert torch.get_num_threads() == 1
+        start = clock()
+        time.sleep(0.3)
+        slept = clock() - start
+    assert slept < 0.1
+    assert torch.get_num_threads() == threads
+
+
+def test_the_margin_goes_with_the_clock_the_costs_were_timed_on():
+    costs = DecodeStepCosts(seconds_at({8: 40, 16: 43, 32: 46}), 513, 0.0, DECODE_ROWS_CPU_MARGIN)
+    assert decode_rows_at(costs, 513) == 32            # 43 is more than 5% short of 46
+    assert decode_rows_at(costs, 513, margin=DECODE_ROWS_MARGIN) == 16
+    assert DecodeStepCosts(costs.seconds, 513).margin == DECODE_ROWS_MARGIN

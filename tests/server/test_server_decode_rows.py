@@ -50,7 +50,8 @@ def test_start_up_measures_the_rows_and_the_server_decodes_no_more(tiny_pair, st
     engine = make_engine(tiny_pair, peaks=peaks)
     said = []
     decided = decide_decode_rows_at_startup(engine, said.append)
-    assert engine.decode_rows == decided["rows"] == decode_rows_cap(decided["step_seconds"])
+    assert engine.decode_rows == decided["rows"] == decode_rows_cap(decided["step_seconds"],
+                                                                    decided["costs"].margin)
     assert sorted(decided["step_seconds"]) == [1, 4, 8, 16, 32, 64]
     assert said and said[0].startswith("decode rows by measured step cost") \
         and f"decoding up to {engine.decode_rows} rows a step" in said[0]

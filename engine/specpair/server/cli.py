@@ -230,17 +230,19 @@ def decide_decode_rows_at_startup(engine, progress=print) -> dict:
     (costs.decide_decode_rows). The requests past them wait queued, their shared prompt's blocks
     kept in the prefix store, and join as rows end. The worker reads `engine.decode_rows`;
     logged here, exported as specpair_decode_rows."""
-    from specpair.costs import DECODE_ROWS_MARGIN, decide_decode_rows
+    from specpair.costs import decide_decode_rows
     from specpair.server.worker import default_max_batch_size
 
     admitted = default_max_batch_size(engine)
     decided = decide_decode_rows(engine, admitted)
     rates = ", ".join(f"{rows}: {rate:.1f}" for rows, rate in decided["tokens_per_second"].items())
     per_position = decided["costs"].per_row_position
-    progress(f"decode rows by measured step cost, tokens/s after a {decided['context']}-token shared "
-             f"prompt (medians, measured in {decided['seconds']:.1f} s): {rates}; a position of context "
-             f"costs a row {1e6 * per_position:.2f} us a step; decoding up to {decided['rows']} rows a "
-             f"step there (the fewest within {DECODE_ROWS_MARGIN:.0%} of the best; re-priced at the "
+    clock = "a CPU second at one thread" if engine.target.device.type == "cpu" else "a second"
+    progress(f"decode rows by measured step cost, tokens {clock} after a {decided['context']}-token "
+             f"shared prompt (medians, measured in {decided['seconds']:.1f} s): {rates}; a position of "
+             f"context costs a row {1e6 * per_position:.2f} us a step; decoding up to {decided['rows']} "
+             f"rows a step there (the fewest within {decided['costs'].margin:.0%} of the best; "
+             f"re-priced at the "
              f"rows' own context as they are admitted), the rest of the {admitted} rows admission "
              f"holds queued")
     engine.decode_rows = decided["rows"]
