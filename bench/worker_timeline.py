@@ -29,6 +29,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from http_load_bench import WORDS, system_prompt  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from specpair.openmp import serving_wait_default  # noqa: E402
+
+# The OpenMP wait `specpair engine serve` runs with (unless one is given), set before torch loads:
+# the in-process engine here is the served one (and bench/load_phase_cpu.py's, which imports this).
+serving_wait_default()
+
 
 def load_engine(target: str, extra: list[str]):
     """The engine as `specpair engine serve --target TARGET` loads it (its start-up threshold)."""
