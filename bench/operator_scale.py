@@ -221,8 +221,10 @@ def source_tree(ref: str, dest: Path) -> str:
         dest = Path(ref).resolve()
     else:
         dest.mkdir(parents=True)
-        archive = subprocess.run(["git", "archive", ref, "operator", "engine"], cwd=REPO, capture_output=True,
-                                 check=True)
+        # crds/ too: the operator's CRD file (crd/specmodelpair.crd.yaml, where its defaults are
+        # read) is a link into it; without it every pass of that operator raised.
+        archive = subprocess.run(["git", "archive", ref, "operator", "engine", "crds"], cwd=REPO,
+                                 capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
     return os.pathsep.join([str(dest / "operator"), str(dest / "engine"),
                             *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
