@@ -192,7 +192,13 @@ def build_student(teacher, config: DistillConfig):
     student = LlamaForCausalLM(cfg)
     with torch.no_grad():
         t_emb = teacher.model.get_input_embeddings().weight.float().cpu()
-        projection = torch.linalg.qr(torch.randn(t_emb.shape[1], config.hidden))[0]
+        # Orthonormal columns when the student is narrower than the teacher, orthonormal rows
+        # when it is wider (a tiny teacher: QR of a tall matrix only gives its narrow side).
+        width = t_emb.shape[1]
+        if width >= config.hidden:
+            projection = torch.linalg.qr(torch.randn(width, config.hidden))[0]
+        else:
+            projection = torch.linalg.qr(torch.randn(config.hidden, width))[0].T
         emb = t_emb @ projection
         emb *= 0.02 / emb.std().clamp_min(1e-8)     # the scale a fresh embedding would have
         student.get_input_embeddings().weight.copy_(emb)

@@ -37,3 +37,20 @@ def test_an_eagle3_head_trains_from_a_capture_alone_and_drafts_with_target_only_
     plain = SpeculativeEngine(tiny_target, speculation=SpeculationConfig(enabled=False)).generate([prompt], params)[0]
     assert reply.token_ids == plain.token_ids
     assert reply.stats.num_draft_tokens > 0
+
+
+def test_the_training_jobs_default_draft_model_trains_for_a_target_narrower_than_it(tmp_path, tiny_target):
+    """The training Job's default (`--method draft`, a 256-wide student with embeddings projected
+    from the target's) on a 64-wide target: the projection was a QR of the tall side only, 64 x 64,
+    and copying it into the student's 256-wide embedding failed (every Job of the devcluster's
+    tiny pairs failed so, tests/operator/test_learning_loop_e2e.py)."""
+    capture = tmp_path / "capture"
+    write_capture(capture, SpeculativeEngine(tiny_target, check_tokenizers=False),
+                  {"extraction": extraction_prompts(8)})
+    out = tmp_path / "draft"
+    summary = distill(DistillConfig(out=str(out), steps=2, batch_size=2, seq_len=32, seed=3, checkpoint_every=2,
+                                    eval_prompts=0, from_capture=str(capture), category="extraction"),
+                      teacher=tiny_target, progress=lambda *_: None)
+    assert summary["steps"] == 2 and summary["parameters"] > 0, summary
+    draft = load_model(str(out), device="cpu")
+    assert draft.model.get_input_embeddings().weight.shape[1] == 256
