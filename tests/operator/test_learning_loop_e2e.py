@@ -1,0 +1,187 @@
+"""Issue 58 end to end on the devcluster, with the real operator (Kopf), the real MLflow server and
+the real engine image (`specpair engine serve` in the engine pods, the gate and the training Job
+run by the devcluster node), on the tiny models (CPU): a pair whose category drifts and cannot
+roll back trains a new draft on the traffic it captured, without a person.
+
+v1 (the tiny target drafted by the tiny draft model) is gated and served with `spec.learning` on a
+hostPath-backed claim: its pods capture every request. Its draft files are then replaced by noise
+(what a botched copy leaves behind) and its pod deleted: live acceptance on 'code' falls below the
+gated floor, the drift ladder turns speculation off, probes, and finds that no rollback helps
+(v1 is the only release: `Drifted: RollbackWouldNotHelp`). The operator then runs the training Job
+of (v1, 'code') on the captured 'code' traffic, whose runner registers a version that changes only
+the draft side, with its lineage. A steady greedy client sends 'code' requests the whole time:
+every reply to a prompt equals the first (a drafter never changes a greedy reply).
+
+The learned version taking the road to serving (gate, shadow on 'code', promotion, speculation
+back on) is not on main yet (2026-12-07 08:30): this test ends at the registered version. It
+found two bugs on the way: every head training from a capture (66f22ac) and every default
+training of a target narrower than 256 (6a399a1, the tiny pairs) failed before training.
+Passed in 151 s, devcluster start included (load ~20).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+from kopf.testing import KopfRunner
+from mlflow import MlflowClient
+
+from specpair._proto import engine_pb2, engine_pb2_grpc
+from cluster_env import CODE_PROMPTS, ONE_PROMPT_GATING, OPERATOR, cond, engine_pods, model_name, serving, tiny_pair
+from specpair_operator.release.registry_contract import (TAG_LINEAGE_CAPTURE, TAG_LINEAGE_CATEGORY,
+                                                         TAG_LINEAGE_JOB, TAG_LINEAGE_RELEASE, TAG_RELEASE)
+
+pytestmark = pytest.mark.slow
+
+# Judged every second on 10 s windows; one breaching window per ladder step; a probe after one
+# quiet window while speculation is off; off, then a rollback where one helps (none does here).
+DRIFT = {"intervalSeconds": 1, "windowSeconds": 10, "minDraftedTokens": 20, "minRequests": 4,
+         "consecutiveBreaches": 1, "probeAfterWindows": 1, "ladder": ["SpeculationOff", "Rollback"]}
+
+
+def ready_address(ns) -> str | None:
+    """The ready engine pod's gRPC address (pod IP: there is no kube-proxy on devcluster)."""
+    for pod in engine_pods(ns):
+        if any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])):
+            return f"{pod['status']['podIP']}:50051"
+    return None
+
+
+class CodeTraffic:
+    """Greedy 'code' requests one after another to whichever engine pod is ready, in a thread.
+    Each reply is kept by prompt (every one must equal the first); each failure is kept with the
+    address it went to (a pod the test deletes may fail the requests it was serving)."""
+
+    PROMPTS = CODE_PROMPTS[:2]
+
+    def __init__(self, ns) -> None:
+        self.ns, self.replies, self.failed, self.stop = ns, {}, [], threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            address, prompt = ready_address(self.ns), self.PROMPTS[i % len(self.PROMPTS)]
+            i += 1
+            if address is None:
+                self.stop.wait(1)
+                continue
+            req = engine_pb2.GenerateRequest(prompt=prompt, max_new_tokens=12, category="code")
+            try:
+                with grpc.insecure_channel(address) as channel:
+                    text = "".join(r.text for r in engine_pb2_grpc.EngineStub(channel).Generate(req, timeout=60))
+            except grpc.RpcError as exc:
+                self.failed.append(f"{address}: {exc.code().name}: {exc.details()}")
+                self.stop.wait(1)
+                continue
+            self.replies.setdefault(prompt, []).append(text)
+
+    def count(self) -> int:
+        return sum(len(r) for r in self.replies.values())
+
+    def __enter__(self) -> "CodeTraffic":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=120)
+
+
+def hostpath_claim(ns, name: str, folder: Path) -> str:
+    """A ReadWriteMany claim `name` bound to a hostPath volume at `folder`; the volume's name."""
+    pv = f"{name}-{ns.name}"
+    ns.kube.create({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+                    "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                             "persistentVolumeReclaimPolicy": "Retain",
+                             "hostPath": {"path": str(folder), "type": "DirectoryOrCreate"}}})
+    ns.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+               "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
+                        "resources": {"requests": {"storage": "1Gi"}}}})
+    return pv
+
+
+def test_a_category_that_drifts_and_cannot_roll_back_trains_a_draft_only_release_from_its_traffic(
+        operator_env, ns, mlflow_server, model_dirs, tiny_tokenizer, devcluster, tmp_path):
+    from tiny_models import make_model, save_tiny
+
+    target, good = model_dirs["target"], model_dirs["draft"]
+    swappable = str(tmp_path / "draft-swappable")
+    shutil.copytree(good, swappable)
+    name = f"learn-{uuid.uuid4().hex[:5]}"
+    model = model_name(ns, name)
+    traffic = tmp_path / "traffic"
+    pv = hostpath_claim(ns, "traffic", traffic)
+    spec = tiny_pair(name, target, swappable, drift=DRIFT, gating=ONE_PROMPT_GATING)
+    spec["spec"]["learning"] = {"enabled": True, "persistentVolumeClaim": "traffic", "sampleRate": 1.0,
+                                # No clean-up finalizer: the namespace goes with the operator stopped.
+                                "keepOnDelete": True,
+                                # The tiny draft learns the tiny target's replies in seconds.
+                                "training": {"steps": 60, "activeDeadlineSeconds": 900}}
+    mlflow = MlflowClient(mlflow_server.url)
+    try:
+        with KopfRunner(OPERATOR, timeout=60) as runner, CodeTraffic(ns) as client:
+            ns.create(spec)
+            ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=600)
+            # Enough captured traffic to train on: distill's windows need more than 129 tokens, and a
+            # tiny request is some 20 (prompt and 12 reply tokens).
+            ns.wait_for("24 replies from v1", lambda: client.count() >= 24, timeout=600)
+
+            # The draft goes bad: its files replaced by noise, its pod deleted (the new one loads them).
+            # The old pod's capture closes its shard as it stops: the training has traffic to read.
+            save_tiny(make_model(tiny_tokenizer, seed=9), swappable)
+            (old,) = engine_pods(ns, "1")
+            ns.kube.delete("v1", "Pod", ns.name, old["metadata"]["name"])
+            ns.wait_for("a new pod", lambda: (a := ready_address(ns)) and old["status"]["podIP"] not in a, timeout=300)
+            ns.wait_for("a complete shard of 'code'", lambda: list((traffic / name / "code").glob("*.jsonl")),
+                        timeout=300)
+
+            # The ladder: speculation off, a probe, no rollback that helps, then the training Job.
+            obj = ns.wait_for("no rollback helps", lambda: (o := ns.pair(name)) and
+                              cond(o, "Drifted").get("reason") == "RollbackWouldNotHelp" and o, timeout=600)
+            assert "no previous release" in cond(obj, "Drifted")["message"], cond(obj, "Drifted")
+            obj = ns.wait_for("the training done", lambda: (o := ns.pair(name)) and any(
+                r.get("phase") in ("done", "failed", "timed-out")
+                for r in (o["status"].get("training") or {}).get("runs") or []) and o, timeout=900)
+            [run] = obj["status"]["training"]["runs"]
+            assert (run["version"], run["category"], run["phase"]) == ("1", "code", "done"), \
+                json.dumps([run, [(p["metadata"]["name"], p["status"].get("containerStatuses"))
+                                  for p in ns.pods() if run["job"] in p["metadata"]["name"]]])
+            candidate = run["candidate"]
+            served_before = client.count()
+            ns.wait_for("replies after the training", lambda: client.count() >= served_before + 2, timeout=180)
+        assert runner.exception is None
+
+        # Each step said once, in the history and as Events.
+        actions = [h["action"] for h in obj["status"]["history"]]
+        assert actions.count("SpeculationOff") == 1 and "RolledBack" not in actions, actions
+        assert actions.count("TrainingStarted") == 1 and actions.count("TrainingSucceeded") == 1, actions
+        assert ns.events("TrainingStarted") and ns.events("TrainingSucceeded")
+        assert cond(obj, "Learning").get("reason") == "CandidateRegistered", cond(obj, "Learning")
+
+        # The version registered changes only the draft side, with its lineage.
+        version = mlflow.get_model_version(model, candidate)
+        tags = version.tags
+        assert (tags[TAG_LINEAGE_RELEASE], tags[TAG_LINEAGE_CATEGORY]) == ("1", "code"), tags
+        assert tags[TAG_LINEAGE_JOB].startswith(run["job"]), (tags[TAG_LINEAGE_JOB], run["job"])   # its pod's name
+        captured = json.loads(tags[TAG_LINEAGE_CAPTURE])
+        assert captured["requests"] >= 2 and captured["releases"] == ["1"], captured
+        parent = json.loads(mlflow.get_model_version(model, "1").tags[TAG_RELEASE])
+        learned = json.loads(tags[TAG_RELEASE])
+        assert learned["target"] == parent["target"] and learned["draft"] != parent["draft"]
+        assert learned["draft"]["source"].startswith("runs:/"), learned["draft"]
+
+        # Outputs identical throughout: a good draft, a bad one, speculation off, probes.
+        assert client.count() >= 6, client.replies
+        for prompt, replies in client.replies.items():
+            assert len(set(replies)) == 1, (prompt, replies)
+        print("replies by prompt:", {p[:12]: len(r) for p, r in client.replies.items()},
+              f"{len(client.failed)} failed (the deleted pod's):", client.failed[:5])
+    finally:
+        ns.kube.delete("v1", "PersistentVolume", None, pv)
