@@ -41,6 +41,7 @@ go_build_reuse_checked() {
   # go_build_reuse exits when the binaries are there; a folder missing its CRDs is rebuilt.
   STAMP="$( { printf '%s\n' "$GO_VERSION" "${GO_ENV[@]}" -- "${GO_ARGS[@]}" --; cat "${STAMP_FILES[@]}"; } | sha256sum | cut -c1-16)"
   OUT="$CACHE_ROOT/$STAMP"
+  go_build_lock   # before the check: a build under way is waited for, then reused
   if [[ -f "$OUT/crds/source.toolkit.fluxcd.io_gitrepositories.yaml" && -f "$OUT/crds/kustomize.toolkit.fluxcd.io_kustomizations.yaml" ]]; then
     go_build_reuse "Flux's source-controller and kustomize-controller $FLUX_CONTROLLERS_VERSION"
   fi

@@ -58,6 +58,7 @@ go_build_reuse_checked() {
   # go_build_reuse exits when the binary is there; a folder missing its CRDs is rebuilt.
   STAMP="$( { printf '%s\n' "$GO_VERSION" "${GO_ENV[@]}" -- "${GO_ARGS[@]}" --; cat "${STAMP_FILES[@]}"; } | sha256sum | cut -c1-16)"
   OUT="$CACHE_ROOT/$STAMP"
+  go_build_lock   # before the check: a build under way is waited for, then reused
   if crds_complete; then go_build_reuse "Traefik $TRAEFIK_VERSION and Gateway API $GATEWAY_API_VERSION"; fi
   BIN="$OUT/bin"
 }

@@ -25,6 +25,22 @@ go_build_init() {
   esac
 }
 
+# One build of a stamp ($OUT) at a time: a second caller (a test fixture that found no binaries
+# while scripts/test.sh's build ran) waits for the first and then reuses its result. Without the
+# lock the second one's compile emptied the first one's $OUT.partial (and a source copy beside it)
+# and both compiled the same packages (seen 2026-12-07: three cold control-plane builds at once,
+# then two Traefik builds). Held on fd 9 until the script exits; a second call is a no-op.
+go_build_lock() {
+  [[ -n "${GO_BUILD_LOCKED:-}" ]] && return 0
+  mkdir -p "$CACHE_ROOT"
+  exec 9>"$OUT.lock"
+  if ! flock -n 9; then
+    say "another build of stamp $STAMP is running; waiting for it"
+    flock 9
+  fi
+  GO_BUILD_LOCKED=1
+}
+
 # Sets STAMP, OUT and BIN; when a finished build with this stamp holds every program, prints BIN
 # and exits the script.
 go_build_reuse() {
@@ -33,16 +49,7 @@ go_build_reuse() {
               if (( ${#STAMP_FILES[@]} )); then cat "${STAMP_FILES[@]}"; fi; } | sha256sum | cut -c1-16)"
   OUT="$CACHE_ROOT/$STAMP"
   BIN="$OUT/bin"
-  # One build of a stamp at a time: a second caller (a test fixture that found no binaries while
-  # scripts/test.sh's build ran) waits for the first and then reuses its result. Without the lock
-  # the second one's compile emptied the first one's $OUT.partial and both compiled the same
-  # packages (seen 2026-12-07: three cold control-plane builds at once). Held until the script exits.
-  mkdir -p "$CACHE_ROOT"
-  exec 9>"$OUT.lock"
-  if ! flock -n 9; then
-    say "another build of stamp $STAMP is running; waiting for it"
-    flock 9
-  fi
+  go_build_lock
   if [[ -f "$OUT/stamp" ]] && [[ "$(cat "$OUT/stamp")" == "$STAMP" ]]; then
     local p
     for p in "${PROGRAMS[@]}"; do [[ -x "$BIN/$p" ]] || return 0; done
