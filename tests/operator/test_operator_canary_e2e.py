@@ -29,6 +29,7 @@ test client spreads the requests itself."""
 from __future__ import annotations
 
 import itertools
+import re
 import shutil
 import time
 import uuid
@@ -259,8 +260,18 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
     obj = ns.pair(name)
     assert obj["status"]["servingVersion"] == "2"
     entry = obj["status"]["canary"]
-    ttft = entry["judged"]["ttft:code"]      # the candidate's p95 against the champion's
-    assert ttft["verdict"] == "breach" and ttft["candidate"] > 3 * ttft["champion"], entry
+    # The abort is a TTFT breach: more of the candidate's requests than 5% (by the lower bound)
+    # above 3x the champion's p95. Read from the abort's message, the record the abort itself
+    # wrote: `judged` may hold a later pass's fresh evidence once an operator killed after the
+    # abort's MLflow mark restarts (CI at b48dac2: message "22.4% of 17 requests above the
+    # threshold (lower bound 7.5%) > 5%", judged without a TTFT breach; an earlier form of this
+    # check read judged['ttft:code']).
+    breach = re.search(r"TTFT p95 (?:[\d.]+ ms|above the largest bucket) \(champion p95 ([\d.]+) ms, threshold "
+                       r"([\d.]+) ms\): [\d.]+% of (\d+) requests above the threshold \(lower bound ([\d.]+)%\) > "
+                       r"(\d+)%", entry["message"])
+    assert breach, entry["message"]
+    champion_p95, threshold, requests, lower, limit = map(float, breach.groups())
+    assert abs(threshold - 3 * champion_p95) <= 0.2 and requests >= 10 and lower > limit, entry["message"]
     assert "TTFT p95" in entry["message"] and "candidate worse than the champion" in entry["message"]
     canary_cond = cond(obj, canary.CONDITION)
     assert canary_cond["status"] == "False" and canary_cond["reason"] == "Aborted"
