@@ -34,11 +34,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-PROMPTS_FILE = Path(__file__).with_name("eagle3_prompts.jsonl")
+# Run as `python bench/eagle3_cpu_vs_vllm.py`: its folder is on sys.path, so the sibling bench is
+# importable; it is the one home of our side's setup and of the prompts file.
+from eagle3_vs_vllm import PROMPTS_FILE, our_side  # noqa: E402
 
 
 def load_average() -> list[float]:
@@ -82,36 +83,10 @@ def main() -> None:
     parser.add_argument("--prompts-file", default=str(PROMPTS_FILE))
     args = parser.parse_args()
 
-    import torch
-
-    from specpair.bench import load_prompts
-    from specpair.config import GenerationParams, SpeculationConfig
-    from specpair.decoding import SpeculativeEngine, encode_prompt
-    from specpair.eagle3 import build_eagle3_head, save_eagle3_head
-    from specpair.models import load_model
     from specpair.vllm_peer import VllmServer, default_python
 
-    torch.set_num_threads(1)
-    target = load_model(args.target, device="cpu", dtype="float32")
-    head_dir = args.head
-    if head_dir is None:
-        head_dir = str(Path(tempfile.mkdtemp(prefix="eagle3-bench-")) / "head")
-        vocab = min(args.draft_vocab or len(target.tokenizer), len(target.tokenizer))
-        head = build_eagle3_head(target.model, torch.arange(vocab))
-        save_eagle3_head(head, head_dir, verifier=args.target, about={"untrained": True})
-    draft = load_model(head_dir, device="cpu", dtype="float32")
-    texts = [row["prompt"] for row in load_prompts(args.prompts_file)][:args.prompts]
-    prompts = [encode_prompt(target.tokenizer, p, True) for p in texts]
-    params = GenerationParams(max_new_tokens=args.max_tokens)
-    engine = SpeculativeEngine(target, draft=draft, kv="static", speculation=SpeculationConfig(
-        k=args.k, dynamic_k=False, fallback_threshold=0.0))
-
-    def reply(ids: list[int]):
-        batch = engine.new_batch()
-        seq = batch.add(ids, params)
-        while batch.active:
-            batch.step()
-        return seq
+    target, head_dir, prompts, reply = our_side(args.target, args.head, args.prompts_file, args.prompts,
+                                                args.max_tokens, args.k, args.draft_vocab)
 
     def ours_turn() -> dict:
         load = load_average()

@@ -41,6 +41,43 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def our_side(target_name: str, head_dir: str | None, prompts_file: str, n_prompts: int,
+             max_tokens: int, k: int, draft_vocab: int | None = None):
+    """Our engine with the EAGLE-3 head at one thread, as both EAGLE-3 benches run it (this one
+    and eagle3_cpu_vs_vllm.py): the target, the head's folder (an untrained head over the first
+    `draft_vocab` token ids, or the whole vocabulary, made when none is given), the prompts as
+    chat-templated ids, and reply(ids) -> the finished sequence (k fixed, nothing dynamic)."""
+    import torch
+
+    from specpair.bench import load_prompts
+    from specpair.config import GenerationParams, SpeculationConfig
+    from specpair.decoding import SpeculativeEngine, encode_prompt
+    from specpair.eagle3 import build_eagle3_head, save_eagle3_head
+    from specpair.models import load_model
+
+    torch.set_num_threads(1)
+    target = load_model(target_name, device="cpu", dtype="float32")
+    if head_dir is None:
+        head_dir = str(Path(tempfile.mkdtemp(prefix="eagle3-bench-")) / "head")
+        vocab = min(draft_vocab or len(target.tokenizer), len(target.tokenizer))
+        head = build_eagle3_head(target.model, torch.arange(vocab))
+        save_eagle3_head(head, head_dir, verifier=target_name, about={"untrained": True})
+    draft = load_model(head_dir, device="cpu", dtype="float32")
+    texts = [row["prompt"] for row in load_prompts(prompts_file)][:n_prompts]
+    prompts = [encode_prompt(target.tokenizer, p, True) for p in texts]
+    params = GenerationParams(max_new_tokens=max_tokens)
+    engine = SpeculativeEngine(target, draft=draft, kv="static", speculation=SpeculationConfig(
+        k=k, dynamic_k=False, fallback_threshold=0.0))
+
+    def reply(ids: list[int]):
+        batch = engine.new_batch()
+        seq = batch.add(ids, params)
+        while batch.active:
+            batch.step()
+        return seq
+    return target, head_dir, prompts, reply
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -52,36 +89,10 @@ def main() -> None:
     parser.add_argument("--prompts-file", default=str(PROMPTS_FILE))
     args = parser.parse_args()
 
-    import torch
-
-    from specpair.bench import load_prompts
-    from specpair.config import GenerationParams, SpeculationConfig
-    from specpair.decoding import SpeculativeEngine, encode_prompt
-    from specpair.eagle3 import build_eagle3_head, save_eagle3_head
-    from specpair.models import load_model
     from specpair.vllm_peer import VllmServer, default_python
 
-    torch.set_num_threads(1)
-    target = load_model(args.target, device="cpu", dtype="float32")
-    head_dir = args.head
-    if head_dir is None:
-        head_dir = str(Path(tempfile.mkdtemp(prefix="eagle3-bench-")) / "head")
-        head = build_eagle3_head(target.model, torch.arange(len(target.tokenizer)))
-        save_eagle3_head(head, head_dir, verifier=args.target, about={"untrained": True})
-    draft = load_model(head_dir, device="cpu", dtype="float32")
-    texts = [row["prompt"] for row in load_prompts(args.prompts_file)][:args.prompts]
-    prompts = [encode_prompt(target.tokenizer, p, True) for p in texts]
-    params = GenerationParams(max_new_tokens=args.max_tokens)
-    engine = SpeculativeEngine(target, draft=draft, kv="static", speculation=SpeculationConfig(
-        k=args.k, dynamic_k=False, fallback_threshold=0.0))
-
-    def reply(ids: list[int]):
-        batch = engine.new_batch()
-        seq = batch.add(ids, params)
-        while batch.active:
-            batch.step()
-        return seq
-
+    target, head_dir, prompts, reply = our_side(args.target, args.head, args.prompts_file, args.prompts,
+                                                args.max_tokens, args.k)
     reply(prompts[0])                                           # warm-up
     loads = {"ours_before": load_average()}
     started, tokens, drafted, kept = time.perf_counter(), 0, 0, 0
