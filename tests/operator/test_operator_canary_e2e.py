@@ -236,13 +236,15 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
     # pod's first requests are not judged (canary.WARM_UP_REQUESTS): 256 wide, warm, measured only
     # ~3x the champion's TTFT p95 in CI (p95 67.8 ms, 1.9% of 204 requests above the 3x threshold)
     # and passed. Acceptance (drift.minDraftedTokens above what the test drafts) and TPOT (a ratio
-    # of 10) are left out of the judgement: the abort is the TTFT breach's.
+    # of 100, the CRD's largest) are left out of the judgement: the abort is the TTFT breach's. (A
+    # ratio of 10 let the official CI at ad9d86f abort on TPOT first: p95 24.7 ms against a
+    # champion's 1.8 ms, threshold 18.5 ms; this target's TPOT is one 8-layer step, far below 100x.)
     slow = save_tiny(make_model(tiny_tokenizer, seed=1, layers=8, hidden=512, heads=4),
                      Path(target).parent / "target-slow")
     v2_pods = set(service_endpoints(ns, name))
     strategy = {"type": "Canary", "steps": [{"replicas": 1, "pauseSeconds": 120}]}
     set_spec(ns, name, {"target": {"source": slow}, "drift": {"minDraftedTokens": 10**9,
-                                                             "latency": {**drift["latency"], "tpotP95Ratio": 10.0}},
+                                                             "latency": {**drift["latency"], "tpotP95Ratio": 100.0}},
                         "rollout": {"applyGateTuning": False, "strategy": strategy}})
     operator.killed_after("kube.merge_patch deployments")     # the canary Deployment scaled up again
     since = len(operator.writes())
