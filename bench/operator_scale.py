@@ -230,6 +230,14 @@ def source_tree(ref: str, dest: Path) -> str:
                             *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
 
 
+def time_of_day(hhmm: str) -> float:
+    """The next (or current minute's) UTC `hh:mm` as a wall-clock epoch."""
+    hours, minutes = (int(x) for x in hhmm.split(":"))
+    now = time.time()
+    at = now - now % 86400 + hours * 3600 + minutes * 60
+    return at if at > now - 60 else at + 86400
+
+
 def load_average() -> list[float]:
     return [round(x, 1) for x in os.getloadavg()]
 
@@ -248,6 +256,16 @@ def main() -> int:
     ap.add_argument("--create-seconds", type=float, default=0.0,
                     help="create no pair after this long into a size: the size becomes the pairs made by then "
                          "(all waited for and measured standing still; default: no limit)")
+    ap.add_argument("--create-until", metavar="HH:MM",
+                    help="create no pair after this time of day (UTC), at any size: the size becomes the pairs made "
+                         "by then, waited for and measured standing still (a run that must end by a given time)")
+    ap.add_argument("--late-tree", metavar="DIR",
+                    help="after the last size's steady window, if DIR holds a tree (DIR/operator, extracted while "
+                         "the run went on: a change made during a long run), alternate windows of DIR's operator "
+                         "and the run's own on the same pairs (late, own, late), each after a restart, as long as "
+                         "--stop-by allows")
+    ap.add_argument("--stop-by", metavar="HH:MM",
+                    help="start no late window (--late-tree) that would end after this time of day (UTC)")
     ap.add_argument("--in-flight", type=int, default=100,
                     help="at most this many pairs created and not yet Serving at a time (default: %(default)s)")
     ap.add_argument("--mlflow-workers", type=int, default=1,
@@ -386,6 +404,8 @@ def main() -> int:
             # With --create-seconds, no pair is created after that long: the size becomes the pairs made
             # by then, which are waited for, so that the windows measure pairs that all stand still.
             create_until = t0 + args.create_seconds if args.create_seconds else float("inf")
+            if args.create_until:
+                create_until = min(create_until, t0 + time_of_day(args.create_until) - time.time())
 
             def goal() -> int:
                 return size if time.monotonic() < create_until else min(size, len(created))
@@ -457,8 +477,24 @@ def main() -> int:
             windows = [("steady", {})]
             if before and size == sizes[0]:
                 windows = [("before", before), ("steady", {})] * max(1, args.rounds)
+            if args.late_tree and size == sizes[-1]:
+                # The late tree's operator first on the path, ahead of the run's own (--tree or the
+                # working tree); its windows are recorded under "late", the run's own under "lateOwn".
+                late = Path(args.late_tree).resolve()
+                late_path = os.pathsep.join([str(late / "operator"), str(late / "engine"),
+                                             *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+                windows += [("late", {"PYTHONPATH": late_path}), ("lateOwn", {}), ("late", {"PYTHONPATH": late_path})]
             for turn, (label, extra) in enumerate(windows):
                 restart = None
+                if label.startswith("late"):
+                    # A window costs a restart (a full pass over every pair), the settling and the window.
+                    needed = args.settle + args.window + ((figures.get("restart") or {}).get("everyPairPassedSeconds") or 60) + 30
+                    if not (Path(args.late_tree) / "operator").is_dir():
+                        print(f"late windows skipped: {args.late_tree} holds no tree", flush=True)
+                        break
+                    if args.stop_by and time.time() + needed > time_of_day(args.stop_by):
+                        print(f"late windows stopped: the next would end after {args.stop_by}", flush=True)
+                        break
                 if label == "steady" or turn >= 2 or bring_up:
                     # The same pairs, the same cluster and load: the operator restarted as this side
                     # runs (the first "before" window measures the operator that brought the pairs
@@ -492,13 +528,15 @@ def main() -> int:
                                          (lambda: read_calls(host.spool)) if host else Counter)
                 measured.update(env={k: v for k, v in extra.items() if k != "PYTHONPATH"},
                                 loadAverageBefore=load, loadAverageAfter=load_average())
-                if turn < 2:
+                if label.startswith("late"):
+                    figures.setdefault("lateRounds", []).append({"side": label, **measured, "restart": restart})
+                elif turn < 2:
                     figures[label] = measured
-                if len(windows) > 2:
+                if len(windows) > 2 and not label.startswith("late"):
                     figures.setdefault("rounds", []).append({"side": label, **measured, "restart": restart})
                 print(f"{size} pairs, {label} (window {turn + 1} of {len(windows)})", json.dumps(measured, indent=1),
                       flush=True)
-                if args.profile_dir and turn >= len(windows) - 2:
+                if args.profile_dir and label in ("before", "steady") and turn >= len([w for w in windows if not w[0].startswith("late")]) - 2:
                     # The last window of each side: where its operator's CPU goes.
                     figures.setdefault("profiles", {})[label] = profile(
                         operator.pid, args.profile_dir / f"operator_scale_{size}_{label}.txt", args.profile_seconds,
