@@ -38,6 +38,10 @@ How a pod runs here, and where that differs from a kubelet with a container runt
   `NodeSpec.first_success_poll_seconds` between the probe's periods (a look that fails is not
   counted): a container is started and Ready about when it answers instead of up to a whole
   period later (10 s for the engines' startup probe), while failures still count once a period.
+- Stopping: SIGTERM to the container's session, SIGKILL after the grace period to it and to
+  every process the container made that left it (a session of its own, a parent that died): each
+  carries the container's mark in its environment, and its descendants are looked up while its
+  first process lives (container_processes.py), where a runtime kills the container's cgroup.
 - Restarts follow restartPolicy with a doubling back-off (1 s to 60 s; a kubelet uses 10 s to
   5 min) shown as CrashLoopBackOff.
 - Admission: a pod whose GPU requests exceed what the node has free is refused
@@ -67,12 +71,14 @@ import tempfile
 import threading
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from . import container_processes
 from .client import ApiError, Kube
 from .processes import tail
 from .warm_python import WarmProcess, WarmPython
@@ -216,6 +222,10 @@ class NodeAgent:
         self.lock = threading.Lock()
         self.errors: list[str] = []
         self.threads: list[threading.Thread] = []
+        # Every process of this node's containers carries `container_processes.MARK=<mark>/<pod
+        # uid>/<container>` in its environment: what is killed when the container stops, wherever
+        # it went (nodes of clusters side by side share names, so a random part).
+        self.mark = uuid.uuid4().hex[:12]
         # Forks `python -m` containers from an interpreter that imported torch once (warm_python.py);
         # its environment is what a pod's would be, less the pod's own names and folders.
         self.warm_python = WarmPython(self.images.python,
@@ -424,6 +434,11 @@ class NodeAgent:
             w.join(30)
         for t in self.threads:
             t.join(15)
+        # Whatever a worker did not stop (one still joining) goes with the node, as a kubelet's
+        # containers' cgroups outlive it only while their runtime keeps them.
+        left = container_processes.kill_all(self.mark + "/", prefix=True)
+        if left:
+            self.errors.append(f"processes of this node's containers survived SIGKILL: {left}")
         self.warm_python.stop()
         self._network_lock.close()
 
@@ -529,8 +544,8 @@ class PodWorker:
             self.agent.errors.append(f"pod {self.key}: {type(exc).__name__}: {exc}")
             self.agent._event(self.pod, "Warning", "Failed", f"devcluster node: {exc}")
         finally:
-            for proc in self.procs.values():
-                _stop_process(proc, 0)
+            for name, proc in self.procs.items():
+                self._stop(name, proc, 0)
             # Before the pod object goes: once it is gone a Recreate rollout's next pod may be bound
             # here and admitted at once (the watch wakes the sync), and must find the GPU free.
             self.stopped = True
@@ -594,6 +609,7 @@ class PodWorker:
             with open(log, "ab") as out:
                 out.write(f"--- {now_iso()} starting: {shlex.join(argv)}\n".encode())
                 out.flush()
+            env = {**env, container_processes.MARK: self._mark(name)}
             proc = self.agent.warm_python.spawn(argv, env, cwd, log)
             if proc is None:
                 with open(log, "ab") as out:
@@ -608,7 +624,7 @@ class PodWorker:
             warm = ", forked from the node's warm python" if isinstance(proc, WarmProcess) else ""
             self.agent._event(self.pod, "Normal", "Started", f"Started container {name} (pid {proc.pid}){warm}")
             reason = self._supervise(container, proc)
-            code = _stop_process(proc, self._grace() if reason else 0)
+            code = self._stop(name, proc, self._grace() if reason else 0)
             self.ready[name] = False
             if code is None:
                 code = 137
@@ -633,6 +649,18 @@ class PodWorker:
             if self.deleting.wait(backoff):
                 return
             backoff = min(backoff * 2, 60)
+
+    def _mark(self, name: str) -> str:
+        """The value of container_processes.MARK in container `name`'s processes."""
+        return f"{self.agent.mark}/{self.pod['metadata']['uid']}/{name}"
+
+    def _stop(self, name: str, proc: subprocess.Popen, grace: float) -> int | None:
+        """Stop container `name` whose first process is `proc` (see _stop_process), and every
+        process it made: as a runtime kills the container's cgroup, nothing of it outlives it."""
+        code, left = _stop_process(proc, grace, self._mark(name))
+        if left:
+            self.agent.errors.append(f"pod {self.key}: processes of container {name} survived SIGKILL: {left}")
+        return code
 
     def _supervise(self, container: dict[str, Any], proc: subprocess.Popen) -> str | None:
         """Run probes until the process exits (None) or a probe / deletion stops it (a reason)."""
@@ -1002,7 +1030,15 @@ def _path_rewriter(mounts: dict[str, str]):
     return rewrite
 
 
-def _stop_process(proc: subprocess.Popen, grace: float) -> int | None:
+def _stop_process(proc: subprocess.Popen, grace: float, mark: str) -> tuple[int | None, list]:
+    """SIGTERM to the process's group (its session: the container's own), SIGKILL after `grace`
+    to the group and to every process of the container outside it: those marked `mark`, and its
+    descendants seen before each signal (container_processes). Returns (the exit status, or None
+    when it is not known within 5 s; the container's processes still alive after 30 s of
+    SIGKILLs, which only uninterruptible sleep explains)."""
+    # Looked at while the first process lives (its pid cannot be reused before it is reaped):
+    # once it is gone its children's parent is init and the links to them are lost.
+    below = container_processes.descendants(proc.pid) if proc.poll() is None else []
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -1012,14 +1048,17 @@ def _stop_process(proc: subprocess.Popen, grace: float) -> int | None:
             proc.wait(max(grace, 0.1))
         except subprocess.TimeoutExpired:
             pass
+    if proc.poll() is None:
+        below += [p for p in container_processes.descendants(proc.pid) if p not in below]
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    left = container_processes.kill_all(mark, below)
     try:
-        return proc.wait(5)
+        return proc.wait(5), left
     except subprocess.TimeoutExpired:
-        return None
+        return None, left
 
 
 def _container_port(container: dict[str, Any], port: Any) -> int:

@@ -3,6 +3,7 @@ run pods as processes with probes, exit codes, GPU capacity and deletion as a ku
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from pathlib import Path
@@ -149,6 +150,56 @@ def test_a_startup_probe_passes_when_the_container_answers_and_fails_at_its_peri
     wait("a restart of never", lambda: ((pod(devcluster, ns, "never").get("status") or {}).get("containerStatuses")
                                         or [{}])[0].get("restartCount", 0) >= 1, timeout=30)
     assert time.monotonic() - created >= 4
+
+
+# A container that leaves processes outside its session, as vLLM's pod does: its first process
+# starts `left` in a session of its own, and `middle`, which starts `orphan` in a session of its
+# own and exits (orphan's parent is init then, as vLLM's EngineCore's once vLLM died). Told to stop,
+# the first process exits at once, as a supervisor killed at the end of its grace period.
+LEAVES_PROCESSES = """
+import os, signal, subprocess, sys, time
+sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+left = subprocess.Popen(sleeper, start_new_session=True)
+middle = subprocess.Popen([sys.executable, "-c", '''
+import subprocess, sys
+orphan = subprocess.Popen(sys.argv[1:], start_new_session=True)
+print("orphan", orphan.pid, flush=True)
+''', *sleeper])
+middle.wait()
+print("left", left.pid, flush=True)
+signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def running(pid: int, started: str) -> bool:
+    """Whether the process seen started at `started` (clock ticks since boot) still runs: a zombie
+    has ended; a pid reused since is not the same process."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[19] == started and fields[0] != "Z"
+
+
+def test_a_deleted_pod_leaves_no_process_even_one_that_left_its_session(devcluster, ns):
+    devcluster.kube.create(python_pod("leaves", ns, LEAVES_PROCESSES, restartPolicy="Always"))
+    # (The log's first line is the command, this code included: its lines are read whole.)
+    wait("the pod's processes started", lambda: re.search(r"^started$", devcluster.pod_log(ns, "leaves"), re.M),
+         timeout=120)
+    log = devcluster.pod_log(ns, "leaves")
+    pids = {word: int(re.search(rf"^{word} (\d+)$", log, re.M).group(1)) for word in ("left", "orphan")}
+    seen = {word: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split() for word, pid in pids.items()}
+    # Each in a session of its own (not the container's), the orphan a child of some reaper, not of the pod.
+    first = int(seen["left"][1])
+    assert int(seen["orphan"][1]) != first and len({int(s[3]) for s in seen.values()} | {first}) == 3, seen
+    started = {word: fields[19] for word, fields in seen.items()}
+    assert all(running(pids[w], started[w]) for w in pids)
+    devcluster.kube.delete("v1", "Pod", ns, "leaves")
+    wait("leaves gone", lambda: devcluster.kube.get("v1", "Pod", ns, "leaves") is None, timeout=120)
+    # The node kills them before it lets the pod object go; a short wait for the kernel's part.
+    wait("its processes gone", lambda: not any(running(pids[w], started[w]) for w in pids), timeout=30)
 
 
 def test_liveness_failure_restarts_and_a_missing_image_never_runs(devcluster, ns):
