@@ -130,6 +130,11 @@ class ServingWorld:
     # is enabled: "version/category" -> a training_job.TrainingState. None: not read this pass
     # (then the plan starts none, so a Job that exists is never created twice).
     trainings: Mapping[str, Any] | None = None
+    # What this pass rendered from these values (plan/serving_steps.rendered_engine: the engine
+    # Deployment, asked for by observe's rollout question and again by the plan). Each entry
+    # keeps the values it was rendered from and is used only while the world holds equal ones;
+    # the worlds `replace` makes from this one share it, a new pass starts empty.
+    rendered: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def rollout(self) -> Mapping[str, Any]:

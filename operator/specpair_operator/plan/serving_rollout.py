@@ -23,9 +23,10 @@ from specpair_operator.observe.serving_world import ServingWorld
 from specpair_operator.desired.pod_status import pods_waiting
 from specpair_operator.plan.serving_draft_swap import (InPlace, resume_if_paused, swap_in_place, swapped_in_place,
                                                        SWAPPING)
-from specpair_operator.plan.serving_steps import (ANN_TEMPLATE, CreateControlCA, deployment_after, engine_deployment,
+from specpair_operator.plan.serving_steps import (ANN_TEMPLATE, CreateControlCA, deployment_after,
                                                   engine_selector, EnsureAutoscaler, EnsureOwned, IssueCertificate,
-                                                  outcome, taken_child, RetireLegacyEngine, served_release,
+                                                  outcome, rendered_engine, taken_child, RetireLegacyEngine,
+                                                  served_release,
                                                   TLSSecretSeen, _Steps)
 
 
@@ -69,7 +70,8 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
         out.add(EnsureOwned(policy, w.policy))
     # A rollout is a new pod template. A new replica count alone (kubectl scale, an autoscaler:
     # spec.rollout.replicas) is scaling: an Event, no history entry, no rollout.
-    dep = engine_deployment(w, served)
+    rendered = rendered_engine(w, served)
+    dep = rendered.deployment
     template = dep["metadata"]["annotations"][ANN_TEMPLATE]
     live = w.deployment
     live_template = ((live or {}).get("metadata", {}).get("annotations") or {}).get(ANN_TEMPLATE)
@@ -86,7 +88,7 @@ def _engine(out: _Steps, w: ServingWorld, served: dict[str, Any]) -> tuple[str, 
     in_place = swap_in_place(out, w, served, dep, live, version, key) if live_template != template else InPlace()
     if in_place.state is not None:
         return in_place.state
-    result = outcome(w, dep, live)
+    result = outcome(w, dep, live, manifest=rendered.manifest)
     changed = result in (owned.CREATED, owned.PATCHED)
     if changed:
         out.add(EnsureOwned(dep, live))

@@ -4,6 +4,7 @@ every concern of the plan shares. The plan itself is serving_plan.py."""
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -226,7 +227,38 @@ def speculation_turned_off(w: ServingWorld, state: drift_mod.DriftState) -> bool
     return drift_mod.SPECULATION_OFF in ladder[:state.steps_taken]
 
 
+@dataclass(frozen=True)
+class RenderedEngine:
+    """The engine Deployment rendered for a world and release, with the fingerprint ensure_owned
+    stamps on it (owned.stamp: what `outcome` compares with the live object's)."""
+    deployment: dict[str, Any]
+    manifest: str
+
+
+def rendered_engine(w: ServingWorld, served: dict[str, Any]) -> RenderedEngine:
+    """The engine Deployment for `served`, rendered once a pass: observe's rollout question
+    (serving_rollout.rollout_state) and the plan render the same Deployment from the same values,
+    and its rendering and two fingerprints were ~40% of a settled pass's event loop at 335 pairs.
+    The render is kept in the pass's world (w.rendered, shared by the worlds `replace` makes from
+    it) beside everything it was rendered from, and used only while the world still holds equal
+    values; each caller gets its own copy (ensure_owned stamps and adopts the manifest it writes)."""
+    live_template = (((w.deployment or {}).get("spec") or {}).get("template") or {}).get("metadata") or {}
+    inputs = (w.pair, w.namespace, w.model, w.aliases, w.tags, w.spec, w.status, w.installation, w.shadow,
+              manifests.ANN_SHADOW_RELEASE in (live_template.get("annotations") or {}), served)
+    kept = w.rendered.get("engine")
+    if kept is None or kept[0] != inputs:
+        dep = _engine_deployment(w, served)
+        kept = (inputs, RenderedEngine(dep, owned.manifest_fingerprint(json.loads(json.dumps(dep)))))
+        w.rendered["engine"] = kept
+    dep = kept[1].deployment
+    return RenderedEngine(pickle.loads(pickle.dumps(dep, pickle.HIGHEST_PROTOCOL)), kept[1].manifest)
+
+
 def engine_deployment(w: ServingWorld, served: dict[str, Any]) -> dict[str, Any]:
+    return rendered_engine(w, served).deployment
+
+
+def _engine_deployment(w: ServingWorld, served: dict[str, Any]) -> dict[str, Any]:
     champion = w.aliases[aliases_mod.CHAMPION]
     i = w.installation
     dep = engine_objects.engine_deployment(w.pair, w.namespace, served, w.tags[TAG_HASH], champion, dict(w.rollout),
@@ -248,15 +280,16 @@ def template_fingerprint(dep: Mapping[str, Any]) -> str:
     return owned.manifest_fingerprint({**dep["spec"], "replicas": None})
 
 
-def outcome(w: ServingWorld, desired: Mapping[str, Any], live: Mapping[str, Any] | None, mutable: bool = True) -> str:
+def outcome(w: ServingWorld, desired: Mapping[str, Any], live: Mapping[str, Any] | None, mutable: bool = True,
+            manifest: str | None = None) -> str:
     """What ensure_owned will do to `desired` given `live` (owned.CREATED, PATCHED, UNCHANGED,
-    CONFLICT)."""
+    CONFLICT). `manifest`: the fingerprint ensure_owned will stamp on `desired`, where the caller
+    holds it already (RenderedEngine.manifest)."""
     if live is None:
         return owned.CREATED
     if not owned.owns(w.uid, dict(live)):
         return owned.CONFLICT
-    stamped = json.loads(json.dumps(desired))
-    fingerprint = owned.stamp(stamped)
+    fingerprint = manifest if manifest is not None else owned.stamp(json.loads(json.dumps(desired)))
     if not mutable or (live["metadata"].get("annotations") or {}).get(owned.ANN_MANIFEST) == fingerprint:
         return owned.UNCHANGED
     return owned.PATCHED
