@@ -75,6 +75,9 @@ class OperatorState:
     # per pair: the reads of its last full pass, which its settled passes replay
     # (clients/read_cache.PassReads)
     pass_reads: dict[str, Any] = per_pair_memory()
+    # per pair: its engine Deployment as last rendered, with what it was rendered from
+    # (ServingWorld.rendered; plan/serving_steps.rendered_engine renders again when that changed)
+    renders: dict[str, dict[str, Any]] = per_pair_memory()
     # Whether KEDA's ScaledObject is served, and when that was last asked (autoscaling.py)
     keda_seen: tuple[bool, float] | None = None
 

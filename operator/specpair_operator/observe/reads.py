@@ -216,7 +216,7 @@ def _serving_world(op: OperatorState, body: Mapping[str, Any], spec: Mapping[str
         installation=Installation(op.gate_tracking_uri,
                                   manifests.MlflowCredentials.for_pair(spec.get("mlflow"), op.credentials), op.pods,
                                   autoscaling.default_prometheus(), routes_mod.default_gateway()),
-        now=c.now_iso(),
+        now=c.now_iso(), rendered=op.renders.setdefault(uid, {}),
         drift=DriftMemory(version, memory, op.serving_samples.get(uid) or serving_health.ServingMemory(),
                           op.last_drift_check.get(uid, 0.0), time.monotonic(), time.time()))
 

@@ -130,10 +130,11 @@ class ServingWorld:
     # is enabled: "version/category" -> a training_job.TrainingState. None: not read this pass
     # (then the plan starts none, so a Job that exists is never created twice).
     trainings: Mapping[str, Any] | None = None
-    # What this pass rendered from these values (plan/serving_steps.rendered_engine: the engine
-    # Deployment, asked for by observe's rollout question and again by the plan). Each entry
-    # keeps the values it was rendered from and is used only while the world holds equal ones;
-    # the worlds `replace` makes from this one share it, a new pass starts empty.
+    # What was rendered for the pair (plan/serving_steps.rendered_engine: the engine Deployment,
+    # asked for by observe's rollout question and by the plan, pass after pass). Each entry keeps
+    # copies of the values it was rendered from and is used only while the world holds equal
+    # ones. The worlds `replace` makes from this one share it; the operator keeps it per pair
+    # across passes (OperatorState.renders).
     rendered: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

@@ -236,22 +236,27 @@ class RenderedEngine:
 
 
 def rendered_engine(w: ServingWorld, served: dict[str, Any]) -> RenderedEngine:
-    """The engine Deployment for `served`, rendered once a pass: observe's rollout question
-    (serving_rollout.rollout_state) and the plan render the same Deployment from the same values,
-    and its rendering and two fingerprints were ~40% of a settled pass's event loop at 335 pairs.
-    The render is kept in the pass's world (w.rendered, shared by the worlds `replace` makes from
-    it) beside everything it was rendered from, and used only while the world still holds equal
-    values; each caller gets its own copy (ensure_owned stamps and adopts the manifest it writes)."""
+    """The engine Deployment for `served`, rendered only when what it is rendered from changed:
+    observe's rollout question (serving_rollout.rollout_state) and the plan both ask for it, and
+    a settled pair's passes ask for the same one pass after pass; its rendering and two
+    fingerprints were ~40% of a settled pass's event loop at 335 pairs. The render is kept in
+    w.rendered (the operator keeps it per pair: OperatorState.renders) with copies of the values
+    it was made from, and is used only while the world's values are equal to those; each
+    caller gets a copy of its own (ensure_owned stamps and adopts the manifest it writes)."""
+    champion = w.aliases[aliases_mod.CHAMPION]
     live_template = (((w.deployment or {}).get("spec") or {}).get("template") or {}).get("metadata") or {}
-    inputs = (w.pair, w.namespace, w.model, w.aliases, w.tags, w.spec, w.status, w.installation, w.shadow,
-              manifests.ANN_SHADOW_RELEASE in (live_template.get("annotations") or {}), served)
+    # Everything _engine_deployment reads from the world, and the release.
+    inputs = (w.pair, w.namespace, w.model, champion, w.tags[TAG_HASH], w.spec, status_speculation(w, champion),
+              w.installation, w.shadow, manifests.ANN_SHADOW_RELEASE in (live_template.get("annotations") or {}),
+              served)
     kept = w.rendered.get("engine")
     if kept is None or kept[0] != inputs:
         dep = _engine_deployment(w, served)
-        kept = (inputs, RenderedEngine(dep, owned.manifest_fingerprint(json.loads(json.dumps(dep)))))
+        # Copies: the pass's spec and release may be edited after the pass, the next compares with these.
+        kept = (pickle.loads(pickle.dumps(inputs, pickle.HIGHEST_PROTOCOL)), pickle.dumps(dep, pickle.HIGHEST_PROTOCOL),
+                owned.manifest_fingerprint(json.loads(json.dumps(dep))))
         w.rendered["engine"] = kept
-    dep = kept[1].deployment
-    return RenderedEngine(pickle.loads(pickle.dumps(dep, pickle.HIGHEST_PROTOCOL)), kept[1].manifest)
+    return RenderedEngine(pickle.loads(kept[1]), kept[2])
 
 
 def engine_deployment(w: ServingWorld, served: dict[str, Any]) -> dict[str, Any]:
