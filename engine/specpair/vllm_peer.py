@@ -24,6 +24,7 @@ tracker), all in one process group that `stop` ends together.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -347,7 +348,13 @@ class VllmServer:
                  port: int = 0, dtype: str = "float32", served_model_name: str = "peer",
                  max_model_len: int | None = None, start_timeout: float = DEFAULT_START_TIMEOUT,
                  extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None,
-                 log_path: str | Path | None = None):
+                 log_path: str | Path | None = None, argv: list[str] | None = None, uds: str | Path | None = None,
+                 stop_seconds: float = 30.0):
+        """`argv`: run this command instead of vLLM's own line (an engine pod's container command
+        as the operator renders it: `python -m specpair.vllm_serve --release ... --uds ...`);
+        `uds`: the server listens on this Unix socket, not on `port` (health, requests and
+        /metrics go there); `stop_seconds`: how long `stop` waits after SIGTERM before SIGKILL
+        (a pod's supervisor holds vLLM's SIGTERM until its companion drained)."""
         self.python = str(python)
         self.model_dir = str(model_dir)
         self.speculative = speculative
@@ -358,6 +365,9 @@ class VllmServer:
         self.start_timeout = start_timeout
         self.extra_env = dict(extra_env or {})
         self.extra_args = list(extra_args or [])
+        self.argv = list(argv) if argv is not None else None
+        self.uds = str(uds) if uds is not None else None
+        self.stop_seconds = stop_seconds
         self._workdir: str | None = None
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
@@ -369,6 +379,8 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        if self.argv is not None:
+            return list(self.argv)
         # -P: the working directory is not put on sys.path, so nothing of ours is importable.
         cmd = [self.python, "-P", "-m", "vllm.entrypoints.openai.api_server",
                "--model", self.model_dir, "--dtype", self.dtype, "--enforce-eager",
@@ -433,9 +445,8 @@ class VllmServer:
                 raise SpecpairError(f"vLLM server exited with code {code} before it was healthy; "
                                     f"its log ends:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
+                if self._get("/health", timeout=5)[0] == 200:
+                    return
             except (urllib.error.URLError, OSError):
                 pass
             if time.perf_counter() > deadline:
@@ -450,8 +461,10 @@ class VllmServer:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM to the whole process group, SIGKILL after `timeout`; waits until none is left."""
+    def stop(self, timeout: float | None = None) -> None:
+        """SIGTERM to the whole process group, SIGKILL after `timeout` (`stop_seconds`); waits
+        until none is left."""
+        timeout = self.stop_seconds if timeout is None else timeout
         proc, self.proc = self.proc, None
         if proc is not None:
             pgid = proc.pid   # start_new_session: the server leads its own group
@@ -478,18 +491,33 @@ class VllmServer:
 
     # -- requests ---------------------------------------------------------------------------
 
+    def _get(self, path: str, data: bytes | None = None, timeout: float = 600.0) -> tuple[int, bytes]:
+        """(status, body) of a GET (a POST of JSON `data`), on the port or the Unix socket."""
+        headers = {"Content-Type": "application/json"} if data else {}
+        if self.uds is None:
+            req = urllib.request.Request(self.base_url + path, data=data, headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as resp:
+                    return resp.status, resp.read()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read()
+        conn = _UnixHTTPConnection(self.uds, timeout=timeout)
+        try:
+            conn.request("POST" if data is not None else "GET", path, body=data, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
     def _request(self, path: str, payload: dict | None = None, timeout: float = 600.0) -> bytes:
         data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(self.base_url + path, data=data,
-                                     headers={"Content-Type": "application/json"} if data else {})
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.read()
-        except urllib.error.HTTPError as exc:
-            body = exc.read().decode(errors="replace")[:2000]
-            raise SpecpairError(f"vLLM {path} answered {exc.code}: {body}") from exc
+            status, body = self._get(path, data, timeout)
         except (urllib.error.URLError, OSError) as exc:
             raise SpecpairError(f"vLLM {path} unreachable ({exc}); its log ends:\n{self.log_tail()}") from exc
+        if status != 200:
+            raise SpecpairError(f"vLLM {path} answered {status}: {body.decode(errors='replace')[:2000]}")
+        return body
 
     def complete_greedy(self, prompt: list[int] | str, max_tokens: int, *, ignore_eos: bool = False,
                         timeout: float = 600.0, structured_outputs: dict | None = None) -> Completion:
@@ -519,6 +547,24 @@ class VllmServer:
 
     def spec_decode_counters(self) -> SpecDecodeCounters:
         return parse_spec_decode_metrics(self.metrics_text())
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP/1.1 to a server on a Unix socket (an engine pod's vLLM, behind its companion)."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
 
 
 def _wait_group_gone(proc: subprocess.Popen, pgid: int, seconds: float) -> bool:

@@ -2,9 +2,11 @@
 server (its own virtualenv, scripts/setup-vllm.sh) whose greedy ids equal our engine's, and whose
 /metrics the operator's serving-health watch reads (engine_probe.VllmProbe).
 
-The pure tests run everywhere. The `vllm` ones share one real server, its target split over two
-CPU processes (tensor parallel 2, VLLM_CPU_OMP_THREADS_BIND "0|1" as the operator sets it): its
-greedy ids equal our engine's target-only ones, so tensor parallel 2 answers as 1 does (issue 53;
+The pure tests run everywhere. The `vllm` ones share one real server: the vLLM container of the
+engine pod the operator renders for a pair at tensor parallel 2, its command and env exactly as
+rendered (`specpair.vllm_serve --release ... --uds ...`, VLLM_CPU_OMP_THREADS_BIND "0|1"), its
+target split over two CPU processes: its greedy ids equal our engine's target-only ones, so
+tensor parallel 2 answers as 1 does (issue 53;
 one vLLM start for it in CI, here rather than in the devcluster pair test, where each tensor
 parallel 2 start took 7-10 min under load). They skip where the vLLM virtualenv is absent unless SPECPAIR_REQUIRE_VLLM is set (conftest), and
 `-m "not vllm"` leaves them out on purpose.
@@ -13,6 +15,7 @@ parallel 2 start took 7-10 min under load). They skip where the vLLM virtualenv 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import time
@@ -24,6 +27,7 @@ import pytest
 import vllm_structured_golden
 
 from specpair.config import SpeculationConfig
+from specpair.contract import content_hash
 from specpair.errors import SpecpairError
 from specpair.vllm_peer import (VLLM_METHODS, SpecDecodeCounters, VllmServer, default_python, ngram_defaults,
                                 parse_spec_decode_metrics, serving_flags, speculative_config)
@@ -222,6 +226,46 @@ def test_missing_python_or_model_directory(tmp_path):
         VllmServer(_fake_python(tmp_path, "exit 0"), tmp_path / "hub-id").start()
 
 
+UNIX_HTTP_SERVER = """
+import http.server, os, socketserver, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):    # a Unix socket's client has no address to log
+        pass
+    def do_GET(self):
+        body = b"ok" if self.path == "/health" else b"vllm:num_requests_running 0.0\\n"
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def do_POST(self):
+        data = self.rfile.read(int(self.headers["Content-Length"]))
+        body = b'{"choices": [{"token_ids": [7, 8], "text": "ab", "finish_reason": "length"}]}'
+        self.send_response(200 if b'"max_tokens": 2' in data else 400)
+        self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+socketserver.UnixStreamServer.allow_reuse_address = True
+with socketserver.UnixStreamServer(sys.argv[1], Handler) as server:
+    server.serve_forever()
+"""
+
+
+def test_a_command_of_its_own_on_a_unix_socket_is_started_asked_and_stopped(tmp_path):
+    """`argv` and `uds` (an engine pod's rendered vLLM container, listening on the pod's socket):
+    health, requests and /metrics go to the socket; stop ends the process."""
+    import sys
+
+    sock = tmp_path / "s.sock"
+    server = VllmServer(default_python(), _model_dir(tmp_path), start_timeout=120, uds=sock,
+                        argv=[sys.executable, "-c", UNIX_HTTP_SERVER, str(sock)])
+    assert server.command()[-1] == str(sock)
+    with server:
+        pid = server.proc.pid
+        reply = server.complete_greedy([1, 2], 2)
+        assert (reply.token_ids, reply.text) == ([7, 8], "ab")
+        assert "vllm:num_requests_running" in server.metrics_text()
+        with pytest.raises(SpecpairError, match="answered 400"):
+            server.complete_greedy([1, 2], 3)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
 def test_command_and_environment_follow_the_cpu_recipe(tmp_path):
     server = VllmServer("/venv/bin/python", _model_dir(tmp_path), port=8123,
                         speculative={"method": "ngram", "num_speculative_tokens": 4})
@@ -240,7 +284,8 @@ def test_command_and_environment_follow_the_cpu_recipe(tmp_path):
 # -- a real vLLM server -------------------------------------------------------------------------
 
 
-def _group_members(pgid: int) -> list[int]:
+def _processes(field: int, value: int) -> list[int]:
+    """Live processes whose /proc stat field (after the name: 1 ppid, 2 process group) is `value`."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -250,9 +295,13 @@ def _group_members(pgid: int) -> list[int]:
                 continue
             # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after its ')'.
             fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
+            if int(fields[field]) == value and fields[0] != "Z":
                 pids.append(int(entry))
     return pids
+
+
+def _group_members(pgid: int) -> list[int]:
+    return _processes(2, pgid)
 
 
 @pytest.fixture(scope="module")
@@ -371,51 +420,100 @@ def drain_with_a_stream_in_flight(companion, model: str) -> dict:
 
 TENSOR_PARALLEL = 2
 TP2_START_TIMEOUT = 900
+# The pair whose engine pod the module serves: what a user writes (its target: the tiny model).
+TP2_PAIR = {"engine": "vllm", "vllm": {"dtype": "float32"}, "draft": {"drafter": "ngram"},
+            "speculation": {"k": 4}, "parallelism": {"tensor": TENSOR_PARALLEL},
+            "rollout": {"auth": {"tokenSecretRef": {"name": "serving-token"}}}}
+
+
+def rendered_engine_pod(model_dir: Path, run: Path) -> dict:
+    """The engine pod the operator renders for TP2_PAIR (release.build_release, then the served
+    release with its MLflow version as serving_steps.served_release writes it, then
+    engine_objects.engine_deployment), with the pod's files laid out under `run` as the kubelet
+    mounts them: the release file from the pod's annotation (the downward API), vLLM's socket
+    folder. Returns its vLLM container's command and env with their paths moved under `run`,
+    the release file's content and the socket's path."""
+    import sys
+
+    from specpair.vllm_peer import default_python
+    from specpair.vllm_serve import VLLM_SOCKET
+    from specpair_operator.desired import engine_objects, manifests
+    from specpair_operator.release import content as release_mod
+
+    spec = {**TP2_PAIR, "target": {"source": str(model_dir)}}
+    rel = release_mod.build_release("peer", "t", spec, [{"prompt": VLLM_PROMPTS[0], "category": "code"}])
+    served = release_mod.with_mlflow(rel, "http://127.0.0.1:1", "peer", "3")
+    pod = engine_objects.engine_deployment("peer", "t", served, "ab" * 32, "3", spec["rollout"],
+                                           "http://127.0.0.1:1")["spec"]["template"]
+    vllm = pod["spec"]["containers"][0]
+    release_file = run / manifests.RELEASE_FILE.lstrip("/")
+    release_file.parent.mkdir(parents=True)
+    release_file.write_text(pod["metadata"]["annotations"][manifests.ANN_RELEASE])
+    (run / VLLM_SOCKET.lstrip("/")).parent.mkdir(parents=True)
+
+    def here(value: str) -> str:
+        if not value.startswith("/"):
+            return value
+        (run / value.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        return str(run / value.lstrip("/"))
+    assert vllm["command"][:3] == ["python", "-m", "specpair.vllm_serve"]
+    argv = [sys.executable, *(here(arg) for arg in vllm["command"][1:])]
+    env = {e["name"]: here(e["value"]) for e in vllm["env"] if "value" in e}
+    # The image holds vLLM and specpair in one environment; here vLLM has a virtualenv of its own.
+    env["SPECPAIR_VLLM_PYTHON"] = str(default_python())
+    return {"argv": argv, "env": env, "release": json.loads(release_file.read_text()),
+            "socket": str(run / VLLM_SOCKET.lstrip("/"))}
 
 
 @pytest.fixture(scope="module")
 def vllm_served(tiny_vllm_model, tmp_path_factory) -> dict:
-    """One real vLLM server (n-gram, k=4, tensor parallel 2, each reply's timings and acceptance in
-    it, structured outputs as every vLLM we start decodes them) from start to stop, for the tests below: its
-    process group while serving and after stop, its spec-decode counters over three greedy requests
+    """One real vLLM server from start to stop, for the tests below: the engine pod's vLLM
+    container of a pair at tensor parallel 2 (n-gram, k=4), its command and env exactly as the
+    operator renders them (rendered_engine_pod: `specpair.vllm_serve --release ... --uds ...`,
+    VLLM_CPU_OMP_THREADS_BIND; each reply's timings and acceptance in it, structured outputs as
+    every vLLM we start decodes them), on the pod's Unix socket: its processes while serving
+    and after stop, its spec-decode counters over three greedy requests
     sent to it directly, the vLLM gate's structured golden requests (vllm_structured_golden), and
     the pod's companion
     (specpair.vllm_companion) in front of it: requests of two categories through it, vLLM's own
     counters around them, and what the operator's probe (engine_probe.VllmProbe, mutual TLS) reads
     from it before and after."""
+    import tempfile
+
     from specpair.vllm_companion import Companion, CompanionOptions
-    from specpair.vllm_parallel import OMP_BIND_ENV, cpu_binding
-    from specpair.vllm_peer import flags_argv
-    from specpair.vllm_serve import VLLM_PER_REQUEST_FLAGS, VLLM_SPEC_DECODE_FLAGS, identity_name
+    from specpair.vllm_serve import drained_marker, identity_name
     from specpair_operator.clients.engine_probe import EngineUnreachable, NoRuntimeSwitch, VllmProbe
 
     loaded, model_dir = tiny_vllm_model
     prompts = [loaded.tokenizer(text)["input_ids"] for text in VLLM_PROMPTS]
-    spec = speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"k": 4}})
-    identity = identity_name("peer", "3", "ab" * 32, True)
+    run = Path(tempfile.mkdtemp(prefix="sp-tp2-"))      # short: a Unix socket path has ~100 bytes
+    pod = rendered_engine_pod(model_dir, run)
+    identity = identity_name("peer", "3", content_hash(pod["release"]), True)
     # A start took 247-268 s at tensor parallel 1 beside other jobs (load 8-19); at 2, 7-10 min
-    # in the devcluster under load.
-    server = VllmServer(default_python(), model_dir, speculative=spec, start_timeout=TP2_START_TIMEOUT,
-                        served_model_name=identity,
-                        extra_env={OMP_BIND_ENV: cpu_binding(TENSOR_PARALLEL, None)},
-                        # As a release at tensor parallel 2 renders them (structured outputs included).
-                        extra_args=[*VLLM_PER_REQUEST_FLAGS, *VLLM_SPEC_DECODE_FLAGS,
-                                    *flags_argv(serving_flags({"parallelism": {"tensor": TENSOR_PARALLEL}}))])
+    # in the devcluster under load. Stopping, the pod's supervisor holds vLLM's SIGTERM until the
+    # companion's drained marker (or stop delay + drain + 10 s), then allows vLLM 10 s.
+    server = VllmServer(default_python(), model_dir, start_timeout=TP2_START_TIMEOUT, served_model_name="peer",
+                        argv=pod["argv"], extra_env=pod["env"], uds=pod["socket"], stop_seconds=180)
     files, client_tls = control_tls(tmp_path_factory.mktemp("control-tls"))
     probe = VllmProbe(tls=client_tls)
-    out: dict = {}
+    out: dict = {"pod": pod}
     with server:
-        pgid = server.proc.pid
-        serving_members = _group_members(pgid)
+        supervisor = server.proc.pid
+        # vLLM runs in a session of its own under the pod's supervisor (vllm_serve.supervise).
+        vllm_pids = _processes(1, supervisor)
+        groups = [supervisor, *vllm_pids]
+        serving_members = [pid for group in groups for pid in _group_members(group)]
+        out["vllm_argv"] = [Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0") for pid in vllm_pids]
         before = server.spec_decode_counters()
         outs = [server.complete_greedy(ids, VLLM_MAX_TOKENS) for ids in prompts]
         counters = server.spec_decode_counters() - before
         out["structured"] = vllm_structured_golden.run_on(server)
         # The drain waits for the whole 256-token stream: past the pod's 25 s at tensor parallel 2
         # under load (~38 s at load 32).
-        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{server.port}", port=0, pair="peer", version="3",
+        companion = Companion(CompanionOptions(upstream=f"unix:{pod['socket']}", port=0, pair="peer", version="3",
                                                auth_token=COMPANION_TOKEN, control_port=0, control_tls=files,
-                                               drain_timeout=DRAIN_TIMEOUT)).start()
+                                               drain_timeout=DRAIN_TIMEOUT,
+                                               drained_marker=drained_marker(pod["socket"]))).start()
         try:
             control = f"127.0.0.1:{companion.control_port}"
 
@@ -447,8 +545,9 @@ def vllm_served(tiny_vllm_model, tmp_path_factory) -> dict:
         finally:
             out["left_in_flight"] = companion.stop()
     print(f"vLLM at tensor parallel {TENSOR_PARALLEL} started in {server.start_seconds:.1f} s")
-    return {"prompts": prompts, "outs": outs, "counters": counters, "server": server, "pgid": pgid,
-            "serving_members": serving_members, "stopped_members": _group_members(pgid), **out}
+    stopped = [pid for group in groups for pid in _group_members(group)]
+    return {"prompts": prompts, "outs": outs, "counters": counters, "server": server, "identity": identity,
+            "serving_members": serving_members, "stopped_members": stopped, **out}
 
 
 @pytest.mark.vllm
@@ -465,9 +564,14 @@ def test_vllm_greedy_equals_ours_and_reports_ngram_drafts(tiny_vllm_model, vllm_
     assert sum(len(ids) for ids in ours) > 2 * VLLM_MAX_TOKENS      # not a comparison of early EOSes
 
     outs, counters, server = vllm_served["outs"], vllm_served["counters"], vllm_served["server"]
-    # API server, engine core, a worker per tensor-parallel rank.
-    assert len(vllm_served["serving_members"]) >= 2 + TENSOR_PARALLEL
-    assert server.command()[server.command().index("--tensor-parallel-size") + 1] == str(TENSOR_PARALLEL)
+    # The operator's rendering: the pod binds each rank to a core of its own, and its vLLM
+    # process (under the pod's supervisor) was started split in two, on the pod's socket.
+    assert vllm_served["pod"]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    [vllm_argv] = vllm_served["vllm_argv"]
+    assert vllm_argv[vllm_argv.index("--tensor-parallel-size") + 1] == str(TENSOR_PARALLEL)
+    assert vllm_argv[vllm_argv.index("--uds") + 1].endswith("/var/run/specpair/vllm/vllm.sock")
+    # The supervisor, vLLM's API server, engine core, a worker per tensor-parallel rank.
+    assert len(vllm_served["serving_members"]) >= 3 + TENSOR_PARALLEL
     # fp32 on both sides, greedy: the same ids, prompt by prompt (speculation included).
     assert [o.token_ids for o in outs] == ours
     assert all(o.seconds > 0 for o in outs)
@@ -519,7 +623,8 @@ def test_the_companion_passes_replies_through_and_counts_vllms_own_acceptance_by
     categories, exactly what vLLM's own counters moved by."""
     replies, vllm_counters = vllm_served["replies"], vllm_served["vllm_counters"]
     assert vllm_served["info"]["pair"] == "peer" and vllm_served["info"]["releaseVersion"] == "3"
-    assert vllm_served["info"]["speculationEnabled"] is True and vllm_served["info"]["contentHash"] == "ab" * 32
+    assert vllm_served["info"]["speculationEnabled"] is True
+    assert vllm_served["info"]["contentHash"] == content_hash(vllm_served["pod"]["release"])
     whole, stream, stream_usage, chat, refused = replies
     assert refused == {"wrong_token": 401}
     # Greedy through the companion = greedy straight from vLLM (the same prompt, ids decoded).
