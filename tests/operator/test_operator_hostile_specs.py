@@ -244,6 +244,8 @@ def code_pair(name: str, draft: str, **spec: Any) -> dict[str, Any]:
     {"learning": {"enabled": True}},
     {"learning": {"enabled": True, "persistentVolumeClaim": "traffic", "sampleRate": 0}},
     {"learning": {"persistentVolumeClaim": "../traffic", "retentionSeconds": 10, "perCategoryCap": 0}},
+    # A training schedule: only where traffic is captured, at most hourly, naming what it trains.
+    {"learning": {"schedule": {"intervalSeconds": 60, "categories": []}}},
 ])
 def test_references_and_ports_are_refused_by_the_api_server_and_the_operator_in_the_same_words(env, change):
     """Nothing a pair names can leave its namespace: the API server refuses such a pair, and the
@@ -272,7 +274,8 @@ def test_the_api_server_defaults_learning_off_and_keeps_a_capturing_spec_as_give
     and not kept when absent; given, only `keepOnDelete` is added (the capture's own defaults are
     the engine's, desired/learning.py)."""
     ns = env
-    given = {"enabled": True, "persistentVolumeClaim": "traffic", "sampleRate": 0.5}
+    given = {"enabled": True, "persistentVolumeClaim": "traffic", "sampleRate": 0.5,
+             "schedule": {"intervalSeconds": 86400, "categories": ["code"]}}
     for learning, stored in ((None, {"enabled": False, "keepOnDelete": False}), (given, {**given, "keepOnDelete": False})):
         good = code_pair("learning", "good-draft", **({"learning": learning} if learning else {}))
         good["metadata"]["namespace"] = ns.name

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from specpair_operator.crd.conditions import parse_iso
 from specpair_operator.desired import training_job as tj
 from specpair_operator.desired.manifests import LABEL_ROLE
 from specpair_operator.plan import learning
@@ -32,9 +33,9 @@ class Judged:
     category: str
 
 
-def _job(version: str, category: str, spec=SPEC) -> dict:
+def _job(version: str, category: str, slot: str = "", spec=SPEC) -> dict:
     return tj.desired_training_job("chat", "llm", RELEASE, dict(spec["rollout"]), spec["learning"], version, category,
-                                   "llm.chat", "http://mlflow:5000")
+                                   "llm.chat", "http://mlflow:5000", slot=slot)
 
 
 def _steps(trainings, status=None, spec=SPEC, recorded=()):
@@ -58,8 +59,13 @@ def test_a_category_that_no_rollback_helps_is_what_trains():
     assert learning.breached_categories("sustained drift: ...", breaches) == []
     status = {"training": {"runs": [{"version": "2", "category": "qa", "phase": "done"},
                                     {"version": "3", "category": "code", "phase": "running"}]}}
-    # The champion's recorded trainings first, then its newly breached categories; v2's is history.
-    assert learning.wanted_trainings(status, "3", ["extraction", "code"]) == [("3", "code"), ("3", "extraction")]
+    # The champion's recorded trainings first, then its Jobs the status does not know of; v2's is history.
+    assert learning.wanted_trainings(status, "3", [("3", "extraction", ""), ("3", "code", "")]) == \
+        [("3", "code", ""), ("3", "extraction", "")]
+    # The drift check wants each breached category of the champion once (the status is what it writes).
+    wants = learning.want_training(status, "3", ["extraction", "code"], {"extraction": 0.21})
+    runs = wants[0].fields["training"]["runs"]
+    assert [(r["category"], r["phase"], r.get("acceptance")) for r in runs[2:]] == [("extraction", "wanted", 0.21)]
 
 
 def test_learning_off_never_starts_a_job():
@@ -148,7 +154,7 @@ def test_the_training_job_manifest():
     volume = next(v for v in pod["volumes"] if v["name"] == "capture")
     assert volume["persistentVolumeClaim"] == {"claimName": "captures", "readOnly": True}
     gpu = {**SPEC, "learning": {**SPEC["learning"], "training": {"gpu": True}}}
-    gpu_job = _job("3", "extraction", gpu)
+    gpu_job = _job("3", "extraction", spec=gpu)
     gpu_container = gpu_job["spec"]["template"]["spec"]["containers"][0]
     assert gpu_container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert gpu_container["command"][gpu_container["command"].index("--device") + 1] == "cuda"
@@ -165,16 +171,18 @@ class LearningCluster(Cluster):
 
     def world(self):
         return dataclasses.replace(super().world(), trainings={
-            key: tj.TrainingState(phase, f"Job {key} {phase}", "9" if phase == tj.DONE else "")
+            key: tj.TrainingState(phase, f"Job {key} {phase}", "9" if phase == tj.DONE else "", self.runs[key])
             for key, phase in self.jobs.items()})
 
     def apply(self, step, status):
         manifest = getattr(step, "manifest", None) or {}
         if manifest.get("kind") == "Job" and manifest["metadata"]["labels"].get(LABEL_ROLE) == tj.ROLE:
-            notes = manifest["metadata"]["annotations"]
-            key = f"{notes[tj.ANN_VERSION]}/{notes[tj.ANN_CATEGORY]}"
+            run = tj.job_run(manifest)
+            key = tj.run_key(*run)
             assert key not in self.jobs, f"training Job {key} created twice"
-            self.jobs[key] = tj.RUNNING
+            assert manifest["metadata"]["name"] not in self.names, f"training Job name {key} taken twice"
+            self.jobs[key], self.runs[key] = tj.RUNNING, run
+            self.names.add(manifest["metadata"]["name"])
             return
         super().apply(step, status)
 
@@ -191,7 +199,7 @@ def no_rollback_helps(outcome: str) -> LearningCluster:
     start.rates["1"] = 0.2
     cl = LearningCluster(dataclasses.replace(start.w, spec={**start.w.spec, **SPEC_LEARNING}), start.tags,
                          start.rates)
-    cl.jobs, cl.outcome = {}, outcome
+    cl.jobs, cl.runs, cl.names, cl.outcome = {}, {}, set(), outcome
     return cl
 
 
@@ -212,3 +220,117 @@ def test_rollback_would_not_help_trains_the_category_once_even_when_killed_after
         assert list(end.jobs) == ["2/code"] and set(keyed) == {("TrainingStarted", "2/code"), (ended, "2/code")}, \
             (crash_at, keyed)
         assert max(keyed.values()) == 1, (crash_at, keyed)
+
+
+# -- on a schedule (spec.learning.schedule) -------------------------------------------------------
+
+SCHEDULED = {**SPEC, "learning": {**SPEC["learning"], "schedule": {"intervalSeconds": 3600,
+                                                                  "categories": ["code", "qa", "code"]}}}
+
+
+def _scheduled(status, now, running=(), spec=SCHEDULED, live=None):
+    return learning.scheduled_trainings(spec, status, "3", now, live or {"code": 0.31}, running)
+
+
+def test_a_schedule_marks_its_start_then_trains_each_category_once_a_slot():
+    # Off, or no schedule: nothing, whatever the time.
+    assert _scheduled({}, "2026-12-07T10:00:00Z", spec=SPEC) == (None, [])
+    off = {**SCHEDULED, "learning": {**SCHEDULED["learning"], "enabled": False}}
+    assert _scheduled({}, "2026-12-07T10:00:00Z", spec=off) == (None, [])
+    # First seen: its start marked, nothing trained (nothing captured under it yet).
+    started, said = _scheduled({}, "2026-12-07T10:00:07Z")
+    assert said == [] and started["schedule"]["last"] == "2026-12-07T10:00:07Z"
+    assert started["schedule"]["next"] == "2026-12-07T11:00:07Z" and "runs" not in started
+    status = {"training": started}
+    assert _scheduled(status, "2026-12-07T11:00:06Z") == (None, [])          # not due yet
+    # Due: one training of the champion per category (listed twice, trained once), keyed by the slot.
+    due, said = _scheduled(status, "2026-12-07T11:00:30Z")
+    slot = "2026-12-07T11:00:07Z"
+    assert [(r["version"], r["category"], r["slot"], r["phase"], r.get("acceptance")) for r in due["runs"]] == \
+        [("3", "code", slot, "wanted", 0.31), ("3", "qa", slot, "wanted", None)]
+    assert due["schedule"]["last"] == slot and due["schedule"]["next"] == "2026-12-07T12:00:07Z"
+    assert [(e.type, e.reason) for e in said] == [("Normal", "TrainingScheduled")] and "'code', 'qa'" in said[0].message
+    # A pass that died before writing it decides the same, later: the same slot, so the same Jobs.
+    assert _scheduled(status, "2026-12-07T11:59:59Z")[0]["runs"] == due["runs"]
+    names = {tj.training_job_name("chat", "3", r["category"], r["slot"]) for r in due["runs"]}
+    assert len(names | {tj.training_job_name("chat", "3", "code"), tj.training_job_name("chat", "3", "qa")}) == 4
+    # Written: nothing more until the next slot.
+    assert _scheduled({"training": due}, "2026-12-07T12:00:06Z") == (None, [])
+    # An operator down for three intervals trains once, at the newest slot past (the last ones ended).
+    ended = {**due, "runs": [{**r, "phase": tj.DONE} for r in due["runs"]]}
+    late, _ = _scheduled({"training": ended}, "2026-12-07T15:30:00Z")
+    assert [r["slot"] for r in late["runs"][2:]] == ["2026-12-07T15:00:07Z"] * 2
+    assert late["schedule"]["last"] == "2026-12-07T15:00:07Z"
+
+
+def test_a_slot_skips_a_category_still_training_and_everything_while_a_learned_draft_is_tried():
+    mark = {"last": "2026-12-07T10:00:00Z", "next": "2026-12-07T11:00:00Z"}
+    running = {"version": "3", "category": "code", "slot": "2026-12-07T10:00:00Z", "phase": "running"}
+    status = {"training": {"schedule": mark, "runs": [running]}}
+    due, said = _scheduled(status, "2026-12-07T11:00:01Z")
+    assert [(r["category"], r.get("slot")) for r in due["runs"]] == [("code", "2026-12-07T10:00:00Z"),
+                                                                     ("qa", "2026-12-07T11:00:00Z")]
+    assert "skipped 'code' (a training of it is still running)" in said[0].message
+    # A Job the status does not know of counts as running too; the due slot's own does not.
+    status = {"training": {"schedule": mark}}
+    due, said = _scheduled(status, "2026-12-07T11:00:01Z", running=[("qa", "2026-12-07T10:00:00Z")])
+    assert [r["category"] for r in due["runs"]] == ["code"] and "skipped 'qa'" in said[0].message
+    own, _ = _scheduled(status, "2026-12-07T11:00:01Z", running=[("qa", "2026-12-07T11:00:00Z")])
+    assert [r["category"] for r in own["runs"]] == ["code", "qa"]
+    # A learned draft being gated or shadowed: the whole slot is skipped (and said), not postponed.
+    for stage in ("gating", "shadow"):
+        busy = {**status, "learnedRelease": {"version": "4", "stage": stage}}
+        skipped, said = _scheduled(busy, "2026-12-07T11:00:01Z")
+        assert skipped["runs"] == [] and skipped["schedule"]["last"] == "2026-12-07T11:00:00Z"
+        assert [e.reason for e in said] == ["ScheduledTrainingSkipped"] and f"v4 is in {stage}" in said[0].message
+    # Promoted or rejected: the road is free.
+    free, _ = _scheduled({**status, "learnedRelease": {"version": "4", "stage": "promoted"}}, "2026-12-07T11:00:01Z")
+    assert len(free["runs"]) == 2
+    # A longer interval set meanwhile moves the next slot; a shorter one can make it due at once.
+    longer = {**SCHEDULED, "learning": {**SCHEDULED["learning"], "schedule": {"intervalSeconds": 7200,
+                                                                             "categories": ["code"]}}}
+    moved, said = _scheduled(status, "2026-12-07T10:30:00Z", spec=longer)
+    assert moved["schedule"]["next"] == "2026-12-07T12:00:00Z" and said == []
+
+
+class ScheduledCluster(LearningCluster):
+    """The learning cluster with a healthy champion (no drift: only the schedule trains) and a
+    wall clock: each pass is 20 minutes after the one before (an interval of an hour is a slot
+    every three passes)."""
+
+    def world(self):
+        return dataclasses.replace(super().world(), now=learning._iso(1_796_637_600 + self.t * 400))
+
+    def healthy(self):
+        return False      # run every pass: a pass with nothing to write is not the end here
+
+
+def scheduled_start() -> ScheduledCluster:
+    start = ladder_start()
+    start.rates["2"] = 0.8
+    spec = {**start.w.spec, "learning": {**SPEC_LEARNING["learning"],
+                                         "schedule": {"intervalSeconds": 3600, "categories": ["code"]}}}
+    cl = ScheduledCluster(dataclasses.replace(start.w, spec=spec), start.tags, start.rates)
+    cl.jobs, cl.runs, cl.names, cl.outcome = {}, {}, set(), tj.DONE
+    return cl
+
+
+def test_a_schedule_trains_once_a_slot_even_when_killed_after_any_write():
+    reference, done = converge(scheduled_start(), passes=16)
+    slots = sorted(run[2] for run in reference.runs.values())
+    # 16 passes of 20 minutes: the start marked at the first serving one, a slot every hour after it.
+    assert len(slots) == 4 and all(run[:2] == ("2", "code") for run in reference.runs.values()), reference.runs
+    hours = [parse_iso(s).timestamp() for s in slots]
+    assert [b - a for a, b in zip(hours, hours[1:])] == [3600.0] * 3
+    keyed = Counter((a, k) for a, k in reference.history if a.startswith("Training"))
+    assert set(keyed) == {(a, tj.run_key("2", "code", s)) for s in slots for a in ("TrainingStarted", "TrainingSucceeded")}
+    assert reference.w.status["training"]["schedule"]["last"] == slots[-1]
+    assert reference.w.aliases["champion"] == "2" and not reference.said["RollbackWouldNotHelp"]
+    # Killed after each write in turn: never a second Job for a slot, each step recorded once.
+    for crash_at in range(len(done)):
+        end, _ = converge(scheduled_start(), crash_at, passes=16)
+        keyed = Counter((a, k) for a, k in end.history if a.startswith("Training"))
+        assert max(keyed.values()) == 1, (crash_at, keyed)
+        # A status lost with the kill may start the schedule a pass later: a slot fewer at most.
+        assert 3 <= len(end.runs) <= 4, (crash_at, end.runs)
+        assert {k for a, k in keyed if a == "TrainingStarted"} == set(end.jobs), (crash_at, keyed)

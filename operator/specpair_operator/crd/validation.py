@@ -4,8 +4,8 @@ existed), and a spec the operator would choke on must become a Stalled condition
 act on, not a crash loop.
 
 It reads the schema from the CRD the package ships (one home for the rules) and checks what
-the CRD declares: required fields, types, minimum/maximum, minLength/maxLength, enum, pattern,
-and the CEL rules it knows an equivalent for.
+the CRD declares: required fields, types, minimum/maximum, minLength/maxLength, minItems/maxItems,
+enum, pattern, and the CEL rules it knows an equivalent for.
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ CEL_EQUIVALENTS: dict[str, Callable[[Any], bool]] = {
         lambda o: o.get("enabled") is not True or "persistentVolumeClaim" in o,
     "!has(self.sampleRate) || (self.sampleRate > 0.0 && self.sampleRate <= 1.0)":
         lambda o: not _number(o.get("sampleRate")) or 0.0 < o["sampleRate"] <= 1.0,
+    # learning.schedule: trains on the captured traffic, so only where there is some
+    "!has(self.schedule) || (has(self.enabled) && self.enabled)":
+        lambda o: "schedule" not in o or o.get("enabled") is True,
     # rollout.shadow
     "!has(self.share) || (self.share > 0.0 && self.share <= 1.0)":
         lambda o: not _number(o.get("share")) or 0.0 < o["share"] <= 1.0,
@@ -240,6 +243,9 @@ def _check(value: Any, schema: dict[str, Any], path: str, errors: list[str]) -> 
             errors.append(f'{path}: Invalid value: {shown}{rule.get("message") or rule["rule"]}')
     if isinstance(value, list) and "maxItems" in schema and len(value) > schema["maxItems"]:
         errors.append(f"{path}: Too many: {len(value)}: must have at most {schema['maxItems']} items")
+    if isinstance(value, list) and "minItems" in schema and len(value) < schema["minItems"]:
+        errors.append(f"{path}: Invalid value: {len(value)}: {path} in body should have at least "
+                      f"{schema['minItems']} items")
     if isinstance(value, list) and "items" in schema:
         for i, item in enumerate(value):
             _check(item, schema["items"], f"{path}[{i}]", errors)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Collection, Mapping
 
 from specpair.contract import content_hash
@@ -78,10 +78,16 @@ def recorded_runs(status: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [dict(r) for r in runs if isinstance(r, Mapping) and r.get("version") and r.get("category")]
 
 
-def followed(status: Mapping[str, Any], champion: str) -> list[tuple[str, str]]:
-    """(version, category) of the champion's trainings not yet ended, whose Jobs a pass reads."""
-    return [(str(r["version"]), str(r["category"])) for r in recorded_runs(status)
+def followed(status: Mapping[str, Any], champion: str) -> list[tuple[str, str, str]]:
+    """(version, category, slot) of the champion's trainings not yet ended, whose Jobs a pass reads."""
+    return [(str(r["version"]), str(r["category"]), str(r.get("slot") or "")) for r in recorded_runs(status)
             if str(r["version"]) == champion and r.get("phase") not in (DONE, FAILED, TIMED_OUT)]
+
+
+def run_key(version: str, category: str, slot: str = "") -> str:
+    """A training's key (its history entries', and the pass's map of Jobs): "version/category",
+    with "@slot" for a scheduled one."""
+    return f"{version}/{category}" + (f"@{slot}" if slot else "")
 
 
 def learning_enabled(spec: Mapping[str, Any]) -> bool:
@@ -93,14 +99,17 @@ def category_digest(category: str) -> str:
     return hashlib.sha256(category.encode()).hexdigest()[:8]
 
 
-def training_job_name(pair: str, version: str, category: str) -> str:
-    """One Job per (release version, category): a category's name is any string, so the Job's
-    name carries its hash (the Job's annotations carry the name itself)."""
-    return names.object_name(pair, "train", f"v{version}", category_digest(category))
+def training_job_name(pair: str, version: str, category: str, slot: str = "") -> str:
+    """One Job per (release version, category), and per slot of spec.learning.schedule for a
+    scheduled one: a category's name is any string, so the Job's name carries its hash (the Job's
+    annotations carry the name itself)."""
+    return names.object_name(pair, "train", f"v{version}", category_digest(category),
+                             category_digest(slot) if slot else "")
 
 
 ANN_CATEGORY = f"{manifests.GROUP}/training-category"
 ANN_VERSION = f"{manifests.GROUP}/training-version"
+ANN_SLOT = f"{manifests.GROUP}/training-slot"     # a scheduled training's slot (its time); absent on drift
 
 
 def _resources(settings: TrainingSettings, rollout: Mapping[str, Any]) -> dict[str, Any]:
@@ -124,9 +133,10 @@ def _resources(settings: TrainingSettings, rollout: Mapping[str, Any]) -> dict[s
 def desired_training_job(pair: str, namespace: str, release: dict[str, Any], rollout: dict[str, Any],
                          learning: Mapping[str, Any], version: str, category: str, model: str,
                          tracking_uri: str, credentials: manifests.MlflowCredentials | None = None,
-                         defaults: manifests.PodDefaults = manifests.PodDefaults()) -> dict[str, Any]:
-    """The training Job of (release `version`, `category`); `release` is the release document as
-    its pods get it. The owner reference is added by the adapter, as for every child."""
+                         defaults: manifests.PodDefaults = manifests.PodDefaults(), slot: str = "") -> dict[str, Any]:
+    """The training Job of (release `version`, `category`, and the schedule's `slot` for a
+    scheduled one); `release` is the release document as its pods get it. The owner reference is
+    added by the adapter, as for every child."""
     claim = (learning or {}).get("persistentVolumeClaim")
     if not claim:
         raise ValueError("a training Job needs spec.learning.persistentVolumeClaim")
@@ -154,8 +164,8 @@ def desired_training_job(pair: str, namespace: str, release: dict[str, Any], rol
     pod_spec = manifests.pod_spec(rollout, defaults)
     pod_spec["volumes"] = [*pod_spec["volumes"], learning_mod.capture_volume(str(claim), read_only=True)]
     return manifests.release_job(
-        training_job_name(pair, version, category), namespace, labels,
-        {manifests.ANN_HASH: digest, ANN_CATEGORY: category, ANN_VERSION: str(version)},
+        training_job_name(pair, version, category, slot), namespace, labels,
+        {manifests.ANN_HASH: digest, ANN_CATEGORY: category, ANN_VERSION: str(version), **({ANN_SLOT: slot} if slot else {})},
         release, digest, container, pod_spec,
         backoff_limit=0, deadline_seconds=settings.deadline_seconds, defaults=defaults)
 
@@ -165,6 +175,14 @@ class TrainingState:
     phase: str               # ABSENT, RUNNING, DONE, FAILED or TIMED_OUT
     message: str = ""        # for the pair's condition and Event
     candidate: str = ""      # DONE: the model version the runner registered
+    # Which training the Job is (its annotations; empty for ABSENT): (version, category, slot).
+    run: tuple[str, str, str] = ("", "", "")
+
+
+def job_run(job: Mapping[str, Any]) -> tuple[str, str, str]:
+    """(version, category, slot) of a training Job, from its annotations."""
+    notes = job["metadata"].get("annotations") or {}
+    return (str(notes.get(ANN_VERSION) or ""), str(notes.get(ANN_CATEGORY) or ""), str(notes.get(ANN_SLOT) or ""))
 
 
 def _condition(job: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
@@ -197,6 +215,10 @@ def training_state(job: Mapping[str, Any] | None, pods: Collection[Mapping[str, 
     """Where a training Job stands, from the Job and its pods' termination messages."""
     if job is None:
         return TrainingState(ABSENT, "no training Job yet")
+    return replace(_training_state(job, pods), run=job_run(job))
+
+
+def _training_state(job: Mapping[str, Any], pods: Collection[Mapping[str, Any]]) -> TrainingState:
     name = job["metadata"]["name"]
     reports = _reports(job, pods)
     last = reports[-1][1] if reports else None

@@ -89,16 +89,16 @@ GATE_RESULTS = ("GatePassed", "GateFailed", gate_verdict.GATE_ERROR)
 async def observe_trainings(kube: Kube, pair: str, namespace: str, status: Mapping[str, Any],
                             champion: str) -> dict[str, training_job.TrainingState]:
     """The pair's training Jobs (one list), each with its pods while status does not yet record
-    its end (their termination message names the version it registered): by "version/category"."""
+    its end (their termination message names the version it registered): by run key
+    ("version/category", "@slot" added for a scheduled one; state.run says which)."""
     selector = f"{manifests.LABEL_PAIR}={names.label_value(pair)},{manifests.LABEL_ROLE}={training_job.ROLE}"
     following = set(training_job.followed(status, champion))
     found: dict[str, training_job.TrainingState] = {}
     for job in await kube.list("batch/v1", "jobs", namespace, selector):
-        notes = job["metadata"].get("annotations") or {}
-        key = (str(notes.get(training_job.ANN_VERSION) or ""), str(notes.get(training_job.ANN_CATEGORY) or ""))
+        run = training_job.job_run(job)
         name = job["metadata"]["name"]
-        pods = await kube.list("v1", "pods", namespace, f"job-name={name}") if key in following else []
-        found[f"{key[0]}/{key[1]}"] = training_job.training_state(job, pods)
+        pods = await kube.list("v1", "pods", namespace, f"job-name={name}") if run in following else []
+        found[training_job.run_key(*run)] = training_job.training_state(job, pods)
     return found
 
 

@@ -19,21 +19,23 @@ Pure: decisions from values; the serving plan calls `training_steps` and act car
 
 from __future__ import annotations
 
+import datetime
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
+from specpair_operator.crd.conditions import parse_iso
 from specpair_operator.desired import training_job
 from specpair_operator.release import content as release_mod
 from specpair_operator.release.registry_contract import TAG_RELEASE
-from specpair_operator.plan.release_steps import Condition, Record, SetStatus
+from specpair_operator.plan.release_steps import Condition, PostEvent, Record, SetStatus
 from specpair_operator.plan.serving_steps import EnsureOwned
 
 if TYPE_CHECKING:
     from specpair_operator.plan.steps import Step   # the union of every plan's steps
 
 LEARNING = "Learning"        # the condition
-TRAININGS_KEPT = 10          # status.training.runs: the newest few
+TRAININGS_KEPT = 10          # status.training.runs: the newest few (above the schedule's 8 categories a slot)
 WANTED = "wanted"            # recorded by the drift check, its Job not created yet
 TERMINAL = (training_job.DONE, training_job.FAILED, training_job.TIMED_OUT)
 RECORDS = {training_job.DONE: "TrainingSucceeded", training_job.FAILED: "TrainingFailed",
@@ -48,8 +50,7 @@ def breached_categories(reason: str, breaches: Iterable[Any]) -> list[str]:
     return sorted({str(j.category) for j in breaches if str(j.category) != "*"})
 
 
-def run_key(version: str, category: str) -> str:
-    return f"{version}/{category}"
+run_key = training_job.run_key
 
 
 @dataclass(frozen=True)
@@ -58,36 +59,42 @@ class Training:
     version: str
     category: str
     state: training_job.TrainingState     # its Job as observed (ABSENT when it is gone)
+    slot: str = ""                        # spec.learning.schedule's slot ('' for a drift's)
+
+    @property
+    def key(self) -> str:
+        return run_key(self.version, self.category, self.slot)
 
 
-def wanted_trainings(status: Mapping[str, Any], champion: str, breached: Iterable[str]) -> list[tuple[str, str]]:
-    """(version, category) pairs this pass follows: those status.training records for the
-    champion, then the champion's newly breached categories (a training that ended, however,
-    is not started again for the same release and category)."""
-    wanted = [(str(r["version"]), str(r["category"])) for r in training_job.recorded_runs(status)
-              if str(r["version"]) == champion]
-    for category in breached:
-        if (champion, category) not in wanted:
-            wanted.append((champion, category))
+def wanted_trainings(status: Mapping[str, Any], champion: str,
+                     adopted: Iterable[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """(version, category, slot) of the trainings this pass follows: those status.training
+    records for the champion, then the champion's Jobs the status does not know of (`adopted`: the
+    pass that created one died before its status)."""
+    wanted = [(str(r["version"]), str(r["category"]), str(r.get("slot") or ""))
+              for r in training_job.recorded_runs(status) if str(r["version"]) == champion]
+    for run in adopted:
+        if run not in wanted:
+            wanted.append(run)
     return wanted
 
 
 def training_steps(pair: str, spec: Mapping[str, Any], status: Mapping[str, Any],
                    trainings: list[Training], was: Callable[[str, str, str], bool],
-                   job: Callable[[str, str], dict[str, Any]]) -> list[Step]:
+                   job: Callable[[str, str, str], dict[str, Any]]) -> list[Step]:
     """The steps for the champion's trainings (`trainings`: wanted_trainings with their Jobs as
     observed); nothing when learning is off (then no Job is ever started, whatever drifts).
-    `job(version, category)` renders the Job (desired_training_job with the installation's settings)."""
+    `job(version, category, slot)` renders the Job (desired_training_job with the installation's settings)."""
     if not training_job.learning_enabled(spec) or not trainings:
         return []
-    recorded = {run_key(r["version"], r["category"]): r for r in training_job.recorded_runs(status)}
+    recorded = {run_key(r["version"], r["category"], r.get("slot") or ""): r for r in training_job.recorded_runs(status)}
     steps: list[Step] = []
     runs: dict[str, dict[str, Any]] = dict(recorded)
     newest: tuple[str, bool, str, str] | None = None   # the condition: reason, status, message
     for t in trainings:
-        key = run_key(t.version, t.category)
+        key = t.key
         before = recorded.get(key) or {}
-        name = training_job.training_job_name(pair, t.version, t.category)
+        name = training_job.training_job_name(pair, t.version, t.category, t.slot)
         phase, message, candidate = t.state.phase, t.state.message, t.state.candidate
         if before.get("phase") in TERMINAL:
             # Ended: the status keeps what it did (its Job is deleted by its TTL, and its pods'
@@ -95,9 +102,10 @@ def training_steps(pair: str, spec: Mapping[str, Any], status: Mapping[str, Any]
             phase, message, candidate = before["phase"], str(before.get("message") or ""), \
                 str(before.get("candidate") or "")
         else:
-            started = f"training a new draft for category '{t.category}' of v{t.version} on its captured traffic"
+            started = (f"training a new draft for category '{t.category}' of v{t.version} on its captured traffic"
+                       + (f" (scheduled at {t.slot})" if t.slot else ""))
             if phase == training_job.ABSENT:
-                manifest = job(t.version, t.category)
+                manifest = job(t.version, t.category, t.slot)
                 steps.append(EnsureOwned(manifest, None, mutable=False))
                 phase = training_job.RUNNING
                 message = f"{started} (Job {name}, at most {manifest['spec']['activeDeadlineSeconds']} s)"
@@ -111,14 +119,15 @@ def training_steps(pair: str, spec: Mapping[str, Any], status: Mapping[str, Any]
         runs.pop(key, None)     # re-inserted last: the newest at the end
         # Kept: what the drift check wrote with the want (the drifted release's live acceptance on
         # the category: the learned draft's reference, plan/learned_release.py).
-        runs[key] = {**before, "version": t.version, "category": t.category, "job": name,
-                     "phase": phase, "candidate": candidate, "message": message}
+        runs[key] = {**before, "version": t.version, "category": t.category, **({"slot": t.slot} if t.slot else {}),
+                     "job": name, "phase": phase, "candidate": candidate, "message": message}
         if before.get("phase") not in TERMINAL:
             # An ended training's condition was said when it ended; after that the learned
             # draft's road (plan/learned_release.py) says where the newest try stands.
             newest = _condition(phase, t, message, candidate)
     kept = list(runs.values())[-TRAININGS_KEPT:]
-    steps.append(SetStatus({"training": {"runs": kept}}))
+    # The whole of status.training (the schedule's mark too): a pass's SetStatus replaces the field.
+    steps.append(SetStatus({"training": {**dict(status.get("training") or {}), "runs": kept}}))
     if newest is not None:
         reason, ok, text = newest
         steps.append(Condition(LEARNING, ok, reason, text))
@@ -140,27 +149,118 @@ def want_training(status: Mapping[str, Any], champion: str, categories: list[str
                   live: Mapping[str, float] | None = None) -> list[Step]:
     """The drift check found `categories` breaching with no rollback that helps: recorded as
     trainings wanted (status.training.runs, phase 'wanted') for `plan_learning` to start, unless
-    the champion has one for that category already (running or ended). `live`: the champion's
-    live acceptance per category, kept with the want as what a learned draft must beat."""
+    the champion has one for that category already (running or ended, on drift or on schedule:
+    the schedule trains it again at its next slot). `live`: the champion's live acceptance per
+    category, kept with the want as what a learned draft must beat."""
     runs = training_job.recorded_runs(status)
     have = {(str(r["version"]), str(r["category"])) for r in runs}
-    new = [{"version": champion, "category": cat, "job": "", "phase": WANTED, "candidate": "", "message": "",
-            **({"acceptance": float(live[cat])} if live and cat in live else {})}
-           for cat in categories if (champion, cat) not in have]
-    return [SetStatus({"training": {"runs": (runs + new)[-TRAININGS_KEPT:]}})] if new else []
+    new = [_want(champion, cat, live) for cat in categories if (champion, cat) not in have]
+    return [SetStatus({"training": {**dict(status.get("training") or {}),
+                                    "runs": (runs + new)[-TRAININGS_KEPT:]}})] if new else []
+
+
+def _want(champion: str, category: str, live: Mapping[str, float] | None, slot: str = "") -> dict[str, Any]:
+    return {"version": champion, "category": category, **({"slot": slot} if slot else {}), "job": "",
+            "phase": WANTED, "candidate": "", "message": "",
+            **({"acceptance": float(live[category])} if live and category in live else {})}
+
+
+# -- on a schedule (spec.learning.schedule) ------------------------------------------------------
+
+SCHEDULE = "schedule"        # status.training.schedule: {last, next, message}
+BUSY = (WANTED, training_job.RUNNING)
+ON_THE_ROAD = ("gating", "shadow")     # status.learnedRelease.stage while a learned draft is tried
+
+
+def _iso(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _seconds(stamp: str) -> float | None:
+    try:
+        return parse_iso(stamp).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
+def scheduled_trainings(spec: Mapping[str, Any], status: Mapping[str, Any], champion: str, now: str,
+                        live: Mapping[str, float] | None = None,
+                        running: Iterable[tuple[str, str]] = ()) -> tuple[dict[str, Any] | None, list[Step]]:
+    """spec.learning.schedule ({intervalSeconds, categories}): status.training as it becomes this
+    pass (None: unchanged) and the Event that says a slot's outcome.
+
+    Level-triggered on status.training.schedule.last, the newest slot handled (trained or skipped):
+    the first pass that sees the schedule marks now as its start (nothing captured yet to train on),
+    and a slot is due every intervalSeconds after it. A due slot is the newest one past (an
+    operator down for several intervals trains once, not once per slot missed), so every pass
+    until its status is written computes the same slot, and the same Job name: no double run
+    across restarts. It wants a training of the champion for each category, keyed by the slot,
+    with the champion's live acceptance there as what the learned draft must beat; a category
+    whose training is still wanted or running skips the slot, and so does every category while a
+    learned draft is being gated or shadowed (a newer one would take its place on the road).
+    `running`: (category, slot) of the champion's training Jobs observed running (one the status
+    does not know of yet counts too; the due slot's own, made by a pass that died before its
+    status, does not)."""
+    schedule = dict((spec.get("learning") or {}).get("schedule") or {})
+    if not training_job.learning_enabled(spec) or not schedule.get("categories"):
+        return None, []
+    interval = max(1, int(schedule.get("intervalSeconds") or 0))
+    training = dict(status.get("training") or {})
+    mark = dict(training.get(SCHEDULE) or {})
+    now_s, last_s = _seconds(now), _seconds(str(mark.get("last") or ""))
+    if now_s is None:
+        return None, []
+    if last_s is None:
+        first = _iso(now_s + interval)
+        return {**training, SCHEDULE: {"last": _iso(now_s), "next": first,
+                                       "message": f"schedule started; the first training at {first}"}}, []
+    if now_s < last_s + interval:
+        if mark.get("next") != _iso(last_s + interval):     # the interval changed
+            return {**training, SCHEDULE: {**mark, "next": _iso(last_s + interval)}}, []
+        return None, []
+    slot_s = last_s + interval * int((now_s - last_s) // interval)
+    slot = _iso(slot_s)
+    runs = training_job.recorded_runs(status)
+    busy = {str(r["category"]) for r in runs if str(r["version"]) == champion and r.get("phase") in BUSY
+            and str(r.get("slot") or "") != slot} | {c for c, at in running if at != slot}
+    stage = str((status.get("learnedRelease") or {}).get("stage") or "")
+    categories = list(dict.fromkeys(str(c) for c in schedule["categories"]))   # each once, in order
+    if stage in ON_THE_ROAD:
+        trained, skipped = [], categories
+        why = f"the learned draft v{(status.get('learnedRelease') or {}).get('version')} is in {stage}"
+    else:
+        trained = [c for c in categories if c not in busy]
+        skipped = [c for c in categories if c in busy]
+        why = "a training of it is still running"
+    have = {(str(r["version"]), str(r["category"]), str(r.get("slot") or "")) for r in runs}
+    new = [_want(champion, c, live, slot) for c in trained if (champion, c, slot) not in have]
+    said = (f"slot {slot}: " + (f"training v{champion} for {', '.join(repr(c) for c in trained)}" if trained else "")
+            + ("; " if trained and skipped else "")
+            + (f"skipped {', '.join(repr(c) for c in skipped)} ({why})" if skipped else ""))
+    return ({**training, "runs": (runs + new)[-TRAININGS_KEPT:],
+             SCHEDULE: {"last": slot, "next": _iso(slot_s + interval), "message": said}},
+            [PostEvent("Normal", "TrainingScheduled" if trained else "ScheduledTrainingSkipped", said)])
 
 
 def plan_learning(out: Any, champion: str) -> None:
-    """The champion's trainings (after its drift check, which wants them through `want_training`),
-    as `training_steps`; nothing while observe has not read the pair's training Jobs this pass
-    (w.trainings None: learning off, or a pass that stopped before)."""
+    """The champion's trainings (after its drift check, which wants them through `want_training`,
+    and the schedule's, `scheduled_trainings`), as `training_steps`; nothing while observe has not
+    read the pair's training Jobs this pass (w.trainings None: learning off, or a pass that stopped
+    before)."""
     w = out.world
     if w.trainings is None:
         return
-    status = {**w.status, **{k: v for k, v in out.fields.items() if k == "training"}}
+    status = {**w.status, **{k: v for k, v in out.fields.items() if k in ("training", "live")}}
+    live = (status.get("live") or {}).get("acceptance") or {}
+    running = [state.run[1:] for state in w.trainings.values()
+               if state.run[0] == champion and state.phase == training_job.RUNNING]
+    training, said = scheduled_trainings(w.spec, status, champion, w.now, live, running)
+    if training is not None:
+        status = {**status, "training": training}
+        out.add(SetStatus({"training": training}), *said)
     # A Job the status does not know of (the pass that created it died before its status) is
     # followed all the same.
-    adopted = sorted(key.partition("/")[2] for key in w.trainings if key.partition("/")[0] == champion)
+    adopted = sorted(state.run for state in w.trainings.values() if state.run[0] == champion)
     wanted = wanted_trainings(status, champion, adopted)
     if not wanted:
         return
@@ -169,12 +269,12 @@ def plan_learning(out: Any, champion: str) -> None:
         return
     inst = w.installation
 
-    def job(version: str, category: str) -> dict[str, Any]:
+    def job(version: str, category: str, slot: str) -> dict[str, Any]:
         release = release_mod.with_mlflow(released, inst.tracking_uri, w.model, version)
         return training_job.desired_training_job(w.pair, w.namespace, release, dict(w.rollout),
                                                  dict(w.spec.get("learning") or {}), version, category, w.model,
-                                                 inst.tracking_uri, inst.credentials, inst.pods)
+                                                 inst.tracking_uri, inst.credentials, inst.pods, slot)
 
-    trainings = [Training(v, cat, w.trainings.get(run_key(v, cat)) or training_job.TrainingState(training_job.ABSENT))
-                 for v, cat in wanted]
+    trainings = [Training(v, cat, w.trainings.get(run_key(v, cat, slot)) or training_job.TrainingState(training_job.ABSENT),
+                          slot) for v, cat, slot in wanted]
     out.add(*training_steps(w.pair, w.spec, status, trainings, out.was, job))
