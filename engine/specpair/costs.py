@@ -244,22 +244,23 @@ class CostTiming:
     lookup: Callable[[Any], float]
 
 
-def timed(fn, device) -> tuple[float, object]:
+def timed(fn, device, clock: Callable[[], float] = time.perf_counter) -> tuple[float, object]:
     sync(device)
-    start = time.perf_counter()
+    start = clock()
     out = fn()
     sync(device)
-    return time.perf_counter() - start, out
+    return clock() - start, out
 
 
 @torch.no_grad()
 def measure_step_costs(engine, prompt_ids: list[int], ks: list[int],
-                       repeats: int = 5) -> dict:
+                       repeats: int = 5, clock: Callable[[], float] = time.perf_counter) -> dict:
     """Seconds a SpeculativeEngine's kernels take, the fastest of `repeats` after a warm-up: T1 (target, 1 token), Tv[k] (target,
     k+1 tokens; 1 + k*width when a head drafts a tree of `width` candidates per position), Td
     (one draft step). The target's passes are timed in turns (T1, Tv[1], ..., T1, ...), not one
     size after another: a burst of other work on a shared machine then slows one turn of every
-    size rather than all the timings of one size, which priced a single k at twice its cost."""
+    size rather than all the timings of one size, which priced a single k at twice its cost.
+    `clock`: what the seconds are read on (step_clock's, at start-up)."""
     device = engine.target.device
 
     def fastest_extends(model, token_counts: list[int]) -> dict[int, float]:
@@ -270,7 +271,7 @@ def measure_step_costs(engine, prompt_ids: list[int], ks: list[int],
         best = {n: float("inf") for n in token_counts}
         for turn in range(repeats + 1):
             for n in token_counts:
-                seconds, _ = timed(lambda: kv.extend([prompt_ids[:n] or [0]], last=n), device)
+                seconds, _ = timed(lambda: kv.extend([prompt_ids[:n] or [0]], last=n), device, clock)
                 kv.rollback(0, base)
                 kv.trim()
                 if turn:          # the first turn warms up
@@ -280,7 +281,7 @@ def measure_step_costs(engine, prompt_ids: list[int], ks: list[int],
     def fastest_lookup(drafter) -> float:
         seq = list(prompt_ids) * 2
         return min(timed(lambda: drafter.lookup(seq, max(ks)) if hasattr(drafter, "lookup") else None,
-                          device)[0] for _ in range(repeats))
+                          device, clock)[0] for _ in range(repeats))
 
     lookup_first = engine.drafter is not None and engine.drafter.copies
     # Lookup first, then a head: priced as its head (what k is chosen by, dynamic_k's cost model)
@@ -296,7 +297,7 @@ def measure_step_costs(engine, prompt_ids: list[int], ks: list[int],
     costs["draft_per_token"] = drafter is not None and drafter.draft_per_token
 
     def fastest_after_one(fn) -> float:
-        return min([timed(fn, device)[0] for _ in range(repeats + 1)][1:])
+        return min([timed(fn, device, clock)[0] for _ in range(repeats + 1)][1:])
 
     if drafter is not None:      # each drafter times its own step (Drafter.cost_probe)
         costs.update(drafter.cost_probe(CostTiming(len(prompt_ids), fastest_extends, fastest_after_one,
@@ -391,7 +392,7 @@ def k_for_rows(decisions: list[RowsDecision] | None, rows: int) -> int | None:
 
 @torch.no_grad()
 def measure_rows_costs(engine, prompt_ids: list[int], rows: int, ks: list[int], drafting: dict,
-                       repeats: int = 2) -> RowsCosts:
+                       repeats: int = 2, clock: Callable[[], float] = time.perf_counter) -> RowsCosts:
     """Times one target step of `rows` rows at one token a row and at each k's verification
     width, the fastest of `repeats` after a warm-up, in turns (as measure_step_costs). Drafting
     comes from the one-row probe (`drafting`: measure_step_costs' draft_step, draft_per_token,
@@ -407,7 +408,7 @@ def measure_rows_costs(engine, prompt_ids: list[int], rows: int, ks: list[int], 
     best = {n: float("inf") for n in sizes}
     for turn in range(repeats + 1):
         for n in sizes:
-            seconds, _ = timed(lambda: kv.extend([(prompt_ids * n)[:n]] * rows, last=n), device)
+            seconds, _ = timed(lambda: kv.extend([(prompt_ids * n)[:n]] * rows, last=n), device, clock)
             for row in range(rows):
                 kv.rollback(row, base)
             kv.trim()
@@ -424,22 +425,25 @@ def decide_speculation_by_rows(engine, max_rows: int = STARTUP_MAX_ROWS,
                                prompt: str = "The quick brown fox jumps over the lazy dog. ") -> dict:
     """Measure at the engine's row buckets (1, 2, 4, ... max_rows) and decide per batch size
     whether drafting pays and with which k. Stops measuring at the first size that does not pay:
-    the threshold is the unbroken run from 1, so larger sizes could not change it. Returns
-    {"decisions": [RowsDecision...], "threshold": int, "seconds": float}."""
+    the threshold is the unbroken run from 1, so larger sizes could not change it. The steps are
+    read on step_clock's clock, as the decode rows' (on a CPU: CPU seconds at one thread, which
+    other jobs on the machine do not enter; the decision is by ratios of the steps' seconds).
+    Returns {"decisions": [RowsDecision...], "threshold": int, "seconds": float}."""
     started = time.perf_counter()
     ids = engine.encode(prompt)
     # Two verification widths a size: the pair's k and 1 (the k chosen is one of them). Each
     # width is a timed target step a row bucket; on a busy 2-core machine a SmolLM2 step took
     # 1.5 s, and six widths to 8 rows took 405 s to measure.
     ks = sorted({1, min(engine.config.k, engine.config.k_max)})
-    drafting = measure_step_costs(engine, ids, ks[:1], repeats=2)
     costs, decisions, rows = [], [], 1
-    while rows <= max(1, max_rows):
-        costs.append(measure_rows_costs(engine, ids, rows, ks, drafting))
-        decisions = speculation_by_rows(costs, acceptance)
-        if not decisions[-1].pays:
-            break
-        rows *= 2
+    with step_clock(engine.target.device) as clock:
+        drafting = measure_step_costs(engine, ids, ks[:1], repeats=2, clock=clock)
+        while rows <= max(1, max_rows):
+            costs.append(measure_rows_costs(engine, ids, rows, ks, drafting, clock=clock))
+            decisions = speculation_by_rows(costs, acceptance)
+            if not decisions[-1].pays:
+                break
+            rows *= 2
     return {"decisions": decisions, "threshold": threshold_of(decisions),
             "seconds": time.perf_counter() - started}
 

@@ -98,3 +98,30 @@ def test_no_measurement_where_nothing_drafts(tiny_target):
     said = []
     assert decide_speculation_at_startup(engine, None, said.append) is None and not said
     assert engine.config.batch_size_threshold == SpeculationConfig().batch_size_threshold
+
+
+
+def test_start_up_reads_the_steps_on_the_step_clock(tiny_target, tiny_draft, monkeypatch):
+    """The threshold's steps are read on costs.step_clock's clock, as the decode rows' are (on a
+    CPU: CPU seconds of the timing thread at one torch thread, which other jobs do not enter:
+    test_engine_decode_rows.py). Here a clock on which every timed call lasts one second: a
+    verification then costs exactly a target step and a draft step as much, so batch 1's best is
+    k 1 at 1.5 / 2 tokens a step and nothing past it is measured. On the wall clock the
+    decision would be whatever the machine's load made of the tiny model's steps."""
+    import contextlib
+
+    from specpair import costs
+
+    entered = []
+
+    @contextlib.contextmanager
+    def one_second_a_call(device):
+        entered.append(device.type)
+        ticks = iter(range(10**6))
+        yield lambda: float(next(ticks))
+
+    monkeypatch.setattr(costs, "step_clock", one_second_a_call)
+    engine = SpeculativeEngine(tiny_target, draft=tiny_draft, speculation=SpeculationConfig(k=3, k_max=4))
+    decided = decide_speculation_by_rows(engine, max_rows=8)
+    assert entered == ["cpu"]
+    assert decided["decisions"] == [RowsDecision(1, 1, 0.75, False)] and decided["threshold"] == 0
