@@ -73,6 +73,15 @@ def kv_budget_flag(value: str) -> str:
 MAX_TREE_WIDTH = 4   # candidates per position: 1 + k * width tokens a verification, and the CPU
                      # layer takes 16 tokens a call (k=3 at width 4 fits)
 
+# Prompt positions a step of the paged cache feeds beyond its decoding rows' next tokens (chunked
+# prefill mixed with decode, as vLLM's token budget): a cold 1,696-token prompt fed whole stalled
+# every decoding row for its ~4.6 s prefill; fed 256 a step, it adds ~0.3-0.7 s to each step (2
+# cores, SmolLM2; docs/measurements/2026-12-07d-prefill-budget-cpu.md). The rows decoding are never
+# held back for it, and a row's tokens are the same whichever steps feed its prompt (a token's
+# keys do not depend on the call that computes them: decoding.Batch._prefill_caps). None or 0:
+# whole prompts in one step.
+PREFILL_TOKEN_BUDGET = 256
+
 
 @dataclass(frozen=True)
 class SpeculationConfig:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specpair.config import (KV_BUDGET_CUDA_FREE_FRACTION, KV_BUDGET_ENV, NGRAM_MAX, NGRAM_MIN,
-                             GenerationParams, SpeculationConfig, parse_kv_budget)
+                             PREFILL_TOKEN_BUDGET, GenerationParams, SpeculationConfig,
+                             parse_kv_budget)
 from specpair.batch_observer import BatchObserver, VerifiedRound
 from specpair.costs import (CostModel, DynamicK, RequestAudit, RowsDecision, StepTiming, k_for_rows,
                             measure_step_costs, sync)
@@ -261,6 +262,8 @@ class SpeculativeEngine:
         # The rows decoded together, chosen at start-up by measured step costs
         # (costs.decide_decode_rows; the server's worker holds the rest queued); None: not measured.
         self.decode_rows: int | None = None
+        # Prompt positions a paged step feeds (PREFILL_TOKEN_BUDGET; the server's --prefill-budget).
+        self.prefill_budget: int | None = PREFILL_TOKEN_BUDGET
         self._target_kv = kv_bytes_per_token(target.model)
         cache_model = drafter_cache_model(drafter)
         self._draft_kv = kv_bytes_per_token(cache_model) if cache_model is not None else 0
@@ -545,6 +548,8 @@ class Batch:
         self._grammar_rows: list[int] = []
         self._wants_logprobs = False
         self._token_logits: list = []
+        # This step's rows whose prompt it feeds only in part (row -> positions fed; _prefill_caps).
+        self._prefill_cap: dict[int, int] = {}
 
     def _draft_in_pool(self) -> None:
         """A draft model's rows in the same pool (PagedSpace.draft): its cache is swapped for one
@@ -983,8 +988,8 @@ class Batch:
         heads = (self.paged and self.drafter is not None and self.drafter.wants_features
                  and not copying)
         for i, seq in enumerate(self.rows):
-            if heads and len(seq.tokens) - self.target.lengths[i] > 1:
-                ks.append(0)
+            if (heads and len(seq.tokens) - self.target.lengths[i] > 1) or i in self._prefill_cap:
+                ks.append(0)       # (a row still prefilling drafts nothing: it emits nothing)
                 continue
             k = (seq.copy_k if copying else seq.dynamic_k).k
             if eng.controller.k_override is not None:
@@ -998,8 +1003,34 @@ class Batch:
                       and not seq.drafts_ended else 0)
         return ks
 
+    def _prefill_caps(self) -> dict[int, int]:
+        """The rows whose uncached prompt (or a preempted row's tokens) this step feeds only in
+        part, under the engine's prefill token budget -> the positions each is fed (0: it
+        waits). The budget counts every position a step feeds, as vLLM's: the rows decoding (one
+        uncached token each, always fed) take theirs first, so a step's tokens fill the C
+        layer's 64-token calls (each call reads every weight once); the oldest rows prefilling
+        share the rest, at least one position. Only on the paged cache (the C layer computes a
+        token's keys the same in any call), for chains (a token tree's verification feeds every
+        row's tokens whole) and while no observer scores the rounds (it reads every row's)."""
+        budget = self.engine.prefill_budget
+        tree = (self.drafter is not None and self.drafter.tree_capable
+                and self.engine.config.tree_width > 1)
+        if not budget or not self.paged or tree or self.engine.observers:
+            return {}
+        uncached = [len(s.tokens) - n for s, n in zip(self.rows, self.target.lengths)]
+        caps, left = {}, max(1, budget - sum(1 for n in uncached if n <= 1))
+        for i in sorted(range(len(self.rows)), key=lambda i: self.rows[i].started):
+            if uncached[i] <= 1:
+                continue
+            if uncached[i] <= left:
+                left -= uncached[i]
+            else:
+                caps[i], left = left, 0
+        return caps
+
     def step(self) -> list[StepOutput]:
         self.done = []
+        self._prefill_cap = {}
         if self.paged:
             self._resume_preempted()
         if not self.rows:
@@ -1007,6 +1038,7 @@ class Batch:
         started = time.perf_counter()
         if self.paged:
             self._fit_blocks()
+            self._prefill_cap = self._prefill_caps()
         else:
             self._resume_drafting()
         eng = self.engine
@@ -1076,6 +1108,11 @@ class Batch:
 
         outputs = []
         for i, seq in enumerate(self.rows):
+            if i in self._prefill_cap:      # its prompt fed in part: nothing to emit yet
+                if wants_features and self._prefill_cap[i]:
+                    self._hand_features(i, cached_before[i], features[i, :self._prefill_cap[i]],
+                                        drafter_features)
+                continue
             a = accepted_l[i]
             self.target.rollback(i, committed[i] + a)
             if self.drafter is not None:
@@ -1191,7 +1228,10 @@ class Batch:
         when the drafter wants them."""
         B = self.active
         nums = [len(d) for d in drafted]
-        feed = [s.tokens[self.target.lengths[i]:] + drafted[i] for i, s in enumerate(self.rows)]
+        caps = self._prefill_cap
+        feed = [s.tokens[self.target.lengths[i]:] + drafted[i] if i not in caps
+                else s.tokens[self.target.lengths[i]:self.target.lengths[i] + caps[i]]
+                for i, s in enumerate(self.rows)]
         K = max(nums, default=0)
         features = None
         if wants_features:   # the head drafts from the target's features of what it verified

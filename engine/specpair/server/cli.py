@@ -20,7 +20,7 @@ from pathlib import Path
 
 from specpair.block_pool import MAX_BATCH_ROWS, PLANNED_ROW_POSITIONS
 from specpair.capture import add_capture_arguments, capture_settings
-from specpair.config import KV_BUDGET_HELP, ModelRef, PairSpec, Release, SpeculationConfig, kv_budget_flag
+from specpair.config import KV_BUDGET_HELP, PREFILL_TOKEN_BUDGET, ModelRef, PairSpec, Release, SpeculationConfig, kv_budget_flag
 from specpair.errors import SpecpairError
 from specpair.server.worker import DEFAULT_MAX_BATCH_SIZE
 from specpair.shadow_flags import add_shadow_arguments, attach_shadow_from_args
@@ -124,6 +124,11 @@ def add_engine_parser(subparsers) -> argparse.ArgumentParser:
                              f"{DEFAULT_MAX_BATCH_SIZE}; decoded together, the fewest of those whose "
                              "decode step measured at start-up comes within 10%% of the best tokens/s)")
     limits.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond the batch")
+    limits.add_argument("--prefill-budget", type=int, default=None, metavar="TOKENS",
+                        help="prompt positions a step feeds beside its decoding rows on the CPU's "
+                             "paged KV cache (a long prompt is prefilled in chunks while the "
+                             "other rows keep decoding; default "
+                             f"{PREFILL_TOKEN_BUDGET}; 0: each prompt whole in one step)")
     limits.add_argument("--kv-budget", type=kv_budget_flag, default=None, metavar="BUDGET", help=KV_BUDGET_HELP)
     limits.add_argument("--max-new-tokens-limit", type=int, default=1024)
     limits.add_argument("--max-request-bytes", type=int, default=1 << 20)
@@ -209,6 +214,10 @@ def load_engine(args, release: Release | None, progress=print):
 
     pair = served_pair(args, release, pick_device(args.device).type)
     engine = load_pair(pair, progress=progress)
+    if args.prefill_budget is not None:
+        if args.prefill_budget < 0:
+            raise SpecpairError(f"--prefill-budget must be >= 0 (0: whole prompts), got {args.prefill_budget}")
+        engine.prefill_budget = args.prefill_budget or None
     if args.max_batch_size is None:
         decide_decode_rows_at_startup(engine, progress)
     if release is None and args.batch_size_threshold is None:

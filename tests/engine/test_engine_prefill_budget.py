@@ -1,0 +1,91 @@
+"""The prefill token budget on the paged cache (decoding.Batch._prefill_caps): a long prompt is
+fed what a budget of positions a step leaves beside the rows already decoding, which keep
+emitting every step, and every row's tokens equal its solo output with the whole prompt fed in one step
+(greedy and seeded sampling; speculating with n-gram drafts and with a draft model); prompts
+arriving together share the budget, oldest first."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpair.config import PREFILL_TOKEN_BUDGET, GenerationParams, SpeculationConfig
+from specpair.decoding import SpeculativeEngine
+
+SPEC = SpeculationConfig(k=2, k_max=2, batch_size_threshold=64)   # <= 3 tokens a row a step
+LONG = "The cluster keeps every release it promoted, and the operator reads them back. " * 6
+SHORT = ["Name a colour.", "What is two and two?"]
+
+
+def engine_for(tiny_target, tiny_draft, drafter: str, budget: int | None) -> SpeculativeEngine:
+    engine = (SpeculativeEngine(tiny_target, draft=tiny_draft, speculation=SPEC) if drafter == "draft"
+              else SpeculativeEngine(tiny_target, "ngram", speculation=SPEC))
+    assert engine.paged_space is not None         # the CPU's C path: the budget applies
+    engine.prefill_budget = budget
+    return engine
+
+
+def test_engines_start_with_the_default_budget(tiny_target):
+    assert PREFILL_TOKEN_BUDGET > 0
+    assert SpeculativeEngine(tiny_target).prefill_budget == PREFILL_TOKEN_BUDGET
+
+
+@pytest.mark.parametrize("drafter,params", [
+    ("ngram", GenerationParams(max_new_tokens=24)),
+    ("draft", GenerationParams(max_new_tokens=24, temperature=0.8, seed=3))],
+    ids=["greedy-ngram", "seeded-draft"])
+def test_a_long_prompt_in_chunks_beside_decoding_rows_emits_its_solo_tokens(
+        tiny_target, tiny_draft, drafter, params):
+    solo_engine = engine_for(tiny_target, tiny_draft, drafter, None)
+    solo = {p: solo_engine.generate([p], params)[0].token_ids for p in [*SHORT, LONG]}
+
+    engine = engine_for(tiny_target, tiny_draft, drafter, None)
+    long_ids = engine.encode(LONG)
+    budget = len(long_ids) // 4 + 1               # the long prompt takes four steps
+    engine.prefill_budget = budget
+    batch = engine.new_batch()
+    rows = [batch.add(engine.encode(p), params) for p in SHORT]
+    batch.step()                                  # the short prompts fit the budget together
+    assert all(r.num_generated >= 1 for r in rows)
+    late = batch.add(long_ids, params)
+    chunks = []
+    while late.num_generated == 0:
+        before = [r.num_generated for r in rows]
+        fed = batch.target.lengths[-1]
+        batch.step()
+        chunks.append(batch.target.lengths[-1] - fed if late.num_generated == 0 else None)
+        # the decoding rows were not held back: each emitted this step
+        assert all(r.num_generated > n for r, n in zip(rows, before)), (before, rows)
+    # the budget counts the two decoding rows' tokens too (a step feeds `budget` positions)
+    assert len(chunks) >= 4 and chunks[:3] == [budget - 2] * 3, chunks
+    while batch.active:
+        batch.step()
+    assert [batch.result(r).token_ids for r in rows] == [solo[p] for p in SHORT]
+    assert batch.result(late).token_ids == solo[LONG]
+
+
+def test_prompts_arriving_together_share_the_budget_oldest_first(tiny_target, tiny_draft):
+    params = GenerationParams(max_new_tokens=6)
+    prompts = [f"Request {i}: " + LONG for i in range(3)]
+    solo_engine = engine_for(tiny_target, tiny_draft, "ngram", None)
+    solo = [solo_engine.generate([p], params)[0].token_ids for p in prompts]
+    engine = engine_for(tiny_target, tiny_draft, "ngram", 40)
+    batch = engine.new_batch()
+    seqs = [batch.add(engine.encode(p), params) for p in prompts]
+    assert all(len(s.prompt_ids) > 40 for s in seqs)
+    assert batch.step() == []                    # nothing to emit yet
+    assert batch.target.lengths == [40, 0, 0]     # the oldest took the whole budget
+    steps = 1
+    while batch.active:
+        batch.step()
+        steps += 1
+    assert steps >= sum(len(s.prompt_ids) for s in seqs) // 40
+    assert [batch.result(s).token_ids for s in seqs] == solo
+
+
+def test_no_budget_feeds_each_prompt_whole(tiny_target, tiny_draft):
+    engine = engine_for(tiny_target, tiny_draft, "ngram", None)
+    batch = engine.new_batch()
+    ids = engine.encode(LONG)
+    seq = batch.add(ids, GenerationParams(max_new_tokens=3))
+    batch.step()
+    assert seq.num_generated >= 1 and batch.target.lengths[0] >= len(ids)
