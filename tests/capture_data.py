@@ -20,9 +20,10 @@ def extraction_prompts(count: int) -> list[str]:
 
 
 def write_capture(directory, engine, by_category: dict[str, list[str]], release: str = "3",
-                  max_new_tokens: int = 40) -> None:
+                  max_new_tokens: int = 40, chat: bool = True) -> None:
     """Every request's greedy target-only reply, captured (sample rate 1) under `release`, with
-    the clock at 1000 + i for the i-th request so the order is known."""
+    the clock at 1000 + i for the i-th request so the order is known; sent chat-formatted, or as
+    plain completions (`chat` False)."""
     ticks = iter(range(1000, 10_000))
     now = [1000.0]
 
@@ -32,10 +33,10 @@ def write_capture(directory, engine, by_category: dict[str, list[str]], release:
     writer = CaptureWriter(CaptureSettings(str(directory), sample_rate=1.0, retention_seconds=366 * 24 * 3600),
                            release=release, tokenizer="tok-sha", pod="engine-0", clock=clock).start()
     for category, prompts in by_category.items():
-        results = engine.generate(prompts, GenerationParams(max_new_tokens=max_new_tokens), chat=True,
+        results = engine.generate(prompts, GenerationParams(max_new_tokens=max_new_tokens), chat=chat,
                                   speculate=False)
         for prompt, result in zip(prompts, results):
             now[0] = float(next(ticks))
-            writer.offer(category, engine.encode(prompt, chat=True), list(result.token_ids))
+            writer.offer(category, engine.encode(prompt, chat=chat), list(result.token_ids))
             writer.flush()
     writer.stop()

@@ -467,12 +467,17 @@ def distill(config: DistillConfig, teacher=None, progress=print, stop_after: int
     conversations, reply_seconds, capture, eval_chat = [], 0.0, None, False
     if config.from_capture:
         # Served traffic of one category, the target's replies already in it: no corpus.
-        from specpair.distill_capture import capture_lineage, check_vocabulary, golden_prompts
+        from specpair.distill_capture import capture_lineage, chat_share, check_vocabulary, golden_prompts
 
         conversations = check_vocabulary(captured[0] if captured else [], teacher.embedding_rows)
         capture = capture_lineage(config.from_capture, config.category, conversations,
                                   captured[1] if captured else 0)
         golden, eval_chat = golden_prompts(config.golden_release, config.category)
+        # How the category was served (chat or plain completions): the learned release's gate
+        # scores its golden prompts of the category so, and so are they measured here.
+        capture["chat"] = chat_share(tok, conversations)
+        if capture["chat"] is not None:
+            eval_chat = capture["chat"] >= 0.5
         # A head is not measured here (greedy_acceptance drafts with a model); the gate measures it.
         texts, eval_docs, train_docs = [], [] if is_head else golden[:config.eval_prompts], []
         if sum(len(c["ids"]) for c in conversations) <= config.seq_len + 1:

@@ -90,6 +90,39 @@ def capture_lineage(directory: str, category: str, conversations: list[dict], sk
             "first": min(times) if times else None, "last": max(times) if times else None}
 
 
+def chat_lead(tok) -> list[int]:
+    """The token ids the chat template puts before a user's message (those two different messages
+    share, less what their plain encodings share: a BOS is no sign of chat); [] when the
+    tokenizer has no template, or one that adds nothing to tell the two formats apart."""
+    from specpair.decoding import encode_prompt
+
+    def shared(a: list[int], b: list[int]) -> list[int]:
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return a[:n]
+    if not getattr(tok, "chat_template", None):
+        return []
+    try:
+        lead = shared(encode_prompt(tok, "alpha", chat=True), encode_prompt(tok, "Zulu 7 omega", chat=True))
+    except Exception:      # a template that needs more than one user message: formats not told apart
+        return []
+    plain = shared(encode_prompt(tok, "alpha"), encode_prompt(tok, "Zulu 7 omega"))
+    return lead if len(lead) > len(plain) else []
+
+
+def chat_share(tok, conversations: list[dict]) -> float | None:
+    """The share of captured requests whose prompt came chat-formatted (it starts with the chat
+    template's lead): how the category was served. The gate then scores the learned draft's
+    golden prompts of the category in that format (training_runner.learned_release): a draft
+    trained on plain completions met chat-formatted golden prompts it never saw and scored 0.000.
+    None when the formats cannot be told apart (no template, or one adding nothing before)."""
+    lead = chat_lead(tok)
+    if not lead or not conversations:
+        return None
+    return round(sum(c["ids"][:len(lead)] == lead for c in conversations) / len(conversations), 4)
+
+
 def golden_prompts(release_file: str | None, category: str) -> tuple[list[str], bool]:
     """The golden prompts of `category` in a release document (its gating.prompts; none named:
     the engine's built-in set) and whether the gate sends them chat-formatted (gating.chat), for

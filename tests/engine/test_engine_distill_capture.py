@@ -125,3 +125,22 @@ def test_a_bad_release_file_is_refused_by_its_flag_by_the_gate_and_the_golden_pr
         run_gate_file(str(path), str(tmp_path / "verdict.json"), progress=lambda *_: None)
     assert not (tmp_path / "verdict.json").exists()
     assert golden_prompts(_release(tmp_path), "qa") == (["What is a list?"], True)
+
+
+def test_the_format_a_category_was_served_in_is_told_from_its_captured_prompts(tmp_path, tiny_target, capture_dir):
+    """Chat-formatted or plain completions, from the prompt ids alone (the chat template's lead):
+    the learned release's gate scores the category's golden prompts in the format it was served in."""
+    from specpair.distill_capture import chat_lead, chat_share
+
+    tok = tiny_target.tokenizer
+    lead = chat_lead(tok)
+    assert lead and lead == SpeculativeEngine(tiny_target, check_tokenizers=False).encode("x", chat=True)[:len(lead)]
+    assert chat_share(tok, captured_conversations(str(capture_dir), "extraction")) == 1.0
+    plain = tmp_path / "plain"
+    write_capture(plain, SpeculativeEngine(tiny_target, check_tokenizers=False),
+                  {"extraction": extraction_prompts(6)}, chat=False, max_new_tokens=8)
+    assert chat_share(tok, captured_conversations(str(plain), "extraction")) == 0.0
+    mixed = captured_conversations(str(plain), "extraction")[:3] + \
+        captured_conversations(str(capture_dir), "extraction")[:1]
+    assert chat_share(tok, mixed) == 0.25
+    assert chat_share(tok, []) is None

@@ -186,3 +186,25 @@ def test_a_bad_structured_golden_prompt_is_refused_naming_its_field(tiny_pair_di
         rel["gating"]["prompts"] = [{"prompt": "x", **prompt}]
         with pytest.raises(SpecpairError, match=re.escape(words)):
             run_gate(rel, device="cpu", progress=lambda *_: None)
+
+
+def test_a_golden_prompt_that_says_its_format_is_scored_in_it(tiny_pair_dirs):
+    """A learned release's golden prompts of its category carry the format that category was
+    served in (`chat`, training_runner.learned_release): the gate decodes each as it says, the
+    others as gating.chat says."""
+    from specpair.config import GenerationParams
+    from specpair.decoding import SpeculativeEngine
+    from specpair.models import load_model
+
+    text = "def foo(x):\n    return"
+    rel = _release(tiny_pair_dirs)
+    rel["gating"]["maxNewTokens"] = 8
+    rel["gating"]["prompts"] = [{"prompt": text, "category": "code"},
+                                {"prompt": text, "category": "code", "chat": True}]
+    _, golden = run_gate(rel, device="cpu", progress=lambda *_: None, k_sweep=[1], batch_sizes=[1])
+    engine = SpeculativeEngine(load_model(tiny_pair_dirs["target"], device="cpu", dtype="float32"),
+                               check_tokenizers=False)
+    params = GenerationParams(max_new_tokens=8)
+    plain, chat = (engine.generate([text], params, chat=c, speculate=False)[0].token_ids for c in (False, True))
+    assert plain != chat           # the two formats get different replies from this target
+    assert [g["token_ids"] for g in golden] == [plain, chat]

@@ -109,3 +109,23 @@ def test_a_training_without_data_registers_nothing_and_says_why(parent):
     assert rc == 1
     assert "no captured requests of category 'code'" in report["error"], report
     assert parent["registry"].count_versions(parent["model"]) == before
+
+
+def test_the_learned_release_scores_its_category_in_the_format_it_was_served_in():
+    """A category served as plain completions (chat share 0) gets golden prompts that say so;
+    the other categories, prompts with tools (the template renders them) and a category served
+    as the release's gating.chat says keep their prompts (and so the release's hash)."""
+    release = {"target": {"source": "t"}, "draft": {"drafter": "ngram"}, "mlflow": {"trackingUri": "x"},
+               "gating": {"prompts": [{"prompt": "a", "category": "code"}, {"prompt": "b", "category": "qa"},
+                                      {"prompt": "c", "category": "code", "tools": [{"type": "function"}]}]}}
+    plain = training_runner.learned_release(release, "r1", "draft", "code", 0.1)
+    assert [p.get("chat") for p in plain["gating"]["prompts"]] == [False, None, None]
+    assert plain["draft"] == {"source": "runs:/r1/draft", "revision": None} and "mlflow" not in plain
+    assert release["gating"]["prompts"][0] == {"prompt": "a", "category": "code"}    # not changed in place
+    chat = training_runner.learned_release(release, "r1", "draft", "code", 0.9)
+    unknown = training_runner.learned_release(release, "r1", "draft", "code", None)
+    assert chat == unknown and all("chat" not in p for p in chat["gating"]["prompts"])
+    # A release gated as plain completions, its category served chat-formatted: that prompt says chat.
+    as_plain = {**release, "gating": {**release["gating"], "chat": False}}
+    served_chat = training_runner.learned_release(as_plain, "r1", "draft", "code", 1.0)
+    assert [p.get("chat") for p in served_chat["gating"]["prompts"]] == [True, None, None]

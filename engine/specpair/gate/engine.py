@@ -22,7 +22,7 @@ from specpair.config import GenerationParams, Release, SpeculationConfig, read_r
 from specpair.contract import DEFAULT_CATEGORY, gate_tuning, speculation_off_reason, threshold_failures
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
-from specpair.gate.structured import golden_ask, judged, prepared, rate
+from specpair.gate.structured import golden_ask, golden_chat, judged, prepared, rate
 from specpair.gate.verdict import NOISE_REPEATS, check_release, new_verdict, timing_noise, tokenizer_check
 
 
@@ -73,8 +73,9 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
     params = GenerationParams(max_new_tokens=max_new)
     # Each prompt as the server decodes it: a response_format's grammar, tools rendered by the
     # chat template (a forced call through the grammar); checked in check_release.
-    asks = [golden_ask(p, i, chat) for i, p in enumerate(prompts)]
-    decoded = [prepared(target.tokenizer, text, ask, chat) for text, ask in zip(texts, asks)]
+    asks = [golden_ask(p, i, golden_chat(p, chat)) for i, p in enumerate(prompts)]
+    decoded = [prepared(target.tokenizer, text, ask, golden_chat(p, chat))
+               for p, text, ask in zip(prompts, texts, asks)]
 
     # Warm-up, then one prompt at a time (batch 1: the latency case speculation is for).
     engine.generate(texts[:1], GenerationParams(max_new_tokens=2), chat=chat)

@@ -32,6 +32,14 @@ class GoldenAsk:
         return self.structure is None and not self.functions
 
 
+def golden_chat(prompt: dict, chat: bool) -> bool:
+    """Whether the gate sends golden prompt `prompt` chat-formatted: its own `chat` where it says
+    (a learned release's prompts of the category its draft was trained for say how that category
+    was served: training_runner.learned_release), else the release's gating.chat."""
+    own = prompt.get("chat")
+    return own if isinstance(own, bool) else chat
+
+
 def golden_ask(prompt: dict, index: int, chat: bool) -> GoldenAsk:
     """Golden prompt `index` -> what it asks; SpecpairError naming the field
     (`gating.prompts[3].response_format.type`) on anything the server would refuse."""

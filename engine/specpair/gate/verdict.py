@@ -29,10 +29,10 @@ def check_release(release: dict) -> None:
             raise SpecpairError(f"release.gating.prompts[{i}] needs a non-empty 'prompt'")
     if any(p.get(key) is not None for p in prompts for key in GOLDEN_STRUCTURE_KEYS):
         # Structured golden prompts: refused before any model loads, naming the field.
-        from specpair.gate.structured import golden_ask
+        from specpair.gate.structured import golden_ask, golden_chat
         chat = bool((release.get("gating") or {}).get("chat", True))
         for i, p in enumerate(prompts):
-            golden_ask(p, i, chat)
+            golden_ask(p, i, golden_chat(p, chat))
 
 
 def new_verdict(**extra) -> dict:

@@ -47,7 +47,7 @@ from specpair.config import Release
 from specpair.contract import (DEFAULT_CATEGORY, gate_tuning, parallelism, speculation_off_reason,
                                threshold_failures)
 from specpair.errors import SpecpairError
-from specpair.gate.structured import GoldenAsk, golden_ask, judged, prepared, rate, vllm_structured_outputs
+from specpair.gate.structured import GoldenAsk, golden_ask, golden_chat, judged, prepared, rate, vllm_structured_outputs
 from specpair.gate.verdict import NOISE_REPEATS, check_release, new_verdict, timing_noise, tokenizer_check
 from specpair.vllm_parallel import model_config, start_budget_seconds, tensor_parallel_refusal
 from specpair.vllm_peer import K_BY_BATCH_SIZE
@@ -95,8 +95,8 @@ def golden_requests(tokenizer, prompts: list[dict], chat: bool) -> list[GoldenRe
 
     out = []
     for index, prompt in enumerate(prompts):
-        ask = golden_ask(prompt, index, chat)
-        text, text_chat, structure = prepared(tokenizer, prompt["prompt"], ask, chat)
+        ask = golden_ask(prompt, index, golden_chat(prompt, chat))
+        text, text_chat, structure = prepared(tokenizer, prompt["prompt"], ask, golden_chat(prompt, chat))
         out.append(GoldenRequest(encode_prompt(tokenizer, text, text_chat), ask,
                                  vllm_structured_outputs(structure)))
     return out

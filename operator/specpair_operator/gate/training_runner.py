@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specpair.contract import content_hash
+from specpair.contract import DEFAULT_CATEGORY, content_hash
 
 from specpair_operator.desired import training_job
 from specpair_operator.gate.runner import write_termination_message
@@ -48,15 +48,30 @@ from specpair_operator.release.registry_contract import (  # noqa: F401
 NOT_THE_DRAFT = ("checkpoints", "replies.jsonl")
 
 
-def learned_release(release: dict[str, Any], run_id: str, method: str) -> dict[str, Any]:
+def learned_release(release: dict[str, Any], run_id: str, method: str, category: str = "",
+                    chat_share: float | None = None) -> dict[str, Any]:
     """The release with only its draft replaced by the trained one (`runs:/<run>/draft`); where it
-    is deployed (its mlflow block) left out, as every registered release leaves it out."""
+    is deployed (its mlflow block) left out, as every registered release leaves it out.
+
+    Its golden prompts of `category` are scored by the gate in the format that category was
+    served in (`chat_share`: the share of its captured requests that came chat-formatted,
+    distill_capture.chat_share; None: not told): a prompt whose format differs from gating.chat
+    says its own (`chat`, gate/structured.golden_chat). A draft trained on plain completions
+    otherwise met chat-formatted golden prompts it never saw and failed its gate at 0.000."""
     out = copy.deepcopy(release)
     out.pop("mlflow", None)
     draft: dict[str, Any] = {"source": f"runs:/{run_id}/draft", "revision": None}
     if method != "draft":
         draft["method"] = method
     out["draft"] = draft
+    gating = out.get("gating") or {}
+    if category and chat_share is not None and isinstance(gating.get("prompts"), list):
+        served_chat = chat_share >= 0.5
+        for prompt in gating["prompts"]:
+            if isinstance(prompt, dict) and str(prompt.get("category") or DEFAULT_CATEGORY) == category \
+                    and not prompt.get("tools") and "chat" not in prompt \
+                    and served_chat != bool(gating.get("chat", True)):
+                prompt["chat"] = served_chat     # tools need the template: such a prompt keeps it
     return out
 
 
@@ -143,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             client.log_artifact(run_id, str(item), "draft")
     client.set_terminated(run_id)
-    rel = learned_release(release, run_id, args.method)
+    rel = learned_release(release, run_id, args.method, args.category, (summary.get("capture") or {}).get("chat"))
     digest = content_hash(rel)
     version = registry.ensure_release(args.model, rel, digest)
     # The release document on the version, as the operator writes it for the spec's releases
