@@ -159,10 +159,13 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
     mlflow = MlflowClient(mlflow_server.url)
     operator = FailingOperator(tmp_path / "writes.jsonl", spare=(STATUS,))
     deployments = sorted([manifests.engine_name(name), manifests.engine_canary_name(name)])
-    # Latency judged from 10 requests a side; the canary's TTFT and TPOT may be up to 3x the
-    # champion's p95: at a few milliseconds a new pod's TPOT lands a bucket above a warm one's
-    # (the engine's buckets are 1, 2.5, 5, 10 ms there), which 1.5x (the default) reads as a breach.
-    drift = {"latency": {"minRequests": 10, "ttftP95Ratio": 3.0, "tpotP95Ratio": 3.0}}
+    # Latency judged from 10 requests a side; v2's canary (the same weights) may be up to 10x the
+    # champion's p95 in TTFT and TPOT: at a few milliseconds a new pod's TPOT lands a bucket above a
+    # warm one's (the engine's buckets are 1, 2.5, 5, 10 ms there), which 1.5x (the default) reads
+    # as a breach, and under CI's load (3 workers on 2 cores, load 5-15) two buckets (1 to 5 ms)
+    # are one scheduling delay, which 3x read as a breach too. v3's TTFT is judged at 3x (below).
+    drift = {"latency": {"minRequests": 10, "ttftP95Ratio": 10.0, "tpotP95Ratio": 10.0}}
+    v3_ttft_ratio = 3.0
     # The API server refuses a step that is both (the operator's check has the same words).
     with pytest.raises(ApiError, match="a canary step gives one of replicas, share or weight"):
         ns.create(tiny_pair(f"{name}-bad", target, draft, rollout={
@@ -244,7 +247,8 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
     v2_pods = set(service_endpoints(ns, name))
     strategy = {"type": "Canary", "steps": [{"replicas": 1, "pauseSeconds": 120}]}
     set_spec(ns, name, {"target": {"source": slow}, "drift": {"minDraftedTokens": 10**9,
-                                                             "latency": {**drift["latency"], "tpotP95Ratio": 100.0}},
+                                                             "latency": {**drift["latency"], "ttftP95Ratio": v3_ttft_ratio,
+                                                                         "tpotP95Ratio": 100.0}},
                         "rollout": {"applyGateTuning": False, "strategy": strategy}})
     operator.killed_after("kube.merge_patch deployments")     # the canary Deployment scaled up again
     since = len(operator.writes())
@@ -273,7 +277,7 @@ def test_a_canary_of_a_new_target_is_promoted_when_healthy_and_aborted_on_a_ttft
                        r"(\d+)%", entry["message"])
     assert breach, entry["message"]
     champion_p95, threshold, requests, lower, limit = map(float, breach.groups())
-    assert abs(threshold - 3 * champion_p95) <= 0.2 and requests >= 10 and lower > limit, entry["message"]
+    assert abs(threshold - v3_ttft_ratio * champion_p95) <= 0.2 and requests >= 10 and lower > limit, entry["message"]
     assert "TTFT p95" in entry["message"] and "candidate worse than the champion" in entry["message"]
     canary_cond = cond(obj, canary.CONDITION)
     assert canary_cond["status"] == "False" and canary_cond["reason"] == "Aborted"
