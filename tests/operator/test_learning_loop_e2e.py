@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 import uuid
 from pathlib import Path
 
@@ -43,7 +42,8 @@ from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
-from cluster_env import CODE_PROMPTS, ONE_PROMPT_GATING, OPERATOR, cond, engine_pods, model_name, serving, tiny_pair
+from cluster_env import ONE_PROMPT_GATING, OPERATOR, cond, engine_pods, model_name, serving, tiny_pair
+from steady_client import SteadyClient, ready_address
 from specpair_operator.release.registry_contract import (TAG_LINEAGE_CAPTURE, TAG_LINEAGE_CATEGORY,
                                                          TAG_LINEAGE_JOB, TAG_LINEAGE_RELEASE, TAG_RELEASE)
 
@@ -60,58 +60,10 @@ DRIFT = {"intervalSeconds": 1, "windowSeconds": 10, "minDraftedTokens": 20, "min
 CODE_FLOOR = 0.1
 
 
-def ready_address(ns) -> str | None:
-    """The ready engine pod's gRPC address (pod IP: there is no kube-proxy on devcluster)."""
-    for pod in engine_pods(ns):
-        if any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])):
-            return f"{pod['status']['podIP']}:50051"
-    return None
-
-
-class CodeTraffic:
-    """Greedy 'code' requests one after another to whichever engine pod is ready, in a thread.
-    Each reply is kept by prompt (every one must equal the first); each failure is kept with the
-    address it went to (a pod the test deletes may fail the requests it was serving)."""
-
-    PROMPTS = CODE_PROMPTS[:2]
-
-    def __init__(self, ns) -> None:
-        self.ns, self.replies, self.failed, self.stop = ns, {}, [], threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def run(self) -> None:
-        i = 0
-        while not self.stop.is_set():
-            address, prompt = ready_address(self.ns), self.PROMPTS[i % len(self.PROMPTS)]
-            i += 1
-            if address is None:
-                self.stop.wait(1)
-                continue
-            # Chat requests, as the gate sends its golden prompts: a draft learned from raw-text
-            # traffic met chat-formatted golden prompts it never saw (GateFailed at 0.000).
-            chat = engine_pb2.ChatMessages(messages=[engine_pb2.ChatMessage(role="user", content=prompt)])
-            req = engine_pb2.GenerateRequest(chat=chat, max_new_tokens=12, category="code")
-            try:
-                with grpc.insecure_channel(address) as channel:
-                    text = "".join(r.text for r in engine_pb2_grpc.EngineStub(channel).Generate(req, timeout=60))
-            except grpc.RpcError as exc:
-                self.failed.append(f"{address}: {exc.code().name}: {exc.details()}")
-                self.stop.wait(1)
-                continue
-            self.replies.setdefault(prompt, []).append(text)
-            # A pause: back to back, the client sent 4,200 requests in one 151 s run, CPU CI needs.
-            self.stop.wait(0.2)
-
-    def count(self) -> int:
-        return sum(len(r) for r in self.replies.values())
-
-    def __enter__(self) -> "CodeTraffic":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=120)
+def code_traffic(ns) -> SteadyClient:
+    """Chat requests, as the gate sends its golden prompts: a draft learned from raw-text traffic
+    met chat-formatted golden prompts it never saw (GateFailed at 0.000). A pause of 0.2 s."""
+    return SteadyClient(ns, chat=True, pause=0.2)
 
 
 def drafts_served(ns) -> set[str]:
@@ -156,7 +108,7 @@ def test_a_category_that_drifts_and_cannot_roll_back_trains_a_draft_only_release
     # A floor on 'code' both v1's draft and the learned one meet on the golden prompts (the learned
     # draft's gate copies v1's gating), and the noise draft's live acceptance is far below.
     # Its golden prompts are the client's two.
-    gating = {**ONE_PROMPT_GATING, "prompts": [{"prompt": p, "category": "code"} for p in CodeTraffic.PROMPTS],
+    gating = {**ONE_PROMPT_GATING, "prompts": [{"prompt": p, "category": "code"} for p in SteadyClient.PROMPTS],
               "thresholds": {**ONE_PROMPT_GATING["thresholds"], "minCategoryAcceptance": {"code": CODE_FLOOR}}}
     spec = tiny_pair(name, target, swappable, drift=DRIFT, gating=gating)
     # The learned draft is scored on every request (share 1.0); the shadow policy's 200 first
@@ -170,7 +122,7 @@ def test_a_category_that_drifts_and_cannot_roll_back_trains_a_draft_only_release
                                 "training": {"steps": 200, "activeDeadlineSeconds": 900}}
     mlflow = MlflowClient(mlflow_server.url)
     try:
-        with KopfRunner(OPERATOR, timeout=60) as runner, CodeTraffic(ns) as client:
+        with KopfRunner(OPERATOR, timeout=60) as runner, code_traffic(ns) as client:
             ns.create(spec)
             ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=600)
             # Enough captured traffic to train on: distill's windows need more than 129 tokens, and a

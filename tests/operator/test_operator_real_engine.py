@@ -21,6 +21,7 @@ from mlflow import MlflowClient
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
 from cluster_env import CODE_PROMPTS, OPERATOR, cond, engine_pods, model_name, serving, set_spec, tiny_pair
+from steady_client import SteadyClient, ready_address
 from specpair_operator.release.registry_contract import gate_experiment
 
 # One key, two values: the reply is a handful of the tiny tokenizer's tokens (maxNewTokens 12).
@@ -47,14 +48,6 @@ def send_code_traffic(address: str | None, n: int = 2) -> None:
                     pass
             except grpc.RpcError:
                 return  # a pod being replaced; the next round goes to the new one
-
-
-def serving_address(ns) -> str | None:
-    """The ready engine pod's gRPC address (pod IP: there is no kube-proxy on devcluster)."""
-    for pod in engine_pods(ns):
-        if any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])):
-            return f"{pod['status']['podIP']}:50051"
-    return None
 
 
 def test_real_gate_and_engine_serve_then_turn_speculation_off_on_a_drifting_draft(
@@ -94,14 +87,14 @@ def test_real_gate_and_engine_serve_then_turn_speculation_off_on_a_drifting_draf
         save_tiny(make_model(tiny_tokenizer, seed=9), swappable)
         (old,) = engine_pods(ns, "1")
         ns.kube.delete("v1", "Pod", ns.name, old["metadata"]["name"])
-        ns.wait_for("a new pod", lambda: (a := serving_address(ns)) and old["status"]["podIP"] not in a, timeout=180)
+        ns.wait_for("a new pod", lambda: (a := ready_address(ns)) and old["status"]["podIP"] not in a, timeout=180)
         obj = ns.wait_for_during("speculation off", lambda: (o := ns.pair(name)) and
                                  o["status"].get("speculationEnabled") is False and o,
-                                 during=lambda: send_code_traffic(serving_address(ns), 4), timeout=240)
+                                 during=lambda: send_code_traffic(ready_address(ns), 4), timeout=240)
         assert "category 'code'" in cond(obj, "Drifted")["message"]
         assert [h["action"] for h in obj["status"]["history"]][-1] == "SpeculationOff"
         # The real engine was told: it serves target-only now.
-        with grpc.insecure_channel(serving_address(ns)) as channel:
+        with grpc.insecure_channel(ready_address(ns)) as channel:
             info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
         assert (info.pair, info.version, info.speculation.enabled) == (name, "1", False)
         # The SpeculationOff a reviewer reads in MLflow: a short tag in words on the version, a
@@ -116,44 +109,6 @@ def test_real_gate_and_engine_serve_then_turn_speculation_off_on_a_drifting_draf
         [event] = mlflow.search_runs([exp.experiment_id], filter_string="tags.`specpair.event` = 'speculation-off'")
         assert event.info.run_name == "speculation-off-v1" and event.data.metrics["live_acceptance.code"] < 0.3
     assert runner.exception is None
-
-
-class SteadyClient:
-    """Greedy requests one after another to whichever engine pod is ready, in a thread: each reply
-    is kept by prompt (a drafter never changes a greedy reply, so every one must equal the first),
-    and each failure counted."""
-
-    PROMPTS = CODE_PROMPTS[:2]
-
-    def __init__(self, ns) -> None:
-        import threading
-
-        self.ns, self.replies, self.failed, self.stop = ns, {}, [], threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def run(self) -> None:
-        i = 0
-        while not self.stop.is_set():
-            address, prompt = serving_address(self.ns), self.PROMPTS[i % len(self.PROMPTS)]
-            i += 1
-            if address is None:
-                continue
-            req = engine_pb2.GenerateRequest(prompt=prompt, max_new_tokens=12, category="code")
-            try:
-                with grpc.insecure_channel(address) as channel:
-                    text = "".join(r.text for r in engine_pb2_grpc.EngineStub(channel).Generate(req, timeout=60))
-            except grpc.RpcError as exc:
-                self.failed.append(f"{exc.code().name}: {exc.details()}")
-                continue
-            self.replies.setdefault(prompt, []).append(text)
-
-    def __enter__(self) -> "SteadyClient":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=120)
 
 
 def test_a_draft_only_release_is_swapped_into_the_running_pod_and_one_it_cannot_swap_rolls_it(
@@ -211,7 +166,7 @@ def test_a_draft_only_release_is_swapped_into_the_running_pod_and_one_it_cannot_
         dep = ns.get("apps/v1", "Deployment", manifests.engine_name(name))
         release = json.loads(dep["spec"]["template"]["metadata"]["annotations"][manifests.ANN_RELEASE])
         assert release["draft"].get("source") == again and release["mlflow"]["version"] == "3"
-        with grpc.insecure_channel(serving_address(ns)) as channel:
+        with grpc.insecure_channel(ready_address(ns)) as channel:
             info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=10)
         assert (info.version, info.draft_version, info.draft.kind) == ("2", "3", "model"), info
         assert info.draft_content_hash == content_hash(release) != info.content_hash

@@ -31,20 +31,13 @@ from mlflow import MlflowClient
 from specpair._proto import engine_pb2, engine_pb2_grpc
 from specpair_operator.desired import manifests
 from specpair_operator.policy.shadow_run import TAG_SHADOW_VERDICT
-from cluster_env import CODE_PROMPTS, ONE_PROMPT_GATING, cond, engine_pods, model_name, pair, serving, set_spec, tiny_pair
+from cluster_env import CODE_PROMPTS, ONE_PROMPT_GATING, cond, model_name, pair, serving, set_spec, tiny_pair
 from failing_operator import FailingOperator, history
+from steady_client import ready_address
 
 pytestmark = pytest.mark.slow
 
 MARK = "mlflow.set_model_version_tag specpair.shadow.started_at"   # a shadow's first write
-
-
-def ready_address(ns) -> str | None:
-    """The ready engine pod's gRPC address."""
-    for pod in engine_pods(ns):
-        if any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])):
-            return f"{pod['status']['podIP']}:50051"
-    return None
 
 
 class Traffic:
