@@ -142,6 +142,8 @@ def test_the_training_job_manifest():
     # One Job per (release, category); a category's name is any string (hashed into the name).
     assert len({tj.training_job_name("chat", v, c) for v in ("3", "4") for c in ("qa", "QA", "a b")}) == 6
     container = pod["containers"][0]
+    # The runner tags its draft's lineage with the Job's name (its pod's HOSTNAME is the pod's).
+    assert {"name": tj.JOB_ENV, "value": job["metadata"]["name"]} in container["env"]
     cmd = container["command"]
     assert cmd[:3] == ["python", "-m", "specpair_operator.gate.training_runner"]
     assert cmd[cmd.index("--category") + 1] == "extraction" and cmd[cmd.index("--max-seconds") + 1] == "360"

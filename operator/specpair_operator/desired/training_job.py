@@ -50,6 +50,8 @@ OUT_DIR = "/tmp/training"                          # the pod's emptyDir
 MESSAGE_LIMIT = 1500
 # The runner's report (its termination message) names the version it registered under this key.
 REPORT_VERSION = "version"
+# The Job's name, for the runner's lineage tag (its pod's HOSTNAME is the pod's name, not the Job's).
+JOB_ENV = "SPECPAIR_TRAINING_JOB"
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,7 @@ def desired_training_job(pair: str, namespace: str, release: dict[str, Any], rol
     if not claim:
         raise ValueError("a training Job needs spec.learning.persistentVolumeClaim")
     settings = TrainingSettings.from_spec(learning)
+    name = training_job_name(pair, version, category, slot)
     labels = manifests.pod_labels(pair, ROLE, version)
     digest = content_hash(release)
     command = ["python", "-m", "specpair_operator.gate.training_runner",
@@ -153,7 +156,8 @@ def desired_training_job(pair: str, namespace: str, release: dict[str, Any], rol
     container = {
         # The runner's JSON report; its log's tail if it died before writing one.
         **manifests.release_job_container("train", release, rollout, command, "FallbackToLogsOnError"),
-        "env": manifests.pod_env(tracking_uri, credentials, rollout=rollout, defaults=defaults),
+        "env": [*manifests.pod_env(tracking_uri, credentials, rollout=rollout, defaults=defaults),
+                {"name": JOB_ENV, "value": name}],
         # The captures, read-only: training never changes them (the pair's own folder is read).
         "volumeMounts": [*manifests.pod_mounts(rollout), learning_mod.capture_mount(read_only=True)],
         "securityContext": manifests.container_security(),
@@ -164,7 +168,7 @@ def desired_training_job(pair: str, namespace: str, release: dict[str, Any], rol
     pod_spec = manifests.pod_spec(rollout, defaults)
     pod_spec["volumes"] = [*pod_spec["volumes"], learning_mod.capture_volume(str(claim), read_only=True)]
     return manifests.release_job(
-        training_job_name(pair, version, category, slot), namespace, labels,
+        name, namespace, labels,
         {manifests.ANN_HASH: digest, ANN_CATEGORY: category, ANN_VERSION: str(version), **({ANN_SLOT: slot} if slot else {})},
         release, digest, container, pod_spec,
         backoff_limit=0, deadline_seconds=settings.deadline_seconds, defaults=defaults)

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     experiment = client.get_experiment_by_name(name)
     exp_id = experiment.experiment_id if experiment is not None else client.create_experiment(
         name, tags=experiment_tags())
-    job = os.environ.get("HOSTNAME", "")
+    job = os.environ.get(training_job.JOB_ENV) or os.environ.get("HOSTNAME", "")   # by hand: the host
     run = client.create_run(exp_id, tags={"mlflow.runName": f"training-v{args.version}-{args.category}"[:250],
                                           TAG_LINEAGE_RELEASE: str(args.version), TAG_LINEAGE_CATEGORY: args.category,
                                           TAG_LINEAGE_JOB: job})
