@@ -127,57 +127,107 @@ ROWS_KERNEL(5, UNROLLED) ROWS_KERNEL(6, UNROLLED) ROWS_KERNEL(7, UNROLLED) ROWS_
 typedef void (*rows_fn)(const float *, const float *, float *, long, long, long, long);
 static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6, rows_7, rows_8};
 
-/* Four rows of x against two weight rows o, o+1: eight sums, each in ROWS_KERNEL's order (eight
-   lanes over i, then the lanes in order: hsum8x8, bitwise hsum). Per eight-float step it loads
-   two weight vectors and four x vectors for eight FMAs, where rows_8 loads nine for eight, and
-   the eight lane sums cost one transpose instead of eight scalar chains. */
-static void rows4_outs2(const float *x, const float *W, float *y, long I, long O, long o) {
-    const float *w0 = W + o * I, *w1 = w0 + I;
-    v8 acc[8] = {{0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}};
-    long i = 0;
-    for (; i + 8 <= I; i += 8) {
-        v8 a, b;
-        __builtin_memcpy(&a, w0 + i, sizeof a);
-        __builtin_memcpy(&b, w1 + i, sizeof b);
-        if (!(i & 15)) {
-            PREFETCH_AHEAD(w0 + i, I);
-            PREFETCH_AHEAD(w1 + i, I);
-        }
-        REGISTER(a);
-        REGISTER(b);
-        _Pragma("GCC unroll 4")
-        for (int m = 0; m < 4; m++) {
-            v8 xv;
-            __builtin_memcpy(&xv, x + m * I + i, sizeof xv);
-            REGISTER(xv);              /* one load for both outputs, not one each */
-            acc[m] = fma8(a, xv, acc[m]);
-            acc[4 + m] = fma8(b, xv, acc[4 + m]);
-        }
+/* MR rows of x against NR weight rows o..o+NR-1 over the whole width: MR * NR sums, each in
+   ROWS_KERNEL's order (eight lanes over i, then the lanes in order: hsum8x8, bitwise hsum, then
+   the tail), so a tile changes how many sums run at once, never how one is added up. Per
+   eight-float step it loads MR + NR vectors for MR * NR FMAs: 4 x 4 loads half a vector an FMA
+   where 4 x 2 loaded 0.75, and the L1's loads were the limit once the weights were in cache
+   (AVX-512 machines give the 256-bit vectors 32 registers: 16 sums, 4 rows and a weight fit;
+   with AVX2's 16 they would spill, and four rows go in two 4 x 2 tiles there: tile_4rows). */
+#define TILE_KERNEL(MR, NR)                                                                \
+    static void tile_##MR##x##NR(const float *x, const float *W, float *y, long I, long O, \
+                                 long o) {                                               \
+        const float *w = W + o * I;                                                      \
+        v8 acc[(MR * NR + 7) / 8 * 8];                                                   \
+        _Pragma("GCC unroll 32")                                                         \
+        for (int a = 0; a < (MR * NR + 7) / 8 * 8; a++) acc[a] = (v8){0};                \
+        long i = 0;                                                                      \
+        for (; i + 8 <= I; i += 8) {                                                     \
+            v8 xv[MR];                                                                   \
+            _Pragma("GCC unroll 8")                                                      \
+            for (int m = 0; m < MR; m++) {                                               \
+                __builtin_memcpy(&xv[m], x + m * I + i, sizeof xv[m]);                   \
+                REGISTER(xv[m]);                                                         \
+            }                                                                            \
+            if (!(i & 15)) {                                                             \
+                _Pragma("GCC unroll 8")                                                  \
+                for (int n = 0; n < NR; n++) PREFETCH_AHEAD(w + n * I + i, I);           \
+            }                                                                            \
+            _Pragma("GCC unroll 8")                                                      \
+            for (int n = 0; n < NR; n++) {                                               \
+                v8 wv;                                                                   \
+                __builtin_memcpy(&wv, w + n * I + i, sizeof wv);                         \
+                REGISTER(wv);                                                            \
+                _Pragma("GCC unroll 8")                                                  \
+                for (int m = 0; m < MR; m++)                                             \
+                    acc[m * NR + n] = fma8(wv, xv[m], acc[m * NR + n]);                  \
+            }                                                                            \
+        }                                                                                \
+        _Pragma("GCC unroll 4")                                                          \
+        for (int g = 0; g < (MR * NR + 7) / 8; g++) {                                    \
+            v8 s = hsum8x8(acc + 8 * g);                                                 \
+            _Pragma("GCC unroll 8")                                                      \
+            for (int r = 0; r < 8; r++) {                                                \
+                if (8 * g + r >= MR * NR) break;                                         \
+                int m = (8 * g + r) / NR, n = (8 * g + r) % NR;                          \
+                float t = s[r];                                                          \
+                for (long j = i; j < I; j++) t += w[n * I + j] * x[m * I + j];           \
+                y[m * O + o + n] = t;                                                    \
+            }                                                                            \
+        }                                                                                \
     }
-    v8 s = hsum8x8(acc);
-    _Pragma("GCC unroll 4")
-    for (int m = 0; m < 4; m++) {
-        float s0 = s[m], s1 = s[4 + m];
-        for (long j = i; j < I; j++) s0 += w0[j] * x[m * I + j];
-        for (long j = i; j < I; j++) s1 += w1[j] * x[m * I + j];
-        y[m * O + o] = s0;
-        y[m * O + o + 1] = s1;
-    }
+TILE_KERNEL(1, 8) TILE_KERNEL(2, 4) TILE_KERNEL(3, 4) TILE_KERNEL(4, 2)
+#if defined(__AVX512VL__)
+TILE_KERNEL(4, 4)
+static void tile_4rows(const float *x, const float *W, float *y, long I, long O, long o) {
+    tile_4x4(x, W, y, I, O, o);
 }
+#else
+static void tile_4rows(const float *x, const float *W, float *y, long I, long O, long o) {
+    tile_4x2(x, W, y, I, O, o);
+    tile_4x2(x, W, y, I, O, o + 2);
+}
+#endif
 
-/* Rows 0..mm-1 of x (mm <= 8) against weight rows o0..o1-1: tiles of four rows by two outputs
-   where they fill, the rest through ROWS. Every output is computed once, in the same order. */
+typedef void (*tile_fn)(const float *, const float *, float *, long, long, long);
+static const tile_fn TILES[4] = {0, tile_1x8, tile_2x4, tile_3x4};
+static const int TILE_OUTS[4] = {0, 8, 4, 4};
+
+/* Rows 0..mm-1 of x (mm <= 8) against weight rows o0..o1-1. Every output is computed once,
+   in the same order, whatever the tiling.
+   - 1-3 rows (only a call of 1-3 rows: passes have 4 or more) read the weights from memory
+     once, and one stream a row of outputs is what the hardware prefetcher keeps up with: a 1 x 8
+     tile (eight weight rows at once) cost 1.4x rows_1, 2 x 4 and 3 x 4 1.1-1.2x rows_2/3
+     (SmolLM2's LM head and layers, 1 thread, CPU time, load ~11).
+   - 4 rows: 4 x 2 tiles (4 x 4 measured 0.83-1.05x their GFLOP/s from memory, load ~12).
+   - 5-8 rows: four rows at a time in 4 x 4 tiles, the one to three left in TILES[rest] over
+     the same outputs while their weights are in cache: the weights are read from memory once
+     (before, the rows left were a second pass through ROWS, and 5 rows cost 1.6x four).
+     Outputs outer, rows inner: a tile's weights stay in L1 for every row group. */
 static void rows_block(const float *x, const float *W, float *y, long I, long O, long o0,
                        long o1, long mm) {
-    long m4 = mm / 4 * 4, o2 = o0 + (o1 - o0) / 2 * 2;
-    if (m4 == 0) {
+    if (mm < 4) {
         ROWS[mm](x, W, y, I, O, o0, o1);
         return;
     }
-    for (long o = o0; o < o2; o += 2)
-        for (long m = 0; m < m4; m += 4) rows4_outs2(x + m * I, W, y + m * O, I, O, o);
-    if (o2 < o1) ROWS[m4](x, W, y, I, O, o2, o1);
-    if (m4 < mm) ROWS[mm - m4](x + m4 * I, W, y + m4 * O, I, O, o0, o1);
+    if (mm == 4) {
+        long o2 = o0 + (o1 - o0) / 2 * 2;
+        for (long o = o0; o < o2; o += 2) tile_4x2(x, W, y, I, O, o);
+        if (o2 < o1) ROWS[4](x, W, y, I, O, o2, o1);
+        return;
+    }
+    long m4 = mm / 4 * 4, rest = mm - m4;
+    long on4 = o0 + (o1 - o0) / 4 * 4;
+    long onr = rest ? o0 + (o1 - o0) / TILE_OUTS[rest] * TILE_OUTS[rest] : o0;
+    long oend = on4 > onr ? on4 : onr;
+    for (long o = o0; o < oend; o += 4) {
+        if (o < on4)
+            for (long m = 0; m < m4; m += 4) tile_4rows(x + m * I, W, y + m * O, I, O, o);
+        if (rest && o < onr && (o - o0) % TILE_OUTS[rest] == 0)
+            TILES[rest](x + m4 * I, W, y + m4 * O, I, O, o);
+    }
+    if (on4 < o1) ROWS[m4](x, W, y, I, O, on4, o1);
+    if (rest && onr < o1) ROWS[rest](x + m4 * I, W, y + m4 * O, I, O, onr, o1);
 }
 
 /* Rows of x per call: k+1 <= 9 at batch 1, one token a row at batch 64. Above 16 a batch's

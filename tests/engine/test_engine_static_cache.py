@@ -54,11 +54,11 @@ def test_a_rows_output_does_not_depend_on_how_many_rows_came_with_it():
 
 @pytest.mark.parametrize("in_features", [576, 37, 1536])
 def test_a_rows_output_is_the_same_in_every_tiling_of_the_rows(in_features):
-    """Bitwise, for every row count the kernel takes: rows go in tiles of four rows by two
-    outputs where they fill (cpu_kernels.c rows4_outs2, its lane sums transposed) and through
-    the one-output kernels elsewhere (a block's odd last output, a pass's last rows, 1-3 rows);
-    each output must be the very float a 1-row product gives. 203 outputs leave a block of 11;
-    37 inputs leave a tail past the eight-float steps."""
+    """Bitwise, for every row count the kernel takes: rows go in tiles (cpu_kernels.c
+    TILE_KERNEL: 4 x 2 at four rows, 4 x 4 and then 1 x 8, 2 x 4 or 3 x 4 at five to eight,
+    their lane sums transposed) where they fill and through the one-output kernels elsewhere
+    (a block's last outputs, 1-3 rows); each output must be the very float a 1-row product
+    gives. 203 outputs leave a block of 11; 37 inputs leave a tail past the eight-float steps."""
     cpu_kernels.available()
     gen = torch.Generator().manual_seed(in_features + 1)
     weight = torch.randn(203, in_features, generator=gen)

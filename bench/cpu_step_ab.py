@@ -1,0 +1,101 @@
+#!/usr/bin/env python
+"""A whole SmolLM2-shaped CPU step through cpu_kernels.c (30 layers and the LM head), a git
+revision's kernel (A) against the working tree's (B), alternated step by step in one process:
+the CPU time of a decode step of 32 rows sharing a 1,696-position prompt by reference (paged,
+issue 51's load) and of a k=5 verification (one row, 6 tokens at position 300; issue 52's
+chains), and whether B's logits are bitwise A's.
+
+    python bench/cpu_step_ab.py --base 75a0615 --steps 9
+    GOMP_SPINCOUNT=2000 python bench/cpu_step_ab.py --threads 2 ...   # as served
+
+Random weights (30 copies of a layer's, ~109 MB: from memory as in a real step, with the
+LM head's 113 MB); one cache serves every layer (its reads cost what a layer's own would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "engine"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from layer_kernel_ab import BLOCK, SMOLLM2, _typed, build_at, layer_case  # noqa: E402
+from specpair import cpu_kernels as ck  # noqa: E402
+
+LAYERS, VOCAB = 30, 49152
+
+
+def verification_case(shape: dict, tokens: int, start: int, gen: torch.Generator) -> dict:
+    """One row's `tokens` consecutive tokens from position `start`, a contiguous cache."""
+    Hkv, hd, D = shape["Hkv"], shape["hd"], shape["D"]
+    r = lambda *s: torch.randn(*s, generator=gen)   # noqa: E731
+    S = start + tokens
+    return dict(h=r(tokens, D), rows=torch.zeros(tokens, dtype=torch.long),
+                positions=torch.arange(start, start + tokens), cos=r(tokens, hd),
+                sin=r(tokens, hd), kc=r(1, Hkv, S, hd), vc=r(1, Hkv, S, hd), table=None)
+
+
+def step(lib, case: dict, layers: list, head: torch.Tensor, shape: dict) -> tuple[float, torch.Tensor]:
+    ck._LIB = lib
+    h = case["h"].clone()
+    cpu = time.process_time()
+    for weights in layers:
+        ck.llama_layer(h, case["rows"], case["positions"], case["cos"], case["sin"], case["kc"],
+                       case["vc"], weights, 1e-5, shape["H"], shape["Hkv"], shape["hd"],
+                       table=case["table"])
+    logits = ck.linear(h, head)
+    return time.process_time() - cpu, logits
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="HEAD")
+    ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    assert ck.available(), ck.status()
+    torch.set_num_threads(args.threads)
+    shape, gen = SMOLLM2, torch.Generator().manual_seed(0)
+    layers = [layer_case(shape, 1, BLOCK, gen)["weights"] for _ in range(LAYERS)]
+    head = torch.randn(VOCAB, shape["D"], generator=gen) * 0.05
+    cases = {"decode 32 rows, 1,696 shared positions": layer_case(shape, 32, 1696, gen),
+             "verify k=5 (6 tokens, 1 row)": verification_case(shape, 6, 300, gen),
+             "verify k=3 (4 tokens, 1 row)": verification_case(shape, 4, 300, gen)}
+    report = {"base": args.base, "threads": args.threads, "load_start": os.getloadavg(),
+              "cases": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"A": _typed(build_at(args.base, Path(tmp))), "B": _typed(ck.library())}
+        for name, case in cases.items():
+            cpu = {k: [] for k in libs}
+            logits = {}
+            for i in range(args.steps):
+                for k in (list(libs) if i % 2 == 0 else list(reversed(libs))):
+                    dt, logits[k] = step(libs[k], case, layers, head, shape)
+                    cpu[k].append(dt)
+            row = {k: {"cpu_min_ms": 1e3 * min(v), "cpu_median_ms": 1e3 * statistics.median(v)}
+                   for k, v in cpu.items()}
+            row["equal"] = torch.equal(logits["A"], logits["B"])
+            report["cases"][name] = row
+            print(f"{name}: A {row['A']['cpu_min_ms']:.1f} / {row['A']['cpu_median_ms']:.1f} ms, "
+                  f"B {row['B']['cpu_min_ms']:.1f} / {row['B']['cpu_median_ms']:.1f} ms (CPU min /"
+                  f" median), B/A {row['B']['cpu_min_ms'] / row['A']['cpu_min_ms']:.3f}, "
+                  f"logits equal {row['equal']}", flush=True)
+    report["load_end"] = os.getloadavg()
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
