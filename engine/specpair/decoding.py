@@ -548,7 +548,9 @@ class Batch:
         self._grammar_rows: list[int] = []
         self._wants_logprobs = False
         self._token_logits: list = []
-        # This step's rows whose prompt it feeds only in part (row -> positions fed; _prefill_caps).
+        # Prompt positions a step feeds (the engine's, at the batch's start; None: whole prompts),
+        # and this step's rows whose prompt it feeds only in part (row -> positions fed).
+        self.prefill_budget: int | None = engine.prefill_budget
         self._prefill_cap: dict[int, int] = {}
 
     def _draft_in_pool(self) -> None:
@@ -1012,7 +1014,7 @@ class Batch:
         share the rest, at least one position. Only on the paged cache (the C layer computes a
         token's keys the same in any call), for chains (a token tree's verification feeds every
         row's tokens whole) and while no observer scores the rounds (it reads every row's)."""
-        budget = self.engine.prefill_budget
+        budget = self.prefill_budget
         tree = (self.drafter is not None and self.drafter.tree_capable
                 and self.engine.config.tree_width > 1)
         if not budget or not self.paged or tree or self.engine.observers:

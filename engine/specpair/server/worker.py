@@ -488,6 +488,7 @@ class EngineWorker:
         saved = {name: copy.deepcopy(value) for name, value in vars(controller).items() if name != "config"}
         probe = self.engine.new_batch()
         probe.speculate = self.batch.speculate
+        probe.prefill_budget = None     # the whole row in its one step, not a chunk of its prompt
         try:
             remaining = max(1, seq.params.max_new_tokens - len(seq.generated))
             probe.add(seq.tokens, dataclasses.replace(seq.params, max_new_tokens=remaining),
