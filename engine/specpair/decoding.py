@@ -1013,11 +1013,13 @@ class Batch:
         layer's 64-token calls (each call reads every weight once); the oldest rows prefilling
         share the rest, at least one position. Only on the paged cache (the C layer computes a
         token's keys the same in any call), for chains (a token tree's verification feeds every
-        row's tokens whole) and while no observer scores the rounds (it reads every row's)."""
+        row's tokens whole), while no observer scores the rounds (it reads every row's) and
+        where no head reads the target's features (not yet shown equal fed in chunks: a head's
+        prompt is fed whole, as before)."""
         budget = self.prefill_budget
         tree = (self.drafter is not None and self.drafter.tree_capable
                 and self.engine.config.tree_width > 1)
-        if not budget or not self.paged or tree or self.engine.observers:
+        if not budget or not self.paged or tree or self.engine.observers or self._wants_features:
             return {}
         uncached = [len(s.tokens) - n for s, n in zip(self.rows, self.target.lengths)]
         caps, left = {}, max(1, budget - sum(1 for n in uncached if n <= 1))
