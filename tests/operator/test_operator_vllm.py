@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -451,3 +452,135 @@ def test_a_split_vllm_pods_startup_probe_allows_what_the_gate_allows_its_servers
         assert startup["periodSeconds"] * startup["failureThreshold"] == START_SECONDS_PER_RANK * ranks, startup
         assert start_budget_seconds({"parallelism": sizes or {}}) == START_SECONDS_PER_RANK * ranks
     assert probe(None)["failureThreshold"] == 60      # unsplit pods keep the probe they had
+
+
+# -- the capacity signal (effectiveLoad) on the same Prometheus and KEDA ---------------------------
+# Issue 53: a replica speculating at acceptance length 3 serves far more than one at 1.2, and a
+# queue-length signal sees neither. Shown on our engine's pods (the same query over vLLM's series
+# is held by promtool in test_autoscaling.py): no vLLM start, the module's Prometheus and KEDA.
+# One row at a time (rollout.maxBatchSize 1), CAPACITY_STREAMS clients: at most CAPACITY_STREAMS - 1
+# requests ever wait, whatever the acceptance. k is fixed at 3 (dynamicK off: its cost-based
+# choice took k 1 on a loaded machine, 2 tokens a step). At full acceptance a step yields ~3-4
+# tokens (2.9-3.1 read from Prometheus on the devcluster; the wait below asks 2.5), so 4 waiting
+# are a load of 1.6 at most, under the target of 2 a replica (2.2 with the HPA's 10% tolerance);
+# sampled hot, ~1.1 (in-process, 64 tokens in 59 steps): 3 waiting are ~2.7, over it.
+CAPACITY_STREAMS, EFFECTIVE_TARGET, GOOD_HOLD_SECONDS = 5, 2, 30
+# The repeating target says the prompt's last word again and again: no early end, greedy (our
+# engine takes no ignore_eos).
+CAPACITY_REQUEST = {"prompt": "one two three four five six seven eight", "max_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def capacity_models() -> dict[str, str]:
+    """The repeating target (its greedy token: the current one, p ~ 0.11 sampled at temperature
+    2) and a one-layer repeating draft of its tokenizer that is sure of it (self logit 60): greedy,
+    every draft is accepted; sampled hot, the target accepts ~0.11 of them. In a host folder the
+    pods can read (pytest's are under /tmp, each pod's own emptyDir)."""
+    import shutil
+
+    from tiny_models import make_model, make_tokenizer, save_tiny
+    root = Path.home() / ".cache" / "specpair-test-models" / uuid.uuid4().hex[:8]
+    out = {"target": save_tiny(repeating(make_model(make_tokenizer(), seed=1)), root / "target"),
+           "draft": save_tiny(repeating(make_model(make_tokenizer(), seed=2, layers=1), self_logit=60.0),
+                              root / "draft")}
+    yield out
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _quantity(text: str) -> float:
+    """A Kubernetes quantity as KEDA's HPA reports a metric ("285m", "2")."""
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+@pytest.mark.timeout(1500)
+def test_effective_load_scales_a_pair_out_when_its_acceptance_collapses_before_its_queue_grows(
+        capacity_models, prometheus_and_keda, operator_env, ns, mlflow_server):
+    """rollout.autoscaling.metric effectiveLoad on the real control plane: the operator's
+    ScaledObject, KEDA's HPA, Prometheus scraping our engine's pods through the chart's
+    ServiceMonitor. Clients stream greedy requests (every draft accepted): with requests waiting,
+    KEDA reads a load under its target and the pair stays at one replica. The same clients then
+    sample hot (acceptance collapses): the same queue, never longer than before, now reads above
+    the target, and KEDA scales the pair out to a second serving pod."""
+    from cluster_env import ONE_PROMPT_GATING, serving, tiny_pair
+    from specpair_operator.desired import autoscaling, manifests
+
+    prom, _keda = prometheus_and_keda
+    name = f"cap-{uuid.uuid4().hex[:5]}"
+    pair = tiny_pair(name, capacity_models["target"], capacity_models["draft"], gating=ONE_PROMPT_GATING)
+    pair["spec"]["rollout"]["maxBatchSize"] = 1
+    pair["spec"]["speculation"]["dynamicK"] = False
+    effective, queue = (autoscaling.query(name, ns.name, metric) for metric in ("effectiveLoad", "queueLength"))
+    selector = autoscaling.selector(name, ns.name)
+    emitted = f"sum(rate(specpair_num_emitted_tokens_total{{{selector}}}[1m]))"
+    per_step = f"{emitted} / ({emitted} - sum(rate(specpair_num_accepted_tokens_total{{{selector}}}[1m])) > 0)"
+
+    def value(expr: str) -> float | None:
+        got = prom.query(expr)
+        return float(got[0]["value"][1]) if got else None
+
+    def hpa_value() -> float | None:
+        hpas = ns.list("autoscaling/v2", "horizontalpodautoscalers")
+        current = [m["external"]["current"] for h in hpas for m in (h.get("status") or {}).get("currentMetrics") or []
+                   if m.get("type") == "External"]
+        return _quantity(current[0]["averageValue"]) if current and "averageValue" in current[0] else None
+
+    def sample() -> dict[str, Any]:
+        return {"queue": value(queue), "effective": value(effective), "perStep": value(per_step),
+                "keda": hpa_value(), "replicas": ns.pair(name)["spec"]["rollout"].get("replicas") or 1}
+
+    with KopfRunner(OPERATOR, timeout=60) as runner:
+        ns.create(pair)
+        ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=900)
+        streams = Streams(ns.cluster, ns.name, name, "unused", http_port=manifests.HTTP_PORT)
+        try:
+            streams.run(CAPACITY_STREAMS, model=name, temperature=0, **CAPACITY_REQUEST)
+            # Prometheus has the live acceptance before KEDA first asks: without it, a step counts
+            # one token (`or vector(1)`).
+            def full_acceptance() -> bool:
+                assert not streams.failed, streams.failed[:3]
+                # ~3 in the pod (k 3: at most 4); 2.5 keeps 4 waiting under the target (1.6).
+                return (value(per_step) or 0) >= 2.5
+            prom.wait_for("tokens per step at full acceptance", full_acceptance, timeout=600)
+            ns.patch("specpair.io/v1alpha1", "SpecModelPair", name, {"spec": {"rollout": {"autoscaling": {
+                "minReplicas": 1, "maxReplicas": 2, "metric": "effectiveLoad", "target": EFFECTIVE_TARGET,
+                # Scaled out, it stays: at two replicas the load a replica carries halves, and a
+                # short stabilization took the second pod away before it was ready (a run at load 25).
+                "prometheusAddress": prom.url, "pollingIntervalSeconds": 1, "scaleDownStabilizationSeconds": 600}}}})
+            (scaled,) = ns.wait_for("the operator's ScaledObject", lambda: ns.list("keda.sh/v1alpha1", "scaledobjects"),
+                                    timeout=120)
+            assert [t["metadata"]["query"] for t in scaled["spec"]["triggers"]] == [effective]
+            ns.wait_for("KEDA's HPA reading the effective load", lambda: hpa_value() is not None, timeout=300)
+            good = []
+            held_until = time.monotonic() + GOOD_HOLD_SECONDS
+            while time.monotonic() < held_until:
+                good.append(sample())
+                time.sleep(1)
+            # Full acceptance: requests wait, and the load they make stays under the target.
+            assert max(s["queue"] or 0 for s in good) >= 1, good
+            assert all(s["replicas"] == 1 for s in good), good
+            assert all(s["effective"] is not None and s["effective"] < EFFECTIVE_TARGET for s in good), good
+            streams.stop_all()      # every greedy client done before a sampled one starts
+            streams.run(CAPACITY_STREAMS, model=name, temperature=2.0, **CAPACITY_REQUEST)
+            collapse: list[dict[str, Any]] = []
+
+            def scaled_out() -> bool:
+                collapse.append(sample())
+                return collapse[-1]["replicas"] == 2
+            ns.wait_for("scaled out on effective load", scaled_out, timeout=600)
+            ns.wait_for("two pods serving", lambda: len(serving_pods(ns, name)) == 2, timeout=600)
+        finally:
+            streams.close()
+        ns.patch("specpair.io/v1alpha1", "SpecModelPair", name, {"spec": {"rollout": {"autoscaling": None}}})
+        ns.wait_for("the ScaledObject removed", lambda: not ns.list("keda.sh/v1alpha1", "scaledobjects"), timeout=120)
+    assert runner.exception is None
+    # The queue never passed CAPACITY_STREAMS - 1 (one row at a time): an autoscaler on
+    # queueLength at that target a replica would not have scaled at all. What changed is what a
+    # step yields (at most queue / 2.2 tokens when KEDA's HPA, with its 10% tolerance, scaled:
+    # under 1.82 against 2.5 or more at full acceptance), and the load KEDA read.
+    assert all((s["queue"] or 0) <= CAPACITY_STREAMS - 1 for s in good + collapse), collapse
+    last = collapse[-1]
+    assert last["perStep"] is not None and last["perStep"] < 0.75 * min(s["perStep"] for s in good), (good, collapse)
+    assert not streams.failed, streams.failed[:5]
+    print(f"effective load: full acceptance {good[-1]}, max queue {max(s['queue'] or 0 for s in good)}; "
+          f"collapsed at scale-out {last}, max queue {max(s['queue'] or 0 for s in collapse)}; "
+          f"{len(collapse)} samples to scale out, {len(streams.done)} requests, none failed")
