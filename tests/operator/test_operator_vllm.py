@@ -22,7 +22,11 @@ then its sampled traffic collapses the acceptance of one category, the drift lad
 speculation off, and the pods are replaced by target-only ones (a surge: no GPU) while clients
 stream through the switch: zero failed requests.
 
-Marked `vllm`: skipped where scripts/setup-vllm.sh has not run, unless SPECPAIR_REQUIRE_VLLM is
+On the same Prometheus and KEDA (no vLLM start, not marked `vllm`), the acceptance-aware
+capacity signal (`effectiveLoad`) scales a pair of our engine out when its acceptance collapses,
+its queue no longer than before.
+
+The vLLM test is marked `vllm`: skipped where scripts/setup-vllm.sh has not run, unless SPECPAIR_REQUIRE_VLLM is
 set (CI). Several minutes: two vLLM servers in the gate, one per engine pod (~4 GB each).
 """
 
@@ -558,7 +562,9 @@ def test_effective_load_scales_a_pair_out_when_its_acceptance_collapses_before_i
             # Full acceptance: requests wait, and the load they make stays under the target.
             assert max(s["queue"] or 0 for s in good) >= 1, good
             assert all(s["replicas"] == 1 for s in good), good
-            assert all(s["effective"] is not None and s["effective"] < EFFECTIVE_TARGET for s in good), good
+            # (A failed scrape leaves a sample without a reading: Prometheus marks the series stale.)
+            readings = [s["effective"] for s in good if s["effective"] is not None]
+            assert readings and max(readings) < EFFECTIVE_TARGET, good
             streams.stop_all()      # every greedy client done before a sampled one starts
             streams.run(CAPACITY_STREAMS, model=name, temperature=2.0, **CAPACITY_REQUEST)
             collapse: list[dict[str, Any]] = []
@@ -579,7 +585,9 @@ def test_effective_load_scales_a_pair_out_when_its_acceptance_collapses_before_i
     # under 1.82 against 2.5 or more at full acceptance), and the load KEDA read.
     assert all((s["queue"] or 0) <= CAPACITY_STREAMS - 1 for s in good + collapse), collapse
     last = collapse[-1]
-    assert last["perStep"] is not None and last["perStep"] < 0.75 * min(s["perStep"] for s in good), (good, collapse)
+    collapsed = [s["perStep"] for s in collapse if s["perStep"] is not None]
+    full = [s["perStep"] for s in good if s["perStep"] is not None]
+    assert collapsed and full and collapsed[-1] < 0.75 * min(full), (good, collapse)
     assert not streams.failed, streams.failed[:5]
     print(f"effective load: full acceptance {good[-1]}, max queue {max(s['queue'] or 0 for s in good)}; "
           f"collapsed at scale-out {last}, max queue {max(s['queue'] or 0 for s in collapse)}; "
