@@ -23,7 +23,8 @@ from specpair.contract import DEFAULT_CATEGORY, gate_tuning, speculation_off_rea
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
 from specpair.gate.structured import golden_ask, golden_chat, judged, prepared, rate
-from specpair.gate.verdict import NOISE_REPEATS, check_release, new_verdict, timing_noise, tokenizer_check
+from specpair.gate.verdict import (NOISE_REPEATS, PromptRow, check_release, new_verdict, prompt_figures,
+                                   timing_noise, tokenizer_check)
 
 
 def _timed_generate(engine, prompts, params, *, speculate: bool, chat: bool):
@@ -106,9 +107,9 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
         t_spec = statistics.median(spec_times)
         # The reply served is the speculative one: it is the one judged.
         verdicts = judged(target.tokenizer, ask, spec_res.text)
-        per_prompt.append((category, t_base, t_spec, spec_res.stats, identical,
-                           identical or bool(divergence and divergence["tie"]),
-                           verdicts["schema_valid"], verdicts["tool_call_parsed"]))
+        per_prompt.append(PromptRow(category, t_base, t_spec, spec_res.stats, identical,
+                                    identical or bool(divergence and divergence["tie"]),
+                                    verdicts["schema_valid"], verdicts["tool_call_parsed"]))
         golden.append({"prompt": text, "category": category, "target_only": base.text,
                        "speculative": spec_res.text, "identical": identical, "divergence": divergence,
                        "token_ids": base.token_ids, "output_tokens": len(spec_res.token_ids),
@@ -119,29 +120,18 @@ def run_gate(release: dict, *, device: str | None = None, progress=print,
                        **{k: v for k, v in spec_res.stats.to_dict().items()
                           if k in ("acceptance_rate", "mean_acceptance_length")}})
 
-    def summarise(rows):
+    def summarise(rows: list[PromptRow]) -> tuple[AcceptanceStats, dict]:
         stats = AcceptanceStats()
         for r in rows:
-            stats.merge(r[3])
-        t_base, t_spec = sum(r[1] for r in rows), sum(r[2] for r in rows)
-        figures = {"acceptanceRate": round(stats.acceptance_rate, 4),
-                   "meanAcceptanceLength": round(stats.mean_acceptance_length, 4),
-                   "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
-                   "greedyIdentity": round(sum(r[4] for r in rows) / len(rows), 4),
-                   "greedyIdentityWithinTies": round(sum(r[5] for r in rows) / len(rows), 4)}
-        # Only where golden prompts asked for structure: a verdict without them reads as before.
-        for key, column in (("schemaValidity", 6), ("toolCallParse", 7)):
-            value = rate([r[column] for r in rows])
-            if value is not None:
-                figures[key] = value
-        return stats, figures
+            stats.merge(r.acceptance)
+        return stats, prompt_figures(rows, stats)
 
     overall_stats, overall = summarise(per_prompt)
     verdict.update(overall)
     verdict["speedupNoise"] = round(timing_noise(base_repeats), 4)
     verdict["acceptancePerPosition"] = [round(x, 4) for x in overall_stats.acceptance_per_position]
     for cat in dict.fromkeys(categories):
-        verdict["categories"][cat] = summarise([r for r in per_prompt if r[0] == cat])[1]
+        verdict["categories"][cat] = summarise([r for r in per_prompt if r.category == cat])[1]
 
     # Tune on this hardware: k (batch 1, fixed k) and the batch size where speculation stops paying.
     # Each point is the median of paired runs (target-only then speculative, back to back), so a

@@ -8,6 +8,7 @@ files and fill the same verdict, so the operator judges and promotes both alike.
 from __future__ import annotations
 
 import statistics
+from typing import Any, NamedTuple
 
 from specpair.contract import GOLDEN_STRUCTURE_KEYS
 from specpair.errors import SpecpairError
@@ -71,6 +72,38 @@ def tokenizer_check(release: dict, progress=print) -> dict:
 
 # Both gates (gate/engine.py, gate/vllm.py) time target-only this often and read its noise here.
 # Target-only timings of each golden prompt, at least: their spread is the gate's noise.
+class PromptRow(NamedTuple):
+    """One golden prompt's outcome as both gates record it for the verdict's figures (prompt_figures)."""
+    category: str
+    base_seconds: float
+    spec_seconds: float
+    acceptance: Any             # its drafts' counts: AcceptanceStats (ours) or SpecDecodeCounters (vLLM)
+    identical: bool
+    identical_within_ties: bool
+    schema_valid: bool | None   # None: no structure was asked for
+    tool_call_parsed: bool | None
+
+
+def prompt_figures(rows: list[PromptRow], acceptance: Any) -> dict:
+    """The verdict's figures over `rows` (every golden prompt, or one category's), whose drafts'
+    counts summed are `acceptance`: acceptance, speedup (time summed over the prompts, so long
+    replies weigh as they cost), greedy identity; schema validity and tool-call parsing only where
+    golden prompts asked for structure (a verdict without them reads as before)."""
+    from specpair.gate.structured import rate
+
+    t_base, t_spec = sum(r.base_seconds for r in rows), sum(r.spec_seconds for r in rows)
+    figures = {"acceptanceRate": round(acceptance.acceptance_rate, 4),
+               "meanAcceptanceLength": round(acceptance.mean_acceptance_length, 4),
+               "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
+               "greedyIdentity": round(sum(r.identical for r in rows) / len(rows), 4),
+               "greedyIdentityWithinTies": round(sum(r.identical_within_ties for r in rows) / len(rows), 4)}
+    for key, value in (("schemaValidity", rate([r.schema_valid for r in rows])),
+                       ("toolCallParse", rate([r.tool_call_parsed for r in rows]))):
+        if value is not None:
+            figures[key] = value
+    return figures
+
+
 NOISE_REPEATS = 3
 
 

@@ -48,7 +48,8 @@ from specpair.contract import (DEFAULT_CATEGORY, gate_tuning, parallelism, specu
                                threshold_failures)
 from specpair.errors import SpecpairError
 from specpair.gate.structured import GoldenAsk, golden_ask, golden_chat, judged, prepared, rate, vllm_structured_outputs
-from specpair.gate.verdict import NOISE_REPEATS, check_release, new_verdict, timing_noise, tokenizer_check
+from specpair.gate.verdict import (NOISE_REPEATS, PromptRow, check_release, new_verdict, prompt_figures,
+                                   timing_noise, tokenizer_check)
 from specpair.vllm_parallel import model_config, start_budget_seconds, tensor_parallel_refusal
 from specpair.vllm_peer import K_BY_BATCH_SIZE
 
@@ -214,8 +215,9 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
         identical = b.token_ids == s.token_ids
         # The reply served is the speculative one: it is the one judged (as gate/engine.py does).
         verdicts = judged(tokenizer, r.ask, s.text)
-        rows.append((category, b.seconds, s.seconds, d, identical,
-                     verdicts["schema_valid"], verdicts["tool_call_parsed"]))
+        # vLLM reports no logits: a tie cannot be told from a divergence, so identity within ties is identity.
+        rows.append(PromptRow(category, b.seconds, s.seconds, d, identical, identical,
+                              verdicts["schema_valid"], verdicts["tool_call_parsed"]))
         golden.append({"prompt": text, "category": category, "target_only": b.text, "speculative": s.text,
                        "identical": identical, "token_ids": b.token_ids, "draft_tokens": d.draft_tokens,
                        **({} if r.ask.plain else verdicts),
@@ -226,29 +228,18 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
                        "acceptance_rate": round(d.acceptance_rate, 4),
                        "mean_acceptance_length": round(d.mean_acceptance_length, 4)})
 
-    def summarise(part: list) -> tuple[SpecDecodeCounters, dict]:
+    def summarise(part: list[PromptRow]) -> tuple[SpecDecodeCounters, dict]:
         total = SpecDecodeCounters()
         for r in part:
-            total = total + r[3]
-        t_base, t_spec = sum(r[1] for r in part), sum(r[2] for r in part)
-        identity = round(sum(r[4] for r in part) / len(part), 4)
-        figures = {"acceptanceRate": round(total.acceptance_rate, 4),
-                   "meanAcceptanceLength": round(total.mean_acceptance_length, 4),
-                   "speedup": round(t_base / t_spec, 4) if t_spec else 0.0,
-                   "greedyIdentity": identity, "greedyIdentityWithinTies": identity}
-        # Only where golden prompts asked for structure, as our engine's verdict.
-        for key, column in (("schemaValidity", 5), ("toolCallParse", 6)):
-            value = rate([r[column] for r in part])
-            if value is not None:
-                figures[key] = value
-        return total, figures
+            total = total + r.acceptance
+        return total, prompt_figures(part, total)
 
     total, overall = summarise(rows)
     verdict.update(overall)
     verdict["speedupNoise"] = round(timing_noise(base_repeats), 4)
     verdict["acceptancePerPosition"] = [round(x, 4) for x in total.acceptance_per_position]
     for cat in dict.fromkeys(categories):
-        verdict["categories"][cat] = summarise([r for r in rows if r[0] == cat])[1]
+        verdict["categories"][cat] = summarise([r for r in rows if r.category == cat])[1]
     verdict.update(k_by_load(concurrencies, base_load, spec_load, int(speculative["num_speculative_tokens"])))
     # How long each vLLM took to start (the gate's cost beyond its prompts; CI's budget).
     verdict["vllmStartSeconds"] = {"targetOnly": round(base_server.start_seconds or 0.0, 1),
