@@ -22,7 +22,7 @@ from specpair.config import GenerationParams, Release, SpeculationConfig, read_r
 from specpair.contract import DEFAULT_CATEGORY, gate_tuning, speculation_off_reason, threshold_failures
 from specpair.errors import SpecpairError
 from specpair.identity import first_divergence
-from specpair.gate.structured import golden_ask, golden_chat, judged, prepared, rate
+from specpair.gate.structured import golden_ask, golden_chat, judged, prepared
 from specpair.gate.verdict import (NOISE_REPEATS, PromptRow, check_release, new_verdict, prompt_figures,
                                    timing_noise, tokenizer_check)
 

@@ -47,7 +47,7 @@ from specpair.config import Release
 from specpair.contract import (DEFAULT_CATEGORY, gate_tuning, parallelism, speculation_off_reason,
                                threshold_failures)
 from specpair.errors import SpecpairError
-from specpair.gate.structured import GoldenAsk, golden_ask, golden_chat, judged, prepared, rate, vllm_structured_outputs
+from specpair.gate.structured import GoldenAsk, golden_ask, golden_chat, judged, prepared, vllm_structured_outputs
 from specpair.gate.verdict import (NOISE_REPEATS, PromptRow, check_release, new_verdict, prompt_figures,
                                    timing_noise, tokenizer_check)
 from specpair.vllm_parallel import model_config, start_budget_seconds, tensor_parallel_refusal
