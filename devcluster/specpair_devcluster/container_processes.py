@@ -109,8 +109,18 @@ def kill(processes: Iterable[Process], sig: int = signal.SIGKILL) -> int:
     for pid, started in processes:
         try:
             fd = os.pidfd_open(pid)
-        except OSError:
+        except ProcessLookupError:
             continue           # gone
+        except (OSError, AttributeError):
+            # No pidfds here (Linux before 5.3): the look and the signal a moment apart, as kill(1).
+            stat = _stat(pid)
+            if stat is not None and stat[2] == started:
+                try:
+                    os.kill(pid, sig)
+                    sent += 1
+                except OSError:
+                    pass
+            continue
         try:
             stat = _stat(pid)   # the pidfd holds whichever process has this pid now: is it ours?
             if stat is None or stat[2] != started:
