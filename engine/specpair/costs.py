@@ -624,6 +624,11 @@ def measure_decode_steps(engine, row_counts: list[int], context_tokens: int,
     with engine.observers_paused():
         batch = engine.new_batch()
         batch.speculate = False
+        # Whole prompts: the untimed steps below feed a row's prompt in one step. Under a prefill
+        # budget the first prompt's step stored only its first chunk, so every joining row
+        # prefilled thousands of uncached positions, ran the pool dry and was preempted: no count
+        # was ever timed and SmolLM2's server failed to start (2026-12-07, 82b625d).
+        batch.prefill_budget = None
         try:
             batch.add(prompt, params, request_id=f"decode-rows-{next(ids)}")
             batch.step()             # the prompt once: the other rows are served its blocks

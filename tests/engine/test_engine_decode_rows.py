@@ -177,3 +177,27 @@ def test_the_margin_goes_with_the_clock_the_costs_were_timed_on():
     assert decode_rows_at(costs, 513) == 32            # 43 is more than 5% short of 46
     assert decode_rows_at(costs, 513, margin=DECODE_ROWS_MARGIN) == 16
     assert DecodeStepCosts(costs.seconds, 513).margin == DECODE_ROWS_MARGIN
+
+
+def test_the_timing_feeds_each_prompt_whole_under_a_prefill_budget(tiny_target, monkeypatch):
+    """The untimed steps feed a row's prompt in one step whatever the engine's prefill budget:
+    under a budget the first prompt's step stored only a chunk, every joining row prefilled the
+    rest itself, and on SmolLM2 (a 2,049-token prompt, 32 rows) the pool ran dry, the rows were
+    preempted and the server failed to start ('no decode step timed at [32] rows'). Here the
+    budget is 16 positions and no step the timing takes feeds a prompt in part."""
+    from specpair import decoding
+
+    engine = SpeculativeEngine(tiny_target, speculation=SpeculationConfig(enabled=False))
+    engine.prefill_budget = 16
+    partial, step = [], decoding.Batch.step
+
+    def recorded(batch):
+        out = step(batch)
+        partial.append(bool(batch._prefill_cap))
+        return out
+    monkeypatch.setattr(decoding.Batch, "step", recorded)
+    medians, context = measure_decode_steps(engine, [1, 4, 8], 200, turns=2, steps=2)
+    assert sorted(medians) == [1, 4, 8] and context > 16
+    assert partial and not any(partial), partial
+    # (the engine's own budget is as it was: requests are still fed in chunks)
+    assert engine.prefill_budget == 16
