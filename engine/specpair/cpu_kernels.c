@@ -351,6 +351,37 @@ static inline void dot8(const float *a, const float *k0, const float *k1, int n,
     __builtin_memcpy(out, &s, sizeof s);
 }
 
+/* dot8 for two queries a and b against the same eight keys (two rows reading a shared prefix's
+   block): each key chunk loaded once for both, 16 sums (AVX-512VL's 32 vector registers hold
+   them with the two queries and the key). out_a and out_b are bitwise dot8(a, ...) and
+   dot8(b, ...): each sum's FMAs are dot8's own, in its order. */
+static inline void dot8_pair(const float *a, const float *b, const float *k0, const float *k1,
+                             int n, float *out_a, float *out_b) {
+#if defined(__AVX512VL__)
+    v8 acc_a[8] = {{0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}};
+    v8 acc_b[8] = {{0}, {0}, {0}, {0}, {0}, {0}, {0}, {0}};
+    for (int i = 0; i < n; i += 8) {
+        v8 av, bv;
+        __builtin_memcpy(&av, a + i, sizeof av);
+        __builtin_memcpy(&bv, b + i, sizeof bv);
+        _Pragma("GCC unroll 8")
+        for (int r = 0; r < 8; r++) {
+            v8 kv;
+            __builtin_memcpy(&kv, (r < 4 ? k0 + (long)r * n : k1 + (long)(r - 4) * n) + i,
+                             sizeof kv);
+            acc_a[r] = fma8(av, kv, acc_a[r]);
+            acc_b[r] = fma8(bv, kv, acc_b[r]);
+        }
+    }
+    v8 sa = hsum8x8(acc_a), sb = hsum8x8(acc_b);
+    __builtin_memcpy(out_a, &sa, sizeof sa);
+    __builtin_memcpy(out_b, &sb, sizeof sb);
+#else   /* AVX2's 16 registers: 16 sums would spill; one query at a time */
+    dot8(a, k0, k1, n, out_a);
+    dot8(b, k0, k1, n, out_b);
+#endif
+}
+
 /* e^x in eight lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n):
    within 2 ulp of expf, and a scalar expf per score or activation cost more than the whole
    attention or MLP arithmetic around it. */
@@ -519,6 +550,46 @@ accumulate_values_pair(const float *s0, const float *s1, const kv_rows *v, long 
             }
         }
         for (int c = 0; c < 4; c++) acc0[c0 + c] = r0[c], acc1[c0 + c] = r1[c];
+    }
+}
+
+/* Four tokens' shares of such a tile (all four rows' tables name the same blocks there, all
+   positions before every token's own keys): each value vector loaded once for four tokens, where
+   the pair loads it once for two. QUAD_CHUNKS eight-float chunks at a time: 4 x 4 sums, four
+   weights and a value chunk need 21 vector registers (AVX-512VL's 32 ymm), 4 x 2 fit AVX2's 16.
+   Each token's chunk sums are accumulate_values' own: the same FMAs, positions ascending (a
+   chunk's sum never meets another chunk's or another token's). */
+#if defined(__AVX512VL__)
+#define QUAD_CHUNKS 4
+#else
+#define QUAD_CHUNKS 2
+#endif
+static inline __attribute__((always_inline)) void
+accumulate_values_quad(const float *const *s, const kv_rows *v, long a, long b, int chunks,
+                       v8 *const *acc) {
+    for (int c0 = 0; c0 < chunks; c0 += QUAD_CHUNKS) {
+        v8 r[4][QUAD_CHUNKS];
+        for (int t = 0; t < 4; t++)
+            for (int c = 0; c < QUAD_CHUNKS; c++) r[t][c] = acc[t][c0 + c];
+        for (long p = a; p < b;) {
+            long end = run_end(v, p, b);
+            for (const float *vp = kv_at(v, p) + c0 * 8; p < end; p++, vp += v->hd) {
+                v8 w0 = (v8){0} + s[0][p], w1 = (v8){0} + s[1][p];
+                v8 w2 = (v8){0} + s[2][p], w3 = (v8){0} + s[3][p];
+                _Pragma("GCC unroll 4")
+                for (int c = 0; c < QUAD_CHUNKS; c++) {
+                    v8 x;
+                    __builtin_memcpy(&x, vp + c * 8, sizeof x);
+                    REGISTER(x);
+                    r[0][c] = fma8(w0, x, r[0][c]);
+                    r[1][c] = fma8(w1, x, r[1][c]);
+                    r[2][c] = fma8(w2, x, r[2][c]);
+                    r[3][c] = fma8(w3, x, r[3][c]);
+                }
+            }
+        }
+        for (int t = 0; t < 4; t++)
+            for (int c = 0; c < QUAD_CHUNKS; c++) acc[t][c0 + c] = r[t][c];
     }
 }
 
@@ -705,6 +776,18 @@ static void attend_group(const float *q, const float *kc, const float *vc, float
     for (long p = lomin / 8 * 8; p < nmax; p += 8) {
         for (long i = 0; i < n; i++) {
             long t = toks[i], first = lo[i] > p ? lo[i] : p;
+            /* this token and the next see all eight keys, stored at the same place for both
+               (a shared prefix): their scores from one read of the keys */
+            if (i + 1 < n && first == p && p + 8 <= n0[i] && lo[i + 1] <= p && p + 8 <= n0[i + 1]) {
+                const float *k0 = kv_at(&kr[i], p), *k1 = kv_at(&kr[i], p + 4);
+                if (k0 == kv_at(&kr[i + 1], p) && k1 == kv_at(&kr[i + 1], p + 4)) {
+                    long u = toks[i + 1];
+                    dot8_pair(q + t * qd + (long)hh * hd, q + u * qd + (long)hh * hd, k0, k1, hd,
+                              scores + (t * H + hh) * L + p, scores + (u * H + hh) * L + p);
+                    i++;
+                    continue;
+                }
+            }
             score_tile(q + t * qd + (long)hh * hd, &kr[i], p, first, n0[i], hd,
                        scores + (t * H + hh) * L);
         }
@@ -733,6 +816,22 @@ static void attend_group(const float *q, const float *kc, const float *vc, float
             long a = lo[i] > p0 ? lo[i] : p0, b = n0[i] + m[i] < p1 ? n0[i] + m[i] : p1;
             if (a >= b) continue;
             const float *s = scores + (toks[i] * H + hh) * L;
+            /* the next tokens that read this whole tile at the same blocks as token i, before
+               their own keys: four of them share each value load (accumulate_values_quad) */
+            int along = 1;
+            if (chunks % QUAD_CHUNKS == 0 && a == p0 && b == p1 && p1 <= n0[i])
+                while (along < 4 && i + along < n && lo[i + along] <= p0 && p1 <= n0[i + along]
+                       && same_blocks(&vr[i], &vr[i + along], p0, p1))
+                    along++;
+            if (along == 4) {
+                const float *s4[4];
+                v8 *acc4[4];
+                for (int k = 0; k < 4; k++)
+                    s4[k] = scores + (toks[i + k] * H + hh) * L, acc4[k] = acc[i + k];
+                accumulate_values_quad(s4, &vr[i], p0, p1, chunks, acc4);
+                i += 3;
+                continue;
+            }
             if (chunks % 4 == 0 && i + 1 < n && a == p0 && b == p1 && p1 <= n0[i]
                 && lo[i + 1] <= p0 && p1 <= n0[i + 1] && same_blocks(&vr[i], &vr[i + 1], p0, p1)) {
                 accumulate_values_pair(s, scores + (toks[i + 1] * H + hh) * L, &vr[i], p0, p1,

@@ -189,6 +189,46 @@ def test_a_long_shared_prefix_at_head_dim_64_is_bitwise_the_contiguous_step(batc
     torch.testing.assert_close(contiguous, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_rows_sharing_prefix_blocks_are_each_bitwise_the_row_alone():
+    """Ten rows whose tables name the same 11 prefix blocks (176 positions), each with its own
+    query and its own tail: the grouped kernel scores two rows' queries from one read of each
+    eight keys (dot8_pair) and sums four rows' values from one read of each value
+    (accumulate_values_quad). Each row's output must be bitwise that row stepped alone (one
+    row: attend_run, no grouping): a sum or a score given to the wrong row of its group, or
+    two rows' sums mixed, changes that row's output."""
+    assert cpu_kernels.available(), cpu_kernels.status()
+    gen = torch.Generator().manual_seed(51)
+    batch, D, H, kv_heads, hd, F_ = 10, 128, 4, 2, 64, 256
+    r = lambda *s: torch.randn(*s, generator=gen)   # noqa: E731
+    weights = [r(H * hd, D) * 0.1, r(kv_heads * hd, D) * 0.1, r(kv_heads * hd, D) * 0.1,
+               r(D, H * hd) * 0.1, r(F_, D) * 0.1, r(F_, D) * 0.1, r(D, F_) * 0.1,
+               1 + 0.1 * r(D), 1 + 0.1 * r(D)]
+    shared, S = 11, 14 * BLOCK
+    kc, vc = r(batch, kv_heads, S, hd), r(batch, kv_heads, S, hd)
+    kc[:, :, :shared * BLOCK] = kc[:1, :, :shared * BLOCK]
+    vc[:, :, :shared * BLOCK] = vc[:1, :, :shared * BLOCK]
+    lengths = [shared * BLOCK + int(n) for n in torch.randint(0, 2 * BLOCK, (batch,), generator=gen)]
+    pool_k, pool_v, table = paged_copy(kc, vc, lengths, shared, gen)
+    rows, pos = torch.arange(batch), torch.tensor(lengths)
+    h, cos, sin = r(batch, D), r(batch, hd), r(batch, hd)
+    common = dict(weights=weights, eps=1e-5, heads=H, kv_heads=kv_heads, head_dim=hd)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)                         # one group: every row in one attend_group
+    try:
+        together = cpu_kernels.llama_layer(h.clone(), rows, pos, cos, sin, pool_k, pool_v,
+                                           **common, table=table)
+        alone = [cpu_kernels.llama_layer(h[i:i + 1].clone(), rows[i:i + 1], pos[i:i + 1],
+                                         cos[i:i + 1], sin[i:i + 1], pool_k, pool_v, **common,
+                                         table=table)
+                 for i in range(batch)]
+    finally:
+        torch.set_num_threads(before)
+    for i in range(batch):
+        assert torch.equal(together[i], alone[i][0]), f"row {i} differs from itself alone"
+    # the rows differ from each other (a mix-up could not hide behind equal rows)
+    assert not torch.equal(together[0], together[1])
+
+
 def reference_layer(h, rows, positions, cos, sin, kc, vc, weights, H, kv_heads, hd, eps=1e-5):
     """The Llama layer in plain torch over the contiguous cache as the kernel left it (each
     token's key and value written at its position), token by token."""
