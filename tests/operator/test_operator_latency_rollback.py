@@ -9,14 +9,16 @@ traffic by its own recorded baseline. It converges on v1 serving from a fresh po
 
 How v2 gets slower without a hook in the product: its engine's processes are put under a CFS
 bandwidth limit, a cgroup with `cpu.cfs_quota_us` (cgroup v1) or `cpu.max` (v2) of 1 ms per
-20 ms, 5% of one CPU. That is what a Kubernetes CPU limit is on a node (the container runtime
+50 ms, 2% of one CPU. That is what a Kubernetes CPU limit is on a node (the container runtime
 writes the same files), and what a node packed with noisy neighbours amounts to; the engine's
 code and configuration are untouched and it measures its own slowness. The devcluster runs pods as local
 processes and records each container's pid in its "Started" Event, which is how the test finds
 the pod's process session. A quota rather than signals (SIGSTOP/SIGCONT) or pinning to a busy
 core: the kernel enforces it at no CPU cost, to the microsecond, with no thread of the test
-process (which also runs the operator) in the loop. Each token then waits out several 20 ms
-periods, so TPOT goes from a few ms to 70-100 ms (measured) whatever else the 2 shared cores run;
+process (which also runs the operator) in the loop. Each token then waits out several 50 ms
+periods, so TPOT goes from a few ms to over 100 ms whatever else the 2 shared cores run (at 5%,
+1 ms per 20 ms, it was 48-100 ms: too close to a v1 baseline measured while the official CI's
+other workers were busy, which made v1 "not faster" and left v2 serving target-only);
 TTFT also breaches unless those cores were so busy that v2's baseline was already slow. Without
 a writable cgroup cpu controller the test is skipped, saying so (under CI it fails: tests/ci_skips.py).
 
@@ -50,7 +52,7 @@ class CpuQuota:
     """A cgroup with a CFS bandwidth limit of `share` of one CPU, for the processes moved into it;
     removed (its processes moved back) on exit."""
 
-    PERIOD_US = 20_000
+    PERIOD_US = 50_000
 
     def __init__(self, share: float):
         self.quota_us = max(1000, int(share * self.PERIOD_US))   # the kernel's minimum quota: 1 ms
@@ -187,8 +189,8 @@ def test_a_slower_serving_release_is_rolled_back_to_the_previous_one_that_was_fa
         mark("v2 baseline")
         (v2_pod,) = engine_pods(ns, "2")
 
-        # v2's engine gets slower: 5% of one CPU.
-        with CpuQuota(0.05) as quota:
+        # v2's engine gets slower: 2% of one CPU.
+        with CpuQuota(0.02) as quota:
             assert quota.add_session(engine_session(ns, v2_pod))
             obj = ns.wait_for_during(
                 "v2 rolled back to v1", lambda: (o := ns.pair(name)) and o["status"].get("servingVersion") == "1"
