@@ -134,10 +134,12 @@ def parse_identity_name(name: str) -> dict | None:
 
 
 def command(release: dict, *, python: str, host: str, port: int, speculation: bool, enforce_eager: bool,
-            progress=print, uds: str | None = None) -> list[str]:
+            progress=print, uds: str | None = None, max_num_seqs: int | None = None) -> list[str]:
     """vLLM's command line for the release. `uds`: listen on that Unix socket instead of host and
     port (behind the pod's companion, specpair.vllm_companion), with the per-request timings and
-    acceptance in every reply the companion counts by category."""
+    acceptance in every reply the companion counts by category. `max_num_seqs`: the most requests
+    in vLLM's running batch (the pair's rollout.maxBatchSize; a pod's setting, not the release's:
+    None leaves vLLM's default), the rest wait in its queue (vllm:num_requests_waiting)."""
     from specpair.gate.vllm import dtype_of
     from specpair.models import resolve_source
     from specpair.vllm_peer import flags_argv, serving_flags, speculative_config
@@ -156,6 +158,8 @@ def command(release: dict, *, python: str, host: str, port: int, speculation: bo
            *flags_argv(serving_flags(release))]
     if enforce_eager:
         cmd.append("--enforce-eager")
+    if max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(int(max_num_seqs))]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec, sort_keys=True)]
     if uds:
@@ -177,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-speculation", action="store_true",
                     help="serve target-only (the operator's SpeculationOff for vLLM: a re-rollout)")
     ap.add_argument("--enforce-eager", action="store_true", help="no compilation or graphs (CPU nodes)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the most requests vLLM runs together (its --max-num-seqs; the pair's rollout.maxBatchSize)")
     ap.add_argument("--dry-run", action="store_true", help="print the vLLM command line and exit")
     ap.add_argument("--stop-delay", type=float, default=0.0,
                     help="with --uds: the companion's stop delay (it serves that long after SIGTERM)")
@@ -185,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                          "has drained, or at the latest after stop delay + drain timeout + "
                          f"{VLLM_STOP_SECONDS} s")
     args = ap.parse_args(argv)
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        ap.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     try:
         with open(args.release) as f:
             release = json.load(f)
@@ -194,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
         python = vllm_python()
         cmd = command(release, python=python, host=args.host, port=args.port, speculation=not args.no_speculation,
-                      enforce_eager=args.enforce_eager, progress=progress, uds=args.uds)
+                      enforce_eager=args.enforce_eager, progress=progress, uds=args.uds,
+                      max_num_seqs=args.max_num_seqs)
     except (OSError, ValueError, KeyError, SpecpairError) as exc:
         print(f"specpair.vllm_serve: error: {exc}", file=sys.stderr)
         return 2

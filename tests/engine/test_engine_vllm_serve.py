@@ -161,7 +161,7 @@ for argv in json.load(sys.stdin):
             raise ValueError(f"quantization {engine.quantization!r} is none of {QUANTIZATION_METHODS}")
         out.append({k: getattr(engine, k) for k in ("model", "dtype", "tensor_parallel_size",
                     "pipeline_parallel_size", "gpu_memory_utilization", "max_model_len", "quantization",
-                    "kv_cache_dtype", "speculative_config", "per_request_spec_decode_metrics")}
+                    "kv_cache_dtype", "speculative_config", "per_request_spec_decode_metrics", "max_num_seqs")}
                    | {"uds": args.uds, "enable_per_request_metrics": args.enable_per_request_metrics,
                       "k_by_batch_size": dense})
     except (Exception, SystemExit) as exc:
@@ -203,9 +203,10 @@ def test_vllms_own_parser_takes_every_setting_a_release_renders(tiny_pair_dirs, 
     releases.append(shipped_off)
 
     def argv(rel: dict, on_socket: bool) -> list[str]:
-        # Half as the gate starts vLLM (a port), half as a pod does (the companion's socket).
+        # Half as the gate starts vLLM (a port), half as a pod does (the companion's socket, with
+        # a pair's rollout.maxBatchSize).
         cmd = command(rel, python="/py", host="127.0.0.1", port=8000, speculation=True, enforce_eager=True,
-                      uds=str(tmp_path / "vllm.sock") if on_socket else None)
+                      uds=str(tmp_path / "vllm.sock") if on_socket else None, max_num_seqs=2 if on_socket else None)
         assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         return cmd[3:]
     rendered = [argv(r, i % 2 == 1) for i, r in enumerate(releases)]
@@ -235,6 +236,7 @@ def test_vllms_own_parser_takes_every_setting_a_release_renders(tiny_pair_dirs, 
         on_socket = parsed["uds"] is not None
         assert (parsed["enable_per_request_metrics"], parsed["per_request_spec_decode_metrics"]) == \
             ((True, "summary") if on_socket else (False, "none"))
+        assert parsed["max_num_seqs"] == (2 if on_socket else None), parsed
         spec = parsed["speculative_config"]
         method = rel["draft"].get("method") or rel["draft"].get("drafter")
         assert spec.get("method") == (VLLM_METHODS[method] if method else None)

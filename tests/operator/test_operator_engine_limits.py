@@ -1,6 +1,6 @@
 """A pair's engine limits: `spec.rollout.kvBudget` and `spec.rollout.maxBatchSize` reach the
 engine pods as `specpair engine serve --kv-budget/--max-batch-size`, read by the engine's own
-parser; values the engine cannot take are refused by the CRD and by the operator's own check,
+parser (maxBatchSize on a vLLM pair as vLLM's --max-num-seqs); values the engine cannot take are refused by the CRD and by the operator's own check,
 in the same words, on the real control plane.
 """
 
@@ -77,15 +77,58 @@ def test_limits_the_engine_cannot_take_are_refused(rollout, words):
     assert any(words in e for e in errors), errors
 
 
-def test_limits_are_the_specpair_engines_alone():
-    for rollout in ({"kvBudget": "2Gi"}, {"maxBatchSize": 8}):
+def test_the_kv_budget_is_the_specpair_engines_alone():
+    for rollout in ({"kvBudget": "2Gi"}, {"kvBudget": "2Gi", "maxBatchSize": 8}):
         errors = validate_spec({"engine": "vllm", "target": {"source": "t"}, "draft": {"source": "d"},
                                 "rollout": rollout})
-        assert errors == ["spec: Invalid value: rollout.kvBudget and rollout.maxBatchSize need engine specpair "
-                          "(they are its --kv-budget and --max-batch-size; vLLM sizes its cache with "
-                          "vllm.gpuMemoryUtilization)"], errors
+        assert errors == ["spec: Invalid value: rollout.kvBudget needs engine specpair (it is its --kv-budget; "
+                          "vLLM sizes its cache with vllm.gpuMemoryUtilization)"], errors
     assert validate_spec({"target": {"source": "t"}, "draft": {"drafter": "ngram"},
                           "rollout": {"maxBatchSize": 256, "kvBudget": "2Gi"}}) == []
+    assert validate_spec({"engine": "vllm", "target": {"source": "t"}, "draft": {"source": "d"},
+                          "rollout": {"maxBatchSize": 256}}) == []
+
+
+VLLM_RELEASE = {**RELEASE, "engine": {"kind": "vllm", "dtype": "float32"}}
+
+
+def _vllm_command(rollout: dict) -> list[str]:
+    """The vLLM container's command (specpair.vllm_serve) of a vLLM pair's engine Deployment."""
+    dep = engine_objects.engine_deployment("p", "ns", VLLM_RELEASE, "d" * 64, "1", rollout, "http://m")
+    (vllm,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["command"][2] == "specpair.vllm_serve"]
+    return vllm["command"]
+
+
+def test_max_batch_size_reaches_vllm_as_its_max_num_seqs(tmp_path):
+    """rollout.maxBatchSize on a vLLM pair: the pod's vllm_serve command carries it, and vLLM's
+    own command line (vllm_serve's dry run: what it would exec) has --max-num-seqs; absent, no
+    flag (vLLM's default). That vLLM's parser takes the flag: test_engine_vllm_serve's parse test;
+    that vLLM then queues past it: test_operator_vllm's effectiveLoad phase."""
+    import json
+    import subprocess
+    import sys
+
+    rendered = _vllm_command({"maxBatchSize": 2})
+    assert rendered[rendered.index("--max-num-seqs") + 1] == "2"
+    assert "--max-num-seqs" not in _vllm_command({})
+    (tmp_path / "config.json").write_text("{}")     # a model directory to the launcher (it reads no more)
+    release = tmp_path / "release.json"
+    release.write_text(json.dumps({**VLLM_RELEASE, "draft": {"drafter": "ngram"}, "target": {"source": str(tmp_path)},
+                                   "pair": "p", "mlflow": {"version": "1"}}))
+    args = [a if a != engine_objects.RELEASE_FILE else str(release) for a in rendered[3:]]
+
+    def dry_run(argv: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "specpair.vllm_serve", *argv, "--dry-run"], capture_output=True,
+                              text=True, timeout=120, env={"SPECPAIR_VLLM_PYTHON": "/opt/vllm/python",
+                                                           "PATH": "/usr/bin:/bin"})
+    done = dry_run(args)
+    assert done.returncode == 0, done.stderr
+    vllm = json.loads(done.stdout)
+    assert vllm[vllm.index("--max-num-seqs") + 1] == "2", vllm
+    # Bad input is refused by the launcher, before vLLM starts.
+    at = args.index("--max-num-seqs") + 1
+    done = dry_run(args[:at] + ["0"] + args[at + 1:])
+    assert done.returncode == 2 and "--max-num-seqs must be >= 1, got 0" in done.stderr, done.stderr
 
 
 # -- the real API server ------------------------------------------------------------------------
@@ -103,6 +146,9 @@ def test_the_api_server_admits_and_refuses_as_the_operator_does(operator_kubecon
     for i, rollout in enumerate(({"kvBudget": "2GiB"}, {"kvBudget": 0}, {"maxBatchSize": 0},
                                  {"maxBatchSize": 257})):
         ns.assert_refused_in_the_operators_words(_pair(f"bad-{i}", **rollout))
-    vllm = _pair("vllm", maxBatchSize=8)
+    vllm = _pair("vllm", kvBudget="2Gi")
     vllm["spec"].update(engine="vllm", draft={"source": "d"})
     ns.assert_refused_in_the_operators_words(vllm)
+    vllm = _pair("vllm-batch", maxBatchSize=8)
+    vllm["spec"].update(engine="vllm", draft={"source": "d"})
+    assert ns.create(vllm)["spec"]["rollout"]["maxBatchSize"] == 8

@@ -163,13 +163,13 @@ MAX_SPEC_BYTES = 96 * 1024
 
 
 def _engine_limit_rules() -> dict[str, Callable[[Any], bool]]:
-    """rollout.kvBudget and rollout.maxBatchSize (the specpair engine's --kv-budget and
-    --max-batch-size, manifests.engine_limit_flags): their CEL rule, as Python (their bounds and
-    pattern are the schema's, checked by _check)."""
+    """rollout.kvBudget (the specpair engine's --kv-budget, engine_objects.engine_limit_flags): its
+    CEL rule, as Python (its bounds and pattern are the schema's, checked by _check).
+    rollout.maxBatchSize is both engines' (vLLM's --max-num-seqs, engine_objects.vllm_command)."""
     return {
         "!has(self.engine) || self.engine != 'vllm' || !has(self.rollout) || "
-        "(!has(self.rollout.kvBudget) && !has(self.rollout.maxBatchSize))":
-            lambda o: o.get("engine") != "vllm" or not ({"kvBudget", "maxBatchSize"} & set(_obj(o, "rollout"))),
+        "!has(self.rollout.kvBudget)":
+            lambda o: o.get("engine") != "vllm" or "kvBudget" not in _obj(o, "rollout"),
     }
 
 

@@ -75,11 +75,14 @@ def engine_limit_flags(rollout: dict[str, Any]) -> list[str]:
 def vllm_command(http_port: int, rollout: dict[str, Any], speculation: bool = True) -> list[str]:
     """vLLM's OpenAI server for the release file the pod mounts (specpair.vllm_serve resolves the
     models and builds vLLM's flags from the release), on the Unix socket the pod's companion
-    fronts. No GPU: eager mode (compiling for the CPU takes minutes at every start)."""
+    fronts. No GPU: eager mode (compiling for the CPU takes minutes at every start).
+    rollout.maxBatchSize is vLLM's --max-num-seqs (the requests it runs together; more wait in its
+    queue), as it is our engine's --max-batch-size: a pod's setting, outside the release."""
+    batch = ["--max-num-seqs", str(int(rollout["maxBatchSize"]))] if rollout.get("maxBatchSize") is not None else []
     # The companion's stop delay and drain: vLLM is sent SIGTERM only once the companion drained.
     return ["python", "-m", "specpair.vllm_serve", "--release", RELEASE_FILE, "--uds", VLLM_SOCKET,
             *([] if speculation else ["--no-speculation"]),
-            *([] if has_gpu(rollout) else ["--enforce-eager"]), *shutdown_of(rollout).engine_flags()]
+            *([] if has_gpu(rollout) else ["--enforce-eager"]), *batch, *shutdown_of(rollout).engine_flags()]
 
 
 def vllm_companion_command(http_port: int, control_port: int, rollout: dict[str, Any]) -> list[str]:
