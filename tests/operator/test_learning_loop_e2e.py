@@ -27,12 +27,17 @@ are the client's two, with a floor on 'code' of CODE_FLOOR.
 To the registered version: 115-151 s (load ~20); the whole road, devcluster start included:
 167 s / 77 CPU-s user + 13 sys for pytest and its children at load ~5, 264 s / 98 + 17 at load
 8-11, 327 s at load 12-16 (three passes in a row).
+
+The second test, on the same cluster: spec.learning.schedule from a pre-written
+status.training.schedule.last (a run when due, none before), and a training Job that reaches its
+activeDeadlineSeconds changes nothing serving and is not started again.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -42,7 +47,7 @@ from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
-from cluster_env import ONE_PROMPT_GATING, OPERATOR, cond, engine_pods, model_name, serving, tiny_pair
+from cluster_env import ONE_PROMPT_GATING, OPERATOR, cond, engine_pods, model_name, serving, set_spec, tiny_pair
 from steady_client import SteadyClient, ready_address
 from specpair_operator.release.registry_contract import (TAG_LINEAGE_CAPTURE, TAG_LINEAGE_CATEGORY,
                                                          TAG_LINEAGE_JOB, TAG_LINEAGE_RELEASE, TAG_RELEASE)
@@ -211,5 +216,123 @@ def test_a_category_that_drifts_and_cannot_roll_back_trains_a_draft_only_release
               f"{len(client.failed)} failed (the deleted pod's):", client.failed[:5],
               f"live acceptance on 'code' {live_code} > reference {learned_status['reference']}",
               json.dumps(learned_status), "last gate:", json.dumps(obj["status"].get("lastGate")))
+    finally:
+        ns.kube.delete("v1", "PersistentVolume", None, pv)
+
+
+def _iso(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def test_a_scheduled_training_starts_when_due_not_before_and_one_out_of_time_changes_nothing(
+        operator_env, ns, mlflow_server, model_dirs, devcluster, tmp_path):
+    """spec.learning.schedule end to end, and a training Job that reaches its deadline.
+
+    The pair's status.training.schedule.last is written before the operator first sees the
+    schedule (as a pair moved from another cluster, or an operator back after a stop, finds it).
+    Ten minutes past, with an interval of an hour: not due, the operator only says when the next
+    slot is and starts no Job. Moved an hour and two minutes back: the slot two minutes ago is
+    due, and one training Job of (v1, 'code') for that slot starts, with a TrainingScheduled Event.
+
+    That Job asks for more CPU than the node has, so its pod waits unscheduled until the Job's
+    activeDeadlineSeconds (the CRD's least, 60 s) passes and Kubernetes fails it
+    (DeadlineExceeded): what a training that cannot get its GPU does. A pod that ran would race
+    its own budget (distill stops at 60% of the deadline and registers), which no load-proof test
+    can time. The operator then says why (TrainingTimedOut, the `Learning` condition) and changes
+    nothing serving: the same release, pod and Deployment, no new model version; later passes
+    (a spec edit's generation observed) start no second Job for the slot.
+    Some 100-150 s (quiet: gate and pod ~30 s, the deadline 60 s)."""
+    from specpair_operator.desired import manifests
+    from specpair_operator.desired import training_job
+
+    target, draft = model_dirs["target"], model_dirs["draft"]
+    name = f"sched-{uuid.uuid4().hex[:5]}"
+    model = model_name(ns, name)
+    pv = hostpath_claim(ns, "traffic", tmp_path / "traffic")
+    spec = tiny_pair(name, target, draft, gating=ONE_PROMPT_GATING)
+    spec["spec"]["learning"] = {"enabled": True, "persistentVolumeClaim": "traffic", "keepOnDelete": True,
+                                "training": {"activeDeadlineSeconds": 60,
+                                             # No devcluster node has a thousand cores.
+                                             "resources": {"requests": {"cpu": "1000"}}}}
+    interval = 3600
+    mlflow = MlflowClient(mlflow_server.url)
+
+    def write_last(seconds: float) -> None:
+        ns.kube.patch("specpair.io/v1alpha1", "SpecModelPair", ns.name, name,
+                      {"status": {"training": {"schedule": {"last": _iso(seconds)}}}}, subresource="status")
+
+    def observed(generation: int) -> dict | None:
+        obj = ns.pair(name)
+        return obj if cond(obj, "Ready").get("observedGeneration") == generation else None
+
+    def training_jobs() -> list[str]:
+        return sorted(j["metadata"]["name"] for j in ns.list("batch/v1", "Job", f"{manifests.LABEL_ROLE}=training"))
+
+    try:
+        with KopfRunner(OPERATOR, timeout=60) as runner:
+            ns.create(spec)
+            ns.wait_for("v1 serving", lambda: serving(ns, name, "1"), timeout=600)
+
+            # Not due: last ten minutes ago, written before the schedule is in the spec.
+            not_due = int(time.time()) - 600
+            write_last(not_due)
+            set_spec(ns, name, {"learning": {"schedule": {"intervalSeconds": interval, "categories": ["code"]}}})
+            obj = ns.wait_for("the next slot said", lambda: (o := ns.pair(name)) and (
+                (o["status"].get("training") or {}).get("schedule") or {}).get("next") == _iso(not_due + interval)
+                and o, timeout=120)
+            assert obj["status"]["training"]["schedule"]["last"] == _iso(not_due), obj["status"]["training"]
+            obj = ns.wait_for("the schedule's generation observed", lambda: observed(obj["metadata"]["generation"]),
+                              timeout=120)
+            assert training_jobs() == [] and not (obj["status"]["training"].get("runs")), obj["status"]["training"]
+            assert not ns.events("TrainingScheduled") and not ns.events("ScheduledTrainingSkipped")
+
+            # What serves, to compare after the timeout.
+            (pod,) = engine_pods(ns, "1")
+            deployment = ns.get("apps/v1", "Deployment", manifests.engine_name(name))
+
+            # Due: last an hour and two minutes ago, so the slot two minutes ago.
+            due = int(time.time()) - interval - 120
+            slot = _iso(due + interval)
+            write_last(due)
+            job = training_job.training_job_name(name, "1", "code", slot)
+            ns.wait_for("the slot's training Job", lambda: training_jobs() == [job], timeout=120)
+            scheduled = ns.wait_for_event("TrainingScheduled", f"slot {slot}: training v1 for 'code'", timeout=120)
+            assert len(scheduled) == 1, scheduled
+            obj = ns.wait_for("the training ended", lambda: (o := ns.pair(name)) and any(
+                r.get("phase") in (training_job.DONE, training_job.FAILED, training_job.TIMED_OUT)
+                for r in (o["status"].get("training") or {}).get("runs") or []) and o, timeout=600)
+            [run] = obj["status"]["training"]["runs"]
+            assert (run["version"], run["category"], run["slot"], run["job"], run["phase"], run["candidate"]) == \
+                ("1", "code", slot, job, "timed-out", ""), run
+            assert "DeadlineExceeded" in run["message"], run
+            failed = cond(ns.get("batch/v1", "Job", job), "Failed")
+            assert (failed.get("status"), failed.get("reason")) == ("True", "DeadlineExceeded"), failed
+            assert (obj["status"]["training"]["schedule"]["last"], obj["status"]["training"]["schedule"]["next"]) == \
+                (slot, _iso(due + 2 * interval)), obj["status"]["training"]["schedule"]
+            learning_cond = cond(obj, "Learning")
+            assert (learning_cond["status"], learning_cond["reason"]) == ("False", "TrainingTimedOut"), learning_cond
+            assert "v1 keeps serving as it was" in learning_cond["message"], learning_cond
+
+            # Later passes start nothing again: a spec edit outside the release, its generation observed.
+            set_spec(ns, name, {"learning": {"training": {"steps": 301}}})
+            edited = ns.pair(name)["metadata"]["generation"]
+            obj = ns.wait_for("the edit's generation observed", lambda: observed(edited), timeout=120)
+            assert training_jobs() == [job], training_jobs()
+            timed_out = ns.wait_for_event("TrainingTimedOut", job, timeout=120)
+            assert len(timed_out) == 1 and "DeadlineExceeded" in timed_out[0], timed_out
+            assert serving(ns, name, "1"), obj["status"]
+            (after,) = engine_pods(ns, "1")
+            assert after["metadata"]["uid"] == pod["metadata"]["uid"]
+            now = ns.get("apps/v1", "Deployment", manifests.engine_name(name))
+            assert (now["metadata"]["generation"], now["spec"]["template"]) == \
+                (deployment["metadata"]["generation"], deployment["spec"]["template"])
+        assert runner.exception is None
+
+        actions = [h["action"] for h in obj["status"]["history"]]
+        assert actions.count("TrainingStarted") == 1 and actions.count("TrainingTimedOut") == 1, actions
+        assert "TrainingSucceeded" not in actions and "TrainingFailed" not in actions, actions
+        assert [v.version for v in mlflow.search_model_versions(f"name='{model}'")] == ["1"]
+        assert mlflow.get_model_version_by_alias(model, "champion").version == "1"
+        print(f"slot {slot}: {run['message']}")
     finally:
         ns.kube.delete("v1", "PersistentVolume", None, pv)
