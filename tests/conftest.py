@@ -48,7 +48,7 @@ SLOW_ROOMS = ("ship", "devcluster", "demo", "observability")
 # the vLLM release's gate Job, which ran them anyway.)
 LONGEST_FIRST = ("demo/test_demo_smoke.py", "observability/test_prometheus_live.py", "operator/test_operator_e2e.py",
                  "operator/test_operator_vllm.py",
-                 # Two pairs trained (the loop 131 s) and a training Job out of time (~130 s).
+                 # The learning loop (131 s) and a scheduled training Job out of time (~130 s).
                  "operator/test_learning_loop_e2e.py", "operator/test_operator_canary_e2e.py",
                  "operator/test_gateway_canary.py",
                  # Its one vLLM at tensor parallel 2: 459 s to start at load 26-47 (TP1: ~250 s).
