@@ -20,13 +20,13 @@ and a request fails only on the pod the test deleted.
 
 It found two bugs on the way: every head training from a capture (66f22ac) and every default
 training of a target narrower than 256 (6a399a1, the tiny pairs) failed before training.
-Two choices of the test's pair (not of the product's rules): the client sends chat requests, as
-the gate sends its golden prompts (a draft learned from plain-text traffic met chat-formatted
-golden prompts it never saw and failed its gate at 0.000, an honest verdict); the golden prompts
-are the client's two, with a floor on 'code' of CODE_FLOOR.
+The client sends plain completions, where v1's gate decodes its golden prompts chat-formatted:
+the learned release's gate scores 'code' in the format its traffic was served in (963aac5). The
+test's pair chooses its golden prompts: the client's two, with a floor on 'code' of CODE_FLOOR.
 To the registered version: 115-151 s (load ~20); the whole road, devcluster start included:
 167 s / 77 CPU-s user + 13 sys for pytest and its children at load ~5, 264 s / 98 + 17 at load
-8-11, 327 s at load 12-16 (three passes in a row).
+8-11, 327 s at load 12-16 (three passes in a row); with plain traffic 505 s at load 12-16 (the
+training Job 160 s of it), 150 user + 26 sys CPU-s.
 
 The second test, on the same cluster: spec.learning.schedule from a pre-written
 status.training.schedule.last (a run when due, none before), and a training Job that reaches its
@@ -60,15 +60,17 @@ DRIFT = {"intervalSeconds": 1, "windowSeconds": 10, "minDraftedTokens": 20, "min
          "consecutiveBreaches": 1, "probeAfterWindows": 1, "ladder": ["SpeculationOff", "Rollback"]}
 
 # The gated floor on 'code': v1's draft showed 0.29-0.39 at its gate, the learned one 0.38-0.50 at
-# its gate and 0.42-0.56 live, the noise draft 0.00-0.04 live (2026-12-07, load 5-16): below the
-# ones, above the other.
+# its gate and 0.42-0.56 live, the noise draft 0.00-0.04 live (2026-12-07, load 5-16, chat traffic);
+# on plain traffic the learned one 0.46 at its gate and 0.44 live, the noise draft 0.04 (load 12-16):
+# below the ones, above the other.
 CODE_FLOOR = 0.1
 
 
 def code_traffic(ns) -> SteadyClient:
-    """Chat requests, as the gate sends its golden prompts: a draft learned from raw-text traffic
-    met chat-formatted golden prompts it never saw (GateFailed at 0.000). A pause of 0.2 s."""
-    return SteadyClient(ns, chat=True, pause=0.2)
+    """Plain completion requests, a pause of 0.2 s between them. Before 963aac5 a draft learned
+    from them met chat-formatted golden prompts it never saw (GateFailed at 0.000); its gate now
+    scores 'code' as it was served (plain)."""
+    return SteadyClient(ns, pause=0.2)
 
 
 def drafts_served(ns) -> set[str]:
@@ -99,6 +101,10 @@ def hostpath_claim(ns, name: str, folder: Path) -> str:
     return pv
 
 
+# The devcluster's start counts in the first test of the file to use it (the file starts early,
+# tests/conftest.py LONGEST_FIRST), and the training Job trains for minutes under load: 505 s for
+# the file at load 12-16 (this test ~400 s of it), one 600 s timeout at load 50-81.
+@pytest.mark.timeout(1200)
 def test_a_category_that_drifts_and_cannot_roll_back_trains_a_draft_only_release_from_its_traffic(
         operator_env, ns, mlflow_server, model_dirs, tiny_tokenizer, devcluster, tmp_path):
     from tiny_models import make_model, save_tiny
@@ -204,6 +210,10 @@ def test_a_category_that_drifts_and_cannot_roll_back_trains_a_draft_only_release
         learned = json.loads(tags[TAG_RELEASE])
         assert learned["target"] == parent["target"] and learned["draft"] != parent["draft"]
         assert learned["draft"]["source"].startswith("runs:/"), learned["draft"]
+        # Its gate decoded 'code' as it was served: plain, where v1's (gating.chat absent) used chat.
+        assert [p.get("chat") for p in learned["gating"]["prompts"]] == [False] * len(SteadyClient.PROMPTS), \
+            learned["gating"]
+        assert all("chat" not in p for p in parent["gating"]["prompts"]), parent["gating"]
 
         # Outputs identical throughout: a good draft, a bad one, speculation off, probes.
         assert client.count() >= 6, client.replies
