@@ -449,17 +449,21 @@ static void run_linear(const float *x, const float *const *W, float *const *y, c
    calls until specpair_profile reads them. The attention's parts are summed over its threads. */
 #include <time.h>
 enum { P_QKV, P_ROPE, P_ATTN, P_OUT, P_GATEUP, P_SILU, P_DOWN, P_SCORES, P_SOFTMAX, P_VALUES, P_N };
+/* CPU seconds, not wall (on a shared machine a wall clock counts other jobs' turns): the
+   process's for the phases between marks (every thread of a parallel product), a thread's own
+   for the attention's parts (each task measures itself). */
 static double prof_s[P_N], prof_t;
-static double prof_now(void) {
+static double prof_now(clockid_t clock) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(clock, &ts);
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
-#define PROF_START() (prof_t = prof_now())
-#define PROF_MARK(i) do { double t_ = prof_now(); prof_s[i] += t_ - prof_t; prof_t = t_; } while (0)
-#define PROF_LOCAL(v) double v = prof_now()
-#define PROF_ADD(i, v) do { double t_ = prof_now(); _Pragma("omp atomic") prof_s[i] += t_ - v; \
-                            v = t_; } while (0)
+#define PROF_START() (prof_t = prof_now(CLOCK_PROCESS_CPUTIME_ID))
+#define PROF_MARK(i) do { double t_ = prof_now(CLOCK_PROCESS_CPUTIME_ID); prof_s[i] += t_ - prof_t; \
+                          prof_t = t_; } while (0)
+#define PROF_LOCAL(v) double v = prof_now(CLOCK_THREAD_CPUTIME_ID)
+#define PROF_ADD(i, v) do { double t_ = prof_now(CLOCK_THREAD_CPUTIME_ID);                     \
+                            _Pragma("omp atomic") prof_s[i] += t_ - v; v = t_; } while (0)
 int specpair_profile(double *out) {
     for (int i = 0; i < P_N; i++) out[i] = prof_s[i], prof_s[i] = 0;
     return P_N;
@@ -502,6 +506,8 @@ static inline long run_end(const kv_rows *v, long p, long limit) {
    past n0 from anc, as weighted_sum), the sums copied into locals for the tile so that, with
    chunks a constant at the call (always inlined), they live in registers. */
 #define VALUE_TILE 64
+/* A run of at least this many tokens of one row (a prompt's chunk) is attended as a group. */
+#define PROMPT_RUN 16
 static inline __attribute__((always_inline)) void
 accumulate_values(const float *s, const kv_rows *v, long a, long b, long n0, const long *anc,
                   int m, int chunks, v8 *acc) {
@@ -992,6 +998,24 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
                 taken[r2] = 1;
                 members[count++] = r2;
             }
+            if (count == 1 && run_start[r + 1] - run_start[r] >= PROMPT_RUN) {
+                /* A prompt's chunk: one row's many tokens, attended as a group (keys and values
+                   tile by tile, each read once for all its tokens), cut into one part a thread
+                   at equal work (a token's work is its keys: pos + 1, which grows along the
+                   run), so the H tasks of each part keep both threads busy. */
+                long a = run_start[r], b = run_start[r + 1], work = 0, done = 0;
+                long parts = threads > 1 && b - a >= 2L * threads ? threads : 1;
+                for (long t = a; t < b; t++) work += pos[t] + 1;
+                for (long part = 0, t = a; part < parts && t < b; part++) {
+                    /* the part ends where the work done reaches its share (each part >= 1 token) */
+                    group_runs[groups] = 0;
+                    group_start[groups++] = placed;
+                    for (long from = t; t < b && (part == parts - 1 || t == from
+                                                  || done + pos[t] + 1 <= work * (part + 1) / parts);)
+                        done += pos[t] + 1, toks[placed++] = t++;
+                }
+                continue;
+            }
             long parts = threads > 1 && count >= 2L * threads ? threads : 1;
             for (long part = 0; part < parts; part++) {
                 long c0 = count * part / parts, c1 = count * (part + 1) / parts;
@@ -1006,7 +1030,7 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
 #pragma omp parallel for schedule(dynamic) num_threads(threads)
         for (long task = 0; task < groups * H; task++) {
             long g = task / H, t0 = toks[group_start[g]];
-            if (group_runs[g] == 1)     /* one row: its run as before */
+            if (group_runs[g] == 1)     /* one row's few tokens: its run as before */
                 attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[t0], t0,
                            t0 + group_start[g + 1] - group_start[g], (int)(task % H), H, Hkv, hd,
                            S, L, window, table, table_width, block);

@@ -1,0 +1,121 @@
+"""A prompt's chunk through the paged C layer (cpu_kernels.c): one row's many tokens in one call
+are attended as a group (attend_group: keys eight at a time outer and the chunk's tokens inner,
+two tokens' scores from one read of each key, four tokens' sums of a 64-position value tile from
+one read of each value), cut into one part a thread at equal work. The contiguous cache's
+one-row path (attend_run) is the reference: every token's output, and every key and value the
+call writes, must be bitwise that path's. Any slip a tiling can make (a causal mask one key too
+long or short, a tile's sums given to the wrong token, a block edge or a 64-position tile edge
+read one position off, a part of the chunk attended twice or not at all) changes bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpair import cpu_kernels
+from specpair.paged_cache import PagedKVModel
+
+BLOCK = 16
+D, H, KV_HEADS, HD, FFN = 128, 4, 2, 64, 256      # SmolLM2's head dimension: the fast paths run
+
+
+def weights(gen: torch.Generator) -> list[torch.Tensor]:
+    r = lambda *s: torch.randn(*s, generator=gen)   # noqa: E731
+    return [r(H * HD, D) * 0.1, r(KV_HEADS * HD, D) * 0.1, r(KV_HEADS * HD, D) * 0.1,
+            r(D, H * HD) * 0.1, r(FFN, D) * 0.1, r(FFN, D) * 0.1, r(D, FFN) * 0.1,
+            1 + 0.1 * r(D), 1 + 0.1 * r(D)]
+
+
+def paged_copy(kc: torch.Tensor, vc: torch.Tensor, gen: torch.Generator):
+    """A pool holding what the contiguous cache [rows, kv heads, S, hd] holds, each row's blocks
+    at shuffled places (a few blocks never used), and the rows' tables."""
+    rows, kv_heads, S, hd = kc.shape
+    per_row = S // BLOCK
+    order = torch.randperm(rows * per_row + 3, generator=gen)
+    table = order[:rows * per_row].view(rows, per_row).contiguous()
+    pool_k = torch.full((rows * per_row + 3, kv_heads, BLOCK, hd), float("nan"))
+    pool_v = pool_k.clone()
+    for r in range(rows):
+        for b in range(per_row):
+            pool_k[table[r, b]] = kc[r, :, b * BLOCK:(b + 1) * BLOCK]
+            pool_v[table[r, b]] = vc[r, :, b * BLOCK:(b + 1) * BLOCK]
+    return pool_k, pool_v, table
+
+
+def unpaged(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The pool's contents as a contiguous cache [rows, kv heads, S, hd]."""
+    return torch.stack([torch.cat([pool[b] for b in row.tolist()], dim=1) for row in table])
+
+
+# (the prompt row's first position in the call, its tokens in the call): a chunk straddling
+# block edges and the 64-position value tile edge from an odd start; a whole call (64 tokens, no
+# other row) at a long prefix (several full value tiles and key tiles before it); a chunk of the
+# fewest tokens that is grouped (16) from position 0; a short last chunk.
+CHUNKS = [(37, 60), (203, 64), (0, 16), (261, 23)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("start,length", CHUNKS)
+def test_a_prompt_chunk_is_bitwise_the_one_row_path(threads, start, length):
+    """Row 0 prefills `length` prompt tokens from `start` beside row 1's decode token and row
+    2's 3-token verification where the call has room (each row its own blocks, so the prompt's
+    chunk is a group of its own): the paged call (prompt chunk grouped, cut per thread) against the contiguous one
+    (every run through attend_run), outputs and written caches bitwise, and both the layer's
+    arithmetic in plain torch."""
+    assert cpu_kernels.available(), cpu_kernels.status()
+    gen = torch.Generator().manual_seed(1000 * start + length + threads)
+    w = weights(gen)
+    S = 19 * BLOCK                                   # 304 positions a row
+    kc, vc = torch.randn(3, KV_HEADS, S, HD, generator=gen), torch.randn(3, KV_HEADS, S, HD, generator=gen)
+    pool_k, pool_v, table = paged_copy(kc, vc, gen)
+    others = length + 4 <= cpu_kernels.MAX_TOKENS
+    rows = [0] * length + ([1] + [2] * 3 if others else [])
+    positions = list(range(start, start + length)) + ([150] + [40, 41, 42] if others else [])
+    rows_t, pos_t = torch.tensor(rows), torch.tensor(positions)
+    h = torch.randn(len(rows), D, generator=gen)
+    cos, sin = torch.randn(len(rows), HD, generator=gen), torch.randn(len(rows), HD, generator=gen)
+    common = dict(weights=w, eps=1e-5, heads=H, kv_heads=KV_HEADS, head_dim=HD)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        contiguous = cpu_kernels.llama_layer(h.clone(), rows_t, pos_t, cos, sin, kc, vc, **common)
+        # working memory of NaNs: a token the paged call never attends keeps NaN (a fresh
+        # torch.empty could hand back the contiguous call's memory, its outputs in place)
+        scratch = cpu_kernels.layer_scratch(len(rows), D, H, KV_HEADS, HD, FFN,
+                                            max(positions) + 1).fill_(float("nan"))
+        paged = cpu_kernels.llama_layer(h.clone(), rows_t, pos_t, cos, sin, pool_k, pool_v,
+                                        **common, table=table, scratch=scratch)
+    finally:
+        torch.set_num_threads(before)
+    for i in range(len(rows)):
+        assert torch.equal(paged[i], contiguous[i]), f"token {i} (row {rows[i]}, position {positions[i]})"
+    assert torch.equal(unpaged(pool_k, table), kc) and torch.equal(unpaged(pool_v, table), vc)
+    # the one-row path is itself the layer's arithmetic (a fault both paths shared shows here)
+    from test_engine_paged_kernel import reference_layer
+    expected = reference_layer(h, rows, positions, cos, sin, kc, vc, w, H, KV_HEADS, HD)
+    torch.testing.assert_close(contiguous, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_prompt_prefilled_in_64_token_calls_is_bitwise_the_prompt_fed_15_at_a_time(tiny_target):
+    """The whole tiny model on the paged cache: a 150-token prompt in one extend (the cache cuts
+    it into C calls of 64, 64 and 22 tokens, each a grouped chunk) against the same prompt fed
+    15 tokens an extend (runs under PROMPT_RUN, 16: each through attend_run, the one-row path):
+    the last position's logits, and the greedy tokens decoded after it from each cache, bitwise.
+    (Logits at every position are not compared: a 150-row LM head is torch's product, a 15-row
+    one the C kernel's, which round differently whatever the attention.)"""
+    assert cpu_kernels.available(), cpu_kernels.status()
+    model = tiny_target.model
+    gen = torch.Generator().manual_seed(51)
+    prompt = torch.randint(3, 300, (150,), generator=gen).tolist()
+    whole, fed = PagedKVModel(model, blocks=16), PagedKVModel(model, blocks=16)
+    for kv in (whole, fed):
+        kv.add_rows(1)
+    got = whole.extend([prompt])[0]
+    for a in range(0, len(prompt), 15):
+        expected = fed.extend([prompt[a:a + 15]])[0]
+    assert torch.equal(got, expected)
+    token = int(got[-1].argmax())
+    for _ in range(4):                               # decoding reads what each prefill wrote
+        a, b = whole.extend([[token]])[0], fed.extend([[token]])[0]
+        assert torch.equal(a, b)
+        token = int(a[-1].argmax())
