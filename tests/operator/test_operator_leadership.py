@@ -135,13 +135,17 @@ def test_two_candidates_one_leader_takeover_after_silence_and_the_old_one_fences
             # While the leader renews, the other waits, however often it looks.
             for _ in range(12):
                 assert (await leader.try_once()).action == RENEW
+                # t0: before the other's look that sees the leader's last renewal (its clock for
+                # the silence starts inside that look), so the bound below holds however long
+                # the look and the sleep take on a loaded machine (from after the sleep, a look
+                # and sleep over 0.5 s would have read as a takeover before the lease ran out).
+                t0 = time.monotonic()
                 assert (await other.try_once()).action == WAIT
                 await asyncio.sleep(0.2)
             # The leader falls silent: after the lease duration (on the other's clock) it takes over.
-            t0 = time.monotonic()
             while (step := await other.try_once()).action == WAIT:
                 await asyncio.sleep(0.1)
-            assert step.action == TAKE and time.monotonic() - t0 >= 1.5, (step, time.monotonic() - t0)
+            assert step.action == TAKE and time.monotonic() - t0 >= timing.lease_duration_s, (step, time.monotonic() - t0)
             held = Lease.from_object(fresh_lease())
             assert (held.holder, held.transitions) == (other.identity, 1)
             # The old leader's fence closed before the takeover; its next renewal finds the new
@@ -170,8 +174,12 @@ class Operators:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, identity: str, failpoint: str, liveness: str = "",
-              timing: tuple[str, str, str] = ("4", "3", "0.5")) -> subprocess.Popen:
-        """`timing`: the Lease's duration, the renew deadline and the retry period (seconds)."""
+              timing: tuple[str, str, str] = ("15", "10", "0.5")) -> subprocess.Popen:
+        """`timing`: the Lease's duration, the renew deadline and the retry period (seconds). A
+        renew deadline of 10 s: a leader that cannot renew within it ends itself ("leadership
+        lost", exit 1), and at 3 s a renewal (a read and a write to the API server) slowed by a
+        loaded CI machine could end the leader before its failpoint kills it; the takeover after
+        that kill waits out the 15 s lease instead of 4."""
         duration, deadline, retry = timing
         env = {**os.environ, "SPECPAIR_FAILPOINT": failpoint, "SPECPAIR_FAILPOINT_LOG": str(self.log),
                "SPECPAIR_RECONCILE_INTERVAL": "1", "SPECPAIR_METRICS_PORT": "0",
@@ -266,8 +274,9 @@ def test_a_leader_whose_lease_is_taken_stops_at_once(operator_env, devcluster, f
     ops = Operators(tmp_path)
     try:
         # A renew deadline far beyond its retry period: a leader that noticed only at the deadline
-        # (20 s) is told from one that noticed at its next look (0.5 s) whatever the load (at a
-        # 3 s deadline, the bound was 3 s of wall time for the look and the process's exit).
+        # (20 s, at least 19.5 after the intruder's write) is told from one that noticed at its
+        # next look (0.5 s) whatever the load (at a 3 s deadline, the bound was 3 s of wall time
+        # for the look and the process's exit); 18 s leave a loaded machine that look and exit.
         proc = ops.start("op-a", "log", timing=("30", "20", "0.5"))
         wait_until("op-a to hold the Lease", lambda: holder(fresh_lease) == "op-a", timeout=60)
         devcluster.kube.patch("coordination.k8s.io/v1", "leases", OPERATOR_NAMESPACE, LEASE,
@@ -275,7 +284,7 @@ def test_a_leader_whose_lease_is_taken_stops_at_once(operator_env, devcluster, f
                                         "renewTime": time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())}})
         t0 = time.monotonic()
         proc.wait(timeout=30)
-        assert time.monotonic() - t0 < 12, "it acted on after its Lease was someone else's"
+        assert time.monotonic() - t0 < 18, "it acted on after its Lease was someone else's"
         assert proc.returncode == 1
         assert "leadership lost: Lease" in ops.output("op-a") and "intruder" in ops.output("op-a")
     finally:
