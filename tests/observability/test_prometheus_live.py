@@ -81,10 +81,12 @@ TRAFFIC_PAUSE = 0.5
 # The canary of v3: one step of one pod beside v1's (half the traffic), passed once its short pause
 # is over and 10 requests a side (the least the CRD admits) judge its errors, TTFT and TPOT fine:
 # seconds of the paced traffic. How a breach aborts is proven by the canary's own test
-# (tests/operator/test_operator_canary_e2e.py); here its latency may be up to 5x v1's p95, so that
-# a request slowed by whatever else this machine runs cannot abort what the panels are to show.
+# (tests/operator/test_operator_canary_e2e.py); here its latency may be up to 10x v1's p95, so that
+# a request slowed by whatever else this machine runs cannot abort what the panels are to show: at
+# a few milliseconds one scheduling delay under CI's load (3 workers on 2 cores) moves a request
+# two buckets, as the canary e2e found for its own same-weights canary at 3x (e688af1: 10x there).
 CANARY_STRATEGY = {"type": "Canary", "steps": [{"replicas": 1, "pauseSeconds": 2}]}
-CANARY_LATENCY = {"minRequests": 10, "ttftP95Ratio": 5.0, "tpotP95Ratio": 5.0}
+CANARY_LATENCY = {"minRequests": 10, "ttftP95Ratio": 10.0, "tpotP95Ratio": 10.0}
 # What the monitors are rendered with in place of MLflow's address, not known yet when Prometheus
 # starts: no monitor reads it (the chart requires one).
 NO_MLFLOW_YET = "http://mlflow.invalid:5000"
