@@ -99,7 +99,7 @@ class Namespace:
     def events(self, reason: str | None = None) -> list[dict[str, Any]]:
         return [e for e in self.list("v1", "Event") if reason is None or e.get("reason") == reason]
 
-    def wait_for_event(self, reason: str, text: str = "", timeout: float = 30.0) -> list[str]:
+    def wait_for_event(self, reason: str, text: str = "", timeout: float = 120.0) -> list[str]:
         """The messages of this reason's Events once one says `text`. Kopf posts Events from a
         queue of its own, after the write they report, so an Event can land after the object it
         tells of is already visible: asserting on it at once is a race."""
