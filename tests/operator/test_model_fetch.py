@@ -251,7 +251,7 @@ def test_the_operator_fetches_before_it_gates(env):
         owner = job["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["name"], owner["uid"]) == ("SpecModelPair", name,
                                                                 ns.pair(name)["metadata"]["uid"])
-        assert ns.wait_for("the ModelFetchStarted Event", lambda: ns.events("ModelFetchStarted"), timeout=30)
+        assert ns.wait_for("the ModelFetchStarted Event", lambda: ns.events("ModelFetchStarted"), timeout=120)
         assert "modelCache" not in (ns.pair(name).get("status") or {})
 
 
@@ -335,6 +335,6 @@ def captured_replies(ns, name: str, folder) -> list[list[int]]:
     def written() -> list[dict]:   # the shard being written (a shard closes at 256 records or 60 s)
         return [json.loads(line) for shard in sorted((folder / "code").glob("*.jsonl*"))
                 for line in shard.read_text().splitlines()] if (folder / "code").is_dir() else []
-    ns.wait_for("the three requests captured", lambda: len(written()) == 3, timeout=30)
+    ns.wait_for("the three requests captured", lambda: len(written()) == 3, timeout=120)
     assert [r["reply_ids"] for r in written()] == replies
     return replies
