@@ -90,7 +90,7 @@ def test_a_deleted_serving_pair_leaves_no_series_and_no_memory(env):
         assert uid in STATE.bodies and any(uid in m for m in STATE.per_pair() if m is not STATE.bodies)
 
         ns.kube.delete("specpair.io/v1alpha1", "SpecModelPair", ns.name, name)
-        ns.wait_for("its series gone from /metrics", lambda: not exported(), timeout=30)
+        ns.wait_for("its series gone from /metrics", lambda: not exported(), timeout=120)
         ns.wait_for("its memory forgotten", lambda: not [m for m in STATE.per_pair() if uid in m], timeout=60)
         # And it stays so: a pass that was under way when the pair went forgets what it wrote.
         time.sleep(2.5)   # two periodic passes or more (a second apart)
