@@ -125,7 +125,7 @@ def test_a_stream_closed_before_its_first_event_is_refused_as_unstarted_not_an_e
     def counts():
         return {c: dict(got["requests"]) for c, got in companion.tally.metrics.serving_counts().items()}
     wait_until("the three outcomes counted", lambda: counts() == {DEFAULT_CATEGORY: {"unavailable": 2, "ok": 1}},
-               timeout=10, show=counts)
+               timeout=60, show=counts)
 
 
 def test_draining_refuses_new_requests_with_retry_after_finishes_those_in_flight_then_marks_itself(companion_for,
