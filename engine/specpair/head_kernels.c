@@ -14,6 +14,79 @@
    same alone and in a batch. */
 
 #include "cpu_kernels.c"
+#include <omp.h>
+#include <stdlib.h>
+
+/* ---- The LM head's top-1, fused: greedy drafting reads only each row's argmax ----------------
+
+   A greedy draft is the argmax of the head's logits over its draft vocabulary. Written out
+   whole (cpu_kernels.linear) a row is 4 * Vd bytes stored and read back by a top-k, and the
+   LM head is most of a step (SmolLM2's 49,152 tokens: 4.6 of 5.5 CPU ms a row, the top-k 0.2;
+   bench/head_top1.py). Here each thread scores its contiguous share of the vocabulary
+   TOP_BLOCK tokens at a time into a buffer that stays in L1 and folds each block into a running
+   (max, index) per row; the threads' results are folded in vocabulary order. Each logit is
+   computed by rows_block, as specpair_small_linear computes it (every output the same sum in
+   the same order whatever the tiling), so the index is the argmax of the logits the unfused LM
+   head writes. Ties go as torch.argmax's: the lowest index among equal maxima, the first NaN
+   where there is one (a NaN beats every number, no later one beats it). */
+#define TOP_BLOCK 16
+
+/* Whether (v, at) replaces the running best (b, bi): bi < 0 is no best yet. Blocks and threads
+   are folded in index order, so a strict > keeps the lowest index of equal values. */
+static inline int top_beats(float v, float b, long bi) {
+    return bi < 0 || v > b || (v != v && b == b);
+}
+
+/* top[p] = argmax over v < V of x[p] . W[v] for p < P (x [P, I], W [V, I], float32, contiguous;
+   1 <= P <= MAX_TOKENS). -> 0, or -1 (a bad size) or -4 (no memory). */
+int specpair_top1_linear(const float *x, const float *W, long *top, long P, long I, long V,
+                         int threads) {
+    if (P < 1 || P > MAX_TOKENS || V < 1 || I < 1) return -1;
+    long blocks = (V + TOP_BLOCK - 1) / TOP_BLOCK;
+    if (threads < 1) threads = 1;
+    if (threads > blocks) threads = (int)blocks;
+    float *best = malloc(sizeof(float) * threads * P);
+    long *at = malloc(sizeof(long) * threads * P);
+    if (!best || !at) {
+        free(best);
+        free(at);
+        return -4;
+    }
+    int used = 1;
+    long passes = (P + 7) / 8;      /* as specpair_small_linear: passes of at most 8 rows */
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), n = omp_get_num_threads();
+        if (t == 0) used = n;
+        float buf[MAX_TOKENS * TOP_BLOCK], *b = best + (long)t * P;
+        long *bi = at + (long)t * P;
+        for (long p = 0; p < P; p++) bi[p] = -1, b[p] = 0.0f;
+        for (long k = blocks * t / n; k < blocks * (t + 1) / n; k++) {
+            long o0 = k * TOP_BLOCK, width = o0 + TOP_BLOCK < V ? TOP_BLOCK : V - o0;
+            for (long c = 0; c < passes; c++) {
+                long m0 = P * c / passes, m1 = P * (c + 1) / passes;
+                rows_block(x + m0 * I, W + o0 * I, buf + m0 * TOP_BLOCK, I, TOP_BLOCK, 0, width,
+                           m1 - m0);
+            }
+            for (long p = 0; p < P; p++)
+                for (long o = 0; o < width; o++) {
+                    float v = buf[p * TOP_BLOCK + o];
+                    if (top_beats(v, b[p], bi[p])) b[p] = v, bi[p] = o0 + o;
+                }
+        }
+    }
+    for (long p = 0; p < P; p++) {
+        float b = 0.0f;
+        long bi = -1;
+        for (int t = 0; t < used; t++)
+            if (at[(long)t * P + p] >= 0 && top_beats(best[(long)t * P + p], b, bi))
+                b = best[(long)t * P + p], bi = at[(long)t * P + p];
+        top[p] = bi;
+    }
+    free(best);
+    free(at);
+    return 0;
+}
 
 /* embeds, hidden: [T, D] (the tokens' embeddings and the hidden each pairs with); out: [T, D]
    the layer's pre-norm output; normed: [T, D] out through the head's final norm (nf), or NULL
@@ -22,10 +95,13 @@
    bq/bk/bv: biases or NULL; n_in/n_hidden/n_post: the layer's three norms; nbr: the residual is
    hidden_norm(hidden) (norm_before_residual) rather than hidden. Tokens of one row are
    consecutive and in position order (a run, attention loads its keys once for all of them).
+   lm: the head's LM head [V, D] or NULL; where given, top[p] = the argmax of normed row pick[p]
+   against it, p < P (specpair_top1_linear, so greedy drafting writes no logits row; pick NULL:
+   every token, P = T; 1 <= P <= MAX_TOKENS, each pick in 0..T-1; nf and normed needed).
    scratch: >= specpair_eagle3_scratch(T, D, H, Hkv, hd, F, max pos + 1) floats. */
 long specpair_eagle3_scratch(long T, long D, int H, int Hkv, int hd, long F, long L) {
     long qd = (long)H * hd, kd = (long)Hkv * hd;
-    return T * (2 * D + 2 * qd + 2 * kd + 2 * F + 2 * D) + T * H * L + F;
+    return T * (2 * D + 2 * qd + 2 * kd + 2 * F + 2 * D) + T * H * L + F + MAX_TOKENS * D;
 }
 
 int specpair_eagle3_layer(const float *embeds, const float *hidden, float *out, float *normed,
@@ -35,8 +111,14 @@ int specpair_eagle3_layer(const float *embeds, const float *hidden, float *out, 
                           const float *wv, const float *wo, const float *wg, const float *wu,
                           const float *wd, const float *bq, const float *bk, const float *bv,
                           const float *n_in, const float *n_hidden, const float *n_post,
-                          const float *nf, int nbr, float *scratch, int threads) {
+                          const float *nf, int nbr, float *scratch, int threads,
+                          const float *lm, long V, const long *pick, long P, long *top) {
     if (T < 1 || T > MAX_TOKENS || hd % 8 || hd > MAX_HEAD_DIM || H % Hkv) return -1;
+    if (lm) {
+        if (!nf || !normed || !top || (pick ? P < 1 || P > MAX_TOKENS : P != T)) return -1;
+        for (long p = 0; pick && p < P; p++)
+            if (pick[p] < 0 || pick[p] >= T) return -1;
+    }
     long qd = (long)H * hd, kd = (long)Hkv * hd, L = 0;
     for (long t = 0; t < T; t++) {
         if (pos[t] < 0) return -2;
@@ -89,5 +171,13 @@ int specpair_eagle3_layer(const float *embeds, const float *hidden, float *out, 
                           T, D, qd, F, eps, threads);
     if (nf && normed)
         for (long t = 0; t < T; t++) rms_norm(out + t * D, nf, normed + t * D, D, eps);
-    return 0;
+    if (!lm) return 0;
+    const float *picked = normed;
+    if (pick) {      /* the picked rows gathered after everything the layer's scratch holds */
+        float *rowsp = scores + T * H * L + F;
+        for (long p = 0; p < P; p++)
+            __builtin_memcpy(rowsp + p * D, normed + pick[p] * D, D * sizeof(float));
+        picked = rowsp;
+    }
+    return specpair_top1_linear(picked, lm, top, P, D, V, threads);
 }

@@ -5,6 +5,11 @@ cache, on first use), from head_kernels.c, which includes cpu_kernels.c for its 
 does not apply (no compiler or SPECPAIR_CPU_KERNELS=0, CUDA, a dtype other than float32, a head
 dimension the kernel's vectors do not divide) `applies` says so and the drafter runs the head's
 round row by row in PyTorch (drafters.eagle3.Eagle3Drafter).
+
+Greedy drafting reads only each row's argmax over the head's draft vocabulary: the layer's call
+takes the LM head too and returns the argmax (`Eagle3Kernel.with_top1`; `top1` alone for what
+does not fit one call), the vocabulary scored in blocks reduced as they are produced, no logits
+row written (head_kernels.c, specpair_top1_linear). Ties go as torch.argmax's (lowest index).
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ def library() -> ctypes.CDLL | None:
         return None
     p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     lib.specpair_eagle3_layer.argtypes = ([p] * 6 + [n, n, i, i, i, n, f, p, p, p, p, n]
-                                          + [p] * 14 + [i, p, i])
+                                          + [p] * 14 + [i, p, i] + [p, n, p, n, p])
     lib.specpair_eagle3_layer.restype = ctypes.c_int
+    lib.specpair_top1_linear.argtypes = [p, p, p, n, n, n, i]
+    lib.specpair_top1_linear.restype = ctypes.c_int
     lib.specpair_eagle3_scratch.argtypes = [n, n, i, i, i, n, n]
     lib.specpair_eagle3_scratch.restype = n
     return lib
@@ -74,6 +81,11 @@ class Eagle3Kernel:
         self.cos = self.sin = None
         self.scratch = torch.empty(0, dtype=torch.float32)
 
+    def top1_applies(self) -> bool:
+        """Whether with_top1 can read the head's LM head (float32, on the CPU, contiguous)."""
+        lm = self.head.lm_head.weight
+        return lm.device.type == "cpu" and lm.dtype == torch.float32 and lm.is_contiguous()
+
     def _rotary(self, positions: int) -> None:
         size = 256
         while size < positions:
@@ -90,6 +102,20 @@ class Eagle3Kernel:
         consecutive, in position order; `attend`: the largest position + 1), its key and value
         written there in kc/vc [R, KV, C, hd]. -> (the pre-norm output [T, D], it through the
         head's final norm [T, D])."""
+        out, normed, _ = self._run(embeds, hidden, rows, positions, attend, kc, vc, None, False)
+        return out, normed
+
+    def with_top1(self, embeds: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor,
+                  positions: torch.Tensor, attend: int, kc: torch.Tensor, vc: torch.Tensor,
+                  pick: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As __call__, and in the same call the argmax of the head's logits over its draft
+        vocabulary (lm_head of the normed output) of the tokens `pick` (int64 [P] indices into
+        the T tokens, 1 <= P <= MAX_TOKENS; None: every token): -> (out, normed, top [P], draft
+        vocabulary indices, the lowest of equal maxima as torch.argmax)."""
+        return self._run(embeds, hidden, rows, positions, attend, kc, vc, pick, True)
+
+    def _run(self, embeds, hidden, rows, positions, attend, kc, vc, pick, want_top):
         T, D = embeds.shape
         H, KV, hd, F = self.dims
         if self.cos is None or self.cos.shape[0] < attend:
@@ -101,11 +127,43 @@ class Eagle3Kernel:
         embeds, hidden = embeds.contiguous(), hidden.contiguous()
         rows, positions = rows.contiguous(), positions.contiguous()
         out, normed = torch.empty_like(embeds), torch.empty_like(embeds)
+        top = lm = None
+        P = 0
+        if want_top:
+            lm = self.head.lm_head.weight
+            if pick is not None:
+                pick = pick.to(dtype=torch.long).contiguous()
+            P = T if pick is None else pick.shape[0]
+            top = torch.empty(P, dtype=torch.long)
         rc = self.lib.specpair_eagle3_layer(
             embeds.data_ptr(), hidden.data_ptr(), out.data_ptr(), normed.data_ptr(),
             rows.data_ptr(), positions.data_ptr(), T, D, H, KV, hd, F, self.eps, cos.data_ptr(),
             sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.shape[2], *self.pointers, self.nbr,
-            self.scratch.data_ptr(), torch.get_num_threads())
+            self.scratch.data_ptr(), torch.get_num_threads(),
+            None if lm is None else lm.data_ptr(), 0 if lm is None else lm.shape[0],
+            None if pick is None else pick.data_ptr(), P,
+            None if top is None else top.data_ptr())
         if rc != 0:
-            raise RuntimeError(f"specpair_eagle3_layer refused a step of {T} tokens (code {rc})")
-        return out, normed
+            raise RuntimeError(f"specpair_eagle3_layer refused a step of {T} tokens"
+                               + (f" and {P} top-1 rows" if want_top else "") + f" (code {rc})")
+        return out, normed, top
+
+
+def top1(x: torch.Tensor, weight: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """The argmax of x @ weight.T a row (x [M, I], weight [V, I], float32 CPU, contiguous
+    weight), computed in blocks without the logits (specpair_top1_linear), MAX_TOKENS rows a
+    call: -> int64 [M], each the lowest index of equal maxima (torch.argmax's rule) of the
+    logits cpu_kernels.linear writes for <= MAX_TOKENS rows. threads: default torch's."""
+    lib = library()
+    threads = threads or torch.get_num_threads()
+    x = x.contiguous()
+    M, I = x.shape
+    top = torch.empty(M, dtype=torch.long)
+    step = cpu_kernels.MAX_TOKENS
+    for a in range(0, M, step):
+        P = min(step, M - a)
+        rc = lib.specpair_top1_linear(x[a].data_ptr(), weight.data_ptr(), top[a].data_ptr(), P,
+                                      I, weight.shape[0], threads)
+        if rc != 0:
+            raise RuntimeError(f"specpair_top1_linear refused {P} rows of {I} (code {rc})")
+    return top

@@ -380,6 +380,9 @@ def test_the_heads_round_in_fixed_steps_drafts_what_the_row_by_row_round_does(ta
             assert drafter.fixed and any(key[0] == "draft" for key in drafter.cache.steps)
         else:
             assert drafter.kernel and not drafter.fixed and drafter.cache.kc is not None
+            # a greedy chain's drafts came from the C call's fused top-1; a tree's siblings
+            # need the row's top few, from its logits row
+            assert (drafter.fused_top1_rounds > 0) == (width == 1)
         assert len(got) == len(expected)
         for a, b in zip(got, expected):
             assert torch.equal(a.num, b.num)
@@ -394,6 +397,39 @@ def test_the_heads_round_in_fixed_steps_drafts_what_the_row_by_row_round_does(ta
         assert sum(int(p.num.sum()) for p in got) > 0
         kept = [0] if rows == 1 else [0, 2, 3]          # row 1 left early
         assert [replies[i] for i in kept] == [target_only[i] for i in kept]
+
+
+def test_a_sampled_round_on_the_c_kernel_draws_from_the_whole_logits_row(target):
+    """Sampled drafting (temperature > 0) needs q, the head's whole distribution, so the C
+    kernel's round keeps the logits row there (no fused top-1): it proposes what the row-by-row
+    round proposes, drafts and q, and with keyed draws (a seed) each reply is target-only's
+    sampled reply."""
+    head = wrap_model(build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4), seed=5),
+                      None, "head")
+    params = GenerationParams(max_new_tokens=MAX_TOKENS, temperature=0.7, seed=11)
+    runs = {}
+    for kernel in (False, True):
+        engine = SpeculativeEngine(target, draft=head, kv="static", speculation=SpeculationConfig(
+            k=3, k_max=3, dynamic_k=False, fallback_threshold=0))
+        engine.drafter = Eagle3Drafter(head, target.model, engine.vocab_size, fixed=False,
+                                       kernel=kernel)
+        runs[kernel] = _rounds(engine, 4, params)
+    (got, replies, drafter), (expected, expected_replies, _) = runs[True], runs[False]
+    assert drafter.kernel and drafter.fused_top1_rounds == 0
+    drafted = [p for p in got if int(p.num.sum())]
+    assert drafted and all(p.probs is not None for p in drafted)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert torch.equal(a.num, b.num)
+        for i, n in enumerate(b.num.tolist()):
+            assert torch.equal(a.tokens[i, :n], b.tokens[i, :n])
+            if n:
+                torch.testing.assert_close(a.probs[i, :n], b.probs[i, :n], atol=1e-5, rtol=1e-4)
+    assert replies == expected_replies
+    plain = SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False))
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in (0, 2, 3)]        # the rows kept to the end
+    assert [replies[i] for i in (0, 2, 3)] == [
+        plain.generate([p], params)[0].token_ids for p in prompts]
 
 
 def test_on_the_fixed_step_the_target_hands_over_the_heads_layers(target, target_only,

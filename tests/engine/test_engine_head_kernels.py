@@ -91,3 +91,93 @@ def test_tokens_of_a_row_out_of_position_order_are_refused(head):
     with pytest.raises(RuntimeError, match="code -2"):        # past the cache's capacity
         run(embeds[:1], embeds[:1], torch.zeros(1, dtype=torch.long), torch.tensor([40]), 41,
             kc, vc)
+
+
+# ---- the LM head's top-1 fused into the call (greedy drafting: no logits row) -----------------
+
+def argmax_of_written_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The unfused path's draft: the logits row the small-batch kernel writes, its argmax."""
+    from specpair import cpu_kernels
+
+    return torch.cat([cpu_kernels.linear(x[a:a + 64], weight).argmax(-1)
+                      for a in range(0, x.shape[0], 64)])
+
+
+@torch.no_grad()
+def test_the_fused_top1_is_the_argmax_of_the_logits_the_lm_head_writes(head):
+    """with_top1's index for each picked token is the argmax of the logits the unfused LM head
+    writes for that token's normed output (bitwise the same sums), for picks of a subset, with
+    repeats and more picks than tokens; the layer's outputs are __call__'s."""
+    from specpair.drafters.head import draft_vocab_logits
+
+    run = head_kernels.Eagle3Kernel(head)
+    assert run.top1_applies()
+    generator = torch.Generator().manual_seed(3)
+    n = 6
+    embeds, hidden = torch.randn(2, n, D, generator=generator)
+    rows, positions = torch.tensor([0, 0, 0, 1, 2, 2]), torch.tensor([0, 1, 2, 0, 0, 1])
+    kc, vc = empty_cache(head, 3)
+    out, normed = run(embeds, hidden, rows, positions, 3, kc, vc)
+    logits = draft_vocab_logits(head, normed)
+    for pick in (None, [2, 3, 5], [5, 5, 0, 1, 2, 3, 4, 0, 2]):
+        kc, vc = empty_cache(head, 3)
+        got = run.with_top1(embeds, hidden, rows, positions, 3, kc, vc,
+                            None if pick is None else torch.tensor(pick))
+        assert torch.equal(got[0], out) and torch.equal(got[1], normed)
+        chosen = list(range(n)) if pick is None else pick
+        assert torch.equal(got[2], logits[chosen].argmax(-1))
+    with pytest.raises(RuntimeError, match="code -1"):      # a pick past the call's tokens
+        run.with_top1(embeds, hidden, rows, positions, 3, kc, vc, torch.tensor([0, n]))
+
+
+def tied_weights(V: int, I: int, ties: list[tuple[int, ...]], nan: tuple[int, ...] = ()):
+    """Random rows [V, I] and x [8, I] where, for x's row r, the rows of ties[r] are all the
+    same vector and score the highest (bitwise equal logits), and the rows of `nan` hold a NaN."""
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(V, I, generator=generator) * 0.01
+    x = torch.randn(len(ties), I, generator=generator)
+    for r, tie in enumerate(ties):
+        for v in tie:
+            weight[v] = x[r] * 0.5          # x . x / 2: above every random row's logit
+    for v in nan:
+        weight[v, 3] = float("nan")
+    return x, weight
+
+
+# Ties (disjoint, one a row of x) a block of 16 apart (15/16, 31/32), where two threads split
+# the vocabulary (95/96) and three (63/64, 127/128), the first token with a later one, in the
+# last partial block (V not a multiple of 16), and a tie listed high index first.
+V_TIES = 200
+TIES = [(15, 16), (95, 96, 104), (0, 197), (193, 199), (31, 32, 47), (3, 2), (63, 64),
+        (127, 128), (150, 151)]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_fused_top1_breaks_ties_as_torch_argmax_does(rows, threads):
+    """Equal maxima (the same weight row twice): the lowest index, as torch.argmax, at a block
+    edge, across the threads' shares of the vocabulary, at either end and in the last partial
+    block; and at every count of rows (each tiling of the product); NaN: the first one."""
+    ties = TIES[:rows]
+    x, weight = tied_weights(V_TIES, D, ties)
+    top = head_kernels.top1(x, weight, threads=threads)
+    assert top.tolist() == [min(t) for t in ties]
+    assert torch.equal(top, argmax_of_written_logits(x, weight))
+    x, weight = tied_weights(V_TIES, D, ties, nan=(120, 57, 190))
+    assert head_kernels.top1(x, weight, threads=threads).tolist() == [57] * rows
+    assert torch.equal(torch.tensor([57] * rows), argmax_of_written_logits(x, weight))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("V", [1, 15, 17, 200, 1000])
+def test_the_fused_top1_over_any_vocabulary_and_past_one_calls_rows(V):
+    """A vocabulary of one token, under a block, a block and one, not a multiple of the block;
+    and more rows than one call takes (70: two calls): each the argmax of the written logits."""
+    generator = torch.Generator().manual_seed(V)
+    weight = torch.randn(V, D, generator=generator)
+    x = torch.randn(70, D, generator=generator)
+    weight[V - 1] = x[0] * 0.5          # row 0's top: the last token, in the last partial block
+    for threads in (1, 2):
+        top = head_kernels.top1(x, weight, threads=threads)
+        assert top[0] == V - 1
+        assert torch.equal(top, argmax_of_written_logits(x, weight))

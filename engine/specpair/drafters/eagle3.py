@@ -75,6 +75,7 @@ class Eagle3Drafter(HeadDrafter):
                                           else kernel)
         self.cache = None
         self.layer_kernel = head_kernels.Eagle3Kernel(head) if self.kernel else None
+        self.fused_top1_rounds = 0      # rounds whose drafts came from the C call's top-1
         if self.fixed or self.kernel:
             from specpair.eagle3_steps import Eagle3Cache
             self.cache = Eagle3Cache(head, head_param.device, head.lm_head.weight.dtype)
@@ -201,23 +202,44 @@ class Eagle3Drafter(HeadDrafter):
         return self._proposal(chosen_steps, qs, sibs, num, K, width)
 
     def _kernel_steps(self, rows: list[int], ids: torch.Tensor, hidden: torch.Tensor,
-                      positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                      positions: list[int], pick: list[int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The head's layer for pairs (ids [T], hidden [T, D]) of cache rows `rows` at
         `positions` (a row's pairs consecutive), in C calls of up to the kernel's width:
-        -> (pre-norm outputs, normed) [T, D]."""
-        from specpair import cpu_kernels
+        -> (pre-norm outputs, normed) [T, D], and where `pick` (indices into the T pairs) is
+        given, the greedy draft of each picked pair (target ids [P]: the argmax of its logits
+        over the draft vocabulary, in the layer's call where it all fits one, no logits row
+        written; head_kernels.with_top1 / top1), else None."""
+        from specpair import cpu_kernels, head_kernels
 
         cache, device, run = self.cache, hidden.device, self.layer_kernel
         embeds = self.embed(ids).to(hidden.dtype)
         rows_t = torch.tensor(rows, dtype=torch.long, device=device)
         positions_t = torch.tensor(positions, dtype=torch.long, device=device)
         width = cpu_kernels.MAX_TOKENS
-        if len(rows) <= width:
-            return run(embeds, hidden, rows_t, positions_t, max(positions) + 1, cache.kc, cache.vc)
+        if len(rows) <= width and (pick is None or len(pick) <= width):
+            if pick is None:
+                return (*run(embeds, hidden, rows_t, positions_t, max(positions) + 1, cache.kc,
+                             cache.vc), None)
+            out, normed, top = run.with_top1(embeds, hidden, rows_t, positions_t,
+                                             max(positions) + 1, cache.kc, cache.vc,
+                                             torch.tensor(pick, dtype=torch.long))
+            return out, normed, self.draft_ids[top]
         outs = [run(embeds[a:a + width], hidden[a:a + width], rows_t[a:a + width],
                     positions_t[a:a + width], max(positions[a:a + width]) + 1, cache.kc, cache.vc)
                 for a in range(0, len(rows), width)]
-        return torch.cat([o for o, _ in outs]), torch.cat([n for _, n in outs])
+        out, normed = torch.cat([o for o, _ in outs]), torch.cat([n for _, n in outs])
+        if pick is None:
+            return out, normed, None
+        return out, normed, self.draft_ids[head_kernels.top1(normed[pick],
+                                                             self.head.lm_head.weight)]
+
+    def _top1_fused(self, sampling, width: int) -> bool:
+        """Whether this round's drafts are each row's argmax, read from the layer's C call (no
+        logits row): every row greedy, a chain (a tree's siblings need the row's top few) and
+        no grammar (a guided row masks the whole row first)."""
+        return (sampling.all_greedy and width == 1 and self._guides is None
+                and self.layer_kernel.top1_applies())
 
     def _propose_in_kernel(self, sequences, ks, sampling, width: int):
         """propose() with each step of every row as one C call (head_kernels) over one cache of
@@ -246,7 +268,13 @@ class Eagle3Drafter(HeadDrafter):
         hidden = torch.cat([cpu_kernels.linear(states[a:a + step], head.fc.weight)
                             for a in range(0, len(states), step)])
         ids = torch.tensor([t for toks in pairs for t in toks], dtype=torch.long, device=device)
-        out, normed = self._kernel_steps(rows, ids, hidden, positions)
+        # Greedy chains take each row's first draft from the catch-up's own call (its last
+        # pair's argmax; a row with no pair reads the pair its `last` names, as the logits
+        # below would: its draft is not used).
+        fused = K > 0 and any(drafting) and self._top1_fused(sampling, width)
+        pick = [i % len(rows) for i in last] if fused else None
+        self.fused_top1_rounds += fused
+        out, normed, top = self._kernel_steps(rows, ids, hidden, positions, pick)
         for i, toks in enumerate(pairs):
             cache.lengths[i] += len(toks)
         if K == 0 or not any(drafting):
@@ -255,18 +283,30 @@ class Eagle3Drafter(HeadDrafter):
         g, gn = out[index], normed[index]                                   # [B, D]
         row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
         chosen_steps, qs, sibs = [], [], []
-        chosen = self._choose(draft_vocab_logits(head, gn), 0, row_ks, sampling, width,
-                              chosen_steps, qs, sibs)
+        if fused:
+            chosen = top
+            chosen_steps.append(chosen)
+            qs.append(None)
+        else:
+            chosen = self._choose(draft_vocab_logits(head, gn), 0, row_ks, sampling, width,
+                                  chosen_steps, qs, sibs)
         for j in range(1, K):       # the last draft token is never fed
             going = [i for i in range(B) if j < row_ks[i]]
             if not going:
                 break
             at = torch.tensor(going, dtype=torch.long, device=device)
-            out, normed = self._kernel_steps(going, chosen[at], g[at],
-                                             [cache.lengths[i] + j - 1 for i in going])
+            out, normed, top = self._kernel_steps(going, chosen[at], g[at],
+                                                  [cache.lengths[i] + j - 1 for i in going],
+                                                  list(range(len(going))) if fused else None)
             g[at], gn[at] = out, normed
-            chosen = self._choose(draft_vocab_logits(head, gn), j, row_ks, sampling, width,
-                                  chosen_steps, qs, sibs)
+            if fused:        # a row past its k keeps its last draft (its normed output stays)
+                chosen = chosen.clone()
+                chosen[at] = top
+                chosen_steps.append(chosen)
+                qs.append(None)
+            else:
+                chosen = self._choose(draft_vocab_logits(head, gn), j, row_ks, sampling, width,
+                                      chosen_steps, qs, sibs)
         return self._proposal(chosen_steps, qs, sibs, num, K, width)
 
     def _propose_in_fixed_steps(self, sequences, ks, sampling, width: int):

@@ -283,7 +283,10 @@ class HeadDrafter(Drafter):
         if self._guides is not None:
             small = self._within_grammars(small, j, row_ks)
         if sampling.all_greedy:
-            top = self.draft_ids[small.topk(width, dim=-1).indices]       # [B, C]
+            # A chain's draft is the argmax (ties: the lowest index, as the target's greedy
+            # verification and the head's fused C top-1 take them; topk's order is unspecified).
+            top = self.draft_ids[small.argmax(-1, keepdim=True) if width == 1
+                                 else small.topk(width, dim=-1).indices]       # [B, C]
             chosen, q = top[:, 0], None
             if width > 1:
                 sibling_steps.append(top[:, 1:])
