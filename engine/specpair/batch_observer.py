@@ -29,6 +29,9 @@ class VerifiedRound:
     num: torch.Tensor               # [B] how many of them each row drafted
     q: torch.Tensor | None          # [B, K, V] their draft distributions (None: point masses)
     accepted: list[int]             # drafts kept per row
+    # Rows whose prompt this step fed only in part (the prefill budget, Batch._prefill_caps):
+    # nothing committed, their logits those of a chunk's end, not of a next token.
+    prefilling: frozenset = frozenset()
 
 
 class BatchObserver:

@@ -1011,15 +1011,16 @@ class Batch:
         waits). The budget counts every position a step feeds, as vLLM's: the rows decoding (one
         uncached token each, always fed) take theirs first, so a step's tokens fill the C
         layer's 64-token calls (each call reads every weight once); the oldest rows prefilling
-        share the rest, at least one position. Only on the paged cache (the C layer computes a
-        token's keys the same in any call), for chains (a token tree's verification feeds every
-        row's tokens whole), while no observer scores the rounds (it reads every row's) and
-        where no head reads the target's features (not yet shown equal fed in chunks: a head's
-        prompt is fed whole, as before)."""
+        share the rest, at least one position. Only on the paged cache: the C layer computes a
+        token's keys and features the same in any call, so a head drafter (and an observer)
+        handed a prompt's features chunk by chunk (step: _hand_features of each chunk) holds
+        what one whole prefill hands it, and drafts the same after the last chunk (a row mid-
+        prompt drafts nothing and a head's catch-up computes each pair alike in any call;
+        tests/engine/test_engine_prefill_budget_heads.py). Trees too: a row mid-prompt feeds
+        its chunk as a chain (_verify_tree); observers skip it until its prompt is whole
+        (VerifiedRound.prefilling)."""
         budget = self.prefill_budget
-        tree = (self.drafter is not None and self.drafter.tree_capable
-                and self.engine.config.tree_width > 1)
-        if not budget or not self.paged or tree or self.engine.observers or self._wants_features:
+        if not budget or not self.paged:
             return {}
         uncached = [len(s.tokens) - n for s, n in zip(self.rows, self.target.lengths)]
         caps, left = {}, max(1, budget - sum(1 for n in uncached if n <= 1))
@@ -1029,6 +1030,17 @@ class Batch:
             if uncached[i] <= left:
                 left -= uncached[i]
             else:
+                # Never the prompt's last token alone for the next step: the row would count as
+                # decoding there, and a head would draft at its prompt's end from the features
+                # of all but its last position, a round a whole prefill never drafts (a head
+                # drafts first after the step that feeds a prompt's last token). Where one
+                # position is left (a cap of 0 could leave a step nothing to feed), both are
+                # fed: one position over the budget.
+                if uncached[i] - left == 1:
+                    if left == 1:
+                        left = 0           # (not capped: fed whole)
+                        continue
+                    left -= 1
                 caps[i], left = left, 0
         return caps
 
@@ -1143,7 +1155,7 @@ class Batch:
             outputs.append(self._emit(seq, new, logprobs))
         if eng.observers:   # they only read (batch_observer.py): shadow scoring
             verified = VerifiedRound(committed, self.first_logits, sampling, drafts, num, q,
-                                     accepted_l)
+                                     accepted_l, prefilling=frozenset(self._prefill_cap))
             for observer in eng.observers:
                 observer.after_round(self, verified)
         if self.prefix_caches:
@@ -1369,9 +1381,12 @@ class Batch:
         nums, sib_l, drafts_l = num.tolist(), siblings.tolist(), drafts.tolist()
         fed_siblings = [0 if copied and copied[i] else S for i in range(B)]
         feed, parents, pending = [], [], []
+        caps = self._prefill_cap
         for i, seq in enumerate(self.rows):
             m, n = len(seq.tokens) - self.target.lengths[i], nums[i]
-            tokens = seq.tokens[self.target.lengths[i]:] + drafts_l[i][:n]
+            if i in caps:        # its prompt's next chunk, a chain (it drafted nothing: n == 0)
+                m = caps[i]
+            tokens = seq.tokens[self.target.lengths[i]:self.target.lengths[i] + m] + drafts_l[i][:n]
             parent = [-1] * len(tokens)
             for j in range(n if fed_siblings[i] else 0):   # depth j's branch off the token before it
                 tokens += sib_l[i][j]

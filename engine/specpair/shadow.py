@@ -352,7 +352,8 @@ class ShadowScorer(BatchObserver):
 
     def after_round(self, batch, verified: VerifiedRound) -> None:
         self.observe(batch, verified.committed, verified.first_logits, verified.sampling,
-                     verified.drafts, verified.num, verified.q, verified.accepted)
+                     verified.drafts, verified.num, verified.q, verified.accepted,
+                     prefilling=verified.prefilling)
 
     def cache_bytes(self, batch) -> int:
         """A draft model's cache for the batch's shadowed rows (kept apart from the paged pool)."""
@@ -362,11 +363,14 @@ class ShadowScorer(BatchObserver):
     @torch.no_grad()
     def observe(self, batch, committed: list[int], first_logits: torch.Tensor, sampling: RowSampling,
                 drafts: torch.Tensor, num: torch.Tensor, q: torch.Tensor | None,
-                accepted: list[int]) -> None:
+                accepted: list[int], prefilling: frozenset = frozenset()) -> None:
         """After a verification: rows' lengths before it (`committed`), the target's logits
         [B, V] for each row's first position, the rows' sampling, the champion's drafts [B, K],
         their count [B], its q [B, K, V] (None: point masses) and what it accepted per row.
-        Rows have their new tokens; finished ones are still in the batch."""
+        Rows have their new tokens; finished ones are still in the batch. A row whose prompt
+        the step fed only in part (`prefilling`: the prefill budget's chunks) is drawn for the
+        share as it joins, but nothing is asked of it until its prompt is whole: its logits are
+        a chunk's, and a head candidate knows only the chunks' features so far."""
         state = self._state(batch)
         state.align(batch, committed)
         if not state.rows:
@@ -397,22 +401,27 @@ class ShadowScorer(BatchObserver):
                 if nums[i]:
                     champ = q[i, 0].float() if q is not None else one_hot(drafts[i, 0], p.shape[-1])
                     r.score.champion_alpha += float(torch.minimum(p[n], champ.to(p.device)).sum())
-        self._draft_rounds(state, committed, index, p, sampled)
+        waiting = {n for n, i in enumerate(index) if i in prefilling}
+        self._draft_rounds(state, committed, index, p, sampled, waiting)
         state.drafter.trim()      # a draft model's cache gives back what no row needs
         self._finish(state)
 
-    def _draft_rounds(self, state: _BatchShadow, committed, index, p, sampled) -> None:
+    def _draft_rounds(self, state: _BatchShadow, committed, index, p, sampled,
+                      waiting: set[int] = frozenset()) -> None:
         """Ask the candidate at every prefix due: once per sampled row (the step's round start),
-        and each greedy row's replayed rounds until they wait on tokens not yet committed."""
+        and each greedy row's replayed rounds until they wait on tokens not yet committed. The
+        rows `waiting` (their prompt fed in part) are asked nothing yet."""
         p_row = {id(r): n for n, (r, _) in enumerate(sampled)}
         due: dict[int, tuple[int, int]] = {}          # shadow row -> (prefix length, k)
         for n, r in enumerate(state.rows):
+            if n in waiting:
+                continue
             if (not r.replayed and committed[index[n]] >= r.v
                     and committed[index[n]] - len(r.seq.prompt_ids) < r.seq.params.max_new_tokens):
                 due[n] = (committed[index[n]], 1)
         while True:
             for n, r in enumerate(state.rows):
-                if r.replayed:
+                if r.replayed and n not in waiting:
                     self._judge(r)
                     if r.chain is None and n not in due and self._ready(r):
                         due[n] = (r.v, self._replay_k(r))
