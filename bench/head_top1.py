@@ -14,6 +14,11 @@ for SmolLM2's whole vocabulary); each figure is the least CPU time over --reps a
 
     python bench/head_top1.py --shape smollm2 --vocab 8192 49152 --rows 1 4 16
     python bench/head_top1.py --shape tiny      # the tests' head: seconds
+
+--engine: the rounds as the engine runs them instead: SmolLM2 (the model cache's) with an
+untrained EAGLE-3 head over each --vocab, k = 3, one thread, greedy replies to the first
+--prompts of bench/eagle3_prompts.jsonl, the drafter's propose() (every round: catch-up, drafts,
+LM heads, top-1) timed in CPU seconds, the fused top-1 on and off in turns; replies checked equal.
 """
 
 from __future__ import annotations
@@ -128,6 +133,56 @@ def measure(head, rows: int, context: int, reps: int) -> dict:
     return figures
 
 
+def engine_rounds(vocabs: list[int], n_prompts: int, max_tokens: int, turns: int) -> list:
+    """CPU seconds in the drafter's rounds, fused top-1 on and off in turns (module docstring)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from eagle3_vs_vllm import PROMPTS_FILE, our_side
+
+    from specpair.drafters.eagle3 import Eagle3Drafter
+
+    spent = {"rounds": 0, "cpu": 0.0}
+    propose = Eagle3Drafter.propose
+
+    def timed(self, *args, **kwargs):
+        start = time.process_time()
+        try:
+            return propose(self, *args, **kwargs)
+        finally:
+            spent["cpu"] += time.process_time() - start
+            spent["rounds"] += 1
+    Eagle3Drafter.propose = timed
+    fused_rule = Eagle3Drafter._top1_fused
+    runs = []
+    for vocab in vocabs:
+        _, _, prompts, reply = our_side("default", None, str(PROMPTS_FILE), n_prompts,
+                                        max_tokens, 3, draft_vocab=vocab)
+        figures = {"vocab": vocab, "fused": [], "unfused": []}
+        replies = {}
+        for turn in range(turns):
+            for fused in (True, False) if turn % 2 == 0 else (False, True):
+                Eagle3Drafter._top1_fused = (fused_rule if fused
+                                             else lambda self, sampling, width: False)
+                spent.update(rounds=0, cpu=0.0)
+                start = time.process_time()
+                got = [reply(ids).generated for ids in prompts]
+                total = time.process_time() - start
+                replies.setdefault(fused, got)
+                assert replies[fused] == got
+                figures["fused" if fused else "unfused"].append(
+                    {"rounds": spent["rounds"], "round_ms": round(spent["cpu"] / spent["rounds"]
+                                                                  * 1e3, 3),
+                     "tokens": sum(map(len, got)), "total_cpu_s": round(total, 3)})
+        Eagle3Drafter._top1_fused = fused_rule
+        figures["replies_equal"] = replies[True] == replies[False]
+        best = {k: min(r["round_ms"] for r in figures[k]) for k in ("fused", "unfused")}
+        figures["round_ms_min"] = best
+        figures["fused_over_unfused"] = round(best["fused"] / best["unfused"], 3)
+        print(json.dumps(figures), flush=True)
+        runs.append(figures)
+    Eagle3Drafter.propose = propose
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
@@ -137,10 +192,24 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--engine", action="store_true")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not cpu_kernels.available() or head_kernels.library() is None:
         sys.exit("the C kernels did not build")
+    if args.engine:
+        load = os.getloadavg()
+        runs = engine_rounds(args.vocab or [8192, 49152], args.prompts, args.max_tokens,
+                             args.turns)
+        print("load", load, "->", os.getloadavg())
+        if args.out:
+            Path(args.out).write_text(json.dumps({"engine": True, "load_before": load,
+                                                  "load_after": os.getloadavg(), "runs": runs},
+                                                 indent=1))
+        return
     vocabs = args.vocab or ([8192, 49152] if args.shape == "smollm2" else [200, 512])
     result = {"shape": args.shape, "context": args.context, "threads": 1,
               "load_before": os.getloadavg(), "runs": []}

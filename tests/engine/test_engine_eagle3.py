@@ -399,6 +399,40 @@ def test_the_heads_round_in_fixed_steps_drafts_what_the_row_by_row_round_does(ta
         assert [replies[i] for i in kept] == [target_only[i] for i in kept]
 
 
+@torch.no_grad()
+def test_the_kernels_greedy_drafts_are_the_argmax_of_the_logits_in_one_call_and_past_it(target):
+    """The C kernel's round takes greedy drafts from the layer's call (its fused top-1) where
+    the pairs and the picks fit one call, and from the standalone top-1 over the normed outputs
+    where either does not (70 pairs, 70 picks): every way the draft vocabulary's argmax of the
+    logits the LM head writes, mapped to target ids."""
+    from specpair import cpu_kernels
+    from specpair.drafters.head import draft_vocab_logits
+
+    head = wrap_model(build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4), seed=5),
+                      None, "head")
+    drafter = SpeculativeEngine(target, draft=head, kv="static").new_batch().drafter
+    assert drafter.kernel and drafter.layer_kernel.top1_applies()
+    width = cpu_kernels.MAX_TOKENS
+    rows = width + 6
+    drafter.add_rows(rows)
+    drafter.cache.reserve(4)
+    generator = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 400, (rows,), generator=generator)
+    hidden = torch.randn(rows, target.model.config.hidden_size, generator=generator)
+    for n, pick in ((rows, [rows - 1, 3, 3, 0, width]), (10, [3, 9, 0]),
+                    (10, [i % 10 for i in range(rows)])):
+        out, normed, none = drafter._kernel_steps(list(range(n)), ids[:n], hidden[:n], [1] * n)
+        assert none is None
+        picked = normed[pick]           # the logits the small-batch kernel writes, 64 rows a call
+        expected = drafter.draft_ids[torch.cat([
+            draft_vocab_logits(head.model, picked[a:a + width]).argmax(-1)
+            for a in range(0, len(pick), width)])]
+        got_out, got_normed, top = drafter._kernel_steps(list(range(n)), ids[:n], hidden[:n],
+                                                         [1] * n, pick)
+        assert torch.equal(got_out, out) and torch.equal(got_normed, normed)
+        assert torch.equal(top, expected)
+
+
 def test_a_sampled_round_on_the_c_kernel_draws_from_the_whole_logits_row(target):
     """Sampled drafting (temperature > 0) needs q, the head's whole distribution, so the C
     kernel's round keeps the logits row there (no fused top-1): it proposes what the row-by-row
