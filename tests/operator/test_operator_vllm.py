@@ -16,9 +16,12 @@ Tensor parallel 2 is served by the vLLM start of tests/engine/test_engine_vllm_p
 parallel 2 each start here took 7-10 min under load and KEDA's second pod missed its 600 s.
 
 The same pods then go through what a platform team does to a vLLM pair (one vLLM release shared,
-issue 53): real KEDA scales it 1 -> 2 -> 1 on vLLM's own `vllm:num_requests_running`, which a
-real Prometheus scrapes from the pods through the chart's ServiceMonitor, with no request lost;
-then its sampled traffic collapses the acceptance of one category, the drift ladder turns
+issue 53): served one request at a time (rollout.maxBatchSize: vLLM's --max-num-seqs), so a few
+clients make a queue in vLLM, real KEDA scales it 1 -> 2 -> 1 on the acceptance-aware capacity
+signal (effectiveLoad) computed from vLLM's own `vllm:num_requests_waiting`, generation and
+accepted-token counters, which a real Prometheus scrapes from the pods through the chart's
+ServiceMonitor: greedy (every draft accepted) the queue stays under the target; sampled hot, the
+same queue is over it. No request lost. Then its sampled traffic collapses the acceptance of one category, the drift ladder turns
 speculation off, and the pods are replaced by target-only ones (a surge: no GPU) while clients
 stream through the switch: zero failed requests.
 
@@ -176,6 +179,8 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
                "stringData": {"token": TOKEN}})
     pair = vllm_pair(name, models["target"], {"source": models["head"], "method": "eagle3"})
     pair["spec"]["rollout"]["auth"] = {"tokenSecretRef": {"name": "serving-token"}}
+    # One request in vLLM's running batch at a time: a few clients make a queue (the autoscaling).
+    pair["spec"]["rollout"]["maxBatchSize"] = MAX_BATCH
     # A draft whose tokenizer differs, applied beside it: its gate fails from the tokenizer files
     # alone, before any vLLM starts, while the first pair's gate runs.
     other = f"vx-{uuid.uuid4().hex[:5]}"
@@ -192,6 +197,7 @@ def test_a_vllm_release_is_gated_promoted_served_and_watched_with_real_vllm(vllm
         (pod,) = [p for p in ns.pods("specpair.io/role=engine") if not p["metadata"].get("deletionTimestamp")]
         vllm, companion = pod["spec"]["containers"]
         assert vllm["command"][:3] == ["python", "-m", "specpair.vllm_serve"] and "--uds" in vllm["command"]
+        assert vllm["command"][vllm["command"].index("--max-num-seqs") + 1] == str(MAX_BATCH)
         assert companion["command"][:3] == ["python", "-m", "specpair.vllm_companion"]
         # The pod serves the release as gated: the EAGLE-3 head (vLLM's own method name).
         served = json.loads(pod["metadata"]["annotations"]["specpair.io/release"])
@@ -313,9 +319,18 @@ def post_completion(ip: str, model: str, token: str | None) -> int:
         return exc.code
 
 
-# Requests running per replica the pair is sized for, and the streams of the burst: KEDA's HPA
-# wants ceil(3 / 1) = 3 replicas, capped at 2.
-TARGET_RUNNING, BURST_STREAMS, MAX_REPLICAS = 1, 3, 2
+# vLLM's running batch, set low (rollout.maxBatchSize 1: vLLM's --max-num-seqs) so that a few
+# clients make a queue (vLLM admits up to its max_num_seqs, 256 by default, into the batch). Then
+# the effective load (requests waiting over the tokens a step yields at the live acceptance) on
+# vLLM's own series, BURST_STREAMS clients and a target of EFFECTIVE_TARGET a replica: at most
+# BURST_STREAMS - 1 = 4 wait. Greedy, every draft of the head is accepted (k 3: ~4 tokens a step;
+# the wait below asks 2.5 before KEDA reads it), so 4 waiting are a load of 1.6 at most, under the
+# target with the HPA's 10% tolerance (2.2); sampled at temperature 2 a step yields ~1.1 (the
+# token itself has p ~ 0.11), so the same 4 waiting are ~3.6, over it: KEDA scales to 2.
+MAX_BATCH, BURST_STREAMS, EFFECTIVE_TARGET, MAX_REPLICAS, GOOD_SECONDS = 1, 5, 2, 2, 20
+# No category: the default one the gate did not measure, so drift does not judge this traffic.
+BURST_REQUEST = {"prompt": "one two three four five six seven eight", "max_tokens": 200,
+                 "extra_body": {"ignore_eos": True}}
 
 
 def start_seconds(pod: dict[str, Any]) -> float:
@@ -333,59 +348,126 @@ def serving_pods(ns, name: str) -> list[dict[str, Any]]:
 
 
 def keda_scales_the_pair_on_vllms_own_series(ns, name: str, streams: Streams, prom, keda, started: list[str]) -> str:
-    """rollout.autoscaling (runningRequests) on a vLLM pair: the operator writes a ScaledObject
-    whose query sums vLLM's own `vllm:num_requests_running` over the pair's pods; Prometheus
-    scrapes it from the pods' `metrics` port (the chart's ServiceMonitor); KEDA's HPA scales the
-    pair 1 -> 2 under a burst and back to 1 without it, the new pod serving the same release (no
-    gate, no history entry), and no client request fails."""
+    """rollout.autoscaling on a vLLM pair, on the capacity signal (effectiveLoad): the operator
+    writes a ScaledObject whose query reads vLLM's own `vllm:num_requests_waiting`,
+    `vllm:generation_tokens_total` and `vllm:spec_decode_num_accepted_tokens_total` over the
+    pair's pods; Prometheus scrapes them from the pods' `metrics` port (the chart's
+    ServiceMonitor). Every signal's vLLM query finds its series on the real pod. With a queue
+    (rollout.maxBatchSize 1: one request runs, the rest wait in vLLM) and every draft accepted, the
+    load stays under the target: one replica. The same clients then sample hot, acceptance
+    collapses, the queue is no longer than before, and KEDA's HPA scales the pair 1 -> 2 (the new
+    pod serving the same release: no gate, no history entry), then back to 1 without the
+    clients; no client request fails."""
+    from specpair_operator.desired import autoscaling
+
     history = ns.pair(name)["status"].get("history")
+    queries = {metric: autoscaling.query(name, ns.name, metric, autoscaling.VLLM) for metric in autoscaling.SIGNALS}
+    emitted = f"sum(rate(vllm:generation_tokens_total{{{autoscaling.selector(name, ns.name, autoscaling.VLLM)}}}[1m]))"
+    accepted = emitted.replace("vllm:generation_tokens_total", "vllm:spec_decode_num_accepted_tokens_total")
+    per_step = f"{emitted} / ({emitted} - {accepted} > 0)"
+
+    def value(expr: str) -> float | None:
+        got = prom.query(expr)
+        return float(got[0]["value"][1]) if got else None
+
+    def sample() -> dict[str, Any]:
+        return {"queue": value(queries["queueLength"]), "running": value(queries["runningRequests"]),
+                "effective": value(queries["effectiveLoad"]), "perStep": value(per_step), "keda": hpa_value(ns),
+                "replicas": ns.pair(name)["spec"]["rollout"].get("replicas") or 1}
+
+    greedy = streams.run(BURST_STREAMS, model=name, temperature=0, **BURST_REQUEST)
+
+    def full_acceptance() -> bool:
+        assert not streams.failed, streams.failed[:3]
+        # ~4 in the pod (k 3); 2.5 keeps 4 waiting under the target (1.6). Until Prometheus has
+        # the live acceptance a step counts one token (`or vector(1)`): KEDA must not read that.
+        return (value(per_step) or 0) >= 2.5
+    prom.wait_for("tokens per step at full acceptance, from vLLM's counters", full_acceptance, timeout=600)
+    # Each signal's vLLM series, as the operator would query it, is there on the real pod.
+    found = prom.wait_for("every signal's vLLM series", lambda: all(prom.query(q) for q in queries.values()),
+                          timeout=120)
+    assert found, queries
     ns.patch("specpair.io/v1alpha1", "SpecModelPair", name, {"spec": {"rollout": {"autoscaling": {
-        "minReplicas": 1, "maxReplicas": MAX_REPLICAS, "metric": "runningRequests", "target": TARGET_RUNNING,
-        "prometheusAddress": prom.url, "pollingIntervalSeconds": 1, "scaleDownStabilizationSeconds": 5}}}})
+        "minReplicas": 1, "maxReplicas": MAX_REPLICAS, "metric": "effectiveLoad", "target": EFFECTIVE_TARGET,
+        # A dip of the queue at two replicas (a client between two requests) must not take the
+        # second pod away while the clients still sample hot.
+        "prometheusAddress": prom.url, "pollingIntervalSeconds": 1, "scaleDownStabilizationSeconds": 60}}}})
     (scaled,) = ns.wait_for("the operator's ScaledObject", lambda: ns.list("keda.sh/v1alpha1", "scaledobjects"),
                             timeout=120)
     (trigger,) = scaled["spec"]["triggers"]
     query = trigger["metadata"]["query"]
-    assert query.startswith("sum(vllm:num_requests_running{") and f'model_name=~"specpair:{name}:.+"' in query, query
-    # Prometheus finds the pod on its `metrics` port and reads vLLM's series there.
-    prom.wait_for("vLLM's series scraped from the pod", lambda: prom.query(query), timeout=120)
+    assert query == queries["effectiveLoad"] and query.startswith("sum(vllm:num_requests_waiting{") and \
+        f'model_name=~"specpair:{name}:.+"' in query, query
     (hpa,) = ns.wait_for("KEDA's HPA", lambda: ns.list("autoscaling/v2", "horizontalpodautoscalers"), timeout=120)
     assert hpa["spec"]["scaleTargetRef"]["kind"] == "SpecModelPair"
-
-    # Long replies from every stream (no category: the default one the gate did not measure, so
-    # drift does not judge this traffic).
-    burst = streams.run(BURST_STREAMS, model=name, prompt="one two three four five six seven eight",
-                        max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+    ns.wait_for("KEDA's HPA reading the effective load", lambda: hpa_value(ns) is not None, timeout=300)
+    good = []
+    held_until = time.monotonic() + GOOD_SECONDS
+    while time.monotonic() < held_until:
+        good.append(sample())
+        time.sleep(1)
+    # vLLM ran one request at a time (its --max-num-seqs) and the others waited in its queue;
+    # at full acceptance the load they make stays under the target.
+    assert max(s["queue"] or 0 for s in good) >= 1 and max(s["running"] or 0 for s in good) == MAX_BATCH, good
+    assert all(s["replicas"] == 1 for s in good), good
+    # (A failed scrape leaves a sample without a reading: Prometheus marks the series stale.)
+    readings = [s["effective"] for s in good if s["effective"] is not None]
+    assert readings and max(readings) < EFFECTIVE_TARGET, good
+    greedy.set()
+    streams.stop_all()          # every greedy client done before a sampled one starts
+    streams.done.clear()
+    hot = streams.run(BURST_STREAMS, model=name, temperature=2.0, **BURST_REQUEST)
+    collapse: list[dict[str, Any]] = []
     replicas: list[int | None] = []
 
     def two_serving() -> bool:
-        obj = ns.pair(name)
-        replicas.append(obj["spec"]["rollout"].get("replicas"))
+        if MAX_REPLICAS not in replicas:      # sampled until KEDA scaled the pair
+            collapse.append(sample())
+            replicas.append(collapse[-1]["replicas"])
         pods = serving_pods(ns, name)
         return len(pods) == MAX_REPLICAS and \
             {p["metadata"]["labels"].get("specpair.io/release-version") for p in pods} == {"1"}
     # A second vLLM pod starts (tens of seconds; minutes on a busy machine). 900 s: KEDA's scale-up
-    # (a Prometheus scrape and a KEDA poll) comes out of the wait too, and in a fresh-clone run at
-    # fe6a41b (load 10-20, another devcluster test beside the suite) the pod, created during a
-    # 600 s wait, was Running, unrestarted and not yet ready at its end; the pod's own start budget
-    # (vllm_parallel.start_budget_seconds) is 600 s.
-    ns.wait_for("scaled to 2 and serving v1 on both", two_serving, timeout=900)
+    # (the acceptance falling in a 1-minute rate, a Prometheus scrape and a KEDA poll) comes out
+    # of the wait too, and in a fresh-clone run at fe6a41b (load 10-20, another devcluster test
+    # beside the suite) the pod, created during a 600 s wait, was Running, unrestarted and not yet
+    # ready at its end; the pod's own start budget (vllm_parallel.start_budget_seconds) is 600 s.
+    ns.wait_for("scaled to 2 on the effective load and serving v1 on both", two_serving, timeout=900)
     started.append(f"KEDA's pod {max(start_seconds(p) for p in serving_pods(ns, name))} s")
     assert MAX_REPLICAS in replicas, replicas
     ns.wait_for("both pods served a request", lambda: len(streams.served_by()) >= 2, timeout=300)
-    burst.set()
+    hot.set()
     ns.wait_for("scaled back to 1", lambda: ns.pair(name)["spec"]["rollout"].get("replicas") == 1 and
-                len([p for p in ns.pods(f"specpair.io/pair={name},specpair.io/role=engine")]) == 1, timeout=300)
+                len([p for p in ns.pods(f"specpair.io/pair={name},specpair.io/role=engine")]) == 1, timeout=400)
     streams.stop_all()
     obj = ns.pair(name)
     assert obj["status"].get("history") == history and obj["status"]["servingVersion"] == "1"
     assert not streams.failed, streams.failed[:5]
-    summary = (f"autoscaling: {len(streams.done)} requests served by {sorted(streams.served_by())}, none failed, "
-               f"{len(streams.refused)} refused by a pod going away and sent again")
+    # The queue never grew past what it was at full acceptance's most (one request runs, at most
+    # BURST_STREAMS - 1 wait): a queueLength autoscaler that did not scale then would not have
+    # scaled here. What changed is what a step yields (when KEDA's HPA scaled, with its 10%
+    # tolerance: at most 4 / 2.2 = 1.82 tokens, against 2.5 or more at full acceptance), and the
+    # load KEDA read.
+    assert all((s["queue"] or 0) <= BURST_STREAMS - 1 for s in good + collapse), collapse
+    collapsed = [s["perStep"] for s in collapse if s["perStep"] is not None]
+    full = [s["perStep"] for s in good if s["perStep"] is not None]
+    assert collapsed and full and collapsed[-1] < 0.8 * min(full), (good, collapse)
+    summary = (f"autoscaling on effectiveLoad: full acceptance {good[-1]}; at scale-out {collapse[-1]}; "
+               f"{len(collapse)} samples to scale out; {len(streams.done)} hot requests served by "
+               f"{sorted(streams.served_by())}, none failed, {len(streams.refused)} refused by a pod going away "
+               "and sent again")
     # Autoscaling off again: the ScaledObject goes, the count stays where the HPA left it.
     ns.patch("specpair.io/v1alpha1", "SpecModelPair", name, {"spec": {"rollout": {"autoscaling": None}}})
     ns.wait_for("the ScaledObject removed", lambda: not ns.list("keda.sh/v1alpha1", "scaledobjects"), timeout=120)
     return summary
+
+
+def hpa_value(ns) -> float | None:
+    """The external metric KEDA's HPA last read for the pair (its average a replica), if any."""
+    hpas = ns.list("autoscaling/v2", "horizontalpodautoscalers")
+    current = [m["external"]["current"] for h in hpas for m in (h.get("status") or {}).get("currentMetrics") or []
+               if m.get("type") == "External"]
+    return _quantity(current[0]["averageValue"]) if current and "averageValue" in current[0] else None
 
 
 # Sampled at a high temperature from the repeating model, the token itself has p ~ 0.11: the
@@ -522,15 +604,9 @@ def test_effective_load_scales_a_pair_out_when_its_acceptance_collapses_before_i
         got = prom.query(expr)
         return float(got[0]["value"][1]) if got else None
 
-    def hpa_value() -> float | None:
-        hpas = ns.list("autoscaling/v2", "horizontalpodautoscalers")
-        current = [m["external"]["current"] for h in hpas for m in (h.get("status") or {}).get("currentMetrics") or []
-                   if m.get("type") == "External"]
-        return _quantity(current[0]["averageValue"]) if current and "averageValue" in current[0] else None
-
     def sample() -> dict[str, Any]:
         return {"queue": value(queue), "effective": value(effective), "perStep": value(per_step),
-                "keda": hpa_value(), "replicas": ns.pair(name)["spec"]["rollout"].get("replicas") or 1}
+                "keda": hpa_value(ns), "replicas": ns.pair(name)["spec"]["rollout"].get("replicas") or 1}
 
     with KopfRunner(OPERATOR, timeout=60) as runner:
         ns.create(pair)
@@ -553,7 +629,7 @@ def test_effective_load_scales_a_pair_out_when_its_acceptance_collapses_before_i
             (scaled,) = ns.wait_for("the operator's ScaledObject", lambda: ns.list("keda.sh/v1alpha1", "scaledobjects"),
                                     timeout=120)
             assert [t["metadata"]["query"] for t in scaled["spec"]["triggers"]] == [effective]
-            ns.wait_for("KEDA's HPA reading the effective load", lambda: hpa_value() is not None, timeout=300)
+            ns.wait_for("KEDA's HPA reading the effective load", lambda: hpa_value(ns) is not None, timeout=300)
             good = []
             held_until = time.monotonic() + GOOD_HOLD_SECONDS
             while time.monotonic() < held_until:
