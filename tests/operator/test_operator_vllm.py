@@ -320,7 +320,7 @@ def post_completion(ip: str, model: str, token: str | None) -> int:
 
 
 # vLLM's running batch, set low (rollout.maxBatchSize 1: vLLM's --max-num-seqs) so that a few
-# clients make a queue (vLLM admits up to its max_num_seqs, 256 by default, into the batch). Then
+# clients make a queue (vLLM admits up to its max_num_seqs, 128 by default on the CPU). Then
 # the effective load (requests waiting over the tokens a step yields at the live acceptance) on
 # vLLM's own series, BURST_STREAMS clients and a target of EFFECTIVE_TARGET a replica: at most
 # BURST_STREAMS - 1 = 4 wait. Greedy, every draft of the head is accepted (k 3: ~4 tokens a step;
