@@ -26,7 +26,8 @@ test's pair chooses its golden prompts: the client's two, with a floor on 'code'
 To the registered version: 115-151 s (load ~20); the whole road, devcluster start included:
 167 s / 77 CPU-s user + 13 sys for pytest and its children at load ~5, 264 s / 98 + 17 at load
 8-11, 327 s at load 12-16 (three passes in a row); with plain traffic 505 s at load 12-16 (the
-training Job 160 s of it), 150 user + 26 sys CPU-s.
+training Job 160 s of it), 150 user + 26 sys CPU-s; 742 s at load 13-33 (the devcluster's start
+143 s, the training Job 310 s).
 
 The second test, on the same cluster: spec.learning.schedule from a pre-written
 status.training.schedule.last (a run when due, none before), and a training Job that reaches its
@@ -103,7 +104,8 @@ def hostpath_claim(ns, name: str, folder: Path) -> str:
 
 # The devcluster's start counts in the first test of the file to use it (the file starts early,
 # tests/conftest.py LONGEST_FIRST), and the training Job trains for minutes under load: 505 s for
-# the file at load 12-16 (this test ~400 s of it), one 600 s timeout at load 50-81.
+# the file at load 12-16 (this test ~400 s of it), 742 s for this test at load 13-33 (start 143 s
+# of it), one 600 s timeout at load 50-81.
 @pytest.mark.timeout(1200)
 def test_a_category_that_drifts_and_cannot_roll_back_trains_a_draft_only_release_from_its_traffic(
         operator_env, ns, mlflow_server, model_dirs, tiny_tokenizer, devcluster, tmp_path):
@@ -251,7 +253,7 @@ def test_a_scheduled_training_starts_when_due_not_before_and_one_out_of_time_cha
     can time. The operator then says why (TrainingTimedOut, the `Learning` condition) and changes
     nothing serving: the same release, pod and Deployment, no new model version; later passes
     (a spec edit's generation observed) start no second Job for the slot.
-    Some 100-150 s (quiet: gate and pod ~30 s, the deadline 60 s)."""
+    126 s at load 8-20, 112 s at load 25-33 (v1 serving 44-53 s, the deadline 61 s)."""
     from specpair_operator.desired import manifests
     from specpair_operator.desired import training_job
 
