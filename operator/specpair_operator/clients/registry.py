@@ -9,8 +9,10 @@ in-call retry, and the caller (the reconcile loop) backs off between attempts.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
+import sys
 import tempfile
 import time
 from typing import Any, Callable, TypeVar
@@ -20,6 +22,27 @@ from specpair_operator.release import content as release_mod
 # Must be set before mlflow builds its HTTP session.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+# Before every request MLflow's client asks whether it runs inside Databricks (its request header
+# providers): it imports dbruntime, IPython and pyspark each time, and an import that failed is
+# searched for again along the whole sys.path. That was 0.43 ms of CPU a request (0.04 ms once
+# these answer at once), and 17% of the operator's samples while 240 pairs were being brought up
+# (2026-12-07e). Those not installed are recorded absent (None in sys.modules), once: importing
+# them still fails, at once, as it would after the search.
+DATABRICKS_PROBED_MODULES = ("dbruntime", "IPython", "pyspark")
+
+
+def answer_absent_modules_at_once(names: tuple[str, ...] = DATABRICKS_PROBED_MODULES) -> list[str]:
+    """Records each of `names` that is not installed as absent; returns those it recorded."""
+    recorded = []
+    for name in names:
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            sys.modules[name] = None  # type: ignore[assignment]  (the import system's "absent")
+            recorded.append(name)
+    return recorded
+
+
+answer_absent_modules_at_once()
 
 from mlflow import MlflowClient  # noqa: E402
 from mlflow.entities import LoggedModelStatus, Metric, Param  # noqa: E402
