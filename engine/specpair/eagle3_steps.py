@@ -186,7 +186,9 @@ class Eagle3DraftStep(_Recorded):
             h = eagle3_layer(head.layer, embeds, self.hidden, cos.unsqueeze(1), sin.unsqueeze(1),
                              every, self.positions, self.slots, kc, vc)
             logits = draft_vocab_logits(head, head.norm(h[:, 0]))               # [R, Vd]
-            top = draft_ids[logits.topk(width, dim=-1).indices]                # [R, width]
+            # a chain's draft: the argmax (ties to the lowest index, as the CPU's rounds)
+            top = draft_ids[logits.argmax(-1, keepdim=True) if width == 1
+                            else logits.topk(width, dim=-1).indices]           # [R, width]
             self.drafted.scatter_(1, at, top.unsqueeze(1))
             self.ids.copy_(top[:, :1])
             self.hidden.copy_(h)
