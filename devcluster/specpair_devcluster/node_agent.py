@@ -92,6 +92,9 @@ HEARTBEAT_SECONDS = 10
 # kept the API servers of a test run busy answering the nodes.
 SYNC_SECONDS = 2.0
 WATCH_SECONDS = 30
+# A running container's process is looked at for an exit at least this often by default, and
+# its supervisor never sleeps less (NodeSpec.exit_poll_seconds, supervise_wait).
+EXIT_POLL_SECONDS = 0.2
 
 
 def now_iso() -> str:
@@ -121,13 +124,17 @@ class NodeSpec:
     # How often a running container's process is looked at for an exit between its probes: an
     # exit is noticed this late at most (a deletion at once). Each look wakes the pod's thread;
     # a node holding hundreds of idle pods (bench/operator_scale.py) looks less often.
-    exit_poll_seconds: float = 0.2
+    exit_poll_seconds: float = EXIT_POLL_SECONDS
     # gRPC probes keep their connection open between looks, per container and port, instead of
     # dialling each time as a kubelet does: a channel's set-up costs ~0.5 ms of CPU on each end,
     # and 1,000 engine pods are probed ~250 times a second. A connection is kept only after a
     # probe that succeeded on it; a failed probe drops it, so the next one dials afresh (a kept
     # channel that failed would wait out gRPC's reconnect back-off, up to minutes).
     probe_connections_kept: bool = False
+    # How often the node lists its pods when no watch event woke it (SYNC_SECONDS): the backstop
+    # for a watch that broke. A list of 250 pods is MBs for the API server to write and the node
+    # to parse; a node of hundreds of idle pods (bench/operator_scale.py) may list less often.
+    sync_seconds: float = SYNC_SECONDS
 
 
 @dataclass
@@ -334,7 +341,7 @@ class NodeAgent:
                 self.sync()
             except Exception as exc:  # noqa: BLE001 - keep the node alive; report on stop
                 self.errors.append(f"sync: {type(exc).__name__}: {exc}")
-            self.pods_changed.wait(SYNC_SECONDS)
+            self.pods_changed.wait(self.spec.sync_seconds)
 
     def _watch_loop(self) -> None:
         """Wake the sync loop whenever a pod of this node changes, as a kubelet's watch does. Its
@@ -507,15 +514,15 @@ def supervise_wait(now: float, started: bool, startup: Probe, readiness: Probe, 
                    poll: float | None, exit_poll: float) -> float:
     """How long a running container's supervisor sleeps before its next look: until the next
     probe is due (as PodWorker._supervise asks them) or the next look for an exit, whichever
-    comes first, but never less than 0.2 s (or `exit_poll`, if less), so that at the default
-    `exit_poll` of 0.2 s every sleep is 0.2 s, as it always was."""
+    comes first, but never less than EXIT_POLL_SECONDS (or `exit_poll`, if less), so that at the
+    default `exit_poll` every sleep is EXIT_POLL_SECONDS (0.2 s), as it always was."""
     if not started:
         due = startup.next_look(poll)
     else:
         due = readiness.next_look(poll if readiness.spec is not None else None)
         if liveness.spec is not None:
             due = min(due, liveness.next_look(None))
-    return max(min(exit_poll, 0.2), min(exit_poll, due - now))
+    return max(min(exit_poll, EXIT_POLL_SECONDS), min(exit_poll, due - now))
 
 
 class PodWorker:
