@@ -3,9 +3,13 @@ the pair as the API server holds it and its clean-up Job as read.
 
 A pair that captures (spec.learning.enabled, a claim named) and does not keep its capture
 (keepOnDelete) carries the finalizer CAPTURE_FINALIZER; once it is being deleted, a Job deletes
-its folder on the claim, and the finalizer goes when that Job succeeded. Each answer holds from
-any state the last pass left (the finalizer added or not, the Job created or not, finished or
-not), so an operator killed anywhere on the way converges on its next pass.
+its folder on the claim, and the finalizer goes when that Job succeeded. The Job runs only once
+the pair's engine pods are gone: they capture until they stop (a shard closes every 60 s or 256
+records, and one more as a pod stops), and they go by garbage collection only after the
+finalizer, so a pod still serving would write the folder again after the Job deleted it. Each
+answer holds from any state the last pass left (the engines scaled down or not, their pods gone
+or not, the finalizer added or not, the Job created or not, finished or not), so an operator
+killed anywhere on the way converges on its next pass.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any, Mapping
 from specpair_operator.desired.learning import ANN_PAIR_UID, CAPTURE_FINALIZER, Learning, capture_dir
 
 NONE, ADD_FINALIZER, REMOVE_FINALIZER, CREATE_JOB, WAIT = "none", "add-finalizer", "remove-finalizer", "create-job", "wait"
+# Scale the pair's engine Deployments (CleanupStep.scale_down) to 0 replicas.
+STOP_ENGINES = "stop-engines"
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,8 @@ class CleanupStep:
     action: str
     # The Event that says so: (type, reason, message); None: nothing to say (waiting, nothing to do).
     event: tuple[str, str, str] | None = None
+    # STOP_ENGINES: the engine Deployments to scale to 0 replicas, by name.
+    scale_down: tuple[str, ...] = ()
 
 
 def _job_state(job: Mapping[str, Any] | None) -> str:
@@ -39,10 +47,13 @@ def _job_state(job: Mapping[str, Any] | None) -> str:
 
 
 def decide(pair: Mapping[str, Any], job: Mapping[str, Any] | None = None,
-           namespace_terminating: bool = False) -> CleanupStep:
+           namespace_terminating: bool = False, *, engines: Mapping[str, int] | None = None,
+           engine_pods: int = 0) -> CleanupStep:
     """The next step for `pair` (its body); `job`: its clean-up Job as read (None: absent);
     `namespace_terminating`: the API server refused to create the Job because the namespace is
-    being deleted (its claim goes with it)."""
+    being deleted (its claim goes with it); `engines`: the pair's engine Deployments (champion
+    and canary) as read, name -> spec.replicas; `engine_pods`: its engine pods that still exist,
+    running or terminating (a stopping pod closes its last shard)."""
     meta = pair.get("metadata") or {}
     name = meta.get("name", "")
     has = CAPTURE_FINALIZER in (meta.get("finalizers") or [])
@@ -70,6 +81,17 @@ def decide(pair: Mapping[str, Any], job: Mapping[str, Any] | None = None,
         return CleanupStep(REMOVE_FINALIZER, ("Normal", "CaptureCleanupSkipped",
                                               "the namespace is being deleted, with the claim the captured "
                                               "traffic is on: no clean-up Job can run in it"))
+    # No pod may capture once the Job has deleted the folder: the engines first, scaled to 0
+    # (the pair's own pass, which would scale them back, no longer runs for a pair being
+    # deleted; its autoscaler scales the pair, not the Deployments), then the Job once their
+    # last pod is gone.
+    running = tuple(sorted(name for name, replicas in (engines or {}).items() if replicas > 0))
+    if running:
+        return CleanupStep(STOP_ENGINES, ("Normal", "CaptureEnginesStopping",
+                                          f"scaling {', '.join(running)} to 0 replicas: their pods capture until "
+                                          f"they stop, so {where} is deleted once none is left"), running)
+    if engine_pods:
+        return CleanupStep(WAIT)
     if job is not None and (job.get("metadata") or {}).get("annotations", {}).get(ANN_PAIR_UID) != meta.get("uid"):
         return CleanupStep(WAIT, ("Warning", "CaptureCleanupBlocked",
                                   f"Job {job['metadata'].get('name')} is not this pair's clean-up; "
