@@ -1,5 +1,6 @@
 """Carries out plan/capture_cleanup.py's step for one pair: its finalizer added or removed (a JSON
-patch that tests what it removes), its clean-up Job created, an Event for each (docs/learning.md).
+patch that tests what it removes), its engine Deployments scaled to 0 replicas, its clean-up Job
+created once their pods are gone, an Event for each (docs/learning.md).
 Called by the periodic loop for every pair, deleting ones included (handlers.py)."""
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from typing import Any
 
 from specpair_operator.clients.kube import Kube, KubeError
 from specpair_operator.desired.learning import CAPTURE_FINALIZER, Learning, capture_cleanup_job, cleanup_job_name
-from specpair_operator.desired.manifests import PodDefaults
+from specpair_operator.desired.manifests import PodDefaults, engine_selector
+from specpair_operator.desired.ownership import owns
 from specpair_operator.plan import capture_cleanup as plan
 
 log = logging.getLogger("specpair.operator.capture")
@@ -33,10 +35,21 @@ def _terminating(exc: KubeError) -> bool:
 async def converge(kube: Kube, body: dict[str, Any], defaults: PodDefaults = PodDefaults()) -> plan.CleanupStep:
     meta = body["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
-    job = None
+    job, engines, engine_pods = None, {}, 0
     if meta.get("deletionTimestamp") and CAPTURE_FINALIZER in (meta.get("finalizers") or []):
         job = await kube.get("batch/v1", "jobs", namespace, cleanup_job_name(name, uid))
-    step = plan.decide(body, job)
+        selector = ",".join(f"{k}={v}" for k, v in engine_selector(name).items())
+        engines = {d["metadata"]["name"]: int((d.get("spec") or {}).get("replicas", 1))
+                   for d in await kube.list("apps/v1", "deployments", namespace, selector) if owns(uid, d)}
+        engine_pods = len(await kube.list("v1", "pods", namespace, selector))
+    step = plan.decide(body, job, engines=engines, engine_pods=engine_pods)
+    if step.action == plan.STOP_ENGINES:
+        for deployment in step.scale_down:
+            try:
+                await kube.merge_patch("apps/v1", "deployments", namespace, deployment, {"spec": {"replicas": 0}})
+            except KubeError as exc:
+                if exc.status != 404:   # gone meanwhile: stopped all the same
+                    raise
     if step.action == plan.CREATE_JOB:
         learning = Learning.from_spec(body.get("spec") or {})
         try:
@@ -45,7 +58,7 @@ async def converge(kube: Kube, body: dict[str, Any], defaults: PodDefaults = Pod
         except KubeError as exc:
             if not _terminating(exc):
                 raise
-            step = plan.decide(body, job, namespace_terminating=True)
+            step = plan.decide(body, job, namespace_terminating=True, engines=engines, engine_pods=engine_pods)
     # Only on the object as read (a test on its resourceVersion, or on the finalizer removed): the
     # body may be older than the pair (Kopf hands a pair's events to on_event only between its
     # handlers' runs, and on_change may run for minutes), and a refused patch (422) is decided
