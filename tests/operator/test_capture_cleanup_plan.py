@@ -64,15 +64,53 @@ def test_the_decision(what, body, live_job, action, reason):
     assert (step.action, step.event and step.event[1]) == (action, reason), what
 
 
+DELETING = pair(CAPTURING, [CAPTURE_FINALIZER], True)
+ENGINE, CANARY = "chat-engine", "chat-engine-canary"
+
+
+@pytest.mark.parametrize("what, live_job, engines, pods, action, reason, scaled", [
+    # Each row fails on the old order (the Job at once, the finalizer off when it succeeded):
+    # an engine pod still serving writes the pair's folder again after the Job deleted it.
+    ("engines serving: scaled to 0 first, no clean-up yet", None, {ENGINE: 2}, 2, plan.STOP_ENGINES,
+     "CaptureEnginesStopping", (ENGINE,)),
+    ("a canary beside the champion: both", None, {ENGINE: 1, CANARY: 1}, 2, plan.STOP_ENGINES,
+     "CaptureEnginesStopping", (ENGINE, CANARY)),
+    ("only the ones not yet at 0", None, {ENGINE: 0, CANARY: 1}, 3, plan.STOP_ENGINES, "CaptureEnginesStopping",
+     (CANARY,)),
+    ("scaled to 0, pods still stopping: no clean-up yet", None, {ENGINE: 0}, 1, plan.WAIT, None, ()),
+    ("no pod left: the clean-up Job", None, {ENGINE: 0}, 0, plan.CREATE_JOB, "CaptureCleanupStarted", ()),
+    ("Deployments gone, no pod: the clean-up Job", None, {}, 0, plan.CREATE_JOB, "CaptureCleanupStarted", ()),
+    ("clean-up done, no pod: the finalizer goes", job("Complete"), {ENGINE: 0}, 0, plan.REMOVE_FINALIZER,
+     "CaptureDeleted", ()),
+    # Scaled back up meanwhile (by hand): stopped again before the finalizer goes.
+    ("clean-up done, an engine back: stopped again", job("Complete"), {ENGINE: 1}, 1, plan.STOP_ENGINES,
+     "CaptureEnginesStopping", (ENGINE,)),
+    ("clean-up done, a pod still stopping: the finalizer stays", job("Complete"), {ENGINE: 0}, 1, plan.WAIT,
+     None, ()),
+])
+def test_the_clean_up_waits_for_the_engines_to_stop(what, live_job, engines, pods, action, reason, scaled):
+    step = plan.decide(DELETING, live_job, engines=engines, engine_pods=pods)
+    assert (step.action, step.event and step.event[1], step.scale_down) == (action, reason, scaled), what
+
+
+def test_engines_are_left_serving_until_the_pair_is_deleted_and_when_its_capture_is_kept():
+    assert plan.decide(pair(CAPTURING, [CAPTURE_FINALIZER]), None, engines={ENGINE: 2}, engine_pods=2).action == plan.NONE
+    kept = pair({**CAPTURING, "keepOnDelete": True}, [CAPTURE_FINALIZER], True)
+    assert plan.decide(kept, None, engines={ENGINE: 2}, engine_pods=2).action == plan.REMOVE_FINALIZER
+
+
 def test_a_namespace_being_deleted_lets_the_pair_go_with_its_claim():
     step = plan.decide(pair(CAPTURING, [CAPTURE_FINALIZER], True), None, namespace_terminating=True)
     assert (step.action, step.event[1]) == (plan.REMOVE_FINALIZER, "CaptureCleanupSkipped")
 
 
 def apply(step, state):
-    """What the operator's write of `step` leaves in the API server (the pair and its Job)."""
+    """What the operator's write of `step` leaves in the API server (the pair, its Job, its
+    engines' replicas)."""
     fin = state["pair"]["metadata"]["finalizers"]
-    if step.action == plan.ADD_FINALIZER:
+    if step.action == plan.STOP_ENGINES:
+        state["engines"].update({name: 0 for name in step.scale_down})
+    elif step.action == plan.ADD_FINALIZER:
         fin.append(CAPTURE_FINALIZER)
     elif step.action == plan.REMOVE_FINALIZER:
         fin.remove(CAPTURE_FINALIZER)
@@ -81,21 +119,25 @@ def apply(step, state):
 
 
 def test_each_write_happens_once_whatever_pass_reads_what_the_last_one_left():
-    """The pair is armed, deleted, its Job runs and succeeds. Every pass reads the state afresh
-    (an operator killed after any write loses only that pass's Event): a write, once visible, is
-    never asked for again, and the pair ends without the finalizer."""
-    state = {"pair": pair(CAPTURING), "job": None}
-    writes = []
-    for n in range(12):
+    """The pair is armed, deleted, its engines scaled down, their pods stop, its Job runs and
+    succeeds. Every pass reads the state afresh (an operator killed after any write loses only
+    that pass's Event): a write, once visible, is never asked for again, no Job exists while an
+    engine pod does, and the pair ends without the finalizer."""
+    state = {"pair": pair(CAPTURING), "job": None, "engines": {"chat-engine": 2}}
+    writes, pods = [], 2
+    for n in range(16):
         if n == 3:
             state["pair"]["metadata"]["deletionTimestamp"] = "2026-12-07T05:00:00Z"
-        if n == 6 and state["job"] is not None:
+        if 6 <= n and state["engines"]["chat-engine"] == 0:
+            pods = max(0, pods - 1)    # the Deployment's pods stop, one a pass
+        if n == 11 and state["job"] is not None:
             state["job"] = job("Complete")
-        step = plan.decide(state["pair"], state["job"])
-        if step.action in (plan.ADD_FINALIZER, plan.REMOVE_FINALIZER, plan.CREATE_JOB):
+        step = plan.decide(state["pair"], state["job"], engines=state["engines"], engine_pods=pods)
+        if step.action in (plan.ADD_FINALIZER, plan.REMOVE_FINALIZER, plan.CREATE_JOB, plan.STOP_ENGINES):
             apply(step, state)
             writes.append(step.action)
-    assert writes == [plan.ADD_FINALIZER, plan.CREATE_JOB, plan.REMOVE_FINALIZER]
+        assert not (state["job"] and pods), f"pass {n}: the clean-up Job beside a running engine pod"
+    assert writes == [plan.ADD_FINALIZER, plan.STOP_ENGINES, plan.CREATE_JOB, plan.REMOVE_FINALIZER]
     assert state["pair"]["metadata"]["finalizers"] == []
 
 
