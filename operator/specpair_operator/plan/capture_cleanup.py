@@ -4,9 +4,9 @@ the pair as the API server holds it and its clean-up Job as read.
 A pair that captures (spec.learning.enabled, a claim named) and does not keep its capture
 (keepOnDelete) carries the finalizer CAPTURE_FINALIZER; once it is being deleted, a Job deletes
 its folder on the claim, and the finalizer goes when that Job succeeded. The Job runs only once
-the pair's engine pods are gone: they capture until they stop (a shard closes every 60 s or 256
-records, and one more as a pod stops), and they go by garbage collection only after the
-finalizer, so a pod still serving would write the folder again after the Job deleted it. Each
+the pair's engine pods are gone: they capture what they serve until they stop, and they go by
+garbage collection only after the finalizer, so a pod opening its next shard (every 60 s or 256
+records) after the Job would create the folder again. Each
 answer holds from any state the last pass left (the engines scaled down or not, their pods gone
 or not, the finalizer added or not, the Job created or not, finished or not), so an operator
 killed anywhere on the way converges on its next pass.
@@ -53,7 +53,7 @@ def decide(pair: Mapping[str, Any], job: Mapping[str, Any] | None = None,
     `namespace_terminating`: the API server refused to create the Job because the namespace is
     being deleted (its claim goes with it); `engines`: the pair's engine Deployments (champion
     and canary) as read, name -> spec.replicas; `engine_pods`: its engine pods that still exist,
-    running or terminating (a stopping pod closes its last shard)."""
+    running or terminating (a stopping pod still finishes, and captures, the requests it drains)."""
     meta = pair.get("metadata") or {}
     name = meta.get("name", "")
     has = CAPTURE_FINALIZER in (meta.get("finalizers") or [])
