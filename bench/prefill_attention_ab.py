@@ -11,6 +11,7 @@ values summed over threads, output projection, gate/up, SiLU, down). Figures:
 docs/measurements/2026-12-07e-prefill-attention.md.
 
     OMP_WAIT_POLICY=passive python bench/prefill_attention_ab.py --base HEAD~1 --threads 1 2
+    ... --model ~/.cache/specpair/smollm2-135m-instruct-f32   # and the whole model, greedy tokens
     python bench/prefill_attention_ab.py --tiny       # seconds: a small shape
 
 Random weights and caches (the layer's speed is not its weights').
@@ -40,12 +41,12 @@ BLOCK = 16
 LAYERS = 30          # SmolLM2-135M's decoder layers
 
 
-def build_profiled_source(source: Path, out_dir: Path, name: str) -> ctypes.CDLL:
+def build_profiled_source(source: Path, out_dir: Path, name: str, *flags: str) -> ctypes.CDLL:
     import subprocess
 
     out = out_dir / f"{name}_profile.so"
-    subprocess.run([os.environ.get("CC") or "cc", *ck.FLAGS, "-DSPECPAIR_PROFILE", str(source),
-                    "-o", str(out)], check=True)
+    subprocess.run([os.environ.get("CC") or "cc", *ck.FLAGS, "-DSPECPAIR_PROFILE", *flags,
+                    str(source), "-o", str(out)], check=True)
     lib = _typed(ctypes.CDLL(str(out)))
     lib.specpair_profile.argtypes = [ctypes.c_void_p]
     lib.specpair_profile.restype = ctypes.c_int
@@ -79,6 +80,51 @@ def run_call(lib, case: dict, shape: dict, pool: tuple, a: int, b: int):
     return time.process_time() - cpu, time.perf_counter() - wall, h
 
 
+def model_prefill(libs: dict, model_dir: Path, positions: int, threads_list: list[int],
+                  repeats: int, new_tokens: int = 16) -> dict:
+    """The whole model (SmolLM2's real weights) on the paged cache: a prompt of `positions`
+    tokens (the HTTP bench's system prompt) prefilled with each library, alternated, the
+    process's CPU seconds of each prefill; then `new_tokens` greedy tokens from each cache, and
+    whether the last prompt position's logits and those tokens are the same under A and B."""
+    from http_load_bench import system_prompt
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specpair.paged_cache import PagedKVModel
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = tokenizer(system_prompt(positions * 2))["input_ids"][:positions]
+    out: dict = {"model": str(model_dir), "positions": len(prompt), "threads": {}}
+    for threads in threads_list:
+        torch.set_num_threads(threads)
+        spent = {k: [] for k in libs}
+        logits, tokens = {}, {}
+        for rep in range(repeats):
+            for k in (list(libs) if rep % 2 == 0 else list(reversed(libs))):
+                ck._LIB = libs[k]
+                kv = PagedKVModel(model, blocks=-(-positions // BLOCK) + new_tokens // BLOCK + 2)
+                kv.add_rows(1)
+                with torch.inference_mode():
+                    cpu, wall = time.process_time(), time.perf_counter()
+                    last = kv.extend([prompt])[0][-1]
+                    spent[k].append((time.process_time() - cpu, time.perf_counter() - wall))
+                    seq = [int(last.argmax())]
+                    for _ in range(new_tokens - 1):
+                        seq.append(int(kv.extend([[seq[-1]]])[0][-1].argmax()))
+                logits[k], tokens[k] = last, seq
+        row = {k: {"cpu_s_min": min(c for c, _ in v), "wall_s_min": min(w for _, w in v),
+                   "runs": v} for k, v in spent.items()}
+        row["logits_equal"] = torch.equal(logits["A"], logits["B"])
+        row["tokens_equal"] = tokens["A"] == tokens["B"]
+        row["tokens"] = tokens["B"]
+        out["threads"][threads] = row
+        print(f"model prefill, {len(prompt)} tokens, {threads} thread(s): A {row['A']['cpu_s_min']:.2f} "
+              f"CPU-s ({row['A']['wall_s_min']:.2f} s wall), B {row['B']['cpu_s_min']:.2f} CPU-s "
+              f"({row['B']['wall_s_min']:.2f} s wall); last logits bitwise {row['logits_equal']}, "
+              f"{new_tokens} greedy tokens equal {row['tokens_equal']}", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="git revision of the A kernel")
@@ -87,6 +133,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="prefills per library (least is said)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="also the whole model from this directory (e.g. ~/.cache/specpair/"
+                         "smollm2-135m-instruct-f32), its real weights")
+    ap.add_argument("--only-model", action="store_true", help="skip the one-layer figures")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     assert ck.available(), ck.status()
@@ -101,10 +151,16 @@ def main(argv=None) -> int:
         libs = {"A": build_at(args.base, Path(tmp)), "B": _typed(ck.library())}
         profiled = {}
         if not args.no_profile:
-            (Path(tmp) / "a").mkdir()
-            profiled["A"] = build_profiled_source(Path(tmp) / "cpu_kernels.c", Path(tmp) / "a", "A")
+            # The phases of B, and of B's source with every run through the one-row path
+            # (PROMPT_RUN past any call: the attention as before the prompt's chunks were
+            # grouped), both with B's clocks (CPU time; A's revision may time by wall clock).
+            profiled["one-row path"] = build_profiled_source(ck.SOURCE, Path(tmp), "rows",
+                                                             "-DPROMPT_RUN=1000000")
             profiled["B"] = build_profiled_source(ck.SOURCE, Path(tmp), "B")
-        for threads in args.threads:
+        if args.model:
+            report["model"] = model_prefill(libs, args.model.expanduser(), args.positions,
+                                            args.threads, args.repeats)
+        for threads in ([] if args.only_model else args.threads):
             torch.set_num_threads(threads)
             totals = {k: {"cpu": [], "wall": []} for k in libs}
             equal = True
@@ -137,7 +193,7 @@ def main(argv=None) -> int:
                     lib.specpair_profile(phases)
                     for j, p in enumerate(PHASES):
                         seen[p].append(phases[j])
-                row[k]["phases_s"] = {p: round(min(v), 4) for p, v in seen.items()}
+                row.setdefault(k, {})["phases_s"] = {p: round(min(v), 4) for p, v in seen.items()}
             report["threads"][threads] = row
             print(f"{threads} thread(s), {args.positions} positions, one layer: A {row['A']['cpu_s_min']:.3f}"
                   f" CPU-s ({row['A']['wall_s_min']:.3f} s wall), B {row['B']['cpu_s_min']:.3f} CPU-s "
@@ -152,7 +208,9 @@ def main(argv=None) -> int:
     report["load"].append(os.getloadavg())
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
-    return 0 if all(r["equal"] for r in report["threads"].values()) else 1
+    model_ok = all(r["logits_equal"] and r["tokens_equal"]
+                   for r in report.get("model", {}).get("threads", {}).values())
+    return 0 if model_ok and all(r["equal"] for r in report["threads"].values()) else 1
 
 
 if __name__ == "__main__":

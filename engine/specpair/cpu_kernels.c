@@ -506,8 +506,11 @@ static inline long run_end(const kv_rows *v, long p, long limit) {
    past n0 from anc, as weighted_sum), the sums copied into locals for the tile so that, with
    chunks a constant at the call (always inlined), they live in registers. */
 #define VALUE_TILE 64
-/* A run of at least this many tokens of one row (a prompt's chunk) is attended as a group. */
+/* A run of at least this many tokens of one row (a prompt's chunk) is attended as a group
+   (a measuring build may set it past MAX_TOKENS: every run through attend_run, as before). */
+#ifndef PROMPT_RUN
 #define PROMPT_RUN 16
+#endif
 static inline __attribute__((always_inline)) void
 accumulate_values(const float *s, const kv_rows *v, long a, long b, long n0, const long *anc,
                   int m, int chunks, v8 *acc) {
