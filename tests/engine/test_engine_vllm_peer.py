@@ -420,10 +420,11 @@ def drain_with_a_stream_in_flight(companion, model: str) -> dict:
 
 TENSOR_PARALLEL = 2
 TP2_START_TIMEOUT = 900
-# The pair whose engine pod the module serves: what a user writes (its target: the tiny model).
+# The pair whose engine pod the module serves: what a user writes (its target: the tiny model),
+# its serving port with TLS and a token.
 TP2_PAIR = {"engine": "vllm", "vllm": {"dtype": "float32"}, "draft": {"drafter": "ngram"},
             "speculation": {"k": 4}, "parallelism": {"tensor": TENSOR_PARALLEL},
-            "rollout": {"auth": {"tokenSecretRef": {"name": "serving-token"}}}}
+            "rollout": {"auth": {"tokenSecretRef": {"name": "serving-token"}}, "tls": {"enabled": True}}}
 
 
 def rendered_engine_pod(model_dir: Path, run: Path) -> dict:
@@ -432,7 +433,8 @@ def rendered_engine_pod(model_dir: Path, run: Path) -> dict:
     engine_objects.engine_deployment), with the pod's files laid out under `run` as the kubelet
     mounts them: the release file from the pod's annotation (the downward API), vLLM's socket
     folder. Returns its vLLM container's command and env with their paths moved under `run`,
-    the release file's content and the socket's path."""
+    the release file's content, the socket's path and the companion container's command (as
+    rendered)."""
     import sys
 
     from specpair.vllm_peer import default_python
@@ -445,7 +447,7 @@ def rendered_engine_pod(model_dir: Path, run: Path) -> dict:
     served = release_mod.with_mlflow(rel, "http://127.0.0.1:1", "peer", "3")
     pod = engine_objects.engine_deployment("peer", "t", served, "ab" * 32, "3", spec["rollout"],
                                            "http://127.0.0.1:1")["spec"]["template"]
-    vllm = pod["spec"]["containers"][0]
+    vllm, companion = pod["spec"]["containers"]
     release_file = run / manifests.RELEASE_FILE.lstrip("/")
     release_file.parent.mkdir(parents=True)
     release_file.write_text(pod["metadata"]["annotations"][manifests.ANN_RELEASE])
@@ -462,7 +464,69 @@ def rendered_engine_pod(model_dir: Path, run: Path) -> dict:
     # The image holds vLLM and specpair in one environment; here vLLM has a virtualenv of its own.
     env["SPECPAIR_VLLM_PYTHON"] = str(default_python())
     return {"argv": argv, "env": env, "release": json.loads(release_file.read_text()),
-            "socket": str(run / VLLM_SOCKET.lstrip("/"))}
+            "socket": str(run / VLLM_SOCKET.lstrip("/")), "companion": companion["command"]}
+
+
+def through_the_pairs_tls(pod: dict, run: Path, model: str) -> dict:
+    """The pair's rollout.tls against real vLLM: the pod's companion container run from its
+    rendered command (TLS with the pair's engine certificate as the operator issues it into the
+    Secret, the token Secret, free ports) on the pod's socket, in front of the module's vLLM. The
+    official client trusting only the Secret's ca.crt sends a greedy completion, whole and
+    streamed, over HTTPS; what a client trusting only the system's CAs, and one speaking
+    plaintext, get; the name the served certificate answers to. The companion stopped after."""
+    import socket
+    import ssl
+
+    import openai
+    import rendered_companion
+    from cryptography import x509
+
+    from specpair.vllm_peer import free_port
+    from specpair_operator.desired import manifests
+    from specpair_operator.desired import tls as tls_mod
+
+    service = manifests.engine_name("peer")
+    issued = rendered_companion.write_engine_secret(run, tls_mod.new_ca(), service, "t")
+    (run / manifests.AUTH_DIR.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    (run / manifests.AUTH_DIR.lstrip("/") / "token").write_text(COMPANION_TOKEN + "\n")
+    ports = {flag: free_port() for flag in rendered_companion.PORT_FLAGS}
+    argv = rendered_companion.local_argv(pod["companion"], run, ports)
+    base = f"https://127.0.0.1:{ports['--port']}"
+    ca_file = str(run / manifests.TLS_DIR.lstrip("/") / "ca.crt")
+    out: dict = {"argv": argv, "issued": x509.load_pem_x509_certificate(issued.cert_pem).serial_number}
+    proc = rendered_companion.start(argv, base)
+    try:
+        # The served certificate, verified against the Secret's CA for the Service's name.
+        with socket.create_connection(("127.0.0.1", ports["--port"]), timeout=30) as raw:
+            with ssl.create_default_context(cafile=ca_file).wrap_socket(
+                    raw, server_hostname=tls_mod.server_name(service, "t")) as conn:
+                out["served"] = x509.load_der_x509_certificate(conn.getpeercert(binary_form=True)).serial_number
+        by_ip = ssl.create_default_context(cafile=ca_file)
+        by_ip.check_hostname = False        # the chain is still verified; the name was checked above
+        extra = {"specpair": {"category": "code"}}
+        with openai.OpenAI(base_url=f"{base}/v1", api_key=COMPANION_TOKEN, max_retries=0, timeout=300,
+                           http_client=openai.DefaultHttpx2Client(verify=by_ip)) as client:
+            out["whole"] = client.completions.create(model=model, prompt=VLLM_PROMPTS[0], max_tokens=VLLM_MAX_TOKENS,
+                                                     temperature=0, extra_body=extra).choices[0].text
+            out["stream"] = "".join(c.choices[0].text for c in client.completions.create(
+                model=model, prompt=VLLM_PROMPTS[1], max_tokens=VLLM_MAX_TOKENS, temperature=0, stream=True,
+                extra_body=extra) if c.choices)
+        # The system's CAs do not know the operator's: the handshake fails, before any request.
+        with openai.OpenAI(base_url=f"{base}/v1", api_key=COMPANION_TOKEN, max_retries=0, timeout=60) as system:
+            try:
+                system.models.list()
+                out["system_cas"] = "answered"
+            except openai.APIConnectionError as exc:
+                out["system_cas"] = repr(exc.__cause__ or exc)
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{ports['--port']}/health", timeout=30)
+            out["plaintext"] = "answered"
+        except Exception as exc:     # noqa: BLE001 (the TLS port's answer to plaintext, whatever its form)
+            out["plaintext"] = repr(exc)
+    finally:
+        proc.terminate()
+        out["exit"] = proc.wait(120)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -508,6 +572,8 @@ def vllm_served(tiny_vllm_model, tmp_path_factory) -> dict:
         outs = [server.complete_greedy(ids, VLLM_MAX_TOKENS) for ids in prompts]
         counters = server.spec_decode_counters() - before
         out["structured"] = vllm_structured_golden.run_on(server)
+        # Before the in-process companion starts (it removes the drained marker this one leaves).
+        out["tls"] = through_the_pairs_tls(pod, run, identity)
         # The drain waits for the whole 256-token stream: past the pod's 25 s at tensor parallel 2
         # under load (~38 s at load 32).
         companion = Companion(CompanionOptions(upstream=f"unix:{pod['socket']}", port=0, pair="peer", version="3",
@@ -662,6 +728,28 @@ def test_the_companion_passes_replies_through_and_counts_vllms_own_acceptance_by
     drain = vllm_served["drain"]
     assert drain["health"] == 503 and drain["left"] == 0
     assert [u.completion_tokens for u in drain["usage"]] == [DRAIN_MAX_TOKENS]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1500)   # the module's vLLM start counts in the first test that uses it
+def test_the_pairs_tls_serves_real_vllm_to_a_client_that_verifies_the_operators_certificate(vllm_served):
+    """rollout.tls on a vLLM pair, in front of real vLLM (0.32, CPU, tensor parallel 2): the pod's
+    companion, run from the command the operator renders, serves HTTPS with the certificate the
+    operator issues (the one in the pair's Secret, for the engine Service's name). A client
+    trusting that Secret's ca.crt gets vLLM's greedy replies, whole and streamed, exactly as vLLM
+    answers them directly; a client trusting only the system's CAs fails the handshake, and
+    plaintext is refused. vLLM itself listens on the pod's Unix socket only, so TLS is the
+    companion's and vLLM's command has no --ssl-* flag."""
+    tls, direct = vllm_served["tls"], vllm_served["outs"]
+    argv = tls["argv"]
+    assert argv[argv.index("--tls-cert") + 1].endswith("/tls.crt") and "--auth-token-file" in argv
+    assert tls["served"] == tls["issued"]
+    assert tls["whole"] == direct[0].text and tls["stream"] == direct[1].text and direct[0].token_ids
+    assert "CERTIFICATE_VERIFY_FAILED" in tls["system_cas"], tls["system_cas"]
+    assert tls["plaintext"] != "answered", tls["plaintext"]
+    [vllm_argv] = vllm_served["vllm_argv"]
+    assert not [a for a in vllm_argv if a.startswith("--ssl")], vllm_argv
+    assert tls["exit"] == 0
 
 
 @pytest.mark.vllm

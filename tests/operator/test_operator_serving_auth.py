@@ -85,13 +85,10 @@ def test_a_vllm_pods_companion_serves_https_with_the_pairs_certificate_and_check
     served certificate answers to the Service's name; the kubelet's probe (HTTPS, unverified,
     no token) reads /health; plaintext and a missing token are refused; a certificate the
     operator issues again is served to new connections without a restart."""
-    import os
-    import subprocess
-    import sys
     import tempfile
-    import time
 
     import openai
+    import rendered_companion
     from cryptography import x509
 
     from specpair.vllm_companion_bench import ReplayServer
@@ -117,31 +114,15 @@ def test_a_vllm_pods_companion_serves_https_with_the_pairs_certificate_and_check
     ca = tls_mod.new_ca()
 
     def write_secret() -> tls_mod.KeyPair:
-        issued = tls_mod.issue(ca, service, tls_mod.engine_dns_names(service, "ns"), server=True, days=1)
-        folder = run / manifests.TLS_DIR.lstrip("/")
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, data in (("ca.crt", ca.cert_pem), ("tls.key", issued.key_pem), ("tls.crt", issued.cert_pem)):
-            (folder / f".{name}").write_bytes(data)
-            os.replace(folder / f".{name}", folder / name)
-        return issued
+        return rendered_companion.write_engine_secret(run, ca, service, "ns")
     first = write_secret()
     (run / manifests.AUTH_DIR.lstrip("/")).mkdir(parents=True)
     (run / manifests.AUTH_DIR.lstrip("/") / "token").write_text(TOKEN + "\n")
     (run / manifests.RELEASE_FILE.lstrip("/")).parent.mkdir(parents=True)
     (run / manifests.RELEASE_FILE.lstrip("/")).write_text(json.dumps(rel))
     (run / VLLM_SOCKET.lstrip("/")).parent.mkdir(parents=True)
-    ports = {flag: free_port() for flag in ("--port", "--metrics-port", "--control-port")}
-    command = companion["command"]
-    assert command[:3] == ["python", "-m", "specpair.vllm_companion"]
-    args = []
-    for i, arg in enumerate(command[3:], start=3):
-        if command[i - 1] in ports:
-            arg = str(ports[command[i - 1]])
-        elif arg == "0.0.0.0":
-            arg = "127.0.0.1"
-        elif arg.startswith("/"):
-            arg = str(run / arg.lstrip("/"))
-        args.append(arg)
+    ports = {flag: free_port() for flag in rendered_companion.PORT_FLAGS}
+    argv = rendered_companion.local_argv(companion["command"], run, ports)
     base = f"https://127.0.0.1:{ports['--port']}"
     ca_file = run / manifests.TLS_DIR.lstrip("/") / "ca.crt"
     trusting = ssl.create_default_context(cafile=str(ca_file))
@@ -152,19 +133,8 @@ def test_a_vllm_pods_companion_serves_https_with_the_pairs_certificate_and_check
                 return x509.load_der_x509_certificate(conn.getpeercert(binary_form=True)).serial_number
 
     with ReplayServer(uds=str(run / VLLM_SOCKET.lstrip("/"))):
-        proc = subprocess.Popen([sys.executable, "-m", "specpair.vllm_companion", *args], stdin=subprocess.DEVNULL)
+        proc = rendered_companion.start(argv, base)      # its /health read as the kubelet's probe reads it
         try:
-            unverified = ssl.create_default_context()
-            unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE   # the kubelet's probe
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    with urllib.request.urlopen(f"{base}/health", context=unverified, timeout=10) as health:
-                        assert health.status == 200
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    assert proc.poll() is None and time.monotonic() < deadline, "the companion did not serve"
-                    time.sleep(0.2)
             assert served_serial() == x509.load_pem_x509_certificate(first.cert_pem).serial_number
 
             by_ip = ssl.create_default_context(cafile=str(ca_file))
