@@ -268,11 +268,12 @@ class Eagle3Drafter(HeadDrafter):
         hidden = torch.cat([cpu_kernels.linear(states[a:a + step], head.fc.weight)
                             for a in range(0, len(states), step)])
         ids = torch.tensor([t for toks in pairs for t in toks], dtype=torch.long, device=device)
-        # Greedy chains take each row's first draft from the catch-up's own call (its last
-        # pair's argmax; a row with no pair reads the pair its `last` names, as the logits
-        # below would: its draft is not used).
+        # Greedy chains take each drafting row's first draft from the catch-up's own call (its
+        # last pair's argmax): only those rows are scored against the draft vocabulary (a row
+        # not drafting this round proposes nothing; its token stays 0, past its num).
         fused = K > 0 and any(drafting) and self._top1_fused(sampling, width)
-        pick = [i % len(rows) for i in last] if fused else None
+        scored = [i for i in range(B) if drafting[i]] if fused else []
+        pick = [last[i] for i in scored] if fused else None
         self.fused_top1_rounds += fused
         out, normed, top = self._kernel_steps(rows, ids, hidden, positions, pick)
         for i, toks in enumerate(pairs):
@@ -284,7 +285,8 @@ class Eagle3Drafter(HeadDrafter):
         row_ks = [ks[i] if drafting[i] else 0 for i in range(B)]
         chosen_steps, qs, sibs = [], [], []
         if fused:
-            chosen = top
+            chosen = torch.zeros(B, dtype=torch.long, device=device)
+            chosen[scored] = top
             chosen_steps.append(chosen)
             qs.append(None)
         else:
