@@ -80,7 +80,7 @@ def spy_drafts(batch: Batch, drafts: dict) -> None:
     batch.drafter.propose = propose
 
 
-def run(engine, budget: int | None, spy: bool = True):
+def run(engine, budget: int | None, spy: bool = True, plan=PLAN):
     """The short rows decode two steps, the first long prompt joins, and the second joins one
     step later (the first still mid-prompt under the budget). -> ({request: tokens},
     {request: drafts}, steps that fed some prompt in part, {request: (drafted, accepted)})."""
@@ -90,12 +90,12 @@ def run(engine, budget: int | None, spy: bool = True):
     if spy:
         spy_drafts(batch, drafts)
     seqs = {}
-    for name, prompt, params in PLAN[:2]:
+    for name, prompt, params in plan[:2]:
         seqs[name] = batch.add(engine.encode(prompt), params, request_id=name)
     batch.step()
     batch.step()
     partial = 0
-    for name, prompt, params in PLAN[2:]:
+    for name, prompt, params in plan[2:]:
         seqs[name] = batch.add(engine.encode(prompt), params, request_id=name)
         batch.step()
         partial += bool(batch._prefill_cap)
@@ -149,19 +149,24 @@ def test_the_comparison_sees_a_chunks_features_dropped_or_misaligned(kind, fault
     assert drafts["l0"] != whole_drafts["l0"] and drafts["l1"] != whole_drafts["l1"]
 
 
-@pytest.mark.parametrize("champion,candidate", [("ngram", "eagle3"), ("eagle3", "ngram")])
+@pytest.mark.parametrize("champion,candidate", [("ngram", "eagle3"), ("eagle3", "ngram"),
+                                                ("ngram", "model")])
 def test_a_shadow_observer_scores_chunked_prompts_as_whole_ones(champion, candidate, request):
-    """A shadow scorer (share 1) beside chunked prompts: it is asked nothing of a row until its
-    prompt is whole (VerifiedRound.prefilling: its logits are a chunk's, and a head candidate
-    has only the chunks' features so far), then scores every request as it does with the
-    prompts fed whole; the champion's tokens and counts unchanged."""
+    """A shadow scorer (share 1) beside chunked prompts, the second long one sampled: it is
+    asked nothing of a row until its prompt is whole (VerifiedRound.prefilling: its logits are
+    a chunk's end's, not a next token's: a draft model candidate scored a sampled row's alpha
+    against them mid-prompt), then scores every request as it does with the prompts fed whole;
+    the champion's tokens and counts unchanged."""
     from specpair.drafters.eagle3 import Eagle3Drafter
     from specpair.eagle3 import build_eagle3_head
     from specpair.models import wrap_model
     from specpair.config import ModelRef, PairSpec
+    from specpair.drafters import ModelDrafter
     from specpair.shadow import Candidate, ShadowScorer
+    from tiny_models import perturbed_copy
 
     target = request.getfixturevalue("eagle3_target")
+    sampled_plan = PLAN[:3] + [("l1", LONG[1], replace(SAMPLED, category="l1"))]
 
     def eagle3(engine):
         head = build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4), seed=5)
@@ -171,13 +176,15 @@ def test_a_shadow_observer_scores_chunked_prompts_as_whole_ones(champion, candid
         base = SpeculativeEngine(target, drafter=NgramDrafter(), speculation=SpeculationConfig(**SPEC))
         engine = base if champion == "ngram" else SpeculativeEngine(
             target, drafter=eagle3(base), speculation=SpeculationConfig(**SPEC))
-        drafter = eagle3(engine) if candidate == "eagle3" else NgramDrafter()
+        drafter = {"eagle3": lambda: eagle3(engine), "ngram": NgramDrafter,
+                   "model": lambda: ModelDrafter(perturbed_copy(target, seed=12, noise=0.03),
+                                                 vocab_size=engine.vocab_size)}[candidate]()
         scorer = ShadowScorer(drafter, Candidate(version="7", content_hash="c" * 64, pair=PairSpec(
             target=ModelRef("tiny"), drafter="ngram", speculation=SpeculationConfig(**SPEC))),
             share=1.0, seed=0)
         engine.add_observer(scorer)
         assert engine.paged_space is not None
-        tokens, _, partial, counts = run(engine, budget, spy=False)
+        tokens, _, partial, counts = run(engine, budget, spy=False, plan=sampled_plan)
         # (its draft seconds are a clock's: the rest are counts and sums of alpha)
         return tokens, partial, counts, {c: replace(score, draft_seconds=0.0)
                                          for c, score in scorer.snapshot().items()}
