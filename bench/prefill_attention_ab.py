@@ -80,6 +80,13 @@ def run_call(lib, case: dict, shape: dict, pool: tuple, a: int, b: int):
     return time.process_time() - cpu, time.perf_counter() - wall, h
 
 
+def use(lib) -> None:
+    """Make `lib` the kernel every caller gets: the caches call cpu_kernels.available(), which
+    sets _LIB from library() again."""
+    ck._LIB = lib
+    ck.library = lambda: lib
+
+
 def model_prefill(libs: dict, model_dir: Path, positions: int, threads_list: list[int],
                   repeats: int, new_tokens: int = 16) -> dict:
     """The whole model (SmolLM2's real weights) on the paged cache: a prompt of `positions`
@@ -101,7 +108,7 @@ def model_prefill(libs: dict, model_dir: Path, positions: int, threads_list: lis
         logits, tokens = {}, {}
         for rep in range(repeats):
             for k in (list(libs) if rep % 2 == 0 else list(reversed(libs))):
-                ck._LIB = libs[k]
+                use(libs[k])
                 kv = PagedKVModel(model, blocks=-(-positions // BLOCK) + new_tokens // BLOCK + 2)
                 kv.add_rows(1)
                 with torch.inference_mode():
