@@ -132,6 +132,36 @@ def model_prefill(libs: dict, model_dir: Path, positions: int, threads_list: lis
     return out
 
 
+def model_phases(profiled: dict, model_dir: Path, positions: int, threads: int) -> dict:
+    """The whole model's prefill (as model_prefill) once with each profiled build: the process's
+    CPU seconds and the layers' phases summed over the 30 layers."""
+    from http_load_bench import system_prompt
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specpair.paged_cache import PagedKVModel
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = tokenizer(system_prompt(positions * 2))["input_ids"][:positions]
+    torch.set_num_threads(threads)
+    out = {}
+    for name, lib in profiled.items():
+        phases = (ctypes.c_double * len(PHASES))()
+        lib.specpair_profile(phases)
+        use(lib)
+        kv = PagedKVModel(model, blocks=-(-positions // BLOCK) + 2)
+        kv.add_rows(1)
+        with torch.inference_mode():
+            cpu = time.process_time()
+            kv.extend([prompt])
+            spent = time.process_time() - cpu
+        lib.specpair_profile(phases)
+        out[name] = {"prefill_cpu_s": spent, "phases_s": {p: phases[i] for i, p in enumerate(PHASES)}}
+        print(f"model prefill phases, {threads} thread(s), {name}: {spent:.2f} CPU-s; "
+              + ", ".join(f"{p} {phases[i]:.2f}" for i, p in enumerate(PHASES)), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="git revision of the A kernel")
@@ -167,6 +197,9 @@ def main(argv=None) -> int:
         if args.model:
             report["model"] = model_prefill(libs, args.model.expanduser(), args.positions,
                                             args.threads, args.repeats)
+            if profiled:
+                report["model"]["phases"] = model_phases(profiled, args.model.expanduser(),
+                                                         args.positions, args.threads[0])
         for threads in ([] if args.only_model else args.threads):
             torch.set_num_threads(threads)
             totals = {k: {"cpu": [], "wall": []} for k in libs}
