@@ -324,6 +324,9 @@ def test_a_pair_is_fetched_gated_and_served_from_its_claim(operator_env, ns, mlf
                 return not ns.pair(name)
             # Minutes: the engine pods' stop (stop delay, drain, exit) comes before the Job now.
             ns.wait_for("the pair gone after its engines stopped and its clean-up", gone, timeout=600)
+            # Posted after the finalizer's removal lets the pair go: awaited while the operator
+            # still runs (leaving the runner at once lost it on a loaded CI worker, 2c181f8).
+            ns.wait_for_event("CaptureDeleted")
         assert not job_beside_engine_pods, f"the clean-up Job ran beside engine pods {job_beside_engine_pods}"
         assert runner.exception is None
         assert len(status["modelCache"]["fetched"]) == 1
