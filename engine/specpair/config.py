@@ -81,6 +81,10 @@ MAX_TREE_WIDTH = 4   # candidates per position: 1 + k * width tokens a verificat
 # keys do not depend on the call that computes them: decoding.Batch._prefill_caps). None or 0:
 # whole prompts in one step.
 PREFILL_TOKEN_BUDGET = 256
+# The share of that budget a step gives prompts however many rows decode (at least one position):
+# the rows decoding take theirs first, and a batch of more rows decoding than the budget fed a
+# prompt a position or two a step. A quarter of the default is one C layer call (64 tokens).
+PREFILL_PROMPT_SHARE = 0.25
 
 
 @dataclass(frozen=True)

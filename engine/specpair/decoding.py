@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specpair.config import (KV_BUDGET_CUDA_FREE_FRACTION, KV_BUDGET_ENV, NGRAM_MAX, NGRAM_MIN,
-                             PREFILL_TOKEN_BUDGET, GenerationParams, SpeculationConfig,
-                             parse_kv_budget)
+                             PREFILL_PROMPT_SHARE, PREFILL_TOKEN_BUDGET, GenerationParams,
+                             SpeculationConfig, parse_kv_budget)
 from specpair.batch_observer import BatchObserver, VerifiedRound
 from specpair.costs import (CostModel, DynamicK, RequestAudit, RowsDecision, StepTiming, k_for_rows,
                             measure_step_costs, sync)
@@ -1011,7 +1011,9 @@ class Batch:
         waits). The budget counts every position a step feeds, as vLLM's: the rows decoding (one
         uncached token each, always fed) take theirs first, so a step's tokens fill the C
         layer's 64-token calls (each call reads every weight once); the oldest rows prefilling
-        share the rest, at least one position. Only on the paged cache: the C layer computes a
+        share the rest, and never less than PREFILL_PROMPT_SHARE of the budget (one position at
+        the least), so a batch of more rows decoding than the budget cannot starve a prompt (the
+        step then feeds over the budget). Only on the paged cache: the C layer computes a
         token's keys and features the same in any call, so a head drafter (and an observer)
         handed a prompt's features chunk by chunk (step: _hand_features of each chunk) holds
         what one whole prefill hands it, and drafts the same after the last chunk (a row mid-
@@ -1023,7 +1025,8 @@ class Batch:
         if not budget or not self.paged:
             return {}
         uncached = [len(s.tokens) - n for s, n in zip(self.rows, self.target.lengths)]
-        caps, left = {}, max(1, budget - sum(1 for n in uncached if n <= 1))
+        floor = max(1, int(budget * PREFILL_PROMPT_SHARE))
+        caps, left = {}, max(floor, budget - sum(1 for n in uncached if n <= 1))
         for i in sorted(range(len(self.rows)), key=lambda i: self.rows[i].started):
             if uncached[i] <= 1:
                 continue

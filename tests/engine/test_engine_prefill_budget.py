@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from specpair.config import PREFILL_TOKEN_BUDGET, GenerationParams, SpeculationConfig
+from specpair.config import (PREFILL_PROMPT_SHARE, PREFILL_TOKEN_BUDGET, GenerationParams,
+                             SpeculationConfig)
 from specpair.decoding import SpeculativeEngine
 
 SPEC = SpeculationConfig(k=2, k_max=2, batch_size_threshold=64)   # <= 3 tokens a row a step
@@ -89,3 +90,38 @@ def test_no_budget_feeds_each_prompt_whole(tiny_target, tiny_draft):
     seq = batch.add(ids, GenerationParams(max_new_tokens=3))
     batch.step()
     assert seq.num_generated >= 1 and batch.target.lengths[0] >= len(ids)
+
+
+def test_more_rows_decoding_than_the_budget_leave_a_prompt_its_share(tiny_target, tiny_draft):
+    """The rows decoding take their tokens first; with more of them than the budget a prompt is
+    still fed PREFILL_PROMPT_SHARE of it a step (the step feeds over the budget), not the one
+    position left before (a 4,000-row batch fed a prompt a position or two a step), and every
+    row emits its solo tokens."""
+    params = GenerationParams(max_new_tokens=24, speculation_k=0)   # one token a row a step
+    budget = 12
+    share = max(1, int(budget * PREFILL_PROMPT_SHARE))
+    assert 1 < share < budget
+    prompts = [f"Request {i}: {SHORT[i % 2]}" for i in range(budget + 4)]
+    solo_engine = engine_for(tiny_target, tiny_draft, "ngram", None)
+    solo_engine.eos_ids = frozenset()             # every row decodes to its max_new_tokens
+    solo = {p: solo_engine.generate([p], params)[0].token_ids for p in [*prompts, LONG]}
+    engine = engine_for(tiny_target, tiny_draft, "ngram", None)
+    engine.eos_ids = frozenset()
+    batch = engine.new_batch()
+    rows = [batch.add(engine.encode(p), params) for p in prompts]
+    batch.step()                                  # fed whole: the budget is set after them
+    assert all(r.num_generated >= 1 for r in rows)
+    engine.prefill_budget = batch.prefill_budget = budget
+    late = batch.add(engine.encode(LONG), params)
+    chunks = []
+    while late.num_generated == 0:
+        fed = batch.target.lengths[-1]
+        batch.step()
+        chunks.append(batch.target.lengths[-1] - fed if late.num_generated == 0 else None)
+        if len(chunks) <= 3:                      # more rows than the budget still decode
+            assert all(r.num_generated < params.max_new_tokens for r in rows)
+    assert len(chunks) >= 4 and chunks[:3] == [share] * 3, chunks
+    while batch.active:
+        batch.step()
+    assert [batch.result(r).token_ids for r in rows] == [solo[p] for p in prompts]
+    assert batch.result(late).token_ids == solo[LONG]
