@@ -36,7 +36,6 @@ set (CI). Several minutes: two vLLM servers in the gate, one per engine pod (~4 
 from __future__ import annotations
 
 import json
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -48,29 +47,10 @@ import pytest
 from kopf.testing import KopfRunner
 
 from cluster_env import OPERATOR, model_name
+from vllm_cluster import MAX_NEW_TOKENS, PROMPTS, cond, start_seconds, vllm_image, vllm_pair  # noqa: F401 (a fixture)
 from vllm_streams import Streams
-from vllm_test_env import VLLM_TEST_ENV
 
-VLLM_IMAGE = "specpair/engine-vllm:test"
 TOKEN = "vllm-s3cret-" + uuid.uuid4().hex
-PROMPTS = [{"prompt": "one two three one two three one two", "category": "extraction"},
-           {"prompt": "abc abc abc abc abc", "category": "extraction"},
-           {"prompt": "Hello there", "category": "chat"}]
-MAX_NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def vllm_image(devcluster) -> None:
-    """The vLLM engine image on the nodes: our package (python -m specpair.vllm_serve, the gate
-    runner and `specpair gate`) beside vLLM (its own virtualenv here; one environment in the
-    real image)."""
-    from specpair.vllm_peer import default_python
-    from specpair_devcluster.node_agent import LocalImage, project_programs
-
-    devcluster.images.images["specpair/engine-vllm"] = LocalImage(
-        ["python"], programs=project_programs(sys.executable),
-        env={"SPECPAIR_VLLM_PYTHON": str(default_python()),
-             "SPECPAIR_GATE_COMMAND": f"{sys.executable} -m specpair gate", **VLLM_TEST_ENV})
 
 
 def repeating(loaded, self_logit: float = 8.0):
@@ -144,21 +124,6 @@ def prometheus_and_keda(devcluster, tmp_path_factory):
     yield prom, keda
     keda.stop()   # its CRDs with it: later tests on this cluster see no KEDA
     prom.stop()
-
-
-def vllm_pair(name: str, target: str, draft: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": name},
-            "spec": {"engine": "vllm", "vllm": {"dtype": "float32"}, "target": {"source": target}, "draft": draft,
-                     "speculation": {"k": 3},
-                     "gating": {"prompts": PROMPTS, "maxNewTokens": MAX_NEW_TOKENS,
-                                "thresholds": {"minAcceptance": 0.0, "minSpeedup": 0.0}},
-                     "rollout": {"image": VLLM_IMAGE, "httpPort": 8000, "progressDeadlineSeconds": 900},
-                     "drift": {"intervalSeconds": 1, "windowSeconds": 10, "minRequests": 2, "minDraftedTokens": 5,
-                               "probeAfterWindows": 1000, "ladder": ["SpeculationOff"]}}}
-
-
-def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
 
 @pytest.mark.vllm
@@ -331,14 +296,6 @@ MAX_BATCH, BURST_STREAMS, EFFECTIVE_TARGET, MAX_REPLICAS, GOOD_SECONDS = 1, 5, 2
 # No category: the default one the gate did not measure, so drift does not judge this traffic.
 BURST_REQUEST = {"prompt": "one two three four five six seven eight", "max_tokens": 200,
                  "extra_body": {"ignore_eos": True}}
-
-
-def start_seconds(pod: dict[str, Any]) -> float:
-    """From the pod's start to its Ready condition: a vLLM start (CI's budget), as the node saw it."""
-    from datetime import datetime
-    ready = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")
-    at = lambda text: datetime.fromisoformat(text.replace("Z", "+00:00"))  # noqa: E731
-    return round((at(ready["lastTransitionTime"]) - at(pod["status"]["startTime"])).total_seconds(), 1)
 
 
 def serving_pods(ns, name: str) -> list[dict[str, Any]]:

@@ -1,0 +1,69 @@
+"""What the devcluster's vLLM tests share (test_operator_vllm.py, test_operator_vllm_mtp_tp2.py):
+the vLLM engine image on the nodes, a vLLM pair's spec, and readings of its status and pods. A
+module, not conftest: a test file imports the fixture it uses (pytest finds it there)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+
+from vllm_test_env import VLLM_TEST_ENV
+
+VLLM_IMAGE = "specpair/engine-vllm:test"
+PROMPTS = [{"prompt": "one two three one two three one two", "category": "extraction"},
+           {"prompt": "abc abc abc abc abc", "category": "extraction"},
+           {"prompt": "Hello there", "category": "chat"}]
+MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def vllm_image(devcluster) -> None:
+    """The vLLM engine image on the nodes: our package (python -m specpair.vllm_serve, the gate
+    runner and `specpair gate`) beside vLLM (its own virtualenv here; one environment in the
+    real image)."""
+    from specpair.vllm_peer import default_python
+    from specpair_devcluster.node_agent import LocalImage, project_programs
+
+    devcluster.images.images["specpair/engine-vllm"] = LocalImage(
+        ["python"], programs=project_programs(sys.executable),
+        env={"SPECPAIR_VLLM_PYTHON": str(default_python()),
+             "SPECPAIR_GATE_COMMAND": f"{sys.executable} -m specpair gate", **VLLM_TEST_ENV})
+
+
+def vllm_pair(name: str, target: str, draft: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "specpair.io/v1alpha1", "kind": "SpecModelPair", "metadata": {"name": name},
+            "spec": {"engine": "vllm", "vllm": {"dtype": "float32"}, "target": {"source": target}, "draft": draft,
+                     "speculation": {"k": 3},
+                     "gating": {"prompts": PROMPTS, "maxNewTokens": MAX_NEW_TOKENS,
+                                "thresholds": {"minAcceptance": 0.0, "minSpeedup": 0.0}},
+                     "rollout": {"image": VLLM_IMAGE, "httpPort": 8000, "progressDeadlineSeconds": 900},
+                     "drift": {"intervalSeconds": 1, "windowSeconds": 10, "minRequests": 2, "minDraftedTokens": 5,
+                               "probeAfterWindows": 1000, "ladder": ["SpeculationOff"]}}}
+
+
+def cond(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def start_seconds(pod: dict[str, Any]) -> float:
+    """From the pod's start to its Ready condition: a vLLM start (CI's budget), as the node saw it."""
+    from datetime import datetime
+    ready = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")
+    at = lambda text: datetime.fromisoformat(text.replace("Z", "+00:00"))  # noqa: E731
+    return round((at(ready["lastTransitionTime"]) - at(pod["status"]["startTime"])).total_seconds(), 1)
+
+
+def target_only_reply(target: str, prompt: str, max_new: int) -> tuple[list[int], list[int]]:
+    """The prompt's ids (no chat template) and our engine's greedy target-only reply to them, on
+    one device: what a vLLM pod's greedy reply to the same ids must be, however vLLM splits it."""
+    from specpair.bench import _run_one
+    from specpair.config import GenerationParams, SpeculationConfig
+    from specpair.decoding import SpeculativeEngine
+    from specpair.models import load_model
+
+    loaded = load_model(target, device="cpu")
+    ids = loaded.tokenizer(prompt)["input_ids"]
+    engine = SpeculativeEngine(loaded, speculation=SpeculationConfig(enabled=False))
+    return ids, _run_one(engine, ids, GenerationParams(max_new_tokens=max_new), speculate=False).token_ids
