@@ -79,7 +79,7 @@ from typing import Any
 import yaml
 
 from . import container_processes
-from .client import ApiError, Kube
+from .client import ApiError, Kube, resource_path
 from .processes import tail
 from .warm_python import WarmProcess, WarmPython
 
@@ -95,6 +95,48 @@ WATCH_SECONDS = 30
 # A running container's process is looked at for an exit at least this often by default, and
 # its supervisor never sleeps less (NodeSpec.exit_poll_seconds, supervise_wait).
 EXIT_POLL_SECONDS = 0.2
+
+
+class WatchedPods:
+    """A node's pods as its watch last reported them (an informer's store): `replace` with a
+    list's answer, then `apply` each watch event from the list's resourceVersion on. `pods()` is
+    None until the first list: a node that read nothing yet must not take "no pods" for "every
+    pod deleted" (it would kill what runs). Written by the watch thread, read by the sync thread:
+    entries are replaced, never edited, so a reader's pod dicts stay whole."""
+
+    def __init__(self) -> None:
+        self._pods: dict[str, dict[str, Any]] | None = None
+        # Where the watch resumes; "" = list first (never listed, or the watch could not resume).
+        self.version = ""
+        self._lock = threading.Lock()
+
+    def replace(self, listed: dict[str, Any]) -> None:
+        with self._lock:
+            self._pods = {p["metadata"]["uid"]: p for p in listed.get("items") or []}
+            self.version = (listed.get("metadata") or {}).get("resourceVersion", "")
+
+    def apply(self, event: dict[str, Any]) -> bool:
+        """One watch event applied; False when the watch must list again (an ERROR event: 410
+        Gone when the API server no longer holds the version it resumed from)."""
+        kind, obj = event.get("type"), event.get("object") or {}
+        if kind == "ERROR":
+            self.version = ""
+            return False
+        meta = obj.get("metadata") or {}
+        with self._lock:
+            if kind in ("ADDED", "MODIFIED", "DELETED") and self._pods is not None:
+                if kind == "DELETED":
+                    self._pods.pop(meta["uid"], None)
+                else:
+                    self._pods[meta["uid"]] = obj
+            # A BOOKMARK carries only the version: the watch resumes from there.
+            if meta.get("resourceVersion"):
+                self.version = meta["resourceVersion"]
+        return True
+
+    def pods(self) -> list[dict[str, Any]] | None:
+        with self._lock:
+            return None if self._pods is None else list(self._pods.values())
 
 
 def now_iso() -> str:
@@ -135,6 +177,13 @@ class NodeSpec:
     # for a watch that broke. A list of 250 pods is MBs for the API server to write and the node
     # to parse; a node of hundreds of idle pods (bench/operator_scale.py) may list less often.
     sync_seconds: float = SYNC_SECONDS
+    # The node keeps its pods as its watch reports them (WatchedPods: listed once, then each
+    # event applied, as a kubelet's informer does) instead of listing them whenever the watch
+    # wakes it: while pods change, a node of 250 pods listed them (MBs of JSON, both ends) at
+    # every event (bench/operator_scale.py, 2026-12-07e: its node agents were the largest part
+    # of bringing 546 pairs up). Listed again only when the watch cannot resume (410 Gone, an
+    # error). Default off: every wake-up lists, as before.
+    pods_from_watch: bool = False
 
 
 @dataclass
@@ -232,6 +281,11 @@ class NodeAgent:
         self.api_server, self.ca_file = api_server, ca_file
         self.images = images or LocalImages()
         self.pods: dict[str, PodWorker] = {}        # uid -> worker
+        # Pods whose worker finished (ended or deleted), while their objects are still seen: a
+        # kubelet never starts a pod twice, and a pod read before its worker's last status (a
+        # watch event not yet applied, a list that raced) must not be admitted again.
+        self.ended: set[str] = set()
+        self.watched = WatchedPods() if spec.pods_from_watch else None
         self.next_ip = 2
         self.network, self._network_lock = claim_pod_network()
         self.stopping = threading.Event()
@@ -344,19 +398,31 @@ class NodeAgent:
             self.pods_changed.wait(self.spec.sync_seconds)
 
     def _watch_loop(self) -> None:
-        """Wake the sync loop whenever a pod of this node changes, as a kubelet's watch does. Its
-        own client: a requests session is not shared between threads."""
+        """Wake the sync loop whenever a pod of this node changes, as a kubelet's watch does; with
+        `pods_from_watch`, also keep `self.watched` (list once, then resume the watch from the
+        version reached; list again when it cannot). Its own client: a requests session is not
+        shared between threads."""
         kube = Kube(self.kube.creds)
+        fields = f"spec.nodeName={self.spec.name}"
+        watched = self.watched
         try:
             while not self.stopping.is_set():
                 try:
-                    for event in kube.watch("v1", "Pod", None, fields=f"spec.nodeName={self.spec.name}",
-                                            timeout_seconds=WATCH_SECONDS):
+                    if watched is not None and not watched.version:
+                        watched.replace(kube.request("GET", resource_path("v1", "Pod"),
+                                                     params={"fieldSelector": fields}))
+                        self.pods_changed.set()
+                    for event in kube.watch("v1", "Pod", None, fields=fields, timeout_seconds=WATCH_SECONDS,
+                                            resource_version=watched.version if watched is not None else ""):
                         if self.stopping.is_set():
                             return
+                        if watched is not None and not watched.apply(event):
+                            break
                         if event.get("type") != "BOOKMARK":
                             self.pods_changed.set()
                 except Exception:  # noqa: BLE001 - restarting, or gone; the periodic sync covers it
+                    if watched is not None:
+                        watched.version = ""     # resume from a fresh list: events may be lost
                     self.stopping.wait(1.0)
         finally:
             kube.close()
@@ -368,7 +434,13 @@ class NodeAgent:
         # time (the next GPU pod bound here failed OutOfnvidia.com/gpu, a CI failure).
         for uid in [u for u, w in self.pods.items() if w.finished]:
             self.pods.pop(uid)
-        pods = self.kube.list("v1", "Pod", None, fields=f"spec.nodeName={self.spec.name}")
+            self.ended.add(uid)
+        if self.watched is not None:
+            pods = self.watched.pods()
+            if pods is None:
+                return      # not listed yet: nothing known, nothing to start or stop
+        else:
+            pods = self.kube.list("v1", "Pod", None, fields=f"spec.nodeName={self.spec.name}")
         seen = set()
         for pod in pods:
             uid = pod["metadata"]["uid"]
@@ -380,7 +452,7 @@ class NodeAgent:
                 if pod["metadata"].get("deletionTimestamp"):
                     self._finalise_deletion(pod)
                     continue
-                if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") or uid in self.ended:
                     continue
                 worker = self._admit(pod)
                 if worker is None:
@@ -394,6 +466,8 @@ class NodeAgent:
                 self.pods.pop(uid).kill_now()
             elif self.pods[uid].finished:
                 self.pods.pop(uid)
+                self.ended.add(uid)
+        self.ended &= seen      # the pods gone from the API are gone for good
 
     def _admit(self, pod: dict[str, Any]) -> PodWorker | None:
         want = gpu_request(pod)
