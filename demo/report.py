@@ -176,7 +176,33 @@ def drift_section(drift: dict[str, Any]) -> str:
                    f"drafted tokens (none drafted while speculation was off). The operator's decision: "
                    f"{html.escape(str(ladder.get('decision') or '-'))}</p>"
                    + _table(rows, ["since the chapter started", "step"]))
+    out.append(learning_section(drift.get("learning")))
     return "".join(out)
+
+
+def learning_section(loop: dict[str, Any] | None) -> str:
+    """The domain shift chapter's end: the operator's learning loop, step by step, with the Events
+    it posted and acceptance on the shifted category before, during and after (demo/learning.py)."""
+    if not loop:
+        return ""
+    rows = [[_fmt(t, "{:.1f} s"), html.escape(stage)] for t, stage in loop.get("timeline") or []]
+    figures = []
+    for when, key in (("before the shift", "before"), ("during the shift", "during"),
+                      ("after the new release", "after")):
+        f = loop.get(key) or {}
+        figures.append([when, _fmt(f.get("firstPosition")), str(f.get("drafts", "-")), _fmt(f.get("tokens"), "{:.0%}"),
+                        str(f.get("drafted", "-")), str(f.get("requests", "-"))])
+    learned = loop.get("learnedRelease") or {}
+    events = ", ".join(f"{k} x{v}" for k, v in sorted((loop.get("events") or {}).items())) or "none read"
+    return (f"<p><b>Learning loop</b>: no rollback helped, so the operator trained a drafter for "
+            f"'{html.escape(str(loop.get('category')))}' of v{html.escape(str(loop.get('version')))} on the traffic "
+            f"its pods captured and took it the usual road: v{html.escape(str(loop.get('candidate')))}, stage "
+            f"{html.escape(str(learned.get('stage')))} (judged against {html.escape(str(learned.get('reference')))}). "
+            f"Training: {html.escape(str((loop.get('training') or {}).get('message', ''))[:400])}. "
+            f"Events: {html.escape(events)}.</p>"
+            + _table(rows, ["since the loop started", "step"])
+            + _table(figures, ["acceptance on the category", "first position", "rounds", "drafted tokens accepted",
+                               "drafted", "requests"]))
 
 
 def shadow_section(shadow: dict[str, Any] | None) -> str:
@@ -220,7 +246,7 @@ def write_report(path: Path, pair: dict[str, Any], timeline: Timeline, answers: 
                  for h in history]
     ans_rows = []
     for label, a in answers:
-        if label in ("drift", "traffic shift", "shadow"):
+        if label in ("drift", "traffic shift", "shadow", "learning loop", "after learning"):
             continue
         ans_rows.append([html.escape(label), html.escape(a.category), html.escape(a.prompt.splitlines()[0][:70]),
                          html.escape(a.text[:160]) + ("…" if len(a.text) > 160 else ""),

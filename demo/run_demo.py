@@ -26,16 +26,20 @@ from typing import Any
 
 from . import shadow_chapter, traffic
 from .chapters import drift, releases, shadow, start, traffic_shift
+from .chapters import learning as learning_chapter
 from .cluster import REPO
 from .session import Session
-from .settings import DRIFT, DemoFailed, at_least_one, say, step
+from .settings import DRIFT, DemoFailed, at_least_one, learning_on, say, step
 
 
 class Demo(Session):
     def run(self) -> Path:
         """The story, chapter by chapter (demo/chapters/)."""
         a = self.args
-        total = 8 if a.no_shadow else 9
+        # The shadow chapter's place is the learning loop's where it runs: the learned draft is
+        # scored in shadow there (on the live shifted traffic, and promoted on that evidence).
+        loop = learning_on(a)
+        total = 8 if a.no_shadow and not loop else 9
         step(1, total, "Starting a real Kubernetes control plane (devcluster), MLflow, and the operator from its helm chart")
         start.run(self)
         pair = releases.first_release(self, total)
@@ -52,10 +56,22 @@ class Demo(Session):
             category = drift.shift_category(self)
             step(6, total, f"Domain shift: requests labelled '{category}', a category both gates measured, "
                            "whose content is free-form writing with nothing to copy")
-            drift.domain_shift(self, category)
+            ladder = drift.domain_shift(self, category)
+            if loop and ladder.rolled_back is False:
+                st = (self.pair() or {}).get("status") or {}
+                version = str(st.get("servingVersion"))
+                step(7, total, f"Learning from the shift: the operator trains a drafter (an EAGLE-3 head) for "
+                               f"'{category}' on the traffic v{version}'s pods captured, gates it, scores it in "
+                               "shadow on the live shifted traffic and promotes it")
+                learning_chapter.run(self, version, category)
+            elif loop:
+                say("  (no learning loop: the operator rolled back, and only a category that no rollback "
+                    "helps is trained for)")
 
         n = 7
-        if not a.no_shadow:
+        if loop:
+            n = 8
+        elif not a.no_shadow:
             st = (self.pair() or {}).get("status") or {}
             step(n, total, f"Shadow scoring: a candidate that changes only the draft side (k {shadow_chapter.CANDIDATE_K}"
                            + (", v2's noisy draft files" if a.draft else
@@ -66,7 +82,8 @@ class Demo(Session):
             n += 1
 
         st = (self.pair() or {}).get("status") or {}
-        step(n, total, f"After the {'drift chapter' if a.no_shadow else 'drift and shadow chapters'}: v{st.get('servingVersion')} "
+        chapters = "drift chapter" if a.no_shadow or loop else "drift and shadow chapters"
+        step(n, total, f"After the {chapters}: v{st.get('servingVersion')} "
                        f"serves, speculation {'on' if st.get('speculationEnabled', True) else 'off'}")
         self.converse("after drift", traffic.COPYING[1:2])
 
@@ -99,8 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-shadow", action="store_true",
                     help="leave out the shadow chapter (its candidate's gate alone takes 35-135 s with tiny models "
                          "on 2 busy cores)")
+    ap.add_argument("--no-learning", action="store_true",
+                    help="end the domain shift chapter at the drift ladder (a rollback to v1), without the "
+                         "operator's learning loop (spec.learning: its training Job, the learned draft's gate, "
+                         "shadow and promotion take 15-30 min on 2 busy cores), and run the shadow chapter")
     ap.add_argument("--out", default=str(REPO / "out" / "demo"), help="where runs (logs, MLflow store, report) go")
-    ap.add_argument("--timeout", type=float, default=2700, help="the whole demo's time limit, seconds")
+    ap.add_argument("--timeout", type=float, default=5400, help="the whole demo's time limit, seconds")
     ap.add_argument("--step-timeout", type=float, default=900, help="one step's time limit, seconds")
     ap.add_argument("--keep", action="store_true", help="keep MLflow (and the rest) running until Ctrl-C")
     return ap

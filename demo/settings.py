@@ -48,9 +48,20 @@ def at_least_one(text: str) -> int:
     return n
 
 
+def learning_on(args: argparse.Namespace) -> bool:
+    """Whether the domain shift chapter ends with the operator's learning loop (demo/learning.py):
+    with the n-gram drafter (no --draft: the bad-draft chapter has a rollback that helps) unless
+    --no-learning."""
+    return not getattr(args, "draft", None) and not getattr(args, "no_learning", False)
+
+
 def drift_policy(args: argparse.Namespace) -> dict[str, Any]:
-    """DRIFT with the breaching windows per ladder step of --drift-breaches."""
-    return {**DRIFT, "consecutiveBreaches": args.drift_breaches}
+    """DRIFT with the breaching windows per ladder step of --drift-breaches, and with the learning
+    loop its tolerance (learning.TOLERANCE: no rollback helps on the domain shift)."""
+    from .learning import TOLERANCE
+
+    return {**DRIFT, "consecutiveBreaches": args.drift_breaches,
+            **({"tolerance": TOLERANCE} if learning_on(args) else {})}
 
 
 # Paths a pod mounts volumes at: a model directory under one of them is hidden from the pod

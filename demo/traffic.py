@@ -51,6 +51,8 @@ class Answer:
     drafted: int = 0
     accepted: int = 0
     mean_acceptance_length: float = 0.0
+    drafts: int = 0                         # rounds that drafted
+    first_accepted: int = 0                 # of them, rounds whose first drafted token was accepted
     finished_at: float = field(default_factory=time.time)
     error: str = ""
 
@@ -111,6 +113,8 @@ def ask(address: str, category: str, prompt: str, max_new_tokens: int, *, compar
         answer.drafted = int(figures.get("drafted_tokens", 0))
         answer.accepted = int(figures.get("accepted_tokens", 0))
         answer.mean_acceptance_length = float(figures.get("mean_acceptance_length", 0.0))
+        answer.drafts = int(figures.get("drafts", 0))
+        answer.first_accepted = int((figures.get("accepted_per_position") or [0])[0])
         if compare:
             # Same prompt, same greedy decoding, no drafts: the baseline a user would get.
             # Its category is kept apart so it does not dilute the live acceptance the operator reads.

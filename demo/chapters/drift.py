@@ -12,7 +12,7 @@ from typing import Any
 from .. import traffic
 from ..ladder import PROBE, Ladder, actions, domain_shift_prompts, rollback_prediction
 from ..session import Session
-from ..settings import DemoFailed, say
+from ..settings import DemoFailed, learning_on, say
 from .releases import check_speculating, gated_categories
 
 
@@ -37,7 +37,7 @@ def shift_category(demo: Session) -> str:
     return both[0]
 
 
-def domain_shift(demo: Session, category: str) -> None:
+def domain_shift(demo: Session, category: str) -> Ladder:
     """Live traffic in a gated category that comes from another domain: the n-gram drafter
     finds nothing to copy, live acceptance falls below what the gate measured, and the
     operator climbs its drift ladder. Whether it may roll back is the rule's call on the two
@@ -63,10 +63,15 @@ def domain_shift(demo: Session, category: str) -> None:
             "wastes fewer drafts than v2's fixed k): acceptance alone cannot tell a change of content inside a gated category from a "
             "broken release (docs/drift.md, Limits). Label such traffic with its own category (counted, not "
             "judged, as in step 5) or gate on it.")
+    elif learning_on(demo.args):
+        say("  no rollback: v1 drafts with the same lookup and has nothing to copy here either. v2 serves "
+            "target-only; with spec.learning the operator goes on by itself: it trains a drafter on the "
+            "traffic its pods captured (next step)")
     else:
         say("  no rollback: the operator keeps v2 serving target-only and goes on probing; its reason is in "
             "the Drifted condition above. Label such traffic with its own category (counted, not judged, as "
             "in step 5) or gate on it.")
+    return ladder
 
 
 def drift_ladder(demo: Session, chapter: str, mark: str, prompts: list[tuple[str, str]]) -> Ladder:

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from specpair_devcluster import volumes
 
-from .. import traffic
+from .. import learning, traffic
 from ..ladder import condition
 from ..session import Session
-from ..settings import EXAMPLE, NS, DemoFailed, drift_policy, say, step
+from ..settings import EXAMPLE, NS, DemoFailed, drift_policy, learning_on, say, step
 from ..timeline import Sampler
 
 
@@ -50,6 +51,11 @@ def demo_pair(args: argparse.Namespace) -> dict[str, Any]:
     spec["speculation"] = {"fallbackThreshold": 0.0}
     spec["rollout"] = {"progressDeadlineSeconds": 1200}
     spec["drift"] = drift_policy(args)
+    if learning_on(args):
+        # The domain shift chapter's loop (demo/learning.py): the pods capture what they serve
+        # from the start, and a learned draft's shadow is sized for minutes.
+        spec["learning"] = learning.learning_spec()
+        spec["rollout"]["shadow"] = dict(learning.SHADOW)
     return pair
 
 
@@ -73,7 +79,8 @@ def second_release(pair: dict[str, Any], args: argparse.Namespace, models: Path)
     # (another extraction prompt, and more of each long draft rejected), which is what lets the
     # drift ladder's rollback rule prefer v1 on a collapse there (demo/ladder.py).
     spec["gating"]["prompts"] = [{"prompt": p, "category": c} for c, p in (traffic.COPYING[1], traffic.COPYING[2])]
-    spec["gating"]["thresholds"] = {**THRESHOLDS, "minCategoryAcceptance": {"extraction": 0.2}}
+    spec["gating"]["thresholds"] = {**THRESHOLDS, "minCategoryAcceptance": {
+        "extraction": learning.V2_FLOOR if learning_on(args) else 0.2}}
     spec["speculation"] = {**spec.get("speculation", {}), "k": 8, "dynamicK": False}
     return spec, ("golden prompts become the team's document work only (extraction of dates, summarisation), "
                   "and the n-gram drafter proposes a fixed k tokens a round (k 8, dynamic k off; the gate's "
@@ -135,6 +142,12 @@ def first_release(demo: Session, total: int) -> dict[str, Any]:
         "would ship with speculation off")
     demo.name = pair["metadata"]["name"]
     (demo.workdir / "pair-v1.yaml").write_text(yaml.safe_dump(pair, sort_keys=False))
+    if learning_on(demo.args):
+        # Where the pods capture: a claim bound to a folder of the run (the devcluster has no
+        # provisioner), there before the pair's first pod mounts it.
+        volumes.hostpath_claim(demo.cluster.kube, NS, learning.CLAIM, demo.workdir / "capture")
+        say(f"  spec.learning on: the engine pods capture every request to claim '{learning.CLAIM}' "
+            f"({demo.workdir / 'capture'})")
     demo.cluster.create_pair(pair)
     demo.sampler = Sampler(demo.timeline, demo.address, demo.pair)
     demo.sampler.start()

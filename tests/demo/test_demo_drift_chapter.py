@@ -7,6 +7,7 @@ import pytest
 from demo import traffic
 from demo.chapters.releases import demo_pair, second_release
 from demo.chapters.traffic_shift import shift_prompts
+from demo.learning import TOLERANCE
 from demo.ladder import BREACH, DECIDED, OFF, PROBE, Ladder, domain_shift_prompts, rollback_prediction
 from demo.report import drift_section
 from demo.run_demo import build_parser
@@ -43,9 +44,12 @@ def test_domain_shift_sends_the_gated_label_with_content_that_copies_nothing():
 
 
 def test_drift_breaches_set_the_pairs_ladder_pace_and_refuse_what_the_crd_would():
-    assert demo_pair(build_parser().parse_args([]))["spec"]["drift"] == DRIFT
-    assert demo_pair(build_parser().parse_args(["--drift-breaches", "1"]))["spec"]["drift"] == \
+    assert demo_pair(build_parser().parse_args(["--no-learning"]))["spec"]["drift"] == DRIFT
+    assert demo_pair(build_parser().parse_args(["--no-learning", "--drift-breaches", "1"]))["spec"]["drift"] == \
         {**DRIFT, "consecutiveBreaches": 1}
+    # With the learning loop (the default) only the tolerance differs (tests/demo/test_demo_learning_chapter.py).
+    assert demo_pair(build_parser().parse_args(["--drift-breaches", "1"]))["spec"]["drift"] == \
+        {**DRIFT, "consecutiveBreaches": 1, "tolerance": TOLERANCE}
     for bad in ("0", "-2", "two"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--drift-breaches", bad])

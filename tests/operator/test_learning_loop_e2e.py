@@ -48,6 +48,7 @@ from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
 from specpair._proto import engine_pb2, engine_pb2_grpc
+from specpair_devcluster import volumes
 from cluster_env import ONE_PROMPT_GATING, OPERATOR, cond, engine_pods, model_name, serving, set_spec, tiny_pair
 from steady_client import SteadyClient, ready_address
 from specpair_operator.release.registry_contract import (TAG_LINEAGE_CAPTURE, TAG_LINEAGE_CATEGORY,
@@ -90,16 +91,9 @@ def drafts_served(ns) -> set[str]:
 
 
 def hostpath_claim(ns, name: str, folder: Path) -> str:
-    """A ReadWriteMany claim `name` bound to a hostPath volume at `folder`; the volume's name."""
-    pv = f"{name}-{ns.name}"
-    ns.kube.create({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-                    "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
-                             "persistentVolumeReclaimPolicy": "Retain",
-                             "hostPath": {"path": str(folder), "type": "DirectoryOrCreate"}}})
-    ns.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
-               "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
-                        "resources": {"requests": {"storage": "1Gi"}}}})
-    return pv
+    """A ReadWriteMany claim `name` bound to a hostPath volume at `folder`; the volume's name
+    (specpair_devcluster.volumes, as the demo's domain shift chapter makes its claim)."""
+    return volumes.hostpath_claim(ns.kube, ns.name, name, folder)
 
 
 # The devcluster's start counts in the first test of the file to use it (the file starts early,
