@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_pools import BLOCK, paged_copy, read_paged
 
 from specpair import cpu_kernels
 from specpair.kv.runner import StaticLlama
-
-BLOCK = 16
 
 
 def layer_inputs(model, positions: torch.Tensor, gen: torch.Generator):
@@ -22,31 +21,6 @@ def layer_inputs(model, positions: torch.Tensor, gen: torch.Generator):
     h = torch.randn(T, model.config.hidden_size, generator=gen)
     cos, sin = model.model.rotary_emb(h.view(1, T, -1), positions.view(1, T))
     return runner, runner.layer_weights(layer), h, cos[0].contiguous(), sin[0].contiguous()
-
-
-def paged_copy(kc: torch.Tensor, vc: torch.Tensor, lengths: list[int], shared: int,
-               gen: torch.Generator):
-    """A pool and block tables holding what the contiguous cache holds: each row's blocks at
-    shuffled places in the pool, the first `shared` blocks of every row the very blocks of row 0
-    (a prefix all rows share by reference; the contiguous rows hold equal values there)."""
-    rows, kv_heads, S, hd = kc.shape
-    per_row = S // BLOCK
-    pool_blocks = shared + rows * (per_row - shared) + 3            # a few never used
-    order = torch.randperm(pool_blocks, generator=gen)
-    table = torch.empty(rows, per_row, dtype=torch.long)
-    table[:, :shared] = order[:shared]
-    table[:, shared:] = order[shared:shared + rows * (per_row - shared)].view(rows, -1)
-    pool_k = torch.full((pool_blocks, kv_heads, BLOCK, hd), float("nan"))
-    pool_v = pool_k.clone()
-    for r in range(rows):
-        for b in range(per_row):
-            pool_k[table[r, b]] = kc[r, :, b * BLOCK:(b + 1) * BLOCK]
-            pool_v[table[r, b]] = vc[r, :, b * BLOCK:(b + 1) * BLOCK]
-    return pool_k, pool_v, table
-
-
-def read_paged(pool: torch.Tensor, table: torch.Tensor, row: int, position: int) -> torch.Tensor:
-    return pool[table[row, position // BLOCK], :, position % BLOCK]
 
 
 @pytest.mark.parametrize("batch", [1, 8, 32])
@@ -69,7 +43,7 @@ def test_a_paged_step_is_bitwise_the_contiguous_step(tiny_target, batch, shape, 
     vc = torch.randn(rows_in_cache, kv_heads, S, hd, generator=gen)
     kc[:, :, :shared * BLOCK] = kc[:1, :, :shared * BLOCK]   # the shared prefix, equal in every row
     vc[:, :, :shared * BLOCK] = vc[:1, :, :shared * BLOCK]
-    pool_k, pool_v, table = paged_copy(kc, vc, lengths, shared, gen)
+    pool_k, pool_v, table = paged_copy(kc, vc, gen, shared)
     if sharing == "some":
         for r in range(0, rows_in_cache, 3):
             own = torch.arange(pool_k.shape[0], pool_k.shape[0] + shared)
@@ -163,7 +137,7 @@ def test_a_long_shared_prefix_at_head_dim_64_is_bitwise_the_contiguous_step(batc
     kc[:, :, :shared * BLOCK] = kc[:1, :, :shared * BLOCK]
     vc[:, :, :shared * BLOCK] = vc[:1, :, :shared * BLOCK]
     lengths = [shared * BLOCK + int(n) for n in torch.randint(0, 2 * BLOCK, (batch,), generator=gen)]
-    pool_k, pool_v, table = paged_copy(kc, vc, lengths, shared, gen)
+    pool_k, pool_v, table = paged_copy(kc, vc, gen, shared)
     own = torch.arange(pool_k.shape[0], pool_k.shape[0] + shared)     # row 3: its own copy
     pool_k = torch.cat([pool_k, pool_k[table[3, :shared]]])
     pool_v = torch.cat([pool_v, pool_v[table[3, :shared]]])
@@ -208,7 +182,7 @@ def test_rows_sharing_prefix_blocks_are_each_bitwise_the_row_alone():
     kc[:, :, :shared * BLOCK] = kc[:1, :, :shared * BLOCK]
     vc[:, :, :shared * BLOCK] = vc[:1, :, :shared * BLOCK]
     lengths = [shared * BLOCK + int(n) for n in torch.randint(0, 2 * BLOCK, (batch,), generator=gen)]
-    pool_k, pool_v, table = paged_copy(kc, vc, lengths, shared, gen)
+    pool_k, pool_v, table = paged_copy(kc, vc, gen, shared)
     rows, pos = torch.arange(batch), torch.tensor(lengths)
     h, cos, sin = r(batch, D), r(batch, hd), r(batch, hd)
     common = dict(weights=weights, eps=1e-5, heads=H, kv_heads=kv_heads, head_dim=hd)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_pools import BLOCK, paged_copy, unpaged
 
 from specpair import cpu_kernels
 from specpair.paged_cache import PagedKVModel
 
-BLOCK = 16
 D, H, KV_HEADS, HD, FFN = 128, 4, 2, 64, 256      # SmolLM2's head dimension: the fast paths run
 
 
@@ -24,27 +24,6 @@ def weights(gen: torch.Generator) -> list[torch.Tensor]:
     return [r(H * HD, D) * 0.1, r(KV_HEADS * HD, D) * 0.1, r(KV_HEADS * HD, D) * 0.1,
             r(D, H * HD) * 0.1, r(FFN, D) * 0.1, r(FFN, D) * 0.1, r(D, FFN) * 0.1,
             1 + 0.1 * r(D), 1 + 0.1 * r(D)]
-
-
-def paged_copy(kc: torch.Tensor, vc: torch.Tensor, gen: torch.Generator):
-    """A pool holding what the contiguous cache [rows, kv heads, S, hd] holds, each row's blocks
-    at shuffled places (a few blocks never used), and the rows' tables."""
-    rows, kv_heads, S, hd = kc.shape
-    per_row = S // BLOCK
-    order = torch.randperm(rows * per_row + 3, generator=gen)
-    table = order[:rows * per_row].view(rows, per_row).contiguous()
-    pool_k = torch.full((rows * per_row + 3, kv_heads, BLOCK, hd), float("nan"))
-    pool_v = pool_k.clone()
-    for r in range(rows):
-        for b in range(per_row):
-            pool_k[table[r, b]] = kc[r, :, b * BLOCK:(b + 1) * BLOCK]
-            pool_v[table[r, b]] = vc[r, :, b * BLOCK:(b + 1) * BLOCK]
-    return pool_k, pool_v, table
-
-
-def unpaged(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The pool's contents as a contiguous cache [rows, kv heads, S, hd]."""
-    return torch.stack([torch.cat([pool[b] for b in row.tolist()], dim=1) for row in table])
 
 
 # (the prompt row's first position in the call, its tokens in the call): a chunk straddling
