@@ -13,10 +13,14 @@ import time
 from collections import Counter
 from typing import Any
 
+import grpc
+from specpair._proto import engine_pb2, engine_pb2_grpc
+
+from ..cluster import ready
 from ..learning import STAGES, Loop, acceptance
 from ..ladder import domain_shift_prompts
 from ..session import Session
-from ..settings import NS, DemoFailed, say
+from ..settings import ENGINE_PORT, NS, DemoFailed, say
 
 # The loop's whole road: the training Job's activeDeadlineSeconds (1,100 s; learning.TRAINING),
 # the learned release's gate (v1's and v2's took 90-355 s here) and its shadow (at most 900 s).
@@ -36,6 +40,22 @@ def loop_events(demo: Session) -> dict[str, int]:
         return {}
     return dict(Counter(e.get("reason") for e in events
                         if (e.get("involvedObject") or {}).get("name") == demo.name and e.get("reason") in LOOP_EVENTS))
+
+
+def drafts_served(demo: Session) -> set[str]:
+    """The release versions whose draft the ready engine pods report (GetModelInfo.draft_version):
+    servingVersion follows the aliases, which move before the draft is swapped into the pods."""
+    out = set()
+    for pod in demo.cluster.engine_pods(demo.name) if demo.cluster else []:
+        if not ready(pod):
+            continue
+        try:
+            with grpc.insecure_channel(f"{pod['status']['podIP']}:{ENGINE_PORT}") as channel:
+                info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30)
+        except grpc.RpcError:
+            return set()    # a pod going or coming: look again
+        out.add(info.draft_version)
+    return out
 
 
 def run(demo: Session, version: str, category: str) -> None:
@@ -76,7 +96,15 @@ def run(demo: Session, version: str, category: str) -> None:
     run_ = loop.run(st)
     learned = st.get("learnedRelease") or {}
 
-    # The new release on the shifted traffic: fresh requests, sent once it serves.
+    # The new release on the shifted traffic: fresh requests, sent once every ready pod runs its draft.
+    deadline = time.monotonic() + 600
+    while (served := drafts_served(demo)) != {candidate}:
+        demo.check_cluster()
+        demo.deadline_check()
+        if time.monotonic() > deadline:
+            raise DemoFailed(f"v{candidate} promoted, but the engine pods report drafts {sorted(served)} after 600 s")
+        time.sleep(2)
+    say(f"  every ready engine pod reports v{candidate}'s draft (GetModelInfo)")
     stop, measured = threading.Event(), [0]
     sender = demo.flood("after learning", prompts, stop, measured)
     deadline = time.monotonic() + 600
