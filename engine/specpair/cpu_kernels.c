@@ -81,7 +81,7 @@ static inline v8 hsum8x8(const v8 *a) {
    hardware prefetcher then stops running ahead: from memory a 4-row product cost 2.5-3x a 1-row
    one (SmolLM2's 30 layers' products 46 ms against 16 ms; its LM head 12.7 against 3.7 ms; one
    thread, AMD EPYC with AVX-512, CPU time, min of 4, load ~20), where from cache it cost the
-   same. Fetched 16 rows ahead (the next task block; 37-98 KB for SmolLM2's widths), the 4-row
+   same. Fetched 16 rows ahead (the then task block of 16; 37-98 KB for SmolLM2's widths), the 4-row
    products cost 17 ms and 4.0 ms, 8 rows 24 ms (from 59), 16 rows 45 (from 80). A 1-row product
    is left as it was (the hardware keeps up with it). A prefetch changes no arithmetic: every
    output is bitwise what it was. Past the end of a matrix it reads nothing (prefetches do not
@@ -178,7 +178,14 @@ static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_
     }
 TILE_KERNEL(1, 8) TILE_KERNEL(2, 4) TILE_KERNEL(3, 4) TILE_KERNEL(4, 2)
 #if defined(__AVX512VL__)
+/* 4 x 6 (24 sums, 4 rows and a weight: 29 of the 32 registers) for full passes of 8 rows, the
+   32-row decode step's and a prompt's 64-token calls: 10 vector loads for 24 FMAs where 4 x 4
+   made 8 for 16. SmolLM2's products at 32 and 64 rows, 1 thread, CPU time, alternated with 4 x 4
+   (docs/measurements/2026-12-07f-products.md): 0.88-0.98x the time from memory, 0.92-0.97x
+   from cache. */
+#define SIX_OUTPUT_TILES 1
 TILE_KERNEL(4, 4)
+TILE_KERNEL(4, 6)
 static void tile_4rows(const float *x, const float *W, float *y, long I, long O, long o) {
     tile_4x4(x, W, y, I, O, o);
 }
@@ -203,9 +210,26 @@ static const int TILE_OUTS[4] = {0, 8, 4, 4};
    - 5-8 rows: four rows at a time in 4 x 4 tiles, the one to three left in TILES[rest] over
      the same outputs while their weights are in cache: the weights are read from memory once
      (before, the rows left were a second pass through ROWS, and 5 rows cost 1.6x four).
-     Outputs outer, rows inner: a tile's weights stay in L1 for every row group. */
+     Outputs outer, rows inner: a tile's weights stay in L1 for every row group.
+   - 8 rows with 32 vector registers: 4 x 6 tiles, then 4 x 4 and the one-output kernel for a
+     block's last outputs. */
 static void rows_block(const float *x, const float *W, float *y, long I, long O, long o0,
                        long o1, long mm) {
+#if defined(SIX_OUTPUT_TILES)
+    if (mm == 8) {
+        long o = o0;
+        for (; o + 6 <= o1; o += 6) {
+            tile_4x6(x, W, y, I, O, o);
+            tile_4x6(x + 4 * I, W, y + 4 * O, I, O, o);
+        }
+        for (; o + 4 <= o1; o += 4) {
+            tile_4x4(x, W, y, I, O, o);
+            tile_4x4(x + 4 * I, W, y + 4 * O, I, O, o);
+        }
+        if (o < o1) ROWS[8](x, W, y, I, O, o, o1);
+        return;
+    }
+#endif
     if (mm < 4) {
         ROWS[mm](x, W, y, I, O, o0, o1);
         return;
@@ -233,20 +257,23 @@ static void rows_block(const float *x, const float *W, float *y, long I, long O,
 /* Rows of x per call: k+1 <= 9 at batch 1, one token a row at batch 64. Above 16 a batch's
    decode step went to torch (BLAS and ~45 small operations a layer): 32 rows stepped 4x the
    time of 16 on the 2-core machine beside other jobs (docs/measurements/2026-12-06-paged-cpu.md).
-   Passes of 8 rows over a block of 16
-   weight rows (<= 100 KB, in the core's cache after the first) keep the weights read once. */
+   Passes of 8 rows over a block of BLOCK
+   weight rows (<= 150 KB, in the core's cache after the first) keep the weights read once. */
 #define MAX_TOKENS 64
 
 int specpair_max_tokens(void) { return MAX_TOKENS; }
 
-#define BLOCK 16   /* output rows per task: small enough that a 192-row matrix splits evenly */
+/* Output rows per task: a multiple of the 4 x 6 tiles' six, and small enough that a 192-row
+   matrix splits evenly (8 tasks). 24 measured 0.96-0.98x the time of 16 at 64 rows (1 thread,
+   CPU time, load ~5), the same at 8 and 32. */
+#define BLOCK 24
 
 /* x: [M, I]; for each of n weights W[j]: [O[j], I] -> y[j]: [M, O[j]]; all contiguous float32,
    1 <= M <= MAX_TOKENS. Several weights that read the same x (q, k and v; gate and up) go in one call,
    so the threads share out all their rows at once: one fork-join instead of three, no idle
    thread on a small matrix, and no concatenated copy of the weights. More than 8 rows go in
    even passes of at most 8 (a ninth accumulator would not fit in the registers), block by
-   block: a block's weights (16 rows, <= 100 KB) come from memory in the first pass and from
+   block: a block's weights (BLOCK rows, <= 150 KB) come from memory in the first pass and from
    the core's cache in the next, so 16 rows read the weights from memory once (9 rows: 1.76x
    a 1-row product, against 1.88x with a full pass over memory each). A row's arithmetic is
    the same in any pass. */

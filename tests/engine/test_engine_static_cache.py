@@ -68,6 +68,52 @@ def test_a_rows_output_is_the_same_in_every_tiling_of_the_rows(in_features):
         assert torch.equal(cpu_kernels.linear(x[:rows], weight), alone[:rows]), rows
 
 
+def _products_over_nan(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """cpu_kernels._small_linear's call, into outputs filled with NaN: an output the kernel never
+    writes stays NaN."""
+    import ctypes
+    M, I = x.shape
+    outs = [torch.full((M, w.shape[0]), float("nan")) for w in weights]
+    n = len(weights)
+    rc = cpu_kernels._LIB.specpair_small_linear(
+        x.data_ptr(), (ctypes.c_void_p * n)(*[w.data_ptr() for w in weights]),
+        (ctypes.c_void_p * n)(*[y.data_ptr() for y in outs]),
+        (ctypes.c_long * n)(*[w.shape[0] for w in weights]), n, M, I, torch.get_num_threads())
+    assert rc == 0
+    return outs
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_piece_of_a_block_is_the_one_row_product_in_passes_of_eight(threads):
+    """Bitwise, in full passes of eight rows (the 32-row decode step's, a prompt's 64-token
+    calls): a task's block of outputs goes in 4 x 6 tiles, then 4 x 4, then the one-output
+    kernel (cpu_kernels.c rows_block, on AVX-512 machines). Output counts from 1 to 53 leave each
+    of those pieces, alone and together, at a block's end; weights of several widths in one
+    call put blocks of different matrices side by side in the threads' split; 37 inputs leave a
+    tail past the eight-float steps. A piece that skipped an output leaves it NaN; one that
+    repeated or misplaced an output leaves it unlike its 1-row product."""
+    assert cpu_kernels.available(), cpu_kernels.status()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(threads)
+        for in_features in (576, 37):
+            weights = [torch.randn(o, in_features, generator=gen) for o in
+                       (1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 16, 23, 24, 25, 29, 30, 53)]
+            x = torch.randn(cpu_kernels.MAX_TOKENS, in_features, generator=gen)
+            for j in range(0, len(weights), 8):          # at most 8 weights a call
+                group = weights[j:j + 8]
+                alone = [torch.cat(col) for col in
+                         zip(*[cpu_kernels.linears(x[i:i + 1], *group) for i in range(len(x))])]
+                for rows in (8, 16, 32, 64):
+                    together = _products_over_nan(x[:rows].contiguous(), group)
+                    for w, y, ref in zip(group, together, alone):
+                        assert torch.equal(y, ref[:rows]), (in_features, w.shape[0], rows)
+                        torch.testing.assert_close(y, F.linear(x[:rows], w), rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_linear_falls_back_to_torch_where_the_kernel_does_not_apply():
     cpu_kernels.available()
     gen = torch.Generator().manual_seed(1)
