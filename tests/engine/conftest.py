@@ -1,5 +1,5 @@
-"""Fixtures of the engine's tests: one-layer targets for the head, tree and lookup tests, and the
-target-only reference replies they compare against."""
+"""Fixtures of the engine's tests: one-layer targets for the head, tree and lookup tests, a 4-layer
+one for EAGLE-3 heads, and the target-only reference replies they compare against."""
 
 from __future__ import annotations
 
@@ -21,6 +21,15 @@ def smooth_target(tiny_tokenizer):
 def one_layer_target(tiny_tokenizer):
     from tiny_models import make_model
     return make_model(tiny_tokenizer, seed=11, layers=1)
+
+
+@pytest.fixture(scope="module")
+def eagle3_target(tiny_tokenizer):
+    """A 4-layer target of small weights (its greedy text repeats now and then, which an
+    untrained EAGLE-3 head reading its layers 1, 2 and its last output partly predicts:
+    head_builders.eagle3_head)."""
+    from tiny_models import make_model
+    return make_model(tiny_tokenizer, seed=11, layers=4, hidden=256, heads=4, init_std=0.05)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,14 @@ def eagle_head(target, vocab_every: int = 1, seed: int = 0):
     return wrap_model(build_eagle_head(target.model, ids, seed=seed), target.tokenizer, "head")
 
 
+def eagle3_head(target):
+    """An untrained EAGLE-3 head on half the vocabulary reading the target's layers 1, 2 and its
+    last output (the eagle3_target fixture's 4 layers)."""
+    from specpair.eagle3 import build_eagle3_head
+    return wrap_model(build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4), seed=5),
+                      None, "head")
+
+
 def mirror_head(target, vocab_every: int = 1):
     """For a one-layer target, a head that nearly *is* the target: its layer is the target's
     layer and fc passes the embedding of the next token through, so it predicts the target's next

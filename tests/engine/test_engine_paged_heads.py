@@ -17,13 +17,10 @@ drafts what it does cold."""
 from __future__ import annotations
 
 import pytest
-import torch
-from head_builders import medusa_heads, mirror_head
+from head_builders import eagle3_head, medusa_heads, mirror_head
 
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
-from specpair.eagle3 import build_eagle3_head
-from specpair.models import wrap_model
 from specpair.paged_cache import PAGED_ENV, PagedKVModel, PagedSpace
 from specpair.prefix_cache import BLOCK_TOKENS
 
@@ -36,19 +33,10 @@ PROMPTS = [SYSTEM + q for q in QUESTIONS]
 PARAMS = GenerationParams(max_new_tokens=24)
 
 
-@pytest.fixture(scope="module")
-def eagle3_target(tiny_tokenizer):
-    """A 4-layer target of small weights (its greedy text repeats now and then, which an
-    untrained EAGLE-3 head reading its layers 1, 2 and its last output catches)."""
-    from tiny_models import make_model
-    return make_model(tiny_tokenizer, seed=11, layers=4, hidden=256, heads=4, init_std=0.05)
-
-
 def head_engine(kind: str, request, speculation=SPEC, **options) -> SpeculativeEngine:
     if kind == "eagle3":
         target = request.getfixturevalue("eagle3_target")
-        head = wrap_model(build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4),
-                                            seed=5), None, "head")
+        head = eagle3_head(target)
     elif kind == "eagle":
         target = request.getfixturevalue("one_layer_target")
         head = mirror_head(target, vocab_every=2)

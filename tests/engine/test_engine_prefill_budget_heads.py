@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from head_builders import eagle_head, medusa_heads
+from head_builders import eagle3_head, eagle_head, medusa_heads
 
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import Batch, SpeculativeEngine
@@ -33,22 +33,10 @@ PLAN = [(name, prompt, replace(params, category=name)) for name, prompt, params 
          ("l1", LONG[1], GREEDY)]]
 
 
-@pytest.fixture(scope="module")
-def eagle3_target(tiny_tokenizer):
-    """As test_engine_paged_heads.py's: 4 layers of small weights, which an untrained EAGLE-3
-    head reading its layers 1, 2 and its last output partly predicts."""
-    from tiny_models import make_model
-    return make_model(tiny_tokenizer, seed=11, layers=4, hidden=256, heads=4, init_std=0.05)
-
-
 def head_engine(kind: str, request) -> SpeculativeEngine:
-    from specpair.eagle3 import build_eagle3_head
-    from specpair.models import wrap_model
-
     if kind == "eagle3":
         target = request.getfixturevalue("eagle3_target")
-        head = wrap_model(build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4),
-                                            seed=5), None, "head")
+        head = eagle3_head(target)
     elif kind == "medusa":
         target = request.getfixturevalue("smooth_target")
         head = medusa_heads(target, scramble=0.3)
@@ -158,8 +146,6 @@ def test_a_shadow_observer_scores_chunked_prompts_as_whole_ones(champion, candid
     against them mid-prompt), then scores every request as it does with the prompts fed whole;
     the champion's tokens and counts unchanged."""
     from specpair.drafters.eagle3 import Eagle3Drafter
-    from specpair.eagle3 import build_eagle3_head
-    from specpair.models import wrap_model
     from specpair.config import ModelRef, PairSpec
     from specpair.drafters import ModelDrafter
     from specpair.shadow import Candidate, ShadowScorer
@@ -169,8 +155,7 @@ def test_a_shadow_observer_scores_chunked_prompts_as_whole_ones(champion, candid
     sampled_plan = PLAN[:3] + [("l1", LONG[1], replace(SAMPLED, category="l1"))]
 
     def eagle3(engine):
-        head = build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4), seed=5)
-        return Eagle3Drafter(wrap_model(head, None, "head"), target.model, engine.vocab_size)
+        return Eagle3Drafter(eagle3_head(target), target.model, engine.vocab_size)
 
     def scored(budget):
         base = SpeculativeEngine(target, drafter=NgramDrafter(), speculation=SpeculationConfig(**SPEC))
