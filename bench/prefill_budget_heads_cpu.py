@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from http_load_bench import WORDS, system_prompt  # noqa: E402
-from worker_timeline import forget_prefixes, load_engine  # noqa: E402
+from prefill_budget_cpu import chat_prompts, run_budget  # noqa: E402
+from worker_timeline import load_engine  # noqa: E402
 
 
 def head_engine(target, kind: str, k: int, tree_width: int):
@@ -66,54 +65,35 @@ def main() -> int:
     engine = head_engine(loaded.target, args.head, args.k, args.tree_width)
     assert engine.paged_space is not None, engine.paged_unused
     engine.eos_ids = frozenset()      # every row steps to its budget
-    short = [engine.encode([{"role": "user", "content": f"Request {i}: which {WORDS[i % len(WORDS)]} "
-                                                         f"setting matters most, and why?"}], chat=True)
-             for i in range(args.rows)]
-    cold = engine.encode([{"role": "system", "content": system_prompt(args.shared_prefix)},
-                          {"role": "user", "content": "Which setting matters most?"}], chat=True)
+    short, cold = chat_prompts(engine, args.rows, args.shared_prefix)
     params = GenerationParams(max_new_tokens=args.max_new_tokens)
     print(f"{args.head} head (k {args.k}, tree width {args.tree_width}), {args.rows} rows decoding, "
           f"a cold {len(cold)}-token prompt joins; load {os.getloadavg()[0]:.1f}", flush=True)
     first: dict = {}
     for turn in range(args.repeat):
         for budget in args.budgets:
-            engine.prefill_budget = budget or None
-            forget_prefixes(engine)
-            batch = engine.new_batch()
             drafts: dict = {}
-            inner = batch.drafter.propose
 
-            def propose(sequences, ks, sampling, width=1, _inner=inner, _batch=batch,
-                        _drafts=drafts, **extra):
-                proposal = _inner(sequences, ks, sampling, width, **extra)
-                for seq, row, n in zip(_batch.rows, proposal.tokens.tolist(), proposal.num.tolist()):
-                    if n:
-                        _drafts.setdefault(seq.request_id, []).append((len(seq.tokens), row[:n]))
-                return proposal
-            batch.drafter.propose = propose
-            rows = [batch.add(ids, params, request_id=f"s{i}") for i, ids in enumerate(short)]
-            batch.step()
-            batch.step()            # the rows decode (and draft) before the prompt joins
-            late = batch.add(cold, params, request_id="cold")
-            worst_wall = worst_cpu = 0.0
-            steps_to_first = 0
-            run_cpu = time.process_time()
-            while batch.active:
-                waiting = late.num_generated == 0
-                wall, cpu = time.perf_counter(), time.process_time()
-                batch.step()
-                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-                if waiting:      # a step the cold prompt was fed in (its first token's included)
-                    steps_to_first += 1
-                    worst_wall, worst_cpu = max(worst_wall, wall), max(worst_cpu, cpu)
-            run_cpu = time.process_time() - run_cpu
-            tokens = [batch.result(s).token_ids for s in rows + [late]]
+            def spy(batch, _drafts=drafts):
+                inner = batch.drafter.propose
+
+                def propose(sequences, ks, sampling, width=1, **extra):
+                    proposal = inner(sequences, ks, sampling, width, **extra)
+                    for seq, row, n in zip(batch.rows, proposal.tokens.tolist(), proposal.num.tolist()):
+                        if n:
+                            _drafts.setdefault(seq.request_id, []).append((len(seq.tokens), row[:n]))
+                    return proposal
+                batch.drafter.propose = propose
+            # two steps: the rows decode (and draft) before the prompt joins
+            run = run_budget(engine, budget, short, cold, params, warm_steps=2, prepare=spy)
+            batch, rows, late = run.batch, run.rows, run.late
+            tokens = run.tokens()
             same = first.setdefault("tokens", tokens) == tokens
             same_drafts = first.setdefault("drafts", drafts) == drafts
             drafted = sum(batch.result(s).stats.num_draft_tokens for s in rows + [late])
-            print(f"budget {budget or 'none'}: largest step while the prompt was fed {worst_wall:.2f} s "
-                  f"wall / {worst_cpu:.2f} CPU-s, its first token after {steps_to_first} steps, the "
-                  f"whole run {run_cpu:.2f} CPU-s, {drafted} tokens drafted ({len(drafts.get('cold', []))} "
+            print(f"budget {budget or 'none'}: largest step while the prompt was fed {run.worst_wall:.2f} s "
+                  f"wall / {run.worst_cpu:.2f} CPU-s, its first token after {run.steps_to_first} "
+                  f"steps, the whole run {run.run_cpu:.2f} CPU-s, {drafted} tokens drafted ({len(drafts.get('cold', []))} "
                   f"rounds of the cold row's); tokens equal to the first run's: {same}, drafts: "
                   f"{same_drafts}; load {os.getloadavg()[0]:.1f}", flush=True)
             batch.release()
