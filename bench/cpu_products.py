@@ -10,7 +10,14 @@ Implementations alternate sweep by sweep in one process, so the machine's noise 
 each figure is the least CPU time over `--reps` sweeps (other jobs only add).
 
     python bench/cpu_products.py --base 75a0615 --rows 1 4 5 8 16 32 64
+    python bench/cpu_products.py --rows --prefill 256 1696   # a prompt's products, below
     python bench/cpu_products.py --tiny      # seconds: a small shape, for a test
+
+--prefill N: a prompt of N tokens through the layers' products as the engine prefills it (our
+kernel in calls of at most MAX_TOKENS rows, 64) against torch's one F.linear over all N rows (how
+vLLM-CPU's fp32 prefill runs them: oneDNN on the whole chunk). The weights are reused N times, so
+a few copies (`--prefill-layers`) are swept, not 30; the LM head is left out (a prefill reads it
+for one row).
 """
 
 from __future__ import annotations
@@ -61,10 +68,22 @@ def theirs(x, ws):
     return [F.linear(x, w) for w in ws]
 
 
+def in_calls(run):
+    """`run` over x in slices of at most MAX_TOKENS rows (the engine's calls); per weight, its
+    outputs' slices (not joined: a copy of the outputs is no part of the products' cost)."""
+    def chunked(x, ws):
+        parts = [run(x[s:s + ck.MAX_TOKENS], ws) for s in range(0, len(x), ck.MAX_TOKENS)]
+        return [list(col) for col in zip(*parts)]
+    return chunked
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="git revision of the A kernel")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 5, 8, 16, 32, 64])
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 5, 8, 16, 32, 64])
+    ap.add_argument("--prefill", type=int, nargs="*", default=[], metavar="N",
+                    help="prompt lengths: ours in calls of 64 rows, torch's one call")
+    ap.add_argument("--prefill-layers", type=int, default=3)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch's and the kernel's threads")
@@ -83,6 +102,8 @@ def main(argv=None) -> int:
                  "torch": theirs}
         for name, (inner, outs) in products(shape).items():
             if args.only and name not in args.only:
+                continue
+            if not args.rows:
                 continue
             n = 1 if name == "lm_head" else args.layers
             copies = [[torch.randn(o, inner, generator=gen) * 0.05 for o in outs] for _ in range(n)]
@@ -109,6 +130,35 @@ def main(argv=None) -> int:
                 print(f"{name:>8} R={R:>2}: A {g['A']:6.1f}  B {g['B']:6.1f}  torch {g['torch']:6.1f}"
                       f" GFLOP/s | ms A {row['ms']['A']:7.2f} B {row['ms']['B']:7.2f} torch "
                       f"{row['ms']['torch']:7.2f} | B==A {row['b_equals_a']} alone==batch "
+                      f"{row['row_alone_equals_batch']}", flush=True)
+        for name, (inner, outs) in products(shape).items():
+            if name == "lm_head" or (args.only and name not in args.only) or not args.prefill:
+                continue
+            copies = [[torch.randn(o, inner, generator=gen) * 0.05 for o in outs]
+                      for _ in range(args.prefill_layers)]
+            chunked = {"A": in_calls(impls["A"]), "B": in_calls(impls["B"]),
+                       "torch": lambda x, ws: [[y] for y in theirs(x, ws)]}
+            report["products"].setdefault(name, {})
+            for N in args.prefill:
+                x = torch.randn(N, inner, generator=gen)
+                flop = 2 * N * inner * sum(outs) * len(copies)
+                best = {k: float("inf") for k in chunked}
+                got = {}
+                for rep in range(args.reps):
+                    for k in (list(chunked) if rep % 2 == 0 else list(reversed(chunked))):
+                        dt, got[k] = sweep(chunked[k], x, copies)
+                        best[k] = min(best[k], dt)
+                alone = impls["B"](x[-1:].clone(), copies[0])
+                row = {"ms": {k: 1e3 * v for k, v in best.items()},
+                       "gflops": {k: flop / v / 1e9 for k, v in best.items()},
+                       "b_equals_a": all(torch.equal(a, b) for pa, pb in
+                                         zip(got["A"][0], got["B"][0]) for a, b in zip(pa, pb)),
+                       "row_alone_equals_batch": all(torch.equal(a[0], b[-1][-1]) for a, b in
+                                                     zip(alone, got["B"][0]))}
+                report["products"][name][f"prefill {N}"] = row
+                g = row["gflops"]
+                print(f"{name:>8} prefill N={N:>4}: A {g['A']:6.1f}  B {g['B']:6.1f}  torch "
+                      f"{g['torch']:6.1f} GFLOP/s | B==A {row['b_equals_a']} last row alone==batch "
                       f"{row['row_alone_equals_batch']}", flush=True)
     report["load_end"] = os.getloadavg()
     if args.json:
