@@ -80,13 +80,6 @@ def run_call(lib, case: dict, shape: dict, pool: tuple, a: int, b: int):
     return time.process_time() - cpu, time.perf_counter() - wall, h
 
 
-def use(lib) -> None:
-    """Make `lib` the kernel every caller gets: the caches call cpu_kernels.available(), which
-    sets _LIB from library() again."""
-    ck._LIB = lib
-    ck.library = lambda: lib
-
-
 def model_prefill(libs: dict, model_dir: Path, positions: int, threads_list: list[int],
                   repeats: int, new_tokens: int = 16) -> dict:
     """The whole model (SmolLM2's real weights) on the paged cache: a prompt of `positions`
@@ -108,7 +101,7 @@ def model_prefill(libs: dict, model_dir: Path, positions: int, threads_list: lis
         logits, tokens = {}, {}
         for rep in range(repeats):
             for k in (list(libs) if rep % 2 == 0 else list(reversed(libs))):
-                use(libs[k])
+                ck.use_library(libs[k])
                 kv = PagedKVModel(model, blocks=-(-positions // BLOCK) + new_tokens // BLOCK + 2)
                 kv.add_rows(1)
                 with torch.inference_mode():
@@ -148,7 +141,7 @@ def model_phases(profiled: dict, model_dir: Path, positions: int, threads: int) 
     for name, lib in profiled.items():
         phases = (ctypes.c_double * len(PHASES))()
         lib.specpair_profile(phases)
-        use(lib)
+        ck.use_library(lib)
         kv = PagedKVModel(model, blocks=-(-positions // BLOCK) + 2)
         kv.add_rows(1)
         with torch.inference_mode():

@@ -80,10 +80,13 @@ def build_library(source: Path, *included: Path) -> tuple[ctypes.CDLL | None, st
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The built kernel library, or None (disabled or no compiler: the reason is in status())."""
+    """The built kernel library, or None (disabled or no compiler: the reason is in status()).
+    Built once (library.cache_clear() builds again): the build is the kernel every caller gets,
+    until use_library puts another in its place."""
     global _build_error
     lib, _build_error = build_library(SOURCE)
     if lib is None:
+        use_library(None)
         return None
     lib.specpair_small_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_long,
                                                                   ctypes.c_long, ctypes.c_int]
@@ -96,6 +99,7 @@ def library() -> ctypes.CDLL | None:
     lib.specpair_llama_layer.restype = ctypes.c_int
     lib.specpair_max_tokens.restype = ctypes.c_int
     lib.specpair_max_head_dim.restype = ctypes.c_int
+    use_library(lib)
     return lib
 
 
@@ -128,15 +132,23 @@ def _(x, weights):
     return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
 
 
-_LIB = None      # set by available(); read on every call, so kept out of the lru_cache
+_LIB = None      # the kernel in use (use_library); read on every call, so kept out of the lru_cache
+
+
+def use_library(lib: ctypes.CDLL | None) -> None:
+    """Make `lib` (typed as library() types its build; None: torch) the kernel every caller gets:
+    library()'s build does, and a bench's A/B puts another build in its place."""
+    global _LIB, MAX_TOKENS, MAX_HEAD_DIM
+    _LIB = lib
+    if lib is not None:
+        MAX_TOKENS, MAX_HEAD_DIM = lib.specpair_max_tokens(), lib.specpair_max_head_dim()
 
 
 def available() -> bool:
-    """Build (once) and say whether the kernel can be used. Call before stepping or compiling."""
-    global _LIB, MAX_TOKENS, MAX_HEAD_DIM
-    _LIB = library()
-    if _LIB is not None:
-        MAX_TOKENS, MAX_HEAD_DIM = _LIB.specpair_max_tokens(), _LIB.specpair_max_head_dim()
+    """Whether the kernel can be used (the first call builds it). Call before stepping or
+    compiling. A query: it leaves the kernel in use as it is (it reset a bench's A/B build to the
+    default one before, and the bench ran that twice)."""
+    library()
     return _LIB is not None
 
 

@@ -142,6 +142,24 @@ def test_kernels_can_be_switched_off(monkeypatch):
         assert cpu_kernels.available()
 
 
+def test_available_leaves_the_kernel_in_use_as_it_is():
+    """A bench's A/B puts another build in place of the default one (cpu_kernels._LIB, as
+    bench/layer_kernel_ab.py does, or use_library); the caches then ask available() before each
+    step: asking must not put the default build back (it did, and a bench ran it twice)."""
+    assert cpu_kernels.available()
+    built = cpu_kernels._LIB
+    other, error = cpu_kernels.build_library(cpu_kernels.SOURCE)   # the same build, another handle
+    assert other is not None and other is not built, error
+    try:
+        cpu_kernels._LIB = other
+        assert cpu_kernels.available() and cpu_kernels._LIB is other
+        cpu_kernels.use_library(None)           # torch in its place: available() says so
+        assert not cpu_kernels.available() and cpu_kernels._LIB is None
+    finally:
+        cpu_kernels.use_library(built)
+    assert cpu_kernels.available() and cpu_kernels._LIB is built
+
+
 # -- the cache --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module", params=[4, 2], ids=["mha", "gqa"])
