@@ -13,6 +13,7 @@ from specpair import capture
 from specpair.capture import CaptureSettings, CaptureWriter
 from specpair_operator.desired import learning
 from specpair_operator.desired.learning import CAPTURE_FINALIZER, capture_cleanup_job, cleanup_job_name
+from specpair_operator.desired.pod_shutdown import shutdown_of
 from specpair_operator.plan import capture_cleanup as plan
 
 UID = "0b9f6c1e-7d2a-4c55-9a57-2f1f1d9b2a10"
@@ -68,24 +69,29 @@ DELETING = pair(CAPTURING, [CAPTURE_FINALIZER], True)
 ENGINE, CANARY = "chat-engine", "chat-engine-canary"
 
 
+def pods(n: int) -> list[str]:
+    """Names of n engine pods still there."""
+    return [f"{ENGINE}-5d8f7-{i}" for i in range(n)]
+
+
 @pytest.mark.parametrize("what, live_job, engines, pods, action, reason, scaled", [
     # Each row fails on the old order (the Job at once, the finalizer off when it succeeded):
     # an engine pod still serving writes the pair's folder again after the Job deleted it.
-    ("engines serving: scaled to 0 first, no clean-up yet", None, {ENGINE: 2}, 2, plan.STOP_ENGINES,
+    ("engines serving: scaled to 0 first, no clean-up yet", None, {ENGINE: 2}, pods(2), plan.STOP_ENGINES,
      "CaptureEnginesStopping", (ENGINE,)),
-    ("a canary beside the champion: both", None, {ENGINE: 1, CANARY: 1}, 2, plan.STOP_ENGINES,
+    ("a canary beside the champion: both", None, {ENGINE: 1, CANARY: 1}, pods(2), plan.STOP_ENGINES,
      "CaptureEnginesStopping", (ENGINE, CANARY)),
-    ("only the ones not yet at 0", None, {ENGINE: 0, CANARY: 1}, 3, plan.STOP_ENGINES, "CaptureEnginesStopping",
+    ("only the ones not yet at 0", None, {ENGINE: 0, CANARY: 1}, pods(3), plan.STOP_ENGINES, "CaptureEnginesStopping",
      (CANARY,)),
-    ("scaled to 0, pods still stopping: no clean-up yet", None, {ENGINE: 0}, 1, plan.WAIT, None, ()),
-    ("no pod left: the clean-up Job", None, {ENGINE: 0}, 0, plan.CREATE_JOB, "CaptureCleanupStarted", ()),
-    ("Deployments gone, no pod: the clean-up Job", None, {}, 0, plan.CREATE_JOB, "CaptureCleanupStarted", ()),
-    ("clean-up done, no pod: the finalizer goes", job("Complete"), {ENGINE: 0}, 0, plan.REMOVE_FINALIZER,
+    ("scaled to 0, pods still stopping: no clean-up yet", None, {ENGINE: 0}, pods(1), plan.WAIT, None, ()),
+    ("no pod left: the clean-up Job", None, {ENGINE: 0}, pods(0), plan.CREATE_JOB, "CaptureCleanupStarted", ()),
+    ("Deployments gone, no pod: the clean-up Job", None, {}, pods(0), plan.CREATE_JOB, "CaptureCleanupStarted", ()),
+    ("clean-up done, no pod: the finalizer goes", job("Complete"), {ENGINE: 0}, pods(0), plan.REMOVE_FINALIZER,
      "CaptureDeleted", ()),
     # Scaled back up meanwhile (by hand): stopped again before the finalizer goes.
-    ("clean-up done, an engine back: stopped again", job("Complete"), {ENGINE: 1}, 1, plan.STOP_ENGINES,
+    ("clean-up done, an engine back: stopped again", job("Complete"), {ENGINE: 1}, pods(1), plan.STOP_ENGINES,
      "CaptureEnginesStopping", (ENGINE,)),
-    ("clean-up done, a pod still stopping: the finalizer stays", job("Complete"), {ENGINE: 0}, 1, plan.WAIT,
+    ("clean-up done, a pod still stopping: the finalizer stays", job("Complete"), {ENGINE: 0}, pods(1), plan.WAIT,
      None, ()),
 ])
 def test_the_clean_up_waits_for_the_engines_to_stop(what, live_job, engines, pods, action, reason, scaled):
@@ -94,9 +100,40 @@ def test_the_clean_up_waits_for_the_engines_to_stop(what, live_job, engines, pod
 
 
 def test_engines_are_left_serving_until_the_pair_is_deleted_and_when_its_capture_is_kept():
-    assert plan.decide(pair(CAPTURING, [CAPTURE_FINALIZER]), None, engines={ENGINE: 2}, engine_pods=2).action == plan.NONE
+    assert plan.decide(pair(CAPTURING, [CAPTURE_FINALIZER]), None, engines={ENGINE: 2},
+                       engine_pods=pods(2)).action == plan.NONE
     kept = pair({**CAPTURING, "keepOnDelete": True}, [CAPTURE_FINALIZER], True)
-    assert plan.decide(kept, None, engines={ENGINE: 2}, engine_pods=2).action == plan.REMOVE_FINALIZER
+    assert plan.decide(kept, None, engines={ENGINE: 2}, engine_pods=pods(2)).action == plan.REMOVE_FINALIZER
+
+
+# The pair's deletion at 05:00:00; the default grace period (rollout.shutdown) plus the margin.
+GRACE = shutdown_of({}).grace_period
+WARN_AFTER = GRACE + plan.ENGINES_STOP_MARGIN_SECONDS
+
+
+def after(seconds: int) -> str:
+    """The time `seconds` after the pair's deletion (under an hour)."""
+    return f"2026-12-07T05:{seconds // 60:02d}:{seconds % 60:02d}Z"
+
+
+@pytest.mark.parametrize("what, live_job, engines, left, now, reason", [
+    ("a pod stopping within its grace period: quiet", None, {ENGINE: 0}, 1, after(20), None),
+    ("at the wait's end: quiet still", None, {ENGINE: 0}, 1, after(WARN_AFTER), None),
+    ("a second past it: said, with the pod's name", None, {ENGINE: 0}, 1, after(WARN_AFTER + 1),
+     "CaptureEnginesNotStopping"),
+    ("past it, the Job done meanwhile: said, the finalizer stays", job("Complete"), {ENGINE: 0}, 2,
+     "2026-12-07T06:00:00Z", "CaptureEnginesNotStopping"),
+    ("no time given (as before): quiet", None, {ENGINE: 0}, 1, None, None),
+])
+def test_an_engine_pod_that_never_goes_is_said_in_a_warning(what, live_job, engines, left, now, reason):
+    """A pod held past its grace period (another's finalizer, a node gone) keeps the pair
+    Terminating: the clean-up still waits (no Job beside it), and says which pod after a
+    generous wait."""
+    step = plan.decide(DELETING, live_job, engines=engines, engine_pods=pods(left), now=now)
+    assert (step.action, step.event and step.event[0], step.event and step.event[1]) == (
+        plan.WAIT, reason and "Warning", reason), what
+    if reason:
+        assert all(name in step.event[2] for name in pods(left)), step.event
 
 
 def test_a_namespace_being_deleted_lets_the_pair_go_with_its_claim():
@@ -124,19 +161,19 @@ def test_each_write_happens_once_whatever_pass_reads_what_the_last_one_left():
     that pass's Event): a write, once visible, is never asked for again, no Job exists while an
     engine pod does, and the pair ends without the finalizer."""
     state = {"pair": pair(CAPTURING), "job": None, "engines": {"chat-engine": 2}}
-    writes, pods = [], 2
+    writes, left = [], 2
     for n in range(16):
         if n == 3:
             state["pair"]["metadata"]["deletionTimestamp"] = "2026-12-07T05:00:00Z"
         if 6 <= n and state["engines"]["chat-engine"] == 0:
-            pods = max(0, pods - 1)    # the Deployment's pods stop, one a pass
+            left = max(0, left - 1)    # the Deployment's pods stop, one a pass
         if n == 11 and state["job"] is not None:
             state["job"] = job("Complete")
-        step = plan.decide(state["pair"], state["job"], engines=state["engines"], engine_pods=pods)
+        step = plan.decide(state["pair"], state["job"], engines=state["engines"], engine_pods=pods(left))
         if step.action in (plan.ADD_FINALIZER, plan.REMOVE_FINALIZER, plan.CREATE_JOB, plan.STOP_ENGINES):
             apply(step, state)
             writes.append(step.action)
-        assert not (state["job"] and pods), f"pass {n}: the clean-up Job beside a running engine pod"
+        assert not (state["job"] and left), f"pass {n}: the clean-up Job beside a running engine pod"
     assert writes == [plan.ADD_FINALIZER, plan.STOP_ENGINES, plan.CREATE_JOB, plan.REMOVE_FINALIZER]
     assert state["pair"]["metadata"]["finalizers"] == []
 

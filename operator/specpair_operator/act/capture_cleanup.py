@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from specpair_operator.clients.kube import Kube, KubeError
+from specpair_operator.crd.conditions import now_iso
 from specpair_operator.desired.learning import CAPTURE_FINALIZER, Learning, capture_cleanup_job, cleanup_job_name
 from specpair_operator.desired.manifests import PodDefaults, engine_selector
 from specpair_operator.desired.ownership import owns
@@ -35,14 +36,15 @@ def _terminating(exc: KubeError) -> bool:
 async def converge(kube: Kube, body: dict[str, Any], defaults: PodDefaults = PodDefaults()) -> plan.CleanupStep:
     meta = body["metadata"]
     namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
-    job, engines, engine_pods = None, {}, 0
+    job, engines, engine_pods = None, {}, []
     if meta.get("deletionTimestamp") and CAPTURE_FINALIZER in (meta.get("finalizers") or []):
         job = await kube.get("batch/v1", "jobs", namespace, cleanup_job_name(name, uid))
         selector = ",".join(f"{k}={v}" for k, v in engine_selector(name).items())
         engines = {d["metadata"]["name"]: int((d.get("spec") or {}).get("replicas", 1))
                    for d in await kube.list("apps/v1", "deployments", namespace, selector) if owns(uid, d)}
-        engine_pods = len(await kube.list("v1", "pods", namespace, selector))
-    step = plan.decide(body, job, engines=engines, engine_pods=engine_pods)
+        engine_pods = [p["metadata"]["name"] for p in await kube.list("v1", "pods", namespace, selector)]
+    now = now_iso()
+    step = plan.decide(body, job, engines=engines, engine_pods=engine_pods, now=now)
     if step.action == plan.STOP_ENGINES:
         for deployment in step.scale_down:
             try:
@@ -58,7 +60,8 @@ async def converge(kube: Kube, body: dict[str, Any], defaults: PodDefaults = Pod
         except KubeError as exc:
             if not _terminating(exc):
                 raise
-            step = plan.decide(body, job, namespace_terminating=True, engines=engines, engine_pods=engine_pods)
+            step = plan.decide(body, job, namespace_terminating=True, engines=engines, engine_pods=engine_pods,
+                               now=now)
     # Only on the object as read (a test on its resourceVersion, or on the finalizer removed): the
     # body may be older than the pair (Kopf hands a pair's events to on_event only between its
     # handlers' runs, and on_change may run for minutes), and a refused patch (422) is decided

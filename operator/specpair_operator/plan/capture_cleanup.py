@@ -15,13 +15,20 @@ killed anywhere on the way converges on its next pass.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+from specpair_operator.crd.conditions import parse_iso
 from specpair_operator.desired.learning import ANN_PAIR_UID, CAPTURE_FINALIZER, Learning, capture_dir
+from specpair_operator.desired.pod_shutdown import shutdown_of
 
 NONE, ADD_FINALIZER, REMOVE_FINALIZER, CREATE_JOB, WAIT = "none", "add-finalizer", "remove-finalizer", "create-job", "wait"
 # Scale the pair's engine Deployments (CleanupStep.scale_down) to 0 replicas.
 STOP_ENGINES = "stop-engines"
+# An engine pod still there this long past its grace period (rollout.shutdown), counted from the
+# pair's deletion, is said in a Warning: the scale-down comes at the first pass after it, so a pod
+# that should have stopped by then is held (another's finalizer, a node gone unreachable) and the
+# pair stays Terminating until it goes.
+ENGINES_STOP_MARGIN_SECONDS = 300
 
 
 @dataclass(frozen=True)
@@ -48,12 +55,13 @@ def _job_state(job: Mapping[str, Any] | None) -> str:
 
 def decide(pair: Mapping[str, Any], job: Mapping[str, Any] | None = None,
            namespace_terminating: bool = False, *, engines: Mapping[str, int] | None = None,
-           engine_pods: int = 0) -> CleanupStep:
+           engine_pods: Sequence[str] = (), now: str | None = None) -> CleanupStep:
     """The next step for `pair` (its body); `job`: its clean-up Job as read (None: absent);
     `namespace_terminating`: the API server refused to create the Job because the namespace is
     being deleted (its claim goes with it); `engines`: the pair's engine Deployments (champion
-    and canary) as read, name -> spec.replicas; `engine_pods`: its engine pods that still exist,
-    running or terminating (a stopping pod still finishes, and captures, the requests it drains)."""
+    and canary) as read, name -> spec.replicas; `engine_pods`: the names of its engine pods that
+    still exist, running or terminating (a stopping pod still finishes, and captures, the
+    requests it drains); `now`: the time of the pass (RFC 3339), against the pair's deletion."""
     meta = pair.get("metadata") or {}
     name = meta.get("name", "")
     has = CAPTURE_FINALIZER in (meta.get("finalizers") or [])
@@ -91,6 +99,14 @@ def decide(pair: Mapping[str, Any], job: Mapping[str, Any] | None = None,
                                           f"scaling {', '.join(running)} to 0 replicas: their pods capture until "
                                           f"they stop, so {where} is deleted once none is left"), running)
     if engine_pods:
+        grace = shutdown_of((pair.get("spec") or {}).get("rollout") or {}).grace_period
+        deleting = (parse_iso(now) - parse_iso(meta["deletionTimestamp"])).total_seconds() if now else 0.0
+        if deleting > grace + ENGINES_STOP_MARGIN_SECONDS:
+            return CleanupStep(WAIT, ("Warning", "CaptureEnginesNotStopping",
+                                      f"engine pod {', '.join(sorted(engine_pods))} still there {deleting:.0f} s "
+                                      f"after the pair's deletion (grace period {grace} s): {where} is deleted, "
+                                      f"and the pair goes, only once no engine pod is left; see why it stays "
+                                      f"(its finalizers, its node), or set learning.keepOnDelete"))
         return CleanupStep(WAIT)
     if job is not None and (job.get("metadata") or {}).get("annotations", {}).get(ANN_PAIR_UID) != meta.get("uid"):
         return CleanupStep(WAIT, ("Warning", "CaptureCleanupBlocked",
