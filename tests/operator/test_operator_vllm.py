@@ -41,7 +41,7 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from kopf.testing import KopfRunner
@@ -357,19 +357,9 @@ def keda_scales_the_pair_on_vllms_own_series(ns, name: str, streams: Streams, pr
         f'model_name=~"specpair:{name}:.+"' in query, query
     (hpa,) = ns.wait_for("KEDA's HPA", lambda: ns.list("autoscaling/v2", "horizontalpodautoscalers"), timeout=120)
     assert hpa["spec"]["scaleTargetRef"]["kind"] == "SpecModelPair"
-    ns.wait_for("KEDA's HPA reading the effective load", lambda: hpa_value(ns) is not None, timeout=300)
-    good = []
-    held_until = time.monotonic() + GOOD_SECONDS
-    while time.monotonic() < held_until:
-        good.append(sample())
-        time.sleep(1)
-    # vLLM ran one request at a time (its --max-num-seqs) and the others waited in its queue;
-    # at full acceptance the load they make stays under the target.
-    assert max(s["queue"] or 0 for s in good) >= 1 and max(s["running"] or 0 for s in good) == MAX_BATCH, good
-    assert all(s["replicas"] == 1 for s in good), good
-    # (A failed scrape leaves a sample without a reading: Prometheus marks the series stale.)
-    readings = [s["effective"] for s in good if s["effective"] is not None]
-    assert readings and max(readings) < EFFECTIVE_TARGET, good
+    good = held_under_the_target(ns, sample, GOOD_SECONDS)
+    # vLLM ran one request at a time (its --max-num-seqs) and the others waited in its queue.
+    assert max(s["running"] or 0 for s in good) == MAX_BATCH, good
     greedy.set()
     streams.stop_all()          # every greedy client done before a sampled one starts
     streams.done.clear()
@@ -417,6 +407,24 @@ def keda_scales_the_pair_on_vllms_own_series(ns, name: str, streams: Streams, pr
     ns.patch("specpair.io/v1alpha1", "SpecModelPair", name, {"spec": {"rollout": {"autoscaling": None}}})
     ns.wait_for("the ScaledObject removed", lambda: not ns.list("keda.sh/v1alpha1", "scaledobjects"), timeout=120)
     return summary
+
+
+def held_under_the_target(ns, sample: Callable[[], dict[str, Any]], seconds: float) -> list[dict[str, Any]]:
+    """Once KEDA's HPA reads the effective load, `sample()` (the pair's queue, effective load,
+    replicas) a second for `seconds`: at full acceptance requests wait, the load they make stays
+    under EFFECTIVE_TARGET and the pair at one replica. Returns the samples."""
+    ns.wait_for("KEDA's HPA reading the effective load", lambda: hpa_value(ns) is not None, timeout=300)
+    good = []
+    held_until = time.monotonic() + seconds
+    while time.monotonic() < held_until:
+        good.append(sample())
+        time.sleep(1)
+    assert max(s["queue"] or 0 for s in good) >= 1, good
+    assert all(s["replicas"] == 1 for s in good), good
+    # (A failed scrape leaves a sample without a reading: Prometheus marks the series stale.)
+    readings = [s["effective"] for s in good if s["effective"] is not None]
+    assert readings and max(readings) < EFFECTIVE_TARGET, good
+    return good
 
 
 def hpa_value(ns) -> float | None:
@@ -586,18 +594,7 @@ def test_effective_load_scales_a_pair_out_when_its_acceptance_collapses_before_i
             (scaled,) = ns.wait_for("the operator's ScaledObject", lambda: ns.list("keda.sh/v1alpha1", "scaledobjects"),
                                     timeout=120)
             assert [t["metadata"]["query"] for t in scaled["spec"]["triggers"]] == [effective]
-            ns.wait_for("KEDA's HPA reading the effective load", lambda: hpa_value(ns) is not None, timeout=300)
-            good = []
-            held_until = time.monotonic() + GOOD_HOLD_SECONDS
-            while time.monotonic() < held_until:
-                good.append(sample())
-                time.sleep(1)
-            # Full acceptance: requests wait, and the load they make stays under the target.
-            assert max(s["queue"] or 0 for s in good) >= 1, good
-            assert all(s["replicas"] == 1 for s in good), good
-            # (A failed scrape leaves a sample without a reading: Prometheus marks the series stale.)
-            readings = [s["effective"] for s in good if s["effective"] is not None]
-            assert readings and max(readings) < EFFECTIVE_TARGET, good
+            good = held_under_the_target(ns, sample, GOOD_HOLD_SECONDS)
             streams.stop_all()      # every greedy client done before a sampled one starts
             streams.run(CAPACITY_STREAMS, model=name, temperature=2.0, **CAPACITY_REQUEST)
             collapse: list[dict[str, Any]] = []
