@@ -57,6 +57,101 @@ def forget_prefixes(engine) -> None:
         engine.prefix_store = type(store)(store.capacity, store.block)
 
 
+# -- where the threads' wall time went: running, waiting for a core, asleep ------------------------
+
+def thread_clocks(pid: int | None = None) -> dict:
+    """Each thread of the process (and each child process, keyed "child PID"): (seconds it ran on
+    a CPU, seconds it was runnable but waited for one, voluntary context switches: the times it
+    went to sleep, e.g. an OpenMP thread whose spin at a barrier ran out), from /proc."""
+    pid = pid or os.getpid()
+    out, children = {}, set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            ran, waited, _ = map(int, Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split())
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            children |= set(Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+        except (OSError, ValueError):          # the thread ended while read
+            continue
+        sleeps = int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+        out[int(tid)] = (ran / 1e9, waited / 1e9, sleeps)
+    tick = os.sysconf("SC_CLK_TCK")
+    for child in children:
+        try:
+            fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[f"child {child}"] = ((int(fields[11]) + int(fields[12])) / tick, 0.0, 0)
+    return out
+
+
+class ThreadSampler:
+    """thread_clocks every `every` seconds in a daemon thread, from start() to stop()."""
+
+    def __init__(self, every: float = 0.2):
+        self.every, self.samples, self._stop = every, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, name="thread-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.perf_counter(), thread_clocks()))
+            if self._stop.wait(self.every):
+                self.samples.append((time.perf_counter(), thread_clocks()))
+                return
+
+    def start(self) -> "ThreadSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def window(self, start: float, end: float) -> tuple[float, dict, dict]:
+        """(seconds, the first sample at or after start, the last at or before end)."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return 0.0, {}, {}
+        return inside[-1][0] - inside[0][0], inside[0][1], inside[-1][1]
+
+
+def thread_split(seconds: float, before: dict, after: dict, names: dict, steps: float) -> dict:
+    """A window of `seconds` (`steps` steps long) split per step by group of threads: ms run,
+    ms waiting for a core (others' work on the machine, or our own threads beside each other),
+    ms asleep (the window less both: a thread with nothing to do, an OpenMP thread waiting at a
+    barrier for its partner or for the serial Python between C calls, the engine thread waiting
+    for the GIL) and the times it went to sleep. names: thread id -> group ("engine", "http",
+    ...); a thread not named that ran is "kernel pool" (the OpenMP threads); a child process is
+    "client" (its CPU only)."""
+    groups: dict[str, list] = {}
+    for tid, (ran, waited, sleeps) in after.items():
+        ran0, waited0, sleeps0 = before.get(tid, (0.0, 0.0, 0))
+        ran, waited = ran - ran0, waited - waited0
+        if ran <= 0.01 * seconds:         # a thread that barely ran (a monitor, an idle pool)
+            continue
+        child = isinstance(tid, str)
+        g = groups.setdefault("client" if child else names.get(tid, "kernel pool"), [0, 0.0, 0.0, 0.0, 0])
+        g[0] += 1
+        g[1] += ran
+        if not child:
+            g[2] += waited
+            g[3] += seconds - ran - waited
+            g[4] += sleeps - sleeps0
+    per = 1e3 / steps
+    return {group: {"threads": n, "run_ms": round(ran * per, 1), "wait_for_core_ms": round(waited * per, 1),
+                    "asleep_ms": round(asleep * per, 1), "sleeps": round(sleeps * per / 1e3, 1)}
+            for group, (n, ran, waited, asleep, sleeps) in sorted(groups.items())}
+
+
+def thread_names(worker) -> dict:
+    """Thread id -> group for the threads a served engine runs by name (the engine's own)."""
+    known = {"specpair-http": "http", "specpair-grpc": "grpc", "thread-sampler": "sampler"}
+    out = {t.native_id: known.get(t.name, t.name) for t in threading.enumerate()}
+    if worker._thread is not None:
+        out[worker._thread.native_id] = "engine"
+    return out
+
+
 # The HTTP load's client, in a process of its own (as http_load_bench.py runs it): one thread per
 # chat, streamed with the official openai client; prints each reply's token count and text.
 HTTP_CLIENT = r"""
@@ -90,6 +185,7 @@ def run_http_load(engine, max_batch_size: int, system: str, questions: list[str]
     if server.phase != "serving":
         raise SystemExit(f"server did not start: {server.error}")
     server.worker.timeline = deque(maxlen=100_000)
+    sampler = ThreadSampler().start()
     try:
         started = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", HTTP_CLIENT, str(Path(__file__).resolve().parent),
@@ -99,9 +195,11 @@ def run_http_load(engine, max_batch_size: int, system: str, questions: list[str]
         if proc.returncode:
             raise SystemExit(f"the HTTP client failed: {proc.stderr[-2000:]}")
         replies = json.loads(proc.stdout)
+        sampler.stop()
         return figures(server.worker, max_batch_size, started, wall, [r[0] for r in replies], [r[2] for r in replies],
-                       [r[1] for r in replies])
+                       [r[1] for r in replies], sampler, thread_names(server.worker))
     finally:
+        sampler.stop()
         server.stop(drain_timeout=5)
 
 
@@ -114,6 +212,7 @@ def run_load(engine, max_batch_size: int, prompts: list[list[int]], max_new_toke
                           timeline=100_000)
     worker.warm_up(prompts[0][:8])
     worker.start()
+    sampler = ThreadSampler().start()
     done = threading.Semaphore(0)
     finished: dict[int, object] = {}
 
@@ -131,18 +230,21 @@ def run_load(engine, max_batch_size: int, prompts: list[list[int]], max_new_toke
         if not done.acquire(timeout=3600):
             raise SystemExit("the load did not finish in an hour")
     wall = time.perf_counter() - started
+    sampler.stop()
+    names = thread_names(worker)
     worker.stop()
     failed = [e.message for e in finished.values() if isinstance(e, Failed)]
     if failed:
         raise SystemExit(f"{len(failed)} requests failed: {failed[0]}")
     events = [finished[i] for i in range(len(prompts))]
     return figures(worker, max_batch_size, started, wall, [e.completion_tokens for e in events],
-                   [e.time_to_first_token for e in events], [e.token_ids for e in events])
+                   [e.time_to_first_token for e in events], [e.token_ids for e in events], sampler, names)
 
 
 def figures(worker, setting: int, started: float, wall: float, tokens_each: list[int], ttfts: list[float],
-            replies: list) -> dict:
-    """A run's figures from its worker's timeline."""
+            replies: list, sampler: ThreadSampler | None = None, names: dict | None = None) -> dict:
+    """A run's figures from its worker's timeline (with a sampler, also where the threads' wall
+    time went over the decode phase: decode-only steps at the widest batch, first to last)."""
     steps = [r for r in worker.timeline if r.started >= started]
     tokens = sum(tokens_each)
 
@@ -161,6 +263,15 @@ def figures(worker, setting: int, started: float, wall: float, tokens_each: list
     prefill = [r for r in steps if r.fed > r.rows]       # more than each row's one new token
     decode = [r for r in steps if r.fed <= r.rows]
     stepped = sum(r.seconds for r in steps)
+    threads = None
+    widest = max((r.rows for r in decode), default=0)
+    full = [r for r in decode if r.rows == widest]
+    if sampler is not None and full:
+        seconds, before, after = sampler.window(full[0].started, full[-1].started + full[-1].seconds)
+        if seconds:
+            per_step = seconds / sum(r.seconds for r in full) * len(full)    # steps the samples span
+            threads = {"rows": widest, "ms_per_step": round(1e3 * seconds / per_step, 1),
+                       "by_thread": thread_split(seconds, before, after, names or {}, per_step)}
     return {"max_batch_size": setting or f"default ({worker.max_batch_size} admitted, "
                                          f"{worker.decode_rows} decoded)",
             "decode_rows": worker.decode_rows,
@@ -170,6 +281,7 @@ def figures(worker, setting: int, started: float, wall: float, tokens_each: list
             "mean_ttft": round(sum(ttfts) / len(ttfts), 2),
             "prefill_steps": part(prefill), "decode_steps": part(decode),
             "load_average": round(os.getloadavg()[0], 1),
+            "decode_phase_threads": threads,
             "_replies": replies,
             "_steps": [{"t": round(r.started - started, 3), "ms": round(1e3 * r.seconds, 1), "rows": r.rows,
                         "joined": r.joined, "fed": r.fed, "k": r.k, "emitted": r.emitted,
@@ -213,6 +325,9 @@ def main() -> int:
               f"{run['wall_seconds']:.1f} s (stepping {run['stepping_seconds']:.1f} s), prefill steps "
               f"{json.dumps(run['prefill_steps'])}, decode steps {json.dumps(run['decode_steps'])}, "
               f"load {run['load_average']}", flush=True)
+        if run["decode_phase_threads"]:
+            print(f"    per decode step at {run['decode_phase_threads']['rows']} rows, where each thread's wall went: "
+                  f"{json.dumps(run['decode_phase_threads'])}", flush=True)
         if args.steps:
             for s in run["_steps"]:
                 print("   ", json.dumps(s))
