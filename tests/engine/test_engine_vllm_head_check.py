@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specpair.eagle3 import build_eagle3_head, save_eagle3_head
+from specpair.gate.verdict import tokenizer_check
 from specpair.vllm_head_check import head_config, head_tokenizer_check, vocabulary_differences
 from tiny_models import make_model, make_tokenizer, save_tiny
 
@@ -54,6 +55,15 @@ def test_a_head_without_tokenizer_files_is_checked_by_its_vocabulary_map(written
     assert f"draft vocabulary of {(written['vocab'] + 1) // 2} ids maps into the target's {written['vocab']}" \
         in tok["notes"][0]
     assert tok["targetFingerprint"] and tok["draftFingerprint"] is None
+
+
+def test_both_gates_tokenizer_check_takes_a_head_without_tokenizer_files(written):
+    """gate.verdict.tokenizer_check, which our engine's gate calls: it loaded the head's folder as
+    a tokenizer and failed on every head distill wrote (the demo's learned release, GateError)."""
+    tok = tokenizer_check(release(written["target"], {"source": written["head"], "method": "eagle3"}),
+                          progress=lambda *_: None)
+    assert tok["compatible"] is True and tok["draftFingerprint"] is None
+    assert "EAGLE-3 head: no tokenizer of its own" in tok["notes"][0]
 
 
 def test_a_head_made_for_another_target_is_refused_with_the_reason(written):

@@ -45,11 +45,19 @@ def new_verdict(**extra) -> dict:
 
 
 def tokenizer_check(release: dict, progress=print) -> dict:
-    """Compare draft and target tokenizers without loading either model's weights."""
+    """Compare draft and target tokenizers without loading either model's weights. An EAGLE-3 head
+    without tokenizer files (what `distill --method eagle3` writes, so every learned head of
+    issue 58's training Job) is held to the target's vocabulary instead (vllm_head_check): loading
+    its tokenizer failed our engine's gate on every such head (the demo's learning loop, 2026-12-07)."""
     from transformers import AutoTokenizer
 
     from specpair.models import resolve_source
     from specpair.tokenizer_identity import compare, fingerprint
+    from specpair.vllm_head_check import head_tokenizer_check
+
+    head = head_tokenizer_check(release, progress)
+    if head is not None:
+        return head
 
     def load_tok(side: dict):
         where = resolve_source(side.get("source") or "default", progress)
