@@ -122,12 +122,13 @@ def thread_split(seconds: float, before: dict, after: dict, names: dict, steps: 
     barrier for its partner or for the serial Python between C calls, the engine thread waiting
     for the GIL) and the times it went to sleep. names: thread id -> group ("engine", "http",
     ...); a thread not named that ran is "kernel pool" (the OpenMP threads); a child process is
-    "client" (its CPU only)."""
+    "client" (its CPU only). Threads that ran under 1% of the busiest one's time are left out."""
     groups: dict[str, list] = {}
+    busiest = max((ran - before.get(tid, (0.0,))[0] for tid, (ran, _, _) in after.items()), default=0.0)
     for tid, (ran, waited, sleeps) in after.items():
         ran0, waited0, sleeps0 = before.get(tid, (0.0, 0.0, 0))
         ran, waited = ran - ran0, waited - waited0
-        if ran <= 0.01 * seconds:         # a thread that barely ran (a monitor, an idle pool)
+        if ran <= 0.01 * busiest:         # a thread that barely ran (a monitor, an idle thread)
             continue
         child = isinstance(tid, str)
         g = groups.setdefault("client" if child else names.get(tid, "kernel pool"), [0, 0.0, 0.0, 0.0, 0])
@@ -146,7 +147,16 @@ def thread_split(seconds: float, before: dict, after: dict, names: dict, steps: 
 def thread_names(worker) -> dict:
     """Thread id -> group for the threads a served engine runs by name (the engine's own)."""
     known = {"specpair-http": "http", "specpair-grpc": "grpc", "thread-sampler": "sampler"}
-    out = {t.native_id: known.get(t.name, t.name) for t in threading.enumerate()}
+    out = {}
+    main = Path("/proc/self/comm").read_text().strip()
+    for tid in os.listdir("/proc/self/task"):       # threads C libraries named (gRPC's core)
+        try:
+            comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm != main:                 # the OpenMP threads keep the process's name
+            out[int(tid)] = comm
+    out.update({t.native_id: known.get(t.name, t.name) for t in threading.enumerate()})
     if worker._thread is not None:
         out[worker._thread.native_id] = "engine"
     return out
