@@ -264,7 +264,7 @@ static void rows_block(const float *x, const float *W, float *y, long I, long O,
 int specpair_max_tokens(void) { return MAX_TOKENS; }
 
 /* Output rows per task: a multiple of the 4 x 6 tiles' six, and small enough that a 192-row
-   matrix splits evenly (8 tasks). 24 measured 0.96-0.98x the time of 16 at 64 rows (1 thread,
+   matrix splits evenly (8 tasks). 24 measured 0.96-1.00x the time of 16 at 64 rows (1 thread,
    CPU time, load ~5), the same at 8 and 32. */
 #define BLOCK 24
 
