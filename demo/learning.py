@@ -44,10 +44,11 @@ TOLERANCE = 0.35
 V2_FLOOR = 0.05
 
 
-def learning_spec() -> dict[str, Any]:
+def learning_spec(steps: int = TRAINING["steps"]) -> dict[str, Any]:
     """spec.learning of the demo's pair: every finished request captured (the chapter sends tens,
-    not thousands), the bench's training settings."""
-    return {"enabled": True, "persistentVolumeClaim": CLAIM, "sampleRate": 1.0, "training": dict(TRAINING)}
+    not thousands), the bench's training settings (`steps`: --training-steps, for a shorter run)."""
+    return {"enabled": True, "persistentVolumeClaim": CLAIM, "sampleRate": 1.0,
+            "training": {**TRAINING, "steps": steps}}
 
 
 DRIFTED = "no rollback helps (Drifted: RollbackWouldNotHelp)"

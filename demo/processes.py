@@ -86,8 +86,9 @@ def tail(path: Path, chars: int = 2000) -> str:
         return "(no log)"
 
 
-def start_mlflow(children: Children, root: Path, timeout: float = 120.0) -> str:
-    """`mlflow server` on loopback with a sqlite store; job execution off keeps it at 2 processes."""
+def start_mlflow(children: Children, root: Path, timeout: float = 300.0) -> str:
+    """`mlflow server` on loopback with a sqlite store; job execution off keeps it at 2 processes.
+    Up to 300 s to answer: at load 22-27 (2026-12-07, nice 5) it missed 120 s twice."""
     port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log = root / "logs" / "mlflow.log"

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import shadow_chapter, traffic
+from . import learning, shadow_chapter, traffic
 from .chapters import drift, releases, shadow, start, traffic_shift
 from .chapters import learning as learning_chapter
 from .cluster import REPO
@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="end the domain shift chapter at the drift ladder (a rollback to v1), without the "
                          "operator's learning loop (spec.learning: its training Job, the learned draft's gate, "
                          "shadow and promotion take 15-30 min on 2 busy cores), and run the shadow chapter")
+    ap.add_argument("--training-steps", type=at_least_one, default=learning.TRAINING["steps"],
+                    help="steps of the learning loop's training Job (default: the bench's 300; fewer for a "
+                         "shorter run)")
     ap.add_argument("--out", default=str(REPO / "out" / "demo"), help="where runs (logs, MLflow store, report) go")
     ap.add_argument("--timeout", type=float, default=5400, help="the whole demo's time limit, seconds")
     ap.add_argument("--step-timeout", type=float, default=900, help="one step's time limit, seconds")

@@ -54,7 +54,7 @@ def demo_pair(args: argparse.Namespace) -> dict[str, Any]:
     if learning_on(args):
         # The domain shift chapter's loop (demo/learning.py): the pods capture what they serve
         # from the start, and a learned draft's shadow is sized for minutes.
-        spec["learning"] = learning.learning_spec()
+        spec["learning"] = learning.learning_spec(getattr(args, "training_steps", learning.TRAINING["steps"]))
         spec["rollout"]["shadow"] = dict(learning.SHADOW)
     return pair
 
