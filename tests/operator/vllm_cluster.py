@@ -1,4 +1,5 @@
-"""What the devcluster's vLLM tests share (test_operator_vllm.py, test_operator_vllm_mtp_tp2.py):
+"""What the devcluster's vLLM tests share (test_operator_vllm.py, and the run script of
+docs/measurements/2026-12-07f-vllm-deepseek-mtp-tp2):
 the vLLM engine image on the nodes, a vLLM pair's spec, and readings of its status and pods. A
 module, not conftest: a test file imports the fixture it uses (pytest finds it there)."""
 
@@ -53,17 +54,3 @@ def start_seconds(pod: dict[str, Any]) -> float:
     ready = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")
     at = lambda text: datetime.fromisoformat(text.replace("Z", "+00:00"))  # noqa: E731
     return round((at(ready["lastTransitionTime"]) - at(pod["status"]["startTime"])).total_seconds(), 1)
-
-
-def target_only_reply(target: str, prompt: str, max_new: int) -> tuple[list[int], list[int]]:
-    """The prompt's ids (no chat template) and our engine's greedy target-only reply to them, on
-    one device: what a vLLM pod's greedy reply to the same ids must be, however vLLM splits it."""
-    from specpair.bench import _run_one
-    from specpair.config import GenerationParams, SpeculationConfig
-    from specpair.decoding import SpeculativeEngine
-    from specpair.models import load_model
-
-    loaded = load_model(target, device="cpu")
-    ids = loaded.tokenizer(prompt)["input_ids"]
-    engine = SpeculativeEngine(loaded, speculation=SpeculationConfig(enabled=False))
-    return ids, _run_one(engine, ids, GenerationParams(max_new_tokens=max_new), speculate=False).token_ids
