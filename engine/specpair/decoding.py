@@ -20,6 +20,7 @@ import torch
 from specpair.config import (KV_BUDGET_CUDA_FREE_FRACTION, KV_BUDGET_ENV, NGRAM_MAX, NGRAM_MIN,
                              PREFILL_PROMPT_SHARE, PREFILL_TOKEN_BUDGET, GenerationParams,
                              SpeculationConfig, parse_kv_budget)
+from specpair import cpu_kernels
 from specpair.batch_observer import BatchObserver, VerifiedRound
 from specpair.costs import (CostModel, DynamicK, RequestAudit, RowsDecision, StepTiming, k_for_rows,
                             measure_step_costs, sync)
@@ -365,7 +366,9 @@ class SpeculativeEngine:
     @torch.no_grad()
     def warm_up(self) -> float:
         """Run each model's step once per shape class torch.compile specialises (1 and more than 1
-        rows, 1 and several tokens), so no request pays a compile, and a drafting head's steps
+        rows, 1 and several tokens, one row left in a larger cache, a prompt past the C layer's
+        64 tokens a call), so no request pays a compile
+        (tests/engine/test_engine_compile_warm_up.py), and a drafting head's steps
         (EagleDrafter.warm_up, MedusaDrafter.warm_up; `captures["head"]`). Returns the seconds it
         took."""
         start = time.perf_counter()
@@ -398,6 +401,19 @@ class SpeculativeEngine:
                     kv.add_rows(rows)
                     kv.extend([[0] * 3] * rows)
                     kv.extend([[0] * width] * rows, last=width)
+            for width in (1, 2, self.config.k_max + 1):
+                # One row left in a cache of two (the others finished): graphs of their own (a
+                # cache of one row is specialised in the ones above).
+                kv = self.kv_model(model)
+                kv.add_rows(2)
+                kv.extend([[0] * 3] * 2)
+                kv.select([0])
+                kv.extend([[0] * width], last=width)
+            # A prompt past the C layer's tokens a call (cpu_kernels.MAX_TOKENS, 64; its graph
+            # guards on it): each longer prompt's step shares this graph.
+            kv = self.kv_model(model)
+            kv.add_rows(2)
+            kv.extend([[0] * (max(cpu_kernels.MAX_TOKENS, 64) // 2 + 1)] * 2)
         report = None
         if self.drafter is not None and self.config.enabled and self.config.batch_size_threshold > 0:
             report = self.drafter.warm_up_steps(bucket(self.config.batch_size_threshold), self.target.context_length,

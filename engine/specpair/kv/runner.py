@@ -171,6 +171,8 @@ class StaticLlama:
         if rows is None:
             rows = torch.arange(B, device=self.device)
         rows = rows.view(B, 1).expand(B, W)
+        if compiled:    # one stride at every width (an expanded [B, 1] is (1, 1), a wider one (1, 0)): one graph
+            rows = rows.contiguous()
         if not compiled and self.dense and cpu_kernels.layer_applies(B * W, h.dtype, self.device,
                                                                      self.head_dim):
             # A few tokens on the CPU: one C call per layer (cpu_kernels.c says why).
