@@ -121,17 +121,25 @@ def thread_split(seconds: float, before: dict, after: dict, names: dict, steps: 
     ms asleep (the window less both: a thread with nothing to do, an OpenMP thread waiting at a
     barrier for its partner or for the serial Python between C calls, the engine thread waiting
     for the GIL) and the times it went to sleep. names: thread id -> group ("engine", "http",
-    ...); a thread not named that ran is "kernel pool" (the OpenMP threads); a child process is
+    ...); a thread not named that ran is "kernel pool N" (OpenMP threads, busiest first, each
+    apart); a child process is
     "client" (its CPU only). Threads that ran under 1% of the busiest one's time are left out."""
     groups: dict[str, list] = {}
-    busiest = max((ran - before.get(tid, (0.0,))[0] for tid, (ran, _, _) in after.items()), default=0.0)
+    ran_by = {tid: ran - before.get(tid, (0.0,))[0] for tid, (ran, _, _) in after.items()}
+    busiest = max(ran_by.values(), default=0.0)
+    # Threads not named, busiest first, each apart: the kernel pool's worker beside any other
+    # OpenMP team's (one per thread that ran a parallel region), which is mostly asleep.
+    unnamed = sorted((tid for tid in after if not isinstance(tid, str) and tid not in names),
+                     key=lambda tid: -ran_by[tid])
     for tid, (ran, waited, sleeps) in after.items():
         ran0, waited0, sleeps0 = before.get(tid, (0.0, 0.0, 0))
         ran, waited = ran - ran0, waited - waited0
         if ran <= 0.01 * busiest:         # a thread that barely ran (a monitor, an idle thread)
             continue
         child = isinstance(tid, str)
-        g = groups.setdefault("client" if child else names.get(tid, "kernel pool"), [0, 0.0, 0.0, 0.0, 0])
+        group = ("client" if child else names[tid] if tid in names
+                 else f"kernel pool {unnamed.index(tid) + 1}")
+        g = groups.setdefault(group, [0, 0.0, 0.0, 0.0, 0])
         g[0] += 1
         g[1] += ran
         if not child:

@@ -34,8 +34,9 @@ def test_thread_split_by_group_per_step(timeline):
     split = timeline.thread_split(1.0, before, after, {1: "engine", 5: "http"}, steps=10)
     assert split == {
         "engine": {"threads": 1, "run_ms": 60.0, "wait_for_core_ms": 30.0, "asleep_ms": 10.0, "sleeps": 0.4},
-        # threads 2 and 4 (not named), summed; thread 3 ran under 1% of the busiest (4): left out
-        "kernel pool": {"threads": 2, "run_ms": 120.0, "wait_for_core_ms": 30.0, "asleep_ms": 50.0, "sleeps": 20.2},
+        # threads 4 and 2 (not named), busiest first; thread 3 ran under 1% of the busiest: left out
+        "kernel pool 1": {"threads": 1, "run_ms": 70.0, "wait_for_core_ms": 10.0, "asleep_ms": 20.0, "sleeps": 0.2},
+        "kernel pool 2": {"threads": 1, "run_ms": 50.0, "wait_for_core_ms": 20.0, "asleep_ms": 30.0, "sleeps": 20.0},
         "http": {"threads": 1, "run_ms": 30.0, "wait_for_core_ms": 10.0, "asleep_ms": 60.0, "sleeps": 0.2},
         "client": {"threads": 1, "run_ms": 20.0, "wait_for_core_ms": 0.0, "asleep_ms": 0.0, "sleeps": 0.0},
     }
