@@ -86,6 +86,13 @@ class Kube:
                 self.ssl = ctx
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        # Watches stream on a session of their own, without aiohttp's cap of 100 connections a
+        # session: a watch holds its connection for minutes, and the operator keeps one per
+        # namespace and kind (clients/pod_watch.py: 6 kinds, so 17 namespaces are 102). On the
+        # requests' session, 100 open watches left no connection for a request: every GET,
+        # PATCH and LIST waited for one until its timeout ("no answer from the API server"),
+        # and the operator stopped at ~860 pairs in 20 namespaces (2026-12-07f).
+        self._watch_session: aiohttp.ClientSession | None = None
 
     @classmethod
     def from_connection_info(cls, info: Any) -> "Kube":
@@ -140,8 +147,9 @@ class Kube:
         """The watch events ({"type", "object"}) after `resource_version`, with bookmarks, until the
         API server ends the watch (about `timeout_s`). KubeError: refused (410 Gone: the version is
         too old, list again) or broken off."""
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        if self._watch_session is None or self._watch_session.closed:
+            self._watch_session = aiohttp.ClientSession(timeout=self.timeout,
+                                                        connector=aiohttp.TCPConnector(limit=0))
         params = {"watch": "1", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                   "timeoutSeconds": str(timeout_s)}
         if label_selector:
@@ -150,7 +158,7 @@ class Kube:
         # connection gone quiet.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout.total, sock_read=timeout_s + 30)
         try:
-            async with self._session.get(URL(self.server + _path(api_version, plural, namespace), encoded=True),
+            async with self._watch_session.get(URL(self.server + _path(api_version, plural, namespace), encoded=True),
                                          params=params, headers={**self.headers, "Accept": "application/json"},
                                          ssl=self.ssl, timeout=timeout) as resp:
                 if resp.status >= 400:
@@ -238,8 +246,9 @@ class Kube:
         return {r.get("name", "") for r in (body or {}).get("resources") or []}
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._watch_session):
+            if session is not None:
+                await session.close()
 
 
 PLURALS = {"Job": "jobs", "Deployment": "deployments", "Service": "services", "Pod": "pods",
