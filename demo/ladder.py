@@ -67,7 +67,8 @@ class Ladder:
     RollbackWouldNotHelp), and after a rollback the previous release serving again. `update` is
     fed each status read and returns the stages reached; `at` holds when (seconds from start)."""
 
-    def __init__(self, before: int, to_version: str, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, before: int, to_version: str, clock: Callable[[], float] = time.monotonic,
+                 rollback_expected: bool = False):
         self.before = before          # history entries written before the chapter
         self.to_version = to_version
         self.stages = [BREACH, OFF, PROBE, DECIDED, SERVING.format(to=to_version)]
@@ -76,6 +77,9 @@ class Ladder:
         self.at: dict[str, float] = {}
         self.rolled_back: bool | None = None     # None until the operator decided
         self.decision = ""
+        # Where the chapter expects a rollback, RollbackWouldNotHelp is final only once the
+        # probe is over: the condition can still hold an older verdict while the probe runs.
+        self.rollback_expected = rollback_expected
 
     def new_actions(self, obj: dict[str, Any] | None) -> list[str]:
         return actions(obj)[self.before:]
@@ -101,7 +105,8 @@ class Ladder:
                 # serving"): the phase the operator sets once v1's pods passed the identity check.
                 reached.add(self.stages[-1])
         elif OFF in reached and (PROBE in reached or PROBE in self.at) and \
-                drifted.get("reason") == "RollbackWouldNotHelp":
+                drifted.get("reason") == "RollbackWouldNotHelp" and \
+                not (self.rollback_expected and (st.get("drift") or {}).get("probing")):
             reached |= {DECIDED, self.stages[-1]}
             self.rolled_back = False
             self.decision = drifted.get("message", "")

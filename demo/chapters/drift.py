@@ -23,7 +23,11 @@ def bad_draft(demo: Session) -> None:
     say(f"  draft files overwritten; deleted pod {', '.join(deleted)} (its Deployment makes a new one)")
     documents = [(c, p) for c, p in traffic.COPYING if c in gated_categories(demo.pair()["spec"])] \
         or traffic.COPYING[:1]
-    drift_ladder(demo, "bad draft", "bad draft: files overwritten, pod deleted", documents)
+    # v1 drafts with the good draft: the rollback is expected, so a Drifted=RollbackWouldNotHelp
+    # read while the probe still runs is not the decision (a serving-latency verdict set a
+    # moment before SpeculationOff stayed on the condition through the probe in CI, 2026-12-07).
+    drift_ladder(demo, "bad draft", "bad draft: files overwritten, pod deleted", documents,
+                 rollback_expected=True)
 
 
 def shift_category(demo: Session) -> str:
@@ -74,13 +78,15 @@ def domain_shift(demo: Session, category: str) -> Ladder:
     return ladder
 
 
-def drift_ladder(demo: Session, chapter: str, mark: str, prompts: list[tuple[str, str]]) -> Ladder:
+def drift_ladder(demo: Session, chapter: str, mark: str, prompts: list[tuple[str, str]],
+                 rollback_expected: bool = False) -> Ladder:
     """Send `prompts` to whichever pod serves until the operator has made its rollback
     decision, following the ladder on the pair's status (demo/ladder.py); every stage goes
     into the timeline and the report."""
     a = demo.args
     obj = demo.pair() or {}
-    ladder = Ladder(len(actions(obj)), str((obj.get("status") or {}).get("previousVersion") or "1"))
+    ladder = Ladder(len(actions(obj)), str((obj.get("status") or {}).get("previousVersion") or "1"),
+                    rollback_expected=rollback_expected)
     demo.timeline.mark(f"drift: {mark}")
     stop, sent = threading.Event(), [0]
     sender = demo.flood("drift", prompts, stop, sent)

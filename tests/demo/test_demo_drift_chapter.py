@@ -125,6 +125,24 @@ def test_ladder_ends_without_a_rollback_when_the_operator_says_it_would_not_help
     assert DECIDED not in rows and not any("serving" in r for r in rows)
 
 
+def test_ladder_expecting_a_rollback_waits_for_the_probe_before_a_no_rollback_verdict():
+    # CI, 2026-12-07: a serving-latency RollbackWouldNotHelp set a second before SpeculationOff
+    # stayed on the Drifted condition while the probe ran; the operator rolled back 4 s later.
+    clock = Clock()
+    ladder = Ladder(before=0, to_version="1", clock=clock, rollback_expected=True)
+    clock.t = 12
+    assert ladder.update(pair("SpeculationOff", reason="RollbackWouldNotHelp", probing=True)) == 3
+    assert ladder.rolled_back is None
+    clock.t = 16
+    assert ladder.update(pair("SpeculationOff", "RolledBack", reason="RollbackWouldNotHelp", serving="1")) == 5
+    assert ladder.rolled_back is True
+    # The probe over without a rollback: that is the decision, expected or not.
+    ended = Ladder(before=0, to_version="1", clock=clock, rollback_expected=True)
+    assert ended.update(pair("SpeculationOff", reason="SpeculationOff", probing=True)) == 3
+    assert ended.update(pair("SpeculationOff", reason="RollbackWouldNotHelp", probing=False)) == 5
+    assert ended.rolled_back is False
+
+
 def test_report_shows_the_domain_shift_and_every_ladder_step():
     page = drift_section({"policy": DRIFT, "domainShift": {"category": "extraction", "gatedV2": 0.55, "gatedV1": 0.75,
                                                            "prediction": "a rollback is possible: numbers"},
