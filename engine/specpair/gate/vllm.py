@@ -50,7 +50,8 @@ from specpair.errors import SpecpairError
 from specpair.gate.structured import GoldenAsk, golden_ask, golden_chat, judged, prepared, vllm_structured_outputs
 from specpair.gate.verdict import (NOISE_REPEATS, PromptRow, check_release, new_verdict, prompt_figures,
                                    timing_noise, tokenizer_check)
-from specpair.vllm_parallel import model_config, start_budget_seconds, tensor_parallel_refusal
+from specpair.vllm_parallel import (model_config, split_latent_attention_refusal, start_budget_seconds,
+                                    tensor_parallel_refusal)
 from specpair.vllm_peer import K_BY_BATCH_SIZE
 
 ENGINE_KIND = "vllm"
@@ -115,6 +116,15 @@ def vllm_python() -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
+def vllm_runs_on_cpu() -> bool:
+    """Whether the gate's vLLM servers run on the CPU: no CUDA device is visible here (a gate Job's
+    pod holds the GPUs its vLLM servers use; vLLM's CPU build, as the gate Job on a CPU node, sees
+    none)."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def dtype_of(release: dict) -> str:
     return str((release.get("engine") or {}).get("dtype") or "float32")
 
@@ -155,8 +165,10 @@ def run_gate_vllm(release: dict, *, progress=print, python: str | None = None,
     target_dir = resolve_source(pair.target.source, progress)
     if not Path(str(target_dir)).is_dir():
         raise SpecpairError(f"vLLM needs the target as a local model directory; {target_dir!r} is not one")
-    split = tensor_parallel_refusal(model_config(target_dir), parallelism(release)["tensor"])
-    if split:  # said before a vLLM server starts (vLLM says it minutes into one)
+    config, tensor = model_config(target_dir), parallelism(release)["tensor"]
+    split = (tensor_parallel_refusal(config, tensor)
+             or split_latent_attention_refusal(config, tensor, on_cpu=vllm_runs_on_cpu()))
+    if split:  # said before a vLLM server starts (vLLM says the first minutes into one; the second, never)
         verdict["reasons"] = [split]
         return verdict, []
     # vLLM's speculative config reads the release's draft block (method, tensor parallel size) with
