@@ -253,6 +253,11 @@ class CaptureWriter:
         self._stop = threading.Event()
         self.written = 0
         self.dropped = 0
+        # Records per category in the shards this writer closed (complete shards: what a training
+        # Job reads), since it started; GetStats reports them (Stats.captured) so the operator can
+        # wait for enough before it trains. A pruned shard is not taken off: pruning keeps the cap
+        # and the retention, far above what a training waits for.
+        self.closed: dict[str, int] = {}
 
     # Called by the worker thread for every request that finished ok: never blocks.
     def offer(self, category: str, prompt_ids, reply_ids) -> None:
@@ -346,6 +351,8 @@ class CaptureWriter:
         shard.file.close()
         os.replace(shard.folder / shard.name,
                    shard.folder / complete_name(self.clock(), shard.pod, shard.seq, shard.records))
+        # A new dict, not an update in place: GetStats reads it from another thread.
+        self.closed = {**self.closed, category: self.closed.get(category, 0) + shard.records}
         self.prune(category)
 
     def prune(self, category: str) -> list[str]:

@@ -25,14 +25,14 @@ from specpair_operator.plan import release_plan as p
 from specpair_operator.plan import release_steps as rs
 from specpair_operator.policy import shadow_run
 from specpair_operator.policy.shadow_verdict import (PROMOTE, REJECTED, UNDECIDED, LearnedTarget, ShadowEvidence,
-                                                     ShadowPolicy, judge_learned)
+                                                     LEARNED_GAIN, ShadowPolicy, judge_learned)
 from specpair_operator.release import content as release
 from specpair_operator.release.registry_contract import (TAG_HASH, TAG_LINEAGE_CATEGORY, TAG_LINEAGE_RELEASE,
                                                          TAG_RELEASE, TAG_ROLLED_BACK)
 
 LEARNED = {**DRAFT_ONLY, TAG_LINEAGE_RELEASE: "1", TAG_LINEAGE_CATEGORY: "code"}   # v2: a draft learned for v1
 RUN = {"version": "1", "category": "code", "job": "smp-train-v1-x", "phase": "done", "candidate": "2",
-       "message": "", "acceptance": 0.31}
+       "message": "", "acceptance": 0.21}
 STATUS = {"training": {"runs": [RUN]}}
 
 
@@ -90,18 +90,19 @@ def test_which_version_a_pass_drives(what, spec, aliases, status, was, tags, dri
     assert (drive.learned.category if drive.learned else None) == learned_for, what
 
 
-def test_the_reference_is_the_floor_or_the_drifted_acceptance_whichever_is_higher():
+def test_the_reference_is_the_floor_or_the_drifted_acceptance_plus_the_gain_whichever_is_higher():
     floors = {**CHAMPION_TAGS}
     rel = json.loads(LEARNED[TAG_RELEASE])
     rel["gating"]["thresholds"] = {**rel["gating"]["thresholds"], "minAcceptance": 0.2,
                                    "minCategoryAcceptance": {"code": 0.45}}
     tags = {"1": floors, "2": {**LEARNED, TAG_RELEASE: json.dumps(rel)}}
     drive = lr.driven_release("1", {"champion": "1"}, lambda v: tags[v], STATUS, never)
-    assert drive.learned.target == LearnedTarget("code", 0.45, 0.31) and drive.learned.target.reference == 0.45
+    assert drive.learned.target == LearnedTarget("code", 0.45, 0.21) and drive.learned.target.reference == 0.45
     rel["gating"]["thresholds"]["minCategoryAcceptance"] = {}
     tags["2"] = {**LEARNED, TAG_RELEASE: json.dumps(rel)}
     drive = lr.driven_release("1", {"champion": "1"}, lambda v: tags[v], STATUS, never)
-    assert drive.learned.target.reference == 0.31 and drive.learned.parent == "1" and drive.learned.job == RUN["job"]
+    assert drive.learned.target.reference == pytest.approx(0.21 + LEARNED_GAIN) and LEARNED_GAIN > 0
+    assert drive.learned.parent == "1" and drive.learned.job == RUN["job"]
 
 
 # -- the verdict on the category it was trained for -------------------------------------------------
@@ -115,7 +116,7 @@ def moments(rate: float, requests: int, spread: float = 0.05) -> RequestMoments:
     return out
 
 
-TARGET = LearnedTarget("code", 0.2, 0.31)
+TARGET = LearnedTarget("code", 0.2, 0.21)     # reference 0.31: the drifted 0.21 + the gain 0.1
 EMPTY = RequestMoments.zero()
 
 
@@ -141,6 +142,21 @@ def test_a_learned_draft_is_judged_on_its_category_against_its_reference(what, e
     assert verdict.result == result, (what, verdict.message)
     assert words in verdict.message, (what, verdict.message)
     assert verdict.comparisons[0].category == "code" and verdict.comparisons[0].champion == pytest.approx(0.31)
+
+
+def test_a_learned_draft_that_only_matches_the_drifted_release_is_rejected():
+    """The default demo's case (docs/measurements/2026-12-07f run 5): a head trained on 2 captured
+    requests accepted 0.08 where the drifted release did 0.079; promoted then, as 0.08 was not below
+    it. It must be shown `gain` above it."""
+    target = LearnedTarget("extraction", 0.05, 0.079)
+    assert target.reference == pytest.approx(0.079 + LEARNED_GAIN)
+    matching = judge_learned({"extraction": ShadowEvidence(moments(0.08, 40, 0.02), EMPTY)}, ["extraction", "*"],
+                             target, ShadowPolicy())
+    assert matching.result == REJECTED and "surely below its reference 0.179" in matching.message, matching.message
+    assert "drifted release's live acceptance 0.079 + 0.100" in matching.message
+    learned = judge_learned({"extraction": ShadowEvidence(moments(0.4, 40), EMPTY)}, ["extraction", "*"],
+                            target, ShadowPolicy())
+    assert learned.result == PROMOTE, learned.message
 
 
 # -- the loop's own steps beside the usual road's ---------------------------------------------------

@@ -111,6 +111,64 @@ def test_a_drifted_category_starts_one_job_once_and_follows_it_to_a_registered_c
     assert next(s for s in later if isinstance(s, SetStatus)).fields["training"]["runs"][-1]["candidate"] == "4"
 
 
+def test_the_captured_requests_each_pod_reports_are_summed_and_unread_or_unreported_counts_say_so():
+    assert learning.captured_counts([{"captured": {"extraction": 40, "qa": 3}}, None,
+                                     {"captured": {"extraction": 30}}]) == {"extraction": 70, "qa": 3}
+    assert learning.captured_counts([None, None]) == learning.NOT_READ == learning.captured_counts([])
+    # An engine that reports no capture count (vLLM's probe): its training is not held back.
+    assert learning.captured_counts([{"categories": {}}]) is None
+    assert learning.capture_wait("extraction", 64, None) == ""
+    assert learning.capture_wait("extraction", 64, {"extraction": 64}) == ""
+    assert "2 of 64 in closed capture shards" in learning.capture_wait("extraction", 64, {"extraction": 2, "qa": 900})
+    assert "0 of 64" in learning.capture_wait("extraction", 64, {})
+    assert "not read" in learning.capture_wait("extraction", 64, learning.NOT_READ)
+
+
+def test_a_training_waits_for_its_minimum_of_captured_requests_then_starts():
+    """The default demo's head was trained on 2 captured requests and accepted 0.08, below the
+    lookup it replaced: the Job waits for spec.learning.training.minCapturedRequests (default 64)."""
+    assert tj.training_defaults()["minCapturedRequests"] == 64
+    assert tj.TrainingSettings.from_spec(SPEC["learning"]).min_captured == 64
+    wanted = {"training": {"runs": [{"version": "3", "category": "extraction", "phase": "wanted", "job": "",
+                                     "candidate": "", "message": "", "acceptance": 0.08}]}}
+    absent = [learning.Training("3", "extraction", tj.training_state(None))]
+    assert tj.waits_for_capture(wanted, "3") and not tj.waits_for_capture(wanted, "4")
+
+    def steps(captured, status=wanted, recorded=()):
+        return learning.training_steps("chat", SPEC, status, absent,
+                                       lambda action, key, version: (action, key) in recorded, _job, captured)
+    short = steps({"extraction": 12, "qa": 500})
+    assert not [s for s in short if isinstance(s, EnsureOwned)]
+    said = [s for s in short if isinstance(s, Record)]
+    assert [(r.action, r.key, r.warning) for r in said] == [("TrainingWaiting", "3/extraction", False)]
+    assert "12 of 64" in said[0].reason
+    run = next(s for s in short if isinstance(s, SetStatus)).fields["training"]["runs"][-1]
+    assert run["phase"] == "wanted" and run["job"] == "" and "12 of 64" in run["message"] and run["acceptance"] == 0.08
+    cond = next(s for s in short if isinstance(s, Condition))
+    assert (cond.type, cond.status, cond.reason) == ("Learning", True, "WaitingForCapture") and "12 of 64" in cond.message
+    # The next passes: the counts move in the status, the Event is not said again.
+    waiting = next(s for s in short if isinstance(s, SetStatus)).fields
+    later = steps({"extraction": 40}, waiting, {("TrainingWaiting", "3/extraction")})
+    assert not [s for s in later if isinstance(s, (EnsureOwned, Record))]
+    assert "40 of 64" in next(s for s in later if isinstance(s, SetStatus)).fields["training"]["runs"][-1]["message"]
+    # A pass that did not read the pods' counters starts nothing and says nothing new.
+    unread = steps(learning.NOT_READ, waiting, {("TrainingWaiting", "3/extraction")})
+    assert not [s for s in unread if isinstance(s, (EnsureOwned, Record))]
+    # Enough: the Job starts, once.
+    enough = steps({"extraction": 64}, waiting, {("TrainingWaiting", "3/extraction")})
+    assert len([s for s in enough if isinstance(s, EnsureOwned)]) == 1
+    assert [r.action for r in enough if isinstance(r, Record)] == ["TrainingStarted"]
+    assert next(s for s in enough if isinstance(s, SetStatus)).fields["training"]["runs"][-1]["phase"] == tj.RUNNING
+    # A minimum the pair sets; the CRD bounds it.
+    low = {**SPEC, "learning": {**SPEC["learning"], "training": {"minCapturedRequests": 2}}}
+    assert [s for s in learning.training_steps("chat", low, wanted, absent, lambda *a: False, _job, {"extraction": 2})
+            if isinstance(s, EnsureOwned)]
+    from specpair_operator.crd.validation import validate_spec
+    bad = validate_spec({"learning": {"enabled": True, "persistentVolumeClaim": "c",
+                                      "training": {"minCapturedRequests": 0}}})
+    assert any("minCapturedRequests" in e for e in bad), bad
+
+
 def test_a_training_that_times_out_or_fails_changes_nothing_but_says_so():
     job = _job("3", "extraction")
     timed_out = tj.training_state(*_finished(job, "Failed", "DeadlineExceeded", ""))

@@ -288,7 +288,7 @@ class FinishedRequestSums(_message.Message):
     def __init__(self, requests: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_tokens_sq: _Optional[float] = ..., accepted_tokens_sq: _Optional[float] = ..., draft_accepted_tokens: _Optional[float] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("pair", "version", "overall", "categories", "speculating", "falling_back", "fallback_events", "current_k", "speculation", "num_requests_running", "num_requests_waiting", "uptime_seconds", "shadow")
+    __slots__ = ("pair", "version", "overall", "categories", "speculating", "falling_back", "fallback_events", "current_k", "speculation", "num_requests_running", "num_requests_waiting", "uptime_seconds", "shadow", "captured")
     class CategoriesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +296,13 @@ class Stats(_message.Message):
         key: str
         value: CategoryStats
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[CategoryStats, _Mapping]] = ...) -> None: ...
+    class CapturedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     PAIR_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OVERALL_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +316,7 @@ class Stats(_message.Message):
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SHADOW_FIELD_NUMBER: _ClassVar[int]
+    CAPTURED_FIELD_NUMBER: _ClassVar[int]
     pair: str
     version: str
     overall: CategoryStats
@@ -322,7 +330,8 @@ class Stats(_message.Message):
     num_requests_waiting: int
     uptime_seconds: float
     shadow: ShadowStats
-    def __init__(self, pair: _Optional[str] = ..., version: _Optional[str] = ..., overall: _Optional[_Union[CategoryStats, _Mapping]] = ..., categories: _Optional[_Mapping[str, CategoryStats]] = ..., speculating: _Optional[bool] = ..., falling_back: _Optional[bool] = ..., fallback_events: _Optional[int] = ..., current_k: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationSettings, _Mapping]] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., shadow: _Optional[_Union[ShadowStats, _Mapping]] = ...) -> None: ...
+    captured: _containers.ScalarMap[str, int]
+    def __init__(self, pair: _Optional[str] = ..., version: _Optional[str] = ..., overall: _Optional[_Union[CategoryStats, _Mapping]] = ..., categories: _Optional[_Mapping[str, CategoryStats]] = ..., speculating: _Optional[bool] = ..., falling_back: _Optional[bool] = ..., fallback_events: _Optional[int] = ..., current_k: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationSettings, _Mapping]] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., shadow: _Optional[_Union[ShadowStats, _Mapping]] = ..., captured: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ShadowStats(_message.Message):
     __slots__ = ("candidate_version", "candidate_content_hash", "share", "skipped_steps", "categories")

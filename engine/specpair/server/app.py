@@ -320,6 +320,8 @@ class EngineServer:
                        uptime_seconds=time.time() - self.started_at)
         for name, cat in snap["categories"].items():
             msg.categories[name].CopyFrom(category_message(cat))
+        if self.capture is not None:
+            msg.captured.update(self.capture.closed)
         return msg
 
     def set_speculation(self, enabled: bool | None, k: int | None, reason: str = "") -> pb.SpeculationSettings:

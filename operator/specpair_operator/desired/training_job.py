@@ -33,6 +33,7 @@ from specpair_operator.desired import learning as learning_mod
 
 ROLE = "training"
 ABSENT, RUNNING, DONE, FAILED, TIMED_OUT = "absent", "running", "done", "failed", "timed-out"
+WANTED = "wanted"            # status.training.runs: wanted, its Job not created yet (waiting for capture)
 
 
 def training_defaults() -> dict[str, Any]:
@@ -61,12 +62,13 @@ class TrainingSettings:
     method: str
     steps: int
     resources: Mapping[str, Any]
+    min_captured: int = 1        # captured requests of the category a Job waits for (CRD default)
 
     @classmethod
     def from_spec(cls, learning: Mapping[str, Any] | None) -> "TrainingSettings":
         given = {**training_defaults(), **dict((learning or {}).get("training") or {})}
         return cls(int(given["activeDeadlineSeconds"]), bool(given["gpu"]), str(given["method"]),
-                   int(given["steps"]), dict(given.get("resources") or {}))
+                   int(given["steps"]), dict(given.get("resources") or {}), int(given["minCapturedRequests"]))
 
     @property
     def max_seconds(self) -> int:
@@ -84,6 +86,12 @@ def followed(status: Mapping[str, Any], champion: str) -> list[tuple[str, str, s
     """(version, category, slot) of the champion's trainings not yet ended, whose Jobs a pass reads."""
     return [(str(r["version"]), str(r["category"]), str(r.get("slot") or "")) for r in recorded_runs(status)
             if str(r["version"]) == champion and r.get("phase") not in (DONE, FAILED, TIMED_OUT)]
+
+
+def waits_for_capture(status: Mapping[str, Any], champion: str) -> bool:
+    """Whether a training of the champion is wanted and its Job not started (it waits for enough
+    captured requests): the pods' counters are read every pass meanwhile (observe)."""
+    return any(str(r["version"]) == str(champion) and r.get("phase") == WANTED for r in recorded_runs(status))
 
 
 def run_key(version: str, category: str, slot: str = "") -> str:

@@ -320,8 +320,10 @@ async def _observe_pods(op: OperatorState, registry: PassRegistry, w: ServingWor
     w = replace(w, ready=tuple(ready))
     ok, _, verified = questions.identity(w, champion, questions.champion_digest(w))
     position = questions.drift_position(w, champion)
-    # A candidate scored in shadow is judged every pass on the pods' counters.
-    if not ok or ((position is None or not position.due) and w.shadow is None and w.canary_run is None):
+    # A candidate scored in shadow is judged every pass on the pods' counters; a training waiting
+    # for captured requests reads them every pass too (their counts of closed capture shards).
+    if not ok or ((position is None or not position.due) and w.shadow is None and w.canary_run is None
+                  and not training_job.waits_for_capture(w.status, champion)):
         return w
     counted = []
     for view in verified:

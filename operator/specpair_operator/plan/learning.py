@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 LEARNING = "Learning"        # the condition
 TRAININGS_KEPT = 10          # status.training.runs: the newest few (above the schedule's 8 categories a slot)
-WANTED = "wanted"            # recorded by the drift check, its Job not created yet
+WANTED = training_job.WANTED  # recorded by the drift check, its Job not created yet
+WAITING_RECORD = "TrainingWaiting"   # once per training: it waits for captured requests
 TERMINAL = (training_job.DONE, training_job.FAILED, training_job.TIMED_OUT)
 RECORDS = {training_job.DONE: "TrainingSucceeded", training_job.FAILED: "TrainingFailed",
            training_job.TIMED_OUT: "TrainingTimedOut"}
@@ -79,14 +80,56 @@ def wanted_trainings(status: Mapping[str, Any], champion: str,
     return wanted
 
 
+NOT_READ = "not read"     # captured_counts: the pods' counters were not read this pass
+
+
+def captured_counts(stats: Iterable[Mapping[str, Any] | None]) -> dict[str, int] | None | str:
+    """Captured requests per category in closed capture shards, summed over the pods' GetStats
+    (`stats`: each ready pod's, None where not read). NOT_READ when no pod's were read this pass
+    (a training then waits for a pass that reads them); None when no pod reports a capture count
+    (an engine that does not: its training is not held back)."""
+    read = [st for st in stats if st is not None]
+    if not read:
+        return NOT_READ
+    reporting = [st["captured"] for st in read if isinstance(st.get("captured"), Mapping)]
+    if not reporting:
+        return None
+    total: dict[str, int] = {}
+    for counts in reporting:
+        for category, n in counts.items():
+            total[str(category)] = total.get(str(category), 0) + int(n)
+    return total
+
+
+def capture_wait(category: str, minimum: int, captured: Mapping[str, int] | None | str) -> str:
+    """Why a wanted training does not start yet ('' : it starts now). It trains on the category's
+    captured requests in closed shards: fewer than `minimum` (spec.learning.training.
+    minCapturedRequests) train a draft that cannot draft the traffic (the demo's head trained on 2
+    requests accepted 0.08 where the lookup it replaced accepted 0.16)."""
+    if captured is None:
+        return ""
+    if isinstance(captured, str):
+        return f"waiting for the engine pods' capture counts of '{category}' (not read this pass)"
+    have = int(captured.get(category, 0))
+    if have >= minimum:
+        return ""
+    return (f"waiting for captured requests of '{category}': {have} of {minimum} in closed capture shards "
+            f"(spec.learning.training.minCapturedRequests)")
+
+
 def training_steps(pair: str, spec: Mapping[str, Any], status: Mapping[str, Any],
                    trainings: list[Training], was: Callable[[str, str, str], bool],
-                   job: Callable[[str, str, str], dict[str, Any]]) -> list[Step]:
+                   job: Callable[[str, str, str], dict[str, Any]],
+                   captured: Mapping[str, int] | None | str = None) -> list[Step]:
     """The steps for the champion's trainings (`trainings`: wanted_trainings with their Jobs as
     observed); nothing when learning is off (then no Job is ever started, whatever drifts).
-    `job(version, category, slot)` renders the Job (desired_training_job with the installation's settings)."""
+    `job(version, category, slot)` renders the Job (desired_training_job with the installation's settings).
+    `captured`: captured_counts of this pass; a training whose Job is not created yet waits until
+    its category has spec.learning.training.minCapturedRequests (capture_wait), said in the
+    Learning condition (reason WaitingForCapture, with the counts) and once as TrainingWaiting."""
     if not training_job.learning_enabled(spec) or not trainings:
         return []
+    minimum = training_job.TrainingSettings.from_spec(spec.get("learning")).min_captured
     recorded = {run_key(r["version"], r["category"], r.get("slot") or ""): r for r in training_job.recorded_runs(status)}
     steps: list[Step] = []
     runs: dict[str, dict[str, Any]] = dict(recorded)
@@ -104,6 +147,17 @@ def training_steps(pair: str, spec: Mapping[str, Any], status: Mapping[str, Any]
         else:
             started = (f"training a new draft for category '{t.category}' of v{t.version} on its captured traffic"
                        + (f" (scheduled at {t.slot})" if t.slot else ""))
+            wait = capture_wait(t.category, minimum, captured) if phase == training_job.ABSENT else ""
+            if wait:
+                # No Job yet: the operator's periodic pass looks again (no loop of its own).
+                if not isinstance(captured, str) and not was(WAITING_RECORD, key, t.version):
+                    steps.append(Record(WAITING_RECORD, f"{started}: {wait}", t.version, t.version, key=key))
+                runs.pop(key, None)
+                runs[key] = {**before, "version": t.version, "category": t.category,
+                             **({"slot": t.slot} if t.slot else {}), "job": "", "phase": WANTED,
+                             "candidate": "", "message": wait}
+                newest = ("WaitingForCapture", True, f"{started}: {wait}")
+                continue
             if phase == training_job.ABSENT:
                 manifest = job(t.version, t.category, t.slot)
                 steps.append(EnsureOwned(manifest, None, mutable=False))
@@ -277,4 +331,5 @@ def plan_learning(out: Any, champion: str) -> None:
 
     trainings = [Training(v, cat, w.trainings.get(run_key(v, cat, slot)) or training_job.TrainingState(training_job.ABSENT),
                           slot) for v, cat, slot in wanted]
-    out.add(*training_steps(w.pair, w.spec, status, trainings, out.was, job))
+    captured = captured_counts([pod.stats for pod in w.ready])
+    out.add(*training_steps(w.pair, w.spec, status, trainings, out.was, job, captured))

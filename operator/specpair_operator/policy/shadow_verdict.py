@@ -212,18 +212,27 @@ def _names(comparisons: list[Comparison]) -> str:
 
 # -- a learned draft (issue 58): judged on the category it was trained for -------------------------
 
+# How far above the drifted release's live acceptance a learned draft must be shown (absolute).
+# Matching it is not enough: the demo's head trained on 2 captured requests accepted 0.08 against
+# the drifted release's 0.079 and was promoted; speculation is then on for a draft no better than
+# the one that was turned off there.
+LEARNED_GAIN = 0.1
+
+
 @dataclass(frozen=True)
 class LearnedTarget:
     """What a draft trained for one drifted category must show in shadow before it serves: its
-    acceptance on `category` above `floor` (the release's floor there) and above `drifted` (what
-    the drifted release measured live there when the drift ladder gave up on rollback)."""
+    acceptance on `category` above `floor` (the release's floor there) and at least `gain` above
+    `drifted` (what the drifted release measured live there when the drift ladder gave up on
+    rollback)."""
     category: str
     floor: float
     drifted: float
+    gain: float = LEARNED_GAIN
 
     @property
     def reference(self) -> float:
-        return max(self.floor, self.drifted)
+        return max(self.floor, self.drifted + self.gain)
 
 
 def judge_learned(evidence: Mapping[str, ShadowEvidence], gated: Iterable[str], target: LearnedTarget,
@@ -275,4 +284,4 @@ def compare_to_reference(target: LearnedTarget, candidate: RequestMoments, polic
 
 def _reference_words(target: LearnedTarget) -> str:
     return (f"its reference {target.reference:.3f} (the category's floor {target.floor:.3f}, the drifted "
-            f"release's live acceptance {target.drifted:.3f})")
+            f"release's live acceptance {target.drifted:.3f} + {target.gain:.3f})")
