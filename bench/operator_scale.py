@@ -356,8 +356,13 @@ def main() -> int:
     # And each node keeps its pods from its watch's events (pods_from_watch) instead of listing them
     # at each event: at 546 pairs the nodes' lists were still the largest part of bringing pairs up
     # (node agents 319 CPU-s of 1,553, the API server answering them part of its 284; 2026-12-07e).
+    # And a probe that keeps succeeding is looked at every 60 s (settled_probe_period_seconds), not
+    # every 5 s (readiness) and 20 s (liveness): at ~960 idle engine pods their ~240 Checks a second
+    # cost 0.71 core on both ends, most of the machine by the end of a 1,000-pair run (2026-12-07f),
+    # so pairs came slower as they grew. The pods stay Ready while they answer; the operator reads
+    # the same; a stand-in that stopped answering would be seen up to a minute later.
     light = {"exit_poll_seconds": 2.0, "probe_connections_kept": True, "sync_seconds": 10.0,
-             "pods_from_watch": True} \
+             "pods_from_watch": True, "settled_probe_period_seconds": 60.0} \
         if args.light_nodes else {}
     specs = [NodeSpec(name=f"scale-node-{i + 1}", cpu="64", memory="256Gi", max_pods=args.pods_per_node,
                       env=node_env, preseeded={CACHE_DIR: cache}, **light) for i in range(nodes)]

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -93,8 +94,12 @@ class DevCluster:
         self.stop()
 
     def stop(self) -> None:
-        for agent in self.agents:
-            agent.stop()
+        # The nodes stop side by side: each waits on its own pods' processes and status patches.
+        stopping = [threading.Thread(target=agent.stop, name=f"stop-{agent.spec.name}") for agent in self.agents]
+        for t in stopping:
+            t.start()
+        for t in stopping:
+            t.join()
         self.agents.clear()
         if self.control_plane is not None:
             self.control_plane.stop()

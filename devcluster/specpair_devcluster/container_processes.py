@@ -89,12 +89,20 @@ def marked(value: str, prefix: bool = False) -> list[Process]:
 
 def descendants(pid: int) -> list[Process]:
     """The live processes below `pid` by parent links, now."""
+    return descendants_of([pid])
+
+
+def descendants_of(pids: Iterable[int]) -> list[Process]:
+    """The live processes below any of `pids` by parent links, now: one read of /proc for all."""
+    todo = list(pids)
+    if not todo:
+        return []
     children: dict[int, list[Process]] = {}
     for other in _pids():
         stat = _stat(other)
         if stat is not None and stat[0] != "Z":
             children.setdefault(stat[1], []).append((other, stat[2]))
-    found, todo = [], [pid]
+    found = []
     while todo:
         for child in children.get(todo.pop(), []):
             found.append(child)

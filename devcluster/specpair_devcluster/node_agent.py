@@ -38,10 +38,17 @@ How a pod runs here, and where that differs from a kubelet with a container runt
   `NodeSpec.first_success_poll_seconds` between the probe's periods (a look that fails is not
   counted): a container is started and Ready about when it answers instead of up to a whole
   period later (10 s for the engines' startup probe), while failures still count once a period.
+  `NodeSpec.settled_probe_period_seconds` (off by default) stretches the period of a readiness or
+  liveness probe that has succeeded SETTLED_AFTER times in a row; its first failure brings the
+  spec's period back, so failures still count towards the threshold as the spec says.
 - Stopping: SIGTERM to the container's session, SIGKILL after the grace period to it and to
   every process the container made that left it (a session of its own, a parent that died): each
   carries the container's mark in its environment, and its descendants are looked up while its
   first process lives (container_processes.py), where a runtime kills the container's cgroup.
+  When the node itself stops, it looks those up once for all its containers (one read of /proc,
+  not two or three a container: a node of ~200 pods in a process of ~1,000 took minutes to stop,
+  its threads taking turns on the interpreter), signals every pod's session, and kills what is
+  left of them all in one sweep.
 - Restarts follow restartPolicy with a doubling back-off (1 s to 60 s; a kubelet uses 10 s to
   5 min) shown as CrashLoopBackOff.
 - Admission: a pod whose GPU requests exceed what the node has free is refused
@@ -95,6 +102,8 @@ WATCH_SECONDS = 30
 # A running container's process is looked at for an exit at least this often by default, and
 # its supervisor never sleeps less (NodeSpec.exit_poll_seconds, supervise_wait).
 EXIT_POLL_SECONDS = 0.2
+# Successes in a row after which a probe counts as settled (NodeSpec.settled_probe_period_seconds).
+SETTLED_AFTER = 3
 
 
 class WatchedPods:
@@ -184,6 +193,13 @@ class NodeSpec:
     # of bringing 546 pairs up). Listed again only when the watch cannot resume (410 Gone, an
     # error). Default off: every wake-up lists, as before.
     pods_from_watch: bool = False
+    # A readiness or liveness probe that has succeeded SETTLED_AFTER times in a row is looked at
+    # every max(its period, this) until it fails once (then at its period again): None, as a
+    # kubelet does, at its period always. A node of hundreds of idle stand-in engines
+    # (bench/operator_scale.py) otherwise spends most of a core on their probes (~960 pods:
+    # ~240 gRPC Checks a second, 0.71 core on both ends, 2026-12-07f); what the pods report while
+    # they keep answering (Ready) is the same.
+    settled_probe_period_seconds: float | None = None
 
 
 @dataclass
@@ -516,9 +532,15 @@ class NodeAgent:
             pass  # an event is best effort, as in the kubelet
 
     def stop(self) -> None:
+        workers = list(self.pods.values())
+        # Every container's descendants in one look at /proc, while their first processes live
+        # (a process forked without exec from a warm-forked container carries no mark); the
+        # workers, seeing `stopping`, only signal their sessions, and the sweep below kills the
+        # rest of them all at once.
+        below = container_processes.descendants_of(
+            [proc.pid for w in workers for proc in list(w.procs.values()) if proc.poll() is None])
         self.stopping.set()
         self.pods_changed.set()
-        workers = list(self.pods.values())
         for w in workers:
             w.shutdown()
         for w in workers:
@@ -527,7 +549,7 @@ class NodeAgent:
             t.join(15)
         # Whatever a worker did not stop (one still joining) goes with the node, as a kubelet's
         # containers' cgroups outlive it only while their runtime keeps them.
-        left = container_processes.kill_all(self.mark + "/", prefix=True)
+        left = container_processes.kill_all(self.mark + "/", below, prefix=True)
         if left:
             self.errors.append(f"processes of this node's containers survived SIGKILL: {left}")
         self.warm_python.stop()
@@ -553,8 +575,8 @@ def claim_pod_network() -> tuple[int, Any]:
 class Probe:
     """One probe's schedule and thresholds (Kubernetes' defaults where the spec is silent)."""
 
-    def __init__(self, spec: dict[str, Any] | None, kind: str):
-        self.spec, self.kind = spec, kind
+    def __init__(self, spec: dict[str, Any] | None, kind: str, settled_period: float | None = None):
+        self.spec, self.kind, self.settled_period = spec, kind, settled_period
         spec = spec or {}
         self.initial = float(spec.get("initialDelaySeconds", 0))
         self.period = float(spec.get("periodSeconds", 10))
@@ -571,13 +593,25 @@ class Probe:
         """True: a probe counted at its period; False: an uncounted look between periods (before
         the probe's first success); None: nothing to do now."""
         if now >= self.next_at:
-            self.next_at = now + self.period
+            settled = self.settled_period is not None and self.successes >= SETTLED_AFTER
+            self.next_at = now + (max(self.period, self.settled_period) if settled else self.period)
             self.look_at = now + (poll or 0)
             return True
         if poll is not None and not self.succeeded and now >= self.look_at:
             self.look_at = now + poll
             return False
         return None
+
+    def record(self, ok: bool, counted: bool = True) -> None:
+        """Count a look's outcome; a failure counts towards failureThreshold only when `counted`
+        (a look between periods before the first success is not)."""
+        if ok:
+            self.successes += 1
+            self.failures = 0
+            self.succeeded = True
+        elif counted:
+            self.failures += 1
+            self.successes = 0
 
     def next_look(self, poll: float | None) -> float:
         """When `due` next has something to do (with the same `poll`)."""
@@ -773,8 +807,10 @@ class PodWorker:
 
     def _stop(self, name: str, proc: subprocess.Popen, grace: float) -> int | None:
         """Stop container `name` whose first process is `proc` (see _stop_process), and every
-        process it made: as a runtime kills the container's cgroup, nothing of it outlives it."""
-        code, left = _stop_process(proc, grace, self._mark(name))
+        process it made: as a runtime kills the container's cgroup, nothing of it outlives it.
+        While the node stops, only its session is signalled here: the node's stop sweeps the
+        rest of every container's processes at once (NodeAgent.stop)."""
+        code, left = _stop_process(proc, grace, self._mark(name), sweep=not self.agent.stopping.is_set())
         if left:
             self.agent.errors.append(f"pod {self.key}: processes of container {name} survived SIGKILL: {left}")
         return code
@@ -784,8 +820,9 @@ class PodWorker:
         name = container["name"]
         t0 = time.monotonic()
         startup = Probe(container.get("startupProbe"), "startup")
-        readiness = Probe(container.get("readinessProbe"), "readiness")
-        liveness = Probe(container.get("livenessProbe"), "liveness")
+        settled = self.agent.spec.settled_probe_period_seconds
+        readiness = Probe(container.get("readinessProbe"), "readiness", settled)
+        liveness = Probe(container.get("livenessProbe"), "liveness", settled)
         started = startup.spec is None
         poll = self.agent.spec.first_success_poll_seconds
         for p in (startup, readiness, liveness):
@@ -834,13 +871,7 @@ class PodWorker:
         channels = self.probe_channels.setdefault(container["name"], {}) \
             if self.agent.spec.probe_connections_kept else None
         ok = run_probe(probe.spec or {}, self.ip, container, probe.timeout, self._env_cache, channels)
-        if ok:
-            probe.successes += 1
-            probe.failures = 0
-            probe.succeeded = True
-        elif counted:
-            probe.failures += 1
-            probe.successes = 0
+        probe.record(ok, counted)
         return ok
 
     # -- the pod's view of the world -------------------------------------------------------------
@@ -1151,15 +1182,16 @@ def _path_rewriter(mounts: dict[str, str]):
     return rewrite
 
 
-def _stop_process(proc: subprocess.Popen, grace: float, mark: str) -> tuple[int | None, list]:
+def _stop_process(proc: subprocess.Popen, grace: float, mark: str, sweep: bool = True) -> tuple[int | None, list]:
     """SIGTERM to the process's group (its session: the container's own), SIGKILL after `grace`
     to the group and to every process of the container outside it: those marked `mark`, and its
     descendants seen before each signal (container_processes). Returns (the exit status, or None
     when it is not known within 5 s; the container's processes still alive after 30 s of
-    SIGKILLs, which only uninterruptible sleep explains)."""
+    SIGKILLs, which only uninterruptible sleep explains). `sweep` False: the group alone (the
+    caller sweeps the rest, NodeAgent.stop)."""
     # Looked at while the first process lives (its pid cannot be reused before it is reaped):
     # once it is gone its children's parent is init and the links to them are lost.
-    below = container_processes.descendants(proc.pid) if proc.poll() is None else []
+    below = container_processes.descendants(proc.pid) if sweep and proc.poll() is None else []
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -1169,13 +1201,13 @@ def _stop_process(proc: subprocess.Popen, grace: float, mark: str) -> tuple[int 
             proc.wait(max(grace, 0.1))
         except subprocess.TimeoutExpired:
             pass
-    if proc.poll() is None:
+    if sweep and proc.poll() is None:
         below += [p for p in container_processes.descendants(proc.pid) if p not in below]
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    left = container_processes.kill_all(mark, below)
+    left = container_processes.kill_all(mark, below) if sweep else []
     try:
         return proc.wait(5), left
     except subprocess.TimeoutExpired:

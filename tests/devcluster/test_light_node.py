@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specpair_devcluster.node_agent import NodeSpec, Probe, run_probe, supervise_wait
+from specpair_devcluster.node_agent import SETTLED_AFTER, NodeSpec, Probe, run_probe, supervise_wait
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -116,3 +116,28 @@ def test_without_kept_connections_nothing_is_kept(health_server):
     assert look(port, None)
     servicer.set("", NOT_SERVING)
     assert not look(port, None)
+
+
+def test_a_settled_probe_is_looked_at_less_often_until_it_fails_once():
+    # NodeSpec.settled_probe_period_seconds: after SETTLED_AFTER successes in a row a readiness
+    # probe of period 5 is next due 60 s later; one failure brings its period back, so the
+    # failures that follow count at the spec's period towards its threshold.
+    now = 1000.0
+    r = Probe({"periodSeconds": 5, "failureThreshold": 3}, "readiness", 60.0)
+    r.next_at = r.look_at = now
+    gaps = []
+    for outcome in [True] * (SETTLED_AFTER + 2) + [False] * 3 + [True]:
+        assert r.due(now, None) is True
+        gaps.append(r.next_at - now)
+        r.record(outcome)
+        now = r.next_at
+    assert gaps == [5.0] * SETTLED_AFTER + [60.0, 60.0, 60.0] + [5.0] * 3
+    assert r.failures == 0 and r.successes == 1
+    # The same schedule with the setting off (the default), as a kubelet keeps it.
+    assert NodeSpec().settled_probe_period_seconds is None
+    plain = Probe({"periodSeconds": 5}, "readiness")
+    plain.next_at = now
+    for _ in range(SETTLED_AFTER + 3):
+        plain.record(True)
+        assert plain.due(now, None) is True and plain.next_at - now == 5.0
+        now = plain.next_at
