@@ -27,6 +27,7 @@ from plan_tables import CURRENT_TLS, MODEL, NOW, NS, PAIR, TLS, UID, kinds, mine
 from specpair_operator.policy import drift, serving_health
 from specpair_operator.desired import engine_objects, model_fetch
 from specpair_operator.act import metrics
+from specpair_operator.crd import conditions
 from specpair_operator.release import content as release
 from specpair_operator.plan import release_steps as rs
 from specpair_operator.plan import release_plan as p
@@ -427,6 +428,9 @@ class Cluster:
             status.update(step.fields)
         elif isinstance(step, rs.Condition):
             self.said[step.reason] += 1
+            # as the ledger sets it: the next pass reads the condition this one left
+            status["conditions"] = conditions.set_condition(status.get("conditions"), step.type, step.status,
+                                                            step.reason, step.message, 1)
         elif isinstance(step, rs.Record):
             self.history.append((step.action, step.key))
             recorded = dict(self.w.records.recorded)
@@ -753,6 +757,33 @@ def test_a_slowdown_a_rollback_would_not_cure_keeps_speculation_off_without_flap
     cl, _ = converge(start, passes=80)
     assert [a for a, _ in cl.history] == ["RolloutStarted", "SpeculationOff"], cl.history
     assert cl.said["RollbackWouldNotHelp"] >= 1 and cl.w.status["speculationEnabled"] is False
+
+
+def test_a_no_rollback_verdict_of_serving_health_gives_way_to_the_probe_that_then_rolls_back():
+    """The bad draft with v2 slower too, v1's latency never measured (CI, 2026-12-07): serving
+    health says no rollback while the operator's probe (the engine drafts nothing while off)
+    gathers the windows that roll back to v1. While the probe runs, Drifted says Probing, not
+    RollbackWouldNotHelp: a reader never takes the older verdict for the decision."""
+    start = slower_requests()
+    start.w = dataclasses.replace(start.w, status={k: v for k, v in start.w.status.items() if k != "servingHealth"},
+                                  spec={**SPEC, "drift": {**DRIFT, "probeAfterWindows": 2, "consecutiveBreaches": 2}})
+    start.rates["2"], start.drafts_while_off = 0.2, False
+    cl, seen = copy.deepcopy(start), []   # (probing, Drifted's reason) after each pass
+    for _ in range(80):
+        steps = whole_pass(cl)
+        status = dict(cl.w.status)
+        for step in steps:
+            cl.apply(step, status)
+        cl.w = dataclasses.replace(cl.w, status=status)
+        drifted = conditions.get_condition(status.get("conditions"), conditions.DRIFTED) or {}
+        seen.append((bool((status.get("drift") or {}).get("probing")), drifted.get("reason")))
+        if any(isinstance(s, rs.Record) and s.action == "RolledBack" for s in steps):
+            break
+        cl.tick()
+    assert [a for a, _ in cl.history] == ["RolloutStarted", "SpeculationOff", "RolledBack"], cl.history
+    probing = [reason for p, reason in seen if p]
+    assert "Probing" in probing and "RollbackWouldNotHelp" not in probing, seen
+    assert cl.said["RollbackWouldNotHelp"] == 0 and cl.said["Probing"] >= 1, cl.said
 
 
 JOURNEYS = [

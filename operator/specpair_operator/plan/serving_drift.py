@@ -36,6 +36,36 @@ class DriftPosition:
     next_step: str | None
 
 
+ROLLBACK_WOULD_NOT_HELP = "RollbackWouldNotHelp"
+PROBING = "Probing"
+
+
+def drifted_without_step(no_rollback: str, from_acceptance: bool, probing: bool, off: bool, said_now: bool,
+                         standing: str | None) -> tuple[bool, str, str] | None:
+    """The Drifted condition (status, reason, message) a drift check that took no ladder step
+    leaves, or None where the one this check said, or the standing one, is still the decision.
+
+    no_rollback: the check's "no rollback" verdict ('' for none); from_acceptance: it rests on
+    this check's sustained acceptance breaches, not on serving health's pressure; probing: a
+    probe runs after this check; off: speculation is off; said_now: this check said a breach or
+    WithinBaseline already; standing: the reason of the pair's Drifted condition as read.
+
+    The condition says the current decision. While a probe runs, the acceptance ladder measures
+    afresh and may still roll back: an older "no rollback" gives way to Probing, and so does
+    serving health's, which that ladder can overrule (its reason stays in the message). Once the
+    probe is over without a verdict, Probing gives way to SpeculationOff."""
+    if no_rollback and (from_acceptance or not probing):
+        return True, ROLLBACK_WOULD_NOT_HELP, no_rollback
+    if probing:
+        if said_now or not (no_rollback or standing == ROLLBACK_WOULD_NOT_HELP):
+            return None
+        return True, PROBING, "speculation off, probing with the draft for fresh acceptance windows" + \
+            (f" (serving health: {no_rollback})" if no_rollback else "")
+    if off and standing == PROBING and not said_now:
+        return True, "SpeculationOff", "the probe ended without a verdict; serving target-only"
+    return None
+
+
 def serving_breach_reason(judged: serving_health.Judgement) -> str:
     return "ErrorRateAboveLimit" if judged.metric == serving_health.ERRORS else "LatencyAboveBaseline"
 
@@ -179,6 +209,7 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
     slow = outcome.serving.breaches
     for judged in slow:
         out.add(PostEvent("Warning", serving_breach_reason(judged), judged.message()))
+    said_now = True
     if messages:
         out.add(Condition(c.DRIFTED, True, "AcceptanceBelowBaseline", "; ".join(messages)))
     elif slow:
@@ -186,6 +217,8 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
     elif any(j.verdict == drift_mod.FINE for j in decision.judged) and not off:
         out.add(Condition(c.DRIFTED, False, "WithinBaseline", "live acceptance within the gated baseline"
                           + (f"; traffic shift, not judged: {', '.join(sorted(shift))}" if shift else "")))
+    else:
+        said_now = False
     addresses = tuple(address(w, pod) for pod in pods)
     if decision.action == drift_mod.SPECULATION_OFF:
         reason = "sustained drift: " + decision.reason
@@ -211,14 +244,17 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
                 Condition(c.DRIFTED, False, "Recovered", decision.reason),
                 Record("SpeculationOn", decision.reason, champion, champion))
         return False
-    if decision.reason:
-        out.add(Condition(c.DRIFTED, True, "RollbackWouldNotHelp", decision.reason))
-        if w.trainings is not None:
-            # spec.learning: the categories whose sustained breach no rollback helps train a new
-            # draft (plan/learning.py starts the Job after this check).
-            sustained = [j for j in decision.breaches if state.streaks.get(j.category, 0) >= policy.consecutive]
-            out.add(*learning.want_training({**w.status, **out.fields}, champion,
-                                            learning.breached_categories(decision.reason, sustained), live))
+    sustained = [j for j in decision.breaches if state.streaks.get(j.category, 0) >= policy.consecutive]
+    # The condition says the current decision: a "no rollback" read before a probe is not it.
+    standing = (c.get_condition(w.status.get("conditions"), c.DRIFTED) or {}).get("reason")
+    drifted = drifted_without_step(decision.reason, bool(sustained), probing, off, said_now, standing)
+    if drifted is not None:
+        out.add(Condition(c.DRIFTED, *drifted))
+    if decision.reason and w.trainings is not None:
+        # spec.learning: the categories whose sustained breach no rollback helps train a new
+        # draft (plan/learning.py starts the Job after this check).
+        out.add(*learning.want_training({**w.status, **out.fields}, champion,
+                                        learning.breached_categories(decision.reason, sustained), live))
     if off:
         # Speculation stays off but keeps being measured: probes turn it on for a while when the
         # engine drafted nothing since.
