@@ -46,7 +46,7 @@ def verification_case(shape: dict, tokens: int, start: int, gen: torch.Generator
 
 
 def step(lib, case: dict, layers: list, head: torch.Tensor, shape: dict) -> tuple[float, torch.Tensor]:
-    ck._LIB = lib
+    ck.use_library(lib)
     h = case["h"].clone()
     cpu = time.process_time()
     for weights in layers:
