@@ -16,6 +16,9 @@ OFF = "speculation switched off (SpeculationOff)"
 PROBE = "the operator probes with the drafter after a quiet window"
 DECIDED = "the operator's rollback decision"
 SERVING = "v{to} serving, identity verified"
+# The last stage on the road without a rollback: the drifted release keeps serving, its
+# speculation off (the chapter printed SERVING's "v1 serving" there, a label of the other road).
+KEPT = "v{now} keeps serving target-only on the shifted traffic (no rollback)"
 
 
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
@@ -107,6 +110,8 @@ class Ladder:
         elif OFF in reached and (PROBE in reached or PROBE in self.at) and \
                 drifted.get("reason") == "RollbackWouldNotHelp" and \
                 not (self.rollback_expected and (st.get("drift") or {}).get("probing")):
+            # In place (the list the chapter's wait prints from): this road's last stage.
+            self.stages[-1] = KEPT.format(now=st.get("servingVersion") or "?")
             reached |= {DECIDED, self.stages[-1]}
             self.rolled_back = False
             self.decision = drifted.get("message", "")

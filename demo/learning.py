@@ -74,6 +74,7 @@ class Loop:
         self.at: dict[str, float] = {}
         self.candidate = ""
         self.failed = ""
+        self.waiting = ""     # the training's wait for captured requests, as the operator words it
 
     def run(self, st: dict[str, Any]) -> dict[str, Any]:
         runs = [r for r in (st.get("training") or {}).get("runs") or []
@@ -86,6 +87,7 @@ class Loop:
         run = self.run(st)
         if condition(obj, "Drifted").get("reason") == "RollbackWouldNotHelp" or run:
             reached.add(DRIFTED)
+        self.waiting = str(run.get("message") or "") if run.get("phase") == "wanted" else ""
         if run.get("phase") in ("running", "done") or run.get("job"):
             reached |= {DRIFTED, TRAINING_STARTED}
         if run.get("phase") in ("failed", "timed-out"):

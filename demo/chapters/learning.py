@@ -13,10 +13,8 @@ import time
 from collections import Counter
 from typing import Any
 
-import grpc
-from specpair._proto import engine_pb2, engine_pb2_grpc
+from specpair_devcluster import engine_drafts
 
-from ..cluster import ready
 from ..learning import STAGES, Loop, acceptance
 from ..ladder import domain_shift_prompts
 from ..session import Session
@@ -45,17 +43,7 @@ def loop_events(demo: Session) -> dict[str, int]:
 def drafts_served(demo: Session) -> set[str]:
     """The release versions whose draft the ready engine pods report (GetModelInfo.draft_version):
     servingVersion follows the aliases, which move before the draft is swapped into the pods."""
-    out = set()
-    for pod in demo.cluster.engine_pods(demo.name) if demo.cluster else []:
-        if not ready(pod):
-            continue
-        try:
-            with grpc.insecure_channel(f"{pod['status']['podIP']}:{ENGINE_PORT}") as channel:
-                info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30)
-        except grpc.RpcError:
-            return set()    # a pod going or coming: look again
-        out.add(info.draft_version)
-    return out
+    return engine_drafts.drafts_served(demo.cluster.engine_pods(demo.name), ENGINE_PORT) if demo.cluster else set()
 
 
 def run(demo: Session, version: str, category: str) -> None:
@@ -70,9 +58,16 @@ def run(demo: Session, version: str, category: str) -> None:
     stop, sent = threading.Event(), [0]
     sender = demo.flood("learning loop", prompts, stop, sent)
     marked: set[str] = set()
+    said = {"waiting": "", "at": 0.0}
 
     def progress(obj: dict[str, Any] | None) -> int:
         n = loop.update(obj)
+        # The training waits for enough captured requests of the category (the pair's
+        # spec.learning.training.minCapturedRequests): the counts as the operator says them,
+        # every 30 s at most.
+        if loop.waiting and loop.waiting != said["waiting"] and time.monotonic() - said["at"] >= 30:
+            say(f"  the operator: {loop.waiting}")
+            said.update(waiting=loop.waiting, at=time.monotonic())
         for _, stage in loop.rows():
             if stage not in marked:
                 marked.add(stage)
@@ -128,7 +123,8 @@ def run(demo: Session, version: str, category: str) -> None:
         + "; ".join(f"{stage.split(' (')[0]} after {t:.0f} s" for t, stage in loop.rows()))
     say(f"  training: {run_.get('message', '')[:300]}")
     say(f"  v{candidate} on the road: stage {learned.get('stage')}, judged on '{category}' against "
-        f"{learned.get('reference')} (max of the floor {learned.get('floor')} and v{version}'s drifted live acceptance)")
+        f"{learned.get('reference')} (max of the floor {learned.get('floor')} and v{version}'s drifted live "
+        f"acceptance {learned.get('driftedAcceptance')} + {learned.get('gain')})")
     say(f"  Events: {', '.join(f'{k} x{v}' for k, v in sorted(events.items())) or 'none read'}")
     say(f"  acceptance on '{category}' (per request's figures from the engine):")
     say(f"    before the shift (v{version}, document work): {before.words()}")

@@ -216,6 +216,17 @@ def categories(directory: str | os.PathLike) -> list[str]:
     return sorted(category_from_dirname(p.name) for p in root.iterdir() if p.is_dir())
 
 
+def complete_records(directory: str | os.PathLike) -> dict[str, int]:
+    """Records per category in the complete shards of a capture directory, every pod's (what a
+    training Job reads: read_records), from the shards' names alone. GetStats reports it
+    (Stats.captured): the operator waits for enough before it starts a training."""
+    out: dict[str, int] = {}
+    for category in categories(directory):
+        folder = Path(directory) / category_dirname(category)
+        out[category] = sum(s.records for s in (parse_shard(p.name) for p in folder.iterdir()) if s and s.complete)
+    return out
+
+
 # -- writing ------------------------------------------------------------------------------------
 
 class _OpenShard:
@@ -253,11 +264,6 @@ class CaptureWriter:
         self._stop = threading.Event()
         self.written = 0
         self.dropped = 0
-        # Records per category in the shards this writer closed (complete shards: what a training
-        # Job reads), since it started; GetStats reports them (Stats.captured) so the operator can
-        # wait for enough before it trains. A pruned shard is not taken off: pruning keeps the cap
-        # and the retention, far above what a training waits for.
-        self.closed: dict[str, int] = {}
 
     # Called by the worker thread for every request that finished ok: never blocks.
     def offer(self, category: str, prompt_ids, reply_ids) -> None:
@@ -351,8 +357,6 @@ class CaptureWriter:
         shard.file.close()
         os.replace(shard.folder / shard.name,
                    shard.folder / complete_name(self.clock(), shard.pod, shard.seq, shard.records))
-        # A new dict, not an update in place: GetStats reads it from another thread.
-        self.closed = {**self.closed, category: self.closed.get(category, 0) + shard.records}
         self.prune(category)
 
     def prune(self, category: str) -> list[str]:

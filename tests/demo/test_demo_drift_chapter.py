@@ -120,6 +120,9 @@ def test_ladder_ends_without_a_rollback_when_the_operator_says_it_would_not_help
     clock.t = 40
     assert ladder.update(pair("SpeculationOff", reason="RollbackWouldNotHelp", probing=True)) == 5
     assert ladder.rolled_back is False and ladder.decision == "RollbackWouldNotHelp: numbers"
+    # The last stage the chapter's wait prints is this road's (it printed "v1 serving, identity
+    # verified" here, a label of the rollback road, in the default demo of 2026-12-07).
+    assert ladder.stages[-1] == "v2 keeps serving target-only on the shifted traffic (no rollback)"
     rows = [stage for _, stage in ladder.rows()]
     assert rows == [BREACH, OFF, PROBE, "no rollback (Drifted: RollbackWouldNotHelp)"]
     assert DECIDED not in rows and not any("serving" in r for r in rows)

@@ -42,13 +42,11 @@ import time
 import uuid
 from pathlib import Path
 
-import grpc
 import pytest
 from kopf.testing import KopfRunner
 from mlflow import MlflowClient
 
-from specpair._proto import engine_pb2, engine_pb2_grpc
-from specpair_devcluster import volumes
+from specpair_devcluster import engine_drafts, volumes
 from cluster_env import ONE_PROMPT_GATING, OPERATOR, cond, engine_pods, model_name, serving, set_spec, tiny_pair
 from steady_client import SteadyClient, ready_address
 from specpair_operator.release.registry_contract import (TAG_LINEAGE_CAPTURE, TAG_LINEAGE_CATEGORY,
@@ -77,17 +75,7 @@ def code_traffic(ns) -> SteadyClient:
 
 def drafts_served(ns) -> set[str]:
     """The release versions whose draft the ready engine pods report (GetModelInfo.draft_version)."""
-    out = set()
-    for pod in engine_pods(ns):
-        if not any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])):
-            continue
-        try:
-            with grpc.insecure_channel(f"{pod['status']['podIP']}:50051") as channel:
-                info = engine_pb2_grpc.EngineStub(channel).GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=30)
-        except grpc.RpcError:
-            return set()    # a pod going or coming: look again
-        out.add(info.draft_version)
-    return out
+    return engine_drafts.drafts_served(engine_pods(ns))
 
 
 def hostpath_claim(ns, name: str, folder: Path) -> str:
@@ -125,8 +113,11 @@ def test_a_category_that_drifts_and_cannot_roll_back_trains_a_draft_only_release
                                 # No clean-up finalizer: the namespace goes with the operator stopped.
                                 "keepOnDelete": True,
                                 # The tiny draft learns the tiny target's replies in seconds
-                                # (200 steps: 24 s in the Job).
-                                "training": {"steps": 200, "activeDeadlineSeconds": 900}}
+                                # (200 steps: 24 s in the Job). The Job waits for 8 captured
+                                # requests in complete shards, as the pods report them (Stats.
+                                # captured): the old pod's shard holds 24 or more.
+                                "training": {"steps": 200, "activeDeadlineSeconds": 900,
+                                             "minCapturedRequests": 8}}
     mlflow = MlflowClient(mlflow_server.url)
     try:
         with KopfRunner(OPERATOR, timeout=60) as runner, code_traffic(ns) as client:
@@ -258,6 +249,8 @@ def test_a_scheduled_training_starts_when_due_not_before_and_one_out_of_time_cha
     spec = tiny_pair(name, target, draft, gating=ONE_PROMPT_GATING)
     spec["spec"]["learning"] = {"enabled": True, "persistentVolumeClaim": "traffic", "keepOnDelete": True,
                                 "training": {"activeDeadlineSeconds": 60,
+                                             # No traffic here: the slot's Job starts at once.
+                                             "minCapturedRequests": 0,
                                              # No devcluster node has a thousand cores.
                                              "resources": {"requests": {"cpu": "1000"}}}}
     interval = 3600

@@ -111,13 +111,14 @@ def test_a_drifted_category_starts_one_job_once_and_follows_it_to_a_registered_c
     assert next(s for s in later if isinstance(s, SetStatus)).fields["training"]["runs"][-1]["candidate"] == "4"
 
 
-def test_the_captured_requests_each_pod_reports_are_summed_and_unread_or_unreported_counts_say_so():
+def test_the_captured_requests_the_pods_report_are_the_newest_listing_and_unread_or_unreported_say_so():
+    # Each pod lists the whole folder (every pod's complete shards): the largest count is the newest.
     assert learning.captured_counts([{"captured": {"extraction": 40, "qa": 3}}, None,
-                                     {"captured": {"extraction": 30}}]) == {"extraction": 70, "qa": 3}
+                                     {"captured": {"extraction": 30}}]) == {"extraction": 40, "qa": 3}
     assert learning.captured_counts([None, None]) == learning.NOT_READ == learning.captured_counts([])
     # An engine that reports no capture count (vLLM's probe): its training is not held back.
     assert learning.captured_counts([{"categories": {}}]) is None
-    assert learning.capture_wait("extraction", 64, None) == ""
+    assert learning.capture_wait("extraction", 64, None) == "" == learning.capture_wait("extraction", 0, {})
     assert learning.capture_wait("extraction", 64, {"extraction": 64}) == ""
     assert "2 of 64 in closed capture shards" in learning.capture_wait("extraction", 64, {"extraction": 2, "qa": 900})
     assert "0 of 64" in learning.capture_wait("extraction", 64, {})
@@ -165,7 +166,7 @@ def test_a_training_waits_for_its_minimum_of_captured_requests_then_starts():
             if isinstance(s, EnsureOwned)]
     from specpair_operator.crd.validation import validate_spec
     bad = validate_spec({"learning": {"enabled": True, "persistentVolumeClaim": "c",
-                                      "training": {"minCapturedRequests": 0}}})
+                                      "training": {"minCapturedRequests": -1}}})
     assert any("minCapturedRequests" in e for e in bad), bad
 
 

@@ -46,10 +46,12 @@ def test_a_server_captures_the_token_ids_it_served_per_category_capped(tiny_pair
     encode, decode = server.engine.encode, server.engine.target.tokenizer.decode
     # Offered as each request ends, just after its reply went out; written in the capture's thread.
     assert wait_for(lambda: server.capture.written == len(PROMPTS) + 3) and server.capture.dropped == 0
-    # GetStats reports the records in the shards it closed (a training waits for enough, issue
-    # 58): 7 'code' in shards of 2 -> 3 closed (6; the 7th's shard is open), 3 'prose' -> 1 (2).
+    # GetStats reports the records in the folder's complete shards (a training waits for enough,
+    # issue 58): 7 'code' in shards of 2 -> 3 closed, of which the cap of 4 keeps 2 (4 records;
+    # the 7th's shard is open), 3 'prose' -> 1 closed (2); another pod's complete shard counts too.
+    (tmp_path / "code" / capture.complete_name(0.0, "other-pod", 1, 5)).write_text("")
     with client_for(server) as c:
-        assert dict(c.stats().captured) == {"code": 6, "prose": 2}
+        assert dict(c.stats().captured) == {"code": 4 + 5, "prose": 2}
     server.stop(drain_timeout=5)       # closes the open shards
 
     code = list(read_records(tmp_path, "code"))

@@ -44,6 +44,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from specpair._proto import engine_pb2 as pb
+from specpair import capture as capture_mod
 from specpair.capture import CaptureSettings, CaptureWriter
 from specpair.errors import SpecpairError
 from specpair.server import draft_swap
@@ -321,7 +322,10 @@ class EngineServer:
         for name, cat in snap["categories"].items():
             msg.categories[name].CopyFrom(category_message(cat))
         if self.capture is not None:
-            msg.captured.update(self.capture.closed)
+            try:
+                msg.captured.update(capture_mod.complete_records(self.capture.root))
+            except OSError as exc:    # the volume failing: the operator reads no count, its training waits
+                log.warning("capture: counting the complete shards: %s", exc)
         return msg
 
     def set_speculation(self, enabled: bool | None, k: int | None, reason: str = "") -> pb.SpeculationSettings:

@@ -183,8 +183,9 @@ class GrpcEngineProbe:
             out["serving"] = serving
         if stats.HasField("shadow"):
             out["shadow"] = shadow_stats(stats.shadow)
-        # spec.learning's capture: records per category in the shards this pod closed (a
-        # training waits for enough, plan/learning.py); absent when the pod does not capture.
+        # spec.learning's capture: records per category in the capture folder's complete shards,
+        # as this pod lists them (a training waits for enough, plan/learning.py); {} when it does
+        # not capture.
         out["captured"] = {name: int(n) for name, n in stats.captured.items()}
         return out
 

@@ -12,7 +12,8 @@ release serves (itself, or through drafts learned from it):
   alias points at it meanwhile); a failed or broken gate ends the try;
 - **scored in shadow** on the champion's pods whatever spec.rollout.strategy says, judged on the
   category it was trained for against a fixed reference, max(the category's floor, the drifted
-  release's live acceptance there when training was wanted) (shadow_verdict.judge_learned: the
+  release's live acceptance there when training was wanted + a gain, shadow_verdict.LEARNED_GAIN:
+  matching the release that drifted is not learning) (shadow_verdict.judge_learned: the
   champion usually serves that category target-only, so its own side of the shadow is empty);
 - **promoted** on a Promote verdict as any shadowed candidate is (the aliases move; the serving
   plan swaps the draft into the running pods, or rolls them where it cannot); the new champion's
@@ -229,7 +230,8 @@ def learned_steps(world: ReleaseWorld, planned: tuple[Step, ...]) -> tuple[Step,
     mine.append(SetStatus({STATUS_FIELD: {
         "version": learned.version, "parent": learned.parent, "category": learned.category, "stage": stage,
         "reference": round(learned.target.reference, 4), "floor": learned.target.floor,
-        "driftedAcceptance": learned.target.drifted, "job": learned.job, "message": message[:1500]}}))
+        "driftedAcceptance": learned.target.drifted, "gain": learned.target.gain, "job": learned.job,
+        "message": message[:1500]}}))
     at = next((i for i, s in enumerate(steps) if isinstance(s, ServeChampion)), len(steps))
     return tuple(steps[:at] + mine + steps[at:])
 

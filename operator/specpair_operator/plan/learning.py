@@ -84,10 +84,12 @@ NOT_READ = "not read"     # captured_counts: the pods' counters were not read th
 
 
 def captured_counts(stats: Iterable[Mapping[str, Any] | None]) -> dict[str, int] | None | str:
-    """Captured requests per category in closed capture shards, summed over the pods' GetStats
-    (`stats`: each ready pod's, None where not read). NOT_READ when no pod's were read this pass
-    (a training then waits for a pass that reads them); None when no pod reports a capture count
-    (an engine that does not: its training is not held back)."""
+    """Captured requests per category in the complete shards of the pair's capture folder, from the
+    pods' GetStats (`stats`: each ready pod's, None where not read). Every pod lists the same
+    folder (every pod's shards: what the training Job reads), so the largest count is the newest.
+    NOT_READ when no pod's were read this pass (a training then waits for a pass that reads them);
+    None when no pod reports a capture count (an engine that does not: its training is not held
+    back)."""
     read = [st for st in stats if st is not None]
     if not read:
         return NOT_READ
@@ -97,7 +99,7 @@ def captured_counts(stats: Iterable[Mapping[str, Any] | None]) -> dict[str, int]
     total: dict[str, int] = {}
     for counts in reporting:
         for category, n in counts.items():
-            total[str(category)] = total.get(str(category), 0) + int(n)
+            total[str(category)] = max(total.get(str(category), 0), int(n))
     return total
 
 
@@ -106,7 +108,7 @@ def capture_wait(category: str, minimum: int, captured: Mapping[str, int] | None
     captured requests in closed shards: fewer than `minimum` (spec.learning.training.
     minCapturedRequests) train a draft that cannot draft the traffic (the demo's head trained on 2
     requests accepted 0.08 where the lookup it replaced accepted 0.16)."""
-    if captured is None:
+    if captured is None or minimum <= 0:
         return ""
     if isinstance(captured, str):
         return f"waiting for the engine pods' capture counts of '{category}' (not read this pass)"
