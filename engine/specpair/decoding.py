@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specpair.config import (KV_BUDGET_CUDA_FREE_FRACTION, KV_BUDGET_ENV, NGRAM_MAX, NGRAM_MIN,
-                             PREFILL_PROMPT_SHARE, PREFILL_TOKEN_BUDGET, GenerationParams,
-                             SpeculationConfig, parse_kv_budget)
+                             PREFILL_IDLE_TOKEN_BUDGET, PREFILL_PROMPT_SHARE, PREFILL_TOKEN_BUDGET,
+                             GenerationParams, SpeculationConfig, parse_kv_budget)
 from specpair import cpu_kernels
 from specpair.batch_observer import BatchObserver, VerifiedRound
 from specpair.costs import (CostModel, DynamicK, RequestAudit, RowsDecision, StepTiming, k_for_rows,
@@ -1029,7 +1029,9 @@ class Batch:
         layer's 64-token calls (each call reads every weight once); the oldest rows prefilling
         share the rest, and never less than PREFILL_PROMPT_SHARE of the budget (one position at
         the least), so a batch of more rows decoding than the budget cannot starve a prompt (the
-        step then feeds over the budget). Only on the paged cache: the C layer computes a
+        step then feeds over the budget). With no row decoding there is no time between tokens
+        to bound: the step feeds PREFILL_IDLE_TOKEN_BUDGET (a cold prompt alone in one step, not
+        budget-sized chunks). Only on the paged cache: the C layer computes a
         token's keys and features the same in any call, so a head drafter (and an observer)
         handed a prompt's features chunk by chunk (step: _hand_features of each chunk) holds
         what one whole prefill hands it, and drafts the same after the last chunk (a row mid-
@@ -1041,8 +1043,12 @@ class Batch:
         if not budget or not self.paged:
             return {}
         uncached = [len(s.tokens) - n for s, n in zip(self.rows, self.target.lengths)]
-        floor = max(1, int(budget * PREFILL_PROMPT_SHARE))
-        caps, left = {}, max(floor, budget - sum(1 for n in uncached if n <= 1))
+        decoding = sum(1 for n in uncached if n <= 1)
+        if decoding:
+            left = max(max(1, int(budget * PREFILL_PROMPT_SHARE)), budget - decoding)
+        else:
+            left = max(budget, PREFILL_IDLE_TOKEN_BUDGET)
+        caps = {}
         for i in sorted(range(len(self.rows)), key=lambda i: self.rows[i].started):
             if uncached[i] <= 1:
                 continue

@@ -2,14 +2,15 @@
 fed what a budget of positions a step leaves beside the rows already decoding, which keep
 emitting every step, and every row's tokens equal its solo output with the whole prompt fed in one step
 (greedy and seeded sampling; speculating with n-gram drafts and with a draft model); prompts
-arriving together share the budget, oldest first."""
+arriving together share the budget, oldest first; with no row decoding a step feeds far more
+(PREFILL_IDLE_TOKEN_BUDGET)."""
 
 from __future__ import annotations
 
 import pytest
 
-from specpair.config import (PREFILL_PROMPT_SHARE, PREFILL_TOKEN_BUDGET, GenerationParams,
-                             SpeculationConfig)
+from specpair.config import (PREFILL_IDLE_TOKEN_BUDGET, PREFILL_PROMPT_SHARE, PREFILL_TOKEN_BUDGET,
+                             GenerationParams, SpeculationConfig)
 from specpair.decoding import SpeculativeEngine
 
 SPEC = SpeculationConfig(k=2, k_max=2, batch_size_threshold=64)   # <= 3 tokens a row a step
@@ -66,20 +67,79 @@ def test_a_long_prompt_in_chunks_beside_decoding_rows_emits_its_solo_tokens(
 
 def test_prompts_arriving_together_share_the_budget_oldest_first(tiny_target, tiny_draft):
     params = GenerationParams(max_new_tokens=6)
+    decoding = GenerationParams(max_new_tokens=40, speculation_k=0)   # one token a step
     prompts = [f"Request {i}: " + LONG for i in range(3)]
     solo_engine = engine_for(tiny_target, tiny_draft, "ngram", None)
+    solo_engine.eos_ids = frozenset()             # the first row decodes through the test
     solo = [solo_engine.generate([p], params)[0].token_ids for p in prompts]
+    first_solo = solo_engine.generate([SHORT[0]], decoding)[0].token_ids
     engine = engine_for(tiny_target, tiny_draft, "ngram", 40)
+    engine.eos_ids = frozenset()
     batch = engine.new_batch()
+    first = batch.add(engine.encode(SHORT[0]), decoding)
+    batch.step()
+    assert first.num_generated == 1
     seqs = [batch.add(engine.encode(p), params) for p in prompts]
     assert all(len(s.prompt_ids) > 40 for s in seqs)
-    assert batch.step() == []                    # nothing to emit yet
-    assert batch.target.lengths == [40, 0, 0]     # the oldest took the whole budget
+    assert [o.request_id for o in batch.step()] == [first.request_id]   # the prompts emit nothing yet
+    # the oldest prompt took what the decoding row's token left of the budget
+    assert batch.target.lengths[1:] == [39, 0, 0]
     steps = 1
     while batch.active:
         batch.step()
         steps += 1
     assert steps >= sum(len(s.prompt_ids) for s in seqs) // 40
+    assert [batch.result(s).token_ids for s in seqs] == solo
+    assert batch.result(first).token_ids == first_solo
+
+
+def test_a_prompt_with_no_row_decoding_is_fed_in_one_step(tiny_target, tiny_draft):
+    """The budget bounds decoding rows' time between tokens; with none decoding (a cold prompt
+    alone, prompts arriving at an idle server) a step feeds PREFILL_IDLE_TOKEN_BUDGET, not the
+    budget: a prompt ten times the budget is fed in one step (it took ten before), and emits its
+    solo tokens."""
+    params = GenerationParams(max_new_tokens=8)
+    solo_engine = engine_for(tiny_target, tiny_draft, "ngram", None)
+    solo = solo_engine.generate([LONG], params)[0].token_ids
+    engine = engine_for(tiny_target, tiny_draft, "ngram", None)
+    ids = engine.encode(LONG)
+    engine.prefill_budget = len(ids) // 10
+    assert PREFILL_IDLE_TOKEN_BUDGET >= len(ids) > 10 * engine.prefill_budget - 10
+    batch = engine.new_batch()
+    seq = batch.add(ids, params)
+    batch.step()
+    assert batch._prefill_cap == {} and batch.target.lengths[0] >= len(ids)
+    assert seq.num_generated >= 1
+    while batch.active:
+        batch.step()
+    assert batch.result(seq).token_ids == solo
+
+
+def test_with_no_row_decoding_prompts_share_the_idle_budget_then_the_budget(
+        tiny_target, tiny_draft, monkeypatch):
+    """Several prompts and no row decoding: the oldest are fed PREFILL_IDLE_TOKEN_BUDGET
+    positions; once a row decodes, the step is back to the budget (less the decoding rows'
+    tokens). Every row emits its solo tokens."""
+    from specpair import decoding
+
+    params = GenerationParams(max_new_tokens=6, speculation_k=0)
+    prompts = [f"Request {i}: " + LONG for i in range(3)]
+    solo_engine = engine_for(tiny_target, tiny_draft, "ngram", None)
+    solo = [solo_engine.generate([p], params)[0].token_ids for p in prompts]
+    engine = engine_for(tiny_target, tiny_draft, "ngram", 16)
+    batch = engine.new_batch()
+    seqs = [batch.add(engine.encode(p), params) for p in prompts]
+    n = len(seqs[0].prompt_ids)
+    idle = n + 20                                 # the first prompt whole, 20 of the second
+    assert all(len(s.prompt_ids) > 16 + 20 for s in seqs)
+    monkeypatch.setattr(decoding, "PREFILL_IDLE_TOKEN_BUDGET", idle)
+    # the first prompt whole (its first token emitted), 20 positions of the second
+    assert [o.request_id for o in batch.step()] == [seqs[0].request_id]
+    assert batch.target.lengths == [n, 20, 0]
+    assert [o.request_id for o in batch.step()] == [seqs[0].request_id]   # it decodes now
+    assert batch.target.lengths[1:] == [20 + 15, 0]                       # 16 less its token
+    while batch.active:
+        batch.step()
     assert [batch.result(s).token_ids for s in seqs] == solo
 
 
