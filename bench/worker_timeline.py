@@ -290,6 +290,20 @@ def figures(worker, setting: int, started: float, wall: float, tokens_each: list
             per_step = seconds / sum(r.seconds for r in full) * len(full)    # steps the samples span
             threads = {"rows": widest, "ms_per_step": round(1e3 * seconds / per_step, 1),
                        "by_thread": thread_split(seconds, before, after, names or {}, per_step)}
+    # The first-token phase: the steps until every request had its first token, which of them
+    # held requests back for a running row's prompt blocks (Batch.prefix_pending), and when the
+    # first tokens came (a shared prompt's cold prefill, then its joiners' suffixes).
+    firsts, reached = 0, None
+    for n, r in enumerate(steps):
+        firsts += r.first
+        if reached is None and firsts >= len(tokens_each):
+            reached = n + 1
+    first_phase = {"steps_until_all_emitted": reached,
+                   "seconds_until_all_emitted": round(sum(r.seconds for r in steps[:reached or 0]), 2),
+                   "cpu_seconds_until_all_emitted": round(sum(r.cpu for r in steps[:reached or 0]), 2),
+                   "steps_holding_requests": sum(1 for r in steps if r.held),
+                   "first_tokens_by_step": [[n, r.first, r.rows, r.fed] for n, r in enumerate(steps[:reached or 0])
+                                            if r.first]}
     return {"max_batch_size": setting or f"default ({worker.max_batch_size} admitted, "
                                          f"{worker.decode_rows} decoded)",
             "decode_rows": worker.decode_rows,
@@ -300,9 +314,11 @@ def figures(worker, setting: int, started: float, wall: float, tokens_each: list
             "prefill_steps": part(prefill), "decode_steps": part(decode),
             "load_average": round(os.getloadavg()[0], 1),
             "decode_phase_threads": threads,
+            "first_token_phase": first_phase,
             "_replies": replies,
             "_steps": [{"t": round(r.started - started, 3), "ms": round(1e3 * r.seconds, 1), "rows": r.rows,
-                        "joined": r.joined, "fed": r.fed, "k": r.k, "emitted": r.emitted,
+                        "joined": r.joined, "held": r.held, "first": r.first, "fed": r.fed, "k": r.k,
+                        "emitted": r.emitted,
                         "cpu_ms": round(1e3 * r.cpu, 1)} for r in steps]}
 
 
@@ -343,6 +359,8 @@ def main() -> int:
               f"{run['wall_seconds']:.1f} s (stepping {run['stepping_seconds']:.1f} s), prefill steps "
               f"{json.dumps(run['prefill_steps'])}, decode steps {json.dumps(run['decode_steps'])}, "
               f"load {run['load_average']}", flush=True)
+        print(f"    first tokens: {json.dumps(run['first_token_phase'])} (per step: [step, first tokens, "
+              f"rows, positions uncached])", flush=True)
         if run["decode_phase_threads"]:
             print(f"    per decode step at {run['decode_phase_threads']['rows']} rows, where each thread's wall went: "
                   f"{json.dumps(run['decode_phase_threads'])}", flush=True)

@@ -84,6 +84,44 @@ def test_the_timeline_accounts_for_every_step_join_prefill_and_token(tiny_pair):
     assert [s.started for s in steps] == sorted(s.started for s in steps)
 
 
+def test_the_timeline_shows_a_shared_prompts_joiners_held_one_step_then_their_first_tokens(tiny_pair):
+    """Six requests sharing a system prompt, queued before the worker's first step: one is
+    admitted and prefills it, the other five are held that step for its blocks (StepRecord.held)
+    and join together at the next boundary; each request's first token is counted once
+    (StepRecord.first), at the step that emitted it."""
+    target, _ = tiny_pair
+    engine = SpeculativeEngine(target, "ngram", speculation=SpeculationConfig(k=4, batch_size_threshold=64))
+    assert engine.paged_space is not None and engine.prefix_store is not None
+    worker = EngineWorker(engine, max_batch_size=64, max_queue=16, timeline=1000)
+    prompts = [engine.encode(chat(f"Question {i}: what follows {i * 7}?"), chat=True) for i in range(6)]
+    done = threading.Semaphore(0)
+    events: list = [None] * len(prompts)
+
+    def sink_for(i):
+        def sink(event):
+            if isinstance(event, (Finished, Failed)):
+                events[i] = event
+                done.release()
+        return sink
+    for i, ids in enumerate(prompts):       # all queued before the worker's first admission
+        worker.submit(Job(prompt_ids=ids, params=GenerationParams(max_new_tokens=6), sink=sink_for(i)))
+    worker.start()
+    try:
+        for _ in prompts:
+            assert done.acquire(timeout=300), "the jobs did not finish in 300 s"
+    finally:
+        worker.stop()
+    assert all(isinstance(e, Finished) for e in events), events
+    steps = list(worker.timeline)
+    assert (steps[0].joined, steps[0].held, steps[0].rows) == (1, 5, 1)
+    assert (steps[1].joined, steps[1].held, steps[1].rows) == (5, 0, 6)
+    assert all(s.held == 0 for s in steps[1:])
+    assert steps[0].first == 1                 # the first prompt fed whole: its token at once
+    assert sum(s.first for s in steps) == len(prompts)
+    assert all(0 <= s.first <= s.rows for s in steps)
+    assert sum(e.cached_tokens > 0 for e in events) == 5
+
+
 def test_rows_joining_a_drafting_batch_reply_as_target_only(tiny_pair):
     """Greedy replies of requests arriving together and joining running rows (a shared system
     prompt: one prefill, then its blocks by reference) equal each one's target-only solo reply,

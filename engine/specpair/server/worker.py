@@ -70,6 +70,11 @@ class StepRecord:
     fed: int              # prompt positions the target had not cached (prefills, recomputes)
     k: int                # the step's largest k (Batch.last_k)
     emitted: int          # tokens the step's rows committed
+    # Requests admitted but held at this step's boundary for a running row to store their
+    # prompt's first uncached blocks (Batch.prefix_pending), and rows whose first token this
+    # step emitted: how a shared prompt's joiners reach their first tokens (issue 51's TTFT).
+    held: int = 0
+    first: int = 0
     # CPU seconds over the step: the process's (every thread: the kernels' pool, the HTTP loop)
     # and the worker thread's own. On a shared machine the wall time says how often the step's
     # threads were preempted; these say what it cost (issue 51's loaded figures compare these).
@@ -207,6 +212,7 @@ class EngineWorker:
         self.timeline: deque[StepRecord] | None = deque(maxlen=timeline) if timeline else None
         self._waited = 0.0          # idle since the last step (timeline)
         self._joined = 0            # admitted since the last step (timeline)
+        self._held = 0              # held at the last admission for a running row's blocks (timeline)
         # Called with (category, prompt_ids, reply_ids) of each request that finished ok, in this
         # thread: must not block (capture.CaptureWriter.offer queues without waiting).
         self.on_finished: Callable[[str, list[int], list[int]], None] | None = None
@@ -388,6 +394,7 @@ class EngineWorker:
             self._jobs[job.request_id] = job
             self._joined += 1
         self._pending.extendleft(reversed(held))
+        self._held = len(held)
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -401,10 +408,12 @@ class EngineWorker:
         self.steps += 1
         now = time.perf_counter()
         if self.timeline is not None:
+            first = sum(1 for out in outputs if out.token_ids and (job := self._jobs.get(out.request_id))
+                        is not None and job.first_token is None)
             self.timeline.append(StepRecord(
                 started=started, seconds=now - started, waited=self._waited, rows=rows,
                 joined=self._joined, fed=fed, k=self.batch.last_k,
-                emitted=sum(len(out.token_ids) for out in outputs),
+                emitted=sum(len(out.token_ids) for out in outputs), held=self._held, first=first,
                 cpu=time.process_time() - cpu, thread_cpu=time.thread_time() - thread_cpu))
         self._waited, self._joined = 0.0, 0
         done = {seq.request_id: seq for seq in self.batch.done}
