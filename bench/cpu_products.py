@@ -57,6 +57,18 @@ def sweep(fn, x: torch.Tensor, copies: list[list[torch.Tensor]]) -> tuple[float,
     return time.process_time() - cpu, outs
 
 
+def alternated(impls: dict, x: torch.Tensor, copies: list[list[torch.Tensor]],
+               reps: int) -> tuple[dict, dict]:
+    """Each implementation's least CPU seconds over `reps` sweeps, in turn and in reversed turn
+    rep by rep (so the machine's noise falls on all), and its outputs of the last sweep."""
+    best, got = {k: float("inf") for k in impls}, {}
+    for rep in range(reps):
+        for k in (list(impls) if rep % 2 == 0 else list(reversed(impls))):
+            dt, got[k] = sweep(impls[k], x, copies)
+            best[k] = min(best[k], dt)
+    return best, got
+
+
 def ours(lib):
     def run(x, ws):
         ck._LIB = lib
@@ -111,12 +123,7 @@ def main(argv=None) -> int:
             for R in args.rows:
                 x = torch.randn(R, inner, generator=gen)
                 flop = 2 * R * inner * sum(outs) * n
-                best = {k: float("inf") for k in impls}
-                got = {}
-                for rep in range(args.reps):
-                    for k in (list(impls) if rep % 2 == 0 else list(reversed(impls))):
-                        dt, got[k] = sweep(impls[k], x, copies)
-                        best[k] = min(best[k], dt)
+                best, got = alternated(impls, x, copies, args.reps)
                 # the engine's property: row 0 alone equals row 0 of the batch, bitwise
                 alone = impls["B"](x[:1].clone(), copies[0])
                 row = {"ms": {k: 1e3 * v for k, v in best.items()},
@@ -142,12 +149,7 @@ def main(argv=None) -> int:
             for N in args.prefill:
                 x = torch.randn(N, inner, generator=gen)
                 flop = 2 * N * inner * sum(outs) * len(copies)
-                best = {k: float("inf") for k in chunked}
-                got = {}
-                for rep in range(args.reps):
-                    for k in (list(chunked) if rep % 2 == 0 else list(reversed(chunked))):
-                        dt, got[k] = sweep(chunked[k], x, copies)
-                        best[k] = min(best[k], dt)
+                best, got = alternated(chunked, x, copies, args.reps)
                 alone = impls["B"](x[-1:].clone(), copies[0])
                 row = {"ms": {k: 1e3 * v for k, v in best.items()},
                        "gflops": {k: flop / v / 1e9 for k, v in best.items()},

@@ -3,7 +3,10 @@
 revision's kernel (A) against the working tree's (B), alternated step by step in one process:
 the CPU time of a decode step of 32 rows sharing a 1,696-position prompt by reference (paged,
 issue 51's load) and of a k=5 verification (one row, 6 tokens at position 300; issue 52's
-chains), and whether B's logits are bitwise A's.
+chains), and whether B's logits are bitwise A's. Per step also its wall time and, from /proc
+(worker_timeline.thread_clocks), the calling thread's and the kernel pool's other thread's
+ms asleep and sleeps (an OpenMP thread asleep at a barrier, its spin run out): counts a busy
+machine changes little, where wall times are only worth their load.
 
     python bench/cpu_step_ab.py --base 75a0615 --steps 9
     GOMP_SPINCOUNT=2000 python bench/cpu_step_ab.py --threads 2 ...   # as served
@@ -20,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +35,7 @@ import torch  # noqa: E402
 
 from layer_kernel_ab import BLOCK, SMOLLM2, _typed, build_at, layer_case  # noqa: E402
 from specpair import cpu_kernels as ck  # noqa: E402
+from worker_timeline import thread_clocks  # noqa: E402  (after torch: its OpenMP wait is set)
 
 LAYERS, VOCAB = 30, 49152
 
@@ -45,16 +50,33 @@ def verification_case(shape: dict, tokens: int, start: int, gen: torch.Generator
                 sin=r(tokens, hd), kc=r(1, Hkv, S, hd), vc=r(1, Hkv, S, hd), table=None)
 
 
-def step(lib, case: dict, layers: list, head: torch.Tensor, shape: dict) -> tuple[float, torch.Tensor]:
+def step(lib, case: dict, layers: list, head: torch.Tensor, shape: dict) -> tuple[dict, torch.Tensor]:
+    """One step: (its seconds: CPU, wall, and per thread, asleep and times asleep; logits)."""
     ck.use_library(lib)
     h = case["h"].clone()
-    cpu = time.process_time()
+    before, wall, cpu = thread_clocks(), time.perf_counter(), time.process_time()
     for weights in layers:
         ck.llama_layer(h, case["rows"], case["positions"], case["cos"], case["sin"], case["kc"],
                        case["vc"], weights, 1e-5, shape["H"], shape["Hkv"], shape["hd"],
                        table=case["table"])
     logits = ck.linear(h, head)
-    return time.process_time() - cpu, logits
+    cpu, wall, after = time.process_time() - cpu, time.perf_counter() - wall, thread_clocks()
+    return dict(cpu=cpu, wall=wall, **threads_apart(before, after, wall)), logits
+
+
+def threads_apart(before: dict, after: dict, wall: float) -> dict:
+    """The calling thread's and the busiest other thread's (the kernel pool's: another OpenMP
+    team's threads barely run) seconds asleep (the wall less run and waiting for a core) and
+    times asleep over a step of `wall` seconds."""
+    me = threading.get_native_id()
+    delta = {tid: tuple(a - b for a, b in zip(clocks, before.get(tid, (0, 0, 0))))
+             for tid, clocks in after.items() if not isinstance(tid, str)}
+    pool = max((tid for tid in delta if tid != me), key=lambda tid: delta[tid][0], default=me)
+    out = {}
+    for name, tid in (("caller", me), ("pool", pool)):
+        ran, waited, sleeps = delta.get(tid, (0, 0, 0))
+        out[f"{name}_asleep"], out[f"{name}_sleeps"] = wall - ran - waited, sleeps
+    return out
 
 
 def main(argv=None) -> int:
@@ -77,20 +99,32 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"A": _typed(build_at(args.base, Path(tmp))), "B": _typed(ck.library())}
         for name, case in cases.items():
-            cpu = {k: [] for k in libs}
+            taken = {k: [] for k in libs}
             logits = {}
             for i in range(args.steps):
                 for k in (list(libs) if i % 2 == 0 else list(reversed(libs))):
-                    dt, logits[k] = step(libs[k], case, layers, head, shape)
-                    cpu[k].append(dt)
-            row = {k: {"cpu_min_ms": 1e3 * min(v), "cpu_median_ms": 1e3 * statistics.median(v)}
-                   for k, v in cpu.items()}
+                    seconds, logits[k] = step(libs[k], case, layers, head, shape)
+                    taken[k].append(seconds)
+            row = {}
+            for k, steps in taken.items():
+                cpu = [s["cpu"] for s in steps]
+                row[k] = {"cpu_min_ms": 1e3 * min(cpu), "cpu_median_ms": 1e3 * statistics.median(cpu)}
+                for key in ("wall", "caller_asleep", "pool_asleep"):
+                    row[k][f"{key}_median_ms"] = 1e3 * statistics.median(s[key] for s in steps)
+                for key in ("caller_sleeps", "pool_sleeps"):
+                    row[k][f"{key}_median"] = statistics.median(s[key] for s in steps)
             row["equal"] = torch.equal(logits["A"], logits["B"])
             report["cases"][name] = row
             print(f"{name}: A {row['A']['cpu_min_ms']:.1f} / {row['A']['cpu_median_ms']:.1f} ms, "
                   f"B {row['B']['cpu_min_ms']:.1f} / {row['B']['cpu_median_ms']:.1f} ms (CPU min /"
                   f" median), B/A {row['B']['cpu_min_ms'] / row['A']['cpu_min_ms']:.3f}, "
                   f"logits equal {row['equal']}", flush=True)
+            for k in libs:
+                r = row[k]
+                print(f"    {k}: wall {r['wall_median_ms']:.1f} ms; pool thread asleep "
+                      f"{r['pool_asleep_median_ms']:.1f} ms in {r['pool_sleeps_median']:.0f} sleeps, "
+                      f"caller asleep {r['caller_asleep_median_ms']:.1f} ms in "
+                      f"{r['caller_sleeps_median']:.0f} (medians a step)", flush=True)
     report["load_end"] = os.getloadavg()
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

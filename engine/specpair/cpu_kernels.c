@@ -277,14 +277,17 @@ int specpair_max_tokens(void) { return MAX_TOKENS; }
    the core's cache in the next, so 16 rows read the weights from memory once (9 rows: 1.76x
    a 1-row product, against 1.88x with a full pass over memory each). A row's arithmetic is
    the same in any pass. */
-int specpair_small_linear(const float *x, const float *const *W, float *const *y, const long *O,
-                          int n, long M, long I, int threads) {
-    if (M < 1 || M > MAX_TOKENS || n < 1 || n > 8) return -1;
+/* Inside a parallel region (a layer's: specpair_llama_layer) the calling team shares the blocks
+   out (an orphaned worksharing loop, ending at its barrier: every output written before any
+   thread goes on); called outside one, the caller does them all. Which thread computes a block
+   changes no arithmetic. Blocks are of equal work but the last of each weight. */
+static void linear_team(const float *x, const float *const *W, float *const *y, const long *O,
+                        int n, long M, long I) {
     long first[9];
     first[0] = 0;
     for (int j = 0; j < n; j++) first[j + 1] = first[j] + (O[j] + BLOCK - 1) / BLOCK;
     long passes = (M + 7) / 8;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp for schedule(static)
     for (long b = 0; b < first[n]; b++) {
         int j = 0;
         while (b >= first[j + 1]) j++;
@@ -294,6 +297,13 @@ int specpair_small_linear(const float *x, const float *const *W, float *const *y
             rows_block(x + m0 * I, W[j], y[j] + m0 * O[j], I, O[j], o0, o1, m1 - m0);
         }
     }
+}
+
+int specpair_small_linear(const float *x, const float *const *W, float *const *y, const long *O,
+                          int n, long M, long I, int threads) {
+    if (M < 1 || M > MAX_TOKENS || n < 1 || n > 8) return -1;
+#pragma omp parallel num_threads(threads)
+    linear_team(x, W, y, O, n, M, I);
     return 0;
 }
 
@@ -486,8 +496,10 @@ static double prof_now(clockid_t clock) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 #define PROF_START() (prof_t = prof_now(CLOCK_PROCESS_CPUTIME_ID))
-#define PROF_MARK(i) do { double t_ = prof_now(CLOCK_PROCESS_CPUTIME_ID); prof_s[i] += t_ - prof_t; \
-                          prof_t = t_; } while (0)
+/* in a layer's region, after a phase's barrier: its first thread marks (outside one: the caller) */
+#define PROF_MARK(i) do { _Pragma("omp master") {                                             \
+                          double t_ = prof_now(CLOCK_PROCESS_CPUTIME_ID); prof_s[i] += t_ - prof_t; \
+                          prof_t = t_; } } while (0)
 #define PROF_LOCAL(v) double v = prof_now(CLOCK_THREAD_CPUTIME_ID)
 #define PROF_ADD(i, v) do { double t_ = prof_now(CLOCK_THREAD_CPUTIME_ID);                     \
                             _Pragma("omp atomic") prof_s[i] += t_ - v; v = t_; } while (0)
@@ -500,6 +512,20 @@ int specpair_profile(double *out) {
 #define PROF_MARK(i) (void)0
 #define PROF_LOCAL(v) (void)0
 #define PROF_ADD(i, v) (void)0
+#endif
+
+/* TEAM_PHASE(): where a phase of a layer's parallel region begins (each phase a worksharing
+   loop; its end a barrier only where a later phase reads what it wrote). A served build has
+   nothing there. A test's build (-DSPECPAIR_STAGGER_US=N, tests/engine/test_engine_layer_region.py)
+   holds the team's first thread back N us at each, so it writes its share of every phase late:
+   a barrier missing between a phase and a reader of it lets another thread read that share
+   unwritten (the test's NaN-filled scratch), which a race on an unloaded machine rarely shows. */
+#ifdef SPECPAIR_STAGGER_US
+#include <omp.h>
+#include <unistd.h>
+#define TEAM_PHASE() do { if (omp_get_thread_num() == 0) usleep(SPECPAIR_STAGGER_US); } while (0)
+#else
+#define TEAM_PHASE() (void)0
 #endif
 
 /* Where a row's keys (or values) for one key/value head live: a contiguous row of the cache
@@ -894,46 +920,80 @@ static void attend_group(const float *q, const float *kc, const float *vc, float
 
 int specpair_max_head_dim(void) { return MAX_HEAD_DIM; }
 
+/* g = SiLU(g) * u over n floats (a layer's [T, F], any T and F), eight lanes at a time, the
+   team sharing the lanes out. e^-g is exp8's, lane by lane (exp_inplace's numbers: exp8 has no
+   cross-lane step, so where a lane sits changes nothing), then g / (1 + e) * u in the lanes:
+   the scalar loop's operations, each rounded once. No scratch: each thread keeps its lanes in
+   registers (a shared F-float buffer held one token at a time on one thread). */
+static void silu_team(float *g, const float *u, long n) {
+#pragma omp for schedule(static)
+    for (long c = 0; c < (n + 7) / 8; c++) {
+        long at = c * 8, w = n - at < 8 ? n - at : 8;
+        v8 gv = (v8){0}, uv = (v8){0};
+        for (long j = 0; j < w; j++) gv[j] = g[at + j], uv[j] = u[at + j];
+        v8 e = exp8(-gv);
+        v8 r = gv / (1.0f + e) * uv;
+        for (long j = 0; j < w; j++) g[at + j] = r[j];
+    }
+}
+
 /* The second half of a decoder layer, after the attention att [T, qd]: out = residual + att Wo,
    then out += down(SiLU(gate(x)) * up(x)) with x = post_norm(out). The target's layer (residual
    and out the same: in place) and the EAGLE-3 head's (head_kernels.c) both end so: one home.
-   x [T, D], g and u [T, F], o [T, D]: scratch; e: F floats of scratch. */
-static void attention_out_and_mlp(const float *att, const float *residual, float *out,
-                                  const float *wo, const float *n_post, const float *wg,
-                                  const float *wu, const float *wd, float *x, float *g, float *u,
-                                  float *o, float *e, long T, long D, long qd, long F, float eps,
-                                  int threads) {
+   x [T, D], g and u [T, F], o [T, D]: scratch.
+   Run by a team inside its parallel region (or alone): a barrier ends each phase that a later
+   one reads whole (the products read every row of their input; a token's norm reads its whole
+   row of out); the last, out += o, ends without one: the region's end is its barrier, and a
+   caller that goes on inside the region must put one there. */
+static void mlp_team(const float *att, const float *residual, float *out, const float *wo,
+                     const float *n_post, const float *wg, const float *wu, const float *wd,
+                     float *x, float *g, float *u, float *o, long T, long D, long qd, long F,
+                     float eps) {
+    TEAM_PHASE();
     {
         const float *Ws[1] = {wo};
         float *ys[1] = {o};
         long Os[1] = {D};
-        run_linear(att, Ws, ys, Os, 1, T, qd, threads);
+        linear_team(att, Ws, ys, Os, 1, T, qd);
     }
     PROF_MARK(P_OUT);
-    for (long i = 0; i < T * D; i++) out[i] = residual[i] + o[i];
-    for (long t = 0; t < T; t++) rms_norm(out + t * D, n_post, x + t * D, D, eps);
+    TEAM_PHASE();
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) {
+        for (long i = t * D; i < (t + 1) * D; i++) out[i] = residual[i] + o[i];
+        rms_norm(out + t * D, n_post, x + t * D, D, eps);
+    }
+    TEAM_PHASE();
     {
         const float *Ws[2] = {wg, wu};
         float *ys[2] = {g, u};
         long Os[2] = {F, F};
-        run_linear(x, Ws, ys, Os, 2, T, D, threads);
+        linear_team(x, Ws, ys, Os, 2, T, D);
     }
     PROF_MARK(P_GATEUP);
-    /* SiLU(g) * u: e^-g through the same eight lanes, one row of F per token. */
-    for (long t = 0; t < T; t++) {
-        float *gt = g + t * F, *ut = u + t * F;
-        for (long i = 0; i < F; i++) e[i] = -gt[i];
-        exp_inplace(e, F);
-        for (long i = 0; i < F; i++) gt[i] = gt[i] / (1.0f + e[i]) * ut[i];
-    }
+    TEAM_PHASE();
+    silu_team(g, u, T * F);
     PROF_MARK(P_SILU);
+    TEAM_PHASE();
     {
         const float *Ws[1] = {wd};
         float *ys[1] = {o};
         long Os[1] = {D};
-        run_linear(g, Ws, ys, Os, 1, T, F, threads);
+        linear_team(g, Ws, ys, Os, 1, T, F);
     }
+    TEAM_PHASE();
+#pragma omp for schedule(static) nowait
     for (long i = 0; i < T * D; i++) out[i] += o[i];
+}
+
+/* mlp_team in a region of its own (the EAGLE-3 head's layer, head_kernels.c). */
+static void attention_out_and_mlp(const float *att, const float *residual, float *out,
+                                  const float *wo, const float *n_post, const float *wg,
+                                  const float *wu, const float *wd, float *x, float *g, float *u,
+                                  float *o, long T, long D, long qd, long F, float eps,
+                                  int threads) {
+#pragma omp parallel num_threads(threads)
+    mlp_team(att, residual, out, wo, n_post, wg, wu, wd, x, g, u, o, T, D, qd, F, eps);
     PROF_MARK(P_DOWN);
 }
 
@@ -972,54 +1032,23 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
     float *x = scratch, *q = x + T * D, *k = q + T * qd, *v = k + T * kd, *att = v + T * kd;
     float *g = att + T * qd, *u = g + T * F, *o = u + T * F, *scores = o + T * D;
 
-    PROF_START();
-    for (long t = 0; t < T; t++) rms_norm(h + t * D, n1, x + t * D, D, eps);
-    {
-        const float *Ws[3] = {wq, wk, wv};
-        float *ys[3] = {q, k, v};
-        long Os[3] = {qd, kd, kd};
-        run_linear(x, Ws, ys, Os, 3, T, D, threads);
-    }
-    PROF_MARK(P_QKV);
-    for (long t = 0; t < T; t++) {
-        float *qt = q + t * qd, *kt = k + t * kd, *vt = v + t * kd;
-        if (bq) for (long i = 0; i < qd; i++) qt[i] += bq[i];
-        if (bk) for (long i = 0; i < kd; i++) kt[i] += bk[i];
-        if (bv) for (long i = 0; i < kd; i++) vt[i] += bv[i];
-        /* Qwen3: each head's q and k normed over the head dimension, before the rotation (in
-           place: rms_norm reads all of x before it writes, and each out[i] from x[i] alone) */
-        if (qn) for (int j = 0; j < H; j++) rms_norm(qt + (long)j * hd, qn, qt + (long)j * hd, hd, eps);
-        if (kn) for (int j = 0; j < Hkv; j++) rms_norm(kt + (long)j * hd, kn, kt + (long)j * hd, hd, eps);
-        rope(q + t * qd, cos + t * hd, sin + t * hd, H, hd);
-        rope(k + t * kd, cos + t * hd, sin + t * hd, Hkv, hd);
-        for (int j = 0; j < Hkv; j++) {
-            kv_rows kr = {kc + (rows[t] * Hkv + j) * S * hd, NULL, block, j, Hkv, hd}, vr = kr;
-            vr.base = vc + (rows[t] * Hkv + j) * S * hd;
-            if (table) {
-                kr.base = kc, vr.base = vc;
-                kr.table = vr.table = table + rows[t] * table_width;
-            }
-            long at = slot ? slot[t] : pos[t];
-            __builtin_memcpy((float *)kv_at(&kr, at), k + t * kd + (long)j * hd, hd * sizeof(float));
-            __builtin_memcpy((float *)kv_at(&vr, at), v + t * kd + (long)j * hd, hd * sizeof(float));
-        }
-    }
-    PROF_MARK(P_ROPE);
-    /* Attention, one task per (run, query head): a run is the consecutive tokens of one row (a
-       verification's k+1 tokens), which read the same keys and values, so each key and value is
-       loaded once for all of them rather than once per token. */
+    /* Attention's tasks, one per (run, query head): a run is the consecutive tokens of one row
+       (a verification's k+1 tokens), which read the same keys and values, so each key and value
+       is loaded once for all of them rather than once per token. Index work only (no data):
+       planned here, before the team starts. */
     long run_start[MAX_TOKENS + 1], runs = 0;
     for (long t = 0; t < T; t++)
         if (t == 0 || rows[t] != rows[t - 1]) run_start[runs++] = t;
     run_start[runs] = T;
+    long toks[MAX_TOKENS], group_start[MAX_TOKENS + 1], groups = 0, placed = 0;
+    int group_runs[MAX_TOKENS];
     if (table) {
         /* A paged cache: runs whose rows begin at the same block (a shared prompt prefix) are
            one group, attended together (attend_group), tokens in call order within it. A group
            of at least two runs a thread is cut into one part a thread: one group's H tasks
            on 2 threads left one idle for a ninth of the attention (H = 9), and a part still
            reads each key once for its many rows. */
-        long toks[MAX_TOKENS], group_start[MAX_TOKENS + 1], groups = 0, placed = 0;
-        int taken[MAX_TOKENS] = {0}, group_runs[MAX_TOKENS];
+        int taken[MAX_TOKENS] = {0};
         for (long r = 0; r < runs; r++) {
             if (taken[r]) continue;
             long first = table[rows[run_start[r]] * table_width], members[MAX_TOKENS], count = 0;
@@ -1057,28 +1086,87 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
             }
         }
         group_start[groups] = placed;
-#pragma omp parallel for schedule(dynamic) num_threads(threads)
-        for (long task = 0; task < groups * H; task++) {
-            long g = task / H, t0 = toks[group_start[g]];
-            if (group_runs[g] == 1)     /* one row's few tokens: its run as before */
-                attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[t0], t0,
-                           t0 + group_start[g + 1] - group_start[g], (int)(task % H), H, Hkv, hd,
-                           S, L, window, table, table_width, block);
-            else
-                attend_group(q, kc, vc, att, scores, pos, slot, parent, rows, toks + group_start[g],
-                             group_start[g + 1] - group_start[g], (int)(task % H), H, Hkv, hd, L,
-                             window, table, table_width, block);
-        }
-    } else
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long task = 0; task < runs * H; task++) {
-        long r = task / H;
-        int hh = (int)(task % H);
-        attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[run_start[r]], run_start[r],
-                   run_start[r + 1], hh, H, Hkv, hd, S, L, window, table, table_width, block);
     }
-    PROF_MARK(P_ATTN);
-    attention_out_and_mlp(att, h, h, wo, n2, wg, wu, wd, x, g, u, o, scores + T * H * L, T, D,
-                          qd, F, eps, threads);
+
+    /* The whole layer is one parallel region: its threads meet only at the barriers that end
+       the phases a later phase reads whole (the products read every row of their input, the
+       attention every token's keys), and the work between the products (norms, rotary
+       embedding, cache writes, SiLU, residuals) is shared out by token or by lanes, not run by
+       one thread while the other waits. Before, each layer forked and joined five regions with
+       that work serial between them: a 32-row decode step's second thread slept ~40 ms in ~190
+       sleeps a step (docs/measurements/2026-12-07f-decode-step-overhead.md). Which thread does
+       a token, a block or a task changes no arithmetic: every output is bitwise as before. */
+    PROF_START();
+#pragma omp parallel num_threads(threads)
+    {
+        TEAM_PHASE();
+#pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) rms_norm(h + t * D, n1, x + t * D, D, eps);
+        TEAM_PHASE();
+        {
+            const float *Ws[3] = {wq, wk, wv};
+            float *ys[3] = {q, k, v};
+            long Os[3] = {qd, kd, kd};
+            linear_team(x, Ws, ys, Os, 3, T, D);
+        }
+        PROF_MARK(P_QKV);
+        /* Each token's own q, k and v, and its own cache slots (no two tokens of a call write
+           the same slot). */
+        TEAM_PHASE();
+#pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) {
+            float *qt = q + t * qd, *kt = k + t * kd, *vt = v + t * kd;
+            if (bq) for (long i = 0; i < qd; i++) qt[i] += bq[i];
+            if (bk) for (long i = 0; i < kd; i++) kt[i] += bk[i];
+            if (bv) for (long i = 0; i < kd; i++) vt[i] += bv[i];
+            /* Qwen3: each head's q and k normed over the head dimension, before the rotation
+               (in place: rms_norm reads all of x before it writes, and each out[i] from x[i]
+               alone) */
+            if (qn) for (int j = 0; j < H; j++) rms_norm(qt + (long)j * hd, qn, qt + (long)j * hd, hd, eps);
+            if (kn) for (int j = 0; j < Hkv; j++) rms_norm(kt + (long)j * hd, kn, kt + (long)j * hd, hd, eps);
+            rope(q + t * qd, cos + t * hd, sin + t * hd, H, hd);
+            rope(k + t * kd, cos + t * hd, sin + t * hd, Hkv, hd);
+            for (int j = 0; j < Hkv; j++) {
+                kv_rows kr = {kc + (rows[t] * Hkv + j) * S * hd, NULL, block, j, Hkv, hd}, vr = kr;
+                vr.base = vc + (rows[t] * Hkv + j) * S * hd;
+                if (table) {
+                    kr.base = kc, vr.base = vc;
+                    kr.table = vr.table = table + rows[t] * table_width;
+                }
+                long at = slot ? slot[t] : pos[t];
+                __builtin_memcpy((float *)kv_at(&kr, at), k + t * kd + (long)j * hd, hd * sizeof(float));
+                __builtin_memcpy((float *)kv_at(&vr, at), v + t * kd + (long)j * hd, hd * sizeof(float));
+            }
+        }
+        PROF_MARK(P_ROPE);
+        TEAM_PHASE();
+        if (table) {
+#pragma omp for schedule(dynamic)
+            for (long task = 0; task < groups * H; task++) {
+                long gi = task / H, t0 = toks[group_start[gi]];
+                if (group_runs[gi] == 1)     /* one row's few tokens: its run as before */
+                    attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[t0], t0,
+                               t0 + group_start[gi + 1] - group_start[gi], (int)(task % H), H,
+                               Hkv, hd, S, L, window, table, table_width, block);
+                else
+                    attend_group(q, kc, vc, att, scores, pos, slot, parent, rows,
+                                 toks + group_start[gi], group_start[gi + 1] - group_start[gi],
+                                 (int)(task % H), H, Hkv, hd, L, window, table, table_width,
+                                 block);
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (long task = 0; task < runs * H; task++) {
+                long r = task / H;
+                int hh = (int)(task % H);
+                attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[run_start[r]],
+                           run_start[r], run_start[r + 1], hh, H, Hkv, hd, S, L, window, table,
+                           table_width, block);
+            }
+        }
+        PROF_MARK(P_ATTN);
+        mlp_team(att, h, h, wo, n2, wg, wu, wd, x, g, u, o, T, D, qd, F, eps);
+    }
+    PROF_MARK(P_DOWN);
     return 0;
 }

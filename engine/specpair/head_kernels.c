@@ -167,8 +167,8 @@ int specpair_eagle3_layer(const float *embeds, const float *hidden, float *out, 
         attend_run(q, kc, vc, att, scores, pos, NULL, NULL, rows[run_start[r]], run_start[r],
                    run_start[r + 1], hh, H, Hkv, hd, S, L, 0, NULL, 0, 0);
     }
-    attention_out_and_mlp(att, res, out, wo, n_post, wg, wu, wd, x, g, u, o, scores + T * H * L,
-                          T, D, qd, F, eps, threads);
+    attention_out_and_mlp(att, res, out, wo, n_post, wg, wu, wd, x, g, u, o, T, D, qd, F, eps,
+                          threads);
     if (nf && normed)
         for (long t = 0; t < T; t++) rms_norm(out + t * D, nf, normed + t * D, D, eps);
     if (!lm) return 0;
