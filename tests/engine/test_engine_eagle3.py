@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from head_builders import eagle3_head
 
 from specpair.config import GenerationParams, SpeculationConfig
 from specpair.decoding import SpeculativeEngine
@@ -37,17 +38,9 @@ def speculators_python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def target(tiny_tokenizer):
-    """A tiny random Llama vLLM-CPU runs (heads of 64), 4 layers, small weights: its greedy
-    text repeats now and then, which a head drafting the last state's guess catches."""
-    from tiny_models import make_model
-    return make_model(tiny_tokenizer, seed=11, layers=4, hidden=256, heads=4, init_std=0.05)
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory, target):
+def target_dir(tmp_path_factory, eagle3_target):
     from tiny_models import save_tiny
-    return save_tiny(target, tmp_path_factory.mktemp("eagle3-target") / "target")
+    return save_tiny(eagle3_target, tmp_path_factory.mktemp("eagle3-target") / "target")
 
 
 @pytest.fixture(scope="module")
@@ -89,25 +82,25 @@ def rounds_counted_as_vllm(engine, prompt_ids: list[int]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ours_with_speculators_head(target, speculators_head_dir):
+def ours_with_speculators_head(eagle3_target, speculators_head_dir):
     """Our engine over the prompts with the speculators head at a fixed k (as vLLM drafts)."""
     head = load_model(str(speculators_head_dir), device="cpu", dtype="float32")
-    engine = SpeculativeEngine(target, draft=head, kv="static", speculation=SpeculationConfig(
+    engine = SpeculativeEngine(eagle3_target, draft=head, kv="static", speculation=SpeculationConfig(
         k=K, dynamic_k=False, fallback_threshold=0.0))
-    return [rounds_counted_as_vllm(engine, target.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    return [rounds_counted_as_vllm(engine, eagle3_target.tokenizer(p)["input_ids"]) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def target_only(target):
-    engine = SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False))
+def target_only(eagle3_target):
+    engine = SpeculativeEngine(eagle3_target, speculation=SpeculationConfig(enabled=False))
     return [engine.generate([p], GenerationParams(max_new_tokens=MAX_TOKENS))[0].token_ids
             for p in PROMPTS]
 
 
-def test_cached_drafting_steps_are_the_heads_training_forward_and_unroll(target):
+def test_cached_drafting_steps_are_the_heads_training_forward_and_unroll(eagle3_target):
     """The drafter's step (a row's keys cached, pairs fed in pieces, then its own outputs fed
     back) computes what the head's windowed forward and its training-time-test unroll do."""
-    head = build_eagle3_head(target.model, torch.arange(0, 400, 2), AUX, seed=3,
+    head = build_eagle3_head(eagle3_target.model, torch.arange(0, 400, 2), AUX, seed=3,
                              norm_before_residual=True)
     with torch.no_grad():
         for p in head.parameters():      # away from the start's pass-through: every part counts
@@ -115,7 +108,7 @@ def test_cached_drafting_steps_are_the_heads_training_forward_and_unroll(target)
     torch.manual_seed(0)
     L, D = 10, head.config.hidden_size
     embeds, aux = torch.randn(1, L, D), torch.randn(1, L, 3 * D)
-    drafter = Eagle3Drafter(wrap_model(head, target.tokenizer, "head"), target.model, 400)
+    drafter = Eagle3Drafter(wrap_model(head, eagle3_target.tokenizer, "head"), eagle3_target.model, 400)
     drafter.add_rows(1)
     layer_step = drafter._step
     drafter.embed = lambda ids: embeds[0, ids.view(-1)].view(1, -1, D)    # token j's embedding: row j
@@ -135,12 +128,12 @@ def test_cached_drafting_steps_are_the_heads_training_forward_and_unroll(target)
                 torch.testing.assert_close(g[0], steps[d - 1][0, j], rtol=1e-4, atol=1e-4)
 
 
-def test_both_published_layouts_load_as_the_same_head(target, tmp_path):
+def test_both_published_layouts_load_as_the_same_head(eagle3_target, tmp_path):
     """`speculators` (what distill writes) and EAGLE-3's own release (flat config,
     midlayer.*) are read into the same weights."""
     from safetensors.torch import load_file, save_file
 
-    head = build_eagle3_head(target.model, torch.arange(0, 400, 3), (1, 2, 3), seed=1)
+    head = build_eagle3_head(eagle3_target.model, torch.arange(0, 400, 3), (1, 2, 3), seed=1)
     save_eagle3_head(head, tmp_path / "spec", verifier="tiny")
     assert is_head_dir(tmp_path / "spec")
     raw = json.loads((tmp_path / "spec" / "config.json").read_text())
@@ -162,8 +155,8 @@ def test_both_published_layouts_load_as_the_same_head(target, tmp_path):
     # is two distinct layers where the head's fc reads three.
     assert default_aux_layers(4) == (2, 2, 1)
     with pytest.raises(SpecpairError, match=r"vLLM's default for a 4-layer target is 2: \[1, 2\]"):
-        Eagle3Drafter(wrap_model(b, None, "original"), target.model, 400)
-    whole = build_eagle3_head(target.model, torch.arange(400), (1, 2, 3), seed=1)
+        Eagle3Drafter(wrap_model(b, None, "original"), eagle3_target.model, 400)
+    whole = build_eagle3_head(eagle3_target.model, torch.arange(400), (1, 2, 3), seed=1)
     save_eagle3_head(whole, tmp_path / "whole")       # the whole vocabulary: no map to load
     assert not {"d2t", "t2d"} & set(load_file(str(tmp_path / "whole" / "model.safetensors")))
     assert torch.equal(load_eagle3_head(tmp_path / "whole", torch.device("cpu"),
@@ -180,21 +173,21 @@ def test_both_published_layouts_load_as_the_same_head(target, tmp_path):
         load_eagle3_head(tmp_path / "spec", torch.device("cpu"), torch.float32)
 
 
-def test_a_head_is_refused_by_name_where_it_cannot_draft(target, tiny_tokenizer):
+def test_a_head_is_refused_by_name_where_it_cannot_draft(eagle3_target, tiny_tokenizer):
     from tiny_models import make_model
 
-    head = build_eagle3_head(target.model, torch.arange(400), (1, 2, 4))
+    head = build_eagle3_head(eagle3_target.model, torch.arange(400), (1, 2, 4))
     loaded = wrap_model(head, None, "head")
-    deeper = build_eagle3_head(target.model, torch.arange(400), (1, 2, 6))
+    deeper = build_eagle3_head(eagle3_target.model, torch.arange(400), (1, 2, 6))
     with pytest.raises(SpecpairError, match=r"reads layers \[1, 2, 6\]; the target has 4"):
-        Eagle3Drafter(wrap_model(deeper, None, "head"), target.model, 400)
+        Eagle3Drafter(wrap_model(deeper, None, "head"), eagle3_target.model, 400)
     narrow = make_model(tiny_tokenizer, seed=2, layers=4, hidden=64, heads=2)
     with pytest.raises(SpecpairError, match="trained for hidden size 256"):
         Eagle3Drafter(loaded, narrow.model, 400)
 
 
 def test_a_speculators_head_drafts_in_our_engine_with_target_only_output(
-        target, speculators_head_dir, ours_with_speculators_head, target_only):
+        eagle3_target, speculators_head_dir, ours_with_speculators_head, target_only):
     """Greedy identity with the head `speculators` wrote, chains (k fixed, as vLLM) and a
     tree; it drafts tokens the target keeps, at every position of a round."""
     assert [r["ids"] for r in ours_with_speculators_head] == target_only
@@ -204,7 +197,7 @@ def test_a_speculators_head_drafts_in_our_engine_with_target_only_output(
     assert sum(r["accepted_per_position"][K - 1] for r in ours_with_speculators_head) > 0
     head = load_model(str(speculators_head_dir), device="cpu", dtype="float32")
     assert head.tokenizer is None and head.model.aux_layers == AUX
-    tree = SpeculativeEngine(target, draft=head, kv="static",
+    tree = SpeculativeEngine(eagle3_target, draft=head, kv="static",
                              speculation=SpeculationConfig(k=K, tree_width=2))
     for prompt, expected in zip(PROMPTS, target_only):
         assert tree.generate([prompt], GenerationParams(max_new_tokens=MAX_TOKENS))[0].token_ids \
@@ -214,15 +207,15 @@ def test_a_speculators_head_drafts_in_our_engine_with_target_only_output(
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_vllm_serving_the_speculators_head_accepts_what_our_engine_accepts(
-        target, target_dir, speculators_head_dir, ours_with_speculators_head):
+        eagle3_target, target_dir, speculators_head_dir, ours_with_speculators_head):
     """vLLM-CPU 0.32 with the same head (--speculative-config method eagle3, k fixed): the same
     greedy ids and, prompt by prompt, the same drafts and accepted tokens per position."""
-    theirs = vllm_counts(target, target_dir, speculators_head_dir)
+    theirs = vllm_counts(eagle3_target, target_dir, speculators_head_dir)
     assert theirs == ours_with_speculators_head
 
 
 @pytest.fixture(scope="module")
-def distilled_head_dir(tmp_path_factory, target):
+def distilled_head_dir(tmp_path_factory, eagle3_target):
     """`specpair distill --method eagle3` for the target, a few steps (the format, not the
     quality, is under test here; docs/measurements hold trained heads' figures)."""
     from specpair.distill import DistillConfig, distill
@@ -231,11 +224,11 @@ def distilled_head_dir(tmp_path_factory, target):
     summary = distill(DistillConfig(out=str(out), method="eagle3", steps=6, batch_size=2,
                                     seq_len=32, lr=3e-3, seed=3, checkpoint_every=6,
                                     corpus_chars=20_000, eval_prompts=0, draft_vocab=200,
-                                    ttt_depth=2), teacher=target, progress=lambda *_: None)
+                                    ttt_depth=2), teacher=eagle3_target, progress=lambda *_: None)
     return out, summary
 
 
-def test_distill_writes_an_eagle3_head_in_the_speculators_layout(target, distilled_head_dir,
+def test_distill_writes_an_eagle3_head_in_the_speculators_layout(eagle3_target, distilled_head_dir,
                                                                  target_only):
     out, summary = distilled_head_dir
     assert summary["method"] == "eagle3" and summary["steps"] == 6
@@ -246,7 +239,7 @@ def test_distill_writes_an_eagle3_head_in_the_speculators_layout(target, distill
     assert not list(out.glob("tokenizer*"))                          # the target's is the head's
     head = load_model(str(out), device="cpu", dtype="float32")
     assert head.tokenizer is None and head.model.aux_layers == (1, 2, 3)
-    engine = SpeculativeEngine(target, draft=head, kv="static",
+    engine = SpeculativeEngine(eagle3_target, draft=head, kv="static",
                                speculation=SpeculationConfig(k=K, dynamic_k=False))
     reply = engine.generate([PROMPTS[1]], GenerationParams(max_new_tokens=MAX_TOKENS))[0]
     assert reply.token_ids == target_only[1] and reply.stats.num_draft_tokens > 0
@@ -272,19 +265,19 @@ def vllm_counts(target, target_dir, head_dir) -> list[dict]:
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-def test_vllm_serves_the_head_our_distill_wrote_as_our_engine_does(target, target_dir,
+def test_vllm_serves_the_head_our_distill_wrote_as_our_engine_does(eagle3_target, target_dir,
                                                                    distilled_head_dir):
     """One head format for both engines: vLLM-CPU serves the head `specpair distill` wrote, with
     our engine's greedy ids, drafts and accepted tokens per position (the file's second vLLM
     start: a server serves one head)."""
     head = load_model(str(distilled_head_dir[0]), device="cpu", dtype="float32")
-    engine = SpeculativeEngine(target, draft=head, kv="static", speculation=SpeculationConfig(
+    engine = SpeculativeEngine(eagle3_target, draft=head, kv="static", speculation=SpeculationConfig(
         k=K, dynamic_k=False, fallback_threshold=0.0))
-    ours = [rounds_counted_as_vllm(engine, target.tokenizer(p)["input_ids"]) for p in PROMPTS]
-    assert vllm_counts(target, target_dir, distilled_head_dir[0]) == ours
+    ours = [rounds_counted_as_vllm(engine, eagle3_target.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    assert vllm_counts(eagle3_target, target_dir, distilled_head_dir[0]) == ours
 
 
-def test_distill_trains_an_eagle3_head_on_the_targets_own_replies(target, tmp_path):
+def test_distill_trains_an_eagle3_head_on_the_targets_own_replies(eagle3_target, tmp_path):
     """`--method eagle3 --replies N`: the conversations' features are the three layers' inputs
     beside the normed last state, from a pass over each whole conversation; the last state
     agrees with what the target recorded while writing the reply (the features other heads
@@ -296,25 +289,25 @@ def test_distill_trains_an_eagle3_head_on_the_targets_own_replies(target, tmp_pa
     summary = distill(DistillConfig(out=str(out), method="eagle3", replies=3, reply_tokens=12,
                                     steps=4, batch_size=2, seq_len=32, seed=3,
                                     checkpoint_every=4, corpus_chars=20_000, eval_prompts=0,
-                                    draft_vocab=200), teacher=target, progress=lambda *_: None)
+                                    draft_vocab=200), teacher=eagle3_target, progress=lambda *_: None)
     assert summary["steps"] == 4
     conversations = [json.loads(line) for line in (out / "replies.jsonl").read_text().splitlines()]
     assert len(conversations) == 3
     recorded = _load_features(out / "checkpoints" / "reply-features", 3)
-    D, layers = target.model.config.hidden_size, eagle3_layers(target)
+    D, layers = eagle3_target.model.config.hidden_size, eagle3_layers(eagle3_target)
     for c, last in zip(conversations, recorded):
-        features = conversation_features(target, {**c, "features": last}, layers)
+        features = conversation_features(eagle3_target, {**c, "features": last}, layers)
         assert features.shape == (len(c["ids"]) - 1, 4 * D)
         torch.testing.assert_close(features[:, :D], last, atol=1e-4, rtol=1e-4)
         with torch.no_grad():
-            hidden = target.model.model(input_ids=torch.tensor([c["ids"][:-1]]),
+            hidden = eagle3_target.model.model(input_ids=torch.tensor([c["ids"][:-1]]),
                                         output_hidden_states=True).hidden_states
         torch.testing.assert_close(features[:, D:2 * D], hidden[layers[0]][0])
     head = load_model(str(out), device="cpu", dtype="float32")
-    engine = SpeculativeEngine(target, draft=head, kv="static",
+    engine = SpeculativeEngine(eagle3_target, draft=head, kv="static",
                                speculation=SpeculationConfig(k=K, dynamic_k=False))
     reply = engine.generate([PROMPTS[0]], GenerationParams(max_new_tokens=MAX_TOKENS))[0]
-    plain = SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False))
+    plain = SpeculativeEngine(eagle3_target, speculation=SpeculationConfig(enabled=False))
     assert reply.token_ids == plain.generate([PROMPTS[0]],
                                              GenerationParams(max_new_tokens=MAX_TOKENS))[0].token_ids
     assert reply.stats.num_draft_tokens > 0
@@ -349,7 +342,7 @@ def target_ids(engine, prompt: str) -> list[int]:
 
 @pytest.mark.parametrize("width", [1, 2], ids=["chain", "tree"])
 @pytest.mark.parametrize("path", ["fixed", "kernel"])
-def test_the_heads_round_in_fixed_steps_drafts_what_the_row_by_row_round_does(target, width,
+def test_the_heads_round_in_fixed_steps_drafts_what_the_row_by_row_round_does(eagle3_target, width,
                                                                                path, target_only):
     """An EAGLE-3 head's round as fixed-shape steps over every row (eagle3_steps: the catch-up
     and one drafting step a draft, what CUDA graphs record), and as one C call a step for every
@@ -358,21 +351,20 @@ def test_the_heads_round_in_fixed_steps_drafts_what_the_row_by_row_round_does(ta
     rejected; the replies are target-only's."""
     from specpair import head_kernels
 
-    head = wrap_model(build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4), seed=5),
-                      None, "head")
+    head = eagle3_head(eagle3_target)
     params = GenerationParams(max_new_tokens=MAX_TOKENS)
     engines = {}
     for tested in (False, True):
-        engine = SpeculativeEngine(target, draft=head, kv="static", speculation=SpeculationConfig(
+        engine = SpeculativeEngine(eagle3_target, draft=head, kv="static", speculation=SpeculationConfig(
             k=3, k_max=3, dynamic_k=False, fallback_threshold=0, tree_width=width))
-        engine.drafter = Eagle3Drafter(head, target.model, engine.vocab_size,
+        engine.drafter = Eagle3Drafter(head, eagle3_target.model, engine.vocab_size,
                                        fixed=tested and path == "fixed",
                                        kernel=tested and path == "kernel")
         engines[tested] = engine
     if path == "kernel":
         assert head_kernels.applies(head.model), "the head's C kernel did not build"
         # the CPU's float32 default is the kernel's round
-        assert SpeculativeEngine(target, draft=head, kv="static").new_batch().drafter.kernel
+        assert SpeculativeEngine(eagle3_target, draft=head, kv="static").new_batch().drafter.kernel
     for rows in (1, 4):
         got, replies, drafter = _rounds(engines[True], rows, params)
         expected, expected_replies, _ = _rounds(engines[False], rows, params)
@@ -400,7 +392,7 @@ def test_the_heads_round_in_fixed_steps_drafts_what_the_row_by_row_round_does(ta
 
 
 @torch.no_grad()
-def test_the_kernels_greedy_drafts_are_the_argmax_of_the_logits_in_one_call_and_past_it(target):
+def test_the_kernels_greedy_drafts_are_the_argmax_of_the_logits_in_one_call_and_past_it(eagle3_target):
     """The C kernel's round takes greedy drafts from the layer's call (its fused top-1) where
     the pairs and the picks fit one call, and from the standalone top-1 over the normed outputs
     where either does not (70 pairs, 70 picks): every way the draft vocabulary's argmax of the
@@ -408,9 +400,8 @@ def test_the_kernels_greedy_drafts_are_the_argmax_of_the_logits_in_one_call_and_
     from specpair import cpu_kernels
     from specpair.drafters.head import draft_vocab_logits
 
-    head = wrap_model(build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4), seed=5),
-                      None, "head")
-    drafter = SpeculativeEngine(target, draft=head, kv="static").new_batch().drafter
+    head = eagle3_head(eagle3_target)
+    drafter = SpeculativeEngine(eagle3_target, draft=head, kv="static").new_batch().drafter
     assert drafter.kernel and drafter.layer_kernel.top1_applies()
     width = cpu_kernels.MAX_TOKENS
     rows = width + 6
@@ -418,7 +409,7 @@ def test_the_kernels_greedy_drafts_are_the_argmax_of_the_logits_in_one_call_and_
     drafter.cache.reserve(4)
     generator = torch.Generator().manual_seed(6)
     ids = torch.randint(0, 400, (rows,), generator=generator)
-    hidden = torch.randn(rows, target.model.config.hidden_size, generator=generator)
+    hidden = torch.randn(rows, eagle3_target.model.config.hidden_size, generator=generator)
     for n, pick in ((rows, [rows - 1, 3, 3, 0, width]), (10, [3, 9, 0]),
                     (10, [i % 10 for i in range(rows)])):
         out, normed, none = drafter._kernel_steps(list(range(n)), ids[:n], hidden[:n], [1] * n)
@@ -433,19 +424,18 @@ def test_the_kernels_greedy_drafts_are_the_argmax_of_the_logits_in_one_call_and_
         assert torch.equal(top, expected)
 
 
-def test_a_sampled_round_on_the_c_kernel_draws_from_the_whole_logits_row(target):
+def test_a_sampled_round_on_the_c_kernel_draws_from_the_whole_logits_row(eagle3_target):
     """Sampled drafting (temperature > 0) needs q, the head's whole distribution, so the C
     kernel's round keeps the logits row there (no fused top-1): it proposes what the row-by-row
     round proposes, drafts and q, and with keyed draws (a seed) each reply is target-only's
     sampled reply."""
-    head = wrap_model(build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4), seed=5),
-                      None, "head")
+    head = eagle3_head(eagle3_target)
     params = GenerationParams(max_new_tokens=MAX_TOKENS, temperature=0.7, seed=11)
     runs = {}
     for kernel in (False, True):
-        engine = SpeculativeEngine(target, draft=head, kv="static", speculation=SpeculationConfig(
+        engine = SpeculativeEngine(eagle3_target, draft=head, kv="static", speculation=SpeculationConfig(
             k=3, k_max=3, dynamic_k=False, fallback_threshold=0))
-        engine.drafter = Eagle3Drafter(head, target.model, engine.vocab_size, fixed=False,
+        engine.drafter = Eagle3Drafter(head, eagle3_target.model, engine.vocab_size, fixed=False,
                                        kernel=kernel)
         runs[kernel] = _rounds(engine, 4, params)
     (got, replies, drafter), (expected, expected_replies, _) = runs[True], runs[False]
@@ -460,13 +450,13 @@ def test_a_sampled_round_on_the_c_kernel_draws_from_the_whole_logits_row(target)
             if n:
                 torch.testing.assert_close(a.probs[i, :n], b.probs[i, :n], atol=1e-5, rtol=1e-4)
     assert replies == expected_replies
-    plain = SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False))
+    plain = SpeculativeEngine(eagle3_target, speculation=SpeculationConfig(enabled=False))
     prompts = [PROMPTS[i % len(PROMPTS)] for i in (0, 2, 3)]        # the rows kept to the end
     assert [replies[i] for i in (0, 2, 3)] == [
         plain.generate([p], params)[0].token_ids for p in prompts]
 
 
-def test_on_the_fixed_step_the_target_hands_over_the_heads_layers(target, target_only,
+def test_on_the_fixed_step_the_target_hands_over_the_heads_layers(eagle3_target, target_only,
                                                                   tiny_tokenizer, monkeypatch):
     """The target's fixed step (CUDA, bf16; here float32 made to take it) hands an EAGLE-3 head
     the inputs of the layers it reads, as the C layer does (prompts and decode steps); over it
@@ -479,22 +469,21 @@ def test_on_the_fixed_step_the_target_hands_over_the_heads_layers(target, target
     from specpair.kv.runner import StaticLlama
     from specpair.kv.static import StaticKVModel
 
-    head = wrap_model(build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4), seed=5),
-                      None, "head")
+    head = eagle3_head(eagle3_target)
     params = GenerationParams(max_new_tokens=MAX_TOKENS)
     speculation = SpeculationConfig(k=3, k_max=3, dynamic_k=False, fallback_threshold=0)
-    rows = [target.tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
-    reading = Eagle3Drafter(head, target.model, 400)    # the target hands over its layers
+    rows = [eagle3_target.tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    reading = Eagle3Drafter(head, eagle3_target.model, 400)    # the target hands over its layers
 
     def handed(kv):
         kv.add_rows(2)
         _, prompt = kv.extend(rows, hidden=True)
         _, step = kv.extend([[5], [7]], hidden=True)
         return prompt, step
-    expected = handed(StaticKVModel(target.model, fixed=False))
-    got = handed(StaticKVModel(target.model, fixed=True))
+    expected = handed(StaticKVModel(eagle3_target.model, fixed=False))
+    got = handed(StaticKVModel(eagle3_target.model, fixed=True))
     # Layers 1, 2 and the last, and those of live heads this module's tests made before.
-    layers = StaticLlama.of(target.model).feature_layers
+    layers = StaticLlama.of(eagle3_target.model).feature_layers
     assert reading.aux_layers == (1, 2, 4)
     assert set(layers) >= {1, 2, 4} and got[0].shape == (2, max(map(len, rows)), len(layers) * 256)
     for g, e in zip(got, expected):
@@ -507,8 +496,8 @@ def test_on_the_fixed_step_the_target_hands_over_the_heads_layers(target, target
     monkeypatch.setenv("SPECPAIR_PAGED", "off")
     engines = {}
     for fixed in (False, True):
-        engine = SpeculativeEngine(target, draft=head, kv="static", speculation=speculation)
-        engine.drafter = Eagle3Drafter(head, target.model, engine.vocab_size, fixed=fixed,
+        engine = SpeculativeEngine(eagle3_target, draft=head, kv="static", speculation=speculation)
+        engine.drafter = Eagle3Drafter(head, eagle3_target.model, engine.vocab_size, fixed=fixed,
                                        kernel=False)
         assert engine.new_batch().target.fixed
         engines[fixed] = engine

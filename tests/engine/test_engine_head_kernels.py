@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from head_builders import eagle3_head
 
 from specpair import head_kernels
-from specpair.eagle3 import build_eagle3_head
 
 D = 256
 
 
 @pytest.fixture(scope="module")
-def head(tiny_tokenizer):
-    from tiny_models import make_model
-
-    target = make_model(tiny_tokenizer, seed=11, layers=4, hidden=D, heads=4, init_std=0.05)
-    head = build_eagle3_head(target.model, torch.arange(0, 400, 2), (1, 2, 4), seed=5).eval()
+def head(eagle3_target):
+    assert eagle3_target.model.config.hidden_size == D
+    head = eagle3_head(eagle3_target).model
     with torch.no_grad():        # away from the fresh head's identity-like start
         generator = torch.Generator().manual_seed(0)
         for p in head.parameters():
