@@ -123,6 +123,22 @@ def _operators_kube() -> CachingKube:
     return CachingKube.from_connection_info(kopf.login_with_kubeconfig(settings=kopf.OperatorSettings()))
 
 
+def _counting_kube() -> tuple[CachingKube, list[tuple[str, str, str]], list[str]]:
+    """The operator's client with what its watches hear (plural, event, name) and each request it
+    makes ("METHOD path") counted; the real request is made."""
+    kube = _operators_kube()
+    heard: list[tuple[str, str, str]] = []
+    kube.on_change = lambda plural, kind, obj: heard.append((plural, kind, obj["metadata"]["name"]))
+    asked: list[str] = []
+    real_request = kube._request
+
+    async def counted(method, path, **kw):
+        asked.append(f"{method} {path}")
+        return await real_request(method, path, **kw)
+    kube._request = counted     # type: ignore[method-assign]
+    return kube, heard, asked
+
+
 def _service(name: str, namespace: str, app: str) -> dict:
     return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": namespace},
             "spec": {"selector": {"app": app}, "ports": [{"name": "grpc", "port": 50051}]}}
@@ -151,16 +167,7 @@ def test_a_pass_reads_services_policies_and_pods_from_watches_and_its_own_writes
     watch; the pass's own patch is read back at once (never the object from before it); a
     Service deleted by hand is heard, and read as absent."""
     async def scenario() -> None:
-        kube = _operators_kube()
-        heard: list[tuple[str, str, str]] = []
-        kube.on_change = lambda plural, kind, obj: heard.append((plural, kind, obj["metadata"]["name"]))
-        asked: list[str] = []
-        real_request = kube._request
-
-        async def counted(method, path, **kw):
-            asked.append(f"{method} {path}")
-            return await real_request(method, path, **kw)
-        kube._request = counted     # type: ignore[method-assign]  (counts; the real request is made)
+        kube, heard, asked = _counting_kube()
         try:
             name = f"w-{uuid.uuid4().hex[:5]}"
             await kube.create(_service(name, ns.name, "one"))      # outside a pass: made before any watch
@@ -258,16 +265,7 @@ def test_a_pass_reads_autoscalers_from_watches(operator_env, ns):
     from specpair_operator.desired.manifests import engine_name
 
     async def scenario() -> None:
-        kube = _operators_kube()
-        heard: list[tuple[str, str, str]] = []
-        kube.on_change = lambda plural, kind, obj: heard.append((plural, kind, obj["metadata"]["name"]))
-        asked: list[str] = []
-        real_request = kube._request
-
-        async def counted(method, path, **kw):
-            asked.append(f"{method} {path}")
-            return await real_request(method, path, **kw)
-        kube._request = counted     # type: ignore[method-assign]  (counts; the real request is made)
+        kube, heard, asked = _counting_kube()
         full = PassReads(time.monotonic(), 1)
 
         async def in_pass(fn):
