@@ -485,6 +485,7 @@ static void run_linear(const float *x, const float *const *W, float *const *y, c
    a served build has none of it): seconds in each phase of specpair_llama_layer, summed over
    calls until specpair_profile reads them. The attention's parts are summed over its threads. */
 #include <time.h>
+/* P_SILU stays 0: the SiLU runs inside the gate/up phase (gate_up_silu_team) */
 enum { P_QKV, P_ROPE, P_ATTN, P_OUT, P_GATEUP, P_SILU, P_DOWN, P_SCORES, P_SOFTMAX, P_VALUES, P_N };
 /* CPU seconds, not wall (on a shared machine a wall clock counts other jobs' turns): the
    process's for the phases between marks (every thread of a parallel product), a thread's own
@@ -920,20 +921,37 @@ static void attend_group(const float *q, const float *kc, const float *vc, float
 
 int specpair_max_head_dim(void) { return MAX_HEAD_DIM; }
 
-/* g = SiLU(g) * u over n floats (a layer's [T, F], any T and F), eight lanes at a time, the
-   team sharing the lanes out. e^-g is exp8's, lane by lane (exp_inplace's numbers: exp8 has no
-   cross-lane step, so where a lane sits changes nothing), then g / (1 + e) * u in the lanes:
-   the scalar loop's operations, each rounded once. No scratch: each thread keeps its lanes in
-   registers (a shared F-float buffer held one token at a time on one thread). */
-static void silu_team(float *g, const float *u, long n) {
-#pragma omp for schedule(static)
-    for (long c = 0; c < (n + 7) / 8; c++) {
-        long at = c * 8, w = n - at < 8 ? n - at : 8;
+/* g = SiLU(g) * u over n floats, eight lanes at a time. e^-g is exp8's, lane by lane
+   (exp_inplace's numbers: exp8 has no cross-lane step, so where a lane sits changes nothing),
+   then g / (1 + e) * u in the lanes: the scalar loop's operations, each rounded once. No
+   scratch: the lanes stay in registers (a shared F-float buffer held one token at a time). */
+static void silu_lanes(float *g, const float *u, long n) {
+    for (long at = 0; at < n; at += 8) {
+        long w = n - at < 8 ? n - at : 8;
         v8 gv = (v8){0}, uv = (v8){0};
         for (long j = 0; j < w; j++) gv[j] = g[at + j], uv[j] = u[at + j];
         v8 e = exp8(-gv);
         v8 r = gv / (1.0f + e) * uv;
         for (long j = 0; j < w; j++) g[at + j] = r[j];
+    }
+}
+
+/* g = SiLU(x Wg^T) * (x Wu^T) for x [T, I], block by block of outputs: one thread computes a
+   block's gate and up outputs (each as linear_team computes it: rows_block, passes of at most 8
+   rows) and its SiLU right after, while they are in its cache, so no barrier separates the
+   products from the SiLU. Ends at its loop's barrier (the down product reads g whole). */
+static void gate_up_silu_team(const float *x, const float *wg, const float *wu, float *g,
+                              float *u, long T, long I, long F) {
+    long passes = (T + 7) / 8;
+#pragma omp for schedule(static)
+    for (long b = 0; b < (F + BLOCK - 1) / BLOCK; b++) {
+        long o0 = b * BLOCK, o1 = o0 + BLOCK < F ? o0 + BLOCK : F;
+        for (long c = 0; c < passes; c++) {
+            long m0 = T * c / passes, m1 = T * (c + 1) / passes;
+            rows_block(x + m0 * I, wg, g + m0 * F, I, F, o0, o1, m1 - m0);
+            rows_block(x + m0 * I, wu, u + m0 * F, I, F, o0, o1, m1 - m0);
+        }
+        for (long t = 0; t < T; t++) silu_lanes(g + t * F + o0, u + t * F + o0, o1 - o0);
     }
 }
 
@@ -964,16 +982,8 @@ static void mlp_team(const float *att, const float *residual, float *out, const 
         rms_norm(out + t * D, n_post, x + t * D, D, eps);
     }
     TEAM_PHASE();
-    {
-        const float *Ws[2] = {wg, wu};
-        float *ys[2] = {g, u};
-        long Os[2] = {F, F};
-        linear_team(x, Ws, ys, Os, 2, T, D);
-    }
+    gate_up_silu_team(x, wg, wu, g, u, T, D, F);
     PROF_MARK(P_GATEUP);
-    TEAM_PHASE();
-    silu_team(g, u, T * F);
-    PROF_MARK(P_SILU);
     TEAM_PHASE();
     {
         const float *Ws[1] = {wd};
