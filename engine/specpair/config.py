@@ -88,7 +88,7 @@ PREFILL_PROMPT_SHARE = 0.25
 # Prompt positions a step feeds when no row decodes (the budget above, when larger): the budget
 # bounds decoding rows' time between tokens, and with none decoding it only split a prompt into
 # more steps. SmolLM2's cold 1,696-token chat prompt alone, 2 cores, alternated: in 1 step, not 7,
-# 0.95x the CPU-s and 0.70x the wall at load 10-24 (docs/measurements/2026-12-07g-prompt-path.md).
+# 0.95-1.0x the CPU-s (wall: see docs/measurements/2026-12-07g-prompt-path.md).
 # Not whole: a step boundary every 2,048 positions (~4 s there) lets a request arriving behind a
 # long prompt join (vLLM-CPU's API server feeds 2,048 tokens a step too).
 PREFILL_IDLE_TOKEN_BUDGET = 2048
