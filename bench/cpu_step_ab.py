@@ -66,8 +66,9 @@ def step(lib, case: dict, layers: list, head: torch.Tensor, shape: dict) -> tupl
 
 def threads_apart(before: dict, after: dict, wall: float) -> dict:
     """The calling thread's and the busiest other thread's (the kernel pool's: another OpenMP
-    team's threads barely run) seconds asleep (the wall less run and waiting for a core) and
-    times asleep over a step of `wall` seconds."""
+    team's threads barely run) seconds run (CPU: what the caller runs beyond the pool thread is
+    work the pool thread could not share, a busy machine or not), asleep (the wall less run
+    and waiting for a core) and times asleep over a step of `wall` seconds."""
     me = threading.get_native_id()
     delta = {tid: tuple(a - b for a, b in zip(clocks, before.get(tid, (0, 0, 0))))
              for tid, clocks in after.items() if not isinstance(tid, str)}
@@ -75,7 +76,8 @@ def threads_apart(before: dict, after: dict, wall: float) -> dict:
     out = {}
     for name, tid in (("caller", me), ("pool", pool)):
         ran, waited, sleeps = delta.get(tid, (0, 0, 0))
-        out[f"{name}_asleep"], out[f"{name}_sleeps"] = wall - ran - waited, sleeps
+        out[f"{name}_ran"], out[f"{name}_asleep"] = ran, wall - ran - waited
+        out[f"{name}_sleeps"] = sleeps
     return out
 
 
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
             for k, steps in taken.items():
                 cpu = [s["cpu"] for s in steps]
                 row[k] = {"cpu_min_ms": 1e3 * min(cpu), "cpu_median_ms": 1e3 * statistics.median(cpu)}
-                for key in ("wall", "caller_asleep", "pool_asleep"):
+                for key in ("wall", "caller_ran", "pool_ran", "caller_asleep", "pool_asleep"):
                     row[k][f"{key}_median_ms"] = 1e3 * statistics.median(s[key] for s in steps)
                 for key in ("caller_sleeps", "pool_sleeps"):
                     row[k][f"{key}_median"] = statistics.median(s[key] for s in steps)
@@ -121,7 +123,9 @@ def main(argv=None) -> int:
                   f"logits equal {row['equal']}", flush=True)
             for k in libs:
                 r = row[k]
-                print(f"    {k}: wall {r['wall_median_ms']:.1f} ms; pool thread asleep "
+                print(f"    {k}: wall {r['wall_median_ms']:.1f} ms; caller ran "
+                      f"{r['caller_ran_median_ms']:.1f} ms, pool thread {r['pool_ran_median_ms']:.1f};"
+                      f" pool thread asleep "
                       f"{r['pool_asleep_median_ms']:.1f} ms in {r['pool_sleeps_median']:.0f} sleeps, "
                       f"caller asleep {r['caller_asleep_median_ms']:.1f} ms in "
                       f"{r['caller_sleeps_median']:.0f} (medians a step)", flush=True)
