@@ -72,10 +72,12 @@ def threads_apart(before: dict, after: dict, wall: float) -> dict:
     me = threading.get_native_id()
     delta = {tid: tuple(a - b for a, b in zip(clocks, before.get(tid, (0, 0, 0))))
              for tid, clocks in after.items() if not isinstance(tid, str)}
-    pool = max((tid for tid in delta if tid != me), key=lambda tid: delta[tid][0], default=me)
+    pool = max((tid for tid in delta if tid != me and delta[tid][0] > 0),
+               key=lambda tid: delta[tid][0], default=None)
     out = {}
     for name, tid in (("caller", me), ("pool", pool)):
-        ran, waited, sleeps = delta.get(tid, (0, 0, 0))
+        # no other thread ran (one thread): nothing to say of a pool
+        ran, waited, sleeps = delta[tid] if tid is not None else (float("nan"),) * 3
         out[f"{name}_ran"], out[f"{name}_asleep"] = ran, wall - ran - waited
         out[f"{name}_sleeps"] = sleeps
     return out
