@@ -14,6 +14,8 @@
    the CPU has FMA. GCC vector extensions otherwise: the same source builds for AVX2, AVX-512 and
    NEON with -march=native. */
 
+#include <stddef.h>     /* NULL: elsewhere only immintrin.h brought it, so a build without AVX failed */
+
 typedef float v8 __attribute__((vector_size(32)));
 
 #if defined(__FMA__) && defined(__AVX__)
