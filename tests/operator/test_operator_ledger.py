@@ -74,3 +74,38 @@ def test_numbers_json_cannot_carry_are_written_as_null():
     one = ledger()
     one.set(speedup=float("nan"))
     assert one.status_patch()["speedup"] is None
+
+
+def merge_patch(target, patch):
+    """RFC 7386, as the API server applies the status write: maps merge key by key, null deletes."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def test_a_field_set_whole_leaves_no_key_of_its_old_maps_behind():
+    # The demo's learned release (issue 58): v2's drift ladder and last live window in the status,
+    # then v3's first drift check with a fresh ladder and no window closed yet.
+    status = {"drift": {"version": "2", "stepsTaken": 1, "streaks": {"extraction": 38, "*": 37},
+                        "breachesInRow": 38, "fineInRow": 0, "since": 5.0, "probing": True},
+              "live": {"acceptance": {"extraction": 0.0906}, "draftedTokens": {"extraction": 276},
+                       "trafficShift": {"creative": 308}},
+              "verifiedVerdicts": {"2": "abc"}}
+    one = ledger(status)
+    drift = {"version": "3", "stepsTaken": 0, "streaks": {}, "breachesInRow": 0, "fineInRow": 0, "since": 0.0,
+             "probing": False}
+    live = {"acceptance": {}, "draftedTokens": {}, "trafficShift": {"creative": 308}}
+    one.set(drift=drift, live=live, verifiedVerdicts={"2": "abc", "3": "def"})
+    written = merge_patch(status, one.status_patch())
+    assert written["drift"] == drift and written["live"] == live
+    assert written["verifiedVerdicts"] == {"2": "abc", "3": "def"}
+    # Written again unchanged, nothing goes out.
+    again = ledger(written)
+    again.set(drift=drift, live=live)
+    assert again.status_patch() == {}

@@ -161,9 +161,27 @@ class StatusLedger:
             metrics.DRIFT_STEP.labels(self.namespace, self.name).set(int(out["drift"].get("stepsTaken", 0)))
         patch = {}
         for key, value in out.items():
-            if self.status.get(key, _ABSENT.get(key)) != value:
+            had = self.status.get(key, _ABSENT.get(key))
+            if had != value:
                 safe = c.finite(value)
                 if safe is not value:
                     self.logger.warning(f"status.{key} held a number JSON cannot carry; written as null")
-                patch[key] = safe
+                patch[key] = replacing(had, safe)
         return patch
+
+
+def replacing(had: Any, value: Any) -> Any:
+    """`value` as a JSON merge patch (RFC 7386, how the status is written) that leaves exactly
+    `value` where `had` was: every key of a map in `had` that `value` lacks is set to null.
+
+    A pass sets a status field whole (SetStatus), but a merge patch merges maps key by key: a
+    key the new value left out kept its old value. So after a learned release was promoted,
+    status.drift.streaks kept the old champion's 38 breaching windows (the new champion's
+    fresh ladder wrote streaks {}), and status.live.acceptance its last window, 0.09 over 276
+    drafted tokens of the n-gram lookup, read as the new release's live figure."""
+    if not isinstance(had, dict) or not isinstance(value, dict):
+        return value
+    out = {k: None for k in had if k not in value}
+    for k, v in value.items():
+        out[k] = replacing(had.get(k), v)
+    return out
