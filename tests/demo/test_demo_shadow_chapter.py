@@ -8,23 +8,11 @@ import pytest
 from demo.chapters.releases import demo_pair, second_release
 from demo.report import shadow_section
 from demo.run_demo import build_parser
+from merge_patch import merge_patch
 from demo.shadow_chapter import (CANDIDATE_K, DECIDED, GATED, REGISTERED, SHADOW, STARTED, STAGES, Progress,
                                  candidate_spec, explain, make_layer_skip_draft, numbers_rows, shadow_traffic)
 from specpair_operator.release import content as release
 from specpair_operator.policy import rollout_strategy
-
-
-def merge_patch(doc, patch):
-    """RFC 7386, as the API server applies the demo's spec patch."""
-    if not isinstance(patch, dict):
-        return patch
-    out = dict(doc) if isinstance(doc, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
 
 
 def built(spec):

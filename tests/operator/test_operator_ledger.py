@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from merge_patch import merge_patch
 
 from specpair_operator.act.ledger import AlreadyReported, StatusLedger
 
@@ -74,19 +75,6 @@ def test_numbers_json_cannot_carry_are_written_as_null():
     one = ledger()
     one.set(speedup=float("nan"))
     assert one.status_patch()["speedup"] is None
-
-
-def merge_patch(target, patch):
-    """RFC 7386, as the API server applies the status write: maps merge key by key, null deletes."""
-    if not isinstance(patch, dict):
-        return patch
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
 
 
 def test_a_field_set_whole_leaves_no_key_of_its_old_maps_behind():
