@@ -1,13 +1,20 @@
 """The Drifted condition a drift check without a ladder step leaves (serving_drift.drifted_without_step):
-the current decision, never an older one. A "no rollback" verdict written before a probe stood
+the current decision, never an older one, nor another release's (new_release_status). A "no rollback" verdict written before a probe stood
 through it while the acceptance ladder went on to roll back (fresh-clone CI, 2026-12-07: the
 demo read it as the decision)."""
 
 from __future__ import annotations
 
-import pytest
+import copy
+import logging
 
-from specpair_operator.plan.serving_drift import PROBING, ROLLBACK_WOULD_NOT_HELP, drifted_without_step
+import pytest
+from merge_patch import merge_patch
+
+from specpair_operator.act.ledger import StatusLedger
+from specpair_operator.plan.release_steps import Condition, SetStatus
+from specpair_operator.plan.serving_drift import (NOT_JUDGED, PROBING, ROLLBACK_WOULD_NOT_HELP, drifted_without_step,
+                                                  new_release_status)
 
 # What drift.decide says as its reason where no rollback helps: from serving health's pressure
 # (serving_health._pressure's `why`) and from sustained acceptance breaches (drift.rollback_helps).
@@ -56,3 +63,61 @@ def test_the_drifted_condition_says_the_current_decision(what, no_rollback, from
         assert got[2] == no_rollback
     if got is not None and got[1] == PROBING and no_rollback:
         assert SERVING in got[2]   # serving health's verdict is still said, beside the probe
+
+
+# -- a new champion (serving_drift.new_release_status) ------------------------------------------
+
+V2_DRIFT = {"version": "2", "stepsTaken": 1, "streaks": {"extraction": 38}, "breachesInRow": 38, "fineInRow": 0,
+            "since": 5.0, "probing": False}
+BASELINE = {"ttftP95": {"extraction": 0.02}, "tpotP95": {"extraction": 0.005}, "errorRate": 0.0, "load": 1.5,
+            "requests": 120}   # serving_health.Baseline.as_dict
+V2_HEALTH = {"version": "2", "streaks": {"tpot/extraction": 2}, "baselines": {"1": BASELINE, "2": BASELINE},
+             "live": {"tpot/extraction": {"verdict": "breach", "requests": 40, "share": 1.0}}}
+NO_ROLLBACK = {"type": "Drifted", "status": "True", "reason": ROLLBACK_WOULD_NOT_HELP, "observedGeneration": 3,
+               "message": "no rollback: no previous release", "lastTransitionTime": "2026-12-07T20:00:00Z"}
+
+# (what, status as read, champion) -> (status fields set, Drifted (status, reason) or None); None: nothing planned
+NEW_RELEASE = [
+    ("v3 promoted over the drifted v2: not judged yet, v3's fields fresh",
+     {"drift": V2_DRIFT, "servingHealth": V2_HEALTH, "conditions": [NO_ROLLBACK]}, "3",
+     ({"drift", "live", "servingHealth"}, ("Unknown", NOT_JUDGED))),
+    ("v2's fields without a Drifted condition: fresh fields, no condition",
+     {"drift": V2_DRIFT}, "3", ({"drift", "live"}, None)),
+    ("the drift fields are the champion's own: nothing",
+     {"drift": V2_DRIFT, "conditions": [NO_ROLLBACK]}, "2", None),
+    ("a pair never checked: nothing stale",
+     {}, "1", None),
+    ("status.drift naming no release (as a rollback wrote it before): RolledBack stands",
+     {"drift": {"stepsTaken": 0}, "conditions": [{**NO_ROLLBACK, "reason": "RolledBack"}]}, "1", None),
+]
+
+
+@pytest.mark.parametrize("what, status, champion, expected", NEW_RELEASE, ids=[c[0] for c in NEW_RELEASE])
+def test_a_new_champion_starts_with_its_own_drift_fields(what, status, champion, expected):
+    steps = new_release_status(status, champion)
+    if expected is None:
+        assert steps == (), what
+        return
+    fields = {k: v for s in steps if isinstance(s, SetStatus) for k, v in s.fields.items()}
+    drifted = [s for s in steps if isinstance(s, Condition)]
+    assert (set(fields), (drifted[0].status, drifted[0].reason) if drifted else None) == expected, what
+    assert fields["drift"] == {"version": champion, "stepsTaken": 0, "streaks": {}, "breachesInRow": 0,
+                               "fineInRow": 0, "since": 0.0, "probing": False}
+    assert fields["live"] == {"acceptance": {}, "draftedTokens": {}, "trafficShift": {}}
+    if "servingHealth" in fields:   # v2's streaks and verdicts go, every release's baseline stays
+        assert fields["servingHealth"] == {"version": champion, "streaks": {}, "baselines": V2_HEALTH["baselines"],
+                                           "live": {}}
+    # Written through the status ledger (the real pass's), as a whole field and with this generation.
+    ledger = StatusLedger(copy.deepcopy(status), 4, "ns", "chat", logging.getLogger("test"))
+    for step in steps:
+        if isinstance(step, SetStatus):
+            ledger.set(**step.fields)
+        else:
+            ledger.cond(step.type, step.status, step.reason, step.message)
+    written = merge_patch(copy.deepcopy(status), ledger.status_patch())
+    assert written["drift"] == fields["drift"] and written["live"] == fields["live"]
+    if drifted:
+        condition = written["conditions"][0]
+        assert condition["observedGeneration"] == 4 and condition["lastTransitionTime"] != NO_ROLLBACK["lastTransitionTime"]
+        assert condition["message"] == f"v{champion} serves; no drift window of it judged yet (v2's last: True " \
+                                       f"{ROLLBACK_WOULD_NOT_HELP})"

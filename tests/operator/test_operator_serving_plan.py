@@ -203,9 +203,11 @@ def test_a_failed_rollout_rolls_back_to_the_previous_release():
         {"type": "Progressing", "reason": "ProgressDeadlineExceeded", "message": "crash looping"}]))
     steps = sp.plan_serving(w)
     assert kinds(steps)[-9:] == ["Condition Drifted=True RolledBack", "TagVersion v2 specpair.rolled_back",
-                                 "SetAlias champion=1", "Record RolledBack", "ForgetDrift", "SetStatus drift",
+                                 "SetAlias champion=1", "Record RolledBack", "ForgetDrift", "SetStatus drift,live",
                                  "SetStatus speculationEnabled", "SetStatus previousVersion,servingVersion",
                                  "Report reconciling RollingOut/RolledBack"]
+    # The drift fields are v1's from here, fresh: the RolledBack condition says why v1 serves.
+    assert steps[-4].fields["drift"]["version"] == "1" and steps[-4].fields["live"]["trafficShift"] == {}
     assert steps[-1].ready_message == "rollout of v2 failed: rollout failed: crash looping"
     rolled = next(s for s in steps if isinstance(s, rs.Record) and s.action == "RolledBack")
     assert metrics.rollback_cause(rolled.reason) == "rollout", rolled.reason
@@ -784,6 +786,47 @@ def test_a_no_rollback_verdict_of_serving_health_gives_way_to_the_probe_that_the
     probing = [reason for p, reason in seen if p]
     assert "Probing" in probing and "RollbackWouldNotHelp" not in probing, seen
     assert cl.said["RollbackWouldNotHelp"] == 0 and cl.said["Probing"] >= 1, cl.said
+
+
+# v2's status as the default demo left it when the learned release v3 replaced it (no previous
+# release to roll back to; speculation off; its last window and the traffic shift it counted).
+V2_DRIFTED = {
+    "engineTLS": CURRENT_TLS, "servingVersion": "2", "previousVersion": "", "speculationEnabled": False,
+    "drift": {"version": "2", "stepsTaken": 1, "streaks": {"code": 38}, "breachesInRow": 38, "fineInRow": 0,
+              "since": 5.0, "probing": False},
+    "live": {"acceptance": {"code": 0.0906}, "draftedTokens": {"code": 276}, "trafficShift": {"creative": 308}},
+    "conditions": [{"type": "Drifted", "status": "True", "reason": "RollbackWouldNotHelp", "observedGeneration": 1,
+                    "message": "no rollback: no previous release", "lastTransitionTime": "2026-12-07T20:00:00Z"}]}
+
+
+def test_a_new_champion_is_not_judged_by_the_drift_verdict_of_the_release_it_replaced():
+    """v3 promoted over the drifted v2 (the default demo's learned release): from v3's first pass,
+    through its rollout, until a window of v3 is judged, Drifted says v3 is not judged yet, and
+    the drift fields are v3's (fresh ladder, no windows, no traffic shift counted for v2). They
+    read v2's RollbackWouldNotHelp, its ladder step and window until v3's first judged window."""
+    tags = {"2": release_tags("2"), "3": release_tags("3")}
+    cl = Cluster(base(aliases={"champion": "3", "previous": "2"}, tags=tags["3"], desired="3", status=V2_DRIFTED),
+                 tags, {"2": 0.2, "3": 0.95})
+    seen, said = [], []   # (Drifted's status and reason, status.drift's version and step, live's traffic shift) a pass
+    for _ in range(30):
+        steps = whole_pass(cl)
+        status = dict(cl.w.status)
+        for step in steps:
+            cl.apply(step, status)
+        cl.w = dataclasses.replace(cl.w, status=status)
+        drifted = conditions.get_condition(status.get("conditions"), conditions.DRIFTED) or {}
+        said.append(drifted.get("message"))
+        seen.append(((drifted.get("status"), drifted.get("reason")),
+                     (status["drift"].get("version"), status["drift"].get("stepsTaken")), status["live"]["trafficShift"]))
+        if drifted.get("reason") == "WithinBaseline":
+            break
+        cl.tick()
+    assert seen[0] == (("Unknown", "NotJudgedYet"), ("3", 0), {}), seen
+    assert said[0] == "v3 serves; no drift window of it judged yet (v2's last: True RollbackWouldNotHelp)", said
+    assert seen[-1][0] == ("False", "WithinBaseline") and len(seen) >= 3, seen   # rolled out, then judged
+    assert all(reason == ("Unknown", "NotJudgedYet") for reason, _, _ in seen[:-1]), seen
+    assert all(d == ("3", 0) and "creative" not in shift for _, d, shift in seen), seen
+    assert cl.w.status["speculationEnabled"] is True and [a for a, _ in cl.history] == ["RolloutStarted"], cl.history
 
 
 JOURNEYS = [

@@ -66,6 +66,45 @@ def drifted_without_step(no_rollback: str, from_acceptance: bool, probing: bool,
     return None
 
 
+NOT_JUDGED = "NotJudgedYet"
+
+
+def fresh_release_fields(status: Mapping[str, Any], champion: str) -> dict[str, Any]:
+    """The drift fields of a release no drift check has judged yet: status.drift with its ladder
+    at the start (`version` names the release the drift fields and the Drifted condition
+    describe), no live windows or traffic shift counts, and servingHealth with its baselines (kept
+    per release: a rollback compares them) but not the last release's streaks and verdicts."""
+    fields: dict[str, Any] = {"drift": {**drift_mod.DriftState().as_dict(), "version": str(champion), "probing": False},
+                              "live": {"acceptance": {}, "draftedTokens": {}, "trafficShift": {}}}
+    if status.get("servingHealth"):
+        fresh = serving_health.ServingState.for_release(dict(status["servingHealth"]), champion)
+        fields["servingHealth"] = {**fresh.as_dict(), "live": {}}
+    return fields
+
+
+def new_release_status(status: Mapping[str, Any], champion: str) -> tuple[SetStatus | Condition, ...]:
+    """What a champion that status.drift does not describe yet (promoted since the last check)
+    starts with: fresh drift fields (fresh_release_fields), and a Drifted condition that says it
+    is not judged yet where one stands. Without it the previous release's verdict
+    (RollbackWouldNotHelp, SpeculationOff...), its last windows, traffic shift counts and ladder
+    step (the specpair_drift_ladder_step gauge) stood for the new release until a window of it
+    was judged.
+
+    Nothing where status.drift names no release (a pair never checked has nothing stale) or this
+    one: a rollback writes the fresh fields of the release it goes to, whose RolledBack condition
+    says why it serves."""
+    judged = str((status.get("drift") or {}).get("version") or "")
+    if not judged or judged == str(champion):
+        return ()
+    steps: list[SetStatus | Condition] = [SetStatus(fresh_release_fields(status, champion))]
+    standing = c.get_condition(status.get("conditions"), c.DRIFTED)
+    if standing is not None:
+        steps.append(Condition(c.DRIFTED, "Unknown", NOT_JUDGED,
+                               f"v{champion} serves; no drift window of it judged yet (v{judged}'s last: "
+                               f"{standing.get('status')} {standing.get('reason')})"))
+    return tuple(steps)
+
+
 def serving_breach_reason(judged: serving_health.Judgement) -> str:
     return "ErrorRateAboveLimit" if judged.metric == serving_health.ERRORS else "LatencyAboveBaseline"
 
@@ -113,15 +152,26 @@ def _rollback(out: _Steps, champion: str, reason: str, marked: bool = False) -> 
         out.add(SetAlias(move.alias, move.version))
     out.add(Record("RolledBack", reason, champion, target, warning=True, key=champion),
             ForgetDrift(),
-            SetStatus({"drift": drift_mod.DriftState().as_dict()}),
+            SetStatus(fresh_release_fields(w.status, target)),
             SetStatus({"speculationEnabled": True}),
             SetStatus(serving_versions({**al, aliases_mod.CHAMPION: target})),
             Report("reconciling", "RollingOut", "RolledBack", f"rolling back to v{target}", ready_message=reason))
 
 
-def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) -> bool:
+def start_release(out: _Steps, champion: str) -> bool:
+    """The champion's fresh drift fields and Drifted condition where status.drift describes
+    another release (new_release_status); True when so. Planned before the champion's rollout
+    and drift check, so neither a rollout nor the check reads the other release's as its own."""
+    steps = new_release_status(out.world.status, champion)
+    out.add(*steps)
+    return bool(steps)
+
+
+def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool, renewed: bool = False) -> bool:
     """Let drift.decide pick the ladder's step from each pod's counters, and take it. True when
-    this pass took a drift action or the champion serves target-only after one."""
+    this pass took a drift action or the champion serves target-only after one. `renewed`: this
+    pass started the champion's drift fields (start_release), so the status as read is another
+    release's."""
     w = out.world
     pos = drift_position(w, champion)
     if pos is None:
@@ -199,7 +249,7 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
     live = {cat: round(j.live, 4) for cat, j in last.items() if cat != drift_mod.OVERALL}
     if drift_mod.OVERALL in last:
         out.add(SetStatus({"acceptance": round(last[drift_mod.OVERALL].live, 4)}))
-    shift = dict((w.status.get("live") or {}).get("trafficShift") or {})
+    shift = {} if renewed else dict((w.status.get("live") or {}).get("trafficShift") or {})
     for cat, n in decision.shift.items():
         shift[cat] = int(shift.get(cat, 0)) + n
     out.add(SetStatus({"live": {"acceptance": live,
@@ -246,7 +296,7 @@ def _drift(out: _Steps, champion: str, pods: list[EnginePod], watching: bool) ->
         return False
     sustained = [j for j in decision.breaches if state.streaks.get(j.category, 0) >= policy.consecutive]
     # The condition says the current decision: a "no rollback" read before a probe is not it.
-    standing = (c.get_condition(w.status.get("conditions"), c.DRIFTED) or {}).get("reason")
+    standing = None if renewed else (c.get_condition(w.status.get("conditions"), c.DRIFTED) or {}).get("reason")
     drifted = drifted_without_step(decision.reason, bool(sustained), probing, off, said_now, standing)
     if drifted is not None:
         out.add(Condition(c.DRIFTED, *drifted))

@@ -43,7 +43,7 @@ from specpair_operator.plan.serving_steps import (address, ANN_ISSUED_FOR, ANN_T
 from specpair_operator.plan.steps import Step  # noqa: F401
 from specpair_operator.plan.serving_speculation import _speculation, _switch  # noqa: F401
 from specpair_operator.plan.serving_drift import (_drift, drift_position, _rollback,
-                                                  rollback_needs_previous)  # noqa: F401
+                                                  rollback_needs_previous, start_release)  # noqa: F401
 from specpair_operator.plan.serving_rollout import (certificate_check, _engine, issued_for, _models_ready,
                                                     name_conflict, rollout_state)  # noqa: F401
 from specpair_operator.plan.serving_shadow import _shadow, _shadow_verdict  # noqa: F401
@@ -70,6 +70,7 @@ def plan_serving(w: ServingWorld) -> tuple[Step, ...]:
         # Rolled back, but the pass that tagged it died before moving the alias: finish it.
         _rollback(out, champion, w.tags[TAG_ROLLED_BACK], marked=True)
         return tuple(out.steps)
+    renewed = start_release(out, champion)
     served = served_release(w)
     verdict = w.verdict
     if isinstance(verdict.get("speedup"), (int, float)):
@@ -110,7 +111,7 @@ def plan_serving(w: ServingWorld) -> tuple[Step, ...]:
         return tuple(out.steps)
     # The champion is watched whatever the spec's release is doing (gated, failed, rolled back).
     watching = w.while_gating or w.desired is None
-    drifted = _drift(out, champion, verified, watching)
+    drifted = _drift(out, champion, verified, watching, renewed)
     plan_learning(out, champion)     # spec.learning: the trainings the drift check wants
     stuck = _speculation(out, champion, verified)
     if w.canary_run is None:
@@ -137,8 +138,9 @@ def plan_watch(w: ServingWorld) -> tuple[Step, ...]:
     promotion, rollback and SpeculationOn wait for MLflow."""
     out = _Steps(w)
     champion = w.aliases[aliases_mod.CHAMPION]
+    renewed = start_release(out, champion)
     ok, _, verified = identity(w, champion, w.served_hash)
     if ok:
-        _drift(out, champion, verified, watching=False)
+        _drift(out, champion, verified, watching=False, renewed=renewed)
         _speculation(out, champion, verified)
     return tuple(out.steps)
