@@ -116,13 +116,34 @@ def test_the_captured_requests_the_pods_report_are_the_newest_listing_and_unread
     assert learning.captured_counts([{"captured": {"extraction": 40, "qa": 3}}, None,
                                      {"captured": {"extraction": 30}}]) == {"extraction": 40, "qa": 3}
     assert learning.captured_counts([None, None]) == learning.NOT_READ == learning.captured_counts([])
-    # An engine that reports no capture count (vLLM's probe): its training is not held back.
+    # Stats without a capture count: not held back (pods_captured says which pods those are).
     assert learning.captured_counts([{"categories": {}}]) is None
     assert learning.capture_wait("extraction", 64, None) == "" == learning.capture_wait("extraction", 0, {})
     assert learning.capture_wait("extraction", 64, {"extraction": 64}) == ""
     assert "2 of 64 in closed capture shards" in learning.capture_wait("extraction", 64, {"extraction": 2, "qa": 900})
     assert "0 of 64" in learning.capture_wait("extraction", 64, {})
     assert "not read" in learning.capture_wait("extraction", 64, learning.NOT_READ)
+
+
+def test_only_pods_that_capture_hold_a_training_back():
+    """vLLM's pods capture nothing, and their companion's GetStats has an empty `captured` map,
+    which the probe (GrpcEngineProbe.stats) reads as {} just as it reads our engine's before its
+    first shard closes. The plan took that {} for "0 captured" and held a vLLM pair's training
+    back for good ("0 of 64"); the docs say such an engine is not waited for."""
+    probed = [{"categories": {}, "speculating": True, "uptimeSeconds": 30.0, "captured": {}}]  # GetStats as read
+    vllm = {**RELEASE, "engine": {"kind": "vllm"}}
+    assert learning.pods_captured(SPEC, vllm, probed) is None
+    assert learning.pods_captured(SPEC, RELEASE, probed) == {}
+    assert learning.pods_captured({**SPEC, "learning": {"enabled": False}}, RELEASE, probed) is None
+    wanted = {"training": {"runs": [{"version": "3", "category": "extraction", "phase": "wanted", "job": "",
+                                     "candidate": "", "message": "", "acceptance": 0.08}]}}
+    absent = [learning.Training("3", "extraction", tj.training_state(None))]
+    for release, starts in ((vllm, True), (RELEASE, False)):
+        steps = learning.training_steps("chat", SPEC, wanted, absent, lambda *a: False, _job,
+                                        learning.pods_captured(SPEC, release, probed))
+        assert bool([s for s in steps if isinstance(s, EnsureOwned)]) is starts, release
+        if not starts:
+            assert "0 of 64" in next(s for s in steps if isinstance(s, Condition)).message
 
 
 def test_a_training_waits_for_its_minimum_of_captured_requests_then_starts():

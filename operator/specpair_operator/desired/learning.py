@@ -85,13 +85,18 @@ def capture_flags(pair: str, learning: Learning) -> list[str]:
             "--capture-cap", str(learning.per_category_cap), "--capture-retention", str(learning.retention_seconds)]
 
 
+def pods_capture(spec: Mapping[str, Any], release: Mapping[str, Any]) -> bool:
+    """Whether the engine pods of `release` capture traffic: where spec.learning says so, and only
+    our engine's (vLLM's server reports no token ids to capture; docs/learning.md)."""
+    return Learning.from_spec(spec).captures and release_mod.engine_kind(dict(release)) == "specpair"
+
+
 def with_capture(dep: dict[str, Any], pair: str, spec: Mapping[str, Any], release: Mapping[str, Any]) -> dict[str, Any]:
-    """The engine Deployment `dep`, capturing where spec.learning says so: the claim mounted
-    read-write and the engine's capture flags. Unchanged where learning is off, and for vLLM pods
-    (vLLM's server reports no token ids to capture; docs/learning.md)."""
-    learning = Learning.from_spec(spec)
-    if not learning.captures or release_mod.engine_kind(dict(release)) != "specpair":
+    """The engine Deployment `dep`, capturing where pods_capture says so: the claim mounted
+    read-write and the engine's capture flags."""
+    if not pods_capture(spec, release):
         return dep
+    learning = Learning.from_spec(spec)
     dep = copy.deepcopy(dep)
     pod = dep["spec"]["template"]["spec"]
     pod["volumes"] = [*pod.get("volumes", []), capture_volume(learning.claim)]

@@ -62,7 +62,7 @@ class TrainingSettings:
     method: str
     steps: int
     resources: Mapping[str, Any]
-    min_captured: int = 1        # captured requests of the category a Job waits for (CRD default)
+    min_captured: int            # captured requests of the category a Job waits for (minCapturedRequests)
 
     @classmethod
     def from_spec(cls, learning: Mapping[str, Any] | None) -> "TrainingSettings":

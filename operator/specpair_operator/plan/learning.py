@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from specpair_operator.crd.conditions import parse_iso
+from specpair_operator.desired import learning as learning_mod
 from specpair_operator.desired import training_job
 from specpair_operator.release import content as release_mod
 from specpair_operator.release.registry_contract import TAG_RELEASE
@@ -101,6 +102,15 @@ def captured_counts(stats: Iterable[Mapping[str, Any] | None]) -> dict[str, int]
         for category, n in counts.items():
             total[str(category)] = max(total.get(str(category), 0), int(n))
     return total
+
+
+def pods_captured(spec: Mapping[str, Any], release: Mapping[str, Any],
+                  stats: Iterable[Mapping[str, Any] | None]) -> dict[str, int] | None | str:
+    """captured_counts of the pods' GetStats, or None where the release's pods capture nothing
+    (learning_mod.pods_capture: vLLM's). Their probe reads an empty count (proto3 has no absent
+    map), as it does from our engine before its first shard closes: only a pod that captures holds
+    a training back."""
+    return captured_counts(stats) if learning_mod.pods_capture(spec, release) else None
 
 
 def capture_wait(category: str, minimum: int, captured: Mapping[str, int] | None | str) -> str:
@@ -333,5 +343,5 @@ def plan_learning(out: Any, champion: str) -> None:
 
     trainings = [Training(v, cat, w.trainings.get(run_key(v, cat, slot)) or training_job.TrainingState(training_job.ABSENT),
                           slot) for v, cat, slot in wanted]
-    captured = captured_counts([pod.stats for pod in w.ready])
+    captured = pods_captured(w.spec, released, [pod.stats for pod in w.ready])
     out.add(*training_steps(w.pair, w.spec, status, trainings, out.was, job, captured))
