@@ -17,7 +17,7 @@ import copy
 import dataclasses
 import json
 from collections import Counter
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 from specpair.server.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
@@ -498,6 +498,19 @@ def whole_pass(cl: Cluster) -> tuple[Any, ...]:
                                                             while_gating=serve.while_gating))
 
 
+def run_passes(cl: Cluster, most: int) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Whole passes over `cl`, none killed, each one's steps applied, the pods moving on between
+    them: (its steps, the status it left) a pass, until the caller stops or `most` ran."""
+    for _ in range(most):
+        steps = whole_pass(cl)
+        status = dict(cl.w.status)
+        for step in steps:
+            cl.apply(step, status)
+        cl.w = dataclasses.replace(cl.w, status=status)
+        yield steps, status
+        cl.tick()
+
+
 def converge(start: Cluster, crash_at: int | None = None, passes: int = 40,
              planner: Any = None) -> tuple[Cluster, list[Any]]:
     """Passes (the pods moving on between them) until one plans no write and no record, or
@@ -771,17 +784,11 @@ def test_a_no_rollback_verdict_of_serving_health_gives_way_to_the_probe_that_the
                                   spec={**SPEC, "drift": {**DRIFT, "probeAfterWindows": 2, "consecutiveBreaches": 2}})
     start.rates["2"], start.drafts_while_off = 0.2, False
     cl, seen = copy.deepcopy(start), []   # (probing, Drifted's reason) after each pass
-    for _ in range(80):
-        steps = whole_pass(cl)
-        status = dict(cl.w.status)
-        for step in steps:
-            cl.apply(step, status)
-        cl.w = dataclasses.replace(cl.w, status=status)
+    for steps, status in run_passes(cl, 80):
         drifted = conditions.get_condition(status.get("conditions"), conditions.DRIFTED) or {}
         seen.append((bool((status.get("drift") or {}).get("probing")), drifted.get("reason")))
         if any(isinstance(s, rs.Record) and s.action == "RolledBack" for s in steps):
             break
-        cl.tick()
     assert [a for a, _ in cl.history] == ["RolloutStarted", "SpeculationOff", "RolledBack"], cl.history
     probing = [reason for p, reason in seen if p]
     assert "Probing" in probing and "RollbackWouldNotHelp" not in probing, seen
@@ -808,19 +815,13 @@ def test_a_new_champion_is_not_judged_by_the_drift_verdict_of_the_release_it_rep
     cl = Cluster(base(aliases={"champion": "3", "previous": "2"}, tags=tags["3"], desired="3", status=V2_DRIFTED),
                  tags, {"2": 0.2, "3": 0.95})
     seen, said = [], []   # (Drifted's status and reason, status.drift's version and step, live's traffic shift) a pass
-    for _ in range(30):
-        steps = whole_pass(cl)
-        status = dict(cl.w.status)
-        for step in steps:
-            cl.apply(step, status)
-        cl.w = dataclasses.replace(cl.w, status=status)
+    for _, status in run_passes(cl, 30):
         drifted = conditions.get_condition(status.get("conditions"), conditions.DRIFTED) or {}
         said.append(drifted.get("message"))
         seen.append(((drifted.get("status"), drifted.get("reason")),
                      (status["drift"].get("version"), status["drift"].get("stepsTaken")), status["live"]["trafficShift"]))
         if drifted.get("reason") == "WithinBaseline":
             break
-        cl.tick()
     assert seen[0] == (("Unknown", "NotJudgedYet"), ("3", 0), {}), seen
     assert said[0] == "v3 serves; no drift window of it judged yet (v2's last: True RollbackWouldNotHelp)", said
     assert seen[-1][0] == ("False", "WithinBaseline") and len(seen) >= 3, seen   # rolled out, then judged

@@ -145,7 +145,7 @@ def training_steps(pair: str, spec: Mapping[str, Any], status: Mapping[str, Any]
     recorded = {run_key(r["version"], r["category"], r.get("slot") or ""): r for r in training_job.recorded_runs(status)}
     steps: list[Step] = []
     runs: dict[str, dict[str, Any]] = dict(recorded)
-    newest: tuple[str, bool, str, str] | None = None   # the condition: reason, status, message
+    newest: tuple[str, bool, str] | None = None   # the condition: reason, status, message
     for t in trainings:
         key = t.key
         before = recorded.get(key) or {}
