@@ -526,9 +526,15 @@ int specpair_profile(double *out) {
 #ifdef SPECPAIR_STAGGER_US
 #include <omp.h>
 #include <unistd.h>
-#define TEAM_PHASE() do { if (omp_get_thread_num() == 0) usleep(SPECPAIR_STAGGER_US); } while (0)
+/* The thread held back: the first; in specpair_llama_layers' layers after the first, the last
+   (its static loops' shares are the later ones, which only the first thread's next phase reads
+   across: the barrier between two layers shows missing only when the last thread writes late). */
+static __thread int stagger_thread;
+#define TEAM_PHASE() do { if (omp_get_thread_num() == stagger_thread) usleep(SPECPAIR_STAGGER_US); } while (0)
+#define STAGGER_LAYER(l) (stagger_thread = (l) > 0 ? omp_get_num_threads() - 1 : 0)
 #else
 #define TEAM_PHASE() (void)0
+#define STAGGER_LAYER(l) (void)0
 #endif
 
 /* Where a row's keys (or values) for one key/value head live: a contiguous row of the cache
@@ -1009,17 +1015,25 @@ static void attention_out_and_mlp(const float *att, const float *residual, float
     PROF_MARK(P_DOWN);
 }
 
-int specpair_llama_layer(float *h, const long *rows, const long *pos, const long *slot,
-                         const long *parent, long T, long D, int H,
-                         int Hkv, int hd, long F, float eps, const float *cos, const float *sin,
-                         float *kc, float *vc, long S, const long *table, long table_width,
-                         long block, const float *wq, const float *wk,
-                         const float *wv, const float *wo, const float *wg, const float *wu,
-                         const float *wd, const float *n1, const float *n2, const float *bq,
-                         const float *bk, const float *bv, const float *qn, const float *kn,
-                         long window, float *scratch, int threads) {
-    if (T < 1 || T > MAX_TOKENS || hd % 8 || hd > MAX_HEAD_DIM || H % Hkv || window < 0) return -1;
-    long qd = (long)H * hd, kd = (long)Hkv * hd, L = 0, reach = 0;
+/* What every layer of a call shares: its tokens, where they go, the shapes, and the attention's
+   plan (index work only), made once a call by plan_step before the team starts. */
+typedef struct {
+    const long *rows, *pos, *slot, *parent, *table;
+    const float *cos, *sin;
+    long T, D, F, qd, kd, L, S, table_width, block, runs, groups;
+    int H, Hkv, hd;
+    float eps;
+    long run_start[MAX_TOKENS + 1], toks[MAX_TOKENS], group_start[MAX_TOKENS + 1];
+    int group_runs[MAX_TOKENS];
+} step_plan;
+
+/* Checks a call's tokens (the codes specpair_llama_layer returns) and plans its attention. */
+static int plan_step(step_plan *P, const long *rows, const long *pos, const long *slot,
+                     const long *parent, long T, long D, int H, int Hkv, int hd, long F, float eps,
+                     const float *cos, const float *sin, long S, const long *table,
+                     long table_width, long block, int threads) {
+    if (T < 1 || T > MAX_TOKENS || hd % 8 || hd > MAX_HEAD_DIM || H % Hkv) return -1;
+    long L = 0, reach = 0;
     for (long t = 0; t < T; t++) {
         long at = slot ? slot[t] : pos[t];
         if (pos[t] + 1 > L) L = pos[t] + 1;
@@ -1041,19 +1055,19 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
             }
         }
     } else if (L > S || reach > S) return -2;
-    float *x = scratch, *q = x + T * D, *k = q + T * qd, *v = k + T * kd, *att = v + T * kd;
-    float *g = att + T * qd, *u = g + T * F, *o = u + T * F, *scores = o + T * D;
+    *P = (step_plan){rows, pos, slot, parent, table, cos, sin, T, D, F, (long)H * hd,
+                     (long)Hkv * hd, L, S, table_width, block, 0, 0, H, Hkv, hd, eps};
 
     /* Attention's tasks, one per (run, query head): a run is the consecutive tokens of one row
        (a verification's k+1 tokens), which read the same keys and values, so each key and value
        is loaded once for all of them rather than once per token. Index work only (no data):
-       planned here, before the team starts. */
-    long run_start[MAX_TOKENS + 1], runs = 0;
+       planned once a call, before the team starts, for every layer of it. */
+    long *run_start = P->run_start, runs = 0;
     for (long t = 0; t < T; t++)
         if (t == 0 || rows[t] != rows[t - 1]) run_start[runs++] = t;
     run_start[runs] = T;
-    long toks[MAX_TOKENS], group_start[MAX_TOKENS + 1], groups = 0, placed = 0;
-    int group_runs[MAX_TOKENS];
+    long *toks = P->toks, *group_start = P->group_start, groups = 0, placed = 0;
+    int *group_runs = P->group_runs;
     if (table) {
         /* A paged cache: runs whose rows begin at the same block (a shared prompt prefix) are
            one group, attended together (attend_group), tokens in call order within it. A group
@@ -1100,84 +1114,174 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
         group_start[groups] = placed;
     }
 
-    /* The whole layer is one parallel region: its threads meet only at the barriers that end
-       the phases a later phase reads whole (the products read every row of their input, the
-       attention every token's keys), and the work between the products (norms, rotary
-       embedding, cache writes, SiLU, residuals) is shared out by token or by lanes, not run by
-       one thread while the other waits. Before, each layer forked and joined five regions with
-       that work serial between them: a 32-row decode step's second thread slept ~40 ms in ~190
-       sleeps a step (docs/measurements/2026-12-07f-decode-step-overhead.md). Which thread does
-       a token, a block or a task changes no arithmetic: every output is bitwise as before. */
+    P->runs = runs;
+    P->groups = groups;
+    return 0;
+}
+
+/* One decoder layer by the team of the parallel region it is called in (its phases orphaned
+   worksharing loops): w the layer's 14 tensors (LAYER_TENSORS' order: wq wk wv wo wg wu wd n1
+   n2 bq bk bv qn kn, the last five NULL where the family lacks them), kc/vc its cache. Ends with
+   the last residual's loop, without a barrier: the region's end is that barrier, or the caller's
+   next layer begins with one.
+
+   The whole layer is one parallel region: its threads meet only at the barriers that end
+   the phases a later phase reads whole (the products read every row of their input, the
+   attention every token's keys), and the work between the products (norms, rotary
+   embedding, cache writes, SiLU, residuals) is shared out by token or by lanes, not run by
+   one thread while the other waits. Before, each layer forked and joined five regions with
+   that work serial between them: a 32-row decode step's second thread slept ~40 ms in ~190
+   sleeps a step (docs/measurements/2026-12-07f-decode-step-overhead.md). Which thread does
+   a token, a block or a task changes no arithmetic: every output is bitwise as before. */
+static void layer_team(const step_plan *P, float *h, const float *const *w, float *kc,
+                       float *vc, long window, float *scratch) {
+    const long *rows = P->rows, *pos = P->pos, *slot = P->slot, *parent = P->parent;
+    const long *table = P->table, *run_start = P->run_start, *toks = P->toks;
+    const long *group_start = P->group_start;
+    const int *group_runs = P->group_runs;
+    const float *cos = P->cos, *sin = P->sin;
+    long T = P->T, D = P->D, F = P->F, qd = P->qd, kd = P->kd, L = P->L, S = P->S;
+    long table_width = P->table_width, block = P->block, runs = P->runs, groups = P->groups;
+    int H = P->H, Hkv = P->Hkv, hd = P->hd;
+    float eps = P->eps;
+    const float *wq = w[0], *wk = w[1], *wv = w[2], *wo = w[3], *wg = w[4], *wu = w[5];
+    const float *wd = w[6], *n1 = w[7], *n2 = w[8], *bq = w[9], *bk = w[10], *bv = w[11];
+    const float *qn = w[12], *kn = w[13];
+    float *x = scratch, *q = x + T * D, *k = q + T * qd, *v = k + T * kd, *att = v + T * kd;
+    float *g = att + T * qd, *u = g + T * F, *o = u + T * F, *scores = o + T * D;
+    TEAM_PHASE();
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) rms_norm(h + t * D, n1, x + t * D, D, eps);
+    TEAM_PHASE();
+    {
+        const float *Ws[3] = {wq, wk, wv};
+        float *ys[3] = {q, k, v};
+        long Os[3] = {qd, kd, kd};
+        linear_team(x, Ws, ys, Os, 3, T, D);
+    }
+    PROF_MARK(P_QKV);
+    /* Each token's own q, k and v, and its own cache slots (no two tokens of a call write
+       the same slot). */
+    TEAM_PHASE();
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) {
+        float *qt = q + t * qd, *kt = k + t * kd, *vt = v + t * kd;
+        if (bq) for (long i = 0; i < qd; i++) qt[i] += bq[i];
+        if (bk) for (long i = 0; i < kd; i++) kt[i] += bk[i];
+        if (bv) for (long i = 0; i < kd; i++) vt[i] += bv[i];
+        /* Qwen3: each head's q and k normed over the head dimension, before the rotation
+           (in place: rms_norm reads all of x before it writes, and each out[i] from x[i]
+           alone) */
+        if (qn) for (int j = 0; j < H; j++) rms_norm(qt + (long)j * hd, qn, qt + (long)j * hd, hd, eps);
+        if (kn) for (int j = 0; j < Hkv; j++) rms_norm(kt + (long)j * hd, kn, kt + (long)j * hd, hd, eps);
+        rope(q + t * qd, cos + t * hd, sin + t * hd, H, hd);
+        rope(k + t * kd, cos + t * hd, sin + t * hd, Hkv, hd);
+        for (int j = 0; j < Hkv; j++) {
+            kv_rows kr = {kc + (rows[t] * Hkv + j) * S * hd, NULL, block, j, Hkv, hd}, vr = kr;
+            vr.base = vc + (rows[t] * Hkv + j) * S * hd;
+            if (table) {
+                kr.base = kc, vr.base = vc;
+                kr.table = vr.table = table + rows[t] * table_width;
+            }
+            long at = slot ? slot[t] : pos[t];
+            __builtin_memcpy((float *)kv_at(&kr, at), k + t * kd + (long)j * hd, hd * sizeof(float));
+            __builtin_memcpy((float *)kv_at(&vr, at), v + t * kd + (long)j * hd, hd * sizeof(float));
+        }
+    }
+    PROF_MARK(P_ROPE);
+    TEAM_PHASE();
+    if (table) {
+#pragma omp for schedule(dynamic)
+        for (long task = 0; task < groups * H; task++) {
+            long gi = task / H, t0 = toks[group_start[gi]];
+            if (group_runs[gi] == 1)     /* one row's few tokens: its run as before */
+                attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[t0], t0,
+                           t0 + group_start[gi + 1] - group_start[gi], (int)(task % H), H,
+                           Hkv, hd, S, L, window, table, table_width, block);
+            else
+                attend_group(q, kc, vc, att, scores, pos, slot, parent, rows,
+                             toks + group_start[gi], group_start[gi + 1] - group_start[gi],
+                             (int)(task % H), H, Hkv, hd, L, window, table, table_width,
+                             block);
+        }
+    } else {
+#pragma omp for schedule(static)
+        for (long task = 0; task < runs * H; task++) {
+            long r = task / H;
+            int hh = (int)(task % H);
+            attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[run_start[r]],
+                       run_start[r], run_start[r + 1], hh, H, Hkv, hd, S, L, window, table,
+                       table_width, block);
+        }
+    }
+    PROF_MARK(P_ATTN);
+    mlp_team(att, h, h, wo, n2, wg, wu, wd, x, g, u, o, T, D, qd, F, eps);
+}
+
+int specpair_llama_layer(float *h, const long *rows, const long *pos, const long *slot,
+                         const long *parent, long T, long D, int H,
+                         int Hkv, int hd, long F, float eps, const float *cos, const float *sin,
+                         float *kc, float *vc, long S, const long *table, long table_width,
+                         long block, const float *wq, const float *wk,
+                         const float *wv, const float *wo, const float *wg, const float *wu,
+                         const float *wd, const float *n1, const float *n2, const float *bq,
+                         const float *bk, const float *bv, const float *qn, const float *kn,
+                         long window, float *scratch, int threads) {
+    if (window < 0) return -1;
+    step_plan P;
+    int rc = plan_step(&P, rows, pos, slot, parent, T, D, H, Hkv, hd, F, eps, cos, sin, S, table,
+                       table_width, block, threads);
+    if (rc) return rc;
+    const float *w[14] = {wq, wk, wv, wo, wg, wu, wd, n1, n2, bq, bk, bv, qn, kn};
     PROF_START();
 #pragma omp parallel num_threads(threads)
-    {
-        TEAM_PHASE();
-#pragma omp for schedule(static)
-        for (long t = 0; t < T; t++) rms_norm(h + t * D, n1, x + t * D, D, eps);
-        TEAM_PHASE();
-        {
-            const float *Ws[3] = {wq, wk, wv};
-            float *ys[3] = {q, k, v};
-            long Os[3] = {qd, kd, kd};
-            linear_team(x, Ws, ys, Os, 3, T, D);
+    layer_team(&P, h, w, kc, vc, window, scratch);
+    PROF_MARK(P_DOWN);
+    return 0;
+}
+
+/* A step's `layers` decoder layers over the same tokens in one call and one parallel region
+   (issue 51): each layer as specpair_llama_layer computes it (layer_team), with one barrier
+   between two layers where each layer forked and joined a region of its own, and no Python
+   between them. With two threads the 32-row decode step's pool thread slept at 30 joins and
+   30 forks a step more than this, and the engine ran 30 calls' argument conversion alone.
+   kc/vc: [layers] each layer's cache (all of one shape: S as specpair_llama_layer's);
+   weights: [layers * 14], each layer's tensors in layer_team's order; windows: [layers];
+   capture_at: [layers] or NULL: where capture_at[l] >= 0, layer l's input h is copied to
+   captured + capture_at[l] * T * D (an EAGLE-3 head's features, taken on the way). Codes as
+   specpair_llama_layer's; nothing is computed when one is refused. */
+int specpair_llama_layers(float *h, const long *rows, const long *pos, const long *slot,
+                          const long *parent, long T, long D, int H, int Hkv, int hd, long F,
+                          float eps, const float *cos, const float *sin, float *const *kc,
+                          float *const *vc, long S, const long *table, long table_width,
+                          long block, int layers, const float *const *weights,
+                          const long *windows, const long *capture_at, float *captured,
+                          float *scratch, int threads) {
+    if (layers < 1) return -1;
+    for (int l = 0; l < layers; l++)
+        if (windows[l] < 0 || (capture_at && capture_at[l] >= 0 && !captured)) return -1;
+    step_plan P;
+    int rc = plan_step(&P, rows, pos, slot, parent, T, D, H, Hkv, hd, F, eps, cos, sin, S, table,
+                       table_width, block, threads);
+    if (rc) return rc;
+    PROF_START();
+#pragma omp parallel num_threads(threads)
+    for (int l = 0; l < layers; l++) {
+        if (l > 0) {
+            /* the previous layer's last loop (h += its MLP) ends without a barrier; this
+               layer's norm (and a capture) read every token's h */
+#pragma omp barrier
+            PROF_MARK(P_DOWN);
         }
-        PROF_MARK(P_QKV);
-        /* Each token's own q, k and v, and its own cache slots (no two tokens of a call write
-           the same slot). */
-        TEAM_PHASE();
-#pragma omp for schedule(static)
-        for (long t = 0; t < T; t++) {
-            float *qt = q + t * qd, *kt = k + t * kd, *vt = v + t * kd;
-            if (bq) for (long i = 0; i < qd; i++) qt[i] += bq[i];
-            if (bk) for (long i = 0; i < kd; i++) kt[i] += bk[i];
-            if (bv) for (long i = 0; i < kd; i++) vt[i] += bv[i];
-            /* Qwen3: each head's q and k normed over the head dimension, before the rotation
-               (in place: rms_norm reads all of x before it writes, and each out[i] from x[i]
-               alone) */
-            if (qn) for (int j = 0; j < H; j++) rms_norm(qt + (long)j * hd, qn, qt + (long)j * hd, hd, eps);
-            if (kn) for (int j = 0; j < Hkv; j++) rms_norm(kt + (long)j * hd, kn, kt + (long)j * hd, hd, eps);
-            rope(q + t * qd, cos + t * hd, sin + t * hd, H, hd);
-            rope(k + t * kd, cos + t * hd, sin + t * hd, Hkv, hd);
-            for (int j = 0; j < Hkv; j++) {
-                kv_rows kr = {kc + (rows[t] * Hkv + j) * S * hd, NULL, block, j, Hkv, hd}, vr = kr;
-                vr.base = vc + (rows[t] * Hkv + j) * S * hd;
-                if (table) {
-                    kr.base = kc, vr.base = vc;
-                    kr.table = vr.table = table + rows[t] * table_width;
-                }
-                long at = slot ? slot[t] : pos[t];
-                __builtin_memcpy((float *)kv_at(&kr, at), k + t * kd + (long)j * hd, hd * sizeof(float));
-                __builtin_memcpy((float *)kv_at(&vr, at), v + t * kd + (long)j * hd, hd * sizeof(float));
-            }
+        if (capture_at && capture_at[l] >= 0) {
+            /* nowait: h is next written by this layer's first residual, three barriers on */
+            float *c = captured + capture_at[l] * T * D;
+#pragma omp for schedule(static) nowait
+            for (long i = 0; i < T * D; i++) c[i] = h[i];
         }
-        PROF_MARK(P_ROPE);
-        TEAM_PHASE();
-        if (table) {
-#pragma omp for schedule(dynamic)
-            for (long task = 0; task < groups * H; task++) {
-                long gi = task / H, t0 = toks[group_start[gi]];
-                if (group_runs[gi] == 1)     /* one row's few tokens: its run as before */
-                    attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[t0], t0,
-                               t0 + group_start[gi + 1] - group_start[gi], (int)(task % H), H,
-                               Hkv, hd, S, L, window, table, table_width, block);
-                else
-                    attend_group(q, kc, vc, att, scores, pos, slot, parent, rows,
-                                 toks + group_start[gi], group_start[gi + 1] - group_start[gi],
-                                 (int)(task % H), H, Hkv, hd, L, window, table, table_width,
-                                 block);
-            }
-        } else {
-#pragma omp for schedule(static)
-            for (long task = 0; task < runs * H; task++) {
-                long r = task / H;
-                int hh = (int)(task % H);
-                attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[run_start[r]],
-                           run_start[r], run_start[r + 1], hh, H, Hkv, hd, S, L, window, table,
-                           table_width, block);
-            }
-        }
-        PROF_MARK(P_ATTN);
-        mlp_team(att, h, h, wo, n2, wg, wu, wd, x, g, u, o, T, D, qd, F, eps);
+        STAGGER_LAYER(l);
+        layer_team(&P, h, weights + 14L * l, kc[l], vc[l], windows[l], scratch);
+        if (l == layers - 1) STAGGER_LAYER(0);
     }
     PROF_MARK(P_DOWN);
     return 0;

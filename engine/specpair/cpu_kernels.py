@@ -97,10 +97,22 @@ def library() -> ctypes.CDLL | None:
                                           ctypes.c_long, ctypes.c_long] + [p] * 9
                                          + [p] * 5 + [ctypes.c_long, p, i])
     lib.specpair_llama_layer.restype = ctypes.c_int
+    _type_layers(lib)
     lib.specpair_max_tokens.restype = ctypes.c_int
     lib.specpair_max_head_dim.restype = ctypes.c_int
     use_library(lib)
     return lib
+
+
+def _type_layers(lib: ctypes.CDLL) -> None:
+    """Type specpair_llama_layers where the build has it (a bench's build of an older revision
+    may not: llama_layers is then refused, and its caller runs llama_layer a layer at a time)."""
+    if not hasattr(lib, "specpair_llama_layers"):
+        return
+    p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
+    lib.specpair_llama_layers.argtypes = ([p] * 5 + [n, n, i, i, i, n, f, p, p, p, p, n, p, n, n,
+                                           i, p, p, p, p, p, i])
+    lib.specpair_llama_layers.restype = ctypes.c_int
 
 
 def status() -> str:
@@ -141,6 +153,7 @@ def use_library(lib: ctypes.CDLL | None) -> None:
     global _LIB, MAX_TOKENS, MAX_HEAD_DIM
     _LIB = lib
     if lib is not None:
+        _type_layers(lib)
         MAX_TOKENS, MAX_HEAD_DIM = lib.specpair_max_tokens(), lib.specpair_max_head_dim()
 
 
@@ -230,6 +243,101 @@ def llama_layer(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, co
     if rc != 0:
         raise RuntimeError(f"specpair_llama_layer refused a step of {T} tokens (code {rc})")
     return h
+
+
+# A layer's tensors as specpair_llama_layers reads them: StaticLlama.layer_weights' nine, then
+# the LAYER_OPTIONS (None where the family lacks one).
+LAYER_TENSORS = 9 + len(LAYER_OPTIONS)
+
+
+class LayerStack:
+    """A model's decoder layers as one specpair_llama_layers call reads them: every layer's
+    tensors, cache and window in arrays of pointers built once (not per step: 30 calls' argument
+    conversion was the engine thread's alone), and the tensors themselves, so that a step can
+    ask whether any of them moved since (`current`: a weight's storage replaced, as the fixed
+    step's joined q|k|v does) and build the stack again."""
+
+    def __init__(self, weights, options, windows, caches):
+        """weights: per layer its nine tensors (StaticLlama.layer_weights); options: per layer
+        its LAYER_OPTIONS dict; windows: per layer a sliding window or None; caches: per layer
+        (keys, values), all of one shape."""
+        self.count = len(caches)
+        if not (len(weights) == len(options) == len(windows) == self.count >= 1):
+            raise ValueError(f"a layer stack of {len(weights)} weights, {len(options)} options, "
+                             f"{len(windows)} windows and {len(caches)} caches")
+        self.tensors = [t for w, o in zip(weights, options)
+                        for t in (*w, *(o.get(name) for name in LAYER_OPTIONS))]
+        self.caches = list(caches)
+        self._held = [t for t in self.tensors if t is not None] + [t for kv in self.caches for t in kv]
+        ptrs = lambda ts: [None if t is None else t.data_ptr() for t in ts]   # noqa: E731
+        self.weights = (ctypes.c_void_p * len(self.tensors))(*ptrs(self.tensors))
+        self.keys = (ctypes.c_void_p * self.count)(*ptrs(k for k, _ in self.caches))
+        self.values = (ctypes.c_void_p * self.count)(*ptrs(v for _, v in self.caches))
+        self.windows = (ctypes.c_long * self.count)(*[w or 0 for w in windows])
+        self.shape = self.caches[0][0].shape
+        self._pointers = self._now()
+        self._captures: dict[tuple[int, ...], ctypes.Array] = {}
+
+    def _now(self) -> list[int]:
+        return [t.data_ptr() for t in self._held]
+
+    def current(self) -> bool:
+        """Whether every tensor is where the arrays point (~30 us for a 30-layer model)."""
+        return self._now() == self._pointers
+
+    def capture_at(self, layers: tuple[int, ...]) -> ctypes.Array:
+        """[count] where each layer's input goes among the captured ones (-1: nowhere), for
+        the layers numbered in `layers` (a number past the last layer is not one: its output)."""
+        at = self._captures.get(layers)
+        if at is None:
+            taken = sorted(n for n in set(layers) if 0 <= n < self.count)
+            index = {n: j for j, n in enumerate(taken)}
+            at = self._captures[layers] = (ctypes.c_long * self.count)(
+                *[index.get(n, -1) for n in range(self.count)])
+        return at
+
+
+def layers_apply() -> bool:
+    """Whether the kernel in use runs several layers in one call (llama_layers)."""
+    return _LIB is not None and hasattr(_LIB, "specpair_llama_layers")
+
+
+def llama_layers(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, stack: LayerStack, eps: float, heads: int, kv_heads: int,
+                 head_dim: int, attend: int | None = None, scratch: torch.Tensor | None = None,
+                 slots: torch.Tensor | None = None, parents: torch.Tensor | None = None,
+                 table: torch.Tensor | None = None,
+                 capture: tuple[int, ...] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Every layer of `stack` over h [T, D] in one call (specpair_llama_layers), each as
+    llama_layer computes it (bitwise: the same output and cache writes as the calls a layer at
+    a time), h updated in place. Arguments as llama_layer's, the weights, options, windows and
+    caches the stack's. `capture`: layer numbers whose inputs to hand back, taken on the way
+    (StaticLlama.feature_layers; the layer count, the last output, is h itself). -> (h, the
+    captured inputs [T, D] each, in increasing layer order)."""
+    if not layers_apply():
+        raise RuntimeError("the kernel in use has no specpair_llama_layers")
+    T, D = h.shape
+    F_ = stack.tensors[4].shape[0]
+    if attend is None:
+        attend = int(positions.max()) + 1
+    if scratch is None:
+        scratch = layer_scratch(T, D, heads, kv_heads, head_dim, F_, attend)
+    if table is not None and (table.dtype != torch.long or not table.is_contiguous()):
+        raise ValueError(f"llama_layers' block table must be contiguous int64, not {table.dtype}")
+    at = stack.capture_at(tuple(capture)) if capture else None
+    taken = sum(1 for n in set(capture or ()) if 0 <= n < stack.count)
+    captured = h.new_empty(taken, T, D) if taken else None
+    S = stack.shape[0] if table is not None else stack.shape[2]
+    ptr = lambda t: None if t is None else t.data_ptr()   # noqa: E731
+    rc = _LIB.specpair_llama_layers(
+        ptr(h), ptr(rows), ptr(positions), ptr(slots), ptr(parents), T, D, heads, kv_heads,
+        head_dim, F_, eps, ptr(cos), ptr(sin), stack.keys, stack.values, S, ptr(table),
+        0 if table is None else table.shape[1], stack.shape[2] if table is not None else 0,
+        stack.count, stack.weights, stack.windows, at, ptr(captured), ptr(scratch),
+        torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"specpair_llama_layers refused a step of {T} tokens (code {rc})")
+    return h, list(captured) if captured is not None else []
 
 
 if __name__ == "__main__":     # warm the build (e.g. in an image) and say what happened

@@ -145,6 +145,17 @@ class PagedLayers:
         # is never read: `lazy` leaves the pages untouched until then.
         make = torch.empty if lazy else torch.zeros
         self.caches = [(make(shape), make(shape)) for _ in range(r.layer_count)]
+        self._stack: cpu_kernels.LayerStack | None = None
+
+    def stack(self) -> cpu_kernels.LayerStack:
+        """The layers and caches as one C call runs them all (cpu_kernels.llama_layers): built
+        once, and again only where a weight's storage moved since."""
+        if self._stack is None or not self._stack.current():
+            r = self.runner
+            self._stack = cpu_kernels.LayerStack(
+                [r.layer_weights(layer) for layer in r.model.model.layers], r.options, r.windows,
+                self.caches)
+        return self._stack
 
 
 class PagedSpace:
@@ -379,6 +390,7 @@ class PagedKVModel(KVCache):
         if layers is None:
             raise SpecpairError("this block pool holds no draft model's keys and values")
         self.runner = layers.runner
+        self.plane = layers
         self.vocab_size = vocab_size
         self.pool = self.space.pool
         self.caches = layers.caches
@@ -533,15 +545,25 @@ class PagedKVModel(KVCache):
             reach = int(slot_t.max()) + 1
             scratch = cpu_kernels.layer_scratch(T, h.shape[1], r.heads, r.kv_heads, r.head_dim,
                                                 body.layers[0].mlp.gate_proj.weight.shape[0], reach)
-            taken = []
-            for index, (layer, (kc, vc), options, window) in enumerate(
-                    zip(body.layers, self.caches, r.options, r.windows)):
-                if layers and index in layers:
-                    taken.append(h.clone())          # the C layer writes h in place
-                cpu_kernels.llama_layer(h, row_t, pos_t, cos, sin, kc, vc, r.layer_weights(layer),
-                                        r.eps, r.heads, r.kv_heads, r.head_dim, reach, scratch,
-                                        slots=slots, parents=parent_t, options=options,
-                                        window=window, table=table)
+            if cpu_kernels.layers_apply():
+                # Every layer in one C call and one parallel region (issue 51): a layer's fork
+                # and join become one barrier, and no Python runs between layers. The inputs of
+                # an EAGLE-3 head's layers are copied out on the way.
+                h, taken = cpu_kernels.llama_layers(
+                    h, row_t, pos_t, cos, sin, self.plane.stack(), r.eps, r.heads, r.kv_heads,
+                    r.head_dim, reach, scratch, slots=slots, parents=parent_t, table=table,
+                    capture=layers)
+            else:      # a bench's build of an older kernel, with a layer a call only
+                taken = []
+                for index, (layer, (kc, vc), options, window) in enumerate(
+                        zip(body.layers, self.caches, r.options, r.windows)):
+                    if layers and index in layers:
+                        taken.append(h.clone())          # the C layer writes h in place
+                    cpu_kernels.llama_layer(h, row_t, pos_t, cos, sin, kc, vc,
+                                            r.layer_weights(layer), r.eps, r.heads, r.kv_heads,
+                                            r.head_dim, reach, scratch, slots=slots,
+                                            parents=parent_t, options=options, window=window,
+                                            table=table)
             outs.append(h)
             if hidden:     # as the contiguous cache hands them (kv.runner._with_features)
                 part = (torch.cat(taken + ([h] if r.layer_count in layers else []), dim=-1)

@@ -111,7 +111,7 @@ def staggered():
         src.write_text(f'#define SPECPAIR_STAGGER_US 2000\n#include "{cpu_kernels.SOURCE}"\n')
         lib, error = cpu_kernels.build_library(src, cpu_kernels.SOURCE)
         assert lib is not None, error
-    for name in ("specpair_small_linear", "specpair_llama_layer"):
+    for name in ("specpair_small_linear", "specpair_llama_layer", "specpair_llama_layers"):
         getattr(lib, name).argtypes = getattr(served, name).argtypes
         getattr(lib, name).restype = getattr(served, name).restype
     lib.specpair_max_tokens.restype = lib.specpair_max_head_dim.restype = ctypes.c_int
@@ -152,3 +152,108 @@ def test_the_staggered_build_holds_its_first_thread_back(staggered):
     finally:
         cpu_kernels.use_library(served)
     assert held >= 9 * 0.002, held      # at least nine phases of 2 ms (sleeps only add)
+
+
+# ---- A step's layers in one call (specpair_llama_layers) ------------------------------------
+
+def _stack_case(case: dict, gen: torch.Generator) -> tuple[list, list, list, list]:
+    """Three layers over `case`'s tokens: the case's own weights, then two more of the same
+    shapes; each its own cache (the case's, shifted per layer, so a layer reading another's
+    shows); windows differing by layer (a sliding window on one, none on another)."""
+    r = lambda *s: torch.randn(*s, generator=gen)   # noqa: E731
+    weights = [case["weights"]] + [[r(*w.shape) * 0.1 if w.dim() == 2 else 1 + 0.1 * r(*w.shape)
+                                     for w in case["weights"]] for _ in range(2)]
+    options = [case["options"] or {}] + [
+        {name: t + 0.05 * r(*t.shape) for name, t in (case["options"] or {}).items()}
+        for _ in range(2)]
+    windows = [case["window"], None, 24]
+    caches = [(case["kc"] + 0.5 * layer, case["vc"] - 0.25 * layer) for layer in range(3)]
+    return weights, options, windows, caches
+
+
+def _layer_by_layer(case: dict, stack: tuple, capture: tuple[int, ...]):
+    """The reference: llama_layer a layer a call, on one thread, each captured layer's input
+    cloned before it runs."""
+    weights, options, windows, caches = stack
+    caches = [(k.clone(), v.clone()) for k, v in caches]
+    h, taken = case["h"].clone(), []
+    reach = int((case["slots"] if case["slots"] is not None else case["positions"]).max()) + 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for layer in range(3):
+            if layer in capture:
+                taken.append(h.clone())
+            cpu_kernels.llama_layer(h, case["rows"], case["positions"], case["cos"], case["sin"],
+                                    *caches[layer], weights[layer], 1e-5, H, KV_HEADS, HD, reach,
+                                    slots=case["slots"], parents=case["parents"],
+                                    options=options[layer], window=windows[layer],
+                                    table=case["table"])
+    finally:
+        torch.set_num_threads(before)
+    return h, taken, caches
+
+
+def _one_call(case: dict, stack: tuple, capture: tuple[int, ...], threads: int):
+    weights, options, windows, caches = stack
+    caches = [(k.clone(), v.clone()) for k, v in caches]
+    reach = int((case["slots"] if case["slots"] is not None else case["positions"]).max()) + 1
+    scratch = cpu_kernels.layer_scratch(len(case["rows"]), D, H, KV_HEADS, HD, FFN, reach)
+    scratch.fill_(float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        h, taken = cpu_kernels.llama_layers(
+            case["h"].clone(), case["rows"], case["positions"], case["cos"], case["sin"],
+            cpu_kernels.LayerStack(weights, options, windows, caches), 1e-5, H, KV_HEADS, HD,
+            reach, scratch, slots=case["slots"], parents=case["parents"], table=case["table"],
+            capture=capture)
+    finally:
+        torch.set_num_threads(before)
+    return h, taken, caches
+
+
+@pytest.mark.parametrize("kind,tokens", CASES)
+def test_a_steps_layers_in_one_call_are_bitwise_a_layer_a_call(kind, tokens, staggered):
+    """Every layer's cache writes, the last output and the captured layer inputs (an EAGLE-3
+    head's features: layers 0 and 2 here; 3, the layer count, names the output, which is h)
+    equal llama_layer's a layer at a time, on 1 and 2 threads and in the held-back build."""
+    assert cpu_kernels.available(), cpu_kernels.status()
+    served = cpu_kernels.library()
+    gen = torch.Generator().manual_seed(tokens * 17 + len(kind))
+    case = _case(kind, tokens, gen)
+    stack = _stack_case(case, gen)
+    capture = (0, 2, 3)
+    expected = _layer_by_layer(case, stack, capture)
+    assert not expected[0].isnan().any() and len(expected[1]) == 2
+    runs = {"1 thread": _one_call(case, stack, capture, 1),
+            "2 threads": _one_call(case, stack, capture, 2)}
+    try:
+        cpu_kernels.use_library(staggered)
+        runs["2 threads, one held back"] = _one_call(case, stack, capture, 2)
+    finally:
+        cpu_kernels.use_library(served)
+    bits = lambda t: t.view(torch.int32)   # noqa: E731  (unused pool blocks hold NaN)
+    for name, (h, taken, caches) in runs.items():
+        assert torch.equal(bits(h), bits(expected[0])), f"{name}: output differs"
+        assert len(taken) == 2, name
+        for got, want in zip(taken, expected[1]):
+            assert torch.equal(bits(got), bits(want)), f"{name}: a captured input differs"
+        for layer, ((k, v), (k0, v0)) in enumerate(zip(caches, expected[2])):
+            assert torch.equal(bits(k), bits(k0)) and torch.equal(bits(v), bits(v0)), \
+                f"{name}: layer {layer}'s cache writes differ"
+
+
+def test_a_layer_stack_is_built_again_when_a_weight_moves():
+    """The stack's pointer arrays are built once; a weight whose storage is replaced (as the
+    fixed step's joined q|k|v replaces it) makes it stale (paged_cache.PagedLayers.stack then
+    builds it again); a stack's lists must agree in length."""
+    gen = torch.Generator().manual_seed(5)
+    case = _case("decode", 2, gen)
+    weights, options, windows, caches = _stack_case(case, gen)
+    stack = cpu_kernels.LayerStack(weights, options, windows, caches)
+    assert stack.current()
+    weights[1][0].data = weights[1][0].clone()
+    assert not stack.current()
+    with pytest.raises(ValueError, match="a layer stack of 3 weights"):
+        cpu_kernels.LayerStack(weights, options, windows, caches[:2])
