@@ -57,7 +57,8 @@ TARGET_RUNNING, BURST_STREAMS = 3, 9
 # here take TRICKLE_POSITIONS): the scale-down must find a request running on a pod it removes.
 MAX_NEW_TOKENS, TRICKLE_NEW_TOKENS, TRICKLE_POSITIONS = 400, 1000, 1100
 # Seconds, for a test: KEDA's own polling and the HPA's scale-down window (production: 30 s, 300 s).
-POLLING, SCALE_DOWN_WINDOW = 1, 5
+# The window is HELD_WINDOW until a trickle request runs on each pod (the test's own doing, below).
+POLLING, SCALE_DOWN_WINDOW, HELD_WINDOW = 1, 5, 600
 # One golden prompt of 4 tokens (the gate generates each some thirty times in its k sweep): the gate
 # must pass (greedy identity), and nothing here reads its numbers.
 GATE_TOKENS = 4
@@ -98,6 +99,7 @@ class Load:
         self.done: list[tuple[str, float, float]] = []   # (pod, started, ended) on time.monotonic()
         self.failed: list[tuple[str, str]] = []          # (pod, what went wrong)
         self.refused: list[str] = []                     # pods that refused a request while draining
+        self.sticky_running: dict[int, str] = {}         # sticky stream -> the pod its request runs on now
         self.closing = threading.Event()
         self.threads: list[tuple[threading.Thread, threading.Event]] = []
         for loop in (self._list, self._watch):
@@ -141,7 +143,11 @@ class Load:
                         client = openai.OpenAI(base_url=f"http://{address.rsplit(':', 1)[0]}:{HTTP_PORT}/v1",
                                                api_key="none", max_retries=0, timeout=60)
                     own = pod
-                    self._complete(client, pod, index, max_new_tokens)
+                    self.sticky_running[index] = pod
+                    try:
+                        self._complete(client, pod, index, max_new_tokens)
+                    finally:
+                        self.sticky_running.pop(index, None)
                 else:
                     self._generate(pod, address, index, max_new_tokens)
                 if sticky and pod in self.refused:
@@ -312,7 +318,7 @@ def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devclust
                                   "minReplicas": 1, "maxReplicas": 3, "metric": "runningRequests",
                                   "target": TARGET_RUNNING, "prometheusAddress": prom.url,
                                   "pollingIntervalSeconds": POLLING,
-                                  "scaleDownStabilizationSeconds": SCALE_DOWN_WINDOW}}}})
+                                  "scaleDownStabilizationSeconds": HELD_WINDOW}}}})
         served = wait("v1 serving on 1 pod", lambda: serving_on(1), timeout=300)
         history = served["status"].get("history")
         drift_version = str((served["status"].get("drift") or {}).get("version", ""))
@@ -344,19 +350,35 @@ def test_keda_scales_a_served_pair_up_under_load_and_back_down_draining(devclust
             specs.append(pair()["spec"]["rollout"].get("replicas"))
             return serving_on(3)
         up = wait("scaled to 3 and serving v1 on 3 pods", scaled_up, timeout=120)
-        # The HPA scaled the pair itself (its scale subresource: spec.rollout.replicas) to 3. By the
-        # read where 3 pods serve, a slow machine's HPA may already have turned it down again.
+        # The HPA scaled the pair itself (its scale subresource: spec.rollout.replicas) to 3.
         assert max(r or 0 for r in specs) == 3, specs
         assert read_metric() > 0
         # Scaling is not a release: no gate, no history entry, the same release watched for drift.
         assert up["status"].get("history") == history
         assert str((up["status"].get("drift") or {}).get("version", "")) == drift_version
-        burst.set()
+        # Each pod the scale-down removes must be running a request when told to stop: a trickle
+        # stream on each pod first, then the scale-down. The trickle streams take one pod each from
+        # the client's own list of ready pods (listed every LIST_SECONDS, later on a loaded
+        # machine), so that list holds the three pods first; and until each stream has a request
+        # running on its pod the HPA's window is HELD_WINDOW: a burst whose clients a loaded machine
+        # slows reads fewer running requests, which a 5 s window can act on before the trickle runs.
+        # (CI at stop 67, with both left to chance: neither removed pod had a request running.) Then
+        # the burst ends and the window is SCALE_DOWN_WINDOW again: the HPA wants one replica.
+        wait("the client listing the 3 pods", lambda: len(load.ready) == 3, timeout=60)
         load.run(3, TRICKLE_NEW_TOKENS, sticky=True)
-        down = wait("scaled back to 1", lambda: serving_on(1), timeout=120)
+        wait("a trickle request running on each of the 3 pods",
+             lambda: len(set(dict(load.sticky_running).values())) == 3, timeout=120)
+        assert not load.deleted_at, load.deleted_at
+        burst_ended = time.monotonic()
+        burst.set()
+        kube.patch(PAIR_API, "SpecModelPair", namespace, PAIR, {"spec": {"rollout": {"autoscaling": {
+            "scaleDownStabilizationSeconds": SCALE_DOWN_WINDOW}}}})
+        down = wait("scaled back to 1", lambda: serving_on(1), timeout=180)
         deleted_at = dict(load.deleted_at)
         assert down["status"].get("history") == history
         load.stop_all()
+        trickle = sorted(round(ended - started, 1) for _, started, ended in load.done if started > burst_ended)
+        log(f"trickle requests served: {len(trickle)}, seconds each {trickle}")
         log(f"{len(load.done)} requests served, {len(load.failed)} failed, {len(load.refused)} refused by a "
             f"draining pod and retried on another {sorted(set(load.refused))}")
 
