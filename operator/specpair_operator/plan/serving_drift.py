@@ -152,7 +152,8 @@ def _rollback(out: _Steps, champion: str, reason: str, marked: bool = False) -> 
         out.add(SetAlias(move.alias, move.version))
     out.add(Record("RolledBack", reason, champion, target, warning=True, key=champion),
             ForgetDrift(),
-            SetStatus(fresh_release_fields(w.status, target)),
+            # (servingHealth as this pass left it: a baseline its check measured stays)
+            SetStatus(fresh_release_fields({**w.status, **out.fields}, target)),
             SetStatus({"speculationEnabled": True}),
             SetStatus(serving_versions({**al, aliases_mod.CHAMPION: target})),
             Report("reconciling", "RollingOut", "RolledBack", f"rolling back to v{target}", ready_message=reason))
