@@ -202,12 +202,13 @@ def test_a_failed_rollout_rolls_back_to_the_previous_release():
     w = dataclasses.replace(w, deployment=deployment(w, available=False, conditions=[
         {"type": "Progressing", "reason": "ProgressDeadlineExceeded", "message": "crash looping"}]))
     steps = sp.plan_serving(w)
-    assert kinds(steps)[-9:] == ["Condition Drifted=True RolledBack", "TagVersion v2 specpair.rolled_back",
-                                 "SetAlias champion=1", "Record RolledBack", "ForgetDrift", "SetStatus drift,live",
-                                 "SetStatus speculationEnabled", "SetStatus previousVersion,servingVersion",
+    assert kinds(steps)[-8:] == ["Condition Drifted=True RolledBack", "TagVersion v2 specpair.rolled_back",
+                                 "SetAlias champion=1", "Record RolledBack", "ForgetDrift",
+                                 "SetStatus drift,live,speculationEnabled", "SetStatus previousVersion,servingVersion",
                                  "Report reconciling RollingOut/RolledBack"]
     # The drift fields are v1's from here, fresh: the RolledBack condition says why v1 serves.
-    assert steps[-4].fields["drift"]["version"] == "1" and steps[-4].fields["live"]["trafficShift"] == {}
+    assert steps[-3].fields["drift"]["version"] == "1" and steps[-3].fields["live"]["trafficShift"] == {}
+    assert steps[-3].fields["speculationEnabled"] is True
     assert steps[-1].ready_message == "rollout of v2 failed: rollout failed: crash looping"
     rolled = next(s for s in steps if isinstance(s, rs.Record) and s.action == "RolledBack")
     assert metrics.rollback_cause(rolled.reason) == "rollout", rolled.reason
@@ -820,6 +821,7 @@ def test_a_new_champion_is_not_judged_by_the_drift_verdict_of_the_release_it_rep
         said.append(drifted.get("message"))
         seen.append(((drifted.get("status"), drifted.get("reason")),
                      (status["drift"].get("version"), status["drift"].get("stepsTaken")), status["live"]["trafficShift"]))
+        assert status["speculationEnabled"] is True, "v2's ladder turned speculation off, not v3's"
         if drifted.get("reason") == "WithinBaseline":
             break
     assert seen[0] == (("Unknown", "NotJudgedYet"), ("3", 0), {}), seen

@@ -72,9 +72,11 @@ NOT_JUDGED = "NotJudgedYet"
 def fresh_release_fields(status: Mapping[str, Any], champion: str) -> dict[str, Any]:
     """The drift fields of a release no drift check has judged yet: status.drift with its ladder
     at the start (`version` names the release the drift fields and the Drifted condition
-    describe), no live windows or traffic shift counts, and servingHealth with its baselines (kept
-    per release: a rollback compares them) but not the last release's streaks and verdicts."""
+    describe), speculation on (no step of its ladder turned it off: status_speculation), no live
+    windows or traffic shift counts, and servingHealth with its baselines (kept per release: a
+    rollback compares them) but not the last release's streaks and verdicts."""
     fields: dict[str, Any] = {"drift": {**drift_mod.DriftState().as_dict(), "version": str(champion), "probing": False},
+                              "speculationEnabled": True,
                               "live": {"acceptance": {}, "draftedTokens": {}, "trafficShift": {}}}
     if status.get("servingHealth"):
         fresh = serving_health.ServingState.for_release(dict(status["servingHealth"]), champion)
@@ -154,7 +156,6 @@ def _rollback(out: _Steps, champion: str, reason: str, marked: bool = False) -> 
             ForgetDrift(),
             # (servingHealth as this pass left it: a baseline its check measured stays)
             SetStatus(fresh_release_fields({**w.status, **out.fields}, target)),
-            SetStatus({"speculationEnabled": True}),
             SetStatus(serving_versions({**al, aliases_mod.CHAMPION: target})),
             Report("reconciling", "RollingOut", "RolledBack", f"rolling back to v{target}", ready_message=reason))
 
