@@ -5,7 +5,6 @@ its failure reason), and a vLLM pod or gate Job on the CPU binds each rank to it
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -75,12 +74,12 @@ def test_the_gate_fails_a_split_the_heads_do_not_allow_before_starting_vllm(tiny
                                               "target": {"source": target}, "draft": {"drafter": "ngram"},
                                               "parallelism": {"tensor": 2}}, PROMPTS)
     monkeypatch.setenv("SPECPAIR_VLLM_PYTHON", "/nonexistent/python")
-    started = time.monotonic()
     verdict, golden = run_gate(rel, progress=lambda *_: None)
+    # The split is the only reason (a server started from the python named above would have failed
+    # with its own), with no golden outputs: said before any vLLM server starts.
     assert verdict["passed"] is False and golden == []
     assert verdict["reasons"] == ["parallelism.tensor 2 does not divide the target's 9 attention heads: vLLM splits "
                                   "them evenly over its tensor-parallel ranks; use a tensor size that divides 9"]
-    assert time.monotonic() - started < 60
 
 
 MLA = {"model_type": "deepseek_v3", "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 512}
