@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """A whole SmolLM2-shaped CPU step through cpu_kernels.c (30 layers and the LM head), a git
-revision's kernel (A) against the working tree's (B), alternated step by step in one process:
+revision's kernel (A) against the working tree's (B, its 30 layers in one call where it has
+specpair_llama_layers), alternated step by step in one process:
 the CPU time of a decode step of 32 rows sharing a 1,696-position prompt by reference (paged,
 issue 51's load) and of a k=5 verification (one row, 6 tokens at position 300; issue 52's
 chains), and whether B's logits are bitwise A's. Per step also its wall time and, from /proc
@@ -9,6 +10,7 @@ ms asleep and sleeps (an OpenMP thread asleep at a barrier, its spin run out): c
 machine changes little, where wall times are only worth their load.
 
     python bench/cpu_step_ab.py --base 75a0615 --steps 9
+    python bench/cpu_step_ab.py --a-layer-a-call     # the same kernel, 30 calls against one
     GOMP_SPINCOUNT=2000 python bench/cpu_step_ab.py --threads 2 ...   # as served
 
 Random weights (30 copies of a layer's, ~109 MB: from memory as in a real step, with the
@@ -50,15 +52,28 @@ def verification_case(shape: dict, tokens: int, start: int, gen: torch.Generator
                 sin=r(tokens, hd), kc=r(1, Hkv, S, hd), vc=r(1, Hkv, S, hd), table=None)
 
 
-def step(lib, case: dict, layers: list, head: torch.Tensor, shape: dict) -> tuple[dict, torch.Tensor]:
-    """One step: (its seconds: CPU, wall, and per thread, asleep and times asleep; logits)."""
+def step(lib, case: dict, layers: list, head: torch.Tensor, shape: dict,
+         one_call: bool = True) -> tuple[dict, torch.Tensor]:
+    """One step: (its seconds: CPU, wall, and per thread, asleep and times asleep; logits).
+    A kernel with specpair_llama_layers runs the 30 layers in one call (as
+    paged_cache.PagedKVModel.extend does) unless `one_call` is off; an older one a layer a call."""
     ck.use_library(lib)
     h = case["h"].clone()
+    stack = None
+    if one_call and ck.layers_apply():       # built once a model in the engine: not timed
+        if "stack" not in case:
+            case["stack"] = ck.LayerStack(layers, [{}] * len(layers), [None] * len(layers),
+                                          [(case["kc"], case["vc"])] * len(layers))
+        stack = case["stack"]
     before, wall, cpu = thread_clocks(), time.perf_counter(), time.process_time()
-    for weights in layers:
-        ck.llama_layer(h, case["rows"], case["positions"], case["cos"], case["sin"], case["kc"],
-                       case["vc"], weights, 1e-5, shape["H"], shape["Hkv"], shape["hd"],
-                       table=case["table"])
+    if stack is not None:
+        ck.llama_layers(h, case["rows"], case["positions"], case["cos"], case["sin"], stack,
+                        1e-5, shape["H"], shape["Hkv"], shape["hd"], table=case["table"])
+    else:
+        for weights in layers:
+            ck.llama_layer(h, case["rows"], case["positions"], case["cos"], case["sin"],
+                           case["kc"], case["vc"], weights, 1e-5, shape["H"], shape["Hkv"],
+                           shape["hd"], table=case["table"])
     logits = ck.linear(h, head)
     cpu, wall, after = time.process_time() - cpu, time.perf_counter() - wall, thread_clocks()
     return dict(cpu=cpu, wall=wall, **threads_apart(before, after, wall)), logits
@@ -89,6 +104,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--a-layer-a-call", action="store_true",
+                    help="A is the working tree's kernel a layer a call, B the same in one call "
+                         "(--base unused): the one call's effect alone")
     args = ap.parse_args(argv)
     assert ck.available(), ck.status()
     torch.set_num_threads(args.threads)
@@ -101,13 +119,17 @@ def main(argv=None) -> int:
     report = {"base": args.base, "threads": args.threads, "load_start": os.getloadavg(),
               "cases": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"A": _typed(build_at(args.base, Path(tmp))), "B": _typed(ck.library())}
+        base = ck.library() if args.a_layer_a_call else build_at(args.base, Path(tmp))
+        libs = {"A": _typed(base), "B": _typed(ck.library())}
+        if args.a_layer_a_call:
+            report["base"] = "the working tree, a layer a call"
         for name, case in cases.items():
             taken = {k: [] for k in libs}
             logits = {}
             for i in range(args.steps):
                 for k in (list(libs) if i % 2 == 0 else list(reversed(libs))):
-                    seconds, logits[k] = step(libs[k], case, layers, head, shape)
+                    seconds, logits[k] = step(libs[k], case, layers, head, shape,
+                                              one_call=not (args.a_layer_a_call and k == "A"))
                     taken[k].append(seconds)
             row = {}
             for k, steps in taken.items():
