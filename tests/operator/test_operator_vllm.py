@@ -337,8 +337,9 @@ def keda_scales_the_pair_on_vllms_own_series(ns, name: str, streams: Streams, pr
     def full_acceptance() -> bool:
         assert not streams.failed, streams.failed[:3]
         # ~4 in the pod (k 3); 2.5 keeps 4 waiting under the target (1.6). Until Prometheus has
-        # the live acceptance a step counts one token (`or vector(1)`): KEDA must not read that.
-        return (value(per_step) or 0) >= 2.5
+        # the live acceptance a step counts one token (`or vector(1)`): KEDA must not read that
+        # (full_acceptance_settled says why it asks every second of a stretch).
+        return full_acceptance_settled(prom, per_step)
     prom.wait_for("tokens per step at full acceptance, from vLLM's counters", full_acceptance, timeout=600)
     # Each signal's vLLM series, as the operator would query it, is there on the real pod.
     found = prom.wait_for("every signal's vLLM series", lambda: all(prom.query(q) for q in queries.values()),
@@ -425,6 +426,25 @@ def held_under_the_target(ns, sample: Callable[[], dict[str, Any]], seconds: flo
     readings = [s["effective"] for s in good if s["effective"] is not None]
     assert readings and max(readings) < EFFECTIVE_TARGET, good
     return good
+
+
+# KEDA asks Prometheus for the load at the current whole second (its prometheus scaler sends the
+# query's `time` truncated to seconds), and the HPA scales up on its very first reading. Tokens a
+# step (the query's divisor) exists only once a pod's counters have two scrapes of its steps (the
+# engine makes a counter's series at its first increment), while its queue is there at once; until
+# then the query falls back to one token a step and reads the raw queue. CI at stop 67: the wait
+# below ended the first moment it read 2.5 tokens a step or more, the HPA's first reading was 4.0
+# (the queue of 4 over one token) and scaled the pair out, every later one 0.375 (0.75 over two).
+# So the wait asks full acceptance at every whole second of the last ACCEPTANCE_SETTLED_SECONDS.
+ACCEPTANCE_SETTLED_SECONDS, FULL_ACCEPTANCE = 15, 2.5
+
+
+def full_acceptance_settled(prom, per_step: str) -> bool:
+    """Whether `per_step` (the pair's tokens a step) read FULL_ACCEPTANCE or more at each second of
+    the last ACCEPTANCE_SETTLED_SECONDS (absent at one of them: no)."""
+    got = prom.query(f"min_over_time((({per_step}) >= {FULL_ACCEPTANCE} or vector(0))"
+                     f"[{ACCEPTANCE_SETTLED_SECONDS}s:1s])")
+    return bool(got) and float(got[0]["value"][1]) >= FULL_ACCEPTANCE
 
 
 def hpa_value(ns) -> float | None:
@@ -579,12 +599,12 @@ def test_effective_load_scales_a_pair_out_when_its_acceptance_collapses_before_i
         streams = Streams(ns.cluster, ns.name, name, "unused", http_port=manifests.HTTP_PORT)
         try:
             streams.run(CAPACITY_STREAMS, model=name, temperature=0, **CAPACITY_REQUEST)
-            # Prometheus has the live acceptance before KEDA first asks: without it, a step counts
-            # one token (`or vector(1)`).
+            # Prometheus has the live acceptance before KEDA first asks, at whatever second it asks
+            # (full_acceptance_settled): without it, a step counts one token (`or vector(1)`).
             def full_acceptance() -> bool:
                 assert not streams.failed, streams.failed[:3]
                 # ~3 in the pod (k 3: at most 4); 2.5 keeps 4 waiting under the target (1.6).
-                return (value(per_step) or 0) >= 2.5
+                return full_acceptance_settled(prom, per_step)
             prom.wait_for("tokens per step at full acceptance", full_acceptance, timeout=600)
             ns.patch("specpair.io/v1alpha1", "SpecModelPair", name, {"spec": {"rollout": {"autoscaling": {
                 "minReplicas": 1, "maxReplicas": 2, "metric": "effectiveLoad", "target": EFFECTIVE_TARGET,
