@@ -80,9 +80,9 @@ NO_ROLLBACK = {"type": "Drifted", "status": "True", "reason": ROLLBACK_WOULD_NOT
 NEW_RELEASE = [
     ("v3 promoted over the drifted v2: not judged yet, v3's fields fresh",
      {"drift": V2_DRIFT, "servingHealth": V2_HEALTH, "conditions": [NO_ROLLBACK]}, "3",
-     ({"drift", "live", "servingHealth", "speculationEnabled"}, ("Unknown", NOT_JUDGED))),
+     ({"acceptance", "drift", "live", "servingHealth", "speculationEnabled"}, ("Unknown", NOT_JUDGED))),
     ("v2's fields without a Drifted condition: fresh fields, no condition",
-     {"drift": V2_DRIFT}, "3", ({"drift", "live", "speculationEnabled"}, None)),
+     {"drift": V2_DRIFT}, "3", ({"acceptance", "drift", "live", "speculationEnabled"}, None)),
     ("the drift fields are the champion's own: nothing",
      {"drift": V2_DRIFT, "conditions": [NO_ROLLBACK]}, "2", None),
     ("a pair never checked: nothing stale",

@@ -204,7 +204,7 @@ def test_a_failed_rollout_rolls_back_to_the_previous_release():
     steps = sp.plan_serving(w)
     assert kinds(steps)[-8:] == ["Condition Drifted=True RolledBack", "TagVersion v2 specpair.rolled_back",
                                  "SetAlias champion=1", "Record RolledBack", "ForgetDrift",
-                                 "SetStatus drift,live,speculationEnabled", "SetStatus previousVersion,servingVersion",
+                                 "SetStatus acceptance,drift,live,speculationEnabled", "SetStatus previousVersion,servingVersion",
                                  "Report reconciling RollingOut/RolledBack"]
     # The drift fields are v1's from here, fresh: the RolledBack condition says why v1 serves.
     assert steps[-3].fields["drift"]["version"] == "1" and steps[-3].fields["live"]["trafficShift"] == {}
@@ -830,6 +830,21 @@ def test_a_new_champion_is_not_judged_by_the_drift_verdict_of_the_release_it_rep
     assert all(reason == ("Unknown", "NotJudgedYet") for reason, _, _ in seen[:-1]), seen
     assert all(d == ("3", 0) and "creative" not in shift for _, d, shift in seen), seen
     assert cl.w.status["speculationEnabled"] is True and [a for a, _ in cl.history] == ["RolloutStarted"], cl.history
+
+
+def test_after_a_rollback_the_acceptance_column_is_the_restored_release_s_not_the_one_rolled_back():
+    """status.acceptance (the printer column: live acceptance, the gated one before traffic) read
+    v2's last live window (0.2) under servingVersion 1 from the rollback until v1's first judged
+    window: the serving plan resets it only when servingVersion changes, which the rollback's own
+    pass had written already."""
+    cl, after = ladder_start(), []
+    for steps, status in run_passes(cl, 40):
+        if after or any(isinstance(s, rs.Record) and s.action == "RolledBack" for s in steps):
+            after.append((status["servingVersion"], status.get("acceptance"), status["drift"].get("version")))
+        if len(after) == 3:
+            break
+    assert [v for v, _, _ in after] == ["1", "1", "1"], after
+    assert after[0][1] is None and after[1][1] == GOOD["acceptanceRate"], after   # v1's gated, until it is judged
 
 
 JOURNEYS = [

@@ -73,10 +73,11 @@ def fresh_release_fields(status: Mapping[str, Any], champion: str) -> dict[str, 
     """The drift fields of a release no drift check has judged yet: status.drift with its ladder
     at the start (`version` names the release the drift fields and the Drifted condition
     describe), speculation on (no step of its ladder turned it off: status_speculation), no live
-    windows or traffic shift counts, and servingHealth with its baselines (kept per release: a
-    rollback compares them) but not the last release's streaks and verdicts."""
+    acceptance (the printer column's: serving_plan shows the gated one until a window is judged),
+    no live windows or traffic shift counts, and servingHealth with its baselines (kept per
+    release: a rollback compares them) but not the last release's streaks and verdicts."""
     fields: dict[str, Any] = {"drift": {**drift_mod.DriftState().as_dict(), "version": str(champion), "probing": False},
-                              "speculationEnabled": True,
+                              "speculationEnabled": True, "acceptance": None,
                               "live": {"acceptance": {}, "draftedTokens": {}, "trafficShift": {}}}
     if status.get("servingHealth"):
         fresh = serving_health.ServingState.for_release(dict(status["servingHealth"]), champion)

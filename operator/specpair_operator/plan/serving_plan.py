@@ -76,9 +76,10 @@ def plan_serving(w: ServingWorld) -> tuple[Step, ...]:
     if isinstance(verdict.get("speedup"), (int, float)):
         out.add(SetStatus({"speedup": float(verdict["speedup"])}))
     out.add(ExportSpeedup(champion, verdict))
-    # Until live traffic has been measured, the printer column shows the gated acceptance.
+    # Until live traffic has been measured, the printer column shows the gated acceptance (a
+    # rollback leaves none: serving_drift.fresh_release_fields).
     if isinstance(verdict.get("acceptanceRate"), (int, float)) and \
-            (w.status.get("servingVersion") != champion or "acceptance" not in w.status):
+            (w.status.get("servingVersion") != champion or w.status.get("acceptance") is None):
         out.add(SetStatus({"acceptance": float(verdict["acceptanceRate"])}))
     state, msg = _engine(out, w, served)
     if state == "conflict":
