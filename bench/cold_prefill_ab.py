@@ -6,10 +6,13 @@ load; every run's tokens must equal the first's.
 
     python bench/cold_prefill_ab.py --rounds 3 --budgets 256 0
     python bench/cold_prefill_ab.py --idle-budgets 0 2048   # with nothing decoding: the old 256 a step vs now
+    python bench/cold_prefill_ab.py --prompt-scores off on   # the kernel without / with prompt_scores.h
 
 --budgets sets Batch.prefill_budget (0: whole prompts); --idle-budgets sets
 decoding.PREFILL_IDLE_TOKEN_BUDGET (what a step feeds with no row decoding; 0: the budget, as
-before 78ddb20).
+before 78ddb20); --prompt-scores builds the served kernel source twice (bench/prompt_scores_ab.py:
+off, attend_group's own score loop; on, the keys transposed once for the group) and alternates
+the two builds under the same engine.
 """
 
 from __future__ import annotations
@@ -52,14 +55,26 @@ def main() -> int:
     parser.add_argument("--budgets", type=int, nargs="+", help="prefill budgets (0: whole prompts)")
     parser.add_argument("--idle-budgets", type=int, nargs="+",
                         help="PREFILL_IDLE_TOKEN_BUDGET values (0: the prefill budget, as before)")
+    parser.add_argument("--prompt-scores", nargs="+", choices=["off", "on"],
+                        help="kernel builds to alternate (bench/prompt_scores_ab.py)")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     args = parser.parse_args()
-    from specpair import decoding
+    from specpair import cpu_kernels, decoding
 
     engine = load_engine(args.target, [])
+    libs = {}
+    if args.prompt_scores:
+        import tempfile
+
+        from prompt_scores_ab import OFF, build, wired
+        text = wired(cpu_kernels.SOURCE.read_text())
+        holder = tempfile.TemporaryDirectory(prefix="cold_prefill_ab")    # removed at exit
+        libs = {k: build(text, Path(holder.name), k, *([OFF] if k == "off" else [])) for k in args.prompt_scores}
     ids = engine.encode([{"role": "system", "content": system_prompt(args.shared_prefix)},
                          {"role": "user", "content": "Request 0: which setting matters most, and why?"}], chat=True)
-    if args.idle_budgets:
+    if args.prompt_scores:
+        settings = [("scores", b) for b in args.prompt_scores]
+    elif args.idle_budgets:
         settings = [("idle", b) for b in args.idle_budgets]
     else:
         settings = [("budget", b) for b in (args.budgets or [256, 0])]
@@ -70,7 +85,9 @@ def main() -> int:
         for kind, b in (settings if n % 2 == 0 else list(reversed(settings))):
             forget_prefixes(engine)
             saved = engine.prefill_budget
-            if kind == "idle":
+            if kind == "scores":
+                cpu_kernels.use_library(libs[b])
+            elif kind == "idle":
                 decoding.PREFILL_IDLE_TOKEN_BUDGET = b
             else:
                 engine.prefill_budget = b or None
