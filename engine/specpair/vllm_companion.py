@@ -124,8 +124,14 @@ def prepare(raw: bytes) -> Prepared:
     options = body.get("stream_options")
     client_usage = isinstance(options, dict) and options.get("include_usage") is True
     if stream and not client_usage:
-        body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-        raw = json.dumps(body).encode()
+        if "stream_options" not in body and raw[:1] == b"{" and b"\x00" not in raw[:4]:
+            # The usual case, a UTF-8 object without stream_options: the field goes in before its
+            # closing brace (the last "}" of the text), sparing a re-encoding of the whole body.
+            end = raw.rindex(b"}")
+            raw = raw[:end] + b', "stream_options": {"include_usage": true}' + raw[end:]
+        else:
+            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+            raw = json.dumps(body).encode()
     return Prepared(category, raw, stream, client_usage)
 
 
@@ -231,6 +237,10 @@ class SseScanner:
                     continue
             kept.append(event + b"\n\n")
         return b"".join(kept)
+
+    def pending(self) -> bool:
+        """Part of an event is held (the next bytes complete it)."""
+        return bool(self._pending)
 
     def rest(self) -> bytes:
         rest, self._pending = self._pending, b""
@@ -748,6 +758,16 @@ class _Relay:
                 read_final(reply, json.loads(b"".join(self.whole)), self.arrived, None, time.perf_counter())
         self._settle()
         self.conn.end()
+
+    def on_chunks(self, raw: bytes) -> bool:
+        """Whole chunks of a stream already started: passed on in vLLM's own framing, when they
+        end with a whole event, hold none the scanner must read (usage, error, [DONE]) and nothing
+        waits before them. Else False: they are decoded and scanned (on_body)."""
+        scanner = self.scanner
+        if (not self.started or scanner is None or scanner.pending() or not raw.endswith(b"\n\n\r\n")
+                or b'"usage"' in raw or b'"error"' in raw or b"[DONE]" in raw):
+            return False
+        return self.conn.write_framed(raw)
 
     def on_turn(self) -> None:
         """The end of one read from vLLM: what it gave the client is written now."""

@@ -100,11 +100,29 @@ _USAGE_EVENT = (b'data: {"id":"cmpl-9e2f","object":"text_completion","created":1
                 b'"num_draft_tokens":12,"num_spec_tokens":4}}}\n\n')
 
 
-def serve_replay(port: int, tokens: int = 8, gap_ms: float = 0.0, uds: str | None = None) -> None:
+def serve_replay(port: int, tokens: int = 8, gap_ms: float = 0.0, uds: str | None = None,
+                 steps: bool = False) -> None:
     """An HTTP server answering /v1/completions with vLLM's stream of `tokens` events (and its usage
     chunk where asked for): at once, or each event `gap_ms` after the last, as vLLM writes one
-    event a decoding step (then the companion relays each on its own); /health 200."""
+    event a decoding step (then the companion relays each on its own); /health 200. `steps`: the
+    gaps are one clock's for all streams, as vLLM's engine steps every running request together
+    (each step's events of all streams are written at once); else each stream's own."""
     from aiohttp import web
+
+    clock: dict[str, asyncio.Future] = {}
+
+    async def step_clock(app: web.Application) -> Any:
+        loop = asyncio.get_running_loop()
+        clock["step"] = loop.create_future()
+
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(gap_ms / 1000)
+                step, clock["step"] = clock["step"], loop.create_future()
+                step.set_result(None)
+        ticking = loop.create_task(tick())
+        yield
+        ticking.cancel()
 
     async def complete(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -112,7 +130,7 @@ def serve_replay(port: int, tokens: int = 8, gap_ms: float = 0.0, uds: str | Non
         await resp.prepare(request)
         for _ in range(int(body.get("max_tokens") or tokens)):
             if gap_ms:
-                await asyncio.sleep(gap_ms / 1000)
+                await (clock["step"] if steps else asyncio.sleep(gap_ms / 1000))
             await resp.write(_TOKEN_EVENT)
         if (body.get("stream_options") or {}).get("include_usage"):
             await resp.write(_USAGE_EVENT)
@@ -123,6 +141,8 @@ def serve_replay(port: int, tokens: int = 8, gap_ms: float = 0.0, uds: str | Non
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="")
     app = web.Application()
+    if steps and gap_ms:
+        app.cleanup_ctx.append(step_clock)
     app.router.add_post("/v1/completions", complete)
     app.router.add_get("/health", health)
     # `uds`: also on a Unix socket, where a pod's companion reaches its vLLM.
@@ -149,8 +169,8 @@ class ReplayServer:
     """serve_replay in a process of its own, with VllmServer's attributes the benchmark reads."""
     served_model_name = "peer"
 
-    def __init__(self, gap_ms: float = 0.0, uds: str | None = None):
-        self.gap_ms, self.uds = gap_ms, uds
+    def __init__(self, gap_ms: float = 0.0, uds: str | None = None, steps: bool = False):
+        self.gap_ms, self.uds, self.steps = gap_ms, uds, steps
 
     def __enter__(self) -> "ReplayServer":
         import urllib.request
@@ -161,6 +181,7 @@ class ReplayServer:
         self.proc = subprocess.Popen([sys.executable, "-m", "specpair.vllm_companion_bench", "--model", "-",
                                       "--serve-replay", str(self.port),
                                       "--replay-gap-ms", str(self.gap_ms),
+                                      *(["--replay-steps"] if self.steps else []),
                                       *(["--serve-replay-uds", self.uds] if self.uds else [])],
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 60
@@ -195,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="upstream: vLLM's captured stream replayed at once, not vLLM (the companion's own cost)")
     ap.add_argument("--replay-gap-ms", type=float, default=0.0,
                     help="--replay: milliseconds between the stream's events (vLLM's decoding steps); 0: at once")
+    ap.add_argument("--replay-steps", action="store_true",
+                    help="--replay with a gap: one step clock for all streams, as vLLM's engine steps every "
+                         "running request together (a step's events of all streams come at once); else each "
+                         "stream keeps its own gaps")
     ap.add_argument("--uds", action="store_true",
                     help="--replay: the companion reaches the upstream on a Unix socket, as in a pod (the "
                          "direct arm stays on TCP)")
@@ -202,13 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-replay-uds", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve_replay:
-        serve_replay(args.serve_replay, gap_ms=args.replay_gap_ms, uds=args.serve_replay_uds)
+        serve_replay(args.serve_replay, gap_ms=args.replay_gap_ms, uds=args.serve_replay_uds, steps=args.replay_steps)
         return 0
 
     spec = speculative_config({"draft": {"drafter": "ngram"}, "speculation": {"k": 4}})
     import tempfile
     uds = os.path.join(tempfile.mkdtemp(prefix="specpair-bench-"), "vllm.sock") if args.replay and args.uds else None
-    server = (ReplayServer(args.replay_gap_ms, uds) if args.replay else
+    server = (ReplayServer(args.replay_gap_ms, uds, args.replay_steps) if args.replay else
               VllmServer(args.vllm_python or default_python(), args.model, speculative=spec, start_timeout=600,
                          extra_args=[*VLLM_PER_REQUEST_FLAGS, *VLLM_SPEC_DECODE_FLAGS]))
     results: dict[str, Any] = {"direct": [], "companion": []}
@@ -245,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             companion.wait(30)
     summary: dict[str, Any] = {"upstream": "replay" if args.replay else "vllm",
                                "replay_gap_ms": args.replay_gap_ms if args.replay else None,
+                               "replay_clock": ("steps" if args.replay_steps else "per stream") if args.replay else None,
                                "companion_upstream": "unix socket" if uds else "tcp",
                                "event_loop": _loop_name(), "rate": args.rate, "seconds_per_phase": args.seconds, "rounds": args.rounds,
                                "max_tokens": args.max_tokens, "cpus": os.cpu_count(),

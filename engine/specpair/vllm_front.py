@@ -155,6 +155,27 @@ class ChunkedReader:
         """Bytes past the body's end (a pipelined reply: none from vLLM)."""
         return self._buf
 
+    def whole_chunks(self, data: bytes) -> bool:
+        """Whether `data` is whole chunks only (no extensions, not the last chunk) and the reader
+        sits at a chunk's start: then it is left as it is, unread (else `feed` it). A streamed
+        event as vLLM writes it is one such chunk (a few, where the loop was late to read them):
+        passed on in its own framing, it is neither decoded nor framed again."""
+        if self._buf or self._left or self._crlf or self._trailers or self.done:
+            return False
+        pos, n = 0, len(data)
+        while pos < n:
+            eol = data.find(b"\r\n", pos, pos + 18)
+            if eol <= pos:
+                return False
+            try:
+                size = int(data[pos:eol], 16)
+            except ValueError:
+                return False
+            pos = eol + 4 + size
+            if not size or pos > n or data[pos - 2:pos] != b"\r\n":
+                return False
+        return n > 0
+
 
 class FrontConnection(asyncio.Protocol):
     """One client connection. A whole request goes to `dispatch(conn, request)`, which answers it
@@ -293,6 +314,15 @@ class FrontConnection(asyncio.Protocol):
         if data and not self.closed:
             self._send(chunk(data) if self.chunked_reply else data)
 
+    def write_framed(self, framed: bytes) -> bool:
+        """Whole chunks already framed (vLLM's own) for a chunked reply, written at once; False
+        (nothing written) where the reply is not chunked or bytes wait before them."""
+        if not self.chunked_reply or self._out:
+            return False
+        if not self.closed:
+            self.transport.write(framed)
+        return True
+
     def end(self, whole: bool = True) -> None:
         """The reply's end; not `whole` (vLLM broke off): the connection is closed without the
         last chunk, so the client sees a cut reply rather than a short one."""
@@ -321,7 +351,9 @@ class FrontConnection(asyncio.Protocol):
 class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection to vLLM. `send(sink, data)` writes a request; the reply goes to
     the sink: `on_head(status, headers, length)`, `on_body(data)`, `on_end()`, or
-    `on_lost(replied, exc)` when the connection goes first (`replied`: any byte of the reply came)."""
+    `on_lost(replied, exc)` when the connection goes first (`replied`: any byte of the reply came);
+    `on_chunks(raw)` is offered first a read of a chunked body that is whole chunks and returns
+    whether it passed `raw` on itself; `on_turn()` after each read otherwise."""
 
     def __init__(self, pool: "UpstreamPool"):
         self._pool = pool
@@ -349,6 +381,11 @@ class UpstreamConnection(asyncio.Protocol):
         sink = self.sink
         if sink is None:
             self.transport.close()      # bytes vLLM sent with no request in flight: not reusable
+            return
+        # A streamed event on its own (vLLM writes one chunk a decoding step): the sink may pass it
+        # on as it came, in one write (issue 53: the companion's CPU a streamed event).
+        chunked = self._chunked
+        if chunked is not None and chunked.whole_chunks(data) and sink.on_chunks(data):
             return
         try:
             self._received(sink, data)

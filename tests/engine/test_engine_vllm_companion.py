@@ -54,6 +54,13 @@ def test_a_stream_asks_vllm_for_the_usage_chunk_and_keeps_the_clients_options():
     prep = prepare(b'{"stream": true, "stream_options": {"continuous_usage_stats": false}, "prompt": "x"}')
     assert prep.stream and not prep.client_usage
     assert json.loads(prep.body)["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+    # Without stream_options the field is put in before the closing brace: the client's bytes are
+    # kept, whatever braces its strings hold, trailing whitespace, UTF-8 or UTF-16 alike.
+    for raw in (b'{"stream": true, "prompt": "a } b"}\n', '{"stream":true,"prompt":"\u00e9}"}'.encode(),
+                '{"stream": true, "prompt": "x"}'.encode("utf-16"), b'{"stream": true, "stream_options": null}'):
+        prep = prepare(raw)
+        assert json.loads(prep.body) == {**json.loads(raw), "stream_options": {"include_usage": True}}, raw
+    assert prepare(b'{"stream": true, "prompt": "a } b"}').body.startswith(b'{"stream": true, "prompt": "a } b"')
     raw = b'{"stream": true, "stream_options": {"include_usage": true}, "prompt": "x"}'
     prep = prepare(raw)
     assert prep.client_usage and prep.body == raw          # untouched: the client asked for it itself
@@ -240,6 +247,67 @@ def test_a_chunked_body_is_read_whole_however_it_is_cut():
         assert (got, reader.done, reader.rest()) == (b"hello world, once", True, b"NEXT"), step
     with pytest.raises(BadMessage):
         ChunkedReader().feed(b"zz\r\nhello\r\n")
+
+
+def test_whole_chunks_are_told_from_cut_ones_extensions_and_the_last_chunk():
+    """ChunkedReader.whole_chunks: the reads the companion passes on in vLLM's own framing
+    (whole chunks, the reader at a chunk's start); any other read is decoded."""
+    from specpair.vllm_front import ChunkedReader
+
+    event = b"%x\r\n%s\r\n" % (len(TOKEN_CHUNK), TOKEN_CHUNK)
+    reader = ChunkedReader()
+    assert reader.whole_chunks(event) and reader.whole_chunks(event * 3)
+    for read in (event[:-1], event[:-2], event + event[:9], b"5;ext=1\r\nhello\r\n", b"0\r\n\r\n",
+                 event + b"0\r\n\r\n", b"zz\r\nhello\r\n", b"5\r\nhelloXY", b"", b"\r\nhello\r\n"):
+        assert not reader.whole_chunks(read), read
+    first = reader.feed(event[:9])          # mid-chunk: nothing is whole from here
+    assert not reader.whole_chunks(event)
+    assert first + reader.feed(event[9:] + event) == TOKEN_CHUNK * 2 and reader.whole_chunks(event)
+
+
+def test_a_stream_of_events_one_read_each_reaches_the_client_whole_and_is_counted():
+    """Over real sockets, the replay upstream on vLLM's step clock (events 5 ms apart): each event
+    comes on a read of its own and goes on in vLLM's framing; the client's chunked body decodes
+    to every event in order, [DONE] last, no usage chunk (it did not ask), and the reply counted
+    with its tokens; a client that asks for usage gets it."""
+    import socket
+
+    from specpair.vllm_companion import Companion, CompanionOptions
+    from specpair.vllm_companion_bench import ReplayServer
+    from specpair.vllm_front import ChunkedReader
+
+    def streamed(port: int, tokens: int, usage: bool) -> bytes:
+        body = json.dumps({"model": "peer", "prompt": "x", "max_tokens": tokens, "stream": True,
+                           "stream_options": {"include_usage": usage}, "specpair": {"category": "code"}}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            got = b""
+            while b"\r\n0\r\n\r\n" not in got:
+                data = s.recv(65536)
+                assert data, got
+                got += data
+        head, _, chunked = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding: chunked" in head.lower()
+        reader = ChunkedReader()
+        events = reader.feed(chunked)
+        assert reader.done and reader.rest() == b""
+        return events
+
+    with ReplayServer(gap_ms=5, steps=True) as upstream:
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
+        try:
+            events = streamed(companion.port, 12, usage=False)
+            token = events.split(b"\n\n")[0] + b"\n\n"
+            assert token.startswith(b"data: {") and b'"text":"V"' in token
+            assert events == token * 12 + DONE
+            events = streamed(companion.port, 3, usage=True)
+            assert events.startswith(token * 3) and events.endswith(DONE) and events.count(b'"usage"') == 1
+            counts = companion.tally.metrics.serving_counts()["code"]
+            assert counts["requests"] == {"ok": 2} and counts["tpot"]["count"] == 2
+            assert companion.tally.stats_message("p", "1", True, 1.0).categories["code"].cumulative \
+                .num_emitted_tokens == 2 * 8       # the replayed usage chunk says 8 completion tokens
+        finally:
+            companion.stop()
 
 
 def test_one_connection_carries_a_chunked_request_and_two_pipelined_ones_in_order():
