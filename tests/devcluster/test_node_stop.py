@@ -8,6 +8,7 @@ control plane."""
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -49,29 +50,46 @@ def test_a_node_stops_all_its_pods_with_one_look_at_proc(devcluster, ns, tmp_pat
             children.append((pid, stat[2]))
         assert container_processes.marked(agent.mark + "/", prefix=True)
 
-        # Reads of /proc's process list by this stop (the test's thread and this node's pods'
-        # threads, named after the namespace), not by the session's other nodes.
-        looks = []
-        listed = container_processes._pids
+        # What this stop does, in order: "L" a read of /proc's process list, "K" a round of
+        # SIGKILLs by kill_all's sweep; by the test's thread (which runs the node's stop) and this
+        # node's pods' threads (named after the namespace), not the session's other nodes.
+        done: list[str] = []                      # by the stop's own thread
+        by_pods: list[tuple[str, str]] = []       # by this node's pods' threads
+        listed, killed = container_processes._pids, container_processes.kill
         caller = threading.current_thread()
 
-        def counted() -> list[int]:
-            if threading.current_thread() is caller or ns in threading.current_thread().name:
-                looks.append(threading.current_thread().name)
+        def note(kind: str) -> None:
+            thread = threading.current_thread()
+            if thread is caller:
+                done.append(kind)
+            elif ns in thread.name:
+                by_pods.append((thread.name, kind))
+
+        def counted_listing() -> list[int]:
+            note("L")
             return listed()
 
-        monkeypatch.setattr(container_processes, "_pids", counted)
+        def counted_kill(processes, *args, **kwargs) -> int:
+            note("K")
+            return killed(processes, *args, **kwargs)
+
+        monkeypatch.setattr(container_processes, "_pids", counted_listing)
+        monkeypatch.setattr(container_processes, "kill", counted_kill)
         agent.stop()
         stopped = True
         monkeypatch.setattr(container_processes, "_pids", listed)
+        monkeypatch.setattr(container_processes, "kill", killed)
 
         assert not [c for c in children if container_processes.alive(c)], "a container's child outlived the node"
         assert container_processes.marked(agent.mark + "/", prefix=True) == []
-        # No pod's worker looked on its own (each looked two or three times before: 25 looks for
-        # 6 pods); the stop looked once for every container's descendants, then its sweep (a look,
-        # one more after its SIGKILLs, a few more if a process is slow to die on a loaded machine).
-        assert [name for name in looks if ns in name] == [], looks
-        assert 2 <= len(looks) <= PODS, looks
+        # No pod's worker looked or killed on its own (each looked two or three times before: 25
+        # looks for 6 pods).
+        assert by_pods == [], by_pods
+        # The stop looked once for every container's descendants, then once a round of its sweep:
+        # a look, SIGKILLs to what it found (at least the children that left their sessions), and
+        # a last look that finds nothing. A process slow to die (a loaded machine) adds rounds,
+        # each one look and one kill; one look a pod, by any thread, does not fit.
+        assert re.fullmatch(r"L(LK)+L", "".join(done)), done
     finally:
         if not stopped:
             agent.stop()
