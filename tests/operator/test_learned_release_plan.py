@@ -159,6 +159,47 @@ def test_a_learned_draft_that_only_matches_the_drifted_release_is_rejected():
     assert learned.result == PROMOTE, learned.message
 
 
+@pytest.mark.parametrize("floor, drifted, gain, reference", [
+    (0.05, 0.079, 0.1, 0.179),     # the demo's: the whole gain
+    (0.45, 0.21, 0.1, 0.45),       # the floor is above drifted + gain
+    (0.5, 0.8, 0.1, 0.9),          # where half the gap to 1.0 is the gain itself
+    (0.9, 0.86, 0.07, 0.93),       # 0.96 before
+    (0.95, 0.92, 0.04, 0.96),      # 1.02 before: no draft could pass
+    (0.97, 0.95, 0.025, 0.975),    # 1.05 before
+    (0.99, 0.93, 0.035, 0.99),     # the floor again (1.03 before)
+    (1.0, 0.99, 0.005, 1.0),       # a floor of 1.0 is the user's own: no rate is above it
+])
+def test_a_learned_drafts_gain_shrinks_near_full_acceptance(floor, drifted, gain, reference):
+    """A flat gain of 0.1 put the reference above 1.0 for a drifted release above 0.9 (a category
+    floor above 0.9): a draft that learned the category perfectly was still rejected. Near 1.0 it
+    must close half of the drifted release's gap to 1.0 (shadow_verdict.learned_gain)."""
+    target = LearnedTarget("code", floor, drifted)
+    assert target.gain == pytest.approx(gain) and target.reference == pytest.approx(reference)
+
+
+def test_a_learned_drafts_reference_is_above_the_drifted_release_and_below_one():
+    for drifted in [i / 200 for i in range(200)]:           # 0.0 .. 0.995
+        for floor in [0.0, 0.5, 0.9, 0.95, 0.99, 0.999]:
+            target = LearnedTarget("code", floor, drifted)
+            assert drifted < target.reference < 1.0 and target.reference >= floor, (floor, drifted)
+            assert 0.0 < target.gain <= LEARNED_GAIN, (floor, drifted)
+
+
+def test_a_learned_draft_near_full_acceptance_can_be_promoted_and_its_status_shows_the_rule():
+    """Floor 0.95 on 'code', the release drifted to 0.92 there, the learned draft accepts 0.99:
+    promoted against 0.96 (rejected before, as surely below 1.02); status.learnedRelease shows the
+    same gain and reference."""
+    target = LearnedTarget("code", 0.95, 0.92)
+    verdict = judge_learned({"code": ShadowEvidence(moments(0.99, 40, 0.01), EMPTY)}, ["code", "*"], target,
+                            ShadowPolicy())
+    assert verdict.result == PROMOTE and "is above its reference 0.960" in verdict.message, verdict.message
+    assert "drifted release's live acceptance 0.920 + 0.040" in verdict.message, verdict.message
+    w = learned_world(learned=dataclasses.replace(CANDIDATE, target=target))
+    shown = status_of(lr.learned_steps(w, p.plan_release(w)))
+    assert shown["gain"] == pytest.approx(0.04) and shown["reference"] == pytest.approx(0.96)
+    assert shown["reference"] == pytest.approx(max(shown["floor"], shown["driftedAcceptance"] + shown["gain"]))
+
+
 # -- the loop's own steps beside the usual road's ---------------------------------------------------
 
 LEARNED_HASH = LEARNED[TAG_HASH]

@@ -212,11 +212,23 @@ def _names(comparisons: list[Comparison]) -> str:
 
 # -- a learned draft (issue 58): judged on the category it was trained for -------------------------
 
-# How far above the drifted release's live acceptance a learned draft must be shown (absolute).
-# Matching it is not enough: the demo's head trained on 2 captured requests accepted 0.08 against
-# the drifted release's 0.079 and was promoted; speculation is then on for a draft no better than
-# the one that was turned off there.
+# How far above the drifted release's live acceptance a learned draft must be shown (absolute),
+# where there is room for it (learned_gain). Matching it is not enough: the demo's head trained on
+# 2 captured requests accepted 0.08 against the drifted release's 0.079 and was promoted;
+# speculation is then on for a draft no better than the one that was turned off there.
 LEARNED_GAIN = 0.1
+
+
+def learned_gain(drifted: float) -> float:
+    """How far above the drifted release's live acceptance `drifted` a learned draft must be shown:
+    LEARNED_GAIN, but never more than half of what the drifted release left below 1.0.
+    Acceptance is a rate of at most 1.0 and a draft passes only when its lower bound is above the
+    reference, so a flat 0.1 over a drifted release above 0.9 (a category floor above 0.9 that it
+    fell just below) put the reference above 1.0: every draft was rejected however well it
+    learned. Near 1.0 the same demand, scaled down: the draft must close half of the drifted
+    release's gap to 1.0 (0.95 -> 0.975), still strictly above the drifted release and below 1.0.
+    Up to a drifted 0.8 this is LEARNED_GAIN itself (half the gap is 0.1 there)."""
+    return max(0.0, min(LEARNED_GAIN, (1.0 - drifted) / 2))
 
 
 @dataclass(frozen=True)
@@ -228,7 +240,11 @@ class LearnedTarget:
     category: str
     floor: float
     drifted: float
-    gain: float = LEARNED_GAIN
+
+    @property
+    def gain(self) -> float:
+        """learned_gain: the one rule, also what status.learnedRelease.gain shows."""
+        return learned_gain(self.drifted)
 
     @property
     def reference(self) -> float:
