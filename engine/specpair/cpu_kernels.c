@@ -821,6 +821,8 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
    computed exactly as attend_run computes it for that token (the same dot8/dot per key, the same
    ascending accumulation of values into the token's own eight-lane sums), so the result is
    bitwise attend_run's whatever the grouping. */
+#include "prompt_scores.h"   /* engineer A's: many queries' scores against keys read at one place */
+
 static void attend_group(const float *q, const float *kc, const float *vc, float *att,
                          float *scores, const long *pos, const long *slot, const long *parent,
                          const long *rows, const long *toks, long n, int hh, int H, int Hkv,
@@ -844,7 +846,10 @@ static void attend_group(const float *q, const float *kc, const float *vc, float
         lo[i] = window > 0 && pos[t] - window + 1 > 0 ? pos[t] - window + 1 : 0;
         if (lo[i] < lomin) lomin = lo[i];
     }
+    long done_from, done_to;     /* keys every token reads at one place: prompt_scores.h */
+    prompt_scores(q, qd, hh, hd, kr, toks, n, lo, n0, scores, H, L, &done_from, &done_to);
     for (long p = lomin / 8 * 8; p < nmax; p += 8) {
+        if (p >= done_from && p < done_to) continue;
         for (long i = 0; i < n; i++) {
             long t = toks[i], first = lo[i] > p ? lo[i] : p;
             /* this token and the next see all eight keys, stored at the same place for both

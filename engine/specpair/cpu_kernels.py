@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# The headers cpu_kernels.c #includes from its folder: part of the build's cache key.
+HEADERS = (SOURCE.with_name("prompt_scores.h"),)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off"]
 # The library's limits, read from it when it loads (cpu_kernels.c is their one home): token rows
 # per call and the largest head dimension of the layer kernel. 0 while nothing is loaded.
@@ -66,8 +68,11 @@ def build_library(source: Path, *included: Path) -> tuple[ctypes.CDLL | None, st
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            proc = subprocess.run([compiler, *FLAGS, f"-I{source.parent}", str(source), "-o",
-                                   str(tmp)], capture_output=True, text=True, timeout=120)
+            # (and SOURCE's folder: a copy built elsewhere, e.g. a bench's older revision, finds
+            # the headers the served source includes)
+            proc = subprocess.run([compiler, *FLAGS, f"-I{source.parent}", f"-I{SOURCE.parent}",
+                                   str(source), "-o", str(tmp)], capture_output=True, text=True,
+                                  timeout=120)
             if proc.returncode != 0:
                 tmp.unlink(missing_ok=True)
                 return None, f"{compiler} failed: {proc.stderr.strip()[-500:]}"
@@ -84,7 +89,7 @@ def library() -> ctypes.CDLL | None:
     Built once (library.cache_clear() builds again): the build is the kernel every caller gets,
     until use_library puts another in its place."""
     global _build_error
-    lib, _build_error = build_library(SOURCE)
+    lib, _build_error = build_library(SOURCE, *HEADERS)
     if lib is None:
         use_library(None)
         return None

@@ -30,7 +30,7 @@ def library() -> ctypes.CDLL | None:
     """The built library, or None (the target's kernels cannot be built either, or this failed)."""
     if not cpu_kernels.available():
         return None
-    lib, _ = cpu_kernels.build_library(SOURCE, cpu_kernels.SOURCE)
+    lib, _ = cpu_kernels.build_library(SOURCE, cpu_kernels.SOURCE, *cpu_kernels.HEADERS)
     if lib is None:
         return None
     p, i, f, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long

@@ -109,7 +109,7 @@ def staggered():
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "cpu_kernels_staggered.c"
         src.write_text(f'#define SPECPAIR_STAGGER_US 2000\n#include "{cpu_kernels.SOURCE}"\n')
-        lib, error = cpu_kernels.build_library(src, cpu_kernels.SOURCE)
+        lib, error = cpu_kernels.build_library(src, cpu_kernels.SOURCE, *cpu_kernels.HEADERS)
         assert lib is not None, error
     for name in ("specpair_small_linear", "specpair_llama_layer", "specpair_llama_layers"):
         getattr(lib, name).argtypes = getattr(served, name).argtypes
