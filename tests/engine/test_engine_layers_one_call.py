@@ -114,3 +114,28 @@ def test_a_stack_follows_a_weight_that_moved(one_layer_target, monkeypatch):
         step([[8]])
     finally:
         q.data = before
+
+
+def test_the_wheel_ships_every_kernel_source_and_header():
+    """The engine image installs the wheel and compiles the kernels where it runs: every C file
+    the kernels build from, and every header they #include, must be in the package data (a
+    missing one fails the build there, and the engine falls back to torch)."""
+    import fnmatch
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from specpair import head_kernels
+
+    root = Path(cpu_kernels.SOURCE).parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["specpair"]
+    files = {cpu_kernels.SOURCE, head_kernels.SOURCE, *cpu_kernels.HEADERS}
+    for source in list(files):
+        for name in re.findall(r'^#include "([^"/]+)"', source.read_text(), re.M):
+            files.add(source.with_name(name))
+    assert cpu_kernels.HEADERS[0] in files and len(files) >= 3
+    for path in files:
+        assert path.exists(), path
+        assert any(fnmatch.fnmatch(path.name, p) for p in patterns), \
+            f"{path.name} is not in pyproject's package data {patterns}"
