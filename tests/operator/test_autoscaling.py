@@ -186,10 +186,13 @@ def test_effective_load_divides_the_queue_by_the_tokens_a_step_yields():
             ("vllm", "vllm:num_requests_waiting", "vllm:generation_tokens_total",
              "vllm:spec_decode_num_accepted_tokens_total")):
         sel = autoscaling_mod.selector("chat", "team-a", engine)
-        rate = f"sum(rate({{}}{{{{{sel}}}}}[1m]))"
+        live, history = (f"sum(rate({{}}{{{{{sel}}}}}[{window}]))" for window in ("1m", "1h"))
+        # The live acceptance; else, where the pair emitted nothing in the live window (idle), its
+        # last hour's (test_effective_load_promql.py); else one token a step.
         assert query("chat", "team-a", "effectiveLoad", engine) == (
-            f"sum({waiting}{{{sel}}}) / (({rate.format(emitted)} / ({rate.format(emitted)} - {rate.format(accepted)} "
-            "> 0)) or vector(1))")
+            f"sum({waiting}{{{sel}}}) / (({live.format(emitted)} / ({live.format(emitted)} - {live.format(accepted)} "
+            f"> 0)) or (({history.format(emitted)} / ({history.format(emitted)} - {history.format(accepted)} > 0)) "
+            f"unless {live.format(emitted)} > 0) or vector(1))")
     # Made of several series: KEDA runs it; an HPA (one series per pod) cannot.
     scaling = Autoscaling.from_spec(spec(**{**SCALED, "metric": "effectiveLoad"}))
     assert desired_autoscaler("chat", "team-a", scaling, keda=True, default_prometheus="http://p", labels={})

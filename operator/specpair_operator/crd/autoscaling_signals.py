@@ -14,6 +14,10 @@ from specpair_operator.crd.schema import autoscaling_with_defaults, has_gpu
 
 # How far back a rate looks: the counters' per-second rates, and the live acceptance.
 RATE_WINDOW = "1m"
+# How far back effectiveLoad reads the tokens a step yielded when the pair emitted nothing in
+# RATE_WINDOW (idle): long enough to span an idle stretch between bursts, short enough that a
+# pair's acceptance from before a quiet night is not taken for today's.
+HISTORY_WINDOW = "1h"
 
 
 @dataclass(frozen=True)
@@ -31,16 +35,34 @@ class Signal:
     engines: Mapping[str, Series]   # engine kind -> its series; an engine absent cannot export it
 
 
+def _sum_rate(series: str, window: str) -> str:
+    """sum(rate(series[window])) over the pair's pods, as a Series.promql template."""
+    return f"sum(rate({series}{{{{{{selector}}}}}}[{window}]))"
+
+
+def _tokens_a_step(emitted: str, accepted: str, window: str) -> str:
+    """Each step of a row emits its accepted draft tokens plus one, so steps = emitted - accepted
+    and tokens a step = emitted / (emitted - accepted): 1 target-only, ~3 at acceptance length 3.
+    Absent where the window holds no step (or no accepted series)."""
+    emitted_rate, accepted_rate = _sum_rate(emitted, window), _sum_rate(accepted, window)
+    return f"({emitted_rate} / ({emitted_rate} - {accepted_rate} > 0))"
+
+
 def _effective_load(waiting: str, emitted: str, accepted: str) -> str:
-    """Queued requests over the tokens a step yields at the live acceptance. Each step of a row
-    emits its accepted draft tokens plus one, so steps = emitted - accepted and tokens per step =
-    emitted / (emitted - accepted): 1 target-only, ~3 at acceptance length 3. A pair whose
-    acceptance collapses serves its queue slower: the same queue is more load. Idle, or with
-    no accepted series (speculation off, vLLM without a drafter), a step yields one token."""
-    rate = "sum(rate({name}{{{{{{selector}}}}}}[{{window}}]))"
-    emitted_rate, accepted_rate = rate.format(name=emitted), rate.format(name=accepted)
-    return (f"sum({waiting}{{{{{{selector}}}}}}) / (({emitted_rate} / ({emitted_rate} - {accepted_rate} > 0)) "
-            "or vector(1))")
+    """Queued requests over the tokens a step yields at the live acceptance (RATE_WINDOW): a pair
+    whose acceptance collapses serves its queue slower, so the same queue is more load.
+    A pair that emitted nothing in RATE_WINDOW (idle; the first seconds of a burst, before a scrape
+    of its steps) has no live acceptance: its last HISTORY_WINDOW's stands in, else the first
+    reading of a burst after idle is the raw queue (3x the load at acceptance length 3) and
+    KEDA's HPA scales out on it. The history stands in only where the pair emitted nothing in
+    RATE_WINDOW (the `unless`): a pair emitting without accepted drafts (speculation off, vLLM
+    without a drafter: no accepted series, so no live ratio either) yields one token a step now,
+    whatever it yielded an hour ago. A pair with no history (brand new) counts one token a step:
+    the raw queue, the side that scales out sooner rather than later."""
+    live = _tokens_a_step(emitted, accepted, "{window}")
+    history = _tokens_a_step(emitted, accepted, HISTORY_WINDOW)
+    emitting = f"{_sum_rate(emitted, '{window}')} > 0"
+    return f"sum({waiting}{{{{{{selector}}}}}}) / ({live} or ({history} unless {emitting}) or vector(1))"
 
 
 SPECPAIR, VLLM = "specpair", "vllm"
