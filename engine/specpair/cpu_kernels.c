@@ -996,11 +996,15 @@ static void gate_up_silu_team(const float *x, const float *wg, const float *wu, 
    Run by a team inside its parallel region (or alone): a barrier ends each phase that a later
    one reads whole (the products read every row of their input; a token's norm reads its whole
    row of out); the last, out += o, ends without one: the region's end is its barrier, and a
-   caller that goes on inside the region must put one there. */
+   caller that goes on inside the region must put one there.
+   own: 2 * T * D floats of this thread's alone, or NULL (every thread alike). Given, every
+   thread computes every token's residual + att Wo and its norm into its own rows, where the
+   team shared them (writing out) and met at a barrier before gate/up: one barrier fewer, and
+   out = that sum + the down product at the end, the same two roundings as before. */
 static void mlp_team(const float *att, const float *residual, float *out, const float *wo,
                      const float *n_post, const float *wg, const float *wu, const float *wd,
                      float *x, float *g, float *u, float *o, long T, long D, long qd, long F,
-                     float eps) {
+                     float eps, float *own) {
     TEAM_PHASE();
     {
         const float *Ws[1] = {wo};
@@ -1010,13 +1014,24 @@ static void mlp_team(const float *att, const float *residual, float *out, const 
     }
     PROF_MARK(P_OUT);
     TEAM_PHASE();
+    float *sum = own, *xn = own ? own + T * D : NULL;
+    if (own) {
+        /* o (att Wo) is next written by the down product, after gate/up's barrier, which
+           the other threads pass only once they have read it here; residual (h, in place)
+           is written only by the last loop */
+        for (long t = 0; t < T; t++) {
+            for (long i = t * D; i < (t + 1) * D; i++) sum[i] = residual[i] + o[i];
+            rms_norm(sum + t * D, n_post, xn + t * D, D, eps);
+        }
+    } else {
 #pragma omp for schedule(static)
-    for (long t = 0; t < T; t++) {
-        for (long i = t * D; i < (t + 1) * D; i++) out[i] = residual[i] + o[i];
-        rms_norm(out + t * D, n_post, x + t * D, D, eps);
+        for (long t = 0; t < T; t++) {
+            for (long i = t * D; i < (t + 1) * D; i++) out[i] = residual[i] + o[i];
+            rms_norm(out + t * D, n_post, x + t * D, D, eps);
+        }
     }
     TEAM_PHASE();
-    gate_up_silu_team(x, wg, wu, g, u, T, D, F);
+    gate_up_silu_team(own ? xn : x, wg, wu, g, u, T, D, F);
     PROF_MARK(P_GATEUP);
     TEAM_PHASE();
     {
@@ -1026,8 +1041,13 @@ static void mlp_team(const float *att, const float *residual, float *out, const 
         linear_team(g, Ws, ys, Os, 1, T, F);
     }
     TEAM_PHASE();
+    if (own) {
 #pragma omp for schedule(static) nowait
-    for (long i = 0; i < T * D; i++) out[i] += o[i];
+        for (long i = 0; i < T * D; i++) out[i] = sum[i] + o[i];
+    } else {
+#pragma omp for schedule(static) nowait
+        for (long i = 0; i < T * D; i++) out[i] += o[i];
+    }
 }
 
 /* mlp_team in a region of its own (the EAGLE-3 head's layer, head_kernels.c). */
@@ -1037,7 +1057,7 @@ static void attention_out_and_mlp(const float *att, const float *residual, float
                                   float *o, long T, long D, long qd, long F, float eps,
                                   int threads) {
 #pragma omp parallel num_threads(threads)
-    mlp_team(att, residual, out, wo, n_post, wg, wu, wd, x, g, u, o, T, D, qd, F, eps);
+    mlp_team(att, residual, out, wo, n_post, wg, wu, wd, x, g, u, o, T, D, qd, F, eps, NULL);
     PROF_MARK(P_DOWN);
 }
 
@@ -1049,7 +1069,7 @@ typedef struct {
     long T, D, F, qd, kd, L, S, table_width, block, runs, groups;
     int H, Hkv, hd;
     float eps;
-    float *own;          /* threads * T * D floats: each thread's own norm rows, or NULL */
+    float *own;          /* threads * 2 * T * D floats: each thread's own rows, or NULL */
     long run_start[MAX_TOKENS + 1], toks[MAX_TOKENS], group_start[MAX_TOKENS + 1];
     int group_runs[MAX_TOKENS];
 } step_plan;
@@ -1147,7 +1167,7 @@ static int plan_step(step_plan *P, const long *rows, const long *pos, const long
 }
 
 /* A buffer of at least n floats of the calling thread's (the engine's: kept and grown across
-   calls), or NULL where malloc fails. The layers' teams' own norm rows: one T * D slice a
+   calls), or NULL where malloc fails. The layers' teams' own rows: one 2 * T * D slice a
    thread, given out before the region so that every thread takes the same path. */
 static float *own_rows(long n) {
     static __thread float *rows;
@@ -1196,7 +1216,7 @@ static void layer_team(const step_plan *P, float *h, const float *const *w, floa
        (~20 us of a 32-row step's ~100 ms a thread). h is whole here: the layer's region starts
        after the step's or the previous layer's barrier. */
     TEAM_PHASE();
-    float *xn = P->own ? P->own + (long)omp_get_thread_num() * T * D : NULL;
+    float *own = P->own ? P->own + (long)omp_get_thread_num() * 2 * T * D : NULL, *xn = own;
     if (!xn) {    /* no memory for the buffers (every thread alike): shared norms and a barrier */
 #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) rms_norm(h + t * D, n1, x + t * D, D, eps);
@@ -1266,7 +1286,7 @@ static void layer_team(const step_plan *P, float *h, const float *const *w, floa
         }
     }
     PROF_MARK(P_ATTN);
-    mlp_team(att, h, h, wo, n2, wg, wu, wd, x, g, u, o, T, D, qd, F, eps);
+    mlp_team(att, h, h, wo, n2, wg, wu, wd, x, g, u, o, T, D, qd, F, eps, own);
 }
 
 int specpair_llama_layer(float *h, const long *rows, const long *pos, const long *slot,
@@ -1284,7 +1304,7 @@ int specpair_llama_layer(float *h, const long *rows, const long *pos, const long
                        table_width, block, threads);
     if (rc) return rc;
     const float *w[14] = {wq, wk, wv, wo, wg, wu, wd, n1, n2, bq, bk, bv, qn, kn};
-    P.own = own_rows((long)threads * T * D);
+    P.own = own_rows((long)threads * 2 * T * D);
     PROF_START();
 #pragma omp parallel num_threads(threads)
     layer_team(&P, h, w, kc, vc, window, scratch);
@@ -1316,7 +1336,7 @@ int specpair_llama_layers(float *h, const long *rows, const long *pos, const lon
     int rc = plan_step(&P, rows, pos, slot, parent, T, D, H, Hkv, hd, F, eps, cos, sin, S, table,
                        table_width, block, threads);
     if (rc) return rc;
-    P.own = own_rows((long)threads * T * D);
+    P.own = own_rows((long)threads * 2 * T * D);
     PROF_START();
 #pragma omp parallel num_threads(threads)
     for (int l = 0; l < layers; l++) {
