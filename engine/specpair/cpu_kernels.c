@@ -837,7 +837,7 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
    computed exactly as attend_run computes it for that token (the same dot8/dot per key, the same
    ascending accumulation of values into the token's own eight-lane sums), so the result is
    bitwise attend_run's whatever the grouping. */
-#include "prompt_scores.h"   /* engineer A's: many queries' scores against keys read at one place */
+#include "prompt_scores.h"   /* many queries' scores against keys read at one place */
 
 static void attend_group(const float *q, const float *kc, const float *vc, float *att,
                          float *scores, const long *pos, const long *slot, const long *parent,
