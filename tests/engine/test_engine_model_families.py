@@ -79,17 +79,21 @@ def test_each_family_runs_the_static_step(target, hf_forward_forbidden, monkeypa
     (float32) or the fixed step (bf16), never through Hugging Face's forward."""
     assert families.supports(target.model) is None
     calls = {"c": 0, "fixed": 0}
-    c_layer, fixed_layer = cpu_kernels.llama_layer, fixed_step.fixed_layer
+    fixed_layer = fixed_step.fixed_layer
 
-    def counted_c(*args, **kwargs):
-        calls["c"] += 1
-        return c_layer(*args, **kwargs)
+    def counting(c_call):
+        def counted_c(*args, **kwargs):
+            calls["c"] += 1
+            return c_call(*args, **kwargs)
+        return counted_c
 
     def counted_fixed(*args, **kwargs):
         calls["fixed"] += 1
         return fixed_layer(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernels, "llama_layer", counted_c)
+    # The C layer is reached a layer a call or all of a step's layers in one (llama_layers).
+    for c_entry in ("llama_layer", "llama_layers"):
+        monkeypatch.setattr(cpu_kernels, c_entry, counting(getattr(cpu_kernels, c_entry)))
     monkeypatch.setattr(fixed_step, "fixed_layer", counted_fixed)
     engine = SpeculativeEngine(target, speculation=SpeculationConfig(enabled=False), kv="static")
     step = engine.describe_step()
