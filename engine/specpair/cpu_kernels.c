@@ -20,8 +20,10 @@
 
 typedef float v8 __attribute__((vector_size(32)));
 
+#if defined(__AVX__)
+#include <immintrin.h>   /* __m256 and its shuffles are used wherever AVX is, with or without FMA */
+#endif
 #if defined(__FMA__) && defined(__AVX__)
-#include <immintrin.h>
 static inline v8 fma8(v8 a, v8 b, v8 c) { return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 #else
 static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }

@@ -139,3 +139,33 @@ def test_the_wheel_ships_every_kernel_source_and_header():
         assert path.exists(), path
         assert any(fnmatch.fnmatch(path.name, p) for p in patterns), \
             f"{path.name} is not in pyproject's package data {patterns}"
+
+
+@pytest.mark.parametrize("cpu", [
+    ["-march=x86-64-v2"],                       # no AVX: the scalar paths
+    ["-march=x86-64", "-mavx", "-mno-fma"],      # AVX without FMA (Sandy/Ivy Bridge, some VMs)
+    ["-march=x86-64-v3"],                       # AVX2 and FMA, no AVX-512
+])
+def test_the_kernels_compile_for_cpus_with_fewer_extensions(cpu, tmp_path):
+    """The kernels build with -march=native where they run: a node whose CPU lacks FMA or AVX
+    must still get a library, not the torch fallback (a build with AVX but no FMA once failed on
+    an __m256 that only the FMA branch's #include declared)."""
+    import os
+    import platform
+    import shutil
+    import subprocess
+
+    from specpair import head_kernels
+
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if platform.machine() != "x86_64" or not compiler:
+        pytest.skip("x86-64 flags, and a C compiler to try them")
+    # -O1: what fails to compile fails at any level, in a fraction of -O3's time
+    flags = ["-O1" if f == "-O3" else f for f in cpu_kernels.FLAGS
+             if f not in ("-march=native", "-shared", "-fPIC")]
+    for source in (cpu_kernels.SOURCE, head_kernels.SOURCE):
+        proc = subprocess.run([compiler, *flags, *cpu, "-Werror=implicit-function-declaration",
+                               f"-I{cpu_kernels.SOURCE.parent}", "-c", str(source),
+                               "-o", str(tmp_path / f"{source.stem}.o")],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (source.name, cpu, proc.stderr[-2000:])
