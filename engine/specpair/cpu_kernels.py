@@ -207,6 +207,22 @@ def layer_scratch(tokens: int, dim: int, heads: int, kv_heads: int, head_dim: in
 LAYER_OPTIONS = ("bq", "bk", "bv", "qn", "kn")   # llama_layer's per-family tensors, in C's order
 
 
+def _attend_and_scratch(entry: str, h: torch.Tensor, positions: torch.Tensor, ffn: int, heads: int,
+                        kv_heads: int, head_dim: int, attend: int | None,
+                        scratch: torch.Tensor | None, table: torch.Tensor | None):
+    """What llama_layer and llama_layers both derive before their C call: the positions attended
+    (the furthest + 1 unless given), the scratch (made for them unless given), and a block table
+    the kernel can read (contiguous int64, refused by name otherwise). -> (attend, scratch)."""
+    if attend is None:
+        attend = int(positions.max()) + 1
+    if scratch is None:
+        T, D = h.shape
+        scratch = layer_scratch(T, D, heads, kv_heads, head_dim, ffn, attend)
+    if table is not None and (table.dtype != torch.long or not table.is_contiguous()):
+        raise ValueError(f"{entry}'s block table must be contiguous int64, not {table.dtype}")
+    return attend, scratch
+
+
 def llama_layer(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, weights, eps: float,
                 heads: int, kv_heads: int, head_dim: int, attend: int | None = None,
@@ -229,12 +245,8 @@ def llama_layer(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, co
         raise ValueError(f"llama_layer options {sorted(unknown)}: known {LAYER_OPTIONS}")
     T, D = h.shape
     F_ = wg.shape[0]
-    if attend is None:
-        attend = int(positions.max()) + 1
-    if scratch is None:
-        scratch = layer_scratch(T, D, heads, kv_heads, head_dim, F_, attend)
-    if table is not None and (table.dtype != torch.long or not table.is_contiguous()):
-        raise ValueError(f"llama_layer's block table must be contiguous int64, not {table.dtype}")
+    attend, scratch = _attend_and_scratch("llama_layer", h, positions, F_, heads, kv_heads,
+                                          head_dim, attend, scratch, table)
     ptr = lambda t: t.data_ptr()   # noqa: E731
     rc = _LIB.specpair_llama_layer(
         ptr(h), ptr(rows), ptr(positions), None if slots is None else ptr(slots),
@@ -323,12 +335,8 @@ def llama_layers(h: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, c
         raise RuntimeError("the kernel in use has no specpair_llama_layers")
     T, D = h.shape
     F_ = stack.tensors[4].shape[0]
-    if attend is None:
-        attend = int(positions.max()) + 1
-    if scratch is None:
-        scratch = layer_scratch(T, D, heads, kv_heads, head_dim, F_, attend)
-    if table is not None and (table.dtype != torch.long or not table.is_contiguous()):
-        raise ValueError(f"llama_layers' block table must be contiguous int64, not {table.dtype}")
+    attend, scratch = _attend_and_scratch("llama_layers", h, positions, F_,
+                                          heads, kv_heads, head_dim, attend, scratch, table)
     at = stack.capture_at(tuple(capture)) if capture else None
     taken = sum(1 for n in set(capture or ()) if 0 <= n < stack.count)
     captured = h.new_empty(taken, T, D) if taken else None
