@@ -77,12 +77,18 @@ def _case(kind: str, tokens: int, gen: torch.Generator) -> dict:
                 window=40 if kind == "verify" else None)
 
 
+def _nan_scratch(case: dict) -> tuple[int, torch.Tensor]:
+    """(positions the case attends, its layer scratch filled with NaN: a read of a value not
+    written this call shows)."""
+    reach = int((case["slots"] if case["slots"] is not None else case["positions"]).max()) + 1
+    scratch = cpu_kernels.layer_scratch(len(case["rows"]), D, H, KV_HEADS, HD, FFN, reach)
+    return reach, scratch.fill_(float("nan"))
+
+
 def _run(case: dict, threads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer's output and the caches it wrote, on `threads` threads, over a NaN scratch."""
     kc, vc = case["kc"].clone(), case["vc"].clone()
-    reach = int((case["slots"] if case["slots"] is not None else case["positions"]).max()) + 1
-    scratch = cpu_kernels.layer_scratch(len(case["rows"]), D, H, KV_HEADS, HD, FFN, reach)
-    scratch.fill_(float("nan"))
+    reach, scratch = _nan_scratch(case)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -197,9 +203,7 @@ def _layer_by_layer(case: dict, stack: tuple, capture: tuple[int, ...]):
 def _one_call(case: dict, stack: tuple, capture: tuple[int, ...], threads: int):
     weights, options, windows, caches = stack
     caches = [(k.clone(), v.clone()) for k, v in caches]
-    reach = int((case["slots"] if case["slots"] is not None else case["positions"]).max()) + 1
-    scratch = cpu_kernels.layer_scratch(len(case["rows"]), D, H, KV_HEADS, HD, FFN, reach)
-    scratch.fill_(float("nan"))
+    reach, scratch = _nan_scratch(case)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
