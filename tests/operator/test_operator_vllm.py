@@ -239,18 +239,11 @@ def assert_the_gate_judged_vllms_own_output(mlflow_url: str, model: str, target:
     from specpair.models import load_model
     from specpair_operator.gate.verdict import evaluate_verdict
 
-    client = MlflowClient(mlflow_url)
-    run_id = client.get_model_version(model, "1").tags["specpair.gate.run_id"]
-    gate = Path(client.download_artifacts(run_id, "gate", str(workdir)))
-    verdict = json.loads((gate / "verdict.json").read_text())
-    golden = json.loads((gate / "golden_outputs.json").read_text())
-    assert verdict["engine"] == "vllm" and verdict["tokenizer"]["compatible"] is True
+    client, run_id, verdict, golden = gate_record_of_vllm_v1(mlflow_url, model, workdir)
     # The head has no tokenizer: its draft vocabulary's map to the target's was checked instead.
     assert "EAGLE-3 head: no tokenizer of its own" in verdict["tokenizer"]["notes"][0], verdict["tokenizer"]
-    assert verdict["greedyIdentity"] == 1.0 and len(golden) == len(PROMPTS) and all(g["identical"] for g in golden)
     assert set(verdict["categories"]) == {p["category"] for p in PROMPTS}
     assert verdict["meanAcceptanceLength"] >= 1.0 and 0.0 <= verdict["acceptanceRate"] <= 1.0
-    assert sum(g["draft_tokens"] for g in golden) > 0
     assert verdict["speedup"] > 0 and verdict["passed"] is True
     # k by load: measured at the concurrencies the release serves (gating.tuning's default batch
     # sizes), and vLLM's k schedule follows from exactly those figures (None: drafting paid at each).

@@ -35,7 +35,8 @@ import pytest
 from kopf.testing import KopfRunner
 
 from cluster_env import OPERATOR, model_name
-from vllm_cluster import MAX_NEW_TOKENS, PROMPTS, cond, start_seconds, vllm_image, vllm_pair  # noqa: F401 (a fixture)
+from vllm_cluster import (MAX_NEW_TOKENS, PROMPTS, cond, gate_record_of_vllm_v1, start_seconds,  # noqa: F401 (a fixture)
+                          vllm_image, vllm_pair)
 
 TENSOR_PARALLEL = 2
 
@@ -149,17 +150,7 @@ def the_gate_judged_split_mtp_vllm(mlflow_url: str, model: str, workdir: Path) -
     """What the gate Job recorded with v1 (MLflow artifacts of its run): the golden prompts went
     through vLLM split over two ranks, drafting with MTP emitted exactly what target-only did
     (fp32 greedy) while vLLM's counters saw drafts, and the run says the split it was measured on."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(mlflow_url)
-    run_id = client.get_model_version(model, "1").tags["specpair.gate.run_id"]
-    gate = Path(client.download_artifacts(run_id, "gate", str(workdir)))
-    verdict = json.loads((gate / "verdict.json").read_text())
-    golden = json.loads((gate / "golden_outputs.json").read_text())
-    assert verdict["engine"] == "vllm" and verdict["tokenizer"]["compatible"] is True
-    assert verdict["greedyIdentity"] == 1.0 and len(golden) == len(PROMPTS) and all(g["identical"] for g in golden)
-    assert [g["prompt"] for g in golden] == [p["prompt"] for p in PROMPTS]
-    assert sum(g["draft_tokens"] for g in golden) > 0, golden
+    client, run_id, verdict, golden = gate_record_of_vllm_v1(mlflow_url, model, workdir)
     assert verdict["device"] == f"vllm (float32, tensor parallel {TENSOR_PARALLEL})", verdict["device"]
     params = client.get_run(run_id).data.params
     assert params["parallelism.tensor"] == str(TENSOR_PARALLEL) and params["device"] == verdict["device"], params

@@ -5,7 +5,9 @@ module, not conftest: a test file imports the fixture it uses (pytest finds it t
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,3 +56,22 @@ def start_seconds(pod: dict[str, Any]) -> float:
     ready = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")
     at = lambda text: datetime.fromisoformat(text.replace("Z", "+00:00"))  # noqa: E731
     return round((at(ready["lastTransitionTime"]) - at(pod["status"]["startTime"])).total_seconds(), 1)
+
+
+def gate_record_of_vllm_v1(mlflow_url: str, model: str, workdir: Path) -> tuple[Any, str, dict, list[dict]]:
+    """The gate's record of a vLLM pair's v1 as MLflow holds it (the client, the gate run's id, its
+    verdict and golden outputs), with what every vLLM gate must show: vLLM judged it with a
+    compatible tokenizer, every golden prompt (PROMPTS, in order) came out exactly as target-only
+    did (fp32 greedy), and vLLM's own counters saw drafts."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_url)
+    run_id = client.get_model_version(model, "1").tags["specpair.gate.run_id"]
+    gate = Path(client.download_artifacts(run_id, "gate", str(workdir)))
+    verdict = json.loads((gate / "verdict.json").read_text())
+    golden = json.loads((gate / "golden_outputs.json").read_text())
+    assert verdict["engine"] == "vllm" and verdict["tokenizer"]["compatible"] is True, verdict["tokenizer"]
+    assert verdict["greedyIdentity"] == 1.0 and all(g["identical"] for g in golden), golden
+    assert [g["prompt"] for g in golden] == [p["prompt"] for p in PROMPTS], golden
+    assert sum(g["draft_tokens"] for g in golden) > 0, golden
+    return client, run_id, verdict, golden
