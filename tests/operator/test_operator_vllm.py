@@ -47,7 +47,8 @@ import pytest
 from kopf.testing import KopfRunner
 
 from cluster_env import OPERATOR, model_name
-from vllm_cluster import MAX_NEW_TOKENS, PROMPTS, cond, start_seconds, vllm_image, vllm_pair  # noqa: F401 (a fixture)
+from vllm_cluster import (MAX_NEW_TOKENS, PROMPTS, cond, gate_record_of_vllm_v1, start_seconds,  # noqa: F401 (a fixture)
+                          vllm_image, vllm_pair)
 from vllm_streams import Streams
 
 TOKEN = "vllm-s3cret-" + uuid.uuid4().hex
@@ -232,8 +233,6 @@ def assert_the_gate_judged_vllms_own_output(mlflow_url: str, model: str, target:
     emitted exactly what vLLM target-only did (fp32 greedy), vLLM's own counters saw drafts, its
     output is our engine's target-only output for the same prompts, and the operator's verdict
     check passes it as any verdict."""
-    from mlflow import MlflowClient
-
     from specpair.config import GenerationParams
     from specpair.decoding import SpeculativeEngine
     from specpair.models import load_model
