@@ -73,6 +73,8 @@ RETRY_AFTER_SECONDS = 1
 _DROPPED_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host",
                               "authorization", "upgrade", "proxy-connection", "te", "trailer", "expect"})
 _DROPPED = frozenset(name.encode() for name in _DROPPED_HEADERS)
+# Seconds between takes of the compiled front's records (also taken whenever the counts are read).
+NATIVE_RECORDS_SECONDS = 0.25
 # The largest request body taken (a long prompt's JSON).
 MAX_BODY_BYTES = 64 << 20
 
@@ -368,13 +370,14 @@ class Companion:
         if options.control_port is not None and not (options.control_tls and options.control_tls.client_ca):
             raise ValueError("a control port needs control_tls with cert, key and client_ca (mutual TLS)")
         self.options = options
-        self.tally = Tally(options.pair, options.version)
+        self._tally = Tally(options.pair, options.version)
         self.started_at = time.time()
         self.port: int | None = None
         self.control_port: int | None = None
         self.leaving = False                    # told to stop: /health 503, still serving (the stop delay)
-        self.draining = False                   # new requests refused, those in flight finishing
-        self.in_flight = 0
+        self._draining = False                  # new requests refused, those in flight finishing
+        self._relays_in_flight = 0              # the Python front's (the compiled front counts its own)
+        self._native: Any = None                # the compiled front (vllm_front_native.NativeFront), if it serves
         self.identity: dict[str, Any] | None = None
         self._session = None
         self._server: asyncio.AbstractServer | None = None
@@ -387,6 +390,35 @@ class Companion:
         self._grpc = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, on: bool) -> None:
+        """Draining: new requests refused (the compiled front hands every one to the Python front,
+        which refuses them)."""
+        self._draining = on
+        if self._native is not None:
+            self._native.handover_all(on)
+
+    @property
+    def tally(self) -> Tally:
+        """The counts, with the compiled front's records taken first (whoever reads them reads all
+        the requests answered so far)."""
+        self._count_native()
+        return self._tally
+
+    @property
+    def in_flight(self) -> int:
+        """Counted requests not yet answered, on either front."""
+        return self._relays_in_flight + (self._native.in_flight() if self._native is not None else 0)
+
+    @property
+    def front(self) -> str:
+        """Which front serves the HTTP port: "c" or "python"."""
+        return "c" if self._native is not None else "python"
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -421,9 +453,11 @@ class Companion:
             conn = FrontConnection(self._dispatch, MAX_BODY_BYTES)
             fronts.add(conn)
             return conn
-        self._server = await asyncio.get_running_loop().create_server(
-            front, self.options.host, self.options.port, ssl=ssl_context, reuse_address=True)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._native = self._start_native(ssl_context, upstream, front)
+        if self._native is None:
+            self._server = await asyncio.get_running_loop().create_server(
+                front, self.options.host, self.options.port, ssl=ssl_context, reuse_address=True)
+            self.port = self._server.sockets[0].getsockname()[1]
         if self.options.metrics_port is not None:
             metrics = web.Application()
             metrics.router.add_get("/metrics", lambda _request: self._metrics())
@@ -435,6 +469,92 @@ class Companion:
             self.metrics_port = metrics_site._server.sockets[0].getsockname()[1]
         if self.options.control_port is not None:
             await self._start_control()
+
+    def _start_native(self, ssl_context: Any, upstream: str, front: Any) -> Any:
+        """The compiled front on the HTTP port (specpair.vllm_front_native), or None where the Python
+        front serves it: TLS on the port, vLLM at a host name, no compiler or a failed build, or
+        SPECPAIR_COMPANION_FRONT=python. Each reason is logged once."""
+        import ipaddress
+        import socket
+
+        from specpair import vllm_front_native as native
+        if not native.wanted():
+            return None
+        if ssl_context is not None:
+            log.warning("serving TLS on the HTTP port: the Python front serves it (the compiled front speaks "
+                        "plaintext only)")
+            return None
+        if not upstream.startswith("unix:"):
+            try:
+                ipaddress.IPv4Address(upstream.rpartition(":")[0])
+            except ValueError:
+                log.warning("vLLM at %s is no Unix socket or IPv4 address: the Python front serves", upstream)
+                return None
+        lib, why = native.library()
+        if lib is None:
+            log.warning("the compiled front could not be built (%s): the Python front serves", why)
+            return None
+        sock = socket.create_server((self.options.host, self.options.port), backlog=1024)
+        try:
+            made = native.NativeFront(lib, sock, upstream, self._host, self.options.auth_token)
+        except OSError as exc:
+            sock.close()
+            log.warning("%s: the Python front serves", exc)
+            return None
+        self.port = sock.getsockname()[1]
+        loop = asyncio.get_running_loop()
+
+        def handed(prefix: bytes) -> FrontConnection:
+            conn = front()
+            conn.prefix = prefix
+            return conn
+
+        def take_handovers() -> None:
+            for fd, prefix in made.take_handovers():
+                conn_sock = socket.socket(fileno=fd)
+                self._loop_tasks.add(task := loop.create_task(
+                    loop.connect_accepted_socket(lambda prefix=prefix: handed(prefix), conn_sock)))
+                task.add_done_callback(self._loop_tasks.discard)
+        loop.add_reader(made.notify_r, take_handovers)
+
+        async def count_now_and_then() -> None:
+            while True:
+                await asyncio.sleep(NATIVE_RECORDS_SECONDS)
+                self._count_native()
+        self._native_counting = loop.create_task(count_now_and_then())
+        return made
+
+    def _count_native(self, records: list | None = None) -> None:
+        """The compiled front's records since the last call into the counts, as the Python relay
+        counts its requests (_Relay._settle)."""
+        native = self._native
+        if records is None:
+            if native is None:
+                return
+            records = native.take_records()
+        for rec in records:
+            reply = Reply(rec.category or DEFAULT_CATEGORY, status=rec.status)
+            if rec.status == "ok":
+                if rec.whole:
+                    with contextlib.suppress(ValueError, AttributeError, TypeError, IndexError):
+                        read_final(reply, json.loads(rec.finals[0]), 0.0, None, rec.end)
+                else:
+                    final, error = None, False
+                    for payload in rec.finals:
+                        try:
+                            obj = json.loads(payload)
+                        except ValueError:
+                            continue
+                        if isinstance(obj, dict) and "error" in obj and not obj.get("choices"):
+                            error = True
+                        if isinstance(obj, dict) and obj.get("usage") and not obj.get("choices"):
+                            final = obj
+                    if final is not None:
+                        read_final(reply, final, 0.0, rec.first, rec.end)
+                    if error:
+                        reply.status = "error"
+            reply.e2e = rec.end
+            self._tally.record(reply)
 
     async def _start_control(self) -> None:
         import grpc
@@ -480,8 +600,14 @@ class Companion:
     async def close(self) -> None:
         if self._grpc is not None:
             await self._grpc.stop(grace=1)
-        if self._server is not None:
-            self._server.close()
+        if self._native is not None:
+            asyncio.get_running_loop().remove_reader(self._native.notify_r)
+            self._native_counting.cancel()
+            self._count_native(self._native.stop())
+            self._native = None
+        if self._pool is not None:
+            if self._server is not None:
+                self._server.close()
             for conn in list(self._fronts):
                 if conn.transport is not None and not conn.closed:
                     conn.transport.close()
@@ -566,10 +692,10 @@ class Companion:
             try:
                 prep = prepare(request.body)
             except InvalidRequest as exc:
-                self.tally.record(Reply(DEFAULT_CATEGORY, status="invalid"))
+                self._tally.record(Reply(DEFAULT_CATEGORY, status="invalid"))
                 return _respond_error(conn, 400, str(exc), "invalid_request_error", exc.param)
-            self.in_flight += 1
-            self.tally.running += 1
+            self._relays_in_flight += 1
+            self._tally.running += 1
             return _Relay(self, conn, request, prep.body, Reply(prep.category), prep, arrived).go()
         return _Relay(self, conn, request, request.body, None, None, 0.0).go()
 
@@ -591,7 +717,7 @@ class Companion:
                     text = await resp.read()
         except (aiohttp.ClientError, OSError):
             pass        # vLLM not up (yet): the companion's own series still answer
-        return text + generate_latest(self.tally.metrics.registry)
+        return text + generate_latest(self.tally.metrics.registry)     # (the property: records taken first)
 
     async def _metrics_reply(self, conn: Any) -> None:
         conn.respond(200, [(b"Content-Type", METRICS_CONTENT_TYPE)], await self._metrics_text())
@@ -619,8 +745,11 @@ class Companion:
 
     async def _get_stats(self, request: Any, context: Any) -> Any:
         identity = await self._read_identity() or {}
-        return self.tally.stats_message(self.options.pair, self.options.version, bool(identity.get("speculating")),
-                                        time.time() - self.started_at)
+        msg = self.tally.stats_message(self.options.pair, self.options.version, bool(identity.get("speculating")),
+                                       time.time() - self.started_at)
+        if self._native is not None:
+            msg.num_requests_running += self._native.in_flight()
+        return msg
 
     async def _get_model_info(self, request: Any, context: Any) -> Any:
         import grpc
@@ -824,9 +953,9 @@ class _Relay:
                 reply.status = "error"
         reply.e2e = time.perf_counter() - self.arrived
         companion = self.companion
-        companion.in_flight -= 1
-        companion.tally.running -= 1
-        companion.tally.record(reply)
+        companion._relays_in_flight -= 1
+        companion._tally.running -= 1
+        companion._tally.record(reply)
 
 
 def main(argv: list[str] | None = None) -> int:

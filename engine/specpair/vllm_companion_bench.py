@@ -223,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--uds", action="store_true",
                     help="--replay: the companion reaches the upstream on a Unix socket, as in a pod (the "
                          "direct arm stays on TCP)")
+    ap.add_argument("--front", choices=("c", "python", "both"), default="c",
+                    help="the companion's HTTP front: the compiled one (vllm_front.c, the default where it "
+                         "builds), the Python one, or both (two companions, their phases alternated with the "
+                         "direct arm's)")
     ap.add_argument("--serve-replay", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--serve-replay-uds", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -236,43 +240,54 @@ def main(argv: list[str] | None = None) -> int:
     server = (ReplayServer(args.replay_gap_ms, uds, args.replay_steps) if args.replay else
               VllmServer(args.vllm_python or default_python(), args.model, speculative=spec, start_timeout=600,
                          extra_args=[*VLLM_PER_REQUEST_FLAGS, *VLLM_SPEC_DECODE_FLAGS]))
-    results: dict[str, Any] = {"direct": [], "companion": []}
+    fronts = ("c", "python") if args.front == "both" else (args.front,)
+    # The companion arm of each front: "companion" alone, else "companion_c" and "companion_python".
+    arms = {front: "companion" if len(fronts) == 1 else f"companion_{front}" for front in fronts}
+    results: dict[str, Any] = {"direct": [], **{arm: [] for arm in arms.values()}}
     with server:
-        port = free_port()
         upstream = ["--uds", uds] if uds else ["--upstream", f"127.0.0.1:{server.port}"]
-        companion = subprocess.Popen([sys.executable, "-m", "specpair.vllm_companion", *upstream,
-                                      "--host", "127.0.0.1", "--port", str(port)],
-                                     stdin=subprocess.DEVNULL)
+        companions: dict[str, tuple[subprocess.Popen, str]] = {}
         try:
             import urllib.request
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)
+            for front in fronts:
+                port = free_port()
+                proc = subprocess.Popen([sys.executable, "-m", "specpair.vllm_companion", *upstream,
+                                         "--host", "127.0.0.1", "--port", str(port)],
+                                        stdin=subprocess.DEVNULL, env={**os.environ, "SPECPAIR_COMPANION_FRONT": front})
+                companions[arms[front]] = (proc, f"http://127.0.0.1:{port}")
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
+                        break
+                    except OSError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.2)
             model = server.served_model_name
-            # Warm both paths (connections, vLLM's first batches).
+            # Warm every path (connections, vLLM's first batches).
             asyncio.run(_phase(server.base_url, model, min(args.rate, 5.0), 2.0, args.max_tokens))
-            asyncio.run(_phase(f"http://127.0.0.1:{port}", model, min(args.rate, 5.0), 2.0, args.max_tokens))
+            for _proc, base in companions.values():
+                asyncio.run(_phase(base, model, min(args.rate, 5.0), 2.0, args.max_tokens))
             for _ in range(args.rounds):
-                for arm, base in (("direct", server.base_url), ("companion", f"http://127.0.0.1:{port}")):
-                    cpu0, vllm0 = _cpu_seconds(companion.pid), _group_cpu_seconds(server.proc.pid)
+                for arm, base in (("direct", server.base_url), *((a, b) for a, (_, b) in companions.items())):
+                    watched = [p.pid for p, _ in companions.values()]
+                    cpu0, vllm0 = [_cpu_seconds(pid) for pid in watched], _group_cpu_seconds(server.proc.pid)
                     phase = asyncio.run(_phase(base, model, args.rate, args.seconds, args.max_tokens))
-                    phase["companion_cpu_s"] = _cpu_seconds(companion.pid) - cpu0
+                    # The arm's own companion (the direct arm: the first, idle, as before).
+                    pid = companions[arm][0].pid if arm in companions else watched[0]
+                    phase["companion_cpu_s"] = _cpu_seconds(pid) - cpu0[watched.index(pid)]
                     phase["vllm_cpu_s"] = _group_cpu_seconds(server.proc.pid) - vllm0
                     results[arm].append(phase)
         finally:
-            companion.terminate()
-            companion.wait(30)
+            for proc, _ in companions.values():
+                proc.terminate()
+                proc.wait(30)
     summary: dict[str, Any] = {"upstream": "replay" if args.replay else "vllm",
                                "replay_gap_ms": args.replay_gap_ms if args.replay else None,
                                "replay_clock": ("steps" if args.replay_steps else "per stream") if args.replay else None,
                                "companion_upstream": "unix socket" if uds else "tcp",
-                               "event_loop": _loop_name(), "rate": args.rate, "seconds_per_phase": args.seconds, "rounds": args.rounds,
+                               "event_loop": _loop_name(), "front": args.front, "rate": args.rate, "seconds_per_phase": args.seconds, "rounds": args.rounds,
                                "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
                                "load_average": os.getloadavg()}
     for arm, phases in results.items():
@@ -284,14 +299,17 @@ def main(argv: list[str] | None = None) -> int:
                         "end_p50_ms": 1000 * (_pct(end, 0.5) or 0), "end_p90_ms": 1000 * (_pct(end, 0.9) or 0),
                         "companion_cpu_share": sum(p["companion_cpu_s"] for p in phases) / wall,
                         "vllm_cpu_share": sum(p["vllm_cpu_s"] for p in phases) / wall}
-    companion_arm = summary["companion"]
-    # Per request served: a saturated companion (a busy box) stretches its phases' wall time, so
-    # its CPU share understates what each request costs it.
-    per_request = sum(p["companion_cpu_s"] for p in results["companion"]) / max(companion_arm["ok"], 1)
-    summary["added_first_event_p50_ms"] = companion_arm["first_event_p50_ms"] - summary["direct"]["first_event_p50_ms"]
-    summary["added_end_p50_ms"] = companion_arm["end_p50_ms"] - summary["direct"]["end_p50_ms"]
-    summary["companion_cpu_ms_per_request"] = 1000 * per_request
-    summary["companion_cpu_share_at_200_rps"] = per_request * TARGET_RATE
+    for arm in arms.values():
+        companion_arm = summary[arm]
+        tail = arm[len("companion"):]       # "" or "_c" / "_python"
+        # Per request served: a saturated companion (a busy box) stretches its phases' wall time, so
+        # its CPU share understates what each request costs it.
+        per_request = sum(p["companion_cpu_s"] for p in results[arm]) / max(companion_arm["ok"], 1)
+        summary[f"added_first_event_p50_ms{tail}"] = (companion_arm["first_event_p50_ms"]
+                                                      - summary["direct"]["first_event_p50_ms"])
+        summary[f"added_end_p50_ms{tail}"] = companion_arm["end_p50_ms"] - summary["direct"]["end_p50_ms"]
+        summary[f"companion_cpu_ms_per_request{tail}"] = 1000 * per_request
+        summary[f"companion_cpu_share_at_200_rps{tail}"] = per_request * TARGET_RATE
     summary["per_phase_p50_end_ms"] = {arm: [round(1000 * statistics.median(p["end"]), 2) if p["end"] else None
                                              for p in phases] for arm, phases in results.items()}
     text = json.dumps(summary, indent=2)

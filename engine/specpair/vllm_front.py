@@ -203,9 +203,15 @@ class FrontConnection(asyncio.Protocol):
         # Set by the relay answering the request in flight: told when the client goes or pauses.
         self.on_lost: Callable[[], None] | None = None
         self.on_pause: Callable[[bool], None] | None = None
+        # Bytes already read from a connection the compiled front handed over (vllm_front_native):
+        # read first, as if they had just arrived.
+        self.prefix = b""
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        if self.prefix:
+            prefix, self.prefix = self.prefix, b""
+            self.data_received(prefix)
 
     def _send(self, data: bytes) -> None:
         """Bytes for the client, joined with the others of this turn of the loop into one write
