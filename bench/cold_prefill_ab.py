@@ -7,12 +7,15 @@ load; every run's tokens must equal the first's.
     python bench/cold_prefill_ab.py --rounds 3 --budgets 256 0
     python bench/cold_prefill_ab.py --idle-budgets 0 2048   # with nothing decoding: the old 256 a step vs now
     python bench/cold_prefill_ab.py --prompt-scores off on   # the kernel without / with prompt_scores.h
+    python bench/cold_prefill_ab.py --call-tokens 64 128     # the C layer's tokens a call (MAX_TOKENS)
 
 --budgets sets Batch.prefill_budget (0: whole prompts); --idle-budgets sets
 decoding.PREFILL_IDLE_TOKEN_BUDGET (what a step feeds with no row decoding; 0: the budget, as
 before 78ddb20); --prompt-scores builds the served kernel source twice (bench/prompt_scores_ab.py:
 off, attend_group's own score loop; on, the keys transposed once for the group) and alternates
-the two builds under the same engine.
+the two builds under the same engine. --call-tokens builds the served source once for each N with
+-DMAX_TOKENS=N (the tokens of a prompt one C call takes; cpu_kernels.MAX_TOKENS follows the build
+in use) and alternates them likewise.
 """
 
 from __future__ import annotations
@@ -57,23 +60,32 @@ def main() -> int:
                         help="PREFILL_IDLE_TOKEN_BUDGET values (0: the prefill budget, as before)")
     parser.add_argument("--prompt-scores", nargs="+", choices=["off", "on"],
                         help="kernel builds to alternate (bench/prompt_scores_ab.py)")
+    parser.add_argument("--call-tokens", type=int, nargs="+", metavar="N",
+                        help="MAX_TOKENS of the kernel builds to alternate (a prompt's tokens a C call)")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     args = parser.parse_args()
     from specpair import cpu_kernels, decoding
 
     engine = load_engine(args.target, [])
     libs = {}
-    if args.prompt_scores:
+    if args.prompt_scores or args.call_tokens:
         import tempfile
 
         from prompt_scores_ab import OFF, build, wired
         text = wired(cpu_kernels.SOURCE.read_text())
         holder = tempfile.TemporaryDirectory(prefix="cold_prefill_ab")    # removed at exit
-        libs = {k: build(text, Path(holder.name), k, *([OFF] if k == "off" else [])) for k in args.prompt_scores}
+        if args.prompt_scores:
+            libs = {k: build(text, Path(holder.name), k, *([OFF] if k == "off" else []))
+                    for k in args.prompt_scores}
+        else:
+            libs = {n: build(text, Path(holder.name), f"calls{n}", f"-DMAX_TOKENS={n}")
+                    for n in args.call_tokens}
     ids = engine.encode([{"role": "system", "content": system_prompt(args.shared_prefix)},
                          {"role": "user", "content": "Request 0: which setting matters most, and why?"}], chat=True)
     if args.prompt_scores:
         settings = [("scores", b) for b in args.prompt_scores]
+    elif args.call_tokens:
+        settings = [("calls", n) for n in args.call_tokens]
     elif args.idle_budgets:
         settings = [("idle", b) for b in args.idle_budgets]
     else:
@@ -85,7 +97,7 @@ def main() -> int:
         for kind, b in (settings if n % 2 == 0 else list(reversed(settings))):
             forget_prefixes(engine)
             saved = engine.prefill_budget
-            if kind == "scores":
+            if kind in ("scores", "calls"):
                 cpu_kernels.use_library(libs[b])
             elif kind == "idle":
                 decoding.PREFILL_IDLE_TOKEN_BUDGET = b

@@ -264,8 +264,18 @@ static void rows_block(const float *x, const float *W, float *y, long I, long O,
    decode step went to torch (BLAS and ~45 small operations a layer): 32 rows stepped 4x the
    time of 16 on the 2-core machine beside other jobs (docs/measurements/2026-12-06-paged-cpu.md).
    Passes of 8 rows over a block of BLOCK
-   weight rows (<= 150 KB, in the core's cache after the first) keep the weights read once. */
-#define MAX_TOKENS 64
+   weight rows (<= 150 KB, in the core's cache after the first) keep the weights read once.
+   128, not 64, for a prompt's calls (issue 51, docs/measurements/2026-12-08b-cold-prompt-calls.md):
+   SmolLM2's cold 1,696-token prompt in 14 calls, not 27, took 0.95-0.98x the CPU (the attention's
+   keys read by a group twice as large, half the calls' fixed costs); the products alone gained
+   nothing (their weights' re-read a call is hidden by the prefetch: ~100 GFLOP/s at 64 rows a
+   call and at 128-1,696). A call's scratch grows with it (layer_scratch: T * H * positions floats
+   of scores, 7.8 MB at 128 tokens x 1,696 positions for SmolLM2), and each attention task's
+   stack holds anc[MAX_TOKENS][MAX_TOKENS] (128 KB). A measuring build may set another
+   (-DMAX_TOKENS=64: bench/cold_prefill_ab.py --call-tokens). */
+#ifndef MAX_TOKENS
+#define MAX_TOKENS 128
+#endif
 
 int specpair_max_tokens(void) { return MAX_TOKENS; }
 
@@ -838,16 +848,20 @@ static void attend_run(const float *q, const float *kc, const float *vc, float *
    32 times. Every (token, key) score, every token's softmax and every token's weighted sum is
    computed exactly as attend_run computes it for that token (the same dot8/dot per key, the same
    ascending accumulation of values into the token's own eight-lane sums), so the result is
-   bitwise attend_run's whatever the grouping. */
+   bitwise attend_run's whatever the grouping.
+   GQA: the task takes query heads h0..h0+heads-1, all of one key/value head (H / Hkv query heads
+   read the same keys and values): each key tile transposed once for heads x n queries, each
+   value tile read once for all of them. A query (head, token) is an entry e = (head - h0) * n
+   + token index; its scores, softmax and sums are its own whatever entries share a load. */
 #include "prompt_scores.h"   /* many queries' scores against keys read at one place */
 
 static void attend_group(const float *q, const float *kc, const float *vc, float *att,
                          float *scores, const long *pos, const long *slot, const long *parent,
-                         const long *rows, const long *toks, long n, int hh, int H, int Hkv,
-                         int hd, long L, long window, const long *table, long table_width,
-                         long block) {
-    int j = hh / (H / Hkv), chunks = hd / 8;
-    long qd = (long)H * hd, nmax = 0, lomin = L, pend = 0;
+                         const long *rows, const long *toks, long n, int h0, int heads, int H,
+                         int Hkv, int hd, long L, long window, const long *table,
+                         long table_width, long block) {
+    int j = h0 / (H / Hkv), chunks = hd / 8;
+    long qd = (long)H * hd, nmax = 0, lomin = L, pend = 0, ne = n * heads;
     float scale = 1.0f / __builtin_sqrtf((float)hd);
     kv_rows kr[MAX_TOKENS], vr[MAX_TOKENS];
     long anc[MAX_TOKENS][MAX_TOKENS], n0[MAX_TOKENS], lo[MAX_TOKENS];
@@ -865,9 +879,10 @@ static void attend_group(const float *q, const float *kc, const float *vc, float
         if (lo[i] < lomin) lomin = lo[i];
     }
     long done_from, done_to;     /* keys every token reads at one place: prompt_scores.h */
-    prompt_scores(q, qd, hh, hd, kr, toks, n, lo, n0, scores, H, L, &done_from, &done_to);
+    prompt_scores(q, qd, h0, heads, hd, kr, toks, n, lo, n0, scores, H, L, &done_from, &done_to);
     for (long p = lomin / 8 * 8; p < nmax; p += 8) {
         if (p >= done_from && p < done_to) continue;
+        for (int hh = h0; hh < h0 + heads; hh++)
         for (long i = 0; i < n; i++) {
             long t = toks[i], first = lo[i] > p ? lo[i] : p;
             /* this token and the next see all eight keys, stored at the same place for both
@@ -887,62 +902,69 @@ static void attend_group(const float *q, const float *kc, const float *vc, float
         }
     }
     PROF_ADD(P_SCORES, clock);
-    float inv[MAX_TOKENS];
-    for (long i = 0; i < n; i++) {
-        long t = toks[i];
-        const float *qv = q + t * qd + (long)hh * hd;
+    float inv[MAX_TOKENS * (MAX_HEAD_DIM / 8)];     /* ne <= MAX_TOKENS * MAX_HEAD_DIM / hd */
+    for (long e = 0; e < ne; e++) {
+        long i = e % n, t = toks[i], hh = h0 + e / n;
+        const float *qv = q + t * qd + hh * hd;
         float *s = scores + (t * H + hh) * L;
         for (int a = 0; a < m[i]; a++)
             s[n0[i] + a] = dot(qv, kv_at(&kr[i], anc[i][m[i] - 1 - a]), hd);
-        inv[i] = softmax_exp(s, lo[i], pos[t] + 1, scale);
+        inv[e] = softmax_exp(s, lo[i], pos[t] + 1, scale);
     }
     PROF_ADD(P_SOFTMAX, clock);
     /* Values: tiles of VALUE_TILE positions outer, tokens inner, each token's sums in ascending
        positions (as weighted_sum). A tile's values (16 KB at hd 64) stay in L1 while every token
        of the group reads them, and a token's sums stay in registers across the tile, loaded and
-       stored once a tile rather than once a position. */
-    static __thread v8 acc[MAX_TOKENS][MAX_HEAD_DIM / 8];
-    for (long i = 0; i < n; i++)
-        for (int c = 0; c < chunks; c++) acc[i][c] = (v8){0};
+       stored once a tile rather than once a position. Entries e, e + 1, ... may be two heads
+       of one token or two tokens: a value load shared, never a sum. The sums: chunks vectors an
+       entry, ne * chunks <= MAX_TOKENS * MAX_HEAD_DIM / 8 (plan_step's heads a task). */
+    static __thread v8 acc[MAX_TOKENS * (MAX_HEAD_DIM / 8)];
+#define ENTRY_SCORES(e) (scores + (toks[(e) % n] * H + h0 + (e) / n) * L)
+    for (long i = 0; i < ne * chunks; i++) acc[i] = (v8){0};
     for (long p0 = lomin; p0 < pend; p0 += VALUE_TILE) {
         long p1 = p0 + VALUE_TILE < pend ? p0 + VALUE_TILE : pend;
-        for (long i = 0; i < n; i++) {
+        for (long e = 0; e < ne; e++) {
+            long i = e % n;
             long a = lo[i] > p0 ? lo[i] : p0, b = n0[i] + m[i] < p1 ? n0[i] + m[i] : p1;
             if (a >= b) continue;
-            const float *s = scores + (toks[i] * H + hh) * L;
-            /* the next tokens that read this whole tile at the same blocks as token i, before
-               their own keys: four of them share each value load (accumulate_values_quad) */
+            const float *s = ENTRY_SCORES(e);
+            /* the next entries that read this whole tile at the same blocks as entry e, before
+               their tokens' own keys: four of them share each value load
+               (accumulate_values_quad) */
             int along = 1;
             if (chunks % QUAD_CHUNKS == 0 && a == p0 && b == p1 && p1 <= n0[i])
-                while (along < 4 && i + along < n && lo[i + along] <= p0 && p1 <= n0[i + along]
-                       && same_blocks(&vr[i], &vr[i + along], p0, p1))
+                while (along < 4 && e + along < ne && lo[(e + along) % n] <= p0
+                       && p1 <= n0[(e + along) % n]
+                       && same_blocks(&vr[i], &vr[(e + along) % n], p0, p1))
                     along++;
             if (along == 4) {
                 const float *s4[4];
                 v8 *acc4[4];
                 for (int k = 0; k < 4; k++)
-                    s4[k] = scores + (toks[i + k] * H + hh) * L, acc4[k] = acc[i + k];
+                    s4[k] = ENTRY_SCORES(e + k), acc4[k] = acc + (e + k) * chunks;
                 accumulate_values_quad(s4, &vr[i], p0, p1, chunks, acc4);
-                i += 3;
+                e += 3;
                 continue;
             }
-            if (chunks % 4 == 0 && i + 1 < n && a == p0 && b == p1 && p1 <= n0[i]
-                && lo[i + 1] <= p0 && p1 <= n0[i + 1] && same_blocks(&vr[i], &vr[i + 1], p0, p1)) {
-                accumulate_values_pair(s, scores + (toks[i + 1] * H + hh) * L, &vr[i], p0, p1,
-                                       chunks, acc[i], acc[i + 1]);
-                i++;
+            long i1 = (e + 1) % n;
+            if (chunks % 4 == 0 && e + 1 < ne && a == p0 && b == p1 && p1 <= n0[i]
+                && lo[i1] <= p0 && p1 <= n0[i1] && same_blocks(&vr[i], &vr[i1], p0, p1)) {
+                accumulate_values_pair(s, ENTRY_SCORES(e + 1), &vr[i], p0, p1, chunks,
+                                       acc + e * chunks, acc + (e + 1) * chunks);
+                e++;
                 continue;
             }
             if (chunks == 8)    /* hd 64: the eight sums as named registers */
-                accumulate_values(s, &vr[i], a, b, n0[i], anc[i], m[i], 8, acc[i]);
+                accumulate_values(s, &vr[i], a, b, n0[i], anc[i], m[i], 8, acc + e * 8);
             else
-                accumulate_values(s, &vr[i], a, b, n0[i], anc[i], m[i], chunks, acc[i]);
+                accumulate_values(s, &vr[i], a, b, n0[i], anc[i], m[i], chunks, acc + e * chunks);
         }
     }
-    for (long i = 0; i < n; i++) {
-        float *out = att + toks[i] * qd + (long)hh * hd;
+#undef ENTRY_SCORES
+    for (long e = 0; e < ne; e++) {
+        float *out = att + toks[e % n] * qd + (h0 + e / n) * hd;
         for (int c = 0; c < chunks; c++) {
-            v8 r = acc[i][c] * inv[i];
+            v8 r = acc[e * chunks + c] * inv[e];
             __builtin_memcpy(out + c * 8, &r, sizeof r);
         }
     }
@@ -1074,6 +1096,11 @@ typedef struct {
     float *own;          /* threads * 2 * T * D floats: each thread's own rows, or NULL */
     long run_start[MAX_TOKENS + 1], toks[MAX_TOKENS], group_start[MAX_TOKENS + 1];
     int group_runs[MAX_TOKENS];
+    /* group gi's tasks: task_start[gi] .. task_start[gi + 1] - 1. A lone run's: one a query
+       head (attend_run); a group's: head_parts a key/value head (attend_group, each part of its
+       H / Hkv query heads one task) */
+    long task_start[MAX_TOKENS + 1];
+    int head_parts;
 } step_plan;
 
 /* Checks a call's tokens (the codes specpair_llama_layer returns) and plans its attention. */
@@ -1124,6 +1151,17 @@ static int plan_step(step_plan *P, const long *rows, const long *pos, const long
            on 2 threads left one idle for a ninth of the attention (H = 9), and a part still
            reads each key once for its many rows. */
         int taken[MAX_TOKENS] = {0};
+        /* A group's tasks: a key/value head's H / Hkv query heads each (GQA: they read the same
+           keys and values, so a key tile transposed once serves all their queries, a value
+           tile is read once for all), in head_parts parts of at most MAX_HEAD_DIM / hd heads
+           (attend_group's sums hold MAX_TOKENS * MAX_HEAD_DIM / 8 vectors). */
+        int G = H / Hkv, fit = MAX_HEAD_DIM / hd;
+        P->head_parts = (G + fit - 1) / fit;
+        long per_part = (long)Hkv * P->head_parts, gcd = per_part;
+        for (long b = threads; b;) {                   /* gcd(per_part, threads) */
+            long c = gcd % b;
+            gcd = b, b = c;
+        }
         for (long r = 0; r < runs; r++) {
             if (taken[r]) continue;
             long first = table[rows[run_start[r]] * table_width], members[MAX_TOKENS], count = 0;
@@ -1150,7 +1188,11 @@ static int plan_step(step_plan *P, const long *rows, const long *pos, const long
                 }
                 continue;
             }
-            long parts = threads > 1 && count >= 2L * threads ? threads : 1;
+            /* Rows sharing a prefix: cut by rows into as few parts as make the group's tasks
+               (per_part a part) a multiple of the threads (SmolLM2: 3 key/value heads x 2
+               parts on 2 threads, 3 tasks each, a key tile transposed for 3 x 16 queries; one
+               part a query head was 9 tasks, 5 against 4) */
+            long parts = threads > 1 && count >= 2L * threads ? threads / gcd : 1;
             for (long part = 0; part < parts; part++) {
                 long c0 = count * part / parts, c1 = count * (part + 1) / parts;
                 group_runs[groups] = (int)(c1 - c0);
@@ -1161,6 +1203,9 @@ static int plan_step(step_plan *P, const long *rows, const long *pos, const long
             }
         }
         group_start[groups] = placed;
+        P->task_start[0] = 0;
+        for (long gi = 0; gi < groups; gi++)
+            P->task_start[gi + 1] = P->task_start[gi] + (group_runs[gi] == 1 ? H : per_part);
     }
 
     P->runs = runs;
@@ -1264,18 +1309,28 @@ static void layer_team(const step_plan *P, float *h, const float *const *w, floa
     PROF_MARK(P_ROPE);
     TEAM_PHASE();
     if (table) {
+        const long *task_start = P->task_start;
+        int G = H / Hkv, parts = P->head_parts;
 #pragma omp for schedule(dynamic)
-        for (long task = 0; task < groups * H; task++) {
-            long gi = task / H, t0 = toks[group_start[gi]];
+        for (long task = 0; task < task_start[groups]; task++) {
+            long gi = 0, top = groups;       /* the group: task_start[gi] <= task < [gi + 1] */
+            while (top - gi > 1) {
+                long mid = (gi + top) / 2;
+                if (task_start[mid] <= task) gi = mid;
+                else top = mid;
+            }
+            long k = task - task_start[gi], t0 = toks[group_start[gi]];
             if (group_runs[gi] == 1)     /* one row's few tokens: its run as before */
                 attend_run(q, kc, vc, att, scores, pos, slot, parent, rows[t0], t0,
-                           t0 + group_start[gi + 1] - group_start[gi], (int)(task % H), H,
+                           t0 + group_start[gi + 1] - group_start[gi], (int)k, H,
                            Hkv, hd, S, L, window, table, table_width, block);
-            else
+            else {                       /* key/value head k / parts, its part k % parts */
+                int h0 = (int)(k / parts) * G, c = (int)(k % parts);
                 attend_group(q, kc, vc, att, scores, pos, slot, parent, rows,
                              toks + group_start[gi], group_start[gi + 1] - group_start[gi],
-                             (int)(task % H), H, Hkv, hd, L, window, table, table_width,
-                             block);
+                             h0 + G * c / parts, G * (c + 1) / parts - G * c / parts, H, Hkv,
+                             hd, L, window, table, table_width, block);
+            }
         }
     } else {
 #pragma omp for schedule(static)

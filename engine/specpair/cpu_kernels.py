@@ -6,9 +6,10 @@ features (a cache volume shared by different nodes never hands one a library for
 `python -m specpair.cpu_kernels` builds it ahead and says whether it could. The small-batch
 linear is also a torch custom op, so `torch.compile` keeps it as one opaque call in a compiled step.
 
-Where it does not apply (CUDA, a dtype other than float32, more than MAX_TOKENS = 64 rows: a
-prompt's prefill, where BLAS is good) or cannot be built (no C compiler, SPECPAIR_CPU_KERNELS=0), linear()
-is torch's own. `status()` says which, for the bench and the server's start-up log.
+Where it does not apply (CUDA, a dtype other than float32, more than MAX_TOKENS = 128 rows:
+a many-row LM head, where BLAS is good; a prompt goes to the C layer in calls of MAX_TOKENS) or
+cannot be built (no C compiler, SPECPAIR_CPU_KERNELS=0), linear() is torch's own.
+`status()` says which, for the bench and the server's start-up log.
 """
 
 from __future__ import annotations

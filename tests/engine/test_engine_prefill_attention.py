@@ -75,9 +75,9 @@ def test_a_prompt_chunk_is_bitwise_the_one_row_path(threads, start, length):
     torch.testing.assert_close(contiguous, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_a_prompt_prefilled_in_64_token_calls_is_bitwise_the_prompt_fed_15_at_a_time(tiny_target):
+def test_a_prompt_prefilled_in_whole_calls_is_bitwise_the_prompt_fed_15_at_a_time(tiny_target):
     """The whole tiny model on the paged cache: a 150-token prompt in one extend (the cache cuts
-    it into C calls of 64, 64 and 22 tokens, each a grouped chunk) against the same prompt fed
+    it into C calls of MAX_TOKENS, 128 and 22 tokens, each a grouped chunk) against the same prompt fed
     15 tokens an extend (runs under PROMPT_RUN, 16: each through attend_run, the one-row path):
     the last position's logits, and the greedy tokens decoded after it from each cache, bitwise.
     (Logits at every position are not compared: a 150-row LM head is torch's product, a 15-row
@@ -96,5 +96,46 @@ def test_a_prompt_prefilled_in_64_token_calls_is_bitwise_the_prompt_fed_15_at_a_
     token = int(got[-1].argmax())
     for _ in range(4):                               # decoding reads what each prefill wrote
         a, b = whole.extend([[token]])[0], fed.extend([[token]])[0]
+        assert torch.equal(a, b)
+        token = int(a[-1].argmax())
+
+
+@pytest.mark.parametrize("width", [64, 40])
+def test_a_prompt_in_calls_of_max_tokens_is_bitwise_the_prompt_in_smaller_calls(tiny_target, monkeypatch,
+                                                                                width):
+    """Issue 51: a prompt's C calls take MAX_TOKENS (128) tokens, where they took 64. No token's
+    keys, values or hidden state may depend on how many tokens share its call: a 300-token prompt
+    in calls of 128 (128, 128, 44) against the same prompt in calls of `width` (64: the old calls;
+    40: calls that end inside the products' 8-row passes and the attention's 16-token groups),
+    every layer's keys and values bitwise, the last position's logits, and the greedy tokens
+    decoded after from each cache."""
+    from specpair import paged_cache
+
+    assert cpu_kernels.available(), cpu_kernels.status()
+    assert cpu_kernels.MAX_TOKENS == 128                 # the library's own (cpu_kernels.c)
+    model = tiny_target.model
+    prompt = torch.randint(3, 300, (300,), generator=torch.Generator().manual_seed(52)).tolist()
+    big, small = PagedKVModel(model, blocks=24), PagedKVModel(model, blocks=24)
+    for kv in (big, small):
+        kv.add_rows(1)
+    cut, sizes = paged_cache._calls, []
+
+    def calls(tokens, parents, most):                    # the calls each extend made
+        out = cut(tokens, parents, most)
+        sizes.append([b - a for a, b in out])
+        return out
+
+    monkeypatch.setattr(paged_cache, "_calls", calls)
+    got = big.extend([prompt])[0]
+    monkeypatch.setattr(cpu_kernels, "MAX_TOKENS", width)
+    expected = small.extend([prompt])[0]
+    monkeypatch.setattr(cpu_kernels, "MAX_TOKENS", 128)
+    assert sizes == [[128, 128, 44], [width] * (300 // width) + [300 % width]]
+    assert torch.equal(got, expected)
+    for layer, ((kb, vb), (ks, vs)) in enumerate(zip(big.caches, small.caches)):
+        assert torch.equal(kb, ks) and torch.equal(vb, vs), f"layer {layer}'s keys or values"
+    token = int(got[-1].argmax())
+    for _ in range(4):                                   # decoding reads what each prefill wrote
+        a, b = big.extend([[token]])[0], small.extend([[token]])[0]
         assert torch.equal(a, b)
         token = int(a[-1].argmax())

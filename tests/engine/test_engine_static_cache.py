@@ -34,7 +34,7 @@ def test_small_linear_matches_torch_for_every_row_count(in_features):
         assert cpu_kernels.layer_applies(rows, torch.float32, torch.device("cpu"), head_dim=64)
         torch.testing.assert_close(ours, F.linear(x, weight), rtol=1e-4, atol=1e-4)
     # The limits are the library's own (cpu_kernels.c), and beyond them torch takes the step.
-    assert cpu_kernels.MAX_TOKENS == 64 and cpu_kernels.MAX_HEAD_DIM == 256
+    assert cpu_kernels.MAX_TOKENS == 128 and cpu_kernels.MAX_HEAD_DIM == 256
     cpu = torch.device("cpu")
     assert not cpu_kernels.layer_applies(cpu_kernels.MAX_TOKENS + 1, torch.float32, cpu, 64)
     assert not cpu_kernels.layer_applies(4, torch.float32, cpu, head_dim=36)    # not 8-wide
@@ -85,7 +85,7 @@ def _products_over_nan(x: torch.Tensor, weights: list[torch.Tensor]) -> list[tor
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_piece_of_a_block_is_the_one_row_product_in_passes_of_eight(threads):
-    """Bitwise, in full passes of eight rows (the 32-row decode step's, a prompt's 64-token
+    """Bitwise, in full passes of eight rows (the 32-row decode step's, a prompt's 128-token
     calls): a task's block of outputs goes in 4 x 6 tiles, then 4 x 4, then the one-output
     kernel (cpu_kernels.c rows_block, on AVX-512 machines). Output counts from 1 to 53 leave each
     of those pieces, alone and together, at a block's end; weights of several widths in one
@@ -105,7 +105,7 @@ def test_every_piece_of_a_block_is_the_one_row_product_in_passes_of_eight(thread
                 group = weights[j:j + 8]
                 alone = [torch.cat(col) for col in
                          zip(*[cpu_kernels.linears(x[i:i + 1], *group) for i in range(len(x))])]
-                for rows in (8, 16, 32, 64):
+                for rows in (8, 16, 32, 64, 128):
                     together = _products_over_nan(x[:rows].contiguous(), group)
                     for w, y, ref in zip(group, together, alone):
                         assert torch.equal(y, ref[:rows]), (in_features, w.shape[0], rows)
