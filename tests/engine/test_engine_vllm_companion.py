@@ -16,6 +16,14 @@ from specpair.stats import RequestMoments
 from specpair.vllm_companion import (InvalidRequest, Reply, SseScanner, Tally, acceptance_of, prepare,
                                      read_final)
 
+@pytest.fixture(params=["c", "python"], autouse=True)
+def front(request, monkeypatch):
+    """Every test here runs with each of the companion's HTTP fronts (vllm_front_native: the
+    compiled one, the default; the Python one)."""
+    monkeypatch.setenv("SPECPAIR_COMPANION_FRONT", request.param)
+    return request.param
+
+
 # The last two events of a streamed chat completion (stream_options.include_usage), as vLLM wrote them.
 USAGE_CHUNK = (b'data: {"id":"chatcmpl-b1240c439eb969e9","object":"chat.completion.chunk","created":1796558686,'
                b'"model":"peer","choices":[],"usage":{"prompt_tokens":43,"total_tokens":51,"completion_tokens":8},'

@@ -29,6 +29,14 @@ from specpair.contract import DEFAULT_CATEGORY
 from specpair.vllm_companion import RETRY_AFTER_SECONDS, Companion, CompanionOptions
 from specpair.vllm_serve import drained_marker
 
+@pytest.fixture(params=["c", "python"], autouse=True)
+def front(request, monkeypatch):
+    """Every test here runs with each of the companion's HTTP fronts (vllm_front_native: the
+    compiled one, the default; the Python one)."""
+    monkeypatch.setenv("SPECPAIR_COMPANION_FRONT", request.param)
+    return request.param
+
+
 EVENT = b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n'
 LAST = b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"y","finish_reason":"length"}]}\n\n'
 DONE = b"data: [DONE]\n\n"
@@ -93,7 +101,7 @@ def post(port: int, prompt: str, stream: bool = True) -> tuple[int, dict[str, st
 
 
 @pytest.fixture
-def companion_for(tmp_path):
+def companion_for(tmp_path, front):
     made: list[tuple[Upstream, Companion]] = []
 
     def make(gap: float = 0.0, stop_delay: float = 0.0) -> Companion:
@@ -101,6 +109,7 @@ def companion_for(tmp_path):
         companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0, drain_timeout=30,
                                                stop_delay=stop_delay,
                                                drained_marker=str(tmp_path / "companion-drained"))).start()
+        assert companion.front == front     # the compiled front built and serves where asked
         made.append((upstream, companion))
         return companion
     yield make

@@ -1,0 +1,284 @@
+"""The vLLM companion's compiled front (specpair/vllm_front.c, loaded by vllm_front_native) over
+real sockets: what it relays itself, what it hands to the Python front, a client that leaves
+mid-stream, vLLM closing a kept-alive connection, records not lost under load, a failed build
+falling back to the Python front. The companion's other behaviour runs against both fronts in
+test_engine_vllm_companion.py and test_engine_vllm_drain.py (their `front` fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+
+import pytest
+
+from specpair.vllm_companion import Companion, CompanionOptions
+from specpair.vllm_companion_bench import ReplayServer
+from waiting import wait_until
+
+EVENT = b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n'
+USAGE = (b'data: {"id":"c","object":"text_completion","choices":[],"usage":{"prompt_tokens":3,'
+         b'"completion_tokens":2,"total_tokens":5},"metrics":{"time_to_first_token_ms":4.0,"queue_time_ms":1.0,'
+         b'"mean_itl_ms":2.0,"speculative_decoding":{"acceptance_histogram":[1,1],"num_spec_steps":2,'
+         b'"num_accepted_draft_tokens":1,"num_draft_tokens":2}}}\n\n')
+DONE = b"data: [DONE]\n\n"
+WHOLE = json.dumps({"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "xy"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}).encode()
+
+
+@pytest.fixture
+def c_front(monkeypatch):
+    monkeypatch.setenv("SPECPAIR_COMPANION_FRONT", "c")
+
+
+def request(body: dict, path: bytes = b"/v1/completions", extra: bytes = b"") -> bytes:
+    data = json.dumps(body).encode()
+    return (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s"
+            % (path, extra, len(data), data))
+
+
+def read_reply(s: socket.socket, buf: bytes = b"") -> tuple[bytes, bytes, bytes]:
+    """One reply (head, body, bytes after it): chunked (decoded) or Content-Length."""
+    while b"\r\n\r\n" not in buf:
+        data = s.recv(65536)
+        assert data, buf
+        buf += data
+    head, _, buf = buf.partition(b"\r\n\r\n")
+    lower = head.lower()
+    if b"transfer-encoding: chunked" in lower:
+        body = b""
+        while True:
+            while b"\r\n" not in buf:
+                buf += s.recv(65536)
+            line, _, buf = buf.partition(b"\r\n")
+            size = int(line, 16)
+            while len(buf) < size + 2:
+                data = s.recv(65536)
+                assert data, (head, body, buf)
+                buf += data
+            if not size:
+                return head, body, buf[2:]
+            body, buf = body + buf[:size], buf[size + 2:]
+    length = int(lower.split(b"content-length: ")[1].split(b"\r\n")[0])
+    while len(buf) < length:
+        buf += s.recv(65536)
+    return head, buf[:length], buf[length:]
+
+
+class OneReplyUpstream:
+    """vLLM's shape on a raw socket, in a thread: each connection answers its first request (a
+    stream of two events, the usage chunk where asked for, [DONE]; or a whole JSON reply) and
+    then, as an idle kept-alive connection vLLM closed would, closes on the next one unanswered."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _read_request(conn: socket.socket, buf: bytes) -> tuple[dict | None, bytes]:
+        while b"\r\n\r\n" not in buf:
+            data = conn.recv(65536)
+            if not data:
+                return None, b""
+            buf += data
+        head, _, buf = buf.partition(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(buf) < length:
+            buf += conn.recv(65536)
+        return json.loads(buf[:length]), buf[length:]
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            body, rest = self._read_request(conn, b"")
+            if body is None:
+                return
+            if body.get("stream"):
+                events = [EVENT, EVENT] + ([USAGE] if body["stream_options"]["include_usage"] else []) + [DONE]
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n"
+                             + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
+            else:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(WHOLE), WHOLE))
+            self._read_request(conn, rest)       # the next request on this connection: closed, unanswered
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_the_plain_request_is_relayed_by_the_compiled_front_and_others_handed_to_python(c_front):
+    with ReplayServer() as upstream:
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
+        try:
+            assert companion.front == "c"
+            with socket.create_connection(("127.0.0.1", companion.port), timeout=30) as s:
+                for tokens in (3, 2):       # two on one kept-alive connection
+                    s.sendall(request({"model": "peer", "prompt": "x", "max_tokens": tokens, "stream": True,
+                                       "specpair": {"category": "code"}}))
+                    head, body, rest = read_reply(s)
+                    assert head.startswith(b"HTTP/1.1 200 ") and rest == b""
+                    assert body.count(b'"text":"V"') == tokens and body.endswith(DONE) and b'"usage"' not in body
+                assert len(companion._fronts) == 0        # no Python connection took part
+                # A path the compiled front does not relay: the connection goes to the Python front.
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                head, _, _ = read_reply(s)
+                assert head.startswith(b"HTTP/1.1 200 ")
+                wait_until("the connection handed over", lambda: len(companion._fronts) == 1, timeout=60)
+                s.sendall(request({"model": "peer", "prompt": "x", "max_tokens": 1, "stream": True,
+                                   "specpair": {"category": "code"}}))
+                head, body, _ = read_reply(s)
+                assert head.startswith(b"HTTP/1.1 200 ") and body.count(b'"text":"V"') == 1
+            counts = companion.tally.metrics.serving_counts()["code"]
+            assert counts["requests"] == {"ok": 3}
+            # The replayed usage chunk says 8 completion tokens a request, counted from each record.
+            assert companion.tally.stats_message("p", "1", True, 1.0).categories["code"].cumulative \
+                .num_emitted_tokens == 3 * 8
+        finally:
+            companion.stop()
+
+
+@pytest.mark.parametrize("front", ["c", "python"])
+def test_a_malformed_request_gets_the_same_clear_error_from_either_front(monkeypatch, front):
+    monkeypatch.setenv("SPECPAIR_COMPANION_FRONT", front)
+    with ReplayServer() as upstream:
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
+        try:
+            assert companion.front == front
+            answers = []
+            for sent in (request({"prompt": "x", "specpair": {"category": "no spaces"}}),
+                         request({"prompt": "x", "specpair": 5}),
+                         b"NOT HTTP\r\n\r\n"):
+                with socket.create_connection(("127.0.0.1", companion.port), timeout=30) as s:
+                    s.sendall(sent)
+                    head, body, _ = read_reply(s)
+                    answers.append((int(head.split(b" ")[1]), json.loads(body)["error"]["message"]))
+            assert answers[0] == (400, "specpair.category: 1-64 characters from A-Z a-z 0-9 _ . -")
+            assert answers[1] == (400, "specpair: must be an object")
+            assert answers[2] == (400, "malformed request line")
+            wait_until("the refusals counted", lambda: companion.tally.metrics.serving_counts()
+                       .get("general", {}).get("requests") == {"invalid": 2}, timeout=60,
+                       show=lambda: companion.tally.metrics.serving_counts())
+        finally:
+            companion.stop()
+
+
+def test_a_client_that_leaves_mid_stream_is_counted_cancelled_and_the_front_serves_on(c_front):
+    with ReplayServer(gap_ms=20) as upstream:
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
+        try:
+            with socket.create_connection(("127.0.0.1", companion.port), timeout=30) as s:
+                s.sendall(request({"model": "peer", "prompt": "x", "max_tokens": 500, "stream": True,
+                                   "specpair": {"category": "code"}}))
+                got = b""
+                while b'"text":"V"' not in got:
+                    got += s.recv(65536)
+            wait_until("the stream counted cancelled", lambda: companion.tally.metrics.serving_counts()
+                       .get("code", {}).get("requests") == {"cancelled": 1}, timeout=60,
+                       show=lambda: companion.tally.metrics.serving_counts())
+            assert companion.in_flight == 0
+            with socket.create_connection(("127.0.0.1", companion.port), timeout=30) as s:
+                s.sendall(request({"model": "peer", "prompt": "x", "max_tokens": 2, "stream": True,
+                                   "specpair": {"category": "code"}}))
+                head, body, _ = read_reply(s)
+                assert head.startswith(b"HTTP/1.1 200 ") and body.count(b'"text":"V"') == 2
+            assert companion.tally.metrics.serving_counts()["code"]["requests"] == {"cancelled": 1, "ok": 1}
+        finally:
+            companion.stop()
+
+
+@pytest.mark.parametrize("front", ["c", "python"])
+def test_a_kept_alive_connection_vllm_closed_is_retried_once_on_a_new_one(monkeypatch, front):
+    """Each upstream connection answers one request and closes on the next unanswered: the second
+    request goes out on the kept-alive connection, meets the close, and is sent again on a new
+    one; streamed and whole replies alike reach the client whole and counted."""
+    monkeypatch.setenv("SPECPAIR_COMPANION_FRONT", front)
+    upstream = OneReplyUpstream()
+    companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
+    try:
+        assert companion.front == front
+        with socket.create_connection(("127.0.0.1", companion.port), timeout=30) as s:
+            for stream in (True, True, False, True):
+                s.sendall(request({"prompt": "x", "stream": stream, "specpair": {"category": "code"}}))
+                head, body, _ = read_reply(s)
+                assert head.startswith(b"HTTP/1.1 200 "), head
+                assert body == (EVENT + EVENT + DONE if stream else WHOLE)
+        assert upstream.connections == 4
+        counts = companion.tally.metrics.serving_counts()["code"]
+        assert counts["requests"] == {"ok": 4}
+        # Each reply's usage counted (2 completion tokens; vLLM's own timings on the streamed ones).
+        assert companion.tally.stats_message("p", "1", True, 1.0).categories["code"].cumulative \
+            .num_emitted_tokens == 4 * 2
+        assert counts["ttft"]["count"] == 3      # the whole reply carries no timings here
+    finally:
+        companion.stop()
+        upstream.close()
+
+
+def test_no_record_is_lost_under_load(c_front):
+    """400 streams over 40 connections at once: each one counted once, with its usage."""
+    import aiohttp
+
+    async def load(port: int) -> list[int]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=40)) as session:
+            async def one(i: int) -> int:
+                body = {"model": "peer", "prompt": "x", "max_tokens": 4, "stream": True,
+                        "specpair": {"category": f"c{i % 3}"}}
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+                    text = await resp.read()
+                    return resp.status if text.endswith(DONE) else -1
+            return await asyncio.gather(*(one(i) for i in range(400)))
+
+    with ReplayServer(gap_ms=1) as upstream:
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
+        try:
+            assert asyncio.run(load(companion.port)) == [200] * 400
+            counts = companion.tally.metrics.serving_counts()
+            assert {c: counts[c]["requests"] for c in ("c0", "c1", "c2")} == \
+                {"c0": {"ok": 134}, "c1": {"ok": 133}, "c2": {"ok": 133}}
+            stats = companion.tally.stats_message("p", "1", True, 1.0)
+            assert stats.overall.requests == 400 and stats.overall.cumulative.num_emitted_tokens == 400 * 8
+            assert len(companion._fronts) == 0 and companion.in_flight == 0
+        finally:
+            companion.stop()
+
+
+def test_a_failed_build_falls_back_to_the_python_front_and_says_why(monkeypatch, tmp_path, caplog, c_front):
+    from specpair import vllm_front_native
+
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'cc: no such luck' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(vllm_front_native, "SOURCE", tmp_path / "vllm_front.c")
+    (tmp_path / "vllm_front.c").write_bytes(vllm_front_native.Path(vllm_front_native.__file__)
+                                            .with_name("vllm_front.c").read_bytes() + b"\n/* a fresh key */\n")
+    monkeypatch.setattr(vllm_front_native, "_built", None)
+    monkeypatch.setattr(vllm_front_native.build, "__defaults__", (tmp_path / "vllm_front.c",))
+    caplog.set_level(logging.WARNING, logger="specpair.vllm_companion")
+    with ReplayServer() as upstream:
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
+        try:
+            assert companion.front == "python"
+            assert any("could not be built" in r.getMessage() and "no such luck" in r.getMessage()
+                       for r in caplog.records), [r.getMessage() for r in caplog.records]
+            with socket.create_connection(("127.0.0.1", companion.port), timeout=30) as s:
+                s.sendall(request({"model": "peer", "prompt": "x", "max_tokens": 2, "stream": True}))
+                head, body, _ = read_reply(s)
+                assert head.startswith(b"HTTP/1.1 200 ") and body.count(b'"text":"V"') == 2
+        finally:
+            companion.stop()
+            monkeypatch.setattr(vllm_front_native, "_built", None)
