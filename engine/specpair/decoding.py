@@ -367,7 +367,7 @@ class SpeculativeEngine:
     def warm_up(self) -> float:
         """Run each model's step once per shape class torch.compile specialises (1 and more than 1
         rows, 1 and several tokens, one row left in a larger cache, a prompt past the C layer's
-        64 tokens a call), so no request pays a compile
+        MAX_TOKENS a call), so no request pays a compile
         (tests/engine/test_engine_compile_warm_up.py), and a drafting head's steps
         (EagleDrafter.warm_up, MedusaDrafter.warm_up; `captures["head"]`). Returns the seconds it
         took."""
@@ -409,7 +409,7 @@ class SpeculativeEngine:
                 kv.extend([[0] * 3] * 2)
                 kv.select([0])
                 kv.extend([[0] * width], last=width)
-            # A prompt past the C layer's tokens a call (cpu_kernels.MAX_TOKENS, 64; its graph
+            # A prompt past the C layer's tokens a call (cpu_kernels.MAX_TOKENS, 128; its graph
             # guards on it): each longer prompt's step shares this graph.
             kv = self.kv_model(model)
             kv.add_rows(2)
@@ -1026,7 +1026,7 @@ class Batch:
         part, under the engine's prefill token budget -> the positions each is fed (0: it
         waits). The budget counts every position a step feeds, as vLLM's: the rows decoding (one
         uncached token each, always fed) take theirs first, so a step's tokens fill the C
-        layer's 64-token calls (each call reads every weight once); the oldest rows prefilling
+        layer's calls of MAX_TOKENS (each call reads every weight once); the oldest rows prefilling
         share the rest, and never less than PREFILL_PROMPT_SHARE of the budget (one position at
         the least), so a batch of more rows decoding than the budget cannot starve a prompt (the
         step then feeds over the budget). With no row decoding there is no time between tokens

@@ -2,7 +2,7 @@
 graph, no fixed step, no paged cache): the engine's warm-up compiles every shape a request
 steps through, so the first requests compile nothing. Before, a 3-prompt generation after
 warm-up compiled 2-3 more graphs (~25 CPU-s on a cold inductor cache, paid by a server's first
-requests): a prompt over the C layer's 64 tokens a call (a guard in the graph), and the `rows`
+requests): a prompt over the C layer's tokens a call (MAX_TOKENS; a guard in the graph), and the `rows`
 index at a stride warm-up never gave (an expanded [B, 1] against a wider one)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from specpair.config import GenerationParams
 from specpair.decoding import SpeculativeEngine
 
 PROMPTS = ["def foo(x):\n    return", "The quick brown fox",
-           "import os\nimport sys\n" * 8]            # over 64 tokens across the batch's prefill
+           "import os\nimport sys\n" * 8]     # 145 tokens across the batch's prefill: over MAX_TOKENS, 128
 
 
 # Slow: dynamo traces the layer step at warm-up (~23 CPU-s with aot_eager).
