@@ -48,6 +48,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from specpair.contract import DEFAULT_CATEGORY
@@ -490,7 +491,8 @@ class Companion:
             except ValueError:
                 log.warning("vLLM at %s is no Unix socket or IPv4 address: the Python front serves", upstream)
                 return None
-        lib, why = native.library()
+        # (vLLM's socket's folder: a writable emptyDir in the pod, whose root filesystem is read-only)
+        lib, why = native.library(Path(upstream[len("unix:"):]).parent if upstream.startswith("unix:") else None)
         if lib is None:
             log.warning("the compiled front could not be built (%s): the Python front serves", why)
             return None

@@ -45,9 +45,11 @@ def _cache_dir() -> Path:
     return Path(base) / "specpair" / "front"
 
 
-def build(source: Path = SOURCE) -> tuple[ctypes.CDLL | None, str | None]:
-    """(the library, None) or (None, why not): compiled once into the user's cache (a temporary
-    folder where that is read-only), keyed by the source's text and the flags."""
+def build(source: Path = SOURCE, also: Path | None = None) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library, None) or (None, why not): compiled once into the first writable of the user's
+    cache, the temporary folder and `also` (in a pod, whose root filesystem is read-only: the
+    emptyDir of vLLM's socket, where the companion writes its drained marker too), keyed by the
+    source's text and the flags. The compiler's own temporary files go there as well."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         return None, "no C compiler (cc/gcc) on PATH"
@@ -57,14 +59,17 @@ def build(source: Path = SOURCE) -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"{source.name}: {exc}"
     key = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
     last: str | None = None
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"specpair-front-{os.getuid()}"):
+    folders = [_cache_dir(), Path(tempfile.gettempdir()) / f"specpair-front-{os.getuid()}"]
+    if also is not None:
+        folders.append(also / "specpair-front")
+    for folder in folders:
         out = folder / f"{source.stem}-{key}.so"
         try:
             if not out.exists():
                 folder.mkdir(parents=True, exist_ok=True)
                 tmp = out.with_suffix(f".{os.getpid()}.tmp")
                 proc = subprocess.run([compiler, *FLAGS, str(source), "-o", str(tmp)], capture_output=True,
-                                      text=True, timeout=120)
+                                      text=True, timeout=120, env={**os.environ, "TMPDIR": str(folder)})
                 if proc.returncode != 0:
                     tmp.unlink(missing_ok=True)
                     return None, f"{compiler} failed: {proc.stderr.strip()[-500:]}"
@@ -92,11 +97,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.spf_destroy.argtypes = [ctypes.c_void_p]
 
 
-def library() -> tuple[ctypes.CDLL | None, str | None]:
-    """The front's library, built once a process (or why it is not there)."""
+def library(also: Path | None = None) -> tuple[ctypes.CDLL | None, str | None]:
+    """The front's library, built once a process (or why it is not there); `also`: build()'s."""
     global _built
     if _built is None:
-        _built = build()
+        _built = build(also=also)
     return _built
 
 

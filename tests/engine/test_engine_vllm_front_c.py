@@ -267,7 +267,7 @@ def test_a_failed_build_falls_back_to_the_python_front_and_says_why(monkeypatch,
     (tmp_path / "vllm_front.c").write_bytes(vllm_front_native.Path(vllm_front_native.__file__)
                                             .with_name("vllm_front.c").read_bytes() + b"\n/* a fresh key */\n")
     monkeypatch.setattr(vllm_front_native, "_built", None)
-    monkeypatch.setattr(vllm_front_native.build, "__defaults__", (tmp_path / "vllm_front.c",))
+    monkeypatch.setattr(vllm_front_native.build, "__defaults__", (tmp_path / "vllm_front.c", None))
     caplog.set_level(logging.WARNING, logger="specpair.vllm_companion")
     with ReplayServer() as upstream:
         companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
@@ -282,3 +282,23 @@ def test_a_failed_build_falls_back_to_the_python_front_and_says_why(monkeypatch,
         finally:
             companion.stop()
             monkeypatch.setattr(vllm_front_native, "_built", None)
+
+
+def test_where_home_and_tmp_are_read_only_the_front_is_built_beside_vllms_socket(monkeypatch, tmp_path):
+    """A pod's companion: read-only root filesystem, its one writable folder the emptyDir of
+    vLLM's socket (where the drained marker goes too): the library and the compiler's temporary
+    files go there."""
+    import tempfile
+
+    from specpair import vllm_front_native
+
+    blocked = tmp_path / "read-only"
+    blocked.write_text("a file: no folder can be made under it")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    monkeypatch.setattr(tempfile, "tempdir", str(blocked))
+    socket_dir = tmp_path / "vllm"
+    socket_dir.mkdir()
+    lib, why = vllm_front_native.build(also=socket_dir)
+    assert why is None and lib is not None
+    assert [p.suffix for p in (socket_dir / "specpair-front").iterdir()] == [".so"]
+    assert vllm_front_native.build()[0] is None      # without it: nowhere to build
