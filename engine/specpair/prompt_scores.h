@@ -118,16 +118,19 @@ static const ps_block_fn PS_BLOCKS[PS_QB + 1][3] = {
 #endif
 };
 
-/* Scores of tokens toks[0..n-1] (query head hh; kr[i] token i's keys, lo[i] and n0[i] the first
-   key it sees and its prefix's end, as attend_group holds them) for every key in [*from, *to):
+/* Scores of tokens toks[0..n-1] for query heads hh..hh+heads-1 (all of one key/value head:
+   GQA's query heads read the same keys; kr[i] token i's keys, lo[i] and n0[i] the first key it
+   sees and its prefix's end, as attend_group holds them) for every key in [*from, *to):
    the run of 8-key tiles that every token sees whole, at the same place for all (their tables
    name the same blocks there). Written where attend_group's loop writes them (scores +
-   (t * H + hh) * L + p); *from == *to: none here (too few tokens, or no such run). */
-static void prompt_scores(const float *q, long qd, int hh, int hd, const kv_rows *kr,
+   (t * H + head) * L + p); *from == *to: none here (too few queries, or no such run). Each
+   tile's transposition serves heads x n queries: query e is head hh + e / n, token toks[e % n]. */
+static void prompt_scores(const float *q, long qd, int hh, int heads, int hd, const kv_rows *kr,
                           const long *toks, long n, const long *lo, const long *n0, float *scores,
                           int H, long L, long *from, long *to) {
     *from = *to = 0;
-    if (n < PS_MIN_QUERIES) return;
+    long queries = n * heads;
+    if (queries < PS_MIN_QUERIES) return;
     long a = 0, b = n0[0];
     for (long i = 0; i < n; i++) {
         if (lo[i] > a) a = lo[i];
@@ -166,12 +169,12 @@ static void prompt_scores(const float *q, long qd, int hh, int hd, const kv_rows
                 ps_transpose8(rows, kt + ((long)t * chunks + c) * 8);
             }
         }
-        for (long i0 = 0; i0 < n; i0 += PS_QB) {
-            int m = n - i0 < PS_QB ? (int)(n - i0) : PS_QB;
+        for (long e0 = 0; e0 < queries; e0 += PS_QB) {
+            int m = queries - e0 < PS_QB ? (int)(queries - e0) : PS_QB;
             for (int i = 0; i < m; i++) {
-                long t = toks[i0 + i];
-                qv[i] = q + t * qd + (long)hh * hd;
-                out[i] = scores + (t * H + hh) * L + p;
+                long t = toks[(e0 + i) % n], head = hh + (e0 + i) / n;
+                qv[i] = q + t * qd + head * hd;
+                out[i] = scores + (t * H + head) * L + p;
             }
             PS_BLOCKS[m][tiles](qv, kt, chunks, out);
         }
