@@ -59,7 +59,16 @@ def build_at(rev: str, out_dir: Path) -> ctypes.CDLL:
                           check=True, capture_output=True).stdout
     src = out_dir / "cpu_kernels.c"
     src.write_bytes(text)
-    lib, err = ck.build_library(src)
+    # and the headers as they were at `rev` (its folder is searched first): the working tree's
+    # may no longer fit the older source (prompt_scores() took a head count from c2181c4)
+    headers = []
+    for header in ck.HEADERS:
+        shown = subprocess.run(["git", "-C", str(REPO), "show",
+                                f"{rev}:engine/specpair/{header.name}"], capture_output=True)
+        if shown.returncode == 0:       # (a revision before the header existed: none)
+            (out_dir / header.name).write_bytes(shown.stdout)
+            headers.append(out_dir / header.name)
+    lib, err = ck.build_library(src, *headers)
     if lib is None:
         raise SystemExit(f"building {rev}'s kernel: {err}")
     return _typed(lib)
