@@ -74,6 +74,7 @@ typedef struct client {
     buf_t in, out;
     size_t out_off;
     int busy, keep_alive, dead;
+    int watching_out;           /* EPOLLOUT asked for (changed only when it must: a system call) */
     up_t *up;
     /* the request in flight */
     buf_t request;              /* as sent to vLLM (kept for one retry on a fresh connection) */
@@ -92,6 +93,7 @@ struct up {
     size_t out_off;
     client_t *client;
     int reused, replied, head_done, chunked, reusable, paused, idle;
+    uint32_t watched;           /* the epoll events asked for now */
     long long left;             /* Content-Length bytes left; -1: chunked or until close */
     /* chunked decoding */
     int cstate;                 /* 0 size line, 1 data, 2 CRLF after data, 3 trailers, 4 done */
@@ -185,7 +187,7 @@ static void up_close(up_t *u);
 
 static void up_watch(up_t *u) {
     uint32_t ev = (u->paused ? 0 : EPOLLIN) | (u->out.len > u->out_off ? EPOLLOUT : 0) | EPOLLRDHUP;
-    ep_set(u->fd, u, ev, 0);
+    if (ev != u->watched) { u->watched = ev; ep_set(u->fd, u, ev, 0); }
 }
 
 /* Writes what waits for the client; 0, or -1: the client is gone. */
@@ -200,7 +202,10 @@ static int client_flush(client_t *c) {
     }
     if (c->out_off == c->out.len) c->out.len = c->out_off = 0;
     int waiting = c->out.len > c->out_off;
-    ep_set(c->fd, c, EPOLLIN | EPOLLRDHUP | (waiting ? EPOLLOUT : 0), 0);
+    if (waiting != c->watching_out) {
+        c->watching_out = waiting;
+        ep_set(c->fd, c, EPOLLIN | EPOLLRDHUP | (waiting ? EPOLLOUT : 0), 0);
+    }
     up_t *u = c->up;
     if (u && u->paused != (c->out.len - c->out_off > OUT_HIGH)) {
         u->paused = !u->paused;         /* the client reads slower than vLLM writes */
@@ -481,7 +486,8 @@ static up_t *up_connect(char *why, size_t why_len) {
     up_t *u = calloc(1, sizeof *u);
     u->kind = K_UP;
     u->fd = fd;
-    ep_set(fd, u, EPOLLIN | EPOLLRDHUP, 1);
+    u->watched = EPOLLIN | EPOLLRDHUP;
+    ep_set(fd, u, u->watched, 1);
     return u;
 }
 
