@@ -982,15 +982,26 @@ int specpair_exp(float *s, long n) { exp_inplace(s, n); return 0; }
 /* g = SiLU(g) * u over n floats, eight lanes at a time. e^-g is exp8's, lane by lane
    (exp_inplace's numbers: exp8 has no cross-lane step, so where a lane sits changes nothing),
    then g / (1 + e) * u in the lanes: the scalar loop's operations, each rounded once. No
-   scratch: the lanes stay in registers (a shared F-float buffer held one token at a time). */
+   scratch: the lanes stay in registers (a shared F-float buffer held one token at a time).
+   Eight whole lanes load and store as vectors: filled lane by lane they cost 3.7x the time
+   (0.232 against 0.063 CPU-s for a 1,696-token SmolLM2 prompt's 78M, 4% of its prefill;
+   the same bits); only a run's last few lanes go one by one. */
 static void silu_lanes(float *g, const float *u, long n) {
     for (long at = 0; at < n; at += 8) {
         long w = n - at < 8 ? n - at : 8;
         v8 gv = (v8){0}, uv = (v8){0};
-        for (long j = 0; j < w; j++) gv[j] = g[at + j], uv[j] = u[at + j];
+        if (w == 8) {
+            __builtin_memcpy(&gv, g + at, sizeof gv);
+            __builtin_memcpy(&uv, u + at, sizeof uv);
+        } else {
+            for (long j = 0; j < w; j++) gv[j] = g[at + j], uv[j] = u[at + j];
+        }
         v8 e = exp8(-gv);
         v8 r = gv / (1.0f + e) * uv;
-        for (long j = 0; j < w; j++) g[at + j] = r[j];
+        if (w == 8)
+            __builtin_memcpy(g + at, &r, sizeof r);
+        else
+            for (long j = 0; j < w; j++) g[at + j] = r[j];
     }
 }
 
