@@ -18,6 +18,14 @@ kernel in calls of at most MAX_TOKENS rows, 64) against torch's one F.linear ove
 vLLM-CPU's fp32 prefill runs them: oneDNN on the whole chunk). The weights are reused N times, so
 a few copies (`--prefill-layers`) are swept, not 30; the LM head is left out (a prefill reads it
 for one row).
+
+--prefill-calls C...: with --prefill N, our kernel alone in calls of each C rows, alternated: the
+served source built with -DMAX_TOKENS=max(C), so one build runs every size. Each call reads all
+the weights again, so calls of 64 rows read a 1,696-token prompt's weights 27 times and one call
+once; the figures say what that costs, and whether every size's outputs are bitwise the first's
+(a row's output must not depend on how many rows share its call).
+
+    python bench/cpu_products.py --rows --prefill 1696 --prefill-layers 30 --prefill-calls 64 128 256 1696
 """
 
 from __future__ import annotations
@@ -89,6 +97,43 @@ def in_calls(run):
     return chunked
 
 
+def in_calls_of(run, width: int):
+    """`run` over x in slices of `width` rows, the outputs joined per weight."""
+    def chunked(x, ws):
+        parts = [run(x[s:s + width], ws) for s in range(0, len(x), width)]
+        return [torch.cat(col) for col in zip(*parts)]
+    return chunked
+
+
+def prefill_calls(shape: dict, args, gen: torch.Generator, tmp: Path) -> dict:
+    """--prefill-calls: a prompt's products in calls of each width, one build (MAX_TOKENS the
+    widest), alternated; GFLOP/s by CPU time and whether each width's outputs are the first's."""
+    from prompt_scores_ab import build
+
+    lib = build(ck.SOURCE.read_text(), tmp, "calls", f"-DMAX_TOKENS={max(args.prefill_calls)}")
+    impls = {c: in_calls_of(ours(lib), c) for c in args.prefill_calls}
+    out: dict = {}
+    for name, (inner, outs) in products(shape).items():
+        if name == "lm_head" or (args.only and name not in args.only):
+            continue
+        copies = [[torch.randn(o, inner, generator=gen) * 0.05 for o in outs]
+                  for _ in range(args.prefill_layers)]
+        for N in args.prefill:
+            x = torch.randn(N, inner, generator=gen)
+            flop = 2 * N * inner * sum(outs) * len(copies)
+            best, got = alternated(impls, x, copies, args.reps)
+            first = args.prefill_calls[0]
+            row = {"gflops": {c: flop / v / 1e9 for c, v in best.items()},
+                   "bitwise_the_first": {c: all(torch.equal(a, b) for a, b in zip(got[c][0], got[first][0]))
+                                         for c in impls}}
+            out[f"{name} {N}"] = row
+            print(f"{name:>8} prefill N={N:>4} in calls of " + ", ".join(
+                f"{c}: {row['gflops'][c]:6.1f}" for c in impls) + " GFLOP/s | bitwise the "
+                f"{first}-row calls': {all(row['bitwise_the_first'].values())}", flush=True)
+    ck.use_library(ck.library())
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="git revision of the A kernel")
@@ -96,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, nargs="*", default=[], metavar="N",
                     help="prompt lengths: ours in calls of 64 rows, torch's one call")
     ap.add_argument("--prefill-layers", type=int, default=3)
+    ap.add_argument("--prefill-calls", type=int, nargs="*", default=[], metavar="C",
+                    help="with --prefill: ours in calls of C rows, each C (one build, MAX_TOKENS=max C)")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch's and the kernel's threads")
@@ -139,7 +186,8 @@ def main(argv=None) -> int:
                       f"{row['ms']['torch']:7.2f} | B==A {row['b_equals_a']} alone==batch "
                       f"{row['row_alone_equals_batch']}", flush=True)
         for name, (inner, outs) in products(shape).items():
-            if name == "lm_head" or (args.only and name not in args.only) or not args.prefill:
+            if (name == "lm_head" or (args.only and name not in args.only) or not args.prefill
+                    or args.prefill_calls):              # --prefill-calls: ours alone, below
                 continue
             copies = [[torch.randn(o, inner, generator=gen) * 0.05 for o in outs]
                       for _ in range(args.prefill_layers)]
@@ -162,6 +210,8 @@ def main(argv=None) -> int:
                 print(f"{name:>8} prefill N={N:>4}: A {g['A']:6.1f}  B {g['B']:6.1f}  torch "
                       f"{g['torch']:6.1f} GFLOP/s | B==A {row['b_equals_a']} last row alone==batch "
                       f"{row['row_alone_equals_batch']}", flush=True)
+        if args.prefill and args.prefill_calls:
+            report["prefill_calls"] = prefill_calls(shape, args, gen, Path(tmp))
     report["load_end"] = os.getloadavg()
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
