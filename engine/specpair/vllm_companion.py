@@ -274,20 +274,37 @@ class Tally:
         self.running = 0
 
     def record(self, reply: Reply) -> None:
-        category = self.metrics.category(reply.category)
-        ok = reply.status == "ok"
-        if ok:
-            stats = acceptance_of(reply.spec, reply.completion_tokens)
+        self.record_many((reply,))
+
+    def record_many(self, replies: Any) -> None:
+        """Replies into the counts: the acceptance counters (sums) once a category, the finished
+        requests' moments and serving histograms once a reply (the compiled front's records come in
+        batches: one step delta a category spares most of the counting a request)."""
+        steps: dict[str, AcceptanceStats] = {}
+        moments: dict[str, list[RequestMoments]] = {}
+        for reply in replies:
+            category = self.metrics.category(reply.category)
+            ok = reply.status == "ok"
+            if ok:
+                stats = acceptance_of(reply.spec, reply.completion_tokens)
+                if category in steps:
+                    steps[category].merge(stats)
+                else:
+                    steps[category] = stats
+                moments.setdefault(category, []).append(
+                    RequestMoments.of_request(stats.num_draft_tokens, stats.num_accepted_tokens))
+            self.metrics.record_finished(category, reply.status, protocol=PROTOCOL,
+                                         queue=reply.queue if ok else None, ttft=reply.ttft if ok else None,
+                                         e2e=reply.e2e if ok else None,
+                                         tpot=reply.tpot if ok and (reply.completion_tokens or 0) > 1 else None)
+        for category, stats in steps.items():
             self.metrics.record_step(category, stats)
             with self._lock:
                 c = self._categories.setdefault(category, _Category())
                 c.cumulative.merge(stats)
-                c.finished = c.finished + RequestMoments.of_request(stats.num_draft_tokens, stats.num_accepted_tokens)
-                c.requests += 1
-        self.metrics.record_finished(category, reply.status, protocol=PROTOCOL,
-                                     queue=reply.queue if ok else None, ttft=reply.ttft if ok else None,
-                                     e2e=reply.e2e if ok else None,
-                                     tpot=reply.tpot if ok and (reply.completion_tokens or 0) > 1 else None)
+                for m in moments[category]:
+                    c.finished = c.finished + m
+                c.requests += len(moments[category])
 
     def stats_message(self, pair: str, version: str, speculating: bool, uptime: float) -> Any:
         from specpair._proto import engine_pb2 as pb
@@ -534,8 +551,10 @@ class Companion:
             if native is None:
                 return
             records = native.take_records()
+        replies = []
         for rec in records:
             reply = Reply(rec.category or DEFAULT_CATEGORY, status=rec.status)
+            replies.append(reply)
             if rec.status == "ok":
                 if rec.whole:
                     with contextlib.suppress(ValueError, AttributeError, TypeError, IndexError):
@@ -556,7 +575,7 @@ class Companion:
                     if error:
                         reply.status = "error"
             reply.e2e = rec.end
-            self._tally.record(reply)
+        self._tally.record_many(replies)
 
     async def _start_control(self) -> None:
         import grpc

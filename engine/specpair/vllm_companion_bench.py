@@ -36,6 +36,13 @@ def _cpu_seconds(pid: int) -> float:
     return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
+def _cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of one process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def _group_cpu_seconds(pgid: int) -> float:
     total = 0.0
     for entry in os.listdir("/proc"):
@@ -273,10 +280,13 @@ def main(argv: list[str] | None = None) -> int:
                 for arm, base in (("direct", server.base_url), *((a, b) for a, (_, b) in companions.items())):
                     watched = [p.pid for p, _ in companions.values()]
                     cpu0, vllm0 = [_cpu_seconds(pid) for pid in watched], _group_cpu_seconds(server.proc.pid)
-                    phase = asyncio.run(_phase(base, model, args.rate, args.seconds, args.max_tokens))
                     # The arm's own companion (the direct arm: the first, idle, as before).
                     pid = companions[arm][0].pid if arm in companions else watched[0]
+                    split0 = _cpu_split(pid)
+                    phase = asyncio.run(_phase(base, model, args.rate, args.seconds, args.max_tokens))
                     phase["companion_cpu_s"] = _cpu_seconds(pid) - cpu0[watched.index(pid)]
+                    phase["companion_user_s"], phase["companion_system_s"] = (
+                        now - then for now, then in zip(_cpu_split(pid), split0))
                     phase["vllm_cpu_s"] = _group_cpu_seconds(server.proc.pid) - vllm0
                     results[arm].append(phase)
         finally:
@@ -309,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
                                                       - summary["direct"]["first_event_p50_ms"])
         summary[f"added_end_p50_ms{tail}"] = companion_arm["end_p50_ms"] - summary["direct"]["end_p50_ms"]
         summary[f"companion_cpu_ms_per_request{tail}"] = 1000 * per_request
+        # user (the companion's code: C and Python) and system (the kernel's: sockets, wake-ups)
+        for part in ("user", "system"):
+            summary[f"companion_{part}_ms_per_request{tail}"] = 1000 * sum(
+                p[f"companion_{part}_s"] for p in results[arm]) / max(companion_arm["ok"], 1)
         summary[f"companion_cpu_share_at_200_rps{tail}"] = per_request * TARGET_RATE
     summary["per_phase_p50_end_ms"] = {arm: [round(1000 * statistics.median(p["end"]), 2) if p["end"] else None
                                              for p in phases] for arm, phases in results.items()}

@@ -140,6 +140,31 @@ def test_getstats_carries_each_categorys_request_sums_and_serving_counts():
     assert 'specpair_requests_total{category="chat",engine="vllm",pair="p",protocol="http",status="invalid",version="1"} 1.0' in text
 
 
+def test_replies_counted_in_a_batch_count_as_they_do_one_by_one():
+    """Tally.record_many (the compiled front's batches: one step delta a category) leaves the
+    same series and GetStats as record() a reply at a time."""
+    from prometheus_client import generate_latest
+
+    replies = [Reply("code", completion_tokens=13, spec=SPEC, ttft=0.2, tpot=0.01, e2e=0.4),
+               Reply("chat", completion_tokens=1, spec=None, ttft=0.1, e2e=0.2),
+               Reply("code", completion_tokens=8, spec={**SPEC, "acceptance_histogram": [4, 0, 0, 0, 0]},
+                     ttft=0.3, tpot=0.02, e2e=0.5),
+               Reply("code", status="cancelled"), Reply("chat", status="invalid"),
+               Reply("code", completion_tokens=5, spec={**SPEC, "acceptance_histogram": [0, 0, 1]}, e2e=0.1)]
+    one, batch = Tally("p", "1"), Tally("p", "1")
+    for reply in replies:
+        one.record(reply)
+    batch.record_many(replies)
+
+    def series(tally: Tally) -> list[str]:
+        return sorted(line for line in generate_latest(tally.metrics.registry).decode().splitlines()
+                      if "_created" not in line)       # (the time each series was made)
+    assert series(batch) == series(one)
+    assert any(line.startswith("specpair_num_accepted_tokens_per_pos_total") for line in series(one))
+    assert batch.stats_message("p", "1", True, 1.0) == one.stats_message("p", "1", True, 1.0)
+    assert one.stats_message("p", "1", True, 1.0).categories["code"].requests == 3
+
+
 def test_a_client_that_closes_after_done_is_counted_ok_and_one_that_leaves_early_cancelled():
     """Over real sockets: the companion in front of vLLM's captured stream replayed (the bench's
     --replay upstream). The openai client closes once it has read [DONE], before the chunked
