@@ -404,11 +404,11 @@ def test_a_large_batchs_decode_step_is_bitwise_each_row_alone(tiny_target, rows,
     together.add_rows(rows)
     together.extend(prompts)
     calls = []
-    layer = cpu_kernels.llama_layer
-    monkeypatch.setattr(cpu_kernels, "llama_layer", lambda h, *a, **k: calls.append(h.shape[0])
-                        or layer(h, *a, **k))
+    layers = cpu_kernels.llama_layers
+    monkeypatch.setattr(cpu_kernels, "llama_layers", lambda h, *a, **k: calls.append(h.shape[0])
+                        or layers(h, *a, **k))
     stepped = together.extend([[t] for t in nexts])
-    assert calls == [rows] * len(tiny_target.model.model.layers)     # the C layer, every layer
+    assert calls == [rows]          # the C layers, every layer in one call (kv.runner.run_layers)
     for i in range(rows):
         alone = StaticKVModel(tiny_target.model)
         alone.add_rows(1)

@@ -187,6 +187,21 @@ class StaticLlama:
             scratch = cpu_kernels.layer_scratch(
                 B * W, flat.shape[1], self.heads, self.kv_heads, self.head_dim,
                 body.layers[0].mlp.gate_proj.weight.shape[0], reach)
+            if cpu_kernels.layers_apply():
+                # Every layer in one C call and one parallel region (issue 51), as the paged
+                # cache's step: a layer's fork and join become one barrier, and no Python runs
+                # between layers (30 calls' argument conversion was the engine thread's alone).
+                # The stack's pointer arrays are built each call (~0.14 ms for 30 layers), not
+                # kept: a stack holds its caches, and a batch's caches are replaced or dropped.
+                stack = cpu_kernels.LayerStack([self.layer_weights(layer) for layer in body.layers],
+                                               self.options, self.windows, caches)
+                flat, taken = cpu_kernels.llama_layers(
+                    flat, rows_t, pos_t, cos_t, sin_t, stack, self.eps, self.heads, self.kv_heads,
+                    self.head_dim, reach, scratch, slots=slots_t, parents=parents_t,
+                    capture=features)
+                return _with_features(flat.view(B, W, -1), [t.view(B, W, -1) for t in taken],
+                                      features, self.layer_count)
+            # a bench's build of an older kernel, with a layer a call only
             for index, (layer, (kc, vc), options, window) in enumerate(
                     zip(body.layers, caches, self.options, self.windows)):
                 if features and index in features:
