@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -675,6 +676,10 @@ class Companion:
     async def serve(self) -> None:
         """The pod's companion: until SIGTERM or SIGINT, then drain and exit."""
         await self.open()
+        # What the start made (modules, grpc, prometheus, aiohttp: most of the heap) lives as long as
+        # the process: out of the collector's sight, its full collections stop walking it each time
+        # (they were ~18% of the compiled front's process CPU at 200 requests/s; perf, 2026-12-08).
+        gc.freeze()
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
