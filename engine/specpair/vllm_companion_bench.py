@@ -9,6 +9,9 @@ user + system time over each of its phases), vLLM's likewise (its process group)
 
     python -m specpair.vllm_companion_bench --model DIR --rate 20 --seconds 20 --json out.json
 
+`--front both` runs a companion for each HTTP front (the compiled vllm_front.c, the Python
+vllm_front), their phases alternated with the direct arm's in each round.
+
 The target (issue 53): <= 2 ms added at p50, <= 5% of a core at 200 requests/s. Where vLLM
 cannot serve 200 requests/s (a CPU box), the CPU figure is the companion's CPU per request,
 measured at the rate given (CPU seconds over requests served), times 200.
