@@ -37,15 +37,21 @@ def main() -> int:
 
     engine = load_engine(args.target, ["--no-spec", "--max-batch-size", "64"])
     clock = {"layer": 0.0, "layer_cpu": 0.0}
-    layer = cpu_kernels.llama_layer
 
-    def timed_layer(*a, **k):
-        wall, cpu = time.perf_counter(), time.process_time()
-        out = layer(*a, **k)
-        clock["layer"] += time.perf_counter() - wall
-        clock["layer_cpu"] += time.process_time() - cpu
-        return out
-    cpu_kernels.llama_layer = timed_layer
+    def time_calls(entry):
+        # the C layer a layer a call, or a step's layers in one call (llama_layers: the paged
+        # step since c36890c, the contiguous one since cedb5e8)
+        call = getattr(cpu_kernels, entry)
+
+        def timed_layer(*a, **k):
+            wall, cpu = time.perf_counter(), time.process_time()
+            out = call(*a, **k)
+            clock["layer"] += time.perf_counter() - wall
+            clock["layer_cpu"] += time.process_time() - cpu
+            return out
+        setattr(cpu_kernels, entry, timed_layer)
+    for entry in ("llama_layer", "llama_layers"):
+        time_calls(entry)
 
     def timed(fn) -> dict:
         clock.update(layer=0.0, layer_cpu=0.0)
