@@ -201,6 +201,10 @@ static int client_flush(client_t *c) {
         c->out_off += (size_t)n;
     }
     if (c->out_off == c->out.len) c->out.len = c->out_off = 0;
+    else if (c->out_off > (64 << 10) && c->out_off * 2 > c->out.len) {
+        buf_drop(&c->out, c->out_off);      /* what was written goes: the buffer stays near its bound */
+        c->out_off = 0;
+    }
     int waiting = c->out.len > c->out_off;
     if (waiting != c->watching_out) {
         c->watching_out = waiting;
@@ -372,7 +376,9 @@ static const char *DROPPED[] = {"connection", "keep-alive", "transfer-encoding",
 
 /* The next request on a client connection: relayed, handed over, or not whole yet. */
 static void client_read_request(client_t *c) {
-    if (c->busy || c->fd < 0 || !c->in.len) return;
+    /* The next request waits until the last reply is all written: a connection handed over, or
+     * a reply that fails early, never overtakes the bytes still due before it. */
+    if (c->busy || c->fd < 0 || !c->in.len || c->out.len > c->out_off) return;
     char *hend = memmem(c->in.p, c->in.len, "\r\n\r\n", 4);
     if (!hend) {
         if (c->in.len > MAX_HEAD) hand_over(c);
@@ -806,8 +812,7 @@ static void up_lost(up_t *u, const char *why) {
         return;
     }
     if (!c->started) {
-        c->out.len = c->out_off = 0;
-        relay_unavailable(c, why);
+        relay_unavailable(c, why);      /* (nothing of this reply was written: its head is held) */
         return;
     }
     record(c, ST_ERROR);
@@ -871,6 +876,10 @@ static void client_event(client_t *c, uint32_t events) {
     if (events & EPOLLOUT) {
         if (client_flush(c) < 0) { close_client(c); return; }
         if (c->dead && c->out.len == c->out_off) { close_client(c); return; }
+        if (!(events & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP))) {
+            if (!c->busy && !c->dead) client_read_request(c);     /* a request waited for the write */
+            return;
+        }
     }
     if (!(events & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP))) return;
     for (;;) {

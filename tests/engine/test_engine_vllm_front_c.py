@@ -16,6 +16,7 @@ import pytest
 
 from specpair.vllm_companion import Companion, CompanionOptions
 from specpair.vllm_companion_bench import ReplayServer
+from specpair.vllm_front import ChunkedReader
 from waiting import wait_until
 
 EVENT = b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":null}]}\n\n'
@@ -302,3 +303,34 @@ def test_where_home_and_tmp_are_read_only_the_front_is_built_beside_vllms_socket
     assert why is None and lib is not None
     assert [p.suffix for p in (socket_dir / "specpair-front").iterdir()] == [".so"]
     assert vllm_front_native.build()[0] is None      # without it: nowhere to build
+
+
+def test_a_client_that_reads_slowly_gets_the_whole_stream_in_order(c_front):
+    """vLLM writes a long stream at once (the replay: ~7 MB) faster than the client reads (the
+    compiled front holds up to its bound for the client, then stops reading vLLM): the client
+    still gets every event, in order, once, and the request is counted ok."""
+    import time
+
+    with ReplayServer() as upstream:
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
+        try:
+            with socket.create_connection(("127.0.0.1", companion.port), timeout=60) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+                s.sendall(request({"model": "peer", "prompt": "x", "max_tokens": 40_000, "stream": True,
+                                   "specpair": {"category": "code"}}))
+                time.sleep(1.0)          # the front meanwhile holds what the socket cannot take
+                got = bytearray()
+                while not got.endswith(b"\r\n0\r\n\r\n"):
+                    data = s.recv(65536)
+                    assert data, bytes(got[-200:])
+                    got += data
+            head, _, chunked = bytes(got).partition(b"\r\n\r\n")
+            reader = ChunkedReader()
+            body = reader.feed(chunked)
+            assert head.startswith(b"HTTP/1.1 200 ") and reader.done and reader.rest() == b""
+            events = body.split(b"\n\n")
+            assert events[-2:] == [b"data: [DONE]", b""] and len(events) == 40_000 + 2
+            assert all(b'"text":"V"' in e for e in events[:-2])
+            assert companion.tally.metrics.serving_counts()["code"]["requests"] == {"ok": 1}
+        finally:
+            companion.stop()
