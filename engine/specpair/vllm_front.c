@@ -241,11 +241,15 @@ static void chunk_to(buf_t *b, const char *data, size_t n) {
 }
 
 static const char *reason(int status) {
+    /* Python's http.HTTPStatus phrases (the Python front's), for what vLLM answers a completion */
     switch (status) {
-    case 200: return "OK"; case 400: return "Bad Request"; case 401: return "Unauthorized";
-    case 404: return "Not Found"; case 413: return "Request Entity Too Large";
-    case 422: return "Unprocessable Entity"; case 500: return "Internal Server Error";
-    case 502: return "Bad Gateway"; case 503: return "Service Unavailable";
+    case 200: return "OK"; case 201: return "Created"; case 202: return "Accepted"; case 204: return "No Content";
+    case 400: return "Bad Request"; case 401: return "Unauthorized"; case 403: return "Forbidden";
+    case 404: return "Not Found"; case 405: return "Method Not Allowed"; case 408: return "Request Timeout";
+    case 409: return "Conflict"; case 413: return "Request Entity Too Large";
+    case 422: return "Unprocessable Entity"; case 429: return "Too Many Requests";
+    case 500: return "Internal Server Error"; case 501: return "Not Implemented"; case 502: return "Bad Gateway";
+    case 503: return "Service Unavailable"; case 504: return "Gateway Timeout";
     default: return "Unknown";
     }
 }

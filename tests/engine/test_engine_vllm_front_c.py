@@ -306,7 +306,7 @@ def test_where_home_and_tmp_are_read_only_the_front_is_built_beside_vllms_socket
 
 
 def test_a_client_that_reads_slowly_gets_the_whole_stream_in_order(c_front):
-    """vLLM writes a long stream at once (the replay: ~7 MB) faster than the client reads (the
+    """vLLM writes a long stream at once (the replay: ~7.6 MB) faster than the client reads (the
     compiled front holds up to its bound for the client, then stops reading vLLM): the client
     still gets every event, in order, once, and the request is counted ok."""
     import time
@@ -314,8 +314,8 @@ def test_a_client_that_reads_slowly_gets_the_whole_stream_in_order(c_front):
     with ReplayServer() as upstream:
         companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
         try:
-            with socket.create_connection(("127.0.0.1", companion.port), timeout=60) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+            with socket.create_connection(("127.0.0.1", companion.port), timeout=300) as s:
+                # (no smaller receive buffer: a tiny one stalls loopback TCP for ~25 s, either front)
                 s.sendall(request({"model": "peer", "prompt": "x", "max_tokens": 40_000, "stream": True,
                                    "specpair": {"category": "code"}}))
                 time.sleep(1.0)          # the front meanwhile holds what the socket cannot take
@@ -332,5 +332,26 @@ def test_a_client_that_reads_slowly_gets_the_whole_stream_in_order(c_front):
             assert events[-2:] == [b"data: [DONE]", b""] and len(events) == 40_000 + 2
             assert all(b'"text":"V"' in e for e in events[:-2])
             assert companion.tally.metrics.serving_counts()["code"]["requests"] == {"ok": 1}
+        finally:
+            companion.stop()
+
+
+@pytest.mark.parametrize("front", ["c", "python"])
+def test_vllms_refusal_reaches_the_client_as_it_came_and_is_counted_invalid(monkeypatch, front):
+    """The replay upstream has no /v1/chat/completions: its 404 (aiohttp's text) passes through
+    with its status line, headers and body, and the request is counted invalid in its category."""
+    monkeypatch.setenv("SPECPAIR_COMPANION_FRONT", front)
+    with ReplayServer() as upstream:
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0)).start()
+        try:
+            assert companion.front == front
+            with socket.create_connection(("127.0.0.1", companion.port), timeout=30) as s:
+                for _ in range(2):      # the connection stays open after a refusal
+                    s.sendall(request({"model": "peer", "messages": [], "stream": True,
+                                       "specpair": {"category": "chat"}}, path=b"/v1/chat/completions"))
+                    head, body, _ = read_reply(s)
+                    assert head.startswith(b"HTTP/1.1 404 Not Found\r\n") and body == b"404: Not Found"
+                    assert b"content-type: text/plain" in head.lower()
+            assert companion.tally.metrics.serving_counts()["chat"]["requests"] == {"invalid": 2}
         finally:
             companion.stop()
