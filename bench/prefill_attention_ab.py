@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A cold prompt's prefill through one SmolLM2-shaped paged layer of cpu_kernels.c, a git
 revision's kernel (A) against the working tree's (B): one row, P positions fed in calls of up to
-MAX_TOKENS (64) tokens in position order, as the engine prefills a prompt, its keys and values
+MAX_TOKENS (128; 64 before ba8630a) tokens in position order, as the engine prefills a prompt, its keys and values
 written into a pool of 16-position blocks through a shuffled block table. The two libraries are
 alternated call by call in one process (the machine's noise falls on both), each on its own copy
 of the pool. Per thread count: the whole prompt's CPU and wall seconds for one layer (SmolLM2 has

@@ -5,7 +5,7 @@ group (attend_group's own score loop, as before), B as served; if the source doe
 the header yet, B's copy is wired in here (the #include and the call in attend_group). Checks
 every output bitwise (A == B) and times the two alternated call by call in one process:
 
-- one SmolLM2-shaped layer over a 1,696-position prompt in 64-token calls (a cold prefill's);
+- one SmolLM2-shaped layer over a 1,696-position prompt in calls of MAX_TOKENS (a cold prefill's);
 - one layer of R decode rows sharing a P-position prefix (a 32-chat step's), one token each;
 - with --model, the whole model's prefill (real weights): CPU-s, the last position's logits
   bitwise and 16 greedy tokens equal; with --profile the layers' phases (scores, softmax ...).
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             torch.set_num_threads(threads)
             row = {"prompt": prompt_ab(libs, shape, args.positions, args.repeats)}
             p = row["prompt"]
-            print(f"{threads} thread(s), one layer, {args.positions}-position prompt in 64-token calls: A "
+            print(f"{threads} thread(s), one layer, {args.positions}-position prompt in {ck.MAX_TOKENS}-token calls: A "
                   f"{p['A']['cpu_s_min']:.3f} CPU-s, B {p['B']['cpu_s_min']:.3f} (B/A "
                   f"{p['B']['cpu_s_min'] / p['A']['cpu_s_min']:.2f}); bitwise {p['equal']}", flush=True)
             for rows in args.rows:

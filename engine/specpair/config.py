@@ -83,7 +83,8 @@ MAX_TREE_WIDTH = 4   # candidates per position: 1 + k * width tokens a verificat
 PREFILL_TOKEN_BUDGET = 256
 # The share of that budget a step gives prompts however many rows decode (at least one position):
 # the rows decoding take theirs first, and a batch of more rows decoding than the budget fed a
-# prompt a position or two a step. A quarter of the default is one C layer call (64 tokens).
+# prompt a position or two a step. A quarter of the default (64 positions) is half a C layer call
+# (cpu_kernels.c's MAX_TOKENS, 128).
 PREFILL_PROMPT_SHARE = 0.25
 # Prompt positions a step feeds when no row decodes (the budget above, when larger): the budget
 # bounds decoding rows' time between tokens, and with none decoding it only split a prompt into

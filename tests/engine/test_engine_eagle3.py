@@ -414,7 +414,7 @@ def test_the_kernels_greedy_drafts_are_the_argmax_of_the_logits_in_one_call_and_
                     (10, [i % 10 for i in range(rows)])):
         out, normed, none = drafter._kernel_steps(list(range(n)), ids[:n], hidden[:n], [1] * n)
         assert none is None
-        picked = normed[pick]           # the logits the small-batch kernel writes, 64 rows a call
+        picked = normed[pick]           # the logits the small-batch kernel writes, MAX_TOKENS rows a call
         expected = drafter.draft_ids[torch.cat([
             draft_vocab_logits(head.model, picked[a:a + width]).argmax(-1)
             for a in range(0, len(pick), width)])]
