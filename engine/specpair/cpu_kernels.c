@@ -185,7 +185,7 @@ static const rows_fn ROWS[9] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_
 TILE_KERNEL(1, 8) TILE_KERNEL(2, 4) TILE_KERNEL(3, 4) TILE_KERNEL(4, 2)
 #if defined(__AVX512VL__)
 /* 4 x 6 (24 sums, 4 rows and a weight: 29 of the 32 registers) for full passes of 8 rows, the
-   32-row decode step's and a prompt's 64-token calls: 10 vector loads for 24 FMAs where 4 x 4
+   32-row decode step's and a prompt's calls (MAX_TOKENS): 10 vector loads for 24 FMAs where 4 x 4
    made 8 for 16. SmolLM2's products at 32 and 64 rows, 1 thread, CPU time, alternated with 4 x 4
    (docs/measurements/2026-12-07f-products.md): 0.88-0.98x the time from memory, 0.92-0.97x
    from cache. */
