@@ -281,6 +281,14 @@ static void respond_error(client_t *c, int status, const char *message, const ch
 
 /* -- requests ------------------------------------------------------------------------------------ */
 
+/* The bearer token compared in constant time (as the Python front's hmac.compare_digest): memcmp
+   returns at the first byte that differs, which tells a client timing it how much it guessed. */
+static int same_token(const char *given, const char *token, size_t n) {
+    unsigned char diff = 0;
+    for (size_t i = 0; i < n; i++) diff |= (unsigned char)(given[i] ^ token[i]);
+    return diff == 0;
+}
+
 static int header_is(const char *name, size_t n, const char *want) {
     return strlen(want) == n && strncasecmp(name, want, n) == 0;
 }
@@ -434,7 +442,7 @@ static void client_read_request(client_t *c) {
             for (size_t i = 0; i + 5 <= vlen; i++) if (!strncasecmp(v + i, "close", 5)) keep_alive = 0;
         } else if (header_is(l, nlen, "authorization")) {
             auth_ok = F->token_len && vlen == 7 + F->token_len && !memcmp(v, "Bearer ", 7) &&
-                      !memcmp(v + 7, F->token, F->token_len);
+                      same_token(v + 7, F->token, F->token_len);
         }
         int dropped = 0;
         for (const char **d = DROPPED; *d; d++) if (header_is(l, nlen, *d)) { dropped = 1; break; }

@@ -355,3 +355,31 @@ def test_vllms_refusal_reaches_the_client_as_it_came_and_is_counted_invalid(monk
             assert companion.tally.metrics.serving_counts()["chat"]["requests"] == {"invalid": 2}
         finally:
             companion.stop()
+
+
+@pytest.mark.parametrize("front", ["c", "python"])
+def test_a_bearer_token_is_checked_by_either_front(monkeypatch, front):
+    """The right token is relayed (by the compiled front itself: no Python connection); a wrong one
+    of the same length, a longer one, another scheme or none get the Python front's 401."""
+    monkeypatch.setenv("SPECPAIR_COMPANION_FRONT", front)
+    with ReplayServer() as upstream:
+        companion = Companion(CompanionOptions(upstream=f"127.0.0.1:{upstream.port}", port=0,
+                                               auth_token="s3cret-token")).start()
+        try:
+            assert companion.front == front
+            body = {"model": "peer", "prompt": "x", "max_tokens": 2, "stream": True}
+            with socket.create_connection(("127.0.0.1", companion.port), timeout=30) as s:
+                s.sendall(request(body, extra=b"Authorization: Bearer s3cret-token\r\n"))
+                head, reply, _ = read_reply(s)
+                assert head.startswith(b"HTTP/1.1 200 ") and reply.count(b'"text":"V"') == 2
+            if front == "c":
+                assert len(companion._fronts) == 0
+            for extra in (b"Authorization: Bearer s3cret-tokem\r\n", b"Authorization: Bearer s3cret-token2\r\n",
+                          b"Authorization: Basic s3cret-token\r\n", b""):
+                with socket.create_connection(("127.0.0.1", companion.port), timeout=30) as s:
+                    s.sendall(request(body, extra=extra))
+                    head, reply, _ = read_reply(s)
+                    assert (int(head.split(b" ")[1]), json.loads(reply)["error"]["message"]) == \
+                        (401, "missing or wrong bearer token"), extra
+        finally:
+            companion.stop()
