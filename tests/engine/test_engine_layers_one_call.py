@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layer_calls import counted_layer_calls
 
 from specpair import cpu_kernels
 from specpair.kv.runner import StaticLlama
@@ -18,7 +19,7 @@ from specpair.prefix_cache import block_keys
 def _script(model, gen: torch.Generator) -> list[tuple]:
     """The steps both caches run: (operation, args, kwargs)."""
     t = lambda n: torch.randint(3, 300, (n,), generator=gen).tolist()   # noqa: E731
-    prompt = t(150)                                 # 9 full blocks and 6: three C calls (64s)
+    prompt = t(150)                                 # 9 full blocks and 6: two C calls (128 + 22)
     rows = 32
     steps = [("add_rows", (1,), {}), ("extend", ([prompt],), {"hidden": True}),
              ("publish", (0, block_keys("m", prompt)), {}), ("add_rows", (rows - 1,), {})]
@@ -29,7 +30,7 @@ def _script(model, gen: torch.Generator) -> list[tuple]:
                   {"hidden": True}))
     for hidden in (True, False, True):
         steps.append(("extend", ([t(1) for _ in range(rows)],), {"hidden": hidden}))
-    # a tree a row: a token, two alternatives after it (96 tokens: two calls, no row cut)
+    # a tree a row: a token, two alternatives after it (96 tokens: one call of MAX_TOKENS 128)
     steps.append(("extend", ([t(3) for _ in range(rows)],),
                   {"last": 3, "hidden": True, "parents": [[-1, 0, 0]] * rows}))
     steps += [("rollback", (r, None), {}) for r in range(0, rows, 3)]
@@ -39,19 +40,7 @@ def _script(model, gen: torch.Generator) -> list[tuple]:
 
 def _run(model, steps, one_call: bool, monkeypatch) -> tuple[list, list]:
     """Each extend's results and, at the end, every layer's keys and values."""
-    calls = {"layers": 0, "layer": 0}
-    many, one = cpu_kernels.llama_layers, cpu_kernels.llama_layer
-
-    def count(name, fn):
-        def counted(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return counted
-    with monkeypatch.context() as patch:
-        patch.setattr(cpu_kernels, "llama_layers", count("layers", many))
-        patch.setattr(cpu_kernels, "llama_layer", count("layer", one))
-        if not one_call:
-            patch.setattr(cpu_kernels, "layers_apply", lambda: False)
+    with counted_layer_calls(monkeypatch, one_call) as calls:
         kv = PagedKVModel(model, blocks=96)
         results = []
         for op, args, kwargs in steps:

@@ -8,6 +8,7 @@ give a layer a call (run_layers' path for a kernel without llama_layers)."""
 from __future__ import annotations
 
 import torch
+from layer_calls import counted_layer_calls
 
 from specpair import cpu_kernels
 from specpair.kv.runner import StaticLlama
@@ -27,19 +28,7 @@ def _script(gen: torch.Generator) -> list[tuple]:
 
 
 def _run(model, steps, one_call: bool, monkeypatch) -> tuple[list, list]:
-    calls = {"layers": 0, "layer": 0}
-    many, one = cpu_kernels.llama_layers, cpu_kernels.llama_layer
-
-    def count(name, fn):
-        def counted(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return counted
-    with monkeypatch.context() as patch:
-        patch.setattr(cpu_kernels, "llama_layers", count("layers", many))
-        patch.setattr(cpu_kernels, "llama_layer", count("layer", one))
-        if not one_call:
-            patch.setattr(cpu_kernels, "layers_apply", lambda: False)
+    with counted_layer_calls(monkeypatch, one_call) as calls:
         kv = StaticKVModel(model, fixed=False)
         results = []
         for op, args, kwargs in steps:
