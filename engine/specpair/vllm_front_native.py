@@ -148,7 +148,10 @@ class NativeFront:
         if not self._handle:
             os.close(self.notify_r)
             os.close(self._notify_w)
-            raise OSError(f"the compiled front did not start (upstream {upstream})")
+            # spf_start's bounds (vllm_front.c's front_t): name the inputs, not only the upstream
+            raise OSError(f"the compiled front did not start (vLLM at {upstream}, Host {len(host)} bytes, token "
+                          f"{len(token or '')} bytes: it takes a socket path under 108, a Host under 160, a token "
+                          "under 512, an IPv4 address)")
 
     def _take(self, fn) -> bytes:
         n = ctypes.c_size_t(0)

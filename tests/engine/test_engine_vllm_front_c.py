@@ -383,3 +383,27 @@ def test_a_bearer_token_is_checked_by_either_front(monkeypatch, front):
                         (401, "missing or wrong bearer token"), extra
         finally:
             companion.stop()
+
+
+@pytest.mark.parametrize("case", ["vllm at a host name", "a token past the compiled front's bound"])
+def test_where_the_compiled_front_cannot_serve_the_python_front_does_and_says_why(case, caplog, c_front):
+    """The fallbacks after a good build: vLLM named by host (the compiled front connects to a Unix
+    socket or an IPv4 address only) and a bearer token longer than vllm_front.c keeps (511 bytes)
+    are served by the Python front, with the reason logged; a request still gets its reply."""
+    token = "t" * 600 if case.startswith("a token") else None
+    caplog.set_level(logging.WARNING, logger="specpair.vllm_companion")
+    with ReplayServer() as upstream:
+        host = "localhost" if case.startswith("vllm") else "127.0.0.1"
+        companion = Companion(CompanionOptions(upstream=f"{host}:{upstream.port}", port=0,
+                                               auth_token=token)).start()
+        try:
+            assert companion.front == "python"
+            said = [r.getMessage() for r in caplog.records]
+            assert any("the Python front serves" in m and (not token or "token 600 bytes" in m) for m in said), said
+            extra = b"Authorization: Bearer %s\r\n" % token.encode() if token else b""
+            with socket.create_connection(("127.0.0.1", companion.port), timeout=30) as s:
+                s.sendall(request({"model": "peer", "prompt": "x", "max_tokens": 2, "stream": True}, extra=extra))
+                head, body, _ = read_reply(s)
+                assert head.startswith(b"HTTP/1.1 200 ") and body.count(b'"text":"V"') == 2
+        finally:
+            companion.stop()
