@@ -45,6 +45,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     SPECPAIR_CACHE=/var/cache/specpair
 # A C compiler: the engine builds its small-batch CPU kernel (specpair/cpu_kernels.c) on first use
 # for the node's own CPU (-march=native) into the cache volume; without one it falls back to torch.
+# The vLLM companion (this image too) builds its HTTP front (specpair/vllm_front.c) with it at start;
+# without one, the Python front serves, at 2-3x the CPU a request (docs/vllm.md).
 # libc6-dev must match the base image's libc6 exactly, so it is pinned to that.
 RUN apt-get update \
  && apt-get install --yes --no-install-recommends gcc=4:12.2.0-3 \
