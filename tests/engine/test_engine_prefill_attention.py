@@ -77,7 +77,7 @@ def test_a_prompt_chunk_is_bitwise_the_one_row_path(threads, start, length):
 
 def test_a_prompt_prefilled_in_whole_calls_is_bitwise_the_prompt_fed_15_at_a_time(tiny_target):
     """The whole tiny model on the paged cache: a 150-token prompt in one extend (the cache cuts
-    it into C calls of MAX_TOKENS, 128 and 22 tokens, each a grouped chunk) against the same prompt fed
+    it into C calls of MAX_TOKENS (128) and 22 tokens, each a grouped chunk) against the same prompt fed
     15 tokens an extend (runs under PROMPT_RUN, 16: each through attend_run, the one-row path):
     the last position's logits, and the greedy tokens decoded after it from each cache, bitwise.
     (Logits at every position are not compared: a 150-row LM head is torch's product, a 15-row
