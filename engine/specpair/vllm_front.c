@@ -116,6 +116,7 @@ typedef struct front {
     volatile int in_flight;
     up_t *idle;
     int running;
+    double listen_resume;       /* out of descriptors: the listening socket unwatched till then */
 } front_t;
 
 /* The front the running thread serves (each front has a thread of its own). */
@@ -912,13 +913,29 @@ static void client_event(client_t *c, uint32_t events) {
     else if (c->in.len > MAX_HEAD + MAX_BODY) close_client(c);
 }
 
+static int K_LISTEN_TAG;
+
+/* Out of descriptors or memory, the pending connection stays readable and a level-triggered
+   epoll would wake this thread for it without end (a core spinning until a descriptor frees):
+   the listening socket is unwatched for a second instead, as asyncio's accept does. */
+#define ACCEPT_RETRY_S 1.0
+static void listen_watch(int on) {
+    struct epoll_event ev = { .events = on ? EPOLLIN : 0, .data.ptr = &K_LISTEN_TAG };
+    epoll_ctl(F->ep, EPOLL_CTL_MOD, F->listen_fd, &ev);
+    F->listen_resume = on ? 0 : now_s() + ACCEPT_RETRY_S;
+}
+
 static void accept_all(void) {
     for (;;) {
         int fd = accept4(F->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) return;
+        if (fd < 0) {
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) listen_watch(0);
+            return;
+        }
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         client_t *c = calloc(1, sizeof *c);
+        if (!c) { close(fd); listen_watch(0); return; }
         c->kind = K_CLIENT;
         c->fd = fd;
         c->keep_alive = 1;
@@ -933,7 +950,13 @@ static void *run(void *arg) {
     (void)arg;
     struct epoll_event events[128];
     while (!F->stop) {
-        int n = epoll_wait(F->ep, events, 128, -1);
+        int wait_ms = -1;
+        if (F->listen_resume) {
+            double left = F->listen_resume - now_s();
+            wait_ms = left > 0 ? (int)(left * 1000) + 1 : 0;
+        }
+        int n = epoll_wait(F->ep, events, 128, wait_ms);
+        if (F->listen_resume && now_s() >= F->listen_resume) listen_watch(1);
         for (int i = 0; i < n && !F->stop; i++) {
             int *kind = events[i].data.ptr;
             if (*kind == K_LISTEN) accept_all();
