@@ -6,9 +6,9 @@ Llama's decoder layer and the families that differ from it only inside attention
 Llama 2/3, SmolLM2, TinyLlama; Mistral; Qwen2/2.5 with q/k/v biases; Qwen3 with per-head q/k
 norms; sliding windows in the mask); `supports()` says why another architecture is not, and the
 engine then uses dynamic.BatchedKVModel (`check_static_step`). Two ways through a layer:
-- on the CPU in float32, a step of at most 64 tokens (decode and verify up to batch 64): one
-  call per layer into cpu_kernels.c, whose per-token arithmetic does not depend on the other
-  tokens, so a token's logits are bitwise the same in a decode step and in a verification;
+- on the CPU in float32, a step of at most cpu_kernels.MAX_TOKENS tokens (128; decode and verify
+  up to batch 64): every layer in one call into cpu_kernels.c (llama_layers; a layer a call for a
+  kernel without it), whose per-token arithmetic does not depend on the other tokens, so a token's logits are bitwise the same in a decode step and in a verification;
 - otherwise (prefill, large batches, or compiled on the CPU in float32): the torch operations of
   `layer_step`, which `torch.compile` can compile (SPECPAIR_COMPILE=on; on this 2-core CPU it
   measured slower than the C layer, see README).
