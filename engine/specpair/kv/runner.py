@@ -8,7 +8,8 @@ norms; sliding windows in the mask); `supports()` says why another architecture 
 engine then uses dynamic.BatchedKVModel (`check_static_step`). Two ways through a layer:
 - on the CPU in float32, a step of at most cpu_kernels.MAX_TOKENS tokens (128; decode and verify
   up to batch 64): every layer in one call into cpu_kernels.c (llama_layers; a layer a call for a
-  kernel without it), whose per-token arithmetic does not depend on the other tokens, so a token's logits are bitwise the same in a decode step and in a verification;
+  kernel without it), whose per-token arithmetic does not depend on the other tokens, so a
+  token's logits are bitwise the same in a decode step and in a verification;
 - otherwise (prefill, large batches, or compiled on the CPU in float32): the torch operations of
   `layer_step`, which `torch.compile` can compile (SPECPAIR_COMPILE=on; on this 2-core CPU it
   measured slower than the C layer, see README).
