@@ -31,7 +31,8 @@ def attention_description(device: torch.device, dtype: torch.dtype) -> str:
     attended length changes; torch's SDPA elsewhere (the C layer where it applies)."""
     if fixed_step.fixed_step_applies(device, dtype):
         return "masked math over the capacity bucket, own key apart (bitwise across token counts)"
-    return (f"C layer (float32 CPU, <= {cpu_kernels.MAX_TOKENS or 64} tokens), else torch SDPA "
+    # (MAX_TOKENS is the built library's, 0 until it loads: its name then, not a stale number)
+    return (f"C layer (float32 CPU, <= {cpu_kernels.MAX_TOKENS or 'MAX_TOKENS'} tokens), else torch SDPA "
             "with a boolean mask")
 
 
