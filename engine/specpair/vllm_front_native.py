@@ -8,7 +8,11 @@ record a relayed request, taken in batches (`take_records`, a few times a second
 anything reads the counts), and counts it exactly as the Python relay does
 (vllm_companion.Companion._count_record).
 
-`SPECPAIR_COMPANION_FRONT`: `c` (the default: the compiled front where it builds) or `python`.
+`SPECPAIR_COMPANION_FRONT`: `python` (the default) or `c` (the compiled front where it builds).
+The default stays the Python front until the compiled one has passed a whole CI run: the last
+one (2026-12-08, under a demo's load) failed the real-vLLM peer test's drain, whose stream the
+companion never counted in flight within 60 s with the compiled front serving; it passed quiet
+and the cause is not found yet.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ _built: tuple[ctypes.CDLL | None, str | None] | None = None
 
 
 def wanted() -> bool:
-    return os.environ.get(FRONT_ENV, "c").strip().lower() not in ("python", "py", "0", "off")
+    return os.environ.get(FRONT_ENV, "python").strip().lower() in ("c", "compiled", "1", "on")
 
 
 def _cache_dir() -> Path:
