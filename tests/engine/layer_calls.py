@@ -28,3 +28,12 @@ def counted_layer_calls(monkeypatch, one_call: bool) -> Iterator[dict]:
         if not one_call:
             patch.setattr(cpu_kernels, "layers_apply", lambda: False)
         yield calls
+
+
+def assert_the_path_taken(calls: dict, one_call: bool, layer_count: int, steps: int) -> None:
+    """At least `steps` steps ran: each as one llama_layers call (one_call), else as layer_count
+    llama_layer calls, and never the other way."""
+    if one_call:
+        assert calls["layer"] == 0 and calls["layers"] >= steps, calls
+    else:
+        assert calls["layers"] == 0 and calls["layer"] >= steps * layer_count, calls

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layer_calls import counted_layer_calls
+from layer_calls import assert_the_path_taken, counted_layer_calls
 
 from specpair import cpu_kernels
 from specpair.kv.runner import StaticLlama
@@ -50,11 +50,7 @@ def _run(model, steps, one_call: bool, monkeypatch) -> tuple[list, list]:
             if op == "extend":
                 results.append(out if isinstance(out, tuple) else (out,))
         caches = [(k.clone(), v.clone()) for k, v in kv.caches]
-    layer_count = len(model.model.layers)
-    if one_call:     # every call of the step ran all layers at once
-        assert calls["layer"] == 0 and calls["layers"] >= 10, calls
-    else:
-        assert calls["layers"] == 0 and calls["layer"] >= 10 * layer_count, calls
+    assert_the_path_taken(calls, one_call, len(model.model.layers), steps=10)
     return results, caches
 
 

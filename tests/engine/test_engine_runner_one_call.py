@@ -8,7 +8,7 @@ give a layer a call (run_layers' path for a kernel without llama_layers)."""
 from __future__ import annotations
 
 import torch
-from layer_calls import counted_layer_calls
+from layer_calls import assert_the_path_taken, counted_layer_calls
 
 from specpair import cpu_kernels
 from specpair.kv.runner import StaticLlama
@@ -36,11 +36,7 @@ def _run(model, steps, one_call: bool, monkeypatch) -> tuple[list, list]:
             if op == "extend":
                 results.append(out if isinstance(out, tuple) else (out,))
         caches = [(k.clone(), v.clone()) for k, v in kv.caches]
-    layers = len(model.model.layers)
-    if one_call:
-        assert calls["layer"] == 0 and calls["layers"] >= 5, calls
-    else:
-        assert calls["layers"] == 0 and calls["layer"] >= 5 * layers, calls
+    assert_the_path_taken(calls, one_call, len(model.model.layers), steps=5)
     return results, caches
 
 
